@@ -1,0 +1,15 @@
+"""flexattn: FlexAttention as a functional kernel library in CuTeDSL.
+
+Write attention variants as small pure functions ("mods"), compose them, and run them
+on fused Hopper kernels — or on the exact numpy reference on the CPU.
+"""
+from . import mods
+from .blockmask import BlockMask, create_block_mask
+from .core import AttentionSpec, flex_attention, flex_attention_backward
+from .mods import MaskMod, ScoreMod, mask_mod, score_mod
+
+__version__ = "0.1.0"
+__all__ = [
+    "mods", "BlockMask", "create_block_mask", "AttentionSpec", "flex_attention",
+    "flex_attention_backward", "MaskMod", "ScoreMod", "mask_mod", "score_mod",
+]

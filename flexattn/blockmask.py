@@ -1,0 +1,207 @@
+"""Block-sparse layout of a mask, in FlexAttention's format.
+
+The attention matrix is cut into ``BLOCK_SIZE = (q_block, kv_block)`` tiles. Each tile is
+*empty* (skipped), *full* (computed without evaluating the mask) or *partial* (computed
+with the mask). Per (b, h, q-block) we store the partial kv-blocks
+(``kv_num_blocks``, ``kv_indices``) and the full ones (``full_kv_*``); per kv-block the
+q-side transposes (``q_*``, ``full_q_*``) serve the backward. Index lists are sorted
+like torch's: the listed blocks in ascending order first, the rest after.
+
+Building: interval analysis classifies every tile at once; only tiles it cannot decide
+are evaluated element by element (vectorized over all of them, in chunks).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .arrays import to_numpy
+from .mods import MaskMod, as_mask, full
+from .mods.evaluate import evaluate
+from .mods.intervals import classify
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+_CHUNK_ELEMENTS = 1 << 22  # elements evaluated per numpy pass for undecided tiles
+
+
+class BlockCounts(NamedTuple):
+    num_blocks: np.ndarray  # [..., rows]
+    indices: np.ndarray  # [..., rows, cols]
+
+
+class BlockMask:
+    """Which tiles of the [Q_LEN, KV_LEN] score matrix to compute, with which mask."""
+
+    def __init__(self, states: np.ndarray, seq_lengths, block_size, mask_mod: MaskMod | None, num_allowed=None):
+        states = np.asarray(states, dtype=np.int8)
+        if states.ndim != 4:
+            raise ValueError(f"block states must be [B, H, Q_BLOCKS, KV_BLOCKS], got shape {states.shape}")
+        self.seq_lengths = tuple(int(s) for s in seq_lengths)
+        self.BLOCK_SIZE = tuple(int(s) for s in block_size)
+        self.mask_mod = mask_mod if mask_mod is not None else full()
+        self._states = states
+        self.num_allowed = num_allowed  # [B, H] exact count of attended (q, kv) pairs, if known
+        partial, fullb = states == PARTIAL, states == FULL
+        self.kv_num_blocks, self.kv_indices = _lists(partial)
+        self.full_kv_num_blocks, self.full_kv_indices = _lists(fullb)
+        self.q_num_blocks, self.q_indices = _lists(partial.swapaxes(-1, -2))
+        self.full_q_num_blocks, self.full_q_indices = _lists(fullb.swapaxes(-1, -2))
+
+    # -- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_kv_blocks(cls, kv_num_blocks, kv_indices, full_kv_num_blocks=None, full_kv_indices=None,
+                       BLOCK_SIZE=128, mask_mod=None, seq_lengths=None):
+        """From kv-side lists (e.g. computed elsewhere); the q-side lists are derived."""
+        qb, kvb = _block_size(BLOCK_SIZE)
+        kv_num = np.asarray(to_numpy(kv_num_blocks), dtype=np.int64)
+        kv_idx = np.asarray(to_numpy(kv_indices), dtype=np.int64)
+        if kv_idx.ndim != 4 or kv_num.shape != kv_idx.shape[:3]:
+            raise ValueError(
+                f"kv_indices must be [B, H, Q_BLOCKS, KV_BLOCKS] and kv_num_blocks [B, H, Q_BLOCKS];"
+                f" got {kv_idx.shape} and {kv_num.shape}"
+            )
+        states = np.zeros(kv_idx.shape, dtype=np.int8)
+        _scatter(states, kv_num, kv_idx, PARTIAL, "kv_indices")
+        if full_kv_num_blocks is not None:
+            _scatter(states, np.asarray(to_numpy(full_kv_num_blocks), dtype=np.int64),
+                     np.asarray(to_numpy(full_kv_indices), dtype=np.int64), FULL, "full_kv_indices")
+        if seq_lengths is None:
+            seq_lengths = (states.shape[2] * qb, states.shape[3] * kvb)
+        return cls(states, seq_lengths, (qb, kvb), as_mask(mask_mod) if mask_mod is not None else None)
+
+    # -- views ---------------------------------------------------------------------------------
+    @property
+    def shape(self):
+        b, h = self._states.shape[:2]
+        return (b, h) + self.seq_lengths
+
+    def block_states(self) -> np.ndarray:
+        """[B, H, Q_BLOCKS, KV_BLOCKS] int8: 0 empty, 1 partial, 2 full."""
+        return self._states.copy()
+
+    def to_dense(self) -> np.ndarray:
+        """[B, H, Q_BLOCKS, KV_BLOCKS] int32: 1 where a tile is computed (partial or full)."""
+        return (self._states != EMPTY).astype(np.int32)
+
+    def sparsity(self) -> float:
+        """Percentage of tiles skipped (torch's definition)."""
+        return 100.0 * (1.0 - float(self.to_dense().mean()))
+
+    def density(self) -> float | None:
+        """Fraction of (q, kv) pairs attended, exact; for FLOP accounting."""
+        if self.num_allowed is None:
+            return None
+        q, kv = self.seq_lengths
+        return float(np.mean(self.num_allowed)) / (q * kv)
+
+    def as_tuple(self):
+        return (self.seq_lengths[0], self.seq_lengths[1], self.kv_num_blocks, self.kv_indices,
+                self.full_kv_num_blocks, self.full_kv_indices, self.q_num_blocks, self.q_indices,
+                self.full_q_num_blocks, self.full_q_indices, self.BLOCK_SIZE[0], self.BLOCK_SIZE[1],
+                self.mask_mod)
+
+    def to_string(self, max_blocks: int = 32) -> str:
+        """Tile picture per (b, h): █ full, ░ partial, blank empty (first ``max_blocks`` tiles)."""
+        chars = {EMPTY: " ", PARTIAL: "░", FULL: "█"}
+        lines = []
+        for b in range(min(self._states.shape[0], 2)):
+            for h in range(min(self._states.shape[1], 2)):
+                grid = self._states[b, h, :max_blocks, :max_blocks]
+                lines.append(f"b={b}, h={h}:")
+                lines.extend("  |" + "".join(chars[int(s)] * 2 for s in row) + "|" for row in grid)
+        return "\n".join(lines)
+
+    def __repr__(self):
+        b, h, q, kv = self.shape
+        name = self.mask_mod.name or "custom"
+        return (
+            f"BlockMask(shape=(B={b}, H={h}, Q_LEN={q}, KV_LEN={kv}), BLOCK_SIZE={self.BLOCK_SIZE},"
+            f" sparsity={self.sparsity():.2f}%, partial={int((self._states == PARTIAL).sum())},"
+            f" full={int((self._states == FULL).sum())}, mask_mod={name})"
+        )
+
+    def __str__(self):
+        return repr(self) + "\n" + self.to_string()
+
+
+def _block_size(bs):
+    if isinstance(bs, (int, np.integer)):
+        bs = (int(bs), int(bs))
+    if len(bs) != 2 or any(int(x) <= 0 for x in bs):
+        raise ValueError(f"BLOCK_SIZE must be a positive int or a (q_block, kv_block) pair, got {bs!r}")
+    return int(bs[0]), int(bs[1])
+
+
+def _lists(selected: np.ndarray) -> BlockCounts:
+    """Counts and stable-sorted indices (selected first, ascending), as torch orders them."""
+    num = selected.sum(-1).astype(np.int32)
+    idx = np.argsort(~selected, axis=-1, kind="stable").astype(np.int32)
+    return BlockCounts(num, idx)
+
+
+def _scatter(states, num, idx, value, what):
+    if np.any(num < 0) or np.any(num > idx.shape[-1]):
+        raise ValueError(f"block counts for {what} must lie in [0, {idx.shape[-1]}]")
+    if np.any((idx < 0) | (idx >= states.shape[-1])):
+        raise ValueError(f"{what} holds block indices outside [0, {states.shape[-1]})")
+    listed = np.arange(idx.shape[-1]) < num[..., None]
+    b, h, r, c = np.nonzero(listed)
+    states[b, h, r, idx[b, h, r, c]] = value
+
+
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, _compile=False) -> BlockMask:
+    """Block mask of ``mask_mod`` (a ``MaskMod`` or a function ``(b, h, q_idx, kv_idx) -> bool``).
+
+    Argument order as ``torch.nn.attention.flex_attention.create_block_mask``; ``B`` or ``H``
+    of ``None`` means the mask is the same for every batch / head (stored once).
+    ``device`` and ``_compile`` are accepted for compatibility; building happens on the host.
+    """
+    mask = as_mask(mask_mod, "mask_mod") if mask_mod is not None else full()
+    for name, v, allow_none in (("B", B, True), ("H", H, True), ("Q_LEN", Q_LEN, False), ("KV_LEN", KV_LEN, False)):
+        if v is None and allow_none:
+            continue
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"create_block_mask: {name} must be a positive int{' or None' if allow_none else ''}, got {v!r}")
+    qb, kvb = _block_size(BLOCK_SIZE)
+    B, H, Q_LEN, KV_LEN = int(B or 1), int(H or 1), int(Q_LEN), int(KV_LEN)
+    states, allowed = _classify_tiles(mask, B, H, Q_LEN, KV_LEN, qb, kvb)
+    return BlockMask(states, (Q_LEN, KV_LEN), (qb, kvb), mask, allowed)
+
+
+def _classify_tiles(mask: MaskMod, B, H, Q_LEN, KV_LEN, qb, kvb):
+    values = [to_numpy(c) for c in mask.captures]
+    nq, nkv = -(-Q_LEN // qb), -(-KV_LEN // kvb)
+    q_lo = np.arange(nq) * qb
+    kv_lo = np.arange(nkv) * kvb
+    q_hi = np.minimum(q_lo + qb, Q_LEN) - 1
+    kv_hi = np.minimum(kv_lo + kvb, KV_LEN) - 1
+    b = np.arange(B).reshape(B, 1, 1, 1)
+    h = np.arange(H).reshape(1, H, 1, 1)
+    ranges = {
+        "b": (b, b), "h": (h, h),
+        "q": (q_lo.reshape(1, 1, nq, 1), q_hi.reshape(1, 1, nq, 1)),
+        "kv": (kv_lo.reshape(1, 1, 1, nkv), kv_hi.reshape(1, 1, 1, nkv)),
+    }
+    verdict = np.broadcast_to(classify(mask.expr, ranges, values), (B, H, nq, nkv))
+    states = np.where(verdict == 1, FULL, np.where(verdict == 0, EMPTY, PARTIAL)).astype(np.int8)
+    tile_elems = np.outer(q_hi - q_lo + 1, kv_hi - kv_lo + 1)  # valid elements per tile
+    counts = np.where(states == FULL, tile_elems, 0).astype(np.int64)
+
+    undecided = np.argwhere(verdict == -1)
+    per_chunk = max(1, _CHUNK_ELEMENTS // (qb * kvb))
+    for start in range(0, len(undecided), per_chunk):
+        tiles = undecided[start:start + per_chunk]
+        tb, th, tq, tk = (tiles[:, i] for i in range(4))
+        q = tq[:, None, None] * qb + np.arange(qb)[None, :, None]
+        kv = tk[:, None, None] * kvb + np.arange(kvb)[None, None, :]
+        valid = (q < Q_LEN) & (kv < KV_LEN)
+        env = {"b": tb[:, None, None], "h": th[:, None, None],
+               "q": np.minimum(q, Q_LEN - 1), "kv": np.minimum(kv, KV_LEN - 1)}
+        allowed = np.broadcast_to(evaluate(mask.expr, env, values), valid.shape) & valid
+        n_allowed = allowed.sum(axis=(1, 2))
+        n_valid = valid.sum(axis=(1, 2))
+        states[tb, th, tq, tk] = np.where(n_allowed == 0, EMPTY, np.where(n_allowed == n_valid, FULL, PARTIAL))
+        counts[tb, th, tq, tk] = n_allowed
+    return states, counts.sum(axis=(2, 3))

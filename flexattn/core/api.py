@@ -1,0 +1,40 @@
+"""The functional API over any DLPack/array-protocol tensors.
+
+Today every call runs the numpy reference on the host (the CPU path); the CuTeDSL kernels
+plug in here for CUDA tensors, behind the same signature.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import reference
+from .spec import AttentionSpec
+from .validate import check_inputs
+
+
+def flex_attention(q, k, v, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+                   return_lse=False, *, mask=None, score=None, precision=np.float64):
+    """Attention with mods on arrays [B, H, S, D]; returns numpy ``out`` (and ``lse``).
+
+    Arguments follow ``torch.nn.attention.flex_attention`` plus ``mask=``/``score=`` for
+    mod values. The result has the inputs' float dtype (bfloat16 comes back as float32,
+    which numpy lacks); computation happens in ``precision``.
+    """
+    spec = AttentionSpec.from_args(score_mod, block_mask, scale, enable_gqa, mask, score)
+    check_inputs(q, k, v, spec)
+    out, lse = reference.forward(q, k, v, spec, dtype=precision)
+    out = out.astype(_result_dtype(q))
+    return (out, lse.astype(np.float32)) if return_lse else out
+
+
+def flex_attention_backward(q, k, v, d_out, d_lse=None, score_mod=None, block_mask=None, scale=None,
+                            enable_gqa=False, *, mask=None, score=None, precision=np.float64):
+    """Gradients (dq, dk, dv, d_captures) of flex_attention, see ``reference.backward``."""
+    spec = AttentionSpec.from_args(score_mod, block_mask, scale, enable_gqa, mask, score)
+    return reference.backward(q, k, v, d_out, d_lse, spec, dtype=precision)
+
+
+def _result_dtype(x):
+    name = str(x.dtype).replace("torch.", "")
+    return {"float16": np.float16, "float64": np.float64}.get(name, np.float32)

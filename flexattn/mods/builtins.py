@@ -1,0 +1,181 @@
+"""Built-in mods. Each is an ordinary traced function: numbers and arrays it closes over
+become runtime inputs, so e.g. ``sliding_window(512)`` and ``sliding_window(1024)`` share
+one compiled kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..arrays import to_numpy
+from .mod import MaskMod, ScoreMod, mask_mod, score_mod
+from . import ir
+
+
+def full() -> MaskMod:
+    """Every query attends to every key."""
+    return MaskMod(ir.const(True), (), "full")
+
+
+def causal(offset: int = 0) -> MaskMod:
+    """``q_idx + offset >= kv_idx``. ``offset = KV_LEN - Q_LEN`` aligns bottom-right
+    (a query block at the end of a longer key sequence)."""
+    if offset == 0:
+        return mask_mod(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, name="causal")
+    return mask_mod(lambda b, h, q_idx, kv_idx: q_idx + offset >= kv_idx, name=f"causal(offset={offset})")
+
+
+def sliding_window(left: int | None, right: int | None = 0) -> MaskMod:
+    """Keys within ``[q_idx - left, q_idx + right]``; ``None`` leaves that side open.
+
+    ``sliding_window(w)`` is the usual causal window of ``w`` past tokens (+ the diagonal).
+    """
+    for name, v in (("left", left), ("right", right)):
+        if v is not None and (not isinstance(v, (int, np.integer)) or v < 0):
+            raise ValueError(f"sliding_window: {name} must be a non-negative int or None, got {v!r}")
+    label = f"sliding_window({left}, {right})"
+    if left is None and right is None:
+        return full()
+    if left is None:
+        return mask_mod(lambda b, h, q_idx, kv_idx: kv_idx - q_idx <= right, name=label)
+    if right is None:
+        return mask_mod(lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= left, name=label)
+    return mask_mod(
+        lambda b, h, q_idx, kv_idx: (q_idx - kv_idx <= left) & (kv_idx - q_idx <= right), name=label
+    )
+
+
+def document(ids, kv_ids=None) -> MaskMod:
+    """Tokens attend within their own document: ``ids[q_idx] == kv_ids[kv_idx]``.
+
+    ``ids`` is [S] (shared by the batch) or [B, S]; ``kv_ids`` defaults to ``ids``
+    (pass it when queries and keys are different sequences).
+    """
+    kv_ids = ids if kv_ids is None else kv_ids
+    _check_rank("document", ids, (1, 2))
+    _check_rank("document", kv_ids, (1, 2))
+    if len(ids.shape) == 1 and len(kv_ids.shape) == 1:
+        return mask_mod(lambda b, h, q_idx, kv_idx: ids[q_idx] == kv_ids[kv_idx], name="document")
+    qi = ids if len(ids.shape) == 2 else None
+    ki = kv_ids if len(kv_ids.shape) == 2 else None
+
+    def doc_mask(b, h, q_idx, kv_idx):
+        dq = qi[b, q_idx] if qi is not None else ids[q_idx]
+        dk = ki[b, kv_idx] if ki is not None else kv_ids[kv_idx]
+        return dq == dk
+
+    return mask_mod(doc_mask, name="document")
+
+
+def document_ids_from_offsets(offsets, length: int | None = None) -> np.ndarray:
+    """int32 document id per token from cumulative offsets ``[0, l0, l0+l1, ..., total]``.
+
+    Tokens at or after ``offsets[-1]`` (padding up to ``length``) get id -1.
+    """
+    off = np.asarray(to_numpy(offsets)).astype(np.int64).reshape(-1)
+    if off.size < 2 or off[0] != 0 or np.any(np.diff(off) < 0):
+        raise ValueError("offsets must start at 0 and be non-decreasing, e.g. [0, 100, 250, 400]")
+    total = int(off[-1])
+    length = total if length is None else int(length)
+    if length < total:
+        raise ValueError(f"length={length} is shorter than the last offset {total}")
+    ids = np.full(length, -1, dtype=np.int32)
+    ids[:total] = np.repeat(np.arange(off.size - 1, dtype=np.int32), np.diff(off))
+    return ids
+
+
+def document_from_offsets(offsets, length: int | None = None) -> MaskMod:
+    """Packed sequences from cumulative offsets; padding tokens attend to nothing."""
+    ids = document_ids_from_offsets(offsets, length)
+    return mask_mod(lambda b, h, q_idx, kv_idx: (ids[q_idx] == ids[kv_idx]) & (ids[q_idx] >= 0), name="document")
+
+
+def document_from_lengths(lengths, length: int | None = None) -> MaskMod:
+    """Packed sequences from per-document lengths ``[l0, l1, ...]``."""
+    lens = np.asarray(to_numpy(lengths)).astype(np.int64).reshape(-1)
+    if np.any(lens < 0):
+        raise ValueError("document lengths must be non-negative")
+    return document_from_offsets(np.concatenate([[0], np.cumsum(lens)]), length)
+
+
+def prefix_lm(prefix_len) -> MaskMod:
+    """Bidirectional over the first ``prefix_len`` keys, causal after: an int, or [B] per batch."""
+    if isinstance(prefix_len, (int, np.integer)):
+        return mask_mod(lambda b, h, q_idx, kv_idx: (kv_idx < prefix_len) | (q_idx >= kv_idx), name="prefix_lm")
+    _check_rank("prefix_lm", prefix_len, (1,))
+    return mask_mod(lambda b, h, q_idx, kv_idx: (kv_idx < prefix_len[b]) | (q_idx >= kv_idx), name="prefix_lm")
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """The ALiBi paper's geometric slopes (interleaved for non-powers of two), float32 [H]."""
+    if not isinstance(num_heads, (int, np.integer)) or num_heads <= 0:
+        raise ValueError(f"alibi: num_heads must be a positive int, got {num_heads!r}")
+
+    def power_of_two(n):
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    p = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = power_of_two(p)
+    if p < num_heads:
+        slopes += power_of_two(2 * p)[0::2][: num_heads - p]
+    return np.asarray(slopes, dtype=np.float32)
+
+
+def alibi(slopes=None, *, num_heads: int | None = None) -> ScoreMod:
+    """ALiBi: ``score + slopes[h] * (kv_idx - q_idx)``. Pass ``slopes`` ([H], trainable if
+    it is a tensor that requires grad) or ``num_heads`` for the paper's slopes."""
+    if slopes is None:
+        if num_heads is None:
+            raise ValueError("alibi: pass slopes or num_heads")
+        slopes = alibi_slopes(num_heads)
+    elif isinstance(slopes, (int, np.integer)) and num_heads is None:
+        slopes = alibi_slopes(int(slopes))  # alibi(16) reads as "16 heads"
+    _check_rank("alibi", slopes, (1,))
+    return score_mod(lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx), name="alibi")
+
+
+def softcap(cap: float) -> ScoreMod:
+    """Gemma-style soft capping: ``cap * tanh(score / cap)``."""
+    if not cap > 0:
+        raise ValueError(f"softcap: cap must be positive, got {cap!r}")
+    cap = float(cap)
+    return score_mod(lambda score, b, h, q_idx, kv_idx: cap * (score / cap).tanh(), name=f"softcap({cap:g})")
+
+
+def relative_bias(table) -> ScoreMod:
+    """Learned relative-position bias: ``score + table[h, clamp(q-kv, -D, D) + D]``.
+
+    ``table`` is [H, 2D+1] (per head) or [2D+1] (shared); distances beyond D clamp.
+    """
+    _check_rank("relative_bias", table, (1, 2))
+    width = int(table.shape[-1])
+    if width % 2 != 1:
+        raise ValueError(f"relative_bias: the last dim of table must be odd (2*D+1), got {width}")
+    d = (width - 1) // 2
+    if len(table.shape) == 1:
+        return score_mod(lambda score, b, h, q_idx, kv_idx: score + table[(q_idx - kv_idx).clamp(-d, d) + d], name="relative_bias")
+    return score_mod(lambda score, b, h, q_idx, kv_idx: score + table[h, (q_idx - kv_idx).clamp(-d, d) + d], name="relative_bias")
+
+
+def bias(tensor) -> ScoreMod:
+    """Additive bias broadcastable to [B, H, Q, KV] (rank 2 to 4; size-1 dims broadcast)."""
+    _check_rank("bias", tensor, (2, 3, 4))
+    shape = tuple(int(s) for s in tensor.shape)
+    names = ("b", "h", "q", "kv")[4 - len(shape):]
+
+    def add_bias(score, b, h, q_idx, kv_idx):
+        value = {"b": b, "h": h, "q": q_idx, "kv": kv_idx}
+        index = tuple(0 if size == 1 else value[n] for n, size in zip(names, shape))
+        return score + tensor[index]
+
+    return score_mod(add_bias, name="bias")
+
+
+def _check_rank(fn, x, ranks):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{fn}: expected an array/tensor, got {type(x).__name__}")
+    if len(x.shape) not in ranks:
+        raise ValueError(f"{fn}: expected an array of rank {' or '.join(map(str, ranks))}, got shape {tuple(x.shape)}")

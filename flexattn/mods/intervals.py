@@ -1,0 +1,272 @@
+"""Interval analysis: bounds of an expression over boxes of indices, without elements.
+
+Every variable gets a range ``[lo, hi]`` (numpy arrays, so thousands of q-block × kv-block
+boxes are analysed in one vectorized pass); every node gets sound bounds. Booleans are
+intervals over {0, 1}: ``lo == 1`` means surely true, ``hi == 0`` surely false.
+That is enough to prove ``q >= kv`` all-true below the diagonal, a sliding window empty
+far from it, or ``doc[q] == doc[kv]`` all-true / all-false when a block lies inside one
+document (buffer reads use range-min/max tables over the indexed span).
+
+Bounds are sound, not tight: "unknown" only costs element evaluation later.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from . import ir
+
+_INC = {
+    "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "tanh": np.tanh,
+    "sqrt": np.sqrt, "sigmoid": lambda x: 0.5 * (1.0 + np.tanh(0.5 * x)),
+}
+_INF = np.inf
+# Above this many table entries a buffer is bounded by its global min/max instead.
+_MAX_TABLE_ENTRIES = 1 << 25
+
+
+class Interval:
+    __slots__ = ("lo", "hi")
+
+    def __init__(self, lo, hi):
+        self.lo, self.hi = np.asarray(lo, dtype=np.float64), np.asarray(hi, dtype=np.float64)
+
+
+def bounds(
+    node: ir.Node,
+    ranges: Mapping[str, tuple],
+    values: Sequence = (),
+) -> Interval:
+    """Sound bounds of ``node`` when each variable ``v`` lies in ``ranges[v] = (lo, hi)``."""
+    tables = _RangeTables(values)
+    out: dict[int, Interval] = {}
+    with np.errstate(all="ignore"):
+        for n in node.walk():
+            out[id(n)] = _bound(n, [out[id(a)] for a in n.args], ranges, values, tables)
+    return out[id(node)]
+
+
+def classify(node: ir.Node, ranges, values=()) -> np.ndarray:
+    """For a boolean ``node``: 1 = surely true, 0 = surely false, -1 = undecided."""
+    iv = bounds(node, ranges, values)
+    return np.where(iv.lo >= 1, 1, np.where(iv.hi <= 0, 0, -1)).astype(np.int8)
+
+
+def _point(v):
+    return Interval(v, v)
+
+
+def _unknown(like):
+    shape = np.shape(like)
+    return Interval(np.full(shape, -_INF), np.full(shape, _INF))
+
+
+def _safe(lo, hi):
+    """NaN bounds (inf - inf, 0 * inf) mean "anything"."""
+    return Interval(np.where(np.isnan(lo), -_INF, lo), np.where(np.isnan(hi), _INF, hi))
+
+
+def _corners(f, a: Interval, b: Interval):
+    c = [f(x, y) for x in (a.lo, a.hi) for y in (b.lo, b.hi)]
+    lo = np.minimum(np.minimum(c[0], c[1]), np.minimum(c[2], c[3]))
+    hi = np.maximum(np.maximum(c[0], c[1]), np.maximum(c[2], c[3]))
+    nan = np.isnan(c[0]) | np.isnan(c[1]) | np.isnan(c[2]) | np.isnan(c[3])
+    return _safe(np.where(nan, np.nan, lo), np.where(nan, np.nan, hi))
+
+
+def _excludes_zero(b: Interval):
+    return (b.lo > 0) | (b.hi < 0)
+
+
+def _bound(n: ir.Node, args, ranges, values, tables) -> Interval:
+    op = n.op
+    if op == "var":
+        lo, hi = ranges[n.attr]
+        return Interval(lo, hi)
+    if op == "const":
+        return _point(float(n.attr))
+    if op == "scalar":
+        return _point(float(values[n.attr]))
+    if op == "load":
+        return tables.bound(n.attr, args)
+    if op == "cast":
+        return _cast(args[0], n.args[0].dtype, n.dtype)
+    if op == "where":
+        c, a, b = args
+        lo = np.where(c.lo >= 1, a.lo, np.where(c.hi <= 0, b.lo, np.minimum(a.lo, b.lo)))
+        hi = np.where(c.lo >= 1, a.hi, np.where(c.hi <= 0, b.hi, np.maximum(a.hi, b.hi)))
+        return Interval(lo, hi)
+    if op == "add":
+        a, b = args
+        return _safe(a.lo + b.lo, a.hi + b.hi)
+    if op == "sub":
+        a, b = args
+        return _safe(a.lo - b.hi, a.hi - b.lo)
+    if op == "neg":
+        return Interval(-args[0].hi, -args[0].lo)
+    if op == "mul":
+        return _corners(np.multiply, *args)
+    if op in ("truediv", "floordiv"):
+        a, b = args
+        q = _corners(np.divide, a, b)
+        if op == "floordiv":
+            q = Interval(np.floor(q.lo), np.floor(q.hi))
+        ok = _excludes_zero(b)
+        return Interval(np.where(ok, q.lo, -_INF), np.where(ok, q.hi, _INF))
+    if op == "mod":
+        return _mod(*args, is_int=n.dtype == ir.INT)
+    if op == "minimum":
+        a, b = args
+        return Interval(np.minimum(a.lo, b.lo), np.minimum(a.hi, b.hi))
+    if op == "maximum":
+        a, b = args
+        return Interval(np.maximum(a.lo, b.lo), np.maximum(a.hi, b.hi))
+    if op == "abs":
+        a = args[0]
+        lo = np.where(a.lo >= 0, a.lo, np.where(a.hi <= 0, -a.hi, 0.0))
+        hi = np.maximum(np.abs(a.lo), np.abs(a.hi))
+        return Interval(lo, hi)
+    if op in _INC:
+        f = _INC[op]
+        return _safe(f(args[0].lo), f(args[0].hi))
+    if op == "rsqrt":
+        a = args[0]
+        return _safe(1.0 / np.sqrt(a.hi), 1.0 / np.sqrt(a.lo))
+    if op in ir.COMPARE:
+        return _compare(op, *args)
+    if op == "not":
+        a = args[0]
+        if n.dtype == ir.BOOL:
+            return Interval(1.0 - a.hi, 1.0 - a.lo)
+        return _exact_or_unknown(np.invert, args)
+    if op in ir.LOGIC:
+        a, b = args
+        if n.dtype != ir.BOOL:
+            f = {"and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor}[op]
+            return _exact_or_unknown(f, args)
+        if op == "and":
+            return Interval(np.minimum(a.lo, b.lo), np.minimum(a.hi, b.hi))
+        if op == "or":
+            return Interval(np.maximum(a.lo, b.lo), np.maximum(a.hi, b.hi))
+        known = (a.lo == a.hi) & (b.lo == b.hi)
+        x = np.abs(a.lo - b.lo)
+        return Interval(np.where(known, x, 0.0), np.where(known, x, 1.0))
+    raise NotImplementedError(f"interval bounds of op {op!r}")
+
+
+def _cast(a: Interval, src: str, dst: str) -> Interval:
+    if dst == ir.BOOL:  # nonzero → true
+        surely_true = (a.lo > 0) | (a.hi < 0)
+        surely_false = (a.lo == 0) & (a.hi == 0)
+        return Interval(np.where(surely_true, 1.0, 0.0), np.where(surely_false, 0.0, 1.0))
+    if dst == ir.INT and src == ir.FLOAT:
+        return Interval(np.trunc(a.lo), np.trunc(a.hi))  # trunc is monotone
+    return a
+
+
+def _compare(op, a: Interval, b: Interval) -> Interval:
+    if op in ("gt", "ge"):
+        a, b, op = b, a, {"gt": "lt", "ge": "le"}[op]
+    if op == "lt":
+        true, false = a.hi < b.lo, a.lo >= b.hi
+    elif op == "le":
+        true, false = a.hi <= b.lo, a.lo > b.hi
+    else:
+        same_point = (a.lo == a.hi) & (b.lo == b.hi) & (a.lo == b.lo)
+        disjoint = (a.hi < b.lo) | (b.hi < a.lo)
+        true, false = (same_point, disjoint) if op == "eq" else (disjoint, same_point)
+    return Interval(np.where(true, 1.0, 0.0), np.where(false, 0.0, 1.0))
+
+
+def _mod(a: Interval, b: Interval, is_int: bool) -> Interval:
+    """Python modulo (sign of the divisor). Exact when the span stays in one period."""
+    point = b.lo == b.hi
+    c = b.lo
+    same_period = point & _excludes_zero(b) & (np.floor(a.lo / np.where(c == 0, 1, c)) == np.floor(a.hi / np.where(c == 0, 1, c)))
+    exact_lo, exact_hi = np.mod(a.lo, np.where(c == 0, 1, c)), np.mod(a.hi, np.where(c == 0, 1, c))
+    exact_lo, exact_hi = np.minimum(exact_lo, exact_hi), np.maximum(exact_lo, exact_hi)
+    top = np.maximum(np.abs(b.lo), np.abs(b.hi))
+    top = top - 1 if is_int else top
+    gen_lo = np.where(b.lo > 0, 0.0, np.where(b.hi < 0, -top, -top))
+    gen_hi = np.where(b.lo > 0, top, np.where(b.hi < 0, 0.0, top))
+    lo = np.where(same_period, exact_lo, gen_lo)
+    hi = np.where(same_period, exact_hi, gen_hi)
+    return _safe(lo, hi)
+
+
+def _exact_or_unknown(f, args) -> Interval:
+    known = np.ones(np.broadcast(*[a.lo for a in args]).shape, dtype=bool)
+    for a in args:
+        known &= a.lo == a.hi
+    safe = [np.where(known, a.lo, 0).astype(np.int64) for a in args]
+    v = f(*safe).astype(np.float64)
+    return Interval(np.where(known, v, -_INF), np.where(known, v, _INF))
+
+
+class _RangeTables:
+    """Min/max of buffer spans in O(1) per query via sparse tables along one axis."""
+
+    def __init__(self, values):
+        self.values = values
+        self._tables: dict = {}
+
+    def _array(self, slot):
+        from ..arrays import to_numpy
+
+        return np.asarray(to_numpy(self.values[slot]), dtype=np.float64)
+
+    def bound(self, buf: ir.BufferRef, index: list) -> Interval:
+        arr = self._array(buf.slot)
+        if arr.ndim == 0:
+            return _point(arr[()])
+        if arr.size == 0:
+            return _unknown(0.0)
+        los, his = [], []
+        for d, iv in enumerate(index):  # clip to the buffer: reads stay in bounds
+            top = arr.shape[d] - 1
+            los.append(np.clip(iv.lo, 0, top))
+            his.append(np.clip(iv.hi, 0, top))
+        los = np.broadcast_arrays(*los)
+        his = np.broadcast_arrays(*[np.broadcast_to(h, los[0].shape) for h in his])
+        span_dims = [d for d in range(arr.ndim) if np.any(los[d] != his[d])]
+        if not span_dims:
+            v = arr[tuple(lo.astype(np.int64) for lo in los)]
+            return Interval(v, v)
+        if len(span_dims) > 1 or arr.size * max(1, int(np.log2(arr.shape[span_dims[0]])) + 1) > _MAX_TABLE_ENTRIES:
+            gmin, gmax = np.nanmin(arr), np.nanmax(arr)
+            if np.isnan(arr).any():
+                gmin, gmax = -_INF, _INF
+            return Interval(np.full(los[0].shape, gmin), np.full(los[0].shape, gmax))
+        axis = span_dims[0]
+        mins, maxs = self._table(buf.slot, arr, axis)
+        lo = los[axis].astype(np.int64)
+        hi = his[axis].astype(np.int64)
+        k = np.floor(np.log2(np.maximum(hi - lo + 1, 1))).astype(np.int64)
+        second = hi - (1 << k) + 1
+        pts = [x.astype(np.int64) for x in los]
+        idx1 = tuple([k] + [lo if d == axis else pts[d] for d in range(arr.ndim)])
+        idx2 = tuple([k] + [second if d == axis else pts[d] for d in range(arr.ndim)])
+        vmin = np.minimum(mins[idx1], mins[idx2])
+        vmax = np.maximum(maxs[idx1], maxs[idx2])
+        return _safe(vmin, vmax)
+
+    def _table(self, slot, arr, axis):
+        key = (slot, axis)
+        if key not in self._tables:
+            n = arr.shape[axis]
+            levels = int(np.floor(np.log2(n))) + 1
+            mins = np.empty((levels,) + arr.shape)
+            maxs = np.empty((levels,) + arr.shape)
+            mins[0] = maxs[0] = arr
+            a = np.moveaxis(mins, axis + 1, -1)
+            b = np.moveaxis(maxs, axis + 1, -1)
+            for k in range(1, levels):
+                step = 1 << (k - 1)
+                a[k] = a[k - 1]
+                b[k] = b[k - 1]
+                a[k][..., : n - step] = np.minimum(a[k - 1][..., : n - step], a[k - 1][..., step:])
+                b[k][..., : n - step] = np.maximum(b[k - 1][..., : n - step], b[k - 1][..., step:])
+            self._tables[key] = (mins, maxs)
+        return self._tables[key]

@@ -1,0 +1,98 @@
+"""PyTorch adapter: ``flexattn.torch.flex_attention`` with torch's signature and autograd.
+
+Tensors in, tensors out, on the caller's device and dtype. Today the computation runs on
+the numpy reference (exact, slow: for CPU work, tests and small problems); the CuTeDSL
+kernels take over CUDA tensors as they land. Gradients flow to query, key, value and to
+captured float tensors of score mods (trainable biases, ALiBi slopes, tables).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import reference
+from .blockmask import BlockMask, create_block_mask
+from .core.spec import AttentionSpec
+from .core.validate import check_inputs
+from .mods import MaskMod, ScoreMod, as_mask, mask_mod
+
+__all__ = ["flex_attention", "create_block_mask", "BlockMask", "MaskMod", "ScoreMod", "mask_mod"]
+
+
+def flex_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    score_mod=None,
+    block_mask=None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    kernel_options: dict | None = None,
+    *,
+    mask=None,
+    score=None,
+):
+    """Drop-in for ``torch.nn.attention.flex_attention.flex_attention`` ([B, H, S, D] tensors).
+
+    ``score_mod``: a ``ScoreMod`` or a function ``(score, b, h, q_idx, kv_idx) -> score``.
+    ``block_mask``: a ``flexattn.BlockMask`` or torch's ``BlockMask`` (converted).
+    ``mask=`` / ``score=``: our mod values; a ``mask`` without ``block_mask`` applies
+    element-wise. Returns ``out`` or ``(out, lse)`` (lse in natural log, float32).
+    """
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if kernel_options is not None and not isinstance(kernel_options, dict):
+        raise TypeError(f"kernel_options must be a dict or None, got {type(kernel_options).__name__}")
+    block_mask = _convert_block_mask(block_mask)
+    spec = AttentionSpec.from_args(score_mod, block_mask, scale, enable_gqa, mask, score)
+    check_inputs(query, key, value, spec)
+    buffers = tuple(c for c in (spec.score.captures if spec.score is not None else ()) if isinstance(c, torch.Tensor))
+    out, lse = _ReferenceAttention.apply(spec, query, key, value, *buffers)
+    return (out, lse) if return_lse else out
+
+
+class _ReferenceAttention(torch.autograd.Function):
+    """Autograd around the numpy reference; buffers are the score mod's captured tensors."""
+
+    @staticmethod
+    def forward(ctx, spec: AttentionSpec, query, key, value, *buffers):
+        out, lse = reference.forward(query, key, value, spec)
+        ctx.spec = spec
+        ctx.save_for_backward(query, key, value)
+        ctx.set_materialize_grads(False)
+        return _like(out, query), _like(lse, query, torch.float32)
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        query, key, value = ctx.saved_tensors
+        spec = ctx.spec
+        if d_out is None:
+            d_out = torch.zeros(query.shape[:-1] + value.shape[-1:], dtype=query.dtype)
+        grads = reference.backward(query, key, value, d_out, d_lse, spec)
+        captures = spec.score.captures if spec.score is not None else ()
+        d_buffers = []
+        for value_, grad in zip(captures, grads.d_captures):
+            if isinstance(value_, torch.Tensor):
+                d_buffers.append(None if grad is None or not value_.requires_grad else _like(grad, value_))
+        return (None, _like(grads.dq, query), _like(grads.dk, key), _like(grads.dv, value), *d_buffers)
+
+
+def _like(array: np.ndarray, ref: torch.Tensor, dtype=None) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device=ref.device, dtype=dtype or ref.dtype)
+
+
+def _convert_block_mask(block_mask):
+    """torch's BlockMask → ours (same lists; its mask_mod is traced)."""
+    if block_mask is None or isinstance(block_mask, BlockMask):
+        return block_mask
+    needed = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "BLOCK_SIZE", "seq_lengths", "mask_mod")
+    if not all(hasattr(block_mask, a) for a in needed):
+        raise TypeError(f"block_mask must be a BlockMask, got {type(block_mask).__name__}")
+    return BlockMask.from_kv_blocks(
+        block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
+        BLOCK_SIZE=tuple(block_mask.BLOCK_SIZE), mask_mod=as_mask(block_mask.mask_mod, "block_mask.mask_mod"),
+        seq_lengths=tuple(block_mask.seq_lengths),
+    )

@@ -1,0 +1,110 @@
+"""Mods used across reference/adapter tests, each paired with an independent torch formula.
+
+A case builds (mask mod or None, score mod or None, torch mask fn, torch score fn) for a
+given problem size, with fresh random captured data from ``rng``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from flexattn import mods
+
+
+def _doc_ids(rng, S, n_docs):
+    cuts = np.sort(rng.choice(np.arange(1, S), size=min(n_docs - 1, S - 1), replace=False))
+    return np.searchsorted(cuts, np.arange(S), side="right").astype(np.int32)
+
+
+def case_none(rng, B, H, Q, KV):
+    return None, None, None, None
+
+
+def case_causal(rng, B, H, Q, KV):
+    return mods.causal(), None, (lambda b, h, q, kv: q >= kv), None
+
+
+def case_sliding_window(rng, B, H, Q, KV):
+    w = int(rng.integers(1, max(2, KV // 2)))
+    return mods.sliding_window(w), None, (lambda b, h, q, kv: (q - kv <= w) & (q >= kv)), None
+
+
+def case_document(rng, B, H, Q, KV):
+    S = max(Q, KV)
+    ids = _doc_ids(rng, S, 4)
+    t = torch.from_numpy(ids).long()
+    return mods.document(ids), None, (lambda b, h, q, kv: t[q] == t[kv]), None
+
+
+def case_document_batched(rng, B, H, Q, KV):
+    S = max(Q, KV)
+    ids = np.stack([_doc_ids(rng, S, 3) for _ in range(B)])
+    t = torch.from_numpy(ids).long()
+    return mods.document(torch.from_numpy(ids)), None, (lambda b, h, q, kv: t[b, q] == t[b, kv]), None
+
+
+def case_prefix_lm(rng, B, H, Q, KV):
+    prefix = torch.from_numpy(rng.integers(0, KV, size=B))
+    return mods.prefix_lm(prefix), None, (lambda b, h, q, kv: (kv < prefix[b]) | (q >= kv)), None
+
+
+def case_alibi(rng, B, H, Q, KV):
+    slopes = mods.alibi_slopes(H)
+    t = torch.from_numpy(slopes).double()
+    return None, mods.alibi(num_heads=H), None, (lambda s, b, h, q, kv: s + t[h] * (kv - q))
+
+
+def case_softcap(rng, B, H, Q, KV):
+    cap = float(rng.uniform(0.5, 3.0))
+    return None, mods.softcap(cap), None, (lambda s, b, h, q, kv: cap * torch.tanh(s / cap))
+
+
+def case_relative_bias(rng, B, H, Q, KV):
+    D = 7
+    table = rng.standard_normal((H, 2 * D + 1))
+    t = torch.from_numpy(table)
+    return None, mods.relative_bias(table), None, (lambda s, b, h, q, kv: s + t[h, (q - kv).clamp(-D, D) + D])
+
+
+def case_bias(rng, B, H, Q, KV):
+    bias = rng.standard_normal((1, H, Q, KV))
+    t = torch.from_numpy(bias)
+    return None, mods.bias(bias), None, (lambda s, b, h, q, kv: s + t)
+
+
+def case_causal_softcap(rng, B, H, Q, KV):
+    m, _, mf, _ = case_causal(rng, B, H, Q, KV)
+    _, s, _, sf = case_softcap(rng, B, H, Q, KV)
+    return m, s, mf, sf
+
+
+def case_window_document_alibi_softcap(rng, B, H, Q, KV):
+    m1, _, f1, _ = case_sliding_window(rng, B, H, Q, KV)
+    m2, _, f2, _ = case_document(rng, B, H, Q, KV)
+    _, s1, _, g1 = case_alibi(rng, B, H, Q, KV)
+    _, s2, _, g2 = case_softcap(rng, B, H, Q, KV)
+    return (m1 & m2, s1 >> s2, (lambda b, h, q, kv: f1(b, h, q, kv) & f2(b, h, q, kv)),
+            (lambda s, b, h, q, kv: g2(g1(s, b, h, q, kv), b, h, q, kv)))
+
+
+def case_not_causal_or_prefix(rng, B, H, Q, KV):
+    m1, _, f1, _ = case_causal(rng, B, H, Q, KV)
+    m2, _, f2, _ = case_prefix_lm(rng, B, H, Q, KV)
+    return ~m1 | m2, None, (lambda b, h, q, kv: ~f1(b, h, q, kv) | f2(b, h, q, kv)), None
+
+
+def case_custom_function(rng, B, H, Q, KV):
+    """A FlexAttention-style user function with torch ops and a captured tensor."""
+    scale_per_head = torch.from_numpy(rng.uniform(0.5, 1.5, size=H))
+
+    def score(s, b, h, q, kv):
+        return torch.where(q >= kv, s * scale_per_head[h], s - (q - kv).abs().to(s.dtype) * 0.1)
+
+    def mask(b, h, q, kv):
+        return (q - kv) % 3 != 1
+
+    return mods.mask_mod(mask), mods.score_mod(score), mask, score
+
+
+CASES = {name[5:]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}
