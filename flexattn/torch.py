@@ -39,7 +39,7 @@ def flex_attention(
     ``score_mod``: a ``ScoreMod`` or a function ``(score, b, h, q_idx, kv_idx) -> score``.
     ``block_mask``: a ``flexattn.BlockMask`` or torch's ``BlockMask`` (converted).
     ``mask=`` / ``score=``: our mod values; a ``mask`` without ``block_mask`` applies
-    element-wise. Returns ``out`` or ``(out, lse)`` (lse in natural log, float32).
+    element-wise. Returns ``out`` or ``(out, lse)`` (lse in natural log; float32, float64 for float64 inputs).
     """
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor):
@@ -63,7 +63,8 @@ class _ReferenceAttention(torch.autograd.Function):
         ctx.spec = spec
         ctx.save_for_backward(query, key, value)
         ctx.set_materialize_grads(False)
-        return _like(out, query), _like(lse, query, torch.float32)
+        lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32  # as torch's
+        return _like(out, query), _like(lse, query, lse_dtype)
 
     @staticmethod
     def backward(ctx, d_out, d_lse):

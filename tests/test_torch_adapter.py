@@ -1,0 +1,174 @@
+"""flexattn.torch on CPU tensors: drop-in forward, autograd, torch BlockMask, clear errors."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import flexattn
+import flexattn.torch as fa
+from flexattn import mods
+
+import naive_attention as naive
+from mod_cases import CASES
+
+
+def _qkv(B=2, Hq=4, Hkv=4, Q=33, KV=47, D=16, dtype=torch.float64, grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(B, Hq, Q, D, generator=g), torch.randn(B, Hkv, KV, D, generator=g),
+          torch.randn(B, Hkv, KV, D, generator=g)]
+    return [x.to(dtype).requires_grad_(grad) for x in xs]
+
+
+def test_create_block_mask_importable_everywhere():
+    assert fa.create_block_mask is flexattn.create_block_mask
+    bm = fa.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 256, 256)
+    assert isinstance(bm, fa.BlockMask) and bm.BLOCK_SIZE == (128, 128)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_output_dtype_shape_and_lse(dtype):
+    q, k, v = _qkv(dtype=dtype)
+    out, lse = fa.flex_attention(q, k, v, block_mask=fa.create_block_mask(mods.causal(), None, None, 33, 47, BLOCK_SIZE=16), return_lse=True)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert lse.shape == q.shape[:3]
+    want, want_lse = naive.attention(q.double(), k.double(), v.double(), mask_fn=lambda b, h, qi, ki: qi >= ki)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_autograd_matches_naive(case):
+    rng = np.random.default_rng(len(case))
+    B, Hq, Hkv, Q, KV, D = 2, 4, 2, 29, 40, 8
+    mask, score, mask_fn, score_fn = CASES[case](rng, B, Hq, Q, KV)
+    q, k, v = _qkv(B, Hq, Hkv, Q, KV, D, grad=True, seed=1)
+    out, lse = fa.flex_attention(q, k, v, mask=mask, score_mod=score, enable_gqa=True, return_lse=True)
+    w = torch.randn_like(out)
+    (out * w).sum().backward()
+    got = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    want, _ = naive.attention(q, k, v, score_fn, mask_fn)
+    (want * w).sum().backward()
+    for a, b in zip(got, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+
+def test_gradient_through_lse():
+    q, k, v = _qkv(grad=True, seed=2)
+    out, lse = fa.flex_attention(q, k, v, return_lse=True)
+    (lse.double() ** 2).sum().backward()
+    got = q.grad.clone()
+    q.grad = None
+    _, want_lse = naive.attention(q, k, v)
+    (want_lse ** 2).sum().backward()
+    torch.testing.assert_close(got, q.grad, atol=1e-6, rtol=1e-6)  # lse itself is float32
+
+
+@pytest.mark.parametrize("kind", ["bias_table", "alibi_slopes", "relative_table", "read_twice"])
+def test_trainable_captured_tensors_get_gradients(kind):
+    H = 4
+    q, k, v = _qkv(1, H, H, 20, 20, 8, grad=True, seed=3)
+    if kind == "bias_table":
+        buf = torch.randn(H, 20, 20, dtype=torch.float64, requires_grad=True)
+        score = lambda s, b, h, qi, ki: s + buf[h, qi, ki]  # noqa: E731
+    elif kind == "alibi_slopes":
+        buf = torch.rand(H, dtype=torch.float64, requires_grad=True)
+        score = mods.alibi(buf)
+    elif kind == "relative_table":
+        buf = torch.randn(H, 9, dtype=torch.float64, requires_grad=True)
+        score = mods.relative_bias(buf)
+    else:
+        buf = torch.rand(H, dtype=torch.float64, requires_grad=True)
+        score = lambda s, b, h, qi, ki: s * buf[h] + buf[h] * buf[h]  # noqa: E731
+    out = fa.flex_attention(q, k, v, score_mod=score, block_mask=fa.create_block_mask(mods.causal(), None, None, 20, 20, BLOCK_SIZE=8))
+    out.square().sum().backward()
+    got = buf.grad.clone()
+    buf.grad = None
+    fn = score if callable(score) and not isinstance(score, mods.Mod) else None
+    if kind == "alibi_slopes":
+        fn = lambda s, b, h, qi, ki: s + buf[h] * (ki - qi)  # noqa: E731
+    elif kind == "relative_table":
+        fn = lambda s, b, h, qi, ki: s + buf[h, (qi - ki).clamp(-4, 4) + 4]  # noqa: E731
+    want, _ = naive.attention(q, k, v, fn, lambda b, h, qi, ki: qi >= ki)
+    want.square().sum().backward()
+    torch.testing.assert_close(got, buf.grad, atol=1e-9, rtol=1e-9)
+
+
+def test_gradcheck_float64():
+    q, k, v = _qkv(1, 2, 1, 5, 7, 3, grad=True, seed=4)
+    slopes = torch.rand(2, dtype=torch.float64, requires_grad=True)
+
+    def f(q, k, v, slopes):
+        return fa.flex_attention(q, k, v, score_mod=mods.alibi(slopes) >> mods.softcap(2.0),
+                                 mask=mods.sliding_window(3), enable_gqa=True, return_lse=True)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, slopes), eps=1e-6, atol=1e-6)
+
+
+def test_accepts_torch_block_mask_and_matches_torch_flex():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q, k, v = _qkv(2, 2, 2, 64, 96, 16, seed=5)
+    doc = torch.tensor([0] * 40 + [1] * 56)
+
+    def mask(b, h, qi, ki):
+        return (doc[qi] == doc[ki]) & (qi >= ki)
+
+    def score(s, b, h, qi, ki):
+        return s - (qi - ki).abs().to(s.dtype) * 0.05
+
+    tbm = create_block_mask(mask, None, None, 64, 96, device="cpu", BLOCK_SIZE=32)
+    want = flex_attention(q, k, v, score_mod=score, block_mask=tbm)
+    got = fa.flex_attention(q, k, v, score_mod=score, block_mask=tbm)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+def test_fully_masked_rows_no_nan_and_zero_grad():
+    q, k, v = _qkv(1, 1, 1, 10, 10, 4, grad=True, seed=6)
+    m = mods.mask_mod(lambda b, h, qi, ki: (qi < 5) & (ki <= qi))
+    out, lse = fa.flex_attention(q, k, v, mask=m, return_lse=True)
+    assert torch.all(out[0, 0, 5:] == 0) and torch.all(torch.isneginf(lse[0, 0, 5:]))
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all() and torch.all(q.grad[0, 0, 5:] == 0)
+
+
+def test_scale_argument():
+    q, k, v = _qkv(seed=7)
+    got = fa.flex_attention(q, k, v, scale=0.3)
+    want, _ = naive.attention(q, k, v, scale=0.3)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("call, err, words", [
+    (lambda q, k, v: fa.flex_attention(q[0], k, v), ValueError, "query must be 4-D"),
+    (lambda q, k, v: fa.flex_attention(q.numpy(), k, v), TypeError, "query must be a torch.Tensor"),
+    (lambda q, k, v: fa.flex_attention(q, k.float(), v), TypeError, "share a dtype"),
+    (lambda q, k, v: fa.flex_attention(q.long(), k.long(), v.long()), TypeError, "floating"),
+    (lambda q, k, v: fa.flex_attention(q, k[:, :2], v[:, :2]), ValueError, "enable_gqa=True"),
+    (lambda q, k, v: fa.flex_attention(q, k[:, :3], v[:, :3], enable_gqa=True), ValueError, "multiple"),
+    (lambda q, k, v: fa.flex_attention(q, k[..., :8], v), ValueError, "head dims differ"),
+    (lambda q, k, v: fa.flex_attention(q, k, v[:, :, :5]), ValueError, "same sequence length"),
+    (lambda q, k, v: fa.flex_attention(q, k[:1], v[:1]), ValueError, "batch sizes differ"),
+    (lambda q, k, v: fa.flex_attention(q, k, v, scale="big"), TypeError, "scale"),
+    (lambda q, k, v: fa.flex_attention(q, k, v, scale=math.nan), TypeError, "scale"),
+    (lambda q, k, v: fa.flex_attention(q, k, v, enable_gqa=1), TypeError, "enable_gqa"),
+    (lambda q, k, v: fa.flex_attention(q, k, v, score_mod=42), TypeError, "score_mod"),
+    (lambda q, k, v: fa.flex_attention(q, k, v, score_mod=lambda s, b: s), TypeError, "score, b, h, q_idx, kv_idx"),
+    (lambda q, k, v: fa.flex_attention(q, k, v, score_mod=mods.causal()), TypeError, "score mod"),
+    (lambda q, k, v: fa.flex_attention(q, k, v, mask=mods.softcap(3.0)), TypeError, "mask mod"),
+    (lambda q, k, v: fa.flex_attention(q, k, v, block_mask="causal"), TypeError, "block_mask"),
+    (lambda q, k, v: fa.flex_attention(q, k, v, block_mask=fa.create_block_mask(mods.causal(), None, None, 32, 32)), ValueError, "Q_LEN=32"),
+    (lambda q, k, v: fa.flex_attention(q, k, v, block_mask=fa.create_block_mask(mods.causal(), 3, None, 33, 47)), ValueError, "batch size 3"),
+    (lambda q, k, v: fa.flex_attention(q, k, v, mask=mods.causal(), block_mask=fa.create_block_mask(mods.full(), None, None, 33, 47)), ValueError, "either mask= or block_mask="),
+    (lambda q, k, v: fa.flex_attention(q, k, v, score_mod=mods.softcap(2.0), score=mods.softcap(2.0)), TypeError, "not both"),
+    (lambda q, k, v: fa.flex_attention(q, k, v, kernel_options=3), TypeError, "kernel_options"),
+])
+def test_bad_input_gives_clear_error(call, err, words):
+    q, k, v = _qkv()
+    with pytest.raises(err, match=words):
+        call(q, k, v)
