@@ -127,11 +127,13 @@ class BlockMask:
 
 
 def _block_size(bs):
-    if isinstance(bs, (int, np.integer)):
-        bs = (int(bs), int(bs))
-    if len(bs) != 2 or any(int(x) <= 0 for x in bs):
+    def positive_int(x):
+        return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) and x > 0
+
+    pair = (bs, bs) if positive_int(bs) else bs
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(positive_int(x) for x in pair)):
         raise ValueError(f"BLOCK_SIZE must be a positive int or a (q_block, kv_block) pair, got {bs!r}")
-    return int(bs[0]), int(bs[1])
+    return int(pair[0]), int(pair[1])
 
 
 def _lists(selected: np.ndarray) -> BlockCounts:

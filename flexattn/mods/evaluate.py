@@ -94,5 +94,5 @@ def _eval_node(n, args, env, values, float_dtype):
 
 def eval_constant(node: ir.Node):
     """Fold a node whose arguments are all constants into a Python value."""
-    value = evaluate(node, {}, (), float_dtype=np.float32)
+    value = evaluate(node, {}, (), float_dtype=np.float64)  # kernels round once, at emission
     return np.asarray(value).item()

@@ -188,7 +188,7 @@ def _mod(a: Interval, b: Interval, is_int: bool) -> Interval:
     exact_lo, exact_hi = np.mod(a.lo, np.where(c == 0, 1, c)), np.mod(a.hi, np.where(c == 0, 1, c))
     exact_lo, exact_hi = np.minimum(exact_lo, exact_hi), np.maximum(exact_lo, exact_hi)
     top = np.maximum(np.abs(b.lo), np.abs(b.hi))
-    top = top - 1 if is_int else top
+    top = np.maximum(top - 1, 0.0) if is_int else top  # x % 0 evaluates to 0: keep [0, 0], not [1, -1]
     gen_lo = np.where(b.lo > 0, 0.0, np.where(b.hi < 0, -top, -top))
     gen_hi = np.where(b.lo > 0, top, np.where(b.hi < 0, 0.0, top))
     lo = np.where(same_period, exact_lo, gen_lo)

@@ -124,7 +124,9 @@ class Node:
 def _attr_key(attr):
     if isinstance(attr, float) and math.isnan(attr):
         return ("nan",)
-    if isinstance(attr, (bool, int, float)):
+    if isinstance(attr, float):
+        return ("float", attr, math.copysign(1.0, attr))  # keep 0.0 and -0.0 apart
+    if isinstance(attr, (bool, int)):
         return (type(attr).__name__, attr)  # keep 1, 1.0 and True apart
     return attr
 
@@ -317,8 +319,8 @@ def _simplify_arith(op, a, b):
             return b
         if a.dtype == INT and (_is_const(a, 0) or _is_const(b, 0)):  # not for floats: 0*inf
             return const(0)
-    elif op in ("truediv", "floordiv") and _is_const(b, 1):
-        return a
+    elif (op == "truediv" or (op == "floordiv" and a.dtype == INT)) and _is_const(b, 1):
+        return a  # not float // 1: that is floor(a)
     return None
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import ir
 from .evaluate import evaluate
-from .trace import Sym, TraceError, active_context, canonicalize, trace
+from .trace import Sym, TraceError, _is_number, active_context, canonicalize, trace
 
 MASK_VARS = ("b", "h", "q", "kv")
 SCORE_VARS = ("score", "b", "h", "q", "kv")
@@ -36,6 +36,9 @@ class Mod:
         object.__setattr__(self, "name", name)
 
     def __setattr__(self, *_):
+        raise AttributeError("mods are immutable; build a new one")
+
+    def __delattr__(self, *_):
         raise AttributeError("mods are immutable; build a new one")
 
     @property
@@ -102,6 +105,10 @@ def _combine(cls, parts, build, name=None):
     for part in parts:
         slots = []
         for v in part.captures:
+            if _is_number(v):  # numbers by value-slot, never merged (see TraceContext.capture)
+                values.append(v)
+                slots.append(len(values) - 1)
+                continue
             if id(v) not in slot_of:
                 slot_of[id(v)] = len(values)
                 values.append(v)
@@ -130,6 +137,9 @@ class MaskMod(Mod):
 
     def __ror__(self, other):
         return as_mask(other, "left operand of |") | self
+
+    def __rxor__(self, other):
+        return as_mask(other, "left operand of ^") ^ self
 
     def __invert__(self):
         return _combine(MaskMod, (self,), lambda a: ir.unary("not", a), f"~{self.name}" if self.name else None)

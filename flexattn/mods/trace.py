@@ -62,7 +62,13 @@ class TraceContext:
         self.baked: set[int] = set()
 
     def capture(self, value) -> int:
-        """Slot of ``value`` (one slot per object, so the same tensor is read from one input)."""
+        """Slot of ``value`` (one slot per array object, so the same tensor is read from one
+        input). Numbers always get a fresh slot: CPython shares small ints and other equal
+        constants between objects, so deduplicating them by identity would make the
+        structure depend on the captured *values* (``sliding_window(3, 3)`` vs ``(3, 4)``)."""
+        if _is_number(value):
+            self.values.append(value)
+            return len(self.values) - 1
         key = id(value)
         if key not in self._slot_of:
             self._slot_of[key] = len(self.values)
@@ -187,7 +193,10 @@ class CapturedArray:
             return CapturedArray(self.array, self.ctx, nodes)
         if len(nodes) > len(self.array.shape):
             raise TraceError(f"too many indices ({len(nodes)}) for a captured array of rank {len(self.array.shape)}")
-        return Sym(ir.load(self.ctx.buffer_ref(self.array), nodes))
+        try:
+            return Sym(ir.load(self.ctx.buffer_ref(self.array), nodes))
+        except ir.IRTypeError as e:  # float index, unsupported dtype: name the user's line
+            raise TraceError(str(e)) from None
 
     def _as_sym(self) -> "Sym":
         if self.shape != ():
@@ -300,9 +309,15 @@ def _unary(op):
 
 def _power(x, p):
     p_node = _to_node(p)
-    if p_node.op != "const":
-        raise TraceError("x ** y needs a constant exponent (use exp/log for a traced one)")
+    if p_node.op != "const":  # a captured number: bake it, like Python control flow does
+        ctx = active_context()
+        value = ctx.concretize(p_node) if ctx is not None else None
+        if value is None:
+            raise TraceError("x ** y needs a constant exponent (use exp/log for a traced one)")
+        p_node = ir.const(value)
     p = p_node.attr
+    if p_node.dtype == ir.FLOAT:  # int ** float is a float (torch, numpy)
+        x = _cast_to("float32")(x)
     if p == 0.5:
         return _unary("sqrt")(x)
     if p == -0.5:
@@ -318,7 +333,7 @@ def _power(x, p):
 
 def _cast_to(dtype_like):
     name = str(dtype_like).replace("torch.", "")
-    if name in ("bool",):
+    if "bool" in name:  # torch.bool, bool, np.bool_
         target = ir.BOOL
     elif "float" in name or name in ("half", "double"):
         target = ir.FLOAT
@@ -347,6 +362,15 @@ def _where(cond, a, b):
     return _wrap_ir(ir.where)(cond, a, b)
 
 
+def _logical(op):
+    """logical_and/or/xor: truth values of the operands, not their bits (1 and 2 is True)."""
+    return _wrap_ir(lambda a, b: ir.binary(op, ir.cast(a, ir.BOOL), ir.cast(b, ir.BOOL)))
+
+
+def _logical_not(x):
+    return _wrap_ir(lambda n: ir.unary("not", ir.cast(n, ir.BOOL)))(x)
+
+
 def _min_max(op):
     def f(a, b=None, *rest, **kw):
         if b is None or rest or kw:
@@ -372,10 +396,17 @@ def _like(value):
     return lambda x, **_: _full_like(x, value)
 
 
+def _is_dtype_like(a) -> bool:
+    """torch/numpy dtypes, Python types and dtype names — not devices (``x.to("cuda")``)."""
+    if isinstance(a, str):
+        return any(k in a for k in ("float", "int", "bool", "half", "double", "long", "complex"))
+    return isinstance(a, (type, np.dtype)) or type(a).__name__ == "dtype"
+
+
 def _to(x, *args, **kwargs):
     dtype = kwargs.get("dtype")
     for a in args:
-        if "float" in str(a) or "int" in str(a) or "bool" in str(a) or str(a) in ("torch.half", "torch.long"):
+        if _is_dtype_like(a):
             dtype = a
     return x if dtype is None else _cast_to(dtype)(x)
 
@@ -401,9 +432,11 @@ OPERATIONS: dict[str, Callable] = {
     **{n: _binary(op) for op in ir.COMPARE for n in (op, f"__{op}__")},
     "less": _binary("lt"), "less_equal": _binary("le"), "greater": _binary("gt"),
     "greater_equal": _binary("ge"), "equal": _binary("eq"), "not_equal": _binary("ne"),
-    **{n: _binary(op) for op in ir.LOGIC for n in (f"__{op}__", f"logical_{op}", f"bitwise_{op}")},
+    **{n: _binary(op) for op in ir.LOGIC for n in (f"__{op}__", f"bitwise_{op}")},
+    **{f"logical_{op}": _logical(op) for op in ir.LOGIC},
     **{f"__r{op}__": _rbinary(op) for op in ir.LOGIC},
-    **{n: _unary("not") for n in ("__invert__", "logical_not", "bitwise_not", "invert")},
+    **{n: _unary("not") for n in ("__invert__", "bitwise_not", "invert")},
+    "logical_not": _logical_not,
     **{n: _unary("neg") for n in ("neg", "negative", "__neg__")},
     "__pos__": lambda x: x, "positive": lambda x: x,
     **{n: _unary("abs") for n in ("abs", "absolute", "__abs__")},
@@ -499,6 +532,10 @@ class Sym:
         if op is None:
             raise TraceError(f"torch.{name} is not supported in a mod")
         kwargs.pop("out", None)
+        if name == "where" and "condition" in kwargs:  # torch.where(condition, input, other)
+            args = (kwargs.pop("condition"), *args)
+        if name == "where" and "input" in kwargs:
+            args = (args[0], kwargs.pop("input"), *args[1:])
         if "input" in kwargs:
             args = (kwargs.pop("input"), *args)
         if "other" in kwargs:
@@ -519,8 +556,8 @@ class Sym:
             raise TraceError(f"numpy.{func.__name__} is not supported in a mod")
         if func.__name__ == "clip":  # np.clip(x, a_min, a_max)
             args = (args[0], *args[1:])
-            kwargs = {"min": kwargs.pop("a_min", args[1] if len(args) > 1 else None),
-                      "max": kwargs.pop("a_max", args[2] if len(args) > 2 else None)}
+            kwargs = {"min": kwargs.pop("a_min", kwargs.pop("min", args[1] if len(args) > 1 else None)),
+                      "max": kwargs.pop("a_max", kwargs.pop("max", args[2] if len(args) > 2 else None))}
             args = args[:1]
         return _call(op, func.__name__, args, kwargs)
 

@@ -1,0 +1,336 @@
+"""create_block_mask vs brute-force dense evaluation, list layout, torch parity, views, errors."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+from flexattn import BlockMask, create_block_mask
+from flexattn.blockmask import EMPTY, FULL, PARTIAL
+from flexattn.mods import causal, document, full, mask_mod, prefix_lm, sliding_window
+
+RNG = np.random.default_rng(0)
+S_MAX = 520
+DOC_IDS = torch.from_numpy(np.sort(RNG.integers(0, 6, size=(2, S_MAX)), axis=1))
+PREFIX = torch.tensor([37, 300])
+NOISE = torch.from_numpy(RNG.random((2, 3, S_MAX, S_MAX)) < 0.97)
+
+# torch-evaluable functions, traced by create_block_mask and run eagerly by the brute force
+MASKS = {
+    "causal": lambda b, h, q, kv: q >= kv,
+    "sliding": lambda b, h, q, kv: (q - kv <= 40) & (q - kv >= -8),
+    "document_b": lambda b, h, q, kv: DOC_IDS[b, q] == DOC_IDS[b, kv],
+    "head_dependent": lambda b, h, q, kv: ((q // 16 + h) % 3 != (kv // 32) % 2) | (h == 1),
+    "prefix_b": lambda b, h, q, kv: (kv < PREFIX[b]) | (q >= kv),
+    "noise": lambda b, h, q, kv: NOISE[b, h, q, kv] & (q + 64 >= kv),
+    "full": lambda b, h, q, kv: q >= 0,
+    "empty": lambda b, h, q, kv: q < 0,
+}
+
+
+def dense_mask(fn, B, H, Q, KV):
+    b = torch.arange(B).view(B, 1, 1, 1)
+    h = torch.arange(H).view(1, H, 1, 1)
+    q = torch.arange(Q).view(1, 1, Q, 1)
+    kv = torch.arange(KV).view(1, 1, 1, KV)
+    return torch.broadcast_to(fn(b, h, q, kv), (B, H, Q, KV)).numpy()
+
+
+def brute_states(dense, qb, kvb):
+    B, H, Q, KV = dense.shape
+    nq, nkv = -(-Q // qb), -(-KV // kvb)
+    pad = np.zeros((B, H, nq * qb, nkv * kvb), bool)
+    valid = np.zeros_like(pad)
+    pad[:, :, :Q, :KV] = dense
+    valid[:, :, :Q, :KV] = True
+    allowed = pad.reshape(B, H, nq, qb, nkv, kvb).sum(axis=(3, 5))
+    n_valid = valid.reshape(B, H, nq, qb, nkv, kvb).sum(axis=(3, 5))
+    return np.where(allowed == 0, EMPTY, np.where(allowed == n_valid, FULL, PARTIAL)).astype(np.int8)
+
+
+def check_lists(num, idx, selected):
+    """counts = #selected; indices = selected ascending, then the rest ascending."""
+    rows = selected.reshape(-1, selected.shape[-1])
+    num, idx = num.reshape(-1), idx.reshape(-1, selected.shape[-1])
+    assert num.dtype == np.int32 and idx.dtype == np.int32
+    for r in range(rows.shape[0]):
+        chosen = np.flatnonzero(rows[r])
+        rest = np.flatnonzero(~rows[r])
+        assert num[r] == len(chosen)
+        np.testing.assert_array_equal(idx[r], np.concatenate([chosen, rest]))
+
+
+def check_layout(bm, states):
+    partial, fullb = states == PARTIAL, states == FULL
+    check_lists(bm.kv_num_blocks, bm.kv_indices, partial)
+    check_lists(bm.full_kv_num_blocks, bm.full_kv_indices, fullb)
+    check_lists(bm.q_num_blocks, bm.q_indices, partial.swapaxes(-1, -2))
+    check_lists(bm.full_q_num_blocks, bm.full_q_indices, fullb.swapaxes(-1, -2))
+    nq, nkv = states.shape[-2:]
+    assert bm.kv_indices.shape == states.shape and bm.q_indices.shape == states.shape[:2] + (nkv, nq)
+
+
+SHAPES = [(128, 128), (200, 77), (1, 1), (257, 300), (64, 513), (384, 256)]
+BLOCKS = [(128, 128), (64, 128), (16, 32)]
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+@pytest.mark.parametrize("Q, KV", SHAPES)
+@pytest.mark.parametrize("block", BLOCKS)
+def test_matches_brute_force(name, Q, KV, block):
+    fn = MASKS[name]
+    depends_bh = name in ("document_b", "head_dependent", "prefix_b", "noise")
+    B, H = (2, 3) if depends_bh else (None, None)
+    bm = create_block_mask(fn, B, H, Q, KV, BLOCK_SIZE=block)
+    dense = dense_mask(fn, B or 1, H or 1, Q, KV)
+    want = brute_states(dense, *block)
+    np.testing.assert_array_equal(bm.block_states(), want)
+    check_layout(bm, want)
+    assert bm.shape == (B or 1, H or 1, Q, KV) and bm.seq_lengths == (Q, KV) and bm.BLOCK_SIZE == block
+    np.testing.assert_allclose(bm.density(), dense.mean(), rtol=1e-12)
+    np.testing.assert_array_equal(bm.num_allowed, dense.sum(axis=(2, 3)))
+    np.testing.assert_array_equal(bm.to_dense(), (want != EMPTY).astype(np.int32))
+    assert bm.sparsity() == pytest.approx(100 * (1 - (want != EMPTY).mean()))
+
+
+def test_b_h_none_broadcasts_and_given_b_h():
+    m = causal()
+    a = create_block_mask(m, None, None, 300, 300, BLOCK_SIZE=64)
+    b = create_block_mask(m, 2, 4, 300, 300, BLOCK_SIZE=64)
+    assert a.block_states().shape == (1, 1, 5, 5) and b.block_states().shape == (2, 4, 5, 5)
+    assert (b.block_states() == a.block_states()).all()
+    assert b.density() == a.density()
+    c = create_block_mask(m, 3, None, 300, 300, BLOCK_SIZE=64)
+    assert c.shape == (3, 1, 300, 300)
+
+
+def test_int_block_size_and_default():
+    bm = create_block_mask(causal(), None, None, 300, 260)
+    assert bm.BLOCK_SIZE == (128, 128) and bm.block_states().shape == (1, 1, 3, 3)
+    bm = create_block_mask(causal(), None, None, 300, 260, BLOCK_SIZE=np.int64(64))
+    assert bm.BLOCK_SIZE == (64, 64)
+
+
+def test_mask_mod_none_is_full():
+    bm = create_block_mask(None, None, None, 100, 70, BLOCK_SIZE=32)
+    assert (bm.block_states() == FULL).all() and bm.density() == 1.0
+    assert bm.mask_mod.name == "full"
+
+
+def test_tiles_at_the_end_classified_by_valid_elements():
+    # 130 x 130 causal with 128 blocks: the last tile holds 2x2 valid elements
+    bm = create_block_mask(causal(), None, None, 130, 130, BLOCK_SIZE=128)
+    np.testing.assert_array_equal(bm.block_states()[0, 0], [[PARTIAL, EMPTY], [FULL, PARTIAL]])
+    # a mask true on every valid element gives full edge tiles although padding is "false"
+    bm = create_block_mask(lambda b, h, q, kv: kv < 130, None, None, 129, 130, BLOCK_SIZE=128)
+    assert (bm.block_states() == FULL).all()
+    # decided by element evaluation too (not only by interval analysis)
+    bm = create_block_mask(NOISE_FREE_EDGE, None, None, 130, 130, BLOCK_SIZE=128)
+    np.testing.assert_array_equal(bm.block_states()[0, 0], brute_states(dense_mask(NOISE_FREE_EDGE, 1, 1, 130, 130), 128, 128)[0, 0])
+
+
+def NOISE_FREE_EDGE(b, h, q, kv):  # noqa: N802 - undecidable by intervals, all true in the edge tile
+    return ((q * 7 + kv * 3) % 11 != 0) | (q >= 128)
+
+
+# --- torch parity ------------------------------------------------------------------------------------
+
+TORCH_CASES = [
+    ("causal", None, None, 256, 256, 128),
+    ("causal", None, None, 256, 384, (64, 128)),
+    ("sliding", None, None, 512, 256, (128, 64)),
+    ("document_b", 2, 3, 256, 512, 128),
+    ("head_dependent", 2, 3, 128, 256, (64, 32)),
+    ("prefix_b", 2, 1, 384, 384, 128),
+    ("noise", 2, 3, 256, 256, 64),
+    ("full", None, None, 256, 128, 128),
+    ("empty", 1, 1, 128, 128, 64),
+]
+
+
+def _np(t):
+    return t.numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+
+
+@pytest.mark.parametrize("name, B, H, Q, KV, block", TORCH_CASES)
+def test_equal_to_torch_on_multiples(name, B, H, Q, KV, block):
+    fn = MASKS[name]
+    ours = create_block_mask(fn, B, H, Q, KV, BLOCK_SIZE=block)
+    ref = torch_create_block_mask(fn, B, H, Q, KV, device="cpu", BLOCK_SIZE=block)
+    for attr in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        theirs = getattr(ref, attr)
+        mine = getattr(ours, attr)
+        if theirs is None:  # older torch without full blocks
+            continue
+        np.testing.assert_array_equal(mine, _np(theirs), err_msg=attr)
+    assert ours.seq_lengths == tuple(ref.seq_lengths)
+    assert ours.BLOCK_SIZE == tuple(ref.BLOCK_SIZE)
+    assert ours.sparsity() == pytest.approx(float(ref.sparsity()))
+    np.testing.assert_array_equal(ours.to_dense(), _np(ref.to_dense()))
+
+
+def _computed_tiles(num, idx, full_num, full_idx, nkv):
+    out = np.zeros(num.shape + (nkv,), bool)
+    for n, i in ((num, idx), (full_num, full_idx)):
+        n, i = _np(n), _np(i)
+        listed = np.arange(i.shape[-1]) < n[..., None]
+        bb, hh, rr, cc = np.nonzero(listed)
+        out[bb, hh, rr, i[bb, hh, rr, cc]] = True
+    return out
+
+
+@pytest.mark.parametrize("name, B, H, Q, KV, block", [
+    ("causal", None, None, 200, 300, 128),
+    ("sliding", None, None, 257, 129, (64, 32)),
+    ("document_b", 2, 3, 100, 250, 64),
+    ("prefix_b", 2, 1, 333, 301, 128),
+])
+def test_same_computed_tiles_as_torch_on_other_lengths(name, B, H, Q, KV, block):
+    fn = MASKS[name]
+    ours = create_block_mask(fn, B, H, Q, KV, BLOCK_SIZE=block)
+    ref = torch_create_block_mask(fn, B, H, Q, KV, device="cpu", BLOCK_SIZE=block)
+    nkv = ours.kv_indices.shape[-1]
+    theirs = _computed_tiles(ref.kv_num_blocks, ref.kv_indices, ref.full_kv_num_blocks, ref.full_kv_indices, nkv)
+    mine = ours.block_states() != EMPTY
+    assert theirs.shape[-2] >= mine.shape[-2]
+    np.testing.assert_array_equal(mine, theirs[..., : mine.shape[-2], :])
+
+
+# --- views, repr, round trip ---------------------------------------------------------------------------
+
+def test_density_exact():
+    bm = create_block_mask(causal(), None, None, 100, 100, BLOCK_SIZE=32)
+    assert bm.density() == pytest.approx(5050 / 10000, abs=0)
+    bm = create_block_mask(prefix_lm(torch.tensor([10, 50])), 2, 2, 64, 80, BLOCK_SIZE=16)
+    d = dense_mask(lambda b, h, q, kv: (kv < torch.tensor([10, 50])[b]) | (q >= kv), 2, 2, 64, 80)
+    assert bm.density() == pytest.approx(d.mean(), abs=1e-15)
+    assert BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, BLOCK_SIZE=16).density() is None
+
+
+def test_sparsity_values():
+    bm = create_block_mask(causal(), None, None, 256, 256, BLOCK_SIZE=128)
+    assert bm.sparsity() == pytest.approx(25.0)
+    assert create_block_mask(full(), None, None, 256, 256).sparsity() == 0.0
+    assert create_block_mask(~full(), None, None, 256, 256).sparsity() == 100.0
+
+
+def test_repr_and_to_string():
+    bm = create_block_mask(causal(), 1, 2, 256, 384, BLOCK_SIZE=128)
+    r = repr(bm)
+    assert r.startswith("BlockMask(shape=(B=1, H=2, Q_LEN=256, KV_LEN=384), BLOCK_SIZE=(128, 128)")
+    assert "sparsity=50.00%" in r and "partial=4" in r and "full=2" in r and "mask_mod=causal" in r
+    s = bm.to_string()
+    assert s.splitlines() == ["b=0, h=0:", "  |░░    |", "  |██░░  |", "b=0, h=1:", "  |░░    |", "  |██░░  |"]
+    assert str(bm) == r + "\n" + s
+    assert len(bm.to_string(max_blocks=1).splitlines()) == 4
+    big = create_block_mask(causal(), 5, 5, 128, 128)
+    assert big.to_string().count("b=") == 4  # at most 2 x 2 pictures
+    anon = create_block_mask(mask_mod(lambda b, h, q, kv: q >= kv, name=None), None, None, 128, 128)
+    assert "mask_mod=" in repr(anon)
+    assert "mask_mod=custom" in repr(BlockMask(np.zeros((1, 1, 1, 1)), (1, 1), (1, 1),
+                                               type(causal())(causal().expr, (), None)))
+
+
+def test_as_tuple_order():
+    bm = create_block_mask(causal(), None, None, 256, 128, BLOCK_SIZE=(128, 64))
+    t = bm.as_tuple()
+    assert t[:2] == (256, 128) and t[10:12] == (128, 64) and t[12] is bm.mask_mod
+    assert t[2] is bm.kv_num_blocks and t[9] is bm.full_q_indices
+
+
+@pytest.mark.parametrize("name", ["causal", "noise", "document_b"])
+def test_from_kv_blocks_round_trip(name):
+    B, H = (2, 3) if name != "causal" else (None, None)
+    bm = create_block_mask(MASKS[name], B, H, 256, 200, BLOCK_SIZE=(64, 32))
+    back = BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+                                    BLOCK_SIZE=(64, 32), mask_mod=bm.mask_mod, seq_lengths=(256, 200))
+    np.testing.assert_array_equal(back.block_states(), bm.block_states())
+    for attr in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices", "kv_indices"):
+        np.testing.assert_array_equal(getattr(back, attr), getattr(bm, attr))
+    assert back.mask_mod is bm.mask_mod and back.seq_lengths == (256, 200)
+    # torch tensors work as inputs; without full lists every listed tile is partial
+    t = BlockMask.from_kv_blocks(torch.from_numpy(bm.kv_num_blocks), torch.from_numpy(bm.kv_indices), BLOCK_SIZE=(64, 32))
+    assert t.seq_lengths == (256, 224)
+    np.testing.assert_array_equal(t.block_states() == PARTIAL, bm.block_states() == PARTIAL)
+    assert not (t.block_states() == FULL).any()
+    # a plain function as mask_mod is traced
+    f = BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, mask_mod=lambda b, h, q, kv: q >= kv)
+    assert f.mask_mod.expr == causal().expr
+
+
+def test_from_kv_blocks_errors():
+    num = np.array([[[1, 2]]])
+    idx = np.array([[[[0, 1], [1, 0]]]])
+    BlockMask.from_kv_blocks(num, idx)
+    with pytest.raises(ValueError, match="kv_indices"):
+        BlockMask.from_kv_blocks(num, idx[0])
+    with pytest.raises(ValueError, match="kv_indices"):
+        BlockMask.from_kv_blocks(np.array([[[1, 2, 0]]]), idx)
+    with pytest.raises(ValueError, match="kv_indices"):
+        BlockMask.from_kv_blocks(np.array([[[3, 0]]]), idx)
+    with pytest.raises(ValueError, match="kv_indices"):
+        BlockMask.from_kv_blocks(np.array([[[-1, 0]]]), idx)
+    with pytest.raises(ValueError, match="kv_indices"):
+        BlockMask.from_kv_blocks(num, np.array([[[[0, 2], [1, 0]]]]))
+    with pytest.raises(ValueError, match="full_kv_indices"):
+        BlockMask.from_kv_blocks(num, idx, num, np.array([[[[0, -1], [1, 0]]]]))
+    with pytest.raises(ValueError, match="BLOCK_SIZE"):
+        BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=(0, 128))
+    with pytest.raises(ValueError, match="block states"):
+        BlockMask(np.zeros((2, 2)), (1, 1), (1, 1), None)
+
+
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        (dict(B=0), "B"), (dict(B=-1), "B"), (dict(B=1.5), "B"), (dict(B=True), "B"), (dict(B="2"), "B"),
+        (dict(H=0), "H"), (dict(H=2.0), "H"),
+        (dict(Q_LEN=0), "Q_LEN"), (dict(Q_LEN=None), "Q_LEN"), (dict(Q_LEN=10.0), "Q_LEN"),
+        (dict(KV_LEN=-3), "KV_LEN"), (dict(KV_LEN=None), "KV_LEN"),
+        (dict(BLOCK_SIZE=0), "BLOCK_SIZE"), (dict(BLOCK_SIZE=(128,)), "BLOCK_SIZE"),
+        (dict(BLOCK_SIZE=(128, -1)), "BLOCK_SIZE"), (dict(BLOCK_SIZE=(64, 64, 64)), "BLOCK_SIZE"),
+        (dict(BLOCK_SIZE=(64.5, 64)), "BLOCK_SIZE"), (dict(BLOCK_SIZE=True), "BLOCK_SIZE"),
+        (dict(BLOCK_SIZE=12.0), "BLOCK_SIZE"), (dict(BLOCK_SIZE="128"), "BLOCK_SIZE"),
+    ],
+)
+def test_argument_validation(kwargs, word):
+    args = dict(B=None, H=None, Q_LEN=64, KV_LEN=64, BLOCK_SIZE=32)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=word):
+        create_block_mask(causal(), **args)
+
+
+def test_mask_argument_validation():
+    with pytest.raises(TypeError, match="mask_mod"):
+        create_block_mask(3, None, None, 64, 64)
+    from flexattn.mods import softcap
+    with pytest.raises(TypeError, match="mask_mod"):
+        create_block_mask(softcap(2.0), None, None, 64, 64)
+
+
+def test_device_and_compile_accepted():
+    a = create_block_mask(causal(), None, None, 128, 128, device="cuda", _compile=True)
+    assert (a.block_states() == create_block_mask(causal(), None, None, 128, 128).block_states()).all()
+
+
+# --- speed ----------------------------------------------------------------------------------------------
+
+def test_long_causal_sliding_window_is_fast():
+    m = causal() & sliding_window(1000)
+    create_block_mask(m, None, None, 1024, 1024)  # warm up
+    t = time.perf_counter()
+    bm = create_block_mask(m, None, None, 16384, 16384)
+    elapsed = time.perf_counter() - t
+    assert elapsed < 1.0, f"16k x 16k causal & sliding window took {elapsed:.2f}s"
+    states = bm.block_states()[0, 0]
+    # only the tiles the two boundaries cross are partial: the diagonal and the window edge
+    qi, ki = np.nonzero(states == PARTIAL)
+    d = qi - ki
+    assert set(np.unique(d)) <= {0, 7, 8}
+    assert (states == PARTIAL).sum() == 128 + 121 + 120
+    assert bm.density() == pytest.approx((1001 * 16384 - 1000 * 1001 / 2) / 16384 ** 2, rel=1e-12)
