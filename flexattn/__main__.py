@@ -69,20 +69,12 @@ def main(argv=None) -> int:
 
 def _plot(mask, block_mask, S, path):
     try:
-        import matplotlib
+        from .plotting import plot_mask_and_blocks
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: pip install 'flexattn[notebooks]'", file=sys.stderr)
+        fig = plot_mask_and_blocks(mask, S, S, block_mask=block_mask)
+    except ImportError as e:  # matplotlib is optional
+        print(e, file=sys.stderr)
         return
-    dense = mask(0, 0, np.arange(S)[:, None], np.arange(S)[None, :])
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 4.5))
-    a.imshow(dense, cmap="Blues", interpolation="nearest")
-    a.set_title("element mask")
-    b.imshow(block_mask.block_states()[0, 0], cmap="Blues", vmin=0, vmax=2, interpolation="nearest")
-    b.set_title("tiles: empty / partial / full")
-    fig.tight_layout()
     fig.savefig(path, dpi=80)
     print(f"saved {path}")
 

@@ -24,8 +24,10 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, scale=None, enable_
     spec = AttentionSpec.from_args(score_mod, block_mask, scale, enable_gqa, mask, score)
     check_inputs(q, k, v, spec)
     out, lse = reference.forward(q, k, v, spec, dtype=precision)
-    out = out.astype(_result_dtype(q))
-    return (out, lse.astype(np.float32)) if return_lse else out
+    out_dtype = _result_dtype(q)
+    out = out.astype(out_dtype)
+    lse = lse.astype(np.float64 if out_dtype == np.float64 else np.float32)  # as torch does
+    return (out, lse) if return_lse else out
 
 
 def flex_attention_backward(q, k, v, d_out, d_lse=None, score_mod=None, block_mask=None, scale=None,
