@@ -1,0 +1,137 @@
+"""Compile kernels ahead of time on fake tensors: no GPU and no driver query needed.
+
+`compile_forward(cfg, ...)` traces `FlashFwdSm90(cfg)` on symbolic-shape fake tensors and
+returns a `cute.compile` result that can be launched with real tensors of the same dtypes
+and ranks (any sizes / strides with D contiguous). On a CPU-only machine set
+nothing: the target is passed as a compile option (`ARCH_OPTION`); PTX and CUBIN are kept on request so tests
+can inspect them.
+"""
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+from flexattn.kernels.fwd_sm90 import FlashFwdSm90, FwdConfig
+
+ARCH = "sm_90a"
+# Passed to every compile: it overrides CUTE_DSL_ARCH / GPU detection, so compiling works
+# on a GPU-less machine whatever the environment, and never probes the driver.
+ARCH_OPTION = f"--gpu-arch={ARCH}"
+
+
+def fake_bhsd(dtype, name: str, sym_b, sym_h, sym_s, head_dim: int):
+    """A [B, H, S, D] fake tensor with symbolic B/H/S and strides, D contiguous and
+    16-byte aligned rows (what TMA requires)."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    elems_16b = 128 // dtype.width
+    stride = (cute.sym_int64(divisibility=elems_16b), cute.sym_int64(divisibility=elems_16b),
+              cute.sym_int64(divisibility=elems_16b), 1)
+    return make_fake_tensor(dtype, (sym_b, sym_h, sym_s, head_dim), stride, assumed_align=16)
+
+
+def fake_forward_args(cfg: FwdConfig, mod_args: tuple = ()):
+    """Fake (q, k, v, o, lse, softmax_scale, mod_args, block_sparse, stream) for
+    `FlashFwdSm90.__call__`.
+    Q/O and K/V have independent symbolic head counts and sequence lengths."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    dt = cfg.cutlass_dtype
+    b, hq, hkv, sq, skv = (cute.sym_int() for _ in range(5))
+    q = fake_bhsd(dt, "q", b, hq, sq, cfg.head_dim)
+    k = fake_bhsd(dt, "k", b, hkv, skv, cfg.head_dim)
+    v = fake_bhsd(dt, "v", b, hkv, skv, cfg.head_dim)
+    o = fake_bhsd(dt, "o", b, hq, sq, cfg.head_dim)
+    lse = make_fake_tensor(cutlass.Float32, (b, hq, sq),
+                           (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+    block_sparse = None
+    if cfg.block_sparse:   # kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices
+        def counts():
+            return make_fake_tensor(cutlass.Int32, (cute.sym_int(),) * 3,
+                                    (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+
+        def indices():
+            return make_fake_tensor(cutlass.Int32, (cute.sym_int(),) * 4,
+                                    (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), 1),
+                                    assumed_align=4)
+        block_sparse = (counts(), indices(), counts(), indices())
+    # No hook args travel as None: CuTeDSL cannot pass an empty tuple.
+    return (q, k, v, o, lse, cutlass.Float32(1.0), tuple(mod_args) if mod_args else None,
+            block_sparse, make_fake_stream())
+
+
+def compile_forward(cfg: FwdConfig, mod_args: tuple = (), *, keep_ptx: bool = False,
+                    keep_cubin: bool = False, extra_options: str = ""):
+    """Compile the sm90 forward for `cfg`. `mod_args` gives the *types* of the hook's
+    runtime args (fake tensors / typed scalars); their values are irrelevant."""
+    import cutlass.cute as cute
+
+    opts = " ".join(o for o in (
+        ARCH_OPTION, "--keep-ptx" if keep_ptx else "", "--keep-cubin" if keep_cubin else "",
+        extra_options,
+    ) if o)
+    args = fake_forward_args(cfg, mod_args)
+    if not (keep_ptx or keep_cubin):
+        return cute.compile(FlashFwdSm90(cfg), *args, options=opts)
+    # Kept artifacts go to the DSL's dump dir (the CWD at import time) and are read back
+    # into the result at once; point it at a scratch directory for this compile.
+    with tempfile.TemporaryDirectory() as d, _dump_dir(d):
+        return cute.compile(FlashFwdSm90(cfg), *args, options=opts)
+
+
+@contextlib.contextmanager
+def _dump_dir(path: str):
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    envar = CuTeDSL._get_dsl().envar
+    old = envar.dump_dir
+    envar.dump_dir = path
+    try:
+        yield
+    finally:
+        envar.dump_dir = old
+
+
+@dataclass
+class ResourceUsage:
+    registers: int
+    stack_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    smem_bytes: int
+
+
+def resource_usage_from_ptx(ptx: str, arch: str = ARCH) -> ResourceUsage | None:
+    """Assemble `ptx` with `ptxas -v` (if a ptxas is on PATH) and parse its report.
+    Returns None when no ptxas is available."""
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas, f"-arch={arch}", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"ptxas failed:\n{out.stderr[-4000:]}")
+    text = out.stdout + out.stderr
+
+    def grab(pattern, default=0):
+        m = re.search(pattern, text)
+        return int(m.group(1)) if m else default
+
+    return ResourceUsage(
+        registers=grab(r"Used (\d+) registers"),
+        stack_bytes=grab(r"(\d+) bytes stack frame"),
+        spill_store_bytes=grab(r"(\d+) bytes spill stores"),
+        spill_load_bytes=grab(r"(\d+) bytes spill loads"),
+        smem_bytes=grab(r"(\d+) bytes smem"),
+    )

@@ -1,0 +1,609 @@
+"""FlashAttention forward for Hopper (sm_90a) in CuTeDSL, with a compile-time mod hook.
+
+One CTA computes one (tile_m rows of Q) x (one head) x (one batch) output tile:
+
+    warpgroup 0, warp 0   producer: TMA-loads Q once, then K_j and V_j for each visited
+                          kv block j into a `num_stages`-deep ring (separate mbarrier
+                          pipelines for K and V so S = Q K_j^T can start before V_j lands)
+    warpgroups 1..        consumers, 64 rows of the tile each: S = Q K^T (wgmma, smem x smem),
+                          mods on the S fragment, online softmax (fp32, exp2), O += P V
+                          (wgmma, P from registers), then O / l -> smem -> TMA store, LSE.
+
+Registers are moved from the producer to the consumers with setmaxnreg. Scheduling
+(step b, config flags, results identical): *intra-warpgroup overlap* issues S_j = Q K_j^T
+together with O += P_{j-1} V_{j-1} and runs the softmax of S_j while the tensor cores do the
+P V product; *ping-pong* makes the consumer warpgroups take turns issuing GEMMs (named
+barriers), so one warpgroup's softmax hides behind the other's GEMMs.
+
+Tensors are [B, H, S, D] with D contiguous (any other strides); K/V may have fewer heads
+(GQA: kv head = q head // (Hq / Hkv)); Q_LEN and KV_LEN are independent and arbitrary
+(TMA zero-fills reads past the end and clips the store; the KV_LEN edge is masked).
+
+Which kv blocks are visited, and which of them need the mask evaluated, is the *block
+structure* (see block_sparsity.py): "dense" (all blocks, last first, the mask on every
+block), "causal" (blocks at or below the diagonal, the mask only on blocks crossing it) or
+"block_sparse" (a FlexAttention BlockMask's partial and full lists, runtime tensors).
+`_visit_blocks` / `_visit_sparse` (consumers) and `load` (producer) are the only code that
+enumerates blocks, in the same order.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from flexattn.kernels import sm90_mma
+from flexattn.kernels.block_sparsity import DenseBlocks, SparseBlocks
+from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook, apply_mods
+from flexattn.kernels.softmax import OnlineSoftmax, rescale_rows
+
+LOG2_E = math.log2(math.e)
+
+_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Everything that changes the generated code (runtime values never do)."""
+
+    dtype: str = "bf16"            # "bf16" | "fp16": Q, K, V and O
+    head_dim: int = 128            # 64 | 128
+    tile_m: int | None = None      # Q rows per CTA, 64 per consumer warpgroup (None: 192
+                                   # for head_dim 64 without score mod, else 128)
+    tile_n: int = 128              # KV rows per pipeline stage
+    num_stages: int = 2            # K/V ring depth
+    causal: bool = False           # block structure: skip blocks above the diagonal
+    block_sparse: bool = False     # block structure from BlockMask lists (runtime tensors)
+    mods: ModHook = field(default=NO_MODS, compare=False)
+    producer_regs: int | None = None  # setmaxnreg budgets; None: by warpgroup count,
+    consumer_regs: int | None = None  # 2 WGs: 24 / 240, 3 WGs: 32 / 160 (fill 64K regs)
+    # Step (b) scheduling; both only change timing, never results:
+    intra_wg_overlap: bool = True  # softmax of block j overlaps P_{j-1} V_{j-1} on the tensor cores
+    pingpong: bool = True          # 2 consumer warpgroups take turns issuing their GEMMs
+
+    def __post_init__(self):
+        # Resolve the defaults that depend on other fields (frozen: via object.__setattr__).
+        if self.tile_m is None and self.block_sparse:
+            object.__setattr__(self, "tile_m", 128)   # = FlexAttention's default Q block
+        if self.tile_m is None:
+            # 3 consumer warpgroups at 160 regs each suit head_dim 64, but a score mod
+            # (e.g. with buffer loads) can spill there: then 2 warpgroups at 240.
+            big = self.head_dim <= 64 and not self.mods.has_score
+            object.__setattr__(self, "tile_m", 192 if big else 128)
+        regs = {1: (56, 256), 2: (24, 240), 3: (32, 160)}.get(self.tile_m // 64, (24, 240))
+        if self.producer_regs is None:
+            object.__setattr__(self, "producer_regs", regs[0])
+        if self.consumer_regs is None:
+            object.__setattr__(self, "consumer_regs", regs[1])
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.head_dim not in (64, 128):
+            raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
+        if self.tile_m not in (64, 128, 192):
+            raise ValueError(f"tile_m must be 64, 128 or 192, got {self.tile_m}")
+        if self.tile_m == 192 and self.head_dim > 64:
+            raise ValueError("tile_m=192 (160 regs per warpgroup) only fits head_dim 64")
+        if self.tile_n % 16 != 0 or not 16 <= self.tile_n <= 256:
+            raise ValueError(f"tile_n must be a multiple of 16 in [16, 256], got {self.tile_n}")
+        if self.num_stages < 1:
+            raise ValueError("num_stages must be >= 1")
+        if self.block_sparse and self.causal:
+            raise ValueError("block_sparse and causal are two block structures: pick one")
+        if self.pingpong and self.tile_m == 64:
+            raise ValueError("pingpong needs 2 or 3 consumer warpgroups (tile_m 128 or 192)")
+
+    @property
+    def cutlass_dtype(self):
+        return _DTYPES[self.dtype]
+
+    def key(self) -> tuple:
+        """Compile-cache key: the config with the hook replaced by its structure key."""
+        return (self.dtype, self.head_dim, self.tile_m, self.tile_n, self.num_stages,
+                self.causal, self.block_sparse, self.producer_regs, self.consumer_regs, self.intra_wg_overlap,
+                self.pingpong, self.mods.key())
+
+
+class FlashFwdSm90:
+    """Compile with `cute.compile(FlashFwdSm90(cfg), q, k, v, o, lse, scale, args, stream)`
+    or through `flexattn.kernels.compile.compile_forward`."""
+
+    def __init__(self, config: FwdConfig):
+        self.cfg = config
+        self.dtype = config.cutlass_dtype
+        self.mods = config.mods
+        self.num_mma_wg = config.tile_m // 64
+        self.num_mma_threads = 128 * self.num_mma_wg
+        self.num_threads = 128 + self.num_mma_threads
+        # Named barrier ids (0 is __syncthreads): one for the epilogue, then one per
+        # consumer warpgroup for the ping-pong turn.
+        self.epilogue_barrier_id = 1
+        self.turn_barrier_id0 = 2
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,          # [B, Hq, Sq, D]
+        mK: cute.Tensor,          # [B, Hkv, Skv, D]
+        mV: cute.Tensor,          # [B, Hkv, Skv, D]
+        mO: cute.Tensor,          # [B, Hq, Sq, D]
+        mLSE: cute.Tensor,        # [B, Hq, Sq] float32, natural log
+        softmax_scale: Float32,
+        mod_args,                 # tuple of runtime args for the mod hook, or None
+        block_sparse,             # (kv_num_blocks, kv_indices, full_kv_num_blocks,
+                                  #  full_kv_indices) int32, if cfg.block_sparse; else None
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        for t in (mQ, mK, mV, mO):
+            if const_expr(t.element_type != self.dtype):
+                raise TypeError(f"expected {self.dtype}, got {t.element_type}")
+        if const_expr(mLSE.element_type != Float32):
+            raise TypeError("LSE must be float32")
+        if const_expr(cfg.block_sparse != (block_sparse is not None)):
+            raise ValueError("block_sparse tensors must be given iff cfg.block_sparse")
+
+        # (S, D, H, B) views: the TMA box is (rows, D) and H, B index the tile.
+        Q, K, V, O = [sm90_mma.select_modes(t, [2, 3, 1, 0]) for t in (mQ, mK, mV, mO)]
+        LSE = sm90_mma.select_modes(mLSE, [2, 1, 0])          # (S, H, B)
+
+        tiled_mma_qk = sm90_mma.make_qk_mma(self.dtype, cfg.tile_m, cfg.tile_n)
+        tiled_mma_pv = sm90_mma.make_pv_mma(self.dtype, cfg.tile_m, cfg.head_dim)
+
+        sQ_layout = sm90_mma.smem_layout(self.dtype, cfg.tile_m, cfg.head_dim)
+        sK_layout = sm90_mma.smem_layout(self.dtype, cfg.tile_n, cfg.head_dim, cfg.num_stages)
+        sV_layout = sm90_mma.smem_layout(self.dtype, cfg.tile_n, cfg.head_dim, cfg.num_stages)
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+            g2s, Q, sQ_layout, (cfg.tile_m, cfg.head_dim))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            g2s, K, cute.select(sK_layout, mode=[0, 1]), (cfg.tile_n, cfg.head_dim), 1)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            g2s, V, cute.select(sV_layout, mode=[0, 1]), (cfg.tile_n, cfg.head_dim), 1)
+        # O goes out through sQ's buffer (same shape and swizzle) once Q is dead.
+        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), O, sQ_layout, (cfg.tile_m, cfg.head_dim))
+
+        self.bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
+        self.bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        # With a score mod the kernel scales s itself before the hook; exp2 then needs
+        # only log2(e). Without one, scale * log2(e) folds into the exp2 argument.
+        scale_log2 = Float32(LOG2_E)
+        if const_expr(not self.mods.has_score):
+            scale_log2 = softmax_scale * Float32(LOG2_E)
+
+        grid = ((Q.shape[0] + cfg.tile_m - 1) // cfg.tile_m, Q.shape[2], Q.shape[3])
+        self.kernel(
+            tma_Q, tma_K, tma_V, tma_O, LSE,
+            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+            tiled_mma_qk, tiled_mma_pv,
+            sQ_layout, sK_layout, sV_layout,
+            softmax_scale, scale_log2, mod_args, block_sparse,
+            SharedStorage,
+        ).launch(
+            grid=grid,
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+        tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
+        tma_atom_V: cute.CopyAtom, tma_atom_O: cute.CopyAtom,
+        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        softmax_scale: Float32, scale_log2: Float32, mod_args, block_sparse,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        cfg = self.cfg
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # PipelineTmaAsync releases with one arrive per consumer warp.
+        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
+            producer_group=one_thread, consumer_group=mma_warps,
+            tx_count=self.bytes_q, defer_sync=True)
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=cfg.num_stages,
+            producer_group=one_thread, consumer_group=mma_warps,
+            tx_count=self.bytes_kv, defer_sync=True)
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=cfg.num_stages,
+            producer_group=one_thread, consumer_group=mma_warps,
+            tx_count=self.bytes_kv, defer_sync=True)
+        pipeline.pipeline_init_arrive()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        # Tile coordinates. Highest m_block first: under causal masking it has the most
+        # work, so the long tiles start early and the short ones fill the tail.
+        bidx, head, batch = cute.arch.block_idx()
+        gdimx, _, _ = cute.arch.grid_dim()
+        m_block = gdimx - 1 - bidx
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        if const_expr(cfg.block_sparse):
+            blocks = SparseBlocks(block_sparse, batch, head, m_block)
+        else:
+            blocks = DenseBlocks(self._n_block_max(m_block, seqlen_k))
+
+        pipeline.pipeline_init_wait()
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(cfg.producer_regs)
+            if warp_idx == 0:
+                self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                          pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, blocks)
+        else:
+            cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            self.consume(mO, mLSE, sQ, sK, sV, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                         pipe_q, pipe_k, pipe_v, m_block, head, batch, seqlen_q, seqlen_k,
+                         blocks, softmax_scale, scale_log2, mod_args)
+
+    @cute.jit
+    def _n_block_max(self, m_block: Int32, seqlen_k: Int32) -> Int32:
+        cfg = self.cfg
+        n_max = (seqlen_k + cfg.tile_n - 1) // cfg.tile_n
+        if const_expr(cfg.causal):
+            # Last kv column any row of this tile may see (top-left aligned: kv <= q).
+            n_max = cutlass.min(n_max, ((m_block + 1) * cfg.tile_m + cfg.tile_n - 1) // cfg.tile_n)
+        return n_max
+
+    @cute.jit
+    def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+             pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, blocks):
+        cfg = self.cfg
+        gQ = cute.local_tile(mQ[None, None, head, batch], (cfg.tile_m, cfg.head_dim), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim), (None, 0))
+        one = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+
+        k_src = (pipe_k, tma_atom_K, tKgK, tKsK)
+        v_src = (pipe_v, tma_atom_V, tVgV, tVsV)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
+        n = blocks.count
+        if const_expr(not cfg.intra_wg_overlap):
+            for i in cutlass.range(n, unroll=1):
+                n_block = blocks.at(i)
+                self._load_block(k_src, n_block, kv_state)
+                self._load_block(v_src, n_block, kv_state)
+                kv_state.advance()
+        else:
+            # The consumers want K_j before V_{j-1}: issue in that order.
+            if n > 0:
+                self._load_block(k_src, blocks.at(0), kv_state)
+            for i in cutlass.range(1, n, unroll=1):
+                v_state = kv_state.clone()
+                kv_state.advance()
+                self._load_block(k_src, blocks.at(i), kv_state)
+                self._load_block(v_src, blocks.at(i - 1), v_state)
+            if n > 0:
+                self._load_block(v_src, blocks.at(n - 1), kv_state)
+
+    @cute.jit
+    def _load_block(self, src, n_block, state):
+        """TMA one K or V block into the ring slot of `state` (waits for the slot)."""
+        pipe, atom, tXgX, tXsX = src
+        pipe.producer_acquire(state)
+        cute.copy(atom, tXgX[None, n_block], tXsX[None, state.index],
+                  tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    @cute.jit
+    def consume(self, mO, mLSE, sQ, sK, sV, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                pipe_q, pipe_k, pipe_v, m_block, head, batch, seqlen_q, seqlen_k,
+                blocks, softmax_scale, scale_log2, mod_args):
+        cfg = self.cfg
+        if const_expr(mod_args is None):
+            mod_args = ()
+        tidx = cute.arch.thread_idx()[0] - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        # wgmma operands are partitioned per warpgroup; accumulators per thread.
+        wg_first_thread = cute.make_layout(self.num_mma_wg, stride=128)(wg)
+        wg_qk = tiled_mma_qk.get_slice(wg_first_thread)
+        wg_pv = tiled_mma_pv.get_slice(wg_first_thread)
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sm90_mma.transpose_view(sV)))
+        tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
+        acc_shape_S = wg_qk.partition_shape_C((cfg.tile_m, cfg.tile_n))
+        acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((cfg.tile_m, cfg.head_dim)), Float32)
+        acc_O.fill(0.0)
+
+        softmax = OnlineSoftmax(scale_log2, cute.size(sm90_mma.acc_mn_view(acc_O).shape[0]))
+        coords = FragmentCoords(thr_qk, cfg.tile_m, cfg.tile_n, sm90_mma.acc_mn_view)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_q.consumer_wait(q_state)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
+
+        ctx = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O,
+               softmax, coords, pipe_k, pipe_v, m_block, head, batch, seqlen_q, seqlen_k,
+               softmax_scale, mod_args, wg)
+        if const_expr(cfg.pingpong):
+            # Warpgroup 0 holds the first turn.
+            if wg == 0:
+                cute.arch.barrier_arrive(barrier_id=self.turn_barrier_id0, number_of_threads=256)
+        if const_expr(not cfg.intra_wg_overlap):
+            self._turn_wait(wg)
+        if const_expr(cfg.block_sparse):
+            self._visit_sparse(ctx, kv_state, blocks)
+        else:
+            kv_state = self._visit_blocks(ctx, kv_state, m_block, blocks.count)
+            if const_expr(cfg.intra_wg_overlap):
+                self._last_pv(ctx, kv_state)
+        if const_expr(not cfg.intra_wg_overlap):
+            self._turn_pass(wg)
+
+        inv_sum, lse = softmax.finalize()
+        rescale_rows(acc_O, inv_sum)
+        self.epilogue(acc_O, lse, mO, mLSE, sQ, tma_atom_O, tiled_mma_pv, thr_pv, tidx,
+                      m_block, head, batch, seqlen_q)
+
+    # Ping-pong: warpgroup w may issue GEMMs once barrier (turn_barrier_id0 + w) has seen
+    # the previous warpgroup's arrival; after issuing it passes the turn to the next one
+    # (0 -> 1 -> 0, or 0 -> 1 -> 2 -> 0 with three consumer warpgroups). The softmax of
+    # one warpgroup then runs while the other's GEMMs occupy the tensor cores.
+    def _turn_wait(self, wg):
+        if const_expr(self.cfg.pingpong):
+            cute.arch.barrier(barrier_id=self.turn_barrier_id0 + wg, number_of_threads=256)
+
+    def _turn_pass(self, wg):
+        if const_expr(self.cfg.pingpong):
+            nxt = 1 - wg
+            if const_expr(self.num_mma_wg == 3):
+                nxt = (wg + 1) % 3
+            cute.arch.barrier_arrive(barrier_id=self.turn_barrier_id0 + nxt,
+                                     number_of_threads=256)
+
+    @cute.jit
+    def _visit_blocks(self, ctx, kv_state, m_block, n_block_max):
+        """Enumerate kv blocks (last first) and pick, per block, which masks to evaluate.
+        The producer's `load` visits the same blocks in the same order."""
+        cfg = self.cfg
+        mods = self.mods
+        # First block: always fully checked (it may straddle KV_LEN and the diagonal).
+        kv_state = self._block(ctx, kv_state, n_block_max - 1, is_first=True,
+                               mask=mods.has_mask, causal=cfg.causal and not mods.has_mask,
+                               kv_bound=True)
+        n_rest = n_block_max - 1
+        if const_expr(cfg.causal):
+            # Blocks >= n_diag contain some kv > the tile's first q: mask needed.
+            n_diag = (m_block * cfg.tile_m + 1) // cfg.tile_n
+            for i in cutlass.range(n_block_max - 1 - n_diag, unroll=1):
+                kv_state = self._block(ctx, kv_state, n_block_max - 2 - i, is_first=False,
+                                       mask=mods.has_mask, causal=not mods.has_mask,
+                                       kv_bound=False)
+            n_rest = cutlass.min(n_rest, n_diag)
+        # Remaining blocks: full under causal; under the dense structure a mask hook
+        # must still be evaluated everywhere.
+        for i in cutlass.range(n_rest, unroll=1):
+            kv_state = self._block(ctx, kv_state, n_rest - 1 - i, is_first=False,
+                                   mask=mods.has_mask and not cfg.causal, causal=False,
+                                   kv_bound=False)
+        return kv_state
+
+    @cute.jit
+    def _visit_sparse(self, ctx, kv_state, blocks):
+        """Block-sparse structure: partial blocks (mask evaluated), then full blocks (no
+        mask). Counts are runtime values and may be 0. Every block is bound-checked against
+        KV_LEN (any of them may be the last one)."""
+        softmax = ctx[8]
+        has_mask = self.mods.has_mask
+        softmax.reset()       # the first visit may be any block, or there may be none
+        n_p, n_f = blocks.n_partial, blocks.n_full
+        if const_expr(not self.cfg.intra_wg_overlap):
+            for i in cutlass.range(n_p, unroll=1):
+                kv_state = self._step(ctx, kv_state, blocks.partial_at(i), is_first=False,
+                                      mask=has_mask, causal=False, kv_bound=True)
+            for i in cutlass.range(n_f, unroll=1):
+                kv_state = self._step(ctx, kv_state, blocks.full_at(i), is_first=False,
+                                      mask=False, causal=False, kv_bound=True)
+        else:
+            # Peel the first visit (S and P only): it is partial[0], else full[0].
+            if n_p > 0:
+                self._first_half(ctx, kv_state, blocks.partial_at(0), mask=has_mask,
+                                 causal=False, kv_bound=True)
+            else:
+                if n_f > 0:
+                    self._first_half(ctx, kv_state, blocks.full_at(0), mask=False,
+                                     causal=False, kv_bound=True)
+            for i in cutlass.range(1, n_p, unroll=1):
+                kv_state = self._overlap_step(ctx, kv_state, blocks.partial_at(i),
+                                              mask=has_mask, causal=False, kv_bound=True)
+            for i in cutlass.range(1 - cutlass.min(n_p, 1), n_f, unroll=1):
+                kv_state = self._overlap_step(ctx, kv_state, blocks.full_at(i),
+                                              mask=False, causal=False, kv_bound=True)
+            if n_p + n_f > 0:
+                self._last_pv(ctx, kv_state)
+        return kv_state
+
+    @cute.jit
+    def _block(self, ctx, kv_state, n_block, is_first: cutlass.Constexpr[bool],
+               mask: cutlass.Constexpr[bool], causal: cutlass.Constexpr[bool],
+               kv_bound: cutlass.Constexpr[bool]):
+        flags = dict(mask=mask, causal=causal, kv_bound=kv_bound)
+        if const_expr(not self.cfg.intra_wg_overlap):
+            return self._step(ctx, kv_state, n_block, is_first, **flags)
+        elif const_expr(is_first):
+            return self._first_half(ctx, kv_state, n_block, **flags)
+        else:
+            return self._overlap_step(ctx, kv_state, n_block, **flags)
+
+    @cute.jit
+    def _scores(self, ctx, acc_S, n_block, mask: cutlass.Constexpr[bool],
+                causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr[bool]):
+        """Score mod and masks on a finished S tile."""
+        (_, _, _, _, _, _, _, _, _, coords, _, _, m_block, head, batch, seqlen_q, seqlen_k,
+         softmax_scale, mod_args, _) = ctx
+        mods = self.mods
+        if const_expr(mods.has_score or mask or causal or kv_bound):
+            apply_mods(sm90_mma.acc_mn_view(acc_S), coords, mods, batch, head, m_block,
+                       n_block, seqlen_q, seqlen_k, softmax_scale, mod_args,
+                       apply_score=mods.has_score, apply_mask=mask,
+                       builtin_causal=causal, check_kv_bounds=kv_bound)
+
+    @cute.jit
+    def _step(self, ctx, kv_state, n_block, is_first: cutlass.Constexpr[bool],
+              mask: cutlass.Constexpr[bool], causal: cutlass.Constexpr[bool],
+              kv_bound: cutlass.Constexpr[bool]):
+        """One kv block, no overlap: S = Q K^T, mods, softmax, O = O * scale + P V.
+        (Ping-pong turn: held from before P V until Q K^T of the next block is issued.)"""
+        (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O,
+         softmax, _, pipe_k, pipe_v, _, _, _, _, _, _, _, wg) = ctx
+
+        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+        pipe_k.consumer_wait(kv_state)
+        sm90_mma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
+                      zero_init=True, wait=-1)
+        self._turn_pass(wg)
+        warpgroup.wait_group(0)
+        pipe_k.consumer_release(kv_state)
+
+        self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
+        row_scale = softmax.step(acc_S, is_first=is_first)
+        if const_expr(not is_first):
+            rescale_rows(acc_O, row_scale)
+        tOrP.store(sm90_mma.acc_as_a_view(acc_S).load().to(self.dtype))
+
+        pipe_v.consumer_wait(kv_state)
+        self._turn_wait(wg)
+        sm90_mma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index],
+                      zero_init=False, wait=0)
+        pipe_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def _first_half(self, ctx, kv_state, n_block, mask: cutlass.Constexpr[bool],
+                    causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr[bool]):
+        """Overlapped schedule, block 0: S_0 and P_0 only (P_0 V_0 runs in the next step)."""
+        (tiled_mma_qk, _, tSrQ, tSrK, _, tOrP, acc_shape_S, _, softmax, _, pipe_k, _,
+         _, _, _, _, _, _, _, _) = ctx
+        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+        pipe_k.consumer_wait(kv_state)
+        sm90_mma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
+                      zero_init=True, wait=0)
+        pipe_k.consumer_release(kv_state)
+        self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
+        softmax.step(acc_S, is_first=True)
+        tOrP.store(sm90_mma.acc_as_a_view(acc_S).load().to(self.dtype))
+        return kv_state
+
+    @cute.jit
+    def _overlap_step(self, ctx, kv_state, n_block, mask: cutlass.Constexpr[bool],
+                      causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr[bool]):
+        """Overlapped schedule, block j: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1},
+        then do mods + softmax of S_j while the P V GEMM is still running."""
+        (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O,
+         softmax, _, pipe_k, pipe_v, _, _, _, _, _, _, _, wg) = ctx
+        v_state = kv_state.clone()         # stage of block j-1
+        kv_state.advance()                 # stage of block j
+
+        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+        pipe_k.consumer_wait(kv_state)
+        self._turn_wait(wg)
+        sm90_mma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
+                      zero_init=True, wait=-1)
+        pipe_v.consumer_wait(v_state)
+        sm90_mma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index],
+                      zero_init=False, wait=-1)
+        self._turn_pass(wg)
+        warpgroup.wait_group(1)            # S_j ready (groups retire in order)
+        pipe_k.consumer_release(kv_state)
+
+        self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
+        row_scale = softmax.step(acc_S, is_first=False)
+        warpgroup.wait_group(0)            # P_{j-1} V_{j-1} done: O and P registers free
+        pipe_v.consumer_release(v_state)
+        rescale_rows(acc_O, row_scale)
+        tOrP.store(sm90_mma.acc_as_a_view(acc_S).load().to(self.dtype))
+        return kv_state
+
+    @cute.jit
+    def _last_pv(self, ctx, kv_state):
+        """Overlapped schedule, tail: O += P_last V_last (the ring is not advanced: this is
+        the CTA's last use of it)."""
+        (_, tiled_mma_pv, _, _, tOrVt, tOrP, _, acc_O, _, _, _, pipe_v,
+         _, _, _, _, _, _, _, _) = ctx
+        pipe_v.consumer_wait(kv_state)
+        sm90_mma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index],
+                      zero_init=False, wait=0)
+        pipe_v.consumer_release(kv_state)
+
+    @cute.jit
+    def epilogue(self, acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx,
+                 m_block, head, batch, seqlen_q):
+        cfg = self.cfg
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        # sO aliases sQ: every consumer warpgroup must be done with its last Q K^T.
+        cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
+        stmatrix = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        r2s = cute.make_tiled_copy_C(stmatrix, tiled_mma_pv).get_slice(tidx)
+        cute.copy(r2s, r2s.retile(rO), r2s.partition_D(sO))
+
+        # LSE: the lane holding column 0 of a row writes it.
+        cO = cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))
+        tOcO = sm90_mma.acc_mn_view(thr_pv.partition_C(cO))
+        gLSE = mLSE[None, head, batch]
+        if tOcO[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                q = m_block * cfg.tile_m + tOcO[r, 0][0]
+                if q < seqlen_q:
+                    gLSE[q] = lse[r]
+
+        # Generic-proxy smem writes must be visible to the TMA (async proxy) store.
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
+        if tidx // 32 == 0:
+            gO = cute.local_tile(mO[None, None, head, batch], (cfg.tile_m, cfg.head_dim), (m_block, 0))
+            tOsO, tOgO = cpasync.tma_partition(
+                tma_atom_O, 0, cute.make_layout(1),
+                cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
+            cute.copy(tma_atom_O, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -1,0 +1,126 @@
+"""The mod hook: how masks and score mods enter a kernel.
+
+A `ModHook` is a compile-time Python object. The kernel calls its methods while it is
+being traced, once per element of the S = Q K^T accumulator fragment, with CuTeDSL
+values: `b, h, q, kv` are Int32 (global batch, *query* head, query row, key column),
+`s` is the Float32 score. Whatever the methods emit is inlined into the kernel.
+
+    class ModHook:
+        has_score: bool
+        has_mask: bool
+        def score(self, s, b, h, q, kv, args) -> Float32
+        def mask(self, b, h, q, kv, args) -> Boolean       # True = keep
+        def key(self) -> hashable                          # structure only
+
+`args` is the tuple of *runtime* kernel arguments the caller passed next to Q/K/V
+(captured buffers as cute tensors, scalars as Float32/Int32). A hook reads them; it must
+never bake their values into the code, so one compiled kernel serves any values. `key()`
+must change whenever the emitted code would (IR structure, dtypes/ranks of args), and
+must not depend on argument values.
+
+Semantics (as torch flex_attention): the score mod sees the *scaled* score
+s = (q . k) * softmax_scale; masked elements become -inf after the score mod.
+
+Index safety: the kernel clamps q to Q_LEN-1 and kv to KV_LEN-1 before calling a hook,
+so a hook that indexes a buffer of length Q_LEN / KV_LEN never reads out of bounds for
+the padding rows/columns of a partial tile (their results are discarded).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Float32, Int32, const_expr
+
+
+class ModHook:
+    """No score mod, no mask. Subclass and set the flags for the methods you override."""
+
+    has_score: bool = False
+    has_mask: bool = False
+
+    def score(self, s, b, h, q, kv, args):
+        return s
+
+    def mask(self, b, h, q, kv, args):
+        return Boolean(True)
+
+    def key(self):
+        return (type(self).__module__, type(self).__qualname__)
+
+
+NO_MODS = ModHook()
+
+
+class FragmentCoords:
+    """Global (q, kv) coordinates of the S-fragment elements a thread holds.
+
+    Built from an identity tensor partitioned exactly like the accumulator, viewed as
+    (rows, cols). Column coordinates are split into this thread's offset (runtime) plus
+    thread 0's coordinates (compile-time constants) so each column index costs one add.
+    """
+
+    def __init__(self, thr_mma, tile_m: int, tile_n: int, acc_mn_view):
+        ident = cute.make_identity_tensor((tile_m, tile_n))
+        self.t_mn = acc_mn_view(thr_mma.partition_C(ident))
+        self.t0_mn = acc_mn_view(thr_mma.get_slice(0).partition_C(ident))
+        self.tile_m, self.tile_n = tile_m, tile_n
+
+    def row(self, r):           # local row of fragment row r
+        return self.t_mn[r, 0][0]
+
+    def col_offset(self):       # local column of this thread's first element
+        return self.t_mn[0, 0][1]
+
+    def col0(self, c):          # thread-0 column of fragment column c: a constant
+        return self.t0_mn[0, c][1]
+
+
+@cute.jit
+def apply_mods(
+    s_mn: cute.Tensor,
+    coords: FragmentCoords,
+    mods: cutlass.Constexpr,
+    batch: Int32,
+    head: Int32,
+    m_block: Int32,
+    n_block: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    softmax_scale: Float32,
+    args,
+    apply_score: cutlass.Constexpr[bool],
+    apply_mask: cutlass.Constexpr[bool],
+    builtin_causal: cutlass.Constexpr[bool],
+    check_kv_bounds: cutlass.Constexpr[bool],
+):
+    """Apply score mod, mask, built-in causal mask and the KV_LEN bound to one S tile
+    (`s_mn`: this thread's fragment as rows x cols), in place.
+
+    apply_score:     s <- mods.score(s * softmax_scale, ...) (the caller then uses
+                     log2(e) alone as the exp2 scale).
+    apply_mask:      mods.mask(...) False -> -inf.
+    builtin_causal:  q < kv -> -inf (used when the causal config has no mask hook).
+    check_kv_bounds: kv >= KV_LEN -> -inf (only the tile that straddles KV_LEN).
+    """
+    q_base = m_block * coords.tile_m
+    kv_base = n_block * coords.tile_n + coords.col_offset()
+    q_last = seqlen_q - 1
+    kv_last = seqlen_k - 1
+    for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
+        q = q_base + coords.row(r)
+        q_hook = cutlass.min(q, q_last)
+        for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
+            kv = kv_base + coords.col0(c)
+            kv_hook = kv
+            if const_expr(check_kv_bounds):
+                kv_hook = cutlass.min(kv, kv_last)
+            s = s_mn[r, c]
+            if const_expr(apply_score):
+                s = mods.score(s * softmax_scale, batch, head, q_hook, kv_hook, args)
+            if const_expr(apply_mask):
+                keep = mods.mask(batch, head, q_hook, kv_hook, args)
+                s = s if keep else -Float32.inf
+            if const_expr(builtin_causal):
+                s = s if q >= kv else -Float32.inf
+            if const_expr(check_kv_bounds):
+                s = s if kv < seqlen_k else -Float32.inf
+            s_mn[r, c] = s

@@ -1,0 +1,115 @@
+"""Hopper (sm_90a) warpgroup-MMA building blocks shared by the attention kernels.
+
+* shared-memory layouts for K-major (row-major, head-dim contiguous) tiles,
+* tiled MMAs for S = Q K^T (both operands in smem) and O += P V (P in registers),
+* one `gemm` that issues a chain of wgmma instructions,
+* two register *views* of an accumulator fragment: rows x cols (for softmax and the
+  mods) and "operand A" (so the fp32 S fragment, converted to 16 bit, feeds PV directly).
+
+Fragment geometry (one warpgroup, wgmma m64nNk16, fp32 accumulator): a thread holds
+((2, 2, N/8), MMA_M, MMA_N) values: mode 0 is (2 adjacent columns, 2 rows 8 apart,
+N/8 column groups 8 apart).
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import const_expr
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.utils import LayoutEnum
+
+
+def smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
+    """Swizzled smem layout for a (rows, cols) tile whose `cols` dim is contiguous,
+    optionally with a trailing stage mode. wgmma and TMA both read it."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
+    )
+    shape = (rows, cols) if stages is None else (rows, cols, stages)
+    order = (0, 1) if stages is None else (0, 1, 2)
+    return cute.tile_to_shape(atom, shape, order=order)
+
+
+def make_qk_mma(dtype, tile_m: int, tile_n: int):
+    """S[tile_m, tile_n] = Q K^T; one warpgroup per 64 rows; Q and K both K-major in smem."""
+    return sm90_helpers.make_trivial_tiled_mma(
+        dtype, dtype,
+        warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+        cutlass.Float32,
+        atom_layout_mnk=(tile_m // 64, 1, 1),
+        tiler_mn=(64, tile_n),
+    )
+
+
+def make_pv_mma(dtype, tile_m: int, head_dim: int):
+    """O[tile_m, head_dim] += P V; P from registers, V^T read MN-major from V's smem tile."""
+    return sm90_helpers.make_trivial_tiled_mma(
+        dtype, dtype,
+        warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+        cutlass.Float32,
+        atom_layout_mnk=(tile_m // 64, 1, 1),
+        tiler_mn=(64, head_dim),
+        a_source=warpgroup.OperandSource.RMEM,
+    )
+
+
+@cute.jit
+def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+         zero_init: cutlass.Constexpr[bool], wait: cutlass.Constexpr[int] = 0):
+    """acc (+)= A B over all k-blocks as one committed wgmma group; `wait` >= 0 waits until
+    at most that many groups are in flight, -1 returns with the group in flight."""
+    warpgroup.fence()
+    # A fresh atom per call: its ACCUMULATE field is mutated below.
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if const_expr(wait >= 0):
+        warpgroup.wait_group(wait)
+
+
+def transpose_view(t: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes of a (possibly swizzled) smem tensor: V (n, d, stage) -> V^T."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+def select_modes(t: cute.Tensor, modes) -> cute.Tensor:
+    """Tensor view with its modes reordered, e.g. [B, H, S, D] -> (S, D, H, B)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+def _acc_mn_layout(acc_layout: cute.Layout) -> cute.Layout:
+    # ((2, 2, V), M, N) -> ((2, M), (2, V, N)): rows first, columns second.
+    col_major = cute.make_layout(acc_layout.shape)
+    s, d = col_major.shape, col_major.stride
+    mn = cute.make_layout(
+        ((s[0][1], s[1]), (s[0][0], s[0][2], s[2])),
+        stride=((d[0][1], d[1]), (d[0][0], d[0][2], d[2])),
+    )
+    return cute.composition(acc_layout, mn)
+
+
+def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
+    """View an sm90 accumulator fragment as (rows, cols) of this thread."""
+    return cute.make_tensor(acc.iterator, _acc_mn_layout(acc.layout))
+
+
+@cute.jit
+def _acc_as_a_layout(acc_layout: cute.Layout) -> cute.Layout:
+    # ((2, 2, V), M, N) -> ((2, 2, 2), M, (V/2, N)): two adjacent 8-column groups form the
+    # k=16 slice a 16-bit wgmma A operand wants (V is even for every tile_n we use).
+    div = cute.logical_divide(acc_layout, ((None, None, 2), None, None))
+    s, d = div.shape, div.stride
+    return cute.make_layout(
+        ((s[0][0], s[0][1], s[0][2][0]), s[1], (s[0][2][1], s[2])),
+        stride=((d[0][0], d[0][1], d[0][2][0]), d[1], (d[0][2][1], d[2])),
+    )
+
+
+def acc_as_a_view(acc: cute.Tensor) -> cute.Tensor:
+    """View an sm90 accumulator fragment in the register layout of a wgmma A operand."""
+    return cute.make_tensor(acc.iterator, _acc_as_a_layout(acc.layout))

@@ -1,0 +1,267 @@
+"""GPU: the sm90 forward against a float64 reference on randomized shapes, mods, dtypes.
+
+Skipped without CUDA. Outputs are NaN-poisoned before every launch, so an element the
+kernel fails to write fails the test.
+"""
+
+import math
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("cutlass")
+
+import cutlass  # noqa: E402
+
+from flexattn.kernels import example_hooks as hooks  # noqa: E402
+from flexattn.kernels.fwd_sm90 import FwdConfig  # noqa: E402
+from flexattn.kernels.runner import ForwardRunner  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ----------------------------------------------------------------- reference (float64)
+def reference(q, k, v, scale, score_fn=None, mask_fn=None):
+    """Naive attention in float64 on [B, H, S, D]; returns (out, lse) with out = 0 and
+    lse = -inf for rows where every key is masked."""
+    q, k, v = (t.double() for t in (q, k, v))
+    B, Hq, Sq, _ = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(Hq // Hkv, dim=1)
+    v = v.repeat_interleave(Hq // Hkv, dim=1)
+    s = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    dev = q.device
+    b = torch.arange(B, device=dev).view(B, 1, 1, 1)
+    h = torch.arange(Hq, device=dev).view(1, Hq, 1, 1)
+    qi = torch.arange(Sq, device=dev).view(1, 1, Sq, 1)
+    ki = torch.arange(Skv, device=dev).view(1, 1, 1, Skv)
+    if score_fn is not None:
+        s = score_fn(s, b, h, qi, ki)
+    if mask_fn is not None:
+        s = s.masked_fill(~mask_fn(b, h, qi, ki).expand_as(s), -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None])
+    p = torch.where(torch.isfinite(lse)[..., None], p, torch.zeros_like(p))
+    return p @ v, lse
+
+
+# ----------------------------------------------------------------- mods under test
+def mod_setup(kind, B, Hq, Sq, Skv, dev):
+    """-> (config kwargs, runtime hook args, reference score_fn, reference mask_fn)."""
+    if kind == "none":
+        return {}, (), None, None
+    if kind == "causal":                       # block structure + mask hook
+        return {"causal": True, "mods": hooks.CausalHook()}, (), None, lambda b, h, q, k: q >= k
+    if kind == "causal_builtin":               # block structure, built-in diagonal mask
+        return {"causal": True}, (), None, lambda b, h, q, k: q >= k
+    if kind == "softcap":
+        cap = random.choice([2.0, 5.0, 30.0])
+        return ({"mods": hooks.SoftcapHook()}, (cutlass.Float32(cap),),
+                lambda s, b, h, q, k: cap * torch.tanh(s / cap), None)
+    if kind == "lag":                          # rows q < lag are fully masked
+        lag = random.randint(1, 70)
+        return ({"mods": hooks.LaggedCausalHook()}, (cutlass.Int32(lag),), None,
+                lambda b, h, q, k: k + lag <= q)
+    if kind == "doc":
+        S = max(Sq, Skv)
+        doc = torch.sort(torch.randint(0, 4, (B, S), device=dev), dim=1).values.int()
+        bias = torch.randn(Hq, device=dev, dtype=torch.float32)
+        args = (ForwardRunner.hook_tensor(doc), ForwardRunner.hook_tensor(bias))
+        d64 = doc.long()
+        return ({"mods": hooks.DocumentBiasHook()}, args,
+                lambda s, b, h, q, k: s + bias.double()[h],
+                lambda b, h, q, k: d64[b, q] == d64[b, k])
+    raise ValueError(kind)
+
+
+_RUNNERS = {}
+
+
+def runner_for(cfg):
+    if cfg.key() not in _RUNNERS:
+        _RUNNERS[cfg.key()] = ForwardRunner(cfg)
+    return _RUNNERS[cfg.key()]
+
+
+def make_qkv(B, Hq, Hkv, Sq, Skv, D, dtype, layout, dev):
+    def mk(H, S):
+        if layout == "bshd":   # [B, S, H, D] storage viewed as [B, H, S, D]: strided
+            return torch.randn(B, S, H, D, device=dev, dtype=dtype).transpose(1, 2)
+        return torch.randn(B, H, S, D, device=dev, dtype=dtype)
+    return mk(Hq, Sq), mk(Hkv, Skv), mk(Hkv, Skv)
+
+
+SCHEDULES = {  # step (b) scheduling options; results must not depend on them
+    "ov+pp": dict(intra_wg_overlap=True, pingpong=True),
+    "ov": dict(intra_wg_overlap=True, pingpong=False),
+    "pp": dict(intra_wg_overlap=False, pingpong=True),
+    "plain": dict(intra_wg_overlap=False, pingpong=False),
+    "m128": dict(tile_m=128),      # head_dim 64 defaults to 192 (3 warpgroups) without score mod
+    "m64": dict(tile_m=64, pingpong=False),
+}
+
+
+def run_case(dtype_name, D, B, Hq, Hkv, Sq, Skv, kind, layout="bhsd", sched="ov+pp", seed=0):
+    random.seed(seed)
+    torch.manual_seed(seed)
+    dev = "cuda"
+    dtype = DTYPES[dtype_name]
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D, dtype, layout, dev)
+    cfg_kw, args, score_fn, mask_fn = mod_setup(kind, B, Hq, Sq, Skv, dev)
+    cfg = FwdConfig(dtype=dtype_name, head_dim=D, **cfg_kw, **SCHEDULES[sched])
+    scale = 1.0 / math.sqrt(D)
+    o = torch.full((B, Hq, Sq, D), float("nan"), device=dev, dtype=dtype)
+    lse = torch.full((B, Hq, Sq), float("nan"), device=dev, dtype=torch.float32)
+    runner_for(cfg).run(q, k, v, o, lse, scale, args, torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    ref_o, ref_lse = reference(q, k, v, scale, score_fn, mask_fn)
+
+    assert not torch.isnan(o).any(), "unwritten or NaN output"
+    assert not torch.isnan(lse).any(), "unwritten or NaN LSE"
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse) & (lse < 0), empty), "-inf LSE rows differ"
+    assert (o[empty] == 0).all(), "fully masked rows must output 0"
+    err_o = (o.double() - ref_o).abs().max().item()
+    rel_o = ((o.double() - ref_o).norm() / ref_o.norm().clamp_min(1e-12)).item()
+    fin = ~empty
+    err_lse = (lse.double()[fin] - ref_lse[fin]).abs().max().item() if fin.any() else 0.0
+    tol_o = 2e-2 if dtype_name == "bf16" else 4e-3
+    assert err_o < tol_o and rel_o < tol_o / 2, (err_o, rel_o)
+    # tanh.approx (softcap) has ~5e-4 relative error; everything else is fp32 rounding.
+    assert err_lse < (5e-3 if kind == "softcap" else 2e-3), err_lse
+    return err_o, rel_o, err_lse
+
+
+# (dtype, D, B, Hq, Hkv, Sq, Skv, mod, layout, schedule)
+FIXED = [
+    ("bf16", 128, 2, 4, 4, 256, 256, "none", "bhsd", "ov+pp"),
+    ("bf16", 128, 2, 4, 4, 256, 256, "none", "bhsd", "plain"),
+    ("bf16", 64, 1, 2, 2, 128, 128, "none", "bhsd", "ov"),
+    ("fp16", 128, 1, 3, 3, 77, 300, "none", "bhsd", "pp"),
+    ("bf16", 128, 2, 8, 2, 1000, 1000, "causal", "bhsd", "ov+pp"),      # GQA 4:1
+    ("bf16", 128, 2, 8, 2, 1000, 1000, "causal", "bhsd", "plain"),
+    ("bf16", 64, 1, 6, 3, 333, 129, "causal", "bshd", "ov+pp"),          # Sq > Skv, strided
+    ("fp16", 128, 1, 4, 1, 129, 513, "causal_builtin", "bhsd", "ov+pp"),  # MQA, Sq < Skv
+    ("bf16", 128, 2, 4, 2, 511, 257, "softcap", "bshd", "ov+pp"),
+    ("fp16", 64, 1, 2, 2, 64, 1, "softcap", "bhsd", "ov+pp"),             # one key
+    ("bf16", 64, 2, 2, 1, 200, 200, "lag", "bhsd", "ov+pp"),              # empty rows
+    ("fp16", 128, 1, 2, 2, 130, 257, "lag", "bhsd", "pp"),
+    ("bf16", 128, 2, 4, 4, 384, 384, "doc", "bhsd", "ov+pp"),
+    ("fp16", 64, 1, 1, 1, 1, 1, "none", "bhsd", "ov+pp"),                 # single element
+    ("bf16", 64, 2, 4, 2, 700, 700, "causal", "bhsd", "m128"),
+    ("bf16", 64, 1, 2, 2, 450, 450, "lag", "bshd", "pp"),                 # 3-WG rotation
+    ("fp16", 128, 1, 2, 1, 300, 200, "causal", "bhsd", "m64"),            # 1 consumer WG
+    ("bf16", 128, 1, 2, 2, 3000, 2900, "none", "bhsd", "ov+pp"),          # long: many stages
+]
+
+
+@pytest.mark.parametrize("case", FIXED, ids=lambda c: "-".join(map(str, c)))
+def test_fixed(case):
+    run_case(*case)
+
+
+def _random_cases(n, seed=1234):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        hkv = rng.choice([1, 2, 3])
+        out.append((rng.choice(["bf16", "fp16"]), rng.choice([64, 128]), rng.randint(1, 3),
+                    hkv * rng.choice([1, 2, 4]), hkv, rng.randint(1, 700), rng.randint(1, 700),
+                    rng.choice(["none", "causal", "causal_builtin", "softcap", "lag", "doc"]),
+                    rng.choice(["bhsd", "bshd"]), rng.choice(list(SCHEDULES))))
+    return out
+
+
+RANDOM = _random_cases(16)
+
+
+@pytest.mark.parametrize("i", range(len(RANDOM)), ids=lambda i: "-".join(map(str, RANDOM[i])))
+def test_random(i):
+    run_case(*RANDOM[i], seed=i)
+
+
+def test_runtime_args_reuse_one_kernel():
+    """Two softcap values, one compiled kernel, both right."""
+    cfg = FwdConfig(head_dim=64, mods=hooks.SoftcapHook())
+    r = runner_for(cfg)
+    dev = "cuda"
+    q, k, v = (torch.randn(1, 2, 200, 64, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    for cap in (1.5, 9.0):
+        o = torch.full_like(q, float("nan"))
+        lse = torch.full(q.shape[:3], float("nan"), device=dev)
+        r.run(q, k, v, o, lse, 0.125, (cutlass.Float32(cap),), torch.cuda.current_stream().cuda_stream)
+        ref, _ = reference(q, k, v, 0.125, lambda s, *_: cap * torch.tanh(s / cap))
+        assert (o.double() - ref).abs().max().item() < 2e-2
+    assert len(r._compiled) == 1
+
+
+# ----------------------------------------------------------------- block sparsity
+def random_block_mask(B, Hm, Sq, Skv, tm, tn, seed, dev):
+    """FlexAttention-style lists with random per-block kinds (0 skip, 1 partial, 2 full)
+    in random order; row (0, 0, 0) is forced empty. Returns (tensors, kinds)."""
+    g = torch.Generator().manual_seed(seed)
+    nq, nk = -(-Sq // tm), -(-Skv // tn)
+    kinds = torch.randint(0, 3, (B, Hm, nq, nk), generator=g)
+    kinds[0, 0, 0] = 0
+    num = [torch.zeros(B, Hm, nq, dtype=torch.int32) for _ in range(2)]
+    idx = [torch.zeros(B, Hm, nq, nk, dtype=torch.int32) for _ in range(2)]
+    for b in range(B):
+        for h in range(Hm):
+            for m in range(nq):
+                for j, kind in enumerate((1, 2)):
+                    sel = torch.nonzero(kinds[b, h, m] == kind).flatten()
+                    sel = sel[torch.randperm(len(sel), generator=g)]
+                    num[j][b, h, m] = len(sel)
+                    idx[j][b, h, m, :len(sel)] = sel.int()
+    tensors = tuple(t.to(dev) for t in (num[0], idx[0], num[1], idx[1]))
+    return tensors, kinds.to(dev)
+
+
+BLOCK_SPARSE = [  # (dtype, D, B, Hq, Hkv, Hmask, Sq, Skv, mod, schedule)
+    ("bf16", 128, 2, 4, 2, 4, 700, 650, "lag", "ov+pp"),
+    ("bf16", 128, 2, 4, 2, 1, 700, 650, "none", "ov+pp"),     # broadcast over heads
+    ("fp16", 64, 1, 2, 2, 2, 300, 1000, "causal", "ov+pp"),
+    ("bf16", 64, 2, 2, 1, 1, 513, 257, "doc", "plain"),
+    ("bf16", 128, 1, 3, 3, 3, 129, 129, "softcap", "pp"),
+]
+
+
+@pytest.mark.parametrize("case", BLOCK_SPARSE, ids=lambda c: "-".join(map(str, c)))
+def test_block_sparse(case):
+    dtype_name, D, B, Hq, Hkv, Hm, Sq, Skv, kind, sched = case
+    seed = BLOCK_SPARSE.index(case)
+    random.seed(seed)
+    torch.manual_seed(seed)
+    dev = "cuda"
+    dtype = DTYPES[dtype_name]
+    q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D, dtype, "bhsd", dev)
+    cfg_kw, args, score_fn, mask_fn = mod_setup(kind, B, Hq, Sq, Skv, dev)
+    cfg_kw.pop("causal", None)
+    cfg = FwdConfig(dtype=dtype_name, head_dim=D, block_sparse=True, **cfg_kw,
+                    **SCHEDULES[sched])
+    tensors, kinds = random_block_mask(B, Hm, Sq, Skv, cfg.tile_m, cfg.tile_n, seed, dev)
+
+    def block_mask(b, h, qi, ki):
+        kb = kinds[b, h % Hm, qi // cfg.tile_m, ki // cfg.tile_n]
+        inner = mask_fn(b, h, qi, ki) if mask_fn is not None else torch.ones_like(kb, dtype=torch.bool)
+        return (kb == 2) | ((kb == 1) & inner)
+
+    scale = 1.0 / math.sqrt(D)
+    o = torch.full((B, Hq, Sq, D), float("nan"), device=dev, dtype=dtype)
+    lse = torch.full((B, Hq, Sq), float("nan"), device=dev, dtype=torch.float32)
+    runner_for(cfg).run(q, k, v, o, lse, scale, args, torch.cuda.current_stream().cuda_stream,
+                        block_sparse=tensors)
+    torch.cuda.synchronize()
+    ref_o, ref_lse = reference(q, k, v, scale, score_fn, block_mask)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    empty = torch.isinf(ref_lse)
+    assert empty[0, 0, :cfg.tile_m].any()              # the forced empty row block
+    assert torch.equal(torch.isinf(lse) & (lse < 0), empty)
+    assert (o[empty] == 0).all()
+    tol_o = 2e-2 if dtype_name == "bf16" else 4e-3
+    assert (o.double() - ref_o).abs().max().item() < tol_o
+    fin = ~empty
+    assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() < 5e-3

@@ -1,0 +1,128 @@
+"""CPU-only: the sm90 forward compiles for sm_90a in its main configurations, the PTX
+uses the Hopper paths (wgmma, TMA, setmaxnreg), nothing spills, and hook arguments stay
+runtime arguments. No GPU or driver needed."""
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cutlass.cute.runtime import make_fake_tensor  # noqa: E402
+
+from flexattn.kernels import example_hooks as hooks  # noqa: E402
+from flexattn.kernels.compile import compile_forward, resource_usage_from_ptx  # noqa: E402
+from flexattn.kernels.fwd_sm90 import FwdConfig  # noqa: E402
+
+
+def _doc_bias_args():
+    doc = make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int()), (cute.sym_int64(), 1))
+    bias = make_fake_tensor(cutlass.Float32, (cute.sym_int(),), (1,))
+    return (doc, bias)
+
+
+CASES = {
+    "hd64-causal-hook": (FwdConfig(head_dim=64, causal=True, mods=hooks.CausalHook()), lambda: ()),
+    "hd64-m128-causal": (FwdConfig(head_dim=64, tile_m=128, causal=True,
+                                   mods=hooks.CausalHook()), lambda: ()),
+    "hd128-causal-hook": (FwdConfig(head_dim=128, causal=True, mods=hooks.CausalHook()), lambda: ()),
+    "hd64-softcap-fp16": (FwdConfig(dtype="fp16", head_dim=64, mods=hooks.SoftcapHook()),
+                          lambda: (cutlass.Float32(30.0),)),
+    "hd128-softcap": (FwdConfig(head_dim=128, mods=hooks.SoftcapHook()),
+                      lambda: (cutlass.Float32(30.0),)),
+    "hd128-doc-bias": (FwdConfig(head_dim=128, mods=hooks.DocumentBiasHook()), _doc_bias_args),
+    "hd128-sparse-lag": (FwdConfig(head_dim=128, block_sparse=True,
+                                   mods=hooks.LaggedCausalHook()), lambda: (cutlass.Int32(3),)),
+    "hd64-sparse-plain": (FwdConfig(head_dim=64, block_sparse=True, intra_wg_overlap=False,
+                                    mods=hooks.CausalHook()), lambda: ()),
+    # step (a) schedule: no intra-warpgroup overlap, no ping-pong
+    "hd128-causal-plain": (FwdConfig(head_dim=128, causal=True, intra_wg_overlap=False,
+                                     pingpong=False), lambda: ()),
+}
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Compile each case once (a few seconds each) and keep its PTX."""
+    out = {}
+    for name, (cfg, make_args) in CASES.items():
+        fn = compile_forward(cfg, make_args(), keep_ptx=True)
+        out[name] = fn.__ptx__
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_hopper_instructions(compiled, name):
+    ptx = compiled[name]
+    assert ".target sm_90a" in ptx
+    assert "wgmma.mma_async" in ptx
+    assert "cp.async.bulk.tensor" in ptx            # TMA loads and the TMA store of O
+    assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
+    assert "ex2.approx" in ptx                       # exp2 softmax
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_no_spills(compiled, name):
+    usage = resource_usage_from_ptx(compiled[name])
+    if usage is None:
+        pytest.skip("no ptxas on PATH")
+    assert usage.spill_store_bytes == 0 and usage.spill_load_bytes == 0, usage
+    assert usage.stack_bytes == 0, usage
+
+
+def test_softcap_value_is_not_baked_in(compiled):
+    # 30.0f is 0f41F00000 in PTX; it was only the fake arg's value and must not appear.
+    assert "0f41F00000" not in compiled["hd128-softcap"]
+    # tanh is emitted (approx) for the score mod.
+    assert "tanh.approx" in compiled["hd128-softcap"]
+
+
+def test_causal_skips_mask_on_interior_blocks(compiled):
+    # Causal: first block, diagonal blocks, full blocks -> 3 instances of the step
+    # (QK^T: D/16 wgmma, PV: tile_n/16 wgmma each).
+    cfg = CASES["hd128-causal-hook"][0]
+    per_step = cfg.head_dim // 16 + cfg.tile_n // 16
+    assert compiled["hd128-causal-hook"].count("wgmma.mma_async") == 3 * per_step
+    # Dense with a score mod: first block + the rest -> 2 instances.
+    assert compiled["hd128-softcap"].count("wgmma.mma_async") == 2 * per_step
+    # Without overlap the count is the same (the overlap moves P V by one block).
+    assert compiled["hd128-causal-plain"].count("wgmma.mma_async") == 3 * per_step
+
+
+def test_block_sparse_structure(compiled):
+    # Sparse, overlapped: first-half (partial / full variants), overlap steps for the
+    # partial and the full list, and the final P V.
+    cfg = CASES["hd128-sparse-lag"][0]
+    qk, pv = cfg.head_dim // 16, cfg.tile_n // 16
+    assert compiled["hd128-sparse-lag"].count("wgmma.mma_async") == 2 * qk + 2 * (qk + pv) + pv
+    # Sparse, plain: one step per list.
+    cfg = CASES["hd64-sparse-plain"][0]
+    assert compiled["hd64-sparse-plain"].count("wgmma.mma_async") == 2 * (
+        cfg.head_dim // 16 + cfg.tile_n // 16)
+    with pytest.raises(ValueError):
+        FwdConfig(block_sparse=True, causal=True)
+    assert FwdConfig(head_dim=64, block_sparse=True).tile_m == 128
+
+
+def test_pingpong_barriers(compiled):
+    # Ping-pong uses named barriers besides the epilogue's; the plain schedule does not.
+    assert "bar.arrive" in compiled["hd128-causal-hook"]
+    assert "bar.arrive" not in compiled["hd128-causal-plain"]
+
+
+def test_config_keys():
+    a = FwdConfig(mods=hooks.SoftcapHook())
+    b = FwdConfig(mods=hooks.SoftcapHook())
+    assert a.key() == b.key()                       # structure, not identity
+    assert a.key() != FwdConfig(mods=hooks.CausalHook()).key()
+    assert a.key() != FwdConfig(head_dim=64, mods=hooks.SoftcapHook()).key()
+    with pytest.raises(ValueError):
+        FwdConfig(head_dim=96)
+    with pytest.raises(ValueError):
+        FwdConfig(dtype="fp32")
+    with pytest.raises(ValueError):
+        FwdConfig(head_dim=128, tile_m=192)
+    assert FwdConfig(head_dim=64).tile_m == 192                         # 3 consumer WGs
+    assert FwdConfig(head_dim=64, mods=hooks.SoftcapHook()).tile_m == 128
+    assert FwdConfig(head_dim=64).consumer_regs == 160
+    assert FwdConfig(head_dim=128).consumer_regs == 240
