@@ -1,186 +1,195 @@
-"""Forward attention throughput on one GPU, side by side, in one process:
+"""Forward attention with mods, side by side on one GPU in one process.
 
-  flexattn   our sm90 CuTeDSL kernel (flexattn.kernels.fwd_sm90)
-  fa4        FlashAttention-4 (flash_attn.cute.flash_attn_func)
+  flexattn   flexattn.torch.flex_attention (mods → IR → our sm90 CuTeDSL kernel)
+  fa4        FlashAttention-4, flash_attn.cute.flash_attn_func (where it has the variant)
   flex       torch flex_attention, torch.compile'd (Triton backend)
-  flex-fa    torch flex_attention with kernel_options={"BACKEND": "FLASH"}
-  cudnn      torch SDPA forced to the cuDNN backend
+  flex-fa    torch flex_attention, kernel_options={"BACKEND": "FLASH"}
+  cudnn      torch SDPA on the cuDNN backend (full and causal only)
 
-TFLOP/s count 4*B*H*Sq*Skv*D per forward, halved for causal. All inputs share one
-[B, S, H, D] storage (viewed as [B, H, S, D] where a library wants that). Prints a table
-at the end; `--out FILE` also writes it as JSON.
+TFLOP/s count 4·B·H·S²·D·density, the density being the exact fraction of attended
+(q, kv) pairs (from our BlockMask), so every implementation is credited the same work.
+Block masks are built once, outside the timed loop, for us and for torch. Our first-call
+seconds (trace + block mask + compile) are printed. Inputs are one [B, S, H, D] storage,
+viewed as [B, H, S, D] where a library wants that.
 
-    python3 benchmarks/bench_fwd.py [--shapes 4x4096x16x128] [--out results.json]
+    python3 benchmarks/bench_fwd.py [--shapes 4x4096x16x128 ...] [--variants full causal ...] [--out results.json]
 """
 
 import argparse
 import datetime
 import json
 import math
+import time
 import traceback
 
+import numpy as np
 import torch
 
+from common import bench_ms, device_name, rel_diff
 
-def bench_ms(fn, warmup_ms=100, rep_ms=400):
-    """Median ms per call (triton's do_bench: CUDA events, L2 flushed between calls)."""
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-
-
-def flops(B, H, S, D, causal):
-    f = 4.0 * B * H * S * S * D
-    return f / 2 if causal else f
+VARIANTS = ("full", "causal", "window1024", "document4", "causal+softcap30", "causal+alibi")
+IMPLS = ("flexattn", "fa4", "flex", "flex-fa", "cudnn")
 
 
-def make_inputs(B, S, H, D, dtype=torch.bfloat16):
+class Variant:
+    """One attention variant expressed for each library (None where a library lacks it)."""
+
+    def __init__(self, name, B, S, H):
+        from flexattn import mods
+
+        self.name = name
+        doc = torch.arange(S, device="cuda") * 4 // S  # 4 equal documents
+        slopes = torch.from_numpy(mods.alibi_slopes(H)).cuda()
+        causal_fn = lambda b, h, q, kv: q >= kv  # noqa: E731
+        self.mask = self.score = self.mask_fn = self.score_fn = None
+        self.fa4_kw, self.sdpa_kw = None, None
+        if name == "full":
+            self.fa4_kw, self.sdpa_kw = {}, {"is_causal": False}
+        elif name.startswith("causal"):
+            self.mask, self.mask_fn = mods.causal(), causal_fn
+            self.fa4_kw = {"causal": True}
+            if name == "causal":
+                self.sdpa_kw = {"is_causal": True}
+            elif name == "causal+softcap30":
+                self.score = mods.softcap(30.0)
+                self.score_fn = lambda s, b, h, q, kv: 30.0 * torch.tanh(s / 30.0)
+                self.fa4_kw = {"causal": True, "softcap": 30.0}
+            elif name == "causal+alibi":
+                self.score = mods.alibi(slopes)
+                self.score_fn = lambda s, b, h, q, kv: s + slopes[h] * (kv - q)
+                self.fa4_kw = None
+        elif name == "window1024":
+            self.mask = mods.sliding_window(1024)
+            self.mask_fn = lambda b, h, q, kv: (q >= kv) & (q - kv <= 1024)
+            self.fa4_kw = {"window_size": (1024, 0)}
+        elif name == "document4":
+            self.mask = mods.document(doc)
+            self.mask_fn = lambda b, h, q, kv: doc[q] == doc[kv]
+        else:
+            raise ValueError(f"unknown variant {name}")
+
+
+def run_shape(B, S, H, D, variants, rows):
+    import flexattn.torch as fa
+
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=dtype, generator=g) for _ in range(3))
-    return q, k, v
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    scale = 1.0 / math.sqrt(D)
+    for name in variants:
+        var = Variant(name, B, S, H)
+        density = 1.0
+        ours_bm = None
+        if var.mask is not None:
+            ours_bm = fa.create_block_mask(var.mask, None, None, S, S)
+            density = ours_bm.density()
+        work = 4.0 * B * H * S * S * D * density
+        # ours: the built-in causal structure for plain causal masks, block lists otherwise
+        kw = {"mask": var.mask} if name.startswith("causal") else {"block_mask": ours_bm}
+        ours = lambda: fa.flex_attention(qh, kh, vh, score_mod=var.score, scale=scale, **kw)  # noqa: E731
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ref = ours()
+        torch.cuda.synchronize()
+        first_call = time.perf_counter() - t0
+        res, diff = {"flexattn": bench_ms(ours)}, {}
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()  # host cost per call: submit-only loop (GPU queue not full)
+        for _ in range(20):
+            ours()
+        host_us = (time.perf_counter() - t0) / 20 * 1e6
+        torch.cuda.synchronize()
+        for impl, make in (("fa4", lambda: _fa4(q, k, v, scale, var)), ("flex", lambda: _flex(qh, kh, vh, scale, var, S, None)),
+                           ("flex-fa", lambda: _flex(qh, kh, vh, scale, var, S, "FLASH")), ("cudnn", lambda: _cudnn(qh, kh, vh, scale, var))):
+            try:
+                fn = make()
+                if fn is None:
+                    continue
+                out = fn()
+                torch.cuda.synchronize()
+                diff[impl] = rel_diff(out, ref)
+                res[impl] = bench_ms(fn)
+            except Exception as e:  # a baseline that cannot run this variant must not hide the rest
+                print(f"[{impl} {name}] failed: {type(e).__name__}: {str(e)[:200]}")
+                traceback.print_exc(limit=1)
+        tag = f"B{B} S{S} H{H} D{D}"
+        row = {"shape": tag, "variant": name, "density": density, "first_call_s": first_call, "host_us": host_us,
+               "tflops": {i: work / ms / 1e9 for i, ms in res.items()}, "ms": res, "rel_diff_vs_ours": diff}
+        rows.append(row)
+        print(f"{tag} {name:18s} " + "  ".join(f"{i}={row['tflops'][i]:.1f}" for i in res)
+              + f"  first call {first_call:.2f}s  host {host_us:.0f}us  diffs {({i: f'{d:.1e}' for i, d in diff.items()})}", flush=True)
 
 
-SCHEDULES = {  # our kernel's step-(b) options; "ov+pp" is the default config
-    "ov+pp": dict(intra_wg_overlap=True, pingpong=True),
-    "ov": dict(intra_wg_overlap=True, pingpong=False),
-    "pp": dict(intra_wg_overlap=False, pingpong=True),
-    "plain": dict(intra_wg_overlap=False, pingpong=False),
-}
-
-
-def ours(q, k, v, causal, scale, sched="ov+pp", block_sparse=False):
-    """Returns (fn, first-call compile seconds, (o, lse)). block_sparse: drive the kernel
-    with torch's own BlockMask tensors for the causal mask (the FlexAttention path)."""
-    import cutlass  # noqa: F401
-    from flexattn.kernels import example_hooks as hooks
-    from flexattn.kernels.fwd_sm90 import FwdConfig
-    from flexattn.kernels.runner import ForwardRunner
-
-    cfg = FwdConfig(dtype="bf16", head_dim=q.shape[-1], causal=causal,
-                    mods=hooks.CausalHook() if causal else FwdConfig().mods,
-                    **SCHEDULES[sched])
-    lists = None
-    if block_sparse:
-        from torch.nn.attention.flex_attention import create_block_mask
-        S = q.shape[1]
-        cfg = FwdConfig(dtype="bf16", head_dim=q.shape[-1], block_sparse=True,
-                        mods=hooks.CausalHook(), **SCHEDULES[sched])
-        bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device="cuda")
-        lists = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
-    runner = ForwardRunner(cfg)
-    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))      # [B, H, S, D] views
-    o = torch.empty_like(qh)
-    lse = torch.empty(qh.shape[:3], device="cuda", dtype=torch.float32)
-    stream = torch.cuda.current_stream().cuda_stream
-
-    fn = runner.bind(qh, kh, vh, o, lse, scale, (), stream, lists)   # compiles here
-    fn()
-    torch.cuda.synchronize()
-    return fn, runner.last_compile_seconds, (o, lse)
-
-
-def fa4(q, k, v, causal, scale):
+def _fa4(q, k, v, scale, var):
+    if var.fa4_kw is None:
+        return None
     from flash_attn.cute import flash_attn_func
-    return lambda: flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+
+    return lambda: flash_attn_func(q, k, v, softmax_scale=scale, **var.fa4_kw)
 
 
-def flex(q, k, v, causal, scale, backend=None):
+_compiled_flex = {}
+
+
+def _flex(qh, kh, vh, scale, var, S, backend):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-    bm = None
-    if causal:
-        S = q.shape[1]
-        bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device="cuda")
-    fa = torch.compile(flex_attention, dynamic=False)
+
+    if "flex" not in _compiled_flex:
+        _compiled_flex["flex"] = torch.compile(flex_attention, dynamic=False)
+    bm = create_block_mask(var.mask_fn, None, None, S, S, device="cuda") if var.mask_fn else None
     kw = {"kernel_options": {"BACKEND": backend}} if backend else {}
-    return lambda: fa(qh, kh, vh, block_mask=bm, scale=scale, **kw)
+    fn = _compiled_flex["flex"]
+    return lambda: fn(qh, kh, vh, score_mod=var.score_fn, block_mask=bm, scale=scale, **kw)
 
 
-def cudnn(q, k, v, causal, scale):
+def _cudnn(qh, kh, vh, scale, var):
+    if var.sdpa_kw is None:
+        return None
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
 
     def fn():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(
-                qh, kh, vh, is_causal=causal, scale=scale)
+            return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, scale=scale, **var.sdpa_kw)
+
     return fn
 
 
-def check_against(name, out, ref_o):
-    """Sanity check each baseline against ours (relative Frobenius error)."""
-    o = out[0] if isinstance(out, tuple) else out
-    if o.shape != ref_o.shape:
-        o = o.transpose(1, 2)
-    err = ((o.float() - ref_o.float()).norm() / ref_o.float().norm()).item()
-    return err
+def table(rows, dev, stamp) -> str:
+    lines = [f"Forward, bf16, {dev}, {stamp}. TFLOP/s (masked FLOPs × exact density).", "",
+             "| shape | variant | " + " | ".join(IMPLS) + " | ours/fa4 | ours/flex | first call s | host µs/call |",
+             "|---|---|" + "---|" * (len(IMPLS) + 4)]
+    for r in rows:
+        t = r["tflops"]
+        cells = " | ".join(f"{t[i]:.1f}" if i in t else "n/a" for i in IMPLS)
+        ra = f"{t['flexattn'] / t['fa4']:.2f}" if "fa4" in t else "n/a"
+        rf = f"{t['flexattn'] / t['flex']:.2f}" if "flex" in t else "n/a"
+        lines.append(f"| {r['shape']} | {r['variant']} | {cells} | {ra} | {rf} | {r['first_call_s']:.2f} | {r['host_us']:.0f} |")
+    return "\n".join(lines)
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", nargs="*", default=["4x4096x16x128", "8x4096x16x64"], help="BxSxHxD")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--shapes", nargs="*", default=["4x4096x16x128"], help="BxSxHxD")
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--out", default=None, help="write rows + markdown table as JSON")
     args = ap.parse_args()
+    import torch._dynamo
 
-    dev = torch.cuda.get_device_name()
+    # one compiled flex_attention serves every variant; let it hold them all (not fall back to eager)
+    torch._dynamo.config.cache_size_limit = 256
+    torch._dynamo.config.accumulated_cache_size_limit = 4096
     rows = []
     for shape in args.shapes:
         B, S, H, D = map(int, shape.split("x"))
-        q, k, v = make_inputs(B, S, H, D)
-        scale = 1.0 / math.sqrt(D)
-        for causal in (False, True):
-            f = flops(B, H, S, D, causal)
-            res = {}
-            fn, compile_s, (o_ours, _) = ours(q, k, v, causal, scale)
-            res["flexattn"] = bench_ms(fn)
-            ref_o = o_ours.clone()
-            errs = {}
-            for sched in ("plain", "pp", "ov"):     # the step-(b) ablation
-                fn_s, _, (o_s, _) = ours(q, k, v, causal, scale, sched)
-                res[f"ours:{sched}"] = bench_ms(fn_s)
-            if causal:   # same causal attention through torch's BlockMask lists
-                fn_s, _, (o_s, _) = ours(q, k, v, causal, scale, block_sparse=True)
-                errs["ours:bs"] = check_against("ours:bs", o_s, ref_o)
-                res["ours:bs"] = bench_ms(fn_s)
-            cands = {
-                "fa4": lambda: fa4(q, k, v, causal, scale),
-                "flex": lambda: flex(q, k, v, causal, scale),
-                "flex-fa": lambda: flex(q, k, v, causal, scale, backend="FLASH"),
-                "cudnn": lambda: cudnn(q, k, v, causal, scale),
-            }
-            for name, make in cands.items():
-                try:
-                    fn_b = make()
-                    out = fn_b()
-                    torch.cuda.synchronize()
-                    errs[name] = check_against(name, out, ref_o)
-                    res[name] = bench_ms(fn_b)
-                except Exception as e:  # a missing/broken baseline must not hide the rest
-                    print(f"[{name}] failed: {type(e).__name__}: {str(e)[:300]}")
-                    traceback.print_exc(limit=2)
-            tag = f"B={B} S={S} H={H} D={D} {'causal' if causal else 'full'}"
-            for name, ms in res.items():
-                tf = f / ms / 1e9
-                print(f"{tag:38s} {name:9s} {ms:8.3f} ms {tf:7.1f} TFLOP/s"
-                      + (f"  rel-diff-vs-ours {errs[name]:.2e}" if name in errs else ""))
-            rows.append({"shape": tag, "compile_s": compile_s,
-                         "tflops": {n: f / ms / 1e9 for n, ms in res.items()}, "diff": errs})
-
+        run_shape(B, S, H, D, args.variants, rows)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"\n== forward bf16, {dev}, {stamp} ==")
-    names = ["flexattn", "fa4", "flex", "flex-fa", "cudnn", "ours:plain", "ours:pp", "ours:ov",
-             "ours:bs"]
-    print(f"{'case':38s} " + " ".join(f"{n:>10s}" for n in names)
-          + "   ours/fa4 ours/flex compile_s")
-    for r in rows:
-        t = r["tflops"]
-        cells = " ".join(f"{t[n]:10.1f}" if n in t else f"{'-':>10s}" for n in names)
-        ra = t["flexattn"] / t["fa4"] if "fa4" in t else float("nan")
-        rf = t["flexattn"] / t["flex"] if "flex" in t else float("nan")
-        print(f"{r['shape']:38s} {cells}   {ra:8.2f} {rf:9.2f} {r['compile_s']:9.1f}")
+    md = table(rows, device_name(), stamp)
+    print("\n" + md)
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"device": dev, "date": stamp, "rows": rows}, fh, indent=1)
+            json.dump({"device": device_name(), "date": stamp, "rows": rows, "markdown": md}, fh, indent=1)
 
 
 if __name__ == "__main__":
+    np.seterr(all="ignore")
     main()

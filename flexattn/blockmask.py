@@ -140,6 +140,7 @@ def _lists(selected: np.ndarray) -> BlockCounts:
     """Counts and stable-sorted indices (selected first, ascending), as torch orders them."""
     num = selected.sum(-1).astype(np.int32)
     idx = np.argsort(~selected, axis=-1, kind="stable").astype(np.int32)
+    num.flags.writeable = idx.flags.writeable = False  # immutable: device copies may be cached
     return BlockCounts(num, idx)
 
 

@@ -1,18 +1,22 @@
 """PyTorch adapter: ``flexattn.torch.flex_attention`` with torch's signature and autograd.
 
-Tensors in, tensors out, on the caller's device and dtype. Today the computation runs on
-the numpy reference (exact, slow: for CPU work, tests and small problems); the CuTeDSL
-kernels take over CUDA tensors as they land. Gradients flow to query, key, value and to
-captured float tensors of score mods (trainable biases, ALiBi slopes, tables).
+Tensors in, tensors out, on the caller's device and dtype. CUDA tensors (bf16/fp16, head
+dim 64/128) run the CuTeDSL Hopper forward kernel on the current stream; CPU tensors run
+the exact numpy reference. Until the backward kernel lands, gradients of CUDA calls are
+computed by the reference on the host (correct, slow). Gradients flow to query, key,
+value and to captured float tensors of score mods (trainable biases, slopes, tables).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 import torch
 
 from . import reference
 from .blockmask import BlockMask, create_block_mask
+from .core.kernel_path import Device, forward_into, kernel_unsupported
 from .core.spec import AttentionSpec
 from .core.validate import check_inputs
 from .mods import MaskMod, ScoreMod, as_mask, mask_mod
@@ -48,21 +52,28 @@ def flex_attention(
         raise TypeError(f"kernel_options must be a dict or None, got {type(kernel_options).__name__}")
     block_mask = _convert_block_mask(block_mask)
     spec = AttentionSpec.from_args(score_mod, block_mask, scale, enable_gqa, mask, score)
-    check_inputs(query, key, value, spec)
+    shape = check_inputs(query, key, value, spec)
+    if query.is_cuda:
+        reason = kernel_unsupported(query, shape)
+        if reason:
+            raise ValueError(f"{reason} (CPU tensors run the exact reference for anything else)")
     buffers = tuple(c for c in (spec.score.captures if spec.score is not None else ()) if isinstance(c, torch.Tensor))
-    out, lse = _ReferenceAttention.apply(spec, query, key, value, *buffers)
+    out, lse = _Attention.apply(spec, shape, query, key, value, *buffers)
     return (out, lse) if return_lse else out
 
 
-class _ReferenceAttention(torch.autograd.Function):
-    """Autograd around the numpy reference; buffers are the score mod's captured tensors."""
+class _Attention(torch.autograd.Function):
+    """Forward on the kernel (CUDA) or the reference (CPU); backward on the reference.
+    ``buffers`` are the score mod's captured tensors, so autograd can reach them."""
 
     @staticmethod
-    def forward(ctx, spec: AttentionSpec, query, key, value, *buffers):
-        out, lse = reference.forward(query, key, value, spec)
+    def forward(ctx, spec: AttentionSpec, shape, query, key, value, *buffers):
         ctx.spec = spec
         ctx.save_for_backward(query, key, value)
         ctx.set_materialize_grads(False)
+        if query.is_cuda:
+            return _kernel_forward(spec, shape, query, key, value)
+        out, lse = reference.forward(query, key, value, spec)
         lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32  # as torch's
         return _like(out, query), _like(lse, query, lse_dtype)
 
@@ -78,7 +89,46 @@ class _ReferenceAttention(torch.autograd.Function):
         for value_, grad in zip(captures, grads.d_captures):
             if isinstance(value_, torch.Tensor):
                 d_buffers.append(None if grad is None or not value_.requires_grad else _like(grad, value_))
-        return (None, _like(grads.dq, query), _like(grads.dk, key), _like(grads.dv, value), *d_buffers)
+        return (None, None, _like(grads.dq, query), _like(grads.dk, key), _like(grads.dv, value), *d_buffers)
+
+
+def _kernel_forward(spec, shape, query, key, value):
+    out = torch.empty(shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim, dtype=query.dtype, device=query.device)
+    lse = torch.empty(shape.batch, shape.q_heads, shape.q_len, dtype=torch.float32, device=query.device)
+    device = Device(torch.cuda.current_stream(query.device).cuda_stream, _DeviceCopies(query.device))
+    with torch.cuda.device(query.device):  # the launch goes to the inputs' GPU
+        # DLPack refuses tensors that require grad; the kernel only reads them
+        forward_into(query.detach(), key.detach(), value.detach(), out, lse, shape, spec, device)
+    return out, lse
+
+
+class _DeviceCopies:
+    """Host arrays (block-mask lists, numpy captures) → CUDA tensors.
+
+    Read-only numpy arrays (block-mask lists, arrays made by the built-in mods) are copied
+    once per array object and device and kept while the array lives, so steady-state calls
+    copy nothing (a pageable copy would also stall the stream). Writeable host arrays may
+    change between calls and are copied every call: capture CUDA tensors to avoid that.
+    """
+
+    _cache: dict = {}
+
+    def __init__(self, device):
+        self.device = device
+
+    def __call__(self, x):
+        if isinstance(x, torch.Tensor):
+            return x.detach().to(self.device).contiguous()
+        if not isinstance(x, np.ndarray) or x.flags.writeable:
+            return torch.from_numpy(np.ascontiguousarray(x)).to(self.device)
+        key = (id(x), str(self.device))
+        hit = self._cache.get(key)
+        if hit is not None and hit[0]() is x:
+            return hit[1]
+        t = torch.from_numpy(np.ascontiguousarray(x)).to(self.device)
+        ref = weakref.ref(x, lambda _, key=key: _DeviceCopies._cache.pop(key, None))
+        self._cache[key] = (ref, t)
+        return t
 
 
 def _like(array: np.ndarray, ref: torch.Tensor, dtype=None) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 import math
 
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -29,7 +31,7 @@ def _inputs(rng, B, Hq, Hkv, Q, KV, D, Dv):
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_forward_matches_torch_naive(case, shape):
-    rng = np.random.default_rng(abs(hash((case, shape))) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr((case, shape)).encode()))
     B, Hq, Hkv, Q, KV, D, Dv = shape
     q, k, v = _inputs(rng, *shape)
     mask, score, mask_fn, score_fn = CASES[case](rng, B, Hq, Q, KV)
@@ -101,7 +103,7 @@ def test_float32_precision_mode_close_to_float64():
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("shape", SHAPES[1:3], ids=lambda s: "x".join(map(str, s)))
 def test_backward_matches_torch_autograd(case, shape):
-    rng = np.random.default_rng(abs(hash(("bwd", case, shape))) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr(("bwd", case, shape)).encode()))
     B, Hq, Hkv, Q, KV, D, Dv = shape
     q, k, v = _inputs(rng, *shape)
     mask, score, mask_fn, score_fn = CASES[case](rng, B, Hq, Q, KV)

@@ -8,3 +8,11 @@ here, before any kernel module imports cutlass. An explicit setting wins.
 import os
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+# CuTeDSL's on-disk cache of lowered modules: keep it with our other caches, not in /tmp.
+if "CUTE_DSL_CACHE_DIR" not in os.environ:
+    _cache_dir = os.path.join(os.path.expanduser("~"), ".cache", "flexattn", "cute-dsl")
+    try:
+        os.makedirs(_cache_dir, exist_ok=True)
+        os.environ["CUTE_DSL_CACHE_DIR"] = _cache_dir
+    except OSError:  # read-only home: CuTeDSL falls back to its temp-dir cache
+        pass

@@ -43,7 +43,9 @@ class ForwardRunner:
     @staticmethod
     def hook_tensor(x):
         """A captured buffer for a hook: any DLPack array, dynamic shape."""
-        return _to_cute(x, 4)[1]
+        from flexattn.kernels.mod_emit import buffer_arg
+
+        return buffer_arg(x)
 
     def _check(self, q, k, v, o, lse):
         cfg = self.cfg
@@ -119,6 +121,11 @@ class ForwardRunner:
             self.last_compile_seconds = time.perf_counter() - t0
             self._compiled[key] = fn
         return lambda: fn(*dyn, scale, args, bs, cu_stream)
+
+    @property
+    def num_compiled(self) -> int:
+        """Kernels compiled by this runner (one per hook-arg structure)."""
+        return len(self._compiled)
 
     def run(self, q, k, v, o, lse, softmax_scale: float, mod_args: tuple, stream: int,
             block_sparse=None):

@@ -89,6 +89,7 @@ def document_ids_from_offsets(offsets, length: int | None = None) -> np.ndarray:
 def document_from_offsets(offsets, length: int | None = None) -> MaskMod:
     """Packed sequences from cumulative offsets; padding tokens attend to nothing."""
     ids = document_ids_from_offsets(offsets, length)
+    ids.flags.writeable = False  # ours alone: GPU adapters may keep one device copy
     return mask_mod(lambda b, h, q_idx, kv_idx: (ids[q_idx] == ids[kv_idx]) & (ids[q_idx] >= 0), name="document")
 
 
@@ -131,8 +132,10 @@ def alibi(slopes=None, *, num_heads: int | None = None) -> ScoreMod:
         if num_heads is None:
             raise ValueError("alibi: pass slopes or num_heads")
         slopes = alibi_slopes(num_heads)
+        slopes.flags.writeable = False  # ours alone: GPU adapters may keep one device copy
     elif isinstance(slopes, (int, np.integer)) and num_heads is None:
         slopes = alibi_slopes(int(slopes))  # alibi(16) reads as "16 heads"
+        slopes.flags.writeable = False
     _check_rank("alibi", slopes, (1,))
     return score_mod(lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx), name="alibi")
 

@@ -1,0 +1,173 @@
+"""Forward schedule ablation of our sm90 kernel (overlap / ping-pong), beside the anchors.
+
+  flexattn   our sm90 CuTeDSL kernel (flexattn.kernels.fwd_sm90)
+  fa4        FlashAttention-4 (flash_attn.cute.flash_attn_func)
+  flex       torch flex_attention, torch.compile'd (Triton backend)
+  flex-fa    torch flex_attention with kernel_options={"BACKEND": "FLASH"}
+  cudnn      torch SDPA forced to the cuDNN backend
+
+TFLOP/s count 4*B*H*Sq*Skv*D per forward, halved for causal. All inputs share one
+[B, S, H, D] storage (viewed as [B, H, S, D] where a library wants that). Prints a table
+at the end; `--out FILE` also writes it as JSON.
+
+    python3 benchmarks/bench_fwd.py [--shapes 4x4096x16x128] [--out results.json]
+"""
+
+import argparse
+import datetime
+import json
+import math
+import traceback
+
+import torch
+
+from common import bench_ms, rel_diff
+
+
+def flops(B, H, S, D, causal):
+    f = 4.0 * B * H * S * S * D
+    return f / 2 if causal else f
+
+
+def make_inputs(B, S, H, D, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=dtype, generator=g) for _ in range(3))
+    return q, k, v
+
+
+SCHEDULES = {  # our kernel's step-(b) options; "ov+pp" is the default config
+    "ov+pp": dict(intra_wg_overlap=True, pingpong=True),
+    "ov": dict(intra_wg_overlap=True, pingpong=False),
+    "pp": dict(intra_wg_overlap=False, pingpong=True),
+    "plain": dict(intra_wg_overlap=False, pingpong=False),
+}
+
+
+def ours(q, k, v, causal, scale, sched="ov+pp", block_sparse=False):
+    """Returns (fn, first-call compile seconds, (o, lse)). block_sparse: drive the kernel
+    with torch's own BlockMask tensors for the causal mask (the FlexAttention path)."""
+    import cutlass  # noqa: F401
+    from flexattn.kernels import example_hooks as hooks
+    from flexattn.kernels.fwd_sm90 import FwdConfig
+    from flexattn.kernels.runner import ForwardRunner
+
+    cfg = FwdConfig(dtype="bf16", head_dim=q.shape[-1], causal=causal,
+                    mods=hooks.CausalHook() if causal else FwdConfig().mods,
+                    **SCHEDULES[sched])
+    lists = None
+    if block_sparse:
+        from torch.nn.attention.flex_attention import create_block_mask
+        S = q.shape[1]
+        cfg = FwdConfig(dtype="bf16", head_dim=q.shape[-1], block_sparse=True,
+                        mods=hooks.CausalHook(), **SCHEDULES[sched])
+        bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device="cuda")
+        lists = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+    runner = ForwardRunner(cfg)
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))      # [B, H, S, D] views
+    o = torch.empty_like(qh)
+    lse = torch.empty(qh.shape[:3], device="cuda", dtype=torch.float32)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    fn = runner.bind(qh, kh, vh, o, lse, scale, (), stream, lists)   # compiles here
+    fn()
+    torch.cuda.synchronize()
+    return fn, runner.last_compile_seconds, (o, lse)
+
+
+def fa4(q, k, v, causal, scale):
+    from flash_attn.cute import flash_attn_func
+    return lambda: flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+
+
+def flex(q, k, v, causal, scale, backend=None):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    bm = None
+    if causal:
+        S = q.shape[1]
+        bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device="cuda")
+    fa = torch.compile(flex_attention, dynamic=False)
+    kw = {"kernel_options": {"BACKEND": backend}} if backend else {}
+    return lambda: fa(qh, kh, vh, block_mask=bm, scale=scale, **kw)
+
+
+def cudnn(q, k, v, causal, scale):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+
+    def fn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(
+                qh, kh, vh, is_causal=causal, scale=scale)
+    return fn
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="*", default=["4x4096x16x128", "8x4096x16x64"], help="BxSxHxD")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    dev = torch.cuda.get_device_name()
+    rows = []
+    for shape in args.shapes:
+        B, S, H, D = map(int, shape.split("x"))
+        q, k, v = make_inputs(B, S, H, D)
+        scale = 1.0 / math.sqrt(D)
+        for causal in (False, True):
+            f = flops(B, H, S, D, causal)
+            res = {}
+            fn, compile_s, (o_ours, _) = ours(q, k, v, causal, scale)
+            res["flexattn"] = bench_ms(fn)
+            ref_o = o_ours.clone()
+            errs = {}
+            for sched in ("plain", "pp", "ov"):     # the step-(b) ablation
+                fn_s, _, (o_s, _) = ours(q, k, v, causal, scale, sched)
+                res[f"ours:{sched}"] = bench_ms(fn_s)
+            if causal:   # same causal attention through torch's BlockMask lists
+                fn_s, _, (o_s, _) = ours(q, k, v, causal, scale, block_sparse=True)
+                errs["ours:bs"] = rel_diff(o_s, ref_o)
+                res["ours:bs"] = bench_ms(fn_s)
+            cands = {
+                "fa4": lambda: fa4(q, k, v, causal, scale),
+                "flex": lambda: flex(q, k, v, causal, scale),
+                "flex-fa": lambda: flex(q, k, v, causal, scale, backend="FLASH"),
+                "cudnn": lambda: cudnn(q, k, v, causal, scale),
+            }
+            for name, make in cands.items():
+                try:
+                    fn_b = make()
+                    out = fn_b()
+                    torch.cuda.synchronize()
+                    errs[name] = rel_diff(out, ref_o)
+                    res[name] = bench_ms(fn_b)
+                except Exception as e:  # a missing/broken baseline must not hide the rest
+                    print(f"[{name}] failed: {type(e).__name__}: {str(e)[:300]}")
+                    traceback.print_exc(limit=2)
+            tag = f"B={B} S={S} H={H} D={D} {'causal' if causal else 'full'}"
+            for name, ms in res.items():
+                tf = f / ms / 1e9
+                print(f"{tag:38s} {name:9s} {ms:8.3f} ms {tf:7.1f} TFLOP/s"
+                      + (f"  rel-diff-vs-ours {errs[name]:.2e}" if name in errs else ""))
+            rows.append({"shape": tag, "compile_s": compile_s,
+                         "tflops": {n: f / ms / 1e9 for n, ms in res.items()}, "diff": errs})
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"\n== forward bf16, {dev}, {stamp} ==")
+    names = ["flexattn", "fa4", "flex", "flex-fa", "cudnn", "ours:plain", "ours:pp", "ours:ov",
+             "ours:bs"]
+    print(f"{'case':38s} " + " ".join(f"{n:>10s}" for n in names)
+          + "   ours/fa4 ours/flex compile_s")
+    for r in rows:
+        t = r["tflops"]
+        cells = " ".join(f"{t[n]:10.1f}" if n in t else f"{'-':>10s}" for n in names)
+        ra = t["flexattn"] / t["fa4"] if "fa4" in t else float("nan")
+        rf = t["flexattn"] / t["flex"] if "flex" in t else float("nan")
+        print(f"{r['shape']:38s} {cells}   {ra:8.2f} {rf:9.2f} {r['compile_s']:9.1f}")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"device": dev, "date": stamp, "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""Timing helpers shared by the benchmark scripts."""
+
+import torch
+
+
+def bench_ms(fn, warmup_ms=100, rep_ms=400):
+    """Median ms per call (triton's do_bench: CUDA events, L2 flushed between calls)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def rel_diff(out, ref):
+    """Relative Frobenius difference of two outputs ([B, H, S, D] or [B, S, H, D])."""
+    o = out[0] if isinstance(out, tuple) else out
+    if o.shape != ref.shape:
+        o = o.transpose(1, 2)
+    return ((o.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def device_name():
+    return torch.cuda.get_device_name()

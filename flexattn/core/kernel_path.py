@@ -1,0 +1,128 @@
+"""The GPU path: choose a kernel configuration for a call and launch it on the caller's stream.
+
+Framework-neutral and destination-passing: the adapter allocates ``out``/``lse`` and
+supplies a ``Device`` (its stream and a way to put host arrays — block-mask lists,
+captured buffers — on the GPU). Everything the kernel cannot do is refused here with a
+clear error before any compilation or launch.
+
+Block structure, cheapest first:
+- no mask → dense;
+- the built-in ``causal()`` mask without a block mask → the kernel's causal structure
+  (diagonal mask built in, no lists to read);
+- a block mask (given, or built here from ``mask=``) → block-sparse lists; full tiles skip
+  the mask, empty tiles are never loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..arrays import dtype_name
+from ..blockmask import BlockMask, create_block_mask
+from .spec import AttentionSpec
+from .validate import AttentionShape
+
+KERNEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
+KERNEL_HEAD_DIMS = (64, 128)
+TILE_N = 128
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the core needs from an adapter to run on its GPU."""
+
+    stream: int  # a CUstream handle (0 = the legacy default stream)
+    to_device: Callable  # host/framework array -> contiguous DLPack array on the GPU
+
+
+def kernel_unsupported(q, shape: AttentionShape) -> str | None:
+    """Why the forward kernel cannot run these inputs, or None."""
+    if dtype_name(q) not in KERNEL_DTYPES:
+        return f"the GPU kernel supports bfloat16 and float16 inputs, got {dtype_name(q)}"
+    if shape.head_dim not in KERNEL_HEAD_DIMS:
+        return f"the GPU kernel supports head dims {KERNEL_HEAD_DIMS}, got {shape.head_dim}"
+    if shape.v_head_dim != shape.head_dim:
+        return f"the GPU kernel needs value head dim == query head dim, got {shape.v_head_dim} and {shape.head_dim}"
+    return None
+
+
+_CAUSAL_KEY = []  # computed once: tracing causal() on every call would cost ~0.1 ms
+
+
+def _is_builtin_causal(mask) -> bool:
+    if mask is None:
+        return False
+    if not _CAUSAL_KEY:
+        from ..mods import causal
+
+        _CAUSAL_KEY.append(causal().structure_key)
+    return mask.structure_key == _CAUSAL_KEY[0]
+
+
+def _is_full(mask) -> bool:
+    return mask is None or (mask.expr.op == "const" and mask.expr.attr is True)
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """The compile-time configuration plus the runtime block lists of one call."""
+
+    config: object  # kernels.fwd_sm90.FwdConfig
+    block_mask: BlockMask | None
+
+
+def plan_forward(q, shape: AttentionShape, spec: AttentionSpec) -> KernelPlan:
+    """Pick the kernel configuration (compile-time) for this call."""
+    from ..kernels.fwd_sm90 import FwdConfig
+    from ..kernels.mod_emit import IRModHook
+
+    reason = kernel_unsupported(q, shape)
+    if reason:
+        raise ValueError(reason)
+    block_mask = spec.block_mask
+    mask = spec.mask
+    causal = False
+    if block_mask is None and _is_builtin_causal(mask):
+        causal, mask = True, None  # the kernel's own diagonal mask
+    elif block_mask is None and not _is_full(mask):
+        deps = mask.depends_on
+        block_mask = create_block_mask(
+            mask, shape.batch if "b" in deps else None, shape.q_heads if "h" in deps else None,
+            shape.q_len, shape.kv_len, BLOCK_SIZE=(128, TILE_N),
+        )
+    if block_mask is not None:
+        if block_mask.BLOCK_SIZE != (128, TILE_N):
+            raise ValueError(
+                f"the GPU kernel needs a block mask with BLOCK_SIZE=(128, {TILE_N}), got {block_mask.BLOCK_SIZE};"
+                " rebuild it with create_block_mask(..., BLOCK_SIZE=128)"
+            )
+        mask = None if _is_full(block_mask.mask_mod) else block_mask.mask_mod
+    hook = IRModHook(spec.score, mask)
+    # Three consumer warpgroups (tile_m 192) pay off at head dim 64, but only without a
+    # score mod (register pressure) and outside block-sparse mode (128-row tiles).
+    tile_m = 192 if shape.head_dim == 64 and spec.score is None and block_mask is None else 128
+    config = FwdConfig(
+        dtype=KERNEL_DTYPES[dtype_name(q)], head_dim=shape.head_dim, tile_m=tile_m, tile_n=TILE_N,
+        causal=causal, block_sparse=block_mask is not None, mods=hook,
+    )
+    return KernelPlan(config, block_mask)
+
+
+def forward_into(q, k, v, out, lse, shape: AttentionShape, spec: AttentionSpec, device: Device) -> KernelPlan:
+    """Run the forward kernel, writing ``out`` [B, Hq, Q, D] and ``lse`` [B, Hq, Q] (float32)."""
+    from ..kernels.cache import forward_runner
+    from ..kernels.mod_emit import runtime_args
+
+    plan = plan_forward(q, shape, spec)
+    args = runtime_args(plan.config.mods, device.to_device)
+    lists = None
+    if plan.block_mask is not None:
+        bm = plan.block_mask
+        lists = tuple(device.to_device(x) for x in (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices))
+    scale = spec.resolved_scale(shape.head_dim)
+    forward_runner(plan.config).run(q, k, v, out, lse, scale, args, device.stream, lists)
+    return plan
+
+
+__all__ = ["Device", "KernelPlan", "forward_into", "kernel_unsupported", "plan_forward"]

@@ -1,0 +1,33 @@
+"""Compile cache: one runner per kernel configuration, compiled kernels kept in memory.
+
+Key: ``FwdConfig.key()`` — dtype, head dim, tiles, stages, schedule, block structure and
+the mods' *structure* keys — plus, inside the runner, the kinds of the hook's runtime
+args (scalar types, buffer dtypes and ranks). Captured values never enter a key, so new
+values never recompile. On disk, CuTeDSL keeps lowered modules in its own file cache
+(``CUTE_DSL_CACHE_DIR``, set by ``flexattn.kernels`` to ``~/.cache/flexattn/cute-dsl``
+unless already set), which shortens first calls in later processes.
+"""
+
+from __future__ import annotations
+
+from .fwd_sm90 import FwdConfig
+from .runner import ForwardRunner
+
+_RUNNERS: dict[tuple, ForwardRunner] = {}
+
+
+def forward_runner(config: FwdConfig) -> ForwardRunner:
+    key = ("sm_90a",) + config.key()
+    runner = _RUNNERS.get(key)
+    if runner is None:
+        runner = _RUNNERS[key] = ForwardRunner(config)
+    return runner
+
+
+def compile_count() -> int:
+    """Kernels compiled in this process so far (tests use it to prove values don't recompile)."""
+    return sum(r.num_compiled for r in _RUNNERS.values())
+
+
+def clear() -> None:
+    _RUNNERS.clear()

@@ -1,0 +1,251 @@
+"""IR → CuTeDSL: emit a mod's expression inline, one element at a time.
+
+``IRModHook`` implements the kernels' ``ModHook`` interface for any traced mask / score
+mod: while a kernel is being traced it is called with CuTeDSL scalars (``b h q kv`` Int32,
+``score`` Float32) and returns the emitted value. Captured buffers and scalars arrive in
+the kernel's runtime ``args`` tuple (score-mod captures first, then mask-mod captures), so
+new values never recompile; only ``key()`` (the mods' structure keys) does.
+
+Semantics follow ``mods.evaluate`` (the numpy oracle): Python floor division and modulo,
+float→int casts truncate, ``sigmoid`` / ``rsqrt`` as written there. Integer maths is
+int32 in the kernel (the oracle uses int64; indices never come near 2³¹).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Float32, Int32
+
+from ..mods import MaskMod, ScoreMod, ir
+from .mod_hook import ModHook
+
+_TYPE = {ir.INT: Int32, ir.FLOAT: Float32, ir.BOOL: Boolean}
+
+# Storage dtype of a captured buffer → CuTeDSL element type.
+STORAGE_TYPES = {
+    "int8": cutlass.Int8, "int16": cutlass.Int16, "int32": cutlass.Int32, "int64": cutlass.Int64,
+    "uint8": cutlass.Uint8, "float16": cutlass.Float16, "bfloat16": cutlass.BFloat16,
+    "float32": cutlass.Float32, "float64": cutlass.Float64, "bool": cutlass.Boolean,
+}
+
+
+def _typed(value, dtype: str):
+    """A DSL value of IR type ``dtype`` from a DSL value, an MLIR value or a Python literal."""
+    t = _TYPE[dtype]
+    if dtype == ir.BOOL and not isinstance(value, (bool, int, float)) and not isinstance(value, Boolean):
+        if isinstance(value, cutlass.Numeric) and not isinstance(value, Boolean):
+            return value != type(value)(0)
+    return t(value)
+
+
+def _select(cond, a, b, dtype):
+    return _typed(cutlass.select_(cond, _typed(a, dtype), _typed(b, dtype)), dtype)
+
+
+def _floordiv(a, b, dtype):
+    """Python's floor division. On the H100, DSL ``//`` on Int32 truncated towards zero
+    ((-1)//4 gave 0), so the quotient is corrected whenever the remainder's sign differs
+    from the divisor's; a floor ``//`` needs no correction, so this is right either way.
+    Floats lower to floor(a / b) already."""
+    t = a // b
+    if dtype != ir.INT:
+        return t
+    r = a - t * b
+    off = (r != Int32(0)) & ((r < Int32(0)) != (b < Int32(0)))
+    return _select(off, t - Int32(1), t, dtype)
+
+
+def _mod(a, b, dtype):
+    return a - _floordiv(a, b, dtype) * b  # Python's modulo takes the divisor's sign
+
+
+_UNARY_MATH = {
+    "exp": lambda x, fast: cute.math.exp(x),
+    "exp2": lambda x, fast: cute.math.exp2(x),
+    "log": lambda x, fast: cute.math.log(x),
+    "log2": lambda x, fast: cute.math.log2(x),
+    # fast: tanh.approx.f32 (max rel. error ~2^-11, below bf16's half ulp), as FA4's softcap
+    "tanh": lambda x, fast: cute.math.tanh(x, fastmath=fast),
+    "sqrt": lambda x, fast: cute.math.sqrt(x),
+    "rsqrt": lambda x, fast: cute.math.rsqrt(x),
+    "sigmoid": lambda x, fast: Float32(0.5) * (Float32(1.0) + cute.math.tanh(Float32(0.5) * x, fastmath=fast)),
+}
+
+_COMPARE = {
+    "lt": lambda a, b: a < b, "le": lambda a, b: a <= b, "gt": lambda a, b: a > b,
+    "ge": lambda a, b: a >= b, "eq": lambda a, b: a == b, "ne": lambda a, b: a != b,
+}
+
+
+def emit(node: ir.Node, env: dict, args, fast_math: bool = False) -> object:
+    """Emit ``node`` with variable values ``env`` and captured inputs ``args`` (by slot).
+    ``fast_math`` uses the hardware's approximate tanh (for tanh and sigmoid)."""
+    values: dict[int, object] = {}
+    for n in node.walk():
+        values[id(n)] = _emit_node(n, [values[id(a)] for a in n.args], env, args, fast_math)
+    return _typed(values[id(node)], node.dtype)
+
+
+def _emit_node(n: ir.Node, a: list, env: dict, args, fast_math: bool):
+    op, dt = n.op, n.dtype
+    if op == "var":
+        return _typed(env[n.attr], dt)
+    if op == "const":
+        v = n.attr
+        if dt == ir.FLOAT and math.isinf(v):
+            return Float32.inf if v > 0 else -Float32.inf
+        return _typed(v, dt)
+    if op == "scalar":
+        return _typed(args[n.attr], dt)
+    if op == "load":
+        buf = args[n.attr.slot]
+        index = tuple(_typed(i, ir.INT) for i in a) or (Int32(0),)  # 0-d buffers travel as [1]
+        value = buf[index if len(index) > 1 else index[0]]
+        if dt == ir.BOOL:
+            return _typed(value, ir.BOOL)
+        return _TYPE[dt](value)
+    if op == "cast":
+        src = n.args[0].dtype
+        x = a[0]
+        if dt == ir.BOOL:
+            return x != _TYPE[src](0)
+        return _TYPE[dt](x)  # float→int: fptosi truncates towards zero, like the oracle
+    if op == "where":
+        return _select(a[0], a[1], a[2], dt)
+    if op == "add":
+        return a[0] + a[1]
+    if op == "sub":
+        return a[0] - a[1]
+    if op == "mul":
+        return a[0] * a[1]
+    if op == "truediv":
+        return a[0] / a[1]
+    if op == "floordiv":
+        return _floordiv(a[0], a[1], dt)
+    if op == "mod":
+        return _mod(a[0], a[1], dt)
+    if op == "minimum":
+        return _select(a[0] < a[1], a[0], a[1], dt)
+    if op == "maximum":
+        return _select(a[0] > a[1], a[0], a[1], dt)
+    if op == "neg":
+        return -a[0]
+    if op == "abs":
+        return _select(a[0] < _TYPE[dt](0), -a[0], a[0], dt)
+    if op in _UNARY_MATH:
+        return _UNARY_MATH[op](a[0], fast_math)
+    if op in _COMPARE:
+        return _COMPARE[op](a[0], a[1])
+    if op == "not":
+        return (a[0] == Boolean(False)) if dt == ir.BOOL else ~a[0]
+    if op == "and":
+        return a[0] & a[1]
+    if op == "or":
+        return a[0] | a[1]
+    if op == "xor":
+        return a[0] ^ a[1]
+    raise NotImplementedError(f"CuTeDSL emission of IR op {op!r}")
+
+
+class IRModHook(ModHook):
+    """A ``ModHook`` emitting traced mods; ``args`` = score captures + mask captures.
+
+    ``fast_math`` (default) emits tanh/sigmoid with the approximate hardware tanh, as
+    FlashAttention-4 does for softcap; ``False`` gives the precise libdevice version.
+    """
+
+    def __init__(self, score: ScoreMod | None = None, mask: MaskMod | None = None, fast_math: bool = True):
+        self.fast_math = fast_math
+        self._score = score
+        self._mask = mask
+        self.has_score = score is not None
+        self.has_mask = mask is not None
+        self._n_score_args = len(score.captures) if score is not None else 0
+
+    def key(self):
+        return (
+            "ir",
+            self.fast_math,
+            self._score.structure_key if self._score is not None else None,
+            self._mask.structure_key if self._mask is not None else None,
+        )
+
+    def captures(self) -> tuple:
+        """The runtime values in ``args`` order."""
+        s = self._score.captures if self._score is not None else ()
+        m = self._mask.captures if self._mask is not None else ()
+        return tuple(s) + tuple(m)
+
+    def score(self, s, b, h, q, kv, args):
+        env = {"score": s, "b": b, "h": h, "q": q, "kv": kv}
+        return emit(self._score.expr, env, args[: self._n_score_args] if args else (), self.fast_math)
+
+    def mask(self, b, h, q, kv, args):
+        env = {"b": b, "h": h, "q": q, "kv": kv}
+        return emit(self._mask.expr, env, args[self._n_score_args:] if args else (), self.fast_math)
+
+
+def capture_kinds(hook: IRModHook) -> tuple:
+    """Per runtime arg: ('scalar', 'int32'|'float32') or ('buffer', storage dtype, ndim)."""
+    kinds = []
+    for mod in (hook._score, hook._mask):
+        if mod is None:
+            continue
+        found = {}
+        for n in mod.expr.walk():
+            if n.op == "scalar":
+                found[n.attr] = ("scalar", n.dtype)
+            elif n.op == "load":
+                found[n.attr.slot] = ("buffer", n.attr.storage_dtype, max(1, n.attr.ndim))
+        kinds.extend(found[i] for i in range(len(mod.captures)))
+    return tuple(kinds)
+
+
+def fake_args(hook: IRModHook) -> tuple:
+    """Typed stand-ins for the runtime args, for compiling without values or a GPU.
+
+    Layouts match ``buffer_arg`` exactly (dynamic shape and outer strides, innermost
+    stride 1): a compiled kernel reads its arguments in the layout it was traced with.
+    """
+    from cutlass.cute.runtime import make_fake_tensor
+
+    out = []
+    for kind in capture_kinds(hook):
+        if kind[0] == "scalar":
+            out.append(Int32(0) if kind[1] == ir.INT else Float32(0.0))
+            continue
+        _, storage, ndim = kind
+        shape = tuple(cute.sym_int() for _ in range(ndim))
+        stride = tuple(cute.sym_int64() for _ in range(ndim - 1)) + (1,)
+        out.append(make_fake_tensor(STORAGE_TYPES[storage], shape, stride))
+    return tuple(out)
+
+
+def buffer_arg(array):
+    """A captured buffer (any DLPack array, innermost dim contiguous) as a kernel arg with
+    dynamic shape and outer strides: one compiled kernel serves every size."""
+    from cutlass.cute.runtime import from_dlpack
+
+    t = from_dlpack(array)
+    if len(t.shape) > 1 and t.stride[-1] != 1:
+        raise ValueError(f"captured buffer of shape {tuple(t.shape)}: its last dimension must be contiguous")
+    return t.mark_layout_dynamic(leading_dim=len(t.shape) - 1)
+
+
+def runtime_args(hook: IRModHook, to_device) -> tuple:
+    """Kernel args from the captured values, in ``args`` order. ``to_device(value)`` returns
+    a contiguous DLPack array on the kernel's device (the adapter's job); 0-d buffers are
+    passed as [1]."""
+    out = []
+    for kind, value in zip(capture_kinds(hook), hook.captures()):
+        if kind[0] == "scalar":
+            out.append(Int32(int(value)) if kind[1] == ir.INT else Float32(float(value)))
+            continue
+        arr = to_device(value)
+        if len(arr.shape) == 0:
+            arr = arr.reshape(1)
+        out.append(buffer_arg(arr))
+    return tuple(out)

@@ -1,0 +1,54 @@
+"""A zoo of traced mods covering every IR op and every built-in, for emitter tests.
+
+Each entry: name -> factory(rng, S) returning (score mod or None, mask mod or None).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from flexattn import mods
+
+
+def _every_float_op(s, b, h, q, kv):
+    x = s * 0.25
+    y = torch.where(q > kv, x.sigmoid() + (x * 2).exp2().log2(), torch.minimum(x, torch.tensor(0.5)))
+    z = x.abs().sqrt() - (x.abs() + 1.0).rsqrt() + (x.abs() + 1.0).log() - torch.exp(-x.abs())
+    w = torch.maximum(x.tanh(), (q - kv).float() / 7.0) + (x // 0.75) - (x % 0.75)
+    return y + z * 0.5 + w.clamp(-3.0, 3.0) - (-x)
+
+
+def _every_int_op(b, h, q, kv):
+    a = (q * 3 - kv * 2 + h) // 4
+    c = (q - kv) % 5
+    d = torch.minimum(q, kv) + torch.maximum(q, kv) - (q - kv).abs()
+    bits = ((q & 3) | (kv ^ 5)) != (~kv & 7)
+    return ((a > c) ^ (d % 2 == 0)) | bits & ~(q == kv) | ((q.float() * 0.5).int() == kv // 2)
+
+
+def zoo(rng, S):
+    ids = np.sort(rng.integers(0, 4, size=S)).astype(np.int64)
+    table = torch.from_numpy(rng.standard_normal((4, 2 * 5 + 1)).astype(np.float32))
+    bias = torch.from_numpy(rng.standard_normal((1, 4, S, S)).astype(np.float32)).to(torch.bfloat16)
+    slopes = torch.from_numpy(rng.uniform(0.1, 1, 4).astype(np.float32))
+    offsets = torch.tensor([0, S // 3, S // 2, S], dtype=torch.int32)
+    doc = torch.from_numpy(np.searchsorted(offsets.numpy()[1:], np.arange(S), side="right")).int()
+    prefix = torch.tensor([S // 3, S // 2], dtype=torch.int64)
+    return {
+        "causal": (None, mods.causal()),
+        "causal_offset": (None, mods.causal(offset=int(rng.integers(1, 9)))),
+        "sliding_window": (None, mods.sliding_window(int(rng.integers(1, S)), int(rng.integers(0, 4)))),
+        "document": (None, mods.document(ids)),
+        "document_offsets": (None, mods.document_from_lengths([S // 2, S // 4], length=S)),
+        "prefix_lm": (None, mods.prefix_lm(prefix)),
+        "nested_index": (None, mods.mask_mod(lambda b, h, q, kv: offsets[doc[q]] <= kv)),
+        "every_int_op": (None, mods.mask_mod(_every_int_op)),
+        "alibi": (mods.alibi(slopes), None),
+        "softcap": (mods.softcap(float(rng.uniform(5, 30))), None),
+        "relative_bias": (mods.relative_bias(table), None),
+        "bias_bf16": (mods.bias(bias), None),
+        "every_float_op": (mods.score_mod(_every_float_op), None),
+        "combo": (mods.alibi(slopes) >> mods.softcap(20.0),
+                  (mods.causal() & mods.sliding_window(S // 3)) | ~mods.document(ids)),
+    }
