@@ -16,12 +16,15 @@ import torch
 
 from . import reference
 from .blockmask import BlockMask, create_block_mask
+from .core.decode import decode_problem
 from .core.kernel_path import Device, forward_into, kernel_unsupported
+from .kvcache import KVCache, PagedKVCache
 from .core.spec import AttentionSpec
 from .core.validate import check_inputs
 from .mods import MaskMod, ScoreMod, as_mask, mask_mod
 
-__all__ = ["flex_attention", "create_block_mask", "BlockMask", "MaskMod", "ScoreMod", "mask_mod"]
+__all__ = ["flex_attention", "decode", "create_block_mask", "BlockMask", "KVCache", "PagedKVCache",
+           "MaskMod", "ScoreMod", "mask_mod"]
 
 
 def flex_attention(
@@ -60,6 +63,18 @@ def flex_attention(
     buffers = tuple(c for c in (spec.score.captures if spec.score is not None else ()) if isinstance(c, torch.Tensor))
     out, lse = _Attention.apply(spec, shape, query, key, value, *buffers)
     return (out, lse) if return_lse else out
+
+
+def decode(query: torch.Tensor, cache, score_mod=None, mask=None, scale=None, return_lse=False):
+    """Decoding step on a ``KVCache``/``PagedKVCache`` of torch tensors.
+
+    ``query`` [B, Hq, q_len, D] holds the last q_len tokens of each sequence (append their
+    K/V to the cache first); mods see true positions; GQA is implicit. Paged caches are
+    gathered into logical order for now (the split-KV decode kernel will read pages in place).
+    """
+    k, v, spec = decode_problem(query, cache, score_mod, mask, scale)
+    return flex_attention(query, k, v, score=spec.score, mask=spec.mask, scale=spec.scale,
+                          enable_gqa=True, return_lse=return_lse)
 
 
 class _Attention(torch.autograd.Function):

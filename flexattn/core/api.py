@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import reference
+from .decode import decode_problem
 from .spec import AttentionSpec
 from .validate import check_inputs
 
@@ -35,6 +36,15 @@ def flex_attention_backward(q, k, v, d_out, d_lse=None, score_mod=None, block_ma
     """Gradients (dq, dk, dv, d_captures) of flex_attention, see ``reference.backward``."""
     spec = AttentionSpec.from_args(score_mod, block_mask, scale, enable_gqa, mask, score)
     return reference.backward(q, k, v, d_out, d_lse, spec, dtype=precision)
+
+
+def decode(q, cache, score_mod=None, mask=None, scale=None, return_lse=False, *, precision=np.float64):
+    """Decoding step: ``q`` [B, Hq, q_len, D] (the last q_len tokens of each sequence, already
+    appended) attends the valid part of ``cache`` (``KVCache``/``PagedKVCache``); mods see
+    true positions. GQA is implicit (Hq a multiple of the cache's H_kv)."""
+    k, v, spec = decode_problem(q, cache, score_mod, mask, scale)
+    return flex_attention(q, k, v, score=spec.score, mask=spec.mask, scale=spec.scale,
+                          enable_gqa=True, return_lse=return_lse, precision=precision)
 
 
 def _result_dtype(x):

@@ -1,0 +1,31 @@
+"""Position remapping for decoding: mods keep seeing *true* positions.
+
+In a decode step the kernel computes row ``i`` of a short query block that actually sits at
+position ``q_offset[b] + i`` of sequence ``b``, against a cache whose first
+``kv_lengths[b]`` slots are valid. These transforms rewrite a mod so it reads those true
+positions, with the offsets and lengths as runtime buffers — stepping the decoder changes
+values, never the structure, so nothing recompiles.
+"""
+
+from __future__ import annotations
+
+from .builtins import _check_rank
+from .mod import MaskMod, Mod, mask_mod, score_mod
+
+
+def shift_queries(mod: Mod, q_offset) -> Mod:
+    """``mod`` evaluated at query position ``q_idx + q_offset[b]`` (``q_offset``: [B] ints)."""
+    if not isinstance(mod, Mod):
+        raise TypeError(f"shift_queries: expected a mod, got {type(mod).__name__}")
+    _check_rank("shift_queries", q_offset, (1,))
+    name = f"{mod.name}@offset" if mod.name else None
+    if isinstance(mod, MaskMod):
+        return mask_mod(lambda b, h, q_idx, kv_idx: mod(b, h, q_idx + q_offset[b], kv_idx), name=name)
+    return score_mod(lambda s, b, h, q_idx, kv_idx: mod(s, b, h, q_idx + q_offset[b], kv_idx), name=name)
+
+
+def limit_keys(mask: MaskMod, kv_lengths) -> MaskMod:
+    """``mask`` restricted to keys ``kv_idx < kv_lengths[b]`` (the valid part of a cache)."""
+    _check_rank("limit_keys", kv_lengths, (1,))
+    name = f"{mask.name} & valid_keys" if mask.name else "valid_keys"
+    return mask_mod(lambda b, h, q_idx, kv_idx: mask(b, h, q_idx, kv_idx) & (kv_idx < kv_lengths[b]), name=name)
