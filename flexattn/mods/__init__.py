@@ -6,9 +6,10 @@ from .builtins import (
 )
 from .mod import MaskMod, Mod, ScoreMod, as_mask, as_score, mask_mod, score_mod
 from .trace import TraceError
+from . import positions  # noqa: E402 (needs the mods above)
 
 __all__ = [
-    "ir", "ops", "Mod", "MaskMod", "ScoreMod", "mask_mod", "score_mod", "as_mask", "as_score",
+    "ir", "ops", "positions", "Mod", "MaskMod", "ScoreMod", "mask_mod", "score_mod", "as_mask", "as_score",
     "TraceError", "full", "causal", "sliding_window", "document", "document_from_offsets",
     "document_from_lengths", "document_ids_from_offsets", "prefix_lm", "alibi", "alibi_slopes",
     "softcap", "relative_bias", "bias",
