@@ -157,8 +157,8 @@ def test_mods_are_immutable():
         del m.expr
     assert isinstance(m.captures, tuple)
     s = softcap(2.0)
-    s2 = s.with_captures((4.0,))
-    assert s.captures == (2.0,) and s2.captures == (4.0,) and s2.expr is s.expr
+    s2 = s.with_captures((4.0, 0.25))
+    assert s.captures == (2.0, 0.5) and s2.captures == (4.0, 0.25) and s2.expr is s.expr
     np.testing.assert_allclose(s2(np.array(8.0), 0, 0, 0, 0), 4 * math.tanh(2))
     with pytest.raises(ValueError):
         s.with_captures(())
@@ -374,7 +374,7 @@ def test_alibi(scores):
 def test_softcap(cap, scores):
     np.testing.assert_allclose(score_values(softcap(cap), scores), cap * np.tanh(scores / cap), rtol=1e-12)
     assert softcap(cap).structure_key == softcap(1.0).structure_key
-    assert softcap(cap).captures == (float(cap),)
+    assert softcap(cap).captures == (float(cap), 1.0 / float(cap))
 
 
 def test_softcap_errors():
@@ -431,7 +431,7 @@ def test_builtins_compose_and_evaluate():
     want = (ids[:QL, None] == ids[None, :]) & (Qg >= KVg) | ((KVg < 2) | (Qg >= KVg))
     np.testing.assert_array_equal(mask_values(m)[0, 0], want)
     s = softcap(10.0) >> relative_bias(np.zeros(5, np.float32)) >> alibi(num_heads=H)
-    assert isinstance(s, ScoreMod) and len(s.captures) == 4  # cap, D, table, slopes
+    assert isinstance(s, ScoreMod) and len(s.captures) == 5  # cap, 1/cap, D, table, slopes
     assert isinstance(m, MaskMod)
 
 

@@ -145,7 +145,8 @@ def softcap(cap: float) -> ScoreMod:
     if not cap > 0:
         raise ValueError(f"softcap: cap must be positive, got {cap!r}")
     cap = float(cap)
-    return score_mod(lambda score, b, h, q_idx, kv_idx: cap * (score / cap).tanh(), name=f"softcap({cap:g})")
+    inv_cap = 1.0 / cap  # a multiply per element in the kernel instead of an IEEE divide
+    return score_mod(lambda score, b, h, q_idx, kv_idx: cap * (score * inv_cap).tanh(), name=f"softcap({cap:g})")
 
 
 def relative_bias(table) -> ScoreMod:

@@ -25,6 +25,7 @@ def test_capture_kinds_follow_structure_not_values():
     a = IRModHook(mods.softcap(3.0), mods.sliding_window(5) & mods.document(np.zeros(8, np.int32)))
     b = IRModHook(mods.softcap(7.0), mods.sliding_window(9) & mods.document(np.ones(8, np.int32)))
     assert a.key() == b.key()
-    assert capture_kinds(a) == (("scalar", "float32"), ("scalar", "int32"), ("scalar", "int32"), ("buffer", "int32", 1))
+    assert capture_kinds(a) == (("scalar", "float32"), ("scalar", "float32"), ("scalar", "int32"), ("scalar", "int32"),
+                                ("buffer", "int32", 1))
     c = IRModHook(mods.softcap(3.0), mods.document(np.zeros(8, np.int64)))
     assert c.key() != a.key()
