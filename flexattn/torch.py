@@ -5,10 +5,20 @@ dim 64/128) run the CuTeDSL Hopper forward kernel on the current stream; CPU ten
 the exact numpy reference. Until the backward kernel lands, gradients of CUDA calls are
 computed by the reference on the host (correct, slow). Gradients flow to query, key,
 value and to captured float tensors of score mods (trainable biases, slopes, tables).
+
+The computation is a ``torch.library`` custom op pair, ``flexattn::attention_fwd`` and
+``flexattn::attention_bwd`` (fake implementations + ``register_autograd``), so
+``torch.compile(fullgraph=True)`` sees one opaque node. Mods are not tensors: everything
+that is not a tensor (mods' IR, non-tensor captures, block mask, scale, GQA) lives in a
+spec registry (``_SpecRegistry``) under an int the op receives; the score mod's captured
+tensors travel as a ``Tensor[]`` input, so autograd reaches them and their current
+values are read at run time. See docs/ARCHITECTURE.md, "torch.compile".
 """
 
 from __future__ import annotations
 
+import collections
+import threading
 import weakref
 
 import numpy as np
@@ -21,7 +31,7 @@ from .core.kernel_path import Device, forward_into, kernel_unsupported
 from .kvcache import KVCache, PagedKVCache
 from .core.spec import AttentionSpec
 from .core.validate import check_inputs
-from .mods import MaskMod, ScoreMod, as_mask, mask_mod
+from .mods import MaskMod, Mod, ScoreMod, as_mask, mask_mod
 
 __all__ = ["flex_attention", "decode", "create_block_mask", "BlockMask", "KVCache", "PagedKVCache",
            "MaskMod", "ScoreMod", "mask_mod"]
@@ -47,7 +57,13 @@ def flex_attention(
     ``block_mask``: a ``flexattn.BlockMask`` or torch's ``BlockMask`` (converted).
     ``mask=`` / ``score=``: our mod values; a ``mask`` without ``block_mask`` applies
     element-wise. Returns ``out`` or ``(out, lse)`` (lse in natural log; float32, float64 for float64 inputs).
+
+    Under ``torch.compile`` (``fullgraph=True`` works) mods and block masks must be values
+    built outside the compiled function (``ScoreMod``/``MaskMod``/``BlockMask``, e.g. in a
+    module's ``__init__``); their captured tensors (parameters) still get gradients.
     """
+    if torch.compiler.is_compiling():
+        return _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, mask, score)
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -60,8 +76,8 @@ def flex_attention(
         reason = kernel_unsupported(query, shape)
         if reason:
             raise ValueError(f"{reason} (CPU tensors run the exact reference for anything else)")
-    buffers = tuple(c for c in (spec.score.captures if spec.score is not None else ()) if isinstance(c, torch.Tensor))
-    out, lse = _Attention.apply(spec, shape, query, key, value, *buffers)
+    spec_id = _REGISTRY.register(spec)
+    out, lse = torch.ops.flexattn.attention_fwd(query, key, value, _score_tensors(spec.score), spec_id)
     return (out, lse) if return_lse else out
 
 
@@ -77,35 +93,205 @@ def decode(query: torch.Tensor, cache, score_mod=None, mask=None, scale=None, re
                           enable_gqa=True, return_lse=return_lse)
 
 
-class _Attention(torch.autograd.Function):
-    """Forward on the kernel (CUDA) or the reference (CPU); backward on the reference.
-    ``buffers`` are the score mod's captured tensors, so autograd can reach them."""
+# --- torch.compile ------------------------------------------------------------------------------
 
-    @staticmethod
-    def forward(ctx, spec: AttentionSpec, shape, query, key, value, *buffers):
-        ctx.spec = spec
-        ctx.save_for_backward(query, key, value)
-        ctx.set_materialize_grads(False)
-        if query.is_cuda:
-            return _kernel_forward(spec, shape, query, key, value)
-        out, lse = reference.forward(query, key, value, spec)
-        lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32  # as torch's
-        return _like(out, query), _like(lse, query, lse_dtype)
+def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, mask, score):
+    """What dynamo traces: one constant-folded preparation call, then the custom op.
 
-    @staticmethod
-    def backward(ctx, d_out, d_lse):
-        query, key, value = ctx.saved_tensors
-        spec = ctx.spec
-        if d_out is None:
-            d_out = torch.zeros(query.shape[:-1] + value.shape[-1:], dtype=query.dtype)
-        grads = reference.backward(query, key, value, d_out, d_lse, spec)
-        captures = spec.score.captures if spec.score is not None else ()
-        d_buffers = []
-        for value_, grad in zip(captures, grads.d_captures):
-            if isinstance(value_, torch.Tensor):
-                d_buffers.append(None if grad is None or not value_.requires_grad else _like(grad, value_))
-        return (None, None, _like(grads.dq, query), _like(grads.dk, key), _like(grads.dv, value), *d_buffers)
+    ``_prepare_for_compile`` runs once per compilation, in plain Python (dynamo calls it on
+    the real argument objects and bakes its int result into the graph, guarding on the
+    identity of the mod / block-mask objects); the score mod's captured tensors are read
+    here, where dynamo sees them (parameters become graph inputs and receive gradients).
+    """
+    spec_id = _prepare_for_compile(score_mod, block_mask, scale, enable_gqa, mask, score)
+    the_score = score if score is not None else score_mod
+    buffers = _score_tensors(the_score)
+    out, lse = torch.ops.flexattn.attention_fwd(query, key, value, buffers, spec_id)
+    return (out, lse) if return_lse else out
 
+
+@torch._dynamo.assume_constant_result
+def _prepare_for_compile(score_mod, block_mask, scale, enable_gqa, mask, score) -> int:
+    """Trace/normalize the non-tensor arguments into a pinned registry entry (plain Python:
+    dynamo calls this on the real objects at compile time and bakes in the result)."""
+    spec = AttentionSpec.from_args(score_mod, _convert_block_mask(block_mask), scale, enable_gqa, mask, score)
+    given = {"score_mod": score_mod, "score": score, "mask": mask}
+    mods_ = {"score_mod": spec.score, "score": spec.score, "mask": spec.mask}
+    for name, arg in given.items():
+        if arg is None or isinstance(arg, Mod):
+            continue
+        if any(isinstance(c, torch.Tensor) for c in mods_[name].captures):
+            raise TypeError(
+                f"under torch.compile, a {name}= function that captures tensors must be made a mod value"
+                f" outside the compiled function (flexattn.score_mod(fn) / flexattn.mask_mod(fn), e.g. in"
+                f" __init__): only then are its tensors inputs of the graph"
+            )
+    return _REGISTRY.register(spec, pin=True)
+
+
+def _score_tensors(score) -> list:
+    """The score mod's captured tensors, in capture order (the op's ``buffers``)."""
+    if not isinstance(score, Mod):  # None, or a function without tensors (checked above)
+        return []
+    return [c for c in score.captures if isinstance(c, torch.Tensor)]
+
+
+class _SpecRegistry:
+    """int → ``AttentionSpec``: the non-tensor half of a call, for the custom op.
+
+    Entries are keyed by content (IR structure, identity of non-tensor captures and block
+    mask, numbers by value, scale, GQA), so eager calls that rebuild equal mods every step
+    reuse one entry. Specs registered while compiling are pinned (a graph holds their id);
+    eager ones live in an LRU of ``capacity`` entries (an id is only used between its
+    forward and backward). The stored spec keeps the objects its key names alive, so ids
+    in keys cannot be reused while the entry exists.
+    """
+
+    def __init__(self, capacity: int = 512):
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._by_key: dict = {}
+        self._specs: dict[int, AttentionSpec] = {}
+        self._pinned: set[int] = set()
+        self._lru: collections.OrderedDict = collections.OrderedDict()
+        self._next = 0
+
+    def register(self, spec: AttentionSpec, pin: bool = False) -> int:
+        key = _spec_key(spec)
+        with self._lock:
+            spec_id = self._by_key.get(key)
+            if spec_id is None:
+                spec_id, self._next = self._next, self._next + 1
+                self._by_key[key] = spec_id
+                self._specs[spec_id] = _template(spec)
+            if pin:
+                self._pinned.add(spec_id)
+                self._lru.pop(spec_id, None)
+            elif spec_id not in self._pinned:
+                self._lru[spec_id] = key
+                self._lru.move_to_end(spec_id)
+                while len(self._lru) > self.capacity:
+                    old_id, old_key = self._lru.popitem(last=False)
+                    del self._by_key[old_key], self._specs[old_id]
+            return spec_id
+
+    def get(self, spec_id: int) -> AttentionSpec:
+        try:
+            return self._specs[spec_id]
+        except KeyError:
+            raise RuntimeError(f"flexattn: attention spec #{spec_id} is no longer registered") from None
+
+    def __len__(self):
+        return len(self._specs)
+
+
+def _capture_key(value, tensor_slot: bool):
+    if tensor_slot and isinstance(value, torch.Tensor):
+        return ("tensor",)  # an op input: its value never matters here
+    if isinstance(value, (bool, int, float)):
+        return (type(value).__name__, value)
+    return ("object", id(value))
+
+
+def _mod_key(mod, tensors_are_inputs: bool):
+    if mod is None:
+        return None
+    return (mod.structure_key, tuple(_capture_key(c, tensors_are_inputs) for c in mod.captures))
+
+
+def _spec_key(spec: AttentionSpec):
+    return (_mod_key(spec.score, True), _mod_key(spec.mask, False),
+            None if spec.block_mask is None else id(spec.block_mask), spec.scale, spec.enable_gqa)
+
+
+_REGISTRY = _SpecRegistry()
+_TENSOR_SLOT = object()  # stands for a score-mod tensor capture, an input of each op call
+
+
+def _template(spec: AttentionSpec) -> AttentionSpec:
+    """``spec`` without the score mod's tensors (the registry must not keep them alive)."""
+    if spec.score is None:
+        return spec
+    captures = tuple(_TENSOR_SLOT if isinstance(c, torch.Tensor) else c for c in spec.score.captures)
+    return AttentionSpec(spec.score.with_captures(captures), spec.mask, spec.block_mask, spec.scale, spec.enable_gqa)
+
+
+def _bind(spec_id: int, buffers) -> AttentionSpec:
+    """The registered spec with the score mod's tensor captures replaced by ``buffers``."""
+    spec = _REGISTRY.get(spec_id)
+    if spec.score is None:
+        return spec
+    it = iter(buffers)
+    captures = tuple(next(it) if c is _TENSOR_SLOT else c for c in spec.score.captures)
+    return AttentionSpec(spec.score.with_captures(captures), spec.mask, spec.block_mask, spec.scale, spec.enable_gqa)
+
+
+# --- the custom ops -----------------------------------------------------------------------------
+
+@torch.library.custom_op("flexattn::attention_fwd", mutates_args=())
+def _attention_fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, buffers: list[torch.Tensor],
+                   spec_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse): the kernel for CUDA tensors, the reference for CPU ones."""
+    spec = _bind(spec_id, buffers)
+    if query.is_cuda:
+        return _kernel_forward(spec, check_inputs(query, key, value, spec), query, key, value)
+    out, lse = reference.forward(query, key, value, spec)
+    return _like(out, query), _like(lse, query, _lse_dtype(query))
+
+
+@_attention_fwd.register_fake
+def _(query, key, value, buffers, spec_id):
+    spec = _REGISTRY.get(spec_id)
+    shape = check_inputs(query, key, value, spec)  # shape errors surface while compiling
+    out = query.new_empty(shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim)
+    lse = query.new_empty(shape.batch, shape.q_heads, shape.q_len, dtype=_lse_dtype(query))
+    return out, lse
+
+
+@torch.library.custom_op("flexattn::attention_bwd", mutates_args=())
+def _attention_bwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, d_out: torch.Tensor,
+                   d_lse: torch.Tensor | None, buffers: list[torch.Tensor],
+                   spec_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(dq, dk, dv, d_buffers) on the reference (host) for every device, until the
+    backward kernel lands. ``d_buffers[i]`` is zeros for buffers without a gradient."""
+    spec = _bind(spec_id, buffers)
+    grads = reference.backward(query, key, value, d_out, d_lse, spec)
+    d_captures = [g for c, g in zip(spec.score.captures, grads.d_captures) if isinstance(c, torch.Tensor)] if spec.score is not None else []
+    d_buffers = [torch.zeros_like(b) if g is None else _like(g, b) for b, g in zip(buffers, d_captures)]
+    return _like(grads.dq, query), _like(grads.dk, key), _like(grads.dv, value), d_buffers
+
+
+@_attention_bwd.register_fake
+def _(query, key, value, d_out, d_lse, buffers, spec_id):
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), [torch.empty_like(b) for b in buffers]
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, buffers, spec_id = inputs
+    ctx.save_for_backward(query, key, value, *buffers)
+    ctx.spec_id = spec_id
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, d_out, d_lse):
+    query, key, value, *buffers = ctx.saved_tensors
+    if d_out is None and d_lse is None:
+        return None, None, None, [None] * len(buffers), None
+    if d_out is None:
+        d_out = query.new_zeros(query.shape[:-1] + value.shape[-1:])
+    dq, dk, dv, d_buffers = torch.ops.flexattn.attention_bwd(query, key, value, d_out, d_lse, buffers, ctx.spec_id)
+    d_buffers = [g if b.is_floating_point() else None for b, g in zip(buffers, d_buffers)]
+    return dq, dk, dv, d_buffers, None
+
+
+_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _lse_dtype(query):
+    return torch.float64 if query.dtype == torch.float64 else torch.float32  # as torch's
+
+
+# --- the CUDA forward ---------------------------------------------------------------------------
 
 def _kernel_forward(spec, shape, query, key, value):
     out = torch.empty(shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim, dtype=query.dtype, device=query.device)

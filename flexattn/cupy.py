@@ -1,0 +1,81 @@
+"""CuPy adapter: functional, JAX-style. ``flex_attention`` returns ``(out, lse)``;
+``vjp`` returns ``(out, backward)`` where ``backward(d_out, d_lse=None)`` gives the
+gradients. No autograd object, no global state.
+
+The forward runs the CuTeDSL Hopper kernel on CuPy's *current* stream
+(``cupy.cuda.get_current_stream()``) through ``flexattn.core.kernel_path.forward_into``;
+the outputs are allocated by CuPy on the inputs' device. Until the backward kernel lands,
+``backward`` computes on the exact numpy reference on the host (correct, slow) and returns
+CuPy arrays. The kernel takes float16 (CuPy has no bfloat16) with head dims 64/128; other
+inputs raise ``ValueError`` (use ``flexattn.flex_attention`` on host arrays for those).
+"""
+
+from __future__ import annotations
+
+try:
+    import cupy
+except ImportError as e:
+    raise ImportError(
+        "flexattn.cupy needs CuPy: pip install cupy-cuda12x (or 'flexattn[cupy]'); CuPy needs a CUDA GPU"
+    ) from e
+
+import numpy as np
+
+from . import reference
+from .blockmask import BlockMask, create_block_mask
+from .core.kernel_path import Device, forward_into, kernel_unsupported
+from .core.spec import AttentionSpec
+from .core.validate import check_inputs
+from .mods import MaskMod, ScoreMod, mask_mod, score_mod
+
+__all__ = ["flex_attention", "vjp", "create_block_mask", "BlockMask", "MaskMod", "ScoreMod", "mask_mod", "score_mod"]
+
+
+def flex_attention(q, k, v, score_mod=None, block_mask=None, scale=None, enable_gqa=False, *, mask=None, score=None):
+    """``(out, lse)`` for CuPy arrays ``[B, H, S, D]`` (``out`` in the query's dtype, ``lse``
+    float32, natural log). Arguments as ``flexattn.torch.flex_attention``."""
+    spec = AttentionSpec.from_args(score_mod, block_mask, scale, enable_gqa, mask, score)
+    return _forward(q, k, v, spec)
+
+
+def vjp(q, k, v, score_mod=None, block_mask=None, scale=None, enable_gqa=False, *, mask=None, score=None):
+    """``(out, backward)``: ``backward(d_out, d_lse=None) -> (dq, dk, dv, d_captures)``, with
+    ``d_captures`` one entry per score-mod capture (an array for float buffers, else None)."""
+    spec = AttentionSpec.from_args(score_mod, block_mask, scale, enable_gqa, mask, score)
+    out, _ = _forward(q, k, v, spec)
+
+    def backward(d_out, d_lse=None):
+        grads = reference.backward(q, k, v, d_out, d_lse, spec)
+        captures = spec.score.captures if spec.score is not None else ()
+        d_captures = tuple(None if g is None else _to_cupy(g, c) for c, g in zip(captures, grads.d_captures))
+        return _to_cupy(grads.dq, q), _to_cupy(grads.dk, k), _to_cupy(grads.dv, v), d_captures
+
+    return out, backward
+
+
+def _forward(q, k, v, spec):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, cupy.ndarray):
+            raise TypeError(f"{name} must be a cupy.ndarray, got {type(x).__name__}")
+    shape = check_inputs(q, k, v, spec)
+    reason = kernel_unsupported(q, shape)
+    if reason:
+        raise ValueError(f"{reason} (flexattn.flex_attention runs the exact reference on host arrays)")
+    with cupy.cuda.Device(q.device.id):  # allocations and the launch on the inputs' GPU
+        out = cupy.empty((shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim), dtype=q.dtype)
+        lse = cupy.empty((shape.batch, shape.q_heads, shape.q_len), dtype=np.float32)
+        device = Device(cupy.cuda.get_current_stream().ptr, _to_device)
+        forward_into(q, k, v, out, lse, shape, spec, device)
+    return out, lse
+
+
+def _to_device(x):
+    """Host/CuPy array → contiguous CuPy array on the current device (copies host arrays
+    on the current stream)."""
+    return cupy.ascontiguousarray(cupy.asarray(x))
+
+
+def _to_cupy(array, like):
+    dtype = getattr(like, "dtype", None)
+    dtype = dtype if dtype is not None and np.dtype(dtype).kind == "f" else array.dtype
+    return cupy.asarray(np.ascontiguousarray(array).astype(dtype, copy=False))

@@ -1,0 +1,121 @@
+"""flexattn.cupy without CuPy: the import error, and the module's logic on a fake ``cupy``
+namespace (numpy-backed arrays, a fake current stream, ``forward_into`` recorded and
+emulated by the reference) — which stream and device helpers reach the core, what is
+allocated, and that ``vjp``'s backward returns the reference gradients."""
+
+import contextlib
+import importlib
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from flexattn import mods, reference
+from flexattn.core import AttentionSpec
+
+
+def test_import_without_cupy_names_the_package():
+    code = (
+        "import sys\n"
+        "sys.modules['cupy'] = None\n"
+        "try:\n"
+        "    import flexattn.cupy\n"
+        "except ImportError as e:\n"
+        "    print('ImportError:', e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "ImportError:" in r.stdout and "pip install cupy-cuda12x" in r.stdout, r.stdout + r.stderr
+
+
+class _FakeArray(np.ndarray):
+    """A numpy array posing as a CuPy one (device 0, ``get()`` to the host)."""
+
+    device = types.SimpleNamespace(id=0)
+
+    def get(self):
+        return np.asarray(self)
+
+
+def _fake_cupy():
+    cp = types.ModuleType("cupy")
+    cp.ndarray = _FakeArray
+    cp.asarray = lambda x: np.asarray(x).view(_FakeArray)
+    cp.ascontiguousarray = lambda x: np.ascontiguousarray(x).view(_FakeArray)
+    cp.empty = lambda shape, dtype: np.full(shape, np.nan, dtype).view(_FakeArray)
+    stream = types.SimpleNamespace(ptr=0xC0FFEE)
+    used_devices = []
+
+    @contextlib.contextmanager
+    def device(i):
+        used_devices.append(i)
+        yield
+
+    cp.cuda = types.SimpleNamespace(get_current_stream=lambda: stream, Device=device)
+    cp.used_devices = used_devices
+    return cp
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    cp = _fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.delitem(sys.modules, "flexattn.cupy", raising=False)
+    module = importlib.import_module("flexattn.cupy")
+    calls = []
+
+    def fake_forward_into(q, k, v, out, lse, shape, spec, device):
+        calls.append(device)
+        assert all(isinstance(device.to_device(x), _FakeArray) for x in (np.arange(3), q))
+        assert device.to_device(np.ones((4, 4))[:, ::2]).flags.c_contiguous
+        o, l = reference.forward(q, k, v, spec)
+        out[...] = o
+        lse[...] = l
+
+    monkeypatch.setattr(module, "forward_into", fake_forward_into)
+    yield module, cp, calls
+    sys.modules.pop("flexattn.cupy", None)
+
+
+def _qkv(seed=0, dtype=np.float16, D=64):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((1, 2, 20, D)) * 0.3).astype(dtype).view(_FakeArray) for _ in range(3)]
+
+
+def test_forward_uses_the_current_stream_and_allocates_outputs(fake):
+    fc, cp, calls = fake
+    q, k, v = _qkv()
+    out, lse = fc.flex_attention(q, k, v, score=mods.softcap(5.0), mask=mods.causal())
+    assert [d.stream for d in calls] == [0xC0FFEE] and cp.used_devices == [0]
+    assert isinstance(out, _FakeArray) and out.dtype == np.float16 and lse.dtype == np.float32
+    want, want_lse = reference.forward(q, k, v, AttentionSpec.from_args(score=mods.softcap(5.0), mask=mods.causal()))
+    np.testing.assert_allclose(out.astype(np.float64), want, atol=1e-3)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-5)
+
+
+def test_vjp_backward_matches_the_reference(fake):
+    fc, _, _ = fake
+    q, k, v = _qkv(1)
+    slopes = np.linspace(0.2, 0.6, 2).astype(np.float32)
+    out, backward = fc.vjp(q, k, v, score_mod=mods.alibi(slopes), mask=mods.sliding_window(4))
+    d_out = np.ones(out.shape, np.float16).view(_FakeArray)
+    dq, dk, dv, d_caps = backward(d_out)
+    spec = AttentionSpec.from_args(score=mods.alibi(slopes), mask=mods.sliding_window(4))
+    want = reference.backward(q, k, v, d_out, None, spec)
+    for got, ref in zip((dq, dk, dv), (want.dq, want.dk, want.dv)):
+        assert isinstance(got, _FakeArray) and got.dtype == np.float16
+        np.testing.assert_allclose(got.astype(np.float64), ref, atol=2e-3, rtol=2e-3)
+    slot = next(i for i, c in enumerate(spec.score.captures) if c is slopes)
+    assert d_caps[slot].dtype == np.float32
+    np.testing.assert_allclose(d_caps[slot], want.d_captures[slot], rtol=1e-5, atol=1e-6)
+
+
+def test_unsupported_inputs_are_clear_errors(fake):
+    fc, _, calls = fake
+    q, k, v = _qkv(2, dtype=np.float32)
+    with pytest.raises(ValueError, match="bfloat16 and float16"):
+        fc.flex_attention(q, k, v)
+    with pytest.raises(TypeError, match="cupy.ndarray"):
+        fc.flex_attention(np.zeros((1, 1, 4, 64), np.float16), *_qkv()[1:])
+    assert calls == []

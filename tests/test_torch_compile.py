@@ -1,0 +1,210 @@
+"""flexattn.torch under torch.compile (CPU): the custom op, fullgraph capture, gradients.
+
+``aot_eager`` runs dynamo + AOT autograd (fake implementations, ``register_autograd``)
+without inductor's C++ compile, which costs ~30 s per graph on a CPU runner.
+"""
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import flexattn
+import flexattn.torch as fa
+from flexattn import mods
+
+B, H, S, D = 2, 4, 40, 8
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _qkv(seed=0, grad=True, S=S):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, S, D, generator=g, dtype=torch.float64).requires_grad_(grad) for _ in range(3)]
+
+
+class AlibiAttention(torch.nn.Module):
+    """Trainable ALiBi slopes captured by the score mod; causal block mask; lse used too."""
+
+    def __init__(self):
+        super().__init__()
+        self.slopes = torch.nn.Parameter(torch.rand(H, dtype=torch.float64))
+        self.score = mods.alibi(self.slopes) >> mods.softcap(4.0)
+        self.block_mask = fa.create_block_mask(mods.causal(), None, None, S, S, BLOCK_SIZE=16)
+
+    def forward(self, q, k, v):
+        out, lse = fa.flex_attention(q, k, v, score_mod=self.score, block_mask=self.block_mask, return_lse=True)
+        return out.square().sum() + lse.sum() * 0.1
+
+
+def _grads(loss, tensors):
+    loss.backward()
+    got = [t.grad.clone() for t in tensors]
+    for t in tensors:
+        t.grad = None
+    return got
+
+
+def test_fullgraph_module_matches_eager_outputs_and_gradients():
+    model = AlibiAttention()
+    q, k, v = _qkv()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    tensors = (q, k, v, model.slopes)
+    got = compiled(q, k, v)
+    got_grads = _grads(got, tensors)
+    want = model(q, k, v)
+    want_grads = _grads(want, tensors)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    assert model.slopes.grad is None and got_grads[3].abs().sum() > 0
+
+    with torch.no_grad():  # an optimizer-style in-place update: seen, no recompile
+        model.slopes.mul_(1.5)
+    torch.testing.assert_close(compiled(q, k, v), model(q, k, v), atol=1e-12, rtol=1e-12)
+    assert counter.frame_count == 1
+
+
+def test_compiled_training_step_updates_a_captured_bias():
+    torch.manual_seed(0)
+
+    class BiasAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.zeros(H, S, S, dtype=torch.float64))
+            self.proj = torch.nn.Linear(D, D, dtype=torch.float64)
+            doc = torch.tensor([0] * 15 + [1] * 25)
+            self.score = flexattn.score_mod(lambda s, b, h, qi, ki: s + self.bias[h, qi, ki])
+            self.mask = mods.document(doc) & mods.causal()  # a tensor captured by the mask
+
+        def forward(self, x):
+            q = self.proj(x)
+            return fa.flex_attention(q, x, x, score=self.score, mask=self.mask)
+
+    x = torch.randn(B, H, S, D, dtype=torch.float64)
+    target = torch.randn(B, H, S, D, dtype=torch.float64)
+    eager, comp = BiasAttention(), BiasAttention()
+    comp.load_state_dict(eager.state_dict())
+
+    def step(model, opt):
+        opt.zero_grad()
+        loss = (model(x) - target).square().mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    opts = [torch.optim.SGD(m.parameters(), lr=10.0) for m in (eager, comp)]
+    forward = torch.compile(comp, backend="aot_eager", fullgraph=True)
+    comp_step = lambda: step(forward, opts[1])  # noqa: E731  (the module call is compiled)
+    losses = []
+    for _ in range(3):
+        losses.append((step(eager, opts[0]), comp_step()))
+    for a, b in losses:
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    assert losses[-1][1] < losses[0][1]
+    assert comp.bias.abs().sum() > 0
+    torch.testing.assert_close(comp.bias, eager.bias, atol=1e-12, rtol=1e-12)
+
+
+def test_plain_functions_and_torch_block_masks_compile():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc = torch.tensor([0] * 12 + [1] * 28)
+    tbm = create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (qi >= ki), None, None, S, S,
+                            device="cpu", BLOCK_SIZE=16)
+
+    def softcap(s, b, h, qi, ki):
+        return 3.0 * torch.tanh(s / 3.0)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.window = 3
+
+        def forward(self, q, k, v):
+            window = self.window
+
+            def local(b, h, qi, ki):  # built inside the compiled code; captures no tensor
+                return (qi - ki <= window) & (qi >= ki)
+
+            return (fa.flex_attention(q, k, v, score_mod=softcap, block_mask=tbm)
+                    + fa.flex_attention(q, k, v, mask=local))
+
+    q, k, v = _qkv(1, grad=False)
+    model = Model()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), model(q, k, v), atol=1e-12, rtol=1e-12)
+    model.window = 9  # an int read by the closure: dynamo guards on it and recompiles
+    torch.testing.assert_close(compiled(q, k, v), model(q, k, v), atol=1e-12, rtol=1e-12)
+
+
+_BIAS = torch.randn(H, dtype=torch.float64, requires_grad=True)
+
+
+def _global_bias(s, b, h, qi, ki):
+    return s + _BIAS[h]
+
+
+def test_function_capturing_a_tensor_needs_a_mod_value_under_compile():
+    # (a closure over a *local* tensor fails earlier, inside dynamo, with its own message)
+    def f(q, k, v):
+        return fa.flex_attention(q, k, v, score_mod=_global_bias)
+
+    q, k, v = _qkv(2, grad=False)
+    with pytest.raises(Exception, match="flexattn.score_mod"):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+
+
+def test_dynamic_sequence_lengths():
+    mask = mods.sliding_window(5)
+    f = torch.compile(lambda q, k, v: fa.flex_attention(q, k, v, mask=mask), backend="aot_eager",
+                      fullgraph=True, dynamic=True)
+    for s in (17, 29):
+        q, k, v = _qkv(3, grad=False, S=s)
+        torch.testing.assert_close(f(q, k, v), fa.flex_attention(q, k, v, mask=mask), atol=1e-12, rtol=1e-12)
+
+
+def test_opcheck_custom_op():
+    slopes = torch.rand(H, dtype=torch.float64, requires_grad=True)
+    spec = flexattn.AttentionSpec.from_args(score=mods.alibi(slopes), mask=mods.causal())
+    spec_id = fa._REGISTRY.register(spec)
+    q, k, v = _qkv(4)
+    torch.library.opcheck(torch.ops.flexattn.attention_fwd.default, (q, k, v, [slopes], spec_id))
+
+
+def test_registry_reuses_entries_and_stays_bounded():
+    q, k, v = _qkv(5, grad=False)
+    before = len(fa._REGISTRY)
+    for w in (3, 4, 5):  # equal structure, numbers by value: one entry per distinct window
+        for _ in range(3):
+            fa.flex_attention(q, k, v, mask=mods.sliding_window(w), score_mod=mods.alibi(torch.rand(H, dtype=torch.float64)))
+    assert len(fa._REGISTRY) - before <= 3
+    registry = fa._SpecRegistry(capacity=4)
+    ids = [registry.register(flexattn.AttentionSpec.from_args(mask=mods.document(np.zeros(S, np.int32))))
+           for _ in range(10)]  # fresh arrays: new entries, oldest evicted
+    assert len(registry) == 4 and len(set(ids)) == 10
+    with pytest.raises(RuntimeError, match="no longer registered"):
+        registry.get(ids[0])
+    pinned = registry.register(flexattn.AttentionSpec.from_args(mask=mods.causal()), pin=True)
+    for _ in range(10):
+        registry.register(flexattn.AttentionSpec.from_args(mask=mods.document(np.zeros(S, np.int32))))
+    assert registry.get(pinned).mask is not None
+
+
+def test_registry_does_not_keep_score_tensors_alive():
+    import gc
+    import weakref
+
+    q, k, v = _qkv(6, grad=False)
+    slopes = torch.rand(H, dtype=torch.float64)
+    ref = weakref.ref(slopes)
+    fa.flex_attention(q, k, v, score_mod=mods.alibi(slopes))
+    del slopes
+    gc.collect()
+    assert ref() is None
