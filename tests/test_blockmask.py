@@ -11,7 +11,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 
 from flexattn import BlockMask, create_block_mask
 from flexattn.blockmask import EMPTY, FULL, PARTIAL
-from flexattn.mods import causal, document, full, mask_mod, prefix_lm, sliding_window
+from flexattn.mods import causal, full, mask_mod, prefix_lm, sliding_window
 
 RNG = np.random.default_rng(0)
 S_MAX = 520

@@ -60,7 +60,6 @@ def test_block_mask_path_equals_element_mask(case):
 def test_matches_plain_numpy_softmax():
     rng = np.random.default_rng(3)
     q, k, v = _inputs(rng, 2, 4, 2, 45, 77, 16, 16)
-    ids = rng.integers(0, 3, size=77)
     m = mods.causal(offset=32)
     out, _ = reference.forward(q, k, v, AttentionSpec.from_args(mask=m, enable_gqa=True))
     allowed = np.arange(45)[:, None] + 32 >= np.arange(77)[None, :]

@@ -35,6 +35,25 @@ def fake_bhsd(dtype, name: str, sym_b, sym_h, sym_s, head_dim: int):
     return make_fake_tensor(dtype, (sym_b, sym_h, sym_s, head_dim), stride, assumed_align=16)
 
 
+def fake_block_lists():
+    """Fake BlockMask lists (num_blocks [B, H, rows], indices [B, H, rows, cols], partial
+    then full), int32 with symbolic sizes, in the runner's layout (last dim contiguous)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    def counts():
+        return make_fake_tensor(cutlass.Int32, (cute.sym_int(),) * 3,
+                                (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+
+    def indices():
+        return make_fake_tensor(cutlass.Int32, (cute.sym_int(),) * 4,
+                                (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), 1),
+                                assumed_align=4)
+
+    return (counts(), indices(), counts(), indices())
+
+
 def fake_forward_args(cfg: FwdConfig, mod_args: tuple = ()):
     """Fake (q, k, v, o, lse, softmax_scale, mod_args, block_sparse, stream) for
     `FlashFwdSm90.__call__`.
@@ -51,17 +70,8 @@ def fake_forward_args(cfg: FwdConfig, mod_args: tuple = ()):
     o = fake_bhsd(dt, "o", b, hq, sq, cfg.head_dim)
     lse = make_fake_tensor(cutlass.Float32, (b, hq, sq),
                            (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
-    block_sparse = None
-    if cfg.block_sparse:   # kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices
-        def counts():
-            return make_fake_tensor(cutlass.Int32, (cute.sym_int(),) * 3,
-                                    (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
-
-        def indices():
-            return make_fake_tensor(cutlass.Int32, (cute.sym_int(),) * 4,
-                                    (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), 1),
-                                    assumed_align=4)
-        block_sparse = (counts(), indices(), counts(), indices())
+    # kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices
+    block_sparse = fake_block_lists() if cfg.block_sparse else None
     # No hook args travel as None: CuTeDSL cannot pass an empty tuple.
     return (q, k, v, o, lse, cutlass.Float32(1.0), tuple(mod_args) if mod_args else None,
             block_sparse, make_fake_stream())

@@ -2,9 +2,8 @@
 and serve the kernel tests and benchmarks. Each reads its parameters from the runtime
 `args` tuple, never from Python attributes, so values never reach the compiled code."""
 
-import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Float32
+from cutlass import Float32
 
 from flexattn.kernels.mod_hook import ModHook
 

@@ -89,6 +89,17 @@ def emit(node: ir.Node, env: dict, args, fast_math: bool = False) -> object:
     return _typed(values[id(node)], node.dtype)
 
 
+def emit_many(nodes, env: dict, args, fast_math: bool = False) -> list:
+    """Emit several expressions with one memo, so subexpressions they share (a derivative
+    reuses its forward's nodes, e.g. ``tanh`` in softcap's) are emitted once."""
+    values: dict[int, object] = {}
+    for root in nodes:
+        for n in root.walk():
+            if id(n) not in values:
+                values[id(n)] = _emit_node(n, [values[id(a)] for a in n.args], env, args, fast_math)
+    return [_typed(values[id(r)], r.dtype) for r in nodes]
+
+
 def _emit_node(n: ir.Node, a: list, env: dict, args, fast_math: bool):
     op, dt = n.op, n.dtype
     if op == "var":
@@ -186,6 +197,51 @@ class IRModHook(ModHook):
     def mask(self, b, h, q, kv, args):
         env = {"b": b, "h": h, "q": q, "kv": kv}
         return emit(self._mask.expr, env, args[self._n_score_args:] if args else (), self.fast_math)
+
+    # ---- backward: the score mod's symbolic derivative (mods.derivative) ---------------
+    @property
+    def derivative(self):
+        """``differentiate(score.expr)``, computed once (its nodes must stay alive: the
+        emitter memoizes by node identity)."""
+        if self._score is None:
+            return None
+        if getattr(self, "_derivative", None) is None:
+            from ..mods.derivative import differentiate
+
+            self._derivative = differentiate(self._score.expr)
+        return self._derivative
+
+    @property
+    def grad_slots(self) -> tuple:
+        """Score-capture slots (= positions in ``args``) of float buffers that get grads."""
+        d = self.derivative
+        return tuple(sorted({load.attr.slot for load, _ in d.d_loads})) if d is not None else ()
+
+    def score_and_grad(self, s, b, h, q, kv, args):
+        if self._score is None:
+            return s, Float32(1.0)
+        env = {"score": s, "b": b, "h": h, "q": q, "kv": kv}
+        out, grad = emit_many([self._score.expr, self.derivative.d_score], env,
+                              args[: self._n_score_args] if args else (), self.fast_math)
+        return out, grad
+
+    def buffer_grads(self, s, b, h, q, kv, args):
+        d = self.derivative
+        if d is None or not d.d_loads:
+            return []
+        env = {"score": s, "b": b, "h": h, "q": q, "kv": kv}
+        roots = []
+        for load, partial in d.d_loads:
+            roots.extend(load.args)
+            roots.append(partial)
+        values = emit_many(roots, env, args[: self._n_score_args] if args else (), self.fast_math)
+        out, i = [], 0
+        for load, _ in d.d_loads:
+            n = len(load.args)
+            index = tuple(values[i:i + n]) or (Int32(0),)   # 0-d buffers travel as [1]
+            out.append((load.attr.slot, index, values[i + n]))
+            i += n + 1
+        return out
 
 
 def capture_kinds(hook: IRModHook) -> tuple:

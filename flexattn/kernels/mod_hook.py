@@ -46,6 +46,22 @@ class ModHook:
     def key(self):
         return (type(self).__module__, type(self).__qualname__)
 
+    # ---- backward (bwd_sm90.py): derivatives of the score mod -------------------------
+    # Hooks without a score mod need nothing. A hand-written hook with a score mod must
+    # override `score_and_grad` to be usable in the backward (IRModHook derives it).
+    grad_slots: tuple = ()     # positions in `args` of captured float buffers receiving grads
+
+    def score_and_grad(self, s, b, h, q, kv, args):
+        """(s', ds'/ds) at the scaled score `s`; the backward needs both per element."""
+        if self.has_score:
+            raise NotImplementedError(f"{type(self).__name__} has a score mod but no derivative")
+        return s, Float32(1.0)
+
+    def buffer_grads(self, s, b, h, q, kv, args):
+        """[(slot, index tuple of Int32, ds'/d buf[index]) for each read of a float buffer
+        in `grad_slots`]: the backward scatter-adds dS' times the partial at the index."""
+        return []
+
 
 NO_MODS = ModHook()
 

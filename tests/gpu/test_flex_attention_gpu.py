@@ -8,8 +8,6 @@ LSE is checked too. Plus: changing captured values never recompiles; the torch a
 end to end; clear errors for what the kernel cannot do.
 """
 
-import math
-
 import zlib
 
 import numpy as np

@@ -1,0 +1,101 @@
+"""Compile the backward kernels ahead of time on fake tensors (CPU-only, no driver).
+
+The backward counterpart of `compile.compile_forward`: symbolic shapes and strides shaped
+exactly like what `bwd_runner.BackwardRunner` passes (head dim contiguous, 16-byte rows,
+fp32 workspaces with contiguous last dim), so the PTX is the one a launch would use.
+"""
+
+import tempfile
+
+from flexattn.kernels.bwd_postprocess import BwdPostprocess
+from flexattn.kernels.bwd_preprocess import BwdPreprocess
+from flexattn.kernels.bwd_sm90 import BwdConfig, FlashBwdSm90
+from flexattn.kernels.compile import ARCH_OPTION, _dump_dir, fake_bhsd, fake_block_lists
+
+
+def _fake_f32(rank: int):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    shape = tuple(cute.sym_int() for _ in range(rank))
+    # 16-byte aligned rows (TMA reads LSE / D boxes; the runner pads rows to q_pad).
+    stride = tuple(cute.sym_int64(divisibility=4) for _ in range(rank - 1)) + (1,)
+    return make_fake_tensor(cutlass.Float32, shape, stride, assumed_align=16)
+
+
+def fake_grad_args(cfg: BwdConfig, mod_args: tuple):
+    """fp32 gradient buffers for the score mod's float-buffer captures (same ranks)."""
+    if not cfg.buffer_grads:
+        return None
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    out = []
+    for slot in cfg.mods.grad_slots:
+        rank = len(mod_args[slot].shape)
+        shape = tuple(cute.sym_int() for _ in range(rank))
+        stride = tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,)
+        out.append(make_fake_tensor(cutlass.Float32, shape, stride))
+    return tuple(out)
+
+
+def fake_backward_args(cfg: BwdConfig, mod_args: tuple = ()):
+    """Fake (q, k, v, do, lse_log2, delta, dq_accum, dk, dv, scale, mod_args, grad_args,
+    block_sparse, stream) for `FlashBwdSm90.__call__`."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    dt = cfg.cutlass_dtype
+    b, hq, hkv, sq, skv = (cute.sym_int() for _ in range(5))
+    D = cfg.head_dim
+    q, do = (fake_bhsd(dt, n, b, hq, sq, D) for n in ("q", "do"))
+    k, v, dk, dv = (fake_bhsd(dt, n, b, hkv, skv, D) for n in ("k", "v", "dk", "dv"))
+    # q_num_blocks, q_indices, full_q_num_blocks, full_q_indices
+    block_sparse = fake_block_lists() if cfg.block_sparse else None
+    return (q, k, v, do, _fake_f32(3), _fake_f32(3), _fake_f32(4), dk, dv,
+            cutlass.Float32(1.0), tuple(mod_args) if mod_args else None,
+            fake_grad_args(cfg, mod_args), block_sparse, make_fake_stream())
+
+
+def _compile(kernel, args, keep_ptx: bool, extra_options: str):
+    import cutlass.cute as cute
+
+    opts = " ".join(o for o in (ARCH_OPTION, "--keep-ptx" if keep_ptx else "", extra_options) if o)
+    if not keep_ptx:
+        return cute.compile(kernel, *args, options=opts)
+    with tempfile.TemporaryDirectory() as d, _dump_dir(d):
+        return cute.compile(kernel, *args, options=opts)
+
+
+def compile_backward(cfg: BwdConfig, mod_args: tuple = (), *, keep_ptx: bool = False,
+                     extra_options: str = ""):
+    """Compile the sm90 backward main kernel for `cfg` (`mod_args`: typed stand-ins)."""
+    return _compile(FlashBwdSm90(cfg), fake_backward_args(cfg, mod_args), keep_ptx, extra_options)
+
+
+def compile_preprocess(dtype: str, head_dim: int, with_dlse: bool = False, *,
+                       keep_ptx: bool = False):
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    cfg = BwdConfig(dtype=dtype, head_dim=head_dim)
+    b, h, s = (cute.sym_int() for _ in range(3))
+    o, do = (fake_bhsd(cfg.cutlass_dtype, n, b, h, s, head_dim) for n in ("o", "do"))
+    args = (o, do, _fake_f32(3), _fake_f32(3) if with_dlse else None, _fake_f32(3),
+            _fake_f32(3), _fake_f32(4), make_fake_stream())
+    return _compile(BwdPreprocess(cfg), args, keep_ptx, "")
+
+
+def compile_postprocess(dtype: str, head_dim: int, *, keep_ptx: bool = False):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    cfg = BwdConfig(dtype=dtype, head_dim=head_dim)
+    b, h, s = (cute.sym_int() for _ in range(3))
+    dq = fake_bhsd(cfg.cutlass_dtype, "dq", b, h, s, head_dim)
+    args = (_fake_f32(4), dq, cutlass.Float32(1.0), make_fake_stream())
+    return _compile(BwdPostprocess(cfg), args, keep_ptx, "")

@@ -1,0 +1,80 @@
+"""Backward preprocess: per (batch, head, query row), before the main backward kernel.
+
+    delta[q]    = sum_d dO[q, d] * O[q, d]  (- dLSE[q] when the LSE output has a gradient)
+    lse_log2[q] = LSE[q] * log2(e)           (+inf for empty rows, LSE = -inf, and for the
+                                              padding rows q >= Q_LEN: P = exp2(.. - inf) = 0)
+    dq_accum[q, :] = 0                       (the main kernel only adds into it)
+
+Workspaces are [B, H, Sq_pad(, D)] fp32 with Sq_pad a multiple of `BwdConfig.q_pad`, so the
+main kernel's TMA boxes and atomics never leave them and never need bound checks.
+Why dLSE enters delta: d lse / d s' = P, so dS' = P * (dP - delta + dLSE).
+
+One CTA = 64 rows of one (batch, head); D/8 threads share a row (16-byte chunks each) and
+reduce with warp shuffles.
+"""
+
+import math
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, const_expr
+
+LOG2_E = math.log2(math.e)
+
+
+class BwdPreprocess:
+    rows_per_cta = 64
+    num_threads = 128
+    chunk = 8                 # elements per thread and row: 16 bytes of bf16 / fp16
+
+    def __init__(self, config):
+        self.cfg = config
+        self.dtype = config.cutlass_dtype
+        self.threads_per_row = config.head_dim // self.chunk
+        self.rows_per_pass = self.num_threads // self.threads_per_row
+
+    @cute.jit
+    def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE,
+                 mLSElog2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor,
+                 stream: cuda.CUstream):
+        """mO, mdO [B, H, Sq, D]; mLSE (natural log) and mdLSE (or None) [B, H, Sq] fp32;
+        outputs mLSElog2, mDelta [B, H, Sq_pad], mdQacc [B, H, Sq_pad, D] fp32."""
+        for t in (mO, mdO):
+            if const_expr(t.element_type != self.dtype):
+                raise TypeError(f"expected {self.dtype}, got {t.element_type}")
+        grid = (mLSElog2.shape[2] // self.rows_per_cta, mO.shape[1], mO.shape[0])
+        self.kernel(mO, mdO, mLSE, mdLSE, mLSElog2, mDelta, mdQacc).launch(
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE,
+               mLSElog2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor):
+        tidx = cute.arch.thread_idx()[0]
+        m_block, head, batch = cute.arch.block_idx()
+        seqlen = mO.shape[2]
+        tpr = self.threads_per_row
+        chunk = tidx % tpr
+        for p in cutlass.range_constexpr(self.rows_per_cta // self.rows_per_pass):
+            row = m_block * self.rows_per_cta + p * self.rows_per_pass + tidx // tpr
+            dot = Float32(0.0)
+            if row < seqlen:
+                o = cute.local_tile(mO[batch, head, row, None], (self.chunk,), (chunk,))
+                do = cute.local_tile(mdO[batch, head, row, None], (self.chunk,), (chunk,))
+                prod = o.load().to(Float32) * do.load().to(Float32)
+                dot = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            dot = cute.arch.warp_reduction_sum(dot, threads_in_group=tpr)
+            dq = cute.local_tile(mdQacc[batch, head, row, None], (self.chunk,), (chunk,))
+            dq.fill(0.0)
+            if chunk == 0:
+                lse_log2 = Float32.inf
+                delta = Float32(0.0)
+                if row < seqlen:
+                    lse = mLSE[batch, head, row]
+                    lse_log2 = Float32.inf if lse == -Float32.inf else lse * Float32(LOG2_E)
+                    delta = dot
+                    if const_expr(mdLSE is not None):
+                        delta = dot - mdLSE[batch, head, row]
+                mLSElog2[batch, head, row] = lse_log2
+                mDelta[batch, head, row] = delta

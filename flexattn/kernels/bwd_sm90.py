@@ -1,0 +1,671 @@
+"""FlashAttention backward for Hopper (sm_90a) in CuTeDSL, with the mod hook's derivative.
+
+Math (per query head h, FlexAttention semantics as in `flexattn.reference.backward`):
+
+    s  = scale * q k^T               s' = score_mod(s)   (masked -> -inf)
+    P  = exp(s' - lse)               dV = P^T dO
+    dP = dO V^T                      D  = rowsum(dO * O)   (bwd_preprocess.py; minus dLSE)
+    dS' = P * (dP - D)               dS = dS' * ds'/ds     (0 where P == 0)
+    dK = scale * dS^T Q              dQ = scale * dS K     (scale applied in postprocess)
+    d buf[idx] += dS' * ds'/d buf[idx]   for each read of a captured float buffer
+
+One CTA = (tile_n = 128 keys) x (one *kv* head) x (one batch). It loops over the q heads
+of its GQA group and, per head, over the q blocks of tile_m = 64 rows that see its keys
+(bwd_blocks.py), so dK/dV of a kv head are summed in registers: no atomics, deterministic,
+written once in the input dtype by TMA. dQ gets one contribution per kv block: fp32
+`red.global.add` into a workspace (`dq_accum`, zeroed by the preprocess), converted by
+the postprocess.
+
+    warpgroup 0, warp 0   producer: K, V once (one mbarrier); per visit Q + LSE and
+                          dO + D through two `num_stages` rings (TMA; LSE/D 1-D boxes)
+    warpgroups 1, 2       consumers, 64 keys each. Everything is computed *transposed*
+                          (keys on the wgmma M axis), so P^T and dS^T leave the S^T / dP^T
+                          accumulators directly as register A operands of dV += P^T dO and
+                          dK += dS^T Q (the forward's P V trick). dQ = dS K needs all 128
+                          keys as its K dimension: both warpgroups store dS^T to smem
+                          (stmatrix), then each computes half of dQ's head dim.
+
+Per visit (consumer warpgroup):  S^T = K Q^T, dP^T = V dO^T (SS, async) -> P^T from LSE
+(mods re-applied exactly as the forward does) -> dS^T -> dV, dK (RS, async) -> dS^T to smem
+-> dQ (SS) -> fp32 atomics. Two named barriers guard the single dS buffer.
+
+Workspaces (fp32, rows padded to `BwdConfig.q_pad`): lse_log2 (LSE * log2 e; +inf for
+empty or padding rows so P = 0 there), delta (D), dq_accum. See bwd_preprocess.py.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from flexattn.kernels import sm90_mma
+from flexattn.kernels.atomics import red_add_f32, red_add_v2_f32
+from flexattn.kernels.bwd_blocks import DenseQBlocks, SparseQBlocks
+from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook
+
+LOG2_E = math.log2(math.e)
+
+_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Everything that changes the generated backward code (runtime values never do)."""
+
+    dtype: str = "bf16"           # "bf16" | "fp16": Q, K, V, O, dO, dQ, dK, dV
+    head_dim: int = 128           # 64 | 128
+    tile_m: int = 64              # q rows per visit (N of the S^T GEMM)
+    tile_n: int = 128             # keys per CTA: 64 per consumer warpgroup
+    num_stages: int = 2           # Q/LSE and dO/D ring depth
+    causal: bool = False          # block structure: skip q blocks above the diagonal
+    block_sparse: bool = False    # block structure from the BlockMask's q-side lists
+    sparse_block_m: int = 128     # q rows of one BlockMask block (a multiple of tile_m)
+    mods: ModHook = field(default=NO_MODS, compare=False)
+    producer_regs: int = 24       # setmaxnreg: 24 + 2 x 240 fills the 64K register file
+    consumer_regs: int = 240
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.head_dim not in (64, 128):
+            raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
+        if self.tile_m != 64 or self.tile_n != 128:
+            raise ValueError("the backward supports tile_m=64, tile_n=128 only")
+        if self.sparse_block_m % self.tile_m:
+            raise ValueError(f"sparse_block_m {self.sparse_block_m} must be a multiple of tile_m")
+        if self.causal and self.block_sparse:
+            raise ValueError("causal and block_sparse are exclusive block structures")
+        if self.mods.has_score and type(self.mods).score_and_grad is ModHook.score_and_grad:
+            raise ValueError(f"{type(self.mods).__name__} has a score mod but no derivative "
+                             "(use mod_emit.IRModHook)")
+
+    @property
+    def cutlass_dtype(self):
+        return _DTYPES[self.dtype]
+
+    @property
+    def q_pad(self) -> int:
+        """Workspace rows are padded to a multiple of this: every q tile a CTA may visit
+        (including the second half of a 128-row BlockMask block) lies inside them."""
+        return math.lcm(self.tile_m, self.sparse_block_m)
+
+    @property
+    def buffer_grads(self) -> bool:
+        return len(self.mods.grad_slots) > 0
+
+    def key(self) -> tuple:
+        """Compile-cache key: the config with the hook replaced by its structure key."""
+        return ("bwd", self.dtype, self.head_dim, self.tile_m, self.tile_n, self.num_stages,
+                self.causal, self.block_sparse, self.sparse_block_m, self.producer_regs,
+                self.consumer_regs, self.mods.key())
+
+
+def make_dq_mma(dtype, tile_m: int, head_dim: int, num_wg: int):
+    """dQ[tile_m, D] = dS K: both operands MN-major in smem (dS^T tile, K tile); the
+    warpgroups split the head dim (N), each computing all tile_m rows."""
+    return sm90_helpers.make_trivial_tiled_mma(
+        dtype, dtype,
+        warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN,
+        Float32,
+        atom_layout_mnk=(1, num_wg, 1),
+        tiler_mn=(tile_m, head_dim // num_wg),
+    )
+
+
+def _element_order(n_rows: int, n_cols: int, rows_outer: bool) -> list:
+    """(row, col) visiting order of a fragment's elements (a compile-time list)."""
+    if rows_outer:
+        return [(r, c) for r in range(n_rows) for c in range(n_cols)]
+    return [(r, c) for c in range(n_cols) for r in range(n_rows)]
+
+
+class FlashBwdSm90:
+    """Compile with `cute.compile(FlashBwdSm90(cfg), q, k, v, do, lse_log2, delta, dq_accum,
+    dk, dv, scale, mod_args, grad_args, block_sparse, stream)` or through
+    `flexattn.kernels.bwd_compile.compile_backward`."""
+
+    num_mma_wg = 2
+
+    def __init__(self, config: BwdConfig):
+        self.cfg = config
+        self.dtype = config.cutlass_dtype
+        self.mods = config.mods
+        self.num_mma_threads = 128 * self.num_mma_wg
+        self.num_threads = 128 + self.num_mma_threads
+        # Named barriers (0 is __syncthreads), each over the 256 consumer threads.
+        self.epilogue_barrier_id = 1
+        self.ds_free_barrier_id = 2     # both warpgroups' previous dQ GEMM has read sdS
+        self.ds_full_barrier_id = 3     # both halves of dS^T are in sdS
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,          # [B, Hq, Sq, D]
+        mK: cute.Tensor,          # [B, Hkv, Skv, D]
+        mV: cute.Tensor,          # [B, Hkv, Skv, D]
+        mdO: cute.Tensor,         # [B, Hq, Sq, D]
+        mLSE: cute.Tensor,        # [B, Hq, Sq_pad] float32: LSE * log2(e), +inf if empty
+        mDelta: cute.Tensor,      # [B, Hq, Sq_pad] float32: rowsum(dO * O) (- dLSE)
+        mdQacc: cute.Tensor,      # [B, Hq, Sq_pad, D] float32, zeroed; gets dS K (unscaled)
+        mdK: cute.Tensor,         # [B, Hkv, Skv, D]
+        mdV: cute.Tensor,         # [B, Hkv, Skv, D]
+        softmax_scale: Float32,
+        mod_args,                 # hook runtime args (tuple) or None
+        grad_args,                # fp32 grads of args[slot] for slot in mods.grad_slots, or None
+        block_sparse,             # (q_num_blocks, q_indices, full_q_num_blocks,
+                                  #  full_q_indices) int32 iff cfg.block_sparse, else None
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        for t in (mQ, mK, mV, mdO, mdK, mdV):
+            if const_expr(t.element_type != self.dtype):
+                raise TypeError(f"expected {self.dtype}, got {t.element_type}")
+        for t in (mLSE, mDelta, mdQacc):
+            if const_expr(t.element_type != Float32):
+                raise TypeError("lse_log2, delta and dq_accum must be float32")
+        if const_expr(cfg.block_sparse != (block_sparse is not None)):
+            raise ValueError("block_sparse tensors must be given iff cfg.block_sparse")
+        if const_expr(cfg.buffer_grads != (grad_args is not None)):
+            raise ValueError("grad_args must be given iff the score mod reads float buffers")
+
+        # (S, D, H, B) views: the TMA box is (rows, D); H and B index the tile.
+        Q, K, V, dO, dK, dV = [sm90_mma.select_modes(t, [2, 3, 1, 0])
+                               for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        LSE, Delta = [sm90_mma.select_modes(t, [2, 1, 0]) for t in (mLSE, mDelta)]  # (S, H, B)
+        dQacc = sm90_mma.select_modes(mdQacc, [2, 3, 1, 0])
+
+        D, tm, tn = cfg.head_dim, cfg.tile_m, cfg.tile_n
+        # S^T, dP^T: [tile_n, tile_m], SS. dV, dK: [tile_n, D], A from registers.
+        tiled_mma_nm = sm90_mma.make_qk_mma(self.dtype, tn, tm)
+        tiled_mma_nd = sm90_mma.make_pv_mma(self.dtype, tn, D)
+        tiled_mma_md = make_dq_mma(self.dtype, tm, D, self.num_mma_wg)
+
+        sQ_layout = sm90_mma.smem_layout(self.dtype, tm, D, cfg.num_stages)
+        sdO_layout = sm90_mma.smem_layout(self.dtype, tm, D, cfg.num_stages)
+        sK_layout = sm90_mma.smem_layout(self.dtype, tn, D, 1)
+        sV_layout = sm90_mma.smem_layout(self.dtype, tn, D, 1)
+        sdS_layout = sm90_mma.smem_layout(self.dtype, tn, tm, 1)     # dS^T, q contiguous
+        sStat_layout = cute.make_layout((tm, cfg.num_stages))        # LSE / D per stage
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        s2g = cpasync.CopyBulkTensorTileS2GOp()
+        tile_qd, tile_kd = (tm, D), (tn, D)
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+            g2s, Q, cute.select(sQ_layout, mode=[0, 1]), tile_qd, 1)
+        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(
+            g2s, dO, cute.select(sdO_layout, mode=[0, 1]), tile_qd, 1)
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            g2s, K, cute.select(sK_layout, mode=[0, 1]), tile_kd, 1)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            g2s, V, cute.select(sV_layout, mode=[0, 1]), tile_kd, 1)
+        tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(
+            g2s, LSE, cute.make_layout(tm), (tm,), 1)
+        tma_atom_Delta, tma_Delta = cpasync.make_tiled_tma_atom(
+            g2s, Delta, cute.make_layout(tm), (tm,), 1)
+        # dK / dV leave through sK / sV (same shape and swizzle) once K and V are dead.
+        tma_atom_dK, tma_dK = cpasync.make_tiled_tma_atom(
+            s2g, dK, cute.select(sK_layout, mode=[0, 1]), tile_kd)
+        tma_atom_dV, tma_dV = cpasync.make_tiled_tma_atom(
+            s2g, dV, cute.select(sV_layout, mode=[0, 1]), tile_kd)
+
+        self.bytes_qd = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
+        self.bytes_kd = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        self.bytes_stat = tm * 4
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+
+        # As in the forward: with a score mod the kernel scales s itself and exp2 needs
+        # only log2(e); without one, scale * log2(e) folds into the exp2 argument.
+        scale_log2 = Float32(LOG2_E)
+        if const_expr(not self.mods.has_score):
+            scale_log2 = softmax_scale * Float32(LOG2_E)
+
+        grid = ((K.shape[0] + tn - 1) // tn, K.shape[2], K.shape[3])
+        self.kernel(
+            tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Delta, tma_dK, tma_dV, dQacc,
+            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_Delta,
+            tma_atom_dK, tma_atom_dV,
+            tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout,
+            Q.shape[0], Q.shape[2], softmax_scale, scale_log2, mod_args, grad_args,
+            block_sparse, SharedStorage,
+        ).launch(
+            grid=grid,
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+        mLSE: cute.Tensor, mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+        mdQacc: cute.Tensor,
+        tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+        tma_atom_dO: cute.CopyAtom, tma_atom_LSE: cute.CopyAtom, tma_atom_Delta: cute.CopyAtom,
+        tma_atom_dK: cute.CopyAtom, tma_atom_dV: cute.CopyAtom,
+        tiled_mma_nm: cute.TiledMma, tiled_mma_nd: cute.TiledMma, tiled_mma_md: cute.TiledMma,
+        sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
+        seqlen_q: Int32, num_q_heads: Int32,
+        softmax_scale: Float32, scale_log2: Float32, mod_args, grad_args, block_sparse,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        cfg = self.cfg
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE,
+                         tma_atom_Delta, tma_atom_dK, tma_atom_dV):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # PipelineTmaAsync releases with one arrive per consumer warp.
+        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        pipe_kv = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1,
+            producer_group=one_thread, consumer_group=mma_warps,
+            tx_count=2 * self.bytes_kd, defer_sync=True)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=cfg.num_stages,
+            producer_group=one_thread, consumer_group=mma_warps,
+            tx_count=self.bytes_qd + self.bytes_stat, defer_sync=True)
+        pipe_do = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_do.data_ptr(), num_stages=cfg.num_stages,
+            producer_group=one_thread, consumer_group=mma_warps,
+            tx_count=self.bytes_qd + self.bytes_stat, defer_sync=True)
+        pipeline.pipeline_init_arrive()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sLSE = storage.sLSE.get_tensor(sStat_layout)
+        sDelta = storage.sDelta.get_tensor(sStat_layout)
+
+        n_block, head_kv, batch = cute.arch.block_idx()
+        seqlen_k = mK.shape[0]
+        group = num_q_heads // mK.shape[2]          # q heads per kv head (GQA)
+
+        pipeline.pipeline_init_wait()
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(cfg.producer_regs)
+            if warp_idx == 0:
+                self.load(mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
+                          tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE,
+                          tma_atom_Delta, pipe_kv, pipe_q, pipe_do,
+                          n_block, head_kv, batch, group, seqlen_q, block_sparse)
+        else:
+            cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            self.consume(mdK, mdV, mdQacc, sQ, sK, sV, sdO, sdS, sLSE, sDelta,
+                         tma_atom_dK, tma_atom_dV, tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
+                         pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, group,
+                         seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args,
+                         block_sparse)
+
+    # --------------------------------------------------------------- block structure
+    @cute.jit
+    def _dense_blocks(self, n_block: Int32, seqlen_q: Int32) -> DenseQBlocks:
+        cfg = self.cfg
+        n_m = (seqlen_q + cfg.tile_m - 1) // cfg.tile_m
+        first = Int32(0)
+        diag_end = Int32(0)
+        if const_expr(cfg.causal):
+            # Top-left aligned causal (kv <= q): rows below the block's first key see
+            # nothing of it; rows below its last key see all of it.
+            first = (n_block * cfg.tile_n) // cfg.tile_m
+            diag_end = ((n_block + 1) * cfg.tile_n + cfg.tile_m - 2) // cfg.tile_m
+        return DenseQBlocks(first, n_m, diag_end)
+
+    def _sparse_blocks(self, block_sparse, batch, head, n_block) -> SparseQBlocks:
+        return SparseQBlocks(block_sparse, batch, head, n_block,
+                             self.cfg.sparse_block_m // self.cfg.tile_m)
+
+    # ------------------------------------------------------------------ producer
+    @cute.jit
+    def load(self, mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
+             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_Delta,
+             pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, group, seqlen_q, block_sparse):
+        cfg = self.cfg
+        one = cute.make_layout(1)
+        tile_kd = (cfg.tile_n, cfg.head_dim)
+        gK = cute.local_tile(mK[None, None, head_kv, batch], tile_kd, (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], tile_kd, (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_kv.producer_acquire(kv_state)
+        bar = pipe_kv.producer_get_barrier(kv_state)
+        cute.copy(tma_atom_K, tKgK, tKsK[None, 0], tma_bar_ptr=bar)
+        cute.copy(tma_atom_V, tVgV, tVsV[None, 0], tma_bar_ptr=bar)
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
+        tile_qd = (cfg.tile_m, cfg.head_dim)
+        for g in cutlass.range(group, unroll=1):
+            head = head_kv * group + g
+            gQ = cute.local_tile(mQ[None, None, head, batch], tile_qd, (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, batch], tile_qd, (None, 0))
+            gLSE = cute.local_tile(mLSE[None, head, batch], (cfg.tile_m,), (None,))
+            gDelta = cute.local_tile(mDelta[None, head, batch], (cfg.tile_m,), (None,))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+            tdOsdO, tdOgdO = cpasync.tma_partition(
+                tma_atom_dO, 0, one, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
+            tLsL, tLgL = cpasync.tma_partition(
+                tma_atom_LSE, 0, one, cute.group_modes(sLSE, 0, 1), cute.group_modes(gLSE, 0, 1))
+            tDsD, tDgD = cpasync.tma_partition(
+                tma_atom_Delta, 0, one, cute.group_modes(sDelta, 0, 1),
+                cute.group_modes(gDelta, 0, 1))
+            if const_expr(cfg.block_sparse):
+                blocks = self._sparse_blocks(block_sparse, batch, head, n_block)
+            else:
+                blocks = self._dense_blocks(n_block, seqlen_q)
+            for i in cutlass.range(blocks.count, unroll=1):
+                m_block = blocks.at(i)
+                pipe_q.producer_acquire(state)
+                bar = pipe_q.producer_get_barrier(state)
+                cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
+                cute.copy(tma_atom_LSE, tLgL[None, m_block], tLsL[None, state.index], tma_bar_ptr=bar)
+                pipe_do.producer_acquire(state)
+                bar = pipe_do.producer_get_barrier(state)
+                cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index],
+                          tma_bar_ptr=bar)
+                cute.copy(tma_atom_Delta, tDgD[None, m_block], tDsD[None, state.index],
+                          tma_bar_ptr=bar)
+                state.advance()
+
+    # ------------------------------------------------------------------ consumers
+    @cute.jit
+    def consume(self, mdK, mdV, mdQacc, sQ, sK, sV, sdO, sdS, sLSE, sDelta,
+                tma_atom_dK, tma_atom_dV, tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
+                pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, group,
+                seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args,
+                block_sparse):
+        cfg = self.cfg
+        if const_expr(mod_args is None):
+            mod_args = ()
+        tidx = cute.arch.thread_idx()[0] - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        # wgmma operands are partitioned per warpgroup; accumulators per thread.
+        wg_first_thread = cute.make_layout(self.num_mma_wg, stride=128)(wg)
+        wg_nm = tiled_mma_nm.get_slice(wg_first_thread)
+        wg_nd = tiled_mma_nd.get_slice(wg_first_thread)
+        wg_md = tiled_mma_md.get_slice(wg_first_thread)
+        thr_nm = tiled_mma_nm.get_slice(tidx)
+        thr_md = tiled_mma_md.get_slice(tidx)
+
+        T = sm90_mma.transpose_view
+        frags = (
+            wg_nm.make_fragment_A(wg_nm.partition_A(sK)),        # S^T = K Q^T
+            wg_nm.make_fragment_B(wg_nm.partition_B(sQ)),
+            wg_nm.make_fragment_A(wg_nm.partition_A(sV)),        # dP^T = V dO^T
+            wg_nm.make_fragment_B(wg_nm.partition_B(sdO)),
+            wg_nd.make_fragment_A(wg_nd.partition_shape_A((cfg.tile_n, cfg.tile_m))),  # P^T
+            wg_nd.make_fragment_B(wg_nd.partition_B(T(sdO))),    # dV += P^T dO
+            wg_nd.make_fragment_B(wg_nd.partition_B(T(sQ))),     # dK += dS^T Q
+            wg_md.make_fragment_A(wg_md.partition_A(T(sdS))),    # dQ = dS K
+            wg_md.make_fragment_B(wg_md.partition_B(T(sK))),
+        )
+        acc_shape_nm = wg_nm.partition_shape_C((cfg.tile_n, cfg.tile_m))
+        acc_shape_md = wg_md.partition_shape_C((cfg.tile_m, cfg.head_dim))
+        acc_dV = cute.make_rmem_tensor(wg_nd.partition_shape_C((cfg.tile_n, cfg.head_dim)), Float32)
+        acc_dK = cute.make_rmem_tensor(wg_nd.partition_shape_C((cfg.tile_n, cfg.head_dim)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        # Rows of the S^T fragment are keys, columns are queries.
+        coords = FragmentCoords(thr_nm, cfg.tile_n, cfg.tile_m, sm90_mma.acc_mn_view)
+        # dS^T registers -> sdS (the forward's O epilogue copy, on the S^T tile).
+        stmatrix = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        r2s_dS = cute.make_tiled_copy_C(stmatrix, tiled_mma_nm).get_slice(tidx)
+        tdSsdS = r2s_dS.partition_D(sdS[None, None, 0])
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_kv.consumer_wait(kv_state)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
+
+        mods = self.mods
+        for g in cutlass.range(group, unroll=1):
+            head = head_kv * group + g
+            gdQ = cute.local_tile(mdQacc[None, None, head, batch], (cfg.tile_m, cfg.head_dim),
+                                  (None, 0))
+            ctx = (tiled_mma_nm, tiled_mma_nd, tiled_mma_md, frags, acc_shape_nm, acc_shape_md,
+                   acc_dV, acc_dK, coords, r2s_dS, tdSsdS, thr_md, gdQ, sLSE, sDelta,
+                   pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
+                   softmax_scale, scale_log2, mod_args, grad_args)
+            if const_expr(cfg.block_sparse):
+                blocks = self._sparse_blocks(block_sparse, batch, head, n_block)
+                for i in cutlass.range(blocks.n_partial, unroll=1):
+                    state = self._step(ctx, state, blocks.partial_at(i),
+                                       mask=mods.has_mask, causal=False)
+                for i in cutlass.range(blocks.n_full, unroll=1):
+                    state = self._step(ctx, state, blocks.full_at(i), mask=False, causal=False)
+            else:
+                blocks = self._dense_blocks(n_block, seqlen_q)
+                if const_expr(cfg.causal):
+                    # Blocks crossing the diagonal: the hook's mask if any (it is the causal
+                    # mask, as in the forward), else the built-in one; then full blocks.
+                    n_diag = cutlass.min(blocks.diag_end, blocks.n_m)
+                    for m_block in cutlass.range(blocks.first, n_diag, unroll=1):
+                        state = self._step(ctx, state, m_block, mask=mods.has_mask,
+                                           causal=not mods.has_mask)
+                    for m_block in cutlass.range(cutlass.max(n_diag, blocks.first), blocks.n_m,
+                                                 unroll=1):
+                        state = self._step(ctx, state, m_block, mask=False, causal=False)
+                else:
+                    for m_block in cutlass.range(blocks.n_m, unroll=1):
+                        state = self._step(ctx, state, m_block, mask=mods.has_mask, causal=False)
+
+        self.epilogue(acc_dK, acc_dV, mdK, mdV, sK, sV, tma_atom_dK, tma_atom_dV,
+                      tiled_mma_nd, tidx, n_block, head_kv, batch, softmax_scale)
+
+    @cute.jit
+    def _step(self, ctx, state, m_block, mask: cutlass.Constexpr[bool],
+              causal: cutlass.Constexpr[bool]):
+        """One q block against this CTA's keys: dV, dK accumulate; dQ goes out."""
+        (tiled_mma_nm, tiled_mma_nd, tiled_mma_md, frags, acc_shape_nm, acc_shape_md,
+         acc_dV, acc_dK, coords, r2s_dS, tdSsdS, thr_md, gdQ, sLSE, sDelta,
+         pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
+         softmax_scale, scale_log2, mod_args, grad_args) = ctx
+        tSrK, tSrQ, tPrV, tPrdO, tVrP, tVrdOt, tKrQt, tQrdS, tQrKt = frags
+        mods = self.mods
+        stage = state.index
+
+        # S^T = K Q^T and dP^T = V dO^T, both in flight at once.
+        acc_S = cute.make_rmem_tensor(acc_shape_nm, Float32)
+        pipe_q.consumer_wait(state)
+        sm90_mma.gemm(tiled_mma_nm, acc_S, tSrK[None, None, None, 0],
+                      tSrQ[None, None, None, stage], zero_init=True, wait=-1)
+        acc_dP = cute.make_rmem_tensor(acc_shape_nm, Float32)
+        pipe_do.consumer_wait(state)
+        sm90_mma.gemm(tiled_mma_nm, acc_dP, tPrV[None, None, None, 0],
+                      tPrdO[None, None, None, stage], zero_init=True, wait=-1)
+        blk = (m_block, n_block, head, batch, seqlen_q, seqlen_k, softmax_scale, mod_args)
+        if const_expr(mods.has_score):
+            # One pass after both GEMMs: ds'/ds and the raw score stay per-element
+            # temporaries instead of two more 32-register fragments (which spilled).
+            warpgroup.wait_group(0)
+            self._pointwise(acc_S, acc_dP, sLSE[None, stage], sDelta[None, stage], coords,
+                            blk, scale_log2, grad_args, mask, causal)
+        else:
+            # Without a score mod dS = dS': P is computed while dP^T is still in flight.
+            warpgroup.wait_group(1)                  # S^T ready (groups retire in order)
+            self._pointwise(acc_S, None, sLSE[None, stage], None, coords, blk, scale_log2,
+                            grad_args, mask, causal)
+            warpgroup.wait_group(0)                  # dP^T ready
+            self._ds_from_p(acc_S, acc_dP, sDelta[None, stage], coords)
+
+        # dV += P^T dO and dK += dS^T Q: A operands straight from the registers.
+        tVrP.store(sm90_mma.acc_as_a_view(acc_S).load().to(self.dtype))
+        sm90_mma.gemm(tiled_mma_nd, acc_dV, tVrP, tVrdOt[None, None, None, stage],
+                      zero_init=False, wait=-1)
+        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+        rdS.store(acc_dP.load().to(self.dtype))
+        sm90_mma.gemm(tiled_mma_nd, acc_dK, sm90_mma.acc_as_a_view(rdS),
+                      tKrQt[None, None, None, stage], zero_init=False, wait=-1)
+
+        # dS^T -> smem once the other warpgroup's previous dQ GEMM has read it.
+        cute.arch.barrier(barrier_id=self.ds_free_barrier_id, number_of_threads=self.num_mma_threads)
+        cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS)
+        cute.arch.fence_view_async_shared()          # generic-proxy writes -> wgmma reads
+        cute.arch.barrier(barrier_id=self.ds_full_barrier_id, number_of_threads=self.num_mma_threads)
+        acc_dQ = cute.make_rmem_tensor(acc_shape_md, Float32)
+        sm90_mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, 0],
+                      tQrKt[None, None, None, 0], zero_init=True, wait=0)
+        # wait=0 retired dV, dK and dQ: Q and dO may be overwritten.
+        pipe_q.consumer_release(state)
+        pipe_do.consumer_release(state)
+
+        # dQ (unscaled) += dS K in fp32. Fragment elements 2j, 2j+1 are adjacent columns
+        # (mode 0 of a wgmma accumulator starts with 2 neighbours): one red.v2 per pair.
+        tdQgdQ = thr_md.partition_C(gdQ[None, None, m_block])
+        for j in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
+            ptr = tdQgdQ.iterator + cute.crd2idx(2 * j, tdQgdQ.layout)
+            red_add_v2_f32(ptr, acc_dQ[2 * j], acc_dQ[2 * j + 1])
+        state.advance()
+        return state
+
+    @cute.jit
+    def _pointwise(self, acc_S, acc_dP, sLSE, sDelta, coords, blk, scale_log2, grad_args,
+                   mask: cutlass.Constexpr[bool], causal: cutlass.Constexpr[bool]):
+        """acc_S (raw q.k, transposed) <- P^T = exp2(s' log2 e - lse_log2), with the score
+        mod, mask and bounds in the forward's order (as apply_mods) on the clamped indices
+        the forward's hook saw. If `acc_dP` is given (score-mod path) also
+        acc_dP <- dS^T = P (dP - D) ds'/ds (0 where P == 0: the derivative may be inf or
+        NaN at masked elements) and the buffer gradients are scattered."""
+        m_block, n_block, head, batch, seqlen_q, seqlen_k, softmax_scale, mod_args = blk
+        mods = self.mods
+        cfg = self.cfg
+        fused = acc_dP is not None
+        s_mn = sm90_mma.acc_mn_view(acc_S)
+        dp_mn = sm90_mma.acc_mn_view(acc_dP) if const_expr(fused) else None
+        col_local0 = coords.col_offset()
+        q_first = m_block * cfg.tile_m + col_local0
+        kv_base = n_block * cfg.tile_n
+        # Element order only changes register pressure (the consumers sit at 240 with
+        # dK, dV = 128 fp32 each thread): measured with ptxas, rows-outer avoids a small
+        # spill for softcap (two scalar captures), columns-outer for the buffer-gradient
+        # scatters. Rows-outer re-reads LSE / D from smem per element (a broadcast
+        # ld.shared); columns-outer reads them once per column.
+        rows_outer = not cfg.buffer_grads
+        order = _element_order(cute.size(s_mn.shape[0]), cute.size(s_mn.shape[1]), rows_outer)
+        lse = delta = None
+        for i in cutlass.range_constexpr(len(order)):
+            r, c = order[i]
+            q = q_first + coords.col0(c)
+            q_hook = cutlass.min(q, seqlen_q - 1)
+            if const_expr(rows_outer or r == 0):
+                lse = sLSE[col_local0 + coords.col0(c)]
+                if const_expr(fused):
+                    delta = sDelta[col_local0 + coords.col0(c)]
+            kv = kv_base + coords.row(r)
+            kv_hook = cutlass.min(kv, seqlen_k - 1)
+            x = s_mn[r, c]
+            grad = None
+            if const_expr(mods.has_score):
+                s_scaled = x * softmax_scale
+                s2, grad = mods.score_and_grad(s_scaled, batch, head, q_hook, kv_hook,
+                                               mod_args)
+                x = s2 * scale_log2
+            else:
+                x = x * scale_log2
+            if const_expr(mask):
+                keep = mods.mask(batch, head, q_hook, kv_hook, mod_args)
+                x = x if keep else -Float32.inf
+            if const_expr(causal):
+                x = x if q >= kv else -Float32.inf
+            # Keys past KV_LEN (zero-filled by TMA) must not count; rows past Q_LEN
+            # have lse_log2 = +inf, so their P is 0 already.
+            x = x if kv < seqlen_k else -Float32.inf
+            p = cute.math.exp2(x - lse, fastmath=True)
+            s_mn[r, c] = p
+            if const_expr(fused):
+                ds = p * (dp_mn[r, c] - delta)           # dS' (w.r.t. the modded score)
+                if const_expr(cfg.buffer_grads):
+                    self._scatter_buffer_grads(ds, p, s_scaled, batch, head, q_hook,
+                                               kv_hook, mod_args, grad_args)
+                ds = ds * grad
+                dp_mn[r, c] = Float32(0.0) if p == Float32(0.0) else ds
+
+    @cute.jit
+    def _ds_from_p(self, acc_P, acc_dP, sDelta, coords):
+        """No score mod: acc_dP (dP^T) <- dS^T = P * (dP - D)."""
+        p_mn = sm90_mma.acc_mn_view(acc_P)
+        dp_mn = sm90_mma.acc_mn_view(acc_dP)
+        col_local0 = coords.col_offset()
+        for c in cutlass.range_constexpr(cute.size(p_mn.shape[1])):
+            delta = sDelta[col_local0 + coords.col0(c)]
+            for r in cutlass.range_constexpr(cute.size(p_mn.shape[0])):
+                dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - delta)
+
+    @cute.jit
+    def _scatter_buffer_grads(self, ds, p, s, batch, head, q, kv, mod_args, grad_args):
+        """grad[slot][idx] += dS' * ds'/d buf[idx] for each float-buffer read of the mod."""
+        position = {slot: i for i, slot in enumerate(self.mods.grad_slots)}
+        if p != Float32(0.0):
+            reads = self.mods.buffer_grads(s, batch, head, q, kv, mod_args)
+            for k in cutlass.range_constexpr(len(reads)):   # Python list: unrolled
+                slot, index, partial = reads[k]
+                grad = grad_args[position[slot]]
+                crd = index if const_expr(len(index) > 1) else index[0]
+                red_add_f32(grad.iterator + cute.crd2idx(crd, grad.layout), ds * partial)
+
+    @cute.jit
+    def epilogue(self, acc_dK, acc_dV, mdK, mdV, sK, sV, tma_atom_dK, tma_atom_dV,
+                 tiled_mma_nd, tidx, n_block, head_kv, batch, softmax_scale):
+        """dK * scale and dV -> input dtype -> stmatrix into sK / sV -> TMA store (clips
+        keys >= KV_LEN). A CTA that visited nothing writes zeros."""
+        cfg = self.cfg
+        rdK = cute.make_rmem_tensor_like(acc_dK, self.dtype)
+        rdK.store((acc_dK.load() * softmax_scale).to(self.dtype))
+        rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
+        rdV.store(acc_dV.load().to(self.dtype))
+        # sK / sV are read by both warpgroups' GEMMs until their last visit.
+        cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
+        stmatrix = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        r2s = cute.make_tiled_copy_C(stmatrix, tiled_mma_nd).get_slice(tidx)
+        sdK = sK[None, None, 0]
+        sdV = sV[None, None, 0]
+        cute.copy(r2s, r2s.retile(rdK), r2s.partition_D(sdK))
+        cute.copy(r2s, r2s.retile(rdV), r2s.partition_D(sdV))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
+        if tidx // 32 == 0:
+            tile_kd = (cfg.tile_n, cfg.head_dim)
+            one = cute.make_layout(1)
+            gdK = cute.local_tile(mdK[None, None, head_kv, batch], tile_kd, (n_block, 0))
+            gdV = cute.local_tile(mdV[None, None, head_kv, batch], tile_kd, (n_block, 0))
+            tsK, tgK = cpasync.tma_partition(tma_atom_dK, 0, one, cute.group_modes(sdK, 0, 2),
+                                             cute.group_modes(gdK, 0, 2))
+            tsV, tgV = cpasync.tma_partition(tma_atom_dV, 0, one, cute.group_modes(sdV, 0, 2),
+                                             cute.group_modes(gdV, 0, 2))
+            cute.copy(tma_atom_dK, tsK, tgK)
+            cute.copy(tma_atom_dV, tsV, tgV)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -1,0 +1,215 @@
+"""GPU: the sm90 backward (preprocess + main kernel + postprocess) against the float64
+reference `flexattn.reference.backward`, on randomized shapes x mods x dtypes.
+
+O and LSE come from our forward kernel (`kernel_path.forward_into`), the backward config
+from the forward's plan (`bwd_runner.config_from_forward`), so the block structure (dense,
+built-in causal, block-sparse q-side lists) is the one the public path will use. dq, dk,
+dv and the fp32 workspace are NaN-poisoned before every launch: an element the kernels
+fail to write fails the test. Buffer gradients (ALiBi slopes, relative-bias tables, dense
+biases) are compared too. Skipped without CUDA.
+"""
+
+import zlib
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("cutlass")
+
+from flexattn import mods, reference  # noqa: E402
+from flexattn.core import AttentionSpec, check_inputs  # noqa: E402
+from flexattn.core.kernel_path import Device, forward_into  # noqa: E402
+from flexattn.kernels.bwd_runner import (  # noqa: E402
+    BackwardRunner, config_from_forward, workspace_shapes)
+from flexattn.kernels.mod_emit import runtime_args  # noqa: E402
+
+from mod_cases import CASES  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Error bounds relative to the largest reference gradient (max-abs) and to its norm.
+# bf16/fp16 P and dS feed the GEMMs; dQ, buffer grads accumulate in fp32.
+TOL = {"bf16": (4e-2, 1.5e-2), "fp16": (1e-2, 4e-3)}
+
+_RUNNERS = {}
+
+
+def _device():
+    from flexattn.torch import _DeviceCopies
+
+    return Device(torch.cuda.current_stream().cuda_stream, _DeviceCopies(torch.device("cuda")))
+
+
+def _runner(cfg):
+    if cfg.key() not in _RUNNERS:
+        _RUNNERS[cfg.key()] = BackwardRunner(cfg)
+    return _RUNNERS[cfg.key()]
+
+
+def _nan(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+def kernel_backward(q, k, v, do, spec, dlse=None):
+    """Forward kernel for O and LSE, then the backward kernels. -> (dq, dk, dv, grads by
+    capture slot (None where no gradient), forward config)."""
+    dev = _device()
+    shape = check_inputs(q, k, v, spec)
+    out = _nan((shape.batch, shape.q_heads, shape.q_len, shape.head_dim), q.dtype)
+    lse = _nan((shape.batch, shape.q_heads, shape.q_len), torch.float32)
+    plan = forward_into(q, k, v, out, lse, shape, spec, dev)
+    cfg = config_from_forward(plan.config)
+    hook = cfg.mods
+    args = runtime_args(hook, dev.to_device)
+    lists = None
+    if plan.block_mask is not None:
+        bm = plan.block_mask
+        lists = tuple(dev.to_device(x) for x in (bm.q_num_blocks, bm.q_indices,
+                                                 bm.full_q_num_blocks, bm.full_q_indices))
+    captures = hook.captures()
+    grads = None
+    if hook.grad_slots:
+        grads = tuple(torch.zeros(tuple(np.shape(captures[s])) or (1,), dtype=torch.float32,
+                                  device="cuda") for s in hook.grad_slots)
+    ws = tuple(_nan(s, torch.float32) for s in
+               workspace_shapes(cfg, shape.batch, shape.q_heads, shape.q_len).values())
+    dq, dk, dv = _nan(q.shape, q.dtype), _nan(k.shape, k.dtype), _nan(v.shape, v.dtype)
+    scale = spec.resolved_scale(shape.head_dim)
+    _runner(cfg).run(q, k, v, out, do, lse, dq, dk, dv, ws, scale, args, grads,
+                     dev.stream, lists, dlse)
+    torch.cuda.synchronize()
+    by_slot = [None] * len(captures)
+    for s, g in zip(hook.grad_slots, grads or ()):
+        by_slot[s] = g
+    return dq, dk, dv, by_slot, plan.config
+
+
+def _close(what, got, want, dtype_name):
+    got = got.double().cpu().numpy().reshape(np.shape(want))
+    assert not np.isnan(got).any(), f"{what}: NaN (unwritten or invalid) elements"
+    tol_max, tol_rel = TOL[dtype_name]
+    ref = max(np.abs(want).max(), 1e-6)
+    err = np.abs(got - want).max()
+    rel = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12)
+    assert err <= tol_max * ref and rel <= tol_rel, f"{what}: max err {err:.3g} (ref {ref:.3g}), rel {rel:.3g}"
+
+
+def check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, scale=None, layout="bhsd",
+               with_dlse=False, seed=0):
+    torch.manual_seed(seed)
+    dtype = DTYPES[dtype_name]
+
+    def mk(H, S):
+        if layout == "bshd":                      # strided [B, S, H, D] storage
+            return torch.randn(B, S, H, D, device="cuda", dtype=dtype).transpose(1, 2)
+        return torch.randn(B, H, S, D, device="cuda", dtype=dtype)
+    q, k, v, do = mk(Hq, Q), mk(Hkv, KV), mk(Hkv, KV), mk(Hq, Q)
+    dlse = torch.randn(B, Hq, Q, device="cuda") if with_dlse else None
+    spec = AttentionSpec.from_args(score=score, mask=mask, scale=scale, enable_gqa=True)
+    dq, dk, dv, grads, _ = kernel_backward(q, k, v, do, spec, dlse)
+    want = reference.backward(q.cpu(), k.cpu(), v.cpu(), do.cpu(),
+                              dlse.cpu() if dlse is not None else None, spec=spec)
+    label = f"{name} {dtype_name} D{D} B{B} Hq{Hq} Hkv{Hkv} Q{Q} KV{KV}"
+    _close(f"{label} dq", dq, want.dq, dtype_name)
+    _close(f"{label} dk", dk, want.dk, dtype_name)
+    _close(f"{label} dv", dv, want.dv, dtype_name)
+    for slot, ref in enumerate(want.d_captures):
+        if ref is None:
+            continue
+        assert grads[slot] is not None, f"{label}: no kernel gradient for capture {slot}"
+        _close(f"{label} d_capture[{slot}]", grads[slot], ref, dtype_name)
+
+
+# (case, dtype, D, B, Hq, Hkv, Q, KV, layout)
+FIXED = [
+    ("none", "bf16", 128, 2, 4, 4, 256, 256, "bhsd"),
+    ("none", "fp16", 64, 1, 3, 3, 77, 300, "bhsd"),            # Q < KV, odd lengths
+    ("causal", "bf16", 128, 2, 8, 2, 1000, 1000, "bhsd"),      # built-in causal, GQA 4:1
+    ("causal", "fp16", 128, 1, 4, 1, 129, 513, "bhsd"),        # MQA; kv blocks nobody sees
+    ("causal", "bf16", 64, 1, 6, 3, 333, 129, "bshd"),         # Q > KV, strided
+    ("sliding_window", "bf16", 128, 1, 4, 2, 700, 700, "bhsd"),  # block-sparse
+    ("document", "fp16", 64, 2, 2, 2, 384, 384, "bhsd"),
+    ("document_batched", "bf16", 128, 2, 4, 4, 300, 300, "bhsd"),
+    ("alibi", "bf16", 128, 1, 8, 8, 300, 300, "bhsd"),         # slope gradients
+    ("softcap", "fp16", 64, 2, 4, 2, 511, 257, "bshd"),
+    ("relative_bias", "bf16", 64, 2, 4, 2, 250, 250, "bhsd"),  # table gradients (GQA)
+    ("bias", "fp16", 64, 1, 2, 2, 130, 140, "bhsd"),           # dense bias gradient
+    ("causal_softcap", "bf16", 128, 2, 4, 4, 400, 400, "bhsd"),
+    ("window_document_alibi_softcap", "bf16", 64, 1, 4, 2, 500, 500, "bhsd"),
+    ("prefix_lm", "fp16", 128, 2, 2, 1, 200, 260, "bhsd"),
+    ("not_causal_or_prefix", "bf16", 64, 1, 2, 2, 190, 190, "bhsd"),
+    ("custom_function", "bf16", 64, 1, 2, 2, 150, 150, "bhsd"),
+    ("none", "bf16", 64, 1, 1, 1, 1, 1, "bhsd"),               # one element
+    ("causal", "bf16", 128, 1, 2, 2, 3000, 2900, "bhsd"),      # long: many q blocks
+]
+
+
+@pytest.mark.parametrize("case", FIXED, ids=lambda c: "-".join(map(str, c)))
+def test_fixed(case):
+    name, dtype_name, D, B, Hq, Hkv, Q, KV, layout = case
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    mask, score, _, _ = CASES[name](rng, B, Hq, Q, KV)
+    check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, layout=layout,
+               seed=FIXED.index(case))
+
+
+def _random_cases(n, seed=4321):
+    rng = np.random.default_rng(seed)
+    names = sorted(CASES)
+    out = []
+    for _ in range(n):
+        hkv = int(rng.choice([1, 2, 3]))
+        q_len = int(rng.integers(1, 700))
+        kv_len = q_len if rng.random() < 0.4 else int(rng.integers(1, 700))
+        out.append((str(rng.choice(names)), str(rng.choice(["bf16", "fp16"])),
+                    int(rng.choice([64, 128])), int(rng.integers(1, 3)),
+                    hkv * int(rng.choice([1, 2, 4])), hkv, q_len, kv_len,
+                    str(rng.choice(["bhsd", "bshd"]))))
+    return out
+
+
+RANDOM = _random_cases(24)
+
+
+@pytest.mark.parametrize("i", range(len(RANDOM)), ids=lambda i: "-".join(map(str, RANDOM[i])))
+def test_random(i):
+    name, dtype_name, D, B, Hq, Hkv, Q, KV, layout = RANDOM[i]
+    rng = np.random.default_rng(i)
+    mask, score, _, _ = CASES[name](rng, B, Hq, Q, KV)
+    scale = float(rng.uniform(0.05, 0.3)) if rng.random() < 0.3 else None
+    check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, scale=scale,
+               layout=layout, seed=100 + i)
+
+
+def test_lse_gradient():
+    """dLSE enters through delta (preprocess)."""
+    rng = np.random.default_rng(7)
+    mask, score, _, _ = CASES["causal_softcap"](rng, 1, 2, 300, 300)
+    check_case("dlse", "bf16", 128, 1, 2, 2, 300, 300, mask, score, with_dlse=True)
+
+
+def test_dk_dv_deterministic():
+    """dK/dV are summed in registers by one CTA (GQA heads included): bitwise repeatable."""
+    torch.manual_seed(3)
+    q, do = (torch.randn(1, 8, 500, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, 2, 500, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    spec = AttentionSpec.from_args(mask=mods.causal(), enable_gqa=True)
+    first = kernel_backward(q, k, v, do, spec)
+    again = kernel_backward(q, k, v, do, spec)
+    assert torch.equal(first[1], again[1]) and torch.equal(first[2], again[2])
+
+
+def test_new_values_never_recompile():
+    """Softcap values and relative-bias tables are runtime args."""
+    torch.manual_seed(4)
+    q, k, v, do = (torch.randn(1, 2, 200, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    counts = []
+    for cap in (2.0, 7.0):
+        table = np.random.default_rng(int(cap)).standard_normal((2, 9)).astype(np.float32)
+        score = mods.relative_bias(table) >> mods.softcap(cap)
+        spec = AttentionSpec.from_args(score=score)
+        _, _, _, _, fwd_cfg = kernel_backward(q, k, v, do, spec)
+        counts.append(_runner(config_from_forward(fwd_cfg)).num_compiled)
+    assert counts[0] == counts[1] == 3
