@@ -1,0 +1,70 @@
+"""CPU: how the core plans a GPU call (block structure, tiles, hook, errors) — no launch."""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+
+from flexattn import create_block_mask, mods  # noqa: E402
+from flexattn.core import AttentionSpec, check_inputs  # noqa: E402
+from flexattn.core.kernel_path import plan_forward  # noqa: E402
+
+
+def _plan(D=128, dtype=torch.bfloat16, Q=300, KV=300, **kw):
+    q = torch.empty(2, 4, Q, D, dtype=dtype)
+    k = torch.empty(2, 4, KV, D, dtype=dtype)
+    spec = AttentionSpec.from_args(**kw)
+    return plan_forward(q, check_inputs(q, k, k, spec), spec)
+
+
+def test_dense_without_mask():
+    p = _plan()
+    assert not p.config.causal and not p.config.block_sparse and p.block_mask is None
+    assert not p.config.mods.has_mask and not p.config.mods.has_score
+
+
+def test_builtin_causal_uses_the_kernels_diagonal():
+    p = _plan(mask=mods.causal(), score=mods.softcap(20.0))
+    assert p.config.causal and not p.config.block_sparse and not p.config.mods.has_mask
+    assert p.config.mods.has_score
+
+
+def test_other_masks_become_block_sparse_lists():
+    p = _plan(mask=mods.sliding_window(64))
+    assert p.config.block_sparse and p.block_mask.BLOCK_SIZE == (128, 128)
+    assert p.block_mask.shape == (1, 1, 300, 300)  # mask reads neither b nor h: stored once
+    assert p.config.mods.has_mask
+    p = _plan(mask=mods.prefix_lm(np.array([5, 50])))  # reads b: one row of lists per batch
+    assert p.block_mask.shape[0] == 2
+
+
+def test_full_block_mask_needs_no_mask_hook():
+    bm = create_block_mask(mods.full(), None, None, 300, 300)
+    p = _plan(block_mask=bm)
+    assert p.config.block_sparse and not p.config.mods.has_mask
+
+
+def test_tile_m_192_only_for_d64_without_score_or_lists():
+    assert _plan(D=64).config.tile_m == 192
+    assert _plan(D=64, mask=mods.causal()).config.tile_m == 192
+    assert _plan(D=64, score=mods.softcap(5.0)).config.tile_m == 128
+    assert _plan(D=64, mask=mods.sliding_window(8)).config.tile_m == 128
+    assert _plan(D=128).config.tile_m == 128
+
+
+def test_structure_not_values_decides_the_config_key():
+    a = _plan(mask=mods.sliding_window(10) & mods.document(np.zeros(300, np.int32)), score=mods.softcap(3.0))
+    b = _plan(mask=mods.sliding_window(99) & mods.document(np.arange(300, dtype=np.int32)), score=mods.softcap(9.0))
+    c = _plan(mask=mods.sliding_window(10) & mods.document(np.zeros(300, np.int64)), score=mods.softcap(3.0))
+    assert a.config.key() == b.config.key() != c.config.key()
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(D=96), "head dims"),
+    (dict(dtype=torch.float32), "bfloat16 and float16"),
+    (dict(block_mask=create_block_mask(mods.causal(), None, None, 300, 300, BLOCK_SIZE=64)), "BLOCK_SIZE"),
+])
+def test_unsupported_is_refused_before_compiling(kw, words):
+    with pytest.raises(ValueError, match=words):
+        _plan(**kw)
