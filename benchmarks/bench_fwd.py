@@ -172,7 +172,12 @@ def main():
     ap.add_argument("--shapes", nargs="*", default=["4x4096x16x128"], help="BxSxHxD")
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--out", default=None, help="write rows + markdown table as JSON")
+    ap.add_argument("--tvm-ffi", action="store_true", help="launch ours through TVM-FFI (FLEXATTN_TVM_FFI=1)")
     args = ap.parse_args()
+    if args.tvm_ffi:
+        import os
+
+        os.environ["FLEXATTN_TVM_FFI"] = "1"
     import torch._dynamo
 
     # one compiled flex_attention serves every variant; let it hold them all (not fall back to eager)

@@ -15,6 +15,7 @@ Block structure, cheapest first:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -112,15 +113,22 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec) -> KernelPlan:
 def forward_into(q, k, v, out, lse, shape: AttentionShape, spec: AttentionSpec, device: Device) -> KernelPlan:
     """Run the forward kernel, writing ``out`` [B, Hq, Q, D] and ``lse`` [B, Hq, Q] (float32)."""
     from ..kernels.cache import forward_runner
-    from ..kernels.mod_emit import runtime_args
 
     plan = plan_forward(q, shape, spec)
-    args = runtime_args(plan.config.mods, device.to_device)
     lists = None
     if plan.block_mask is not None:
         bm = plan.block_mask
         lists = tuple(device.to_device(x) for x in (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices))
     scale = spec.resolved_scale(shape.head_dim)
+    if os.environ.get("FLEXATTN_TVM_FFI") == "1":  # opt-in fast launch, see kernels/ffi_runner.py
+        from ..kernels.ffi_runner import ffi_mod_args
+
+        runner = forward_runner(plan.config, tvm_ffi=True)
+        runner.run(q, k, v, out, lse, scale, ffi_mod_args(plan.config.mods, device.to_device), lists)
+        return plan
+    from ..kernels.mod_emit import runtime_args
+
+    args = runtime_args(plan.config.mods, device.to_device)
     forward_runner(plan.config).run(q, k, v, out, lse, scale, args, device.stream, lists)
     return plan
 

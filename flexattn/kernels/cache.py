@@ -13,14 +13,21 @@ from __future__ import annotations
 from .fwd_sm90 import FwdConfig
 from .runner import ForwardRunner
 
-_RUNNERS: dict[tuple, ForwardRunner] = {}
+_RUNNERS: dict[tuple, object] = {}
 
 
-def forward_runner(config: FwdConfig) -> ForwardRunner:
-    key = ("sm_90a",) + config.key()
+def forward_runner(config: FwdConfig, tvm_ffi: bool = False):
+    """The runner for ``config`` (``ForwardRunner``, or ``FfiForwardRunner`` with ``tvm_ffi``)."""
+    key = ("sm_90a", tvm_ffi) + config.key()
     runner = _RUNNERS.get(key)
     if runner is None:
-        runner = _RUNNERS[key] = ForwardRunner(config)
+        if tvm_ffi:
+            from .ffi_runner import FfiForwardRunner
+
+            runner = FfiForwardRunner(config)
+        else:
+            runner = ForwardRunner(config)
+        _RUNNERS[key] = runner
     return runner
 
 

@@ -81,6 +81,18 @@ def test_randomized_against_reference(case, config):
         _check(f"{case}#{i} B{B} Hq{Hq} Hkv{k.shape[1]} Q{Q} KV{KV}", q, k, v, spec, dtype)
 
 
+@pytest.mark.parametrize("case", ["causal_softcap", "window_document_alibi_softcap", "document_batched", "custom_function"])
+def test_tvm_ffi_launch_matches_reference(case, monkeypatch):
+    """The opt-in TVM-FFI launch path (FLEXATTN_TVM_FFI=1) computes the same results."""
+    pytest.importorskip("tvm_ffi")
+    monkeypatch.setenv("FLEXATTN_TVM_FFI", "1")
+    rng = np.random.default_rng(zlib.crc32(case.encode()))
+    for dtype, D in CONFIGS:
+        B, Hq, Q, KV, q, k, v = _random_problem(rng, dtype, D)
+        mask, score, _, _ = CASES[case](rng, B, Hq, Q, KV)
+        _check(f"ffi {case}", q, k, v, AttentionSpec.from_args(score=score, mask=mask, enable_gqa=True), dtype)
+
+
 def test_new_values_never_recompile():
     rng = np.random.default_rng(5)
     B, Hq, Q, KV = 1, 4, 300, 300

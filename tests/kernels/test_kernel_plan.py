@@ -68,3 +68,23 @@ def test_structure_not_values_decides_the_config_key():
 def test_unsupported_is_refused_before_compiling(kw, words):
     with pytest.raises(ValueError, match=words):
         _plan(**kw)
+
+
+def test_tvm_ffi_forward_compiles_with_the_planned_signature():
+    """The opt-in TVM-FFI launch (FLEXATTN_TVM_FFI=1): compiled on fake tensors, it checks
+    its arguments itself — on a CPU tensor it must refuse with the compiled signature."""
+    pytest.importorskip("tvm_ffi")
+    from flexattn.kernels.ffi_runner import FfiForwardRunner, ffi_mod_args
+
+    p = _plan(mask=mods.document(np.zeros(300, np.int32)), score=mods.softcap(30.0))
+    runner = FfiForwardRunner(p.config)
+    q = torch.zeros(2, 4, 300, 128, dtype=torch.bfloat16)
+    lse = torch.zeros(2, 4, 300)
+    bm = p.block_mask
+    lists = tuple(torch.from_numpy(x.copy()) for x in (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices))
+    args = ffi_mod_args(p.config.mods, lambda x: torch.as_tensor(np.asarray(x)))
+    assert [type(a) for a in args] == [float, float, torch.Tensor]
+    with pytest.raises(ValueError, match="expected device_type=cuda") as err:
+        runner.run(q, q, q, q, lse, 0.1, args, lists)
+    assert "mod_args: Tuple[float32, float32, Tensor([n5], int32)]" in str(err.value)
+    assert runner.num_compiled == 1
