@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call that spends the session's GPU minutes in priority order.
+# Usage (device tool, carry [".gpu"]):  bash benchmarks/device_session.sh [steps...]
+# Steps: fwd (forward + emitter + public-path tests), bwd (backward tests), ffi (TVM-FFI
+# launch tests), bench (side-by-side forward table), bench-ffi (the same, TVM-FFI launch).
+# Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
+set -u
+source .gpu/activate.sh
+export PYTHONUNBUFFERED=1
+out=${OUT:-/tmp/flexattn-out}
+mkdir -p "$out"
+steps=${*:-fwd bwd ffi bench}
+
+run() {  # run NAME SECONDS CMD...: log to $out/NAME.log, print its tail
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name ($(date -u +%H:%M:%S))"
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  echo "rc=$?"
+  grep -E "passed|failed|error|^\|" "$out/$name.log" | tail -25
+}
+
+for step in $steps; do
+  case $step in
+    fwd) run fwd 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py \
+           tests/gpu/test_mod_emit_gpu.py tests/gpu/test_flex_attention_gpu.py -k "not ffi" ;;
+    bwd) run bwd 300 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_bwd_gpu.py ;;
+    ffi) run ffi 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flex_attention_gpu.py -k ffi ;;
+    bench) run bench 420 python3 benchmarks/bench_fwd.py --out "$out/bench.json" ;;
+    bench-ffi) run bench_ffi 420 python3 benchmarks/bench_fwd.py --tvm-ffi --out "$out/bench_ffi.json" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
