@@ -29,7 +29,7 @@ from flexattn.kernels.bwd_postprocess import BwdPostprocess
 from flexattn.kernels.bwd_preprocess import BwdPreprocess
 from flexattn.kernels.bwd_sm90 import BwdConfig, FlashBwdSm90
 from flexattn.kernels.compile import ARCH_OPTION
-from flexattn.kernels.runner import _arg_signature, _to_cute
+from flexattn.kernels.runner import _arg_signature, _to_cute, check_block_lists
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -117,28 +117,9 @@ class BackwardRunner:
                 raise ValueError(f"workspace {name} must be contiguous")
 
     def _check_block_sparse(self, q, k, block_sparse):
-        cfg = self.cfg
-        if cfg.block_sparse != (block_sparse is not None):
-            raise ValueError("pass block_sparse tensors iff the config has block_sparse=True")
-        if block_sparse is None:
-            return None
-        if len(block_sparse) != 4:
-            raise ValueError("block_sparse = (q_num_blocks, q_indices, full_q_num_blocks, "
-                             "full_q_indices)")
-        views = [_to_cute(x, 4) for x in block_sparse]
-        (B, Hq, Sq, _), Skv = q.shape, k.shape[2]
-        n_kv = -(-Skv // cfg.tile_n)
-        n_q = -(-Sq // cfg.sparse_block_m)
-        for i, (t, _) in enumerate(views):
-            if str(t.element_type) != "Int32" or len(t.shape) != (3 if i % 2 == 0 else 4):
-                raise ValueError(f"block_sparse[{i}]: want int32 of rank {3 + i % 2}")
-            if t.shape[0] not in (1, B) or t.shape[1] not in (1, Hq) or t.shape[2] != n_kv:
-                raise ValueError(f"block_sparse[{i}]: shape {tuple(t.shape)} does not match "
-                                 f"B={B}, H={Hq}, {n_kv} kv blocks of {cfg.tile_n}")
-            if i % 2 and t.shape[3] < 1:
-                raise ValueError(f"block_sparse[{i}]: empty index list")
-        del n_q  # indices beyond the q length are the caller's contract (as in torch)
-        return tuple(dyn for _, dyn in views)
+        (B, Hq, _, _), Skv = q.shape, k.shape[2]
+        return check_block_lists(block_sparse, self.cfg.block_sparse, B, Hq, -(-Skv // self.cfg.tile_n),
+                                 "q", f"kv blocks of {self.cfg.tile_n}")
 
     def _check_grads(self, grad_args):
         slots = self.cfg.mods.grad_slots

@@ -29,6 +29,29 @@ def _arg_signature(a):
     return ("tensor", str(a.element_type), len(a.shape))
 
 
+def check_block_lists(block_sparse, enabled: bool, batch: int, heads: int, rows: int, side: str, row_desc: str):
+    """Validate BlockMask lists ``({side}_num_blocks, {side}_indices, full_{side}_num_blocks,
+    full_{side}_indices)``: int32, [B|1, H|1, rows] and [B|1, H|1, rows, n]; return their
+    dynamic cute views (or None). Indices beyond the sequence are the caller's contract,
+    as in torch."""
+    if enabled != (block_sparse is not None):
+        raise ValueError("pass block_sparse tensors iff the config has block_sparse=True")
+    if block_sparse is None:
+        return None
+    if len(block_sparse) != 4:
+        raise ValueError(f"block_sparse = ({side}_num_blocks, {side}_indices, full_{side}_num_blocks, full_{side}_indices)")
+    views = [_to_cute(x, 4) for x in block_sparse]
+    for i, (t, _) in enumerate(views):
+        if str(t.element_type) != "Int32" or len(t.shape) != (3 if i % 2 == 0 else 4):
+            raise ValueError(f"block_sparse[{i}]: want int32 of rank {3 + i % 2}")
+        if t.shape[0] not in (1, batch) or t.shape[1] not in (1, heads) or t.shape[2] != rows:
+            raise ValueError(f"block_sparse[{i}]: shape {tuple(t.shape)} does not match "
+                             f"B={batch}, H={heads}, {rows} {row_desc}")
+        if i % 2 and t.shape[3] < 1:
+            raise ValueError(f"block_sparse[{i}]: empty index list")
+    return tuple(d for _, d in views)
+
+
 class ForwardRunner:
     """`run(q, k, v, o, lse, softmax_scale, mod_args, stream)`; q/o [B,Hq,Sq,D],
     k/v [B,Hkv,Skv,D] of cfg.dtype, lse float32 [B,Hq,Sq]. mod_args: tuple of cute
@@ -73,27 +96,9 @@ class ForwardRunner:
             raise ValueError("empty sequences are not supported")
 
     def _check_block_sparse(self, q, k, block_sparse):
-        cfg = self.cfg
-        if cfg.block_sparse != (block_sparse is not None):
-            raise ValueError("pass block_sparse tensors iff the config has block_sparse=True")
-        if block_sparse is None:
-            return None
-        if len(block_sparse) != 4:
-            raise ValueError("block_sparse = (kv_num_blocks, kv_indices, "
-                             "full_kv_num_blocks, full_kv_indices)")
-        views = [_to_cute(x, 4) for x in block_sparse]
-        (B, Hq, Sq, _), Skv = q.shape, k.shape[2]
-        n_q, n_kv = -(-Sq // cfg.tile_m), -(-Skv // cfg.tile_n)
-        for i, (t, _) in enumerate(views):
-            if str(t.element_type) != "Int32" or len(t.shape) != (3 if i % 2 == 0 else 4):
-                raise ValueError(f"block_sparse[{i}]: want int32 of rank {3 + i % 2}")
-            if t.shape[0] not in (1, B) or t.shape[1] not in (1, Hq) or t.shape[2] != n_q:
-                raise ValueError(f"block_sparse[{i}]: shape {tuple(t.shape)} does not match "
-                                 f"B={B}, H={Hq}, {n_q} q-blocks of {cfg.tile_m}")
-            if i % 2 and t.shape[3] < 1:
-                raise ValueError(f"block_sparse[{i}]: empty index list")
-        del n_kv  # indices beyond the kv length are the caller's contract (as in torch)
-        return tuple(d for _, d in views)
+        (B, Hq, Sq, _) = q.shape
+        return check_block_lists(block_sparse, self.cfg.block_sparse, B, Hq, -(-Sq // self.cfg.tile_m),
+                                 "kv", f"q-blocks of {self.cfg.tile_m}")
 
     def bind(self, q, k, v, o, lse, softmax_scale: float, mod_args: tuple, stream: int,
              block_sparse=None):

@@ -88,3 +88,22 @@ def test_tvm_ffi_forward_compiles_with_the_planned_signature():
         runner.run(q, q, q, q, lse, 0.1, args, lists)
     assert "mod_args: Tuple[float32, float32, Tensor([n5], int32)]" in str(err.value)
     assert runner.num_compiled == 1
+
+
+def test_block_list_validation_shared_by_both_runners():
+    from flexattn.kernels.runner import check_block_lists
+
+    def lists(rows, cols=3, b=1, h=1):
+        return (torch.zeros(b, h, rows, dtype=torch.int32), torch.zeros(b, h, rows, cols, dtype=torch.int32),
+                torch.zeros(b, h, rows, dtype=torch.int32), torch.zeros(b, h, rows, cols, dtype=torch.int32))
+
+    assert check_block_lists(None, False, 2, 4, 3, "kv", "q-blocks") is None
+    assert len(check_block_lists(lists(3, b=2), True, 2, 4, 3, "kv", "q-blocks")) == 4
+    with pytest.raises(ValueError, match="iff the config"):
+        check_block_lists(lists(3), False, 2, 4, 3, "kv", "q-blocks")
+    with pytest.raises(ValueError, match="3 q-blocks"):
+        check_block_lists(lists(5), True, 2, 4, 3, "kv", "q-blocks")
+    with pytest.raises(ValueError, match="int32"):
+        check_block_lists(tuple(x.long() for x in lists(3)), True, 2, 4, 3, "kv", "q-blocks")
+    with pytest.raises(ValueError, match="full_q_indices"):
+        check_block_lists(lists(3)[:3], True, 2, 4, 3, "q", "kv blocks")
