@@ -73,6 +73,13 @@ class BlockMask:
             seq_lengths = (states.shape[2] * qb, states.shape[3] * kvb)
         return cls(states, seq_lengths, (qb, kvb), as_mask(mask_mod) if mask_mod is not None else None)
 
+    def update(self, *captures) -> "BlockMask":
+        """The block mask of the same mask structure with new captured values (e.g. next
+        step's document boundaries): no re-tracing, and kernels compiled for the old
+        values serve the new ones."""
+        b, h, q, kv = self.shape
+        return create_block_mask(self.mask_mod.with_captures(captures), b, h, q, kv, BLOCK_SIZE=self.BLOCK_SIZE)
+
     # -- views ---------------------------------------------------------------------------------
     @property
     def shape(self):

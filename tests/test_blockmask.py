@@ -12,6 +12,7 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 from flexattn import BlockMask, create_block_mask
 from flexattn.blockmask import EMPTY, FULL, PARTIAL
 from flexattn.mods import causal, full, mask_mod, prefix_lm, sliding_window
+from flexattn.mods import document as mods_document
 
 RNG = np.random.default_rng(0)
 S_MAX = 520
@@ -334,3 +335,37 @@ def test_long_causal_sliding_window_is_fast():
     assert set(np.unique(d)) <= {0, 7, 8}
     assert (states == PARTIAL).sum() == 128 + 121 + 120
     assert bm.density() == pytest.approx((1001 * 16384 - 1000 * 1001 / 2) / 16384 ** 2, rel=1e-12)
+
+
+def test_update_with_new_captured_values_needs_no_retrace():
+    ids_a = np.repeat([0, 1, 2], [100, 60, 96]).astype(np.int32)
+    ids_b = np.repeat([0, 1], [30, 226]).astype(np.int32)
+    bm = create_block_mask(mods_document(ids_a) & causal(), 2, None, 256, 256, BLOCK_SIZE=32)
+    captures = list(bm.mask_mod.captures)
+    captures[[i for i, c in enumerate(captures) if c is ids_a][0]] = ids_b
+    new = bm.update(*captures)
+    fresh = create_block_mask(mods_document(ids_b) & causal(), 2, None, 256, 256, BLOCK_SIZE=32)
+    assert new.mask_mod.expr is bm.mask_mod.expr  # same structure object: nothing re-traced
+    np.testing.assert_array_equal(new.block_states(), fresh.block_states())
+    assert new.shape == bm.shape and new.BLOCK_SIZE == bm.BLOCK_SIZE
+
+
+def test_per_sequence_offsets_pack_each_batch_row():
+    from flexattn.mods import document_from_lengths, document_from_offsets, document_ids_from_offsets
+
+    offsets = np.array([[0, 5, 9, 9], [0, 2, 3, 12]])  # row 0 has 2 documents (last one repeated)
+    ids = document_ids_from_offsets(offsets, length=12)
+    np.testing.assert_array_equal(ids[0], [0] * 5 + [1] * 4 + [-1] * 3)
+    np.testing.assert_array_equal(ids[1], [0, 0, 1] + [2] * 9)
+    m = document_from_offsets(offsets, length=12)
+    q, kv = np.arange(12)[:, None], np.arange(12)[None, :]
+    for b in range(2):
+        want = (ids[b][q] == ids[b][kv]) & (ids[b][q] >= 0)
+        np.testing.assert_array_equal(m(b, 0, q, kv), want)
+    m2 = document_from_lengths(np.array([[5, 4, 0], [2, 1, 9]]), length=12)
+    for b in range(2):
+        np.testing.assert_array_equal(m2(b, 0, q, kv), m(b, 0, q, kv))
+    bm = create_block_mask(m, 2, None, 12, 12, BLOCK_SIZE=4)
+    assert bm.shape[0] == 2
+    with pytest.raises(ValueError, match="start at 0"):
+        document_ids_from_offsets(np.array([[1, 4]]))

@@ -72,33 +72,45 @@ def document(ids, kv_ids=None) -> MaskMod:
 def document_ids_from_offsets(offsets, length: int | None = None) -> np.ndarray:
     """int32 document id per token from cumulative offsets ``[0, l0, l0+l1, ..., total]``.
 
-    Tokens at or after ``offsets[-1]`` (padding up to ``length``) get id -1.
+    ``offsets`` is [n+1] (one packing for the whole batch) or [B, n+1] (one per sequence;
+    repeat the last offset to pad rows with fewer documents). Tokens at or after a row's
+    last offset (padding up to ``length``, default the largest total) get id -1.
     """
-    off = np.asarray(to_numpy(offsets)).astype(np.int64).reshape(-1)
-    if off.size < 2 or off[0] != 0 or np.any(np.diff(off) < 0):
+    off = np.asarray(to_numpy(offsets)).astype(np.int64)
+    if off.ndim not in (1, 2) or off.shape[-1] < 2:
+        raise ValueError(f"offsets must be [n+1] or [B, n+1] with n >= 1, got shape {off.shape}")
+    rows = off.reshape(-1, off.shape[-1])
+    if np.any(rows[:, 0] != 0) or np.any(np.diff(rows, axis=-1) < 0):
         raise ValueError("offsets must start at 0 and be non-decreasing, e.g. [0, 100, 250, 400]")
-    total = int(off[-1])
-    length = total if length is None else int(length)
-    if length < total:
-        raise ValueError(f"length={length} is shorter than the last offset {total}")
-    ids = np.full(length, -1, dtype=np.int32)
-    ids[:total] = np.repeat(np.arange(off.size - 1, dtype=np.int32), np.diff(off))
-    return ids
+    totals = rows[:, -1]
+    length = int(totals.max()) if length is None else int(length)
+    if length < int(totals.max()):
+        raise ValueError(f"length={length} is shorter than the last offset {int(totals.max())}")
+    ids = np.full((rows.shape[0], length), -1, dtype=np.int32)
+    docs = np.arange(rows.shape[1] - 1, dtype=np.int32)
+    for r, row in enumerate(rows):
+        ids[r, : row[-1]] = np.repeat(docs, np.diff(row))
+    return ids[0] if off.ndim == 1 else ids
 
 
 def document_from_offsets(offsets, length: int | None = None) -> MaskMod:
-    """Packed sequences from cumulative offsets; padding tokens attend to nothing."""
+    """Packed sequences from cumulative offsets ([n+1], or [B, n+1] per sequence); padding
+    tokens attend to nothing."""
     ids = document_ids_from_offsets(offsets, length)
     ids.flags.writeable = False  # ours alone: GPU adapters may keep one device copy
-    return mask_mod(lambda b, h, q_idx, kv_idx: (ids[q_idx] == ids[kv_idx]) & (ids[q_idx] >= 0), name="document")
+    if ids.ndim == 1:
+        return mask_mod(lambda b, h, q_idx, kv_idx: (ids[q_idx] == ids[kv_idx]) & (ids[q_idx] >= 0), name="document")
+    return mask_mod(lambda b, h, q_idx, kv_idx: (ids[b, q_idx] == ids[b, kv_idx]) & (ids[b, q_idx] >= 0), name="document")
 
 
 def document_from_lengths(lengths, length: int | None = None) -> MaskMod:
-    """Packed sequences from per-document lengths ``[l0, l1, ...]``."""
-    lens = np.asarray(to_numpy(lengths)).astype(np.int64).reshape(-1)
-    if np.any(lens < 0):
-        raise ValueError("document lengths must be non-negative")
-    return document_from_offsets(np.concatenate([[0], np.cumsum(lens)]), length)
+    """Packed sequences from per-document lengths ``[l0, l1, ...]`` (or [B, n] per sequence,
+    zero-padded)."""
+    lens = np.asarray(to_numpy(lengths)).astype(np.int64)
+    if lens.ndim not in (1, 2) or np.any(lens < 0):
+        raise ValueError("document lengths must be a [n] or [B, n] array of non-negative ints")
+    zeros = np.zeros(lens.shape[:-1] + (1,), dtype=np.int64)
+    return document_from_offsets(np.concatenate([zeros, np.cumsum(lens, axis=-1)], axis=-1), length)
 
 
 def prefix_lm(prefix_len) -> MaskMod:
