@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from ..arrays import dtype_name
 from ..blockmask import BlockMask, create_block_mask
 from .spec import AttentionSpec
@@ -65,6 +67,30 @@ def _is_full(mask) -> bool:
     return mask is None or (mask.expr.op == "const" and mask.expr.attr is True)
 
 
+_BUILT: dict = {}  # block masks built for ``mask=`` calls, see _block_mask_for
+_BUILT_CAPACITY = 64
+
+
+def _block_mask_for(mask, shape: AttentionShape) -> BlockMask:
+    """The kernel's block mask for an element mask, reused across calls when nothing it
+    depends on can have changed: captures that are numbers or read-only numpy arrays
+    (built-ins' own arrays) are immutable; anything else (a tensor may be updated in
+    place) means building anew each call — pass ``block_mask=`` to avoid that."""
+    deps = mask.depends_on
+    dims = (shape.batch if "b" in deps else None, shape.q_heads if "h" in deps else None, shape.q_len, shape.kv_len)
+    immutable = all(isinstance(c, (int, float)) or (isinstance(c, np.ndarray) and not c.flags.writeable)
+                    for c in mask.captures)
+    key = (mask.structure_key, tuple(c if isinstance(c, (int, float)) else id(c) for c in mask.captures), dims)
+    if immutable and key in _BUILT:
+        return _BUILT[key]
+    block_mask = create_block_mask(mask, *dims, BLOCK_SIZE=(128, TILE_N))
+    if immutable:
+        if len(_BUILT) >= _BUILT_CAPACITY:
+            _BUILT.pop(next(iter(_BUILT)))
+        _BUILT[key] = block_mask  # holds the captures alive, so their ids stay theirs
+    return block_mask
+
+
 @dataclass(frozen=True)
 class KernelPlan:
     """The compile-time configuration plus the runtime block lists of one call."""
@@ -87,11 +113,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec) -> KernelPlan:
     if block_mask is None and _is_builtin_causal(mask):
         causal, mask = True, None  # the kernel's own diagonal mask
     elif block_mask is None and not _is_full(mask):
-        deps = mask.depends_on
-        block_mask = create_block_mask(
-            mask, shape.batch if "b" in deps else None, shape.q_heads if "h" in deps else None,
-            shape.q_len, shape.kv_len, BLOCK_SIZE=(128, TILE_N),
-        )
+        block_mask = _block_mask_for(mask, shape)
     if block_mask is not None:
         if block_mask.BLOCK_SIZE != (128, TILE_N):
             raise ValueError(

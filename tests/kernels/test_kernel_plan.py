@@ -107,3 +107,14 @@ def test_block_list_validation_shared_by_both_runners():
         check_block_lists(tuple(x.long() for x in lists(3)), True, 2, 4, 3, "kv", "q-blocks")
     with pytest.raises(ValueError, match="full_q_indices"):
         check_block_lists(lists(3)[:3], True, 2, 4, 3, "q", "kv blocks")
+
+
+def test_block_masks_built_for_immutable_masks_are_reused():
+    a = _plan(mask=mods.sliding_window(64)).block_mask
+    b = _plan(mask=mods.sliding_window(64)).block_mask  # a new mod object, same values
+    assert a is b
+    assert _plan(mask=mods.sliding_window(65)).block_mask is not a
+    assert _plan(mask=mods.sliding_window(64), Q=301, KV=301).block_mask is not a
+    ids = torch.zeros(300, dtype=torch.int32)  # a tensor may change in place: rebuilt each call
+    m = mods.document(ids)
+    assert _plan(mask=m).block_mask is not _plan(mask=m).block_mask
