@@ -96,6 +96,7 @@ class _Problem:
         mask = bm.mask_mod if bm is not None else spec.mask
         self.mask = mask
         self.mask_values = [to_numpy(c) for c in mask.captures] if mask is not None else []
+        self.tile_states = bm.block_states() if bm is not None else None  # one copy, not one per head
         self._derivative = None
 
     def allowed(self, b, h) -> np.ndarray | None:
@@ -106,7 +107,7 @@ class _Problem:
             if self.mask is None:
                 return None
             return np.broadcast_to(evaluate(self.mask.expr, env, self.mask_values), (self.shape.q_len, self.shape.kv_len))
-        states = bm.block_states()
+        states = self.tile_states
         tile = states[b if states.shape[0] > 1 else 0, h if states.shape[1] > 1 else 0]
         qb, kvb = bm.BLOCK_SIZE
         tile = tile[np.arange(self.shape.q_len) // qb][:, np.arange(self.shape.kv_len) // kvb]
