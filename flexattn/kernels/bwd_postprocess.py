@@ -11,17 +11,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
+from flexattn.kernels.bwd_preprocess import RowChunkKernel
 
-class BwdPostprocess:
-    rows_per_cta = 64
-    num_threads = 128
-    chunk = 8
 
-    def __init__(self, config):
-        self.cfg = config
-        self.dtype = config.cutlass_dtype
-        self.threads_per_row = config.head_dim // self.chunk
-        self.rows_per_pass = self.num_threads // self.threads_per_row
+class BwdPostprocess(RowChunkKernel):
 
     @cute.jit
     def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,

@@ -24,7 +24,10 @@ from cutlass import Float32, const_expr
 LOG2_E = math.log2(math.e)
 
 
-class BwdPreprocess:
+class RowChunkKernel:
+    """Geometry shared by the pre/postprocess kernels: one CTA = 64 rows of one
+    (batch, head); D/8 threads share a row, each owning a 16-byte chunk."""
+
     rows_per_cta = 64
     num_threads = 128
     chunk = 8                 # elements per thread and row: 16 bytes of bf16 / fp16
@@ -34,6 +37,9 @@ class BwdPreprocess:
         self.dtype = config.cutlass_dtype
         self.threads_per_row = config.head_dim // self.chunk
         self.rows_per_pass = self.num_threads // self.threads_per_row
+
+
+class BwdPreprocess(RowChunkKernel):
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE,
