@@ -164,3 +164,26 @@ def test_against_torch_flex_attention_cpu():
         np.testing.assert_allclose(out, want.numpy(), rtol=1e-10, atol=1e-10)
         finite = np.isfinite(want_lse.numpy())
         np.testing.assert_allclose(lse[finite], want_lse.numpy()[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_backward_with_stored_output_changes_only_delta():
+    """`out=` (the stored low-precision forward output) enters delta alone: the exact
+    output reproduces the plain backward, a perturbed one leaves dv untouched and moves
+    dq and the buffer gradients by exactly the delta term."""
+    rng = np.random.default_rng(12)
+    B, H, Q, KV, D = 1, 2, 17, 21, 8
+    q, k, v = _inputs(rng, B, H, H, Q, KV, D, D)
+    d_out = rng.standard_normal((B, H, Q, D))
+    spec = AttentionSpec.from_args(score=mods.alibi(H), mask=mods.causal())
+    exact = reference.backward(q, k, v, d_out, None, spec)
+    out, _ = reference.forward(q, k, v, spec)
+    same = reference.backward(q, k, v, d_out, None, spec, out=out)
+    for a, b in zip(exact[:3], same[:3]):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+    bumped = out + 1e-3 * rng.standard_normal(out.shape)
+    moved = reference.backward(q, k, v, d_out, None, spec, out=bumped)
+    np.testing.assert_array_equal(moved.dv, exact.dv)
+    assert not np.allclose(moved.dq, exact.dq, rtol=1e-9, atol=1e-9)
+    (d_exact,) = [g for g in exact.d_captures if g is not None]
+    (d_moved,) = [g for g in moved.d_captures if g is not None]
+    assert not np.allclose(d_moved, d_exact, rtol=1e-9, atol=1e-9)

@@ -83,7 +83,7 @@ def kernel_backward(q, k, v, do, spec, dlse=None):
     by_slot = [None] * len(captures)
     for s, g in zip(hook.grad_slots, grads or ()):
         by_slot[s] = g
-    return dq, dk, dv, by_slot, plan.config
+    return dq, dk, dv, by_slot, plan.config, out
 
 
 def _close(what, got, want, dtype_name):
@@ -108,13 +108,20 @@ def check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, scale=None, 
     q, k, v, do = mk(Hq, Q), mk(Hkv, KV), mk(Hkv, KV), mk(Hq, Q)
     dlse = torch.randn(B, Hq, Q, device="cuda") if with_dlse else None
     spec = AttentionSpec.from_args(score=score, mask=mask, scale=scale, enable_gqa=True)
-    dq, dk, dv, grads, _ = kernel_backward(q, k, v, do, spec, dlse)
+    dq, dk, dv, grads, _, out = kernel_backward(q, k, v, do, spec, dlse)
     want = reference.backward(q.cpu(), k.cpu(), v.cpu(), do.cpu(),
                               dlse.cpu() if dlse is not None else None, spec=spec)
     label = f"{name} {dtype_name} D{D} B{B} Hq{Hq} Hkv{Hkv} Q{Q} KV{KV}"
     _close(f"{label} dq", dq, want.dq, dtype_name)
     _close(f"{label} dk", dk, want.dk, dtype_name)
     _close(f"{label} dv", dv, want.dv, dtype_name)
+    if not any(g is not None for g in want.d_captures):
+        return
+    # Buffer gradients: against the reference given the kernel's own stored output, as
+    # delta = rowsum(dO * O) uses the bf16/fp16 O (see reference.backward's `out`).
+    want = reference.backward(q.cpu(), k.cpu(), v.cpu(), do.cpu(),
+                              dlse.cpu() if dlse is not None else None, spec=spec,
+                              out=out.cpu())
     for slot, ref in enumerate(want.d_captures):
         if ref is None:
             continue
@@ -210,6 +217,6 @@ def test_new_values_never_recompile():
         table = np.random.default_rng(int(cap)).standard_normal((2, 9)).astype(np.float32)
         score = mods.relative_bias(table) >> mods.softcap(cap)
         spec = AttentionSpec.from_args(score=score)
-        _, _, _, _, fwd_cfg = kernel_backward(q, k, v, do, spec)
+        fwd_cfg = kernel_backward(q, k, v, do, spec)[4]
         counts.append(_runner(config_from_forward(fwd_cfg)).num_compiled)
     assert counts[0] == counts[1] == 3
