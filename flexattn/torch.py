@@ -1,10 +1,9 @@
 """PyTorch adapter: ``flexattn.torch.flex_attention`` with torch's signature and autograd.
 
 Tensors in, tensors out, on the caller's device and dtype. CUDA tensors (bf16/fp16, head
-dim 64/128) run the CuTeDSL Hopper forward kernel on the current stream; CPU tensors run
-the exact numpy reference. Until the backward kernel lands, gradients of CUDA calls are
-computed by the reference on the host (correct, slow). Gradients flow to query, key,
-value and to captured float tensors of score mods (trainable biases, slopes, tables).
+dim 64/128) run the CuTeDSL Hopper kernels on the current stream, forward and backward;
+CPU tensors run the exact numpy reference. Gradients flow to query, key, value and to
+captured float tensors of score mods (trainable biases, slopes, tables).
 
 The computation is a ``torch.library`` custom op pair, ``flexattn::attention_fwd`` and
 ``flexattn::attention_bwd`` (fake implementations + ``register_autograd``), so
@@ -27,6 +26,7 @@ import torch
 from . import reference
 from .blockmask import BlockMask, create_block_mask
 from .core.decode import decode_problem
+from .core.backward_path import BackwardArrays, backward_into
 from .core.kernel_path import Device, forward_into, kernel_unsupported
 from .kvcache import KVCache, PagedKVCache
 from .core.spec import AttentionSpec
@@ -76,9 +76,23 @@ def flex_attention(
         reason = kernel_unsupported(query, shape)
         if reason:
             raise ValueError(f"{reason} (CPU tensors run the exact reference for anything else)")
+        if not _records_grad(query, key, value, spec):
+            # Inference: straight to the kernel. The custom op's dispatch alone costs
+            # ~50-130 µs of host time per call; it is only needed for autograd.
+            out, lse = _kernel_forward(spec, shape, query, key, value)
+            return (out, lse) if return_lse else out
     spec_id = _REGISTRY.register(spec)
     out, lse = torch.ops.flexattn.attention_fwd(query, key, value, _score_tensors(spec.score), spec_id)
     return (out, lse) if return_lse else out
+
+
+def _records_grad(query, key, value, spec) -> bool:
+    """Whether autograd would record this call (some input, or a score-mod tensor,
+    requires grad while grad mode is on)."""
+    if not torch.is_grad_enabled():
+        return False
+    return (query.requires_grad or key.requires_grad or value.requires_grad
+            or any(t.requires_grad for t in _score_tensors(spec.score)))
 
 
 def decode(query: torch.Tensor, cache, score_mod=None, mask=None, scale=None, return_lse=False):
@@ -249,37 +263,68 @@ def _(query, key, value, buffers, spec_id):
 
 
 @torch.library.custom_op("flexattn::attention_bwd", mutates_args=())
-def _attention_bwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, d_out: torch.Tensor,
-                   d_lse: torch.Tensor | None, buffers: list[torch.Tensor],
+def _attention_bwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, d_out: torch.Tensor, d_lse: torch.Tensor | None,
+                   buffers: list[torch.Tensor],
                    spec_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """(dq, dk, dv, d_buffers) on the reference (host) for every device, until the
-    backward kernel lands. ``d_buffers[i]`` is zeros for buffers without a gradient."""
+    """(dq, dk, dv, d_buffers): the backward kernels for CUDA tensors, the reference for CPU
+    ones. ``out``/``lse`` are the forward's outputs (the kernels start from them; the exact
+    reference recomputes its own). ``d_buffers[i]`` is zeros for buffers without a gradient.
+    All outputs are contiguous."""
     spec = _bind(spec_id, buffers)
-    grads = reference.backward(query, key, value, d_out, d_lse, spec)
-    d_captures = [g for c, g in zip(spec.score.captures, grads.d_captures) if isinstance(c, torch.Tensor)] if spec.score is not None else []
-    d_buffers = [torch.zeros_like(b) if g is None else _like(g, b) for b, g in zip(buffers, d_captures)]
-    return _like(grads.dq, query), _like(grads.dk, key), _like(grads.dv, value), d_buffers
+    shape = check_inputs(query, key, value, spec)
+    if query.is_cuda:
+        dq, dk, dv, capture_grads = _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse)
+    else:
+        grads = reference.backward(query, key, value, d_out, d_lse, spec)
+        dq, dk, dv = _like(grads.dq, query), _like(grads.dk, key), _like(grads.dv, value)
+        capture_grads = grads.d_captures
+    return dq, dk, dv, _buffer_grads(spec, capture_grads, buffers)
 
 
 @_attention_bwd.register_fake
-def _(query, key, value, d_out, d_lse, buffers, spec_id):
-    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), [torch.empty_like(b) for b in buffers]
+def _(query, key, value, out, lse, d_out, d_lse, buffers, spec_id):
+    def new(x):
+        return x.new_empty(x.shape)  # contiguous, as the real outputs
+
+    return new(query), new(key), new(value), [new(b) for b in buffers]
+
+
+def _buffer_grads(spec: AttentionSpec, capture_grads, buffers) -> list:
+    """Per op buffer (the score mod's tensor captures, in capture order): its gradient as a
+    tensor like it (device, dtype, shape; contiguous), zeros where there is none.
+    ``capture_grads`` is indexed by score-mod capture (numpy from the reference, fp32 CUDA
+    tensors from the kernel)."""
+    if spec.score is None:
+        return []
+    by_buffer = [g for c, g in zip(spec.score.captures, capture_grads) if isinstance(c, torch.Tensor)]
+    out = []
+    for b, g in zip(buffers, by_buffer):
+        if g is None:
+            out.append(b.new_zeros(b.shape))
+        elif isinstance(g, torch.Tensor):
+            out.append(g.reshape(b.shape).to(device=b.device, dtype=b.dtype).contiguous())
+        else:
+            out.append(_like(np.reshape(g, tuple(b.shape)), b))
+    return out
 
 
 def _setup_context(ctx, inputs, output):
     query, key, value, buffers, spec_id = inputs
-    ctx.save_for_backward(query, key, value, *buffers)
+    out, lse = output
+    ctx.save_for_backward(query, key, value, out, lse, *buffers)
     ctx.spec_id = spec_id
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, d_out, d_lse):
-    query, key, value, *buffers = ctx.saved_tensors
+    query, key, value, out, lse, *buffers = ctx.saved_tensors
     if d_out is None and d_lse is None:
         return None, None, None, [None] * len(buffers), None
     if d_out is None:
-        d_out = query.new_zeros(query.shape[:-1] + value.shape[-1:])
-    dq, dk, dv, d_buffers = torch.ops.flexattn.attention_bwd(query, key, value, d_out, d_lse, buffers, ctx.spec_id)
+        d_out = torch.zeros_like(out)
+    dq, dk, dv, d_buffers = torch.ops.flexattn.attention_bwd(query, key, value, out, lse, d_out, d_lse, buffers,
+                                                              ctx.spec_id)
     d_buffers = [g if b.is_floating_point() else None for b, g in zip(buffers, d_buffers)]
     return dq, dk, dv, d_buffers, None
 
@@ -297,10 +342,38 @@ def _kernel_forward(spec, shape, query, key, value):
     out = torch.empty(shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim, dtype=query.dtype, device=query.device)
     lse = torch.empty(shape.batch, shape.q_heads, shape.q_len, dtype=torch.float32, device=query.device)
     device = Device(torch.cuda.current_stream(query.device).cuda_stream, _DeviceCopies(query.device))
-    with torch.cuda.device(query.device):  # the launch goes to the inputs' GPU
-        # DLPack refuses tensors that require grad; the kernel only reads them
-        forward_into(query.detach(), key.detach(), value.detach(), out, lse, shape, spec, device)
+    # DLPack refuses tensors that require grad; the kernel only reads them
+    if query.requires_grad or key.requires_grad or value.requires_grad:
+        query, key, value = query.detach(), key.detach(), value.detach()
+    if query.device.index == torch.cuda.current_device():
+        forward_into(query, key, value, out, lse, shape, spec, device)
+    else:
+        with torch.cuda.device(query.device):  # the launch goes to the inputs' GPU
+            forward_into(query, key, value, out, lse, shape, spec, device)
     return out, lse
+
+
+def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse):
+    """The backward kernels on the current stream -> (dq, dk, dv, fp32 grads per score capture)."""
+    dev = query.device
+
+    def alloc(shape_, zeroed):
+        return (torch.zeros if zeroed else torch.empty)(shape_, dtype=torch.float32, device=dev)
+
+    def operand(x, dtype):  # DLPack refuses tensors that require grad; gradients may be strided
+        return x.detach().to(dtype).contiguous()
+
+    arrays = BackwardArrays(
+        q=query.detach(), k=key.detach(), v=value.detach(), out=out.detach(), lse=operand(lse, torch.float32),
+        d_out=operand(d_out, query.dtype), d_lse=None if d_lse is None else operand(d_lse, torch.float32),
+        dq=torch.empty(query.shape, dtype=query.dtype, device=dev),
+        dk=torch.empty(key.shape, dtype=key.dtype, device=dev),
+        dv=torch.empty(value.shape, dtype=value.dtype, device=dev),
+    )
+    device = Device(torch.cuda.current_stream(dev).cuda_stream, _DeviceCopies(dev))
+    with torch.cuda.device(dev):
+        result = backward_into(arrays, shape, spec, device, alloc)
+    return arrays.dq, arrays.dk, arrays.dv, result.capture_grads
 
 
 class _DeviceCopies:
@@ -327,7 +400,8 @@ class _DeviceCopies:
         if hit is not None and hit[0]() is x:
             return hit[1]
         t = torch.from_numpy(np.ascontiguousarray(x)).to(self.device)
-        ref = weakref.ref(x, lambda _, key=key: _DeviceCopies._cache.pop(key, None))
+        cache = self._cache  # bound now: at interpreter exit the class may be gone
+        ref = weakref.ref(x, lambda _, key=key: cache.pop(key, None))
         self._cache[key] = (ref, t)
         return t
 

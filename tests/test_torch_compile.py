@@ -178,6 +178,22 @@ def test_opcheck_custom_op():
     torch.library.opcheck(torch.ops.flexattn.attention_fwd.default, (q, k, v, [slopes], spec_id))
 
 
+def test_opcheck_backward_op():
+    """The backward op's schema, fake impl (shapes, contiguous strides) and real impl agree,
+    with and without d_lse, for a strided query and a non-float buffer."""
+    slopes = torch.rand(H, dtype=torch.float64)
+    ids = torch.zeros(S, dtype=torch.int64)
+    score = mods.score_mod(lambda s, b, h, q, kv: s + slopes[h] * (kv - q) + ids[q])
+    spec_id = fa._REGISTRY.register(flexattn.AttentionSpec.from_args(score=score, mask=mods.causal()))
+    q, k, v = _qkv(6, grad=False)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, S, H, D] storage
+    out, lse = torch.ops.flexattn.attention_fwd(q, k, v, [slopes, ids], spec_id)
+    d_out = torch.randn_like(out)
+    for d_lse in (None, torch.randn_like(lse)):
+        torch.library.opcheck(torch.ops.flexattn.attention_bwd.default,
+                              (q, k, v, out, lse, d_out, d_lse, [slopes, ids], spec_id))
+
+
 def test_registry_reuses_entries_and_stays_bounded():
     q, k, v = _qkv(5, grad=False)
     before = len(fa._REGISTRY)

@@ -1,7 +1,8 @@
 """Compile cache: one runner per kernel configuration, compiled kernels kept in memory.
 
-Key: ``FwdConfig.key()`` — dtype, head dim, tiles, stages, schedule, block structure and
-the mods' *structure* keys — plus, inside the runner, the kinds of the hook's runtime
+Forward runners (``forward_runner``) and backward runners (``backward_runner``). Key:
+``FwdConfig.key()`` / ``BwdConfig.key()`` — dtype, head dim, tiles, stages, schedule,
+block structure and the mods' *structure* keys — plus, inside the runner, the kinds of the hook's runtime
 args (scalar types, buffer dtypes and ranks). Captured values never enter a key, so new
 values never recompile. On disk, CuTeDSL keeps lowered modules in its own file cache
 (``CUTE_DSL_CACHE_DIR``, set by ``flexattn.kernels`` to ``~/.cache/flexattn/cute-dsl``
@@ -28,6 +29,18 @@ def forward_runner(config: FwdConfig, tvm_ffi: bool = False):
         else:
             runner = ForwardRunner(config)
         _RUNNERS[key] = runner
+    return runner
+
+
+def backward_runner(config):
+    """The ``BackwardRunner`` for a ``BwdConfig`` (its key: the config with the mods'
+    structure keys; ``BwdConfig.key()`` starts with "bwd", so it never meets a forward's)."""
+    key = ("sm_90a",) + config.key()
+    runner = _RUNNERS.get(key)
+    if runner is None:
+        from .bwd_runner import BackwardRunner
+
+        runner = _RUNNERS[key] = BackwardRunner(config)
     return runner
 
 

@@ -1,0 +1,104 @@
+"""The GPU backward: gradients of a call whose forward ran through ``kernel_path.forward_into``.
+
+Framework-neutral and destination-passing, like the forward: the adapter allocates dq, dk,
+dv, supplies the forward's ``out`` and ``lse``, a ``Device`` (stream + host→GPU copies) and
+an allocator for fp32 scratch arrays (the workspace, and the buffer gradients, which this
+module hands back). The call is planned exactly as the forward was (``plan_forward``: same
+kernel support checks, same block structure — dense, built-in causal or block-sparse — and
+the same mods), so the backward visits the tiles the forward did; block-sparse calls read
+the block mask's q-side lists.
+
+Three kernels run on the caller's stream (``kernels.bwd_runner.BackwardRunner``):
+preprocess (delta = rowsum(dO·O) − dLSE, log2 LSE, dQ accumulator zeroed), the main
+kernel (dK, dV; dQ and captured-buffer gradients by fp32 atomics), postprocess (dQ).
+Nothing synchronizes with the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .kernel_path import Device, KernelPlan, plan_forward
+from .spec import AttentionSpec
+from .validate import AttentionShape
+
+
+@dataclass(frozen=True)
+class BackwardArrays:
+    """The arrays of one backward call: DLPack arrays on the GPU, none requiring grad.
+
+    ``q, k, v``: the forward's inputs; ``out`` [B, Hq, Q, D] and ``lse`` [B, Hq, Q]
+    (float32, natural log): what ``forward_into`` wrote for them. ``d_out``: the gradient
+    of ``out`` (input dtype, head dim contiguous, other strides multiples of 8 elements);
+    ``d_lse``: the gradient of ``lse`` (float32 [B, Hq, Q], contiguous) or None.
+    ``dq, dk, dv``: destinations shaped like q, k, v, written entirely.
+    """
+
+    q: Any
+    k: Any
+    v: Any
+    out: Any
+    lse: Any
+    d_out: Any
+    dq: Any
+    dk: Any
+    dv: Any
+    d_lse: Any = None
+
+
+@dataclass(frozen=True)
+class BackwardResult:
+    plan: KernelPlan   # the forward's plan (config, block mask)
+    config: object     # kernels.bwd_sm90.BwdConfig
+    capture_grads: tuple  # per score-mod capture (``spec.score.captures`` order): its
+    # fp32 gradient (shaped like the capture; 0-d captures as [1]), or None for captures
+    # without one (numbers, int buffers, buffers the score does not depend on)
+
+
+# alloc(shape, zeroed) -> a float32 DLPack array on the GPU, contiguous; zero-filled iff
+# ``zeroed`` (the workspace needs no initialization, buffer gradients do).
+Allocator = Callable[[tuple, bool], Any]
+
+
+def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: AttentionSpec, device: Device,
+                  alloc: Allocator) -> BackwardResult:
+    """Run the backward kernels, writing ``arrays.dq/dk/dv``; return the buffer gradients.
+
+    ``spec`` must be the forward's (same mods, captured values, block mask, scale).
+    Gradients are computed for every float buffer the score mod reads (the kernel has one
+    structure per mod); the adapter keeps those of the captures it differentiates.
+    """
+    from ..kernels.bwd_runner import config_from_forward, workspace_shapes
+    from ..kernels.cache import backward_runner
+    from ..kernels.mod_emit import runtime_args
+
+    plan = plan_forward(arrays.q, shape, spec)  # raises what the kernel cannot do
+    cfg = config_from_forward(plan.config)
+    hook = cfg.mods
+    lists = None
+    if plan.block_mask is not None:
+        bm = plan.block_mask
+        lists = tuple(device.to_device(x) for x in (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices))
+    workspace = tuple(alloc(tuple(s), False)
+                      for s in workspace_shapes(cfg, shape.batch, shape.q_heads, shape.q_len).values())
+    captures = hook.captures()
+    slots = hook.grad_slots
+    grads = tuple(alloc(_grad_shape(captures[s]), True) for s in slots)
+    args = runtime_args(hook, device.to_device)
+    scale = spec.resolved_scale(shape.head_dim)
+    backward_runner(cfg).run(arrays.q, arrays.k, arrays.v, arrays.out, arrays.d_out, arrays.lse,
+                             arrays.dq, arrays.dk, arrays.dv, workspace, scale, args, grads or None,
+                             device.stream, lists, arrays.d_lse)
+    by_slot = [None] * (len(spec.score.captures) if spec.score is not None else 0)
+    for s, g in zip(slots, grads):
+        by_slot[s] = g
+    return BackwardResult(plan, cfg, tuple(by_slot))
+
+
+def _grad_shape(capture) -> tuple:
+    """The shape of a capture's gradient array: the capture's, 0-d as [1] (as passed)."""
+    return tuple(int(n) for n in capture.shape) or (1,)
+
+
+__all__ = ["Allocator", "BackwardArrays", "BackwardResult", "backward_into"]

@@ -1,0 +1,135 @@
+"""CPU: how the core plans and feeds the backward kernels (``core.backward_path``) — the
+runner is replaced by a recorder, so nothing launches; the arguments are checked."""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+
+from flexattn import create_block_mask, mods  # noqa: E402
+from flexattn.core import AttentionSpec, check_inputs  # noqa: E402
+from flexattn.core.backward_path import BackwardArrays, backward_into  # noqa: E402
+from flexattn.core.kernel_path import Device  # noqa: E402
+from flexattn.kernels import cache  # noqa: E402
+from flexattn.kernels.bwd_runner import workspace_shapes  # noqa: E402
+
+B, Hq, Hkv, Q, KV, D = 2, 4, 2, 300, 260, 64
+
+
+class _Recorder:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.calls = []
+
+    def run(self, *args):
+        self.calls.append(args)
+
+
+@pytest.fixture
+def runners(monkeypatch):
+    made = []
+
+    def backward_runner(cfg):
+        made.append(_Recorder(cfg))
+        return made[-1]
+
+    monkeypatch.setattr(cache, "backward_runner", backward_runner)
+    return made
+
+
+def _call(spec, dtype=torch.bfloat16, d_lse=False, bshd=False):
+    def mk(H, S):
+        if bshd:  # [B, S, H, D] storage, as the torch adapter may pass
+            return torch.zeros(B, S, H, D, dtype=dtype).transpose(1, 2)
+        return torch.zeros(B, H, S, D, dtype=dtype)
+
+    q, d_out, out = mk(Hq, Q), torch.zeros(B, Hq, Q, D, dtype=dtype), torch.zeros(B, Hq, Q, D, dtype=dtype)
+    k, v = mk(Hkv, KV), mk(Hkv, KV)
+    lse = torch.zeros(B, Hq, Q)
+    arrays = BackwardArrays(q, k, v, out, lse, d_out, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                            d_lse=torch.zeros(B, Hq, Q) if d_lse else None)
+    allocs = []
+
+    def alloc(shape, zeroed):
+        allocs.append((shape, zeroed))
+        return torch.zeros(shape)
+
+    copied = []
+
+    def to_device(x):
+        copied.append(x)
+        return torch.from_numpy(np.array(x)) if not isinstance(x, torch.Tensor) else x
+
+    result = backward_into(arrays, check_inputs(q, k, v, spec), spec, Device(1234, to_device), alloc)
+    return arrays, result, allocs, copied
+
+
+def test_block_sparse_call_reads_the_q_side_lists(runners):
+    slopes = torch.rand(Hq)
+    table = np.random.default_rng(0).standard_normal((Hq, 9))
+    score = mods.alibi(slopes) >> mods.softcap(5.0) >> mods.relative_bias(table)
+    bm = create_block_mask(mods.sliding_window(100), None, None, Q, KV)
+    spec = AttentionSpec.from_args(score=score, block_mask=bm, enable_gqa=True, scale=0.2)
+    arrays, result, allocs, copied = _call(spec, d_lse=True)
+    (runner,) = runners
+    assert runner.cfg.block_sparse and not runner.cfg.causal and runner.cfg.key() == result.config.key()
+    (args,) = runner.calls
+    q, k, v, out, d_out, lse, dq, dk, dv, ws, scale, mod_args, grads, stream, lists, d_lse = args
+    assert (q, k, v, out, d_out, lse, dq, dk, dv, d_lse) == (
+        arrays.q, arrays.k, arrays.v, arrays.out, arrays.d_out, arrays.lse, arrays.dq, arrays.dk, arrays.dv, arrays.d_lse)
+    assert scale == 0.2 and stream == 1234 and len(mod_args) == len(runner.cfg.mods.captures())
+    for got, want in zip(lists, (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices)):
+        np.testing.assert_array_equal(got.numpy(), want)
+    # workspace uninitialised, buffer gradients zeroed, one per grad slot, shaped like the capture
+    want_ws = [(s, False) for s in workspace_shapes(runner.cfg, B, Hq, Q).values()]
+    assert allocs[:3] == want_ws
+    i_slopes, i_table = (next(i for i, c in enumerate(score.captures) if c is x) for x in (slopes, table))
+    assert runner.cfg.mods.grad_slots == tuple(sorted((i_slopes, i_table)))
+    assert sorted(allocs[3:]) == [((Hq,), True), ((Hq, 9), True)]
+    assert [tuple(g.shape) for g in ws] == [s for s, _ in want_ws]
+    assert len(grads) == 2 and all(g.dtype == torch.float32 for g in grads)
+    # by score capture: the numbers (softcap's, the table's half width) get None
+    assert len(result.capture_grads) == len(score.captures)
+    assert tuple(result.capture_grads[i_slopes].shape) == (Hq,)
+    assert tuple(result.capture_grads[i_table].shape) == (Hq, 9)
+    assert {id(g) for g in grads} == {id(result.capture_grads[i]) for i in (i_slopes, i_table)}
+    assert all(g is None for i, g in enumerate(result.capture_grads) if i not in (i_slopes, i_table))
+
+
+def test_causal_and_dense_calls_have_no_lists_and_no_grads(runners):
+    for mask, causal in ((mods.causal(), True), (None, False)):
+        _, result, allocs, _ = _call(AttentionSpec.from_args(mask=mask, enable_gqa=True), dtype=torch.float16)
+        args = runners[-1].calls[0]
+        assert result.config.causal == causal and not result.config.block_sparse
+        assert result.config.dtype == "fp16" and result.config.head_dim == D
+        assert args[12] is None and args[14] is None and args[15] is None  # grads, lists, d_lse
+        assert len(allocs) == 3 and result.capture_grads == ()
+
+
+def test_zero_dim_capture_gradient_is_passed_as_one_element(runners):
+    t = torch.tensor(0.5)
+    _, result, allocs, _ = _call(AttentionSpec.from_args(score=mods.score_mod(lambda s, b, h, q, kv: s * t),
+                                                         enable_gqa=True))
+    assert allocs[3:] == [((1,), True)] and tuple(result.capture_grads[0].shape) == (1,)
+
+
+def test_what_the_kernel_cannot_do_is_refused(runners):
+    with pytest.raises(ValueError, match="bfloat16 and float16"):
+        _call(AttentionSpec.from_args(enable_gqa=True), dtype=torch.float32)
+    assert not runners
+
+
+def test_arguments_pass_the_real_runners_checks(runners):
+    """The recorded call, given to a real ``BackwardRunner``: validated and compiled on
+    these CPU tensors (CUTE_DSL_ARCH=sm_90a), not launched (~10 s)."""
+    from flexattn.kernels.bwd_runner import BackwardRunner
+
+    score = mods.alibi(torch.rand(Hq)) >> mods.softcap(5.0)
+    bm = create_block_mask(mods.sliding_window(100), None, None, Q, KV)
+    spec = AttentionSpec.from_args(score=score, block_mask=bm, enable_gqa=True)
+    _call(spec, d_lse=True, bshd=True)
+    (recorder,) = runners
+    real = BackwardRunner(recorder.cfg)
+    assert callable(real.bind(*recorder.calls[0]))
+    assert real.num_compiled == 3
