@@ -9,15 +9,30 @@ from __future__ import annotations
 import numpy as np
 
 
+_DTYPE_NAMES: dict = {}  # dtype object -> name (str() of a dtype costs a microsecond per call)
+
+
 def dtype_name(x) -> str:
     """'float32', 'bfloat16', 'int64'... for numpy, torch, jax and cupy arrays alike."""
-    return str(x.dtype).replace("torch.", "")
+    dt = x.dtype
+    try:
+        return _DTYPE_NAMES[dt]
+    except (KeyError, TypeError):  # TypeError: an unhashable dtype
+        name = str(dt).replace("torch.", "")
+        try:
+            _DTYPE_NAMES[dt] = name
+        except TypeError:
+            pass
+        return name
 
 
 def device_type(x) -> str:
     """'cpu' or 'cuda' (or another DLPack device name) of an array."""
     if isinstance(x, np.ndarray):
         return "cpu"
+    kind = getattr(getattr(x, "device", None), "type", None)
+    if kind in ("cpu", "cuda"):  # torch: ~5x cheaper than asking DLPack
+        return kind
     if hasattr(x, "__dlpack_device__"):
         kind = int(x.__dlpack_device__()[0])
         return {1: "cpu", 2: "cuda", 3: "cpu", 13: "cuda"}.get(kind, f"dlpack-device-{kind}")

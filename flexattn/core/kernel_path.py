@@ -15,6 +15,7 @@ Block structure, cheapest first:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -95,18 +96,27 @@ def _block_mask_for(mask, shape: AttentionShape) -> BlockMask:
 class KernelPlan:
     """The compile-time configuration plus the runtime block lists of one call."""
 
-    config: object  # kernels.fwd_sm90.FwdConfig
+    config: object  # kernels.fwd_sm90.FwdConfig (its hook carries this call's captures)
     block_mask: BlockMask | None
+    entry: object = None  # the cached _PlanEntry it came from (runner lookups), if any
 
 
-def plan_forward(q, shape: AttentionShape, spec: AttentionSpec) -> KernelPlan:
-    """Pick the kernel configuration (compile-time) for this call."""
-    from ..kernels.fwd_sm90 import FwdConfig
-    from ..kernels.mod_emit import IRModHook
+class _PlanEntry:
+    """A planned structure: the config (with the hook of its first call) and its runners.
+    Holds the mods' IR alive, so the ids in its key stay theirs while it is cached."""
 
-    reason = kernel_unsupported(q, shape)
-    if reason:
-        raise ValueError(reason)
+    __slots__ = ("exprs", "config", "kinds", "runners")
+
+    def __init__(self, exprs, config, kinds):
+        self.exprs, self.config, self.kinds, self.runners = exprs, config, kinds, {}
+
+
+_PLANS: dict = {}  # see plan_forward
+_PLANS_CAPACITY = 256
+
+
+def _block_structure(spec: AttentionSpec, shape: AttentionShape):
+    """(causal, effective element mask, block mask) of a call, cheapest structure first."""
     block_mask = spec.block_mask
     mask = spec.mask
     causal = False
@@ -121,38 +131,93 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec) -> KernelPlan:
                 " rebuild it with create_block_mask(..., BLOCK_SIZE=128)"
             )
         mask = None if _is_full(block_mask.mask_mod) else block_mask.mask_mod
-    hook = IRModHook(spec.score, mask)
-    # Three consumer warpgroups (tile_m 192) pay off at head dim 64, but only without a
-    # score mod (register pressure) and outside block-sparse mode (128-row tiles).
-    tile_m = 192 if shape.head_dim == 64 and spec.score is None and block_mask is None else 128
-    config = FwdConfig(
-        dtype=KERNEL_DTYPES[dtype_name(q)], head_dim=shape.head_dim, tile_m=tile_m, tile_n=TILE_N,
-        causal=causal, block_sparse=block_mask is not None, mods=hook,
-    )
-    return KernelPlan(config, block_mask)
+    return causal, mask, block_mask
+
+
+def plan_forward(q, shape: AttentionShape, spec: AttentionSpec) -> KernelPlan:
+    """Pick the kernel configuration (compile-time) for this call.
+
+    Plans are cached by the *identity* of the mods' IR (shared by every ``with_captures``
+    copy of a mod, so calls that reuse mod values hit) plus dtype, head dim and block
+    structure: a hit costs a dict lookup and a fresh hook carrying this call's captures,
+    instead of rebuilding and re-hashing the config (tens of µs per call)."""
+    from ..kernels.mod_emit import IRModHook
+
+    reason = kernel_unsupported(q, shape)
+    if reason:
+        raise ValueError(reason)
+    causal, mask, block_mask = _block_structure(spec, shape)
+    score = spec.score
+    dtype = KERNEL_DTYPES[dtype_name(q)]
+    key = (dtype, shape.head_dim, causal, block_mask is not None,
+           None if score is None else id(score.expr), None if mask is None else id(mask.expr))
+    entry = _PLANS.get(key)
+    hook = IRModHook(score, mask)
+    if entry is None:
+        from ..kernels.fwd_sm90 import FwdConfig
+        from ..kernels.mod_emit import capture_kinds
+
+        # Three consumer warpgroups (tile_m 192) pay off at head dim 64, but only without a
+        # score mod (register pressure) and outside block-sparse mode (128-row tiles).
+        tile_m = 192 if shape.head_dim == 64 and score is None and block_mask is None else 128
+        config = FwdConfig(
+            dtype=dtype, head_dim=shape.head_dim, tile_m=tile_m, tile_n=TILE_N,
+            causal=causal, block_sparse=block_mask is not None, mods=hook,
+        )
+        entry = _PlanEntry((None if score is None else score.expr, None if mask is None else mask.expr),
+                           config, capture_kinds(hook))
+        if len(_PLANS) >= _PLANS_CAPACITY:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = entry
+    hook.capture_kinds = entry.kinds
+    return KernelPlan(entry.config.with_mods(hook), block_mask, entry)
+
+
+def _runner(plan: KernelPlan, tvm_ffi: bool):
+    from ..kernels.cache import forward_runner
+
+    entry = plan.entry
+    if entry is None:
+        return forward_runner(plan.config, tvm_ffi=tvm_ffi)
+    runner = entry.runners.get(tvm_ffi)
+    if runner is None:
+        runner = entry.runners[tvm_ffi] = forward_runner(plan.config, tvm_ffi=tvm_ffi)
+    return runner
+
+
+def use_tvm_ffi() -> bool:
+    """Launch through TVM-FFI (framework tensors straight into the compiled kernel, µs of
+    host time) when the ``apache-tvm-ffi`` package is installed, unless
+    ``FLEXATTN_TVM_FFI=0``; otherwise the ``from_dlpack`` runner (~35 µs per tensor)."""
+    flag = os.environ.get("FLEXATTN_TVM_FFI")
+    if flag is not None:
+        return flag == "1"
+    if not _HAS_TVM_FFI:
+        _HAS_TVM_FFI.append(importlib.util.find_spec("tvm_ffi") is not None)
+    return _HAS_TVM_FFI[0]
+
+
+_HAS_TVM_FFI: list = []
 
 
 def forward_into(q, k, v, out, lse, shape: AttentionShape, spec: AttentionSpec, device: Device) -> KernelPlan:
     """Run the forward kernel, writing ``out`` [B, Hq, Q, D] and ``lse`` [B, Hq, Q] (float32)."""
-    from ..kernels.cache import forward_runner
-
     plan = plan_forward(q, shape, spec)
     lists = None
     if plan.block_mask is not None:
         bm = plan.block_mask
         lists = tuple(device.to_device(x) for x in (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices))
     scale = spec.resolved_scale(shape.head_dim)
-    if os.environ.get("FLEXATTN_TVM_FFI") == "1":  # opt-in fast launch, see kernels/ffi_runner.py
+    if use_tvm_ffi():  # see kernels/ffi_runner.py
         from ..kernels.ffi_runner import ffi_mod_args
 
-        runner = forward_runner(plan.config, tvm_ffi=True)
-        runner.run(q, k, v, out, lse, scale, ffi_mod_args(plan.config.mods, device.to_device), lists)
+        _runner(plan, True).run(q, k, v, out, lse, scale, ffi_mod_args(plan.config.mods, device.to_device), lists)
         return plan
     from ..kernels.mod_emit import runtime_args
 
     args = runtime_args(plan.config.mods, device.to_device)
-    forward_runner(plan.config).run(q, k, v, out, lse, scale, args, device.stream, lists)
+    _runner(plan, False).run(q, k, v, out, lse, scale, args, device.stream, lists)
     return plan
 
 
-__all__ = ["Device", "KernelPlan", "forward_into", "kernel_unsupported", "plan_forward"]
+__all__ = ["Device", "KernelPlan", "forward_into", "kernel_unsupported", "plan_forward", "use_tvm_ffi"]

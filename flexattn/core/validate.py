@@ -27,23 +27,24 @@ class AttentionShape(NamedTuple):
 
 def check_inputs(q, k, v, spec: AttentionSpec) -> AttentionShape:
     """Validate query/key/value against each other and the spec; return their sizes."""
+    dims = []
     for name, x in (("query", q), ("key", k), ("value", v)):
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
             raise TypeError(f"{name} must be an array/tensor, got {type(x).__name__}")
-        if len(x.shape) != 4:
-            raise ValueError(f"{name} must be 4-D [B, H, S, D], got shape {tuple(x.shape)}")
+        sizes = tuple(map(int, x.shape))
+        if len(sizes) != 4:
+            raise ValueError(f"{name} must be 4-D [B, H, S, D], got shape {sizes}")
         if dtype_name(x) not in FLOAT_DTYPES:
             raise TypeError(f"{name} must be a floating tensor ({', '.join(FLOAT_DTYPES)}), got {dtype_name(x)}")
-        if any(int(s) == 0 for s in x.shape):
-            raise ValueError(f"{name} has an empty dimension: shape {tuple(x.shape)}")
+        if 0 in sizes:
+            raise ValueError(f"{name} has an empty dimension: shape {sizes}")
+        dims.append(sizes)
     if not dtype_name(q) == dtype_name(k) == dtype_name(v):
         raise TypeError(f"query, key and value must share a dtype, got {dtype_name(q)}, {dtype_name(k)}, {dtype_name(v)}")
-    devices = {device_type(x) for x in (q, k, v)}
-    if len(devices) > 1:
-        raise ValueError(f"query, key and value must be on one device, got {sorted(devices)}")
-    B, Hq, Sq, D = (int(s) for s in q.shape)
-    Bk, Hk, Sk, Dk = (int(s) for s in k.shape)
-    Bv, Hv, Sv, Dv = (int(s) for s in v.shape)
+    dev_q, dev_k, dev_v = device_type(q), device_type(k), device_type(v)
+    if not dev_q == dev_k == dev_v:
+        raise ValueError(f"query, key and value must be on one device, got {sorted({dev_q, dev_k, dev_v})}")
+    (B, Hq, Sq, D), (Bk, Hk, Sk, Dk), (Bv, Hv, Sv, Dv) = dims
     if not B == Bk == Bv:
         raise ValueError(f"batch sizes differ: query {B}, key {Bk}, value {Bv}")
     if Hk != Hv:

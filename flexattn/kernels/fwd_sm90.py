@@ -39,7 +39,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from flexattn.kernels import sm90_mma
 from flexattn.kernels.block_sparsity import DenseBlocks, SparseBlocks
-from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook, apply_mods
+from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook, apply_mods, mask_kv_tail
 from flexattn.kernels.softmax import OnlineSoftmax, rescale_rows
 
 LOG2_E = math.log2(math.e)
@@ -100,6 +100,15 @@ class FwdConfig:
     @property
     def cutlass_dtype(self):
         return _DTYPES[self.dtype]
+
+    def with_mods(self, mods: ModHook) -> "FwdConfig":
+        """This config with another hook of the *same structure* (the caller's promise:
+        e.g. the same mods with this call's captured values). Skips re-validation: the
+        planner calls it on every launch."""
+        new = object.__new__(FwdConfig)
+        new.__dict__.update(self.__dict__)
+        object.__setattr__(new, "mods", mods)
+        return new
 
     def key(self) -> tuple:
         """Compile-cache key: the config with the hook replaced by its structure key."""
@@ -428,8 +437,9 @@ class FlashFwdSm90:
     @cute.jit
     def _visit_sparse(self, ctx, kv_state, blocks):
         """Block-sparse structure: partial blocks (mask evaluated), then full blocks (no
-        mask). Counts are runtime values and may be 0. Every block is bound-checked against
-        KV_LEN (any of them may be the last one)."""
+        mask). Counts are runtime values and may be 0. Any block may be the one straddling
+        KV_LEN: partial blocks check the bound per element next to their mask; full blocks
+        check at run time whether they straddle it, so the others pay nothing."""
         softmax = ctx[8]
         has_mask = self.mods.has_mask
         softmax.reset()       # the first visit may be any block, or there may be none
@@ -440,7 +450,7 @@ class FlashFwdSm90:
                                       mask=has_mask, causal=False, kv_bound=True)
             for i in cutlass.range(n_f, unroll=1):
                 kv_state = self._step(ctx, kv_state, blocks.full_at(i), is_first=False,
-                                      mask=False, causal=False, kv_bound=True)
+                                      mask=False, causal=False, kv_bound="tail")
         else:
             # Peel the first visit (S and P only): it is partial[0], else full[0].
             if n_p > 0:
@@ -449,13 +459,13 @@ class FlashFwdSm90:
             else:
                 if n_f > 0:
                     self._first_half(ctx, kv_state, blocks.full_at(0), mask=False,
-                                     causal=False, kv_bound=True)
+                                     causal=False, kv_bound="tail")
             for i in cutlass.range(1, n_p, unroll=1):
                 kv_state = self._overlap_step(ctx, kv_state, blocks.partial_at(i),
                                               mask=has_mask, causal=False, kv_bound=True)
             for i in cutlass.range(1 - cutlass.min(n_p, 1), n_f, unroll=1):
                 kv_state = self._overlap_step(ctx, kv_state, blocks.full_at(i),
-                                              mask=False, causal=False, kv_bound=True)
+                                              mask=False, causal=False, kv_bound="tail")
             if n_p + n_f > 0:
                 self._last_pv(ctx, kv_state)
         return kv_state
@@ -463,7 +473,7 @@ class FlashFwdSm90:
     @cute.jit
     def _block(self, ctx, kv_state, n_block, is_first: cutlass.Constexpr[bool],
                mask: cutlass.Constexpr[bool], causal: cutlass.Constexpr[bool],
-               kv_bound: cutlass.Constexpr[bool]):
+               kv_bound: cutlass.Constexpr):
         flags = dict(mask=mask, causal=causal, kv_bound=kv_bound)
         if const_expr(not self.cfg.intra_wg_overlap):
             return self._step(ctx, kv_state, n_block, is_first, **flags)
@@ -474,21 +484,30 @@ class FlashFwdSm90:
 
     @cute.jit
     def _scores(self, ctx, acc_S, n_block, mask: cutlass.Constexpr[bool],
-                causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr[bool]):
+                causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr):
         """Score mod and masks on a finished S tile."""
         (_, _, _, _, _, _, _, _, _, coords, _, _, m_block, head, batch, seqlen_q, seqlen_k,
          softmax_scale, mod_args, _) = ctx
         mods = self.mods
-        if const_expr(mods.has_score or mask or causal or kv_bound):
-            apply_mods(sm90_mma.acc_mn_view(acc_S), coords, mods, batch, head, m_block,
+        s_mn = sm90_mma.acc_mn_view(acc_S)
+        # kv_bound: True = check every element of this block against KV_LEN (the dense
+        # structure's first block); "tail" = only if this block straddles KV_LEN, decided
+        # at run time (block-sparse visits, where any block may be the last one).
+        per_element = kv_bound is True
+        if const_expr(mods.has_score or mask or causal or per_element):
+            apply_mods(s_mn, coords, mods, batch, head, m_block,
                        n_block, seqlen_q, seqlen_k, softmax_scale, mod_args,
                        apply_score=mods.has_score, apply_mask=mask,
-                       builtin_causal=causal, check_kv_bounds=kv_bound)
+                       builtin_causal=causal, check_kv_bounds=per_element,
+                       clamp_kv=kv_bound == "tail")
+        if const_expr(kv_bound == "tail"):
+            if (n_block + 1) * self.cfg.tile_n > seqlen_k:
+                mask_kv_tail(s_mn, coords, n_block, seqlen_k)
 
     @cute.jit
     def _step(self, ctx, kv_state, n_block, is_first: cutlass.Constexpr[bool],
               mask: cutlass.Constexpr[bool], causal: cutlass.Constexpr[bool],
-              kv_bound: cutlass.Constexpr[bool]):
+              kv_bound: cutlass.Constexpr):
         """One kv block, no overlap: S = Q K^T, mods, softmax, O = O * scale + P V.
         (Ping-pong turn: held from before P V until Q K^T of the next block is issued.)"""
         (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O,
@@ -518,7 +537,7 @@ class FlashFwdSm90:
 
     @cute.jit
     def _first_half(self, ctx, kv_state, n_block, mask: cutlass.Constexpr[bool],
-                    causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr[bool]):
+                    causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr):
         """Overlapped schedule, block 0: S_0 and P_0 only (P_0 V_0 runs in the next step)."""
         (tiled_mma_qk, _, tSrQ, tSrK, _, tOrP, acc_shape_S, _, softmax, _, pipe_k, _,
          _, _, _, _, _, _, _, _) = ctx
@@ -534,7 +553,7 @@ class FlashFwdSm90:
 
     @cute.jit
     def _overlap_step(self, ctx, kv_state, n_block, mask: cutlass.Constexpr[bool],
-                      causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr[bool]):
+                      causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr):
         """Overlapped schedule, block j: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1},
         then do mods + softmax of S_j while the P V GEMM is still running."""
         (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O,

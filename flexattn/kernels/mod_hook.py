@@ -107,6 +107,7 @@ def apply_mods(
     apply_mask: cutlass.Constexpr[bool],
     builtin_causal: cutlass.Constexpr[bool],
     check_kv_bounds: cutlass.Constexpr[bool],
+    clamp_kv: cutlass.Constexpr[bool] = False,
 ):
     """Apply score mod, mask, built-in causal mask and the KV_LEN bound to one S tile
     (`s_mn`: this thread's fragment as rows x cols), in place.
@@ -116,6 +117,8 @@ def apply_mods(
     apply_mask:      mods.mask(...) False -> -inf.
     builtin_causal:  q < kv -> -inf (used when the causal config has no mask hook).
     check_kv_bounds: kv >= KV_LEN -> -inf (only the tile that straddles KV_LEN).
+    clamp_kv:        the hooks see min(kv, KV_LEN - 1) (implied by check_kv_bounds; for
+                     tiles whose bound is applied separately, see mask_kv_tail).
     """
     q_base = m_block * coords.tile_m
     kv_base = n_block * coords.tile_n + coords.col_offset()
@@ -127,7 +130,7 @@ def apply_mods(
         for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
             kv = kv_base + coords.col0(c)
             kv_hook = kv
-            if const_expr(check_kv_bounds):
+            if const_expr(check_kv_bounds or clamp_kv):
                 kv_hook = cutlass.min(kv, kv_last)
             s = s_mn[r, c]
             if const_expr(apply_score):
@@ -140,3 +143,15 @@ def apply_mods(
             if const_expr(check_kv_bounds):
                 s = s if kv < seqlen_k else -Float32.inf
             s_mn[r, c] = s
+
+
+@cute.jit
+def mask_kv_tail(s_mn: cute.Tensor, coords: FragmentCoords, n_block: Int32, seqlen_k: Int32):
+    """kv >= KV_LEN -> -inf on one S tile: the bound alone, for block-sparse visits
+    where any block may be the one straddling KV_LEN (the caller branches on that at run
+    time, so the other blocks pay nothing per element)."""
+    kv_base = n_block * coords.tile_n + coords.col_offset()
+    for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
+        kv = kv_base + coords.col0(c)
+        for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
+            s_mn[r, c] = s_mn[r, c] if kv < seqlen_k else -Float32.inf

@@ -118,3 +118,39 @@ def test_block_masks_built_for_immutable_masks_are_reused():
     ids = torch.zeros(300, dtype=torch.int32)  # a tensor may change in place: rebuilt each call
     m = mods.document(ids)
     assert _plan(mask=m).block_mask is not _plan(mask=m).block_mask
+
+
+def test_plans_are_cached_by_structure_but_carry_each_calls_captures():
+    """A second call with the same mods but new captured values reuses the cached plan
+    (same config object underneath, no re-hashing) and its hook holds the *new* values."""
+    from flexattn.core import kernel_path
+
+    table_a, table_b = np.zeros((4, 9), np.float32), np.ones((4, 9), np.float32)
+    score_a = mods.relative_bias(table_a)
+    slot = next(i for i, c in enumerate(score_a.captures) if c is table_a)
+    caps = list(score_a.captures)
+    caps[slot] = table_b
+    score_b = score_a.with_captures(tuple(caps))
+    p_a, p_b = _plan(score=score_a), _plan(score=score_b)
+    assert p_a.entry is p_b.entry and p_a.config.key() == p_b.config.key()
+    assert p_a.config.mods.captures()[slot] is table_a and p_b.config.mods.captures()[slot] is table_b
+    assert p_b.config.mods.capture_kinds == p_a.entry.kinds
+    # A different structure (here: head dim) is another plan.
+    assert _plan(D=64, score=score_a).entry is not p_a.entry
+    # Equal IR built separately: another cache entry, the same compiled runner key.
+    p_c = _plan(score=mods.relative_bias(table_a))
+    assert p_c.config.key() == p_a.config.key()
+    assert kernel_path._runner(p_c, False) is kernel_path._runner(p_a, False)
+
+
+def test_launch_path_choice(monkeypatch):
+    from flexattn.core.kernel_path import use_tvm_ffi
+
+    monkeypatch.setenv("FLEXATTN_TVM_FFI", "0")
+    assert not use_tvm_ffi()
+    monkeypatch.setenv("FLEXATTN_TVM_FFI", "1")
+    assert use_tvm_ffi()
+    monkeypatch.delenv("FLEXATTN_TVM_FFI")
+    import importlib.util
+
+    assert use_tvm_ffi() == (importlib.util.find_spec("tvm_ffi") is not None)
