@@ -341,7 +341,8 @@ def _lse_dtype(query):
 def _kernel_forward(spec, shape, query, key, value):
     out = torch.empty(shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim, dtype=query.dtype, device=query.device)
     lse = torch.empty(shape.batch, shape.q_heads, shape.q_len, dtype=torch.float32, device=query.device)
-    device = Device(torch.cuda.current_stream(query.device).cuda_stream, _DeviceCopies(query.device))
+    device = Device(torch.cuda.current_stream(query.device).cuda_stream, _DeviceCopies(query.device),
+                    tvm_ffi_stream=True)
     # DLPack refuses tensors that require grad; the kernel only reads them
     if query.requires_grad or key.requires_grad or value.requires_grad:
         query, key, value = query.detach(), key.detach(), value.detach()

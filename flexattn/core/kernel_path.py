@@ -38,6 +38,10 @@ class Device:
 
     stream: int  # a CUstream handle (0 = the legacy default stream)
     to_device: Callable  # host/framework array -> contiguous DLPack array on the GPU
+    # True if TVM-FFI launches land on `stream` by themselves (torch: TVM-FFI reads
+    # torch's current stream); other frameworks take the from_dlpack runner, which is
+    # handed `stream` explicitly.
+    tvm_ffi_stream: bool = False
 
 
 def kernel_unsupported(q, shape: AttentionShape) -> str | None:
@@ -185,13 +189,16 @@ def _runner(plan: KernelPlan, tvm_ffi: bool):
     return runner
 
 
-def use_tvm_ffi() -> bool:
+def use_tvm_ffi(device: Device | None = None) -> bool:
     """Launch through TVM-FFI (framework tensors straight into the compiled kernel, µs of
-    host time) when the ``apache-tvm-ffi`` package is installed, unless
-    ``FLEXATTN_TVM_FFI=0``; otherwise the ``from_dlpack`` runner (~35 µs per tensor)."""
+    host time) when the ``apache-tvm-ffi`` package is installed and the device's stream is
+    TVM-FFI's environment stream (torch), unless ``FLEXATTN_TVM_FFI`` says otherwise
+    (``0``: never, ``1``: always); else the ``from_dlpack`` runner (~35 µs per tensor)."""
     flag = os.environ.get("FLEXATTN_TVM_FFI")
     if flag is not None:
         return flag == "1"
+    if device is not None and not device.tvm_ffi_stream:
+        return False
     if not _HAS_TVM_FFI:
         _HAS_TVM_FFI.append(importlib.util.find_spec("tvm_ffi") is not None)
     return _HAS_TVM_FFI[0]
@@ -208,7 +215,7 @@ def forward_into(q, k, v, out, lse, shape: AttentionShape, spec: AttentionSpec, 
         bm = plan.block_mask
         lists = tuple(device.to_device(x) for x in (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices))
     scale = spec.resolved_scale(shape.head_dim)
-    if use_tvm_ffi():  # see kernels/ffi_runner.py
+    if use_tvm_ffi(device):  # see kernels/ffi_runner.py
         from ..kernels.ffi_runner import ffi_mod_args
 
         _runner(plan, True).run(q, k, v, out, lse, scale, ffi_mod_args(plan.config.mods, device.to_device), lists)

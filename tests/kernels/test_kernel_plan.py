@@ -153,4 +153,9 @@ def test_launch_path_choice(monkeypatch):
     monkeypatch.delenv("FLEXATTN_TVM_FFI")
     import importlib.util
 
+    from flexattn.core.kernel_path import Device
+
     assert use_tvm_ffi() == (importlib.util.find_spec("tvm_ffi") is not None)
+    # Only where TVM-FFI's environment stream is the caller's stream (torch).
+    assert not use_tvm_ffi(Device(0, lambda x: x))
+    assert use_tvm_ffi(Device(0, lambda x: x, tvm_ffi_stream=True)) == use_tvm_ffi()
