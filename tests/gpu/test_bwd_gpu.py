@@ -163,21 +163,24 @@ def test_fixed(case):
 
 
 def _random_cases(n, seed=4321):
+    """Random shapes for the (mod, dtype, head dim) combinations of FIXED only (so they
+    compile nothing FIXED does not): batch, heads and GQA ratio, lengths 1..900 (Q != KV
+    in most), layout; test_random adds a random scale to some."""
     rng = np.random.default_rng(seed)
-    names = sorted(CASES)
+    combos = sorted({(name, dtype_name, D) for name, dtype_name, D, *_ in FIXED})
     out = []
     for _ in range(n):
+        name, dtype_name, D = combos[int(rng.integers(len(combos)))]
         hkv = int(rng.choice([1, 2, 3]))
-        q_len = int(rng.integers(1, 700))
-        kv_len = q_len if rng.random() < 0.4 else int(rng.integers(1, 700))
-        out.append((str(rng.choice(names)), str(rng.choice(["bf16", "fp16"])),
-                    int(rng.choice([64, 128])), int(rng.integers(1, 3)),
+        q_len = int(rng.integers(1, 901))
+        kv_len = q_len if rng.random() < 0.3 else int(rng.integers(1, 901))
+        out.append((name, dtype_name, D, int(rng.integers(1, 4)),
                     hkv * int(rng.choice([1, 2, 4])), hkv, q_len, kv_len,
                     str(rng.choice(["bhsd", "bshd"]))))
     return out
 
 
-RANDOM = _random_cases(24)
+RANDOM = _random_cases(130)
 
 
 @pytest.mark.parametrize("i", range(len(RANDOM)), ids=lambda i: "-".join(map(str, RANDOM[i])))
