@@ -43,6 +43,8 @@ class Variant:
         causal_fn = lambda b, h, q, kv: q >= kv  # noqa: E731
         self.mask = self.score = self.mask_fn = self.score_fn = None
         self.fa4_kw, self.sdpa_kw = None, None
+        self.trainable = ()  # captured tensors that require grad (bench_bwd differentiates them)
+        self.impls = IMPLS   # the implementations to run
         if name == "full":
             self.fa4_kw, self.sdpa_kw = {}, {"is_causal": False}
         elif name.startswith("causal"):
@@ -58,6 +60,13 @@ class Variant:
                 self.score = mods.alibi(slopes)
                 self.score_fn = lambda s, b, h, q, kv: s + slopes[h] * (kv - q)
                 self.fa4_kw = None
+            elif name == "causal+trainable_bias":  # learnable [H, 2S-1] relative bias
+                rel = (0.1 * torch.randn(H, 2 * S - 1, device="cuda")).requires_grad_()
+                self.score = mods.relative_bias(rel)  # rel[h, clamp(q - kv, ±(S-1)) + S - 1]
+                self.score_fn = lambda s, b, h, q, kv: s + rel[h, q - kv + S - 1]
+                self.fa4_kw = None
+                self.trainable = (rel,)
+                self.impls = ("flexattn", "flex")
         elif name == "window1024":
             self.mask = mods.sliding_window(1024)
             self.mask_fn = lambda b, h, q, kv: (q >= kv) & (q - kv <= 1024)
@@ -78,14 +87,8 @@ def run_shape(B, S, H, D, variants, rows):
     scale = 1.0 / math.sqrt(D)
     for name in variants:
         var = Variant(name, B, S, H)
-        density = 1.0
-        ours_bm = None
-        if var.mask is not None:
-            ours_bm = fa.create_block_mask(var.mask, None, None, S, S)
-            density = ours_bm.density()
+        density, kw = ours_mask_args(var, S)
         work = 4.0 * B * H * S * S * D * density
-        # ours: the built-in causal structure for plain causal masks, block lists otherwise
-        kw = {"mask": var.mask} if name.startswith("causal") else {"block_mask": ours_bm}
         ours = lambda: fa.flex_attention(qh, kh, vh, score_mod=var.score, scale=scale, **kw)  # noqa: E731
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -99,8 +102,7 @@ def run_shape(B, S, H, D, variants, rows):
             ours()
         host_us = (time.perf_counter() - t0) / 20 * 1e6
         torch.cuda.synchronize()
-        for impl, make in (("fa4", lambda: _fa4(q, k, v, scale, var)), ("flex", lambda: _flex(qh, kh, vh, scale, var, S, None)),
-                           ("flex-fa", lambda: _flex(qh, kh, vh, scale, var, S, "FLASH")), ("cudnn", lambda: _cudnn(qh, kh, vh, scale, var))):
+        for impl, make in baselines(q, k, v, scale, var, S):
             try:
                 fn = make()
                 if fn is None:
@@ -118,6 +120,26 @@ def run_shape(B, S, H, D, variants, rows):
         rows.append(row)
         print(f"{tag} {name:18s} " + "  ".join(f"{i}={row['tflops'][i]:.1f}" for i in res)
               + f"  first call {first_call:.2f}s  host {host_us:.0f}us  diffs {({i: f'{d:.1e}' for i, d in diff.items()})}", flush=True)
+
+
+def ours_mask_args(var, S):
+    """(density, keyword args) for our call: the built-in causal structure for plain causal
+    masks (``mask=``), a block mask built once otherwise (its exact density either way)."""
+    import flexattn.torch as fa
+
+    if var.mask is None:
+        return 1.0, {}
+    bm = fa.create_block_mask(var.mask, None, None, S, S)
+    return bm.density(), ({"mask": var.mask} if var.name.startswith("causal") else {"block_mask": bm})
+
+
+def baselines(q, k, v, scale, var, S):
+    """(impl, make) for each baseline this variant runs; ``make()`` returns a no-argument
+    call (or None where the library lacks the variant). q, k, v: [B, S, H, D]."""
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    makers = (("fa4", lambda: _fa4(q, k, v, scale, var)), ("flex", lambda: _flex(qh, kh, vh, scale, var, S, None)),
+              ("flex-fa", lambda: _flex(qh, kh, vh, scale, var, S, "FLASH")), ("cudnn", lambda: _cudnn(qh, kh, vh, scale, var)))
+    return [(impl, make) for impl, make in makers if impl in var.impls]
 
 
 def _fa4(q, k, v, scale, var):
@@ -154,17 +176,28 @@ def _cudnn(qh, kh, vh, scale, var):
     return fn
 
 
-def table(rows, dev, stamp) -> str:
-    lines = [f"Forward, bf16, {dev}, {stamp}. TFLOP/s (masked FLOPs × exact density).", "",
-             "| shape | variant | " + " | ".join(IMPLS) + " | ours/fa4 | ours/flex | first call s | host µs/call |",
-             "|---|---|" + "---|" * (len(IMPLS) + 4)]
+def table(rows, dev, stamp, title="Forward, bf16", flops="masked FLOPs × exact density") -> str:
+    host = all("host_us" in r for r in rows)
+    lines = [f"{title}, {dev}, {stamp}. TFLOP/s ({flops}).", "",
+             "| shape | variant | " + " | ".join(IMPLS) + " | ours/fa4 | ours/flex | first call s |"
+             + (" host µs/call |" if host else ""),
+             "|---|---|" + "---|" * (len(IMPLS) + 3 + host)]
     for r in rows:
         t = r["tflops"]
         cells = " | ".join(f"{t[i]:.1f}" if i in t else "n/a" for i in IMPLS)
         ra = f"{t['flexattn'] / t['fa4']:.2f}" if "fa4" in t else "n/a"
         rf = f"{t['flexattn'] / t['flex']:.2f}" if "flex" in t else "n/a"
-        lines.append(f"| {r['shape']} | {r['variant']} | {cells} | {ra} | {rf} | {r['first_call_s']:.2f} | {r['host_us']:.0f} |")
+        lines.append(f"| {r['shape']} | {r['variant']} | {cells} | {ra} | {rf} | {r['first_call_s']:.2f} |"
+                     + (f" {r['host_us']:.0f} |" if host else ""))
     return "\n".join(lines)
+
+
+def setup_dynamo():
+    """One compiled flex_attention serves every variant; let it hold them all (not fall back to eager)."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = 256
+    torch._dynamo.config.accumulated_cache_size_limit = 4096
 
 
 def main():
@@ -178,11 +211,7 @@ def main():
         import os
 
         os.environ["FLEXATTN_TVM_FFI"] = "1"
-    import torch._dynamo
-
-    # one compiled flex_attention serves every variant; let it hold them all (not fall back to eager)
-    torch._dynamo.config.cache_size_limit = 256
-    torch._dynamo.config.accumulated_cache_size_limit = 4096
+    setup_dynamo()
     rows = []
     for shape in args.shapes:
         B, S, H, D = map(int, shape.split("x"))

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call that spends the session's GPU minutes in priority order.
 # Usage (device tool, carry [".gpu"]):  bash benchmarks/device_session.sh [steps...]
-# Steps: fwd (forward + emitter + public-path tests), bwd (backward tests), ffi (TVM-FFI
-# launch tests), bench (side-by-side forward table), bench-ffi (the same, TVM-FFI launch).
+# Steps: fwd (forward + emitter + public-path tests), bwd (backward kernel tests, ~150
+# cases), autograd (torch autograd end to end on CUDA), ffi (TVM-FFI launch tests), bench
+# (side-by-side forward table), bench-ffi (the same, TVM-FFI launch), bwd-bench (forward +
+# backward table; give it a device call of its own).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -24,10 +26,12 @@ for step in $steps; do
   case $step in
     fwd) run fwd 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py \
            tests/gpu/test_mod_emit_gpu.py tests/gpu/test_flex_attention_gpu.py -k "not ffi" ;;
-    bwd) run bwd 300 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_bwd_gpu.py ;;
+    bwd) run bwd 420 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_bwd_gpu.py ;;
+    autograd) run autograd 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_autograd_gpu.py ;;
     ffi) run ffi 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flex_attention_gpu.py -k ffi ;;
     bench) run bench 420 python3 benchmarks/bench_fwd.py --out "$out/bench.json" ;;
     bench-ffi) run bench_ffi 420 python3 benchmarks/bench_fwd.py --tvm-ffi --out "$out/bench_ffi.json" ;;
+    bwd-bench) run bwd_bench 560 python3 benchmarks/bench_bwd.py --out "$out/bench_bwd.json" ;;
     *) echo "unknown step $step" ;;
   esac
 done
