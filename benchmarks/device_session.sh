@@ -3,8 +3,9 @@
 # Usage (device tool, carry [".gpu"]):  bash benchmarks/device_session.sh [steps...]
 # Steps: fwd (forward + emitter + public-path tests), bwd (backward kernel tests, ~150
 # cases), autograd (torch autograd end to end on CUDA), ffi (TVM-FFI launch tests), bench
-# (side-by-side forward table), bench-ffi (the same, TVM-FFI launch), bwd-bench (forward +
-# backward table; give it a device call of its own).
+# (side-by-side forward table), bench-ffi (the same, TVM-FFI launch), bwd-bench and
+# bwd-bench-mods (forward + backward table: masks / score mods incl. a trainable bias;
+# each compiles fwd+bwd for five libraries, so give each a device call of its own).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -31,7 +32,10 @@ for step in $steps; do
     ffi) run ffi 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flex_attention_gpu.py -k ffi ;;
     bench) run bench 420 python3 benchmarks/bench_fwd.py --out "$out/bench.json" ;;
     bench-ffi) run bench_ffi 420 python3 benchmarks/bench_fwd.py --tvm-ffi --out "$out/bench_ffi.json" ;;
-    bwd-bench) run bwd_bench 560 python3 benchmarks/bench_bwd.py --out "$out/bench_bwd.json" ;;
+    bwd-bench) run bwd_bench 560 python3 benchmarks/bench_bwd.py --variants full causal window1024 document4 \
+           --out "$out/bench_bwd.json" ;;
+    bwd-bench-mods) run bwd_bench_mods 560 python3 benchmarks/bench_bwd.py \
+           --variants causal+softcap30 causal+alibi causal+trainable_bias --out "$out/bench_bwd_mods.json" ;;
     *) echo "unknown step $step" ;;
   esac
 done
