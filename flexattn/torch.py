@@ -358,8 +358,8 @@ def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse):
     """The backward kernels on the current stream -> (dq, dk, dv, fp32 grads per score capture)."""
     dev = query.device
 
-    def alloc(shape_, zeroed):
-        return (torch.zeros if zeroed else torch.empty)(shape_, dtype=torch.float32, device=dev)
+    def alloc(shape_, dtype, zeroed):
+        return (torch.zeros if zeroed else torch.empty)(shape_, dtype=getattr(torch, dtype), device=dev)
 
     def operand(x, dtype):  # DLPack refuses tensors that require grad; gradients may be strided
         return x.detach().to(dtype).contiguous()

@@ -56,9 +56,11 @@ class BackwardResult:
     # without one (numbers, int buffers, buffers the score does not depend on)
 
 
-# alloc(shape, zeroed) -> a float32 DLPack array on the GPU, contiguous; zero-filled iff
-# ``zeroed`` (the workspace needs no initialization, buffer gradients do).
-Allocator = Callable[[tuple, bool], Any]
+# alloc(shape, dtype, zeroed) -> a contiguous DLPack array on the GPU of ``dtype`` (a numpy
+# dtype name: "float32" today; the workspace of a deterministic backward will add int32 /
+# int64 arrays), zero-filled iff ``zeroed`` (the workspace needs no initialization, buffer
+# gradients do).
+Allocator = Callable[[tuple, str, bool], Any]
 
 
 def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: AttentionSpec, device: Device,
@@ -80,11 +82,11 @@ def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: Attention
     if plan.block_mask is not None:
         bm = plan.block_mask
         lists = tuple(device.to_device(x) for x in (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices))
-    workspace = tuple(alloc(tuple(s), False)
+    workspace = tuple(alloc(tuple(s), "float32", False)
                       for s in workspace_shapes(cfg, shape.batch, shape.q_heads, shape.q_len).values())
     captures = hook.captures()
     slots = hook.grad_slots
-    grads = tuple(alloc(_grad_shape(captures[s]), True) for s in slots)
+    grads = tuple(alloc(_grad_shape(captures[s]), "float32", True) for s in slots)
     args = runtime_args(hook, device.to_device)
     scale = spec.resolved_scale(shape.head_dim)
     backward_runner(cfg).run(arrays.q, arrays.k, arrays.v, arrays.out, arrays.d_out, arrays.lse,

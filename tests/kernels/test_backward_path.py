@@ -51,9 +51,9 @@ def _call(spec, dtype=torch.bfloat16, d_lse=False, bshd=False):
                             d_lse=torch.zeros(B, Hq, Q) if d_lse else None)
     allocs = []
 
-    def alloc(shape, zeroed):
-        allocs.append((shape, zeroed))
-        return torch.zeros(shape)
+    def alloc(shape, dtype, zeroed):
+        allocs.append((shape, dtype, zeroed))
+        return torch.zeros(shape, dtype=getattr(torch, dtype))
 
     copied = []
 
@@ -82,12 +82,12 @@ def test_block_sparse_call_reads_the_q_side_lists(runners):
     for got, want in zip(lists, (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices)):
         np.testing.assert_array_equal(got.numpy(), want)
     # workspace uninitialised, buffer gradients zeroed, one per grad slot, shaped like the capture
-    want_ws = [(s, False) for s in workspace_shapes(runner.cfg, B, Hq, Q).values()]
+    want_ws = [(s, "float32", False) for s in workspace_shapes(runner.cfg, B, Hq, Q).values()]
     assert allocs[:3] == want_ws
     i_slopes, i_table = (next(i for i, c in enumerate(score.captures) if c is x) for x in (slopes, table))
     assert runner.cfg.mods.grad_slots == tuple(sorted((i_slopes, i_table)))
-    assert sorted(allocs[3:]) == [((Hq,), True), ((Hq, 9), True)]
-    assert [tuple(g.shape) for g in ws] == [s for s, _ in want_ws]
+    assert sorted(allocs[3:]) == [((Hq,), "float32", True), ((Hq, 9), "float32", True)]
+    assert [tuple(g.shape) for g in ws] == [s for s, _, _ in want_ws]
     assert len(grads) == 2 and all(g.dtype == torch.float32 for g in grads)
     # by score capture: the numbers (softcap's, the table's half width) get None
     assert len(result.capture_grads) == len(score.captures)
@@ -111,7 +111,7 @@ def test_zero_dim_capture_gradient_is_passed_as_one_element(runners):
     t = torch.tensor(0.5)
     _, result, allocs, _ = _call(AttentionSpec.from_args(score=mods.score_mod(lambda s, b, h, q, kv: s * t),
                                                          enable_gqa=True))
-    assert allocs[3:] == [((1,), True)] and tuple(result.capture_grads[0].shape) == (1,)
+    assert allocs[3:] == [((1,), "float32", True)] and tuple(result.capture_grads[0].shape) == (1,)
 
 
 def test_what_the_kernel_cannot_do_is_refused(runners):
