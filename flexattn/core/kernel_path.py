@@ -174,6 +174,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec) -> KernelPlan:
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = entry
     hook.capture_kinds = entry.kinds
+    hook.derivative_box = entry.config.mods.derivative_box  # the same IR: one derivative
     return KernelPlan(entry.config.with_mods(hook), block_mask, entry)
 
 

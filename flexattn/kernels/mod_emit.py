@@ -176,6 +176,9 @@ class IRModHook(ModHook):
         self.has_mask = mask is not None
         self._n_score_args = len(score.captures) if score is not None else 0
         self.capture_kinds = None  # set by planners that cache them (see capture_kinds)
+        # Holds the derivative once computed; planners share one box between the hooks of
+        # one IR (differentiating costs ~0.1-0.3 ms per backward call otherwise).
+        self.derivative_box = []
 
     def key(self):
         return (
@@ -206,11 +209,11 @@ class IRModHook(ModHook):
         emitter memoizes by node identity)."""
         if self._score is None:
             return None
-        if getattr(self, "_derivative", None) is None:
+        if not self.derivative_box:
             from ..mods.derivative import differentiate
 
-            self._derivative = differentiate(self._score.expr)
-        return self._derivative
+            self.derivative_box.append(differentiate(self._score.expr))
+        return self.derivative_box[0]
 
     @property
     def grad_slots(self) -> tuple:

@@ -135,6 +135,7 @@ def test_plans_are_cached_by_structure_but_carry_each_calls_captures():
     assert p_a.entry is p_b.entry and p_a.config.key() == p_b.config.key()
     assert p_a.config.mods.captures()[slot] is table_a and p_b.config.mods.captures()[slot] is table_b
     assert p_b.config.mods.capture_kinds == p_a.entry.kinds
+    assert p_b.config.mods.derivative is p_a.config.mods.derivative  # differentiated once
     # A different structure (here: head dim) is another plan.
     assert _plan(D=64, score=score_a).entry is not p_a.entry
     # Equal IR built separately: another cache entry, the same compiled runner key.
