@@ -13,6 +13,13 @@ loads) and the consumer warpgroups (MMAs) enumerate the same sequence with these
   are `sparse_block_m` rows (128 in flexattn), the kernel's tile is `tile_m` rows: each
   listed block expands into `factor = sparse_block_m // tile_m` consecutive tiles. B and H
   may be 1 (broadcast). Visit order: the partial list, then the full list.
+
+The transposed question, for the deterministic dQ order (bwd_sm90.py): how many kv blocks
+*after* n visit q tile m (`KvVisitors.after`). Dense: every kv block visits every tile.
+Causal: kv blocks 0 .. last(m) (those whose `first` is <= m). Block-sparse: the kv blocks
+in the BlockMask's kv-side lists (partial + full) of q block m // factor, counted by one
+warp (the lists need not be sorted; they must be the exact transposes of the q-side ones,
+as `BlockMask` builds both from one tile-state array).
 """
 
 import cutlass
@@ -75,3 +82,44 @@ class SparseQBlocks(_Staged):
         p = self.partial_at(ip)
         f = self.full_at(jf)
         return p if i < self.n_partial else f
+
+
+class KvVisitors(_Staged):
+    """Which kv blocks visit a q tile: `after(m_block, n_block)` = how many kv blocks with
+    a higher index than `n_block` visit tile `m_block` of (batch, head). For the sparse
+    structure it is warp-collective (all 32 lanes call it, all get the count)."""
+
+    def __init__(self, cfg, n_kv_blocks, kv_lists=None, batch=None, head=None):
+        self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
+        self.causal = cfg.causal
+        self.factor = cfg.sparse_block_m // cfg.tile_m
+        self.n_kv_blocks = Int32(n_kv_blocks)
+        self.kv_lists = kv_lists           # (kv_num_blocks, kv_indices, full_kv_*) or None
+        self.batch, self.head = batch, head
+        self._fields = ("n_kv_blocks",) if kv_lists is None else (
+            "n_kv_blocks", "kv_lists", "batch", "head")
+
+    @cute.jit
+    def after(self, m_block, n_block):
+        if cutlass.const_expr(self.kv_lists is not None):
+            return self._after_sparse(m_block // self.factor, n_block)
+        last = self.n_kv_blocks - 1
+        if cutlass.const_expr(self.causal):
+            # DenseQBlocks: kv block n visits m >= (n * tile_n) // tile_m, i.e. n <= last.
+            last = cutlass.min(last, ((m_block + 1) * self.tile_m - 1) // self.tile_n)
+        return last - n_block
+
+    @cute.jit
+    def _after_sparse(self, q_block, n_block):
+        kv_num, kv_idx, full_num, full_idx = self.kv_lists
+        b = self.batch % kv_num.shape[0]
+        h = self.head % kv_num.shape[1]
+        lane = cute.arch.lane_idx()
+        count = Int32(0)
+        for i in cutlass.range(lane, Int32(kv_num[b, h, q_block]), 32, unroll=1):
+            if Int32(kv_idx[b, h, q_block, i]) > n_block:
+                count += 1
+        for i in cutlass.range(lane, Int32(full_num[b, h, q_block]), 32, unroll=1):
+            if Int32(full_idx[b, h, q_block, i]) > n_block:
+                count += 1
+        return cute.arch.warp_reduction_sum(count)

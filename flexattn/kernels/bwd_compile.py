@@ -24,6 +24,29 @@ def _fake_f32(rank: int):
     return make_fake_tensor(cutlass.Float32, shape, stride, assumed_align=16)
 
 
+def _fake_int(dtype, rank: int, align: int):
+    """A workspace of `dtype` (the dq semaphores, the fixed-point grad accumulators), last
+    dim contiguous, as the runner passes it (`bwd_runner.workspace_dtypes`)."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    shape = tuple(cute.sym_int() for _ in range(rank))
+    stride = tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,)
+    return make_fake_tensor(dtype, shape, stride, assumed_align=align)
+
+
+def fake_dq_semaphore(cfg: BwdConfig):
+    import cutlass
+
+    return _fake_int(cutlass.Int32, 3, 4) if cfg.deterministic else None
+
+
+def fake_grad_fixed(cfg: BwdConfig):
+    import cutlass
+
+    return _fake_int(cutlass.Int64, 2, 8) if cfg.deterministic and cfg.buffer_grads else None
+
+
 def fake_grad_args(cfg: BwdConfig, mod_args: tuple):
     """fp32 gradient buffers for the score mod's float-buffer captures (same ranks)."""
     if not cfg.buffer_grads:
@@ -42,8 +65,8 @@ def fake_grad_args(cfg: BwdConfig, mod_args: tuple):
 
 
 def fake_backward_args(cfg: BwdConfig, mod_args: tuple = ()):
-    """Fake (q, k, v, do, lse_log2, delta, dq_accum, dk, dv, scale, mod_args, grad_args,
-    block_sparse, stream) for `FlashBwdSm90.__call__`."""
+    """Fake (q, k, v, do, lse_log2, delta, dq_accum, dq_semaphore, dk, dv, scale, mod_args,
+    grad_args, grad_fixed, block_sparse, stream) for `FlashBwdSm90.__call__`."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
@@ -53,11 +76,14 @@ def fake_backward_args(cfg: BwdConfig, mod_args: tuple = ()):
     D = cfg.head_dim
     q, do = (fake_bhsd(dt, n, b, hq, sq, D) for n in ("q", "do"))
     k, v, dk, dv = (fake_bhsd(dt, n, b, hkv, skv, D) for n in ("k", "v", "dk", "dv"))
-    # q_num_blocks, q_indices, full_q_num_blocks, full_q_indices
-    block_sparse = fake_block_lists() if cfg.block_sparse else None
-    return (q, k, v, do, _fake_f32(3), _fake_f32(3), _fake_f32(4), dk, dv,
-            cutlass.Float32(1.0), tuple(mod_args) if mod_args else None,
-            fake_grad_args(cfg, mod_args), block_sparse, make_fake_stream())
+    # q_num_blocks, q_indices, full_q_num_blocks, full_q_indices (+ the kv-side lists)
+    block_sparse = None
+    if cfg.block_sparse:
+        block_sparse = fake_block_lists() + (fake_block_lists() if cfg.deterministic else ())
+    return (q, k, v, do, _fake_f32(3), _fake_f32(3), _fake_f32(4), fake_dq_semaphore(cfg),
+            dk, dv, cutlass.Float32(1.0), tuple(mod_args) if mod_args else None,
+            fake_grad_args(cfg, mod_args), fake_grad_fixed(cfg), block_sparse,
+            make_fake_stream())
 
 
 def _compile(kernel, args, keep_ptx: bool, extra_options: str):
@@ -77,25 +103,40 @@ def compile_backward(cfg: BwdConfig, mod_args: tuple = (), *, keep_ptx: bool = F
 
 
 def compile_preprocess(dtype: str, head_dim: int, with_dlse: bool = False, *,
+                       deterministic: bool = False, grad_fixed: bool = False,
                        keep_ptx: bool = False):
+    """`deterministic`: also zero the dQ semaphores; `grad_fixed`: and the fixed-point
+    buffer-gradient accumulators."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
-    cfg = BwdConfig(dtype=dtype, head_dim=head_dim)
+    cfg = BwdConfig(dtype=dtype, head_dim=head_dim, deterministic=deterministic)
     b, h, s = (cute.sym_int() for _ in range(3))
     o, do = (fake_bhsd(cfg.cutlass_dtype, n, b, h, s, head_dim) for n in ("o", "do"))
+    fixed = None
+    if grad_fixed:
+        import cutlass
+        fixed = _fake_int(cutlass.Int64, 2, 8)
     args = (o, do, _fake_f32(3), _fake_f32(3) if with_dlse else None, _fake_f32(3),
-            _fake_f32(3), _fake_f32(4), make_fake_stream())
+            _fake_f32(3), _fake_f32(4), fake_dq_semaphore(cfg), fixed, make_fake_stream())
     return _compile(BwdPreprocess(cfg), args, keep_ptx, "")
 
 
-def compile_postprocess(dtype: str, head_dim: int, *, keep_ptx: bool = False):
+def compile_postprocess(dtype: str, head_dim: int, *, grad_ranks: tuple = (),
+                        keep_ptx: bool = False):
+    """`grad_ranks`: deterministic mode's buffer gradients (their ranks) to finish."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
     cfg = BwdConfig(dtype=dtype, head_dim=head_dim)
     b, h, s = (cute.sym_int() for _ in range(3))
     dq = fake_bhsd(cfg.cutlass_dtype, "dq", b, h, s, head_dim)
-    args = (_fake_f32(4), dq, cutlass.Float32(1.0), make_fake_stream())
+    grads = fixed = None
+    if grad_ranks:
+        grads = tuple(make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(r)),
+                                       tuple(cute.sym_int64() for _ in range(r - 1)) + (1,))
+                      for r in grad_ranks)
+        fixed = _fake_int(cutlass.Int64, 2, 8)
+    args = (_fake_f32(4), dq, cutlass.Float32(1.0), grads, fixed, make_fake_stream())
     return _compile(BwdPostprocess(cfg), args, keep_ptx, "")

@@ -4,6 +4,9 @@
     lse_log2[q] = LSE[q] * log2(e)           (+inf for empty rows, LSE = -inf, and for the
                                               padding rows q >= Q_LEN: P = exp2(.. - inf) = 0)
     dq_accum[q, :] = 0                       (the main kernel only adds into it)
+    dq_semaphore[tile] = 0                   (deterministic mode: one per 64-row q tile)
+    grad_fixed = 0                           (deterministic mode with buffer grads: the
+                                              128-bit accumulators, grid-stride)
 
 Workspaces are [B, H, Sq_pad(, D)] fp32 with Sq_pad a multiple of `BwdConfig.q_pad`, so the
 main kernel's TMA boxes and atomics never leave them and never need bound checks.
@@ -19,7 +22,7 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int64, const_expr
 
 LOG2_E = math.log2(math.e)
 
@@ -33,10 +36,27 @@ class RowChunkKernel:
     chunk = 8                 # elements per thread and row: 16 bytes of bf16 / fp16
 
     def __init__(self, config):
+        assert self.rows_per_cta == config.tile_m   # a preprocess CTA zeroes one tile's dQ flag
         self.cfg = config
         self.dtype = config.cutlass_dtype
         self.threads_per_row = config.head_dim // self.chunk
         self.rows_per_pass = self.num_threads // self.threads_per_row
+
+
+@cute.jit
+def grid_stride(tidx, num_threads):
+    """(first index, stride) of this thread in a loop spread over the whole grid."""
+    bx, by, bz = cute.arch.block_idx()
+    gx, gy, gz = cute.arch.grid_dim()
+    return ((bz * gy + by) * gx + bx) * num_threads + tidx, gx * gy * gz * num_threads
+
+
+@cute.jit
+def zero_grid_stride(mGradFixed: cute.Tensor, tidx, num_threads: cutlass.Constexpr):
+    start, step = grid_stride(tidx, num_threads)
+    for i in cutlass.range(start, mGradFixed.shape[0], step, unroll=1):
+        mGradFixed[i, 0] = Int64(0)
+        mGradFixed[i, 1] = Int64(0)
 
 
 class BwdPreprocess(RowChunkKernel):
@@ -44,21 +64,29 @@ class BwdPreprocess(RowChunkKernel):
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE,
                  mLSElog2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor,
-                 stream: cuda.CUstream):
+                 mdQsem, mGradFixed, stream: cuda.CUstream):
         """mO, mdO [B, H, Sq, D]; mLSE (natural log) and mdLSE (or None) [B, H, Sq] fp32;
-        outputs mLSElog2, mDelta [B, H, Sq_pad], mdQacc [B, H, Sq_pad, D] fp32."""
+        outputs mLSElog2, mDelta [B, H, Sq_pad], mdQacc [B, H, Sq_pad, D] fp32, and (or
+        None) mdQsem [B, H, Sq_pad / 64] int32, mGradFixed [N, 2] int64, zeroed."""
         for t in (mO, mdO):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"expected {self.dtype}, got {t.element_type}")
         grid = (mLSElog2.shape[2] // self.rows_per_cta, mO.shape[1], mO.shape[0])
-        self.kernel(mO, mdO, mLSE, mdLSE, mLSElog2, mDelta, mdQacc).launch(
+        self.kernel(mO, mdO, mLSE, mdLSE, mLSElog2, mDelta, mdQacc, mdQsem, mGradFixed).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE,
-               mLSElog2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor):
+               mLSElog2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor,
+               mdQsem, mGradFixed):
         tidx = cute.arch.thread_idx()[0]
         m_block, head, batch = cute.arch.block_idx()
+        if const_expr(mdQsem is not None):
+            # One CTA per 64-row q tile: the main kernel's dQ turn flag of this tile.
+            if tidx == 0:
+                mdQsem[batch, head, m_block] = 0
+        if const_expr(mGradFixed is not None):
+            zero_grid_stride(mGradFixed, tidx, self.num_threads)
         seqlen = mO.shape[2]
         tpr = self.threads_per_row
         chunk = tidx % tpr

@@ -3,28 +3,64 @@
 Three kernels on the caller's stream, in order:
 
     BwdPreprocess   delta = rowsum(dO * O) (- dLSE), lse_log2, dq_accum = 0
+                    (deterministic: dq_semaphore = 0, grad_fixed = 0)
     FlashBwdSm90    dK, dV (input dtype), dq_accum += dS K (fp32 atomics), buffer grads
-    BwdPostprocess  dQ = scale * dq_accum -> input dtype
+    BwdPostprocess  dQ = scale * dq_accum -> input dtype (deterministic: grads += grad_fixed)
 
 Destination-passing and framework-free, like `ForwardRunner`: the caller allocates dq, dk,
-dv, the fp32 workspace (`workspace_shapes`) and the zeroed fp32 buffer gradients. The
-compiled kernels check nothing, so everything they assume is checked here, and each is
-compiled on the very (dynamic-layout) tensors it is launched with.
+dv, the workspace (`workspace_shapes`, `workspace_dtypes`) and the zeroed fp32 buffer
+gradients. The compiled kernels check nothing, so everything they assume is checked here,
+and each is compiled on the very (dynamic-layout) tensors it is launched with.
 
-Determinism: dK, dV and the preprocess/postprocess are deterministic (dK/dV of a kv head
-are summed in registers, in a fixed order, by one CTA). dQ and buffer gradients are fp32
-atomics whose order varies between runs (differences ~1 ulp of fp32 before the final
-rounding). A `deterministic=True` mode (not implemented) would serialize dQ per q tile:
-a per-(batch, head, q tile) int32 semaphore in the workspace; the CTA for kv block n waits
-until the semaphore equals its rank in the visiting order (n for dense; the position in
-the q-side list for block-sparse) before adding its tile (then increments it), as FA3/FA4
-do. Buffer grads would instead be written per CTA into a [n_kv_blocks, *buffer] partial
-array and summed by the postprocess in a fixed order.
+Determinism. By default dK, dV and the preprocess/postprocess are deterministic (dK/dV of
+a kv head are summed in registers, in a fixed order, by one CTA); dQ and buffer gradients
+are fp32 atomics whose order varies between runs (differences ~1 ulp of fp32 before the
+final rounding). `BwdConfig(deterministic=True)` makes every output bitwise repeatable
+(same inputs, same GPU model, same launch shapes):
+
+* dQ: the CTAs visiting a q tile add their dQ tiles one after another, in decreasing kv
+  block order. Workspace `dq_semaphore`: one int32 per (batch, q head, 64-row q tile),
+  zeroed by the preprocess, counting the CTAs that have added into the tile. The CTA of kv
+  block n waits until it equals `rank` = the number of kv blocks > n that visit the tile
+  (one thread spins with ld.acquire.gpu, then a CTA barrier), adds its tile (the same
+  `red.add`s, now serialized), then a CTA barrier and one red.release.gpu.add of 1.
+  `rank` (bwd_blocks.KvVisitors): dense, every kv block visits every tile: nKV - 1 - n;
+  causal (top-left, kv <= q), kv blocks 0 .. last(m) visit tile m, last(m) =
+  min(nKV - 1, (64 (m + 1) - 1) // 128): last(m) - n; block-sparse, counted by one warp in
+  the BlockMask's kv-side lists (partial + full) of q block m // 2 — so deterministic
+  block-sparse calls pass those lists too (8 arrays), and they must be the exact
+  transposes of the q-side ones (as `BlockMask` builds both).
+  GQA: one CTA visits all q heads of its group, in order; each (head, tile) has its flag.
+* Progress: a CTA waits only for CTAs of the same (batch, kv head) with a higher kv
+  block. In deterministic mode the CTA with blockIdx.x = i takes kv block nKV - 1 - i, so
+  those CTAs have *lower* linear block indices (x varies fastest). The GPU dispatches the
+  CTAs of a grid in increasing linear index — not a documented CUDA guarantee, but the
+  one FA3/FA4's deterministic backward and CUTLASS's stream-K fixup rely on — so when a
+  CTA runs, every CTA it may wait for is resident or finished. Those wait only for CTAs
+  of still lower index, so by induction on the index every CTA finishes; a spinning CTA
+  holds its SM slot but never one that a CTA it waits for needs (already resident). A
+  wait longer than ~17 s traps (`bwd_sm90.DQ_TURN_TIMEOUT_NS`): the launch fails instead
+  of hanging if that assumption or the block lists are broken.
+* Why decreasing order (FA4's "spt"): under causal and banded masks a CTA starts at its
+  first visible q tile, lower kv blocks start lower and have more tiles; the highest kv
+  block that sees a tile reaches it first, so CTAs proceeding in lockstep never wait.
+  Dense: every CTA walks the tiles in the same order, so CTA n trails CTA n + 1 by one
+  step (about nKV - 1 extra steps per wave of CTAs).
+* Buffer gradients: the adds into one element come from many threads of many CTAs in
+  no fixed order, and a per-CTA partial array would not fix the order inside a CTA. So
+  they are summed exactly instead: each element has a 128-bit two's-complement fixed-point
+  accumulator (64 integer + 64 fraction bits) in the workspace (`grad_fixed`, int64
+  [N, 2], N = the total element count of the gradients, zeroed by the preprocess); each
+  contribution, rounded toward zero to a multiple of 2^-64, is added with integer atomics
+  (atom.add.u64 on the low word, red.add.u64 of the high word + carry), which commute.
+  The postprocess rounds each sum to fp32 and adds it to the caller's gradient (which must
+  be contiguous). Exact while |sum| < 2^63; inf / NaN contributions bypass it into the
+  fp32 array (their sum is order-independent too). See atomics.red_add_fixed128.
 """
 
 import time
 
-import flexattn.kernels  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass loads)
+# (Importing flexattn.kernels, first, sets CUTE_DSL_ARCH before cutlass loads.)
 from flexattn.kernels.bwd_postprocess import BwdPostprocess
 from flexattn.kernels.bwd_preprocess import BwdPreprocess
 from flexattn.kernels.bwd_sm90 import BwdConfig, FlashBwdSm90
@@ -38,7 +74,8 @@ import cutlass.cute as cute
 
 def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
     """The backward config for a forward config (same dtype, head dim, block structure and
-    mods): what `kernel_path.plan_forward` chose for the forward applies to the backward."""
+    mods): what `kernel_path.plan_forward` chose for the forward applies to the backward.
+    `overrides`: other BwdConfig fields, e.g. deterministic=True."""
     kw = dict(dtype=fwd_cfg.dtype, head_dim=fwd_cfg.head_dim, causal=fwd_cfg.causal,
               block_sparse=fwd_cfg.block_sparse, mods=fwd_cfg.mods)
     kw.update(overrides)
@@ -49,11 +86,60 @@ def padded_len(q_len: int, cfg: BwdConfig) -> int:
     return -(-q_len // cfg.q_pad) * cfg.q_pad
 
 
-def workspace_shapes(cfg: BwdConfig, batch: int, q_heads: int, q_len: int) -> dict:
-    """Shapes of the fp32 workspace arrays (contents need not be initialized)."""
+def buffer_grad_shapes(hook) -> tuple:
+    """Shapes of the buffer-gradient arrays of a hook (its float captures read by the score
+    mod, `hook.grad_slots`; 0-d captures as [1])."""
+    import numpy as np
+
+    captures = hook.captures()
+    return tuple(tuple(int(n) for n in np.shape(captures[s])) or (1,) for s in hook.grad_slots)
+
+
+def workspace_shapes(cfg: BwdConfig, batch: int, q_heads: int, q_len: int,
+                     grad_shapes: tuple = None) -> dict:
+    """The workspace arrays, name -> shape, in argument order; their dtypes are
+    `workspace_dtypes(cfg)` (same names: all float32 unless deterministic). Contents need
+    not be initialized; contiguous. `grad_shapes`: the buffer gradients' shapes (default:
+    `buffer_grad_shapes(cfg.mods)`), used only by deterministic configs with buffer grads."""
     sp = padded_len(q_len, cfg)
-    return {"lse_log2": (batch, q_heads, sp), "delta": (batch, q_heads, sp),
-            "dq_accum": (batch, q_heads, sp, cfg.head_dim)}
+    out = {"lse_log2": (batch, q_heads, sp), "delta": (batch, q_heads, sp),
+           "dq_accum": (batch, q_heads, sp, cfg.head_dim)}
+    if cfg.deterministic:
+        out["dq_semaphore"] = (batch, q_heads, sp // cfg.tile_m)
+        if cfg.buffer_grads:
+            shapes = buffer_grad_shapes(cfg.mods) if grad_shapes is None else grad_shapes
+            out["grad_fixed"] = (max(sum(_numel(s) for s in shapes), 1), 2)
+    return out
+
+
+def workspace_dtypes(cfg: BwdConfig) -> dict:
+    """dtype name ("float32" | "int32" | "int64") of each `workspace_shapes` entry."""
+    out = {"lse_log2": "float32", "delta": "float32", "dq_accum": "float32"}
+    if cfg.deterministic:
+        out["dq_semaphore"] = "int32"
+        if cfg.buffer_grads:
+            out["grad_fixed"] = "int64"
+    return out
+
+
+_CUTE_DTYPE = {"float32": "Float32", "int32": "Int32", "int64": "Int64"}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _is_contiguous(t) -> bool:
+    """Row-major contiguous (size-1 dims may have any stride)."""
+    expect = 1
+    for n, st in zip(reversed(tuple(t.shape)), reversed(tuple(t.stride))):
+        if n != 1 and st != expect:
+            return False
+        expect *= n
+    return True
 
 
 class BackwardRunner:
@@ -62,13 +148,15 @@ class BackwardRunner:
 
     q, o, do, dq [B, Hq, Sq, D] and k, v, dk, dv [B, Hkv, Skv, D] of cfg.dtype (head dim
     contiguous, other strides multiples of 8 elements); lse [B, Hq, Sq] fp32 natural-log
-    LSE from the forward; dlse (optional) its gradient. workspace = (lse_log2, delta,
-    dq_accum) fp32 of `workspace_shapes`, contiguous. mod_args: the forward's hook args.
-    grad_args: zeroed contiguous fp32 arrays, one per `cfg.mods.grad_slots` entry, shaped
-    like that capture (0-d captures as [1]); None if there are none. block_sparse: the
-    BlockMask's q-side lists (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices),
-    int32, q blocks of cfg.sparse_block_m rows, kv blocks of cfg.tile_n, iff
-    cfg.block_sparse."""
+    LSE from the forward; dlse (optional) its gradient. workspace: one contiguous array per
+    `workspace_shapes` entry, in its order, of the `workspace_dtypes` dtype ((lse_log2,
+    delta, dq_accum) fp32; deterministic: + dq_semaphore int32 (+ grad_fixed int64)).
+    mod_args: the forward's hook args. grad_args: zeroed contiguous fp32 arrays, one per
+    `cfg.mods.grad_slots` entry, shaped like that capture (0-d captures as [1]); None if
+    there are none. block_sparse: the BlockMask's q-side lists (q_num_blocks, q_indices,
+    full_q_num_blocks, full_q_indices), int32, q blocks of cfg.sparse_block_m rows, kv
+    blocks of cfg.tile_n, iff cfg.block_sparse; deterministic: followed by its kv-side
+    lists (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)."""
 
     def __init__(self, cfg: BwdConfig):
         self.cfg = cfg
@@ -76,7 +164,7 @@ class BackwardRunner:
         self.last_compile_seconds = 0.0
 
     # ------------------------------------------------------------------ checks
-    def _check(self, q, k, v, o, do, lse, dq, dk, dv, workspace, dlse):
+    def _check(self, q, k, v, o, do, lse, dq, dk, dv, workspace, dlse, grad_shapes):
         cfg = self.cfg
         want = str(cfg.cutlass_dtype)
         (b, hq, sq, d), (bk, hk, sk, _) = q.shape, k.shape
@@ -103,12 +191,13 @@ class BackwardRunner:
                 continue
             if str(t.element_type) != "Float32" or tuple(t.shape) != (b, hq, sq):
                 raise ValueError(f"{name}: want float32 [B, Hq, Sq] = {(b, hq, sq)}")
-        shapes = workspace_shapes(cfg, b, hq, sq)
-        if len(workspace) != 3:
-            raise ValueError("workspace = (lse_log2, delta, dq_accum)")
+        shapes = workspace_shapes(cfg, b, hq, sq, grad_shapes)
+        dtypes = workspace_dtypes(cfg)
+        if len(workspace) != len(shapes):
+            raise ValueError(f"workspace = ({', '.join(shapes)})")
         for (name, shape), t in zip(shapes.items(), workspace):
-            if str(t.element_type) != "Float32" or tuple(t.shape) != shape:
-                raise ValueError(f"workspace {name}: want float32 {shape}, got "
+            if str(t.element_type) != _CUTE_DTYPE[dtypes[name]] or tuple(t.shape) != shape:
+                raise ValueError(f"workspace {name}: want {dtypes[name]} {shape}, got "
                                  f"{t.element_type} {tuple(t.shape)}")
             contiguous = [1]
             for n in reversed(shape[1:]):
@@ -117,25 +206,42 @@ class BackwardRunner:
                 raise ValueError(f"workspace {name} must be contiguous")
 
     def _check_block_sparse(self, q, k, block_sparse):
-        (B, Hq, _, _), Skv = q.shape, k.shape[2]
-        return check_block_lists(block_sparse, self.cfg.block_sparse, B, Hq, -(-Skv // self.cfg.tile_n),
-                                 "q", f"kv blocks of {self.cfg.tile_n}")
+        cfg = self.cfg
+        (B, Hq, Sq, _), Skv = q.shape, k.shape[2]
+        if not (cfg.deterministic and cfg.block_sparse and block_sparse is not None):
+            return check_block_lists(block_sparse, cfg.block_sparse, B, Hq, -(-Skv // cfg.tile_n),
+                                     "q", f"kv blocks of {cfg.tile_n}")
+        if len(block_sparse) != 8:
+            raise ValueError("deterministic block-sparse: block_sparse = (q_num_blocks, q_indices, "
+                             "full_q_num_blocks, full_q_indices, kv_num_blocks, kv_indices, "
+                             "full_kv_num_blocks, full_kv_indices): the kv-side lists order the "
+                             "dQ adds")
+        q_side = check_block_lists(block_sparse[:4], True, B, Hq, -(-Skv // cfg.tile_n),
+                                   "q", f"kv blocks of {cfg.tile_n}")
+        kv_side = check_block_lists(block_sparse[4:], True, B, Hq, -(-Sq // cfg.sparse_block_m),
+                                    "kv", f"q blocks of {cfg.sparse_block_m}")
+        return q_side + kv_side
 
     def _check_grads(self, grad_args):
-        slots = self.cfg.mods.grad_slots
+        """-> (dynamic views or None, shapes)."""
+        cfg = self.cfg
+        slots = cfg.mods.grad_slots
         if not slots:
             if grad_args:
                 raise ValueError("this score mod has no float buffers: grad_args must be None")
-            return None
+            return None, ()
         if grad_args is None or len(grad_args) != len(slots):
             raise ValueError(f"grad_args: want {len(slots)} fp32 arrays (captures {slots})")
-        out = []
+        out, shapes = [], []
         for slot, g in zip(slots, grad_args):
             t, dyn = _to_cute(g, 4)
             if str(t.element_type) != "Float32":
                 raise ValueError(f"grad of capture {slot}: want float32, got {t.element_type}")
+            if cfg.deterministic and not _is_contiguous(t):
+                raise ValueError(f"grad of capture {slot} must be contiguous")
             out.append(dyn)
-        return tuple(out)
+            shapes.append(tuple(t.shape))
+        return tuple(out), tuple(shapes)
 
     # ------------------------------------------------------------------ compile + launch
     def _compiled_fn(self, key, make):
@@ -153,33 +259,42 @@ class BackwardRunner:
         cfg = self.cfg
         self.last_compile_seconds = 0.0
         mains = [_to_cute(x, 16) for x in (q, k, v, o, do, dq, dk, dv)]
-        stats = [_to_cute(x, 16) for x in workspace]
+        names = list(workspace_dtypes(cfg))
+        if len(workspace) != len(names):
+            raise ValueError(f"workspace = ({', '.join(names)})")
+        align = {"float32": 16, "int32": 4, "int64": 8}
+        stats = [_to_cute(x, align[dt]) for x, dt in zip(workspace, workspace_dtypes(cfg).values())]
         lse_v = _to_cute(lse, 4)
         dlse_v = _to_cute(dlse, 4) if dlse is not None else None
+        grads, grad_shapes = self._check_grads(grad_args)
         sq, sk, sv, so, sdo, sdq, sdk, sdv = (s for s, _ in mains)
         self._check(sq, sk, sv, so, sdo, lse_v[0], sdq, sdk, sdv, [s for s, _ in stats],
-                    dlse_v[0] if dlse_v else None)
+                    dlse_v[0] if dlse_v else None, grad_shapes)
         bs = self._check_block_sparse(mains[0][0], mains[1][0], block_sparse)
-        grads = self._check_grads(grad_args)
         qd, kd, vd, od, dod, dqd, dkd, dvd = (dyn for _, dyn in mains)
-        lse2, delta, dqacc = (dyn for _, dyn in stats)
+        ws = dict(zip(names, (dyn for _, dyn in stats)))
+        lse2, delta, dqacc = ws["lse_log2"], ws["delta"], ws["dq_accum"]
+        dqsem, fixed = ws.get("dq_semaphore"), ws.get("grad_fixed")
         lsed = lse_v[1]
         dlsed = dlse_v[1] if dlse_v else None
         args = tuple(mod_args) if mod_args else None
         scale = cutlass.Float32(softmax_scale)
         cu_stream = cuda.CUstream(stream)
 
-        pre_args = (od, dod, lsed, dlsed, lse2, delta, dqacc, cu_stream)
+        # (cfg, hence deterministic and which workspaces exist, is fixed per runner.)
+        pre_args = (od, dod, lsed, dlsed, lse2, delta, dqacc, dqsem, fixed, cu_stream)
         pre = self._compiled_fn(("pre", dlse is not None), lambda: cute.compile(
             BwdPreprocess(cfg), *pre_args, options=ARCH_OPTION))
-        main_args = (qd, kd, vd, dod, lse2, delta, dqacc, dkd, dvd, scale, args, grads, bs,
-                     cu_stream)
-        key = ("main",) + tuple(_arg_signature(a) for a in mod_args or ()) + \
-            tuple(_arg_signature(g) for g in grads or ())
+        main_args = (qd, kd, vd, dod, lse2, delta, dqacc, dqsem, dkd, dvd, scale, args, grads,
+                     fixed, bs, cu_stream)
+        grad_key = tuple(_arg_signature(g) for g in grads or ())
+        key = ("main",) + tuple(_arg_signature(a) for a in mod_args or ()) + grad_key
         main = self._compiled_fn(key, lambda: cute.compile(
             FlashBwdSm90(cfg), *main_args, options=ARCH_OPTION))
-        post_args = (dqacc, dqd, scale, cu_stream)
-        post = self._compiled_fn(("post",), lambda: cute.compile(
+        post_grads = grads if fixed is not None else None
+        post_args = (dqacc, dqd, scale, post_grads, fixed, cu_stream)
+        post_key = ("post",) + (grad_key if fixed is not None else ())
+        post = self._compiled_fn(post_key, lambda: cute.compile(
             BwdPostprocess(cfg), *post_args, options=ARCH_OPTION))
 
         def launch():

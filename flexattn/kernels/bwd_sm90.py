@@ -31,6 +31,15 @@ Per visit (consumer warpgroup):  S^T = K Q^T, dP^T = V dO^T (SS, async) -> P^T f
 
 Workspaces (fp32, rows padded to `BwdConfig.q_pad`): lse_log2 (LSE * log2 e; +inf for
 empty or padding rows so P = 0 there), delta (D), dq_accum. See bwd_preprocess.py.
+
+`BwdConfig.deterministic` (the design and the no-deadlock argument: bwd_runner.py):
+blockIdx.x = i takes kv block nKV - 1 - i; before its dQ atomics for q tile m, consumer
+warp 0 counts the kv blocks after this one that visit the tile (`bwd_blocks.KvVisitors`;
+block-sparse: from the kv-side lists) and its lane 0 spins (ld.acquire.gpu) on the tile's
+int32 flag until it equals that count; named barrier `dq_turn`; the atomics; `dq_turn`
+again; lane 0 adds 1 to the flag (red.release.gpu). Buffer-gradient contributions go to
+128-bit fixed-point accumulators (`atomics.red_add_fixed128`) instead of fp32 atomics.
+Nothing else changes: same steps, same dK/dV.
 """
 
 import math
@@ -45,11 +54,17 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from flexattn.kernels import sm90_mma
-from flexattn.kernels.atomics import red_add_f32, red_add_v2_f32
-from flexattn.kernels.bwd_blocks import DenseQBlocks, SparseQBlocks
+from flexattn.kernels.atomics import (
+    ld_acquire_s32, red_add_f32, red_add_fixed128, red_add_v2_f32, red_release_add_s32, trap)
+from flexattn.kernels.bwd_blocks import DenseQBlocks, KvVisitors, SparseQBlocks
 from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook
 
 LOG2_E = math.log2(math.e)
+# Deterministic mode: a CTA waiting this long for its dQ turn traps (the launch fails
+# instead of hanging). Legitimate waits are at most one CTA's work (milliseconds);
+# only kv-side block lists that are not the transposes of the q-side ones, or a GPU that
+# does not dispatch CTAs in index order, can get here.
+DQ_TURN_TIMEOUT_NS = 1 << 34      # ~17 s
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
@@ -69,6 +84,7 @@ class BwdConfig:
     mods: ModHook = field(default=NO_MODS, compare=False)
     producer_regs: int = 24       # setmaxnreg: 24 + 2 x 240 fills the 64K register file
     consumer_regs: int = 240
+    deterministic: bool = False   # dQ adds in a fixed order, exact buffer-grad sums
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -103,7 +119,7 @@ class BwdConfig:
         """Compile-cache key: the config with the hook replaced by its structure key."""
         return ("bwd", self.dtype, self.head_dim, self.tile_m, self.tile_n, self.num_stages,
                 self.causal, self.block_sparse, self.sparse_block_m, self.producer_regs,
-                self.consumer_regs, self.mods.key())
+                self.consumer_regs, self.deterministic, self.mods.key())
 
 
 def make_dq_mma(dtype, tile_m: int, head_dim: int, num_wg: int):
@@ -127,8 +143,8 @@ def _element_order(n_rows: int, n_cols: int, rows_outer: bool) -> list:
 
 class FlashBwdSm90:
     """Compile with `cute.compile(FlashBwdSm90(cfg), q, k, v, do, lse_log2, delta, dq_accum,
-    dk, dv, scale, mod_args, grad_args, block_sparse, stream)` or through
-    `flexattn.kernels.bwd_compile.compile_backward`."""
+    dq_semaphore, dk, dv, scale, mod_args, grad_args, grad_fixed, block_sparse, stream)` or
+    through `flexattn.kernels.bwd_compile.compile_backward`."""
 
     num_mma_wg = 2
 
@@ -142,6 +158,7 @@ class FlashBwdSm90:
         self.epilogue_barrier_id = 1
         self.ds_free_barrier_id = 2     # both warpgroups' previous dQ GEMM has read sdS
         self.ds_full_barrier_id = 3     # both halves of dS^T are in sdS
+        self.dq_turn_barrier_id = 4     # deterministic: this CTA's turn to add into dQ
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -154,13 +171,18 @@ class FlashBwdSm90:
         mLSE: cute.Tensor,        # [B, Hq, Sq_pad] float32: LSE * log2(e), +inf if empty
         mDelta: cute.Tensor,      # [B, Hq, Sq_pad] float32: rowsum(dO * O) (- dLSE)
         mdQacc: cute.Tensor,      # [B, Hq, Sq_pad, D] float32, zeroed; gets dS K (unscaled)
+        mdQsem,                   # [B, Hq, Sq_pad / tile_m] int32, zeroed, iff deterministic
         mdK: cute.Tensor,         # [B, Hkv, Skv, D]
         mdV: cute.Tensor,         # [B, Hkv, Skv, D]
         softmax_scale: Float32,
         mod_args,                 # hook runtime args (tuple) or None
         grad_args,                # fp32 grads of args[slot] for slot in mods.grad_slots, or None
+        grad_fixed,               # deterministic with buffer grads: [N, 2] int64, zeroed, the
+                                  #  grads' 128-bit accumulators one after another; else None
         block_sparse,             # (q_num_blocks, q_indices, full_q_num_blocks,
-                                  #  full_q_indices) int32 iff cfg.block_sparse, else None
+                                  #  full_q_indices) int32 iff cfg.block_sparse, else None;
+                                  #  deterministic: + (kv_num_blocks, kv_indices,
+                                  #  full_kv_num_blocks, full_kv_indices)
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
@@ -174,6 +196,14 @@ class FlashBwdSm90:
             raise ValueError("block_sparse tensors must be given iff cfg.block_sparse")
         if const_expr(cfg.buffer_grads != (grad_args is not None)):
             raise ValueError("grad_args must be given iff the score mod reads float buffers")
+        if const_expr(cfg.deterministic != (mdQsem is not None)):
+            raise ValueError("dq_semaphore must be given iff cfg.deterministic")
+        if const_expr((cfg.deterministic and cfg.buffer_grads) != (grad_fixed is not None)):
+            raise ValueError("grad_fixed must be given iff deterministic with buffer grads")
+        if const_expr(cfg.block_sparse and
+                      len(block_sparse) != (8 if cfg.deterministic else 4)):
+            raise ValueError("block_sparse: the 4 q-side lists (+ the 4 kv-side lists iff "
+                             "deterministic)")
 
         # (S, D, H, B) views: the TMA box is (rows, D); H and B index the tile.
         Q, K, V, dO, dK, dV = [sm90_mma.select_modes(t, [2, 3, 1, 0])
@@ -246,7 +276,7 @@ class FlashBwdSm90:
             tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout,
             Q.shape[0], Q.shape[2], softmax_scale, scale_log2, mod_args, grad_args,
-            block_sparse, SharedStorage,
+            block_sparse, mdQsem, grad_fixed, SharedStorage,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -270,7 +300,7 @@ class FlashBwdSm90:
         sdS_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
         seqlen_q: Int32, num_q_heads: Int32,
         softmax_scale: Float32, scale_log2: Float32, mod_args, grad_args, block_sparse,
-        SharedStorage: cutlass.Constexpr,
+        mdQsem, grad_fixed, SharedStorage: cutlass.Constexpr,
     ):
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -306,6 +336,9 @@ class FlashBwdSm90:
         sDelta = storage.sDelta.get_tensor(sStat_layout)
 
         n_block, head_kv, batch = cute.arch.block_idx()
+        if const_expr(cfg.deterministic):
+            # Launch order = dQ turn order: the highest kv block adds first (see consume).
+            n_block = cute.arch.grid_dim()[0] - 1 - n_block
         seqlen_k = mK.shape[0]
         group = num_q_heads // mK.shape[2]          # q heads per kv head (GQA)
 
@@ -324,7 +357,7 @@ class FlashBwdSm90:
                          tma_atom_dK, tma_atom_dV, tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
                          pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, group,
                          seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args,
-                         block_sparse)
+                         block_sparse, mdQsem, grad_fixed)
 
     # --------------------------------------------------------------- block structure
     @cute.jit
@@ -341,7 +374,7 @@ class FlashBwdSm90:
         return DenseQBlocks(first, n_m, diag_end)
 
     def _sparse_blocks(self, block_sparse, batch, head, n_block) -> SparseQBlocks:
-        return SparseQBlocks(block_sparse, batch, head, n_block,
+        return SparseQBlocks(block_sparse[:4], batch, head, n_block,
                              self.cfg.sparse_block_m // self.cfg.tile_m)
 
     # ------------------------------------------------------------------ producer
@@ -405,10 +438,17 @@ class FlashBwdSm90:
                 tma_atom_dK, tma_atom_dV, tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
                 pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, group,
                 seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args,
-                block_sparse):
+                block_sparse, mdQsem, grad_fixed):
         cfg = self.cfg
         if const_expr(mod_args is None):
             mod_args = ()
+        if const_expr(grad_fixed is not None):
+            # Deterministic buffer grads: slot i's accumulators start at row offsets[i].
+            offsets, end = [], Int32(0)
+            for grad in grad_args:
+                offsets.append(end)
+                end = end + cute.size(grad)
+            grad_args = (grad_args, grad_fixed, tuple(offsets))
         tidx = cute.arch.thread_idx()[0] - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
         # wgmma operands are partitioned per warpgroup; accumulators per thread.
@@ -454,10 +494,16 @@ class FlashBwdSm90:
             head = head_kv * group + g
             gdQ = cute.local_tile(mdQacc[None, None, head, batch], (cfg.tile_m, cfg.head_dim),
                                   (None, 0))
+            turn = None
+            if const_expr(cfg.deterministic):
+                kv_lists = block_sparse[4:] if const_expr(cfg.block_sparse) else None
+                turn = (mdQsem[batch, head, None],
+                        KvVisitors(cfg, (seqlen_k + cfg.tile_n - 1) // cfg.tile_n, kv_lists,
+                                   batch, head))
             ctx = (tiled_mma_nm, tiled_mma_nd, tiled_mma_md, frags, acc_shape_nm, acc_shape_md,
                    acc_dV, acc_dK, coords, r2s_dS, tdSsdS, thr_md, gdQ, sLSE, sDelta,
                    pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
-                   softmax_scale, scale_log2, mod_args, grad_args)
+                   softmax_scale, scale_log2, mod_args, grad_args, turn, tidx)
             if const_expr(cfg.block_sparse):
                 blocks = self._sparse_blocks(block_sparse, batch, head, n_block)
                 for i in cutlass.range(blocks.n_partial, unroll=1):
@@ -491,7 +537,7 @@ class FlashBwdSm90:
         (tiled_mma_nm, tiled_mma_nd, tiled_mma_md, frags, acc_shape_nm, acc_shape_md,
          acc_dV, acc_dK, coords, r2s_dS, tdSsdS, thr_md, gdQ, sLSE, sDelta,
          pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
-         softmax_scale, scale_log2, mod_args, grad_args) = ctx
+         softmax_scale, scale_log2, mod_args, grad_args, turn, tidx) = ctx
         tSrK, tSrQ, tPrV, tPrdO, tVrP, tVrdOt, tKrQt, tQrdS, tQrKt = frags
         mods = self.mods
         stage = state.index
@@ -544,11 +590,46 @@ class FlashBwdSm90:
         # dQ (unscaled) += dS K in fp32. Fragment elements 2j, 2j+1 are adjacent columns
         # (mode 0 of a wgmma accumulator starts with 2 neighbours): one red.v2 per pair.
         tdQgdQ = thr_md.partition_C(gdQ[None, None, m_block])
+        if const_expr(turn is not None):
+            self._dq_wait_turn(turn, m_block, n_block, tidx)
         for j in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
             ptr = tdQgdQ.iterator + cute.crd2idx(2 * j, tdQgdQ.layout)
             red_add_v2_f32(ptr, acc_dQ[2 * j], acc_dQ[2 * j + 1])
+        if const_expr(turn is not None):
+            self._dq_pass_turn(turn, m_block, tidx)
         state.advance()
         return state
+
+    @cute.jit
+    def _dq_wait_turn(self, turn, m_block, n_block, tidx):
+        """Deterministic dQ: wait until every kv block after this one that visits q tile
+        m_block (of this head) has added its dQ tile. Consumer warp 0 counts them (a
+        warp-collective count for block-sparse), its lane 0 spins on the tile's flag
+        (acquire), then all consumer threads pass a named barrier."""
+        flags, visitors = turn
+        if tidx < 32:
+            rank = visitors.after(m_block, n_block)
+            if tidx == 0:
+                flag = flags.iterator + cute.crd2idx(m_block, flags.layout)
+                seen = Int32(0)
+                start = cute.arch.globaltimer()
+                while seen != rank:
+                    seen = ld_acquire_s32(flag)
+                    if cute.arch.globaltimer() - start > DQ_TURN_TIMEOUT_NS:
+                        trap()
+        cute.arch.barrier(barrier_id=self.dq_turn_barrier_id,
+                          number_of_threads=self.num_mma_threads)
+
+    @cute.jit
+    def _dq_pass_turn(self, turn, m_block, tidx):
+        """All consumer threads' dQ adds are issued (barrier); one thread bumps the tile's
+        flag with release semantics (cumulative: it orders the whole CTA's adds before
+        it, as `cutlass::GenericBarrier::arrive_inc`)."""
+        flags, _ = turn
+        cute.arch.barrier(barrier_id=self.dq_turn_barrier_id,
+                          number_of_threads=self.num_mma_threads)
+        if tidx == 0:
+            red_release_add_s32(flags.iterator + cute.crd2idx(m_block, flags.layout), 1)
 
     @cute.jit
     def _pointwise(self, acc_S, acc_dP, sLSE, sDelta, coords, blk, scale_log2, grad_args,
@@ -625,15 +706,24 @@ class FlashBwdSm90:
 
     @cute.jit
     def _scatter_buffer_grads(self, ds, p, s, batch, head, q, kv, mod_args, grad_args):
-        """grad[slot][idx] += dS' * ds'/d buf[idx] for each float-buffer read of the mod."""
+        """grad[slot][idx] += dS' * ds'/d buf[idx] for each float-buffer read of the mod.
+        Deterministic: into the slot's 128-bit fixed-point accumulator for idx instead
+        (row offsets[slot] + the element's offset in the contiguous fp32 grad)."""
         position = {slot: i for i, slot in enumerate(self.mods.grad_slots)}
         if p != Float32(0.0):
             reads = self.mods.buffer_grads(s, batch, head, q, kv, mod_args)
             for k in cutlass.range_constexpr(len(reads)):   # Python list: unrolled
                 slot, index, partial = reads[k]
-                grad = grad_args[position[slot]]
                 crd = index if const_expr(len(index) > 1) else index[0]
-                red_add_f32(grad.iterator + cute.crd2idx(crd, grad.layout), ds * partial)
+                if const_expr(self.cfg.deterministic):
+                    grads, fixed, offsets = grad_args
+                    grad = grads[position[slot]]
+                    e = cute.crd2idx(crd, grad.layout)
+                    red_add_fixed128(fixed.iterator + 2 * (offsets[position[slot]] + e),
+                                     grad.iterator + e, ds * partial)
+                else:
+                    grad = grad_args[position[slot]]
+                    red_add_f32(grad.iterator + cute.crd2idx(crd, grad.layout), ds * partial)
 
     @cute.jit
     def epilogue(self, acc_dK, acc_dV, mdK, mdV, sK, sV, tma_atom_dK, tma_atom_dV,

@@ -1,7 +1,12 @@
 """CPU (CI): the sm90 backward (preprocess, main kernel, postprocess) compiles for sm_90a
 in its main structures, the PTX uses the Hopper paths (wgmma, TMA, setmaxnreg, stmatrix)
 and fp32 reductions (red.global.add), nothing spills, and mod values stay runtime args.
+Deterministic configs (dense, causal, block-sparse, buffer gradients) compile without
+spills too, with the dQ turn protocol (acquire spin, release add) and the fixed-point
+buffer-gradient atomics in their PTX, and only there.
 The runner validates and compiles on CPU tensors too (launching needs the GPU)."""
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -30,10 +35,18 @@ def _config(name):
     if name == "d128-relative-bias":       # trainable table: buffer gradients
         hook = IRModHook(mods.relative_bias(np.zeros((4, 15), np.float32)), None)
         return BwdConfig(head_dim=128, mods=hook), hook
+    if name.startswith("det-"):
+        cfg, hook = _config(DETERMINISTIC[name])
+        return dataclasses.replace(cfg, deterministic=True), hook
     raise KeyError(name)
 
 
-NAMES = ["d128-dense", "d128-causal-softcap", "d64-sparse-document", "d128-relative-bias"]
+DEFAULT = ["d128-dense", "d128-causal-softcap", "d64-sparse-document", "d128-relative-bias"]
+# Deterministic variants: dense, causal (+ score mod), block-sparse, buffer gradients.
+DETERMINISTIC = {"det-d128-dense": "d128-dense", "det-d128-causal-softcap": "d128-causal-softcap",
+                 "det-d64-sparse-document": "d64-sparse-document",
+                 "det-d128-relative-bias": "d128-relative-bias"}
+NAMES = DEFAULT + list(DETERMINISTIC)
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +90,11 @@ def test_no_spills(compiled, name):
 
 def test_block_structures(compiled):
     # Dense without a mask: one step instance; causal: diagonal + interior steps;
-    # block-sparse: partial + full lists.
+    # block-sparse: partial + full lists. Deterministic mode: the same steps.
     for name, steps in (("d128-dense", 1), ("d128-causal-softcap", 2), ("d64-sparse-document", 2)):
-        cfg, ptx = compiled[name]
-        assert _steps(ptx, cfg) == steps, name
+        for n in (name, "det-" + name):
+            cfg, ptx = compiled[n]
+            assert _steps(ptx, cfg) == steps, n
 
 
 def test_buffer_gradients(compiled):
@@ -92,6 +106,51 @@ def test_buffer_gradients(compiled):
     assert "red.global.add.f32" in ptx               # table gradient scatter
     for name in ("d128-dense", "d128-causal-softcap", "d64-sparse-document"):
         assert "red.global.add.f32 " not in compiled[name][1].replace("v2.f32", "")
+    assert "atom.global.add.u64" not in ptx          # fixed point: deterministic mode only
+
+
+# The dQ turn protocol (bwd_sm90._dq_wait_turn / _dq_pass_turn).
+TURN = ("ld.acquire.gpu.global.b32", "red.release.gpu.global.add.s32", "%nctaid.x", "trap;")
+
+
+@pytest.mark.parametrize("name", list(DETERMINISTIC))
+def test_deterministic_dq_turns(compiled, name):
+    cfg, ptx = compiled[name]
+    assert cfg.deterministic and cfg.key() != _config(DETERMINISTIC[name])[0].key()
+    for needle in TURN:
+        assert needle in ptx, needle
+    # The spin: a loop around the acquire load; one wait + one pass per step instance,
+    # each fenced by the dQ-turn named barrier (id 4, the 256 consumer threads).
+    steps = _steps(ptx, cfg)
+    assert ptx.count("red.release.gpu.global.add.s32") == steps
+    assert ptx.count("bar.sync \t4, 256;") == 2 * steps
+    lines = ptx.splitlines()
+    i = next(j for j, line in enumerate(lines) if "ld.acquire.gpu.global.b32" in line)
+    assert any(line.strip().startswith("@") and "bra" in line for line in lines[i:i + 12])
+    # dQ still leaves by red.add.v2 (serialized by the turns).
+    assert "red.global.add.v2.f32" in ptx
+    if cfg.block_sparse:
+        # The turn is counted in the kv-side lists by one warp (a shuffle reduction per
+        # step instance: 5 shfl each, on top of the default kernel's).
+        extra = ptx.count("shfl.sync") - compiled[DETERMINISTIC[name]][1].count("shfl.sync")
+        assert extra == 5 * steps
+
+
+def test_default_has_no_turns(compiled):
+    for name in DEFAULT:
+        ptx = compiled[name][1]
+        for needle in ("ld.acquire", "red.release", "atom.global.add.u64", "trap;"):
+            assert needle not in ptx, (name, needle)
+
+
+def test_deterministic_buffer_gradients(compiled):
+    _, ptx = compiled["det-d128-relative-bias"]
+    # 128-bit fixed point: atom on the low word (its old value gives the carry), red on
+    # the high word; fp32 reds only for non-finite values (predicated).
+    assert "atom.global.add.u64" in ptx and "red.global.add.u64" in ptx
+    assert "testp.finite.f32" in ptx
+    fp32_reds = [line for line in ptx.splitlines() if "red.global.add.f32 " in line]
+    assert fp32_reds and all(line.strip().startswith("@!") for line in fp32_reds)
 
 
 def test_softcap_value_is_not_baked_in(compiled):
@@ -107,12 +166,32 @@ def test_pre_and_postprocess_compile():
     assert ".target sm_90a" in pre_dlse
     post = compile_postprocess("bf16", 64, keep_ptx=True).__ptx__
     assert ".target sm_90a" in post and "cvt.rn.bf16" in post
+    assert "fma.rn.f64" not in post
+
+
+def test_deterministic_pre_and_postprocess_compile():
+    base = compile_preprocess("bf16", 128, keep_ptx=True).__ptx__
+    pre = compile_preprocess("bf16", 128, deterministic=True, keep_ptx=True).__ptx__
+    # + the tile's semaphore (one st.global.b32 by thread 0)
+    assert pre.count("st.global") == base.count("st.global") + 1
+    pre_fixed = compile_preprocess("bf16", 128, deterministic=True, grad_fixed=True,
+                                   keep_ptx=True).__ptx__
+    assert pre_fixed.count("st.global.b64") == 2    # grid-stride zeroing of lo, hi
+    post = compile_postprocess("fp16", 128, grad_ranks=(1, 2), keep_ptx=True).__ptx__
+    # one fixed-point -> fp32 conversion per gradient slot
+    assert post.count("fma.rn.f64") == 2 and post.count("cvt.rn.f32.f64") == 2
+    for ptx in (pre, pre_fixed, post):
+        usage = resource_usage_from_ptx(ptx)
+        if usage is not None:
+            assert usage.spill_store_bytes == 0 and usage.stack_bytes == 0, usage
 
 
 def test_config_validation():
     assert BwdConfig().q_pad == 128
     assert BwdConfig().key() == BwdConfig().key()
     assert BwdConfig().key() != BwdConfig(causal=True).key()
+    assert BwdConfig().key() != BwdConfig(deterministic=True).key()
+    assert not BwdConfig().deterministic
     with pytest.raises(ValueError):
         BwdConfig(tile_m=128)
     with pytest.raises(ValueError):
@@ -144,4 +223,62 @@ def test_runner_validates_and_compiles_on_cpu_tensors():
     with pytest.raises(TypeError):
         runner.bind(q, k, v, o, do, lse, dq.float(), dk, dv, ws, 0.1, (), None, 0)
     runner.bind(q, k, v, o, do, lse, dq, dk, dv, ws, 0.1, (), None, 0)
+    assert runner.num_compiled == 3                   # pre, main, post
+
+
+def test_deterministic_runner_on_cpu_tensors():
+    """Deterministic block-sparse GQA with buffer gradients: the workspace grows by the dQ
+    semaphores (int32) and the fixed-point accumulators (int64), the kv-side lists are
+    required, the gradients must be contiguous; everything compiles."""
+    torch = pytest.importorskip("torch")
+    from flexattn.blockmask import create_block_mask
+    from flexattn.kernels.bwd_runner import (
+        BackwardRunner, buffer_grad_shapes, workspace_dtypes, workspace_shapes)
+    from flexattn.kernels.mod_emit import runtime_args
+
+    B, Hq, Hkv, Sq, Skv, D = 2, 4, 2, 300, 260, 64
+    mask = mods.sliding_window(100)
+    hook = IRModHook(mods.alibi(num_heads=Hq), mask)
+    cfg = BwdConfig(head_dim=D, block_sparse=True, deterministic=True, mods=hook)
+    shapes = workspace_shapes(cfg, B, Hq, Sq)
+    dtypes = workspace_dtypes(cfg)
+    assert list(shapes) == list(dtypes) == ["lse_log2", "delta", "dq_accum", "dq_semaphore",
+                                            "grad_fixed"]
+    assert shapes["dq_semaphore"] == (B, Hq, 384 // 64) and dtypes["dq_semaphore"] == "int32"
+    assert buffer_grad_shapes(hook) == ((Hq,),)
+    assert shapes["grad_fixed"] == (Hq, 2) and dtypes["grad_fixed"] == "int64"
+    assert workspace_shapes(cfg, B, Hq, Sq, ((3, 5), (2,)))["grad_fixed"] == (17, 2)
+    # The default config's workspace is unchanged: three fp32 arrays.
+    plain = dataclasses.replace(cfg, deterministic=False)
+    assert list(workspace_shapes(plain, B, Hq, Sq)) == ["lse_log2", "delta", "dq_accum"]
+    assert set(workspace_dtypes(plain).values()) == {"float32"}
+
+    q, o, do, dq = (torch.zeros(B, Hq, Sq, D, dtype=torch.bfloat16) for _ in range(4))
+    k, v, dk, dv = (torch.zeros(B, Hkv, Skv, D, dtype=torch.bfloat16) for _ in range(4))
+    lse = torch.zeros(B, Hq, Sq)
+    ws = tuple(torch.zeros(shapes[n], dtype=getattr(torch, dtypes[n])) for n in shapes)
+    bm = create_block_mask(mask, None, None, Sq, Skv)
+    q_side = tuple(torch.from_numpy(x.copy()) for x in (
+        bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices))
+    kv_side = tuple(torch.from_numpy(x.copy()) for x in (
+        bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices))
+    args = runtime_args(hook, lambda x: torch.from_numpy(np.ascontiguousarray(x)))
+    grads = (torch.zeros(Hq),)
+    runner = BackwardRunner(cfg)
+
+    def bind(workspace=ws, lists=q_side + kv_side, grad_args=grads):
+        return runner.bind(q, k, v, o, do, lse, dq, dk, dv, workspace, 0.1, args, grad_args,
+                           0, lists)
+
+    with pytest.raises(ValueError, match="kv-side lists"):
+        bind(lists=q_side)
+    with pytest.raises(ValueError, match="dq_semaphore: want int32"):
+        bind(workspace=ws[:3] + (ws[3].float(),) + ws[4:])
+    with pytest.raises(ValueError, match="workspace ="):
+        bind(workspace=ws[:4])
+    with pytest.raises(ValueError, match="grad_fixed"):
+        bind(grad_args=(torch.zeros(Hq + 1),))       # accumulators sized for Hq elements
+    with pytest.raises(ValueError, match="contiguous"):
+        bind(grad_args=(torch.zeros(2, Hq)[:, :2],))   # Hq elements, strided rows
+    bind()
     assert runner.num_compiled == 3                   # pre, main, post
