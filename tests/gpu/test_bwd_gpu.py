@@ -23,7 +23,7 @@ from flexattn import mods, reference  # noqa: E402
 from flexattn.core import AttentionSpec, check_inputs  # noqa: E402
 from flexattn.core.kernel_path import Device, forward_into  # noqa: E402
 from flexattn.kernels.bwd_runner import (  # noqa: E402
-    BackwardRunner, config_from_forward, workspace_shapes)
+    BackwardRunner, config_from_forward, workspace_dtypes, workspace_shapes)
 from flexattn.kernels.mod_emit import runtime_args  # noqa: E402
 
 from mod_cases import CASES  # noqa: E402
@@ -52,29 +52,41 @@ def _nan(shape, dtype):
     return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
 
 
-def kernel_backward(q, k, v, do, spec, dlse=None):
+def _poison(shape, dtype):
+    """NaN for float workspaces; -1 for the deterministic mode's integer ones (semaphores,
+    fixed-point accumulators: the preprocess must zero them)."""
+    if dtype.is_floating_point:
+        return _nan(shape, dtype)
+    return torch.full(shape, -1, dtype=dtype, device="cuda")
+
+
+def kernel_backward(q, k, v, do, spec, dlse=None, deterministic=False):
     """Forward kernel for O and LSE, then the backward kernels. -> (dq, dk, dv, grads by
-    capture slot (None where no gradient), forward config)."""
+    capture slot (None where no gradient), forward config). `deterministic`: the
+    bitwise-repeatable backward (BwdConfig.deterministic)."""
     dev = _device()
     shape = check_inputs(q, k, v, spec)
     out = _nan((shape.batch, shape.q_heads, shape.q_len, shape.head_dim), q.dtype)
     lse = _nan((shape.batch, shape.q_heads, shape.q_len), torch.float32)
     plan = forward_into(q, k, v, out, lse, shape, spec, dev)
-    cfg = config_from_forward(plan.config)
+    cfg = config_from_forward(plan.config, deterministic=deterministic)
     hook = cfg.mods
     args = runtime_args(hook, dev.to_device)
     lists = None
     if plan.block_mask is not None:
         bm = plan.block_mask
-        lists = tuple(dev.to_device(x) for x in (bm.q_num_blocks, bm.q_indices,
-                                                 bm.full_q_num_blocks, bm.full_q_indices))
+        side = [bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices]
+        if deterministic:       # the kv-side lists order the dQ adds
+            side += [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices]
+        lists = tuple(dev.to_device(x) for x in side)
     captures = hook.captures()
     grads = None
     if hook.grad_slots:
         grads = tuple(torch.zeros(tuple(np.shape(captures[s])) or (1,), dtype=torch.float32,
                                   device="cuda") for s in hook.grad_slots)
-    ws = tuple(_nan(s, torch.float32) for s in
-               workspace_shapes(cfg, shape.batch, shape.q_heads, shape.q_len).values())
+    dtypes = workspace_dtypes(cfg)
+    ws = tuple(_poison(s, getattr(torch, dtypes[n])) for n, s in
+               workspace_shapes(cfg, shape.batch, shape.q_heads, shape.q_len).items())
     dq, dk, dv = _nan(q.shape, q.dtype), _nan(k.shape, k.dtype), _nan(v.shape, v.dtype)
     scale = spec.resolved_scale(shape.head_dim)
     _runner(cfg).run(q, k, v, out, do, lse, dq, dk, dv, ws, scale, args, grads,
@@ -209,6 +221,62 @@ def test_dk_dv_deterministic():
     first = kernel_backward(q, k, v, do, spec)
     again = kernel_backward(q, k, v, do, spec)
     assert torch.equal(first[1], again[1]) and torch.equal(first[2], again[2])
+
+
+# Deterministic mode (BwdConfig.deterministic): dQ tiles added in a fixed order per q tile,
+# buffer gradients summed exactly in fixed point. (case, dtype, D, B, Hq, Hkv, Q, KV)
+DETERMINISTIC = [
+    ("causal", "bf16", 128, 2, 8, 2, 1000, 1000),              # built-in causal, GQA 4:1
+    ("none", "fp16", 64, 1, 4, 1, 640, 900),                   # dense, MQA, Q < KV
+    ("sliding_window", "bf16", 128, 1, 4, 2, 700, 700),        # block-sparse, GQA
+    ("window_document_alibi_softcap", "bf16", 64, 2, 4, 2, 500, 500),  # sparse + slope grads
+    ("relative_bias", "fp16", 64, 2, 4, 2, 250, 250),          # table grads, GQA
+    ("bias", "fp16", 64, 1, 2, 2, 130, 140),                   # dense bias grads
+]
+
+
+@pytest.mark.parametrize("case", DETERMINISTIC, ids=lambda c: "-".join(map(str, c)))
+def test_deterministic(case):
+    """Three deterministic runs give bitwise-equal dq, dk, dv and buffer gradients, which
+    match the float64 reference; dk, dv equal the default mode's, dq is within 2 ulp."""
+    name, dtype_name, D, B, Hq, Hkv, Q, KV = case
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    mask, score, _, _ = CASES[name](rng, B, Hq, Q, KV)
+    torch.manual_seed(200 + DETERMINISTIC.index(case))
+    dtype = DTYPES[dtype_name]
+    q, do = (torch.randn(B, Hq, Q, D, device="cuda", dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, KV, D, device="cuda", dtype=dtype) for _ in range(2))
+    spec = AttentionSpec.from_args(score=score, mask=mask, enable_gqa=True)
+    label = f"{name} {dtype_name} D{D} B{B} Hq{Hq} Hkv{Hkv} Q{Q} KV{KV}"
+    runs = [kernel_backward(q, k, v, do, spec, deterministic=True) for _ in range(3)]
+    dq, dk, dv, grads = runs[0][:4]
+    out = runs[0][5]
+    for again in runs[1:]:
+        for what, a, b in zip(("dq", "dk", "dv"), (dq, dk, dv), again[:3]):
+            assert torch.equal(a, b), f"{label}: {what} differs between deterministic runs"
+        for slot, (a, b) in enumerate(zip(grads, again[3])):
+            assert (a is None) == (b is None)
+            assert a is None or torch.equal(a, b), f"{label}: d_capture[{slot}] differs"
+
+    want = reference.backward(q.cpu(), k.cpu(), v.cpu(), do.cpu(), None, spec=spec)
+    _close(f"{label} dq", dq, want.dq, dtype_name)
+    _close(f"{label} dk", dk, want.dk, dtype_name)
+    _close(f"{label} dv", dv, want.dv, dtype_name)
+    if any(g is not None for g in want.d_captures):
+        want = reference.backward(q.cpu(), k.cpu(), v.cpu(), do.cpu(), None, spec=spec,
+                                  out=out.cpu())
+        for slot, ref in enumerate(want.d_captures):
+            if ref is not None:
+                assert grads[slot] is not None, f"{label}: no kernel gradient for capture {slot}"
+                _close(f"{label} d_capture[{slot}]", grads[slot], ref, dtype_name)
+
+    # Against the default mode: dK/dV are computed identically; dQ only differs in the
+    # fp32 summation order, i.e. by a rounding of the final bf16/fp16 value.
+    default = kernel_backward(q, k, v, do, spec)
+    assert torch.equal(dk, default[1]) and torch.equal(dv, default[2]), label
+    ulp = 2.0 ** (-7 if dtype_name == "bf16" else -10)
+    err = (dq.float() - default[0].float()).abs().max().item()
+    assert err <= 2 * ulp * dq.float().abs().max().item(), f"{label}: dq vs default {err:.3g}"
 
 
 def test_new_values_never_recompile():
