@@ -372,8 +372,10 @@ def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse):
         dv=torch.empty(value.shape, dtype=value.dtype, device=dev),
     )
     device = Device(torch.cuda.current_stream(dev).cuda_stream, _DeviceCopies(dev))
+    # torch's switch for bitwise-repeatable algorithms selects the deterministic backward
+    deterministic = torch.are_deterministic_algorithms_enabled()
     with torch.cuda.device(dev):
-        result = backward_into(arrays, shape, spec, device, alloc)
+        result = backward_into(arrays, shape, spec, device, alloc, deterministic=deterministic)
     return arrays.dq, arrays.dk, arrays.dv, result.capture_grads
 
 

@@ -64,26 +64,32 @@ Allocator = Callable[[tuple, str, bool], Any]
 
 
 def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: AttentionSpec, device: Device,
-                  alloc: Allocator) -> BackwardResult:
+                  alloc: Allocator, deterministic: bool = False) -> BackwardResult:
     """Run the backward kernels, writing ``arrays.dq/dk/dv``; return the buffer gradients.
 
     ``spec`` must be the forward's (same mods, captured values, block mask, scale).
     Gradients are computed for every float buffer the score mod reads (the kernel has one
     structure per mod); the adapter keeps those of the captures it differentiates.
+    ``deterministic``: bitwise-repeatable dQ and buffer gradients (dQ tiles added in a
+    fixed order, buffer gradients in exact fixed point; see kernels/bwd_runner.py).
     """
-    from ..kernels.bwd_runner import config_from_forward, workspace_shapes
+    from ..kernels.bwd_runner import config_from_forward, workspace_dtypes, workspace_shapes
     from ..kernels.cache import backward_runner
     from ..kernels.mod_emit import runtime_args
 
     plan = plan_forward(arrays.q, shape, spec)  # raises what the kernel cannot do
-    cfg = config_from_forward(plan.config)
+    cfg = config_from_forward(plan.config, deterministic=deterministic)
     hook = cfg.mods
     lists = None
     if plan.block_mask is not None:
         bm = plan.block_mask
-        lists = tuple(device.to_device(x) for x in (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices))
-    workspace = tuple(alloc(tuple(s), "float32", False)
-                      for s in workspace_shapes(cfg, shape.batch, shape.q_heads, shape.q_len).values())
+        names = ["q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"]
+        if deterministic:  # each CTA counts the kv blocks ahead of it in a q tile's kv list
+            names += ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"]
+        lists = tuple(device.to_device(getattr(bm, n)) for n in names)
+    dtypes = workspace_dtypes(cfg)
+    workspace = tuple(alloc(tuple(s), dtypes[name], False) for name, s in
+                      workspace_shapes(cfg, shape.batch, shape.q_heads, shape.q_len).items())
     captures = hook.captures()
     slots = hook.grad_slots
     grads = tuple(alloc(_grad_shape(captures[s]), "float32", True) for s in slots)

@@ -38,7 +38,7 @@ def runners(monkeypatch):
     return made
 
 
-def _call(spec, dtype=torch.bfloat16, d_lse=False, bshd=False):
+def _call(spec, dtype=torch.bfloat16, d_lse=False, bshd=False, deterministic=False):
     def mk(H, S):
         if bshd:  # [B, S, H, D] storage, as the torch adapter may pass
             return torch.zeros(B, S, H, D, dtype=dtype).transpose(1, 2)
@@ -61,7 +61,8 @@ def _call(spec, dtype=torch.bfloat16, d_lse=False, bshd=False):
         copied.append(x)
         return torch.from_numpy(np.array(x)) if not isinstance(x, torch.Tensor) else x
 
-    result = backward_into(arrays, check_inputs(q, k, v, spec), spec, Device(1234, to_device), alloc)
+    result = backward_into(arrays, check_inputs(q, k, v, spec), spec, Device(1234, to_device), alloc,
+                           deterministic=deterministic)
     return arrays, result, allocs, copied
 
 
@@ -133,3 +134,26 @@ def test_arguments_pass_the_real_runners_checks(runners):
     real = BackwardRunner(recorder.cfg)
     assert callable(real.bind(*recorder.calls[0]))
     assert real.num_compiled == 3
+
+
+def test_deterministic_call_adds_integer_workspace_and_kv_side_lists(runners):
+    """deterministic=True: the config says so, the workspace has its int32 dQ semaphores and
+    int64 fixed-point buffer-gradient accumulators, and block-sparse calls also pass the
+    kv-side lists (a CTA counts the kv blocks ahead of it in a q tile's list)."""
+    from flexattn.kernels.bwd_runner import workspace_dtypes
+
+    slopes = torch.rand(Hq)
+    bm = create_block_mask(mods.sliding_window(100), None, None, Q, KV)
+    spec = AttentionSpec.from_args(score=mods.alibi(slopes), block_mask=bm, enable_gqa=True)
+    _, result, allocs, _ = _call(spec, deterministic=True)
+    (runner,) = runners
+    assert runner.cfg.deterministic and result.config.deterministic
+    (args,) = runner.calls
+    ws, lists = args[9], args[14]
+    dtypes = workspace_dtypes(runner.cfg)
+    assert [str(w.dtype).replace("torch.", "") for w in ws] == list(dtypes.values())
+    assert {"int32", "int64"} <= set(dtypes.values())
+    assert len(lists) == 8
+    for got, want in zip(lists, (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices,
+                                 bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)):
+        np.testing.assert_array_equal(got.numpy(), want)
