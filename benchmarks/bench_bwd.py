@@ -43,7 +43,7 @@ def fwd_bwd(call, inputs, grad):
     return step
 
 
-def run_shape(B, S, H, D, variants, rows):
+def run_shape(B, S, H, D, variants, rows, deterministic=()):
     import flexattn.torch as fa
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -70,6 +70,15 @@ def run_shape(B, S, H, D, variants, rows):
         torch.cuda.synchronize()
         first_call = time.perf_counter() - t0
         res, diff = {"flexattn": bench_ms(ours)}, {}
+        det_ms = None
+        if name in deterministic:  # the same step with bitwise-repeatable gradients
+            torch.use_deterministic_algorithms(True)
+            try:
+                ours()
+                torch.cuda.synchronize()
+                det_ms = bench_ms(ours)
+            finally:
+                torch.use_deterministic_algorithms(False)
         for impl, make in baselines(q, k, v, scale, var, S):
             try:
                 call = make()
@@ -86,6 +95,8 @@ def run_shape(B, S, H, D, variants, rows):
         tag = f"B{B} S{S} H{H} D{D}"
         row = {"shape": tag, "variant": name, "density": density, "first_call_s": first_call,
                "tflops": {i: work / ms / 1e9 for i, ms in res.items()}, "ms": res, "rel_grad_diff_vs_ours": diff}
+        if det_ms is not None:
+            row["deterministic_tflops"] = work / det_ms / 1e9
         rows.append(row)
         print(f"{tag} {name:22s} " + "  ".join(f"{i}={row['tflops'][i]:.1f}" for i in res)
               + f"  first call {first_call:.2f}s  max grad diffs {({i: f'{d:.1e}' for i, d in diff.items()})}", flush=True)
@@ -96,18 +107,25 @@ def main():
     ap.add_argument("--shapes", nargs="*", default=["4x4096x16x128"], help="BxSxHxD")
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--out", default=None, help="write rows + markdown table as JSON")
+    ap.add_argument("--deterministic", nargs="*", default=["full", "causal", "window1024"], choices=VARIANTS,
+                    help="variants whose flexattn step is also timed under torch.use_deterministic_algorithms")
     args = ap.parse_args()
     setup_dynamo()
     rows = []
     for shape in args.shapes:
         B, S, H, D = map(int, shape.split("x"))
-        run_shape(B, S, H, D, args.variants, rows)
+        run_shape(B, S, H, D, args.variants, rows, args.deterministic)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     md = table(rows, device_name(), stamp, title="Forward + backward, bf16",
                flops=f"{BWD_FLOPS} × forward masked FLOPs × exact density")
     md += "\n\nmax grad diff vs ours: " + "; ".join(
         f"{r['variant']} " + ", ".join(f"{i} {d:.1e}" for i, d in r["rel_grad_diff_vs_ours"].items())
         for r in rows if r["rel_grad_diff_vs_ours"])
+    det = [r for r in rows if "deterministic_tflops" in r]
+    if det:
+        md += "\n\ndeterministic flexattn (torch.use_deterministic_algorithms): " + "; ".join(
+            f"{r['shape']} {r['variant']} {r['deterministic_tflops']:.1f} TFLOP/s "
+            f"({r['deterministic_tflops'] / r['tflops']['flexattn']:.2f}× default)" for r in det)
     print("\n" + md)
     if args.out:
         with open(args.out, "w") as fh:

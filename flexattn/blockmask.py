@@ -20,6 +20,7 @@ import numpy as np
 
 from .arrays import to_numpy
 from .mods import MaskMod, as_mask, full
+from .mods.mod import LIVE_OBJECTS
 from .mods.evaluate import evaluate
 from .mods.intervals import classify
 
@@ -37,6 +38,7 @@ class BlockMask:
     """Which tiles of the [Q_LEN, KV_LEN] score matrix to compute, with which mask."""
 
     def __init__(self, states: np.ndarray, seq_lengths, block_size, mask_mod: MaskMod | None, num_allowed=None):
+        LIVE_OBJECTS[id(self)] = self  # see mods.mod.LIVE_OBJECTS
         states = np.asarray(states, dtype=np.int8)
         if states.ndim != 4:
             raise ValueError(f"block states must be [B, H, Q_BLOCKS, KV_BLOCKS], got shape {states.shape}")

@@ -32,6 +32,7 @@ from .kvcache import KVCache, PagedKVCache
 from .core.spec import AttentionSpec
 from .core.validate import check_inputs
 from .mods import MaskMod, Mod, ScoreMod, as_mask, mask_mod
+from .mods.mod import LIVE_OBJECTS
 
 __all__ = ["flex_attention", "decode", "create_block_mask", "BlockMask", "KVCache", "PagedKVCache",
            "MaskMod", "ScoreMod", "mask_mod"]
@@ -117,17 +118,33 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
     identity of the mod / block-mask objects); the score mod's captured tensors are read
     here, where dynamo sees them (parameters become graph inputs and receive gradients).
     """
-    spec_id = _prepare_for_compile(score_mod, block_mask, scale, enable_gqa, mask, score)
+    spec_id = _prepare_for_compile(_by_id(score_mod), _by_id(block_mask), scale, enable_gqa, _by_id(mask),
+                                   _by_id(score))
     the_score = score if score is not None else score_mod
     buffers = _score_tensors(the_score)
     out, lse = torch.ops.flexattn.attention_fwd(query, key, value, buffers, spec_id)
     return (out, lse) if return_lse else out
 
 
+def _by_id(x):
+    """Our mods and block masks travel into ``_prepare_for_compile`` as ("id", id(x)):
+    some torch versions (2.11) hand an ``assume_constant_result`` function only constants,
+    never user objects; dynamo evaluates id() of an object at compile time and guards on
+    its identity (ID_MATCH), so another object recompiles."""
+    return ("id", id(x)) if isinstance(x, (Mod, BlockMask)) else x
+
+
+def _from_id(x):
+    if isinstance(x, tuple) and len(x) == 2 and x[0] == "id":
+        return LIVE_OBJECTS[x[1]]
+    return x
+
+
 @torch._dynamo.assume_constant_result
 def _prepare_for_compile(score_mod, block_mask, scale, enable_gqa, mask, score) -> int:
     """Trace/normalize the non-tensor arguments into a pinned registry entry (plain Python:
     dynamo calls this on the real objects at compile time and bakes in the result)."""
+    score_mod, block_mask, mask, score = (_from_id(x) for x in (score_mod, block_mask, mask, score))
     spec = AttentionSpec.from_args(score_mod, _convert_block_mask(block_mask), scale, enable_gqa, mask, score)
     given = {"score_mod": score_mod, "score": score, "mask": mask}
     mods_ = {"score_mod": spec.score, "score": spec.score, "mask": spec.mask}

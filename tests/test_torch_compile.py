@@ -224,3 +224,18 @@ def test_registry_does_not_keep_score_tensors_alive():
     del slopes
     gc.collect()
     assert ref() is None
+
+
+def test_mod_arguments_are_guarded_by_identity():
+    """Mods reach the compile-time preparation by id() (dynamo guards on identity): a
+    different mod object passed to the same compiled function recompiles and is honoured."""
+    q, k, v = _qkv(grad=False)
+    fn = torch.compile(lambda q, k, v, m: fa.flex_attention(q, k, v, score=m), fullgraph=True, backend="eager")
+    for cap in (2.0, 0.5, 2.0):
+        m = mods.softcap(cap)
+        torch.testing.assert_close(fn(q, k, v, m), fa.flex_attention(q, k, v, score=m), rtol=1e-6, atol=1e-6)
+    bm_a = fa.create_block_mask(mods.causal(), None, None, S, S)
+    bm_b = fa.create_block_mask(mods.sliding_window(3), None, None, S, S)
+    gn = torch.compile(lambda q, k, v, bm: fa.flex_attention(q, k, v, block_mask=bm), fullgraph=True, backend="eager")
+    for bm in (bm_a, bm_b):
+        torch.testing.assert_close(gn(q, k, v, bm), fa.flex_attention(q, k, v, block_mask=bm), rtol=1e-6, atol=1e-6)

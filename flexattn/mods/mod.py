@@ -12,6 +12,8 @@ it evaluates with numpy.
 
 from __future__ import annotations
 
+import weakref
+
 from typing import Callable
 
 import numpy as np
@@ -24,16 +26,22 @@ MASK_VARS = ("b", "h", "q", "kv")
 SCORE_VARS = ("score", "b", "h", "q", "kv")
 
 
+# id -> live mod / block mask. Lets code that can only pass constants refer to one by id()
+# (torch.compile: see flexattn/torch.py, _compiled_call). Weak: it keeps nothing alive.
+LIVE_OBJECTS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
 class Mod:
     kind: str = ""
     var_names: tuple = ()
 
-    __slots__ = ("expr", "captures", "name")
+    __slots__ = ("expr", "captures", "name", "__weakref__")
 
     def __init__(self, expr: ir.Node, captures: tuple = (), name: str | None = None):
         object.__setattr__(self, "expr", expr)
         object.__setattr__(self, "captures", tuple(captures))
         object.__setattr__(self, "name", name)
+        LIVE_OBJECTS[id(self)] = self
 
     def __setattr__(self, *_):
         raise AttributeError("mods are immutable; build a new one")
