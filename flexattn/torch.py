@@ -282,16 +282,18 @@ def _(query, key, value, buffers, spec_id):
 @torch.library.custom_op("flexattn::attention_bwd", mutates_args=())
 def _attention_bwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, d_out: torch.Tensor, d_lse: torch.Tensor | None,
-                   buffers: list[torch.Tensor],
-                   spec_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+                   buffers: list[torch.Tensor], spec_id: int,
+                   grad_mask: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """(dq, dk, dv, d_buffers): the backward kernels for CUDA tensors, the reference for CPU
     ones. ``out``/``lse`` are the forward's outputs (the kernels start from them; the exact
-    reference recomputes its own). ``d_buffers[i]`` is zeros for buffers without a gradient.
-    All outputs are contiguous."""
+    reference recomputes its own). ``d_buffers[i]`` is zeros for buffers without a gradient
+    and for those whose bit in ``grad_mask`` is clear (not requiring grad: the kernel then
+    skips their gradient entirely). All outputs are contiguous."""
     spec = _bind(spec_id, buffers)
     shape = check_inputs(query, key, value, spec)
     if query.is_cuda:
-        dq, dk, dv, capture_grads = _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse)
+        dq, dk, dv, capture_grads = _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse,
+                                                     _grad_captures(spec, grad_mask))
     else:
         grads = reference.backward(query, key, value, d_out, d_lse, spec)
         dq, dk, dv = _like(grads.dq, query), _like(grads.dk, key), _like(grads.dv, value)
@@ -299,8 +301,16 @@ def _attention_bwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return dq, dk, dv, _buffer_grads(spec, capture_grads, buffers)
 
 
+def _grad_captures(spec: AttentionSpec, grad_mask: int) -> tuple:
+    """Score-capture slots of the op buffers whose bit is set in ``grad_mask``."""
+    if spec.score is None:
+        return ()
+    tensor_slots = [i for i, c in enumerate(spec.score.captures) if isinstance(c, torch.Tensor)]
+    return tuple(slot for n, slot in enumerate(tensor_slots) if grad_mask >> n & 1)
+
+
 @_attention_bwd.register_fake
-def _(query, key, value, out, lse, d_out, d_lse, buffers, spec_id):
+def _(query, key, value, out, lse, d_out, d_lse, buffers, spec_id, grad_mask):
     def new(x):
         return x.new_empty(x.shape)  # contiguous, as the real outputs
 
@@ -331,6 +341,7 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(query, key, value, out, lse, *buffers)
     ctx.spec_id = spec_id
+    ctx.grad_mask = sum(1 << n for n, b in enumerate(buffers) if b.requires_grad)
     ctx.set_materialize_grads(False)
 
 
@@ -341,7 +352,7 @@ def _backward(ctx, d_out, d_lse):
     if d_out is None:
         d_out = torch.zeros_like(out)
     dq, dk, dv, d_buffers = torch.ops.flexattn.attention_bwd(query, key, value, out, lse, d_out, d_lse, buffers,
-                                                              ctx.spec_id)
+                                                              ctx.spec_id, ctx.grad_mask)
     d_buffers = [g if b.is_floating_point() else None for b, g in zip(buffers, d_buffers)]
     return dq, dk, dv, d_buffers, None
 
@@ -371,7 +382,7 @@ def _kernel_forward(spec, shape, query, key, value):
     return out, lse
 
 
-def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse):
+def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, grad_captures=None):
     """The backward kernels on the current stream -> (dq, dk, dv, fp32 grads per score capture)."""
     dev = query.device
 
@@ -392,7 +403,8 @@ def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse):
     # torch's switch for bitwise-repeatable algorithms selects the deterministic backward
     deterministic = torch.are_deterministic_algorithms_enabled()
     with torch.cuda.device(dev):
-        result = backward_into(arrays, shape, spec, device, alloc, deterministic=deterministic)
+        result = backward_into(arrays, shape, spec, device, alloc, deterministic=deterministic,
+                               grad_captures=grad_captures)
     return arrays.dq, arrays.dk, arrays.dv, result.capture_grads
 
 

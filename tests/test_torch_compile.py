@@ -191,7 +191,7 @@ def test_opcheck_backward_op():
     d_out = torch.randn_like(out)
     for d_lse in (None, torch.randn_like(lse)):
         torch.library.opcheck(torch.ops.flexattn.attention_bwd.default,
-                              (q, k, v, out, lse, d_out, d_lse, [slopes, ids], spec_id))
+                              (q, k, v, out, lse, d_out, d_lse, [slopes, ids], spec_id, 1))
 
 
 def test_registry_reuses_entries_and_stays_bounded():

@@ -64,7 +64,7 @@ Allocator = Callable[[tuple, str, bool], Any]
 
 
 def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: AttentionSpec, device: Device,
-                  alloc: Allocator, deterministic: bool = False) -> BackwardResult:
+                  alloc: Allocator, deterministic: bool = False, grad_captures=None) -> BackwardResult:
     """Run the backward kernels, writing ``arrays.dq/dk/dv``; return the buffer gradients.
 
     ``spec`` must be the forward's (same mods, captured values, block mask, scale).
@@ -72,13 +72,18 @@ def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: Attention
     structure per mod); the adapter keeps those of the captures it differentiates.
     ``deterministic``: bitwise-repeatable dQ and buffer gradients (dQ tiles added in a
     fixed order, buffer gradients in exact fixed point; see kernels/bwd_runner.py).
+    ``grad_captures``: the score-capture slots whose gradients are wanted (None: all);
+    the others get None and cost nothing.
     """
     from ..kernels.bwd_runner import config_from_forward, workspace_dtypes, workspace_shapes
     from ..kernels.cache import backward_runner
     from ..kernels.mod_emit import runtime_args
 
     plan = plan_forward(arrays.q, shape, spec)  # raises what the kernel cannot do
-    cfg = config_from_forward(plan.config, deterministic=deterministic)
+    mods = plan.config.mods
+    if grad_captures is not None:
+        mods = mods.with_grad_filter(grad_captures)
+    cfg = config_from_forward(plan.config, deterministic=deterministic, mods=mods)
     hook = cfg.mods
     lists = None
     if plan.block_mask is not None:

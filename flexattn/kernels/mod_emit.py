@@ -13,6 +13,7 @@ int32 in the kernel (the oracle uses int64; indices never come near 2³¹).
 
 from __future__ import annotations
 
+import copy
 import math
 
 import cutlass
@@ -179,6 +180,9 @@ class IRModHook(ModHook):
         # Holds the derivative once computed; planners share one box between the hooks of
         # one IR (differentiating costs ~0.1-0.3 ms per backward call otherwise).
         self.derivative_box = []
+        # Capture slots whose gradients are wanted (None: every float buffer the score
+        # reads). Part of the key: a filtered-out buffer costs the backward nothing.
+        self.grad_filter = None
 
     def key(self):
         return (
@@ -186,7 +190,15 @@ class IRModHook(ModHook):
             self.fast_math,
             self._score.structure_key if self._score is not None else None,
             self._mask.structure_key if self._mask is not None else None,
-        )
+        ) + (() if self.grad_filter is None else (("grads", self.grad_filter),))
+
+    def with_grad_filter(self, slots) -> "IRModHook":
+        """This hook, differentiating only the float buffers at capture ``slots`` (e.g. the
+        captured tensors that require grad): fixed ALiBi slopes or bias tables then cost
+        the backward no scatter at all."""
+        new = copy.copy(self)
+        new.grad_filter = tuple(sorted(int(s) for s in slots))
+        return new
 
     def captures(self) -> tuple:
         """The runtime values in ``args`` order."""
@@ -219,7 +231,12 @@ class IRModHook(ModHook):
     def grad_slots(self) -> tuple:
         """Score-capture slots (= positions in ``args``) of float buffers that get grads."""
         d = self.derivative
-        return tuple(sorted({load.attr.slot for load, _ in d.d_loads})) if d is not None else ()
+        if d is None:
+            return ()
+        slots = {load.attr.slot for load, _ in d.d_loads}
+        if self.grad_filter is not None:
+            slots &= set(self.grad_filter)
+        return tuple(sorted(slots))
 
     def score_and_grad(self, s, b, h, q, kv, args):
         if self._score is None:
@@ -231,16 +248,18 @@ class IRModHook(ModHook):
 
     def buffer_grads(self, s, b, h, q, kv, args):
         d = self.derivative
-        if d is None or not d.d_loads:
+        wanted = set(self.grad_slots)
+        d_loads = [(load, partial) for load, partial in d.d_loads if load.attr.slot in wanted] if d else []
+        if not d_loads:
             return []
         env = {"score": s, "b": b, "h": h, "q": q, "kv": kv}
         roots = []
-        for load, partial in d.d_loads:
+        for load, partial in d_loads:
             roots.extend(load.args)
             roots.append(partial)
         values = emit_many(roots, env, args[: self._n_score_args] if args else (), self.fast_math)
         out, i = [], 0
-        for load, _ in d.d_loads:
+        for load, _ in d_loads:
             n = len(load.args)
             index = tuple(values[i:i + n]) or (Int32(0),)   # 0-d buffers travel as [1]
             out.append((load.attr.slot, index, values[i + n]))

@@ -157,3 +157,52 @@ def test_deterministic_call_adds_integer_workspace_and_kv_side_lists(runners):
     for got, want in zip(lists, (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices,
                                  bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)):
         np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_grad_captures_limit_the_buffer_gradients(runners):
+    """Only the wanted captures are differentiated (e.g. the tensors that require grad):
+    the kernel config's grad slots, the allocated gradients and the result shrink alike,
+    and the filter is part of the compile key."""
+    slopes = torch.rand(Hq)
+    table = np.random.default_rng(0).standard_normal((Hq, 9))
+    score = mods.alibi(slopes) >> mods.relative_bias(table)
+    spec = AttentionSpec.from_args(score=score, mask=mods.causal(), enable_gqa=True)
+    i_slopes, i_table = (next(i for i, c in enumerate(score.captures) if c is x) for x in (slopes, table))
+    q = torch.zeros(B, Hq, Q, D, dtype=torch.bfloat16)
+    k = torch.zeros(B, Hkv, KV, D, dtype=torch.bfloat16)
+    shape = check_inputs(q, k, k, spec)
+
+    def call(grad_captures):
+        arrays = BackwardArrays(q, k, k, q, torch.zeros(B, Hq, Q), q, torch.empty_like(q), torch.empty_like(k),
+                                torch.empty_like(k))
+        allocs = []
+
+        def alloc(shape_, dtype, zeroed):
+            allocs.append((shape_, zeroed))
+            return torch.zeros(shape_, dtype=getattr(torch, dtype))
+
+        to_device = lambda x: x if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x))  # noqa: E731
+        result = backward_into(arrays, shape, spec, Device(0, to_device), alloc, grad_captures=grad_captures)
+        return result, [a for a in allocs if a[1]]
+
+    everything, grads_all = call(None)
+    assert everything.config.mods.grad_slots == tuple(sorted((i_slopes, i_table))) and len(grads_all) == 2
+    only_slopes, grads_one = call((i_slopes,))
+    assert only_slopes.config.mods.grad_slots == (i_slopes,) and grads_one == [((Hq,), True)]
+    assert only_slopes.capture_grads[i_table] is None and only_slopes.capture_grads[i_slopes] is not None
+    nothing, grads_none = call(())
+    assert nothing.config.mods.grad_slots == () and not nothing.config.buffer_grads and grads_none == []
+    keys = {r.config.key() for r in (everything, only_slopes, nothing)}
+    assert len(keys) == 3
+
+
+def test_torch_maps_the_grad_mask_onto_capture_slots():
+    import flexattn.torch as fa
+
+    slopes, bias = torch.rand(Hq), torch.rand(Hq, Q, KV)
+    score = mods.alibi(slopes) >> mods.bias(bias)
+    spec = AttentionSpec.from_args(score=score)
+    tensor_slots = [i for i, c in enumerate(score.captures) if isinstance(c, torch.Tensor)]
+    assert fa._grad_captures(spec, 0b11) == tuple(tensor_slots)
+    assert fa._grad_captures(spec, 0b10) == (tensor_slots[1],)
+    assert fa._grad_captures(spec, 0) == ()
