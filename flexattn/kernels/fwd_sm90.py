@@ -39,7 +39,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from flexattn.kernels import sm90_mma
 from flexattn.kernels.block_sparsity import DenseBlocks, SparseBlocks
-from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook, apply_mods, mask_kv_tail
+from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook, apply_mods
 from flexattn.kernels.softmax import OnlineSoftmax, rescale_rows
 
 LOG2_E = math.log2(math.e)
@@ -501,8 +501,11 @@ class FlashFwdSm90:
                        builtin_causal=causal, check_kv_bounds=per_element,
                        clamp_kv=kv_bound == "tail")
         if const_expr(kv_bound == "tail"):
-            if (n_block + 1) * self.cfg.tile_n > seqlen_k:
-                mask_kv_tail(s_mn, coords, n_block, seqlen_k)
+            if (n_block + 1) * self.cfg.tile_n > seqlen_k:   # the bound alone
+                apply_mods(s_mn, coords, mods, batch, head, m_block,
+                           n_block, seqlen_q, seqlen_k, softmax_scale, mod_args,
+                           apply_score=False, apply_mask=False,
+                           builtin_causal=False, check_kv_bounds=True)
 
     @cute.jit
     def _step(self, ctx, kv_state, n_block, is_first: cutlass.Constexpr[bool],

@@ -118,7 +118,7 @@ def apply_mods(
     builtin_causal:  q < kv -> -inf (used when the causal config has no mask hook).
     check_kv_bounds: kv >= KV_LEN -> -inf (only the tile that straddles KV_LEN).
     clamp_kv:        the hooks see min(kv, KV_LEN - 1) (implied by check_kv_bounds; for
-                     tiles whose bound is applied separately, see mask_kv_tail).
+                     tiles whose bound is applied by a separate bound-only call).
     """
     q_base = m_block * coords.tile_m
     kv_base = n_block * coords.tile_n + coords.col_offset()
@@ -144,14 +144,3 @@ def apply_mods(
                 s = s if kv < seqlen_k else -Float32.inf
             s_mn[r, c] = s
 
-
-@cute.jit
-def mask_kv_tail(s_mn: cute.Tensor, coords: FragmentCoords, n_block: Int32, seqlen_k: Int32):
-    """kv >= KV_LEN -> -inf on one S tile: the bound alone, for block-sparse visits
-    where any block may be the one straddling KV_LEN (the caller branches on that at run
-    time, so the other blocks pay nothing per element)."""
-    kv_base = n_block * coords.tile_n + coords.col_offset()
-    for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
-        kv = kv_base + coords.col0(c)
-        for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
-            s_mn[r, c] = s_mn[r, c] if kv < seqlen_k else -Float32.inf
