@@ -15,6 +15,7 @@ Block structure, cheapest first:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -106,13 +107,19 @@ class KernelPlan:
 
 
 class _PlanEntry:
-    """A planned structure: the config (with the hook of its first call) and its runners.
-    Holds the mods' IR alive, so the ids in its key stay theirs while it is cached."""
+    """A planned structure: the config and its runners. The config's hook holds the mods'
+    IR (so the ids in the entry's key stay theirs while it is cached) but no captured
+    values: a cache entry must not keep a call's tensors alive."""
 
-    __slots__ = ("exprs", "config", "kinds", "runners")
+    __slots__ = ("config", "kinds", "runners")
 
-    def __init__(self, exprs, config, kinds):
-        self.exprs, self.config, self.kinds, self.runners = exprs, config, kinds, {}
+    def __init__(self, config, kinds):
+        self.config, self.kinds, self.runners = config, kinds, {}
+
+
+def _structure_only(mod):
+    """``mod`` with its captures replaced by None: the IR without the values."""
+    return None if mod is None else mod.with_captures((None,) * len(mod.captures))
 
 
 _PLANS: dict = {}  # see plan_forward
@@ -164,12 +171,12 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec) -> KernelPlan:
         # Three consumer warpgroups (tile_m 192) pay off at head dim 64, but only without a
         # score mod (register pressure) and outside block-sparse mode (128-row tiles).
         tile_m = 192 if shape.head_dim == 64 and score is None and block_mask is None else 128
+        template = IRModHook(_structure_only(score), _structure_only(mask))
         config = FwdConfig(
             dtype=dtype, head_dim=shape.head_dim, tile_m=tile_m, tile_n=TILE_N,
-            causal=causal, block_sparse=block_mask is not None, mods=hook,
+            causal=causal, block_sparse=block_mask is not None, mods=template,
         )
-        entry = _PlanEntry((None if score is None else score.expr, None if mask is None else mask.expr),
-                           config, capture_kinds(hook))
+        entry = _PlanEntry(config, capture_kinds(template))
         if len(_PLANS) >= _PLANS_CAPACITY:
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = entry
@@ -200,12 +207,12 @@ def use_tvm_ffi(device: Device | None = None) -> bool:
         return flag == "1"
     if device is not None and not device.tvm_ffi_stream:
         return False
-    if not _HAS_TVM_FFI:
-        _HAS_TVM_FFI.append(importlib.util.find_spec("tvm_ffi") is not None)
-    return _HAS_TVM_FFI[0]
+    return _tvm_ffi_installed()
 
 
-_HAS_TVM_FFI: list = []
+@functools.cache
+def _tvm_ffi_installed() -> bool:
+    return importlib.util.find_spec("tvm_ffi") is not None
 
 
 def forward_into(q, k, v, out, lse, shape: AttentionShape, spec: AttentionSpec, device: Device) -> KernelPlan:
