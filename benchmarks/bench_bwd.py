@@ -19,7 +19,6 @@ difference of any baseline's gradients from ours.
 
 import argparse
 import datetime
-import json
 import math
 import time
 import traceback
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 
 from bench_fwd import VARIANTS as FWD_VARIANTS, Variant, baselines, ours_mask_args, setup_dynamo, table
-from common import bench_ms, device_name, rel_diff
+from common import bench_ms, device_name, rel_diff, report
 
 VARIANTS = FWD_VARIANTS + ("causal+trainable_bias",)
 BWD_FLOPS = 3.5  # × the forward's
@@ -126,10 +125,7 @@ def main():
         md += "\n\ndeterministic flexattn (torch.use_deterministic_algorithms): " + "; ".join(
             f"{r['shape']} {r['variant']} {r['deterministic_tflops']:.1f} TFLOP/s "
             f"({r['deterministic_tflops'] / r['tflops']['flexattn']:.2f}× default)" for r in det)
-    print("\n" + md)
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump({"device": device_name(), "date": stamp, "rows": rows, "markdown": md}, fh, indent=1)
+    report(md, rows, args.out, stamp)
 
 
 if __name__ == "__main__":

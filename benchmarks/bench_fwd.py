@@ -17,7 +17,6 @@ viewed as [B, H, S, D] where a library wants that.
 
 import argparse
 import datetime
-import json
 import math
 import time
 import traceback
@@ -25,7 +24,7 @@ import traceback
 import numpy as np
 import torch
 
-from common import bench_ms, device_name, rel_diff
+from common import bench_ms, device_name, rel_diff, report
 
 VARIANTS = ("full", "causal", "window1024", "document4", "causal+softcap30", "causal+alibi")
 IMPLS = ("flexattn", "fa4", "flex", "flex-fa", "cudnn")
@@ -218,10 +217,7 @@ def main():
         run_shape(B, S, H, D, args.variants, rows)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     md = table(rows, device_name(), stamp)
-    print("\n" + md)
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump({"device": device_name(), "date": stamp, "rows": rows, "markdown": md}, fh, indent=1)
+    report(md, rows, args.out, stamp)
 
 
 if __name__ == "__main__":

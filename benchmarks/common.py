@@ -1,4 +1,4 @@
-"""Timing helpers shared by the benchmark scripts."""
+"""Timing and reporting helpers shared by the benchmark scripts."""
 
 import torch
 
@@ -20,3 +20,13 @@ def rel_diff(out, ref):
 
 def device_name():
     return torch.cuda.get_device_name()
+
+
+def report(md: str, rows: list, out: str | None, stamp: str):
+    """Print the markdown table; with ``out``, also write rows + table as JSON."""
+    import json
+
+    print("\n" + md)
+    if out:
+        with open(out, "w") as fh:
+            json.dump({"device": device_name(), "date": stamp, "rows": rows, "markdown": md}, fh, indent=1)
