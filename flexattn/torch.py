@@ -25,6 +25,7 @@ import torch
 
 from . import reference
 from .blockmask import BlockMask, create_block_mask
+from .blockmask import DeviceArrays as BlockMaskArrays, register_device as register_block_mask_device
 from .core.decode import decode_problem
 from .core.backward_path import BackwardArrays, backward_into
 from .core.kernel_path import Device, forward_into, kernel_unsupported
@@ -100,12 +101,68 @@ def decode(query: torch.Tensor, cache, score_mod=None, mask=None, scale=None, re
     """Decoding step on a ``KVCache``/``PagedKVCache`` of torch tensors.
 
     ``query`` [B, Hq, q_len, D] holds the last q_len tokens of each sequence (append their
-    K/V to the cache first); mods see true positions; GQA is implicit. Paged caches are
-    gathered into logical order for now (the split-KV decode kernel will read pages in place).
+    K/V to the cache first); mods see true positions; GQA is implicit. CUDA inputs with
+    q_len <= 16 run the split-KV decode kernel (GQA heads packed, pages read in place,
+    blocks past each sequence's length or before its mask's first key skipped; inference
+    only — with autograd recording, the step goes through ``flex_attention``); anything
+    else is an ordinary attention problem (the CPU reference on CPU tensors; paged caches
+    then gathered into logical order).
     """
+    from .core.decode_path import DECODE_MAX_Q_LEN
+
+    if (isinstance(query, torch.Tensor) and query.is_cuda and query.dim() == 4
+            and query.shape[2] <= DECODE_MAX_Q_LEN and hasattr(cache, "host_lengths")
+            and not (torch.is_grad_enabled() and _cache_requires_grad(query, cache))):
+        out, lse = _kernel_decode(query, cache, score_mod, mask, scale)
+        return (out, lse) if return_lse else out
     k, v, spec = decode_problem(query, cache, score_mod, mask, scale)
     return flex_attention(query, k, v, score=spec.score, mask=spec.mask, scale=spec.scale,
                           enable_gqa=True, return_lse=return_lse)
+
+
+def _cache_requires_grad(query, cache) -> bool:
+    arrays = (cache.k_pages, cache.v_pages) if hasattr(cache, "page_table") else (cache.k, cache.v)
+    return query.requires_grad or any(getattr(a, "requires_grad", False) for a in arrays)
+
+
+_SM_COUNTS: dict = {}
+
+
+def _kernel_decode(query, cache, score_mod, mask, scale):
+    """The split-KV decode kernel on the current stream -> (out, lse)."""
+    from .core.decode_path import decode_into
+
+    dev = query.device
+    paged = hasattr(cache, "page_table")
+    for name, x in ((("k_pages", cache.k_pages), ("v_pages", cache.v_pages)) if paged
+                    else (("k", cache.k), ("v", cache.v))):
+        if not isinstance(x, torch.Tensor) or x.device != dev:
+            raise ValueError(f"cache.{name} must be a torch tensor on the query's device {dev}")
+        if x.stride(-1) != 1 or any(st % 8 for st in x.stride()[:-1]):
+            raise ValueError(f"cache.{name}: the head dim must be contiguous and other strides multiples of 8 (TMA)")
+    q = query.detach()
+    if q.stride(3) != 1 or any(st % 8 for st in q.stride()[:3]):
+        q = q.contiguous()
+    B, Hq, q_len, D = q.shape
+    out = torch.empty(B, Hq, q_len, D, dtype=q.dtype, device=dev)
+    lse = torch.empty(B, Hq, q_len, dtype=torch.float32, device=dev)
+    table = None
+    if paged:
+        table = torch.as_tensor(cache.page_table).to(device=dev, dtype=torch.int32)
+        if not table.is_contiguous():
+            table = table.contiguous()
+    num_sms = _SM_COUNTS.get(dev.index)
+    if num_sms is None:
+        num_sms = _SM_COUNTS[dev.index] = torch.cuda.get_device_properties(dev).multi_processor_count
+
+    def alloc(shape, dtype):
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
+
+    with torch.cuda.device(dev):
+        device = Device(torch.cuda.current_stream(dev).cuda_stream, _DeviceCopies(dev), tvm_ffi_stream=True)
+        decode_into(q, cache, out, lse, device, num_sms, alloc, score_mod=score_mod, mask=mask, scale=scale,
+                    page_table=table)
+    return out, lse
 
 
 # --- torch.compile ------------------------------------------------------------------------------
@@ -454,3 +511,33 @@ def _convert_block_mask(block_mask):
         BLOCK_SIZE=tuple(block_mask.BLOCK_SIZE), mask_mod=as_mask(block_mask.mask_mod, "block_mask.mask_mod"),
         seq_lengths=tuple(block_mask.seq_lengths),
     )
+
+
+# --- block masks built on the GPU ----------------------------------------------------------------
+
+_INDEX_DTYPES = {"int8": torch.int8, "int32": torch.int32, "int64": torch.int64}
+
+
+def _block_mask_arrays(device):
+    """``create_block_mask(..., device="cuda")``: the GPU builder allocates torch tensors
+    and launches on the current stream of the current CUDA device; None (host build) where
+    CUDA is unavailable."""
+    try:
+        dev = torch.device(device)
+    except (TypeError, RuntimeError, ValueError):
+        return None
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return None
+    current = torch.cuda.current_device()
+    if dev.index is None:
+        dev = torch.device("cuda", current)
+    elif dev.index != current:
+        raise ValueError(f"create_block_mask: device={device!r} is not the current CUDA device"
+                         f" (cuda:{current}); build it under torch.cuda.device({dev.index})")
+    return BlockMaskArrays(
+        device=str(dev), stream=torch.cuda.current_stream(dev).cuda_stream,
+        empty=lambda shape, dtype: torch.empty(shape, dtype=_INDEX_DTYPES[dtype], device=dev),
+        to_device=_DeviceCopies(dev), tvm_ffi_stream=True)
+
+
+register_block_mask_device(_block_mask_arrays)

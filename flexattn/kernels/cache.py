@@ -1,6 +1,7 @@
 """Compile cache: one runner per kernel configuration, compiled kernels kept in memory.
 
-Forward runners (``forward_runner``) and backward runners (``backward_runner``). Key:
+Forward runners (``forward_runner``), backward runners (``backward_runner``) and the
+decode runners (``decode_runner``, ``combine_runner``). Key:
 ``FwdConfig.key()`` / ``BwdConfig.key()`` — dtype, head dim, tiles, stages, schedule,
 block structure and the mods' *structure* keys — plus, inside the runner, the kinds of the hook's runtime
 args (scalar types, buffer dtypes and ranks). Captured values never enter a key, so new
@@ -41,6 +42,28 @@ def backward_runner(config):
         from .bwd_runner import BackwardRunner
 
         runner = _RUNNERS[key] = BackwardRunner(config)
+    return runner
+
+
+def decode_runner(config, tvm_ffi: bool = False):
+    """The ``DecodeRunner`` for a ``DecodeConfig`` (split-KV decoding; key starts with "decode")."""
+    key = ("sm_90a", tvm_ffi) + config.key()
+    runner = _RUNNERS.get(key)
+    if runner is None:
+        from .decode_runner import DecodeRunner
+
+        runner = _RUNNERS[key] = DecodeRunner(config, tvm_ffi)
+    return runner
+
+
+def combine_runner(config, tvm_ffi: bool = False):
+    """The ``CombineRunner`` for a ``CombineConfig`` (merges decode splits)."""
+    key = ("sm_90a", tvm_ffi) + config.key()
+    runner = _RUNNERS.get(key)
+    if runner is None:
+        from .decode_runner import CombineRunner
+
+        runner = _RUNNERS[key] = CombineRunner(config, tvm_ffi)
     return runner
 
 

@@ -1,0 +1,227 @@
+"""The GPU decode path: plan and launch the split-KV decode kernel (+ combine) for a step.
+
+Framework-neutral and destination-passing, like ``kernel_path.forward_into``: the adapter
+allocates ``out``/``lse``, supplies a ``Device`` (stream, host→GPU copies), the SM count
+(read by the adapter, never while a kernel is traced) and an allocator for the fp32
+split workspace. Everything the kernel cannot do is refused before anything compiles.
+
+Per step, on the host:
+* the cache's lengths (host copy) give each sequence's query offset (``len - q_len``);
+  the mods are rewritten to true positions with those offsets as runtime buffers
+  (``mods.positions.shift_queries``) — new values, same structure: nothing recompiles;
+  the kernel bounds keys by the per-batch length itself, so no ``limit_keys`` term;
+* ``first_kv_tokens``: interval analysis of the rewritten mask over kv blocks gives, per
+  sequence, the first block any (head, row) may attend (a sliding window skips the rest
+  of the cache); blocks at or past the length are never visited either;
+* ``choose_splits``: how many splits of the kv range fill the GPU (see there).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ..arrays import dtype_name
+from ..mods import as_mask, as_score
+from ..mods.positions import shift_queries
+from .kernel_path import KERNEL_DTYPES, KERNEL_HEAD_DIMS, Device, use_tvm_ffi
+
+DECODE_MAX_Q_LEN = 16      # longer query blocks take the ordinary forward kernel
+TILE_N = 128               # kv rows per pipeline stage of the decode kernel
+MIN_BLOCKS_PER_SPLIT = 4   # 512 keys: below that a split's fixed costs (Q load, epilogue,
+                           # its share of the combine) outweigh the parallelism it adds
+
+
+def choose_splits(batch: int, kv_heads: int, m_blocks: int, kv_blocks: int, num_sms: int) -> int:
+    """Number of kv splits per (batch, kv head, row block).
+
+    The kernel runs one CTA per SM (its K/V ring takes most of the shared memory), and a
+    memory-bound step needs every SM streaming. ``batch * kv_heads * m_blocks`` CTAs exist
+    without splitting; splitting multiplies them, up to one full wave (``num_sms``) —
+    more waves would only add partial results to combine — and no split gets fewer than
+    ``MIN_BLOCKS_PER_SPLIT`` of the ``kv_blocks`` blocks (the longest sequence's visited
+    blocks). The count is then trimmed so that the longest sequence leaves no split empty.
+    Examples (132 SMs, Hkv 8): B 8 → 2 splits (128 CTAs); B 1, 128k keys → 16 (128 CTAs);
+    B 64 → 1."""
+    ctas = batch * kv_heads * m_blocks
+    if ctas <= 0 or kv_blocks <= 0:
+        return 1
+    splits = max(1, min(num_sms // ctas, kv_blocks // MIN_BLOCKS_PER_SPLIT))
+    per_split = -(-kv_blocks // splits)
+    return -(-kv_blocks // per_split)
+
+
+def first_kv_tokens(mask, batch: int, q_heads: int, q_len: int, capacity: int, tile_n: int = TILE_N) -> np.ndarray:
+    """Per sequence, a token index below which ``mask`` (already at true positions) allows
+    no (head, query row): the start of the first kv block interval analysis cannot rule
+    out. Sound, not tight: an undecided block counts as attended."""
+    if mask is None:
+        return np.zeros(batch, dtype=np.int32)
+    from ..arrays import to_numpy
+    from ..mods.intervals import classify
+
+    n_blocks = -(-capacity // tile_n)
+    lo = np.arange(n_blocks) * tile_n
+    hi = np.minimum(lo + tile_n, capacity) - 1
+    b = np.arange(batch).reshape(batch, 1)
+    ranges = {
+        "b": (b, b),
+        "h": (np.zeros((1, 1), dtype=np.int64), np.full((1, 1), q_heads - 1)),
+        "q": (np.zeros((1, 1), dtype=np.int64), np.full((1, 1), q_len - 1)),
+        "kv": (lo.reshape(1, n_blocks), hi.reshape(1, n_blocks)),
+    }
+    verdict = np.broadcast_to(classify(mask.expr, ranges, [to_numpy(c) for c in mask.captures]),
+                              (batch, n_blocks))
+    possible = verdict != 0
+    first = np.where(possible.any(axis=1), possible.argmax(axis=1), n_blocks)
+    return (first * tile_n).astype(np.int32)
+
+
+def _is_full(mask) -> bool:
+    return mask is None or (mask.expr.op == "const" and mask.expr.attr is True)
+
+
+def decode_unsupported(q, k, v, page_size: int) -> str | None:
+    """Why the decode kernel cannot run this step, or None."""
+    name = dtype_name(q)
+    if name not in KERNEL_DTYPES:
+        return f"the GPU decode kernel supports bfloat16 and float16 queries, got {name}"
+    if dtype_name(k) != name or dtype_name(v) != name:
+        return f"the KV cache must have the query's dtype {name}, got {dtype_name(k)} and {dtype_name(v)}"
+    d = int(q.shape[-1])
+    if d not in KERNEL_HEAD_DIMS:
+        return f"the GPU decode kernel supports head dims {KERNEL_HEAD_DIMS}, got {d}"
+    if int(k.shape[-1]) != d or int(v.shape[-1]) != d:
+        return f"the KV cache's head dims must equal the query's ({d}), got {int(k.shape[-1])} and {int(v.shape[-1])}"
+    if page_size:
+        from ..kernels.decode_sm90 import check_page_size
+
+        try:
+            check_page_size(page_size, TILE_N)
+        except ValueError as e:
+            return f"the GPU decode kernel cannot read these pages: {e}"
+    return None
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What one step ran: the kernel config (its hook with this step's captures), splits."""
+
+    config: object
+    num_splits: int
+    kv_lo: np.ndarray
+
+
+_PLANS: dict = {}
+_PLANS_CAPACITY = 128
+
+
+def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, score, mask):
+    """The step's DecodeConfig; configs are cached by the mods' structure, so a hit only
+    wraps this step's captures in a fresh hook."""
+    from ..kernels.decode_sm90 import DecodeConfig
+    from ..kernels.mod_emit import IRModHook, capture_kinds
+
+    key = (dtype, head_dim, num_mma_wg, page_size,
+           None if score is None else score.structure_key, None if mask is None else mask.structure_key)
+    hook = IRModHook(score, mask)
+    entry = _PLANS.get(key)
+    if entry is None:
+        template = IRModHook(*(None if m is None else m.with_captures((None,) * len(m.captures))
+                               for m in (score, mask)))
+        config = DecodeConfig(dtype=dtype, head_dim=head_dim, num_mma_wg=num_mma_wg, tile_n=TILE_N,
+                              page_size=page_size, mods=template)
+        entry = (config, capture_kinds(template))
+        if len(_PLANS) >= _PLANS_CAPACITY:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = entry
+    hook.capture_kinds = entry[1]
+    return entry[0].with_mods(hook)
+
+
+def decode_into(q, cache, out, lse, device: Device, num_sms: int, alloc: Callable, score_mod=None, mask=None,
+                scale=None, page_table=None) -> DecodePlan:
+    """Run one decode step with the split-KV kernel: ``q`` [B, Hq, q_len, D] (the last
+    q_len tokens of each sequence, already appended to ``cache``) → ``out`` [B, Hq, q_len, D]
+    (contiguous, q's dtype) and ``lse`` [B, Hq, q_len] (float32, natural log).
+
+    ``alloc(shape, "float32")`` returns a device array (the split workspace);
+    ``page_table`` overrides the paged cache's table (the adapter passes an int32 copy)."""
+    paged = hasattr(cache, "page_table")
+    k, v = (cache.k_pages, cache.v_pages) if paged else (cache.k, cache.v)
+    table = (cache.page_table if page_table is None else page_table) if paged else None
+    page_size = cache.page_size if paged else 0
+    reason = decode_unsupported(q, k, v, page_size)
+    if reason:
+        raise ValueError(reason)
+    if len(q.shape) != 4:
+        raise ValueError(f"query must be 4-D [B, Hq, q_len, D], got shape {tuple(q.shape)}")
+    B, Hq, q_len, D = (int(s) for s in q.shape)
+    kv_heads = int(k.shape[2] if paged else k.shape[1])
+    if not 1 <= q_len <= DECODE_MAX_Q_LEN:
+        raise ValueError(f"the decode kernel takes 1..{DECODE_MAX_Q_LEN} query tokens, got {q_len}")
+    if kv_heads == 0 or Hq % kv_heads:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of the cache's kv heads ({kv_heads})")
+    if paged and dtype_name(table) != "int32":
+        raise ValueError(f"the GPU decode kernel reads an int32 page table, got {dtype_name(table)}")
+    if tuple(out.shape) != (B, Hq, q_len, D) or tuple(lse.shape) != (B, Hq, q_len):
+        raise ValueError(f"out/lse must be [B, Hq, q_len, D] / [B, Hq, q_len], got {tuple(out.shape)} / {tuple(lse.shape)}")
+    lengths = cache.host_lengths()
+    if lengths.shape[0] != B:
+        raise ValueError(f"query batch {B} does not match the cache's {lengths.shape[0]}")
+    if np.any(lengths < q_len):
+        raise ValueError(
+            f"every sequence must already hold its {q_len} query tokens (append them first); lengths {lengths.tolist()}")
+
+    # Mods at true positions: query row i of sequence b sits at lengths[b] - q_len + i.
+    q_offset = (lengths - q_len).astype(np.int32)
+    q_offset.flags.writeable = False
+    base = None if mask is None else as_mask(mask, "mask")
+    the_mask = None if _is_full(base) else shift_queries(base, q_offset)
+    the_score = None if score_mod is None else shift_queries(as_score(score_mod, "score_mod"), q_offset)
+
+    group_rows = (Hq // kv_heads) * q_len
+    num_mma_wg = 1 if group_rows <= 64 else 2
+    m_blocks = -(-group_rows // (64 * num_mma_wg))
+    dtype = KERNEL_DTYPES[dtype_name(q)]
+    config = _config_for(dtype, D, num_mma_wg, page_size, the_score, the_mask)
+
+    capacity = int(cache.capacity)
+    kv_lo = first_kv_tokens(the_mask, B, Hq, q_len, capacity)
+    n_hi = -(-lengths // TILE_N)
+    kv_blocks = int(np.max(n_hi - np.minimum(kv_lo // TILE_N, n_hi)))
+    splits = choose_splits(B, kv_heads, m_blocks, kv_blocks, num_sms)
+
+    o_part = alloc((splits, B, Hq, q_len, D), "float32")
+    lse_part = alloc((splits, B, Hq, q_len), "float32")
+    seq_lens = device.to_device(lengths.astype(np.int32))
+    kv_lo_dev = device.to_device(kv_lo)
+    scale_value = float(scale) if scale is not None else 1.0 / math.sqrt(D)
+    ffi = use_tvm_ffi(device)
+
+    from ..kernels.cache import combine_runner, decode_runner
+    from ..kernels.decode_combine import CombineConfig
+
+    if ffi:
+        from ..kernels.ffi_runner import ffi_mod_args
+
+        args = ffi_mod_args(config.mods, device.to_device)
+    else:
+        from ..kernels.mod_emit import runtime_args
+
+        args = runtime_args(config.mods, device.to_device)
+    decode_runner(config, ffi).run(q, k, v, table, seq_lens, kv_lo_dev, out, lse, o_part, lse_part,
+                                   scale_value, args, device.stream)
+    if splits > 1:
+        rows = B * Hq * q_len
+        combine_runner(CombineConfig(dtype=dtype, head_dim=D), ffi).run(
+            o_part.reshape(splits, rows, D), lse_part.reshape(splits, rows), out.reshape(rows, D),
+            lse.reshape(rows), device.stream)
+    return DecodePlan(config, splits, kv_lo)
+
+
+__all__ = ["DECODE_MAX_Q_LEN", "DecodePlan", "choose_splits", "decode_into", "decode_unsupported",
+           "first_kv_tokens"]

@@ -1,0 +1,501 @@
+"""Split-KV decoding for Hopper (sm_90a): a few query tokens against a long KV cache.
+
+One CTA handles one (kv split) x (kv head, packed-row block) x (batch) work item:
+
+    grid = (num_splits, H_kv * m_blocks, B)
+
+* GQA packing: the M tile holds the (q head in the kv head's group, query row) pairs,
+  row p = h_in_group * q_len + i, so K/V are read from HBM once per group instead of once
+  per q head (Hq=32, Hkv=8, q_len=1: 4 rows of one 64-row tile; m_blocks > 1 only when
+  group * q_len exceeds the tile).
+* Split-KV: the kv blocks of sequence b, [kv_lo[b] // tile_n, ceil(len[b] / tile_n)), are
+  cut into num_splits equal ranges; split s writes its normalized partial O (fp32) and
+  natural-log LSE to a workspace and `decode_combine.py` merges them. With one split
+  (decided at run time: grid dim 0 == 1) the CTA writes O in the input dtype and the final
+  LSE itself, no combine launch. Blocks at or beyond a sequence's length are never loaded:
+  that is where a decode step's bandwidth goes.
+* Warp specialization as in the forward: warp 0 of warpgroup 0 is the TMA producer (K and
+  V through separate `num_stages`-deep mbarrier rings); the consumer warpgroup(s) load the
+  packed Q tile with ordinary loads (its rows are strided over heads: no TMA box fits),
+  then per kv block S = Q K^T (wgmma), mods, online softmax (fp32, exp2), O += P V (wgmma,
+  P from registers).
+
+Why wgmma for a tile that is mostly padding (4 real rows of 64): the step is memory-bound
+by a wide margin — a 128-row K+V block is 64 KB, ~2.6 us of one SM's share of HBM
+bandwidth, while both 64x128x128 wgmmas take ~0.3 us — and wgmma keeps K/V in shared
+memory (no register staging of 64 KB per block), with the same fragment layout the mods,
+the softmax and `sm90_mma` already handle.
+
+KV layouts (`DecodeConfig.page_size`):
+* 0: contiguous cache [B, H_kv, capacity, D]; one TMA box (tile_n, D) per block.
+* page_size > 0: paged cache [num_pages, page_size, H_kv, D] + page table [B, max_pages]
+  read in place. page_size a multiple of tile_n: one box per block at (offset in page,
+  page); page_size dividing tile_n (>= 16): tile_n / page_size boxes per block, one per
+  page, into consecutive rows of the stage. Mods see logical kv indices either way.
+
+Mods enter through the `ModHook` interface with each row's own q head:
+hook(b, q_head, q_row, kv) with q_row in [0, q_len) (the decode planner rewrites mods to
+true positions with runtime offsets, `mods.positions`).
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync
+
+from flexattn.kernels import sm90_mma
+from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook
+from flexattn.kernels.softmax import OnlineSoftmax, rescale_rows
+
+LOG2_E = math.log2(math.e)
+
+_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Everything that changes the generated decode kernel (runtime values never do)."""
+
+    dtype: str = "bf16"          # "bf16" | "fp16": Q, K, V and O
+    head_dim: int = 128          # 64 | 128
+    num_mma_wg: int = 1          # consumer warpgroups: 64 packed rows each
+    tile_n: int = 128            # kv rows per pipeline stage
+    num_stages: int = 3          # K/V ring depth
+    page_size: int = 0           # 0: contiguous cache; else the paged cache's page size
+    mods: ModHook = field(default=NO_MODS, compare=False)
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.head_dim not in (64, 128):
+            raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
+        if self.num_mma_wg not in (1, 2):
+            raise ValueError(f"num_mma_wg must be 1 or 2, got {self.num_mma_wg}")
+        if self.tile_n not in (64, 128):
+            raise ValueError(f"tile_n must be 64 or 128, got {self.tile_n}")
+        if self.num_stages < 1:
+            raise ValueError("num_stages must be >= 1")
+        check_page_size(self.page_size, self.tile_n)
+        if self.smem_bytes > 227 * 1024:
+            raise ValueError(f"{self.smem_bytes} bytes of shared memory per CTA exceed the SM's 227 KB:"
+                             " fewer stages or a smaller tile_n")
+
+    @property
+    def tile_m(self) -> int:
+        return 64 * self.num_mma_wg
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size > 0
+
+    @property
+    def box_rows(self) -> int:
+        """Rows of one K/V TMA box: the tile, or one page when pages are smaller."""
+        return self.tile_n if not self.paged else min(self.tile_n, self.page_size)
+
+    @property
+    def smem_bytes(self) -> int:
+        elem = 2
+        return elem * self.head_dim * (self.tile_m + 2 * self.num_stages * self.tile_n) + 1024
+
+    @property
+    def regs(self) -> tuple:
+        """(producer, consumer) setmaxnreg budgets: one CTA per SM (the smem ring fills it),
+        so the CTA's warpgroups share all 64K registers."""
+        per_cta = 65536
+        threads_per_wg = 128
+        producer = 40  # the paged producer keeps page-table reads and several boxes in flight
+        consumer = (per_cta // threads_per_wg - producer) // self.num_mma_wg
+        consumer = min(240, consumer - consumer % 8)
+        return producer, consumer
+
+    @property
+    def cutlass_dtype(self):
+        return _DTYPES[self.dtype]
+
+    def with_mods(self, mods: ModHook) -> "DecodeConfig":
+        """This config with another hook of the same structure (this call's captures)."""
+        new = object.__new__(DecodeConfig)
+        new.__dict__.update(self.__dict__)
+        object.__setattr__(new, "mods", mods)
+        return new
+
+    def key(self) -> tuple:
+        return ("decode", self.dtype, self.head_dim, self.num_mma_wg, self.tile_n, self.num_stages,
+                self.page_size, self.mods.key())
+
+
+def check_page_size(page_size: int, tile_n: int) -> None:
+    """Page sizes the kernel reads in place: >= 16, and dividing the kv tile or a multiple of it."""
+    if page_size == 0:
+        return
+    if page_size < 16 or (tile_n % page_size and page_size % tile_n):
+        raise ValueError(f"page_size must be >= 16 and divide the kv tile ({tile_n}) or be a multiple "
+                         f"of it, got {page_size}")
+    if page_size < tile_n and page_size & (page_size - 1):
+        raise ValueError(f"page_size below the kv tile must be a power of two, got {page_size}")
+
+
+class DecodeSm90:
+    """Compile with `cute.compile(DecodeSm90(cfg), q, k, v, page_table, seq_lens, kv_lo, o,
+    lse, o_part, lse_part, softmax_scale, mod_args, stream)` (see decode_compile.py)."""
+
+    def __init__(self, config: DecodeConfig):
+        self.cfg = config
+        self.dtype = config.cutlass_dtype
+        self.mods = config.mods
+        self.num_mma_threads = 128 * config.num_mma_wg
+        self.num_threads = 128 + self.num_mma_threads
+        self.q_ready_barrier_id = 1
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,          # [B, Hq, q_len, D]
+        mK: cute.Tensor,          # [B, Hkv, cap, D] or pages [P, page_size, Hkv, D]
+        mV: cute.Tensor,          # same as mK
+        mPageTable,               # [B, max_pages] int32 (paged) or None
+        mSeqLens: cute.Tensor,    # [B] int32: valid cache tokens
+        mKvLo: cute.Tensor,       # [B] int32: no row attends a key below this
+        mO: cute.Tensor,          # [B, Hq, q_len, D] (written when num_splits == 1)
+        mLSE: cute.Tensor,        # [B, Hq, q_len] float32, natural log
+        mOPart: cute.Tensor,      # [splits, B, Hq, q_len, D] float32 (num_splits > 1)
+        mLSEPart: cute.Tensor,    # [splits, B, Hq, q_len] float32
+        softmax_scale: Float32,
+        mod_args,
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        for t in (mQ, mK, mV, mO):
+            if const_expr(t.element_type != self.dtype):
+                raise TypeError(f"expected {self.dtype}, got {t.element_type}")
+        if const_expr(cfg.paged != (mPageTable is not None)):
+            raise ValueError("a page table must be given iff cfg.page_size > 0")
+
+        # K/V as (rows, D, Hkv, outer): outer = batch (contiguous) or page (paged).
+        if const_expr(cfg.paged):
+            K, V = [sm90_mma.select_modes(t, [1, 3, 2, 0]) for t in (mK, mV)]
+        else:
+            K, V = [sm90_mma.select_modes(t, [2, 3, 1, 0]) for t in (mK, mV)]
+
+        tiled_mma_qk = sm90_mma.make_qk_mma(self.dtype, cfg.tile_m, cfg.tile_n)
+        tiled_mma_pv = sm90_mma.make_pv_mma(self.dtype, cfg.tile_m, cfg.head_dim)
+        sQ_layout = sm90_mma.smem_layout(self.dtype, cfg.tile_m, cfg.head_dim)
+        sK_layout = sm90_mma.smem_layout(self.dtype, cfg.tile_n, cfg.head_dim, cfg.num_stages)
+        sV_layout = sm90_mma.smem_layout(self.dtype, cfg.tile_n, cfg.head_dim, cfg.num_stages)
+        box_layout = sm90_mma.smem_layout(self.dtype, cfg.box_rows, cfg.head_dim)
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, K, box_layout, (cfg.box_rows, cfg.head_dim), 1)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, V, box_layout, (cfg.box_rows, cfg.head_dim), 1)
+        self.bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        scale_log2 = Float32(LOG2_E)
+        if const_expr(not self.mods.has_score):
+            scale_log2 = softmax_scale * Float32(LOG2_E)
+
+        group = mQ.shape[1] // K.shape[2]
+        rows = group * mQ.shape[2]
+        m_blocks = (rows + cfg.tile_m - 1) // cfg.tile_m
+        grid = (mOPart.shape[0], K.shape[2] * m_blocks, mQ.shape[0])
+        self.kernel(
+            mQ, tma_K, tma_V, mPageTable, mSeqLens, mKvLo, mO, mLSE, mOPart, mLSEPart,
+            tma_atom_K, tma_atom_V, tiled_mma_qk, tiled_mma_pv,
+            sQ_layout, sK_layout, sV_layout,
+            softmax_scale, scale_log2, mod_args, SharedStorage,
+        ).launch(
+            grid=grid,
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mPageTable, mSeqLens: cute.Tensor,
+        mKvLo: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mOPart: cute.Tensor,
+        mLSEPart: cute.Tensor,
+        tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        softmax_scale: Float32, scale_log2: Float32, mod_args,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        cfg = self.cfg
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_atom_K, tma_atom_V):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=cfg.num_stages,
+            producer_group=one_thread, consumer_group=mma_warps,
+            tx_count=self.bytes_kv, defer_sync=True)
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=cfg.num_stages,
+            producer_group=one_thread, consumer_group=mma_warps,
+            tx_count=self.bytes_kv, defer_sync=True)
+        pipeline.pipeline_init_arrive()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        split, head_block, batch = cute.arch.block_idx()
+        num_splits, _, _ = cute.arch.grid_dim()
+        kv_heads = mK.shape[2]
+        group = mQ.shape[1] // kv_heads
+        q_len = mQ.shape[2]
+        rows = group * q_len
+        m_blocks = (rows + cfg.tile_m - 1) // cfg.tile_m
+        head_kv = head_block // m_blocks
+        m_block = head_block - head_kv * m_blocks
+
+        # This split's kv blocks: [first, first + count), visited last first.
+        seqlen = Int32(mSeqLens[batch])
+        n_hi = (seqlen + cfg.tile_n - 1) // cfg.tile_n
+        n_lo = cutlass.min(cutlass.max(Int32(mKvLo[batch]), 0) // cfg.tile_n, n_hi)
+        per_split = (n_hi - n_lo + num_splits - 1) // num_splits
+        first = cutlass.min(n_lo + split * per_split, n_hi)
+        count = cutlass.min(first + per_split, n_hi) - first
+
+        pipeline.pipeline_init_wait()
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(cfg.regs[0])
+            if warp_idx == 0:
+                self.load(mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, pipe_k, pipe_v,
+                          head_kv, batch, first, count)
+        else:
+            cute.arch.setmaxregister_increase(cfg.regs[1])
+            self.consume(mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
+                         pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block,
+                         batch, seqlen, first, count, softmax_scale, scale_log2, mod_args)
+
+    # ------------------------------------------------------------------ producer
+    @cute.jit
+    def load(self, mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, pipe_k, pipe_v,
+             head_kv, batch, first, count):
+        cfg = self.cfg
+        box = (cfg.box_rows, cfg.head_dim)
+        one = cute.make_layout(1)
+
+        def partition(atom, mX, sX):
+            # gmem: (box, boxes along rows, outer); smem: (box, boxes per tile, stage).
+            g = cute.flat_divide(mX[None, None, head_kv, None], box)   # (r, D, nr, 1, outer)
+            s = cute.flat_divide(sX, box)                               # (r, D, nb, 1, stage)
+            tXsX, tXgX = cpasync.tma_partition(
+                atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
+            return tXgX, tXsX
+
+        tKgK, tKsK = partition(tma_atom_K, mK, sK)
+        tVgV, tVsV = partition(tma_atom_V, mV, sV)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
+        for i in cutlass.range(count, unroll=1):
+            n_block = first + count - 1 - i
+            self._load_block(pipe_k, tma_atom_K, tKgK, tKsK, mPageTable, batch, n_block, state)
+            self._load_block(pipe_v, tma_atom_V, tVgV, tVsV, mPageTable, batch, n_block, state)
+            state.advance()
+
+    @cute.jit
+    def _load_block(self, pipe, atom, tXgX, tXsX, mPageTable, batch, n_block, state):
+        """TMA kv block `n_block` of sequence `batch` into the ring slot of `state`."""
+        cfg = self.cfg
+        pipe.producer_acquire(state)
+        bar = pipe.producer_get_barrier(state)
+        if const_expr(not cfg.paged):
+            cute.copy(atom, tXgX[None, n_block, 0, batch], tXsX[None, 0, 0, state.index], tma_bar_ptr=bar)
+        elif const_expr(cfg.page_size >= cfg.tile_n):
+            tiles_per_page = cfg.page_size // cfg.tile_n
+            logical_page = n_block // tiles_per_page
+            page = Int32(mPageTable[batch, logical_page])
+            cute.copy(atom, tXgX[None, n_block - logical_page * tiles_per_page, 0, page],
+                      tXsX[None, 0, 0, state.index], tma_bar_ptr=bar)
+        else:
+            pages_per_tile = cfg.tile_n // cfg.page_size
+            last_page = mPageTable.shape[1] - 1
+            for j in cutlass.range(pages_per_tile, unroll=1):
+                # A tile's tail may run past the table when capacity is not a multiple of
+                # the tile: clamp (those rows lie beyond the sequence and are masked).
+                logical_page = cutlass.min(n_block * pages_per_tile + j, last_page)
+                page = Int32(mPageTable[batch, logical_page])
+                cute.copy(atom, tXgX[None, 0, 0, page], tXsX[None, j, 0, state.index], tma_bar_ptr=bar)
+
+    # ------------------------------------------------------------------ consumers
+    @cute.jit
+    def _load_q(self, mQ, sQ, tidx, head_kv, group, q_len, rows, m_block, batch):
+        """Packed Q tile -> smem (zeros for padding rows), visible to wgmma afterwards."""
+        cfg = self.cfg
+        vec = 8                                      # 16 bytes per access
+        chunks = cfg.head_dim // vec
+        for k in cutlass.range_constexpr(cfg.tile_m * chunks // self.num_mma_threads):
+            idx = tidx + k * self.num_mma_threads
+            r = idx // chunks
+            c = idx - r * chunks
+            p = m_block * cfg.tile_m + r
+            frag = cute.make_rmem_tensor(vec, self.dtype)
+            frag.fill(0.0)
+            if p < rows:
+                h_in = p // q_len
+                g = cute.local_tile(mQ[batch, head_kv * group + h_in, p - h_in * q_len, None], (vec,), (c,))
+                frag.store(g.load())
+            s = cute.local_tile(sQ[r, None], (vec,), (c,))
+            s.store(frag.load())
+        cute.arch.fence_view_async_shared()          # generic-proxy writes -> wgmma reads
+        cute.arch.barrier(barrier_id=self.q_ready_barrier_id, number_of_threads=self.num_mma_threads)
+
+    @cute.jit
+    def consume(self, mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
+                pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block, batch,
+                seqlen, first, count, softmax_scale, scale_log2, mod_args):
+        cfg = self.cfg
+        if const_expr(mod_args is None):
+            mod_args = ()
+        tidx = cute.arch.thread_idx()[0] - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg_first_thread = cute.make_layout(cfg.num_mma_wg, stride=128)(wg)
+        wg_qk = tiled_mma_qk.get_slice(wg_first_thread)
+        wg_pv = tiled_mma_pv.get_slice(wg_first_thread)
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+
+        self._load_q(mQ, sQ, tidx, head_kv, group, q_len, rows, m_block, batch)
+
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sm90_mma.transpose_view(sV)))
+        tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
+        acc_shape_S = wg_qk.partition_shape_C((cfg.tile_m, cfg.tile_n))
+        acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((cfg.tile_m, cfg.head_dim)), Float32)
+        acc_O.fill(0.0)
+
+        softmax = OnlineSoftmax(scale_log2, cute.size(sm90_mma.acc_mn_view(acc_O).shape[0]))
+        softmax.reset()      # a split may visit no block at all
+        coords = FragmentCoords(thr_qk, cfg.tile_m, cfg.tile_n, sm90_mma.acc_mn_view)
+        # Each fragment row's own (q head, query row): the mods' coordinates under packing.
+        n_rows = cute.size(sm90_mma.acc_mn_view(acc_O).shape[0])
+        row_head = cute.make_rmem_tensor(n_rows, Int32)
+        row_q = cute.make_rmem_tensor(n_rows, Int32)
+        last_head = mQ.shape[1] - 1
+        for r in cutlass.range_constexpr(n_rows):
+            p = m_block * cfg.tile_m + coords.row(r)
+            h_in = p // q_len
+            row_head[r] = cutlass.min(head_kv * group + h_in, last_head)   # padding rows: clamp
+            row_q[r] = p - h_in * q_len
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
+        ctx = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O, softmax,
+               coords, row_head, row_q, pipe_k, pipe_v, batch, seqlen, softmax_scale, mod_args)
+        if count > 0:
+            # The last block (visited first) is the only one that may straddle the length.
+            kv_state = self._step(ctx, kv_state, first + count - 1, kv_bound=True)
+        for i in cutlass.range(1, count, unroll=1):
+            kv_state = self._step(ctx, kv_state, first + count - 1 - i, kv_bound=False)
+
+        inv_sum, lse = softmax.finalize()
+        rescale_rows(acc_O, inv_sum)
+        self.epilogue(acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, split, num_splits,
+                      head_kv, group, q_len, rows, m_block, batch)
+
+    @cute.jit
+    def _step(self, ctx, kv_state, n_block, kv_bound: cutlass.Constexpr[bool]):
+        """One kv block: S = Q K^T, mods, online softmax, O = O * scale + P V."""
+        (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O, softmax,
+         coords, row_head, row_q, pipe_k, pipe_v, batch, seqlen, softmax_scale, mod_args) = ctx
+        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+        pipe_k.consumer_wait(kv_state)
+        sm90_mma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
+                      zero_init=True, wait=0)
+        pipe_k.consumer_release(kv_state)
+
+        mods = self.mods
+        if const_expr(mods.has_score or mods.has_mask or kv_bound):
+            apply_packed_mods(sm90_mma.acc_mn_view(acc_S), coords, row_head, row_q, mods, batch,
+                              n_block, seqlen, softmax_scale, mod_args, kv_bound)
+        row_scale = softmax.step(acc_S, is_first=False)
+        rescale_rows(acc_O, row_scale)
+        tOrP.store(sm90_mma.acc_as_a_view(acc_S).load().to(self.dtype))
+
+        pipe_v.consumer_wait(kv_state)
+        sm90_mma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index],
+                      zero_init=False, wait=0)
+        pipe_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def epilogue(self, acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, split, num_splits,
+                 head_kv, group, q_len, rows, m_block, batch):
+        """O rows straight from registers to their (q head, query row) in global memory:
+        the final O in the input dtype with one split, else this split's fp32 partial."""
+        cfg = self.cfg
+        cO = cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))
+        tOcO = sm90_mma.acc_mn_view(thr_pv.partition_C(cO))
+        o_mn = sm90_mma.acc_mn_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(o_mn.shape[0])):
+            p = m_block * cfg.tile_m + tOcO[r, 0][0]
+            if p < rows:
+                h_in = p // q_len
+                head = head_kv * group + h_in
+                qi = p - h_in * q_len
+                if num_splits == 1:
+                    gO = mO[batch, head, qi, None]
+                    for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
+                        gO[tOcO[r, c][1]] = o_mn[r, c].to(self.dtype)
+                    if tOcO[r, 0][1] == 0:
+                        mLSE[batch, head, qi] = lse[r]
+                else:
+                    gO = mOPart[split, batch, head, qi, None]
+                    for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
+                        gO[tOcO[r, c][1]] = o_mn[r, c]
+                    if tOcO[r, 0][1] == 0:
+                        mLSEPart[split, batch, head, qi] = lse[r]
+
+
+@cute.jit
+def apply_packed_mods(s_mn: cute.Tensor, coords: FragmentCoords, row_head: cute.Tensor,
+                      row_q: cute.Tensor, mods: cutlass.Constexpr, batch: Int32, n_block: Int32,
+                      seqlen: Int32, softmax_scale: Float32, args,
+                      kv_bound: cutlass.Constexpr[bool]):
+    """`mod_hook.apply_mods` for GQA-packed rows: fragment row r belongs to q head
+    `row_head[r]` and query row `row_q[r]`. With `kv_bound`, keys at or beyond `seqlen` are
+    masked and the hooks see min(kv, seqlen - 1) (buffers of cache length stay in bounds)."""
+    kv_base = n_block * coords.tile_n + coords.col_offset()
+    kv_last = seqlen - 1
+    for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
+        head = row_head[r]
+        q = row_q[r]
+        for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
+            kv = kv_base + coords.col0(c)
+            kv_hook = kv
+            if const_expr(kv_bound):
+                kv_hook = cutlass.min(kv, kv_last)
+            s = s_mn[r, c]
+            if const_expr(mods.has_score):
+                s = mods.score(s * softmax_scale, batch, head, q, kv_hook, args)
+            if const_expr(mods.has_mask):
+                keep = mods.mask(batch, head, q, kv_hook, args)
+                s = s if keep else -Float32.inf
+            if const_expr(kv_bound):
+                s = s if kv < seqlen else -Float32.inf
+            s_mn[r, c] = s

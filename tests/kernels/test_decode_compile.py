@@ -1,0 +1,166 @@
+"""CPU (CI): the split-KV decode kernel and the split combine compile for sm_90a
+(contiguous / paged caches, with and without IR mods, TVM-FFI and from_dlpack entry),
+use the Hopper paths, do not spill; plus the decode planner's host logic (splits
+heuristic, first attended key, errors, no recompiles across steps). No GPU needed."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cutlass")
+
+from flexattn import KVCache, PagedKVCache, mods  # noqa: E402
+from flexattn.core import decode_path  # noqa: E402
+from flexattn.core.decode_path import choose_splits, decode_unsupported, first_kv_tokens  # noqa: E402
+from flexattn.kernels.compile import resource_usage_from_ptx  # noqa: E402
+from flexattn.kernels.decode_combine import CombineConfig  # noqa: E402
+from flexattn.kernels.decode_compile import compile_combine, compile_decode  # noqa: E402
+from flexattn.kernels.decode_sm90 import DecodeConfig  # noqa: E402
+from flexattn.kernels.mod_emit import IRModHook, fake_args  # noqa: E402
+from flexattn.mods.positions import shift_queries  # noqa: E402
+
+OFFSETS = np.zeros(4, np.int32)
+
+
+def _hook(score, mask):
+    """Mods as the planner makes them: shifted to true positions by a runtime offset."""
+    return IRModHook(None if score is None else shift_queries(score, OFFSETS),
+                     None if mask is None else shift_queries(mask, OFFSETS))
+
+
+# name: (config kwargs, score, mask, tvm_ffi, TMA copies per K+V block)
+CASES = {
+    "contiguous-plain": (dict(head_dim=128), None, None, True, 4),
+    "paged64-window-alibi": (dict(head_dim=128, page_size=64), mods.alibi(num_heads=32),
+                             mods.sliding_window(4096), True, 4),
+    "paged256-hd64-softcap-fp16": (dict(head_dim=64, dtype="fp16", page_size=256), mods.softcap(30.0),
+                                   mods.causal(), False, 2),
+    "paged16-2wg": (dict(head_dim=64, page_size=16, num_mma_wg=2), None, mods.causal(), True, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    out = {}
+    for name, (kw, score, mask, ffi, _) in CASES.items():
+        hook = _hook(score, mask)
+        out[name] = compile_decode(DecodeConfig(mods=hook, **kw), fake_args(hook), keep_ptx=True,
+                                   tvm_ffi=ffi).__ptx__
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_decode_ptx(compiled, name):
+    kw, score, mask, _, tma_copies = CASES[name]
+    ptx = compiled[name]
+    assert ".target sm_90a" in ptx
+    assert "wgmma.mma_async" in ptx and "ex2.approx" in ptx
+    assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
+    # TMA copy sites: K and V, one per 64-column half of a box (D=128: two); pages smaller
+    # than the tile are a dynamic loop over the tile's pages around the same sites.
+    assert ptx.count("cp.async.bulk.tensor") == tma_copies
+    # QK^T (D/16 wgmmas) and PV (tile_n/16) for the bounded first block and the rest.
+    cfg = DecodeConfig(**kw)
+    assert ptx.count("wgmma.mma_async") == 2 * (cfg.head_dim // 16 + cfg.tile_n // 16)
+    assert ("tanh.approx" in ptx) == (name == "paged256-hd64-softcap-fp16")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_decode_no_spills(compiled, name):
+    usage = resource_usage_from_ptx(compiled[name])
+    if usage is None:
+        pytest.skip("no ptxas on PATH")
+    assert usage.spill_store_bytes == 0 and usage.spill_load_bytes == 0 and usage.stack_bytes == 0, usage
+
+
+@pytest.mark.parametrize("dtype,head_dim,ffi", [("bf16", 128, True), ("fp16", 64, False)])
+def test_combine_compiles(dtype, head_dim, ffi):
+    ptx = compile_combine(CombineConfig(dtype=dtype, head_dim=head_dim), keep_ptx=True, tvm_ffi=ffi).__ptx__
+    assert "ex2.approx" in ptx and "lg2.approx" in ptx
+    assert "ld.global.v4" in ptx or "ld.global.v2" in ptx   # vectorized partial reads
+    usage = resource_usage_from_ptx(ptx)
+    if usage is not None:
+        assert usage.spill_store_bytes == 0 and usage.stack_bytes == 0, usage
+
+
+def test_config_validation():
+    assert DecodeConfig().key() == DecodeConfig().key()
+    assert DecodeConfig().key() != DecodeConfig(page_size=64).key()
+    for bad in (dict(head_dim=96), dict(dtype="fp32"), dict(page_size=8), dict(page_size=48),
+                dict(page_size=192), dict(num_mma_wg=3), dict(num_stages=5)):
+        with pytest.raises(ValueError):
+            DecodeConfig(**bad)
+    for ok in (16, 32, 64, 128, 256, 1024):
+        DecodeConfig(page_size=ok)
+
+
+def test_choose_splits():
+    # 132 SMs, 8 kv heads, one row block.
+    assert choose_splits(8, 8, 1, 64, 132) == 2          # B 8, 8k keys: 128 CTAs
+    assert choose_splits(1, 8, 1, 1024, 132) == 16       # B 1, 128k keys
+    assert choose_splits(64, 8, 1, 64, 132) == 1         # already > 1 wave
+    assert choose_splits(1, 8, 1, 6, 132) == 1           # too short to split (6 blocks)
+    assert choose_splits(1, 1, 1, 10, 132) == 2          # 4+ blocks per split, none empty
+    assert choose_splits(1, 1, 1, 0, 132) == 1
+    for b, h, n in ((1, 1, 37), (3, 2, 1000), (2, 8, 9)):
+        s = choose_splits(b, h, 1, n, 132)
+        per = -(-n // s)
+        assert (s - 1) * per < n and b * h * s <= max(132, b * h)   # no empty split, one wave
+
+
+def test_first_kv_tokens():
+    B, q_len, cap = 3, 2, 20000
+    lengths = np.array([5000, 20000, 300])
+    off = (lengths - q_len).astype(np.int32)
+    window = shift_queries(mods.sliding_window(4096), off)
+    lo = first_kv_tokens(window, B, 8, q_len, cap, tile_n=128)
+    first_key = np.maximum(off - 4096, 0)                 # the earliest key any row attends
+    assert np.all(lo <= first_key) and np.all(first_key - lo < 128) and np.all(lo % 128 == 0)
+    assert np.array_equal(first_kv_tokens(None, B, 8, q_len, cap), np.zeros(B))
+    causal = shift_queries(mods.causal(), off)
+    assert np.array_equal(first_kv_tokens(causal, B, 8, q_len, cap), np.zeros(B))
+
+
+def test_decode_unsupported_reasons():
+    q = np.zeros((1, 4, 1, 128), np.float32)
+    assert "bfloat16" in decode_unsupported(q, q, q, 0)
+    import torch
+
+    qb = torch.zeros(1, 4, 1, 96, dtype=torch.bfloat16)
+    assert "head dims" in decode_unsupported(qb, qb, qb, 0)
+    qb = torch.zeros(1, 4, 1, 128, dtype=torch.bfloat16)
+    assert "dtype" in decode_unsupported(qb, qb.half(), qb.half(), 0)
+    assert "page" in decode_unsupported(qb, qb, qb, 48)
+    assert decode_unsupported(qb, qb, qb, 64) is None
+
+
+def test_decode_into_refuses_before_launch():
+    import torch
+
+    cache = KVCache(torch.zeros(2, 2, 64, 128, dtype=torch.bfloat16), torch.zeros(2, 2, 64, 128, dtype=torch.bfloat16),
+                    np.array([10, 20], np.int32))
+    out, lse = torch.empty(2, 4, 17, 128, dtype=torch.bfloat16), torch.empty(2, 4, 17)
+
+    def call(q, c=cache, **kw):
+        return decode_path.decode_into(q, c, out, lse, device=None, num_sms=132, alloc=None, **kw)
+
+    with pytest.raises(ValueError, match="1..16"):
+        call(torch.zeros(2, 4, 17, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="multiple"):
+        call(torch.zeros(2, 3, 1, 128, dtype=torch.bfloat16))
+    pages = torch.zeros(8, 64, 2, 128, dtype=torch.bfloat16)
+    paged = PagedKVCache(pages, pages, torch.zeros(2, 4, dtype=torch.int64), np.array([10, 20]))
+    with pytest.raises(ValueError, match="int32 page table"):
+        call(torch.zeros(2, 4, 1, 128, dtype=torch.bfloat16), paged)
+    with pytest.raises(ValueError, match="out/lse"):
+        call(torch.zeros(2, 4, 1, 128, dtype=torch.bfloat16))
+
+
+def test_steps_share_one_config():
+    """Stepping the decoder changes the offsets (values), never the kernel config."""
+    keys = set()
+    for step in range(3):
+        off = np.full(2, 100 + step, np.int32)
+        score = shift_queries(mods.alibi(num_heads=8), off)
+        mask = shift_queries(mods.sliding_window(64), off)
+        keys.add(decode_path._config_for("bf16", 128, 1, 64, score, mask).key())
+    assert len(keys) == 1
