@@ -369,3 +369,84 @@ def test_per_sequence_offsets_pack_each_batch_row():
     assert bm.shape[0] == 2
     with pytest.raises(ValueError, match="start at 0"):
         document_ids_from_offsets(np.array([[1, 4]]))
+
+
+# --- packed variable-length batches (closed form) ---------------------------------------------------
+
+def _random_offsets(rng, L, n, B):
+    rows = []
+    for _ in range(B):
+        total = L if rng.random() < 0.6 else int(rng.integers(1, L + 1))  # else padding at the end
+        cuts = np.minimum(np.sort(rng.integers(0, L + 1, size=n - 1)), total)  # repeated cuts: empty documents
+        rows.append(np.concatenate([[0], cuts, [total]]))
+    return np.array(rows) if B > 1 else rows[0]
+
+
+@pytest.mark.parametrize("causal_", [False, True])
+def test_varlen_closed_form_equals_element_builder(causal_):
+    from flexattn.blockmask import varlen_block_mask
+    from flexattn.mods import document_from_offsets
+
+    rng = np.random.default_rng(17 + causal_)
+    for it in range(40):
+        L, n, B = int(rng.integers(1, 700)), int(rng.integers(1, 9)), int(rng.integers(1, 3))
+        offs = _random_offsets(rng, L, n, B)
+        bs = [(128, 128), (64, 32), (16, 48)][it % 3]
+        vl = varlen_block_mask(offs, length=L, causal=causal_, BLOCK_SIZE=bs)
+        mask = document_from_offsets(offs, L) & causal() if causal_ else document_from_offsets(offs, L)
+        ref = create_block_mask(mask, B if B > 1 else None, None, L, L, BLOCK_SIZE=bs)
+        np.testing.assert_array_equal(vl.block_states(), ref.block_states(), err_msg=f"{offs} L={L} {bs}")
+        np.testing.assert_array_equal(vl.num_allowed, ref.num_allowed)
+        check_layout(vl, ref.block_states())
+        assert vl.mask_mod.structure_key == mask.structure_key
+
+
+def test_varlen_lengths_update_and_errors():
+    from flexattn.blockmask import varlen_block_mask
+
+    a = varlen_block_mask(np.array([0, 100, 100, 250, 400]), causal=True)
+    b = varlen_block_mask(lengths=np.array([100, 0, 150, 150]), causal=True)
+    np.testing.assert_array_equal(a.block_states(), b.block_states())
+    assert a.shape == (1, 1, 400, 400) and int(a.num_allowed[0, 0]) == 100 * 101 // 2 + 2 * 150 * 151 // 2
+    new = np.array([0, 30, 400])
+    up = a.update(new)
+    np.testing.assert_array_equal(up.block_states(), varlen_block_mask(new, causal=True).block_states())
+    assert up.mask_mod.structure_key == a.mask_mod.structure_key  # same kernels serve the update
+    padded = varlen_block_mask(np.array([0, 64, 200]), length=512)  # tiles past 200 are empty
+    assert padded.shape[2:] == (512, 512) and (padded.block_states()[0, 0, 2:] == EMPTY).all()
+    assert (padded.block_states()[0, 0, :, 2:] == EMPTY).all()
+    with pytest.raises(ValueError, match="one of them"):
+        varlen_block_mask()
+    with pytest.raises(ValueError, match="start at 0"):
+        varlen_block_mask(np.array([1, 5]))
+    with pytest.raises(ValueError, match="shorter than"):
+        varlen_block_mask(np.array([0, 500]), length=100)
+
+
+def test_varlen_is_fast_at_long_lengths():
+    from flexattn.blockmask import _varlen_states
+
+    offs = np.concatenate([[0], np.sort(np.random.default_rng(0).choice(np.arange(1, 1 << 17), 63, replace=False)), [1 << 17]])
+    t = time.perf_counter()
+    states = _varlen_states(offs[None], 1 << 17, 128, 128, True)
+    assert time.perf_counter() - t < 0.5  # ~5 ms here; a [1024, 1024] tile grid, no element evaluation
+    assert states.shape == (1, 1, 1024, 1024)
+
+
+def test_device_without_gpu_adapter_builds_on_host():
+    """A device no registered adapter serves (no CUDA here) keeps torch-style code running."""
+    from flexattn.blockmask import DeviceArrays, register_device, _DEVICE_RESOLVERS
+
+    seen = []
+
+    def resolver(device):
+        seen.append(device)
+        return None
+
+    register_device(resolver)
+    try:
+        bm = create_block_mask(causal(), None, None, 300, 300, device="cuda:0")
+        assert bm.device == "cpu" and seen == ["cuda:0"] and isinstance(bm.kv_indices, np.ndarray)
+        assert DeviceArrays(device="x", stream=0, empty=None, to_device=None).tvm_ffi_stream is False
+    finally:
+        _DEVICE_RESOLVERS.remove(resolver)
