@@ -128,9 +128,10 @@ def _cache_requires_grad(query, cache) -> bool:
 _SM_COUNTS: dict = {}
 
 
-def _kernel_decode(query, cache, score_mod, mask, scale):
-    """The split-KV decode kernel on the current stream -> (out, lse)."""
-    from .core.decode_path import decode_into
+def _kernel_decode(query, cache, score_mod, mask, scale, launch=True):
+    """The split-KV decode kernel on the current stream -> (out, lse), or with ``launch``
+    False (out, lse, the planned ``DecodeLaunch``) without running it (benchmarks)."""
+    from .core.decode_path import prepare_decode
 
     dev = query.device
     paged = hasattr(cache, "page_table")
@@ -160,8 +161,11 @@ def _kernel_decode(query, cache, score_mod, mask, scale):
 
     with torch.cuda.device(dev):
         device = Device(torch.cuda.current_stream(dev).cuda_stream, _DeviceCopies(dev), tvm_ffi_stream=True)
-        decode_into(q, cache, out, lse, device, num_sms, alloc, score_mod=score_mod, mask=mask, scale=scale,
-                    page_table=table)
+        step = prepare_decode(q, cache, out, lse, device, num_sms, alloc, score_mod=score_mod, mask=mask,
+                              scale=scale, page_table=table)
+        if not launch:
+            return out, lse, step
+        step.launch()
     return out, lse
 
 

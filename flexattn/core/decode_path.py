@@ -106,13 +106,21 @@ def decode_unsupported(q, k, v, page_size: int) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class DecodePlan:
-    """What one step ran: the kernel config (its hook with this step's captures), splits."""
+@dataclass
+class DecodeLaunch:
+    """One planned step, ready to launch (``launch()`` repeats the kernels with the same
+    arguments: benchmarks time it apart from the host planning)."""
 
-    config: object
+    config: object          # DecodeConfig; its hook carries this step's captures
     num_splits: int
-    kv_lo: np.ndarray
+    kv_lo: np.ndarray       # per sequence, the first token the kernel may visit
+    _decode: Callable = None
+    _combine: Callable = None
+
+    def launch(self) -> None:
+        self._decode()
+        if self._combine is not None:
+            self._combine()
 
 
 _PLANS: dict = {}
@@ -142,9 +150,9 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
     return entry[0].with_mods(hook)
 
 
-def decode_into(q, cache, out, lse, device: Device, num_sms: int, alloc: Callable, score_mod=None, mask=None,
-                scale=None, page_table=None) -> DecodePlan:
-    """Run one decode step with the split-KV kernel: ``q`` [B, Hq, q_len, D] (the last
+def prepare_decode(q, cache, out, lse, device: Device, num_sms: int, alloc: Callable, score_mod=None, mask=None,
+                scale=None, page_table=None) -> DecodeLaunch:
+    """Plan one decode step for the split-KV kernel (``decode_into`` runs it): ``q`` [B, Hq, q_len, D] (the last
     q_len tokens of each sequence, already appended to ``cache``) → ``out`` [B, Hq, q_len, D]
     (contiguous, q's dtype) and ``lse`` [B, Hq, q_len] (float32, natural log).
 
@@ -213,15 +221,25 @@ def decode_into(q, cache, out, lse, device: Device, num_sms: int, alloc: Callabl
         from ..kernels.mod_emit import runtime_args
 
         args = runtime_args(config.mods, device.to_device)
-    decode_runner(config, ffi).run(q, k, v, table, seq_lens, kv_lo_dev, out, lse, o_part, lse_part,
-                                   scale_value, args, device.stream)
+    runner = decode_runner(config, ffi)
+    step = DecodeLaunch(config, splits, kv_lo, lambda: runner.run(
+        q, k, v, table, seq_lens, kv_lo_dev, out, lse, o_part, lse_part, scale_value, args, device.stream))
     if splits > 1:
         rows = B * Hq * q_len
-        combine_runner(CombineConfig(dtype=dtype, head_dim=D), ffi).run(
-            o_part.reshape(splits, rows, D), lse_part.reshape(splits, rows), out.reshape(rows, D),
-            lse.reshape(rows), device.stream)
-    return DecodePlan(config, splits, kv_lo)
+        merge = combine_runner(CombineConfig(dtype=dtype, head_dim=D), ffi)
+        views = (o_part.reshape(splits, rows, D), lse_part.reshape(splits, rows), out.reshape(rows, D),
+                 lse.reshape(rows))
+        step._combine = lambda: merge.run(*views, device.stream)
+    return step
 
 
-__all__ = ["DECODE_MAX_Q_LEN", "DecodePlan", "choose_splits", "decode_into", "decode_unsupported",
-           "first_kv_tokens"]
+def decode_into(q, cache, out, lse, device: Device, num_sms: int, alloc: Callable, score_mod=None, mask=None,
+                scale=None, page_table=None) -> DecodeLaunch:
+    """Run one decode step with the split-KV kernel (+ combine); see ``prepare_decode``."""
+    step = prepare_decode(q, cache, out, lse, device, num_sms, alloc, score_mod, mask, scale, page_table)
+    step.launch()
+    return step
+
+
+__all__ = ["DECODE_MAX_Q_LEN", "DecodeLaunch", "choose_splits", "decode_into", "decode_unsupported",
+           "first_kv_tokens", "prepare_decode"]

@@ -1,0 +1,189 @@
+"""Decoding (q_len 1) against long KV caches, side by side on one GPU in one process.
+
+  flexattn      flexattn.torch.decode: one whole step (host planning + decode + combine)
+  flexattn-k    the same step's kernels alone (planned once, launched repeatedly)
+  sdpa          torch SDPA, enable_gqa (cuDNN / flash / efficient, torch's choice); the
+                window variant attends only the window slice; ALiBi as a float bias
+  fa4           FlashAttention-4 flash_attn_func (no split-KV on Hopper), no ALiBi
+  flex          torch flex_attention, torch.compile'd (flex decoding for short queries)
+
+TB/s count the K+V bytes a step needs: 2 · B · Hkv · keys · D · 2 bytes, keys = L, or the
+window's 4097 keys for the sliding window. Contiguous caches are one [B, L, Hkv, D]
+storage (viewed [B, Hkv, L, D]); paged caches use pages of 64 in shuffled order.
+
+    python3 benchmarks/bench_decode.py [--shapes 8x8192 8x65536 1x131072] [--out results.json]
+"""
+
+import argparse
+import datetime
+import math
+import traceback
+
+import numpy as np
+import torch
+
+from common import bench_ms, device_name, report
+
+HQ, HKV, D, WINDOW, PAGE = 32, 8, 128, 4096, 64
+VARIANTS = ("none", "window4096", "alibi")
+LAYOUTS = ("contiguous", "paged64")
+
+
+def make_inputs(B, L, layout):
+    from flexattn import KVCache, PagedKVCache
+
+    torch.manual_seed(0)
+    k = torch.randn(B, L, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    lengths = torch.full((B,), L, dtype=torch.int32)       # host lengths: no sync per step
+    if layout == "contiguous":
+        return KVCache(k.transpose(1, 2), v.transpose(1, 2), lengths), k, v
+    n_pages = B * L // PAGE
+    table = torch.randperm(n_pages, device="cuda").view(B, L // PAGE).to(torch.int32)
+    pages_k, pages_v = k.view(n_pages, PAGE, HKV, D), v.view(n_pages, PAGE, HKV, D)
+    return PagedKVCache(pages_k, pages_v, table, lengths), None, None
+
+
+def variant_mods(name):
+    from flexattn import mods
+
+    if name == "none":
+        return None, None
+    if name == "window4096":
+        return mods.sliding_window(WINDOW), None
+    return mods.causal(), mods.alibi(num_heads=HQ)
+
+
+def baselines(name, q, k, v, L, scale):
+    """{impl: fn} for contiguous [B, L, Hkv, D] k/v and q [B, Hq, 1, D]."""
+    from flexattn import mods
+
+    out = {}
+    kh, vh = k.transpose(1, 2), v.transpose(1, 2)
+    slopes = torch.from_numpy(mods.alibi_slopes(HQ)).cuda()
+    F = torch.nn.functional
+    if name == "none":
+        out["sdpa"] = lambda: F.scaled_dot_product_attention(q, kh, vh, scale=scale, enable_gqa=True)
+    elif name == "window4096":
+        ks, vs = kh[:, :, L - WINDOW - 1:], vh[:, :, L - WINDOW - 1:]
+        out["sdpa"] = lambda: F.scaled_dot_product_attention(q, ks, vs, scale=scale, enable_gqa=True)
+    else:
+        bias = (slopes.view(1, HQ, 1, 1) * (torch.arange(L, device="cuda") - (L - 1)).view(1, 1, 1, L)).to(q.dtype)
+        out["sdpa"] = lambda: F.scaled_dot_product_attention(q, kh, vh, attn_mask=bias, scale=scale, enable_gqa=True)
+    if name != "alibi":
+        try:
+            from flash_attn.cute import flash_attn_func
+
+            qf = q.transpose(1, 2)
+            win = (WINDOW, 0) if name == "window4096" else (None, None)
+            out["fa4"] = lambda: flash_attn_func(qf, k, v, softmax_scale=scale, causal=name == "window4096",
+                                                 window_size=win)
+        except Exception as e:  # noqa: BLE001
+            print(f"fa4 unavailable: {e!r}")
+    out["flex"] = _flex(name, q, kh, vh, L, scale, slopes)
+    return out
+
+
+_FLEX = {}
+
+
+def _flex(name, q, kh, vh, L, scale, slopes):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    fn = _FLEX["fn"]
+    off = L - 1
+    score = block_mask = None
+    if name == "window4096":
+        def window(b, h, q_idx, kv_idx):
+            return (q_idx + off >= kv_idx) & (q_idx + off - kv_idx <= WINDOW)
+        block_mask = create_block_mask(window, None, None, 1, L, device="cuda")
+    elif name == "alibi":
+        def alibi(s, b, h, q_idx, kv_idx):
+            return s + slopes[h] * (kv_idx - q_idx - off)
+        score = alibi
+    return lambda: fn(q, kh, vh, score_mod=score, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
+def run_shape(B, L, rows):
+    import flexattn.torch as fa
+    from flexattn.torch import _kernel_decode
+
+    scale = 1 / math.sqrt(D)
+    for layout in LAYOUTS:
+        cache, k, v = make_inputs(B, L, layout)
+        q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+        for name in VARIANTS:
+            mask, score = variant_mods(name)
+            keys = min(L, WINDOW + 1) if name == "window4096" else L
+            gbytes = 2 * B * HKV * keys * D * 2 / 1e9
+            impls = {"flexattn": lambda: fa.decode(q, cache, score_mod=score, mask=mask)}
+            try:
+                _, _, step = _kernel_decode(q, cache, score, mask, None, launch=False)
+                impls["flexattn-k"] = step.launch
+                splits = step.num_splits
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+                splits = None
+            if layout == "contiguous":
+                impls.update(baselines(name, q, k, v, L, scale))
+            ref = None
+            for impl, fn in impls.items():
+                row = dict(B=B, L=L, layout=layout, variant=name, impl=impl, splits=splits)
+                try:
+                    o = fn()
+                    torch.cuda.synchronize()
+                    if impl == "flexattn":
+                        ref = o
+                    elif ref is not None and isinstance(o, torch.Tensor) and o.shape[-1] == D and layout == "contiguous":
+                        o4 = o if o.shape == ref.shape else o.transpose(1, 2)
+                        row["rel_diff_vs_flexattn"] = ((o4.float() - ref.float()).norm() / ref.float().norm()).item()
+                    ms = bench_ms(fn, 25, 150)
+                    row.update(ms=ms, tbps=gbytes / ms)
+                except Exception as e:  # noqa: BLE001
+                    row.update(ms=None, tbps=None, error=repr(e)[:200])
+                print(row, flush=True)
+                rows.append(row)
+        cache = k = v = impls = None  # free this layout's cache before the next one
+        torch.cuda.empty_cache()
+
+
+def table(rows, stamp) -> str:
+    impls = ["flexattn", "flexattn-k", "sdpa", "fa4", "flex"]
+    lines = [f"Decode, q_len 1, Hq {HQ} Hkv {HKV} D {D} bf16 — TB/s of K+V bytes needed ({device_name()}, {stamp})", "",
+             "| B | L | layout | variant | splits | " + " | ".join(impls) + " |",
+             "|---|---|---|---|---|" + "---|" * len(impls)]
+    keyed = {}
+    for r in rows:
+        keyed.setdefault((r["B"], r["L"], r["layout"], r["variant"]), {})[r["impl"]] = r
+    for (B, L, layout, name), by in keyed.items():
+        cells = []
+        for i in impls:
+            r = by.get(i)
+            cells.append("—" if r is None or r.get("tbps") is None else f"{r['tbps']:.2f}")
+        splits = next(iter(by.values())).get("splits")
+        lines.append(f"| {B} | {L} | {layout} | {name} | {splits} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", nargs="*", default=["8x8192", "8x65536", "1x131072"])
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    torch._dynamo.config.cache_size_limit = 64
+    stamp = datetime.date.today().isoformat()
+    rows = []
+    for s in args.shapes:
+        B, L = (int(x) for x in s.split("x"))
+        try:
+            run_shape(B, L, rows)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+    report(table(rows, stamp), rows, args.out, stamp)
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=3)
+    main()

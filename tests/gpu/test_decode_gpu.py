@@ -1,0 +1,229 @@
+"""GPU: the split-KV decode kernel (+ combine) against a float64 reference.
+
+Randomized steps: q_len 1..16, cache lengths not multiples of the tile, GQA ratios 1/4/8,
+contiguous and paged caches (pages smaller than, equal to and larger than the tile, in
+shuffled order), mods none / causal / sliding window / ALiBi / softcap, splits forced
+from 1 to many. Outputs, LSE and the split workspace are NaN-poisoned before launch.
+Skipped without CUDA.
+"""
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("cutlass")
+
+import flexattn.torch as fa  # noqa: E402
+from flexattn import mods  # noqa: E402
+from flexattn.core import decode_path  # noqa: E402
+from flexattn.core.kernel_path import Device  # noqa: E402
+from flexattn.kernels import cache as kernel_cache  # noqa: E402
+
+DEV = "cuda"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def reference(q, k, v, lengths, scale, score_fn=None, mask_fn=None):
+    """float64 decode on logical K/V [B, Hkv, cap, D]: query row i of sequence b at
+    position lengths[b] - q_len + i, keys < lengths[b]. -> (out, lse)."""
+    q, k, v = (t.double() for t in (q, k, v))
+    B, Hq, n, _ = q.shape
+    group = Hq // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    L = torch.as_tensor(lengths, device=q.device).view(B, 1, 1, 1).long()
+    b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
+    h = torch.arange(Hq, device=q.device).view(1, Hq, 1, 1)
+    qi = torch.arange(n, device=q.device).view(1, 1, n, 1) + L - n
+    ki = torch.arange(k.shape[2], device=q.device).view(1, 1, 1, -1)
+    if score_fn is not None:
+        s = score_fn(s, b, h, qi, ki)
+    keep = ki < L
+    if mask_fn is not None:
+        keep = keep & mask_fn(b, h, qi, ki)
+    s = s.masked_fill(~keep.expand_as(s), -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.where(torch.isfinite(lse)[..., None], torch.exp(s - lse[..., None]), torch.zeros_like(s))
+    return p @ v, lse
+
+
+def variant(kind, Hq):
+    """-> (mask, score, mask_fn, score_fn) at true positions."""
+    if kind == "none":
+        return None, None, None, None
+    if kind == "causal":
+        return mods.causal(), None, lambda b, h, q, k: q >= k, None
+    if kind == "window":
+        w = random.choice([17, 100, 700])
+        return (mods.sliding_window(w), None, lambda b, h, q, k: (q >= k) & (q - k <= w), None)
+    if kind == "alibi":
+        slopes = torch.from_numpy(mods.alibi_slopes(Hq)).to(DEV).double()
+        return (mods.causal(), mods.alibi(num_heads=Hq), lambda b, h, q, k: q >= k,
+                lambda s, b, h, q, k: s + slopes[h] * (k - q))
+    if kind == "softcap":
+        cap = random.choice([5.0, 30.0])
+        return None, mods.softcap(cap), None, lambda s, b, h, q, k: cap * torch.tanh(s / cap)
+    raise ValueError(kind)
+
+
+def make_cache(B, Hkv, cap, D, lengths, dtype, page_size):
+    """(cache for the kernel, logical K, logical V); paged caches get shuffled pages."""
+    k = torch.randn(B, Hkv, cap, D, device=DEV, dtype=dtype)
+    v = torch.randn(B, Hkv, cap, D, device=DEV, dtype=dtype)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    if not page_size:
+        return fa.KVCache(k, v, lens), k, v
+    per_seq = cap // page_size
+    n_pages = B * per_seq + 5
+    perm = torch.randperm(n_pages)[: B * per_seq]
+    table = perm.view(B, per_seq).to(torch.int32).to(DEV)
+    pages = [torch.full((n_pages, page_size, Hkv, D), float("nan"), device=DEV, dtype=dtype) for _ in range(2)]
+    for src, dst in ((k, pages[0]), (v, pages[1])):
+        dst[table.long()] = src.view(B, Hkv, per_seq, page_size, D).permute(0, 2, 3, 1, 4)
+    return fa.PagedKVCache(pages[0], pages[1], table, lens), k, v
+
+
+def run_kernel(q, cache, mask, score, num_sms):
+    """decode_into with poisoned outputs and workspace."""
+    B, Hq, n, D = q.shape
+    out = torch.full((B, Hq, n, D), float("nan"), device=DEV, dtype=q.dtype)
+    lse = torch.full((B, Hq, n), float("nan"), device=DEV)
+
+    def alloc(shape, dtype):
+        return torch.full(shape, float("nan"), device=DEV, dtype=getattr(torch, dtype))
+
+    from flexattn.torch import _DeviceCopies
+
+    device = Device(torch.cuda.current_stream().cuda_stream, _DeviceCopies(torch.device(DEV)), tvm_ffi_stream=True)
+    step = decode_path.decode_into(q, cache, out, lse, device, num_sms, alloc, score_mod=score, mask=mask)
+    torch.cuda.synchronize()
+    return out, lse, step
+
+
+# Compiles dominate the run time: the random draws share a few configs (D 128 bf16, each
+# mod kind x {contiguous, pages of 64, pages of 16}); three extra cases cover fp16 / D 64,
+# pages larger than the tile and two consumer warpgroups (group 8 x q_len 16 = 128 rows).
+CASES = []
+_rng = random.Random(5)
+for i in range(21):
+    group = _rng.choice([1, 4, 8])
+    CASES.append(dict(
+        q_len=_rng.choice([1, 1, 2, 5, 8] + ([16] if group < 8 else [])),
+        group=group, Hkv=_rng.choice([1, 2]), B=_rng.choice([1, 2, 3]), D=128, dtype="bf16",
+        page_size=[0, 64, 16][(i // 5) % 3],
+        kind=["none", "causal", "window", "alibi", "softcap"][i % 5],
+        num_sms=_rng.choice([1, 8, 132]),      # 1 SM: never split; 132: several splits
+        seed=i,
+    ))
+CASES += [
+    dict(q_len=3, group=4, Hkv=2, B=2, D=64, dtype="fp16", page_size=256, kind="window", num_sms=132, seed=100),
+    dict(q_len=16, group=8, Hkv=1, B=2, D=64, dtype="bf16", page_size=0, kind="causal", num_sms=132, seed=101),
+    dict(q_len=1, group=8, Hkv=2, B=3, D=128, dtype="bf16", page_size=128, kind="alibi", num_sms=132, seed=102),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "q{q_len}-g{group}-h{Hkv}-b{B}-d{D}-{dtype}-p{page_size}-{kind}-sm{num_sms}".format(**c))
+def test_decode_matches_reference(case):
+    random.seed(case["seed"])
+    torch.manual_seed(case["seed"])
+    B, Hkv, n, D = case["B"], case["Hkv"], case["q_len"], case["D"]
+    Hq = Hkv * case["group"]
+    cap = 1024 if case["page_size"] != 256 else 1280
+    lengths = [random.randint(n, cap) for _ in range(B)]
+    lengths[0] = cap - random.randint(0, 3)                  # near-full, not tile-aligned
+    dtype = DTYPES[case["dtype"]]
+    cache, k, v = make_cache(B, Hkv, cap, D, lengths, dtype, case["page_size"])
+    q = torch.randn(B, Hq, n, D, device=DEV, dtype=dtype)
+    mask, score, mask_fn, score_fn = variant(case["kind"], Hq)
+    out, lse, step = run_kernel(q, cache, mask, score, case["num_sms"])
+    want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), score_fn, mask_fn)
+    assert not out.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+
+
+def test_window_skips_blocks_and_many_splits():
+    """A long cache with a short window: kv_lo skips the cache's head; B 1 splits wide."""
+    torch.manual_seed(0)
+    B, Hq, Hkv, n, D, cap = 1, 16, 2, 1, 128, 20032
+    lengths = [19999]
+    cache, k, v = make_cache(B, Hkv, cap, D, lengths, torch.bfloat16, 64)
+    q = torch.randn(B, Hq, n, D, device=DEV, dtype=torch.bfloat16)
+    out, lse, step = run_kernel(q, cache, mods.sliding_window(1000), mods.alibi(num_heads=Hq), 132)
+    assert step.kv_lo[0] >= 19998 - 1000 - 127 and step.num_splits > 1
+    slopes = torch.from_numpy(mods.alibi_slopes(Hq)).to(DEV).double()
+    want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), lambda s, b, h, q_, k_: s + slopes[h] * (k_ - q_),
+                               lambda b, h, q_, k_: (q_ >= k_) & (q_ - k_ <= 1000))
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+
+
+def test_adapter_stepping_never_recompiles():
+    """fa.decode token by token on a paged cache: kernel path, reference-equal, and after
+    the first steps (one split count, then another) no new compile."""
+    torch.manual_seed(1)
+    B, Hq, Hkv, D, page = 2, 8, 2, 128, 64
+    max_pages = 40
+    k_pages = torch.zeros(B * max_pages, page, Hkv, D, device=DEV, dtype=torch.bfloat16)
+    v_pages = torch.zeros_like(k_pages)
+    table = torch.randperm(B * max_pages, device=DEV).view(B, max_pages).to(torch.int32)
+    start = np.array([300, 1000])
+    cache = fa.PagedKVCache(k_pages, v_pages, table, torch.tensor(start, dtype=torch.int32))
+    k_all = torch.randn(B, Hkv, 1200, D, device=DEV, dtype=torch.bfloat16)
+    v_all = torch.randn_like(k_all)
+    for b in range(B):
+        cache.assign(b, np.arange(start[b]), k_all[b, :, : start[b]], v_all[b, :, : start[b]])
+    score = mods.alibi(num_heads=Hq)
+    counts = []
+    for t in range(6):
+        new_k = torch.stack([k_all[b, :, start[b] + t: start[b] + t + 1] for b in range(B)])
+        new_v = torch.stack([v_all[b, :, start[b] + t: start[b] + t + 1] for b in range(B)])
+        cache.append(new_k, new_v)
+        q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
+        out, lse = fa.decode(q, cache, score_mod=score, mask=mods.sliding_window(500), return_lse=True)
+        counts.append(kernel_cache.compile_count())
+        lengths = (start + t + 1).tolist()
+        logical = torch.zeros(B, Hkv, 1200, D, device=DEV, dtype=torch.bfloat16)
+        for b in range(B):
+            logical[b, :, : lengths[b]] = k_all[b, :, : lengths[b]]
+        logical_v = torch.zeros_like(logical)
+        for b in range(B):
+            logical_v[b, :, : lengths[b]] = v_all[b, :, : lengths[b]]
+        slopes = torch.from_numpy(mods.alibi_slopes(Hq)).to(DEV).double()
+        want, want_lse = reference(q, logical, logical_v, lengths, 1 / math.sqrt(D),
+                                   lambda s, b, h, q_, k_: s + slopes[h] * (k_ - q_),
+                                   lambda b, h, q_, k_: (q_ >= k_) & (q_ - k_ <= 500))
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+    assert counts[-1] == counts[1], counts
+
+
+def test_adapter_errors_before_launch():
+    q = torch.randn(1, 4, 1, 96, device=DEV, dtype=torch.bfloat16)
+    k = torch.zeros(1, 2, 64, 96, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head dims"):
+        fa.decode(q, fa.KVCache(k, k.clone(), torch.tensor([5], dtype=torch.int32)))
+    pages = torch.zeros(4, 48, 2, 128, device=DEV, dtype=torch.bfloat16)
+    q = torch.randn(1, 4, 1, 128, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="page"):
+        fa.decode(q, fa.PagedKVCache(pages, pages.clone(), torch.zeros(1, 4, dtype=torch.int32, device=DEV),
+                                     torch.tensor([5], dtype=torch.int32)))
+
+
+def test_long_cache_many_splits():
+    """B 1, 20k tokens, no mask: dozens of splits through the combine kernel."""
+    torch.manual_seed(2)
+    B, Hq, Hkv, n, D, cap = 1, 8, 2, 3, 128, 20032
+    lengths = [20001]
+    cache, k, v = make_cache(B, Hkv, cap, D, lengths, torch.bfloat16, 0)
+    q = torch.randn(B, Hq, n, D, device=DEV, dtype=torch.bfloat16)
+    out, lse, step = run_kernel(q, cache, None, mods.softcap(20.0), 132)
+    assert step.num_splits >= 30
+    want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), lambda s, b, h, q_, k_: 20.0 * torch.tanh(s / 20.0))
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
