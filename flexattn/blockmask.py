@@ -308,8 +308,8 @@ def _build_on_device(mask, B, H, Q_LEN, KV_LEN, qb, kvb, arrays: DeviceArrays) -
     built = builder.build(mask, B, H, Q_LEN, KV_LEN, arrays)
 
     def count_allowed():
-        per_warp = builder.count_allowed(mask, B, H, Q_LEN, KV_LEN, arrays)
-        return np.asarray(to_numpy(per_warp), dtype=np.int64).sum(axis=-1)
+        per_tile = builder.count_allowed(mask, B, H, Q_LEN, KV_LEN, arrays)
+        return np.asarray(to_numpy(per_tile), dtype=np.int64).sum(axis=-1)
 
     return BlockMask._on_device(built, (Q_LEN, KV_LEN), (qb, kvb), mask, arrays.device, count_allowed)
 

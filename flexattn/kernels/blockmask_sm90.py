@@ -13,8 +13,8 @@ States (int8 [B, H, Q_BLOCKS, KV_BLOCKS]: 0 empty, 1 partial, 2 full) go to
 ``blockmask_compact`` for the sorted lists. Tiles cut by the sequence end are classified
 by their valid elements, as the CPU builder does.
 
-``count_allowed`` compiles a variant without early exit that also sums the attended
-(q, kv) pairs (one int64 per warp), for ``BlockMask.num_allowed``: exact counting must
+``count_allowed`` compiles a variant without early exit that also counts the attended
+(q, kv) pairs (one int64 per tile slot), for ``BlockMask.num_allowed``: exact counting must
 read every element of every partial tile, so the plain build does not pay for it.
 
 The mask's captured buffers and scalars are runtime arguments: new values (next step's
@@ -48,7 +48,8 @@ class BlockClassifierSm90:
 
     @cute.jit
     def __call__(self, states: cute.Tensor, allowed, q_len: Int32, kv_len: Int32, args, stream):
-        """``allowed``: int64 [n_warps] per-warp counts when ``count_allowed``, else None."""
+        """``allowed``: int64 [n_warps * 32], the attended pairs of each lane's tile, when
+        ``count_allowed``; else None."""
         n_rows = states.shape[0] * states.shape[1] * states.shape[2]
         n_warps = n_rows * ((states.shape[3] + 31) // 32)
         grid = (n_warps + WARPS_PER_CTA - 1) // WARPS_PER_CTA
@@ -79,7 +80,7 @@ class BlockClassifierSm90:
             ranges = {"b": (b, b), "h": (h, h), "q": (q_lo, q_hi), "kv": (kv_lo, kv_hi)}
             verdict = interval_emit.classify(self.expr, ranges, args)
             state = Int32(cutlass.select_(verdict == 1, Int32(FULL), Int32(EMPTY)))
-            count = Int64(0)
+            count = Int64(0)  # attended pairs of this lane's tile (count_allowed)
             if const_expr(self.count_allowed):
                 area = Int64(q_hi - q_lo + 1) * Int64(kv_hi - kv_lo + 1)
                 count = Int64(cutlass.select_(in_range & (verdict == 1), area, Int64(0)))
@@ -89,14 +90,13 @@ class BlockClassifierSm90:
                     t_lo = (chunk * 32 + t) * self.kv_block
                     t_hi = cutlass.min(t_lo + self.kv_block, kv_len) - 1
                     t_state, t_count = self._evaluate_tile(b, h, q_lo, q_hi, t_lo, t_hi, lane, args)
-                    if lane == t:
+                    if lane == t:  # results are warp-uniform; the tile's lane keeps them
                         state = t_state
-                    count += t_count
+                        count = t_count
             if in_range:
                 states[b, h, row, j] = cutlass.Int8(state)
             if const_expr(self.count_allowed):
-                if lane == 0:
-                    allowed[warp] = count
+                allowed[warp * 32 + lane] = count
 
     @cute.jit
     def _evaluate_tile(self, b, h, q_lo, q_hi, kv_lo, kv_hi, lane, args):
@@ -250,16 +250,16 @@ class GpuBlockMaskBuilder:
         return out
 
     def count_allowed(self, mask, B: int, H: int, q_len: int, kv_len: int, arrays):
-        """Device int64 [B, H, rows × chunks] of attended-pair counts per warp (sum the last
-        axis for [B, H]); rewrites identical states into a scratch array."""
+        """Device int64 [B, H, rows × chunks × 32] of attended-pair counts per tile slot (sum
+        the last axis for [B, H]); rewrites identical states into a scratch array."""
         n_q, n_kv = -(-q_len // self.q_block), -(-kv_len // self.kv_block)
         chunks = -(-n_kv // 32)
         states = arrays.empty((B, H, n_q, n_kv), "int8")
-        allowed = arrays.empty((B * H * n_q * chunks,), "int64")
+        allowed = arrays.empty((B * H * n_q * chunks * 32,), "int64")
         hook = IRModHook(None, mask)
         hook.capture_kinds = self.template.capture_kinds
         self._launch(self._fn(True), hook, arrays, states, allowed, q_len, kv_len)
-        return allowed.reshape(B, H, n_q * chunks)
+        return allowed.reshape(B, H, n_q * chunks * 32)
 
 
 def _view(x):

@@ -123,7 +123,8 @@ def test_update_reuses_compiled_kernels():
 def test_varlen_on_gpu_matches_host(causal):
     rng = np.random.default_rng(3 + causal)
     for S, B in ((5000, 1), (777, 3)):
-        offs = np.stack([_offsets(rng, int(rng.integers(S // 2, S + 1)), int(rng.integers(1, 12))) for _ in range(B)])
+        n = int(rng.integers(1, 12))  # documents per row (some empty); rows end before S: padding
+        offs = np.stack([_offsets(rng, int(rng.integers(S // 2, S + 1)), n) for _ in range(B)])
         offs = offs[0] if B == 1 else offs
         gpu = varlen_block_mask(offs, length=S, causal=causal, device="cuda")
         cpu = varlen_block_mask(offs, length=S, causal=causal)
