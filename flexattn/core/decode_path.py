@@ -63,21 +63,55 @@ def first_kv_tokens(mask, batch: int, q_heads: int, q_len: int, capacity: int, t
     from ..arrays import to_numpy
     from ..mods.intervals import classify
 
-    n_blocks = -(-capacity // tile_n)
-    lo = np.arange(n_blocks) * tile_n
-    hi = np.minimum(lo + tile_n, capacity) - 1
+    values = [to_numpy(c) for c in mask.captures]
     b = np.arange(batch).reshape(batch, 1)
-    ranges = {
-        "b": (b, b),
-        "h": (np.zeros((1, 1), dtype=np.int64), np.full((1, 1), q_heads - 1)),
-        "q": (np.zeros((1, 1), dtype=np.int64), np.full((1, 1), q_len - 1)),
-        "kv": (lo.reshape(1, n_blocks), hi.reshape(1, n_blocks)),
-    }
-    verdict = np.broadcast_to(classify(mask.expr, ranges, [to_numpy(c) for c in mask.captures]),
-                              (batch, n_blocks))
-    possible = verdict != 0
+
+    def possible(n_blocks):
+        lo = np.arange(n_blocks) * tile_n
+        hi = np.minimum(lo + tile_n, capacity) - 1
+        ranges = {
+            "b": (b, b),
+            "h": (np.zeros((1, 1), dtype=np.int64), np.full((1, 1), q_heads - 1)),
+            "q": (np.zeros((1, 1), dtype=np.int64), np.full((1, 1), q_len - 1)),
+            "kv": (lo.reshape(1, n_blocks), hi.reshape(1, n_blocks)),
+        }
+        return np.broadcast_to(classify(mask.expr, ranges, values), (batch, n_blocks)) != 0
+
+    if possible(1).all():      # block 0 may be attended everywhere (causal, ...): no scan
+        return np.zeros(batch, dtype=np.int32)
+    n_blocks = -(-capacity // tile_n)
+    possible = possible(n_blocks)
     first = np.where(possible.any(axis=1), possible.argmax(axis=1), n_blocks)
     return (first * tile_n).astype(np.int32)
+
+
+_SHIFTED: dict = {}   # (id(expr), ids of captures) -> (mod, shifted template, offset slot)
+_SHIFTED_CAPACITY = 64
+
+
+def _at_true_positions(mod, q_offset):
+    """``shift_queries(mod, q_offset)``, traced once per mod: later steps (same mod, new
+    offsets) only swap the offset capture of the cached rewrite (tracing costs ~0.5 ms)."""
+    key = (id(mod.expr), tuple(id(c) for c in mod.captures))
+    hit = _SHIFTED.get(key)
+    if hit is None:
+        placeholder = np.zeros(1, np.int32)
+        template = shift_queries(mod, placeholder)
+        slot = next(i for i, c in enumerate(template.captures) if c is placeholder)
+        if len(_SHIFTED) >= _SHIFTED_CAPACITY:
+            _SHIFTED.pop(next(iter(_SHIFTED)))
+        hit = _SHIFTED[key] = (mod, template, slot)  # the mod keeps the ids in the key its own
+    _, template, slot = hit
+    captures = list(template.captures)
+    captures[slot] = q_offset
+    return template.with_captures(tuple(captures))
+
+
+def _swap(mod, old, new):
+    """``mod`` with the capture that is ``old`` (by identity) replaced by ``new``."""
+    if mod is None:
+        return None
+    return mod.with_captures(tuple(new if c is old else c for c in mod.captures))
 
 
 def _is_full(mask) -> bool:
@@ -133,8 +167,10 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
     from ..kernels.decode_sm90 import DecodeConfig
     from ..kernels.mod_emit import IRModHook, capture_kinds
 
+    # By IR identity (cached rewrites share it), so a hit hashes no structure; the entry's
+    # template holds the IR, so the ids stay its own.
     key = (dtype, head_dim, num_mma_wg, page_size,
-           None if score is None else score.structure_key, None if mask is None else mask.structure_key)
+           None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     hook = IRModHook(score, mask)
     entry = _PLANS.get(key)
     if entry is None:
@@ -185,28 +221,33 @@ def prepare_decode(q, cache, out, lse, device: Device, num_sms: int, alloc: Call
             f"every sequence must already hold its {q_len} query tokens (append them first); lengths {lengths.tolist()}")
 
     # Mods at true positions: query row i of sequence b sits at lengths[b] - q_len + i.
-    q_offset = (lengths - q_len).astype(np.int32)
-    q_offset.flags.writeable = False
+    # One host array [lengths; first kv token; query offset] goes to the GPU in one copy.
+    host = np.empty((3, B), dtype=np.int32)
+    host[0] = lengths
+    q_offset = host[2]
+    q_offset[:] = lengths - q_len
     base = None if mask is None else as_mask(mask, "mask")
-    the_mask = None if _is_full(base) else shift_queries(base, q_offset)
-    the_score = None if score_mod is None else shift_queries(as_score(score_mod, "score_mod"), q_offset)
+    the_mask = None if _is_full(base) else _at_true_positions(base, q_offset)
+    the_score = None if score_mod is None else _at_true_positions(as_score(score_mod, "score_mod"), q_offset)
 
     group_rows = (Hq // kv_heads) * q_len
     num_mma_wg = 1 if group_rows <= 64 else 2
     m_blocks = -(-group_rows // (64 * num_mma_wg))
     dtype = KERNEL_DTYPES[dtype_name(q)]
-    config = _config_for(dtype, D, num_mma_wg, page_size, the_score, the_mask)
 
     capacity = int(cache.capacity)
-    kv_lo = first_kv_tokens(the_mask, B, Hq, q_len, capacity)
+    kv_lo = host[1] = first_kv_tokens(the_mask, B, Hq, q_len, capacity)
+    on_device = device.to_device(host)
+    seq_lens, kv_lo_dev, q_offset_dev = on_device[0], on_device[1], on_device[2]
+    # The kernel's mods read the offsets from that device copy.
+    config = _config_for(dtype, D, num_mma_wg, page_size, _swap(the_score, q_offset, q_offset_dev),
+                         _swap(the_mask, q_offset, q_offset_dev))
     n_hi = -(-lengths // TILE_N)
     kv_blocks = int(np.max(n_hi - np.minimum(kv_lo // TILE_N, n_hi)))
     splits = choose_splits(B, kv_heads, m_blocks, kv_blocks, num_sms)
 
     o_part = alloc((splits, B, Hq, q_len, D), "float32")
     lse_part = alloc((splits, B, Hq, q_len), "float32")
-    seq_lens = device.to_device(lengths.astype(np.int32))
-    kv_lo_dev = device.to_device(kv_lo)
     scale_value = float(scale) if scale is not None else 1.0 / math.sqrt(D)
     ffi = use_tvm_ffi(device)
 
