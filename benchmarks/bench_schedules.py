@@ -1,4 +1,5 @@
-"""Forward schedule ablation of our sm90 kernel (overlap / ping-pong), beside the anchors.
+"""Forward schedule ablation of our sm90 kernel (overlap / ping-pong / tile order /
+persistent CTAs), beside the anchors.
 
   flexattn   our sm90 CuTeDSL kernel (flexattn.kernels.fwd_sm90)
   fa4        FlashAttention-4 (flash_attn.cute.flash_attn_func)
@@ -10,7 +11,8 @@ TFLOP/s count 4*B*H*Sq*Skv*D per forward, halved for causal. All inputs share on
 [B, S, H, D] storage (viewed as [B, H, S, D] where a library wants that). Prints a table
 at the end; `--out FILE` also writes it as JSON.
 
-    python3 benchmarks/bench_fwd.py [--shapes 4x4096x16x128] [--out results.json]
+    python3 benchmarks/bench_schedules.py [--shapes 4x4096x16x128] [--variants pp ov persist]
+        [--anchors fa4 flex] [--out results.json]
 """
 
 import argparse
@@ -35,11 +37,15 @@ def make_inputs(B, S, H, D, dtype=torch.bfloat16):
     return q, k, v
 
 
-SCHEDULES = {  # our kernel's step-(b) options; "ov+pp" is the default config
+SCHEDULES = {  # our kernel's scheduling options; "ov+pp" is the default config
     "ov+pp": dict(intra_wg_overlap=True, pingpong=True),
     "ov": dict(intra_wg_overlap=True, pingpong=False),
     "pp": dict(intra_wg_overlap=False, pingpong=True),
     "plain": dict(intra_wg_overlap=False, pingpong=False),
+    "by_head": dict(tile_order="by_head"),             # tile order (default: longest_first
+    "longest": dict(tile_order="longest_first"),       # under causal, by_head otherwise)
+    "persist": dict(max_ctas=-1),                      # -1: the GPU's SM count
+    "persist+by_head": dict(max_ctas=-1, tile_order="by_head"),
 }
 
 
@@ -51,15 +57,17 @@ def ours(q, k, v, causal, scale, sched="ov+pp", block_sparse=False):
     from flexattn.kernels.fwd_sm90 import FwdConfig
     from flexattn.kernels.runner import ForwardRunner
 
+    opts = dict(SCHEDULES[sched])
+    if opts.get("max_ctas") == -1:
+        opts["max_ctas"] = torch.cuda.get_device_properties().multi_processor_count
     cfg = FwdConfig(dtype="bf16", head_dim=q.shape[-1], causal=causal,
-                    mods=hooks.CausalHook() if causal else FwdConfig().mods,
-                    **SCHEDULES[sched])
+                    mods=hooks.CausalHook() if causal else FwdConfig().mods, **opts)
     lists = None
     if block_sparse:
         from torch.nn.attention.flex_attention import create_block_mask
         S = q.shape[1]
         cfg = FwdConfig(dtype="bf16", head_dim=q.shape[-1], block_sparse=True,
-                        mods=hooks.CausalHook(), **SCHEDULES[sched])
+                        mods=hooks.CausalHook(), **opts)
         bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device="cuda")
         lists = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
     runner = ForwardRunner(cfg)
@@ -105,6 +113,8 @@ def cudnn(q, k, v, causal, scale):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=["4x4096x16x128", "8x4096x16x64"], help="BxSxHxD")
+    ap.add_argument("--variants", nargs="*", default=["plain", "pp", "ov"], choices=list(SCHEDULES))
+    ap.add_argument("--anchors", nargs="*", default=["fa4", "flex", "flex-fa", "cudnn"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -121,8 +131,9 @@ def main():
             res["flexattn"] = bench_ms(fn)
             ref_o = o_ours.clone()
             errs = {}
-            for sched in ("plain", "pp", "ov"):     # the step-(b) ablation
+            for sched in args.variants:
                 fn_s, _, (o_s, _) = ours(q, k, v, causal, scale, sched)
+                errs[f"ours:{sched}"] = rel_diff(o_s, ref_o)
                 res[f"ours:{sched}"] = bench_ms(fn_s)
             if causal:   # same causal attention through torch's BlockMask lists
                 fn_s, _, (o_s, _) = ours(q, k, v, causal, scale, block_sparse=True)
@@ -135,6 +146,8 @@ def main():
                 "cudnn": lambda: cudnn(q, k, v, causal, scale),
             }
             for name, make in cands.items():
+                if name not in args.anchors:
+                    continue
                 try:
                     fn_b = make()
                     out = fn_b()
@@ -154,8 +167,7 @@ def main():
 
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"\n== forward bf16, {dev}, {stamp} ==")
-    names = ["flexattn", "fa4", "flex", "flex-fa", "cudnn", "ours:plain", "ours:pp", "ours:ov",
-             "ours:bs"]
+    names = ["flexattn"] + args.anchors + [f"ours:{v}" for v in args.variants] + ["ours:bs"]
     print(f"{'case':38s} " + " ".join(f"{n:>10s}" for n in names)
           + "   ours/fa4 ours/flex compile_s")
     for r in rows:

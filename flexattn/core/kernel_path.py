@@ -11,6 +11,12 @@ Block structure, cheapest first:
   (diagonal mask built in, no lists to read);
 - a block mask (given, or built here from ``mask=``) → block-sparse lists; full tiles skip
   the mask, empty tiles are never loaded.
+
+Tile scheduling (kernels/tile_scheduler.py): the dense structure, where every tile does the
+same work, runs persistent CTAs (one per SM; +3-5% measured on H100 at S=2k-4k, D=128);
+causal runs one CTA per tile in longest-first order (the hardware's dynamic dispatch then
+balances the uneven tiles: +4% over head order); block-sparse keeps one CTA per tile
+(tile work follows the mask, unknown here).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import numpy as np
 
 from ..arrays import dtype_name
 from ..blockmask import BlockMask, create_block_mask
+from ..kernels.device_facts import persistent_ctas
 from .spec import AttentionSpec
 from .validate import AttentionShape
 
@@ -160,7 +167,9 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec) -> KernelPlan:
     causal, mask, block_mask = _block_structure(spec, shape)
     score = spec.score
     dtype = KERNEL_DTYPES[dtype_name(q)]
-    key = (dtype, shape.head_dim, causal, block_mask is not None,
+    dense = not causal and block_mask is None
+    max_ctas = persistent_ctas(q) if dense else 0
+    key = (dtype, shape.head_dim, causal, block_mask is not None, max_ctas,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     hook = IRModHook(score, mask)
@@ -174,7 +183,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec) -> KernelPlan:
         template = IRModHook(_structure_only(score), _structure_only(mask))
         config = FwdConfig(
             dtype=dtype, head_dim=shape.head_dim, tile_m=tile_m, tile_n=TILE_N,
-            causal=causal, block_sparse=block_mask is not None, mods=template,
+            causal=causal, block_sparse=block_mask is not None, mods=template, max_ctas=max_ctas,
         )
         entry = _PlanEntry(config, capture_kinds(template))
         if len(_PLANS) >= _PLANS_CAPACITY:

@@ -1,6 +1,8 @@
 """FlashAttention forward for Hopper (sm_90a) in CuTeDSL, with a compile-time mod hook.
 
-One CTA computes one (tile_m rows of Q) x (one head) x (one batch) output tile:
+A CTA computes (tile_m rows of Q) x (one head) x (one batch) output tiles — one, or with
+`max_ctas` (persistent CTAs) several in turn; tile_scheduler.py decides which and in what
+order. Per tile:
 
     warpgroup 0, warp 0   producer: TMA-loads Q once, then K_j and V_j for each visited
                           kv block j into a `num_stages`-deep ring (separate mbarrier
@@ -41,6 +43,7 @@ from flexattn.kernels import sm90_mma
 from flexattn.kernels.block_sparsity import DenseBlocks, SparseBlocks
 from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook, apply_mods
 from flexattn.kernels.softmax import OnlineSoftmax, rescale_rows
+from flexattn.kernels.tile_scheduler import ByHead, LongestFirst, TileSpace, grid_size
 
 LOG2_E = math.log2(math.e)
 
@@ -65,6 +68,13 @@ class FwdConfig:
     # Step (b) scheduling; both only change timing, never results:
     intra_wg_overlap: bool = True  # softmax of block j overlaps P_{j-1} V_{j-1} on the tensor cores
     pingpong: bool = True          # 2 consumer warpgroups take turns issuing their GEMMs
+    # Which tiles each CTA takes (tile_scheduler.py): "by_head" or "longest_first"
+    # (None: longest_first under causal, where tiles differ in work; by_head otherwise).
+    tile_order: str | None = None
+    # Persistent CTAs: at most this many (the SM count), each walking several tiles so the
+    # next tile's loads overlap this one's epilogue; 0 = one CTA per tile. Costs a separate
+    # O staging buffer in shared memory.
+    max_ctas: int = 0
 
     def __post_init__(self):
         # Resolve the defaults that depend on other fields (frozen: via object.__setattr__).
@@ -76,6 +86,10 @@ class FwdConfig:
             big = self.head_dim <= 64 and not self.mods.has_score
             object.__setattr__(self, "tile_m", 192 if big else 128)
         regs = {1: (56, 256), 2: (24, 240), 3: (32, 160)}.get(self.tile_m // 64, (24, 240))
+        if self.tile_order is None:
+            object.__setattr__(self, "tile_order", "longest_first" if self.causal else "by_head")
+        if self.tile_order not in ("by_head", "longest_first"):
+            raise ValueError(f"tile_order must be 'by_head' or 'longest_first', got {self.tile_order!r}")
         if self.producer_regs is None:
             object.__setattr__(self, "producer_regs", regs[0])
         if self.consumer_regs is None:
@@ -94,6 +108,8 @@ class FwdConfig:
             raise ValueError("num_stages must be >= 1")
         if self.block_sparse and self.causal:
             raise ValueError("block_sparse and causal are two block structures: pick one")
+        if self.max_ctas < 0:
+            raise ValueError(f"max_ctas must be >= 0, got {self.max_ctas}")
         if self.pingpong and self.tile_m == 64:
             raise ValueError("pingpong needs 2 or 3 consumer warpgroups (tile_m 128 or 192)")
 
@@ -114,7 +130,7 @@ class FwdConfig:
         """Compile-cache key: the config with the hook replaced by its structure key."""
         return (self.dtype, self.head_dim, self.tile_m, self.tile_n, self.num_stages,
                 self.causal, self.block_sparse, self.producer_regs, self.consumer_regs, self.intra_wg_overlap,
-                self.pingpong, self.mods.key())
+                self.pingpong, self.tile_order, self.max_ctas, self.mods.key())
 
 
 class FlashFwdSm90:
@@ -132,6 +148,9 @@ class FlashFwdSm90:
         # consumer warpgroup for the ping-pong turn.
         self.epilogue_barrier_id = 1
         self.turn_barrier_id0 = 2
+        kv_row_bytes = 2 * config.head_dim * (self.dtype.width // 8)
+        self.order = (LongestFirst(kv_row_bytes) if config.tile_order == "longest_first"
+                      else ByHead())
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -190,6 +209,8 @@ class FlashFwdSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            if const_expr(cfg.max_ctas):    # persistent: O must not overwrite the next Q
+                sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
 
         # With a score mod the kernel scales s itself before the hook; exp2 then needs
         # only log2(e). Without one, scale * log2(e) folds into the exp2 argument.
@@ -197,7 +218,8 @@ class FlashFwdSm90:
         if const_expr(not self.mods.has_score):
             scale_log2 = softmax_scale * Float32(LOG2_E)
 
-        grid = ((Q.shape[0] + cfg.tile_m - 1) // cfg.tile_m, Q.shape[2], Q.shape[3])
+        grid = grid_size((Q.shape[0] + cfg.tile_m - 1) // cfg.tile_m * Q.shape[2] * Q.shape[3],
+                         cfg.max_ctas)
         self.kernel(
             tma_Q, tma_K, tma_V, tma_O, LSE,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
@@ -252,19 +274,13 @@ class FlashFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = sQ      # one tile per CTA: O is staged in Q's buffer once Q is dead
+        if const_expr(cfg.max_ctas):
+            sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
 
-        # Tile coordinates. Highest m_block first: under causal masking it has the most
-        # work, so the long tiles start early and the short ones fill the tail.
-        bidx, head, batch = cute.arch.block_idx()
-        gdimx, _, _ = cute.arch.grid_dim()
-        m_block = gdimx - 1 - bidx
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
-        if const_expr(cfg.block_sparse):
-            blocks = SparseBlocks(block_sparse, batch, head, m_block)
-        else:
-            blocks = DenseBlocks(self._n_block_max(m_block, seqlen_k))
+        tiles = TileSpace((seqlen_q + cfg.tile_m - 1) // cfg.tile_m, mQ.shape[2], mQ.shape[3], seqlen_k)
 
         pipeline.pipeline_init_wait()
 
@@ -272,12 +288,22 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
             if warp_idx == 0:
                 self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-                          pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, blocks)
+                          pipe_q, pipe_k, pipe_v, tiles, seqlen_k, block_sparse)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
-            self.consume(mO, mLSE, sQ, sK, sV, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                         pipe_q, pipe_k, pipe_v, m_block, head, batch, seqlen_q, seqlen_k,
-                         blocks, softmax_scale, scale_log2, mod_args)
+            self.consume(mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                         pipe_q, pipe_k, pipe_v, tiles, seqlen_q, seqlen_k,
+                         block_sparse, softmax_scale, scale_log2, mod_args)
+
+    @cute.jit
+    def _tile(self, tiles: TileSpace, idx: Int32, seqlen_k: Int32, block_sparse):
+        """(m_block, head, batch, blocks) of linear tile `idx`."""
+        m_block, head, batch = self.order.tile(idx, tiles)
+        if const_expr(self.cfg.block_sparse):
+            blocks = SparseBlocks(block_sparse, batch, head, m_block)
+        else:
+            blocks = DenseBlocks(self._n_block_max(m_block, seqlen_k))
+        return m_block, head, batch, blocks
 
     @cute.jit
     def _n_block_max(self, m_block: Int32, seqlen_k: Int32) -> Int32:
@@ -290,8 +316,28 @@ class FlashFwdSm90:
 
     @cute.jit
     def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
-             pipe_q, pipe_k, pipe_v, m_block, head, head_kv, batch, blocks):
+             pipe_q, pipe_k, pipe_v, tiles, seqlen_k, block_sparse):
+        """Producer warp: Q and the visited K/V blocks of each of this CTA's tiles. The
+        ring's state runs on across tiles, so a persistent CTA's next tile streams in
+        while the consumers finish this one."""
         cfg = self.cfg
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
+        group = mQ.shape[2] // mK.shape[2]
+        operands = (mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, pipe_q, pipe_k, pipe_v)
+        if const_expr(cfg.max_ctas):
+            for idx in cutlass.range(tiles.first, tiles.total, tiles.stride, unroll=1):
+                m_block, head, batch, blocks = self._tile(tiles, idx, seqlen_k, block_sparse)
+                q_state, kv_state = self._load_tile(
+                    operands, m_block, head, head // group, batch, blocks, q_state, kv_state)
+        else:   # one tile per CTA: no loop (its carried state costs registers)
+            m_block, head, batch, blocks = self._tile(tiles, tiles.first, seqlen_k, block_sparse)
+            self._load_tile(operands, m_block, head, head // group, batch, blocks, q_state, kv_state)
+
+    @cute.jit
+    def _load_tile(self, operands, m_block, head, head_kv, batch, blocks, q_state, kv_state):
+        cfg = self.cfg
+        mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, pipe_q, pipe_k, pipe_v = operands
         gQ = cute.local_tile(mQ[None, None, head, batch], (cfg.tile_m, cfg.head_dim), (m_block, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim), (None, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim), (None, 0))
@@ -303,14 +349,16 @@ class FlashFwdSm90:
         tVsV, tVgV = cpasync.tma_partition(
             tma_atom_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipe_q.producer_acquire(q_state)
-        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-
         k_src = (pipe_k, tma_atom_K, tKgK, tKsK)
         v_src = (pipe_v, tma_atom_V, tVgV, tVsV)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
         n = blocks.count
+        # K_0 first: its slot may free up before the consumers release the previous Q.
+        if const_expr(cfg.intra_wg_overlap):
+            if n > 0:
+                self._load_block(k_src, blocks.at(0), kv_state)
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        q_state.advance()
         if const_expr(not cfg.intra_wg_overlap):
             for i in cutlass.range(n, unroll=1):
                 n_block = blocks.at(i)
@@ -319,8 +367,6 @@ class FlashFwdSm90:
                 kv_state.advance()
         else:
             # The consumers want K_j before V_{j-1}: issue in that order.
-            if n > 0:
-                self._load_block(k_src, blocks.at(0), kv_state)
             for i in cutlass.range(1, n, unroll=1):
                 v_state = kv_state.clone()
                 kv_state.advance()
@@ -328,6 +374,8 @@ class FlashFwdSm90:
                 self._load_block(v_src, blocks.at(i - 1), v_state)
             if n > 0:
                 self._load_block(v_src, blocks.at(n - 1), kv_state)
+                kv_state.advance()
+        return q_state, kv_state
 
     @cute.jit
     def _load_block(self, src, n_block, state):
@@ -338,9 +386,9 @@ class FlashFwdSm90:
                   tma_bar_ptr=pipe.producer_get_barrier(state))
 
     @cute.jit
-    def consume(self, mO, mLSE, sQ, sK, sV, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                pipe_q, pipe_k, pipe_v, m_block, head, batch, seqlen_q, seqlen_k,
-                blocks, softmax_scale, scale_log2, mod_args):
+    def consume(self, mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                pipe_q, pipe_k, pipe_v, tiles, seqlen_q, seqlen_k,
+                block_sparse, softmax_scale, scale_log2, mod_args):
         cfg = self.cfg
         if const_expr(mod_args is None):
             mod_args = ()
@@ -359,37 +407,61 @@ class FlashFwdSm90:
         tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
         acc_shape_S = wg_qk.partition_shape_C((cfg.tile_m, cfg.tile_n))
         acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((cfg.tile_m, cfg.head_dim)), Float32)
-        acc_O.fill(0.0)
 
         softmax = OnlineSoftmax(scale_log2, cute.size(sm90_mma.acc_mn_view(acc_O).shape[0]))
         coords = FragmentCoords(thr_qk, cfg.tile_m, cfg.tile_n, sm90_mma.acc_mn_view)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        pipe_q.consumer_wait(q_state)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
-
-        ctx = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O,
-               softmax, coords, pipe_k, pipe_v, m_block, head, batch, seqlen_q, seqlen_k,
-               softmax_scale, mod_args, wg)
         if const_expr(cfg.pingpong):
-            # Warpgroup 0 holds the first turn.
+            # Warpgroup 0 holds the first turn. Turns pass once per visited block after
+            # the first, in both warpgroups alike, so the last pass of a tile is the
+            # next tile's first turn.
             if wg == 0:
                 cute.arch.barrier_arrive(barrier_id=self.turn_barrier_id0, number_of_threads=256)
+
+        fixed = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O,
+                 softmax, coords, pipe_k, pipe_v)
+        out = (mO, mLSE, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx)
+        if const_expr(cfg.max_ctas):
+            for idx in cutlass.range(tiles.first, tiles.total, tiles.stride, unroll=1):
+                q_state, kv_state = self._consume_tile(
+                    fixed, out, tiles, idx, seqlen_q, seqlen_k, block_sparse, softmax_scale,
+                    mod_args, wg, pipe_q, q_state, kv_state)
+        else:   # one tile per CTA: no loop (its carried state costs registers)
+            self._consume_tile(fixed, out, tiles, tiles.first, seqlen_q, seqlen_k, block_sparse,
+                               softmax_scale, mod_args, wg, pipe_q, q_state, kv_state)
+        if tidx // 32 == 0:
+            # The last O store must finish reading shared memory before the CTA exits.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _consume_tile(self, fixed, out, tiles, idx, seqlen_q, seqlen_k, block_sparse,
+                      softmax_scale, mod_args, wg, pipe_q, q_state, kv_state):
+        """Linear tile `idx`: main loop over its kv blocks, then the epilogue."""
+        cfg = self.cfg
+        m_block, head, batch, blocks = self._tile(tiles, idx, seqlen_k, block_sparse)
+        ctx = fixed + (m_block, head, batch, seqlen_q, seqlen_k, softmax_scale, mod_args, wg)
+        acc_O, softmax = fixed[7], fixed[8]
+        acc_O.fill(0.0)
+        pipe_q.consumer_wait(q_state)
         if const_expr(not cfg.intra_wg_overlap):
             self._turn_wait(wg)
         if const_expr(cfg.block_sparse):
-            self._visit_sparse(ctx, kv_state, blocks)
+            kv_state = self._visit_sparse(ctx, kv_state, blocks)
         else:
             kv_state = self._visit_blocks(ctx, kv_state, m_block, blocks.count)
             if const_expr(cfg.intra_wg_overlap):
-                self._last_pv(ctx, kv_state)
+                kv_state = self._last_pv(ctx, kv_state)
         if const_expr(not cfg.intra_wg_overlap):
             self._turn_pass(wg)
-
-        inv_sum, lse = softmax.finalize()
-        rescale_rows(acc_O, inv_sum)
-        self.epilogue(acc_O, lse, mO, mLSE, sQ, tma_atom_O, tiled_mma_pv, thr_pv, tidx,
+        # Every Q K^T of this tile has completed: the producer may load the next Q.
+        pipe_q.consumer_release(q_state)
+        q_state.advance()
+        mO, mLSE, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx = out
+        self.epilogue(acc_O, softmax, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx,
                       m_block, head, batch, seqlen_q)
+        return q_state, kv_state
 
     # Ping-pong: warpgroup w may issue GEMMs once barrier (turn_barrier_id0 + w) has seen
     # the previous warpgroup's arrival; after issuing it passes the turn to the next one
@@ -467,7 +539,7 @@ class FlashFwdSm90:
                 kv_state = self._overlap_step(ctx, kv_state, blocks.full_at(i),
                                               mask=False, causal=False, kv_bound="tail")
             if n_p + n_f > 0:
-                self._last_pv(ctx, kv_state)
+                kv_state = self._last_pv(ctx, kv_state)
         return kv_state
 
     @cute.jit
@@ -586,22 +658,32 @@ class FlashFwdSm90:
 
     @cute.jit
     def _last_pv(self, ctx, kv_state):
-        """Overlapped schedule, tail: O += P_last V_last (the ring is not advanced: this is
-        the CTA's last use of it)."""
+        """Overlapped schedule, tail: O += P_last V_last; the ring moves on to the next
+        tile's first block (the producer advances alike)."""
         (_, tiled_mma_pv, _, _, tOrVt, tOrP, _, acc_O, _, _, _, pipe_v,
          _, _, _, _, _, _, _, _) = ctx
         pipe_v.consumer_wait(kv_state)
         sm90_mma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index],
                       zero_init=False, wait=0)
         pipe_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state
 
     @cute.jit
-    def epilogue(self, acc_O, lse, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx,
+    def epilogue(self, acc_O, softmax, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx,
                  m_block, head, batch, seqlen_q):
+        """O / l -> sO (stmatrix) -> TMA store; LSE straight to global memory."""
         cfg = self.cfg
+        inv_sum, lse = softmax.finalize()
+        rescale_rows(acc_O, inv_sum)
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        # sO aliases sQ: every consumer warpgroup must be done with its last Q K^T.
+        if const_expr(cfg.max_ctas):
+            # The previous tile's O store must have read sO before it is overwritten.
+            if tidx // 32 == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # Every consumer warpgroup must be done with sO's previous use (as sQ: its last
+        # Q K^T; as sO: the wait above).
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
         stmatrix = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
@@ -628,4 +710,3 @@ class FlashFwdSm90:
                 cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
             cute.copy(tma_atom_O, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -101,6 +101,13 @@ SCHEDULES = {  # step (b) scheduling options; results must not depend on them
     "plain": dict(intra_wg_overlap=False, pingpong=False),
     "m128": dict(tile_m=128),      # head_dim 64 defaults to 192 (3 warpgroups) without score mod
     "m64": dict(tile_m=64, pingpong=False),
+    # Tile scheduling: orders, and persistent CTAs capped far below the tile count so each
+    # walks many tiles (pipelines, ping-pong turns and the O buffer carried across tiles).
+    "by_head": dict(tile_order="by_head"),
+    "longest": dict(tile_order="longest_first"),
+    "persist": dict(max_ctas=7),
+    "persist+pp": dict(max_ctas=3, intra_wg_overlap=False),
+    "persist+plain": dict(max_ctas=5, intra_wg_overlap=False, pingpong=False),
 }
 
 
@@ -155,6 +162,13 @@ FIXED = [
     ("bf16", 64, 1, 2, 2, 450, 450, "lag", "bshd", "pp"),                 # 3-WG rotation
     ("fp16", 128, 1, 2, 1, 300, 200, "causal", "bhsd", "m64"),            # 1 consumer WG
     ("bf16", 128, 1, 2, 2, 3000, 2900, "none", "bhsd", "ov+pp"),          # long: many stages
+    ("bf16", 128, 3, 8, 2, 1000, 1000, "causal", "bhsd", "by_head"),
+    ("fp16", 64, 2, 6, 3, 515, 700, "softcap", "bshd", "longest"),
+    ("bf16", 128, 2, 8, 2, 1000, 1000, "causal", "bhsd", "persist"),
+    ("bf16", 128, 3, 4, 4, 700, 333, "doc", "bhsd", "persist"),
+    ("bf16", 64, 2, 4, 2, 450, 450, "lag", "bshd", "persist"),            # 3 WGs, empty rows
+    ("fp16", 128, 2, 4, 1, 257, 700, "softcap", "bhsd", "persist+pp"),
+    ("bf16", 128, 2, 2, 2, 300, 301, "causal_builtin", "bhsd", "persist+plain"),
 ]
 
 
@@ -226,6 +240,8 @@ BLOCK_SPARSE = [  # (dtype, D, B, Hq, Hkv, Hmask, Sq, Skv, mod, schedule)
     ("fp16", 64, 1, 2, 2, 2, 300, 1000, "causal", "ov+pp"),
     ("bf16", 64, 2, 2, 1, 1, 513, 257, "doc", "plain"),
     ("bf16", 128, 1, 3, 3, 3, 129, 129, "softcap", "pp"),
+    ("bf16", 128, 2, 4, 2, 4, 700, 650, "lag", "persist"),    # empty rows inside the walk
+    ("fp16", 64, 2, 2, 1, 1, 513, 257, "doc", "persist+plain"),
 ]
 
 

@@ -38,6 +38,10 @@ CASES = {
     # step (a) schedule: no intra-warpgroup overlap, no ping-pong
     "hd128-causal-plain": (FwdConfig(head_dim=128, causal=True, intra_wg_overlap=False,
                                      pingpong=False), lambda: ()),
+    # persistent CTAs (what the planner picks for dense attention), one per SM
+    "hd128-persistent": (FwdConfig(head_dim=128, max_ctas=132), lambda: ()),
+    "hd64-persistent-softcap": (FwdConfig(head_dim=64, max_ctas=132, mods=hooks.SoftcapHook()),
+                                lambda: (cutlass.Float32(30.0),)),
 }
 
 
@@ -126,3 +130,9 @@ def test_config_keys():
     assert FwdConfig(head_dim=64, mods=hooks.SoftcapHook()).tile_m == 128
     assert FwdConfig(head_dim=64).consumer_regs == 160
     assert FwdConfig(head_dim=128).consumer_regs == 240
+
+
+def test_persistent_walks_tiles_in_a_loop(compiled):
+    """Persistent CTAs run the same per-tile code, once, inside a loop over tiles."""
+    per_step = 128 // 16 + 128 // 16
+    assert compiled["hd128-persistent"].count("wgmma.mma_async") == 2 * per_step

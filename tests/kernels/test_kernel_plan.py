@@ -160,3 +160,22 @@ def test_launch_path_choice(monkeypatch):
     # Only where TVM-FFI's environment stream is the caller's stream (torch).
     assert not use_tvm_ffi(Device(0, lambda x: x))
     assert use_tvm_ffi(Device(0, lambda x: x, tvm_ffi_stream=True)) == use_tvm_ffi()
+
+
+def test_tile_scheduling_by_structure(monkeypatch):
+    """Dense tiles all cost the same: persistent CTAs, one per SM; causal and block-sparse
+    keep one CTA per tile (causal in longest-first order)."""
+    from flexattn.kernels import device_facts
+
+    class OnGpu(torch.Tensor):  # a CPU tensor that reports a CUDA DLPack device
+        def __dlpack_device__(self):
+            return (2, 0)
+
+    monkeypatch.setattr(device_facts, "sm_count", lambda ordinal: 132)
+    q = torch.empty(2, 4, 300, 128, dtype=torch.bfloat16).as_subclass(OnGpu)
+    for kw, ctas, order in (({}, 132, "by_head"), ({"mask": mods.causal()}, 0, "longest_first"),
+                            ({"mask": mods.sliding_window(64)}, 0, "by_head")):
+        spec = AttentionSpec.from_args(**kw)
+        cfg = plan_forward(q, check_inputs(q, q, q, spec), spec).config
+        assert (cfg.max_ctas, cfg.tile_order) == (ctas, order), kw
+    assert _plan().config.max_ctas == 0   # a CPU array: nothing to query

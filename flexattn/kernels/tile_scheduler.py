@@ -1,0 +1,86 @@
+"""Tile scheduling: which (row block, head, batch) tiles each CTA computes, in what order.
+
+Kernels launch a 1-D grid and walk *linear tile indices* `first, first + stride, ...`
+below `total`: one index per CTA when the grid covers every tile, several when the grid is
+capped at the SM count (persistent CTAs: the producer warp loads the next tile's K/V and
+Q while the consumers still finish the current one, so a tile's prologue and epilogue
+hide behind its neighbours' work).
+
+The order maps a linear index to a tile. The hardware starts CTAs in index order, so the
+order decides load balance (under causal masking the last row blocks do the most work and
+should start first, short tiles filling the tail) and L2 reuse (CTAs running together
+should share K/V):
+
+`ByHead`        row blocks of one head together (last row block first), then the next
+                head: ideal L2 reuse; right when every tile does the same work.
+`LongestFirst`  sections of as many (batch, head) pairs as have K/V fitting in ~40 MB of
+                L2 (a power of two); inside a section tiles go by row block, longest
+                first, heads fastest. Causal S=4k D=128: the first wave takes the longest
+                tiles of 16 heads instead of all the tiles of 4 heads.
+
+Everything is computed from runtime sizes (no recompile across shapes). `rows` is the
+number of row blocks (query tiles in the forward); `last_row_first` says which end of the
+row range carries the most work.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+
+L2_BYTES_FOR_KV = 40 * 1024 * 1024   # of the H100's 50 MB, leave room for Q/O traffic
+
+
+class TileSpace:
+    """The tiles of one launch: sizes plus this CTA's walk over linear indices."""
+
+    def __init__(self, rows: Int32, heads: Int32, batch: Int32, kv_len: Int32):
+        self.rows, self.heads, self.batch, self.kv_len = rows, heads, batch, kv_len
+        self.total = rows * heads * batch
+        self.first = cute.arch.block_idx()[0]
+        self.stride = cute.arch.grid_dim()[0]
+
+
+def grid_size(total_tiles, max_ctas: int):
+    """1-D grid: one CTA per tile, or at most `max_ctas` persistent CTAs (0: no cap)."""
+    if max_ctas:
+        return (cutlass.min(total_tiles, max_ctas), 1, 1)
+    return (total_tiles, 1, 1)
+
+
+class ByHead:
+    def __init__(self, last_row_first: bool = True):
+        self.last_row_first = last_row_first
+
+    @cute.jit
+    def tile(self, idx: Int32, space: TileSpace):
+        pair = idx // space.rows
+        row = idx - pair * space.rows
+        if const_expr(self.last_row_first):
+            row = space.rows - 1 - row
+        return row, pair % space.heads, pair // space.heads
+
+
+class LongestFirst:
+    def __init__(self, kv_row_bytes: int, last_row_first: bool = True):
+        self.kv_row_bytes = kv_row_bytes          # bytes of one K row + one V row
+        self.last_row_first = last_row_first
+
+    @cute.jit
+    def tile(self, idx: Int32, space: TileSpace):
+        pairs = space.heads * space.batch
+        # Pairs per section: the largest power of two whose K/V fit the L2 budget.
+        fit = Int32(L2_BYTES_FOR_KV // self.kv_row_bytes) // cutlass.max(space.kv_len, 1)
+        section = Int32(1)
+        for i in cutlass.range_constexpr(1, 16):
+            if (1 << i) <= fit:
+                section = Int32(1 << i)
+        section = cutlass.min(section, pairs)
+        first_pair = (idx // (section * space.rows)) * section
+        width = cutlass.min(section, pairs - first_pair)   # the last section may be narrower
+        local = idx - first_pair * space.rows
+        step = local // width
+        pair = first_pair + local - step * width
+        row = step
+        if const_expr(self.last_row_first):
+            row = space.rows - 1 - step
+        return row, pair % space.heads, pair // space.heads
