@@ -97,11 +97,14 @@ def _at_true_positions(mod, q_offset):
     if hit is None:
         placeholder = np.zeros(1, np.int32)
         template = shift_queries(mod, placeholder)
-        slot = next(i for i, c in enumerate(template.captures) if c is placeholder)
+        # None: the mod never reads the query position (softcap...), the rewrite keeps no offset
+        slot = next((i for i, c in enumerate(template.captures) if c is placeholder), None)
         if len(_SHIFTED) >= _SHIFTED_CAPACITY:
             _SHIFTED.pop(next(iter(_SHIFTED)))
         hit = _SHIFTED[key] = (mod, template, slot)  # the mod keeps the ids in the key its own
     _, template, slot = hit
+    if slot is None:
+        return template
     captures = list(template.captures)
     captures[slot] = q_offset
     return template.with_captures(tuple(captures))

@@ -164,3 +164,18 @@ def test_steps_share_one_config():
         mask = shift_queries(mods.sliding_window(64), off)
         keys.add(decode_path._config_for("bf16", 128, 1, 64, score, mask).key())
     assert len(keys) == 1
+
+
+def test_true_position_rewrite_is_cached():
+    """The traced rewrite is reused across steps (only the offset capture changes), also
+    for mods that never read the query position (softcap: no offset to swap)."""
+    alibi, softcap = mods.alibi(num_heads=4), mods.softcap(5.0)
+    a1 = decode_path._at_true_positions(alibi, np.array([3, 7], np.int32))
+    a2 = decode_path._at_true_positions(alibi, np.array([4, 8], np.int32))
+    assert a1.expr is a2.expr
+    q, kv = np.arange(1)[:, None], np.arange(10)[None, :]
+    np.testing.assert_allclose(a2(np.zeros((1, 10)), 1, 2, q, kv), alibi(np.zeros((1, 10)), 1, 2, q + 8, kv))
+    s1 = decode_path._at_true_positions(softcap, np.array([3], np.int32))
+    s2 = decode_path._at_true_positions(softcap, np.array([9], np.int32))
+    assert s1.expr is s2.expr
+    np.testing.assert_allclose(s2(np.full((1, 3), 20.0), 0, 0, q, kv[:, :3]), softcap(np.full((1, 3), 20.0), 0, 0, q, kv[:, :3]))
