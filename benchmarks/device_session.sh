@@ -5,7 +5,9 @@
 # cases), autograd (torch autograd end to end on CUDA), ffi (TVM-FFI launch tests), bench
 # (side-by-side forward table), bench-ffi (the same, TVM-FFI launch), bwd-bench and
 # bwd-bench-mods (forward + backward table: masks / score mods incl. a trainable bias;
-# each compiles fwd+bwd for five libraries, so give each a device call of its own).
+# each compiles fwd+bwd for five libraries, so give each a device call of its own), cupy
+# (CuPy adapter on the kernels), public (public path + prepared repeat calls), overhead
+# (host µs per call, small shapes), sched (tile order / persistent CTAs ablation).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -34,6 +36,11 @@ for step in $steps; do
     bench-ffi) run bench_ffi 420 python3 benchmarks/bench_fwd.py --tvm-ffi --out "$out/bench_ffi.json" ;;
     bwd-bench) run bwd_bench 560 python3 benchmarks/bench_bwd.py --variants full causal window1024 document4 \
            --out "$out/bench_bwd.json" ;;
+    cupy) run cupy 180 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cupy_gpu.py ;;
+    public) run public 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flex_attention_gpu.py ;;
+    overhead) run overhead 200 python3 benchmarks/bench_overhead.py --out "$out/overhead.json" ;;
+    sched) run sched 300 python3 benchmarks/bench_schedules.py --shapes 4x4096x16x128 8x2048x16x128 \
+           --variants by_head longest persist persist+by_head --anchors fa4 ;;
     bwd-bench-mods) run bwd_bench_mods 560 python3 benchmarks/bench_bwd.py \
            --variants causal+softcap30 causal+alibi causal+trainable_bias --out "$out/bench_bwd_mods.json" ;;
     *) echo "unknown step $step" ;;

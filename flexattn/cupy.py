@@ -4,10 +4,11 @@ gradients. No autograd object, no global state.
 
 The forward runs the CuTeDSL Hopper kernel on CuPy's *current* stream
 (``cupy.cuda.get_current_stream()``) through ``flexattn.core.kernel_path.forward_into``;
-the outputs are allocated by CuPy on the inputs' device. Until the backward kernel lands,
-``backward`` computes on the exact numpy reference on the host (correct, slow) and returns
-CuPy arrays. The kernel takes float16 (CuPy has no bfloat16) with head dims 64/128; other
-inputs raise ``ValueError`` (use ``flexattn.flex_attention`` on host arrays for those).
+the outputs are allocated by CuPy on the inputs' device. ``backward`` runs the backward
+kernels (``flexattn.core.backward_path.backward_into``) on the current stream, with the
+forward's saved ``out`` and ``lse``. The kernels take float16 (CuPy has no bfloat16) with
+head dims 64/128; other inputs raise ``ValueError`` (use ``flexattn.flex_attention`` on
+host arrays for those).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ except ImportError as e:
 
 import numpy as np
 
-from . import reference
 from .blockmask import BlockMask, create_block_mask
+from .core.backward_path import BackwardArrays, backward_into
 from .core.kernel_path import Device, forward_into, kernel_unsupported
 from .core.spec import AttentionSpec
 from .core.validate import check_inputs
@@ -38,17 +39,32 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, scale=None, enable_
     return _forward(q, k, v, spec)
 
 
-def vjp(q, k, v, score_mod=None, block_mask=None, scale=None, enable_gqa=False, *, mask=None, score=None):
+def vjp(q, k, v, score_mod=None, block_mask=None, scale=None, enable_gqa=False, *, mask=None, score=None,
+        deterministic=False):
     """``(out, backward)``: ``backward(d_out, d_lse=None) -> (dq, dk, dv, d_captures)``, with
-    ``d_captures`` one entry per score-mod capture (an array for float buffers, else None)."""
+    ``d_captures`` one entry per score-mod capture (an array shaped and typed like a float
+    buffer capture, else None). ``deterministic``: bitwise-repeatable gradients."""
     spec = AttentionSpec.from_args(score_mod, block_mask, scale, enable_gqa, mask, score)
-    out, _ = _forward(q, k, v, spec)
+    out, lse = _forward(q, k, v, spec)
+    shape = check_inputs(q, k, v, spec)
 
     def backward(d_out, d_lse=None):
-        grads = reference.backward(q, k, v, d_out, d_lse, spec)
+        if tuple(d_out.shape) != tuple(out.shape):
+            raise ValueError(f"d_out must have the output's shape {tuple(out.shape)}, got {tuple(d_out.shape)}")
+        if d_lse is not None and tuple(d_lse.shape) != tuple(lse.shape):
+            raise ValueError(f"d_lse must have the LSE's shape {tuple(lse.shape)}, got {tuple(d_lse.shape)}")
+        with cupy.cuda.Device(q.device.id):
+            arrays = BackwardArrays(
+                q=q, k=k, v=v, out=out, lse=lse,
+                d_out=cupy.ascontiguousarray(cupy.asarray(d_out).astype(q.dtype, copy=False)),
+                d_lse=None if d_lse is None else cupy.ascontiguousarray(cupy.asarray(d_lse).astype(np.float32, copy=False)),
+                dq=cupy.empty(q.shape, dtype=q.dtype), dk=cupy.empty(k.shape, dtype=k.dtype),
+                dv=cupy.empty(v.shape, dtype=v.dtype))
+            device = Device(cupy.cuda.get_current_stream().ptr, _to_device)
+            result = backward_into(arrays, shape, spec, device, _alloc, deterministic=deterministic)
         captures = spec.score.captures if spec.score is not None else ()
-        d_captures = tuple(None if g is None else _to_cupy(g, c) for c, g in zip(captures, grads.d_captures))
-        return _to_cupy(grads.dq, q), _to_cupy(grads.dk, k), _to_cupy(grads.dv, v), d_captures
+        d_captures = tuple(None if g is None else _like_capture(g, c) for c, g in zip(captures, result.capture_grads))
+        return arrays.dq, arrays.dk, arrays.dv, d_captures
 
     return out, backward
 
@@ -75,7 +91,13 @@ def _to_device(x):
     return cupy.ascontiguousarray(cupy.asarray(x))
 
 
-def _to_cupy(array, like):
-    dtype = getattr(like, "dtype", None)
-    dtype = dtype if dtype is not None and np.dtype(dtype).kind == "f" else array.dtype
-    return cupy.asarray(np.ascontiguousarray(array).astype(dtype, copy=False))
+def _alloc(shape, dtype, zeroed):
+    """The backward's scratch and buffer-gradient arrays, on the current device."""
+    return (cupy.zeros if zeroed else cupy.empty)(shape, dtype=dtype)
+
+
+def _like_capture(grad, capture):
+    """A buffer gradient (fp32, 0-d captures as [1]) shaped and typed like its capture."""
+    dtype = getattr(capture, "dtype", None)
+    dtype = dtype if dtype is not None and np.dtype(dtype).kind == "f" else grad.dtype
+    return grad.reshape(tuple(capture.shape)).astype(dtype, copy=False)

@@ -44,6 +44,7 @@ def _fake_cupy():
     cp.asarray = lambda x: np.asarray(x).view(_FakeArray)
     cp.ascontiguousarray = lambda x: np.ascontiguousarray(x).view(_FakeArray)
     cp.empty = lambda shape, dtype: np.full(shape, np.nan, dtype).view(_FakeArray)
+    cp.zeros = lambda shape, dtype: np.zeros(shape, dtype).view(_FakeArray)
     stream = types.SimpleNamespace(ptr=0xC0FFEE)
     used_devices = []
 
@@ -73,7 +74,26 @@ def fake(monkeypatch):
         out[...] = o
         lse[...] = l
 
+    def fake_backward_into(arrays, shape, spec, device, alloc, deterministic=False, grad_captures=None):
+        """The reference behind backward_into's contract: writes dq/dk/dv, returns fp32
+        buffer gradients (0-d as [1]) allocated through ``alloc``."""
+        calls.append(("bwd", device, deterministic))
+        assert np.isfinite(arrays.out).all() and np.isfinite(arrays.lse).all()  # the forward's
+        g = reference.backward(arrays.q, arrays.k, arrays.v, arrays.d_out, arrays.d_lse, spec, out=arrays.out)
+        for dst, src in ((arrays.dq, g.dq), (arrays.dk, g.dk), (arrays.dv, g.dv)):
+            dst[...] = src
+        grads = []
+        for c, d in zip(spec.score.captures if spec.score is not None else (), g.d_captures):
+            if d is None:
+                grads.append(None)
+                continue
+            a = alloc(tuple(np.shape(d)) or (1,), "float32", True)
+            a[...] = np.reshape(d, a.shape)
+            grads.append(a)
+        return types.SimpleNamespace(capture_grads=tuple(grads))
+
     monkeypatch.setattr(module, "forward_into", fake_forward_into)
+    monkeypatch.setattr(module, "backward_into", fake_backward_into)
     yield module, cp, calls
     sys.modules.pop("flexattn.cupy", None)
 
@@ -95,14 +115,17 @@ def test_forward_uses_the_current_stream_and_allocates_outputs(fake):
 
 
 def test_vjp_backward_matches_the_reference(fake):
-    fc, _, _ = fake
+    fc, _, calls = fake
     q, k, v = _qkv(1)
     slopes = np.linspace(0.2, 0.6, 2).astype(np.float32)
-    out, backward = fc.vjp(q, k, v, score_mod=mods.alibi(slopes), mask=mods.sliding_window(4))
+    out, backward = fc.vjp(q, k, v, score_mod=mods.alibi(slopes), mask=mods.sliding_window(4), deterministic=True)
     d_out = np.ones(out.shape, np.float16).view(_FakeArray)
     dq, dk, dv, d_caps = backward(d_out)
+    assert [(c[0], c[1].stream, c[2]) for c in calls if isinstance(c, tuple)] == [("bwd", 0xC0FFEE, True)]
+    with pytest.raises(ValueError, match="d_out must have"):
+        backward(d_out[:, :1])
     spec = AttentionSpec.from_args(score=mods.alibi(slopes), mask=mods.sliding_window(4))
-    want = reference.backward(q, k, v, d_out, None, spec)
+    want = reference.backward(q, k, v, d_out, None, spec, out=out)  # delta from the saved output, as the kernels
     for got, ref in zip((dq, dk, dv), (want.dq, want.dk, want.dv)):
         assert isinstance(got, _FakeArray) and got.dtype == np.float16
         np.testing.assert_allclose(got.astype(np.float64), ref, atol=2e-3, rtol=2e-3)

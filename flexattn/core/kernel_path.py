@@ -202,7 +202,9 @@ def _runner(plan: KernelPlan, tvm_ffi: bool):
         return forward_runner(plan.config, tvm_ffi=tvm_ffi)
     runner = entry.runners.get(tvm_ffi)
     if runner is None:
-        runner = entry.runners[tvm_ffi] = forward_runner(plan.config, tvm_ffi=tvm_ffi)
+        # From the capture-free template: the runner outlives this call (compile cache)
+        # and must not keep its captured tensors alive. Values come in as launch args.
+        runner = entry.runners[tvm_ffi] = forward_runner(entry.config, tvm_ffi=tvm_ffi)
     return runner
 
 
@@ -244,4 +246,54 @@ def forward_into(q, k, v, out, lse, shape: AttentionShape, spec: AttentionSpec, 
     return plan
 
 
-__all__ = ["Device", "KernelPlan", "forward_into", "kernel_unsupported", "plan_forward", "use_tvm_ffi"]
+class PreparedForward:
+    """One validated call shape, ready to launch again with new tensors of the same
+    metadata: ``launch(q, k, v, out, lse)`` costs the kernel call alone (TVM-FFI) plus,
+    only for captures that may change between calls (framework tensors, writeable numpy
+    arrays), their conversion. Built by ``prepare_forward`` after a first full call;
+    adapters keep them keyed by everything the checks read (see flexattn/torch.py)."""
+
+    __slots__ = ("_fn", "_scale", "_args", "_kinds", "_captures", "_to_device", "_lists")
+
+    def __init__(self, plan: KernelPlan, spec: AttentionSpec, shape: AttentionShape, device: Device):
+        from ..kernels.ffi_runner import ffi_args
+        from ..kernels.mod_emit import capture_kinds
+
+        runner = _runner(plan, True)
+        runner.compile()
+        self._fn = runner.compiled
+        self._scale = spec.resolved_scale(shape.head_dim)
+        # The captured values, not the mods: holding no mod object lets an adapter's
+        # cache entry die with the mods it was keyed by.
+        self._kinds, self._captures = capture_kinds(plan.config.mods), plan.config.mods.captures()
+        self._to_device = device.to_device
+        frozen = all(isinstance(c, (int, float, np.integer, np.floating))
+                     or (isinstance(c, np.ndarray) and not c.flags.writeable) for c in self._captures)
+        # Numbers and read-only arrays cannot change: convert once. Anything else may be
+        # updated in place or rebound between calls: convert per call.
+        self._args = (ffi_args(self._kinds, self._captures, self._to_device) or None) if frozen else False
+        self._lists = None
+        if plan.block_mask is not None:
+            bm = plan.block_mask
+            self._lists = tuple(device.to_device(x) for x in (bm.kv_num_blocks, bm.kv_indices,
+                                                               bm.full_kv_num_blocks, bm.full_kv_indices))
+
+    def launch(self, q, k, v, out, lse):
+        args = self._args
+        if args is False:
+            from ..kernels.ffi_runner import ffi_args
+
+            args = ffi_args(self._kinds, self._captures, self._to_device) or None
+        self._fn(q, k, v, out, lse, self._scale, args, self._lists)
+
+
+def prepare_forward(q, shape: AttentionShape, spec: AttentionSpec, device: Device) -> PreparedForward | None:
+    """A ``PreparedForward`` for calls like this one, or None where launches must go
+    through ``forward_into`` (no TVM-FFI for this device)."""
+    if not use_tvm_ffi(device):
+        return None
+    return PreparedForward(plan_forward(q, shape, spec), spec, shape, device)
+
+
+__all__ = ["Device", "KernelPlan", "PreparedForward", "forward_into", "kernel_unsupported", "plan_forward",
+           "prepare_forward", "use_tvm_ffi"]

@@ -36,18 +36,31 @@ class FfiForwardRunner:
     def num_compiled(self) -> int:
         return int(self._fn is not None)
 
-    def run(self, q, k, v, o, lse, softmax_scale: float, mod_args: tuple, block_sparse=None):
+    def compile(self) -> None:
         if self._fn is None:  # capture kinds are part of cfg.key(): one compile per runner
             t0 = time.perf_counter()
             self._fn = compile_forward(self.cfg, fake_args(self.cfg.mods), tvm_ffi=True)
             self.last_compile_seconds = time.perf_counter() - t0
+
+    @property
+    def compiled(self):
+        """The compiled function: ``(q, k, v, o, lse, scale, mod_args | None, block_sparse | None)``."""
+        return self._fn
+
+    def run(self, q, k, v, o, lse, softmax_scale: float, mod_args: tuple, block_sparse=None):
+        self.compile()
         self._fn(q, k, v, o, lse, float(softmax_scale), tuple(mod_args) if mod_args else None, block_sparse)
 
 
 def ffi_mod_args(hook: IRModHook, to_device) -> tuple:
     """The hook's captures as TVM-FFI call arguments (see ``FfiForwardRunner``)."""
+    return ffi_args(capture_kinds(hook), hook.captures(), to_device)
+
+
+def ffi_args(kinds: tuple, captures: tuple, to_device) -> tuple:
+    """Captured values (kinds from ``capture_kinds``) as TVM-FFI call arguments."""
     out = []
-    for kind, value in zip(capture_kinds(hook), hook.captures()):
+    for kind, value in zip(kinds, captures):
         if kind[0] == "scalar":
             out.append(int(value) if kind[1] == "int32" else float(value))
             continue

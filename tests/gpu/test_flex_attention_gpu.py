@@ -158,3 +158,52 @@ def test_decode_cuda_matches_reference(q_len, paged):
     want = fa.decode(q.cpu().double(), fa.KVCache(k.cpu().double(), v.cpu().double(), lengths.cpu()),
                      score_mod=score, mask=mask)
     assert (out.double().cpu() - want).abs().max() < 2.5e-2
+
+
+# ----------------------------------------------------------------- repeated eager calls
+def _torch_ref(q, k, v, **kw):
+    return fa.flex_attention(q.cpu().double(), k.cpu().double(), v.cpu().double(), **kw)
+
+
+def test_repeated_calls_take_the_prepared_path_and_stay_right():
+    """From the second sighting on, a repeated inference call skips checks and planning
+    (fa._PREPARED); fresh inputs every call, results against the reference each time."""
+    pytest.importorskip("tvm_ffi")
+    fa._PREPARED._entries.clear()
+    fa._PREPARED._seen.clear()
+    slopes = torch.rand(4, device="cuda")
+    score = mods.alibi(slopes)
+    bm = fa.create_block_mask(mods.causal() & mods.sliding_window(70), None, None, 300, 300)
+    for i in range(4):
+        q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+        slopes.copy_(torch.rand(4, device="cuda"))      # in-place update: must be seen
+        out, lse = fa.flex_attention(q, k, v, score_mod=score, block_mask=bm, return_lse=True)
+        want, want_lse = _torch_ref(q, k, v, score_mod=mods.alibi(slopes.cpu()), block_mask=bm, return_lse=True)
+        assert (out.double().cpu() - want).abs().max() < 5e-3, i
+        assert (lse.double().cpu() - want_lse).abs().max() < 2e-3, i
+        assert len(fa._PREPARED._entries) == (1 if i >= 1 else 0)
+    # another layout (strides) or dtype is another entry, not a wrong hit
+    qt = torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.float16).transpose(1, 2)
+    for _ in range(2):
+        out = fa.flex_attention(qt, k, v, score_mod=score, block_mask=bm)
+    assert (out.double().cpu() - _torch_ref(qt, k, v, score_mod=mods.alibi(slopes.cpu()), block_mask=bm)).abs().max() < 5e-3
+    assert len(fa._PREPARED._entries) == 2
+    # entries die with the mod objects they were keyed by (and release their captures)
+    del score
+    import gc
+    gc.collect()
+    assert len(fa._PREPARED._entries) == 0
+
+
+def test_prepared_path_leaves_recorded_calls_to_autograd():
+    pytest.importorskip("tvm_ffi")
+    slopes = torch.rand(2, device="cuda", requires_grad=True)
+    score = mods.alibi(slopes)
+    q, k, v = (torch.randn(1, 2, 200, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with torch.no_grad():
+        for _ in range(3):
+            fa.flex_attention(q, k, v, score_mod=score)
+    out = fa.flex_attention(q, k, v, score_mod=score)     # grad mode on, trainable slopes
+    assert out.grad_fn is not None
+    out.float().sum().backward()
+    assert slopes.grad is not None and torch.isfinite(slopes.grad).all()

@@ -1,0 +1,158 @@
+"""Host time per call (launch overhead) on small shapes, per adapter, beside the anchors.
+
+The kernel of a small shape finishes in a few µs, so what a caller waits for is the host
+work of a call: argument checks, planning, allocation, the launch. Measured as the wall
+time of a loop of N calls that only submits work (the GPU queue never fills: N is small
+and each kernel is shorter than the host time), after warm-up (compiles, caches).
+
+  flexattn/torch   flexattn.torch.flex_attention (inference: no autograd recording)
+  flexattn/cupy    flexattn.cupy.flex_attention on the same data through DLPack
+  fa4              flash_attn.cute.flash_attn_func
+  flex             torch flex_attention, torch.compile'd (Triton)
+  sdpa             torch scaled_dot_product_attention (its default backend choice)
+
+    python3 benchmarks/bench_overhead.py [--shape 1x128x4x64] [--calls 200] [--out overhead.json]
+"""
+
+import argparse
+import datetime
+import math
+import time
+import traceback
+
+import torch
+
+from common import device_name, report
+
+VARIANTS = ("full", "causal", "causal+alibi", "window64")
+
+
+def host_us(fn, calls: int, rounds: int = 5) -> float:
+    """Best-of-rounds mean host µs per call of a submit-only loop."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def ours_torch(qh, kh, vh, variant, S):
+    import flexattn.torch as fa
+    from flexattn import mods
+
+    H = qh.shape[1]
+    kw = {}
+    if variant == "causal":
+        kw = {"mask": mods.causal()}
+    elif variant == "causal+alibi":
+        kw = {"mask": mods.causal(), "score_mod": mods.alibi(num_heads=H)}
+    elif variant == "window64":
+        kw = {"block_mask": fa.create_block_mask(mods.sliding_window(64), None, None, S, S)}
+    return lambda: fa.flex_attention(qh, kh, vh, **kw)
+
+
+def ours_cupy(qh, kh, vh, variant, S):
+    import cupy
+
+    import flexattn.cupy as fc
+    from flexattn import mods
+
+    if qh.dtype != torch.float16:
+        return None
+    q, k, v = (cupy.from_dlpack(t) for t in (qh, kh, vh))
+    H = qh.shape[1]
+    kw = {}
+    if variant == "causal":
+        kw = {"mask": mods.causal()}
+    elif variant == "causal+alibi":
+        kw = {"mask": mods.causal(), "score_mod": mods.alibi(num_heads=H)}
+    elif variant == "window64":
+        kw = {"block_mask": fc.create_block_mask(mods.sliding_window(64), None, None, S, S)}
+    return lambda: fc.flex_attention(q, k, v, **kw)
+
+
+def fa4(q, k, v, variant, S):
+    from flash_attn.cute import flash_attn_func
+
+    if variant == "causal+alibi":
+        return None
+    kw = {"causal": variant != "full"}
+    if variant == "window64":
+        kw["window_size"] = (64, 0)
+    return lambda: flash_attn_func(q, k, v, **kw)
+
+
+def flex(qh, kh, vh, variant, S):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    fn = torch.compile(flex_attention, dynamic=False)
+    H = qh.shape[1]
+    masks = {"causal": lambda b, h, q, kv: q >= kv, "causal+alibi": lambda b, h, q, kv: q >= kv,
+             "window64": lambda b, h, q, kv: (q >= kv) & (q - kv <= 64)}
+    bm = create_block_mask(masks[variant], None, None, S, S, device="cuda") if variant in masks else None
+    score = None
+    if variant == "causal+alibi":
+        slopes = torch.exp2(-8.0 * torch.arange(1, H + 1, device="cuda") / H)
+        score = lambda s, b, h, q, kv: s + slopes[h] * (kv - q)  # noqa: E731
+    return lambda: fn(qh, kh, vh, score_mod=score, block_mask=bm)
+
+
+def sdpa(qh, kh, vh, variant, S):
+    if variant not in ("full", "causal"):
+        return None
+    causal = variant == "causal"
+    return lambda: torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=causal)
+
+
+IMPLS = ("flexattn/torch", "flexattn/cupy", "fa4", "flex", "sdpa")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="1x128x4x64", help="BxSxHxD")
+    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    B, S, H, D = map(int, args.shape.split("x"))
+    dtype = getattr(torch, args.dtype)
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=dtype) for _ in range(3))   # [B, S, H, D]
+    qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))                    # [B, H, S, D]
+    rows = []
+    with torch.no_grad():
+        for variant in VARIANTS:
+            res = {}
+            makers = {"flexattn/torch": lambda: ours_torch(qh, kh, vh, variant, S),
+                      "flexattn/cupy": lambda: ours_cupy(qh, kh, vh, variant, S),
+                      "fa4": lambda: fa4(q, k, v, variant, S),
+                      "flex": lambda: flex(qh, kh, vh, variant, S),
+                      "sdpa": lambda: sdpa(qh, kh, vh, variant, S)}
+            for impl, make in makers.items():
+                try:
+                    fn = make()
+                    if fn is not None:
+                        res[impl] = host_us(fn, args.calls)
+                except Exception as e:  # a missing library must not hide the rest
+                    print(f"[{impl} {variant}] failed: {type(e).__name__}: {str(e)[:200]}")
+                    traceback.print_exc(limit=1)
+            rows.append({"variant": variant, "host_us": res})
+            print(variant, {i: f"{t:.1f}" for i, t in res.items()}, flush=True)
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"Host µs per call (submit-only loop, best of 5 × {args.calls}), B{B} S{S} H{H} D{D}"
+             f" {args.dtype}, {device_name()}, {stamp}.", "",
+             "| variant | " + " | ".join(IMPLS) + " |", "|---|" + "---|" * len(IMPLS)]
+    for r in rows:
+        lines.append(f"| {r['variant']} | " + " | ".join(
+            f"{r['host_us'][i]:.1f}" if i in r["host_us"] else "n/a" for i in IMPLS) + " |")
+    report("\n".join(lines), rows, args.out, stamp)
+
+
+if __name__ == "__main__":
+    main()
