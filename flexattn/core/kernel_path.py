@@ -21,6 +21,7 @@ balances the uneven tiles: +4% over head order); block-sparse keeps one CTA per 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -208,17 +209,31 @@ def _runner(plan: KernelPlan, tvm_ffi: bool):
     return runner
 
 
-def use_tvm_ffi(device: Device | None = None) -> bool:
+def use_tvm_ffi(device: Device | None = None, stream_scope: bool = False) -> bool:
     """Launch through TVM-FFI (framework tensors straight into the compiled kernel, µs of
-    host time) when the ``apache-tvm-ffi`` package is installed and the device's stream is
-    TVM-FFI's environment stream (torch), unless ``FLEXATTN_TVM_FFI`` says otherwise
-    (``0``: never, ``1``: always); else the ``from_dlpack`` runner (~35 µs per tensor)."""
+    host time) when the ``apache-tvm-ffi`` package is installed and the launch lands on
+    the device's stream: TVM-FFI's environment stream is it (torch), or the caller sets it
+    around the launch (``stream_scope``: ``ffi_stream_scope``) — unless
+    ``FLEXATTN_TVM_FFI`` says otherwise (``0``: never, ``1``: always); else the
+    ``from_dlpack`` runner (~35 µs per tensor)."""
     flag = os.environ.get("FLEXATTN_TVM_FFI")
     if flag is not None:
         return flag == "1"
-    if device is not None and not device.tvm_ffi_stream:
+    if device is not None and not device.tvm_ffi_stream and not stream_scope:
         return False
     return _tvm_ffi_installed()
+
+
+def ffi_stream_scope(q, device: Device):
+    """A context in which TVM-FFI launches go to ``device.stream``: TVM-FFI's environment
+    stream of q's GPU is set to it (frameworks whose current stream TVM-FFI does not
+    read, e.g. CuPy); nothing to do where it reads the framework's (torch)."""
+    if device.tvm_ffi_stream:
+        return contextlib.nullcontext()
+    import tvm_ffi
+
+    _, ordinal = q.__dlpack_device__()
+    return tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", int(ordinal)), device.stream)
 
 
 @functools.cache
@@ -234,10 +249,12 @@ def forward_into(q, k, v, out, lse, shape: AttentionShape, spec: AttentionSpec, 
         bm = plan.block_mask
         lists = tuple(device.to_device(x) for x in (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices))
     scale = spec.resolved_scale(shape.head_dim)
-    if use_tvm_ffi(device):  # see kernels/ffi_runner.py
+    if use_tvm_ffi(device, stream_scope=True):  # see kernels/ffi_runner.py
         from ..kernels.ffi_runner import ffi_mod_args
 
-        _runner(plan, True).run(q, k, v, out, lse, scale, ffi_mod_args(plan.config.mods, device.to_device), lists)
+        args = ffi_mod_args(plan.config.mods, device.to_device)
+        with ffi_stream_scope(q, device):
+            _runner(plan, True).run(q, k, v, out, lse, scale, args, lists)
         return plan
     from ..kernels.mod_emit import runtime_args
 

@@ -29,7 +29,11 @@ def test_forward_on_a_side_stream_matches_reference_and_torch():
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         q, k, v = (cupy.asarray(x) for x in (qh, kh, vh))
-        out, lse = fc.flex_attention(q, k, v, **kw)
+        x = cupy.ones((4096, 4096), dtype=cupy.float32)
+        for _ in range(20):            # ~tens of ms of queued work on this stream ...
+            x = (x @ x) * (1.0 / 4096)   # (stays all ones)
+        q = q + (x[0, 0] * 0).astype(q.dtype)   # ... that q now depends on
+        out, lse = fc.flex_attention(q, k, v, **kw)   # wrong if launched on another stream
     stream.synchronize()
     want, want_lse = reference.forward(qh, kh, vh, AttentionSpec.from_args(**kw))
     assert np.abs(cupy.asnumpy(out).astype(np.float64) - want).max() < 5e-3
