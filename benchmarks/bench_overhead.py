@@ -27,7 +27,7 @@ from common import device_name, report
 VARIANTS = ("full", "causal", "causal+alibi", "window64")
 
 
-def host_us(fn, calls: int, rounds: int = 5) -> float:
+def host_us(fn, calls: int, rounds: int = 15) -> float:
     """Best-of-rounds mean host µs per call of a submit-only loop."""
     for _ in range(3):
         fn()
@@ -145,7 +145,7 @@ def main():
             print(variant, {i: f"{t:.1f}" for i, t in res.items()}, flush=True)
 
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"Host µs per call (submit-only loop, best of 5 × {args.calls}), B{B} S{S} H{H} D{D}"
+    lines = [f"Host µs per call (submit-only loop, best of 15 × {args.calls}), B{B} S{S} H{H} D{D}"
              f" {args.dtype}, {device_name()}, {stamp}.", "",
              "| variant | " + " | ".join(IMPLS) + " |", "|---|" + "---|" * len(IMPLS)]
     for r in rows:

@@ -7,7 +7,7 @@
 # bwd-bench-mods (forward + backward table: masks / score mods incl. a trainable bias;
 # each compiles fwd+bwd for five libraries, so give each a device call of its own), cupy
 # (CuPy adapter on the kernels), public (public path + prepared repeat calls), overhead
-# (host µs per call, small shapes), sched (tile order / persistent CTAs ablation).
+# (host µs per call, small shapes), notebooks (every notebook on the GPU), sched (tile order / persistent CTAs ablation).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -38,6 +38,7 @@ for step in $steps; do
            --out "$out/bench_bwd.json" ;;
     cupy) run cupy 180 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cupy_gpu.py ;;
     public) run public 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flex_attention_gpu.py ;;
+    notebooks) run notebooks 400 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_notebooks_gpu.py ;;
     overhead) run overhead 200 python3 benchmarks/bench_overhead.py --out "$out/overhead.json" ;;
     sched) run sched 300 python3 benchmarks/bench_schedules.py --shapes 4x4096x16x128 8x2048x16x128 \
            --variants by_head longest persist persist+by_head --anchors fa4 ;;
