@@ -69,7 +69,7 @@ def flex_attention(
     call = (score_mod, block_mask, scale, enable_gqa, mask, score)
     prepared = _PREPARED.find(query, key, value, call)
     if prepared is not None:  # a call like an earlier one: checks and plan already done
-        out, lse = prepared(query, key, value)
+        out, lse = prepared(query, key, value, return_lse)
         return (out, lse) if return_lse else out
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor):
@@ -515,7 +515,8 @@ class _PreparedCalls:
 
 
 class _PreparedCall:
-    __slots__ = ("refs", "score_tensors", "out_shape", "lse_shape", "dtype", "device", "device_index", "launch")
+    __slots__ = ("refs", "score_tensors", "out_shape", "lse_shape", "dtype", "device", "device_index", "launch",
+                 "lse_sink")
 
     def __init__(self, call, spec, shape, q, prepared, on_death):
         objs = (call[0], call[1], call[4], call[5])   # score_mod, block_mask, mask, score
@@ -525,6 +526,9 @@ class _PreparedCall:
         self.lse_shape = (shape.batch, shape.q_heads, shape.q_len)
         self.dtype, self.device, self.device_index = q.dtype, q.device, q.get_device()
         self.launch = prepared.launch
+        # Where the kernel's LSE goes when the caller does not want it: one buffer, never
+        # read (racing writes from several streams are harmless), one allocation saved.
+        self.lse_sink = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
 
     def matches(self, call, q, k, v) -> bool:
         objs = (call[0], call[1], call[4], call[5])
@@ -538,9 +542,9 @@ class _PreparedCall:
             return False   # autograd must record it: the custom op
         return True
 
-    def __call__(self, q, k, v):
+    def __call__(self, q, k, v, return_lse):
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if return_lse else self.lse_sink
         if q.requires_grad or k.requires_grad or v.requires_grad:   # DLPack refuses them
             q, k, v = q.detach(), k.detach(), v.detach()
         self.launch(q, k, v, out, lse)
