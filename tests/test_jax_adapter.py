@@ -1,6 +1,8 @@
 """flexattn.jax on CPU: forward vs the reference, jit, grad (vs reference and finite
 differences), captured jax arrays as operands, a jitted training step."""
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -154,3 +156,151 @@ def test_rejects_non_jax_inputs():
         fj.flex_attention(np.asarray(q), k, v)
     with pytest.raises(ValueError, match="enable_gqa"):
         fj.flex_attention(q, k[:, :2], v[:, :2])
+
+
+# --- the GPU path's plumbing, on CPU buffers ------------------------------------------------------
+# flexattn.jax runs the kernels through jax.experimental.buffer_callback, which also exists on
+# CPU. With the CPU platform routed to the kernel path and only the kernel *runners* faked (the
+# reference writes into the buffers XLA hands the callback), everything else is real: planning
+# while tracing, constant operands for host arrays, operand/result layout, the backward's
+# scratch results and zeroed gradient aliases, core forward_into/backward_into, symbolic zeros.
+
+Dk = 64  # the kernels' head dims are 64/128
+
+
+def _read(*bufs):
+    """Callback buffers as float64 numpy copies (Buffer.__array__ takes no dtype/copy)."""
+    return [np.asarray(b).astype(np.float64) for b in bufs]
+
+
+def _host_spec(spec, device, side):
+    """This call's spec with every captured value read back from the buffers the callback got."""
+    def host(mod):
+        if mod is None:
+            return None
+        return mod.with_captures(tuple(
+            c if isinstance(c, (int, float)) else np.asarray(device.to_device(c)).copy() for c in mod.captures))
+
+    bm = spec.block_mask
+    if bm is not None:
+        for name in ("kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices"):
+            if name.startswith("kv") == (side == "fwd"):  # the lists this side reads
+                np.testing.assert_array_equal(np.asarray(device.to_device(getattr(bm, name))), getattr(bm, name))
+        bm = copy.copy(bm)
+        bm.mask_mod = host(bm.mask_mod)
+    return AttentionSpec(host(spec.score), host(spec.mask), bm, spec.scale, spec.enable_gqa)
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    from flexattn.core import backward_path, kernel_path
+    from flexattn.kernels import cache
+
+    monkeypatch.setattr(fj, "_KERNEL_PLATFORMS", {"gpu", "cuda", "cpu"})
+    monkeypatch.setenv("FLEXATTN_TVM_FFI", "0")  # the from_dlpack runner (explicit stream)
+    log = {"fwd": 0, "bwd": [], "spec": None}
+    real_fwd, real_bwd = kernel_path.forward_into, backward_path.backward_into
+
+    def forward_into(q, k, v, out, lse, shape, spec, device):
+        log["spec"] = _host_spec(spec, device, "fwd")
+        return real_fwd(q, k, v, out, lse, shape, spec, device)
+
+    def backward_into(arrays, shape, spec, device, alloc, **kw):
+        log["spec"] = _host_spec(spec, device, "bwd")
+        return real_bwd(arrays, shape, spec, device, alloc, **kw)
+
+    class FwdRunner:
+        def run(self, q, k, v, out, lse, scale, args, stream, lists):
+            log["fwd"] += 1
+            o, l = reference.forward(*_read(q, k, v), log["spec"])
+            np.asarray(out)[...] = o
+            np.asarray(lse)[...] = l
+
+    class BwdRunner:
+        def __init__(self, cfg):
+            self.slots = cfg.mods.grad_slots
+
+        def run(self, q, k, v, out, d_out, lse, dq, dk, dv, workspace, scale, args, grads, stream, lists, d_lse):
+            log["bwd"].append({"d_lse": d_lse is not None, "grads": len(grads or ()),
+                               "workspace": [tuple(w.shape) for w in workspace]})
+            g = reference.backward(*_read(q, k, v, d_out), None if d_lse is None else _read(d_lse)[0], log["spec"])
+            for dst, src in ((dq, g.dq), (dk, g.dk), (dv, g.dv)):
+                np.asarray(dst)[...] = src
+            for slot, dst in zip(self.slots, grads or ()):
+                assert not np.asarray(dst).any(), "buffer gradients must start zeroed"
+                np.asarray(dst)[...] = g.d_captures[slot].reshape(dst.shape)
+
+    monkeypatch.setattr(kernel_path, "forward_into", forward_into)
+    monkeypatch.setattr(backward_path, "backward_into", backward_into)
+    monkeypatch.setattr(kernel_path, "_runner", lambda plan, tvm_ffi: FwdRunner())
+    monkeypatch.setattr(cache, "backward_runner", lambda cfg: BwdRunner(cfg))
+    return log
+
+
+def _kernel_inputs(seed, dtype=jnp.bfloat16, d=Dk):
+    rng = np.random.default_rng(seed)
+    shapes = [(B, Hq, S, d), (B, Hkv, S + 5, d), (B, Hkv, S + 5, d)]
+    return [jnp.asarray(rng.standard_normal(s) * 0.5, dtype) for s in shapes]
+
+
+def test_kernel_path_plumbing_forward_and_grads(fake_kernels):
+    q, k, v = _kernel_inputs(10)
+    slopes = jnp.asarray(np.linspace(0.1, 0.8, Hq), jnp.float32)
+    table = np.random.default_rng(11).standard_normal((Hq, 9)).astype(np.float32)  # a numpy capture: constant
+    doc = jnp.asarray(np.repeat([0, 1, 2], [10, 10, 9]), jnp.int32)  # concrete: the block mask is built from it
+    w = jnp.asarray(np.random.default_rng(12).standard_normal((B, Hq, S, Dk)), jnp.float32)
+
+    def loss(q, k, v, slopes):
+        out, lse = fj.flex_attention(q, k, v, score=mods.alibi(slopes) >> mods.relative_bias(table),
+                                     mask=mods.document(doc) & mods.causal(offset=5), enable_gqa=True,
+                                     return_lse=True)
+        return (out.astype(jnp.float32) * w).sum() + (lse ** 2).sum()
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, slopes)
+    assert fake_kernels["fwd"] == 1 and len(fake_kernels["bwd"]) == 1
+    assert fake_kernels["bwd"][0]["d_lse"] and fake_kernels["bwd"][0]["grads"] == 1  # slopes only (table fixed)
+    spec = AttentionSpec.from_args(score=mods.alibi(np.asarray(slopes)) >> mods.relative_bias(table),
+                                   mask=mods.document(np.asarray(doc)) & mods.causal(offset=5), enable_gqa=True)
+    qn, kn, vn = _np(q, k, v)
+    _, lse = reference.forward(qn, kn, vn, spec)
+    want = reference.backward(qn, kn, vn, np.asarray(w, np.float64), 2 * lse, spec)
+    for got, ref in zip(grads[:3], (want.dq, want.dk, want.dv)):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(got, np.float64), ref, atol=3e-2 * max(1, np.abs(ref).max()))
+    np.testing.assert_allclose(grads[3], want.d_captures[0], rtol=2e-3)  # d_out arrives in bf16
+
+
+def test_kernel_path_plumbing_out_only_loss_and_fixed_buffers(fake_kernels):
+    q, k, v = _kernel_inputs(13, jnp.float16)
+    slopes = jnp.asarray(np.linspace(0.2, 0.6, Hq), jnp.float32)
+    bm = fj.create_block_mask(mods.sliding_window(7), None, None, S, S + 5, BLOCK_SIZE=128)
+
+    def loss(q, k, v):  # slopes are captured, not differentiated; lse is not used
+        return fj.flex_attention(q, k, v, score=mods.alibi(slopes), block_mask=bm, enable_gqa=True).astype(
+            jnp.float32).sum()
+
+    dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    assert fake_kernels["bwd"][0] == {"d_lse": False, "grads": 0, "workspace": fake_kernels["bwd"][0]["workspace"]}
+    spec = AttentionSpec.from_args(score=mods.alibi(np.asarray(slopes)), block_mask=bm, enable_gqa=True)
+    qn, kn, vn = _np(q, k, v)
+    want = reference.backward(qn, kn, vn, np.ones((B, Hq, S, Dk)), None, spec)
+    for got, ref in zip((dq, dk, dv), (want.dq, want.dk, want.dv)):
+        np.testing.assert_allclose(np.asarray(got, np.float64), ref, atol=1e-2 * max(1, np.abs(ref).max()))
+
+
+def test_kernel_path_refuses_before_launch(fake_kernels):
+    q, k, v = _kernel_inputs(14)
+    with pytest.raises(ValueError, match="bfloat16 and float16.*CPU arrays run the exact reference"):
+        fj.flex_attention(*_kernel_inputs(14, jnp.float32), enable_gqa=True)
+    with pytest.raises(ValueError, match="head dims"):
+        fj.flex_attention(*_kernel_inputs(14, d=96), enable_gqa=True)
+    with pytest.raises(ValueError, match="BLOCK_SIZE"):
+        fj.flex_attention(q, k, v, block_mask=fj.create_block_mask(mods.causal(), None, None, S, S + 5,
+                                                                   BLOCK_SIZE=8), enable_gqa=True)
+    with pytest.raises(ValueError, match="block_mask="):  # a traced mask capture: no block mask while tracing
+        jax.jit(lambda q, doc: fj.flex_attention(q, k, v, mask=mods.document(doc), enable_gqa=True))(
+            q, jnp.zeros(S + 5, jnp.int32))
+    table = np.zeros((Hq, 9))  # float64: jax without x64 cannot hold it
+    with pytest.raises(ValueError, match="x64"):
+        fj.flex_attention(q, k, v, score=mods.relative_bias(table), enable_gqa=True)
+    assert fake_kernels["fwd"] == 0

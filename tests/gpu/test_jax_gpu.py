@@ -1,0 +1,211 @@
+"""GPU: flexattn.jax on the kernels (buffer_callback) — forward against the float64
+reference and bitwise against the torch adapter, jax.grad against the reference backward,
+a jitted training step without recompiles, XLA's stream honoured. Skipped without a CUDA
+jax backend.
+
+Every array the kernels write (out/lse, dq/dk/dv) is NaN-filled on XLA's stream right
+before the launch (a wrapper around the core entry points), so an element a kernel fails
+to write fails the test.
+"""
+
+import math
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+jax = pytest.importorskip("jax")
+if jax.default_backend() != "gpu":
+    pytest.skip("needs jax with a CUDA backend", allow_module_level=True)
+pytest.importorskip("cutlass")
+torch = pytest.importorskip("torch")
+
+import jax.numpy as jnp  # noqa: E402
+
+import flexattn.jax as fj  # noqa: E402
+import flexattn.torch as fa  # noqa: E402
+from flexattn import mods, reference  # noqa: E402
+from flexattn.core import AttentionSpec, backward_path, kernel_path  # noqa: E402
+from flexattn.kernels import cache  # noqa: E402
+
+DTYPES = {"bf16": (jnp.bfloat16, torch.bfloat16), "fp16": (jnp.float16, torch.float16)}
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    from cuda.bindings import driver
+
+    def poison(stream, *bufs):
+        for b in bufs:
+            ptr = b.__cuda_array_interface__["data"][0]
+            nbytes = math.prod(b.shape) * np.dtype(b.dtype).itemsize
+            (err,) = driver.cuMemsetD8Async(driver.CUdeviceptr(ptr), 0xFF, nbytes, driver.CUstream(stream))
+            assert err == driver.CUresult.CUDA_SUCCESS, err
+
+    real_fwd, real_bwd = kernel_path.forward_into, backward_path.backward_into
+
+    def forward_into(q, k, v, out, lse, shape, spec, device):
+        poison(device.stream, out, lse)
+        return real_fwd(q, k, v, out, lse, shape, spec, device)
+
+    def backward_into(arrays, shape, spec, device, alloc, **kw):
+        poison(device.stream, arrays.dq, arrays.dk, arrays.dv)
+        return real_bwd(arrays, shape, spec, device, alloc, **kw)
+
+    monkeypatch.setattr(kernel_path, "forward_into", forward_into)
+    monkeypatch.setattr(backward_path, "backward_into", backward_into)
+
+
+def _inputs(seed, dtype, B, Hq, Hkv, Q, KV, D):
+    rng = np.random.default_rng(seed)
+    host = [(rng.standard_normal(s) * 0.5).astype(np.float32) for s in ((B, Hq, Q, D), (B, Hkv, KV, D), (B, Hkv, KV, D))]
+    jx = [jnp.asarray(x, DTYPES[dtype][0]) for x in host]
+    exact = [np.asarray(x).astype(np.float64) for x in jx]   # the values the kernel sees
+    return jx, exact
+
+
+def _torch(x, dtype):
+    return torch.from_numpy(np.asarray(x).astype(np.float32)).to("cuda", DTYPES[dtype][1])
+
+
+# (dtype, D, B, Hq, Hkv, Q, KV, variant)
+CASES = [
+    ("bf16", 64, 2, 4, 2, 333, 333, "causal+alibi"),
+    ("fp16", 128, 1, 4, 4, 257, 300, "block_mask"),
+    ("bf16", 128, 2, 6, 2, 100, 517, "dense"),
+    ("fp16", 64, 2, 4, 1, 200, 200, "documents"),
+]
+
+
+def _mods(variant, Hq, Q, KV, slopes=None):
+    """(kwargs for jax, kwargs for torch / the reference with host values)."""
+    if variant == "causal+alibi":
+        return (dict(score=mods.alibi(slopes), mask=mods.causal()),
+                dict(score=mods.alibi(np.asarray(slopes)), mask=mods.causal()))
+    if variant == "block_mask":
+        bm = fj.create_block_mask(mods.sliding_window(70) & mods.causal(offset=KV - Q), None, None, Q, KV,
+                                  BLOCK_SIZE=128)
+        return dict(block_mask=bm), dict(block_mask=bm)
+    if variant == "documents":  # mask= with a concrete jax capture: the block mask is built while tracing
+        doc = np.repeat(np.arange(4), [37, 80, 60, 23]).astype(np.int32)
+        return (dict(mask=mods.document(jnp.asarray(doc)) & mods.causal()),
+                dict(mask=mods.document(doc) & mods.causal()))
+    return {}, {}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-D{c[1]}-{c[7]}" for c in CASES])
+def test_forward_matches_reference_and_torch_bitwise(case):
+    dtype, D, B, Hq, Hkv, Q, KV, variant = case
+    (q, k, v), exact = _inputs(CASES.index(case), dtype, B, Hq, Hkv, Q, KV, D)
+    slopes = jnp.asarray(np.linspace(0.1, 0.9, Hq), jnp.float32)
+    jkw, hkw = _mods(variant, Hq, Q, KV, slopes)
+    f = jax.jit(lambda q, k, v: fj.flex_attention(q, k, v, enable_gqa=True, return_lse=True, **jkw))
+    out, lse = f(q, k, v)
+    assert out.dtype == DTYPES[dtype][0] and lse.dtype == jnp.float32
+    want, want_lse = reference.forward(*exact, AttentionSpec.from_args(enable_gqa=True, **hkw))
+    tol = 2e-2 if dtype == "bf16" else 5e-3
+    got = np.asarray(out).astype(np.float64)
+    assert np.isfinite(got).all()
+    assert np.abs(got - want).max() < tol
+    finite = np.isfinite(want_lse)
+    assert np.array_equal(np.isfinite(np.asarray(lse)), finite)
+    assert np.abs(np.asarray(lse)[finite] - want_lse[finite]).max() < 2e-3
+    t_out, t_lse = fa.flex_attention(*(_torch(x, dtype) for x in (q, k, v)), enable_gqa=True, return_lse=True, **hkw)
+    assert np.array_equal(got, t_out.double().cpu().numpy())   # one kernel, one answer
+    assert np.array_equal(np.asarray(lse), t_lse.cpu().numpy())
+
+
+def test_follows_xla_stream():
+    """Inside jit, q depends on tens of ms of queued XLA work: a launch on any other stream
+    would read q before it is written."""
+    (q, k, v), exact = _inputs(5, "bf16", 2, 4, 4, 256, 256, 64)
+
+    @jax.jit
+    def f(q, k, v, x):  # x an argument: XLA cannot fold the chain at compile time
+        for _ in range(20):
+            x = (x @ x) * (1.0 / 4096)   # stays all ones
+        q = q * x[0, 0].astype(q.dtype)   # q now waits for the chain
+        return fj.flex_attention(q, k, v, mask=mods.causal())
+
+    out = np.asarray(f(q, k, v, jnp.ones((4096, 4096), jnp.float32))).astype(np.float64)
+    want, _ = reference.forward(*exact, AttentionSpec.from_args(mask=mods.causal()))
+    assert np.abs(out - want).max() < 2e-2
+
+
+@pytest.mark.parametrize("dtype,D,variant", [("bf16", 64, "causal+alibi"), ("fp16", 128, "block_mask")])
+def test_grad_matches_reference_backward(dtype, D, variant):
+    B, Hq, Hkv, Q, KV = 2, 4, 2, 257, 300 if variant == "block_mask" else 257
+    (q, k, v), exact = _inputs(7, dtype, B, Hq, Hkv, Q, KV, D)
+    slopes = jnp.asarray(np.linspace(0.2, 0.7, Hq), jnp.float32)
+    rng = np.random.default_rng(8)
+    w = jnp.asarray(rng.standard_normal((B, Hq, Q, D)), jnp.float32)
+    u = jnp.asarray(rng.standard_normal((B, Hq, Q)), jnp.float32)
+
+    def loss(q, k, v, slopes):
+        jkw, _ = _mods(variant, Hq, Q, KV, slopes)
+        out, lse = fj.flex_attention(q, k, v, enable_gqa=True, return_lse=True, **jkw)
+        return (out.astype(jnp.float32) * w).sum() + (lse * u).sum()
+
+    argnums = (0, 1, 2, 3) if variant == "causal+alibi" else (0, 1, 2)
+    grads = jax.jit(jax.grad(loss, argnums=argnums))(q, k, v, slopes)
+    _, hkw = _mods(variant, Hq, Q, KV, slopes)
+    spec = AttentionSpec.from_args(enable_gqa=True, **hkw)
+    d_out = np.asarray(w.astype(q.dtype)).astype(np.float64)   # the cotangent arrives in the input dtype
+    want = reference.backward(*exact, d_out, np.asarray(u, np.float64), spec)
+    for got, ref in zip(grads[:3], (want.dq, want.dk, want.dv)):
+        got = np.asarray(got).astype(np.float64)
+        assert np.isfinite(got).all()
+        assert np.abs(got - ref).max() < 2e-2 * max(1.0, np.abs(ref).max())
+    if variant == "causal+alibi":
+        d_slopes = next(d for d in want.d_captures if d is not None)
+        np.testing.assert_allclose(np.asarray(grads[3]), d_slopes, rtol=1e-2, atol=1e-2 * np.abs(d_slopes).max())
+
+
+def test_jitted_training_step_without_recompiles():
+    """A tiny attention layer (projections, causal + trainable ALiBi slopes, bf16 kernels)
+    trained by SGD inside one jitted step: the loss falls, the slopes move, and after the
+    first step no kernel compiles."""
+    B, S, E, H, D = 2, 192, 128, 2, 64
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((B, S, E)), jnp.float32)
+    target = jnp.asarray(rng.standard_normal((B, S, E)) * 0.5, jnp.float32)
+    init = lambda *s: jnp.asarray(rng.standard_normal(s) / math.sqrt(s[0]), jnp.float32)  # noqa: E731
+    params = {"wq": init(E, H * D), "wk": init(E, H * D), "wv": init(E, H * D), "wo": init(H * D, E),
+              "slopes": jnp.asarray(np.linspace(0.05, 0.3, H), jnp.float32)}
+
+    def heads(t):
+        return t.reshape(B, S, H, D).transpose(0, 2, 1, 3).astype(jnp.bfloat16)
+
+    def loss(p):
+        q, k, v = (heads(x @ p[n]) for n in ("wq", "wk", "wv"))
+        o = fj.flex_attention(q, k, v, score=mods.alibi(p["slopes"]), mask=mods.causal())
+        y = o.astype(jnp.float32).transpose(0, 2, 1, 3).reshape(B, S, H * D) @ p["wo"]
+        return jnp.mean((y - target) ** 2)
+
+    @jax.jit
+    def step(p):
+        value, g = jax.value_and_grad(loss)(p)
+        return jax.tree_util.tree_map(lambda a, b: a - 0.5 * b, p, g), value
+
+    losses = []
+    p = params
+    p, value = step(p)
+    losses.append(float(value))
+    compiled = cache.compile_count()
+    for _ in range(5):
+        p, value = step(p)
+        losses.append(float(value))
+    assert cache.compile_count() == compiled
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[-1] < losses[0], losses
+    assert not np.allclose(np.asarray(p["slopes"]), np.asarray(params["slopes"]))
+
+
+def test_unsupported_inputs_fail_before_launch():
+    (q, k, v), _ = _inputs(11, "bf16", 1, 2, 2, 64, 64, 64)
+    with pytest.raises(ValueError, match="bfloat16 and float16"):
+        fj.flex_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
+    with pytest.raises(ValueError, match="block_mask="):
+        jax.jit(lambda q, doc: fj.flex_attention(q, k, v, mask=mods.document(doc)))(q, jnp.zeros(64, jnp.int32))
