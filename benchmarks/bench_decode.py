@@ -11,7 +11,15 @@ TB/s count the K+V bytes a step needs: 2 · B · Hkv · keys · D · 2 bytes, ke
 window's 4097 keys for the sliding window. Contiguous caches are one [B, L, Hkv, D]
 storage (viewed [B, Hkv, L, D]); paged caches use pages of 64 in shuffled order.
 
+Two kernel timings: ``bench_ms`` (triton's do_bench: L2 flushed by *writing* 256 MB, so
+~50 MB of dirty lines are written back during the timed call — ~17 µs, which caps a
+268 MB step near 2.6 TB/s whatever the kernel) and ``clean_ms`` (L2 flushed by *reading*
+256 MB before each timed call: cold and clean, nothing written back during the call).
+Columns ending in "/c" use clean_ms.
+
     python3 benchmarks/bench_decode.py [--shapes 8x8192 8x65536 1x131072] [--out results.json]
+    python3 benchmarks/bench_decode.py --sweep     # kernel shapes x split counts, kernels alone
+    python3 benchmarks/bench_decode.py --no-flex --no-fa4   # skip the slow baselines
 """
 
 import argparse
@@ -44,6 +52,47 @@ def make_inputs(B, L, layout):
     return PagedKVCache(pages_k, pages_v, table, lengths), None, None
 
 
+_FLUSH = {}
+
+
+def clean_ms(fn, reps=40, warmup=3):
+    """Median ms per call, each call after a read-only L2 flush (see the module doc)."""
+    buf = _FLUSH.get("buf")
+    if buf is None:
+        buf = _FLUSH["buf"] = torch.ones(64 << 20, dtype=torch.int32, device="cuda")   # 256 MB
+    times = []
+    for i in range(warmup + reps):
+        buf.sum()                   # reads only: evicts everything, leaves L2 clean
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        if i >= warmup:
+            times.append((start, end))
+    torch.cuda.synchronize()
+    return float(np.median([s.elapsed_time(e) for s, e in times]))
+
+
+def plan_step(q, cache, score, mask, tuning=None, num_splits=None):
+    """A planned decode step (kernels launched by ``step.launch()``) with a chosen kernel
+    shape and split count: the core planner with the torch adapter's device glue."""
+    from flexattn.core import decode_path
+    from flexattn.core.kernel_path import Device
+    from flexattn.torch import _DeviceCopies
+
+    B, Hq, n, _ = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(B, Hq, n, device="cuda")
+    device = Device(torch.cuda.current_stream().cuda_stream, _DeviceCopies(q.device), tvm_ffi_stream=True)
+    table = cache.page_table if hasattr(cache, "page_table") else None
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    step = decode_path.prepare_decode(q, cache, out, lse, device, sms,
+                                      lambda shape, dt: torch.empty(shape, dtype=getattr(torch, dt), device="cuda"),
+                                      score_mod=score, mask=mask, page_table=table, tuning=tuning,
+                                      num_splits=num_splits)
+    return step, out
+
+
 def variant_mods(name):
     from flexattn import mods
 
@@ -54,7 +103,7 @@ def variant_mods(name):
     return mods.causal(), mods.alibi(num_heads=HQ)
 
 
-def baselines(name, q, k, v, L, scale):
+def baselines(name, q, k, v, L, scale, fa4=True, flex=True):
     """{impl: fn} for contiguous [B, L, Hkv, D] k/v and q [B, Hq, 1, D]."""
     from flexattn import mods
 
@@ -70,7 +119,7 @@ def baselines(name, q, k, v, L, scale):
     else:
         bias = (slopes.view(1, HQ, 1, 1) * (torch.arange(L, device="cuda") - (L - 1)).view(1, 1, 1, L)).to(q.dtype)
         out["sdpa"] = lambda: F.scaled_dot_product_attention(q, kh, vh, attn_mask=bias, scale=scale, enable_gqa=True)
-    if name != "alibi":
+    if name != "alibi" and fa4:
         try:
             from flash_attn.cute import flash_attn_func
 
@@ -80,7 +129,8 @@ def baselines(name, q, k, v, L, scale):
                                                  window_size=win)
         except Exception as e:  # noqa: BLE001
             print(f"fa4 unavailable: {e!r}")
-    out["flex"] = _flex(name, q, kh, vh, L, scale, slopes)
+    if flex:
+        out["flex"] = _flex(name, q, kh, vh, L, scale, slopes)
     return out
 
 
@@ -106,7 +156,7 @@ def _flex(name, q, kh, vh, L, scale, slopes):
     return lambda: fn(q, kh, vh, score_mod=score, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
-def run_shape(B, L, rows):
+def run_shape(B, L, rows, fa4=True, flex=True):
     import flexattn.torch as fa
     from flexattn.torch import _kernel_decode
 
@@ -127,7 +177,7 @@ def run_shape(B, L, rows):
                 traceback.print_exc()
                 splits = None
             if layout == "contiguous":
-                impls.update(baselines(name, q, k, v, L, scale))
+                impls.update(baselines(name, q, k, v, L, scale, fa4, flex))
             ref = None
             for impl, fn in impls.items():
                 row = dict(B=B, L=L, layout=layout, variant=name, impl=impl, splits=splits)
@@ -141,6 +191,9 @@ def run_shape(B, L, rows):
                         row["rel_diff_vs_flexattn"] = ((o4.float() - ref.float()).norm() / ref.float().norm()).item()
                     ms = bench_ms(fn, 25, 150)
                     row.update(ms=ms, tbps=gbytes / ms)
+                    if impl in ("flexattn-k", "sdpa"):
+                        ms_c = clean_ms(fn)
+                        row.update(ms_clean=ms_c, tbps_clean=gbytes / ms_c)
                 except Exception as e:  # noqa: BLE001
                     row.update(ms=None, tbps=None, error=repr(e)[:200])
                 print(row, flush=True)
@@ -150,7 +203,7 @@ def run_shape(B, L, rows):
 
 
 def table(rows, stamp) -> str:
-    impls = ["flexattn", "flexattn-k", "sdpa", "fa4", "flex"]
+    impls = ["flexattn", "flexattn-k", "flexattn-k/c", "sdpa", "sdpa/c", "fa4", "flex"]
     lines = [f"Decode, q_len 1, Hq {HQ} Hkv {HKV} D {D} bf16 — TB/s of K+V bytes needed ({device_name()}, {stamp})", "",
              "| B | L | layout | variant | splits | " + " | ".join(impls) + " |",
              "|---|---|---|---|---|" + "---|" * len(impls)]
@@ -160,10 +213,66 @@ def table(rows, stamp) -> str:
     for (B, L, layout, name), by in keyed.items():
         cells = []
         for i in impls:
-            r = by.get(i)
-            cells.append("—" if r is None or r.get("tbps") is None else f"{r['tbps']:.2f}")
+            r = by.get(i.removesuffix("/c"))
+            key = "tbps_clean" if i.endswith("/c") else "tbps"
+            cells.append("—" if r is None or r.get(key) is None else f"{r[key]:.2f}")
         splits = next(iter(by.values())).get("splits")
         lines.append(f"| {B} | {L} | {layout} | {name} | {splits} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sweep_tunings():
+    from flexattn.core.decode_path import DecodeTuning
+
+    return {"t128s3": DecodeTuning(128, 3, 1), "t64s3c2": DecodeTuning(64, 3, 2),
+            "t64s6": DecodeTuning(64, 6, 1), "t64s2c2": DecodeTuning(64, 2, 2)}
+
+
+def sweep_shape(B, L, rows, split_factors=(1, 2)):
+    """Kernels alone (decode + combine, and decode alone) for every sweep tuning x split
+    count (the heuristic's, and multiples), no mods; SDPA beside them."""
+    from flexattn.core.decode_path import choose_splits
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gbytes = 2 * B * HKV * L * D * 2 / 1e9
+    scale = 1 / math.sqrt(D)
+    for layout in LAYOUTS:
+        cache, k, v = make_inputs(B, L, layout)
+        q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+        if layout == "contiguous":
+            sdpa = baselines("none", q, k, v, L, scale, fa4=False, flex=False)["sdpa"]
+            ms, ms_c = bench_ms(sdpa, 25, 150), clean_ms(sdpa)
+            rows.append(dict(B=B, L=L, layout=layout, tuning="sdpa", splits=None, tbps=gbytes / ms,
+                             tbps_clean=gbytes / ms_c))
+            print(rows[-1], flush=True)
+        for name, tuning in sweep_tunings().items():
+            base = choose_splits(B, HKV, 1, -(-L // tuning.tile_n), sms, tuning)
+            for f in split_factors:
+                row = dict(B=B, L=L, layout=layout, tuning=name, splits=base * f)
+                try:
+                    step, _ = plan_step(q, cache, None, None, tuning, base * f)
+                    step.launch()
+                    torch.cuda.synchronize()
+                    ms, ms_c, ms_d = bench_ms(step.launch, 25, 150), clean_ms(step.launch), clean_ms(step._decode)
+                    row.update(tbps=gbytes / ms, tbps_clean=gbytes / ms_c, tbps_decode_only=gbytes / ms_d,
+                               combine_us=(ms_c - ms_d) * 1e3)
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    row.update(error=repr(e)[:200])
+                print(row, flush=True)
+                rows.append(row)
+        cache = k = v = None
+        torch.cuda.empty_cache()
+
+
+def sweep_table(rows, stamp) -> str:
+    lines = [f"Decode kernel sweep, no mods, TB/s ({device_name()}, {stamp}); /c: clean-L2 timing, "
+             "dec/c: decode kernel alone", "",
+             "| B | L | layout | tuning | splits | do_bench | /c | dec/c | combine µs |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        f = [f"{r[k]:.2f}" if r.get(k) is not None else "—" for k in ("tbps", "tbps_clean", "tbps_decode_only")]
+        c = f"{r['combine_us']:.1f}" if r.get("combine_us") is not None else "—"
+        lines.append(f"| {r['B']} | {r['L']} | {r['layout']} | {r['tuning']} | {r['splits']} | {' | '.join(f)} | {c} |")
     return "\n".join(lines)
 
 
@@ -171,17 +280,23 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="*", default=["8x8192", "8x65536", "1x131072"])
     p.add_argument("--out", default=None)
+    p.add_argument("--sweep", action="store_true", help="kernel shapes x split counts instead of the table")
+    p.add_argument("--no-fa4", action="store_true")
+    p.add_argument("--no-flex", action="store_true")
     args = p.parse_args()
     torch._dynamo.config.cache_size_limit = 64
-    stamp = datetime.date.today().isoformat()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     rows = []
     for s in args.shapes:
         B, L = (int(x) for x in s.split("x"))
         try:
-            run_shape(B, L, rows)
+            if args.sweep:
+                sweep_shape(B, L, rows)
+            else:
+                run_shape(B, L, rows, fa4=not args.no_fa4, flex=not args.no_flex)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
-    report(table(rows, stamp), rows, args.out, stamp)
+    report(sweep_table(rows, stamp) if args.sweep else table(rows, stamp), rows, args.out, stamp)
 
 
 if __name__ == "__main__":

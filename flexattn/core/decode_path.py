@@ -10,10 +10,11 @@ Per step, on the host:
   the mods are rewritten to true positions with those offsets as runtime buffers
   (``mods.positions.shift_queries``) — new values, same structure: nothing recompiles;
   the kernel bounds keys by the per-batch length itself, so no ``limit_keys`` term;
-* ``first_kv_tokens``: interval analysis of the rewritten mask over kv blocks gives, per
-  sequence, the first block any (head, row) may attend (a sliding window skips the rest
-  of the cache); blocks at or past the length are never visited either;
 * ``choose_splits``: how many splits of the kv range fill the GPU (see there).
+
+No mask analysis runs on the host: the kernel skips the leading kv blocks its mask
+provably excludes (a sliding window skips the cache's head) by interval analysis on the
+GPU (``decode_sm90``); blocks at or past each sequence's length are never visited either.
 """
 
 from __future__ import annotations
@@ -30,59 +31,45 @@ from ..mods.positions import shift_queries
 from .kernel_path import KERNEL_DTYPES, KERNEL_HEAD_DIMS, Device, use_tvm_ffi
 
 DECODE_MAX_Q_LEN = 16      # longer query blocks take the ordinary forward kernel
-TILE_N = 128               # kv rows per pipeline stage of the decode kernel
-MIN_BLOCKS_PER_SPLIT = 4   # 512 keys: below that a split's fixed costs (Q load, epilogue,
-                           # its share of the combine) outweigh the parallelism it adds
+PAGE_TILE = 128            # page sizes are checked against this tile: then every tile_n
+                           # the tuning picks (64 or 128) reads them in place
+MIN_KEYS_PER_SPLIT = 512   # below that a split's fixed costs (Q load, epilogue, its share
+                           # of the combine) outweigh the parallelism it adds
 
 
-def choose_splits(batch: int, kv_heads: int, m_blocks: int, kv_blocks: int, num_sms: int) -> int:
+@dataclass(frozen=True)
+class DecodeTuning:
+    """The kernel shape of a decode step (see ``decode_sm90.DecodeConfig``)."""
+
+    tile_n: int = 128          # kv rows per pipeline stage
+    num_stages: int = 3        # K/V ring depth
+    ctas_per_sm: int = 1       # resident CTAs per SM the kernel is sized for
+    waves: int = 1             # CTAs per resident slot the splits heuristic aims for
+
+
+DEFAULT_TUNING = DecodeTuning()
+
+
+def choose_splits(batch: int, kv_heads: int, m_blocks: int, kv_blocks: int, num_sms: int,
+                  tuning: DecodeTuning = DEFAULT_TUNING) -> int:
     """Number of kv splits per (batch, kv head, row block).
 
-    The kernel runs one CTA per SM (its K/V ring takes most of the shared memory), and a
-    memory-bound step needs every SM streaming. ``batch * kv_heads * m_blocks`` CTAs exist
-    without splitting; splitting multiplies them, up to one full wave (``num_sms``) —
-    more waves would only add partial results to combine — and no split gets fewer than
-    ``MIN_BLOCKS_PER_SPLIT`` of the ``kv_blocks`` blocks (the longest sequence's visited
-    blocks). The count is then trimmed so that the longest sequence leaves no split empty.
-    Examples (132 SMs, Hkv 8): B 8 → 2 splits (128 CTAs); B 1, 128k keys → 16 (128 CTAs);
-    B 64 → 1."""
+    A memory-bound step needs every SM streaming. ``batch * kv_heads * m_blocks`` CTAs
+    exist without splitting; splitting multiplies them, up to ``num_sms * ctas_per_sm *
+    waves`` (the resident CTA slots, times the waves the tuning aims for) — more would only
+    add partial results to combine — and no split gets fewer than ``MIN_KEYS_PER_SPLIT``
+    keys of the ``kv_blocks`` blocks (the longest sequence's). The count is then trimmed
+    so that the longest sequence leaves no split empty.
+    Examples (132 SMs, Hkv 8, one slot per SM): B 8 → 2 splits (128 CTAs); B 1, 128k keys
+    → 16 (128 CTAs); B 64 → 1."""
     ctas = batch * kv_heads * m_blocks
     if ctas <= 0 or kv_blocks <= 0:
         return 1
-    splits = max(1, min(num_sms // ctas, kv_blocks // MIN_BLOCKS_PER_SPLIT))
+    slots = num_sms * tuning.ctas_per_sm * tuning.waves
+    min_blocks = max(1, MIN_KEYS_PER_SPLIT // tuning.tile_n)
+    splits = max(1, min(slots // ctas, kv_blocks // min_blocks))
     per_split = -(-kv_blocks // splits)
     return -(-kv_blocks // per_split)
-
-
-def first_kv_tokens(mask, batch: int, q_heads: int, q_len: int, capacity: int, tile_n: int = TILE_N) -> np.ndarray:
-    """Per sequence, a token index below which ``mask`` (already at true positions) allows
-    no (head, query row): the start of the first kv block interval analysis cannot rule
-    out. Sound, not tight: an undecided block counts as attended."""
-    if mask is None:
-        return np.zeros(batch, dtype=np.int32)
-    from ..arrays import to_numpy
-    from ..mods.intervals import classify
-
-    values = [to_numpy(c) for c in mask.captures]
-    b = np.arange(batch).reshape(batch, 1)
-
-    def possible(n_blocks):
-        lo = np.arange(n_blocks) * tile_n
-        hi = np.minimum(lo + tile_n, capacity) - 1
-        ranges = {
-            "b": (b, b),
-            "h": (np.zeros((1, 1), dtype=np.int64), np.full((1, 1), q_heads - 1)),
-            "q": (np.zeros((1, 1), dtype=np.int64), np.full((1, 1), q_len - 1)),
-            "kv": (lo.reshape(1, n_blocks), hi.reshape(1, n_blocks)),
-        }
-        return np.broadcast_to(classify(mask.expr, ranges, values), (batch, n_blocks)) != 0
-
-    if possible(1).all():      # block 0 may be attended everywhere (causal, ...): no scan
-        return np.zeros(batch, dtype=np.int32)
-    n_blocks = -(-capacity // tile_n)
-    possible = possible(n_blocks)
-    first = np.where(possible.any(axis=1), possible.argmax(axis=1), n_blocks)
-    return (first * tile_n).astype(np.int32)
 
 
 _SHIFTED: dict = {}   # (id(expr), ids of captures) -> (mod, shifted template, offset slot)
@@ -137,7 +124,7 @@ def decode_unsupported(q, k, v, page_size: int) -> str | None:
         from ..kernels.decode_sm90 import check_page_size
 
         try:
-            check_page_size(page_size, TILE_N)
+            check_page_size(page_size, PAGE_TILE)
         except ValueError as e:
             return f"the GPU decode kernel cannot read these pages: {e}"
     return None
@@ -150,7 +137,6 @@ class DecodeLaunch:
 
     config: object          # DecodeConfig; its hook carries this step's captures
     num_splits: int
-    kv_lo: np.ndarray       # per sequence, the first token the kernel may visit
     _decode: Callable = None
     _combine: Callable = None
 
@@ -164,7 +150,8 @@ _PLANS: dict = {}
 _PLANS_CAPACITY = 128
 
 
-def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, score, mask):
+def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, score, mask,
+                tuning: DecodeTuning = DEFAULT_TUNING):
     """The step's DecodeConfig; configs are cached by the mods' structure, so a hit only
     wraps this step's captures in a fresh hook."""
     from ..kernels.decode_sm90 import DecodeConfig
@@ -172,14 +159,15 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
 
     # By IR identity (cached rewrites share it), so a hit hashes no structure; the entry's
     # template holds the IR, so the ids stay its own.
-    key = (dtype, head_dim, num_mma_wg, page_size,
+    key = (dtype, head_dim, num_mma_wg, page_size, tuning,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     hook = IRModHook(score, mask)
     entry = _PLANS.get(key)
     if entry is None:
         template = IRModHook(*(None if m is None else m.with_captures((None,) * len(m.captures))
                                for m in (score, mask)))
-        config = DecodeConfig(dtype=dtype, head_dim=head_dim, num_mma_wg=num_mma_wg, tile_n=TILE_N,
+        config = DecodeConfig(dtype=dtype, head_dim=head_dim, num_mma_wg=num_mma_wg, tile_n=tuning.tile_n,
+                              num_stages=tuning.num_stages, ctas_per_sm=tuning.ctas_per_sm,
                               page_size=page_size, mods=template)
         entry = (config, capture_kinds(template))
         if len(_PLANS) >= _PLANS_CAPACITY:
@@ -190,13 +178,16 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
 
 
 def prepare_decode(q, cache, out, lse, device: Device, num_sms: int, alloc: Callable, score_mod=None, mask=None,
-                scale=None, page_table=None) -> DecodeLaunch:
+                   scale=None, page_table=None, tuning: DecodeTuning | None = None,
+                   num_splits: int | None = None) -> DecodeLaunch:
     """Plan one decode step for the split-KV kernel (``decode_into`` runs it): ``q`` [B, Hq, q_len, D] (the last
     q_len tokens of each sequence, already appended to ``cache``) → ``out`` [B, Hq, q_len, D]
     (contiguous, q's dtype) and ``lse`` [B, Hq, q_len] (float32, natural log).
 
     ``alloc(shape, "float32")`` returns a device array (the split workspace);
-    ``page_table`` overrides the paged cache's table (the adapter passes an int32 copy)."""
+    ``page_table`` overrides the paged cache's table (the adapter passes an int32 copy);
+    ``tuning`` / ``num_splits`` override the kernel shape / the splits heuristic
+    (benchmarks, tests)."""
     paged = hasattr(cache, "page_table")
     k, v = (cache.k_pages, cache.v_pages) if paged else (cache.k, cache.v)
     table = (cache.page_table if page_table is None else page_table) if paged else None
@@ -224,10 +215,10 @@ def prepare_decode(q, cache, out, lse, device: Device, num_sms: int, alloc: Call
             f"every sequence must already hold its {q_len} query tokens (append them first); lengths {lengths.tolist()}")
 
     # Mods at true positions: query row i of sequence b sits at lengths[b] - q_len + i.
-    # One host array [lengths; first kv token; query offset] goes to the GPU in one copy.
-    host = np.empty((3, B), dtype=np.int32)
+    # One host array [lengths; query offset] goes to the GPU in one copy.
+    host = np.empty((2, B), dtype=np.int32)
     host[0] = lengths
-    q_offset = host[2]
+    q_offset = host[1]
     q_offset[:] = lengths - q_len
     base = None if mask is None else as_mask(mask, "mask")
     the_mask = None if _is_full(base) else _at_true_positions(base, q_offset)
@@ -237,17 +228,22 @@ def prepare_decode(q, cache, out, lse, device: Device, num_sms: int, alloc: Call
     num_mma_wg = 1 if group_rows <= 64 else 2
     m_blocks = -(-group_rows // (64 * num_mma_wg))
     dtype = KERNEL_DTYPES[dtype_name(q)]
+    if tuning is None:
+        tuning = DEFAULT_TUNING
+    if num_mma_wg > 1 and tuning.ctas_per_sm > 1:   # two consumer warpgroups: one CTA per SM
+        tuning = DecodeTuning(tuning.tile_n, tuning.num_stages, 1, tuning.waves)
 
-    capacity = int(cache.capacity)
-    kv_lo = host[1] = first_kv_tokens(the_mask, B, Hq, q_len, capacity)
     on_device = device.to_device(host)
-    seq_lens, kv_lo_dev, q_offset_dev = on_device[0], on_device[1], on_device[2]
+    seq_lens, q_offset_dev = on_device[0], on_device[1]
     # The kernel's mods read the offsets from that device copy.
     config = _config_for(dtype, D, num_mma_wg, page_size, _swap(the_score, q_offset, q_offset_dev),
-                         _swap(the_mask, q_offset, q_offset_dev))
-    n_hi = -(-lengths // TILE_N)
-    kv_blocks = int(np.max(n_hi - np.minimum(kv_lo // TILE_N, n_hi)))
-    splits = choose_splits(B, kv_heads, m_blocks, kv_blocks, num_sms)
+                         _swap(the_mask, q_offset, q_offset_dev), tuning)
+    kv_blocks = int(-(-int(np.max(lengths)) // tuning.tile_n))
+    splits = choose_splits(B, kv_heads, m_blocks, kv_blocks, num_sms, tuning)
+    if num_splits is not None:
+        if num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+        splits = int(num_splits)
 
     o_part = alloc((splits, B, Hq, q_len, D), "float32")
     lse_part = alloc((splits, B, Hq, q_len), "float32")
@@ -266,8 +262,8 @@ def prepare_decode(q, cache, out, lse, device: Device, num_sms: int, alloc: Call
 
         args = runtime_args(config.mods, device.to_device)
     runner = decode_runner(config, ffi)
-    step = DecodeLaunch(config, splits, kv_lo, lambda: runner.run(
-        q, k, v, table, seq_lens, kv_lo_dev, out, lse, o_part, lse_part, scale_value, args, device.stream))
+    step = DecodeLaunch(config, splits, lambda: runner.run(
+        q, k, v, table, seq_lens, out, lse, o_part, lse_part, scale_value, args, device.stream))
     if splits > 1:
         rows = B * Hq * q_len
         merge = combine_runner(CombineConfig(dtype=dtype, head_dim=D), ffi)
@@ -278,12 +274,14 @@ def prepare_decode(q, cache, out, lse, device: Device, num_sms: int, alloc: Call
 
 
 def decode_into(q, cache, out, lse, device: Device, num_sms: int, alloc: Callable, score_mod=None, mask=None,
-                scale=None, page_table=None) -> DecodeLaunch:
+                scale=None, page_table=None, tuning: DecodeTuning | None = None,
+                num_splits: int | None = None) -> DecodeLaunch:
     """Run one decode step with the split-KV kernel (+ combine); see ``prepare_decode``."""
-    step = prepare_decode(q, cache, out, lse, device, num_sms, alloc, score_mod, mask, scale, page_table)
+    step = prepare_decode(q, cache, out, lse, device, num_sms, alloc, score_mod, mask, scale, page_table,
+                          tuning, num_splits)
     step.launch()
     return step
 
 
-__all__ = ["DECODE_MAX_Q_LEN", "DecodeLaunch", "choose_splits", "decode_into", "decode_unsupported",
-           "first_kv_tokens", "prepare_decode"]
+__all__ = ["DECODE_MAX_Q_LEN", "DEFAULT_TUNING", "DecodeLaunch", "DecodeTuning", "choose_splits", "decode_into",
+           "decode_unsupported", "prepare_decode"]

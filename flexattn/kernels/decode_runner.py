@@ -34,7 +34,7 @@ def _arg_signature(a):
 
 
 class DecodeRunner:
-    """``run(q, k, v, page_table, seq_lens, kv_lo, o, lse, o_part, lse_part, scale, mod_args,
+    """``run(q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, scale, mod_args,
     stream)``: shapes as in `DecodeSm90.__call__`; ``page_table`` None for a contiguous
     cache. TVM-FFI: ``mod_args`` from ``ffi_runner.ffi_mod_args``, ``stream`` ignored;
     else cute values from ``mod_emit.runtime_args`` and a CUstream handle."""
@@ -48,7 +48,7 @@ class DecodeRunner:
     def num_compiled(self) -> int:
         return len(self._compiled)
 
-    def run(self, q, k, v, page_table, seq_lens, kv_lo, o, lse, o_part, lse_part, scale: float,
+    def run(self, q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, scale: float,
             mod_args: tuple, stream: int):
         if self.tvm_ffi:
             fn = self._compiled.get("ffi")
@@ -60,7 +60,7 @@ class DecodeRunner:
                 fake = fake_args(self.cfg.mods) if hasattr(self.cfg.mods, "captures") else tuple(mod_args or ())
                 fn = self._compiled["ffi"] = compile_decode(self.cfg, fake, tvm_ffi=True)
                 self.last_compile_seconds = time.perf_counter() - t0
-            fn(q, k, v, page_table, seq_lens, kv_lo, o, lse, o_part, lse_part, float(scale),
+            fn(q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, float(scale),
                tuple(mod_args) if mod_args else None)
             return
         import cuda.bindings.driver as cuda
@@ -68,7 +68,7 @@ class DecodeRunner:
         import cutlass.cute as cute
 
         tensors = [_view(x, 16) for x in (q, k, v)]
-        tensors += [None if page_table is None else _view(page_table, 4), _view(seq_lens, 4), _view(kv_lo, 4),
+        tensors += [None if page_table is None else _view(page_table, 4), _view(seq_lens, 4),
                     _view(o, 16), _view(lse, 4), _view(o_part, 16), _view(lse_part, 4)]
         args = tuple(mod_args) if mod_args else None
         s = cutlass.Float32(scale)

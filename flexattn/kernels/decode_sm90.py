@@ -8,12 +8,18 @@ One CTA handles one (kv split) x (kv head, packed-row block) x (batch) work item
   row p = h_in_group * q_len + i, so K/V are read from HBM once per group instead of once
   per q head (Hq=32, Hkv=8, q_len=1: 4 rows of one 64-row tile; m_blocks > 1 only when
   group * q_len exceeds the tile).
-* Split-KV: the kv blocks of sequence b, [kv_lo[b] // tile_n, ceil(len[b] / tile_n)), are
-  cut into num_splits equal ranges; split s writes its normalized partial O (fp32) and
+* Split-KV: the kv blocks of sequence b, [n_lo, ceil(len[b] / tile_n)), are cut into
+  num_splits equal ranges; split s writes its normalized partial O (fp32) and
   natural-log LSE to a workspace and `decode_combine.py` merges them. With one split
   (decided at run time: grid dim 0 == 1) the CTA writes O in the input dtype and the final
   LSE itself, no combine launch. Blocks at or beyond a sequence's length are never loaded:
   that is where a decode step's bandwidth goes.
+* Masked-prefix skip: with a traced mask (`IRModHook`), every CTA finds n_lo itself — the
+  most leading blocks that interval analysis (`interval_emit`) proves masked for all rows
+  of its tile, by binary search over prefixes [0, n * tile_n) (inclusion-isotone bounds:
+  a provably empty prefix stays provably empty when shortened). A sliding window skips the
+  cache's head in ~log2(blocks) analyses of a few Float64 instructions, no host work; one
+  analysis when block 0 may be attended (causal...).
 * Warp specialization as in the forward: warp 0 of warpgroup 0 is the TMA producer (K and
   V through separate `num_stages`-deep mbarrier rings); the consumer warpgroup(s) load the
   packed Q tile with ordinary loads (its rows are strided over heads: no TMA box fits),
@@ -48,11 +54,12 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync
 
-from flexattn.kernels import sm90_mma
+from flexattn.kernels import interval_emit, sm90_mma
 from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook
 from flexattn.kernels.softmax import OnlineSoftmax, rescale_rows
 
 LOG2_E = math.log2(math.e)
+PREFIX_SCAN_LIMIT = 16  # buffer spans the masked-prefix analysis scans: q rows, not kv ranges
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
@@ -66,6 +73,7 @@ class DecodeConfig:
     num_mma_wg: int = 1          # consumer warpgroups: 64 packed rows each
     tile_n: int = 128            # kv rows per pipeline stage
     num_stages: int = 3          # K/V ring depth
+    ctas_per_sm: int = 1         # 2: registers and shared memory sized for two resident CTAs
     page_size: int = 0           # 0: contiguous cache; else the paged cache's page size
     mods: ModHook = field(default=NO_MODS, compare=False)
 
@@ -80,10 +88,12 @@ class DecodeConfig:
             raise ValueError(f"tile_n must be 64 or 128, got {self.tile_n}")
         if self.num_stages < 1:
             raise ValueError("num_stages must be >= 1")
+        if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2 and self.num_mma_wg != 1):
+            raise ValueError(f"ctas_per_sm must be 1, or 2 with one consumer warpgroup, got {self.ctas_per_sm}")
         check_page_size(self.page_size, self.tile_n)
-        if self.smem_bytes > 227 * 1024:
-            raise ValueError(f"{self.smem_bytes} bytes of shared memory per CTA exceed the SM's 227 KB:"
-                             " fewer stages or a smaller tile_n")
+        if self.smem_bytes > self.smem_limit:
+            raise ValueError(f"{self.smem_bytes} bytes of shared memory per CTA exceed {self.smem_limit} for "
+                             f"{self.ctas_per_sm} CTA(s) per SM: fewer stages or a smaller tile_n")
 
     @property
     def tile_m(self) -> int:
@@ -100,14 +110,21 @@ class DecodeConfig:
 
     @property
     def smem_bytes(self) -> int:
+        """Q tile + K and V rings (1024-aligned, in that order) + the 2 x 2 x stages mbarriers."""
         elem = 2
-        return elem * self.head_dim * (self.tile_m + 2 * self.num_stages * self.tile_n) + 1024
+        return elem * self.head_dim * (self.tile_m + 2 * self.num_stages * self.tile_n) + 2 * 2 * self.num_stages * 8
+
+    @property
+    def smem_limit(self) -> int:
+        """Bytes one CTA may take: an H100 SM has 228 KB, 1 KB of it reserved per resident CTA."""
+        return 228 * 1024 // self.ctas_per_sm - 1024
 
     @property
     def regs(self) -> tuple:
-        """(producer, consumer) setmaxnreg budgets: one CTA per SM (the smem ring fills it),
-        so the CTA's warpgroups share all 64K registers."""
-        per_cta = 65536
+        """(producer, consumer) setmaxnreg budgets. A CTA launches with its share of the
+        SM's 64K registers (ptxas caps the launch count at 64K / (ctas_per_sm x threads));
+        the producer warpgroup gives most of its own to the consumers."""
+        per_cta = 65536 // self.ctas_per_sm
         threads_per_wg = 128
         producer = 40  # the paged producer keeps page-table reads and several boxes in flight
         consumer = (per_cta // threads_per_wg - producer) // self.num_mma_wg
@@ -127,7 +144,7 @@ class DecodeConfig:
 
     def key(self) -> tuple:
         return ("decode", self.dtype, self.head_dim, self.num_mma_wg, self.tile_n, self.num_stages,
-                self.page_size, self.mods.key())
+                self.ctas_per_sm, self.page_size, self.mods.key())
 
 
 def check_page_size(page_size: int, tile_n: int) -> None:
@@ -142,8 +159,8 @@ def check_page_size(page_size: int, tile_n: int) -> None:
 
 
 class DecodeSm90:
-    """Compile with `cute.compile(DecodeSm90(cfg), q, k, v, page_table, seq_lens, kv_lo, o,
-    lse, o_part, lse_part, softmax_scale, mod_args, stream)` (see decode_compile.py)."""
+    """Compile with `cute.compile(DecodeSm90(cfg), q, k, v, page_table, seq_lens, o, lse,
+    o_part, lse_part, softmax_scale, mod_args, stream)` (see decode_compile.py)."""
 
     def __init__(self, config: DecodeConfig):
         self.cfg = config
@@ -152,6 +169,8 @@ class DecodeSm90:
         self.num_mma_threads = 128 * config.num_mma_wg
         self.num_threads = 128 + self.num_mma_threads
         self.q_ready_barrier_id = 1
+        # The traced mask, for the in-kernel masked-prefix skip (hand-written hooks: none).
+        self.mask_expr = getattr(config.mods, "mask_expr", None) if config.mods.has_mask else None
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -162,7 +181,6 @@ class DecodeSm90:
         mV: cute.Tensor,          # same as mK
         mPageTable,               # [B, max_pages] int32 (paged) or None
         mSeqLens: cute.Tensor,    # [B] int32: valid cache tokens
-        mKvLo: cute.Tensor,       # [B] int32: no row attends a key below this
         mO: cute.Tensor,          # [B, Hq, q_len, D] (written when num_splits == 1)
         mLSE: cute.Tensor,        # [B, Hq, q_len] float32, natural log
         mOPart: cute.Tensor,      # [splits, B, Hq, q_len, D] float32 (num_splits > 1)
@@ -196,13 +214,15 @@ class DecodeSm90:
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, V, box_layout, (cfg.box_rows, cfg.head_dim), 1)
         self.bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
 
+        # The 1024-aligned tiles first, the mbarriers after them: no alignment padding, so
+        # two CTAs of tile_n 64 x 3 stages fit one SM (DecodeConfig.smem_bytes).
         @cute.struct
         class SharedStorage:
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
 
         scale_log2 = Float32(LOG2_E)
         if const_expr(not self.mods.has_score):
@@ -213,7 +233,7 @@ class DecodeSm90:
         m_blocks = (rows + cfg.tile_m - 1) // cfg.tile_m
         grid = (mOPart.shape[0], K.shape[2] * m_blocks, mQ.shape[0])
         self.kernel(
-            mQ, tma_K, tma_V, mPageTable, mSeqLens, mKvLo, mO, mLSE, mOPart, mLSEPart,
+            mQ, tma_K, tma_V, mPageTable, mSeqLens, mO, mLSE, mOPart, mLSEPart,
             tma_atom_K, tma_atom_V, tiled_mma_qk, tiled_mma_pv,
             sQ_layout, sK_layout, sV_layout,
             softmax_scale, scale_log2, mod_args, SharedStorage,
@@ -221,7 +241,10 @@ class DecodeSm90:
             grid=grid,
             block=[self.num_threads, 1, 1],
             stream=stream,
-            min_blocks_per_mp=1,
+            min_blocks_per_mp=cfg.ctas_per_sm,
+            # Given, CuTeDSL would query the device for it while tracing (never here): the
+            # largest shared-memory carveout, so two CTAs' rings fit.
+            preferred_smem_carveout=100 if cfg.ctas_per_sm > 1 else None,
         )
 
     # ------------------------------------------------------------------ device side
@@ -229,7 +252,7 @@ class DecodeSm90:
     def kernel(
         self,
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mPageTable, mSeqLens: cute.Tensor,
-        mKvLo: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mOPart: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, mOPart: cute.Tensor,
         mLSEPart: cute.Tensor,
         tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
@@ -271,10 +294,16 @@ class DecodeSm90:
         head_kv = head_block // m_blocks
         m_block = head_block - head_kv * m_blocks
 
-        # This split's kv blocks: [first, first + count), visited last first.
+        # This split's kv blocks: [first, first + count), visited last first. Every thread
+        # computes the same values (no broadcast needed before the roles split).
         seqlen = Int32(mSeqLens[batch])
         n_hi = (seqlen + cfg.tile_n - 1) // cfg.tile_n
-        n_lo = cutlass.min(cutlass.max(Int32(mKvLo[batch]), 0) // cfg.tile_n, n_hi)
+        n_lo = Int32(0)
+        if const_expr(self.mask_expr is not None):
+            p_lo = m_block * cfg.tile_m
+            p_hi = cutlass.min(p_lo + cfg.tile_m, rows) - 1
+            heads = (head_kv * group + p_lo // q_len, head_kv * group + p_hi // q_len)
+            n_lo = self._masked_prefix_blocks(batch, heads, q_len, seqlen, n_hi, mod_args)
         per_split = (n_hi - n_lo + num_splits - 1) // num_splits
         first = cutlass.min(n_lo + split * per_split, n_hi)
         count = cutlass.min(first + per_split, n_hi) - first
@@ -291,6 +320,34 @@ class DecodeSm90:
             self.consume(mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
                          pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block,
                          batch, seqlen, first, count, softmax_scale, scale_log2, mod_args)
+
+    @cute.jit
+    def _masked_prefix_blocks(self, batch, heads, q_len, seqlen, n_hi, mod_args):
+        """The largest n <= n_hi such that interval analysis proves keys [0, n * tile_n)
+        masked for every (head in `heads`, query row) of the tile; binary search, as the
+        property only weakens with longer prefixes."""
+        args = self.cfg.mods.mask_args(mod_args)
+        lo = Int32(0)
+        hi = n_hi
+        if n_hi > 0:
+            # Block 0 may be attended (causal...): nothing to skip, one analysis.
+            if self._prefix_masked(Int32(1), batch, heads, q_len, seqlen, args):
+                lo = Int32(1)
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if self._prefix_masked(mid, batch, heads, q_len, seqlen, args):
+                        lo = mid
+                    else:
+                        hi = mid - 1
+        return lo
+
+    def _prefix_masked(self, n, batch, heads, q_len, seqlen, args):
+        """Keys [0, n * tile_n) surely masked for the tile's rows (n >= 1)."""
+        ranges = {"b": (batch, batch), "h": heads, "q": (Int32(0), q_len - 1),
+                  "kv": (Int32(0), cutlass.min(n * self.cfg.tile_n, seqlen) - 1)}
+        # Buffers read over long kv spans (document ids...) stay unbounded: scanning them
+        # per CTA would cost more than the blocks it could skip.
+        return interval_emit.classify(self.mask_expr, ranges, args, scan_limit=PREFIX_SCAN_LIMIT) == 0
 
     # ------------------------------------------------------------------ producer
     @cute.jit

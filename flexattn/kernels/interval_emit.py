@@ -80,22 +80,23 @@ def _pymod(x, c):
     return x - _floor(x / c) * c
 
 
-def bounds(node: ir.Node, ranges: dict, args) -> tuple:
+def bounds(node: ir.Node, ranges: dict, args, scan_limit: int = SCAN_LIMIT) -> tuple:
     """Emit ``(lo, hi)`` Float64 bounds of ``node`` when each index variable ``v`` lies in
-    ``ranges[v] = (lo, hi)`` (DSL integers); ``args`` are the mod's captured inputs by slot."""
+    ``ranges[v] = (lo, hi)`` (DSL integers); ``args`` are the mod's captured inputs by slot;
+    buffer spans longer than ``scan_limit`` are unbounded (callers on a hot path lower it)."""
     out: dict[int, tuple] = {}
     for n in node.walk():
-        out[id(n)] = _bound(n, [out[id(a)] for a in n.args], ranges, args)
+        out[id(n)] = _bound(n, [out[id(a)] for a in n.args], ranges, args, scan_limit)
     return out[id(node)]
 
 
-def classify(node: ir.Node, ranges: dict, args):
+def classify(node: ir.Node, ranges: dict, args, scan_limit: int = SCAN_LIMIT):
     """For a boolean ``node``: Int32 1 = surely true, 0 = surely false, -1 = undecided."""
-    lo, hi = bounds(node, ranges, args)
+    lo, hi = bounds(node, ranges, args, scan_limit)
     return Int32(cutlass.select_(lo >= 1.0, Int32(1), cutlass.select_(hi <= 0.0, Int32(0), Int32(-1))))
 
 
-def _bound(n: ir.Node, a: list, ranges, args):
+def _bound(n: ir.Node, a: list, ranges, args, scan_limit: int = SCAN_LIMIT):
     op = n.op
     if op == "var":
         lo, hi = ranges[n.attr]
@@ -107,7 +108,7 @@ def _bound(n: ir.Node, a: list, ranges, args):
         v = _f64(args[n.attr])
         return v, v
     if op == "load":
-        return _load(args[n.attr.slot], a)
+        return _load(args[n.attr.slot], a, scan_limit)
     if op == "cast":
         return _cast(a[0], n.args[0].dtype, n.dtype)
     if op == "where":
@@ -214,7 +215,7 @@ def _exact_or_unknown(f, args):
     return _sel(known, v, -_INF), _sel(known, v, _INF)
 
 
-def _load(buf, index: list):
+def _load(buf, index: list, scan_limit: int = SCAN_LIMIT):
     """Min/max of ``buf`` over the index box, by scanning a span along at most one
     dimension (0-d buffers travel as [1]); "anything" for longer or wider spans."""
     ndim = max(1, len(index))
@@ -232,7 +233,7 @@ def _load(buf, index: list):
         spans.append(Int32(cutlass.select_(hi_i > lo_i, Int32(1), Int32(0))))
         n_span += spans[-1]
         length = cutlass.max(length, hi_i - lo_i + 1)
-    ok = (n_span <= 1) & (length <= SCAN_LIMIT)
+    ok = (n_span <= 1) & (length <= scan_limit)
     count = Int32(cutlass.select_(ok, length, Int32(1)))
     vmin, vmax, nan = _scan(buf, tuple(los), tuple(spans), count, ndim, buf.element_type is cutlass.Boolean)
     good = ok & (nan == Int32(0))

@@ -206,6 +206,15 @@ class IRModHook(ModHook):
         m = self._mask.captures if self._mask is not None else ()
         return tuple(s) + tuple(m)
 
+    @property
+    def mask_expr(self):
+        """The traced mask's IR (kernels run interval analysis on it), or None."""
+        return self._mask.expr if self._mask is not None else None
+
+    def mask_args(self, args) -> tuple:
+        """The mask's captures out of this hook's ``args``."""
+        return tuple(args[self._n_score_args:]) if args else ()
+
     def score(self, s, b, h, q, kv, args):
         env = {"score": s, "b": b, "h": h, "q": q, "kv": kv}
         return emit(self._score.expr, env, args[: self._n_score_args] if args else (), self.fast_math)

@@ -88,7 +88,18 @@ def make_cache(B, Hkv, cap, D, lengths, dtype, page_size):
     return fa.PagedKVCache(pages[0], pages[1], table, lens), k, v
 
 
-def run_kernel(q, cache, mask, score, num_sms):
+def make_paged(k, v, lengths, page_size):
+    """A paged cache in shuffled pages holding logical K/V [B, Hkv, cap, D] as they are."""
+    B, Hkv, cap, D = k.shape
+    per_seq = cap // page_size
+    table = torch.randperm(B * per_seq).view(B, per_seq).to(torch.int32).to(DEV)
+    pages = [torch.empty((B * per_seq, page_size, Hkv, D), device=DEV, dtype=k.dtype) for _ in range(2)]
+    for src, dst in ((k, pages[0]), (v, pages[1])):
+        dst[table.long()] = src.view(B, Hkv, per_seq, page_size, D).permute(0, 2, 3, 1, 4)
+    return fa.PagedKVCache(pages[0], pages[1], table, torch.tensor(lengths, dtype=torch.int32))
+
+
+def run_kernel(q, cache, mask, score, num_sms, tuning=None, num_splits=None):
     """decode_into with poisoned outputs and workspace."""
     B, Hq, n, D = q.shape
     out = torch.full((B, Hq, n, D), float("nan"), device=DEV, dtype=q.dtype)
@@ -100,7 +111,8 @@ def run_kernel(q, cache, mask, score, num_sms):
     from flexattn.torch import _DeviceCopies
 
     device = Device(torch.cuda.current_stream().cuda_stream, _DeviceCopies(torch.device(DEV)), tvm_ffi_stream=True)
-    step = decode_path.decode_into(q, cache, out, lse, device, num_sms, alloc, score_mod=score, mask=mask)
+    step = decode_path.decode_into(q, cache, out, lse, device, num_sms, alloc, score_mod=score, mask=mask,
+                                   tuning=tuning, num_splits=num_splits)
     torch.cuda.synchronize()
     return out, lse, step
 
@@ -148,17 +160,51 @@ def test_decode_matches_reference(case):
 
 
 def test_window_skips_blocks_and_many_splits():
-    """A long cache with a short window: kv_lo skips the cache's head; B 1 splits wide."""
+    """A long cache with a short window: the kernel skips the cache's head by itself — keys
+    before the window's first 128-key block are NaN (any visit would poison O) — and B 1
+    splits wide, also with the other tunings."""
     torch.manual_seed(0)
     B, Hq, Hkv, n, D, cap = 1, 16, 2, 1, 128, 20032
     lengths = [19999]
-    cache, k, v = make_cache(B, Hkv, cap, D, lengths, torch.bfloat16, 64)
-    q = torch.randn(B, Hq, n, D, device=DEV, dtype=torch.bfloat16)
-    out, lse, step = run_kernel(q, cache, mods.sliding_window(1000), mods.alibi(num_heads=Hq), 132)
-    assert step.kv_lo[0] >= 19998 - 1000 - 127 and step.num_splits > 1
+    w = 1000
+    first_block = (lengths[0] - 1 - w) // 128 * 128
+    k = torch.randn(B, Hkv, cap, D, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    k[:, :, :first_block] = float("nan")
+    v[:, :, :first_block] = float("nan")
     slopes = torch.from_numpy(mods.alibi_slopes(Hq)).to(DEV).double()
-    want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), lambda s, b, h, q_, k_: s + slopes[h] * (k_ - q_),
-                               lambda b, h, q_, k_: (q_ >= k_) & (q_ - k_ <= 1000))
+    q = torch.randn(B, Hq, n, D, device=DEV, dtype=torch.bfloat16)
+    want, want_lse = reference(q, k.nan_to_num(0.0), v.nan_to_num(0.0), lengths, 1 / math.sqrt(D),
+                               lambda s, b, h, q_, k_: s + slopes[h] * (k_ - q_),
+                               lambda b, h, q_, k_: (q_ >= k_) & (q_ - k_ <= w))
+    for page_size, tuning in ((64, None), (0, TUNINGS[1]), (16, TUNINGS[2])):
+        cache = make_paged(k, v, lengths, page_size) if page_size else fa.KVCache(k, v, torch.tensor(lengths, dtype=torch.int32))
+        out, lse, step = run_kernel(q, cache, mods.sliding_window(w), mods.alibi(num_heads=Hq), 132, tuning)
+        assert step.num_splits > 1
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+
+
+TUNINGS = [decode_path.DEFAULT_TUNING,
+           decode_path.DecodeTuning(tile_n=64, num_stages=3, ctas_per_sm=2),
+           decode_path.DecodeTuning(tile_n=64, num_stages=6)]
+
+
+@pytest.mark.parametrize("tuning", TUNINGS[1:], ids=["t64s3c2", "t64s6"])
+@pytest.mark.parametrize("kind,page_size,num_splits", [("alibi", 64, None), ("window", 16, 7), ("none", 0, 1)])
+def test_tunings_match_reference(tuning, kind, page_size, num_splits):
+    """The other kernel shapes (64-key tiles, two CTAs per SM) and forced split counts."""
+    random.seed(7)
+    torch.manual_seed(7)
+    B, Hkv, group, n, D, cap = 3, 2, 4, 2, 128, 2048
+    lengths = [cap - 5, 700, 65]
+    cache, k, v = make_cache(B, Hkv, cap, D, lengths, torch.bfloat16, page_size)
+    q = torch.randn(B, Hkv * group, n, D, device=DEV, dtype=torch.bfloat16)
+    mask, score, mask_fn, score_fn = variant(kind, Hkv * group)
+    out, lse, step = run_kernel(q, cache, mask, score, 132, tuning, num_splits)
+    assert num_splits is None or step.num_splits == num_splits
+    want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), score_fn, mask_fn)
+    assert not out.isnan().any() and not lse.isnan().any()
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
 

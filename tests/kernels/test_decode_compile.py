@@ -1,7 +1,10 @@
 """CPU (CI): the split-KV decode kernel and the split combine compile for sm_90a
 (contiguous / paged caches, with and without IR mods, TVM-FFI and from_dlpack entry),
-use the Hopper paths, do not spill; plus the decode planner's host logic (splits
-heuristic, first attended key, errors, no recompiles across steps). No GPU needed."""
+use the Hopper paths, do not spill, emit the masked-prefix analysis only for masks; plus
+the decode planner's host logic (splits heuristic, errors, no recompiles across steps).
+No GPU needed."""
+
+import re
 
 import numpy as np
 import pytest
@@ -10,7 +13,7 @@ pytest.importorskip("cutlass")
 
 from flexattn import KVCache, PagedKVCache, mods  # noqa: E402
 from flexattn.core import decode_path  # noqa: E402
-from flexattn.core.decode_path import choose_splits, decode_unsupported, first_kv_tokens  # noqa: E402
+from flexattn.core.decode_path import DecodeTuning, choose_splits, decode_unsupported  # noqa: E402
 from flexattn.kernels.compile import resource_usage_from_ptx  # noqa: E402
 from flexattn.kernels.decode_combine import CombineConfig  # noqa: E402
 from flexattn.kernels.decode_compile import compile_combine, compile_decode  # noqa: E402
@@ -30,6 +33,9 @@ def _hook(score, mask):
 # name: (config kwargs, score, mask, tvm_ffi, TMA copies per K+V block)
 CASES = {
     "contiguous-plain": (dict(head_dim=128), None, None, True, 4),
+    # two CTAs per SM: 64-key tiles, 3 stages (113 KB of shared memory), launch registers <= 128
+    "2cta-tile64-window-alibi": (dict(head_dim=128, tile_n=64, num_stages=3, ctas_per_sm=2),
+                                 mods.alibi(num_heads=32), mods.sliding_window(4096), True, 4),
     "paged64-window-alibi": (dict(head_dim=128, page_size=64), mods.alibi(num_heads=32),
                              mods.sliding_window(4096), True, 4),
     "paged256-hd64-softcap-fp16": (dict(head_dim=64, dtype="fp16", page_size=256), mods.softcap(30.0),
@@ -62,6 +68,11 @@ def test_decode_ptx(compiled, name):
     cfg = DecodeConfig(**kw)
     assert ptx.count("wgmma.mma_async") == 2 * (cfg.head_dim // 16 + cfg.tile_n // 16)
     assert ("tanh.approx" in ptx) == (name == "paged256-hd64-softcap-fp16")
+    # The masked-prefix skip: Float64 interval analysis only where a mask is traced, a
+    # binary search (a loop) only where block 0 may be masked (windows, not causal).
+    f64 = len(re.findall(r"\.f64\b", ptx))
+    assert (f64 > 0) == (mask is not None), f64
+    assert re.search(rf"\.minnctapersm\s+{cfg.ctas_per_sm}\b", ptx)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -70,6 +81,9 @@ def test_decode_no_spills(compiled, name):
     if usage is None:
         pytest.skip("no ptxas on PATH")
     assert usage.spill_store_bytes == 0 and usage.spill_load_bytes == 0 and usage.stack_bytes == 0, usage
+    cfg = DecodeConfig(**CASES[name][0])
+    threads = 128 * (1 + cfg.num_mma_wg)
+    assert usage.registers * threads * cfg.ctas_per_sm <= 65536, usage   # the CTAs fit one SM
 
 
 @pytest.mark.parametrize("dtype,head_dim,ffi", [("bf16", 128, True), ("fp16", 64, False)])
@@ -86,11 +100,15 @@ def test_config_validation():
     assert DecodeConfig().key() == DecodeConfig().key()
     assert DecodeConfig().key() != DecodeConfig(page_size=64).key()
     for bad in (dict(head_dim=96), dict(dtype="fp32"), dict(page_size=8), dict(page_size=48),
-                dict(page_size=192), dict(num_mma_wg=3), dict(num_stages=5)):
+                dict(page_size=192), dict(num_mma_wg=3), dict(num_stages=5), dict(ctas_per_sm=3),
+                dict(ctas_per_sm=2), dict(ctas_per_sm=2, num_mma_wg=2, tile_n=64, num_stages=1)):
         with pytest.raises(ValueError):
             DecodeConfig(**bad)
     for ok in (16, 32, 64, 128, 256, 1024):
         DecodeConfig(page_size=ok)
+    two = DecodeConfig(tile_n=64, num_stages=3, ctas_per_sm=2)
+    assert 2 * (two.smem_bytes + 1024) <= 228 * 1024 and two.regs == (40, 216)
+    assert DecodeConfig().regs == (40, 240) and two.key() != DecodeConfig(tile_n=64).key()
 
 
 def test_choose_splits():
@@ -107,17 +125,13 @@ def test_choose_splits():
         assert (s - 1) * per < n and b * h * s <= max(132, b * h)   # no empty split, one wave
 
 
-def test_first_kv_tokens():
-    B, q_len, cap = 3, 2, 20000
-    lengths = np.array([5000, 20000, 300])
-    off = (lengths - q_len).astype(np.int32)
-    window = shift_queries(mods.sliding_window(4096), off)
-    lo = first_kv_tokens(window, B, 8, q_len, cap, tile_n=128)
-    first_key = np.maximum(off - 4096, 0)                 # the earliest key any row attends
-    assert np.all(lo <= first_key) and np.all(first_key - lo < 128) and np.all(lo % 128 == 0)
-    assert np.array_equal(first_kv_tokens(None, B, 8, q_len, cap), np.zeros(B))
-    causal = shift_queries(mods.causal(), off)
-    assert np.array_equal(first_kv_tokens(causal, B, 8, q_len, cap), np.zeros(B))
+def test_choose_splits_tuning():
+    # Two resident CTAs per SM: twice the slots; 64-key tiles: MIN_KEYS_PER_SPLIT in blocks.
+    two = DecodeTuning(tile_n=64, num_stages=3, ctas_per_sm=2)
+    assert choose_splits(8, 8, 1, 128, 132, two) == 4         # B 8, 8k keys: 256 of 264 slots
+    assert choose_splits(1, 8, 1, 2048, 132, two) == 33       # B 1, 128k keys: 264 CTAs
+    assert choose_splits(1, 8, 1, 2048, 132, DecodeTuning(waves=2)) == 33
+    assert choose_splits(1, 1, 1, 17, 132, two) == 2          # 8+ blocks (512 keys) per split
 
 
 def test_decode_unsupported_reasons():
