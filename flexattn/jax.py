@@ -84,13 +84,16 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, scale=None, enable_
         if not isinstance(x, jax.Array):
             raise TypeError(f"{name} must be a jax array, got {type(x).__name__}")
     spec = AttentionSpec.from_args(score_mod, block_mask, scale, enable_gqa, mask, score)
-    shape = check_inputs(q, k, v, spec)
+    platform = _platform(q, k, v)
+    # Checked as the computation will see them: under jit, traced and closed-over arrays
+    # alike live on the computation's platform.
+    facts = [_ArrayFacts(x, platform) for x in (q, k, v)]
+    shape = check_inputs(*facts, spec)
     template, score_bufs = _split(spec.score)
     mask_template, mask_bufs = _split(_mask_of(spec))
     template_spec = _with_mods(spec, template, mask_template)
-    platform = _platform(q)
     if platform in _KERNEL_PLATFORMS:
-        backend = _KernelBackend(template_spec, shape, q, mask_bufs, platform)
+        backend = _KernelBackend(template_spec, shape, facts[0], mask_bufs)
     elif platform == "cpu":
         backend = _ReferenceBackend(template_spec)
     else:
@@ -99,13 +102,16 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, scale=None, enable_
     return (out, lse) if return_lse else out
 
 
-def _platform(q) -> str:
-    try:
-        platforms = {d.platform for d in q.devices()}
-    except Exception:  # a tracer: the computation's default backend decides
-        platforms = {jax.default_backend()}
+def _platform(*arrays) -> str:
+    """Where the call runs: the computation's backend under a trace, else the arrays' own."""
+    platforms = set()
+    for x in arrays:
+        try:
+            platforms |= {d.platform for d in x.devices()}
+        except Exception:  # a tracer: the computation's default backend decides
+            return jax.default_backend()
     if len(platforms) != 1:
-        raise ValueError(f"q is spread over several platforms {sorted(platforms)}")
+        raise ValueError(f"q, k and v must be on one platform, got {sorted(platforms)}")
     return platforms.pop()
 
 
@@ -252,16 +258,16 @@ _Q_LISTS = ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 
 
 class _ArrayFacts:
-    """What the kernel planner reads of q (dtype, shape, DLPack device), for planning while
-    tracing, when q may be a tracer."""
+    """What the checks and the kernel planner read of an array (dtype, shape, DLPack
+    device), on the platform the call runs on — for arrays that may be tracers."""
 
-    def __init__(self, q, platform: str):
-        self.dtype, self.shape = q.dtype, tuple(q.shape)
-        if platform == "cpu":  # the plumbing tests: no persistent-CTA count without a GPU
+    def __init__(self, x, platform: str):
+        self.dtype, self.shape = x.dtype, tuple(x.shape)
+        if platform not in ("gpu", "cuda"):  # the CPU reference, or the plumbing tests on CPU
             self._device = (1, 0)
         else:
             try:
-                (device,) = q.devices()
+                (device,) = x.devices()
             except Exception:  # a tracer: the default device (SM counts are alike on one host)
                 device = jax.devices()[0]
             self._device = (2, int(getattr(device, "local_hardware_id", None) or 0))
@@ -276,7 +282,7 @@ class _KernelBackend:
     here from a ``mask=``), the host arrays the kernels read (constant operands), and the
     backward's workspace layout. The callbacks bind this call's device buffers and launch."""
 
-    def __init__(self, template_spec: AttentionSpec, shape: AttentionShape, q, mask_bufs, platform: str):
+    def __init__(self, template_spec: AttentionSpec, shape: AttentionShape, q: _ArrayFacts, mask_bufs):
         if _buffer_callback is None:
             raise NotImplementedError("flexattn.jax on the GPU needs a jax with jax.experimental.buffer_callback")
         reason = kernel_unsupported_message(q, shape)
@@ -284,9 +290,8 @@ class _KernelBackend:
             raise ValueError(reason)
         self.spec = _with_host_block_mask(template_spec, shape, mask_bufs)
         self.shape = shape
-        self.platform = platform
-        self.facts = _ArrayFacts(q, platform)
-        self.plan = kernel_path.plan_forward(self.facts, shape, self.spec)  # raises what the kernel can't do
+        self.on_gpu = q.__dlpack_device__()[0] == 2
+        self.plan = kernel_path.plan_forward(q, shape, self.spec)  # raises what the kernel can't do
         self._host = {}  # list name -> (host objects, their jax constants)
 
     # Host arrays the kernels read, as constant operands: the callback's to_device maps each
@@ -323,7 +328,7 @@ class _KernelBackend:
         return bind
 
     def _device(self, ctx, to_device):
-        stream = 0 if self.platform == "cpu" else int(ctx.stream)
+        stream = int(ctx.stream) if self.on_gpu else 0
         return kernel_path.Device(stream, to_device)
 
     def forward(self, q, k, v, score_bufs, mask_bufs):

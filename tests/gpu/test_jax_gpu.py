@@ -79,20 +79,25 @@ CASES = [
 ]
 
 
-def _mods(variant, Hq, Q, KV, slopes=None):
-    """(kwargs for jax, kwargs for torch / the reference with host values)."""
+def _mods(variant, Q, KV, slopes=None):
+    """flex_attention kwargs of a variant (jax captures)."""
     if variant == "causal+alibi":
-        return (dict(score=mods.alibi(slopes), mask=mods.causal()),
-                dict(score=mods.alibi(np.asarray(slopes)), mask=mods.causal()))
+        return dict(score=mods.alibi(slopes), mask=mods.causal())
     if variant == "block_mask":
-        bm = fj.create_block_mask(mods.sliding_window(70) & mods.causal(offset=KV - Q), None, None, Q, KV,
-                                  BLOCK_SIZE=128)
-        return dict(block_mask=bm), dict(block_mask=bm)
+        return dict(block_mask=fj.create_block_mask(mods.sliding_window(70) & mods.causal(offset=KV - Q), None, None,
+                                                    Q, KV, BLOCK_SIZE=128))
     if variant == "documents":  # mask= with a concrete jax capture: the block mask is built while tracing
         doc = np.repeat(np.arange(4), [37, 80, 60, 23]).astype(np.int32)
-        return (dict(mask=mods.document(jnp.asarray(doc)) & mods.causal()),
-                dict(mask=mods.document(doc) & mods.causal()))
-    return {}, {}
+        return dict(mask=mods.document(jnp.asarray(doc)) & mods.causal())
+    return {}
+
+
+def _on_host(kw):
+    """The same kwargs with jax captures as numpy arrays (for torch and the reference)."""
+    def host(mod):
+        return mod.with_captures(tuple(np.asarray(c) if isinstance(c, jax.Array) else c for c in mod.captures))
+
+    return {n: host(m) if n in ("score", "mask") else m for n, m in kw.items()}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-D{c[1]}-{c[7]}" for c in CASES])
@@ -100,7 +105,8 @@ def test_forward_matches_reference_and_torch_bitwise(case):
     dtype, D, B, Hq, Hkv, Q, KV, variant = case
     (q, k, v), exact = _inputs(CASES.index(case), dtype, B, Hq, Hkv, Q, KV, D)
     slopes = jnp.asarray(np.linspace(0.1, 0.9, Hq), jnp.float32)
-    jkw, hkw = _mods(variant, Hq, Q, KV, slopes)
+    jkw = _mods(variant, Q, KV, slopes)
+    hkw = _on_host(jkw)
     f = jax.jit(lambda q, k, v: fj.flex_attention(q, k, v, enable_gqa=True, return_lse=True, **jkw))
     out, lse = f(q, k, v)
     assert out.dtype == DTYPES[dtype][0] and lse.dtype == jnp.float32
@@ -144,14 +150,13 @@ def test_grad_matches_reference_backward(dtype, D, variant):
     u = jnp.asarray(rng.standard_normal((B, Hq, Q)), jnp.float32)
 
     def loss(q, k, v, slopes):
-        jkw, _ = _mods(variant, Hq, Q, KV, slopes)
+        jkw = _mods(variant, Q, KV, slopes)
         out, lse = fj.flex_attention(q, k, v, enable_gqa=True, return_lse=True, **jkw)
         return (out.astype(jnp.float32) * w).sum() + (lse * u).sum()
 
     argnums = (0, 1, 2, 3) if variant == "causal+alibi" else (0, 1, 2)
     grads = jax.jit(jax.grad(loss, argnums=argnums))(q, k, v, slopes)
-    _, hkw = _mods(variant, Hq, Q, KV, slopes)
-    spec = AttentionSpec.from_args(enable_gqa=True, **hkw)
+    spec = AttentionSpec.from_args(enable_gqa=True, **_on_host(_mods(variant, Q, KV, slopes)))
     d_out = np.asarray(w.astype(q.dtype)).astype(np.float64)   # the cotangent arrives in the input dtype
     want = reference.backward(*exact, d_out, np.asarray(u, np.float64), spec)
     for got, ref in zip(grads[:3], (want.dq, want.dk, want.dv)):
