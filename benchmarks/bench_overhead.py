@@ -7,6 +7,9 @@ and each kernel is shorter than the host time), after warm-up (compiles, caches)
 
   flexattn/torch   flexattn.torch.flex_attention (inference: no autograd recording)
   flexattn/cupy    flexattn.cupy.flex_attention on the same data through DLPack
+  flexattn/jax     flexattn.jax.flex_attention in a jax.jit function, same data through DLPack;
+                   each call waits for its result (block_until_ready): jax dispatches
+                   asynchronously and the launch runs later in XLA's thread
   fa4              flash_attn.cute.flash_attn_func
   flex             torch flex_attention, torch.compile'd (Triton)
   sdpa             torch scaled_dot_product_attention (its default backend choice)
@@ -77,6 +80,29 @@ def ours_cupy(qh, kh, vh, variant, S):
     return lambda: fc.flex_attention(q, k, v, **kw)
 
 
+def ours_jax(qh, kh, vh, variant, S):
+    import os
+
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave torch its memory
+    import jax
+    import jax.dlpack
+
+    import flexattn.jax as fj
+    from flexattn import mods
+
+    q, k, v = (jax.dlpack.from_dlpack(t) for t in (qh, kh, vh))
+    H = qh.shape[1]
+    kw = {}
+    if variant == "causal":
+        kw = {"mask": mods.causal()}
+    elif variant == "causal+alibi":
+        kw = {"mask": mods.causal(), "score_mod": mods.alibi(num_heads=H)}
+    elif variant == "window64":
+        kw = {"block_mask": fj.create_block_mask(mods.sliding_window(64), None, None, S, S)}
+    f = jax.jit(lambda q, k, v: fj.flex_attention(q, k, v, **kw))
+    return lambda: f(q, k, v).block_until_ready()
+
+
 def fa4(q, k, v, variant, S):
     from flash_attn.cute import flash_attn_func
 
@@ -110,7 +136,7 @@ def sdpa(qh, kh, vh, variant, S):
     return lambda: torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=causal)
 
 
-IMPLS = ("flexattn/torch", "flexattn/cupy", "fa4", "flex", "sdpa")
+IMPLS = ("flexattn/torch", "flexattn/cupy", "flexattn/jax", "fa4", "flex", "sdpa")
 
 
 def main():
@@ -130,6 +156,7 @@ def main():
             res = {}
             makers = {"flexattn/torch": lambda: ours_torch(qh, kh, vh, variant, S),
                       "flexattn/cupy": lambda: ours_cupy(qh, kh, vh, variant, S),
+                      "flexattn/jax": lambda: ours_jax(qh, kh, vh, variant, S),
                       "fa4": lambda: fa4(q, k, v, variant, S),
                       "flex": lambda: flex(qh, kh, vh, variant, S),
                       "sdpa": lambda: sdpa(qh, kh, vh, variant, S)}
