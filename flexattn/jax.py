@@ -292,7 +292,7 @@ class _KernelBackend:
         self.shape = shape
         self.on_gpu = q.__dlpack_device__()[0] == 2
         self.plan = kernel_path.plan_forward(q, shape, self.spec)  # raises what the kernel can't do
-        self._host = {}  # list name -> (host objects, their jax constants)
+        self._host = {}  # block-list names -> (host objects, their jax constants)
 
     # Host arrays the kernels read, as constant operands: the callback's to_device maps each
     # object (by identity: the spec holds them alive) to its device buffer.
