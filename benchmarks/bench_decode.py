@@ -228,7 +228,7 @@ def sweep_tunings():
             "t64s6": DecodeTuning(64, 6, 1), "t64s2c2": DecodeTuning(64, 2, 2)}
 
 
-def sweep_shape(B, L, rows, split_factors=(1, 2)):
+def sweep_shape(B, L, rows, split_factors=(1, 2), only=None):
     """Kernels alone (decode + combine, and decode alone) for every sweep tuning x split
     count (the heuristic's, and multiples), no mods; SDPA beside them."""
     from flexattn.core.decode_path import choose_splits
@@ -246,6 +246,8 @@ def sweep_shape(B, L, rows, split_factors=(1, 2)):
                              tbps_clean=gbytes / ms_c))
             print(rows[-1], flush=True)
         for name, tuning in sweep_tunings().items():
+            if only and name not in only:
+                continue
             base = choose_splits(B, HKV, 1, -(-L // tuning.tile_n), sms, tuning)
             for f in split_factors:
                 row = dict(B=B, L=L, layout=layout, tuning=name, splits=base * f)
@@ -283,6 +285,8 @@ def main():
     p.add_argument("--sweep", action="store_true", help="kernel shapes x split counts instead of the table")
     p.add_argument("--no-fa4", action="store_true")
     p.add_argument("--no-flex", action="store_true")
+    p.add_argument("--tunings", nargs="*", default=None, help="sweep only these (names in sweep_tunings)")
+    p.add_argument("--split-factors", nargs="*", type=int, default=[1, 2])
     args = p.parse_args()
     torch._dynamo.config.cache_size_limit = 64
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -291,7 +295,7 @@ def main():
         B, L = (int(x) for x in s.split("x"))
         try:
             if args.sweep:
-                sweep_shape(B, L, rows)
+                sweep_shape(B, L, rows, tuple(args.split_factors), args.tunings)
             else:
                 run_shape(B, L, rows, fa4=not args.no_fa4, flex=not args.no_flex)
         except Exception:  # noqa: BLE001

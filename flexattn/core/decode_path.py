@@ -47,7 +47,13 @@ class DecodeTuning:
     waves: int = 1             # CTAs per resident slot the splits heuristic aims for
 
 
-DEFAULT_TUNING = DecodeTuning()
+# Measured on the H100 (benchmarks/RESULTS.md, decode sweep): 64-key tiles in a 2-stage
+# ring (80 KB of shared memory), two CTAs per SM (128 KB of K/V in flight per SM), stream
+# 2.84-3.07 TB/s (decode kernel alone) on every benchmark shape, contiguous and paged;
+# 128-key tiles with one CTA per SM lose up to 0.1 TB/s on short caches and at B 1.
+DEFAULT_TUNING = DecodeTuning(tile_n=64, num_stages=2, ctas_per_sm=2)
+# Two consumer warpgroups (group x q_len > 64 rows) run one CTA per SM: a deeper ring.
+ONE_CTA_TUNING = DecodeTuning(tile_n=64, num_stages=6, ctas_per_sm=1)
 
 
 def choose_splits(batch: int, kv_heads: int, m_blocks: int, kv_blocks: int, num_sms: int,
@@ -231,7 +237,7 @@ def prepare_decode(q, cache, out, lse, device: Device, num_sms: int, alloc: Call
     if tuning is None:
         tuning = DEFAULT_TUNING
     if num_mma_wg > 1 and tuning.ctas_per_sm > 1:   # two consumer warpgroups: one CTA per SM
-        tuning = DecodeTuning(tuning.tile_n, tuning.num_stages, 1, tuning.waves)
+        tuning = ONE_CTA_TUNING
 
     on_device = device.to_device(host)
     seq_lens, q_offset_dev = on_device[0], on_device[1]

@@ -186,11 +186,11 @@ def test_window_skips_blocks_and_many_splits():
 
 
 TUNINGS = [decode_path.DEFAULT_TUNING,
-           decode_path.DecodeTuning(tile_n=64, num_stages=3, ctas_per_sm=2),
+           decode_path.DecodeTuning(tile_n=128, num_stages=3, ctas_per_sm=1),
            decode_path.DecodeTuning(tile_n=64, num_stages=6)]
 
 
-@pytest.mark.parametrize("tuning", TUNINGS[1:], ids=["t64s3c2", "t64s6"])
+@pytest.mark.parametrize("tuning", TUNINGS[1:], ids=["t128s3", "t64s6"])
 @pytest.mark.parametrize("kind,page_size,num_splits", [("alibi", 64, None), ("window", 16, 7), ("none", 0, 1)])
 def test_tunings_match_reference(tuning, kind, page_size, num_splits):
     """The other kernel shapes (64-key tiles, two CTAs per SM) and forced split counts."""

@@ -33,8 +33,8 @@ def _hook(score, mask):
 # name: (config kwargs, score, mask, tvm_ffi, TMA copies per K+V block)
 CASES = {
     "contiguous-plain": (dict(head_dim=128), None, None, True, 4),
-    # two CTAs per SM: 64-key tiles, 3 stages (113 KB of shared memory), launch registers <= 128
-    "2cta-tile64-window-alibi": (dict(head_dim=128, tile_n=64, num_stages=3, ctas_per_sm=2),
+    # the default tuning: two CTAs per SM, 64-key tiles, 2 stages; launch registers <= 128
+    "2cta-tile64-window-alibi": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2),
                                  mods.alibi(num_heads=32), mods.sliding_window(4096), True, 4),
     "paged64-window-alibi": (dict(head_dim=128, page_size=64), mods.alibi(num_heads=32),
                              mods.sliding_window(4096), True, 4),
@@ -112,15 +112,17 @@ def test_config_validation():
 
 
 def test_choose_splits():
-    # 132 SMs, 8 kv heads, one row block.
-    assert choose_splits(8, 8, 1, 64, 132) == 2          # B 8, 8k keys: 128 CTAs
-    assert choose_splits(1, 8, 1, 1024, 132) == 16       # B 1, 128k keys
-    assert choose_splits(64, 8, 1, 64, 132) == 1         # already > 1 wave
-    assert choose_splits(1, 8, 1, 6, 132) == 1           # too short to split (6 blocks)
-    assert choose_splits(1, 1, 1, 10, 132) == 2          # 4+ blocks per split, none empty
-    assert choose_splits(1, 1, 1, 0, 132) == 1
+    # 132 SMs, 8 kv heads, one row block; 128-key tiles, one CTA per SM.
+    one = DecodeTuning(tile_n=128, num_stages=3, ctas_per_sm=1)
+    assert choose_splits(8, 8, 1, 128, 132) == 4               # the default: 2 CTAs/SM, 64-key tiles
+    assert choose_splits(8, 8, 1, 64, 132, one) == 2          # B 8, 8k keys: 128 CTAs
+    assert choose_splits(1, 8, 1, 1024, 132, one) == 16       # B 1, 128k keys
+    assert choose_splits(64, 8, 1, 64, 132, one) == 1         # already > 1 wave
+    assert choose_splits(1, 8, 1, 6, 132, one) == 1           # too short to split (6 blocks)
+    assert choose_splits(1, 1, 1, 10, 132, one) == 2          # 4+ blocks per split, none empty
+    assert choose_splits(1, 1, 1, 0, 132, one) == 1
     for b, h, n in ((1, 1, 37), (3, 2, 1000), (2, 8, 9)):
-        s = choose_splits(b, h, 1, n, 132)
+        s = choose_splits(b, h, 1, n, 132, one)
         per = -(-n // s)
         assert (s - 1) * per < n and b * h * s <= max(132, b * h)   # no empty split, one wave
 
