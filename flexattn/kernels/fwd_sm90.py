@@ -485,10 +485,11 @@ class FlashFwdSm90:
         The producer's `load` visits the same blocks in the same order."""
         cfg = self.cfg
         mods = self.mods
-        # First block: always fully checked (it may straddle KV_LEN and the diagonal).
+        # First block: masks always evaluated (it may cross the diagonal); the KV_LEN
+        # bound only if it straddles KV_LEN, checked at run time.
         kv_state = self._block(ctx, kv_state, n_block_max - 1, is_first=True,
                                mask=mods.has_mask, causal=cfg.causal and not mods.has_mask,
-                               kv_bound=True)
+                               kv_bound="first")
         n_rest = n_block_max - 1
         if const_expr(cfg.causal):
             # Blocks >= n_diag contain some kv > the tile's first q: mask needed.
@@ -557,27 +558,66 @@ class FlashFwdSm90:
     @cute.jit
     def _scores(self, ctx, acc_S, n_block, mask: cutlass.Constexpr[bool],
                 causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr):
-        """Score mod and masks on a finished S tile."""
+        """Score mod and masks on a finished S tile.
+
+        kv_bound, how the KV_LEN edge is handled:
+          True     check every element (block-sparse partial blocks: any may straddle it);
+          "first"  the first block of the dense / causal structures: whether it straddles
+                   KV_LEN is decided once at run time, and only then are elements checked;
+          "tail"   hooks see kv clamped to KV_LEN - 1; the bound alone is applied if the
+                   block straddles KV_LEN (block-sparse full blocks);
+          False    the block lies below KV_LEN."""
+        if const_expr(kv_bound == "first"):
+            if (n_block + 1) * self.cfg.tile_n > ctx[16]:
+                self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=True)
+            else:
+                self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=False)
+        elif const_expr(kv_bound == "tail"):
+            self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=False, clamp_kv=True)
+            if (n_block + 1) * self.cfg.tile_n > ctx[16]:   # the bound alone
+                self._mask_past_limits(ctx, acc_S, n_block, causal=False, kv_bound=True)
+        else:
+            self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=kv_bound)
+
+    @cute.jit
+    def _masks(self, ctx, acc_S, n_block, mask: cutlass.Constexpr[bool],
+               causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr[bool],
+               clamp_kv: cutlass.Constexpr[bool] = False):
+        """Hooks (score mod, mask mod) through apply_mods, then the built-in causal mask
+        and the KV_LEN bound as per-row column limits."""
         (_, _, _, _, _, _, _, _, _, coords, _, _, m_block, head, batch, seqlen_q, seqlen_k,
          softmax_scale, mod_args, _) = ctx
         mods = self.mods
-        s_mn = sm90_mma.acc_mn_view(acc_S)
-        # kv_bound: True = check every element of this block against KV_LEN (the dense
-        # structure's first block); "tail" = only if this block straddles KV_LEN, decided
-        # at run time (block-sparse visits, where any block may be the last one).
-        per_element = kv_bound is True
-        if const_expr(mods.has_score or mask or causal or per_element):
-            apply_mods(s_mn, coords, mods, batch, head, m_block,
+        if const_expr(mods.has_score or mask):
+            # Hooks index buffers with kv: clamped wherever kv may pass KV_LEN.
+            apply_mods(sm90_mma.acc_mn_view(acc_S), coords, mods, batch, head, m_block,
                        n_block, seqlen_q, seqlen_k, softmax_scale, mod_args,
                        apply_score=mods.has_score, apply_mask=mask,
-                       builtin_causal=causal, check_kv_bounds=per_element,
-                       clamp_kv=kv_bound == "tail")
-        if const_expr(kv_bound == "tail"):
-            if (n_block + 1) * self.cfg.tile_n > seqlen_k:   # the bound alone
-                apply_mods(s_mn, coords, mods, batch, head, m_block,
-                           n_block, seqlen_q, seqlen_k, softmax_scale, mod_args,
-                           apply_score=False, apply_mask=False,
-                           builtin_causal=False, check_kv_bounds=True)
+                       builtin_causal=False, check_kv_bounds=False,
+                       clamp_kv=kv_bound or clamp_kv)
+        if const_expr(causal or kv_bound):
+            self._mask_past_limits(ctx, acc_S, n_block, causal=causal, kv_bound=kv_bound)
+
+    @cute.jit
+    def _mask_past_limits(self, ctx, acc_S, n_block, causal: cutlass.Constexpr[bool],
+                          kv_bound: cutlass.Constexpr[bool]):
+        """s = -inf where kv >= limit(q): q + 1 for the built-in causal mask (kv <= q, top-left
+        aligned) and/or KV_LEN. The limit is made relative to this thread's first column
+        once per row, so an element costs one compare with a compile-time column and one
+        select (no per-column index arithmetic)."""
+        coords, m_block, seqlen_k = ctx[9], ctx[12], ctx[16]
+        cfg = self.cfg
+        s_mn = sm90_mma.acc_mn_view(acc_S)
+        kv_first = n_block * cfg.tile_n + coords.col_offset()
+        for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
+            if const_expr(causal):
+                limit = m_block * cfg.tile_m + coords.row(r) + 1 - kv_first
+                if const_expr(kv_bound):
+                    limit = cutlass.min(limit, seqlen_k - kv_first)
+            else:
+                limit = seqlen_k - kv_first
+            for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
+                s_mn[r, c] = -Float32.inf if limit <= coords.col0(c) else s_mn[r, c]
 
     @cute.jit
     def _step(self, ctx, kv_state, n_block, is_first: cutlass.Constexpr[bool],
@@ -600,7 +640,7 @@ class FlashFwdSm90:
         row_scale = softmax.step(acc_S, is_first=is_first)
         if const_expr(not is_first):
             rescale_rows(acc_O, row_scale)
-        tOrP.store(sm90_mma.acc_as_a_view(acc_S).load().to(self.dtype))
+        sm90_mma.convert_into(tOrP, sm90_mma.acc_as_a_view(acc_S))
 
         pipe_v.consumer_wait(kv_state)
         self._turn_wait(wg)
@@ -623,7 +663,7 @@ class FlashFwdSm90:
         pipe_k.consumer_release(kv_state)
         self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
         softmax.step(acc_S, is_first=True)
-        tOrP.store(sm90_mma.acc_as_a_view(acc_S).load().to(self.dtype))
+        sm90_mma.convert_into(tOrP, sm90_mma.acc_as_a_view(acc_S))
         return kv_state
 
     @cute.jit
@@ -652,8 +692,8 @@ class FlashFwdSm90:
         row_scale = softmax.step(acc_S, is_first=False)
         warpgroup.wait_group(0)            # P_{j-1} V_{j-1} done: O and P registers free
         pipe_v.consumer_release(v_state)
+        sm90_mma.convert_into(tOrP, sm90_mma.acc_as_a_view(acc_S))
         rescale_rows(acc_O, row_scale)
-        tOrP.store(sm90_mma.acc_as_a_view(acc_S).load().to(self.dtype))
         return kv_state
 
     @cute.jit

@@ -14,8 +14,10 @@ N/8 column groups 8 apart).
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
-from cutlass import const_expr
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.utils import LayoutEnum
 
 
@@ -113,3 +115,32 @@ def _acc_as_a_layout(acc_layout: cute.Layout) -> cute.Layout:
 def acc_as_a_view(acc: cute.Tensor) -> cute.Tensor:
     """View an sm90 accumulator fragment in the register layout of a wgmma A operand."""
     return cute.make_tensor(acc.iterator, _acc_as_a_layout(acc.layout))
+
+
+@dsl_user_op
+def _pack_pair(lo, hi, dtype, *, loc=None, ip=None) -> Int32:
+    # cvt.rn.{bf16x2,f16x2}.f32 d, a, b puts a in the upper half and b in the lower one.
+    kind = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+    return Int32(llvm.inline_asm(
+        T.i32(),
+        [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+        f"cvt.rn.{kind}.f32 $0, $1, $2;",
+        "=r,f,f",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
+
+
+@cute.jit
+def convert_into(dst: cute.Tensor, src: cute.Tensor):
+    """dst[i] = src[i] for a 16-bit register fragment `dst` and an fp32 one of the same
+    size, two elements per cvt instruction.
+
+    Why not `dst.store(src.load().to(dtype))`: LLVM then hoists the conversion of the new
+    P above the wait for the P V GEMM still reading the old P (it cannot see that
+    dependence), leaving ptxas a copy of P to park in registers and a schedule that runs
+    the O rescale after every exp2. The inline conversions stay where they are written."""
+    dst32 = cute.recast_tensor(dst, Int32)
+    for i in cutlass.range_constexpr(cute.size(dst32)):
+        dst32[i] = _pack_pair(src[2 * i], src[2 * i + 1], dst.element_type)

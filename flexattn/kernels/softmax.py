@@ -42,7 +42,7 @@ class OnlineSoftmax:
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             row = s_mn[r, None].load()
-            m_cur = row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            m_cur = _row_max(s_mn, r)
             if const_expr(not is_first):
                 m_cur = cute.arch.fmax(m_cur, self.row_max[r])
             m_cur = cute.arch.warp_reduction_max(m_cur, threads_in_group=4)
@@ -51,16 +51,19 @@ class OnlineSoftmax:
             # Safe max for exponents: a row with nothing but -inf so far uses 0.
             m_safe = Float32(0.0) if m_cur == -Float32.inf else m_cur
             m_scaled = m_safe * self.scale_log2
-            p = cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True)
-            s_mn[r, None].store(p)
-            p_sum = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            # The sum starts from the rescaled old sum: the row's O factor is then needed
+            # (and computed) before its exponentials, and ptxas interleaves the O rescale
+            # (FMUL) with the exp2s (MUFU) instead of running it after the last one (SASS).
+            sum_init = Float32(0.0)
             if const_expr(is_first):
                 row_scale[r] = Float32(1.0)
-                self.row_sum[r] = p_sum
             else:
                 # m_prev = -inf gives exp2(-inf) = 0: nothing accumulated yet.
                 row_scale[r] = cute.math.exp2((m_prev - m_safe) * self.scale_log2, fastmath=True)
-                self.row_sum[r] = self.row_sum[r] * row_scale[r] + p_sum
+                sum_init = self.row_sum[r] * row_scale[r]
+            p = cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True)
+            s_mn[r, None].store(p)
+            self.row_sum[r] = p.reduce(cute.ReductionOp.ADD, sum_init, 0)
         return row_scale
 
     @cute.jit
@@ -79,6 +82,19 @@ class OnlineSoftmax:
                 else (m_scaled + cute.math.log2(l, fastmath=True)) * Float32(LN2)
             )
         return inv_sum, lse
+
+
+def _row_max(s_mn: cute.Tensor, r: int) -> Float32:
+    """Max over row r of this thread's fragment: a pairwise tree (depth log2(cols)) of
+    `max.f32`. A generic MAX reduce emits `max.NaN.f32`, with which ptxas left half of
+    the O rescale after the exp2s (SASS). Plain Python: unrolled while tracing."""
+    vals = [s_mn[r, c] for c in range(cute.size(s_mn.shape[1]))]
+    while len(vals) > 1:
+        nxt = [cute.arch.fmax(vals[i], vals[i + 1]) for i in range(0, len(vals) - 1, 2)]
+        if len(vals) % 2:
+            nxt.append(vals[-1])
+        vals = nxt
+    return vals[0]
 
 
 @cute.jit
