@@ -29,6 +29,7 @@ from .blockmask import DeviceArrays as BlockMaskArrays, register_device as regis
 from .core.decode import decode_problem
 from .core.backward_path import BackwardArrays, backward_into
 from .core.kernel_path import Device, forward_into, kernel_unsupported, prepare_forward
+from .core.prepared import PreparedCalls, call_identity
 from .kvcache import KVCache, PagedKVCache
 from .core.spec import AttentionSpec
 from .core.validate import check_inputs
@@ -450,77 +451,59 @@ def _kernel_forward(spec, shape, query, key, value):
 
 
 class _PreparedCalls:
-    """Eager CUDA inference calls that repeat: everything the checks and the planner read
-    -> a ``PreparedForward`` (core/kernel_path.py), so a repeat costs a key, two
-    allocations and the TVM-FFI launch (the full path costs ~60 µs of host time).
-
-    The key holds the *identities* of the mod and block-mask values (weakly: an entry
-    whose objects died never matches again) and the tensors' shapes, strides, dtypes and
-    devices. Only mod values (``ScoreMod``/``MaskMod``) and flexattn ``BlockMask``s take
-    part: they are immutable (captured tensors are read at launch, so in-place updates are
-    seen). Plain functions are re-traced on every call (their closures may change), and
-    calls that autograd records go through the custom op. A key is prepared on its second
-    sighting, so one-off mod objects cost nothing extra.
-    """
-
-    CAPACITY = 64
+    """Eager CUDA inference calls that repeat (``core/prepared.py``): the key adds the
+    tensors' shapes, strides, dtypes and devices to the call's identity, and an entry is a
+    ``_PreparedCall``, so a repeat costs a key, an allocation and the TVM-FFI launch (the
+    full path costs ~60 µs of host time). Calls that autograd records go through the
+    custom op."""
 
     def __init__(self):
-        self._entries: dict = {}
-        self._seen: dict = {}
+        self._cache = PreparedCalls()
+
+    @property
+    def _entries(self):   # for tests: the live entries
+        return self._cache._entries
+
+    def clear(self):
+        self._cache.clear()
 
     @staticmethod
     def _key(q, k, v, call):
-        score_mod, block_mask, scale, enable_gqa, mask, score = call
-        for m in (score_mod, mask, score):
-            if m is not None and not isinstance(m, Mod):
-                return None
-        if block_mask is not None and not isinstance(block_mask, BlockMask):
+        ident = call_identity(call)
+        if ident is None:
             return None
-        if scale is not None and type(scale) is not float and type(scale) is not int:
-            return None
-        return (id(score_mod), id(block_mask), id(mask), id(score), scale, enable_gqa,
-                q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
-                q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(), v.get_device())
+        return ident + (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
+                        q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(), v.get_device())
 
     def find(self, q, k, v, call):
         if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
             return None
         key = self._key(q, k, v, call)
-        entry = self._entries.get(key) if key is not None else None
-        if entry is None or not entry.matches(call, q, k, v):
+        entry = self._cache.get(key, call) if key is not None else None
+        if entry is None or not entry.matches(q, k, v):
             return None
         return entry
 
     def remember(self, q, k, v, call, spec, shape):
         key = self._key(q, k, v, call)
-        if key is None or key in self._entries:
+        if key is None:
             return
-        if self._seen.pop(key, None) is None:
-            if len(self._seen) >= self.CAPACITY:
-                self._seen.pop(next(iter(self._seen)))
-            self._seen[key] = True
-            return
-        device = Device(torch.cuda.current_stream(q.device).cuda_stream, _DeviceCopies(q.device),
-                        tvm_ffi_stream=True)
-        with torch.cuda.device(q.device):
-            prepared = prepare_forward(q, shape, spec, device)
-        if prepared is None:
-            return
-        if len(self._entries) >= self.CAPACITY:
-            self._entries.pop(next(iter(self._entries)))
-        entries = self._entries  # an entry leaves with its mod/block-mask objects, captures and all
-        self._entries[key] = _PreparedCall(call, spec, shape, q, prepared,
-                                           on_death=lambda _, key=key: entries.pop(key, None))
+
+        def make():
+            device = Device(torch.cuda.current_stream(q.device).cuda_stream, _DeviceCopies(q.device),
+                            tvm_ffi_stream=True)
+            with torch.cuda.device(q.device):
+                prepared = prepare_forward(q, shape, spec, device)
+            return None if prepared is None else _PreparedCall(spec, shape, q, prepared)
+
+        self._cache.add(key, call, make)
 
 
 class _PreparedCall:
-    __slots__ = ("refs", "score_tensors", "out_shape", "lse_shape", "dtype", "device", "device_index", "launch",
+    __slots__ = ("score_tensors", "out_shape", "lse_shape", "dtype", "device", "device_index", "launch",
                  "lse_sink")
 
-    def __init__(self, call, spec, shape, q, prepared, on_death):
-        objs = (call[0], call[1], call[4], call[5])   # score_mod, block_mask, mask, score
-        self.refs = tuple(None if o is None else weakref.ref(o, on_death) for o in objs)
+    def __init__(self, spec, shape, q, prepared):
         self.score_tensors = tuple(_score_tensors(spec.score))
         self.out_shape = (shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim)
         self.lse_shape = (shape.batch, shape.q_heads, shape.q_len)
@@ -530,11 +513,7 @@ class _PreparedCall:
         # read (racing writes from several streams are harmless), one allocation saved.
         self.lse_sink = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
 
-    def matches(self, call, q, k, v) -> bool:
-        objs = (call[0], call[1], call[4], call[5])
-        for ref, o in zip(self.refs, objs):
-            if (o is None) != (ref is None) or (ref is not None and ref() is not o):
-                return False
+    def matches(self, q, k, v) -> bool:
         if torch.cuda.current_device() != self.device_index:
             return False   # the full path switches devices around the launch
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad

@@ -93,6 +93,7 @@ def fake(monkeypatch):
         return types.SimpleNamespace(capture_grads=tuple(grads))
 
     monkeypatch.setattr(module, "forward_into", fake_forward_into)
+    monkeypatch.setattr(module, "prepare_forward", lambda *a, **k: None)   # no kernels here
     monkeypatch.setattr(module, "backward_into", fake_backward_into)
     yield module, cp, calls
     sys.modules.pop("flexattn.cupy", None)

@@ -270,9 +270,9 @@ class PreparedForward:
     arrays), their conversion. Built by ``prepare_forward`` after a first full call;
     adapters keep them keyed by everything the checks read (see flexattn/torch.py)."""
 
-    __slots__ = ("_fn", "_scale", "_args", "_kinds", "_captures", "_to_device", "_lists")
+    __slots__ = ("_fn", "_scale", "_args", "_kinds", "_captures", "_to_device", "_lists", "_ffi_device")
 
-    def __init__(self, plan: KernelPlan, spec: AttentionSpec, shape: AttentionShape, device: Device):
+    def __init__(self, q, plan: KernelPlan, spec: AttentionSpec, shape: AttentionShape, device: Device):
         from ..kernels.ffi_runner import ffi_args
         from ..kernels.mod_emit import capture_kinds
 
@@ -294,22 +294,35 @@ class PreparedForward:
             bm = plan.block_mask
             self._lists = tuple(device.to_device(x) for x in (bm.kv_num_blocks, bm.kv_indices,
                                                                bm.full_kv_num_blocks, bm.full_kv_indices))
+        self._ffi_device = None   # set: launches need TVM-FFI's stream set (ffi_stream_scope)
+        if not device.tvm_ffi_stream:
+            import tvm_ffi
 
-    def launch(self, q, k, v, out, lse):
+            self._ffi_device = tvm_ffi.device("cuda", int(q.__dlpack_device__()[1]))
+
+    def launch(self, q, k, v, out, lse, stream: int | None = None):
+        """``stream``: the caller's current stream, for frameworks whose stream TVM-FFI does
+        not read itself (the ``Device`` had ``tvm_ffi_stream=False``)."""
         args = self._args
         if args is False:
             from ..kernels.ffi_runner import ffi_args
 
             args = ffi_args(self._kinds, self._captures, self._to_device) or None
-        self._fn(q, k, v, out, lse, self._scale, args, self._lists)
+        if self._ffi_device is None:
+            self._fn(q, k, v, out, lse, self._scale, args, self._lists)
+            return
+        import tvm_ffi
+
+        with tvm_ffi.use_raw_stream(self._ffi_device, stream):
+            self._fn(q, k, v, out, lse, self._scale, args, self._lists)
 
 
 def prepare_forward(q, shape: AttentionShape, spec: AttentionSpec, device: Device) -> PreparedForward | None:
     """A ``PreparedForward`` for calls like this one, or None where launches must go
     through ``forward_into`` (no TVM-FFI for this device)."""
-    if not use_tvm_ffi(device):
+    if not use_tvm_ffi(device, stream_scope=True):
         return None
-    return PreparedForward(plan_forward(q, shape, spec), spec, shape, device)
+    return PreparedForward(q, plan_forward(q, shape, spec), spec, shape, device)
 
 
 __all__ = ["Device", "KernelPlan", "PreparedForward", "forward_into", "kernel_unsupported", "plan_forward",

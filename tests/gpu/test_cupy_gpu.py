@@ -60,3 +60,24 @@ def test_vjp_runs_the_backward_kernels():
     assert len(slot) == 1 and d_caps[slot[0]].shape == slopes.shape
     ref_g = want.d_captures[slot[0]]
     assert np.abs(cupy.asnumpy(d_caps[slot[0]]) - ref_g).max() < 2e-2 * max(1.0, np.abs(ref_g).max())
+
+
+def test_repeated_calls_take_the_prepared_path_on_the_current_stream():
+    fc._PREPARED.clear()
+    slopes = np.linspace(0.1, 0.8, 4).astype(np.float32)
+    kw = dict(score=mods.alibi(slopes), mask=mods.causal(), enable_gqa=True)
+    for i in range(3):
+        qh, kh, vh = _inputs(10 + i, Q=200, KV=200)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            q, k, v = (cupy.asarray(x) for x in (qh, kh, vh))
+            x = cupy.ones((2048, 2048), dtype=cupy.float32)
+            for _ in range(10):            # queued work the inputs depend on
+                x = (x @ x) * (1.0 / 2048)
+            q = q + (x[0, 0] * 0).astype(q.dtype)
+            out, lse = fc.flex_attention(q, k, v, **kw)
+        stream.synchronize()
+        want, want_lse = reference.forward(qh, kh, vh, AttentionSpec.from_args(**kw))
+        assert np.abs(cupy.asnumpy(out).astype(np.float64) - want).max() < 5e-3, i
+        assert np.abs(cupy.asnumpy(lse) - want_lse).max() < 2e-3, i
+        assert len(fc._PREPARED) == (1 if i >= 1 else 0)

@@ -169,8 +169,7 @@ def test_repeated_calls_take_the_prepared_path_and_stay_right():
     """From the second sighting on, a repeated inference call skips checks and planning
     (fa._PREPARED); fresh inputs every call, results against the reference each time."""
     pytest.importorskip("tvm_ffi")
-    fa._PREPARED._entries.clear()
-    fa._PREPARED._seen.clear()
+    fa._PREPARED.clear()
     slopes = torch.rand(4, device="cuda")
     score = mods.alibi(slopes)
     bm = fa.create_block_mask(mods.causal() & mods.sliding_window(70), None, None, 300, 300)

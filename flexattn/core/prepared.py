@@ -1,0 +1,91 @@
+"""Repeated calls: a bounded cache from what a call looks like to its prepared launch.
+
+A steady-state caller repeats the same call: the same mod and block-mask *objects*, tensors
+of the same shapes, strides, dtypes and devices. For such a call the argument checks and
+the planner would find what they found last time, so an adapter keeps its launch
+(``kernel_path.PreparedForward`` plus its own output allocation) under a key made of
+
+- ``call_identity(call)``: the identities of the mod / block-mask objects, the scale and
+  the GQA flag — only for immutable values (``ScoreMod``/``MaskMod``/``BlockMask``; plain
+  functions are re-traced every call, their closures may change);
+- the tensors' metadata, which only the adapter knows how to read cheaply.
+
+The cache holds the keyed objects weakly: an entry leaves when one of them dies (so an
+entry never outlives its mods' captured tensors, and a recycled ``id`` never matches),
+and a key is prepared on its second sighting, so one-off mod objects cost nothing extra.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from ..blockmask import BlockMask
+from ..mods import Mod
+
+
+def call_identity(call) -> tuple | None:
+    """The cacheable part of ``call = (score_mod, block_mask, scale, enable_gqa, mask,
+    score)``, or None if something in it may change between calls."""
+    score_mod, block_mask, scale, enable_gqa, mask, score = call
+    for m in (score_mod, mask, score):
+        if m is not None and not isinstance(m, Mod):
+            return None
+    if block_mask is not None and not isinstance(block_mask, BlockMask):
+        return None
+    if scale is not None and type(scale) is not float and type(scale) is not int:
+        return None
+    return (id(score_mod), id(block_mask), id(mask), id(score), scale, enable_gqa)
+
+
+def _objects(call):
+    return (call[0], call[1], call[4], call[5])   # score_mod, block_mask, mask, score
+
+
+class PreparedCalls:
+    """key -> adapter entry, for the calls whose objects are still alive."""
+
+    def __init__(self, capacity: int = 64):
+        self.capacity = capacity
+        self._entries: dict = {}   # key -> (weakrefs of the call's objects, entry)
+        self._seen: dict = {}      # keys seen once
+
+    def __len__(self):
+        return len(self._entries)
+
+    def clear(self):
+        self._entries.clear()
+        self._seen.clear()
+
+    def get(self, key, call):
+        """The entry for ``key`` if ``call``'s objects are the ones it was made for."""
+        slot = self._entries.get(key)
+        if slot is None:
+            return None
+        refs, entry = slot
+        for ref, obj in zip(refs, _objects(call)):
+            if (obj is None) != (ref is None) or (ref is not None and ref() is not obj):
+                return None
+        return entry
+
+    def add(self, key, call, make) -> None:
+        """On the second sighting of ``key``, store ``make()`` (an entry, or None for
+        calls that cannot be prepared)."""
+        if key in self._entries:
+            return
+        if self._seen.pop(key, None) is None:
+            if len(self._seen) >= self.capacity:
+                self._seen.pop(next(iter(self._seen)))
+            self._seen[key] = True
+            return
+        entry = make()
+        if entry is None:
+            return
+        if len(self._entries) >= self.capacity:
+            self._entries.pop(next(iter(self._entries)))
+        entries = self._entries
+        on_death = lambda _, key=key: entries.pop(key, None)  # noqa: E731
+        refs = tuple(None if o is None else weakref.ref(o, on_death) for o in _objects(call))
+        self._entries[key] = (refs, entry)
+
+
+__all__ = ["PreparedCalls", "call_identity"]
