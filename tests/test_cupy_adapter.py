@@ -143,3 +143,31 @@ def test_unsupported_inputs_are_clear_errors(fake):
     with pytest.raises(TypeError, match="cupy.ndarray"):
         fc.flex_attention(np.zeros((1, 1, 4, 64), np.float16), *_qkv()[1:])
     assert calls == []
+
+
+def test_repeated_calls_launch_the_prepared_forward_on_the_current_stream(fake, monkeypatch):
+    fc, cp, calls = fake
+    launches = []
+
+    class FakePrepared:
+        def __init__(self, spec):
+            self.spec = spec
+
+        def launch(self, q, k, v, out, lse, stream=None):
+            launches.append(stream)
+            o, l = reference.forward(q, k, v, self.spec)
+            out[...] = o
+            lse[...] = l
+
+    monkeypatch.setattr(fc, "prepare_forward", lambda q, shape, spec, device: FakePrepared(spec))
+    kw = dict(score=mods.softcap(4.0), mask=mods.causal())
+    for i in range(4):
+        q, k, v = _qkv(20 + i)
+        out, lse = fc.flex_attention(q, k, v, **kw)
+        want, want_lse = reference.forward(q, k, v, AttentionSpec.from_args(**kw))
+        np.testing.assert_allclose(out.astype(np.float64), want, atol=1e-3)
+        np.testing.assert_allclose(lse, want_lse, atol=1e-5)
+    assert len(calls) == 2 and launches == [0xC0FFEE, 0xC0FFEE]   # calls 3, 4: prepared
+    q, k, v = _qkv(30)
+    fc.flex_attention(q, k, v, score=mods.softcap(4.0), mask=kw["mask"])   # another mod object
+    assert len(calls) == 3
