@@ -582,7 +582,8 @@ class _DeviceCopies:
         hit = self._cache.get(key)
         if hit is not None and hit[0]() is x:
             return hit[1]
-        t = torch.from_numpy(np.ascontiguousarray(x)).to(self.device)
+        # A writeable host copy (made once per array): torch warns on read-only numpy memory.
+        t = torch.from_numpy(np.array(x, order="C", copy=True)).to(self.device)
         cache = self._cache  # bound now: at interpreter exit the class may be gone
         ref = weakref.ref(x, lambda _, key=key: cache.pop(key, None))
         self._cache[key] = (ref, t)

@@ -172,3 +172,17 @@ def test_bad_input_gives_clear_error(call, err, words):
     q, k, v = _qkv()
     with pytest.raises(err, match=words):
         call(q, k, v)
+
+
+def test_device_copies_of_read_only_arrays_warn_nothing():
+    import warnings
+
+    from flexattn.torch import _DeviceCopies
+
+    x = np.arange(6, dtype=np.int32)
+    x.flags.writeable = False
+    copies = _DeviceCopies(torch.device("cpu"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t = copies(x)
+    assert t.tolist() == list(range(6)) and copies(x) is t      # copied once, then cached
