@@ -45,18 +45,24 @@ def host_us(fn, calls: int, rounds: int = 15) -> float:
     return best
 
 
+def our_kwargs(variant, H, S):
+    """flexattn's arguments for a variant (the same mod and block-mask objects every call,
+    as a steady-state caller would pass them)."""
+    from flexattn import create_block_mask, mods
+
+    if variant == "causal":
+        return {"mask": mods.causal()}
+    if variant == "causal+alibi":
+        return {"mask": mods.causal(), "score_mod": mods.alibi(num_heads=H)}
+    if variant == "window64":
+        return {"block_mask": create_block_mask(mods.sliding_window(64), None, None, S, S)}
+    return {}
+
+
 def ours_torch(qh, kh, vh, variant, S):
     import flexattn.torch as fa
-    from flexattn import mods
 
-    H = qh.shape[1]
-    kw = {}
-    if variant == "causal":
-        kw = {"mask": mods.causal()}
-    elif variant == "causal+alibi":
-        kw = {"mask": mods.causal(), "score_mod": mods.alibi(num_heads=H)}
-    elif variant == "window64":
-        kw = {"block_mask": fa.create_block_mask(mods.sliding_window(64), None, None, S, S)}
+    kw = our_kwargs(variant, qh.shape[1], S)
     return lambda: fa.flex_attention(qh, kh, vh, **kw)
 
 
@@ -64,19 +70,11 @@ def ours_cupy(qh, kh, vh, variant, S):
     import cupy
 
     import flexattn.cupy as fc
-    from flexattn import mods
 
     if qh.dtype != torch.float16:
         return None
     q, k, v = (cupy.from_dlpack(t) for t in (qh, kh, vh))
-    H = qh.shape[1]
-    kw = {}
-    if variant == "causal":
-        kw = {"mask": mods.causal()}
-    elif variant == "causal+alibi":
-        kw = {"mask": mods.causal(), "score_mod": mods.alibi(num_heads=H)}
-    elif variant == "window64":
-        kw = {"block_mask": fc.create_block_mask(mods.sliding_window(64), None, None, S, S)}
+    kw = our_kwargs(variant, qh.shape[1], S)
     return lambda: fc.flex_attention(q, k, v, **kw)
 
 
@@ -88,17 +86,9 @@ def ours_jax(qh, kh, vh, variant, S):
     import jax.dlpack
 
     import flexattn.jax as fj
-    from flexattn import mods
 
     q, k, v = (jax.dlpack.from_dlpack(t) for t in (qh, kh, vh))
-    H = qh.shape[1]
-    kw = {}
-    if variant == "causal":
-        kw = {"mask": mods.causal()}
-    elif variant == "causal+alibi":
-        kw = {"mask": mods.causal(), "score_mod": mods.alibi(num_heads=H)}
-    elif variant == "window64":
-        kw = {"block_mask": fj.create_block_mask(mods.sliding_window(64), None, None, S, S)}
+    kw = our_kwargs(variant, qh.shape[1], S)
     f = jax.jit(lambda q, k, v: fj.flex_attention(q, k, v, **kw))
     return lambda: f(q, k, v).block_until_ready()
 

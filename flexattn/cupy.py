@@ -85,8 +85,7 @@ class _PreparedCall:
 def _prepare(q, k, v, spec):
     shape = check_inputs(q, k, v, spec)
     with cupy.cuda.Device(q.device.id):
-        device = Device(cupy.cuda.get_current_stream().ptr, _to_device)
-        prepared = prepare_forward(q, shape, spec, device)
+        prepared = prepare_forward(q, shape, spec, _current_device())
     return None if prepared is None else _PreparedCall(shape, q, prepared)
 
 
@@ -111,8 +110,7 @@ def vjp(q, k, v, score_mod=None, block_mask=None, scale=None, enable_gqa=False, 
                 d_lse=None if d_lse is None else cupy.ascontiguousarray(cupy.asarray(d_lse).astype(np.float32, copy=False)),
                 dq=cupy.empty(q.shape, dtype=q.dtype), dk=cupy.empty(k.shape, dtype=k.dtype),
                 dv=cupy.empty(v.shape, dtype=v.dtype))
-            device = Device(cupy.cuda.get_current_stream().ptr, _to_device)
-            result = backward_into(arrays, shape, spec, device, _alloc, deterministic=deterministic)
+            result = backward_into(arrays, shape, spec, _current_device(), _alloc, deterministic=deterministic)
         captures = spec.score.captures if spec.score is not None else ()
         d_captures = tuple(None if g is None else _like_capture(g, c) for c, g in zip(captures, result.capture_grads))
         return arrays.dq, arrays.dk, arrays.dv, d_captures
@@ -131,9 +129,13 @@ def _forward(q, k, v, spec):
     with cupy.cuda.Device(q.device.id):  # allocations and the launch on the inputs' GPU
         out = cupy.empty((shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim), dtype=q.dtype)
         lse = cupy.empty((shape.batch, shape.q_heads, shape.q_len), dtype=np.float32)
-        device = Device(cupy.cuda.get_current_stream().ptr, _to_device)
-        forward_into(q, k, v, out, lse, shape, spec, device)
+        forward_into(q, k, v, out, lse, shape, spec, _current_device())
     return out, lse
+
+
+def _current_device() -> Device:
+    """The core's view of the current CuPy device: its current stream, host→GPU copies."""
+    return Device(cupy.cuda.get_current_stream().ptr, _to_device)
 
 
 def _to_device(x):

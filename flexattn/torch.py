@@ -98,10 +98,14 @@ def flex_attention(
 def _records_grad(query, key, value, spec) -> bool:
     """Whether autograd would record this call (some input, or a score-mod tensor,
     requires grad while grad mode is on)."""
+    return _grad_recorded(query, key, value, _score_tensors(spec.score))
+
+
+def _grad_recorded(query, key, value, score_tensors) -> bool:
     if not torch.is_grad_enabled():
         return False
     return (query.requires_grad or key.requires_grad or value.requires_grad
-            or any(t.requires_grad for t in _score_tensors(spec.score)))
+            or any(t.requires_grad for t in score_tensors))
 
 
 def decode(query: torch.Tensor, cache, score_mod=None, mask=None, scale=None, return_lse=False):
@@ -437,8 +441,7 @@ def _lse_dtype(query):
 def _kernel_forward(spec, shape, query, key, value):
     out = torch.empty(shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim, dtype=query.dtype, device=query.device)
     lse = torch.empty(shape.batch, shape.q_heads, shape.q_len, dtype=torch.float32, device=query.device)
-    device = Device(torch.cuda.current_stream(query.device).cuda_stream, _DeviceCopies(query.device),
-                    tvm_ffi_stream=True)
+    device = _forward_device(query.device)
     # DLPack refuses tensors that require grad; the kernel only reads them
     if query.requires_grad or key.requires_grad or value.requires_grad:
         query, key, value = query.detach(), key.detach(), value.detach()
@@ -490,10 +493,8 @@ class _PreparedCalls:
             return
 
         def make():
-            device = Device(torch.cuda.current_stream(q.device).cuda_stream, _DeviceCopies(q.device),
-                            tvm_ffi_stream=True)
             with torch.cuda.device(q.device):
-                prepared = prepare_forward(q, shape, spec, device)
+                prepared = prepare_forward(q, shape, spec, _forward_device(q.device))
             return None if prepared is None else _PreparedCall(spec, shape, q, prepared)
 
         self._cache.add(key, call, make)
@@ -516,8 +517,7 @@ class _PreparedCall:
     def matches(self, q, k, v) -> bool:
         if torch.cuda.current_device() != self.device_index:
             return False   # the full path switches devices around the launch
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                        or any(t.requires_grad for t in self.score_tensors)):
+        if _grad_recorded(q, k, v, self.score_tensors):
             return False   # autograd must record it: the custom op
         return True
 
@@ -531,6 +531,12 @@ class _PreparedCall:
 
 
 _PREPARED = _PreparedCalls()
+
+
+def _forward_device(dev) -> Device:
+    """The core's view of a CUDA device for forward launches: its current stream (which
+    TVM-FFI reads from torch itself) and cached host→GPU copies."""
+    return Device(torch.cuda.current_stream(dev).cuda_stream, _DeviceCopies(dev), tvm_ffi_stream=True)
 
 
 def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, grad_captures=None):

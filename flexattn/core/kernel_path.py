@@ -232,8 +232,22 @@ def ffi_stream_scope(q, device: Device):
         return contextlib.nullcontext()
     import tvm_ffi
 
-    _, ordinal = q.__dlpack_device__()
-    return tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", int(ordinal)), device.stream)
+    return tvm_ffi.use_raw_stream(_ffi_device(q), device.stream)
+
+
+def _ffi_device(q):
+    """TVM-FFI's name for the CUDA device q lives on."""
+    import tvm_ffi
+
+    return tvm_ffi.device("cuda", int(q.__dlpack_device__()[1]))
+
+
+def _kv_lists(plan: KernelPlan, device: Device):
+    """The block mask's kv-side lists on the GPU (kernel order), or None without one."""
+    bm = plan.block_mask
+    if bm is None:
+        return None
+    return tuple(device.to_device(x) for x in (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices))
 
 
 @functools.cache
@@ -244,10 +258,7 @@ def _tvm_ffi_installed() -> bool:
 def forward_into(q, k, v, out, lse, shape: AttentionShape, spec: AttentionSpec, device: Device) -> KernelPlan:
     """Run the forward kernel, writing ``out`` [B, Hq, Q, D] and ``lse`` [B, Hq, Q] (float32)."""
     plan = plan_forward(q, shape, spec)
-    lists = None
-    if plan.block_mask is not None:
-        bm = plan.block_mask
-        lists = tuple(device.to_device(x) for x in (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices))
+    lists = _kv_lists(plan, device)
     scale = spec.resolved_scale(shape.head_dim)
     if use_tvm_ffi(device, stream_scope=True):  # see kernels/ffi_runner.py
         from ..kernels.ffi_runner import ffi_mod_args
@@ -289,16 +300,9 @@ class PreparedForward:
         # Numbers and read-only arrays cannot change: convert once. Anything else may be
         # updated in place or rebound between calls: convert per call.
         self._args = (ffi_args(self._kinds, self._captures, self._to_device) or None) if frozen else False
-        self._lists = None
-        if plan.block_mask is not None:
-            bm = plan.block_mask
-            self._lists = tuple(device.to_device(x) for x in (bm.kv_num_blocks, bm.kv_indices,
-                                                               bm.full_kv_num_blocks, bm.full_kv_indices))
-        self._ffi_device = None   # set: launches need TVM-FFI's stream set (ffi_stream_scope)
-        if not device.tvm_ffi_stream:
-            import tvm_ffi
-
-            self._ffi_device = tvm_ffi.device("cuda", int(q.__dlpack_device__()[1]))
+        self._lists = _kv_lists(plan, device)
+        # Set: launches need TVM-FFI's stream set around them (as ffi_stream_scope does).
+        self._ffi_device = None if device.tvm_ffi_stream else _ffi_device(q)
 
     def launch(self, q, k, v, out, lse, stream: int | None = None):
         """``stream``: the caller's current stream, for frameworks whose stream TVM-FFI does

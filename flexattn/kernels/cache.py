@@ -18,53 +18,55 @@ from .runner import ForwardRunner
 _RUNNERS: dict[tuple, object] = {}
 
 
-def forward_runner(config: FwdConfig, tvm_ffi: bool = False):
-    """The runner for ``config`` (``ForwardRunner``, or ``FfiForwardRunner`` with ``tvm_ffi``)."""
-    key = ("sm_90a", tvm_ffi) + config.key()
+def _cached(key: tuple, make):
+    """The runner under ``key``, made by ``make()`` the first time."""
     runner = _RUNNERS.get(key)
     if runner is None:
+        runner = _RUNNERS[key] = make()
+    return runner
+
+
+def forward_runner(config: FwdConfig, tvm_ffi: bool = False):
+    """The runner for ``config`` (``ForwardRunner``, or ``FfiForwardRunner`` with ``tvm_ffi``)."""
+    def make():
         if tvm_ffi:
             from .ffi_runner import FfiForwardRunner
 
-            runner = FfiForwardRunner(config)
-        else:
-            runner = ForwardRunner(config)
-        _RUNNERS[key] = runner
-    return runner
+            return FfiForwardRunner(config)
+        return ForwardRunner(config)
+
+    return _cached(("sm_90a", tvm_ffi) + config.key(), make)
 
 
 def backward_runner(config):
     """The ``BackwardRunner`` for a ``BwdConfig`` (its key: the config with the mods'
     structure keys; ``BwdConfig.key()`` starts with "bwd", so it never meets a forward's)."""
-    key = ("sm_90a",) + config.key()
-    runner = _RUNNERS.get(key)
-    if runner is None:
+    def make():
         from .bwd_runner import BackwardRunner
 
-        runner = _RUNNERS[key] = BackwardRunner(config)
-    return runner
+        return BackwardRunner(config)
+
+    return _cached(("sm_90a",) + config.key(), make)
 
 
 def decode_runner(config, tvm_ffi: bool = False):
     """The ``DecodeRunner`` for a ``DecodeConfig`` (split-KV decoding; key starts with "decode")."""
-    key = ("sm_90a", tvm_ffi) + config.key()
-    runner = _RUNNERS.get(key)
-    if runner is None:
+    def make():
         from .decode_runner import DecodeRunner
 
-        runner = _RUNNERS[key] = DecodeRunner(config, tvm_ffi)
-    return runner
+        return DecodeRunner(config, tvm_ffi)
+
+    return _cached(("sm_90a", tvm_ffi) + config.key(), make)
 
 
 def combine_runner(config, tvm_ffi: bool = False):
     """The ``CombineRunner`` for a ``CombineConfig`` (merges decode splits)."""
-    key = ("sm_90a", tvm_ffi) + config.key()
-    runner = _RUNNERS.get(key)
-    if runner is None:
+    def make():
         from .decode_runner import CombineRunner
 
-        runner = _RUNNERS[key] = CombineRunner(config, tvm_ffi)
-    return runner
+        return CombineRunner(config, tvm_ffi)
+
+    return _cached(("sm_90a", tvm_ffi) + config.key(), make)
 
 
 def compile_count() -> int:
