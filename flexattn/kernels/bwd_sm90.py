@@ -55,7 +55,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from flexattn.kernels import sm90_mma
 from flexattn.kernels.atomics import (
-    ld_acquire_s32, red_add_f32, red_add_fixed128, red_add_v2_f32, red_release_add_s32, trap)
+    bulk_add_f32, ld_acquire_s32, red_add_f32, red_add_fixed128, red_release_add_s32, trap)
 from flexattn.kernels.bwd_blocks import DenseQBlocks, KvVisitors, SparseQBlocks
 from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook
 
@@ -134,6 +134,25 @@ def make_dq_mma(dtype, tile_m: int, head_dim: int, num_wg: int):
     )
 
 
+def dq_tile_layout(cfg, num_wg: int) -> cute.Layout:
+    """The fp32 dQ tile of one visit (tile_m x head_dim) in *fragment order*: column w is
+    warpgroup w's half (its dQ columns), and thread t of it owns elements
+    4 t + 512 i + (0..3), i = 0 .. n/4 - 1, holding its accumulator registers in order.
+    Each warp's 16-byte stores then cover 512 contiguous bytes (no bank conflicts) and a
+    half is one contiguous run for the bulk add. The dq_accum workspace keeps each 64-row
+    tile in this order (a [tile_m, head_dim] block of it, reinterpreted); the postprocess
+    reads it back with the same copy (`dq_fragment_copy`)."""
+    return cute.make_layout((cfg.tile_m * cfg.head_dim // num_wg, num_wg))
+
+
+def dq_fragment_copy(num_wg: int) -> cute.TiledCopy:
+    """Thread (t, w) <-> 4 consecutive fp32 at 4 t (+ 512 i) of column w of
+    `dq_tile_layout`: 128-bit accesses."""
+    return cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128),
+        cute.make_layout((128, num_wg)), cute.make_layout(4))
+
+
 def _element_order(n_rows: int, n_cols: int, rows_outer: bool) -> list:
     """(row, col) visiting order of a fragment's elements (a compile-time list)."""
     if rows_outer:
@@ -154,11 +173,14 @@ class FlashBwdSm90:
         self.mods = config.mods
         self.num_mma_threads = 128 * self.num_mma_wg
         self.num_threads = 128 + self.num_mma_threads
-        # Named barriers (0 is __syncthreads), each over the 256 consumer threads.
+        # Named barriers (0 is __syncthreads). Over the 256 consumer threads:
         self.epilogue_barrier_id = 1
-        self.ds_free_barrier_id = 2     # both warpgroups' previous dQ GEMM has read sdS
-        self.ds_full_barrier_id = 3     # both halves of dS^T are in sdS
-        self.dq_turn_barrier_id = 4     # deterministic: this CTA's turn to add into dQ
+        self.ds_full_barrier_id = 2     # both halves of dS^T are in sdS[stage]
+        # Over one consumer warpgroup + the dQ writer warp (160 threads), one per warpgroup:
+        self.dq_empty_barrier_id = 3    # 3, 4: the writer's last bulk add has read sdQ[wg]
+        self.dq_full_barrier_id = 5     # 5, 6: the warpgroup's dQ tile is in sdQ[wg]
+        self.dq_pair_threads = 128 + 32
+        self.dq_writer_warp = 1         # warp 0 loads; warp 1 adds dQ tiles into global
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -221,7 +243,10 @@ class FlashBwdSm90:
         sdO_layout = sm90_mma.smem_layout(self.dtype, tm, D, cfg.num_stages)
         sK_layout = sm90_mma.smem_layout(self.dtype, tn, D, 1)
         sV_layout = sm90_mma.smem_layout(self.dtype, tn, D, 1)
-        sdS_layout = sm90_mma.smem_layout(self.dtype, tn, tm, 1)     # dS^T, q contiguous
+        # dS^T, q contiguous; one buffer per Q stage, so writing step i's dS^T needs no wait
+        # for step i-1's dQ GEMMs (step i-2's, on the same buffer, finished before both
+        # warpgroups passed step i-1's ds_full barrier).
+        sdS_layout = sm90_mma.smem_layout(self.dtype, tn, tm, cfg.num_stages)
         sStat_layout = cute.make_layout((tm, cfg.num_stages))        # LSE / D per stage
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
@@ -261,6 +286,8 @@ class FlashBwdSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            # One fp32 dQ tile in fragment order (see dq_tile_layout), half per warpgroup.
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tm * D], 1024]
 
         # As in the forward: with a score mod the kernel scales s itself and exp2 needs
         # only log2(e); without one, scale * log2(e) folds into the exp2 argument.
@@ -334,6 +361,7 @@ class FlashBwdSm90:
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE = storage.sLSE.get_tensor(sStat_layout)
         sDelta = storage.sDelta.get_tensor(sStat_layout)
+        sdQ = storage.sdQ.get_tensor(dq_tile_layout(cfg, self.num_mma_wg))
 
         n_block, head_kv, batch = cute.arch.block_idx()
         if const_expr(cfg.deterministic):
@@ -351,13 +379,16 @@ class FlashBwdSm90:
                           tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE,
                           tma_atom_Delta, pipe_kv, pipe_q, pipe_do,
                           n_block, head_kv, batch, group, seqlen_q, block_sparse)
+            elif warp_idx == self.dq_writer_warp:
+                self.store_dq(mdQacc, sdQ, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
+                              block_sparse, mdQsem)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
-            self.consume(mdK, mdV, mdQacc, sQ, sK, sV, sdO, sdS, sLSE, sDelta,
+            self.consume(mdK, mdV, sdQ, sQ, sK, sV, sdO, sdS, sLSE, sDelta,
                          tma_atom_dK, tma_atom_dV, tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
                          pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, group,
                          seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args,
-                         block_sparse, mdQsem, grad_fixed)
+                         block_sparse, grad_fixed)
 
     # --------------------------------------------------------------- block structure
     @cute.jit
@@ -434,11 +465,11 @@ class FlashBwdSm90:
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def consume(self, mdK, mdV, mdQacc, sQ, sK, sV, sdO, sdS, sLSE, sDelta,
+    def consume(self, mdK, mdV, sdQ, sQ, sK, sV, sdO, sdS, sLSE, sDelta,
                 tma_atom_dK, tma_atom_dV, tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
                 pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, group,
                 seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args,
-                block_sparse, mdQsem, grad_fixed):
+                block_sparse, grad_fixed):
         cfg = self.cfg
         if const_expr(mod_args is None):
             mod_args = ()
@@ -457,7 +488,6 @@ class FlashBwdSm90:
         wg_nd = tiled_mma_nd.get_slice(wg_first_thread)
         wg_md = tiled_mma_md.get_slice(wg_first_thread)
         thr_nm = tiled_mma_nm.get_slice(tidx)
-        thr_md = tiled_mma_md.get_slice(tidx)
 
         T = sm90_mma.transpose_view
         frags = (
@@ -483,7 +513,9 @@ class FlashBwdSm90:
         stmatrix = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         r2s_dS = cute.make_tiled_copy_C(stmatrix, tiled_mma_nm).get_slice(tidx)
-        tdSsdS = r2s_dS.partition_D(sdS[None, None, 0])
+        tdSsdS = r2s_dS.partition_D(sdS)                 # (..., stage)
+        # dQ registers -> this thread's 16-byte runs of sdQ (fragment order).
+        tdQsdQ = dq_fragment_copy(self.num_mma_wg).get_slice(tidx).partition_D(sdQ)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
@@ -492,18 +524,10 @@ class FlashBwdSm90:
         mods = self.mods
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
-            gdQ = cute.local_tile(mdQacc[None, None, head, batch], (cfg.tile_m, cfg.head_dim),
-                                  (None, 0))
-            turn = None
-            if const_expr(cfg.deterministic):
-                kv_lists = block_sparse[4:] if const_expr(cfg.block_sparse) else None
-                turn = (mdQsem[batch, head, None],
-                        KvVisitors(cfg, (seqlen_k + cfg.tile_n - 1) // cfg.tile_n, kv_lists,
-                                   batch, head))
             ctx = (tiled_mma_nm, tiled_mma_nd, tiled_mma_md, frags, acc_shape_nm, acc_shape_md,
-                   acc_dV, acc_dK, coords, r2s_dS, tdSsdS, thr_md, gdQ, sLSE, sDelta,
+                   acc_dV, acc_dK, coords, r2s_dS, tdSsdS, tdQsdQ, wg, sLSE, sDelta,
                    pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
-                   softmax_scale, scale_log2, mod_args, grad_args, turn, tidx)
+                   softmax_scale, scale_log2, mod_args, grad_args)
             if const_expr(cfg.block_sparse):
                 blocks = self._sparse_blocks(block_sparse, batch, head, n_block)
                 for i in cutlass.range(blocks.n_partial, unroll=1):
@@ -533,11 +557,14 @@ class FlashBwdSm90:
     @cute.jit
     def _step(self, ctx, state, m_block, mask: cutlass.Constexpr[bool],
               causal: cutlass.Constexpr[bool]):
-        """One q block against this CTA's keys: dV, dK accumulate; dQ goes out."""
+        """One q block against this CTA's keys: dV, dK accumulate; the dQ tile goes to sdQ
+        for the writer warp. GEMM order (FA3/FA4's): S^T, dP^T | P, dS | dV; dQ; dK, each
+        wait retiring the GEMM before the last one issued, so dQ's GEMM overlaps dK's and
+        its copy to smem overlaps the dK GEMM's tail."""
         (tiled_mma_nm, tiled_mma_nd, tiled_mma_md, frags, acc_shape_nm, acc_shape_md,
-         acc_dV, acc_dK, coords, r2s_dS, tdSsdS, thr_md, gdQ, sLSE, sDelta,
+         acc_dV, acc_dK, coords, r2s_dS, tdSsdS, tdQsdQ, wg, sLSE, sDelta,
          pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
-         softmax_scale, scale_log2, mod_args, grad_args, turn, tidx) = ctx
+         softmax_scale, scale_log2, mod_args, grad_args) = ctx
         tSrK, tSrQ, tPrV, tPrdO, tVrP, tVrdOt, tKrQt, tQrdS, tQrKt = frags
         mods = self.mods
         stage = state.index
@@ -556,84 +583,131 @@ class FlashBwdSm90:
             # One pass after both GEMMs: ds'/ds and the raw score stay per-element
             # temporaries instead of two more 32-register fragments (which spilled).
             warpgroup.wait_group(0)
+            # (One copy of this loop: two spill with a score mod's temporaries.)
             self._pointwise(acc_S, acc_dP, sLSE[None, stage], sDelta[None, stage], coords,
-                            blk, scale_log2, grad_args, mask, causal)
+                            blk, scale_log2, grad_args, mask, causal, True)
+            sm90_mma.convert_into(tVrP, sm90_mma.acc_as_a_view(acc_S))
         else:
             # Without a score mod dS = dS': P is computed while dP^T is still in flight.
             warpgroup.wait_group(1)                  # S^T ready (groups retire in order)
-            self._pointwise(acc_S, None, sLSE[None, stage], None, coords, blk, scale_log2,
-                            grad_args, mask, causal)
+            self._pointwise_at_edge(acc_S, None, sLSE[None, stage], None, coords, blk,
+                                    scale_log2, grad_args, mask, causal)
+            sm90_mma.convert_into(tVrP, sm90_mma.acc_as_a_view(acc_S))
             warpgroup.wait_group(0)                  # dP^T ready
             self._ds_from_p(acc_S, acc_dP, sDelta[None, stage], coords)
+        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+        sm90_mma.convert_into(rdS, acc_dP)
 
-        # dV += P^T dO and dK += dS^T Q: A operands straight from the registers.
-        tVrP.store(sm90_mma.acc_as_a_view(acc_S).load().to(self.dtype))
+        # dS^T -> sdS[stage] (no wait: see sdS_layout), then dV += P^T dO (A from registers).
+        cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, stage])
         sm90_mma.gemm(tiled_mma_nd, acc_dV, tVrP, tVrdOt[None, None, None, stage],
                       zero_init=False, wait=-1)
-        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
-        rdS.store(acc_dP.load().to(self.dtype))
-        sm90_mma.gemm(tiled_mma_nd, acc_dK, sm90_mma.acc_as_a_view(rdS),
-                      tKrQt[None, None, None, stage], zero_init=False, wait=-1)
-
-        # dS^T -> smem once the other warpgroup's previous dQ GEMM has read it.
-        cute.arch.barrier(barrier_id=self.ds_free_barrier_id, number_of_threads=self.num_mma_threads)
-        cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS)
         cute.arch.fence_view_async_shared()          # generic-proxy writes -> wgmma reads
         cute.arch.barrier(barrier_id=self.ds_full_barrier_id, number_of_threads=self.num_mma_threads)
+        # dQ = dS K (this warpgroup's half of the head dim).
         acc_dQ = cute.make_rmem_tensor(acc_shape_md, Float32)
-        sm90_mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, 0],
-                      tQrKt[None, None, None, 0], zero_init=True, wait=0)
-        # wait=0 retired dV, dK and dQ: Q and dO may be overwritten.
+        sm90_mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, stage],
+                      tQrKt[None, None, None, 0], zero_init=True, wait=1)
+        pipe_do.consumer_release(state)              # dV (the last reader of dO) retired
+        # dK += dS^T Q (A from registers).
+        sm90_mma.gemm(tiled_mma_nd, acc_dK, sm90_mma.acc_as_a_view(rdS),
+                      tKrQt[None, None, None, stage], zero_init=False, wait=1)   # dQ retired
+        # dQ -> sdQ[wg] once the writer's previous bulk add has read it; the writer adds it
+        # into global memory while this warpgroup goes on.
+        cute.arch.barrier(barrier_id=self.dq_empty_barrier_id + wg,
+                          number_of_threads=self.dq_pair_threads)
+        cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)),
+                          tdQsdQ)
+        cute.arch.fence_view_async_shared()          # generic-proxy writes -> bulk copy
+        cute.arch.barrier_arrive(barrier_id=self.dq_full_barrier_id + wg,
+                                 number_of_threads=self.dq_pair_threads)
+        warpgroup.wait_group(0)                      # dK retired: Q may be overwritten
         pipe_q.consumer_release(state)
-        pipe_do.consumer_release(state)
-
-        # dQ (unscaled) += dS K in fp32. Fragment elements 2j, 2j+1 are adjacent columns
-        # (mode 0 of a wgmma accumulator starts with 2 neighbours): one red.v2 per pair.
-        tdQgdQ = thr_md.partition_C(gdQ[None, None, m_block])
-        if const_expr(turn is not None):
-            self._dq_wait_turn(turn, m_block, n_block, tidx)
-        for j in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
-            ptr = tdQgdQ.iterator + cute.crd2idx(2 * j, tdQgdQ.layout)
-            red_add_v2_f32(ptr, acc_dQ[2 * j], acc_dQ[2 * j + 1])
-        if const_expr(turn is not None):
-            self._dq_pass_turn(turn, m_block, tidx)
         state.advance()
         return state
 
+    # ------------------------------------------------------------------ dQ writer
     @cute.jit
-    def _dq_wait_turn(self, turn, m_block, n_block, tidx):
-        """Deterministic dQ: wait until every kv block after this one that visits q tile
-        m_block (of this head) has added its dQ tile. Consumer warp 0 counts them (a
-        warp-collective count for block-sparse), its lane 0 spins on the tile's flag
-        (acquire), then all consumer threads pass a named barrier."""
-        flags, visitors = turn
-        if tidx < 32:
-            rank = visitors.after(m_block, n_block)
-            if tidx == 0:
-                flag = flags.iterator + cute.crd2idx(m_block, flags.layout)
-                seen = Int32(0)
-                start = cute.arch.globaltimer()
-                while seen != rank:
-                    seen = ld_acquire_s32(flag)
-                    if cute.arch.globaltimer() - start > DQ_TURN_TIMEOUT_NS:
-                        trap()
-        cute.arch.barrier(barrier_id=self.dq_turn_barrier_id,
-                          number_of_threads=self.num_mma_threads)
+    def store_dq(self, mdQacc, sdQ, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
+                 block_sparse, mdQsem):
+        """Warp 1: per visit, add each warpgroup's dQ tile (sdQ column) into the dq_accum
+        workspace with one `cp.reduce.async.bulk .add.f32` (16 KB, fire and forget: the
+        reads of sdQ complete before the next visit hands the buffer back). Visits are
+        enumerated as by the producer. Deterministic: first wait for this (head, q tile)'s
+        turn, and after the adds wait for them to complete before passing the turn on."""
+        cfg = self.cfg
+        lane = cute.arch.lane_idx()
+        n_wg = self.num_mma_wg
+        chunk = cfg.tile_m * cfg.head_dim // n_wg
+        for g in cutlass.range(group, unroll=1):
+            head = head_kv * group + g
+            gdQ = cute.local_tile(mdQacc[None, None, head, batch], (cfg.tile_m, cfg.head_dim),
+                                  (None, 0))
+            if const_expr(cfg.block_sparse):
+                blocks = self._sparse_blocks(block_sparse, batch, head, n_block)
+            else:
+                blocks = self._dense_blocks(n_block, seqlen_q)
+            visitors = None
+            if const_expr(cfg.deterministic):
+                kv_lists = block_sparse[4:] if const_expr(cfg.block_sparse) else None
+                visitors = KvVisitors(cfg, (seqlen_k + cfg.tile_n - 1) // cfg.tile_n, kv_lists,
+                                      batch, head)
+            for i in cutlass.range(blocks.count, unroll=1):
+                m_block = blocks.at(i)
+                for w in cutlass.range_constexpr(n_wg):
+                    # Bulk groups complete in order: allow the later halves in flight.
+                    cute.arch.cp_async_bulk_wait_group(n_wg - 1 - w, read=True)
+                    cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id + w,
+                                             number_of_threads=self.dq_pair_threads)
+                flag = None
+                if const_expr(cfg.deterministic):
+                    flag = mdQsem[batch, head, None].iterator + m_block
+                    self._dq_wait_turn(flag, visitors.after(m_block, n_block), lane)
+                dst = gdQ[None, None, m_block].iterator
+                for w in cutlass.range_constexpr(n_wg):
+                    cute.arch.barrier(barrier_id=self.dq_full_barrier_id + w,
+                                      number_of_threads=self.dq_pair_threads)
+                    if lane == 0:
+                        bulk_add_f32(dst + w * chunk, sdQ[None, w].iterator, chunk * 4)
+                    cute.arch.cp_async_bulk_commit_group()
+                if const_expr(cfg.deterministic):
+                    # The adds must have landed before the next CTA's may start.
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    if lane == 0:
+                        red_release_add_s32(flag, 1)
+        cute.arch.cp_async_bulk_wait_group(0, read=True)   # sdQ is read before the CTA exits
 
     @cute.jit
-    def _dq_pass_turn(self, turn, m_block, tidx):
-        """All consumer threads' dQ adds are issued (barrier); one thread bumps the tile's
-        flag with release semantics (cumulative: it orders the whole CTA's adds before
-        it, as `cutlass::GenericBarrier::arrive_inc`)."""
-        flags, _ = turn
-        cute.arch.barrier(barrier_id=self.dq_turn_barrier_id,
-                          number_of_threads=self.num_mma_threads)
-        if tidx == 0:
-            red_release_add_s32(flags.iterator + cute.crd2idx(m_block, flags.layout), 1)
+    def _dq_wait_turn(self, flag, rank, lane):
+        """Deterministic dQ: spin (lane 0, acquire) until the tile's flag counts `rank` =
+        the kv blocks after this one that visit the tile (they add first)."""
+        if lane == 0:
+            seen = Int32(0)
+            start = cute.arch.globaltimer()
+            while seen != rank:
+                seen = ld_acquire_s32(flag)
+                if cute.arch.globaltimer() - start > DQ_TURN_TIMEOUT_NS:
+                    trap()
+        cute.arch.sync_warp()
+
+    @cute.jit
+    def _pointwise_at_edge(self, acc_S, acc_dP, sLSE, sDelta, coords, blk, scale_log2,
+                           grad_args, mask: cutlass.Constexpr[bool],
+                           causal: cutlass.Constexpr[bool]):
+        """`_pointwise`, with the KV_LEN test only in the CTA whose keys straddle KV_LEN
+        (a CTA-uniform branch: the other CTAs skip one select per element)."""
+        n_block, seqlen_k = blk[1], blk[5]
+        if (n_block + 1) * self.cfg.tile_n > seqlen_k:
+            self._pointwise(acc_S, acc_dP, sLSE, sDelta, coords, blk, scale_log2, grad_args,
+                            mask, causal, True)
+        else:
+            self._pointwise(acc_S, acc_dP, sLSE, sDelta, coords, blk, scale_log2, grad_args,
+                            mask, causal, False)
 
     @cute.jit
     def _pointwise(self, acc_S, acc_dP, sLSE, sDelta, coords, blk, scale_log2, grad_args,
-                   mask: cutlass.Constexpr[bool], causal: cutlass.Constexpr[bool]):
+                   mask: cutlass.Constexpr[bool], causal: cutlass.Constexpr[bool],
+                   kv_edge: cutlass.Constexpr[bool]):
         """acc_S (raw q.k, transposed) <- P^T = exp2(s' log2 e - lse_log2), with the score
         mod, mask and bounds in the forward's order (as apply_mods) on the clamped indices
         the forward's hook saw. If `acc_dP` is given (score-mod path) also
@@ -672,18 +746,19 @@ class FlashBwdSm90:
                 s_scaled = x * softmax_scale
                 s2, grad = mods.score_and_grad(s_scaled, batch, head, q_hook, kv_hook,
                                                mod_args)
-                x = s2 * scale_log2
-            else:
-                x = x * scale_log2
+                x = s2
+            # One FFMA; the masks then replace the exponent (-inf - lse_log2 = -inf).
+            x = x * scale_log2 - lse
             if const_expr(mask):
                 keep = mods.mask(batch, head, q_hook, kv_hook, mod_args)
                 x = x if keep else -Float32.inf
             if const_expr(causal):
                 x = x if q >= kv else -Float32.inf
-            # Keys past KV_LEN (zero-filled by TMA) must not count; rows past Q_LEN
-            # have lse_log2 = +inf, so their P is 0 already.
-            x = x if kv < seqlen_k else -Float32.inf
-            p = cute.math.exp2(x - lse, fastmath=True)
+            if const_expr(kv_edge):
+                # Keys past KV_LEN (zero-filled by TMA) must not count; rows past Q_LEN
+                # have lse_log2 = +inf, so their P is 0 already.
+                x = x if kv < seqlen_k else -Float32.inf
+            p = cute.math.exp2(x, fastmath=True)
             s_mn[r, c] = p
             if const_expr(fused):
                 ds = p * (dp_mn[r, c] - delta)           # dS' (w.r.t. the modded score)
