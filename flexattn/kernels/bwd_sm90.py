@@ -12,12 +12,16 @@ Math (per query head h, FlexAttention semantics as in `flexattn.reference.backwa
 One CTA = (tile_n = 128 keys) x (one *kv* head) x (one batch). It loops over the q heads
 of its GQA group and, per head, over the q blocks of tile_m = 64 rows that see its keys
 (bwd_blocks.py), so dK/dV of a kv head are summed in registers: no atomics, deterministic,
-written once in the input dtype by TMA. dQ gets one contribution per kv block: fp32
-`red.global.add` into a workspace (`dq_accum`, zeroed by the preprocess), converted by
-the postprocess.
+written once in the input dtype by TMA. dQ gets one contribution per kv block: each
+visit's fp32 dQ tile goes to shared memory and a writer warp adds it into a workspace
+(`dq_accum`, zeroed by the preprocess) with bulk `cp.reduce.async.bulk .add.f32` copies;
+the postprocess converts it.
 
     warpgroup 0, warp 0   producer: K, V once (one mbarrier); per visit Q + LSE and
                           dO + D through two `num_stages` rings (TMA; LSE/D 1-D boxes)
+    warpgroup 0, warp 1   dQ writer: per visit, waits for each consumer warpgroup's half
+                          of the dQ tile (named barriers dq_full / dq_empty, 128 + 32
+                          threads) and adds it to dq_accum (16 KB per bulk copy)
     warpgroups 1, 2       consumers, 64 keys each. Everything is computed *transposed*
                           (keys on the wgmma M axis), so P^T and dS^T leave the S^T / dP^T
                           accumulators directly as register A operands of dV += P^T dO and
@@ -26,20 +30,22 @@ the postprocess.
                           (stmatrix), then each computes half of dQ's head dim.
 
 Per visit (consumer warpgroup):  S^T = K Q^T, dP^T = V dO^T (SS, async) -> P^T from LSE
-(mods re-applied exactly as the forward does) -> dS^T -> dV, dK (RS, async) -> dS^T to smem
--> dQ (SS) -> fp32 atomics. Two named barriers guard the single dS buffer.
+(mods re-applied exactly as the forward does) -> dS^T -> dS^T to smem (double-buffered
+by Q stage), dV (RS, async) -> barrier ds_full -> dQ (SS) -> dK (RS) -> dQ to smem for
+the writer (while dK runs).
 
 Workspaces (fp32, rows padded to `BwdConfig.q_pad`): lse_log2 (LSE * log2 e; +inf for
 empty or padding rows so P = 0 there), delta (D), dq_accum. See bwd_preprocess.py.
 
 `BwdConfig.deterministic` (the design and the no-deadlock argument: bwd_runner.py):
-blockIdx.x = i takes kv block nKV - 1 - i; before its dQ atomics for q tile m, consumer
-warp 0 counts the kv blocks after this one that visit the tile (`bwd_blocks.KvVisitors`;
-block-sparse: from the kv-side lists) and its lane 0 spins (ld.acquire.gpu) on the tile's
-int32 flag until it equals that count; named barrier `dq_turn`; the atomics; `dq_turn`
-again; lane 0 adds 1 to the flag (red.release.gpu). Buffer-gradient contributions go to
-128-bit fixed-point accumulators (`atomics.red_add_fixed128`) instead of fp32 atomics.
-Nothing else changes: same steps, same dK/dV.
+blockIdx.x = i takes kv block nKV - 1 - i; before its bulk adds for q tile m, the dQ
+writer warp counts the kv blocks after this one that visit the tile
+(`bwd_blocks.KvVisitors`; block-sparse: from the kv-side lists) and its lane 0 spins
+(ld.acquire.gpu) on the tile's int32 flag until it equals that count; it issues the adds,
+waits for their writes to complete, and adds 1 to the flag (red.release.gpu). The
+consumers never wait for turns. Buffer-gradient contributions go to 128-bit fixed-point
+accumulators (`atomics.red_add_fixed128`) instead of fp32 atomics. Nothing else changes:
+same steps, same dK/dV.
 """
 
 import math
