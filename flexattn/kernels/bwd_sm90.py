@@ -64,6 +64,7 @@ from flexattn.kernels.atomics import (
     bulk_add_f32, ld_acquire_s32, red_add_f32, red_add_fixed128, red_release_add_s32, trap)
 from flexattn.kernels.bwd_blocks import DenseQBlocks, KvVisitors, SparseQBlocks
 from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook
+from flexattn.kernels.tile_scheduler import LongestFirst, TileSpace
 
 LOG2_E = math.log2(math.e)
 # Deterministic mode: a CTA waiting this long for its dQ turn traps (the launch fails
@@ -91,6 +92,10 @@ class BwdConfig:
     producer_regs: int = 24       # setmaxnreg: 24 + 2 x 240 fills the 64K register file
     consumer_regs: int = 240
     deterministic: bool = False   # dQ adds in a fixed order, exact buffer-grad sums
+    # CTA order (tile_scheduler.py): "by_head" (kv blocks of a head in launch order; the
+    # deterministic mode's turn order needs it) or "longest_first" (default under causal:
+    # kv block 0 sees every q block, the last one a few; long ones start first).
+    tile_order: str | None = None
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -103,6 +108,10 @@ class BwdConfig:
             raise ValueError(f"sparse_block_m {self.sparse_block_m} must be a multiple of tile_m")
         if self.causal and self.block_sparse:
             raise ValueError("causal and block_sparse are exclusive block structures")
+        if self.tile_order not in (None, "by_head", "longest_first"):
+            raise ValueError(f"tile_order must be 'by_head' or 'longest_first', got {self.tile_order!r}")
+        if self.deterministic and self.tile_order == "longest_first":
+            raise ValueError("deterministic mode orders its dQ turns by launch: tile_order='by_head'")
         if self.mods.has_score and type(self.mods).score_and_grad is ModHook.score_and_grad:
             raise ValueError(f"{type(self.mods).__name__} has a score mod but no derivative "
                              "(use mod_emit.IRModHook)")
@@ -118,6 +127,14 @@ class BwdConfig:
         return math.lcm(self.tile_m, self.sparse_block_m)
 
     @property
+    def order(self) -> str:
+        """tile_order, defaulted (None stays None in the config, so that replacing
+        `deterministic` or `causal` re-derives it)."""
+        if self.tile_order is not None:
+            return self.tile_order
+        return "longest_first" if self.causal and not self.deterministic else "by_head"
+
+    @property
     def buffer_grads(self) -> bool:
         return len(self.mods.grad_slots) > 0
 
@@ -125,7 +142,7 @@ class BwdConfig:
         """Compile-cache key: the config with the hook replaced by its structure key."""
         return ("bwd", self.dtype, self.head_dim, self.tile_m, self.tile_n, self.num_stages,
                 self.causal, self.block_sparse, self.sparse_block_m, self.producer_regs,
-                self.consumer_regs, self.deterministic, self.mods.key())
+                self.consumer_regs, self.deterministic, self.order, self.mods.key())
 
 
 def make_dq_mma(dtype, tile_m: int, head_dim: int, num_wg: int):
@@ -302,6 +319,8 @@ class FlashBwdSm90:
             scale_log2 = softmax_scale * Float32(LOG2_E)
 
         grid = ((K.shape[0] + tn - 1) // tn, K.shape[2], K.shape[3])
+        if const_expr(cfg.order == "longest_first"):
+            grid = (grid[0] * grid[1] * grid[2], 1, 1)
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Delta, tma_dK, tma_dV, dQacc,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_Delta,
@@ -369,12 +388,20 @@ class FlashBwdSm90:
         sDelta = storage.sDelta.get_tensor(sStat_layout)
         sdQ = storage.sdQ.get_tensor(dq_tile_layout(cfg, self.num_mma_wg))
 
-        n_block, head_kv, batch = cute.arch.block_idx()
-        if const_expr(cfg.deterministic):
-            # Launch order = dQ turn order: the highest kv block adds first (see consume).
-            n_block = cute.arch.grid_dim()[0] - 1 - n_block
         seqlen_k = mK.shape[0]
         group = num_q_heads // mK.shape[2]          # q heads per kv head (GQA)
+        if const_expr(cfg.order == "longest_first"):
+            # Q, dO, LSE, D rows of the group are what the CTAs of a kv head share.
+            tiles = TileSpace((seqlen_k + cfg.tile_n - 1) // cfg.tile_n, mK.shape[2],
+                              mK.shape[3], seqlen_q * group)
+            n_block, head_kv, batch = LongestFirst(
+                2 * cfg.head_dim * (self.dtype.width // 8) + 8,
+                last_row_first=False).tile(tiles.first, tiles)
+        else:
+            n_block, head_kv, batch = cute.arch.block_idx()
+            if const_expr(cfg.deterministic):
+                # Launch order = dQ turn order: the highest kv block adds first.
+                n_block = cute.arch.grid_dim()[0] - 1 - n_block
 
         pipeline.pipeline_init_wait()
 
@@ -408,11 +435,34 @@ class FlashBwdSm90:
             # nothing of it; rows below its last key see all of it.
             first = (n_block * cfg.tile_n) // cfg.tile_m
             diag_end = ((n_block + 1) * cfg.tile_n + cfg.tile_m - 2) // cfg.tile_m
-        return DenseQBlocks(first, n_m, diag_end)
+        return DenseQBlocks(first, n_m, diag_end, self._rotation(n_block))
 
     def _sparse_blocks(self, block_sparse, batch, head, n_block) -> SparseQBlocks:
         return SparseQBlocks(block_sparse[:4], batch, head, n_block,
-                             self.cfg.sparse_block_m // self.cfg.tile_m)
+                             self.cfg.sparse_block_m // self.cfg.tile_m, self._rotation(n_block))
+
+    @cute.jit
+    def _visit(self, blocks, i, walk):
+        """The i-th visit: (q block, 1 if partial (mask evaluated) else 0, walk state).
+        Deterministic block-sparse walks both lists merged in ascending order (the dQ turns
+        of a banded mask would otherwise wait for whole list lengths); otherwise the
+        partial list, then the full one. `walk` = (partial, full) blocks taken so far."""
+        if const_expr(self.cfg.block_sparse and self.cfg.deterministic):
+            m_block, partial = blocks.merged_at(walk[0], walk[1])
+            return m_block, partial, (walk[0] + partial, walk[1] + 1 - partial)
+        partial = Int32(0)
+        if const_expr(self.cfg.block_sparse):
+            partial = Int32(1) if i < blocks.n_partial else Int32(0)
+        return blocks.at(i), partial, walk
+
+    def _rotation(self, n_block):
+        """Where the q-block walk starts (bwd_blocks.py): at the kv block's diagonal
+        tile, except under causal (the walk starts there anyway, diagonal blocks first)
+        and in deterministic mode (the dQ turns assume ascending walks)."""
+        cfg = self.cfg
+        if const_expr(cfg.causal or cfg.deterministic):
+            return 0
+        return n_block * (cfg.tile_n // cfg.tile_m)
 
     # ------------------------------------------------------------------ producer
     @cute.jit
@@ -455,8 +505,9 @@ class FlashBwdSm90:
                 blocks = self._sparse_blocks(block_sparse, batch, head, n_block)
             else:
                 blocks = self._dense_blocks(n_block, seqlen_q)
+            walk = (Int32(0), Int32(0))
             for i in cutlass.range(blocks.count, unroll=1):
-                m_block = blocks.at(i)
+                m_block, _, walk = self._visit(blocks, i, walk)
                 pipe_q.producer_acquire(state)
                 bar = pipe_q.producer_get_barrier(state)
                 cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
@@ -534,7 +585,16 @@ class FlashBwdSm90:
                    acc_dV, acc_dK, coords, r2s_dS, tdSsdS, tdQsdQ, wg, sLSE, sDelta,
                    pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
                    softmax_scale, scale_log2, mod_args, grad_args)
-            if const_expr(cfg.block_sparse):
+            if const_expr(cfg.block_sparse and cfg.deterministic):
+                blocks = self._sparse_blocks(block_sparse, batch, head, n_block)
+                walk = (Int32(0), Int32(0))
+                for i in cutlass.range(blocks.count, unroll=1):
+                    m_block, partial, walk = self._visit(blocks, i, walk)
+                    if partial != 0:
+                        state = self._step(ctx, state, m_block, mask=mods.has_mask, causal=False)
+                    else:
+                        state = self._step(ctx, state, m_block, mask=False, causal=False)
+            elif const_expr(cfg.block_sparse):
                 blocks = self._sparse_blocks(block_sparse, batch, head, n_block)
                 for i in cutlass.range(blocks.n_partial, unroll=1):
                     state = self._step(ctx, state, blocks.partial_at(i),
@@ -554,8 +614,9 @@ class FlashBwdSm90:
                                                  unroll=1):
                         state = self._step(ctx, state, m_block, mask=False, causal=False)
                 else:
-                    for m_block in cutlass.range(blocks.n_m, unroll=1):
-                        state = self._step(ctx, state, m_block, mask=mods.has_mask, causal=False)
+                    for i in cutlass.range(blocks.count, unroll=1):
+                        state = self._step(ctx, state, blocks.at(i), mask=mods.has_mask,
+                                           causal=False)
 
         self.epilogue(acc_dK, acc_dV, mdK, mdV, sK, sV, tma_atom_dK, tma_atom_dV,
                       tiled_mma_nd, tidx, n_block, head_kv, batch, softmax_scale)
@@ -658,8 +719,9 @@ class FlashBwdSm90:
                 kv_lists = block_sparse[4:] if const_expr(cfg.block_sparse) else None
                 visitors = KvVisitors(cfg, (seqlen_k + cfg.tile_n - 1) // cfg.tile_n, kv_lists,
                                       batch, head)
+            walk = (Int32(0), Int32(0))
             for i in cutlass.range(blocks.count, unroll=1):
-                m_block = blocks.at(i)
+                m_block, _, walk = self._visit(blocks, i, walk)
                 for w in cutlass.range_constexpr(n_wg):
                     # Bulk groups complete in order: allow the later halves in flight.
                     cute.arch.cp_async_bulk_wait_group(n_wg - 1 - w, read=True)

@@ -209,6 +209,20 @@ def test_config_validation():
     assert IRModHook(mods.softcap(5.0)).grad_slots == ()
 
 
+def test_tile_order():
+    # Causal: longest first (kv block 0 sees every q block); its deterministic variant and
+    # every other structure: head order (the dQ turns follow the launch order).
+    assert BwdConfig(causal=True).order == "longest_first"
+    causal_det = dataclasses.replace(BwdConfig(causal=True), deterministic=True)
+    assert causal_det.order == "by_head"
+    assert BwdConfig().order == BwdConfig(block_sparse=True).order == "by_head"
+    assert BwdConfig(causal=True).key() != BwdConfig(causal=True, tile_order="by_head").key()
+    with pytest.raises(ValueError, match="deterministic"):
+        BwdConfig(causal=True, deterministic=True, tile_order="longest_first")
+    with pytest.raises(ValueError, match="tile_order"):
+        BwdConfig(tile_order="random")
+
+
 def test_runner_validates_and_compiles_on_cpu_tensors():
     torch = pytest.importorskip("torch")
     from flexattn.kernels.bwd_runner import BackwardRunner, workspace_shapes
