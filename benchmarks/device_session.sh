@@ -7,7 +7,8 @@
 # bwd-bench-mods (forward + backward table: masks / score mods incl. a trainable bias;
 # each compiles fwd+bwd for five libraries, so give each a device call of its own), cupy
 # (CuPy adapter on the kernels), public (public path + prepared repeat calls), overhead
-# (host µs per call, small shapes), notebooks (every notebook on the GPU), sched (tile order / persistent CTAs ablation).
+# (host µs per call, small shapes), profile (where the host µs of a repeated torch / CuPy
+# call go), notebooks (every notebook on the GPU), sched (tile order / persistent CTAs ablation).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -40,6 +41,8 @@ for step in $steps; do
     public) run public 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flex_attention_gpu.py ;;
     notebooks) run notebooks 400 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_notebooks_gpu.py ;;
     overhead) run overhead 200 python3 benchmarks/bench_overhead.py --out "$out/overhead.json" ;;
+    profile) run profile_torch 120 python3 benchmarks/profile_host.py --adapter torch
+             run profile_cupy 120 python3 benchmarks/profile_host.py --adapter cupy ;;
     sched) run sched 300 python3 benchmarks/bench_schedules.py --shapes 4x4096x16x128 8x2048x16x128 \
            --variants by_head longest persist persist+by_head --anchors fa4 ;;
     bwd-bench-mods) run bwd_bench_mods 560 python3 benchmarks/bench_bwd.py \

@@ -40,10 +40,11 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, scale=None, enable_
     strides, dtypes and device) skips checks and planning (``core/prepared.py``)."""
     call = (score_mod, block_mask, scale, enable_gqa, mask, score)
     key = _call_key(q, k, v, call)
-    if key is not None:
-        entry = _PREPARED.get(key, call)
-        if entry is not None:
-            return entry(q, k, v)
+    entry = None if key is None else _PREPARED.get(key)
+    if entry is not None:
+        repeated = entry(q, k, v)
+        if repeated is not None:
+            return repeated
     spec = AttentionSpec.from_args(score_mod, block_mask, scale, enable_gqa, mask, score)
     out, lse = _forward(q, k, v, spec)
     if key is not None:
@@ -65,7 +66,9 @@ def _call_key(q, k, v, call):
 
 
 class _PreparedCall:
-    """A repeated call: allocate on the inputs' device, launch on the current stream."""
+    """A repeated call: allocate on the inputs' device, launch on the current stream.
+    Only while that device is the current one (one runtime query); otherwise the full
+    path switches devices around the call."""
 
     __slots__ = ("out_shape", "lse_shape", "dtype", "device_id", "prepared")
 
@@ -75,10 +78,12 @@ class _PreparedCall:
         self.dtype, self.device_id, self.prepared = q.dtype, q.device.id, prepared
 
     def __call__(self, q, k, v):
-        with cupy.cuda.Device(self.device_id):
-            out = cupy.empty(self.out_shape, dtype=self.dtype)
-            lse = cupy.empty(self.lse_shape, dtype=np.float32)
-            self.prepared.launch(q, k, v, out, lse, stream=cupy.cuda.get_current_stream().ptr)
+        """``(out, lse)``, or None when another device is current."""
+        if cupy.cuda.runtime.getDevice() != self.device_id:
+            return None
+        out = cupy.empty(self.out_shape, dtype=self.dtype)
+        lse = cupy.empty(self.lse_shape, dtype=np.float32)
+        self.prepared.launch(q, k, v, out, lse, stream=cupy.cuda.get_current_stream().ptr)
         return out, lse
 
 

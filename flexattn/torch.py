@@ -68,9 +68,9 @@ def flex_attention(
     if torch.compiler.is_compiling():
         return _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, mask, score)
     call = (score_mod, block_mask, scale, enable_gqa, mask, score)
-    prepared = _PREPARED.find(query, key, value, call)
-    if prepared is not None:  # a call like an earlier one: checks and plan already done
-        out, lse = prepared(query, key, value, return_lse)
+    repeated = _PREPARED.run(query, key, value, call, return_lse)
+    if repeated is not None:  # a call like an earlier one: checks and plan already done
+        out, lse = repeated
         return (out, lse) if return_lse else out
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor):
@@ -98,14 +98,10 @@ def flex_attention(
 def _records_grad(query, key, value, spec) -> bool:
     """Whether autograd would record this call (some input, or a score-mod tensor,
     requires grad while grad mode is on)."""
-    return _grad_recorded(query, key, value, _score_tensors(spec.score))
-
-
-def _grad_recorded(query, key, value, score_tensors) -> bool:
     if not torch.is_grad_enabled():
         return False
     return (query.requires_grad or key.requires_grad or value.requires_grad
-            or any(t.requires_grad for t in score_tensors))
+            or any(t.requires_grad for t in _score_tensors(spec.score)))
 
 
 def decode(query: torch.Tensor, cache, score_mod=None, mask=None, scale=None, return_lse=False):
@@ -472,20 +468,20 @@ class _PreparedCalls:
 
     @staticmethod
     def _key(q, k, v, call):
+        if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+            return None
         ident = call_identity(call)
         if ident is None:
             return None
         return ident + (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
                         q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(), v.get_device())
 
-    def find(self, q, k, v, call):
-        if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
-            return None
+    def run(self, q, k, v, call, return_lse):
+        """``(out, lse)`` of a call launched through its prepared entry, or None: not
+        prepared (yet), or one the full path must take (``_PreparedCall.__call__``)."""
         key = self._key(q, k, v, call)
-        entry = self._cache.get(key, call) if key is not None else None
-        if entry is None or not entry.matches(q, k, v):
-            return None
-        return entry
+        entry = None if key is None else self._cache.get(key)
+        return None if entry is None else entry(q, k, v, return_lse)
 
     def remember(self, q, k, v, call, spec, shape):
         key = self._key(q, k, v, call)
@@ -514,18 +510,20 @@ class _PreparedCall:
         # read (racing writes from several streams are harmless), one allocation saved.
         self.lse_sink = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
 
-    def matches(self, q, k, v) -> bool:
-        if torch.cuda.current_device() != self.device_index:
-            return False   # the full path switches devices around the launch
-        if _grad_recorded(q, k, v, self.score_tensors):
-            return False   # autograd must record it: the custom op
-        return True
-
     def __call__(self, q, k, v, return_lse):
+        """``(out, lse)``, or None where the full path must run: another current device
+        (it switches devices around the launch) or a call autograd records (the custom op).
+        Each tensor's ``requires_grad`` is read once: it decides both."""
+        if torch.cuda.current_device() != self.device_index:
+            return None
+        if q.requires_grad or k.requires_grad or v.requires_grad:
+            if torch.is_grad_enabled():
+                return None
+            q, k, v = q.detach(), k.detach(), v.detach()   # DLPack refuses tensors that require grad
+        elif self.score_tensors and torch.is_grad_enabled() and any(t.requires_grad for t in self.score_tensors):
+            return None
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if return_lse else self.lse_sink
-        if q.requires_grad or k.requires_grad or v.requires_grad:   # DLPack refuses them
-            q, k, v = q.detach(), k.detach(), v.detach()
         self.launch(q, k, v, out, lse)
         return out, lse
 

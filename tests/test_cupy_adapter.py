@@ -53,8 +53,11 @@ def _fake_cupy():
         used_devices.append(i)
         yield
 
-    cp.cuda = types.SimpleNamespace(get_current_stream=lambda: stream, Device=device)
+    current_device = [0]
+    cp.cuda = types.SimpleNamespace(get_current_stream=lambda: stream, Device=device,
+                                    runtime=types.SimpleNamespace(getDevice=lambda: current_device[0]))
     cp.used_devices = used_devices
+    cp.current_device = current_device
     return cp
 
 
@@ -171,3 +174,9 @@ def test_repeated_calls_launch_the_prepared_forward_on_the_current_stream(fake, 
     q, k, v = _qkv(30)
     fc.flex_attention(q, k, v, score=mods.softcap(4.0), mask=kw["mask"])   # another mod object
     assert len(calls) == 3
+    cp.current_device[0] = 1           # the inputs' device is not the current one
+    cp.used_devices.clear()
+    out, _ = fc.flex_attention(q, k, v, **kw)
+    assert len(calls) == 4 and len(launches) == 2 and cp.used_devices == [0]   # full path, on device 0
+    np.testing.assert_allclose(out.astype(np.float64), reference.forward(q, k, v, AttentionSpec.from_args(**kw))[0],
+                               atol=1e-3)

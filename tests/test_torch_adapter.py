@@ -186,3 +186,55 @@ def test_device_copies_of_read_only_arrays_warn_nothing():
         warnings.simplefilter("error")
         t = copies(x)
     assert t.tolist() == list(range(6)) and copies(x) is t      # copied once, then cached
+
+
+def test_prepared_entry_takes_inference_calls_and_leaves_recorded_ones(monkeypatch):
+    """The repeated-call path (``_PreparedCalls.run``) on CPU tensors with a fake launch:
+    it serves inference calls (detaching inputs that require grad under no_grad) and
+    declines what the full path must do: calls autograd records (inputs or score-mod
+    tensors requiring grad with grad mode on), another current device, another layout."""
+    from flexattn.core import AttentionSpec
+    from flexattn.core.validate import check_inputs
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)   # CPU tensors: get_device() == -1
+    launched = []
+
+    class FakePrepared:
+        def launch(self, q, k, v, out, lse):
+            launched.append((q.requires_grad, k.requires_grad, v.requires_grad, lse))
+
+    slopes = torch.rand(4)
+    score, mask = mods.alibi(slopes), mods.causal()
+    q, k, v = _qkv(B=1, Q=8, KV=8, dtype=torch.float16)
+    call = (None, None, None, False, mask, score)
+    spec = AttentionSpec.from_args(score=score, mask=mask)
+    shape = check_inputs(q, k, v, spec)
+    cache = fa._PreparedCalls()
+    key = cache._key(q, k, v, call)
+    for _ in range(2):    # prepared on the second sighting
+        cache._cache.add(key, call, lambda: fa._PreparedCall(spec, shape, q, FakePrepared()))
+
+    out, lse = cache.run(q, k, v, call, return_lse=False)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (1, 4, 8)
+    _, lse2 = cache.run(q, k, v, call, return_lse=False)
+    assert lse2 is lse                                       # the LSE sink, not an allocation
+    _, lse3 = cache.run(q, k, v, call, return_lse=True)
+    assert lse3 is not lse
+    assert len(launched) == 3
+
+    qg = q.clone().requires_grad_(True)
+    assert cache.run(qg, k, v, call, return_lse=False) is None          # autograd records it
+    with torch.no_grad():
+        assert cache.run(qg, k, v, call, return_lse=False) is not None  # inference: detached
+    assert launched[-1][:3] == (False, False, False)
+    slopes.requires_grad_(True)
+    assert cache.run(q, k, v, call, return_lse=False) is None           # trainable slopes
+    with torch.no_grad():
+        assert cache.run(q, k, v, call, return_lse=False) is not None
+    slopes.requires_grad_(False)
+
+    qt = q.transpose(2, 3).contiguous().transpose(2, 3)                # same shape, other strides
+    assert cache.run(qt, k, v, call, return_lse=False) is None
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert cache.run(q, k, v, call, return_lse=False) is None           # another current device
+    assert len(launched) == 5

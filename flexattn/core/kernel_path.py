@@ -235,6 +235,31 @@ def ffi_stream_scope(q, device: Device):
     return tvm_ffi.use_raw_stream(_ffi_device(q), device.stream)
 
 
+class EnvStream:
+    """TVM-FFI's environment stream of one device, for launches repeated many times:
+    ``swap(stream)`` sets it and returns the previous one. ``tvm_ffi.use_raw_stream`` does
+    the same through a context object built per call (~1 µs of host time more per launch);
+    this calls the setter it wraps directly, or falls back to it where the setter is gone."""
+
+    __slots__ = ("_device", "_set", "_type", "_index")
+
+    def __init__(self, ffi_device):
+        from tvm_ffi import core
+
+        self._device = ffi_device
+        self._set = getattr(core, "_env_set_current_stream", None)
+        self._type, self._index = ffi_device.dlpack_device_type(), ffi_device.index
+
+    def swap(self, stream: int) -> int:
+        if self._set is not None:
+            return self._set(self._type, self._index, stream)
+        import tvm_ffi
+
+        previous = tvm_ffi.get_raw_stream(self._device)
+        tvm_ffi.use_raw_stream(self._device, stream).__enter__()   # sets it; nothing to undo on exit
+        return previous
+
+
 def _ffi_device(q):
     """TVM-FFI's name for the CUDA device q lives on."""
     import tvm_ffi
@@ -281,7 +306,7 @@ class PreparedForward:
     arrays), their conversion. Built by ``prepare_forward`` after a first full call;
     adapters keep them keyed by everything the checks read (see flexattn/torch.py)."""
 
-    __slots__ = ("_fn", "_scale", "_args", "_kinds", "_captures", "_to_device", "_lists", "_ffi_device")
+    __slots__ = ("_fn", "_scale", "_args", "_kinds", "_captures", "_to_device", "_lists", "_env_stream")
 
     def __init__(self, q, plan: KernelPlan, spec: AttentionSpec, shape: AttentionShape, device: Device):
         from ..kernels.ffi_runner import ffi_args
@@ -302,7 +327,7 @@ class PreparedForward:
         self._args = (ffi_args(self._kinds, self._captures, self._to_device) or None) if frozen else False
         self._lists = _kv_lists(plan, device)
         # Set: launches need TVM-FFI's stream set around them (as ffi_stream_scope does).
-        self._ffi_device = None if device.tvm_ffi_stream else _ffi_device(q)
+        self._env_stream = None if device.tvm_ffi_stream else EnvStream(_ffi_device(q))
 
     def launch(self, q, k, v, out, lse, stream: int | None = None):
         """``stream``: the caller's current stream, for frameworks whose stream TVM-FFI does
@@ -312,13 +337,14 @@ class PreparedForward:
             from ..kernels.ffi_runner import ffi_args
 
             args = ffi_args(self._kinds, self._captures, self._to_device) or None
-        if self._ffi_device is None:
+        if self._env_stream is None:
             self._fn(q, k, v, out, lse, self._scale, args, self._lists)
             return
-        import tvm_ffi
-
-        with tvm_ffi.use_raw_stream(self._ffi_device, stream):
+        previous = self._env_stream.swap(stream)
+        try:
             self._fn(q, k, v, out, lse, self._scale, args, self._lists)
+        finally:
+            self._env_stream.swap(previous)
 
 
 def prepare_forward(q, shape: AttentionShape, spec: AttentionSpec, device: Device) -> PreparedForward | None:
@@ -329,5 +355,5 @@ def prepare_forward(q, shape: AttentionShape, spec: AttentionSpec, device: Devic
     return PreparedForward(q, plan_forward(q, shape, spec), spec, shape, device)
 
 
-__all__ = ["Device", "KernelPlan", "PreparedForward", "forward_into", "kernel_unsupported", "plan_forward",
+__all__ = ["Device", "EnvStream", "KernelPlan", "PreparedForward", "forward_into", "kernel_unsupported", "plan_forward",
            "prepare_forward", "use_tvm_ffi"]

@@ -13,6 +13,8 @@ the planner would find what they found last time, so an adapter keeps its launch
 The cache holds the keyed objects weakly: an entry leaves when one of them dies (so an
 entry never outlives its mods' captured tensors, and a recycled ``id`` never matches),
 and a key is prepared on its second sighting, so one-off mod objects cost nothing extra.
+A lookup is therefore one dict access: a present key names live objects, and no two live
+objects share an ``id``.
 """
 
 from __future__ import annotations
@@ -56,16 +58,11 @@ class PreparedCalls:
         self._entries.clear()
         self._seen.clear()
 
-    def get(self, key, call):
-        """The entry for ``key`` if ``call``'s objects are the ones it was made for."""
+    def get(self, key):
+        """The entry for ``key``, or None. Its objects are the caller's: the key holds their
+        ids, and the entry would have left with them (``add``'s weak references)."""
         slot = self._entries.get(key)
-        if slot is None:
-            return None
-        refs, entry = slot
-        for ref, obj in zip(refs, _objects(call)):
-            if (obj is None) != (ref is None) or (ref is not None and ref() is not obj):
-                return None
-        return entry
+        return None if slot is None else slot[1]
 
     def add(self, key, call, make) -> None:
         """On the second sighting of ``key``, store ``make()`` (an entry, or None for

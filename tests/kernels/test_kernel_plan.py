@@ -179,3 +179,33 @@ def test_tile_scheduling_by_structure(monkeypatch):
         cfg = plan_forward(q, check_inputs(q, q, q, spec), spec).config
         assert (cfg.max_ctas, cfg.tile_order) == (ctas, order), kw
     assert _plan().config.max_ctas == 0   # a CPU array: nothing to query
+
+
+@pytest.mark.parametrize("private_setter", [True, False])
+def test_env_stream_swap_sets_and_restores_tvm_ffi_stream(monkeypatch, private_setter):
+    """PreparedForward.launch with a caller's stream (CuPy): TVM-FFI's environment stream
+    is that stream during the launch and the previous one after it, also when the launch
+    raises; the same through the public API where TVM-FFI's setter is not there."""
+    tvm_ffi = pytest.importorskip("tvm_ffi")
+    from flexattn.core.kernel_path import EnvStream, PreparedForward
+
+    device = tvm_ffi.device("cuda", 0)      # the stream table needs no GPU
+    env = EnvStream(device)
+    if not private_setter:
+        env._set = None
+    seen = []
+
+    def fake_kernel(*args):
+        seen.append(tvm_ffi.get_raw_stream(device))
+        if args[-1] == "boom":
+            raise RuntimeError("launch failed")
+
+    prepared = PreparedForward.__new__(PreparedForward)    # launch only: no compile
+    prepared._fn, prepared._scale, prepared._args, prepared._env_stream = fake_kernel, 0.125, None, env
+    before = tvm_ffi.get_raw_stream(device)
+    prepared._lists = None
+    prepared.launch("q", "k", "v", "out", "lse", stream=0xBEEF)
+    prepared._lists = "boom"
+    with pytest.raises(RuntimeError, match="launch failed"):
+        prepared.launch("q", "k", "v", "out", "lse", stream=0xCAFE)
+    assert seen == [0xBEEF, 0xCAFE] and tvm_ffi.get_raw_stream(device) == before
