@@ -47,6 +47,23 @@ def red_add_v2_f32(ptr, a, b, *, loc=None, ip=None) -> None:
     )
 
 
+@dsl_user_op
+def bulk_add_f32(gmem_ptr, smem_ptr, num_bytes: int, *, loc=None, ip=None) -> None:
+    """gmem[i] += smem[i] for num_bytes / 4 contiguous fp32, as one asynchronous bulk copy
+    (TMA engine; both addresses 16-byte aligned, num_bytes a multiple of 16). Joins the
+    thread's current bulk group: commit, then `cp_async_bulk_wait_group`."""
+    llvm.inline_asm(
+        None,
+        [gmem_ptr.toint(loc=loc, ip=ip).ir_value(), smem_ptr.toint(loc=loc, ip=ip).ir_value(),
+         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        "l,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
 # ---------------------------------------------------------------------------- turn flags
 @dsl_user_op
 def ld_acquire_s32(ptr, *, loc=None, ip=None) -> Int32:

@@ -7,12 +7,19 @@ loads) and the consumer warpgroups (MMAs) enumerate the same sequence with these
 * `DenseQBlocks`: q blocks `first .. n_m - 1` in ascending order. Under the causal
   structure `first` is the first block whose last row reaches the kv block, and blocks
   below `diag_end` cross the diagonal (the mask is evaluated only there).
+
+Rotation (`rot`, non-causal, non-deterministic): the walk starts `rot` blocks in and wraps
+around (each list on its own). The CTAs of one head run side by side and would otherwise
+reach the same q tile together, and all add their dQ tiles into it at once: the L2 then
+serializes those bulk reductions of the same lines. Starting kv block n at its diagonal
+tile (rot = n * tile_n / tile_m) spreads them over the tiles.
 * `SparseQBlocks`: the q-side lists of a FlexAttention BlockMask for (batch, q head, kv
   block): `q_num_blocks [B, H, nKV]`, `q_indices [B, H, nKV, nQ]` (partial: mask
   evaluated) and `full_q_num_blocks`, `full_q_indices` (full: no mask). BlockMask q blocks
   are `sparse_block_m` rows (128 in flexattn), the kernel's tile is `tile_m` rows: each
   listed block expands into `factor = sparse_block_m // tile_m` consecutive tiles. B and H
-  may be 1 (broadcast). Visit order: the partial list, then the full list.
+  may be 1 (broadcast). Visit order: the partial list, then the full list; deterministic
+  mode merges them in ascending q order (`merged_at`, bwd_sm90._visit).
 
 The transposed question, for the deterministic dQ order (bwd_sm90.py): how many kv blocks
 *after* n visit q tile m (`KvVisitors.after`). Dense: every kv block visits every tile.
@@ -29,26 +36,32 @@ from cutlass import Int32
 from flexattn.kernels.block_sparsity import _Staged
 
 
-class DenseQBlocks(_Staged):
-    _fields = ("first", "n_m", "diag_end")
+def _rotated(i, rot, n):
+    """(i + rot) mod n (n may be 0 when no element is read)."""
+    return (i + rot) % cutlass.max(n, 1)
 
-    def __init__(self, first, n_m, diag_end):
+
+class DenseQBlocks(_Staged):
+    _fields = ("first", "n_m", "diag_end", "rot")
+
+    def __init__(self, first, n_m, diag_end, rot=0):
         self.first = Int32(first)
         self.n_m = Int32(n_m)
         self.diag_end = Int32(diag_end)     # first q block that lies fully below the diagonal
+        self.rot = Int32(rot)
 
     @property
     def count(self):
         return cutlass.max(self.n_m - self.first, 0)
 
     def at(self, i):
-        return self.first + i
+        return self.first + _rotated(i, self.rot, self.count)
 
 
 class SparseQBlocks(_Staged):
-    _fields = ("n_partial", "n_full", "partial", "full")
+    _fields = ("n_partial", "n_full", "partial", "full", "rot")
 
-    def __init__(self, tensors, batch, head, n_block, factor: int):
+    def __init__(self, tensors, batch, head, n_block, factor: int, rot=0):
         q_num, q_idx, full_num, full_idx = tensors
         b = batch % q_num.shape[0]
         h = head % q_num.shape[1]
@@ -57,6 +70,7 @@ class SparseQBlocks(_Staged):
         self.n_full = Int32(full_num[b, h, n_block]) * factor
         self.partial = q_idx[b, h, n_block, None]
         self.full = full_idx[b, h, n_block, None]
+        self.rot = Int32(rot)
 
     @property
     def count(self):
@@ -69,10 +83,21 @@ class SparseQBlocks(_Staged):
         return Int32(lst[i // f]) * f + i % f
 
     def partial_at(self, i):
-        return self._expand(self.partial, i)
+        return self._expand(self.partial, _rotated(i, self.rot, self.n_partial))
 
     def full_at(self, i):
-        return self._expand(self.full, i)
+        return self._expand(self.full, _rotated(i, self.rot, self.n_full))
+
+    @cute.jit
+    def merged_at(self, taken_partial, taken_full):
+        """Both lists merged in ascending order (BlockMask sorts them): the next q block
+        after `taken_partial` partial and `taken_full` full ones, and 1 if it is partial."""
+        p = self.partial_at(cutlass.max(cutlass.min(taken_partial, self.n_partial - 1), 0))
+        f = self.full_at(cutlass.max(cutlass.min(taken_full, self.n_full - 1), 0))
+        partial = Int32(1) if p < f else Int32(0)
+        partial = Int32(1) if taken_full >= self.n_full else partial
+        partial = partial if taken_partial < self.n_partial else Int32(0)
+        return (p if partial != 0 else f), partial
 
     @cute.jit
     def at(self, i):

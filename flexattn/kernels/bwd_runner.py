@@ -4,7 +4,7 @@ Three kernels on the caller's stream, in order:
 
     BwdPreprocess   delta = rowsum(dO * O) (- dLSE), lse_log2, dq_accum = 0
                     (deterministic: dq_semaphore = 0, grad_fixed = 0)
-    FlashBwdSm90    dK, dV (input dtype), dq_accum += dS K (fp32 atomics), buffer grads
+    FlashBwdSm90    dK, dV (input dtype), dq_accum += dS K (bulk fp32 adds), buffer grads
     BwdPostprocess  dQ = scale * dq_accum -> input dtype (deterministic: grads += grad_fixed)
 
 Destination-passing and framework-free, like `ForwardRunner`: the caller allocates dq, dk,
@@ -14,16 +14,16 @@ and each is compiled on the very (dynamic-layout) tensors it is launched with.
 
 Determinism. By default dK, dV and the preprocess/postprocess are deterministic (dK/dV of
 a kv head are summed in registers, in a fixed order, by one CTA); dQ and buffer gradients
-are fp32 atomics whose order varies between runs (differences ~1 ulp of fp32 before the
-final rounding). `BwdConfig(deterministic=True)` makes every output bitwise repeatable
+are fp32 additions (bulk adds, atomics) whose order varies between runs (differences ~1
+ulp of fp32 before the final rounding). `BwdConfig(deterministic=True)` makes every output bitwise repeatable
 (same inputs, same GPU model, same launch shapes):
 
 * dQ: the CTAs visiting a q tile add their dQ tiles one after another, in decreasing kv
   block order. Workspace `dq_semaphore`: one int32 per (batch, q head, 64-row q tile),
   zeroed by the preprocess, counting the CTAs that have added into the tile. The CTA of kv
   block n waits until it equals `rank` = the number of kv blocks > n that visit the tile
-  (one thread spins with ld.acquire.gpu, then a CTA barrier), adds its tile (the same
-  `red.add`s, now serialized), then a CTA barrier and one red.release.gpu.add of 1.
+  (its dQ writer warp's lane 0 spins with ld.acquire.gpu), adds its tile (the same bulk
+  adds, now serialized), waits for their writes, then one red.release.gpu.add of 1.
   `rank` (bwd_blocks.KvVisitors): dense, every kv block visits every tile: nKV - 1 - n;
   causal (top-left, kv <= q), kv blocks 0 .. last(m) visit tile m, last(m) =
   min(nKV - 1, (64 (m + 1) - 1) // 128): last(m) - n; block-sparse, counted by one warp in

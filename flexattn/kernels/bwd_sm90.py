@@ -12,12 +12,16 @@ Math (per query head h, FlexAttention semantics as in `flexattn.reference.backwa
 One CTA = (tile_n = 128 keys) x (one *kv* head) x (one batch). It loops over the q heads
 of its GQA group and, per head, over the q blocks of tile_m = 64 rows that see its keys
 (bwd_blocks.py), so dK/dV of a kv head are summed in registers: no atomics, deterministic,
-written once in the input dtype by TMA. dQ gets one contribution per kv block: fp32
-`red.global.add` into a workspace (`dq_accum`, zeroed by the preprocess), converted by
-the postprocess.
+written once in the input dtype by TMA. dQ gets one contribution per kv block: each
+visit's fp32 dQ tile goes to shared memory and a writer warp adds it into a workspace
+(`dq_accum`, zeroed by the preprocess) with bulk `cp.reduce.async.bulk .add.f32` copies;
+the postprocess converts it.
 
     warpgroup 0, warp 0   producer: K, V once (one mbarrier); per visit Q + LSE and
                           dO + D through two `num_stages` rings (TMA; LSE/D 1-D boxes)
+    warpgroup 0, warp 1   dQ writer: per visit, waits for each consumer warpgroup's half
+                          of the dQ tile (named barriers dq_full / dq_empty, 128 + 32
+                          threads) and adds it to dq_accum (16 KB per bulk copy)
     warpgroups 1, 2       consumers, 64 keys each. Everything is computed *transposed*
                           (keys on the wgmma M axis), so P^T and dS^T leave the S^T / dP^T
                           accumulators directly as register A operands of dV += P^T dO and
@@ -26,20 +30,22 @@ the postprocess.
                           (stmatrix), then each computes half of dQ's head dim.
 
 Per visit (consumer warpgroup):  S^T = K Q^T, dP^T = V dO^T (SS, async) -> P^T from LSE
-(mods re-applied exactly as the forward does) -> dS^T -> dV, dK (RS, async) -> dS^T to smem
--> dQ (SS) -> fp32 atomics. Two named barriers guard the single dS buffer.
+(mods re-applied exactly as the forward does) -> dS^T -> dS^T to smem (double-buffered
+by Q stage), dV (RS, async) -> barrier ds_full -> dQ (SS) -> dK (RS) -> dQ to smem for
+the writer (while dK runs).
 
 Workspaces (fp32, rows padded to `BwdConfig.q_pad`): lse_log2 (LSE * log2 e; +inf for
 empty or padding rows so P = 0 there), delta (D), dq_accum. See bwd_preprocess.py.
 
 `BwdConfig.deterministic` (the design and the no-deadlock argument: bwd_runner.py):
-blockIdx.x = i takes kv block nKV - 1 - i; before its dQ atomics for q tile m, consumer
-warp 0 counts the kv blocks after this one that visit the tile (`bwd_blocks.KvVisitors`;
-block-sparse: from the kv-side lists) and its lane 0 spins (ld.acquire.gpu) on the tile's
-int32 flag until it equals that count; named barrier `dq_turn`; the atomics; `dq_turn`
-again; lane 0 adds 1 to the flag (red.release.gpu). Buffer-gradient contributions go to
-128-bit fixed-point accumulators (`atomics.red_add_fixed128`) instead of fp32 atomics.
-Nothing else changes: same steps, same dK/dV.
+blockIdx.x = i takes kv block nKV - 1 - i; before its bulk adds for q tile m, the dQ
+writer warp counts the kv blocks after this one that visit the tile
+(`bwd_blocks.KvVisitors`; block-sparse: from the kv-side lists) and its lane 0 spins
+(ld.acquire.gpu) on the tile's int32 flag until it equals that count; it issues the adds,
+waits for their writes to complete, and adds 1 to the flag (red.release.gpu). The
+consumers never wait for turns. Buffer-gradient contributions go to 128-bit fixed-point
+accumulators (`atomics.red_add_fixed128`) instead of fp32 atomics. Nothing else changes:
+same steps, same dK/dV.
 """
 
 import math
@@ -55,9 +61,10 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from flexattn.kernels import sm90_mma
 from flexattn.kernels.atomics import (
-    ld_acquire_s32, red_add_f32, red_add_fixed128, red_add_v2_f32, red_release_add_s32, trap)
+    bulk_add_f32, ld_acquire_s32, red_add_f32, red_add_fixed128, red_release_add_s32, trap)
 from flexattn.kernels.bwd_blocks import DenseQBlocks, KvVisitors, SparseQBlocks
 from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook
+from flexattn.kernels.tile_scheduler import LongestFirst, TileSpace
 
 LOG2_E = math.log2(math.e)
 # Deterministic mode: a CTA waiting this long for its dQ turn traps (the launch fails
@@ -85,6 +92,10 @@ class BwdConfig:
     producer_regs: int = 24       # setmaxnreg: 24 + 2 x 240 fills the 64K register file
     consumer_regs: int = 240
     deterministic: bool = False   # dQ adds in a fixed order, exact buffer-grad sums
+    # CTA order (tile_scheduler.py): "by_head" (kv blocks of a head in launch order; the
+    # deterministic mode's turn order needs it) or "longest_first" (default under causal:
+    # kv block 0 sees every q block, the last one a few; long ones start first).
+    tile_order: str | None = None
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -97,6 +108,10 @@ class BwdConfig:
             raise ValueError(f"sparse_block_m {self.sparse_block_m} must be a multiple of tile_m")
         if self.causal and self.block_sparse:
             raise ValueError("causal and block_sparse are exclusive block structures")
+        if self.tile_order not in (None, "by_head", "longest_first"):
+            raise ValueError(f"tile_order must be 'by_head' or 'longest_first', got {self.tile_order!r}")
+        if self.deterministic and self.tile_order == "longest_first":
+            raise ValueError("deterministic mode orders its dQ turns by launch: tile_order='by_head'")
         if self.mods.has_score and type(self.mods).score_and_grad is ModHook.score_and_grad:
             raise ValueError(f"{type(self.mods).__name__} has a score mod but no derivative "
                              "(use mod_emit.IRModHook)")
@@ -112,6 +127,14 @@ class BwdConfig:
         return math.lcm(self.tile_m, self.sparse_block_m)
 
     @property
+    def order(self) -> str:
+        """tile_order, defaulted (None stays None in the config, so that replacing
+        `deterministic` or `causal` re-derives it)."""
+        if self.tile_order is not None:
+            return self.tile_order
+        return "longest_first" if self.causal and not self.deterministic else "by_head"
+
+    @property
     def buffer_grads(self) -> bool:
         return len(self.mods.grad_slots) > 0
 
@@ -119,7 +142,7 @@ class BwdConfig:
         """Compile-cache key: the config with the hook replaced by its structure key."""
         return ("bwd", self.dtype, self.head_dim, self.tile_m, self.tile_n, self.num_stages,
                 self.causal, self.block_sparse, self.sparse_block_m, self.producer_regs,
-                self.consumer_regs, self.deterministic, self.mods.key())
+                self.consumer_regs, self.deterministic, self.order, self.mods.key())
 
 
 def make_dq_mma(dtype, tile_m: int, head_dim: int, num_wg: int):
@@ -132,6 +155,25 @@ def make_dq_mma(dtype, tile_m: int, head_dim: int, num_wg: int):
         atom_layout_mnk=(1, num_wg, 1),
         tiler_mn=(tile_m, head_dim // num_wg),
     )
+
+
+def dq_tile_layout(cfg, num_wg: int) -> cute.Layout:
+    """The fp32 dQ tile of one visit (tile_m x head_dim) in *fragment order*: column w is
+    warpgroup w's half (its dQ columns), and thread t of it owns elements
+    4 t + 512 i + (0..3), i = 0 .. n/4 - 1, holding its accumulator registers in order.
+    Each warp's 16-byte stores then cover 512 contiguous bytes (no bank conflicts) and a
+    half is one contiguous run for the bulk add. The dq_accum workspace keeps each 64-row
+    tile in this order (a [tile_m, head_dim] block of it, reinterpreted); the postprocess
+    reads it back with the same copy (`dq_fragment_copy`)."""
+    return cute.make_layout((cfg.tile_m * cfg.head_dim // num_wg, num_wg))
+
+
+def dq_fragment_copy(num_wg: int) -> cute.TiledCopy:
+    """Thread (t, w) <-> 4 consecutive fp32 at 4 t (+ 512 i) of column w of
+    `dq_tile_layout`: 128-bit accesses."""
+    return cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128),
+        cute.make_layout((128, num_wg)), cute.make_layout(4))
 
 
 def _element_order(n_rows: int, n_cols: int, rows_outer: bool) -> list:
@@ -154,11 +196,14 @@ class FlashBwdSm90:
         self.mods = config.mods
         self.num_mma_threads = 128 * self.num_mma_wg
         self.num_threads = 128 + self.num_mma_threads
-        # Named barriers (0 is __syncthreads), each over the 256 consumer threads.
+        # Named barriers (0 is __syncthreads). Over the 256 consumer threads:
         self.epilogue_barrier_id = 1
-        self.ds_free_barrier_id = 2     # both warpgroups' previous dQ GEMM has read sdS
-        self.ds_full_barrier_id = 3     # both halves of dS^T are in sdS
-        self.dq_turn_barrier_id = 4     # deterministic: this CTA's turn to add into dQ
+        self.ds_full_barrier_id = 2     # both halves of dS^T are in sdS[stage]
+        # Over one consumer warpgroup + the dQ writer warp (160 threads), one per warpgroup:
+        self.dq_empty_barrier_id = 3    # 3, 4: the writer's last bulk add has read sdQ[wg]
+        self.dq_full_barrier_id = 5     # 5, 6: the warpgroup's dQ tile is in sdQ[wg]
+        self.dq_pair_threads = 128 + 32
+        self.dq_writer_warp = 1         # warp 0 loads; warp 1 adds dQ tiles into global
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -221,7 +266,10 @@ class FlashBwdSm90:
         sdO_layout = sm90_mma.smem_layout(self.dtype, tm, D, cfg.num_stages)
         sK_layout = sm90_mma.smem_layout(self.dtype, tn, D, 1)
         sV_layout = sm90_mma.smem_layout(self.dtype, tn, D, 1)
-        sdS_layout = sm90_mma.smem_layout(self.dtype, tn, tm, 1)     # dS^T, q contiguous
+        # dS^T, q contiguous; one buffer per Q stage, so writing step i's dS^T needs no wait
+        # for step i-1's dQ GEMMs (step i-2's, on the same buffer, finished before both
+        # warpgroups passed step i-1's ds_full barrier).
+        sdS_layout = sm90_mma.smem_layout(self.dtype, tn, tm, cfg.num_stages)
         sStat_layout = cute.make_layout((tm, cfg.num_stages))        # LSE / D per stage
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
@@ -261,6 +309,8 @@ class FlashBwdSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            # One fp32 dQ tile in fragment order (see dq_tile_layout), half per warpgroup.
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tm * D], 1024]
 
         # As in the forward: with a score mod the kernel scales s itself and exp2 needs
         # only log2(e); without one, scale * log2(e) folds into the exp2 argument.
@@ -269,6 +319,8 @@ class FlashBwdSm90:
             scale_log2 = softmax_scale * Float32(LOG2_E)
 
         grid = ((K.shape[0] + tn - 1) // tn, K.shape[2], K.shape[3])
+        if const_expr(cfg.order == "longest_first"):
+            grid = (grid[0] * grid[1] * grid[2], 1, 1)
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Delta, tma_dK, tma_dV, dQacc,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_Delta,
@@ -334,13 +386,22 @@ class FlashBwdSm90:
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE = storage.sLSE.get_tensor(sStat_layout)
         sDelta = storage.sDelta.get_tensor(sStat_layout)
+        sdQ = storage.sdQ.get_tensor(dq_tile_layout(cfg, self.num_mma_wg))
 
-        n_block, head_kv, batch = cute.arch.block_idx()
-        if const_expr(cfg.deterministic):
-            # Launch order = dQ turn order: the highest kv block adds first (see consume).
-            n_block = cute.arch.grid_dim()[0] - 1 - n_block
         seqlen_k = mK.shape[0]
         group = num_q_heads // mK.shape[2]          # q heads per kv head (GQA)
+        if const_expr(cfg.order == "longest_first"):
+            # Q, dO, LSE, D rows of the group are what the CTAs of a kv head share.
+            tiles = TileSpace((seqlen_k + cfg.tile_n - 1) // cfg.tile_n, mK.shape[2],
+                              mK.shape[3], seqlen_q * group)
+            n_block, head_kv, batch = LongestFirst(
+                2 * cfg.head_dim * (self.dtype.width // 8) + 8,
+                last_row_first=False).tile(tiles.first, tiles)
+        else:
+            n_block, head_kv, batch = cute.arch.block_idx()
+            if const_expr(cfg.deterministic):
+                # Launch order = dQ turn order: the highest kv block adds first.
+                n_block = cute.arch.grid_dim()[0] - 1 - n_block
 
         pipeline.pipeline_init_wait()
 
@@ -351,13 +412,16 @@ class FlashBwdSm90:
                           tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE,
                           tma_atom_Delta, pipe_kv, pipe_q, pipe_do,
                           n_block, head_kv, batch, group, seqlen_q, block_sparse)
+            elif warp_idx == self.dq_writer_warp:
+                self.store_dq(mdQacc, sdQ, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
+                              block_sparse, mdQsem)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
-            self.consume(mdK, mdV, mdQacc, sQ, sK, sV, sdO, sdS, sLSE, sDelta,
+            self.consume(mdK, mdV, sdQ, sQ, sK, sV, sdO, sdS, sLSE, sDelta,
                          tma_atom_dK, tma_atom_dV, tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
                          pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, group,
                          seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args,
-                         block_sparse, mdQsem, grad_fixed)
+                         block_sparse, grad_fixed)
 
     # --------------------------------------------------------------- block structure
     @cute.jit
@@ -371,11 +435,34 @@ class FlashBwdSm90:
             # nothing of it; rows below its last key see all of it.
             first = (n_block * cfg.tile_n) // cfg.tile_m
             diag_end = ((n_block + 1) * cfg.tile_n + cfg.tile_m - 2) // cfg.tile_m
-        return DenseQBlocks(first, n_m, diag_end)
+        return DenseQBlocks(first, n_m, diag_end, self._rotation(n_block))
 
     def _sparse_blocks(self, block_sparse, batch, head, n_block) -> SparseQBlocks:
         return SparseQBlocks(block_sparse[:4], batch, head, n_block,
-                             self.cfg.sparse_block_m // self.cfg.tile_m)
+                             self.cfg.sparse_block_m // self.cfg.tile_m, self._rotation(n_block))
+
+    @cute.jit
+    def _visit(self, blocks, i, walk):
+        """The i-th visit: (q block, 1 if partial (mask evaluated) else 0, walk state).
+        Deterministic block-sparse walks both lists merged in ascending order (the dQ turns
+        of a banded mask would otherwise wait for whole list lengths); otherwise the
+        partial list, then the full one. `walk` = (partial, full) blocks taken so far."""
+        if const_expr(self.cfg.block_sparse and self.cfg.deterministic):
+            m_block, partial = blocks.merged_at(walk[0], walk[1])
+            return m_block, partial, (walk[0] + partial, walk[1] + 1 - partial)
+        partial = Int32(0)
+        if const_expr(self.cfg.block_sparse):
+            partial = Int32(1) if i < blocks.n_partial else Int32(0)
+        return blocks.at(i), partial, walk
+
+    def _rotation(self, n_block):
+        """Where the q-block walk starts (bwd_blocks.py): at the kv block's diagonal
+        tile, except under causal (the walk starts there anyway, diagonal blocks first)
+        and in deterministic mode (the dQ turns assume ascending walks)."""
+        cfg = self.cfg
+        if const_expr(cfg.causal or cfg.deterministic):
+            return 0
+        return n_block * (cfg.tile_n // cfg.tile_m)
 
     # ------------------------------------------------------------------ producer
     @cute.jit
@@ -418,8 +505,9 @@ class FlashBwdSm90:
                 blocks = self._sparse_blocks(block_sparse, batch, head, n_block)
             else:
                 blocks = self._dense_blocks(n_block, seqlen_q)
+            walk = (Int32(0), Int32(0))
             for i in cutlass.range(blocks.count, unroll=1):
-                m_block = blocks.at(i)
+                m_block, _, walk = self._visit(blocks, i, walk)
                 pipe_q.producer_acquire(state)
                 bar = pipe_q.producer_get_barrier(state)
                 cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
@@ -434,11 +522,11 @@ class FlashBwdSm90:
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def consume(self, mdK, mdV, mdQacc, sQ, sK, sV, sdO, sdS, sLSE, sDelta,
+    def consume(self, mdK, mdV, sdQ, sQ, sK, sV, sdO, sdS, sLSE, sDelta,
                 tma_atom_dK, tma_atom_dV, tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
                 pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, group,
                 seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args,
-                block_sparse, mdQsem, grad_fixed):
+                block_sparse, grad_fixed):
         cfg = self.cfg
         if const_expr(mod_args is None):
             mod_args = ()
@@ -457,7 +545,6 @@ class FlashBwdSm90:
         wg_nd = tiled_mma_nd.get_slice(wg_first_thread)
         wg_md = tiled_mma_md.get_slice(wg_first_thread)
         thr_nm = tiled_mma_nm.get_slice(tidx)
-        thr_md = tiled_mma_md.get_slice(tidx)
 
         T = sm90_mma.transpose_view
         frags = (
@@ -483,7 +570,9 @@ class FlashBwdSm90:
         stmatrix = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         r2s_dS = cute.make_tiled_copy_C(stmatrix, tiled_mma_nm).get_slice(tidx)
-        tdSsdS = r2s_dS.partition_D(sdS[None, None, 0])
+        tdSsdS = r2s_dS.partition_D(sdS)                 # (..., stage)
+        # dQ registers -> this thread's 16-byte runs of sdQ (fragment order).
+        tdQsdQ = dq_fragment_copy(self.num_mma_wg).get_slice(tidx).partition_D(sdQ)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
@@ -492,19 +581,20 @@ class FlashBwdSm90:
         mods = self.mods
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
-            gdQ = cute.local_tile(mdQacc[None, None, head, batch], (cfg.tile_m, cfg.head_dim),
-                                  (None, 0))
-            turn = None
-            if const_expr(cfg.deterministic):
-                kv_lists = block_sparse[4:] if const_expr(cfg.block_sparse) else None
-                turn = (mdQsem[batch, head, None],
-                        KvVisitors(cfg, (seqlen_k + cfg.tile_n - 1) // cfg.tile_n, kv_lists,
-                                   batch, head))
             ctx = (tiled_mma_nm, tiled_mma_nd, tiled_mma_md, frags, acc_shape_nm, acc_shape_md,
-                   acc_dV, acc_dK, coords, r2s_dS, tdSsdS, thr_md, gdQ, sLSE, sDelta,
+                   acc_dV, acc_dK, coords, r2s_dS, tdSsdS, tdQsdQ, wg, sLSE, sDelta,
                    pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
-                   softmax_scale, scale_log2, mod_args, grad_args, turn, tidx)
-            if const_expr(cfg.block_sparse):
+                   softmax_scale, scale_log2, mod_args, grad_args)
+            if const_expr(cfg.block_sparse and cfg.deterministic):
+                blocks = self._sparse_blocks(block_sparse, batch, head, n_block)
+                walk = (Int32(0), Int32(0))
+                for i in cutlass.range(blocks.count, unroll=1):
+                    m_block, partial, walk = self._visit(blocks, i, walk)
+                    if partial != 0:
+                        state = self._step(ctx, state, m_block, mask=mods.has_mask, causal=False)
+                    else:
+                        state = self._step(ctx, state, m_block, mask=False, causal=False)
+            elif const_expr(cfg.block_sparse):
                 blocks = self._sparse_blocks(block_sparse, batch, head, n_block)
                 for i in cutlass.range(blocks.n_partial, unroll=1):
                     state = self._step(ctx, state, blocks.partial_at(i),
@@ -524,8 +614,9 @@ class FlashBwdSm90:
                                                  unroll=1):
                         state = self._step(ctx, state, m_block, mask=False, causal=False)
                 else:
-                    for m_block in cutlass.range(blocks.n_m, unroll=1):
-                        state = self._step(ctx, state, m_block, mask=mods.has_mask, causal=False)
+                    for i in cutlass.range(blocks.count, unroll=1):
+                        state = self._step(ctx, state, blocks.at(i), mask=mods.has_mask,
+                                           causal=False)
 
         self.epilogue(acc_dK, acc_dV, mdK, mdV, sK, sV, tma_atom_dK, tma_atom_dV,
                       tiled_mma_nd, tidx, n_block, head_kv, batch, softmax_scale)
@@ -533,11 +624,14 @@ class FlashBwdSm90:
     @cute.jit
     def _step(self, ctx, state, m_block, mask: cutlass.Constexpr[bool],
               causal: cutlass.Constexpr[bool]):
-        """One q block against this CTA's keys: dV, dK accumulate; dQ goes out."""
+        """One q block against this CTA's keys: dV, dK accumulate; the dQ tile goes to sdQ
+        for the writer warp. GEMM order (FA3/FA4's): S^T, dP^T | P, dS | dV; dQ; dK, each
+        wait retiring the GEMM before the last one issued, so dQ's GEMM overlaps dK's and
+        its copy to smem overlaps the dK GEMM's tail."""
         (tiled_mma_nm, tiled_mma_nd, tiled_mma_md, frags, acc_shape_nm, acc_shape_md,
-         acc_dV, acc_dK, coords, r2s_dS, tdSsdS, thr_md, gdQ, sLSE, sDelta,
+         acc_dV, acc_dK, coords, r2s_dS, tdSsdS, tdQsdQ, wg, sLSE, sDelta,
          pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
-         softmax_scale, scale_log2, mod_args, grad_args, turn, tidx) = ctx
+         softmax_scale, scale_log2, mod_args, grad_args) = ctx
         tSrK, tSrQ, tPrV, tPrdO, tVrP, tVrdOt, tKrQt, tQrdS, tQrKt = frags
         mods = self.mods
         stage = state.index
@@ -556,84 +650,132 @@ class FlashBwdSm90:
             # One pass after both GEMMs: ds'/ds and the raw score stay per-element
             # temporaries instead of two more 32-register fragments (which spilled).
             warpgroup.wait_group(0)
+            # (One copy of this loop: two spill with a score mod's temporaries.)
             self._pointwise(acc_S, acc_dP, sLSE[None, stage], sDelta[None, stage], coords,
-                            blk, scale_log2, grad_args, mask, causal)
+                            blk, scale_log2, grad_args, mask, causal, True)
+            sm90_mma.convert_into(tVrP, sm90_mma.acc_as_a_view(acc_S))
         else:
             # Without a score mod dS = dS': P is computed while dP^T is still in flight.
             warpgroup.wait_group(1)                  # S^T ready (groups retire in order)
-            self._pointwise(acc_S, None, sLSE[None, stage], None, coords, blk, scale_log2,
-                            grad_args, mask, causal)
+            self._pointwise_at_edge(acc_S, None, sLSE[None, stage], None, coords, blk,
+                                    scale_log2, grad_args, mask, causal)
+            sm90_mma.convert_into(tVrP, sm90_mma.acc_as_a_view(acc_S))
             warpgroup.wait_group(0)                  # dP^T ready
             self._ds_from_p(acc_S, acc_dP, sDelta[None, stage], coords)
+        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+        sm90_mma.convert_into(rdS, acc_dP)
 
-        # dV += P^T dO and dK += dS^T Q: A operands straight from the registers.
-        tVrP.store(sm90_mma.acc_as_a_view(acc_S).load().to(self.dtype))
+        # dS^T -> sdS[stage] (no wait: see sdS_layout), then dV += P^T dO (A from registers).
+        cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, stage])
         sm90_mma.gemm(tiled_mma_nd, acc_dV, tVrP, tVrdOt[None, None, None, stage],
                       zero_init=False, wait=-1)
-        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
-        rdS.store(acc_dP.load().to(self.dtype))
-        sm90_mma.gemm(tiled_mma_nd, acc_dK, sm90_mma.acc_as_a_view(rdS),
-                      tKrQt[None, None, None, stage], zero_init=False, wait=-1)
-
-        # dS^T -> smem once the other warpgroup's previous dQ GEMM has read it.
-        cute.arch.barrier(barrier_id=self.ds_free_barrier_id, number_of_threads=self.num_mma_threads)
-        cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS)
         cute.arch.fence_view_async_shared()          # generic-proxy writes -> wgmma reads
         cute.arch.barrier(barrier_id=self.ds_full_barrier_id, number_of_threads=self.num_mma_threads)
+        # dQ = dS K (this warpgroup's half of the head dim).
         acc_dQ = cute.make_rmem_tensor(acc_shape_md, Float32)
-        sm90_mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, 0],
-                      tQrKt[None, None, None, 0], zero_init=True, wait=0)
-        # wait=0 retired dV, dK and dQ: Q and dO may be overwritten.
+        sm90_mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, stage],
+                      tQrKt[None, None, None, 0], zero_init=True, wait=1)
+        pipe_do.consumer_release(state)              # dV (the last reader of dO) retired
+        # dK += dS^T Q (A from registers).
+        sm90_mma.gemm(tiled_mma_nd, acc_dK, sm90_mma.acc_as_a_view(rdS),
+                      tKrQt[None, None, None, stage], zero_init=False, wait=1)   # dQ retired
+        # dQ -> sdQ[wg] once the writer's previous bulk add has read it; the writer adds it
+        # into global memory while this warpgroup goes on.
+        cute.arch.barrier(barrier_id=self.dq_empty_barrier_id + wg,
+                          number_of_threads=self.dq_pair_threads)
+        cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)),
+                          tdQsdQ)
+        cute.arch.fence_view_async_shared()          # generic-proxy writes -> bulk copy
+        cute.arch.barrier_arrive(barrier_id=self.dq_full_barrier_id + wg,
+                                 number_of_threads=self.dq_pair_threads)
+        warpgroup.wait_group(0)                      # dK retired: Q may be overwritten
         pipe_q.consumer_release(state)
-        pipe_do.consumer_release(state)
-
-        # dQ (unscaled) += dS K in fp32. Fragment elements 2j, 2j+1 are adjacent columns
-        # (mode 0 of a wgmma accumulator starts with 2 neighbours): one red.v2 per pair.
-        tdQgdQ = thr_md.partition_C(gdQ[None, None, m_block])
-        if const_expr(turn is not None):
-            self._dq_wait_turn(turn, m_block, n_block, tidx)
-        for j in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
-            ptr = tdQgdQ.iterator + cute.crd2idx(2 * j, tdQgdQ.layout)
-            red_add_v2_f32(ptr, acc_dQ[2 * j], acc_dQ[2 * j + 1])
-        if const_expr(turn is not None):
-            self._dq_pass_turn(turn, m_block, tidx)
         state.advance()
         return state
 
+    # ------------------------------------------------------------------ dQ writer
     @cute.jit
-    def _dq_wait_turn(self, turn, m_block, n_block, tidx):
-        """Deterministic dQ: wait until every kv block after this one that visits q tile
-        m_block (of this head) has added its dQ tile. Consumer warp 0 counts them (a
-        warp-collective count for block-sparse), its lane 0 spins on the tile's flag
-        (acquire), then all consumer threads pass a named barrier."""
-        flags, visitors = turn
-        if tidx < 32:
-            rank = visitors.after(m_block, n_block)
-            if tidx == 0:
-                flag = flags.iterator + cute.crd2idx(m_block, flags.layout)
-                seen = Int32(0)
-                start = cute.arch.globaltimer()
-                while seen != rank:
-                    seen = ld_acquire_s32(flag)
-                    if cute.arch.globaltimer() - start > DQ_TURN_TIMEOUT_NS:
-                        trap()
-        cute.arch.barrier(barrier_id=self.dq_turn_barrier_id,
-                          number_of_threads=self.num_mma_threads)
+    def store_dq(self, mdQacc, sdQ, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
+                 block_sparse, mdQsem):
+        """Warp 1: per visit, add each warpgroup's dQ tile (sdQ column) into the dq_accum
+        workspace with one `cp.reduce.async.bulk .add.f32` (16 KB, fire and forget: the
+        reads of sdQ complete before the next visit hands the buffer back). Visits are
+        enumerated as by the producer. Deterministic: first wait for this (head, q tile)'s
+        turn, and after the adds wait for them to complete before passing the turn on."""
+        cfg = self.cfg
+        lane = cute.arch.lane_idx()
+        n_wg = self.num_mma_wg
+        chunk = cfg.tile_m * cfg.head_dim // n_wg
+        for g in cutlass.range(group, unroll=1):
+            head = head_kv * group + g
+            gdQ = cute.local_tile(mdQacc[None, None, head, batch], (cfg.tile_m, cfg.head_dim),
+                                  (None, 0))
+            if const_expr(cfg.block_sparse):
+                blocks = self._sparse_blocks(block_sparse, batch, head, n_block)
+            else:
+                blocks = self._dense_blocks(n_block, seqlen_q)
+            visitors = None
+            if const_expr(cfg.deterministic):
+                kv_lists = block_sparse[4:] if const_expr(cfg.block_sparse) else None
+                visitors = KvVisitors(cfg, (seqlen_k + cfg.tile_n - 1) // cfg.tile_n, kv_lists,
+                                      batch, head)
+            walk = (Int32(0), Int32(0))
+            for i in cutlass.range(blocks.count, unroll=1):
+                m_block, _, walk = self._visit(blocks, i, walk)
+                for w in cutlass.range_constexpr(n_wg):
+                    # Bulk groups complete in order: allow the later halves in flight.
+                    cute.arch.cp_async_bulk_wait_group(n_wg - 1 - w, read=True)
+                    cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id + w,
+                                             number_of_threads=self.dq_pair_threads)
+                flag = None
+                if const_expr(cfg.deterministic):
+                    flag = mdQsem[batch, head, None].iterator + m_block
+                    self._dq_wait_turn(flag, visitors.after(m_block, n_block), lane)
+                dst = gdQ[None, None, m_block].iterator
+                for w in cutlass.range_constexpr(n_wg):
+                    cute.arch.barrier(barrier_id=self.dq_full_barrier_id + w,
+                                      number_of_threads=self.dq_pair_threads)
+                    if lane == 0:
+                        bulk_add_f32(dst + w * chunk, sdQ[None, w].iterator, chunk * 4)
+                    cute.arch.cp_async_bulk_commit_group()
+                if const_expr(cfg.deterministic):
+                    # The adds must have landed before the next CTA's may start.
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    if lane == 0:
+                        red_release_add_s32(flag, 1)
+        cute.arch.cp_async_bulk_wait_group(0, read=True)   # sdQ is read before the CTA exits
 
     @cute.jit
-    def _dq_pass_turn(self, turn, m_block, tidx):
-        """All consumer threads' dQ adds are issued (barrier); one thread bumps the tile's
-        flag with release semantics (cumulative: it orders the whole CTA's adds before
-        it, as `cutlass::GenericBarrier::arrive_inc`)."""
-        flags, _ = turn
-        cute.arch.barrier(barrier_id=self.dq_turn_barrier_id,
-                          number_of_threads=self.num_mma_threads)
-        if tidx == 0:
-            red_release_add_s32(flags.iterator + cute.crd2idx(m_block, flags.layout), 1)
+    def _dq_wait_turn(self, flag, rank, lane):
+        """Deterministic dQ: spin (lane 0, acquire) until the tile's flag counts `rank` =
+        the kv blocks after this one that visit the tile (they add first)."""
+        if lane == 0:
+            seen = Int32(0)
+            start = cute.arch.globaltimer()
+            while seen != rank:
+                seen = ld_acquire_s32(flag)
+                if cute.arch.globaltimer() - start > DQ_TURN_TIMEOUT_NS:
+                    trap()
+        cute.arch.sync_warp()
+
+    @cute.jit
+    def _pointwise_at_edge(self, acc_S, acc_dP, sLSE, sDelta, coords, blk, scale_log2,
+                           grad_args, mask: cutlass.Constexpr[bool],
+                           causal: cutlass.Constexpr[bool]):
+        """`_pointwise`, with the KV_LEN test only in the CTA whose keys straddle KV_LEN
+        (a CTA-uniform branch: the other CTAs skip one select per element)."""
+        n_block, seqlen_k = blk[1], blk[5]
+        if (n_block + 1) * self.cfg.tile_n > seqlen_k:
+            self._pointwise(acc_S, acc_dP, sLSE, sDelta, coords, blk, scale_log2, grad_args,
+                            mask, causal, True)
+        else:
+            self._pointwise(acc_S, acc_dP, sLSE, sDelta, coords, blk, scale_log2, grad_args,
+                            mask, causal, False)
 
     @cute.jit
     def _pointwise(self, acc_S, acc_dP, sLSE, sDelta, coords, blk, scale_log2, grad_args,
-                   mask: cutlass.Constexpr[bool], causal: cutlass.Constexpr[bool]):
+                   mask: cutlass.Constexpr[bool], causal: cutlass.Constexpr[bool],
+                   kv_edge: cutlass.Constexpr[bool]):
         """acc_S (raw q.k, transposed) <- P^T = exp2(s' log2 e - lse_log2), with the score
         mod, mask and bounds in the forward's order (as apply_mods) on the clamped indices
         the forward's hook saw. If `acc_dP` is given (score-mod path) also
@@ -672,18 +814,19 @@ class FlashBwdSm90:
                 s_scaled = x * softmax_scale
                 s2, grad = mods.score_and_grad(s_scaled, batch, head, q_hook, kv_hook,
                                                mod_args)
-                x = s2 * scale_log2
-            else:
-                x = x * scale_log2
+                x = s2
+            # One FFMA; the masks then replace the exponent (-inf - lse_log2 = -inf).
+            x = x * scale_log2 - lse
             if const_expr(mask):
                 keep = mods.mask(batch, head, q_hook, kv_hook, mod_args)
                 x = x if keep else -Float32.inf
             if const_expr(causal):
                 x = x if q >= kv else -Float32.inf
-            # Keys past KV_LEN (zero-filled by TMA) must not count; rows past Q_LEN
-            # have lse_log2 = +inf, so their P is 0 already.
-            x = x if kv < seqlen_k else -Float32.inf
-            p = cute.math.exp2(x - lse, fastmath=True)
+            if const_expr(kv_edge):
+                # Keys past KV_LEN (zero-filled by TMA) must not count; rows past Q_LEN
+                # have lse_log2 = +inf, so their P is 0 already.
+                x = x if kv < seqlen_k else -Float32.inf
+            p = cute.math.exp2(x, fastmath=True)
             s_mn[r, c] = p
             if const_expr(fused):
                 ds = p * (dp_mn[r, c] - delta)           # dS' (w.r.t. the modded score)

@@ -1,6 +1,7 @@
 """CPU (CI): the sm90 backward (preprocess, main kernel, postprocess) compiles for sm_90a
-in its main structures, the PTX uses the Hopper paths (wgmma, TMA, setmaxnreg, stmatrix)
-and fp32 reductions (red.global.add), nothing spills, and mod values stay runtime args.
+in its main structures, the PTX uses the Hopper paths (wgmma, TMA, setmaxnreg, stmatrix,
+dQ tiles to shared memory in 16-byte stores and into global memory by bulk fp32 adds from
+the writer warp), nothing spills, and mod values stay runtime args.
 Deterministic configs (dense, causal, block-sparse, buffer gradients) compile without
 spills too, with the dQ turn protocol (acquire spin, release add) and the fixed-point
 buffer-gradient atomics in their PTX, and only there.
@@ -75,7 +76,10 @@ def test_hopper_instructions(compiled, name):
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
     assert "stmatrix" in ptx                         # dS^T -> smem, dK/dV epilogue
     assert "ex2.approx" in ptx
-    assert "red.global.add.v2.f32" in ptx            # dQ accumulation
+    # dQ: registers -> sdQ (st.shared.v4, fragment order) -> one bulk add per warpgroup
+    assert "st.shared.v4.b32" in ptx
+    assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
+    assert "red.global.add.v2" not in ptx
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -105,7 +109,7 @@ def test_buffer_gradients(compiled):
         i for i, k in enumerate(kinds) if k[0] == "buffer" and k[1].startswith("float"))
     assert "red.global.add.f32" in ptx               # table gradient scatter
     for name in ("d128-dense", "d128-causal-softcap", "d64-sparse-document"):
-        assert "red.global.add.f32 " not in compiled[name][1].replace("v2.f32", "")
+        assert "red.global.add.f32 " not in compiled[name][1]
     assert "atom.global.add.u64" not in ptx          # fixed point: deterministic mode only
 
 
@@ -119,21 +123,19 @@ def test_deterministic_dq_turns(compiled, name):
     assert cfg.deterministic and cfg.key() != _config(DETERMINISTIC[name])[0].key()
     for needle in TURN:
         assert needle in ptx, needle
-    # The spin: a loop around the acquire load; one wait + one pass per step instance,
-    # each fenced by the dQ-turn named barrier (id 4, the 256 consumer threads).
-    steps = _steps(ptx, cfg)
-    assert ptx.count("red.release.gpu.global.add.s32") == steps
-    assert ptx.count("bar.sync \t4, 256;") == 2 * steps
+    # The writer warp's one visit loop: a spin (a loop around the acquire load), the two
+    # bulk adds, a wait for their *writes* (no .read), then one release add.
+    assert ptx.count("red.release.gpu.global.add.s32") == 1
     lines = ptx.splitlines()
     i = next(j for j, line in enumerate(lines) if "ld.acquire.gpu.global.b32" in line)
     assert any(line.strip().startswith("@") and "bra" in line for line in lines[i:i + 12])
-    # dQ still leaves by red.add.v2 (serialized by the turns).
-    assert "red.global.add.v2.f32" in ptx
+    j = next(j for j, line in enumerate(lines) if "red.release.gpu" in line)
+    assert "cp.async.bulk.wait_group \t0;" in "\n".join(lines[i:j])
     if cfg.block_sparse:
-        # The turn is counted in the kv-side lists by one warp (a shuffle reduction per
-        # step instance: 5 shfl each, on top of the default kernel's).
+        # The turn is counted in the kv-side lists by the writer warp (one shuffle
+        # reduction, 5 shfl, on top of the default kernel's).
         extra = ptx.count("shfl.sync") - compiled[DETERMINISTIC[name]][1].count("shfl.sync")
-        assert extra == 5 * steps
+        assert extra == 5
 
 
 def test_default_has_no_turns(compiled):
@@ -166,6 +168,8 @@ def test_pre_and_postprocess_compile():
     assert ".target sm_90a" in pre_dlse
     post = compile_postprocess("bf16", 64, keep_ptx=True).__ptx__
     assert ".target sm_90a" in post and "cvt.rn.bf16" in post
+    # dq_accum tiles read back in 16-byte loads, written by stmatrix + one TMA store
+    assert "ld.global.v4" in post and "stmatrix" in post and "cp.async.bulk.tensor" in post
     assert "fma.rn.f64" not in post
 
 
@@ -203,6 +207,20 @@ def test_config_validation():
     BwdConfig(mods=hooks.CausalHook())                # masks need none
     assert IRModHook(mods.alibi(num_heads=4)).grad_slots == (0,)
     assert IRModHook(mods.softcap(5.0)).grad_slots == ()
+
+
+def test_tile_order():
+    # Causal: longest first (kv block 0 sees every q block); its deterministic variant and
+    # every other structure: head order (the dQ turns follow the launch order).
+    assert BwdConfig(causal=True).order == "longest_first"
+    causal_det = dataclasses.replace(BwdConfig(causal=True), deterministic=True)
+    assert causal_det.order == "by_head"
+    assert BwdConfig().order == BwdConfig(block_sparse=True).order == "by_head"
+    assert BwdConfig(causal=True).key() != BwdConfig(causal=True, tile_order="by_head").key()
+    with pytest.raises(ValueError, match="deterministic"):
+        BwdConfig(causal=True, deterministic=True, tile_order="longest_first")
+    with pytest.raises(ValueError, match="tile_order"):
+        BwdConfig(tile_order="random")
 
 
 def test_runner_validates_and_compiles_on_cpu_tensors():
