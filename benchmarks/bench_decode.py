@@ -1,7 +1,9 @@
 """Decoding (q_len 1) against long KV caches, side by side on one GPU in one process.
 
-  flexattn      flexattn.torch.decode: one whole step (host planning + decode + combine)
-  flexattn-k    the same step's kernels alone (planned once, launched repeatedly)
+  flexattn      flexattn.torch.decode: one whole step (host planning, upload, launch)
+  flexattn-k    the same step's kernel alone (planned once, launched repeatedly; the splits
+                merged inside the decode kernel)
+  flexattn-sep  the same step with the splits merged by the separate combine kernel
   sdpa          torch SDPA, enable_gqa (cuDNN / flash / efficient, torch's choice); the
                 window variant attends only the window slice; ALiBi as a float bias
   fa4           FlashAttention-4 flash_attn_func (no split-KV on Hopper), no ALiBi
@@ -15,7 +17,10 @@ Two kernel timings: ``bench_ms`` (triton's do_bench: L2 flushed by *writing* 256
 ~50 MB of dirty lines are written back during the timed call — ~17 µs, which caps a
 268 MB step near 2.6 TB/s whatever the kernel) and ``clean_ms`` (L2 flushed by *reading*
 256 MB before each timed call: cold and clean, nothing written back during the call).
-Columns ending in "/c" use clean_ms.
+Columns ending in "/c" use clean_ms. Whole calls are also timed back to back
+(``loop_ms``: 50 calls, no flush, no sync in between — a decoder's steady state, where
+host planning overlaps the previous step's kernel): "/loop" is the GPU time per call
+(events around the loop), "host µs" the host's wall time per call.
 
     python3 benchmarks/bench_decode.py [--shapes 8x8192 8x65536 1x131072] [--out results.json]
     python3 benchmarks/bench_decode.py --sweep     # kernel shapes x split counts, kernels alone
@@ -25,6 +30,7 @@ Columns ending in "/c" use clean_ms.
 import argparse
 import datetime
 import math
+import time
 import traceback
 
 import numpy as np
@@ -73,23 +79,38 @@ def clean_ms(fn, reps=40, warmup=3):
     return float(np.median([s.elapsed_time(e) for s, e in times]))
 
 
-def plan_step(q, cache, score, mask, tuning=None, num_splits=None):
+def loop_ms(fn, n=50):
+    """(GPU ms per call, host µs per call) for n back-to-back calls (see the module doc)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    host_us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n, host_us
+
+
+def plan_step(q, cache, score, mask, tuning=None, num_splits=None, fused_combine=None):
     """A planned decode step (kernels launched by ``step.launch()``) with a chosen kernel
-    shape and split count: the core planner with the torch adapter's device glue."""
+    shape, split count and merge: the core planner with the torch adapter's device glue."""
     from flexattn.core import decode_path
     from flexattn.core.kernel_path import Device
-    from flexattn.torch import _DeviceCopies
+    from flexattn.torch import _decode_workspace, _DeviceCopies
 
     B, Hq, n, _ = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(B, Hq, n, device="cuda")
-    device = Device(torch.cuda.current_stream().cuda_stream, _DeviceCopies(q.device), tvm_ffi_stream=True)
+    stream = torch.cuda.current_stream()
+    device = Device(stream.cuda_stream, _DeviceCopies(q.device), tvm_ffi_stream=True)
     table = cache.page_table if hasattr(cache, "page_table") else None
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    step = decode_path.prepare_decode(q, cache, out, lse, device, sms,
-                                      lambda shape, dt: torch.empty(shape, dtype=getattr(torch, dt), device="cuda"),
+    step = decode_path.prepare_decode(q, cache, out, lse, device, sms, _decode_workspace(q.device, stream),
                                       score_mod=score, mask=mask, page_table=table, tuning=tuning,
-                                      num_splits=num_splits)
+                                      num_splits=num_splits, fused_combine=fused_combine)
     return step, out
 
 
@@ -173,6 +194,9 @@ def run_shape(B, L, rows, fa4=True, flex=True):
                 _, _, step = _kernel_decode(q, cache, score, mask, None, launch=False)
                 impls["flexattn-k"] = step.launch
                 splits = step.num_splits
+                if splits > 1:
+                    sep, sep_out = plan_step(q, cache, score, mask, fused_combine=False)
+                    impls["flexattn-sep"] = lambda sep=sep, sep_out=sep_out: (sep.launch(), sep_out)[1]   # -> its out
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
                 splits = None
@@ -186,12 +210,17 @@ def run_shape(B, L, rows, fa4=True, flex=True):
                     torch.cuda.synchronize()
                     if impl == "flexattn":
                         ref = o
+                    elif impl == "flexattn-sep" and ref is not None:     # the same merge: the same bits
+                        row["max_abs_diff_vs_flexattn"] = (o.float() - ref.float()).abs().max().item()
                     elif ref is not None and isinstance(o, torch.Tensor) and o.shape[-1] == D and layout == "contiguous":
                         o4 = o if o.shape == ref.shape else o.transpose(1, 2)
                         row["rel_diff_vs_flexattn"] = ((o4.float() - ref.float()).norm() / ref.float().norm()).item()
                     ms = bench_ms(fn, 25, 150)
                     row.update(ms=ms, tbps=gbytes / ms)
-                    if impl in ("flexattn-k", "sdpa"):
+                    if impl == "flexattn":
+                        ms_l, host_us = loop_ms(fn)
+                        row.update(ms_loop=ms_l, tbps_loop=gbytes / ms_l, host_us=host_us)
+                    if impl in ("flexattn-k", "flexattn-sep", "sdpa"):
                         ms_c = clean_ms(fn)
                         row.update(ms_clean=ms_c, tbps_clean=gbytes / ms_c)
                 except Exception as e:  # noqa: BLE001
@@ -203,19 +232,23 @@ def run_shape(B, L, rows, fa4=True, flex=True):
 
 
 def table(rows, stamp) -> str:
-    impls = ["flexattn", "flexattn-k", "flexattn-k/c", "sdpa", "sdpa/c", "fa4", "flex"]
+    impls = ["flexattn", "flexattn/loop", "flexattn-k", "flexattn-k/c", "flexattn-sep/c", "sdpa", "sdpa/c", "fa4",
+             "flex"]
     lines = [f"Decode, q_len 1, Hq {HQ} Hkv {HKV} D {D} bf16 — TB/s of K+V bytes needed ({device_name()}, {stamp})", "",
-             "| B | L | layout | variant | splits | " + " | ".join(impls) + " |",
-             "|---|---|---|---|---|" + "---|" * len(impls)]
+             "| B | L | layout | variant | splits | " + " | ".join(impls) + " | host µs |",
+             "|---|---|---|---|---|" + "---|" * (len(impls) + 1)]
     keyed = {}
     for r in rows:
         keyed.setdefault((r["B"], r["L"], r["layout"], r["variant"]), {})[r["impl"]] = r
     for (B, L, layout, name), by in keyed.items():
         cells = []
         for i in impls:
-            r = by.get(i.removesuffix("/c"))
-            key = "tbps_clean" if i.endswith("/c") else "tbps"
+            impl, _, timing = i.partition("/")
+            r = by.get(impl)
+            key = {"c": "tbps_clean", "loop": "tbps_loop"}.get(timing, "tbps")
             cells.append("—" if r is None or r.get(key) is None else f"{r[key]:.2f}")
+        host = by.get("flexattn", {}).get("host_us")
+        cells.append("—" if host is None else f"{host:.0f}")
         splits = next(iter(by.values())).get("splits")
         lines.append(f"| {B} | {L} | {layout} | {name} | {splits} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -229,8 +262,9 @@ def sweep_tunings():
 
 
 def sweep_shape(B, L, rows, split_factors=(1, 2), only=None):
-    """Kernels alone (decode + combine, and decode alone) for every sweep tuning x split
-    count (the heuristic's, and multiples), no mods; SDPA beside them."""
+    """Kernels alone for every sweep tuning x split count (the heuristic's, and multiples),
+    no mods, SDPA beside them: the fused merge, the separate combine kernel after the
+    decode kernel, and that decode kernel alone (no merge at all: a floor)."""
     from flexattn.core.decode_path import choose_splits
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -253,11 +287,15 @@ def sweep_shape(B, L, rows, split_factors=(1, 2), only=None):
                 row = dict(B=B, L=L, layout=layout, tuning=name, splits=base * f)
                 try:
                     step, _ = plan_step(q, cache, None, None, tuning, base * f)
+                    sep, _ = plan_step(q, cache, None, None, tuning, base * f, fused_combine=False)
                     step.launch()
+                    sep.launch()
                     torch.cuda.synchronize()
-                    ms, ms_c, ms_d = bench_ms(step.launch, 25, 150), clean_ms(step.launch), clean_ms(step._decode)
-                    row.update(tbps=gbytes / ms, tbps_clean=gbytes / ms_c, tbps_decode_only=gbytes / ms_d,
-                               combine_us=(ms_c - ms_d) * 1e3)
+                    ms, ms_c = bench_ms(step.launch, 25, 150), clean_ms(step.launch)
+                    ms_s, ms_d = clean_ms(sep.launch), clean_ms(sep._decode)
+                    row.update(tbps=gbytes / ms, tbps_clean=gbytes / ms_c, tbps_sep_clean=gbytes / ms_s,
+                               tbps_decode_only=gbytes / ms_d, merge_us=(ms_c - ms_d) * 1e3,
+                               combine_us=(ms_s - ms_d) * 1e3)
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc()
                     row.update(error=repr(e)[:200])
@@ -269,12 +307,14 @@ def sweep_shape(B, L, rows, split_factors=(1, 2), only=None):
 
 def sweep_table(rows, stamp) -> str:
     lines = [f"Decode kernel sweep, no mods, TB/s ({device_name()}, {stamp}); /c: clean-L2 timing, "
-             "dec/c: decode kernel alone", "",
-             "| B | L | layout | tuning | splits | do_bench | /c | dec/c | combine µs |", "|---|---|---|---|---|---|---|---|---|"]
+             "sep/c: separate combine kernel, dec/c: decode kernel alone (no merge); µs: added to dec/c", "",
+             "| B | L | layout | tuning | splits | do_bench | /c | sep/c | dec/c | fused merge µs | combine µs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        f = [f"{r[k]:.2f}" if r.get(k) is not None else "—" for k in ("tbps", "tbps_clean", "tbps_decode_only")]
-        c = f"{r['combine_us']:.1f}" if r.get("combine_us") is not None else "—"
-        lines.append(f"| {r['B']} | {r['L']} | {r['layout']} | {r['tuning']} | {r['splits']} | {' | '.join(f)} | {c} |")
+        f = [f"{r[k]:.2f}" if r.get(k) is not None else "—"
+             for k in ("tbps", "tbps_clean", "tbps_sep_clean", "tbps_decode_only")]
+        c = [f"{r[k]:.1f}" if r.get(k) is not None else "—" for k in ("merge_us", "combine_us")]
+        lines.append(f"| {r['B']} | {r['L']} | {r['layout']} | {r['tuning']} | {r['splits']} | {' | '.join(f + c)} |")
     return "\n".join(lines)
 
 

@@ -1,16 +1,21 @@
-"""The GPU decode path: plan and launch the split-KV decode kernel (+ combine) for a step.
+"""The GPU decode path: plan and launch the split-KV decode kernel for a step.
 
 Framework-neutral and destination-passing, like ``kernel_path.forward_into``: the adapter
 allocates ``out``/``lse``, supplies a ``Device`` (stream, host→GPU copies), the SM count
-(read by the adapter, never while a kernel is traced) and an allocator for the fp32
-split workspace. Everything the kernel cannot do is refused before anything compiles.
+(read by the adapter, never while a kernel is traced) and a ``DecodeWorkspace`` (the fp32
+split partials, the kernel's arrival tickets, the per-step upload of lengths/offsets).
+Everything the kernel cannot do is refused before anything compiles.
 
 Per step, on the host:
 * the cache's lengths (host copy) give each sequence's query offset (``len - q_len``);
   the mods are rewritten to true positions with those offsets as runtime buffers
   (``mods.positions.shift_queries``) — new values, same structure: nothing recompiles;
   the kernel bounds keys by the per-batch length itself, so no ``limit_keys`` term;
-* ``choose_splits``: how many splits of the kv range fill the GPU (see there).
+* ``choose_splits``: how many splits of the kv range fill the GPU (see there);
+* one launch: the last split CTA of each group merges the splits (``fused_combine``,
+  ``decode_sm90``), counting arrivals in the workspace's tickets;
+* lengths and offsets go to the GPU as one int32 array through ``workspace.upload``
+  (asynchronous: the host plans the next step while the GPU runs this one).
 
 No mask analysis runs on the host: the kernel skips the leading kv blocks its mask
 provably excludes (a sliding window skips the cache's head) by interval analysis on the
@@ -136,6 +141,23 @@ def decode_unsupported(q, k, v, page_size: int) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class DecodeWorkspace:
+    """Device memory and copies a decode step needs besides its outputs (the adapter's).
+
+    ``alloc(shape, "float32")``: an uninitialized device array (the splits' partial O and
+    LSE, per step). ``tickets(n)``: an int32 device array of at least n zeros that stays
+    with this device and stream — the kernel's arrival counters; each group's last split
+    resets its own, so it is zeroed once, never per step (None: merge the splits with the
+    separate combine kernel instead). ``upload(host int32 array)``: its device copy,
+    ordered on the stream, without waiting for the GPU (pinned staging); None: the Device's
+    ``to_device``."""
+
+    alloc: Callable
+    tickets: Callable | None = None
+    upload: Callable | None = None
+
+
 @dataclass
 class DecodeLaunch:
     """One planned step, ready to launch (``launch()`` repeats the kernels with the same
@@ -157,7 +179,7 @@ _PLANS_CAPACITY = 128
 
 
 def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, score, mask,
-                tuning: DecodeTuning = DEFAULT_TUNING):
+                tuning: DecodeTuning = DEFAULT_TUNING, fused_combine: bool = True):
     """The step's DecodeConfig; configs are cached by the mods' structure, so a hit only
     wraps this step's captures in a fresh hook."""
     from ..kernels.decode_sm90 import DecodeConfig
@@ -165,7 +187,7 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
 
     # By IR identity (cached rewrites share it), so a hit hashes no structure; the entry's
     # template holds the IR, so the ids stay its own.
-    key = (dtype, head_dim, num_mma_wg, page_size, tuning,
+    key = (dtype, head_dim, num_mma_wg, page_size, tuning, fused_combine,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     hook = IRModHook(score, mask)
     entry = _PLANS.get(key)
@@ -174,7 +196,7 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
                                for m in (score, mask)))
         config = DecodeConfig(dtype=dtype, head_dim=head_dim, num_mma_wg=num_mma_wg, tile_n=tuning.tile_n,
                               num_stages=tuning.num_stages, ctas_per_sm=tuning.ctas_per_sm,
-                              page_size=page_size, mods=template)
+                              page_size=page_size, fused_combine=fused_combine, mods=template)
         entry = (config, capture_kinds(template))
         if len(_PLANS) >= _PLANS_CAPACITY:
             _PLANS.pop(next(iter(_PLANS)))
@@ -183,17 +205,17 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
     return entry[0].with_mods(hook)
 
 
-def prepare_decode(q, cache, out, lse, device: Device, num_sms: int, alloc: Callable, score_mod=None, mask=None,
-                   scale=None, page_table=None, tuning: DecodeTuning | None = None,
-                   num_splits: int | None = None) -> DecodeLaunch:
+def prepare_decode(q, cache, out, lse, device: Device, num_sms: int, workspace: DecodeWorkspace, score_mod=None,
+                   mask=None, scale=None, page_table=None, tuning: DecodeTuning | None = None,
+                   num_splits: int | None = None, fused_combine: bool | None = None) -> DecodeLaunch:
     """Plan one decode step for the split-KV kernel (``decode_into`` runs it): ``q`` [B, Hq, q_len, D] (the last
     q_len tokens of each sequence, already appended to ``cache``) → ``out`` [B, Hq, q_len, D]
     (contiguous, q's dtype) and ``lse`` [B, Hq, q_len] (float32, natural log).
 
-    ``alloc(shape, "float32")`` returns a device array (the split workspace);
     ``page_table`` overrides the paged cache's table (the adapter passes an int32 copy);
-    ``tuning`` / ``num_splits`` override the kernel shape / the splits heuristic
-    (benchmarks, tests)."""
+    ``tuning`` / ``num_splits`` / ``fused_combine`` override the kernel shape / the splits
+    heuristic / the in-kernel merge (benchmarks, tests; the merge needs
+    ``workspace.tickets``)."""
     paged = hasattr(cache, "page_table")
     k, v = (cache.k_pages, cache.v_pages) if paged else (cache.k, cache.v)
     table = (cache.page_table if page_table is None else page_table) if paged else None
@@ -221,7 +243,7 @@ def prepare_decode(q, cache, out, lse, device: Device, num_sms: int, alloc: Call
             f"every sequence must already hold its {q_len} query tokens (append them first); lengths {lengths.tolist()}")
 
     # Mods at true positions: query row i of sequence b sits at lengths[b] - q_len + i.
-    # One host array [lengths; query offset] goes to the GPU in one copy.
+    # One host array [lengths; query offset] goes to the GPU in one (asynchronous) copy.
     host = np.empty((2, B), dtype=np.int32)
     host[0] = lengths
     q_offset = host[1]
@@ -239,11 +261,15 @@ def prepare_decode(q, cache, out, lse, device: Device, num_sms: int, alloc: Call
     if num_mma_wg > 1 and tuning.ctas_per_sm > 1:   # two consumer warpgroups: one CTA per SM
         tuning = ONE_CTA_TUNING
 
-    on_device = device.to_device(host)
+    if fused_combine is None:
+        fused_combine = workspace.tickets is not None
+    elif fused_combine and workspace.tickets is None:
+        raise ValueError("fused_combine needs workspace.tickets")
+    on_device = (workspace.upload or device.to_device)(host)
     seq_lens, q_offset_dev = on_device[0], on_device[1]
     # The kernel's mods read the offsets from that device copy.
     config = _config_for(dtype, D, num_mma_wg, page_size, _swap(the_score, q_offset, q_offset_dev),
-                         _swap(the_mask, q_offset, q_offset_dev), tuning)
+                         _swap(the_mask, q_offset, q_offset_dev), tuning, fused_combine)
     kv_blocks = int(-(-int(np.max(lengths)) // tuning.tile_n))
     splits = choose_splits(B, kv_heads, m_blocks, kv_blocks, num_sms, tuning)
     if num_splits is not None:
@@ -251,8 +277,10 @@ def prepare_decode(q, cache, out, lse, device: Device, num_sms: int, alloc: Call
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
         splits = int(num_splits)
 
-    o_part = alloc((splits, B, Hq, q_len, D), "float32")
-    lse_part = alloc((splits, B, Hq, q_len), "float32")
+    o_part = workspace.alloc((splits, B, Hq, q_len, D), "float32")
+    lse_part = workspace.alloc((splits, B, Hq, q_len), "float32")
+    # One arrival counter per CTA group (grid dims 1 and 2), all zero between launches.
+    tickets = workspace.tickets(B * kv_heads * m_blocks) if fused_combine else None
     scale_value = float(scale) if scale is not None else 1.0 / math.sqrt(D)
     ffi = use_tvm_ffi(device)
 
@@ -269,8 +297,8 @@ def prepare_decode(q, cache, out, lse, device: Device, num_sms: int, alloc: Call
         args = runtime_args(config.mods, device.to_device)
     runner = decode_runner(config, ffi)
     step = DecodeLaunch(config, splits, lambda: runner.run(
-        q, k, v, table, seq_lens, out, lse, o_part, lse_part, scale_value, args, device.stream))
-    if splits > 1:
+        q, k, v, table, seq_lens, out, lse, o_part, lse_part, tickets, scale_value, args, device.stream))
+    if splits > 1 and not fused_combine:
         rows = B * Hq * q_len
         merge = combine_runner(CombineConfig(dtype=dtype, head_dim=D), ffi)
         views = (o_part.reshape(splits, rows, D), lse_part.reshape(splits, rows), out.reshape(rows, D),
@@ -279,15 +307,15 @@ def prepare_decode(q, cache, out, lse, device: Device, num_sms: int, alloc: Call
     return step
 
 
-def decode_into(q, cache, out, lse, device: Device, num_sms: int, alloc: Callable, score_mod=None, mask=None,
-                scale=None, page_table=None, tuning: DecodeTuning | None = None,
-                num_splits: int | None = None) -> DecodeLaunch:
-    """Run one decode step with the split-KV kernel (+ combine); see ``prepare_decode``."""
-    step = prepare_decode(q, cache, out, lse, device, num_sms, alloc, score_mod, mask, scale, page_table,
-                          tuning, num_splits)
+def decode_into(q, cache, out, lse, device: Device, num_sms: int, workspace: DecodeWorkspace, score_mod=None,
+                mask=None, scale=None, page_table=None, tuning: DecodeTuning | None = None,
+                num_splits: int | None = None, fused_combine: bool | None = None) -> DecodeLaunch:
+    """Run one decode step with the split-KV kernel; see ``prepare_decode``."""
+    step = prepare_decode(q, cache, out, lse, device, num_sms, workspace, score_mod, mask, scale, page_table,
+                          tuning, num_splits, fused_combine)
     step.launch()
     return step
 
 
-__all__ = ["DECODE_MAX_Q_LEN", "DEFAULT_TUNING", "DecodeLaunch", "DecodeTuning", "choose_splits", "decode_into",
-           "decode_unsupported", "prepare_decode"]
+__all__ = ["DECODE_MAX_Q_LEN", "DEFAULT_TUNING", "DecodeLaunch", "DecodeTuning", "DecodeWorkspace", "choose_splits",
+           "decode_into", "decode_unsupported", "prepare_decode"]

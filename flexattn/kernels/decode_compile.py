@@ -24,7 +24,7 @@ def _fake(dtype, rank: int, align: int, inner: int | None = None, divisibility: 
 
 
 def fake_decode_args(cfg: DecodeConfig, mod_args: tuple = (), tvm_ffi: bool = False):
-    """Fake (q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, scale,
+    """Fake (q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, tickets, scale,
     mod_args, stream) for `DecodeSm90.__call__`."""
     import cutlass
     from cutlass.cute.runtime import make_fake_stream
@@ -37,7 +37,8 @@ def fake_decode_args(cfg: DecodeConfig, mod_args: tuple = (), tvm_ffi: bool = Fa
     lse = _fake(cutlass.Float32, 3, 4)
     o_part = _fake(cutlass.Float32, 5, 16, cfg.head_dim, 4)
     lse_part = _fake(cutlass.Float32, 4, 4)
-    return (q, k, v, table, seq_lens, o, lse, o_part, lse_part, cutlass.Float32(1.0),
+    tickets = _fake(cutlass.Int32, 1, 4) if cfg.fused_combine else None
+    return (q, k, v, table, seq_lens, o, lse, o_part, lse_part, tickets, cutlass.Float32(1.0),
             tuple(mod_args) if mod_args else None, make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))
 
 

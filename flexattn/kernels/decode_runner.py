@@ -34,9 +34,10 @@ def _arg_signature(a):
 
 
 class DecodeRunner:
-    """``run(q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, scale, mod_args,
-    stream)``: shapes as in `DecodeSm90.__call__`; ``page_table`` None for a contiguous
-    cache. TVM-FFI: ``mod_args`` from ``ffi_runner.ffi_mod_args``, ``stream`` ignored;
+    """``run(q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, tickets, scale,
+    mod_args, stream)``: shapes as in `DecodeSm90.__call__`; ``page_table`` None for a
+    contiguous cache, ``tickets`` None unless ``cfg.fused_combine``. TVM-FFI: ``mod_args``
+    from ``ffi_runner.ffi_mod_args``, ``stream`` ignored;
     else cute values from ``mod_emit.runtime_args`` and a CUstream handle."""
 
     def __init__(self, cfg: DecodeConfig, tvm_ffi: bool = False):
@@ -48,7 +49,7 @@ class DecodeRunner:
     def num_compiled(self) -> int:
         return len(self._compiled)
 
-    def run(self, q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, scale: float,
+    def run(self, q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, tickets, scale: float,
             mod_args: tuple, stream: int):
         if self.tvm_ffi:
             fn = self._compiled.get("ffi")
@@ -60,7 +61,7 @@ class DecodeRunner:
                 fake = fake_args(self.cfg.mods) if hasattr(self.cfg.mods, "captures") else tuple(mod_args or ())
                 fn = self._compiled["ffi"] = compile_decode(self.cfg, fake, tvm_ffi=True)
                 self.last_compile_seconds = time.perf_counter() - t0
-            fn(q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, float(scale),
+            fn(q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, tickets, float(scale),
                tuple(mod_args) if mod_args else None)
             return
         import cuda.bindings.driver as cuda
@@ -69,7 +70,8 @@ class DecodeRunner:
 
         tensors = [_view(x, 16) for x in (q, k, v)]
         tensors += [None if page_table is None else _view(page_table, 4), _view(seq_lens, 4),
-                    _view(o, 16), _view(lse, 4), _view(o_part, 16), _view(lse_part, 4)]
+                    _view(o, 16), _view(lse, 4), _view(o_part, 16), _view(lse_part, 4),
+                    None if tickets is None else _view(tickets, 4)]
         args = tuple(mod_args) if mod_args else None
         s = cutlass.Float32(scale)
         cu_stream = cuda.CUstream(stream)

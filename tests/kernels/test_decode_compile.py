@@ -1,6 +1,8 @@
 """CPU (CI): the split-KV decode kernel and the split combine compile for sm_90a
-(contiguous / paged caches, with and without IR mods, TVM-FFI and from_dlpack entry),
-use the Hopper paths, do not spill, emit the masked-prefix analysis only for masks; plus
+(contiguous / paged caches, with and without IR mods, TVM-FFI and from_dlpack entry,
+splits merged in the kernel or by the combine kernel), use the Hopper paths, do not
+spill, emit the masked-prefix analysis only for masks and the arrival ticket only for the
+fused merge; plus
 the decode planner's host logic (splits heuristic, errors, no recompiles across steps).
 No GPU needed."""
 
@@ -41,6 +43,8 @@ CASES = {
     "paged256-hd64-softcap-fp16": (dict(head_dim=64, dtype="fp16", page_size=256), mods.softcap(30.0),
                                    mods.causal(), False, 2),
     "paged16-2wg": (dict(head_dim=64, page_size=16, num_mma_wg=2), None, mods.causal(), True, 2),
+    "2cta-separate-combine": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, fused_combine=False),
+                              mods.alibi(num_heads=32), None, False, 4),
 }
 
 
@@ -73,6 +77,12 @@ def test_decode_ptx(compiled, name):
     f64 = len(re.findall(r"\.f64\b", ptx))
     assert (f64 > 0) == (mask is not None), f64
     assert re.search(rf"\.minnctapersm\s+{cfg.ctas_per_sm}\b", ptx)
+    # The fused merge: one acq_rel arrival ticket per split CTA (atom's default scope is
+    # the GPU), the last arrival's reset, the merge's CTA barrier.
+    tickets = re.findall(r"atom\.global\.acq_rel(?:\.gpu)?\.add", ptx)
+    assert len(tickets) == int(cfg.fused_combine), tickets
+    assert ("atom.global.exch" in ptx) == cfg.fused_combine
+    assert bool(re.search(r"bar\.sync\s+2,", ptx)) == cfg.fused_combine
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -99,6 +109,7 @@ def test_combine_compiles(dtype, head_dim, ffi):
 def test_config_validation():
     assert DecodeConfig().key() == DecodeConfig().key()
     assert DecodeConfig().key() != DecodeConfig(page_size=64).key()
+    assert DecodeConfig().key() != DecodeConfig(fused_combine=False).key()
     for bad in (dict(head_dim=96), dict(dtype="fp32"), dict(page_size=8), dict(page_size=48),
                 dict(page_size=192), dict(num_mma_wg=3), dict(num_stages=5), dict(ctas_per_sm=3),
                 dict(ctas_per_sm=2), dict(ctas_per_sm=2, num_mma_wg=2, tile_n=64, num_stages=1)):
@@ -157,7 +168,7 @@ def test_decode_into_refuses_before_launch():
     out, lse = torch.empty(2, 4, 17, 128, dtype=torch.bfloat16), torch.empty(2, 4, 17)
 
     def call(q, c=cache, **kw):
-        return decode_path.decode_into(q, c, out, lse, device=None, num_sms=132, alloc=None, **kw)
+        return decode_path.decode_into(q, c, out, lse, device=None, num_sms=132, workspace=None, **kw)
 
     with pytest.raises(ValueError, match="1..16"):
         call(torch.zeros(2, 4, 17, 128, dtype=torch.bfloat16))
@@ -169,6 +180,11 @@ def test_decode_into_refuses_before_launch():
         call(torch.zeros(2, 4, 1, 128, dtype=torch.bfloat16), paged)
     with pytest.raises(ValueError, match="out/lse"):
         call(torch.zeros(2, 4, 1, 128, dtype=torch.bfloat16))
+    out = torch.empty(2, 4, 1, 128, dtype=torch.bfloat16)
+    no_tickets = decode_path.DecodeWorkspace(alloc=None)
+    with pytest.raises(ValueError, match="tickets"):
+        decode_path.decode_into(torch.zeros(2, 4, 1, 128, dtype=torch.bfloat16), cache, out, torch.empty(2, 4, 1),
+                                device=None, num_sms=132, workspace=no_tickets, fused_combine=True)
 
 
 def test_steps_share_one_config():
