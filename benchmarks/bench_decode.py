@@ -2,8 +2,7 @@
 
   flexattn      flexattn.torch.decode: one whole step (host planning, upload, launch)
   flexattn-k    the same step's kernel alone (planned once, launched repeatedly; the splits
-                merged inside the decode kernel)
-  flexattn-sep  the same step with the splits merged by the separate combine kernel
+                are merged inside the decode kernel)
   sdpa          torch SDPA, enable_gqa (cuDNN / flash / efficient, torch's choice); the
                 window variant attends only the window slice; ALiBi as a float bias
   fa4           FlashAttention-4 flash_attn_func (no split-KV on Hopper), no ALiBi
@@ -94,9 +93,9 @@ def loop_ms(fn, n=50):
     return start.elapsed_time(end) / n, host_us
 
 
-def plan_step(q, cache, score, mask, tuning=None, num_splits=None, fused_combine=None):
-    """A planned decode step (kernels launched by ``step.launch()``) with a chosen kernel
-    shape, split count and merge: the core planner with the torch adapter's device glue."""
+def plan_step(q, cache, score, mask, tuning=None, num_splits=None):
+    """A planned decode step (its kernel launched by ``step.launch()``) with a chosen kernel
+    shape and split count: the core planner with the torch adapter's device glue."""
     from flexattn.core import decode_path
     from flexattn.core.kernel_path import Device
     from flexattn.torch import _decode_workspace, _DeviceCopies
@@ -110,7 +109,7 @@ def plan_step(q, cache, score, mask, tuning=None, num_splits=None, fused_combine
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     step = decode_path.prepare_decode(q, cache, out, lse, device, sms, _decode_workspace(q.device, stream),
                                       score_mod=score, mask=mask, page_table=table, tuning=tuning,
-                                      num_splits=num_splits, fused_combine=fused_combine)
+                                      num_splits=num_splits)
     return step, out
 
 
@@ -194,9 +193,6 @@ def run_shape(B, L, rows, fa4=True, flex=True):
                 _, _, step = _kernel_decode(q, cache, score, mask, None, launch=False)
                 impls["flexattn-k"] = step.launch
                 splits = step.num_splits
-                if splits > 1:
-                    sep, sep_out = plan_step(q, cache, score, mask, fused_combine=False)
-                    impls["flexattn-sep"] = lambda sep=sep, sep_out=sep_out: (sep.launch(), sep_out)[1]   # -> its out
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
                 splits = None
@@ -210,8 +206,6 @@ def run_shape(B, L, rows, fa4=True, flex=True):
                     torch.cuda.synchronize()
                     if impl == "flexattn":
                         ref = o
-                    elif impl == "flexattn-sep" and ref is not None:     # the same merge: the same bits
-                        row["max_abs_diff_vs_flexattn"] = (o.float() - ref.float()).abs().max().item()
                     elif ref is not None and isinstance(o, torch.Tensor) and o.shape[-1] == D and layout == "contiguous":
                         o4 = o if o.shape == ref.shape else o.transpose(1, 2)
                         row["rel_diff_vs_flexattn"] = ((o4.float() - ref.float()).norm() / ref.float().norm()).item()
@@ -220,7 +214,7 @@ def run_shape(B, L, rows, fa4=True, flex=True):
                     if impl == "flexattn":
                         ms_l, host_us = loop_ms(fn)
                         row.update(ms_loop=ms_l, tbps_loop=gbytes / ms_l, host_us=host_us)
-                    if impl in ("flexattn-k", "flexattn-sep", "sdpa"):
+                    if impl in ("flexattn-k", "sdpa"):
                         ms_c = clean_ms(fn)
                         row.update(ms_clean=ms_c, tbps_clean=gbytes / ms_c)
                 except Exception as e:  # noqa: BLE001
@@ -232,8 +226,7 @@ def run_shape(B, L, rows, fa4=True, flex=True):
 
 
 def table(rows, stamp) -> str:
-    impls = ["flexattn", "flexattn/loop", "flexattn-k", "flexattn-k/c", "flexattn-sep/c", "sdpa", "sdpa/c", "fa4",
-             "flex"]
+    impls = ["flexattn", "flexattn/loop", "flexattn-k", "flexattn-k/c", "sdpa", "sdpa/c", "fa4", "flex"]
     lines = [f"Decode, q_len 1, Hq {HQ} Hkv {HKV} D {D} bf16 — TB/s of K+V bytes needed ({device_name()}, {stamp})", "",
              "| B | L | layout | variant | splits | " + " | ".join(impls) + " | host µs |",
              "|---|---|---|---|---|" + "---|" * (len(impls) + 1)]
@@ -262,9 +255,8 @@ def sweep_tunings():
 
 
 def sweep_shape(B, L, rows, split_factors=(1, 2), only=None):
-    """Kernels alone for every sweep tuning x split count (the heuristic's, and multiples),
-    no mods, SDPA beside them: the fused merge, the separate combine kernel after the
-    decode kernel, and that decode kernel alone (no merge at all: a floor)."""
+    """The kernel alone for every sweep tuning x split count (the heuristic's, and
+    multiples), no mods, SDPA beside them."""
     from flexattn.core.decode_path import choose_splits
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -287,15 +279,10 @@ def sweep_shape(B, L, rows, split_factors=(1, 2), only=None):
                 row = dict(B=B, L=L, layout=layout, tuning=name, splits=base * f)
                 try:
                     step, _ = plan_step(q, cache, None, None, tuning, base * f)
-                    sep, _ = plan_step(q, cache, None, None, tuning, base * f, fused_combine=False)
                     step.launch()
-                    sep.launch()
                     torch.cuda.synchronize()
                     ms, ms_c = bench_ms(step.launch, 25, 150), clean_ms(step.launch)
-                    ms_s, ms_d = clean_ms(sep.launch), clean_ms(sep._decode)
-                    row.update(tbps=gbytes / ms, tbps_clean=gbytes / ms_c, tbps_sep_clean=gbytes / ms_s,
-                               tbps_decode_only=gbytes / ms_d, merge_us=(ms_c - ms_d) * 1e3,
-                               combine_us=(ms_s - ms_d) * 1e3)
+                    row.update(tbps=gbytes / ms, tbps_clean=gbytes / ms_c)
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc()
                     row.update(error=repr(e)[:200])
@@ -306,15 +293,11 @@ def sweep_shape(B, L, rows, split_factors=(1, 2), only=None):
 
 
 def sweep_table(rows, stamp) -> str:
-    lines = [f"Decode kernel sweep, no mods, TB/s ({device_name()}, {stamp}); /c: clean-L2 timing, "
-             "sep/c: separate combine kernel, dec/c: decode kernel alone (no merge); µs: added to dec/c", "",
-             "| B | L | layout | tuning | splits | do_bench | /c | sep/c | dec/c | fused merge µs | combine µs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"Decode kernel sweep, no mods, TB/s ({device_name()}, {stamp}); /c: clean-L2 timing", "",
+             "| B | L | layout | tuning | splits | do_bench | /c |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        f = [f"{r[k]:.2f}" if r.get(k) is not None else "—"
-             for k in ("tbps", "tbps_clean", "tbps_sep_clean", "tbps_decode_only")]
-        c = [f"{r[k]:.1f}" if r.get(k) is not None else "—" for k in ("merge_us", "combine_us")]
-        lines.append(f"| {r['B']} | {r['L']} | {r['layout']} | {r['tuning']} | {r['splits']} | {' | '.join(f + c)} |")
+        f = [f"{r[k]:.2f}" if r.get(k) is not None else "—" for k in ("tbps", "tbps_clean")]
+        lines.append(f"| {r['B']} | {r['L']} | {r['layout']} | {r['tuning']} | {r['splits']} | {' | '.join(f)} |")
     return "\n".join(lines)
 
 

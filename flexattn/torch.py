@@ -184,9 +184,9 @@ _DECODE_WORKSPACES: dict = {}
 def _decode_workspace(dev, stream):
     """The decode kernel's workspace on ``stream`` of ``dev`` (one per stream, kept):
     partials from torch's allocator; arrival tickets zeroed once, grown when a step needs
-    more (the kernel leaves them zero); lengths/offsets uploaded from pinned memory
-    without blocking the host (torch's pinned allocator keeps each staging buffer until
-    its copy has run, so a later step never overwrites one still in flight)."""
+    more (the kernel leaves them zero); lengths/offsets copied from pinned memory without
+    blocking the host (torch's pinned allocator keeps each staging buffer until its copy
+    has run, so a later step never overwrites one still in flight)."""
     key = (dev.index, stream.cuda_stream)
     hit = _DECODE_WORKSPACES.get(key)
     if hit is not None:
@@ -203,10 +203,10 @@ def _decode_workspace(dev, stream):
             tickets[0] = torch.zeros(max(n, 2 * tickets[0].numel(), 1024), dtype=torch.int32, device=dev)
         return tickets[0]
 
-    def upload(host):
+    def upload(host, into):
         staging = torch.empty(host.shape, dtype=torch.int32, pin_memory=True)
         staging.numpy()[...] = host
-        return staging.to(dev, non_blocking=True)
+        into.copy_(staging, non_blocking=True)
 
     ws = _DECODE_WORKSPACES[key] = DecodeWorkspace(alloc, get_tickets, upload)
     return ws

@@ -12,74 +12,22 @@ as in the forward.
 `merge_splits` merges one row with one warp: each lane owns D/32 consecutive columns, so
 every split's row is read as one coalesced 256/512-byte segment. It is latency-bound
 (one L2 round trip per dependent load): the LSEs are read across lanes and the partials
-in chunks of loads in flight together (the serialized version cost ~13 us on the H100
-at 16 splits). The decode kernel calls it in the last split CTA of
-each group (the fused combine); `DecodeCombine` is the same merge as a kernel of its own,
-one warp per row, for launches that keep the decode kernel's splits apart.
+in chunks of loads in flight together (a serialized loop cost ~13 us on the H100 at 16
+splits). The decode kernel runs it in the last split CTA of each group. A separate
+combine kernel (a second launch) was measured slower on every benchmark shape — 3-8 us
+after the decode kernel against 2-5 us for the in-kernel merge (benchmarks/RESULTS.md,
+decode, 2026-11-21 21:19 UTC) — and was removed.
 """
 
 import math
-from dataclasses import dataclass
-
-import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32
 
 LOG2_E = math.log2(math.e)
 LN2 = math.log(2.0)
 CHUNK = 16   # splits whose partial rows a lane has in flight at once (4 fp32 each at D 128)
-
-_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
-
-
-@dataclass(frozen=True)
-class CombineConfig:
-    dtype: str = "bf16"     # the output O's dtype
-    head_dim: int = 128     # 64 | 128
-    rows_per_cta: int = 4   # one warp per row
-
-    def __post_init__(self):
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.head_dim not in (64, 128):
-            raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
-
-    def key(self) -> tuple:
-        return ("decode_combine", self.dtype, self.head_dim, self.rows_per_cta)
-
-
-class DecodeCombine:
-    """`cute.compile(DecodeCombine(cfg), o_part, lse_part, o, lse, stream)` with
-    o_part [splits, rows, D] fp32, lse_part [splits, rows] fp32, o [rows, D] (cfg.dtype),
-    lse [rows] fp32 (rows = B * Hq * q_len, flattened by the caller)."""
-
-    def __init__(self, config: CombineConfig):
-        self.cfg = config
-        self.dtype = _DTYPES[config.dtype]
-
-    @cute.jit
-    def __call__(self, mOPart: cute.Tensor, mLSEPart: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, stream: cuda.CUstream):
-        if const_expr(mO.element_type != self.dtype):
-            raise TypeError(f"expected {self.dtype}, got {mO.element_type}")
-        rows = mO.shape[0]
-        grid = ((rows + self.cfg.rows_per_cta - 1) // self.cfg.rows_per_cta, 1, 1)
-        self.kernel(mOPart, mLSEPart, mO, mLSE).launch(
-            grid=grid, block=[32 * self.cfg.rows_per_cta, 1, 1], stream=stream)
-
-    @cute.kernel
-    def kernel(self, mOPart: cute.Tensor, mLSEPart: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor):
-        tidx = cute.arch.thread_idx()[0]
-        bidx = cute.arch.block_idx()[0]
-        lane = tidx % 32
-        row = bidx * self.cfg.rows_per_cta + tidx // 32
-        if row < mO.shape[0]:
-            lse = merge_splits(mLSEPart[None, row], mOPart[None, row, None], mO[row, None], lane,
-                               self.cfg.head_dim)
-            if lane == 0:
-                mLSE[row] = lse
 
 
 @cute.jit
@@ -139,4 +87,4 @@ def _weight(lse_parts, s, num_splits, m_safe):
     return cutlass.select_(s < num_splits, w, Float32(0.0))
 
 
-__all__ = ["CombineConfig", "DecodeCombine", "merge_splits"]
+__all__ = ["merge_splits"]

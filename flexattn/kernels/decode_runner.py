@@ -1,4 +1,4 @@
-"""Launch the decode kernels (split-KV + combine): compile once per structure, run cheaply.
+"""Launch the split-KV decode kernel: compile once per structure, run cheaply.
 
 Two launch paths, as for the forward (`runner.py`, `ffi_runner.py`): with ``tvm_ffi`` the
 kernels are compiled on fake tensors for TVM-FFI calls (framework tensors straight in,
@@ -14,7 +14,6 @@ import time
 
 import flexattn.kernels  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass loads)
 from flexattn.kernels.compile import ARCH_OPTION
-from flexattn.kernels.decode_combine import CombineConfig, DecodeCombine
 from flexattn.kernels.decode_sm90 import DecodeConfig, DecodeSm90
 
 
@@ -36,7 +35,7 @@ def _arg_signature(a):
 class DecodeRunner:
     """``run(q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, tickets, scale,
     mod_args, stream)``: shapes as in `DecodeSm90.__call__`; ``page_table`` None for a
-    contiguous cache, ``tickets`` None unless ``cfg.fused_combine``. TVM-FFI: ``mod_args``
+    contiguous cache; ``tickets`` the arrival counters (zero). TVM-FFI: ``mod_args``
     from ``ffi_runner.ffi_mod_args``, ``stream`` ignored;
     else cute values from ``mod_emit.runtime_args`` and a CUstream handle."""
 
@@ -71,7 +70,7 @@ class DecodeRunner:
         tensors = [_view(x, 16) for x in (q, k, v)]
         tensors += [None if page_table is None else _view(page_table, 4), _view(seq_lens, 4),
                     _view(o, 16), _view(lse, 4), _view(o_part, 16), _view(lse_part, 4),
-                    None if tickets is None else _view(tickets, 4)]
+                    _view(tickets, 4)]
         args = tuple(mod_args) if mod_args else None
         s = cutlass.Float32(scale)
         cu_stream = cuda.CUstream(stream)
@@ -84,31 +83,3 @@ class DecodeRunner:
             self.last_compile_seconds = time.perf_counter() - t0
         fn(*tensors, s, args, cu_stream)
 
-
-class CombineRunner:
-    """``run(o_part [S, R, D], lse_part [S, R], o [R, D], lse [R], stream)``."""
-
-    def __init__(self, cfg: CombineConfig, tvm_ffi: bool = False):
-        self.cfg, self.tvm_ffi = cfg, tvm_ffi
-        self._fn = None
-
-    @property
-    def num_compiled(self) -> int:
-        return int(self._fn is not None)
-
-    def run(self, o_part, lse_part, o, lse, stream: int):
-        if self.tvm_ffi:
-            if self._fn is None:
-                from flexattn.kernels.decode_compile import compile_combine
-
-                self._fn = compile_combine(self.cfg, tvm_ffi=True)
-            self._fn(o_part, lse_part, o, lse)
-            return
-        import cuda.bindings.driver as cuda
-        import cutlass.cute as cute
-
-        tensors = (_view(o_part, 16), _view(lse_part, 4), _view(o, 16), _view(lse, 4))
-        cu_stream = cuda.CUstream(stream)
-        if self._fn is None:
-            self._fn = cute.compile(DecodeCombine(self.cfg), *tensors, cu_stream, options=ARCH_OPTION)
-        self._fn(*tensors, cu_stream)

@@ -13,16 +13,15 @@ One CTA handles one (kv split) x (kv head, packed-row block) x (batch) work item
   natural-log LSE to a workspace. With one split (decided at run time: grid dim 0 == 1)
   the CTA writes O in the input dtype and the final LSE itself. Blocks at or beyond a
   sequence's length are never loaded: that is where a decode step's bandwidth goes.
-* Fused combine (`DecodeConfig.fused_combine`): each split CTA, once its partial is
-  written, takes a ticket — an int32 arrival counter per (batch, kv head, row block) —
-  and the CTA that arrives last merges the group's splits itself
-  (`decode_combine.merge_splits`) and resets the counter to 0, so the counters are zeroed
-  once when allocated, never per step, and no second launch waits on the first: the merge
-  of the last group is all a step adds (a combine launch cost ~5-6 us). Ordering: the
-  consumer threads' partial stores, a CTA barrier, then one acq_rel atomic at GPU scope
-  (release is cumulative over the barrier; the last arrival's acquire covers every
-  split's stores) — the pattern of cutlass::GenericBarrier. Without it the partials are
-  merged by the `DecodeCombine` kernel.
+* In-kernel merge: each split CTA, once its partial is written, takes a ticket — an
+  int32 arrival counter per (batch, kv head, row block) — and the CTA that arrives last
+  merges the group's splits itself (`decode_combine.merge_splits`) and resets the counter
+  to 0, so the counters are zeroed once when allocated, never per step, and no second
+  launch waits on the first: the merge of the last group is all a step adds (2-5 us; a
+  separate combine launch cost 3-8 us). Ordering: the consumer threads' partial stores, a
+  CTA barrier, then one acq_rel atomic at GPU scope (release is cumulative over the
+  barrier; the last arrival's acquire covers every split's stores) — the pattern of
+  cutlass::GenericBarrier. No thread ever waits on another CTA: nothing can deadlock.
 * Masked-prefix skip: with a traced mask (`IRModHook`), every CTA finds n_lo itself — the
   most leading blocks that interval analysis (`interval_emit`) proves masked for all rows
   of its tile, by binary search over prefixes [0, n * tile_n) (inclusion-isotone bounds:
@@ -85,7 +84,6 @@ class DecodeConfig:
     num_stages: int = 3          # K/V ring depth
     ctas_per_sm: int = 1         # 2: registers and shared memory sized for two resident CTAs
     page_size: int = 0           # 0: contiguous cache; else the paged cache's page size
-    fused_combine: bool = True   # the last split CTA of a group merges the splits (tickets)
     mods: ModHook = field(default=NO_MODS, compare=False)
 
     def __post_init__(self):
@@ -156,7 +154,7 @@ class DecodeConfig:
 
     def key(self) -> tuple:
         return ("decode", self.dtype, self.head_dim, self.num_mma_wg, self.tile_n, self.num_stages,
-                self.ctas_per_sm, self.page_size, self.fused_combine, self.mods.key())
+                self.ctas_per_sm, self.page_size, self.mods.key())
 
 
 def check_page_size(page_size: int, tile_n: int) -> None:
@@ -198,8 +196,7 @@ class DecodeSm90:
         mLSE: cute.Tensor,        # [B, Hq, q_len] float32, natural log
         mOPart: cute.Tensor,      # [splits, B, Hq, q_len, D] float32 (num_splits > 1)
         mLSEPart: cute.Tensor,    # [splits, B, Hq, q_len] float32
-        mTickets,                 # [>= B * Hkv * m_blocks] int32, zero between launches
-                                  # (fused_combine), or None
+        mTickets: cute.Tensor,    # [>= B * Hkv * m_blocks] int32, zero between launches
         softmax_scale: Float32,
         mod_args,
         stream: cuda.CUstream,
@@ -210,8 +207,6 @@ class DecodeSm90:
                 raise TypeError(f"expected {self.dtype}, got {t.element_type}")
         if const_expr(cfg.paged != (mPageTable is not None)):
             raise ValueError("a page table must be given iff cfg.page_size > 0")
-        if const_expr(cfg.fused_combine != (mTickets is not None)):
-            raise ValueError("tickets must be given iff cfg.fused_combine")
 
         # K/V as (rows, D, Hkv, outer): outer = batch (contiguous) or page (paged).
         if const_expr(cfg.paged):
@@ -338,14 +333,12 @@ class DecodeSm90:
             self.consume(mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
                          pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block,
                          batch, seqlen, first, count, softmax_scale, scale_log2, mod_args)
-            if const_expr(cfg.fused_combine):
-                if num_splits > 1:
-                    tidx = cute.arch.thread_idx()[0] - 128
-                    ticket = mTickets.iterator + (batch * head_blocks + head_block)
-                    if self._arrived_last(ticket, num_splits, storage.last_arrival.get_tensor(cute.make_layout(2)),
-                                          tidx):
-                        self._merge_group(mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows,
-                                          m_block, batch)
+            if num_splits > 1:
+                tidx = cute.arch.thread_idx()[0] - 128
+                ticket = mTickets.iterator + (batch * head_blocks + head_block)
+                if self._arrived_last(ticket, num_splits, storage.last_arrival.get_tensor(cute.make_layout(2)), tidx):
+                    self._merge_group(mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block,
+                                      batch)
 
     @cute.jit
     def _masked_prefix_blocks(self, batch, heads, q_len, seqlen, n_hi, mod_args):
@@ -555,7 +548,7 @@ class DecodeSm90:
                         mLSEPart[split, batch, head, qi] = lse[r]
 
 
-    # ------------------------------------------------------------------ fused combine
+    # ------------------------------------------------------------------ in-kernel merge
     @cute.jit
     def _arrived_last(self, ticket, num_splits, sFlag, tidx) -> cutlass.Boolean:
         """Called by every consumer thread after its partial stores: True in the CTA whose

@@ -5,8 +5,7 @@ contiguous and paged caches (pages smaller than, equal to and larger than the ti
 shuffled order), mods none / causal / sliding window / ALiBi / softcap, splits forced
 from 1 to many. Outputs, LSE and the split workspace are NaN-poisoned before launch.
 The splits are merged inside the decode kernel (the last split CTA of each group, counted
-by tickets) unless a test asks for the separate combine kernel; the tickets must be zero
-again after every launch. Skipped without CUDA.
+by tickets): the tickets must be zero again after every launch. Skipped without CUDA.
 """
 
 import math
@@ -101,15 +100,23 @@ def make_paged(k, v, lengths, page_size):
     return fa.PagedKVCache(pages[0], pages[1], table, torch.tensor(lengths, dtype=torch.int32))
 
 
+_WORKSPACES = {}
+
+
 def workspace():
-    """The torch adapter's decode workspace (tickets, pinned upload), partials NaN-poisoned."""
+    """The torch adapter's decode workspace (tickets, pinned upload) with NaN-poisoned
+    partials (and positions buffers: -1), one per stream, kept (so plans are reused)."""
     stream = torch.cuda.current_stream()
-    ws = fa._decode_workspace(torch.device(DEV, torch.cuda.current_device()), stream)
+    hit = _WORKSPACES.get(stream.cuda_stream)
+    if hit is None:
+        ws = fa._decode_workspace(torch.device(DEV, torch.cuda.current_device()), stream)
 
-    def alloc(shape, dtype):
-        return torch.full(shape, float("nan"), device=DEV, dtype=getattr(torch, dtype))
+        def alloc(shape, dtype):
+            return torch.full(shape, float("nan") if dtype == "float32" else -1, device=DEV,
+                              dtype=getattr(torch, dtype))
 
-    return decode_path.DecodeWorkspace(alloc, ws.tickets, ws.upload)
+        hit = _WORKSPACES[stream.cuda_stream] = decode_path.DecodeWorkspace(alloc, ws.tickets, ws.upload)
+    return hit
 
 
 def assert_tickets_zero():
@@ -118,7 +125,7 @@ def assert_tickets_zero():
     assert int(tickets.count_nonzero()) == 0, tickets.nonzero().flatten().tolist()
 
 
-def run_kernel(q, cache, mask, score, num_sms, tuning=None, num_splits=None, fused_combine=None, sync=True):
+def run_kernel(q, cache, mask, score, num_sms, tuning=None, num_splits=None, sync=True):
     """decode_into with poisoned outputs and workspace."""
     B, Hq, n, D = q.shape
     out = torch.full((B, Hq, n, D), float("nan"), device=DEV, dtype=q.dtype)
@@ -128,7 +135,7 @@ def run_kernel(q, cache, mask, score, num_sms, tuning=None, num_splits=None, fus
 
     device = Device(torch.cuda.current_stream().cuda_stream, _DeviceCopies(torch.device(DEV)), tvm_ffi_stream=True)
     step = decode_path.decode_into(q, cache, out, lse, device, num_sms, workspace(), score_mod=score, mask=mask,
-                                   tuning=tuning, num_splits=num_splits, fused_combine=fused_combine)
+                                   tuning=tuning, num_splits=num_splits)
     if sync:
         torch.cuda.synchronize()
     return out, lse, step
@@ -280,7 +287,7 @@ def test_adapter_errors_before_launch():
 
 
 def test_long_cache_many_splits():
-    """B 1, 20k tokens, no mask: dozens of splits through the combine kernel."""
+    """B 1, 20k tokens, no mask: dozens of splits merged in the kernel."""
     torch.manual_seed(2)
     B, Hq, Hkv, n, D, cap = 1, 8, 2, 3, 128, 20032
     lengths = [20001]
@@ -293,7 +300,7 @@ def test_long_cache_many_splits():
     torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
 
 
-# --- the fused combine: the last split CTA of each group merges ---------------------------
+# --- the in-kernel merge: the last split CTA of each group merges -------------------------
 
 # (group, Hkv, q_len, page_size, kind, num_splits): GQA 1/4/8, splits 1 / 2 / many (more
 # splits than some sequences have blocks: empty splits), contiguous and paged, with mods.
@@ -309,9 +316,9 @@ FUSED_CASES = [
 
 @pytest.mark.parametrize("group,Hkv,q_len,page_size,kind,num_splits", FUSED_CASES,
                          ids=lambda v: str(v))
-def test_fused_combine_matches_reference_and_combine_kernel(group, Hkv, q_len, page_size, kind, num_splits):
-    """Fused merge vs the float64 reference, and bitwise vs the combine kernel (the same
-    `merge_splits` code, in the same order); poisoned outputs and partials; tickets zero."""
+def test_fused_merge_matches_reference(group, Hkv, q_len, page_size, kind, num_splits):
+    """In-kernel merge vs the float64 reference; poisoned outputs and partials; tickets
+    zero afterwards."""
     random.seed(11)
     torch.manual_seed(11)
     B, D, cap = 3, 128, 2048
@@ -321,16 +328,12 @@ def test_fused_combine_matches_reference_and_combine_kernel(group, Hkv, q_len, p
     q = torch.randn(B, Hq, q_len, D, device=DEV, dtype=torch.bfloat16)
     mask, score, mask_fn, score_fn = variant(kind, Hq)
     out, lse, step = run_kernel(q, cache, mask, score, 132, num_splits=num_splits)
-    assert step.num_splits == num_splits and step._combine is None     # one launch
+    assert step.num_splits == num_splits
     assert_tickets_zero()
     want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), score_fn, mask_fn)
     assert not out.isnan().any() and not lse.isnan().any()
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
-    if num_splits > 1 and kind in ("none", "alibi"):
-        out_k, lse_k, step_k = run_kernel(q, cache, mask, score, 132, num_splits=num_splits, fused_combine=False)
-        assert step_k._combine is not None
-        assert torch.equal(out_k, out) and torch.equal(lse_k, lse)
 
 
 def test_fused_tickets_survive_repeats_and_shape_changes():
@@ -364,10 +367,13 @@ def test_fused_tickets_survive_repeats_and_shape_changes():
         torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
 
 
-def test_adapter_async_steps_match_reference():
+@pytest.mark.parametrize("same_mods", [True, False], ids=["one-plan", "new-mods"])
+def test_adapter_async_steps_match_reference(same_mods):
     """fa.decode steps queued back to back (no sync): the lengths/offsets of each step go
     up from pinned staging asynchronously while the host already appends the next token
-    and plans the next step; each step must see its own lengths."""
+    and plans the next step; each step must see its own lengths — also when the steps
+    share one plan (the same mod objects: one positions buffer, rewritten every step in
+    stream order)."""
     torch.manual_seed(13)
     B, Hq, Hkv, D, cap = 2, 8, 2, 128, 4096
     start = [2500, 1200]
@@ -379,16 +385,21 @@ def test_adapter_async_steps_match_reference():
     for b in range(B):
         k[b, :, : start[b]] = k_all[b, :, : start[b]]
         v[b, :, : start[b]] = v_all[b, :, : start[b]]
+    slopes = torch.from_numpy(mods.alibi_slopes(Hq)).to(DEV).double()
+    score, mask = mods.alibi(num_heads=Hq), mods.causal()
     steps = []
     for t in range(12):
         cache.append(torch.stack([k_all[b, :, start[b] + t: start[b] + t + 1] for b in range(B)]),
                      torch.stack([v_all[b, :, start[b] + t: start[b] + t + 1] for b in range(B)]))
         q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
-        out, lse = fa.decode(q, cache, mask=mods.causal(), return_lse=True)
+        if not same_mods:
+            score, mask = mods.alibi(num_heads=Hq), mods.causal()
+        out, lse = fa.decode(q, cache, score_mod=score, mask=mask, return_lse=True)
         steps.append(([s + t + 1 for s in start], q, out, lse))
     torch.cuda.synchronize()
     assert_tickets_zero()
     for lengths, q, out, lse in steps:
-        want, want_lse = reference(q, k_all, v_all, lengths, 1 / math.sqrt(D), None, lambda b, h, q_, k_: q_ >= k_)
+        want, want_lse = reference(q, k_all, v_all, lengths, 1 / math.sqrt(D),
+                                   lambda s, b, h, q_, k_: s + slopes[h] * (k_ - q_), lambda b, h, q_, k_: q_ >= k_)
         torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)

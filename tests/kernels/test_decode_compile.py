@@ -1,10 +1,8 @@
-"""CPU (CI): the split-KV decode kernel and the split combine compile for sm_90a
-(contiguous / paged caches, with and without IR mods, TVM-FFI and from_dlpack entry,
-splits merged in the kernel or by the combine kernel), use the Hopper paths, do not
-spill, emit the masked-prefix analysis only for masks and the arrival ticket only for the
-fused merge; plus
-the decode planner's host logic (splits heuristic, errors, no recompiles across steps).
-No GPU needed."""
+"""CPU (CI): the split-KV decode kernel compiles for sm_90a (contiguous / paged caches,
+with and without IR mods, TVM-FFI and from_dlpack entry), uses the Hopper paths, does not
+spill, emits the masked-prefix analysis only for masks and the in-kernel merge of the
+splits (arrival ticket, reset); plus the decode planner's host logic (splits heuristic,
+errors, no recompiles across steps, plans reused across steps). No GPU needed."""
 
 import re
 
@@ -16,9 +14,9 @@ pytest.importorskip("cutlass")
 from flexattn import KVCache, PagedKVCache, mods  # noqa: E402
 from flexattn.core import decode_path  # noqa: E402
 from flexattn.core.decode_path import DecodeTuning, choose_splits, decode_unsupported  # noqa: E402
+from flexattn.core.kernel_path import Device  # noqa: E402
 from flexattn.kernels.compile import resource_usage_from_ptx  # noqa: E402
-from flexattn.kernels.decode_combine import CombineConfig  # noqa: E402
-from flexattn.kernels.decode_compile import compile_combine, compile_decode  # noqa: E402
+from flexattn.kernels.decode_compile import compile_decode  # noqa: E402
 from flexattn.kernels.decode_sm90 import DecodeConfig  # noqa: E402
 from flexattn.kernels.mod_emit import IRModHook, fake_args  # noqa: E402
 from flexattn.mods.positions import shift_queries  # noqa: E402
@@ -43,8 +41,6 @@ CASES = {
     "paged256-hd64-softcap-fp16": (dict(head_dim=64, dtype="fp16", page_size=256), mods.softcap(30.0),
                                    mods.causal(), False, 2),
     "paged16-2wg": (dict(head_dim=64, page_size=16, num_mma_wg=2), None, mods.causal(), True, 2),
-    "2cta-separate-combine": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, fused_combine=False),
-                              mods.alibi(num_heads=32), None, False, 4),
 }
 
 
@@ -77,12 +73,12 @@ def test_decode_ptx(compiled, name):
     f64 = len(re.findall(r"\.f64\b", ptx))
     assert (f64 > 0) == (mask is not None), f64
     assert re.search(rf"\.minnctapersm\s+{cfg.ctas_per_sm}\b", ptx)
-    # The fused merge: one acq_rel arrival ticket per split CTA (atom's default scope is
-    # the GPU), the last arrival's reset, the merge's CTA barrier.
-    tickets = re.findall(r"atom\.global\.acq_rel(?:\.gpu)?\.add", ptx)
-    assert len(tickets) == int(cfg.fused_combine), tickets
-    assert ("atom.global.exch" in ptx) == cfg.fused_combine
-    assert bool(re.search(r"bar\.sync\s+2,", ptx)) == cfg.fused_combine
+    # The in-kernel merge: one acq_rel arrival ticket per split CTA (atom's default scope
+    # is the GPU), the last arrival's reset, the arrival barrier, vectorized partial reads.
+    assert len(re.findall(r"atom\.global\.acq_rel(?:\.gpu)?\.add", ptx)) == 1
+    assert ptx.count("atom.global.exch") == 1
+    assert len(re.findall(r"bar\.sync\s+2,", ptx)) == 2
+    assert re.search(r"ld\.global\.v[24]\.(b32|f32)", ptx)   # a lane's D/32 partial columns at once
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -96,20 +92,9 @@ def test_decode_no_spills(compiled, name):
     assert usage.registers * threads * cfg.ctas_per_sm <= 65536, usage   # the CTAs fit one SM
 
 
-@pytest.mark.parametrize("dtype,head_dim,ffi", [("bf16", 128, True), ("fp16", 64, False)])
-def test_combine_compiles(dtype, head_dim, ffi):
-    ptx = compile_combine(CombineConfig(dtype=dtype, head_dim=head_dim), keep_ptx=True, tvm_ffi=ffi).__ptx__
-    assert "ex2.approx" in ptx and "lg2.approx" in ptx
-    assert "ld.global.v4" in ptx or "ld.global.v2" in ptx   # vectorized partial reads
-    usage = resource_usage_from_ptx(ptx)
-    if usage is not None:
-        assert usage.spill_store_bytes == 0 and usage.stack_bytes == 0, usage
-
-
 def test_config_validation():
     assert DecodeConfig().key() == DecodeConfig().key()
     assert DecodeConfig().key() != DecodeConfig(page_size=64).key()
-    assert DecodeConfig().key() != DecodeConfig(fused_combine=False).key()
     for bad in (dict(head_dim=96), dict(dtype="fp32"), dict(page_size=8), dict(page_size=48),
                 dict(page_size=192), dict(num_mma_wg=3), dict(num_stages=5), dict(ctas_per_sm=3),
                 dict(ctas_per_sm=2), dict(ctas_per_sm=2, num_mma_wg=2, tile_n=64, num_stages=1)):
@@ -168,7 +153,7 @@ def test_decode_into_refuses_before_launch():
     out, lse = torch.empty(2, 4, 17, 128, dtype=torch.bfloat16), torch.empty(2, 4, 17)
 
     def call(q, c=cache, **kw):
-        return decode_path.decode_into(q, c, out, lse, device=None, num_sms=132, workspace=None, **kw)
+        return decode_path.decode_into(q, c, out, lse, device=Device(0, None), num_sms=132, workspace=None, **kw)
 
     with pytest.raises(ValueError, match="1..16"):
         call(torch.zeros(2, 4, 17, 128, dtype=torch.bfloat16))
@@ -180,11 +165,6 @@ def test_decode_into_refuses_before_launch():
         call(torch.zeros(2, 4, 1, 128, dtype=torch.bfloat16), paged)
     with pytest.raises(ValueError, match="out/lse"):
         call(torch.zeros(2, 4, 1, 128, dtype=torch.bfloat16))
-    out = torch.empty(2, 4, 1, 128, dtype=torch.bfloat16)
-    no_tickets = decode_path.DecodeWorkspace(alloc=None)
-    with pytest.raises(ValueError, match="tickets"):
-        decode_path.decode_into(torch.zeros(2, 4, 1, 128, dtype=torch.bfloat16), cache, out, torch.empty(2, 4, 1),
-                                device=None, num_sms=132, workspace=no_tickets, fused_combine=True)
 
 
 def test_steps_share_one_config():
@@ -211,3 +191,42 @@ def test_true_position_rewrite_is_cached():
     s2 = decode_path._at_true_positions(softcap, np.array([9], np.int32))
     assert s1.expr is s2.expr
     np.testing.assert_allclose(s2(np.full((1, 3), 20.0), 0, 0, q, kv[:, :3]), softcap(np.full((1, 3), 20.0), 0, 0, q, kv[:, :3]))
+
+
+def test_steps_reuse_one_plan():
+    """A decoder's steps with the same mod objects share one DecodePlan (from the second
+    sighting): the same config and positions buffer, into which every step uploads its
+    own lengths and offsets; new mod objects make a new plan; a reused plan still checks
+    the step's lengths. Nothing launches (CPU arrays, no compile)."""
+    import torch
+
+    B = 2
+    k = torch.zeros(B, 2, 256, 128, dtype=torch.bfloat16)
+    cache = KVCache(k, k, torch.tensor([100, 37], dtype=torch.int32))
+    q = torch.zeros(B, 8, 1, 128, dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(B, 8, 1)
+    uploads = []
+
+    def upload(host, into):
+        into[...] = torch.from_numpy(host)
+        uploads.append((host.copy(), into))
+
+    ws = decode_path.DecodeWorkspace(alloc=lambda shape, dt: torch.empty(shape, dtype=getattr(torch, dt)),
+                                     tickets=lambda n: torch.zeros(max(n, 16), dtype=torch.int32), upload=upload)
+    device = Device(0, lambda x: x if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x)))
+    score, mask = mods.alibi(num_heads=8), mods.sliding_window(64)
+    steps = []
+    for _ in range(4):
+        steps.append(decode_path.prepare_decode(q, cache, out, lse, device, 132, ws, score_mod=score, mask=mask))
+        cache.lengths += 1
+    assert steps[0].config is not steps[1].config           # first sighting: not kept
+    assert steps[1].config is steps[2].config is steps[3].config
+    assert uploads[1][1] is uploads[2][1] is uploads[3][1]   # one positions buffer
+    assert [h[0].tolist() for h, _ in uploads] == [[100, 37], [101, 38], [102, 39], [103, 40]]
+    assert [h[1].tolist() for h, _ in uploads] == [[99, 36], [100, 37], [101, 38], [102, 39]]
+    other = decode_path.prepare_decode(q, cache, out, lse, device, 132, ws, score_mod=mods.alibi(num_heads=8),
+                                       mask=mask)
+    assert other.config is not steps[3].config
+    cache.lengths[1] = 0
+    with pytest.raises(ValueError, match="query tokens"):
+        decode_path.prepare_decode(q, cache, out, lse, device, 132, ws, score_mod=score, mask=mask)
