@@ -58,3 +58,11 @@ def decode_runner(config, tvm_ffi: bool = False):
 
     return _cached(("sm_90a", tvm_ffi) + config.key(), make)
 
+
+def compile_count() -> int:
+    """Kernels compiled in this process so far (tests use it to prove values don't recompile)."""
+    return sum(r.num_compiled for r in _RUNNERS.values())
+
+
+def clear() -> None:
+    _RUNNERS.clear()
