@@ -24,6 +24,7 @@ host planning overlaps the previous step's kernel): "/loop" is the GPU time per 
     python3 benchmarks/bench_decode.py [--shapes 8x8192 8x65536 1x131072] [--out results.json]
     python3 benchmarks/bench_decode.py --sweep     # kernel shapes x split counts, kernels alone
     python3 benchmarks/bench_decode.py --no-flex --no-fa4   # skip the slow baselines
+    python3 benchmarks/bench_decode.py --profile 8x8192     # host time of a steady-state call, by function
 """
 
 import argparse
@@ -301,6 +302,35 @@ def sweep_table(rows, stamp) -> str:
     return "\n".join(lines)
 
 
+def profile_host(B, L, calls=300):
+    """cProfile of back-to-back whole calls (contiguous cache, causal + ALiBi, the same mod
+    objects: the steady state of a decoder), top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    import flexattn.torch as fa
+
+    cache, _, _ = make_inputs(B, L, "contiguous")
+    q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+    mask, score = variant_mods("alibi")
+    for _ in range(20):
+        fa.decode(q, cache, score_mod=score, mask=mask)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(calls):
+        fa.decode(q, cache, score_mod=score, mask=mask)
+    prof.disable()
+    host_us = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+    text = "\n".join(line for line in out.getvalue().splitlines() if line.strip())
+    return f"Host profile, B {B} L {L} causal+alibi, {calls} calls: {host_us:.0f} µs/call (profiled)\n{text}"
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="*", default=["8x8192", "8x65536", "1x131072"])
@@ -310,7 +340,12 @@ def main():
     p.add_argument("--no-flex", action="store_true")
     p.add_argument("--tunings", nargs="*", default=None, help="sweep only these (names in sweep_tunings)")
     p.add_argument("--split-factors", nargs="*", type=int, default=[1, 2])
+    p.add_argument("--profile", default=None, help="BxL: cProfile a steady-state whole call instead")
     args = p.parse_args()
+    if args.profile:
+        B, L = (int(x) for x in args.profile.split("x"))
+        print(profile_host(B, L))
+        return
     torch._dynamo.config.cache_size_limit = 64
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     rows = []
