@@ -14,8 +14,8 @@ every split's row is read as one coalesced 256/512-byte segment. It is latency-b
 (one L2 round trip per dependent load): the LSEs are read across lanes and the partials
 in chunks of loads in flight together (a serialized loop cost ~13 us on the H100 at 16
 splits). The decode kernel runs it in the last split CTA of each group. A separate
-combine kernel (a second launch) was measured slower on every benchmark shape — 3-8 us
-after the decode kernel against 2-5 us for the in-kernel merge (benchmarks/RESULTS.md,
+combine kernel (a second launch) was measured slower on every benchmark shape — 3.3-8 us
+after the decode kernel against 1.6-4.6 us for the in-kernel merge (benchmarks/RESULTS.md,
 decode, 2026-11-21 21:19 UTC) — and was removed.
 """
 
