@@ -1,7 +1,8 @@
 """Decoding (q_len 1) against long KV caches, side by side on one GPU in one process.
 
-  flexattn      flexattn.torch.decode: one whole step (host planning + decode + combine)
-  flexattn-k    the same step's kernels alone (planned once, launched repeatedly)
+  flexattn      flexattn.torch.decode: one whole step (host planning, upload, launch)
+  flexattn-k    the same step's kernel alone (planned once, launched repeatedly; the splits
+                are merged inside the decode kernel)
   sdpa          torch SDPA, enable_gqa (cuDNN / flash / efficient, torch's choice); the
                 window variant attends only the window slice; ALiBi as a float bias
   fa4           FlashAttention-4 flash_attn_func (no split-KV on Hopper), no ALiBi
@@ -15,16 +16,21 @@ Two kernel timings: ``bench_ms`` (triton's do_bench: L2 flushed by *writing* 256
 ~50 MB of dirty lines are written back during the timed call — ~17 µs, which caps a
 268 MB step near 2.6 TB/s whatever the kernel) and ``clean_ms`` (L2 flushed by *reading*
 256 MB before each timed call: cold and clean, nothing written back during the call).
-Columns ending in "/c" use clean_ms.
+Columns ending in "/c" use clean_ms. Whole calls are also timed back to back
+(``loop_ms``: 50 calls, no flush, no sync in between — a decoder's steady state, where
+host planning overlaps the previous step's kernel): "/loop" is the GPU time per call
+(events around the loop), "host µs" the host's wall time per call.
 
     python3 benchmarks/bench_decode.py [--shapes 8x8192 8x65536 1x131072] [--out results.json]
     python3 benchmarks/bench_decode.py --sweep     # kernel shapes x split counts, kernels alone
     python3 benchmarks/bench_decode.py --no-flex --no-fa4   # skip the slow baselines
+    python3 benchmarks/bench_decode.py --profile 8x8192     # host time of a steady-state call, by function
 """
 
 import argparse
 import datetime
 import math
+import time
 import traceback
 
 import numpy as np
@@ -73,21 +79,36 @@ def clean_ms(fn, reps=40, warmup=3):
     return float(np.median([s.elapsed_time(e) for s, e in times]))
 
 
+def loop_ms(fn, n=50):
+    """(GPU ms per call, host µs per call) for n back-to-back calls (see the module doc)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    host_us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n, host_us
+
+
 def plan_step(q, cache, score, mask, tuning=None, num_splits=None):
-    """A planned decode step (kernels launched by ``step.launch()``) with a chosen kernel
+    """A planned decode step (its kernel launched by ``step.launch()``) with a chosen kernel
     shape and split count: the core planner with the torch adapter's device glue."""
     from flexattn.core import decode_path
     from flexattn.core.kernel_path import Device
-    from flexattn.torch import _DeviceCopies
+    from flexattn.torch import _decode_workspace, _DeviceCopies
 
     B, Hq, n, _ = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(B, Hq, n, device="cuda")
-    device = Device(torch.cuda.current_stream().cuda_stream, _DeviceCopies(q.device), tvm_ffi_stream=True)
+    stream = torch.cuda.current_stream()
+    device = Device(stream.cuda_stream, _DeviceCopies(q.device), tvm_ffi_stream=True)
     table = cache.page_table if hasattr(cache, "page_table") else None
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    step = decode_path.prepare_decode(q, cache, out, lse, device, sms,
-                                      lambda shape, dt: torch.empty(shape, dtype=getattr(torch, dt), device="cuda"),
+    step = decode_path.prepare_decode(q, cache, out, lse, device, sms, _decode_workspace(q.device, stream),
                                       score_mod=score, mask=mask, page_table=table, tuning=tuning,
                                       num_splits=num_splits)
     return step, out
@@ -191,6 +212,9 @@ def run_shape(B, L, rows, fa4=True, flex=True):
                         row["rel_diff_vs_flexattn"] = ((o4.float() - ref.float()).norm() / ref.float().norm()).item()
                     ms = bench_ms(fn, 25, 150)
                     row.update(ms=ms, tbps=gbytes / ms)
+                    if impl == "flexattn":
+                        ms_l, host_us = loop_ms(fn)
+                        row.update(ms_loop=ms_l, tbps_loop=gbytes / ms_l, host_us=host_us)
                     if impl in ("flexattn-k", "sdpa"):
                         ms_c = clean_ms(fn)
                         row.update(ms_clean=ms_c, tbps_clean=gbytes / ms_c)
@@ -203,19 +227,22 @@ def run_shape(B, L, rows, fa4=True, flex=True):
 
 
 def table(rows, stamp) -> str:
-    impls = ["flexattn", "flexattn-k", "flexattn-k/c", "sdpa", "sdpa/c", "fa4", "flex"]
+    impls = ["flexattn", "flexattn/loop", "flexattn-k", "flexattn-k/c", "sdpa", "sdpa/c", "fa4", "flex"]
     lines = [f"Decode, q_len 1, Hq {HQ} Hkv {HKV} D {D} bf16 — TB/s of K+V bytes needed ({device_name()}, {stamp})", "",
-             "| B | L | layout | variant | splits | " + " | ".join(impls) + " |",
-             "|---|---|---|---|---|" + "---|" * len(impls)]
+             "| B | L | layout | variant | splits | " + " | ".join(impls) + " | host µs |",
+             "|---|---|---|---|---|" + "---|" * (len(impls) + 1)]
     keyed = {}
     for r in rows:
         keyed.setdefault((r["B"], r["L"], r["layout"], r["variant"]), {})[r["impl"]] = r
     for (B, L, layout, name), by in keyed.items():
         cells = []
         for i in impls:
-            r = by.get(i.removesuffix("/c"))
-            key = "tbps_clean" if i.endswith("/c") else "tbps"
+            impl, _, timing = i.partition("/")
+            r = by.get(impl)
+            key = {"c": "tbps_clean", "loop": "tbps_loop"}.get(timing, "tbps")
             cells.append("—" if r is None or r.get(key) is None else f"{r[key]:.2f}")
+        host = by.get("flexattn", {}).get("host_us")
+        cells.append("—" if host is None else f"{host:.0f}")
         splits = next(iter(by.values())).get("splits")
         lines.append(f"| {B} | {L} | {layout} | {name} | {splits} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -229,8 +256,8 @@ def sweep_tunings():
 
 
 def sweep_shape(B, L, rows, split_factors=(1, 2), only=None):
-    """Kernels alone (decode + combine, and decode alone) for every sweep tuning x split
-    count (the heuristic's, and multiples), no mods; SDPA beside them."""
+    """The kernel alone for every sweep tuning x split count (the heuristic's, and
+    multiples), no mods, SDPA beside them."""
     from flexattn.core.decode_path import choose_splits
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -255,9 +282,8 @@ def sweep_shape(B, L, rows, split_factors=(1, 2), only=None):
                     step, _ = plan_step(q, cache, None, None, tuning, base * f)
                     step.launch()
                     torch.cuda.synchronize()
-                    ms, ms_c, ms_d = bench_ms(step.launch, 25, 150), clean_ms(step.launch), clean_ms(step._decode)
-                    row.update(tbps=gbytes / ms, tbps_clean=gbytes / ms_c, tbps_decode_only=gbytes / ms_d,
-                               combine_us=(ms_c - ms_d) * 1e3)
+                    ms, ms_c = bench_ms(step.launch, 25, 150), clean_ms(step.launch)
+                    row.update(tbps=gbytes / ms, tbps_clean=gbytes / ms_c)
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc()
                     row.update(error=repr(e)[:200])
@@ -268,14 +294,41 @@ def sweep_shape(B, L, rows, split_factors=(1, 2), only=None):
 
 
 def sweep_table(rows, stamp) -> str:
-    lines = [f"Decode kernel sweep, no mods, TB/s ({device_name()}, {stamp}); /c: clean-L2 timing, "
-             "dec/c: decode kernel alone", "",
-             "| B | L | layout | tuning | splits | do_bench | /c | dec/c | combine µs |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"Decode kernel sweep, no mods, TB/s ({device_name()}, {stamp}); /c: clean-L2 timing", "",
+             "| B | L | layout | tuning | splits | do_bench | /c |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        f = [f"{r[k]:.2f}" if r.get(k) is not None else "—" for k in ("tbps", "tbps_clean", "tbps_decode_only")]
-        c = f"{r['combine_us']:.1f}" if r.get("combine_us") is not None else "—"
-        lines.append(f"| {r['B']} | {r['L']} | {r['layout']} | {r['tuning']} | {r['splits']} | {' | '.join(f)} | {c} |")
+        f = [f"{r[k]:.2f}" if r.get(k) is not None else "—" for k in ("tbps", "tbps_clean")]
+        lines.append(f"| {r['B']} | {r['L']} | {r['layout']} | {r['tuning']} | {r['splits']} | {' | '.join(f)} |")
     return "\n".join(lines)
+
+
+def profile_host(B, L, calls=300):
+    """cProfile of back-to-back whole calls (contiguous cache, causal + ALiBi, the same mod
+    objects: the steady state of a decoder), top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    import flexattn.torch as fa
+
+    cache, _, _ = make_inputs(B, L, "contiguous")
+    q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+    mask, score = variant_mods("alibi")
+    for _ in range(20):
+        fa.decode(q, cache, score_mod=score, mask=mask)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(calls):
+        fa.decode(q, cache, score_mod=score, mask=mask)
+    prof.disable()
+    host_us = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+    text = "\n".join(line for line in out.getvalue().splitlines() if line.strip())
+    return f"Host profile, B {B} L {L} causal+alibi, {calls} calls: {host_us:.0f} µs/call (profiled)\n{text}"
 
 
 def main():
@@ -287,7 +340,12 @@ def main():
     p.add_argument("--no-flex", action="store_true")
     p.add_argument("--tunings", nargs="*", default=None, help="sweep only these (names in sweep_tunings)")
     p.add_argument("--split-factors", nargs="*", type=int, default=[1, 2])
+    p.add_argument("--profile", default=None, help="BxL: cProfile a steady-state whole call instead")
     args = p.parse_args()
+    if args.profile:
+        B, L = (int(x) for x in args.profile.split("x"))
+        print(profile_host(B, L))
+        return
     torch._dynamo.config.cache_size_limit = 64
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     rows = []

@@ -163,17 +163,49 @@ def _kernel_decode(query, cache, score_mod, mask, scale, launch=True):
     if num_sms is None:
         num_sms = _SM_COUNTS[dev.index] = torch.cuda.get_device_properties(dev).multi_processor_count
 
-    def alloc(shape, dtype):
-        return torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
-
     with torch.cuda.device(dev):
-        device = Device(torch.cuda.current_stream(dev).cuda_stream, _DeviceCopies(dev), tvm_ffi_stream=True)
-        step = prepare_decode(q, cache, out, lse, device, num_sms, alloc, score_mod=score_mod, mask=mask,
-                              scale=scale, page_table=table)
+        stream = torch.cuda.current_stream(dev)
+        device = Device(stream.cuda_stream, _DeviceCopies(dev), tvm_ffi_stream=True)
+        step = prepare_decode(q, cache, out, lse, device, num_sms, _decode_workspace(dev, stream),
+                              score_mod=score_mod, mask=mask, scale=scale, page_table=table)
         if not launch:
             return out, lse, step
         step.launch()
     return out, lse
+
+
+_DECODE_WORKSPACES: dict = {}
+
+
+def _decode_workspace(dev, stream):
+    """The decode kernel's workspace on ``stream`` of ``dev`` (one per stream, kept):
+    partials from torch's allocator; arrival tickets zeroed once, grown when a step needs
+    more (the kernel leaves them zero); lengths/offsets copied from pinned memory without
+    blocking the host (torch's pinned allocator keeps each staging buffer until its copy
+    has run, so a later step never overwrites one still in flight)."""
+    key = (dev.index, stream.cuda_stream)
+    hit = _DECODE_WORKSPACES.get(key)
+    if hit is not None:
+        return hit
+    from .core.decode_path import DecodeWorkspace
+
+    tickets = [torch.zeros(0, dtype=torch.int32, device=dev)]
+
+    def alloc(shape, dtype):
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
+
+    def get_tickets(n):
+        if tickets[0].numel() < n:
+            tickets[0] = torch.zeros(max(n, 2 * tickets[0].numel(), 1024), dtype=torch.int32, device=dev)
+        return tickets[0]
+
+    def upload(host, into):
+        staging = torch.empty(host.shape, dtype=torch.int32, pin_memory=True)
+        staging.numpy()[...] = host
+        into.copy_(staging, non_blocking=True)
+
+    ws = _DECODE_WORKSPACES[key] = DecodeWorkspace(alloc, get_tickets, upload)
+    return ws
 
 
 # --- torch.compile ------------------------------------------------------------------------------

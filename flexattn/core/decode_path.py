@@ -1,16 +1,23 @@
-"""The GPU decode path: plan and launch the split-KV decode kernel (+ combine) for a step.
+"""The GPU decode path: plan and launch the split-KV decode kernel for a step.
 
 Framework-neutral and destination-passing, like ``kernel_path.forward_into``: the adapter
 allocates ``out``/``lse``, supplies a ``Device`` (stream, host→GPU copies), the SM count
-(read by the adapter, never while a kernel is traced) and an allocator for the fp32
-split workspace. Everything the kernel cannot do is refused before anything compiles.
+(read by the adapter, never while a kernel is traced) and a ``DecodeWorkspace`` (the fp32
+split partials, the kernel's arrival tickets, the per-step upload of lengths/offsets).
+Everything the kernel cannot do is refused before anything compiles.
 
-Per step, on the host:
-* the cache's lengths (host copy) give each sequence's query offset (``len - q_len``);
-  the mods are rewritten to true positions with those offsets as runtime buffers
-  (``mods.positions.shift_queries``) — new values, same structure: nothing recompiles;
-  the kernel bounds keys by the per-batch length itself, so no ``limit_keys`` term;
-* ``choose_splits``: how many splits of the kv range fill the GPU (see there).
+Once per call shape (``DecodePlan``, kept while the same mod objects, shapes and stream
+recur): checks; the mods rewritten to true positions with the query offsets as a runtime
+buffer (``mods.positions.shift_queries``) — the plan's device buffer [lengths; offsets];
+the kernel config and runner; the captures converted. The kernel bounds keys by the
+per-batch length itself, so no ``limit_keys`` term.
+
+Per step, on the host: the cache's lengths (host copy) and the offsets (``len - q_len``)
+go into the plan's buffer through ``workspace.upload`` (asynchronous: the host plans the
+next step while the GPU runs this one — new values, same structure: nothing recompiles);
+``choose_splits`` picks how many splits of the kv range fill the GPU (see there); one
+launch, whose last split CTA of each group merges the splits (``decode_sm90``), counting
+arrivals in the workspace's tickets.
 
 No mask analysis runs on the host: the kernel skips the leading kv blocks its mask
 provably excludes (a sliding window skips the cache's head) by interval analysis on the
@@ -29,12 +36,13 @@ from ..arrays import dtype_name
 from ..mods import as_mask, as_score
 from ..mods.positions import shift_queries
 from .kernel_path import KERNEL_DTYPES, KERNEL_HEAD_DIMS, Device, use_tvm_ffi
+from .prepared import PreparedCalls, call_identity
 
 DECODE_MAX_Q_LEN = 16      # longer query blocks take the ordinary forward kernel
 PAGE_TILE = 128            # page sizes are checked against this tile: then every tile_n
                            # the tuning picks (64 or 128) reads them in place
 MIN_KEYS_PER_SPLIT = 512   # below that a split's fixed costs (Q load, epilogue, its share
-                           # of the combine) outweigh the parallelism it adds
+                           # of the merge) outweigh the parallelism it adds
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,7 @@ def choose_splits(batch: int, kv_heads: int, m_blocks: int, kv_blocks: int, num_
     A memory-bound step needs every SM streaming. ``batch * kv_heads * m_blocks`` CTAs
     exist without splitting; splitting multiplies them, up to ``num_sms * ctas_per_sm *
     waves`` (the resident CTA slots, times the waves the tuning aims for) — more would only
-    add partial results to combine — and no split gets fewer than ``MIN_KEYS_PER_SPLIT``
+    add partial results to merge — and no split gets fewer than ``MIN_KEYS_PER_SPLIT``
     keys of the ``kv_blocks`` blocks (the longest sequence's). The count is then trimmed
     so that the longest sequence leaves no split empty.
     Examples (132 SMs, Hkv 8, one slot per SM): B 8 → 2 splits (128 CTAs); B 1, 128k keys
@@ -103,13 +111,6 @@ def _at_true_positions(mod, q_offset):
     return template.with_captures(tuple(captures))
 
 
-def _swap(mod, old, new):
-    """``mod`` with the capture that is ``old`` (by identity) replaced by ``new``."""
-    if mod is None:
-        return None
-    return mod.with_captures(tuple(new if c is old else c for c in mod.captures))
-
-
 def _is_full(mask) -> bool:
     return mask is None or (mask.expr.op == "const" and mask.expr.attr is True)
 
@@ -136,30 +137,48 @@ def decode_unsupported(q, k, v, page_size: int) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class DecodeWorkspace:
+    """Device memory and copies a decode step needs besides its outputs (the adapter's,
+    one per device and stream).
+
+    ``alloc(shape, dtype)``: an uninitialized device array ("float32": the splits' partial
+    O and LSE, per step; "int32": a plan's lengths/offsets buffer, once per plan).
+    ``tickets(n)``: an int32 device array of at least n zeros that stays with this device
+    and stream — the kernel's arrival counters; each group's last split resets its own, so
+    it is zeroed once, never per step. ``upload(host, into)``: copy the int32 host array
+    into the device array ``into``, ordered on the stream, without waiting for the GPU
+    (pinned staging; a step's copy lands after the previous step's kernel in stream
+    order, so ``into`` can be the same buffer every step)."""
+
+    alloc: Callable
+    tickets: Callable
+    upload: Callable
+
+
 @dataclass
 class DecodeLaunch:
-    """One planned step, ready to launch (``launch()`` repeats the kernels with the same
-    arguments: benchmarks time it apart from the host planning)."""
+    """One planned step, ready to launch (``launch()`` repeats the kernel with the same
+    arguments: benchmarks time it apart from the host planning). It reads the lengths its
+    plan's buffer holds at launch time: preparing a later step of the same plan (same
+    mods, shapes, stream) uploads that step's lengths into the same buffer."""
 
-    config: object          # DecodeConfig; its hook carries this step's captures
+    config: object          # DecodeConfig; its hook carries the plan's captures
     num_splits: int
     _decode: Callable = None
-    _combine: Callable = None
 
     def launch(self) -> None:
         self._decode()
-        if self._combine is not None:
-            self._combine()
 
 
-_PLANS: dict = {}
-_PLANS_CAPACITY = 128
+_CONFIGS: dict = {}
+_CONFIGS_CAPACITY = 128
 
 
 def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, score, mask,
                 tuning: DecodeTuning = DEFAULT_TUNING):
     """The step's DecodeConfig; configs are cached by the mods' structure, so a hit only
-    wraps this step's captures in a fresh hook."""
+    wraps these captures in a fresh hook."""
     from ..kernels.decode_sm90 import DecodeConfig
     from ..kernels.mod_emit import IRModHook, capture_kinds
 
@@ -168,7 +187,7 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
     key = (dtype, head_dim, num_mma_wg, page_size, tuning,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     hook = IRModHook(score, mask)
-    entry = _PLANS.get(key)
+    entry = _CONFIGS.get(key)
     if entry is None:
         template = IRModHook(*(None if m is None else m.with_captures((None,) * len(m.captures))
                                for m in (score, mask)))
@@ -176,118 +195,168 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
                               num_stages=tuning.num_stages, ctas_per_sm=tuning.ctas_per_sm,
                               page_size=page_size, mods=template)
         entry = (config, capture_kinds(template))
-        if len(_PLANS) >= _PLANS_CAPACITY:
-            _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = entry
+        if len(_CONFIGS) >= _CONFIGS_CAPACITY:
+            _CONFIGS.pop(next(iter(_CONFIGS)))
+        _CONFIGS[key] = entry
     hook.capture_kinds = entry[1]
     return entry[0].with_mods(hook)
 
 
-def prepare_decode(q, cache, out, lse, device: Device, num_sms: int, alloc: Callable, score_mod=None, mask=None,
-                   scale=None, page_table=None, tuning: DecodeTuning | None = None,
+class DecodePlan:
+    """Everything about a step that stays while the mods, shapes and dtypes do: the kernel
+    config with the mods rewritten to true positions, its runner, the captures converted
+    for the launch, and a device buffer [lengths; query offsets] the mods' offset capture
+    reads — each step uploads its values into it (``step``), so a plan serves every step
+    of a decoder. Plans are kept per call shape (``_PREPARED``): a repeated step skips the
+    checks, the rewrite and the conversions."""
+
+    def __init__(self, q, k, out, page_size: int, tuning: DecodeTuning, device: Device, workspace: DecodeWorkspace,
+                 score_mod, mask, scale):
+        B, Hq, q_len, D = (int(s) for s in q.shape)
+        paged = page_size > 0
+        self.kv_heads = int(k.shape[2] if paged else k.shape[1])
+        self.q_len, self.batch = q_len, B
+        self.workspace = workspace   # held: its id in the plan's key is never reused meanwhile
+        group_rows = (Hq // self.kv_heads) * q_len
+        num_mma_wg = 1 if group_rows <= 64 else 2
+        self.m_blocks = -(-group_rows // (64 * num_mma_wg))
+        if num_mma_wg > 1 and tuning.ctas_per_sm > 1:   # two consumer warpgroups: one CTA per SM
+            tuning = ONE_CTA_TUNING
+        self.tuning = tuning
+        self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
+        self.part_shapes = ((B, Hq, q_len, D), (B, Hq, q_len))
+
+        # Mods at true positions: query row i of sequence b sits at lengths[b] - q_len + i,
+        # read from row 1 of the positions buffer (row 0: the lengths the kernel bounds keys by).
+        self.positions = workspace.alloc((2, B), "int32")
+        self.seq_lens, q_offset = self.positions[0], self.positions[1]
+        base = None if mask is None else as_mask(mask, "mask")
+        the_mask = None if _is_full(base) else _at_true_positions(base, q_offset)
+        the_score = None if score_mod is None else _at_true_positions(as_score(score_mod, "score_mod"), q_offset)
+        self.config = _config_for(KERNEL_DTYPES[dtype_name(q)], D, num_mma_wg, page_size, the_score, the_mask,
+                                  tuning)
+
+        from ..kernels.cache import decode_runner
+        from ..kernels.mod_emit import capture_kinds
+
+        self.ffi = use_tvm_ffi(device)
+        self.runner = decode_runner(self.config, self.ffi)
+        self._kinds, self._captures = capture_kinds(self.config.mods), self.config.mods.captures()
+        self._to_device = device.to_device
+        # Numbers, read-only arrays and our positions buffer cannot change under the plan:
+        # convert once. Anything else (framework tensors, writeable arrays) may be updated
+        # in place or rebound between steps: convert per step.
+        frozen = all(isinstance(c, (int, float, np.integer, np.floating))
+                     or (isinstance(c, np.ndarray) and not c.flags.writeable) or c is q_offset
+                     for c in self._captures)
+        self._args = self._convert() if frozen else None
+
+    def _convert(self) -> tuple:
+        if self.ffi:
+            from ..kernels.ffi_runner import ffi_args
+
+            return ffi_args(self._kinds, self._captures, self._to_device)
+        from ..kernels.mod_emit import runtime_args
+
+        return runtime_args(self.config.mods, self._to_device)
+
+    def step(self, q, k, v, table, out, lse, lengths: np.ndarray, device: Device, num_sms: int,
+             workspace: DecodeWorkspace, num_splits: int | None = None) -> DecodeLaunch:
+        """This step's launch: its lengths uploaded, its split count and workspace."""
+        host = np.empty((2, self.batch), dtype=np.int32)
+        host[0] = lengths
+        host[1] = lengths - self.q_len
+        workspace.upload(host, self.positions)
+        kv_blocks = -(-int(lengths.max()) // self.tuning.tile_n)
+        splits = choose_splits(self.batch, self.kv_heads, self.m_blocks, kv_blocks, num_sms, self.tuning)
+        if num_splits is not None:
+            if num_splits < 1:
+                raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+            splits = int(num_splits)
+        o_shape, lse_shape = self.part_shapes
+        o_part = workspace.alloc((splits,) + o_shape, "float32")
+        lse_part = workspace.alloc((splits,) + lse_shape, "float32")
+        # One arrival counter per CTA group (grid dims 1 and 2), all zero between launches.
+        tickets = workspace.tickets(self.batch * self.kv_heads * self.m_blocks)
+        args = self._args if self._args is not None else self._convert()
+        run, seq_lens, scale, stream = self.runner.run, self.seq_lens, self.scale, device.stream
+        return DecodeLaunch(self.config, splits, lambda: run(
+            q, k, v, table, seq_lens, out, lse, o_part, lse_part, tickets, scale, args, stream))
+
+
+_PREPARED = PreparedCalls(capacity=64)
+
+
+def _array_key(x) -> tuple:
+    return None if x is None else (tuple(x.shape), dtype_name(x))
+
+
+def prepare_decode(q, cache, out, lse, device: Device, num_sms: int, workspace: DecodeWorkspace, score_mod=None,
+                   mask=None, scale=None, page_table=None, tuning: DecodeTuning | None = None,
                    num_splits: int | None = None) -> DecodeLaunch:
     """Plan one decode step for the split-KV kernel (``decode_into`` runs it): ``q`` [B, Hq, q_len, D] (the last
     q_len tokens of each sequence, already appended to ``cache``) → ``out`` [B, Hq, q_len, D]
     (contiguous, q's dtype) and ``lse`` [B, Hq, q_len] (float32, natural log).
 
-    ``alloc(shape, "float32")`` returns a device array (the split workspace);
     ``page_table`` overrides the paged cache's table (the adapter passes an int32 copy);
     ``tuning`` / ``num_splits`` override the kernel shape / the splits heuristic
-    (benchmarks, tests)."""
+    (benchmarks, tests). A step like an earlier one — the same mod objects (``Mod``
+    values: plain functions are traced anew), scale, tuning, workspace and stream, arrays
+    of the same shapes and dtypes — reuses that step's ``DecodePlan``: only the lengths
+    are read and checked."""
     paged = hasattr(cache, "page_table")
     k, v = (cache.k_pages, cache.v_pages) if paged else (cache.k, cache.v)
     table = (cache.page_table if page_table is None else page_table) if paged else None
     page_size = cache.page_size if paged else 0
+    tuning = DEFAULT_TUNING if tuning is None else tuning
+    call = (score_mod, None, scale, True, mask, None)
+    identity = call_identity(call)
+    key = None if identity is None else identity + (
+        tuning, page_size, id(workspace), device.stream, tuple(q.shape), dtype_name(q), _array_key(k),
+        _array_key(v), _array_key(table), _array_key(out), _array_key(lse))
+    plan = None if key is None else _PREPARED.get(key, call)
+    if plan is None or plan.workspace is not workspace:
+        _check_step(q, k, v, table, page_size, out, lse)
+        plan = DecodePlan(q, k, out, page_size, tuning, device, workspace, score_mod, mask, scale)
+        if key is not None:
+            _PREPARED.add(key, call, lambda: plan)
+    lengths = cache.host_lengths()
+    if lengths.shape[0] != plan.batch:
+        raise ValueError(f"query batch {plan.batch} does not match the cache's {lengths.shape[0]}")
+    if lengths.min(initial=plan.q_len) < plan.q_len:
+        raise ValueError(f"every sequence must already hold its {plan.q_len} query tokens (append them first); "
+                         f"lengths {lengths.tolist()}")
+    return plan.step(q, k, v, table, out, lse, lengths, device, num_sms, workspace, num_splits)
+
+
+def _check_step(q, k, v, table, page_size: int, out, lse) -> None:
+    """Everything about the arrays the kernel cannot take, refused before anything compiles."""
     reason = decode_unsupported(q, k, v, page_size)
     if reason:
         raise ValueError(reason)
     if len(q.shape) != 4:
         raise ValueError(f"query must be 4-D [B, Hq, q_len, D], got shape {tuple(q.shape)}")
     B, Hq, q_len, D = (int(s) for s in q.shape)
-    kv_heads = int(k.shape[2] if paged else k.shape[1])
+    kv_heads = int(k.shape[2] if page_size else k.shape[1])
     if not 1 <= q_len <= DECODE_MAX_Q_LEN:
         raise ValueError(f"the decode kernel takes 1..{DECODE_MAX_Q_LEN} query tokens, got {q_len}")
     if kv_heads == 0 or Hq % kv_heads:
         raise ValueError(f"query heads ({Hq}) must be a multiple of the cache's kv heads ({kv_heads})")
-    if paged and dtype_name(table) != "int32":
+    if page_size and dtype_name(table) != "int32":
         raise ValueError(f"the GPU decode kernel reads an int32 page table, got {dtype_name(table)}")
     if tuple(out.shape) != (B, Hq, q_len, D) or tuple(lse.shape) != (B, Hq, q_len):
         raise ValueError(f"out/lse must be [B, Hq, q_len, D] / [B, Hq, q_len], got {tuple(out.shape)} / {tuple(lse.shape)}")
-    lengths = cache.host_lengths()
-    if lengths.shape[0] != B:
-        raise ValueError(f"query batch {B} does not match the cache's {lengths.shape[0]}")
-    if np.any(lengths < q_len):
-        raise ValueError(
-            f"every sequence must already hold its {q_len} query tokens (append them first); lengths {lengths.tolist()}")
-
-    # Mods at true positions: query row i of sequence b sits at lengths[b] - q_len + i.
-    # One host array [lengths; query offset] goes to the GPU in one copy.
-    host = np.empty((2, B), dtype=np.int32)
-    host[0] = lengths
-    q_offset = host[1]
-    q_offset[:] = lengths - q_len
-    base = None if mask is None else as_mask(mask, "mask")
-    the_mask = None if _is_full(base) else _at_true_positions(base, q_offset)
-    the_score = None if score_mod is None else _at_true_positions(as_score(score_mod, "score_mod"), q_offset)
-
-    group_rows = (Hq // kv_heads) * q_len
-    num_mma_wg = 1 if group_rows <= 64 else 2
-    m_blocks = -(-group_rows // (64 * num_mma_wg))
-    dtype = KERNEL_DTYPES[dtype_name(q)]
-    if tuning is None:
-        tuning = DEFAULT_TUNING
-    if num_mma_wg > 1 and tuning.ctas_per_sm > 1:   # two consumer warpgroups: one CTA per SM
-        tuning = ONE_CTA_TUNING
-
-    on_device = device.to_device(host)
-    seq_lens, q_offset_dev = on_device[0], on_device[1]
-    # The kernel's mods read the offsets from that device copy.
-    config = _config_for(dtype, D, num_mma_wg, page_size, _swap(the_score, q_offset, q_offset_dev),
-                         _swap(the_mask, q_offset, q_offset_dev), tuning)
-    kv_blocks = int(-(-int(np.max(lengths)) // tuning.tile_n))
-    splits = choose_splits(B, kv_heads, m_blocks, kv_blocks, num_sms, tuning)
-    if num_splits is not None:
-        if num_splits < 1:
-            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-        splits = int(num_splits)
-
-    o_part = alloc((splits, B, Hq, q_len, D), "float32")
-    lse_part = alloc((splits, B, Hq, q_len), "float32")
-    scale_value = float(scale) if scale is not None else 1.0 / math.sqrt(D)
-    ffi = use_tvm_ffi(device)
-
-    from ..kernels.cache import combine_runner, decode_runner
-    from ..kernels.decode_combine import CombineConfig
-
-    if ffi:
-        from ..kernels.ffi_runner import ffi_mod_args
-
-        args = ffi_mod_args(config.mods, device.to_device)
-    else:
-        from ..kernels.mod_emit import runtime_args
-
-        args = runtime_args(config.mods, device.to_device)
-    runner = decode_runner(config, ffi)
-    step = DecodeLaunch(config, splits, lambda: runner.run(
-        q, k, v, table, seq_lens, out, lse, o_part, lse_part, scale_value, args, device.stream))
-    if splits > 1:
-        rows = B * Hq * q_len
-        merge = combine_runner(CombineConfig(dtype=dtype, head_dim=D), ffi)
-        views = (o_part.reshape(splits, rows, D), lse_part.reshape(splits, rows), out.reshape(rows, D),
-                 lse.reshape(rows))
-        step._combine = lambda: merge.run(*views, device.stream)
-    return step
 
 
-def decode_into(q, cache, out, lse, device: Device, num_sms: int, alloc: Callable, score_mod=None, mask=None,
-                scale=None, page_table=None, tuning: DecodeTuning | None = None,
+def decode_into(q, cache, out, lse, device: Device, num_sms: int, workspace: DecodeWorkspace, score_mod=None,
+                mask=None, scale=None, page_table=None, tuning: DecodeTuning | None = None,
                 num_splits: int | None = None) -> DecodeLaunch:
-    """Run one decode step with the split-KV kernel (+ combine); see ``prepare_decode``."""
-    step = prepare_decode(q, cache, out, lse, device, num_sms, alloc, score_mod, mask, scale, page_table,
+    """Run one decode step with the split-KV kernel; see ``prepare_decode``."""
+    step = prepare_decode(q, cache, out, lse, device, num_sms, workspace, score_mod, mask, scale, page_table,
                           tuning, num_splits)
     step.launch()
     return step
 
 
-__all__ = ["DECODE_MAX_Q_LEN", "DEFAULT_TUNING", "DecodeLaunch", "DecodeTuning", "choose_splits", "decode_into",
-           "decode_unsupported", "prepare_decode"]
+__all__ = ["DECODE_MAX_Q_LEN", "DEFAULT_TUNING", "DecodeLaunch", "DecodePlan", "DecodeTuning", "DecodeWorkspace",
+           "choose_splits", "decode_into", "decode_unsupported", "prepare_decode"]

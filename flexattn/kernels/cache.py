@@ -1,7 +1,7 @@
 """Compile cache: one runner per kernel configuration, compiled kernels kept in memory.
 
 Forward runners (``forward_runner``), backward runners (``backward_runner``) and the
-decode runners (``decode_runner``, ``combine_runner``). Key:
+decode runners (``decode_runner``). Key:
 ``FwdConfig.key()`` / ``BwdConfig.key()`` — dtype, head dim, tiles, stages, schedule,
 block structure and the mods' *structure* keys — plus, inside the runner, the kinds of the hook's runtime
 args (scalar types, buffer dtypes and ranks). Captured values never enter a key, so new
@@ -55,16 +55,6 @@ def decode_runner(config, tvm_ffi: bool = False):
         from .decode_runner import DecodeRunner
 
         return DecodeRunner(config, tvm_ffi)
-
-    return _cached(("sm_90a", tvm_ffi) + config.key(), make)
-
-
-def combine_runner(config, tvm_ffi: bool = False):
-    """The ``CombineRunner`` for a ``CombineConfig`` (merges decode splits)."""
-    def make():
-        from .decode_runner import CombineRunner
-
-        return CombineRunner(config, tvm_ffi)
 
     return _cached(("sm_90a", tvm_ffi) + config.key(), make)
 

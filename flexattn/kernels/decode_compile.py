@@ -1,4 +1,4 @@
-"""Compile the decode kernels ahead of time on fake tensors (CPU-only, no driver).
+"""Compile the decode kernel ahead of time on fake tensors (CPU-only, no driver).
 
 Symbolic shapes and strides exactly as `decode_runner` passes them (head dim contiguous,
 16-byte rows; fp32 workspaces and int32 vectors with contiguous last dims), so the PTX
@@ -8,7 +8,6 @@ is the one a launch would use.
 import tempfile
 
 from flexattn.kernels.compile import ARCH_OPTION, _dump_dir
-from flexattn.kernels.decode_combine import CombineConfig, DecodeCombine
 from flexattn.kernels.decode_sm90 import DecodeConfig, DecodeSm90
 
 
@@ -24,7 +23,7 @@ def _fake(dtype, rank: int, align: int, inner: int | None = None, divisibility: 
 
 
 def fake_decode_args(cfg: DecodeConfig, mod_args: tuple = (), tvm_ffi: bool = False):
-    """Fake (q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, scale,
+    """Fake (q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, tickets, scale,
     mod_args, stream) for `DecodeSm90.__call__`."""
     import cutlass
     from cutlass.cute.runtime import make_fake_stream
@@ -37,21 +36,9 @@ def fake_decode_args(cfg: DecodeConfig, mod_args: tuple = (), tvm_ffi: bool = Fa
     lse = _fake(cutlass.Float32, 3, 4)
     o_part = _fake(cutlass.Float32, 5, 16, cfg.head_dim, 4)
     lse_part = _fake(cutlass.Float32, 4, 4)
-    return (q, k, v, table, seq_lens, o, lse, o_part, lse_part, cutlass.Float32(1.0),
+    tickets = _fake(cutlass.Int32, 1, 4)
+    return (q, k, v, table, seq_lens, o, lse, o_part, lse_part, tickets, cutlass.Float32(1.0),
             tuple(mod_args) if mod_args else None, make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))
-
-
-def fake_combine_args(cfg: CombineConfig, tvm_ffi: bool = False):
-    """Fake (o_part [S, R, D], lse_part [S, R], o [R, D], lse [R], stream)."""
-    import cutlass
-    from cutlass.cute.runtime import make_fake_stream
-
-    o_part = _fake(cutlass.Float32, 3, 16, cfg.head_dim, 4)
-    lse_part = _fake(cutlass.Float32, 2, 4)
-    dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[cfg.dtype]
-    o = _fake(dt, 2, 16, cfg.head_dim, 128 // dt.width)
-    lse = _fake(cutlass.Float32, 1, 4)
-    return (o_part, lse_part, o, lse, make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))
 
 
 def _compile(kernel, args, keep_ptx: bool, tvm_ffi: bool):
@@ -69,7 +56,3 @@ def compile_decode(cfg: DecodeConfig, mod_args: tuple = (), *, keep_ptx: bool = 
     """Compile the split-KV decode kernel for `cfg` (`mod_args`: typed stand-ins)."""
     return _compile(DecodeSm90(cfg), fake_decode_args(cfg, mod_args, tvm_ffi), keep_ptx, tvm_ffi)
 
-
-def compile_combine(cfg: CombineConfig, *, keep_ptx: bool = False, tvm_ffi: bool = False):
-    """Compile the split-combine kernel for `cfg`."""
-    return _compile(DecodeCombine(cfg), fake_combine_args(cfg, tvm_ffi), keep_ptx, tvm_ffi)

@@ -1,4 +1,4 @@
-"""Launch the decode kernels (split-KV + combine): compile once per structure, run cheaply.
+"""Launch the split-KV decode kernel: compile once per structure, run cheaply.
 
 Two launch paths, as for the forward (`runner.py`, `ffi_runner.py`): with ``tvm_ffi`` the
 kernels are compiled on fake tensors for TVM-FFI calls (framework tensors straight in,
@@ -14,7 +14,6 @@ import time
 
 import flexattn.kernels  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass loads)
 from flexattn.kernels.compile import ARCH_OPTION
-from flexattn.kernels.decode_combine import CombineConfig, DecodeCombine
 from flexattn.kernels.decode_sm90 import DecodeConfig, DecodeSm90
 
 
@@ -34,9 +33,10 @@ def _arg_signature(a):
 
 
 class DecodeRunner:
-    """``run(q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, scale, mod_args,
-    stream)``: shapes as in `DecodeSm90.__call__`; ``page_table`` None for a contiguous
-    cache. TVM-FFI: ``mod_args`` from ``ffi_runner.ffi_mod_args``, ``stream`` ignored;
+    """``run(q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, tickets, scale,
+    mod_args, stream)``: shapes as in `DecodeSm90.__call__`; ``page_table`` None for a
+    contiguous cache; ``tickets`` the arrival counters (zero). TVM-FFI: ``mod_args``
+    from ``ffi_runner.ffi_mod_args``, ``stream`` ignored;
     else cute values from ``mod_emit.runtime_args`` and a CUstream handle."""
 
     def __init__(self, cfg: DecodeConfig, tvm_ffi: bool = False):
@@ -48,7 +48,7 @@ class DecodeRunner:
     def num_compiled(self) -> int:
         return len(self._compiled)
 
-    def run(self, q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, scale: float,
+    def run(self, q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, tickets, scale: float,
             mod_args: tuple, stream: int):
         if self.tvm_ffi:
             fn = self._compiled.get("ffi")
@@ -60,7 +60,7 @@ class DecodeRunner:
                 fake = fake_args(self.cfg.mods) if hasattr(self.cfg.mods, "captures") else tuple(mod_args or ())
                 fn = self._compiled["ffi"] = compile_decode(self.cfg, fake, tvm_ffi=True)
                 self.last_compile_seconds = time.perf_counter() - t0
-            fn(q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, float(scale),
+            fn(q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, tickets, float(scale),
                tuple(mod_args) if mod_args else None)
             return
         import cuda.bindings.driver as cuda
@@ -69,7 +69,8 @@ class DecodeRunner:
 
         tensors = [_view(x, 16) for x in (q, k, v)]
         tensors += [None if page_table is None else _view(page_table, 4), _view(seq_lens, 4),
-                    _view(o, 16), _view(lse, 4), _view(o_part, 16), _view(lse_part, 4)]
+                    _view(o, 16), _view(lse, 4), _view(o_part, 16), _view(lse_part, 4),
+                    _view(tickets, 4)]
         args = tuple(mod_args) if mod_args else None
         s = cutlass.Float32(scale)
         cu_stream = cuda.CUstream(stream)
@@ -82,31 +83,3 @@ class DecodeRunner:
             self.last_compile_seconds = time.perf_counter() - t0
         fn(*tensors, s, args, cu_stream)
 
-
-class CombineRunner:
-    """``run(o_part [S, R, D], lse_part [S, R], o [R, D], lse [R], stream)``."""
-
-    def __init__(self, cfg: CombineConfig, tvm_ffi: bool = False):
-        self.cfg, self.tvm_ffi = cfg, tvm_ffi
-        self._fn = None
-
-    @property
-    def num_compiled(self) -> int:
-        return int(self._fn is not None)
-
-    def run(self, o_part, lse_part, o, lse, stream: int):
-        if self.tvm_ffi:
-            if self._fn is None:
-                from flexattn.kernels.decode_compile import compile_combine
-
-                self._fn = compile_combine(self.cfg, tvm_ffi=True)
-            self._fn(o_part, lse_part, o, lse)
-            return
-        import cuda.bindings.driver as cuda
-        import cutlass.cute as cute
-
-        tensors = (_view(o_part, 16), _view(lse_part, 4), _view(o, 16), _view(lse, 4))
-        cu_stream = cuda.CUstream(stream)
-        if self._fn is None:
-            self._fn = cute.compile(DecodeCombine(self.cfg), *tensors, cu_stream, options=ARCH_OPTION)
-        self._fn(*tensors, cu_stream)

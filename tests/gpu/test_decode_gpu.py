@@ -1,10 +1,11 @@
-"""GPU: the split-KV decode kernel (+ combine) against a float64 reference.
+"""GPU: the split-KV decode kernel against a float64 reference.
 
 Randomized steps: q_len 1..16, cache lengths not multiples of the tile, GQA ratios 1/4/8,
 contiguous and paged caches (pages smaller than, equal to and larger than the tile, in
 shuffled order), mods none / causal / sliding window / ALiBi / softcap, splits forced
 from 1 to many. Outputs, LSE and the split workspace are NaN-poisoned before launch.
-Skipped without CUDA.
+The splits are merged inside the decode kernel (the last split CTA of each group, counted
+by tickets): the tickets must be zero again after every launch. Skipped without CUDA.
 """
 
 import math
@@ -99,21 +100,44 @@ def make_paged(k, v, lengths, page_size):
     return fa.PagedKVCache(pages[0], pages[1], table, torch.tensor(lengths, dtype=torch.int32))
 
 
-def run_kernel(q, cache, mask, score, num_sms, tuning=None, num_splits=None):
+_WORKSPACES = {}
+
+
+def workspace():
+    """The torch adapter's decode workspace (tickets, pinned upload) with NaN-poisoned
+    partials (and positions buffers: -1), one per stream, kept (so plans are reused)."""
+    stream = torch.cuda.current_stream()
+    hit = _WORKSPACES.get(stream.cuda_stream)
+    if hit is None:
+        ws = fa._decode_workspace(torch.device(DEV, torch.cuda.current_device()), stream)
+
+        def alloc(shape, dtype):
+            return torch.full(shape, float("nan") if dtype == "float32" else -1, device=DEV,
+                              dtype=getattr(torch, dtype))
+
+        hit = _WORKSPACES[stream.cuda_stream] = decode_path.DecodeWorkspace(alloc, ws.tickets, ws.upload)
+    return hit
+
+
+def assert_tickets_zero():
+    """Every launch leaves its arrival counters as it found them: zero."""
+    tickets = workspace().tickets(1)
+    assert int(tickets.count_nonzero()) == 0, tickets.nonzero().flatten().tolist()
+
+
+def run_kernel(q, cache, mask, score, num_sms, tuning=None, num_splits=None, sync=True):
     """decode_into with poisoned outputs and workspace."""
     B, Hq, n, D = q.shape
     out = torch.full((B, Hq, n, D), float("nan"), device=DEV, dtype=q.dtype)
     lse = torch.full((B, Hq, n), float("nan"), device=DEV)
 
-    def alloc(shape, dtype):
-        return torch.full(shape, float("nan"), device=DEV, dtype=getattr(torch, dtype))
-
     from flexattn.torch import _DeviceCopies
 
     device = Device(torch.cuda.current_stream().cuda_stream, _DeviceCopies(torch.device(DEV)), tvm_ffi_stream=True)
-    step = decode_path.decode_into(q, cache, out, lse, device, num_sms, alloc, score_mod=score, mask=mask,
+    step = decode_path.decode_into(q, cache, out, lse, device, num_sms, workspace(), score_mod=score, mask=mask,
                                    tuning=tuning, num_splits=num_splits)
-    torch.cuda.synchronize()
+    if sync:
+        torch.cuda.synchronize()
     return out, lse, step
 
 
@@ -157,6 +181,7 @@ def test_decode_matches_reference(case):
     assert not out.isnan().any() and not lse.isnan().any()
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+    assert_tickets_zero()
 
 
 def test_window_skips_blocks_and_many_splits():
@@ -262,7 +287,7 @@ def test_adapter_errors_before_launch():
 
 
 def test_long_cache_many_splits():
-    """B 1, 20k tokens, no mask: dozens of splits through the combine kernel."""
+    """B 1, 20k tokens, no mask: dozens of splits merged in the kernel."""
     torch.manual_seed(2)
     B, Hq, Hkv, n, D, cap = 1, 8, 2, 3, 128, 20032
     lengths = [20001]
@@ -273,3 +298,108 @@ def test_long_cache_many_splits():
     want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), lambda s, b, h, q_, k_: 20.0 * torch.tanh(s / 20.0))
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+
+
+# --- the in-kernel merge: the last split CTA of each group merges -------------------------
+
+# (group, Hkv, q_len, page_size, kind, num_splits): GQA 1/4/8, splits 1 / 2 / many (more
+# splits than some sequences have blocks: empty splits), contiguous and paged, with mods.
+FUSED_CASES = [
+    (1, 2, 1, 0, "none", 1),
+    (4, 2, 1, 0, "alibi", 2),
+    (8, 1, 3, 64, "window", 2),
+    (4, 2, 2, 16, "softcap", 23),
+    (8, 2, 1, 0, "causal", 40),
+    (1, 4, 5, 64, "alibi", 40),
+]
+
+
+@pytest.mark.parametrize("group,Hkv,q_len,page_size,kind,num_splits", FUSED_CASES,
+                         ids=lambda v: str(v))
+def test_fused_merge_matches_reference(group, Hkv, q_len, page_size, kind, num_splits):
+    """In-kernel merge vs the float64 reference; poisoned outputs and partials; tickets
+    zero afterwards."""
+    random.seed(11)
+    torch.manual_seed(11)
+    B, D, cap = 3, 128, 2048
+    Hq = Hkv * group
+    lengths = [cap - 3, 777, 70]                 # 70 keys: 2 blocks, most splits empty
+    cache, k, v = make_cache(B, Hkv, cap, D, lengths, torch.bfloat16, page_size)
+    q = torch.randn(B, Hq, q_len, D, device=DEV, dtype=torch.bfloat16)
+    mask, score, mask_fn, score_fn = variant(kind, Hq)
+    out, lse, step = run_kernel(q, cache, mask, score, 132, num_splits=num_splits)
+    assert step.num_splits == num_splits
+    assert_tickets_zero()
+    want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), score_fn, mask_fn)
+    assert not out.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+
+
+def test_fused_tickets_survive_repeats_and_shape_changes():
+    """One ticket buffer across steps queued without a sync in between: the same shape with
+    other split counts, then another shape (other groups, GQA, q_len), then the first
+    again — a counter left non-zero by any launch would make a later group merge early
+    (NaN from the poisoned partials) or never (NaN outputs)."""
+    torch.manual_seed(12)
+    shapes = [dict(B=3, Hkv=2, group=4, q_len=1, lengths=[1500, 900, 130], page=0),
+              dict(B=2, Hkv=4, group=1, q_len=3, lengths=[2000, 64], page=64)]
+    made = []
+    for sh in shapes:
+        cache, k, v = make_cache(sh["B"], sh["Hkv"], 2048, 128, sh["lengths"], torch.bfloat16, sh["page"])
+        made.append((sh, cache, k, v))
+    plan = [(0, 5), (0, 5), (0, 2), (0, 17), (1, 9), (1, 1), (1, 31), (0, 5), (0, None)]
+    pending = []
+    for i, splits in plan:
+        sh, cache, k, v = made[i]
+        q = torch.randn(sh["B"], sh["Hkv"] * sh["group"], sh["q_len"], 128, device=DEV, dtype=torch.bfloat16)
+        out, lse, step = run_kernel(q, cache, None, mods.alibi(num_heads=sh["Hkv"] * sh["group"]), 132,
+                                    num_splits=splits, sync=False)
+        pending.append((sh, k, v, q, out, lse))
+    torch.cuda.synchronize()
+    assert_tickets_zero()
+    for sh, k, v, q, out, lse in pending:
+        slopes = torch.from_numpy(mods.alibi_slopes(q.shape[1])).to(DEV).double()
+        want, want_lse = reference(q, k, v, sh["lengths"], 1 / math.sqrt(128),
+                                   lambda s, b, h, q_, k_: s + slopes[h] * (k_ - q_))
+        assert not out.isnan().any() and not lse.isnan().any()
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("same_mods", [True, False], ids=["one-plan", "new-mods"])
+def test_adapter_async_steps_match_reference(same_mods):
+    """fa.decode steps queued back to back (no sync): the lengths/offsets of each step go
+    up from pinned staging asynchronously while the host already appends the next token
+    and plans the next step; each step must see its own lengths — also when the steps
+    share one plan (the same mod objects: one positions buffer, rewritten every step in
+    stream order)."""
+    torch.manual_seed(13)
+    B, Hq, Hkv, D, cap = 2, 8, 2, 128, 4096
+    start = [2500, 1200]
+    k_all = torch.randn(B, Hkv, cap, D, device=DEV, dtype=torch.bfloat16)
+    v_all = torch.randn_like(k_all)
+    k = torch.zeros_like(k_all)
+    v = torch.zeros_like(v_all)
+    cache = fa.KVCache(k, v, torch.tensor(start, dtype=torch.int32))
+    for b in range(B):
+        k[b, :, : start[b]] = k_all[b, :, : start[b]]
+        v[b, :, : start[b]] = v_all[b, :, : start[b]]
+    slopes = torch.from_numpy(mods.alibi_slopes(Hq)).to(DEV).double()
+    score, mask = mods.alibi(num_heads=Hq), mods.causal()
+    steps = []
+    for t in range(12):
+        cache.append(torch.stack([k_all[b, :, start[b] + t: start[b] + t + 1] for b in range(B)]),
+                     torch.stack([v_all[b, :, start[b] + t: start[b] + t + 1] for b in range(B)]))
+        q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
+        if not same_mods:
+            score, mask = mods.alibi(num_heads=Hq), mods.causal()
+        out, lse = fa.decode(q, cache, score_mod=score, mask=mask, return_lse=True)
+        steps.append(([s + t + 1 for s in start], q, out, lse))
+    torch.cuda.synchronize()
+    assert_tickets_zero()
+    for lengths, q, out, lse in steps:
+        want, want_lse = reference(q, k_all, v_all, lengths, 1 / math.sqrt(D),
+                                   lambda s, b, h, q_, k_: s + slopes[h] * (k_ - q_), lambda b, h, q_, k_: q_ >= k_)
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)

@@ -1,8 +1,8 @@
-"""CPU (CI): the split-KV decode kernel and the split combine compile for sm_90a
-(contiguous / paged caches, with and without IR mods, TVM-FFI and from_dlpack entry),
-use the Hopper paths, do not spill, emit the masked-prefix analysis only for masks; plus
-the decode planner's host logic (splits heuristic, errors, no recompiles across steps).
-No GPU needed."""
+"""CPU (CI): the split-KV decode kernel compiles for sm_90a (contiguous / paged caches,
+with and without IR mods, TVM-FFI and from_dlpack entry), uses the Hopper paths, does not
+spill, emits the masked-prefix analysis only for masks and the in-kernel merge of the
+splits (arrival ticket, reset); plus the decode planner's host logic (splits heuristic,
+errors, no recompiles across steps, plans reused across steps). No GPU needed."""
 
 import re
 
@@ -14,9 +14,9 @@ pytest.importorskip("cutlass")
 from flexattn import KVCache, PagedKVCache, mods  # noqa: E402
 from flexattn.core import decode_path  # noqa: E402
 from flexattn.core.decode_path import DecodeTuning, choose_splits, decode_unsupported  # noqa: E402
+from flexattn.core.kernel_path import Device  # noqa: E402
 from flexattn.kernels.compile import resource_usage_from_ptx  # noqa: E402
-from flexattn.kernels.decode_combine import CombineConfig  # noqa: E402
-from flexattn.kernels.decode_compile import compile_combine, compile_decode  # noqa: E402
+from flexattn.kernels.decode_compile import compile_decode  # noqa: E402
 from flexattn.kernels.decode_sm90 import DecodeConfig  # noqa: E402
 from flexattn.kernels.mod_emit import IRModHook, fake_args  # noqa: E402
 from flexattn.mods.positions import shift_queries  # noqa: E402
@@ -73,6 +73,12 @@ def test_decode_ptx(compiled, name):
     f64 = len(re.findall(r"\.f64\b", ptx))
     assert (f64 > 0) == (mask is not None), f64
     assert re.search(rf"\.minnctapersm\s+{cfg.ctas_per_sm}\b", ptx)
+    # The in-kernel merge: one acq_rel arrival ticket per split CTA (atom's default scope
+    # is the GPU), the last arrival's reset, the arrival barrier, vectorized partial reads.
+    assert len(re.findall(r"atom\.global\.acq_rel(?:\.gpu)?\.add", ptx)) == 1
+    assert ptx.count("atom.global.exch") == 1
+    assert len(re.findall(r"bar\.sync\s+2,", ptx)) == 2
+    assert re.search(r"ld\.global\.v[24]\.(b32|f32)", ptx)   # a lane's D/32 partial columns at once
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -84,16 +90,6 @@ def test_decode_no_spills(compiled, name):
     cfg = DecodeConfig(**CASES[name][0])
     threads = 128 * (1 + cfg.num_mma_wg)
     assert usage.registers * threads * cfg.ctas_per_sm <= 65536, usage   # the CTAs fit one SM
-
-
-@pytest.mark.parametrize("dtype,head_dim,ffi", [("bf16", 128, True), ("fp16", 64, False)])
-def test_combine_compiles(dtype, head_dim, ffi):
-    ptx = compile_combine(CombineConfig(dtype=dtype, head_dim=head_dim), keep_ptx=True, tvm_ffi=ffi).__ptx__
-    assert "ex2.approx" in ptx and "lg2.approx" in ptx
-    assert "ld.global.v4" in ptx or "ld.global.v2" in ptx   # vectorized partial reads
-    usage = resource_usage_from_ptx(ptx)
-    if usage is not None:
-        assert usage.spill_store_bytes == 0 and usage.stack_bytes == 0, usage
 
 
 def test_config_validation():
@@ -157,7 +153,7 @@ def test_decode_into_refuses_before_launch():
     out, lse = torch.empty(2, 4, 17, 128, dtype=torch.bfloat16), torch.empty(2, 4, 17)
 
     def call(q, c=cache, **kw):
-        return decode_path.decode_into(q, c, out, lse, device=None, num_sms=132, alloc=None, **kw)
+        return decode_path.decode_into(q, c, out, lse, device=Device(0, None), num_sms=132, workspace=None, **kw)
 
     with pytest.raises(ValueError, match="1..16"):
         call(torch.zeros(2, 4, 17, 128, dtype=torch.bfloat16))
@@ -195,3 +191,42 @@ def test_true_position_rewrite_is_cached():
     s2 = decode_path._at_true_positions(softcap, np.array([9], np.int32))
     assert s1.expr is s2.expr
     np.testing.assert_allclose(s2(np.full((1, 3), 20.0), 0, 0, q, kv[:, :3]), softcap(np.full((1, 3), 20.0), 0, 0, q, kv[:, :3]))
+
+
+def test_steps_reuse_one_plan():
+    """A decoder's steps with the same mod objects share one DecodePlan (from the second
+    sighting): the same config and positions buffer, into which every step uploads its
+    own lengths and offsets; new mod objects make a new plan; a reused plan still checks
+    the step's lengths. Nothing launches (CPU arrays, no compile)."""
+    import torch
+
+    B = 2
+    k = torch.zeros(B, 2, 256, 128, dtype=torch.bfloat16)
+    cache = KVCache(k, k, torch.tensor([100, 37], dtype=torch.int32))
+    q = torch.zeros(B, 8, 1, 128, dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(B, 8, 1)
+    uploads = []
+
+    def upload(host, into):
+        into[...] = torch.from_numpy(host)
+        uploads.append((host.copy(), into))
+
+    ws = decode_path.DecodeWorkspace(alloc=lambda shape, dt: torch.empty(shape, dtype=getattr(torch, dt)),
+                                     tickets=lambda n: torch.zeros(max(n, 16), dtype=torch.int32), upload=upload)
+    device = Device(0, lambda x: x if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x)))
+    score, mask = mods.alibi(num_heads=8), mods.sliding_window(64)
+    steps = []
+    for _ in range(4):
+        steps.append(decode_path.prepare_decode(q, cache, out, lse, device, 132, ws, score_mod=score, mask=mask))
+        cache.lengths += 1
+    assert steps[0].config is not steps[1].config           # first sighting: not kept
+    assert steps[1].config is steps[2].config is steps[3].config
+    assert uploads[1][1] is uploads[2][1] is uploads[3][1]   # one positions buffer
+    assert [h[0].tolist() for h, _ in uploads] == [[100, 37], [101, 38], [102, 39], [103, 40]]
+    assert [h[1].tolist() for h, _ in uploads] == [[99, 36], [100, 37], [101, 38], [102, 39]]
+    other = decode_path.prepare_decode(q, cache, out, lse, device, 132, ws, score_mod=mods.alibi(num_heads=8),
+                                       mask=mask)
+    assert other.config is not steps[3].config
+    cache.lengths[1] = 0
+    with pytest.raises(ValueError, match="query tokens"):
+        decode_path.prepare_decode(q, cache, out, lse, device, 132, ws, score_mod=score, mask=mask)
