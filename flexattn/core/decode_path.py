@@ -314,7 +314,7 @@ def prepare_decode(q, cache, out, lse, device: Device, num_sms: int, workspace: 
     key = None if identity is None else identity + (
         tuning, page_size, id(workspace), device.stream, tuple(q.shape), dtype_name(q), _array_key(k),
         _array_key(v), _array_key(table), _array_key(out), _array_key(lse))
-    plan = None if key is None else _PREPARED.get(key, call)
+    plan = None if key is None else _PREPARED.get(key)
     if plan is None or plan.workspace is not workspace:
         _check_step(q, k, v, table, page_size, out, lse)
         plan = DecodePlan(q, k, out, page_size, tuning, device, workspace, score_mod, mask, scale)
