@@ -1,9 +1,10 @@
 """Global-memory reductions and flags for the backward, as inline PTX.
 
-* fp32 reductions without a return value (`red.global.add`): `cute.arch.atomic_add`
-  lowers to `atom.global.add.f32`, which returns the old value; the backward never reads
-  it, so these emit the fire-and-forget `red` form directly (and its sm_90 two-element
-  vector form, for two adjacent accumulator columns: half the instructions for dQ).
+* fp32 reductions without a return value (`red.global.add`, for buffer gradients):
+  `cute.arch.atomic_add` lowers to `atom.global.add.f32`, which returns the old value; the
+  backward never reads it, so this emits the fire-and-forget `red` form directly.
+* `bulk_add_f32`: a whole contiguous fp32 run from shared memory added into global memory
+  by the TMA engine (`cp.reduce.async.bulk`), for the backward's dQ tiles.
 * The deterministic mode's dQ turn flags: `ld_acquire_s32` (spin reads) and
   `red_release_add_s32` (hand the turn on), the acquire / release pair of
   `cutlass::GenericBarrier` (wait_eq / arrive_inc).
@@ -26,21 +27,6 @@ def red_add_f32(ptr, value, *, loc=None, ip=None) -> None:
         [ptr.toint(loc=loc, ip=ip).ir_value(), Float32(value).ir_value(loc=loc, ip=ip)],
         "red.global.add.f32 [$0], $1;",
         "l,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
-def red_add_v2_f32(ptr, a, b, *, loc=None, ip=None) -> None:
-    """ptr[0] += a, ptr[1] += b (global fp32, ptr 8-byte aligned; sm_90+)."""
-    llvm.inline_asm(
-        None,
-        [ptr.toint(loc=loc, ip=ip).ir_value(), Float32(a).ir_value(loc=loc, ip=ip),
-         Float32(b).ir_value(loc=loc, ip=ip)],
-        "red.global.add.v2.f32 [$0], {$1, $2};",
-        "l,f,f",
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,

@@ -44,8 +44,10 @@ writer warp counts the kv blocks after this one that visit the tile
 (ld.acquire.gpu) on the tile's int32 flag until it equals that count; it issues the adds,
 waits for their writes to complete, and adds 1 to the flag (red.release.gpu). The
 consumers never wait for turns. Buffer-gradient contributions go to 128-bit fixed-point
-accumulators (`atomics.red_add_fixed128`) instead of fp32 atomics. Nothing else changes:
-same steps, same dK/dV.
+accumulators (`atomics.red_add_fixed128`) instead of fp32 atomics. The steps are the same;
+the q-block walks are not rotated (`_rotation`) and block-sparse ones merge their two lists
+in ascending order (`_visit`), so dK/dV are the default mode's sums in another order
+(bitwise the same under causal, which never rotates).
 """
 
 import math
@@ -446,14 +448,13 @@ class FlashBwdSm90:
         """The i-th visit: (q block, 1 if partial (mask evaluated) else 0, walk state).
         Deterministic block-sparse walks both lists merged in ascending order (the dQ turns
         of a banded mask would otherwise wait for whole list lengths); otherwise the
-        partial list, then the full one. `walk` = (partial, full) blocks taken so far."""
+        partial list, then the full one. `walk` = (partial, full) blocks taken so far.
+        Only the merged walk's consumers read the partial flag (the others loop over the
+        two lists separately), so elsewhere it is a constant 0."""
         if const_expr(self.cfg.block_sparse and self.cfg.deterministic):
             m_block, partial = blocks.merged_at(walk[0], walk[1])
             return m_block, partial, (walk[0] + partial, walk[1] + 1 - partial)
-        partial = Int32(0)
-        if const_expr(self.cfg.block_sparse):
-            partial = Int32(1) if i < blocks.n_partial else Int32(0)
-        return blocks.at(i), partial, walk
+        return blocks.at(i), Int32(0), walk
 
     def _rotation(self, n_block):
         """Where the q-block walk starts (bwd_blocks.py): at the kv block's diagonal
