@@ -86,17 +86,13 @@ class BwdPostprocess:
         rdQ = cute.make_rmem_tensor_like(acc, self.dtype)
         rdQ.store((acc.load() * softmax_scale).to(self.dtype))
 
-        stmatrix = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        r2s = cute.make_tiled_copy_C(stmatrix, tiled_mma).get_slice(tidx)
+        r2s = sm90_mma.stmatrix_copy(tiled_mma, self.dtype, tidx)
         cute.copy(r2s, r2s.retile(rdQ), r2s.partition_D(sdQ))
         cute.arch.fence_view_async_shared()          # generic-proxy writes -> TMA reads
         cute.arch.barrier()
         if tidx // 32 == 0:
             gdQ = cute.local_tile(mdQ[None, None, head, batch], (tm, D), (m_block, 0))
-            ts, tg = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1),
-                                           cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2))
-            cute.copy(tma_atom, ts, tg)
+            sm90_mma.tma_store_tile(tma_atom, sdQ, gdQ)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         if const_expr(mGradFixed is not None):

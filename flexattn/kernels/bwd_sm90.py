@@ -67,6 +67,7 @@ from flexattn.kernels.atomics import (
 from flexattn.kernels.bwd_blocks import DenseQBlocks, KvVisitors, SparseQBlocks
 from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook
 from flexattn.kernels.tile_scheduler import LongestFirst, TileSpace
+from flexattn.kernels.tma_pipeline import tma_ring
 
 LOG2_E = math.log2(math.e)
 # Deterministic mode: a CTA waiting this long for its dQ turn traps (the launch fails
@@ -364,21 +365,12 @@ class FlashBwdSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
-        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        # PipelineTmaAsync releases with one arrive per consumer warp.
-        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-        pipe_kv = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1,
-            producer_group=one_thread, consumer_group=mma_warps,
-            tx_count=2 * self.bytes_kd, defer_sync=True)
-        pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=cfg.num_stages,
-            producer_group=one_thread, consumer_group=mma_warps,
-            tx_count=self.bytes_qd + self.bytes_stat, defer_sync=True)
-        pipe_do = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_do.data_ptr(), num_stages=cfg.num_stages,
-            producer_group=one_thread, consumer_group=mma_warps,
-            tx_count=self.bytes_qd + self.bytes_stat, defer_sync=True)
+        n = self.num_mma_threads
+        pipe_kv = tma_ring(storage.mbar_kv.data_ptr(), 1, n, 2 * self.bytes_kd)
+        pipe_q = tma_ring(storage.mbar_q.data_ptr(), cfg.num_stages, n,
+                          self.bytes_qd + self.bytes_stat)
+        pipe_do = tma_ring(storage.mbar_do.data_ptr(), cfg.num_stages, n,
+                           self.bytes_qd + self.bytes_stat)
         pipeline.pipeline_init_arrive()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -568,9 +560,7 @@ class FlashBwdSm90:
         # Rows of the S^T fragment are keys, columns are queries.
         coords = FragmentCoords(thr_nm, cfg.tile_n, cfg.tile_m, sm90_mma.acc_mn_view)
         # dS^T registers -> sdS (the forward's O epilogue copy, on the S^T tile).
-        stmatrix = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        r2s_dS = cute.make_tiled_copy_C(stmatrix, tiled_mma_nm).get_slice(tidx)
+        r2s_dS = sm90_mma.stmatrix_copy(tiled_mma_nm, self.dtype, tidx)
         tdSsdS = r2s_dS.partition_D(sdS)                 # (..., stage)
         # dQ registers -> this thread's 16-byte runs of sdQ (fragment order).
         tdQsdQ = dq_fragment_copy(self.num_mma_wg).get_slice(tidx).partition_D(sdQ)
@@ -881,9 +871,7 @@ class FlashBwdSm90:
         rdV.store(acc_dV.load().to(self.dtype))
         # sK / sV are read by both warpgroups' GEMMs until their last visit.
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
-        stmatrix = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        r2s = cute.make_tiled_copy_C(stmatrix, tiled_mma_nd).get_slice(tidx)
+        r2s = sm90_mma.stmatrix_copy(tiled_mma_nd, self.dtype, tidx)
         sdK = sK[None, None, 0]
         sdV = sV[None, None, 0]
         cute.copy(r2s, r2s.retile(rdK), r2s.partition_D(sdK))
@@ -892,14 +880,9 @@ class FlashBwdSm90:
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
         if tidx // 32 == 0:
             tile_kd = (cfg.tile_n, cfg.head_dim)
-            one = cute.make_layout(1)
             gdK = cute.local_tile(mdK[None, None, head_kv, batch], tile_kd, (n_block, 0))
             gdV = cute.local_tile(mdV[None, None, head_kv, batch], tile_kd, (n_block, 0))
-            tsK, tgK = cpasync.tma_partition(tma_atom_dK, 0, one, cute.group_modes(sdK, 0, 2),
-                                             cute.group_modes(gdK, 0, 2))
-            tsV, tgV = cpasync.tma_partition(tma_atom_dV, 0, one, cute.group_modes(sdV, 0, 2),
-                                             cute.group_modes(gdV, 0, 2))
-            cute.copy(tma_atom_dK, tsK, tgK)
-            cute.copy(tma_atom_dV, tsV, tgV)
+            sm90_mma.tma_store_tile(tma_atom_dK, sdK, gdK)
+            sm90_mma.tma_store_tile(tma_atom_dV, sdV, gdV)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -66,6 +66,7 @@ from flexattn.kernels import interval_emit, sm90_mma
 from flexattn.kernels.decode_combine import merge_splits
 from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook
 from flexattn.kernels.softmax import OnlineSoftmax, rescale_rows
+from flexattn.kernels.tma_pipeline import tma_ring
 
 LOG2_E = math.log2(math.e)
 PREFIX_SCAN_LIMIT = 16  # buffer spans the masked-prefix analysis scans: q rows, not kv ranges
@@ -281,16 +282,9 @@ class DecodeSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
-        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-        pipe_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=cfg.num_stages,
-            producer_group=one_thread, consumer_group=mma_warps,
-            tx_count=self.bytes_kv, defer_sync=True)
-        pipe_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=cfg.num_stages,
-            producer_group=one_thread, consumer_group=mma_warps,
-            tx_count=self.bytes_kv, defer_sync=True)
+        n = self.num_mma_threads
+        pipe_k = tma_ring(storage.mbar_k.data_ptr(), cfg.num_stages, n, self.bytes_kv)
+        pipe_v = tma_ring(storage.mbar_v.data_ptr(), cfg.num_stages, n, self.bytes_kv)
         pipeline.pipeline_init_arrive()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)

@@ -44,6 +44,7 @@ from flexattn.kernels.block_sparsity import DenseBlocks, SparseBlocks
 from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook, apply_mods
 from flexattn.kernels.softmax import OnlineSoftmax, rescale_rows
 from flexattn.kernels.tile_scheduler import ByHead, LongestFirst, TileSpace, grid_size
+from flexattn.kernels.tma_pipeline import tma_ring
 
 LOG2_E = math.log2(math.e)
 
@@ -254,21 +255,10 @@ class FlashFwdSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
-        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        # PipelineTmaAsync releases with one arrive per consumer warp.
-        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-        pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
-            producer_group=one_thread, consumer_group=mma_warps,
-            tx_count=self.bytes_q, defer_sync=True)
-        pipe_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=cfg.num_stages,
-            producer_group=one_thread, consumer_group=mma_warps,
-            tx_count=self.bytes_kv, defer_sync=True)
-        pipe_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=cfg.num_stages,
-            producer_group=one_thread, consumer_group=mma_warps,
-            tx_count=self.bytes_kv, defer_sync=True)
+        n = self.num_mma_threads
+        pipe_q = tma_ring(storage.mbar_q.data_ptr(), 1, n, self.bytes_q)
+        pipe_k = tma_ring(storage.mbar_k.data_ptr(), cfg.num_stages, n, self.bytes_kv)
+        pipe_v = tma_ring(storage.mbar_v.data_ptr(), cfg.num_stages, n, self.bytes_kv)
         pipeline.pipeline_init_arrive()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -725,9 +715,7 @@ class FlashFwdSm90:
         # Every consumer warpgroup must be done with sO's previous use (as sQ: its last
         # Q K^T; as sO: the wait above).
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
-        stmatrix = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        r2s = cute.make_tiled_copy_C(stmatrix, tiled_mma_pv).get_slice(tidx)
+        r2s = sm90_mma.stmatrix_copy(tiled_mma_pv, self.dtype, tidx)
         cute.copy(r2s, r2s.retile(rO), r2s.partition_D(sO))
 
         # LSE: the lane holding column 0 of a row writes it.
@@ -745,8 +733,5 @@ class FlashFwdSm90:
         cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
         if tidx // 32 == 0:
             gO = cute.local_tile(mO[None, None, head, batch], (cfg.tile_m, cfg.head_dim), (m_block, 0))
-            tOsO, tOgO = cpasync.tma_partition(
-                tma_atom_O, 0, cute.make_layout(1),
-                cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
-            cute.copy(tma_atom_O, tOsO, tOgO)
+            sm90_mma.tma_store_tile(tma_atom_O, sO, gO)
             cute.arch.cp_async_bulk_commit_group()

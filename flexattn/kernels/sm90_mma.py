@@ -3,6 +3,8 @@
 * shared-memory layouts for K-major (row-major, head-dim contiguous) tiles,
 * tiled MMAs for S = Q K^T (both operands in smem) and O += P V (P in registers),
 * one `gemm` that issues a chain of wgmma instructions,
+* the epilogue pieces: stmatrix of a 16-bit accumulator-shaped fragment to smem, and the
+  TMA store of an smem tile,
 * two register *views* of an accumulator fragment: rows x cols (for softmax and the
   mods) and "operand A" (so the fp32 S fragment, converted to 16 bit, feeds PV directly).
 
@@ -16,7 +18,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.utils import LayoutEnum
 
@@ -70,6 +72,24 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cu
     warpgroup.commit_group()
     if const_expr(wait >= 0):
         warpgroup.wait_group(wait)
+
+
+def stmatrix_copy(tiled_mma: cute.TiledMma, dtype, tidx):
+    """Thread `tidx`'s slice of the stmatrix copy that writes a 16-bit fragment shaped like
+    `tiled_mma`'s accumulator to shared memory (`cute.copy(r2s, r2s.retile(frag),
+    r2s.partition_D(smem_tile))`): the epilogues' and the backward's dS^T register stores."""
+    atom = cute.make_copy_atom(
+        cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
+    return cute.make_tiled_copy_C(atom, tiled_mma).get_slice(tidx)
+
+
+def tma_store_tile(tma_atom: cute.CopyAtom, s_tile: cute.Tensor, g_tile: cute.Tensor):
+    """Issue the TMA store of one (rows, cols) smem tile into the matching global tile (of
+    the TMA tensor the atom was made with). One thread's call; the caller commits the bulk
+    group and waits for it as it needs."""
+    ts, tg = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1),
+                                   cute.group_modes(s_tile, 0, 2), cute.group_modes(g_tile, 0, 2))
+    cute.copy(tma_atom, ts, tg)
 
 
 def transpose_view(t: cute.Tensor) -> cute.Tensor:
