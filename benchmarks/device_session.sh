@@ -8,7 +8,8 @@
 # each compiles fwd+bwd for five libraries, so give each a device call of its own), cupy
 # (CuPy adapter on the kernels), public (public path + prepared repeat calls), overhead
 # (host µs per call, small shapes), profile (where the host µs of a repeated torch / CuPy
-# call go), notebooks (every notebook on the GPU), sched (tile order / persistent CTAs ablation).
+# call go), decode / decode-bench (decode tests / TB/s table), jax (JAX adapter on the
+# kernels), notebooks (every notebook on the GPU), sched (tile order / persistent CTAs ablation).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -37,6 +38,9 @@ for step in $steps; do
     bench-ffi) run bench_ffi 420 python3 benchmarks/bench_fwd.py --tvm-ffi --out "$out/bench_ffi.json" ;;
     bwd-bench) run bwd_bench 560 python3 benchmarks/bench_bwd.py --variants full causal window1024 document4 \
            --out "$out/bench_bwd.json" ;;
+    decode) run decode 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py ;;
+    decode-bench) run decode_bench 420 python3 benchmarks/bench_decode.py --out "$out/bench_decode.json" ;;
+    jax) run jax 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_jax_gpu.py ;;
     cupy) run cupy 180 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cupy_gpu.py ;;
     public) run public 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flex_attention_gpu.py ;;
     notebooks) run notebooks 400 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_notebooks_gpu.py ;;
