@@ -564,8 +564,8 @@ _PREPARED = _PreparedCalls()
 
 
 def _forward_device(dev) -> Device:
-    """The core's view of a CUDA device for forward launches: its current stream (which
-    TVM-FFI reads from torch itself) and cached host→GPU copies."""
+    """The core's view of a CUDA device for kernel launches (forward and backward): its
+    current stream (which TVM-FFI reads from torch itself) and cached host→GPU copies."""
     return Device(torch.cuda.current_stream(dev).cuda_stream, _DeviceCopies(dev), tvm_ffi_stream=True)
 
 
@@ -586,7 +586,7 @@ def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, gra
         dk=torch.empty(key.shape, dtype=key.dtype, device=dev),
         dv=torch.empty(value.shape, dtype=value.dtype, device=dev),
     )
-    device = Device(torch.cuda.current_stream(dev).cuda_stream, _DeviceCopies(dev))
+    device = _forward_device(dev)  # TVM-FFI launches read torch's current stream (the autograd thread's)
     # torch's switch for bitwise-repeatable algorithms selects the deterministic backward
     deterministic = torch.are_deterministic_algorithms_enabled()
     with torch.cuda.device(dev):

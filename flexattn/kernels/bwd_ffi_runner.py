@@ -1,0 +1,114 @@
+"""The backward launched through TVM-FFI: framework tensors in, microseconds of host time.
+
+`bwd_runner.BackwardRunner` wraps each of its 12–20 arguments with ``from_dlpack`` (tens
+of µs each): ~0.4 ms of host time per backward, which left the GPU idle between a short
+forward and the backward (window / document masks at B4 S4096: 450–600 µs idle per
+training step; benchmarks/RESULTS.md). Compiled with ``--enable-tvm-ffi``
+(`bwd_compile.compile_*(tvm_ffi=True)`), the three kernels take framework tensors
+directly — DLPack exchanged in C, dtype / rank / device / divisibility checked against
+the compiled signature — and launch on TVM-FFI's environment stream (torch's current
+stream; others set it around the launch: `core.kernel_path.ffi_stream_scope`).
+
+What the compiled signature cannot check (shapes that must agree, the workspace layout,
+GQA divisibility, block-list shapes) is checked here, on the tensors' ``shape`` tuples.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .bwd_compile import compile_backward, compile_postprocess, compile_preprocess
+from .bwd_runner import workspace_dtypes, workspace_shapes
+from .bwd_sm90 import BwdConfig
+from .mod_emit import IRModHook, fake_args
+
+
+class FfiBackwardRunner:
+    """``run(q, k, v, o, do, lse, dq, dk, dv, workspace, softmax_scale, mod_args, grad_args,
+    block_sparse=None, dlse=None)`` with framework tensors: the arguments of
+    `bwd_runner.BackwardRunner.run` without the stream, ``mod_args`` as TVM-FFI call
+    arguments (`ffi_runner.ffi_mod_args`)."""
+
+    def __init__(self, cfg: BwdConfig):
+        if cfg.mods.has_score or cfg.mods.has_mask:
+            if not isinstance(cfg.mods, IRModHook):
+                raise TypeError("the TVM-FFI backward compiles from the hook's capture kinds: it needs an IRModHook")
+        self.cfg = cfg
+        self._compiled = {}
+        self.last_compile_seconds = 0.0
+
+    @property
+    def num_compiled(self) -> int:
+        return len(self._compiled)
+
+    def _get(self, key, make):
+        fn = self._compiled.get(key)
+        if fn is None:
+            t0 = time.perf_counter()
+            fn = self._compiled[key] = make()
+            self.last_compile_seconds += time.perf_counter() - t0
+        return fn
+
+    def kernels(self, with_dlse: bool):
+        """(preprocess, main, postprocess) compiled functions (once per runner and dLSE)."""
+        cfg = self.cfg
+        mod_fakes = fake_args(cfg.mods) if isinstance(cfg.mods, IRModHook) else ()
+        grad_ranks = tuple(len(mod_fakes[s].shape) for s in cfg.mods.grad_slots)
+        fixed = cfg.deterministic and cfg.buffer_grads
+        pre = self._get(("pre", with_dlse), lambda: compile_preprocess(
+            cfg.dtype, cfg.head_dim, with_dlse, deterministic=cfg.deterministic, grad_fixed=fixed, tvm_ffi=True))
+        main = self._get(("main",), lambda: compile_backward(cfg, mod_fakes, tvm_ffi=True))
+        post = self._get(("post",), lambda: compile_postprocess(
+            cfg.dtype, cfg.head_dim, grad_ranks=grad_ranks if fixed else (), tvm_ffi=True))
+        return pre, main, post
+
+    def check(self, q, k, lse, dlse, workspace, grad_args, block_sparse) -> None:
+        """The shape relations the compiled signatures leave open."""
+        cfg = self.cfg
+        (b, hq, sq, _), (bk, hk, sk, _) = tuple(q.shape), tuple(k.shape)
+        if bk != b or hk == 0 or hq % hk:
+            raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)}: batch must match and "
+                             "Hq must be a multiple of Hkv")
+        if sk < 1 or sq < 1:
+            raise ValueError("empty sequences are not supported")
+        for name, t in (("lse", lse), ("dlse", dlse)):
+            if t is not None and tuple(t.shape) != (b, hq, sq):
+                raise ValueError(f"{name}: want float32 [B, Hq, Sq] = {(b, hq, sq)}, got {tuple(t.shape)}")
+        grad_shapes = tuple(tuple(g.shape) for g in grad_args or ())
+        if len(grad_shapes) != len(cfg.mods.grad_slots):
+            raise ValueError(f"grad_args: want {len(cfg.mods.grad_slots)} fp32 arrays (captures {cfg.mods.grad_slots})")
+        shapes = workspace_shapes(cfg, b, hq, sq, grad_shapes)
+        if len(workspace) != len(shapes):
+            raise ValueError(f"workspace = ({', '.join(shapes)})")
+        for (name, shape), t in zip(shapes.items(), workspace):
+            if tuple(t.shape) != shape:
+                raise ValueError(f"workspace {name}: want {workspace_dtypes(cfg)[name]} {shape}, got {tuple(t.shape)}")
+        if cfg.block_sparse != (block_sparse is not None):
+            raise ValueError("pass block_sparse tensors iff the config has block_sparse=True")
+        if block_sparse is None:
+            return
+        want = 8 if cfg.deterministic else 4
+        if len(block_sparse) != want:
+            raise ValueError(f"block_sparse: want {want} arrays (q-side lists"
+                             + (", then the kv-side lists)" if want == 8 else ")"))
+        for i, t in enumerate(block_sparse):
+            rows = -(-sk // cfg.tile_n) if i < 4 else -(-sq // cfg.sparse_block_m)
+            shape = tuple(t.shape)
+            if (len(shape) != 3 + i % 2 or shape[0] not in (1, b) or shape[1] not in (1, hq) or shape[2] != rows
+                    or (i % 2 and shape[3] < 1)):
+                raise ValueError(f"block_sparse[{i}]: shape {shape} does not match B={b}, H={hq}, {rows} rows")
+
+    def run(self, q, k, v, o, do, lse, dq, dk, dv, workspace, softmax_scale: float, mod_args: tuple,
+            grad_args, block_sparse=None, dlse=None) -> None:
+        self.check(q, k, lse, dlse, workspace, grad_args, block_sparse)
+        self.last_compile_seconds = 0.0
+        pre, main, post = self.kernels(dlse is not None)
+        ws = dict(zip(workspace_dtypes(self.cfg), workspace))
+        lse2, delta, dqacc = ws["lse_log2"], ws["delta"], ws["dq_accum"]
+        dqsem, fixed = ws.get("dq_semaphore"), ws.get("grad_fixed")
+        grads = tuple(grad_args) if grad_args else None
+        scale = float(softmax_scale)
+        pre(o, do, lse, dlse, lse2, delta, dqacc, dqsem, fixed)
+        main(q, k, v, do, lse2, delta, dqacc, dqsem, dk, dv, scale, tuple(mod_args) if mod_args else None,
+             grads, fixed, tuple(block_sparse) if block_sparse else None)
+        post(dqacc, dq, scale, grads if fixed is not None else None, fixed)
