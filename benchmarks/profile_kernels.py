@@ -7,7 +7,11 @@ forward, the backward's main kernel, pre/postprocess, memsets), and how much of 
 wall time the GPU sits idle (host gaps).
 
     python3 benchmarks/profile_kernels.py [--shapes 4x4096x16x128] [--variants full causal ...]
-        [--impls flexattn fa4 flex] [--mode fwd|fwdbwd] [--steps 20]
+        [--impls flexattn fa4 flex] [--mode fwd|fwdbwd] [--steps 20] [--host]
+
+``--host``: also the host time of a step (submit-only loop, no synchronization: if it
+comes out near the step's GPU time, something in the step waits for the GPU) and, for
+flexattn, a cProfile of that loop (top functions by own time).
 """
 
 import argparse
@@ -53,6 +57,31 @@ def profile_step(step, steps: int):
     return dict(kernels), wall
 
 
+def host_profile(step, steps: int, profile: bool):
+    """µs of host time per step (steps submitted back to back, no synchronization)."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    host = (time.perf_counter() - t0) / steps * 1e6
+    torch.cuda.synchronize()
+    if profile:
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(steps):
+            step()
+        pr.disable()
+        torch.cuda.synchronize()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(40)
+        print("\n".join("      " + ln for ln in buf.getvalue().splitlines() if ln.strip())[:6000])
+    return host
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=["4x4096x16x128"], help="BxSxHxD")
@@ -60,6 +89,7 @@ def main():
     ap.add_argument("--impls", nargs="*", default=["flexattn", "fa4", "flex"])
     ap.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwdbwd")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--host", action="store_true", help="also host µs per step (+ a cProfile of ours)")
     args = ap.parse_args()
     setup_dynamo()
     import flexattn.torch as fa
@@ -102,6 +132,9 @@ def main():
                 for kname, (t, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
                     if t >= 1.0:
                         print(f"    {t:9.1f} µs  x{n:.0f}  {kname}")
+                if args.host:
+                    host = host_profile(step, args.steps, impl == "flexattn")
+                    print(f"  {impl}: host {host:.0f} µs/step (submit only)")
 
 
 if __name__ == "__main__":

@@ -90,9 +90,53 @@ def flex_attention(
             out, lse = _kernel_forward(spec, shape, query, key, value)
             _PREPARED.remember(query, key, value, call, spec, shape)
             return (out, lse) if return_lse else out
+    buffers = _score_tensors(spec.score)
+    if query.is_cuda and _plain_eager(query, key, value, *buffers):
+        out, lse = _EagerAttention.apply(query, key, value, spec, shape, *buffers)
+        return (out, lse) if return_lse else out
     spec_id = _REGISTRY.register(spec)
-    out, lse = torch.ops.flexattn.attention_fwd(query, key, value, _score_tensors(spec.score), spec_id)
+    out, lse = torch.ops.flexattn.attention_fwd(query, key, value, buffers, spec_id)
     return (out, lse) if return_lse else out
+
+
+def _plain_eager(*tensors) -> bool:
+    """Plain tensors, no dispatch mode or functorch transform around the call: autograd may
+    record the kernels through ``_EagerAttention`` instead of the custom ops (whose
+    dispatch costs ~50-130 µs of host time per op). Anything else (fake / functional
+    tensors, tracing modes, subclasses, ``torch.func``) takes the custom ops."""
+    if torch._C._len_torch_dispatch_stack() != 0:
+        return False
+    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return all(type(t) is torch.Tensor and not is_wrapped(t) for t in tensors)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The custom ops' autograd formula for eager CUDA calls, without their dispatch: the
+    same kernels, saved tensors and gradients (``_attention_fwd`` / ``_attention_bwd``).
+    Inputs: q, k, v, the spec and its checked shape, then the score mod's tensors."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, spec, shape, *buffers):
+        out, lse = _kernel_forward(spec, shape, query, key, value)
+        ctx.save_for_backward(query, key, value, out, lse, *buffers)
+        ctx.spec, ctx.shape = spec, shape
+        ctx.grad_mask = sum(1 << n for n, b in enumerate(buffers) if b.requires_grad)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        query, key, value, out, lse, *buffers = ctx.saved_tensors
+        if d_out is None and d_lse is None:
+            return (None,) * (5 + len(buffers))
+        if d_out is None:
+            d_out = torch.zeros_like(out)
+        spec = ctx.spec
+        dq, dk, dv, capture_grads = _kernel_backward(spec, ctx.shape, query, key, value, out, lse, d_out, d_lse,
+                                                     _grad_captures(spec, ctx.grad_mask))
+        d_buffers = [g if b.is_floating_point() else None
+                     for b, g in zip(buffers, _buffer_grads(spec, capture_grads, buffers))]
+        return (dq, dk, dv, None, None, *d_buffers)
 
 
 def _records_grad(query, key, value, spec) -> bool:
@@ -589,9 +633,13 @@ def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, gra
     device = _forward_device(dev)  # TVM-FFI launches read torch's current stream (the autograd thread's)
     # torch's switch for bitwise-repeatable algorithms selects the deterministic backward
     deterministic = torch.are_deterministic_algorithms_enabled()
-    with torch.cuda.device(dev):
+    if dev.index == torch.cuda.current_device():
         result = backward_into(arrays, shape, spec, device, alloc, deterministic=deterministic,
                                grad_captures=grad_captures)
+    else:
+        with torch.cuda.device(dev):  # the launches go to the inputs' GPU
+            result = backward_into(arrays, shape, spec, device, alloc, deterministic=deterministic,
+                                   grad_captures=grad_captures)
     return arrays.dq, arrays.dk, arrays.dv, result.capture_grads
 
 

@@ -34,32 +34,36 @@ class FfiBackwardRunner:
             if not isinstance(cfg.mods, IRModHook):
                 raise TypeError("the TVM-FFI backward compiles from the hook's capture kinds: it needs an IRModHook")
         self.cfg = cfg
-        self._compiled = {}
+        self._compiled = {}    # with_dlse -> (preprocess, main, postprocess)
         self.last_compile_seconds = 0.0
 
     @property
     def num_compiled(self) -> int:
-        return len(self._compiled)
-
-    def _get(self, key, make):
-        fn = self._compiled.get(key)
-        if fn is None:
-            t0 = time.perf_counter()
-            fn = self._compiled[key] = make()
-            self.last_compile_seconds += time.perf_counter() - t0
-        return fn
+        """Kernels compiled: three for the first dLSE variant, one preprocess per other."""
+        return len({id(f) for fns in self._compiled.values() for f in fns})
 
     def kernels(self, with_dlse: bool):
         """(preprocess, main, postprocess) compiled functions (once per runner and dLSE)."""
+        fns = self._compiled.get(with_dlse)
+        if fns is None:
+            t0 = time.perf_counter()
+            fns = self._compiled[with_dlse] = self._compile(with_dlse)
+            self.last_compile_seconds += time.perf_counter() - t0
+        return fns
+
+    def _compile(self, with_dlse: bool):
         cfg = self.cfg
         mod_fakes = fake_args(cfg.mods) if isinstance(cfg.mods, IRModHook) else ()
         grad_ranks = tuple(len(mod_fakes[s].shape) for s in cfg.mods.grad_slots)
         fixed = cfg.deterministic and cfg.buffer_grads
-        pre = self._get(("pre", with_dlse), lambda: compile_preprocess(
-            cfg.dtype, cfg.head_dim, with_dlse, deterministic=cfg.deterministic, grad_fixed=fixed, tvm_ffi=True))
-        main = self._get(("main",), lambda: compile_backward(cfg, mod_fakes, tvm_ffi=True))
-        post = self._get(("post",), lambda: compile_postprocess(
-            cfg.dtype, cfg.head_dim, grad_ranks=grad_ranks if fixed else (), tvm_ffi=True))
+        # The main kernel and the postprocess do not depend on dLSE: one compile serves both.
+        other = self._compiled.get(not with_dlse)
+        pre = compile_preprocess(cfg.dtype, cfg.head_dim, with_dlse, deterministic=cfg.deterministic,
+                                 grad_fixed=fixed, tvm_ffi=True)
+        if other is not None:
+            return pre, other[1], other[2]
+        main = compile_backward(cfg, mod_fakes, tvm_ffi=True)
+        post = compile_postprocess(cfg.dtype, cfg.head_dim, grad_ranks=grad_ranks if fixed else (), tvm_ffi=True)
         return pre, main, post
 
     def check(self, q, k, lse, dlse, workspace, grad_args, block_sparse) -> None:
