@@ -25,6 +25,8 @@ host planning overlaps the previous step's kernel): "/loop" is the GPU time per 
     python3 benchmarks/bench_decode.py --sweep     # kernel shapes x split counts, kernels alone
     python3 benchmarks/bench_decode.py --no-flex --no-fa4   # skip the slow baselines
     python3 benchmarks/bench_decode.py --profile 8x8192     # host time of a steady-state call, by function
+    python3 benchmarks/bench_decode.py --host 8x8192        # host µs of a steady-state call and its pieces
+    python3 benchmarks/bench_decode.py --variants none alibi --layouts contiguous   # fewer rows
 """
 
 import argparse
@@ -177,15 +179,15 @@ def _flex(name, q, kh, vh, L, scale, slopes):
     return lambda: fn(q, kh, vh, score_mod=score, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
-def run_shape(B, L, rows, fa4=True, flex=True):
+def run_shape(B, L, rows, fa4=True, flex=True, variants=VARIANTS, layouts=LAYOUTS):
     import flexattn.torch as fa
     from flexattn.torch import _kernel_decode
 
     scale = 1 / math.sqrt(D)
-    for layout in LAYOUTS:
+    for layout in layouts:
         cache, k, v = make_inputs(B, L, layout)
         q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
-        for name in VARIANTS:
+        for name in variants:
             mask, score = variant_mods(name)
             keys = min(L, WINDOW + 1) if name == "window4096" else L
             gbytes = 2 * B * HKV * keys * D * 2 / 1e9
@@ -331,6 +333,71 @@ def profile_host(B, L, calls=300):
     return f"Host profile, B {B} L {L} causal+alibi, {calls} calls: {host_us:.0f} µs/call (profiled)\n{text}"
 
 
+def host_breakdown(B, L, calls=2000):
+    """Host µs per call of a steady-state whole step (contiguous cache, causal + ALiBi) and
+    of its pieces, each timed alone in a loop (GPU work queued, synchronized every 100
+    calls so the queue never fills): where the host time of ``fa.decode`` goes without a
+    profiler's overhead."""
+    import flexattn.torch as fa
+    from flexattn.torch import _DECODES, _decode_key
+
+    cache, _, _ = make_inputs(B, L, "contiguous")
+    q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+    mask, score = variant_mods("alibi")
+    for _ in range(5):
+        fa.decode(q, cache, score_mod=score, mask=mask)
+    torch.cuda.synchronize()
+    call = (score, None, None, True, mask, None)
+    key = _decode_key(q, cache, call)
+    entry = _DECODES.get(key)
+    plan = entry.run.__self__
+    out = torch.empty_like(q)
+    lse = torch.empty(B, HQ, 1, device="cuda")
+    lengths = cache.lengths.tolist()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    put = plan._put
+    values = [*lengths, *[n - 1 for n in lengths]]
+    splits, o_part, lse_part = plan._stage(lengths, sms, None)
+    fn = plan._fn
+    args = plan._args
+    raw_args = plan._convert()
+    flat = plan._scratch(1)
+    o_size, lse_size = plan._part_sizes
+    o_raw = flat[:splits * o_size].view((splits,) + plan.part_shapes[0])
+    l_raw = flat[splits * o_size:splits * (o_size + lse_size)].view((splits,) + plan.part_shapes[1])
+    pieces = {
+        "fa.decode (whole step)": lambda: fa.decode(q, cache, score_mod=score, mask=mask),
+        "fa.decode return_lse": lambda: fa.decode(q, cache, score_mod=score, mask=mask, return_lse=True),
+        "_decode_key": lambda: _decode_key(q, cache, call),
+        "entry(q, cache)": lambda: entry(q, cache, False),
+        "plan.run": lambda: plan.run(q, cache.k, cache.v, None, out, lse, lengths, sms),
+        "plan._stage": lambda: plan._stage(lengths, sms, None),
+        "ring put": lambda: put(values),
+        "kernel fn (pre-converted)": lambda: fn(q, cache.k, cache.v, None, plan._seq_lens_arg, out, lse, o_part,
+                                               lse_part, plan._tickets_arg, plan.scale, args),
+        "kernel fn (torch tensors)": lambda: fn(q, cache.k, cache.v, None, plan.seq_lens, out, lse, o_raw, l_raw,
+                                                plan._tickets, plan.scale, raw_args),
+        "2x torch.empty": lambda: (torch.empty(B, HQ, 1, D, dtype=torch.bfloat16, device="cuda"),
+                                   torch.empty(B, HQ, 1, device="cuda")),
+        "lengths.tolist": lambda: cache.lengths.tolist(),
+        "current_device": lambda: torch.cuda.current_device(),
+    }
+    lines = [f"Host µs per call, B {B} L {L} causal+alibi, {calls} calls each, {device_name()}"]
+    for name, f in pieces.items():
+        for _ in range(20):
+            f()
+        torch.cuda.synchronize()
+        total = 0.0
+        for i in range(0, calls, 100):
+            t0 = time.perf_counter()
+            for _ in range(100):
+                f()
+            total += time.perf_counter() - t0
+            torch.cuda.synchronize()
+        lines.append(f"  {name:32s} {total / calls * 1e6:7.1f}")
+    return "\n".join(lines)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="*", default=["8x8192", "8x65536", "1x131072"])
@@ -340,11 +407,18 @@ def main():
     p.add_argument("--no-flex", action="store_true")
     p.add_argument("--tunings", nargs="*", default=None, help="sweep only these (names in sweep_tunings)")
     p.add_argument("--split-factors", nargs="*", type=int, default=[1, 2])
+    p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS)
     p.add_argument("--profile", default=None, help="BxL: cProfile a steady-state whole call instead")
+    p.add_argument("--host", default=None, help="BxL: host µs of a steady-state whole call and its pieces instead")
     args = p.parse_args()
     if args.profile:
         B, L = (int(x) for x in args.profile.split("x"))
         print(profile_host(B, L))
+        return
+    if args.host:
+        B, L = (int(x) for x in args.host.split("x"))
+        print(host_breakdown(B, L))
         return
     torch._dynamo.config.cache_size_limit = 64
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -355,7 +429,8 @@ def main():
             if args.sweep:
                 sweep_shape(B, L, rows, tuple(args.split_factors), args.tunings)
             else:
-                run_shape(B, L, rows, fa4=not args.no_fa4, flex=not args.no_flex)
+                run_shape(B, L, rows, fa4=not args.no_fa4, flex=not args.no_flex, variants=args.variants,
+                          layouts=args.layouts)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
     report(sweep_table(rows, stamp) if args.sweep else table(rows, stamp), rows, args.out, stamp)
