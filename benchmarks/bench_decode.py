@@ -18,8 +18,8 @@ Two kernel timings: ``bench_ms`` (triton's do_bench: L2 flushed by *writing* 256
 256 MB before each timed call: cold and clean, nothing written back during the call).
 Columns ending in "/c" use clean_ms. Whole calls are also timed back to back
 (``loop_ms``: 50 calls, no flush, no sync in between — a decoder's steady state, where
-host planning overlaps the previous step's kernel): "/loop" is the GPU time per call
-(events around the loop), "host µs" the host's wall time per call.
+host planning overlaps the previous step's kernel; medians of 5 such loops): "/loop" is
+the GPU time per call (events around the loop), "host µs" the host's wall time per call.
 
     python3 benchmarks/bench_decode.py [--shapes 8x8192 8x65536 1x131072] [--out results.json]
     python3 benchmarks/bench_decode.py --sweep     # kernel shapes x split counts, kernels alone
@@ -81,19 +81,23 @@ def clean_ms(fn, reps=40, warmup=3):
     return float(np.median([s.elapsed_time(e) for s, e in times]))
 
 
-def loop_ms(fn, n=50):
-    """(GPU ms per call, host µs per call) for n back-to-back calls (see the module doc)."""
+def loop_ms(fn, n=50, reps=5):
+    """(GPU ms per call, host µs per call) for n back-to-back calls (see the module doc),
+    medians of ``reps`` loops (the benchmark host is noisy)."""
     fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    host_us = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n, host_us
+    gpu, host = [], []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        host.append((time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize()
+        gpu.append(start.elapsed_time(end) / n)
+    return float(np.median(gpu)), float(np.median(host))
 
 
 def plan_step(q, cache, score, mask, tuning=None, num_splits=None):
@@ -333,11 +337,11 @@ def profile_host(B, L, calls=300):
     return f"Host profile, B {B} L {L} causal+alibi, {calls} calls: {host_us:.0f} µs/call (profiled)\n{text}"
 
 
-def host_breakdown(B, L, calls=2000):
+def host_breakdown(B, L, calls=2000, burst=32):
     """Host µs per call of a steady-state whole step (contiguous cache, causal + ALiBi) and
-    of its pieces, each timed alone in a loop (GPU work queued, synchronized every 100
-    calls so the queue never fills): where the host time of ``fa.decode`` goes without a
-    profiler's overhead."""
+    of its pieces, each timed alone without a profiler: bursts of ``burst`` calls after a
+    sync, so the GPU (a ~96 µs kernel per launch at B 8 L 8k) never holds the host back —
+    neither the launch queue nor the staging ring (the host may run 48 steps ahead)."""
     import flexattn.torch as fa
     from flexattn.torch import _DECODES, _decode_key
 
@@ -348,8 +352,7 @@ def host_breakdown(B, L, calls=2000):
         fa.decode(q, cache, score_mod=score, mask=mask)
     torch.cuda.synchronize()
     call = (score, None, None, True, mask, None)
-    key = _decode_key(q, cache, call)
-    entry = _DECODES.get(key)
+    entry = _DECODES.get(_decode_key(q, cache, call))
     plan = entry.run.__self__
     out = torch.empty_like(q)
     lse = torch.empty(B, HQ, 1, device="cuda")
@@ -358,43 +361,34 @@ def host_breakdown(B, L, calls=2000):
     put = plan._put
     values = [*lengths, *[n - 1 for n in lengths]]
     splits, o_part, lse_part = plan._stage(lengths, sms, None)
-    fn = plan._fn
-    args = plan._args
-    raw_args = plan._convert()
-    flat = plan._scratch(1)
-    o_size, lse_size = plan._part_sizes
-    o_raw = flat[:splits * o_size].view((splits,) + plan.part_shapes[0])
-    l_raw = flat[splits * o_size:splits * (o_size + lse_size)].view((splits,) + plan.part_shapes[1])
+    fn, args = plan._fn, plan._args
     pieces = {
         "fa.decode (whole step)": lambda: fa.decode(q, cache, score_mod=score, mask=mask),
-        "fa.decode return_lse": lambda: fa.decode(q, cache, score_mod=score, mask=mask, return_lse=True),
-        "_decode_key": lambda: _decode_key(q, cache, call),
-        "entry(q, cache)": lambda: entry(q, cache, False),
-        "plan.run": lambda: plan.run(q, cache.k, cache.v, None, out, lse, lengths, sms),
-        "plan._stage": lambda: plan._stage(lengths, sms, None),
-        "ring put": lambda: put(values),
-        "kernel fn (pre-converted)": lambda: fn(q, cache.k, cache.v, None, plan._seq_lens_arg, out, lse, o_part,
-                                               lse_part, plan._tickets_arg, plan.scale, args),
-        "kernel fn (torch tensors)": lambda: fn(q, cache.k, cache.v, None, plan.seq_lens, out, lse, o_raw, l_raw,
-                                                plan._tickets, plan.scale, raw_args),
-        "2x torch.empty": lambda: (torch.empty(B, HQ, 1, D, dtype=torch.bfloat16, device="cuda"),
-                                   torch.empty(B, HQ, 1, device="cuda")),
-        "lengths.tolist": lambda: cache.lengths.tolist(),
-        "current_device": lambda: torch.cuda.current_device(),
+        "fa.decode, return_lse": lambda: fa.decode(q, cache, score_mod=score, mask=mask, return_lse=True),
+        "  _decode_key": lambda: _decode_key(q, cache, call),
+        "  entry (whole step but the key)": lambda: entry(q, cache, False),
+        "    plan.run (no allocation)": lambda: plan.run(q, cache.k, cache.v, None, out, lse, lengths, sms),
+        "      plan._stage (checks, upload)": lambda: plan._stage(lengths, sms, None),
+        "        ring put (pack + HtoD)": lambda: put(values),
+        "      kernel call (TVM-FFI)": lambda: fn(q, cache.k, cache.v, None, plan.seq_lens, out, lse, o_part,
+                                                   lse_part, plan._tickets, plan.scale, args),
+        "    torch.empty (out)": lambda: torch.empty(B, HQ, 1, D, dtype=torch.bfloat16, device="cuda"),
+        "    lengths.tolist": lambda: cache.lengths.tolist(),
+        "    torch.cuda.current_device": lambda: torch.cuda.current_device(),
     }
-    lines = [f"Host µs per call, B {B} L {L} causal+alibi, {calls} calls each, {device_name()}"]
+    lines = [f"Host µs per call, B {B} L {L} causal+alibi, {calls} calls each in bursts of {burst}, {device_name()}"]
     for name, f in pieces.items():
-        for _ in range(20):
+        for _ in range(burst):
             f()
         torch.cuda.synchronize()
-        total = 0.0
-        for i in range(0, calls, 100):
+        times = []
+        for _ in range(calls // burst):
             t0 = time.perf_counter()
-            for _ in range(100):
+            for _ in range(burst):
                 f()
-            total += time.perf_counter() - t0
+            times.append((time.perf_counter() - t0) / burst)
             torch.cuda.synchronize()
-        lines.append(f"  {name:32s} {total / calls * 1e6:7.1f}")
+        lines.append(f"  {name:38s} median {np.median(times) * 1e6:6.1f}   mean {np.mean(times) * 1e6:6.1f}")
     return "\n".join(lines)
 
 

@@ -2,22 +2,29 @@
 
 Framework-neutral and destination-passing, like ``kernel_path.forward_into``: the adapter
 allocates ``out``/``lse``, supplies a ``Device`` (stream, host→GPU copies), the SM count
-(read by the adapter, never while a kernel is traced) and a ``DecodeWorkspace`` (the fp32
-split partials, the kernel's arrival tickets, the per-step upload of lengths/offsets).
-Everything the kernel cannot do is refused before anything compiles.
+(read by the adapter, never while a kernel is traced) and a ``DecodeWorkspace`` (one per
+stream: the fp32 split partials, the kernel's arrival tickets, the per-step upload of
+lengths/offsets through pinned staging, a lock). Everything the kernel cannot do is
+refused before anything compiles.
 
 Once per call shape (``DecodePlan``, kept while the same mod objects, shapes and stream
 recur): checks; the mods rewritten to true positions with the query offsets as a runtime
 buffer (``mods.positions.shift_queries``) — the plan's device buffer [lengths; offsets];
-the kernel config and runner; the captures converted. The kernel bounds keys by the
-per-batch length itself, so no ``limit_keys`` term.
+the kernel config and runner; the captures converted; the buffer's uploader and the
+tickets. The kernel bounds keys by the per-batch length itself, so no ``limit_keys`` term.
 
-Per step, on the host: the cache's lengths (host copy) and the offsets (``len - q_len``)
-go into the plan's buffer through ``workspace.upload`` (asynchronous: the host plans the
-next step while the GPU runs this one — new values, same structure: nothing recompiles);
-``choose_splits`` picks how many splits of the kv range fill the GPU (see there); one
-launch, whose last split CTA of each group merges the splits (``decode_sm90``), counting
-arrivals in the workspace's tickets.
+Per step, on the host (``DecodePlan.run``, which an adapter calls straight from its own
+key of a repeated step — the torch adapter's whole step costs ~30 µs of host time):
+the cache's lengths (host ints) are checked (batch, query tokens present, capacity) and
+go with the offsets (``len - q_len``) into the plan's buffer through the workspace's
+uploader (a ``StagingRing`` slot and one asynchronous copy: the host plans the next
+step while the GPU runs this one — new values, same structure: nothing recompiles);
+``choose_splits`` picks how many splits of the kv range fill the GPU (see there; cached
+per kv block count); the partials are views of the workspace's scratch, kept per split
+count; one launch, whose last split CTA of each group merges the splits
+(``decode_sm90``), counting arrivals in the workspace's tickets. The upload and launch
+hold the workspace's lock, so threads sharing a stream each launch after their own
+upload; each stream has its own workspace and plans, so streams never share a buffer.
 
 No mask analysis runs on the host: the kernel skips the leading kv blocks its mask
 provably excludes (a sliding window skips the cache's head) by interval analysis on the
@@ -185,7 +192,10 @@ class StagingRing:
     as the adapter's ``uploader`` gave it); ``fence()`` -> an object whose ``record()``
     marks the stream's current position and ``wait()`` blocks until the stream passed the
     last mark. A slot too small for a new request grows the ring: every copy out of the
-    old memory is waited for first (once per size increase)."""
+    old memory is waited for first (once per size increase).
+
+    Not thread-safe by itself: its callers hold the workspace's lock. Not CUDA-graph
+    capturable: a replay would copy from a slot rewritten since."""
 
     def __init__(self, host: Callable, copy: Callable, fence: Callable, slots: int = 64, group: int = 16,
                  slot_bytes: int = 256):
@@ -352,13 +362,6 @@ class DecodePlan:
                      or (isinstance(c, np.ndarray) and not c.flags.writeable) or c is q_offset
                      for c in self._captures)
         self._args = self._convert() if frozen else None
-        # The arrays only this plan and its workspace hold (and frozen captures) go into
-        # TVM-FFI calls already converted: a launch then converts only the caller's arrays.
-        self._seq_lens_arg, self._tickets_arg = self.seq_lens, self._tickets
-        if self.ffi:
-            self._seq_lens_arg, self._tickets_arg = _ffi_tensor(self.seq_lens), _ffi_tensor(self._tickets)
-            if self._args is not None:
-                self._args = _ffi_frozen(self._args)
 
     def _convert(self) -> tuple:
         if self.ffi:
@@ -399,8 +402,6 @@ class DecodePlan:
             o_shape, lse_shape = self.part_shapes
             o_part = flat[:splits * o_size].reshape((splits,) + o_shape)
             lse_part = flat[splits * o_size:splits * (o_size + lse_size)].reshape((splits,) + lse_shape)
-            if self.ffi:
-                o_part, lse_part = _ffi_tensor(o_part), _ffi_tensor(lse_part)
             parts = self._parts[splits] = (flat, o_part, lse_part)
         return splits, parts[1], parts[2]
 
@@ -408,7 +409,7 @@ class DecodePlan:
         """The launch with these arguments (compiling on its first call)."""
         args = self._args if self._args is not None else self._convert()
         if self.ffi:
-            seq_lens, tickets, scale = self._seq_lens_arg, self._tickets_arg, self.scale
+            seq_lens, tickets, scale = self.seq_lens, self._tickets, self.scale
 
             def launch():
                 fn = self._fn
@@ -430,7 +431,7 @@ class DecodePlan:
             splits, o_part, lse_part = self._stage(lengths, num_sms, None)
             fn = self._fn
             if fn is not None:
-                fn(q, k, v, table, self._seq_lens_arg, out, lse, o_part, lse_part, self._tickets_arg, self.scale,
+                fn(q, k, v, table, self.seq_lens, out, lse, o_part, lse_part, self._tickets, self.scale,
                    self._args if self._args is not None else self._convert())
             else:
                 self._launcher(q, k, v, table, out, lse, o_part, lse_part)()
@@ -442,19 +443,6 @@ class DecodePlan:
         locked: ``decode_into`` holds the lock around this and the launch."""
         splits, o_part, lse_part = self._stage(lengths, num_sms, num_splits)
         return DecodeLaunch(self.config, splits, self._launcher(q, k, v, table, out, lse, o_part, lse_part), self)
-
-
-def _ffi_tensor(x):
-    import tvm_ffi
-
-    return tvm_ffi.from_dlpack(x)
-
-
-def _ffi_frozen(args):
-    """Frozen TVM-FFI capture arguments with their arrays converted once (numbers stay)."""
-    if not args:
-        return None
-    return tuple(a if isinstance(a, (int, float)) else _ffi_tensor(a) for a in args)
 
 
 _PREPARED = PreparedCalls(capacity=64)

@@ -51,8 +51,7 @@ class DecodeRunner:
     def ffi_function(self, mod_args: tuple = ()):
         """The TVM-FFI entry (compiled on first use): ``fn(q, k, v, page_table, seq_lens,
         o, lse, o_part, lse_part, tickets, scale, mod_args | None)``, launching on the
-        framework's current stream. Arguments may be framework arrays or ``tvm_ffi``
-        tensors converted once (``core/decode_path.DecodePlan`` does so for its own);
+        framework's current stream (``core/decode_path.DecodePlan.run`` calls it directly);
         ``mod_args`` are the stand-ins for hooks without IR captures."""
         fn = self._compiled.get("ffi")
         if fn is None:

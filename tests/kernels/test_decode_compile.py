@@ -241,7 +241,7 @@ def test_plan_run_repeated_steps():
     kernel: each step uploads its own lengths and offsets, checks them (batch, query
     tokens, capacity) before uploading, reuses its partials while the workspace's scratch
     stays (new views when it grows or the split count changes), and launches with the
-    plan's converted arrays. Nothing compiles."""
+    plan's own lengths buffer and tickets. Nothing compiles."""
     import torch
 
     B, Hq, cap = 2, 8, 4096
