@@ -14,7 +14,7 @@ the kernel config and runner; the captures converted; the buffer's uploader and 
 tickets. The kernel bounds keys by the per-batch length itself, so no ``limit_keys`` term.
 
 Per step, on the host (``DecodePlan.run``, which an adapter calls straight from its own
-key of a repeated step — the torch adapter's whole step costs ~30 µs of host time):
+key of a repeated step — the torch adapter's whole step costs ~34 µs of host time):
 the cache's lengths (host ints) are checked (batch, query tokens present, capacity) and
 go with the offsets (``len - q_len``) into the plan's buffer through the workspace's
 uploader (a ``StagingRing`` slot and one asynchronous copy: the host plans the next
