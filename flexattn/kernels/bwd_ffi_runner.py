@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 
 from .bwd_compile import compile_backward, compile_postprocess, compile_preprocess
-from .bwd_runner import workspace_dtypes, workspace_shapes
+from .bwd_runner import check_q_and_kv_shapes, workspace_dtypes, workspace_shapes
 from .bwd_sm90 import BwdConfig
 from .mod_emit import IRModHook, fake_args
 
@@ -69,12 +69,8 @@ class FfiBackwardRunner:
     def check(self, q, k, lse, dlse, workspace, grad_args, block_sparse) -> None:
         """The shape relations the compiled signatures leave open."""
         cfg = self.cfg
-        (b, hq, sq, _), (bk, hk, sk, _) = tuple(q.shape), tuple(k.shape)
-        if bk != b or hk == 0 or hq % hk:
-            raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)}: batch must match and "
-                             "Hq must be a multiple of Hkv")
-        if sk < 1 or sq < 1:
-            raise ValueError("empty sequences are not supported")
+        (b, hq, sq, _), (_, _, sk, _) = tuple(q.shape), tuple(k.shape)
+        check_q_and_kv_shapes(tuple(q.shape), tuple(k.shape))
         for name, t in (("lse", lse), ("dlse", dlse)):
             if t is not None and tuple(t.shape) != (b, hq, sq):
                 raise ValueError(f"{name}: want float32 [B, Hq, Sq] = {(b, hq, sq)}, got {tuple(t.shape)}")

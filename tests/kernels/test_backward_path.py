@@ -238,3 +238,15 @@ def test_tvm_ffi_call_passes_framework_tensors_and_compiles(runners, monkeypatch
                  lists, d_lse)
     with pytest.raises(ValueError, match="block_sparse"):
         real.run(q, k, v, out, d_out, lse, dq, dk, dv, ws, scale, mod_args, grads, lists[:3], d_lse)
+
+
+def test_both_runners_share_the_q_kv_shape_check():
+    from flexattn.kernels.bwd_runner import check_q_and_kv_shapes
+
+    check_q_and_kv_shapes((2, 8, 5, 64), (2, 2, 7, 64))
+    for q_shape, k_shape, words in (((1, 4, 8, 64), (2, 2, 8, 64), "batch must match"),
+                                    ((1, 4, 8, 64), (1, 3, 8, 64), "multiple of Hkv"),
+                                    ((1, 4, 8, 64), (1, 0, 8, 64), "multiple of Hkv"),
+                                    ((1, 4, 0, 64), (1, 2, 8, 64), "empty sequences")):
+        with pytest.raises(ValueError, match=words):
+            check_q_and_kv_shapes(q_shape, k_shape)
