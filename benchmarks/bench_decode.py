@@ -308,6 +308,21 @@ def sweep_table(rows, stamp) -> str:
     return "\n".join(lines)
 
 
+def _steady_alibi_step(B, L, warmup: int):
+    """(cache, q, mask, score) of a decoder's steady state — contiguous cache, one query
+    token, causal + ALiBi, the same mod objects — after ``warmup`` whole calls (compiled,
+    planned, prepared) and a sync."""
+    import flexattn.torch as fa
+
+    cache, _, _ = make_inputs(B, L, "contiguous")
+    q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+    mask, score = variant_mods("alibi")
+    for _ in range(warmup):
+        fa.decode(q, cache, score_mod=score, mask=mask)
+    torch.cuda.synchronize()
+    return cache, q, mask, score
+
+
 def profile_host(B, L, calls=300):
     """cProfile of back-to-back whole calls (contiguous cache, causal + ALiBi, the same mod
     objects: the steady state of a decoder), top functions by own time."""
@@ -317,12 +332,7 @@ def profile_host(B, L, calls=300):
 
     import flexattn.torch as fa
 
-    cache, _, _ = make_inputs(B, L, "contiguous")
-    q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
-    mask, score = variant_mods("alibi")
-    for _ in range(20):
-        fa.decode(q, cache, score_mod=score, mask=mask)
-    torch.cuda.synchronize()
+    cache, q, mask, score = _steady_alibi_step(B, L, warmup=20)
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
@@ -345,12 +355,7 @@ def host_breakdown(B, L, calls=2000, burst=32):
     import flexattn.torch as fa
     from flexattn.torch import _DECODES, _decode_key
 
-    cache, _, _ = make_inputs(B, L, "contiguous")
-    q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
-    mask, score = variant_mods("alibi")
-    for _ in range(5):
-        fa.decode(q, cache, score_mod=score, mask=mask)
-    torch.cuda.synchronize()
+    cache, q, mask, score = _steady_alibi_step(B, L, warmup=5)
     call = (score, None, None, True, mask, None)
     entry = _DECODES.get(_decode_key(q, cache, call))
     plan = entry.run.__self__
