@@ -120,7 +120,7 @@ class _EagerAttention(torch.autograd.Function):
         out, lse = _kernel_forward(spec, shape, query, key, value)
         ctx.save_for_backward(query, key, value, out, lse, *buffers)
         ctx.spec, ctx.shape = spec, shape
-        ctx.grad_mask = sum(1 << n for n, b in enumerate(buffers) if b.requires_grad)
+        ctx.grad_mask = _grad_mask(buffers)
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -638,6 +638,11 @@ def _attention_bwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return dq, dk, dv, _buffer_grads(spec, capture_grads, buffers)
 
 
+def _grad_mask(buffers) -> int:
+    """Bit n set iff op buffer n requires grad (read back by ``_grad_captures``)."""
+    return sum(1 << n for n, b in enumerate(buffers) if b.requires_grad)
+
+
 def _grad_captures(spec: AttentionSpec, grad_mask: int) -> tuple:
     """Score-capture slots of the op buffers whose bit is set in ``grad_mask``."""
     if spec.score is None:
@@ -678,7 +683,7 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(query, key, value, out, lse, *buffers)
     ctx.spec_id = spec_id
-    ctx.grad_mask = sum(1 << n for n, b in enumerate(buffers) if b.requires_grad)
+    ctx.grad_mask = _grad_mask(buffers)
     ctx.set_materialize_grads(False)
 
 

@@ -21,6 +21,7 @@ from .bwd_compile import compile_backward, compile_postprocess, compile_preproce
 from .bwd_runner import check_q_and_kv_shapes, workspace_dtypes, workspace_shapes
 from .bwd_sm90 import BwdConfig
 from .mod_emit import IRModHook, fake_args
+from .runner import check_block_list_shape
 
 
 class FfiBackwardRunner:
@@ -91,12 +92,12 @@ class FfiBackwardRunner:
         if len(block_sparse) != want:
             raise ValueError(f"block_sparse: want {want} arrays (q-side lists"
                              + (", then the kv-side lists)" if want == 8 else ")"))
-        for i, t in enumerate(block_sparse):
-            rows = -(-sk // cfg.tile_n) if i < 4 else -(-sq // cfg.sparse_block_m)
-            shape = tuple(t.shape)
-            if (len(shape) != 3 + i % 2 or shape[0] not in (1, b) or shape[1] not in (1, hq) or shape[2] != rows
-                    or (i % 2 and shape[3] < 1)):
-                raise ValueError(f"block_sparse[{i}]: shape {shape} does not match B={b}, H={hq}, {rows} rows")
+        for i, t in enumerate(block_sparse):   # q-side lists, then (deterministic) kv-side
+            if i < 4:
+                check_block_list_shape(i, tuple(t.shape), b, hq, -(-sk // cfg.tile_n), f"kv blocks of {cfg.tile_n}")
+            else:
+                check_block_list_shape(i, tuple(t.shape), b, hq, -(-sq // cfg.sparse_block_m),
+                                       f"q blocks of {cfg.sparse_block_m}")
 
     def run(self, q, k, v, o, do, lse, dq, dk, dv, workspace, softmax_scale: float, mod_args: tuple,
             grad_args, block_sparse=None, dlse=None) -> None:
