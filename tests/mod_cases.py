@@ -67,6 +67,16 @@ def case_relative_bias(rng, B, H, Q, KV):
     return None, mods.relative_bias(table), None, (lambda s, b, h, q, kv: s + t[h, (q - kv).clamp(-D, D) + D])
 
 
+def case_causal_relative_bias(rng, B, H, Q, KV):
+    """Causal + a table wide enough for every distance (no clamping): many distinct
+    diagonals per tile, each its own table entry."""
+    m, _, mf, _ = case_causal(rng, B, H, Q, KV)
+    D = max(Q, KV)
+    table = rng.standard_normal((H, 2 * D + 1))
+    t = torch.from_numpy(table)
+    return m, mods.relative_bias(table), mf, (lambda s, b, h, q, kv: s + t[h, (q - kv).clamp(-D, D) + D])
+
+
 def case_bias(rng, B, H, Q, KV):
     bias = rng.standard_normal((1, H, Q, KV))
     t = torch.from_numpy(bias)

@@ -1,5 +1,6 @@
 """Global-memory reductions and flags for the backward, as inline PTX.
 
+* `st_shared_f32`: a shared store the compiler keeps in place (not merged).
 * fp32 reductions without a return value (`red.global.add`, for buffer gradients):
   `cute.arch.atomic_add` lowers to `atom.global.add.f32`, which returns the old value; the
   backward never reads it, so this emits the fire-and-forget `red` form directly.
@@ -8,10 +9,10 @@
 * The deterministic mode's dQ turn flags: `ld_acquire_s32` (spin reads) and
   `red_release_add_s32` (hand the turn on), the acquire / release pair of
   `cutlass::GenericBarrier` (wait_eq / arrive_inc).
-* Order-independent (hence deterministic) buffer-gradient sums: `red_add_fixed128` adds an
-  fp32 value to a 128-bit two's-complement fixed-point accumulator (64 integer bits, 64
-  fraction bits) with integer atomics, which commute exactly; `fixed128_to_f32` reads one
-  back. See `red_add_fixed128` for the range and what is rounded.
+* Order-independent (hence deterministic) buffer-gradient sums: `red_add_fixed` adds an
+  fp32 value to a fixed-point accumulator (2^-64 resolution, |sum| < 2^63) kept as four
+  int64 digit counters, with integer reductions that commute exactly and return nothing;
+  `fixed_to_f32` reads one back. See `_FIXED_ADD` for the range and what is rounded.
 """
 
 from cutlass import Float32, Int32
@@ -27,6 +28,22 @@ def red_add_f32(ptr, value, *, loc=None, ip=None) -> None:
         [ptr.toint(loc=loc, ip=ip).ir_value(), Float32(value).ir_value(loc=loc, ip=ip)],
         "red.global.add.f32 [$0], $1;",
         "l,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def st_shared_f32(ptr, value, *, loc=None, ip=None) -> None:
+    """*ptr = value (shared fp32), where the program puts it: an ordinary store may be
+    merged with a neighbour's, which keeps the earlier value alive until the later one is
+    ready (the backward's per-diagonal sums spilled that way)."""
+    llvm.inline_asm(
+        None,
+        [ptr.toint(loc=loc, ip=ip).ir_value(), Float32(value).ir_value(loc=loc, ip=ip)],
+        "st.shared.f32 [$0], $1;",
+        "r,f",
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
@@ -89,17 +106,22 @@ def trap(*, loc=None, ip=None) -> None:
                     asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
-# ------------------------------------------------------------ 128-bit fixed-point sums
-# x (fp32) -> round toward zero to a multiple of 2^-64 -> 128-bit two's complement
-# (hi: integer part, lo: fraction * 2^64) -> lo += (atom, returns the old value: the carry
-# out of lo is computed from it) and hi += hi(x) + carry (red, skipped when 0). Integer
-# additions modulo 2^128 commute, so the sum does not depend on the order of the atomics.
+# ------------------------------------------------------------ fixed-point sums
+# x (fp32) -> |x| rounded toward zero to a multiple of 2^-64 -> four 32-bit digits
+# d0..d3 (|x| = sum d_i 2^(32 i - 64)), each with x's sign -> `red.add.u64` of each nonzero
+# digit into its own int64 counter S_i (a 24-bit mantissa spans at most two digits, so at
+# most two reductions, and none returns a value: no round trip). Integer additions
+# commute, so the counters do not depend on the order; the value sum S_i 2^(32 i - 64) is
+# assembled in 128 bits when read (`fixed_to_f32`). Each counter takes < 2^32 per add, so
+# the sums are exact for fewer than 2^31 additions into one element while |sum| < 2^63.
 # Non-finite x (inf, NaN) go to the fp32 array instead (red.add.f32, which the final
 # conversion adds to): their sum (inf, -inf or NaN) does not depend on the order either.
-_FIXED128_ADD = """{
-.reg .pred %fx_fin, %fx_neg, %fx_z, %fx_c, %fx_nz;
+FIXED_WORDS = 4      # int64 counters per accumulator
+
+_FIXED_ADD = """{
+.reg .pred %fx_fin, %fx_neg, %fx_nz;
 .reg .f32 %fx_a, %fx_fl, %fx_fr;
-.reg .b64 %fx_hi, %fx_lo, %fx_old, %fx_sum;
+.reg .b64 %fx_hi, %fx_lo, %fx_d;
 testp.finite.f32 %fx_fin, $2;
 @!%fx_fin red.global.add.f32 [$1], $2;
 abs.f32 %fx_a, $2;
@@ -111,34 +133,37 @@ mul.f32 %fx_fr, %fx_fr, 0f5F800000;
 cvt.rzi.u64.f32 %fx_hi, %fx_fl;
 cvt.rzi.u64.f32 %fx_lo, %fx_fr;
 setp.lt.f32 %fx_neg, $2, 0f00000000;
-and.pred %fx_neg, %fx_neg, %fx_fin;
-@%fx_neg neg.s64 %fx_lo, %fx_lo;
-@%fx_neg not.b64 %fx_hi, %fx_hi;
-setp.eq.u64 %fx_z, %fx_lo, 0;
-and.pred %fx_z, %fx_z, %fx_neg;
-@%fx_z add.u64 %fx_hi, %fx_hi, 1;
-atom.global.add.u64 %fx_old, [$0], %fx_lo;
-add.u64 %fx_sum, %fx_old, %fx_lo;
-setp.lt.u64 %fx_c, %fx_sum, %fx_lo;
-@%fx_c add.u64 %fx_hi, %fx_hi, 1;
-setp.ne.u64 %fx_nz, %fx_hi, 0;
-@%fx_nz red.global.add.u64 [$0+8], %fx_hi;
+and.b64 %fx_d, %fx_lo, 4294967295;
+@%fx_neg neg.s64 %fx_d, %fx_d;
+setp.ne.u64 %fx_nz, %fx_d, 0;
+@%fx_nz red.global.add.u64 [$0], %fx_d;
+shr.u64 %fx_d, %fx_lo, 32;
+@%fx_neg neg.s64 %fx_d, %fx_d;
+setp.ne.u64 %fx_nz, %fx_d, 0;
+@%fx_nz red.global.add.u64 [$0+8], %fx_d;
+and.b64 %fx_d, %fx_hi, 4294967295;
+@%fx_neg neg.s64 %fx_d, %fx_d;
+setp.ne.u64 %fx_nz, %fx_d, 0;
+@%fx_nz red.global.add.u64 [$0+16], %fx_d;
+shr.u64 %fx_d, %fx_hi, 32;
+@%fx_neg neg.s64 %fx_d, %fx_d;
+setp.ne.u64 %fx_nz, %fx_d, 0;
+@%fx_nz red.global.add.u64 [$0+24], %fx_d;
 }"""
 
 
 @dsl_user_op
-def red_add_fixed128(acc_ptr, f32_ptr, value, *, loc=None, ip=None) -> None:
-    """acc += value, exactly and order-independently, for a 128-bit fixed-point
-    accumulator at `acc_ptr` (global memory, 8-byte aligned: int64 lo = fraction * 2^64,
-    then int64 hi = integer part, two's complement; zero-initialized). `value` is rounded
-    toward zero to a multiple of 2^-64 (~5e-20) and its magnitude clamped below 2^63;
-    the sum is exact while |sum| < 2^63. Non-finite values are added to the fp32 element
-    at `f32_ptr` instead (`fixed128_to_f32`'s caller adds the accumulator to it)."""
+def red_add_fixed(acc_ptr, f32_ptr, value, *, loc=None, ip=None) -> None:
+    """acc += value, exactly and order-independently, for a fixed-point accumulator at
+    `acc_ptr` (global memory, 8-byte aligned: FIXED_WORDS zero-initialized int64 digit
+    counters). `value` is rounded toward zero to a multiple of 2^-64 (~5e-20) and its
+    magnitude clamped below 2^63. Non-finite values are added to the fp32 element at
+    `f32_ptr` instead (`fixed_to_f32`'s caller adds the accumulator to it)."""
     llvm.inline_asm(
         None,
         [acc_ptr.toint(loc=loc, ip=ip).ir_value(), f32_ptr.toint(loc=loc, ip=ip).ir_value(),
          Float32(value).ir_value(loc=loc, ip=ip)],
-        _FIXED128_ADD,
+        _FIXED_ADD,
         "l,l,f",
         has_side_effects=True,
         is_align_stack=False,
@@ -146,17 +171,37 @@ def red_add_fixed128(acc_ptr, f32_ptr, value, *, loc=None, ip=None) -> None:
     )
 
 
+# X = S0 + S1 2^32 + S2 2^64 + S3 2^96 in 128 bits (lo + carry into hi), then
+# hi + lo 2^-64 through fp64 (hi signed, lo unsigned).
+_FIXED_READ = """{
+.reg .b64 %fx_s0, %fx_s1, %fx_s2, %fx_s3, %fx_lo, %fx_hi, %fx_t;
+.reg .f64 %fx_h, %fx_l;
+ld.global.b64 %fx_s0, [$1];
+ld.global.b64 %fx_s1, [$1+8];
+ld.global.b64 %fx_s2, [$1+16];
+ld.global.b64 %fx_s3, [$1+24];
+shl.b64 %fx_t, %fx_s1, 32;
+shr.s64 %fx_hi, %fx_s0, 63;
+add.cc.u64 %fx_lo, %fx_s0, %fx_t;
+shr.s64 %fx_t, %fx_s1, 32;
+addc.u64 %fx_hi, %fx_hi, %fx_t;
+add.u64 %fx_hi, %fx_hi, %fx_s2;
+shl.b64 %fx_t, %fx_s3, 32;
+add.u64 %fx_hi, %fx_hi, %fx_t;
+cvt.rn.f64.s64 %fx_h, %fx_hi;
+cvt.rn.f64.u64 %fx_l, %fx_lo;
+fma.rn.f64 %fx_h, %fx_l, 0d3BF0000000000000, %fx_h;
+cvt.rn.f32.f64 $0, %fx_h;
+}"""
+
+
 @dsl_user_op
-def fixed128_to_f32(acc_ptr, *, loc=None, ip=None) -> Float32:
-    """The value of a `red_add_fixed128` accumulator, rounded to fp32 (via fp64)."""
+def fixed_to_f32(acc_ptr, *, loc=None, ip=None) -> Float32:
+    """The value of a `red_add_fixed` accumulator, rounded to fp32 (via fp64)."""
     return Float32(llvm.inline_asm(
         T.f32(),
         [acc_ptr.toint(loc=loc, ip=ip).ir_value()],
-        "{\n.reg .b64 %fx_lo, %fx_hi;\n.reg .f64 %fx_h, %fx_l;\n"
-        "ld.global.b64 %fx_lo, [$1];\nld.global.b64 %fx_hi, [$1+8];\n"
-        "cvt.rn.f64.s64 %fx_h, %fx_hi;\ncvt.rn.f64.u64 %fx_l, %fx_lo;\n"
-        "fma.rn.f64 %fx_h, %fx_l, 0d3BF0000000000000, %fx_h;\n"
-        "cvt.rn.f32.f64 $0, %fx_h;\n}",
+        _FIXED_READ,
         "=f,l",
         has_side_effects=True,
         is_align_stack=False,

@@ -10,8 +10,8 @@ geometry: thread t reads back exactly the registers consumer thread t held (the 
 the coordinates the dQ MMA gave them, and one TMA store writes the tile (rows >= Q_LEN of
 the last tile are clipped by the TMA unit).
 
-Deterministic mode with buffer gradients: the main kernel summed them exactly in 128-bit
-fixed point (`grad_fixed`, one accumulator per gradient element, slot after slot); each is
+Deterministic mode with buffer gradients: the main kernel summed them exactly in fixed
+point (`grad_fixed`, one accumulator per gradient element, slot after slot); each is
 rounded to fp32 and added to the caller's fp32 gradient array here (grid-stride over all
 the gradient elements; one thread per element, so the result is deterministic).
 """
@@ -24,7 +24,7 @@ from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from flexattn.kernels import sm90_mma
-from flexattn.kernels.atomics import fixed128_to_f32
+from flexattn.kernels.atomics import FIXED_WORDS, fixed_to_f32
 from flexattn.kernels.bwd_preprocess import grid_stride
 from flexattn.kernels.bwd_sm90 import FlashBwdSm90, dq_fragment_copy, dq_tile_layout, make_dq_mma
 
@@ -43,7 +43,7 @@ class BwdPostprocess:
                  grad_args, mGradFixed, stream: cuda.CUstream):
         """mdQacc [B, H, Sq_pad, D] fp32 (contiguous, tiles in fragment order) -> mdQ
         [B, H, Sq, D]. grad_args (contiguous fp32 buffer gradients) and mGradFixed
-        ([N, 2] int64) iff deterministic with buffer grads, else None."""
+        ([N, FIXED_WORDS] int64) iff deterministic with buffer grads, else None."""
         cfg = self.cfg
         if const_expr(mdQ.element_type != self.dtype):
             raise TypeError(f"expected {self.dtype}, got {mdQ.element_type}")
@@ -108,5 +108,5 @@ class BwdPostprocess:
             grad = grad_args[k]
             flat = cute.make_tensor(grad.iterator, cute.make_layout(cute.size(grad)))
             for e in cutlass.range(start, cute.size(grad), step, unroll=1):
-                flat[e] = flat[e] + fixed128_to_f32(mGradFixed.iterator + 2 * (offset + e))
+                flat[e] = flat[e] + fixed_to_f32(mGradFixed.iterator + FIXED_WORDS * (offset + e))
             offset = offset + cute.size(grad)

@@ -24,6 +24,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int64, const_expr
 
+from flexattn.kernels.atomics import FIXED_WORDS
+
 LOG2_E = math.log2(math.e)
 
 
@@ -55,8 +57,8 @@ def grid_stride(tidx, num_threads):
 def zero_grid_stride(mGradFixed: cute.Tensor, tidx, num_threads: cutlass.Constexpr):
     start, step = grid_stride(tidx, num_threads)
     for i in cutlass.range(start, mGradFixed.shape[0], step, unroll=1):
-        mGradFixed[i, 0] = Int64(0)
-        mGradFixed[i, 1] = Int64(0)
+        for w in cutlass.range_constexpr(FIXED_WORDS):
+            mGradFixed[i, w] = Int64(0)
 
 
 class BwdPreprocess(RowChunkKernel):
@@ -67,7 +69,7 @@ class BwdPreprocess(RowChunkKernel):
                  mdQsem, mGradFixed, stream: cuda.CUstream):
         """mO, mdO [B, H, Sq, D]; mLSE (natural log) and mdLSE (or None) [B, H, Sq] fp32;
         outputs mLSElog2, mDelta [B, H, Sq_pad], mdQacc [B, H, Sq_pad, D] fp32, and (or
-        None) mdQsem [B, H, Sq_pad / 64] int32, mGradFixed [N, 2] int64, zeroed."""
+        None) mdQsem [B, H, Sq_pad / 64] int32, mGradFixed [N, FIXED_WORDS] int64, zeroed."""
         for t in (mO, mdO):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"expected {self.dtype}, got {t.element_type}")

@@ -47,20 +47,23 @@ ulp of fp32 before the final rounding). `BwdConfig(deterministic=True)` makes ev
   Dense: every CTA walks the tiles in the same order, so CTA n trails CTA n + 1 by one
   step (about nKV - 1 extra steps per wave of CTAs).
 * Buffer gradients: the adds into one element come from many threads of many CTAs in
-  no fixed order, and a per-CTA partial array would not fix the order inside a CTA. So
-  they are summed exactly instead: each element has a 128-bit two's-complement fixed-point
-  accumulator (64 integer + 64 fraction bits) in the workspace (`grad_fixed`, int64
-  [N, 2], N = the total element count of the gradients, zeroed by the preprocess); each
-  contribution, rounded toward zero to a multiple of 2^-64, is added with integer atomics
-  (atom.add.u64 on the low word, red.add.u64 of the high word + carry), which commute.
-  The postprocess rounds each sum to fp32 and adds it to the caller's gradient (which must
-  be contiguous). Exact while |sum| < 2^63; inf / NaN contributions bypass it into the
-  fp32 array (their sum is order-independent too). See atomics.red_add_fixed128.
+  no fixed order. Inside a CTA, relative-position reads are first summed per diagonal in
+  a fixed order (bwd_sm90's diagonal reduction), per-head reads per warp by a fixed
+  shuffle tree; across CTAs they are summed exactly: each element has a fixed-point
+  accumulator (2^-64 resolution) in the workspace (`grad_fixed`, int64 [N, FIXED_WORDS]:
+  four 32-bit-digit counters, N = the total element count of the gradients, zeroed by
+  the preprocess); each contribution, rounded toward zero to a multiple of 2^-64, adds
+  its nonzero digits with `red.add.u64` (no return value), and integer additions commute.
+  The postprocess assembles each sum in 128 bits, rounds it to fp32 and adds it to the
+  caller's gradient (which must be contiguous). Exact while |sum| < 2^63 and fewer than
+  2^31 additions reach one element; inf / NaN contributions bypass it into the fp32
+  array (their sum is order-independent too). See atomics.red_add_fixed.
 """
 
 import time
 
 # (Importing flexattn.kernels, first, sets CUTE_DSL_ARCH before cutlass loads.)
+from flexattn.kernels.atomics import FIXED_WORDS
 from flexattn.kernels.bwd_postprocess import BwdPostprocess
 from flexattn.kernels.bwd_preprocess import BwdPreprocess
 from flexattn.kernels.bwd_sm90 import BwdConfig, FlashBwdSm90
@@ -108,7 +111,7 @@ def workspace_shapes(cfg: BwdConfig, batch: int, q_heads: int, q_len: int,
         out["dq_semaphore"] = (batch, q_heads, sp // cfg.tile_m)
         if cfg.buffer_grads:
             shapes = buffer_grad_shapes(cfg.mods) if grad_shapes is None else grad_shapes
-            out["grad_fixed"] = (max(sum(_numel(s) for s in shapes), 1), 2)
+            out["grad_fixed"] = (max(sum(_numel(s) for s in shapes), 1), FIXED_WORDS)
     return out
 
 

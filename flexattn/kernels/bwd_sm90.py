@@ -63,7 +63,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from flexattn.kernels import sm90_mma
 from flexattn.kernels.atomics import (
-    bulk_add_f32, ld_acquire_s32, red_add_f32, red_add_fixed128, red_release_add_s32, trap)
+    FIXED_WORDS, bulk_add_f32, ld_acquire_s32, red_add_f32, red_add_fixed, red_release_add_s32,
+    st_shared_f32, trap)
 from flexattn.kernels.bwd_blocks import DenseQBlocks, KvVisitors, SparseQBlocks
 from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook
 from flexattn.kernels.tile_scheduler import LongestFirst, TileSpace
@@ -179,6 +180,14 @@ def dq_fragment_copy(num_wg: int) -> cute.TiledCopy:
         cute.make_layout((128, num_wg)), cute.make_layout(4))
 
 
+@cute.jit
+def _warp_sum(x: Float32) -> Float32:
+    """Sum over the warp's lanes by a butterfly (the same order every run)."""
+    for k in cutlass.range_constexpr(5):
+        x = x + cute.arch.shuffle_sync_bfly(x, offset=16 >> k)
+    return x
+
+
 def _diagonal_flushes(order: list, coords, uniform: bool) -> dict:
     """{position in `order`: diagonal key} of the last element of each diagonal of a
     thread's fragment (key: thread 0's column - row; every thread's elements are thread 0's
@@ -206,6 +215,12 @@ class FlashBwdSm90:
     through `flexattn.kernels.bwd_compile.compile_backward`."""
 
     num_mma_wg = 2
+    # Per-diagonal buffer-gradient sums (`diagonal_reduction`): one fp32 row of DIAG_ROW
+    # per (consumer warp, row group of 8 lanes); a thread's diagonal keys -8..57 plus its
+    # column offset 0..6 index 0..71 of its row. 72 keeps the stores at 2-way bank
+    # conflicts at most; the flush reads consecutive diagonals (conflict-free).
+    DIAG_ROW = 72
+    DIAG_ROWS_PER_WARP = 8
 
     def __init__(self, config: BwdConfig):
         self.cfg = config
@@ -221,6 +236,24 @@ class FlashBwdSm90:
         self.dq_full_barrier_id = 5     # 5, 6: the warpgroup's dQ tile is in sdQ[wg]
         self.dq_pair_threads = 128 + 32
         self.dq_writer_warp = 1         # warp 0 loads; warp 1 adds dQ tiles into global
+
+    @property
+    def diagonal_reduction(self) -> bool:
+        """One differentiated buffer read, indexed by q - kv (a relative-position table):
+        the threads' per-diagonal sums meet in shared memory and each warpgroup sends one
+        sum per diagonal of its 64 x 64 tile (`_flush_diagonals`), ~127 global adds per
+        step instead of 18 per thread. Several such reads keep one add per thread-diagonal
+        (the arrays would not fit next to the tiles)."""
+        mods = self.mods
+        return (self.cfg.buffer_grads and mods.has_score
+                and getattr(mods, "grad_reads_diagonal", False) and not mods.grad_reads_uniform
+                and getattr(mods, "grad_read_count", 0) == 1)
+
+    @property
+    def diag_floats(self) -> int:
+        if not self.diagonal_reduction:
+            return 1
+        return 4 * self.num_mma_wg * self.DIAG_ROWS_PER_WARP * self.DIAG_ROW
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -239,8 +272,9 @@ class FlashBwdSm90:
         softmax_scale: Float32,
         mod_args,                 # hook runtime args (tuple) or None
         grad_args,                # fp32 grads of args[slot] for slot in mods.grad_slots, or None
-        grad_fixed,               # deterministic with buffer grads: [N, 2] int64, zeroed, the
-                                  #  grads' 128-bit accumulators one after another; else None
+        grad_fixed,               # deterministic with buffer grads: [N, FIXED_WORDS] int64,
+                                  #  zeroed, the grads' fixed-point accumulators one after
+                                  #  another (atomics.red_add_fixed); else None
         block_sparse,             # (q_num_blocks, q_indices, full_q_num_blocks,
                                   #  full_q_indices) int32 iff cfg.block_sparse, else None;
                                   #  deterministic: + (kv_num_blocks, kv_indices,
@@ -328,6 +362,7 @@ class FlashBwdSm90:
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             # One fp32 dQ tile in fragment order (see dq_tile_layout), half per warpgroup.
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tm * D], 1024]
+            sDiag: cute.struct.Align[cute.struct.MemRange[Float32, self.diag_floats], 16]
 
         # As in the forward: with a score mod the kernel scales s itself and exp2 needs
         # only log2(e); without one, scale * log2(e) folds into the exp2 argument.
@@ -395,6 +430,7 @@ class FlashBwdSm90:
         sLSE = storage.sLSE.get_tensor(sStat_layout)
         sDelta = storage.sDelta.get_tensor(sStat_layout)
         sdQ = storage.sdQ.get_tensor(dq_tile_layout(cfg, self.num_mma_wg))
+        sDiag = storage.sDiag.get_tensor(cute.make_layout(self.diag_floats))
 
         seqlen_k = mK.shape[0]
         group = num_q_heads // mK.shape[2]          # q heads per kv head (GQA)
@@ -425,7 +461,7 @@ class FlashBwdSm90:
                               block_sparse, mdQsem)
         else:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
-            self.consume(mdK, mdV, sdQ, sQ, sK, sV, sdO, sdS, sLSE, sDelta,
+            self.consume(mdK, mdV, sdQ, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sDiag,
                          tma_atom_dK, tma_atom_dV, tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
                          pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, group,
                          seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args,
@@ -529,7 +565,7 @@ class FlashBwdSm90:
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def consume(self, mdK, mdV, sdQ, sQ, sK, sV, sdO, sdS, sLSE, sDelta,
+    def consume(self, mdK, mdV, sdQ, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sDiag,
                 tma_atom_dK, tma_atom_dV, tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
                 pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, group,
                 seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args,
@@ -579,6 +615,17 @@ class FlashBwdSm90:
         # dQ registers -> this thread's 16-byte runs of sdQ (fragment order).
         tdQsdQ = dq_fragment_copy(self.num_mma_wg).get_slice(tidx).partition_D(sdQ)
 
+        if const_expr(self.diagonal_reduction):
+            # Each thread zeroes the sDiag entries it alone writes (the first flush reads
+            # them after ds_full, which orders these stores).
+            diag_row = self._diag_row(sDiag, coords)
+            s_mn0 = sm90_mma.acc_mn_view(cute.make_rmem_tensor(
+                tiled_mma_nm.get_slice(tidx).partition_shape_C((cfg.tile_n, cfg.tile_m)), Float32))
+            keys = sorted({coords.col0(c) - coords.row0(r)
+                           for r in range(cute.size(s_mn0.shape[0]))
+                           for c in range(cute.size(s_mn0.shape[1]))})
+            for k in cutlass.range_constexpr(len(keys)):
+                diag_row[keys[k] + 8] = Float32(0.0)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
@@ -589,7 +636,7 @@ class FlashBwdSm90:
             ctx = (tiled_mma_nm, tiled_mma_nd, tiled_mma_md, frags, acc_shape_nm, acc_shape_md,
                    acc_dV, acc_dK, coords, r2s_dS, tdSsdS, tdQsdQ, wg, sLSE, sDelta,
                    pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
-                   softmax_scale, scale_log2, mod_args, grad_args)
+                   softmax_scale, scale_log2, mod_args, grad_args, sDiag)
             if const_expr(cfg.block_sparse and cfg.deterministic):
                 blocks = self._sparse_blocks(block_sparse, batch, head, n_block)
                 walk = (Int32(0), Int32(0))
@@ -636,7 +683,7 @@ class FlashBwdSm90:
         (tiled_mma_nm, tiled_mma_nd, tiled_mma_md, frags, acc_shape_nm, acc_shape_md,
          acc_dV, acc_dK, coords, r2s_dS, tdSsdS, tdQsdQ, wg, sLSE, sDelta,
          pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
-         softmax_scale, scale_log2, mod_args, grad_args) = ctx
+         softmax_scale, scale_log2, mod_args, grad_args, sDiag) = ctx
         tSrK, tSrQ, tPrV, tPrdO, tVrP, tVrdOt, tKrQt, tQrdS, tQrKt = frags
         mods = self.mods
         stage = state.index
@@ -657,7 +704,8 @@ class FlashBwdSm90:
             warpgroup.wait_group(0)
             # (One copy of this loop: two spill with a score mod's temporaries.)
             self._pointwise(acc_S, acc_dP, sLSE[None, stage], sDelta[None, stage], coords,
-                            blk, scale_log2, grad_args, mask, causal, True)
+                            blk, scale_log2, grad_args, mask, causal, True,
+                            self._diag_row(sDiag, coords))
             sm90_mma.convert_into(tVrP, sm90_mma.acc_as_a_view(acc_S))
         else:
             # Without a score mod dS = dS': P is computed while dP^T is still in flight.
@@ -684,6 +732,11 @@ class FlashBwdSm90:
         # dK += dS^T Q (A from registers).
         sm90_mma.gemm(tiled_mma_nd, acc_dK, sm90_mma.acc_as_a_view(rdS),
                       tKrQt[None, None, None, stage], zero_init=False, wait=1)   # dQ retired
+        if const_expr(self.diagonal_reduction):
+            # While dK runs. sDiag was complete at ds_full; the warpgroup's next writes
+            # come after the dq_empty barrier below, which every reader passes first.
+            self._flush_diagonals(sDiag, wg, m_block, n_block, head, batch, mod_args,
+                                  grad_args)
         # dQ -> sdQ[wg] once the writer's previous bulk add has read it; the writer adds it
         # into global memory while this warpgroup goes on.
         cute.arch.barrier(barrier_id=self.dq_empty_barrier_id + wg,
@@ -705,12 +758,21 @@ class FlashBwdSm90:
         """Warp 1: per visit, add each warpgroup's dQ tile (sdQ column) into the dq_accum
         workspace with one `cp.reduce.async.bulk .add.f32` (16 KB, fire and forget: the
         reads of sdQ complete before the next visit hands the buffer back). Visits are
-        enumerated as by the producer. Deterministic: first wait for this (head, q tile)'s
-        turn, and after the adds wait for them to complete before passing the turn on."""
+        enumerated as by the producer.
+
+        Deterministic: wait for this (head, q tile)'s turn before the adds; the turn is
+        passed on once they have landed, which is checked one visit later (after the next
+        tile's first half is ready, by when they have long completed), so the wait for
+        completion is off the writer's path. Holding a turn longer cannot deadlock: a CTA
+        only ever waits for higher kv blocks' turns."""
         cfg = self.cfg
         lane = cute.arch.lane_idx()
         n_wg = self.num_mma_wg
         chunk = cfg.tile_m * cfg.head_dim // n_wg
+        # Deterministic: the flag (its offset in this batch's [H, q tiles] semaphores) whose
+        # turn is still held, or -1. One register: this warp has 24.
+        held = Int32(-1)
+        sems = mdQsem[batch, None, None] if const_expr(cfg.deterministic) else None
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
             gdQ = cute.local_tile(mdQacc[None, None, head, batch], (cfg.tile_m, cfg.head_dim),
@@ -732,23 +794,32 @@ class FlashBwdSm90:
                     cute.arch.cp_async_bulk_wait_group(n_wg - 1 - w, read=True)
                     cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id + w,
                                              number_of_threads=self.dq_pair_threads)
-                flag = None
-                if const_expr(cfg.deterministic):
-                    flag = mdQsem[batch, head, None].iterator + m_block
-                    self._dq_wait_turn(flag, visitors.after(m_block, n_block), lane)
                 dst = gdQ[None, None, m_block].iterator
                 for w in cutlass.range_constexpr(n_wg):
                     cute.arch.barrier(barrier_id=self.dq_full_barrier_id + w,
                                       number_of_threads=self.dq_pair_threads)
+                    if const_expr(cfg.deterministic and w == 0):
+                        if held >= 0:
+                            self._dq_pass_turn(sems.iterator + held, lane)
+                        self._dq_wait_turn(sems[head, None].iterator + m_block,
+                                           visitors.after(m_block, n_block), lane)
                     if lane == 0:
                         bulk_add_f32(dst + w * chunk, sdQ[None, w].iterator, chunk * 4)
                     cute.arch.cp_async_bulk_commit_group()
                 if const_expr(cfg.deterministic):
-                    # The adds must have landed before the next CTA's may start.
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)
-                    if lane == 0:
-                        red_release_add_s32(flag, 1)
+                    held = Int32(cute.crd2idx((head, m_block), sems.layout))
+        if const_expr(cfg.deterministic):
+            if held >= 0:
+                self._dq_pass_turn(sems.iterator + held, lane)
         cute.arch.cp_async_bulk_wait_group(0, read=True)   # sdQ is read before the CTA exits
+
+    @cute.jit
+    def _dq_pass_turn(self, flag, lane):
+        """Deterministic dQ: once this warp's bulk adds have landed (all of them: the
+        caller has none of the next tile's in flight), add 1 to the tile's flag."""
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+        if lane == 0:
+            red_release_add_s32(flag, 1)
 
     @cute.jit
     def _dq_wait_turn(self, flag, rank, lane):
@@ -780,7 +851,7 @@ class FlashBwdSm90:
     @cute.jit
     def _pointwise(self, acc_S, acc_dP, sLSE, sDelta, coords, blk, scale_log2, grad_args,
                    mask: cutlass.Constexpr[bool], causal: cutlass.Constexpr[bool],
-                   kv_edge: cutlass.Constexpr[bool]):
+                   kv_edge: cutlass.Constexpr[bool], sDiag_thr=None):
         """acc_S (raw q.k, transposed) <- P^T = exp2(s' log2 e - lse_log2), with the score
         mod, mask and bounds in the forward's order (as apply_mods) on the clamped indices
         the forward's hook saw. If `acc_dP` is given (score-mod path) also
@@ -853,13 +924,29 @@ class FlashBwdSm90:
                             sums[(k, key)] = sums[(k, key)] + part
                         else:
                             sums[(k, key)] = part
-                    if const_expr(i in flushes):
+                    if const_expr(i in flushes and sDiag_thr is not None):
+                        # Entries are zero until written (the flush re-zeroes what it read),
+                        # so a zero sum needs no store; the branch also keeps the
+                        # scheduler from hoisting work across it (spills otherwise).
+                        if const_expr(not 0 <= flushes[i] + 8 <= self.DIAG_ROW - 7):
+                            raise ValueError(f"diagonal key {flushes[i]} outside sDiag's row")
+                        total = sums.pop((0, flushes[i]))
+                        if total != Float32(0.0):
+                            st_shared_f32(sDiag_thr.iterator + (flushes[i] + 8), total)
+                    elif const_expr(i in flushes):
                         # Unclamped coordinates: q - kv is the diagonal's own (an element
                         # past Q_LEN / KV_LEN adds 0, and a zero sum is not sent).
                         reads = mods.buffer_grads(s_scaled, batch, head, q, kv, mod_args)
                         for k in cutlass.range_constexpr(len(reads)):
                             total = sums.pop((k, flushes[i]))
-                            if total != Float32(0.0):
+                            if const_expr(uniform):
+                                # One element per tile: the warp's sum (a fixed shuffle
+                                # tree), one add by lane 0.
+                                total = _warp_sum(total)
+                                if cute.arch.lane_idx() == 0 and total != Float32(0.0):
+                                    self._add_buffer_grad(reads[k][0], reads[k][1], total,
+                                                          grad_args)
+                            elif total != Float32(0.0):
                                 self._add_buffer_grad(reads[k][0], reads[k][1], total, grad_args)
                 elif const_expr(cfg.buffer_grads):
                     self._scatter_buffer_grads(ds, p, s_scaled, batch, head, q_hook,
@@ -878,6 +965,48 @@ class FlashBwdSm90:
             for r in cutlass.range_constexpr(cute.size(p_mn.shape[0])):
                 dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - delta)
 
+    def _diag_row(self, sDiag, coords):
+        """This thread's row of sDiag from its column offset on (diagonal key k at
+        [k + 8]), or None without the diagonal reduction. Made per step, not kept live
+        across the loop (a register the causal kernel cannot spare)."""
+        if const_expr(not self.diagonal_reduction):
+            return None
+        row = coords.row(0)               # 16 w + g: warp w's row group g = lane // 4
+        row_idx = (row // 16) * self.DIAG_ROWS_PER_WARP + row % 16
+        return cute.make_tensor(sDiag.iterator + row_idx * self.DIAG_ROW + coords.col_offset(),
+                                cute.make_layout(self.DIAG_ROW))
+
+    @cute.jit
+    def _flush_diagonals(self, sDiag, wg, m_block, n_block, head, batch, mod_args, grad_args):
+        """Warpgroup `wg`'s per-diagonal sums -> one buffer-gradient add per nonzero
+        diagonal. Thread t takes d = t - 63 (q - kv inside the warpgroup's 64 keys x 64
+        queries) and adds the entries of its 4 warps x 8 row groups in a fixed order (so the
+        CTA's sum is deterministic; across CTAs the deterministic mode adds in fixed point),
+        zeroing what it read. Warp w's rows start 16 w keys lower: its local diagonal is
+        d + 16 w, entry d + 16 w + 8 + g of row group g (`_diag_row`). Each entry has one
+        writer (`_pointwise`) and one reader (here)."""
+        cfg = self.cfg
+        d = cute.arch.thread_idx()[0] % 128 - 63
+        row_len = self.DIAG_ROW
+        total = Float32(0.0)
+        for w in cutlass.range(4, unroll=1):     # rolled: few registers (dK is in flight)
+            for g in cutlass.range_constexpr(self.DIAG_ROWS_PER_WARP):
+                e = d + (16 * w + 8 + g)
+                e_in = cutlass.max(cutlass.min(e, row_len - 1), 0)
+                at = ((wg * 4 + w) * self.DIAG_ROWS_PER_WARP + g) * row_len + e_in
+                v = sDiag[at] if e_in == e else Float32(0.0)
+                total = total + v
+                if v != Float32(0.0):
+                    sDiag[at] = Float32(0.0)        # ready for the next step's writers
+        if total != Float32(0.0):
+            # Any (q, kv) of the diagonal gives its index (unclamped, as the per-thread
+            # path): the first element inside the warpgroup's tile.
+            kv_local = cutlass.max(-d, 0)
+            q = m_block * cfg.tile_m + kv_local + d
+            kv = n_block * cfg.tile_n + wg * 64 + kv_local
+            reads = self.mods.buffer_grads(Float32(0.0), batch, head, q, kv, mod_args)
+            self._add_buffer_grad(reads[0][0], reads[0][1], total, grad_args)
+
     @cute.jit
     def _scatter_buffer_grads(self, ds, p, s, batch, head, q, kv, mod_args, grad_args):
         """grad[slot][idx] += dS' * ds'/d buf[idx] for each float-buffer read of the mod.
@@ -891,14 +1020,15 @@ class FlashBwdSm90:
 
     @cute.jit
     def _add_buffer_grad(self, slot, index, value, grad_args):
-        """grad[slot][index] += value (fp32 reduction; deterministic: 128-bit fixed point)."""
+        """grad[slot][index] += value (fp32 reduction; deterministic: exact fixed point)."""
         position = {s: i for i, s in enumerate(self.mods.grad_slots)}
         crd = index if const_expr(len(index) > 1) else index[0]
         if const_expr(self.cfg.deterministic):
             grads, fixed, offsets = grad_args
             grad = grads[position[slot]]
             e = cute.crd2idx(crd, grad.layout)
-            red_add_fixed128(fixed.iterator + 2 * (offsets[position[slot]] + e), grad.iterator + e, value)
+            red_add_fixed(fixed.iterator + FIXED_WORDS * (offsets[position[slot]] + e),
+                          grad.iterator + e, value)
         else:
             grad = grad_args[position[slot]]
             red_add_f32(grad.iterator + cute.crd2idx(crd, grad.layout), value)

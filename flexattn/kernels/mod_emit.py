@@ -256,6 +256,13 @@ class IRModHook(ModHook):
         return out, grad
 
     @property
+    def grad_read_count(self) -> int:
+        """Differentiated buffer reads in the mod (``buffer_grads`` returns one entry each)."""
+        d = self.derivative
+        wanted = set(self.grad_slots)
+        return sum(1 for load, _ in d.d_loads if load.attr.slot in wanted) if d else 0
+
+    @property
     def grad_reads_diagonal(self) -> bool:
         """Whether every differentiated buffer read's index depends on (q, kv) only through
         ``q - kv`` (and not on the score): then all elements of a tile on one diagonal add

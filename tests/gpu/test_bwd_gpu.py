@@ -166,6 +166,7 @@ FIXED = [
     ("alibi", "bf16", 128, 1, 8, 8, 300, 300, "bhsd"),         # slope gradients
     ("softcap", "fp16", 64, 2, 4, 2, 511, 257, "bshd"),
     ("relative_bias", "bf16", 64, 2, 4, 2, 250, 250, "bhsd"),  # table gradients (GQA)
+    ("causal_relative_bias", "bf16", 128, 1, 4, 2, 777, 900, "bhsd"),  # per-diagonal sums
     ("bias", "fp16", 64, 1, 2, 2, 130, 140, "bhsd"),           # dense bias gradient
     ("causal_softcap", "bf16", 128, 2, 4, 4, 400, 400, "bhsd"),
     ("window_document_alibi_softcap", "bf16", 64, 1, 4, 2, 500, 500, "bhsd"),
@@ -253,6 +254,7 @@ DETERMINISTIC = [
     ("sliding_window", "bf16", 128, 1, 4, 2, 700, 700),        # block-sparse, GQA
     ("window_document_alibi_softcap", "bf16", 64, 2, 4, 2, 500, 500),  # sparse + slope grads
     ("relative_bias", "fp16", 64, 2, 4, 2, 250, 250),          # table grads, GQA
+    ("causal_relative_bias", "bf16", 128, 1, 4, 2, 777, 900),  # per-diagonal sums
     ("bias", "fp16", 64, 1, 2, 2, 130, 140),                   # dense bias grads
 ]
 
