@@ -7,7 +7,7 @@ forward, the backward's main kernel, pre/postprocess, memsets), and how much of 
 wall time the GPU sits idle (host gaps).
 
     python3 benchmarks/profile_kernels.py [--shapes 4x4096x16x128] [--variants full causal ...]
-        [--impls flexattn fa4 flex] [--mode fwd|fwdbwd] [--steps 20] [--host]
+        [--impls flexattn fa4 flex] [--mode fwd|fwdbwd] [--steps 20] [--host] [--deterministic]
 
 ``--host``: also the host time of a step (submit-only loop, no synchronization: if it
 comes out near the step's GPU time, something in the step waits for the GPU) and, for
@@ -90,6 +90,8 @@ def main():
     ap.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwdbwd")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--host", action="store_true", help="also host µs per step (+ a cProfile of ours)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="also ours under torch.use_deterministic_algorithms ('flexattn-det')")
     args = ap.parse_args()
     setup_dynamo()
     import flexattn.torch as fa
@@ -111,11 +113,14 @@ def main():
             work = (BWD_FLOPS if train else 1.0) * 4.0 * B * H * S * S * D * density
             makers = [("flexattn", lambda: (lambda: fa.flex_attention(qh, kh, vh, score_mod=var.score,
                                                                       scale=scale, **kw)))]
+            if args.deterministic:
+                makers.append(("flexattn-det", makers[0][1]))
             makers += baselines(q, k, v, scale, var, S)
             print(f"\n## B{B} S{S} H{H} D{D} {name}")
             for impl, make in makers:
-                if impl not in args.impls:
+                if impl not in args.impls and not (impl == "flexattn-det" and "flexattn" in args.impls):
                     continue
+                torch.use_deterministic_algorithms(impl == "flexattn-det")
                 try:
                     call = make()
                     if call is None:
@@ -135,6 +140,7 @@ def main():
                 if args.host:
                     host = host_profile(step, args.steps, impl == "flexattn")
                     print(f"  {impl}: host {host:.0f} µs/step (submit only)")
+            torch.use_deterministic_algorithms(False)
 
 
 if __name__ == "__main__":

@@ -260,3 +260,35 @@ def test_eager_autograd_path_only_for_plain_tensors():
 
     torch.func.grad(f)(torch.zeros(3))
     assert seen == [False]
+
+
+def test_written_empty_skips_the_deterministic_fill_and_restores_it():
+    """Under torch.use_deterministic_algorithms torch fills every new tensor with NaN
+    (an extra kernel each); arrays the kernels write in full skip it, and the global
+    switch is back afterwards, also when the allocation fails."""
+    from flexattn.torch import _written_empty
+
+    fill = torch.utils.deterministic
+    assert fill.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    try:
+        calls = []
+        real_empty = torch.empty
+
+        def spy(*args, **kwargs):
+            calls.append(fill.fill_uninitialized_memory)
+            return real_empty(*args, **kwargs)
+
+        torch.empty = spy
+        try:
+            x = _written_empty(3, 5, dtype=torch.float32, device="cpu")
+            with pytest.raises(RuntimeError):
+                _written_empty(-1, dtype=torch.float32, device="cpu")
+        finally:
+            torch.empty = real_empty
+        assert calls == [False, False] and x.shape == (3, 5)
+        assert fill.fill_uninitialized_memory
+        assert torch.isnan(torch.empty(4)).all()          # torch's own allocations still filled
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert _written_empty((2,), dtype=torch.int64, device="cpu").dtype == torch.int64
