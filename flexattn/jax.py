@@ -12,19 +12,21 @@ the mask's jax arrays; residuals: those plus ``out`` and ``lse``), with two back
 - CPU arrays: ``jax.pure_callback`` into the exact numpy reference
   (``flexattn.reference.forward/backward``).
 - CUDA arrays: the CuTeDSL Hopper kernels (bf16/fp16, head dims 64/128) through
-  ``jax.experimental.buffer_callback``. XLA allocates every array the kernels write
-  (``out``/``lse``; ``dq``/``dk``/``dv``, the backward's fp32 workspace and the buffer
-  gradients, which are results of the backward callback — destination passing, no
-  allocator of ours, no host round trip) and runs the Python callback in stream order
-  with device ``Buffer``s (DLPack, no strides: row-major) and its CUDA stream
-  (``ExecutionContext.stream``). The callback calls ``core.kernel_path.forward_into`` /
-  ``core.backward_path.backward_into`` on those buffers; the forward launches through
-  TVM-FFI with its environment stream set to XLA's (``ffi_stream_scope``), the backward
-  through ``from_dlpack`` with the stream passed explicitly. Everything the kernels read
-  from the host — block-mask lists, numpy arrays captured by mods — is a constant operand
-  of the call, so the callback copies nothing. Everything decided on the host (kernel
-  support, block structure, the block mask of a ``mask=``, the backward's workspace
-  layout) is decided while tracing: errors surface at trace time, before any launch.
+  ``cutlass.jax.cutlass_call``: each launch (the forward; the backward's three kernels) is
+  one XLA FFI custom call served by the CuTeDSL runtime's C handler, which calls a compiled
+  ``@cute.jit`` entry (``kernels/xla_entry.py``) with XLA's stream and buffers — no Python
+  of ours (and no host round trip) when a jitted function runs. XLA allocates every array
+  the kernels write (``out``/``lse``; ``dq``/``dk``/``dv``, the backward's fp32 workspace
+  and the buffer gradients are results of the custom call — destination passing, no
+  allocator of ours); buffer gradients, accumulated by fp32 atomics, are zeros operands
+  aliased to their results, so they start zero-filled. Everything the kernels read from
+  the host — block-mask lists, numpy arrays captured by mods — is a constant operand.
+  Everything decided on the host (kernel support, block structure, the block mask of a
+  ``mask=``, the kernel configs, the backward's workspace layout) is decided while tracing:
+  errors surface at trace time, before anything compiles or runs. The entry compiles when
+  the jitted function is lowered (cutlass_call's cache, keyed by a ``compile_key`` = the
+  launch description, so lookups generate no IR), once per call structure *and shapes*;
+  repeated calls, and new jitted functions of the same call, compile nothing.
   Buffer gradients: only the score buffers jax differentiates (``custom_vjp`` with
   symbolic zeros tells which) are computed — fixed ALiBi slopes cost the backward nothing.
 
@@ -32,7 +34,17 @@ GPU limits: a ``mask=`` (without ``block_mask``) whose captured jax arrays are t
 values cannot be turned into a block mask while tracing — build the ``BlockMask`` outside
 ``jit`` and pass ``block_mask=`` (its mask's captures may be traced); numpy captures must
 have a dtype jax keeps (int64/float64 need ``jax_enable_x64``). Other dtypes or head dims
-raise ``ValueError`` (put the arrays on the CPU for the exact reference).
+raise ``ValueError`` (put the arrays on the CPU for the exact reference). What cutlass_call
+cannot express, and what we do instead: (1) it passes buffers only, no runtime scalars —
+the softmax scale and numbers captured by mods (runtime kernel arguments elsewhere) are
+compile-time constants of the entry, so a new scale or captured number compiles a new
+entry (they were constants of the jax computation already; jax arrays never recompile);
+(2) its compile cache is keyed by the operands' shapes — each new shape compiles the entry
+again (seconds per entry: the forward, and the backward under ``grad``), although the
+compiled entry reads every size at run time (divisibility hints are explicit, so the code
+does not depend on them); (3) it has no batching rule — under ``vmap`` each element is one
+call, in order (``jax.custom_batching.custom_vmap`` + ``lax.map``). Eager (un-jitted) calls
+lower a new small computation per call: jit the caller.
 """
 
 from __future__ import annotations
@@ -43,6 +55,7 @@ import numpy as np
 
 try:
     import jax
+    import jax.custom_batching
     import jax.numpy as jnp
     from jax.custom_derivatives import SymbolicZero
 except ImportError as e:  # pragma: no cover - exercised only without jax
@@ -61,7 +74,7 @@ __all__ = ["flex_attention", "create_block_mask", "BlockMask", "MaskMod", "Score
 _SLOT = object()  # a jax-array capture: an operand of the call
 
 # Platforms whose arrays run the kernels. Tests add "cpu" to run the kernel path's
-# plumbing (buffer_callback, operand layout, gradients) on CPU buffers with fake runners.
+# plumbing (operand layout, aliases, gradients) on CPU arrays with cutlass_call faked.
 _KERNEL_PLATFORMS = {"gpu", "cuda"}
 
 
@@ -317,6 +330,26 @@ def _tensor_spec(ndim: int, align: int, last: int = 1, before_last: int = 1):
     return TensorSpec(divisibility=div, ptr_assumed_align=align)
 
 
+def _sequential_vmap(call):
+    """``call`` under ``jax.vmap`` as one call per element, in order (cutlass_call's primitive
+    has no batching rule; buffer_callback's ``vmap_method="sequential"`` did this)."""
+
+    @jax.custom_batching.custom_vmap
+    def f(*ops):
+        return call(*ops)
+
+    @f.def_vmap
+    def rule(axis_size, in_batched, *ops):
+        def one(batched):
+            it = iter(batched)
+            return call(*(next(it) if b else x for x, b in zip(ops, in_batched)))
+
+        out = jax.lax.map(one, [x for x, b in zip(ops, in_batched) if b])
+        return out, jax.tree.map(lambda _: True, out)
+
+    return f
+
+
 class _KernelBackend:
     """Everything about one traced call on the GPU kernels that the host decides, decided
     while tracing: kernel support (errors before anything runs), the block mask (built
@@ -394,7 +427,7 @@ class _KernelBackend:
             entry, output_shape_dtype=tuple(sds for _, sds, _ in results), input_spec=tuple(ops.specs),
             output_spec=tuple(spec for _, _, spec in results), input_output_aliases=aliases,
             compile_options=ARCH_OPTION, compile_key=launch.key, launch=launch)
-        return dict(zip((name for name, _, _ in results), call(*ops.arrays)))
+        return dict(zip((name for name, _, _ in results), _sequential_vmap(call)(*ops.arrays)))
 
     _scratch = ("lse_log2", "delta", "dq_accum")  # workspace: never poisoned (the kernels fill it)
 
