@@ -42,9 +42,12 @@ entry (they were constants of the jax computation already; jax arrays never reco
 (2) its compile cache is keyed by the operands' shapes — each new shape compiles the entry
 again (seconds per entry: the forward, and the backward under ``grad``), although the
 compiled entry reads every size at run time (divisibility hints are explicit, so the code
-does not depend on them); (3) it has no batching rule — under ``vmap`` each element is one
-call, in order (``jax.custom_batching.custom_vmap`` + ``lax.map``). Eager (un-jitted) calls
-lower a new small computation per call: jit the caller.
+does not depend on them); (3) it has no batching rule, and one call per element under
+``lax.map`` gave wrong results (zeros) on an H100 with jax 0.11.2 (not diagnosed), so
+``vmap`` on the GPU is refused while tracing — fold the mapped axis into the batch. The same
+doubt hangs over ``lax.map``/``lax.scan`` bodies calling ``flex_attention`` on the GPU
+until diagnosed. Eager (un-jitted) calls lower a new small computation per call: jit the
+caller.
 """
 
 from __future__ import annotations
@@ -330,9 +333,13 @@ def _tensor_spec(ndim: int, align: int, last: int = 1, before_last: int = 1):
     return TensorSpec(divisibility=div, ptr_assumed_align=align)
 
 
-def _sequential_vmap(call):
-    """``call`` under ``jax.vmap`` as one call per element, in order (cutlass_call's primitive
-    has no batching rule; buffer_callback's ``vmap_method="sequential"`` did this)."""
+def _refuse_vmap(call):
+    """``call``, refusing ``jax.vmap`` while tracing. cutlass_call's primitive has no
+    batching rule; running one call per element (``custom_vmap`` + ``lax.map``, what
+    buffer_callback's ``vmap_method="sequential"`` did) gave wrong results (zeros) on an
+    H100 with jax 0.11.2 — not diagnosed yet (the custom call inside XLA's while loop;
+    first suspect: CUDA-graph capture of the FFI call, ``allow_cuda_graph``) — so it is
+    refused rather than risked."""
 
     @jax.custom_batching.custom_vmap
     def f(*ops):
@@ -340,12 +347,9 @@ def _sequential_vmap(call):
 
     @f.def_vmap
     def rule(axis_size, in_batched, *ops):
-        def one(batched):
-            it = iter(batched)
-            return call(*(next(it) if b else x for x, b in zip(ops, in_batched)))
-
-        out = jax.lax.map(one, [x for x, b in zip(ops, in_batched) if b])
-        return out, jax.tree.map(lambda _: True, out)
+        raise NotImplementedError(
+            "flexattn.jax: vmap of the GPU kernels is not supported (cutlass_call has no batching rule);"
+            " fold the mapped axis into the batch dimension (q, k, v are [B, H, S, D])")
 
     return f
 
@@ -427,7 +431,7 @@ class _KernelBackend:
             entry, output_shape_dtype=tuple(sds for _, sds, _ in results), input_spec=tuple(ops.specs),
             output_spec=tuple(spec for _, _, spec in results), input_output_aliases=aliases,
             compile_options=ARCH_OPTION, compile_key=launch.key, launch=launch)
-        return dict(zip((name for name, _, _ in results), _sequential_vmap(call)(*ops.arrays)))
+        return dict(zip((name for name, _, _ in results), _refuse_vmap(call)(*ops.arrays)))
 
     _scratch = ("lse_log2", "delta", "dq_accum")  # workspace: never poisoned (the kernels fill it)
 

@@ -226,28 +226,10 @@ def test_repeated_and_rejitted_calls_compile_nothing():
         assert np.abs(np.asarray(got).astype(np.float64) - want).max() < 2e-2
 
 
-def test_vmap_runs_each_element_like_a_single_call():
-    """cutlass_call has no batching rule; under vmap the adapter runs one call per element:
-    the same kernel, so the same bits as the un-vmapped calls (forward, dK, dV; dQ and the
-    buffer gradient up to the order of their fp32 atomics)."""
+def test_vmap_is_refused_while_tracing():
+    """One call per element (custom_vmap + lax.map) gave zeros here (jax 0.11.2, 2026-11-21,
+    not diagnosed): vmap of the GPU path is refused while tracing instead."""
     (q, k, v), _ = _inputs(13, "bf16", 1, 4, 2, 130, 130, 64)
-    (q2, k2, v2), _ = _inputs(14, "bf16", 1, 4, 2, 130, 130, 64)
-    qs, ks, vs = jnp.stack([q, q2]), jnp.stack([k, k2]), jnp.stack([v, v2])
-    slopes = jnp.asarray(np.linspace(0.1, 0.9, 4), jnp.float32)
-
-    def loss(q, k, v, slopes):
-        out = fj.flex_attention(q, k, v, score=mods.alibi(slopes), mask=mods.causal(), enable_gqa=True)
-        return out.astype(jnp.float32).sum()
-
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
-    batched = jax.jit(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), in_axes=(0, 0, 0, None)))(
-        qs, ks, vs, slopes)
-    for i, args in enumerate(((q, k, v), (q2, k2, v2))):
-        value, grads = step(*args, slopes)
-        assert abs(float(batched[0][i]) - float(value)) <= 1e-5 * abs(float(value))  # XLA's sums may differ in order
-        for j, (got, want) in enumerate(zip(batched[1], grads)):
-            got, want = np.asarray(got[i]).astype(np.float64), np.asarray(want).astype(np.float64)
-            if j in (1, 2):  # dK, dV: summed in registers in a fixed order
-                assert np.array_equal(got, want)
-            else:  # dQ and the slopes' gradient: fp32 atomics in varying order
-                np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+    qs, ks, vs = jnp.stack([q, q]), jnp.stack([k, k]), jnp.stack([v, v])
+    with pytest.raises(NotImplementedError, match="vmap of the GPU kernels"):
+        jax.jit(jax.vmap(lambda q, k, v: fj.flex_attention(q, k, v, mask=mods.causal(), enable_gqa=True)))(qs, ks, vs)
