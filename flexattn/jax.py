@@ -53,6 +53,7 @@ caller.
 from __future__ import annotations
 
 import copy
+import os
 
 import numpy as np
 
@@ -430,7 +431,8 @@ class _KernelBackend:
         call = self.cutlass_call(
             entry, output_shape_dtype=tuple(sds for _, sds, _ in results), input_spec=tuple(ops.specs),
             output_spec=tuple(spec for _, _, spec in results), input_output_aliases=aliases,
-            compile_options=ARCH_OPTION, compile_key=launch.key, launch=launch)
+            compile_options=ARCH_OPTION, compile_key=launch.key, launch=launch,
+            allow_cuda_graph=os.environ.get("FLEXATTN_JAX_CUDA_GRAPH", "1") == "1")
         return dict(zip((name for name, _, _ in results), _refuse_vmap(call)(*ops.arrays)))
 
     _scratch = ("lse_log2", "delta", "dq_accum")  # workspace: never poisoned (the kernels fill it)

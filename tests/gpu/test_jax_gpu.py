@@ -233,3 +233,27 @@ def test_vmap_is_refused_while_tracing():
     qs, ks, vs = jnp.stack([q, q]), jnp.stack([k, k]), jnp.stack([v, v])
     with pytest.raises(NotImplementedError, match="vmap of the GPU kernels"):
         jax.jit(jax.vmap(lambda q, k, v: fj.flex_attention(q, k, v, mask=mods.causal(), enable_gqa=True)))(qs, ks, vs)
+
+
+@pytest.mark.parametrize("loop", ["scan", "map", "fori"])
+def test_loops_over_layers_match_single_calls(loop):
+    """flex_attention inside lax.scan / lax.map / fori_loop bodies (a model scanning over
+    its layers) gives each iteration's result, as a direct call does."""
+    layers = 3
+    (q, k, v), _ = _inputs(17, "bf16", 1, 4, 2, 130, 130, 64)
+    qs = jnp.stack([q * (i + 1) for i in range(layers)])
+
+    def attn(x):
+        return fj.flex_attention(x, k, v, mask=mods.causal(), enable_gqa=True)
+
+    want = jnp.stack([jax.jit(attn)(qs[i]) for i in range(layers)])
+    if loop == "scan":
+        got = jax.jit(lambda qs: jax.lax.scan(lambda c, x: (c, attn(x)), 0, qs)[1])(qs)
+    elif loop == "map":
+        got = jax.jit(lambda qs: jax.lax.map(attn, qs))(qs)
+    else:
+        def body(i, acc):
+            return acc.at[i].set(attn(qs[i]))
+        got = jax.jit(lambda: jax.lax.fori_loop(0, layers, body, jnp.zeros_like(want)))()
+    assert float(jnp.abs(want).max()) > 0
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
