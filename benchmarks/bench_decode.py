@@ -18,13 +18,15 @@ Two kernel timings: ``bench_ms`` (triton's do_bench: L2 flushed by *writing* 256
 256 MB before each timed call: cold and clean, nothing written back during the call).
 Columns ending in "/c" use clean_ms. Whole calls are also timed back to back
 (``loop_ms``: 50 calls, no flush, no sync in between — a decoder's steady state, where
-host planning overlaps the previous step's kernel): "/loop" is the GPU time per call
-(events around the loop), "host µs" the host's wall time per call.
+host planning overlaps the previous step's kernel; medians of 5 such loops): "/loop" is
+the GPU time per call (events around the loop), "host µs" the host's wall time per call.
 
     python3 benchmarks/bench_decode.py [--shapes 8x8192 8x65536 1x131072] [--out results.json]
     python3 benchmarks/bench_decode.py --sweep     # kernel shapes x split counts, kernels alone
     python3 benchmarks/bench_decode.py --no-flex --no-fa4   # skip the slow baselines
     python3 benchmarks/bench_decode.py --profile 8x8192     # host time of a steady-state call, by function
+    python3 benchmarks/bench_decode.py --host 8x8192        # host µs of a steady-state call and its pieces
+    python3 benchmarks/bench_decode.py --variants none alibi --layouts contiguous   # fewer rows
 """
 
 import argparse
@@ -79,19 +81,23 @@ def clean_ms(fn, reps=40, warmup=3):
     return float(np.median([s.elapsed_time(e) for s, e in times]))
 
 
-def loop_ms(fn, n=50):
-    """(GPU ms per call, host µs per call) for n back-to-back calls (see the module doc)."""
+def loop_ms(fn, n=50, reps=5):
+    """(GPU ms per call, host µs per call) for n back-to-back calls (see the module doc),
+    medians of ``reps`` loops (the benchmark host is noisy)."""
     fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    host_us = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n, host_us
+    gpu, host = [], []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        host.append((time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize()
+        gpu.append(start.elapsed_time(end) / n)
+    return float(np.median(gpu)), float(np.median(host))
 
 
 def plan_step(q, cache, score, mask, tuning=None, num_splits=None):
@@ -177,15 +183,15 @@ def _flex(name, q, kh, vh, L, scale, slopes):
     return lambda: fn(q, kh, vh, score_mod=score, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
-def run_shape(B, L, rows, fa4=True, flex=True):
+def run_shape(B, L, rows, fa4=True, flex=True, variants=VARIANTS, layouts=LAYOUTS):
     import flexattn.torch as fa
     from flexattn.torch import _kernel_decode
 
     scale = 1 / math.sqrt(D)
-    for layout in LAYOUTS:
+    for layout in layouts:
         cache, k, v = make_inputs(B, L, layout)
         q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
-        for name in VARIANTS:
+        for name in variants:
             mask, score = variant_mods(name)
             keys = min(L, WINDOW + 1) if name == "window4096" else L
             gbytes = 2 * B * HKV * keys * D * 2 / 1e9
@@ -302,6 +308,21 @@ def sweep_table(rows, stamp) -> str:
     return "\n".join(lines)
 
 
+def _steady_alibi_step(B, L, warmup: int):
+    """(cache, q, mask, score) of a decoder's steady state — contiguous cache, one query
+    token, causal + ALiBi, the same mod objects — after ``warmup`` whole calls (compiled,
+    planned, prepared) and a sync."""
+    import flexattn.torch as fa
+
+    cache, _, _ = make_inputs(B, L, "contiguous")
+    q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+    mask, score = variant_mods("alibi")
+    for _ in range(warmup):
+        fa.decode(q, cache, score_mod=score, mask=mask)
+    torch.cuda.synchronize()
+    return cache, q, mask, score
+
+
 def profile_host(B, L, calls=300):
     """cProfile of back-to-back whole calls (contiguous cache, causal + ALiBi, the same mod
     objects: the steady state of a decoder), top functions by own time."""
@@ -311,12 +332,7 @@ def profile_host(B, L, calls=300):
 
     import flexattn.torch as fa
 
-    cache, _, _ = make_inputs(B, L, "contiguous")
-    q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
-    mask, score = variant_mods("alibi")
-    for _ in range(20):
-        fa.decode(q, cache, score_mod=score, mask=mask)
-    torch.cuda.synchronize()
+    cache, q, mask, score = _steady_alibi_step(B, L, warmup=20)
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
@@ -331,6 +347,56 @@ def profile_host(B, L, calls=300):
     return f"Host profile, B {B} L {L} causal+alibi, {calls} calls: {host_us:.0f} µs/call (profiled)\n{text}"
 
 
+def host_breakdown(B, L, calls=2000, burst=32):
+    """Host µs per call of a steady-state whole step (contiguous cache, causal + ALiBi) and
+    of its pieces, each timed alone without a profiler: bursts of ``burst`` calls after a
+    sync, so the GPU (a ~96 µs kernel per launch at B 8 L 8k) never holds the host back —
+    neither the launch queue nor the staging ring (the host may run 48 steps ahead)."""
+    import flexattn.torch as fa
+    from flexattn.torch import _DECODES, _decode_key
+
+    cache, q, mask, score = _steady_alibi_step(B, L, warmup=5)
+    call = (score, None, None, True, mask, None)
+    entry = _DECODES.get(_decode_key(q, cache, call))
+    plan = entry.run.__self__
+    out = torch.empty_like(q)
+    lse = torch.empty(B, HQ, 1, device="cuda")
+    lengths = cache.lengths.tolist()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    put = plan._put
+    values = [*lengths, *[n - 1 for n in lengths]]
+    splits, o_part, lse_part = plan._stage(lengths, sms, None)
+    fn, args = plan._fn, plan._args
+    pieces = {
+        "fa.decode (whole step)": lambda: fa.decode(q, cache, score_mod=score, mask=mask),
+        "fa.decode, return_lse": lambda: fa.decode(q, cache, score_mod=score, mask=mask, return_lse=True),
+        "  _decode_key": lambda: _decode_key(q, cache, call),
+        "  entry (whole step but the key)": lambda: entry(q, cache, False),
+        "    plan.run (no allocation)": lambda: plan.run(q, cache.k, cache.v, None, out, lse, lengths, sms),
+        "      plan._stage (checks, upload)": lambda: plan._stage(lengths, sms, None),
+        "        ring put (pack + HtoD)": lambda: put(values),
+        "      kernel call (TVM-FFI)": lambda: fn(q, cache.k, cache.v, None, plan.seq_lens, out, lse, o_part,
+                                                   lse_part, plan._tickets, plan.scale, args),
+        "    torch.empty (out)": lambda: torch.empty(B, HQ, 1, D, dtype=torch.bfloat16, device="cuda"),
+        "    lengths.tolist": lambda: cache.lengths.tolist(),
+        "    torch.cuda.current_device": lambda: torch.cuda.current_device(),
+    }
+    lines = [f"Host µs per call, B {B} L {L} causal+alibi, {calls} calls each in bursts of {burst}, {device_name()}"]
+    for name, f in pieces.items():
+        for _ in range(burst):
+            f()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(calls // burst):
+            t0 = time.perf_counter()
+            for _ in range(burst):
+                f()
+            times.append((time.perf_counter() - t0) / burst)
+            torch.cuda.synchronize()
+        lines.append(f"  {name:38s} median {np.median(times) * 1e6:6.1f}   mean {np.mean(times) * 1e6:6.1f}")
+    return "\n".join(lines)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="*", default=["8x8192", "8x65536", "1x131072"])
@@ -340,11 +406,18 @@ def main():
     p.add_argument("--no-flex", action="store_true")
     p.add_argument("--tunings", nargs="*", default=None, help="sweep only these (names in sweep_tunings)")
     p.add_argument("--split-factors", nargs="*", type=int, default=[1, 2])
+    p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS)
     p.add_argument("--profile", default=None, help="BxL: cProfile a steady-state whole call instead")
+    p.add_argument("--host", default=None, help="BxL: host µs of a steady-state whole call and its pieces instead")
     args = p.parse_args()
     if args.profile:
         B, L = (int(x) for x in args.profile.split("x"))
         print(profile_host(B, L))
+        return
+    if args.host:
+        B, L = (int(x) for x in args.host.split("x"))
+        print(host_breakdown(B, L))
         return
     torch._dynamo.config.cache_size_limit = 64
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -355,7 +428,8 @@ def main():
             if args.sweep:
                 sweep_shape(B, L, rows, tuple(args.split_factors), args.tunings)
             else:
-                run_shape(B, L, rows, fa4=not args.no_fa4, flex=not args.no_flex)
+                run_shape(B, L, rows, fa4=not args.no_fa4, flex=not args.no_flex, variants=args.variants,
+                          layouts=args.layouts)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
     report(sweep_table(rows, stamp) if args.sweep else table(rows, stamp), rows, args.out, stamp)

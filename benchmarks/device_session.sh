@@ -8,7 +8,7 @@
 # each compiles fwd+bwd for five libraries, so give each a device call of its own), cupy
 # (CuPy adapter on the kernels), public (public path + prepared repeat calls), overhead
 # (host µs per call, small shapes), profile (where the host µs of a repeated torch / CuPy
-# call go), decode / decode-bench (decode tests / TB/s table), jax (JAX adapter on the
+# call go), kprofile (device µs per kernel of a step, ours beside FA4), decode / decode-bench (decode tests / TB/s table), jax (JAX adapter on the
 # kernels), notebooks (every notebook on the GPU), sched (tile order / persistent CTAs ablation).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
@@ -31,7 +31,7 @@ for step in $steps; do
   case $step in
     fwd) run fwd 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py \
            tests/gpu/test_mod_emit_gpu.py tests/gpu/test_flex_attention_gpu.py -k "not ffi" ;;
-    bwd) run bwd 420 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_bwd_gpu.py ;;
+    bwd) run bwd 540 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_bwd_gpu.py ;;
     autograd) run autograd 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_autograd_gpu.py ;;
     ffi) run ffi 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flex_attention_gpu.py -k ffi ;;
     bench) run bench 420 python3 benchmarks/bench_fwd.py --out "$out/bench.json" ;;
@@ -47,6 +47,10 @@ for step in $steps; do
     overhead) run overhead 200 python3 benchmarks/bench_overhead.py --out "$out/overhead.json" ;;
     profile) run profile_torch 120 python3 benchmarks/profile_host.py --adapter torch
              run profile_cupy 120 python3 benchmarks/profile_host.py --adapter cupy ;;
+    kprofile) run kprofile 560 python3 benchmarks/profile_kernels.py --variants full window1024 document4 \
+           --impls flexattn fa4 flex-fa
+             run kprofile_fwd 200 python3 benchmarks/profile_kernels.py --mode fwd --variants full causal \
+           --impls flexattn fa4 ;;
     sched) run sched 300 python3 benchmarks/bench_schedules.py --shapes 4x4096x16x128 8x2048x16x128 \
            --variants by_head longest persist persist+by_head --anchors fa4 ;;
     bwd-bench-mods) run bwd_bench_mods 560 python3 benchmarks/bench_bwd.py \

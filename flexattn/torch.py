@@ -90,9 +90,53 @@ def flex_attention(
             out, lse = _kernel_forward(spec, shape, query, key, value)
             _PREPARED.remember(query, key, value, call, spec, shape)
             return (out, lse) if return_lse else out
+    buffers = _score_tensors(spec.score)
+    if query.is_cuda and _plain_eager(query, key, value, *buffers):
+        out, lse = _EagerAttention.apply(query, key, value, spec, shape, *buffers)
+        return (out, lse) if return_lse else out
     spec_id = _REGISTRY.register(spec)
-    out, lse = torch.ops.flexattn.attention_fwd(query, key, value, _score_tensors(spec.score), spec_id)
+    out, lse = torch.ops.flexattn.attention_fwd(query, key, value, buffers, spec_id)
     return (out, lse) if return_lse else out
+
+
+def _plain_eager(*tensors) -> bool:
+    """Plain tensors, no dispatch mode or functorch transform around the call: autograd may
+    record the kernels through ``_EagerAttention`` instead of the custom ops (whose
+    dispatch costs ~50-130 µs of host time per op). Anything else (fake / functional
+    tensors, tracing modes, subclasses, ``torch.func``) takes the custom ops."""
+    if torch._C._len_torch_dispatch_stack() != 0:
+        return False
+    is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return all(type(t) is torch.Tensor and not is_wrapped(t) for t in tensors)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The custom ops' autograd formula for eager CUDA calls, without their dispatch: the
+    same kernels, saved tensors and gradients (``_attention_fwd`` / ``_attention_bwd``).
+    Inputs: q, k, v, the spec and its checked shape, then the score mod's tensors."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, spec, shape, *buffers):
+        out, lse = _kernel_forward(spec, shape, query, key, value)
+        ctx.save_for_backward(query, key, value, out, lse, *buffers)
+        ctx.spec, ctx.shape = spec, shape
+        ctx.grad_mask = _grad_mask(buffers)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        query, key, value, out, lse, *buffers = ctx.saved_tensors
+        if d_out is None and d_lse is None:
+            return (None,) * (5 + len(buffers))
+        if d_out is None:
+            d_out = torch.zeros_like(out)
+        spec = ctx.spec
+        dq, dk, dv, capture_grads = _kernel_backward(spec, ctx.shape, query, key, value, out, lse, d_out, d_lse,
+                                                     _grad_captures(spec, ctx.grad_mask))
+        d_buffers = [g if b.is_floating_point() else None
+                     for b, g in zip(buffers, _buffer_grads(spec, capture_grads, buffers))]
+        return (dq, dk, dv, None, None, *d_buffers)
 
 
 def _records_grad(query, key, value, spec) -> bool:
@@ -114,13 +158,30 @@ def decode(query: torch.Tensor, cache, score_mod=None, mask=None, scale=None, re
     only — with autograd recording, the step goes through ``flex_attention``); anything
     else is an ordinary attention problem (the CPU reference on CPU tensors; paged caches
     then gathered into logical order).
+
+    A step like an earlier one — the same mod objects (``Mod`` values), scale, cache type,
+    query / K / V / page-table / lengths metadata, device and current stream — skips the
+    checks and the planning (``_PreparedDecode``): it reads the lengths, allocates the
+    outputs and launches. Steps are queued without waiting for the GPU; steps on one
+    stream from several threads are serialized around their upload and launch.
     """
     from .core.decode_path import DECODE_MAX_Q_LEN
 
+    call = (score_mod, None, scale, True, mask, None)
+    key = None
+    if type(query) is torch.Tensor and query.is_cuda:
+        key = _decode_key(query, cache, call)
+        entry = None if key is None else _DECODES.get(key)
+        if entry is not None:
+            repeated = entry(query, cache, return_lse)
+            if repeated is not None:
+                return repeated if return_lse else repeated[0]
     if (isinstance(query, torch.Tensor) and query.is_cuda and query.dim() == 4
             and query.shape[2] <= DECODE_MAX_Q_LEN and hasattr(cache, "host_lengths")
             and not (torch.is_grad_enabled() and _cache_requires_grad(query, cache))):
-        out, lse = _kernel_decode(query, cache, score_mod, mask, scale)
+        out, lse, step = _kernel_decode(query, cache, score_mod, mask, scale, launch=None)
+        if key is not None:
+            _DECODES.add(key, call, lambda: _PreparedDecode(step.plan, query, cache))
         return (out, lse) if return_lse else out
     k, v, spec = decode_problem(query, cache, score_mod, mask, scale)
     return flex_attention(query, k, v, score=spec.score, mask=spec.mask, scale=spec.scale,
@@ -136,9 +197,10 @@ _SM_COUNTS: dict = {}
 
 
 def _kernel_decode(query, cache, score_mod, mask, scale, launch=True):
-    """The split-KV decode kernel on the current stream -> (out, lse), or with ``launch``
-    False (out, lse, the planned ``DecodeLaunch``) without running it (benchmarks)."""
-    from .core.decode_path import prepare_decode
+    """The split-KV decode kernel on the current stream -> (out, lse); with ``launch``
+    False (out, lse, the planned ``DecodeLaunch``) without running it (benchmarks); with
+    ``launch`` None, launched, (out, lse, the ``DecodeLaunch``)."""
+    from .core.decode_path import decode_into, prepare_decode
 
     dev = query.device
     paged = hasattr(cache, "page_table")
@@ -159,30 +221,133 @@ def _kernel_decode(query, cache, score_mod, mask, scale, launch=True):
         table = torch.as_tensor(cache.page_table).to(device=dev, dtype=torch.int32)
         if not table.is_contiguous():
             table = table.contiguous()
-    num_sms = _SM_COUNTS.get(dev.index)
-    if num_sms is None:
-        num_sms = _SM_COUNTS[dev.index] = torch.cuda.get_device_properties(dev).multi_processor_count
+    num_sms = _sm_count(dev)
 
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream(dev)
         device = Device(stream.cuda_stream, _DeviceCopies(dev), tvm_ffi_stream=True)
-        step = prepare_decode(q, cache, out, lse, device, num_sms, _decode_workspace(dev, stream),
-                              score_mod=score_mod, mask=mask, scale=scale, page_table=table)
-        if not launch:
-            return out, lse, step
-        step.launch()
-    return out, lse
+        if launch:
+            decode_into(q, cache, out, lse, device, num_sms, _decode_workspace(dev, stream),
+                        score_mod=score_mod, mask=mask, scale=scale, page_table=table)
+            return out, lse
+        ws = _decode_workspace(dev, stream)
+        if launch is None:
+            step = decode_into(q, cache, out, lse, device, num_sms, ws, score_mod=score_mod, mask=mask, scale=scale,
+                               page_table=table)
+        else:
+            step = prepare_decode(q, cache, out, lse, device, num_sms, ws, score_mod=score_mod, mask=mask,
+                                  scale=scale, page_table=table)
+    return out, lse, step
 
 
+def _sm_count(dev) -> int:
+    num_sms = _SM_COUNTS.get(dev.index)
+    if num_sms is None:
+        num_sms = _SM_COUNTS[dev.index] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return num_sms
+
+
+def _current_raw_stream(index: int) -> int:
+    """The current stream's handle on device ``index`` (torch's private accessor, ~10x
+    cheaper than ``torch.cuda.current_stream``; the public one where it is gone)."""
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get is not None:
+        return get(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def _decode_key(q, cache, call):
+    """What a repeated decode step must share with the step that made its entry: the mods'
+    and scale's identity, the cache's type, the metadata of the query, K/V, page table and
+    lengths (every adapter and planner check reads only these), the device and current
+    stream. None where the step cannot be keyed (plain functions as mods, other caches or
+    arrays)."""
+    ident = call_identity(call)
+    if ident is None:
+        return None
+    kind = type(cache)
+    if kind is KVCache:
+        k, v, table, table_key = cache.k, cache.v, None, None
+    elif kind is PagedKVCache:
+        k, v, table = cache.k_pages, cache.v_pages, cache.page_table
+        if type(table) is not torch.Tensor:
+            return None
+        table_key = (table.shape, table.stride(), table.dtype, table.get_device())
+    else:
+        return None
+    if type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return None
+    lens = cache.lengths
+    if type(lens) is torch.Tensor:
+        lens_key = (lens.shape, lens.dtype, lens.get_device())
+    elif type(lens) is np.ndarray:
+        lens_key = (lens.shape, lens.dtype)
+    else:
+        return None
+    index = q.get_device()
+    return ident + (kind, q.shape, q.stride(), q.dtype, index, k.shape, k.stride(), k.dtype, k.get_device(),
+                    v.shape, v.stride(), v.dtype, v.get_device(), table_key, lens_key, _current_raw_stream(index))
+
+
+class _PreparedDecode:
+    """A repeated decode step (``decode``'s key matched): read the lengths, allocate the
+    outputs, ``DecodePlan.run``. The LSE goes to a buffer of the entry's when the caller
+    does not want it (never read; steps on the entry's stream write it in order)."""
+
+    __slots__ = ("run", "paged", "out_shape", "lse_shape", "dtype", "device", "device_index", "q_ready",
+                 "table_ready", "num_sms", "lse_sink")
+
+    def __init__(self, plan, q, cache):
+        self.run = plan.run
+        self.paged = type(cache) is PagedKVCache
+        self.out_shape = tuple(q.shape)
+        self.lse_shape = self.out_shape[:3]
+        self.dtype, self.device, self.device_index = q.dtype, q.device, q.get_device()
+        self.q_ready = q.stride(3) == 1 and not any(st % 8 for st in q.stride()[:3])
+        table = cache.page_table if self.paged else None
+        self.table_ready = table is None or (table.dtype == torch.int32 and table.device == q.device
+                                             and table.is_contiguous())
+        self.num_sms = _sm_count(q.device)
+        self.lse_sink = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+
+    def __call__(self, q, cache, return_lse):
+        """``(out, lse)``, or None where the full path must run: another current device, or
+        autograd recording (some input requires grad while grad mode is on)."""
+        if torch.cuda.current_device() != self.device_index:
+            return None
+        if self.paged:
+            k, v, table = cache.k_pages, cache.v_pages, cache.page_table
+            if not self.table_ready:
+                table = table.to(device=self.device, dtype=torch.int32).contiguous()
+        else:
+            k, v, table = cache.k, cache.v, None
+        if q.requires_grad or k.requires_grad or v.requires_grad:
+            if torch.is_grad_enabled():
+                return None
+            q, k, v = q.detach(), k.detach(), v.detach()   # DLPack refuses tensors that require grad
+        if not self.q_ready:
+            q = q.contiguous()
+        lengths = cache.lengths.tolist()
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if return_lse else self.lse_sink
+        self.run(q, k, v, table, out, lse, lengths, self.num_sms)
+        return out, lse
+
+
+_DECODES = PreparedCalls()
 _DECODE_WORKSPACES: dict = {}
 
 
 def _decode_workspace(dev, stream):
     """The decode kernel's workspace on ``stream`` of ``dev`` (one per stream, kept):
-    partials from torch's allocator; arrival tickets zeroed once, grown when a step needs
-    more (the kernel leaves them zero); lengths/offsets copied from pinned memory without
-    blocking the host (torch's pinned allocator keeps each staging buffer until its copy
-    has run, so a later step never overwrites one still in flight)."""
+    plan buffers from torch's allocator; the splits' partials in one float32 scratch array,
+    grown when a step needs more (allocated on the stream, used in its order); arrival
+    tickets zeroed once, grown likewise (the kernel leaves them zero); lengths/offsets
+    copied from a ring of pinned slots (``StagingRing``: one ``cuMemcpyHtoDAsync`` per
+    step, fences every 16 steps, so the host never waits for the GPU in a steady state and
+    never rewrites a slot the GPU has yet to copy). Without ``cuda.bindings``, a pinned
+    tensor per step copied by torch (its pinned allocator keeps each one until its copy
+    has run)."""
     key = (dev.index, stream.cuda_stream)
     hit = _DECODE_WORKSPACES.get(key)
     if hit is not None:
@@ -190,6 +355,7 @@ def _decode_workspace(dev, stream):
     from .core.decode_path import DecodeWorkspace
 
     tickets = [torch.zeros(0, dtype=torch.int32, device=dev)]
+    scratch = [torch.empty(0, dtype=torch.float32, device=dev)]
 
     def alloc(shape, dtype):
         return torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
@@ -199,13 +365,84 @@ def _decode_workspace(dev, stream):
             tickets[0] = torch.zeros(max(n, 2 * tickets[0].numel(), 1024), dtype=torch.int32, device=dev)
         return tickets[0]
 
-    def upload(host, into):
-        staging = torch.empty(host.shape, dtype=torch.int32, pin_memory=True)
-        staging.numpy()[...] = host
-        into.copy_(staging, non_blocking=True)
+    def get_scratch(n):
+        if scratch[0].numel() < n:
+            with torch.cuda.device(dev), torch.cuda.stream(stream):
+                scratch[0] = torch.empty(max(n, 2 * scratch[0].numel(), 1 << 16), dtype=torch.float32, device=dev)
+        return scratch[0]
 
-    ws = _DECODE_WORKSPACES[key] = DecodeWorkspace(alloc, get_tickets, upload)
+    ws = _DECODE_WORKSPACES[key] = DecodeWorkspace(alloc, get_tickets, get_scratch, _uploader(dev, stream))
     return ws
+
+
+def _uploader(dev, stream):
+    """``DecodeWorkspace.uploader`` for ``stream``: a ``StagingRing`` of pinned memory
+    copied by the driver (``cuda.bindings``), or per-step pinned tensors copied by torch."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        def torch_uploader(into):
+            def put(values):
+                staging = torch.tensor(values, dtype=torch.int32).view(into.shape).pin_memory()
+                into.copy_(staging, non_blocking=True)
+            return put
+
+        return torch_uploader
+
+    from .core.decode_path import StagingRing
+
+    pinned = []
+
+    def host(nbytes):
+        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        pinned[:] = [t]                      # the ring waited for the old memory's copies
+        return t.numpy(), t.data_ptr()
+
+    cu_stream = driver.CUstream(stream.cuda_stream)
+    memcpy, ok = driver.cuMemcpyHtoDAsync, driver.CUresult.CUDA_SUCCESS
+
+    def copy(dst, src, nbytes):
+        err = memcpy(dst, src, nbytes, cu_stream)[0]
+        if err != ok:
+            if err == driver.CUresult.CUDA_ERROR_INVALID_CONTEXT:   # a thread where torch bound none yet
+                _bind_primary_context(driver, dev.index)
+                err = memcpy(dst, src, nbytes, cu_stream)[0]
+            if err != ok:
+                raise RuntimeError(f"flexattn decode: cuMemcpyHtoDAsync failed: {err!r}")
+
+    ring = StagingRing(host, copy, lambda: _Fence(stream))
+
+    def uploader(into):
+        if not into.is_contiguous() or into.dtype != torch.int32 or into.device != dev:
+            raise ValueError("the decode upload goes into a contiguous int32 tensor on the workspace's device")
+        return ring.uploader(driver.CUdeviceptr(into.data_ptr()), into.numel())
+
+    return uploader
+
+
+def _bind_primary_context(driver, index: int) -> None:
+    """Make device ``index``'s primary context (torch's) current on this thread."""
+    err, dev = driver.cuDeviceGet(index)
+    if err == driver.CUresult.CUDA_SUCCESS:
+        err, ctx = driver.cuDevicePrimaryCtxRetain(dev)
+        if err == driver.CUresult.CUDA_SUCCESS:
+            driver.cuCtxSetCurrent(ctx)
+            driver.cuDevicePrimaryCtxRelease(dev)
+
+
+class _Fence:
+    """A ``StagingRing`` fence: an event on the ring's stream."""
+
+    __slots__ = ("event", "stream")
+
+    def __init__(self, stream):
+        self.event, self.stream = torch.cuda.Event(), stream
+
+    def record(self):
+        self.event.record(self.stream)
+
+    def wait(self):
+        self.event.synchronize()
 
 
 # --- torch.compile ------------------------------------------------------------------------------
@@ -401,6 +638,11 @@ def _attention_bwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return dq, dk, dv, _buffer_grads(spec, capture_grads, buffers)
 
 
+def _grad_mask(buffers) -> int:
+    """Bit n set iff op buffer n requires grad (read back by ``_grad_captures``)."""
+    return sum(1 << n for n, b in enumerate(buffers) if b.requires_grad)
+
+
 def _grad_captures(spec: AttentionSpec, grad_mask: int) -> tuple:
     """Score-capture slots of the op buffers whose bit is set in ``grad_mask``."""
     if spec.score is None:
@@ -441,7 +683,7 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(query, key, value, out, lse, *buffers)
     ctx.spec_id = spec_id
-    ctx.grad_mask = sum(1 << n for n, b in enumerate(buffers) if b.requires_grad)
+    ctx.grad_mask = _grad_mask(buffers)
     ctx.set_materialize_grads(False)
 
 
@@ -564,8 +806,8 @@ _PREPARED = _PreparedCalls()
 
 
 def _forward_device(dev) -> Device:
-    """The core's view of a CUDA device for forward launches: its current stream (which
-    TVM-FFI reads from torch itself) and cached host→GPU copies."""
+    """The core's view of a CUDA device for kernel launches (forward and backward): its
+    current stream (which TVM-FFI reads from torch itself) and cached host→GPU copies."""
     return Device(torch.cuda.current_stream(dev).cuda_stream, _DeviceCopies(dev), tvm_ffi_stream=True)
 
 
@@ -586,12 +828,16 @@ def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, gra
         dk=torch.empty(key.shape, dtype=key.dtype, device=dev),
         dv=torch.empty(value.shape, dtype=value.dtype, device=dev),
     )
-    device = Device(torch.cuda.current_stream(dev).cuda_stream, _DeviceCopies(dev))
+    device = _forward_device(dev)  # TVM-FFI launches read torch's current stream (the autograd thread's)
     # torch's switch for bitwise-repeatable algorithms selects the deterministic backward
     deterministic = torch.are_deterministic_algorithms_enabled()
-    with torch.cuda.device(dev):
+    if dev.index == torch.cuda.current_device():
         result = backward_into(arrays, shape, spec, device, alloc, deterministic=deterministic,
                                grad_captures=grad_captures)
+    else:
+        with torch.cuda.device(dev):  # the launches go to the inputs' GPU
+            result = backward_into(arrays, shape, spec, device, alloc, deterministic=deterministic,
+                                   grad_captures=grad_captures)
     return arrays.dq, arrays.dk, arrays.dv, result.capture_grads
 
 

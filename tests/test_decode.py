@@ -158,3 +158,74 @@ def test_decode_errors():
         KVCache(np.zeros((2, 1, 4, 2)), np.zeros((2, 1, 4, 2)), np.array([5, 0]))
     with pytest.raises(ValueError, match="page_table"):
         PagedKVCache(np.zeros((4, 16, 1, 2)), np.zeros((4, 16, 1, 2)), np.array([[0, 9]]), np.array([3]))
+
+
+class _FakeStream:
+    """A stream the test runs by hand: queued host->device copies read their source only
+    when the 'GPU' reaches them, as a real stream's do."""
+
+    def __init__(self):
+        self.ops, self.done, self.device = [], 0, {}
+
+    def run(self, n=None):
+        stop = len(self.ops) if n is None else min(len(self.ops), self.done + n)
+        while self.done < stop:
+            self.ops[self.done]()
+            self.done += 1
+
+
+def test_staging_ring_never_rewrites_a_slot_in_flight():
+    """StagingRing over a hand-run stream that lags the host by random amounts: every copy,
+    when it finally runs, reads the values its put wrote (a slot is rewritten only after
+    its group's fence has passed), through laps of the ring and a growth of its slots."""
+    from flexattn.core.decode_path import StagingRing
+
+    rng = np.random.default_rng(0)
+    stream = _FakeStream()
+    memory = {}
+    waits = []
+
+    def host(nbytes):
+        for old in memory.values():   # the old memory goes back to the allocator: reused
+            old[:] = 255
+        buf = np.zeros(nbytes, np.uint8)
+        base = 1 << 20 * (len(memory) + 1)
+        memory[base] = buf
+        return buf, base
+
+    def read(address, nbytes):
+        for base, buf in memory.items():
+            if base <= address < base + len(buf):
+                return buf[address - base: address - base + nbytes].view(np.int32).tolist()
+        raise AssertionError("copy from unknown memory")
+
+    def copy(dst, src, nbytes):
+        values = list(current)        # what the put being served has just written
+
+        def op():
+            got = read(src, nbytes)
+            assert got == values, (got, values)
+            stream.device[dst] = got
+        stream.ops.append(op)
+
+    class Fence:
+        def __init__(self):
+            self.at = None
+
+        def record(self):
+            self.at = len(stream.ops)
+
+        def wait(self):
+            waits.append(self.at - stream.done)
+            stream.run(max(0, self.at - stream.done))
+
+    ring = StagingRing(host, copy, Fence, slots=8, group=4, slot_bytes=16)
+    puts = {count: ring.uploader(("dst", count), count) for count in (3, 4, 10)}   # 40 bytes: grows
+    current = []
+    for step in range(300):
+        count = 10 if step > 150 and step % 3 == 0 else (4 if step % 2 else 3)
+        current = rng.integers(0, 1 << 30, size=count).tolist()
+        puts[count](current)
+        stream.run(int(rng.integers(0, 3)))      # the GPU lags, sometimes far behind
+    stream.run()
+    assert ring.slot_bytes == 64 and any(w > 0 for w in waits)   # grew; the host did wait at times

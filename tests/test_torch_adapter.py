@@ -238,3 +238,25 @@ def test_prepared_entry_takes_inference_calls_and_leaves_recorded_ones(monkeypat
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert cache.run(q, k, v, call, return_lse=False) is None           # another current device
     assert len(launched) == 5
+
+
+def test_eager_autograd_path_only_for_plain_tensors():
+    """``_EagerAttention`` (no custom-op dispatch) is taken only for plain tensors outside
+    dispatch modes and functorch transforms; fake tensors and torch.func keep the ops."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flexattn.torch import _plain_eager
+
+    x = torch.zeros(2, 3)
+    assert _plain_eager(x, x.requires_grad_())
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(torch.zeros(2, 3))
+        assert not _plain_eager(fake)
+    seen = []
+
+    def f(t):
+        seen.append(_plain_eager(t))
+        return t.sum()
+
+    torch.func.grad(f)(torch.zeros(3))
+    assert seen == [False]

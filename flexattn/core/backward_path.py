@@ -8,7 +8,8 @@ kernel support checks, same block structure — dense, built-in causal or block-
 the same mods), so the backward visits the tiles the forward did; block-sparse calls read
 the block mask's q-side lists.
 
-Three kernels run on the caller's stream (``kernels.bwd_runner.BackwardRunner``):
+Three kernels run on the caller's stream (``kernels.bwd_runner.BackwardRunner``; through
+TVM-FFI, ``kernels.bwd_ffi_runner.FfiBackwardRunner``, where the forward would be):
 preprocess (delta = rowsum(dO·O) − dLSE, log2 LSE, dQ accumulator zeroed), the main
 kernel (dK, dV; dQ and captured-buffer gradients by fp32 atomics), postprocess (dQ).
 Nothing synchronizes with the host.
@@ -19,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .kernel_path import Device, KernelPlan, plan_forward
+from .kernel_path import Device, KernelPlan, ffi_stream_scope, plan_forward, use_tvm_ffi
 from .spec import AttentionSpec
 from .validate import AttentionShape
 
@@ -77,7 +78,7 @@ def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: Attention
     """
     from ..kernels.bwd_runner import config_from_forward, workspace_dtypes, workspace_shapes
     from ..kernels.cache import backward_runner
-    from ..kernels.mod_emit import runtime_args
+    from ..kernels.mod_emit import IRModHook, runtime_args
 
     plan = plan_forward(arrays.q, shape, spec)  # raises what the kernel cannot do
     mods = plan.config.mods
@@ -98,11 +99,20 @@ def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: Attention
     captures = hook.captures()
     slots = hook.grad_slots
     grads = tuple(alloc(_grad_shape(captures[s]), "float32", True) for s in slots)
-    args = runtime_args(hook, device.to_device)
     scale = spec.resolved_scale(shape.head_dim)
-    backward_runner(cfg).run(arrays.q, arrays.k, arrays.v, arrays.out, arrays.d_out, arrays.lse,
-                             arrays.dq, arrays.dk, arrays.dv, workspace, scale, args, grads or None,
-                             device.stream, lists, arrays.d_lse)
+    if use_tvm_ffi(device, stream_scope=True):  # see kernels/bwd_ffi_runner.py
+        from ..kernels.ffi_runner import ffi_mod_args
+
+        args = ffi_mod_args(hook, device.to_device) if isinstance(hook, IRModHook) else ()
+        with ffi_stream_scope(arrays.q, device):
+            backward_runner(cfg, tvm_ffi=True).run(
+                arrays.q, arrays.k, arrays.v, arrays.out, arrays.d_out, arrays.lse, arrays.dq, arrays.dk,
+                arrays.dv, workspace, scale, args, grads or None, lists, arrays.d_lse)
+    else:
+        args = runtime_args(hook, device.to_device)
+        backward_runner(cfg).run(arrays.q, arrays.k, arrays.v, arrays.out, arrays.d_out, arrays.lse,
+                                 arrays.dq, arrays.dk, arrays.dv, workspace, scale, args, grads or None,
+                                 device.stream, lists, arrays.d_lse)
     by_slot = [None] * (len(spec.score.captures) if spec.score is not None else 0)
     for s, g in zip(slots, grads):
         by_slot[s] = g

@@ -2,22 +2,29 @@
 
 Framework-neutral and destination-passing, like ``kernel_path.forward_into``: the adapter
 allocates ``out``/``lse``, supplies a ``Device`` (stream, host→GPU copies), the SM count
-(read by the adapter, never while a kernel is traced) and a ``DecodeWorkspace`` (the fp32
-split partials, the kernel's arrival tickets, the per-step upload of lengths/offsets).
-Everything the kernel cannot do is refused before anything compiles.
+(read by the adapter, never while a kernel is traced) and a ``DecodeWorkspace`` (one per
+stream: the fp32 split partials, the kernel's arrival tickets, the per-step upload of
+lengths/offsets through pinned staging, a lock). Everything the kernel cannot do is
+refused before anything compiles.
 
 Once per call shape (``DecodePlan``, kept while the same mod objects, shapes and stream
 recur): checks; the mods rewritten to true positions with the query offsets as a runtime
 buffer (``mods.positions.shift_queries``) — the plan's device buffer [lengths; offsets];
-the kernel config and runner; the captures converted. The kernel bounds keys by the
-per-batch length itself, so no ``limit_keys`` term.
+the kernel config and runner; the captures converted; the buffer's uploader and the
+tickets. The kernel bounds keys by the per-batch length itself, so no ``limit_keys`` term.
 
-Per step, on the host: the cache's lengths (host copy) and the offsets (``len - q_len``)
-go into the plan's buffer through ``workspace.upload`` (asynchronous: the host plans the
-next step while the GPU runs this one — new values, same structure: nothing recompiles);
-``choose_splits`` picks how many splits of the kv range fill the GPU (see there); one
-launch, whose last split CTA of each group merges the splits (``decode_sm90``), counting
-arrivals in the workspace's tickets.
+Per step, on the host (``DecodePlan.run``, which an adapter calls straight from its own
+key of a repeated step — the torch adapter's whole step costs ~34 µs of host time):
+the cache's lengths (host ints) are checked (batch, query tokens present, capacity) and
+go with the offsets (``len - q_len``) into the plan's buffer through the workspace's
+uploader (a ``StagingRing`` slot and one asynchronous copy: the host plans the next
+step while the GPU runs this one — new values, same structure: nothing recompiles);
+``choose_splits`` picks how many splits of the kv range fill the GPU (see there; cached
+per kv block count); the partials are views of the workspace's scratch, kept per split
+count; one launch, whose last split CTA of each group merges the splits
+(``decode_sm90``), counting arrivals in the workspace's tickets. The upload and launch
+hold the workspace's lock, so threads sharing a stream each launch after their own
+upload; each stream has its own workspace and plans, so streams never share a buffer.
 
 No mask analysis runs on the host: the kernel skips the leading kv blocks its mask
 provably excludes (a sliding window skips the cache's head) by interval analysis on the
@@ -27,7 +34,9 @@ GPU (``decode_sm90``); blocks at or past each sequence's length are never visite
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import struct
+import threading
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -140,20 +149,106 @@ def decode_unsupported(q, k, v, page_size: int) -> str | None:
 @dataclass(frozen=True)
 class DecodeWorkspace:
     """Device memory and copies a decode step needs besides its outputs (the adapter's,
-    one per device and stream).
+    one per device and stream; everything in it is used in that stream's order).
 
-    ``alloc(shape, dtype)``: an uninitialized device array ("float32": the splits' partial
-    O and LSE, per step; "int32": a plan's lengths/offsets buffer, once per plan).
-    ``tickets(n)``: an int32 device array of at least n zeros that stays with this device
-    and stream — the kernel's arrival counters; each group's last split resets its own, so
-    it is zeroed once, never per step. ``upload(host, into)``: copy the int32 host array
-    into the device array ``into``, ordered on the stream, without waiting for the GPU
-    (pinned staging; a step's copy lands after the previous step's kernel in stream
-    order, so ``into`` can be the same buffer every step)."""
+    ``alloc(shape, dtype)``: an uninitialized device array (a plan's int32 lengths/offsets
+    buffer, once per plan). ``tickets(n)``: an int32 device array of at least n zeros that
+    stays with this device and stream — the kernel's arrival counters; each group's last
+    split resets its own, so it is zeroed once, never per step. ``scratch(n)``: a float32
+    device array of at least n elements, the same one until a larger one is asked for —
+    the splits' partial O and LSE, reused by every step on the stream (a step's kernel
+    runs after the previous step's in stream order, so it never overwrites partials still
+    being merged). ``uploader(into)``: a function ``put(values)`` that copies a flat
+    sequence of ``into``'s element count of int32 values into the device array ``into``,
+    ordered on the stream, without waiting for the GPU (pinned staging that the adapter
+    recycles only once the GPU has copied from it; the copy lands after the previous
+    step's kernel in stream order, so ``into`` can be the same buffer every step).
+    ``lock``: held around a step's upload and launch (``DecodePlan.run``, ``decode_into``),
+    so that steps queued on one stream from several threads each launch right after their
+    own upload."""
 
     alloc: Callable
     tickets: Callable
-    upload: Callable
+    scratch: Callable
+    uploader: Callable
+    lock: object = field(default_factory=threading.Lock, compare=False, repr=False)
+
+
+class StagingRing:
+    """Pinned host slots for one stream's uploads, recycled behind fences.
+
+    A copy from host memory queued on a stream reads its source when the stream reaches
+    it, after the host has returned: the host must not rewrite that memory before then.
+    The ring has ``slots`` slots in groups of ``group``; after the copy out of a group's
+    last slot it records a fence on the stream, and before writing a group's first slot
+    again (a lap later) it waits for that group's previous fence — every copy out of the
+    group has then run. The host can thus run ``slots - group`` steps ahead of the GPU
+    before it waits (it never does in a decoder's steady state), and fences cost one
+    record per ``group`` steps.
+
+    The adapter supplies the memory and the stream: ``host(nbytes)`` -> a writable uint8
+    numpy view of pinned memory (kept alive by the ring) and its address;
+    ``copy(dst, src_address, nbytes)`` queues the host→device copy on the stream (``dst``
+    as the adapter's ``uploader`` gave it); ``fence()`` -> an object whose ``record()``
+    marks the stream's current position and ``wait()`` blocks until the stream passed the
+    last mark. A slot too small for a new request grows the ring: every copy out of the
+    old memory is waited for first (once per size increase).
+
+    Not thread-safe by itself: its callers hold the workspace's lock. Not CUDA-graph
+    capturable: a replay would copy from a slot rewritten since."""
+
+    def __init__(self, host: Callable, copy: Callable, fence: Callable, slots: int = 64, group: int = 16,
+                 slot_bytes: int = 256):
+        if slots % group:
+            raise ValueError(f"slots ({slots}) must be a multiple of group ({group})")
+        self._host, self._copy, self._fence = host, copy, fence
+        self.slots, self.group = slots, group
+        self._fences = [None] * (slots // group)
+        self._next = 0
+        self._alloc(slot_bytes)
+
+    def _alloc(self, slot_bytes: int) -> None:
+        self.slot_bytes = slot_bytes
+        self._view, self._base = self._host(slot_bytes * self.slots)
+
+    def _grow(self, nbytes: int) -> None:
+        last = self._fence()
+        last.record()
+        last.wait()                       # every copy out of the old memory has run
+        self._fences = [None] * (self.slots // self.group)
+        self._next = 0
+        size = self.slot_bytes
+        while size < nbytes:
+            size *= 2
+        self._alloc(size)
+
+    def uploader(self, dst, count: int) -> Callable:
+        """``put(values)``: ``count`` int32 values into a free slot, then the copy of the
+        slot to ``dst``."""
+        packer = struct.Struct(f"<{count}i")
+        pack, nbytes = packer.pack_into, packer.size
+
+        def put(values) -> None:
+            if nbytes > self.slot_bytes:
+                self._grow(nbytes)
+            i = self._next
+            group = self.group
+            if i % group == 0:            # entering a group: its previous lap's copies done?
+                previous = self._fences[i // group]
+                if previous is not None:
+                    previous.wait()
+            offset = i * self.slot_bytes
+            pack(self._view, offset, *values)
+            self._copy(dst, self._base + offset, nbytes)
+            i += 1
+            if i % group == 0:            # the group's last copy is queued: fence it
+                fence = self._fences[i // group - 1]
+                if fence is None:
+                    fence = self._fences[i // group - 1] = self._fence()
+                fence.record()
+            self._next = i % self.slots
+
+        return put
 
 
 @dataclass
@@ -166,6 +261,7 @@ class DecodeLaunch:
     config: object          # DecodeConfig; its hook carries the plan's captures
     num_splits: int
     _decode: Callable = None
+    plan: object = None     # the DecodePlan it came from
 
     def launch(self) -> None:
         self._decode()
@@ -203,20 +299,27 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
 
 
 class DecodePlan:
-    """Everything about a step that stays while the mods, shapes and dtypes do: the kernel
-    config with the mods rewritten to true positions, its runner, the captures converted
-    for the launch, and a device buffer [lengths; query offsets] the mods' offset capture
-    reads — each step uploads its values into it (``step``), so a plan serves every step
-    of a decoder. Plans are kept per call shape (``_PREPARED``): a repeated step skips the
-    checks, the rewrite and the conversions."""
+    """Everything about a step that stays while the mods, shapes, dtypes and stream do: the
+    kernel config with the mods rewritten to true positions, its runner, the captures
+    converted for the launch, a device buffer [lengths; query offsets] the mods' offset
+    capture reads — each step uploads its values into it, so a plan serves every step of a
+    decoder — with its uploader, the arrival tickets, and the split counts and partial
+    views already seen. Plans are kept per call shape (``_PREPARED``, and the adapters'
+    own caches): a repeated step skips the checks, the rewrite and the conversions.
 
-    def __init__(self, q, k, out, page_size: int, tuning: DecodeTuning, device: Device, workspace: DecodeWorkspace,
-                 score_mod, mask, scale):
+    ``run`` is a whole step (lengths checked and uploaded, split count, launch) under the
+    workspace's lock; ``step`` uploads and returns the launch (benchmarks, tests)."""
+
+    def __init__(self, q, k, table, out, page_size: int, tuning: DecodeTuning, device: Device,
+                 workspace: DecodeWorkspace, score_mod, mask, scale):
         B, Hq, q_len, D = (int(s) for s in q.shape)
         paged = page_size > 0
         self.kv_heads = int(k.shape[2] if paged else k.shape[1])
+        # Keys a length may reach: past them the kernel would read outside the cache.
+        self.capacity = int(table.shape[1]) * page_size if paged else int(k.shape[2])
         self.q_len, self.batch = q_len, B
         self.workspace = workspace   # held: its id in the plan's key is never reused meanwhile
+        self.lock = workspace.lock
         group_rows = (Hq // self.kv_heads) * q_len
         num_mma_wg = 1 if group_rows <= 64 else 2
         self.m_blocks = -(-group_rows // (64 * num_mma_wg))
@@ -225,11 +328,13 @@ class DecodePlan:
         self.tuning = tuning
         self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
         self.part_shapes = ((B, Hq, q_len, D), (B, Hq, q_len))
+        self._part_sizes = (B * Hq * q_len * D, B * Hq * q_len)
 
         # Mods at true positions: query row i of sequence b sits at lengths[b] - q_len + i,
         # read from row 1 of the positions buffer (row 0: the lengths the kernel bounds keys by).
         self.positions = workspace.alloc((2, B), "int32")
         self.seq_lens, q_offset = self.positions[0], self.positions[1]
+        self._put = workspace.uploader(self.positions)
         base = None if mask is None else as_mask(mask, "mask")
         the_mask = None if _is_full(base) else _at_true_positions(base, q_offset)
         the_score = None if score_mod is None else _at_true_positions(as_score(score_mod, "score_mod"), q_offset)
@@ -241,8 +346,15 @@ class DecodePlan:
 
         self.ffi = use_tvm_ffi(device)
         self.runner = decode_runner(self.config, self.ffi)
+        self.stream = device.stream
         self._kinds, self._captures = capture_kinds(self.config.mods), self.config.mods.captures()
         self._to_device = device.to_device
+        # One arrival counter per CTA group (grid dims 1 and 2), all zero between launches.
+        self._tickets = workspace.tickets(self.batch * self.kv_heads * self.m_blocks)
+        self._scratch = workspace.scratch
+        self._splits: dict = {}      # (kv blocks, SM count) -> the heuristic's split count
+        self._parts: dict = {}       # split count -> (scratch array, o_part, lse_part)
+        self._fn = None              # the compiled TVM-FFI function, after the first launch
         # Numbers, read-only arrays and our positions buffer cannot change under the plan:
         # convert once. Anything else (framework tensors, writeable arrays) may be updated
         # in place or rebound between steps: convert per step.
@@ -255,33 +367,82 @@ class DecodePlan:
         if self.ffi:
             from ..kernels.ffi_runner import ffi_args
 
-            return ffi_args(self._kinds, self._captures, self._to_device)
+            return ffi_args(self._kinds, self._captures, self._to_device) or None
         from ..kernels.mod_emit import runtime_args
 
         return runtime_args(self.config.mods, self._to_device)
 
-    def step(self, q, k, v, table, out, lse, lengths: np.ndarray, device: Device, num_sms: int,
-             workspace: DecodeWorkspace, num_splits: int | None = None) -> DecodeLaunch:
-        """This step's launch: its lengths uploaded, its split count and workspace."""
-        host = np.empty((2, self.batch), dtype=np.int32)
-        host[0] = lengths
-        host[1] = lengths - self.q_len
-        workspace.upload(host, self.positions)
-        kv_blocks = -(-int(lengths.max()) // self.tuning.tile_n)
-        splits = choose_splits(self.batch, self.kv_heads, self.m_blocks, kv_blocks, num_sms, self.tuning)
-        if num_splits is not None:
+    def _stage(self, lengths: list, num_sms: int, num_splits: int | None):
+        """Check this step's lengths (ints, one per sequence), upload them with the query
+        offsets, pick the split count -> (splits, o_part, lse_part)."""
+        if len(lengths) != self.batch:
+            raise ValueError(f"query batch {self.batch} does not match the cache's {len(lengths)}")
+        q_len = self.q_len
+        if min(lengths, default=q_len) < q_len:
+            raise ValueError(f"every sequence must already hold its {q_len} query tokens (append them first); "
+                             f"lengths {list(lengths)}")
+        longest = max(lengths, default=0)
+        if longest > self.capacity:
+            raise ValueError(f"lengths {list(lengths)} exceed the cache's capacity ({self.capacity} tokens)")
+        self._put([*lengths, *[n - q_len for n in lengths]])
+        if num_splits is None:
+            key = (-(-longest // self.tuning.tile_n), num_sms)
+            splits = self._splits.get(key)
+            if splits is None:
+                splits = self._splits[key] = choose_splits(self.batch, self.kv_heads, self.m_blocks, key[0], num_sms,
+                                                           self.tuning)
+        else:
             if num_splits < 1:
                 raise ValueError(f"num_splits must be >= 1, got {num_splits}")
             splits = int(num_splits)
-        o_shape, lse_shape = self.part_shapes
-        o_part = workspace.alloc((splits,) + o_shape, "float32")
-        lse_part = workspace.alloc((splits,) + lse_shape, "float32")
-        # One arrival counter per CTA group (grid dims 1 and 2), all zero between launches.
-        tickets = workspace.tickets(self.batch * self.kv_heads * self.m_blocks)
+        o_size, lse_size = self._part_sizes
+        flat = self._scratch(splits * (o_size + lse_size))
+        parts = self._parts.get(splits)
+        if parts is None or parts[0] is not flat:
+            o_shape, lse_shape = self.part_shapes
+            o_part = flat[:splits * o_size].reshape((splits,) + o_shape)
+            lse_part = flat[splits * o_size:splits * (o_size + lse_size)].reshape((splits,) + lse_shape)
+            parts = self._parts[splits] = (flat, o_part, lse_part)
+        return splits, parts[1], parts[2]
+
+    def _launcher(self, q, k, v, table, out, lse, o_part, lse_part) -> Callable:
+        """The launch with these arguments (compiling on its first call)."""
         args = self._args if self._args is not None else self._convert()
-        run, seq_lens, scale, stream = self.runner.run, self.seq_lens, self.scale, device.stream
-        return DecodeLaunch(self.config, splits, lambda: run(
-            q, k, v, table, seq_lens, out, lse, o_part, lse_part, tickets, scale, args, stream))
+        if self.ffi:
+            seq_lens, tickets, scale = self.seq_lens, self._tickets, self.scale
+
+            def launch():
+                fn = self._fn
+                if fn is None:
+                    fn = self._fn = self.runner.ffi_function()
+                fn(q, k, v, table, seq_lens, out, lse, o_part, lse_part, tickets, scale, args)
+
+            return launch
+        run, seq_lens, tickets, scale, stream = self.runner.run, self.seq_lens, self._tickets, self.scale, self.stream
+        return lambda: run(q, k, v, table, seq_lens, out, lse, o_part, lse_part, tickets, scale, args, stream)
+
+    def run(self, q, k, v, table, out, lse, lengths: list, num_sms: int) -> int:
+        """One whole step, the adapters' repeated-call path: ``lengths`` (ints, the
+        cache's) checked and uploaded, the split count picked, the kernel launched — under
+        the workspace's lock, so the launch follows its own upload in stream order. The
+        arrays must be those the plan was made for (shapes, dtypes, strides, device:
+        the caller's key says so). Returns the split count."""
+        with self.lock:
+            splits, o_part, lse_part = self._stage(lengths, num_sms, None)
+            fn = self._fn
+            if fn is not None:
+                fn(q, k, v, table, self.seq_lens, out, lse, o_part, lse_part, self._tickets, self.scale,
+                   self._args if self._args is not None else self._convert())
+            else:
+                self._launcher(q, k, v, table, out, lse, o_part, lse_part)()
+        return splits
+
+    def step(self, q, k, v, table, out, lse, lengths: list, num_sms: int,
+             num_splits: int | None = None) -> DecodeLaunch:
+        """This step's launch: its lengths uploaded, its split count and partials. Not
+        locked: ``decode_into`` holds the lock around this and the launch."""
+        splits, o_part, lse_part = self._stage(lengths, num_sms, num_splits)
+        return DecodeLaunch(self.config, splits, self._launcher(q, k, v, table, out, lse, o_part, lse_part), self)
 
 
 _PREPARED = PreparedCalls(capacity=64)
@@ -289,6 +450,28 @@ _PREPARED = PreparedCalls(capacity=64)
 
 def _array_key(x) -> tuple:
     return None if x is None else (tuple(x.shape), dtype_name(x))
+
+
+def _plan_for(q, cache, out, lse, device: Device, workspace: DecodeWorkspace, score_mod, mask, scale, page_table,
+              tuning: DecodeTuning | None):
+    """(plan, k, v, table, host lengths as ints) for this step; checks before anything compiles."""
+    paged = hasattr(cache, "page_table")
+    k, v = (cache.k_pages, cache.v_pages) if paged else (cache.k, cache.v)
+    table = (cache.page_table if page_table is None else page_table) if paged else None
+    page_size = cache.page_size if paged else 0
+    tuning = DEFAULT_TUNING if tuning is None else tuning
+    call = (score_mod, None, scale, True, mask, None)
+    identity = call_identity(call)
+    key = None if identity is None else identity + (
+        tuning, page_size, id(workspace), device.stream, tuple(q.shape), dtype_name(q), _array_key(k),
+        _array_key(v), _array_key(table), _array_key(out), _array_key(lse))
+    plan = None if key is None else _PREPARED.get(key)
+    if plan is None or plan.workspace is not workspace:
+        _check_step(q, k, v, table, page_size, out, lse)
+        plan = DecodePlan(q, k, table, out, page_size, tuning, device, workspace, score_mod, mask, scale)
+        if key is not None:
+            _PREPARED.add(key, call, lambda: plan)
+    return plan, k, v, table, cache.host_lengths().tolist()
 
 
 def prepare_decode(q, cache, out, lse, device: Device, num_sms: int, workspace: DecodeWorkspace, score_mod=None,
@@ -303,30 +486,12 @@ def prepare_decode(q, cache, out, lse, device: Device, num_sms: int, workspace: 
     (benchmarks, tests). A step like an earlier one — the same mod objects (``Mod``
     values: plain functions are traced anew), scale, tuning, workspace and stream, arrays
     of the same shapes and dtypes — reuses that step's ``DecodePlan``: only the lengths
-    are read and checked."""
-    paged = hasattr(cache, "page_table")
-    k, v = (cache.k_pages, cache.v_pages) if paged else (cache.k, cache.v)
-    table = (cache.page_table if page_table is None else page_table) if paged else None
-    page_size = cache.page_size if paged else 0
-    tuning = DEFAULT_TUNING if tuning is None else tuning
-    call = (score_mod, None, scale, True, mask, None)
-    identity = call_identity(call)
-    key = None if identity is None else identity + (
-        tuning, page_size, id(workspace), device.stream, tuple(q.shape), dtype_name(q), _array_key(k),
-        _array_key(v), _array_key(table), _array_key(out), _array_key(lse))
-    plan = None if key is None else _PREPARED.get(key)
-    if plan is None or plan.workspace is not workspace:
-        _check_step(q, k, v, table, page_size, out, lse)
-        plan = DecodePlan(q, k, out, page_size, tuning, device, workspace, score_mod, mask, scale)
-        if key is not None:
-            _PREPARED.add(key, call, lambda: plan)
-    lengths = cache.host_lengths()
-    if lengths.shape[0] != plan.batch:
-        raise ValueError(f"query batch {plan.batch} does not match the cache's {lengths.shape[0]}")
-    if lengths.min(initial=plan.q_len) < plan.q_len:
-        raise ValueError(f"every sequence must already hold its {plan.q_len} query tokens (append them first); "
-                         f"lengths {lengths.tolist()}")
-    return plan.step(q, k, v, table, out, lse, lengths, device, num_sms, workspace, num_splits)
+    are read and checked. The lengths are uploaded here, into the plan's buffer: launch
+    a step before preparing the next one of the same plan (it would overwrite them), and
+    from one thread per stream (``decode_into`` holds the workspace's lock)."""
+    plan, k, v, table, lengths = _plan_for(q, cache, out, lse, device, workspace, score_mod, mask, scale, page_table,
+                                           tuning)
+    return plan.step(q, k, v, table, out, lse, lengths, num_sms, num_splits)
 
 
 def _check_step(q, k, v, table, page_size: int, out, lse) -> None:
@@ -351,12 +516,15 @@ def _check_step(q, k, v, table, page_size: int, out, lse) -> None:
 def decode_into(q, cache, out, lse, device: Device, num_sms: int, workspace: DecodeWorkspace, score_mod=None,
                 mask=None, scale=None, page_table=None, tuning: DecodeTuning | None = None,
                 num_splits: int | None = None) -> DecodeLaunch:
-    """Run one decode step with the split-KV kernel; see ``prepare_decode``."""
-    step = prepare_decode(q, cache, out, lse, device, num_sms, workspace, score_mod, mask, scale, page_table,
-                          tuning, num_splits)
-    step.launch()
+    """Run one decode step with the split-KV kernel; see ``prepare_decode``. The upload and
+    the launch happen under the workspace's lock (threads sharing a stream)."""
+    plan, k, v, table, lengths = _plan_for(q, cache, out, lse, device, workspace, score_mod, mask, scale, page_table,
+                                           tuning)
+    with plan.lock:
+        step = plan.step(q, k, v, table, out, lse, lengths, num_sms, num_splits)
+        step.launch()
     return step
 
 
 __all__ = ["DECODE_MAX_Q_LEN", "DEFAULT_TUNING", "DecodeLaunch", "DecodePlan", "DecodeTuning", "DecodeWorkspace",
-           "choose_splits", "decode_into", "decode_unsupported", "prepare_decode"]
+           "StagingRing", "choose_splits", "decode_into", "decode_unsupported", "prepare_decode"]

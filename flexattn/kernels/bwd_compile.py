@@ -24,6 +24,17 @@ def _fake_f32(rank: int):
     return make_fake_tensor(cutlass.Float32, shape, stride, assumed_align=16)
 
 
+def _fake_lse():
+    """The forward's LSE (or its gradient) as the runner passes it: fp32 [B, H, Sq], last
+    dim contiguous, 4-byte aligned (a framework's tensor, not our padded workspace)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    return make_fake_tensor(cutlass.Float32, tuple(cute.sym_int() for _ in range(3)),
+                            (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+
+
 def _fake_int(dtype, rank: int, align: int):
     """A workspace of `dtype` (the dq semaphores, the fixed-point grad accumulators), last
     dim contiguous, as the runner passes it (`bwd_runner.workspace_dtypes`)."""
@@ -64,9 +75,10 @@ def fake_grad_args(cfg: BwdConfig, mod_args: tuple):
     return tuple(out)
 
 
-def fake_backward_args(cfg: BwdConfig, mod_args: tuple = ()):
+def fake_backward_args(cfg: BwdConfig, mod_args: tuple = (), tvm_ffi: bool = False):
     """Fake (q, k, v, do, lse_log2, delta, dq_accum, dq_semaphore, dk, dv, scale, mod_args,
-    grad_args, grad_fixed, block_sparse, stream) for `FlashBwdSm90.__call__`."""
+    grad_args, grad_fixed, block_sparse, stream) for `FlashBwdSm90.__call__`. With `tvm_ffi`
+    the stream is TVM-FFI's environment stream (the caller framework's current stream)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
@@ -83,13 +95,17 @@ def fake_backward_args(cfg: BwdConfig, mod_args: tuple = ()):
     return (q, k, v, do, _fake_f32(3), _fake_f32(3), _fake_f32(4), fake_dq_semaphore(cfg),
             dk, dv, cutlass.Float32(1.0), tuple(mod_args) if mod_args else None,
             fake_grad_args(cfg, mod_args), fake_grad_fixed(cfg), block_sparse,
-            make_fake_stream())
+            make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))
 
 
-def _compile(kernel, args, keep_ptx: bool, extra_options: str):
+def _compile(kernel, args, keep_ptx: bool, extra_options: str, tvm_ffi: bool = False):
+    """`tvm_ffi`: the result takes framework tensors (DLPack exchanged in C, arguments
+    checked against the compiled signature) and launches on the framework's current stream
+    (see compile.compile_forward)."""
     import cutlass.cute as cute
 
-    opts = " ".join(o for o in (ARCH_OPTION, "--keep-ptx" if keep_ptx else "", extra_options) if o)
+    opts = " ".join(o for o in (ARCH_OPTION, "--keep-ptx" if keep_ptx else "",
+                                "--enable-tvm-ffi" if tvm_ffi else "", extra_options) if o)
     if not keep_ptx:
         return cute.compile(kernel, *args, options=opts)
     with tempfile.TemporaryDirectory() as d, _dump_dir(d):
@@ -97,14 +113,15 @@ def _compile(kernel, args, keep_ptx: bool, extra_options: str):
 
 
 def compile_backward(cfg: BwdConfig, mod_args: tuple = (), *, keep_ptx: bool = False,
-                     extra_options: str = ""):
+                     extra_options: str = "", tvm_ffi: bool = False):
     """Compile the sm90 backward main kernel for `cfg` (`mod_args`: typed stand-ins)."""
-    return _compile(FlashBwdSm90(cfg), fake_backward_args(cfg, mod_args), keep_ptx, extra_options)
+    return _compile(FlashBwdSm90(cfg), fake_backward_args(cfg, mod_args, tvm_ffi), keep_ptx, extra_options,
+                    tvm_ffi)
 
 
 def compile_preprocess(dtype: str, head_dim: int, with_dlse: bool = False, *,
                        deterministic: bool = False, grad_fixed: bool = False,
-                       keep_ptx: bool = False):
+                       keep_ptx: bool = False, tvm_ffi: bool = False):
     """`deterministic`: also zero the dQ semaphores; `grad_fixed`: and the fixed-point
     buffer-gradient accumulators."""
     import cutlass.cute as cute
@@ -117,13 +134,14 @@ def compile_preprocess(dtype: str, head_dim: int, with_dlse: bool = False, *,
     if grad_fixed:
         import cutlass
         fixed = _fake_int(cutlass.Int64, 2, 8)
-    args = (o, do, _fake_f32(3), _fake_f32(3) if with_dlse else None, _fake_f32(3),
-            _fake_f32(3), _fake_f32(4), fake_dq_semaphore(cfg), fixed, make_fake_stream())
-    return _compile(BwdPreprocess(cfg), args, keep_ptx, "")
+    args = (o, do, _fake_lse(), _fake_lse() if with_dlse else None, _fake_f32(3),
+            _fake_f32(3), _fake_f32(4), fake_dq_semaphore(cfg), fixed,
+            make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))
+    return _compile(BwdPreprocess(cfg), args, keep_ptx, "", tvm_ffi)
 
 
 def compile_postprocess(dtype: str, head_dim: int, *, grad_ranks: tuple = (),
-                        keep_ptx: bool = False):
+                        keep_ptx: bool = False, tvm_ffi: bool = False):
     """`grad_ranks`: deterministic mode's buffer gradients (their ranks) to finish."""
     import cutlass
     import cutlass.cute as cute
@@ -138,5 +156,5 @@ def compile_postprocess(dtype: str, head_dim: int, *, grad_ranks: tuple = (),
                                        tuple(cute.sym_int64() for _ in range(r - 1)) + (1,))
                       for r in grad_ranks)
         fixed = _fake_int(cutlass.Int64, 2, 8)
-    args = (_fake_f32(4), dq, cutlass.Float32(1.0), grads, fixed, make_fake_stream())
-    return _compile(BwdPostprocess(cfg), args, keep_ptx, "")
+    args = (_fake_f32(4), dq, cutlass.Float32(1.0), grads, fixed, make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))
+    return _compile(BwdPostprocess(cfg), args, keep_ptx, "", tvm_ffi)

@@ -132,6 +132,15 @@ def _numel(shape) -> int:
     return n
 
 
+def check_q_and_kv_shapes(q_shape: tuple, k_shape: tuple) -> None:
+    """[B, Hq, Sq, D] and [B, Hkv, Skv, D]: one batch, Hq a multiple of Hkv, no empty sequence."""
+    (b, hq, sq, _), (bk, hk, sk, _) = q_shape, k_shape
+    if bk != b or hk == 0 or hq % hk:
+        raise ValueError(f"q {q_shape} and k {k_shape}: batch must match and Hq must be a multiple of Hkv")
+    if sk < 1 or sq < 1:
+        raise ValueError("empty sequences are not supported")
+
+
 def _is_contiguous(t) -> bool:
     """Row-major contiguous (size-1 dims may have any stride)."""
     expect = 1
@@ -167,7 +176,7 @@ class BackwardRunner:
     def _check(self, q, k, v, o, do, lse, dq, dk, dv, workspace, dlse, grad_shapes):
         cfg = self.cfg
         want = str(cfg.cutlass_dtype)
-        (b, hq, sq, d), (bk, hk, sk, _) = q.shape, k.shape
+        (b, hq, sq, d) = q.shape
         for name, t, shape in (("q", q, q.shape), ("o", o, q.shape), ("do", do, q.shape),
                                ("dq", dq, q.shape), ("k", k, k.shape), ("v", v, k.shape),
                                ("dk", dk, k.shape), ("dv", dv, k.shape)):
@@ -181,11 +190,7 @@ class BackwardRunner:
                 raise ValueError(f"{name}: strides must be multiples of 8 elements (TMA)")
         if d != cfg.head_dim:
             raise ValueError(f"head dim {d}, kernel compiled for {cfg.head_dim}")
-        if bk != b or hk == 0 or hq % hk:
-            raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)}: batch must match and "
-                             "Hq must be a multiple of Hkv")
-        if sk < 1 or sq < 1:
-            raise ValueError("empty sequences are not supported")
+        check_q_and_kv_shapes(tuple(q.shape), tuple(k.shape))
         for name, t in (("lse", lse), ("dlse", dlse)):
             if t is None:
                 continue

@@ -179,6 +179,20 @@ def dq_fragment_copy(num_wg: int) -> cute.TiledCopy:
         cute.make_layout((128, num_wg)), cute.make_layout(4))
 
 
+def _diagonal_flushes(order: list, coords, uniform: bool) -> dict:
+    """{position in `order`: diagonal key} of the last element of each diagonal of a
+    thread's fragment (key: thread 0's column - row; every thread's elements are thread 0's
+    shifted by one (row, column) offset, so equal keys are equal q - kv for any thread).
+    `uniform`: one key (0) for the whole fragment."""
+    last = {}
+    for i, (r, c) in enumerate(order):
+        key = 0 if uniform else coords.col0(c) - coords.row0(r)
+        if not isinstance(key, int):
+            raise TypeError("fragment coordinates of thread 0 must be compile-time constants")
+        last[key] = i
+    return {i: key for key, i in last.items()}
+
+
 def _element_order(n_rows: int, n_cols: int, rows_outer: bool) -> list:
     """(row, col) visiting order of a fragment's elements (a compile-time list)."""
     if rows_outer:
@@ -788,6 +802,14 @@ class FlashBwdSm90:
         # ld.shared); columns-outer reads them once per column.
         rows_outer = not cfg.buffer_grads
         order = _element_order(cute.size(s_mn.shape[0]), cute.size(s_mn.shape[1]), rows_outer)
+        # Buffer reads indexed by q - kv only (relative-position tables, per-head slopes):
+        # a thread's elements on one diagonal add into one element, so their contributions
+        # are summed in registers and each diagonal costs one atomic, issued right after
+        # its last element (`_diagonal_flushes`).
+        diagonal = fused and cfg.buffer_grads and getattr(mods, "grad_reads_diagonal", False)
+        uniform = diagonal and mods.grad_reads_uniform   # one element for the whole tile
+        flushes = _diagonal_flushes(order, coords, uniform) if const_expr(diagonal) else None
+        sums = {}
         lse = delta = None
         for i in cutlass.range_constexpr(len(order)):
             r, c = order[i]
@@ -821,7 +843,25 @@ class FlashBwdSm90:
             s_mn[r, c] = p
             if const_expr(fused):
                 ds = p * (dp_mn[r, c] - delta)           # dS' (w.r.t. the modded score)
-                if const_expr(cfg.buffer_grads):
+                if const_expr(diagonal):
+                    reads = mods.buffer_grads(s_scaled, batch, head, q_hook, kv_hook, mod_args)
+                    key = 0 if const_expr(uniform) else coords.col0(c) - coords.row0(r)
+                    for k in cutlass.range_constexpr(len(reads)):
+                        # 0 where P == 0: the partial may be inf / NaN at masked elements
+                        part = ds * reads[k][2] if p != Float32(0.0) else Float32(0.0)
+                        if const_expr((k, key) in sums):
+                            sums[(k, key)] = sums[(k, key)] + part
+                        else:
+                            sums[(k, key)] = part
+                    if const_expr(i in flushes):
+                        # Unclamped coordinates: q - kv is the diagonal's own (an element
+                        # past Q_LEN / KV_LEN adds 0, and a zero sum is not sent).
+                        reads = mods.buffer_grads(s_scaled, batch, head, q, kv, mod_args)
+                        for k in cutlass.range_constexpr(len(reads)):
+                            total = sums.pop((k, flushes[i]))
+                            if total != Float32(0.0):
+                                self._add_buffer_grad(reads[k][0], reads[k][1], total, grad_args)
+                elif const_expr(cfg.buffer_grads):
                     self._scatter_buffer_grads(ds, p, s_scaled, batch, head, q_hook,
                                                kv_hook, mod_args, grad_args)
                 ds = ds * grad
@@ -843,21 +883,25 @@ class FlashBwdSm90:
         """grad[slot][idx] += dS' * ds'/d buf[idx] for each float-buffer read of the mod.
         Deterministic: into the slot's 128-bit fixed-point accumulator for idx instead
         (row offsets[slot] + the element's offset in the contiguous fp32 grad)."""
-        position = {slot: i for i, slot in enumerate(self.mods.grad_slots)}
         if p != Float32(0.0):
             reads = self.mods.buffer_grads(s, batch, head, q, kv, mod_args)
             for k in cutlass.range_constexpr(len(reads)):   # Python list: unrolled
                 slot, index, partial = reads[k]
-                crd = index if const_expr(len(index) > 1) else index[0]
-                if const_expr(self.cfg.deterministic):
-                    grads, fixed, offsets = grad_args
-                    grad = grads[position[slot]]
-                    e = cute.crd2idx(crd, grad.layout)
-                    red_add_fixed128(fixed.iterator + 2 * (offsets[position[slot]] + e),
-                                     grad.iterator + e, ds * partial)
-                else:
-                    grad = grad_args[position[slot]]
-                    red_add_f32(grad.iterator + cute.crd2idx(crd, grad.layout), ds * partial)
+                self._add_buffer_grad(slot, index, ds * partial, grad_args)
+
+    @cute.jit
+    def _add_buffer_grad(self, slot, index, value, grad_args):
+        """grad[slot][index] += value (fp32 reduction; deterministic: 128-bit fixed point)."""
+        position = {s: i for i, s in enumerate(self.mods.grad_slots)}
+        crd = index if const_expr(len(index) > 1) else index[0]
+        if const_expr(self.cfg.deterministic):
+            grads, fixed, offsets = grad_args
+            grad = grads[position[slot]]
+            e = cute.crd2idx(crd, grad.layout)
+            red_add_fixed128(fixed.iterator + 2 * (offsets[position[slot]] + e), grad.iterator + e, value)
+        else:
+            grad = grad_args[position[slot]]
+            red_add_f32(grad.iterator + cute.crd2idx(crd, grad.layout), value)
 
     @cute.jit
     def epilogue(self, acc_dK, acc_dV, mdK, mdV, sK, sV, tma_atom_dK, tma_atom_dV,

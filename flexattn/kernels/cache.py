@@ -38,15 +38,20 @@ def forward_runner(config: FwdConfig, tvm_ffi: bool = False):
     return _cached(("sm_90a", tvm_ffi) + config.key(), make)
 
 
-def backward_runner(config):
-    """The ``BackwardRunner`` for a ``BwdConfig`` (its key: the config with the mods'
-    structure keys; ``BwdConfig.key()`` starts with "bwd", so it never meets a forward's)."""
+def backward_runner(config, tvm_ffi: bool = False):
+    """The ``BackwardRunner`` for a ``BwdConfig`` (``FfiBackwardRunner`` with ``tvm_ffi``;
+    its key: the config with the mods' structure keys; ``BwdConfig.key()`` starts with
+    "bwd", so it never meets a forward's)."""
     def make():
+        if tvm_ffi:
+            from .bwd_ffi_runner import FfiBackwardRunner
+
+            return FfiBackwardRunner(config)
         from .bwd_runner import BackwardRunner
 
         return BackwardRunner(config)
 
-    return _cached(("sm_90a",) + config.key(), make)
+    return _cached(("sm_90a", tvm_ffi) + config.key(), make)
 
 
 def decode_runner(config, tvm_ffi: bool = False):

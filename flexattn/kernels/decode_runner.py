@@ -48,20 +48,27 @@ class DecodeRunner:
     def num_compiled(self) -> int:
         return len(self._compiled)
 
+    def ffi_function(self, mod_args: tuple = ()):
+        """The TVM-FFI entry (compiled on first use): ``fn(q, k, v, page_table, seq_lens,
+        o, lse, o_part, lse_part, tickets, scale, mod_args | None)``, launching on the
+        framework's current stream (``core/decode_path.DecodePlan.run`` calls it directly);
+        ``mod_args`` are the stand-ins for hooks without IR captures."""
+        fn = self._compiled.get("ffi")
+        if fn is None:
+            from flexattn.kernels.decode_compile import compile_decode
+            from flexattn.kernels.mod_emit import fake_args
+
+            t0 = time.perf_counter()
+            fake = fake_args(self.cfg.mods) if hasattr(self.cfg.mods, "captures") else tuple(mod_args or ())
+            fn = self._compiled["ffi"] = compile_decode(self.cfg, fake, tvm_ffi=True)
+            self.last_compile_seconds = time.perf_counter() - t0
+        return fn
+
     def run(self, q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, tickets, scale: float,
             mod_args: tuple, stream: int):
         if self.tvm_ffi:
-            fn = self._compiled.get("ffi")
-            if fn is None:
-                from flexattn.kernels.decode_compile import compile_decode
-                from flexattn.kernels.mod_emit import fake_args
-
-                t0 = time.perf_counter()
-                fake = fake_args(self.cfg.mods) if hasattr(self.cfg.mods, "captures") else tuple(mod_args or ())
-                fn = self._compiled["ffi"] = compile_decode(self.cfg, fake, tvm_ffi=True)
-                self.last_compile_seconds = time.perf_counter() - t0
-            fn(q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, tickets, float(scale),
-               tuple(mod_args) if mod_args else None)
+            self.ffi_function(mod_args)(q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, tickets, float(scale),
+                                tuple(mod_args) if mod_args else None)
             return
         import cuda.bindings.driver as cuda
         import cutlass

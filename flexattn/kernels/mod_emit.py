@@ -255,6 +255,38 @@ class IRModHook(ModHook):
                               args[: self._n_score_args] if args else (), self.fast_math)
         return out, grad
 
+    @property
+    def grad_reads_diagonal(self) -> bool:
+        """Whether every differentiated buffer read's index depends on (q, kv) only through
+        ``q - kv`` (and not on the score): then all elements of a tile on one diagonal add
+        into the same element (relative-position tables), and a kernel may sum them before
+        its atomic. A structural test on the IR (``q - kv`` subtrees)."""
+        d = self.derivative
+        wanted = set(self.grad_slots)
+        loads = [load for load, _ in d.d_loads if load.attr.slot in wanted] if d else []
+        if not loads:
+            return False
+
+        def diagonal(n) -> bool:
+            if n.op == "sub" and all(a.op == "var" for a in n.args) and \
+                    tuple(a.attr for a in n.args) == ("q", "kv"):
+                return True
+            if n.op == "var":
+                return n.attr not in ("q", "kv", "score")
+            return all(diagonal(a) for a in n.args)
+
+        return all(diagonal(a) for load in loads for a in load.args)
+
+    @property
+    def grad_reads_uniform(self) -> bool:
+        """Whether no differentiated buffer read's index depends on q, kv or the score
+        (per-head slopes, scalars): every element of a tile adds into one element."""
+        d = self.derivative
+        wanted = set(self.grad_slots)
+        loads = [load for load, _ in d.d_loads if load.attr.slot in wanted] if d else []
+        return bool(loads) and all(n.op != "var" or n.attr not in ("q", "kv", "score")
+                                   for load in loads for a in load.args for n in a.walk())
+
     def buffer_grads(self, s, b, h, q, kv, args):
         d = self.derivative
         wanted = set(self.grad_slots)

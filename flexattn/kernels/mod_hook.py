@@ -89,6 +89,9 @@ class FragmentCoords:
     def col0(self, c):          # thread-0 column of fragment column c: a constant
         return self.t0_mn[0, c][1]
 
+    def row0(self, r):          # thread-0 row of fragment row r: a constant
+        return self.t0_mn[r, 0][0]
+
 
 @cute.jit
 def apply_mods(

@@ -42,14 +42,21 @@ def check_block_lists(block_sparse, enabled: bool, batch: int, heads: int, rows:
         raise ValueError(f"block_sparse = ({side}_num_blocks, {side}_indices, full_{side}_num_blocks, full_{side}_indices)")
     views = [_to_cute(x, 4) for x in block_sparse]
     for i, (t, _) in enumerate(views):
-        if str(t.element_type) != "Int32" or len(t.shape) != (3 if i % 2 == 0 else 4):
+        if str(t.element_type) != "Int32":
             raise ValueError(f"block_sparse[{i}]: want int32 of rank {3 + i % 2}")
-        if t.shape[0] not in (1, batch) or t.shape[1] not in (1, heads) or t.shape[2] != rows:
-            raise ValueError(f"block_sparse[{i}]: shape {tuple(t.shape)} does not match "
-                             f"B={batch}, H={heads}, {rows} {row_desc}")
-        if i % 2 and t.shape[3] < 1:
-            raise ValueError(f"block_sparse[{i}]: empty index list")
+        check_block_list_shape(i, tuple(t.shape), batch, heads, rows, row_desc)
     return tuple(d for _, d in views)
+
+
+def check_block_list_shape(i: int, shape: tuple, batch: int, heads: int, rows: int, row_desc: str) -> None:
+    """Shape of BlockMask list ``i`` (counts at even positions: [B|1, H|1, rows]; indices at
+    odd ones: [B|1, H|1, rows, n >= 1])."""
+    if len(shape) != 3 + i % 2:
+        raise ValueError(f"block_sparse[{i}]: want int32 of rank {3 + i % 2}")
+    if shape[0] not in (1, batch) or shape[1] not in (1, heads) or shape[2] != rows:
+        raise ValueError(f"block_sparse[{i}]: shape {shape} does not match B={batch}, H={heads}, {rows} {row_desc}")
+    if i % 2 and shape[3] < 1:
+        raise ValueError(f"block_sparse[{i}]: empty index list")
 
 
 class ForwardRunner:

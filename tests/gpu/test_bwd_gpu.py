@@ -21,9 +21,11 @@ pytest.importorskip("cutlass")
 
 from flexattn import mods, reference  # noqa: E402
 from flexattn.core import AttentionSpec, check_inputs  # noqa: E402
-from flexattn.core.kernel_path import Device, forward_into  # noqa: E402
+from flexattn.core.kernel_path import Device, ffi_stream_scope, forward_into, use_tvm_ffi  # noqa: E402
+from flexattn.kernels.bwd_ffi_runner import FfiBackwardRunner  # noqa: E402
 from flexattn.kernels.bwd_runner import (  # noqa: E402
     BackwardRunner, config_from_forward, workspace_dtypes, workspace_shapes)
+from flexattn.kernels.ffi_runner import ffi_mod_args  # noqa: E402
 from flexattn.kernels.mod_emit import runtime_args  # noqa: E402
 
 from mod_cases import CASES  # noqa: E402
@@ -42,10 +44,16 @@ def _device():
     return Device(torch.cuda.current_stream().cuda_stream, _DeviceCopies(torch.device("cuda")))
 
 
-def _runner(cfg):
-    if cfg.key() not in _RUNNERS:
-        _RUNNERS[cfg.key()] = BackwardRunner(cfg)
-    return _RUNNERS[cfg.key()]
+# The launch path users get: TVM-FFI where it is installed (kernels/bwd_ffi_runner.py);
+# test_from_dlpack_runner covers the from_dlpack one.
+FFI = use_tvm_ffi(stream_scope=True)
+
+
+def _runner(cfg, ffi=FFI):
+    key = (ffi,) + cfg.key()
+    if key not in _RUNNERS:
+        _RUNNERS[key] = FfiBackwardRunner(cfg) if ffi else BackwardRunner(cfg)
+    return _RUNNERS[key]
 
 
 def _nan(shape, dtype):
@@ -60,10 +68,10 @@ def _poison(shape, dtype):
     return torch.full(shape, -1, dtype=dtype, device="cuda")
 
 
-def kernel_backward(q, k, v, do, spec, dlse=None, deterministic=False):
+def kernel_backward(q, k, v, do, spec, dlse=None, deterministic=False, ffi=FFI):
     """Forward kernel for O and LSE, then the backward kernels. -> (dq, dk, dv, grads by
     capture slot (None where no gradient), forward config). `deterministic`: the
-    bitwise-repeatable backward (BwdConfig.deterministic)."""
+    bitwise-repeatable backward (BwdConfig.deterministic); `ffi`: launch through TVM-FFI."""
     dev = _device()
     shape = check_inputs(q, k, v, spec)
     out = _nan((shape.batch, shape.q_heads, shape.q_len, shape.head_dim), q.dtype)
@@ -71,7 +79,7 @@ def kernel_backward(q, k, v, do, spec, dlse=None, deterministic=False):
     plan = forward_into(q, k, v, out, lse, shape, spec, dev)
     cfg = config_from_forward(plan.config, deterministic=deterministic)
     hook = cfg.mods
-    args = runtime_args(hook, dev.to_device)
+    args = ffi_mod_args(hook, dev.to_device) if ffi else runtime_args(hook, dev.to_device)
     lists = None
     if plan.block_mask is not None:
         bm = plan.block_mask
@@ -89,8 +97,12 @@ def kernel_backward(q, k, v, do, spec, dlse=None, deterministic=False):
                workspace_shapes(cfg, shape.batch, shape.q_heads, shape.q_len).items())
     dq, dk, dv = _nan(q.shape, q.dtype), _nan(k.shape, k.dtype), _nan(v.shape, v.dtype)
     scale = spec.resolved_scale(shape.head_dim)
-    _runner(cfg).run(q, k, v, out, do, lse, dq, dk, dv, ws, scale, args, grads,
-                     dev.stream, lists, dlse)
+    if ffi:
+        with ffi_stream_scope(q, dev):
+            _runner(cfg, True).run(q, k, v, out, do, lse, dq, dk, dv, ws, scale, args, grads, lists, dlse)
+    else:
+        _runner(cfg, False).run(q, k, v, out, do, lse, dq, dk, dv, ws, scale, args, grads,
+                                dev.stream, lists, dlse)
     torch.cuda.synchronize()
     by_slot = [None] * len(captures)
     for s, g in zip(hook.grad_slots, grads or ()):
@@ -109,7 +121,7 @@ def _close(what, got, want, dtype_name):
 
 
 def check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, scale=None, layout="bhsd",
-               with_dlse=False, seed=0):
+               with_dlse=False, seed=0, ffi=FFI):
     torch.manual_seed(seed)
     dtype = DTYPES[dtype_name]
 
@@ -120,7 +132,7 @@ def check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, scale=None, 
     q, k, v, do = mk(Hq, Q), mk(Hkv, KV), mk(Hkv, KV), mk(Hq, Q)
     dlse = torch.randn(B, Hq, Q, device="cuda") if with_dlse else None
     spec = AttentionSpec.from_args(score=score, mask=mask, scale=scale, enable_gqa=True)
-    dq, dk, dv, grads, _, out = kernel_backward(q, k, v, do, spec, dlse)
+    dq, dk, dv, grads, _, out = kernel_backward(q, k, v, do, spec, dlse, ffi=ffi)
     want = reference.backward(q.cpu(), k.cpu(), v.cpu(), do.cpu(),
                               dlse.cpu() if dlse is not None else None, spec=spec)
     label = f"{name} {dtype_name} D{D} B{B} Hq{Hq} Hkv{Hkv} Q{Q} KV{KV}"
@@ -172,6 +184,16 @@ def test_fixed(case):
     mask, score, _, _ = CASES[name](rng, B, Hq, Q, KV)
     check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, layout=layout,
                seed=FIXED.index(case))
+
+
+@pytest.mark.parametrize("case", [c for c in FIXED if c[0] in ("window_document_alibi_softcap", "relative_bias")]
+                         + [FIXED[4]], ids=lambda c: "-".join(map(str, c)))
+def test_from_dlpack_runner(case):
+    """The launch path without TVM-FFI (``BackwardRunner``: from_dlpack, explicit stream)."""
+    name, dtype_name, D, B, Hq, Hkv, Q, KV, layout = case
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    mask, score, _, _ = CASES[name](rng, B, Hq, Q, KV)
+    check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, layout=layout, ffi=False)
 
 
 def _random_cases(n, seed=4321):

@@ -4,6 +4,9 @@ Randomized steps: q_len 1..16, cache lengths not multiples of the tile, GQA rati
 contiguous and paged caches (pages smaller than, equal to and larger than the tile, in
 shuffled order), mods none / causal / sliding window / ALiBi / softcap, splits forced
 from 1 to many. Outputs, LSE and the split workspace are NaN-poisoned before launch.
+Whole steps through the adapter: queued without a sync (more steps than the pinned
+staging ring has slots, plans alternating), from several threads and streams, and on
+the repeated-step path (no planning).
 The splits are merged inside the decode kernel (the last split CTA of each group, counted
 by tickets): the tickets must be zero again after every launch. Skipped without CUDA.
 """
@@ -104,18 +107,26 @@ _WORKSPACES = {}
 
 
 def workspace():
-    """The torch adapter's decode workspace (tickets, pinned upload) with NaN-poisoned
-    partials (and positions buffers: -1), one per stream, kept (so plans are reused)."""
+    """The torch adapter's decode workspace (tickets, pinned staging ring) with partials
+    NaN-poisoned before every step (and positions buffers: -1), one per stream, kept (so
+    plans are reused)."""
     stream = torch.cuda.current_stream()
     hit = _WORKSPACES.get(stream.cuda_stream)
     if hit is None:
         ws = fa._decode_workspace(torch.device(DEV, torch.cuda.current_device()), stream)
+        scratch = [torch.empty(0, device=DEV)]
 
         def alloc(shape, dtype):
             return torch.full(shape, float("nan") if dtype == "float32" else -1, device=DEV,
                               dtype=getattr(torch, dtype))
 
-        hit = _WORKSPACES[stream.cuda_stream] = decode_path.DecodeWorkspace(alloc, ws.tickets, ws.upload)
+        def poisoned_scratch(n):
+            if scratch[0].numel() < n:
+                scratch[0] = torch.empty(n, device=DEV)
+            return scratch[0].fill_(float("nan"))     # in stream order, before the step's kernel
+
+        hit = _WORKSPACES[stream.cuda_stream] = decode_path.DecodeWorkspace(alloc, ws.tickets, poisoned_scratch,
+                                                                            ws.uploader)
     return hit
 
 
@@ -403,3 +414,121 @@ def test_adapter_async_steps_match_reference(same_mods):
                                    lambda s, b, h, q_, k_: s + slopes[h] * (k_ - q_), lambda b, h, q_, k_: q_ >= k_)
         torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+
+
+# --- whole steps: the repeated-step path, the staging ring, threads and streams ------------
+
+def _alibi_causal_ref(q, k, v, lengths):
+    Hq = q.shape[1]
+    slopes = torch.from_numpy(mods.alibi_slopes(Hq)).to(DEV).double()
+    return reference(q, k, v, lengths, 1 / math.sqrt(q.shape[-1]), lambda s, b, h, q_, k_: s + slopes[h] * (k_ - q_),
+                     lambda b, h, q_, k_: q_ >= k_)
+
+
+def test_many_queued_steps_alternating_plans():
+    """150 fa.decode steps queued without a sync (more than twice the staging ring's 64
+    slots, so it laps and waits on its fences), alternating a contiguous and a paged cache
+    with their own mods (two plans sharing one ring), new lengths every step (set, not
+    appended: any stale upload shows). Every step must see its own lengths."""
+    torch.manual_seed(21)
+    random.seed(21)
+    B, Hq, Hkv, D, cap = 2, 8, 2, 128, 1024
+    contiguous, k, v = make_cache(B, Hkv, cap, D, [cap, cap], torch.bfloat16, 0)
+    paged = make_paged(k, v, [cap, cap], 64)
+    mods_of = [(mods.alibi(num_heads=Hq), mods.causal()), (mods.alibi(num_heads=Hq), mods.causal())]
+    steps = []
+    for t in range(150):
+        which = t % 2
+        cache = (contiguous, paged)[which]
+        lengths = [random.randint(1, cap) for _ in range(B)]
+        cache.lengths = torch.tensor(lengths, dtype=torch.int32)
+        q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
+        score, mask = mods_of[which]
+        out, lse = fa.decode(q, cache, score_mod=score, mask=mask, return_lse=True)
+        steps.append((lengths, q, out, lse))
+    torch.cuda.synchronize()
+    assert_tickets_zero()
+    for lengths, q, out, lse in steps:
+        want, want_lse = _alibi_causal_ref(q, k, v, lengths)
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+
+
+def test_repeated_steps_skip_planning(monkeypatch):
+    """After two sightings a step goes straight to its plan: with the planner made to fail,
+    repeated steps still run and match the reference (return_lse or not, an int64 page
+    table converted per step); new mod objects do plan again."""
+    torch.manual_seed(22)
+    B, Hq, Hkv, D, cap = 3, 16, 2, 128, 2048
+    lengths = [2000, 700, 65]
+    cache, k, v = make_cache(B, Hkv, cap, D, lengths, torch.bfloat16, 64)
+    cache.page_table = cache.page_table.long()
+    score, mask = mods.alibi(num_heads=Hq), mods.causal()
+    q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
+    for _ in range(2):
+        fa.decode(q, cache, score_mod=score, mask=mask)
+
+    def no_planning(*a, **kw):
+        raise AssertionError("planned again")
+
+    monkeypatch.setattr(decode_path, "_plan_for", no_planning)
+    want, want_lse = _alibi_causal_ref(q, k, v, lengths)
+    out = fa.decode(q, cache, score_mod=score, mask=mask)
+    out2, lse = fa.decode(q, cache, score_mod=score, mask=mask, return_lse=True)
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out2.double(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+    with pytest.raises(ValueError, match="query tokens"):      # lengths still checked per step
+        cache.lengths = torch.tensor([2000, 0, 65], dtype=torch.int32)
+        fa.decode(q, cache, score_mod=score, mask=mask)
+    cache.lengths = torch.tensor(lengths, dtype=torch.int32)
+    with pytest.raises(AssertionError, match="planned again"):
+        fa.decode(q, cache, score_mod=mods.alibi(num_heads=Hq), mask=mask)
+
+
+@pytest.mark.parametrize("streams", ["one-stream", "own-streams"])
+def test_steps_from_threads(streams):
+    """Two threads stepping decoders of the same shape and mods at once, queued without a
+    sync: on one stream they share a plan and its positions buffer (the workspace's lock
+    keeps each launch right after its own upload); on streams of their own each has its
+    workspace (ring, tickets, partials) and plan."""
+    import threading
+
+    torch.manual_seed(23)
+    B, Hq, Hkv, D, cap = 2, 8, 2, 128, 1024
+    score, mask = mods.alibi(num_heads=Hq), mods.causal()
+    made = [make_cache(B, Hkv, cap, D, [cap, cap], torch.bfloat16, 0) for _ in range(2)]
+    results, errors = [[], []], []
+    barrier = threading.Barrier(2)
+
+    def work(i):
+        try:
+            stream = torch.cuda.Stream() if streams == "own-streams" else torch.cuda.default_stream()
+            cache = made[i][0]
+            rng = random.Random(i)
+            with torch.cuda.stream(stream):
+                barrier.wait()
+                for _ in range(40):
+                    lengths = [rng.randint(1, cap) for _ in range(B)]
+                    cache.lengths = torch.tensor(lengths, dtype=torch.int32)
+                    q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
+                    out, lse = fa.decode(q, cache, score_mod=score, mask=mask, return_lse=True)
+                    results[i].append((lengths, q, out, lse))
+                stream.synchronize()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    assert not errors, errors
+    for i in range(2):
+        _, k, v = made[i]
+        assert len(results[i]) == 40
+        for lengths, q, out, lse in results[i]:
+            want, want_lse = _alibi_causal_ref(q, k, v, lengths)
+            torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)

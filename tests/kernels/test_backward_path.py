@@ -30,11 +30,13 @@ class _Recorder:
 def runners(monkeypatch):
     made = []
 
-    def backward_runner(cfg):
+    def backward_runner(cfg, tvm_ffi=False):
         made.append(_Recorder(cfg))
+        made[-1].tvm_ffi = tvm_ffi
         return made[-1]
 
     monkeypatch.setattr(cache, "backward_runner", backward_runner)
+    monkeypatch.setenv("FLEXATTN_TVM_FFI", "0")  # the from_dlpack runner (explicit stream); see test_tvm_ffi_*
     return made
 
 
@@ -206,3 +208,45 @@ def test_torch_maps_the_grad_mask_onto_capture_slots():
     assert fa._grad_captures(spec, 0b11) == tuple(tensor_slots)
     assert fa._grad_captures(spec, 0b10) == (tensor_slots[1],)
     assert fa._grad_captures(spec, 0) == ()
+
+
+def test_tvm_ffi_call_passes_framework_tensors_and_compiles(runners, monkeypatch):
+    """Where TVM-FFI is installed, the backward launches through ``FfiBackwardRunner``: the
+    same arrays without a stream (TVM-FFI's environment stream is set around the launch),
+    captures as TVM-FFI arguments; a real runner given the recorded call compiles its three
+    kernels for those signatures, and refuses CPU tensors with the compiled signature."""
+    pytest.importorskip("tvm_ffi")
+    from flexattn.kernels.bwd_ffi_runner import FfiBackwardRunner
+
+    monkeypatch.setenv("FLEXATTN_TVM_FFI", "1")
+    score = mods.alibi(torch.rand(Hq)) >> mods.softcap(5.0)
+    bm = create_block_mask(mods.sliding_window(100), None, None, Q, KV)
+    spec = AttentionSpec.from_args(score=score, block_mask=bm, enable_gqa=True, scale=0.2)
+    arrays, result, allocs, copied = _call(spec, d_lse=True, bshd=True)
+    (recorder,) = runners
+    assert recorder.tvm_ffi
+    (args,) = recorder.calls
+    q, k, v, out, d_out, lse, dq, dk, dv, ws, scale, mod_args, grads, lists, d_lse = args
+    assert (q, k, v, d_lse) == (arrays.q, arrays.k, arrays.v, arrays.d_lse) and scale == 0.2
+    assert torch.Tensor in {type(a) for a in mod_args} and float in {type(a) for a in mod_args}
+    real = FfiBackwardRunner(recorder.cfg)
+    with pytest.raises(ValueError, match="expected device_type=cuda"):
+        real.run(*args)
+    assert real.num_compiled == 3
+    with pytest.raises(ValueError, match="workspace dq_accum"):
+        real.run(q, k, v, out, d_out, lse, dq, dk, dv, ws[:2] + (ws[2][:, :, :8],), scale, mod_args, grads,
+                 lists, d_lse)
+    with pytest.raises(ValueError, match="block_sparse"):
+        real.run(q, k, v, out, d_out, lse, dq, dk, dv, ws, scale, mod_args, grads, lists[:3], d_lse)
+
+
+def test_both_runners_share_the_q_kv_shape_check():
+    from flexattn.kernels.bwd_runner import check_q_and_kv_shapes
+
+    check_q_and_kv_shapes((2, 8, 5, 64), (2, 2, 7, 64))
+    for q_shape, k_shape, words in (((1, 4, 8, 64), (2, 2, 8, 64), "batch must match"),
+                                    ((1, 4, 8, 64), (1, 3, 8, 64), "multiple of Hkv"),
+                                    ((1, 4, 8, 64), (1, 0, 8, 64), "multiple of Hkv"),
+                                    ((1, 4, 0, 64), (1, 2, 8, 64), "empty sequences")):
+        with pytest.raises(ValueError, match=words):
+            check_q_and_kv_shapes(q_shape, k_shape)

@@ -300,3 +300,27 @@ def test_deterministic_runner_on_cpu_tensors():
         bind(grad_args=(torch.zeros(2, Hq)[:, :2],))   # Hq elements, strided rows
     bind()
     assert runner.num_compiled == 3                   # pre, main, post
+
+
+def test_buffer_gradients_are_summed_per_diagonal_before_the_atomics():
+    """Reads indexed by q - kv only (relative bias) cost one reduction per diagonal of a
+    thread's fragment, reads free of q and kv (per-head slopes) one per tile; a read that
+    depends on q and kv otherwise keeps one per element (one ex2 per element)."""
+    tab = np.zeros((4, 9, 9), np.float32)
+    cases = {
+        "relative": (mods.relative_bias(np.zeros((4, 15), np.float32)), (True, False)),
+        "slopes": (mods.alibi(np.ones(4, np.float32)), (True, True)),
+        "2-d table": (mods.score_mod(lambda s, b, h, q, kv: s + tab[h, q % 9, kv % 9]), (False, False)),
+    }
+    counts = {}
+    for name, (score, flags) in cases.items():
+        hook = IRModHook(score, None)
+        assert (hook.grad_reads_diagonal, hook.grad_reads_uniform) == flags, name
+        ptx = compile_backward(BwdConfig(head_dim=128, mods=hook), fake_args(hook), keep_ptx=True).__ptx__
+        counts[name] = (ptx.count("ex2.approx"), ptx.count("red.global.add.f32"))
+        assert resource_usage_from_ptx(ptx) is None or resource_usage_from_ptx(ptx).spill_store_bytes == 0
+    elements = counts["2-d table"][0]
+    assert counts["2-d table"][1] == elements
+    # 32 elements per thread and step lie on 18 diagonals (2 rows x 16 columns)
+    assert counts["relative"][0] == elements and counts["relative"][1] <= elements * 0.6
+    assert counts["slopes"][1] == 1

@@ -207,12 +207,16 @@ def test_steps_reuse_one_plan():
     out, lse = torch.empty_like(q), torch.empty(B, 8, 1)
     uploads = []
 
-    def upload(host, into):
-        into[...] = torch.from_numpy(host)
-        uploads.append((host.copy(), into))
+    def uploader(into):
+        def put(values):
+            host = np.asarray(values, np.int32).reshape(tuple(into.shape))
+            into[...] = torch.from_numpy(host)
+            uploads.append((host, into))
+        return put
 
     ws = decode_path.DecodeWorkspace(alloc=lambda shape, dt: torch.empty(shape, dtype=getattr(torch, dt)),
-                                     tickets=lambda n: torch.zeros(max(n, 16), dtype=torch.int32), upload=upload)
+                                     tickets=lambda n: torch.zeros(max(n, 16), dtype=torch.int32),
+                                     scratch=lambda n: torch.empty(n), uploader=uploader)
     device = Device(0, lambda x: x if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x)))
     score, mask = mods.alibi(num_heads=8), mods.sliding_window(64)
     steps = []
@@ -230,3 +234,52 @@ def test_steps_reuse_one_plan():
     cache.lengths[1] = 0
     with pytest.raises(ValueError, match="query tokens"):
         decode_path.prepare_decode(q, cache, out, lse, device, 132, ws, score_mod=score, mask=mask)
+
+
+def test_plan_run_repeated_steps():
+    """``DecodePlan.run``, the adapters' repeated-step path, with a stand-in for the compiled
+    kernel: each step uploads its own lengths and offsets, checks them (batch, query
+    tokens, capacity) before uploading, reuses its partials while the workspace's scratch
+    stays (new views when it grows or the split count changes), and launches with the
+    plan's own lengths buffer and tickets. Nothing compiles."""
+    import torch
+
+    B, Hq, cap = 2, 8, 4096
+    k = torch.zeros(B, 2, cap, 128, dtype=torch.bfloat16)
+    cache = KVCache(k, k, torch.tensor([100, 37], dtype=torch.int32))
+    q = torch.zeros(B, Hq, 1, 128, dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(B, Hq, 1)
+    uploads, scratch = [], [torch.empty(0)]
+
+    def uploader(into):
+        return lambda values: uploads.append(list(values))
+
+    def get_scratch(n):
+        if scratch[0].numel() < n:
+            scratch[0] = torch.empty(n)
+        return scratch[0]
+
+    ws = decode_path.DecodeWorkspace(alloc=lambda shape, dt: torch.empty(shape, dtype=getattr(torch, dt)),
+                                     tickets=lambda n: torch.zeros(max(n, 16), dtype=torch.int32),
+                                     scratch=get_scratch, uploader=uploader)
+    device = Device(0, lambda x: x if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x)))
+    plan = decode_path.prepare_decode(q, cache, out, lse, device, 132, ws, score_mod=mods.alibi(num_heads=Hq),
+                                      mask=mods.causal()).plan
+    launches = []
+    plan._fn = lambda *args: launches.append(args)
+    assert plan.run(q, k, k, None, out, lse, [100, 37], 132) == 1            # 2 blocks: one split
+    assert plan.run(q, k, k, None, out, lse, [4000, 37], 132) == 7           # 63 blocks: 7 of >= 512 keys
+    assert plan.run(q, k, k, None, out, lse, [4001, 38], 132) == 7
+    assert uploads[-3:] == [[100, 37, 99, 36], [4000, 37, 3999, 36], [4001, 38, 4000, 37]]
+    assert launches[1][7] is launches[2][7] and launches[1][8] is launches[2][8]   # partials reused
+    assert tuple(launches[1][7].shape) == (7, B, Hq, 1, 128) and tuple(launches[1][8].shape) == (7, B, Hq, 1)
+    assert launches[0][7] is not launches[1][7]
+    scratch[0] = torch.empty(10 ** 6)                                           # the workspace grew
+    plan.run(q, k, k, None, out, lse, [4001, 38], 132)
+    assert launches[3][7] is not launches[2][7]
+    assert launches[3][4] is launches[0][4] and launches[3][9] is launches[0][9]   # lengths, tickets: once
+    n = len(uploads)
+    for bad, match in (([5, 0], "query tokens"), ([cap + 1, 5], "capacity"), ([5], "batch")):
+        with pytest.raises(ValueError, match=match):
+            plan.run(q, k, k, None, out, lse, bad, 132)
+    assert len(uploads) == n and len(launches) == 4          # refused before any upload or launch
