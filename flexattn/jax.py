@@ -18,8 +18,11 @@ the mask's jax arrays; residuals: those plus ``out`` and ``lse``), with two back
   of ours (and no host round trip) when a jitted function runs. XLA allocates every array
   the kernels write (``out``/``lse``; ``dq``/``dk``/``dv``, the backward's fp32 workspace
   and the buffer gradients are results of the custom call — destination passing, no
-  allocator of ours); buffer gradients, accumulated by fp32 atomics, are zeros operands
-  aliased to their results, so they start zero-filled. Everything the kernels read from
+  allocator of ours); buffer gradients, accumulated by fp32 atomics, are zero-filled by
+  the entry itself before the backward's kernels (no result is aliased to an operand:
+  XLA's dynamic-slice fusion in ``lax.scan``/``lax.map`` bodies hands an aliased call a
+  result buffer other than its operand's, and the stacked results stayed zero — see
+  ``kernels/xla_entry.py``). Everything the kernels read from
   the host — block-mask lists, numpy arrays captured by mods — is a constant operand.
   Everything decided on the host (kernel support, block structure, the block mask of a
   ``mask=``, the kernel configs, the backward's workspace layout) is decided while tracing:
@@ -78,7 +81,7 @@ __all__ = ["flex_attention", "create_block_mask", "BlockMask", "MaskMod", "Score
 _SLOT = object()  # a jax-array capture: an operand of the call
 
 # Platforms whose arrays run the kernels. Tests add "cpu" to run the kernel path's
-# plumbing (operand layout, aliases, gradients) on CPU arrays with cutlass_call faked.
+# plumbing (operand layout, fills, gradients) on CPU arrays with cutlass_call faked.
 _KERNEL_PLATFORMS = {"gpu", "cuda"}
 
 
@@ -362,8 +365,8 @@ class _KernelBackend:
     kernel configs and the backward's workspace layout. Each launch is one ``cutlass_call``
     of a ``kernels.xla_entry`` entry: XLA runs the compiled entry from C."""
 
-    # Tests set this: results the kernels must write entirely start NaN-filled (operands
-    # aliased to the results), so an element a kernel fails to write shows.
+    # Tests set this: results the kernels must write entirely start NaN-filled (by the
+    # entry, before its kernels), so an element a kernel fails to write shows.
     poison_outputs = False
 
     def __init__(self, template_spec: AttentionSpec, shape: AttentionShape, q: _ArrayFacts, mask_bufs):
@@ -410,28 +413,25 @@ class _KernelBackend:
         return tuple(ops.add_once(getattr(bm, n), lambda n=n: _constant(getattr(bm, n)),
                                   _tensor_spec(getattr(bm, n).ndim, 4)) for n in names)
 
-    def _call(self, entry, make_launch, ops: _Operands, results, filled: dict):
-        """One cutlass_call: ``results`` = [(name, ShapeDtypeStruct, TensorSpec)];
-        ``filled`` = {result name: fill value}: those start filled (operands aliased to
-        the results); ``make_launch(position)`` gets each result's position among the
-        entry's arrays (inputs, then the results not aliased)."""
-        if self.poison_outputs:
-            filled = {n: jnp.nan for n, _, _ in results if n not in filled and n not in self._scratch} | filled
-        position, aliases = {}, {}
-        for j, (name, sds, spec) in enumerate(results):
-            if name in filled:
-                aliases[len(ops.arrays)] = j
-                position[name] = ops.add(jnp.full(sds.shape, filled[name], sds.dtype), spec)
+    def _call(self, entry, make_launch, ops: _Operands, results, zeroed=()):
+        """One cutlass_call: ``results`` = [(name, ShapeDtypeStruct, TensorSpec)], the
+        entry's arrays after the inputs; ``make_launch(position, fills)`` gets each result's
+        position among the entry's arrays and the (position, kind) of the results the entry
+        fills before its kernels: none, or with ``poison_outputs`` every result but the
+        workspace and the ``zeroed`` ones (the backward's launch zero-fills those itself).
+        No result is aliased to an operand (see kernels/xla_entry.py: XLA's dynamic-slice
+        fusion in loop bodies loses what aliased results write)."""
         n_inputs = len(ops.arrays)
-        free = [name for name, _, _ in results if name not in filled]
-        position.update((name, n_inputs + i) for i, name in enumerate(free))
-        launch = make_launch(position)
+        position = {name: n_inputs + j for j, (name, _, _) in enumerate(results)}
+        fills = tuple((position[n], "nan") for n, _, _ in results
+                      if self.poison_outputs and n not in self._scratch and n not in zeroed)
+        launch = make_launch(position, fills)
         from .kernels.compile import ARCH_OPTION
 
         call = self.cutlass_call(
             entry, output_shape_dtype=tuple(sds for _, sds, _ in results), input_spec=tuple(ops.specs),
-            output_spec=tuple(spec for _, _, spec in results), input_output_aliases=aliases,
-            compile_options=ARCH_OPTION, compile_key=launch.key, launch=launch,
+            output_spec=tuple(spec for _, _, spec in results), compile_options=ARCH_OPTION,
+            compile_key=launch.key, launch=launch,
             allow_cuda_graph=os.environ.get("FLEXATTN_JAX_CUDA_GRAPH", "1") == "1")
         return dict(zip((name for name, _, _ in results), _refuse_vmap(call)(*ops.arrays)))
 
@@ -449,10 +449,11 @@ class _KernelBackend:
         lse = jax.ShapeDtypeStruct((shape.batch, shape.q_heads, shape.q_len), jnp.float32)
         results = [("out", out, _bhsd_spec(out)), ("lse", lse, _tensor_spec(3, 4))]
 
-        def launch(pos):
-            return ForwardLaunch(self.config, self.scale, tuple(main) + (pos["out"], pos["lse"]), args, lists)
+        def launch(pos, fills):
+            return ForwardLaunch(self.config, self.scale, tuple(main) + (pos["out"], pos["lse"]), args, lists,
+                                 fills)
 
-        r = self._call(forward_entry, launch, ops, results, {})
+        r = self._call(forward_entry, launch, ops, results)
         return r["out"], r["lse"]
 
     def backward(self, q, k, v, out, lse, d_out, d_lse, score_bufs, mask_bufs, wanted):
@@ -476,16 +477,17 @@ class _KernelBackend:
         for name, s in workspace_shapes(cfg, shape.batch, shape.q_heads, shape.q_len).items():
             results.append((name, jax.ShapeDtypeStruct(s, jnp.float32), _tensor_spec(len(s), 16, *(
                 (shape.head_dim, cfg.q_pad) if len(s) == 4 else (cfg.q_pad,)))))
-        # Buffer gradients are accumulated (fp32 atomics): results that start zeroed.
+        # Buffer gradients are accumulated (fp32 atomics): the launch zero-fills them first.
         by_slot = dict(zip(slots, score_bufs))
         grads = [(f"grad{s}", jax.ShapeDtypeStruct(tuple(by_slot[s].shape) or (1,), jnp.float32)) for s in cfg.mods.grad_slots]
         results += [(n, sds, _tensor_spec(len(sds.shape), 4)) for n, sds in grads]
 
-        def launch(pos):
+        def launch(pos, fills):
             return BackwardLaunch(cfg, self.scale, tuple(main) + tuple(pos[n] for n in ("dq", "dk", "dv")),
-                                  tuple(pos[n] for n in self._scratch), args, tuple(pos[n] for n, _ in grads), lists)
+                                  tuple(pos[n] for n in self._scratch), args, tuple(pos[n] for n, _ in grads), lists,
+                                  fills)
 
-        r = self._call(backward_entry, launch, ops, results, {n: 0.0 for n, _ in grads})
+        r = self._call(backward_entry, launch, ops, results, zeroed={n for n, _ in grads})
         d_score = tuple(r[f"grad{s}"].reshape(b.shape).astype(b.dtype) if f"grad{s}" in r else None
                         for s, b in zip(slots, score_bufs))
         return r["dq"], r["dk"], r["dv"], d_score
