@@ -45,12 +45,12 @@ entry (they were constants of the jax computation already; jax arrays never reco
 (2) its compile cache is keyed by the operands' shapes — each new shape compiles the entry
 again (seconds per entry: the forward, and the backward under ``grad``), although the
 compiled entry reads every size at run time (divisibility hints are explicit, so the code
-does not depend on them); (3) it has no batching rule, and one call per element under
-``lax.map`` gave wrong results (zeros) on an H100 with jax 0.11.2 (not diagnosed), so
-``vmap`` on the GPU is refused while tracing — fold the mapped axis into the batch. The same
-doubt hangs over ``lax.map``/``lax.scan`` bodies calling ``flex_attention`` on the GPU
-until diagnosed. Eager (un-jitted) calls lower a new small computation per call: jit the
-caller.
+does not depend on them); (3) it has no batching rule — under ``vmap`` each element is one
+call, in order (``jax.custom_batching.custom_vmap`` + ``lax.map``; folding the mapped axis
+into the batch is faster); (4) results aliased to operands are lost in loop bodies (XLA's
+dynamic-slice fusion, see ``kernels/xla_entry.py``), so no result is aliased: the entry
+fills what must start filled. Eager (un-jitted) calls lower a new small computation per
+call: jit the caller.
 """
 
 from __future__ import annotations
@@ -337,13 +337,11 @@ def _tensor_spec(ndim: int, align: int, last: int = 1, before_last: int = 1):
     return TensorSpec(divisibility=div, ptr_assumed_align=align)
 
 
-def _refuse_vmap(call):
-    """``call``, refusing ``jax.vmap`` while tracing. cutlass_call's primitive has no
-    batching rule; running one call per element (``custom_vmap`` + ``lax.map``, what
-    buffer_callback's ``vmap_method="sequential"`` did) gave wrong results (zeros) on an
-    H100 with jax 0.11.2 — not diagnosed yet (the custom call inside XLA's while loop;
-    first suspect: CUDA-graph capture of the FFI call, ``allow_cuda_graph``) — so it is
-    refused rather than risked."""
+def _sequential_vmap(call):
+    """``call`` under ``jax.vmap`` as one call per element, in order (``custom_vmap`` +
+    ``lax.map``; cutlass_call's primitive has no batching rule, and buffer_callback's
+    ``vmap_method="sequential"`` did the same). Each element calls ``f`` again, so nested
+    vmaps nest maps. (Its zeros on the GPU were the aliasing bug of kernels/xla_entry.py.)"""
 
     @jax.custom_batching.custom_vmap
     def f(*ops):
@@ -351,9 +349,12 @@ def _refuse_vmap(call):
 
     @f.def_vmap
     def rule(axis_size, in_batched, *ops):
-        raise NotImplementedError(
-            "flexattn.jax: vmap of the GPU kernels is not supported (cutlass_call has no batching rule);"
-            " fold the mapped axis into the batch dimension (q, k, v are [B, H, S, D])")
+        def one(batched):
+            it = iter(batched)
+            return f(*(next(it) if b else x for x, b in zip(ops, in_batched)))
+
+        out = jax.lax.map(one, [x for x, b in zip(ops, in_batched) if b])
+        return out, jax.tree.map(lambda _: True, out)
 
     return f
 
@@ -433,7 +434,7 @@ class _KernelBackend:
             output_spec=tuple(spec for _, _, spec in results), compile_options=ARCH_OPTION,
             compile_key=launch.key, launch=launch,
             allow_cuda_graph=os.environ.get("FLEXATTN_JAX_CUDA_GRAPH", "1") == "1")
-        return dict(zip((name for name, _, _ in results), _refuse_vmap(call)(*ops.arrays)))
+        return dict(zip((name for name, _, _ in results), _sequential_vmap(call)(*ops.arrays)))
 
     _scratch = ("lse_log2", "delta", "dq_accum")  # workspace: never poisoned (the kernels fill it)
 

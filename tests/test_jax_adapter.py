@@ -383,10 +383,29 @@ def test_entries_compile_through_cutlass_jax_once_per_structure(monkeypatch):
     assert compiles == ["flexattn.fwd", "flexattn.bwd"], compiles
 
 
-def test_kernel_path_refuses_vmap_while_tracing(fake_kernels):
-    """cutlass_call has no batching rule (and one call per element under lax.map gave wrong
-    results on the GPU): vmap is refused while tracing, before anything runs."""
+def test_kernel_path_under_vmap_runs_one_call_per_element(fake_kernels):
+    """cutlass_call has no batching rule: under vmap (and nested vmaps) the adapter runs one
+    call per element (custom_vmap + lax.map), forward and backward."""
     qs, ks, vs = (jnp.stack([a, b]) for a, b in zip(_kernel_inputs(30), _kernel_inputs(31)))
-    with pytest.raises(NotImplementedError, match="vmap of the GPU kernels"):
-        jax.jit(jax.vmap(lambda q, k, v: fj.flex_attention(q, k, v, mask=mods.causal(), enable_gqa=True)))(qs, ks, vs)
-    assert fake_kernels["fwd"] == 0
+    slopes = jnp.asarray(np.linspace(0.1, 0.8, Hq), jnp.float32)
+
+    def attend(q, k, v):
+        return fj.flex_attention(q, k, v, score=mods.alibi(slopes), mask=mods.causal(), enable_gqa=True)
+
+    def loss(q, k, v, slopes):
+        return fj.flex_attention(q, k, v, score=mods.alibi(slopes), mask=mods.causal(), enable_gqa=True).astype(
+            jnp.float32).sum()
+
+    outs = jax.jit(jax.vmap(attend))(qs, ks, vs)
+    grads = jax.vmap(jax.grad(loss, argnums=(0, 3)), in_axes=(0, 0, 0, None))(qs, ks, vs, slopes)
+    assert fake_kernels["fwd"] == 4 and len(fake_kernels["bwd"]) == 2
+    nested = jax.jit(jax.vmap(jax.vmap(attend)))(qs[:, None], ks[:, None], vs[:, None])
+    np.testing.assert_array_equal(np.asarray(nested[:, 0]), np.asarray(outs))
+    spec = AttentionSpec.from_args(score=mods.alibi(np.asarray(slopes)), mask=mods.causal(), enable_gqa=True)
+    for i in range(2):
+        qn, kn, vn = _np(qs[i], ks[i], vs[i])
+        out, _ = reference.forward(qn, kn, vn, spec)
+        np.testing.assert_allclose(np.asarray(outs[i], np.float64), out, atol=2e-2)
+        want = reference.backward(qn, kn, vn, np.ones(out.shape), None, spec)
+        np.testing.assert_allclose(np.asarray(grads[0][i], np.float64), want.dq, atol=3e-2 * max(1, np.abs(want.dq).max()))
+        np.testing.assert_allclose(grads[1][i], want.d_captures[0], rtol=2e-3)

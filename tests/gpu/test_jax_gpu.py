@@ -1,11 +1,12 @@
 """GPU: flexattn.jax on the kernels (cutlass_call: an XLA FFI custom call) — forward against
 the float64 reference and bitwise against the torch adapter, jax.grad against the reference
 backward, a jitted training step without recompiles, repeated and re-jitted calls without
-kernel compiles, XLA's stream honoured. Skipped without a CUDA jax backend.
+kernel compiles, XLA's stream honoured, loops over layers (lax.scan / lax.map / fori_loop,
+forward and gradients) and vmap like single calls. Skipped without a CUDA jax backend.
 
 Every array the kernels write (out/lse, dq/dk/dv) starts NaN-filled (the adapter's
-``poison_outputs``: NaN operands aliased to those results), so an element a kernel fails to
-write fails the test.
+``poison_outputs``: the XLA entry fills them before its kernels), so an element a kernel
+fails to write fails the test.
 """
 
 import math
@@ -226,13 +227,65 @@ def test_repeated_and_rejitted_calls_compile_nothing():
         assert np.abs(np.asarray(got).astype(np.float64) - want).max() < 2e-2
 
 
-def test_vmap_is_refused_while_tracing():
-    """One call per element (custom_vmap + lax.map) gave zeros here (jax 0.11.2, 2026-11-21,
-    not diagnosed): vmap of the GPU path is refused while tracing instead."""
+def test_vmap_runs_each_element_like_a_single_call():
+    """cutlass_call has no batching rule; under vmap the adapter runs one call per element:
+    the same kernel, so the same bits as the un-vmapped calls (forward, dK, dV; dQ and the
+    buffer gradient up to the order of their fp32 atomics). (Gave zeros while the buffer
+    gradients and the tests' poison were results aliased to operands.)"""
     (q, k, v), _ = _inputs(13, "bf16", 1, 4, 2, 130, 130, 64)
-    qs, ks, vs = jnp.stack([q, q]), jnp.stack([k, k]), jnp.stack([v, v])
-    with pytest.raises(NotImplementedError, match="vmap of the GPU kernels"):
-        jax.jit(jax.vmap(lambda q, k, v: fj.flex_attention(q, k, v, mask=mods.causal(), enable_gqa=True)))(qs, ks, vs)
+    (q2, k2, v2), _ = _inputs(14, "bf16", 1, 4, 2, 130, 130, 64)
+    qs, ks, vs = jnp.stack([q, q2]), jnp.stack([k, k2]), jnp.stack([v, v2])
+    slopes = jnp.asarray(np.linspace(0.1, 0.9, 4), jnp.float32)
+
+    def loss(q, k, v, slopes):
+        out = fj.flex_attention(q, k, v, score=mods.alibi(slopes), mask=mods.causal(), enable_gqa=True)
+        return out.astype(jnp.float32).sum()
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+    batched = jax.jit(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), in_axes=(0, 0, 0, None)))(
+        qs, ks, vs, slopes)
+    for i, args in enumerate(((q, k, v), (q2, k2, v2))):
+        value, grads = step(*args, slopes)
+        assert abs(float(batched[0][i]) - float(value)) <= 1e-5 * abs(float(value))  # XLA's sums may differ in order
+        for j, (got, want) in enumerate(zip(batched[1], grads)):
+            got, want = np.asarray(got[i]).astype(np.float64), np.asarray(want).astype(np.float64)
+            assert np.abs(want).max() > 0
+            if j in (1, 2):  # dK, dV: summed in registers in a fixed order
+                assert np.array_equal(got, want)
+            else:  # dQ and the slopes' gradient: fp32 atomics in varying order
+                np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+
+
+def test_scan_over_layers_gradients_match_single_calls():
+    """jax.grad through lax.scan over layers, each with its own trainable ALiBi slopes: the
+    backward runs inside a scan whose stacked gradients are dynamic-update-slices of the
+    custom call's results (the pattern XLA's dynamic-slice fusion rewrites), and every
+    layer's dQ, dK, dV and slopes gradient matches a single call's."""
+    layers = 3
+    (q, k, v), _ = _inputs(18, "bf16", 1, 4, 2, 130, 130, 64)
+    qs = jnp.stack([q * (i + 1) for i in range(layers)])
+    ks = jnp.stack([k * (1 - 0.2 * i) for i in range(layers)])
+    slopes = jnp.asarray(np.stack([np.linspace(0.1, 0.9, 4) * (i + 1) for i in range(layers)]), jnp.float32)
+
+    def layer(q, k, s):
+        out = fj.flex_attention(q, k, v, score=mods.alibi(s), mask=mods.causal(), enable_gqa=True)
+        return out.astype(jnp.float32).sum()
+
+    single = jax.jit(jax.grad(layer, argnums=(0, 1, 2)))
+    want = [single(qs[i], ks[i], slopes[i]) for i in range(layers)]
+
+    def total(qs, ks, slopes):
+        return jax.lax.scan(lambda c, xs: (c + layer(*xs), None), jnp.float32(0), (qs, ks, slopes))[0]
+
+    got = jax.jit(jax.grad(total, argnums=(0, 1, 2)))(qs, ks, slopes)
+    for i in range(layers):
+        for j, name in enumerate(("dq", "dk", "dslopes")):
+            g, w = np.asarray(got[j][i]).astype(np.float64), np.asarray(want[i][j]).astype(np.float64)
+            assert np.abs(w).max() > 0, (i, name)
+            if j == 1:  # dK: summed in registers in a fixed order
+                assert np.array_equal(g, w), (i, name)
+            else:  # dQ and the slopes' gradient: fp32 atomics in varying order
+                np.testing.assert_allclose(g, w, rtol=1e-2, atol=1e-2 * np.abs(w).max(), err_msg=f"layer {i} {name}")
 
 
 @pytest.mark.parametrize("loop", ["scan", "map", "fori"])
