@@ -4,8 +4,8 @@ launch=``), so XLA launches our kernels from C with no Python at run time.
 
 ``cutlass_call`` compiles the entry into a module that the CuTeDSL runtime's FFI handler
 calls with XLA's stream and buffers (each a compact row-major ``cute.Tensor``, shapes read
-at run time). ``arrays`` are the call's inputs followed by its results that are not
-aliased to an input (see ``flexattn/jax.py``); a launch description (``ForwardLaunch`` /
+at run time). ``arrays`` are the call's inputs followed by its results (none aliased to
+an input, see below and ``flexattn/jax.py``); a launch description (``ForwardLaunch`` /
 ``BackwardLaunch``, a compile-time constant) says which array is which and carries
 everything else: the kernel config (its mods' IR without values), the softmax scale and
 the score/mask captures that are numbers. Those are compile-time constants of the entry:
