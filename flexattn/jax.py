@@ -12,19 +12,24 @@ the mask's jax arrays; residuals: those plus ``out`` and ``lse``), with two back
 - CPU arrays: ``jax.pure_callback`` into the exact numpy reference
   (``flexattn.reference.forward/backward``).
 - CUDA arrays: the CuTeDSL Hopper kernels (bf16/fp16, head dims 64/128) through
-  ``jax.experimental.buffer_callback``. XLA allocates every array the kernels write
-  (``out``/``lse``; ``dq``/``dk``/``dv``, the backward's fp32 workspace and the buffer
-  gradients, which are results of the backward callback — destination passing, no
-  allocator of ours, no host round trip) and runs the Python callback in stream order
-  with device ``Buffer``s (DLPack, no strides: row-major) and its CUDA stream
-  (``ExecutionContext.stream``). The callback calls ``core.kernel_path.forward_into`` /
-  ``core.backward_path.backward_into`` on those buffers; the forward launches through
-  TVM-FFI with its environment stream set to XLA's (``ffi_stream_scope``), the backward
-  through ``from_dlpack`` with the stream passed explicitly. Everything the kernels read
-  from the host — block-mask lists, numpy arrays captured by mods — is a constant operand
-  of the call, so the callback copies nothing. Everything decided on the host (kernel
-  support, block structure, the block mask of a ``mask=``, the backward's workspace
-  layout) is decided while tracing: errors surface at trace time, before any launch.
+  ``cutlass.jax.cutlass_call``: each launch (the forward; the backward's three kernels) is
+  one XLA FFI custom call served by the CuTeDSL runtime's C handler, which calls a compiled
+  ``@cute.jit`` entry (``kernels/xla_entry.py``) with XLA's stream and buffers — no Python
+  of ours (and no host round trip) when a jitted function runs. XLA allocates every array
+  the kernels write (``out``/``lse``; ``dq``/``dk``/``dv``, the backward's fp32 workspace
+  and the buffer gradients are results of the custom call — destination passing, no
+  allocator of ours); buffer gradients, accumulated by fp32 atomics, are zero-filled by
+  the entry itself before the backward's kernels (no result is aliased to an operand:
+  XLA's dynamic-slice fusion in ``lax.scan``/``lax.map`` bodies hands an aliased call a
+  result buffer other than its operand's, and the stacked results stayed zero — see
+  ``kernels/xla_entry.py``). Everything the kernels read from
+  the host — block-mask lists, numpy arrays captured by mods — is a constant operand.
+  Everything decided on the host (kernel support, block structure, the block mask of a
+  ``mask=``, the kernel configs, the backward's workspace layout) is decided while tracing:
+  errors surface at trace time, before anything compiles or runs. The entry compiles when
+  the jitted function is lowered (cutlass_call's cache, keyed by a ``compile_key`` = the
+  launch description, so lookups generate no IR), once per call structure *and shapes*;
+  repeated calls, and new jitted functions of the same call, compile nothing.
   Buffer gradients: only the score buffers jax differentiates (``custom_vjp`` with
   symbolic zeros tells which) are computed — fixed ALiBi slopes cost the backward nothing.
 
@@ -32,28 +37,39 @@ GPU limits: a ``mask=`` (without ``block_mask``) whose captured jax arrays are t
 values cannot be turned into a block mask while tracing — build the ``BlockMask`` outside
 ``jit`` and pass ``block_mask=`` (its mask's captures may be traced); numpy captures must
 have a dtype jax keeps (int64/float64 need ``jax_enable_x64``). Other dtypes or head dims
-raise ``ValueError`` (put the arrays on the CPU for the exact reference).
+raise ``ValueError`` (put the arrays on the CPU for the exact reference). What cutlass_call
+cannot express, and what we do instead: (1) it passes buffers only, no runtime scalars —
+the softmax scale and numbers captured by mods (runtime kernel arguments elsewhere) are
+compile-time constants of the entry, so a new scale or captured number compiles a new
+entry (they were constants of the jax computation already; jax arrays never recompile);
+(2) its compile cache is keyed by the operands' shapes — each new shape compiles the entry
+again (seconds per entry: the forward, and the backward under ``grad``), although the
+compiled entry reads every size at run time (divisibility hints are explicit, so the code
+does not depend on them); (3) it has no batching rule — under ``vmap`` each element is one
+call, in order (``jax.custom_batching.custom_vmap`` + ``lax.map``; folding the mapped axis
+into the batch is faster); (4) results aliased to operands are lost in loop bodies (XLA's
+dynamic-slice fusion, see ``kernels/xla_entry.py``), so no result is aliased: the entry
+fills what must start filled. Eager (un-jitted) calls lower a new small computation per
+call: jit the caller.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 
 import numpy as np
 
 try:
     import jax
+    import jax.custom_batching
     import jax.numpy as jnp
     from jax.custom_derivatives import SymbolicZero
 except ImportError as e:  # pragma: no cover - exercised only without jax
     raise ImportError("flexattn.jax needs JAX: pip install jax (or 'flexattn[jax]')") from e
-try:
-    from jax.experimental.buffer_callback import Buffer as _Buffer, buffer_callback as _buffer_callback
-except ImportError:  # pragma: no cover - an older jax: the CPU path still works
-    _Buffer = _buffer_callback = None
 
 from . import reference
-from .arrays import dtype_name, to_numpy
+from .arrays import to_numpy
 from .blockmask import BlockMask, create_block_mask
 from .core import kernel_path
 from .core.spec import AttentionSpec
@@ -65,7 +81,7 @@ __all__ = ["flex_attention", "create_block_mask", "BlockMask", "MaskMod", "Score
 _SLOT = object()  # a jax-array capture: an operand of the call
 
 # Platforms whose arrays run the kernels. Tests add "cpu" to run the kernel path's
-# plumbing (buffer_callback, operand layout, gradients) on CPU buffers with fake runners.
+# plumbing (operand layout, fills, gradients) on CPU arrays with cutlass_call faked.
 _KERNEL_PLATFORMS = {"gpu", "cuda"}
 
 
@@ -251,10 +267,20 @@ class _ReferenceBackend:
         return dq, dk, dv, tuple(d if _is_float(b) else None for d, b in zip(d_bufs, score_bufs))
 
 
-# --- GPU: the CuTeDSL kernels through buffer_callback --------------------------------------------
+# --- GPU: the CuTeDSL kernels through cutlass_call (an XLA FFI custom call) -----------------------
 
 _KV_LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
 _Q_LISTS = ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+def _cutlass_call():
+    """``cutlass.jax.cutlass_call`` (tests replace this to run the plumbing on CPU)."""
+    import cutlass.jax
+
+    if not cutlass.jax.is_available():
+        raise NotImplementedError("flexattn.jax on the GPU needs CuTeDSL's JAX extension (cutlass.jax) to be"
+                                  " available with this jax")
+    return cutlass.jax.cutlass_call
 
 
 class _ArrayFacts:
@@ -276,122 +302,196 @@ class _ArrayFacts:
         return self._device
 
 
+class _Operands:
+    """The operands of one kernel call, in order, with the ``TensorSpec`` of each (layout
+    hints for the compiled entry): inputs first; results are appended by ``_KernelBackend._call``."""
+
+    def __init__(self):
+        self.arrays, self.specs, self._by_id = [], [], {}
+
+    def add(self, x, spec) -> int:
+        self.arrays.append(x)
+        self.specs.append(spec)
+        return len(self.arrays) - 1
+
+    def add_once(self, x, make, spec) -> int:
+        """``make()`` as an operand, once per object ``x`` (numpy captures, block lists)."""
+        i = self._by_id.get(id(x))
+        if i is None:
+            i = self._by_id[id(x)] = self.add(make(), spec)
+        return i
+
+
+def _bhsd_spec(x):
+    """q, k, v, out and their gradients: 16-byte aligned, rows of D elements (the kernels'
+    TMA boxes need 16-byte strides: every stride is a multiple of D)."""
+    return _tensor_spec(x.ndim, 16, x.shape[-1])
+
+
+def _tensor_spec(ndim: int, align: int, last: int = 1, before_last: int = 1):
+    """Explicit divisibility hints (1 = none) so the compiled entry reads any size: without
+    them cutlass_call would assume each dimension divisible by its traced extent."""
+    from cutlass.jax import TensorSpec
+
+    div = (1,) * (ndim - 2) + (before_last, last) if ndim >= 2 else (last,)
+    return TensorSpec(divisibility=div, ptr_assumed_align=align)
+
+
+def _sequential_vmap(call):
+    """``call`` under ``jax.vmap`` as one call per element, in order (``custom_vmap`` +
+    ``lax.map``; cutlass_call's primitive has no batching rule, and buffer_callback's
+    ``vmap_method="sequential"`` did the same). Each element calls ``f`` again, so nested
+    vmaps nest maps. (Its zeros on the GPU were the aliasing bug of kernels/xla_entry.py.)"""
+
+    @jax.custom_batching.custom_vmap
+    def f(*ops):
+        return call(*ops)
+
+    @f.def_vmap
+    def rule(axis_size, in_batched, *ops):
+        def one(batched):
+            it = iter(batched)
+            return f(*(next(it) if b else x for x, b in zip(ops, in_batched)))
+
+        out = jax.lax.map(one, [x for x, b in zip(ops, in_batched) if b])
+        return out, jax.tree.map(lambda _: True, out)
+
+    return f
+
+
 class _KernelBackend:
     """Everything about one traced call on the GPU kernels that the host decides, decided
     while tracing: kernel support (errors before anything runs), the block mask (built
-    here from a ``mask=``), the host arrays the kernels read (constant operands), and the
-    backward's workspace layout. The callbacks bind this call's device buffers and launch."""
+    here from a ``mask=``), the host arrays the kernels read (constant operands), the
+    kernel configs and the backward's workspace layout. Each launch is one ``cutlass_call``
+    of a ``kernels.xla_entry`` entry: XLA runs the compiled entry from C."""
+
+    # Tests set this: results the kernels must write entirely start NaN-filled (by the
+    # entry, before its kernels), so an element a kernel fails to write shows.
+    poison_outputs = False
 
     def __init__(self, template_spec: AttentionSpec, shape: AttentionShape, q: _ArrayFacts, mask_bufs):
-        if _buffer_callback is None:
-            raise NotImplementedError("flexattn.jax on the GPU needs a jax with jax.experimental.buffer_callback")
         reason = kernel_unsupported_message(q, shape)
         if reason:
             raise ValueError(reason)
+        self.cutlass_call = _cutlass_call()
         self.spec = _with_host_block_mask(template_spec, shape, mask_bufs)
         self.shape = shape
-        self.on_gpu = q.__dlpack_device__()[0] == 2
         self.plan = kernel_path.plan_forward(q, shape, self.spec)  # raises what the kernel can't do
-        self._host = {}  # block-list names -> (host objects, their jax constants)
+        # The capture-free template config (the launch descriptions outlive the trace).
+        self.config = self.plan.entry.config if self.plan.entry is not None else self.plan.config
+        self.scale = self.spec.resolved_scale(shape.head_dim)
 
-    # Host arrays the kernels read, as constant operands: the callback's to_device maps each
-    # object (by identity: the spec holds them alive) to its device buffer.
-    def _host_arrays(self, list_names) -> tuple:
-        key = tuple(list_names)
-        hit = self._host.get(key)
-        if hit is None:
-            objs = [c for c in self.plan.config.mods.captures() if isinstance(c, np.ndarray)]
-            if self.plan.block_mask is not None:
-                objs += [getattr(self.plan.block_mask, n) for n in list_names]
-            unique = list({id(o): o for o in objs}.values())
-            hit = self._host[key] = (unique, tuple(_constant(o) for o in unique))
-        return hit
+    def _hook_args(self, ops: _Operands, score_bufs, mask_bufs) -> tuple:
+        """The kernel hook's args as sources (``xla_entry``): this call's jax arrays and
+        numpy captures as operands, numbers as compile-time constants."""
+        from .kernels.mod_emit import capture_kinds
 
-    def _binder(self, n_score: int, n_mask: int, host_objs):
-        """bufs (score, mask, host constants) -> (this call's spec, to_device)."""
+        hook = self.plan.config.mods
+        captures = hook.captures()
+        n_score = len(captures) - len(hook.mask_args(captures))
+        bufs = (iter(_as_operands(score_bufs)), iter(_as_operands(mask_bufs)))
+        sources = []
+        for i, (kind, c) in enumerate(zip(capture_kinds(hook), captures)):
+            if c is _SLOT:
+                if kind[0] != "buffer":
+                    raise ValueError(f"flexattn.jax: a captured jax array is used as a number (capture {i});"
+                                     " capture a Python number instead")
+                x = next(bufs[i >= n_score])
+                sources.append(("array", ops.add(x, _tensor_spec(x.ndim, x.dtype.itemsize))))
+            elif kind[0] == "scalar":
+                sources.append((kind[1], int(c) if kind[1] == "int32" else float(c)))
+            else:  # a numpy capture: a constant operand
+                host = np.asarray(c)
+                spec = _tensor_spec(max(host.ndim, 1), host.dtype.itemsize)
+                sources.append(("array", ops.add_once(c, lambda c=c: _constant(c), spec)))
+        return tuple(sources)
 
-        def bind(bufs):
-            score, mask, host = bufs[:n_score], bufs[n_score:n_score + n_mask], bufs[n_score + n_mask:]
-            table = {id(o): b for o, b in zip(host_objs, host)}
+    def _lists(self, ops: _Operands, names) -> tuple | None:
+        bm = self.plan.block_mask
+        if bm is None:
+            return None
+        return tuple(ops.add_once(getattr(bm, n), lambda n=n: _constant(getattr(bm, n)),
+                                  _tensor_spec(getattr(bm, n).ndim, 4)) for n in names)
 
-            def to_device(x):
-                if isinstance(x, _Buffer):
-                    return x
-                try:
-                    return table[id(x)]
-                except KeyError:
-                    raise RuntimeError(f"flexattn.jax: the kernel asked for a host array ({type(x).__name__}"
-                                       f" {getattr(x, 'shape', '')}) that is not an operand of the call") from None
+    def _call(self, entry, make_launch, ops: _Operands, results, zeroed=()):
+        """One cutlass_call: ``results`` = [(name, ShapeDtypeStruct, TensorSpec)], the
+        entry's arrays after the inputs; ``make_launch(position, fills)`` gets each result's
+        position among the entry's arrays and the (position, kind) of the results the entry
+        fills before its kernels: none, or with ``poison_outputs`` every result but the
+        workspace and the ``zeroed`` ones (the backward's launch zero-fills those itself).
+        No result is aliased to an operand (see kernels/xla_entry.py: XLA's dynamic-slice
+        fusion in loop bodies loses what aliased results write)."""
+        n_inputs = len(ops.arrays)
+        position = {name: n_inputs + j for j, (name, _, _) in enumerate(results)}
+        fills = tuple((position[n], "nan") for n, _, _ in results
+                      if self.poison_outputs and n not in self._scratch and n not in zeroed)
+        launch = make_launch(position, fills)
+        from .kernels.compile import ARCH_OPTION
 
-            return _bind(self.spec, score, mask), to_device
+        call = self.cutlass_call(
+            entry, output_shape_dtype=tuple(sds for _, sds, _ in results), input_spec=tuple(ops.specs),
+            output_spec=tuple(spec for _, _, spec in results), compile_options=ARCH_OPTION,
+            compile_key=launch.key, launch=launch,
+            allow_cuda_graph=os.environ.get("FLEXATTN_JAX_CUDA_GRAPH", "1") == "1")
+        return dict(zip((name for name, _, _ in results), _sequential_vmap(call)(*ops.arrays)))
 
-        return bind
-
-    def _device(self, ctx, to_device):
-        stream = int(ctx.stream) if self.on_gpu else 0
-        return kernel_path.Device(stream, to_device)
+    _scratch = ("lse_log2", "delta", "dq_accum")  # workspace: never poisoned (the kernels fill it)
 
     def forward(self, q, k, v, score_bufs, mask_bufs):
+        from .kernels.xla_entry import ForwardLaunch, forward_entry
+
         shape = self.shape
-        host_objs, host_consts = self._host_arrays(_KV_LISTS)
-        bind = self._binder(len(score_bufs), len(mask_bufs), host_objs)
+        ops = _Operands()
+        main = [ops.add(x, _bhsd_spec(x)) for x in (q, k, v)]
+        args = self._hook_args(ops, score_bufs, mask_bufs)
+        lists = self._lists(ops, _KV_LISTS)
+        out = jax.ShapeDtypeStruct((shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim), q.dtype)
+        lse = jax.ShapeDtypeStruct((shape.batch, shape.q_heads, shape.q_len), jnp.float32)
+        results = [("out", out, _bhsd_spec(out)), ("lse", lse, _tensor_spec(3, 4))]
 
-        def callback(ctx, results, q, k, v, *bufs):
-            out, lse = results
-            spec, to_device = bind(bufs)
-            kernel_path.forward_into(q, k, v, out, lse, shape, spec, self._device(ctx, to_device))
+        def launch(pos, fills):
+            return ForwardLaunch(self.config, self.scale, tuple(main) + (pos["out"], pos["lse"]), args, lists,
+                                 fills)
 
-        result = (jax.ShapeDtypeStruct((shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim), q.dtype),
-                  jax.ShapeDtypeStruct((shape.batch, shape.q_heads, shape.q_len), jnp.float32))
-        call = _buffer_callback(callback, result, vmap_method="sequential")
-        return tuple(call(q, k, v, *_as_operands(score_bufs), *_as_operands(mask_bufs), *host_consts))
+        r = self._call(forward_entry, launch, ops, results)
+        return r["out"], r["lse"]
 
     def backward(self, q, k, v, out, lse, d_out, d_lse, score_bufs, mask_bufs, wanted):
-        from .core.backward_path import BackwardArrays, backward_into
-        from .kernels.bwd_runner import config_from_forward, workspace_dtypes, workspace_shapes
+        from .kernels.bwd_runner import config_from_forward, workspace_shapes
+        from .kernels.xla_entry import BackwardLaunch, backward_entry
 
         shape = self.shape
         slots = _score_slots(self.spec)
         grad_captures = tuple(s for s, w in zip(slots, wanted) if w)
-        # The layout backward_into will ask its allocator for: the workspace, then one
-        # zeroed fp32 gradient per differentiated buffer (kernels/bwd_runner.py).
-        mods = self.plan.config.mods.with_grad_filter(grad_captures)
-        cfg = config_from_forward(self.plan.config, deterministic=False, mods=mods)
-        workspace = [(tuple(s), workspace_dtypes(cfg)[name])
-                     for name, s in workspace_shapes(cfg, shape.batch, shape.q_heads, shape.q_len).items()]
-        by_slot = dict(zip(slots, score_bufs))
-        grad_shapes = [tuple(by_slot[s].shape) or (1,) for s in cfg.mods.grad_slots]
-        host_objs, host_consts = self._host_arrays(_Q_LISTS)
-        bind = self._binder(len(score_bufs), len(mask_bufs), host_objs)
-        has_d_lse = d_lse is not None
+        mods = self.config.mods.with_grad_filter(grad_captures)
+        cfg = config_from_forward(self.config, deterministic=False, mods=mods)
         if d_out is None:
             d_out = jnp.zeros_like(out)
-        n_inputs = 6 + has_d_lse + len(score_bufs) + len(mask_bufs) + len(host_consts)
+        ops = _Operands()
+        main = [ops.add(x, _bhsd_spec(x)) for x in (q, k, v, out, d_out)]
+        main.append(ops.add(lse, _tensor_spec(3, 4)))
+        main.append(None if d_lse is None else ops.add(d_lse, _tensor_spec(3, 4)))
+        args = self._hook_args(ops, score_bufs, mask_bufs)
+        lists = self._lists(ops, _Q_LISTS)
+        results = [(n, jax.ShapeDtypeStruct(x.shape, x.dtype), _bhsd_spec(x)) for n, x in (("dq", q), ("dk", k), ("dv", v))]
+        for name, s in workspace_shapes(cfg, shape.batch, shape.q_heads, shape.q_len).items():
+            results.append((name, jax.ShapeDtypeStruct(s, jnp.float32), _tensor_spec(len(s), 16, *(
+                (shape.head_dim, cfg.q_pad) if len(s) == 4 else (cfg.q_pad,)))))
+        # Buffer gradients are accumulated (fp32 atomics): the launch zero-fills them first.
+        by_slot = dict(zip(slots, score_bufs))
+        grads = [(f"grad{s}", jax.ShapeDtypeStruct(tuple(by_slot[s].shape) or (1,), jnp.float32)) for s in cfg.mods.grad_slots]
+        results += [(n, sds, _tensor_spec(len(sds.shape), 4)) for n, sds in grads]
 
-        def callback(ctx, results, q, k, v, out, lse, d_out, *rest):
-            d_lse = rest[0] if has_d_lse else None
-            bufs = rest[has_d_lse:len(rest) - len(grad_shapes)]
-            dq, dk, dv, *scratch = results
-            spec, to_device = bind(bufs)
-            alloc = _ResultAllocator(scratch, zeroed_from=len(workspace))
-            arrays = BackwardArrays(q=q, k=k, v=v, out=out, lse=lse, d_out=d_out, dq=dq, dk=dk, dv=dv, d_lse=d_lse)
-            backward_into(arrays, shape, spec, self._device(ctx, to_device), alloc, grad_captures=grad_captures)
-            alloc.check_used()
+        def launch(pos, fills):
+            return BackwardLaunch(cfg, self.scale, tuple(main) + tuple(pos[n] for n in ("dq", "dk", "dv")),
+                                  tuple(pos[n] for n in self._scratch), args, tuple(pos[n] for n, _ in grads), lists,
+                                  fills)
 
-        result = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-        result += tuple(jax.ShapeDtypeStruct(s, jnp.dtype(d)) for s, d in workspace)
-        result += tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in grad_shapes)
-        # Gradients are accumulated (fp32 atomics) into zeroed arrays: zeros operands
-        # aliased to those results, so XLA hands the callback zero-filled buffers.
-        zeros = tuple(jnp.zeros(s, jnp.float32) for s in grad_shapes)
-        aliases = {n_inputs + i: 3 + len(workspace) + i for i in range(len(zeros))}
-        call = _buffer_callback(callback, result, vmap_method="sequential", input_output_aliases=aliases)
-        operands = (q, k, v, out, lse, d_out) + ((d_lse,) if has_d_lse else ())
-        dq, dk, dv, *rest = call(*operands, *_as_operands(score_bufs), *_as_operands(mask_bufs), *host_consts, *zeros)
-        grads = dict(zip(cfg.mods.grad_slots, rest[len(workspace):]))
-        d_score = tuple(grads[s].reshape(b.shape).astype(b.dtype) if s in grads else None
+        r = self._call(backward_entry, launch, ops, results, zeroed={n for n, _ in grads})
+        d_score = tuple(r[f"grad{s}"].reshape(b.shape).astype(b.dtype) if f"grad{s}" in r else None
                         for s, b in zip(slots, score_bufs))
-        return dq, dk, dv, d_score
+        return r["dq"], r["dk"], r["dv"], d_score
 
 
 def kernel_unsupported_message(q, shape: AttentionShape) -> str | None:
@@ -449,28 +549,3 @@ def _constant(x):
 def _as_operands(bufs) -> tuple:
     """Captured jax arrays as callback operands: 0-d ones as [1], as the kernels take them."""
     return tuple(b.reshape(1) if b.ndim == 0 else b for b in bufs)
-
-
-class _ResultAllocator:
-    """``backward_into``'s allocator over the callback's extra results: the workspace
-    arrays first, then the (zero-filled, aliased) buffer gradients, in the order the
-    backward asks for them — checked, since a mismatch would misread memory."""
-
-    def __init__(self, buffers, zeroed_from: int):
-        self._buffers, self._zeroed_from, self._next = list(buffers), zeroed_from, 0
-
-    def __call__(self, shape, dtype, zeroed):
-        i = self._next
-        if i >= len(self._buffers):
-            raise RuntimeError("flexattn.jax: the backward asked for more scratch arrays than were planned")
-        buf = self._buffers[i]
-        if tuple(buf.shape) != tuple(shape) or dtype_name(buf) != dtype or zeroed != (i >= self._zeroed_from):
-            raise RuntimeError(f"flexattn.jax: scratch array {i} planned as {tuple(buf.shape)} {dtype_name(buf)}"
-                               f" (zeroed={i >= self._zeroed_from}), asked for {tuple(shape)} {dtype} (zeroed={zeroed})")
-        self._next += 1
-        return buf
-
-    def check_used(self):
-        if self._next != len(self._buffers):
-            raise RuntimeError(f"flexattn.jax: planned {len(self._buffers)} scratch arrays, the backward used {self._next}")
-

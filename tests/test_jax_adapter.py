@@ -158,82 +158,109 @@ def test_rejects_non_jax_inputs():
         fj.flex_attention(q, k[:, :2], v[:, :2])
 
 
-# --- the GPU path's plumbing, on CPU buffers ------------------------------------------------------
-# flexattn.jax runs the kernels through jax.experimental.buffer_callback, which also exists on
-# CPU. With the CPU platform routed to the kernel path and only the kernel *runners* faked (the
-# reference writes into the buffers XLA hands the callback), everything else is real: planning
-# while tracing, constant operands for host arrays, operand/result layout, the backward's
-# scratch results and zeroed gradient aliases, core forward_into/backward_into, symbolic zeros.
+# --- the GPU path's plumbing, on CPU arrays -------------------------------------------------------
+# flexattn.jax runs the kernels through cutlass.jax.cutlass_call, whose lowering needs a CUDA
+# platform. With the CPU platform routed to the kernel path and only cutlass_call faked (a
+# pure_callback that plays the compiled entry: it reads its arrays at the launch description's
+# positions and writes the reference's results), everything else is real: planning while tracing,
+# constant operands for host arrays, operand/result layout and specs, the backward's workspace
+# results and zeroed gradient aliases, symbolic zeros. A second fixture compiles the real entries
+# through cutlass.jax's own compile path (sm_90a, no GPU needed).
 
 Dk = 64  # the kernels' head dims are 64/128
 
 
-def _read(*bufs):
-    """Callback buffers as float64 numpy copies (Buffer.__array__ takes no dtype/copy)."""
-    return [np.asarray(b).astype(np.float64) for b in bufs]
+def _hook_mods(launch, arrays):
+    """The launch's score and mask mods with their captures read from the entry's arrays."""
+    hook = launch.config.mods
+    values = [np.asarray(arrays[s[1]]) if s[0] == "array" else s[1] for s in launch.args]
+    n_score = len(hook._score.captures) if hook._score is not None else 0
+    score = hook._score.with_captures(tuple(values[:n_score])) if hook._score is not None else None
+    mask = hook._mask.with_captures(tuple(values[n_score:])) if hook._mask is not None else None
+    return score, mask
 
 
-def _host_spec(spec, device, side):
-    """This call's spec with every captured value read back from the buffers the callback got."""
-    def host(mod):
-        if mod is None:
-            return None
-        return mod.with_captures(tuple(
-            c if isinstance(c, (int, float)) else np.asarray(device.to_device(c)).copy() for c in mod.captures))
+def _spec_of(launch, arrays, shape, side):
+    from flexattn.blockmask import BlockMask
 
-    bm = spec.block_mask
-    if bm is not None:
-        for name in ("kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices"):
-            if name.startswith("kv") == (side == "fwd"):  # the lists this side reads
-                np.testing.assert_array_equal(np.asarray(device.to_device(getattr(bm, name))), getattr(bm, name))
-        bm = copy.copy(bm)
-        bm.mask_mod = host(bm.mask_mod)
-    return AttentionSpec(host(spec.score), host(spec.mask), bm, spec.scale, spec.enable_gqa)
+    score, mask = _hook_mods(launch, arrays)
+    cfg = launch.config
+    if cfg.causal:
+        return AttentionSpec(score, mods.causal(), None, launch.scale, True)
+    if not cfg.block_sparse:
+        return AttentionSpec(score, mask, None, launch.scale, True)
+    lists = [np.asarray(arrays[i]) for i in launch.lists]
+    for x in lists:
+        assert x.dtype == np.int32
+    Q, KV = shape
+    if side == "fwd":
+        bm = BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=128, mask_mod=mask, seq_lengths=(Q, KV))
+    else:  # the q-side lists: the transposed states
+        t = BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=128, seq_lengths=(KV, Q))
+        bm = BlockMask(t.block_states().swapaxes(-1, -2), (Q, KV), (128, 128), mask)
+    return AttentionSpec(score, None, bm, launch.scale, True)
+
+
+def _emulate(launch, arrays, log):
+    """What the compiled entry does, on host arrays (float64 reference, results in place)."""
+    from flexattn.kernels.xla_entry import FILL_VALUES, ForwardLaunch
+
+    for i, kind in launch.fills:  # the entry's fill kernels
+        arrays[i][...] = FILL_VALUES[kind]
+    f64 = lambda i: np.asarray(arrays[i]).astype(np.float64)  # noqa: E731
+    if isinstance(launch, ForwardLaunch):
+        iq, ik, iv, io, il = launch.main
+        spec = _spec_of(launch, arrays, (arrays[iq].shape[2], arrays[ik].shape[2]), "fwd")
+        o, l = reference.forward(f64(iq), f64(ik), f64(iv), spec)
+        arrays[io][...] = o
+        arrays[il][...] = l
+        log["fwd"] += 1
+        return
+    iq, ik, iv, io, ido, il, idl, idq, idk, idv = launch.main
+    spec = _spec_of(launch, arrays, (arrays[iq].shape[2], arrays[ik].shape[2]), "bwd")
+    g = reference.backward(f64(iq), f64(ik), f64(iv), f64(ido), None if idl is None else f64(idl), spec)
+    for i, x in zip((idq, idk, idv), (g.dq, g.dk, g.dv)):
+        arrays[i][...] = x
+    for slot, i in zip(launch.config.mods.grad_slots, launch.grads):
+        assert not arrays[i].any(), "buffer gradients must start zeroed"
+        arrays[i][...] = g.d_captures[slot].reshape(arrays[i].shape)
+    log["bwd"].append({"d_lse": idl is not None, "grads": len(launch.grads),
+                       "workspace": [tuple(arrays[i].shape) for i in launch.workspace]})
+
+
+def _fake_cutlass_call(log):
+    from cutlass.jax import TensorSpec
+
+    def cutlass_call(fn, *, output_shape_dtype, input_spec, output_spec, compile_options, compile_key, launch,
+                     allow_cuda_graph):  # no input_output_aliases: XLA's dynamic-slice fusion loses them
+        assert isinstance(allow_cuda_graph, bool)
+        assert compile_key == launch.key and hash(launch) == hash(compile_key) and "sm_90a" in compile_options
+        log["launches"].append(launch)
+
+        def call(*ops):
+            assert len(input_spec) == len(ops) and len(output_spec) == len(output_shape_dtype)
+            for x, spec in zip(ops, input_spec):
+                assert isinstance(spec, TensorSpec) and len(spec.divisibility) == x.ndim
+
+            def host(*arrays):
+                arrays = [np.array(a) for a in arrays]   # the entry's view: inputs, then results
+                arrays += [np.full(o.shape, np.nan, o.dtype) for o in output_shape_dtype]  # XLA's: garbage
+                _emulate(launch, arrays, log)
+                return tuple(arrays[len(ops):])
+
+            return jax.pure_callback(host, tuple(output_shape_dtype), *ops)
+
+        return call
+
+    return cutlass_call
 
 
 @pytest.fixture
 def fake_kernels(monkeypatch):
-    from flexattn.core import backward_path, kernel_path
-    from flexattn.kernels import cache
-
+    pytest.importorskip("cutlass")
     monkeypatch.setattr(fj, "_KERNEL_PLATFORMS", {"gpu", "cuda", "cpu"})
-    monkeypatch.setenv("FLEXATTN_TVM_FFI", "0")  # the from_dlpack runner (explicit stream)
-    log = {"fwd": 0, "bwd": [], "spec": None}
-    real_fwd, real_bwd = kernel_path.forward_into, backward_path.backward_into
-
-    def forward_into(q, k, v, out, lse, shape, spec, device):
-        log["spec"] = _host_spec(spec, device, "fwd")
-        return real_fwd(q, k, v, out, lse, shape, spec, device)
-
-    def backward_into(arrays, shape, spec, device, alloc, **kw):
-        log["spec"] = _host_spec(spec, device, "bwd")
-        return real_bwd(arrays, shape, spec, device, alloc, **kw)
-
-    class FwdRunner:
-        def run(self, q, k, v, out, lse, scale, args, stream, lists):
-            log["fwd"] += 1
-            o, l = reference.forward(*_read(q, k, v), log["spec"])
-            np.asarray(out)[...] = o
-            np.asarray(lse)[...] = l
-
-    class BwdRunner:
-        def __init__(self, cfg):
-            self.slots = cfg.mods.grad_slots
-
-        def run(self, q, k, v, out, d_out, lse, dq, dk, dv, workspace, scale, args, grads, stream, lists, d_lse):
-            log["bwd"].append({"d_lse": d_lse is not None, "grads": len(grads or ()),
-                               "workspace": [tuple(w.shape) for w in workspace]})
-            g = reference.backward(*_read(q, k, v, d_out), None if d_lse is None else _read(d_lse)[0], log["spec"])
-            for dst, src in ((dq, g.dq), (dk, g.dk), (dv, g.dv)):
-                np.asarray(dst)[...] = src
-            for slot, dst in zip(self.slots, grads or ()):
-                assert not np.asarray(dst).any(), "buffer gradients must start zeroed"
-                np.asarray(dst)[...] = g.d_captures[slot].reshape(dst.shape)
-
-    monkeypatch.setattr(kernel_path, "forward_into", forward_into)
-    monkeypatch.setattr(backward_path, "backward_into", backward_into)
-    monkeypatch.setattr(kernel_path, "_runner", lambda plan, tvm_ffi: FwdRunner())
-    monkeypatch.setattr(cache, "backward_runner", lambda cfg: BwdRunner(cfg))
+    log = {"fwd": 0, "bwd": [], "launches": []}
+    monkeypatch.setattr(fj, "_cutlass_call", lambda: _fake_cutlass_call(log))
     return log
 
 
@@ -304,3 +331,81 @@ def test_kernel_path_refuses_before_launch(fake_kernels):
     with pytest.raises(ValueError, match="x64"):
         fj.flex_attention(q, k, v, score=mods.relative_bias(table), enable_gqa=True)
     assert fake_kernels["fwd"] == 0
+
+
+def test_entries_compile_through_cutlass_jax_once_per_structure(monkeypatch):
+    """The real ``kernels.xla_entry`` entries, compiled by cutlass.jax's own compile path
+    (what cutlass_call's lowering does on a CUDA platform; sm_90a, no GPU here): forward and
+    backward compile once; new captured values, new jitted functions and new traces hit the
+    cache through the compile key (no IR generated on lookup)."""
+    pytest.importorskip("cutlass")
+    from cutlass.jax import compile as cj
+    from cutlass.jax.primitive import _resolve_input_spec_flat, _resolve_spec_flat
+
+    compiles, lookups = [], []
+    real_compile = cj.cutlass.cute.compile
+
+    def counting_compile(*a, **kw):
+        compiles.append(kw["spec"].kwargs[0][1].key[0])
+        return real_compile(*a, **kw)
+
+    def cutlass_call(fn, *, output_shape_dtype, input_spec, output_spec, compile_options, compile_key,
+                     allow_cuda_graph, **kwargs):
+        def call(*ops):  # as cutlass_call's wrapper and lowering build and compile it
+            outs = list(output_shape_dtype)
+            spec = cj.build_function_spec(
+                list(ops), jax.tree.structure(tuple(ops)), outs, jax.tree.structure(tuple(outs)),
+                _resolve_input_spec_flat(input_spec, ops, list(ops)), _resolve_spec_flat(output_spec, outs),
+                {}, compile_options, False, kwargs)
+            lookups.append(compile_key[0])
+            cj.get_or_compile_kernel(fn, spec, compile_key=compile_key)
+            return tuple(jnp.zeros(o.shape, o.dtype) for o in outs)
+
+        return call
+
+    monkeypatch.setattr(cj.cutlass.cute, "compile", counting_compile)
+    monkeypatch.setattr(fj, "_KERNEL_PLATFORMS", {"gpu", "cuda", "cpu"})
+    monkeypatch.setattr(fj, "_cutlass_call", lambda: cutlass_call)
+    q, k, v = _kernel_inputs(20)
+    table = np.random.default_rng(21).standard_normal((Hq, 9)).astype(np.float32)
+    bm = fj.create_block_mask(mods.sliding_window(7) & mods.causal(offset=5), None, None, S, S + 5, BLOCK_SIZE=128)
+
+    def loss(q, k, v, slopes):
+        out, lse = fj.flex_attention(q, k, v, score=mods.alibi(slopes) >> mods.relative_bias(table), block_mask=bm,
+                                     enable_gqa=True, return_lse=True)
+        return out.astype(jnp.float32).sum() + lse.sum()
+
+    for seed in range(2):  # a new trace each time: eager grad re-traces the custom_vjp
+        slopes = jnp.asarray(np.linspace(0.1, 0.8, Hq) * (seed + 1), jnp.float32)
+        jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, slopes)
+    jax.jit(jax.grad(loss, argnums=(0, 3)))(q, k, v, slopes)  # a new jitted function, fewer gradients wanted
+    assert lookups == ["flexattn.fwd", "flexattn.bwd"] * 3
+    assert compiles == ["flexattn.fwd", "flexattn.bwd"], compiles
+
+
+def test_kernel_path_under_vmap_runs_one_call_per_element(fake_kernels):
+    """cutlass_call has no batching rule: under vmap (and nested vmaps) the adapter runs one
+    call per element (custom_vmap + lax.map), forward and backward."""
+    qs, ks, vs = (jnp.stack([a, b]) for a, b in zip(_kernel_inputs(30), _kernel_inputs(31)))
+    slopes = jnp.asarray(np.linspace(0.1, 0.8, Hq), jnp.float32)
+
+    def attend(q, k, v):
+        return fj.flex_attention(q, k, v, score=mods.alibi(slopes), mask=mods.causal(), enable_gqa=True)
+
+    def loss(q, k, v, slopes):
+        return fj.flex_attention(q, k, v, score=mods.alibi(slopes), mask=mods.causal(), enable_gqa=True).astype(
+            jnp.float32).sum()
+
+    outs = jax.jit(jax.vmap(attend))(qs, ks, vs)
+    grads = jax.vmap(jax.grad(loss, argnums=(0, 3)), in_axes=(0, 0, 0, None))(qs, ks, vs, slopes)
+    assert fake_kernels["fwd"] == 4 and len(fake_kernels["bwd"]) == 2
+    nested = jax.jit(jax.vmap(jax.vmap(attend)))(qs[:, None], ks[:, None], vs[:, None])
+    np.testing.assert_array_equal(np.asarray(nested[:, 0]), np.asarray(outs))
+    spec = AttentionSpec.from_args(score=mods.alibi(np.asarray(slopes)), mask=mods.causal(), enable_gqa=True)
+    for i in range(2):
+        qn, kn, vn = _np(qs[i], ks[i], vs[i])
+        out, _ = reference.forward(qn, kn, vn, spec)
+        np.testing.assert_allclose(np.asarray(outs[i], np.float64), out, atol=2e-2)
+        want = reference.backward(qn, kn, vn, np.ones(out.shape), None, spec)
+        np.testing.assert_allclose(np.asarray(grads[0][i], np.float64), want.dq, atol=3e-2 * max(1, np.abs(want.dq).max()))
+        np.testing.assert_allclose(grads[1][i], want.d_captures[0], rtol=2e-3)

@@ -1,11 +1,12 @@
-"""GPU: flexattn.jax on the kernels (buffer_callback) — forward against the float64
-reference and bitwise against the torch adapter, jax.grad against the reference backward,
-a jitted training step without recompiles, XLA's stream honoured. Skipped without a CUDA
-jax backend.
+"""GPU: flexattn.jax on the kernels (cutlass_call: an XLA FFI custom call) — forward against
+the float64 reference and bitwise against the torch adapter, jax.grad against the reference
+backward, a jitted training step without recompiles, repeated and re-jitted calls without
+kernel compiles, XLA's stream honoured, loops over layers (lax.scan / lax.map / fori_loop,
+forward and gradients) and vmap like single calls. Skipped without a CUDA jax backend.
 
-Every array the kernels write (out/lse, dq/dk/dv) is NaN-filled on XLA's stream right
-before the launch (a wrapper around the core entry points), so an element a kernel fails
-to write fails the test.
+Every array the kernels write (out/lse, dq/dk/dv) starts NaN-filled (the adapter's
+``poison_outputs``: the XLA entry fills them before its kernels), so an element a kernel
+fails to write fails the test.
 """
 
 import math
@@ -27,35 +28,21 @@ import jax.numpy as jnp  # noqa: E402
 import flexattn.jax as fj  # noqa: E402
 import flexattn.torch as fa  # noqa: E402
 from flexattn import mods, reference  # noqa: E402
-from flexattn.core import AttentionSpec, backward_path, kernel_path  # noqa: E402
-from flexattn.kernels import cache  # noqa: E402
+from flexattn.core import AttentionSpec  # noqa: E402
 
 DTYPES = {"bf16": (jnp.bfloat16, torch.bfloat16), "fp16": (jnp.float16, torch.float16)}
 
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    from cuda.bindings import driver
+    monkeypatch.setattr(fj._KernelBackend, "poison_outputs", True)
 
-    def poison(stream, *bufs):
-        for b in bufs:
-            ptr = b.__cuda_array_interface__["data"][0]
-            nbytes = math.prod(b.shape) * np.dtype(b.dtype).itemsize
-            (err,) = driver.cuMemsetD8Async(driver.CUdeviceptr(ptr), 0xFF, nbytes, driver.CUstream(stream))
-            assert err == driver.CUresult.CUDA_SUCCESS, err
 
-    real_fwd, real_bwd = kernel_path.forward_into, backward_path.backward_into
+def _kernel_compiles() -> int:
+    """Entries compiled by cutlass.jax in this process (its in-memory compile cache)."""
+    from cutlass.jax import compile as cj
 
-    def forward_into(q, k, v, out, lse, shape, spec, device):
-        poison(device.stream, out, lse)
-        return real_fwd(q, k, v, out, lse, shape, spec, device)
-
-    def backward_into(arrays, shape, spec, device, alloc, **kw):
-        poison(device.stream, arrays.dq, arrays.dk, arrays.dv)
-        return real_bwd(arrays, shape, spec, device, alloc, **kw)
-
-    monkeypatch.setattr(kernel_path, "forward_into", forward_into)
-    monkeypatch.setattr(backward_path, "backward_into", backward_into)
+    return len(cj._CUTLASS_COMPILE_CACHE)
 
 
 def _inputs(seed, dtype, B, Hq, Hkv, Q, KV, D):
@@ -198,11 +185,11 @@ def test_jitted_training_step_without_recompiles():
     p = params
     p, value = step(p)
     losses.append(float(value))
-    compiled = cache.compile_count()
+    compiled = _kernel_compiles()
     for _ in range(5):
         p, value = step(p)
         losses.append(float(value))
-    assert cache.compile_count() == compiled
+    assert _kernel_compiles() == compiled and step._cache_size() == 1
     assert all(math.isfinite(v) for v in losses)
     assert losses[-1] < losses[0], losses
     assert not np.allclose(np.asarray(p["slopes"]), np.asarray(params["slopes"]))
@@ -214,6 +201,91 @@ def test_unsupported_inputs_fail_before_launch():
         fj.flex_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
     with pytest.raises(ValueError, match="block_mask="):
         jax.jit(lambda q, doc: fj.flex_attention(q, k, v, mask=mods.document(doc)))(q, jnp.zeros(64, jnp.int32))
+
+
+def test_repeated_and_rejitted_calls_compile_nothing():
+    """A jitted call compiles its entry once; repeated calls run no Python of ours and
+    compile nothing; a new jitted function of the same call (new trace, new lowering) and
+    new captured values find the compiled entry by its compile key."""
+    (q, k, v), exact = _inputs(12, "bf16", 1, 4, 4, 160, 160, 64)
+    slopes = jnp.asarray(np.linspace(0.1, 0.9, 4), jnp.float32)
+
+    def attend(q, k, v, slopes):
+        return fj.flex_attention(q, k, v, score=mods.alibi(slopes), mask=mods.causal())
+
+    f = jax.jit(attend)
+    out = f(q, k, v, slopes)
+    before = _kernel_compiles()
+    for _ in range(3):
+        out = f(q, k, v, slopes)
+    assert _kernel_compiles() == before and f._cache_size() == 1
+    other = jax.jit(lambda q, k, v, s: attend(q, k, v, s) * 1)(q, k, v, slopes * 2)
+    assert _kernel_compiles() == before
+    for got, s in ((out, slopes), (other, slopes * 2)):
+        spec = AttentionSpec.from_args(score=mods.alibi(np.asarray(s)), mask=mods.causal())
+        want, _ = reference.forward(*exact, spec)
+        assert np.abs(np.asarray(got).astype(np.float64) - want).max() < 2e-2
+
+
+def test_vmap_runs_each_element_like_a_single_call():
+    """cutlass_call has no batching rule; under vmap the adapter runs one call per element:
+    the same kernel, so the same bits as the un-vmapped calls (forward, dK, dV; dQ and the
+    buffer gradient up to the order of their fp32 atomics). (Gave zeros while the buffer
+    gradients and the tests' poison were results aliased to operands.)"""
+    (q, k, v), _ = _inputs(13, "bf16", 1, 4, 2, 130, 130, 64)
+    (q2, k2, v2), _ = _inputs(14, "bf16", 1, 4, 2, 130, 130, 64)
+    qs, ks, vs = jnp.stack([q, q2]), jnp.stack([k, k2]), jnp.stack([v, v2])
+    slopes = jnp.asarray(np.linspace(0.1, 0.9, 4), jnp.float32)
+
+    def loss(q, k, v, slopes):
+        out = fj.flex_attention(q, k, v, score=mods.alibi(slopes), mask=mods.causal(), enable_gqa=True)
+        return out.astype(jnp.float32).sum()
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+    batched = jax.jit(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), in_axes=(0, 0, 0, None)))(
+        qs, ks, vs, slopes)
+    for i, args in enumerate(((q, k, v), (q2, k2, v2))):
+        value, grads = step(*args, slopes)
+        assert abs(float(batched[0][i]) - float(value)) <= 1e-5 * abs(float(value))  # XLA's sums may differ in order
+        for j, (got, want) in enumerate(zip(batched[1], grads)):
+            got, want = np.asarray(got[i]).astype(np.float64), np.asarray(want).astype(np.float64)
+            assert np.abs(want).max() > 0
+            if j in (1, 2):  # dK, dV: summed in registers in a fixed order
+                assert np.array_equal(got, want)
+            else:  # dQ and the slopes' gradient: fp32 atomics in varying order
+                np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+
+
+def test_scan_over_layers_gradients_match_single_calls():
+    """jax.grad through lax.scan over layers, each with its own trainable ALiBi slopes: the
+    backward runs inside a scan whose stacked gradients are dynamic-update-slices of the
+    custom call's results (the pattern XLA's dynamic-slice fusion rewrites), and every
+    layer's dQ, dK, dV and slopes gradient matches a single call's."""
+    layers = 3
+    (q, k, v), _ = _inputs(18, "bf16", 1, 4, 2, 130, 130, 64)
+    qs = jnp.stack([q * (i + 1) for i in range(layers)])
+    ks = jnp.stack([k * (1 - 0.2 * i) for i in range(layers)])
+    slopes = jnp.asarray(np.stack([np.linspace(0.1, 0.9, 4) * (i + 1) for i in range(layers)]), jnp.float32)
+
+    def layer(q, k, s):
+        out = fj.flex_attention(q, k, v, score=mods.alibi(s), mask=mods.causal(), enable_gqa=True)
+        return out.astype(jnp.float32).sum()
+
+    single = jax.jit(jax.grad(layer, argnums=(0, 1, 2)))
+    want = [single(qs[i], ks[i], slopes[i]) for i in range(layers)]
+
+    def total(qs, ks, slopes):
+        return jax.lax.scan(lambda c, xs: (c + layer(*xs), None), jnp.float32(0), (qs, ks, slopes))[0]
+
+    got = jax.jit(jax.grad(total, argnums=(0, 1, 2)))(qs, ks, slopes)
+    for i in range(layers):
+        for j, name in enumerate(("dq", "dk", "dslopes")):
+            g, w = np.asarray(got[j][i]).astype(np.float64), np.asarray(want[i][j]).astype(np.float64)
+            assert np.abs(w).max() > 0, (i, name)
+            if j == 1:  # dK: summed in registers in a fixed order
+                assert np.array_equal(g, w), (i, name)
+            else:  # dQ and the slopes' gradient: fp32 atomics in varying order
+                np.testing.assert_allclose(g, w, rtol=1e-2, atol=1e-2 * np.abs(w).max(), err_msg=f"layer {i} {name}")
 
 
 @pytest.mark.parametrize("loop", ["scan", "map", "fori"])
