@@ -114,8 +114,14 @@ def _close(what, got, want, dtype_name):
     got = got.double().cpu().numpy().reshape(np.shape(want))
     assert not np.isnan(got).any(), f"{what}: NaN (unwritten or invalid) elements"
     tol_max, tol_rel = TOL[dtype_name]
-    ref = max(np.abs(want).max(), 1e-6)
     err = np.abs(got - want).max()
+    if np.abs(want).max() < 1e-9:
+        # A gradient that is zero in exact arithmetic (one key: dS = P (dP - D) = dP - D):
+        # the kernel's is the fp32 cancellation of dP and D (~1e-7 of their size), which no
+        # relative measure can judge. Bound it absolutely.
+        assert err <= 1e-5, f"{what}: {err:.3g} where the exact gradient is 0"
+        return
+    ref = max(np.abs(want).max(), 1e-6)
     rel = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12)
     assert err <= tol_max * ref and rel <= tol_rel, f"{what}: max err {err:.3g} (ref {ref:.3g}), rel {rel:.3g}"
 

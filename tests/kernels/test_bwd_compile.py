@@ -125,8 +125,8 @@ def test_deterministic_dq_turns(compiled, name):
         assert needle in ptx, needle
     # The writer warp: a spin per visit (a loop around the acquire load) before the bulk
     # adds; the turn is passed (one release add, after a wait for the *writes* of the adds:
-    # no .read) at the next visit and once after the last.
-    assert ptx.count("red.release.gpu.global.add.s32") == 2
+    # no .read) right after them, or (block-sparse) at the next visit and once after the last.
+    assert ptx.count("red.release.gpu.global.add.s32") == (2 if cfg.block_sparse else 1)
     lines = ptx.splitlines()
     i = next(j for j, line in enumerate(lines) if "ld.acquire.gpu.global.b32" in line)
     assert any(line.strip().startswith("@") and "bra" in line for line in lines[i:i + 12])
@@ -201,6 +201,14 @@ def test_config_validation():
     assert BwdConfig().key() != BwdConfig(causal=True).key()
     assert BwdConfig().key() != BwdConfig(deterministic=True).key()
     assert not BwdConfig().deterministic
+    # the deterministic writer passes turns right after its adds (dense) or a visit later
+    # (block-sparse); the choice is part of the key only where it changes code
+    assert BwdConfig(deterministic=True).turn_pass == "after_adds"
+    assert BwdConfig(deterministic=True, block_sparse=True).turn_pass == "next_visit"
+    assert BwdConfig(deterministic=True).key() != BwdConfig(deterministic=True, dq_turn_pass="next_visit").key()
+    assert BwdConfig().key() == BwdConfig(dq_turn_pass="next_visit").key()
+    with pytest.raises(ValueError, match="dq_turn_pass"):
+        BwdConfig(dq_turn_pass="later")
     with pytest.raises(ValueError):
         BwdConfig(tile_m=128)
     with pytest.raises(ValueError):
