@@ -79,6 +79,9 @@ class FragmentCoords:
         self.t_mn = acc_mn_view(thr_mma.partition_C(ident))
         self.t0_mn = acc_mn_view(thr_mma.get_slice(0).partition_C(ident))
         self.tile_m, self.tile_n = tile_m, tile_n
+        # Thread 0's coordinates are Python ints: looked up once each (a lookup builds
+        # IR and costs ~1.4 ms of tracing; kernels ask for each one several times).
+        self._const = {}
 
     def row(self, r):           # local row of fragment row r
         return self.t_mn[r, 0][0]
@@ -87,10 +90,19 @@ class FragmentCoords:
         return self.t_mn[0, 0][1]
 
     def col0(self, c):          # thread-0 column of fragment column c: a constant
-        return self.t0_mn[0, c][1]
+        return self._thread0(0, c, 1)
 
     def row0(self, r):          # thread-0 row of fragment row r: a constant
-        return self.t0_mn[r, 0][0]
+        return self._thread0(r, 0, 0)
+
+    def _thread0(self, r, c, mode):
+        key = (r, c, mode)
+        value = self._const.get(key)
+        if value is None:
+            value = self.t0_mn[r, c][mode]
+            if isinstance(value, int):   # only constants: an IR value may not dominate a later use
+                self._const[key] = value
+        return value
 
 
 @cute.jit
