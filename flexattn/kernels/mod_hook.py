@@ -105,6 +105,19 @@ class FragmentCoords:
         return value
 
 
+def masked_if(cond, s):
+    """-inf where `cond`, else `s` (Float32): one `arith.select`. Written as `-inf if cond
+    else s` in a jit function, a runtime `cond` becomes an `scf.if` whose branches CuTeDSL
+    traces twice (once to infer the result types): ~4 ms of tracing per element, for the
+    same code once MLIR has folded the `scf.if` back into a select."""
+    return Float32(cutlass.select_(cond, -Float32.inf, s))
+
+
+def kept_if(keep, s):
+    """`s` where `keep`, else -inf (Float32): `s if keep else -inf`, as one select."""
+    return Float32(cutlass.select_(keep, s, -Float32.inf))
+
+
 @cute.jit
 def apply_mods(
     s_mn: cute.Tensor,
@@ -152,10 +165,10 @@ def apply_mods(
                 s = mods.score(s * softmax_scale, batch, head, q_hook, kv_hook, args)
             if const_expr(apply_mask):
                 keep = mods.mask(batch, head, q_hook, kv_hook, args)
-                s = s if keep else -Float32.inf
+                s = kept_if(keep, s)
             if const_expr(builtin_causal):
-                s = s if q >= kv else -Float32.inf
+                s = kept_if(q >= kv, s)
             if const_expr(check_kv_bounds):
-                s = s if kv < seqlen_k else -Float32.inf
+                s = kept_if(kv < seqlen_k, s)
             s_mn[r, c] = s
 
