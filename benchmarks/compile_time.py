@@ -180,8 +180,6 @@ class PhaseTimer:
                 finally:
                     timer.t["passes"] += time.perf_counter() - t0
                     self_.passmanager = orig_pm
-                    import gc
-                    gc.collect()
                     os.dup2(saved, 2)
                     os.close(saved)
                     tmp.seek(0)
