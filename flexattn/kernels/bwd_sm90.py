@@ -65,7 +65,7 @@ from flexattn.kernels import sm90_mma
 from flexattn.kernels.atomics import (
     bulk_add_f32, ld_acquire_s32, red_add_f32, red_add_fixed128, red_release_add_s32, trap)
 from flexattn.kernels.bwd_blocks import DenseQBlocks, KvVisitors, SparseQBlocks
-from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook
+from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook, kept_if
 from flexattn.kernels.tile_scheduler import LongestFirst, TileSpace
 from flexattn.kernels.tma_pipeline import tma_ring
 
@@ -832,13 +832,13 @@ class FlashBwdSm90:
             x = x * scale_log2 - lse
             if const_expr(mask):
                 keep = mods.mask(batch, head, q_hook, kv_hook, mod_args)
-                x = x if keep else -Float32.inf
+                x = kept_if(keep, x)
             if const_expr(causal):
-                x = x if q >= kv else -Float32.inf
+                x = kept_if(q >= kv, x)
             if const_expr(kv_edge):
                 # Keys past KV_LEN (zero-filled by TMA) must not count; rows past Q_LEN
                 # have lse_log2 = +inf, so their P is 0 already.
-                x = x if kv < seqlen_k else -Float32.inf
+                x = kept_if(kv < seqlen_k, x)
             p = cute.math.exp2(x, fastmath=True)
             s_mn[r, c] = p
             if const_expr(fused):
@@ -865,7 +865,7 @@ class FlashBwdSm90:
                     self._scatter_buffer_grads(ds, p, s_scaled, batch, head, q_hook,
                                                kv_hook, mod_args, grad_args)
                 ds = ds * grad
-                dp_mn[r, c] = Float32(0.0) if p == Float32(0.0) else ds
+                dp_mn[r, c] = Float32(cutlass.select_(p == Float32(0.0), Float32(0.0), ds))
 
     @cute.jit
     def _ds_from_p(self, acc_P, acc_dP, sDelta, coords):
