@@ -46,6 +46,11 @@ class ModHook:
     def key(self):
         return (type(self).__module__, type(self).__qualname__)
 
+    def index_vars(self, score: bool, mask: bool) -> frozenset:
+        """The indices among b, h, q, kv that `score` (if `score`) and `mask` (if `mask`)
+        read; kernels may pass None for the others (and skip computing them)."""
+        return frozenset(("b", "h", "q", "kv"))
+
     # ---- backward (bwd_sm90.py): derivatives of the score mod -------------------------
     # Hooks without a score mod need nothing. A hand-written hook with a score mod must
     # override `score_and_grad` to be usable in the backward (IRModHook derives it).
@@ -152,13 +157,18 @@ def apply_mods(
     kv_base = n_block * coords.tile_n + coords.col_offset()
     q_last = seqlen_q - 1
     kv_last = seqlen_k - 1
+    # kv only where something reads it (e.g. not for softcap alone): 3-4 ops per element
+    # of tracing that MLIR would delete again.
+    hook_kv = "kv" in mods.index_vars(apply_score, apply_mask)
     for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
         q = q_base + coords.row(r)
         q_hook = cutlass.min(q, q_last)
         for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
-            kv = kv_base + coords.col0(c)
-            kv_hook = kv
-            if const_expr(check_kv_bounds or clamp_kv):
+            kv = kv_hook = None
+            if const_expr(hook_kv or builtin_causal or check_kv_bounds):
+                kv = kv_base + coords.col0(c)
+                kv_hook = kv
+            if const_expr(hook_kv and (check_kv_bounds or clamp_kv)):
                 kv_hook = cutlass.min(kv, kv_last)
             s = s_mn[r, c]
             if const_expr(apply_score):
