@@ -811,16 +811,24 @@ class FlashBwdSm90:
         flushes = _diagonal_flushes(order, coords, uniform) if const_expr(diagonal) else None
         sums = {}
         lse = delta = None
+        # Indices only where something reads them (a score mod like softcap reads none):
+        # ops per element of tracing that MLIR would delete again.
+        hook_vars = mods.index_vars(mods.has_score, mask)
+        need_q = "q" in hook_vars or causal or diagonal
+        need_kv = "kv" in hook_vars or causal or kv_edge or diagonal
         for i in cutlass.range_constexpr(len(order)):
             r, c = order[i]
-            q = q_first + coords.col0(c)
-            q_hook = cutlass.min(q, seqlen_q - 1)
+            q = q_hook = kv = kv_hook = None
+            if const_expr(need_q):
+                q = q_first + coords.col0(c)
+                q_hook = cutlass.min(q, seqlen_q - 1)
             if const_expr(rows_outer or r == 0):
                 lse = sLSE[col_local0 + coords.col0(c)]
                 if const_expr(fused):
                     delta = sDelta[col_local0 + coords.col0(c)]
-            kv = kv_base + coords.row(r)
-            kv_hook = cutlass.min(kv, seqlen_k - 1)
+            if const_expr(need_kv):
+                kv = kv_base + coords.row(r)
+                kv_hook = cutlass.min(kv, seqlen_k - 1)
             x = s_mn[r, c]
             grad = None
             if const_expr(mods.has_score):
