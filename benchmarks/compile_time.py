@@ -129,6 +129,9 @@ KERNELS = {
     "bwd-causal-softcap": _bwd(head_dim=128, causal=True, score=_softcap),
     "bwd-doc-d64": _bwd(dtype="fp16", head_dim=64, block_sparse=True, mask=_document),
     "bwd-relbias": _bwd(head_dim=128, score=_relative_bias),
+    "bwd-det-relbias": _bwd(head_dim=128, score=_relative_bias, deterministic=True),
+    "bwd-causal-alibi": _bwd(head_dim=128, causal=True, score=_alibi),
+    "bwd-window": _bwd(head_dim=128, block_sparse=True, mask=_window),
 }
 
 
