@@ -9,6 +9,8 @@ import os
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 # CuTeDSL's on-disk cache of lowered modules: keep it with our other caches, not in /tmp.
+# (Only direct @cute.jit calls use it; cute.compile, which compiles every kernel here,
+# bypasses it: see cache.py.)
 if "CUTE_DSL_CACHE_DIR" not in os.environ:
     _cache_dir = os.path.join(os.path.expanduser("~"), ".cache", "flexattn", "cute-dsl")
     try:

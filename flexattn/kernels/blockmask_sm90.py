@@ -187,14 +187,16 @@ def compile_compactor(tvm_ffi: bool = False, keep_ptx: bool = False):
 
 
 def _compile(kernel, args, tvm_ffi, keep_ptx):
+    from .compile import compile_kernel
+
     if not keep_ptx:
-        return cute.compile(kernel, *args, options=_options(tvm_ffi))
+        return compile_kernel(kernel, args, _options(tvm_ffi), tvm_ffi)
     import tempfile
 
     from .compile import _dump_dir
 
     with tempfile.TemporaryDirectory() as d, _dump_dir(d):
-        return cute.compile(kernel, *args, options=_options(tvm_ffi, keep_ptx=True))
+        return compile_kernel(kernel, args, _options(tvm_ffi, keep_ptx=True), tvm_ffi)
 
 
 LIST_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",

@@ -10,7 +10,7 @@ import tempfile
 from flexattn.kernels.bwd_postprocess import BwdPostprocess
 from flexattn.kernels.bwd_preprocess import BwdPreprocess
 from flexattn.kernels.bwd_sm90 import BwdConfig, FlashBwdSm90
-from flexattn.kernels.compile import ARCH_OPTION, _dump_dir, fake_bhsd, fake_block_lists
+from flexattn.kernels.compile import ARCH_OPTION, _dump_dir, compile_kernel, fake_bhsd, fake_block_lists
 
 
 def _fake_f32(rank: int):
@@ -102,14 +102,12 @@ def _compile(kernel, args, keep_ptx: bool, extra_options: str, tvm_ffi: bool = F
     """`tvm_ffi`: the result takes framework tensors (DLPack exchanged in C, arguments
     checked against the compiled signature) and launches on the framework's current stream
     (see compile.compile_forward)."""
-    import cutlass.cute as cute
-
     opts = " ".join(o for o in (ARCH_OPTION, "--keep-ptx" if keep_ptx else "",
                                 "--enable-tvm-ffi" if tvm_ffi else "", extra_options) if o)
     if not keep_ptx:
-        return cute.compile(kernel, *args, options=opts)
+        return compile_kernel(kernel, args, opts, tvm_ffi)
     with tempfile.TemporaryDirectory() as d, _dump_dir(d):
-        return cute.compile(kernel, *args, options=opts)
+        return compile_kernel(kernel, args, opts, tvm_ffi)
 
 
 def compile_backward(cfg: BwdConfig, mod_args: tuple = (), *, keep_ptx: bool = False,

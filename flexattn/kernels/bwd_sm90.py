@@ -66,7 +66,7 @@ from flexattn.kernels.atomics import (
     FIXED_WORDS, bulk_add_f32, ld_acquire_s32, red_add_f32, red_add_fixed, red_release_add_s32,
     st_shared_f32, trap)
 from flexattn.kernels.bwd_blocks import DenseQBlocks, KvVisitors, SparseQBlocks
-from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook
+from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook, kept_if
 from flexattn.kernels.tile_scheduler import LongestFirst, TileSpace
 from flexattn.kernels.tma_pipeline import tma_ring
 
@@ -907,16 +907,24 @@ class FlashBwdSm90:
         flushes = _diagonal_flushes(order, coords, uniform) if const_expr(diagonal) else None
         sums = {}
         lse = delta = None
+        # Indices only where something reads them (a score mod like softcap reads none):
+        # ops per element of tracing that MLIR would delete again.
+        hook_vars = mods.index_vars(mods.has_score, mask)
+        need_q = "q" in hook_vars or causal or diagonal
+        need_kv = "kv" in hook_vars or causal or kv_edge or diagonal
         for i in cutlass.range_constexpr(len(order)):
             r, c = order[i]
-            q = q_first + coords.col0(c)
-            q_hook = cutlass.min(q, seqlen_q - 1)
+            q = q_hook = kv = kv_hook = None
+            if const_expr(need_q):
+                q = q_first + coords.col0(c)
+                q_hook = cutlass.min(q, seqlen_q - 1)
             if const_expr(rows_outer or r == 0):
                 lse = sLSE[col_local0 + coords.col0(c)]
                 if const_expr(fused):
                     delta = sDelta[col_local0 + coords.col0(c)]
-            kv = kv_base + coords.row(r)
-            kv_hook = cutlass.min(kv, seqlen_k - 1)
+            if const_expr(need_kv):
+                kv = kv_base + coords.row(r)
+                kv_hook = cutlass.min(kv, seqlen_k - 1)
             x = s_mn[r, c]
             grad = None
             if const_expr(mods.has_score):
@@ -928,13 +936,13 @@ class FlashBwdSm90:
             x = x * scale_log2 - lse
             if const_expr(mask):
                 keep = mods.mask(batch, head, q_hook, kv_hook, mod_args)
-                x = x if keep else -Float32.inf
+                x = kept_if(keep, x)
             if const_expr(causal):
-                x = x if q >= kv else -Float32.inf
+                x = kept_if(q >= kv, x)
             if const_expr(kv_edge):
                 # Keys past KV_LEN (zero-filled by TMA) must not count; rows past Q_LEN
                 # have lse_log2 = +inf, so their P is 0 already.
-                x = x if kv < seqlen_k else -Float32.inf
+                x = kept_if(kv < seqlen_k, x)
             p = cute.math.exp2(x, fastmath=True)
             s_mn[r, c] = p
             if const_expr(fused):
@@ -977,7 +985,7 @@ class FlashBwdSm90:
                     self._scatter_buffer_grads(ds, p, s_scaled, batch, head, q_hook,
                                                kv_hook, mod_args, grad_args)
                 ds = ds * grad
-                dp_mn[r, c] = Float32(0.0) if p == Float32(0.0) else ds
+                dp_mn[r, c] = Float32(cutlass.select_(p == Float32(0.0), Float32(0.0), ds))
 
     @cute.jit
     def _ds_from_p(self, acc_P, acc_dP, sDelta, coords):

@@ -5,9 +5,10 @@ decode runners (``decode_runner``). Key:
 ``FwdConfig.key()`` / ``BwdConfig.key()`` — dtype, head dim, tiles, stages, schedule,
 block structure and the mods' *structure* keys — plus, inside the runner, the kinds of the hook's runtime
 args (scalar types, buffer dtypes and ranks). Captured values never enter a key, so new
-values never recompile. On disk, CuTeDSL keeps lowered modules in its own file cache
-(``CUTE_DSL_CACHE_DIR``, set by ``flexattn.kernels`` to ``~/.cache/flexattn/cute-dsl``
-unless already set), which shortens first calls in later processes.
+values never recompile. Nothing is kept on disk: ``cute.compile`` (every kernel here is
+compiled through it) bypasses CuTeDSL's file cache (``CUTE_DSL_CACHE_DIR``, which
+``flexattn.kernels`` points at ``~/.cache/flexattn/cute-dsl``; only direct ``@cute.jit``
+calls use it), so each process compiles its kernels anew.
 """
 
 from __future__ import annotations

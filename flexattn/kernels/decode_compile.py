@@ -7,7 +7,7 @@ is the one a launch would use.
 
 import tempfile
 
-from flexattn.kernels.compile import ARCH_OPTION, _dump_dir
+from flexattn.kernels.compile import ARCH_OPTION, _dump_dir, compile_kernel
 from flexattn.kernels.decode_sm90 import DecodeConfig, DecodeSm90
 
 
@@ -42,14 +42,12 @@ def fake_decode_args(cfg: DecodeConfig, mod_args: tuple = (), tvm_ffi: bool = Fa
 
 
 def _compile(kernel, args, keep_ptx: bool, tvm_ffi: bool):
-    import cutlass.cute as cute
-
     opts = " ".join(o for o in (ARCH_OPTION, "--keep-ptx" if keep_ptx else "",
                                 "--enable-tvm-ffi" if tvm_ffi else "") if o)
     if not keep_ptx:
-        return cute.compile(kernel, *args, options=opts)
+        return compile_kernel(kernel, args, opts, tvm_ffi)
     with tempfile.TemporaryDirectory() as d, _dump_dir(d):
-        return cute.compile(kernel, *args, options=opts)
+        return compile_kernel(kernel, args, opts, tvm_ffi)
 
 
 def compile_decode(cfg: DecodeConfig, mod_args: tuple = (), *, keep_ptx: bool = False, tvm_ffi: bool = False):

@@ -64,7 +64,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from flexattn.kernels import interval_emit, sm90_mma
 from flexattn.kernels.decode_combine import merge_splits
-from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook
+from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook, kept_if
 from flexattn.kernels.softmax import OnlineSoftmax, rescale_rows
 from flexattn.kernels.tma_pipeline import tma_ring
 
@@ -603,7 +603,7 @@ def apply_packed_mods(s_mn: cute.Tensor, coords: FragmentCoords, row_head: cute.
                 s = mods.score(s * softmax_scale, batch, head, q, kv_hook, args)
             if const_expr(mods.has_mask):
                 keep = mods.mask(batch, head, q, kv_hook, args)
-                s = s if keep else -Float32.inf
+                s = kept_if(keep, s)
             if const_expr(kv_bound):
-                s = s if kv < seqlen else -Float32.inf
+                s = kept_if(kv < seqlen, s)
             s_mn[r, c] = s

@@ -41,7 +41,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from flexattn.kernels import sm90_mma
 from flexattn.kernels.block_sparsity import DenseBlocks, SparseBlocks
-from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook, apply_mods
+from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook, apply_mods, masked_if
 from flexattn.kernels.softmax import OnlineSoftmax, rescale_rows
 from flexattn.kernels.tile_scheduler import ByHead, LongestFirst, TileSpace, grid_size
 from flexattn.kernels.tma_pipeline import tma_ring
@@ -607,7 +607,7 @@ class FlashFwdSm90:
             else:
                 limit = seqlen_k - kv_first
             for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
-                s_mn[r, c] = -Float32.inf if limit <= coords.col0(c) else s_mn[r, c]
+                s_mn[r, c] = masked_if(limit <= coords.col0(c), s_mn[r, c])
 
     @cute.jit
     def _step(self, ctx, kv_state, n_block, is_first: cutlass.Constexpr[bool],

@@ -200,6 +200,13 @@ class IRModHook(ModHook):
         new.grad_filter = tuple(sorted(int(s) for s in slots))
         return new
 
+    def index_vars(self, score: bool, mask: bool) -> frozenset:
+        found = frozenset()
+        for use, mod in ((score, self._score), (mask, self._mask)):
+            if use and mod is not None:
+                found |= mod.expr.free_vars()
+        return found & frozenset(("b", "h", "q", "kv"))
+
     def captures(self) -> tuple:
         """The runtime values in ``args`` order."""
         s = self._score.captures if self._score is not None else ()

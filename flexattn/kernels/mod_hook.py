@@ -46,6 +46,11 @@ class ModHook:
     def key(self):
         return (type(self).__module__, type(self).__qualname__)
 
+    def index_vars(self, score: bool, mask: bool) -> frozenset:
+        """The indices among b, h, q, kv that `score` (if `score`) and `mask` (if `mask`)
+        read; kernels may pass None for the others (and skip computing them)."""
+        return frozenset(("b", "h", "q", "kv"))
+
     # ---- backward (bwd_sm90.py): derivatives of the score mod -------------------------
     # Hooks without a score mod need nothing. A hand-written hook with a score mod must
     # override `score_and_grad` to be usable in the backward (IRModHook derives it).
@@ -79,6 +84,9 @@ class FragmentCoords:
         self.t_mn = acc_mn_view(thr_mma.partition_C(ident))
         self.t0_mn = acc_mn_view(thr_mma.get_slice(0).partition_C(ident))
         self.tile_m, self.tile_n = tile_m, tile_n
+        # Thread 0's coordinates are Python ints: looked up once each (a lookup builds
+        # IR and costs ~1.4 ms of tracing; kernels ask for each one several times).
+        self._const = {}
 
     def row(self, r):           # local row of fragment row r
         return self.t_mn[r, 0][0]
@@ -87,10 +95,32 @@ class FragmentCoords:
         return self.t_mn[0, 0][1]
 
     def col0(self, c):          # thread-0 column of fragment column c: a constant
-        return self.t0_mn[0, c][1]
+        return self._thread0(0, c, 1)
 
     def row0(self, r):          # thread-0 row of fragment row r: a constant
-        return self.t0_mn[r, 0][0]
+        return self._thread0(r, 0, 0)
+
+    def _thread0(self, r, c, mode):
+        key = (r, c, mode)
+        value = self._const.get(key)
+        if value is None:
+            value = self.t0_mn[r, c][mode]
+            if isinstance(value, int):   # only constants: an IR value may not dominate a later use
+                self._const[key] = value
+        return value
+
+
+def masked_if(cond, s):
+    """-inf where `cond`, else `s` (Float32): one `arith.select`. Written as `-inf if cond
+    else s` in a jit function, a runtime `cond` becomes an `scf.if` whose branches CuTeDSL
+    traces twice (once to infer the result types): ~4 ms of tracing per element, for the
+    same code once MLIR has folded the `scf.if` back into a select."""
+    return Float32(cutlass.select_(cond, -Float32.inf, s))
+
+
+def kept_if(keep, s):
+    """`s` where `keep`, else -inf (Float32): `s if keep else -inf`, as one select."""
+    return Float32(cutlass.select_(keep, s, -Float32.inf))
 
 
 @cute.jit
@@ -127,23 +157,28 @@ def apply_mods(
     kv_base = n_block * coords.tile_n + coords.col_offset()
     q_last = seqlen_q - 1
     kv_last = seqlen_k - 1
+    # kv only where something reads it (e.g. not for softcap alone): 3-4 ops per element
+    # of tracing that MLIR would delete again.
+    hook_kv = "kv" in mods.index_vars(apply_score, apply_mask)
     for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
         q = q_base + coords.row(r)
         q_hook = cutlass.min(q, q_last)
         for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
-            kv = kv_base + coords.col0(c)
-            kv_hook = kv
-            if const_expr(check_kv_bounds or clamp_kv):
+            kv = kv_hook = None
+            if const_expr(hook_kv or builtin_causal or check_kv_bounds):
+                kv = kv_base + coords.col0(c)
+                kv_hook = kv
+            if const_expr(hook_kv and (check_kv_bounds or clamp_kv)):
                 kv_hook = cutlass.min(kv, kv_last)
             s = s_mn[r, c]
             if const_expr(apply_score):
                 s = mods.score(s * softmax_scale, batch, head, q_hook, kv_hook, args)
             if const_expr(apply_mask):
                 keep = mods.mask(batch, head, q_hook, kv_hook, args)
-                s = s if keep else -Float32.inf
+                s = kept_if(keep, s)
             if const_expr(builtin_causal):
-                s = s if q >= kv else -Float32.inf
+                s = kept_if(q >= kv, s)
             if const_expr(check_kv_bounds):
-                s = s if kv < seqlen_k else -Float32.inf
+                s = kept_if(kv < seqlen_k, s)
             s_mn[r, c] = s
 

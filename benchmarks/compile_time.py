@@ -1,0 +1,398 @@
+"""Where a fresh kernel compile spends its time, on the CPU (no GPU needed).
+
+Compiles forward (and optionally backward) kernels on fake tensors, as the TVM-FFI
+runners do, with CuTeDSL's file cache off, and splits each compile into phases:
+
+  trace    Python: our kernel code and CuTeDSL building the MLIR module
+  mlir     the MLIR pass pipeline up to PTX generation (cute-to-nvvm's passes)
+  backend  CudaToBinaryPass: NVVM (LLVM → PTX) and ptxas (PTX → cubin), in-process
+  host     the host side: ExecutionEngine (LLVM JIT of the launcher), symbol lookup,
+           the TVM-FFI function object
+  total    wall time of the compile call
+
+``--ptxas`` also times the system ptxas on the kernel's PTX (a stand-in for the in-process
+one; ``backend`` minus that is about NVVM). ``--sass DIR`` writes each kernel's SASS,
+resource usage and opcode counts to DIR, so two trees can be diffed to prove a change
+kept the generated code (``--compare DIR_A DIR_B`` does it).
+
+    python3 benchmarks/compile_time.py [--kernels full softcap doc] [--warm full] [--repeat 3]
+    python3 benchmarks/compile_time.py --sass /tmp/sass-before --kernels all
+    python3 benchmarks/compile_time.py --compare /tmp/sass-before /tmp/sass-after
+
+``--warm NAME`` compiles NAME first, untimed, so the timed kernels are "the first call of
+a new mod" in a process that has already compiled a kernel (as in bench_fwd.py, where
+only the first variant pays CuTeDSL's one-time start-up). torch is imported first (as in
+the torch adapter: TVM-FFI imports it anyway).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _fwd(**kw):
+    def make():
+        from flexattn.kernels.fwd_sm90 import FwdConfig
+        from flexattn.kernels.mod_emit import IRModHook
+
+        score, mask = kw.pop("score", None), kw.pop("mask", None)
+        return ("fwd", FwdConfig(mods=IRModHook(score() if score else None, mask() if mask else None), **kw))
+    return make
+
+
+def _bwd(**kw):
+    def make():
+        from flexattn.kernels.bwd_sm90 import BwdConfig
+        from flexattn.kernels.mod_emit import IRModHook
+
+        score, mask = kw.pop("score", None), kw.pop("mask", None)
+        return ("bwd", BwdConfig(mods=IRModHook(score() if score else None, mask() if mask else None), **kw))
+    return make
+
+
+def _decode(**kw):
+    def make():
+        import numpy as np
+        from flexattn.kernels.decode_sm90 import DecodeConfig
+        from flexattn.kernels.mod_emit import IRModHook
+        from flexattn.mods.positions import shift_queries
+
+        offsets = np.zeros(4, np.int32)
+        score, mask = kw.pop("score", None), kw.pop("mask", None)
+        hook = IRModHook(shift_queries(score(), offsets) if score else None,
+                         shift_queries(mask(), offsets) if mask else None)
+        return ("decode", DecodeConfig(mods=hook, **kw))
+    return make
+
+
+def _softcap():
+    from flexattn import mods
+    return mods.softcap(30.0)
+
+
+def _document():
+    import numpy as np
+    from flexattn import mods
+    return mods.document(np.zeros(8, np.int32))
+
+
+def _alibi():
+    from flexattn import mods
+    return mods.alibi(num_heads=8)
+
+
+def _window():
+    from flexattn import mods
+    return mods.sliding_window(1024)
+
+
+def _window_4k():
+    from flexattn import mods
+    return mods.sliding_window(4096)
+
+
+def _relative_bias():
+    import numpy as np
+    from flexattn import mods
+    return mods.relative_bias(np.zeros((4, 15), np.float32))
+
+
+# The benchmark's configurations (kernel_path.plan_forward: tile 128x128, persistent
+# dense with 132 CTAs on the H100), then others covering the code paths.
+KERNELS = {
+    "full": _fwd(head_dim=128, tile_m=128, max_ctas=132),
+    "causal": _fwd(head_dim=128, tile_m=128, causal=True),
+    "softcap": _fwd(head_dim=128, tile_m=128, causal=True, score=_softcap),
+    "doc": _fwd(head_dim=128, tile_m=128, block_sparse=True, mask=_document),
+    "alibi": _fwd(head_dim=128, tile_m=128, causal=True, score=_alibi),
+    "window": _fwd(head_dim=128, tile_m=128, block_sparse=True, mask=_window),
+    "doc+softcap-d64": _fwd(head_dim=64, block_sparse=True, score=_softcap, mask=_document),
+    "causal-d64-192": _fwd(head_dim=64, tile_m=192, causal=True),
+    "softcap-nooverlap": _fwd(head_dim=128, tile_m=128, causal=True, score=_softcap,
+                              intra_wg_overlap=False, pingpong=False),
+    "dense-mask": _fwd(head_dim=128, tile_m=128, mask=_window),
+    "decode-window-alibi": _decode(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2,
+                                   score=_alibi, mask=lambda: _window_4k()),
+    "bwd-causal-softcap": _bwd(head_dim=128, causal=True, score=_softcap),
+    "bwd-doc-d64": _bwd(dtype="fp16", head_dim=64, block_sparse=True, mask=_document),
+    "bwd-relbias": _bwd(head_dim=128, score=_relative_bias),
+    "bwd-det-relbias": _bwd(head_dim=128, score=_relative_bias, deterministic=True),
+    "bwd-causal-alibi": _bwd(head_dim=128, causal=True, score=_alibi),
+    "bwd-window": _bwd(head_dim=128, block_sparse=True, mask=_window),
+}
+
+
+class PhaseTimer:
+    """Wraps CuTeDSL's compile steps to time them."""
+
+    def __init__(self):
+        from cutlass.base_dsl import compiler as C
+        from cutlass.base_dsl import dsl as D
+
+        self.t = collections.defaultdict(float)
+        self.pass_report = ""
+        timer = self
+
+        def wrap(owner, name, key):
+            orig = getattr(owner, name)
+
+            def f(*a, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return orig(*a, **kw)
+                finally:
+                    timer.t[key] += time.perf_counter() - t0
+            setattr(owner, name, f)
+
+        orig_compile = C.Compiler.compile
+
+        def compile_(self_, module, pipeline, *a, **kw):
+            # MLIR's pass timing, printed to fd 2 when the pass manager dies: capture it.
+            orig_pm = self_.passmanager
+
+            class _PM:
+                @staticmethod
+                def parse(p):
+                    pm = orig_pm.PassManager.parse(p)
+                    pm.enable_timing()
+                    return pm
+
+            class _Shim:
+                PassManager = _PM
+
+            self_.passmanager = _Shim
+            saved = os.dup(2)
+            with tempfile.TemporaryFile() as tmp:
+                os.dup2(tmp.fileno(), 2)
+                t0 = time.perf_counter()
+                try:
+                    return orig_compile(self_, module, pipeline, *a, **kw)
+                finally:
+                    timer.t["passes"] += time.perf_counter() - t0
+                    self_.passmanager = orig_pm
+                    os.dup2(saved, 2)
+                    os.close(saved)
+                    tmp.seek(0)
+                    timer.pass_report = tmp.read().decode(errors="replace")
+        C.Compiler.compile = compile_
+        wrap(C.Compiler, "jit", "engine")
+        wrap(D.BaseDSL, "_lookup_jit_entry", "lookup")
+        wrap(D.BaseDSL, "generate_original_ir", "trace")
+        try:
+            from cutlass.cutlass_dsl import tvm_ffi_provider as P
+            wrap(P.TVMFFIJitCompiledFunctionBase, "_create_tvm_ffi_function", "ffi")
+        except (ImportError, AttributeError):
+            pass
+
+    def backend_seconds(self) -> float:
+        m = re.search(r"([\d.]+) \(\s*[\d.]+%\)\s+CudaToBinaryPass", self.pass_report)
+        return float(m.group(1)) if m else float("nan")
+
+
+def compile_one(name: str, tvm_ffi: bool = True, keep: bool = False):
+    from flexattn.kernels.mod_emit import fake_args
+
+    kind, cfg = KERNELS[name]()
+    if kind == "fwd":
+        from flexattn.kernels.compile import compile_forward
+        return compile_forward(cfg, fake_args(cfg.mods), tvm_ffi=tvm_ffi, keep_ptx=keep, keep_cubin=keep)
+    if kind == "decode":
+        import cutlass.cute as cute
+        from flexattn.kernels.compile import ARCH_OPTION, _dump_dir
+        from flexattn.kernels.decode_compile import fake_decode_args
+        from flexattn.kernels.decode_sm90 import DecodeSm90
+
+        opts = ARCH_OPTION + (" --enable-tvm-ffi" if tvm_ffi else "") + (" --keep-ptx --keep-cubin" if keep else "")
+        with tempfile.TemporaryDirectory() as d, _dump_dir(d):
+            return cute.compile(DecodeSm90(cfg), *fake_decode_args(cfg, fake_args(cfg.mods), tvm_ffi),
+                                options=opts)
+    from flexattn.kernels.bwd_compile import compile_backward
+    return compile_backward(cfg, fake_args(cfg.mods), tvm_ffi=tvm_ffi, keep_ptx=keep,
+                            extra_options="--keep-cubin" if keep else "")
+
+
+def time_ptxas(ptx: str) -> float:
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        return float("nan")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        t0 = time.perf_counter()
+        subprocess.run([ptxas, "-arch=sm_90a", src, "-o", os.path.join(d, "k.cubin")], check=True)
+        return time.perf_counter() - t0
+
+
+def run_timings(args):
+    if args.processes:
+        return run_in_processes(args)
+    import torch  # noqa: F401  (as in the adapter's process)
+
+    timer = PhaseTimer()
+    if args.warm:
+        compile_one(args.warm)
+    rows = collections.defaultdict(list)
+    for rep in range(args.repeat):
+        for name in args.kernels:
+            timer.t.clear()
+            t0 = time.perf_counter()
+            c = compile_one(name, keep=args.ptxas)
+            total = time.perf_counter() - t0
+            t = dict(timer.t)
+            backend = timer.backend_seconds()
+            host = t.get("engine", 0) + t.get("lookup", 0) + t.get("ffi", 0)
+            row = {"total": total, "trace": t.get("trace", 0), "mlir": t.get("passes", 0) - backend,
+                   "backend": backend, "host": host}
+            row["other"] = total - row["trace"] - t.get("passes", 0) - host
+            if args.ptxas:
+                row["ptxas*"] = time_ptxas(c.__ptx__)
+            rows[name].append(row)
+            if args.json:
+                import json
+                print("ROW " + json.dumps({"name": name, **row}), flush=True)
+            print(f"{name:20s} rep {rep}  " + "  ".join(f"{k} {v:5.2f}" for k, v in row.items()), flush=True)
+    print_medians(rows)
+    if args.passes:
+        print(timer.pass_report)
+
+
+def run_in_processes(args):
+    """Each kernel compiled once in each of ``args.processes`` fresh processes (after the
+    warm-up kernel): what the first call of a new mod pays, CuTeDSL's per-process caches
+    cold for it (a second compile of the same kernel in one process traces ~0.5 s faster)."""
+    import json
+
+    rows = collections.defaultdict(list)
+    for rep in range(args.processes):
+        for name in args.kernels:
+            cmd = [sys.executable, os.path.abspath(__file__), "--kernels", name, "--warm", args.warm,
+                   "--json"] + (["--ptxas"] if args.ptxas else [])
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            row = next(json.loads(line[4:]) for line in out.splitlines() if line.startswith("ROW "))
+            row.pop("name")
+            rows[name].append(row)
+            print(f"{name:20s} process {rep}  " + "  ".join(f"{k} {v:5.2f}" for k, v in row.items()), flush=True)
+    print_medians(rows)
+
+
+def print_medians(rows):
+    print("\nmedian over repetitions (s):")
+    keys = list(next(iter(rows.values()))[0])
+    print(f"{'kernel':20s} " + " ".join(f"{k:>8s}" for k in keys))
+    for name, rs in rows.items():
+        print(f"{name:20s} " + " ".join(f"{statistics.median(r[k] for r in rs):8.2f}" for k in keys))
+
+
+def _cuda_tool(name: str) -> str:
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        import nvidia.cu13  # pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
+        path = os.path.join(list(nvidia.cu13.__path__)[0], "bin", name)
+        if os.path.exists(path):
+            return path
+    except ImportError:
+        pass
+    raise SystemExit(f"{name} not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+
+
+def write_sass(args):
+    import torch  # noqa: F401
+
+    os.makedirs(args.sass, exist_ok=True)
+    cuobjdump = _cuda_tool("cuobjdump")
+    for name in args.kernels:
+        c = compile_one(name, keep=True)
+        path = os.path.join(args.sass, name)
+        with open(path + ".cubin", "wb") as f:
+            f.write(c.__cubin__)
+        sass = subprocess.run([cuobjdump, "-sass", path + ".cubin"], capture_output=True, text=True,
+                              check=True).stdout
+        res = subprocess.run([cuobjdump, "-res-usage", path + ".cubin"], capture_output=True, text=True,
+                             check=True).stdout
+        with open(path + ".sass", "w") as f:
+            f.write(sass)
+        with open(path + ".ptx", "w") as f:
+            f.write(c.__ptx__)
+        ops = opcode_counts(sass)
+        with open(path + ".summary", "w") as f:
+            f.write(res.strip() + "\n")
+            f.write(f"instructions {sum(ops.values())}\n")
+            for op, n in sorted(ops.items()):
+                f.write(f"{op} {n}\n")
+        print(f"{name:20s} {sum(ops.values())} instructions, "
+              + " ".join(f"{k}={ops.get(k, 0)}" for k in ("HGMMA", "MUFU", "FFMA", "FMNMX")), flush=True)
+
+
+_INSN = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def opcode_counts(sass: str) -> collections.Counter:
+    return collections.Counter(m.group(1) for m in _INSN.finditer(sass))
+
+
+def _read(path):
+    return open(path).read() if os.path.exists(path) else None
+
+
+def compare(a: str, b: str) -> int:
+    bad = 0
+    for fn in sorted(os.listdir(a)):
+        if not fn.endswith(".sass"):
+            continue
+        other = os.path.join(b, fn)
+        if not os.path.exists(other):
+            continue
+        x, y = (open(os.path.join(d, fn)).read() for d in (a, b))
+        x, y = (re.sub(r"^\s*Fatbin.*$|^\s*code for sm_.*$|^\s*Function : .*$", "", s, flags=re.M) for s in (x, y))
+        same = x == y
+        sx, sy = (open(os.path.join(d, fn[:-5] + ".summary")).read() for d in (a, b))
+        px, py = (_read(os.path.join(d, fn[:-5] + ".ptx")) for d in (a, b))
+        ptx = "n/a" if px is None or py is None else ("identical" if px == py else "differs")
+        print(f"{fn[:-5]:20s} SASS {'identical' if same else 'DIFFERS'}; summary {'same' if sx == sy else 'DIFFERS'}; "
+              f"PTX {ptx}")
+        bad += (not same)
+    return bad
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernels", nargs="+", default=["full", "softcap", "doc"],
+                    help=f"of {list(KERNELS)} or 'all'")
+    ap.add_argument("--warm", default="causal", help="compiled first, untimed ('' for none)")
+    ap.add_argument("--repeat", type=int, default=1, help="compiles of each kernel in this process")
+    ap.add_argument("--processes", type=int, default=0,
+                    help="instead: compile each kernel once in this many fresh processes (the first-call figure)")
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ptxas", action="store_true", help="also time the system ptxas on the PTX")
+    ap.add_argument("--passes", action="store_true", help="print the last MLIR pass timing report")
+    ap.add_argument("--sass", help="write SASS + summaries to this directory instead of timing")
+    ap.add_argument("--compare", nargs=2, metavar=("DIR_A", "DIR_B"))
+    args = ap.parse_args()
+    if args.kernels == ["all"]:
+        args.kernels = list(KERNELS)
+    if args.compare:
+        sys.exit(1 if compare(*args.compare) else 0)
+    if args.sass:
+        write_sass(args)
+    else:
+        run_timings(args)
+
+
+if __name__ == "__main__":
+    main()
