@@ -8,7 +8,8 @@
 # each compiles fwd+bwd for five libraries, so give each a device call of its own), cupy
 # (CuPy adapter on the kernels), public (public path + prepared repeat calls), overhead
 # (host µs per call, small shapes), profile (where the host µs of a repeated torch / CuPy
-# call go), kprofile (device µs per kernel of a step, ours beside FA4), decode / decode-bench (decode tests / TB/s table), jax (JAX adapter on the
+# call go), kprofile (device µs per kernel of a step, ours beside FA4), detprofile (ours,
+# deterministic beside default), decode / decode-bench (decode tests / TB/s table), jax (JAX adapter on the
 # kernels), notebooks (every notebook on the GPU), sched (tile order / persistent CTAs ablation).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
@@ -51,6 +52,8 @@ for step in $steps; do
            --impls flexattn fa4 flex-fa
              run kprofile_fwd 200 python3 benchmarks/profile_kernels.py --mode fwd --variants full causal \
            --impls flexattn fa4 ;;
+    detprofile) run detprofile 300 python3 benchmarks/profile_kernels.py --variants full window1024 document4 \
+           --impls flexattn --deterministic --steps 10 ;;
     sched) run sched 300 python3 benchmarks/bench_schedules.py --shapes 4x4096x16x128 8x2048x16x128 \
            --variants by_head longest persist persist+by_head --anchors fa4 ;;
     bwd-bench-mods) run bwd_bench_mods 560 python3 benchmarks/bench_bwd.py \
