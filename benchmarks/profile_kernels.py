@@ -91,7 +91,8 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--host", action="store_true", help="also host µs per step (+ a cProfile of ours)")
     ap.add_argument("--deterministic", action="store_true",
-                    help="also ours under torch.use_deterministic_algorithms ('flexattn-det')")
+                    help="also ours under torch.use_deterministic_algorithms ('flexattn-det') and "
+                         "FA4 with deterministic=True ('fa4-det')")
     args = ap.parse_args()
     setup_dynamo()
     import flexattn.torch as fa
@@ -116,9 +117,15 @@ def main():
             if args.deterministic:
                 makers.append(("flexattn-det", makers[0][1]))
             makers += baselines(q, k, v, scale, var, S)
+            if args.deterministic and var.fa4_kw is not None:
+                def fa4_det():
+                    from flash_attn.cute import flash_attn_func
+
+                    return lambda: flash_attn_func(q, k, v, softmax_scale=scale, deterministic=True, **var.fa4_kw)
+                makers.append(("fa4-det", fa4_det))
             print(f"\n## B{B} S{S} H{H} D{D} {name}")
             for impl, make in makers:
-                if impl not in args.impls and not (impl == "flexattn-det" and "flexattn" in args.impls):
+                if impl not in args.impls and impl.removesuffix("-det") not in args.impls:
                     continue
                 torch.use_deterministic_algorithms(impl == "flexattn-det")
                 try:
@@ -126,7 +133,7 @@ def main():
                     if call is None:
                         continue
                     inputs = (q, k, v) + tuple(var.trainable)
-                    step = fwd_bwd(call, inputs, grad_bshd if impl == "fa4" else grad_bhsd) if train else call
+                    step = fwd_bwd(call, inputs, grad_bshd if impl.startswith("fa4") else grad_bhsd) if train else call
                     kernels, wall = profile_step(step, args.steps)
                 except Exception as e:  # a baseline that cannot run this variant must not hide the rest
                     print(f"[{impl}] failed: {type(e).__name__}: {str(e)[:200]}")
