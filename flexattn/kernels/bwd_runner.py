@@ -32,8 +32,11 @@ ulp of fp32 before the final rounding). `BwdConfig(deterministic=True)` makes ev
   transposes of the q-side ones (as `BlockMask` builds both).
   GQA: one CTA visits all q heads of its group, in order; each (head, tile) has its flag.
 * Progress: a CTA waits only for CTAs of the same (batch, kv head) with a higher kv
-  block. In deterministic mode the CTA with blockIdx.x = i takes kv block nKV - 1 - i, so
-  those CTAs have *lower* linear block indices (x varies fastest). The GPU dispatches the
+  block. In deterministic mode those CTAs have *lower* linear block indices: causal, the
+  CTA with blockIdx.x = i takes kv block nKV - 1 - i of head (y, z); otherwise the grid is
+  1-D, sections of (kv head, batch) pairs sized to L2, inside a section kv block major
+  (highest first), pair minor (`FlashBwdSm90._deterministic_tile`, FA4's head swizzle).
+  The GPU dispatches the
   CTAs of a grid in increasing linear index — not a documented CUDA guarantee, but the
   one FA3/FA4's deterministic backward and CUTLASS's stream-K fixup rely on — so when a
   CTA runs, every CTA it may wait for is resident or finished. Those wait only for CTAs
@@ -44,8 +47,9 @@ ulp of fp32 before the final rounding). `BwdConfig(deterministic=True)` makes ev
 * Why decreasing order (FA4's "spt"): under causal and banded masks a CTA starts at its
   first visible q tile, lower kv blocks start lower and have more tiles; the highest kv
   block that sees a tile reaches it first, so CTAs proceeding in lockstep never wait.
-  Dense: every CTA walks the tiles in the same order, so CTA n trails CTA n + 1 by one
-  step (about nKV - 1 extra steps per wave of CTAs).
+  Dense: every CTA walks the tiles in the same order, so CTAs of one head that start
+  together trail each other by one turn each; interleaving the heads of an L2 section
+  spreads a head's CTAs over the launch, so few of them start together.
 * Buffer gradients: the adds into one element come from many threads of many CTAs in
   no fixed order. Inside a CTA, relative-position reads are first summed per diagonal in
   a fixed order (bwd_sm90's diagonal reduction), per-head reads per warp by a fixed

@@ -114,7 +114,7 @@ def test_buffer_gradients(compiled):
 
 
 # The dQ turn protocol (bwd_sm90._dq_wait_turn / _dq_pass_turn).
-TURN = ("ld.acquire.gpu.global.b32", "red.release.gpu.global.add.s32", "%nctaid.x", "trap;")
+TURN = ("ld.acquire.gpu.global.b32", "red.release.gpu.global.add.s32", "trap;")
 
 
 @pytest.mark.parametrize("name", list(DETERMINISTIC))
@@ -123,6 +123,12 @@ def test_deterministic_dq_turns(compiled, name):
     assert cfg.deterministic and cfg.key() != _config(DETERMINISTIC[name])[0].key()
     for needle in TURN:
         assert needle in ptx, needle
+    # non-causal: a 1-D grid in L2 sections (FlashBwdSm90._deterministic_tile); causal:
+    # (kv block, head, batch), kv blocks reversed
+    if cfg.causal:
+        assert "%ctaid.y" in ptx and "%nctaid.x" in ptx
+    else:
+        assert "%ctaid.y" not in ptx and "%ctaid.x" in ptx
     # The writer warp: a spin per visit (a loop around the acquire load) before the bulk
     # adds; the turn is passed (one release add, after a wait for the *writes* of the adds:
     # no .read) right after them, or (block-sparse) at the next visit and once after the last.
