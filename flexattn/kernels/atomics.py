@@ -20,18 +20,23 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 
-@dsl_user_op
-def red_add_f32(ptr, value, *, loc=None, ip=None) -> None:
-    """*ptr += value (global fp32)."""
+def _f32_to_address(asm: str, ptr_constraint: str, ptr, value, loc, ip) -> None:
+    """One side-effecting instruction `asm` on ($0: ptr's address, $1: an fp32 value)."""
     llvm.inline_asm(
         None,
         [ptr.toint(loc=loc, ip=ip).ir_value(), Float32(value).ir_value(loc=loc, ip=ip)],
-        "red.global.add.f32 [$0], $1;",
-        "l,f",
+        asm,
+        ptr_constraint + ",f",
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+@dsl_user_op
+def red_add_f32(ptr, value, *, loc=None, ip=None) -> None:
+    """*ptr += value (global fp32)."""
+    _f32_to_address("red.global.add.f32 [$0], $1;", "l", ptr, value, loc, ip)
 
 
 @dsl_user_op
@@ -39,15 +44,7 @@ def st_shared_f32(ptr, value, *, loc=None, ip=None) -> None:
     """*ptr = value (shared fp32), where the program puts it: an ordinary store may be
     merged with a neighbour's, which keeps the earlier value alive until the later one is
     ready (the backward's per-diagonal sums spilled that way)."""
-    llvm.inline_asm(
-        None,
-        [ptr.toint(loc=loc, ip=ip).ir_value(), Float32(value).ir_value(loc=loc, ip=ip)],
-        "st.shared.f32 [$0], $1;",
-        "r,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+    _f32_to_address("st.shared.f32 [$0], $1;", "r", ptr, value, loc, ip)
 
 
 @dsl_user_op

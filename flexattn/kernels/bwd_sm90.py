@@ -208,14 +208,19 @@ def _warp_sum(x: Float32) -> Float32:
     return x
 
 
+def _diagonal_key(coords, r, c, uniform: bool) -> int:
+    """Fragment element (r, c)'s diagonal: thread 0's column - row (every thread's elements
+    are thread 0's shifted by one (row, column) offset, so equal keys are equal q - kv for
+    any thread); `uniform`: one key (0) for the whole fragment."""
+    return 0 if uniform else coords.col0(c) - coords.row0(r)
+
+
 def _diagonal_flushes(order: list, coords, uniform: bool) -> dict:
-    """{position in `order`: diagonal key} of the last element of each diagonal of a
-    thread's fragment (key: thread 0's column - row; every thread's elements are thread 0's
-    shifted by one (row, column) offset, so equal keys are equal q - kv for any thread).
-    `uniform`: one key (0) for the whole fragment."""
+    """{position in `order`: diagonal key (`_diagonal_key`)} of the last element of each
+    diagonal of a thread's fragment."""
     last = {}
     for i, (r, c) in enumerate(order):
-        key = 0 if uniform else coords.col0(c) - coords.row0(r)
+        key = _diagonal_key(coords, r, c, uniform)
         if not isinstance(key, int):
             raise TypeError("fragment coordinates of thread 0 must be compile-time constants")
         last[key] = i
@@ -676,11 +681,9 @@ class FlashBwdSm90:
             # Each thread zeroes the sDiag entries it alone writes (the first flush reads
             # them after ds_full, which orders these stores).
             diag_row = self._diag_row(sDiag, coords)
-            s_mn0 = sm90_mma.acc_mn_view(cute.make_rmem_tensor(
-                tiled_mma_nm.get_slice(tidx).partition_shape_C((cfg.tile_n, cfg.tile_m)), Float32))
-            keys = sorted({coords.col0(c) - coords.row0(r)
-                           for r in range(cute.size(s_mn0.shape[0]))
-                           for c in range(cute.size(s_mn0.shape[1]))})
+            s_mn0 = sm90_mma.acc_mn_view(cute.make_rmem_tensor(acc_shape_nm, Float32))
+            order = _element_order(cute.size(s_mn0.shape[0]), cute.size(s_mn0.shape[1]), False)
+            keys = sorted(set(_diagonal_flushes(order, coords, False).values()))
             for k in cutlass.range_constexpr(len(keys)):
                 diag_row[keys[k] + 8] = Float32(0.0)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -988,7 +991,7 @@ class FlashBwdSm90:
                 ds = p * (dp_mn[r, c] - delta)           # dS' (w.r.t. the modded score)
                 if const_expr(diagonal):
                     reads = mods.buffer_grads(s_scaled, batch, head, q_hook, kv_hook, mod_args)
-                    key = 0 if const_expr(uniform) else coords.col0(c) - coords.row0(r)
+                    key = _diagonal_key(coords, r, c, uniform)
                     for k in cutlass.range_constexpr(len(reads)):
                         # 0 where P == 0: the partial may be inf / NaN at masked elements
                         part = ds * reads[k][2] if p != Float32(0.0) else Float32(0.0)
