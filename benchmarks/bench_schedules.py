@@ -46,6 +46,8 @@ SCHEDULES = {  # our kernel's scheduling options; "ov+pp" is the default config
     "longest": dict(tile_order="longest_first"),       # under causal, by_head otherwise)
     "persist": dict(max_ctas=-1),                      # -1: the GPU's SM count
     "persist+by_head": dict(max_ctas=-1, tile_order="by_head"),
+    "stages3": dict(num_stages=3),                     # a third K/V slot (one CTA per tile:
+                                                       # with the persistent O buffer it won't fit)
 }
 
 
