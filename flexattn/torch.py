@@ -28,7 +28,7 @@ from .blockmask import BlockMask, create_block_mask
 from .blockmask import DeviceArrays as BlockMaskArrays, register_device as register_block_mask_device
 from .core.decode import decode_problem
 from .core.backward_path import BackwardArrays, backward_into
-from .core.kernel_path import Device, forward_into, kernel_unsupported, prepare_forward
+from .core.kernel_path import Device, forward_into, kernel_block_mask, kernel_unsupported, prepare_forward
 from .core.prepared import PreparedCalls, call_identity
 from .kvcache import KVCache, PagedKVCache
 from .core.spec import AttentionSpec
@@ -611,6 +611,7 @@ def _attention_fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 def _(query, key, value, buffers, spec_id):
     spec = _REGISTRY.get(spec_id)
     shape = check_inputs(query, key, value, spec)  # shape errors surface while compiling
+    _block_lists_to_device(spec, shape, query.device)
     out = query.new_empty(shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim)
     lse = query.new_empty(shape.batch, shape.q_heads, shape.q_len, dtype=_lse_dtype(query))
     return out, lse
@@ -888,6 +889,27 @@ class _DeviceCopies:
         ref = weakref.ref(x, lambda _, key=key: cache.pop(key, None))
         self._cache[key] = (ref, t)
         return t
+
+
+def _block_lists_to_device(spec: AttentionSpec, shape, device) -> None:
+    """While torch.compile traces the op: copy the kernels' host block-mask lists to the
+    GPU now (``_DeviceCopies`` keeps them). Made lazily at the first real call instead,
+    they would be allocated from the memory pool of a CUDA graph being warmed up or
+    recorded (``mode="reduce-overhead"``), which must hold nothing but the graph's own
+    tensors; and a pageable copy cannot be captured at all. Static shapes only (with
+    symbolic sizes the lists are not known yet: the first real call copies them)."""
+    if device.type != "cuda" or not all(isinstance(n, int) for n in shape):
+        return
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        block_mask = kernel_block_mask(spec, shape)
+        if block_mask is None:
+            return
+        copies = _DeviceCopies(device)
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+            copies(getattr(block_mask, name))
 
 
 def _like(array: np.ndarray, ref: torch.Tensor, dtype=None) -> torch.Tensor:

@@ -153,6 +153,12 @@ def _block_structure(spec: AttentionSpec, shape: AttentionShape):
     return causal, mask, block_mask
 
 
+def kernel_block_mask(spec: AttentionSpec, shape: AttentionShape) -> BlockMask | None:
+    """The block mask whose lists the kernels of this call read (the spec's own, or one
+    built for its mask mod and shape and cached), or None (dense / built-in causal)."""
+    return _block_structure(spec, shape)[2]
+
+
 def plan_forward(q, shape: AttentionShape, spec: AttentionSpec) -> KernelPlan:
     """Pick the kernel configuration (compile-time) for this call.
 

@@ -210,6 +210,77 @@ def test_torch_compile_fullgraph_backward():
     torch._dynamo.reset()
 
 
+class _ProjectedAttention(torch.nn.Module):
+    """A block as users write it: q/k/v projections (inductor compiles those), GQA
+    attention with trainable ALiBi slopes under a causal block mask, an output projection."""
+
+    def __init__(self, S, Hq=4, Hkv=2, D=64, dtype=torch.bfloat16):
+        super().__init__()
+        self.Hq, self.Hkv, self.D = Hq, Hkv, D
+        width = Hq * D
+        self.wq = torch.nn.Linear(width, Hq * D, bias=False, device="cuda", dtype=dtype)
+        self.wkv = torch.nn.Linear(width, 2 * Hkv * D, bias=False, device="cuda", dtype=dtype)
+        self.wo = torch.nn.Linear(Hq * D, width, bias=False, device="cuda", dtype=dtype)
+        self.slopes = torch.nn.Parameter(torch.tensor(mods.alibi_slopes(Hq), device="cuda"))
+        self.score = mods.alibi(self.slopes)
+        self.block_mask = fa.create_block_mask(mods.causal(), None, None, S, S)
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        q = self.wq(x).view(B, S, self.Hq, self.D).transpose(1, 2)
+        k, v = self.wkv(x).view(B, S, 2, self.Hkv, self.D).unbind(2)
+        out = fa.flex_attention(q, k.transpose(1, 2), v.transpose(1, 2), score_mod=self.score,
+                                block_mask=self.block_mask, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+
+
+def _rel_err(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12)).item()
+
+
+def test_torch_compile_inductor_fullgraph_training_step():
+    """The default torch.compile (inductor) with fullgraph=True around the custom ops:
+    outputs and every gradient (projections, slopes, input) as in eager mode."""
+    torch._dynamo.reset()
+    torch.manual_seed(11)
+    S = 333
+    model = _ProjectedAttention(S)
+    x = torch.randn(2, S, model.Hq * model.D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    params = [x] + list(model.parameters())
+
+    def step(fn):
+        out = fn(x)
+        grads = torch.autograd.grad(out.float().square().mean(), params)
+        return out, grads
+
+    out_e, grads_e = step(model)
+    compiled = torch.compile(model, fullgraph=True)
+    out_c, grads_c = step(compiled)
+    assert not out_c.isnan().any()
+    assert _rel_err(out_c, out_e) < 1e-2
+    for i, (gc, ge) in enumerate(zip(grads_c, grads_e)):
+        assert not gc.isnan().any(), f"grad {i}: NaN"
+        assert _rel_err(gc, ge) < 2e-2, f"grad {i}: rel err {_rel_err(gc, ge):.3g}"
+    torch._dynamo.reset()
+
+
+def test_torch_compile_reduce_overhead_replays_cuda_graphs():
+    """mode="reduce-overhead" (inductor + CUDA graphs): inference calls are captured and
+    replayed; replays on new input data give the eager results."""
+    torch._dynamo.reset()
+    torch.manual_seed(12)
+    S = 256
+    model = _ProjectedAttention(S)
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for i in range(4):        # warm-up, record, then replays
+            x = torch.randn(2, S, model.Hq * model.D, device="cuda", dtype=torch.bfloat16)
+            got = compiled(x).clone()
+            want = model(x)
+            assert _rel_err(got, want) < 1e-2, f"call {i}: rel err {_rel_err(got, want):.3g}"
+    torch._dynamo.reset()
+
+
 def test_repeated_steps_reuse_compiled_kernels():
     """Training steps with updated parameters compile nothing new."""
     from flexattn.kernels import cache
