@@ -19,7 +19,7 @@ ulp of fp32 before the final rounding). `BwdConfig(deterministic=True)` makes ev
 (same inputs, same GPU model, same launch shapes):
 
 * dQ: the CTAs visiting a q tile add their dQ tiles one after another, in decreasing kv
-  block order. Workspace `dq_semaphore`: one int32 per (batch, q head, 64-row q tile),
+  block order. Workspace `dq_semaphore`: one int32 per (batch, q head, tile_m-row q tile),
   zeroed by the preprocess, counting the CTAs that have added into the tile. The CTA of kv
   block n waits until it equals `rank` = the number of kv blocks > n that visit the tile
   (its dQ writer warp's lane 0 spins with ld.acquire.gpu), adds its tile (the same bulk
