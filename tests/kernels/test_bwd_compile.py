@@ -304,6 +304,30 @@ def test_config_validation():
     assert IRModHook(mods.softcap(5.0)).grad_slots == ()
 
 
+def test_planner_tile_m():
+    """config_from_forward: 80-row q tiles for dense non-causal head dim 128 (deterministic
+    too, any score mod), except a relative-position table's gradient (its shared-memory
+    diagonal sums need 64-row tiles); 64 for causal, block-sparse, head dim 64; an
+    explicit tile_m wins; a grad filter that drops the table's gradient allows 80."""
+    from types import SimpleNamespace
+
+    from flexattn.kernels.bwd_runner import config_from_forward
+
+    def tile(head_dim=128, causal=False, block_sparse=False, score=None, mask=None, **kw):
+        fwd = SimpleNamespace(dtype="bf16", head_dim=head_dim, causal=causal,
+                              block_sparse=block_sparse, mods=IRModHook(score, mask))
+        return config_from_forward(fwd, **kw).tile_m
+
+    table = mods.relative_bias(np.zeros((4, 15), np.float32))
+    assert tile() == 80 and tile(deterministic=True) == 80
+    assert tile(score=mods.softcap(5.0)) == 80 and tile(score=mods.alibi(np.ones(4, np.float32))) == 80
+    assert tile(causal=True) == 64 and tile(head_dim=64) == 64
+    assert tile(block_sparse=True, mask=mods.sliding_window(8)) == 64
+    assert tile(score=table) == 64 and tile(score=table, deterministic=True) == 64
+    assert tile(score=table, mods=IRModHook(table, None).with_grad_filter(())) == 80
+    assert tile(tile_m=64) == 64 and tile(score=table, tile_m=80) == 80
+
+
 def test_tile_order():
     # Causal: longest first (kv block 0 sees every q block); its deterministic variant and
     # every other structure: head order (the dQ turns follow the launch order).
