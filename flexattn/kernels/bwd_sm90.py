@@ -32,14 +32,15 @@ the postprocess converts it.
 
 tile_m (`BwdConfig.tile_m`, chosen by bwd_runner.choose_tile_m): 64, or 80 for dense
 non-causal head dim 128 (FA3/FA4's tile there: 25% more q rows per K/V reuse, fewer
-visits, fewer dQ adds per q row). 80 rows cannot be a wgmma M (64 per warpgroup), so dQ
-is computed transposed (`dq_swap_ab`): dQ^T [D, 80] = K^T dS^T, each warpgroup taking
-64 head dims on M and the 80 rows on N; dS is then stored keys-contiguous (transposing
-stmatrix), the K-major B of that GEMM. The fp32 dQ^T fragments go through sdQ and the
-bulk adds as before (fragment order), and the postprocess stores them back transposed.
-Shared memory at 80: Q, dO, dS 2 x 20 KB each, K, V 32 KB each, sdQ 40 KB, LSE / D:
-227 KB, the sm_90 limit, so no room for the relative-bias diagonal sums (sDiag: at 80
-each thread adds its diagonals itself; the planner keeps 64 for those mods).
+visits per CTA, fewer and larger dQ bulk adds). 80 rows cannot be a wgmma M (64 per
+warpgroup), so dQ is computed transposed (`dq_swap_ab`): dQ^T [D, 80] = K^T dS^T, each
+warpgroup taking 64 head dims on M and the 80 rows on N; dS is then stored keys-
+contiguous (transposing stmatrix), the K-major B of that GEMM. The fp32 dQ^T fragments
+go through sdQ and the bulk adds as before (fragment order), and the postprocess stores
+them back transposed. Shared memory at 80: Q, dO, dS 2 x 20 KB each, K, V 32 KB each,
+sdQ 40 KB, LSE / D: 227 KB, the sm_90 limit, so no room for the relative-bias diagonal
+sums (sDiag: at 80 each thread adds its diagonals itself; the planner keeps 64 for those
+mods).
 
 Per visit (consumer warpgroup):  S^T = K Q^T, dP^T = V dO^T (SS, async) -> P^T from LSE
 (mods re-applied exactly as the forward does) -> dS^T -> dS^T to smem (double-buffered
