@@ -134,6 +134,15 @@ KERNELS = {
     "bwd-det-relbias": _bwd(head_dim=128, score=_relative_bias, deterministic=True),
     "bwd-causal-alibi": _bwd(head_dim=128, causal=True, score=_alibi),
     "bwd-window": _bwd(head_dim=128, block_sparse=True, mask=_window),
+    "bwd-full": _bwd(head_dim=128),
+    "bwd-det-full": _bwd(head_dim=128, deterministic=True),
+    # tile_m 80 (dQ swapped): what the planner picks for dense non-causal head dim 128
+    "bwd80-full": _bwd(head_dim=128, tile_m=80),
+    "bwd80-softcap": _bwd(head_dim=128, tile_m=80, score=_softcap),
+    "bwd80-alibi": _bwd(head_dim=128, tile_m=80, score=_alibi),
+    "bwd80-relbias": _bwd(head_dim=128, tile_m=80, score=_relative_bias),
+    "bwd80-det-full": _bwd(head_dim=128, tile_m=80, deterministic=True),
+    "bwd80-det-relbias": _bwd(head_dim=128, tile_m=80, score=_relative_bias, deterministic=True),
 }
 
 

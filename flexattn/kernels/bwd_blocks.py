@@ -12,7 +12,7 @@ Rotation (`rot`, non-causal, non-deterministic): the walk starts `rot` blocks in
 around (each list on its own). The CTAs of one head run side by side and would otherwise
 reach the same q tile together, and all add their dQ tiles into it at once: the L2 then
 serializes those bulk reductions of the same lines. Starting kv block n at its diagonal
-tile (rot = n * tile_n / tile_m) spreads them over the tiles.
+tile (rot = n * tile_n // tile_m) spreads them over the tiles.
 * `SparseQBlocks`: the q-side lists of a FlexAttention BlockMask for (batch, q head, kv
   block): `q_num_blocks [B, H, nKV]`, `q_indices [B, H, nKV, nQ]` (partial: mask
   evaluated) and `full_q_num_blocks`, `full_q_indices` (full: no mask). BlockMask q blocks

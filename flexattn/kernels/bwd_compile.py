@@ -118,14 +118,14 @@ def compile_backward(cfg: BwdConfig, mod_args: tuple = (), *, keep_ptx: bool = F
 
 
 def compile_preprocess(dtype: str, head_dim: int, with_dlse: bool = False, *,
-                       deterministic: bool = False, grad_fixed: bool = False,
+                       deterministic: bool = False, grad_fixed: bool = False, tile_m: int = 64,
                        keep_ptx: bool = False, tvm_ffi: bool = False):
     """`deterministic`: also zero the dQ semaphores; `grad_fixed`: and the fixed-point
-    buffer-gradient accumulators."""
+    buffer-gradient accumulators. `tile_m`: the main kernel's (one CTA per q tile)."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
-    cfg = BwdConfig(dtype=dtype, head_dim=head_dim, deterministic=deterministic)
+    cfg = BwdConfig(dtype=dtype, head_dim=head_dim, tile_m=tile_m, deterministic=deterministic)
     b, h, s = (cute.sym_int() for _ in range(3))
     o, do = (fake_bhsd(cfg.cutlass_dtype, n, b, h, s, head_dim) for n in ("o", "do"))
     fixed = None
@@ -138,14 +138,15 @@ def compile_preprocess(dtype: str, head_dim: int, with_dlse: bool = False, *,
     return _compile(BwdPreprocess(cfg), args, keep_ptx, "", tvm_ffi)
 
 
-def compile_postprocess(dtype: str, head_dim: int, *, grad_ranks: tuple = (),
+def compile_postprocess(dtype: str, head_dim: int, *, grad_ranks: tuple = (), tile_m: int = 64,
                         keep_ptx: bool = False, tvm_ffi: bool = False):
-    """`grad_ranks`: deterministic mode's buffer gradients (their ranks) to finish."""
+    """`grad_ranks`: deterministic mode's buffer gradients (their ranks) to finish;
+    `tile_m`: the main kernel's (it wrote dq_accum in its tiles' fragment order)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-    cfg = BwdConfig(dtype=dtype, head_dim=head_dim)
+    cfg = BwdConfig(dtype=dtype, head_dim=head_dim, tile_m=tile_m)
     b, h, s = (cute.sym_int() for _ in range(3))
     dq = fake_bhsd(cfg.cutlass_dtype, "dq", b, h, s, head_dim)
     grads = fixed = None

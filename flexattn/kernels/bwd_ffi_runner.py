@@ -60,11 +60,12 @@ class FfiBackwardRunner:
         # The main kernel and the postprocess do not depend on dLSE: one compile serves both.
         other = self._compiled.get(not with_dlse)
         pre = compile_preprocess(cfg.dtype, cfg.head_dim, with_dlse, deterministic=cfg.deterministic,
-                                 grad_fixed=fixed, tvm_ffi=True)
+                                 grad_fixed=fixed, tile_m=cfg.tile_m, tvm_ffi=True)
         if other is not None:
             return pre, other[1], other[2]
         main = compile_backward(cfg, mod_fakes, tvm_ffi=True)
-        post = compile_postprocess(cfg.dtype, cfg.head_dim, grad_ranks=grad_ranks if fixed else (), tvm_ffi=True)
+        post = compile_postprocess(cfg.dtype, cfg.head_dim, grad_ranks=grad_ranks if fixed else (),
+                                   tile_m=cfg.tile_m, tvm_ffi=True)
         return pre, main, post
 
     def check(self, q, k, lse, dlse, workspace, grad_args, block_sparse) -> None:

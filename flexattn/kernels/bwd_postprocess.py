@@ -1,14 +1,15 @@
 """Backward postprocess: dQ = softmax_scale * dq_accum, converted to the input dtype.
 
 The main kernel's dQ writer warp adds dS K (without the scale) into the fp32 workspace
-`dq_accum` one 64-row tile at a time, each tile in *fragment order*
+`dq_accum` one tile_m-row tile at a time, each tile in *fragment order*
 (`bwd_sm90.dq_tile_layout`: the consumer threads' accumulator registers, 16 bytes per
 thread in turn, so that the tile leaves shared memory as two contiguous bulk adds). Here
 one CTA = one tile of one (batch, head), with the main kernel's two consumer warpgroups'
 geometry: thread t reads back exactly the registers consumer thread t held (the same
 128-bit copy), scales and converts them, writes them to shared memory with stmatrix at
-the coordinates the dQ MMA gave them, and one TMA store writes the tile (rows >= Q_LEN of
-the last tile are clipped by the TMA unit).
+the coordinates the dQ MMA gave them (tile_m 80: the MMA computed dQ^T, so a transposing
+stmatrix), and one TMA store writes the tile (rows >= Q_LEN of the last tile are clipped
+by the TMA unit).
 
 Deterministic mode with buffer gradients: the main kernel summed them exactly in fixed
 point (`grad_fixed`, one accumulator per gradient element, slot after slot); each is
@@ -52,7 +53,7 @@ class BwdPostprocess:
         tm, D = cfg.tile_m, cfg.head_dim
         dQ = sm90_mma.select_modes(mdQ, [2, 3, 1, 0])          # (S, D, H, B)
         dQacc = sm90_mma.select_modes(mdQacc, [2, 3, 1, 0])
-        tiled_mma = make_dq_mma(self.dtype, tm, D, self.num_wg)
+        tiled_mma = make_dq_mma(self.dtype, tm, D, self.num_wg, cfg.dq_swap_ab)
         s_layout = sm90_mma.smem_layout(self.dtype, tm, D)
         tma_atom, tma_dQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), dQ, s_layout, (tm, D))
@@ -77,8 +78,11 @@ class BwdPostprocess:
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
         sdQ = storage.sdQ.get_tensor(s_layout.outer, swizzle=s_layout.inner)
 
-        # Registers of consumer thread tidx, in the order its dQ fragment holds them.
-        acc = cute.make_rmem_tensor(tiled_mma.get_slice(tidx).partition_shape_C((tm, D)), Float32)
+        # Registers of consumer thread tidx, in the order its dQ fragment holds them
+        # (swapped: a dQ^T fragment).
+        swap = cfg.dq_swap_ab
+        acc_shape = (D, tm) if const_expr(swap) else (tm, D)
+        acc = cute.make_rmem_tensor(tiled_mma.get_slice(tidx).partition_shape_C(acc_shape), Float32)
         tile = cute.local_tile(mdQacc[None, None, head, batch], (tm, D), (m_block, 0))
         src = dq_fragment_copy(self.num_wg).get_slice(tidx).partition_S(
             cute.make_tensor(tile.iterator, dq_tile_layout(cfg, self.num_wg)))
@@ -86,8 +90,10 @@ class BwdPostprocess:
         rdQ = cute.make_rmem_tensor_like(acc, self.dtype)
         rdQ.store((acc.load() * softmax_scale).to(self.dtype))
 
-        r2s = sm90_mma.stmatrix_copy(tiled_mma, self.dtype, tidx)
-        cute.copy(r2s, r2s.retile(rdQ), r2s.partition_D(sdQ))
+        # dQ^T fragments go in transposed (stmatrix .trans on the (D, tm) view of sdQ).
+        r2s = sm90_mma.stmatrix_copy(tiled_mma, self.dtype, tidx, transpose=swap)
+        cute.copy(r2s, r2s.retile(rdQ),
+                  r2s.partition_D(sm90_mma.transpose_view(sdQ) if const_expr(swap) else sdQ))
         cute.arch.fence_view_async_shared()          # generic-proxy writes -> TMA reads
         cute.arch.barrier()
         if tidx // 32 == 0:

@@ -4,7 +4,7 @@
     lse_log2[q] = LSE[q] * log2(e)           (+inf for empty rows, LSE = -inf, and for the
                                               padding rows q >= Q_LEN: P = exp2(.. - inf) = 0)
     dq_accum[q, :] = 0                       (the main kernel only adds into it)
-    dq_semaphore[tile] = 0                   (deterministic mode: one per 64-row q tile)
+    dq_semaphore[tile] = 0                   (deterministic mode: one per tile_m-row q tile)
     grad_fixed = 0                           (deterministic mode with buffer grads: the
                                               128-bit accumulators, grid-stride)
 
@@ -12,8 +12,8 @@ Workspaces are [B, H, Sq_pad(, D)] fp32 with Sq_pad a multiple of `BwdConfig.q_p
 main kernel's TMA boxes and atomics never leave them and never need bound checks.
 Why dLSE enters delta: d lse / d s' = P, so dS' = P * (dP - delta + dLSE).
 
-One CTA = 64 rows of one (batch, head); D/8 threads share a row (16-byte chunks each) and
-reduce with warp shuffles.
+One CTA = one q tile (`BwdConfig.tile_m` rows) of one (batch, head); D/8 threads share a
+row (16-byte chunks each) and reduce with warp shuffles.
 """
 
 import math
@@ -30,19 +30,19 @@ LOG2_E = math.log2(math.e)
 
 
 class RowChunkKernel:
-    """Geometry shared by the pre/postprocess kernels: one CTA = 64 rows of one
-    (batch, head); D/8 threads share a row, each owning a 16-byte chunk."""
+    """Geometry of the preprocess: one CTA = one q tile (tile_m rows) of one (batch, head);
+    D/8 threads share a row, each owning a 16-byte chunk."""
 
-    rows_per_cta = 64
     num_threads = 128
     chunk = 8                 # elements per thread and row: 16 bytes of bf16 / fp16
 
     def __init__(self, config):
-        assert self.rows_per_cta == config.tile_m   # a preprocess CTA zeroes one tile's dQ flag
         self.cfg = config
         self.dtype = config.cutlass_dtype
+        self.rows_per_cta = config.tile_m   # a preprocess CTA zeroes one tile's dQ flag
         self.threads_per_row = config.head_dim // self.chunk
         self.rows_per_pass = self.num_threads // self.threads_per_row
+        assert self.rows_per_cta % self.rows_per_pass == 0
 
 
 @cute.jit
@@ -69,7 +69,7 @@ class BwdPreprocess(RowChunkKernel):
                  mdQsem, mGradFixed, stream: cuda.CUstream):
         """mO, mdO [B, H, Sq, D]; mLSE (natural log) and mdLSE (or None) [B, H, Sq] fp32;
         outputs mLSElog2, mDelta [B, H, Sq_pad], mdQacc [B, H, Sq_pad, D] fp32, and (or
-        None) mdQsem [B, H, Sq_pad / 64] int32, mGradFixed [N, FIXED_WORDS] int64, zeroed."""
+        None) mdQsem [B, H, Sq_pad / tile_m] int32, mGradFixed [N, FIXED_WORDS] int64, zeroed."""
         for t in (mO, mdO):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"expected {self.dtype}, got {t.element_type}")
@@ -84,7 +84,7 @@ class BwdPreprocess(RowChunkKernel):
         tidx = cute.arch.thread_idx()[0]
         m_block, head, batch = cute.arch.block_idx()
         if const_expr(mdQsem is not None):
-            # One CTA per 64-row q tile: the main kernel's dQ turn flag of this tile.
+            # One CTA per q tile: the main kernel's dQ turn flag of this tile.
             if tidx == 0:
                 mdQsem[batch, head, m_block] = 0
         if const_expr(mGradFixed is not None):

@@ -19,7 +19,7 @@ ulp of fp32 before the final rounding). `BwdConfig(deterministic=True)` makes ev
 (same inputs, same GPU model, same launch shapes):
 
 * dQ: the CTAs visiting a q tile add their dQ tiles one after another, in decreasing kv
-  block order. Workspace `dq_semaphore`: one int32 per (batch, q head, 64-row q tile),
+  block order. Workspace `dq_semaphore`: one int32 per (batch, q head, tile_m-row q tile),
   zeroed by the preprocess, counting the CTAs that have added into the tile. The CTA of kv
   block n waits until it equals `rank` = the number of kv blocks > n that visit the tile
   (its dQ writer warp's lane 0 spins with ld.acquire.gpu), adds its tile (the same bulk
@@ -64,13 +64,14 @@ ulp of fp32 before the final rounding). `BwdConfig(deterministic=True)` makes ev
   array (their sum is order-independent too). See atomics.red_add_fixed.
 """
 
+import dataclasses
 import time
 
 # (Importing flexattn.kernels, first, sets CUTE_DSL_ARCH before cutlass loads.)
 from flexattn.kernels.atomics import FIXED_WORDS
 from flexattn.kernels.bwd_postprocess import BwdPostprocess
 from flexattn.kernels.bwd_preprocess import BwdPreprocess
-from flexattn.kernels.bwd_sm90 import BwdConfig, FlashBwdSm90
+from flexattn.kernels.bwd_sm90 import BwdConfig, FlashBwdSm90, one_diagonal_read
 from flexattn.kernels.compile import ARCH_OPTION
 from flexattn.kernels.runner import _arg_signature, _to_cute, check_block_lists
 
@@ -82,11 +83,28 @@ import cutlass.cute as cute
 def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
     """The backward config for a forward config (same dtype, head dim, block structure and
     mods): what `kernel_path.plan_forward` chose for the forward applies to the backward.
-    `overrides`: other BwdConfig fields, e.g. deterministic=True."""
+    `overrides`: other BwdConfig fields, e.g. deterministic=True; tile_m, unless given,
+    is `choose_tile_m`'s."""
     kw = dict(dtype=fwd_cfg.dtype, head_dim=fwd_cfg.head_dim, causal=fwd_cfg.causal,
               block_sparse=fwd_cfg.block_sparse, mods=fwd_cfg.mods)
     kw.update(overrides)
-    return BwdConfig(**kw)
+    cfg = BwdConfig(**kw)
+    if "tile_m" not in overrides:
+        tile_m = choose_tile_m(cfg)
+        if tile_m != cfg.tile_m:
+            cfg = dataclasses.replace(cfg, tile_m=tile_m)
+    return cfg
+
+
+def choose_tile_m(cfg: BwdConfig) -> int:
+    """q rows per visit: 80 (FA3/FA4's tile for dense non-causal head dim 128; dQ is then
+    computed transposed, `BwdConfig.dq_swap_ab`) where it applies, else 64: causal and
+    block-sparse walks keep 64 (as FA4: diagonal tiles, 128-row BlockMask blocks), and so
+    does a relative-position table's gradient (`bwd_sm90.one_diagonal_read`), whose
+    per-diagonal shared-memory sums only fit next to 64-row tiles."""
+    if cfg.head_dim == 128 and not (cfg.causal or cfg.block_sparse or one_diagonal_read(cfg)):
+        return 80
+    return 64
 
 
 def padded_len(q_len: int, cfg: BwdConfig) -> int:

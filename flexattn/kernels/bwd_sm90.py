@@ -10,7 +10,7 @@ Math (per query head h, FlexAttention semantics as in `flexattn.reference.backwa
     d buf[idx] += dS' * ds'/d buf[idx]   for each read of a captured float buffer
 
 One CTA = (tile_n = 128 keys) x (one *kv* head) x (one batch). It loops over the q heads
-of its GQA group and, per head, over the q blocks of tile_m = 64 rows that see its keys
+of its GQA group and, per head, over the q blocks of tile_m rows that see its keys
 (bwd_blocks.py), so dK/dV of a kv head are summed in registers: no atomics, deterministic,
 written once in the input dtype by TMA. dQ gets one contribution per kv block: each
 visit's fp32 dQ tile goes to shared memory and a writer warp adds it into a workspace
@@ -21,13 +21,26 @@ the postprocess converts it.
                           dO + D through two `num_stages` rings (TMA; LSE/D 1-D boxes)
     warpgroup 0, warp 1   dQ writer: per visit, waits for each consumer warpgroup's half
                           of the dQ tile (named barriers dq_full / dq_empty, 128 + 32
-                          threads) and adds it to dq_accum (16 KB per bulk copy)
+                          threads) and adds it to dq_accum (tile_m x D / 2 fp32 per bulk
+                          copy: 16 KB at tile_m 64)
     warpgroups 1, 2       consumers, 64 keys each. Everything is computed *transposed*
                           (keys on the wgmma M axis), so P^T and dS^T leave the S^T / dP^T
                           accumulators directly as register A operands of dV += P^T dO and
                           dK += dS^T Q (the forward's P V trick). dQ = dS K needs all 128
                           keys as its K dimension: both warpgroups store dS^T to smem
                           (stmatrix), then each computes half of dQ's head dim.
+
+tile_m (`BwdConfig.tile_m`, chosen by bwd_runner.choose_tile_m): 64, or 80 for dense
+non-causal head dim 128 (FA3/FA4's tile there: 25% more q rows per K/V reuse, fewer
+visits per CTA, fewer and larger dQ bulk adds). 80 rows cannot be a wgmma M (64 per
+warpgroup), so dQ is computed transposed (`dq_swap_ab`): dQ^T [D, 80] = K^T dS^T, each
+warpgroup taking 64 head dims on M and the 80 rows on N; dS is then stored keys-
+contiguous (transposing stmatrix), the K-major B of that GEMM. The fp32 dQ^T fragments
+go through sdQ and the bulk adds as before (fragment order), and the postprocess stores
+them back transposed. Shared memory at 80: Q, dO, dS 2 x 20 KB each, K, V 32 KB each,
+sdQ 40 KB, LSE / D: 227 KB, the sm_90 limit, so no room for the relative-bias diagonal
+sums (sDiag: at 80 each thread adds its diagonals itself; the planner keeps 64 for those
+mods).
 
 Per visit (consumer warpgroup):  S^T = K Q^T, dP^T = V dO^T (SS, async) -> P^T from LSE
 (mods re-applied exactly as the forward does) -> dS^T -> dS^T to smem (double-buffered
@@ -78,6 +91,7 @@ LOG2_E = math.log2(math.e)
 # does not dispatch CTAs in index order, can get here.
 DQ_TURN_TIMEOUT_NS = 1 << 34      # ~17 s
 L2_BYTES = 50 * 1024 * 1024       # the L2 section size of the deterministic CTA order
+SMEM_CAPACITY = 227 * 1024        # sm_90 shared memory per CTA (opt-in maximum)
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
@@ -88,7 +102,7 @@ class BwdConfig:
 
     dtype: str = "bf16"           # "bf16" | "fp16": Q, K, V, O, dO, dQ, dK, dV
     head_dim: int = 128           # 64 | 128
-    tile_m: int = 64              # q rows per visit (N of the S^T GEMM)
+    tile_m: int = 64              # q rows per visit (N of the S^T GEMM): 64 | 80 (dQ swapped)
     tile_n: int = 128             # keys per CTA: 64 per consumer warpgroup
     num_stages: int = 2           # Q/LSE and dO/D ring depth
     causal: bool = False          # block structure: skip q blocks above the diagonal
@@ -117,9 +131,13 @@ class BwdConfig:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
-        if self.tile_m != 64 or self.tile_n != 128:
-            raise ValueError("the backward supports tile_m=64, tile_n=128 only")
-        if self.sparse_block_m % self.tile_m:
+        if self.tile_m not in (64, 80) or self.tile_n != 128:
+            raise ValueError("the backward supports tile_m=64 or 80, tile_n=128")
+        if self.tile_m == 80 and (self.head_dim != 128 or self.causal or self.block_sparse):
+            # FA3/FA4's choice too: 80 pays off for dense head dim 128; the causal and
+            # block-sparse walks (diagonal tiles, 128-row BlockMask blocks) keep 64.
+            raise ValueError("tile_m=80 is for dense (not causal, not block-sparse) head dim 128")
+        if self.block_sparse and self.sparse_block_m % self.tile_m:
             raise ValueError(f"sparse_block_m {self.sparse_block_m} must be a multiple of tile_m")
         if self.causal and self.block_sparse:
             raise ValueError("causal and block_sparse are exclusive block structures")
@@ -138,9 +156,19 @@ class BwdConfig:
         return _DTYPES[self.dtype]
 
     @property
+    def dq_swap_ab(self) -> bool:
+        """dQ computed transposed, dQ^T = K^T dS^T (FA3/FA4's dQ_swapAB): wgmma's M is 64
+        rows, so a tile_m that is not a multiple of 64 (80) goes on N, and the warpgroups
+        split the head dim on M instead."""
+        return self.tile_m % 64 != 0
+
+    @property
     def q_pad(self) -> int:
         """Workspace rows are padded to a multiple of this: every q tile a CTA may visit
-        (including the second half of a 128-row BlockMask block) lies inside them."""
+        (including the second half of a 128-row BlockMask block) lies inside them. A
+        tile_m that divides no BlockMask block (80: dense only) pads to its own tiles."""
+        if self.sparse_block_m % self.tile_m:
+            return self.tile_m
         return math.lcm(self.tile_m, self.sparse_block_m)
 
     @property
@@ -169,9 +197,29 @@ class BwdConfig:
                 self.turn_pass if self.deterministic else None, self.mods.key())
 
 
-def make_dq_mma(dtype, tile_m: int, head_dim: int, num_wg: int):
+def one_diagonal_read(cfg) -> bool:
+    """The score mod's differentiated buffer reads are one read indexed by q - kv only (a
+    relative-position table): what `FlashBwdSm90.diagonal_reduction` sums in shared memory."""
+    mods = cfg.mods
+    return (cfg.buffer_grads and mods.has_score
+            and getattr(mods, "grad_reads_diagonal", False) and not mods.grad_reads_uniform
+            and getattr(mods, "grad_read_count", 0) == 1)
+
+
+def make_dq_mma(dtype, tile_m: int, head_dim: int, num_wg: int, swap_ab: bool = False):
     """dQ[tile_m, D] = dS K: both operands MN-major in smem (dS^T tile, K tile); the
-    warpgroups split the head dim (N), each computing all tile_m rows."""
+    warpgroups split the head dim (N), each computing all tile_m rows.
+    `swap_ab` (`BwdConfig.dq_swap_ab`): dQ^T[D, tile_m] = K^T dS^T instead, K^T MN-major
+    (the K tile), dS K-major (sdS stored keys-contiguous); the warpgroups split the head
+    dim on M (64 rows each), each computing all tile_m columns."""
+    if swap_ab:
+        return sm90_helpers.make_trivial_tiled_mma(
+            dtype, dtype,
+            warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.K,
+            Float32,
+            atom_layout_mnk=(num_wg, 1, 1),
+            tiler_mn=(head_dim // num_wg, tile_m),
+        )
     return sm90_helpers.make_trivial_tiled_mma(
         dtype, dtype,
         warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN,
@@ -183,12 +231,13 @@ def make_dq_mma(dtype, tile_m: int, head_dim: int, num_wg: int):
 
 def dq_tile_layout(cfg, num_wg: int) -> cute.Layout:
     """The fp32 dQ tile of one visit (tile_m x head_dim) in *fragment order*: column w is
-    warpgroup w's half (its dQ columns), and thread t of it owns elements
-    4 t + 512 i + (0..3), i = 0 .. n/4 - 1, holding its accumulator registers in order.
-    Each warp's 16-byte stores then cover 512 contiguous bytes (no bank conflicts) and a
-    half is one contiguous run for the bulk add. The dq_accum workspace keeps each 64-row
-    tile in this order (a [tile_m, head_dim] block of it, reinterpreted); the postprocess
-    reads it back with the same copy (`dq_fragment_copy`)."""
+    warpgroup w's half (its dQ columns, i.e. head dims: transposed or not, each
+    warpgroup computes half the head dim for all tile_m rows), and thread t of it owns
+    elements 4 t + 512 i + (0..3), i = 0 .. n/4 - 1, holding its accumulator registers in
+    order. Each warp's 16-byte stores then cover 512 contiguous bytes (no bank conflicts)
+    and a half is one contiguous run for the bulk add. The dq_accum workspace keeps each
+    tile_m-row tile in this order (a [tile_m, head_dim] block of it, reinterpreted); the
+    postprocess reads it back with the same copy (`dq_fragment_copy`)."""
     return cute.make_layout((cfg.tile_m * cfg.head_dim // num_wg, num_wg))
 
 
@@ -269,10 +318,9 @@ class FlashBwdSm90:
         sum per diagonal of its 64 x 64 tile (`_flush_diagonals`), ~127 global adds per
         step instead of 18 per thread. Several such reads keep one add per thread-diagonal
         (the arrays would not fit next to the tiles)."""
-        mods = self.mods
-        return (self.cfg.buffer_grads and mods.has_score
-                and getattr(mods, "grad_reads_diagonal", False) and not mods.grad_reads_uniform
-                and getattr(mods, "grad_read_count", 0) == 1)
+        # 64 x 64 warpgroup tiles only: next to tile_m 80's tiles (~225 KB of shared
+        # memory) sDiag (~22 KB at 80) does not fit, so 80 keeps the per-thread adds.
+        return self.cfg.tile_m == 64 and one_diagonal_read(self.cfg)
 
     @property
     def diag_floats(self) -> int:
@@ -336,17 +384,23 @@ class FlashBwdSm90:
         # S^T, dP^T: [tile_n, tile_m], SS. dV, dK: [tile_n, D], A from registers.
         tiled_mma_nm = sm90_mma.make_qk_mma(self.dtype, tn, tm)
         tiled_mma_nd = sm90_mma.make_pv_mma(self.dtype, tn, D)
-        tiled_mma_md = make_dq_mma(self.dtype, tm, D, self.num_mma_wg)
+        tiled_mma_md = make_dq_mma(self.dtype, tm, D, self.num_mma_wg, cfg.dq_swap_ab)
 
         sQ_layout = sm90_mma.smem_layout(self.dtype, tm, D, cfg.num_stages)
         sdO_layout = sm90_mma.smem_layout(self.dtype, tm, D, cfg.num_stages)
         sK_layout = sm90_mma.smem_layout(self.dtype, tn, D, 1)
         sV_layout = sm90_mma.smem_layout(self.dtype, tn, D, 1)
-        # dS^T, q contiguous; one buffer per Q stage, so writing step i's dS^T needs no wait
-        # for step i-1's dQ GEMMs (step i-2's, on the same buffer, finished before both
-        # warpgroups passed step i-1's ds_full barrier).
-        sdS_layout = sm90_mma.smem_layout(self.dtype, tn, tm, cfg.num_stages)
-        sStat_layout = cute.make_layout((tm, cfg.num_stages))        # LSE / D per stage
+        # dS^T, q contiguous (the dQ GEMM's MN-major A); swapped dQ: dS, keys contiguous
+        # (its K-major B; 128-byte swizzle, where 80 q would only allow 32). One buffer per
+        # Q stage, so writing step i's dS^T needs no wait for step i-1's dQ GEMMs (step
+        # i-2's, on the same buffer, finished before both warpgroups passed step i-1's
+        # ds_full barrier).
+        if const_expr(cfg.dq_swap_ab):
+            sdS_layout = sm90_mma.smem_layout(self.dtype, tm, tn, cfg.num_stages)
+        else:
+            sdS_layout = sm90_mma.smem_layout(self.dtype, tn, tm, cfg.num_stages)
+        # LSE / D per stage; each stage 128-byte aligned (TMA destinations).
+        sStat_layout = cute.make_layout((tm, cfg.num_stages), stride=(1, -(-tm // 32) * 32))
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         s2g = cpasync.CopyBulkTensorTileS2GOp()
@@ -388,6 +442,11 @@ class FlashBwdSm90:
             # One fp32 dQ tile in fragment order (see dq_tile_layout), half per warpgroup.
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tm * D], 1024]
             sDiag: cute.struct.Align[cute.struct.MemRange[Float32, self.diag_floats], 16]
+
+        self.smem_bytes = SharedStorage.size_in_bytes()     # (read by tests)
+        if const_expr(self.smem_bytes > SMEM_CAPACITY):
+            raise ValueError(f"backward shared memory: {self.smem_bytes} bytes > {SMEM_CAPACITY} "
+                             f"({cfg})")
 
         # As in the forward: with a score mod the kernel scales s itself and exp2 needs
         # only log2(e); without one, scale * log2(e) folds into the exp2 argument.
@@ -567,6 +626,8 @@ class FlashBwdSm90:
         cfg = self.cfg
         if const_expr(cfg.causal or cfg.deterministic):
             return 0
+        if const_expr(cfg.tile_n % cfg.tile_m):
+            return (n_block * cfg.tile_n) // cfg.tile_m
         return n_block * (cfg.tile_n // cfg.tile_m)
 
     # ------------------------------------------------------------------ producer
@@ -652,6 +713,7 @@ class FlashBwdSm90:
         thr_nm = tiled_mma_nm.get_slice(tidx)
 
         T = sm90_mma.transpose_view
+        swap = cfg.dq_swap_ab
         frags = (
             wg_nm.make_fragment_A(wg_nm.partition_A(sK)),        # S^T = K Q^T
             wg_nm.make_fragment_B(wg_nm.partition_B(sQ)),
@@ -660,20 +722,25 @@ class FlashBwdSm90:
             wg_nd.make_fragment_A(wg_nd.partition_shape_A((cfg.tile_n, cfg.tile_m))),  # P^T
             wg_nd.make_fragment_B(wg_nd.partition_B(T(sdO))),    # dV += P^T dO
             wg_nd.make_fragment_B(wg_nd.partition_B(T(sQ))),     # dK += dS^T Q
-            wg_md.make_fragment_A(wg_md.partition_A(T(sdS))),    # dQ = dS K
-            wg_md.make_fragment_B(wg_md.partition_B(T(sK))),
+            # dQ = dS K, or swapped dQ^T = K^T dS^T: (dS, K^T) fragments either way.
+            (wg_md.make_fragment_B(wg_md.partition_B(sdS)) if const_expr(swap)
+             else wg_md.make_fragment_A(wg_md.partition_A(T(sdS)))),
+            (wg_md.make_fragment_A(wg_md.partition_A(T(sK))) if const_expr(swap)
+             else wg_md.make_fragment_B(wg_md.partition_B(T(sK)))),
         )
         acc_shape_nm = wg_nm.partition_shape_C((cfg.tile_n, cfg.tile_m))
-        acc_shape_md = wg_md.partition_shape_C((cfg.tile_m, cfg.head_dim))
+        acc_shape_md = wg_md.partition_shape_C(
+            (cfg.head_dim, cfg.tile_m) if const_expr(swap) else (cfg.tile_m, cfg.head_dim))
         acc_dV = cute.make_rmem_tensor(wg_nd.partition_shape_C((cfg.tile_n, cfg.head_dim)), Float32)
         acc_dK = cute.make_rmem_tensor(wg_nd.partition_shape_C((cfg.tile_n, cfg.head_dim)), Float32)
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
         # Rows of the S^T fragment are keys, columns are queries.
         coords = FragmentCoords(thr_nm, cfg.tile_n, cfg.tile_m, sm90_mma.acc_mn_view)
-        # dS^T registers -> sdS (the forward's O epilogue copy, on the S^T tile).
-        r2s_dS = sm90_mma.stmatrix_copy(tiled_mma_nm, self.dtype, tidx)
-        tdSsdS = r2s_dS.partition_D(sdS)                 # (..., stage)
+        # dS^T registers -> sdS (the forward's O epilogue copy, on the S^T tile; swapped
+        # dQ: transposed, into the keys-contiguous dS tile).
+        r2s_dS = sm90_mma.stmatrix_copy(tiled_mma_nm, self.dtype, tidx, transpose=swap)
+        tdSsdS = r2s_dS.partition_D(T(sdS) if const_expr(swap) else sdS)   # (..., stage)
         # dQ registers -> this thread's 16-byte runs of sdQ (fragment order).
         tdQsdQ = dq_fragment_copy(self.num_mma_wg).get_slice(tidx).partition_D(sdQ)
 
@@ -788,10 +855,14 @@ class FlashBwdSm90:
                       zero_init=False, wait=-1)
         cute.arch.fence_view_async_shared()          # generic-proxy writes -> wgmma reads
         cute.arch.barrier(barrier_id=self.ds_full_barrier_id, number_of_threads=self.num_mma_threads)
-        # dQ = dS K (this warpgroup's half of the head dim).
+        # dQ = dS K (this warpgroup's half of the head dim; swapped: dQ^T = K^T dS^T).
         acc_dQ = cute.make_rmem_tensor(acc_shape_md, Float32)
-        sm90_mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, stage],
-                      tQrKt[None, None, None, 0], zero_init=True, wait=1)
+        if const_expr(self.cfg.dq_swap_ab):
+            sm90_mma.gemm(tiled_mma_md, acc_dQ, tQrKt[None, None, None, 0],
+                          tQrdS[None, None, None, stage], zero_init=True, wait=1)
+        else:
+            sm90_mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, stage],
+                          tQrKt[None, None, None, 0], zero_init=True, wait=1)
         pipe_do.consumer_release(state)              # dV (the last reader of dO) retired
         # dK += dS^T Q (A from registers).
         sm90_mma.gemm(tiled_mma_nd, acc_dK, sm90_mma.acc_as_a_view(rdS),

@@ -74,12 +74,14 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cu
         warpgroup.wait_group(wait)
 
 
-def stmatrix_copy(tiled_mma: cute.TiledMma, dtype, tidx):
+def stmatrix_copy(tiled_mma: cute.TiledMma, dtype, tidx, transpose: bool = False):
     """Thread `tidx`'s slice of the stmatrix copy that writes a 16-bit fragment shaped like
     `tiled_mma`'s accumulator to shared memory (`cute.copy(r2s, r2s.retile(frag),
-    r2s.partition_D(smem_tile))`): the epilogues' and the backward's dS^T register stores."""
+    r2s.partition_D(smem_tile))`): the epilogues' and the backward's dS^T register stores.
+    `transpose`: stmatrix .trans, for a tile stored with the fragment's *rows* contiguous
+    (partition a `transpose_view` of it)."""
     atom = cute.make_copy_atom(
-        cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
+        cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=transpose, num_matrices=4), dtype)
     return cute.make_tiled_copy_C(atom, tiled_mma).get_slice(tidx)
 
 

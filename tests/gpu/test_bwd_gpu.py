@@ -3,7 +3,9 @@ reference `flexattn.reference.backward`, on randomized shapes x mods x dtypes.
 
 O and LSE come from our forward kernel (`kernel_path.forward_into`), the backward config
 from the forward's plan (`bwd_runner.config_from_forward`), so the block structure (dense,
-built-in causal, block-sparse q-side lists) is the one the public path will use. dq, dk,
+built-in causal, block-sparse q-side lists) and the q tile (80 rows for dense non-causal
+head dim 128, dQ computed transposed; else 64) are the ones the public path will use;
+test_tile_m_80 forces 80 where the planner keeps 64 (relative-bias tables). dq, dk,
 dv and the fp32 workspace are NaN-poisoned before every launch: an element the kernels
 fail to write fails the test. Buffer gradients (ALiBi slopes, relative-bias tables, dense
 biases) are compared too. Skipped without CUDA.
@@ -68,16 +70,18 @@ def _poison(shape, dtype):
     return torch.full(shape, -1, dtype=dtype, device="cuda")
 
 
-def kernel_backward(q, k, v, do, spec, dlse=None, deterministic=False, ffi=FFI):
+def kernel_backward(q, k, v, do, spec, dlse=None, deterministic=False, ffi=FFI, tile_m=None):
     """Forward kernel for O and LSE, then the backward kernels. -> (dq, dk, dv, grads by
-    capture slot (None where no gradient), forward config). `deterministic`: the
-    bitwise-repeatable backward (BwdConfig.deterministic); `ffi`: launch through TVM-FFI."""
+    capture slot (None where no gradient), forward config, out, backward config).
+    `deterministic`: the bitwise-repeatable backward (BwdConfig.deterministic); `ffi`:
+    launch through TVM-FFI; `tile_m`: instead of the planner's."""
     dev = _device()
     shape = check_inputs(q, k, v, spec)
     out = _nan((shape.batch, shape.q_heads, shape.q_len, shape.head_dim), q.dtype)
     lse = _nan((shape.batch, shape.q_heads, shape.q_len), torch.float32)
     plan = forward_into(q, k, v, out, lse, shape, spec, dev)
-    cfg = config_from_forward(plan.config, deterministic=deterministic)
+    tile = {} if tile_m is None else {"tile_m": tile_m}
+    cfg = config_from_forward(plan.config, deterministic=deterministic, **tile)
     hook = cfg.mods
     args = ffi_mod_args(hook, dev.to_device) if ffi else runtime_args(hook, dev.to_device)
     lists = None
@@ -107,7 +111,7 @@ def kernel_backward(q, k, v, do, spec, dlse=None, deterministic=False, ffi=FFI):
     by_slot = [None] * len(captures)
     for s, g in zip(hook.grad_slots, grads or ()):
         by_slot[s] = g
-    return dq, dk, dv, by_slot, plan.config, out
+    return dq, dk, dv, by_slot, plan.config, out, cfg
 
 
 def _close(what, got, want, dtype_name):
@@ -127,7 +131,7 @@ def _close(what, got, want, dtype_name):
 
 
 def check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, scale=None, layout="bhsd",
-               with_dlse=False, seed=0, ffi=FFI):
+               with_dlse=False, seed=0, ffi=FFI, tile_m=None):
     torch.manual_seed(seed)
     dtype = DTYPES[dtype_name]
 
@@ -138,10 +142,10 @@ def check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, scale=None, 
     q, k, v, do = mk(Hq, Q), mk(Hkv, KV), mk(Hkv, KV), mk(Hq, Q)
     dlse = torch.randn(B, Hq, Q, device="cuda") if with_dlse else None
     spec = AttentionSpec.from_args(score=score, mask=mask, scale=scale, enable_gqa=True)
-    dq, dk, dv, grads, _, out = kernel_backward(q, k, v, do, spec, dlse, ffi=ffi)
+    dq, dk, dv, grads, _, out, cfg = kernel_backward(q, k, v, do, spec, dlse, ffi=ffi, tile_m=tile_m)
     want = reference.backward(q.cpu(), k.cpu(), v.cpu(), do.cpu(),
                               dlse.cpu() if dlse is not None else None, spec=spec)
-    label = f"{name} {dtype_name} D{D} B{B} Hq{Hq} Hkv{Hkv} Q{Q} KV{KV}"
+    label = f"{name} {dtype_name} D{D} B{B} Hq{Hq} Hkv{Hkv} Q{Q} KV{KV} tile_m {cfg.tile_m}"
     _close(f"{label} dq", dq, want.dq, dtype_name)
     _close(f"{label} dk", dk, want.dk, dtype_name)
     _close(f"{label} dv", dv, want.dv, dtype_name)
@@ -181,6 +185,12 @@ FIXED = [
     ("custom_function", "bf16", 64, 1, 2, 2, 150, 150, "bhsd"),
     ("none", "bf16", 64, 1, 1, 1, 1, 1, "bhsd"),               # one element
     ("causal", "bf16", 128, 1, 2, 2, 3000, 2900, "bhsd"),      # long: many q blocks
+    # Dense non-causal head dim 128: the planner's 80-row q tiles (dQ swapped), lengths
+    # that are no multiple of 80 (the first "none" and "alibi" above run them too).
+    ("none", "bf16", 128, 1, 3, 3, 77, 300, "bhsd"),           # one partial q tile
+    ("none", "fp16", 128, 2, 8, 2, 1000, 1000, "bshd"),        # GQA 4:1, strided
+    ("none", "bf16", 128, 1, 2, 1, 1, 333, "bhsd"),            # one query row, MQA
+    ("softcap", "bf16", 128, 2, 4, 2, 333, 500, "bhsd"),
 ]
 
 
@@ -201,6 +211,35 @@ def test_from_dlpack_runner(case):
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
     mask, score, _, _ = CASES[name](rng, B, Hq, Q, KV)
     check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, layout=layout, ffi=False)
+
+
+# Where the planner keeps 64 rows, 80 forced: a relative-bias table's gradient (the
+# planner keeps 64 for its per-diagonal shared-memory sums; at 80 each thread adds its
+# diagonals itself), clamped and unclamped (every distance its own entry), and a dense
+# bias. (case, dtype, D, B, Hq, Hkv, Q, KV, layout)
+TILE80 = [
+    ("relative_bias", "bf16", 128, 2, 4, 2, 333, 250, "bhsd"),
+    ("wide_relative_bias", "fp16", 128, 1, 4, 4, 1000, 777, "bshd"),
+    ("bias", "bf16", 128, 1, 2, 1, 130, 170, "bhsd"),
+]
+
+
+def _case_mods(name, rng, B, Hq, Q, KV):
+    """(mask, score) of a mod_cases case, or of "wide_relative_bias"."""
+    if name == "wide_relative_bias":           # causal_relative_bias's table, no mask
+        _, score, _, _ = CASES["causal_relative_bias"](rng, B, Hq, Q, KV)
+        return None, score
+    mask, score, _, _ = CASES[name](rng, B, Hq, Q, KV)
+    return mask, score
+
+
+@pytest.mark.parametrize("case", TILE80, ids=lambda c: "-".join(map(str, c)))
+def test_tile_m_80(case):
+    name, dtype_name, D, B, Hq, Hkv, Q, KV, layout = case
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    mask, score = _case_mods(name, rng, B, Hq, Q, KV)
+    check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, layout=layout,
+               seed=TILE80.index(case), tile_m=80)
 
 
 def _random_cases(n, seed=4321):
@@ -262,6 +301,8 @@ DETERMINISTIC = [
     ("relative_bias", "fp16", 64, 2, 4, 2, 250, 250),          # table grads, GQA
     ("causal_relative_bias", "bf16", 128, 1, 4, 2, 777, 900),  # per-diagonal sums
     ("bias", "fp16", 64, 1, 2, 2, 130, 140),                   # dense bias grads
+    ("none", "bf16", 128, 2, 4, 2, 1000, 777),                 # 80-row tiles, GQA
+    ("wide_relative_bias", "bf16", 128, 1, 4, 2, 333, 500, 80),  # 80 forced: per-thread adds
 ]
 
 
@@ -269,18 +310,20 @@ DETERMINISTIC = [
 def test_deterministic(case):
     """Three deterministic runs give bitwise-equal dq, dk, dv and buffer gradients, which
     match the float64 reference; dk, dv equal the default mode's, dq is within 2 ulp."""
-    name, dtype_name, D, B, Hq, Hkv, Q, KV = case
+    name, dtype_name, D, B, Hq, Hkv, Q, KV, *tile = case
+    tile_m = tile[0] if tile else None         # None: the planner's
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
-    mask, score, _, _ = CASES[name](rng, B, Hq, Q, KV)
+    mask, score = _case_mods(name, rng, B, Hq, Q, KV)
     torch.manual_seed(200 + DETERMINISTIC.index(case))
     dtype = DTYPES[dtype_name]
     q, do = (torch.randn(B, Hq, Q, D, device="cuda", dtype=dtype) for _ in range(2))
     k, v = (torch.randn(B, Hkv, KV, D, device="cuda", dtype=dtype) for _ in range(2))
     spec = AttentionSpec.from_args(score=score, mask=mask, enable_gqa=True)
     label = f"{name} {dtype_name} D{D} B{B} Hq{Hq} Hkv{Hkv} Q{Q} KV{KV}"
-    runs = [kernel_backward(q, k, v, do, spec, deterministic=True) for _ in range(3)]
+    runs = [kernel_backward(q, k, v, do, spec, deterministic=True, tile_m=tile_m) for _ in range(3)]
     dq, dk, dv, grads = runs[0][:4]
     out = runs[0][5]
+    label += f" tile_m {runs[0][6].tile_m}"
     for again in runs[1:]:
         for what, a, b in zip(("dq", "dk", "dv"), (dq, dk, dv), again[:3]):
             assert torch.equal(a, b), f"{label}: {what} differs between deterministic runs"
@@ -303,7 +346,7 @@ def test_deterministic(case):
     # Against the default mode: the same sums in another order (dQ: the adds of the CTAs;
     # dK/dV: the default mode rotates each CTA's q-block walk, except under causal), i.e.
     # at most a rounding of the final bf16/fp16 value apart.
-    default = kernel_backward(q, k, v, do, spec)
+    default = kernel_backward(q, k, v, do, spec, tile_m=tile_m)
     ulp = 2.0 ** (-7 if dtype_name == "bf16" else -10)
     for what, a, b in (("dq", dq, default[0]), ("dk", dk, default[1]), ("dv", dv, default[2])):
         err = (a.float() - b.float()).abs().max().item()

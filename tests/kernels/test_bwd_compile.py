@@ -36,6 +36,12 @@ def _config(name):
     if name == "d128-relative-bias":       # trainable table: buffer gradients
         hook = IRModHook(mods.relative_bias(np.zeros((4, 15), np.float32)), None)
         return BwdConfig(head_dim=128, mods=hook), hook
+    if name == "d128-softcap":
+        hook = IRModHook(mods.softcap(30.0), None)
+        return BwdConfig(head_dim=128, mods=hook), hook
+    if name.endswith("-80"):
+        cfg, hook = _config(name[:-3])
+        return dataclasses.replace(cfg, tile_m=80), hook
     if name.startswith("det-"):
         cfg, hook = _config(DETERMINISTIC[name])
         return dataclasses.replace(cfg, deterministic=True), hook
@@ -47,7 +53,10 @@ DEFAULT = ["d128-dense", "d128-causal-softcap", "d64-sparse-document", "d128-rel
 DETERMINISTIC = {"det-d128-dense": "d128-dense", "det-d128-causal-softcap": "d128-causal-softcap",
                  "det-d64-sparse-document": "d64-sparse-document",
                  "det-d128-relative-bias": "d128-relative-bias"}
-NAMES = DEFAULT + list(DETERMINISTIC)
+# tile_m 80 (dQ^T = K^T dS^T): dense, a score mod, buffer gradients, deterministic.
+TILE80 = ["d128-dense-80", "d128-softcap-80", "d128-relative-bias-80", "det-d128-dense-80",
+          "det-d128-relative-bias-80"]
+NAMES = DEFAULT + list(DETERMINISTIC) + TILE80
 
 
 @pytest.fixture(scope="module")
@@ -95,10 +104,53 @@ def test_no_spills(compiled, name):
 def test_block_structures(compiled):
     # Dense without a mask: one step instance; causal: diagonal + interior steps;
     # block-sparse: partial + full lists. Deterministic mode: the same steps.
-    for name, steps in (("d128-dense", 1), ("d128-causal-softcap", 2), ("d64-sparse-document", 2)):
+    for name, steps in (("d128-dense", 1), ("d128-causal-softcap", 2), ("d64-sparse-document", 2),
+                        ("d128-dense-80", 1)):
         for n in (name, "det-" + name):
             cfg, ptx = compiled[n]
             assert _steps(ptx, cfg) == steps, n
+
+
+@pytest.mark.parametrize("name", TILE80)
+def test_tile_m_80(compiled, name):
+    """80 q rows per visit: S^T, dP^T and the swapped dQ^T GEMMs are m64n80 (8 k-steps
+    each over D or the 128 keys), dV and dK m64n128 (5 k-steps over the 80 rows); dS goes
+    to shared memory transposed (keys contiguous: the dQ^T GEMM's K-major B), 5 stmatrix
+    .trans per step; the dQ^T fragments leave by the same two bulk adds; no
+    shared-memory diagonal sums (they do not fit next to 80-row tiles)."""
+    cfg, ptx = compiled[name]
+    assert cfg.tile_m == 80 and cfg.dq_swap_ab and cfg.q_pad == 80
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n80k16") == 24
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k16") == 10
+    assert ptx.count("wgmma.mma_async") == 34
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 5
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == 16    # dK, dV epilogue
+    assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
+    if cfg.buffer_grads:
+        # 40 elements per thread and step on 22 diagonals (2 key rows x 20 query
+        # columns): one add per diagonal (fp32 reduction, or fixed-point digits)
+        if cfg.deterministic:
+            assert "red.global.add.u64" in ptx
+        else:
+            assert ptx.count("red.global.add.f32") == 22
+        assert "st.shared.f32" not in ptx
+
+
+def test_tile_m_80_fits_shared_memory():
+    """Q, dO (2 stages of 80 x 128), K, V, dS (2 stages), the fp32 dQ tile and LSE / D
+    (stages 128-byte aligned for TMA): 227 KB, the sm_90 maximum per CTA, exactly (the
+    struct rounds up to its 1024-byte alignment). The kernel refuses to compile past it."""
+    from flexattn.kernels.bwd_compile import _compile, fake_backward_args
+    from flexattn.kernels.bwd_sm90 import SMEM_CAPACITY, FlashBwdSm90
+
+    sizes = {}
+    for name in ("d128-dense", "d128-dense-80", "det-d128-relative-bias-80"):
+        cfg, hook = _config(name)
+        kernel = FlashBwdSm90(cfg)
+        _compile(kernel, fake_backward_args(cfg, fake_args(hook)), False, "")
+        sizes[name] = kernel.smem_bytes
+    assert sizes["d128-dense"] == 195 * 1024
+    assert sizes["d128-dense-80"] == sizes["det-d128-relative-bias-80"] == SMEM_CAPACITY
 
 
 def test_buffer_gradients(compiled):
@@ -117,10 +169,10 @@ def test_buffer_gradients(compiled):
 TURN = ("ld.acquire.gpu.global.b32", "red.release.gpu.global.add.s32", "trap;")
 
 
-@pytest.mark.parametrize("name", list(DETERMINISTIC))
+@pytest.mark.parametrize("name", [n for n in NAMES if n.startswith("det-")])
 def test_deterministic_dq_turns(compiled, name):
     cfg, ptx = compiled[name]
-    assert cfg.deterministic and cfg.key() != _config(DETERMINISTIC[name])[0].key()
+    assert cfg.deterministic and cfg.key() != _config(name[4:])[0].key()
     for needle in TURN:
         assert needle in ptx, needle
     # non-causal: a 1-D grid in L2 sections (FlashBwdSm90._deterministic_tile); causal:
@@ -142,12 +194,12 @@ def test_deterministic_dq_turns(compiled, name):
     if cfg.block_sparse:
         # The turn is counted in the kv-side lists by the writer warp (one shuffle
         # reduction, 5 shfl, on top of the default kernel's).
-        extra = ptx.count("shfl.sync") - compiled[DETERMINISTIC[name]][1].count("shfl.sync")
+        extra = ptx.count("shfl.sync") - compiled[name[4:]][1].count("shfl.sync")
         assert extra == 5
 
 
 def test_default_has_no_turns(compiled):
-    for name in DEFAULT:
+    for name in DEFAULT + [n for n in TILE80 if not n.startswith("det-")]:
         ptx = compiled[name][1]
         for needle in ("ld.acquire", "red.release", "atom.global.add.u64", "trap;"):
             assert needle not in ptx, (name, needle)
@@ -181,6 +233,23 @@ def test_pre_and_postprocess_compile():
     # dq_accum tiles read back in 16-byte loads, written by stmatrix + one TMA store
     assert "ld.global.v4" in post and "stmatrix" in post and "cp.async.bulk.tensor" in post
     assert "fma.rn.f64" not in post
+    assert ".trans" not in post
+
+
+def test_pre_and_postprocess_compile_tile_m_80():
+    """One preprocess CTA per 80-row tile (10 row passes of 8 rows, loads all issued
+    first); the postprocess reads the dQ^T fragments back (10 16-byte loads per thread: 80
+    rows x 64 head dims / 128 threads / 4 floats) and stores them transposed."""
+    base = compile_preprocess("bf16", 128, keep_ptx=True).__ptx__
+    pre = compile_preprocess("bf16", 128, tile_m=80, deterministic=True, keep_ptx=True).__ptx__
+    assert pre.count("ld.global.v4") == base.count("ld.global.v4") * 80 // 64
+    post = compile_postprocess("bf16", 128, tile_m=80, keep_ptx=True).__ptx__
+    assert post.count("ld.global.v4") == 10
+    assert post.count("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 5
+    for ptx in (pre, post):
+        usage = resource_usage_from_ptx(ptx)
+        if usage is not None:
+            assert usage.spill_store_bytes == 0 and usage.stack_bytes == 0, usage
 
 
 def test_deterministic_pre_and_postprocess_compile():
@@ -217,6 +286,13 @@ def test_config_validation():
         BwdConfig(dq_turn_pass="later")
     with pytest.raises(ValueError):
         BwdConfig(tile_m=128)
+    # tile_m 80: dense non-causal head dim 128 only; workspace rows padded to 80
+    assert BwdConfig(tile_m=80).q_pad == 80 and BwdConfig(tile_m=80).dq_swap_ab
+    assert not BwdConfig().dq_swap_ab
+    assert BwdConfig(tile_m=80).key() != BwdConfig().key()
+    for bad in (dict(causal=True), dict(block_sparse=True), dict(head_dim=64)):
+        with pytest.raises(ValueError, match="tile_m=80"):
+            BwdConfig(tile_m=80, **bad)
     with pytest.raises(ValueError):
         BwdConfig(causal=True, block_sparse=True)
     with pytest.raises(ValueError):
@@ -226,6 +302,30 @@ def test_config_validation():
     BwdConfig(mods=hooks.CausalHook())                # masks need none
     assert IRModHook(mods.alibi(num_heads=4)).grad_slots == (0,)
     assert IRModHook(mods.softcap(5.0)).grad_slots == ()
+
+
+def test_planner_tile_m():
+    """config_from_forward: 80-row q tiles for dense non-causal head dim 128 (deterministic
+    too, any score mod), except a relative-position table's gradient (its shared-memory
+    diagonal sums need 64-row tiles); 64 for causal, block-sparse, head dim 64; an
+    explicit tile_m wins; a grad filter that drops the table's gradient allows 80."""
+    from types import SimpleNamespace
+
+    from flexattn.kernels.bwd_runner import config_from_forward
+
+    def tile(head_dim=128, causal=False, block_sparse=False, score=None, mask=None, **kw):
+        fwd = SimpleNamespace(dtype="bf16", head_dim=head_dim, causal=causal,
+                              block_sparse=block_sparse, mods=IRModHook(score, mask))
+        return config_from_forward(fwd, **kw).tile_m
+
+    table = mods.relative_bias(np.zeros((4, 15), np.float32))
+    assert tile() == 80 and tile(deterministic=True) == 80
+    assert tile(score=mods.softcap(5.0)) == 80 and tile(score=mods.alibi(np.ones(4, np.float32))) == 80
+    assert tile(causal=True) == 64 and tile(head_dim=64) == 64
+    assert tile(block_sparse=True, mask=mods.sliding_window(8)) == 64
+    assert tile(score=table) == 64 and tile(score=table, deterministic=True) == 64
+    assert tile(score=table, mods=IRModHook(table, None).with_grad_filter(())) == 80
+    assert tile(tile_m=64) == 64 and tile(score=table, tile_m=80) == 80
 
 
 def test_tile_order():
