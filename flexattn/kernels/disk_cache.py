@@ -50,6 +50,7 @@ _SOURCE_DIRS = ("kernels", "mods")   # what emits kernel code (kernels import no
 _directory: str | None = None       # environment()'s directory name, once per process
 _modules: frozenset | None = None   # module names whose code the directory name digests
 _unwritable: set = set()             # directories that refused a write (warned once each)
+_export_warned = False               # export failures are warned about once per process
 _loads = 0
 _stores = 0
 
@@ -250,7 +251,7 @@ def _discard(path: str, why: str) -> None:
 
 
 def _store(fn, directory: str, path: str, name: str) -> None:
-    global _stores
+    global _stores, _export_warned
     if directory in _unwritable:
         return
     tmp = None
@@ -275,8 +276,10 @@ def _store(fn, directory: str, path: str, name: str) -> None:
                       "kernels stay in memory (FLEXATTN_CACHE_DIR moves the cache, FLEXATTN_DISK_CACHE=0 "
                       "turns it off)", RuntimeWarning, stacklevel=2)
     except Exception as e:  # noqa: BLE001  (an export failure costs the cache entry, not the call)
-        warnings.warn(f"flexattn: could not export a compiled kernel to {path} ({type(e).__name__}: "
-                      f"{str(e)[:200]}); it stays in memory", RuntimeWarning, stacklevel=2)
+        if not _export_warned:
+            _export_warned = True
+            warnings.warn(f"flexattn: could not export a compiled kernel to {path} ({type(e).__name__}: "
+                          f"{str(e)[:200]}); it stays in memory", RuntimeWarning, stacklevel=2)
     finally:
         if tmp is not None:
             try:

@@ -301,6 +301,26 @@ def test_unwritable_directory_falls_back_to_memory(stored, tmp_path, monkeypatch
         assert _recompiles(runner, disk_cache.config_key("fwd", _config(None, mods.causal())))[0] == 1
 
 
+def test_export_failures_leave_kernels_in_memory(cache_dir, monkeypatch):
+    """A function that cannot be exported (another CuTeDSL, say) is returned as compiled;
+    one warning per process, no file left behind."""
+    monkeypatch.setattr(disk_cache, "_export_warned", False)
+
+    class Unexportable:
+        def export_to_c(self, path, function_name):
+            raise NotImplementedError("no AOT export here")
+
+    fn = Unexportable()
+    with pytest.warns(RuntimeWarning, match="could not export"):
+        assert disk_cache.compiled(("test_unexportable", 1), lambda: fn) is fn
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert disk_cache.compiled(("test_unexportable", 2), lambda: fn) is fn
+    directory = disk_cache.location(("test_unexportable", 1))[0]
+    assert not [n for n in os.listdir(directory) if n.startswith(".tmp-")]
+    assert not os.path.exists(disk_cache.location(("test_unexportable", 1))[1])
+
+
 def test_location_respects_xdg(monkeypatch, tmp_path):
     monkeypatch.delenv("FLEXATTN_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
