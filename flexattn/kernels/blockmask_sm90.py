@@ -222,8 +222,12 @@ class GpuBlockMaskBuilder:
     def _fn(self, count_allowed: bool):
         fn = self._fns.get(count_allowed)
         if fn is None:
-            fn = self._fns[count_allowed] = compile_classifier(
-                self.template, self.q_block, self.kv_block, count_allowed, self.tvm_ffi)
+            from . import disk_cache
+
+            hook = disk_cache.hook_key(self.template) if self.tvm_ffi else None
+            key = None if hook is None else ("blockmask_classifier", hook, self.q_block, self.kv_block, count_allowed)
+            fn = self._fns[count_allowed] = disk_cache.compiled(key, lambda: compile_classifier(
+                self.template, self.q_block, self.kv_block, count_allowed, self.tvm_ffi))
         return fn
 
     def _launch(self, fn, hook, arrays, states, allowed, q_len, kv_len):
@@ -279,7 +283,10 @@ def compact(states, arrays, tvm_ffi: bool) -> dict:
     """The eight sorted lists (device int32 arrays) of a device states array."""
     fn = _COMPACTORS.get(tvm_ffi)
     if fn is None:
-        fn = _COMPACTORS[tvm_ffi] = compile_compactor(tvm_ffi)
+        from . import disk_cache
+
+        fn = _COMPACTORS[tvm_ffi] = disk_cache.compiled(("blockmask_compact",) if tvm_ffi else None,
+                                                        lambda: compile_compactor(tvm_ffi))
     B, H, n_q, n_kv = (int(s) for s in states.shape)
     lists = {}
     for side, rows, cols in (("kv", n_q, n_kv), ("q", n_kv, n_q)):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 
+from . import disk_cache
 from .bwd_compile import compile_backward, compile_postprocess, compile_preprocess
 from .bwd_runner import check_q_and_kv_shapes, workspace_dtypes, workspace_shapes
 from .bwd_sm90 import BwdConfig
@@ -59,13 +60,20 @@ class FfiBackwardRunner:
         fixed = cfg.deterministic and cfg.buffer_grads
         # The main kernel and the postprocess do not depend on dLSE: one compile serves both.
         other = self._compiled.get(not with_dlse)
-        pre = compile_preprocess(cfg.dtype, cfg.head_dim, with_dlse, deterministic=cfg.deterministic,
-                                 grad_fixed=fixed, tile_m=cfg.tile_m, tvm_ffi=True)
+        # Disk keys: the arguments each compile function reads (the main kernel: the config).
+        pre = disk_cache.compiled(
+            ("bwd_pre", cfg.dtype, cfg.head_dim, with_dlse, cfg.deterministic, fixed, cfg.tile_m),
+            lambda: compile_preprocess(cfg.dtype, cfg.head_dim, with_dlse, deterministic=cfg.deterministic,
+                                       grad_fixed=fixed, tile_m=cfg.tile_m, tvm_ffi=True))
         if other is not None:
             return pre, other[1], other[2]
-        main = compile_backward(cfg, mod_fakes, tvm_ffi=True)
-        post = compile_postprocess(cfg.dtype, cfg.head_dim, grad_ranks=grad_ranks if fixed else (),
-                                   tile_m=cfg.tile_m, tvm_ffi=True)
+        main = disk_cache.compiled(disk_cache.config_key("bwd_main", cfg),
+                                   lambda: compile_backward(cfg, mod_fakes, tvm_ffi=True))
+        post_ranks = grad_ranks if fixed else ()
+        post = disk_cache.compiled(
+            ("bwd_post", cfg.dtype, cfg.head_dim, post_ranks, cfg.tile_m),
+            lambda: compile_postprocess(cfg.dtype, cfg.head_dim, grad_ranks=post_ranks, tile_m=cfg.tile_m,
+                                        tvm_ffi=True))
         return pre, main, post
 
     def check(self, q, k, lse, dlse, workspace, grad_args, block_sparse) -> None:

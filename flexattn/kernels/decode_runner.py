@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-import flexattn.kernels  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass loads)
+from flexattn.kernels import disk_cache  # (importing flexattn.kernels sets CUTE_DSL_ARCH before cutlass loads)
 from flexattn.kernels.compile import ARCH_OPTION
 from flexattn.kernels.decode_sm90 import DecodeConfig, DecodeSm90
 
@@ -59,8 +59,11 @@ class DecodeRunner:
             from flexattn.kernels.mod_emit import fake_args
 
             t0 = time.perf_counter()
-            fake = fake_args(self.cfg.mods) if hasattr(self.cfg.mods, "captures") else tuple(mod_args or ())
-            fn = self._compiled["ffi"] = compile_decode(self.cfg, fake, tvm_ffi=True)
+            ir_hook = hasattr(self.cfg.mods, "captures")
+            fake = fake_args(self.cfg.mods) if ir_hook else tuple(mod_args or ())
+            # Stand-ins of a hand-written hook's args are not part of the config key: no disk.
+            key = disk_cache.config_key("decode", self.cfg) if ir_hook or not fake else None
+            fn = self._compiled["ffi"] = disk_cache.compiled(key, lambda: compile_decode(self.cfg, fake, tvm_ffi=True))
             self.last_compile_seconds = time.perf_counter() - t0
         return fn
 

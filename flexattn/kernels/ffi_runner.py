@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 
+from . import disk_cache
 from .compile import compile_forward
 from .fwd_sm90 import FwdConfig
 from .mod_emit import IRModHook, capture_kinds, fake_args
@@ -39,7 +40,8 @@ class FfiForwardRunner:
     def compile(self) -> None:
         if self._fn is None:  # capture kinds are part of cfg.key(): one compile per runner
             t0 = time.perf_counter()
-            self._fn = compile_forward(self.cfg, fake_args(self.cfg.mods), tvm_ffi=True)
+            self._fn = disk_cache.compiled(disk_cache.config_key("fwd", self.cfg),
+                                           lambda: compile_forward(self.cfg, fake_args(self.cfg.mods), tvm_ffi=True))
             self.last_compile_seconds = time.perf_counter() - t0
 
     @property
