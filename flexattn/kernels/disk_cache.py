@@ -3,7 +3,9 @@
 ``cache.py`` keeps one runner per kernel configuration in memory; a runner that has to
 compile a TVM-FFI kernel (the forward, the backward's three, decode, the block-mask
 builder's two) asks ``compiled(key, compile)`` here first. The kernel is kept as a
-relocatable object file (CuTeDSL's AOT export, ``export_to_c``), which
+relocatable object file — the one CuTeDSL built while compiling (captured by
+``compile.compile_kernel``: storing then costs a file write), else its AOT export
+(``export_to_c``, ~0.3 s on the CI CPU) — which
 ``cutlass.cute.runtime.load_module`` JIT-links back in memory (no system linker) as a
 ``tvm_ffi.Function``: the compiled function's positional signature (the call sites pass
 every argument positionally, None for absent ones; the stream is TVM-FFI's environment
@@ -24,8 +26,9 @@ means no disk cache for that kernel.
 
 *Safety.* A file is written under a temporary name in its directory, synced, then renamed
 into place (atomic: a reader sees a whole file or none; processes storing the same kernel
-at once write equivalent files and the last rename wins). It ends with the sha256 of the
-object bytes (ELF readers ignore trailing bytes), checked before loading: a file that
+at once write equivalent files and the last rename wins). After the object bytes come the
+TVM-FFI function's name and the sha256 of both (ELF readers ignore trailing bytes),
+checked before loading: a file that
 fails the check or does not load is deleted and the kernel compiled again. A directory
 that cannot be written turns storing off for the process (one warning). Nothing here
 raises into a launch: any failure falls back to compiling.
@@ -41,7 +44,7 @@ import sys
 import tempfile
 import warnings
 
-FORMAT = "flexattn-kernel-cache-1"   # bump when the file layout or key rendering changes
+FORMAT = "flexattn-kernel-cache-2"   # bump when the file layout or key rendering changes
 _TRAILER_TAG = b"\n#flexattn-sha256:"
 _TRAILER_LEN = len(_TRAILER_TAG) + 64 + 1
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # .../flexattn
@@ -219,6 +222,15 @@ def compiled(key: tuple | None, compile):
     return fn
 
 
+_NAME_TAG = b"\n#flexattn-function:"
+
+
+def _name_record(name: str) -> bytes:
+    """The TVM-FFI function's name, after the object bytes: the object CuTeDSL built while
+    compiling keeps its own (``__tvm_ffi_<name>``), an exported one the name we gave it."""
+    return _NAME_TAG + name.encode() + b"\n"
+
+
 def _trailer(payload: bytes) -> bytes:
     return _TRAILER_TAG + hashlib.sha256(payload).hexdigest().encode() + b"\n"
 
@@ -232,6 +244,10 @@ def _load(path: str, name: str):
     payload = data[:-_TRAILER_LEN]
     if len(data) <= _TRAILER_LEN or data[-_TRAILER_LEN:] != _trailer(payload):
         return _discard(path, "checksum mismatch")
+    at = payload.rfind(_NAME_TAG)
+    if at < 0 or not payload.endswith(b"\n"):
+        return _discard(path, "no function name")
+    name = payload[at + len(_NAME_TAG):-1].decode(errors="replace")
     try:
         from cutlass.cute.runtime import load_module
 
@@ -259,11 +275,17 @@ def _store(fn, directory: str, path: str, name: str) -> None:
         os.makedirs(directory, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".o")   # export reads the suffix
         os.close(fd)
-        fn.export_to_c(tmp, function_name=name)
-        with open(tmp, "rb") as f:
-            payload = f.read()
+        built = getattr(fn, "flexattn_object", None)   # compile.compile_kernel kept it
+        if built is not None:
+            payload, name = built
+            with open(tmp, "wb") as f:
+                f.write(payload)
+        else:
+            fn.export_to_c(tmp, function_name=name)
+            with open(tmp, "rb") as f:
+                payload = f.read()
         with open(tmp, "ab") as f:
-            f.write(_trailer(payload))
+            f.write(_name_record(name) + _trailer(payload + _name_record(name)))
             f.flush()
             os.fsync(f.fileno())   # a crash after the rename must not leave a torn file
         os.chmod(tmp, 0o644)       # mkstemp's 0600 would hide a shared cache from its other users

@@ -8,6 +8,7 @@ the cache can be turned off, and an unwritable directory costs nothing but a war
 Every cache directory here is a temporary one.
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -268,12 +269,46 @@ def test_a_file_that_does_not_load_is_replaced(stored, cache_dir):
     runner.compiled.export_to_c(path, function_name="another_name")
     with open(path, "rb") as f:
         payload = f.read()
+    record = disk_cache._name_record("not_in_this_object")   # checksummed, but names nothing there
     with open(path, "ab") as f:
-        f.write(disk_cache._trailer(payload))
+        f.write(record + disk_cache._trailer(payload + record))
     with pytest.warns(RuntimeWarning, match="discarding"):
         calls, _ = _recompiles(runner, key)
     assert calls == 1
     assert _recompiles(runner, key)[0] == 0
+
+
+def test_stores_the_object_built_while_compiling(stored):
+    """compile.compile_kernel keeps the object file CuTeDSL built and linked (no second
+    export); the file names that object's own TVM-FFI function."""
+    _, runner = stored
+    obj, name = runner.compiled.flexattn_object
+    with open(_path(_base()), "rb") as f:
+        data = f.read()
+    assert data.startswith(obj) and disk_cache._name_record(name) in data[len(obj):]
+
+
+def test_exported_objects_round_trip(cache_dir, monkeypatch):
+    """Without a captured object (another CuTeDSL code path) the function is exported
+    under the key's name, and that file loads too."""
+    from flexattn.kernels import compile as compile_module
+
+    @contextlib.contextmanager
+    def nothing_captured():
+        yield []
+
+    monkeypatch.setattr(compile_module, "_captured_objects", nothing_captured)
+    cfg = _config(None, mods.sliding_window(16))
+    key = disk_cache.config_key("fwd", cfg)
+    runner = FfiForwardRunner(cfg)
+    stores = disk_cache.store_count()
+    runner.compile()
+    assert disk_cache.store_count() == stores + 1          # compiled and exported here
+    assert not hasattr(runner.compiled, "flexattn_object")
+    loads = disk_cache.load_count()
+    fn = disk_cache.compiled(key, lambda: pytest.fail("compiled"))
+    assert disk_cache.load_count() == loads + 1
+    _cpu_call_error(fn)
 
 
 def test_disabled_by_environment(stored, tmp_path, monkeypatch):
