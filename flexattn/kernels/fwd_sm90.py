@@ -481,8 +481,10 @@ class FlashFwdSm90:
                                mask=mods.has_mask, causal=cfg.causal and not mods.has_mask,
                                kv_bound="first")
         n_rest = n_block_max - 1
-        if const_expr(cfg.causal):
-            # Blocks >= n_diag contain some kv > the tile's first q: mask needed.
+        if const_expr(cfg.causal and cfg.tile_n % cfg.tile_m != 0):
+            # Blocks >= n_diag contain some kv > the tile's first q: mask needed. When
+            # tile_n is a multiple of tile_m (128 x 128) only the first block can: every
+            # later one ends before the tile's first row, and this loop would never run.
             n_diag = (m_block * cfg.tile_m + 1) // cfg.tile_n
             for i in cutlass.range(n_block_max - 1 - n_diag, unroll=1):
                 kv_state = self._block(ctx, kv_state, n_block_max - 2 - i, is_first=False,
@@ -515,14 +517,11 @@ class FlashFwdSm90:
                 kv_state = self._step(ctx, kv_state, blocks.full_at(i), is_first=False,
                                       mask=False, causal=False, kv_bound="tail")
         else:
-            # Peel the first visit (S and P only): it is partial[0], else full[0].
-            if n_p > 0:
-                self._first_half(ctx, kv_state, blocks.partial_at(0), mask=has_mask,
-                                 causal=False, kv_bound=True)
-            else:
-                if n_f > 0:
-                    self._first_half(ctx, kv_state, blocks.full_at(0), mask=False,
-                                     causal=False, kv_bound="tail")
+            # Peel the first visit (S and P only): partial[0], else full[0]. One copy of
+            # the peeled step serves both; which masks it applies is decided at run time.
+            if n_p + n_f > 0:
+                self._first_half(ctx, kv_state, blocks.at(0), mask=has_mask, causal=False,
+                                 kv_bound="sparse", partial=n_p > 0)
             for i in cutlass.range(1, n_p, unroll=1):
                 kv_state = self._overlap_step(ctx, kv_state, blocks.partial_at(i),
                                               mask=has_mask, causal=False, kv_bound=True)
@@ -547,27 +546,50 @@ class FlashFwdSm90:
 
     @cute.jit
     def _scores(self, ctx, acc_S, n_block, mask: cutlass.Constexpr[bool],
-                causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr):
+                causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr, partial=None):
         """Score mod and masks on a finished S tile.
 
         kv_bound, how the KV_LEN edge is handled:
           True     check every element (block-sparse partial blocks: any may straddle it);
           "first"  the first block of the dense / causal structures: whether it straddles
-                   KV_LEN is decided once at run time, and only then are elements checked;
+                   KV_LEN is decided once at run time, and only then are elements checked
+                   (the hooks are traced once unless they read a buffer at kv);
           "tail"   hooks see kv clamped to KV_LEN - 1; the bound alone is applied if the
                    block straddles KV_LEN (block-sparse full blocks);
+          "sparse" the block-sparse structure's first visit: True with the mask if
+                   `partial` (run time), else "tail" without it;
           False    the block lies below KV_LEN."""
-        if const_expr(kv_bound == "first"):
+        if const_expr(kv_bound == "sparse"):
+            if partial:
+                self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=True)
+            else:
+                self._scores(ctx, acc_S, n_block, False, causal, "tail")
+        elif const_expr(kv_bound == "first" and self._hooks_clamp_kv(mask)):
             if (n_block + 1) * self.cfg.tile_n > ctx[16]:
                 self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=True)
             else:
                 self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=False)
+        elif const_expr(kv_bound == "first"):
+            # The hooks read no buffer at kv: one copy of them serves both cases. The
+            # causal limit takes KV_LEN in at once (a min per row; on a block below KV_LEN
+            # it changes nothing); without it, the bound alone if the block straddles KV_LEN.
+            self._masks(ctx, acc_S, n_block, mask, causal=False, kv_bound=False)
+            if const_expr(causal):
+                self._mask_past_limits(ctx, acc_S, n_block, causal=True, kv_bound=True)
+            elif (n_block + 1) * self.cfg.tile_n > ctx[16]:
+                self._mask_past_limits(ctx, acc_S, n_block, causal=False, kv_bound=True)
         elif const_expr(kv_bound == "tail"):
             self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=False, clamp_kv=True)
             if (n_block + 1) * self.cfg.tile_n > ctx[16]:   # the bound alone
                 self._mask_past_limits(ctx, acc_S, n_block, causal=False, kv_bound=True)
         else:
             self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=kv_bound)
+
+    def _hooks_clamp_kv(self, mask: bool) -> bool:
+        """Whether the hooks this block runs (the score mod, and the mask if `mask`) read a
+        buffer at kv, so they must see kv clamped where the block may pass KV_LEN."""
+        mods = self.mods
+        return "kv" in mods.load_index_vars(mods.has_score, mask)
 
     @cute.jit
     def _masks(self, ctx, acc_S, n_block, mask: cutlass.Constexpr[bool],
@@ -642,8 +664,9 @@ class FlashFwdSm90:
 
     @cute.jit
     def _first_half(self, ctx, kv_state, n_block, mask: cutlass.Constexpr[bool],
-                    causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr):
-        """Overlapped schedule, block 0: S_0 and P_0 only (P_0 V_0 runs in the next step)."""
+                    causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr, partial=None):
+        """Overlapped schedule, block 0: S_0 and P_0 only (P_0 V_0 runs in the next step).
+        `partial`: whether the block is partial (kv_bound "sparse")."""
         (tiled_mma_qk, _, tSrQ, tSrK, _, tOrP, acc_shape_S, _, softmax, _, pipe_k, _,
          _, _, _, _, _, _, _, _) = ctx
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
@@ -651,7 +674,7 @@ class FlashFwdSm90:
         sm90_mma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
                       zero_init=True, wait=0)
         pipe_k.consumer_release(kv_state)
-        self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
+        self._scores(ctx, acc_S, n_block, mask, causal, kv_bound, partial)
         softmax.step(acc_S, is_first=True)
         sm90_mma.convert_into(tOrP, sm90_mma.acc_as_a_view(acc_S))
         return kv_state

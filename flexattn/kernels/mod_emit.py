@@ -207,6 +207,16 @@ class IRModHook(ModHook):
                 found |= mod.expr.free_vars()
         return found & frozenset(("b", "h", "q", "kv"))
 
+    def load_index_vars(self, score: bool, mask: bool) -> frozenset:
+        found = set()
+        for use, mod in ((score, self._score), (mask, self._mask)):
+            if use and mod is not None:
+                for n in mod.expr.walk():
+                    if n.op == "load":
+                        for index in n.args:
+                            found |= index.free_vars()
+        return frozenset(found) & frozenset(("b", "h", "q", "kv"))
+
     def captures(self) -> tuple:
         """The runtime values in ``args`` order."""
         s = self._score.captures if self._score is not None else ()

@@ -23,7 +23,9 @@ s = (q . k) * softmax_scale; masked elements become -inf after the score mod.
 
 Index safety: the kernel clamps q to Q_LEN-1 and kv to KV_LEN-1 before calling a hook,
 so a hook that indexes a buffer of length Q_LEN / KV_LEN never reads out of bounds for
-the padding rows/columns of a partial tile (their results are discarded).
+the padding rows/columns of a partial tile (their results are discarded). A hook may
+narrow the kv clamp to where it matters with `load_index_vars` (the indices that reach
+its buffer reads).
 """
 
 import cutlass
@@ -50,6 +52,16 @@ class ModHook:
         """The indices among b, h, q, kv that `score` (if `score`) and `mask` (if `mask`)
         read; kernels may pass None for the others (and skip computing them)."""
         return frozenset(("b", "h", "q", "kv"))
+
+    def load_index_vars(self, score: bool, mask: bool) -> frozenset:
+        """The indices among b, h, q, kv that reach a buffer index in `score` (if `score`)
+        and `mask` (if `mask`): only those must be clamped into the sequence for the
+        hooks' reads to stay in bounds. Elsewhere an index past the sequence end only
+        changes values that the kernel masks anyway. All four by default (none when
+        neither method runs)."""
+        if (score and self.has_score) or (mask and self.has_mask):
+            return frozenset(("b", "h", "q", "kv"))
+        return frozenset()
 
     # ---- backward (bwd_sm90.py): derivatives of the score mod -------------------------
     # Hooks without a score mod need nothing. A hand-written hook with a score mod must
@@ -151,15 +163,19 @@ def apply_mods(
     builtin_causal:  q < kv -> -inf (used when the causal config has no mask hook).
     check_kv_bounds: kv >= KV_LEN -> -inf (only the tile that straddles KV_LEN).
     clamp_kv:        the hooks see min(kv, KV_LEN - 1) (implied by check_kv_bounds; for
-                     tiles whose bound is applied by a separate bound-only call).
+                     tiles whose bound is applied by a separate bound-only call) —
+                     where kv reaches a buffer index (`mods.load_index_vars`).
     """
     q_base = m_block * coords.tile_m
     kv_base = n_block * coords.tile_n + coords.col_offset()
     q_last = seqlen_q - 1
     kv_last = seqlen_k - 1
     # kv only where something reads it (e.g. not for softcap alone): 3-4 ops per element
-    # of tracing that MLIR would delete again.
+    # of tracing that MLIR would delete again. Clamped only where a buffer index reads it
+    # (a document mask, not ALiBi or a sliding window): past KV_LEN the bound masks the
+    # element whatever the hooks made of it.
     hook_kv = "kv" in mods.index_vars(apply_score, apply_mask)
+    clamp = (clamp_kv or check_kv_bounds) and "kv" in mods.load_index_vars(apply_score, apply_mask)
     for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
         q = q_base + coords.row(r)
         q_hook = cutlass.min(q, q_last)
@@ -168,7 +184,7 @@ def apply_mods(
             if const_expr(hook_kv or builtin_causal or check_kv_bounds):
                 kv = kv_base + coords.col0(c)
                 kv_hook = kv
-            if const_expr(hook_kv and (check_kv_bounds or clamp_kv)):
+            if const_expr(hook_kv and clamp):
                 kv_hook = cutlass.min(kv, kv_last)
             s = s_mn[r, c]
             if const_expr(apply_score):
