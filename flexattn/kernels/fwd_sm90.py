@@ -41,7 +41,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from flexattn.kernels import sm90_mma
 from flexattn.kernels.block_sparsity import DenseBlocks, SparseBlocks
-from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook, apply_mods, masked_if
+from flexattn.kernels.mod_hook import (NO_MODS, FragmentCoords, ModHook, apply_mods, masked_if,
+                                       masked_where)
 from flexattn.kernels.softmax import OnlineSoftmax, rescale_rows
 from flexattn.kernels.tile_scheduler import ByHead, LongestFirst, TileSpace, grid_size
 from flexattn.kernels.tma_pipeline import tma_ring
@@ -608,15 +609,21 @@ class FlashFwdSm90:
                        builtin_causal=False, check_kv_bounds=False,
                        clamp_kv=kv_bound or clamp_kv)
         if const_expr(causal or kv_bound):
-            self._mask_past_limits(ctx, acc_S, n_block, causal=causal, kv_bound=kv_bound)
+            # Element by element after hooks emitted so: LLVM folds the two selects of an
+            # element into one, which it does not across a vector built of scalars.
+            per_element = (mods.has_score or mask) and not mods.rows(mods.has_score, mask)
+            self._mask_past_limits(ctx, acc_S, n_block, causal=causal, kv_bound=kv_bound,
+                                   per_element=per_element)
 
     @cute.jit
     def _mask_past_limits(self, ctx, acc_S, n_block, causal: cutlass.Constexpr[bool],
-                          kv_bound: cutlass.Constexpr[bool]):
+                          kv_bound: cutlass.Constexpr[bool],
+                          per_element: cutlass.Constexpr[bool] = False):
         """s = -inf where kv >= limit(q): q + 1 for the built-in causal mask (kv <= q, top-left
         aligned) and/or KV_LEN. The limit is made relative to this thread's first column
         once per row, so an element costs one compare with a compile-time column and one
-        select (no per-column index arithmetic)."""
+        select (no per-column index arithmetic); a row is one vector compare and select
+        unless `per_element`."""
         coords, m_block, seqlen_k = ctx[9], ctx[12], ctx[16]
         cfg = self.cfg
         s_mn = sm90_mma.acc_mn_view(acc_S)
@@ -628,8 +635,12 @@ class FlashFwdSm90:
                     limit = cutlass.min(limit, seqlen_k - kv_first)
             else:
                 limit = seqlen_k - kv_first
-            for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
-                s_mn[r, c] = masked_if(limit <= coords.col0(c), s_mn[r, c])
+            if const_expr(per_element):
+                for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
+                    s_mn[r, c] = masked_if(limit <= coords.col0(c), s_mn[r, c])
+            else:
+                row = s_mn[r, None].load()
+                s_mn[r, None].store(masked_where(coords.col0_vector(row.shape) >= limit, row))
 
     @cute.jit
     def _step(self, ctx, kv_state, n_block, is_first: cutlass.Constexpr[bool],

@@ -31,6 +31,7 @@ its buffer reads).
 import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, const_expr
+from cutlass._mlir_helpers import arith as cutlass_arith
 
 
 class ModHook:
@@ -38,6 +39,14 @@ class ModHook:
 
     has_score: bool = False
     has_mask: bool = False
+
+    def rows(self, score: bool, mask: bool) -> bool:
+        """Whether `score` (if `score`) and `mask` (if `mask`) can also be emitted for a
+        whole fragment row at once: score_row(s, b, h, q, kv, args) / mask_row(b, h, q,
+        kv, args), where `s` and `kv` are vectors (cute.TensorSSA) of the row's elements
+        and the others scalars. The kernel then calls them once per row (less to trace
+        and compile than once per element, same results)."""
+        return False
 
     def score(self, s, b, h, q, kv, args):
         return s
@@ -112,6 +121,19 @@ class FragmentCoords:
     def row0(self, r):          # thread-0 row of fragment row r: a constant
         return self._thread0(r, 0, 0)
 
+    def col0_vector(self, shape):
+        """Thread 0's columns of a fragment row of shape `shape`, as an Int32 vector
+        constant (element i: column i)."""
+        import array
+
+        from cutlass._mlir import ir
+        from cutlass._mlir.dialects import arith
+
+        n = cute.size(shape)
+        ty = ir.VectorType.get([n], Int32.mlir_type)
+        cols = array.array("i", [self.col0(c) for c in range(n)])
+        return cute.TensorSSA(arith.constant(ty, ir.DenseElementsAttr.get(cols, type=ty)), shape, Int32)
+
     def _thread0(self, r, c, mode):
         key = (r, c, mode)
         value = self._const.get(key)
@@ -176,6 +198,11 @@ def apply_mods(
     # element whatever the hooks made of it.
     hook_kv = "kv" in mods.index_vars(apply_score, apply_mask)
     clamp = (clamp_kv or check_kv_bounds) and "kv" in mods.load_index_vars(apply_score, apply_mask)
+    if const_expr(mods.rows(apply_score, apply_mask) or not (apply_score or apply_mask)):
+        _apply_mods_rows(s_mn, coords, mods, batch, head, q_base, kv_base, q_last, kv_last,
+                         seqlen_k, softmax_scale, args, apply_score, apply_mask, builtin_causal,
+                         check_kv_bounds, hook_kv, clamp)
+        return
     for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
         q = q_base + coords.row(r)
         q_hook = cutlass.min(q, q_last)
@@ -198,3 +225,46 @@ def apply_mods(
                 s = kept_if(kv < seqlen_k, s)
             s_mn[r, c] = s
 
+
+
+def _apply_mods_rows(s_mn, coords, mods, batch, head, q_base, kv_base, q_last, kv_last, seqlen_k,
+                     softmax_scale, args, apply_score, apply_mask, builtin_causal,
+                     check_kv_bounds, hook_kv, clamp):
+    """apply_mods a row at a time (hooks with `rows`): the row's scores and kv indices as
+    vectors, the hooks called once per row."""
+    for r in range(cute.size(s_mn.shape[0])):
+        q = q_base + coords.row(r)
+        q_hook = cutlass.min(q, q_last)
+        s = s_mn[r, None].load()
+        kv = kv_hook = None
+        if hook_kv or builtin_causal or check_kv_bounds:
+            kv = coords.col0_vector(s.shape) + kv_base
+            kv_hook = kv
+        if hook_kv and clamp:
+            kv_hook = kv.apply_op(cutlass_arith._min, kv_last)
+
+        def kv_at(c):   # element c's kv as per-element emission computes it
+            kv_c = kv_base + coords.col0(c)
+            return cutlass.min(kv_c, kv_last) if clamp else kv_c
+        if apply_score:
+            s = mods.score_row(s * softmax_scale, batch, head, q_hook, kv_hook, args, kv_at=kv_at)
+        if apply_mask:
+            s = kept_where(mods.mask_row(batch, head, q_hook, kv_hook, args, kv_at=kv_at,
+                                         shape=s.shape), s)
+        if builtin_causal:
+            s = kept_where(kv <= q, s)
+        if check_kv_bounds:
+            s = kept_where(kv < seqlen_k, s)
+        s_mn[r, None].store(s)
+
+
+def kept_where(keep, s):
+    """`s` where `keep` (a Boolean, or a vector of them), else -inf: one select."""
+    if not isinstance(keep, cute.TensorSSA):
+        keep = cute.full(s.shape, keep, Boolean)
+    return cute.where(keep, s, cute.full(s.shape, -Float32.inf, Float32))
+
+
+def masked_where(cond, s):
+    """-inf where `cond` (a vector), else `s`."""
+    return cute.where(cond, cute.full(s.shape, -Float32.inf, Float32), s)
