@@ -518,17 +518,15 @@ class FlashFwdSm90:
                 kv_state = self._step(ctx, kv_state, blocks.full_at(i), is_first=False,
                                       mask=False, causal=False, kv_bound="tail")
         else:
-            # Peel the first visit (S and P only): partial[0], else full[0]. One copy of
-            # the peeled step serves both; which masks it applies is decided at run time.
+            # Peel the first visit (S and P only), then the others. One copy of the step
+            # serves partial and full blocks; which masks it applies is decided per block
+            # at run time.
             if n_p + n_f > 0:
                 self._first_half(ctx, kv_state, blocks.at(0), mask=has_mask, causal=False,
                                  kv_bound="sparse", partial=n_p > 0)
-            for i in cutlass.range(1, n_p, unroll=1):
-                kv_state = self._overlap_step(ctx, kv_state, blocks.partial_at(i),
-                                              mask=has_mask, causal=False, kv_bound=True)
-            for i in cutlass.range(1 - cutlass.min(n_p, 1), n_f, unroll=1):
-                kv_state = self._overlap_step(ctx, kv_state, blocks.full_at(i),
-                                              mask=False, causal=False, kv_bound="tail")
+            for i in cutlass.range(1, n_p + n_f, unroll=1):
+                kv_state = self._overlap_step(ctx, kv_state, blocks.at(i), mask=has_mask,
+                                              causal=False, kv_bound="sparse", partial=i < n_p)
             if n_p + n_f > 0:
                 kv_state = self._last_pv(ctx, kv_state)
         return kv_state
@@ -557,8 +555,8 @@ class FlashFwdSm90:
                    (the hooks are traced once unless they read a buffer at kv);
           "tail"   hooks see kv clamped to KV_LEN - 1; the bound alone is applied if the
                    block straddles KV_LEN (block-sparse full blocks);
-          "sparse" the block-sparse structure's first visit: True with the mask if
-                   `partial` (run time), else "tail" without it;
+          "sparse" a block of the block-sparse structure: True with the mask if `partial`
+                   (run time), else "tail" without it;
           False    the block lies below KV_LEN."""
         if const_expr(kv_bound == "sparse"):
             if partial:
@@ -692,7 +690,7 @@ class FlashFwdSm90:
 
     @cute.jit
     def _overlap_step(self, ctx, kv_state, n_block, mask: cutlass.Constexpr[bool],
-                      causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr):
+                      causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr, partial=None):
         """Overlapped schedule, block j: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1},
         then do mods + softmax of S_j while the P V GEMM is still running."""
         (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O,
@@ -712,7 +710,7 @@ class FlashFwdSm90:
         warpgroup.wait_group(1)            # S_j ready (groups retire in order)
         pipe_k.consumer_release(kv_state)
 
-        self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
+        self._scores(ctx, acc_S, n_block, mask, causal, kv_bound, partial)
         row_scale = softmax.step(acc_S, is_first=False)
         warpgroup.wait_group(0)            # P_{j-1} V_{j-1} done: O and P registers free
         pipe_v.consumer_release(v_state)
