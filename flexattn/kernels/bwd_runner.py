@@ -72,7 +72,7 @@ from flexattn.kernels.atomics import FIXED_WORDS
 from flexattn.kernels.bwd_postprocess import BwdPostprocess
 from flexattn.kernels.bwd_preprocess import BwdPreprocess
 from flexattn.kernels.bwd_sm90 import BwdConfig, FlashBwdSm90, one_diagonal_read
-from flexattn.kernels.compile import ARCH_OPTION
+from flexattn.kernels.compile import ARCH_OPTION, pipeline_options
 from flexattn.kernels.runner import _arg_signature, _to_cute, check_block_lists
 
 import cuda.bindings.driver as cuda
@@ -278,7 +278,8 @@ class BackwardRunner:
         fn = self._compiled.get(key)
         if fn is None:
             t0 = time.perf_counter()
-            fn = make()
+            with pipeline_options():
+                fn = make()
             self.last_compile_seconds += time.perf_counter() - t0
             self._compiled[key] = fn
         return fn

@@ -101,6 +101,27 @@ def compile_forward(cfg: FwdConfig, mod_args: tuple = (), *, keep_ptx: bool = Fa
         return compile_kernel(FlashFwdSm90(cfg), args, opts, tvm_ffi)
 
 
+# CuTeDSL pass-pipeline options that change compile time only: without its
+# StrengthReductionPass (~0.2 s of MLIR passes per forward kernel on the CI CPU) the PTX of
+# every kernel in benchmarks/compile_time.py is byte-identical (NVVM does that work anyway).
+PIPELINE_OPTIONS = "use-strength-reduction-pass=false"
+
+
+@contextlib.contextmanager
+def pipeline_options(extra: str = PIPELINE_OPTIONS):
+    """Compiles inside add `extra` to CuTeDSL's pipeline options (as CUTE_DSL_COMPILER_OPT,
+    after any the user set there)."""
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    envar = CuTeDSL._get_dsl().envar
+    old = envar.compiler_opt
+    envar.compiler_opt = f"{old} {extra}".strip() if old else extra
+    try:
+        yield
+    finally:
+        envar.compiler_opt = old
+
+
 def compile_kernel(kernel, args, options: str, tvm_ffi: bool):
     """``cute.compile(kernel, *args, options=options)``; for TVM-FFI without the host JIT
     whose result CuTeDSL throws away.
@@ -114,17 +135,45 @@ def compile_kernel(kernel, args, options: str, tvm_ffi: bool):
     the ordinary way."""
     import cutlass.cute as cute
 
-    if not tvm_ffi:
-        return cute.compile(kernel, *args, options=options)
-    with _placeholder_host_engine() as placeholder, _captured_objects() as objects:
-        fn = cute.compile(kernel, *args, options=options)
-    if placeholder is not None and getattr(fn, "engine", None) is placeholder:
-        return cute.compile(kernel, *args, options=options)
-    if len(objects) == 1 and isinstance(getattr(fn, "function_name", None), str):
-        # The object file CuTeDSL just built and JIT-linked: disk_cache stores it as is
-        # instead of exporting the module once more (~0.3 s per kernel on the CI CPU).
-        fn.flexattn_object = (objects[0], fn.function_name)
-    return fn
+    with pipeline_options(), _no_pyir_auto_load():
+        if not tvm_ffi:
+            return cute.compile(kernel, *args, options=options)
+        with _placeholder_host_engine() as placeholder, _captured_objects() as objects:
+            fn = cute.compile(kernel, *args, options=options)
+        if placeholder is not None and getattr(fn, "engine", None) is placeholder:
+            return cute.compile(kernel, *args, options=options)
+        if len(objects) == 1 and isinstance(getattr(fn, "function_name", None), str):
+            # The object file CuTeDSL just built and JIT-linked: disk_cache stores it as is
+            # instead of exporting the module once more (~0.3 s per kernel on the CI CPU).
+            fn.flexattn_object = (objects[0], fn.function_name)
+        return fn
+
+
+@contextlib.contextmanager
+def _no_pyir_auto_load():
+    """Without PyIR (CuTeDSL's default), every op's arguments still pass through its
+    auto-load hook (``_pyir_auto_load_arg``, which loads PyIR-tracked values), a no-op for
+    values no PyIR ref tracks: ~0.1 s of a forward kernel's trace on the CI CPU. While
+    PyIR is off, the hook is the identity CuTeDSL itself installs when PyIR is missing."""
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    try:
+        from cutlass._mlir_helpers import op
+    except ImportError:
+        op = None
+    hook = getattr(op, "_pyir_auto_load_arg", None)
+    if hook is None or getattr(CuTeDSL._get_dsl().envar, "enable_pyir", True):
+        yield
+        return
+    op._pyir_auto_load_arg = _identity_load
+    try:
+        yield
+    finally:
+        op._pyir_auto_load_arg = hook
+
+
+def _identity_load(arg, *, row_authoritative=False):
+    return arg
 
 
 class _CapturingAot:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from flexattn.kernels import disk_cache  # (importing flexattn.kernels sets CUTE_DSL_ARCH before cutlass loads)
-from flexattn.kernels.compile import ARCH_OPTION
+from flexattn.kernels.compile import ARCH_OPTION, pipeline_options
 from flexattn.kernels.decode_sm90 import DecodeConfig, DecodeSm90
 
 
@@ -88,8 +88,9 @@ class DecodeRunner:
         fn = self._compiled.get(key)
         if fn is None:
             t0 = time.perf_counter()
-            fn = self._compiled[key] = cute.compile(DecodeSm90(self.cfg), *tensors, s, args, cu_stream,
-                                                    options=ARCH_OPTION)
+            with pipeline_options():
+                fn = self._compiled[key] = cute.compile(DecodeSm90(self.cfg), *tensors, s, args, cu_stream,
+                                                        options=ARCH_OPTION)
             self.last_compile_seconds = time.perf_counter() - t0
         fn(*tensors, s, args, cu_stream)
 

@@ -41,7 +41,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from flexattn.kernels import sm90_mma
 from flexattn.kernels.block_sparsity import DenseBlocks, SparseBlocks
-from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook, apply_mods, masked_if
+from flexattn.kernels.mod_hook import (NO_MODS, FragmentCoords, ModHook, apply_mods, masked_if,
+                                       masked_where)
 from flexattn.kernels.softmax import OnlineSoftmax, rescale_rows
 from flexattn.kernels.tile_scheduler import ByHead, LongestFirst, TileSpace, grid_size
 from flexattn.kernels.tma_pipeline import tma_ring
@@ -481,8 +482,10 @@ class FlashFwdSm90:
                                mask=mods.has_mask, causal=cfg.causal and not mods.has_mask,
                                kv_bound="first")
         n_rest = n_block_max - 1
-        if const_expr(cfg.causal):
-            # Blocks >= n_diag contain some kv > the tile's first q: mask needed.
+        if const_expr(cfg.causal and cfg.tile_n % cfg.tile_m != 0):
+            # Blocks >= n_diag contain some kv > the tile's first q: mask needed. When
+            # tile_n is a multiple of tile_m (128 x 128) only the first block can: every
+            # later one ends before the tile's first row, and this loop would never run.
             n_diag = (m_block * cfg.tile_m + 1) // cfg.tile_n
             for i in cutlass.range(n_block_max - 1 - n_diag, unroll=1):
                 kv_state = self._block(ctx, kv_state, n_block_max - 2 - i, is_first=False,
@@ -515,20 +518,15 @@ class FlashFwdSm90:
                 kv_state = self._step(ctx, kv_state, blocks.full_at(i), is_first=False,
                                       mask=False, causal=False, kv_bound="tail")
         else:
-            # Peel the first visit (S and P only): it is partial[0], else full[0].
-            if n_p > 0:
-                self._first_half(ctx, kv_state, blocks.partial_at(0), mask=has_mask,
-                                 causal=False, kv_bound=True)
-            else:
-                if n_f > 0:
-                    self._first_half(ctx, kv_state, blocks.full_at(0), mask=False,
-                                     causal=False, kv_bound="tail")
-            for i in cutlass.range(1, n_p, unroll=1):
-                kv_state = self._overlap_step(ctx, kv_state, blocks.partial_at(i),
-                                              mask=has_mask, causal=False, kv_bound=True)
-            for i in cutlass.range(1 - cutlass.min(n_p, 1), n_f, unroll=1):
-                kv_state = self._overlap_step(ctx, kv_state, blocks.full_at(i),
-                                              mask=False, causal=False, kv_bound="tail")
+            # Peel the first visit (S and P only), then the others. One copy of the step
+            # serves partial and full blocks; which masks it applies is decided per block
+            # at run time.
+            if n_p + n_f > 0:
+                self._first_half(ctx, kv_state, blocks.at(0), mask=has_mask, causal=False,
+                                 kv_bound="sparse", partial=n_p > 0)
+            for i in cutlass.range(1, n_p + n_f, unroll=1):
+                kv_state = self._overlap_step(ctx, kv_state, blocks.at(i), mask=has_mask,
+                                              causal=False, kv_bound="sparse", partial=i < n_p)
             if n_p + n_f > 0:
                 kv_state = self._last_pv(ctx, kv_state)
         return kv_state
@@ -547,27 +545,50 @@ class FlashFwdSm90:
 
     @cute.jit
     def _scores(self, ctx, acc_S, n_block, mask: cutlass.Constexpr[bool],
-                causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr):
+                causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr, partial=None):
         """Score mod and masks on a finished S tile.
 
         kv_bound, how the KV_LEN edge is handled:
           True     check every element (block-sparse partial blocks: any may straddle it);
           "first"  the first block of the dense / causal structures: whether it straddles
-                   KV_LEN is decided once at run time, and only then are elements checked;
+                   KV_LEN is decided once at run time, and only then are elements checked
+                   (the hooks are traced once unless they read a buffer at kv);
           "tail"   hooks see kv clamped to KV_LEN - 1; the bound alone is applied if the
                    block straddles KV_LEN (block-sparse full blocks);
+          "sparse" a block of the block-sparse structure: True with the mask if `partial`
+                   (run time), else "tail" without it;
           False    the block lies below KV_LEN."""
-        if const_expr(kv_bound == "first"):
+        if const_expr(kv_bound == "sparse"):
+            if partial:
+                self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=True)
+            else:
+                self._scores(ctx, acc_S, n_block, False, causal, "tail")
+        elif const_expr(kv_bound == "first" and self._hooks_clamp_kv(mask)):
             if (n_block + 1) * self.cfg.tile_n > ctx[16]:
                 self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=True)
             else:
                 self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=False)
+        elif const_expr(kv_bound == "first"):
+            # The hooks read no buffer at kv: one copy of them serves both cases. The
+            # causal limit takes KV_LEN in at once (a min per row; on a block below KV_LEN
+            # it changes nothing); without it, the bound alone if the block straddles KV_LEN.
+            self._masks(ctx, acc_S, n_block, mask, causal=False, kv_bound=False)
+            if const_expr(causal):
+                self._mask_past_limits(ctx, acc_S, n_block, causal=True, kv_bound=True)
+            elif (n_block + 1) * self.cfg.tile_n > ctx[16]:
+                self._mask_past_limits(ctx, acc_S, n_block, causal=False, kv_bound=True)
         elif const_expr(kv_bound == "tail"):
             self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=False, clamp_kv=True)
             if (n_block + 1) * self.cfg.tile_n > ctx[16]:   # the bound alone
                 self._mask_past_limits(ctx, acc_S, n_block, causal=False, kv_bound=True)
         else:
             self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=kv_bound)
+
+    def _hooks_clamp_kv(self, mask: bool) -> bool:
+        """Whether the hooks this block runs (the score mod, and the mask if `mask`) read a
+        buffer at kv, so they must see kv clamped where the block may pass KV_LEN."""
+        mods = self.mods
+        return "kv" in mods.load_index_vars(mods.has_score, mask)
 
     @cute.jit
     def _masks(self, ctx, acc_S, n_block, mask: cutlass.Constexpr[bool],
@@ -586,15 +607,21 @@ class FlashFwdSm90:
                        builtin_causal=False, check_kv_bounds=False,
                        clamp_kv=kv_bound or clamp_kv)
         if const_expr(causal or kv_bound):
-            self._mask_past_limits(ctx, acc_S, n_block, causal=causal, kv_bound=kv_bound)
+            # Element by element after hooks emitted so: LLVM folds the two selects of an
+            # element into one, which it does not across a vector built of scalars.
+            per_element = (mods.has_score or mask) and not mods.rows(mods.has_score, mask)
+            self._mask_past_limits(ctx, acc_S, n_block, causal=causal, kv_bound=kv_bound,
+                                   per_element=per_element)
 
     @cute.jit
     def _mask_past_limits(self, ctx, acc_S, n_block, causal: cutlass.Constexpr[bool],
-                          kv_bound: cutlass.Constexpr[bool]):
+                          kv_bound: cutlass.Constexpr[bool],
+                          per_element: cutlass.Constexpr[bool] = False):
         """s = -inf where kv >= limit(q): q + 1 for the built-in causal mask (kv <= q, top-left
         aligned) and/or KV_LEN. The limit is made relative to this thread's first column
         once per row, so an element costs one compare with a compile-time column and one
-        select (no per-column index arithmetic)."""
+        select (no per-column index arithmetic); a row is one vector compare and select
+        unless `per_element`."""
         coords, m_block, seqlen_k = ctx[9], ctx[12], ctx[16]
         cfg = self.cfg
         s_mn = sm90_mma.acc_mn_view(acc_S)
@@ -606,8 +633,12 @@ class FlashFwdSm90:
                     limit = cutlass.min(limit, seqlen_k - kv_first)
             else:
                 limit = seqlen_k - kv_first
-            for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
-                s_mn[r, c] = masked_if(limit <= coords.col0(c), s_mn[r, c])
+            if const_expr(per_element):
+                for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
+                    s_mn[r, c] = masked_if(limit <= coords.col0(c), s_mn[r, c])
+            else:
+                row = s_mn[r, None].load()
+                s_mn[r, None].store(masked_where(coords.col0_vector(row.shape) >= limit, row))
 
     @cute.jit
     def _step(self, ctx, kv_state, n_block, is_first: cutlass.Constexpr[bool],
@@ -642,8 +673,9 @@ class FlashFwdSm90:
 
     @cute.jit
     def _first_half(self, ctx, kv_state, n_block, mask: cutlass.Constexpr[bool],
-                    causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr):
-        """Overlapped schedule, block 0: S_0 and P_0 only (P_0 V_0 runs in the next step)."""
+                    causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr, partial=None):
+        """Overlapped schedule, block 0: S_0 and P_0 only (P_0 V_0 runs in the next step).
+        `partial`: whether the block is partial (kv_bound "sparse")."""
         (tiled_mma_qk, _, tSrQ, tSrK, _, tOrP, acc_shape_S, _, softmax, _, pipe_k, _,
          _, _, _, _, _, _, _, _) = ctx
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
@@ -651,14 +683,14 @@ class FlashFwdSm90:
         sm90_mma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
                       zero_init=True, wait=0)
         pipe_k.consumer_release(kv_state)
-        self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
+        self._scores(ctx, acc_S, n_block, mask, causal, kv_bound, partial)
         softmax.step(acc_S, is_first=True)
         sm90_mma.convert_into(tOrP, sm90_mma.acc_as_a_view(acc_S))
         return kv_state
 
     @cute.jit
     def _overlap_step(self, ctx, kv_state, n_block, mask: cutlass.Constexpr[bool],
-                      causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr):
+                      causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr, partial=None):
         """Overlapped schedule, block j: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1},
         then do mods + softmax of S_j while the P V GEMM is still running."""
         (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O,
@@ -678,7 +710,7 @@ class FlashFwdSm90:
         warpgroup.wait_group(1)            # S_j ready (groups retire in order)
         pipe_k.consumer_release(kv_state)
 
-        self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
+        self._scores(ctx, acc_S, n_block, mask, causal, kv_bound, partial)
         row_scale = softmax.step(acc_S, is_first=False)
         warpgroup.wait_group(0)            # P_{j-1} V_{j-1} done: O and P registers free
         pipe_v.consumer_release(v_state)

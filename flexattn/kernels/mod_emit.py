@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 
 import cutlass
 import cutlass.cute as cute
@@ -162,6 +163,208 @@ def _emit_node(n: ir.Node, a: list, env: dict, args, fast_math: bool):
     raise NotImplementedError(f"CuTeDSL emission of IR op {op!r}")
 
 
+# ---- rows: one expression for all the elements of a fragment row --------------------
+# ``emit_row`` emits an IR expression once per row instead of once per element: the
+# variables that differ along the row (``kv``, ``score``) are TensorSSA vectors, the others
+# (``b``, ``h``, ``q``, captured scalars, constants) scalars, and an operation on a vector
+# is one vector op (MLIR unrolls it to the same per-element instructions when it lowers to
+# LLVM). Tracing then costs about a row's worth of per-element tracing, and the MLIR
+# passes before LLVM see as many fewer ops. Buffer reads at a varying index stay per
+# element (a gather), put back together as a vector.
+
+def _is_vec(x) -> bool:
+    return isinstance(x, cute.TensorSSA)
+
+
+def _vtyped(value, dtype: str):
+    """``_typed`` for scalars and vectors."""
+    if not _is_vec(value):
+        return _typed(value, dtype)
+    t = _TYPE[dtype]
+    if value.dtype is t:
+        return value
+    if dtype == ir.BOOL:
+        return value != value.dtype(0)
+    return value.to(t)
+
+
+def _vbinary(op, x, y):
+    """``op(x, y)`` where either may be a vector (a scalar operand is broadcast)."""
+    if _is_vec(y) and not _is_vec(x):
+        return y.apply_op(op, x, flip=True)
+    return op(x, y)
+
+
+def _vselect(cond, a, b, dtype):
+    if not (_is_vec(cond) or _is_vec(a) or _is_vec(b)):
+        return _select(cond, a, b, dtype)
+    a, b = _vtyped(a, dtype), _vtyped(b, dtype)
+    shape = next(v.shape for v in (cond, a, b) if _is_vec(v))
+    if not _is_vec(cond):
+        cond = cute.full(shape, _typed(cond, ir.BOOL), Boolean)
+    if not _is_vec(a):
+        a = cute.full(shape, a, _TYPE[dtype])
+    if not _is_vec(b):
+        b = cute.full(shape, b, _TYPE[dtype])
+    return cute.where(cond, a, b)
+
+
+def _vfloordiv(a, b, dtype):
+    if not (_is_vec(a) or _is_vec(b)):
+        return _floordiv(a, b, dtype)
+    t = _vbinary(operator.floordiv, a, b)
+    if dtype != ir.INT:
+        return t
+    r = _vbinary(operator.sub, a, _vbinary(operator.mul, t, b))
+    zero = Int32(0)
+    off = _vbinary(operator.and_, _vbinary(operator.ne, r, zero),
+                   _vbinary(operator.ne, _vbinary(operator.lt, r, zero), _vbinary(operator.lt, b, zero)))
+    return _vselect(off, _vbinary(operator.sub, t, Int32(1)), t, dtype)
+
+
+_VBINARY = {
+    "add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv,
+    "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
+    "eq": operator.eq, "ne": operator.ne, "and": operator.and_, "or": operator.or_,
+    "xor": operator.xor,
+}
+
+
+def _gather(n: ir.Node, row_env: dict, element_env, args, fast_math: bool):
+    """Load node ``n`` (an index varies along the row), element by element: each
+    element's index expressions emitted for that element (as per-element emission
+    does, so index arithmetic and reads interleave the same way), then its read; the
+    values put back together as a vector of the row's shape."""
+    buf = args[n.attr.slot]
+    shape = row_env["shape"]
+    values = []
+    for i in range(cute.size(shape)):
+        env = element_env(i)
+        memo: dict[int, object] = {}
+        index = []
+        for root in n.args:
+            for m in root.walk():
+                if id(m) not in memo:
+                    memo[id(m)] = _emit_node(m, [memo[id(x)] for x in m.args], env, args, fast_math)
+            index.append(_typed(memo[id(root)], ir.INT))
+        index = tuple(index) or (Int32(0),)
+        values.append(_emit_load_value(buf[index if len(index) > 1 else index[0]], n.dtype))
+    return _from_elements(values, _TYPE[n.dtype], shape)
+
+
+def _from_elements(values, t, shape):
+    """A vector of row shape ``shape`` from its elements (in flat index order)."""
+    from cutlass._mlir import ir as mlir_ir
+    from cutlass._mlir.dialects import vector
+
+    ty = mlir_ir.VectorType.get([len(values)], t.mlir_type)
+    return cute.TensorSSA(vector.from_elements(ty, [t(v).ir_value() for v in values]), shape, t)
+
+
+def _emit_load_value(value, dtype):
+    if dtype == ir.BOOL:
+        return _typed(value, ir.BOOL)
+    return _TYPE[dtype](value)
+
+
+_VARYING = frozenset(("kv", "score"))
+_BOOLEAN_LOGIC = frozenset(("and", "or", "xor", "not"))
+
+
+def row_friendly(expr: ir.Node) -> bool:
+    """Whether ``emit_row`` gives ``expr`` the code per-element emission gives it. Not
+    where boolean logic combines varying values: LLVM turns a vector select on an ``and``
+    of two compares into two selects per element (a sliding window: +64 FSEL per tile
+    and thread), where per-element code keeps one select on a predicate ``or``."""
+    return not any(n.op in _BOOLEAN_LOGIC and id(n) in varying
+                   for varying in (_varying_nodes(expr),) for n in expr.walk())
+
+
+def emit_row(node: ir.Node, env: dict, element_env, args, fast_math: bool = False) -> object:
+    """``emit`` with vector variables in ``env`` (see above; ``env["shape"]`` is the
+    row's shape): a scalar where the expression does not vary along the row, else a
+    vector of that shape. ``element_env(i)``: the scalar variables of element i, for
+    buffer reads at varying indices."""
+    varying = _varying_nodes(node)
+    # Nodes needed as values: not the index expressions of varying reads (per element).
+    needed, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if id(n) in needed:
+            continue
+        needed.add(id(n))
+        if not (n.op == "load" and id(n) in varying):
+            stack.extend(n.args)
+    values: dict[int, object] = {}
+    for n in node.walk():
+        if id(n) not in needed:
+            continue
+        if n.op == "load" and id(n) in varying:
+            values[id(n)] = _gather(n, env, element_env, args, fast_math)
+        else:
+            values[id(n)] = _emit_row_node(n, [values[id(a)] for a in n.args], env, args, fast_math)
+    return _vtyped(values[id(node)], node.dtype)
+
+
+def _varying_nodes(expr: ir.Node) -> set:
+    """ids of the nodes of ``expr`` that depend on kv or the score."""
+    varying = set()
+    for n in expr.walk():
+        if (n.op == "var" and n.attr in _VARYING) or any(id(a) in varying for a in n.args):
+            varying.add(id(n))
+    return varying
+
+
+def _emit_row_node(n: ir.Node, a: list, env: dict, args, fast_math: bool):
+    if not any(_is_vec(x) for x in a) and not (n.op == "var" and _is_vec(env[n.attr])):
+        return _emit_node(n, a, env, args, fast_math)      # nothing varies here: scalar
+    op, dt = n.op, n.dtype
+    if op == "var":
+        return _vtyped(env[n.attr], dt)
+    if op == "cast":
+        if dt == ir.BOOL:
+            return _vbinary(operator.ne, a[0], _TYPE[n.args[0].dtype](0))
+        return _vtyped(a[0], dt)
+    if op == "where":
+        return _vselect(a[0], a[1], a[2], dt)
+    if op in _VBINARY:
+        return _vbinary(_VBINARY[op], a[0], a[1])
+    if op == "floordiv":
+        return _vfloordiv(a[0], a[1], dt)
+    if op == "mod":
+        return _vbinary(operator.sub, a[0], _vbinary(operator.mul, _vfloordiv(a[0], a[1], dt), a[1]))
+    if op == "minimum":
+        return _vselect(_vbinary(operator.lt, a[0], a[1]), a[0], a[1], dt)
+    if op == "maximum":
+        return _vselect(_vbinary(operator.gt, a[0], a[1]), a[0], a[1], dt)
+    if op == "neg":
+        return -a[0]
+    if op == "abs":
+        return _vselect(_vbinary(operator.lt, a[0], _TYPE[dt](0)), -a[0], a[0], dt)
+    if op in _UNARY_MATH:
+        return _UNARY_MATH[op](a[0], fast_math)
+    if op == "not":   # (a vector's ~ gives no TensorSSA back: xor with all ones, as ~ emits)
+        return _vbinary(operator.eq, a[0], Boolean(False)) if dt == ir.BOOL else _vbinary(operator.xor, a[0], Int32(-1))
+    raise NotImplementedError(f"CuTeDSL row emission of IR op {op!r}")
+
+
+class _ElementEnv:
+    """``element_env`` for ``emit_row``: element i's variables, the varying ones (given
+    as functions of i) emitted only when an index expression reads them."""
+
+    def __init__(self, kv=None, score=None, **scalars):
+        self.scalars, self.varying = scalars, {"kv": kv, "score": score}
+
+    def __call__(self, i):
+        env = self
+
+        class _Env(dict):
+            def __missing__(self, name):
+                value = self[name] = env.varying[name](i)
+                return value
+        return _Env(env.scalars)
+
+
 class IRModHook(ModHook):
     """A ``ModHook`` emitting traced mods; ``args`` = score captures + mask captures.
 
@@ -207,6 +410,16 @@ class IRModHook(ModHook):
                 found |= mod.expr.free_vars()
         return found & frozenset(("b", "h", "q", "kv"))
 
+    def load_index_vars(self, score: bool, mask: bool) -> frozenset:
+        found = set()
+        for use, mod in ((score, self._score), (mask, self._mask)):
+            if use and mod is not None:
+                for n in mod.expr.walk():
+                    if n.op == "load":
+                        for index in n.args:
+                            found |= index.free_vars()
+        return frozenset(found) & frozenset(("b", "h", "q", "kv"))
+
     def captures(self) -> tuple:
         """The runtime values in ``args`` order."""
         s = self._score.captures if self._score is not None else ()
@@ -229,6 +442,26 @@ class IRModHook(ModHook):
     def mask(self, b, h, q, kv, args):
         env = {"b": b, "h": h, "q": q, "kv": kv}
         return emit(self._mask.expr, env, args[self._n_score_args:] if args else (), self.fast_math)
+
+    def rows(self, score: bool, mask: bool) -> bool:
+        return all(row_friendly(mod.expr) for use, mod in ((score, self._score), (mask, self._mask))
+                   if use and mod is not None)
+
+    def score_row(self, s, b, h, q, kv, args, kv_at=None):
+        """``score`` for a row: ``s`` and ``kv`` vectors; ``kv_at(i)`` element i's kv (for
+        buffer reads at kv)."""
+        env = {"score": s, "b": b, "h": h, "q": q, "kv": kv, "shape": s.shape}
+        element = _ElementEnv(b=b, h=h, q=q, kv=kv_at, score=lambda i: Float32(s[i]))
+        out = emit_row(self._score.expr, env, element, args[: self._n_score_args] if args else (),
+                       self.fast_math)
+        return out if _is_vec(out) else cute.full(s.shape, out, Float32)   # s not read
+
+    def mask_row(self, b, h, q, kv, args, kv_at=None, shape=None):
+        """``mask`` for a row of shape ``shape``: ``kv`` a vector (see ``score_row``)."""
+        env = {"b": b, "h": h, "q": q, "kv": kv, "shape": shape}
+        element = _ElementEnv(b=b, h=h, q=q, kv=kv_at)
+        return emit_row(self._mask.expr, env, element, args[self._n_score_args:] if args else (),
+                        self.fast_math)
 
     # ---- backward: the score mod's symbolic derivative (mods.derivative) ---------------
     @property

@@ -23,12 +23,15 @@ s = (q . k) * softmax_scale; masked elements become -inf after the score mod.
 
 Index safety: the kernel clamps q to Q_LEN-1 and kv to KV_LEN-1 before calling a hook,
 so a hook that indexes a buffer of length Q_LEN / KV_LEN never reads out of bounds for
-the padding rows/columns of a partial tile (their results are discarded).
+the padding rows/columns of a partial tile (their results are discarded). A hook may
+narrow the kv clamp to where it matters with `load_index_vars` (the indices that reach
+its buffer reads).
 """
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, const_expr
+from cutlass._mlir_helpers import arith as cutlass_arith
 
 
 class ModHook:
@@ -36,6 +39,14 @@ class ModHook:
 
     has_score: bool = False
     has_mask: bool = False
+
+    def rows(self, score: bool, mask: bool) -> bool:
+        """Whether `score` (if `score`) and `mask` (if `mask`) can also be emitted for a
+        whole fragment row at once: score_row(s, b, h, q, kv, args) / mask_row(b, h, q,
+        kv, args), where `s` and `kv` are vectors (cute.TensorSSA) of the row's elements
+        and the others scalars. The kernel then calls them once per row (less to trace
+        and compile than once per element, same results)."""
+        return False
 
     def score(self, s, b, h, q, kv, args):
         return s
@@ -50,6 +61,16 @@ class ModHook:
         """The indices among b, h, q, kv that `score` (if `score`) and `mask` (if `mask`)
         read; kernels may pass None for the others (and skip computing them)."""
         return frozenset(("b", "h", "q", "kv"))
+
+    def load_index_vars(self, score: bool, mask: bool) -> frozenset:
+        """The indices among b, h, q, kv that reach a buffer index in `score` (if `score`)
+        and `mask` (if `mask`): only those must be clamped into the sequence for the
+        hooks' reads to stay in bounds. Elsewhere an index past the sequence end only
+        changes values that the kernel masks anyway. All four by default (none when
+        neither method runs)."""
+        if (score and self.has_score) or (mask and self.has_mask):
+            return frozenset(("b", "h", "q", "kv"))
+        return frozenset()
 
     # ---- backward (bwd_sm90.py): derivatives of the score mod -------------------------
     # Hooks without a score mod need nothing. A hand-written hook with a score mod must
@@ -99,6 +120,19 @@ class FragmentCoords:
 
     def row0(self, r):          # thread-0 row of fragment row r: a constant
         return self._thread0(r, 0, 0)
+
+    def col0_vector(self, shape):
+        """Thread 0's columns of a fragment row of shape `shape`, as an Int32 vector
+        constant (element i: column i)."""
+        import array
+
+        from cutlass._mlir import ir
+        from cutlass._mlir.dialects import arith
+
+        n = cute.size(shape)
+        ty = ir.VectorType.get([n], Int32.mlir_type)
+        cols = array.array("i", [self.col0(c) for c in range(n)])
+        return cute.TensorSSA(arith.constant(ty, ir.DenseElementsAttr.get(cols, type=ty)), shape, Int32)
 
     def _thread0(self, r, c, mode):
         key = (r, c, mode)
@@ -151,15 +185,24 @@ def apply_mods(
     builtin_causal:  q < kv -> -inf (used when the causal config has no mask hook).
     check_kv_bounds: kv >= KV_LEN -> -inf (only the tile that straddles KV_LEN).
     clamp_kv:        the hooks see min(kv, KV_LEN - 1) (implied by check_kv_bounds; for
-                     tiles whose bound is applied by a separate bound-only call).
+                     tiles whose bound is applied by a separate bound-only call) —
+                     where kv reaches a buffer index (`mods.load_index_vars`).
     """
     q_base = m_block * coords.tile_m
     kv_base = n_block * coords.tile_n + coords.col_offset()
     q_last = seqlen_q - 1
     kv_last = seqlen_k - 1
     # kv only where something reads it (e.g. not for softcap alone): 3-4 ops per element
-    # of tracing that MLIR would delete again.
+    # of tracing that MLIR would delete again. Clamped only where a buffer index reads it
+    # (a document mask, not ALiBi or a sliding window): past KV_LEN the bound masks the
+    # element whatever the hooks made of it.
     hook_kv = "kv" in mods.index_vars(apply_score, apply_mask)
+    clamp = (clamp_kv or check_kv_bounds) and "kv" in mods.load_index_vars(apply_score, apply_mask)
+    if const_expr(mods.rows(apply_score, apply_mask) or not (apply_score or apply_mask)):
+        _apply_mods_rows(s_mn, coords, mods, batch, head, q_base, kv_base, q_last, kv_last,
+                         seqlen_k, softmax_scale, args, apply_score, apply_mask, builtin_causal,
+                         check_kv_bounds, hook_kv, clamp)
+        return
     for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
         q = q_base + coords.row(r)
         q_hook = cutlass.min(q, q_last)
@@ -168,7 +211,7 @@ def apply_mods(
             if const_expr(hook_kv or builtin_causal or check_kv_bounds):
                 kv = kv_base + coords.col0(c)
                 kv_hook = kv
-            if const_expr(hook_kv and (check_kv_bounds or clamp_kv)):
+            if const_expr(hook_kv and clamp):
                 kv_hook = cutlass.min(kv, kv_last)
             s = s_mn[r, c]
             if const_expr(apply_score):
@@ -182,3 +225,46 @@ def apply_mods(
                 s = kept_if(kv < seqlen_k, s)
             s_mn[r, c] = s
 
+
+
+def _apply_mods_rows(s_mn, coords, mods, batch, head, q_base, kv_base, q_last, kv_last, seqlen_k,
+                     softmax_scale, args, apply_score, apply_mask, builtin_causal,
+                     check_kv_bounds, hook_kv, clamp):
+    """apply_mods a row at a time (hooks with `rows`): the row's scores and kv indices as
+    vectors, the hooks called once per row."""
+    for r in range(cute.size(s_mn.shape[0])):
+        q = q_base + coords.row(r)
+        q_hook = cutlass.min(q, q_last)
+        s = s_mn[r, None].load()
+        kv = kv_hook = None
+        if hook_kv or builtin_causal or check_kv_bounds:
+            kv = coords.col0_vector(s.shape) + kv_base
+            kv_hook = kv
+        if hook_kv and clamp:
+            kv_hook = kv.apply_op(cutlass_arith._min, kv_last)
+
+        def kv_at(c):   # element c's kv as per-element emission computes it
+            kv_c = kv_base + coords.col0(c)
+            return cutlass.min(kv_c, kv_last) if clamp else kv_c
+        if apply_score:
+            s = mods.score_row(s * softmax_scale, batch, head, q_hook, kv_hook, args, kv_at=kv_at)
+        if apply_mask:
+            s = kept_where(mods.mask_row(batch, head, q_hook, kv_hook, args, kv_at=kv_at,
+                                         shape=s.shape), s)
+        if builtin_causal:
+            s = kept_where(kv <= q, s)
+        if check_kv_bounds:
+            s = kept_where(kv < seqlen_k, s)
+        s_mn[r, None].store(s)
+
+
+def kept_where(keep, s):
+    """`s` where `keep` (a Boolean, or a vector of them), else -inf: one select."""
+    if not isinstance(keep, cute.TensorSSA):
+        keep = cute.full(s.shape, keep, Boolean)
+    return cute.where(keep, s, cute.full(s.shape, -Float32.inf, Float32))
+
+
+def masked_where(cond, s):
+    """-inf where `cond` (a vector), else `s`."""
+    return cute.where(cond, cute.full(s.shape, -Float32.inf, Float32), s)

@@ -6,7 +6,7 @@ Framework-free: arrays come in through DLPack, the stream as a raw CUstream hand
 """
 
 import flexattn.kernels  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass loads)
-from flexattn.kernels.compile import ARCH_OPTION
+from flexattn.kernels.compile import ARCH_OPTION, pipeline_options
 from flexattn.kernels.fwd_sm90 import FlashFwdSm90, FwdConfig
 
 import cuda.bindings.driver as cuda
@@ -128,8 +128,9 @@ class ForwardRunner:
             t0 = time.perf_counter()
             # Compile on these very (dynamic-layout) tensors: the compiled function reads
             # its arguments in the layout it was traced with, and checks none of them.
-            fn = cute.compile(FlashFwdSm90(self.cfg), *dyn, scale, args, bs, cu_stream,
-                              options=ARCH_OPTION)
+            with pipeline_options():
+                fn = cute.compile(FlashFwdSm90(self.cfg), *dyn, scale, args, bs, cu_stream,
+                                  options=ARCH_OPTION)
             self.last_compile_seconds = time.perf_counter() - t0
             self._compiled[key] = fn
         return lambda: fn(*dyn, scale, args, bs, cu_stream)

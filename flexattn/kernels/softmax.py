@@ -42,7 +42,7 @@ class OnlineSoftmax:
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             row = s_mn[r, None].load()
-            m_cur = _row_max(s_mn, r)
+            m_cur = _row_max(row)
             if const_expr(not is_first):
                 m_cur = cute.arch.fmax(m_cur, self.row_max[r])
             m_cur = cute.arch.warp_reduction_max(m_cur, threads_in_group=4)
@@ -84,11 +84,13 @@ class OnlineSoftmax:
         return inv_sum, lse
 
 
-def _row_max(s_mn: cute.Tensor, r: int) -> Float32:
-    """Max over row r of this thread's fragment: a pairwise tree (depth log2(cols)) of
-    `max.f32`. A generic MAX reduce emits `max.NaN.f32`, with which ptxas left half of
-    the O rescale after the exp2s (SASS). Plain Python: unrolled while tracing."""
-    vals = [s_mn[r, c] for c in range(cute.size(s_mn.shape[1]))]
+def _row_max(row: cute.TensorSSA) -> Float32:
+    """Max over a row of this thread's fragment (loaded as a vector): a pairwise tree
+    (depth log2(cols)) of `max.f32`. A generic MAX reduce emits `max.NaN.f32`, with which
+    ptxas left half of the O rescale after the exp2s (SASS). Plain Python: unrolled while
+    tracing; the elements are read from the vector (one op each, where indexing the
+    fragment costs several)."""
+    vals = _elements(row)
     while len(vals) > 1:
         nxt = [cute.arch.fmax(vals[i], vals[i + 1]) for i in range(0, len(vals) - 1, 2)]
         if len(vals) % 2:
@@ -103,3 +105,11 @@ def rescale_rows(acc: cute.Tensor, row_scale: cute.Tensor):
     acc_mn = acc_mn_view(acc)
     for r in cutlass.range_constexpr(cute.size(row_scale)):
         acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])
+
+
+def _elements(row: cute.TensorSSA) -> list:
+    """The elements of a vector, in flat index order, as Float32 scalars."""
+    from cutlass._mlir.dialects import vector
+
+    v = row.ir_value() if hasattr(row, "ir_value") else row
+    return [Float32(vector.extract(v, [], [i])) for i in range(cute.size(row.shape))]

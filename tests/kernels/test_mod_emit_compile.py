@@ -29,3 +29,11 @@ def test_capture_kinds_follow_structure_not_values():
                                 ("buffer", "int32", 1))
     c = IRModHook(mods.softcap(3.0), mods.document(np.zeros(8, np.int64)))
     assert c.key() != a.key()
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_mod_rows_compile_for_sm90(name):
+    """Row emission (the forward's apply_mods on fragment rows) of every zoo mod."""
+    score, mask = ZOO[name]
+    compiled = compile_mod_eval(IRModHook(score, mask), rows=True)
+    assert compiled is not None
