@@ -12,13 +12,13 @@ warm-up launches in between:
 """
 
 import argparse
-import math
 
 import numpy as np
 import torch
 
 from bench_bwd import VARIANTS, fwd_bwd
 from bench_fwd import Variant, baselines, ours_mask_args, setup_dynamo
+from profile_kernels import step_inputs
 
 
 def _scheduled(q, k, v, var, scale, sched):
@@ -43,14 +43,8 @@ def main():
     import flexattn.torch as fa
 
     B, S, H, D = map(int, args.shape.split("x"))
-    g = torch.Generator(device="cuda").manual_seed(0)
     train = args.mode == "fwdbwd"
-    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(train)
-               for _ in range(3))
-    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-    grad_bshd = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    grad_bhsd = grad_bshd.transpose(1, 2).contiguous()
-    scale = 1.0 / math.sqrt(D)
+    (q, k, v), (qh, kh, vh), grad_bshd, grad_bhsd, scale = step_inputs(B, S, H, D, train)
     steps = []
     for name in args.variants:
         var = Variant(name, B, S, H)

@@ -35,6 +35,18 @@ def _short(name: str) -> str:
     return name[:60]
 
 
+def step_inputs(B, S, H, D, train: bool):
+    """(q, k, v [B, S, H, D] bf16 leaves, their [B, H, S, D] views, the output gradient in
+    both layouts, softmax scale): the tensors every implementation's step reads."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(train)
+               for _ in range(3))
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    grad_bshd = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    grad_bhsd = grad_bshd.transpose(1, 2).contiguous()
+    return (q, k, v), (qh, kh, vh), grad_bshd, grad_bhsd, 1.0 / math.sqrt(D)
+
+
 def profile_step(step, steps: int):
     """(kernels: name -> (µs per step, launches per step), wall µs per step)."""
     for _ in range(3):
@@ -100,14 +112,8 @@ def main():
     print(f"# {device_name()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, mode {args.mode}")
     for shape in args.shapes:
         B, S, H, D = map(int, shape.split("x"))
-        g = torch.Generator(device="cuda").manual_seed(0)
         train = args.mode == "fwdbwd"
-        q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(train)
-                   for _ in range(3))
-        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-        grad_bshd = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        grad_bhsd = grad_bshd.transpose(1, 2).contiguous()
-        scale = 1.0 / math.sqrt(D)
+        (q, k, v), (qh, kh, vh), grad_bshd, grad_bhsd, scale = step_inputs(B, S, H, D, train)
         for name in args.variants:
             var = Variant(name, B, S, H)
             density, kw = ours_mask_args(var, S)

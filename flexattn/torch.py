@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import reference
-from .blockmask import BlockMask, create_block_mask
+from .blockmask import _LIST_NAMES as BLOCK_LIST_NAMES, BlockMask, create_block_mask
 from .blockmask import DeviceArrays as BlockMaskArrays, register_device as register_block_mask_device
 from .core.decode import decode_problem
 from .core.backward_path import BackwardArrays, backward_into
@@ -907,8 +907,7 @@ def _block_lists_to_device(spec: AttentionSpec, shape, device) -> None:
         if block_mask is None:
             return
         copies = _DeviceCopies(device)
-        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        for name in BLOCK_LIST_NAMES:   # the forward's kv-side and the backward's q-side lists
             copies(getattr(block_mask, name))
 
 
