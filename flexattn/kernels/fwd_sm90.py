@@ -518,17 +518,16 @@ class FlashFwdSm90:
                 kv_state = self._step(ctx, kv_state, blocks.full_at(i), is_first=False,
                                       mask=False, causal=False, kv_bound="tail")
         else:
-            # Peel the first visit (S and P only), then the others. One copy of the step
-            # serves partial and full blocks; which masks it applies is decided per block
-            # at run time.
+            # One copy of the step serves every visit, the first included (it skips the
+            # P V of a previous block at run time): a peeled first visit would be a second
+            # copy of the mods and the softmax (compile time). Which masks a visit applies
+            # (partial or full block) is decided at run time too.
+            v_state = kv_state.clone()
+            for i in cutlass.range(n_p + n_f, unroll=1):
+                kv_state, v_state = self._sparse_step(ctx, kv_state, v_state, blocks.at(i), i > 0,
+                                                      mask=has_mask, partial=i < n_p)
             if n_p + n_f > 0:
-                self._first_half(ctx, kv_state, blocks.at(0), mask=has_mask, causal=False,
-                                 kv_bound="sparse", partial=n_p > 0)
-            for i in cutlass.range(1, n_p + n_f, unroll=1):
-                kv_state = self._overlap_step(ctx, kv_state, blocks.at(i), mask=has_mask,
-                                              causal=False, kv_bound="sparse", partial=i < n_p)
-            if n_p + n_f > 0:
-                kv_state = self._last_pv(ctx, kv_state)
+                self._last_pv(ctx, v_state, advance=False)
         return kv_state
 
     @cute.jit
@@ -719,16 +718,54 @@ class FlashFwdSm90:
         return kv_state
 
     @cute.jit
-    def _last_pv(self, ctx, kv_state):
+    def _sparse_step(self, ctx, kv_state, v_state, n_block, has_prev, mask: cutlass.Constexpr[bool], partial):
+        """Overlapped schedule, block-sparse visit: as `_overlap_step`, for any visit.
+        `kv_state`: this block's stage; `v_state`: the previous visit's, whose P V is
+        issued here unless this is the first visit (`has_prev`, run time). The softmax
+        state starts reset, so the first visit's rescale is a no-op. Returns the states
+        of the next visit and of this one."""
+        (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O,
+         softmax, _, pipe_k, pipe_v, _, _, _, _, _, _, _, wg) = ctx
+        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+        pipe_k.consumer_wait(kv_state)
+        self._turn_wait(wg)
+        sm90_mma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
+                      zero_init=True, wait=-1)
+        if has_prev:
+            pipe_v.consumer_wait(v_state)
+            sm90_mma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index],
+                          zero_init=False, wait=-1)
+        self._turn_pass(wg)
+        if has_prev:
+            warpgroup.wait_group(1)        # S_j ready (groups retire in order)
+        else:
+            warpgroup.wait_group(0)
+        pipe_k.consumer_release(kv_state)
+
+        self._scores(ctx, acc_S, n_block, mask, False, "sparse", partial)
+        row_scale = softmax.step(acc_S, is_first=False)
+        warpgroup.wait_group(0)            # P_{j-1} V_{j-1} done: O and P registers free
+        if has_prev:
+            pipe_v.consumer_release(v_state)
+        sm90_mma.convert_into(tOrP, sm90_mma.acc_as_a_view(acc_S))
+        rescale_rows(acc_O, row_scale)
+        v_state = kv_state.clone()
+        kv_state.advance()
+        return kv_state, v_state
+
+    @cute.jit
+    def _last_pv(self, ctx, kv_state, advance: cutlass.Constexpr[bool] = True):
         """Overlapped schedule, tail: O += P_last V_last; the ring moves on to the next
-        tile's first block (the producer advances alike)."""
+        tile's first block (the producer advances alike; `advance` False: the caller's
+        state has moved on already)."""
         (_, tiled_mma_pv, _, _, tOrVt, tOrP, _, acc_O, _, _, _, pipe_v,
          _, _, _, _, _, _, _, _) = ctx
         pipe_v.consumer_wait(kv_state)
         sm90_mma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index],
                       zero_init=False, wait=0)
         pipe_v.consumer_release(kv_state)
-        kv_state.advance()
+        if const_expr(advance):
+            kv_state.advance()
         return kv_state
 
     @cute.jit
