@@ -440,6 +440,8 @@ class FlashFwdSm90:
             self._turn_wait(wg)
         if const_expr(cfg.block_sparse):
             kv_state = self._visit_sparse(ctx, kv_state, blocks)
+        elif const_expr(self._one_step()):
+            kv_state = self._visit_blocks_one_step(ctx, kv_state, m_block, blocks.count)
         else:
             kv_state = self._visit_blocks(ctx, kv_state, m_block, blocks.count)
             if const_expr(cfg.intra_wg_overlap):
@@ -500,6 +502,37 @@ class FlashFwdSm90:
                                    kv_bound=False)
         return kv_state
 
+    def _one_step(self) -> bool:
+        """Whether the dense / causal structures walk their blocks with one step for every
+        block (`_visit_blocks_one_step`): with the overlapped schedule, when a hook is
+        emitted. A peeled first block would be a second copy of the hooks and the softmax
+        (compile time: causal+softcap 2456 -> 1840 SASS instructions); without hooks that
+        copy is small and the kernels keep their peeled first block."""
+        mods = self.mods
+        return self.cfg.intra_wg_overlap and (mods.has_score or mods.has_mask)
+
+    @cute.jit
+    def _visit_blocks_one_step(self, ctx, kv_state, m_block, n_block_max):
+        """`_visit_blocks` (same blocks, same order) with one overlapped step for all of
+        them. The hooks run on every block (kv clamped where they read a buffer at kv);
+        the per-row limits (causal diagonal, KV_LEN) only on the first block and, under
+        causal, on blocks crossing the diagonal, decided at run time."""
+        cfg = self.cfg
+        softmax = ctx[8]
+        softmax.reset()
+        n_diag = n_block_max - 1     # blocks >= n_diag cross the diagonal (causal)
+        if const_expr(cfg.causal):
+            n_diag = cutlass.min(n_diag, (m_block * cfg.tile_m + 1) // cfg.tile_n)
+        v_state = kv_state.clone()
+        for i in cutlass.range(n_block_max, unroll=1):
+            n_block = n_block_max - 1 - i
+            kv_state, v_state = self._sparse_step(ctx, kv_state, v_state, n_block, i > 0,
+                                                  mask=self.mods.has_mask, partial=n_block >= n_diag,
+                                                  kv_bound="limits")
+        if n_block_max > 0:
+            self._last_pv(ctx, v_state, advance=False)
+        return kv_state
+
     @cute.jit
     def _visit_sparse(self, ctx, kv_state, blocks):
         """Block-sparse structure: partial blocks (mask evaluated), then full blocks (no
@@ -556,8 +589,17 @@ class FlashFwdSm90:
                    block straddles KV_LEN (block-sparse full blocks);
           "sparse" a block of the block-sparse structure: True with the mask if `partial`
                    (run time), else "tail" without it;
+          "limits" any block of the dense / causal structures walked in one step: the
+                   hooks (kv clamped if they read a buffer at kv), then, if `partial`
+                   (run time: the first block, or one crossing the diagonal), the
+                   causal and KV_LEN limits;
           False    the block lies below KV_LEN."""
-        if const_expr(kv_bound == "sparse"):
+        if const_expr(kv_bound == "limits"):
+            self._masks(ctx, acc_S, n_block, mask, causal=False, kv_bound=False,
+                        clamp_kv=self._hooks_clamp_kv(mask))
+            if partial:
+                self._mask_past_limits(ctx, acc_S, n_block, causal=self.cfg.causal, kv_bound=True)
+        elif const_expr(kv_bound == "sparse"):
             if partial:
                 self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=True)
             else:
@@ -718,8 +760,10 @@ class FlashFwdSm90:
         return kv_state
 
     @cute.jit
-    def _sparse_step(self, ctx, kv_state, v_state, n_block, has_prev, mask: cutlass.Constexpr[bool], partial):
-        """Overlapped schedule, block-sparse visit: as `_overlap_step`, for any visit.
+    def _sparse_step(self, ctx, kv_state, v_state, n_block, has_prev, mask: cutlass.Constexpr[bool], partial,
+                     kv_bound: cutlass.Constexpr = "sparse"):
+        """Overlapped schedule, one step for any visit (block-sparse, or dense / causal
+        with hooks: `kv_bound` "sparse" / "limits", see `_scores`): as `_overlap_step`.
         `kv_state`: this block's stage; `v_state`: the previous visit's, whose P V is
         issued here unless this is the first visit (`has_prev`, run time). The softmax
         state starts reset, so the first visit's rescale is a no-op. Returns the states
@@ -742,7 +786,7 @@ class FlashFwdSm90:
             warpgroup.wait_group(0)
         pipe_k.consumer_release(kv_state)
 
-        self._scores(ctx, acc_S, n_block, mask, False, "sparse", partial)
+        self._scores(ctx, acc_S, n_block, mask, False, kv_bound, partial)
         row_scale = softmax.step(acc_S, is_first=False)
         warpgroup.wait_group(0)            # P_{j-1} V_{j-1} done: O and P registers free
         if has_prev:

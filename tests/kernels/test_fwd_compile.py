@@ -26,6 +26,8 @@ CASES = {
     "hd64-m128-causal": (FwdConfig(head_dim=64, tile_m=128, causal=True,
                                    mods=hooks.CausalHook()), lambda: ()),
     "hd128-causal-hook": (FwdConfig(head_dim=128, causal=True, mods=hooks.CausalHook()), lambda: ()),
+    "hd64-causal": (FwdConfig(head_dim=64, causal=True), lambda: ()),
+    "hd128-causal": (FwdConfig(head_dim=128, causal=True), lambda: ()),
     "hd64-softcap-fp16": (FwdConfig(dtype="fp16", head_dim=64, mods=hooks.SoftcapHook()),
                           lambda: (cutlass.Float32(30.0),)),
     "hd128-softcap": (FwdConfig(head_dim=128, mods=hooks.SoftcapHook()),
@@ -82,20 +84,28 @@ def test_softcap_value_is_not_baked_in(compiled):
 
 
 def test_causal_skips_mask_on_interior_blocks(compiled):
-    # Causal: first block, diagonal blocks, full blocks -> 3 instances of the step
-    # (QK^T: D/16 wgmma, PV: tile_n/16 wgmma each) where a tile's rows span more than one
-    # kv block (192 x 128)...
-    cfg = CASES["hd64-causal-hook"][0]
+    # Causal without hooks: first block, diagonal blocks, full blocks -> 3 instances of the
+    # step (QK^T: D/16 wgmma, PV: tile_n/16 wgmma each) where a tile's rows span more than
+    # one kv block (192 x 128)...
+    cfg = CASES["hd64-causal"][0]
     assert (cfg.tile_m, cfg.tile_n) == (192, 128)
-    assert compiled["hd64-causal-hook"].count("wgmma.mma_async") == 3 * (cfg.head_dim // 16 + cfg.tile_n // 16)
+    assert compiled["hd64-causal"].count("wgmma.mma_async") == 3 * (cfg.head_dim // 16 + cfg.tile_n // 16)
     # ... and 2 where only the first block crosses the diagonal (128 x 128: no diagonal loop).
-    cfg = CASES["hd128-causal-hook"][0]
+    cfg = CASES["hd128-causal"][0]
     per_step = cfg.head_dim // 16 + cfg.tile_n // 16
-    assert compiled["hd128-causal-hook"].count("wgmma.mma_async") == 2 * per_step
-    # Dense with a score mod: first block + the rest -> 2 instances.
-    assert compiled["hd128-softcap"].count("wgmma.mma_async") == 2 * per_step
+    assert compiled["hd128-causal"].count("wgmma.mma_async") == 2 * per_step
     # Without overlap the count is the same (the overlap moves P V by one block).
     assert compiled["hd128-causal-plain"].count("wgmma.mma_async") == 2 * per_step
+
+
+def test_hooks_walk_blocks_in_one_step(compiled):
+    # With a hook emitted (overlapped schedule), dense and causal walk every block with one
+    # step (which limits a block needs, and whether a P V is due, decided at run time),
+    # then the final P V: one copy of the hooks and the softmax.
+    for name in ("hd64-causal-hook", "hd128-causal-hook", "hd128-softcap", "hd128-doc-bias"):
+        cfg = CASES[name][0]
+        qk, pv = cfg.head_dim // 16, cfg.tile_n // 16
+        assert compiled[name].count("wgmma.mma_async") == (qk + pv) + pv, name
 
 
 def test_block_sparse_structure(compiled):

@@ -1,0 +1,99 @@
+"""First call of a new mod, on the GPU, measured alone (issue 3's ≤ 2 s target).
+
+bench_fwd.py prints a first-call column too, but there each of our first calls follows
+other libraries' work in the same process (torch.compile of flex keeps compile workers
+busy in the background), which moved our numbers by up to ~1 s between runs. Here each
+repetition is a fresh process that only runs flexattn.torch: one untimed warm-up call
+(``full``: CuTeDSL's one-time start-up, the CUDA context), then the first call of each
+mod variant, B4 S4096 H16 D128 bf16, without the on-disk kernel cache. The variants'
+order rotates between repetitions, so no variant is always the first after the warm-up.
+Block masks are built before the timed call (as a caller builds them once). Each call
+is timed as wall time and as the process's CPU time (all threads): the device's host is
+shared, and its wall times moved by ~40% between minutes in one session.
+
+    python3 benchmarks/first_call.py [--reps 3] [--variants causal window1024 ...] [--out first_call.json]
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+VARIANTS = ("causal", "window1024", "document4", "causal+softcap30", "causal+alibi")
+
+
+def child(order):
+    """One process: warm up, then print the first-call seconds of each variant as JSON."""
+    import torch
+
+    import flexattn.torch as fa
+    from flexattn import mods
+
+    B, S, H, D = 4, 4096, 16, 128
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    fa.flex_attention(q, k, v)  # warm-up: the dense kernel
+    torch.cuda.synchronize()
+    doc = torch.arange(S, device="cuda") * 4 // S
+    slopes = torch.exp2(-8.0 * torch.arange(1, H + 1, device="cuda") / H)
+    out = {}
+    for name in order:
+        kw = {"causal": lambda: {"mask": mods.causal()},
+              "window1024": lambda: {"block_mask": fa.create_block_mask(mods.sliding_window(1024), None, None, S, S)},
+              "document4": lambda: {"block_mask": fa.create_block_mask(mods.document(doc), None, None, S, S)},
+              "causal+softcap30": lambda: {"mask": mods.causal(), "score_mod": mods.softcap(30.0)},
+              "causal+alibi": lambda: {"mask": mods.causal(), "score_mod": mods.alibi(slopes)}}[name]()
+        torch.cuda.synchronize()
+        c0, t0 = time.process_time(), time.perf_counter()
+        fa.flex_attention(q, k, v, **kw)
+        torch.cuda.synchronize()
+        out[name] = (time.perf_counter() - t0, time.process_time() - c0)
+    print("FIRST_CALLS " + json.dumps(out), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args.child)
+    env = dict(os.environ, FLEXATTN_DISK_CACHE="0")
+    times = {v: [] for v in args.variants}
+    for rep in range(args.reps):
+        n = rep % len(args.variants)
+        order = args.variants[n:] + args.variants[:n]
+        res = subprocess.run([sys.executable, __file__, "--child", *order], env=env, capture_output=True, text=True)
+        line = [ln for ln in res.stdout.splitlines() if ln.startswith("FIRST_CALLS ")]
+        if res.returncode != 0 or not line:
+            print(res.stdout[-2000:], res.stderr[-4000:])
+            raise SystemExit(f"repetition {rep} failed (rc {res.returncode})")
+        got = json.loads(line[0].split(" ", 1)[1])
+        print(f"rep {rep} order {order}: " + ", ".join(f"{k} {t:.2f} ({c:.2f} cpu)" for k, (t, c) in got.items()),
+              flush=True)
+        for k, t in got.items():
+            times[k].append(t)
+    import torch
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"First call of a new mod (s), fresh process after one warm-up call, no disk cache, "
+             f"{torch.cuda.get_device_name()}, {stamp}, {args.reps} processes:", "",
+             "| variant | wall median | wall min | wall max | process CPU median |", "|---|---|---|---|---|"]
+    for k, ts in times.items():
+        wall = [t for t, _ in ts]
+        cpu = [c for _, c in ts]
+        lines.append(f"| {k} | {statistics.median(wall):.2f} | {min(wall):.2f} | {max(wall):.2f} |"
+                     f" {statistics.median(cpu):.2f} |")
+    print("\n".join(lines))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"stamp": stamp, "times": times}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
