@@ -25,8 +25,13 @@ Which kv blocks are visited, and which of them need the mask evaluated, is the *
 structure* (see block_sparsity.py): "dense" (all blocks, last first, the mask on every
 block), "causal" (blocks at or below the diagonal, the mask only on blocks crossing it) or
 "block_sparse" (a FlexAttention BlockMask's partial and full lists, runtime tensors).
-`_visit_blocks` / `_visit_sparse` (consumers) and `load` (producer) are the only code that
-enumerates blocks, in the same order.
+`_visit_blocks`, `_visit_blocks_one_step`, `_visit_sparse` (consumers) and `load`
+(producer) are the only code that enumerates blocks, in the same order. Where a hook is
+emitted (and for every block-sparse walk), one overlapped step (`_visit_step`) serves all
+blocks, the first included: which limits or masks a block needs, and whether a previous
+P V is due, are decided at run time, so the hooks and the softmax are traced once
+(compile time of a new mod, issue 3). Hook-free dense / causal kernels peel their first
+block (`_first_half`).
 """
 
 import math
@@ -440,7 +445,7 @@ class FlashFwdSm90:
             self._turn_wait(wg)
         if const_expr(cfg.block_sparse):
             kv_state = self._visit_sparse(ctx, kv_state, blocks)
-        elif const_expr(self._one_step()):
+        elif const_expr(self._walks_in_one_step()):
             kv_state = self._visit_blocks_one_step(ctx, kv_state, m_block, blocks.count)
         else:
             kv_state = self._visit_blocks(ctx, kv_state, m_block, blocks.count)
@@ -502,7 +507,7 @@ class FlashFwdSm90:
                                    kv_bound=False)
         return kv_state
 
-    def _one_step(self) -> bool:
+    def _walks_in_one_step(self) -> bool:
         """Whether the dense / causal structures walk their blocks with one step for every
         block (`_visit_blocks_one_step`): with the overlapped schedule, when a hook is
         emitted. A peeled first block would be a second copy of the hooks and the softmax
@@ -526,7 +531,7 @@ class FlashFwdSm90:
         v_state = kv_state.clone()
         for i in cutlass.range(n_block_max, unroll=1):
             n_block = n_block_max - 1 - i
-            kv_state, v_state = self._sparse_step(ctx, kv_state, v_state, n_block, i > 0,
+            kv_state, v_state = self._visit_step(ctx, kv_state, v_state, n_block, i > 0,
                                                   mask=self.mods.has_mask, partial=n_block >= n_diag,
                                                   kv_bound="limits")
         if n_block_max > 0:
@@ -557,7 +562,7 @@ class FlashFwdSm90:
             # (partial or full block) is decided at run time too.
             v_state = kv_state.clone()
             for i in cutlass.range(n_p + n_f, unroll=1):
-                kv_state, v_state = self._sparse_step(ctx, kv_state, v_state, blocks.at(i), i > 0,
+                kv_state, v_state = self._visit_step(ctx, kv_state, v_state, blocks.at(i), i > 0,
                                                       mask=has_mask, partial=i < n_p)
             if n_p + n_f > 0:
                 self._last_pv(ctx, v_state, advance=False)
@@ -714,9 +719,8 @@ class FlashFwdSm90:
 
     @cute.jit
     def _first_half(self, ctx, kv_state, n_block, mask: cutlass.Constexpr[bool],
-                    causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr, partial=None):
-        """Overlapped schedule, block 0: S_0 and P_0 only (P_0 V_0 runs in the next step).
-        `partial`: whether the block is partial (kv_bound "sparse")."""
+                    causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr):
+        """Overlapped schedule, block 0: S_0 and P_0 only (P_0 V_0 runs in the next step)."""
         (tiled_mma_qk, _, tSrQ, tSrK, _, tOrP, acc_shape_S, _, softmax, _, pipe_k, _,
          _, _, _, _, _, _, _, _) = ctx
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
@@ -724,14 +728,14 @@ class FlashFwdSm90:
         sm90_mma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
                       zero_init=True, wait=0)
         pipe_k.consumer_release(kv_state)
-        self._scores(ctx, acc_S, n_block, mask, causal, kv_bound, partial)
+        self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
         softmax.step(acc_S, is_first=True)
         sm90_mma.convert_into(tOrP, sm90_mma.acc_as_a_view(acc_S))
         return kv_state
 
     @cute.jit
     def _overlap_step(self, ctx, kv_state, n_block, mask: cutlass.Constexpr[bool],
-                      causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr, partial=None):
+                      causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr):
         """Overlapped schedule, block j: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1},
         then do mods + softmax of S_j while the P V GEMM is still running."""
         (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O,
@@ -751,7 +755,7 @@ class FlashFwdSm90:
         warpgroup.wait_group(1)            # S_j ready (groups retire in order)
         pipe_k.consumer_release(kv_state)
 
-        self._scores(ctx, acc_S, n_block, mask, causal, kv_bound, partial)
+        self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
         row_scale = softmax.step(acc_S, is_first=False)
         warpgroup.wait_group(0)            # P_{j-1} V_{j-1} done: O and P registers free
         pipe_v.consumer_release(v_state)
@@ -760,7 +764,7 @@ class FlashFwdSm90:
         return kv_state
 
     @cute.jit
-    def _sparse_step(self, ctx, kv_state, v_state, n_block, has_prev, mask: cutlass.Constexpr[bool], partial,
+    def _visit_step(self, ctx, kv_state, v_state, n_block, has_prev, mask: cutlass.Constexpr[bool], partial,
                      kv_bound: cutlass.Constexpr = "sparse"):
         """Overlapped schedule, one step for any visit (block-sparse, or dense / causal
         with hooks: `kv_bound` "sparse" / "limits", see `_scores`): as `_overlap_step`.
