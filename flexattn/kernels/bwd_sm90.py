@@ -91,7 +91,7 @@ LOG2_E = math.log2(math.e)
 # does not dispatch CTAs in index order, can get here.
 DQ_TURN_TIMEOUT_NS = 1 << 34      # ~17 s
 L2_BYTES = 50 * 1024 * 1024       # the L2 section size of the deterministic CTA order
-SMEM_CAPACITY = 227 * 1024        # sm_90 shared memory per CTA (opt-in maximum)
+SMEM_CAPACITY = sm90_mma.SMEM_CAPACITY
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 

@@ -219,6 +219,14 @@ class FlashFwdSm90:
             if const_expr(cfg.max_ctas):    # persistent: O must not overwrite the next Q
                 sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
 
+        # A layout past the limit would compile and then fail at launch ("invalid
+        # argument"): refuse it here, before any launch.
+        if const_expr(SharedStorage.size_in_bytes() > sm90_mma.SMEM_CAPACITY):
+            raise ValueError(
+                f"forward shared memory: {SharedStorage.size_in_bytes()} bytes > {sm90_mma.SMEM_CAPACITY} (sm_90);"
+                f" use a smaller tile_n ({cfg.tile_n}) or num_stages ({cfg.num_stages}), or max_ctas=0"
+                " (persistent CTAs need a separate O buffer)")
+
         # With a score mod the kernel scales s itself before the hook; exp2 then needs
         # only log2(e). Without one, scale * log2(e) folds into the exp2 argument.
         scale_log2 = Float32(LOG2_E)

@@ -22,6 +22,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.utils import LayoutEnum
 
+SMEM_CAPACITY = 227 * 1024   # sm_90 shared memory per CTA (the opt-in maximum)
+
 
 def smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
     """Swizzled smem layout for a (rows, cols) tile whose `cols` dim is contiguous,

@@ -129,6 +129,13 @@ def test_pingpong_barriers(compiled):
     assert "bar.arrive" not in compiled["hd128-causal-plain"]
 
 
+def test_shared_memory_past_the_limit_is_refused_while_compiling():
+    # 176-wide K/V tiles in two stages plus the persistent O buffer: 240 KB > 227 KB. Such a
+    # kernel compiled and then failed at launch (cudaErrorInvalidValue, H100 2026-11-22).
+    with pytest.raises(ValueError, match="shared memory"):
+        compile_forward(FwdConfig(head_dim=128, tile_n=176, max_ctas=132), ())
+
+
 def test_config_keys():
     a = FwdConfig(mods=hooks.SoftcapHook())
     b = FwdConfig(mods=hooks.SoftcapHook())
