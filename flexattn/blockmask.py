@@ -154,6 +154,16 @@ class BlockMask:
         """Percentage of tiles skipped (torch's definition)."""
         return 100.0 * (1.0 - float(self.to_dense().mean()))
 
+    def tile_balance(self) -> float | None:
+        """max / mean of the tiles each (batch, head, q block) row visits (partial + full),
+        from host lists only: None for a GPU-built mask (reading its lists would wait for
+        the GPU) or one that visits nothing. 1.0: every row does the same work."""
+        if self._states is None:
+            return None
+        counts = (self._states != EMPTY).sum(axis=-1, dtype=np.int64)
+        mean = float(counts.mean()) if counts.size else 0.0
+        return float(counts.max()) / mean if mean > 0 else None
+
     def density(self) -> float | None:
         """Fraction of (q, kv) pairs attended, exact; for FLOP accounting."""
         if self.num_allowed is None:

@@ -450,3 +450,18 @@ def test_device_without_gpu_adapter_builds_on_host():
         assert DeviceArrays(device="x", stream=0, empty=None, to_device=None).tvm_ffi_stream is False
     finally:
         _DEVICE_RESOLVERS.remove(resolver)
+
+
+def test_tile_balance_from_host_lists():
+    """max / mean of the tiles each q-block row visits: what the planner reads to choose
+    persistent CTAs for block-sparse attention."""
+    from flexattn import mods as m
+
+    S = 1024
+    assert create_block_mask(m.document(np.arange(S) * 4 // S), None, None, S, S).tile_balance() == 1.0
+    causal = create_block_mask(m.causal(), None, None, S, S).tile_balance()
+    assert causal == pytest.approx(8 / 4.5)            # rows visit 1..8 tiles
+    window = create_block_mask(m.sliding_window(256), None, None, S, S).tile_balance()
+    assert window == pytest.approx(3 / (21 / 8))       # 1, 2, then 3 tiles per row
+    empty = BlockMask(np.zeros((1, 1, 2, 2), np.int8), (256, 256), (128, 128), None)
+    assert empty.tile_balance() is None

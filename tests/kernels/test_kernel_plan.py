@@ -163,8 +163,9 @@ def test_launch_path_choice(monkeypatch):
 
 
 def test_tile_scheduling_by_structure(monkeypatch):
-    """Dense tiles all cost the same: persistent CTAs, one per SM; causal and block-sparse
-    keep one CTA per tile (causal in longest-first order)."""
+    """Dense tiles all cost the same: persistent CTAs, one per SM; so do block-sparse rows
+    of about equal work (host lists within BALANCED_TILES of the mean); causal and
+    unbalanced block-sparse keep one CTA per tile (causal in longest-first order)."""
     from flexattn.kernels import device_facts
 
     class OnGpu(torch.Tensor):  # a CPU tensor that reports a CUDA DLPack device
@@ -174,7 +175,10 @@ def test_tile_scheduling_by_structure(monkeypatch):
     monkeypatch.setattr(device_facts, "sm_count", lambda ordinal: 132)
     q = torch.empty(2, 4, 300, 128, dtype=torch.bfloat16).as_subclass(OnGpu)
     for kw, ctas, order in (({}, 132, "by_head"), ({"mask": mods.causal()}, 0, "longest_first"),
-                            ({"mask": mods.sliding_window(64)}, 0, "by_head")):
+                            # rows visit 1, 2, 2 tiles: 1.2x the mean
+                            ({"mask": mods.sliding_window(64)}, 132, "by_head"),
+                            # rows visit 0, 1, 2 tiles: 2x the mean
+                            ({"mask": mods.causal(offset=-128)}, 0, "by_head")):
         spec = AttentionSpec.from_args(**kw)
         cfg = plan_forward(q, check_inputs(q, q, q, spec), spec).config
         assert (cfg.max_ctas, cfg.tile_order) == (ctas, order), kw
