@@ -31,7 +31,8 @@ emitted (and for every block-sparse walk), one overlapped step (`_visit_step`) s
 blocks, the first included: which limits or masks a block needs, and whether a previous
 P V is due, are decided at run time, so the hooks and the softmax are traced once
 (compile time of a new mod, issue 3). Hook-free dense / causal kernels peel their first
-block (`_first_half`).
+block (`_first_half`) and run the same step for the others with the previous P V always
+due.
 """
 
 import math
@@ -586,7 +587,11 @@ class FlashFwdSm90:
         elif const_expr(is_first):
             return self._first_half(ctx, kv_state, n_block, **flags)
         else:
-            return self._overlap_step(ctx, kv_state, n_block, **flags)
+            # Block j's stage follows block j-1's (`kv_state`); the step hands back both.
+            this = kv_state.clone()
+            this.advance()
+            _, kv_state = self._visit_step(ctx, this, kv_state, n_block, True, partial=None, **flags)
+            return kv_state
 
     @cute.jit
     def _scores(self, ctx, acc_S, n_block, mask: cutlass.Constexpr[bool],
@@ -742,44 +747,15 @@ class FlashFwdSm90:
         return kv_state
 
     @cute.jit
-    def _overlap_step(self, ctx, kv_state, n_block, mask: cutlass.Constexpr[bool],
-                      causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr):
-        """Overlapped schedule, block j: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1},
-        then do mods + softmax of S_j while the P V GEMM is still running."""
-        (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O,
-         softmax, _, pipe_k, pipe_v, _, _, _, _, _, _, _, wg) = ctx
-        v_state = kv_state.clone()         # stage of block j-1
-        kv_state.advance()                 # stage of block j
-
-        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-        pipe_k.consumer_wait(kv_state)
-        self._turn_wait(wg)
-        sm90_mma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
-                      zero_init=True, wait=-1)
-        pipe_v.consumer_wait(v_state)
-        sm90_mma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index],
-                      zero_init=False, wait=-1)
-        self._turn_pass(wg)
-        warpgroup.wait_group(1)            # S_j ready (groups retire in order)
-        pipe_k.consumer_release(kv_state)
-
-        self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
-        row_scale = softmax.step(acc_S, is_first=False)
-        warpgroup.wait_group(0)            # P_{j-1} V_{j-1} done: O and P registers free
-        pipe_v.consumer_release(v_state)
-        sm90_mma.convert_into(tOrP, sm90_mma.acc_as_a_view(acc_S))
-        rescale_rows(acc_O, row_scale)
-        return kv_state
-
-    @cute.jit
     def _visit_step(self, ctx, kv_state, v_state, n_block, has_prev, mask: cutlass.Constexpr[bool], partial,
-                     kv_bound: cutlass.Constexpr = "sparse"):
-        """Overlapped schedule, one step for any visit (block-sparse, or dense / causal
-        with hooks: `kv_bound` "sparse" / "limits", see `_scores`): as `_overlap_step`.
-        `kv_state`: this block's stage; `v_state`: the previous visit's, whose P V is
-        issued here unless this is the first visit (`has_prev`, run time). The softmax
-        state starts reset, so the first visit's rescale is a no-op. Returns the states
-        of the next visit and of this one."""
+                    kv_bound: cutlass.Constexpr = "sparse", causal: cutlass.Constexpr[bool] = False):
+        """Overlapped schedule, block j: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}, then
+        do mods + softmax of S_j while the P V GEMM is still running. `kv_state`: block
+        j's stage; `v_state`: block j-1's, whose P V is issued here unless `has_prev` is
+        false (a run-time value where one step serves every visit, the first included:
+        the softmax state then starts reset, so the first visit's rescale is a no-op).
+        Masks per `kv_bound`, `causal` and `partial` (see `_scores`). Returns the stages
+        of block j+1 and of block j."""
         (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O,
          softmax, _, pipe_k, pipe_v, _, _, _, _, _, _, _, wg) = ctx
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
@@ -798,7 +774,7 @@ class FlashFwdSm90:
             warpgroup.wait_group(0)
         pipe_k.consumer_release(kv_state)
 
-        self._scores(ctx, acc_S, n_block, mask, False, kv_bound, partial)
+        self._scores(ctx, acc_S, n_block, mask, causal, kv_bound, partial)
         row_scale = softmax.step(acc_S, is_first=False)
         warpgroup.wait_group(0)            # P_{j-1} V_{j-1} done: O and P registers free
         if has_prev:
