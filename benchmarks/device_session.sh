@@ -10,7 +10,8 @@
 # (host µs per call, small shapes), profile (where the host µs of a repeated torch / CuPy
 # call go), kprofile (device µs per kernel of a step, ours beside FA4), detprofile (ours,
 # deterministic beside default), decode / decode-bench (decode tests / TB/s table), jax (JAX adapter on the
-# kernels), notebooks (every notebook on the GPU), sched (tile order / persistent CTAs ablation).
+# kernels), notebooks (every notebook on the GPU), sched (tile order / persistent CTAs ablation),
+# first-call (a new mod's first call alone, fresh processes: issue 3's target).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -54,6 +55,7 @@ for step in $steps; do
            --impls flexattn fa4 ;;
     detprofile) run detprofile 300 python3 benchmarks/profile_kernels.py --variants full window1024 document4 \
            --impls flexattn --deterministic --steps 10 ;;
+    first-call) run first_call 300 python3 benchmarks/first_call.py --reps 5 --out "$out/first_call.json" ;;
     sched) run sched 300 python3 benchmarks/bench_schedules.py --shapes 4x4096x16x128 8x2048x16x128 \
            --variants by_head longest persist persist+by_head --anchors fa4 ;;
     bwd-bench-mods) run bwd_bench_mods 560 python3 benchmarks/bench_bwd.py \
