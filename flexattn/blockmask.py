@@ -48,6 +48,9 @@ class BlockCounts(NamedTuple):
     indices: np.ndarray  # [..., rows, cols]
 
 
+_NOT_COMPUTED = object()  # BlockMask._tile_balance before its first computation
+
+
 class BlockMask:
     """Which tiles of the [Q_LEN, KV_LEN] score matrix to compute, with which mask."""
 
@@ -65,6 +68,7 @@ class BlockMask:
         self._num_allowed = num_allowed  # [B, H] exact count of attended (q, kv) pairs, if known
         self._count_allowed = None  # computes it on demand (GPU-built masks)
         self._rebuild = None  # new captures -> the block mask of the same structure (update)
+        self._tile_balance = _NOT_COMPUTED
         partial, fullb = states == PARTIAL, states == FULL
         self.kv_num_blocks, self.kv_indices = _lists(partial)
         self.full_kv_num_blocks, self.full_kv_indices = _lists(fullb)
@@ -109,6 +113,7 @@ class BlockMask:
         self._num_allowed = None
         self._count_allowed = count_allowed
         self._rebuild = None
+        self._tile_balance = _NOT_COMPUTED
         for name in _LIST_NAMES:
             setattr(self, name, arrays[name])
         return self
@@ -157,12 +162,17 @@ class BlockMask:
     def tile_balance(self) -> float | None:
         """max / mean of the tiles each (batch, head, q block) row visits (partial + full),
         from host lists only: None for a GPU-built mask (reading its lists would wait for
-        the GPU) or one that visits nothing. 1.0: every row does the same work."""
-        if self._states is None:
-            return None
-        counts = (self._states != EMPTY).sum(axis=-1, dtype=np.int64)
-        mean = float(counts.mean()) if counts.size else 0.0
-        return float(counts.max()) / mean if mean > 0 else None
+        the GPU) or one that visits nothing. 1.0: every row does the same work. Decided at
+        the first call and kept (the planner asks on every planned call, and a mask's
+        kernel configuration must not change later)."""
+        if self._tile_balance is _NOT_COMPUTED:
+            balance = None
+            if self._states is not None:
+                counts = (self._states != EMPTY).sum(axis=-1, dtype=np.int64)
+                mean = float(counts.mean()) if counts.size else 0.0
+                balance = float(counts.max()) / mean if mean > 0 else None
+            self._tile_balance = balance
+        return self._tile_balance
 
     def density(self) -> float | None:
         """Fraction of (q, kv) pairs attended, exact; for FLOP accounting."""

@@ -162,12 +162,7 @@ BALANCED_TILES = 1.25
 
 
 def _balanced(block_mask: BlockMask | None) -> bool:
-    if block_mask is None:
-        return False
-    balance = getattr(block_mask, "_tile_balance", False)
-    if balance is False:   # computed once per block mask (host lists: a numpy pass)
-        balance = block_mask.tile_balance()
-        block_mask._tile_balance = balance
+    balance = None if block_mask is None else block_mask.tile_balance()
     return balance is not None and balance <= BALANCED_TILES
 
 
