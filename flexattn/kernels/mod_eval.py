@@ -12,6 +12,7 @@ from cutlass import Float32, Int32
 from cutlass._mlir_helpers import arith as cutlass_arith
 
 from .mod_emit import IRModHook, fake_args
+from .mod_hook import int32_vector
 
 THREADS = 256
 
@@ -57,7 +58,7 @@ class ModEvalKernel:
             for c in cutlass.range_constexpr(ROW):
                 frag[c] = scores[q, cutlass.min(kv0 + c, kv_last)]
             s = frag.load()
-            kv = (cute.TensorSSA(_iota(ROW), s.shape, Int32) + kv0).apply_op(cutlass_arith._min, kv_last)
+            kv = (int32_vector(list(range(ROW)), s.shape) + kv0).apply_op(cutlass_arith._min, kv_last)
 
             def kv_at(c):
                 return cutlass.min(kv0 + c, kv_last)
@@ -94,16 +95,6 @@ class ModEvalKernel:
             if cutlass.const_expr(self.hook.has_mask):
                 keep = self.hook.mask(b, h, q, kv, args)
                 out_mask[q, kv] = cutlass.Int8(cutlass.select_(keep, cutlass.Int8(1), cutlass.Int8(0)))
-
-
-def _iota(n: int):
-    import array
-
-    from cutlass._mlir import ir
-    from cutlass._mlir.dialects import arith
-
-    ty = ir.VectorType.get([n], Int32.mlir_type)
-    return arith.constant(ty, ir.DenseElementsAttr.get(array.array("i", range(n)), type=ty))
 
 
 def compile_mod_eval(hook: IRModHook, options: str = "--gpu-arch=sm_90a", rows: bool = False):

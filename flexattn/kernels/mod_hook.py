@@ -124,15 +124,7 @@ class FragmentCoords:
     def col0_vector(self, shape):
         """Thread 0's columns of a fragment row of shape `shape`, as an Int32 vector
         constant (element i: column i)."""
-        import array
-
-        from cutlass._mlir import ir
-        from cutlass._mlir.dialects import arith
-
-        n = cute.size(shape)
-        ty = ir.VectorType.get([n], Int32.mlir_type)
-        cols = array.array("i", [self.col0(c) for c in range(n)])
-        return cute.TensorSSA(arith.constant(ty, ir.DenseElementsAttr.get(cols, type=ty)), shape, Int32)
+        return int32_vector([self.col0(c) for c in range(cute.size(shape))], shape)
 
     def _thread0(self, r, c, mode):
         key = (r, c, mode)
@@ -142,6 +134,18 @@ class FragmentCoords:
             if isinstance(value, int):   # only constants: an IR value may not dominate a later use
                 self._const[key] = value
         return value
+
+
+def int32_vector(values, shape) -> cute.TensorSSA:
+    """Python ints as an Int32 vector constant of shape `shape` (one `arith.constant`)."""
+    import array
+
+    from cutlass._mlir import ir
+    from cutlass._mlir.dialects import arith
+
+    ty = ir.VectorType.get([len(values)], Int32.mlir_type)
+    return cute.TensorSSA(arith.constant(ty, ir.DenseElementsAttr.get(array.array("i", values), type=ty)),
+                          shape, Int32)
 
 
 def masked_if(cond, s):
