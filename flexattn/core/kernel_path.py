@@ -156,7 +156,7 @@ def _block_structure(spec: AttentionSpec, shape: AttentionShape):
 
 # Block-sparse rows whose tile counts stay within this factor of the mean run persistent
 # CTAs like the dense structure: H100 2026-11-22, B4 S4096 H16 D128, window 1024 (balance
-# 1.05) 0.280 -> 0.270 ms, 4 documents (1.0) 0.283 -> 0.259 ms. Unbalanced rows (a causal
+# 1.14) 0.280 -> 0.270 ms, 4 documents (1.0) 0.283 -> 0.259 ms. Unbalanced rows (a causal
 # block mask: ~1.9) keep one CTA per tile, which the hardware balances dynamically.
 BALANCED_TILES = 1.25
 
@@ -289,7 +289,7 @@ def _ffi_device(q):
 def _ffi_tensors(values):
     """``values`` with every array converted to a ``tvm_ffi.Tensor`` once, for arguments that
     stay the same across launches: TVM-FFI passes its own tensors through, while a
-    framework array is exchanged over DLPack at every call (about 2 µs each for CuPy's,
+    framework array is exchanged over DLPack at every call (about 4 µs each for CuPy's,
     measured by bench_overhead's block-mask rows). Numbers and None pass unchanged."""
     if values is None:
         return None
