@@ -51,7 +51,7 @@ from flexattn.kernels.mod_hook import (NO_MODS, FragmentCoords, ModHook, apply_m
                                        masked_where)
 from flexattn.kernels.softmax import OnlineSoftmax, rescale_rows
 from flexattn.kernels.tile_scheduler import ByHead, LongestFirst, TileSpace, grid_size
-from flexattn.kernels.tma_pipeline import tma_ring
+from flexattn.kernels.tma_pipeline import L2_EVICT_FIRST, L2_EVICT_LAST, tma_ring
 
 LOG2_E = math.log2(math.e)
 
@@ -83,6 +83,16 @@ class FwdConfig:
     # next tile's loads overlap this one's epilogue; 0 = one CTA per tile. Costs a separate
     # O staging buffer in shared memory.
     max_ctas: int = 0
+    # L2 eviction hints on the TMA loads (K/V evict-last: every q tile of a head reads
+    # them; Q evict-first: read once). An ablation (bench_schedules "l2hints").
+    l2_hints: bool = False
+    # CTAs per cluster along the q tiles (1 or 2). With 2, the two CTAs of a cluster take
+    # adjacent q tiles of one (batch, head) and load each K/V block once for both: each
+    # CTA TMA-loads half of it, multicast into both CTAs' shared memory (FA3's cluster
+    # for head dim >= 128), halving the K/V traffic from L2. Dense structure only (both
+    # CTAs must visit the same blocks); the caller must guarantee an even number of q
+    # tiles per head (`cluster_fits`), or a pair would straddle two heads.
+    cluster_m: int = 1
 
     def __post_init__(self):
         # Resolve the defaults that depend on other fields (frozen: via object.__setattr__).
@@ -118,12 +128,22 @@ class FwdConfig:
             raise ValueError("block_sparse and causal are two block structures: pick one")
         if self.max_ctas < 0:
             raise ValueError(f"max_ctas must be >= 0, got {self.max_ctas}")
+        if self.cluster_m not in (1, 2):
+            raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
+        if self.cluster_m > 1 and (self.causal or self.block_sparse):
+            raise ValueError("cluster_m=2 needs the dense block structure (both CTAs of a cluster"
+                             " visit the same kv blocks)")
         if self.pingpong and self.tile_m == 64:
             raise ValueError("pingpong needs 2 or 3 consumer warpgroups (tile_m 128 or 192)")
 
     @property
     def cutlass_dtype(self):
         return _DTYPES[self.dtype]
+
+    def cluster_fits(self, seqlen_q: int) -> bool:
+        """Whether a call with `seqlen_q` queries may run this config (cluster_m tiles of
+        a cluster must share their (batch, head))."""
+        return -(-seqlen_q // self.tile_m) % self.cluster_m == 0
 
     def with_mods(self, mods: ModHook) -> "FwdConfig":
         """This config with another hook of the *same structure* (the caller's promise:
@@ -138,7 +158,8 @@ class FwdConfig:
         """Compile-cache key: the config with the hook replaced by its structure key."""
         return (self.dtype, self.head_dim, self.tile_m, self.tile_n, self.num_stages,
                 self.causal, self.block_sparse, self.producer_regs, self.consumer_regs, self.intra_wg_overlap,
-                self.pingpong, self.tile_order, self.max_ctas, self.mods.key())
+                self.pingpong, self.tile_order, self.max_ctas, self.l2_hints, self.cluster_m,
+                self.mods.key())
 
 
 class FlashFwdSm90:
@@ -196,12 +217,13 @@ class FlashFwdSm90:
         sV_layout = sm90_mma.smem_layout(self.dtype, cfg.tile_n, cfg.head_dim, cfg.num_stages)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
+        g2s_kv = cpasync.CopyBulkTensorTileG2SMulticastOp() if cfg.cluster_m > 1 else g2s
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
             g2s, Q, sQ_layout, (cfg.tile_m, cfg.head_dim))
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-            g2s, K, cute.select(sK_layout, mode=[0, 1]), (cfg.tile_n, cfg.head_dim), 1)
+            g2s_kv, K, cute.select(sK_layout, mode=[0, 1]), (cfg.tile_n, cfg.head_dim), cfg.cluster_m)
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            g2s, V, cute.select(sV_layout, mode=[0, 1]), (cfg.tile_n, cfg.head_dim), 1)
+            g2s_kv, V, cute.select(sV_layout, mode=[0, 1]), (cfg.tile_n, cfg.head_dim), cfg.cluster_m)
         # O goes out through sQ's buffer (same shape and swizzle) once Q is dead.
         tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), O, sQ_layout, (cfg.tile_m, cfg.head_dim))
@@ -235,7 +257,7 @@ class FlashFwdSm90:
             scale_log2 = softmax_scale * Float32(LOG2_E)
 
         grid = grid_size((Q.shape[0] + cfg.tile_m - 1) // cfg.tile_m * Q.shape[2] * Q.shape[3],
-                         cfg.max_ctas)
+                         cfg.max_ctas - cfg.max_ctas % cfg.cluster_m)
         self.kernel(
             tma_Q, tma_K, tma_V, tma_O, LSE,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
@@ -246,6 +268,7 @@ class FlashFwdSm90:
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
+            cluster=[cfg.cluster_m, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
         )
@@ -272,9 +295,12 @@ class FlashFwdSm90:
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
         n = self.num_mma_threads
         pipe_q = tma_ring(storage.mbar_q.data_ptr(), 1, n, self.bytes_q)
-        pipe_k = tma_ring(storage.mbar_k.data_ptr(), cfg.num_stages, n, self.bytes_kv)
-        pipe_v = tma_ring(storage.mbar_v.data_ptr(), cfg.num_stages, n, self.bytes_kv)
-        pipeline.pipeline_init_arrive()
+        pipe_k = tma_ring(storage.mbar_k.data_ptr(), cfg.num_stages, n, self.bytes_kv, cfg.cluster_m)
+        pipe_v = tma_ring(storage.mbar_v.data_ptr(), cfg.num_stages, n, self.bytes_kv, cfg.cluster_m)
+        # With a cluster, the peer's multicasts and release arrives target these barriers:
+        # they must be initialised cluster-wide before anyone loads.
+        cluster = (cfg.cluster_m, 1) if cfg.cluster_m > 1 else None
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster, is_relaxed=True)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -287,7 +313,7 @@ class FlashFwdSm90:
         seqlen_k = mK.shape[0]
         tiles = TileSpace((seqlen_q + cfg.tile_m - 1) // cfg.tile_m, mQ.shape[2], mQ.shape[3], seqlen_k)
 
-        pipeline.pipeline_init_wait()
+        pipeline.pipeline_init_wait(cluster_shape_mn=cluster)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
@@ -337,7 +363,13 @@ class FlashFwdSm90:
                     operands, m_block, head, head // group, batch, blocks, q_state, kv_state)
         else:   # one tile per CTA: no loop (its carried state costs registers)
             m_block, head, batch, blocks = self._tile(tiles, tiles.first, seqlen_k, block_sparse)
-            self._load_tile(operands, m_block, head, head // group, batch, blocks, q_state, kv_state)
+            q_state, kv_state = self._load_tile(
+                operands, m_block, head, head // group, batch, blocks, q_state, kv_state)
+        if const_expr(cfg.cluster_m > 1):
+            # The peer CTA's consumers still arrive on our empty barriers: stay until every
+            # slot has been released by both CTAs, so no arrive targets an exited CTA.
+            pipe_k.producer_tail(kv_state.clone())
+            pipe_v.producer_tail(kv_state.clone())
 
     @cute.jit
     def _load_tile(self, operands, m_block, head, head_kv, batch, blocks, q_state, kv_state):
@@ -349,10 +381,15 @@ class FlashFwdSm90:
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        # Cluster: this CTA's slice of each K/V block (it multicasts it to both CTAs).
+        rank, pair = 0, one
+        if const_expr(cfg.cluster_m > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            pair = cute.make_layout(cfg.cluster_m)
         tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+            tma_atom_K, rank, pair, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+            tma_atom_V, rank, pair, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
         k_src = (pipe_k, tma_atom_K, tKgK, tKsK)
         v_src = (pipe_v, tma_atom_V, tVgV, tVsV)
@@ -362,7 +399,8 @@ class FlashFwdSm90:
             if n > 0:
                 self._load_block(k_src, blocks.at(0), kv_state)
         pipe_q.producer_acquire(q_state)
-        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state),
+                  **self._l2_hint(L2_EVICT_FIRST))
         q_state.advance()
         if const_expr(not cfg.intra_wg_overlap):
             for i in cutlass.range(n, unroll=1):
@@ -388,7 +426,17 @@ class FlashFwdSm90:
         pipe, atom, tXgX, tXsX = src
         pipe.producer_acquire(state)
         cute.copy(atom, tXgX[None, n_block], tXsX[None, state.index],
-                  tma_bar_ptr=pipe.producer_get_barrier(state))
+                  tma_bar_ptr=pipe.producer_get_barrier(state), **self._l2_hint(L2_EVICT_LAST),
+                  **self._multicast())
+
+    def _l2_hint(self, policy: int) -> dict:
+        """`cute.copy` keywords for a TMA load's L2 eviction priority (cfg.l2_hints)."""
+        return dict(cache_policy=cutlass.Int64(policy)) if self.cfg.l2_hints else {}
+
+    def _multicast(self) -> dict:
+        """`cute.copy` keywords for a K/V load: into every CTA of the cluster."""
+        m = self.cfg.cluster_m
+        return dict(mcast_mask=cutlass.Int16((1 << m) - 1)) if m > 1 else {}
 
     @cute.jit
     def consume(self, mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,

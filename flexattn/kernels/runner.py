@@ -101,6 +101,9 @@ class ForwardRunner:
             raise ValueError(f"Hq={hq} must be a multiple of Hkv={hk}")
         if sk < 1 or sq < 1:
             raise ValueError("empty sequences are not supported")
+        if not cfg.cluster_fits(sq):
+            raise ValueError(f"cluster_m={cfg.cluster_m} needs a multiple of {cfg.cluster_m} q tiles of "
+                             f"{cfg.tile_m} rows per head, got Sq={sq}")
 
     def _check_block_sparse(self, q, k, block_sparse):
         (B, Hq, Sq, _) = q.shape

@@ -4,17 +4,32 @@ each stage when their MMAs have read it. Forward, backward and decode build all 
 rings (Q, K, V, dO, ...) with `tma_ring`.
 """
 
+import cutlass.cute as cute
 from cutlass import pipeline
 
 
-def tma_ring(barrier_storage, num_stages: int, num_consumer_threads: int, tx_count: int):
+def tma_ring(barrier_storage, num_stages: int, num_consumer_threads: int, tx_count: int,
+             multicast: int = 1):
     """A `PipelineTmaAsync` over `barrier_storage` (2 * num_stages mbarriers): each stage
     expects `tx_count` bytes; it is released with one arrive per consumer warp (as
     PipelineTmaAsync's consumer release does). `defer_sync`: the kernel calls
-    `pipeline_init_arrive` / `pipeline_init_wait` once for all its rings."""
+    `pipeline_init_arrive` / `pipeline_init_wait` once for all its rings.
+
+    `multicast` > 1: the stages are filled by TMA multicast from the `multicast` CTAs of a
+    (multicast x 1) cluster, each loading a slice into all of them, so a slot is free only
+    when the consumers of every CTA have released it: each consumer warp arrives on the
+    empty barrier of every CTA of the cluster."""
+    layout = cute.make_layout((1, multicast, 1, 1))
     return pipeline.PipelineTmaAsync.create(
         barrier_storage=barrier_storage, num_stages=num_stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                 num_consumer_threads // 32),
-        tx_count=tx_count, defer_sync=True)
+                                                 multicast * num_consumer_threads // 32),
+        tx_count=tx_count, cta_layout_vmnk=layout, defer_sync=True)
+
+
+# L2 eviction priorities for a TMA load's `cache_policy` (the pre-encoded policy words of
+# PTX `.L2::cache_hint`, as CUTLASS's TMA::CacheHintSm90 names them).
+L2_EVICT_NORMAL = 0x1000000000000000
+L2_EVICT_FIRST = 0x12F0000000000000
+L2_EVICT_LAST = 0x14F0000000000000

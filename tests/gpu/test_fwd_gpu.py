@@ -109,6 +109,13 @@ SCHEDULES = {  # step (b) scheduling options; results must not depend on them
     "persist+pp": dict(max_ctas=3, intra_wg_overlap=False),
     "persist+plain": dict(max_ctas=5, intra_wg_overlap=False, pingpong=False),
 }
+# Clusters of 2 CTAs sharing K/V by TMA multicast: dense structure and an even number of
+# q tiles per head only, so kept out of the random draw.
+CLUSTER_SCHEDULES = {
+    "cluster": dict(cluster_m=2),
+    "cluster+persist": dict(cluster_m=2, max_ctas=6),
+    "cluster+plain": dict(cluster_m=2, intra_wg_overlap=False, pingpong=False),
+}
 
 
 def run_case(dtype_name, D, B, Hq, Hkv, Sq, Skv, kind, layout="bhsd", sched="ov+pp", seed=0):
@@ -118,7 +125,7 @@ def run_case(dtype_name, D, B, Hq, Hkv, Sq, Skv, kind, layout="bhsd", sched="ov+
     dtype = DTYPES[dtype_name]
     q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D, dtype, layout, dev)
     cfg_kw, args, score_fn, mask_fn = mod_setup(kind, B, Hq, Sq, Skv, dev)
-    cfg = FwdConfig(dtype=dtype_name, head_dim=D, **cfg_kw, **SCHEDULES[sched])
+    cfg = FwdConfig(dtype=dtype_name, head_dim=D, **cfg_kw, **{**SCHEDULES, **CLUSTER_SCHEDULES}[sched])
     scale = 1.0 / math.sqrt(D)
     o = torch.full((B, Hq, Sq, D), float("nan"), device=dev, dtype=dtype)
     lse = torch.full((B, Hq, Sq), float("nan"), device=dev, dtype=torch.float32)
@@ -169,6 +176,17 @@ FIXED = [
     ("bf16", 64, 2, 4, 2, 450, 450, "lag", "bshd", "persist"),            # 3 WGs, empty rows
     ("fp16", 128, 2, 4, 1, 257, 700, "softcap", "bhsd", "persist+pp"),
     ("bf16", 128, 2, 2, 2, 300, 301, "causal_builtin", "bhsd", "persist+plain"),
+    # clusters (q tiles per head even: 128-row tiles, 192 for head dim 64 without score mod)
+    ("bf16", 128, 2, 4, 4, 256, 256, "none", "bhsd", "cluster"),
+    ("bf16", 128, 3, 8, 2, 1000, 999, "none", "bshd", "cluster"),          # GQA, odd Skv
+    ("fp16", 128, 1, 4, 1, 250, 1, "none", "bhsd", "cluster"),              # one key, MQA
+    ("bf16", 64, 2, 4, 2, 300, 700, "none", "bhsd", "cluster"),             # 3 WGs (192 rows)
+    ("bf16", 128, 2, 4, 2, 511, 257, "softcap", "bshd", "cluster"),
+    ("fp16", 64, 2, 2, 1, 200, 513, "lag", "bhsd", "cluster"),              # empty rows
+    ("bf16", 128, 2, 4, 4, 500, 500, "doc", "bhsd", "cluster"),             # mask on every block
+    ("bf16", 128, 3, 8, 2, 1000, 1000, "none", "bhsd", "cluster+persist"),
+    ("fp16", 128, 2, 4, 2, 700, 333, "softcap", "bshd", "cluster+persist"),
+    ("bf16", 128, 2, 4, 2, 511, 300, "none", "bhsd", "cluster+plain"),
 ]
 
 
@@ -210,6 +228,16 @@ def test_runtime_args_reuse_one_kernel():
         ref, _ = reference(q, k, v, 0.125, lambda s, *_: cap * torch.tanh(s / cap))
         assert (o.double() - ref).abs().max().item() < 2e-2
     assert len(r._compiled) == 1
+
+
+def test_cluster_refuses_odd_tile_count():
+    """A pair of a cluster must share its (batch, head): 3 q tiles per head is refused
+    before the launch, not computed with the wrong K/V."""
+    r = runner_for(FwdConfig(cluster_m=2))
+    q, k, v = (torch.randn(1, 2, 300, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    o, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
+    with pytest.raises(ValueError, match="cluster_m=2"):
+        r.run(q, k, v, o, lse, 0.1, (), torch.cuda.current_stream().cuda_stream)
 
 
 # ----------------------------------------------------------------- block sparsity

@@ -44,6 +44,10 @@ CASES = {
     "hd128-persistent": (FwdConfig(head_dim=128, max_ctas=132), lambda: ()),
     "hd64-persistent-softcap": (FwdConfig(head_dim=64, max_ctas=132, mods=hooks.SoftcapHook()),
                                 lambda: (cutlass.Float32(30.0),)),
+    # clusters of 2 CTAs sharing K/V by TMA multicast (the planner's dense head-dim-128 choice)
+    "hd128-cluster-persistent": (FwdConfig(head_dim=128, max_ctas=132, cluster_m=2), lambda: ()),
+    "hd128-cluster-softcap": (FwdConfig(head_dim=128, cluster_m=2, mods=hooks.SoftcapHook()),
+                              lambda: (cutlass.Float32(30.0),)),
 }
 
 
@@ -158,3 +162,33 @@ def test_persistent_walks_tiles_in_a_loop(compiled):
     """Persistent CTAs run the same per-tile code, once, inside a loop over tiles."""
     per_step = 128 // 16 + 128 // 16
     assert compiled["hd128-persistent"].count("wgmma.mma_async") == 2 * per_step
+
+
+def test_cluster_multicasts_kv(compiled):
+    """Cluster kernels: K/V TMA loads multicast into both CTAs, the slot releases reach the
+    peer's barriers (mapa + remote arrive), the barriers are initialised cluster-wide; Q
+    stays a plain load. Kernels without a cluster have none of it."""
+    for name in ("hd128-cluster-persistent", "hd128-cluster-softcap"):
+        ptx = compiled[name]
+        loads = [ln for ln in ptx.splitlines() if "cp.async.bulk.tensor" in ln and "complete_tx" in ln]
+        multicast = [ln for ln in loads if "multicast::cluster" in ln]
+        # K and V (two 64-column boxes each under the 128-byte swizzle), first and later
+        # visits; Q without multicast.
+        assert multicast and len(multicast) < len(loads)
+        assert "mapa.shared::cluster" in ptx and "barrier.cluster.wait" in ptx
+    for name in ("hd128-persistent", "hd128-causal"):
+        assert "multicast::cluster" not in compiled[name] and "barrier.cluster" not in compiled[name]
+
+
+def test_cluster_config_checks():
+    with pytest.raises(ValueError, match="dense"):
+        FwdConfig(cluster_m=2, causal=True)
+    with pytest.raises(ValueError, match="dense"):
+        FwdConfig(cluster_m=2, block_sparse=True, mods=hooks.CausalHook())
+    with pytest.raises(ValueError):
+        FwdConfig(cluster_m=4)
+    cfg = FwdConfig(cluster_m=2)
+    assert cfg.key() != FwdConfig().key()
+    assert cfg.cluster_fits(256) and cfg.cluster_fits(129) and cfg.cluster_fits(4096)
+    assert not cfg.cluster_fits(128) and not cfg.cluster_fits(300)
+    assert FwdConfig().cluster_fits(300)

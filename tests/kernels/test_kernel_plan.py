@@ -185,6 +185,34 @@ def test_tile_scheduling_by_structure(monkeypatch):
     assert _plan().config.max_ctas == 0   # a CPU array: nothing to query
 
 
+def test_dense_head_dim_128_with_even_q_tiles_runs_clusters(monkeypatch):
+    """Dense attention at head dim 128 pairs the CTAs of adjacent q tiles into clusters
+    sharing K/V loads, when every head has an even number of q tiles; persistent clusters
+    are as many as the driver says fit at once (not SMs / 2: clusters live inside a GPC)."""
+    from flexattn.kernels import device_facts
+
+    class OnGpu(torch.Tensor):
+        def __dlpack_device__(self):
+            return (2, 0)
+
+    monkeypatch.setattr(device_facts, "sm_count", lambda ordinal: 132)
+    monkeypatch.setattr(device_facts, "max_active_clusters", lambda ordinal, size: 60)
+
+    def plan(S, D=128, **kw):
+        q = torch.empty(2, 4, S, D, dtype=torch.bfloat16).as_subclass(OnGpu)
+        spec = AttentionSpec.from_args(**kw)
+        return plan_forward(q, check_inputs(q, q, q, spec), spec).config
+
+    for S, D, kw, cluster, ctas in ((256, 128, {}, 2, 120), (4096, 128, {"score": mods.softcap(30.0)}, 2, 120),
+                                    (300, 128, {}, 1, 132),           # 3 q tiles per head
+                                    (256, 64, {}, 1, 132),            # head dim 64: not measured a gain
+                                    (256, 128, {"mask": mods.causal()}, 1, 0)):
+        cfg = plan(S, D, **kw)
+        assert (cfg.cluster_m, cfg.max_ctas) == (cluster, ctas), (S, D, kw)
+    cpu = _plan(Q=256).config
+    assert (cpu.cluster_m, cpu.max_ctas) == (2, 0)   # a CPU array: clusters, no persistence
+
+
 @pytest.mark.parametrize("private_setter", [True, False])
 def test_env_stream_swap_sets_and_restores_tvm_ffi_stream(monkeypatch, private_setter):
     """PreparedForward.launch with a caller's stream (CuPy): TVM-FFI's environment stream
