@@ -59,6 +59,9 @@ SCHEDULES = {  # our kernel's scheduling options; "ov+pp" is the default config
     # clusters of 2 CTAs (adjacent q tiles) sharing each K/V load by TMA multicast
     "mcast": dict(cluster_m=2),
     "mcast+persist": dict(cluster_m=2, max_ctas=-1),
+    # causal without the mask hook (the production causal kernel), with and without clusters
+    "builtin": dict(builtin=True),
+    "mcast+builtin": dict(cluster_m=2, builtin=True),
 }
 
 
@@ -73,8 +76,12 @@ def ours(q, k, v, causal, scale, sched="ov+pp", block_sparse=False):
     opts = dict(SCHEDULES[sched])
     if opts.get("max_ctas") == -1:
         opts["max_ctas"] = torch.cuda.get_device_properties().multi_processor_count
+    # "builtin": the causal structure's own diagonal mask, as the planner runs causal
+    # (the other variants add a causal mask hook).
+    builtin = opts.pop("builtin", False)
+    hook = causal and not builtin
     cfg = FwdConfig(dtype="bf16", head_dim=q.shape[-1], causal=causal,
-                    mods=hooks.CausalHook() if causal else FwdConfig().mods, **opts)
+                    mods=hooks.CausalHook() if hook else FwdConfig().mods, **opts)
     lists = None
     if block_sparse:
         from torch.nn.attention.flex_attention import create_block_mask

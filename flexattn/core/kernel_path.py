@@ -167,9 +167,11 @@ def _balanced(block_mask: BlockMask | None) -> bool:
 
 
 def _clusters_pay(shape: AttentionShape) -> bool:
-    """Dense calls run clusters of 2 CTAs sharing each K/V load (TMA multicast) at head
-    dim 128 (H100 2026-11-22, B4 S4096 H16: persistent 612 -> 652 TFLOP/s), when each
-    head has an even number of 128-row q tiles (a cluster's two tiles share a head)."""
+    """Dense and causal calls run clusters of 2 CTAs sharing each K/V load (TMA
+    multicast) at head dim 128, when each head has an even number of 128-row q tiles (a
+    cluster's two tiles share a head). H100 2026-11-22, H16 D128 TFLOP/s: dense
+    persistent B4 S4096 612 -> 652, B8 S2048 592 -> 627; causal B4 S4096 569 -> 575,
+    B2 S8192 614 -> 622, B8 S2048 492 -> 492. Head dim 64 (192-row tiles): no gain."""
     return shape.head_dim == 128 and -(-shape.q_len // 128) % 2 == 0
 
 
@@ -195,7 +197,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec) -> KernelPlan:
     score = spec.score
     dtype = KERNEL_DTYPES[dtype_name(q)]
     dense = not causal and block_mask is None
-    cluster_m = 2 if dense and _clusters_pay(shape) else 1
+    cluster_m = 2 if block_mask is None and _clusters_pay(shape) else 1
     max_ctas = persistent_ctas(q, cluster_m) if dense or _balanced(block_mask) else 0
     key = (dtype, shape.head_dim, causal, block_mask is not None, max_ctas, cluster_m,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))

@@ -216,6 +216,9 @@ class BackwardRunner:
         if d != cfg.head_dim:
             raise ValueError(f"head dim {d}, kernel compiled for {cfg.head_dim}")
         check_q_and_kv_shapes(tuple(q.shape), tuple(k.shape))
+        if not cfg.cluster_fits(k.shape[2]):
+            raise ValueError(f"cluster_n={cfg.cluster_n} needs a multiple of {cfg.cluster_n} kv blocks "
+                             f"of {cfg.tile_n} keys, got Skv={k.shape[2]}")
         for name, t in (("lse", lse), ("dlse", dlse)):
             if t is None:
                 continue

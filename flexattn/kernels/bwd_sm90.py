@@ -125,6 +125,11 @@ class BwdConfig:
     # (dense walks are in lockstep: the next visitor is right behind). H200, B4 S4096 H16
     # D128 backward kernel, µs: full 2542 after_adds / 2617 next_visit; window1024 914 / 849.
     dq_turn_pass: str | None = None
+    # CTAs per cluster along the kv blocks (1 or 2). With 2, the CTAs of kv blocks 2c and
+    # 2c + 1 of one head walk the same q blocks and load each Q / dO tile once for both
+    # (TMA multicast, as the forward's cluster_m shares K/V). Dense, not deterministic
+    # (its dQ turns follow single CTAs); the caller guarantees an even number of kv blocks.
+    cluster_n: int = 1
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
@@ -147,6 +152,11 @@ class BwdConfig:
             raise ValueError(f"dq_turn_pass must be 'after_adds' or 'next_visit', got {self.dq_turn_pass!r}")
         if self.deterministic and self.tile_order == "longest_first":
             raise ValueError("deterministic mode orders its dQ turns by launch: tile_order='by_head'")
+        if self.cluster_n not in (1, 2):
+            raise ValueError(f"cluster_n must be 1 or 2, got {self.cluster_n}")
+        if self.cluster_n > 1 and (self.causal or self.block_sparse or self.deterministic
+                                   or self.tile_order == "longest_first"):
+            raise ValueError("cluster_n=2 needs the dense block structure, not deterministic, by_head")
         if self.mods.has_score and type(self.mods).score_and_grad is ModHook.score_and_grad:
             raise ValueError(f"{type(self.mods).__name__} has a score mod but no derivative "
                              "(use mod_emit.IRModHook)")
@@ -194,7 +204,12 @@ class BwdConfig:
         return ("bwd", self.dtype, self.head_dim, self.tile_m, self.tile_n, self.num_stages,
                 self.causal, self.block_sparse, self.sparse_block_m, self.producer_regs,
                 self.consumer_regs, self.deterministic, self.order,
-                self.turn_pass if self.deterministic else None, self.mods.key())
+                self.turn_pass if self.deterministic else None, self.cluster_n, self.mods.key())
+
+    def cluster_fits(self, seqlen_k: int) -> bool:
+        """Whether a call with `seqlen_k` keys may run this config (the kv blocks of a
+        cluster must share their (batch, head))."""
+        return -(-seqlen_k // self.tile_n) % self.cluster_n == 0
 
 
 def one_diagonal_read(cfg) -> bool:
@@ -404,11 +419,12 @@ class FlashBwdSm90:
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         s2g = cpasync.CopyBulkTensorTileS2GOp()
+        g2s_q = cpasync.CopyBulkTensorTileG2SMulticastOp() if cfg.cluster_n > 1 else g2s
         tile_qd, tile_kd = (tm, D), (tn, D)
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
-            g2s, Q, cute.select(sQ_layout, mode=[0, 1]), tile_qd, 1)
+            g2s_q, Q, cute.select(sQ_layout, mode=[0, 1]), tile_qd, cfg.cluster_n)
         tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(
-            g2s, dO, cute.select(sdO_layout, mode=[0, 1]), tile_qd, 1)
+            g2s_q, dO, cute.select(sdO_layout, mode=[0, 1]), tile_qd, cfg.cluster_n)
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
             g2s, K, cute.select(sK_layout, mode=[0, 1]), tile_kd, 1)
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
@@ -468,6 +484,7 @@ class FlashBwdSm90:
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
+            cluster=[cfg.cluster_n, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
         )
@@ -501,10 +518,12 @@ class FlashBwdSm90:
         n = self.num_mma_threads
         pipe_kv = tma_ring(storage.mbar_kv.data_ptr(), 1, n, 2 * self.bytes_kd)
         pipe_q = tma_ring(storage.mbar_q.data_ptr(), cfg.num_stages, n,
-                          self.bytes_qd + self.bytes_stat)
+                          self.bytes_qd + self.bytes_stat, cfg.cluster_n)
         pipe_do = tma_ring(storage.mbar_do.data_ptr(), cfg.num_stages, n,
-                           self.bytes_qd + self.bytes_stat)
-        pipeline.pipeline_init_arrive()
+                           self.bytes_qd + self.bytes_stat, cfg.cluster_n)
+        # With a cluster the peer multicasts into, and releases, these rings' barriers.
+        cluster = (cfg.cluster_n, 1) if cfg.cluster_n > 1 else None
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster, is_relaxed=True)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
@@ -534,7 +553,7 @@ class FlashBwdSm90:
                 # Launch order = dQ turn order: the highest kv block adds first.
                 n_block = cute.arch.grid_dim()[0] - 1 - n_block
 
-        pipeline.pipeline_init_wait()
+        pipeline.pipeline_init_wait(cluster_shape_mn=cluster)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
@@ -626,6 +645,8 @@ class FlashBwdSm90:
         cfg = self.cfg
         if const_expr(cfg.causal or cfg.deterministic):
             return 0
+        if const_expr(cfg.cluster_n > 1):
+            n_block = n_block - n_block % cfg.cluster_n    # one walk for the cluster's CTAs
         if const_expr(cfg.tile_n % cfg.tile_m):
             return (n_block * cfg.tile_n) // cfg.tile_m
         return n_block * (cfg.tile_n // cfg.tile_m)
@@ -652,6 +673,13 @@ class FlashBwdSm90:
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
         tile_qd = (cfg.tile_m, cfg.head_dim)
+        # Cluster: this CTA's slice of each Q / dO tile, multicast into both CTAs (LSE and
+        # D, a few hundred bytes, each CTA loads for itself).
+        rank, pair, mcast = 0, one, {}
+        if const_expr(cfg.cluster_n > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            pair = cute.make_layout(cfg.cluster_n)
+            mcast = dict(mcast_mask=cutlass.Int16((1 << cfg.cluster_n) - 1))
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
             gQ = cute.local_tile(mQ[None, None, head, batch], tile_qd, (None, 0))
@@ -659,9 +687,9 @@ class FlashBwdSm90:
             gLSE = cute.local_tile(mLSE[None, head, batch], (cfg.tile_m,), (None,))
             gDelta = cute.local_tile(mDelta[None, head, batch], (cfg.tile_m,), (None,))
             tQsQ, tQgQ = cpasync.tma_partition(
-                tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+                tma_atom_Q, rank, pair, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
             tdOsdO, tdOgdO = cpasync.tma_partition(
-                tma_atom_dO, 0, one, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
+                tma_atom_dO, rank, pair, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
             tLsL, tLgL = cpasync.tma_partition(
                 tma_atom_LSE, 0, one, cute.group_modes(sLSE, 0, 1), cute.group_modes(gLSE, 0, 1))
             tDsD, tDgD = cpasync.tma_partition(
@@ -676,15 +704,20 @@ class FlashBwdSm90:
                 m_block, _, walk = self._visit(blocks, i, walk)
                 pipe_q.producer_acquire(state)
                 bar = pipe_q.producer_get_barrier(state)
-                cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
+                cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar,
+                          **mcast)
                 cute.copy(tma_atom_LSE, tLgL[None, m_block], tLsL[None, state.index], tma_bar_ptr=bar)
                 pipe_do.producer_acquire(state)
                 bar = pipe_do.producer_get_barrier(state)
                 cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index],
-                          tma_bar_ptr=bar)
+                          tma_bar_ptr=bar, **mcast)
                 cute.copy(tma_atom_Delta, tDgD[None, m_block], tDsD[None, state.index],
                           tma_bar_ptr=bar)
                 state.advance()
+        if const_expr(cfg.cluster_n > 1):
+            # The peer's consumers still release our stages: stay until they all have.
+            pipe_q.producer_tail(state.clone())
+            pipe_do.producer_tail(state.clone())
 
     # ------------------------------------------------------------------ consumers
     @cute.jit

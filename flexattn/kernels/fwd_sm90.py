@@ -89,8 +89,9 @@ class FwdConfig:
     # CTAs per cluster along the q tiles (1 or 2). With 2, the two CTAs of a cluster take
     # adjacent q tiles of one (batch, head) and load each K/V block once for both: each
     # CTA TMA-loads half of it, multicast into both CTAs' shared memory (FA3's cluster
-    # for head dim >= 128), halving the K/V traffic from L2. Dense structure only (both
-    # CTAs must visit the same blocks); the caller must guarantee an even number of q
+    # for head dim >= 128), halving the K/V traffic from L2. Dense or causal structure
+    # (under causal the lower tile of a pair skips the blocks only the upper one sees:
+    # loaded for its peer, not computed). The caller must guarantee an even number of q
     # tiles per head (`cluster_fits`), or a pair would straddle two heads.
     cluster_m: int = 1
 
@@ -130,9 +131,11 @@ class FwdConfig:
             raise ValueError(f"max_ctas must be >= 0, got {self.max_ctas}")
         if self.cluster_m not in (1, 2):
             raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
-        if self.cluster_m > 1 and (self.causal or self.block_sparse):
-            raise ValueError("cluster_m=2 needs the dense block structure (both CTAs of a cluster"
-                             " visit the same kv blocks)")
+        if self.cluster_m > 1 and self.block_sparse:
+            raise ValueError("cluster_m=2 needs the dense or causal block structure (the CTAs of"
+                             " a cluster load the same kv blocks)")
+        if self.cluster_m > 1 and self.causal and self.tile_m != self.tile_n:
+            raise ValueError("cluster_m=2 under causal needs tile_m == tile_n")
         if self.pingpong and self.tile_m == 64:
             raise ValueError("pingpong needs 2 or 3 consumer warpgroups (tile_m 128 or 192)")
 
@@ -329,12 +332,32 @@ class FlashFwdSm90:
     @cute.jit
     def _tile(self, tiles: TileSpace, idx: Int32, seqlen_k: Int32, block_sparse):
         """(m_block, head, batch, blocks) of linear tile `idx`."""
-        m_block, head, batch = self.order.tile(idx, tiles)
+        if const_expr(self._pairs_rows()):
+            # The order places pairs of rows (2r + 1, 2r); the cluster's rank 0 takes the
+            # upper one (the longer walk under causal).
+            pairs = TileSpace(tiles.rows // 2, tiles.heads, tiles.batch, tiles.kv_len)
+            row_pair, head, batch = self.order.tile(idx // 2, pairs)
+            m_block = 2 * row_pair + 1 - idx % 2
+        else:
+            m_block, head, batch = self.order.tile(idx, tiles)
         if const_expr(self.cfg.block_sparse):
             blocks = SparseBlocks(block_sparse, batch, head, m_block)
         else:
             blocks = DenseBlocks(self._n_block_max(m_block, seqlen_k))
         return m_block, head, batch, blocks
+
+    def _pairs_rows(self) -> bool:
+        """Whether tiles are ordered in pairs of rows (a cluster under causal): a plain
+        order would pair rows of different heads whenever its fastest index is the head
+        (longest-first). Dense clusters keep the order: by-head pairs adjacent rows anyway."""
+        return self.cfg.cluster_m > 1 and self.cfg.causal
+
+    @cute.jit
+    def _blocks_for_peer(self, m_block: Int32, seqlen_k: Int32) -> Int32:
+        """Leading kv blocks the cluster pair's upper tile visits and this one does not
+        (causal cluster; 0 for the upper tile): loaded for the peer, skipped here."""
+        upper = m_block + 1 - m_block % 2
+        return self._n_block_max(upper, seqlen_k) - self._n_block_max(m_block, seqlen_k)
 
     @cute.jit
     def _n_block_max(self, m_block: Int32, seqlen_k: Int32) -> Int32:
@@ -393,6 +416,8 @@ class FlashFwdSm90:
 
         k_src = (pipe_k, tma_atom_K, tKgK, tKsK)
         v_src = (pipe_v, tma_atom_V, tVgV, tVsV)
+        if const_expr(self._pairs_rows()):
+            blocks = DenseBlocks(blocks.count + self._blocks_for_peer(m_block, mK.shape[0]))
         n = blocks.count
         # K_0 first: its slot may free up before the consumers release the previous Q.
         if const_expr(cfg.intra_wg_overlap):
@@ -497,6 +522,8 @@ class FlashFwdSm90:
         ctx = fixed + (m_block, head, batch, seqlen_q, seqlen_k, softmax_scale, mod_args, wg)
         acc_O, softmax = fixed[7], fixed[8]
         acc_O.fill(0.0)
+        if const_expr(self._pairs_rows()):
+            kv_state = self._skip_blocks(ctx, kv_state, self._blocks_for_peer(m_block, seqlen_k))
         pipe_q.consumer_wait(q_state)
         if const_expr(not cfg.intra_wg_overlap):
             self._turn_wait(wg)
@@ -517,6 +544,18 @@ class FlashFwdSm90:
         self.epilogue(acc_O, softmax, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx,
                       m_block, head, batch, seqlen_q)
         return q_state, kv_state
+
+    @cute.jit
+    def _skip_blocks(self, ctx, kv_state, count: Int32):
+        """Release `count` K/V stages unread (blocks loaded only for the cluster peer)."""
+        pipe_k, pipe_v = ctx[10], ctx[11]
+        for _ in cutlass.range(count, unroll=1):
+            pipe_k.consumer_wait(kv_state)
+            pipe_k.consumer_release(kv_state)
+            pipe_v.consumer_wait(kv_state)
+            pipe_v.consumer_release(kv_state)
+            kv_state.advance()
+        return kv_state
 
     # Ping-pong: warpgroup w may issue GEMMs once barrier (turn_barrier_id0 + w) has seen
     # the previous warpgroup's arrival; after issuing it passes the turn to the next one

@@ -70,17 +70,20 @@ def _poison(shape, dtype):
     return torch.full(shape, -1, dtype=dtype, device="cuda")
 
 
-def kernel_backward(q, k, v, do, spec, dlse=None, deterministic=False, ffi=FFI, tile_m=None):
+def kernel_backward(q, k, v, do, spec, dlse=None, deterministic=False, ffi=FFI, tile_m=None,
+                    cluster_n=None):
     """Forward kernel for O and LSE, then the backward kernels. -> (dq, dk, dv, grads by
     capture slot (None where no gradient), forward config, out, backward config).
     `deterministic`: the bitwise-repeatable backward (BwdConfig.deterministic); `ffi`:
-    launch through TVM-FFI; `tile_m`: instead of the planner's."""
+    launch through TVM-FFI; `tile_m`, `cluster_n`: instead of the planner's."""
     dev = _device()
     shape = check_inputs(q, k, v, spec)
     out = _nan((shape.batch, shape.q_heads, shape.q_len, shape.head_dim), q.dtype)
     lse = _nan((shape.batch, shape.q_heads, shape.q_len), torch.float32)
     plan = forward_into(q, k, v, out, lse, shape, spec, dev)
     tile = {} if tile_m is None else {"tile_m": tile_m}
+    if cluster_n is not None:
+        tile["cluster_n"] = cluster_n
     cfg = config_from_forward(plan.config, deterministic=deterministic, **tile)
     hook = cfg.mods
     args = ffi_mod_args(hook, dev.to_device) if ffi else runtime_args(hook, dev.to_device)
@@ -131,7 +134,7 @@ def _close(what, got, want, dtype_name):
 
 
 def check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, scale=None, layout="bhsd",
-               with_dlse=False, seed=0, ffi=FFI, tile_m=None):
+               with_dlse=False, seed=0, ffi=FFI, tile_m=None, cluster_n=None):
     torch.manual_seed(seed)
     dtype = DTYPES[dtype_name]
 
@@ -142,7 +145,8 @@ def check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, scale=None, 
     q, k, v, do = mk(Hq, Q), mk(Hkv, KV), mk(Hkv, KV), mk(Hq, Q)
     dlse = torch.randn(B, Hq, Q, device="cuda") if with_dlse else None
     spec = AttentionSpec.from_args(score=score, mask=mask, scale=scale, enable_gqa=True)
-    dq, dk, dv, grads, _, out, cfg = kernel_backward(q, k, v, do, spec, dlse, ffi=ffi, tile_m=tile_m)
+    dq, dk, dv, grads, _, out, cfg = kernel_backward(q, k, v, do, spec, dlse, ffi=ffi, tile_m=tile_m,
+                                                     cluster_n=cluster_n)
     want = reference.backward(q.cpu(), k.cpu(), v.cpu(), do.cpu(),
                               dlse.cpu() if dlse is not None else None, spec=spec)
     label = f"{name} {dtype_name} D{D} B{B} Hq{Hq} Hkv{Hkv} Q{Q} KV{KV} tile_m {cfg.tile_m}"
@@ -240,6 +244,28 @@ def test_tile_m_80(case):
     mask, score = _case_mods(name, rng, B, Hq, Q, KV)
     check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, layout=layout,
                seed=TILE80.index(case), tile_m=80)
+
+
+# Clusters of 2 CTAs (kv blocks 2c, 2c + 1) sharing Q / dO loads by TMA multicast: dense
+# only, an even number of 128-key blocks. (case, dtype, D, B, Hq, Hkv, Q, KV, layout)
+CLUSTER = [
+    ("none", "bf16", 128, 2, 4, 4, 256, 256, "bhsd"),
+    ("none", "fp16", 128, 2, 8, 2, 1000, 1000, "bshd"),        # GQA 4:1, 80-row tiles
+    ("none", "bf16", 64, 1, 3, 3, 77, 500, "bhsd"),            # 64-row tiles, partial q tile
+    ("softcap", "bf16", 128, 2, 4, 2, 333, 500, "bhsd"),
+    ("alibi", "bf16", 128, 1, 8, 8, 300, 512, "bhsd"),         # slope gradients
+    ("bias", "fp16", 64, 1, 2, 2, 130, 256, "bhsd"),           # dense bias gradient
+    ("relative_bias", "bf16", 64, 2, 4, 2, 250, 250, "bhsd"),  # per-diagonal sums
+]
+
+
+@pytest.mark.parametrize("case", CLUSTER, ids=lambda c: "-".join(map(str, c)))
+def test_cluster(case):
+    name, dtype_name, D, B, Hq, Hkv, Q, KV, layout = case
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    mask, score = _case_mods(name, rng, B, Hq, Q, KV)
+    check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, layout=layout,
+               seed=CLUSTER.index(case), cluster_n=2)
 
 
 def _random_cases(n, seed=4321):

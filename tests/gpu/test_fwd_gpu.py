@@ -187,6 +187,12 @@ FIXED = [
     ("bf16", 128, 3, 8, 2, 1000, 1000, "none", "bhsd", "cluster+persist"),
     ("fp16", 128, 2, 4, 2, 700, 333, "softcap", "bshd", "cluster+persist"),
     ("bf16", 128, 2, 4, 2, 511, 300, "none", "bhsd", "cluster+plain"),
+    # causal clusters: the lower tile of a pair skips the blocks only the upper one sees
+    ("bf16", 128, 2, 8, 2, 1000, 1000, "causal_builtin", "bhsd", "cluster"),
+    ("fp16", 128, 1, 4, 4, 1000, 700, "causal_builtin", "bshd", "cluster"),    # Sq > Skv
+    ("bf16", 128, 2, 4, 1, 256, 1000, "causal_builtin", "bhsd", "cluster"),    # Sq < Skv, MQA
+    ("bf16", 128, 2, 4, 2, 700, 701, "causal", "bhsd", "cluster"),             # + mask hook
+    ("bf16", 128, 2, 4, 2, 511, 511, "causal_builtin", "bhsd", "cluster+plain"),
 ]
 
 

@@ -48,6 +48,7 @@ CASES = {
     "hd128-cluster-persistent": (FwdConfig(head_dim=128, max_ctas=132, cluster_m=2), lambda: ()),
     "hd128-cluster-softcap": (FwdConfig(head_dim=128, cluster_m=2, mods=hooks.SoftcapHook()),
                               lambda: (cutlass.Float32(30.0),)),
+    "hd128-cluster-causal": (FwdConfig(head_dim=128, causal=True, cluster_m=2), lambda: ()),
 }
 
 
@@ -168,7 +169,7 @@ def test_cluster_multicasts_kv(compiled):
     """Cluster kernels: K/V TMA loads multicast into both CTAs, the slot releases reach the
     peer's barriers (mapa + remote arrive), the barriers are initialised cluster-wide; Q
     stays a plain load. Kernels without a cluster have none of it."""
-    for name in ("hd128-cluster-persistent", "hd128-cluster-softcap"):
+    for name in ("hd128-cluster-persistent", "hd128-cluster-softcap", "hd128-cluster-causal"):
         ptx = compiled[name]
         loads = [ln for ln in ptx.splitlines() if "cp.async.bulk.tensor" in ln and "complete_tx" in ln]
         multicast = [ln for ln in loads if "multicast::cluster" in ln]
@@ -181,9 +182,10 @@ def test_cluster_multicasts_kv(compiled):
 
 
 def test_cluster_config_checks():
-    with pytest.raises(ValueError, match="dense"):
-        FwdConfig(cluster_m=2, causal=True)
-    with pytest.raises(ValueError, match="dense"):
+    FwdConfig(cluster_m=2, causal=True)
+    with pytest.raises(ValueError, match="tile_m == tile_n"):
+        FwdConfig(cluster_m=2, causal=True, head_dim=64)          # 192-row tiles
+    with pytest.raises(ValueError, match="dense or causal"):
         FwdConfig(cluster_m=2, block_sparse=True, mods=hooks.CausalHook())
     with pytest.raises(ValueError):
         FwdConfig(cluster_m=4)

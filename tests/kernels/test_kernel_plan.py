@@ -186,9 +186,10 @@ def test_tile_scheduling_by_structure(monkeypatch):
 
 
 def test_dense_head_dim_128_with_even_q_tiles_runs_clusters(monkeypatch):
-    """Dense attention at head dim 128 pairs the CTAs of adjacent q tiles into clusters
-    sharing K/V loads, when every head has an even number of q tiles; persistent clusters
-    are as many as the driver says fit at once (not SMs / 2: clusters live inside a GPC)."""
+    """Dense and causal attention at head dim 128 pair the CTAs of adjacent q tiles into
+    clusters sharing K/V loads, when every head has an even number of q tiles (block-sparse
+    lists differ per tile: never); persistent clusters are as many as the driver says fit
+    at once (not SMs / 2: clusters live inside a GPC)."""
     from flexattn.kernels import device_facts
 
     class OnGpu(torch.Tensor):
@@ -206,7 +207,9 @@ def test_dense_head_dim_128_with_even_q_tiles_runs_clusters(monkeypatch):
     for S, D, kw, cluster, ctas in ((256, 128, {}, 2, 120), (4096, 128, {"score": mods.softcap(30.0)}, 2, 120),
                                     (300, 128, {}, 1, 132),           # 3 q tiles per head
                                     (256, 64, {}, 1, 132),            # head dim 64: not measured a gain
-                                    (256, 128, {"mask": mods.causal()}, 1, 0)):
+                                    (256, 128, {"mask": mods.causal()}, 2, 0),   # one CTA per tile
+                                    (300, 128, {"mask": mods.causal()}, 1, 0),
+                                    (256, 128, {"mask": mods.sliding_window(64)}, 1, 0)):
         cfg = plan(S, D, **kw)
         assert (cfg.cluster_m, cfg.max_ctas) == (cluster, ctas), (S, D, kw)
     cpu = _plan(Q=256).config
