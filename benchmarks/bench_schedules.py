@@ -62,6 +62,7 @@ SCHEDULES = {  # our kernel's scheduling options; "ov+pp" is the default config
     # causal without the mask hook (the production causal kernel), with and without clusters
     "builtin": dict(builtin=True),
     "mcast+builtin": dict(cluster_m=2, builtin=True),
+    "mcast+builtin+persist": dict(cluster_m=2, builtin=True, max_ctas=-1),
 }
 
 

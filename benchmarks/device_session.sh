@@ -11,7 +11,9 @@
 # call go), kprofile (device µs per kernel of a step, ours beside FA4), detprofile (ours,
 # deterministic beside default), decode / decode-bench (decode tests / TB/s table), jax (JAX adapter on the
 # kernels), notebooks (every notebook on the GPU), sched (tile order / persistent CTAs ablation),
-# first-call (a new mod's first call alone, fresh processes: issue 3's target).
+# first-call (a new mod's first call alone, fresh processes: issue 3's target), ab (ours
+# against FA4 in alternating rounds, full and causal, three shapes), bwd-sched (backward
+# kernel ablation beside FA4's backward).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -56,6 +58,10 @@ for step in $steps; do
     detprofile) run detprofile 300 python3 benchmarks/profile_kernels.py --variants full window1024 document4 \
            --impls flexattn --deterministic --steps 10 ;;
     first-call) run first_call 300 python3 benchmarks/first_call.py --reps 5 --out "$out/first_call.json" ;;
+    ab) run ab 300 python3 benchmarks/ab_interleaved.py --shapes 4x4096x16x128 8x2048x16x128 \
+           2x8192x16x128 --variants full causal --rounds 10 ;;
+    bwd-sched) run bwd_sched 300 python3 benchmarks/bench_bwd_schedules.py --shapes 4x4096x16x128 \
+           --variants cluster ;;
     sched) run sched 300 python3 benchmarks/bench_schedules.py --shapes 4x4096x16x128 8x2048x16x128 \
            --variants by_head longest persist persist+by_head --anchors fa4 ;;
     bwd-bench-mods) run bwd_bench_mods 560 python3 benchmarks/bench_bwd.py \
