@@ -82,7 +82,7 @@ from flexattn.kernels.atomics import (
 from flexattn.kernels.bwd_blocks import DenseQBlocks, KvVisitors, SparseQBlocks
 from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook, kept_if
 from flexattn.kernels.tile_scheduler import LongestFirst, TileSpace
-from flexattn.kernels.tma_pipeline import tma_ring
+from flexattn.kernels.tma_pipeline import multicast_slice, tma_ring
 
 LOG2_E = math.log2(math.e)
 # Deterministic mode: a CTA waiting this long for its dQ turn traps (the launch fails
@@ -675,11 +675,7 @@ class FlashBwdSm90:
         tile_qd = (cfg.tile_m, cfg.head_dim)
         # Cluster: this CTA's slice of each Q / dO tile, multicast into both CTAs (LSE and
         # D, a few hundred bytes, each CTA loads for itself).
-        rank, pair, mcast = 0, one, {}
-        if const_expr(cfg.cluster_n > 1):
-            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-            pair = cute.make_layout(cfg.cluster_n)
-            mcast = dict(mcast_mask=cutlass.Int16((1 << cfg.cluster_n) - 1))
+        rank, pair, mcast = multicast_slice(cfg.cluster_n)
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
             gQ = cute.local_tile(mQ[None, None, head, batch], tile_qd, (None, 0))

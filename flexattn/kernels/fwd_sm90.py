@@ -51,7 +51,7 @@ from flexattn.kernels.mod_hook import (NO_MODS, FragmentCoords, ModHook, apply_m
                                        masked_where)
 from flexattn.kernels.softmax import OnlineSoftmax, rescale_rows
 from flexattn.kernels.tile_scheduler import ByHead, LongestFirst, TileSpace, grid_size
-from flexattn.kernels.tma_pipeline import L2_EVICT_FIRST, L2_EVICT_LAST, tma_ring
+from flexattn.kernels.tma_pipeline import L2_EVICT_FIRST, L2_EVICT_LAST, multicast_slice, tma_ring
 
 LOG2_E = math.log2(math.e)
 
@@ -405,17 +405,14 @@ class FlashFwdSm90:
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
         # Cluster: this CTA's slice of each K/V block (it multicasts it to both CTAs).
-        rank, pair = 0, one
-        if const_expr(cfg.cluster_m > 1):
-            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-            pair = cute.make_layout(cfg.cluster_m)
+        rank, pair, multicast = multicast_slice(cfg.cluster_m)
         tKsK, tKgK = cpasync.tma_partition(
             tma_atom_K, rank, pair, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(
             tma_atom_V, rank, pair, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
-        k_src = (pipe_k, tma_atom_K, tKgK, tKsK)
-        v_src = (pipe_v, tma_atom_V, tVgV, tVsV)
+        k_src = (pipe_k, tma_atom_K, tKgK, tKsK, multicast)
+        v_src = (pipe_v, tma_atom_V, tVgV, tVsV, multicast)
         if const_expr(self._pairs_rows()):
             blocks = DenseBlocks(blocks.count + self._blocks_for_peer(m_block, mK.shape[0]))
         n = blocks.count
@@ -448,20 +445,15 @@ class FlashFwdSm90:
     @cute.jit
     def _load_block(self, src, n_block, state):
         """TMA one K or V block into the ring slot of `state` (waits for the slot)."""
-        pipe, atom, tXgX, tXsX = src
+        pipe, atom, tXgX, tXsX, multicast = src
         pipe.producer_acquire(state)
         cute.copy(atom, tXgX[None, n_block], tXsX[None, state.index],
                   tma_bar_ptr=pipe.producer_get_barrier(state), **self._l2_hint(L2_EVICT_LAST),
-                  **self._multicast())
+                  **multicast)
 
     def _l2_hint(self, policy: int) -> dict:
         """`cute.copy` keywords for a TMA load's L2 eviction priority (cfg.l2_hints)."""
         return dict(cache_policy=cutlass.Int64(policy)) if self.cfg.l2_hints else {}
-
-    def _multicast(self) -> dict:
-        """`cute.copy` keywords for a K/V load: into every CTA of the cluster."""
-        m = self.cfg.cluster_m
-        return dict(mcast_mask=cutlass.Int16((1 << m) - 1)) if m > 1 else {}
 
     @cute.jit
     def consume(self, mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,

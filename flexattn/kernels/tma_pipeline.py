@@ -4,6 +4,7 @@ each stage when their MMAs have read it. Forward, backward and decode build all 
 rings (Q, K, V, dO, ...) with `tma_ring`.
 """
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import pipeline
 
@@ -26,6 +27,18 @@ def tma_ring(barrier_storage, num_stages: int, num_consumer_threads: int, tx_cou
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                                  multicast * num_consumer_threads // 32),
         tx_count=tx_count, cta_layout_vmnk=layout, defer_sync=True)
+
+
+def multicast_slice(cluster_size: int):
+    """(rank, CTA layout, copy keywords) for a TMA load shared by a (cluster_size x 1)
+    cluster: `cpasync.tma_partition(atom, rank, layout, ...)` gives this CTA's slice of the
+    tile, and `cute.copy(..., **keywords)` multicasts it into every CTA of the cluster.
+    Without a cluster: the whole tile, a plain load."""
+    if cluster_size == 1:
+        return 0, cute.make_layout(1), {}
+    rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+    mask = cutlass.Int16((1 << cluster_size) - 1)
+    return rank, cute.make_layout(cluster_size), dict(mcast_mask=mask)
 
 
 # L2 eviction priorities for a TMA load's `cache_policy` (the pre-encoded policy words of
