@@ -19,6 +19,8 @@ from common import bench_ms
 VARIANTS = {  # BwdConfig overrides on top of the planner's config (config_from_forward)
     "default": {},
     "cluster": dict(cluster_n=2),      # kv-block pairs share Q / dO loads (TMA multicast)
+    "by_head": dict(tile_order="by_head"),            # kv blocks of a head in launch order
+    "longest": dict(tile_order="longest_first"),      # (the default under causal)
 }
 
 
