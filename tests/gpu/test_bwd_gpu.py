@@ -237,13 +237,18 @@ def _case_mods(name, rng, B, Hq, Q, KV):
     return mask, score
 
 
-@pytest.mark.parametrize("case", TILE80, ids=lambda c: "-".join(map(str, c)))
-def test_tile_m_80(case):
+def _check_listed(case, cases, **overrides):
+    """check_case for `case` of the list `cases`, with backward config `overrides`."""
     name, dtype_name, D, B, Hq, Hkv, Q, KV, layout = case
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
     mask, score = _case_mods(name, rng, B, Hq, Q, KV)
     check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, layout=layout,
-               seed=TILE80.index(case), tile_m=80)
+               seed=cases.index(case), **overrides)
+
+
+@pytest.mark.parametrize("case", TILE80, ids=lambda c: "-".join(map(str, c)))
+def test_tile_m_80(case):
+    _check_listed(case, TILE80, tile_m=80)
 
 
 # Clusters of 2 CTAs (kv blocks 2c, 2c + 1) sharing Q / dO loads by TMA multicast: dense
@@ -261,11 +266,7 @@ CLUSTER = [
 
 @pytest.mark.parametrize("case", CLUSTER, ids=lambda c: "-".join(map(str, c)))
 def test_cluster(case):
-    name, dtype_name, D, B, Hq, Hkv, Q, KV, layout = case
-    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
-    mask, score = _case_mods(name, rng, B, Hq, Q, KV)
-    check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, layout=layout,
-               seed=CLUSTER.index(case), cluster_n=2)
+    _check_listed(case, CLUSTER, cluster_n=2)
 
 
 def _random_cases(n, seed=4321):
