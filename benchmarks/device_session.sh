@@ -13,7 +13,9 @@
 # kernels), notebooks (every notebook on the GPU), sched (tile order / persistent CTAs ablation),
 # first-call (a new mod's first call alone, fresh processes: issue 3's target), ab (ours
 # against FA4 in alternating rounds, full and causal, three shapes), bwd-sched (backward
-# kernel ablation beside FA4's backward).
+# kernel ablation beside FA4's backward), kprofile-shapes (device µs per kernel of a
+# fwd+bwd step, ours beside FA4, at S4096 and S8192: where the backward's per-CTA cost
+# sits, issue 4).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -58,6 +60,8 @@ for step in $steps; do
     detprofile) run detprofile 300 python3 benchmarks/profile_kernels.py --variants full window1024 document4 \
            --impls flexattn --deterministic --steps 10 ;;
     first-call) run first_call 300 python3 benchmarks/first_call.py --reps 5 --out "$out/first_call.json" ;;
+    kprofile-shapes) run kprofile_shapes 400 python3 benchmarks/profile_kernels.py \
+           --shapes 4x4096x16x128 2x8192x16x128 --variants full causal --impls flexattn fa4 ;;
     ab) run ab 300 python3 benchmarks/ab_interleaved.py --shapes 4x4096x16x128 8x2048x16x128 \
            2x8192x16x128 --variants full causal --rounds 10 ;;
     bwd-sched) run bwd_sched 300 python3 benchmarks/bench_bwd_schedules.py --shapes 4x4096x16x128 \
