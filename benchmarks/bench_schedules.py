@@ -53,9 +53,6 @@ SCHEDULES = {  # our kernel's scheduling options; "ov+pp" is the default config
     "n176+persist": dict(tile_n=176, max_ctas=-1),
     "n160+persist": dict(tile_n=160, max_ctas=-1),
     "n192": dict(tile_n=192),
-    # L2 eviction hints on the TMA loads (K/V evict-last, Q evict-first)
-    "l2hints": dict(l2_hints=True),
-    "l2hints+persist": dict(l2_hints=True, max_ctas=-1),
     # clusters of 2 CTAs (adjacent q tiles) sharing each K/V load by TMA multicast
     "mcast": dict(cluster_m=2),
     "mcast+persist": dict(cluster_m=2, max_ctas=-1),

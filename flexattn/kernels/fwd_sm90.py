@@ -51,7 +51,7 @@ from flexattn.kernels.mod_hook import (NO_MODS, FragmentCoords, ModHook, apply_m
                                        masked_where)
 from flexattn.kernels.softmax import OnlineSoftmax, rescale_rows
 from flexattn.kernels.tile_scheduler import ByHead, LongestFirst, TileSpace, grid_size
-from flexattn.kernels.tma_pipeline import L2_EVICT_FIRST, L2_EVICT_LAST, multicast_slice, tma_ring
+from flexattn.kernels.tma_pipeline import multicast_slice, tma_ring
 
 LOG2_E = math.log2(math.e)
 
@@ -83,9 +83,6 @@ class FwdConfig:
     # next tile's loads overlap this one's epilogue; 0 = one CTA per tile. Costs a separate
     # O staging buffer in shared memory.
     max_ctas: int = 0
-    # L2 eviction hints on the TMA loads (K/V evict-last: every q tile of a head reads
-    # them; Q evict-first: read once). An ablation (bench_schedules "l2hints").
-    l2_hints: bool = False
     # CTAs per cluster along the q tiles (1 or 2). With 2, the two CTAs of a cluster take
     # adjacent q tiles of one (batch, head) and load each K/V block once for both: each
     # CTA TMA-loads half of it, multicast into both CTAs' shared memory (FA3's cluster
@@ -161,7 +158,7 @@ class FwdConfig:
         """Compile-cache key: the config with the hook replaced by its structure key."""
         return (self.dtype, self.head_dim, self.tile_m, self.tile_n, self.num_stages,
                 self.causal, self.block_sparse, self.producer_regs, self.consumer_regs, self.intra_wg_overlap,
-                self.pingpong, self.tile_order, self.max_ctas, self.l2_hints, self.cluster_m,
+                self.pingpong, self.tile_order, self.max_ctas, self.cluster_m,
                 self.mods.key())
 
 
@@ -421,8 +418,7 @@ class FlashFwdSm90:
             if n > 0:
                 self._load_block(k_src, blocks.at(0), kv_state)
         pipe_q.producer_acquire(q_state)
-        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state),
-                  **self._l2_hint(L2_EVICT_FIRST))
+        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
         q_state.advance()
         if const_expr(not cfg.intra_wg_overlap):
             for i in cutlass.range(n, unroll=1):
@@ -448,12 +444,7 @@ class FlashFwdSm90:
         pipe, atom, tXgX, tXsX, multicast = src
         pipe.producer_acquire(state)
         cute.copy(atom, tXgX[None, n_block], tXsX[None, state.index],
-                  tma_bar_ptr=pipe.producer_get_barrier(state), **self._l2_hint(L2_EVICT_LAST),
-                  **multicast)
-
-    def _l2_hint(self, policy: int) -> dict:
-        """`cute.copy` keywords for a TMA load's L2 eviction priority (cfg.l2_hints)."""
-        return dict(cache_policy=cutlass.Int64(policy)) if self.cfg.l2_hints else {}
+                  tma_bar_ptr=pipe.producer_get_barrier(state), **multicast)
 
     @cute.jit
     def consume(self, mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,

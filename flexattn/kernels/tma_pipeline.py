@@ -39,10 +39,3 @@ def multicast_slice(cluster_size: int):
     rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
     mask = cutlass.Int16((1 << cluster_size) - 1)
     return rank, cute.make_layout(cluster_size), dict(mcast_mask=mask)
-
-
-# L2 eviction priorities for a TMA load's `cache_policy` (the pre-encoded policy words of
-# PTX `.L2::cache_hint`, as CUTLASS's TMA::CacheHintSm90 names them).
-L2_EVICT_NORMAL = 0x1000000000000000
-L2_EVICT_FIRST = 0x12F0000000000000
-L2_EVICT_LAST = 0x14F0000000000000
