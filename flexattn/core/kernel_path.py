@@ -216,6 +216,9 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec) -> KernelPlan:
             causal=causal, block_sparse=block_mask is not None, mods=template, max_ctas=max_ctas,
             cluster_m=cluster_m,
         )
+        # _clusters_pay counts 128-row q tiles; the kernel pairs its own tile_m rows, and
+        # the TVM-FFI launch does not check again: the two counts must agree.
+        assert config.cluster_fits(shape.q_len), (config.tile_m, cluster_m, shape.q_len)
         entry = _PlanEntry(config, capture_kinds(template))
         if len(_PLANS) >= _PLANS_CAPACITY:
             _PLANS.pop(next(iter(_PLANS)))
