@@ -15,7 +15,11 @@
 # against FA4 in alternating rounds, full and causal, three shapes), bwd-sched (backward
 # kernel ablation beside FA4's backward), kprofile-shapes (device µs per kernel of a
 # fwd+bwd step, ours beside FA4, at S4096 and S8192: where the backward's per-CTA cost
-# sits, issue 4).
+# sits, issue 4), bwd-fixed (main kernel µs against steps per CTA, ours and FA4: per-CTA
+# fixed cost vs per-step cost), ncu-bwd (Nsight Compute sections of every kernel of one
+# causal fwd+bwd step, ours and FA4, text into $OUT/ncu_bwd.txt), ncu-src (the causal
+# backward main kernels, ours and FA4: warp-state samples per SASS instruction as CSV,
+# $OUT/src_ours.csv and $OUT/src_fa4.csv, plus the stall-reason details).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -62,6 +66,26 @@ for step in $steps; do
     first-call) run first_call 300 python3 benchmarks/first_call.py --reps 5 --out "$out/first_call.json" ;;
     kprofile-shapes) run kprofile_shapes 400 python3 benchmarks/profile_kernels.py \
            --shapes 4x4096x16x128 2x8192x16x128 --variants full causal --impls flexattn fa4 ;;
+    bwd-fixed) run bwd_fixed 300 python3 benchmarks/bwd_fixed_cost.py ;;
+    ncu-bwd) echo "== ncu-bwd ($(date -u +%H:%M:%S))"
+             timeout 400 ncu --profile-from-start off --clock-control none --section SpeedOfLight \
+               --section ComputeWorkloadAnalysis --section WarpStateStats --section LaunchStats \
+               --section Occupancy python3 benchmarks/ncu_step.py --mode fwdbwd --variants causal \
+               --impls flexattn fa4 > "$out/ncu_bwd.txt" 2>&1
+             echo "rc=$?"; grep -E "^  [a-zA-Z_].*\(|Duration|Compute \(SM\) Throughput|Executed Ipc A" "$out/ncu_bwd.txt" | head -60 ;;
+    ncu-src) echo "== ncu-src ($(date -u +%H:%M:%S))"
+             timeout 300 ncu --profile-from-start off --clock-control none \
+               -k "regex:FlashBwdSm90|BackwardSm90_" --section SourceCounters --section WarpStateStats \
+               -f -o "$out/bwd_src" python3 benchmarks/ncu_step.py --mode fwdbwd --variants causal \
+               --impls flexattn fa4 > "$out/ncu_src.log" 2>&1
+             echo "rc=$?"; tail -3 "$out/ncu_src.log"
+             ncu -i "$out/bwd_src.ncu-rep" -k regex:FlashBwdSm90 --page source --csv --print-source sass \
+               > "$out/src_ours.csv" 2> "$out/src_err.txt"
+             ncu -i "$out/bwd_src.ncu-rep" -k regex:BackwardSm90_ --page source --csv --print-source sass \
+               > "$out/src_fa4.csv" 2>> "$out/src_err.txt"
+             ncu -i "$out/bwd_src.ncu-rep" --page details --print-details all > "$out/src_details.txt" 2>&1
+             rm -f "$out/bwd_src.ncu-rep"
+             ls -la "$out"; head -c 600 "$out/src_err.txt"; grep -i "stall" "$out/src_details.txt" | head -60 ;;
     ab) run ab 300 python3 benchmarks/ab_interleaved.py --shapes 4x4096x16x128 8x2048x16x128 \
            2x8192x16x128 --variants full causal --rounds 10 ;;
     bwd-sched) run bwd_sched 300 python3 benchmarks/bench_bwd_schedules.py --shapes 4x4096x16x128 \

@@ -42,8 +42,8 @@ sdQ 40 KB, LSE / D: 227 KB, the sm_90 limit, so no room for the relative-bias di
 sums (sDiag: at 80 each thread adds its diagonals itself; the planner keeps 64 for those
 mods).
 
-Per visit (consumer warpgroup):  S^T = K Q^T, dP^T = V dO^T (SS, async) -> P^T from LSE
-(mods re-applied exactly as the forward does) -> dS^T -> dS^T to smem (double-buffered
+Per visit (consumer warpgroup):  LSE to registers, S^T = K Q^T, dP^T = V dO^T (SS, async)
+-> P^T from LSE (mods re-applied exactly as the forward does; D read while dP^T runs) -> dS^T -> dS^T to smem (double-buffered
 by Q stage), dV (RS, async) -> barrier ds_full -> dQ (SS) -> dK (RS) -> dQ to smem for
 the writer (while dK runs).
 
@@ -338,6 +338,19 @@ class FlashBwdSm90:
         return self.cfg.tile_m == 64 and one_diagonal_read(self.cfg)
 
     @property
+    def stats_in_registers(self) -> bool:
+        """LSE and D are read into registers early in each step (`_column_values`): LSE
+        before the step's first GEMM is issued, D before the dP^T wait. An ld.shared
+        issued after a batch of wgmma instructions waits in the same queue until the
+        tensor core has taken them all, and the exponent's first FFMA stalled there (Nsight
+        Compute, causal: 11% of the consumers' stall samples, FA4 reads them the same
+        early way). Causal B4 S4096 H16 D128 backward 477.7 -> 500.6 TFLOP/s, B2 S8192
+        542.4 -> 563.2, full 566 -> 568 / 606 -> 619 (H100, 2026-11-22). With a score mod
+        the extra live registers spill (softcap: 24-72 bytes), so that path keeps reading
+        them from shared memory per element."""
+        return not self.mods.has_score
+
+    @property
     def diag_floats(self) -> int:
         if not self.diagonal_reduction:
             return 1
@@ -538,11 +551,13 @@ class FlashBwdSm90:
         seqlen_k = mK.shape[0]
         group = num_q_heads // mK.shape[2]          # q heads per kv head (GQA)
         if const_expr(cfg.order == "longest_first"):
-            # Q, dO, LSE, D rows of the group are what the CTAs of a kv head share.
+            # What the CTAs of a kv head share: the Q, dO, LSE, D rows of its group and
+            # their fp32 dQ accumulator rows (counting those halves the L2 sections at
+            # S4096: causal B4 H16 D128 backward 500.6 -> 506.5 TFLOP/s, H100, 2026-11-22).
             tiles = TileSpace((seqlen_k + cfg.tile_n - 1) // cfg.tile_n, mK.shape[2],
                               mK.shape[3], seqlen_q * group)
             n_block, head_kv, batch = LongestFirst(
-                2 * cfg.head_dim * (self.dtype.width // 8) + 8,
+                cfg.head_dim * (2 * (self.dtype.width // 8) + 4) + 8,
                 last_row_first=False).tile(tiles.first, tiles)
         elif const_expr(self.head_swizzle):
             n_block, head_kv, batch = self._deterministic_tile(seqlen_q, seqlen_k, group,
@@ -851,6 +866,9 @@ class FlashBwdSm90:
         # S^T = K Q^T and dP^T = V dO^T, both in flight at once.
         acc_S = cute.make_rmem_tensor(acc_shape_nm, Float32)
         pipe_q.consumer_wait(state)
+        lse, delta = sLSE[None, stage], sDelta[None, stage]
+        if const_expr(self.stats_in_registers):
+            lse = self._column_values(lse, coords)
         sm90_mma.gemm(tiled_mma_nm, acc_S, tSrK[None, None, None, 0],
                       tSrQ[None, None, None, stage], zero_init=True, wait=-1)
         acc_dP = cute.make_rmem_tensor(acc_shape_nm, Float32)
@@ -863,18 +881,20 @@ class FlashBwdSm90:
             # temporaries instead of two more 32-register fragments (which spilled).
             warpgroup.wait_group(0)
             # (One copy of this loop: two spill with a score mod's temporaries.)
-            self._pointwise(acc_S, acc_dP, sLSE[None, stage], sDelta[None, stage], coords,
+            self._pointwise(acc_S, acc_dP, lse, delta, coords,
                             blk, scale_log2, grad_args, mask, causal, True,
                             self._diag_row(sDiag, coords))
             sm90_mma.convert_into(tVrP, sm90_mma.acc_as_a_view(acc_S))
         else:
             # Without a score mod dS = dS': P is computed while dP^T is still in flight.
             warpgroup.wait_group(1)                  # S^T ready (groups retire in order)
-            self._pointwise_at_edge(acc_S, None, sLSE[None, stage], None, coords, blk,
+            self._pointwise_at_edge(acc_S, None, lse, None, coords, blk,
                                     scale_log2, grad_args, mask, causal)
             sm90_mma.convert_into(tVrP, sm90_mma.acc_as_a_view(acc_S))
+            if const_expr(self.stats_in_registers):
+                delta = self._column_values(delta, coords)
             warpgroup.wait_group(0)                  # dP^T ready
-            self._ds_from_p(acc_S, acc_dP, sDelta[None, stage], coords)
+            self._ds_from_p(acc_S, acc_dP, delta, coords)
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         sm90_mma.convert_into(rdS, acc_dP)
 
@@ -1061,7 +1081,7 @@ class FlashBwdSm90:
                 q = q_first + coords.col0(c)
                 q_hook = cutlass.min(q, seqlen_q - 1)
             if const_expr(rows_outer or r == 0):
-                lse = sLSE[col_local0 + coords.col0(c)]
+                lse = self._column(sLSE, c, col_local0, coords)
                 if const_expr(fused):
                     delta = sDelta[col_local0 + coords.col0(c)]
             if const_expr(need_kv):
@@ -1130,13 +1150,31 @@ class FlashBwdSm90:
                 dp_mn[r, c] = Float32(cutlass.select_(p == Float32(0.0), Float32(0.0), ds))
 
     @cute.jit
+    def _column_values(self, sStat, coords):
+        """This thread's columns of a per-row statistic (LSE or D of the stage) read from
+        shared memory into registers."""
+        n = cute.size(coords.t_mn.shape[1])
+        vals = cute.make_rmem_tensor(cute.make_layout(n), Float32)
+        col_local0 = coords.col_offset()
+        for c in cutlass.range_constexpr(n):
+            vals[c] = sStat[col_local0 + coords.col0(c)]
+        return vals
+
+    def _column(self, stat, c, col_local0, coords):
+        """Fragment column c's value of a statistic: from `_column_values`' registers or
+        from its shared-memory row."""
+        if const_expr(self.stats_in_registers):
+            return stat[c]
+        return stat[col_local0 + coords.col0(c)]
+
+    @cute.jit
     def _ds_from_p(self, acc_P, acc_dP, sDelta, coords):
         """No score mod: acc_dP (dP^T) <- dS^T = P * (dP - D)."""
         p_mn = sm90_mma.acc_mn_view(acc_P)
         dp_mn = sm90_mma.acc_mn_view(acc_dP)
         col_local0 = coords.col_offset()
         for c in cutlass.range_constexpr(cute.size(p_mn.shape[1])):
-            delta = sDelta[col_local0 + coords.col0(c)]
+            delta = self._column(sDelta, c, col_local0, coords)
             for r in cutlass.range_constexpr(cute.size(p_mn.shape[0])):
                 dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - delta)
 
