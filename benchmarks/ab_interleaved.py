@@ -8,7 +8,11 @@ full and causal ratios moved by +-3% between runs of the same code). Here every 
 times ours then FA4 (even rounds) or FA4 then ours (odd rounds); the table gives the
 median ms of each and the median of the per-round ratios.
 
+`--mode fwdbwd`: the training step of bench_bwd.py instead (forward + the gradients of q,
+k, v; TFLOP/s count 3.5x the forward's work).
+
     python3 benchmarks/ab_interleaved.py [--shapes 4x4096x16x128] [--variants full causal] [--rounds 10]
+        [--mode fwd|fwdbwd]
 """
 
 import argparse
@@ -18,6 +22,7 @@ import statistics
 
 import torch
 
+from bench_bwd import BWD_FLOPS, fwd_bwd
 from bench_fwd import Variant, baselines, ours_mask_args, setup_dynamo
 from common import bench_ms
 
@@ -27,6 +32,7 @@ def main():
     ap.add_argument("--shapes", nargs="*", default=["4x4096x16x128"], help="BxSxHxD")
     ap.add_argument("--variants", nargs="*", default=["full", "causal"])
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwd")
     args = ap.parse_args()
     setup_dynamo()
     import flexattn.torch as fa
@@ -35,15 +41,21 @@ def main():
     for shape in args.shapes:
         B, S, H, D = map(int, shape.split("x"))
         g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+        train = args.mode == "fwdbwd"
+        q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(train)
+                   for _ in range(3))
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+        grad = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
         scale = 1.0 / math.sqrt(D)
         for name in args.variants:
             var = Variant(name, B, S, H)
             density, kw = ours_mask_args(var, S)
-            work = 4.0 * B * H * S * S * D * density
+            work = (BWD_FLOPS if train else 1.0) * 4.0 * B * H * S * S * D * density
             ours = lambda: fa.flex_attention(qh, kh, vh, score_mod=var.score, scale=scale, **kw)  # noqa: E731
             fa4 = dict(baselines(q, k, v, scale, var, S))["fa4"]()
+            if train:
+                ours = fwd_bwd(ours, (q, k, v), grad.transpose(1, 2).contiguous())
+                fa4 = fwd_bwd(fa4, (q, k, v), grad)
             ours(), fa4()
             torch.cuda.synchronize()
             times = {"ours": [], "fa4": []}
@@ -58,7 +70,8 @@ def main():
             print(line, flush=True)
             lines.append(line)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"\n== ours vs FA4, {args.rounds} alternating rounds, {torch.cuda.get_device_name()}, {stamp} ==")
+    print(f"\n== ours vs FA4, {args.mode}, {args.rounds} alternating rounds, {torch.cuda.get_device_name()}, "
+          f"{stamp} ==")
     print("| shape | variant | ours TFLOP/s (median) | fa4 TFLOP/s (median) | ours/fa4 (median of rounds) | range |")
     print("|---|---|---|---|---|---|")
     print("\n".join(lines))

@@ -19,7 +19,10 @@
 # fixed cost vs per-step cost), ncu-bwd (Nsight Compute sections of every kernel of one
 # causal fwd+bwd step, ours and FA4, text into $OUT/ncu_bwd.txt), ncu-src (the causal
 # backward main kernels, ours and FA4: warp-state samples per SASS instruction as CSV,
-# $OUT/src_ours.csv and $OUT/src_fa4.csv, plus the stall-reason details).
+# $OUT/src_ours.csv and $OUT/src_fa4.csv, plus the stall-reason details), ncu-bytes (DRAM
+# and L2 bytes, instructions and duration of every kernel of a full and a causal fwd+bwd
+# step, ours and FA4: where the energy of a step goes once the GPU is power-limited),
+# sustained (fwd+bwd, backward and forward under seconds of load: ms, MHz, W, mJ per call).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -86,6 +89,15 @@ for step in $steps; do
              ncu -i "$out/bwd_src.ncu-rep" --page details --print-details all > "$out/src_details.txt" 2>&1
              rm -f "$out/bwd_src.ncu-rep"
              ls -la "$out"; head -c 600 "$out/src_err.txt"; grep -i "stall" "$out/src_details.txt" | head -60 ;;
+    ncu-bytes) echo "== ncu-bytes ($(date -u +%H:%M:%S))"
+             timeout 300 ncu --profile-from-start off --clock-control none --metrics \
+               gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,sm__inst_executed.sum \
+               python3 benchmarks/ncu_step.py --mode fwdbwd --variants full causal --impls flexattn fa4 \
+               > "$out/ncu_bytes.txt" 2>&1
+             echo "rc=$?"; grep -E "^  [a-z].*CC 9|duration|bytes|inst_executed" "$out/ncu_bytes.txt" \
+               | sed -E 's/object_at.*(\([0-9]+, [0-9]+, [0-9]+\)x)/\1/' | cut -c1-110 ;;
+    sustained) for m in fwdbwd bwd fwd; do run sustained_$m 200 python3 benchmarks/sustained_clocks.py \
+               --mode $m --variants full causal --seconds 2.5; done ;;
     ab) run ab 300 python3 benchmarks/ab_interleaved.py --shapes 4x4096x16x128 8x2048x16x128 \
            2x8192x16x128 --variants full causal --rounds 10 ;;
     bwd-sched) run bwd_sched 300 python3 benchmarks/bench_bwd_schedules.py --shapes 4x4096x16x128 \
