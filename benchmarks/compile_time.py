@@ -141,7 +141,6 @@ KERNELS = {
     "bwd-det-relbias": _bwd(head_dim=128, score=_relative_bias, deterministic=True),
     "bwd-causal-alibi": _bwd(head_dim=128, causal=True, score=_alibi),
     "bwd-window": _bwd(head_dim=128, block_sparse=True, mask=_window),
-    "bwd-full": _bwd(head_dim=128),
     "bwd-det-full": _bwd(head_dim=128, deterministic=True),
     # tile_m 80 (dQ swapped): what the planner picks for dense non-causal head dim 128
     "bwd80-full": _bwd(head_dim=128, tile_m=80),

@@ -1,8 +1,6 @@
 """flexattn.jax on CPU: forward vs the reference, jit, grad (vs reference and finite
 differences), captured jax arrays as operands, a jitted training step."""
 
-import copy
-
 import numpy as np
 import pytest
 
