@@ -22,7 +22,9 @@
 # $OUT/src_ours.csv and $OUT/src_fa4.csv, plus the stall-reason details), ncu-bytes (DRAM
 # and L2 bytes, instructions and duration of every kernel of a full and a causal fwd+bwd
 # step, ours and FA4: where the energy of a step goes once the GPU is power-limited),
-# sustained (fwd+bwd, backward and forward under seconds of load: ms, MHz, W, mJ per call).
+# sustained (fwd+bwd, backward and forward under seconds of load: ms, MHz, W, mJ per call),
+# ncu-decode (B 8 L 8k decode kernels, ours and SDPA's: duration, DRAM bytes and
+# throughput, SM active vs elapsed cycles — where the last few % of bandwidth go, issue 5).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -98,6 +100,12 @@ for step in $steps; do
                | sed -E 's/object_at.*(\([0-9]+, [0-9]+, [0-9]+\)x)/\1/' | cut -c1-110 ;;
     sustained) for m in fwdbwd bwd fwd; do run sustained_$m 200 python3 benchmarks/sustained_clocks.py \
                --mode $m --variants full causal --seconds 2.5; done ;;
+    ncu-decode) echo "== ncu-decode ($(date -u +%H:%M:%S))"
+             timeout 300 ncu --profile-from-start off --clock-control none --metrics \
+               gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__cycles_active.avg,sm__cycles_elapsed.max,launch__grid_size,sm__warps_active.avg.pct_of_peak_sustained_active \
+               python3 benchmarks/ncu_decode.py > "$out/ncu_decode.txt" 2>&1
+             echo "rc=$?"; grep -E "^  [a-zA-Z_].*CC 9|duration|bytes|throughput|cycles|grid_size|warps_active|profiled" \
+               "$out/ncu_decode.txt" | sed -E 's/_object_at_.*(\([0-9]+, [0-9]+, [0-9]+\)x)/ \1/' | cut -c1-110 ;;
     ab) run ab 300 python3 benchmarks/ab_interleaved.py --shapes 4x4096x16x128 8x2048x16x128 \
            2x8192x16x128 --variants full causal --rounds 10 ;;
     bwd-sched) run bwd_sched 300 python3 benchmarks/bench_bwd_schedules.py --shapes 4x4096x16x128 \
