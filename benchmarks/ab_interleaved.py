@@ -45,7 +45,6 @@ def main():
         q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(train)
                    for _ in range(3))
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-        grad = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
         scale = 1.0 / math.sqrt(D)
         for name in args.variants:
             var = Variant(name, B, S, H)
@@ -54,6 +53,7 @@ def main():
             ours = lambda: fa.flex_attention(qh, kh, vh, score_mod=var.score, scale=scale, **kw)  # noqa: E731
             fa4 = dict(baselines(q, k, v, scale, var, S))["fa4"]()
             if train:
+                grad = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
                 ours = fwd_bwd(ours, (q, k, v), grad.transpose(1, 2).contiguous())
                 fa4 = fwd_bwd(fa4, (q, k, v), grad)
             ours(), fa4()

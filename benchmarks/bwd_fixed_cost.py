@@ -21,7 +21,6 @@ from bench_bwd_schedules import fa4, ours
 from profile_kernels import profile_step
 
 TILE_M = 80          # both implementations' q tile for dense head dim 128
-SMS = 132
 
 
 def main():
@@ -38,8 +37,9 @@ def main():
     g = torch.Generator(device="cuda").manual_seed(0)
     k, v = (torch.randn(B, Skv, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
             for _ in range(2))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     ctas = -(-Skv // 128) * H * B
-    waves = ctas / SMS
+    waves = ctas / sms
     rows = []
     for sq in args.sq:
         q, do = (torch.randn(B, sq, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -57,7 +57,7 @@ def main():
         rows.append((sq, math.ceil(sq / TILE_M), res))
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"\n== backward main kernel vs steps per CTA, B{B} H{H} D{D} Skv {Skv} dense, "
-          f"{ctas} CTAs ({waves:.2f} waves of {SMS}), {torch.cuda.get_device_name()}, {stamp} ==")
+          f"{ctas} CTAs ({waves:.2f} waves of {sms}), {torch.cuda.get_device_name()}, {stamp} ==")
     print("| Sq | steps/CTA | ours main µs | FA4 main µs | ours/FA4 | ours pre+post µs | FA4 other µs |")
     print("|---|---|---|---|---|---|---|")
     for sq, steps, res in rows:

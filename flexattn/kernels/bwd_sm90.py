@@ -43,9 +43,9 @@ sums (sDiag: at 80 each thread adds its diagonals itself; the planner keeps 64 f
 mods).
 
 Per visit (consumer warpgroup):  LSE to registers, S^T = K Q^T, dP^T = V dO^T (SS, async)
--> P^T from LSE (mods re-applied exactly as the forward does; D read while dP^T runs) -> dS^T -> dS^T to smem (double-buffered
-by Q stage), dV (RS, async) -> barrier ds_full -> dQ (SS) -> dK (RS) -> dQ to smem for
-the writer (while dK runs).
+-> P^T from LSE (mods re-applied exactly as the forward does; D read while dP^T runs)
+-> dS^T -> dS^T to smem (double-buffered by Q stage), dV (RS, async) -> barrier ds_full
+-> dQ (SS) -> dK (RS) -> dQ to smem for the writer (while dK runs).
 
 Workspaces (fp32, rows padded to `BwdConfig.q_pad`): lse_log2 (LSE * log2 e; +inf for
 empty or padding rows so P = 0 there), delta (D), dq_accum. See bwd_preprocess.py.
@@ -1083,7 +1083,7 @@ class FlashBwdSm90:
             if const_expr(rows_outer or r == 0):
                 lse = self._column(sLSE, c, col_local0, coords)
                 if const_expr(fused):
-                    delta = sDelta[col_local0 + coords.col0(c)]
+                    delta = self._column(sDelta, c, col_local0, coords)
             if const_expr(need_kv):
                 kv = kv_base + coords.row(r)
                 kv_hook = cutlass.min(kv, seqlen_k - 1)
@@ -1162,7 +1162,7 @@ class FlashBwdSm90:
 
     def _column(self, stat, c, col_local0, coords):
         """Fragment column c's value of a statistic: from `_column_values`' registers or
-        from its shared-memory row."""
+        from its shared-memory row (score-mod paths, which never read into registers)."""
         if const_expr(self.stats_in_registers):
             return stat[c]
         return stat[col_local0 + coords.col0(c)]
