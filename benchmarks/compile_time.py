@@ -133,6 +133,8 @@ KERNELS = {
     "dense-mask": _fwd(head_dim=128, tile_m=128, mask=_window),
     "decode-window-alibi": _decode(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2,
                                    score=_alibi, mask=lambda: _window_4k()),
+    "decode-cluster4-alibi": _decode(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, cluster_splits=4,
+                                     score=_alibi, mask=lambda: _window_4k()),
     "bwd-full": _bwd(head_dim=128),
     "bwd-causal": _bwd(head_dim=128, causal=True),
     "bwd-causal-softcap": _bwd(head_dim=128, causal=True, score=_softcap),

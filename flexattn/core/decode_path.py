@@ -19,10 +19,11 @@ the cache's lengths (host ints) are checked (batch, query tokens present, capaci
 go with the offsets (``len - q_len``) into the plan's buffer through the workspace's
 uploader (a ``StagingRing`` slot and one asynchronous copy: the host plans the next
 step while the GPU runs this one — new values, same structure: nothing recompiles);
-``choose_splits`` picks how many splits of the kv range fill the GPU (see there; cached
-per kv block count); the partials are views of the workspace's scratch, kept per split
-count; one launch, whose last split CTA of each group merges the splits
-(``decode_sm90``), counting arrivals in the workspace's tickets. The upload and launch
+``choose_launch`` picks how many splits of the kv range fill the GPU and how they merge
+(see there; cached per kv block count); the partials are views of the workspace's
+scratch, kept per split count; one launch, whose split CTAs merge in a cluster (pairs)
+or whose last split CTA of each group merges the splits, counting arrivals in the
+workspace's tickets (``decode_sm90``). The upload and launch
 hold the workspace's lock, so threads sharing a stream each launch after their own
 upload; each stream has its own workspace and plans, so streams never share a buffer.
 
@@ -33,6 +34,7 @@ GPU (``decode_sm90``); blocks at or past each sequence's length are never visite
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 import threading
@@ -62,6 +64,8 @@ class DecodeTuning:
     num_stages: int = 3        # K/V ring depth
     ctas_per_sm: int = 1       # resident CTAs per SM the kernel is sized for
     waves: int = 1             # CTAs per resident slot the splits heuristic aims for
+    cluster_merge: bool = True  # 2 splits: one cluster per group, merged through distributed
+                                # shared memory (else: arrival tickets); see choose_launch
 
 
 # Measured on the H100 (benchmarks/RESULTS.md, decode sweep): 64-key tiles in a 2-stage
@@ -71,6 +75,30 @@ class DecodeTuning:
 DEFAULT_TUNING = DecodeTuning(tile_n=64, num_stages=2, ctas_per_sm=2)
 # Two consumer warpgroups (group x q_len > 64 rows) run one CTA per SM: a deeper ring.
 ONE_CTA_TUNING = DecodeTuning(tile_n=64, num_stages=6, ctas_per_sm=1)
+
+
+def choose_launch(batch: int, kv_heads: int, m_blocks: int, kv_blocks: int, num_sms: int,
+                  tuning: DecodeTuning = DEFAULT_TUNING) -> tuple:
+    """(tuning, splits, cluster) of a step: ``choose_splits``, and how the splits merge.
+
+    Two splits merge through distributed shared memory, in a cluster of the pair (no
+    arrival ticket, no partials in global memory: ~2 µs less per step than the tickets on
+    the H100). Clusters of two are always resident whenever the CTAs are — an SM pair
+    holds one — while clusters of 4 or 8 lose slots to the GPCs' granularity (62 of 66
+    clusters of 4 at two CTAs per SM on the H100: a B 8 x Hkv 8 step would run a second
+    wave; benchmarks/decode_clusters.py), so more splits merge by tickets. Where the
+    default tuning (two CTAs per SM) needs 4 splits, one CTA per SM with a ring three
+    times as deep fills the GPU with 2 and merges them in clusters (B 8 L 8k: 93.4 µs
+    against 95.7 µs, benchmarks/RESULTS.md, session 11). Explicit tunings are kept."""
+    splits = choose_splits(batch, kv_heads, m_blocks, kv_blocks, num_sms, tuning)
+    if tuning.cluster_merge:
+        if splits == 2:
+            return tuning, 2, 2
+        if splits == 4 and tuning == DEFAULT_TUNING:
+            deep = ONE_CTA_TUNING
+            if choose_splits(batch, kv_heads, m_blocks, kv_blocks, num_sms, deep) == 2:
+                return deep, 2, 2
+    return tuning, splits, 1
 
 
 def choose_splits(batch: int, kv_heads: int, m_blocks: int, kv_blocks: int, num_sms: int,
@@ -341,20 +369,20 @@ class DecodePlan:
         self.config = _config_for(KERNEL_DTYPES[dtype_name(q)], D, num_mma_wg, page_size, the_score, the_mask,
                                   tuning)
 
-        from ..kernels.cache import decode_runner
         from ..kernels.mod_emit import capture_kinds
 
         self.ffi = use_tvm_ffi(device)
-        self.runner = decode_runner(self.config, self.ffi)
+        self._kernels: dict = {}     # (tuning, cluster size) -> (config, runner)
+        self._fns: dict = {}         # (tuning, cluster size) -> the compiled TVM-FFI function, once launched
+        self.runner = self._kernel((tuning, 1))[1]
         self.stream = device.stream
         self._kinds, self._captures = capture_kinds(self.config.mods), self.config.mods.captures()
         self._to_device = device.to_device
         # One arrival counter per CTA group (grid dims 1 and 2), all zero between launches.
         self._tickets = workspace.tickets(self.batch * self.kv_heads * self.m_blocks)
         self._scratch = workspace.scratch
-        self._splits: dict = {}      # (kv blocks, SM count) -> the heuristic's split count
+        self._launches: dict = {}    # (kv blocks, SM count) -> choose_launch's (tuning, splits, cluster)
         self._parts: dict = {}       # split count -> (scratch array, o_part, lse_part)
-        self._fn = None              # the compiled TVM-FFI function, after the first launch
         # Numbers, read-only arrays and our positions buffer cannot change under the plan:
         # convert once. Anything else (framework tensors, writeable arrays) may be updated
         # in place or rebound between steps: convert per step.
@@ -362,6 +390,20 @@ class DecodePlan:
                      or (isinstance(c, np.ndarray) and not c.flags.writeable) or c is q_offset
                      for c in self._captures)
         self._args = self._convert() if frozen else None
+
+    def _kernel(self, kernel: tuple) -> tuple:
+        """(config, runner) of `kernel` = (tuning, CTAs per merging cluster)."""
+        hit = self._kernels.get(kernel)
+        if hit is None:
+            from ..kernels.cache import decode_runner
+
+            tuning, cluster = kernel
+            config = self.config
+            if kernel != (self.tuning, 1):
+                config = dataclasses.replace(config, tile_n=tuning.tile_n, num_stages=tuning.num_stages,
+                                             ctas_per_sm=tuning.ctas_per_sm, cluster_splits=cluster)
+            hit = self._kernels[kernel] = (config, decode_runner(config, self.ffi))
+        return hit
 
     def _convert(self) -> tuple:
         if self.ffi:
@@ -374,7 +416,7 @@ class DecodePlan:
 
     def _stage(self, lengths: list, num_sms: int, num_splits: int | None):
         """Check this step's lengths (ints, one per sequence), upload them with the query
-        offsets, pick the split count -> (splits, o_part, lse_part)."""
+        offsets, pick the launch -> ((tuning, splits, cluster), o_part, lse_part)."""
         if len(lengths) != self.batch:
             raise ValueError(f"query batch {self.batch} does not match the cache's {len(lengths)}")
         q_len = self.q_len
@@ -387,14 +429,15 @@ class DecodePlan:
         self._put([*lengths, *[n - q_len for n in lengths]])
         if num_splits is None:
             key = (-(-longest // self.tuning.tile_n), num_sms)
-            splits = self._splits.get(key)
-            if splits is None:
-                splits = self._splits[key] = choose_splits(self.batch, self.kv_heads, self.m_blocks, key[0], num_sms,
-                                                           self.tuning)
+            launch = self._launches.get(key)
+            if launch is None:
+                launch = self._launches[key] = choose_launch(self.batch, self.kv_heads, self.m_blocks, key[0],
+                                                             num_sms, self.tuning)
         else:
             if num_splits < 1:
                 raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-            splits = int(num_splits)
+            launch = (self.tuning, int(num_splits), 2 if self.tuning.cluster_merge and num_splits == 2 else 1)
+        splits = launch[1]
         o_size, lse_size = self._part_sizes
         flat = self._scratch(splits * (o_size + lse_size))
         parts = self._parts.get(splits)
@@ -403,22 +446,24 @@ class DecodePlan:
             o_part = flat[:splits * o_size].reshape((splits,) + o_shape)
             lse_part = flat[splits * o_size:splits * (o_size + lse_size)].reshape((splits,) + lse_shape)
             parts = self._parts[splits] = (flat, o_part, lse_part)
-        return splits, parts[1], parts[2]
+        return launch, parts[1], parts[2]
 
-    def _launcher(self, q, k, v, table, out, lse, o_part, lse_part) -> Callable:
-        """The launch with these arguments (compiling on its first call)."""
+    def _launcher(self, kernel, q, k, v, table, out, lse, o_part, lse_part) -> Callable:
+        """The launch of `kernel` (tuning, cluster) with these arguments (compiling on its
+        first call)."""
         args = self._args if self._args is not None else self._convert()
+        runner = self._kernel(kernel)[1]
         if self.ffi:
             seq_lens, tickets, scale = self.seq_lens, self._tickets, self.scale
 
             def launch():
-                fn = self._fn
+                fn = self._fns.get(kernel)
                 if fn is None:
-                    fn = self._fn = self.runner.ffi_function()
+                    fn = self._fns[kernel] = runner.ffi_function()
                 fn(q, k, v, table, seq_lens, out, lse, o_part, lse_part, tickets, scale, args)
 
             return launch
-        run, seq_lens, tickets, scale, stream = self.runner.run, self.seq_lens, self._tickets, self.scale, self.stream
+        run, seq_lens, tickets, scale, stream = runner.run, self.seq_lens, self._tickets, self.scale, self.stream
         return lambda: run(q, k, v, table, seq_lens, out, lse, o_part, lse_part, tickets, scale, args, stream)
 
     def run(self, q, k, v, table, out, lse, lengths: list, num_sms: int) -> int:
@@ -428,21 +473,23 @@ class DecodePlan:
         arrays must be those the plan was made for (shapes, dtypes, strides, device:
         the caller's key says so). Returns the split count."""
         with self.lock:
-            splits, o_part, lse_part = self._stage(lengths, num_sms, None)
-            fn = self._fn
+            (tuning, splits, cluster), o_part, lse_part = self._stage(lengths, num_sms, None)
+            fn = self._fns.get((tuning, cluster))
             if fn is not None:
                 fn(q, k, v, table, self.seq_lens, out, lse, o_part, lse_part, self._tickets, self.scale,
                    self._args if self._args is not None else self._convert())
             else:
-                self._launcher(q, k, v, table, out, lse, o_part, lse_part)()
+                self._launcher((tuning, cluster), q, k, v, table, out, lse, o_part, lse_part)()
         return splits
 
     def step(self, q, k, v, table, out, lse, lengths: list, num_sms: int,
              num_splits: int | None = None) -> DecodeLaunch:
         """This step's launch: its lengths uploaded, its split count and partials. Not
         locked: ``decode_into`` holds the lock around this and the launch."""
-        splits, o_part, lse_part = self._stage(lengths, num_sms, num_splits)
-        return DecodeLaunch(self.config, splits, self._launcher(q, k, v, table, out, lse, o_part, lse_part), self)
+        (tuning, splits, cluster), o_part, lse_part = self._stage(lengths, num_sms, num_splits)
+        kernel = (tuning, cluster)
+        return DecodeLaunch(self._kernel(kernel)[0], splits,
+                            self._launcher(kernel, q, k, v, table, out, lse, o_part, lse_part), self)
 
 
 _PREPARED = PreparedCalls(capacity=64)

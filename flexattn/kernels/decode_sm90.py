@@ -22,6 +22,14 @@ One CTA handles one (kv split) x (kv head, packed-row block) x (batch) work item
   CTA barrier, then one acq_rel atomic at GPU scope (release is cumulative over the
   barrier; the last arrival's acquire covers every split's stores) — the pattern of
   cutlass::GenericBarrier. No thread ever waits on another CTA: nothing can deadlock.
+* Cluster merge (`cluster_splits` > 1: the launch's splits are one cluster per group):
+  each CTA keeps its partial in its own shared memory (fp32 O rows over the K ring, LSEs
+  over the V ring), a cluster barrier publishes them, CTA `rank` merges rows r = rank
+  (mod splits) from its peers' shared memory (`dsmem`), a second barrier keeps every
+  CTA's shared memory until its peers have read it. No tickets, no partials in global
+  memory: ~0.7 us of merge after ~1 us of barrier, against ~1.4 + 2.0 us for ticket and
+  merge (benchmarks/decode_timeline.py). The planner uses pairs, the one cluster size
+  that is always resident (`core/decode_path.choose_launch`).
 * Masked-prefix skip: with a traced mask (`IRModHook`), every CTA finds n_lo itself — the
   most leading blocks that interval analysis (`interval_emit`) proves masked for all rows
   of its tile, by binary search over prefixes [0, n * tile_n) (inclusion-isotone bounds:
@@ -45,7 +53,9 @@ KV layouts (`DecodeConfig.page_size`):
 * page_size > 0: paged cache [num_pages, page_size, H_kv, D] + page table [B, max_pages]
   read in place. page_size a multiple of tile_n: one box per block at (offset in page,
   page); page_size dividing tile_n (>= 16): tile_n / page_size boxes per block, one per
-  page, into consecutive rows of the stage. Mods see logical kv indices either way.
+  page, into consecutive rows of the stage. Mods see logical kv indices either way. The
+  producer warp reads the page table 32 entries at a time, one per lane, a batch ahead,
+  and takes a block's pages by shuffle: no TMA waits on a dependent load of its page.
 
 Mods enter through the `ModHook` interface with each row's own q head:
 hook(b, q_head, q_row, kv) with q_row in [0, q_len) (the decode planner rewrites mods to
@@ -62,13 +72,17 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync
 
-from flexattn.kernels import interval_emit, sm90_mma
+from flexattn.kernels import dsmem, interval_emit, sm90_mma
 from flexattn.kernels.decode_combine import merge_splits
 from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook, kept_if
 from flexattn.kernels.softmax import OnlineSoftmax, rescale_rows
 from flexattn.kernels.tma_pipeline import tma_ring
 
 LOG2_E = math.log2(math.e)
+LN2 = math.log(2.0)
+TIMELINE_STAMPS = 8     # per CTA: entry, producer start, Q loaded, first block done, stream
+                        # end, ticket taken, merge end (merging CTAs only), unused
+CLUSTER_SPLITS = (1, 2, 4, 8)   # cluster merge sizes (8: the portable cluster limit)
 PREFIX_SCAN_LIMIT = 16  # buffer spans the masked-prefix analysis scans: q rows, not kv ranges
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
@@ -85,6 +99,10 @@ class DecodeConfig:
     num_stages: int = 3          # K/V ring depth
     ctas_per_sm: int = 1         # 2: registers and shared memory sized for two resident CTAs
     page_size: int = 0           # 0: contiguous cache; else the paged cache's page size
+    cluster_splits: int = 1      # > 1: the launch has exactly this many splits, one cluster
+                                 # per group, merged through distributed shared memory
+    timeline: bool = False       # probe for benchmarks/decode_timeline.py: every CTA writes
+                                 # globaltimer stamps past the tickets (never planned)
     mods: ModHook = field(default=NO_MODS, compare=False)
 
     def __post_init__(self):
@@ -101,6 +119,11 @@ class DecodeConfig:
         if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2 and self.num_mma_wg != 1):
             raise ValueError(f"ctas_per_sm must be 1, or 2 with one consumer warpgroup, got {self.ctas_per_sm}")
         check_page_size(self.page_size, self.tile_n)
+        if self.cluster_splits not in CLUSTER_SPLITS:
+            raise ValueError(f"cluster_splits must be one of {CLUSTER_SPLITS}, got {self.cluster_splits}")
+        if self.cluster_splits > 1 and 2 * self.tile_m > self.num_stages * self.tile_n:
+            raise ValueError("the cluster merge keeps a split's fp32 O tile in the K ring: it needs "
+                             f"num_stages * tile_n >= 2 * tile_m, got {self.num_stages} x {self.tile_n}")
         if self.smem_bytes > self.smem_limit:
             raise ValueError(f"{self.smem_bytes} bytes of shared memory per CTA exceed {self.smem_limit} for "
                              f"{self.ctas_per_sm} CTA(s) per SM: fewer stages or a smaller tile_n")
@@ -155,7 +178,7 @@ class DecodeConfig:
 
     def key(self) -> tuple:
         return ("decode", self.dtype, self.head_dim, self.num_mma_wg, self.tile_n, self.num_stages,
-                self.ctas_per_sm, self.page_size, self.mods.key())
+                self.ctas_per_sm, self.page_size, self.cluster_splits, self.timeline, self.mods.key())
 
 
 def check_page_size(page_size: int, tile_n: int) -> None:
@@ -256,6 +279,7 @@ class DecodeSm90:
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=cfg.ctas_per_sm,
+            cluster=[cfg.cluster_splits, 1, 1] if cfg.cluster_splits > 1 else None,
             # Given, CuTeDSL would query the device for it while tracing (never here): the
             # largest shared-memory carveout, so two CTAs' rings fit.
             preferred_smem_carveout=100 if cfg.ctas_per_sm > 1 else None,
@@ -315,24 +339,74 @@ class DecodeSm90:
         first = cutlass.min(n_lo + split * per_split, n_hi)
         count = cutlass.min(first + per_split, n_hi) - first
 
+        # The cluster merge's view of a split's partial: fp32 O rows over the K ring, LSEs
+        # over the V ring (both free once the stream has ended).
+        sPart = sLSE = None
+        if const_expr(cfg.cluster_splits > 1):
+            sPart = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), dtype=Float32),
+                                     cute.make_layout((cfg.tile_m, cfg.head_dim), stride=(cfg.head_dim, 1)))
+            sLSE = cute.make_tensor(cute.recast_ptr(storage.sV.data_ptr(), dtype=Float32), cute.make_layout(cfg.tile_m))
+
+        # Timeline probe: this CTA's stamps, past the tickets (one per group).
+        stamps = None
+        if const_expr(cfg.timeline):
+            cta = (batch * head_blocks + head_block) * num_splits + split
+            stamps = mTickets.iterator + (head_blocks * mQ.shape[0] + cta * TIMELINE_STAMPS)
+        self._stamp(stamps, 0, warp_idx == 4)
+
         pipeline.pipeline_init_wait()
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(cfg.regs[0])
             if warp_idx == 0:
+                self._stamp(stamps, 1, True)
                 self.load(mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, pipe_k, pipe_v,
                           head_kv, batch, first, count)
+            if const_expr(cfg.cluster_splits > 1):
+                # The cluster barriers count every thread: the producer's pass both.
+                for _ in cutlass.range_constexpr(2):
+                    cute.arch.cluster_arrive()
+                    cute.arch.cluster_wait()
         else:
             cute.arch.setmaxregister_increase(cfg.regs[1])
             self.consume(mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
                          pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block,
-                         batch, seqlen, first, count, softmax_scale, scale_log2, mod_args)
-            if num_splits > 1:
-                tidx = cute.arch.thread_idx()[0] - 128
-                ticket = mTickets.iterator + (batch * head_blocks + head_block)
-                if self._arrived_last(ticket, num_splits, storage.last_arrival.get_tensor(cute.make_layout(2)), tidx):
-                    self._merge_group(mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block,
-                                      batch)
+                         batch, seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps, sPart, sLSE)
+            if const_expr(cfg.cluster_splits == 1):
+                if num_splits > 1:
+                    tidx = cute.arch.thread_idx()[0] - 128
+                    ticket = mTickets.iterator + (batch * head_blocks + head_block)
+                    last = self._arrived_last(ticket, num_splits, storage.last_arrival.get_tensor(cute.make_layout(2)),
+                                              tidx)
+                    self._stamp(stamps, 5, warp_idx == 4)
+                    if last:
+                        self._merge_group(mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block,
+                                          batch)
+                        if const_expr(cfg.timeline):
+                            cute.arch.barrier(barrier_id=self.arrival_barrier_id,
+                                              number_of_threads=self.num_mma_threads)
+                        self._stamp(stamps, 6, warp_idx == 4)
+            else:
+                # Every thread of the cluster: the first barrier publishes each split's
+                # partial (in its own shared memory), the second keeps each CTA's shared
+                # memory alive until its peers have read it.
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+                self._stamp(stamps, 5, warp_idx == 4)
+                self._merge_cluster(mO, mLSE, sPart, sLSE, cute.arch.thread_idx()[0] - 128, split, head_kv, group,
+                                    q_len, rows, m_block, batch)
+                self._stamp(stamps, 6, warp_idx == 4)
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+
+    @cute.jit
+    def _stamp(self, stamps, k: cutlass.Constexpr[int], leader):
+        """Timeline probe (cfg.timeline): stamp k := %globaltimer_lo (ns), by one lane of
+        the warp for which `leader` holds."""
+        if const_expr(self.cfg.timeline):
+            if leader:
+                if cute.arch.lane_idx() == 0:
+                    (stamps + k).store(cute.arch.globaltimer_lo())
 
     @cute.jit
     def _masked_prefix_blocks(self, batch, heads, q_len, seqlen, n_hi, mod_args):
@@ -381,15 +455,54 @@ class DecodeSm90:
         tKgK, tKsK = partition(tma_atom_K, mK, sK)
         tVgV, tVsV = partition(tma_atom_V, mV, sV)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
-        for i in cutlass.range(count, unroll=1):
-            n_block = first + count - 1 - i
-            self._load_block(pipe_k, tma_atom_K, tKgK, tKsK, mPageTable, batch, n_block, state)
-            self._load_block(pipe_v, tma_atom_V, tVgV, tVsV, mPageTable, batch, n_block, state)
-            state.advance()
+        if const_expr(not cfg.paged):
+            for i in cutlass.range(count, unroll=1):
+                n_block = first + count - 1 - i
+                self._load_block(pipe_k, tma_atom_K, tKgK, tKsK, batch, n_block, state)
+                self._load_block(pipe_v, tma_atom_V, tVgV, tVsV, batch, n_block, state)
+                state.advance()
+        else:
+            # Page-table entries go to registers 32 at a time, one per lane, a batch ahead:
+            # a block's TMA never waits on a dependent global load of its page (that wait
+            # kept a ring slot idle per block). Block r of a batch finds its pages in lanes
+            # [r * pages_per_tile, (r + 1) * pages_per_tile).
+            pages_per_tile = max(1, cfg.tile_n // cfg.page_size)
+            per_batch = 32 // pages_per_tile
+            lane = cute.arch.lane_idx()
+            upcoming = self._page_entries(mPageTable, batch, first, count, Int32(0), lane)
+            for i0 in cutlass.range(0, count, per_batch, unroll=1):
+                entries = upcoming
+                upcoming = self._page_entries(mPageTable, batch, first, count, i0 + per_batch, lane)
+                for r in cutlass.range(cutlass.min(per_batch, count - i0), unroll=1):
+                    n_block = first + count - 1 - (i0 + r)
+                    self._load_block(pipe_k, tma_atom_K, tKgK, tKsK, batch, n_block, state, entries, r * pages_per_tile)
+                    self._load_block(pipe_v, tma_atom_V, tVgV, tVsV, batch, n_block, state, entries, r * pages_per_tile)
+                    state.advance()
 
     @cute.jit
-    def _load_block(self, pipe, atom, tXgX, tXsX, mPageTable, batch, n_block, state):
-        """TMA kv block `n_block` of sequence `batch` into the ring slot of `state`."""
+    def _page_entries(self, mPageTable, batch, first, count, i0, lane) -> Int32:
+        """This lane's page-table entry of the batch of visits starting at visit `i0` (block
+        first + count - 1 - i0 and down): page lane % pages_per_tile of visit i0 + lane //
+        pages_per_tile; 0 past the last visit."""
+        cfg = self.cfg
+        entry = Int32(0)
+        visit = i0 + lane // max(1, cfg.tile_n // cfg.page_size)
+        if visit < count:
+            n_block = first + count - 1 - visit
+            if const_expr(cfg.page_size >= cfg.tile_n):
+                logical_page = n_block // (cfg.page_size // cfg.tile_n)
+            else:
+                pages_per_tile = cfg.tile_n // cfg.page_size
+                # A tile's tail may run past the table when capacity is not a multiple of
+                # the tile: clamp (those rows lie beyond the sequence and are masked).
+                logical_page = cutlass.min(n_block * pages_per_tile + lane % pages_per_tile, mPageTable.shape[1] - 1)
+            entry = Int32(mPageTable[batch, logical_page])
+        return entry
+
+    @cute.jit
+    def _load_block(self, pipe, atom, tXgX, tXsX, batch, n_block, state, entries=None, lane0=None):
+        """TMA kv block `n_block` of sequence `batch` into the ring slot of `state`; paged:
+        its pages are `entries` of lanes lane0, lane0 + 1, ... (`_page_entries`)."""
         cfg = self.cfg
         pipe.producer_acquire(state)
         bar = pipe.producer_get_barrier(state)
@@ -397,18 +510,12 @@ class DecodeSm90:
             cute.copy(atom, tXgX[None, n_block, 0, batch], tXsX[None, 0, 0, state.index], tma_bar_ptr=bar)
         elif const_expr(cfg.page_size >= cfg.tile_n):
             tiles_per_page = cfg.page_size // cfg.tile_n
-            logical_page = n_block // tiles_per_page
-            page = Int32(mPageTable[batch, logical_page])
-            cute.copy(atom, tXgX[None, n_block - logical_page * tiles_per_page, 0, page],
+            page = cute.arch.shuffle_sync(entries, lane0)
+            cute.copy(atom, tXgX[None, n_block % tiles_per_page, 0, page],
                       tXsX[None, 0, 0, state.index], tma_bar_ptr=bar)
         else:
-            pages_per_tile = cfg.tile_n // cfg.page_size
-            last_page = mPageTable.shape[1] - 1
-            for j in cutlass.range(pages_per_tile, unroll=1):
-                # A tile's tail may run past the table when capacity is not a multiple of
-                # the tile: clamp (those rows lie beyond the sequence and are masked).
-                logical_page = cutlass.min(n_block * pages_per_tile + j, last_page)
-                page = Int32(mPageTable[batch, logical_page])
+            for j in cutlass.range_constexpr(cfg.tile_n // cfg.page_size):
+                page = cute.arch.shuffle_sync(entries, lane0 + j)
                 cute.copy(atom, tXgX[None, 0, 0, page], tXsX[None, j, 0, state.index], tma_bar_ptr=bar)
 
     # ------------------------------------------------------------------ consumers
@@ -437,7 +544,7 @@ class DecodeSm90:
     @cute.jit
     def consume(self, mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
                 pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block, batch,
-                seqlen, first, count, softmax_scale, scale_log2, mod_args):
+                seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps=None, sPart=None, sLSE=None):
         cfg = self.cfg
         if const_expr(mod_args is None):
             mod_args = ()
@@ -450,6 +557,7 @@ class DecodeSm90:
         thr_pv = tiled_mma_pv.get_slice(tidx)
 
         self._load_q(mQ, sQ, tidx, head_kv, group, q_len, rows, m_block, batch)
+        self._stamp(stamps, 2, tidx < 32)
 
         tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
@@ -479,13 +587,18 @@ class DecodeSm90:
         if count > 0:
             # The last block (visited first) is the only one that may straddle the length.
             kv_state = self._step(ctx, kv_state, first + count - 1, kv_bound=True)
+        self._stamp(stamps, 3, tidx < 32)
         for i in cutlass.range(1, count, unroll=1):
             kv_state = self._step(ctx, kv_state, first + count - 1 - i, kv_bound=False)
+        self._stamp(stamps, 4, tidx < 32)
 
         inv_sum, lse = softmax.finalize()
         rescale_rows(acc_O, inv_sum)
-        self.epilogue(acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, split, num_splits,
-                      head_kv, group, q_len, rows, m_block, batch)
+        if const_expr(cfg.cluster_splits > 1):
+            self._partial_to_smem(acc_O, lse, sPart, sLSE, thr_pv, rows, m_block)
+        else:
+            self.epilogue(acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, split, num_splits,
+                          head_kv, group, q_len, rows, m_block, batch)
 
     @cute.jit
     def _step(self, ctx, kv_state, n_block, kv_bound: cutlass.Constexpr[bool]):
@@ -541,6 +654,67 @@ class DecodeSm90:
                     if tOcO[r, 0][1] == 0:
                         mLSEPart[split, batch, head, qi] = lse[r]
 
+
+    @cute.jit
+    def _partial_to_smem(self, acc_O, lse, sPart, sLSE, thr_pv, rows, m_block):
+        """Cluster merge: this split's normalized O rows (fp32) and LSEs into its own shared
+        memory, over the K/V rings — after every consumer warp's last wgmma has read them."""
+        cfg = self.cfg
+        cute.arch.barrier(barrier_id=self.arrival_barrier_id, number_of_threads=self.num_mma_threads)
+        cO = cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))
+        tOcO = sm90_mma.acc_mn_view(thr_pv.partition_C(cO))
+        o_mn = sm90_mma.acc_mn_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(o_mn.shape[0])):
+            row = tOcO[r, 0][0]
+            if m_block * cfg.tile_m + row < rows:
+                for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
+                    sPart[row, tOcO[r, c][1]] = o_mn[r, c]
+                if tOcO[r, 0][1] == 0:
+                    sLSE[row] = lse[r]
+
+    @cute.jit
+    def _merge_cluster(self, mO, mLSE, sPart, sLSE, tidx, rank, head_kv, group, q_len, rows, m_block, batch):
+        """Cluster merge: CTA `rank` merges the tile rows r with r % splits == rank, one
+        consumer warp per row, reading every split's row from its CTA's shared memory
+        (each lane D/32 columns; the partial loads go out before the LSE reduction, so a
+        row costs about one distributed-shared-memory round trip). Same arithmetic as
+        `decode_combine.merge_splits`."""
+        cfg = self.cfg
+        splits = cfg.cluster_splits
+        per_lane = cfg.head_dim // 32
+        warp = tidx // 32
+        lane = tidx % 32
+        warps = self.num_mma_threads // 32
+        p_lo = m_block * cfg.tile_m
+        tile_rows = cutlass.min(cfg.tile_m, rows - p_lo)
+        for r in cutlass.range(rank + splits * warp, tile_rows, splits * warps, unroll=1):
+            cols = sPart.iterator + (r * cfg.head_dim + lane * per_lane)
+            parts = [dsmem.load_row_in_rank(cols, Int32(s), per_lane) for s in range(splits)]
+            lse_s = -Float32.inf
+            if lane < splits:
+                lse_s = dsmem.load_f32_in_rank(sLSE.iterator + r, lane)
+            m = cute.arch.warp_reduction_max(lse_s)
+            m_safe = Float32(0.0) if m == -Float32.inf else m * Float32(LOG2_E)
+            w = cute.math.exp2(lse_s * Float32(LOG2_E) - m_safe, fastmath=True)   # lanes >= splits: 0
+            total = cute.arch.warp_reduction_sum(w)
+            inv = Float32(0.0) if total == Float32(0.0) else Float32(1.0) / total
+            acc = cute.make_rmem_tensor(per_lane, Float32)
+            acc.fill(0.0)
+            for s in cutlass.range_constexpr(splits):
+                w_s = cute.arch.shuffle_sync(w, s)
+                for i in cutlass.range_constexpr(per_lane):
+                    acc[i] = acc[i] + w_s * parts[s][i]
+            p = p_lo + r
+            h_in = p // q_len
+            head = head_kv * group + h_in
+            qi = p - h_in * q_len
+            out = cute.local_tile(mO[batch, head, qi, None], (per_lane,), (lane,))
+            out.store((acc.load() * inv).to(mO.element_type))
+            if lane == 0:
+                lse = -Float32.inf
+                if total > Float32(0.0):
+                    lse = m + cute.math.log2(total, fastmath=True) * Float32(LN2)
+                mLSE[batch, head, qi] = lse
 
     # ------------------------------------------------------------------ in-kernel merge
     @cute.jit

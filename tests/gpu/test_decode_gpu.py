@@ -322,6 +322,11 @@ FUSED_CASES = [
     (4, 2, 2, 16, "softcap", 23),
     (8, 2, 1, 0, "causal", 40),
     (1, 4, 5, 64, "alibi", 40),
+    # the cluster merge (2, 4, 8 splits): empty splits, paged, two consumer warpgroups
+    (4, 2, 1, 0, "alibi", 4),
+    (1, 4, 5, 64, "softcap", 8),
+    (8, 1, 16, 16, "causal", 4),
+    (4, 2, 2, 16, "window", 8),
 ]
 
 
@@ -345,6 +350,27 @@ def test_fused_merge_matches_reference(group, Hkv, q_len, page_size, kind, num_s
     assert not out.isnan().any() and not lse.isnan().any()
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("page_size,kind", [(0, "alibi"), (64, "window"), (16, "none")])
+def test_planned_pair_clusters(page_size, kind):
+    """The planner's own choice for B 8 x Hkv 8 with long caches: one CTA per SM, a deep
+    ring and 2 splits merged by a cluster pair (``choose_launch``) — vs the float64
+    reference, outputs poisoned, lengths not multiples of the tile, one sequence short."""
+    random.seed(13)
+    torch.manual_seed(13)
+    B, Hkv, group, D, cap = 8, 8, 4, 128, 2304
+    lengths = [cap - random.randint(0, 63) for _ in range(B - 1)] + [600]
+    cache, k, v = make_cache(B, Hkv, cap, D, lengths, torch.bfloat16, page_size)
+    q = torch.randn(B, Hkv * group, 1, D, device=DEV, dtype=torch.bfloat16)
+    mask, score, mask_fn, score_fn = variant(kind, Hkv * group)
+    out, lse, step = run_kernel(q, cache, mask, score, 132)
+    assert (step.num_splits, step.config.cluster_splits, step.config.ctas_per_sm) == (2, 2, 1)
+    want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), score_fn, mask_fn)
+    assert not out.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+    assert_tickets_zero()
 
 
 def test_fused_tickets_survive_repeats_and_shape_changes():

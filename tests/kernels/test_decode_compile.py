@@ -1,7 +1,8 @@
 """CPU (CI): the split-KV decode kernel compiles for sm_90a (contiguous / paged caches,
 with and without IR mods, TVM-FFI and from_dlpack entry), uses the Hopper paths, does not
 spill, emits the masked-prefix analysis only for masks and the in-kernel merge of the
-splits (arrival ticket, reset); plus the decode planner's host logic (splits heuristic,
+splits (arrival ticket, reset; or the cluster merge through distributed shared memory);
+plus the decode planner's host logic (splits heuristic,
 errors, no recompiles across steps, plans reused across steps). No GPU needed."""
 
 import re
@@ -37,10 +38,18 @@ CASES = {
     "2cta-tile64-window-alibi": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2),
                                  mods.alibi(num_heads=32), mods.sliding_window(4096), True, 4),
     "paged64-window-alibi": (dict(head_dim=128, page_size=64), mods.alibi(num_heads=32),
-                             mods.sliding_window(4096), True, 4),
+                             mods.sliding_window(4096), True, 8),
     "paged256-hd64-softcap-fp16": (dict(head_dim=64, dtype="fp16", page_size=256), mods.softcap(30.0),
                                    mods.causal(), False, 2),
-    "paged16-2wg": (dict(head_dim=64, page_size=16, num_mma_wg=2), None, mods.causal(), True, 2),
+    "paged16-2wg": (dict(head_dim=64, page_size=16, num_mma_wg=2), None, mods.causal(), True, 16),
+    # the cluster merge (4 splits per cluster: B 8 x Hkv 8 on 132 SMs), and 8 with two
+    # consumer warpgroups and D 64 (two fp32 per lane and split row); the timeline probe
+    "cluster4-2cta-window-alibi": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, cluster_splits=4),
+                                   mods.alibi(num_heads=32), mods.sliding_window(4096), True, 4),
+    "cluster8-paged16-2wg": (dict(head_dim=64, page_size=16, num_mma_wg=2, cluster_splits=8), None, mods.causal(),
+                             False, 16),
+    "cluster2-timeline": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, cluster_splits=2,
+                               timeline=True), None, None, True, 4),
 }
 
 
@@ -61,8 +70,8 @@ def test_decode_ptx(compiled, name):
     assert ".target sm_90a" in ptx
     assert "wgmma.mma_async" in ptx and "ex2.approx" in ptx
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
-    # TMA copy sites: K and V, one per 64-column half of a box (D=128: two); pages smaller
-    # than the tile are a dynamic loop over the tile's pages around the same sites.
+    # TMA copy sites: K and V, one per 64-column half of a box (D=128: two), times the
+    # tile's pages where pages are smaller than the tile (an unrolled loop over them).
     assert ptx.count("cp.async.bulk.tensor") == tma_copies
     # QK^T (D/16 wgmmas) and PV (tile_n/16) for the bounded first block and the rest.
     cfg = DecodeConfig(**kw)
@@ -73,12 +82,26 @@ def test_decode_ptx(compiled, name):
     f64 = len(re.findall(r"\.f64\b", ptx))
     assert (f64 > 0) == (mask is not None), f64
     assert re.search(rf"\.minnctapersm\s+{cfg.ctas_per_sm}\b", ptx)
-    # The in-kernel merge: one acq_rel arrival ticket per split CTA (atom's default scope
-    # is the GPU), the last arrival's reset, the arrival barrier, vectorized partial reads.
-    assert len(re.findall(r"atom\.global\.acq_rel(?:\.gpu)?\.add", ptx)) == 1
-    assert ptx.count("atom.global.exch") == 1
-    assert len(re.findall(r"bar\.sync\s+2,", ptx)) == 2
-    assert re.search(r"ld\.global\.v[24]\.(b32|f32)", ptx)   # a lane's D/32 partial columns at once
+    if cfg.cluster_splits == 1:
+        # The in-kernel merge: one acq_rel arrival ticket per split CTA (atom's default scope
+        # is the GPU), the last arrival's reset, the arrival barrier, vectorized partial reads.
+        assert len(re.findall(r"atom\.global\.acq_rel(?:\.gpu)?\.add", ptx)) == 1
+        assert ptx.count("atom.global.exch") == 1
+        assert len(re.findall(r"bar\.sync\s+2,", ptx)) == 2
+        assert re.search(r"ld\.global\.v[24]\.(b32|f32)", ptx)   # a lane's D/32 partial columns at once
+        assert "barrier.cluster" not in ptx and "mapa" not in ptx
+    else:
+        # The cluster merge: no tickets; two cluster barriers on the producer's path and two
+        # on the consumers'; one distributed-shared-memory read per split of a row (D/32
+        # columns at once) plus the LSE read; the consumers' barrier before the partial
+        # overwrites the K ring.
+        assert "atom.global" not in ptx
+        assert ptx.count("barrier.cluster.arrive") == 4 and ptx.count("barrier.cluster.wait") == 4
+        width = {4: "v4.f32", 2: "v2.f32"}[cfg.head_dim // 32]
+        assert ptx.count(f"ld.shared::cluster.{width}") == cfg.cluster_splits
+        assert ptx.count("ld.shared::cluster.f32") == 1
+        assert len(re.findall(r"bar\.sync\s+2,", ptx)) == 1
+    assert ("globaltimer" in ptx) == cfg.timeline
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -100,6 +123,11 @@ def test_config_validation():
                 dict(ctas_per_sm=2), dict(ctas_per_sm=2, num_mma_wg=2, tile_n=64, num_stages=1)):
         with pytest.raises(ValueError):
             DecodeConfig(**bad)
+    # cluster sizes 1/2/4/8; the fp32 O tile must fit the K ring (num_stages x tile_n >= 2 x tile_m)
+    for bad in (dict(cluster_splits=3), dict(cluster_splits=16), dict(tile_n=64, num_stages=1, cluster_splits=2)):
+        with pytest.raises(ValueError):
+            DecodeConfig(**bad)
+    DecodeConfig(tile_n=64, num_stages=2, ctas_per_sm=2, cluster_splits=8)
     for ok in (16, 32, 64, 128, 256, 1024):
         DecodeConfig(page_size=ok)
     two = DecodeConfig(tile_n=64, num_stages=3, ctas_per_sm=2)
@@ -130,6 +158,24 @@ def test_choose_splits_tuning():
     assert choose_splits(1, 8, 1, 2048, 132, two) == 33       # B 1, 128k keys: 264 CTAs
     assert choose_splits(1, 8, 1, 2048, 132, DecodeTuning(waves=2)) == 33
     assert choose_splits(1, 1, 1, 17, 132, two) == 2          # 8+ blocks (512 keys) per split
+
+
+def test_choose_launch():
+    """Two splits merge in clusters of two; where the default tuning needs 4 splits, the
+    deep one-CTA-per-SM tuning fills the GPU with 2; more splits merge by tickets;
+    explicit tunings are kept (132 SMs, Hkv 8)."""
+    from flexattn.core.decode_path import DEFAULT_TUNING, ONE_CTA_TUNING, choose_launch
+
+    assert choose_launch(8, 8, 1, 128, 132) == (ONE_CTA_TUNING, 2, 2)        # B 8, 8k keys
+    assert choose_launch(8, 8, 1, 1024, 132) == (ONE_CTA_TUNING, 2, 2)       # B 8, 64k keys
+    assert choose_launch(16, 8, 1, 128, 132) == (DEFAULT_TUNING, 2, 2)       # 256 CTAs in pairs
+    assert choose_launch(1, 8, 1, 2048, 132) == (DEFAULT_TUNING, 33, 1)      # B 1, 128k keys: tickets
+    assert choose_launch(4, 8, 1, 2048, 132) == (DEFAULT_TUNING, 8, 1)
+    assert choose_launch(64, 8, 1, 128, 132) == (DEFAULT_TUNING, 1, 1)
+    explicit = DecodeTuning(tile_n=64, num_stages=3, ctas_per_sm=2)
+    assert choose_launch(8, 8, 1, 128, 132, explicit) == (explicit, 4, 1)
+    off = DecodeTuning(tile_n=64, num_stages=2, ctas_per_sm=2, cluster_merge=False)
+    assert choose_launch(16, 8, 1, 128, 132, off) == (off, 2, 1)
 
 
 def test_decode_unsupported_reasons():
@@ -266,7 +312,7 @@ def test_plan_run_repeated_steps():
     plan = decode_path.prepare_decode(q, cache, out, lse, device, 132, ws, score_mod=mods.alibi(num_heads=Hq),
                                       mask=mods.causal()).plan
     launches = []
-    plan._fn = lambda *args: launches.append(args)
+    plan._fns[(plan.tuning, 1)] = lambda *args: launches.append(args)   # splits 1 and 7: the ticket merge
     assert plan.run(q, k, k, None, out, lse, [100, 37], 132) == 1            # 2 blocks: one split
     assert plan.run(q, k, k, None, out, lse, [4000, 37], 132) == 7           # 63 blocks: 7 of >= 512 keys
     assert plan.run(q, k, k, None, out, lse, [4001, 38], 132) == 7

@@ -1,0 +1,139 @@
+"""Where a decode step's time goes, CTA by CTA: the kernel's timeline probe.
+
+A planned step's kernel (as bench_decode.py's "flexattn-k": config, split count,
+arguments) is compiled once more with ``DecodeConfig.timeline``: every CTA writes
+``%globaltimer_lo`` stamps (ns) past the arrival tickets — entry, producer start, Q
+loaded, first kv block done, stream end, ticket taken (cluster merge: the first cluster
+barrier passed), merge end (merging CTAs; with a cluster merge, every CTA). Each
+launch follows a read-only L2 flush, as ``clean_ms``. Per row (medians over launches,
+µs from the first CTA's entry):
+
+  kernel       CUDA events around the probed launch (the probe adds a few stores)
+  entry        last CTA's entry (how long the launch takes to place every CTA)
+  wave1        CTAs that entered within 5 µs of the first (all of them: one wave)
+  first        median CTA: entry -> first kv block consumed (Q load, first TMA round trip)
+  end p0/50/100  stream ends over CTAs (the tail's spread)
+  ticket       median CTA: stream end -> ticket taken (partial stores, fence, atomic)
+  merge        median merging CTA: ticket -> merged rows written
+  done         last stamp of any CTA
+  steady       K+V bytes / (median stream end - median first block), TB/s
+  tick         the smallest step between two stamps (ns): the timer's resolution
+
+Each row twice with ``--merges cluster tickets`` (the default): the planner's cluster merge
+where it applies (2, 4 or 8 splits) and the arrival-ticket merge, same split count.
+
+    python3 benchmarks/decode_timeline.py [--shapes 8x8192 1x131072] [--variants none alibi]
+"""
+
+import argparse
+import dataclasses
+
+import numpy as np
+import torch
+
+from bench_decode import D, HKV, HQ, clean_ms, make_inputs, plan_step, variant_mods
+from common import device_name
+
+
+def probed_launch(step, q, cache):
+    """(launch, stamps tensor, grid size) for `step`'s kernel compiled with the probe."""
+    from flexattn.kernels.decode_runner import DecodeRunner
+    from flexattn.kernels.decode_sm90 import TIMELINE_STAMPS
+    from flexattn.kernels.mod_emit import runtime_args
+
+    plan = step.plan
+    cfg = dataclasses.replace(step.config, timeline=True)   # the step's merge (cluster or tickets)
+    runner = DecodeRunner(cfg, tvm_ffi=False)
+    paged = hasattr(cache, "page_table")
+    k, v = (cache.k_pages, cache.v_pages) if paged else (cache.k, cache.v)
+    table = cache.page_table if paged else None
+    splits = step.num_splits
+    groups = plan.batch * plan.kv_heads * plan.m_blocks
+    ctas = groups * splits
+    tickets = torch.zeros(groups + ctas * TIMELINE_STAMPS, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
+    o_part = torch.empty((splits,) + plan.part_shapes[0], dtype=torch.float32, device="cuda")
+    lse_part = torch.empty((splits,) + plan.part_shapes[1], dtype=torch.float32, device="cuda")
+    args = runtime_args(cfg.mods, plan._to_device)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def launch():
+        runner.run(q, k, v, table, plan.seq_lens, out, lse, o_part, lse_part, tickets, plan.scale, args, stream)
+
+    stamps = tickets[groups:].view(ctas, TIMELINE_STAMPS)
+    return launch, stamps, splits
+
+
+def summarize(stamps: np.ndarray, gbytes: float) -> dict:
+    """One launch's stamps [ctas, 8] (uint32 ns) -> the row's figures in µs."""
+    t = stamps.astype(np.int64)
+    base = t[:, 0].min()
+    rel = ((t - base + (1 << 31)) % (1 << 32) - (1 << 31)) / 1e3    # wrap-safe µs from the first entry
+    merged = stamps[:, 6] != 0
+    first = np.median(rel[:, 3] - rel[:, 0])
+    ends = rel[:, 4]
+    steady = gbytes / ((np.median(ends) - np.median(rel[:, 3])) * 1e-6) / 1e3
+    return {
+        "entry": rel[:, 0].max(), "wave1": float((rel[:, 0] < 5.0).sum()), "first": first,
+        "end p0": ends.min(), "end p50": np.median(ends), "end p100": ends.max(),
+        "ticket": np.median(rel[:, 5] - rel[:, 4]),
+        "merge": np.median(rel[merged, 6] - rel[merged, 5]) if merged.any() else 0.0,
+        "done": max(rel[:, 5].max(), rel[merged, 6].max() if merged.any() else 0.0),
+        "steady": steady,
+        # the timer's step: 1000 if %globaltimer ticks in µs, ~32 if in ns
+        "tick": float(np.diff(np.unique(t[t > 0])).min()) if (t > 0).sum() > 1 else 0.0,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="*", default=["8x8192"])
+    ap.add_argument("--variants", nargs="*", default=["none", "alibi"])
+    ap.add_argument("--layouts", nargs="*", default=["contiguous", "paged64"])
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--merges", nargs="*", default=["cluster", "tickets"])
+    ap.add_argument("--tuning", default=None, help="tile_n x stages x CTAs/SM, e.g. 64x6x1 (default: the planner's)")
+    ap.add_argument("--splits", type=int, default=None, help="split count (default: the planner's)")
+    args = ap.parse_args()
+    from flexattn.core.decode_path import DEFAULT_TUNING, DecodeTuning
+
+    print(f"# {device_name()}, tuning {args.tuning or 'default'}, splits {args.splits or 'planned'}")
+    cols = ["kernel", "plain", "entry", "wave1", "first", "end p0", "end p50", "end p100", "ticket", "merge", "done",
+            "steady", "tick"]
+    print("| B | L | layout | variant | splits | merge | " + " | ".join(cols) + " |")
+    print("|" + "---|" * (6 + len(cols)))
+    for shape in args.shapes:
+        B, L = map(int, shape.split("x"))
+        gbytes = 2 * B * HKV * L * D * 2 / 1e9
+        for layout in args.layouts:
+            cache, _, _ = make_inputs(B, L, layout)
+            q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+            for name, merge in ((n, m) for n in args.variants for m in args.merges):
+                mask, score = variant_mods(name)
+                base = DEFAULT_TUNING
+                if args.tuning:
+                    tile_n, stages, per_sm = map(int, args.tuning.split("x"))
+                    base = DecodeTuning(tile_n=tile_n, num_stages=stages, ctas_per_sm=per_sm)
+                tuning = dataclasses.replace(base, cluster_merge=merge == "cluster")
+                step, _ = plan_step(q, cache, score, mask, tuning, args.splits)
+                merge = "cluster" if step.config.cluster_splits > 1 else "tickets"
+                plain_ms = clean_ms(step.launch)
+                launch, stamps, splits = probed_launch(step, q, cache)
+                kernel_ms = clean_ms(launch, reps=args.reps)   # compiles on its warmup calls
+                rows = []
+                for _ in range(args.reps):
+                    stamps.zero_()
+                    clean_ms(launch, reps=1, warmup=0)
+                    rows.append(summarize(stamps.cpu().numpy().view(np.uint32), gbytes))
+                fig = {c: float(np.median([r[c] for r in rows])) for c in rows[0]}
+                fig["kernel"], fig["plain"] = kernel_ms * 1e3, plain_ms * 1e3
+                cells = [f"{fig[c]:.2f}" if c == "steady" else f"{fig[c]:.0f}" if c == "wave1" else f"{fig[c]:.1f}"
+                         for c in cols]
+                print(f"| {B} | {L} | {layout} | {name} | {splits} | {merge} | " + " | ".join(cells) + " |", flush=True)
+    print("µs from the first CTA's entry (kernel, plain: µs by CUDA events, probed / production kernel); "
+          "steady: TB/s")
+
+
+if __name__ == "__main__":
+    main()
