@@ -55,7 +55,9 @@ def make_inputs(B, L, layout):
     if layout == "contiguous":
         return KVCache(k.transpose(1, 2), v.transpose(1, 2), lengths), k, v
     n_pages = B * L // PAGE
-    table = torch.randperm(n_pages, device="cuda").view(B, L // PAGE).to(torch.int32)
+    # "paged64": shuffled pages (a long-running server's pool); "paged64sorted": in order
+    order = torch.arange(n_pages, device="cuda") if layout.endswith("sorted") else torch.randperm(n_pages, device="cuda")
+    table = order.view(B, L // PAGE).to(torch.int32)
     pages_k, pages_v = k.view(n_pages, PAGE, HKV, D), v.view(n_pages, PAGE, HKV, D)
     return PagedKVCache(pages_k, pages_v, table, lengths), None, None
 
