@@ -73,7 +73,8 @@ class DecodeTuning:
 # 2.84-3.07 TB/s (decode kernel alone) on every benchmark shape, contiguous and paged;
 # 128-key tiles with one CTA per SM lose up to 0.1 TB/s on short caches and at B 1.
 DEFAULT_TUNING = DecodeTuning(tile_n=64, num_stages=2, ctas_per_sm=2)
-# Two consumer warpgroups (group x q_len > 64 rows) run one CTA per SM: a deeper ring.
+# One CTA per SM with a deeper ring: two consumer warpgroups (group x q_len > 64 rows),
+# and steps that fill the GPU with 2 splits this way instead of 4 (``choose_launch``).
 ONE_CTA_TUNING = DecodeTuning(tile_n=64, num_stages=6, ctas_per_sm=1)
 
 
@@ -82,14 +83,14 @@ def choose_launch(batch: int, kv_heads: int, m_blocks: int, kv_blocks: int, num_
     """(tuning, splits, cluster) of a step: ``choose_splits``, and how the splits merge.
 
     Two splits merge through distributed shared memory, in a cluster of the pair (no
-    arrival ticket, no partials in global memory: ~2 µs less per step than the tickets on
-    the H100). Clusters of two are always resident whenever the CTAs are — an SM pair
-    holds one — while clusters of 4 or 8 lose slots to the GPCs' granularity (62 of 66
-    clusters of 4 at two CTAs per SM on the H100: a B 8 x Hkv 8 step would run a second
-    wave; benchmarks/decode_clusters.py), so more splits merge by tickets. Where the
-    default tuning (two CTAs per SM) needs 4 splits, one CTA per SM with a ring three
-    times as deep fills the GPU with 2 and merges them in clusters (B 8 L 8k: 93.4 µs
-    against 95.7 µs, benchmarks/RESULTS.md, session 11). Explicit tunings are kept."""
+    arrival ticket, no partials in global memory: the last group is done 1.3-3 µs sooner
+    than with tickets on the H100). Pairs are resident wherever the CTAs are (measured:
+    132 pairs at two CTAs per SM, 66 at one), while clusters of 4 or 8 lose slots to the
+    GPCs' granularity (62 of 66 clusters of 4 at two CTAs per SM: a B 8 x Hkv 8 step would
+    run a second wave; benchmarks/decode_clusters.py), so more splits merge by tickets.
+    Where the default tuning (two CTAs per SM) needs 4 splits, one CTA per SM with a ring
+    three times as deep fills the GPU with 2 and merges them in pairs (B 8 L 8k: 93.6
+    against 95.8 µs, benchmarks/RESULTS.md, session 11). Explicit tunings are kept."""
     splits = choose_splits(batch, kv_heads, m_blocks, kv_blocks, num_sms, tuning)
     if tuning.cluster_merge:
         if splits == 2:
@@ -374,7 +375,6 @@ class DecodePlan:
         self.ffi = use_tvm_ffi(device)
         self._kernels: dict = {}     # (tuning, cluster size) -> (config, runner)
         self._fns: dict = {}         # (tuning, cluster size) -> the compiled TVM-FFI function, once launched
-        self.runner = self._kernel((tuning, 1))[1]
         self.stream = device.stream
         self._kinds, self._captures = capture_kinds(self.config.mods), self.config.mods.captures()
         self._to_device = device.to_device
@@ -436,7 +436,11 @@ class DecodePlan:
         else:
             if num_splits < 1:
                 raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-            launch = (self.tuning, int(num_splits), 2 if self.tuning.cluster_merge and num_splits == 2 else 1)
+            # An explicit count of 2, 4 or 8 merges in one cluster (residency is the caller's call).
+            from ..kernels.decode_sm90 import CLUSTER_SPLITS
+
+            clustered = self.tuning.cluster_merge and num_splits > 1 and num_splits in CLUSTER_SPLITS
+            launch = (self.tuning, int(num_splits), int(num_splits) if clustered else 1)
         splits = launch[1]
         o_size, lse_size = self._part_sizes
         flat = self._scratch(splits * (o_size + lse_size))
@@ -529,8 +533,9 @@ def prepare_decode(q, cache, out, lse, device: Device, num_sms: int, workspace: 
     (contiguous, q's dtype) and ``lse`` [B, Hq, q_len] (float32, natural log).
 
     ``page_table`` overrides the paged cache's table (the adapter passes an int32 copy);
-    ``tuning`` / ``num_splits`` override the kernel shape / the splits heuristic
-    (benchmarks, tests). A step like an earlier one — the same mod objects (``Mod``
+    ``tuning`` / ``num_splits`` override the kernel shape / the launch heuristic
+    (benchmarks, tests; an explicit 2, 4 or 8 splits merge in a cluster unless the
+    tuning's ``cluster_merge`` is off). A step like an earlier one — the same mod objects (``Mod``
     values: plain functions are traced anew), scale, tuning, workspace and stream, arrays
     of the same shapes and dtypes — reuses that step's ``DecodePlan``: only the lengths
     are read and checked. The lengths are uploaded here, into the plan's buffer: launch

@@ -345,6 +345,7 @@ def test_fused_merge_matches_reference(group, Hkv, q_len, page_size, kind, num_s
     mask, score, mask_fn, score_fn = variant(kind, Hq)
     out, lse, step = run_kernel(q, cache, mask, score, 132, num_splits=num_splits)
     assert step.num_splits == num_splits
+    assert step.config.cluster_splits == (num_splits if num_splits in (2, 4, 8) else 1)
     assert_tickets_zero()
     want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), score_fn, mask_fn)
     assert not out.isnan().any() and not lse.isnan().any()
