@@ -689,10 +689,10 @@ class DecodeSm90:
         tile_rows = cutlass.min(cfg.tile_m, rows - p_lo)
         for r in cutlass.range(rank + splits * warp, tile_rows, splits * warps, unroll=1):
             cols = sPart.iterator + (r * cfg.head_dim + lane * per_lane)
-            parts = [dsmem.load_row_in_rank(cols, Int32(s), per_lane) for s in range(splits)]
+            parts = [dsmem.load_f32s_in_rank(cols, Int32(s), per_lane) for s in range(splits)]
             lse_s = -Float32.inf
             if lane < splits:
-                lse_s = dsmem.load_f32_in_rank(sLSE.iterator + r, lane)
+                lse_s = dsmem.load_f32s_in_rank(sLSE.iterator + r, lane, 1)[0]
             m = cute.arch.warp_reduction_max(lse_s)
             m_safe = Float32(0.0) if m == -Float32.inf else m * Float32(LOG2_E)
             w = cute.math.exp2(lse_s * Float32(LOG2_E) - m_safe, fastmath=True)   # lanes >= splits: 0
