@@ -52,7 +52,7 @@ def merge_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: cute.Ten
         if s0 + lane < num_splits:
             m = cute.arch.fmax(m, Float32(lse_parts[s0 + lane]))
     m = cute.arch.warp_reduction_max(m)
-    m_safe = Float32(0.0) if m == -Float32.inf else m * Float32(LOG2_E)
+    m_safe = log2_shift(m)
     total = Float32(0.0)
     for s0 in cutlass.range(0, num_splits, 32, unroll=1):
         if s0 + lane < num_splits:
@@ -67,13 +67,30 @@ def merge_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: cute.Ten
         parts = [_partial(o_parts, s0 + j, num_splits, lane, per_lane) for j in range(CHUNK)]
         for j in cutlass.range_constexpr(CHUNK):
             acc.store(acc.load() + parts[j] * _weight(lse_parts, s0 + j, num_splits, m_safe))
-    inv = Float32(0.0) if total == Float32(0.0) else Float32(1.0) / total
+    inv, lse = inverse_and_lse(m, total)
     out = cute.local_tile(out_row, (per_lane,), (lane,))
     out.store((acc.load() * inv).to(out_row.element_type))
+    return lse
+
+
+@cute.jit
+def log2_shift(m: Float32) -> Float32:
+    """The exponent offset of a row whose splits' largest natural-log LSE is `m`: m *
+    log2(e), or 0 when no split saw a key (m = -inf), so every weight exp2(LSE_s * log2(e)
+    - shift) is 0 and no -inf - -inf appears."""
+    return Float32(0.0) if m == -Float32.inf else m * Float32(LOG2_E)
+
+
+@cute.jit
+def inverse_and_lse(m: Float32, total: Float32):
+    """(1 / total or 0, the row's natural-log LSE or -inf) from the max `m` and the sum of
+    weights `total` (relative to `log2_shift(m)`): a row no split attended gets O = 0 and
+    LSE = -inf."""
+    inv = Float32(0.0) if total == Float32(0.0) else Float32(1.0) / total
     lse = -Float32.inf
     if total > Float32(0.0):
         lse = m + cute.math.log2(total, fastmath=True) * Float32(LN2)
-    return lse
+    return inv, lse
 
 
 def _partial(o_parts, s, num_splits, lane, per_lane):
@@ -87,4 +104,4 @@ def _weight(lse_parts, s, num_splits, m_safe):
     return cutlass.select_(s < num_splits, w, Float32(0.0))
 
 
-__all__ = ["merge_splits"]
+__all__ = ["merge_splits", "log2_shift", "inverse_and_lse"]

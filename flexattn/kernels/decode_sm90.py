@@ -73,13 +73,12 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync
 
 from flexattn.kernels import dsmem, interval_emit, sm90_mma
-from flexattn.kernels.decode_combine import merge_splits
+from flexattn.kernels.decode_combine import inverse_and_lse, log2_shift, merge_splits
 from flexattn.kernels.mod_hook import NO_MODS, FragmentCoords, ModHook, kept_if
 from flexattn.kernels.softmax import OnlineSoftmax, rescale_rows
 from flexattn.kernels.tma_pipeline import tma_ring
 
 LOG2_E = math.log2(math.e)
-LN2 = math.log(2.0)
 TIMELINE_STAMPS = 8     # per CTA: entry, producer start, Q loaded, first block done, stream
                         # end, ticket taken, merge end (merging CTAs only), unused
 CLUSTER_SPLITS = (1, 2, 4, 8)   # cluster merge sizes (8: the portable cluster limit)
@@ -694,10 +693,9 @@ class DecodeSm90:
             if lane < splits:
                 lse_s = dsmem.load_f32s_in_rank(sLSE.iterator + r, lane, 1)[0]
             m = cute.arch.warp_reduction_max(lse_s)
-            m_safe = Float32(0.0) if m == -Float32.inf else m * Float32(LOG2_E)
-            w = cute.math.exp2(lse_s * Float32(LOG2_E) - m_safe, fastmath=True)   # lanes >= splits: 0
+            w = cute.math.exp2(lse_s * Float32(LOG2_E) - log2_shift(m), fastmath=True)   # lanes >= splits: 0
             total = cute.arch.warp_reduction_sum(w)
-            inv = Float32(0.0) if total == Float32(0.0) else Float32(1.0) / total
+            inv, lse = inverse_and_lse(m, total)
             acc = cute.make_rmem_tensor(per_lane, Float32)
             acc.fill(0.0)
             for s in cutlass.range_constexpr(splits):
@@ -711,9 +709,6 @@ class DecodeSm90:
             out = cute.local_tile(mO[batch, head, qi, None], (per_lane,), (lane,))
             out.store((acc.load() * inv).to(mO.element_type))
             if lane == 0:
-                lse = -Float32.inf
-                if total > Float32(0.0):
-                    lse = m + cute.math.log2(total, fastmath=True) * Float32(LN2)
                 mLSE[batch, head, qi] = lse
 
     # ------------------------------------------------------------------ in-kernel merge
