@@ -136,6 +136,16 @@ class DecodeConfig:
         return self.page_size > 0
 
     @property
+    def pages_per_tile(self) -> int:
+        """Paged: the pages one kv tile spans (1 when pages hold whole tiles)."""
+        return max(1, self.tile_n // self.page_size)
+
+    @property
+    def tiles_per_page(self) -> int:
+        """Paged: the kv tiles one page holds (1 when pages are smaller than a tile)."""
+        return max(1, self.page_size // self.tile_n)
+
+    @property
     def box_rows(self) -> int:
         """Rows of one K/V TMA box: the tile, or one page when pages are smaller."""
         return self.tile_n if not self.paged else min(self.tile_n, self.page_size)
@@ -465,7 +475,7 @@ class DecodeSm90:
             # a block's TMA never waits on a dependent global load of its page (that wait
             # kept a ring slot idle per block). Block r of a batch finds its pages in lanes
             # [r * pages_per_tile, (r + 1) * pages_per_tile).
-            pages_per_tile = max(1, cfg.tile_n // cfg.page_size)
+            pages_per_tile = cfg.pages_per_tile
             per_batch = 32 // pages_per_tile
             lane = cute.arch.lane_idx()
             upcoming = self._page_entries(mPageTable, batch, first, count, Int32(0), lane)
@@ -485,13 +495,13 @@ class DecodeSm90:
         pages_per_tile; 0 past the last visit."""
         cfg = self.cfg
         entry = Int32(0)
-        visit = i0 + lane // max(1, cfg.tile_n // cfg.page_size)
+        pages_per_tile = cfg.pages_per_tile
+        visit = i0 + lane // pages_per_tile
         if visit < count:
             n_block = first + count - 1 - visit
-            if const_expr(cfg.page_size >= cfg.tile_n):
-                logical_page = n_block // (cfg.page_size // cfg.tile_n)
+            if const_expr(pages_per_tile == 1):
+                logical_page = n_block // cfg.tiles_per_page
             else:
-                pages_per_tile = cfg.tile_n // cfg.page_size
                 # A tile's tail may run past the table when capacity is not a multiple of
                 # the tile: clamp (those rows lie beyond the sequence and are masked).
                 logical_page = cutlass.min(n_block * pages_per_tile + lane % pages_per_tile, mPageTable.shape[1] - 1)
@@ -508,12 +518,11 @@ class DecodeSm90:
         if const_expr(not cfg.paged):
             cute.copy(atom, tXgX[None, n_block, 0, batch], tXsX[None, 0, 0, state.index], tma_bar_ptr=bar)
         elif const_expr(cfg.page_size >= cfg.tile_n):
-            tiles_per_page = cfg.page_size // cfg.tile_n
             page = cute.arch.shuffle_sync(entries, lane0)
-            cute.copy(atom, tXgX[None, n_block % tiles_per_page, 0, page],
+            cute.copy(atom, tXgX[None, n_block % cfg.tiles_per_page, 0, page],
                       tXsX[None, 0, 0, state.index], tma_bar_ptr=bar)
         else:
-            for j in cutlass.range_constexpr(cfg.tile_n // cfg.page_size):
+            for j in cutlass.range_constexpr(cfg.pages_per_tile):
                 page = cute.arch.shuffle_sync(entries, lane0 + j)
                 cute.copy(atom, tXgX[None, 0, 0, page], tXsX[None, j, 0, state.index], tma_bar_ptr=bar)
 
