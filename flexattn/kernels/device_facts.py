@@ -44,12 +44,15 @@ _EMPTY_PTX = b""".version 8.0
 
 
 @functools.cache
-def max_active_clusters(device_id: int, cluster_size: int) -> int:
-    """How many clusters of ``cluster_size`` CTAs, each CTA filling an SM (all its shared
-    memory), can be resident at once on CUDA device ``device_id``. Not simply
-    SMs / cluster_size: a cluster must fit inside one GPC, so SMs of a GPC that cannot
-    form a whole cluster stay idle. A persistent cluster launch must not ask for more,
-    or the extra clusters would run after the others, as a second wave."""
+def max_active_clusters(device_id: int, cluster_size: int, threads: int = 128, smem_bytes: int | None = None) -> int:
+    """How many clusters of ``cluster_size`` CTAs can be resident at once on CUDA device
+    ``device_id``: CTAs of ``threads`` threads, each filling an SM (all its shared memory)
+    or, given ``smem_bytes``, taking that much dynamic shared memory (largest carveout).
+    Registers are not modelled (an empty kernel answers): kernels whose launch bounds give
+    the same CTAs per SM get the same answer. Not simply SMs / cluster_size: a cluster
+    must fit inside one GPC, so SMs of a GPC that cannot form a whole cluster stay idle.
+    A launch must not ask for more, or the extra clusters would run after the others, as
+    a second wave."""
     from cuda.bindings import driver
 
     def ok(result):
@@ -68,13 +71,17 @@ def max_active_clusters(device_id: int, cluster_size: int) -> int:
     try:
         module = ok(driver.cuModuleLoadData(_EMPTY_PTX))
         fn = ok(driver.cuModuleGetFunction(module, b"flexattn_empty"))
-        smem = ok(driver.cuDeviceGetAttribute(
-            driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev))
-        ok(driver.cuFuncSetAttribute(
-            fn, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem))
+        attrs = driver.CUfunction_attribute
+        smem = smem_bytes
+        if smem is None:
+            smem = ok(driver.cuDeviceGetAttribute(
+                driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev))
+        else:
+            ok(driver.cuFuncSetAttribute(fn, attrs.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100))
+        ok(driver.cuFuncSetAttribute(fn, attrs.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem))
         config = driver.CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = cluster_size, 1, 1
-        config.blockDimX, config.blockDimY, config.blockDimZ = 128, 1, 1
+        config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
         config.sharedMemBytes = smem
         attr = driver.CUlaunchAttribute()
         attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
