@@ -4,7 +4,8 @@ A planned step's kernel (as bench_decode.py's "flexattn-k": config, split count,
 arguments) is compiled once more with ``DecodeConfig.timeline``: every CTA writes
 ``%globaltimer_lo`` stamps (ns) past the arrival tickets — entry, producer start, Q
 loaded, first kv block done, stream end, ticket taken (cluster merge: the first cluster
-barrier passed), merge end (merging CTAs; with a cluster merge, every CTA). Each
+barrier passed), merge end (merging CTAs; with a cluster merge, every CTA), and its SM
+(``--by-sm`` prints each CTA's stream end by SM id). Each
 launch follows a read-only L2 flush, as ``clean_ms``. Per row (medians over launches,
 µs from the first CTA's entry):
 
@@ -12,7 +13,8 @@ launch follows a read-only L2 flush, as ``clean_ms``. Per row (medians over laun
   entry        last CTA's entry (how long the launch takes to place every CTA)
   wave1        CTAs that entered within 5 µs of the first (all of them: one wave)
   first        median CTA: entry -> first kv block consumed (Q load, first TMA round trip)
-  end p0/50/100  stream ends over CTAs (the tail's spread)
+  end p0/10/mean/50/100  stream ends over CTAs (the tail's spread; mean: where a
+               perfectly balanced stream would end, to first order)
   ticket       median CTA: stream end -> ticket taken (partial stores, fence, atomic)
   merge        median merging CTA: ticket -> merged rows written
   done         last stamp of any CTA
@@ -67,7 +69,7 @@ def probed_launch(step, q, cache):
 
 def summarize(stamps: np.ndarray, gbytes: float) -> dict:
     """One launch's stamps [ctas, 8] (uint32 ns) -> the row's figures in µs."""
-    t = stamps.astype(np.int64)
+    t = stamps[:, :7].astype(np.int64)     # column 7: the CTA's SM
     base = t[:, 0].min()
     rel = ((t - base + (1 << 31)) % (1 << 32) - (1 << 31)) / 1e3    # wrap-safe µs from the first entry
     merged = stamps[:, 6] != 0
@@ -83,7 +85,30 @@ def summarize(stamps: np.ndarray, gbytes: float) -> dict:
         "steady": steady,
         # the timer's step: 1000 if %globaltimer ticks in µs, ~32 if in ns
         "tick": float(np.diff(np.unique(t[t > 0])).min()) if (t > 0).sum() > 1 else 0.0,
+        "end mean": ends.mean(), "end p10": np.percentile(ends, 10),
     }
+
+
+def ends_by_sm(stamps: np.ndarray) -> list:
+    """One launch: stream end (µs from the first entry) per SM id, slowest first — whether
+    the tail's spread follows the SMs (their place on the chip) or the CTAs' work — and the
+    quarters of the stream (first block -> 1/4 -> 1/2 -> 3/4 of the blocks -> end), median
+    µs over the early-ending CTAs (stream end > 10 µs before the median) and the others:
+    whether the others speed up once the early ones are idle (HBM shared: balancing the
+    work gains little) or not (a per-SM or per-GPC limit: it gains the spread)."""
+    cols = [0, 3, 4, 8, 9, 10]
+    t = stamps[:, cols].astype(np.int64)
+    rel = ((t - t[:, 0].min() + (1 << 31)) % (1 << 32) - (1 << 31)) / 1e3
+    first, end, q1, q2, q3 = (rel[:, i] for i in range(1, 6))
+    order = np.argsort(-end)
+    lines = [" ".join(f"{int(stamps[i, 7])}:{end[i]:.1f}" for i in order)]
+    early = end < np.median(end) - 10.0
+    for name, sel in (("early", early), ("others", ~early)):
+        if sel.any():
+            quarters = [np.median(b[sel] - a[sel]) for a, b in ((first, q1), (q1, q2), (q2, q3), (q3, end))]
+            lines.append(f"{name} ({int(sel.sum())} CTAs, end {np.median(end[sel]):.1f}): quarters "
+                         + " / ".join(f"{x:.1f}" for x in quarters) + " µs")
+    return lines
 
 
 def main():
@@ -95,12 +120,13 @@ def main():
     ap.add_argument("--merges", nargs="*", default=["cluster", "tickets"])
     ap.add_argument("--tuning", default=None, help="tile_n x stages x CTAs/SM, e.g. 64x6x1 (default: the planner's)")
     ap.add_argument("--splits", type=int, default=None, help="split count (default: the planner's)")
+    ap.add_argument("--by-sm", action="store_true", help="also print each row's stream end per SM (3 launches)")
     args = ap.parse_args()
     from flexattn.core.decode_path import DEFAULT_TUNING, DecodeTuning
 
     print(f"# {device_name()}, tuning {args.tuning or 'default'}, splits {args.splits or 'planned'}")
-    cols = ["kernel", "plain", "entry", "wave1", "first", "end p0", "end p50", "end p100", "ticket", "merge", "done",
-            "steady", "tick"]
+    cols = ["kernel", "plain", "entry", "wave1", "first", "end p0", "end p10", "end mean", "end p50", "end p100",
+            "ticket", "merge", "done", "steady", "tick"]
     print("| B | L | layout | variant | splits | merge | " + " | ".join(cols) + " |")
     print("|" + "---|" * (6 + len(cols)))
     for shape in args.shapes:
@@ -121,16 +147,20 @@ def main():
                 plain_ms = clean_ms(step.launch)
                 launch, stamps, splits = probed_launch(step, q, cache)
                 kernel_ms = clean_ms(launch, reps=args.reps)   # compiles on its warmup calls
-                rows = []
-                for _ in range(args.reps):
+                rows, by_sm = [], []
+                for rep in range(args.reps):
                     stamps.zero_()
                     clean_ms(launch, reps=1, warmup=0)
                     rows.append(summarize(stamps.cpu().numpy().view(np.uint32), gbytes))
+                    if args.by_sm and rep < 3:
+                        by_sm += ends_by_sm(stamps.cpu().numpy().view(np.uint32))
                 fig = {c: float(np.median([r[c] for r in rows])) for c in rows[0]}
                 fig["kernel"], fig["plain"] = kernel_ms * 1e3, plain_ms * 1e3
                 cells = [f"{fig[c]:.2f}" if c == "steady" else f"{fig[c]:.0f}" if c == "wave1" else f"{fig[c]:.1f}"
                          for c in cols]
                 print(f"| {B} | {L} | {layout} | {name} | {splits} | {merge} | " + " | ".join(cells) + " |", flush=True)
+                for line in by_sm:
+                    print(f"#   {line}")
     print("µs from the first CTA's entry (kernel, plain: µs by CUDA events, probed / production kernel); "
           "steady: TB/s")
 

@@ -79,8 +79,9 @@ from flexattn.kernels.softmax import OnlineSoftmax, rescale_rows
 from flexattn.kernels.tma_pipeline import tma_ring
 
 LOG2_E = math.log2(math.e)
-TIMELINE_STAMPS = 8     # per CTA: entry, producer start, Q loaded, first block done, stream
-                        # end, ticket taken, merge end (merging CTAs only), unused
+TIMELINE_STAMPS = 16    # per CTA: entry, producer start, Q loaded, first block done, stream
+                        # end, ticket taken, merge end (merging CTAs only), the SM's id,
+                        # blocks done at 1/4, 1/2, 3/4 of the split (8-10), unused
 CLUSTER_SPLITS = (1, 2, 4, 8)   # cluster merge sizes (8: the portable cluster limit)
 PREFIX_SCAN_LIMIT = 16  # buffer spans the masked-prefix analysis scans: q rows, not kv ranges
 
@@ -362,6 +363,9 @@ class DecodeSm90:
             cta = (batch * head_blocks + head_block) * num_splits + split
             stamps = mTickets.iterator + (head_blocks * mQ.shape[0] + cta * TIMELINE_STAMPS)
         self._stamp(stamps, 0, warp_idx == 4)
+        if const_expr(cfg.timeline):
+            if warp_idx == 4 and cute.arch.lane_idx() == 0:
+                (stamps + 7).store(Int32(cute.arch.smid()))
 
         pipeline.pipeline_init_wait()
 
@@ -598,6 +602,10 @@ class DecodeSm90:
         self._stamp(stamps, 3, tidx < 32)
         for i in cutlass.range(1, count, unroll=1):
             kv_state = self._step(ctx, kv_state, first + count - 1 - i, kv_bound=False)
+            if const_expr(cfg.timeline):
+                for k in cutlass.range_constexpr(1, 4):
+                    if i == count * k // 4:
+                        self._stamp(stamps, 7 + k, tidx < 32)
         self._stamp(stamps, 4, tidx < 32)
 
         inv_sum, lse = softmax.finalize()

@@ -101,7 +101,7 @@ def test_decode_ptx(compiled, name):
         assert ptx.count(f"ld.shared::cluster.{width}") == cfg.cluster_splits
         assert ptx.count("ld.shared::cluster.f32") == 1
         assert len(re.findall(r"bar\.sync\s+2,", ptx)) == 1
-    assert ("globaltimer" in ptx) == cfg.timeline
+    assert ("globaltimer" in ptx) == cfg.timeline == ("%smid" in ptx)
 
 
 @pytest.mark.parametrize("name", list(CASES))
