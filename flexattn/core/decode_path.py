@@ -19,17 +19,19 @@ the cache's lengths (host ints) are checked (batch, query tokens present, capaci
 go with the offsets (``len - q_len``) into the plan's buffer through the workspace's
 uploader (a ``StagingRing`` slot and one asynchronous copy: the host plans the next
 step while the GPU runs this one — new values, same structure: nothing recompiles);
-``choose_launch`` picks how many splits of the kv range fill the GPU and how they merge
-(see there; cached per kv block count); the partials are views of the workspace's
+``choose_launch`` picks how many splits of the kv blocks to visit fill the GPU and how
+they merge (see there; cached per kv block count); the partials are views of the workspace's
 scratch, kept per split count; one launch, whose split CTAs merge in a cluster (pairs)
 or whose last split CTA of each group merges the splits, counting arrivals in the
 workspace's tickets (``decode_sm90``). The upload and launch
 hold the workspace's lock, so threads sharing a stream each launch after their own
 upload; each stream has its own workspace and plans, so streams never share a buffer.
 
-No mask analysis runs on the host: the kernel skips the leading kv blocks its mask
-provably excludes (a sliding window skips the cache's head) by interval analysis on the
-GPU (``decode_sm90``); blocks at or past each sequence's length are never visited either.
+The kernel skips the leading kv blocks its mask provably excludes (a sliding window
+skips the cache's head) by interval analysis on the GPU (``decode_sm90``), per CTA and
+step; blocks at or past each sequence's length are never visited either. The host runs
+the same analysis only to size the splits (``live_blocks``: once per plan and kv block
+count, ~0.2-0.3 ms, so about every tile_n decoded tokens), never for correctness.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ from .prepared import PreparedCalls, call_identity
 DECODE_MAX_Q_LEN = 16      # longer query blocks take the ordinary forward kernel
 PAGE_TILE = 128            # page sizes are checked against this tile: then every tile_n
                            # the tuning picks (64 or 128) reads them in place
-MIN_KEYS_PER_SPLIT = 512   # below that a split's fixed costs (Q load, epilogue, its share
-                           # of the merge) outweigh the parallelism it adds
+MIN_KEYS_PER_SPLIT = 256   # below that a split's fixed costs (Q load, epilogue, its share
+                           # of the merge) outweigh the parallelism it adds (H100, B 1: 16
+                           # splits of 256 keys beat 8 of 512, 14.1 against 14.9 µs at 4k keys)
 
 
 @dataclass(frozen=True)
@@ -74,13 +77,14 @@ class DecodeTuning:
 # 128-key tiles with one CTA per SM lose up to 0.1 TB/s on short caches and at B 1.
 DEFAULT_TUNING = DecodeTuning(tile_n=64, num_stages=2, ctas_per_sm=2)
 # One CTA per SM with a deeper ring: two consumer warpgroups (group x q_len > 64 rows),
-# and steps that fill the GPU with 2 splits this way instead of 4 (``choose_launch``).
+# and steps that fill the GPU with half the splits this way (``choose_launch``).
 ONE_CTA_TUNING = DecodeTuning(tile_n=64, num_stages=6, ctas_per_sm=1)
 
 
 def choose_launch(batch: int, kv_heads: int, m_blocks: int, kv_blocks: int, num_sms: int,
                   tuning: DecodeTuning = DEFAULT_TUNING) -> tuple:
-    """(tuning, splits, cluster) of a step: ``choose_splits``, and how the splits merge.
+    """(tuning, splits, cluster) of a step whose longest sequence visits ``kv_blocks``
+    blocks (``live_blocks``): ``choose_splits``, and how the splits merge.
 
     Two splits merge through distributed shared memory, in a cluster of the pair (no
     arrival ticket, no partials in global memory: the last group is done 1.3-3 µs sooner
@@ -88,17 +92,19 @@ def choose_launch(batch: int, kv_heads: int, m_blocks: int, kv_blocks: int, num_
     132 pairs at two CTAs per SM, 66 at one), while clusters of 4 or 8 lose slots to the
     GPCs' granularity (62 of 66 clusters of 4 at two CTAs per SM: a B 8 x Hkv 8 step would
     run a second wave; benchmarks/decode_clusters.py), so more splits merge by tickets.
-    Where the default tuning (two CTAs per SM) needs 4 splits, one CTA per SM with a ring
-    three times as deep fills the GPU with 2 and merges them in pairs (B 8 L 8k: 93.6
-    against 95.8 µs, benchmarks/RESULTS.md, session 11). Explicit tunings are kept."""
+    Where the default tuning (two CTAs per SM) needs 4 splits or more, one CTA per SM with
+    a ring three times as deep streams as fast with half as many: fewer partials to merge
+    (B 8 L 8k: 2 splits merged in pairs, 93.6 against 95.8 µs with 4 and tickets; a ticket
+    merge of 33 splits takes ~4 µs, of 16 ~2 µs: benchmarks/RESULTS.md, sessions 11-12).
+    Explicit tunings are kept."""
     splits = choose_splits(batch, kv_heads, m_blocks, kv_blocks, num_sms, tuning)
-    if tuning.cluster_merge:
-        if splits == 2:
-            return tuning, 2, 2
-        if splits == 4 and tuning == DEFAULT_TUNING:
-            deep = ONE_CTA_TUNING
-            if choose_splits(batch, kv_heads, m_blocks, kv_blocks, num_sms, deep) == 2:
-                return deep, 2, 2
+    if splits >= 4 and tuning == DEFAULT_TUNING:
+        deep = dataclasses.replace(ONE_CTA_TUNING, cluster_merge=tuning.cluster_merge)
+        fewer = choose_splits(batch, kv_heads, m_blocks, kv_blocks, num_sms, deep)
+        if 2 * fewer <= splits + 1:
+            tuning, splits = deep, fewer
+    if tuning.cluster_merge and splits == 2:
+        return tuning, 2, 2
     return tuning, splits, 1
 
 
@@ -110,7 +116,7 @@ def choose_splits(batch: int, kv_heads: int, m_blocks: int, kv_blocks: int, num_
     exist without splitting; splitting multiplies them, up to ``num_sms * ctas_per_sm *
     waves`` (the resident CTA slots, times the waves the tuning aims for) — more would only
     add partial results to merge — and no split gets fewer than ``MIN_KEYS_PER_SPLIT``
-    keys of the ``kv_blocks`` blocks (the longest sequence's). The count is then trimmed
+    keys of the ``kv_blocks`` blocks (those the longest sequence visits). The count is then trimmed
     so that the longest sequence leaves no split empty.
     Examples (132 SMs, Hkv 8, one slot per SM): B 8 → 2 splits (128 CTAs); B 1, 128k keys
     → 16 (128 CTAs); B 64 → 1."""
@@ -122,6 +128,31 @@ def choose_splits(batch: int, kv_heads: int, m_blocks: int, kv_blocks: int, num_
     splits = max(1, min(slots // ctas, kv_blocks // min_blocks))
     per_split = -(-kv_blocks // splits)
     return -(-kv_blocks // per_split)
+
+
+def live_blocks(mask, batch: int, q_heads: int, q_len: int, length: int, tile_n: int) -> int:
+    """The kv blocks of a ``length``-token sequence the decode kernel will visit: all but
+    the leading ones interval analysis proves ``mask`` excludes for its last ``q_len``
+    query positions (the kernel's own masked-prefix skip, done here on the host for the
+    planner: a sliding window of 4096 leaves 65 of 2048 blocks at 128k keys, which want
+    more splits than the cache's length suggests). One vectorized analysis over every
+    prefix; ``mask`` at true positions, every batch and head at once. Masks reading
+    device arrays are not analysed (it would wait for the GPU): all blocks."""
+    blocks = -(-length // tile_n)
+    if mask is None or blocks <= 1:
+        return blocks
+    values = list(mask.captures)
+    if not all(isinstance(c, (bool, int, float, np.integer, np.floating, np.ndarray)) for c in values):
+        return blocks
+    from ..mods.intervals import classify
+
+    prefix_end = np.minimum(np.arange(1, blocks + 1) * tile_n, length) - 1
+    ranges = {"b": (0, batch - 1), "h": (0, q_heads - 1), "q": (length - q_len, length - 1),
+              "kv": (np.zeros_like(prefix_end), prefix_end)}
+    masked = np.broadcast_to(classify(mask.expr, ranges, values), prefix_end.shape) == 0
+    # Longer prefixes are never "more masked" (sound bounds only widen): count the leading run.
+    skipped = int(np.argmin(masked)) if not masked.all() else blocks
+    return max(1, blocks - skipped)
 
 
 _SHIFTED: dict = {}   # (id(expr), ids of captures) -> (mod, shifted template, offset slot)
@@ -365,6 +396,7 @@ class DecodePlan:
         self.seq_lens, q_offset = self.positions[0], self.positions[1]
         self._put = workspace.uploader(self.positions)
         base = None if mask is None else as_mask(mask, "mask")
+        self._base_mask = None if _is_full(base) else base   # at true positions: the planner's live_blocks
         the_mask = None if _is_full(base) else _at_true_positions(base, q_offset)
         the_score = None if score_mod is None else _at_true_positions(as_score(score_mod, "score_mod"), q_offset)
         self.config = _config_for(KERNEL_DTYPES[dtype_name(q)], D, num_mma_wg, page_size, the_score, the_mask,
@@ -382,6 +414,7 @@ class DecodePlan:
         self._tickets = workspace.tickets(self.batch * self.kv_heads * self.m_blocks)
         self._scratch = workspace.scratch
         self._launches: dict = {}    # (kv blocks, SM count) -> choose_launch's (tuning, splits, cluster)
+        self.q_heads = Hq
         self._parts: dict = {}       # split count -> (scratch array, o_part, lse_part)
         # Numbers, read-only arrays and our positions buffer cannot change under the plan:
         # convert once. Anything else (framework tensors, writeable arrays) may be updated
@@ -431,7 +464,10 @@ class DecodePlan:
             key = (-(-longest // self.tuning.tile_n), num_sms)
             launch = self._launches.get(key)
             if launch is None:
-                launch = self._launches[key] = choose_launch(self.batch, self.kv_heads, self.m_blocks, key[0],
+                # Splits are sized by the blocks the kernel visits, not the cache's length
+                # (a window's); planned once per block count (every tile_n tokens of decoding).
+                live = live_blocks(self._base_mask, self.batch, self.q_heads, q_len, longest, self.tuning.tile_n)
+                launch = self._launches[key] = choose_launch(self.batch, self.kv_heads, self.m_blocks, live,
                                                              num_sms, self.tuning)
         else:
             if num_splits < 1:

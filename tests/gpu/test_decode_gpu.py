@@ -56,14 +56,14 @@ def reference(q, k, v, lengths, scale, score_fn=None, mask_fn=None):
     return p @ v, lse
 
 
-def variant(kind, Hq):
+def variant(kind, Hq, window=None):
     """-> (mask, score, mask_fn, score_fn) at true positions."""
     if kind == "none":
         return None, None, None, None
     if kind == "causal":
         return mods.causal(), None, lambda b, h, q, k: q >= k, None
     if kind == "window":
-        w = random.choice([17, 100, 700])
+        w = random.choice([17, 100, 700]) if window is None else window
         return (mods.sliding_window(w), None, lambda b, h, q, k: (q >= k) & (q - k <= w), None)
     if kind == "alibi":
         slopes = torch.from_numpy(mods.alibi_slopes(Hq)).to(DEV).double()
@@ -198,7 +198,8 @@ def test_decode_matches_reference(case):
 def test_window_skips_blocks_and_many_splits():
     """A long cache with a short window: the kernel skips the cache's head by itself — keys
     before the window's first 128-key block are NaN (any visit would poison O) — and B 1
-    splits wide, also with the other tunings."""
+    splits wide, also with the other tunings. The planner sizes the splits by the ~17
+    blocks the window leaves (``live_blocks``), not the cache's 313."""
     torch.manual_seed(0)
     B, Hq, Hkv, n, D, cap = 1, 16, 2, 1, 128, 20032
     lengths = [19999]
@@ -217,6 +218,10 @@ def test_window_skips_blocks_and_many_splits():
         cache = make_paged(k, v, lengths, page_size) if page_size else fa.KVCache(k, v, torch.tensor(lengths, dtype=torch.int32))
         out, lse, step = run_kernel(q, cache, mods.sliding_window(w), mods.alibi(num_heads=Hq), 132, tuning)
         assert step.num_splits > 1
+        t = tuning or decode_path.DEFAULT_TUNING
+        live = decode_path.live_blocks(mods.sliding_window(w), B, Hq, n, lengths[0], t.tile_n)
+        assert live == -(-lengths[0] // t.tile_n) - (lengths[0] - n - w) // t.tile_n
+        assert step.num_splits == decode_path.choose_launch(B, Hkv, 1, live, 132, t)[1]
         torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
 
@@ -364,7 +369,8 @@ def test_planned_pair_clusters(page_size, kind):
     lengths = [cap - random.randint(0, 63) for _ in range(B - 1)] + [600]
     cache, k, v = make_cache(B, Hkv, cap, D, lengths, torch.bfloat16, page_size)
     q = torch.randn(B, Hkv * group, 1, D, device=DEV, dtype=torch.bfloat16)
-    mask, score, mask_fn, score_fn = variant(kind, Hkv * group)
+    # A window as long as most of the cache: the planner sizes splits by the blocks visited.
+    mask, score, mask_fn, score_fn = variant(kind, Hkv * group, window=2000)
     out, lse, step = run_kernel(q, cache, mask, score, 132)
     assert (step.num_splits, step.config.cluster_splits, step.config.ctas_per_sm) == (2, 2, 1)
     want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), score_fn, mask_fn)

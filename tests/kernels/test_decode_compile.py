@@ -142,8 +142,8 @@ def test_choose_splits():
     assert choose_splits(8, 8, 1, 64, 132, one) == 2          # B 8, 8k keys: 128 CTAs
     assert choose_splits(1, 8, 1, 1024, 132, one) == 16       # B 1, 128k keys
     assert choose_splits(64, 8, 1, 64, 132, one) == 1         # already > 1 wave
-    assert choose_splits(1, 8, 1, 6, 132, one) == 1           # too short to split (6 blocks)
-    assert choose_splits(1, 1, 1, 10, 132, one) == 2          # 4+ blocks per split, none empty
+    assert choose_splits(1, 8, 1, 3, 132, one) == 1           # too short to split (3 blocks, 384 keys)
+    assert choose_splits(1, 1, 1, 10, 132, one) == 5          # 2+ blocks (256 keys) per split, none empty
     assert choose_splits(1, 1, 1, 0, 132, one) == 1
     for b, h, n in ((1, 1, 37), (3, 2, 1000), (2, 8, 9)):
         s = choose_splits(b, h, 1, n, 132, one)
@@ -157,20 +157,20 @@ def test_choose_splits_tuning():
     assert choose_splits(8, 8, 1, 128, 132, two) == 4         # B 8, 8k keys: 256 of 264 slots
     assert choose_splits(1, 8, 1, 2048, 132, two) == 33       # B 1, 128k keys: 264 CTAs
     assert choose_splits(1, 8, 1, 2048, 132, DecodeTuning(waves=2)) == 33
-    assert choose_splits(1, 1, 1, 17, 132, two) == 2          # 8+ blocks (512 keys) per split
+    assert choose_splits(1, 1, 1, 17, 132, two) == 4          # 4+ blocks (256 keys) per split
 
 
 def test_choose_launch():
-    """Two splits merge in clusters of two; where the default tuning needs 4 splits, the
-    deep one-CTA-per-SM tuning fills the GPU with 2; more splits merge by tickets;
+    """Two splits merge in clusters of two; where the default tuning needs 4 splits or
+    more, the deep one-CTA-per-SM tuning fills the GPU with half; more splits merge by tickets;
     explicit tunings are kept (132 SMs, Hkv 8)."""
     from flexattn.core.decode_path import DEFAULT_TUNING, ONE_CTA_TUNING, choose_launch
 
     assert choose_launch(8, 8, 1, 128, 132) == (ONE_CTA_TUNING, 2, 2)        # B 8, 8k keys
     assert choose_launch(8, 8, 1, 1024, 132) == (ONE_CTA_TUNING, 2, 2)       # B 8, 64k keys
     assert choose_launch(16, 8, 1, 128, 132) == (DEFAULT_TUNING, 2, 2)       # 256 CTAs in pairs
-    assert choose_launch(1, 8, 1, 2048, 132) == (DEFAULT_TUNING, 33, 1)      # B 1, 128k keys: tickets
-    assert choose_launch(4, 8, 1, 2048, 132) == (DEFAULT_TUNING, 8, 1)
+    assert choose_launch(1, 8, 1, 2048, 132) == (ONE_CTA_TUNING, 16, 1)      # B 1, 128k keys: tickets
+    assert choose_launch(4, 8, 1, 2048, 132) == (ONE_CTA_TUNING, 4, 1)
     assert choose_launch(64, 8, 1, 128, 132) == (DEFAULT_TUNING, 1, 1)
     explicit = DecodeTuning(tile_n=64, num_stages=3, ctas_per_sm=2)
     assert choose_launch(8, 8, 1, 128, 132, explicit) == (explicit, 4, 1)
@@ -312,13 +312,13 @@ def test_plan_run_repeated_steps():
     plan = decode_path.prepare_decode(q, cache, out, lse, device, 132, ws, score_mod=mods.alibi(num_heads=Hq),
                                       mask=mods.causal()).plan
     launches = []
-    plan._fns[(plan.tuning, 1)] = lambda *args: launches.append(args)   # splits 1 and 7: the ticket merge
+    plan._fns[(plan.tuning, 1)] = lambda *args: launches.append(args)   # splits 1 and 13: the ticket merge
     assert plan.run(q, k, k, None, out, lse, [100, 37], 132) == 1            # 2 blocks: one split
-    assert plan.run(q, k, k, None, out, lse, [4000, 37], 132) == 7           # 63 blocks: 7 of >= 512 keys
-    assert plan.run(q, k, k, None, out, lse, [4001, 38], 132) == 7
+    assert plan.run(q, k, k, None, out, lse, [4000, 37], 132) == 13          # 63 blocks: 13 of >= 256 keys
+    assert plan.run(q, k, k, None, out, lse, [4001, 38], 132) == 13
     assert uploads[-3:] == [[100, 37, 99, 36], [4000, 37, 3999, 36], [4001, 38, 4000, 37]]
     assert launches[1][7] is launches[2][7] and launches[1][8] is launches[2][8]   # partials reused
-    assert tuple(launches[1][7].shape) == (7, B, Hq, 1, 128) and tuple(launches[1][8].shape) == (7, B, Hq, 1)
+    assert tuple(launches[1][7].shape) == (13, B, Hq, 1, 128) and tuple(launches[1][8].shape) == (13, B, Hq, 1)
     assert launches[0][7] is not launches[1][7]
     scratch[0] = torch.empty(10 ** 6)                                           # the workspace grew
     plan.run(q, k, k, None, out, lse, [4001, 38], 132)
@@ -329,3 +329,43 @@ def test_plan_run_repeated_steps():
         with pytest.raises(ValueError, match=match):
             plan.run(q, k, k, None, out, lse, bad, 132)
     assert len(uploads) == n and len(launches) == 4          # refused before any upload or launch
+
+
+def test_choose_launch_short_ranges():
+    """Few blocks to visit (a window at 128k keys, short caches): splits of 256+ keys;
+    where the default tuning needs twice the splits of the deep one (33 / 16), the deep
+    one (fewer partials to merge)."""
+    from flexattn.core.decode_path import DEFAULT_TUNING, ONE_CTA_TUNING, choose_launch
+
+    assert choose_launch(1, 8, 1, 65, 132) == (DEFAULT_TUNING, 13, 1)        # window 4096 at any length
+    assert choose_launch(1, 8, 1, 64, 132) == (DEFAULT_TUNING, 16, 1)        # B 1, 4k keys
+    assert choose_launch(1, 8, 1, 128, 132) == (ONE_CTA_TUNING, 16, 1)       # B 1, 8k keys
+    assert choose_launch(1, 8, 1, 3, 132) == (DEFAULT_TUNING, 1, 1)          # 192 keys: one split
+
+
+def test_live_blocks():
+    """The planner's masked-prefix count on the host: a window's head of the cache is
+    not visited; masks that exclude no leading block (causal, none), and masks reading
+    arrays the host cannot see without waiting, leave every block."""
+    from flexattn import mods
+    from flexattn.core.decode_path import live_blocks
+
+    rng = np.random.default_rng(5)
+    for _ in range(40):
+        window, q_len, tile = int(rng.integers(1, 9000)), int(rng.integers(1, 17)), int(rng.choice([64, 128]))
+        length = int(rng.integers(q_len, 140000))
+        blocks = -(-length // tile)
+        first_key = max(0, length - q_len - window)           # the earliest query's window start
+        expected = max(1, blocks - first_key // tile)
+        assert live_blocks(mods.sliding_window(window), 2, 32, q_len, length, tile) == expected, (window, q_len, length)
+        both = mods.causal() & mods.sliding_window(window)
+        assert live_blocks(both, 2, 32, q_len, length, tile) == expected
+    assert live_blocks(mods.sliding_window(4096), 8, 32, 1, 131072, 64) == 65
+    assert live_blocks(mods.causal(), 1, 32, 1, 131072, 64) == 2048
+    assert live_blocks(None, 1, 32, 1, 131072, 64) == 2048
+
+    class OnDevice:   # a capture the host could read only by waiting for the GPU
+        pass
+
+    device_window = mods.sliding_window(4096).with_captures((OnDevice(), 0))
+    assert live_blocks(device_window, 1, 32, 1, 131072, 64) == 2048
