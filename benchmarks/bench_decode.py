@@ -55,8 +55,23 @@ def make_inputs(B, L, layout):
     if layout == "contiguous":
         return KVCache(k.transpose(1, 2), v.transpose(1, 2), lengths), k, v
     n_pages = B * L // PAGE
-    # "paged64": shuffled pages (a long-running server's pool); "paged64sorted": in order
-    order = torch.arange(n_pages, device="cuda") if layout.endswith("sorted") else torch.randperm(n_pages, device="cuda")
+    # "paged64": shuffled pages (a long-running server's pool); "paged64sorted": in order;
+    # "paged64local": shuffled only within each 2 MB run of the pool (the GPU's large
+    # page), "paged64groups": the 2 MB runs shuffled, pages in order inside. Both keep a
+    # sequence's 16 consecutive pages in one large page (one address translation, as in
+    # order); fully shuffled pages need one per page.
+    if layout.endswith("sorted"):
+        order = torch.arange(n_pages, device="cuda")
+    elif layout.endswith(("local", "groups")):
+        run = max(1, (2 << 20) // (PAGE * HKV * D * 2))
+        assert n_pages % run == 0, (n_pages, run)
+        runs = torch.arange(n_pages, device="cuda").view(-1, run)
+        if layout.endswith("local"):
+            order = torch.stack([r[torch.randperm(run, device="cuda")] for r in runs]).flatten()
+        else:
+            order = runs[torch.randperm(len(runs), device="cuda")].flatten()
+    else:
+        order = torch.randperm(n_pages, device="cuda")
     table = order.view(B, L // PAGE).to(torch.int32)
     pages_k, pages_v = k.view(n_pages, PAGE, HKV, D), v.view(n_pages, PAGE, HKV, D)
     return PagedKVCache(pages_k, pages_v, table, lengths), None, None
