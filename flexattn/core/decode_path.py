@@ -31,7 +31,9 @@ The kernel skips the leading kv blocks its mask provably excludes (a sliding win
 skips the cache's head) by interval analysis on the GPU (``decode_sm90``), per CTA and
 step; blocks at or past each sequence's length are never visited either. The host runs
 the same analysis only to size the splits (``live_blocks``: once per plan and kv block
-count, ~0.2-0.3 ms, so about every tile_n decoded tokens), never for correctness.
+count, ~0.2-0.3 ms, so about every tile_n decoded tokens — and only for masks that can
+exclude a cache's head at all, ``may_skip_head``: windows, not causal), never for
+correctness.
 """
 
 from __future__ import annotations
@@ -130,6 +132,26 @@ def choose_splits(batch: int, kv_heads: int, m_blocks: int, kv_blocks: int, num_
     return -(-kv_blocks // per_split)
 
 
+_FAR_QUERY = 1 << 30   # a query position past any cache
+
+
+def may_skip_head(mask) -> bool:
+    """Whether ``mask`` (at true positions) can exclude a cache's first key — the masked
+    prefix ``live_blocks`` counts — by interval analysis at a query far past it: a window
+    can, causal / prefix-LM / full masks cannot (their analysis per block count would
+    cost ~0.2 ms for nothing). False for masks reading arrays the host cannot see
+    without waiting for the GPU."""
+    if mask is None:
+        return False
+    values = list(mask.captures)
+    if not all(isinstance(c, (bool, int, float, np.integer, np.floating, np.ndarray)) for c in values):
+        return False
+    from ..mods.intervals import classify
+
+    ranges = {"b": (0, 0), "h": (0, 0), "q": (_FAR_QUERY, _FAR_QUERY), "kv": (0, 0)}
+    return bool(np.all(classify(mask.expr, ranges, values) == 0))
+
+
 def live_blocks(mask, batch: int, q_heads: int, q_len: int, length: int, tile_n: int) -> int:
     """The kv blocks of a ``length``-token sequence the decode kernel will visit: all but
     the leading ones interval analysis proves ``mask`` excludes for its last ``q_len``
@@ -139,13 +161,11 @@ def live_blocks(mask, batch: int, q_heads: int, q_len: int, length: int, tile_n:
     prefix; ``mask`` at true positions, every batch and head at once. Masks reading
     device arrays are not analysed (it would wait for the GPU): all blocks."""
     blocks = -(-length // tile_n)
-    if mask is None or blocks <= 1:
-        return blocks
-    values = list(mask.captures)
-    if not all(isinstance(c, (bool, int, float, np.integer, np.floating, np.ndarray)) for c in values):
+    if blocks <= 1 or not may_skip_head(mask):
         return blocks
     from ..mods.intervals import classify
 
+    values = list(mask.captures)
     prefix_end = np.minimum(np.arange(1, blocks + 1) * tile_n, length) - 1
     ranges = {"b": (0, batch - 1), "h": (0, q_heads - 1), "q": (length - q_len, length - 1),
               "kv": (np.zeros_like(prefix_end), prefix_end)}
@@ -396,7 +416,8 @@ class DecodePlan:
         self.seq_lens, q_offset = self.positions[0], self.positions[1]
         self._put = workspace.uploader(self.positions)
         base = None if mask is None else as_mask(mask, "mask")
-        self._base_mask = None if _is_full(base) else base   # at true positions: the planner's live_blocks
+        # At true positions, for the planner's live_blocks; None when it can never skip.
+        self._base_mask = base if not _is_full(base) and may_skip_head(base) else None
         the_mask = None if _is_full(base) else _at_true_positions(base, q_offset)
         the_score = None if score_mod is None else _at_true_positions(as_score(score_mod, "score_mod"), q_offset)
         self.config = _config_for(KERNEL_DTYPES[dtype_name(q)], D, num_mma_wg, page_size, the_score, the_mask,

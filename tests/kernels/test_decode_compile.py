@@ -348,7 +348,7 @@ def test_live_blocks():
     not visited; masks that exclude no leading block (causal, none), and masks reading
     arrays the host cannot see without waiting, leave every block."""
     from flexattn import mods
-    from flexattn.core.decode_path import live_blocks
+    from flexattn.core.decode_path import live_blocks, may_skip_head
 
     rng = np.random.default_rng(5)
     for _ in range(40):
@@ -363,9 +363,12 @@ def test_live_blocks():
     assert live_blocks(mods.sliding_window(4096), 8, 32, 1, 131072, 64) == 65
     assert live_blocks(mods.causal(), 1, 32, 1, 131072, 64) == 2048
     assert live_blocks(None, 1, 32, 1, 131072, 64) == 2048
+    # Masks that never exclude the first key are not analysed per block count (plans keep none).
+    assert may_skip_head(mods.sliding_window(4096)) and may_skip_head(mods.causal() & mods.sliding_window(7))
+    assert not may_skip_head(mods.causal()) and not may_skip_head(mods.prefix_lm(64)) and not may_skip_head(None)
 
     class OnDevice:   # a capture the host could read only by waiting for the GPU
         pass
 
     device_window = mods.sliding_window(4096).with_captures((OnDevice(), 0))
-    assert live_blocks(device_window, 1, 32, 1, 131072, 64) == 2048
+    assert live_blocks(device_window, 1, 32, 1, 131072, 64) == 2048 and not may_skip_head(device_window)
