@@ -12,6 +12,7 @@ launch follows a read-only L2 flush, as ``clean_ms``. Per row (medians over laun
   kernel       CUDA events around the probed launch (the probe adds a few stores)
   entry        last CTA's entry (how long the launch takes to place every CTA)
   wave1        CTAs that entered within 5 µs of the first (all of them: one wave)
+  range        median CTA: entry -> its kv range known (length read, masked-prefix analysis)
   first        median CTA: entry -> first kv block consumed (Q load, first TMA round trip)
   end p0/10/mean/50/100  stream ends over CTAs (the tail's spread; mean: where a
                perfectly balanced stream would end, to first order)
@@ -86,6 +87,8 @@ def summarize(stamps: np.ndarray, gbytes: float) -> dict:
         # the timer's step: 1000 if %globaltimer ticks in µs, ~32 if in ns
         "tick": float(np.diff(np.unique(t[t > 0])).min()) if (t > 0).sum() > 1 else 0.0,
         "end mean": ends.mean(), "end p10": np.percentile(ends, 10),
+        # entry -> the split's range known (length read, masked-prefix analysis)
+        "range": np.median(((stamps[:, 11].astype(np.int64) - t[:, 0] + (1 << 31)) % (1 << 32) - (1 << 31)) / 1e3),
     }
 
 
@@ -125,7 +128,7 @@ def main():
     from flexattn.core.decode_path import DEFAULT_TUNING, DecodeTuning
 
     print(f"# {device_name()}, tuning {args.tuning or 'default'}, splits {args.splits or 'planned'}")
-    cols = ["kernel", "plain", "entry", "wave1", "first", "end p0", "end p10", "end mean", "end p50", "end p100",
+    cols = ["kernel", "plain", "entry", "wave1", "range", "first", "end p0", "end p10", "end mean", "end p50", "end p100",
             "ticket", "merge", "done", "steady", "tick"]
     print("| B | L | layout | variant | splits | merge | " + " | ".join(cols) + " |")
     print("|" + "---|" * (6 + len(cols)))

@@ -81,7 +81,8 @@ from flexattn.kernels.tma_pipeline import tma_ring
 LOG2_E = math.log2(math.e)
 TIMELINE_STAMPS = 16    # per CTA: entry, producer start, Q loaded, first block done, stream
                         # end, ticket taken, merge end (merging CTAs only), the SM's id,
-                        # blocks done at 1/4, 1/2, 3/4 of the split (8-10), unused
+                        # blocks done at 1/4, 1/2, 3/4 of the split (8-10), the split's
+                        # range known (11: length read, masked-prefix analysis done), unused
 CLUSTER_SPLITS = (1, 2, 4, 8)   # cluster merge sizes (8: the portable cluster limit)
 PREFIX_SCAN_LIMIT = 16  # buffer spans the masked-prefix analysis scans: q rows, not kv ranges
 
@@ -335,6 +336,16 @@ class DecodeSm90:
         head_kv = head_block // m_blocks
         m_block = head_block - head_kv * m_blocks
 
+        # Timeline probe: this CTA's stamps, past the tickets (one per group).
+        stamps = None
+        if const_expr(cfg.timeline):
+            cta = (batch * head_blocks + head_block) * num_splits + split
+            stamps = mTickets.iterator + (head_blocks * mQ.shape[0] + cta * TIMELINE_STAMPS)
+        self._stamp(stamps, 0, warp_idx == 4)
+        if const_expr(cfg.timeline):
+            if warp_idx == 4 and cute.arch.lane_idx() == 0:
+                (stamps + 7).store(Int32(cute.arch.smid()))
+
         # This split's kv blocks: [first, first + count), visited last first. Every thread
         # computes the same values (no broadcast needed before the roles split).
         seqlen = Int32(mSeqLens[batch])
@@ -348,6 +359,7 @@ class DecodeSm90:
         per_split = (n_hi - n_lo + num_splits - 1) // num_splits
         first = cutlass.min(n_lo + split * per_split, n_hi)
         count = cutlass.min(first + per_split, n_hi) - first
+        self._stamp(stamps, 11, warp_idx == 4)
 
         # The cluster merge's view of a split's partial: fp32 O rows over the K ring, LSEs
         # over the V ring (both free once the stream has ended).
@@ -356,16 +368,6 @@ class DecodeSm90:
             sPart = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), dtype=Float32),
                                      cute.make_layout((cfg.tile_m, cfg.head_dim), stride=(cfg.head_dim, 1)))
             sLSE = cute.make_tensor(cute.recast_ptr(storage.sV.data_ptr(), dtype=Float32), cute.make_layout(cfg.tile_m))
-
-        # Timeline probe: this CTA's stamps, past the tickets (one per group).
-        stamps = None
-        if const_expr(cfg.timeline):
-            cta = (batch * head_blocks + head_block) * num_splits + split
-            stamps = mTickets.iterator + (head_blocks * mQ.shape[0] + cta * TIMELINE_STAMPS)
-        self._stamp(stamps, 0, warp_idx == 4)
-        if const_expr(cfg.timeline):
-            if warp_idx == 4 and cute.arch.lane_idx() == 0:
-                (stamps + 7).store(Int32(cute.arch.smid()))
 
         pipeline.pipeline_init_wait()
 
