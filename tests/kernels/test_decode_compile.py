@@ -77,10 +77,11 @@ def test_decode_ptx(compiled, name):
     cfg = DecodeConfig(**kw)
     assert ptx.count("wgmma.mma_async") == 2 * (cfg.head_dim // 16 + cfg.tile_n // 16)
     assert ("tanh.approx" in ptx) == (name == "paged256-hd64-softcap-fp16")
-    # The masked-prefix skip: Float64 interval analysis only where a mask is traced, a
-    # binary search (a loop) only where block 0 may be masked (windows, not causal).
+    # The masked-prefix skip: Float64 interval analysis only where a mask is traced, and
+    # its search over prefixes, one candidate per lane counted by a ballot.
     f64 = len(re.findall(r"\.f64\b", ptx))
     assert (f64 > 0) == (mask is not None), f64
+    assert ("vote.sync.ballot" in ptx) == (mask is not None)
     assert re.search(rf"\.minnctapersm\s+{cfg.ctas_per_sm}\b", ptx)
     if cfg.cluster_splits == 1:
         # The in-kernel merge: one acq_rel arrival ticket per split CTA (atom's default scope
