@@ -94,6 +94,8 @@ def choose_launch(batch: int, kv_heads: int, m_blocks: int, kv_blocks: int, num_
     132 pairs at two CTAs per SM, 66 at one), while clusters of 4 or 8 lose slots to the
     GPCs' granularity (62 of 66 clusters of 4 at two CTAs per SM: a B 8 x Hkv 8 step would
     run a second wave; benchmarks/decode_clusters.py), so more splits merge by tickets.
+    Where a wider cluster would be resident it is no faster either: it packs its CTAs onto
+    fewer SMs (B 1, 4096-key window: 13 splits in one cluster 16.9 µs, by tickets 16.0).
     Where the default tuning (two CTAs per SM) needs 4 splits or more, one CTA per SM with
     a ring three times as deep streams as fast with half as many: fewer partials to merge
     (B 8 L 8k: 2 splits merged in pairs, 93.6 against 95.8 µs with 4 and tickets; a ticket
@@ -493,7 +495,7 @@ class DecodePlan:
         else:
             if num_splits < 1:
                 raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-            # An explicit count of 2, 4 or 8 merges in one cluster (residency is the caller's call).
+            # An explicit count of 2, 4, 8 or 16 merges in one cluster (residency is the caller's call).
             from ..kernels.decode_sm90 import CLUSTER_SPLITS
 
             clustered = self.tuning.cluster_merge and num_splits > 1 and num_splits in CLUSTER_SPLITS

@@ -83,7 +83,8 @@ TIMELINE_STAMPS = 16    # per CTA: entry, producer start, Q loaded, first block 
                         # end, ticket taken, merge end (merging CTAs only), the SM's id,
                         # blocks done at 1/4, 1/2, 3/4 of the split (8-10), the split's
                         # range known (11: length read, masked-prefix analysis done), unused
-CLUSTER_SPLITS = (1, 2, 4, 8)   # cluster merge sizes (8: the portable cluster limit)
+CLUSTER_SPLITS = (1, 2, 4, 8, 16)   # cluster merge sizes; 16 is a non-portable cluster size,
+                                    # which CuTeDSL allows on every kernel it builds (H100: 16)
 PREFIX_SCAN_LIMIT = 16  # buffer spans the masked-prefix analysis scans: q rows, not kv ranges
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}

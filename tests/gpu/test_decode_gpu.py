@@ -226,6 +226,36 @@ def test_window_skips_blocks_and_many_splits():
         torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("page_size,num_splits", [(0, 16), (64, 16), (16, 8)])
+def test_wide_clusters_merge_window_splits(page_size, num_splits):
+    """A cluster of 16 CTAs (a non-portable size) and of 8 merge a window's splits; the
+    planner's own choice is tickets (10 splits). Keys before the window are NaN (a visit
+    would poison O), outputs poisoned, vs the float64 reference. (The kernel also merged
+    clusters of 10 correctly here before the sizes were limited to powers of two.)"""
+    torch.manual_seed(21)
+    B, Hq, Hkv, n, D, cap = 1, 8, 2, 2, 128, 20032
+    lengths = [19999]
+    w = 2500
+    first_block = (lengths[0] - n - w) // 64 * 64
+    k = torch.randn(B, Hkv, cap, D, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    k[:, :, :first_block] = float("nan")
+    v[:, :, :first_block] = float("nan")
+    q = torch.randn(B, Hq, n, D, device=DEV, dtype=torch.bfloat16)
+    want, want_lse = reference(q, k.nan_to_num(0.0), v.nan_to_num(0.0), lengths, 1 / math.sqrt(D), None,
+                               lambda b, h, q_, k_: (q_ >= k_) & (q_ - k_ <= w))
+    cache = make_paged(k, v, lengths, page_size) if page_size else fa.KVCache(k, v, torch.tensor(lengths, dtype=torch.int32))
+    planned = decode_path.choose_launch(B, Hkv, 1, decode_path.live_blocks(mods.sliding_window(w), B, Hq, n,
+                                                                           lengths[0], 64), 132)
+    assert planned == (decode_path.DEFAULT_TUNING, 10, 1)
+    out, lse, step = run_kernel(q, cache, mods.sliding_window(w), None, 132, num_splits=num_splits)
+    assert (step.num_splits, step.config.cluster_splits) == (num_splits, num_splits)
+    assert not out.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+    assert_tickets_zero()
+
+
 TUNINGS = [decode_path.DEFAULT_TUNING,
            decode_path.DecodeTuning(tile_n=128, num_stages=3, ctas_per_sm=1),
            decode_path.DecodeTuning(tile_n=64, num_stages=6)]

@@ -5,6 +5,7 @@ splits (arrival ticket, reset; or the cluster merge through distributed shared m
 plus the decode planner's host logic (splits heuristic,
 errors, no recompiles across steps, plans reused across steps). No GPU needed."""
 
+import dataclasses
 import re
 
 import numpy as np
@@ -48,6 +49,9 @@ CASES = {
                                    mods.alibi(num_heads=32), mods.sliding_window(4096), True, 4),
     "cluster8-paged16-2wg": (dict(head_dim=64, page_size=16, num_mma_wg=2, cluster_splits=8), None, mods.causal(),
                              False, 16),
+    # a non-portable cluster of 16
+    "cluster16-2cta-window": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, cluster_splits=16),
+                              None, mods.sliding_window(4096), True, 4),
     "cluster2-timeline": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, cluster_splits=2,
                                timeline=True), None, None, True, 4),
 }
@@ -124,8 +128,8 @@ def test_config_validation():
                 dict(ctas_per_sm=2), dict(ctas_per_sm=2, num_mma_wg=2, tile_n=64, num_stages=1)):
         with pytest.raises(ValueError):
             DecodeConfig(**bad)
-    # cluster sizes 1/2/4/8; the fp32 O tile must fit the K ring (num_stages x tile_n >= 2 x tile_m)
-    for bad in (dict(cluster_splits=3), dict(cluster_splits=16), dict(tile_n=64, num_stages=1, cluster_splits=2)):
+    # cluster sizes 1/2/4/8/16; the fp32 O tile must fit the K ring (num_stages x tile_n >= 2 x tile_m)
+    for bad in (dict(cluster_splits=3), dict(cluster_splits=32), dict(tile_n=64, num_stages=1, cluster_splits=2)):
         with pytest.raises(ValueError):
             DecodeConfig(**bad)
     DecodeConfig(tile_n=64, num_stages=2, ctas_per_sm=2, cluster_splits=8)
@@ -310,8 +314,9 @@ def test_plan_run_repeated_steps():
                                      tickets=lambda n: torch.zeros(max(n, 16), dtype=torch.int32),
                                      scratch=get_scratch, uploader=uploader)
     device = Device(0, lambda x: x if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x)))
+    tickets_only = dataclasses.replace(decode_path.DEFAULT_TUNING, cluster_merge=False)   # the partials' path
     plan = decode_path.prepare_decode(q, cache, out, lse, device, 132, ws, score_mod=mods.alibi(num_heads=Hq),
-                                      mask=mods.causal()).plan
+                                      mask=mods.causal(), tuning=tickets_only).plan
     launches = []
     plan._fns[(plan.tuning, 1)] = lambda *args: launches.append(args)   # splits 1 and 13: the ticket merge
     assert plan.run(q, k, k, None, out, lse, [100, 37], 132) == 1            # 2 blocks: one split
@@ -342,6 +347,7 @@ def test_choose_launch_short_ranges():
     assert choose_launch(1, 8, 1, 64, 132) == (DEFAULT_TUNING, 16, 1)        # B 1, 4k keys
     assert choose_launch(1, 8, 1, 128, 132) == (ONE_CTA_TUNING, 16, 1)       # B 1, 8k keys
     assert choose_launch(1, 8, 1, 3, 132) == (DEFAULT_TUNING, 1, 1)          # 192 keys: one split
+    assert choose_launch(2, 8, 1, 512, 132) == (ONE_CTA_TUNING, 8, 1)        # B 2, 32k keys
 
 
 def test_live_blocks():
