@@ -137,16 +137,22 @@ def choose_splits(batch: int, kv_heads: int, m_blocks: int, kv_blocks: int, num_
 _FAR_QUERY = 1 << 30   # a query position past any cache
 
 
+def _host_values(mask):
+    """The mask's captures when the host holds them all (numbers, numpy arrays), else None
+    (device arrays: reading them would wait for the GPU)."""
+    values = list(mask.captures)
+    if all(isinstance(c, (bool, int, float, np.integer, np.floating, np.ndarray)) for c in values):
+        return values
+    return None
+
+
 def may_skip_head(mask) -> bool:
     """Whether ``mask`` (at true positions) can exclude a cache's first key — the masked
     prefix ``live_blocks`` counts — by interval analysis at a query far past it: a window
-    can, causal / prefix-LM / full masks cannot (their analysis per block count would
-    cost ~0.2 ms for nothing). False for masks reading arrays the host cannot see
-    without waiting for the GPU."""
-    if mask is None:
-        return False
-    values = list(mask.captures)
-    if not all(isinstance(c, (bool, int, float, np.integer, np.floating, np.ndarray)) for c in values):
+    can, causal / prefix-LM / full masks cannot (plans skip their analysis per block
+    count, ~0.2 ms for nothing). False for masks reading device arrays."""
+    values = None if mask is None else _host_values(mask)
+    if values is None:
         return False
     from ..mods.intervals import classify
 
@@ -163,11 +169,11 @@ def live_blocks(mask, batch: int, q_heads: int, q_len: int, length: int, tile_n:
     prefix; ``mask`` at true positions, every batch and head at once. Masks reading
     device arrays are not analysed (it would wait for the GPU): all blocks."""
     blocks = -(-length // tile_n)
-    if blocks <= 1 or not may_skip_head(mask):
+    values = None if mask is None or blocks <= 1 else _host_values(mask)
+    if values is None:
         return blocks
     from ..mods.intervals import classify
 
-    values = list(mask.captures)
     prefix_end = np.minimum(np.arange(1, blocks + 1) * tile_n, length) - 1
     ranges = {"b": (0, batch - 1), "h": (0, q_heads - 1), "q": (length - q_len, length - 1),
               "kv": (np.zeros_like(prefix_end), prefix_end)}
