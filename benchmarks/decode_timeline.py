@@ -68,11 +68,18 @@ def probed_launch(step, q, cache):
     return launch, stamps, splits
 
 
+def relative_us(stamps: np.ndarray, cols: list) -> np.ndarray:
+    """Stamp columns `cols` (uint32 ns of %globaltimer_lo) as µs from the first CTA's
+    entry, safe across the 32-bit wrap."""
+    t = stamps[:, cols].astype(np.int64)
+    base = stamps[:, 0].astype(np.int64).min()
+    return ((t - base + (1 << 31)) % (1 << 32) - (1 << 31)) / 1e3
+
+
 def summarize(stamps: np.ndarray, gbytes: float) -> dict:
-    """One launch's stamps [ctas, 8] (uint32 ns) -> the row's figures in µs."""
+    """One launch's stamps [ctas, TIMELINE_STAMPS] (uint32 ns) -> the row's figures in µs."""
     t = stamps[:, :7].astype(np.int64)     # column 7: the CTA's SM
-    base = t[:, 0].min()
-    rel = ((t - base + (1 << 31)) % (1 << 32) - (1 << 31)) / 1e3    # wrap-safe µs from the first entry
+    rel = relative_us(stamps, list(range(7)))
     merged = stamps[:, 6] != 0
     first = np.median(rel[:, 3] - rel[:, 0])
     ends = rel[:, 4]
@@ -88,7 +95,7 @@ def summarize(stamps: np.ndarray, gbytes: float) -> dict:
         "tick": float(np.diff(np.unique(t[t > 0])).min()) if (t > 0).sum() > 1 else 0.0,
         "end mean": ends.mean(), "end p10": np.percentile(ends, 10),
         # entry -> the split's range known (length read, masked-prefix analysis)
-        "range": np.median(((stamps[:, 11].astype(np.int64) - t[:, 0] + (1 << 31)) % (1 << 32) - (1 << 31)) / 1e3),
+        "range": np.median(relative_us(stamps, [11])[:, 0] - rel[:, 0]),
     }
 
 
@@ -99,10 +106,7 @@ def ends_by_sm(stamps: np.ndarray) -> list:
     µs over the early-ending CTAs (stream end > 10 µs before the median) and the others:
     whether the others speed up once the early ones are idle (HBM shared: balancing the
     work gains little) or not (a per-SM or per-GPC limit: it gains the spread)."""
-    cols = [0, 3, 4, 8, 9, 10]
-    t = stamps[:, cols].astype(np.int64)
-    rel = ((t - t[:, 0].min() + (1 << 31)) % (1 << 32) - (1 << 31)) / 1e3
-    first, end, q1, q2, q3 = (rel[:, i] for i in range(1, 6))
+    first, end, q1, q2, q3 = relative_us(stamps, [3, 4, 8, 9, 10]).T
     order = np.argsort(-end)
     lines = [" ".join(f"{int(stamps[i, 7])}:{end[i]:.1f}" for i in order)]
     early = end < np.median(end) - 10.0
@@ -154,9 +158,10 @@ def main():
                 for rep in range(args.reps):
                     stamps.zero_()
                     clean_ms(launch, reps=1, warmup=0)
-                    rows.append(summarize(stamps.cpu().numpy().view(np.uint32), gbytes))
+                    launch_stamps = stamps.cpu().numpy().view(np.uint32)
+                    rows.append(summarize(launch_stamps, gbytes))
                     if args.by_sm and rep < 3:
-                        by_sm += ends_by_sm(stamps.cpu().numpy().view(np.uint32))
+                        by_sm += ends_by_sm(launch_stamps)
                 fig = {c: float(np.median([r[c] for r in rows])) for c in rows[0]}
                 fig["kernel"], fig["plain"] = kernel_ms * 1e3, plain_ms * 1e3
                 cells = [f"{fig[c]:.2f}" if c == "steady" else f"{fig[c]:.0f}" if c == "wave1" else f"{fig[c]:.1f}"

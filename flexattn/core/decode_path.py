@@ -599,7 +599,7 @@ def prepare_decode(q, cache, out, lse, device: Device, num_sms: int, workspace: 
 
     ``page_table`` overrides the paged cache's table (the adapter passes an int32 copy);
     ``tuning`` / ``num_splits`` override the kernel shape / the launch heuristic
-    (benchmarks, tests; an explicit 2, 4 or 8 splits merge in a cluster unless the
+    (benchmarks, tests; an explicit 2, 4, 8 or 16 splits merge in a cluster unless the
     tuning's ``cluster_merge`` is off). A step like an earlier one — the same mod objects (``Mod``
     values: plain functions are traced anew), scale, tuning, workspace and stream, arrays
     of the same shapes and dtypes — reuses that step's ``DecodePlan``: only the lengths

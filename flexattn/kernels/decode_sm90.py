@@ -343,9 +343,7 @@ class DecodeSm90:
             cta = (batch * head_blocks + head_block) * num_splits + split
             stamps = mTickets.iterator + (head_blocks * mQ.shape[0] + cta * TIMELINE_STAMPS)
         self._stamp(stamps, 0, warp_idx == 4)
-        if const_expr(cfg.timeline):
-            if warp_idx == 4 and cute.arch.lane_idx() == 0:
-                (stamps + 7).store(Int32(cute.arch.smid()))
+        self._stamp(stamps, 7, warp_idx == 4, cute.arch.smid)
 
         # This split's kv blocks: [first, first + count), visited last first. Every thread
         # computes the same values (no broadcast needed before the roles split).
@@ -416,13 +414,13 @@ class DecodeSm90:
                 cute.arch.cluster_wait()
 
     @cute.jit
-    def _stamp(self, stamps, k: cutlass.Constexpr[int], leader):
-        """Timeline probe (cfg.timeline): stamp k := %globaltimer_lo (ns), by one lane of
-        the warp for which `leader` holds."""
+    def _stamp(self, stamps, k: cutlass.Constexpr[int], leader, read: cutlass.Constexpr = cute.arch.globaltimer_lo):
+        """Timeline probe (cfg.timeline): stamp k := read() — %globaltimer_lo (ns), or the
+        SM's id — by one lane of the warp for which `leader` holds."""
         if const_expr(self.cfg.timeline):
             if leader:
                 if cute.arch.lane_idx() == 0:
-                    (stamps + k).store(cute.arch.globaltimer_lo())
+                    (stamps + k).store(Int32(read()))
 
     @cute.jit
     def _masked_prefix_blocks(self, batch, heads, q_len, seqlen, n_hi, mod_args):
