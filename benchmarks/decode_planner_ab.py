@@ -71,6 +71,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
+    from flexattn.core.decode_path import DecodeTuning
+
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"# {device_name()}, {sms} SMs; kernel µs (read-only L2 flush), median of {args.rounds} alternating rounds")
     print("| B | L | layout | variant | session 11 | µs | planner now | µs | TB/s before → now |")
@@ -81,8 +83,6 @@ def main():
         mask, score = variant_mods(name)
         new_step, _ = plan_step(q, cache, score, mask)
         cfg = new_step.config
-        from flexattn.core.decode_path import DecodeTuning
-
         new = (DecodeTuning(cfg.tile_n, cfg.num_stages, cfg.ctas_per_sm), new_step.num_splits, cfg.cluster_splits)
         old = previous(B, HKV, -(-L // 64), sms)
         steps = {"old": forced(q, cache, score, mask, old), "new": new_step}

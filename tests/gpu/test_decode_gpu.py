@@ -195,6 +195,21 @@ def test_decode_matches_reference(case):
     assert_tickets_zero()
 
 
+def window_head_poisoned(B, Hq, Hkv, n, D, cap, lengths, w, block, score_fn=None):
+    """A causal `w`-key window over one sequence's cache whose keys before the window's
+    first `block`-key block are NaN (a kernel visiting them poisons O) -> (k, v, q, and
+    the float64 reference's out, lse on the cache with those keys zeroed)."""
+    first_block = (lengths[0] - n - w) // block * block
+    k = torch.randn(B, Hkv, cap, D, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    k[:, :, :first_block] = float("nan")
+    v[:, :, :first_block] = float("nan")
+    q = torch.randn(B, Hq, n, D, device=DEV, dtype=torch.bfloat16)
+    want, want_lse = reference(q, k.nan_to_num(0.0), v.nan_to_num(0.0), lengths, 1 / math.sqrt(D), score_fn,
+                               lambda b, h, q_, k_: (q_ >= k_) & (q_ - k_ <= w))
+    return k, v, q, want, want_lse
+
+
 def test_window_skips_blocks_and_many_splits():
     """A long cache with a short window: the kernel skips the cache's head by itself — keys
     before the window's first 128-key block are NaN (any visit would poison O) — and B 1
@@ -204,16 +219,9 @@ def test_window_skips_blocks_and_many_splits():
     B, Hq, Hkv, n, D, cap = 1, 16, 2, 1, 128, 20032
     lengths = [19999]
     w = 1000
-    first_block = (lengths[0] - 1 - w) // 128 * 128
-    k = torch.randn(B, Hkv, cap, D, device=DEV, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    k[:, :, :first_block] = float("nan")
-    v[:, :, :first_block] = float("nan")
     slopes = torch.from_numpy(mods.alibi_slopes(Hq)).to(DEV).double()
-    q = torch.randn(B, Hq, n, D, device=DEV, dtype=torch.bfloat16)
-    want, want_lse = reference(q, k.nan_to_num(0.0), v.nan_to_num(0.0), lengths, 1 / math.sqrt(D),
-                               lambda s, b, h, q_, k_: s + slopes[h] * (k_ - q_),
-                               lambda b, h, q_, k_: (q_ >= k_) & (q_ - k_ <= w))
+    k, v, q, want, want_lse = window_head_poisoned(B, Hq, Hkv, n, D, cap, lengths, w, 128,
+                                                   lambda s, b, h, q_, k_: s + slopes[h] * (k_ - q_))
     for page_size, tuning in ((64, None), (0, TUNINGS[1]), (16, TUNINGS[2])):
         cache = make_paged(k, v, lengths, page_size) if page_size else fa.KVCache(k, v, torch.tensor(lengths, dtype=torch.int32))
         out, lse, step = run_kernel(q, cache, mods.sliding_window(w), mods.alibi(num_heads=Hq), 132, tuning)
@@ -236,14 +244,7 @@ def test_wide_clusters_merge_window_splits(page_size, num_splits):
     B, Hq, Hkv, n, D, cap = 1, 8, 2, 2, 128, 20032
     lengths = [19999]
     w = 2500
-    first_block = (lengths[0] - n - w) // 64 * 64
-    k = torch.randn(B, Hkv, cap, D, device=DEV, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    k[:, :, :first_block] = float("nan")
-    v[:, :, :first_block] = float("nan")
-    q = torch.randn(B, Hq, n, D, device=DEV, dtype=torch.bfloat16)
-    want, want_lse = reference(q, k.nan_to_num(0.0), v.nan_to_num(0.0), lengths, 1 / math.sqrt(D), None,
-                               lambda b, h, q_, k_: (q_ >= k_) & (q_ - k_ <= w))
+    k, v, q, want, want_lse = window_head_poisoned(B, Hq, Hkv, n, D, cap, lengths, w, 64)
     cache = make_paged(k, v, lengths, page_size) if page_size else fa.KVCache(k, v, torch.tensor(lengths, dtype=torch.int32))
     planned = decode_path.choose_launch(B, Hkv, 1, decode_path.live_blocks(mods.sliding_window(w), B, Hq, n,
                                                                            lengths[0], 64), 132)
