@@ -82,13 +82,56 @@ _COMPARE = {
 }
 
 
-def emit(node: ir.Node, env: dict, args, fast_math: bool = False) -> object:
+def emit(node: ir.Node, env: dict, args, fast_math: bool = False, known: dict | None = None) -> object:
     """Emit ``node`` with variable values ``env`` and captured inputs ``args`` (by slot).
-    ``fast_math`` uses the hardware's approximate tanh (for tanh and sigmoid)."""
+    ``fast_math`` uses the hardware's approximate tanh (for tanh and sigmoid). ``known``:
+    values already emitted for some subexpressions ({id(node): value}, e.g. hoisted out of
+    a loop by ``row_invariant_roots``); their subtrees are not emitted again."""
+    known = known or {}
     values: dict[int, object] = {}
-    for n in node.walk():
-        values[id(n)] = _emit_node(n, [values[id(a)] for a in n.args], env, args, fast_math)
+    for n in _walk_pruned(node, known):
+        values[id(n)] = known[id(n)] if id(n) in known else \
+            _emit_node(n, [values[id(a)] for a in n.args], env, args, fast_math)
     return _typed(values[id(node)], node.dtype)
+
+
+def _walk_pruned(root: ir.Node, known: dict) -> list:
+    """``root.walk()`` without the subtrees of the ``known`` nodes (which stay in it)."""
+    if not known:
+        return root.walk()
+    seen, order = set(), []
+
+    def visit(n):
+        if id(n) in seen:
+            return
+        seen.add(id(n))
+        if id(n) not in known:
+            for a in n.args:
+                visit(a)
+        order.append(n)
+
+    visit(root)
+    return order
+
+
+def row_invariant_roots(expr: ir.Node) -> list:
+    """The largest subexpressions of ``expr`` that read a buffer but neither kv nor the
+    score (ALiBi's ``slopes[h]``, ``q + q_offset[b]`` of a mod shifted to true positions):
+    constant along a query row, so a kernel can emit them once per row before its kv loop
+    (``IRModHook.row_invariants``). Buffer-free ones are left to the compiler."""
+    varying = _varying_nodes(expr)
+    reads = set()
+    for n in expr.walk():
+        if n.op == "load" or any(id(a) in reads for a in n.args):
+            reads.add(id(n))
+    candidates = [expr] if id(expr) not in varying else \
+        [a for n in expr.walk() if id(n) in varying for a in n.args]
+    roots, seen = [], set()
+    for n in candidates:
+        if id(n) not in varying and id(n) in reads and id(n) not in seen:
+            seen.add(id(n))
+            roots.append(n)
+    return roots
 
 
 def emit_many(nodes, env: dict, args, fast_math: bool = False) -> list:
@@ -435,13 +478,39 @@ class IRModHook(ModHook):
         """The mask's captures out of this hook's ``args``."""
         return tuple(args[self._n_score_args:]) if args else ()
 
-    def score(self, s, b, h, q, kv, args):
+    def score(self, s, b, h, q, kv, args, row=None):
         env = {"score": s, "b": b, "h": h, "q": q, "kv": kv}
-        return emit(self._score.expr, env, args[: self._n_score_args] if args else (), self.fast_math)
+        return emit(self._score.expr, env, args[: self._n_score_args] if args else (), self.fast_math,
+                    self._known(row, 0))
 
-    def mask(self, b, h, q, kv, args):
+    def mask(self, b, h, q, kv, args, row=None):
         env = {"b": b, "h": h, "q": q, "kv": kv}
-        return emit(self._mask.expr, env, args[self._n_score_args:] if args else (), self.fast_math)
+        return emit(self._mask.expr, env, args[self._n_score_args:] if args else (), self.fast_math,
+                    self._known(row, 1))
+
+    @property
+    def _invariant_roots(self) -> tuple:
+        """(score's, mask's) ``row_invariant_roots``, found once (the nodes stay alive with
+        the mods, so their ids stay valid)."""
+        roots = self.__dict__.get("_roots")
+        if roots is None:
+            roots = self._roots = tuple(row_invariant_roots(mod.expr) if mod is not None else []
+                                        for mod in (self._score, self._mask))
+        return roots
+
+    def row_invariants(self, b, h, q, args):
+        score_roots, mask_roots = self._invariant_roots
+        if not score_roots and not mask_roots:
+            return None
+        env = {"b": b, "h": h, "q": q}
+        args = args or ()
+        return (tuple(emit_many(score_roots, env, args[: self._n_score_args], self.fast_math)),
+                tuple(emit_many(mask_roots, env, args[self._n_score_args:], self.fast_math)))
+
+    def _known(self, row, which: int):
+        if row is None:
+            return None
+        return {id(n): v for n, v in zip(self._invariant_roots[which], row[which])}
 
     def rows(self, score: bool, mask: bool) -> bool:
         return all(row_friendly(mod.expr) for use, mod in ((score, self._score), (mask, self._mask))

@@ -25,11 +25,14 @@ class ModEvalKernel:
 
     `rows`: each thread evaluates ROW consecutive keys of one query at once through the
     hook's row emission (``score_row`` / ``mask_row``, as the forward's apply_mods uses
-    it), kv clamped into the grid (and reads past its end discarded)."""
+    it), kv clamped into the grid (and reads past its end discarded).
+    `hoisted`: per element, with the hook's ``row_invariants`` of (b, h, q) emitted first
+    and passed back as ``row=`` (as the decode kernel hoists them out of its kv loop)."""
 
-    def __init__(self, hook: IRModHook, rows: bool = False):
+    def __init__(self, hook: IRModHook, rows: bool = False, hoisted: bool = False):
         self.hook = hook
         self.rows = rows
+        self.hoisted = hoisted
 
     @cute.jit
     def __call__(self, scores: cute.Tensor, out_score: cute.Tensor, out_mask: cute.Tensor,
@@ -90,23 +93,27 @@ class ModEvalKernel:
         if i < scores.shape[0] * n_kv:
             q = i // n_kv
             kv = i - q * n_kv
+            row = {}
+            if cutlass.const_expr(self.hoisted):
+                row = {"row": self.hook.row_invariants(b, h, q, args)}
             if cutlass.const_expr(self.hook.has_score):
-                out_score[q, kv] = self.hook.score(scores[q, kv], b, h, q, kv, args)
+                out_score[q, kv] = self.hook.score(scores[q, kv], b, h, q, kv, args, **row)
             if cutlass.const_expr(self.hook.has_mask):
-                keep = self.hook.mask(b, h, q, kv, args)
+                keep = self.hook.mask(b, h, q, kv, args, **row)
                 out_mask[q, kv] = cutlass.Int8(cutlass.select_(keep, cutlass.Int8(1), cutlass.Int8(0)))
 
 
-def compile_mod_eval(hook: IRModHook, options: str = "--gpu-arch=sm_90a", rows: bool = False):
+def compile_mod_eval(hook: IRModHook, options: str = "--gpu-arch=sm_90a", rows: bool = False,
+                     hoisted: bool = False):
     """Compile for sm_90a on fake tensors (no GPU needed). The runtime grids must be
     [Q, KV] with a contiguous last dim, passed through ``grid_arg``; args through
-    ``mod_emit.runtime_args``. `rows`: see ``ModEvalKernel``."""
+    ``mod_emit.runtime_args``. `rows`, `hoisted`: see ``ModEvalKernel``."""
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
     q, kv = cute.sym_int(), cute.sym_int()
     grid = lambda dt: make_fake_tensor(dt, (q, kv), (cute.sym_int64(), 1))  # noqa: E731
     args = fake_args(hook) or None
-    return cute.compile(ModEvalKernel(hook, rows), grid(Float32), grid(Float32), grid(cutlass.Int8),
+    return cute.compile(ModEvalKernel(hook, rows, hoisted), grid(Float32), grid(Float32), grid(cutlass.Int8),
                         Int32(0), Int32(0), args, make_fake_stream(), options=options)
 
 

@@ -109,6 +109,27 @@ def test_decode_ptx(compiled, name):
     assert ("globaltimer" in ptx) == cfg.timeline == ("%smid" in ptx)
 
 
+class _NoHoisting(IRModHook):
+    def row_invariants(self, b, h, q, args):
+        return None
+
+
+def test_decode_hoists_row_invariant_reads(compiled):
+    """ALiBi's slope and the true query position (q + q_offset[b]) are read once per row
+    before the kv loop: without hoisting, the bounded first block and the loop body each
+    read them again (after the first K block has arrived, behind the first round of K/V
+    loads)."""
+    name = "2cta-tile64-window-alibi"
+    kw, score, mask, ffi, _ = CASES[name]
+    plain = _NoHoisting(shift_queries(score, OFFSETS), shift_queries(mask, OFFSETS))
+    unhoisted = compile_decode(DecodeConfig(mods=plain, **kw), fake_args(plain), keep_ptx=True, tvm_ffi=ffi).__ptx__
+
+    def scalar_reads(ptx):
+        return len(re.findall(r"\bld\.global(?:\.nc)?\.(?:b32|f32|u32|s32)\b", ptx))
+    assert scalar_reads(compiled[name]) < scalar_reads(unhoisted), (scalar_reads(compiled[name]),
+                                                                     scalar_reads(unhoisted))
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_decode_no_spills(compiled, name):
     usage = resource_usage_from_ptx(compiled[name])

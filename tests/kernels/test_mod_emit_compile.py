@@ -37,3 +37,43 @@ def test_mod_rows_compile_for_sm90(name):
     score, mask = ZOO[name]
     compiled = compile_mod_eval(IRModHook(score, mask), rows=True)
     assert compiled is not None
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_mod_hoisted_compiles_for_sm90(name):
+    """Per-element emission with the row-invariant reads emitted first (the decode kernel's
+    way, `IRModHook.row_invariants`)."""
+    score, mask = ZOO[name]
+    assert compile_mod_eval(IRModHook(score, mask), hoisted=True) is not None
+
+
+def _ops(nodes):
+    return [(n.op, tuple(sorted(n.free_vars()))) for n in nodes]
+
+
+def test_row_invariant_roots():
+    """The largest subexpressions that read a buffer but not kv or the score: what a kernel
+    may emit once per query row, before its kv loop."""
+    from flexattn.kernels.mod_emit import row_invariant_roots
+    from flexattn.mods.positions import shift_queries
+
+    offsets = np.zeros(4, np.int32)
+    slopes = mods.alibi_slopes(8)
+    ids = np.zeros((2, 64), np.int32)
+    # ALiBi: the slope; at true positions also the shifted query (q + q_offset[b]).
+    assert _ops(row_invariant_roots(mods.alibi(slopes).expr)) == [("load", ("h",))]
+    assert sorted(_ops(row_invariant_roots(shift_queries(mods.alibi(slopes), offsets).expr))) == \
+        [("add", ("b", "q")), ("load", ("h",))]
+    assert _ops(row_invariant_roots(shift_queries(mods.sliding_window(64), offsets).expr)) == [("add", ("b", "q"))]
+    # A document mask: the query's document id, not the key's.
+    assert _ops(row_invariant_roots(mods.document(ids).expr)) == [("load", ("b", "q"))]
+    # Nothing read from a buffer, or every read depends on kv: nothing to hoist.
+    assert row_invariant_roots(mods.causal().expr) == []
+    assert row_invariant_roots(mods.softcap(30.0).expr) == []
+    assert row_invariant_roots(mods.relative_bias(np.zeros((8, 9), np.float32)).expr) == []
+    # A mask that never reads kv is itself invariant along a row.
+    flags = np.ones(8, np.bool_)
+    whole = mods.mask_mod(lambda b, h, q, kv: flags[h] & (q >= 0))
+    assert _ops(row_invariant_roots(whole.expr)) == [("and", ("h", "q"))]
+    hook = IRModHook(None, mods.causal())
+    assert hook.row_invariants(None, None, None, ()) is None    # nothing to hoist: no emission

@@ -1,0 +1,80 @@
+"""How fast can any kernel move a decode step's bytes, timed as bench_decode.py times ours?
+
+For each row of the decode table, the K+V bytes a step needs (bench_decode.py's count:
+the window rows need the window's 4097 keys) and, each timed by ``clean_ms`` (CUDA events
+around one launch after a read-only L2 flush):
+
+  empty      a kernel that does nothing (``torch.cuda._sleep(0)``): launch and completion
+             as the events see them, the floor of every row
+  read       the fastest of torch's plain reductions over a buffer of exactly those bytes
+             (int64 sum, int32 max): a stream with nothing to compute and one tiny output,
+             the ceiling a decode kernel can hope for
+  ours       the planned decode step's kernel (bench_decode.py's "flexattn-k/c")
+
+  bound      bytes / (empty + bytes / the fastest read rate of any row): launch and
+             completion plus a stream at the best average rate measured, with no ramp, no
+             tail and no merge — to beat it a kernel would have to stream faster than any
+             plain read measured here
+
+TB/s = bytes / µs. A row whose "bound" stays under a target shows that the target cannot
+hold there for any kernel timed this way; "read" shows what a plain stream gets.
+
+    python3 benchmarks/decode_floor.py [--rows 8x8192:none 1x131072:window4096 ...]
+"""
+
+import argparse
+
+import torch
+
+from bench_decode import D, HKV, HQ, WINDOW, clean_ms, make_inputs, plan_step, variant_mods
+from common import device_name
+
+ROWS = ["8x8192:none", "8x8192:window4096", "8x65536:none", "8x65536:window4096",
+        "1x131072:none", "1x131072:window4096", "1x8192:none", "8x1024:none"]
+
+
+def step_bytes(B, L, variant):
+    keys = min(L, WINDOW + 1) if variant == "window4096" else L
+    return 2 * B * HKV * keys * D * 2
+
+
+def best_read_ms(nbytes, reps):
+    """The fastest plain read-only reduction of `nbytes` (median µs of each, best of them)."""
+    buf = torch.ones(nbytes // 8, dtype=torch.int64, device="cuda")
+    as_i32 = buf.view(torch.int32)
+    return min(clean_ms(lambda: buf.sum(), reps=reps), clean_ms(lambda: as_i32.amax(), reps=reps))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", nargs="*", default=ROWS)
+    ap.add_argument("--layout", default="contiguous")
+    ap.add_argument("--reps", type=int, default=40)
+    args = ap.parse_args()
+    empty_us = clean_ms(lambda: torch.cuda._sleep(0), reps=args.reps) * 1e3
+    rows = []
+    for row in args.rows:
+        shape, variant = row.split(":")
+        B, L = map(int, shape.split("x"))
+        nbytes = step_bytes(B, L, variant)
+        read_us = best_read_ms(nbytes, args.reps) * 1e3
+        cache, _, _ = make_inputs(B, L, args.layout)
+        q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+        mask, score = variant_mods(variant)
+        step, _ = plan_step(q, cache, score, mask)
+        ours_us = clean_ms(step.launch, reps=args.reps) * 1e3
+        del cache, step
+        rows.append((B, L, variant, nbytes, read_us, ours_us))
+        print(f"# {row}: read {read_us:.1f} µs, ours {ours_us:.1f} µs", flush=True)
+    rate = max(nbytes / read_us for *_, nbytes, read_us, _ in rows)   # bytes per µs
+    print(f"\n{device_name()}, {args.layout}; empty kernel {empty_us:.1f} µs, fastest read "
+          f"{rate / 1e6:.2f} TB/s (CUDA events, clean L2)")
+    print("| B | L | variant | MB | bound TB/s | read µs | read TB/s | ours µs | ours TB/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for B, L, variant, nbytes, read_us, ours_us in rows:
+        bound = nbytes / (empty_us + nbytes / rate) / 1e6
+        print(f"| {B} | {L} | {variant} | {nbytes / 1e6:.1f} | {bound:.2f} | {read_us:.1f} | "
+              f"{nbytes / read_us / 1e6:.2f} | {ours_us:.1f} | {nbytes / ours_us / 1e6:.2f} |")
+
+if __name__ == "__main__":
+    main()
