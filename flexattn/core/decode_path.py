@@ -29,7 +29,9 @@ upload; each stream has its own workspace and plans, so streams never share a bu
 
 The kernel skips the leading kv blocks its mask provably excludes (a sliding window
 skips the cache's head) by interval analysis on the GPU (``decode_sm90``), per CTA and
-step; blocks at or past each sequence's length are never visited either. The host runs
+step (compiled out where the host proves the cache's first key always attended, as under
+causal masks: ``head_always_kept``); blocks at or past each sequence's length are never
+visited either. The host runs
 the same analysis only to size the splits (``live_blocks``: once per plan and kv block
 count, ~0.2-0.3 ms, so about every tile_n decoded tokens — and only for masks that can
 exclude a cache's head at all, ``may_skip_head``: windows, not causal), never for
@@ -158,6 +160,21 @@ def may_skip_head(mask) -> bool:
 
     ranges = {"b": (0, 0), "h": (0, 0), "q": (_FAR_QUERY, _FAR_QUERY), "kv": (0, 0)}
     return bool(np.all(classify(mask.expr, ranges, values) == 0))
+
+
+def head_always_kept(mask, batch: int, q_heads: int) -> bool:
+    """Whether every query position of every (batch, head) attends a cache's first key
+    under ``mask`` (at true positions), by interval analysis: causal and prefix-LM masks
+    do. Then no leading block is ever masked and the kernel's masked-prefix analysis (one
+    per CTA before its first load, ~0.3 µs) would find nothing, so the plan compiles it
+    out. False for masks reading device arrays (the kernel's analysis may still skip)."""
+    values = None if mask is None else _host_values(mask)
+    if values is None:
+        return False
+    from ..mods.intervals import classify
+
+    ranges = {"b": (0, batch - 1), "h": (0, q_heads - 1), "q": (0, _FAR_QUERY), "kv": (0, 0)}
+    return bool(np.all(classify(mask.expr, ranges, values) == 1))
 
 
 def live_blocks(mask, batch: int, q_heads: int, q_len: int, length: int, tile_n: int) -> int:
@@ -360,7 +377,7 @@ _CONFIGS_CAPACITY = 128
 
 
 def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, score, mask,
-                tuning: DecodeTuning = DEFAULT_TUNING):
+                tuning: DecodeTuning = DEFAULT_TUNING, skip_masked_prefix: bool = True):
     """The step's DecodeConfig; configs are cached by the mods' structure, so a hit only
     wraps these captures in a fresh hook."""
     from ..kernels.decode_sm90 import DecodeConfig
@@ -368,7 +385,7 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
 
     # By IR identity (cached rewrites share it), so a hit hashes no structure; the entry's
     # template holds the IR, so the ids stay its own.
-    key = (dtype, head_dim, num_mma_wg, page_size, tuning,
+    key = (dtype, head_dim, num_mma_wg, page_size, tuning, skip_masked_prefix,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     hook = IRModHook(score, mask)
     entry = _CONFIGS.get(key)
@@ -377,7 +394,7 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
                                for m in (score, mask)))
         config = DecodeConfig(dtype=dtype, head_dim=head_dim, num_mma_wg=num_mma_wg, tile_n=tuning.tile_n,
                               num_stages=tuning.num_stages, ctas_per_sm=tuning.ctas_per_sm,
-                              page_size=page_size, mods=template)
+                              page_size=page_size, skip_masked_prefix=skip_masked_prefix, mods=template)
         entry = (config, capture_kinds(template))
         if len(_CONFIGS) >= _CONFIGS_CAPACITY:
             _CONFIGS.pop(next(iter(_CONFIGS)))
@@ -429,7 +446,7 @@ class DecodePlan:
         the_mask = None if _is_full(base) else _at_true_positions(base, q_offset)
         the_score = None if score_mod is None else _at_true_positions(as_score(score_mod, "score_mod"), q_offset)
         self.config = _config_for(KERNEL_DTYPES[dtype_name(q)], D, num_mma_wg, page_size, the_score, the_mask,
-                                  tuning)
+                                  tuning, skip_masked_prefix=not head_always_kept(base, B, Hq))
 
         from ..kernels.mod_emit import capture_kinds
 

@@ -105,6 +105,9 @@ class DecodeConfig:
                                  # per group, merged through distributed shared memory
     timeline: bool = False       # probe for benchmarks/decode_timeline.py: every CTA writes
                                  # globaltimer stamps past the tickets (never planned)
+    skip_masked_prefix: bool = True  # the masked-prefix analysis before the stream (masks
+                                     # only); off where the planner proves the cache's first
+                                     # key always attended (causal...): it would find nothing
     mods: ModHook = field(default=NO_MODS, compare=False)
 
     def __post_init__(self):
@@ -190,7 +193,8 @@ class DecodeConfig:
 
     def key(self) -> tuple:
         return ("decode", self.dtype, self.head_dim, self.num_mma_wg, self.tile_n, self.num_stages,
-                self.ctas_per_sm, self.page_size, self.cluster_splits, self.timeline, self.mods.key())
+                self.ctas_per_sm, self.page_size, self.cluster_splits, self.timeline, self.skip_masked_prefix,
+                self.mods.key())
 
 
 def check_page_size(page_size: int, tile_n: int) -> None:
@@ -217,7 +221,8 @@ class DecodeSm90:
         self.q_ready_barrier_id = 1
         self.arrival_barrier_id = 2
         # The traced mask, for the in-kernel masked-prefix skip (hand-written hooks: none).
-        self.mask_expr = getattr(config.mods, "mask_expr", None) if config.mods.has_mask else None
+        self.mask_expr = getattr(config.mods, "mask_expr", None) \
+            if config.mods.has_mask and config.skip_masked_prefix else None
 
     # ------------------------------------------------------------------ host side
     @cute.jit

@@ -52,6 +52,9 @@ CASES = {
     # a non-portable cluster of 16
     "cluster16-2cta-window": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, cluster_splits=16),
                               None, mods.sliding_window(4096), True, 4),
+    # causal at true positions: the planner compiles the masked-prefix analysis out
+    "causal-alibi-no-prefix": (dict(head_dim=128, tile_n=64, num_stages=6, skip_masked_prefix=False),
+                               mods.alibi(num_heads=32), mods.causal(), True, 4),
     "cluster2-timeline": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, cluster_splits=2,
                                timeline=True), None, None, True, 4),
 }
@@ -84,8 +87,9 @@ def test_decode_ptx(compiled, name):
     # The masked-prefix skip: Float64 interval analysis only where a mask is traced, and
     # its search over prefixes, one candidate per lane counted by a ballot.
     f64 = len(re.findall(r"\.f64\b", ptx))
-    assert (f64 > 0) == (mask is not None), f64
-    assert ("vote.sync.ballot" in ptx) == (mask is not None)
+    analysed = mask is not None and cfg.skip_masked_prefix
+    assert (f64 > 0) == analysed, f64
+    assert ("vote.sync.ballot" in ptx) == analysed
     assert re.search(rf"\.minnctapersm\s+{cfg.ctas_per_sm}\b", ptx)
     if cfg.cluster_splits == 1:
         # The in-kernel merge: one acq_rel arrival ticket per split CTA (atom's default scope
@@ -303,6 +307,11 @@ def test_steps_reuse_one_plan():
     other = decode_path.prepare_decode(q, cache, out, lse, device, 132, ws, score_mod=mods.alibi(num_heads=8),
                                        mask=mask)
     assert other.config is not steps[3].config
+    # The window may exclude the cache's head: the kernel keeps its masked-prefix analysis;
+    # under a causal mask the first key is always attended: compiled out.
+    assert steps[3].config.skip_masked_prefix
+    causal = decode_path.prepare_decode(q, cache, out, lse, device, 132, ws, score_mod=score, mask=mods.causal())
+    assert not causal.config.skip_masked_prefix
     cache.lengths[1] = 0
     with pytest.raises(ValueError, match="query tokens"):
         decode_path.prepare_decode(q, cache, out, lse, device, 132, ws, score_mod=score, mask=mask)
@@ -400,3 +409,26 @@ def test_live_blocks():
 
     device_window = mods.sliding_window(4096).with_captures((OnDevice(), 0))
     assert live_blocks(device_window, 1, 32, 1, 131072, 64) == 2048 and not may_skip_head(device_window)
+
+
+def test_head_always_kept():
+    """Masks under which every query position attends a cache's first key: the planner
+    compiles the kernel's masked-prefix analysis out for them (it could skip nothing)."""
+    from flexattn.core.decode_path import head_always_kept
+
+    assert head_always_kept(mods.causal(), 8, 32) and head_always_kept(mods.prefix_lm(64), 8, 32)
+    assert not head_always_kept(mods.sliding_window(4096), 8, 32)
+    assert not head_always_kept(mods.causal() & mods.sliding_window(7), 1, 8)
+    assert head_always_kept(mods.document(np.zeros(64, np.int32)), 1, 8)          # one document
+    assert not head_always_kept(mods.document(np.repeat(np.arange(4), 16).astype(np.int32)), 1, 8)
+    # Heads differ: the analysis covers every head of the batch.
+    per_head = np.array([0, 0, 5, 0], np.int32)
+    late_start = mods.mask_mod(lambda b, h, q, kv: kv >= per_head[h])
+    assert head_always_kept(late_start, 1, 2) and not head_always_kept(late_start, 1, 3)
+    assert not head_always_kept(None, 1, 8)
+
+    class OnDevice:   # values the host cannot read without waiting: keep the analysis
+        pass
+
+    assert head_always_kept(mods.causal(offset=3), 1, 8)
+    assert not head_always_kept(mods.causal(offset=3).with_captures((OnDevice(),)), 1, 8)
