@@ -14,6 +14,7 @@ int32 in the kernel (the oracle uses int64; indices never come near 2³¹).
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import operator
 
@@ -488,15 +489,11 @@ class IRModHook(ModHook):
         return emit(self._mask.expr, env, args[self._n_score_args:] if args else (), self.fast_math,
                     self._known(row, 1))
 
-    @property
+    @functools.cached_property
     def _invariant_roots(self) -> tuple:
         """(score's, mask's) ``row_invariant_roots``, found once (the nodes stay alive with
         the mods, so their ids stay valid)."""
-        roots = self.__dict__.get("_roots")
-        if roots is None:
-            roots = self._roots = tuple(row_invariant_roots(mod.expr) if mod is not None else []
-                                        for mod in (self._score, self._mask))
-        return roots
+        return tuple(row_invariant_roots(mod.expr) if mod is not None else [] for mod in (self._score, self._mask))
 
     def row_invariants(self, b, h, q, args):
         score_roots, mask_roots = self._invariant_roots
