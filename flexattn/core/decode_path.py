@@ -148,18 +148,24 @@ def _host_values(mask):
     return None
 
 
+def _classify_on_host(mask, ranges):
+    """``intervals.classify`` of ``mask`` over ``ranges`` with its captured values, or None
+    when there is no mask or the host does not hold its captures (``_host_values``)."""
+    values = None if mask is None else _host_values(mask)
+    if values is None:
+        return None
+    from ..mods.intervals import classify
+
+    return classify(mask.expr, ranges, values)
+
+
 def may_skip_head(mask) -> bool:
     """Whether ``mask`` (at true positions) can exclude a cache's first key — the masked
     prefix ``live_blocks`` counts — by interval analysis at a query far past it: a window
     can, causal / prefix-LM / full masks cannot (plans skip their analysis per block
     count, ~0.2 ms for nothing). False for masks reading device arrays."""
-    values = None if mask is None else _host_values(mask)
-    if values is None:
-        return False
-    from ..mods.intervals import classify
-
-    ranges = {"b": (0, 0), "h": (0, 0), "q": (_FAR_QUERY, _FAR_QUERY), "kv": (0, 0)}
-    return bool(np.all(classify(mask.expr, ranges, values) == 0))
+    kept = _classify_on_host(mask, {"b": (0, 0), "h": (0, 0), "q": (_FAR_QUERY, _FAR_QUERY), "kv": (0, 0)})
+    return kept is not None and bool(np.all(kept == 0))
 
 
 def head_always_kept(mask, batch: int, q_heads: int) -> bool:
@@ -168,13 +174,8 @@ def head_always_kept(mask, batch: int, q_heads: int) -> bool:
     do. Then no leading block is ever masked and the kernel's masked-prefix analysis (one
     per CTA before its first load, ~0.3 µs) would find nothing, so the plan compiles it
     out. False for masks reading device arrays (the kernel's analysis may still skip)."""
-    values = None if mask is None else _host_values(mask)
-    if values is None:
-        return False
-    from ..mods.intervals import classify
-
-    ranges = {"b": (0, batch - 1), "h": (0, q_heads - 1), "q": (0, _FAR_QUERY), "kv": (0, 0)}
-    return bool(np.all(classify(mask.expr, ranges, values) == 1))
+    kept = _classify_on_host(mask, {"b": (0, batch - 1), "h": (0, q_heads - 1), "q": (0, _FAR_QUERY), "kv": (0, 0)})
+    return kept is not None and bool(np.all(kept == 1))
 
 
 def live_blocks(mask, batch: int, q_heads: int, q_len: int, length: int, tile_n: int) -> int:
@@ -186,15 +187,14 @@ def live_blocks(mask, batch: int, q_heads: int, q_len: int, length: int, tile_n:
     prefix; ``mask`` at true positions, every batch and head at once. Masks reading
     device arrays are not analysed (it would wait for the GPU): all blocks."""
     blocks = -(-length // tile_n)
-    values = None if mask is None or blocks <= 1 else _host_values(mask)
-    if values is None:
+    if mask is None or blocks <= 1:
         return blocks
-    from ..mods.intervals import classify
-
     prefix_end = np.minimum(np.arange(1, blocks + 1) * tile_n, length) - 1
-    ranges = {"b": (0, batch - 1), "h": (0, q_heads - 1), "q": (length - q_len, length - 1),
-              "kv": (np.zeros_like(prefix_end), prefix_end)}
-    masked = np.broadcast_to(classify(mask.expr, ranges, values), prefix_end.shape) == 0
+    kept = _classify_on_host(mask, {"b": (0, batch - 1), "h": (0, q_heads - 1), "q": (length - q_len, length - 1),
+                                    "kv": (np.zeros_like(prefix_end), prefix_end)})
+    if kept is None:
+        return blocks
+    masked = np.broadcast_to(kept, prefix_end.shape) == 0
     # Longer prefixes are never "more masked" (sound bounds only widen): count the leading run.
     skipped = int(np.argmin(masked)) if not masked.all() else blocks
     return max(1, blocks - skipped)
