@@ -559,8 +559,8 @@ class DecodeSm90:
             frag = cute.make_rmem_tensor(vec, self.dtype)
             frag.fill(0.0)
             if p < rows:
-                h_in = p // q_len
-                g = cute.local_tile(mQ[batch, head_kv * group + h_in, p - h_in * q_len, None], (vec,), (c,))
+                head, qi = packed_row(p, head_kv, group, q_len)
+                g = cute.local_tile(mQ[batch, head, qi, None], (vec,), (c,))
                 frag.store(g.load())
             s = cute.local_tile(sQ[r, None], (vec,), (c,))
             s.store(frag.load())
@@ -591,9 +591,9 @@ class DecodeSm90:
         last_head = mQ.shape[1] - 1
         for r in cutlass.range_constexpr(n_rows):
             p = m_block * cfg.tile_m + coords.row(r)
-            h_in = p // q_len
-            row_head[r] = cutlass.min(head_kv * group + h_in, last_head)   # padding rows: clamp
-            row_q[r] = p - h_in * q_len
+            head, qi = packed_row(p, head_kv, group, q_len)
+            row_head[r] = cutlass.min(head, last_head)   # padding rows: clamp
+            row_q[r] = qi
         # The mods' buffer reads that stay constant along a row (ALiBi's slope, the query's
         # true position), before the Q load: they go out beside the producer's first K/V
         # loads instead of after the first K block (~5 µs later while HBM is saturated).
@@ -678,9 +678,7 @@ class DecodeSm90:
         for r in cutlass.range_constexpr(cute.size(o_mn.shape[0])):
             p = m_block * cfg.tile_m + tOcO[r, 0][0]
             if p < rows:
-                h_in = p // q_len
-                head = head_kv * group + h_in
-                qi = p - h_in * q_len
+                head, qi = packed_row(p, head_kv, group, q_len)
                 if num_splits == 1:
                     gO = mO[batch, head, qi, None]
                     for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
@@ -744,9 +742,7 @@ class DecodeSm90:
                 for i in cutlass.range_constexpr(per_lane):
                     acc[i] = acc[i] + w_s * parts[s][i]
             p = p_lo + r
-            h_in = p // q_len
-            head = head_kv * group + h_in
-            qi = p - h_in * q_len
+            head, qi = packed_row(p, head_kv, group, q_len)
             out = cute.local_tile(mO[batch, head, qi, None], (per_lane,), (lane,))
             out.store((acc.load() * inv).to(mO.element_type))
             if lane == 0:
@@ -781,13 +777,18 @@ class DecodeSm90:
         tile_rows = cutlass.min(cfg.tile_m, rows - p_lo)
         for r in cutlass.range(warp, tile_rows, self.num_mma_threads // 32, unroll=1):
             p = p_lo + r
-            h_in = p // q_len
-            head = head_kv * group + h_in
-            qi = p - h_in * q_len
+            head, qi = packed_row(p, head_kv, group, q_len)
             lse = merge_splits(mLSEPart[None, batch, head, qi], mOPart[None, batch, head, qi, None],
                                mO[batch, head, qi, None], lane, cfg.head_dim)
             if lane == 0:
                 mLSE[batch, head, qi] = lse
+
+
+def packed_row(p, head_kv, group, q_len) -> tuple:
+    """(q head, query row) of packed row `p` of kv head `head_kv`'s group (rows are
+    head-major: p = head_in_group * q_len + query row)."""
+    h_in = p // q_len
+    return head_kv * group + h_in, p - h_in * q_len
 
 
 @cute.jit
