@@ -45,6 +45,12 @@ VARIANTS = ("none", "window4096", "alibi")
 LAYOUTS = ("contiguous", "paged64")
 
 
+def step_bytes(B, L, variant="none"):
+    """The K+V bytes a step needs (the module doc): L keys, or the window's 4097."""
+    keys = min(L, WINDOW + 1) if variant == "window4096" else L
+    return 2 * B * HKV * keys * D * 2
+
+
 def make_inputs(B, L, layout):
     from flexattn import KVCache, PagedKVCache
 
@@ -210,8 +216,7 @@ def run_shape(B, L, rows, fa4=True, flex=True, variants=VARIANTS, layouts=LAYOUT
         q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
         for name in variants:
             mask, score = variant_mods(name)
-            keys = min(L, WINDOW + 1) if name == "window4096" else L
-            gbytes = 2 * B * HKV * keys * D * 2 / 1e9
+            gbytes = step_bytes(B, L, name) / 1e9
             impls = {"flexattn": lambda: fa.decode(q, cache, score_mod=score, mask=mask)}
             try:
                 _, _, step = _kernel_decode(q, cache, score, mask, None, launch=False)
@@ -284,7 +289,7 @@ def sweep_shape(B, L, rows, split_factors=(1, 2), only=None):
     from flexattn.core.decode_path import choose_splits
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    gbytes = 2 * B * HKV * L * D * 2 / 1e9
+    gbytes = step_bytes(B, L) / 1e9
     scale = 1 / math.sqrt(D)
     for layout in LAYOUTS:
         cache, k, v = make_inputs(B, L, layout)

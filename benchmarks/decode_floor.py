@@ -26,16 +26,11 @@ import argparse
 
 import torch
 
-from bench_decode import D, HKV, HQ, WINDOW, clean_ms, make_inputs, plan_step, variant_mods
+from bench_decode import D, HQ, clean_ms, make_inputs, plan_step, step_bytes, variant_mods
 from common import device_name
 
 ROWS = ["8x8192:none", "8x8192:window4096", "8x65536:none", "8x65536:window4096",
         "1x131072:none", "1x131072:window4096", "1x8192:none", "8x1024:none"]
-
-
-def step_bytes(B, L, variant):
-    keys = min(L, WINDOW + 1) if variant == "window4096" else L
-    return 2 * B * HKV * keys * D * 2
 
 
 def best_read_ms(nbytes, reps):

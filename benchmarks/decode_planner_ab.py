@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from bench_decode import D, HKV, HQ, clean_ms, make_inputs, plan_step, variant_mods
+from bench_decode import D, HKV, HQ, clean_ms, make_inputs, plan_step, step_bytes, variant_mods
 from common import device_name
 
 SHAPES = [  # (B, L, layout, variant)
@@ -91,8 +91,7 @@ def main():
             for k, step in steps.items():
                 times[k].append(clean_ms(step.launch, reps=args.reps) * 1e3)
         us = {k: float(np.median(v)) for k, v in times.items()}
-        keys = min(L, 4097) if name == "window4096" else L
-        gbytes = 2 * B * HKV * keys * D * 2 / 1e9
+        gbytes = step_bytes(B, L, name) / 1e9
         print(f"| {B} | {L} | {layout} | {name} | {label(old)} | {us['old']:.1f} | {label(new)} | {us['new']:.1f} | "
               f"{gbytes / us['old'] * 1e3:.2f} → {gbytes / us['new'] * 1e3:.2f} |", flush=True)
 

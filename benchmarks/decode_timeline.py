@@ -34,7 +34,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from bench_decode import D, HKV, HQ, clean_ms, make_inputs, plan_step, variant_mods
+from bench_decode import D, HQ, clean_ms, make_inputs, plan_step, step_bytes, variant_mods
 from common import device_name
 
 
@@ -138,7 +138,6 @@ def main():
     print("|" + "---|" * (6 + len(cols)))
     for shape in args.shapes:
         B, L = map(int, shape.split("x"))
-        gbytes = 2 * B * HKV * L * D * 2 / 1e9
         for layout in args.layouts:
             cache, _, _ = make_inputs(B, L, layout)
             q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
@@ -159,7 +158,7 @@ def main():
                     stamps.zero_()
                     clean_ms(launch, reps=1, warmup=0)
                     launch_stamps = stamps.cpu().numpy().view(np.uint32)
-                    rows.append(summarize(launch_stamps, gbytes))
+                    rows.append(summarize(launch_stamps, step_bytes(B, L, name) / 1e9))
                     if args.by_sm and rep < 3:
                         by_sm += ends_by_sm(launch_stamps)
                 fig = {c: float(np.median([r[c] for r in rows])) for c in rows[0]}
