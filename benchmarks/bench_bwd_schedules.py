@@ -29,7 +29,7 @@ def ours(qh, kh, vh, doh, causal, scale, overrides):
     from flexattn import mods
     from flexattn.core import AttentionSpec, check_inputs
     from flexattn.core.kernel_path import Device, forward_into
-    from flexattn.kernels.bwd_runner import (BackwardRunner, config_from_forward,
+    from flexattn.kernels.launch.bwd_runner import (BackwardRunner, config_from_forward,
                                              workspace_dtypes, workspace_shapes)
 
     spec = AttentionSpec.from_args(mask=mods.causal() if causal else None, scale=scale)

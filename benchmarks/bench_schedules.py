@@ -1,7 +1,7 @@
 """Forward schedule ablation of our sm90 kernel (overlap / ping-pong / tile order /
 persistent CTAs), beside the anchors.
 
-  flexattn   our sm90 CuTeDSL kernel (flexattn.kernels.fwd_sm90)
+  flexattn   our sm90 CuTeDSL kernel (flexattn.kernels.fwd.sm90)
   fa4        FlashAttention-4 (flash_attn.cute.flash_attn_func)
   flex       torch flex_attention, torch.compile'd (Triton backend)
   flex-fa    torch flex_attention with kernel_options={"BACKEND": "FLASH"}
@@ -67,9 +67,9 @@ def ours(q, k, v, causal, scale, sched="ov+pp", block_sparse=False):
     """Returns (fn, first-call compile seconds, (o, lse)). block_sparse: drive the kernel
     with torch's own BlockMask tensors for the causal mask (the FlexAttention path)."""
     import cutlass  # noqa: F401
-    from flexattn.kernels import example_hooks as hooks
-    from flexattn.kernels.fwd_sm90 import FwdConfig
-    from flexattn.kernels.runner import ForwardRunner
+    from flexattn.kernels.emit import example_hooks as hooks
+    from flexattn.kernels.fwd.sm90 import FwdConfig
+    from flexattn.kernels.launch.fwd_runner import ForwardRunner
 
     opts = dict(SCHEDULES[sched])
     if opts.get("max_ctas") == -1:

@@ -14,8 +14,8 @@ resident CTAs per SM without clusters and the resident clusters (x size = CTAs).
 def main():
     import torch
 
-    from flexattn.kernels.decode_sm90 import DecodeConfig
-    from flexattn.kernels.device_facts import max_active_clusters
+    from flexattn.kernels.decode.sm90 import DecodeConfig
+    from flexattn.kernels.hopper.device_facts import max_active_clusters
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"# {torch.cuda.get_device_name()}, {sms} SMs")

@@ -40,9 +40,9 @@ from common import device_name
 
 def probed_launch(step, q, cache):
     """(launch, stamps tensor, grid size) for `step`'s kernel compiled with the probe."""
-    from flexattn.kernels.decode_runner import DecodeRunner
-    from flexattn.kernels.decode_sm90 import TIMELINE_STAMPS
-    from flexattn.kernels.mod_emit import runtime_args
+    from flexattn.kernels.launch.decode_runner import DecodeRunner
+    from flexattn.kernels.decode.sm90 import TIMELINE_STAMPS
+    from flexattn.kernels.emit.mod_emit import runtime_args
 
     plan = step.plan
     cfg = dataclasses.replace(step.config, timeline=True)   # the step's merge (cluster or tickets)

@@ -25,7 +25,9 @@ def child(out_path: str) -> None:
 
     import flexattn.torch as fa
     from flexattn import mods
-    from flexattn.kernels import blockmask_sm90, cache, disk_cache
+    from flexattn.kernels.blockmask import classify as blockmask_sm90
+    from flexattn.kernels.launch import cache
+    from flexattn.kernels.launch import disk_cache
 
     dev = os.environ.get("DEVICE", "cuda")   # DEVICE=cpu: a smoke test of this script (reference path)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)

@@ -49,7 +49,7 @@ def main():
     import cutlass.jax
     from cutlass.jax import TensorSpec
 
-    from flexattn.kernels.compile import ARCH_OPTION
+    from flexattn.kernels.launch.compile import ARCH_OPTION
 
     layers, spec = 3, TensorSpec(divisibility=(1,), ptr_assumed_align=4)
     for n in (1000, 1024, 33280):

@@ -6,7 +6,7 @@ on fused Hopper kernels — or on the exact numpy reference on the CPU.
 from . import mods
 from .blockmask import BlockMask, create_block_mask
 from .core import AttentionSpec, decode, flex_attention, flex_attention_backward
-from .kvcache import KVCache, PagedKVCache
+from .problem import KVCache, PagedKVCache
 from .mods import MaskMod, ScoreMod, mask_mod, score_mod
 
 __version__ = "0.1.0"

@@ -26,8 +26,8 @@ from .blockmask import BlockMask, create_block_mask
 from .core.backward_path import BackwardArrays, backward_into
 from .core.kernel_path import Device, forward_into, kernel_unsupported, prepare_forward
 from .core.prepared import PreparedCalls, call_identity
-from .core.spec import AttentionSpec
-from .core.validate import check_inputs
+from .problem.spec import AttentionSpec
+from .problem.validate import check_inputs
 from .mods import MaskMod, ScoreMod, mask_mod, score_mod
 
 __all__ = ["flex_attention", "vjp", "create_block_mask", "BlockMask", "MaskMod", "ScoreMod", "mask_mod", "score_mod"]

@@ -14,7 +14,7 @@ the mask's jax arrays; residuals: those plus ``out`` and ``lse``), with two back
 - CUDA arrays: the CuTeDSL Hopper kernels (bf16/fp16, head dims 64/128) through
   ``cutlass.jax.cutlass_call``: each launch (the forward; the backward's three kernels) is
   one XLA FFI custom call served by the CuTeDSL runtime's C handler, which calls a compiled
-  ``@cute.jit`` entry (``kernels/xla_entry.py``) with XLA's stream and buffers — no Python
+  ``@cute.jit`` entry (``kernels/launch/xla_entry.py``) with XLA's stream and buffers — no Python
   of ours (and no host round trip) when a jitted function runs. XLA allocates every array
   the kernels write (``out``/``lse``; ``dq``/``dk``/``dv``, the backward's fp32 workspace
   and the buffer gradients are results of the custom call — destination passing, no
@@ -22,7 +22,7 @@ the mask's jax arrays; residuals: those plus ``out`` and ``lse``), with two back
   the entry itself before the backward's kernels (no result is aliased to an operand:
   XLA's dynamic-slice fusion in ``lax.scan``/``lax.map`` bodies hands an aliased call a
   result buffer other than its operand's, and the stacked results stayed zero — see
-  ``kernels/xla_entry.py``). Everything the kernels read from
+  ``kernels/launch/xla_entry.py``). Everything the kernels read from
   the host — block-mask lists, numpy arrays captured by mods — is a constant operand.
   Everything decided on the host (kernel support, block structure, the block mask of a
   ``mask=``, the kernel configs, the backward's workspace layout) is decided while tracing:
@@ -48,7 +48,7 @@ compiled entry reads every size at run time (divisibility hints are explicit, so
 does not depend on them); (3) it has no batching rule — under ``vmap`` each element is one
 call, in order (``jax.custom_batching.custom_vmap`` + ``lax.map``; folding the mapped axis
 into the batch is faster); (4) results aliased to operands are lost in loop bodies (XLA's
-dynamic-slice fusion, see ``kernels/xla_entry.py``), so no result is aliased: the entry
+dynamic-slice fusion, see ``kernels/launch/xla_entry.py``), so no result is aliased: the entry
 fills what must start filled. Eager (un-jitted) calls lower a new small computation per
 call: jit the caller.
 """
@@ -72,8 +72,8 @@ from . import reference
 from .arrays import to_numpy
 from .blockmask import BlockMask, create_block_mask
 from .core import kernel_path
-from .core.spec import AttentionSpec
-from .core.validate import AttentionShape, check_inputs
+from .problem.spec import AttentionSpec
+from .problem.validate import AttentionShape, check_inputs
 from .mods import MaskMod, ScoreMod, mask_mod, score_mod
 
 __all__ = ["flex_attention", "create_block_mask", "BlockMask", "MaskMod", "ScoreMod", "mask_mod", "score_mod"]
@@ -341,7 +341,7 @@ def _sequential_vmap(call):
     """``call`` under ``jax.vmap`` as one call per element, in order (``custom_vmap`` +
     ``lax.map``; cutlass_call's primitive has no batching rule, and buffer_callback's
     ``vmap_method="sequential"`` did the same). Each element calls ``f`` again, so nested
-    vmaps nest maps. (Its zeros on the GPU were the aliasing bug of kernels/xla_entry.py.)"""
+    vmaps nest maps. (Its zeros on the GPU were the aliasing bug of kernels/launch/xla_entry.py.)"""
 
     @jax.custom_batching.custom_vmap
     def f(*ops):
@@ -364,7 +364,7 @@ class _KernelBackend:
     while tracing: kernel support (errors before anything runs), the block mask (built
     here from a ``mask=``), the host arrays the kernels read (constant operands), the
     kernel configs and the backward's workspace layout. Each launch is one ``cutlass_call``
-    of a ``kernels.xla_entry`` entry: XLA runs the compiled entry from C."""
+    of a ``kernels.launch.xla_entry`` entry: XLA runs the compiled entry from C."""
 
     # Tests set this: results the kernels must write entirely start NaN-filled (by the
     # entry, before its kernels), so an element a kernel fails to write shows.
@@ -385,7 +385,7 @@ class _KernelBackend:
     def _hook_args(self, ops: _Operands, score_bufs, mask_bufs) -> tuple:
         """The kernel hook's args as sources (``xla_entry``): this call's jax arrays and
         numpy captures as operands, numbers as compile-time constants."""
-        from .kernels.mod_emit import capture_kinds
+        from .kernels.emit.mod_emit import capture_kinds
 
         hook = self.plan.config.mods
         captures = hook.captures()
@@ -420,14 +420,14 @@ class _KernelBackend:
         position among the entry's arrays and the (position, kind) of the results the entry
         fills before its kernels: none, or with ``poison_outputs`` every result but the
         workspace and the ``zeroed`` ones (the backward's launch zero-fills those itself).
-        No result is aliased to an operand (see kernels/xla_entry.py: XLA's dynamic-slice
+        No result is aliased to an operand (see kernels/launch/xla_entry.py: XLA's dynamic-slice
         fusion in loop bodies loses what aliased results write)."""
         n_inputs = len(ops.arrays)
         position = {name: n_inputs + j for j, (name, _, _) in enumerate(results)}
         fills = tuple((position[n], "nan") for n, _, _ in results
                       if self.poison_outputs and n not in self._scratch and n not in zeroed)
         launch = make_launch(position, fills)
-        from .kernels.compile import ARCH_OPTION
+        from .kernels.launch.compile import ARCH_OPTION
 
         call = self.cutlass_call(
             entry, output_shape_dtype=tuple(sds for _, sds, _ in results), input_spec=tuple(ops.specs),
@@ -439,7 +439,7 @@ class _KernelBackend:
     _scratch = ("lse_log2", "delta", "dq_accum")  # workspace: never poisoned (the kernels fill it)
 
     def forward(self, q, k, v, score_bufs, mask_bufs):
-        from .kernels.xla_entry import ForwardLaunch, forward_entry
+        from .kernels.launch.xla_entry import ForwardLaunch, forward_entry
 
         shape = self.shape
         ops = _Operands()
@@ -458,8 +458,8 @@ class _KernelBackend:
         return r["out"], r["lse"]
 
     def backward(self, q, k, v, out, lse, d_out, d_lse, score_bufs, mask_bufs, wanted):
-        from .kernels.bwd_runner import config_from_forward, workspace_shapes
-        from .kernels.xla_entry import BackwardLaunch, backward_entry
+        from .kernels.launch.bwd_runner import config_from_forward, workspace_shapes
+        from .kernels.launch.xla_entry import BackwardLaunch, backward_entry
 
         shape = self.shape
         slots = _score_slots(self.spec)

@@ -26,13 +26,13 @@ import torch
 from . import reference
 from .blockmask import _LIST_NAMES as BLOCK_LIST_NAMES, BlockMask, create_block_mask
 from .blockmask import DeviceArrays as BlockMaskArrays, register_device as register_block_mask_device
-from .core.decode import decode_problem
+from .problem.decode import decode_problem
 from .core.backward_path import BackwardArrays, backward_into
 from .core.kernel_path import Device, forward_into, kernel_block_mask, kernel_unsupported, prepare_forward
 from .core.prepared import PreparedCalls, call_identity
-from .kvcache import KVCache, PagedKVCache
-from .core.spec import AttentionSpec
-from .core.validate import check_inputs
+from .problem.kvcache import KVCache, PagedKVCache
+from .problem.spec import AttentionSpec
+from .problem.validate import check_inputs
 from .mods import MaskMod, Mod, ScoreMod, as_mask, mask_mod
 from .mods.mod import LIVE_OBJECTS
 

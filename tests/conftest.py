@@ -4,7 +4,7 @@ CuTeDSL reads its target architecture once, when cutlass is first imported; whic
 test imports it first must find sm_90a set (as ``flexattn.kernels`` sets it), or kernels
 compiled for sm_90a are treated as foreign (e.g. TVM-FFI functions stay uninitialized).
 
-Compiled TVM-FFI kernels are cached on disk (flexattn/kernels/disk_cache.py): the tests
+Compiled TVM-FFI kernels are cached on disk (flexattn/kernels/launch/disk_cache.py): the tests
 keep theirs in a temporary directory of the session, never in the user's cache, unless
 FLEXATTN_CACHE_DIR is set (e.g. to run the GPU tests twice, the second time from disk).
 """

@@ -424,7 +424,7 @@ def test_varlen_lengths_update_and_errors():
 
 
 def test_varlen_is_fast_at_long_lengths():
-    from flexattn.blockmask import _varlen_states
+    from flexattn.blockmask.varlen import _varlen_states
 
     offs = np.concatenate([[0], np.sort(np.random.default_rng(0).choice(np.arange(1, 1 << 17), 63, replace=False)), [1 << 17]])
     t = time.perf_counter()
@@ -435,7 +435,8 @@ def test_varlen_is_fast_at_long_lengths():
 
 def test_device_without_gpu_adapter_builds_on_host():
     """A device no registered adapter serves (no CUDA here) keeps torch-style code running."""
-    from flexattn.blockmask import DeviceArrays, register_device, _DEVICE_RESOLVERS
+    from flexattn.blockmask import DeviceArrays, register_device
+    from flexattn.blockmask.device import _DEVICE_RESOLVERS
 
     seen = []
 

@@ -9,7 +9,7 @@ import torch
 import flexattn
 import flexattn.torch as fa
 from flexattn import KVCache, PagedKVCache, mods
-from flexattn.core.decode import decode_problem
+from flexattn.problem.decode import decode_problem
 from flexattn.mods.positions import limit_keys, shift_queries
 
 

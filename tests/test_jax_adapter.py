@@ -201,7 +201,7 @@ def _spec_of(launch, arrays, shape, side):
 
 def _emulate(launch, arrays, log):
     """What the compiled entry does, on host arrays (float64 reference, results in place)."""
-    from flexattn.kernels.xla_entry import FILL_VALUES, ForwardLaunch
+    from flexattn.kernels.launch.xla_entry import FILL_VALUES, ForwardLaunch
 
     for i, kind in launch.fills:  # the entry's fill kernels
         arrays[i][...] = FILL_VALUES[kind]
@@ -332,7 +332,7 @@ def test_kernel_path_refuses_before_launch(fake_kernels):
 
 
 def test_entries_compile_through_cutlass_jax_once_per_structure(monkeypatch):
-    """The real ``kernels.xla_entry`` entries, compiled by cutlass.jax's own compile path
+    """The real ``kernels.launch.xla_entry`` entries, compiled by cutlass.jax's own compile path
     (what cutlass_call's lowering does on a CUDA platform; sm_90a, no GPU here): forward and
     backward compile once; new captured values, new jitted functions and new traces hit the
     cache through the compile key (no IR generated on lookup)."""

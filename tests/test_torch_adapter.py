@@ -194,7 +194,7 @@ def test_prepared_entry_takes_inference_calls_and_leaves_recorded_ones(monkeypat
     declines what the full path must do: calls autograd records (inputs or score-mod
     tensors requiring grad with grad mode on), another current device, another layout."""
     from flexattn.core import AttentionSpec
-    from flexattn.core.validate import check_inputs
+    from flexattn.problem.validate import check_inputs
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)   # CPU tensors: get_device() == -1
     launched = []

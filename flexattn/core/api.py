@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 from .. import reference
-from .decode import decode_problem
-from .spec import AttentionSpec
-from .validate import check_inputs
+from ..problem.decode import decode_problem
+from ..problem.spec import AttentionSpec
+from ..problem.validate import check_inputs
 
 
 def flex_attention(q, k, v, score_mod=None, block_mask=None, scale=None, enable_gqa=False,

@@ -8,8 +8,8 @@ kernel support checks, same block structure — dense, built-in causal or block-
 the same mods), so the backward visits the tiles the forward did; block-sparse calls read
 the block mask's q-side lists.
 
-Three kernels run on the caller's stream (``kernels.bwd_runner.BackwardRunner``; through
-TVM-FFI, ``kernels.bwd_ffi_runner.FfiBackwardRunner``, where the forward would be):
+Three kernels run on the caller's stream (``kernels.launch.bwd_runner.BackwardRunner``; through
+TVM-FFI, ``kernels.launch.bwd_ffi_runner.FfiBackwardRunner``, where the forward would be):
 preprocess (delta = rowsum(dO·O) − dLSE, log2 LSE, dQ accumulator zeroed), the main
 kernel (dK, dV; dQ and captured-buffer gradients by fp32 atomics), postprocess (dQ).
 Nothing synchronizes with the host.
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .kernel_path import Device, KernelPlan, ffi_stream_scope, plan_forward, use_tvm_ffi
-from .spec import AttentionSpec
-from .validate import AttentionShape
+from ..problem.spec import AttentionSpec
+from ..problem.validate import AttentionShape
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class BackwardArrays:
 @dataclass(frozen=True)
 class BackwardResult:
     plan: KernelPlan   # the forward's plan (config, block mask)
-    config: object     # kernels.bwd_sm90.BwdConfig
+    config: object     # kernels.bwd.sm90.BwdConfig
     capture_grads: tuple  # per score-mod capture (``spec.score.captures`` order): its
     # fp32 gradient (shaped like the capture; 0-d captures as [1]), or None for captures
     # without one (numbers, int buffers, buffers the score does not depend on)
@@ -72,13 +72,13 @@ def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: Attention
     Gradients are computed for every float buffer the score mod reads (the kernel has one
     structure per mod); the adapter keeps those of the captures it differentiates.
     ``deterministic``: bitwise-repeatable dQ and buffer gradients (dQ tiles added in a
-    fixed order, buffer gradients in exact fixed point; see kernels/bwd_runner.py).
+    fixed order, buffer gradients in exact fixed point; see kernels/launch/bwd_runner.py).
     ``grad_captures``: the score-capture slots whose gradients are wanted (None: all);
     the others get None and cost nothing.
     """
-    from ..kernels.bwd_runner import config_from_forward, workspace_dtypes, workspace_shapes
-    from ..kernels.cache import backward_runner
-    from ..kernels.mod_emit import IRModHook, runtime_args
+    from ..kernels.launch.bwd_runner import config_from_forward, workspace_dtypes, workspace_shapes
+    from ..kernels.launch.cache import backward_runner
+    from ..kernels.emit.mod_emit import IRModHook, runtime_args
 
     plan = plan_forward(arrays.q, shape, spec)  # raises what the kernel cannot do
     mods = plan.config.mods
@@ -100,8 +100,8 @@ def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: Attention
     slots = hook.grad_slots
     grads = tuple(alloc(_grad_shape(captures[s]), "float32", True) for s in slots)
     scale = spec.resolved_scale(shape.head_dim)
-    if use_tvm_ffi(device, stream_scope=True):  # see kernels/bwd_ffi_runner.py
-        from ..kernels.ffi_runner import ffi_mod_args
+    if use_tvm_ffi(device, stream_scope=True):  # see kernels/launch/bwd_ffi_runner.py
+        from ..kernels.launch.fwd_ffi_runner import ffi_mod_args
 
         args = ffi_mod_args(hook, device.to_device) if isinstance(hook, IRModHook) else ()
         with ffi_stream_scope(arrays.q, device):

@@ -242,7 +242,7 @@ def decode_unsupported(q, k, v, page_size: int) -> str | None:
     if int(k.shape[-1]) != d or int(v.shape[-1]) != d:
         return f"the KV cache's head dims must equal the query's ({d}), got {int(k.shape[-1])} and {int(v.shape[-1])}"
     if page_size:
-        from ..kernels.decode_sm90 import check_page_size
+        from ..kernels.decode.sm90 import check_page_size
 
         try:
             check_page_size(page_size, PAGE_TILE)
@@ -380,8 +380,8 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
                 tuning: DecodeTuning = DEFAULT_TUNING, skip_masked_prefix: bool = True):
     """The step's DecodeConfig; configs are cached by the mods' structure, so a hit only
     wraps these captures in a fresh hook."""
-    from ..kernels.decode_sm90 import DecodeConfig
-    from ..kernels.mod_emit import IRModHook, capture_kinds
+    from ..kernels.decode.sm90 import DecodeConfig
+    from ..kernels.emit.mod_emit import IRModHook, capture_kinds
 
     # By IR identity (cached rewrites share it), so a hit hashes no structure; the entry's
     # template holds the IR, so the ids stay its own.
@@ -448,7 +448,7 @@ class DecodePlan:
         self.config = _config_for(KERNEL_DTYPES[dtype_name(q)], D, num_mma_wg, page_size, the_score, the_mask,
                                   tuning, skip_masked_prefix=not head_always_kept(base, B, Hq))
 
-        from ..kernels.mod_emit import capture_kinds
+        from ..kernels.emit.mod_emit import capture_kinds
 
         self.ffi = use_tvm_ffi(device)
         self._kernels: dict = {}     # (tuning, cluster size) -> (config, runner)
@@ -474,7 +474,7 @@ class DecodePlan:
         """(config, runner) of `kernel` = (tuning, CTAs per merging cluster)."""
         hit = self._kernels.get(kernel)
         if hit is None:
-            from ..kernels.cache import decode_runner
+            from ..kernels.launch.cache import decode_runner
 
             tuning, cluster = kernel
             config = self.config
@@ -486,10 +486,10 @@ class DecodePlan:
 
     def _convert(self) -> tuple:
         if self.ffi:
-            from ..kernels.ffi_runner import ffi_args
+            from ..kernels.launch.fwd_ffi_runner import ffi_args
 
             return ffi_args(self._kinds, self._captures, self._to_device) or None
-        from ..kernels.mod_emit import runtime_args
+        from ..kernels.emit.mod_emit import runtime_args
 
         return runtime_args(self.config.mods, self._to_device)
 
@@ -519,7 +519,7 @@ class DecodePlan:
             if num_splits < 1:
                 raise ValueError(f"num_splits must be >= 1, got {num_splits}")
             # An explicit count of 2, 4, 8 or 16 merges in one cluster (residency is the caller's call).
-            from ..kernels.decode_sm90 import CLUSTER_SPLITS
+            from ..kernels.decode.sm90 import CLUSTER_SPLITS
 
             clustered = self.tuning.cluster_merge and num_splits > 1 and num_splits in CLUSTER_SPLITS
             launch = (self.tuning, int(num_splits), int(num_splits) if clustered else 1)

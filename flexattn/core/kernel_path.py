@@ -12,7 +12,7 @@ Block structure, cheapest first:
 - a block mask (given, or built here from ``mask=``) → block-sparse lists; full tiles skip
   the mask, empty tiles are never loaded.
 
-Tile scheduling (kernels/tile_scheduler.py): the dense structure, where every tile does the
+Tile scheduling (kernels/hopper/tile_scheduler.py): the dense structure, where every tile does the
 same work, runs persistent CTAs (one per SM; +3-5% measured on H100 at S=2k-4k, D=128);
 causal runs one CTA per tile in longest-first order (the hardware's dynamic dispatch then
 balances the uneven tiles: +4% over head order); block-sparse runs persistent CTAs when its
@@ -33,9 +33,9 @@ import numpy as np
 
 from ..arrays import dtype_name
 from ..blockmask import BlockMask, create_block_mask
-from ..kernels.device_facts import persistent_ctas
-from .spec import AttentionSpec
-from .validate import AttentionShape
+from ..kernels.hopper.device_facts import persistent_ctas
+from ..problem.spec import AttentionSpec
+from ..problem.validate import AttentionShape
 
 KERNEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 KERNEL_HEAD_DIMS = (64, 128)
@@ -110,7 +110,7 @@ def _block_mask_for(mask, shape: AttentionShape) -> BlockMask:
 class KernelPlan:
     """The compile-time configuration plus the runtime block lists of one call."""
 
-    config: object  # kernels.fwd_sm90.FwdConfig (its hook carries this call's captures)
+    config: object  # kernels.fwd.sm90.FwdConfig (its hook carries this call's captures)
     block_mask: BlockMask | None
     entry: object = None  # the cached _PlanEntry it came from (runner lookups), if any
 
@@ -188,7 +188,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec) -> KernelPlan:
     copy of a mod, so calls that reuse mod values hit) plus dtype, head dim and block
     structure: a hit costs a dict lookup and a fresh hook carrying this call's captures,
     instead of rebuilding and re-hashing the config (tens of µs per call)."""
-    from ..kernels.mod_emit import IRModHook
+    from ..kernels.emit.mod_emit import IRModHook
 
     reason = kernel_unsupported(q, shape)
     if reason:
@@ -204,8 +204,8 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec) -> KernelPlan:
     entry = _PLANS.get(key)
     hook = IRModHook(score, mask)
     if entry is None:
-        from ..kernels.fwd_sm90 import FwdConfig
-        from ..kernels.mod_emit import capture_kinds
+        from ..kernels.fwd.sm90 import FwdConfig
+        from ..kernels.emit.mod_emit import capture_kinds
 
         # Three consumer warpgroups (tile_m 192) pay off at head dim 64, but only without a
         # score mod (register pressure) and outside block-sparse mode (128-row tiles).
@@ -229,7 +229,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec) -> KernelPlan:
 
 
 def _runner(plan: KernelPlan, tvm_ffi: bool):
-    from ..kernels.cache import forward_runner
+    from ..kernels.launch.cache import forward_runner
 
     entry = plan.entry
     if entry is None:
@@ -330,14 +330,14 @@ def forward_into(q, k, v, out, lse, shape: AttentionShape, spec: AttentionSpec, 
     plan = plan_forward(q, shape, spec)
     lists = _kv_lists(plan, device)
     scale = spec.resolved_scale(shape.head_dim)
-    if use_tvm_ffi(device, stream_scope=True):  # see kernels/ffi_runner.py
-        from ..kernels.ffi_runner import ffi_mod_args
+    if use_tvm_ffi(device, stream_scope=True):  # see kernels/launch/fwd_ffi_runner.py
+        from ..kernels.launch.fwd_ffi_runner import ffi_mod_args
 
         args = ffi_mod_args(plan.config.mods, device.to_device)
         with ffi_stream_scope(q, device):
             _runner(plan, True).run(q, k, v, out, lse, scale, args, lists)
         return plan
-    from ..kernels.mod_emit import runtime_args
+    from ..kernels.emit.mod_emit import runtime_args
 
     args = runtime_args(plan.config.mods, device.to_device)
     _runner(plan, False).run(q, k, v, out, lse, scale, args, device.stream, lists)
@@ -354,8 +354,8 @@ class PreparedForward:
     __slots__ = ("_fn", "_scale", "_args", "_kinds", "_captures", "_to_device", "_lists", "_env_stream")
 
     def __init__(self, q, plan: KernelPlan, spec: AttentionSpec, shape: AttentionShape, device: Device):
-        from ..kernels.ffi_runner import ffi_args
-        from ..kernels.mod_emit import capture_kinds
+        from ..kernels.launch.fwd_ffi_runner import ffi_args
+        from ..kernels.emit.mod_emit import capture_kinds
 
         runner = _runner(plan, True)
         runner.compile()
@@ -379,7 +379,7 @@ class PreparedForward:
         not read itself (the ``Device`` had ``tvm_ffi_stream=False``)."""
         args = self._args
         if args is False:
-            from ..kernels.ffi_runner import ffi_args
+            from ..kernels.launch.fwd_ffi_runner import ffi_args
 
             args = ffi_args(self._kinds, self._captures, self._to_device) or None
         if self._env_stream is None:

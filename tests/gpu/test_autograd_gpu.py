@@ -304,7 +304,7 @@ def test_torch_compile_reduce_overhead_training_steps():
 
 def test_repeated_steps_reuse_compiled_kernels():
     """Training steps with updated parameters compile nothing new."""
-    from flexattn.kernels import cache
+    from flexattn.kernels.launch import cache
 
     _window_alibi("none")
     before = cache.compile_count()

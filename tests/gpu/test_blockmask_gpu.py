@@ -19,7 +19,7 @@ pytest.importorskip("cutlass")
 import flexattn.torch as fa  # noqa: E402  (registers torch's CUDA arrays for the builder)
 from flexattn import mods  # noqa: E402
 from flexattn.blockmask import _LIST_NAMES, create_block_mask, varlen_block_mask  # noqa: E402
-from flexattn.kernels.blockmask_sm90 import compile_count  # noqa: E402
+from flexattn.kernels.blockmask.classify import compile_count  # noqa: E402
 
 
 def assert_same(gpu, cpu, what=""):

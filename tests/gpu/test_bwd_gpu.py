@@ -24,11 +24,11 @@ pytest.importorskip("cutlass")
 from flexattn import mods, reference  # noqa: E402
 from flexattn.core import AttentionSpec, check_inputs  # noqa: E402
 from flexattn.core.kernel_path import Device, ffi_stream_scope, forward_into, use_tvm_ffi  # noqa: E402
-from flexattn.kernels.bwd_ffi_runner import FfiBackwardRunner  # noqa: E402
-from flexattn.kernels.bwd_runner import (  # noqa: E402
+from flexattn.kernels.launch.bwd_ffi_runner import FfiBackwardRunner  # noqa: E402
+from flexattn.kernels.launch.bwd_runner import (  # noqa: E402
     BackwardRunner, config_from_forward, workspace_dtypes, workspace_shapes)
-from flexattn.kernels.ffi_runner import ffi_mod_args  # noqa: E402
-from flexattn.kernels.mod_emit import runtime_args  # noqa: E402
+from flexattn.kernels.launch.fwd_ffi_runner import ffi_mod_args  # noqa: E402
+from flexattn.kernels.emit.mod_emit import runtime_args  # noqa: E402
 
 from mod_cases import CASES  # noqa: E402
 
@@ -46,7 +46,7 @@ def _device():
     return Device(torch.cuda.current_stream().cuda_stream, _DeviceCopies(torch.device("cuda")))
 
 
-# The launch path users get: TVM-FFI where it is installed (kernels/bwd_ffi_runner.py);
+# The launch path users get: TVM-FFI where it is installed (kernels/launch/bwd_ffi_runner.py);
 # test_from_dlpack_runner covers the from_dlpack one.
 FFI = use_tvm_ffi(stream_scope=True)
 

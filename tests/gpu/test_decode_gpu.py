@@ -26,7 +26,7 @@ import flexattn.torch as fa  # noqa: E402
 from flexattn import mods  # noqa: E402
 from flexattn.core import decode_path  # noqa: E402
 from flexattn.core.kernel_path import Device  # noqa: E402
-from flexattn.kernels import cache as kernel_cache  # noqa: E402
+from flexattn.kernels.launch import cache as kernel_cache  # noqa: E402
 
 DEV = "cuda"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -22,7 +22,7 @@ import flexattn.torch as fa  # noqa: E402
 from flexattn import mods, reference  # noqa: E402
 from flexattn.core import AttentionSpec, check_inputs  # noqa: E402
 from flexattn.core.kernel_path import Device, forward_into  # noqa: E402
-from flexattn.kernels import cache  # noqa: E402
+from flexattn.kernels.launch import cache  # noqa: E402
 
 from mod_cases import CASES  # noqa: E402
 

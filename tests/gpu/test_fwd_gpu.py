@@ -16,9 +16,9 @@ pytest.importorskip("cutlass")
 
 import cutlass  # noqa: E402
 
-from flexattn.kernels import example_hooks as hooks  # noqa: E402
-from flexattn.kernels.fwd_sm90 import FwdConfig  # noqa: E402
-from flexattn.kernels.runner import ForwardRunner  # noqa: E402
+from flexattn.kernels.emit import example_hooks as hooks  # noqa: E402
+from flexattn.kernels.fwd.sm90 import FwdConfig  # noqa: E402
+from flexattn.kernels.launch.fwd_runner import ForwardRunner  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -12,8 +12,8 @@ import cuda.bindings.driver as cuda  # noqa: E402
 from cutlass import Int32  # noqa: E402
 
 from flexattn.arrays import to_numpy  # noqa: E402
-from flexattn.kernels.mod_emit import IRModHook, runtime_args  # noqa: E402
-from flexattn.kernels.mod_eval import compile_mod_eval, grid_arg  # noqa: E402
+from flexattn.kernels.emit.mod_emit import IRModHook, runtime_args  # noqa: E402
+from flexattn.kernels.emit.mod_eval import compile_mod_eval, grid_arg  # noqa: E402
 from flexattn.mods.evaluate import evaluate  # noqa: E402
 
 import mod_zoo  # noqa: E402

@@ -1,4 +1,4 @@
-"""The on-disk kernel cache (flexattn/kernels/disk_cache.py), on CPU.
+"""The on-disk kernel cache (flexattn/kernels/launch/disk_cache.py), on CPU.
 
 One small TVM-FFI forward is compiled on fake tensors and stored once per module; fresh
 processes (other hash seeds) load it with ``cute.compile`` made to raise, and the loaded
@@ -24,13 +24,14 @@ pytest.importorskip("tvm_ffi")
 import torch  # noqa: E402
 
 from flexattn import mods  # noqa: E402
-from flexattn.kernels import cache, disk_cache  # noqa: E402
-from flexattn.kernels.bwd_sm90 import BwdConfig  # noqa: E402
-from flexattn.kernels.decode_sm90 import DecodeConfig  # noqa: E402
-from flexattn.kernels.ffi_runner import FfiForwardRunner  # noqa: E402
-from flexattn.kernels.fwd_sm90 import FwdConfig  # noqa: E402
-from flexattn.kernels.mod_emit import IRModHook  # noqa: E402
-from flexattn.kernels.mod_hook import ModHook  # noqa: E402
+from flexattn.kernels.launch import cache
+from flexattn.kernels.launch import disk_cache  # noqa: E402
+from flexattn.kernels.bwd.sm90 import BwdConfig  # noqa: E402
+from flexattn.kernels.decode.sm90 import DecodeConfig  # noqa: E402
+from flexattn.kernels.launch.fwd_ffi_runner import FfiForwardRunner  # noqa: E402
+from flexattn.kernels.fwd.sm90 import FwdConfig  # noqa: E402
+from flexattn.kernels.emit.mod_emit import IRModHook  # noqa: E402
+from flexattn.kernels.emit.mod_hook import ModHook  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -91,9 +92,10 @@ _FRESH_PROCESS = textwrap.dedent("""
     cute.compile = refuse
     import torch
     from flexattn import mods
-    from flexattn.kernels import cache, disk_cache
-    from flexattn.kernels.fwd_sm90 import FwdConfig
-    from flexattn.kernels.mod_emit import IRModHook
+    from flexattn.kernels.launch import cache
+    from flexattn.kernels.launch import disk_cache
+    from flexattn.kernels.fwd.sm90 import FwdConfig
+    from flexattn.kernels.emit.mod_emit import IRModHook
 
     cfg = FwdConfig(dtype="bf16", head_dim=64, mods=IRModHook(mods.softcap(30.0), mods.causal()))
     runner = cache.forward_runner(cfg, tvm_ffi=True)
@@ -186,16 +188,45 @@ def test_keys_follow_the_code_not_the_values(cache_dir):
     assert len(set(others)) == 4 and base not in others
 
 
+def _copy_sources(dest):
+    """Copy the digested source trees (``kernels``, ``mods``, subpackages included) under ``dest``."""
+    import shutil
+
+    for d in disk_cache._SOURCE_DIRS:
+        shutil.copytree(os.path.join(disk_cache._PACKAGE, d), dest / d,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+
+
+def test_source_digest_covers_nested_kernel_files(tmp_path):
+    """Kernels live in subpackages (kernels/fwd, kernels/hopper, ...): an edit, an added file
+    or a move inside one must change the digest, or stale kernels would load from disk."""
+    _copy_sources(tmp_path)
+    base = disk_cache.source_digest(str(tmp_path))
+    rels = [rel for rel, _ in disk_cache._sources(str(tmp_path))]
+    assert "kernels/fwd/sm90.py" in rels and "kernels/launch/disk_cache.py" in rels
+    assert any(rel.count("/") >= 2 for rel in rels)
+    modules = dict(disk_cache._sources(str(tmp_path)))
+    assert modules["kernels/emit/mod_emit.py"] == "flexattn.kernels.emit.mod_emit"
+    assert modules["kernels/fwd/__init__.py"] == "flexattn.kernels.fwd"
+
+    nested = tmp_path / "kernels" / "fwd" / "sm90.py"
+    nested.write_bytes(nested.read_bytes() + b"# edited\n")
+    edited = disk_cache.source_digest(str(tmp_path))
+    assert edited != base
+
+    os.rename(nested, tmp_path / "kernels" / "bwd" / "sm90_moved.py")   # a move alone changes it too
+    assert disk_cache.source_digest(str(tmp_path)) not in (base, edited)
+    (tmp_path / "kernels" / "decode" / "extra.py").write_text("X = 1\n")
+    moved = disk_cache.source_digest(str(tmp_path))
+    (tmp_path / "kernels" / "decode" / "extra.py").unlink()
+    assert disk_cache.source_digest(str(tmp_path)) != moved
+
+
 def test_sources_versions_and_settings_name_the_directory(cache_dir, tmp_path, monkeypatch):
     base = _path(_base())
-    for d in disk_cache._SOURCE_DIRS:   # an edited copy of our sources digests differently
-        os.makedirs(tmp_path / d)
-        for name in os.listdir(os.path.join(disk_cache._PACKAGE, d)):
-            if name.endswith(".py"):
-                with open(os.path.join(disk_cache._PACKAGE, d, name), "rb") as f:
-                    (tmp_path / d / name).write_bytes(f.read())
+    _copy_sources(tmp_path)   # an edited copy of our sources digests differently
     assert disk_cache.source_digest(str(tmp_path)) == disk_cache.source_digest()
-    with open(tmp_path / "kernels" / "softmax.py", "a") as f:
+    with open(tmp_path / "kernels" / "hopper" / "softmax.py", "a") as f:
         f.write("# edited\n")
     edited = disk_cache.source_digest(str(tmp_path))
     assert edited != disk_cache.source_digest()
@@ -291,7 +322,7 @@ def test_stores_the_object_built_while_compiling(stored):
 def test_exported_objects_round_trip(cache_dir, monkeypatch):
     """Without a captured object (another CuTeDSL code path) the function is exported
     under the key's name, and that file loads too."""
-    from flexattn.kernels import compile as compile_module
+    from flexattn.kernels.launch import compile as compile_module
 
     @contextlib.contextmanager
     def nothing_captured():
@@ -372,8 +403,8 @@ def test_other_kernels_round_trip(cache_dir):
     export and load the same way (arity checked by calling with the wrong count)."""
     import tvm_ffi
 
-    from flexattn.kernels.blockmask_sm90 import compile_compactor
-    from flexattn.kernels.bwd_compile import compile_postprocess
+    from flexattn.kernels.blockmask.classify import compile_compactor
+    from flexattn.kernels.launch.compile_bwd import compile_postprocess
 
     for key, compile, n_args in ((("test_compact",), lambda: compile_compactor(True), 3),
                                  (("test_post",), lambda: compile_postprocess("bf16", 64, tvm_ffi=True), 5)):

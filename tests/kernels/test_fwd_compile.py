@@ -10,9 +10,9 @@ import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass.cute.runtime import make_fake_tensor  # noqa: E402
 
-from flexattn.kernels import example_hooks as hooks  # noqa: E402
-from flexattn.kernels.compile import compile_forward, resource_usage_from_ptx  # noqa: E402
-from flexattn.kernels.fwd_sm90 import FwdConfig  # noqa: E402
+from flexattn.kernels.emit import example_hooks as hooks  # noqa: E402
+from flexattn.kernels.launch.compile import compile_forward, resource_usage_from_ptx  # noqa: E402
+from flexattn.kernels.fwd.sm90 import FwdConfig  # noqa: E402
 
 
 def _doc_bias_args():

@@ -7,9 +7,9 @@ import pytest
 pytest.importorskip("cutlass")
 
 from flexattn import mods  # noqa: E402
-from flexattn.kernels.compile import compile_forward, resource_usage_from_ptx  # noqa: E402
-from flexattn.kernels.fwd_sm90 import FwdConfig  # noqa: E402
-from flexattn.kernels.mod_emit import IRModHook, fake_args  # noqa: E402
+from flexattn.kernels.launch.compile import compile_forward, resource_usage_from_ptx  # noqa: E402
+from flexattn.kernels.fwd.sm90 import FwdConfig  # noqa: E402
+from flexattn.kernels.emit.mod_emit import IRModHook, fake_args  # noqa: E402
 
 CONFIGS = {
     "d128-causal": (128, dict(causal=True), None, None),

@@ -74,7 +74,7 @@ def test_tvm_ffi_forward_compiles_with_the_planned_signature():
     """The opt-in TVM-FFI launch (FLEXATTN_TVM_FFI=1): compiled on fake tensors, it checks
     its arguments itself — on a CPU tensor it must refuse with the compiled signature."""
     pytest.importorskip("tvm_ffi")
-    from flexattn.kernels.ffi_runner import FfiForwardRunner, ffi_mod_args
+    from flexattn.kernels.launch.fwd_ffi_runner import FfiForwardRunner, ffi_mod_args
 
     p = _plan(mask=mods.document(np.zeros(300, np.int32)), score=mods.softcap(30.0))
     runner = FfiForwardRunner(p.config)
@@ -91,7 +91,7 @@ def test_tvm_ffi_forward_compiles_with_the_planned_signature():
 
 
 def test_block_list_validation_shared_by_both_runners():
-    from flexattn.kernels.runner import check_block_lists
+    from flexattn.kernels.launch.fwd_runner import check_block_lists
 
     def lists(rows, cols=3, b=1, h=1):
         return (torch.zeros(b, h, rows, dtype=torch.int32), torch.zeros(b, h, rows, cols, dtype=torch.int32),
@@ -166,7 +166,7 @@ def test_tile_scheduling_by_structure(monkeypatch):
     """Dense tiles all cost the same: persistent CTAs, one per SM; so do block-sparse rows
     of about equal work (host lists within BALANCED_TILES of the mean); causal and
     unbalanced block-sparse keep one CTA per tile (causal in longest-first order)."""
-    from flexattn.kernels import device_facts
+    from flexattn.kernels.hopper import device_facts
 
     class OnGpu(torch.Tensor):  # a CPU tensor that reports a CUDA DLPack device
         def __dlpack_device__(self):
@@ -190,7 +190,7 @@ def test_dense_head_dim_128_with_even_q_tiles_runs_clusters(monkeypatch):
     clusters sharing K/V loads, when every head has an even number of q tiles (block-sparse
     lists differ per tile: never); persistent clusters are as many as the driver says fit
     at once (not SMs / 2: clusters live inside a GPC)."""
-    from flexattn.kernels import device_facts
+    from flexattn.kernels.hopper import device_facts
 
     class OnGpu(torch.Tensor):
         def __dlpack_device__(self):

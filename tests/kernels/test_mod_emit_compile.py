@@ -6,8 +6,8 @@ import pytest
 pytest.importorskip("cutlass")
 
 from flexattn import mods  # noqa: E402
-from flexattn.kernels.mod_emit import IRModHook, capture_kinds  # noqa: E402
-from flexattn.kernels.mod_eval import compile_mod_eval  # noqa: E402
+from flexattn.kernels.emit.mod_emit import IRModHook, capture_kinds  # noqa: E402
+from flexattn.kernels.emit.mod_eval import compile_mod_eval  # noqa: E402
 
 import mod_zoo  # noqa: E402
 
@@ -54,7 +54,7 @@ def _ops(nodes):
 def test_row_invariant_roots():
     """The largest subexpressions that read a buffer but not kv or the score: what a kernel
     may emit once per query row, before its kv loop."""
-    from flexattn.kernels.mod_emit import row_invariant_roots
+    from flexattn.kernels.emit.mod_emit import row_invariant_roots
     from flexattn.mods.positions import shift_queries
 
     offsets = np.zeros(4, np.int32)

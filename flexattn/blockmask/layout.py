@@ -1,0 +1,225 @@
+"""The block-sparse layout of a mask, in FlexAttention's format.
+
+The attention matrix is cut into ``BLOCK_SIZE = (q_block, kv_block)`` tiles. Each tile is
+*empty* (skipped), *full* (computed without evaluating the mask) or *partial* (computed
+with the mask). Per (b, h, q-block) we store the partial kv-blocks
+(``kv_num_blocks``, ``kv_indices``) and the full ones (``full_kv_*``); per kv-block the
+q-side transposes (``q_*``, ``full_q_*``) serve the backward. Index lists are sorted
+like torch's: the listed blocks in ascending order first, the rest after.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ..arrays import to_numpy
+from ..mods import MaskMod, as_mask, full
+from ..mods.mod import LIVE_OBJECTS
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+_LIST_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+               "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+class BlockCounts(NamedTuple):
+    num_blocks: np.ndarray  # [..., rows]
+    indices: np.ndarray  # [..., rows, cols]
+
+
+_NOT_COMPUTED = object()  # BlockMask._tile_balance before its first computation
+
+
+class BlockMask:
+    """Which tiles of the [Q_LEN, KV_LEN] score matrix to compute, with which mask."""
+
+    def __init__(self, states: np.ndarray, seq_lengths, block_size, mask_mod: MaskMod | None, num_allowed=None):
+        LIVE_OBJECTS[id(self)] = self  # see mods.mod.LIVE_OBJECTS
+        states = np.asarray(states, dtype=np.int8)
+        if states.ndim != 4:
+            raise ValueError(f"block states must be [B, H, Q_BLOCKS, KV_BLOCKS], got shape {states.shape}")
+        self.seq_lengths = tuple(int(s) for s in seq_lengths)
+        self.BLOCK_SIZE = tuple(int(s) for s in block_size)
+        self.mask_mod = mask_mod if mask_mod is not None else full()
+        self.device = "cpu"
+        self._states = states
+        self._batch_heads = states.shape[:2]
+        self._num_allowed = num_allowed  # [B, H] exact count of attended (q, kv) pairs, if known
+        self._count_allowed = None  # computes it on demand (GPU-built masks)
+        self._rebuild = None  # new captures -> the block mask of the same structure (update)
+        self._tile_balance = _NOT_COMPUTED
+        partial, fullb = states == PARTIAL, states == FULL
+        self.kv_num_blocks, self.kv_indices = _lists(partial)
+        self.full_kv_num_blocks, self.full_kv_indices = _lists(fullb)
+        self.q_num_blocks, self.q_indices = _lists(partial.swapaxes(-1, -2))
+        self.full_q_num_blocks, self.full_q_indices = _lists(fullb.swapaxes(-1, -2))
+
+    # -- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_kv_blocks(cls, kv_num_blocks, kv_indices, full_kv_num_blocks=None, full_kv_indices=None,
+                       BLOCK_SIZE=128, mask_mod=None, seq_lengths=None):
+        """From kv-side lists (e.g. computed elsewhere); the q-side lists are derived."""
+        qb, kvb = _block_size(BLOCK_SIZE)
+        kv_num = np.asarray(to_numpy(kv_num_blocks), dtype=np.int64)
+        kv_idx = np.asarray(to_numpy(kv_indices), dtype=np.int64)
+        if kv_idx.ndim != 4 or kv_num.shape != kv_idx.shape[:3]:
+            raise ValueError(
+                f"kv_indices must be [B, H, Q_BLOCKS, KV_BLOCKS] and kv_num_blocks [B, H, Q_BLOCKS];"
+                f" got {kv_idx.shape} and {kv_num.shape}"
+            )
+        states = np.zeros(kv_idx.shape, dtype=np.int8)
+        _scatter(states, kv_num, kv_idx, PARTIAL, "kv_indices")
+        if full_kv_num_blocks is not None:
+            _scatter(states, np.asarray(to_numpy(full_kv_num_blocks), dtype=np.int64),
+                     np.asarray(to_numpy(full_kv_indices), dtype=np.int64), FULL, "full_kv_indices")
+        if seq_lengths is None:
+            seq_lengths = (states.shape[2] * qb, states.shape[3] * kvb)
+        return cls(states, seq_lengths, (qb, kvb), as_mask(mask_mod) if mask_mod is not None else None)
+
+    @classmethod
+    def _on_device(cls, arrays: dict, seq_lengths, block_size, mask_mod, device, count_allowed=None):
+        """A block mask whose states and lists are the device arrays in ``arrays`` (as the
+        GPU builder returns them); host views are copied on demand."""
+        self = cls.__new__(cls)
+        LIVE_OBJECTS[id(self)] = self
+        self.seq_lengths = tuple(int(s) for s in seq_lengths)
+        self.BLOCK_SIZE = tuple(int(s) for s in block_size)
+        self.mask_mod = mask_mod if mask_mod is not None else full()
+        self.device = device
+        self._states = None
+        self._device_states = arrays["states"]
+        self._batch_heads = tuple(int(s) for s in arrays["states"].shape[:2])
+        self._num_allowed = None
+        self._count_allowed = count_allowed
+        self._rebuild = None
+        self._tile_balance = _NOT_COMPUTED
+        for name in _LIST_NAMES:
+            setattr(self, name, arrays[name])
+        return self
+
+    def update(self, *captures) -> "BlockMask":
+        """The block mask of the same mask structure with new captured values (e.g. next
+        step's document boundaries; for ``varlen_block_mask``, new offsets): no
+        re-tracing, a GPU-built mask is rebuilt on its device by the kernels compiled for
+        the old values, and attention kernels compiled for them serve the new ones."""
+        if self._rebuild is not None:
+            return self._rebuild(*captures)
+        b, h, q, kv = self.shape
+        from .build import create_block_mask
+
+        return create_block_mask(self.mask_mod.with_captures(captures), b, h, q, kv,
+                                 BLOCK_SIZE=self.BLOCK_SIZE, device=None if self.device == "cpu" else self.device)
+
+    # -- views ---------------------------------------------------------------------------------
+    @property
+    def shape(self):
+        return tuple(self._batch_heads) + self.seq_lengths
+
+    @property
+    def num_allowed(self):
+        """[B, H] exact count of attended (q, kv) pairs (FLOP accounting), or None if unknown.
+        GPU-built masks count on first access (a second kernel pass without early exit)."""
+        if self._num_allowed is None and self._count_allowed is not None:
+            self._num_allowed = self._count_allowed()
+        return self._num_allowed
+
+    def _host_states(self) -> np.ndarray:
+        if self._states is None:  # GPU-built: one host copy, on demand
+            self._states = np.asarray(to_numpy(self._device_states), dtype=np.int8)
+        return self._states
+
+    def block_states(self) -> np.ndarray:
+        """[B, H, Q_BLOCKS, KV_BLOCKS] int8: 0 empty, 1 partial, 2 full."""
+        return self._host_states().copy()
+
+    def to_dense(self) -> np.ndarray:
+        """[B, H, Q_BLOCKS, KV_BLOCKS] int32: 1 where a tile is computed (partial or full)."""
+        return (self._host_states() != EMPTY).astype(np.int32)
+
+    def sparsity(self) -> float:
+        """Percentage of tiles skipped (torch's definition)."""
+        return 100.0 * (1.0 - float(self.to_dense().mean()))
+
+    def tile_balance(self) -> float | None:
+        """max / mean of the tiles each (batch, head, q block) row visits (partial + full),
+        from host lists only: None for a GPU-built mask (reading its lists would wait for
+        the GPU) or one that visits nothing. 1.0: every row does the same work. Decided at
+        the first call and kept (the planner asks on every planned call, and a mask's
+        kernel configuration must not change later)."""
+        if self._tile_balance is _NOT_COMPUTED:
+            balance = None
+            if self._states is not None:
+                counts = (self._states != EMPTY).sum(axis=-1, dtype=np.int64)
+                mean = float(counts.mean()) if counts.size else 0.0
+                balance = float(counts.max()) / mean if mean > 0 else None
+            self._tile_balance = balance
+        return self._tile_balance
+
+    def density(self) -> float | None:
+        """Fraction of (q, kv) pairs attended, exact; for FLOP accounting."""
+        if self.num_allowed is None:
+            return None
+        q, kv = self.seq_lengths
+        return float(np.mean(self.num_allowed)) / (q * kv)
+
+    def as_tuple(self):
+        return (self.seq_lengths[0], self.seq_lengths[1], self.kv_num_blocks, self.kv_indices,
+                self.full_kv_num_blocks, self.full_kv_indices, self.q_num_blocks, self.q_indices,
+                self.full_q_num_blocks, self.full_q_indices, self.BLOCK_SIZE[0], self.BLOCK_SIZE[1],
+                self.mask_mod)
+
+    def to_string(self, max_blocks: int = 32) -> str:
+        """Tile picture per (b, h): █ full, ░ partial, blank empty (first ``max_blocks`` tiles)."""
+        chars = {EMPTY: " ", PARTIAL: "░", FULL: "█"}
+        lines = []
+        states = self._host_states()
+        for b in range(min(states.shape[0], 2)):
+            for h in range(min(states.shape[1], 2)):
+                grid = states[b, h, :max_blocks, :max_blocks]
+                lines.append(f"b={b}, h={h}:")
+                lines.extend("  |" + "".join(chars[int(s)] * 2 for s in row) + "|" for row in grid)
+        return "\n".join(lines)
+
+    def __repr__(self):
+        b, h, q, kv = self.shape
+        name = self.mask_mod.name or "custom"
+        return (
+            f"BlockMask(shape=(B={b}, H={h}, Q_LEN={q}, KV_LEN={kv}), BLOCK_SIZE={self.BLOCK_SIZE},"
+            f" sparsity={self.sparsity():.2f}%, partial={int((self._host_states() == PARTIAL).sum())},"
+            f" full={int((self._host_states() == FULL).sum())}, mask_mod={name}"
+            + ("" if self.device == "cpu" else f", device={self.device!r}") + ")"
+        )
+
+    def __str__(self):
+        return repr(self) + "\n" + self.to_string()
+
+
+def _block_size(bs):
+    def positive_int(x):
+        return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) and x > 0
+
+    pair = (bs, bs) if positive_int(bs) else bs
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(positive_int(x) for x in pair)):
+        raise ValueError(f"BLOCK_SIZE must be a positive int or a (q_block, kv_block) pair, got {bs!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def _lists(selected: np.ndarray) -> BlockCounts:
+    """Counts and stable-sorted indices (selected first, ascending), as torch orders them."""
+    num = selected.sum(-1).astype(np.int32)
+    idx = np.argsort(~selected, axis=-1, kind="stable").astype(np.int32)
+    num.flags.writeable = idx.flags.writeable = False  # immutable: device copies may be cached
+    return BlockCounts(num, idx)
+
+
+def _scatter(states, num, idx, value, what):
+    if np.any(num < 0) or np.any(num > idx.shape[-1]):
+        raise ValueError(f"block counts for {what} must lie in [0, {idx.shape[-1]}]")
+    if np.any((idx < 0) | (idx >= states.shape[-1])):
+        raise ValueError(f"{what} holds block indices outside [0, {states.shape[-1]})")
+    listed = np.arange(idx.shape[-1]) < num[..., None]
+    b, h, r, c = np.nonzero(listed)
+    states[b, h, r, idx[b, h, r, c]] = value
+

@@ -1,0 +1,155 @@
+"""Which q blocks a backward CTA visits (the transpose of block_sparsity.py's question).
+
+A backward CTA owns one kv block (tile_n keys) of one kv head and walks, for each query
+head of its GQA group, the q blocks (tile_m rows) that can see it. The producer warp (TMA
+loads) and the consumer warpgroups (MMAs) enumerate the same sequence with these classes.
+
+* `DenseQBlocks`: q blocks `first .. n_m - 1` in ascending order. Under the causal
+  structure `first` is the first block whose last row reaches the kv block, and blocks
+  below `diag_end` cross the diagonal (the mask is evaluated only there).
+
+Rotation (`rot`, non-causal, non-deterministic): the walk starts `rot` blocks in and wraps
+around (each list on its own). The CTAs of one head run side by side and would otherwise
+reach the same q tile together, and all add their dQ tiles into it at once: the L2 then
+serializes those bulk reductions of the same lines. Starting kv block n at its diagonal
+tile (rot = n * tile_n // tile_m) spreads them over the tiles.
+* `SparseQBlocks`: the q-side lists of a FlexAttention BlockMask for (batch, q head, kv
+  block): `q_num_blocks [B, H, nKV]`, `q_indices [B, H, nKV, nQ]` (partial: mask
+  evaluated) and `full_q_num_blocks`, `full_q_indices` (full: no mask). BlockMask q blocks
+  are `sparse_block_m` rows (128 in flexattn), the kernel's tile is `tile_m` rows: each
+  listed block expands into `factor = sparse_block_m // tile_m` consecutive tiles. B and H
+  may be 1 (broadcast). Visit order: the partial list, then the full list; deterministic
+  mode merges them in ascending q order (`merged_at`, bwd_sm90._visit).
+
+The transposed question, for the deterministic dQ order (bwd_sm90.py): how many kv blocks
+*after* n visit q tile m (`KvVisitors.after`). Dense: every kv block visits every tile.
+Causal: kv blocks 0 .. last(m) (those whose `first` is <= m). Block-sparse: the kv blocks
+in the BlockMask's kv-side lists (partial + full) of q block m // factor, counted by one
+warp (the lists need not be sorted; they must be the exact transposes of the q-side ones,
+as `BlockMask` builds both from one tile-state array).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+from flexattn.kernels.blockmask.visit import _Staged
+
+
+def _rotated(i, rot, n):
+    """(i + rot) mod n (n may be 0 when no element is read)."""
+    return (i + rot) % cutlass.max(n, 1)
+
+
+class DenseQBlocks(_Staged):
+    _fields = ("first", "n_m", "diag_end", "rot")
+
+    def __init__(self, first, n_m, diag_end, rot=0):
+        self.first = Int32(first)
+        self.n_m = Int32(n_m)
+        self.diag_end = Int32(diag_end)     # first q block that lies fully below the diagonal
+        self.rot = Int32(rot)
+
+    @property
+    def count(self):
+        return cutlass.max(self.n_m - self.first, 0)
+
+    def at(self, i):
+        return self.first + _rotated(i, self.rot, self.count)
+
+
+class SparseQBlocks(_Staged):
+    _fields = ("n_partial", "n_full", "partial", "full", "rot")
+
+    def __init__(self, tensors, batch, head, n_block, factor: int, rot=0):
+        q_num, q_idx, full_num, full_idx = tensors
+        b = batch % q_num.shape[0]
+        h = head % q_num.shape[1]
+        self.factor = factor
+        self.n_partial = Int32(q_num[b, h, n_block]) * factor
+        self.n_full = Int32(full_num[b, h, n_block]) * factor
+        self.partial = q_idx[b, h, n_block, None]
+        self.full = full_idx[b, h, n_block, None]
+        self.rot = Int32(rot)
+
+    @property
+    def count(self):
+        return self.n_partial + self.n_full
+
+    def _expand(self, lst, i):
+        f = self.factor
+        if cutlass.const_expr(f == 1):
+            return Int32(lst[i])
+        return Int32(lst[i // f]) * f + i % f
+
+    def partial_at(self, i):
+        return self._expand(self.partial, _rotated(i, self.rot, self.n_partial))
+
+    def full_at(self, i):
+        return self._expand(self.full, _rotated(i, self.rot, self.n_full))
+
+    @cute.jit
+    def merged_at(self, taken_partial, taken_full):
+        """Both lists merged in ascending order (BlockMask sorts them): the next q block
+        after `taken_partial` partial and `taken_full` full ones, and 1 if it is partial."""
+        p = self.partial_at(cutlass.max(cutlass.min(taken_partial, self.n_partial - 1), 0))
+        f = self.full_at(cutlass.max(cutlass.min(taken_full, self.n_full - 1), 0))
+        partial = Int32(1) if p < f else Int32(0)
+        partial = Int32(1) if taken_full >= self.n_full else partial
+        partial = partial if taken_partial < self.n_partial else Int32(0)
+        return (p if partial != 0 else f), partial
+
+    @cute.jit
+    def at(self, i):
+        # Both reads stay in bounds (clamped); the select picks the list i falls in.
+        ip = cutlass.max(cutlass.min(i, self.n_partial - 1), 0)
+        jf = cutlass.max(i - self.n_partial, 0)
+        p = self.partial_at(ip)
+        f = self.full_at(jf)
+        return p if i < self.n_partial else f
+
+
+class KvVisitors(_Staged):
+    """Which kv blocks visit a q tile: `after(m_block, n_block)` = how many kv blocks with
+    a higher index than `n_block` visit tile `m_block` of (batch, head). For the sparse
+    structure it is warp-collective (all 32 lanes call it, all get the count)."""
+
+    def __init__(self, cfg, n_kv_blocks, kv_lists=None, batch=None, head=None):
+        self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
+        self.causal = cfg.causal
+        self.factor = cfg.sparse_block_m // cfg.tile_m
+        self.n_kv_blocks = Int32(n_kv_blocks)
+        self.kv_lists = kv_lists           # (kv_num_blocks, kv_indices, full_kv_*) or None
+        self.batch, self.head = batch, head
+        self._fields = ("n_kv_blocks",) if kv_lists is None else (
+            "n_kv_blocks", "kv_lists", "batch", "head")
+
+    @cute.jit
+    def after(self, m_block, n_block):
+        if cutlass.const_expr(self.kv_lists is not None):
+            return self._after_sparse(m_block // self.factor, n_block)
+        last = self.n_kv_blocks - 1
+        if cutlass.const_expr(self.causal):
+            # DenseQBlocks: kv block n visits m >= (n * tile_n) // tile_m, i.e. n <= last.
+            last = cutlass.min(last, ((m_block + 1) * self.tile_m - 1) // self.tile_n)
+        return last - n_block
+
+    @cute.jit
+    def _after_sparse(self, q_block, n_block):
+        kv_num, kv_idx, full_num, full_idx = self.kv_lists
+        b = self.batch % kv_num.shape[0]
+        h = self.head % kv_num.shape[1]
+        lane = cute.arch.lane_idx()
+        count = Int32(0)
+        # Both lists in one loop: their two loads per lane are in flight together (two
+        # round trips per count instead of four; this is on the dQ writer's path).
+        n_partial = Int32(kv_num[b, h, q_block])
+        n_full = Int32(full_num[b, h, q_block])
+        for i in cutlass.range(lane, cutlass.max(n_partial, n_full), 32, unroll=1):
+            if i < n_partial:
+                if Int32(kv_idx[b, h, q_block, i]) > n_block:
+                    count += 1
+            if i < n_full:
+                if Int32(full_idx[b, h, q_block, i]) > n_block:
+                    count += 1
+        return cute.arch.warp_reduction_sum(count)

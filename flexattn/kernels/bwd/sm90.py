@@ -1,0 +1,1275 @@
+"""FlashAttention backward for Hopper (sm_90a) in CuTeDSL, with the mod hook's derivative.
+
+Math (per query head h, FlexAttention semantics as in `flexattn.reference.backward`):
+
+    s  = scale * q k^T               s' = score_mod(s)   (masked -> -inf)
+    P  = exp(s' - lse)               dV = P^T dO
+    dP = dO V^T                      D  = rowsum(dO * O)   (bwd_preprocess.py; minus dLSE)
+    dS' = P * (dP - D)               dS = dS' * ds'/ds     (0 where P == 0)
+    dK = scale * dS^T Q              dQ = scale * dS K     (scale applied in postprocess)
+    d buf[idx] += dS' * ds'/d buf[idx]   for each read of a captured float buffer
+
+One CTA = (tile_n = 128 keys) x (one *kv* head) x (one batch). It loops over the q heads
+of its GQA group and, per head, over the q blocks of tile_m rows that see its keys
+(bwd_blocks.py), so dK/dV of a kv head are summed in registers: no atomics, deterministic,
+written once in the input dtype by TMA. dQ gets one contribution per kv block: each
+visit's fp32 dQ tile goes to shared memory and a writer warp adds it into a workspace
+(`dq_accum`, zeroed by the preprocess) with bulk `cp.reduce.async.bulk .add.f32` copies;
+the postprocess converts it.
+
+    warpgroup 0, warp 0   producer: K, V once (one mbarrier); per visit Q + LSE and
+                          dO + D through two `num_stages` rings (TMA; LSE/D 1-D boxes)
+    warpgroup 0, warp 1   dQ writer: per visit, waits for each consumer warpgroup's half
+                          of the dQ tile (named barriers dq_full / dq_empty, 128 + 32
+                          threads) and adds it to dq_accum (tile_m x D / 2 fp32 per bulk
+                          copy: 16 KB at tile_m 64)
+    warpgroups 1, 2       consumers, 64 keys each. Everything is computed *transposed*
+                          (keys on the wgmma M axis), so P^T and dS^T leave the S^T / dP^T
+                          accumulators directly as register A operands of dV += P^T dO and
+                          dK += dS^T Q (the forward's P V trick). dQ = dS K needs all 128
+                          keys as its K dimension: both warpgroups store dS^T to smem
+                          (stmatrix), then each computes half of dQ's head dim.
+
+tile_m (`BwdConfig.tile_m`, chosen by bwd_runner.choose_tile_m): 64, or 80 for dense
+non-causal head dim 128 (FA3/FA4's tile there: 25% more q rows per K/V reuse, fewer
+visits per CTA, fewer and larger dQ bulk adds). 80 rows cannot be a wgmma M (64 per
+warpgroup), so dQ is computed transposed (`dq_swap_ab`): dQ^T [D, 80] = K^T dS^T, each
+warpgroup taking 64 head dims on M and the 80 rows on N; dS is then stored keys-
+contiguous (transposing stmatrix), the K-major B of that GEMM. The fp32 dQ^T fragments
+go through sdQ and the bulk adds as before (fragment order), and the postprocess stores
+them back transposed. Shared memory at 80: Q, dO, dS 2 x 20 KB each, K, V 32 KB each,
+sdQ 40 KB, LSE / D: 227 KB, the sm_90 limit, so no room for the relative-bias diagonal
+sums (sDiag: at 80 each thread adds its diagonals itself; the planner keeps 64 for those
+mods).
+
+Per visit (consumer warpgroup):  LSE to registers, S^T = K Q^T, dP^T = V dO^T (SS, async)
+-> P^T from LSE (mods re-applied exactly as the forward does; D read while dP^T runs)
+-> dS^T -> dS^T to smem (double-buffered by Q stage), dV (RS, async) -> barrier ds_full
+-> dQ (SS) -> dK (RS) -> dQ to smem for the writer (while dK runs).
+
+Workspaces (fp32, rows padded to `BwdConfig.q_pad`): lse_log2 (LSE * log2 e; +inf for
+empty or padding rows so P = 0 there), delta (D), dq_accum. See bwd_preprocess.py.
+
+`BwdConfig.deterministic` (the design and the no-deadlock argument: bwd_runner.py):
+CTAs take kv blocks from the highest down (non-causal: heads interleaved in L2 sections,
+`_deterministic_tile`); before its bulk adds for q tile m, the dQ
+writer warp counts the kv blocks after this one that visit the tile
+(`bwd_blocks.KvVisitors`; block-sparse: from the kv-side lists) and its lane 0 spins
+(ld.acquire.gpu) on the tile's int32 flag until it equals that count; it issues the adds,
+waits for their writes to complete, and adds 1 to the flag (red.release.gpu). The
+consumers never wait for turns. Buffer-gradient contributions go to 128-bit fixed-point
+accumulators (`atomics.red_add_fixed128`) instead of fp32 atomics. The steps are the same;
+the q-block walks are not rotated (`_rotation`) and block-sparse ones merge their two lists
+in ascending order (`_visit`), so dK/dV are the default mode's sums in another order
+(bitwise the same under causal, which never rotates).
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from flexattn.kernels.hopper import mma
+from flexattn.kernels.hopper.atomics import (
+    FIXED_WORDS, bulk_add_f32, ld_acquire_s32, red_add_f32, red_add_fixed, red_release_add_s32,
+    st_shared_f32, trap)
+from flexattn.kernels.bwd.q_blocks import DenseQBlocks, KvVisitors, SparseQBlocks
+from flexattn.kernels.emit.mod_hook import NO_MODS, FragmentCoords, ModHook, kept_if
+from flexattn.kernels.hopper.tile_scheduler import LongestFirst, TileSpace
+from flexattn.kernels.hopper.tma_pipeline import multicast_slice, tma_ring
+
+LOG2_E = math.log2(math.e)
+# Deterministic mode: a CTA waiting this long for its dQ turn traps (the launch fails
+# instead of hanging). Legitimate waits are at most one CTA's work (milliseconds);
+# only kv-side block lists that are not the transposes of the q-side ones, or a GPU that
+# does not dispatch CTAs in index order, can get here.
+DQ_TURN_TIMEOUT_NS = 1 << 34      # ~17 s
+L2_BYTES = 50 * 1024 * 1024       # the L2 section size of the deterministic CTA order
+SMEM_CAPACITY = mma.SMEM_CAPACITY
+
+_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Everything that changes the generated backward code (runtime values never do)."""
+
+    dtype: str = "bf16"           # "bf16" | "fp16": Q, K, V, O, dO, dQ, dK, dV
+    head_dim: int = 128           # 64 | 128
+    tile_m: int = 64              # q rows per visit (N of the S^T GEMM): 64 | 80 (dQ swapped)
+    tile_n: int = 128             # keys per CTA: 64 per consumer warpgroup
+    num_stages: int = 2           # Q/LSE and dO/D ring depth
+    causal: bool = False          # block structure: skip q blocks above the diagonal
+    block_sparse: bool = False    # block structure from the BlockMask's q-side lists
+    sparse_block_m: int = 128     # q rows of one BlockMask block (a multiple of tile_m)
+    mods: ModHook = field(default=NO_MODS, compare=False)
+    producer_regs: int = 24       # setmaxnreg: 24 + 2 x 240 fills the 64K register file
+    consumer_regs: int = 240
+    deterministic: bool = False   # dQ adds in a fixed order, exact buffer-grad sums
+    # CTA order (tile_scheduler.py): "by_head" (kv blocks of a head in launch order; the
+    # deterministic mode's turn order needs it) or "longest_first" (default under causal:
+    # kv block 0 sees every q block, the last one a few; long ones start first).
+    tile_order: str | None = None
+    # Deterministic dQ writer: when a tile's turn is passed on. "after_adds": as soon as
+    # this CTA's adds landed (the next CTA's wait is shortest; the writer waits for the
+    # landing before taking its next tile). "next_visit": after the writer's next tile is
+    # ready (the landing wait is off the writer's path; the turn passes up to a step
+    # later). None: "next_visit" for block-sparse (the writer also counts its turn from
+    # the lists there, and a band's next visitor is two steps behind), else "after_adds"
+    # (dense walks are in lockstep: the next visitor is right behind). H200, B4 S4096 H16
+    # D128 backward kernel, µs: full 2542 after_adds / 2617 next_visit; window1024 914 / 849.
+    dq_turn_pass: str | None = None
+    # CTAs per cluster along the kv blocks (1 or 2). With 2, the CTAs of kv blocks 2c and
+    # 2c + 1 of one head walk the same q blocks and load each Q / dO tile once for both
+    # (TMA multicast, as the forward's cluster_m shares K/V). Dense, not deterministic
+    # (its dQ turns follow single CTAs); the caller guarantees an even number of kv blocks.
+    cluster_n: int = 1
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.head_dim not in (64, 128):
+            raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
+        if self.tile_m not in (64, 80) or self.tile_n != 128:
+            raise ValueError("the backward supports tile_m=64 or 80, tile_n=128")
+        if self.tile_m == 80 and (self.head_dim != 128 or self.causal or self.block_sparse):
+            # FA3/FA4's choice too: 80 pays off for dense head dim 128; the causal and
+            # block-sparse walks (diagonal tiles, 128-row BlockMask blocks) keep 64.
+            raise ValueError("tile_m=80 is for dense (not causal, not block-sparse) head dim 128")
+        if self.block_sparse and self.sparse_block_m % self.tile_m:
+            raise ValueError(f"sparse_block_m {self.sparse_block_m} must be a multiple of tile_m")
+        if self.causal and self.block_sparse:
+            raise ValueError("causal and block_sparse are exclusive block structures")
+        if self.tile_order not in (None, "by_head", "longest_first"):
+            raise ValueError(f"tile_order must be 'by_head' or 'longest_first', got {self.tile_order!r}")
+        if self.dq_turn_pass not in (None, "after_adds", "next_visit"):
+            raise ValueError(f"dq_turn_pass must be 'after_adds' or 'next_visit', got {self.dq_turn_pass!r}")
+        if self.deterministic and self.tile_order == "longest_first":
+            raise ValueError("deterministic mode orders its dQ turns by launch: tile_order='by_head'")
+        if self.cluster_n not in (1, 2):
+            raise ValueError(f"cluster_n must be 1 or 2, got {self.cluster_n}")
+        if self.cluster_n > 1 and (self.causal or self.block_sparse or self.deterministic
+                                   or self.tile_order == "longest_first"):
+            raise ValueError("cluster_n=2 needs the dense block structure, not deterministic, by_head")
+        if self.mods.has_score and type(self.mods).score_and_grad is ModHook.score_and_grad:
+            raise ValueError(f"{type(self.mods).__name__} has a score mod but no derivative "
+                             "(use mod_emit.IRModHook)")
+
+    @property
+    def cutlass_dtype(self):
+        return _DTYPES[self.dtype]
+
+    @property
+    def dq_swap_ab(self) -> bool:
+        """dQ computed transposed, dQ^T = K^T dS^T (FA3/FA4's dQ_swapAB): wgmma's M is 64
+        rows, so a tile_m that is not a multiple of 64 (80) goes on N, and the warpgroups
+        split the head dim on M instead."""
+        return self.tile_m % 64 != 0
+
+    @property
+    def q_pad(self) -> int:
+        """Workspace rows are padded to a multiple of this: every q tile a CTA may visit
+        (including the second half of a 128-row BlockMask block) lies inside them. A
+        tile_m that divides no BlockMask block (80: dense only) pads to its own tiles."""
+        if self.sparse_block_m % self.tile_m:
+            return self.tile_m
+        return math.lcm(self.tile_m, self.sparse_block_m)
+
+    @property
+    def order(self) -> str:
+        """tile_order, defaulted (None stays None in the config, so that replacing
+        `deterministic` or `causal` re-derives it)."""
+        if self.tile_order is not None:
+            return self.tile_order
+        return "longest_first" if self.causal and not self.deterministic else "by_head"
+
+    @property
+    def turn_pass(self) -> str:
+        if self.dq_turn_pass is not None:
+            return self.dq_turn_pass
+        return "next_visit" if self.block_sparse else "after_adds"
+
+    @property
+    def buffer_grads(self) -> bool:
+        return len(self.mods.grad_slots) > 0
+
+    def key(self) -> tuple:
+        """Compile-cache key: the config with the hook replaced by its structure key."""
+        return ("bwd", self.dtype, self.head_dim, self.tile_m, self.tile_n, self.num_stages,
+                self.causal, self.block_sparse, self.sparse_block_m, self.producer_regs,
+                self.consumer_regs, self.deterministic, self.order,
+                self.turn_pass if self.deterministic else None, self.cluster_n, self.mods.key())
+
+    def cluster_fits(self, seqlen_k: int) -> bool:
+        """Whether a call with `seqlen_k` keys may run this config (the kv blocks of a
+        cluster must share their (batch, head))."""
+        return -(-seqlen_k // self.tile_n) % self.cluster_n == 0
+
+
+def one_diagonal_read(cfg) -> bool:
+    """The score mod's differentiated buffer reads are one read indexed by q - kv only (a
+    relative-position table): what `FlashBwdSm90.diagonal_reduction` sums in shared memory."""
+    mods = cfg.mods
+    return (cfg.buffer_grads and mods.has_score
+            and getattr(mods, "grad_reads_diagonal", False) and not mods.grad_reads_uniform
+            and getattr(mods, "grad_read_count", 0) == 1)
+
+
+def make_dq_mma(dtype, tile_m: int, head_dim: int, num_wg: int, swap_ab: bool = False):
+    """dQ[tile_m, D] = dS K: both operands MN-major in smem (dS^T tile, K tile); the
+    warpgroups split the head dim (N), each computing all tile_m rows.
+    `swap_ab` (`BwdConfig.dq_swap_ab`): dQ^T[D, tile_m] = K^T dS^T instead, K^T MN-major
+    (the K tile), dS K-major (sdS stored keys-contiguous); the warpgroups split the head
+    dim on M (64 rows each), each computing all tile_m columns."""
+    if swap_ab:
+        return sm90_helpers.make_trivial_tiled_mma(
+            dtype, dtype,
+            warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.K,
+            Float32,
+            atom_layout_mnk=(num_wg, 1, 1),
+            tiler_mn=(head_dim // num_wg, tile_m),
+        )
+    return sm90_helpers.make_trivial_tiled_mma(
+        dtype, dtype,
+        warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN,
+        Float32,
+        atom_layout_mnk=(1, num_wg, 1),
+        tiler_mn=(tile_m, head_dim // num_wg),
+    )
+
+
+def dq_tile_layout(cfg, num_wg: int) -> cute.Layout:
+    """The fp32 dQ tile of one visit (tile_m x head_dim) in *fragment order*: column w is
+    warpgroup w's half (its dQ columns, i.e. head dims: transposed or not, each
+    warpgroup computes half the head dim for all tile_m rows), and thread t of it owns
+    elements 4 t + 512 i + (0..3), i = 0 .. n/4 - 1, holding its accumulator registers in
+    order. Each warp's 16-byte stores then cover 512 contiguous bytes (no bank conflicts)
+    and a half is one contiguous run for the bulk add. The dq_accum workspace keeps each
+    tile_m-row tile in this order (a [tile_m, head_dim] block of it, reinterpreted); the
+    postprocess reads it back with the same copy (`dq_fragment_copy`)."""
+    return cute.make_layout((cfg.tile_m * cfg.head_dim // num_wg, num_wg))
+
+
+def dq_fragment_copy(num_wg: int) -> cute.TiledCopy:
+    """Thread (t, w) <-> 4 consecutive fp32 at 4 t (+ 512 i) of column w of
+    `dq_tile_layout`: 128-bit accesses."""
+    return cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128),
+        cute.make_layout((128, num_wg)), cute.make_layout(4))
+
+
+@cute.jit
+def _warp_sum(x: Float32) -> Float32:
+    """Sum over the warp's lanes by a butterfly (the same order every run)."""
+    for k in cutlass.range_constexpr(5):
+        x = x + cute.arch.shuffle_sync_bfly(x, offset=16 >> k)
+    return x
+
+
+def _diagonal_key(coords, r, c, uniform: bool) -> int:
+    """Fragment element (r, c)'s diagonal: thread 0's column - row (every thread's elements
+    are thread 0's shifted by one (row, column) offset, so equal keys are equal q - kv for
+    any thread); `uniform`: one key (0) for the whole fragment."""
+    return 0 if uniform else coords.col0(c) - coords.row0(r)
+
+
+def _diagonal_flushes(order: list, coords, uniform: bool) -> dict:
+    """{position in `order`: diagonal key (`_diagonal_key`)} of the last element of each
+    diagonal of a thread's fragment."""
+    last = {}
+    for i, (r, c) in enumerate(order):
+        key = _diagonal_key(coords, r, c, uniform)
+        if not isinstance(key, int):
+            raise TypeError("fragment coordinates of thread 0 must be compile-time constants")
+        last[key] = i
+    return {i: key for key, i in last.items()}
+
+
+def _element_order(n_rows: int, n_cols: int, rows_outer: bool) -> list:
+    """(row, col) visiting order of a fragment's elements (a compile-time list)."""
+    if rows_outer:
+        return [(r, c) for r in range(n_rows) for c in range(n_cols)]
+    return [(r, c) for c in range(n_cols) for r in range(n_rows)]
+
+
+class FlashBwdSm90:
+    """Compile with `cute.compile(FlashBwdSm90(cfg), q, k, v, do, lse_log2, delta, dq_accum,
+    dq_semaphore, dk, dv, scale, mod_args, grad_args, grad_fixed, block_sparse, stream)` or
+    through `flexattn.kernels.launch.compile_bwd.compile_backward`."""
+
+    num_mma_wg = 2
+    # Per-diagonal buffer-gradient sums (`diagonal_reduction`): one fp32 row of DIAG_ROW
+    # per (consumer warp, row group of 8 lanes); a thread's diagonal keys -8..57 plus its
+    # column offset 0..6 index 0..71 of its row. 72 keeps the stores at 2-way bank
+    # conflicts at most; the flush reads consecutive diagonals (conflict-free).
+    DIAG_ROW = 72
+    DIAG_ROWS_PER_WARP = 8
+
+    def __init__(self, config: BwdConfig):
+        self.cfg = config
+        self.dtype = config.cutlass_dtype
+        self.mods = config.mods
+        self.num_mma_threads = 128 * self.num_mma_wg
+        self.num_threads = 128 + self.num_mma_threads
+        # Named barriers (0 is __syncthreads). Over the 256 consumer threads:
+        self.epilogue_barrier_id = 1
+        self.ds_full_barrier_id = 2     # both halves of dS^T are in sdS[stage]
+        # Over one consumer warpgroup + the dQ writer warp (160 threads), one per warpgroup:
+        self.dq_empty_barrier_id = 3    # 3, 4: the writer's last bulk add has read sdQ[wg]
+        self.dq_full_barrier_id = 5     # 5, 6: the warpgroup's dQ tile is in sdQ[wg]
+        self.dq_pair_threads = 128 + 32
+        self.dq_writer_warp = 1         # warp 0 loads; warp 1 adds dQ tiles into global
+
+    @property
+    def diagonal_reduction(self) -> bool:
+        """One differentiated buffer read, indexed by q - kv (a relative-position table):
+        the threads' per-diagonal sums meet in shared memory and each warpgroup sends one
+        sum per diagonal of its 64 x 64 tile (`_flush_diagonals`), ~127 global adds per
+        step instead of 18 per thread. Several such reads keep one add per thread-diagonal
+        (the arrays would not fit next to the tiles)."""
+        # 64 x 64 warpgroup tiles only: next to tile_m 80's tiles (~225 KB of shared
+        # memory) sDiag (~22 KB at 80) does not fit, so 80 keeps the per-thread adds.
+        return self.cfg.tile_m == 64 and one_diagonal_read(self.cfg)
+
+    @property
+    def stats_in_registers(self) -> bool:
+        """LSE and D are read into registers early in each step (`_column_values`): LSE
+        before the step's first GEMM is issued, D before the dP^T wait. An ld.shared
+        issued after a batch of wgmma instructions waits in the same queue until the
+        tensor core has taken them all, and the exponent's first FFMA stalled there (Nsight
+        Compute, causal: 11% of the consumers' stall samples, FA4 reads them the same
+        early way). Causal B4 S4096 H16 D128 backward 477.7 -> 500.6 TFLOP/s, B2 S8192
+        542.4 -> 563.2, full 566 -> 568 / 606 -> 619 (H100, 2026-11-22). With a score mod
+        the extra live registers spill (softcap: 24-72 bytes), so that path keeps reading
+        them from shared memory per element."""
+        return not self.mods.has_score
+
+    @property
+    def diag_floats(self) -> int:
+        if not self.diagonal_reduction:
+            return 1
+        return 4 * self.num_mma_wg * self.DIAG_ROWS_PER_WARP * self.DIAG_ROW
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,          # [B, Hq, Sq, D]
+        mK: cute.Tensor,          # [B, Hkv, Skv, D]
+        mV: cute.Tensor,          # [B, Hkv, Skv, D]
+        mdO: cute.Tensor,         # [B, Hq, Sq, D]
+        mLSE: cute.Tensor,        # [B, Hq, Sq_pad] float32: LSE * log2(e), +inf if empty
+        mDelta: cute.Tensor,      # [B, Hq, Sq_pad] float32: rowsum(dO * O) (- dLSE)
+        mdQacc: cute.Tensor,      # [B, Hq, Sq_pad, D] float32, zeroed; gets dS K (unscaled)
+        mdQsem,                   # [B, Hq, Sq_pad / tile_m] int32, zeroed, iff deterministic
+        mdK: cute.Tensor,         # [B, Hkv, Skv, D]
+        mdV: cute.Tensor,         # [B, Hkv, Skv, D]
+        softmax_scale: Float32,
+        mod_args,                 # hook runtime args (tuple) or None
+        grad_args,                # fp32 grads of args[slot] for slot in mods.grad_slots, or None
+        grad_fixed,               # deterministic with buffer grads: [N, FIXED_WORDS] int64,
+                                  #  zeroed, the grads' fixed-point accumulators one after
+                                  #  another (atomics.red_add_fixed); else None
+        block_sparse,             # (q_num_blocks, q_indices, full_q_num_blocks,
+                                  #  full_q_indices) int32 iff cfg.block_sparse, else None;
+                                  #  deterministic: + (kv_num_blocks, kv_indices,
+                                  #  full_kv_num_blocks, full_kv_indices)
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        for t in (mQ, mK, mV, mdO, mdK, mdV):
+            if const_expr(t.element_type != self.dtype):
+                raise TypeError(f"expected {self.dtype}, got {t.element_type}")
+        for t in (mLSE, mDelta, mdQacc):
+            if const_expr(t.element_type != Float32):
+                raise TypeError("lse_log2, delta and dq_accum must be float32")
+        if const_expr(cfg.block_sparse != (block_sparse is not None)):
+            raise ValueError("block_sparse tensors must be given iff cfg.block_sparse")
+        if const_expr(cfg.buffer_grads != (grad_args is not None)):
+            raise ValueError("grad_args must be given iff the score mod reads float buffers")
+        if const_expr(cfg.deterministic != (mdQsem is not None)):
+            raise ValueError("dq_semaphore must be given iff cfg.deterministic")
+        if const_expr((cfg.deterministic and cfg.buffer_grads) != (grad_fixed is not None)):
+            raise ValueError("grad_fixed must be given iff deterministic with buffer grads")
+        if const_expr(cfg.block_sparse and
+                      len(block_sparse) != (8 if cfg.deterministic else 4)):
+            raise ValueError("block_sparse: the 4 q-side lists (+ the 4 kv-side lists iff "
+                             "deterministic)")
+
+        # (S, D, H, B) views: the TMA box is (rows, D); H and B index the tile.
+        Q, K, V, dO, dK, dV = [mma.select_modes(t, [2, 3, 1, 0])
+                               for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        LSE, Delta = [mma.select_modes(t, [2, 1, 0]) for t in (mLSE, mDelta)]  # (S, H, B)
+        dQacc = mma.select_modes(mdQacc, [2, 3, 1, 0])
+
+        D, tm, tn = cfg.head_dim, cfg.tile_m, cfg.tile_n
+        # S^T, dP^T: [tile_n, tile_m], SS. dV, dK: [tile_n, D], A from registers.
+        tiled_mma_nm = mma.make_qk_mma(self.dtype, tn, tm)
+        tiled_mma_nd = mma.make_pv_mma(self.dtype, tn, D)
+        tiled_mma_md = make_dq_mma(self.dtype, tm, D, self.num_mma_wg, cfg.dq_swap_ab)
+
+        sQ_layout = mma.smem_layout(self.dtype, tm, D, cfg.num_stages)
+        sdO_layout = mma.smem_layout(self.dtype, tm, D, cfg.num_stages)
+        sK_layout = mma.smem_layout(self.dtype, tn, D, 1)
+        sV_layout = mma.smem_layout(self.dtype, tn, D, 1)
+        # dS^T, q contiguous (the dQ GEMM's MN-major A); swapped dQ: dS, keys contiguous
+        # (its K-major B; 128-byte swizzle, where 80 q would only allow 32). One buffer per
+        # Q stage, so writing step i's dS^T needs no wait for step i-1's dQ GEMMs (step
+        # i-2's, on the same buffer, finished before both warpgroups passed step i-1's
+        # ds_full barrier).
+        if const_expr(cfg.dq_swap_ab):
+            sdS_layout = mma.smem_layout(self.dtype, tm, tn, cfg.num_stages)
+        else:
+            sdS_layout = mma.smem_layout(self.dtype, tn, tm, cfg.num_stages)
+        # LSE / D per stage; each stage 128-byte aligned (TMA destinations).
+        sStat_layout = cute.make_layout((tm, cfg.num_stages), stride=(1, -(-tm // 32) * 32))
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        s2g = cpasync.CopyBulkTensorTileS2GOp()
+        g2s_q = cpasync.CopyBulkTensorTileG2SMulticastOp() if cfg.cluster_n > 1 else g2s
+        tile_qd, tile_kd = (tm, D), (tn, D)
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+            g2s_q, Q, cute.select(sQ_layout, mode=[0, 1]), tile_qd, cfg.cluster_n)
+        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(
+            g2s_q, dO, cute.select(sdO_layout, mode=[0, 1]), tile_qd, cfg.cluster_n)
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            g2s, K, cute.select(sK_layout, mode=[0, 1]), tile_kd, 1)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            g2s, V, cute.select(sV_layout, mode=[0, 1]), tile_kd, 1)
+        tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(
+            g2s, LSE, cute.make_layout(tm), (tm,), 1)
+        tma_atom_Delta, tma_Delta = cpasync.make_tiled_tma_atom(
+            g2s, Delta, cute.make_layout(tm), (tm,), 1)
+        # dK / dV leave through sK / sV (same shape and swizzle) once K and V are dead.
+        tma_atom_dK, tma_dK = cpasync.make_tiled_tma_atom(
+            s2g, dK, cute.select(sK_layout, mode=[0, 1]), tile_kd)
+        tma_atom_dV, tma_dV = cpasync.make_tiled_tma_atom(
+            s2g, dV, cute.select(sV_layout, mode=[0, 1]), tile_kd)
+
+        self.bytes_qd = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
+        self.bytes_kd = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        self.bytes_stat = tm * 4
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            # One fp32 dQ tile in fragment order (see dq_tile_layout), half per warpgroup.
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tm * D], 1024]
+            sDiag: cute.struct.Align[cute.struct.MemRange[Float32, self.diag_floats], 16]
+
+        self.smem_bytes = SharedStorage.size_in_bytes()     # (read by tests)
+        if const_expr(self.smem_bytes > SMEM_CAPACITY):
+            raise ValueError(f"backward shared memory: {self.smem_bytes} bytes > {SMEM_CAPACITY} "
+                             f"({cfg})")
+
+        # As in the forward: with a score mod the kernel scales s itself and exp2 needs
+        # only log2(e); without one, scale * log2(e) folds into the exp2 argument.
+        scale_log2 = Float32(LOG2_E)
+        if const_expr(not self.mods.has_score):
+            scale_log2 = softmax_scale * Float32(LOG2_E)
+
+        grid = ((K.shape[0] + tn - 1) // tn, K.shape[2], K.shape[3])
+        if const_expr(cfg.order == "longest_first" or self.head_swizzle):
+            grid = (grid[0] * grid[1] * grid[2], 1, 1)
+        self.kernel(
+            tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Delta, tma_dK, tma_dV, dQacc,
+            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_Delta,
+            tma_atom_dK, tma_atom_dV,
+            tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout,
+            Q.shape[0], Q.shape[2], softmax_scale, scale_log2, mod_args, grad_args,
+            block_sparse, mdQsem, grad_fixed, SharedStorage,
+        ).launch(
+            grid=grid,
+            block=[self.num_threads, 1, 1],
+            cluster=[cfg.cluster_n, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+        mLSE: cute.Tensor, mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+        mdQacc: cute.Tensor,
+        tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+        tma_atom_dO: cute.CopyAtom, tma_atom_LSE: cute.CopyAtom, tma_atom_Delta: cute.CopyAtom,
+        tma_atom_dK: cute.CopyAtom, tma_atom_dV: cute.CopyAtom,
+        tiled_mma_nm: cute.TiledMma, tiled_mma_nd: cute.TiledMma, tiled_mma_md: cute.TiledMma,
+        sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
+        seqlen_q: Int32, num_q_heads: Int32,
+        softmax_scale: Float32, scale_log2: Float32, mod_args, grad_args, block_sparse,
+        mdQsem, grad_fixed, SharedStorage: cutlass.Constexpr,
+    ):
+        cfg = self.cfg
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE,
+                         tma_atom_Delta, tma_atom_dK, tma_atom_dV):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        n = self.num_mma_threads
+        pipe_kv = tma_ring(storage.mbar_kv.data_ptr(), 1, n, 2 * self.bytes_kd)
+        pipe_q = tma_ring(storage.mbar_q.data_ptr(), cfg.num_stages, n,
+                          self.bytes_qd + self.bytes_stat, cfg.cluster_n)
+        pipe_do = tma_ring(storage.mbar_do.data_ptr(), cfg.num_stages, n,
+                           self.bytes_qd + self.bytes_stat, cfg.cluster_n)
+        # With a cluster the peer multicasts into, and releases, these rings' barriers.
+        cluster = (cfg.cluster_n, 1) if cfg.cluster_n > 1 else None
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster, is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sLSE = storage.sLSE.get_tensor(sStat_layout)
+        sDelta = storage.sDelta.get_tensor(sStat_layout)
+        sdQ = storage.sdQ.get_tensor(dq_tile_layout(cfg, self.num_mma_wg))
+        sDiag = storage.sDiag.get_tensor(cute.make_layout(self.diag_floats))
+
+        seqlen_k = mK.shape[0]
+        group = num_q_heads // mK.shape[2]          # q heads per kv head (GQA)
+        if const_expr(cfg.order == "longest_first"):
+            # What the CTAs of a kv head share: the Q, dO, LSE, D rows of its group and
+            # their fp32 dQ accumulator rows (counting those halves the L2 sections at
+            # S4096: causal B4 H16 D128 backward 500.6 -> 506.5 TFLOP/s, H100, 2026-11-22).
+            tiles = TileSpace((seqlen_k + cfg.tile_n - 1) // cfg.tile_n, mK.shape[2],
+                              mK.shape[3], seqlen_q * group)
+            n_block, head_kv, batch = LongestFirst(
+                cfg.head_dim * (2 * (self.dtype.width // 8) + 4) + 8,
+                last_row_first=False).tile(tiles.first, tiles)
+        elif const_expr(self.head_swizzle):
+            n_block, head_kv, batch = self._deterministic_tile(seqlen_q, seqlen_k, group,
+                                                              mK.shape[2], mK.shape[3])
+        else:
+            n_block, head_kv, batch = cute.arch.block_idx()
+            if const_expr(cfg.deterministic):
+                # Launch order = dQ turn order: the highest kv block adds first.
+                n_block = cute.arch.grid_dim()[0] - 1 - n_block
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=cluster)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(cfg.producer_regs)
+            if warp_idx == 0:
+                self.load(mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
+                          tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE,
+                          tma_atom_Delta, pipe_kv, pipe_q, pipe_do,
+                          n_block, head_kv, batch, group, seqlen_q, block_sparse)
+            elif warp_idx == self.dq_writer_warp:
+                self.store_dq(mdQacc, sdQ, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
+                              block_sparse, mdQsem)
+        else:
+            cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            self.consume(mdK, mdV, sdQ, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sDiag,
+                         tma_atom_dK, tma_atom_dV, tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
+                         pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, group,
+                         seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args,
+                         block_sparse, grad_fixed)
+
+    @property
+    def head_swizzle(self) -> bool:
+        """Deterministic CTA order in L2 sections, heads interleaved (`_deterministic_tile`)
+        for dense and block-sparse walks. Causal keeps head order (kv blocks of a head
+        highest first: their walks are staggered already, and kv block major would put
+        every head's longest walks last). H200, backward kernel µs, head order -> sections:
+        full 2529 -> 2435, window1024 850 -> 829, document4 965 -> 885, causal 1279 -> 1414."""
+        return self.cfg.deterministic and not self.cfg.causal
+
+    @cute.jit
+    def _deterministic_tile(self, seqlen_q, seqlen_k, group, kv_heads, batches):
+        """Deterministic mode's CTA order (1-D grid), FA4's "head swizzle": sections of
+        `sec` (kv head, batch) pairs whose Q, dO, LSE, D and dq_accum rows fit in L2 (50 MB,
+        as FA4 assumes for Hopper); inside a section kv block major, head minor, highest
+        kv block first. A head's CTAs are then spread over the launch instead of starting
+        together, so they do not walk its tiles in lockstep, each waiting for the one above
+        (the turn chain: ~400 us of a 2.5 ms dense backward in head order). Deadlock-free
+        as before: a CTA waits only for higher kv blocks of its head, launched earlier in
+        its section."""
+        cfg = self.cfg
+        n_kv = (seqlen_k + cfg.tile_n - 1) // cfg.tile_n
+        pairs = kv_heads * batches
+        row_bytes = cutlass.Int64(cfg.head_dim * (2 * (self.dtype.width // 8) + 4) + 8)
+        per_pair = cutlass.Int64(seqlen_q) * group * row_bytes
+        sec = Int32(cutlass.max(cutlass.min(cutlass.Int64(L2_BYTES) // per_pair,
+                                            cutlass.Int64(pairs)), cutlass.Int64(1)))
+        i = cute.arch.block_idx()[0]
+        section = i // (sec * n_kv)
+        first = section * sec
+        width = cutlass.min(sec, pairs - first)      # the last section may be narrower
+        r = i - first * n_kv
+        pair = first + r % width
+        return n_kv - 1 - r // width, pair % kv_heads, pair // kv_heads
+
+    # --------------------------------------------------------------- block structure
+    @cute.jit
+    def _dense_blocks(self, n_block: Int32, seqlen_q: Int32) -> DenseQBlocks:
+        cfg = self.cfg
+        n_m = (seqlen_q + cfg.tile_m - 1) // cfg.tile_m
+        first = Int32(0)
+        diag_end = Int32(0)
+        if const_expr(cfg.causal):
+            # Top-left aligned causal (kv <= q): rows below the block's first key see
+            # nothing of it; rows below its last key see all of it.
+            first = (n_block * cfg.tile_n) // cfg.tile_m
+            diag_end = ((n_block + 1) * cfg.tile_n + cfg.tile_m - 2) // cfg.tile_m
+        return DenseQBlocks(first, n_m, diag_end, self._rotation(n_block))
+
+    def _sparse_blocks(self, block_sparse, batch, head, n_block) -> SparseQBlocks:
+        return SparseQBlocks(block_sparse[:4], batch, head, n_block,
+                             self.cfg.sparse_block_m // self.cfg.tile_m, self._rotation(n_block))
+
+    @cute.jit
+    def _visit(self, blocks, i, walk):
+        """The i-th visit: (q block, 1 if partial (mask evaluated) else 0, walk state).
+        Deterministic block-sparse walks both lists merged in ascending order (the dQ turns
+        of a banded mask would otherwise wait for whole list lengths); otherwise the
+        partial list, then the full one. `walk` = (partial, full) blocks taken so far.
+        Only the merged walk's consumers read the partial flag (the others loop over the
+        two lists separately), so elsewhere it is a constant 0."""
+        if const_expr(self.cfg.block_sparse and self.cfg.deterministic):
+            m_block, partial = blocks.merged_at(walk[0], walk[1])
+            return m_block, partial, (walk[0] + partial, walk[1] + 1 - partial)
+        return blocks.at(i), Int32(0), walk
+
+    def _rotation(self, n_block):
+        """Where the q-block walk starts (bwd_blocks.py): at the kv block's diagonal
+        tile, except under causal (the walk starts there anyway, diagonal blocks first)
+        and in deterministic mode (the dQ turns assume ascending walks)."""
+        cfg = self.cfg
+        if const_expr(cfg.causal or cfg.deterministic):
+            return 0
+        if const_expr(cfg.cluster_n > 1):
+            n_block = n_block - n_block % cfg.cluster_n    # one walk for the cluster's CTAs
+        if const_expr(cfg.tile_n % cfg.tile_m):
+            return (n_block * cfg.tile_n) // cfg.tile_m
+        return n_block * (cfg.tile_n // cfg.tile_m)
+
+    # ------------------------------------------------------------------ producer
+    @cute.jit
+    def load(self, mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
+             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_Delta,
+             pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, group, seqlen_q, block_sparse):
+        cfg = self.cfg
+        one = cute.make_layout(1)
+        tile_kd = (cfg.tile_n, cfg.head_dim)
+        gK = cute.local_tile(mK[None, None, head_kv, batch], tile_kd, (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], tile_kd, (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_kv.producer_acquire(kv_state)
+        bar = pipe_kv.producer_get_barrier(kv_state)
+        cute.copy(tma_atom_K, tKgK, tKsK[None, 0], tma_bar_ptr=bar)
+        cute.copy(tma_atom_V, tVgV, tVsV[None, 0], tma_bar_ptr=bar)
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
+        tile_qd = (cfg.tile_m, cfg.head_dim)
+        # Cluster: this CTA's slice of each Q / dO tile, multicast into both CTAs (LSE and
+        # D, a few hundred bytes, each CTA loads for itself).
+        rank, pair, mcast = multicast_slice(cfg.cluster_n)
+        for g in cutlass.range(group, unroll=1):
+            head = head_kv * group + g
+            gQ = cute.local_tile(mQ[None, None, head, batch], tile_qd, (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, batch], tile_qd, (None, 0))
+            gLSE = cute.local_tile(mLSE[None, head, batch], (cfg.tile_m,), (None,))
+            gDelta = cute.local_tile(mDelta[None, head, batch], (cfg.tile_m,), (None,))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_atom_Q, rank, pair, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+            tdOsdO, tdOgdO = cpasync.tma_partition(
+                tma_atom_dO, rank, pair, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
+            tLsL, tLgL = cpasync.tma_partition(
+                tma_atom_LSE, 0, one, cute.group_modes(sLSE, 0, 1), cute.group_modes(gLSE, 0, 1))
+            tDsD, tDgD = cpasync.tma_partition(
+                tma_atom_Delta, 0, one, cute.group_modes(sDelta, 0, 1),
+                cute.group_modes(gDelta, 0, 1))
+            if const_expr(cfg.block_sparse):
+                blocks = self._sparse_blocks(block_sparse, batch, head, n_block)
+            else:
+                blocks = self._dense_blocks(n_block, seqlen_q)
+            walk = (Int32(0), Int32(0))
+            for i in cutlass.range(blocks.count, unroll=1):
+                m_block, _, walk = self._visit(blocks, i, walk)
+                pipe_q.producer_acquire(state)
+                bar = pipe_q.producer_get_barrier(state)
+                cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar,
+                          **mcast)
+                cute.copy(tma_atom_LSE, tLgL[None, m_block], tLsL[None, state.index], tma_bar_ptr=bar)
+                pipe_do.producer_acquire(state)
+                bar = pipe_do.producer_get_barrier(state)
+                cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index],
+                          tma_bar_ptr=bar, **mcast)
+                cute.copy(tma_atom_Delta, tDgD[None, m_block], tDsD[None, state.index],
+                          tma_bar_ptr=bar)
+                state.advance()
+        if const_expr(cfg.cluster_n > 1):
+            # The peer's consumers still release our stages: stay until they all have.
+            pipe_q.producer_tail(state.clone())
+            pipe_do.producer_tail(state.clone())
+
+    # ------------------------------------------------------------------ consumers
+    @cute.jit
+    def consume(self, mdK, mdV, sdQ, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sDiag,
+                tma_atom_dK, tma_atom_dV, tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
+                pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, group,
+                seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args,
+                block_sparse, grad_fixed):
+        cfg = self.cfg
+        if const_expr(mod_args is None):
+            mod_args = ()
+        if const_expr(grad_fixed is not None):
+            # Deterministic buffer grads: slot i's accumulators start at row offsets[i].
+            offsets, end = [], Int32(0)
+            for grad in grad_args:
+                offsets.append(end)
+                end = end + cute.size(grad)
+            grad_args = (grad_args, grad_fixed, tuple(offsets))
+        tidx = cute.arch.thread_idx()[0] - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        # wgmma operands are partitioned per warpgroup; accumulators per thread.
+        wg_first_thread = cute.make_layout(self.num_mma_wg, stride=128)(wg)
+        wg_nm = tiled_mma_nm.get_slice(wg_first_thread)
+        wg_nd = tiled_mma_nd.get_slice(wg_first_thread)
+        wg_md = tiled_mma_md.get_slice(wg_first_thread)
+        thr_nm = tiled_mma_nm.get_slice(tidx)
+
+        T = mma.transpose_view
+        swap = cfg.dq_swap_ab
+        frags = (
+            wg_nm.make_fragment_A(wg_nm.partition_A(sK)),        # S^T = K Q^T
+            wg_nm.make_fragment_B(wg_nm.partition_B(sQ)),
+            wg_nm.make_fragment_A(wg_nm.partition_A(sV)),        # dP^T = V dO^T
+            wg_nm.make_fragment_B(wg_nm.partition_B(sdO)),
+            wg_nd.make_fragment_A(wg_nd.partition_shape_A((cfg.tile_n, cfg.tile_m))),  # P^T
+            wg_nd.make_fragment_B(wg_nd.partition_B(T(sdO))),    # dV += P^T dO
+            wg_nd.make_fragment_B(wg_nd.partition_B(T(sQ))),     # dK += dS^T Q
+            # dQ = dS K, or swapped dQ^T = K^T dS^T: (dS, K^T) fragments either way.
+            (wg_md.make_fragment_B(wg_md.partition_B(sdS)) if const_expr(swap)
+             else wg_md.make_fragment_A(wg_md.partition_A(T(sdS)))),
+            (wg_md.make_fragment_A(wg_md.partition_A(T(sK))) if const_expr(swap)
+             else wg_md.make_fragment_B(wg_md.partition_B(T(sK)))),
+        )
+        acc_shape_nm = wg_nm.partition_shape_C((cfg.tile_n, cfg.tile_m))
+        acc_shape_md = wg_md.partition_shape_C(
+            (cfg.head_dim, cfg.tile_m) if const_expr(swap) else (cfg.tile_m, cfg.head_dim))
+        acc_dV = cute.make_rmem_tensor(wg_nd.partition_shape_C((cfg.tile_n, cfg.head_dim)), Float32)
+        acc_dK = cute.make_rmem_tensor(wg_nd.partition_shape_C((cfg.tile_n, cfg.head_dim)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        # Rows of the S^T fragment are keys, columns are queries.
+        coords = FragmentCoords(thr_nm, cfg.tile_n, cfg.tile_m, mma.acc_mn_view)
+        # dS^T registers -> sdS (the forward's O epilogue copy, on the S^T tile; swapped
+        # dQ: transposed, into the keys-contiguous dS tile).
+        r2s_dS = mma.stmatrix_copy(tiled_mma_nm, self.dtype, tidx, transpose=swap)
+        tdSsdS = r2s_dS.partition_D(T(sdS) if const_expr(swap) else sdS)   # (..., stage)
+        # dQ registers -> this thread's 16-byte runs of sdQ (fragment order).
+        tdQsdQ = dq_fragment_copy(self.num_mma_wg).get_slice(tidx).partition_D(sdQ)
+
+        if const_expr(self.diagonal_reduction):
+            # Each thread zeroes the sDiag entries it alone writes (the first flush reads
+            # them after ds_full, which orders these stores).
+            diag_row = self._diag_row(sDiag, coords)
+            s_mn0 = mma.acc_mn_view(cute.make_rmem_tensor(acc_shape_nm, Float32))
+            order = _element_order(cute.size(s_mn0.shape[0]), cute.size(s_mn0.shape[1]), False)
+            keys = sorted(set(_diagonal_flushes(order, coords, False).values()))
+            for k in cutlass.range_constexpr(len(keys)):
+                diag_row[keys[k] + 8] = Float32(0.0)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_kv.consumer_wait(kv_state)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
+
+        mods = self.mods
+        for g in cutlass.range(group, unroll=1):
+            head = head_kv * group + g
+            ctx = (tiled_mma_nm, tiled_mma_nd, tiled_mma_md, frags, acc_shape_nm, acc_shape_md,
+                   acc_dV, acc_dK, coords, r2s_dS, tdSsdS, tdQsdQ, wg, sLSE, sDelta,
+                   pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
+                   softmax_scale, scale_log2, mod_args, grad_args, sDiag)
+            if const_expr(cfg.block_sparse and cfg.deterministic):
+                blocks = self._sparse_blocks(block_sparse, batch, head, n_block)
+                # The next visit's list reads are issued a step ahead: the branch on
+                # `partial` would otherwise wait for them at every step. (Past the last
+                # visit they read clamped, in-bounds entries, unused.)
+                nxt, nxt_partial, walk = self._visit(blocks, 0, (Int32(0), Int32(0)))
+                for i in cutlass.range(blocks.count, unroll=1):
+                    m_block, partial = nxt, nxt_partial
+                    nxt, nxt_partial, walk = self._visit(blocks, i + 1, walk)
+                    if partial != 0:
+                        state = self._step(ctx, state, m_block, mask=mods.has_mask, causal=False)
+                    else:
+                        state = self._step(ctx, state, m_block, mask=False, causal=False)
+            elif const_expr(cfg.block_sparse):
+                blocks = self._sparse_blocks(block_sparse, batch, head, n_block)
+                for i in cutlass.range(blocks.n_partial, unroll=1):
+                    state = self._step(ctx, state, blocks.partial_at(i),
+                                       mask=mods.has_mask, causal=False)
+                for i in cutlass.range(blocks.n_full, unroll=1):
+                    state = self._step(ctx, state, blocks.full_at(i), mask=False, causal=False)
+            else:
+                blocks = self._dense_blocks(n_block, seqlen_q)
+                if const_expr(cfg.causal):
+                    # Blocks crossing the diagonal: the hook's mask if any (it is the causal
+                    # mask, as in the forward), else the built-in one; then full blocks.
+                    n_diag = cutlass.min(blocks.diag_end, blocks.n_m)
+                    for m_block in cutlass.range(blocks.first, n_diag, unroll=1):
+                        state = self._step(ctx, state, m_block, mask=mods.has_mask,
+                                           causal=not mods.has_mask)
+                    for m_block in cutlass.range(cutlass.max(n_diag, blocks.first), blocks.n_m,
+                                                 unroll=1):
+                        state = self._step(ctx, state, m_block, mask=False, causal=False)
+                else:
+                    for i in cutlass.range(blocks.count, unroll=1):
+                        state = self._step(ctx, state, blocks.at(i), mask=mods.has_mask,
+                                           causal=False)
+
+        self.epilogue(acc_dK, acc_dV, mdK, mdV, sK, sV, tma_atom_dK, tma_atom_dV,
+                      tiled_mma_nd, tidx, n_block, head_kv, batch, softmax_scale)
+
+    @cute.jit
+    def _step(self, ctx, state, m_block, mask: cutlass.Constexpr[bool],
+              causal: cutlass.Constexpr[bool]):
+        """One q block against this CTA's keys: dV, dK accumulate; the dQ tile goes to sdQ
+        for the writer warp. GEMM order (FA3/FA4's): S^T, dP^T | P, dS | dV; dQ; dK, each
+        wait retiring the GEMM before the last one issued, so dQ's GEMM overlaps dK's and
+        its copy to smem overlaps the dK GEMM's tail."""
+        (tiled_mma_nm, tiled_mma_nd, tiled_mma_md, frags, acc_shape_nm, acc_shape_md,
+         acc_dV, acc_dK, coords, r2s_dS, tdSsdS, tdQsdQ, wg, sLSE, sDelta,
+         pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
+         softmax_scale, scale_log2, mod_args, grad_args, sDiag) = ctx
+        tSrK, tSrQ, tPrV, tPrdO, tVrP, tVrdOt, tKrQt, tQrdS, tQrKt = frags
+        mods = self.mods
+        stage = state.index
+
+        # S^T = K Q^T and dP^T = V dO^T, both in flight at once.
+        acc_S = cute.make_rmem_tensor(acc_shape_nm, Float32)
+        pipe_q.consumer_wait(state)
+        lse, delta = sLSE[None, stage], sDelta[None, stage]
+        if const_expr(self.stats_in_registers):
+            lse = self._column_values(lse, coords)
+        mma.gemm(tiled_mma_nm, acc_S, tSrK[None, None, None, 0],
+                      tSrQ[None, None, None, stage], zero_init=True, wait=-1)
+        acc_dP = cute.make_rmem_tensor(acc_shape_nm, Float32)
+        pipe_do.consumer_wait(state)
+        mma.gemm(tiled_mma_nm, acc_dP, tPrV[None, None, None, 0],
+                      tPrdO[None, None, None, stage], zero_init=True, wait=-1)
+        blk = (m_block, n_block, head, batch, seqlen_q, seqlen_k, softmax_scale, mod_args)
+        if const_expr(mods.has_score):
+            # One pass after both GEMMs: ds'/ds and the raw score stay per-element
+            # temporaries instead of two more 32-register fragments (which spilled).
+            warpgroup.wait_group(0)
+            # (One copy of this loop: two spill with a score mod's temporaries.)
+            self._pointwise(acc_S, acc_dP, lse, delta, coords,
+                            blk, scale_log2, grad_args, mask, causal, True,
+                            self._diag_row(sDiag, coords))
+            mma.convert_into(tVrP, mma.acc_as_a_view(acc_S))
+        else:
+            # Without a score mod dS = dS': P is computed while dP^T is still in flight.
+            warpgroup.wait_group(1)                  # S^T ready (groups retire in order)
+            self._pointwise_at_edge(acc_S, None, lse, None, coords, blk,
+                                    scale_log2, grad_args, mask, causal)
+            mma.convert_into(tVrP, mma.acc_as_a_view(acc_S))
+            if const_expr(self.stats_in_registers):
+                delta = self._column_values(delta, coords)
+            warpgroup.wait_group(0)                  # dP^T ready
+            self._ds_from_p(acc_S, acc_dP, delta, coords)
+        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+        mma.convert_into(rdS, acc_dP)
+
+        # dS^T -> sdS[stage] (no wait: see sdS_layout), then dV += P^T dO (A from registers).
+        cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, stage])
+        mma.gemm(tiled_mma_nd, acc_dV, tVrP, tVrdOt[None, None, None, stage],
+                      zero_init=False, wait=-1)
+        cute.arch.fence_view_async_shared()          # generic-proxy writes -> wgmma reads
+        cute.arch.barrier(barrier_id=self.ds_full_barrier_id, number_of_threads=self.num_mma_threads)
+        # dQ = dS K (this warpgroup's half of the head dim; swapped: dQ^T = K^T dS^T).
+        acc_dQ = cute.make_rmem_tensor(acc_shape_md, Float32)
+        if const_expr(self.cfg.dq_swap_ab):
+            mma.gemm(tiled_mma_md, acc_dQ, tQrKt[None, None, None, 0],
+                          tQrdS[None, None, None, stage], zero_init=True, wait=1)
+        else:
+            mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, stage],
+                          tQrKt[None, None, None, 0], zero_init=True, wait=1)
+        pipe_do.consumer_release(state)              # dV (the last reader of dO) retired
+        # dK += dS^T Q (A from registers).
+        mma.gemm(tiled_mma_nd, acc_dK, mma.acc_as_a_view(rdS),
+                      tKrQt[None, None, None, stage], zero_init=False, wait=1)   # dQ retired
+        if const_expr(self.diagonal_reduction):
+            # While dK runs. sDiag was complete at ds_full; the warpgroup's next writes
+            # come after the dq_empty barrier below, which every reader passes first.
+            self._flush_diagonals(sDiag, wg, m_block, n_block, head, batch, mod_args,
+                                  grad_args)
+        # dQ -> sdQ[wg] once the writer's previous bulk add has read it; the writer adds it
+        # into global memory while this warpgroup goes on.
+        cute.arch.barrier(barrier_id=self.dq_empty_barrier_id + wg,
+                          number_of_threads=self.dq_pair_threads)
+        cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)),
+                          tdQsdQ)
+        cute.arch.fence_view_async_shared()          # generic-proxy writes -> bulk copy
+        cute.arch.barrier_arrive(barrier_id=self.dq_full_barrier_id + wg,
+                                 number_of_threads=self.dq_pair_threads)
+        warpgroup.wait_group(0)                      # dK retired: Q may be overwritten
+        pipe_q.consumer_release(state)
+        state.advance()
+        return state
+
+    # ------------------------------------------------------------------ dQ writer
+    @cute.jit
+    def store_dq(self, mdQacc, sdQ, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
+                 block_sparse, mdQsem):
+        """Warp 1: per visit, add each warpgroup's dQ tile (sdQ column) into the dq_accum
+        workspace with one `cp.reduce.async.bulk .add.f32` (16 KB, fire and forget: the
+        reads of sdQ complete before the next visit hands the buffer back). Visits are
+        enumerated as by the producer.
+
+        Deterministic: wait for this (head, q tile)'s turn before the adds; the turn is
+        passed on once they have landed (`BwdConfig.dq_turn_pass`): right away, or one
+        visit later, after the next tile's first half is ready, by when they have long
+        landed (the landing wait is then off the writer's path). Holding a turn longer
+        cannot deadlock: a CTA only ever waits for higher kv blocks' turns."""
+        cfg = self.cfg
+        lane = cute.arch.lane_idx()
+        n_wg = self.num_mma_wg
+        chunk = cfg.tile_m * cfg.head_dim // n_wg
+        # Deterministic: the flag (its offset in this batch's [H, q tiles] semaphores) whose
+        # turn is still held, or -1. One register: this warp has 24.
+        held = Int32(-1)
+        sems = mdQsem[batch, None, None] if const_expr(cfg.deterministic) else None
+        for g in cutlass.range(group, unroll=1):
+            head = head_kv * group + g
+            gdQ = cute.local_tile(mdQacc[None, None, head, batch], (cfg.tile_m, cfg.head_dim),
+                                  (None, 0))
+            if const_expr(cfg.block_sparse):
+                blocks = self._sparse_blocks(block_sparse, batch, head, n_block)
+            else:
+                blocks = self._dense_blocks(n_block, seqlen_q)
+            visitors = None
+            if const_expr(cfg.deterministic):
+                kv_lists = block_sparse[4:] if const_expr(cfg.block_sparse) else None
+                visitors = KvVisitors(cfg, (seqlen_k + cfg.tile_n - 1) // cfg.tile_n, kv_lists,
+                                      batch, head)
+            walk = (Int32(0), Int32(0))
+            for i in cutlass.range(blocks.count, unroll=1):
+                m_block, _, walk = self._visit(blocks, i, walk)
+                for w in cutlass.range_constexpr(n_wg):
+                    # Bulk groups complete in order: allow the later halves in flight.
+                    cute.arch.cp_async_bulk_wait_group(n_wg - 1 - w, read=True)
+                    cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id + w,
+                                             number_of_threads=self.dq_pair_threads)
+                dst = gdQ[None, None, m_block].iterator
+                for w in cutlass.range_constexpr(n_wg):
+                    cute.arch.barrier(barrier_id=self.dq_full_barrier_id + w,
+                                      number_of_threads=self.dq_pair_threads)
+                    if const_expr(cfg.deterministic and w == 0 and cfg.turn_pass == "next_visit"):
+                        if held >= 0:
+                            self._dq_pass_turn(sems.iterator + held, lane)
+                    if const_expr(cfg.deterministic and w == 0):
+                        self._dq_wait_turn(sems[head, None].iterator + m_block,
+                                           visitors.after(m_block, n_block), lane)
+                    if lane == 0:
+                        bulk_add_f32(dst + w * chunk, sdQ[None, w].iterator, chunk * 4)
+                    cute.arch.cp_async_bulk_commit_group()
+                if const_expr(cfg.deterministic and cfg.turn_pass == "after_adds"):
+                    self._dq_pass_turn(sems[head, None].iterator + m_block, lane)
+                elif const_expr(cfg.deterministic):
+                    held = Int32(cute.crd2idx((head, m_block), sems.layout))
+        if const_expr(cfg.deterministic and cfg.turn_pass == "next_visit"):
+            if held >= 0:
+                self._dq_pass_turn(sems.iterator + held, lane)
+        cute.arch.cp_async_bulk_wait_group(0, read=True)   # sdQ is read before the CTA exits
+
+    @cute.jit
+    def _dq_pass_turn(self, flag, lane):
+        """Deterministic dQ: once this warp's bulk adds have landed (all of them: the
+        caller has none of the next tile's in flight), add 1 to the tile's flag."""
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+        if lane == 0:
+            red_release_add_s32(flag, 1)
+
+    @cute.jit
+    def _dq_wait_turn(self, flag, rank, lane):
+        """Deterministic dQ: spin (lane 0, acquire) until the tile's flag counts `rank` =
+        the kv blocks after this one that visit the tile (they add first)."""
+        if lane == 0:
+            seen = Int32(0)
+            start = cute.arch.globaltimer()
+            while seen != rank:
+                seen = ld_acquire_s32(flag)
+                if cute.arch.globaltimer() - start > DQ_TURN_TIMEOUT_NS:
+                    trap()
+        cute.arch.sync_warp()
+
+    @cute.jit
+    def _pointwise_at_edge(self, acc_S, acc_dP, sLSE, sDelta, coords, blk, scale_log2,
+                           grad_args, mask: cutlass.Constexpr[bool],
+                           causal: cutlass.Constexpr[bool]):
+        """`_pointwise`, with the KV_LEN test only in the CTA whose keys straddle KV_LEN
+        (a CTA-uniform branch: the other CTAs skip one select per element)."""
+        n_block, seqlen_k = blk[1], blk[5]
+        if (n_block + 1) * self.cfg.tile_n > seqlen_k:
+            self._pointwise(acc_S, acc_dP, sLSE, sDelta, coords, blk, scale_log2, grad_args,
+                            mask, causal, True)
+        else:
+            self._pointwise(acc_S, acc_dP, sLSE, sDelta, coords, blk, scale_log2, grad_args,
+                            mask, causal, False)
+
+    @cute.jit
+    def _pointwise(self, acc_S, acc_dP, sLSE, sDelta, coords, blk, scale_log2, grad_args,
+                   mask: cutlass.Constexpr[bool], causal: cutlass.Constexpr[bool],
+                   kv_edge: cutlass.Constexpr[bool], sDiag_thr=None):
+        """acc_S (raw q.k, transposed) <- P^T = exp2(s' log2 e - lse_log2), with the score
+        mod, mask and bounds in the forward's order (as apply_mods) on the clamped indices
+        the forward's hook saw. If `acc_dP` is given (score-mod path) also
+        acc_dP <- dS^T = P (dP - D) ds'/ds (0 where P == 0: the derivative may be inf or
+        NaN at masked elements) and the buffer gradients are scattered."""
+        m_block, n_block, head, batch, seqlen_q, seqlen_k, softmax_scale, mod_args = blk
+        mods = self.mods
+        cfg = self.cfg
+        fused = acc_dP is not None
+        s_mn = mma.acc_mn_view(acc_S)
+        dp_mn = mma.acc_mn_view(acc_dP) if const_expr(fused) else None
+        col_local0 = coords.col_offset()
+        q_first = m_block * cfg.tile_m + col_local0
+        kv_base = n_block * cfg.tile_n
+        # Element order only changes register pressure (the consumers sit at 240 with
+        # dK, dV = 128 fp32 each thread): measured with ptxas, rows-outer avoids a small
+        # spill for softcap (two scalar captures), columns-outer for the buffer-gradient
+        # scatters. Rows-outer re-reads LSE / D from smem per element (a broadcast
+        # ld.shared); columns-outer reads them once per column.
+        rows_outer = not cfg.buffer_grads
+        order = _element_order(cute.size(s_mn.shape[0]), cute.size(s_mn.shape[1]), rows_outer)
+        # Buffer reads indexed by q - kv only (relative-position tables, per-head slopes):
+        # a thread's elements on one diagonal add into one element, so their contributions
+        # are summed in registers and each diagonal costs one atomic, issued right after
+        # its last element (`_diagonal_flushes`).
+        diagonal = fused and cfg.buffer_grads and getattr(mods, "grad_reads_diagonal", False)
+        uniform = diagonal and mods.grad_reads_uniform   # one element for the whole tile
+        flushes = _diagonal_flushes(order, coords, uniform) if const_expr(diagonal) else None
+        sums = {}
+        lse = delta = None
+        # Indices only where something reads them (a score mod like softcap reads none):
+        # ops per element of tracing that MLIR would delete again.
+        hook_vars = mods.index_vars(mods.has_score, mask)
+        need_q = "q" in hook_vars or causal or diagonal
+        need_kv = "kv" in hook_vars or causal or kv_edge or diagonal
+        for i in cutlass.range_constexpr(len(order)):
+            r, c = order[i]
+            q = q_hook = kv = kv_hook = None
+            if const_expr(need_q):
+                q = q_first + coords.col0(c)
+                q_hook = cutlass.min(q, seqlen_q - 1)
+            if const_expr(rows_outer or r == 0):
+                lse = self._column(sLSE, c, col_local0, coords)
+                if const_expr(fused):
+                    delta = self._column(sDelta, c, col_local0, coords)
+            if const_expr(need_kv):
+                kv = kv_base + coords.row(r)
+                kv_hook = cutlass.min(kv, seqlen_k - 1)
+            x = s_mn[r, c]
+            grad = None
+            if const_expr(mods.has_score):
+                s_scaled = x * softmax_scale
+                s2, grad = mods.score_and_grad(s_scaled, batch, head, q_hook, kv_hook,
+                                               mod_args)
+                x = s2
+            # One FFMA; the masks then replace the exponent (-inf - lse_log2 = -inf).
+            x = x * scale_log2 - lse
+            if const_expr(mask):
+                keep = mods.mask(batch, head, q_hook, kv_hook, mod_args)
+                x = kept_if(keep, x)
+            if const_expr(causal):
+                x = kept_if(q >= kv, x)
+            if const_expr(kv_edge):
+                # Keys past KV_LEN (zero-filled by TMA) must not count; rows past Q_LEN
+                # have lse_log2 = +inf, so their P is 0 already.
+                x = kept_if(kv < seqlen_k, x)
+            p = cute.math.exp2(x, fastmath=True)
+            s_mn[r, c] = p
+            if const_expr(fused):
+                ds = p * (dp_mn[r, c] - delta)           # dS' (w.r.t. the modded score)
+                if const_expr(diagonal):
+                    reads = mods.buffer_grads(s_scaled, batch, head, q_hook, kv_hook, mod_args)
+                    key = _diagonal_key(coords, r, c, uniform)
+                    for k in cutlass.range_constexpr(len(reads)):
+                        # 0 where P == 0: the partial may be inf / NaN at masked elements
+                        part = ds * reads[k][2] if p != Float32(0.0) else Float32(0.0)
+                        if const_expr((k, key) in sums):
+                            sums[(k, key)] = sums[(k, key)] + part
+                        else:
+                            sums[(k, key)] = part
+                    if const_expr(i in flushes and sDiag_thr is not None):
+                        # Entries are zero until written (the flush re-zeroes what it read),
+                        # so a zero sum needs no store; the branch also keeps the
+                        # scheduler from hoisting work across it (spills otherwise).
+                        if const_expr(not 0 <= flushes[i] + 8 <= self.DIAG_ROW - 7):
+                            raise ValueError(f"diagonal key {flushes[i]} outside sDiag's row")
+                        total = sums.pop((0, flushes[i]))
+                        if total != Float32(0.0):
+                            st_shared_f32(sDiag_thr.iterator + (flushes[i] + 8), total)
+                    elif const_expr(i in flushes):
+                        # Unclamped coordinates: q - kv is the diagonal's own (an element
+                        # past Q_LEN / KV_LEN adds 0, and a zero sum is not sent).
+                        reads = mods.buffer_grads(s_scaled, batch, head, q, kv, mod_args)
+                        for k in cutlass.range_constexpr(len(reads)):
+                            total = sums.pop((k, flushes[i]))
+                            if const_expr(uniform):
+                                # One element per tile: the warp's sum (a fixed shuffle
+                                # tree), one add by lane 0.
+                                total = _warp_sum(total)
+                                if cute.arch.lane_idx() == 0 and total != Float32(0.0):
+                                    self._add_buffer_grad(reads[k][0], reads[k][1], total,
+                                                          grad_args)
+                            elif total != Float32(0.0):
+                                self._add_buffer_grad(reads[k][0], reads[k][1], total, grad_args)
+                elif const_expr(cfg.buffer_grads):
+                    self._scatter_buffer_grads(ds, p, s_scaled, batch, head, q_hook,
+                                               kv_hook, mod_args, grad_args)
+                ds = ds * grad
+                dp_mn[r, c] = Float32(cutlass.select_(p == Float32(0.0), Float32(0.0), ds))
+
+    @cute.jit
+    def _column_values(self, sStat, coords):
+        """This thread's columns of a per-row statistic (LSE or D of the stage) read from
+        shared memory into registers."""
+        n = cute.size(coords.t_mn.shape[1])
+        vals = cute.make_rmem_tensor(cute.make_layout(n), Float32)
+        col_local0 = coords.col_offset()
+        for c in cutlass.range_constexpr(n):
+            vals[c] = sStat[col_local0 + coords.col0(c)]
+        return vals
+
+    def _column(self, stat, c, col_local0, coords):
+        """Fragment column c's value of a statistic: from `_column_values`' registers or
+        from its shared-memory row (score-mod paths, which never read into registers)."""
+        if const_expr(self.stats_in_registers):
+            return stat[c]
+        return stat[col_local0 + coords.col0(c)]
+
+    @cute.jit
+    def _ds_from_p(self, acc_P, acc_dP, sDelta, coords):
+        """No score mod: acc_dP (dP^T) <- dS^T = P * (dP - D)."""
+        p_mn = mma.acc_mn_view(acc_P)
+        dp_mn = mma.acc_mn_view(acc_dP)
+        col_local0 = coords.col_offset()
+        for c in cutlass.range_constexpr(cute.size(p_mn.shape[1])):
+            delta = self._column(sDelta, c, col_local0, coords)
+            for r in cutlass.range_constexpr(cute.size(p_mn.shape[0])):
+                dp_mn[r, c] = p_mn[r, c] * (dp_mn[r, c] - delta)
+
+    def _diag_row(self, sDiag, coords):
+        """This thread's row of sDiag from its column offset on (diagonal key k at
+        [k + 8]), or None without the diagonal reduction. Made per step, not kept live
+        across the loop (a register the causal kernel cannot spare)."""
+        if const_expr(not self.diagonal_reduction):
+            return None
+        row = coords.row(0)               # 16 w + g: warp w's row group g = lane // 4
+        row_idx = (row // 16) * self.DIAG_ROWS_PER_WARP + row % 16
+        return cute.make_tensor(sDiag.iterator + row_idx * self.DIAG_ROW + coords.col_offset(),
+                                cute.make_layout(self.DIAG_ROW))
+
+    @cute.jit
+    def _flush_diagonals(self, sDiag, wg, m_block, n_block, head, batch, mod_args, grad_args):
+        """Warpgroup `wg`'s per-diagonal sums -> one buffer-gradient add per nonzero
+        diagonal. Thread t takes d = t - 63 (q - kv inside the warpgroup's 64 keys x 64
+        queries) and adds the entries of its 4 warps x 8 row groups in a fixed order (so the
+        CTA's sum is deterministic; across CTAs the deterministic mode adds in fixed point),
+        zeroing what it read. Warp w's rows start 16 w keys lower: its local diagonal is
+        d + 16 w, entry d + 16 w + 8 + g of row group g (`_diag_row`). Each entry has one
+        writer (`_pointwise`) and one reader (here)."""
+        cfg = self.cfg
+        d = cute.arch.thread_idx()[0] % 128 - 63
+        row_len = self.DIAG_ROW
+        total = Float32(0.0)
+        for w in cutlass.range(4, unroll=1):     # rolled: few registers (dK is in flight)
+            for g in cutlass.range_constexpr(self.DIAG_ROWS_PER_WARP):
+                e = d + (16 * w + 8 + g)
+                e_in = cutlass.max(cutlass.min(e, row_len - 1), 0)
+                at = ((wg * 4 + w) * self.DIAG_ROWS_PER_WARP + g) * row_len + e_in
+                v = sDiag[at] if e_in == e else Float32(0.0)
+                total = total + v
+                if v != Float32(0.0):
+                    sDiag[at] = Float32(0.0)        # ready for the next step's writers
+        if total != Float32(0.0):
+            # Any (q, kv) of the diagonal gives its index (unclamped, as the per-thread
+            # path): the first element inside the warpgroup's tile.
+            kv_local = cutlass.max(-d, 0)
+            q = m_block * cfg.tile_m + kv_local + d
+            kv = n_block * cfg.tile_n + wg * 64 + kv_local
+            reads = self.mods.buffer_grads(Float32(0.0), batch, head, q, kv, mod_args)
+            self._add_buffer_grad(reads[0][0], reads[0][1], total, grad_args)
+
+    @cute.jit
+    def _scatter_buffer_grads(self, ds, p, s, batch, head, q, kv, mod_args, grad_args):
+        """grad[slot][idx] += dS' * ds'/d buf[idx] for each float-buffer read of the mod.
+        Deterministic: into the slot's 128-bit fixed-point accumulator for idx instead
+        (row offsets[slot] + the element's offset in the contiguous fp32 grad)."""
+        if p != Float32(0.0):
+            reads = self.mods.buffer_grads(s, batch, head, q, kv, mod_args)
+            for k in cutlass.range_constexpr(len(reads)):   # Python list: unrolled
+                slot, index, partial = reads[k]
+                self._add_buffer_grad(slot, index, ds * partial, grad_args)
+
+    @cute.jit
+    def _add_buffer_grad(self, slot, index, value, grad_args):
+        """grad[slot][index] += value (fp32 reduction; deterministic: exact fixed point)."""
+        position = {s: i for i, s in enumerate(self.mods.grad_slots)}
+        crd = index if const_expr(len(index) > 1) else index[0]
+        if const_expr(self.cfg.deterministic):
+            grads, fixed, offsets = grad_args
+            grad = grads[position[slot]]
+            e = cute.crd2idx(crd, grad.layout)
+            red_add_fixed(fixed.iterator + FIXED_WORDS * (offsets[position[slot]] + e),
+                          grad.iterator + e, value)
+        else:
+            grad = grad_args[position[slot]]
+            red_add_f32(grad.iterator + cute.crd2idx(crd, grad.layout), value)
+
+    @cute.jit
+    def epilogue(self, acc_dK, acc_dV, mdK, mdV, sK, sV, tma_atom_dK, tma_atom_dV,
+                 tiled_mma_nd, tidx, n_block, head_kv, batch, softmax_scale):
+        """dK * scale and dV -> input dtype -> stmatrix into sK / sV -> TMA store (clips
+        keys >= KV_LEN). A CTA that visited nothing writes zeros."""
+        cfg = self.cfg
+        rdK = cute.make_rmem_tensor_like(acc_dK, self.dtype)
+        rdK.store((acc_dK.load() * softmax_scale).to(self.dtype))
+        rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
+        rdV.store(acc_dV.load().to(self.dtype))
+        # sK / sV are read by both warpgroups' GEMMs until their last visit.
+        cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
+        r2s = mma.stmatrix_copy(tiled_mma_nd, self.dtype, tidx)
+        sdK = sK[None, None, 0]
+        sdV = sV[None, None, 0]
+        cute.copy(r2s, r2s.retile(rdK), r2s.partition_D(sdK))
+        cute.copy(r2s, r2s.retile(rdV), r2s.partition_D(sdV))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
+        if tidx // 32 == 0:
+            tile_kd = (cfg.tile_n, cfg.head_dim)
+            gdK = cute.local_tile(mdK[None, None, head_kv, batch], tile_kd, (n_block, 0))
+            gdV = cute.local_tile(mdV[None, None, head_kv, batch], tile_kd, (n_block, 0))
+            mma.tma_store_tile(tma_atom_dK, sdK, gdK)
+            mma.tma_store_tile(tma_atom_dV, sdV, gdV)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -1,0 +1,824 @@
+"""Split-KV decoding for Hopper (sm_90a): a few query tokens against a long KV cache.
+
+One CTA handles one (kv split) x (kv head, packed-row block) x (batch) work item:
+
+    grid = (num_splits, H_kv * m_blocks, B)
+
+* GQA packing: the M tile holds the (q head in the kv head's group, query row) pairs,
+  row p = h_in_group * q_len + i, so K/V are read from HBM once per group instead of once
+  per q head (Hq=32, Hkv=8, q_len=1: 4 rows of one 64-row tile; m_blocks > 1 only when
+  group * q_len exceeds the tile).
+* Split-KV: the kv blocks of sequence b, [n_lo, ceil(len[b] / tile_n)), are cut into
+  num_splits equal ranges; split s writes its normalized partial O (fp32) and
+  natural-log LSE to a workspace. With one split (decided at run time: grid dim 0 == 1)
+  the CTA writes O in the input dtype and the final LSE itself. Blocks at or beyond a
+  sequence's length are never loaded: that is where a decode step's bandwidth goes.
+* In-kernel merge: each split CTA, once its partial is written, takes a ticket — an
+  int32 arrival counter per (batch, kv head, row block) — and the CTA that arrives last
+  merges the group's splits itself (`decode_combine.merge_splits`) and resets the counter
+  to 0, so the counters are zeroed once when allocated, never per step, and no second
+  launch waits on the first: the merge of the last group is all a step adds (1.6-4.6 us
+  on the H100; a separate combine launch cost 3.3-8 us). Ordering: the consumer threads' partial stores, a
+  CTA barrier, then one acq_rel atomic at GPU scope (release is cumulative over the
+  barrier; the last arrival's acquire covers every split's stores) — the pattern of
+  cutlass::GenericBarrier. No thread ever waits on another CTA: nothing can deadlock.
+* Cluster merge (`cluster_splits` > 1: the launch's splits are one cluster per group):
+  each CTA keeps its partial in its own shared memory (fp32 O rows over the K ring, LSEs
+  over the V ring), a cluster barrier publishes them, CTA `rank` merges rows r = rank
+  (mod splits) from its peers' shared memory (`dsmem`), a second barrier keeps every
+  CTA's shared memory until its peers have read it. No tickets, no partials in global
+  memory: ~0.7 us of merge after ~1 us of barrier, against ~1.4 + 2.0 us for ticket and
+  merge (benchmarks/decode_timeline.py). The planner uses pairs, the one cluster size
+  that is always resident (`core/decode_path.choose_launch`).
+* Masked-prefix skip: with a traced mask (`IRModHook`), every CTA finds n_lo itself — the
+  most leading blocks that interval analysis (`interval_emit`) proves masked for all rows
+  of its tile, by a search over prefixes [0, n * tile_n) (inclusion-isotone bounds: a
+  provably empty prefix stays provably empty when shortened), 32 candidates per round, one
+  per lane. A sliding window skips the cache's head in 1 + ~log32(blocks) analyses of a
+  few Float64 instructions; one analysis when block 0 may be attended (causal...).
+* Warp specialization as in the forward: warp 0 of warpgroup 0 is the TMA producer (K and
+  V through separate `num_stages`-deep mbarrier rings); the consumer warpgroup(s) load the
+  packed Q tile with ordinary loads (its rows are strided over heads: no TMA box fits),
+  then per kv block S = Q K^T (wgmma), mods, online softmax (fp32, exp2), O += P V (wgmma,
+  P from registers).
+
+Why wgmma for a tile that is mostly padding (4 real rows of 64): the step is memory-bound
+by a wide margin — a 128-row K+V block is 64 KB, ~2.6 us of one SM's share of HBM
+bandwidth, while both 64x128x128 wgmmas take ~0.3 us — and wgmma keeps K/V in shared
+memory (no register staging of 64 KB per block), with the same fragment layout the mods,
+the softmax and `hopper.mma` already handle.
+
+KV layouts (`DecodeConfig.page_size`):
+* 0: contiguous cache [B, H_kv, capacity, D]; one TMA box (tile_n, D) per block.
+* page_size > 0: paged cache [num_pages, page_size, H_kv, D] + page table [B, max_pages]
+  read in place. page_size a multiple of tile_n: one box per block at (offset in page,
+  page); page_size dividing tile_n (>= 16): tile_n / page_size boxes per block, one per
+  page, into consecutive rows of the stage. Mods see logical kv indices either way. The
+  producer warp reads the page table 32 entries at a time, one per lane, a batch ahead,
+  and takes a block's pages by shuffle: no TMA waits on a dependent load of its page.
+
+Mods enter through the `ModHook` interface with each row's own q head:
+hook(b, q_head, q_row, kv) with q_row in [0, q_len) (the decode planner rewrites mods to
+true positions with runtime offsets, `mods.positions`).
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync
+
+from flexattn.kernels.emit import interval_emit
+from flexattn.kernels.hopper import dsmem, mma
+from flexattn.kernels.decode.combine import inverse_and_lse, log2_shift, merge_splits
+from flexattn.kernels.emit.mod_hook import NO_MODS, FragmentCoords, ModHook, kept_if
+from flexattn.kernels.hopper.softmax import OnlineSoftmax, rescale_rows
+from flexattn.kernels.hopper.tma_pipeline import tma_ring
+
+LOG2_E = math.log2(math.e)
+TIMELINE_STAMPS = 16    # per CTA: entry, producer start, Q loaded, first block done, stream
+                        # end, ticket taken, merge end (merging CTAs only), the SM's id,
+                        # blocks done at 1/4, 1/2, 3/4 of the split (8-10), the split's
+                        # range known (11: length read, masked-prefix analysis done), unused
+CLUSTER_SPLITS = (1, 2, 4, 8, 16)   # cluster merge sizes; 16 is a non-portable cluster size,
+                                    # which CuTeDSL allows on every kernel it builds (H100: 16)
+PREFIX_SCAN_LIMIT = 16  # buffer spans the masked-prefix analysis scans: q rows, not kv ranges
+
+_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Everything that changes the generated decode kernel (runtime values never do)."""
+
+    dtype: str = "bf16"          # "bf16" | "fp16": Q, K, V and O
+    head_dim: int = 128          # 64 | 128
+    num_mma_wg: int = 1          # consumer warpgroups: 64 packed rows each
+    tile_n: int = 128            # kv rows per pipeline stage
+    num_stages: int = 3          # K/V ring depth
+    ctas_per_sm: int = 1         # 2: registers and shared memory sized for two resident CTAs
+    page_size: int = 0           # 0: contiguous cache; else the paged cache's page size
+    cluster_splits: int = 1      # > 1: the launch has exactly this many splits, one cluster
+                                 # per group, merged through distributed shared memory
+    timeline: bool = False       # probe for benchmarks/decode_timeline.py: every CTA writes
+                                 # globaltimer stamps past the tickets (never planned)
+    skip_masked_prefix: bool = True  # the masked-prefix analysis before the stream (masks
+                                     # only); off where the planner proves the cache's first
+                                     # key always attended (causal...): it would find nothing
+    mods: ModHook = field(default=NO_MODS, compare=False)
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.head_dim not in (64, 128):
+            raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
+        if self.num_mma_wg not in (1, 2):
+            raise ValueError(f"num_mma_wg must be 1 or 2, got {self.num_mma_wg}")
+        if self.tile_n not in (64, 128):
+            raise ValueError(f"tile_n must be 64 or 128, got {self.tile_n}")
+        if self.num_stages < 1:
+            raise ValueError("num_stages must be >= 1")
+        if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2 and self.num_mma_wg != 1):
+            raise ValueError(f"ctas_per_sm must be 1, or 2 with one consumer warpgroup, got {self.ctas_per_sm}")
+        check_page_size(self.page_size, self.tile_n)
+        if self.cluster_splits not in CLUSTER_SPLITS:
+            raise ValueError(f"cluster_splits must be one of {CLUSTER_SPLITS}, got {self.cluster_splits}")
+        if self.cluster_splits > 1 and 2 * self.tile_m > self.num_stages * self.tile_n:
+            raise ValueError("the cluster merge keeps a split's fp32 O tile in the K ring: it needs "
+                             f"num_stages * tile_n >= 2 * tile_m, got {self.num_stages} x {self.tile_n}")
+        if self.smem_bytes > self.smem_limit:
+            raise ValueError(f"{self.smem_bytes} bytes of shared memory per CTA exceed {self.smem_limit} for "
+                             f"{self.ctas_per_sm} CTA(s) per SM: fewer stages or a smaller tile_n")
+
+    @property
+    def tile_m(self) -> int:
+        return 64 * self.num_mma_wg
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size > 0
+
+    @property
+    def pages_per_tile(self) -> int:
+        """Paged: the pages one kv tile spans (1 when pages hold whole tiles)."""
+        return max(1, self.tile_n // self.page_size)
+
+    @property
+    def tiles_per_page(self) -> int:
+        """Paged: the kv tiles one page holds (1 when pages are smaller than a tile)."""
+        return max(1, self.page_size // self.tile_n)
+
+    @property
+    def box_rows(self) -> int:
+        """Rows of one K/V TMA box: the tile, or one page when pages are smaller."""
+        return self.tile_n if not self.paged else min(self.tile_n, self.page_size)
+
+    @property
+    def smem_bytes(self) -> int:
+        """Q tile + K and V rings (1024-aligned, in that order) + the 2 x 2 x stages mbarriers
+        + the last-arrival flag (8 bytes)."""
+        elem = 2
+        return elem * self.head_dim * (self.tile_m + 2 * self.num_stages * self.tile_n) + 2 * 2 * self.num_stages * 8 + 8
+
+    @property
+    def smem_limit(self) -> int:
+        """Bytes one CTA may take: an H100 SM has 228 KB, 1 KB of it reserved per resident CTA."""
+        return 228 * 1024 // self.ctas_per_sm - 1024
+
+    @property
+    def regs(self) -> tuple:
+        """(producer, consumer) setmaxnreg budgets. A CTA launches with its share of the
+        SM's 64K registers (ptxas caps the launch count at 64K / (ctas_per_sm x threads));
+        the producer warpgroup gives most of its own to the consumers."""
+        per_cta = 65536 // self.ctas_per_sm
+        threads_per_wg = 128
+        producer = 40  # the paged producer keeps page-table reads and several boxes in flight
+        consumer = (per_cta // threads_per_wg - producer) // self.num_mma_wg
+        consumer = min(240, consumer - consumer % 8)
+        return producer, consumer
+
+    @property
+    def cutlass_dtype(self):
+        return _DTYPES[self.dtype]
+
+    def with_mods(self, mods: ModHook) -> "DecodeConfig":
+        """This config with another hook of the same structure (this call's captures)."""
+        new = object.__new__(DecodeConfig)
+        new.__dict__.update(self.__dict__)
+        object.__setattr__(new, "mods", mods)
+        return new
+
+    def key(self) -> tuple:
+        return ("decode", self.dtype, self.head_dim, self.num_mma_wg, self.tile_n, self.num_stages,
+                self.ctas_per_sm, self.page_size, self.cluster_splits, self.timeline, self.skip_masked_prefix,
+                self.mods.key())
+
+
+def check_page_size(page_size: int, tile_n: int) -> None:
+    """Page sizes the kernel reads in place: >= 16, and dividing the kv tile or a multiple of it."""
+    if page_size == 0:
+        return
+    if page_size < 16 or (tile_n % page_size and page_size % tile_n):
+        raise ValueError(f"page_size must be >= 16 and divide the kv tile ({tile_n}) or be a multiple "
+                         f"of it, got {page_size}")
+    if page_size < tile_n and page_size & (page_size - 1):
+        raise ValueError(f"page_size below the kv tile must be a power of two, got {page_size}")
+
+
+class DecodeSm90:
+    """Compile with `cute.compile(DecodeSm90(cfg), q, k, v, page_table, seq_lens, o, lse,
+    o_part, lse_part, tickets, softmax_scale, mod_args, stream)` (see decode_compile.py)."""
+
+    def __init__(self, config: DecodeConfig):
+        self.cfg = config
+        self.dtype = config.cutlass_dtype
+        self.mods = config.mods
+        self.num_mma_threads = 128 * config.num_mma_wg
+        self.num_threads = 128 + self.num_mma_threads
+        self.q_ready_barrier_id = 1
+        self.arrival_barrier_id = 2
+        # The traced mask, for the in-kernel masked-prefix skip (hand-written hooks: none).
+        self.mask_expr = getattr(config.mods, "mask_expr", None) \
+            if config.mods.has_mask and config.skip_masked_prefix else None
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,          # [B, Hq, q_len, D]
+        mK: cute.Tensor,          # [B, Hkv, cap, D] or pages [P, page_size, Hkv, D]
+        mV: cute.Tensor,          # same as mK
+        mPageTable,               # [B, max_pages] int32 (paged) or None
+        mSeqLens: cute.Tensor,    # [B] int32: valid cache tokens
+        mO: cute.Tensor,          # [B, Hq, q_len, D] (written when num_splits == 1)
+        mLSE: cute.Tensor,        # [B, Hq, q_len] float32, natural log
+        mOPart: cute.Tensor,      # [splits, B, Hq, q_len, D] float32 (num_splits > 1)
+        mLSEPart: cute.Tensor,    # [splits, B, Hq, q_len] float32
+        mTickets: cute.Tensor,    # [>= B * Hkv * m_blocks] int32, zero between launches
+        softmax_scale: Float32,
+        mod_args,
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        for t in (mQ, mK, mV, mO):
+            if const_expr(t.element_type != self.dtype):
+                raise TypeError(f"expected {self.dtype}, got {t.element_type}")
+        if const_expr(cfg.paged != (mPageTable is not None)):
+            raise ValueError("a page table must be given iff cfg.page_size > 0")
+
+        # K/V as (rows, D, Hkv, outer): outer = batch (contiguous) or page (paged).
+        if const_expr(cfg.paged):
+            K, V = [mma.select_modes(t, [1, 3, 2, 0]) for t in (mK, mV)]
+        else:
+            K, V = [mma.select_modes(t, [2, 3, 1, 0]) for t in (mK, mV)]
+
+        tiled_mma_qk = mma.make_qk_mma(self.dtype, cfg.tile_m, cfg.tile_n)
+        tiled_mma_pv = mma.make_pv_mma(self.dtype, cfg.tile_m, cfg.head_dim)
+        sQ_layout = mma.smem_layout(self.dtype, cfg.tile_m, cfg.head_dim)
+        sK_layout = mma.smem_layout(self.dtype, cfg.tile_n, cfg.head_dim, cfg.num_stages)
+        sV_layout = mma.smem_layout(self.dtype, cfg.tile_n, cfg.head_dim, cfg.num_stages)
+        box_layout = mma.smem_layout(self.dtype, cfg.box_rows, cfg.head_dim)
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, K, box_layout, (cfg.box_rows, cfg.head_dim), 1)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, V, box_layout, (cfg.box_rows, cfg.head_dim), 1)
+        self.bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+
+        # The 1024-aligned tiles first, the mbarriers after them: no alignment padding, so
+        # two CTAs of tile_n 64 x 3 stages fit one SM (DecodeConfig.smem_bytes).
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
+            last_arrival: cute.struct.MemRange[Int32, 2]
+
+        scale_log2 = Float32(LOG2_E)
+        if const_expr(not self.mods.has_score):
+            scale_log2 = softmax_scale * Float32(LOG2_E)
+
+        group = mQ.shape[1] // K.shape[2]
+        rows = group * mQ.shape[2]
+        m_blocks = (rows + cfg.tile_m - 1) // cfg.tile_m
+        grid = (mOPart.shape[0], K.shape[2] * m_blocks, mQ.shape[0])
+        self.kernel(
+            mQ, tma_K, tma_V, mPageTable, mSeqLens, mO, mLSE, mOPart, mLSEPart, mTickets,
+            tma_atom_K, tma_atom_V, tiled_mma_qk, tiled_mma_pv,
+            sQ_layout, sK_layout, sV_layout,
+            softmax_scale, scale_log2, mod_args, SharedStorage,
+        ).launch(
+            grid=grid,
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=cfg.ctas_per_sm,
+            cluster=[cfg.cluster_splits, 1, 1] if cfg.cluster_splits > 1 else None,
+            # Given, CuTeDSL would query the device for it while tracing (never here): the
+            # largest shared-memory carveout, so two CTAs' rings fit.
+            preferred_smem_carveout=100 if cfg.ctas_per_sm > 1 else None,
+        )
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mPageTable, mSeqLens: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, mOPart: cute.Tensor,
+        mLSEPart: cute.Tensor, mTickets,
+        tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        softmax_scale: Float32, scale_log2: Float32, mod_args,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        cfg = self.cfg
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_atom_K, tma_atom_V):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        n = self.num_mma_threads
+        pipe_k = tma_ring(storage.mbar_k.data_ptr(), cfg.num_stages, n, self.bytes_kv)
+        pipe_v = tma_ring(storage.mbar_v.data_ptr(), cfg.num_stages, n, self.bytes_kv)
+        pipeline.pipeline_init_arrive()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        split, head_block, batch = cute.arch.block_idx()
+        num_splits, head_blocks, _ = cute.arch.grid_dim()
+        kv_heads = mK.shape[2]
+        group = mQ.shape[1] // kv_heads
+        q_len = mQ.shape[2]
+        rows = group * q_len
+        m_blocks = (rows + cfg.tile_m - 1) // cfg.tile_m
+        head_kv = head_block // m_blocks
+        m_block = head_block - head_kv * m_blocks
+
+        # Timeline probe: this CTA's stamps, past the tickets (one per group).
+        stamps = None
+        if const_expr(cfg.timeline):
+            cta = (batch * head_blocks + head_block) * num_splits + split
+            stamps = mTickets.iterator + (head_blocks * mQ.shape[0] + cta * TIMELINE_STAMPS)
+        self._stamp(stamps, 0, warp_idx == 4)
+        self._stamp(stamps, 7, warp_idx == 4, cute.arch.smid)
+
+        # This split's kv blocks: [first, first + count), visited last first. Every thread
+        # computes the same values (no broadcast needed before the roles split).
+        seqlen = Int32(mSeqLens[batch])
+        n_hi = (seqlen + cfg.tile_n - 1) // cfg.tile_n
+        n_lo = Int32(0)
+        if const_expr(self.mask_expr is not None):
+            p_lo = m_block * cfg.tile_m
+            p_hi = cutlass.min(p_lo + cfg.tile_m, rows) - 1
+            heads = (head_kv * group + p_lo // q_len, head_kv * group + p_hi // q_len)
+            n_lo = self._masked_prefix_blocks(batch, heads, q_len, seqlen, n_hi, mod_args)
+        per_split = (n_hi - n_lo + num_splits - 1) // num_splits
+        first = cutlass.min(n_lo + split * per_split, n_hi)
+        count = cutlass.min(first + per_split, n_hi) - first
+        self._stamp(stamps, 11, warp_idx == 4)
+
+        # The cluster merge's view of a split's partial: fp32 O rows over the K ring, LSEs
+        # over the V ring (both free once the stream has ended).
+        sPart = sLSE = None
+        if const_expr(cfg.cluster_splits > 1):
+            sPart = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), dtype=Float32),
+                                     cute.make_layout((cfg.tile_m, cfg.head_dim), stride=(cfg.head_dim, 1)))
+            sLSE = cute.make_tensor(cute.recast_ptr(storage.sV.data_ptr(), dtype=Float32), cute.make_layout(cfg.tile_m))
+
+        pipeline.pipeline_init_wait()
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(cfg.regs[0])
+            if warp_idx == 0:
+                self._stamp(stamps, 1, True)
+                self.load(mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, pipe_k, pipe_v,
+                          head_kv, batch, first, count)
+            if const_expr(cfg.cluster_splits > 1):
+                # The cluster barriers count every thread: the producer's pass both.
+                for _ in cutlass.range_constexpr(2):
+                    cute.arch.cluster_arrive()
+                    cute.arch.cluster_wait()
+        else:
+            cute.arch.setmaxregister_increase(cfg.regs[1])
+            self.consume(mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
+                         pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block,
+                         batch, seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps, sPart, sLSE)
+            if const_expr(cfg.cluster_splits == 1):
+                if num_splits > 1:
+                    tidx = cute.arch.thread_idx()[0] - 128
+                    ticket = mTickets.iterator + (batch * head_blocks + head_block)
+                    last = self._arrived_last(ticket, num_splits, storage.last_arrival.get_tensor(cute.make_layout(2)),
+                                              tidx)
+                    self._stamp(stamps, 5, warp_idx == 4)
+                    if last:
+                        self._merge_group(mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block,
+                                          batch)
+                        if const_expr(cfg.timeline):
+                            cute.arch.barrier(barrier_id=self.arrival_barrier_id,
+                                              number_of_threads=self.num_mma_threads)
+                        self._stamp(stamps, 6, warp_idx == 4)
+            else:
+                # Every thread of the cluster: the first barrier publishes each split's
+                # partial (in its own shared memory), the second keeps each CTA's shared
+                # memory alive until its peers have read it.
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+                self._stamp(stamps, 5, warp_idx == 4)
+                self._merge_cluster(mO, mLSE, sPart, sLSE, cute.arch.thread_idx()[0] - 128, split, head_kv, group,
+                                    q_len, rows, m_block, batch)
+                self._stamp(stamps, 6, warp_idx == 4)
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+
+    @cute.jit
+    def _stamp(self, stamps, k: cutlass.Constexpr[int], leader, read: cutlass.Constexpr = cute.arch.globaltimer_lo):
+        """Timeline probe (cfg.timeline): stamp k := read() — %globaltimer_lo (ns), or the
+        SM's id — by one lane of the warp for which `leader` holds."""
+        if const_expr(self.cfg.timeline):
+            if leader:
+                if cute.arch.lane_idx() == 0:
+                    (stamps + k).store(Int32(read()))
+
+    @cute.jit
+    def _masked_prefix_blocks(self, batch, heads, q_len, seqlen, n_hi, mod_args):
+        """The largest n <= n_hi such that interval analysis proves keys [0, n * tile_n)
+        masked for every (head in `heads`, query row) of the tile. The property only
+        weakens with longer prefixes, so each warp tests 32 candidates per round, one per
+        lane, and a ballot counts the masked ones: ~log32(n_hi) rounds of one analysis
+        (2 for up to 1024 blocks) where a binary search took log2 (the analyses delay every
+        CTA's first load: a 4096-key window took ~1 µs at 8k-64k keys). Every warp finds
+        the same n."""
+        args = self.cfg.mods.mask_args(mod_args)
+        lo = Int32(0)
+        hi = n_hi
+        if n_hi > 0:
+            # Block 0 may be attended (causal...): nothing to skip, one analysis.
+            if self._prefix_masked(Int32(1), batch, heads, q_len, seqlen, args):
+                lo = Int32(1)
+                lane = cute.arch.lane_idx()
+                while lo < hi:
+                    # Invariant: prefix lo is masked, prefixes past hi are not.
+                    step = (hi - lo + 31) // 32
+                    candidate = cutlass.min(lo + (lane + 1) * step, hi)
+                    masked = self._prefix_masked(candidate, batch, heads, q_len, seqlen, args)
+                    count = Int32(cute.arch.popc(cute.arch.vote_ballot_sync(masked)))  # masked lanes: a prefix
+                    new_lo = cutlass.min(lo + count * step, hi)
+                    hi = cutlass.min(hi, lo + (count + 1) * step - 1)
+                    lo = new_lo
+        return lo
+
+    def _prefix_masked(self, n, batch, heads, q_len, seqlen, args):
+        """Keys [0, n * tile_n) surely masked for the tile's rows (n >= 1)."""
+        ranges = {"b": (batch, batch), "h": heads, "q": (Int32(0), q_len - 1),
+                  "kv": (Int32(0), cutlass.min(n * self.cfg.tile_n, seqlen) - 1)}
+        # Buffers read over long kv spans (document ids...) stay unbounded: scanning them
+        # per CTA would cost more than the blocks it could skip.
+        return interval_emit.classify(self.mask_expr, ranges, args, scan_limit=PREFIX_SCAN_LIMIT) == 0
+
+    # ------------------------------------------------------------------ producer
+    @cute.jit
+    def load(self, mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, pipe_k, pipe_v,
+             head_kv, batch, first, count):
+        cfg = self.cfg
+        box = (cfg.box_rows, cfg.head_dim)
+        one = cute.make_layout(1)
+
+        def partition(atom, mX, sX):
+            # gmem: (box, boxes along rows, outer); smem: (box, boxes per tile, stage).
+            g = cute.flat_divide(mX[None, None, head_kv, None], box)   # (r, D, nr, 1, outer)
+            s = cute.flat_divide(sX, box)                               # (r, D, nb, 1, stage)
+            tXsX, tXgX = cpasync.tma_partition(
+                atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
+            return tXgX, tXsX
+
+        tKgK, tKsK = partition(tma_atom_K, mK, sK)
+        tVgV, tVsV = partition(tma_atom_V, mV, sV)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
+        if const_expr(not cfg.paged):
+            for i in cutlass.range(count, unroll=1):
+                n_block = first + count - 1 - i
+                self._load_block(pipe_k, tma_atom_K, tKgK, tKsK, batch, n_block, state)
+                self._load_block(pipe_v, tma_atom_V, tVgV, tVsV, batch, n_block, state)
+                state.advance()
+        else:
+            # Page-table entries go to registers 32 at a time, one per lane, a batch ahead:
+            # a block's TMA never waits on a dependent global load of its page (that wait
+            # kept a ring slot idle per block). Block r of a batch finds its pages in lanes
+            # [r * pages_per_tile, (r + 1) * pages_per_tile).
+            pages_per_tile = cfg.pages_per_tile
+            per_batch = 32 // pages_per_tile
+            lane = cute.arch.lane_idx()
+            upcoming = self._page_entries(mPageTable, batch, first, count, Int32(0), lane)
+            for i0 in cutlass.range(0, count, per_batch, unroll=1):
+                entries = upcoming
+                upcoming = self._page_entries(mPageTable, batch, first, count, i0 + per_batch, lane)
+                for r in cutlass.range(cutlass.min(per_batch, count - i0), unroll=1):
+                    n_block = first + count - 1 - (i0 + r)
+                    self._load_block(pipe_k, tma_atom_K, tKgK, tKsK, batch, n_block, state, entries, r * pages_per_tile)
+                    self._load_block(pipe_v, tma_atom_V, tVgV, tVsV, batch, n_block, state, entries, r * pages_per_tile)
+                    state.advance()
+
+    @cute.jit
+    def _page_entries(self, mPageTable, batch, first, count, i0, lane) -> Int32:
+        """This lane's page-table entry of the batch of visits starting at visit `i0` (block
+        first + count - 1 - i0 and down): page lane % pages_per_tile of visit i0 + lane //
+        pages_per_tile; 0 past the last visit."""
+        cfg = self.cfg
+        entry = Int32(0)
+        pages_per_tile = cfg.pages_per_tile
+        visit = i0 + lane // pages_per_tile
+        if visit < count:
+            n_block = first + count - 1 - visit
+            if const_expr(pages_per_tile == 1):
+                logical_page = n_block // cfg.tiles_per_page
+            else:
+                # A tile's tail may run past the table when capacity is not a multiple of
+                # the tile: clamp (those rows lie beyond the sequence and are masked).
+                logical_page = cutlass.min(n_block * pages_per_tile + lane % pages_per_tile, mPageTable.shape[1] - 1)
+            entry = Int32(mPageTable[batch, logical_page])
+        return entry
+
+    @cute.jit
+    def _load_block(self, pipe, atom, tXgX, tXsX, batch, n_block, state, entries=None, lane0=None):
+        """TMA kv block `n_block` of sequence `batch` into the ring slot of `state`; paged:
+        its pages are `entries` of lanes lane0, lane0 + 1, ... (`_page_entries`)."""
+        cfg = self.cfg
+        pipe.producer_acquire(state)
+        bar = pipe.producer_get_barrier(state)
+        if const_expr(not cfg.paged):
+            cute.copy(atom, tXgX[None, n_block, 0, batch], tXsX[None, 0, 0, state.index], tma_bar_ptr=bar)
+        elif const_expr(cfg.page_size >= cfg.tile_n):
+            page = cute.arch.shuffle_sync(entries, lane0)
+            cute.copy(atom, tXgX[None, n_block % cfg.tiles_per_page, 0, page],
+                      tXsX[None, 0, 0, state.index], tma_bar_ptr=bar)
+        else:
+            for j in cutlass.range_constexpr(cfg.pages_per_tile):
+                page = cute.arch.shuffle_sync(entries, lane0 + j)
+                cute.copy(atom, tXgX[None, 0, 0, page], tXsX[None, j, 0, state.index], tma_bar_ptr=bar)
+
+    # ------------------------------------------------------------------ consumers
+    @cute.jit
+    def _load_q(self, mQ, sQ, tidx, head_kv, group, q_len, rows, m_block, batch):
+        """Packed Q tile -> smem (zeros for padding rows), visible to wgmma afterwards."""
+        cfg = self.cfg
+        vec = 8                                      # 16 bytes per access
+        chunks = cfg.head_dim // vec
+        for k in cutlass.range_constexpr(cfg.tile_m * chunks // self.num_mma_threads):
+            idx = tidx + k * self.num_mma_threads
+            r = idx // chunks
+            c = idx - r * chunks
+            p = m_block * cfg.tile_m + r
+            frag = cute.make_rmem_tensor(vec, self.dtype)
+            frag.fill(0.0)
+            if p < rows:
+                head, qi = packed_row(p, head_kv, group, q_len)
+                g = cute.local_tile(mQ[batch, head, qi, None], (vec,), (c,))
+                frag.store(g.load())
+            s = cute.local_tile(sQ[r, None], (vec,), (c,))
+            s.store(frag.load())
+        cute.arch.fence_view_async_shared()          # generic-proxy writes -> wgmma reads
+        cute.arch.barrier(barrier_id=self.q_ready_barrier_id, number_of_threads=self.num_mma_threads)
+
+    @cute.jit
+    def consume(self, mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
+                pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block, batch,
+                seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps=None, sPart=None, sLSE=None):
+        cfg = self.cfg
+        if const_expr(mod_args is None):
+            mod_args = ()
+        tidx = cute.arch.thread_idx()[0] - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg_first_thread = cute.make_layout(cfg.num_mma_wg, stride=128)(wg)
+        wg_qk = tiled_mma_qk.get_slice(wg_first_thread)
+        wg_pv = tiled_mma_pv.get_slice(wg_first_thread)
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+
+        acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((cfg.tile_m, cfg.head_dim)), Float32)
+        coords = FragmentCoords(thr_qk, cfg.tile_m, cfg.tile_n, mma.acc_mn_view)
+        # Each fragment row's own (q head, query row): the mods' coordinates under packing.
+        n_rows = cute.size(mma.acc_mn_view(acc_O).shape[0])
+        row_head = cute.make_rmem_tensor(n_rows, Int32)
+        row_q = cute.make_rmem_tensor(n_rows, Int32)
+        last_head = mQ.shape[1] - 1
+        for r in cutlass.range_constexpr(n_rows):
+            p = m_block * cfg.tile_m + coords.row(r)
+            head, qi = packed_row(p, head_kv, group, q_len)
+            row_head[r] = cutlass.min(head, last_head)   # padding rows: clamp
+            row_q[r] = qi
+        # The mods' buffer reads that stay constant along a row (ALiBi's slope, the query's
+        # true position), before the Q load: they go out beside the producer's first K/V
+        # loads instead of after the first K block (~5 µs later while HBM is saturated).
+        row_values = []
+        if const_expr(self.mods.has_score or self.mods.has_mask):
+            for r in cutlass.range_constexpr(n_rows):
+                row_values.append(self.mods.row_invariants(batch, row_head[r], row_q[r], mod_args))
+        if const_expr(len(row_values) == 0 or row_values[0] is None):
+            row_values = None
+
+        self._load_q(mQ, sQ, tidx, head_kv, group, q_len, rows, m_block, batch)
+        self._stamp(stamps, 2, tidx < 32)
+
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(mma.transpose_view(sV)))
+        tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
+        acc_shape_S = wg_qk.partition_shape_C((cfg.tile_m, cfg.tile_n))
+        acc_O.fill(0.0)
+
+        softmax = OnlineSoftmax(scale_log2, n_rows)
+        softmax.reset()      # a split may visit no block at all
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
+        ctx = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O, softmax,
+               coords, row_head, row_q, row_values, pipe_k, pipe_v, batch, seqlen, softmax_scale, mod_args)
+        if count > 0:
+            # The last block (visited first) is the only one that may straddle the length.
+            kv_state = self._step(ctx, kv_state, first + count - 1, kv_bound=True)
+        self._stamp(stamps, 3, tidx < 32)
+        for i in cutlass.range(1, count, unroll=1):
+            kv_state = self._step(ctx, kv_state, first + count - 1 - i, kv_bound=False)
+            if const_expr(cfg.timeline):
+                for k in cutlass.range_constexpr(1, 4):
+                    if i == count * k // 4:
+                        self._stamp(stamps, 7 + k, tidx < 32)
+        self._stamp(stamps, 4, tidx < 32)
+
+        inv_sum, lse = softmax.finalize()
+        rescale_rows(acc_O, inv_sum)
+        if const_expr(cfg.cluster_splits > 1):
+            self._partial_to_smem(acc_O, lse, sPart, sLSE, thr_pv, rows, m_block)
+        else:
+            self.epilogue(acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, split, num_splits,
+                          head_kv, group, q_len, rows, m_block, batch)
+
+    @cute.jit
+    def _step(self, ctx, kv_state, n_block, kv_bound: cutlass.Constexpr[bool]):
+        """One kv block: S = Q K^T, mods, online softmax, O = O * scale + P V."""
+        (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O, softmax,
+         coords, row_head, row_q, row_values, pipe_k, pipe_v, batch, seqlen, softmax_scale, mod_args) = ctx
+        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+        pipe_k.consumer_wait(kv_state)
+        mma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
+                      zero_init=True, wait=0)
+        pipe_k.consumer_release(kv_state)
+
+        mods = self.mods
+        if const_expr(mods.has_score or mods.has_mask or kv_bound):
+            apply_packed_mods(mma.acc_mn_view(acc_S), coords, row_head, row_q, row_values, mods, batch,
+                              n_block, seqlen, softmax_scale, mod_args, kv_bound)
+        row_scale = softmax.step(acc_S, is_first=False)
+        rescale_rows(acc_O, row_scale)
+        tOrP.store(mma.acc_as_a_view(acc_S).load().to(self.dtype))
+
+        pipe_v.consumer_wait(kv_state)
+        mma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index],
+                      zero_init=False, wait=0)
+        pipe_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def epilogue(self, acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, split, num_splits,
+                 head_kv, group, q_len, rows, m_block, batch):
+        """O rows straight from registers to their (q head, query row) in global memory:
+        the final O in the input dtype with one split, else this split's fp32 partial."""
+        cfg = self.cfg
+        cO = cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))
+        tOcO = mma.acc_mn_view(thr_pv.partition_C(cO))
+        o_mn = mma.acc_mn_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(o_mn.shape[0])):
+            p = m_block * cfg.tile_m + tOcO[r, 0][0]
+            if p < rows:
+                head, qi = packed_row(p, head_kv, group, q_len)
+                if num_splits == 1:
+                    gO = mO[batch, head, qi, None]
+                    for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
+                        gO[tOcO[r, c][1]] = o_mn[r, c].to(self.dtype)
+                    if tOcO[r, 0][1] == 0:
+                        mLSE[batch, head, qi] = lse[r]
+                else:
+                    gO = mOPart[split, batch, head, qi, None]
+                    for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
+                        gO[tOcO[r, c][1]] = o_mn[r, c]
+                    if tOcO[r, 0][1] == 0:
+                        mLSEPart[split, batch, head, qi] = lse[r]
+
+
+    @cute.jit
+    def _partial_to_smem(self, acc_O, lse, sPart, sLSE, thr_pv, rows, m_block):
+        """Cluster merge: this split's normalized O rows (fp32) and LSEs into its own shared
+        memory, over the K/V rings — after every consumer warp's last wgmma has read them."""
+        cfg = self.cfg
+        cute.arch.barrier(barrier_id=self.arrival_barrier_id, number_of_threads=self.num_mma_threads)
+        cO = cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))
+        tOcO = mma.acc_mn_view(thr_pv.partition_C(cO))
+        o_mn = mma.acc_mn_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(o_mn.shape[0])):
+            row = tOcO[r, 0][0]
+            if m_block * cfg.tile_m + row < rows:
+                for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
+                    sPart[row, tOcO[r, c][1]] = o_mn[r, c]
+                if tOcO[r, 0][1] == 0:
+                    sLSE[row] = lse[r]
+
+    @cute.jit
+    def _merge_cluster(self, mO, mLSE, sPart, sLSE, tidx, rank, head_kv, group, q_len, rows, m_block, batch):
+        """Cluster merge: CTA `rank` merges the tile rows r with r % splits == rank, one
+        consumer warp per row, reading every split's row from its CTA's shared memory
+        (each lane D/32 columns; the partial loads go out before the LSE reduction, so a
+        row costs about one distributed-shared-memory round trip). Same arithmetic as
+        `decode_combine.merge_splits`."""
+        cfg = self.cfg
+        splits = cfg.cluster_splits
+        per_lane = cfg.head_dim // 32
+        warp = tidx // 32
+        lane = tidx % 32
+        warps = self.num_mma_threads // 32
+        p_lo = m_block * cfg.tile_m
+        tile_rows = cutlass.min(cfg.tile_m, rows - p_lo)
+        for r in cutlass.range(rank + splits * warp, tile_rows, splits * warps, unroll=1):
+            cols = sPart.iterator + (r * cfg.head_dim + lane * per_lane)
+            parts = [dsmem.load_f32s_in_rank(cols, Int32(s), per_lane) for s in range(splits)]
+            lse_s = -Float32.inf
+            if lane < splits:
+                lse_s = dsmem.load_f32s_in_rank(sLSE.iterator + r, lane, 1)[0]
+            m = cute.arch.warp_reduction_max(lse_s)
+            w = cute.math.exp2(lse_s * Float32(LOG2_E) - log2_shift(m), fastmath=True)   # lanes >= splits: 0
+            total = cute.arch.warp_reduction_sum(w)
+            inv, lse = inverse_and_lse(m, total)
+            acc = cute.make_rmem_tensor(per_lane, Float32)
+            acc.fill(0.0)
+            for s in cutlass.range_constexpr(splits):
+                w_s = cute.arch.shuffle_sync(w, s)
+                for i in cutlass.range_constexpr(per_lane):
+                    acc[i] = acc[i] + w_s * parts[s][i]
+            p = p_lo + r
+            head, qi = packed_row(p, head_kv, group, q_len)
+            out = cute.local_tile(mO[batch, head, qi, None], (per_lane,), (lane,))
+            out.store((acc.load() * inv).to(mO.element_type))
+            if lane == 0:
+                mLSE[batch, head, qi] = lse
+
+    # ------------------------------------------------------------------ in-kernel merge
+    @cute.jit
+    def _arrived_last(self, ticket, num_splits, sFlag, tidx) -> cutlass.Boolean:
+        """Called by every consumer thread after its partial stores: True in the CTA whose
+        arrival completes its group's count (it then owns the merge; the count is reset)."""
+        cute.arch.barrier(barrier_id=self.arrival_barrier_id, number_of_threads=self.num_mma_threads)
+        if tidx == 0:
+            arrived = cute.arch.atomic_add(ticket, Int32(1), sem="acq_rel", scope="gpu")
+            last = Int32(0)
+            if arrived == num_splits - 1:
+                last = Int32(1)
+                # Every split of this launch has arrived: none touches the counter again, and
+                # the next launch (stream order) finds it zero.
+                cute.arch.atomic_exch(ticket, Int32(0), sem="relaxed", scope="gpu")
+            sFlag[0] = last
+        cute.arch.barrier(barrier_id=self.arrival_barrier_id, number_of_threads=self.num_mma_threads)
+        return sFlag[0] != 0
+
+    @cute.jit
+    def _merge_group(self, mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block, batch):
+        """The last split CTA of a group: merge every split's partial of the tile's rows
+        into O (input dtype) and LSE, one consumer warp per row (rows strided over warps)."""
+        cfg = self.cfg
+        warp = tidx // 32
+        lane = tidx % 32
+        p_lo = m_block * cfg.tile_m
+        tile_rows = cutlass.min(cfg.tile_m, rows - p_lo)
+        for r in cutlass.range(warp, tile_rows, self.num_mma_threads // 32, unroll=1):
+            p = p_lo + r
+            head, qi = packed_row(p, head_kv, group, q_len)
+            lse = merge_splits(mLSEPart[None, batch, head, qi], mOPart[None, batch, head, qi, None],
+                               mO[batch, head, qi, None], lane, cfg.head_dim)
+            if lane == 0:
+                mLSE[batch, head, qi] = lse
+
+
+def packed_row(p, head_kv, group, q_len) -> tuple:
+    """(q head, query row) of packed row `p` of kv head `head_kv`'s group (rows are
+    head-major: p = head_in_group * q_len + query row)."""
+    h_in = p // q_len
+    return head_kv * group + h_in, p - h_in * q_len
+
+
+@cute.jit
+def apply_packed_mods(s_mn: cute.Tensor, coords: FragmentCoords, row_head: cute.Tensor,
+                      row_q: cute.Tensor, row_values: cutlass.Constexpr, mods: cutlass.Constexpr,
+                      batch: Int32, n_block: Int32,
+                      seqlen: Int32, softmax_scale: Float32, args,
+                      kv_bound: cutlass.Constexpr[bool]):
+    """`mod_hook.apply_mods` for GQA-packed rows: fragment row r belongs to q head
+    `row_head[r]` and query row `row_q[r]`. With `kv_bound`, keys at or beyond `seqlen` are
+    masked and the hooks see min(kv, seqlen - 1) (buffers of cache length stay in bounds).
+    `row_values[r]`: row r's `mods.row_invariants` (emitted before the kv loop), or None."""
+    kv_base = n_block * coords.tile_n + coords.col_offset()
+    kv_last = seqlen - 1
+    for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
+        head = row_head[r]
+        q = row_q[r]
+        for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
+            kv = kv_base + coords.col0(c)
+            kv_hook = kv
+            if const_expr(kv_bound):
+                kv_hook = cutlass.min(kv, kv_last)
+            s = s_mn[r, c]
+            row = {} if const_expr(row_values is None) else {"row": row_values[r]}
+            if const_expr(mods.has_score):
+                s = mods.score(s * softmax_scale, batch, head, q, kv_hook, args, **row)
+            if const_expr(mods.has_mask):
+                keep = mods.mask(batch, head, q, kv_hook, args, **row)
+                s = kept_if(keep, s)
+            if const_expr(kv_bound):
+                s = kept_if(kv < seqlen, s)
+            s_mn[r, c] = s

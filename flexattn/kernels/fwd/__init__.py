@@ -1,0 +1,1 @@
+"""The warp-specialized Hopper forward: ``sm90`` (``FwdConfig``, ``FlashFwdSm90``)."""

@@ -1,0 +1,908 @@
+"""FlashAttention forward for Hopper (sm_90a) in CuTeDSL, with a compile-time mod hook.
+
+A CTA computes (tile_m rows of Q) x (one head) x (one batch) output tiles — one, or with
+`max_ctas` (persistent CTAs) several in turn; tile_scheduler.py decides which and in what
+order. Per tile:
+
+    warpgroup 0, warp 0   producer: TMA-loads Q once, then K_j and V_j for each visited
+                          kv block j into a `num_stages`-deep ring (separate mbarrier
+                          pipelines for K and V so S = Q K_j^T can start before V_j lands)
+    warpgroups 1..        consumers, 64 rows of the tile each: S = Q K^T (wgmma, smem x smem),
+                          mods on the S fragment, online softmax (fp32, exp2), O += P V
+                          (wgmma, P from registers), then O / l -> smem -> TMA store, LSE.
+
+Registers are moved from the producer to the consumers with setmaxnreg. Scheduling
+(step b, config flags, results identical): *intra-warpgroup overlap* issues S_j = Q K_j^T
+together with O += P_{j-1} V_{j-1} and runs the softmax of S_j while the tensor cores do the
+P V product; *ping-pong* makes the consumer warpgroups take turns issuing GEMMs (named
+barriers), so one warpgroup's softmax hides behind the other's GEMMs.
+
+Tensors are [B, H, S, D] with D contiguous (any other strides); K/V may have fewer heads
+(GQA: kv head = q head // (Hq / Hkv)); Q_LEN and KV_LEN are independent and arbitrary
+(TMA zero-fills reads past the end and clips the store; the KV_LEN edge is masked).
+
+Which kv blocks are visited, and which of them need the mask evaluated, is the *block
+structure* (see block_sparsity.py): "dense" (all blocks, last first, the mask on every
+block), "causal" (blocks at or below the diagonal, the mask only on blocks crossing it) or
+"block_sparse" (a FlexAttention BlockMask's partial and full lists, runtime tensors).
+`_visit_blocks`, `_visit_blocks_one_step`, `_visit_sparse` (consumers) and `load`
+(producer) are the only code that enumerates blocks, in the same order. Where a hook is
+emitted (and for every block-sparse walk), one overlapped step (`_visit_step`) serves all
+blocks, the first included: which limits or masks a block needs, and whether a previous
+P V is due, are decided at run time, so the hooks and the softmax are traced once
+(compile time of a new mod, issue 3). Hook-free dense / causal kernels peel their first
+block (`_first_half`) and run the same step for the others with the previous P V always
+due.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from flexattn.kernels.hopper import mma
+from flexattn.kernels.blockmask.visit import DenseBlocks, SparseBlocks
+from flexattn.kernels.emit.mod_hook import (NO_MODS, FragmentCoords, ModHook, apply_mods, masked_if,
+                                            masked_where)
+from flexattn.kernels.hopper.softmax import OnlineSoftmax, rescale_rows
+from flexattn.kernels.hopper.tile_scheduler import ByHead, LongestFirst, TileSpace, grid_size
+from flexattn.kernels.hopper.tma_pipeline import multicast_slice, tma_ring
+
+LOG2_E = math.log2(math.e)
+
+_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Everything that changes the generated code (runtime values never do)."""
+
+    dtype: str = "bf16"            # "bf16" | "fp16": Q, K, V and O
+    head_dim: int = 128            # 64 | 128
+    tile_m: int | None = None      # Q rows per CTA, 64 per consumer warpgroup (None: 192
+                                   # for head_dim 64 without score mod, else 128)
+    tile_n: int = 128              # KV rows per pipeline stage
+    num_stages: int = 2            # K/V ring depth
+    causal: bool = False           # block structure: skip blocks above the diagonal
+    block_sparse: bool = False     # block structure from BlockMask lists (runtime tensors)
+    mods: ModHook = field(default=NO_MODS, compare=False)
+    producer_regs: int | None = None  # setmaxnreg budgets; None: by warpgroup count,
+    consumer_regs: int | None = None  # 2 WGs: 24 / 240, 3 WGs: 32 / 160 (fill 64K regs)
+    # Step (b) scheduling; both only change timing, never results:
+    intra_wg_overlap: bool = True  # softmax of block j overlaps P_{j-1} V_{j-1} on the tensor cores
+    pingpong: bool = True          # 2 consumer warpgroups take turns issuing their GEMMs
+    # Which tiles each CTA takes (tile_scheduler.py): "by_head" or "longest_first"
+    # (None: longest_first under causal, where tiles differ in work; by_head otherwise).
+    tile_order: str | None = None
+    # Persistent CTAs: at most this many (the SM count), each walking several tiles so the
+    # next tile's loads overlap this one's epilogue; 0 = one CTA per tile. Costs a separate
+    # O staging buffer in shared memory.
+    max_ctas: int = 0
+    # CTAs per cluster along the q tiles (1 or 2). With 2, the two CTAs of a cluster take
+    # adjacent q tiles of one (batch, head) and load each K/V block once for both: each
+    # CTA TMA-loads half of it, multicast into both CTAs' shared memory (FA3's cluster
+    # for head dim >= 128), halving the K/V traffic from L2. Dense or causal structure
+    # (under causal the lower tile of a pair skips the blocks only the upper one sees:
+    # loaded for its peer, not computed). The caller must guarantee an even number of q
+    # tiles per head (`cluster_fits`), or a pair would straddle two heads.
+    cluster_m: int = 1
+
+    def __post_init__(self):
+        # Resolve the defaults that depend on other fields (frozen: via object.__setattr__).
+        if self.tile_m is None and self.block_sparse:
+            object.__setattr__(self, "tile_m", 128)   # = FlexAttention's default Q block
+        if self.tile_m is None:
+            # 3 consumer warpgroups at 160 regs each suit head_dim 64, but a score mod
+            # (e.g. with buffer loads) can spill there: then 2 warpgroups at 240.
+            big = self.head_dim <= 64 and not self.mods.has_score
+            object.__setattr__(self, "tile_m", 192 if big else 128)
+        regs = {1: (56, 256), 2: (24, 240), 3: (32, 160)}.get(self.tile_m // 64, (24, 240))
+        if self.tile_order is None:
+            object.__setattr__(self, "tile_order", "longest_first" if self.causal else "by_head")
+        if self.tile_order not in ("by_head", "longest_first"):
+            raise ValueError(f"tile_order must be 'by_head' or 'longest_first', got {self.tile_order!r}")
+        if self.producer_regs is None:
+            object.__setattr__(self, "producer_regs", regs[0])
+        if self.consumer_regs is None:
+            object.__setattr__(self, "consumer_regs", regs[1])
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.head_dim not in (64, 128):
+            raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
+        if self.tile_m not in (64, 128, 192):
+            raise ValueError(f"tile_m must be 64, 128 or 192, got {self.tile_m}")
+        if self.tile_m == 192 and self.head_dim > 64:
+            raise ValueError("tile_m=192 (160 regs per warpgroup) only fits head_dim 64")
+        if self.tile_n % 16 != 0 or not 16 <= self.tile_n <= 256:
+            raise ValueError(f"tile_n must be a multiple of 16 in [16, 256], got {self.tile_n}")
+        if self.num_stages < 1:
+            raise ValueError("num_stages must be >= 1")
+        if self.block_sparse and self.causal:
+            raise ValueError("block_sparse and causal are two block structures: pick one")
+        if self.max_ctas < 0:
+            raise ValueError(f"max_ctas must be >= 0, got {self.max_ctas}")
+        if self.cluster_m not in (1, 2):
+            raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
+        if self.cluster_m > 1 and self.block_sparse:
+            raise ValueError("cluster_m=2 needs the dense or causal block structure (the CTAs of"
+                             " a cluster load the same kv blocks)")
+        if self.cluster_m > 1 and self.causal and self.tile_m != self.tile_n:
+            raise ValueError("cluster_m=2 under causal needs tile_m == tile_n")
+        if self.pingpong and self.tile_m == 64:
+            raise ValueError("pingpong needs 2 or 3 consumer warpgroups (tile_m 128 or 192)")
+
+    @property
+    def cutlass_dtype(self):
+        return _DTYPES[self.dtype]
+
+    def cluster_fits(self, seqlen_q: int) -> bool:
+        """Whether a call with `seqlen_q` queries may run this config (cluster_m tiles of
+        a cluster must share their (batch, head))."""
+        return -(-seqlen_q // self.tile_m) % self.cluster_m == 0
+
+    def with_mods(self, mods: ModHook) -> "FwdConfig":
+        """This config with another hook of the *same structure* (the caller's promise:
+        e.g. the same mods with this call's captured values). Skips re-validation: the
+        planner calls it on every launch."""
+        new = object.__new__(FwdConfig)
+        new.__dict__.update(self.__dict__)
+        object.__setattr__(new, "mods", mods)
+        return new
+
+    def key(self) -> tuple:
+        """Compile-cache key: the config with the hook replaced by its structure key."""
+        return (self.dtype, self.head_dim, self.tile_m, self.tile_n, self.num_stages,
+                self.causal, self.block_sparse, self.producer_regs, self.consumer_regs, self.intra_wg_overlap,
+                self.pingpong, self.tile_order, self.max_ctas, self.cluster_m,
+                self.mods.key())
+
+
+class FlashFwdSm90:
+    """Compile with `cute.compile(FlashFwdSm90(cfg), q, k, v, o, lse, scale, args, stream)`
+    or through `flexattn.kernels.launch.compile.compile_forward`."""
+
+    def __init__(self, config: FwdConfig):
+        self.cfg = config
+        self.dtype = config.cutlass_dtype
+        self.mods = config.mods
+        self.num_mma_wg = config.tile_m // 64
+        self.num_mma_threads = 128 * self.num_mma_wg
+        self.num_threads = 128 + self.num_mma_threads
+        # Named barrier ids (0 is __syncthreads): one for the epilogue, then one per
+        # consumer warpgroup for the ping-pong turn.
+        self.epilogue_barrier_id = 1
+        self.turn_barrier_id0 = 2
+        kv_row_bytes = 2 * config.head_dim * (self.dtype.width // 8)
+        self.order = (LongestFirst(kv_row_bytes) if config.tile_order == "longest_first"
+                      else ByHead())
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,          # [B, Hq, Sq, D]
+        mK: cute.Tensor,          # [B, Hkv, Skv, D]
+        mV: cute.Tensor,          # [B, Hkv, Skv, D]
+        mO: cute.Tensor,          # [B, Hq, Sq, D]
+        mLSE: cute.Tensor,        # [B, Hq, Sq] float32, natural log
+        softmax_scale: Float32,
+        mod_args,                 # tuple of runtime args for the mod hook, or None
+        block_sparse,             # (kv_num_blocks, kv_indices, full_kv_num_blocks,
+                                  #  full_kv_indices) int32, if cfg.block_sparse; else None
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        for t in (mQ, mK, mV, mO):
+            if const_expr(t.element_type != self.dtype):
+                raise TypeError(f"expected {self.dtype}, got {t.element_type}")
+        if const_expr(mLSE.element_type != Float32):
+            raise TypeError("LSE must be float32")
+        if const_expr(cfg.block_sparse != (block_sparse is not None)):
+            raise ValueError("block_sparse tensors must be given iff cfg.block_sparse")
+
+        # (S, D, H, B) views: the TMA box is (rows, D) and H, B index the tile.
+        Q, K, V, O = [mma.select_modes(t, [2, 3, 1, 0]) for t in (mQ, mK, mV, mO)]
+        LSE = mma.select_modes(mLSE, [2, 1, 0])          # (S, H, B)
+
+        tiled_mma_qk = mma.make_qk_mma(self.dtype, cfg.tile_m, cfg.tile_n)
+        tiled_mma_pv = mma.make_pv_mma(self.dtype, cfg.tile_m, cfg.head_dim)
+
+        sQ_layout = mma.smem_layout(self.dtype, cfg.tile_m, cfg.head_dim)
+        sK_layout = mma.smem_layout(self.dtype, cfg.tile_n, cfg.head_dim, cfg.num_stages)
+        sV_layout = mma.smem_layout(self.dtype, cfg.tile_n, cfg.head_dim, cfg.num_stages)
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        g2s_kv = cpasync.CopyBulkTensorTileG2SMulticastOp() if cfg.cluster_m > 1 else g2s
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+            g2s, Q, sQ_layout, (cfg.tile_m, cfg.head_dim))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            g2s_kv, K, cute.select(sK_layout, mode=[0, 1]), (cfg.tile_n, cfg.head_dim), cfg.cluster_m)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            g2s_kv, V, cute.select(sV_layout, mode=[0, 1]), (cfg.tile_n, cfg.head_dim), cfg.cluster_m)
+        # O goes out through sQ's buffer (same shape and swizzle) once Q is dead.
+        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), O, sQ_layout, (cfg.tile_m, cfg.head_dim))
+
+        self.bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
+        self.bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            if const_expr(cfg.max_ctas):    # persistent: O must not overwrite the next Q
+                sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+
+        # A layout past the limit would compile and then fail at launch ("invalid
+        # argument"): refuse it here, before any launch.
+        if const_expr(SharedStorage.size_in_bytes() > mma.SMEM_CAPACITY):
+            raise ValueError(
+                f"forward shared memory: {SharedStorage.size_in_bytes()} bytes > {mma.SMEM_CAPACITY} (sm_90);"
+                f" use a smaller tile_n ({cfg.tile_n}) or num_stages ({cfg.num_stages}), or max_ctas=0"
+                " (persistent CTAs need a separate O buffer)")
+
+        # With a score mod the kernel scales s itself before the hook; exp2 then needs
+        # only log2(e). Without one, scale * log2(e) folds into the exp2 argument.
+        scale_log2 = Float32(LOG2_E)
+        if const_expr(not self.mods.has_score):
+            scale_log2 = softmax_scale * Float32(LOG2_E)
+
+        grid = grid_size((Q.shape[0] + cfg.tile_m - 1) // cfg.tile_m * Q.shape[2] * Q.shape[3],
+                         cfg.max_ctas - cfg.max_ctas % cfg.cluster_m)
+        self.kernel(
+            tma_Q, tma_K, tma_V, tma_O, LSE,
+            tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+            tiled_mma_qk, tiled_mma_pv,
+            sQ_layout, sK_layout, sV_layout,
+            softmax_scale, scale_log2, mod_args, block_sparse,
+            SharedStorage,
+        ).launch(
+            grid=grid,
+            block=[self.num_threads, 1, 1],
+            cluster=[cfg.cluster_m, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+        tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
+        tma_atom_V: cute.CopyAtom, tma_atom_O: cute.CopyAtom,
+        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        softmax_scale: Float32, scale_log2: Float32, mod_args, block_sparse,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        cfg = self.cfg
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        n = self.num_mma_threads
+        pipe_q = tma_ring(storage.mbar_q.data_ptr(), 1, n, self.bytes_q)
+        pipe_k = tma_ring(storage.mbar_k.data_ptr(), cfg.num_stages, n, self.bytes_kv, cfg.cluster_m)
+        pipe_v = tma_ring(storage.mbar_v.data_ptr(), cfg.num_stages, n, self.bytes_kv, cfg.cluster_m)
+        # With a cluster, the peer's multicasts and release arrives target these barriers:
+        # they must be initialised cluster-wide before anyone loads.
+        cluster = (cfg.cluster_m, 1) if cfg.cluster_m > 1 else None
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster, is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = sQ      # one tile per CTA: O is staged in Q's buffer once Q is dead
+        if const_expr(cfg.max_ctas):
+            sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        tiles = TileSpace((seqlen_q + cfg.tile_m - 1) // cfg.tile_m, mQ.shape[2], mQ.shape[3], seqlen_k)
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=cluster)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(cfg.producer_regs)
+            if warp_idx == 0:
+                self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+                          pipe_q, pipe_k, pipe_v, tiles, seqlen_k, block_sparse)
+        else:
+            cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            self.consume(mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                         pipe_q, pipe_k, pipe_v, tiles, seqlen_q, seqlen_k,
+                         block_sparse, softmax_scale, scale_log2, mod_args)
+
+    @cute.jit
+    def _tile(self, tiles: TileSpace, idx: Int32, seqlen_k: Int32, block_sparse):
+        """(m_block, head, batch, blocks) of linear tile `idx`."""
+        if const_expr(self._pairs_rows()):
+            # The order places pairs of rows (2r + 1, 2r); the cluster's rank 0 takes the
+            # upper one (the longer walk under causal).
+            pairs = TileSpace(tiles.rows // 2, tiles.heads, tiles.batch, tiles.kv_len)
+            row_pair, head, batch = self.order.tile(idx // 2, pairs)
+            m_block = 2 * row_pair + 1 - idx % 2
+        else:
+            m_block, head, batch = self.order.tile(idx, tiles)
+        if const_expr(self.cfg.block_sparse):
+            blocks = SparseBlocks(block_sparse, batch, head, m_block)
+        else:
+            blocks = DenseBlocks(self._n_block_max(m_block, seqlen_k))
+        return m_block, head, batch, blocks
+
+    def _pairs_rows(self) -> bool:
+        """Whether tiles are ordered in pairs of rows (a cluster under causal): a plain
+        order would pair rows of different heads whenever its fastest index is the head
+        (longest-first). Dense clusters keep the order: by-head pairs adjacent rows anyway."""
+        return self.cfg.cluster_m > 1 and self.cfg.causal
+
+    @cute.jit
+    def _blocks_for_peer(self, m_block: Int32, seqlen_k: Int32) -> Int32:
+        """Leading kv blocks the cluster pair's upper tile visits and this one does not
+        (causal cluster; 0 for the upper tile): loaded for the peer, skipped here."""
+        upper = m_block + 1 - m_block % 2
+        return self._n_block_max(upper, seqlen_k) - self._n_block_max(m_block, seqlen_k)
+
+    @cute.jit
+    def _n_block_max(self, m_block: Int32, seqlen_k: Int32) -> Int32:
+        cfg = self.cfg
+        n_max = (seqlen_k + cfg.tile_n - 1) // cfg.tile_n
+        if const_expr(cfg.causal):
+            # Last kv column any row of this tile may see (top-left aligned: kv <= q).
+            n_max = cutlass.min(n_max, ((m_block + 1) * cfg.tile_m + cfg.tile_n - 1) // cfg.tile_n)
+        return n_max
+
+    @cute.jit
+    def load(self, mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
+             pipe_q, pipe_k, pipe_v, tiles, seqlen_k, block_sparse):
+        """Producer warp: Q and the visited K/V blocks of each of this CTA's tiles. The
+        ring's state runs on across tiles, so a persistent CTA's next tile streams in
+        while the consumers finish this one."""
+        cfg = self.cfg
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
+        group = mQ.shape[2] // mK.shape[2]
+        operands = (mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, pipe_q, pipe_k, pipe_v)
+        if const_expr(cfg.max_ctas):
+            for idx in cutlass.range(tiles.first, tiles.total, tiles.stride, unroll=1):
+                m_block, head, batch, blocks = self._tile(tiles, idx, seqlen_k, block_sparse)
+                q_state, kv_state = self._load_tile(
+                    operands, m_block, head, head // group, batch, blocks, q_state, kv_state)
+        else:   # one tile per CTA: no loop (its carried state costs registers)
+            m_block, head, batch, blocks = self._tile(tiles, tiles.first, seqlen_k, block_sparse)
+            q_state, kv_state = self._load_tile(
+                operands, m_block, head, head // group, batch, blocks, q_state, kv_state)
+        if const_expr(cfg.cluster_m > 1):
+            # The peer CTA's consumers still arrive on our empty barriers: stay until every
+            # slot has been released by both CTAs, so no arrive targets an exited CTA.
+            pipe_k.producer_tail(kv_state.clone())
+            pipe_v.producer_tail(kv_state.clone())
+
+    @cute.jit
+    def _load_tile(self, operands, m_block, head, head_kv, batch, blocks, q_state, kv_state):
+        cfg = self.cfg
+        mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, pipe_q, pipe_k, pipe_v = operands
+        gQ = cute.local_tile(mQ[None, None, head, batch], (cfg.tile_m, cfg.head_dim), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim), (None, 0))
+        one = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        # Cluster: this CTA's slice of each K/V block (it multicasts it to both CTAs).
+        rank, pair, multicast = multicast_slice(cfg.cluster_m)
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_K, rank, pair, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_V, rank, pair, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+        k_src = (pipe_k, tma_atom_K, tKgK, tKsK, multicast)
+        v_src = (pipe_v, tma_atom_V, tVgV, tVsV, multicast)
+        if const_expr(self._pairs_rows()):
+            blocks = DenseBlocks(blocks.count + self._blocks_for_peer(m_block, mK.shape[0]))
+        n = blocks.count
+        # K_0 first: its slot may free up before the consumers release the previous Q.
+        if const_expr(cfg.intra_wg_overlap):
+            if n > 0:
+                self._load_block(k_src, blocks.at(0), kv_state)
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        q_state.advance()
+        if const_expr(not cfg.intra_wg_overlap):
+            for i in cutlass.range(n, unroll=1):
+                n_block = blocks.at(i)
+                self._load_block(k_src, n_block, kv_state)
+                self._load_block(v_src, n_block, kv_state)
+                kv_state.advance()
+        else:
+            # The consumers want K_j before V_{j-1}: issue in that order.
+            for i in cutlass.range(1, n, unroll=1):
+                v_state = kv_state.clone()
+                kv_state.advance()
+                self._load_block(k_src, blocks.at(i), kv_state)
+                self._load_block(v_src, blocks.at(i - 1), v_state)
+            if n > 0:
+                self._load_block(v_src, blocks.at(n - 1), kv_state)
+                kv_state.advance()
+        return q_state, kv_state
+
+    @cute.jit
+    def _load_block(self, src, n_block, state):
+        """TMA one K or V block into the ring slot of `state` (waits for the slot)."""
+        pipe, atom, tXgX, tXsX, multicast = src
+        pipe.producer_acquire(state)
+        cute.copy(atom, tXgX[None, n_block], tXsX[None, state.index],
+                  tma_bar_ptr=pipe.producer_get_barrier(state), **multicast)
+
+    @cute.jit
+    def consume(self, mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                pipe_q, pipe_k, pipe_v, tiles, seqlen_q, seqlen_k,
+                block_sparse, softmax_scale, scale_log2, mod_args):
+        cfg = self.cfg
+        if const_expr(mod_args is None):
+            mod_args = ()
+        tidx = cute.arch.thread_idx()[0] - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        # wgmma operands are partitioned per warpgroup; accumulators per thread.
+        wg_first_thread = cute.make_layout(self.num_mma_wg, stride=128)(wg)
+        wg_qk = tiled_mma_qk.get_slice(wg_first_thread)
+        wg_pv = tiled_mma_pv.get_slice(wg_first_thread)
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(mma.transpose_view(sV)))
+        tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
+        acc_shape_S = wg_qk.partition_shape_C((cfg.tile_m, cfg.tile_n))
+        acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((cfg.tile_m, cfg.head_dim)), Float32)
+
+        softmax = OnlineSoftmax(scale_log2, cute.size(mma.acc_mn_view(acc_O).shape[0]))
+        coords = FragmentCoords(thr_qk, cfg.tile_m, cfg.tile_n, mma.acc_mn_view)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
+        if const_expr(cfg.pingpong):
+            # Warpgroup 0 holds the first turn. Turns pass once per visited block after
+            # the first, in both warpgroups alike, so the last pass of a tile is the
+            # next tile's first turn.
+            if wg == 0:
+                cute.arch.barrier_arrive(barrier_id=self.turn_barrier_id0, number_of_threads=256)
+
+        fixed = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O,
+                 softmax, coords, pipe_k, pipe_v)
+        out = (mO, mLSE, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx)
+        if const_expr(cfg.max_ctas):
+            for idx in cutlass.range(tiles.first, tiles.total, tiles.stride, unroll=1):
+                q_state, kv_state = self._consume_tile(
+                    fixed, out, tiles, idx, seqlen_q, seqlen_k, block_sparse, softmax_scale,
+                    mod_args, wg, pipe_q, q_state, kv_state)
+        else:   # one tile per CTA: no loop (its carried state costs registers)
+            self._consume_tile(fixed, out, tiles, tiles.first, seqlen_q, seqlen_k, block_sparse,
+                               softmax_scale, mod_args, wg, pipe_q, q_state, kv_state)
+        if tidx // 32 == 0:
+            # The last O store must finish reading shared memory before the CTA exits.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _consume_tile(self, fixed, out, tiles, idx, seqlen_q, seqlen_k, block_sparse,
+                      softmax_scale, mod_args, wg, pipe_q, q_state, kv_state):
+        """Linear tile `idx`: main loop over its kv blocks, then the epilogue."""
+        cfg = self.cfg
+        m_block, head, batch, blocks = self._tile(tiles, idx, seqlen_k, block_sparse)
+        ctx = fixed + (m_block, head, batch, seqlen_q, seqlen_k, softmax_scale, mod_args, wg)
+        acc_O, softmax = fixed[7], fixed[8]
+        acc_O.fill(0.0)
+        if const_expr(self._pairs_rows()):
+            kv_state = self._skip_blocks(ctx, kv_state, self._blocks_for_peer(m_block, seqlen_k))
+        pipe_q.consumer_wait(q_state)
+        if const_expr(not cfg.intra_wg_overlap):
+            self._turn_wait(wg)
+        if const_expr(cfg.block_sparse):
+            kv_state = self._visit_sparse(ctx, kv_state, blocks)
+        elif const_expr(self._walks_in_one_step()):
+            kv_state = self._visit_blocks_one_step(ctx, kv_state, m_block, blocks.count)
+        else:
+            kv_state = self._visit_blocks(ctx, kv_state, m_block, blocks.count)
+            if const_expr(cfg.intra_wg_overlap):
+                kv_state = self._last_pv(ctx, kv_state)
+        if const_expr(not cfg.intra_wg_overlap):
+            self._turn_pass(wg)
+        # Every Q K^T of this tile has completed: the producer may load the next Q.
+        pipe_q.consumer_release(q_state)
+        q_state.advance()
+        mO, mLSE, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx = out
+        self.epilogue(acc_O, softmax, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx,
+                      m_block, head, batch, seqlen_q)
+        return q_state, kv_state
+
+    @cute.jit
+    def _skip_blocks(self, ctx, kv_state, count: Int32):
+        """Release `count` K/V stages unread (blocks loaded only for the cluster peer)."""
+        pipe_k, pipe_v = ctx[10], ctx[11]
+        for _ in cutlass.range(count, unroll=1):
+            pipe_k.consumer_wait(kv_state)
+            pipe_k.consumer_release(kv_state)
+            pipe_v.consumer_wait(kv_state)
+            pipe_v.consumer_release(kv_state)
+            kv_state.advance()
+        return kv_state
+
+    # Ping-pong: warpgroup w may issue GEMMs once barrier (turn_barrier_id0 + w) has seen
+    # the previous warpgroup's arrival; after issuing it passes the turn to the next one
+    # (0 -> 1 -> 0, or 0 -> 1 -> 2 -> 0 with three consumer warpgroups). The softmax of
+    # one warpgroup then runs while the other's GEMMs occupy the tensor cores.
+    def _turn_wait(self, wg):
+        if const_expr(self.cfg.pingpong):
+            cute.arch.barrier(barrier_id=self.turn_barrier_id0 + wg, number_of_threads=256)
+
+    def _turn_pass(self, wg):
+        if const_expr(self.cfg.pingpong):
+            nxt = 1 - wg
+            if const_expr(self.num_mma_wg == 3):
+                nxt = (wg + 1) % 3
+            cute.arch.barrier_arrive(barrier_id=self.turn_barrier_id0 + nxt,
+                                     number_of_threads=256)
+
+    @cute.jit
+    def _visit_blocks(self, ctx, kv_state, m_block, n_block_max):
+        """Enumerate kv blocks (last first) and pick, per block, which masks to evaluate.
+        The producer's `load` visits the same blocks in the same order."""
+        cfg = self.cfg
+        mods = self.mods
+        # First block: masks always evaluated (it may cross the diagonal); the KV_LEN
+        # bound only if it straddles KV_LEN, checked at run time.
+        kv_state = self._block(ctx, kv_state, n_block_max - 1, is_first=True,
+                               mask=mods.has_mask, causal=cfg.causal and not mods.has_mask,
+                               kv_bound="first")
+        n_rest = n_block_max - 1
+        if const_expr(cfg.causal and cfg.tile_n % cfg.tile_m != 0):
+            # Blocks >= n_diag contain some kv > the tile's first q: mask needed. When
+            # tile_n is a multiple of tile_m (128 x 128) only the first block can: every
+            # later one ends before the tile's first row, and this loop would never run.
+            n_diag = (m_block * cfg.tile_m + 1) // cfg.tile_n
+            for i in cutlass.range(n_block_max - 1 - n_diag, unroll=1):
+                kv_state = self._block(ctx, kv_state, n_block_max - 2 - i, is_first=False,
+                                       mask=mods.has_mask, causal=not mods.has_mask,
+                                       kv_bound=False)
+            n_rest = cutlass.min(n_rest, n_diag)
+        # Remaining blocks: full under causal; under the dense structure a mask hook
+        # must still be evaluated everywhere.
+        for i in cutlass.range(n_rest, unroll=1):
+            kv_state = self._block(ctx, kv_state, n_rest - 1 - i, is_first=False,
+                                   mask=mods.has_mask and not cfg.causal, causal=False,
+                                   kv_bound=False)
+        return kv_state
+
+    def _walks_in_one_step(self) -> bool:
+        """Whether the dense / causal structures walk their blocks with one step for every
+        block (`_visit_blocks_one_step`): with the overlapped schedule, when a hook is
+        emitted. A peeled first block would be a second copy of the hooks and the softmax
+        (compile time: causal+softcap 2456 -> 1976 SASS instructions); without hooks that
+        copy is small and the kernels keep their peeled first block."""
+        mods = self.mods
+        return self.cfg.intra_wg_overlap and (mods.has_score or mods.has_mask)
+
+    @cute.jit
+    def _visit_blocks_one_step(self, ctx, kv_state, m_block, n_block_max):
+        """`_visit_blocks` (same blocks, same order) with one overlapped step for all of
+        them. The hooks run on every block (kv clamped where they read a buffer at kv);
+        the per-row limits (causal diagonal, KV_LEN) only on the first block and, under
+        causal, on blocks crossing the diagonal, decided at run time."""
+        cfg = self.cfg
+        softmax = ctx[8]
+        softmax.reset()
+        n_diag = n_block_max - 1     # blocks >= n_diag cross the diagonal (causal)
+        if const_expr(cfg.causal):
+            n_diag = cutlass.min(n_diag, (m_block * cfg.tile_m + 1) // cfg.tile_n)
+        v_state = kv_state.clone()
+        for i in cutlass.range(n_block_max, unroll=1):
+            n_block = n_block_max - 1 - i
+            kv_state, v_state = self._visit_step(ctx, kv_state, v_state, n_block, i > 0,
+                                                  mask=self.mods.has_mask, partial=n_block >= n_diag,
+                                                  kv_bound="limits")
+        if n_block_max > 0:
+            self._last_pv(ctx, v_state, advance=False)
+        return kv_state
+
+    @cute.jit
+    def _visit_sparse(self, ctx, kv_state, blocks):
+        """Block-sparse structure: partial blocks (mask evaluated), then full blocks (no
+        mask). Counts are runtime values and may be 0. Any block may be the one straddling
+        KV_LEN: partial blocks check the bound per element next to their mask; full blocks
+        check at run time whether they straddle it, so the others pay nothing."""
+        softmax = ctx[8]
+        has_mask = self.mods.has_mask
+        softmax.reset()       # the first visit may be any block, or there may be none
+        n_p, n_f = blocks.n_partial, blocks.n_full
+        if const_expr(not self.cfg.intra_wg_overlap):
+            for i in cutlass.range(n_p, unroll=1):
+                kv_state = self._step(ctx, kv_state, blocks.partial_at(i), is_first=False,
+                                      mask=has_mask, causal=False, kv_bound=True)
+            for i in cutlass.range(n_f, unroll=1):
+                kv_state = self._step(ctx, kv_state, blocks.full_at(i), is_first=False,
+                                      mask=False, causal=False, kv_bound="tail")
+        else:
+            # One copy of the step serves every visit, the first included (it skips the
+            # P V of a previous block at run time): a peeled first visit would be a second
+            # copy of the mods and the softmax (compile time). Which masks a visit applies
+            # (partial or full block) is decided at run time too.
+            v_state = kv_state.clone()
+            for i in cutlass.range(n_p + n_f, unroll=1):
+                kv_state, v_state = self._visit_step(ctx, kv_state, v_state, blocks.at(i), i > 0,
+                                                      mask=has_mask, partial=i < n_p)
+            if n_p + n_f > 0:
+                self._last_pv(ctx, v_state, advance=False)
+        return kv_state
+
+    @cute.jit
+    def _block(self, ctx, kv_state, n_block, is_first: cutlass.Constexpr[bool],
+               mask: cutlass.Constexpr[bool], causal: cutlass.Constexpr[bool],
+               kv_bound: cutlass.Constexpr):
+        flags = dict(mask=mask, causal=causal, kv_bound=kv_bound)
+        if const_expr(not self.cfg.intra_wg_overlap):
+            return self._step(ctx, kv_state, n_block, is_first, **flags)
+        elif const_expr(is_first):
+            return self._first_half(ctx, kv_state, n_block, **flags)
+        else:
+            # Block j's stage follows block j-1's (`kv_state`); the step hands back both.
+            this = kv_state.clone()
+            this.advance()
+            _, kv_state = self._visit_step(ctx, this, kv_state, n_block, True, partial=None, **flags)
+            return kv_state
+
+    @cute.jit
+    def _scores(self, ctx, acc_S, n_block, mask: cutlass.Constexpr[bool],
+                causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr, partial=None):
+        """Score mod and masks on a finished S tile.
+
+        kv_bound, how the KV_LEN edge is handled:
+          True     check every element (block-sparse partial blocks: any may straddle it);
+          "first"  the first block of the dense / causal structures: whether it straddles
+                   KV_LEN is decided once at run time, and only then are elements checked
+                   (the hooks are traced once unless they read a buffer at kv);
+          "tail"   hooks see kv clamped to KV_LEN - 1; the bound alone is applied if the
+                   block straddles KV_LEN (block-sparse full blocks);
+          "sparse" a block of the block-sparse structure: True with the mask if `partial`
+                   (run time), else "tail" without it;
+          "limits" any block of the dense / causal structures walked in one step: the
+                   hooks (kv clamped if they read a buffer at kv), then, if `partial`
+                   (run time: the first block, or one crossing the diagonal), the
+                   causal and KV_LEN limits;
+          False    the block lies below KV_LEN."""
+        if const_expr(kv_bound == "limits"):
+            self._masks(ctx, acc_S, n_block, mask, causal=False, kv_bound=False,
+                        clamp_kv=self._hooks_clamp_kv(mask))
+            if partial:
+                self._mask_past_limits(ctx, acc_S, n_block, causal=self.cfg.causal, kv_bound=True)
+        elif const_expr(kv_bound == "sparse"):
+            if partial:
+                self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=True)
+            else:
+                self._scores(ctx, acc_S, n_block, False, causal, "tail")
+        elif const_expr(kv_bound == "first" and self._hooks_clamp_kv(mask)):
+            if (n_block + 1) * self.cfg.tile_n > ctx[16]:
+                self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=True)
+            else:
+                self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=False)
+        elif const_expr(kv_bound == "first"):
+            # The hooks read no buffer at kv: one copy of them serves both cases. The
+            # causal limit takes KV_LEN in at once (a min per row; on a block below KV_LEN
+            # it changes nothing); without it, the bound alone if the block straddles KV_LEN.
+            self._masks(ctx, acc_S, n_block, mask, causal=False, kv_bound=False)
+            if const_expr(causal):
+                self._mask_past_limits(ctx, acc_S, n_block, causal=True, kv_bound=True)
+            elif (n_block + 1) * self.cfg.tile_n > ctx[16]:
+                self._mask_past_limits(ctx, acc_S, n_block, causal=False, kv_bound=True)
+        elif const_expr(kv_bound == "tail"):
+            self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=False, clamp_kv=True)
+            if (n_block + 1) * self.cfg.tile_n > ctx[16]:   # the bound alone
+                self._mask_past_limits(ctx, acc_S, n_block, causal=False, kv_bound=True)
+        else:
+            self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=kv_bound)
+
+    def _hooks_clamp_kv(self, mask: bool) -> bool:
+        """Whether the hooks this block runs (the score mod, and the mask if `mask`) read a
+        buffer at kv, so they must see kv clamped where the block may pass KV_LEN."""
+        mods = self.mods
+        return "kv" in mods.load_index_vars(mods.has_score, mask)
+
+    @cute.jit
+    def _masks(self, ctx, acc_S, n_block, mask: cutlass.Constexpr[bool],
+               causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr[bool],
+               clamp_kv: cutlass.Constexpr[bool] = False):
+        """Hooks (score mod, mask mod) through apply_mods, then the built-in causal mask
+        and the KV_LEN bound as per-row column limits."""
+        (_, _, _, _, _, _, _, _, _, coords, _, _, m_block, head, batch, seqlen_q, seqlen_k,
+         softmax_scale, mod_args, _) = ctx
+        mods = self.mods
+        if const_expr(mods.has_score or mask):
+            # Hooks index buffers with kv: clamped wherever kv may pass KV_LEN.
+            apply_mods(mma.acc_mn_view(acc_S), coords, mods, batch, head, m_block,
+                       n_block, seqlen_q, seqlen_k, softmax_scale, mod_args,
+                       apply_score=mods.has_score, apply_mask=mask,
+                       builtin_causal=False, check_kv_bounds=False,
+                       clamp_kv=kv_bound or clamp_kv)
+        if const_expr(causal or kv_bound):
+            # Element by element after hooks emitted so: LLVM folds the two selects of an
+            # element into one, which it does not across a vector built of scalars.
+            per_element = (mods.has_score or mask) and not mods.rows(mods.has_score, mask)
+            self._mask_past_limits(ctx, acc_S, n_block, causal=causal, kv_bound=kv_bound,
+                                   per_element=per_element)
+
+    @cute.jit
+    def _mask_past_limits(self, ctx, acc_S, n_block, causal: cutlass.Constexpr[bool],
+                          kv_bound: cutlass.Constexpr[bool],
+                          per_element: cutlass.Constexpr[bool] = False):
+        """s = -inf where kv >= limit(q): q + 1 for the built-in causal mask (kv <= q, top-left
+        aligned) and/or KV_LEN. The limit is made relative to this thread's first column
+        once per row, so an element costs one compare with a compile-time column and one
+        select (no per-column index arithmetic); a row is one vector compare and select
+        unless `per_element`."""
+        coords, m_block, seqlen_k = ctx[9], ctx[12], ctx[16]
+        cfg = self.cfg
+        s_mn = mma.acc_mn_view(acc_S)
+        kv_first = n_block * cfg.tile_n + coords.col_offset()
+        for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
+            if const_expr(causal):
+                limit = m_block * cfg.tile_m + coords.row(r) + 1 - kv_first
+                if const_expr(kv_bound):
+                    limit = cutlass.min(limit, seqlen_k - kv_first)
+            else:
+                limit = seqlen_k - kv_first
+            if const_expr(per_element):
+                for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
+                    s_mn[r, c] = masked_if(limit <= coords.col0(c), s_mn[r, c])
+            else:
+                row = s_mn[r, None].load()
+                s_mn[r, None].store(masked_where(coords.col0_vector(row.shape) >= limit, row))
+
+    @cute.jit
+    def _step(self, ctx, kv_state, n_block, is_first: cutlass.Constexpr[bool],
+              mask: cutlass.Constexpr[bool], causal: cutlass.Constexpr[bool],
+              kv_bound: cutlass.Constexpr):
+        """One kv block, no overlap: S = Q K^T, mods, softmax, O = O * scale + P V.
+        (Ping-pong turn: held from before P V until Q K^T of the next block is issued.)"""
+        (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O,
+         softmax, _, pipe_k, pipe_v, _, _, _, _, _, _, _, wg) = ctx
+
+        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+        pipe_k.consumer_wait(kv_state)
+        mma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
+                      zero_init=True, wait=-1)
+        self._turn_pass(wg)
+        warpgroup.wait_group(0)
+        pipe_k.consumer_release(kv_state)
+
+        self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
+        row_scale = softmax.step(acc_S, is_first=is_first)
+        if const_expr(not is_first):
+            rescale_rows(acc_O, row_scale)
+        mma.convert_into(tOrP, mma.acc_as_a_view(acc_S))
+
+        pipe_v.consumer_wait(kv_state)
+        self._turn_wait(wg)
+        mma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index],
+                      zero_init=False, wait=0)
+        pipe_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def _first_half(self, ctx, kv_state, n_block, mask: cutlass.Constexpr[bool],
+                    causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr):
+        """Overlapped schedule, block 0: S_0 and P_0 only (P_0 V_0 runs in the next step)."""
+        (tiled_mma_qk, _, tSrQ, tSrK, _, tOrP, acc_shape_S, _, softmax, _, pipe_k, _,
+         _, _, _, _, _, _, _, _) = ctx
+        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+        pipe_k.consumer_wait(kv_state)
+        mma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
+                      zero_init=True, wait=0)
+        pipe_k.consumer_release(kv_state)
+        self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
+        softmax.step(acc_S, is_first=True)
+        mma.convert_into(tOrP, mma.acc_as_a_view(acc_S))
+        return kv_state
+
+    @cute.jit
+    def _visit_step(self, ctx, kv_state, v_state, n_block, has_prev, mask: cutlass.Constexpr[bool], partial,
+                    kv_bound: cutlass.Constexpr = "sparse", causal: cutlass.Constexpr[bool] = False):
+        """Overlapped schedule, block j: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}, then
+        do mods + softmax of S_j while the P V GEMM is still running. `kv_state`: block
+        j's stage; `v_state`: block j-1's, whose P V is issued here unless `has_prev` is
+        false (a run-time value where one step serves every visit, the first included:
+        the softmax state then starts reset, so the first visit's rescale is a no-op).
+        Masks per `kv_bound`, `causal` and `partial` (see `_scores`). Returns the stages
+        of block j+1 and of block j."""
+        (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O,
+         softmax, _, pipe_k, pipe_v, _, _, _, _, _, _, _, wg) = ctx
+        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+        pipe_k.consumer_wait(kv_state)
+        self._turn_wait(wg)
+        mma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
+                      zero_init=True, wait=-1)
+        if has_prev:
+            pipe_v.consumer_wait(v_state)
+            mma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index],
+                          zero_init=False, wait=-1)
+        self._turn_pass(wg)
+        if has_prev:
+            warpgroup.wait_group(1)        # S_j ready (groups retire in order)
+        else:
+            warpgroup.wait_group(0)
+        pipe_k.consumer_release(kv_state)
+
+        self._scores(ctx, acc_S, n_block, mask, causal, kv_bound, partial)
+        row_scale = softmax.step(acc_S, is_first=False)
+        warpgroup.wait_group(0)            # P_{j-1} V_{j-1} done: O and P registers free
+        if has_prev:
+            pipe_v.consumer_release(v_state)
+        mma.convert_into(tOrP, mma.acc_as_a_view(acc_S))
+        rescale_rows(acc_O, row_scale)
+        v_state = kv_state.clone()
+        kv_state.advance()
+        return kv_state, v_state
+
+    @cute.jit
+    def _last_pv(self, ctx, kv_state, advance: cutlass.Constexpr[bool] = True):
+        """Overlapped schedule, tail: O += P_last V_last; the ring moves on to the next
+        tile's first block (the producer advances alike; `advance` False: the caller's
+        state has moved on already)."""
+        (_, tiled_mma_pv, _, _, tOrVt, tOrP, _, acc_O, _, _, _, pipe_v,
+         _, _, _, _, _, _, _, _) = ctx
+        pipe_v.consumer_wait(kv_state)
+        mma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index],
+                      zero_init=False, wait=0)
+        pipe_v.consumer_release(kv_state)
+        if const_expr(advance):
+            kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def epilogue(self, acc_O, softmax, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx,
+                 m_block, head, batch, seqlen_q):
+        """O / l -> sO (stmatrix) -> TMA store; LSE straight to global memory."""
+        cfg = self.cfg
+        inv_sum, lse = softmax.finalize()
+        rescale_rows(acc_O, inv_sum)
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        if const_expr(cfg.max_ctas):
+            # The previous tile's O store must have read sO before it is overwritten.
+            if tidx // 32 == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # Every consumer warpgroup must be done with sO's previous use (as sQ: its last
+        # Q K^T; as sO: the wait above).
+        cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
+        r2s = mma.stmatrix_copy(tiled_mma_pv, self.dtype, tidx)
+        cute.copy(r2s, r2s.retile(rO), r2s.partition_D(sO))
+
+        # LSE: the lane holding column 0 of a row writes it.
+        cO = cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))
+        tOcO = mma.acc_mn_view(thr_pv.partition_C(cO))
+        gLSE = mLSE[None, head, batch]
+        if tOcO[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                q = m_block * cfg.tile_m + tOcO[r, 0][0]
+                if q < seqlen_q:
+                    gLSE[q] = lse[r]
+
+        # Generic-proxy smem writes must be visible to the TMA (async proxy) store.
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
+        if tidx // 32 == 0:
+            gO = cute.local_tile(mO[None, None, head, batch], (cfg.tile_m, cfg.head_dim), (m_block, 0))
+            mma.tma_store_tile(tma_atom_O, sO, gO)
+            cute.arch.cp_async_bulk_commit_group()

@@ -1,0 +1,347 @@
+"""Launch the sm90 backward on DLPack arrays: validate, compile once per structure, run.
+
+Three kernels on the caller's stream, in order:
+
+    BwdPreprocess   delta = rowsum(dO * O) (- dLSE), lse_log2, dq_accum = 0
+                    (deterministic: dq_semaphore = 0, grad_fixed = 0)
+    FlashBwdSm90    dK, dV (input dtype), dq_accum += dS K (bulk fp32 adds), buffer grads
+    BwdPostprocess  dQ = scale * dq_accum -> input dtype (deterministic: grads += grad_fixed)
+
+Destination-passing and framework-free, like `ForwardRunner`: the caller allocates dq, dk,
+dv, the workspace (`workspace_shapes`, `workspace_dtypes`) and the zeroed fp32 buffer
+gradients. The compiled kernels check nothing, so everything they assume is checked here,
+and each is compiled on the very (dynamic-layout) tensors it is launched with.
+
+Determinism. By default dK, dV and the preprocess/postprocess are deterministic (dK/dV of
+a kv head are summed in registers, in a fixed order, by one CTA); dQ and buffer gradients
+are fp32 additions (bulk adds, atomics) whose order varies between runs (differences ~1
+ulp of fp32 before the final rounding). `BwdConfig(deterministic=True)` makes every output bitwise repeatable
+(same inputs, same GPU model, same launch shapes):
+
+* dQ: the CTAs visiting a q tile add their dQ tiles one after another, in decreasing kv
+  block order. Workspace `dq_semaphore`: one int32 per (batch, q head, tile_m-row q tile),
+  zeroed by the preprocess, counting the CTAs that have added into the tile. The CTA of kv
+  block n waits until it equals `rank` = the number of kv blocks > n that visit the tile
+  (its dQ writer warp's lane 0 spins with ld.acquire.gpu), adds its tile (the same bulk
+  adds, now serialized), waits for their writes, then one red.release.gpu.add of 1.
+  `rank` (bwd_blocks.KvVisitors): dense, every kv block visits every tile: nKV - 1 - n;
+  causal (top-left, kv <= q), kv blocks 0 .. last(m) visit tile m, last(m) =
+  min(nKV - 1, (64 (m + 1) - 1) // 128): last(m) - n; block-sparse, counted by one warp in
+  the BlockMask's kv-side lists (partial + full) of q block m // 2 — so deterministic
+  block-sparse calls pass those lists too (8 arrays), and they must be the exact
+  transposes of the q-side ones (as `BlockMask` builds both).
+  GQA: one CTA visits all q heads of its group, in order; each (head, tile) has its flag.
+* Progress: a CTA waits only for CTAs of the same (batch, kv head) with a higher kv
+  block. In deterministic mode those CTAs have *lower* linear block indices: causal, the
+  CTA with blockIdx.x = i takes kv block nKV - 1 - i of head (y, z); otherwise the grid is
+  1-D, sections of (kv head, batch) pairs sized to L2, inside a section kv block major
+  (highest first), pair minor (`FlashBwdSm90._deterministic_tile`, FA4's head swizzle).
+  The GPU dispatches the
+  CTAs of a grid in increasing linear index — not a documented CUDA guarantee, but the
+  one FA3/FA4's deterministic backward and CUTLASS's stream-K fixup rely on — so when a
+  CTA runs, every CTA it may wait for is resident or finished. Those wait only for CTAs
+  of still lower index, so by induction on the index every CTA finishes; a spinning CTA
+  holds its SM slot but never one that a CTA it waits for needs (already resident). A
+  wait longer than ~17 s traps (`bwd_sm90.DQ_TURN_TIMEOUT_NS`): the launch fails instead
+  of hanging if that assumption or the block lists are broken.
+* Why decreasing order (FA4's "spt"): under causal and banded masks a CTA starts at its
+  first visible q tile, lower kv blocks start lower and have more tiles; the highest kv
+  block that sees a tile reaches it first, so CTAs proceeding in lockstep never wait.
+  Dense: every CTA walks the tiles in the same order, so CTAs of one head that start
+  together trail each other by one turn each; interleaving the heads of an L2 section
+  spreads a head's CTAs over the launch, so few of them start together.
+* Buffer gradients: the adds into one element come from many threads of many CTAs in
+  no fixed order. Inside a CTA, relative-position reads are first summed per diagonal in
+  a fixed order (bwd_sm90's diagonal reduction), per-head reads per warp by a fixed
+  shuffle tree; across CTAs they are summed exactly: each element has a fixed-point
+  accumulator (2^-64 resolution) in the workspace (`grad_fixed`, int64 [N, FIXED_WORDS]:
+  four 32-bit-digit counters, N = the total element count of the gradients, zeroed by
+  the preprocess); each contribution, rounded toward zero to a multiple of 2^-64, adds
+  its nonzero digits with `red.add.u64` (no return value), and integer additions commute.
+  The postprocess assembles each sum in 128 bits, rounds it to fp32 and adds it to the
+  caller's gradient (which must be contiguous). Exact while |sum| < 2^63 and fewer than
+  2^31 additions reach one element; inf / NaN contributions bypass it into the fp32
+  array (their sum is order-independent too). See atomics.red_add_fixed.
+"""
+
+import dataclasses
+import time
+
+# (Importing flexattn.kernels, first, sets CUTE_DSL_ARCH before cutlass loads.)
+from flexattn.kernels.hopper.atomics import FIXED_WORDS
+from flexattn.kernels.bwd.postprocess import BwdPostprocess
+from flexattn.kernels.bwd.preprocess import BwdPreprocess
+from flexattn.kernels.bwd.sm90 import BwdConfig, FlashBwdSm90, one_diagonal_read
+from flexattn.kernels.launch.compile import ARCH_OPTION, pipeline_options
+from flexattn.kernels.launch.fwd_runner import _arg_signature, _to_cute, check_block_lists
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+
+
+def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
+    """The backward config for a forward config (same dtype, head dim, block structure and
+    mods): what `kernel_path.plan_forward` chose for the forward applies to the backward.
+    `overrides`: other BwdConfig fields, e.g. deterministic=True; tile_m, unless given,
+    is `choose_tile_m`'s."""
+    kw = dict(dtype=fwd_cfg.dtype, head_dim=fwd_cfg.head_dim, causal=fwd_cfg.causal,
+              block_sparse=fwd_cfg.block_sparse, mods=fwd_cfg.mods)
+    kw.update(overrides)
+    cfg = BwdConfig(**kw)
+    if "tile_m" not in overrides:
+        tile_m = choose_tile_m(cfg)
+        if tile_m != cfg.tile_m:
+            cfg = dataclasses.replace(cfg, tile_m=tile_m)
+    return cfg
+
+
+def choose_tile_m(cfg: BwdConfig) -> int:
+    """q rows per visit: 80 (FA3/FA4's tile for dense non-causal head dim 128; dQ is then
+    computed transposed, `BwdConfig.dq_swap_ab`) where it applies, else 64: causal and
+    block-sparse walks keep 64 (as FA4: diagonal tiles, 128-row BlockMask blocks), and so
+    does a relative-position table's gradient (`bwd_sm90.one_diagonal_read`), whose
+    per-diagonal shared-memory sums only fit next to 64-row tiles."""
+    if cfg.head_dim == 128 and not (cfg.causal or cfg.block_sparse or one_diagonal_read(cfg)):
+        return 80
+    return 64
+
+
+def padded_len(q_len: int, cfg: BwdConfig) -> int:
+    return -(-q_len // cfg.q_pad) * cfg.q_pad
+
+
+def buffer_grad_shapes(hook) -> tuple:
+    """Shapes of the buffer-gradient arrays of a hook (its float captures read by the score
+    mod, `hook.grad_slots`; 0-d captures as [1])."""
+    import numpy as np
+
+    captures = hook.captures()
+    return tuple(tuple(int(n) for n in np.shape(captures[s])) or (1,) for s in hook.grad_slots)
+
+
+def workspace_shapes(cfg: BwdConfig, batch: int, q_heads: int, q_len: int,
+                     grad_shapes: tuple = None) -> dict:
+    """The workspace arrays, name -> shape, in argument order; their dtypes are
+    `workspace_dtypes(cfg)` (same names: all float32 unless deterministic). Contents need
+    not be initialized; contiguous. `grad_shapes`: the buffer gradients' shapes (default:
+    `buffer_grad_shapes(cfg.mods)`), used only by deterministic configs with buffer grads."""
+    sp = padded_len(q_len, cfg)
+    out = {"lse_log2": (batch, q_heads, sp), "delta": (batch, q_heads, sp),
+           "dq_accum": (batch, q_heads, sp, cfg.head_dim)}
+    if cfg.deterministic:
+        out["dq_semaphore"] = (batch, q_heads, sp // cfg.tile_m)
+        if cfg.buffer_grads:
+            shapes = buffer_grad_shapes(cfg.mods) if grad_shapes is None else grad_shapes
+            out["grad_fixed"] = (max(sum(_numel(s) for s in shapes), 1), FIXED_WORDS)
+    return out
+
+
+def workspace_dtypes(cfg: BwdConfig) -> dict:
+    """dtype name ("float32" | "int32" | "int64") of each `workspace_shapes` entry."""
+    out = {"lse_log2": "float32", "delta": "float32", "dq_accum": "float32"}
+    if cfg.deterministic:
+        out["dq_semaphore"] = "int32"
+        if cfg.buffer_grads:
+            out["grad_fixed"] = "int64"
+    return out
+
+
+_CUTE_DTYPE = {"float32": "Float32", "int32": "Int32", "int64": "Int64"}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def check_q_and_kv_shapes(q_shape: tuple, k_shape: tuple) -> None:
+    """[B, Hq, Sq, D] and [B, Hkv, Skv, D]: one batch, Hq a multiple of Hkv, no empty sequence."""
+    (b, hq, sq, _), (bk, hk, sk, _) = q_shape, k_shape
+    if bk != b or hk == 0 or hq % hk:
+        raise ValueError(f"q {q_shape} and k {k_shape}: batch must match and Hq must be a multiple of Hkv")
+    if sk < 1 or sq < 1:
+        raise ValueError("empty sequences are not supported")
+
+
+def _is_contiguous(t) -> bool:
+    """Row-major contiguous (size-1 dims may have any stride)."""
+    expect = 1
+    for n, st in zip(reversed(tuple(t.shape)), reversed(tuple(t.stride))):
+        if n != 1 and st != expect:
+            return False
+        expect *= n
+    return True
+
+
+class BackwardRunner:
+    """`run(q, k, v, o, do, lse, dq, dk, dv, workspace, softmax_scale, mod_args, grad_args,
+    stream, block_sparse=None, dlse=None)`.
+
+    q, o, do, dq [B, Hq, Sq, D] and k, v, dk, dv [B, Hkv, Skv, D] of cfg.dtype (head dim
+    contiguous, other strides multiples of 8 elements); lse [B, Hq, Sq] fp32 natural-log
+    LSE from the forward; dlse (optional) its gradient. workspace: one contiguous array per
+    `workspace_shapes` entry, in its order, of the `workspace_dtypes` dtype ((lse_log2,
+    delta, dq_accum) fp32; deterministic: + dq_semaphore int32 (+ grad_fixed int64)).
+    mod_args: the forward's hook args. grad_args: zeroed contiguous fp32 arrays, one per
+    `cfg.mods.grad_slots` entry, shaped like that capture (0-d captures as [1]); None if
+    there are none. block_sparse: the BlockMask's q-side lists (q_num_blocks, q_indices,
+    full_q_num_blocks, full_q_indices), int32, q blocks of cfg.sparse_block_m rows, kv
+    blocks of cfg.tile_n, iff cfg.block_sparse; deterministic: followed by its kv-side
+    lists (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)."""
+
+    def __init__(self, cfg: BwdConfig):
+        self.cfg = cfg
+        self._compiled = {}
+        self.last_compile_seconds = 0.0
+
+    # ------------------------------------------------------------------ checks
+    def _check(self, q, k, v, o, do, lse, dq, dk, dv, workspace, dlse, grad_shapes):
+        cfg = self.cfg
+        want = str(cfg.cutlass_dtype)
+        (b, hq, sq, d) = q.shape
+        for name, t, shape in (("q", q, q.shape), ("o", o, q.shape), ("do", do, q.shape),
+                               ("dq", dq, q.shape), ("k", k, k.shape), ("v", v, k.shape),
+                               ("dk", dk, k.shape), ("dv", dv, k.shape)):
+            if str(t.element_type) != want:
+                raise TypeError(f"{name}: dtype {t.element_type}, kernel compiled for {want}")
+            if len(t.shape) != 4 or tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{name}: shape {tuple(t.shape)}, want {tuple(shape)}")
+            if t.stride[3] != 1 and t.shape[3] != 1:
+                raise ValueError(f"{name}: the head dim must be contiguous")
+            if any(s % 8 for s in t.stride[:3]):
+                raise ValueError(f"{name}: strides must be multiples of 8 elements (TMA)")
+        if d != cfg.head_dim:
+            raise ValueError(f"head dim {d}, kernel compiled for {cfg.head_dim}")
+        check_q_and_kv_shapes(tuple(q.shape), tuple(k.shape))
+        if not cfg.cluster_fits(k.shape[2]):
+            raise ValueError(f"cluster_n={cfg.cluster_n} needs a multiple of {cfg.cluster_n} kv blocks "
+                             f"of {cfg.tile_n} keys, got Skv={k.shape[2]}")
+        for name, t in (("lse", lse), ("dlse", dlse)):
+            if t is None:
+                continue
+            if str(t.element_type) != "Float32" or tuple(t.shape) != (b, hq, sq):
+                raise ValueError(f"{name}: want float32 [B, Hq, Sq] = {(b, hq, sq)}")
+        shapes = workspace_shapes(cfg, b, hq, sq, grad_shapes)
+        dtypes = workspace_dtypes(cfg)
+        if len(workspace) != len(shapes):
+            raise ValueError(f"workspace = ({', '.join(shapes)})")
+        for (name, shape), t in zip(shapes.items(), workspace):
+            if str(t.element_type) != _CUTE_DTYPE[dtypes[name]] or tuple(t.shape) != shape:
+                raise ValueError(f"workspace {name}: want {dtypes[name]} {shape}, got "
+                                 f"{t.element_type} {tuple(t.shape)}")
+            contiguous = [1]
+            for n in reversed(shape[1:]):
+                contiguous.insert(0, contiguous[0] * n)
+            if tuple(t.stride) != tuple(contiguous):
+                raise ValueError(f"workspace {name} must be contiguous")
+
+    def _check_block_sparse(self, q, k, block_sparse):
+        cfg = self.cfg
+        (B, Hq, Sq, _), Skv = q.shape, k.shape[2]
+        if not (cfg.deterministic and cfg.block_sparse and block_sparse is not None):
+            return check_block_lists(block_sparse, cfg.block_sparse, B, Hq, -(-Skv // cfg.tile_n),
+                                     "q", f"kv blocks of {cfg.tile_n}")
+        if len(block_sparse) != 8:
+            raise ValueError("deterministic block-sparse: block_sparse = (q_num_blocks, q_indices, "
+                             "full_q_num_blocks, full_q_indices, kv_num_blocks, kv_indices, "
+                             "full_kv_num_blocks, full_kv_indices): the kv-side lists order the "
+                             "dQ adds")
+        q_side = check_block_lists(block_sparse[:4], True, B, Hq, -(-Skv // cfg.tile_n),
+                                   "q", f"kv blocks of {cfg.tile_n}")
+        kv_side = check_block_lists(block_sparse[4:], True, B, Hq, -(-Sq // cfg.sparse_block_m),
+                                    "kv", f"q blocks of {cfg.sparse_block_m}")
+        return q_side + kv_side
+
+    def _check_grads(self, grad_args):
+        """-> (dynamic views or None, shapes)."""
+        cfg = self.cfg
+        slots = cfg.mods.grad_slots
+        if not slots:
+            if grad_args:
+                raise ValueError("this score mod has no float buffers: grad_args must be None")
+            return None, ()
+        if grad_args is None or len(grad_args) != len(slots):
+            raise ValueError(f"grad_args: want {len(slots)} fp32 arrays (captures {slots})")
+        out, shapes = [], []
+        for slot, g in zip(slots, grad_args):
+            t, dyn = _to_cute(g, 4)
+            if str(t.element_type) != "Float32":
+                raise ValueError(f"grad of capture {slot}: want float32, got {t.element_type}")
+            if cfg.deterministic and not _is_contiguous(t):
+                raise ValueError(f"grad of capture {slot} must be contiguous")
+            out.append(dyn)
+            shapes.append(tuple(t.shape))
+        return tuple(out), tuple(shapes)
+
+    # ------------------------------------------------------------------ compile + launch
+    def _compiled_fn(self, key, make):
+        fn = self._compiled.get(key)
+        if fn is None:
+            t0 = time.perf_counter()
+            with pipeline_options():
+                fn = make()
+            self.last_compile_seconds += time.perf_counter() - t0
+            self._compiled[key] = fn
+        return fn
+
+    def bind(self, q, k, v, o, do, lse, dq, dk, dv, workspace, softmax_scale: float,
+             mod_args: tuple, grad_args, stream: int, block_sparse=None, dlse=None):
+        """Validate and compile once; return a no-argument launcher of the three kernels."""
+        cfg = self.cfg
+        self.last_compile_seconds = 0.0
+        mains = [_to_cute(x, 16) for x in (q, k, v, o, do, dq, dk, dv)]
+        names = list(workspace_dtypes(cfg))
+        if len(workspace) != len(names):
+            raise ValueError(f"workspace = ({', '.join(names)})")
+        align = {"float32": 16, "int32": 4, "int64": 8}
+        stats = [_to_cute(x, align[dt]) for x, dt in zip(workspace, workspace_dtypes(cfg).values())]
+        lse_v = _to_cute(lse, 4)
+        dlse_v = _to_cute(dlse, 4) if dlse is not None else None
+        grads, grad_shapes = self._check_grads(grad_args)
+        sq, sk, sv, so, sdo, sdq, sdk, sdv = (s for s, _ in mains)
+        self._check(sq, sk, sv, so, sdo, lse_v[0], sdq, sdk, sdv, [s for s, _ in stats],
+                    dlse_v[0] if dlse_v else None, grad_shapes)
+        bs = self._check_block_sparse(mains[0][0], mains[1][0], block_sparse)
+        qd, kd, vd, od, dod, dqd, dkd, dvd = (dyn for _, dyn in mains)
+        ws = dict(zip(names, (dyn for _, dyn in stats)))
+        lse2, delta, dqacc = ws["lse_log2"], ws["delta"], ws["dq_accum"]
+        dqsem, fixed = ws.get("dq_semaphore"), ws.get("grad_fixed")
+        lsed = lse_v[1]
+        dlsed = dlse_v[1] if dlse_v else None
+        args = tuple(mod_args) if mod_args else None
+        scale = cutlass.Float32(softmax_scale)
+        cu_stream = cuda.CUstream(stream)
+
+        # (cfg, hence deterministic and which workspaces exist, is fixed per runner.)
+        pre_args = (od, dod, lsed, dlsed, lse2, delta, dqacc, dqsem, fixed, cu_stream)
+        pre = self._compiled_fn(("pre", dlse is not None), lambda: cute.compile(
+            BwdPreprocess(cfg), *pre_args, options=ARCH_OPTION))
+        main_args = (qd, kd, vd, dod, lse2, delta, dqacc, dqsem, dkd, dvd, scale, args, grads,
+                     fixed, bs, cu_stream)
+        grad_key = tuple(_arg_signature(g) for g in grads or ())
+        key = ("main",) + tuple(_arg_signature(a) for a in mod_args or ()) + grad_key
+        main = self._compiled_fn(key, lambda: cute.compile(
+            FlashBwdSm90(cfg), *main_args, options=ARCH_OPTION))
+        post_grads = grads if fixed is not None else None
+        post_args = (dqacc, dqd, scale, post_grads, fixed, cu_stream)
+        post_key = ("post",) + (grad_key if fixed is not None else ())
+        post = self._compiled_fn(post_key, lambda: cute.compile(
+            BwdPostprocess(cfg), *post_args, options=ARCH_OPTION))
+
+        def launch():
+            pre(*pre_args)
+            main(*main_args)
+            post(*post_args)
+        return launch
+
+    @property
+    def num_compiled(self) -> int:
+        return len(self._compiled)
+
+    def run(self, q, k, v, o, do, lse, dq, dk, dv, workspace, softmax_scale: float,
+            mod_args: tuple, grad_args, stream: int, block_sparse=None, dlse=None):
+        self.bind(q, k, v, o, do, lse, dq, dk, dv, workspace, softmax_scale, mod_args,
+                  grad_args, stream, block_sparse, dlse)()
