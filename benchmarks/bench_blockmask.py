@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from common import report
+from results_log import RECORD_HELP, append_rows, blockmask_rows, utc_stamp
 
 MASKS = ("causal", "window1024", "document", "prefix_lm")
 IMPLS = ("flexattn", "flexattn-varlen", "torch", "torch-compile")
@@ -143,6 +144,7 @@ def main():
     ap.add_argument("--impls", nargs="*", default=list(IMPLS), choices=IMPLS)
     ap.add_argument("--out", default=None, help="write rows + markdown table as JSON")
     ap.add_argument("--budget-s", type=float, default=600.0, help="skip what would start after this many seconds")
+    ap.add_argument("--record", action="store_true", help=RECORD_HELP)
     args = ap.parse_args()
     start = time.perf_counter()
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
@@ -179,6 +181,8 @@ def main():
                     torch.cuda.empty_cache()
                 rows.append(row)
     report(table(rows, dev, stamp), rows, args.out, stamp)
+    if args.record:
+        append_rows("blockmask", blockmask_rows(rows), script="bench_blockmask.py", device=dev, date=utc_stamp())
 
 
 if __name__ == "__main__":

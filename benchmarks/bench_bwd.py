@@ -28,6 +28,7 @@ import torch
 
 from bench_fwd import VARIANTS as FWD_VARIANTS, Variant, baselines, ours_mask_args, setup_dynamo, table
 from common import bench_ms, device_name, rel_diff, report
+from results_log import RECORD_HELP, append_rows, tflops_rows
 
 VARIANTS = FWD_VARIANTS + ("causal+trainable_bias",)
 BWD_FLOPS = 3.5  # × the forward's
@@ -108,6 +109,7 @@ def main():
     ap.add_argument("--out", default=None, help="write rows + markdown table as JSON")
     ap.add_argument("--deterministic", nargs="*", default=["full", "causal", "window1024"], choices=VARIANTS,
                     help="variants whose flexattn step is also timed under torch.use_deterministic_algorithms")
+    ap.add_argument("--record", action="store_true", help=RECORD_HELP)
     args = ap.parse_args()
     setup_dynamo()
     rows = []
@@ -126,6 +128,8 @@ def main():
             f"{r['shape']} {r['variant']} {r['deterministic_tflops']:.1f} TFLOP/s "
             f"({r['deterministic_tflops'] / r['tflops']['flexattn']:.2f}× default)" for r in det)
     report(md, rows, args.out, stamp)
+    if args.record:
+        append_rows("backward", tflops_rows(rows), script="bench_bwd.py", device=device_name(), date=stamp)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from common import bench_ms, device_name, report
+from results_log import RECORD_HELP, append_rows, decode_rows
 
 HQ, HKV, D, WINDOW, PAGE = 32, 8, 128, 4096, 64
 VARIANTS = ("none", "window4096", "alibi")
@@ -432,6 +433,7 @@ def main():
     p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS)
     p.add_argument("--profile", default=None, help="BxL: cProfile a steady-state whole call instead")
     p.add_argument("--host", default=None, help="BxL: host µs of a steady-state whole call and its pieces instead")
+    p.add_argument("--record", action="store_true", help=RECORD_HELP + " (the table, not --sweep)")
     args = p.parse_args()
     if args.profile:
         B, L = (int(x) for x in args.profile.split("x"))
@@ -455,6 +457,8 @@ def main():
         except Exception:  # noqa: BLE001
             traceback.print_exc()
     report(sweep_table(rows, stamp) if args.sweep else table(rows, stamp), rows, args.out, stamp)
+    if args.record and not args.sweep:
+        append_rows("decode", decode_rows(rows), script="bench_decode.py", device=device_name(), date=stamp)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from common import bench_ms, device_name, rel_diff, report
+from results_log import RECORD_HELP, append_rows, tflops_rows
 
 VARIANTS = ("full", "causal", "window1024", "document4", "causal+softcap30", "causal+alibi")
 IMPLS = ("flexattn", "fa4", "flex", "flex-fa", "cudnn")
@@ -211,6 +212,7 @@ def main():
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--out", default=None, help="write rows + markdown table as JSON")
     ap.add_argument("--tvm-ffi", action="store_true", help="launch ours through TVM-FFI (FLEXATTN_TVM_FFI=1)")
+    ap.add_argument("--record", action="store_true", help=RECORD_HELP)
     args = ap.parse_args()
     if args.tvm_ffi:
         import os
@@ -224,6 +226,8 @@ def main():
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     md = table(rows, device_name(), stamp)
     report(md, rows, args.out, stamp)
+    if args.record:
+        append_rows("forward", tflops_rows(rows), script="bench_fwd.py", device=device_name(), date=stamp)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import traceback
 import torch
 
 from common import device_name, report
+from results_log import RECORD_HELP, append_rows, host_rows
 
 VARIANTS = ("full", "causal", "causal+alibi", "window64")
 
@@ -166,6 +167,7 @@ def main():
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--record", action="store_true", help=RECORD_HELP)
     args = ap.parse_args()
     B, S, H, D = map(int, args.shape.split("x"))
     dtype = getattr(torch, args.dtype)
@@ -206,6 +208,9 @@ def main():
         lines.append(f"| {r['variant']} | " + " | ".join(
             "{:.1f} / {:.1f}".format(*r["host_us"][i]) if i in r["host_us"] else "n/a" for i in IMPLS) + " |")
     report("\n".join(lines), rows, args.out, stamp)
+    if args.record:
+        append_rows("host", host_rows(rows, f"B{B} S{S} H{H} D{D}", args.dtype), script="bench_overhead.py",
+                    device=device_name(), date=stamp)
 
 
 if __name__ == "__main__":

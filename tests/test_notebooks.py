@@ -1,6 +1,7 @@
 """Every notebook runs top to bottom on the CPU (reference path), is stored without
 outputs, is small, and uses only the public API (so it runs unchanged on a GPU)."""
 
+import json
 import pathlib
 import re
 
@@ -63,39 +64,53 @@ def test_notebook_uses_only_the_public_api(path):
     assert not private, f"{path.name} reaches into private names: {private}"
 
 
-RESULTS_MD = """\
-# Benchmarks
+def _row(**kw):
+    return {"date": "2026-11-22 08:17 UTC", "device": "NVIDIA H100 80GB HBM3", "commit": "abc1234", "script": "bench_fwd.py",
+            "shape": "B4 S4096 H16 D128", "metric": "tflops", "unit": "TFLOP/s", **kw}
 
-## H100, bf16, forward
 
-| variant | impl | S | ms | TFLOP/s |
-|---|---|---|---|---|
-| causal | flexattn | 4096 | 0.51 | 540.2 |
-| causal | fa4 | 4096 | 0.48 | 575.0 |
-| causal | flexattn | 8192 | 1.90 | 580.0 |
-| sliding_window(1024) | flexattn | 4096 | 0.20 | **410** |
-| sliding_window(1024) | torch flex | 4096 | - | - |
-"""
+RESULT_ROWS = {   # benchmarks/results/<area>.jsonl stand-ins
+    "forward": [
+        _row(variant="causal", impl="flexattn", value=540.2, date="2026-11-21 10:00 UTC"),   # older: replaced below
+        _row(variant="causal", impl="flexattn", value=578.7),
+        _row(variant="causal", impl="fa4", value=593.5),
+        _row(variant="window1024", impl="flexattn", value=445.3),
+        _row(variant="window1024", impl="flexattn", metric="first_call_s", unit="s", value=1.9),  # not plotted
+        _row(variant="document4", impl="fa4", value=None, note="n/a"),                           # no value
+    ],
+    "decode": [
+        _row(script="bench_decode.py", shape="B8 L8192", layout="paged64", variant="alibi", impl=impl, metric="tbps",
+             unit="TB/s", value=v) for impl, v in (("flexattn", 2.43), ("flexattn-k/c", 2.75), ("flexattn/loop", 2.73))
+    ],
+    "host": [_row(script="bench_overhead.py", variant="full", impl="flexattn/torch", metric="host_us", unit="µs", value=15.2)],
+}
 
 
 @pytest.mark.skipif(not (NOTEBOOK_DIR / "benchmarks.ipynb").exists(), reason="no benchmarks notebook")
-@pytest.mark.parametrize("content", [None, "# Results\n\nnothing measured yet\n", RESULTS_MD], ids=["missing", "no-table", "table"])
+@pytest.mark.parametrize("content", ["missing", "no-plottable-rows", "rows"])
 def test_benchmarks_notebook_reads_results(tmp_path, content):
-    """The notebook finds benchmarks/RESULTS.md above its folder; run it on a stand-in tree."""
+    """The notebook finds benchmarks/results/*.jsonl above its folder; run it on a stand-in tree."""
     (tmp_path / "notebooks").mkdir()
     (tmp_path / "benchmarks").mkdir()
-    if content is not None:
-        (tmp_path / "benchmarks" / "RESULTS.md").write_text(content)
+    if content != "missing":
+        results = tmp_path / "benchmarks" / "results"
+        results.mkdir()
+        areas = {"host": RESULT_ROWS["host"]} if content == "no-plottable-rows" else RESULT_ROWS
+        for area, rows in areas.items():
+            (results / f"{area}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "not json\n")
     nb = execute(nbformat.read(NOTEBOOK_DIR / "benchmarks.ipynb", as_version=4), tmp_path / "notebooks")
     assert not outputs(nb, "error")
     text = text_of(nb)
     images = [o for o in outputs(nb) if "image/png" in o.get("data", {})]
-    if content is None:
+    if content == "missing":
         assert "No benchmark results yet" in text and not images
-    elif content != RESULTS_MD:
-        assert "none with an implementation column and a TFLOP/s column" in text and not images
+    elif content == "no-plottable-rows":
+        assert "holds 1 row(s), but none with a TFLOP/s or TB/s value" in text and not images
     else:
-        assert "4 measurements from RESULTS.md" in text
-        assert re.search(r"causal \(S=4096\)\s+540\.2\s+575\.0", text)
-        assert re.search(r"sliding_window\(1024\) \(S=4096\)\s+410\.0", text) and "torch flex" not in text.split("measurements")[1]
-        assert len(images) == 1
+        assert "Forward TFLOP/s: 3 measurements from forward.jsonl" in text
+        assert "2026-11-22 08:17 UTC · NVIDIA H100 80GB HBM3 · commit abc1234" in text
+        assert re.search(r"^causal\s+578\.7\s+593\.5$", text, re.M)      # the latest causal row, not 540.2
+        assert re.search(r"^window1024\s+445\.3\s+-$", text, re.M) and "540.2" not in text
+        assert "Decode TB/s: 2 measurements from decode.jsonl" in text     # flexattn/loop is not a plotted column
+        assert re.search(r"^paged64 alibi\s+2\.43\s+2\.75$", text, re.M)
+        assert "backward" not in text.lower() and len(images) == 2
