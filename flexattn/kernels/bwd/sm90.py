@@ -64,6 +64,7 @@ in ascending order (`_visit`), so dK/dV are the default mode's sums in another o
 (bitwise the same under causal, which never rotates).
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -83,6 +84,8 @@ from flexattn.kernels.bwd.q_blocks import DenseQBlocks, KvVisitors, SparseQBlock
 from flexattn.kernels.emit.mod_hook import NO_MODS, FragmentCoords, ModHook, kept_if
 from flexattn.kernels.hopper.tile_scheduler import LongestFirst, TileSpace
 from flexattn.kernels.hopper.tma_pipeline import multicast_slice, tma_ring
+from flexattn.kernels.hopper.warp_specialized import (KernelConfig, NamedBarriers, WarpSpecialized, register_split,
+                                                      stage_tiles, store_staged)
 
 LOG2_E = math.log2(math.e)
 # Deterministic mode: a CTA waiting this long for its dQ turn traps (the launch fails
@@ -94,11 +97,14 @@ L2_BYTES = 50 * 1024 * 1024       # the L2 section size of the deterministic CTA
 SMEM_CAPACITY = mma.SMEM_CAPACITY
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+_REGS = register_split(2, 24)     # two consumer warpgroups: 24 + 2 x 240 fills the register file
 
 
 @dataclass(frozen=True)
-class BwdConfig:
+class BwdConfig(KernelConfig):
     """Everything that changes the generated backward code (runtime values never do)."""
+
+    KIND = "bwd"
 
     dtype: str = "bf16"           # "bf16" | "fp16": Q, K, V, O, dO, dQ, dK, dV
     head_dim: int = 128           # 64 | 128
@@ -109,8 +115,8 @@ class BwdConfig:
     block_sparse: bool = False    # block structure from the BlockMask's q-side lists
     sparse_block_m: int = 128     # q rows of one BlockMask block (a multiple of tile_m)
     mods: ModHook = field(default=NO_MODS, compare=False)
-    producer_regs: int = 24       # setmaxnreg: 24 + 2 x 240 fills the 64K register file
-    consumer_regs: int = 240
+    producer_regs: int = _REGS[0]  # setmaxnreg budgets (warp_specialized.register_split)
+    consumer_regs: int = _REGS[1]
     deterministic: bool = False   # dQ adds in a fixed order, exact buffer-grad sums
     # CTA order (tile_scheduler.py): "by_head" (kv blocks of a head in launch order; the
     # deterministic mode's turn order needs it) or "longest_first" (default under causal:
@@ -199,12 +205,13 @@ class BwdConfig:
     def buffer_grads(self) -> bool:
         return len(self.mods.grad_slots) > 0
 
-    def key(self) -> tuple:
-        """Compile-cache key: the config with the hook replaced by its structure key."""
-        return ("bwd", self.dtype, self.head_dim, self.tile_m, self.tile_n, self.num_stages,
-                self.causal, self.block_sparse, self.sparse_block_m, self.producer_regs,
-                self.consumer_regs, self.deterministic, self.order,
-                self.turn_pass if self.deterministic else None, self.cluster_n, self.mods.key())
+    def key_values(self) -> tuple:
+        """The fields, with the CTA order and the dQ turn resolved (None and the value it
+        defaults to are one kernel; the turn only matters in deterministic mode)."""
+        values = dict(zip((f.name for f in dataclasses.fields(self) if f.name != "mods"), super().key_values()))
+        values["tile_order"] = self.order
+        values["dq_turn_pass"] = self.turn_pass if self.deterministic else None
+        return tuple(values.values())
 
     def cluster_fits(self, seqlen_k: int) -> bool:
         """Whether a call with `seqlen_k` keys may run this config (the kv blocks of a
@@ -298,7 +305,16 @@ def _element_order(n_rows: int, n_cols: int, rows_outer: bool) -> list:
     return [(r, c) for c in range(n_cols) for r in range(n_rows)]
 
 
-class FlashBwdSm90:
+class BwdBarrier(NamedBarriers):
+    # Over the consumer threads:
+    EPILOGUE = 1
+    DS_FULL = 2     # both halves of dS^T are in sdS[stage]
+    # Over one consumer warpgroup + the dQ writer warp (dq_pair_threads), one per warpgroup:
+    DQ_EMPTY = 3    # 3 + wg: the writer's last bulk add has read sdQ[wg]
+    DQ_FULL = 5     # 5 + wg: the warpgroup's dQ tile is in sdQ[wg]
+
+
+class FlashBwdSm90(WarpSpecialized):
     """Compile with `cute.compile(FlashBwdSm90(cfg), q, k, v, do, lse_log2, delta, dq_accum,
     dq_semaphore, dk, dv, scale, mod_args, grad_args, grad_fixed, block_sparse, stream)` or
     through `flexattn.kernels.launch.compile_bwd.compile_backward`."""
@@ -312,17 +328,10 @@ class FlashBwdSm90:
     DIAG_ROWS_PER_WARP = 8
 
     def __init__(self, config: BwdConfig):
+        super().__init__(self.num_mma_wg)
         self.cfg = config
         self.dtype = config.cutlass_dtype
         self.mods = config.mods
-        self.num_mma_threads = 128 * self.num_mma_wg
-        self.num_threads = 128 + self.num_mma_threads
-        # Named barriers (0 is __syncthreads). Over the 256 consumer threads:
-        self.epilogue_barrier_id = 1
-        self.ds_full_barrier_id = 2     # both halves of dS^T are in sdS[stage]
-        # Over one consumer warpgroup + the dQ writer warp (160 threads), one per warpgroup:
-        self.dq_empty_barrier_id = 3    # 3, 4: the writer's last bulk add has read sdQ[wg]
-        self.dq_full_barrier_id = 5     # 5, 6: the warpgroup's dQ tile is in sdQ[wg]
         self.dq_pair_threads = 128 + 32
         self.dq_writer_warp = 1         # warp 0 loads; warp 1 adds dQ tiles into global
 
@@ -521,22 +530,18 @@ class FlashBwdSm90:
         mdQsem, grad_fixed, SharedStorage: cutlass.Constexpr,
     ):
         cfg = self.cfg
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 0:
-            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE,
-                         tma_atom_Delta, tma_atom_dK, tma_atom_dV):
-                cpasync.prefetch_descriptor(atom)
+        warp_idx = self.warp_index()
+        self.prefetch_descriptors(warp_idx, (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE,
+                                             tma_atom_Delta, tma_atom_dK, tma_atom_dV))
 
-        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        storage = self.allocate(SharedStorage)
         n = self.num_mma_threads
         pipe_kv = tma_ring(storage.mbar_kv.data_ptr(), 1, n, 2 * self.bytes_kd)
         pipe_q = tma_ring(storage.mbar_q.data_ptr(), cfg.num_stages, n,
                           self.bytes_qd + self.bytes_stat, cfg.cluster_n)
         pipe_do = tma_ring(storage.mbar_do.data_ptr(), cfg.num_stages, n,
                            self.bytes_qd + self.bytes_stat, cfg.cluster_n)
-        # With a cluster the peer multicasts into, and releases, these rings' barriers.
-        cluster = (cfg.cluster_n, 1) if cfg.cluster_n > 1 else None
-        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster, is_relaxed=True)
+        self.rings_init_arrive(cfg.cluster_n)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
@@ -568,10 +573,11 @@ class FlashBwdSm90:
                 # Launch order = dQ turn order: the highest kv block adds first.
                 n_block = cute.arch.grid_dim()[0] - 1 - n_block
 
-        pipeline.pipeline_init_wait(cluster_shape_mn=cluster)
+        self.rings_init_wait(cfg.cluster_n)
 
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(cfg.producer_regs)
+        regs = (cfg.producer_regs, cfg.consumer_regs)
+        if self.is_producer(warp_idx):
+            self.enter_producer(regs)
             if warp_idx == 0:
                 self.load(mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
                           tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE,
@@ -581,7 +587,7 @@ class FlashBwdSm90:
                 self.store_dq(mdQacc, sdQ, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
                               block_sparse, mdQsem)
         else:
-            cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            self.enter_consumer(regs)
             self.consume(mdK, mdV, sdQ, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sDiag,
                          tma_atom_dK, tma_atom_dV, tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
                          pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, group,
@@ -903,7 +909,7 @@ class FlashBwdSm90:
         mma.gemm(tiled_mma_nd, acc_dV, tVrP, tVrdOt[None, None, None, stage],
                       zero_init=False, wait=-1)
         cute.arch.fence_view_async_shared()          # generic-proxy writes -> wgmma reads
-        cute.arch.barrier(barrier_id=self.ds_full_barrier_id, number_of_threads=self.num_mma_threads)
+        BwdBarrier.DS_FULL.sync(self.num_mma_threads)
         # dQ = dS K (this warpgroup's half of the head dim; swapped: dQ^T = K^T dS^T).
         acc_dQ = cute.make_rmem_tensor(acc_shape_md, Float32)
         if const_expr(self.cfg.dq_swap_ab):
@@ -923,13 +929,11 @@ class FlashBwdSm90:
                                   grad_args)
         # dQ -> sdQ[wg] once the writer's previous bulk add has read it; the writer adds it
         # into global memory while this warpgroup goes on.
-        cute.arch.barrier(barrier_id=self.dq_empty_barrier_id + wg,
-                          number_of_threads=self.dq_pair_threads)
+        BwdBarrier.DQ_EMPTY.sync(self.dq_pair_threads, wg)
         cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)),
                           tdQsdQ)
         cute.arch.fence_view_async_shared()          # generic-proxy writes -> bulk copy
-        cute.arch.barrier_arrive(barrier_id=self.dq_full_barrier_id + wg,
-                                 number_of_threads=self.dq_pair_threads)
+        BwdBarrier.DQ_FULL.arrive(self.dq_pair_threads, wg)
         warpgroup.wait_group(0)                      # dK retired: Q may be overwritten
         pipe_q.consumer_release(state)
         state.advance()
@@ -976,12 +980,10 @@ class FlashBwdSm90:
                 for w in cutlass.range_constexpr(n_wg):
                     # Bulk groups complete in order: allow the later halves in flight.
                     cute.arch.cp_async_bulk_wait_group(n_wg - 1 - w, read=True)
-                    cute.arch.barrier_arrive(barrier_id=self.dq_empty_barrier_id + w,
-                                             number_of_threads=self.dq_pair_threads)
+                    BwdBarrier.DQ_EMPTY.arrive(self.dq_pair_threads, w)
                 dst = gdQ[None, None, m_block].iterator
                 for w in cutlass.range_constexpr(n_wg):
-                    cute.arch.barrier(barrier_id=self.dq_full_barrier_id + w,
-                                      number_of_threads=self.dq_pair_threads)
+                    BwdBarrier.DQ_FULL.sync(self.dq_pair_threads, w)
                     if const_expr(cfg.deterministic and w == 0 and cfg.turn_pass == "next_visit"):
                         if held >= 0:
                             self._dq_pass_turn(sems.iterator + held, lane)
@@ -1257,19 +1259,15 @@ class FlashBwdSm90:
         rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
         rdV.store(acc_dV.load().to(self.dtype))
         # sK / sV are read by both warpgroups' GEMMs until their last visit.
-        cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
-        r2s = mma.stmatrix_copy(tiled_mma_nd, self.dtype, tidx)
+        BwdBarrier.EPILOGUE.sync(self.num_mma_threads)
         sdK = sK[None, None, 0]
         sdV = sV[None, None, 0]
-        cute.copy(r2s, r2s.retile(rdK), r2s.partition_D(sdK))
-        cute.copy(r2s, r2s.retile(rdV), r2s.partition_D(sdV))
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
-        if tidx // 32 == 0:
+        stage_tiles(tiled_mma_nd, self.dtype, tidx, [(rdK, sdK), (rdV, sdV)])
+
+        def dk_dv_stores():
             tile_kd = (cfg.tile_n, cfg.head_dim)
             gdK = cute.local_tile(mdK[None, None, head_kv, batch], tile_kd, (n_block, 0))
             gdV = cute.local_tile(mdV[None, None, head_kv, batch], tile_kd, (n_block, 0))
-            mma.tma_store_tile(tma_atom_dK, sdK, gdK)
-            mma.tma_store_tile(tma_atom_dV, sdV, gdV)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            return [(tma_atom_dK, sdK, gdK), (tma_atom_dV, sdV, gdV)]
+
+        store_staged(dk_dv_stores, tidx, BwdBarrier.EPILOGUE, self.num_mma_threads, wait_read=True)

@@ -78,6 +78,7 @@ from flexattn.kernels.decode.combine import inverse_and_lse, log2_shift, merge_s
 from flexattn.kernels.emit.mod_hook import NO_MODS, FragmentCoords, ModHook, kept_if
 from flexattn.kernels.hopper.softmax import OnlineSoftmax, rescale_rows
 from flexattn.kernels.hopper.tma_pipeline import tma_ring
+from flexattn.kernels.hopper.warp_specialized import KernelConfig, NamedBarriers, WarpSpecialized, register_split
 
 LOG2_E = math.log2(math.e)
 TIMELINE_STAMPS = 16    # per CTA: entry, producer start, Q loaded, first block done, stream
@@ -92,8 +93,10 @@ _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
 
 @dataclass(frozen=True)
-class DecodeConfig:
+class DecodeConfig(KernelConfig):
     """Everything that changes the generated decode kernel (runtime values never do)."""
+
+    KIND = "decode"
 
     dtype: str = "bf16"          # "bf16" | "fp16": Q, K, V and O
     head_dim: int = 128          # 64 | 128
@@ -171,31 +174,15 @@ class DecodeConfig:
 
     @property
     def regs(self) -> tuple:
-        """(producer, consumer) setmaxnreg budgets. A CTA launches with its share of the
-        SM's 64K registers (ptxas caps the launch count at 64K / (ctas_per_sm x threads));
-        the producer warpgroup gives most of its own to the consumers."""
-        per_cta = 65536 // self.ctas_per_sm
-        threads_per_wg = 128
-        producer = 40  # the paged producer keeps page-table reads and several boxes in flight
-        consumer = (per_cta // threads_per_wg - producer) // self.num_mma_wg
-        consumer = min(240, consumer - consumer % 8)
-        return producer, consumer
+        """(producer, consumer) setmaxnreg budgets (``register_split``): a CTA launches with its
+        share of the SM's 64K registers (ptxas caps the launch count at 64K / (ctas_per_sm x
+        threads)); the producer warpgroup keeps 40 (the paged producer has page-table reads
+        and several boxes in flight) and gives the rest to the consumers, at most 240 each."""
+        return register_split(self.num_mma_wg, 40, self.ctas_per_sm, max_consumer_regs=240)
 
     @property
     def cutlass_dtype(self):
         return _DTYPES[self.dtype]
-
-    def with_mods(self, mods: ModHook) -> "DecodeConfig":
-        """This config with another hook of the same structure (this call's captures)."""
-        new = object.__new__(DecodeConfig)
-        new.__dict__.update(self.__dict__)
-        object.__setattr__(new, "mods", mods)
-        return new
-
-    def key(self) -> tuple:
-        return ("decode", self.dtype, self.head_dim, self.num_mma_wg, self.tile_n, self.num_stages,
-                self.ctas_per_sm, self.page_size, self.cluster_splits, self.timeline, self.skip_masked_prefix,
-                self.mods.key())
 
 
 def check_page_size(page_size: int, tile_n: int) -> None:
@@ -209,7 +196,12 @@ def check_page_size(page_size: int, tile_n: int) -> None:
         raise ValueError(f"page_size below the kv tile must be a power of two, got {page_size}")
 
 
-class DecodeSm90:
+class DecodeBarrier(NamedBarriers):
+    Q_READY = 1     # the consumers' packed Q rows are in shared memory
+    ARRIVAL = 2     # the consumers around a split's partial stores and the merge
+
+
+class DecodeSm90(WarpSpecialized):
     """Compile with `cute.compile(DecodeSm90(cfg), q, k, v, page_table, seq_lens, o, lse,
     o_part, lse_part, tickets, softmax_scale, mod_args, stream)` (see decode_compile.py)."""
 
@@ -217,10 +209,7 @@ class DecodeSm90:
         self.cfg = config
         self.dtype = config.cutlass_dtype
         self.mods = config.mods
-        self.num_mma_threads = 128 * config.num_mma_wg
-        self.num_threads = 128 + self.num_mma_threads
-        self.q_ready_barrier_id = 1
-        self.arrival_barrier_id = 2
+        super().__init__(config.num_mma_wg)
         # The traced mask, for the in-kernel masked-prefix skip (hand-written hooks: none).
         self.mask_expr = getattr(config.mods, "mask_expr", None) \
             if config.mods.has_mask and config.skip_masked_prefix else None
@@ -318,16 +307,14 @@ class DecodeSm90:
         SharedStorage: cutlass.Constexpr,
     ):
         cfg = self.cfg
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 0:
-            for atom in (tma_atom_K, tma_atom_V):
-                cpasync.prefetch_descriptor(atom)
+        warp_idx = self.warp_index()
+        self.prefetch_descriptors(warp_idx, (tma_atom_K, tma_atom_V))
 
-        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        storage = self.allocate(SharedStorage)
         n = self.num_mma_threads
         pipe_k = tma_ring(storage.mbar_k.data_ptr(), cfg.num_stages, n, self.bytes_kv)
         pipe_v = tma_ring(storage.mbar_v.data_ptr(), cfg.num_stages, n, self.bytes_kv)
-        pipeline.pipeline_init_arrive()
+        self.rings_init_arrive()   # a cluster here merges splits; its rings are the CTA's own
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -374,10 +361,10 @@ class DecodeSm90:
                                      cute.make_layout((cfg.tile_m, cfg.head_dim), stride=(cfg.head_dim, 1)))
             sLSE = cute.make_tensor(cute.recast_ptr(storage.sV.data_ptr(), dtype=Float32), cute.make_layout(cfg.tile_m))
 
-        pipeline.pipeline_init_wait()
+        self.rings_init_wait()
 
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(cfg.regs[0])
+        if self.is_producer(warp_idx):
+            self.enter_producer(cfg.regs)
             if warp_idx == 0:
                 self._stamp(stamps, 1, True)
                 self.load(mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, pipe_k, pipe_v,
@@ -388,7 +375,7 @@ class DecodeSm90:
                     cute.arch.cluster_arrive()
                     cute.arch.cluster_wait()
         else:
-            cute.arch.setmaxregister_increase(cfg.regs[1])
+            self.enter_consumer(cfg.regs)
             self.consume(mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
                          pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block,
                          batch, seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps, sPart, sLSE)
@@ -403,8 +390,7 @@ class DecodeSm90:
                         self._merge_group(mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block,
                                           batch)
                         if const_expr(cfg.timeline):
-                            cute.arch.barrier(barrier_id=self.arrival_barrier_id,
-                                              number_of_threads=self.num_mma_threads)
+                            DecodeBarrier.ARRIVAL.sync(self.num_mma_threads)
                         self._stamp(stamps, 6, warp_idx == 4)
             else:
                 # Every thread of the cluster: the first barrier publishes each split's
@@ -566,7 +552,7 @@ class DecodeSm90:
             s = cute.local_tile(sQ[r, None], (vec,), (c,))
             s.store(frag.load())
         cute.arch.fence_view_async_shared()          # generic-proxy writes -> wgmma reads
-        cute.arch.barrier(barrier_id=self.q_ready_barrier_id, number_of_threads=self.num_mma_threads)
+        DecodeBarrier.Q_READY.sync(self.num_mma_threads)
 
     @cute.jit
     def consume(self, mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
@@ -699,7 +685,7 @@ class DecodeSm90:
         """Cluster merge: this split's normalized O rows (fp32) and LSEs into its own shared
         memory, over the K/V rings — after every consumer warp's last wgmma has read them."""
         cfg = self.cfg
-        cute.arch.barrier(barrier_id=self.arrival_barrier_id, number_of_threads=self.num_mma_threads)
+        DecodeBarrier.ARRIVAL.sync(self.num_mma_threads)
         cO = cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))
         tOcO = mma.acc_mn_view(thr_pv.partition_C(cO))
         o_mn = mma.acc_mn_view(acc_O)
@@ -754,7 +740,7 @@ class DecodeSm90:
     def _arrived_last(self, ticket, num_splits, sFlag, tidx) -> cutlass.Boolean:
         """Called by every consumer thread after its partial stores: True in the CTA whose
         arrival completes its group's count (it then owns the merge; the count is reset)."""
-        cute.arch.barrier(barrier_id=self.arrival_barrier_id, number_of_threads=self.num_mma_threads)
+        DecodeBarrier.ARRIVAL.sync(self.num_mma_threads)
         if tidx == 0:
             arrived = cute.arch.atomic_add(ticket, Int32(1), sem="acq_rel", scope="gpu")
             last = Int32(0)
@@ -764,7 +750,7 @@ class DecodeSm90:
                 # the next launch (stream order) finds it zero.
                 cute.arch.atomic_exch(ticket, Int32(0), sem="relaxed", scope="gpu")
             sFlag[0] = last
-        cute.arch.barrier(barrier_id=self.arrival_barrier_id, number_of_threads=self.num_mma_threads)
+        DecodeBarrier.ARRIVAL.sync(self.num_mma_threads)
         return sFlag[0] != 0
 
     @cute.jit

@@ -29,6 +29,8 @@ narrow the kv clamp to where it matters with `load_index_vars` (the indices that
 its buffer reads).
 """
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, const_expr
@@ -214,9 +216,9 @@ def apply_mods(
     hook_kv = "kv" in mods.index_vars(apply_score, apply_mask)
     clamp = (clamp_kv or check_kv_bounds) and "kv" in mods.load_index_vars(apply_score, apply_mask)
     if const_expr(mods.rows(apply_score, apply_mask) or not (apply_score or apply_mask)):
-        _apply_mods_rows(s_mn, coords, mods, batch, head, q_base, kv_base, q_last, kv_last,
-                         seqlen_k, softmax_scale, args, apply_score, apply_mask, builtin_causal,
-                         check_kv_bounds, hook_kv, clamp)
+        tile = _TileIndices(batch, head, q_base, kv_base, q_last, kv_last, seqlen_k)
+        parts = _ModParts(apply_score, apply_mask, builtin_causal, check_kv_bounds, hook_kv, clamp)
+        _apply_mods_rows(s_mn, coords, mods, tile, softmax_scale, args, parts)
         return
     for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
         q = q_base + coords.row(r)
@@ -242,34 +244,56 @@ def apply_mods(
 
 
 
-def _apply_mods_rows(s_mn, coords, mods, batch, head, q_base, kv_base, q_last, kv_last, seqlen_k,
-                     softmax_scale, args, apply_score, apply_mask, builtin_causal,
-                     check_kv_bounds, hook_kv, clamp):
+class _TileIndices(NamedTuple):
+    """Where an S tile sits: its (batch, head), first query and key, and the bounds."""
+
+    batch: object
+    head: object
+    q_base: object
+    kv_base: object
+    q_last: object
+    kv_last: object
+    seqlen_k: object
+
+
+class _ModParts(NamedTuple):
+    """What one apply_mods call applies (compile-time flags; see apply_mods), and whether
+    the hooks read kv (``hook_kv``) and see it clamped to KV_LEN - 1 (``clamp``)."""
+
+    score: bool
+    mask: bool
+    builtin_causal: bool
+    kv_bounds: bool
+    hook_kv: bool
+    clamp: bool
+
+
+def _apply_mods_rows(s_mn, coords, mods, tile: _TileIndices, softmax_scale, args, parts: _ModParts):
     """apply_mods a row at a time (hooks with `rows`): the row's scores and kv indices as
     vectors, the hooks called once per row."""
     for r in range(cute.size(s_mn.shape[0])):
-        q = q_base + coords.row(r)
-        q_hook = cutlass.min(q, q_last)
+        q = tile.q_base + coords.row(r)
+        q_hook = cutlass.min(q, tile.q_last)
         s = s_mn[r, None].load()
         kv = kv_hook = None
-        if hook_kv or builtin_causal or check_kv_bounds:
-            kv = coords.col0_vector(s.shape) + kv_base
+        if parts.hook_kv or parts.builtin_causal or parts.kv_bounds:
+            kv = coords.col0_vector(s.shape) + tile.kv_base
             kv_hook = kv
-        if hook_kv and clamp:
-            kv_hook = kv.apply_op(cutlass_arith._min, kv_last)
+        if parts.hook_kv and parts.clamp:
+            kv_hook = kv.apply_op(cutlass_arith._min, tile.kv_last)
 
         def kv_at(c):   # element c's kv as per-element emission computes it
-            kv_c = kv_base + coords.col0(c)
-            return cutlass.min(kv_c, kv_last) if clamp else kv_c
-        if apply_score:
-            s = mods.score_row(s * softmax_scale, batch, head, q_hook, kv_hook, args, kv_at=kv_at)
-        if apply_mask:
-            s = kept_where(mods.mask_row(batch, head, q_hook, kv_hook, args, kv_at=kv_at,
+            kv_c = tile.kv_base + coords.col0(c)
+            return cutlass.min(kv_c, tile.kv_last) if parts.clamp else kv_c
+        if parts.score:
+            s = mods.score_row(s * softmax_scale, tile.batch, tile.head, q_hook, kv_hook, args, kv_at=kv_at)
+        if parts.mask:
+            s = kept_where(mods.mask_row(tile.batch, tile.head, q_hook, kv_hook, args, kv_at=kv_at,
                                          shape=s.shape), s)
-        if builtin_causal:
+        if parts.builtin_causal:
             s = kept_where(kv <= q, s)
-        if check_kv_bounds:
-            s = kept_where(kv < seqlen_k, s)
+        if parts.kv_bounds:
+            s = kept_where(kv < tile.seqlen_k, s)
         s_mn[r, None].store(s)
 
 

@@ -52,6 +52,8 @@ from flexattn.kernels.emit.mod_hook import (NO_MODS, FragmentCoords, ModHook, ap
 from flexattn.kernels.hopper.softmax import OnlineSoftmax, rescale_rows
 from flexattn.kernels.hopper.tile_scheduler import ByHead, LongestFirst, TileSpace, grid_size
 from flexattn.kernels.hopper.tma_pipeline import multicast_slice, tma_ring
+from flexattn.kernels.hopper.warp_specialized import (KernelConfig, NamedBarriers, WarpSpecialized, register_split,
+                                                      stage_tiles, store_staged)
 
 LOG2_E = math.log2(math.e)
 
@@ -59,8 +61,10 @@ _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
 
 @dataclass(frozen=True)
-class FwdConfig:
+class FwdConfig(KernelConfig):
     """Everything that changes the generated code (runtime values never do)."""
+
+    KIND = "fwd"
 
     dtype: str = "bf16"            # "bf16" | "fp16": Q, K, V and O
     head_dim: int = 128            # 64 | 128
@@ -101,7 +105,8 @@ class FwdConfig:
             # (e.g. with buffer loads) can spill there: then 2 warpgroups at 240.
             big = self.head_dim <= 64 and not self.mods.has_score
             object.__setattr__(self, "tile_m", 192 if big else 128)
-        regs = {1: (56, 256), 2: (24, 240), 3: (32, 160)}.get(self.tile_m // 64, (24, 240))
+        wgs = self.tile_m // 64
+        regs = register_split(wgs, {1: 56, 3: 32}.get(wgs, 24)) if wgs in (1, 2, 3) else (24, 240)
         if self.tile_order is None:
             object.__setattr__(self, "tile_order", "longest_first" if self.causal else "by_head")
         if self.tile_order not in ("by_head", "longest_first"):
@@ -145,38 +150,21 @@ class FwdConfig:
         a cluster must share their (batch, head))."""
         return -(-seqlen_q // self.tile_m) % self.cluster_m == 0
 
-    def with_mods(self, mods: ModHook) -> "FwdConfig":
-        """This config with another hook of the *same structure* (the caller's promise:
-        e.g. the same mods with this call's captured values). Skips re-validation: the
-        planner calls it on every launch."""
-        new = object.__new__(FwdConfig)
-        new.__dict__.update(self.__dict__)
-        object.__setattr__(new, "mods", mods)
-        return new
 
-    def key(self) -> tuple:
-        """Compile-cache key: the config with the hook replaced by its structure key."""
-        return (self.dtype, self.head_dim, self.tile_m, self.tile_n, self.num_stages,
-                self.causal, self.block_sparse, self.producer_regs, self.consumer_regs, self.intra_wg_overlap,
-                self.pingpong, self.tile_order, self.max_ctas, self.cluster_m,
-                self.mods.key())
+class FwdBarrier(NamedBarriers):
+    EPILOGUE = 1   # the consumer warpgroups around the O staging
+    TURN = 2       # 2 + w: warpgroup w's ping-pong turn to issue its GEMMs
 
 
-class FlashFwdSm90:
+class FlashFwdSm90(WarpSpecialized):
     """Compile with `cute.compile(FlashFwdSm90(cfg), q, k, v, o, lse, scale, args, stream)`
     or through `flexattn.kernels.launch.compile.compile_forward`."""
 
     def __init__(self, config: FwdConfig):
+        super().__init__(config.tile_m // 64)
         self.cfg = config
         self.dtype = config.cutlass_dtype
         self.mods = config.mods
-        self.num_mma_wg = config.tile_m // 64
-        self.num_mma_threads = 128 * self.num_mma_wg
-        self.num_threads = 128 + self.num_mma_threads
-        # Named barrier ids (0 is __syncthreads): one for the epilogue, then one per
-        # consumer warpgroup for the ping-pong turn.
-        self.epilogue_barrier_id = 1
-        self.turn_barrier_id0 = 2
         kv_row_bytes = 2 * config.head_dim * (self.dtype.width // 8)
         self.order = (LongestFirst(kv_row_bytes) if config.tile_order == "longest_first"
                       else ByHead())
@@ -287,20 +275,15 @@ class FlashFwdSm90:
         SharedStorage: cutlass.Constexpr,
     ):
         cfg = self.cfg
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 0:
-            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
-                cpasync.prefetch_descriptor(atom)
+        warp_idx = self.warp_index()
+        self.prefetch_descriptors(warp_idx, (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O))
 
-        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        storage = self.allocate(SharedStorage)
         n = self.num_mma_threads
         pipe_q = tma_ring(storage.mbar_q.data_ptr(), 1, n, self.bytes_q)
         pipe_k = tma_ring(storage.mbar_k.data_ptr(), cfg.num_stages, n, self.bytes_kv, cfg.cluster_m)
         pipe_v = tma_ring(storage.mbar_v.data_ptr(), cfg.num_stages, n, self.bytes_kv, cfg.cluster_m)
-        # With a cluster, the peer's multicasts and release arrives target these barriers:
-        # they must be initialised cluster-wide before anyone loads.
-        cluster = (cfg.cluster_m, 1) if cfg.cluster_m > 1 else None
-        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster, is_relaxed=True)
+        self.rings_init_arrive(cfg.cluster_m)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -313,15 +296,16 @@ class FlashFwdSm90:
         seqlen_k = mK.shape[0]
         tiles = TileSpace((seqlen_q + cfg.tile_m - 1) // cfg.tile_m, mQ.shape[2], mQ.shape[3], seqlen_k)
 
-        pipeline.pipeline_init_wait(cluster_shape_mn=cluster)
+        self.rings_init_wait(cfg.cluster_m)
 
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(cfg.producer_regs)
+        regs = (cfg.producer_regs, cfg.consumer_regs)
+        if self.is_producer(warp_idx):
+            self.enter_producer(regs)
             if warp_idx == 0:
                 self.load(mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V,
                           pipe_q, pipe_k, pipe_v, tiles, seqlen_k, block_sparse)
         else:
-            cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            self.enter_consumer(regs)
             self.consume(mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                          pipe_q, pipe_k, pipe_v, tiles, seqlen_q, seqlen_k,
                          block_sparse, softmax_scale, scale_log2, mod_args)
@@ -479,7 +463,7 @@ class FlashFwdSm90:
             # the first, in both warpgroups alike, so the last pass of a tile is the
             # next tile's first turn.
             if wg == 0:
-                cute.arch.barrier_arrive(barrier_id=self.turn_barrier_id0, number_of_threads=256)
+                FwdBarrier.TURN.arrive(256)
 
         fixed = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O,
                  softmax, coords, pipe_k, pipe_v)
@@ -540,21 +524,20 @@ class FlashFwdSm90:
             kv_state.advance()
         return kv_state
 
-    # Ping-pong: warpgroup w may issue GEMMs once barrier (turn_barrier_id0 + w) has seen
+    # Ping-pong: warpgroup w may issue GEMMs once barrier TURN + w has seen
     # the previous warpgroup's arrival; after issuing it passes the turn to the next one
     # (0 -> 1 -> 0, or 0 -> 1 -> 2 -> 0 with three consumer warpgroups). The softmax of
     # one warpgroup then runs while the other's GEMMs occupy the tensor cores.
     def _turn_wait(self, wg):
         if const_expr(self.cfg.pingpong):
-            cute.arch.barrier(barrier_id=self.turn_barrier_id0 + wg, number_of_threads=256)
+            FwdBarrier.TURN.sync(256, wg)
 
     def _turn_pass(self, wg):
         if const_expr(self.cfg.pingpong):
             nxt = 1 - wg
             if const_expr(self.num_mma_wg == 3):
                 nxt = (wg + 1) % 3
-            cute.arch.barrier_arrive(barrier_id=self.turn_barrier_id0 + nxt,
-                                     number_of_threads=256)
+            FwdBarrier.TURN.arrive(256, nxt)
 
     @cute.jit
     def _visit_blocks(self, ctx, kv_state, m_block, n_block_max):
@@ -885,9 +868,8 @@ class FlashFwdSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         # Every consumer warpgroup must be done with sO's previous use (as sQ: its last
         # Q K^T; as sO: the wait above).
-        cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
-        r2s = mma.stmatrix_copy(tiled_mma_pv, self.dtype, tidx)
-        cute.copy(r2s, r2s.retile(rO), r2s.partition_D(sO))
+        FwdBarrier.EPILOGUE.sync(self.num_mma_threads)
+        stage_tiles(tiled_mma_pv, self.dtype, tidx, [(rO, sO)])
 
         # LSE: the lane holding column 0 of a row writes it.
         cO = cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))
@@ -899,10 +881,8 @@ class FlashFwdSm90:
                 if q < seqlen_q:
                     gLSE[q] = lse[r]
 
-        # Generic-proxy smem writes must be visible to the TMA (async proxy) store.
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=self.epilogue_barrier_id, number_of_threads=self.num_mma_threads)
-        if tidx // 32 == 0:
+        def o_store():
             gO = cute.local_tile(mO[None, None, head, batch], (cfg.tile_m, cfg.head_dim), (m_block, 0))
-            mma.tma_store_tile(tma_atom_O, sO, gO)
-            cute.arch.cp_async_bulk_commit_group()
+            return [(tma_atom_O, sO, gO)]
+
+        store_staged(o_store, tidx, FwdBarrier.EPILOGUE, self.num_mma_threads)

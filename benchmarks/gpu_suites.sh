@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Every GPU test suite in one device call, in parallel processes: the suites are dominated
+# by kernel compiles (CPU-bound, 2-8 s each, ~16 cores on the device) while their GPU work
+# is short, so groups run side by side on the one GPU. Logs land in $OUT (or /tmp).
+# Usage (device tool, carry [".gpu"]):  bash benchmarks/gpu_suites.sh [seconds per group]
+set -u
+source .gpu/activate.sh
+out=${OUT:-/tmp/flexattn-out}
+mkdir -p "$out"
+limit=${1:-540}
+groups=(
+  "fwd:tests/gpu/test_fwd_gpu.py tests/gpu/test_mod_emit_gpu.py"
+  "public:tests/gpu/test_flex_attention_gpu.py tests/gpu/test_dlpack_gpu.py"
+  "bwd:tests/gpu/test_bwd_gpu.py"
+  "autograd:tests/gpu/test_autograd_gpu.py tests/gpu/test_cupy_gpu.py"
+  "decode:tests/gpu/test_decode_gpu.py tests/gpu/test_blockmask_gpu.py"
+  "jax:tests/gpu/test_jax_gpu.py tests/gpu/test_notebooks_gpu.py"
+)
+pids=()
+for g in "${groups[@]}"; do
+  name=${g%%:*}
+  files=${g#*:}
+  # shellcheck disable=SC2086
+  timeout "$limit" python3 -m pytest -q -p no:cacheprovider $files > "$out/gpu_$name.log" 2>&1 &
+  pids+=($!)
+done
+rc=0
+for i in "${!groups[@]}"; do
+  wait "${pids[$i]}" || rc=1
+done
+for g in "${groups[@]}"; do
+  name=${g%%:*}
+  echo "== $name: $(grep -E '(passed|failed|error|no tests ran)' "$out/gpu_$name.log" | tail -1)"
+  grep -E "^(FAILED|ERROR)" "$out/gpu_$name.log" | head -10
+done
+exit $rc
