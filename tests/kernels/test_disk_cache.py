@@ -419,3 +419,262 @@ def test_other_kernels_round_trip(cache_dir):
                 fn(*([None] * (n_args + 1)))
             messages.append(str(err.value))
         assert messages[0] == messages[1]
+
+
+# ---- trust: a private cache, refused entries, read-only shared caches --------------------
+# A cache entry is native code linked into the process: these plant a *valid* entry (the
+# stored base forward, which would load) where it must not be trusted, and check that it is
+# neither linked (``load_module`` is recorded) nor counted as a load, but compiled instead.
+
+def _entry_name():
+    return os.path.join(disk_cache.directory_name(), os.path.basename(_path(_base())))
+
+
+def _valid_entry(stored):
+    with open(os.path.join(stored[0], _entry_name()), "rb") as f:
+        return f.read()
+
+
+def _plant(root, data, root_mode=0o700, env_mode=0o700, file_mode=0o600):
+    """``data`` as the base forward's entry under cache root ``root``, with these modes."""
+    path = os.path.join(str(root), _entry_name())
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+    os.chmod(path, file_mode)
+    os.chmod(os.path.dirname(path), env_mode)
+    os.chmod(root, root_mode)
+    return path
+
+
+def _snapshot(root):
+    """Every path under ``root`` with its mode, owner, mtime and size (lstat)."""
+    found = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            st = os.lstat(os.path.join(folder, name))
+            found[os.path.relpath(os.path.join(folder, name), root)] = (st.st_mode, st.st_uid, st.st_mtime_ns, st.st_size)
+    return found
+
+
+@pytest.fixture
+def linked(monkeypatch):
+    """The paths ``cutlass.cute.runtime.load_module`` is asked to link (it still links them)."""
+    from cutlass.cute import runtime
+
+    calls, real = [], runtime.load_module
+
+    def recording(path, **kwargs):
+        calls.append(path)
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(runtime, "load_module", recording)
+    return calls
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+    """A fresh, not yet existing cache root as FLEXATTN_CACHE_DIR, no trusted roots."""
+    root = tmp_path / "kernels"
+    monkeypatch.setenv("FLEXATTN_CACHE_DIR", str(root))
+    monkeypatch.delenv("FLEXATTN_DISK_CACHE", raising=False)
+    monkeypatch.delenv("FLEXATTN_TRUSTED_CACHE_DIRS", raising=False)
+    return root
+
+
+def _refused(runner, key, match, replaced=False):
+    """compiled(key) warns once (``match``), compiles, and loads nothing; again: no warning,
+    and compiled again — or (``replaced``: a bad file in the user's own good directory,
+    overwritten by the compiled kernel) loaded."""
+    loads = disk_cache.load_count()
+    with pytest.warns(RuntimeWarning, match=match) as record:
+        assert _recompiles(runner, key) == (1, runner.compiled)
+    refusals = [str(w.message) for w in record if "not loading compiled kernels" in str(w.message)]
+    assert len(refusals) == 1, refusals
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # warned once per directory
+        assert _recompiles(runner, key)[0] == (0 if replaced else 1)
+    assert disk_cache.load_count() == loads + replaced
+    return refusals[0]
+
+
+def test_the_cache_is_private(stored, tmp_path, monkeypatch, linked):
+    """Every directory level the cache creates is 0700 and its files 0600, whatever the
+    umask (0 here: the umask's 0777 / 0666 would be world-writable)."""
+    _, runner = stored
+    root = tmp_path / "home" / "cache" / "kernels"
+    monkeypatch.setenv("FLEXATTN_CACHE_DIR", str(root))
+    monkeypatch.delenv("FLEXATTN_DISK_CACHE", raising=False)
+    key = disk_cache.config_key("fwd", _base())
+    old = os.umask(0)
+    try:
+        stores = disk_cache.store_count()
+        assert _recompiles(runner, key)[0] == 1
+        assert disk_cache.store_count() == stores + 1
+    finally:
+        os.umask(old)
+    env = root / disk_cache.directory_name()
+    for d in (tmp_path / "home", tmp_path / "home" / "cache", root, env):
+        assert oct(os.stat(d).st_mode & 0o7777) == oct(0o700), d
+    assert [oct(os.stat(env / n).st_mode & 0o7777) for n in os.listdir(env)] == [oct(0o600)]
+    calls, fn = _recompiles(runner, key)   # and it loads, linked from the checked descriptor
+    assert calls == 0 and len(linked) == 1
+    assert linked[0].startswith("/proc/self/fd/") or not os.path.isdir("/proc/self/fd")
+    _cpu_call_error(fn)
+
+
+@pytest.mark.parametrize("level,mode", [("root", 0o777), ("root", 0o1777), ("root", 0o770),
+                                        ("environment", 0o775), ("environment", 0o757)])
+def test_planted_entry_in_an_open_directory_is_not_loaded(stored, own_cache, linked, level, mode):
+    """A valid entry in a cache directory others can write to (a world-writable root, a
+    sticky /tmp-like one, a group-writable level) is not linked: one warning naming the
+    directory and the fix, the kernel compiled, and nothing stored there either."""
+    _, runner = stored
+    modes = dict(root_mode=mode) if level == "root" else dict(env_mode=mode)
+    path = _plant(own_cache, _valid_entry(stored), **modes)
+    before = _snapshot(own_cache)
+    key = disk_cache.config_key("fwd", _base())
+    message = _refused(runner, key, "writable by group or others")
+    bad = str(own_cache) if level == "root" else os.path.dirname(path)
+    assert f"{bad} is a directory writable" in message and f"chmod 700 {bad}" in message
+    assert linked == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # another kernel: compiled, not stored, no second warning
+        assert _recompiles(runner, ("test_open_directory", level, mode))[0] == 1
+    assert _snapshot(own_cache) == before
+
+
+@pytest.mark.parametrize("mode", [0o666, 0o620, 0o602])
+def test_entry_writable_by_others_is_refused_and_replaced(stored, own_cache, linked, mode):
+    _, runner = stored
+    path = _plant(own_cache, _valid_entry(stored), file_mode=mode)
+    key = disk_cache.config_key("fwd", _base())
+    loads = disk_cache.load_count()
+    with pytest.warns(RuntimeWarning, match=f"{path} is a file writable by group or others .*chmod 600"):
+        assert _recompiles(runner, key) == (1, runner.compiled)
+    assert linked == [] and disk_cache.load_count() == loads
+    # The directory is the user's own: the compiled kernel replaced the entry, privately.
+    assert oct(os.lstat(path).st_mode & 0o7777) == oct(0o600)
+    assert _recompiles(runner, key)[0] == 0 and len(linked) == 1
+
+
+@pytest.mark.parametrize("kind", ["file symlink", "directory symlink", "fifo"])
+def test_symlinks_and_special_files_are_refused(stored, own_cache, tmp_path, linked, kind):
+    """An entry (or the environment directory) that is a symlink — even to a valid, private
+    file of the user's — or a FIFO (which must not block the open) is not loaded."""
+    _, runner = stored
+    key = disk_cache.config_key("fwd", _base())
+    path = os.path.join(str(own_cache), _entry_name())
+    elsewhere = tmp_path / "elsewhere"
+    target = _plant(elsewhere, _valid_entry(stored))
+    os.makedirs(own_cache, mode=0o700)
+    if kind == "directory symlink":
+        os.symlink(os.path.dirname(target), os.path.dirname(path))
+    else:
+        os.makedirs(os.path.dirname(path), mode=0o700)
+        os.symlink(target, path) if kind == "file symlink" else os.mkfifo(path, 0o600)
+    outside = _snapshot(elsewhere)
+    replaced = kind != "directory symlink"   # a bad entry in a good directory: overwritten
+    message = _refused(runner, key, "is a symbolic link" if "symlink" in kind else "is not a regular file",
+                       replaced=replaced)
+    assert (path if replaced else os.path.dirname(path)) in message
+    assert len(linked) == replaced and _snapshot(elsewhere) == outside   # the link's target untouched
+    if replaced:   # by a regular file of ours, which then loaded
+        assert os.path.isfile(path) and not os.path.islink(path)
+        assert oct(os.lstat(path).st_mode & 0o7777) == oct(0o600)
+
+
+@pytest.mark.parametrize("how", ["file chowned", "process uid"])
+def test_entries_owned_by_another_user_are_refused(stored, own_cache, linked, monkeypatch, how):
+    """A file owned by someone else (chowned: needs root, as the tests run), or the whole cache
+    seen from another uid (``os.geteuid`` patched), is not loaded."""
+    _, runner = stored
+    path = _plant(own_cache, _valid_entry(stored))
+    me = os.geteuid()
+    other = me + 54321
+    if how == "file chowned":
+        if me != 0:
+            pytest.skip("chown needs root")
+        os.chown(path, other, -1)
+        bad = path
+    else:
+        monkeypatch.setattr(os, "geteuid", lambda: other)
+        bad = str(own_cache)
+    before = _snapshot(own_cache)
+    key = disk_cache.config_key("fwd", _base())
+    replaced = how == "file chowned"   # a stranger's file in the user's own directory
+    message = _refused(runner, key, f"is owned by uid ({me}|{other}), not by you", replaced=replaced)
+    assert f"{bad} is owned by uid" in message
+    assert len(linked) == replaced
+    if replaced:
+        assert os.stat(path).st_uid == me
+    else:   # the whole tree is someone else's: nothing stored there
+        assert _snapshot(own_cache) == before
+
+
+def test_trusted_read_only_cache(stored, own_cache, tmp_path, monkeypatch, linked):
+    """FLEXATTN_TRUSTED_CACHE_DIRS: an image-built cache (0755 / 0644) is read after the
+    user's own misses, and never written: misses go to the user's cache, bad entries stay."""
+    _, runner = stored
+    image = tmp_path / "image-cache"
+    path = _plant(image, _valid_entry(stored), root_mode=0o755, env_mode=0o755, file_mode=0o644)
+    monkeypatch.setenv("FLEXATTN_TRUSTED_CACHE_DIRS", os.pathsep.join([str(tmp_path / "absent"), "", str(image)]))
+    before = _snapshot(image)
+    key = disk_cache.config_key("fwd", _base())
+    loads = disk_cache.load_count()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        calls, fn = _recompiles(runner, key)
+    assert calls == 0 and disk_cache.load_count() == loads + 1 and len(linked) == 1
+    _cpu_call_error(fn)
+    assert not os.path.exists(own_cache)   # loading writes nothing anywhere
+    # A miss everywhere is compiled and stored in the user's cache only.
+    miss = ("test_trusted_miss",)
+    assert _recompiles(runner, miss)[0] == 1
+    assert os.path.isfile(disk_cache.location(miss)[1]) and str(own_cache) in disk_cache.location(miss)[1]
+    assert _snapshot(image) == before
+    # The user's own cache comes first: its entry is the one linked.
+    own = _plant(own_cache, _valid_entry(stored))
+    assert _recompiles(runner, key)[0] == 0
+    os.unlink(own)
+    # A corrupt trusted entry is skipped (warned once), not deleted or rewritten.
+    with open(path, "r+b") as f:
+        f.seek(100)
+        f.write(b"\0" * 64)
+    before = _snapshot(image)
+    with pytest.warns(RuntimeWarning, match="skipping unusable kernel .* trusted read-only cache"):
+        assert _recompiles(runner, key)[0] == 1
+    assert _snapshot(image) == before
+    # FLEXATTN_DISK_CACHE=0 turns the trusted roots off too.
+    monkeypatch.setenv("FLEXATTN_DISK_CACHE", "0")
+    n = len(linked)
+    assert _recompiles(runner, ("test_trusted_off",))[0] == 1 and len(linked) == n
+
+
+def test_trusted_cache_must_not_be_writable_by_others(stored, own_cache, tmp_path, monkeypatch, linked):
+    _, runner = stored
+    image = tmp_path / "image-cache"
+    _plant(image, _valid_entry(stored), root_mode=0o755, env_mode=0o777, file_mode=0o644)
+    monkeypatch.setenv("FLEXATTN_TRUSTED_CACHE_DIRS", str(image))
+    before = _snapshot(image)
+    key = disk_cache.config_key("fwd", _base())   # compiled, stored in the user's cache, loaded from there
+    message = _refused(runner, key, "FLEXATTN_TRUSTED_CACHE_DIRS", replaced=True)
+    assert "writable by group or others" in message and len(linked) == 1   # the user's copy
+    assert _snapshot(image) == before and os.path.isfile(_path(_base()))
+
+
+def test_trusted_cache_may_be_owned_by_root(stored, own_cache, tmp_path, monkeypatch, linked):
+    """Owned by root is trusted in a trusted root, not in the user's own cache."""
+    if os.geteuid() != 0:
+        pytest.skip("needs files owned by root")
+    _, runner = stored
+    key = disk_cache.config_key("fwd", _base())
+    image = tmp_path / "image-cache"
+    _plant(image, _valid_entry(stored), root_mode=0o755, env_mode=0o755, file_mode=0o644)
+    monkeypatch.setattr(os, "geteuid", lambda: 54321)   # a user who is not root
+    monkeypatch.setenv("FLEXATTN_CACHE_DIR", str(image))
+    assert "is owned by uid 0, not by you" in _refused(runner, key, "owned by uid 0")
+    assert linked == []
+    monkeypatch.setenv("FLEXATTN_CACHE_DIR", str(own_cache))
+    monkeypatch.setenv("FLEXATTN_TRUSTED_CACHE_DIRS", str(image))
+    assert _recompiles(runner, key)[0] == 0 and len(linked) == 1
