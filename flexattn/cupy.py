@@ -25,7 +25,7 @@ import numpy as np
 from .blockmask import BlockMask, create_block_mask
 from .core.backward_path import BackwardArrays, backward_into
 from .core.kernel_path import Device, forward_into, kernel_unsupported, prepare_forward
-from .core.prepared import PreparedCalls, call_identity
+from .core.prepared import PreparedCalls, call_key
 from .problem.spec import AttentionSpec
 from .problem.validate import check_inputs
 from .mods import MaskMod, ScoreMod, mask_mod, score_mod
@@ -58,10 +58,7 @@ _PREPARED = PreparedCalls()
 def _call_key(q, k, v, call):
     if not (isinstance(q, cupy.ndarray) and isinstance(k, cupy.ndarray) and isinstance(v, cupy.ndarray)):
         return None
-    ident = call_identity(call)
-    if ident is None:
-        return None
-    return ident + (q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype, v.dtype,
+    return call_key(call, q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype, v.dtype,
                     q.device.id, k.device.id, v.device.id)
 
 

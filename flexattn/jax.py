@@ -55,7 +55,6 @@ call: jit the caller.
 
 from __future__ import annotations
 
-import copy
 import os
 
 import numpy as np
@@ -71,14 +70,12 @@ except ImportError as e:  # pragma: no cover - exercised only without jax
 from . import reference
 from .arrays import to_numpy
 from .blockmask import BlockMask, create_block_mask
-from .core import kernel_path
-from .problem.spec import AttentionSpec
+from .core import kernel_path, xla_path
+from .problem.spec import OPERAND, AttentionSpec, lse_dtype
 from .problem.validate import AttentionShape, check_inputs
 from .mods import MaskMod, ScoreMod, mask_mod, score_mod
 
 __all__ = ["flex_attention", "create_block_mask", "BlockMask", "MaskMod", "ScoreMod", "mask_mod", "score_mod"]
-
-_SLOT = object()  # a jax-array capture: an operand of the call
 
 # Platforms whose arrays run the kernels. Tests add "cpu" to run the kernel path's
 # plumbing (operand layout, fills, gradients) on CPU arrays with cutlass_call faked.
@@ -105,9 +102,7 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, scale=None, enable_
     # alike live on the computation's platform.
     facts = [_ArrayFacts(x, platform) for x in (q, k, v)]
     shape = check_inputs(*facts, spec)
-    template, score_bufs = _split(spec.score)
-    mask_template, mask_bufs = _split(_mask_of(spec))
-    template_spec = _with_mods(spec, template, mask_template)
+    template_spec, score_bufs, mask_bufs = spec.template(_is_jax_array, masks=True)
     if platform in _KERNEL_PLATFORMS:
         backend = _KernelBackend(template_spec, shape, facts[0], mask_bufs)
     elif platform == "cpu":
@@ -131,46 +126,9 @@ def _platform(*arrays) -> str:
     return platforms.pop()
 
 
-def _mask_of(spec):
-    return spec.block_mask.mask_mod if spec.block_mask is not None else spec.mask
-
-
-def _split(mod):
-    """(mod with jax-array captures replaced by slots, those arrays)."""
-    if mod is None:
-        return None, []
-    arrays = [c for c in mod.captures if isinstance(c, jax.Array)]
-    if not arrays:
-        return mod, []
-    return mod.with_captures(tuple(_SLOT if isinstance(c, jax.Array) else c for c in mod.captures)), arrays
-
-
-def _fill(mod, values):
-    if mod is None or not values:
-        return mod
-    it = iter(values)
-    return mod.with_captures(tuple(next(it) if c is _SLOT else c for c in mod.captures))
-
-
-def _with_mods(spec, score, mask):
-    if spec.block_mask is None:
-        return AttentionSpec(score, mask, None, spec.scale, spec.enable_gqa)
-    bm = spec.block_mask
-    if mask is not bm.mask_mod:
-        bm = copy.copy(bm)
-        bm.mask_mod = mask
-    return AttentionSpec(score, None, bm, spec.scale, spec.enable_gqa)
-
-
-def _bind(template_spec, score_values, mask_values):
-    return _with_mods(template_spec, _fill(template_spec.score, score_values), _fill(_mask_of(template_spec), mask_values))
-
-
-def _score_slots(template_spec) -> list:
-    """Score-capture slot of each score operand (the jax arrays, in capture order)."""
-    if template_spec.score is None:
-        return []
-    return [i for i, c in enumerate(template_spec.score.captures) if c is _SLOT]
+def _is_jax_array(x) -> bool:
+    """Captures that are operands of the call (the rest are trace-time constants)."""
+    return isinstance(x, jax.Array)
 
 
 def _is_float(x) -> bool:
@@ -222,10 +180,6 @@ def _zero_cotangent(x):
     return np.zeros(x.shape, dtype=jax.dtypes.float0)
 
 
-def _lse_dtype(q):
-    return jnp.float64 if q.dtype == jnp.float64 else jnp.float32
-
-
 # --- CPU: the exact reference through pure_callback ----------------------------------------------
 
 class _ReferenceBackend:
@@ -238,22 +192,22 @@ class _ReferenceBackend:
         n_score = len(score_bufs)
 
         def host(q, k, v, *bufs):
-            spec = _bind(self.spec, bufs[:n_score], bufs[n_score:])
+            spec = self.spec.bind(bufs[:n_score], bufs[n_score:])
             out, lse = reference.forward(q, k, v, spec)
-            return out.astype(q.dtype), lse.astype(np.float64 if q.dtype == np.float64 else np.float32)
+            return out.astype(q.dtype), lse.astype(lse_dtype(q))
 
         result = (jax.ShapeDtypeStruct(q.shape[:3] + v.shape[3:], q.dtype),
-                  jax.ShapeDtypeStruct(q.shape[:3], _lse_dtype(q)))
+                  jax.ShapeDtypeStruct(q.shape[:3], jnp.dtype(lse_dtype(q))))
         return jax.pure_callback(host, result, q, k, v, *score_bufs, *mask_bufs, vmap_method="sequential")
 
     def backward(self, q, k, v, out, lse, d_out, d_lse, score_bufs, mask_bufs, wanted):
         n_score = len(score_bufs)
-        slots = _score_slots(self.spec)
+        slots = self.spec.operand_slots()
         d_out = jnp.zeros_like(out) if d_out is None else d_out
         d_lse = jnp.zeros_like(lse) if d_lse is None else d_lse
 
         def host(q, k, v, d_out, d_lse, *bufs):
-            spec = _bind(self.spec, bufs[:n_score], bufs[n_score:])
+            spec = self.spec.bind(bufs[:n_score], bufs[n_score:])
             g = reference.backward(q, k, v, d_out, d_lse, spec)
             d_bufs = tuple(  # one per score buffer; int buffers get (discarded) float32 zeros
                 np.zeros(bufs[j].shape, np.float32) if g.d_captures[i] is None else g.d_captures[i].astype(bufs[j].dtype)
@@ -268,10 +222,6 @@ class _ReferenceBackend:
 
 
 # --- GPU: the CuTeDSL kernels through cutlass_call (an XLA FFI custom call) -----------------------
-
-_KV_LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
-_Q_LISTS = ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
-
 
 def _cutlass_call():
     """``cutlass.jax.cutlass_call`` (tests replace this to run the plumbing on CPU)."""
@@ -377,27 +327,19 @@ class _KernelBackend:
         self.cutlass_call = _cutlass_call()
         self.spec = _with_host_block_mask(template_spec, shape, mask_bufs)
         self.shape = shape
-        self.plan = kernel_path.plan_forward(q, shape, self.spec)  # raises what the kernel can't do
-        # The capture-free template config (the launch descriptions outlive the trace).
-        self.config = self.plan.entry.config if self.plan.entry is not None else self.plan.config
-        self.scale = self.spec.resolved_scale(shape.head_dim)
+        self.plan = xla_path.XlaPlan(q, shape, self.spec)  # raises what the kernel can't do
 
     def _hook_args(self, ops: _Operands, score_bufs, mask_bufs) -> tuple:
         """The kernel hook's args as sources (``xla_entry``): this call's jax arrays and
         numpy captures as operands, numbers as compile-time constants."""
-        from .kernels.emit.mod_emit import capture_kinds
-
-        hook = self.plan.config.mods
-        captures = hook.captures()
-        n_score = len(captures) - len(hook.mask_args(captures))
-        bufs = (iter(_as_operands(score_bufs)), iter(_as_operands(mask_bufs)))
+        bufs = (iter(_as_operands(mask_bufs)), iter(_as_operands(score_bufs)))
         sources = []
-        for i, (kind, c) in enumerate(zip(capture_kinds(hook), captures)):
-            if c is _SLOT:
+        for i, (kind, c, is_score) in enumerate(self.plan.captures()):
+            if c is OPERAND:
                 if kind[0] != "buffer":
                     raise ValueError(f"flexattn.jax: a captured jax array is used as a number (capture {i});"
                                      " capture a Python number instead")
-                x = next(bufs[i >= n_score])
+                x = next(bufs[is_score])
                 sources.append(("array", ops.add(x, _tensor_spec(x.ndim, x.dtype.itemsize))))
             elif kind[0] == "scalar":
                 sources.append((kind[1], int(c) if kind[1] == "int32" else float(c)))
@@ -427,45 +369,34 @@ class _KernelBackend:
         fills = tuple((position[n], "nan") for n, _, _ in results
                       if self.poison_outputs and n not in self._scratch and n not in zeroed)
         launch = make_launch(position, fills)
-        from .kernels.launch.compile import ARCH_OPTION
-
         call = self.cutlass_call(
             entry, output_shape_dtype=tuple(sds for _, sds, _ in results), input_spec=tuple(ops.specs),
-            output_spec=tuple(spec for _, _, spec in results), compile_options=ARCH_OPTION,
+            output_spec=tuple(spec for _, _, spec in results), compile_options=xla_path.compile_options(),
             compile_key=launch.key, launch=launch,
             allow_cuda_graph=os.environ.get("FLEXATTN_JAX_CUDA_GRAPH", "1") == "1")
         return dict(zip((name for name, _, _ in results), _sequential_vmap(call)(*ops.arrays)))
 
-    _scratch = ("lse_log2", "delta", "dq_accum")  # workspace: never poisoned (the kernels fill it)
+    _scratch = xla_path.WORKSPACE  # never poisoned (the kernels fill it)
 
     def forward(self, q, k, v, score_bufs, mask_bufs):
-        from .kernels.launch.xla_entry import ForwardLaunch, forward_entry
-
         shape = self.shape
         ops = _Operands()
         main = [ops.add(x, _bhsd_spec(x)) for x in (q, k, v)]
         args = self._hook_args(ops, score_bufs, mask_bufs)
-        lists = self._lists(ops, _KV_LISTS)
+        lists = self._lists(ops, xla_path.KV_LISTS)
         out = jax.ShapeDtypeStruct((shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim), q.dtype)
         lse = jax.ShapeDtypeStruct((shape.batch, shape.q_heads, shape.q_len), jnp.float32)
         results = [("out", out, _bhsd_spec(out)), ("lse", lse, _tensor_spec(3, 4))]
 
         def launch(pos, fills):
-            return ForwardLaunch(self.config, self.scale, tuple(main) + (pos["out"], pos["lse"]), args, lists,
-                                 fills)
+            return self.plan.forward_launch(tuple(main) + (pos["out"], pos["lse"]), args, lists, fills)
 
-        r = self._call(forward_entry, launch, ops, results)
+        r = self._call(xla_path.forward_entry(), launch, ops, results)
         return r["out"], r["lse"]
 
     def backward(self, q, k, v, out, lse, d_out, d_lse, score_bufs, mask_bufs, wanted):
-        from .kernels.launch.bwd_runner import config_from_forward, workspace_shapes
-        from .kernels.launch.xla_entry import BackwardLaunch, backward_entry
-
-        shape = self.shape
-        slots = _score_slots(self.spec)
-        grad_captures = tuple(s for s, w in zip(slots, wanted) if w)
-        mods = self.config.mods.with_grad_filter(grad_captures)
-        cfg = config_from_forward(self.config, deterministic=False, mods=mods)
+        slots = self.spec.operand_slots()
+        cfg = self.plan.backward_config(tuple(s for s, w in zip(slots, wanted) if w))
         if d_out is None:
             d_out = jnp.zeros_like(out)
         ops = _Operands()
@@ -473,22 +404,21 @@ class _KernelBackend:
         main.append(ops.add(lse, _tensor_spec(3, 4)))
         main.append(None if d_lse is None else ops.add(d_lse, _tensor_spec(3, 4)))
         args = self._hook_args(ops, score_bufs, mask_bufs)
-        lists = self._lists(ops, _Q_LISTS)
+        lists = self._lists(ops, xla_path.Q_LISTS)
         results = [(n, jax.ShapeDtypeStruct(x.shape, x.dtype), _bhsd_spec(x)) for n, x in (("dq", q), ("dk", k), ("dv", v))]
-        for name, s in workspace_shapes(cfg, shape.batch, shape.q_heads, shape.q_len).items():
-            results.append((name, jax.ShapeDtypeStruct(s, jnp.float32), _tensor_spec(len(s), 16, *(
-                (shape.head_dim, cfg.q_pad) if len(s) == 4 else (cfg.q_pad,)))))
+        for name, s, dtype, last_dims in self.plan.backward_workspace(cfg):
+            results.append((name, jax.ShapeDtypeStruct(s, jnp.dtype(dtype)), _tensor_spec(len(s), 16, *last_dims)))
         # Buffer gradients are accumulated (fp32 atomics): the launch zero-fills them first.
         by_slot = dict(zip(slots, score_bufs))
         grads = [(f"grad{s}", jax.ShapeDtypeStruct(tuple(by_slot[s].shape) or (1,), jnp.float32)) for s in cfg.mods.grad_slots]
         results += [(n, sds, _tensor_spec(len(sds.shape), 4)) for n, sds in grads]
 
         def launch(pos, fills):
-            return BackwardLaunch(cfg, self.scale, tuple(main) + tuple(pos[n] for n in ("dq", "dk", "dv")),
-                                  tuple(pos[n] for n in self._scratch), args, tuple(pos[n] for n, _ in grads), lists,
-                                  fills)
+            return self.plan.backward_launch(cfg, tuple(main) + tuple(pos[n] for n in ("dq", "dk", "dv")),
+                                             tuple(pos[n] for n in self._scratch), args,
+                                             tuple(pos[n] for n, _ in grads), lists, fills)
 
-        r = self._call(backward_entry, launch, ops, results, zeroed={n for n, _ in grads})
+        r = self._call(xla_path.backward_entry(), launch, ops, results, zeroed={n for n, _ in grads})
         d_score = tuple(r[f"grad{s}"].reshape(b.shape).astype(b.dtype) if f"grad{s}" in r else None
                         for s, b in zip(slots, score_bufs))
         return r["dq"], r["dk"], r["dv"], d_score
@@ -522,7 +452,7 @@ def _with_host_block_mask(template_spec: AttentionSpec, shape: AttentionShape, m
         ) from None
     deps = mask.depends_on
     dims = (shape.batch if "b" in deps else None, shape.q_heads if "h" in deps else None, shape.q_len, shape.kv_len)
-    bm = create_block_mask(_fill(mask, values), *dims, BLOCK_SIZE=(128, kernel_path.TILE_N))
+    bm = create_block_mask(template_spec.bind((), values).mask, *dims, BLOCK_SIZE=(128, kernel_path.TILE_N))
     bm.mask_mod = mask  # the template: this call's captures are bound at run time
     return AttentionSpec(template_spec.score, None, bm, template_spec.scale, template_spec.enable_gqa)
 

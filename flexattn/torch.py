@@ -28,10 +28,11 @@ from .blockmask import _LIST_NAMES as BLOCK_LIST_NAMES, BlockMask, create_block_
 from .blockmask import DeviceArrays as BlockMaskArrays, register_device as register_block_mask_device
 from .problem.decode import decode_problem
 from .core.backward_path import BackwardArrays, backward_into
+from .core.decode_device import decode_key, decode_workspace, tma_ready
 from .core.kernel_path import Device, forward_into, kernel_block_mask, kernel_unsupported, prepare_forward
-from .core.prepared import PreparedCalls, call_identity
+from .core.prepared import PreparedCalls, call_key
 from .problem.kvcache import KVCache, PagedKVCache
-from .problem.spec import AttentionSpec
+from .problem.spec import AttentionSpec, lse_dtype
 from .problem.validate import check_inputs
 from .mods import MaskMod, Mod, ScoreMod, as_mask, mask_mod
 from .mods.mod import LIVE_OBJECTS
@@ -208,10 +209,10 @@ def _kernel_decode(query, cache, score_mod, mask, scale, launch=True):
                     else (("k", cache.k), ("v", cache.v))):
         if not isinstance(x, torch.Tensor) or x.device != dev:
             raise ValueError(f"cache.{name} must be a torch tensor on the query's device {dev}")
-        if x.stride(-1) != 1 or any(st % 8 for st in x.stride()[:-1]):
+        if not tma_ready(x.stride()):
             raise ValueError(f"cache.{name}: the head dim must be contiguous and other strides multiples of 8 (TMA)")
     q = query.detach()
-    if q.stride(3) != 1 or any(st % 8 for st in q.stride()[:3]):
+    if not tma_ready(q.stride()):
         q = q.contiguous()
     B, Hq, q_len, D = q.shape
     out = torch.empty(B, Hq, q_len, D, dtype=q.dtype, device=dev)
@@ -257,27 +258,19 @@ def _current_raw_stream(index: int) -> int:
 
 
 def _decode_key(q, cache, call):
-    """What a repeated decode step must share with the step that made its entry: the mods'
-    and scale's identity, the cache's type, the metadata of the query, K/V, page table and
-    lengths (every adapter and planner check reads only these), the device and current
-    stream. None where the step cannot be keyed (plain functions as mods, other caches or
-    arrays)."""
-    ident = call_identity(call)
-    if ident is None:
+    """``decode_key`` of this step (``core/decode_device.py``)."""
+    return decode_key(call, q, cache, _step_facts)
+
+
+def _step_facts(q, k, v, table, lens):
+    """The facts of a decode step's tensors a repeated step must share, and the current stream."""
+    if type(k) is not torch.Tensor or type(v) is not torch.Tensor:
         return None
-    kind = type(cache)
-    if kind is KVCache:
-        k, v, table, table_key = cache.k, cache.v, None, None
-    elif kind is PagedKVCache:
-        k, v, table = cache.k_pages, cache.v_pages, cache.page_table
+    table_key = None
+    if table is not None:
         if type(table) is not torch.Tensor:
             return None
         table_key = (table.shape, table.stride(), table.dtype, table.get_device())
-    else:
-        return None
-    if type(k) is not torch.Tensor or type(v) is not torch.Tensor:
-        return None
-    lens = cache.lengths
     if type(lens) is torch.Tensor:
         lens_key = (lens.shape, lens.dtype, lens.get_device())
     elif type(lens) is np.ndarray:
@@ -285,8 +278,8 @@ def _decode_key(q, cache, call):
     else:
         return None
     index = q.get_device()
-    return ident + (kind, q.shape, q.stride(), q.dtype, index, k.shape, k.stride(), k.dtype, k.get_device(),
-                    v.shape, v.stride(), v.dtype, v.get_device(), table_key, lens_key, _current_raw_stream(index))
+    return (q.shape, q.stride(), q.dtype, index, k.shape, k.stride(), k.dtype, k.get_device(),
+            v.shape, v.stride(), v.dtype, v.get_device(), table_key, lens_key, _current_raw_stream(index))
 
 
 class _PreparedDecode:
@@ -303,7 +296,7 @@ class _PreparedDecode:
         self.out_shape = tuple(q.shape)
         self.lse_shape = self.out_shape[:3]
         self.dtype, self.device, self.device_index = q.dtype, q.device, q.get_device()
-        self.q_ready = q.stride(3) == 1 and not any(st % 8 for st in q.stride()[:3])
+        self.q_ready = tma_ready(q.stride())
         table = cache.page_table if self.paged else None
         self.table_ready = table is None or (table.dtype == torch.int32 and table.device == q.device
                                              and table.is_contiguous())
@@ -339,110 +332,13 @@ _DECODE_WORKSPACES: dict = {}
 
 
 def _decode_workspace(dev, stream):
-    """The decode kernel's workspace on ``stream`` of ``dev`` (one per stream, kept):
-    plan buffers from torch's allocator; the splits' partials in one float32 scratch array,
-    grown when a step needs more (allocated on the stream, used in its order); arrival
-    tickets zeroed once, grown likewise (the kernel leaves them zero); lengths/offsets
-    copied from a ring of pinned slots (``StagingRing``: one ``cuMemcpyHtoDAsync`` per
-    step, fences every 16 steps, so the host never waits for the GPU in a steady state and
-    never rewrites a slot the GPU has yet to copy). Without ``cuda.bindings``, a pinned
-    tensor per step copied by torch (its pinned allocator keeps each one until its copy
-    has run)."""
-    key = (dev.index, stream.cuda_stream)
-    hit = _DECODE_WORKSPACES.get(key)
-    if hit is not None:
-        return hit
-    from .core.decode_path import DecodeWorkspace
+    """The decode kernel's workspace on ``stream`` of ``dev`` (``core/decode_device.py``):
+    its arrays are torch's, allocated on that stream."""
+    def alloc(shape, dtype, zeroed):
+        with torch.cuda.device(dev), torch.cuda.stream(stream):
+            return (torch.zeros if zeroed else torch.empty)(shape, dtype=getattr(torch, dtype), device=dev)
 
-    tickets = [torch.zeros(0, dtype=torch.int32, device=dev)]
-    scratch = [torch.empty(0, dtype=torch.float32, device=dev)]
-
-    def alloc(shape, dtype):
-        return torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
-
-    def get_tickets(n):
-        if tickets[0].numel() < n:
-            tickets[0] = torch.zeros(max(n, 2 * tickets[0].numel(), 1024), dtype=torch.int32, device=dev)
-        return tickets[0]
-
-    def get_scratch(n):
-        if scratch[0].numel() < n:
-            with torch.cuda.device(dev), torch.cuda.stream(stream):
-                scratch[0] = torch.empty(max(n, 2 * scratch[0].numel(), 1 << 16), dtype=torch.float32, device=dev)
-        return scratch[0]
-
-    ws = _DECODE_WORKSPACES[key] = DecodeWorkspace(alloc, get_tickets, get_scratch, _uploader(dev, stream))
-    return ws
-
-
-def _uploader(dev, stream):
-    """``DecodeWorkspace.uploader`` for ``stream``: a ``StagingRing`` of pinned memory
-    copied by the driver (``cuda.bindings``), or per-step pinned tensors copied by torch."""
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        def torch_uploader(into):
-            def put(values):
-                staging = torch.tensor(values, dtype=torch.int32).view(into.shape).pin_memory()
-                into.copy_(staging, non_blocking=True)
-            return put
-
-        return torch_uploader
-
-    from .core.decode_path import StagingRing
-
-    pinned = []
-
-    def host(nbytes):
-        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        pinned[:] = [t]                      # the ring waited for the old memory's copies
-        return t.numpy(), t.data_ptr()
-
-    cu_stream = driver.CUstream(stream.cuda_stream)
-    memcpy, ok = driver.cuMemcpyHtoDAsync, driver.CUresult.CUDA_SUCCESS
-
-    def copy(dst, src, nbytes):
-        err = memcpy(dst, src, nbytes, cu_stream)[0]
-        if err != ok:
-            if err == driver.CUresult.CUDA_ERROR_INVALID_CONTEXT:   # a thread where torch bound none yet
-                _bind_primary_context(driver, dev.index)
-                err = memcpy(dst, src, nbytes, cu_stream)[0]
-            if err != ok:
-                raise RuntimeError(f"flexattn decode: cuMemcpyHtoDAsync failed: {err!r}")
-
-    ring = StagingRing(host, copy, lambda: _Fence(stream))
-
-    def uploader(into):
-        if not into.is_contiguous() or into.dtype != torch.int32 or into.device != dev:
-            raise ValueError("the decode upload goes into a contiguous int32 tensor on the workspace's device")
-        return ring.uploader(driver.CUdeviceptr(into.data_ptr()), into.numel())
-
-    return uploader
-
-
-def _bind_primary_context(driver, index: int) -> None:
-    """Make device ``index``'s primary context (torch's) current on this thread."""
-    err, dev = driver.cuDeviceGet(index)
-    if err == driver.CUresult.CUDA_SUCCESS:
-        err, ctx = driver.cuDevicePrimaryCtxRetain(dev)
-        if err == driver.CUresult.CUDA_SUCCESS:
-            driver.cuCtxSetCurrent(ctx)
-            driver.cuDevicePrimaryCtxRelease(dev)
-
-
-class _Fence:
-    """A ``StagingRing`` fence: an event on the ring's stream."""
-
-    __slots__ = ("event", "stream")
-
-    def __init__(self, stream):
-        self.event, self.stream = torch.cuda.Event(), stream
-
-    def record(self):
-        self.event.record(self.stream)
-
-    def wait(self):
-        self.event.synchronize()
+    return decode_workspace(dev.index, stream.cuda_stream, alloc)
 
 
 # --- torch.compile ------------------------------------------------------------------------------
@@ -531,7 +427,8 @@ class _SpecRegistry:
             if spec_id is None:
                 spec_id, self._next = self._next, self._next + 1
                 self._by_key[key] = spec_id
-                self._specs[spec_id] = _template(spec)
+                # without the score mod's tensors: the registry must not keep them alive
+                self._specs[spec_id] = spec.template(_is_tensor)[0]
             if pin:
                 self._pinned.add(spec_id)
                 self._lru.pop(spec_id, None)
@@ -573,25 +470,10 @@ def _spec_key(spec: AttentionSpec):
 
 
 _REGISTRY = _SpecRegistry()
-_TENSOR_SLOT = object()  # stands for a score-mod tensor capture, an input of each op call
 
 
-def _template(spec: AttentionSpec) -> AttentionSpec:
-    """``spec`` without the score mod's tensors (the registry must not keep them alive)."""
-    if spec.score is None:
-        return spec
-    captures = tuple(_TENSOR_SLOT if isinstance(c, torch.Tensor) else c for c in spec.score.captures)
-    return AttentionSpec(spec.score.with_captures(captures), spec.mask, spec.block_mask, spec.scale, spec.enable_gqa)
-
-
-def _bind(spec_id: int, buffers) -> AttentionSpec:
-    """The registered spec with the score mod's tensor captures replaced by ``buffers``."""
-    spec = _REGISTRY.get(spec_id)
-    if spec.score is None:
-        return spec
-    it = iter(buffers)
-    captures = tuple(next(it) if c is _TENSOR_SLOT else c for c in spec.score.captures)
-    return AttentionSpec(spec.score.with_captures(captures), spec.mask, spec.block_mask, spec.scale, spec.enable_gqa)
+def _is_tensor(x) -> bool:   # a score-mod tensor capture: an input of each op call
+    return isinstance(x, torch.Tensor)
 
 
 # --- the custom ops -----------------------------------------------------------------------------
@@ -600,11 +482,11 @@ def _bind(spec_id: int, buffers) -> AttentionSpec:
 def _attention_fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, buffers: list[torch.Tensor],
                    spec_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse): the kernel for CUDA tensors, the reference for CPU ones."""
-    spec = _bind(spec_id, buffers)
+    spec = _REGISTRY.get(spec_id).bind(buffers)
     if query.is_cuda:
         return _kernel_forward(spec, check_inputs(query, key, value, spec), query, key, value)
     out, lse = reference.forward(query, key, value, spec)
-    return _like(out, query), _like(lse, query, _lse_dtype(query))
+    return _like(out, query), _like(lse, query, getattr(torch, lse_dtype(query)))
 
 
 @_attention_fwd.register_fake
@@ -613,7 +495,7 @@ def _(query, key, value, buffers, spec_id):
     shape = check_inputs(query, key, value, spec)  # shape errors surface while compiling
     _block_lists_to_device(spec, shape, query.device)
     out = query.new_empty(shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim)
-    lse = query.new_empty(shape.batch, shape.q_heads, shape.q_len, dtype=_lse_dtype(query))
+    lse = query.new_empty(shape.batch, shape.q_heads, shape.q_len, dtype=getattr(torch, lse_dtype(query)))
     return out, lse
 
 
@@ -627,7 +509,7 @@ def _attention_bwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     reference recomputes its own). ``d_buffers[i]`` is zeros for buffers without a gradient
     and for those whose bit in ``grad_mask`` is clear (not requiring grad: the kernel then
     skips their gradient entirely). All outputs are contiguous."""
-    spec = _bind(spec_id, buffers)
+    spec = _REGISTRY.get(spec_id).bind(buffers)
     shape = check_inputs(query, key, value, spec)
     if query.is_cuda:
         dq, dk, dv, capture_grads = _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse,
@@ -703,10 +585,6 @@ def _backward(ctx, d_out, d_lse):
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _lse_dtype(query):
-    return torch.float64 if query.dtype == torch.float64 else torch.float32  # as torch's
-
-
 def _written_empty(*shape, dtype, device):
     """torch.empty for arrays the kernels write in full (outputs, workspaces they
     initialize themselves), without the NaN fill that torch.use_deterministic_algorithms
@@ -761,10 +639,7 @@ class _PreparedCalls:
     def _key(q, k, v, call):
         if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
             return None
-        ident = call_identity(call)
-        if ident is None:
-            return None
-        return ident + (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
+        return call_key(call, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
                         q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(), v.get_device())
 
     def run(self, q, k, v, call, return_lse):

@@ -25,7 +25,7 @@ LAYERS = [
     ["flexattn.torch", "flexattn.jax", "flexattn.cupy", "flexattn.dlpack", "flexattn.plotting", "flexattn"],
     ["flexattn.__main__"],   # the demo: python -m flexattn
 ]
-ADAPTERS = ("flexattn.torch", "flexattn.cupy", "flexattn.dlpack")
+ADAPTERS = ("flexattn.torch", "flexattn.jax", "flexattn.cupy", "flexattn.dlpack")
 
 
 def _modules():

@@ -76,15 +76,11 @@ def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: Attention
     ``grad_captures``: the score-capture slots whose gradients are wanted (None: all);
     the others get None and cost nothing.
     """
-    from ..kernels.launch.bwd_runner import config_from_forward, workspace_dtypes, workspace_shapes
     from ..kernels.launch.cache import backward_runner
     from ..kernels.emit.mod_emit import IRModHook, runtime_args
 
     plan = plan_forward(arrays.q, shape, spec)  # raises what the kernel cannot do
-    mods = plan.config.mods
-    if grad_captures is not None:
-        mods = mods.with_grad_filter(grad_captures)
-    cfg = config_from_forward(plan.config, deterministic=deterministic, mods=mods)
+    cfg = backward_config(plan.config, deterministic, grad_captures)
     hook = cfg.mods
     lists = None
     if plan.block_mask is not None:
@@ -93,9 +89,7 @@ def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: Attention
         if deterministic:  # each CTA counts the kv blocks ahead of it in a q tile's kv list
             names += ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"]
         lists = tuple(device.to_device(getattr(bm, n)) for n in names)
-    dtypes = workspace_dtypes(cfg)
-    workspace = tuple(alloc(tuple(s), dtypes[name], False) for name, s in
-                      workspace_shapes(cfg, shape.batch, shape.q_heads, shape.q_len).items())
+    workspace = tuple(alloc(s, dtype, False) for _, s, dtype in backward_workspace(cfg, shape))
     captures = hook.captures()
     slots = hook.grad_slots
     grads = tuple(alloc(_grad_shape(captures[s]), "float32", True) for s in slots)
@@ -119,9 +113,30 @@ def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: Attention
     return BackwardResult(plan, cfg, tuple(by_slot))
 
 
+def backward_config(forward_config, deterministic: bool = False, grad_captures=None):
+    """The backward's ``BwdConfig`` for a forward's config (every adapter's backward plan):
+    same structure and mods, gradients only for the ``grad_captures`` slots (None: all)."""
+    from ..kernels.launch.bwd_runner import config_from_forward
+
+    mods = forward_config.mods
+    if grad_captures is not None:
+        mods = mods.with_grad_filter(grad_captures)
+    return config_from_forward(forward_config, deterministic=deterministic, mods=mods)
+
+
+def backward_workspace(cfg, shape: AttentionShape) -> list:
+    """[(name, shape, dtype name)] of the backward's workspace arrays, in argument order
+    (contents need not be initialized; contiguous)."""
+    from ..kernels.launch.bwd_runner import workspace_dtypes, workspace_shapes
+
+    dtypes = workspace_dtypes(cfg)
+    return [(name, tuple(s), dtypes[name])
+            for name, s in workspace_shapes(cfg, shape.batch, shape.q_heads, shape.q_len).items()]
+
+
 def _grad_shape(capture) -> tuple:
     """The shape of a capture's gradient array: the capture's, 0-d as [1] (as passed)."""
     return tuple(int(n) for n in capture.shape) or (1,)
 
 
-__all__ = ["Allocator", "BackwardArrays", "BackwardResult", "backward_into"]
+__all__ = ["Allocator", "BackwardArrays", "BackwardResult", "backward_config", "backward_into", "backward_workspace"]

@@ -39,6 +39,14 @@ def call_identity(call) -> tuple | None:
     return (id(score_mod), id(block_mask), id(mask), id(score), scale, enable_gqa)
 
 
+def call_key(call, *facts) -> tuple | None:
+    """A repeated call's key: ``call_identity(call)`` plus the ``facts`` the adapter read
+    of its arrays (shapes, strides, dtypes, devices: whatever its checks read), or None
+    where the call cannot be keyed."""
+    ident = call_identity(call)
+    return None if ident is None else ident + facts
+
+
 def _objects(call):
     return (call[0], call[1], call[4], call[5])   # score_mod, block_mask, mask, score
 
@@ -85,4 +93,4 @@ class PreparedCalls:
         self._entries[key] = (refs, entry)
 
 
-__all__ = ["PreparedCalls", "call_identity"]
+__all__ = ["PreparedCalls", "call_identity", "call_key"]

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
 from ..blockmask import BlockMask
 from ..mods import MaskMod, ScoreMod, as_mask, as_score
+
+# Stands for a capture that is an operand of each call (a framework tensor the adapter
+# passes separately: an op input, a jax operand), in a spec's template.
+OPERAND = object()
 
 
 @dataclass(frozen=True)
@@ -48,3 +53,59 @@ class AttentionSpec:
 
     def resolved_scale(self, head_dim: int) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
+
+    @property
+    def element_mask(self) -> MaskMod | None:
+        """The mask mod applied inside tiles: the block mask's own, else ``mask``."""
+        return self.block_mask.mask_mod if self.block_mask is not None else self.mask
+
+    def template(self, is_operand, masks: bool = False) -> tuple:
+        """(this spec with the score mod's captures for which ``is_operand(capture)`` holds
+        replaced by ``OPERAND``, and with ``masks`` the element mask's too; those score
+        captures; those mask captures). A template holds no operand alive (registries,
+        traced calls); ``bind`` puts this call's values back."""
+        score, score_ops = _template_mod(self.score, is_operand)
+        if not masks:
+            return self._with_mods(score, self.element_mask), score_ops, []
+        mask, mask_ops = _template_mod(self.element_mask, is_operand)
+        return self._with_mods(score, mask), score_ops, mask_ops
+
+    def bind(self, score_values=(), mask_values=()) -> "AttentionSpec":
+        """A template's ``OPERAND`` captures replaced by these values, in capture order."""
+        if not score_values and not mask_values:
+            return self
+        return self._with_mods(_bind_mod(self.score, score_values), _bind_mod(self.element_mask, mask_values))
+
+    def operand_slots(self) -> list:
+        """Score-capture slot of each score operand of a template, in capture order."""
+        return [] if self.score is None else [i for i, c in enumerate(self.score.captures) if c is OPERAND]
+
+    def _with_mods(self, score, mask) -> "AttentionSpec":
+        if self.block_mask is None:
+            return AttentionSpec(score, mask, None, self.scale, self.enable_gqa)
+        bm = self.block_mask
+        if mask is not bm.mask_mod:
+            bm = copy.copy(bm)
+            bm.mask_mod = mask
+        return AttentionSpec(score, None, bm, self.scale, self.enable_gqa)
+
+
+def _template_mod(mod, is_operand):
+    if mod is None:
+        return None, []
+    operands = [c for c in mod.captures if is_operand(c)]
+    if not operands:
+        return mod, []
+    return mod.with_captures(tuple(OPERAND if is_operand(c) else c for c in mod.captures)), operands
+
+
+def _bind_mod(mod, values):
+    if mod is None or not values:
+        return mod
+    it = iter(values)
+    return mod.with_captures(tuple(next(it) if c is OPERAND else c for c in mod.captures))
+
+
+def lse_dtype(q) -> str:
+    """The LSE's dtype name for queries like ``q``: float64 for float64, else float32 (torch's)."""
+    return "float64" if str(q.dtype).replace("torch.", "") == "float64" else "float32"

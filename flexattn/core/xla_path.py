@@ -1,0 +1,87 @@
+"""The kernels as XLA custom calls: what the JAX adapter's ``cutlass_call`` launches need,
+decided on the host while tracing.
+
+The adapter lays out operands and results and calls ``cutlass_call``; everything about the
+kernels is here: the forward plan (``plan_forward``, as every adapter's), the backward plan
+(``backward_path.backward_config`` / ``backward_workspace``, as ``backward_into``'s), what
+each capture of the kernel hook is (an array operand or a compile-time number), and the
+hashable launch descriptions the compiled entries (``kernels/launch/xla_entry.py``) take.
+"""
+
+from __future__ import annotations
+
+from ..problem.spec import AttentionSpec
+from ..problem.validate import AttentionShape
+from .backward_path import backward_config, backward_workspace
+from .kernel_path import plan_forward
+
+KV_LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+Q_LISTS = ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+WORKSPACE = ("lse_log2", "delta", "dq_accum")   # the backward's scratch results, in entry order
+
+
+def compile_options() -> str:
+    """cutlass_call's ``compile_options``: the target arch (no device probe)."""
+    from ..kernels.launch.compile import ARCH_OPTION
+
+    return ARCH_OPTION
+
+
+def forward_entry():
+    from ..kernels.launch.xla_entry import forward_entry
+
+    return forward_entry
+
+
+def backward_entry():
+    from ..kernels.launch.xla_entry import backward_entry
+
+    return backward_entry
+
+
+class XlaPlan:
+    """One traced call's kernel decisions (raises what the kernels cannot do). ``config``
+    is the capture-free template: the launch descriptions outlive the trace."""
+
+    def __init__(self, q, shape: AttentionShape, spec: AttentionSpec):
+        self.shape = shape
+        self.plan = plan_forward(q, shape, spec)
+        self.block_mask = self.plan.block_mask
+        self.config = self.plan.entry.config if self.plan.entry is not None else self.plan.config
+        self.scale = spec.resolved_scale(shape.head_dim)
+
+    def captures(self) -> list:
+        """[(kind, value, is_score)] per kernel-hook capture, in argument order: ``kind`` is
+        ("scalar", "int32" | "float32") or ("buffer", dtype, ndim) (``capture_kinds``)."""
+        from ..kernels.emit.mod_emit import capture_kinds
+
+        hook = self.plan.config.mods
+        captures = hook.captures()
+        n_score = len(captures) - len(hook.mask_args(captures))
+        return [(kind, c, i < n_score) for i, (kind, c) in enumerate(zip(capture_kinds(hook), captures))]
+
+    def forward_launch(self, main: tuple, args: tuple, lists, fills: tuple):
+        """``xla_entry.ForwardLaunch``: ``main`` the positions of q, k, v, out, lse."""
+        from ..kernels.launch.xla_entry import ForwardLaunch
+
+        return ForwardLaunch(self.config, self.scale, main, args, lists, fills)
+
+    def backward_config(self, grad_captures: tuple):
+        """The (non-deterministic) backward config, gradients for ``grad_captures`` only."""
+        return backward_config(self.config, False, grad_captures)
+
+    def backward_workspace(self, cfg) -> list:
+        """[(name, shape, dtype name, divisibility of the last dims)] of the workspace results."""
+        head_dim, pad = self.shape.head_dim, cfg.q_pad
+        return [(name, s, dtype, (head_dim, pad) if len(s) == 4 else (pad,))
+                for name, s, dtype in backward_workspace(cfg, self.shape)]
+
+    def backward_launch(self, cfg, main: tuple, workspace: tuple, args: tuple, grads: tuple, lists, fills: tuple):
+        """``xla_entry.BackwardLaunch``: ``main`` the positions of q, k, v, out, d_out, lse,
+        d_lse (None: absent), dq, dk, dv."""
+        from ..kernels.launch.xla_entry import BackwardLaunch
+
+        return BackwardLaunch(cfg, self.scale, main, workspace, args, grads, lists, fills)
+
+
+__all__ = ["KV_LISTS", "Q_LISTS", "WORKSPACE", "XlaPlan", "backward_entry", "compile_options", "forward_entry"]
