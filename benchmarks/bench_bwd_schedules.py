@@ -29,8 +29,8 @@ def ours(qh, kh, vh, doh, causal, scale, overrides):
     from flexattn import mods
     from flexattn.core import AttentionSpec, check_inputs
     from flexattn.core.kernel_path import Device, forward_into
-    from flexattn.kernels.launch.bwd_runner import (BackwardRunner, config_from_forward,
-                                             workspace_dtypes, workspace_shapes)
+    from flexattn.kernels.bwd.plan import config_from_forward, workspace_dtypes, workspace_shapes
+    from flexattn.kernels.launch.backward import BackwardRunner
 
     spec = AttentionSpec.from_args(mask=mods.causal() if causal else None, scale=scale)
     shape = check_inputs(qh, kh, vh, spec)

@@ -69,7 +69,7 @@ def ours(q, k, v, causal, scale, sched="ov+pp", block_sparse=False):
     import cutlass  # noqa: F401
     from flexattn.kernels.emit import example_hooks as hooks
     from flexattn.kernels.fwd.sm90 import FwdConfig
-    from flexattn.kernels.launch.fwd_runner import ForwardRunner
+    from flexattn.kernels.launch.forward import ForwardRunner
 
     opts = dict(SCHEDULES[sched])
     if opts.get("max_ctas") == -1:

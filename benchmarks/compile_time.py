@@ -231,14 +231,14 @@ def compile_one(name: str, tvm_ffi: bool = True, keep: bool = False):
     if kind == "decode":
         import cutlass.cute as cute
         from flexattn.kernels.launch.compile import ARCH_OPTION, _dump_dir
-        from flexattn.kernels.launch.compile_decode import fake_decode_args
+        from flexattn.kernels.launch.fakes import fake_decode_args
         from flexattn.kernels.decode.sm90 import DecodeSm90
 
         opts = ARCH_OPTION + (" --enable-tvm-ffi" if tvm_ffi else "") + (" --keep-ptx --keep-cubin" if keep else "")
         with tempfile.TemporaryDirectory() as d, _dump_dir(d):
             return cute.compile(DecodeSm90(cfg), *fake_decode_args(cfg, fake_args(cfg.mods), tvm_ffi),
                                 options=opts)
-    from flexattn.kernels.launch.compile_bwd import compile_backward
+    from flexattn.kernels.launch.compile import compile_backward
     return compile_backward(cfg, fake_args(cfg.mods), tvm_ffi=tvm_ffi, keep_ptx=keep,
                             extra_options="--keep-cubin" if keep else "")
 

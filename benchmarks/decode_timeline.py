@@ -40,7 +40,7 @@ from common import device_name
 
 def probed_launch(step, q, cache):
     """(launch, stamps tensor, grid size) for `step`'s kernel compiled with the probe."""
-    from flexattn.kernels.launch.decode_runner import DecodeRunner
+    from flexattn.kernels.launch.decode import DecodeRunner
     from flexattn.kernels.decode.sm90 import TIMELINE_STAMPS
     from flexattn.kernels.emit.mod_emit import runtime_args
 

@@ -8,8 +8,8 @@ kernel support checks, same block structure — dense, built-in causal or block-
 the same mods), so the backward visits the tiles the forward did; block-sparse calls read
 the block mask's q-side lists.
 
-Three kernels run on the caller's stream (``kernels.launch.bwd_runner.BackwardRunner``; through
-TVM-FFI, ``kernels.launch.bwd_ffi_runner.FfiBackwardRunner``, where the forward would be):
+Three kernels run on the caller's stream (``kernels.launch.backward.BackwardRunner``; through
+TVM-FFI, ``kernels.launch.backward.FfiBackwardRunner``, where the forward would be):
 preprocess (delta = rowsum(dO·O) − dLSE, log2 LSE, dQ accumulator zeroed), the main
 kernel (dK, dV; dQ and captured-buffer gradients by fp32 atomics), postprocess (dQ).
 Nothing synchronizes with the host.
@@ -72,7 +72,7 @@ def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: Attention
     Gradients are computed for every float buffer the score mod reads (the kernel has one
     structure per mod); the adapter keeps those of the captures it differentiates.
     ``deterministic``: bitwise-repeatable dQ and buffer gradients (dQ tiles added in a
-    fixed order, buffer gradients in exact fixed point; see kernels/launch/bwd_runner.py).
+    fixed order, buffer gradients in exact fixed point; see kernels/launch/backward.py).
     ``grad_captures``: the score-capture slots whose gradients are wanted (None: all);
     the others get None and cost nothing.
     """
@@ -94,8 +94,8 @@ def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: Attention
     slots = hook.grad_slots
     grads = tuple(alloc(_grad_shape(captures[s]), "float32", True) for s in slots)
     scale = spec.resolved_scale(shape.head_dim)
-    if use_tvm_ffi(device, stream_scope=True):  # see kernels/launch/bwd_ffi_runner.py
-        from ..kernels.launch.fwd_ffi_runner import ffi_mod_args
+    if use_tvm_ffi(device, stream_scope=True):  # see kernels/launch/backward.py
+        from ..kernels.launch.arguments import ffi_mod_args
 
         args = ffi_mod_args(hook, device.to_device) if isinstance(hook, IRModHook) else ()
         with ffi_stream_scope(arrays.q, device):
@@ -116,7 +116,7 @@ def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: Attention
 def backward_config(forward_config, deterministic: bool = False, grad_captures=None):
     """The backward's ``BwdConfig`` for a forward's config (every adapter's backward plan):
     same structure and mods, gradients only for the ``grad_captures`` slots (None: all)."""
-    from ..kernels.launch.bwd_runner import config_from_forward
+    from ..kernels.bwd.plan import config_from_forward
 
     mods = forward_config.mods
     if grad_captures is not None:
@@ -127,7 +127,7 @@ def backward_config(forward_config, deterministic: bool = False, grad_captures=N
 def backward_workspace(cfg, shape: AttentionShape) -> list:
     """[(name, shape, dtype name)] of the backward's workspace arrays, in argument order
     (contents need not be initialized; contiguous)."""
-    from ..kernels.launch.bwd_runner import workspace_dtypes, workspace_shapes
+    from ..kernels.bwd.plan import workspace_dtypes, workspace_shapes
 
     dtypes = workspace_dtypes(cfg)
     return [(name, tuple(s), dtypes[name])

@@ -23,12 +23,12 @@ step while the GPU runs this one — new values, same structure: nothing recompi
 they merge (see there; cached per kv block count); the partials are views of the workspace's
 scratch, kept per split count; one launch, whose split CTAs merge in a cluster (pairs)
 or whose last split CTA of each group merges the splits, counting arrivals in the
-workspace's tickets (``decode_sm90``). The upload and launch
+workspace's tickets (``decode.sm90``). The upload and launch
 hold the workspace's lock, so threads sharing a stream each launch after their own
 upload; each stream has its own workspace and plans, so streams never share a buffer.
 
 The kernel skips the leading kv blocks its mask provably excludes (a sliding window
-skips the cache's head) by interval analysis on the GPU (``decode_sm90``), per CTA and
+skips the cache's head) by interval analysis on the GPU (``decode.sm90``), per CTA and
 step (compiled out where the host proves the cache's first key always attended, as under
 causal masks: ``head_always_kept``); blocks at or past each sequence's length are never
 visited either. The host runs
@@ -65,7 +65,7 @@ MIN_KEYS_PER_SPLIT = 256   # below that a split's fixed costs (Q load, epilogue,
 
 @dataclass(frozen=True)
 class DecodeTuning:
-    """The kernel shape of a decode step (see ``decode_sm90.DecodeConfig``)."""
+    """The kernel shape of a decode step (see ``decode.sm90.DecodeConfig``)."""
 
     tile_n: int = 128          # kv rows per pipeline stage
     num_stages: int = 3        # K/V ring depth
@@ -486,7 +486,7 @@ class DecodePlan:
 
     def _convert(self) -> tuple:
         if self.ffi:
-            from ..kernels.launch.fwd_ffi_runner import ffi_args
+            from ..kernels.launch.arguments import ffi_args
 
             return ffi_args(self._kinds, self._captures, self._to_device) or None
         from ..kernels.emit.mod_emit import runtime_args

@@ -330,8 +330,8 @@ def forward_into(q, k, v, out, lse, shape: AttentionShape, spec: AttentionSpec, 
     plan = plan_forward(q, shape, spec)
     lists = _kv_lists(plan, device)
     scale = spec.resolved_scale(shape.head_dim)
-    if use_tvm_ffi(device, stream_scope=True):  # see kernels/launch/fwd_ffi_runner.py
-        from ..kernels.launch.fwd_ffi_runner import ffi_mod_args
+    if use_tvm_ffi(device, stream_scope=True):  # see kernels/launch/forward.py
+        from ..kernels.launch.arguments import ffi_mod_args
 
         args = ffi_mod_args(plan.config.mods, device.to_device)
         with ffi_stream_scope(q, device):
@@ -354,7 +354,7 @@ class PreparedForward:
     __slots__ = ("_fn", "_scale", "_args", "_kinds", "_captures", "_to_device", "_lists", "_env_stream")
 
     def __init__(self, q, plan: KernelPlan, spec: AttentionSpec, shape: AttentionShape, device: Device):
-        from ..kernels.launch.fwd_ffi_runner import ffi_args
+        from ..kernels.launch.arguments import ffi_args
         from ..kernels.emit.mod_emit import capture_kinds
 
         runner = _runner(plan, True)
@@ -379,7 +379,7 @@ class PreparedForward:
         not read itself (the ``Device`` had ``tvm_ffi_stream=False``)."""
         args = self._args
         if args is False:
-            from ..kernels.launch.fwd_ffi_runner import ffi_args
+            from ..kernels.launch.arguments import ffi_args
 
             args = ffi_args(self._kinds, self._captures, self._to_device) or None
         if self._env_stream is None:

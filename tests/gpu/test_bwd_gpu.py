@@ -2,7 +2,7 @@
 reference `flexattn.reference.backward`, on randomized shapes x mods x dtypes.
 
 O and LSE come from our forward kernel (`kernel_path.forward_into`), the backward config
-from the forward's plan (`bwd_runner.config_from_forward`), so the block structure (dense,
+from the forward's plan (`bwd.plan.config_from_forward`), so the block structure (dense,
 built-in causal, block-sparse q-side lists) and the q tile (80 rows for dense non-causal
 head dim 128, dQ computed transposed; else 64) are the ones the public path will use;
 test_tile_m_80 forces 80 where the planner keeps 64 (relative-bias tables). dq, dk,
@@ -24,10 +24,9 @@ pytest.importorskip("cutlass")
 from flexattn import mods, reference  # noqa: E402
 from flexattn.core import AttentionSpec, check_inputs  # noqa: E402
 from flexattn.core.kernel_path import Device, ffi_stream_scope, forward_into, use_tvm_ffi  # noqa: E402
-from flexattn.kernels.launch.bwd_ffi_runner import FfiBackwardRunner  # noqa: E402
-from flexattn.kernels.launch.bwd_runner import (  # noqa: E402
-    BackwardRunner, config_from_forward, workspace_dtypes, workspace_shapes)
-from flexattn.kernels.launch.fwd_ffi_runner import ffi_mod_args  # noqa: E402
+from flexattn.kernels.bwd.plan import config_from_forward, workspace_dtypes, workspace_shapes  # noqa: E402
+from flexattn.kernels.launch.arguments import ffi_mod_args  # noqa: E402
+from flexattn.kernels.launch.backward import BackwardRunner, FfiBackwardRunner  # noqa: E402
 from flexattn.kernels.emit.mod_emit import runtime_args  # noqa: E402
 
 from mod_cases import CASES  # noqa: E402
@@ -46,7 +45,7 @@ def _device():
     return Device(torch.cuda.current_stream().cuda_stream, _DeviceCopies(torch.device("cuda")))
 
 
-# The launch path users get: TVM-FFI where it is installed (kernels/launch/bwd_ffi_runner.py);
+# The launch path users get: TVM-FFI where it is installed (kernels/launch/backward.py);
 # test_from_dlpack_runner covers the from_dlpack one.
 FFI = use_tvm_ffi(stream_scope=True)
 

@@ -18,7 +18,7 @@ import cutlass  # noqa: E402
 
 from flexattn.kernels.emit import example_hooks as hooks  # noqa: E402
 from flexattn.kernels.fwd.sm90 import FwdConfig  # noqa: E402
-from flexattn.kernels.launch.fwd_runner import ForwardRunner  # noqa: E402
+from flexattn.kernels.launch.forward import ForwardRunner  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -12,7 +12,7 @@ from flexattn.core import AttentionSpec, check_inputs  # noqa: E402
 from flexattn.core.backward_path import BackwardArrays, backward_into  # noqa: E402
 from flexattn.core.kernel_path import Device  # noqa: E402
 from flexattn.kernels.launch import cache  # noqa: E402
-from flexattn.kernels.launch.bwd_runner import workspace_shapes  # noqa: E402
+from flexattn.kernels.launch.backward import workspace_shapes  # noqa: E402
 
 B, Hq, Hkv, Q, KV, D = 2, 4, 2, 300, 260, 64
 
@@ -126,7 +126,7 @@ def test_what_the_kernel_cannot_do_is_refused(runners):
 def test_arguments_pass_the_real_runners_checks(runners):
     """The recorded call, given to a real ``BackwardRunner``: validated and compiled on
     these CPU tensors (CUTE_DSL_ARCH=sm_90a), not launched (~10 s)."""
-    from flexattn.kernels.launch.bwd_runner import BackwardRunner
+    from flexattn.kernels.launch.backward import BackwardRunner
 
     score = mods.alibi(torch.rand(Hq)) >> mods.softcap(5.0)
     bm = create_block_mask(mods.sliding_window(100), None, None, Q, KV)
@@ -142,7 +142,7 @@ def test_deterministic_call_adds_integer_workspace_and_kv_side_lists(runners):
     """deterministic=True: the config says so, the workspace has its int32 dQ semaphores and
     int64 fixed-point buffer-gradient accumulators, and block-sparse calls also pass the
     kv-side lists (a CTA counts the kv blocks ahead of it in a q tile's list)."""
-    from flexattn.kernels.launch.bwd_runner import workspace_dtypes
+    from flexattn.kernels.bwd.plan import workspace_dtypes
 
     slopes = torch.rand(Hq)
     bm = create_block_mask(mods.sliding_window(100), None, None, Q, KV)
@@ -216,7 +216,7 @@ def test_tvm_ffi_call_passes_framework_tensors_and_compiles(runners, monkeypatch
     captures as TVM-FFI arguments; a real runner given the recorded call compiles its three
     kernels for those signatures, and refuses CPU tensors with the compiled signature."""
     pytest.importorskip("tvm_ffi")
-    from flexattn.kernels.launch.bwd_ffi_runner import FfiBackwardRunner
+    from flexattn.kernels.launch.backward import FfiBackwardRunner
 
     monkeypatch.setenv("FLEXATTN_TVM_FFI", "1")
     score = mods.alibi(torch.rand(Hq)) >> mods.softcap(5.0)
@@ -241,7 +241,7 @@ def test_tvm_ffi_call_passes_framework_tensors_and_compiles(runners, monkeypatch
 
 
 def test_both_runners_share_the_q_kv_shape_check():
-    from flexattn.kernels.launch.bwd_runner import check_q_and_kv_shapes
+    from flexattn.kernels.launch.backward import check_q_and_kv_shapes
 
     check_q_and_kv_shapes((2, 8, 5, 64), (2, 2, 7, 64))
     for q_shape, k_shape, words in (((1, 4, 8, 64), (2, 2, 8, 64), "batch must match"),

@@ -9,8 +9,8 @@ pytest.importorskip("cutlass")
 
 from flexattn import mods  # noqa: E402
 from flexattn.kernels.blockmask import classify as blockmask_sm90  # noqa: E402
-from flexattn.kernels.blockmask.classify import builder_for, compile_classifier, compile_compactor  # noqa: E402
-from flexattn.kernels.launch.compile import resource_usage_from_ptx  # noqa: E402
+from flexattn.kernels.blockmask.classify import builder_for  # noqa: E402
+from flexattn.kernels.launch.compile import compile_classifier, compile_compactor, resource_usage_from_ptx  # noqa: E402
 from flexattn.kernels.emit.mod_emit import IRModHook  # noqa: E402
 
 

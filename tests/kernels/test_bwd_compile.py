@@ -16,7 +16,7 @@ pytest.importorskip("cutlass")
 
 from flexattn import mods  # noqa: E402
 from flexattn.kernels.emit import example_hooks as hooks  # noqa: E402
-from flexattn.kernels.launch.compile_bwd import (  # noqa: E402
+from flexattn.kernels.launch.compile import (  # noqa: E402
     compile_backward, compile_postprocess, compile_preprocess)
 from flexattn.kernels.bwd.sm90 import BwdConfig  # noqa: E402
 from flexattn.kernels.launch.compile import resource_usage_from_ptx  # noqa: E402
@@ -140,14 +140,15 @@ def test_tile_m_80_fits_shared_memory():
     """Q, dO (2 stages of 80 x 128), K, V, dS (2 stages), the fp32 dQ tile and LSE / D
     (stages 128-byte aligned for TMA): 227 KB, the sm_90 maximum per CTA, exactly (the
     struct rounds up to its 1024-byte alignment). The kernel refuses to compile past it."""
-    from flexattn.kernels.launch.compile_bwd import _compile, fake_backward_args
+    from flexattn.kernels.launch.compile import compile_on_fakes
+    from flexattn.kernels.launch.fakes import fake_backward_args
     from flexattn.kernels.bwd.sm90 import SMEM_CAPACITY, FlashBwdSm90
 
     sizes = {}
     for name in ("d128-dense", "d128-dense-80", "det-d128-relative-bias-80"):
         cfg, hook = _config(name)
         kernel = FlashBwdSm90(cfg)
-        _compile(kernel, fake_backward_args(cfg, fake_args(hook)), False, "")
+        compile_on_fakes(kernel, fake_backward_args(cfg, fake_args(hook)))
         sizes[name] = kernel.smem_bytes
     assert sizes["d128-dense"] == 195 * 1024
     assert sizes["d128-dense-80"] == sizes["det-d128-relative-bias-80"] == SMEM_CAPACITY
@@ -311,7 +312,7 @@ def test_planner_tile_m():
     explicit tile_m wins; a grad filter that drops the table's gradient allows 80."""
     from types import SimpleNamespace
 
-    from flexattn.kernels.launch.bwd_runner import config_from_forward
+    from flexattn.kernels.bwd.plan import config_from_forward
 
     def tile(head_dim=128, causal=False, block_sparse=False, score=None, mask=None, **kw):
         fwd = SimpleNamespace(dtype="bf16", head_dim=head_dim, causal=causal,
@@ -344,7 +345,8 @@ def test_tile_order():
 
 def test_runner_validates_and_compiles_on_cpu_tensors():
     torch = pytest.importorskip("torch")
-    from flexattn.kernels.launch.bwd_runner import BackwardRunner, workspace_shapes
+    from flexattn.kernels.bwd.plan import workspace_shapes
+    from flexattn.kernels.launch.backward import BackwardRunner
 
     hook = IRModHook(None, mods.causal())
     cfg = BwdConfig(head_dim=64, mods=hook)
@@ -369,8 +371,8 @@ def test_deterministic_runner_on_cpu_tensors():
     required, the gradients must be contiguous; everything compiles."""
     torch = pytest.importorskip("torch")
     from flexattn.blockmask import create_block_mask
-    from flexattn.kernels.launch.bwd_runner import (
-        BackwardRunner, buffer_grad_shapes, workspace_dtypes, workspace_shapes)
+    from flexattn.kernels.bwd.plan import buffer_grad_shapes, workspace_dtypes, workspace_shapes
+    from flexattn.kernels.launch.backward import BackwardRunner
     from flexattn.kernels.emit.mod_emit import runtime_args
 
     B, Hq, Hkv, Sq, Skv, D = 2, 4, 2, 300, 260, 64

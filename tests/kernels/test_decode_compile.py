@@ -18,7 +18,7 @@ from flexattn.core import decode_path  # noqa: E402
 from flexattn.core.decode_path import DecodeTuning, choose_splits, decode_unsupported  # noqa: E402
 from flexattn.core.kernel_path import Device  # noqa: E402
 from flexattn.kernels.launch.compile import resource_usage_from_ptx  # noqa: E402
-from flexattn.kernels.launch.compile_decode import compile_decode  # noqa: E402
+from flexattn.kernels.launch.compile import compile_decode  # noqa: E402
 from flexattn.kernels.decode.sm90 import DecodeConfig  # noqa: E402
 from flexattn.kernels.emit.mod_emit import IRModHook, fake_args  # noqa: E402
 from flexattn.mods.positions import shift_queries  # noqa: E402

@@ -28,7 +28,7 @@ from flexattn.kernels.launch import cache
 from flexattn.kernels.launch import disk_cache  # noqa: E402
 from flexattn.kernels.bwd.sm90 import BwdConfig  # noqa: E402
 from flexattn.kernels.decode.sm90 import DecodeConfig  # noqa: E402
-from flexattn.kernels.launch.fwd_ffi_runner import FfiForwardRunner  # noqa: E402
+from flexattn.kernels.launch.forward import FfiForwardRunner  # noqa: E402
 from flexattn.kernels.fwd.sm90 import FwdConfig  # noqa: E402
 from flexattn.kernels.emit.mod_emit import IRModHook  # noqa: E402
 from flexattn.kernels.emit.mod_hook import ModHook  # noqa: E402
@@ -403,10 +403,9 @@ def test_other_kernels_round_trip(cache_dir):
     export and load the same way (arity checked by calling with the wrong count)."""
     import tvm_ffi
 
-    from flexattn.kernels.blockmask.classify import compile_compactor
-    from flexattn.kernels.launch.compile_bwd import compile_postprocess
+    from flexattn.kernels.launch.compile import compile_compactor, compile_postprocess
 
-    for key, compile, n_args in ((("test_compact",), lambda: compile_compactor(True), 3),
+    for key, compile, n_args in ((("test_compact",), lambda: compile_compactor(tvm_ffi=True), 3),
                                  (("test_post",), lambda: compile_postprocess("bf16", 64, tvm_ffi=True), 5)):
         compiled = disk_cache.compiled(key, compile)
         loaded = disk_cache.compiled(key, lambda: pytest.fail("compiled twice"))

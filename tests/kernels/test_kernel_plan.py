@@ -74,7 +74,8 @@ def test_tvm_ffi_forward_compiles_with_the_planned_signature():
     """The opt-in TVM-FFI launch (FLEXATTN_TVM_FFI=1): compiled on fake tensors, it checks
     its arguments itself — on a CPU tensor it must refuse with the compiled signature."""
     pytest.importorskip("tvm_ffi")
-    from flexattn.kernels.launch.fwd_ffi_runner import FfiForwardRunner, ffi_mod_args
+    from flexattn.kernels.launch.arguments import ffi_mod_args
+    from flexattn.kernels.launch.forward import FfiForwardRunner
 
     p = _plan(mask=mods.document(np.zeros(300, np.int32)), score=mods.softcap(30.0))
     runner = FfiForwardRunner(p.config)
@@ -91,7 +92,7 @@ def test_tvm_ffi_forward_compiles_with_the_planned_signature():
 
 
 def test_block_list_validation_shared_by_both_runners():
-    from flexattn.kernels.launch.fwd_runner import check_block_lists
+    from flexattn.kernels.launch.forward import check_block_lists
 
     def lists(rows, cols=3, b=1, h=1):
         return (torch.zeros(b, h, rows, dtype=torch.int32), torch.zeros(b, h, rows, cols, dtype=torch.int32),

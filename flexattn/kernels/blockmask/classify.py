@@ -10,7 +10,7 @@ tile (corners included) so diagonal and boundary tiles usually stop there; only 
 that really are full or empty are read to the end.
 
 States (int8 [B, H, Q_BLOCKS, KV_BLOCKS]: 0 empty, 1 partial, 2 full) go to
-``blockmask_compact`` for the sorted lists. Tiles cut by the sequence end are classified
+``compact`` for the sorted lists. Tiles cut by the sequence end are classified
 by their valid elements, as the CPU builder does.
 
 ``count_allowed`` compiles a variant without early exit that also counts the attended
@@ -143,62 +143,6 @@ class BlockClassifierSm90:
 
 # ---- host side: compile once per mask structure, launch on the caller's stream ----------
 
-def _fake(dtype, rank: int):
-    from cutlass.cute.runtime import make_fake_tensor
-
-    shape = tuple(cute.sym_int() for _ in range(rank))  # one symbol per dim: none declared equal
-    stride = tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,)
-    return make_fake_tensor(dtype, shape, stride, assumed_align=dtype.width // 8)
-
-
-def _fake_lists():
-    return (_fake(Int32, 3), _fake(Int32, 4), _fake(Int32, 3), _fake(Int32, 4))
-
-
-def _options(tvm_ffi: bool, keep_ptx: bool = False) -> str:
-    from flexattn.kernels.launch.compile import ARCH_OPTION
-
-    return " ".join(o for o in (ARCH_OPTION, "--enable-tvm-ffi" if tvm_ffi else "",
-                                "--keep-ptx" if keep_ptx else "") if o)
-
-
-def compile_classifier(hook: IRModHook, q_block: int, kv_block: int, count_allowed: bool = False,
-                       tvm_ffi: bool = False, keep_ptx: bool = False):
-    """Compile the classifier for sm_90a on fake tensors (no GPU needed)."""
-    from cutlass.cute.runtime import make_fake_stream
-
-    from flexattn.kernels.emit.mod_emit import fake_args
-
-    kernel = BlockClassifierSm90(hook, q_block, kv_block, count_allowed)
-    allowed = _fake(Int64, 1) if count_allowed else None
-    args = fake_args(hook) or None
-    return _compile(kernel, (_fake(cutlass.Int8, 4), allowed, Int32(1), Int32(1), args,
-                             make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)), tvm_ffi, keep_ptx)
-
-
-def compile_compactor(tvm_ffi: bool = False, keep_ptx: bool = False):
-    """Compile the list compaction for sm_90a on fake tensors."""
-    from cutlass.cute.runtime import make_fake_stream
-
-    from flexattn.kernels.blockmask.compact import BlockListCompactor
-
-    return _compile(BlockListCompactor(), (_fake(cutlass.Int8, 4), _fake_lists(), _fake_lists(),
-                                           make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)), tvm_ffi, keep_ptx)
-
-
-def _compile(kernel, args, tvm_ffi, keep_ptx):
-    from flexattn.kernels.launch.compile import compile_kernel
-
-    if not keep_ptx:
-        return compile_kernel(kernel, args, _options(tvm_ffi), tvm_ffi)
-    import tempfile
-
-    from flexattn.kernels.launch.compile import _dump_dir
-
-    with tempfile.TemporaryDirectory() as d, _dump_dir(d):
-        return compile_kernel(kernel, args, _options(tvm_ffi, keep_ptx=True), tvm_ffi)
-
-
 LIST_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
               "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 
@@ -223,18 +167,19 @@ class GpuBlockMaskBuilder:
         fn = self._fns.get(count_allowed)
         if fn is None:
             from flexattn.kernels.launch import disk_cache
+            from flexattn.kernels.launch.compile import compile_classifier
 
             hook = disk_cache.hook_key(self.template) if self.tvm_ffi else None
             key = None if hook is None else ("blockmask_classifier", hook, self.q_block, self.kv_block, count_allowed)
             fn = self._fns[count_allowed] = disk_cache.compiled(key, lambda: compile_classifier(
-                self.template, self.q_block, self.kv_block, count_allowed, self.tvm_ffi))
+                self.template, self.q_block, self.kv_block, count_allowed, tvm_ffi=self.tvm_ffi))
         return fn
 
     def _launch(self, fn, hook, arrays, states, allowed, q_len, kv_len):
         from flexattn.kernels.emit.mod_emit import runtime_args
 
         if self.tvm_ffi:
-            from flexattn.kernels.launch.fwd_ffi_runner import ffi_mod_args
+            from flexattn.kernels.launch.arguments import ffi_mod_args
 
             fn(states, allowed, q_len, kv_len, ffi_mod_args(hook, arrays.to_device) or None)
         else:
@@ -284,9 +229,10 @@ def compact(states, arrays, tvm_ffi: bool) -> dict:
     fn = _COMPACTORS.get(tvm_ffi)
     if fn is None:
         from flexattn.kernels.launch import disk_cache
+        from flexattn.kernels.launch.compile import compile_compactor
 
         fn = _COMPACTORS[tvm_ffi] = disk_cache.compiled(("blockmask_compact",) if tvm_ffi else None,
-                                                        lambda: compile_compactor(tvm_ffi))
+                                                        lambda: compile_compactor(tvm_ffi=tvm_ffi))
     B, H, n_q, n_kv = (int(s) for s in states.shape)
     lists = {}
     for side, rows, cols in (("kv", n_q, n_kv), ("q", n_kv, n_q)):

@@ -2,7 +2,7 @@
 
 The main kernel's dQ writer warp adds dS K (without the scale) into the fp32 workspace
 `dq_accum` one tile_m-row tile at a time, each tile in *fragment order*
-(`bwd_sm90.dq_tile_layout`: the consumer threads' accumulator registers, 16 bytes per
+(`bwd.sm90.dq_tile_layout`: the consumer threads' accumulator registers, 16 bytes per
 thread in turn, so that the tile leaves shared memory as two contiguous bulk adds). Here
 one CTA = one tile of one (batch, head), with the main kernel's two consumer warpgroups'
 geometry: thread t reads back exactly the registers consumer thread t held (the same

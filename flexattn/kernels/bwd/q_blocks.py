@@ -1,4 +1,4 @@
-"""Which q blocks a backward CTA visits (the transpose of block_sparsity.py's question).
+"""Which q blocks a backward CTA visits (the transpose of blockmask/visit.py's question).
 
 A backward CTA owns one kv block (tile_n keys) of one kv head and walks, for each query
 head of its GQA group, the q blocks (tile_m rows) that can see it. The producer warp (TMA
@@ -19,9 +19,9 @@ tile (rot = n * tile_n // tile_m) spreads them over the tiles.
   are `sparse_block_m` rows (128 in flexattn), the kernel's tile is `tile_m` rows: each
   listed block expands into `factor = sparse_block_m // tile_m` consecutive tiles. B and H
   may be 1 (broadcast). Visit order: the partial list, then the full list; deterministic
-  mode merges them in ascending q order (`merged_at`, bwd_sm90._visit).
+  mode merges them in ascending q order (`merged_at`, bwd.sm90._visit).
 
-The transposed question, for the deterministic dQ order (bwd_sm90.py): how many kv blocks
+The transposed question, for the deterministic dQ order (bwd/sm90.py): how many kv blocks
 *after* n visit q tile m (`KvVisitors.after`). Dense: every kv block visits every tile.
 Causal: kv blocks 0 .. last(m) (those whose `first` is <= m). Block-sparse: the kv blocks
 in the BlockMask's kv-side lists (partial + full) of q block m // factor, counted by one

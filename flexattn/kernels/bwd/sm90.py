@@ -11,7 +11,7 @@ Math (per query head h, FlexAttention semantics as in `flexattn.reference.backwa
 
 One CTA = (tile_n = 128 keys) x (one *kv* head) x (one batch). It loops over the q heads
 of its GQA group and, per head, over the q blocks of tile_m rows that see its keys
-(bwd_blocks.py), so dK/dV of a kv head are summed in registers: no atomics, deterministic,
+(bwd/q_blocks.py), so dK/dV of a kv head are summed in registers: no atomics, deterministic,
 written once in the input dtype by TMA. dQ gets one contribution per kv block: each
 visit's fp32 dQ tile goes to shared memory and a writer warp adds it into a workspace
 (`dq_accum`, zeroed by the preprocess) with bulk `cp.reduce.async.bulk .add.f32` copies;
@@ -30,7 +30,7 @@ the postprocess converts it.
                           keys as its K dimension: both warpgroups store dS^T to smem
                           (stmatrix), then each computes half of dQ's head dim.
 
-tile_m (`BwdConfig.tile_m`, chosen by bwd_runner.choose_tile_m): 64, or 80 for dense
+tile_m (`BwdConfig.tile_m`, chosen by bwd.plan.choose_tile_m): 64, or 80 for dense
 non-causal head dim 128 (FA3/FA4's tile there: 25% more q rows per K/V reuse, fewer
 visits per CTA, fewer and larger dQ bulk adds). 80 rows cannot be a wgmma M (64 per
 warpgroup), so dQ is computed transposed (`dq_swap_ab`): dQ^T [D, 80] = K^T dS^T, each
@@ -50,11 +50,11 @@ Per visit (consumer warpgroup):  LSE to registers, S^T = K Q^T, dP^T = V dO^T (S
 Workspaces (fp32, rows padded to `BwdConfig.q_pad`): lse_log2 (LSE * log2 e; +inf for
 empty or padding rows so P = 0 there), delta (D), dq_accum. See bwd_preprocess.py.
 
-`BwdConfig.deterministic` (the design and the no-deadlock argument: bwd_runner.py):
+`BwdConfig.deterministic` (the design and the no-deadlock argument: launch/backward.py):
 CTAs take kv blocks from the highest down (non-causal: heads interleaved in L2 sections,
 `_deterministic_tile`); before its bulk adds for q tile m, the dQ
 writer warp counts the kv blocks after this one that visit the tile
-(`bwd_blocks.KvVisitors`; block-sparse: from the kv-side lists) and its lane 0 spins
+(`bwd.q_blocks.KvVisitors`; block-sparse: from the kv-side lists) and its lane 0 spins
 (ld.acquire.gpu) on the tile's int32 flag until it equals that count; it issues the adds,
 waits for their writes to complete, and adds 1 to the flag (red.release.gpu). The
 consumers never wait for turns. Buffer-gradient contributions go to 128-bit fixed-point
@@ -118,7 +118,7 @@ class BwdConfig(KernelConfig):
     producer_regs: int = _REGS[0]  # setmaxnreg budgets (warp_specialized.register_split)
     consumer_regs: int = _REGS[1]
     deterministic: bool = False   # dQ adds in a fixed order, exact buffer-grad sums
-    # CTA order (tile_scheduler.py): "by_head" (kv blocks of a head in launch order; the
+    # CTA order (hopper/tile_scheduler.py): "by_head" (kv blocks of a head in launch order; the
     # deterministic mode's turn order needs it) or "longest_first" (default under causal:
     # kv block 0 sees every q block, the last one a few; long ones start first).
     tile_order: str | None = None
@@ -317,7 +317,7 @@ class BwdBarrier(NamedBarriers):
 class FlashBwdSm90(WarpSpecialized):
     """Compile with `cute.compile(FlashBwdSm90(cfg), q, k, v, do, lse_log2, delta, dq_accum,
     dq_semaphore, dk, dv, scale, mod_args, grad_args, grad_fixed, block_sparse, stream)` or
-    through `flexattn.kernels.launch.compile_bwd.compile_backward`."""
+    through `flexattn.kernels.launch.compile.compile_backward`."""
 
     num_mma_wg = 2
     # Per-diagonal buffer-gradient sums (`diagonal_reduction`): one fp32 row of DIAG_ROW
@@ -660,7 +660,7 @@ class FlashBwdSm90(WarpSpecialized):
         return blocks.at(i), Int32(0), walk
 
     def _rotation(self, n_block):
-        """Where the q-block walk starts (bwd_blocks.py): at the kv block's diagonal
+        """Where the q-block walk starts (bwd/q_blocks.py): at the kv block's diagonal
         tile, except under causal (the walk starts there anyway, diagonal blocks first)
         and in deterministic mode (the dQ turns assume ascending walks)."""
         cfg = self.cfg

@@ -1,4 +1,4 @@
-"""Merge the split-KV partial results of a decode step (see decode_sm90.py).
+"""Merge the split-KV partial results of a decode step (see decode/sm90.py).
 
 Split s of a row holds O_s (normalized over its own keys, fp32) and its natural-log
 LSE_s. The full row is

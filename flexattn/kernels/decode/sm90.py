@@ -203,7 +203,7 @@ class DecodeBarrier(NamedBarriers):
 
 class DecodeSm90(WarpSpecialized):
     """Compile with `cute.compile(DecodeSm90(cfg), q, k, v, page_table, seq_lens, o, lse,
-    o_part, lse_part, tickets, softmax_scale, mod_args, stream)` (see decode_compile.py)."""
+    o_part, lse_part, tickets, softmax_scale, mod_args, stream)` (see launch/compile.py)."""
 
     def __init__(self, config: DecodeConfig):
         self.cfg = config

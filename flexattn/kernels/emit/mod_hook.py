@@ -85,7 +85,7 @@ class ModHook:
             return frozenset(("b", "h", "q", "kv"))
         return frozenset()
 
-    # ---- backward (bwd_sm90.py): derivatives of the score mod -------------------------
+    # ---- backward (bwd/sm90.py): derivatives of the score mod -------------------------
     # Hooks without a score mod need nothing. A hand-written hook with a score mod must
     # override `score_and_grad` to be usable in the backward (IRModHook derives it).
     grad_slots: tuple = ()     # positions in `args` of captured float buffers receiving grads

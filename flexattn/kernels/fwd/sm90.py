@@ -1,7 +1,7 @@
 """FlashAttention forward for Hopper (sm_90a) in CuTeDSL, with a compile-time mod hook.
 
 A CTA computes (tile_m rows of Q) x (one head) x (one batch) output tiles — one, or with
-`max_ctas` (persistent CTAs) several in turn; tile_scheduler.py decides which and in what
+`max_ctas` (persistent CTAs) several in turn; hopper/tile_scheduler.py decides which and in what
 order. Per tile:
 
     warpgroup 0, warp 0   producer: TMA-loads Q once, then K_j and V_j for each visited
@@ -22,7 +22,7 @@ Tensors are [B, H, S, D] with D contiguous (any other strides); K/V may have few
 (TMA zero-fills reads past the end and clips the store; the KV_LEN edge is masked).
 
 Which kv blocks are visited, and which of them need the mask evaluated, is the *block
-structure* (see block_sparsity.py): "dense" (all blocks, last first, the mask on every
+structure* (see blockmask/visit.py): "dense" (all blocks, last first, the mask on every
 block), "causal" (blocks at or below the diagonal, the mask only on blocks crossing it) or
 "block_sparse" (a FlexAttention BlockMask's partial and full lists, runtime tensors).
 `_visit_blocks`, `_visit_blocks_one_step`, `_visit_sparse` (consumers) and `load`
@@ -80,7 +80,7 @@ class FwdConfig(KernelConfig):
     # Step (b) scheduling; both only change timing, never results:
     intra_wg_overlap: bool = True  # softmax of block j overlaps P_{j-1} V_{j-1} on the tensor cores
     pingpong: bool = True          # 2 consumer warpgroups take turns issuing their GEMMs
-    # Which tiles each CTA takes (tile_scheduler.py): "by_head" or "longest_first"
+    # Which tiles each CTA takes (hopper/tile_scheduler.py): "by_head" or "longest_first"
     # (None: longest_first under causal, where tiles differ in work; by_head otherwise).
     tile_order: str | None = None
     # Persistent CTAs: at most this many (the SM count), each walking several tiles so the

@@ -1,7 +1,7 @@
 """Reads from another CTA's shared memory in the cluster (distributed shared memory), as
 inline PTX: ``mapa`` turns a shared::cta address into the same offset in CTA ``rank``'s
 window, ``ld.shared::cluster`` reads it. The decode kernel's cluster merge
-(`decode_sm90`) reads every split's partial row this way.
+(`decode.sm90`) reads every split's partial row this way.
 
 The loads are side-effecting asm on purpose: they must stay between the cluster barriers
 that publish the data and retire the reads (the compiler may not move them across).

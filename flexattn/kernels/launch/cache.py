@@ -21,7 +21,7 @@ file cache (``CUTE_DSL_CACHE_DIR``, which ``flexattn.kernels`` points at
 from __future__ import annotations
 
 from flexattn.kernels.fwd.sm90 import FwdConfig
-from flexattn.kernels.launch.fwd_runner import ForwardRunner
+from flexattn.kernels.launch.forward import ForwardRunner
 
 _RUNNERS: dict[tuple, object] = {}
 
@@ -38,7 +38,7 @@ def forward_runner(config: FwdConfig, tvm_ffi: bool = False):
     """The runner for ``config`` (``ForwardRunner``, or ``FfiForwardRunner`` with ``tvm_ffi``)."""
     def make():
         if tvm_ffi:
-            from flexattn.kernels.launch.fwd_ffi_runner import FfiForwardRunner
+            from flexattn.kernels.launch.forward import FfiForwardRunner
 
             return FfiForwardRunner(config)
         return ForwardRunner(config)
@@ -52,10 +52,10 @@ def backward_runner(config, tvm_ffi: bool = False):
     "bwd", so it never meets a forward's)."""
     def make():
         if tvm_ffi:
-            from flexattn.kernels.launch.bwd_ffi_runner import FfiBackwardRunner
+            from flexattn.kernels.launch.backward import FfiBackwardRunner
 
             return FfiBackwardRunner(config)
-        from flexattn.kernels.launch.bwd_runner import BackwardRunner
+        from flexattn.kernels.launch.backward import BackwardRunner
 
         return BackwardRunner(config)
 
@@ -65,7 +65,7 @@ def backward_runner(config, tvm_ffi: bool = False):
 def decode_runner(config, tvm_ffi: bool = False):
     """The ``DecodeRunner`` for a ``DecodeConfig`` (split-KV decoding; key starts with "decode")."""
     def make():
-        from flexattn.kernels.launch.decode_runner import DecodeRunner
+        from flexattn.kernels.launch.decode import DecodeRunner
 
         return DecodeRunner(config, tvm_ffi)
 

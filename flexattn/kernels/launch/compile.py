@@ -1,10 +1,14 @@
-"""Compile kernels ahead of time on fake tensors: no GPU and no driver query needed.
+"""The one compile entry: every kernel compiled ahead of time on fake tensors (``fakes.py``),
+with no GPU and no driver query.
 
-`compile_forward(cfg, ...)` traces `FlashFwdSm90(cfg)` on symbolic-shape fake tensors and
-returns a `cute.compile` result that can be launched with real tensors of the same dtypes
-and ranks (any sizes / strides with D contiguous). On a CPU-only machine set
-nothing: the target is passed as a compile option (`ARCH_OPTION`); PTX and CUBIN are kept on request so tests
-can inspect them.
+``compile_forward(cfg, ...)`` (and ``compile_backward``, ``compile_preprocess``,
+``compile_postprocess``, ``compile_decode``, ``compile_classifier``, ``compile_compactor``)
+traces the kernel on symbolic-shape fake tensors and returns a ``cute.compile`` result that
+can be launched with real tensors of the same dtypes and ranks (any sizes / strides with
+the last dim contiguous). The target is a compile option (``ARCH_OPTION``), so a CPU-only
+machine needs no settings; PTX and CUBIN are kept on request so tests can inspect them.
+``compile_kernel`` is what every compile goes through (also the from_dlpack runners',
+which compile on the very views they launch with).
 """
 
 import contextlib
@@ -15,7 +19,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
-from flexattn.kernels.fwd.sm90 import FlashFwdSm90, FwdConfig
+from flexattn.kernels.launch import fakes
 
 ARCH = "sm_90a"
 # Passed to every compile: it overrides CUTE_DSL_ARCH / GPU detection, so compiling works
@@ -23,82 +27,96 @@ ARCH = "sm_90a"
 ARCH_OPTION = f"--gpu-arch={ARCH}"
 
 
-def fake_bhsd(dtype, name: str, sym_b, sym_h, sym_s, head_dim: int):
-    """A [B, H, S, D] fake tensor with symbolic B/H/S and strides, D contiguous and
-    16-byte aligned rows (what TMA requires)."""
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_tensor
+def compile_on_fakes(kernel, args, *, keep_ptx: bool = False, keep_cubin: bool = False,
+                     extra_options: str = "", tvm_ffi: bool = False):
+    """Compile ``kernel`` on fake arguments (``fakes.py``) for sm_90a.
 
-    elems_16b = 128 // dtype.width
-    stride = (cute.sym_int64(divisibility=elems_16b), cute.sym_int64(divisibility=elems_16b),
-              cute.sym_int64(divisibility=elems_16b), 1)
-    return make_fake_tensor(dtype, (sym_b, sym_h, sym_s, head_dim), stride, assumed_align=16)
-
-
-def fake_block_lists():
-    """Fake BlockMask lists (num_blocks [B, H, rows], indices [B, H, rows, cols], partial
-    then full), int32 with symbolic sizes, in the runner's layout (last dim contiguous)."""
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_tensor
-
-    # One symbol per dim: a repeated symbol would declare the dims equal (TVM-FFI checks it).
-    def counts():
-        return make_fake_tensor(cutlass.Int32, tuple(cute.sym_int() for _ in range(3)),
-                                (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
-
-    def indices():
-        return make_fake_tensor(cutlass.Int32, tuple(cute.sym_int() for _ in range(4)),
-                                (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), 1),
-                                assumed_align=4)
-
-    return (counts(), indices(), counts(), indices())
-
-
-def fake_forward_args(cfg: FwdConfig, mod_args: tuple = (), tvm_ffi: bool = False):
-    """Fake (q, k, v, o, lse, softmax_scale, mod_args, block_sparse, stream) for
-    `FlashFwdSm90.__call__`.
-    Q/O and K/V have independent symbolic head counts and sequence lengths. With `tvm_ffi`
-    the stream is TVM-FFI's environment stream (the caller framework's current stream)."""
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
-
-    dt = cfg.cutlass_dtype
-    b, hq, hkv, sq, skv = (cute.sym_int() for _ in range(5))
-    q = fake_bhsd(dt, "q", b, hq, sq, cfg.head_dim)
-    k = fake_bhsd(dt, "k", b, hkv, skv, cfg.head_dim)
-    v = fake_bhsd(dt, "v", b, hkv, skv, cfg.head_dim)
-    o = fake_bhsd(dt, "o", b, hq, sq, cfg.head_dim)
-    lse = make_fake_tensor(cutlass.Float32, (b, hq, sq),
-                           (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
-    # kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices
-    block_sparse = fake_block_lists() if cfg.block_sparse else None
-    # No hook args travel as None: CuTeDSL cannot pass an empty tuple.
-    return (q, k, v, o, lse, cutlass.Float32(1.0), tuple(mod_args) if mod_args else None,
-            block_sparse, make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi))
-
-
-def compile_forward(cfg: FwdConfig, mod_args: tuple = (), *, keep_ptx: bool = False,
-                    keep_cubin: bool = False, extra_options: str = "", tvm_ffi: bool = False):
-    """Compile the sm90 forward for `cfg`. `mod_args` gives the *types* of the hook's
-    runtime args (fake tensors / typed scalars); their values are irrelevant.
-
-    `tvm_ffi`: compile for TVM-FFI calls — the result takes framework tensors directly
-    (DLPack exchanged in C, arguments checked against the compiled signature) and runs on
-    the framework's current stream; a call costs microseconds instead of the ~35 µs per
-    tensor of `from_dlpack`."""
+    ``tvm_ffi``: for TVM-FFI calls — the result takes framework tensors directly (DLPack
+    exchanged in C, arguments checked against the compiled signature) and runs on the
+    framework's current stream; a call costs microseconds instead of the ~35 µs per tensor
+    of ``from_dlpack``. ``keep_ptx`` / ``keep_cubin``: the result carries ``__ptx__`` /
+    ``__cubin__`` (for tests and benchmarks/compile_time.py)."""
     opts = " ".join(o for o in (
         ARCH_OPTION, "--keep-ptx" if keep_ptx else "", "--keep-cubin" if keep_cubin else "",
         "--enable-tvm-ffi" if tvm_ffi else "", extra_options,
     ) if o)
-    args = fake_forward_args(cfg, mod_args, tvm_ffi)
     if not (keep_ptx or keep_cubin):
-        return compile_kernel(FlashFwdSm90(cfg), args, opts, tvm_ffi)
+        return compile_kernel(kernel, args, opts, tvm_ffi)
     # Kept artifacts go to the DSL's dump dir (the CWD at import time) and are read back
     # into the result at once; point it at a scratch directory for this compile.
     with tempfile.TemporaryDirectory() as d, _dump_dir(d):
-        return compile_kernel(FlashFwdSm90(cfg), args, opts, tvm_ffi)
+        return compile_kernel(kernel, args, opts, tvm_ffi)
+
+
+# One entry per kernel; ``mod_args``: the hook's runtime args as typed stand-ins
+# (``emit.mod_emit.fake_args``), whose values are irrelevant.
+
+def compile_forward(cfg, mod_args: tuple = (), *, tvm_ffi: bool = False, **options):
+    """The sm90 forward (``FlashFwdSm90``) for a ``FwdConfig``."""
+    from flexattn.kernels.fwd.sm90 import FlashFwdSm90
+
+    return compile_on_fakes(FlashFwdSm90(cfg), fakes.fake_forward_args(cfg, mod_args, tvm_ffi),
+                            tvm_ffi=tvm_ffi, **options)
+
+
+def compile_backward(cfg, mod_args: tuple = (), *, tvm_ffi: bool = False, **options):
+    """The sm90 backward main kernel (``FlashBwdSm90``) for a ``BwdConfig``."""
+    from flexattn.kernels.bwd.sm90 import FlashBwdSm90
+
+    return compile_on_fakes(FlashBwdSm90(cfg), fakes.fake_backward_args(cfg, mod_args, tvm_ffi),
+                            tvm_ffi=tvm_ffi, **options)
+
+
+def compile_preprocess(dtype: str, head_dim: int, with_dlse: bool = False, *, deterministic: bool = False,
+                       grad_fixed: bool = False, tile_m: int = 64, tvm_ffi: bool = False, **options):
+    """The backward's preprocess. ``deterministic``: it also zeroes the dQ semaphores;
+    ``grad_fixed``: and the fixed-point buffer-gradient accumulators. ``tile_m``: the main
+    kernel's (one CTA per q tile)."""
+    from flexattn.kernels.bwd.preprocess import BwdPreprocess
+    from flexattn.kernels.bwd.sm90 import BwdConfig
+
+    cfg = BwdConfig(dtype=dtype, head_dim=head_dim, tile_m=tile_m, deterministic=deterministic)
+    return compile_on_fakes(BwdPreprocess(cfg), fakes.fake_preprocess_args(cfg, with_dlse, grad_fixed, tvm_ffi),
+                            tvm_ffi=tvm_ffi, **options)
+
+
+def compile_postprocess(dtype: str, head_dim: int, *, grad_ranks: tuple = (), tile_m: int = 64,
+                        tvm_ffi: bool = False, **options):
+    """The backward's postprocess. ``grad_ranks``: deterministic mode's buffer gradients
+    (their ranks) to finish; ``tile_m``: the main kernel's (it wrote dq_accum in its tiles'
+    fragment order)."""
+    from flexattn.kernels.bwd.postprocess import BwdPostprocess
+    from flexattn.kernels.bwd.sm90 import BwdConfig
+
+    cfg = BwdConfig(dtype=dtype, head_dim=head_dim, tile_m=tile_m)
+    return compile_on_fakes(BwdPostprocess(cfg), fakes.fake_postprocess_args(cfg, grad_ranks, tvm_ffi),
+                            tvm_ffi=tvm_ffi, **options)
+
+
+def compile_decode(cfg, mod_args: tuple = (), *, tvm_ffi: bool = False, **options):
+    """The split-KV decode kernel (``DecodeSm90``) for a ``DecodeConfig``."""
+    from flexattn.kernels.decode.sm90 import DecodeSm90
+
+    return compile_on_fakes(DecodeSm90(cfg), fakes.fake_decode_args(cfg, mod_args, tvm_ffi),
+                            tvm_ffi=tvm_ffi, **options)
+
+
+def compile_classifier(hook, q_block: int, kv_block: int, count_allowed: bool = False, *,
+                       tvm_ffi: bool = False, **options):
+    """The block-mask tile classifier of a mask hook (``BlockClassifierSm90``)."""
+    from flexattn.kernels.blockmask.classify import BlockClassifierSm90
+    from flexattn.kernels.emit.mod_emit import fake_args
+
+    return compile_on_fakes(BlockClassifierSm90(hook, q_block, kv_block, count_allowed),
+                            fakes.fake_classifier_args(fake_args(hook), count_allowed, tvm_ffi),
+                            tvm_ffi=tvm_ffi, **options)
+
+
+def compile_compactor(*, tvm_ffi: bool = False, **options):
+    """The block-mask list compaction (``BlockListCompactor``)."""
+    from flexattn.kernels.blockmask.compact import BlockListCompactor
+
+    return compile_on_fakes(BlockListCompactor(), fakes.fake_compactor_args(tvm_ffi), tvm_ffi=tvm_ffi, **options)
 
 
 # CuTeDSL pass-pipeline options that change compile time only: without its

@@ -14,7 +14,7 @@ computation anyway; arrays are operands and never recompile).
 
 The entries call the kernels' own ``__call__`` (``FlashFwdSm90``; ``BwdPreprocess``,
 ``FlashBwdSm90``, ``BwdPostprocess`` in stream order) with exactly the arguments the
-runners pass (kernels/launch/fwd_runner.py, kernels/launch/bwd_runner.py). Framework-free: no jax here.
+runners pass (kernels/launch/forward.py, kernels/launch/backward.py). Framework-free: no jax here.
 
 Results that must start filled (the backward's buffer gradients, accumulated by fp32
 atomics: zeros; in the GPU tests every result the kernels write: NaN) are filled here, by a
@@ -111,7 +111,7 @@ class ForwardLaunch(_Launch):
 class BackwardLaunch(_Launch):
     """``config``: a ``BwdConfig`` (not deterministic); ``main``: the positions of q, k, v,
     out, d_out, lse, d_lse (None: absent), dq, dk, dv; ``workspace``: of (lse_log2, delta,
-    dq_accum) (``bwd_runner.workspace_shapes``); ``args``: hook-arg sources; ``grads``:
+    dq_accum) (``bwd.plan.workspace_shapes``); ``args``: hook-arg sources; ``grads``:
     positions of the fp32 gradients of ``config.mods.grad_slots`` (zero-filled here before
     the kernels); ``lists``: of the q-side block lists iff ``config.block_sparse``;
     ``fills``: other results filled first (the GPU tests' NaN)."""

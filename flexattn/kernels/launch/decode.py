@@ -1,42 +1,33 @@
-"""Launch the split-KV decode kernel: compile once per structure, run cheaply.
+"""Launching the split-KV decode kernel: compile once per structure, run cheaply.
 
-Two launch paths, as for the forward (`runner.py`, `ffi_runner.py`): with ``tvm_ffi`` the
-kernels are compiled on fake tensors for TVM-FFI calls (framework tensors straight in,
-the framework's current stream); otherwise arguments are wrapped with ``from_dlpack``
-and the kernel is compiled on those very views (it reads arguments in the layout it was
-traced with) and launched on an explicit stream. The compiled kernels check nothing:
-``core/decode_path.py`` validates every argument first.
+Two launch paths, as for the forward (``forward.py``): with ``tvm_ffi`` the kernel is
+compiled on fake tensors for TVM-FFI calls (framework tensors straight in, the framework's
+current stream); otherwise arguments are wrapped with ``from_dlpack`` and the kernel is
+compiled on those very views (it reads arguments in the layout it was traced with) and
+launched on an explicit stream. The compiled kernel checks nothing: ``core/decode_path.py``
+validates every argument first.
 """
 
 from __future__ import annotations
 
 import time
 
-from flexattn.kernels.launch import disk_cache  # (importing flexattn.kernels sets CUTE_DSL_ARCH before cutlass loads)
-from flexattn.kernels.launch.compile import ARCH_OPTION, pipeline_options
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+
 from flexattn.kernels.decode.sm90 import DecodeConfig, DecodeSm90
-
-
-def _view(x, align: int):
-    from cutlass.cute.runtime import from_dlpack
-
-    t = from_dlpack(x, assumed_align=align)
-    return t.mark_layout_dynamic(leading_dim=len(t.shape) - 1)
-
-
-def _arg_signature(a):
-    import cutlass
-
-    if isinstance(a, cutlass.Numeric):
-        return ("scalar", type(a).__name__)
-    return ("tensor", str(a.element_type), len(a.shape))
+from flexattn.kernels.emit.mod_emit import fake_args
+from flexattn.kernels.launch import disk_cache
+from flexattn.kernels.launch.arguments import arg_signature, dlpack_view
+from flexattn.kernels.launch.compile import ARCH_OPTION, compile_decode, pipeline_options
 
 
 class DecodeRunner:
     """``run(q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, tickets, scale,
     mod_args, stream)``: shapes as in `DecodeSm90.__call__`; ``page_table`` None for a
     contiguous cache; ``tickets`` the arrival counters (zero). TVM-FFI: ``mod_args``
-    from ``ffi_runner.ffi_mod_args``, ``stream`` ignored;
+    from ``launch.arguments.ffi_mod_args``, ``stream`` ignored;
     else cute values from ``mod_emit.runtime_args`` and a CUstream handle."""
 
     def __init__(self, cfg: DecodeConfig, tvm_ffi: bool = False):
@@ -55,9 +46,6 @@ class DecodeRunner:
         ``mod_args`` are the stand-ins for hooks without IR captures."""
         fn = self._compiled.get("ffi")
         if fn is None:
-            from flexattn.kernels.launch.compile_decode import compile_decode
-            from flexattn.kernels.emit.mod_emit import fake_args
-
             t0 = time.perf_counter()
             ir_hook = hasattr(self.cfg.mods, "captures")
             fake = fake_args(self.cfg.mods) if ir_hook else tuple(mod_args or ())
@@ -73,18 +61,14 @@ class DecodeRunner:
             self.ffi_function(mod_args)(q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, tickets, float(scale),
                                 tuple(mod_args) if mod_args else None)
             return
-        import cuda.bindings.driver as cuda
-        import cutlass
-        import cutlass.cute as cute
-
-        tensors = [_view(x, 16) for x in (q, k, v)]
-        tensors += [None if page_table is None else _view(page_table, 4), _view(seq_lens, 4),
-                    _view(o, 16), _view(lse, 4), _view(o_part, 16), _view(lse_part, 4),
-                    _view(tickets, 4)]
+        tensors = [dlpack_view(x, 16) for x in (q, k, v)]
+        tensors += [None if page_table is None else dlpack_view(page_table, 4), dlpack_view(seq_lens, 4),
+                    dlpack_view(o, 16), dlpack_view(lse, 4), dlpack_view(o_part, 16), dlpack_view(lse_part, 4),
+                    dlpack_view(tickets, 4)]
         args = tuple(mod_args) if mod_args else None
         s = cutlass.Float32(scale)
         cu_stream = cuda.CUstream(stream)
-        key = tuple(_arg_signature(a) for a in mod_args or ())
+        key = tuple(arg_signature(a) for a in mod_args or ())
         fn = self._compiled.get(key)
         if fn is None:
             t0 = time.perf_counter()
@@ -93,4 +77,3 @@ class DecodeRunner:
                                                         options=ARCH_OPTION)
             self.last_compile_seconds = time.perf_counter() - t0
         fn(*tensors, s, args, cu_stream)
-

@@ -1,62 +1,31 @@
-"""Launch the sm90 forward on DLPack arrays: validate, compile once per structure, run.
+"""Launching the forward: validate, compile once per structure, run. Two runners, one per
+launch path:
 
-The compiled kernel performs no argument checks (a float32 tensor passed for a bf16
-slot is silently misread), so everything the kernel assumes is checked here.
-Framework-free: arrays come in through DLPack, the stream as a raw CUstream handle.
+- ``FfiForwardRunner`` (the default wherever ``apache-tvm-ffi`` is installed): compiled on
+  fake tensors with ``--enable-tvm-ffi``, it takes framework tensors directly — DLPack
+  exchanged in C, each argument checked against the compiled signature (dtype, rank,
+  device, divisibility) — and launches on the framework's current stream (TVM-FFI's
+  environment stream): microseconds of host time.
+- ``ForwardRunner``: wraps every argument with ``from_dlpack`` (~35 µs per tensor on the
+  host, which starves the GPU when a call's kernel is short) and compiles on those very
+  views, launching on an explicit CUstream; framework-free.
+
+The compiled kernel performs no argument checks (a float32 tensor passed for a bf16 slot
+is silently misread), so everything it assumes is checked before a launch: here
+(``ForwardRunner``) or in ``core/kernel_path.py`` (the TVM-FFI path).
 """
 
-import flexattn.kernels  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass loads)
-from flexattn.kernels.launch.compile import ARCH_OPTION, pipeline_options
-from flexattn.kernels.fwd.sm90 import FlashFwdSm90, FwdConfig
+import time
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import from_dlpack
 
-
-def _to_cute(x, align: int):
-    """DLPack array -> cute tensor with dynamic shape/strides (innermost dim contiguous),
-    so one compiled kernel serves every size."""
-    t = from_dlpack(x, assumed_align=align)
-    return t, t.mark_layout_dynamic(leading_dim=len(t.shape) - 1)
-
-
-def _arg_signature(a):
-    """Structure of one hook arg for the compile key: kind, dtype, rank (never values)."""
-    if isinstance(a, cutlass.Numeric):
-        return ("scalar", type(a).__name__)
-    return ("tensor", str(a.element_type), len(a.shape))
-
-
-def check_block_lists(block_sparse, enabled: bool, batch: int, heads: int, rows: int, side: str, row_desc: str):
-    """Validate BlockMask lists ``({side}_num_blocks, {side}_indices, full_{side}_num_blocks,
-    full_{side}_indices)``: int32, [B|1, H|1, rows] and [B|1, H|1, rows, n]; return their
-    dynamic cute views (or None). Indices beyond the sequence are the caller's contract,
-    as in torch."""
-    if enabled != (block_sparse is not None):
-        raise ValueError("pass block_sparse tensors iff the config has block_sparse=True")
-    if block_sparse is None:
-        return None
-    if len(block_sparse) != 4:
-        raise ValueError(f"block_sparse = ({side}_num_blocks, {side}_indices, full_{side}_num_blocks, full_{side}_indices)")
-    views = [_to_cute(x, 4) for x in block_sparse]
-    for i, (t, _) in enumerate(views):
-        if str(t.element_type) != "Int32":
-            raise ValueError(f"block_sparse[{i}]: want int32 of rank {3 + i % 2}")
-        check_block_list_shape(i, tuple(t.shape), batch, heads, rows, row_desc)
-    return tuple(d for _, d in views)
-
-
-def check_block_list_shape(i: int, shape: tuple, batch: int, heads: int, rows: int, row_desc: str) -> None:
-    """Shape of BlockMask list ``i`` (counts at even positions: [B|1, H|1, rows]; indices at
-    odd ones: [B|1, H|1, rows, n >= 1])."""
-    if len(shape) != 3 + i % 2:
-        raise ValueError(f"block_sparse[{i}]: want int32 of rank {3 + i % 2}")
-    if shape[0] not in (1, batch) or shape[1] not in (1, heads) or shape[2] != rows:
-        raise ValueError(f"block_sparse[{i}]: shape {shape} does not match B={batch}, H={heads}, {rows} {row_desc}")
-    if i % 2 and shape[3] < 1:
-        raise ValueError(f"block_sparse[{i}]: empty index list")
+from flexattn.kernels.emit.mod_emit import IRModHook, fake_args
+from flexattn.kernels.fwd.sm90 import FlashFwdSm90, FwdConfig
+from flexattn.kernels.launch import disk_cache
+from flexattn.kernels.launch.arguments import arg_signature, check_block_lists, to_cute
+from flexattn.kernels.launch.compile import ARCH_OPTION, compile_forward, pipeline_options
 
 
 class ForwardRunner:
@@ -118,14 +87,14 @@ class ForwardRunner:
         arrays, block size tile_m x tile_n, iff cfg.block_sparse."""
         import time
 
-        views = [_to_cute(x, 16) for x in (q, k, v, o)] + [_to_cute(lse, 4)]
+        views = [to_cute(x, 16) for x in (q, k, v, o)] + [to_cute(lse, 4)]
         self._check(*(s for s, _ in views))
         bs = self._check_block_sparse(views[0][0], views[1][0], block_sparse)
         dyn = [d for _, d in views]
         args = tuple(mod_args) if mod_args else None
         scale = cutlass.Float32(softmax_scale)
         cu_stream = cuda.CUstream(stream)
-        key = tuple(_arg_signature(a) for a in mod_args or ())
+        key = tuple(arg_signature(a) for a in mod_args or ())
         fn = self._compiled.get(key)
         if fn is None:
             t0 = time.perf_counter()
@@ -146,3 +115,36 @@ class ForwardRunner:
     def run(self, q, k, v, o, lse, softmax_scale: float, mod_args: tuple, stream: int,
             block_sparse=None):
         self.bind(q, k, v, o, lse, softmax_scale, mod_args, stream, block_sparse)()
+
+
+class FfiForwardRunner:
+    """``run(q, k, v, o, lse, softmax_scale, mod_args, block_sparse)`` with framework tensors:
+    ``mod_args`` holds the hook's captures in args order (contiguous device tensors for
+    buffers, 0-d ones reshaped to [1]; Python numbers for scalars)."""
+
+    def __init__(self, cfg: FwdConfig):
+        if not isinstance(cfg.mods, IRModHook):
+            raise TypeError("the TVM-FFI path compiles from the hook's capture kinds: it needs an IRModHook")
+        self.cfg = cfg
+        self._fn = None
+        self.last_compile_seconds = 0.0
+
+    @property
+    def num_compiled(self) -> int:
+        return int(self._fn is not None)
+
+    def compile(self) -> None:
+        if self._fn is None:  # capture kinds are part of cfg.key(): one compile per runner
+            t0 = time.perf_counter()
+            self._fn = disk_cache.compiled(disk_cache.config_key("fwd", self.cfg),
+                                           lambda: compile_forward(self.cfg, fake_args(self.cfg.mods), tvm_ffi=True))
+            self.last_compile_seconds = time.perf_counter() - t0
+
+    @property
+    def compiled(self):
+        """The compiled function: ``(q, k, v, o, lse, scale, mod_args | None, block_sparse | None)``."""
+        return self._fn
+
+    def run(self, q, k, v, o, lse, softmax_scale: float, mod_args: tuple, block_sparse=None):
+        self.compile()
+        self._fn(q, k, v, o, lse, float(softmax_scale), tuple(mod_args) if mod_args else None, block_sparse)

@@ -24,7 +24,7 @@ ulp of fp32 before the final rounding). `BwdConfig(deterministic=True)` makes ev
   block n waits until it equals `rank` = the number of kv blocks > n that visit the tile
   (its dQ writer warp's lane 0 spins with ld.acquire.gpu), adds its tile (the same bulk
   adds, now serialized), waits for their writes, then one red.release.gpu.add of 1.
-  `rank` (bwd_blocks.KvVisitors): dense, every kv block visits every tile: nKV - 1 - n;
+  `rank` (bwd.q_blocks.KvVisitors): dense, every kv block visits every tile: nKV - 1 - n;
   causal (top-left, kv <= q), kv blocks 0 .. last(m) visit tile m, last(m) =
   min(nKV - 1, (64 (m + 1) - 1) // 128): last(m) - n; block-sparse, counted by one warp in
   the BlockMask's kv-side lists (partial + full) of q block m // 2 — so deterministic
@@ -42,7 +42,7 @@ ulp of fp32 before the final rounding). `BwdConfig(deterministic=True)` makes ev
   CTA runs, every CTA it may wait for is resident or finished. Those wait only for CTAs
   of still lower index, so by induction on the index every CTA finishes; a spinning CTA
   holds its SM slot but never one that a CTA it waits for needs (already resident). A
-  wait longer than ~17 s traps (`bwd_sm90.DQ_TURN_TIMEOUT_NS`): the launch fails instead
+  wait longer than ~17 s traps (`bwd.sm90.DQ_TURN_TIMEOUT_NS`): the launch fails instead
   of hanging if that assumption or the block lists are broken.
 * Why decreasing order (FA4's "spt"): under causal and banded masks a CTA starts at its
   first visible q tile, lower kv blocks start lower and have more tiles; the highest kv
@@ -52,7 +52,7 @@ ulp of fp32 before the final rounding). `BwdConfig(deterministic=True)` makes ev
   spreads a head's CTAs over the launch, so few of them start together.
 * Buffer gradients: the adds into one element come from many threads of many CTAs in
   no fixed order. Inside a CTA, relative-position reads are first summed per diagonal in
-  a fixed order (bwd_sm90's diagonal reduction), per-head reads per warp by a fixed
+  a fixed order (bwd/sm90.py's diagonal reduction), per-head reads per warp by a fixed
   shuffle tree; across CTAs they are summed exactly: each element has a fixed-point
   accumulator (2^-64 resolution) in the workspace (`grad_fixed`, int64 [N, FIXED_WORDS]:
   four 32-bit-digit counters, N = the total element count of the gradients, zeroed by
@@ -62,118 +62,43 @@ ulp of fp32 before the final rounding). `BwdConfig(deterministic=True)` makes ev
   caller's gradient (which must be contiguous). Exact while |sum| < 2^63 and fewer than
   2^31 additions reach one element; inf / NaN contributions bypass it into the fp32
   array (their sum is order-independent too). See atomics.red_add_fixed.
+
+Two runners, as for the forward: ``BackwardRunner`` (from_dlpack views, an explicit
+stream) and ``FfiBackwardRunner``:
+The backward launched through TVM-FFI: framework tensors in, microseconds of host time.
+
+`BackwardRunner` wraps each of its 12–20 arguments with ``from_dlpack`` (tens
+of µs each): ~0.4 ms of host time per backward, which left the GPU idle between a short
+forward and the backward (window / document masks at B4 S4096: 450–600 µs idle per
+training step; benchmarks/RESULTS.md). Compiled with ``--enable-tvm-ffi``
+(`launch.compile.compile_*(tvm_ffi=True)`), the three kernels take framework tensors
+directly — DLPack exchanged in C, dtype / rank / device / divisibility checked against
+the compiled signature — and launch on TVM-FFI's environment stream (torch's current
+stream; others set it around the launch: `core.kernel_path.ffi_stream_scope`).
+
+What the compiled signature cannot check (shapes that must agree, the workspace layout,
+GQA divisibility, block-list shapes) is checked here, on the tensors' ``shape`` tuples.
 """
 
-import dataclasses
 import time
-
-# (Importing flexattn.kernels, first, sets CUTE_DSL_ARCH before cutlass loads.)
-from flexattn.kernels.hopper.atomics import FIXED_WORDS
-from flexattn.kernels.bwd.postprocess import BwdPostprocess
-from flexattn.kernels.bwd.preprocess import BwdPreprocess
-from flexattn.kernels.bwd.sm90 import BwdConfig, FlashBwdSm90, one_diagonal_read
-from flexattn.kernels.launch.compile import ARCH_OPTION, pipeline_options
-from flexattn.kernels.launch.fwd_runner import _arg_signature, _to_cute, check_block_lists
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
-
-def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
-    """The backward config for a forward config (same dtype, head dim, block structure and
-    mods): what `kernel_path.plan_forward` chose for the forward applies to the backward.
-    `overrides`: other BwdConfig fields, e.g. deterministic=True; tile_m, unless given,
-    is `choose_tile_m`'s."""
-    kw = dict(dtype=fwd_cfg.dtype, head_dim=fwd_cfg.head_dim, causal=fwd_cfg.causal,
-              block_sparse=fwd_cfg.block_sparse, mods=fwd_cfg.mods)
-    kw.update(overrides)
-    cfg = BwdConfig(**kw)
-    if "tile_m" not in overrides:
-        tile_m = choose_tile_m(cfg)
-        if tile_m != cfg.tile_m:
-            cfg = dataclasses.replace(cfg, tile_m=tile_m)
-    return cfg
-
-
-def choose_tile_m(cfg: BwdConfig) -> int:
-    """q rows per visit: 80 (FA3/FA4's tile for dense non-causal head dim 128; dQ is then
-    computed transposed, `BwdConfig.dq_swap_ab`) where it applies, else 64: causal and
-    block-sparse walks keep 64 (as FA4: diagonal tiles, 128-row BlockMask blocks), and so
-    does a relative-position table's gradient (`bwd_sm90.one_diagonal_read`), whose
-    per-diagonal shared-memory sums only fit next to 64-row tiles."""
-    if cfg.head_dim == 128 and not (cfg.causal or cfg.block_sparse or one_diagonal_read(cfg)):
-        return 80
-    return 64
-
-
-def padded_len(q_len: int, cfg: BwdConfig) -> int:
-    return -(-q_len // cfg.q_pad) * cfg.q_pad
-
-
-def buffer_grad_shapes(hook) -> tuple:
-    """Shapes of the buffer-gradient arrays of a hook (its float captures read by the score
-    mod, `hook.grad_slots`; 0-d captures as [1])."""
-    import numpy as np
-
-    captures = hook.captures()
-    return tuple(tuple(int(n) for n in np.shape(captures[s])) or (1,) for s in hook.grad_slots)
-
-
-def workspace_shapes(cfg: BwdConfig, batch: int, q_heads: int, q_len: int,
-                     grad_shapes: tuple = None) -> dict:
-    """The workspace arrays, name -> shape, in argument order; their dtypes are
-    `workspace_dtypes(cfg)` (same names: all float32 unless deterministic). Contents need
-    not be initialized; contiguous. `grad_shapes`: the buffer gradients' shapes (default:
-    `buffer_grad_shapes(cfg.mods)`), used only by deterministic configs with buffer grads."""
-    sp = padded_len(q_len, cfg)
-    out = {"lse_log2": (batch, q_heads, sp), "delta": (batch, q_heads, sp),
-           "dq_accum": (batch, q_heads, sp, cfg.head_dim)}
-    if cfg.deterministic:
-        out["dq_semaphore"] = (batch, q_heads, sp // cfg.tile_m)
-        if cfg.buffer_grads:
-            shapes = buffer_grad_shapes(cfg.mods) if grad_shapes is None else grad_shapes
-            out["grad_fixed"] = (max(sum(_numel(s) for s in shapes), 1), FIXED_WORDS)
-    return out
-
-
-def workspace_dtypes(cfg: BwdConfig) -> dict:
-    """dtype name ("float32" | "int32" | "int64") of each `workspace_shapes` entry."""
-    out = {"lse_log2": "float32", "delta": "float32", "dq_accum": "float32"}
-    if cfg.deterministic:
-        out["dq_semaphore"] = "int32"
-        if cfg.buffer_grads:
-            out["grad_fixed"] = "int64"
-    return out
+from flexattn.kernels.bwd.plan import workspace_dtypes, workspace_shapes
+from flexattn.kernels.bwd.postprocess import BwdPostprocess
+from flexattn.kernels.bwd.preprocess import BwdPreprocess
+from flexattn.kernels.bwd.sm90 import BwdConfig, FlashBwdSm90
+from flexattn.kernels.emit.mod_emit import IRModHook, fake_args
+from flexattn.kernels.launch import disk_cache
+from flexattn.kernels.launch.arguments import (arg_signature, check_block_list_shape, check_block_lists,
+                                               check_q_and_kv_shapes, is_contiguous, to_cute)
+from flexattn.kernels.launch.compile import (ARCH_OPTION, compile_backward, compile_postprocess, compile_preprocess,
+                                             pipeline_options)
 
 
 _CUTE_DTYPE = {"float32": "Float32", "int32": "Int32", "int64": "Int64"}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def check_q_and_kv_shapes(q_shape: tuple, k_shape: tuple) -> None:
-    """[B, Hq, Sq, D] and [B, Hkv, Skv, D]: one batch, Hq a multiple of Hkv, no empty sequence."""
-    (b, hq, sq, _), (bk, hk, sk, _) = q_shape, k_shape
-    if bk != b or hk == 0 or hq % hk:
-        raise ValueError(f"q {q_shape} and k {k_shape}: batch must match and Hq must be a multiple of Hkv")
-    if sk < 1 or sq < 1:
-        raise ValueError("empty sequences are not supported")
-
-
-def _is_contiguous(t) -> bool:
-    """Row-major contiguous (size-1 dims may have any stride)."""
-    expect = 1
-    for n, st in zip(reversed(tuple(t.shape)), reversed(tuple(t.stride))):
-        if n != 1 and st != expect:
-            return False
-        expect *= n
-    return True
 
 
 class BackwardRunner:
@@ -267,10 +192,10 @@ class BackwardRunner:
             raise ValueError(f"grad_args: want {len(slots)} fp32 arrays (captures {slots})")
         out, shapes = [], []
         for slot, g in zip(slots, grad_args):
-            t, dyn = _to_cute(g, 4)
+            t, dyn = to_cute(g, 4)
             if str(t.element_type) != "Float32":
                 raise ValueError(f"grad of capture {slot}: want float32, got {t.element_type}")
-            if cfg.deterministic and not _is_contiguous(t):
+            if cfg.deterministic and not is_contiguous(t):
                 raise ValueError(f"grad of capture {slot} must be contiguous")
             out.append(dyn)
             shapes.append(tuple(t.shape))
@@ -292,14 +217,14 @@ class BackwardRunner:
         """Validate and compile once; return a no-argument launcher of the three kernels."""
         cfg = self.cfg
         self.last_compile_seconds = 0.0
-        mains = [_to_cute(x, 16) for x in (q, k, v, o, do, dq, dk, dv)]
+        mains = [to_cute(x, 16) for x in (q, k, v, o, do, dq, dk, dv)]
         names = list(workspace_dtypes(cfg))
         if len(workspace) != len(names):
             raise ValueError(f"workspace = ({', '.join(names)})")
         align = {"float32": 16, "int32": 4, "int64": 8}
-        stats = [_to_cute(x, align[dt]) for x, dt in zip(workspace, workspace_dtypes(cfg).values())]
-        lse_v = _to_cute(lse, 4)
-        dlse_v = _to_cute(dlse, 4) if dlse is not None else None
+        stats = [to_cute(x, align[dt]) for x, dt in zip(workspace, workspace_dtypes(cfg).values())]
+        lse_v = to_cute(lse, 4)
+        dlse_v = to_cute(dlse, 4) if dlse is not None else None
         grads, grad_shapes = self._check_grads(grad_args)
         sq, sk, sv, so, sdo, sdq, sdk, sdv = (s for s, _ in mains)
         self._check(sq, sk, sv, so, sdo, lse_v[0], sdq, sdk, sdv, [s for s, _ in stats],
@@ -321,8 +246,8 @@ class BackwardRunner:
             BwdPreprocess(cfg), *pre_args, options=ARCH_OPTION))
         main_args = (qd, kd, vd, dod, lse2, delta, dqacc, dqsem, dkd, dvd, scale, args, grads,
                      fixed, bs, cu_stream)
-        grad_key = tuple(_arg_signature(g) for g in grads or ())
-        key = ("main",) + tuple(_arg_signature(a) for a in mod_args or ()) + grad_key
+        grad_key = tuple(arg_signature(g) for g in grads or ())
+        key = ("main",) + tuple(arg_signature(a) for a in mod_args or ()) + grad_key
         main = self._compiled_fn(key, lambda: cute.compile(
             FlashBwdSm90(cfg), *main_args, options=ARCH_OPTION))
         post_grads = grads if fixed is not None else None
@@ -345,3 +270,102 @@ class BackwardRunner:
             mod_args: tuple, grad_args, stream: int, block_sparse=None, dlse=None):
         self.bind(q, k, v, o, do, lse, dq, dk, dv, workspace, softmax_scale, mod_args,
                   grad_args, stream, block_sparse, dlse)()
+
+
+class FfiBackwardRunner:
+    """``run(q, k, v, o, do, lse, dq, dk, dv, workspace, softmax_scale, mod_args, grad_args,
+    block_sparse=None, dlse=None)`` with framework tensors: the arguments of
+    `BackwardRunner.run` without the stream, ``mod_args`` as TVM-FFI call
+    arguments (`arguments.ffi_mod_args`)."""
+
+    def __init__(self, cfg: BwdConfig):
+        if cfg.mods.has_score or cfg.mods.has_mask:
+            if not isinstance(cfg.mods, IRModHook):
+                raise TypeError("the TVM-FFI backward compiles from the hook's capture kinds: it needs an IRModHook")
+        self.cfg = cfg
+        self._compiled = {}    # with_dlse -> (preprocess, main, postprocess)
+        self.last_compile_seconds = 0.0
+
+    @property
+    def num_compiled(self) -> int:
+        """Kernels compiled: three for the first dLSE variant, one preprocess per other."""
+        return len({id(f) for fns in self._compiled.values() for f in fns})
+
+    def kernels(self, with_dlse: bool):
+        """(preprocess, main, postprocess) compiled functions (once per runner and dLSE)."""
+        fns = self._compiled.get(with_dlse)
+        if fns is None:
+            t0 = time.perf_counter()
+            fns = self._compiled[with_dlse] = self._compile(with_dlse)
+            self.last_compile_seconds += time.perf_counter() - t0
+        return fns
+
+    def _compile(self, with_dlse: bool):
+        cfg = self.cfg
+        mod_fakes = fake_args(cfg.mods) if isinstance(cfg.mods, IRModHook) else ()
+        grad_ranks = tuple(len(mod_fakes[s].shape) for s in cfg.mods.grad_slots)
+        fixed = cfg.deterministic and cfg.buffer_grads
+        # The main kernel and the postprocess do not depend on dLSE: one compile serves both.
+        other = self._compiled.get(not with_dlse)
+        # Disk keys: the arguments each compile function reads (the main kernel: the config).
+        pre = disk_cache.compiled(
+            ("bwd_pre", cfg.dtype, cfg.head_dim, with_dlse, cfg.deterministic, fixed, cfg.tile_m),
+            lambda: compile_preprocess(cfg.dtype, cfg.head_dim, with_dlse, deterministic=cfg.deterministic,
+                                       grad_fixed=fixed, tile_m=cfg.tile_m, tvm_ffi=True))
+        if other is not None:
+            return pre, other[1], other[2]
+        main = disk_cache.compiled(disk_cache.config_key("bwd_main", cfg),
+                                   lambda: compile_backward(cfg, mod_fakes, tvm_ffi=True))
+        post_ranks = grad_ranks if fixed else ()
+        post = disk_cache.compiled(
+            ("bwd_post", cfg.dtype, cfg.head_dim, post_ranks, cfg.tile_m),
+            lambda: compile_postprocess(cfg.dtype, cfg.head_dim, grad_ranks=post_ranks, tile_m=cfg.tile_m,
+                                        tvm_ffi=True))
+        return pre, main, post
+
+    def check(self, q, k, lse, dlse, workspace, grad_args, block_sparse) -> None:
+        """The shape relations the compiled signatures leave open."""
+        cfg = self.cfg
+        (b, hq, sq, _), (_, _, sk, _) = tuple(q.shape), tuple(k.shape)
+        check_q_and_kv_shapes(tuple(q.shape), tuple(k.shape))
+        for name, t in (("lse", lse), ("dlse", dlse)):
+            if t is not None and tuple(t.shape) != (b, hq, sq):
+                raise ValueError(f"{name}: want float32 [B, Hq, Sq] = {(b, hq, sq)}, got {tuple(t.shape)}")
+        grad_shapes = tuple(tuple(g.shape) for g in grad_args or ())
+        if len(grad_shapes) != len(cfg.mods.grad_slots):
+            raise ValueError(f"grad_args: want {len(cfg.mods.grad_slots)} fp32 arrays (captures {cfg.mods.grad_slots})")
+        shapes = workspace_shapes(cfg, b, hq, sq, grad_shapes)
+        if len(workspace) != len(shapes):
+            raise ValueError(f"workspace = ({', '.join(shapes)})")
+        for (name, shape), t in zip(shapes.items(), workspace):
+            if tuple(t.shape) != shape:
+                raise ValueError(f"workspace {name}: want {workspace_dtypes(cfg)[name]} {shape}, got {tuple(t.shape)}")
+        if cfg.block_sparse != (block_sparse is not None):
+            raise ValueError("pass block_sparse tensors iff the config has block_sparse=True")
+        if block_sparse is None:
+            return
+        want = 8 if cfg.deterministic else 4
+        if len(block_sparse) != want:
+            raise ValueError(f"block_sparse: want {want} arrays (q-side lists"
+                             + (", then the kv-side lists)" if want == 8 else ")"))
+        for i, t in enumerate(block_sparse):   # q-side lists, then (deterministic) kv-side
+            if i < 4:
+                check_block_list_shape(i, tuple(t.shape), b, hq, -(-sk // cfg.tile_n), f"kv blocks of {cfg.tile_n}")
+            else:
+                check_block_list_shape(i, tuple(t.shape), b, hq, -(-sq // cfg.sparse_block_m),
+                                       f"q blocks of {cfg.sparse_block_m}")
+
+    def run(self, q, k, v, o, do, lse, dq, dk, dv, workspace, softmax_scale: float, mod_args: tuple,
+            grad_args, block_sparse=None, dlse=None) -> None:
+        self.check(q, k, lse, dlse, workspace, grad_args, block_sparse)
+        self.last_compile_seconds = 0.0
+        pre, main, post = self.kernels(dlse is not None)
+        ws = dict(zip(workspace_dtypes(self.cfg), workspace))
+        lse2, delta, dqacc = ws["lse_log2"], ws["delta"], ws["dq_accum"]
+        dqsem, fixed = ws.get("dq_semaphore"), ws.get("grad_fixed")
+        grads = tuple(grad_args) if grad_args else None
+        scale = float(softmax_scale)
+        pre(o, do, lse, dlse, lse2, delta, dqacc, dqsem, fixed)
+        main(q, k, v, do, lse2, delta, dqacc, dqsem, dk, dv, scale, tuple(mod_args) if mod_args else None,
+             grads, fixed, tuple(block_sparse) if block_sparse else None)
+        post(dqacc, dq, scale, grads if fixed is not None else None, fixed)

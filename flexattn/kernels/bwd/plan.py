@@ -1,0 +1,84 @@
+"""The backward planned from the forward: its config (``config_from_forward``: same dtype,
+head dim, block structure and mods; ``choose_tile_m``) and the workspace the caller
+allocates for it (``workspace_shapes``, ``workspace_dtypes``): lse_log2, delta and the fp32
+dQ accumulator, padded to whole q tiles; deterministic: the dQ turn semaphores and the
+fixed-point buffer-gradient accumulators. The launch itself: ``launch/backward.py``."""
+
+import dataclasses
+
+from flexattn.kernels.bwd.sm90 import BwdConfig, one_diagonal_read
+from flexattn.kernels.hopper.atomics import FIXED_WORDS
+
+
+def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
+    """The backward config for a forward config (same dtype, head dim, block structure and
+    mods): what `kernel_path.plan_forward` chose for the forward applies to the backward.
+    `overrides`: other BwdConfig fields, e.g. deterministic=True; tile_m, unless given,
+    is `choose_tile_m`'s."""
+    kw = dict(dtype=fwd_cfg.dtype, head_dim=fwd_cfg.head_dim, causal=fwd_cfg.causal,
+              block_sparse=fwd_cfg.block_sparse, mods=fwd_cfg.mods)
+    kw.update(overrides)
+    cfg = BwdConfig(**kw)
+    if "tile_m" not in overrides:
+        tile_m = choose_tile_m(cfg)
+        if tile_m != cfg.tile_m:
+            cfg = dataclasses.replace(cfg, tile_m=tile_m)
+    return cfg
+
+
+def choose_tile_m(cfg: BwdConfig) -> int:
+    """q rows per visit: 80 (FA3/FA4's tile for dense non-causal head dim 128; dQ is then
+    computed transposed, `BwdConfig.dq_swap_ab`) where it applies, else 64: causal and
+    block-sparse walks keep 64 (as FA4: diagonal tiles, 128-row BlockMask blocks), and so
+    does a relative-position table's gradient (`bwd.sm90.one_diagonal_read`), whose
+    per-diagonal shared-memory sums only fit next to 64-row tiles."""
+    if cfg.head_dim == 128 and not (cfg.causal or cfg.block_sparse or one_diagonal_read(cfg)):
+        return 80
+    return 64
+
+
+def padded_len(q_len: int, cfg: BwdConfig) -> int:
+    return -(-q_len // cfg.q_pad) * cfg.q_pad
+
+
+def buffer_grad_shapes(hook) -> tuple:
+    """Shapes of the buffer-gradient arrays of a hook (its float captures read by the score
+    mod, `hook.grad_slots`; 0-d captures as [1])."""
+    import numpy as np
+
+    captures = hook.captures()
+    return tuple(tuple(int(n) for n in np.shape(captures[s])) or (1,) for s in hook.grad_slots)
+
+
+def workspace_shapes(cfg: BwdConfig, batch: int, q_heads: int, q_len: int,
+                     grad_shapes: tuple = None) -> dict:
+    """The workspace arrays, name -> shape, in argument order; their dtypes are
+    `workspace_dtypes(cfg)` (same names: all float32 unless deterministic). Contents need
+    not be initialized; contiguous. `grad_shapes`: the buffer gradients' shapes (default:
+    `buffer_grad_shapes(cfg.mods)`), used only by deterministic configs with buffer grads."""
+    sp = padded_len(q_len, cfg)
+    out = {"lse_log2": (batch, q_heads, sp), "delta": (batch, q_heads, sp),
+           "dq_accum": (batch, q_heads, sp, cfg.head_dim)}
+    if cfg.deterministic:
+        out["dq_semaphore"] = (batch, q_heads, sp // cfg.tile_m)
+        if cfg.buffer_grads:
+            shapes = buffer_grad_shapes(cfg.mods) if grad_shapes is None else grad_shapes
+            out["grad_fixed"] = (max(sum(_numel(s) for s in shapes), 1), FIXED_WORDS)
+    return out
+
+
+def workspace_dtypes(cfg: BwdConfig) -> dict:
+    """dtype name ("float32" | "int32" | "int64") of each `workspace_shapes` entry."""
+    out = {"lse_log2": "float32", "delta": "float32", "dq_accum": "float32"}
+    if cfg.deterministic:
+        out["dq_semaphore"] = "int32"
+        if cfg.buffer_grads:
+            out["grad_fixed"] = "int64"
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
