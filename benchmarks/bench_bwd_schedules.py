@@ -31,6 +31,7 @@ def ours(qh, kh, vh, doh, causal, scale, overrides):
     from flexattn.core.kernel_path import Device, forward_into
     from flexattn.kernels.bwd.plan import config_from_forward, workspace_dtypes, workspace_shapes
     from flexattn.kernels.launch.backward import BackwardRunner
+    from flexattn.kernels.launch.operands import BackwardArrays
 
     spec = AttentionSpec.from_args(mask=mods.causal() if causal else None, scale=scale)
     shape = check_inputs(qh, kh, vh, spec)
@@ -44,7 +45,7 @@ def ours(qh, kh, vh, doh, causal, scale, overrides):
     ws = tuple(torch.empty(s, device="cuda", dtype=getattr(torch, dtypes[n])) for n, s in
                workspace_shapes(cfg, shape.batch, shape.q_heads, shape.q_len).items())
     dq, dk, dv = torch.empty_like(qh), torch.empty_like(kh), torch.empty_like(vh)
-    launch = BackwardRunner(cfg).bind(qh, kh, vh, out, doh, lse, dq, dk, dv, ws, scale, (), None,
+    launch = BackwardRunner(cfg).bind(BackwardArrays(qh, kh, vh, out, lse, doh, dq, dk, dv), ws, scale, (), None,
                                       stream)
     return launch, (dq, dk, dv)
 

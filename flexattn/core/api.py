@@ -1,7 +1,8 @@
 """The functional API over any DLPack/array-protocol tensors.
 
-Today every call runs the numpy reference on the host (the CPU path); the CuTeDSL kernels
-plug in here for CUDA tensors, behind the same signature.
+Every call here runs the numpy reference on the host (the CPU path, any array). The GPU
+kernels are reached through an adapter (``flexattn.torch``, ``.jax``, ``.cupy``, ``.dlpack``),
+which allocates on the device and calls ``kernel_path`` / ``backward_path`` / ``decode_path``.
 """
 
 from __future__ import annotations

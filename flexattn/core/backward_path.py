@@ -20,32 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..kernels.launch.operands import BackwardArrays
 from .kernel_path import Device, KernelPlan, ffi_stream_scope, plan_forward, use_tvm_ffi
 from ..problem.spec import AttentionSpec
 from ..problem.validate import AttentionShape
-
-
-@dataclass(frozen=True)
-class BackwardArrays:
-    """The arrays of one backward call: DLPack arrays on the GPU, none requiring grad.
-
-    ``q, k, v``: the forward's inputs; ``out`` [B, Hq, Q, D] and ``lse`` [B, Hq, Q]
-    (float32, natural log): what ``forward_into`` wrote for them. ``d_out``: the gradient
-    of ``out`` (input dtype, head dim contiguous, other strides multiples of 8 elements);
-    ``d_lse``: the gradient of ``lse`` (float32 [B, Hq, Q], contiguous) or None.
-    ``dq, dk, dv``: destinations shaped like q, k, v, written entirely.
-    """
-
-    q: Any
-    k: Any
-    v: Any
-    out: Any
-    lse: Any
-    d_out: Any
-    dq: Any
-    dk: Any
-    dv: Any
-    d_lse: Any = None
 
 
 @dataclass(frozen=True)
@@ -99,14 +77,10 @@ def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: Attention
 
         args = ffi_mod_args(hook, device.to_device) if isinstance(hook, IRModHook) else ()
         with ffi_stream_scope(arrays.q, device):
-            backward_runner(cfg, tvm_ffi=True).run(
-                arrays.q, arrays.k, arrays.v, arrays.out, arrays.d_out, arrays.lse, arrays.dq, arrays.dk,
-                arrays.dv, workspace, scale, args, grads or None, lists, arrays.d_lse)
+            backward_runner(cfg, tvm_ffi=True).run(arrays, workspace, scale, args, grads or None, lists)
     else:
         args = runtime_args(hook, device.to_device)
-        backward_runner(cfg).run(arrays.q, arrays.k, arrays.v, arrays.out, arrays.d_out, arrays.lse,
-                                 arrays.dq, arrays.dk, arrays.dv, workspace, scale, args, grads or None,
-                                 device.stream, lists, arrays.d_lse)
+        backward_runner(cfg).run(arrays, workspace, scale, args, grads or None, device.stream, lists)
     by_slot = [None] * (len(spec.score.captures) if spec.score is not None else 0)
     for s, g in zip(slots, grads):
         by_slot[s] = g

@@ -27,6 +27,7 @@ from flexattn.core.kernel_path import Device, ffi_stream_scope, forward_into, us
 from flexattn.kernels.bwd.plan import config_from_forward, workspace_dtypes, workspace_shapes  # noqa: E402
 from flexattn.kernels.launch.arguments import ffi_mod_args  # noqa: E402
 from flexattn.kernels.launch.backward import BackwardRunner, FfiBackwardRunner  # noqa: E402
+from flexattn.kernels.launch.operands import BackwardArrays  # noqa: E402
 from flexattn.kernels.emit.mod_emit import runtime_args  # noqa: E402
 
 from mod_cases import CASES  # noqa: E402
@@ -105,10 +106,11 @@ def kernel_backward(q, k, v, do, spec, dlse=None, deterministic=False, ffi=FFI, 
     scale = spec.resolved_scale(shape.head_dim)
     if ffi:
         with ffi_stream_scope(q, dev):
-            _runner(cfg, True).run(q, k, v, out, do, lse, dq, dk, dv, ws, scale, args, grads, lists, dlse)
+            _runner(cfg, True).run(BackwardArrays(q, k, v, out, lse, do, dq, dk, dv, dlse), ws, scale, args, grads,
+                                   lists)
     else:
-        _runner(cfg, False).run(q, k, v, out, do, lse, dq, dk, dv, ws, scale, args, grads,
-                                dev.stream, lists, dlse)
+        _runner(cfg, False).run(BackwardArrays(q, k, v, out, lse, do, dq, dk, dv, dlse), ws, scale, args, grads,
+                                dev.stream, lists)
     torch.cuda.synchronize()
     by_slot = [None] * len(captures)
     for s, g in zip(hook.grad_slots, grads or ()):

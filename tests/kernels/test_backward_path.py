@@ -78,9 +78,8 @@ def test_block_sparse_call_reads_the_q_side_lists(runners):
     (runner,) = runners
     assert runner.cfg.block_sparse and not runner.cfg.causal and runner.cfg.key() == result.config.key()
     (args,) = runner.calls
-    q, k, v, out, d_out, lse, dq, dk, dv, ws, scale, mod_args, grads, stream, lists, d_lse = args
-    assert (q, k, v, out, d_out, lse, dq, dk, dv, d_lse) == (
-        arrays.q, arrays.k, arrays.v, arrays.out, arrays.d_out, arrays.lse, arrays.dq, arrays.dk, arrays.dv, arrays.d_lse)
+    passed, ws, scale, mod_args, grads, stream, lists = args
+    assert passed is arrays and arrays.d_lse is not None
     assert scale == 0.2 and stream == 1234 and len(mod_args) == len(runner.cfg.mods.captures())
     for got, want in zip(lists, (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices)):
         np.testing.assert_array_equal(got.numpy(), want)
@@ -106,7 +105,7 @@ def test_causal_and_dense_calls_have_no_lists_and_no_grads(runners):
         args = runners[-1].calls[0]
         assert result.config.causal == causal and not result.config.block_sparse
         assert result.config.dtype == "fp16" and result.config.head_dim == D
-        assert args[12] is None and args[14] is None and args[15] is None  # grads, lists, d_lse
+        assert args[4] is None and args[6] is None and args[0].d_lse is None  # grads, lists, d_lse
         assert len(allocs) == 3 and result.capture_grads == ()
 
 
@@ -151,7 +150,7 @@ def test_deterministic_call_adds_integer_workspace_and_kv_side_lists(runners):
     (runner,) = runners
     assert runner.cfg.deterministic and result.config.deterministic
     (args,) = runner.calls
-    ws, lists = args[9], args[14]
+    ws, lists = args[1], args[6]
     dtypes = workspace_dtypes(runner.cfg)
     assert [str(w.dtype).replace("torch.", "") for w in ws] == list(dtypes.values())
     assert {"int32", "int64"} <= set(dtypes.values())
@@ -226,18 +225,17 @@ def test_tvm_ffi_call_passes_framework_tensors_and_compiles(runners, monkeypatch
     (recorder,) = runners
     assert recorder.tvm_ffi
     (args,) = recorder.calls
-    q, k, v, out, d_out, lse, dq, dk, dv, ws, scale, mod_args, grads, lists, d_lse = args
-    assert (q, k, v, d_lse) == (arrays.q, arrays.k, arrays.v, arrays.d_lse) and scale == 0.2
+    passed, ws, scale, mod_args, grads, lists = args
+    assert passed is arrays and scale == 0.2
     assert torch.Tensor in {type(a) for a in mod_args} and float in {type(a) for a in mod_args}
     real = FfiBackwardRunner(recorder.cfg)
     with pytest.raises(ValueError, match="expected device_type=cuda"):
         real.run(*args)
     assert real.num_compiled == 3
     with pytest.raises(ValueError, match="workspace dq_accum"):
-        real.run(q, k, v, out, d_out, lse, dq, dk, dv, ws[:2] + (ws[2][:, :, :8],), scale, mod_args, grads,
-                 lists, d_lse)
+        real.run(arrays, ws[:2] + (ws[2][:, :, :8],), scale, mod_args, grads, lists)
     with pytest.raises(ValueError, match="block_sparse"):
-        real.run(q, k, v, out, d_out, lse, dq, dk, dv, ws, scale, mod_args, grads, lists[:3], d_lse)
+        real.run(arrays, ws, scale, mod_args, grads, lists[:3])
 
 
 def test_both_runners_share_the_q_kv_shape_check():

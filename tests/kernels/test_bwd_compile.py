@@ -347,6 +347,7 @@ def test_runner_validates_and_compiles_on_cpu_tensors():
     torch = pytest.importorskip("torch")
     from flexattn.kernels.bwd.plan import workspace_shapes
     from flexattn.kernels.launch.backward import BackwardRunner
+    from flexattn.kernels.launch.operands import BackwardArrays
 
     hook = IRModHook(None, mods.causal())
     cfg = BwdConfig(head_dim=64, mods=hook)
@@ -355,13 +356,13 @@ def test_runner_validates_and_compiles_on_cpu_tensors():
     k, v, dk, dv = (torch.zeros(B, Hkv, Skv, D, dtype=torch.bfloat16) for _ in range(4))
     lse = torch.zeros(B, Hq, Sq)
     ws = tuple(torch.zeros(s) for s in workspace_shapes(cfg, B, Hq, Sq).values())
+    arrays = BackwardArrays(q, k, v, o, lse, do, dq, dk, dv)
     runner = BackwardRunner(cfg)
     with pytest.raises(ValueError, match="workspace"):
-        runner.bind(q, k, v, o, do, lse, dq, dk, dv, ws[:2] + (torch.zeros(1),), 0.1, (),
-                    None, 0)
+        runner.bind(arrays, ws[:2] + (torch.zeros(1),), 0.1, (), None, 0)
     with pytest.raises(TypeError):
-        runner.bind(q, k, v, o, do, lse, dq.float(), dk, dv, ws, 0.1, (), None, 0)
-    runner.bind(q, k, v, o, do, lse, dq, dk, dv, ws, 0.1, (), None, 0)
+        runner.bind(dataclasses.replace(arrays, dq=dq.float()), ws, 0.1, (), None, 0)
+    runner.bind(arrays, ws, 0.1, (), None, 0)
     assert runner.num_compiled == 3                   # pre, main, post
 
 
@@ -373,6 +374,7 @@ def test_deterministic_runner_on_cpu_tensors():
     from flexattn.blockmask import create_block_mask
     from flexattn.kernels.bwd.plan import buffer_grad_shapes, workspace_dtypes, workspace_shapes
     from flexattn.kernels.launch.backward import BackwardRunner
+    from flexattn.kernels.launch.operands import BackwardArrays
     from flexattn.kernels.emit.mod_emit import runtime_args
 
     B, Hq, Hkv, Sq, Skv, D = 2, 4, 2, 300, 260, 64
@@ -406,7 +408,7 @@ def test_deterministic_runner_on_cpu_tensors():
     runner = BackwardRunner(cfg)
 
     def bind(workspace=ws, lists=q_side + kv_side, grad_args=grads):
-        return runner.bind(q, k, v, o, do, lse, dq, dk, dv, workspace, 0.1, args, grad_args,
+        return runner.bind(BackwardArrays(q, k, v, o, lse, do, dq, dk, dv), workspace, 0.1, args, grad_args,
                            0, lists)
 
     with pytest.raises(ValueError, match="kv-side lists"):

@@ -4,7 +4,7 @@ Math (per query head h, FlexAttention semantics as in `flexattn.reference.backwa
 
     s  = scale * q k^T               s' = score_mod(s)   (masked -> -inf)
     P  = exp(s' - lse)               dV = P^T dO
-    dP = dO V^T                      D  = rowsum(dO * O)   (bwd_preprocess.py; minus dLSE)
+    dP = dO V^T                      D  = rowsum(dO * O)   (bwd/preprocess.py; minus dLSE)
     dS' = P * (dP - D)               dS = dS' * ds'/ds     (0 where P == 0)
     dK = scale * dS^T Q              dQ = scale * dS K     (scale applied in postprocess)
     d buf[idx] += dS' * ds'/d buf[idx]   for each read of a captured float buffer
@@ -48,7 +48,7 @@ Per visit (consumer warpgroup):  LSE to registers, S^T = K Q^T, dP^T = V dO^T (S
 -> dQ (SS) -> dK (RS) -> dQ to smem for the writer (while dK runs).
 
 Workspaces (fp32, rows padded to `BwdConfig.q_pad`): lse_log2 (LSE * log2 e; +inf for
-empty or padding rows so P = 0 there), delta (D), dq_accum. See bwd_preprocess.py.
+empty or padding rows so P = 0 there), delta (D), dq_accum. See bwd/preprocess.py.
 
 `BwdConfig.deterministic` (the design and the no-deadlock argument: launch/backward.py):
 CTAs take kv blocks from the highest down (non-causal: heads interleaved in L2 sections,
@@ -58,7 +58,7 @@ writer warp counts the kv blocks after this one that visit the tile
 (ld.acquire.gpu) on the tile's int32 flag until it equals that count; it issues the adds,
 waits for their writes to complete, and adds 1 to the flag (red.release.gpu). The
 consumers never wait for turns. Buffer-gradient contributions go to 128-bit fixed-point
-accumulators (`atomics.red_add_fixed128`) instead of fp32 atomics. The steps are the same;
+accumulators (`atomics.red_add_fixed`) instead of fp32 atomics. The steps are the same;
 the q-block walks are not rotated (`_rotation`) and block-sparse ones merge their two lists
 in ascending order (`_visit`), so dK/dV are the default mode's sums in another order
 (bitwise the same under causal, which never rotates).
@@ -96,7 +96,6 @@ DQ_TURN_TIMEOUT_NS = 1 << 34      # ~17 s
 L2_BYTES = 50 * 1024 * 1024       # the L2 section size of the deterministic CTA order
 SMEM_CAPACITY = mma.SMEM_CAPACITY
 
-_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 _REGS = register_split(2, 24)     # two consumer warpgroups: 24 + 2 x 240 fills the register file
 
 
@@ -138,8 +137,7 @@ class BwdConfig(KernelConfig):
     cluster_n: int = 1
 
     def __post_init__(self):
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        self.check_dtype()
         if self.head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
         if self.tile_m not in (64, 80) or self.tile_n != 128:
@@ -166,10 +164,6 @@ class BwdConfig(KernelConfig):
         if self.mods.has_score and type(self.mods).score_and_grad is ModHook.score_and_grad:
             raise ValueError(f"{type(self.mods).__name__} has a score mod but no derivative "
                              "(use mod_emit.IRModHook)")
-
-    @property
-    def cutlass_dtype(self):
-        return _DTYPES[self.dtype]
 
     @property
     def dq_swap_ab(self) -> bool:

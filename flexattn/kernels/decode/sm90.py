@@ -15,7 +15,7 @@ One CTA handles one (kv split) x (kv head, packed-row block) x (batch) work item
   sequence's length are never loaded: that is where a decode step's bandwidth goes.
 * In-kernel merge: each split CTA, once its partial is written, takes a ticket — an
   int32 arrival counter per (batch, kv head, row block) — and the CTA that arrives last
-  merges the group's splits itself (`decode_combine.merge_splits`) and resets the counter
+  merges the group's splits itself (`combine.merge_splits`) and resets the counter
   to 0, so the counters are zeroed once when allocated, never per step, and no second
   launch waits on the first: the merge of the last group is all a step adds (1.6-4.6 us
   on the H100; a separate combine launch cost 3.3-8 us). Ordering: the consumer threads' partial stores, a
@@ -89,7 +89,6 @@ CLUSTER_SPLITS = (1, 2, 4, 8, 16)   # cluster merge sizes; 16 is a non-portable 
                                     # which CuTeDSL allows on every kernel it builds (H100: 16)
 PREFIX_SCAN_LIMIT = 16  # buffer spans the masked-prefix analysis scans: q rows, not kv ranges
 
-_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
 
 @dataclass(frozen=True)
@@ -115,8 +114,7 @@ class DecodeConfig(KernelConfig):
     mods: ModHook = field(default=NO_MODS, compare=False)
 
     def __post_init__(self):
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        self.check_dtype()
         if self.head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
         if self.num_mma_wg not in (1, 2):
@@ -179,10 +177,6 @@ class DecodeConfig(KernelConfig):
         threads)); the producer warpgroup keeps 40 (the paged producer has page-table reads
         and several boxes in flight) and gives the rest to the consumers, at most 240 each."""
         return register_split(self.num_mma_wg, 40, self.ctas_per_sm, max_consumer_regs=240)
-
-    @property
-    def cutlass_dtype(self):
-        return _DTYPES[self.dtype]
 
 
 def check_page_size(page_size: int, tile_n: int) -> None:
@@ -703,7 +697,7 @@ class DecodeSm90(WarpSpecialized):
         consumer warp per row, reading every split's row from its CTA's shared memory
         (each lane D/32 columns; the partial loads go out before the LSE reduction, so a
         row costs about one distributed-shared-memory round trip). Same arithmetic as
-        `decode_combine.merge_splits`."""
+        `combine.merge_splits`."""
         cfg = self.cfg
         splits = cfg.cluster_splits
         per_lane = cfg.head_dim // 32

@@ -57,7 +57,6 @@ from flexattn.kernels.hopper.warp_specialized import (KernelConfig, NamedBarrier
 
 LOG2_E = math.log2(math.e)
 
-_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
 
 @dataclass(frozen=True)
@@ -115,8 +114,7 @@ class FwdConfig(KernelConfig):
             object.__setattr__(self, "producer_regs", regs[0])
         if self.consumer_regs is None:
             object.__setattr__(self, "consumer_regs", regs[1])
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        self.check_dtype()
         if self.head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
         if self.tile_m not in (64, 128, 192):
@@ -140,10 +138,6 @@ class FwdConfig(KernelConfig):
             raise ValueError("cluster_m=2 under causal needs tile_m == tile_n")
         if self.pingpong and self.tile_m == 64:
             raise ValueError("pingpong needs 2 or 3 consumer warpgroups (tile_m 128 or 192)")
-
-    @property
-    def cutlass_dtype(self):
-        return _DTYPES[self.dtype]
 
     def cluster_fits(self, seqlen_q: int) -> bool:
         """Whether a call with `seqlen_q` queries may run this config (cluster_m tiles of

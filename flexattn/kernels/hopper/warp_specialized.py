@@ -4,8 +4,9 @@ Each runs one producer warpgroup (warp 0 issues the TMA loads) and one to three 
 warpgroups (wgmma, softmax, the epilogue), connected by TMA rings of mbarriers. The pieces
 here are the ones every such kernel sets up the same way:
 
-- ``KernelConfig``: compile-cache keys derived from the config dataclass's fields, and
-  ``with_mods`` (the same config with another hook of the same structure);
+- ``KernelConfig``: the element types (``DTYPES``), compile-cache keys derived from the
+  config dataclass's fields, and ``with_mods`` (the same config with another hook of the
+  same structure);
 - ``register_split``: one rule for the setmaxnreg budgets of the two roles;
 - ``NamedBarriers``: a kernel's named barrier ids as an enum (0 is ``__syncthreads``),
   with sync / arrive over the consumer threads;
@@ -30,6 +31,7 @@ from flexattn.kernels.hopper import mma
 REGISTER_FILE = 65536      # 32-bit registers per SM
 THREADS_PER_WARPGROUP = 128
 MAX_REGS_PER_THREAD = 256  # setmaxnreg's ceiling
+DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}   # Q, K, V, O and their gradients
 
 
 def register_split(consumer_wgs: int, producer_regs: int, ctas_per_sm: int = 1,
@@ -51,6 +53,14 @@ class KernelConfig:
     in no field, so new values never recompile."""
 
     KIND = ""
+
+    @property
+    def cutlass_dtype(self):
+        return DTYPES[self.dtype]
+
+    def check_dtype(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
 
     def key_values(self) -> tuple:
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "mods")

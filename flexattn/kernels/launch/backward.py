@@ -96,18 +96,19 @@ from flexattn.kernels.launch.arguments import (arg_signature, check_block_list_s
                                                check_q_and_kv_shapes, is_contiguous, to_cute)
 from flexattn.kernels.launch.compile import (ARCH_OPTION, compile_backward, compile_postprocess, compile_preprocess,
                                              pipeline_options)
+from flexattn.kernels.launch.operands import BackwardArrays
 
 
 _CUTE_DTYPE = {"float32": "Float32", "int32": "Int32", "int64": "Int64"}
 
 
 class BackwardRunner:
-    """`run(q, k, v, o, do, lse, dq, dk, dv, workspace, softmax_scale, mod_args, grad_args,
-    stream, block_sparse=None, dlse=None)`.
+    """`run(arrays, workspace, softmax_scale, mod_args, grad_args, stream, block_sparse=None)`.
 
-    q, o, do, dq [B, Hq, Sq, D] and k, v, dk, dv [B, Hkv, Skv, D] of cfg.dtype (head dim
-    contiguous, other strides multiples of 8 elements); lse [B, Hq, Sq] fp32 natural-log
-    LSE from the forward; dlse (optional) its gradient. workspace: one contiguous array per
+    ``arrays`` (``BackwardArrays``): q, out, d_out, dq [B, Hq, Sq, D] and k, v, dk, dv
+    [B, Hkv, Skv, D] of cfg.dtype (head dim contiguous, other strides multiples of 8
+    elements); lse [B, Hq, Sq] fp32 natural-log LSE from the forward; d_lse (optional) its
+    gradient. workspace: one contiguous array per
     `workspace_shapes` entry, in its order, of the `workspace_dtypes` dtype ((lse_log2,
     delta, dq_accum) fp32; deterministic: + dq_semaphore int32 (+ grad_fixed int64)).
     mod_args: the forward's hook args. grad_args: zeroed contiguous fp32 arrays, one per
@@ -123,13 +124,15 @@ class BackwardRunner:
         self.last_compile_seconds = 0.0
 
     # ------------------------------------------------------------------ checks
-    def _check(self, q, k, v, o, do, lse, dq, dk, dv, workspace, dlse, grad_shapes):
+    def _check(self, a: BackwardArrays, workspace, grad_shapes):
+        """``a``: the arrays as cute tensors (static layouts)."""
         cfg = self.cfg
         want = str(cfg.cutlass_dtype)
+        q, k = a.q, a.k
         (b, hq, sq, d) = q.shape
-        for name, t, shape in (("q", q, q.shape), ("o", o, q.shape), ("do", do, q.shape),
-                               ("dq", dq, q.shape), ("k", k, k.shape), ("v", v, k.shape),
-                               ("dk", dk, k.shape), ("dv", dv, k.shape)):
+        for name, t, shape in (("q", q, q.shape), ("o", a.out, q.shape), ("do", a.d_out, q.shape),
+                               ("dq", a.dq, q.shape), ("k", k, k.shape), ("v", a.v, k.shape),
+                               ("dk", a.dk, k.shape), ("dv", a.dv, k.shape)):
             if str(t.element_type) != want:
                 raise TypeError(f"{name}: dtype {t.element_type}, kernel compiled for {want}")
             if len(t.shape) != 4 or tuple(t.shape) != tuple(shape):
@@ -144,7 +147,7 @@ class BackwardRunner:
         if not cfg.cluster_fits(k.shape[2]):
             raise ValueError(f"cluster_n={cfg.cluster_n} needs a multiple of {cfg.cluster_n} kv blocks "
                              f"of {cfg.tile_n} keys, got Skv={k.shape[2]}")
-        for name, t in (("lse", lse), ("dlse", dlse)):
+        for name, t in (("lse", a.lse), ("dlse", a.d_lse)):
             if t is None:
                 continue
             if str(t.element_type) != "Float32" or tuple(t.shape) != (b, hq, sq):
@@ -212,23 +215,25 @@ class BackwardRunner:
             self._compiled[key] = fn
         return fn
 
-    def bind(self, q, k, v, o, do, lse, dq, dk, dv, workspace, softmax_scale: float,
-             mod_args: tuple, grad_args, stream: int, block_sparse=None, dlse=None):
+    def bind(self, arrays: BackwardArrays, workspace, softmax_scale: float, mod_args: tuple, grad_args,
+             stream: int, block_sparse=None):
         """Validate and compile once; return a no-argument launcher of the three kernels."""
         cfg = self.cfg
         self.last_compile_seconds = 0.0
-        mains = [to_cute(x, 16) for x in (q, k, v, o, do, dq, dk, dv)]
+        a = arrays
+        dlse = a.d_lse
+        mains = [to_cute(x, 16) for x in (a.q, a.k, a.v, a.out, a.d_out, a.dq, a.dk, a.dv)]
         names = list(workspace_dtypes(cfg))
         if len(workspace) != len(names):
             raise ValueError(f"workspace = ({', '.join(names)})")
         align = {"float32": 16, "int32": 4, "int64": 8}
         stats = [to_cute(x, align[dt]) for x, dt in zip(workspace, workspace_dtypes(cfg).values())]
-        lse_v = to_cute(lse, 4)
+        lse_v = to_cute(a.lse, 4)
         dlse_v = to_cute(dlse, 4) if dlse is not None else None
         grads, grad_shapes = self._check_grads(grad_args)
         sq, sk, sv, so, sdo, sdq, sdk, sdv = (s for s, _ in mains)
-        self._check(sq, sk, sv, so, sdo, lse_v[0], sdq, sdk, sdv, [s for s, _ in stats],
-                    dlse_v[0] if dlse_v else None, grad_shapes)
+        self._check(BackwardArrays(sq, sk, sv, so, lse_v[0], sdo, sdq, sdk, sdv, dlse_v[0] if dlse_v else None),
+                    [s for s, _ in stats], grad_shapes)
         bs = self._check_block_sparse(mains[0][0], mains[1][0], block_sparse)
         qd, kd, vd, od, dod, dqd, dkd, dvd = (dyn for _, dyn in mains)
         ws = dict(zip(names, (dyn for _, dyn in stats)))
@@ -266,16 +271,14 @@ class BackwardRunner:
     def num_compiled(self) -> int:
         return len(self._compiled)
 
-    def run(self, q, k, v, o, do, lse, dq, dk, dv, workspace, softmax_scale: float,
-            mod_args: tuple, grad_args, stream: int, block_sparse=None, dlse=None):
-        self.bind(q, k, v, o, do, lse, dq, dk, dv, workspace, softmax_scale, mod_args,
-                  grad_args, stream, block_sparse, dlse)()
+    def run(self, arrays: BackwardArrays, workspace, softmax_scale: float, mod_args: tuple, grad_args,
+            stream: int, block_sparse=None):
+        self.bind(arrays, workspace, softmax_scale, mod_args, grad_args, stream, block_sparse)()
 
 
 class FfiBackwardRunner:
-    """``run(q, k, v, o, do, lse, dq, dk, dv, workspace, softmax_scale, mod_args, grad_args,
-    block_sparse=None, dlse=None)`` with framework tensors: the arguments of
-    `BackwardRunner.run` without the stream, ``mod_args`` as TVM-FFI call
+    """``run(arrays, workspace, softmax_scale, mod_args, grad_args, block_sparse=None)`` with
+    framework tensors: the arguments of `BackwardRunner.run` without the stream, ``mod_args`` as TVM-FFI call
     arguments (`arguments.ffi_mod_args`)."""
 
     def __init__(self, cfg: BwdConfig):
@@ -355,17 +358,18 @@ class FfiBackwardRunner:
                 check_block_list_shape(i, tuple(t.shape), b, hq, -(-sq // cfg.sparse_block_m),
                                        f"q blocks of {cfg.sparse_block_m}")
 
-    def run(self, q, k, v, o, do, lse, dq, dk, dv, workspace, softmax_scale: float, mod_args: tuple,
-            grad_args, block_sparse=None, dlse=None) -> None:
-        self.check(q, k, lse, dlse, workspace, grad_args, block_sparse)
+    def run(self, arrays: BackwardArrays, workspace, softmax_scale: float, mod_args: tuple, grad_args,
+            block_sparse=None) -> None:
+        a = arrays
+        self.check(a.q, a.k, a.lse, a.d_lse, workspace, grad_args, block_sparse)
         self.last_compile_seconds = 0.0
-        pre, main, post = self.kernels(dlse is not None)
+        pre, main, post = self.kernels(a.d_lse is not None)
         ws = dict(zip(workspace_dtypes(self.cfg), workspace))
         lse2, delta, dqacc = ws["lse_log2"], ws["delta"], ws["dq_accum"]
         dqsem, fixed = ws.get("dq_semaphore"), ws.get("grad_fixed")
         grads = tuple(grad_args) if grad_args else None
         scale = float(softmax_scale)
-        pre(o, do, lse, dlse, lse2, delta, dqacc, dqsem, fixed)
-        main(q, k, v, do, lse2, delta, dqacc, dqsem, dk, dv, scale, tuple(mod_args) if mod_args else None,
-             grads, fixed, tuple(block_sparse) if block_sparse else None)
-        post(dqacc, dq, scale, grads if fixed is not None else None, fixed)
+        pre(a.out, a.d_out, a.lse, a.d_lse, lse2, delta, dqacc, dqsem, fixed)
+        main(a.q, a.k, a.v, a.d_out, lse2, delta, dqacc, dqsem, a.dk, a.dv, scale,
+             tuple(mod_args) if mod_args else None, grads, fixed, tuple(block_sparse) if block_sparse else None)
+        post(dqacc, a.dq, scale, grads if fixed is not None else None, fixed)

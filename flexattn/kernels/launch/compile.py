@@ -7,8 +7,9 @@ traces the kernel on symbolic-shape fake tensors and returns a ``cute.compile`` 
 can be launched with real tensors of the same dtypes and ranks (any sizes / strides with
 the last dim contiguous). The target is a compile option (``ARCH_OPTION``), so a CPU-only
 machine needs no settings; PTX and CUBIN are kept on request so tests can inspect them.
-``compile_kernel`` is what every compile goes through (also the from_dlpack runners',
-which compile on the very views they launch with).
+``compile_kernel`` is what every compile on fakes goes through; the from_dlpack runners
+(``forward.py``, ``backward.py``, ``decode.py``) instead call ``cute.compile`` on the very
+views they launch with, inside ``pipeline_options``.
 """
 
 import contextlib
