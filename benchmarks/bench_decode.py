@@ -138,9 +138,10 @@ def plan_step(q, cache, score, mask, tuning=None, num_splits=None):
     device = Device(stream.cuda_stream, _DeviceCopies(q.device), tvm_ffi_stream=True)
     table = cache.page_table if hasattr(cache, "page_table") else None
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    step = decode_path.prepare_decode(q, cache, out, lse, device, sms, _decode_workspace(q.device, stream),
-                                      score_mod=score, mask=mask, page_table=table, tuning=tuning,
-                                      num_splits=num_splits)
+    step = decode_path.prepare_decode(q, cache, out, lse,
+                                      decode_path.DecodeSite(device, sms, _decode_workspace(q.device, stream)),
+                                      decode_path.DecodeMods(score, mask), page_table=table,
+                                      overrides=decode_path.DecodeOverrides(tuning, num_splits))
     return step, out
 
 
@@ -376,11 +377,12 @@ def host_breakdown(B, L, calls=2000, burst=32):
     sync, so the GPU (a ~96 µs kernel per launch at B 8 L 8k) never holds the host back —
     neither the launch queue nor the staging ring (the host may run 48 steps ahead)."""
     import flexattn.torch as fa
-    from flexattn.torch import _DECODES, _decode_key
+    from flexattn.core.decode_device import decode_key
+    from flexattn.torch import _DECODES, _step_facts
 
     cache, q, mask, score = _steady_alibi_step(B, L, warmup=5)
     call = (score, None, None, True, mask, None)
-    entry = _DECODES.get(_decode_key(q, cache, call))
+    entry = _DECODES.get(decode_key(call, q, cache, _step_facts))
     plan = entry.run.__self__
     out = torch.empty_like(q)
     lse = torch.empty(B, HQ, 1, device="cuda")
@@ -388,12 +390,13 @@ def host_breakdown(B, L, calls=2000, burst=32):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     put = plan._put
     values = [*lengths, *[n - 1 for n in lengths]]
-    splits, o_part, lse_part = plan._stage(lengths, sms, None)
-    fn, args = plan._fn, plan._args
+    (tuning, _, cluster), o_part, lse_part = plan._stage(lengths, sms, None)
+    fn = plan._fns[(tuning, cluster)]   # compiled by the warm-up steps
+    args = plan._args if plan._args is not None else plan._convert()
     pieces = {
         "fa.decode (whole step)": lambda: fa.decode(q, cache, score_mod=score, mask=mask),
         "fa.decode, return_lse": lambda: fa.decode(q, cache, score_mod=score, mask=mask, return_lse=True),
-        "  _decode_key": lambda: _decode_key(q, cache, call),
+        "  decode_key": lambda: decode_key(call, q, cache, _step_facts),
         "  entry (whole step but the key)": lambda: entry(q, cache, False),
         "    plan.run (no allocation)": lambda: plan.run(q, cache.k, cache.v, None, out, lse, lengths, sms),
         "      plan._stage (checks, upload)": lambda: plan._stage(lengths, sms, None),

@@ -25,7 +25,7 @@ import numpy as np
 from .blockmask import BlockMask, create_block_mask
 from .core.backward_path import BackwardArrays, backward_into
 from .core.kernel_path import Device, forward_into, kernel_unsupported, prepare_forward
-from .core.prepared import PreparedCalls, call_key
+from .core.prepared import PreparedCalls, PreparedEntry, call_key
 from .problem.spec import AttentionSpec
 from .problem.validate import check_inputs
 from .mods import MaskMod, ScoreMod, mask_mod, score_mod
@@ -40,11 +40,9 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, scale=None, enable_
     strides, dtypes and device) skips checks and planning (``core/prepared.py``)."""
     call = (score_mod, block_mask, scale, enable_gqa, mask, score)
     key = _call_key(q, k, v, call)
-    entry = None if key is None else _PREPARED.get(key)
-    if entry is not None:
-        repeated = entry(q, k, v)
-        if repeated is not None:
-            return repeated
+    repeated = _PREPARED.run(key, q, k, v)
+    if repeated is not None:
+        return repeated
     spec = AttentionSpec.from_args(score_mod, block_mask, scale, enable_gqa, mask, score)
     out, lse = _forward(q, k, v, spec)
     if key is not None:
@@ -62,21 +60,20 @@ def _call_key(q, k, v, call):
                     q.device.id, k.device.id, v.device.id)
 
 
-class _PreparedCall:
+class _PreparedCall(PreparedEntry):
     """A repeated call: allocate on the inputs' device, launch on the current stream.
     Only while that device is the current one (one runtime query); otherwise the full
     path switches devices around the call."""
 
-    __slots__ = ("out_shape", "lse_shape", "dtype", "device_id", "prepared")
+    __slots__ = ("prepared",)
 
     def __init__(self, shape, q, prepared):
-        self.out_shape = (shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim)
-        self.lse_shape = (shape.batch, shape.q_heads, shape.q_len)
-        self.dtype, self.device_id, self.prepared = q.dtype, q.device.id, prepared
+        super().__init__((shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim), q.dtype, q.device, q.device.id)
+        self.prepared = prepared
 
     def __call__(self, q, k, v):
         """``(out, lse)``, or None when another device is current."""
-        if cupy.cuda.runtime.getDevice() != self.device_id:
+        if cupy.cuda.runtime.getDevice() != self.device_index:
             return None
         out = cupy.empty(self.out_shape, dtype=self.dtype)
         lse = cupy.empty(self.lse_shape, dtype=np.float32)

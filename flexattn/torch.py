@@ -9,33 +9,30 @@ The computation is a ``torch.library`` custom op pair, ``flexattn::attention_fwd
 ``flexattn::attention_bwd`` (fake implementations + ``register_autograd``), so
 ``torch.compile(fullgraph=True)`` sees one opaque node. Mods are not tensors: everything
 that is not a tensor (mods' IR, non-tensor captures, block mask, scale, GQA) lives in a
-spec registry (``_SpecRegistry``) under an int the op receives; the score mod's captured
+spec registry (``core.registry.SpecRegistry``) under an int the op receives; the score mod's captured
 tensors travel as a ``Tensor[]`` input, so autograd reaches them and their current
 values are read at run time. See docs/ARCHITECTURE.md, "torch.compile".
 """
 
 from __future__ import annotations
 
-import collections
-import threading
-import weakref
-
 import numpy as np
 import torch
 
 from . import reference
-from .blockmask import _LIST_NAMES as BLOCK_LIST_NAMES, BlockMask, create_block_mask
+from .blockmask import BlockMask, create_block_mask
+from .blockmask.layout import as_block_mask
 from .blockmask import DeviceArrays as BlockMaskArrays, register_device as register_block_mask_device
 from .problem.decode import decode_problem
 from .core.backward_path import BackwardArrays, backward_into
-from .core.decode_device import decode_key, decode_workspace, tma_ready
-from .core.kernel_path import Device, forward_into, kernel_block_mask, kernel_unsupported, prepare_forward
-from .core.prepared import PreparedCalls, call_key
+from .core.decode_device import cache_arrays, check_cache_layout, decode_key, decode_workspace, kernel_step, tma_ready
+from .core.kernel_path import Device, block_lists_to_device, forward_into, kernel_unsupported, prepare_forward
+from .core.prepared import HostCopies, PreparedCalls, PreparedEntry, call_key
+from .core.registry import SpecRegistry, by_id, compiled_spec, operand_grad_slots
 from .problem.kvcache import KVCache, PagedKVCache
 from .problem.spec import AttentionSpec, lse_dtype
 from .problem.validate import check_inputs
-from .mods import MaskMod, Mod, ScoreMod, as_mask, mask_mod
-from .mods.mod import LIVE_OBJECTS
+from .mods import MaskMod, Mod, ScoreMod, mask_mod
 
 __all__ = ["flex_attention", "decode", "create_block_mask", "BlockMask", "KVCache", "PagedKVCache",
            "MaskMod", "ScoreMod", "mask_mod"]
@@ -69,7 +66,8 @@ def flex_attention(
     if torch.compiler.is_compiling():
         return _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, mask, score)
     call = (score_mod, block_mask, scale, enable_gqa, mask, score)
-    repeated = _PREPARED.run(query, key, value, call, return_lse)
+    prepared_key = _call_key(query, key, value, call)
+    repeated = _PREPARED.run(prepared_key, query, key, value, return_lse)
     if repeated is not None:  # a call like an earlier one: checks and plan already done
         out, lse = repeated
         return (out, lse) if return_lse else out
@@ -78,7 +76,7 @@ def flex_attention(
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if kernel_options is not None and not isinstance(kernel_options, dict):
         raise TypeError(f"kernel_options must be a dict or None, got {type(kernel_options).__name__}")
-    block_mask = _convert_block_mask(block_mask)
+    block_mask = as_block_mask(block_mask)
     spec = AttentionSpec.from_args(score_mod, block_mask, scale, enable_gqa, mask, score)
     shape = check_inputs(query, key, value, spec)
     if query.is_cuda:
@@ -89,7 +87,7 @@ def flex_attention(
             # Inference: straight to the kernel. The custom op's dispatch alone costs
             # ~50-130 µs of host time per call; it is only needed for autograd.
             out, lse = _kernel_forward(spec, shape, query, key, value)
-            _PREPARED.remember(query, key, value, call, spec, shape)
+            _remember(prepared_key, query, call, spec, shape)
             return (out, lse) if return_lse else out
     buffers = _score_tensors(spec.score)
     if query.is_cuda and _plain_eager(query, key, value, *buffers):
@@ -132,12 +130,9 @@ class _EagerAttention(torch.autograd.Function):
             return (None,) * (5 + len(buffers))
         if d_out is None:
             d_out = torch.zeros_like(out)
-        spec = ctx.spec
-        dq, dk, dv, capture_grads = _kernel_backward(spec, ctx.shape, query, key, value, out, lse, d_out, d_lse,
-                                                     _grad_captures(spec, ctx.grad_mask))
-        d_buffers = [g if b.is_floating_point() else None
-                     for b, g in zip(buffers, _buffer_grads(spec, capture_grads, buffers))]
-        return (dq, dk, dv, None, None, *d_buffers)
+        dq, dk, dv, d_buffers = _kernel_backward(ctx.spec, ctx.shape, query, key, value, out, lse, d_out, d_lse,
+                                                 buffers, ctx.grad_mask)
+        return (dq, dk, dv, None, None, *_float_grads(buffers, d_buffers))
 
 
 def _records_grad(query, key, value, spec) -> bool:
@@ -166,19 +161,14 @@ def decode(query: torch.Tensor, cache, score_mod=None, mask=None, scale=None, re
     outputs and launches. Steps are queued without waiting for the GPU; steps on one
     stream from several threads are serialized around their upload and launch.
     """
-    from .core.decode_path import DECODE_MAX_Q_LEN
-
     call = (score_mod, None, scale, True, mask, None)
     key = None
     if type(query) is torch.Tensor and query.is_cuda:
-        key = _decode_key(query, cache, call)
-        entry = None if key is None else _DECODES.get(key)
-        if entry is not None:
-            repeated = entry(query, cache, return_lse)
-            if repeated is not None:
-                return repeated if return_lse else repeated[0]
-    if (isinstance(query, torch.Tensor) and query.is_cuda and query.dim() == 4
-            and query.shape[2] <= DECODE_MAX_Q_LEN and hasattr(cache, "host_lengths")
+        key = decode_key(call, query, cache, _step_facts)
+        repeated = _DECODES.run(key, query, cache, return_lse)
+        if repeated is not None:
+            return repeated if return_lse else repeated[0]
+    if (isinstance(query, torch.Tensor) and query.is_cuda and kernel_step(query, cache)
             and not (torch.is_grad_enabled() and _cache_requires_grad(query, cache))):
         out, lse, step = _kernel_decode(query, cache, score_mod, mask, scale, launch=None)
         if key is not None:
@@ -190,8 +180,7 @@ def decode(query: torch.Tensor, cache, score_mod=None, mask=None, scale=None, re
 
 
 def _cache_requires_grad(query, cache) -> bool:
-    arrays = (cache.k_pages, cache.v_pages) if hasattr(cache, "page_table") else (cache.k, cache.v)
-    return query.requires_grad or any(getattr(a, "requires_grad", False) for a in arrays)
+    return query.requires_grad or any(getattr(a, "requires_grad", False) for a in cache_arrays(cache)[:2])
 
 
 _SM_COUNTS: dict = {}
@@ -201,16 +190,11 @@ def _kernel_decode(query, cache, score_mod, mask, scale, launch=True):
     """The split-KV decode kernel on the current stream -> (out, lse); with ``launch``
     False (out, lse, the planned ``DecodeLaunch``) without running it (benchmarks); with
     ``launch`` None, launched, (out, lse, the ``DecodeLaunch``)."""
-    from .core.decode_path import decode_into, prepare_decode
+    from .core.decode_path import DecodeMods, DecodeSite, decode_into, prepare_decode
 
     dev = query.device
-    paged = hasattr(cache, "page_table")
-    for name, x in ((("k_pages", cache.k_pages), ("v_pages", cache.v_pages)) if paged
-                    else (("k", cache.k), ("v", cache.v))):
-        if not isinstance(x, torch.Tensor) or x.device != dev:
-            raise ValueError(f"cache.{name} must be a torch tensor on the query's device {dev}")
-        if not tma_ready(x.stride()):
-            raise ValueError(f"cache.{name}: the head dim must be contiguous and other strides multiples of 8 (TMA)")
+    check_cache_layout(cache, lambda x: x.stride() if isinstance(x, torch.Tensor) and x.device == dev else None,
+                       f"a torch tensor on the query's device {dev}")
     q = query.detach()
     if not tma_ready(q.stride()):
         q = q.contiguous()
@@ -218,7 +202,7 @@ def _kernel_decode(query, cache, score_mod, mask, scale, launch=True):
     out = torch.empty(B, Hq, q_len, D, dtype=q.dtype, device=dev)
     lse = torch.empty(B, Hq, q_len, dtype=torch.float32, device=dev)
     table = None
-    if paged:
+    if hasattr(cache, "page_table"):
         table = torch.as_tensor(cache.page_table).to(device=dev, dtype=torch.int32)
         if not table.is_contiguous():
             table = table.contiguous()
@@ -226,19 +210,11 @@ def _kernel_decode(query, cache, score_mod, mask, scale, launch=True):
 
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream(dev)
-        device = Device(stream.cuda_stream, _DeviceCopies(dev), tvm_ffi_stream=True)
-        if launch:
-            decode_into(q, cache, out, lse, device, num_sms, _decode_workspace(dev, stream),
-                        score_mod=score_mod, mask=mask, scale=scale, page_table=table)
-            return out, lse
-        ws = _decode_workspace(dev, stream)
-        if launch is None:
-            step = decode_into(q, cache, out, lse, device, num_sms, ws, score_mod=score_mod, mask=mask, scale=scale,
-                               page_table=table)
-        else:
-            step = prepare_decode(q, cache, out, lse, device, num_sms, ws, score_mod=score_mod, mask=mask,
-                                  scale=scale, page_table=table)
-    return out, lse, step
+        site = DecodeSite(Device(stream.cuda_stream, _DeviceCopies(dev), tvm_ffi_stream=True), num_sms,
+                          _decode_workspace(dev, stream))
+        run = prepare_decode if launch is False else decode_into
+        step = run(q, cache, out, lse, site, DecodeMods(score_mod, mask, scale), page_table=table)
+    return (out, lse) if launch else (out, lse, step)
 
 
 def _sm_count(dev) -> int:
@@ -255,11 +231,6 @@ def _current_raw_stream(index: int) -> int:
     if get is not None:
         return get(index)
     return torch.cuda.current_stream(index).cuda_stream
-
-
-def _decode_key(q, cache, call):
-    """``decode_key`` of this step (``core/decode_device.py``)."""
-    return decode_key(call, q, cache, _step_facts)
 
 
 def _step_facts(q, k, v, table, lens):
@@ -282,20 +253,17 @@ def _step_facts(q, k, v, table, lens):
             v.shape, v.stride(), v.dtype, v.get_device(), table_key, lens_key, _current_raw_stream(index))
 
 
-class _PreparedDecode:
+class _PreparedDecode(PreparedEntry):
     """A repeated decode step (``decode``'s key matched): read the lengths, allocate the
     outputs, ``DecodePlan.run``. The LSE goes to a buffer of the entry's when the caller
     does not want it (never read; steps on the entry's stream write it in order)."""
 
-    __slots__ = ("run", "paged", "out_shape", "lse_shape", "dtype", "device", "device_index", "q_ready",
-                 "table_ready", "num_sms", "lse_sink")
+    __slots__ = ("run", "paged", "q_ready", "table_ready", "num_sms", "lse_sink")
 
     def __init__(self, plan, q, cache):
+        super().__init__(q.shape, q.dtype, q.device, q.get_device())
         self.run = plan.run
         self.paged = type(cache) is PagedKVCache
-        self.out_shape = tuple(q.shape)
-        self.lse_shape = self.out_shape[:3]
-        self.dtype, self.device, self.device_index = q.dtype, q.device, q.get_device()
         self.q_ready = tma_ready(q.stride())
         table = cache.page_table if self.paged else None
         self.table_ready = table is None or (table.dtype == torch.int32 and table.device == q.device
@@ -351,45 +319,21 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
     identity of the mod / block-mask objects); the score mod's captured tensors are read
     here, where dynamo sees them (parameters become graph inputs and receive gradients).
     """
-    spec_id = _prepare_for_compile(_by_id(score_mod), _by_id(block_mask), scale, enable_gqa, _by_id(mask),
-                                   _by_id(score))
+    spec_id = _prepare_for_compile(by_id(score_mod), by_id(block_mask), scale, enable_gqa, by_id(mask), by_id(score))
     the_score = score if score is not None else score_mod
     buffers = _score_tensors(the_score)
     out, lse = torch.ops.flexattn.attention_fwd(query, key, value, buffers, spec_id)
     return (out, lse) if return_lse else out
 
 
-def _by_id(x):
-    """Our mods and block masks travel into ``_prepare_for_compile`` as ("id", id(x)):
-    some torch versions (2.11) hand an ``assume_constant_result`` function only constants,
-    never user objects; dynamo evaluates id() of an object at compile time and guards on
-    its identity (ID_MATCH), so another object recompiles."""
-    return ("id", id(x)) if isinstance(x, (Mod, BlockMask)) else x
-
-
-def _from_id(x):
-    if isinstance(x, tuple) and len(x) == 2 and x[0] == "id":
-        return LIVE_OBJECTS[x[1]]
-    return x
-
-
 @torch._dynamo.assume_constant_result
 def _prepare_for_compile(score_mod, block_mask, scale, enable_gqa, mask, score) -> int:
     """Trace/normalize the non-tensor arguments into a pinned registry entry (plain Python:
-    dynamo calls this on the real objects at compile time and bakes in the result)."""
-    score_mod, block_mask, mask, score = (_from_id(x) for x in (score_mod, block_mask, mask, score))
-    spec = AttentionSpec.from_args(score_mod, _convert_block_mask(block_mask), scale, enable_gqa, mask, score)
-    given = {"score_mod": score_mod, "score": score, "mask": mask}
-    mods_ = {"score_mod": spec.score, "score": spec.score, "mask": spec.mask}
-    for name, arg in given.items():
-        if arg is None or isinstance(arg, Mod):
-            continue
-        if any(isinstance(c, torch.Tensor) for c in mods_[name].captures):
-            raise TypeError(
-                f"under torch.compile, a {name}= function that captures tensors must be made a mod value"
-                f" outside the compiled function (flexattn.score_mod(fn) / flexattn.mask_mod(fn), e.g. in"
-                f" __init__): only then are its tensors inputs of the graph"
-            )
+    dynamo calls this on the real objects at compile time and bakes in the result). Mods
+    and block masks arrive as ``core.registry.by_id`` made them: some torch versions (2.11)
+    hand an ``assume_constant_result`` function only constants, never user objects; dynamo
+    evaluates id() of an object at compile time and guards on its identity (ID_MATCH)."""
+    spec = compiled_spec(score_mod, block_mask, scale, enable_gqa, mask, score, _is_tensor, "torch.compile")
     return _REGISTRY.register(spec, pin=True)
 
 
@@ -400,80 +344,11 @@ def _score_tensors(score) -> list:
     return [c for c in score.captures if isinstance(c, torch.Tensor)]
 
 
-class _SpecRegistry:
-    """int → ``AttentionSpec``: the non-tensor half of a call, for the custom op.
-
-    Entries are keyed by content (IR structure, identity of non-tensor captures and block
-    mask, numbers by value, scale, GQA), so eager calls that rebuild equal mods every step
-    reuse one entry. Specs registered while compiling are pinned (a graph holds their id);
-    eager ones live in an LRU of ``capacity`` entries (an id is only used between its
-    forward and backward). The stored spec keeps the objects its key names alive, so ids
-    in keys cannot be reused while the entry exists.
-    """
-
-    def __init__(self, capacity: int = 512):
-        self.capacity = capacity
-        self._lock = threading.Lock()
-        self._by_key: dict = {}
-        self._specs: dict[int, AttentionSpec] = {}
-        self._pinned: set[int] = set()
-        self._lru: collections.OrderedDict = collections.OrderedDict()
-        self._next = 0
-
-    def register(self, spec: AttentionSpec, pin: bool = False) -> int:
-        key = _spec_key(spec)
-        with self._lock:
-            spec_id = self._by_key.get(key)
-            if spec_id is None:
-                spec_id, self._next = self._next, self._next + 1
-                self._by_key[key] = spec_id
-                # without the score mod's tensors: the registry must not keep them alive
-                self._specs[spec_id] = spec.template(_is_tensor)[0]
-            if pin:
-                self._pinned.add(spec_id)
-                self._lru.pop(spec_id, None)
-            elif spec_id not in self._pinned:
-                self._lru[spec_id] = key
-                self._lru.move_to_end(spec_id)
-                while len(self._lru) > self.capacity:
-                    old_id, old_key = self._lru.popitem(last=False)
-                    del self._by_key[old_key], self._specs[old_id]
-            return spec_id
-
-    def get(self, spec_id: int) -> AttentionSpec:
-        try:
-            return self._specs[spec_id]
-        except KeyError:
-            raise RuntimeError(f"flexattn: attention spec #{spec_id} is no longer registered") from None
-
-    def __len__(self):
-        return len(self._specs)
-
-
-def _capture_key(value, tensor_slot: bool):
-    if tensor_slot and isinstance(value, torch.Tensor):
-        return ("tensor",)  # an op input: its value never matters here
-    if isinstance(value, (bool, int, float)):
-        return (type(value).__name__, value)
-    return ("object", id(value))
-
-
-def _mod_key(mod, tensors_are_inputs: bool):
-    if mod is None:
-        return None
-    return (mod.structure_key, tuple(_capture_key(c, tensors_are_inputs) for c in mod.captures))
-
-
-def _spec_key(spec: AttentionSpec):
-    return (_mod_key(spec.score, True), _mod_key(spec.mask, False),
-            None if spec.block_mask is None else id(spec.block_mask), spec.scale, spec.enable_gqa)
-
-
-_REGISTRY = _SpecRegistry()
-
-
 def _is_tensor(x) -> bool:   # a score-mod tensor capture: an input of each op call
     return isinstance(x, torch.Tensor)
+
+
+_REGISTRY = SpecRegistry(_is_tensor)   # the non-tensor half of each op call (core/registry.py)
 
 
 # --- the custom ops -----------------------------------------------------------------------------
@@ -512,13 +387,10 @@ def _attention_bwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     spec = _REGISTRY.get(spec_id).bind(buffers)
     shape = check_inputs(query, key, value, spec)
     if query.is_cuda:
-        dq, dk, dv, capture_grads = _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse,
-                                                     _grad_captures(spec, grad_mask))
-    else:
-        grads = reference.backward(query, key, value, d_out, d_lse, spec)
-        dq, dk, dv = _like(grads.dq, query), _like(grads.dk, key), _like(grads.dv, value)
-        capture_grads = grads.d_captures
-    return dq, dk, dv, _buffer_grads(spec, capture_grads, buffers)
+        return _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buffers, grad_mask)
+    grads = reference.backward(query, key, value, d_out, d_lse, spec)
+    return (_like(grads.dq, query), _like(grads.dk, key), _like(grads.dv, value),
+            _buffer_grads(spec, grads.d_captures, buffers))
 
 
 def _grad_mask(buffers) -> int:
@@ -528,10 +400,7 @@ def _grad_mask(buffers) -> int:
 
 def _grad_captures(spec: AttentionSpec, grad_mask: int) -> tuple:
     """Score-capture slots of the op buffers whose bit is set in ``grad_mask``."""
-    if spec.score is None:
-        return ()
-    tensor_slots = [i for i, c in enumerate(spec.score.captures) if isinstance(c, torch.Tensor)]
-    return tuple(slot for n, slot in enumerate(tensor_slots) if grad_mask >> n & 1)
+    return operand_grad_slots(spec, _is_tensor, grad_mask)
 
 
 @_attention_bwd.register_fake
@@ -578,8 +447,12 @@ def _backward(ctx, d_out, d_lse):
         d_out = torch.zeros_like(out)
     dq, dk, dv, d_buffers = torch.ops.flexattn.attention_bwd(query, key, value, out, lse, d_out, d_lse, buffers,
                                                               ctx.spec_id, ctx.grad_mask)
-    d_buffers = [g if b.is_floating_point() else None for b, g in zip(buffers, d_buffers)]
-    return dq, dk, dv, d_buffers, None
+    return dq, dk, dv, _float_grads(buffers, d_buffers), None
+
+
+def _float_grads(buffers, d_buffers) -> list:
+    """Autograd's gradients of the op buffers: none for integer ones."""
+    return [g if b.is_floating_point() else None for b, g in zip(buffers, d_buffers)]
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -618,59 +491,37 @@ def _kernel_forward(spec, shape, query, key, value):
     return out, lse
 
 
-class _PreparedCalls:
-    """Eager CUDA inference calls that repeat (``core/prepared.py``): the key adds the
-    tensors' shapes, strides, dtypes and devices to the call's identity, and an entry is a
-    ``_PreparedCall``, so a repeat costs a key, an allocation and the TVM-FFI launch (the
-    full path costs ~60 µs of host time). Calls that autograd records go through the
-    custom op."""
-
-    def __init__(self):
-        self._cache = PreparedCalls()
-
-    @property
-    def _entries(self):   # for tests: the live entries
-        return self._cache._entries
-
-    def clear(self):
-        self._cache.clear()
-
-    @staticmethod
-    def _key(q, k, v, call):
-        if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
-            return None
-        return call_key(call, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
-                        q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(), v.get_device())
-
-    def run(self, q, k, v, call, return_lse):
-        """``(out, lse)`` of a call launched through its prepared entry, or None: not
-        prepared (yet), or one the full path must take (``_PreparedCall.__call__``)."""
-        key = self._key(q, k, v, call)
-        entry = None if key is None else self._cache.get(key)
-        return None if entry is None else entry(q, k, v, return_lse)
-
-    def remember(self, q, k, v, call, spec, shape):
-        key = self._key(q, k, v, call)
-        if key is None:
-            return
-
-        def make():
-            with torch.cuda.device(q.device):
-                prepared = prepare_forward(q, shape, spec, _forward_device(q.device))
-            return None if prepared is None else _PreparedCall(spec, shape, q, prepared)
-
-        self._cache.add(key, call, make)
+def _call_key(q, k, v, call):
+    """A repeated call's key (``core/prepared.py``): the call's identity plus the tensors'
+    shapes, strides, dtypes and devices; None for what is not a tensor."""
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+        return None
+    return call_key(call, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
+                    q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(), v.get_device())
 
 
-class _PreparedCall:
-    __slots__ = ("score_tensors", "out_shape", "lse_shape", "dtype", "device", "device_index", "launch",
-                 "lse_sink")
+def _remember(key, q, call, spec, shape) -> None:
+    """Eager CUDA inference calls that repeat get a ``_PreparedCall`` (on their second
+    sighting), so a repeat costs a key, an allocation and the TVM-FFI launch (the full
+    path costs ~60 µs of host time). Calls that autograd records go through the custom op."""
+    if key is None:
+        return
+
+    def make():
+        with torch.cuda.device(q.device):
+            prepared = prepare_forward(q, shape, spec, _forward_device(q.device))
+        return None if prepared is None else _PreparedCall(spec, shape, q, prepared)
+
+    _PREPARED.add(key, call, make)
+
+
+class _PreparedCall(PreparedEntry):
+    __slots__ = ("score_tensors", "launch", "lse_sink")
 
     def __init__(self, spec, shape, q, prepared):
+        super().__init__((shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim), q.dtype, q.device,
+                         q.get_device())
         self.score_tensors = tuple(_score_tensors(spec.score))
-        self.out_shape = (shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim)
-        self.lse_shape = (shape.batch, shape.q_heads, shape.q_len)
-        self.dtype, self.device, self.device_index = q.dtype, q.device, q.get_device()
         self.launch = prepared.launch
         # Where the kernel's LSE goes when the caller does not want it: one buffer, never
         # read (racing writes from several streams are harmless), one allocation saved.
@@ -694,7 +545,7 @@ class _PreparedCall:
         return out, lse
 
 
-_PREPARED = _PreparedCalls()
+_PREPARED = PreparedCalls()   # key -> _PreparedCall
 
 
 def _forward_device(dev) -> Device:
@@ -703,8 +554,10 @@ def _forward_device(dev) -> Device:
     return Device(torch.cuda.current_stream(dev).cuda_stream, _DeviceCopies(dev), tvm_ffi_stream=True)
 
 
-def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, grad_captures=None):
-    """The backward kernels on the current stream -> (dq, dk, dv, fp32 grads per score capture)."""
+def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buffers, grad_mask):
+    """The backward kernels on the current stream -> (dq, dk, dv, gradient per op buffer:
+    ``_buffer_grads``), the buffers' whose bit is set in ``grad_mask``."""
+    grad_captures = _grad_captures(spec, grad_mask)
     dev = query.device
 
     def alloc(shape_, dtype, zeroed):   # workspaces: the preprocess initializes what needs it
@@ -732,38 +585,25 @@ def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, gra
         with torch.cuda.device(dev):  # the launches go to the inputs' GPU
             result = backward_into(arrays, shape, spec, device, alloc, deterministic=deterministic,
                                    grad_captures=grad_captures)
-    return arrays.dq, arrays.dk, arrays.dv, result.capture_grads
+    return arrays.dq, arrays.dk, arrays.dv, _buffer_grads(spec, result.capture_grads, buffers)
 
 
-class _DeviceCopies:
-    """Host arrays (block-mask lists, numpy captures) → CUDA tensors.
+class _DeviceCopies(HostCopies):
+    """Tensors and host arrays → contiguous tensors on ``device`` (host arrays through
+    ``core.prepared.HostCopies``: read-only ones copied once per array and device)."""
 
-    Read-only numpy arrays (block-mask lists, arrays made by the built-in mods) are copied
-    once per array object and device and kept while the array lives, so steady-state calls
-    copy nothing (a pageable copy would also stall the stream). Writeable host arrays may
-    change between calls and are copied every call: capture CUDA tensors to avoid that.
-    """
-
-    _cache: dict = {}
+    _cache: dict = {}   # this adapter's copies
 
     def __init__(self, device):
         self.device = device
 
+    def copy(self, array):
+        return torch.from_numpy(array).to(self.device)
+
     def __call__(self, x):
         if isinstance(x, torch.Tensor):
             return x.detach().to(self.device).contiguous()
-        if not isinstance(x, np.ndarray) or x.flags.writeable:
-            return torch.from_numpy(np.ascontiguousarray(x)).to(self.device)
-        key = (id(x), str(self.device))
-        hit = self._cache.get(key)
-        if hit is not None and hit[0]() is x:
-            return hit[1]
-        # A writeable host copy (made once per array): torch warns on read-only numpy memory.
-        t = torch.from_numpy(np.array(x, order="C", copy=True)).to(self.device)
-        cache = self._cache  # bound now: at interpreter exit the class may be gone
-        ref = weakref.ref(x, lambda _, key=key: cache.pop(key, None))
-        self._cache[key] = (ref, t)
-        return t
+        return self.host(x)
 
 
 def _block_lists_to_device(spec: AttentionSpec, shape, device) -> None:
@@ -778,30 +618,11 @@ def _block_lists_to_device(spec: AttentionSpec, shape, device) -> None:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
-        block_mask = kernel_block_mask(spec, shape)
-        if block_mask is None:
-            return
-        copies = _DeviceCopies(device)
-        for name in BLOCK_LIST_NAMES:   # the forward's kv-side and the backward's q-side lists
-            copies(getattr(block_mask, name))
+        block_lists_to_device(spec, shape, _DeviceCopies(device))
 
 
 def _like(array: np.ndarray, ref: torch.Tensor, dtype=None) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array)).to(device=ref.device, dtype=dtype or ref.dtype)
-
-
-def _convert_block_mask(block_mask):
-    """torch's BlockMask → ours (same lists; its mask_mod is traced)."""
-    if block_mask is None or isinstance(block_mask, BlockMask):
-        return block_mask
-    needed = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "BLOCK_SIZE", "seq_lengths", "mask_mod")
-    if not all(hasattr(block_mask, a) for a in needed):
-        raise TypeError(f"block_mask must be a BlockMask, got {type(block_mask).__name__}")
-    return BlockMask.from_kv_blocks(
-        block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
-        BLOCK_SIZE=tuple(block_mask.BLOCK_SIZE), mask_mod=as_mask(block_mask.mask_mod, "block_mask.mask_mod"),
-        seq_lengths=tuple(block_mask.seq_lengths),
-    )
 
 
 # --- block masks built on the GPU ----------------------------------------------------------------

@@ -189,11 +189,12 @@ def test_device_copies_of_read_only_arrays_warn_nothing():
 
 
 def test_prepared_entry_takes_inference_calls_and_leaves_recorded_ones(monkeypatch):
-    """The repeated-call path (``_PreparedCalls.run``) on CPU tensors with a fake launch:
+    """The repeated-call path (``PreparedCalls.run`` of ``_call_key``) on CPU tensors with a fake launch:
     it serves inference calls (detaching inputs that require grad under no_grad) and
     declines what the full path must do: calls autograd records (inputs or score-mod
     tensors requiring grad with grad mode on), another current device, another layout."""
     from flexattn.core import AttentionSpec
+    from flexattn.core.prepared import PreparedCalls
     from flexattn.problem.validate import check_inputs
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)   # CPU tensors: get_device() == -1
@@ -209,34 +210,36 @@ def test_prepared_entry_takes_inference_calls_and_leaves_recorded_ones(monkeypat
     call = (None, None, None, False, mask, score)
     spec = AttentionSpec.from_args(score=score, mask=mask)
     shape = check_inputs(q, k, v, spec)
-    cache = fa._PreparedCalls()
-    key = cache._key(q, k, v, call)
+    cache = PreparedCalls()
     for _ in range(2):    # prepared on the second sighting
-        cache._cache.add(key, call, lambda: fa._PreparedCall(spec, shape, q, FakePrepared()))
+        cache.add(fa._call_key(q, k, v, call), call, lambda: fa._PreparedCall(spec, shape, q, FakePrepared()))
 
-    out, lse = cache.run(q, k, v, call, return_lse=False)
+    def run(q, k, v, call, return_lse):   # as flex_attention's repeated-call path
+        return cache.run(fa._call_key(q, k, v, call), q, k, v, return_lse)
+
+    out, lse = run(q, k, v, call, return_lse=False)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (1, 4, 8)
-    _, lse2 = cache.run(q, k, v, call, return_lse=False)
+    _, lse2 = run(q, k, v, call, return_lse=False)
     assert lse2 is lse                                       # the LSE sink, not an allocation
-    _, lse3 = cache.run(q, k, v, call, return_lse=True)
+    _, lse3 = run(q, k, v, call, return_lse=True)
     assert lse3 is not lse
     assert len(launched) == 3
 
     qg = q.clone().requires_grad_(True)
-    assert cache.run(qg, k, v, call, return_lse=False) is None          # autograd records it
+    assert run(qg, k, v, call, return_lse=False) is None          # autograd records it
     with torch.no_grad():
-        assert cache.run(qg, k, v, call, return_lse=False) is not None  # inference: detached
+        assert run(qg, k, v, call, return_lse=False) is not None  # inference: detached
     assert launched[-1][:3] == (False, False, False)
     slopes.requires_grad_(True)
-    assert cache.run(q, k, v, call, return_lse=False) is None           # trainable slopes
+    assert run(q, k, v, call, return_lse=False) is None           # trainable slopes
     with torch.no_grad():
-        assert cache.run(q, k, v, call, return_lse=False) is not None
+        assert run(q, k, v, call, return_lse=False) is not None
     slopes.requires_grad_(False)
 
     qt = q.transpose(2, 3).contiguous().transpose(2, 3)                # same shape, other strides
-    assert cache.run(qt, k, v, call, return_lse=False) is None
+    assert run(qt, k, v, call, return_lse=False) is None
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    assert cache.run(q, k, v, call, return_lse=False) is None           # another current device
+    assert run(q, k, v, call, return_lse=False) is None           # another current device
     assert len(launched) == 5
 
 

@@ -12,6 +12,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import flexattn
 import flexattn.torch as fa
 from flexattn import mods
+from flexattn.core.registry import SpecRegistry
 
 B, H, S, D = 2, 4, 40, 8
 
@@ -201,7 +202,7 @@ def test_registry_reuses_entries_and_stays_bounded():
         for _ in range(3):
             fa.flex_attention(q, k, v, mask=mods.sliding_window(w), score_mod=mods.alibi(torch.rand(H, dtype=torch.float64)))
     assert len(fa._REGISTRY) - before <= 3
-    registry = fa._SpecRegistry(capacity=4)
+    registry = SpecRegistry(fa._is_tensor, capacity=4)
     ids = [registry.register(flexattn.AttentionSpec.from_args(mask=mods.document(np.zeros(S, np.int32))))
            for _ in range(10)]  # fresh arrays: new entries, oldest evicted
     assert len(registry) == 4 and len(set(ids)) == 10

@@ -196,6 +196,21 @@ class BlockMask:
         return repr(self) + "\n" + self.to_string()
 
 
+def as_block_mask(block_mask):
+    """A framework's BlockMask with torch's attributes (same lists; its mask_mod is traced)
+    → ours; ours and None pass as they are."""
+    if block_mask is None or isinstance(block_mask, BlockMask):
+        return block_mask
+    needed = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "BLOCK_SIZE", "seq_lengths", "mask_mod")
+    if not all(hasattr(block_mask, a) for a in needed):
+        raise TypeError(f"block_mask must be a BlockMask, got {type(block_mask).__name__}")
+    return BlockMask.from_kv_blocks(
+        block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
+        BLOCK_SIZE=tuple(block_mask.BLOCK_SIZE), mask_mod=as_mask(block_mask.mask_mod, "block_mask.mask_mod"),
+        seq_lengths=tuple(block_mask.seq_lengths),
+    )
+
+
 def _block_size(bs):
     def positive_int(x):
         return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) and x > 0

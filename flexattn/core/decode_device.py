@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from ..problem.kvcache import KVCache, PagedKVCache
-from .decode_path import DecodeWorkspace, StagingRing
+from .decode_path import DECODE_MAX_Q_LEN, DecodeWorkspace, StagingRing
 from .prepared import call_identity
 
 _WORKSPACES: dict = {}
@@ -130,6 +130,33 @@ def tma_ready(strides) -> bool:
     return strides[-1] == 1 and not any(st % 8 for st in strides[:-1])
 
 
+def kernel_step(q, cache) -> bool:
+    """Whether a decode step is the split-KV kernel's to take (a 4-D query of at most
+    ``DECODE_MAX_Q_LEN`` tokens, a cache with host lengths); else it is an ordinary
+    attention problem (``problem.decode.decode_problem``)."""
+    return len(q.shape) == 4 and q.shape[2] <= DECODE_MAX_Q_LEN and hasattr(cache, "host_lengths")
+
+
+def cache_arrays(cache) -> tuple:
+    """(k, v, page table or None) of a ``KVCache`` / ``PagedKVCache``: what the kernel reads."""
+    if hasattr(cache, "page_table"):
+        return cache.k_pages, cache.v_pages, cache.page_table
+    return cache.k, cache.v, None
+
+
+def check_cache_layout(cache, strides: Callable, wanted: str) -> None:
+    """Refuse cache K/V the decode kernel cannot read in place: ``strides(x)`` is an
+    array's strides in elements, or None where it is not an array the step can read
+    (``wanted`` says what is, e.g. "a torch tensor on the query's device cuda:0")."""
+    names = ("k_pages", "v_pages") if hasattr(cache, "page_table") else ("k", "v")
+    for name, x in zip(names, cache_arrays(cache)):
+        found = strides(x)
+        if found is None:
+            raise ValueError(f"cache.{name} must be {wanted}")
+        if not tma_ready(found):
+            raise ValueError(f"cache.{name}: the head dim must be contiguous and other strides multiples of 8 (TMA)")
+
+
 def decode_key(call, q, cache, facts: Callable) -> tuple | None:
     """What a repeated decode step must share with the step that made its entry: the mods'
     and scale's identity, the cache's type, and ``facts(q, k, v, page table or None,
@@ -149,4 +176,5 @@ def decode_key(call, q, cache, facts: Callable) -> tuple | None:
     return None if found is None else ident + (kind,) + found
 
 
-__all__ = ["decode_key", "decode_workspace", "driver_uploader", "tma_ready"]
+__all__ = ["cache_arrays", "check_cache_layout", "decode_key", "decode_workspace", "driver_uploader", "kernel_step",
+           "tma_ready"]

@@ -1,11 +1,12 @@
 """The GPU decode path: plan and launch the split-KV decode kernel for a step.
 
 Framework-neutral and destination-passing, like ``kernel_path.forward_into``: the adapter
-allocates ``out``/``lse``, supplies a ``Device`` (stream, host→GPU copies), the SM count
-(read by the adapter, never while a kernel is traced) and a ``DecodeWorkspace`` (one per
-stream: the fp32 split partials, the kernel's arrival tickets, the per-step upload of
-lengths/offsets through pinned staging, a lock). Everything the kernel cannot do is
-refused before anything compiles.
+allocates ``out``/``lse`` and supplies a ``DecodeSite``: a ``Device`` (stream, host→GPU
+copies), the SM count (read by the adapter, never while a kernel is traced) and a
+``DecodeWorkspace`` (one per stream: the fp32 split partials, the kernel's arrival
+tickets, the per-step upload of lengths/offsets through pinned staging, a lock); the
+step's mods and scale come as ``DecodeMods``, benchmarks' choices as ``DecodeOverrides``.
+Everything the kernel cannot do is refused before anything compiles.
 
 Once per call shape (``DecodePlan``, kept while the same mod objects, shapes and stream
 recur): checks; the mods rewritten to true positions with the query offsets as a runtime
@@ -356,6 +357,47 @@ class StagingRing:
         return put
 
 
+@dataclass(frozen=True)
+class DecodeSite:
+    """Where a decode step runs: the ``Device`` (stream, host→device copies), its SM count
+    (read by the adapter, never while a kernel is traced) and the stream's
+    ``DecodeWorkspace``."""
+
+    device: Device
+    num_sms: int
+    workspace: DecodeWorkspace
+
+
+@dataclass(frozen=True)
+class DecodeMods:
+    """A step's mods as the caller gave them (``Mod`` values or plain functions, at cache
+    positions: the plan rewrites them to true positions) and its scale (None: 1/sqrt(D))."""
+
+    score_mod: object = None
+    mask: object = None
+    scale: float | None = None
+
+    @property
+    def call(self) -> tuple:
+        """The step as a ``prepared.call_identity`` call (GQA implicit)."""
+        return (self.score_mod, None, self.scale, True, self.mask, None)
+
+
+@dataclass(frozen=True)
+class DecodeOverrides:
+    """What benchmarks and tests choose instead of the planner: the kernel shape
+    (``tuning``; None: ``DEFAULT_TUNING``) and the split count (``num_splits``; None:
+    ``choose_launch``; an explicit 2, 4, 8 or 16 merges in a cluster unless the tuning's
+    ``cluster_merge`` is off)."""
+
+    tuning: DecodeTuning | None = None
+    num_splits: int | None = None
+
+
+NO_MODS = DecodeMods()
+NO_OVERRIDES = DecodeOverrides()
+
+
 @dataclass
 class DecodeLaunch:
     """One planned step, ready to launch (``launch()`` repeats the kernel with the same
@@ -415,8 +457,8 @@ class DecodePlan:
     ``run`` is a whole step (lengths checked and uploaded, split count, launch) under the
     workspace's lock; ``step`` uploads and returns the launch (benchmarks, tests)."""
 
-    def __init__(self, q, k, table, out, page_size: int, tuning: DecodeTuning, device: Device,
-                 workspace: DecodeWorkspace, score_mod, mask, scale):
+    def __init__(self, q, k, table, out, page_size: int, tuning: DecodeTuning, site: DecodeSite, mods: DecodeMods):
+        device, workspace, score_mod, mask, scale = site.device, site.workspace, mods.score_mod, mods.mask, mods.scale
         B, Hq, q_len, D = (int(s) for s in q.shape)
         paged = page_size > 0
         self.kv_heads = int(k.shape[2] if paged else k.shape[1])
@@ -585,47 +627,45 @@ def _array_key(x) -> tuple:
     return None if x is None else (tuple(x.shape), dtype_name(x))
 
 
-def _plan_for(q, cache, out, lse, device: Device, workspace: DecodeWorkspace, score_mod, mask, scale, page_table,
-              tuning: DecodeTuning | None):
+def _plan_for(q, cache, out, lse, site: DecodeSite, mods: DecodeMods, page_table, tuning: DecodeTuning | None):
     """(plan, k, v, table, host lengths as ints) for this step; checks before anything compiles."""
     paged = hasattr(cache, "page_table")
     k, v = (cache.k_pages, cache.v_pages) if paged else (cache.k, cache.v)
     table = (cache.page_table if page_table is None else page_table) if paged else None
     page_size = cache.page_size if paged else 0
     tuning = DEFAULT_TUNING if tuning is None else tuning
-    call = (score_mod, None, scale, True, mask, None)
+    workspace = site.workspace
+    call = mods.call
     identity = call_identity(call)
     key = None if identity is None else identity + (
-        tuning, page_size, id(workspace), device.stream, tuple(q.shape), dtype_name(q), _array_key(k),
+        tuning, page_size, id(workspace), site.device.stream, tuple(q.shape), dtype_name(q), _array_key(k),
         _array_key(v), _array_key(table), _array_key(out), _array_key(lse))
     plan = None if key is None else _PREPARED.get(key)
     if plan is None or plan.workspace is not workspace:
         _check_step(q, k, v, table, page_size, out, lse)
-        plan = DecodePlan(q, k, table, out, page_size, tuning, device, workspace, score_mod, mask, scale)
+        plan = DecodePlan(q, k, table, out, page_size, tuning, site, mods)
         if key is not None:
             _PREPARED.add(key, call, lambda: plan)
     return plan, k, v, table, cache.host_lengths().tolist()
 
 
-def prepare_decode(q, cache, out, lse, device: Device, num_sms: int, workspace: DecodeWorkspace, score_mod=None,
-                   mask=None, scale=None, page_table=None, tuning: DecodeTuning | None = None,
-                   num_splits: int | None = None) -> DecodeLaunch:
+def prepare_decode(q, cache, out, lse, site: DecodeSite, mods: DecodeMods = NO_MODS, *, page_table=None,
+                   overrides: DecodeOverrides = NO_OVERRIDES) -> DecodeLaunch:
     """Plan one decode step for the split-KV kernel (``decode_into`` runs it): ``q`` [B, Hq, q_len, D] (the last
     q_len tokens of each sequence, already appended to ``cache``) → ``out`` [B, Hq, q_len, D]
-    (contiguous, q's dtype) and ``lse`` [B, Hq, q_len] (float32, natural log).
+    (contiguous, q's dtype) and ``lse`` [B, Hq, q_len] (float32, natural log), on ``site``
+    (device, SM count, workspace) with ``mods`` (score mod, mask, scale).
 
     ``page_table`` overrides the paged cache's table (the adapter passes an int32 copy);
-    ``tuning`` / ``num_splits`` override the kernel shape / the launch heuristic
-    (benchmarks, tests; an explicit 2, 4, 8 or 16 splits merge in a cluster unless the
-    tuning's ``cluster_merge`` is off). A step like an earlier one — the same mod objects (``Mod``
-    values: plain functions are traced anew), scale, tuning, workspace and stream, arrays
-    of the same shapes and dtypes — reuses that step's ``DecodePlan``: only the lengths
-    are read and checked. The lengths are uploaded here, into the plan's buffer: launch
-    a step before preparing the next one of the same plan (it would overwrite them), and
-    from one thread per stream (``decode_into`` holds the workspace's lock)."""
-    plan, k, v, table, lengths = _plan_for(q, cache, out, lse, device, workspace, score_mod, mask, scale, page_table,
-                                           tuning)
-    return plan.step(q, k, v, table, out, lse, lengths, num_sms, num_splits)
+    ``overrides`` the kernel shape / the launch heuristic (benchmarks, tests). A step like
+    an earlier one — the same mod objects (``Mod`` values: plain functions are traced
+    anew), scale, tuning, workspace and stream, arrays of the same shapes and dtypes —
+    reuses that step's ``DecodePlan``: only the lengths are read and checked. The lengths
+    are uploaded here, into the plan's buffer: launch a step before preparing the next one
+    of the same plan (it would overwrite them), and from one thread per stream
+    (``decode_into`` holds the workspace's lock)."""
+    plan, k, v, table, lengths = _plan_for(q, cache, out, lse, site, mods, page_table, overrides.tuning)
+    return plan.step(q, k, v, table, out, lse, lengths, site.num_sms, overrides.num_splits)
 
 
 def _check_step(q, k, v, table, page_size: int, out, lse) -> None:
@@ -647,18 +687,17 @@ def _check_step(q, k, v, table, page_size: int, out, lse) -> None:
         raise ValueError(f"out/lse must be [B, Hq, q_len, D] / [B, Hq, q_len], got {tuple(out.shape)} / {tuple(lse.shape)}")
 
 
-def decode_into(q, cache, out, lse, device: Device, num_sms: int, workspace: DecodeWorkspace, score_mod=None,
-                mask=None, scale=None, page_table=None, tuning: DecodeTuning | None = None,
-                num_splits: int | None = None) -> DecodeLaunch:
+def decode_into(q, cache, out, lse, site: DecodeSite, mods: DecodeMods = NO_MODS, *, page_table=None,
+                overrides: DecodeOverrides = NO_OVERRIDES) -> DecodeLaunch:
     """Run one decode step with the split-KV kernel; see ``prepare_decode``. The upload and
     the launch happen under the workspace's lock (threads sharing a stream)."""
-    plan, k, v, table, lengths = _plan_for(q, cache, out, lse, device, workspace, score_mod, mask, scale, page_table,
-                                           tuning)
+    plan, k, v, table, lengths = _plan_for(q, cache, out, lse, site, mods, page_table, overrides.tuning)
     with plan.lock:
-        step = plan.step(q, k, v, table, out, lse, lengths, num_sms, num_splits)
+        step = plan.step(q, k, v, table, out, lse, lengths, site.num_sms, overrides.num_splits)
         step.launch()
     return step
 
 
-__all__ = ["DECODE_MAX_Q_LEN", "DEFAULT_TUNING", "DecodeLaunch", "DecodePlan", "DecodeTuning", "DecodeWorkspace",
-           "StagingRing", "choose_splits", "decode_into", "decode_unsupported", "prepare_decode"]
+__all__ = ["DECODE_MAX_Q_LEN", "DEFAULT_TUNING", "DecodeLaunch", "DecodeMods", "DecodeOverrides", "DecodePlan",
+           "DecodeSite", "DecodeTuning", "DecodeWorkspace", "StagingRing", "choose_splits", "decode_into",
+           "decode_unsupported", "prepare_decode"]

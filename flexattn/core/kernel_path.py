@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 
 from ..arrays import dtype_name
-from ..blockmask import BlockMask, create_block_mask
+from ..blockmask import _LIST_NAMES, BlockMask, create_block_mask
 from ..kernels.hopper.device_facts import persistent_ctas
 from ..problem.spec import AttentionSpec
 from ..problem.validate import AttentionShape
@@ -179,6 +179,16 @@ def kernel_block_mask(spec: AttentionSpec, shape: AttentionShape) -> BlockMask |
     """The block mask whose lists the kernels of this call read (the spec's own, or one
     built for its mask mod and shape and cached), or None (dense / built-in causal)."""
     return _block_structure(spec, shape)[2]
+
+
+def block_lists_to_device(spec: AttentionSpec, shape: AttentionShape, to_device: Callable) -> None:
+    """``to_device`` every host block-mask list the kernels of this call read (the
+    forward's kv-side and the backward's q-side lists), for adapters that must place them
+    ahead of the first real call (a ``to_device`` that keeps its copies)."""
+    block_mask = kernel_block_mask(spec, shape)
+    if block_mask is not None:
+        for name in _LIST_NAMES:
+            to_device(getattr(block_mask, name))
 
 
 def plan_forward(q, shape: AttentionShape, spec: AttentionSpec) -> KernelPlan:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import weakref
 
+import numpy as np
+
 from ..blockmask import BlockMask
 from ..mods import Mod
 
@@ -72,6 +74,13 @@ class PreparedCalls:
         slot = self._entries.get(key)
         return None if slot is None else slot[1]
 
+    def run(self, key, *args):
+        """A repeated call: ``entry(*args)`` of ``key``'s entry (its outputs, or None where
+        the entry declines and the full path must run), or None where there is no entry
+        (not prepared yet, or ``key`` None: a call that cannot be keyed)."""
+        slot = self._entries.get(key)
+        return None if slot is None else slot[1](*args)
+
     def add(self, key, call, make) -> None:
         """On the second sighting of ``key``, store ``make()`` (an entry, or None for
         calls that cannot be prepared)."""
@@ -93,4 +102,52 @@ class PreparedCalls:
         self._entries[key] = (refs, entry)
 
 
-__all__ = ["PreparedCalls", "call_identity", "call_key"]
+class PreparedEntry:
+    """What every adapter's entry (a prepared forward or decode step) keeps for allocating
+    its outputs: their shapes (``out`` [B, Hq, q_len, D], ``lse`` [B, Hq, q_len]), the
+    output dtype and the device, in the adapter's own objects (``device``) and as an index
+    (``device_index``, compared with the current device before launching). Only the
+    setup is shared: each adapter's ``__call__`` stays flat (no call through a base
+    method on the hot path)."""
+
+    __slots__ = ("out_shape", "lse_shape", "dtype", "device", "device_index")
+
+    def __init__(self, out_shape, dtype, device, device_index: int):
+        self.out_shape = tuple(out_shape)
+        self.lse_shape = self.out_shape[:3]
+        self.dtype, self.device, self.device_index = dtype, device, device_index
+
+
+class HostCopies:
+    """Host arrays (block-mask lists, numpy captures) → an adapter's device arrays, as a
+    ``Device.to_device`` base: ``host(x)`` copies through the subclass's ``copy(array)``
+    (a C-contiguous, writeable numpy array → a device array on ``self.device``).
+
+    Read-only numpy arrays (block-mask lists, arrays made by the built-in mods) are copied
+    once per array object and device and kept while the array lives, so steady-state calls
+    copy nothing (a pageable copy would also stall the stream). Writeable host arrays may
+    change between calls and are copied every call: capture device arrays to avoid that.
+    """
+
+    _cache: dict = {}   # (id(array), str(device)) -> (weakref, copy); a subclass may keep its own
+    device: object = None
+
+    def copy(self, array: np.ndarray):
+        raise NotImplementedError
+
+    def host(self, x):
+        if not isinstance(x, np.ndarray) or x.flags.writeable:
+            return self.copy(np.ascontiguousarray(x))
+        key = (id(x), str(self.device))
+        hit = self._cache.get(key)
+        if hit is not None and hit[0]() is x:
+            return hit[1]
+        # A writeable host copy (made once per array): frameworks warn on read-only numpy memory.
+        t = self.copy(np.array(x, order="C", copy=True))
+        cache = self._cache  # bound now: at interpreter exit the class may be gone
+        ref = weakref.ref(x, lambda _, key=key: cache.pop(key, None))
+        self._cache[key] = (ref, t)
+        return t
+
+
+__all__ = ["HostCopies", "PreparedCalls", "PreparedEntry", "call_identity", "call_key"]

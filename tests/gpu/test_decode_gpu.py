@@ -145,8 +145,9 @@ def run_kernel(q, cache, mask, score, num_sms, tuning=None, num_splits=None, syn
     from flexattn.torch import _DeviceCopies
 
     device = Device(torch.cuda.current_stream().cuda_stream, _DeviceCopies(torch.device(DEV)), tvm_ffi_stream=True)
-    step = decode_path.decode_into(q, cache, out, lse, device, num_sms, workspace(), score_mod=score, mask=mask,
-                                   tuning=tuning, num_splits=num_splits)
+    step = decode_path.decode_into(q, cache, out, lse, decode_path.DecodeSite(device, num_sms, workspace()),
+                                   decode_path.DecodeMods(score, mask),
+                                   overrides=decode_path.DecodeOverrides(tuning, num_splits))
     if sync:
         torch.cuda.synchronize()
     return out, lse, step

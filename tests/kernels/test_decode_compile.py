@@ -229,7 +229,7 @@ def test_decode_into_refuses_before_launch():
     out, lse = torch.empty(2, 4, 17, 128, dtype=torch.bfloat16), torch.empty(2, 4, 17)
 
     def call(q, c=cache, **kw):
-        return decode_path.decode_into(q, c, out, lse, device=Device(0, None), num_sms=132, workspace=None, **kw)
+        return decode_path.decode_into(q, c, out, lse, decode_path.DecodeSite(Device(0, None), 132, None), **kw)
 
     with pytest.raises(ValueError, match="1..16"):
         call(torch.zeros(2, 4, 17, 128, dtype=torch.bfloat16))
@@ -295,26 +295,26 @@ def test_steps_reuse_one_plan():
                                      scratch=lambda n: torch.empty(n), uploader=uploader)
     device = Device(0, lambda x: x if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x)))
     score, mask = mods.alibi(num_heads=8), mods.sliding_window(64)
+    site, step_mods = decode_path.DecodeSite(device, 132, ws), decode_path.DecodeMods(score, mask)
     steps = []
     for _ in range(4):
-        steps.append(decode_path.prepare_decode(q, cache, out, lse, device, 132, ws, score_mod=score, mask=mask))
+        steps.append(decode_path.prepare_decode(q, cache, out, lse, site, step_mods))
         cache.lengths += 1
     assert steps[0].config is not steps[1].config           # first sighting: not kept
     assert steps[1].config is steps[2].config is steps[3].config
     assert uploads[1][1] is uploads[2][1] is uploads[3][1]   # one positions buffer
     assert [h[0].tolist() for h, _ in uploads] == [[100, 37], [101, 38], [102, 39], [103, 40]]
     assert [h[1].tolist() for h, _ in uploads] == [[99, 36], [100, 37], [101, 38], [102, 39]]
-    other = decode_path.prepare_decode(q, cache, out, lse, device, 132, ws, score_mod=mods.alibi(num_heads=8),
-                                       mask=mask)
+    other = decode_path.prepare_decode(q, cache, out, lse, site, decode_path.DecodeMods(mods.alibi(num_heads=8), mask))
     assert other.config is not steps[3].config
     # The window may exclude the cache's head: the kernel keeps its masked-prefix analysis;
     # under a causal mask the first key is always attended: compiled out.
     assert steps[3].config.skip_masked_prefix
-    causal = decode_path.prepare_decode(q, cache, out, lse, device, 132, ws, score_mod=score, mask=mods.causal())
+    causal = decode_path.prepare_decode(q, cache, out, lse, site, decode_path.DecodeMods(score, mods.causal()))
     assert not causal.config.skip_masked_prefix
     cache.lengths[1] = 0
     with pytest.raises(ValueError, match="query tokens"):
-        decode_path.prepare_decode(q, cache, out, lse, device, 132, ws, score_mod=score, mask=mask)
+        decode_path.prepare_decode(q, cache, out, lse, site, step_mods)
 
 
 def test_plan_run_repeated_steps():
@@ -345,8 +345,9 @@ def test_plan_run_repeated_steps():
                                      scratch=get_scratch, uploader=uploader)
     device = Device(0, lambda x: x if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x)))
     tickets_only = dataclasses.replace(decode_path.DEFAULT_TUNING, cluster_merge=False)   # the partials' path
-    plan = decode_path.prepare_decode(q, cache, out, lse, device, 132, ws, score_mod=mods.alibi(num_heads=Hq),
-                                      mask=mods.causal(), tuning=tickets_only).plan
+    plan = decode_path.prepare_decode(q, cache, out, lse, decode_path.DecodeSite(device, 132, ws),
+                                      decode_path.DecodeMods(mods.alibi(num_heads=Hq), mods.causal()),
+                                      overrides=decode_path.DecodeOverrides(tuning=tickets_only)).plan
     launches = []
     plan._fns[(plan.tuning, 1)] = lambda *args: launches.append(args)   # splits 1 and 13: the ticket merge
     assert plan.run(q, k, k, None, out, lse, [100, 37], 132) == 1            # 2 blocks: one split
