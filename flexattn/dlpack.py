@@ -37,11 +37,11 @@ def flex_attention_into(q, k, v, out, lse, *, score_mod=None, block_mask=None, s
     _check_destination("out", out, (shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim), dtype_name(q))
     _check_destination("lse", lse, (shape.batch, shape.q_heads, shape.q_len), lse_dtype(q))
     if device_type(q) != "cuda":
-        o, l = _host_attention(*(np.from_dlpack(x) for x in (q, k, v)), score=spec.score, mask=spec.mask,
+        o, lse_host = _host_attention(*(np.from_dlpack(x) for x in (q, k, v)), score=spec.score, mask=spec.mask,
                                block_mask=spec.block_mask, scale=spec.scale, enable_gqa=enable_gqa,
                                return_lse=True)
         np.from_dlpack(out)[...] = o
-        np.from_dlpack(lse)[...] = l
+        np.from_dlpack(lse)[...] = lse_host
         return
     reason = kernel_unsupported(q, shape)
     if reason:
