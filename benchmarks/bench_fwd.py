@@ -1,6 +1,10 @@
 """Forward attention with mods, side by side on one GPU in one process.
 
-  flexattn   flexattn.torch.flex_attention (mods → IR → our sm90 CuTeDSL kernel)
+  flexattn   the user's door: flexattn.torch called exactly as torch's flex_attention is —
+             torch-style functions (``mask_fn`` through ``create_block_mask(..., device="cuda")``,
+             ``score_mod=fn``), torch's argument order
+  flexattn-builtin  the same variant through our built-in mods (``mask=``/``block_mask=`` of
+             ``mods.causal()``, ``mods.softcap(30)``, ...), where one exists
   fa4        FlashAttention-4, flash_attn.cute.flash_attn_func (where it has the variant)
   flex       torch flex_attention, torch.compile'd (Triton backend)
   flex-fa    torch flex_attention, kernel_options={"BACKEND": "FLASH"}
@@ -8,8 +12,8 @@
 
 TFLOP/s count 4·B·H·S²·D·density, the density being the exact fraction of attended
 (q, kv) pairs (from our BlockMask), so every implementation is credited the same work.
-Block masks are built once, outside the timed loop, for us and for torch. Our first-call
-seconds (trace + block mask + compile) are printed. Inputs are one [B, S, H, D] storage,
+Block masks are built once, outside the timed loop, for us and for torch. The first-call
+seconds (trace + compile) and host µs per call are the headline column's. Inputs are one [B, S, H, D] storage,
 viewed as [B, H, S, D] where a library wants that.
 
     python3 benchmarks/bench_fwd.py [--shapes 4x4096x16x128 ...] [--variants full causal ...] [--out results.json]
@@ -27,8 +31,10 @@ import torch
 from common import bench_ms, device_name, rel_diff, report
 from results_log import RECORD_HELP, append_rows, tflops_rows
 
-VARIANTS = ("full", "causal", "window1024", "document4", "causal+softcap30", "causal+alibi")
-IMPLS = ("flexattn", "fa4", "flex", "flex-fa", "cudnn")
+VARIANTS = ("full", "causal", "window1024", "document4", "causal+softcap30", "causal+alibi", "dilated1024",
+            "neighborhood2d")
+IMPLS = ("flexattn", "flexattn-builtin", "fa4", "flex", "flex-fa", "cudnn")
+IMAGE_WIDTH = 64   # neighborhood2d: tokens are a row-major image this wide
 
 
 class Variant:
@@ -79,6 +85,11 @@ class Variant:
         elif name == "document4":
             self.mask = mods.document(doc)
             self.mask_fn = lambda b, h, q, kv: doc[q] == doc[kv]
+        elif name == "dilated1024":   # mostly partial tiles: every other key within 512
+            self.mask_fn = lambda b, h, q, kv: ((q - kv).abs() <= 512) & ((q - kv) % 2 == 0)
+        elif name == "neighborhood2d":   # integer division: a 17 x 17 window on a 64-wide image
+            w = IMAGE_WIDTH
+            self.mask_fn = lambda b, h, q, kv: (((q // w) - (kv // w)).abs() <= 8) & (((q % w) - (kv % w)).abs() <= 8)
         else:
             raise ValueError(f"unknown variant {name}")
 
@@ -92,9 +103,11 @@ def run_shape(B, S, H, D, variants, rows):
     scale = 1.0 / math.sqrt(D)
     for name in variants:
         var = Variant(name, B, S, H)
-        density, kw = ours_mask_args(var, S)
+        # The user's door: torch-style functions, a block mask built as a torch user builds it.
+        door_bm = fa.create_block_mask(var.mask_fn, None, None, S, S, device="cuda") if var.mask_fn else None
+        density = door_bm.density() if door_bm is not None else 1.0
         work = 4.0 * B * H * S * S * D * density
-        ours = lambda: fa.flex_attention(qh, kh, vh, score_mod=var.score, scale=scale, **kw)  # noqa: E731
+        ours = lambda: fa.flex_attention(qh, kh, vh, score_mod=var.score_fn, block_mask=door_bm, scale=scale)  # noqa: E731
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         ref = ours()
@@ -107,7 +120,12 @@ def run_shape(B, S, H, D, variants, rows):
             ours()
         host_us = (time.perf_counter() - t0) / 20 * 1e6
         torch.cuda.synchronize()
-        for impl, make in baselines(q, k, v, scale, var, S):
+        makers = list(baselines(q, k, v, scale, var, S))
+        if var.mask is not None or var.score is not None or name == "full":
+            _, kw = ours_mask_args(var, S)
+            makers.insert(0, ("flexattn-builtin",
+                              lambda: lambda: fa.flex_attention(qh, kh, vh, score_mod=var.score, scale=scale, **kw)))
+        for impl, make in makers:
             try:
                 fn = make()
                 if fn is None:
@@ -183,17 +201,20 @@ def _cudnn(qh, kh, vh, scale, var):
 
 
 def table(rows, dev, stamp, title="Forward, bf16", flops="masked FLOPs × exact density") -> str:
+    """Markdown: TFLOP/s per implementation, then ours (the headline column) against FA4,
+    flex Triton, flex FLASH, and against our built-in spelling of the same variant."""
     host = all("host_us" in r for r in rows)
+    ratios = (("ours/fa4", "fa4"), ("ours/flex", "flex"), ("ours/flex-fa", "flex-fa"),
+              ("ours/builtin", "flexattn-builtin"))
     lines = [f"{title}, {dev}, {stamp}. TFLOP/s ({flops}).", "",
-             "| shape | variant | " + " | ".join(IMPLS) + " | ours/fa4 | ours/flex | first call s |"
-             + (" host µs/call |" if host else ""),
-             "|---|---|" + "---|" * (len(IMPLS) + 3 + host)]
+             "| shape | variant | " + " | ".join(IMPLS) + " | " + " | ".join(n for n, _ in ratios)
+             + " | first call s |" + (" host µs/call |" if host else ""),
+             "|---|---|" + "---|" * (len(IMPLS) + len(ratios) + 1 + host)]
     for r in rows:
         t = r["tflops"]
         cells = " | ".join(f"{t[i]:.1f}" if i in t else "n/a" for i in IMPLS)
-        ra = f"{t['flexattn'] / t['fa4']:.2f}" if "fa4" in t else "n/a"
-        rf = f"{t['flexattn'] / t['flex']:.2f}" if "flex" in t else "n/a"
-        lines.append(f"| {r['shape']} | {r['variant']} | {cells} | {ra} | {rf} | {r['first_call_s']:.2f} |"
+        rs = " | ".join(f"{t['flexattn'] / t[i]:.2f}" if i in t else "n/a" for _, i in ratios)
+        lines.append(f"| {r['shape']} | {r['variant']} | {cells} | {rs} | {r['first_call_s']:.2f} |"
                      + (f" {r['host_us']:.0f} |" if host else ""))
     return "\n".join(lines)
 
