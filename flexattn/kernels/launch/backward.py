@@ -84,7 +84,6 @@ import time
 
 import cuda.bindings.driver as cuda
 import cutlass
-import cutlass.cute as cute
 
 from flexattn.kernels.bwd.plan import workspace_dtypes, workspace_shapes
 from flexattn.kernels.bwd.postprocess import BwdPostprocess
@@ -94,8 +93,8 @@ from flexattn.kernels.emit.mod_emit import IRModHook, fake_args
 from flexattn.kernels.launch import disk_cache
 from flexattn.kernels.launch.arguments import (arg_signature, check_block_list_shape, check_block_lists,
                                                check_q_and_kv_shapes, is_contiguous, to_cute)
-from flexattn.kernels.launch.compile import (ARCH_OPTION, compile_backward, compile_postprocess, compile_preprocess,
-                                             pipeline_options)
+from flexattn.kernels.launch.compile import (compile_backward, compile_on_views, compile_postprocess,
+                                             compile_preprocess)
 from flexattn.kernels.launch.operands import BackwardArrays
 
 
@@ -205,13 +204,11 @@ class BackwardRunner:
         return tuple(out), tuple(shapes)
 
     # ------------------------------------------------------------------ compile + launch
-    def _compiled_fn(self, key, make):
+    def _compiled_fn(self, key, make_kernel, args):
         fn = self._compiled.get(key)
         if fn is None:
-            t0 = time.perf_counter()
-            with pipeline_options():
-                fn = make()
-            self.last_compile_seconds += time.perf_counter() - t0
+            fn, seconds = compile_on_views(make_kernel(), args)
+            self.last_compile_seconds += seconds
             self._compiled[key] = fn
         return fn
 
@@ -247,19 +244,16 @@ class BackwardRunner:
 
         # (cfg, hence deterministic and which workspaces exist, is fixed per runner.)
         pre_args = (od, dod, lsed, dlsed, lse2, delta, dqacc, dqsem, fixed, cu_stream)
-        pre = self._compiled_fn(("pre", dlse is not None), lambda: cute.compile(
-            BwdPreprocess(cfg), *pre_args, options=ARCH_OPTION))
+        pre = self._compiled_fn(("pre", dlse is not None), lambda: BwdPreprocess(cfg), pre_args)
         main_args = (qd, kd, vd, dod, lse2, delta, dqacc, dqsem, dkd, dvd, scale, args, grads,
                      fixed, bs, cu_stream)
         grad_key = tuple(arg_signature(g) for g in grads or ())
         key = ("main",) + tuple(arg_signature(a) for a in mod_args or ()) + grad_key
-        main = self._compiled_fn(key, lambda: cute.compile(
-            FlashBwdSm90(cfg), *main_args, options=ARCH_OPTION))
+        main = self._compiled_fn(key, lambda: FlashBwdSm90(cfg), main_args)
         post_grads = grads if fixed is not None else None
         post_args = (dqacc, dqd, scale, post_grads, fixed, cu_stream)
         post_key = ("post",) + (grad_key if fixed is not None else ())
-        post = self._compiled_fn(post_key, lambda: cute.compile(
-            BwdPostprocess(cfg), *post_args, options=ARCH_OPTION))
+        post = self._compiled_fn(post_key, lambda: BwdPostprocess(cfg), post_args)
 
         def launch():
             pre(*pre_args)

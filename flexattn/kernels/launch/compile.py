@@ -8,8 +8,8 @@ can be launched with real tensors of the same dtypes and ranks (any sizes / stri
 the last dim contiguous). The target is a compile option (``ARCH_OPTION``), so a CPU-only
 machine needs no settings; PTX and CUBIN are kept on request so tests can inspect them.
 ``compile_kernel`` is what every compile on fakes goes through; the from_dlpack runners
-(``forward.py``, ``backward.py``, ``decode.py``) instead call ``cute.compile`` on the very
-views they launch with, inside ``pipeline_options``.
+(``forward.py``, ``backward.py``, ``decode.py``) compile on the very views they launch with
+(``compile_on_views``).
 """
 
 import contextlib
@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 
 from flexattn.kernels.launch import fakes
@@ -47,6 +48,18 @@ def compile_on_fakes(kernel, args, *, keep_ptx: bool = False, keep_cubin: bool =
     # into the result at once; point it at a scratch directory for this compile.
     with tempfile.TemporaryDirectory() as d, _dump_dir(d):
         return compile_kernel(kernel, args, opts, tvm_ffi)
+
+
+def compile_on_views(kernel, args) -> tuple:
+    """A from_dlpack runner's compile: ``cute.compile`` on the very dynamic-layout views it
+    launches with (the compiled function reads its arguments in the layout it was traced
+    with, and checks none of them) -> (function, seconds)."""
+    import cutlass.cute as cute
+
+    t0 = time.perf_counter()
+    with pipeline_options():
+        fn = cute.compile(kernel, *args, options=ARCH_OPTION)
+    return fn, time.perf_counter() - t0
 
 
 # One entry per kernel; ``mod_args``: the hook's runtime args as typed stand-ins

@@ -14,13 +14,12 @@ import time
 
 import cuda.bindings.driver as cuda
 import cutlass
-import cutlass.cute as cute
 
 from flexattn.kernels.decode.sm90 import DecodeConfig, DecodeSm90
 from flexattn.kernels.emit.mod_emit import fake_args
 from flexattn.kernels.launch import disk_cache
 from flexattn.kernels.launch.arguments import arg_signature, dlpack_view
-from flexattn.kernels.launch.compile import ARCH_OPTION, compile_decode, pipeline_options
+from flexattn.kernels.launch.compile import compile_decode, compile_on_views
 
 
 class DecodeRunner:
@@ -71,9 +70,6 @@ class DecodeRunner:
         key = tuple(arg_signature(a) for a in mod_args or ())
         fn = self._compiled.get(key)
         if fn is None:
-            t0 = time.perf_counter()
-            with pipeline_options():
-                fn = self._compiled[key] = cute.compile(DecodeSm90(self.cfg), *tensors, s, args, cu_stream,
-                                                        options=ARCH_OPTION)
-            self.last_compile_seconds = time.perf_counter() - t0
+            fn, self.last_compile_seconds = compile_on_views(DecodeSm90(self.cfg), (*tensors, s, args, cu_stream))
+            self._compiled[key] = fn
         fn(*tensors, s, args, cu_stream)

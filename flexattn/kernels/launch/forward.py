@@ -19,13 +19,12 @@ import time
 
 import cuda.bindings.driver as cuda
 import cutlass
-import cutlass.cute as cute
 
 from flexattn.kernels.emit.mod_emit import IRModHook, fake_args
 from flexattn.kernels.fwd.sm90 import FlashFwdSm90, FwdConfig
 from flexattn.kernels.launch import disk_cache
 from flexattn.kernels.launch.arguments import arg_signature, check_block_lists, to_cute
-from flexattn.kernels.launch.compile import ARCH_OPTION, compile_forward, pipeline_options
+from flexattn.kernels.launch.compile import compile_forward, compile_on_views
 
 
 class ForwardRunner:
@@ -85,8 +84,6 @@ class ForwardRunner:
         (keeps DLPack conversion and checks out of timed loops). `block_sparse`:
         (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) as DLPack int32
         arrays, block size tile_m x tile_n, iff cfg.block_sparse."""
-        import time
-
         views = [to_cute(x, 16) for x in (q, k, v, o)] + [to_cute(lse, 4)]
         self._check(*(s for s, _ in views))
         bs = self._check_block_sparse(views[0][0], views[1][0], block_sparse)
@@ -97,13 +94,7 @@ class ForwardRunner:
         key = tuple(arg_signature(a) for a in mod_args or ())
         fn = self._compiled.get(key)
         if fn is None:
-            t0 = time.perf_counter()
-            # Compile on these very (dynamic-layout) tensors: the compiled function reads
-            # its arguments in the layout it was traced with, and checks none of them.
-            with pipeline_options():
-                fn = cute.compile(FlashFwdSm90(self.cfg), *dyn, scale, args, bs, cu_stream,
-                                  options=ARCH_OPTION)
-            self.last_compile_seconds = time.perf_counter() - t0
+            fn, self.last_compile_seconds = compile_on_views(FlashFwdSm90(self.cfg), (*dyn, scale, args, bs, cu_stream))
             self._compiled[key] = fn
         return lambda: fn(*dyn, scale, args, bs, cu_stream)
 
