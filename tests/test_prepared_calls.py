@@ -15,7 +15,13 @@ def _call(score_mod=None, block_mask=None, scale=None, mask=None):
 def test_only_immutable_calls_have_an_identity():
     assert call_identity(_call(mods.softcap(3.0), mask=mods.causal())) is not None
     assert call_identity(_call(block_mask=create_block_mask(mods.causal(), None, None, 64, 64))) is not None
-    assert call_identity(_call(lambda s, b, h, q, kv: s)) is None        # re-traced every call
+    # plain functions: by fingerprint, when they name no array (an entry would keep it alive)
+    same = [call_identity(_call(lambda s, b, h, q, kv: s * 2.0)) for _ in range(2)]
+    assert same[0] is not None and same[0] == same[1]                    # a new lambda each call
+    table = np.ones(4, np.float32)
+    assert call_identity(_call(lambda s, b, h, q, kv: s + table[h])) is None
+    holder = type("Holder", (), {"cap": 3.0})()
+    assert call_identity(_call(lambda s, b, h, q, kv: s * holder.cap)) is None   # an object: may change
     assert call_identity(_call(scale=np.float32(0.5))) is None            # not a plain number
     assert call_identity(_call(scale=0.5)) == call_identity(_call(scale=0.5))
 

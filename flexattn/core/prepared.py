@@ -6,8 +6,8 @@ the planner would find what they found last time, so an adapter keeps its launch
 (``kernel_path.PreparedForward`` plus its own output allocation) under a key made of
 
 - ``call_identity(call)``: the identities of the mod / block-mask objects, the scale and
-  the GQA flag — only for immutable values (``ScoreMod``/``MaskMod``/``BlockMask``; plain
-  functions are re-traced every call, their closures may change);
+  the GQA flag — only for immutable values (``ScoreMod``/``MaskMod``/``BlockMask``), or the
+  fingerprint (``mods/trace_cache.py``) of a plain function that names no array;
 - the tensors' metadata, which only the adapter knows how to read cheaply.
 
 The cache holds the keyed objects weakly: an entry leaves when one of them dies (so an
@@ -25,20 +25,27 @@ import numpy as np
 
 from ..blockmask import BlockMask
 from ..mods import Mod
+from ..mods.trace_cache import fingerprint
 
 
 def call_identity(call) -> tuple | None:
     """The cacheable part of ``call = (score_mod, block_mask, scale, enable_gqa, mask,
     score)``, or None if something in it may change between calls."""
     score_mod, block_mask, scale, enable_gqa, mask, score = call
+    mods = []
     for m in (score_mod, mask, score):
-        if m is not None and not isinstance(m, Mod):
+        if m is None or isinstance(m, Mod):
+            mods.append(id(m))
+            continue
+        fp = fingerprint(m)
+        if fp is None or fp.watched:   # arrays: an entry would keep them alive, see below
             return None
+        mods.append(fp.key)
     if block_mask is not None and not isinstance(block_mask, BlockMask):
         return None
     if scale is not None and type(scale) is not float and type(scale) is not int:
         return None
-    return (id(score_mod), id(block_mask), id(mask), id(score), scale, enable_gqa)
+    return (mods[0], id(block_mask), mods[1], mods[2], scale, enable_gqa)
 
 
 def call_key(call, *facts) -> tuple | None:
@@ -50,7 +57,11 @@ def call_key(call, *facts) -> tuple | None:
 
 
 def _objects(call):
-    return (call[0], call[1], call[4], call[5])   # score_mod, block_mask, mask, score
+    """The objects whose death ends an entry: the mods and block mask. A plain function is
+    keyed by its fingerprint instead (often a new lambda each call), and only when it
+    names no array, so its entry holds no caller's tensor."""
+    return tuple(o if o is None or isinstance(o, (Mod, BlockMask)) else None
+                 for o in (call[0], call[1], call[4], call[5]))   # score_mod, block_mask, mask, score
 
 
 class PreparedCalls:

@@ -21,6 +21,7 @@ import numpy as np
 from . import ir
 from .evaluate import evaluate
 from .trace import Sym, TraceError, _is_number, active_context, canonicalize, trace
+from .trace_cache import TraceCache
 
 MASK_VARS = ("b", "h", "q", "kv")
 SCORE_VARS = ("score", "b", "h", "q", "kv")
@@ -190,6 +191,10 @@ def mask_mod(fn: Callable | None = None, *, name: str | None = None):
     """Trace ``fn(b, h, q_idx, kv_idx) -> bool`` into a ``MaskMod``. Usable as a decorator."""
     if fn is None:
         return lambda f: mask_mod(f, name=name)
+    return _MASK_TRACES.lookup(fn, name)
+
+
+def _trace_mask(fn, name):
     _check_arity(fn, 4, "a mask function takes (b, h, q_idx, kv_idx)")
     expr, captures = trace(fn, MASK_VARS)
     if expr.dtype == ir.FLOAT:
@@ -202,12 +207,22 @@ def score_mod(fn: Callable | None = None, *, name: str | None = None):
     """Trace ``fn(score, b, h, q_idx, kv_idx) -> float`` into a ``ScoreMod``."""
     if fn is None:
         return lambda f: score_mod(f, name=name)
+    return _SCORE_TRACES.lookup(fn, name)
+
+
+def _trace_score(fn, name):
     _check_arity(fn, 5, "a score function takes (score, b, h, q_idx, kv_idx)")
     expr, captures = trace(fn, SCORE_VARS)
     if expr.dtype == ir.BOOL:
         raise TraceError(f"a score function must return a number, but {_fn_name(fn)} returns a boolean")
     expr, captures = canonicalize(ir.cast(expr, ir.FLOAT), captures)
     return ScoreMod(expr, captures, name or _fn_name(fn))
+
+
+# Plain functions traced once per fingerprint (mods/trace_cache.py): a torch-style
+# lambda passed on every call costs a fingerprint, not a trace.
+_MASK_TRACES = TraceCache(MaskMod, _trace_mask)
+_SCORE_TRACES = TraceCache(ScoreMod, _trace_score)
 
 
 def as_mask(x, what: str = "mask") -> MaskMod:

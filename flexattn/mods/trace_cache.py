@@ -1,0 +1,220 @@
+"""Plain functions traced once: a function's trace is reused while everything it reads is the same.
+
+A torch user passes ``score_mod=lambda score, b, h, q_idx, kv_idx: ...`` on every call, often
+a new lambda object each time. Tracing it costs ~0.2 ms of host time, and a fresh IR object
+misses every plan cache keyed by the IR's identity (another ~0.3 ms). So a trace is kept
+under the function's *fingerprint*: its code, and what that code can read —
+
+- closure cells, default arguments and the globals its code names (nested code included);
+- numbers, strings, None and tuples by value; arrays by identity, shape and dtype
+  (watched by weak reference, so an entry never keeps a tensor alive and a recycled
+  ``id`` never matches); Python functions by their own fingerprint, library functions,
+  builtins, classes and modules by identity (a module's attributes named by the code are
+  fingerprinted too: ``config.WINDOW``);
+- anything else (an object such as ``self``, a list, a dict) can change without the
+  function changing, so a function that reads one is traced on every call, as before.
+
+A hit rebuilds the mod from the kept IR (the same object: plans and compiled kernels hit)
+and the arrays it captured. A trace that captured something the fingerprint does not
+cover (a tensor made inside the function) is not kept.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from collections import OrderedDict
+
+import numpy as np
+
+from .trace import _is_number, is_array
+
+# Library code does not change between calls: its functions are keyed by identity.
+_LIBRARY_PREFIXES = ("torch", "numpy", "math", "jax", "jaxlib", "cupy", "flexattn", "functools", "operator",
+                     "builtins")
+_MAX_DEPTH = 4
+_UNCACHEABLE = object()
+
+
+class Fingerprint:
+    """The hashable key of a function plus the arrays (and mods) it names, watched weakly."""
+
+    __slots__ = ("key", "watched")
+
+    def __init__(self, key, watched):
+        self.key, self.watched = key, watched
+
+
+def fingerprint(fn) -> Fingerprint | None:
+    """``fn``'s fingerprint, or None when it reads something that may change unseen."""
+    if not isinstance(fn, types.FunctionType):
+        return None
+    watched: dict[int, object] = {}
+    key = _function_key(fn, watched, 0)
+    return None if key is _UNCACHEABLE else Fingerprint(key, watched)
+
+
+def _code_names(code, out: set) -> set:
+    out.update(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            _code_names(c, out)
+    return out
+
+
+def _function_key(fn, watched, depth):
+    if depth > _MAX_DEPTH:
+        return _UNCACHEABLE
+    code = fn.__code__
+    names = _code_names(code, set())
+    parts = [code]
+    if fn.__closure__:
+        for cell in fn.__closure__:
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell: bound later, read at call time
+                return _UNCACHEABLE
+            k = _value_key(value, names, watched, depth)
+            if k is _UNCACHEABLE:
+                return _UNCACHEABLE
+            parts.append(k)
+    for value in fn.__defaults__ or ():
+        k = _value_key(value, names, watched, depth)
+        if k is _UNCACHEABLE:
+            return _UNCACHEABLE
+        parts.append(k)
+    if fn.__kwdefaults__:
+        for name, value in sorted(fn.__kwdefaults__.items()):
+            k = _value_key(value, names, watched, depth)
+            if k is _UNCACHEABLE:
+                return _UNCACHEABLE
+            parts.append((name, k))
+    glb = fn.__globals__
+    for name in sorted(names):
+        if name in glb:
+            k = _value_key(glb[name], names, watched, depth)
+            if k is _UNCACHEABLE:
+                return _UNCACHEABLE
+            parts.append((name, k))
+    return tuple(parts)
+
+
+def _value_key(value, names, watched, depth):
+    # Modules and functions before arrays: ``is_array`` reads ``.shape``, which a module
+    # such as torch answers through a slow ``__getattr__``.
+    if value is None or isinstance(value, (bool, str, bytes)):
+        return (type(value), value)
+    if _is_number(value):
+        return (type(value), value.item() if isinstance(value, np.generic) else value)
+    if isinstance(value, tuple):
+        keys = tuple(_value_key(v, names, watched, depth + 1) for v in value)
+        return _UNCACHEABLE if _UNCACHEABLE in keys else ("tuple", keys)
+    if isinstance(value, types.FunctionType):
+        if (value.__module__ or "").split(".")[0] in _LIBRARY_PREFIXES:
+            return ("function", id(value))
+        k = _function_key(value, watched, depth + 1)
+        return k if k is _UNCACHEABLE else ("function", k)
+    if isinstance(value, types.ModuleType):
+        return _module_key(value, names, watched, depth)
+    if isinstance(value, (type, types.BuiltinFunctionType, types.BuiltinMethodType, np.dtype)) or \
+            type(value).__name__ in ("dtype", "ufunc", "method_descriptor", "wrapper_descriptor"):
+        return ("object", id(value))   # classes, builtins, dtypes: not mutated in practice
+    if is_array(value):
+        try:
+            weakref.ref(value)
+        except TypeError:
+            return _UNCACHEABLE
+        watched[id(value)] = value
+        return ("array", id(value), tuple(value.shape), str(value.dtype))
+    from .mod import Mod
+
+    if isinstance(value, Mod):   # immutable; its captures are its own
+        watched[id(value)] = value
+        return ("mod", id(value))
+    return _UNCACHEABLE
+
+
+def _module_key(module, names, watched, depth):
+    """A module by identity, plus the attributes the code names that are user data
+    (``config.WINDOW``, ``settings.bias``): a library's own attributes are fixed."""
+    if (module.__name__ or "").split(".")[0] in _LIBRARY_PREFIXES:
+        return ("module", id(module))
+    parts = [("module", id(module))]
+    for name in sorted(names):
+        value = getattr(module, name, None)
+        if value is None or isinstance(value, types.ModuleType):
+            continue
+        k = _value_key(value, names, watched, depth + 1)
+        if k is _UNCACHEABLE:
+            return _UNCACHEABLE
+        parts.append((name, k))
+    return tuple(parts)
+
+
+class _Entry:
+    __slots__ = ("expr", "captures", "name", "finalizers")
+
+    def __init__(self, mod, finalizers):
+        self.expr, self.name, self.finalizers = mod.expr, mod.name, finalizers
+        # arrays weakly (the fingerprint watches them), numbers by value
+        self.captures = tuple(c if _is_number(c) else weakref.ref(c) for c in mod.captures)
+
+    def mod(self, cls):
+        """The mod again, or None when a captured array has died."""
+        captures = tuple(c() if isinstance(c, weakref.ref) else c for c in self.captures)
+        return None if any(c is None for c in captures) else cls(self.expr, captures, self.name)
+
+    def drop(self):
+        for f in self.finalizers:
+            f.detach()
+
+
+class TraceCache:
+    """fingerprint -> traced IR of one kind of mod (``cls``, made by ``trace``); bounded,
+    least recently used out."""
+
+    def __init__(self, cls, trace, capacity: int = 256):
+        self.cls, self.trace, self.capacity = cls, trace, capacity
+        self._entries: OrderedDict = OrderedDict()
+
+    def __len__(self):
+        return len(self._entries)
+
+    def clear(self):
+        for entry in self._entries.values():
+            entry.drop()
+        self._entries.clear()
+
+    def lookup(self, fn, name=None):
+        """The mod of ``fn`` (named ``name``): from a kept trace when ``fn``'s fingerprint
+        matches one, else a fresh trace, kept when the fingerprint covers everything it
+        captured."""
+        fp = fingerprint(fn)
+        if fp is None:
+            return self.trace(fn, name)
+        fp.key = (fp.key, name)
+        entry = self._entries.get(fp.key)
+        if entry is not None:
+            mod = entry.mod(self.cls)
+            if mod is not None:
+                self._entries.move_to_end(fp.key)
+                return mod
+            self._pop(fp.key)
+        mod = self.trace(fn, name)
+        if all(_is_number(c) or id(c) in fp.watched for c in mod.captures):
+            self._keep(fp, mod)
+        return mod
+
+    def _keep(self, fp, mod):
+        try:   # an entry leaves when something it names dies (its id could be reused)
+            finalizers = [weakref.finalize(obj, self._pop, fp.key) for obj in fp.watched.values()]
+        except TypeError:   # not weakly referenceable after all
+            return
+        self._entries[fp.key] = _Entry(mod, finalizers)
+        if len(self._entries) > self.capacity:
+            self._pop(next(iter(self._entries)))
+
+    def _pop(self, key):
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            entry.drop()
