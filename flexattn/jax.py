@@ -439,7 +439,7 @@ def _with_host_block_mask(template_spec: AttentionSpec, shape: AttentionShape, m
     mask's jax captures stay operands (partial tiles evaluate the mask with them)."""
     mask = template_spec.mask
     if (template_spec.block_mask is not None or mask is None or kernel_path._is_full(mask)
-            or kernel_path._is_builtin_causal(mask)):
+            or kernel_path.is_causal(mask)):
         return template_spec
     try:
         values = [_host_value(b) for b in mask_bufs]

@@ -466,3 +466,24 @@ def test_tile_balance_from_host_lists():
     assert window == pytest.approx(3 / (21 / 8))       # 1, 2, then 3 tiles per row
     empty = BlockMask(np.zeros((1, 1, 2, 2), np.int8), (256, 256), (128, 128), None)
     assert empty.tile_balance() is None
+
+
+def test_tile_balance_of_gpu_built_masks_from_the_host_analysis():
+    """A GPU-built block mask's balance (persistent scheduling) comes from interval
+    analysis on the host when its mask captures only numbers; masks reading arrays
+    would make the host wait for the GPU: None."""
+    from flexattn.blockmask.layout import _LIST_NAMES
+
+    def on_device(mask):
+        host = create_block_mask(mask, None, None, 1000, 1000)
+        arrays = {name: getattr(host, name) for name in _LIST_NAMES}
+        arrays["states"] = np.zeros((1, 1, 8, 8), np.int8)   # never read by tile_balance
+        bm = BlockMask._on_device(arrays, (1000, 1000), (128, 128), host.mask_mod, "cuda")
+        bm.from_mask = True
+        return host, bm
+
+    host, bm = on_device(lambda b, h, q, kv: (q >= kv) & (q - kv <= 300))
+    assert bm.tile_balance() == pytest.approx(host.tile_balance())
+    ids = np.repeat(np.arange(4), 250)
+    _, bm = on_device(mods_document(ids))
+    assert bm.tile_balance() is None

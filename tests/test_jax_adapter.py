@@ -320,7 +320,7 @@ def test_kernel_path_refuses_before_launch(fake_kernels):
     with pytest.raises(ValueError, match="head dims"):
         fj.flex_attention(*_kernel_inputs(14, d=96), enable_gqa=True)
     with pytest.raises(ValueError, match="BLOCK_SIZE"):
-        fj.flex_attention(q, k, v, block_mask=fj.create_block_mask(mods.causal(), None, None, S, S + 5,
+        fj.flex_attention(q, k, v, block_mask=fj.create_block_mask(mods.sliding_window(4), None, None, S, S + 5,
                                                                    BLOCK_SIZE=8), enable_gqa=True)
     with pytest.raises(ValueError, match="block_mask="):  # a traced mask capture: no block mask while tracing
         jax.jit(lambda q, doc: fj.flex_attention(q, k, v, mask=mods.document(doc), enable_gqa=True))(

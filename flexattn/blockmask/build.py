@@ -45,19 +45,28 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     B, H, Q_LEN, KV_LEN = int(B or 1), int(H or 1), int(Q_LEN), int(KV_LEN)
     builder, arrays = gpu_builder(device)
     if builder is not None:
-        return builder.build(mask, B, H, Q_LEN, KV_LEN, (qb, kvb), arrays)
-    states, allowed = _classify_tiles(mask, B, H, Q_LEN, KV_LEN, qb, kvb)
-    return BlockMask(states, (Q_LEN, KV_LEN), (qb, kvb), mask, allowed)
+        block_mask = builder.build(mask, B, H, Q_LEN, KV_LEN, (qb, kvb), arrays)
+    else:
+        states, allowed = _classify_tiles(mask, B, H, Q_LEN, KV_LEN, qb, kvb)
+        block_mask = BlockMask(states, (Q_LEN, KV_LEN), (qb, kvb), mask, allowed)
+    block_mask.from_mask = True   # every tile classified from the mask alone
+    return block_mask
 
 
 
-def _classify_tiles(mask: MaskMod, B, H, Q_LEN, KV_LEN, qb, kvb):
-    values = [to_numpy(c) for c in mask.captures]
+def _tile_bounds(Q_LEN, KV_LEN, qb, kvb):
     nq, nkv = -(-Q_LEN // qb), -(-KV_LEN // kvb)
     q_lo = np.arange(nq) * qb
     kv_lo = np.arange(nkv) * kvb
-    q_hi = np.minimum(q_lo + qb, Q_LEN) - 1
-    kv_hi = np.minimum(kv_lo + kvb, KV_LEN) - 1
+    return q_lo, np.minimum(q_lo + qb, Q_LEN) - 1, kv_lo, np.minimum(kv_lo + kvb, KV_LEN) - 1
+
+
+def tile_verdicts(mask: MaskMod, B, H, Q_LEN, KV_LEN, qb, kvb, values=None) -> np.ndarray:
+    """Interval analysis of every tile at once, [B, H, Q_BLOCKS, KV_BLOCKS]: 1 surely all
+    attended, 0 surely none, -1 undecided (no element is evaluated)."""
+    values = [to_numpy(c) for c in mask.captures] if values is None else values
+    q_lo, q_hi, kv_lo, kv_hi = _tile_bounds(Q_LEN, KV_LEN, qb, kvb)
+    nq, nkv = len(q_lo), len(kv_lo)
     b = np.arange(B).reshape(B, 1, 1, 1)
     h = np.arange(H).reshape(1, H, 1, 1)
     ranges = {
@@ -65,7 +74,13 @@ def _classify_tiles(mask: MaskMod, B, H, Q_LEN, KV_LEN, qb, kvb):
         "q": (q_lo.reshape(1, 1, nq, 1), q_hi.reshape(1, 1, nq, 1)),
         "kv": (kv_lo.reshape(1, 1, 1, nkv), kv_hi.reshape(1, 1, 1, nkv)),
     }
-    verdict = np.broadcast_to(classify(mask.expr, ranges, values), (B, H, nq, nkv))
+    return np.broadcast_to(classify(mask.expr, ranges, values), (B, H, nq, nkv))
+
+
+def _classify_tiles(mask: MaskMod, B, H, Q_LEN, KV_LEN, qb, kvb):
+    values = [to_numpy(c) for c in mask.captures]
+    q_lo, q_hi, kv_lo, kv_hi = _tile_bounds(Q_LEN, KV_LEN, qb, kvb)
+    verdict = tile_verdicts(mask, B, H, Q_LEN, KV_LEN, qb, kvb, values)
     states = np.where(verdict == 1, FULL, np.where(verdict == 0, EMPTY, PARTIAL)).astype(np.int8)
     tile_elems = np.outer(q_hi - q_lo + 1, kv_hi - kv_lo + 1)  # valid elements per tile
     counts = np.where(states == FULL, tile_elems, 0).astype(np.int64)

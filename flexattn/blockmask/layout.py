@@ -49,6 +49,10 @@ class BlockMask:
         self._num_allowed = num_allowed  # [B, H] exact count of attended (q, kv) pairs, if known
         self._count_allowed = None  # computes it on demand (GPU-built masks)
         self._rebuild = None  # new captures -> the block mask of the same structure (update)
+        # True when the lists were derived from mask_mod alone (create_block_mask): the mask
+        # then defines the attention exactly, and a kernel may iterate by the mask's own
+        # structure (core/kernel_path.py) instead of reading the lists.
+        self.from_mask = False
         self._tile_balance = _NOT_COMPUTED
         partial, fullb = states == PARTIAL, states == FULL
         self.kv_num_blocks, self.kv_indices = _lists(partial)
@@ -94,6 +98,7 @@ class BlockMask:
         self._num_allowed = None
         self._count_allowed = count_allowed
         self._rebuild = None
+        self.from_mask = False
         self._tile_balance = _NOT_COMPUTED
         for name in _LIST_NAMES:
             setattr(self, name, arrays[name])
@@ -105,7 +110,9 @@ class BlockMask:
         re-tracing, a GPU-built mask is rebuilt on its device by the kernels compiled for
         the old values, and attention kernels compiled for them serve the new ones."""
         if self._rebuild is not None:
-            return self._rebuild(*captures)
+            rebuilt = self._rebuild(*captures)
+            rebuilt.from_mask = self.from_mask
+            return rebuilt
         b, h, q, kv = self.shape
         from .build import create_block_mask
 
@@ -144,14 +151,24 @@ class BlockMask:
 
     def tile_balance(self) -> float | None:
         """max / mean of the tiles each (batch, head, q block) row visits (partial + full),
-        from host lists only: None for a GPU-built mask (reading its lists would wait for
-        the GPU) or one that visits nothing. 1.0: every row does the same work. Decided at
-        the first call and kept (the planner asks on every planned call, and a mask's
-        kernel configuration must not change later)."""
+        or None for one that visits nothing or cannot be known without waiting for the GPU.
+        1.0: every row does the same work. From the host lists; for a GPU-built mask (whose
+        lists the host would wait for) from interval analysis of its tiles on the host
+        when its mask captures only numbers (a window, a dilated band: exact up to tiles
+        the GPU found empty inside undecided ones), else None. Decided at the first call
+        and kept (the planner asks on every planned call, and a mask's kernel
+        configuration must not change later)."""
         if self._tile_balance is _NOT_COMPUTED:
-            balance = None
+            visited = None
             if self._states is not None:
-                counts = (self._states != EMPTY).sum(axis=-1, dtype=np.int64)
+                visited = self._states != EMPTY
+            elif self.from_mask and all(isinstance(c, (int, float)) for c in self.mask_mod.captures):
+                from .build import tile_verdicts
+
+                visited = tile_verdicts(self.mask_mod, *self._batch_heads, *self.seq_lengths, *self.BLOCK_SIZE) != 0
+            balance = None
+            if visited is not None:
+                counts = visited.sum(axis=-1, dtype=np.int64)
                 mean = float(counts.mean()) if counts.size else 0.0
                 balance = float(counts.max()) / mean if mean > 0 else None
             self._tile_balance = balance

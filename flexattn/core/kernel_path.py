@@ -7,8 +7,9 @@ clear error before any compilation or launch.
 
 Block structure, cheapest first:
 - no mask → dense;
-- the built-in ``causal()`` mask without a block mask → the kernel's causal structure
-  (diagonal mask built in, no lists to read);
+- a causal mask (``q_idx >= kv_idx`` however spelled, read from its IR by
+  ``mods.structure``), given as ``mask=`` or as a block mask built from it alone → the
+  kernel's causal structure (diagonal mask built in, no lists to read);
 - a block mask (given, or built here from ``mask=``) → block-sparse lists; full tiles skip
   the mask, empty tiles are never loaded.
 
@@ -34,6 +35,7 @@ import numpy as np
 from ..arrays import dtype_name
 from ..blockmask import _LIST_NAMES, BlockMask, create_block_mask
 from ..kernels.hopper.device_facts import persistent_ctas
+from ..mods.structure import is_causal
 from ..problem.spec import AttentionSpec
 from ..problem.validate import AttentionShape
 
@@ -63,19 +65,6 @@ def kernel_unsupported(q, shape: AttentionShape) -> str | None:
     if shape.v_head_dim != shape.head_dim:
         return f"the GPU kernel needs value head dim == query head dim, got {shape.v_head_dim} and {shape.head_dim}"
     return None
-
-
-_CAUSAL_KEY = []  # computed once: tracing causal() on every call would cost ~0.1 ms
-
-
-def _is_builtin_causal(mask) -> bool:
-    if mask is None:
-        return False
-    if not _CAUSAL_KEY:
-        from ..mods import causal
-
-        _CAUSAL_KEY.append(causal().structure_key)
-    return mask.structure_key == _CAUSAL_KEY[0]
 
 
 def _is_full(mask) -> bool:
@@ -136,11 +125,18 @@ _PLANS_CAPACITY = 256
 
 
 def _block_structure(spec: AttentionSpec, shape: AttentionShape):
-    """(causal, effective element mask, block mask) of a call, cheapest structure first."""
+    """(causal, effective element mask, block mask) of a call, cheapest structure first.
+
+    The structure comes from the mask's IR (``mods.structure``), whatever door it came
+    through: a ``mask=`` that is exactly ``q_idx >= kv_idx``, or a block mask built from
+    such a mask alone (``from_mask``: its lists add nothing to the mask), runs the
+    kernel's causal structure."""
     block_mask = spec.block_mask
     mask = spec.mask
     causal = False
-    if block_mask is None and _is_builtin_causal(mask):
+    if block_mask is not None and block_mask.from_mask and is_causal(block_mask.mask_mod):
+        mask, block_mask = block_mask.mask_mod, None
+    if block_mask is None and is_causal(mask):
         causal, mask = True, None  # the kernel's own diagonal mask
     elif block_mask is None and not _is_full(mask):
         block_mask = _block_mask_for(mask, shape)

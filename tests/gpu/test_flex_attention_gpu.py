@@ -129,9 +129,12 @@ def test_kernel_limits_are_clear_errors():
     with pytest.raises(ValueError, match="bfloat16 and float16"):
         fa.flex_attention(q, q, q)
     q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
-    bm = fa.create_block_mask(mods.causal(), None, None, 64, 64, BLOCK_SIZE=64)
+    bm = fa.create_block_mask(mods.sliding_window(8), None, None, 64, 64, BLOCK_SIZE=64)
     with pytest.raises(ValueError, match="BLOCK_SIZE"):
         fa.flex_attention(q, q, q, block_mask=bm)
+    # a causal block mask built from its mask alone needs no lists: any BLOCK_SIZE runs
+    causal = fa.create_block_mask(mods.causal(), None, None, 64, 64, BLOCK_SIZE=64)
+    assert torch.isfinite(fa.flex_attention(q, q, q, block_mask=causal).float()).all()
 
 
 @pytest.mark.parametrize("q_len", [1, 5, 16])
@@ -236,3 +239,26 @@ def test_cuda_graph_capture_and_replay():
         want_b = _torch_ref(q, k, v, block_mask=bm)
         assert (out_a.double().cpu() - want_a).abs().max() < 2.5e-2
         assert (out_b.double().cpu() - want_b).abs().max() < 2.5e-2
+
+
+@pytest.mark.parametrize("Q, KV", [(300, 300), (300, 517), (517, 300), (1, 129)])
+def test_torch_style_causal_block_mask_runs_the_causal_structure(Q, KV):
+    """A torch user's causal lambda through create_block_mask(..., device='cuda') and
+    block_mask= runs the kernel's diagonal (recognized from the IR), matching the float64
+    reference and the block-sparse walk of the same lists (from_kv_blocks keeps them)."""
+    from flexattn.core.kernel_path import plan_forward
+
+    torch.manual_seed(Q + KV)
+    q = torch.randn(2, 4, Q, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, KV, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    bm = fa.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, Q, KV, device="cuda")
+    spec = AttentionSpec.from_args(block_mask=bm, enable_gqa=True)
+    plan = plan_forward(q, check_inputs(q, k, v, spec), spec)
+    assert plan.config.causal and plan.block_mask is None
+    out = fa.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    given = type(bm).from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+                                    mask_mod=bm.mask_mod, seq_lengths=(Q, KV))
+    sparse = fa.flex_attention(q, k, v, block_mask=given, enable_gqa=True)
+    want, _ = reference.forward(q.cpu(), k.cpu(), v.cpu(), AttentionSpec.from_args(mask=mods.causal(), enable_gqa=True))
+    assert (out.double().cpu() - want).abs().max() < TOL[torch.bfloat16]
+    assert (out.double() - sparse.double()).abs().max() < TOL[torch.bfloat16]

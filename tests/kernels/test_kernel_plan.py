@@ -30,6 +30,41 @@ def test_builtin_causal_uses_the_kernels_diagonal():
     assert p.config.mods.has_score
 
 
+def _causal_lambda(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+@pytest.mark.parametrize("door", ["builtin mask=", "lambda mask=", "spelled otherwise", "block_mask= lambda",
+                                  "block_mask= builtin", "block_mask= BLOCK_SIZE 64", "and full"])
+def test_causal_through_every_door_plans_the_same_kernel(door):
+    """The structure comes from the mask's IR: every spelling of causal, as mask= or as a
+    block mask built from it alone, runs the kernel's diagonal (no lists, no mask hook)."""
+    kw = {
+        "builtin mask=": dict(mask=mods.causal()),
+        "lambda mask=": dict(mask=_causal_lambda),
+        "spelled otherwise": dict(mask=lambda b, h, q, kv: kv - q <= 0),
+        "block_mask= lambda": dict(block_mask=create_block_mask(_causal_lambda, None, None, 300, 300)),
+        "block_mask= builtin": dict(block_mask=create_block_mask(mods.causal(), 2, 4, 300, 300)),
+        "block_mask= BLOCK_SIZE 64": dict(block_mask=create_block_mask(_causal_lambda, None, None, 300, 300,
+                                                                       BLOCK_SIZE=64)),
+        "and full": dict(mask=mods.mask_mod(_causal_lambda) & mods.full()),
+    }[door]
+    p = _plan(score=mods.softcap(20.0), **kw)
+    reference = _plan(score=mods.softcap(20.0), mask=mods.causal())
+    assert p.config.key() == reference.config.key()
+    assert p.config.causal and p.block_mask is None and not p.config.mods.has_mask
+
+
+def test_block_masks_not_built_from_their_mask_keep_their_lists():
+    """A block mask whose lists were given (from_kv_blocks) may leave out tiles its mask
+    allows: it keeps the block-sparse structure even with a causal mask_mod."""
+    built = create_block_mask(mods.causal(), None, None, 300, 300)
+    given = type(built).from_kv_blocks(built.kv_num_blocks, built.kv_indices, built.full_kv_num_blocks,
+                                       built.full_kv_indices, mask_mod=mods.causal(), seq_lengths=(300, 300))
+    p = _plan(block_mask=given)
+    assert p.config.block_sparse and p.block_mask is given
+
+
 def test_other_masks_become_block_sparse_lists():
     p = _plan(mask=mods.sliding_window(64))
     assert p.config.block_sparse and p.block_mask.BLOCK_SIZE == (128, 128)
@@ -63,7 +98,7 @@ def test_structure_not_values_decides_the_config_key():
 @pytest.mark.parametrize("kw, words", [
     (dict(D=96), "head dims"),
     (dict(dtype=torch.float32), "bfloat16 and float16"),
-    (dict(block_mask=create_block_mask(mods.causal(), None, None, 300, 300, BLOCK_SIZE=64)), "BLOCK_SIZE"),
+    (dict(block_mask=create_block_mask(mods.sliding_window(64), None, None, 300, 300, BLOCK_SIZE=64)), "BLOCK_SIZE"),
 ])
 def test_unsupported_is_refused_before_compiling(kw, words):
     with pytest.raises(ValueError, match=words):
