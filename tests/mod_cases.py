@@ -117,4 +117,33 @@ def case_custom_function(rng, B, H, Q, KV):
     return mods.mask_mod(mask), mods.score_mod(score), mask, score
 
 
+def case_torch_style_causal_softcap(rng, B, H, Q, KV):
+    """Causal and softcap as torch users write them: another spelling of the diagonal
+    (recognized from the IR: the kernel's causal structure) and an IEEE division by a
+    constant (a reciprocal multiply in the kernel)."""
+    cap = float(rng.uniform(5, 30))
+
+    def mask(b, h, q, kv):
+        return kv <= q
+
+    def score(s, b, h, q, kv):
+        return cap * torch.tanh(s / cap)
+
+    return mods.mask_mod(mask), mods.score_mod(score), mask, score
+
+
+def case_integer_division(rng, B, H, Q, KV):
+    """Mostly partial tiles with integer // and % by constants (powers of two and not) on
+    dividends of both signs: a dilated band and a 2-D neighbourhood on a 12-wide image."""
+    def mask(b, h, q, kv):
+        dilated = ((q - kv).abs() <= 40) & ((q - kv) % 2 == 0)
+        near = (((q // 12) - (kv // 12)).abs() <= 2) & (((q % 12) - (kv % 12)).abs() <= 2)
+        return dilated | near | ((q - kv) // 16 == -1)
+
+    def score(s, b, h, q, kv):
+        return s + ((q - kv) // 8).to(s.dtype) * 0.05 - ((kv % 6) == 1).to(s.dtype) * 0.5
+
+    return mods.mask_mod(mask), mods.score_mod(score), mask, score
+
+
 CASES = {name[5:]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}

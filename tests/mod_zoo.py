@@ -27,6 +27,20 @@ def _every_int_op(b, h, q, kv):
     return ((a > c) ^ (d % 2 == 0)) | bits & ~(q == kv) | ((q.float() * 0.5).int() == kv // 2)
 
 
+def _divmod_constants(b, h, q, kv):
+    """Integer // and % by constants, lowered by the emitters (mods/optimize.py): powers of
+    two (shift, mask) and others, on dividends of both signs and on indices (>= 0)."""
+    d = q - kv
+    signed = (d // 8 + d % 16 + d // 3 - d % 7 + (-d) // 64) % 4
+    indices = (q // 64 - kv % 64 + q // 3 + kv % 6 + (q + kv) // 2) % 3
+    return signed == indices
+
+
+def _divide_by_constants(s, b, h, q, kv):
+    """Division by constants becomes a reciprocal multiply (within 1 ulp)."""
+    return s / 30.0 + s / 0.125 + ((q - kv) // 16).float() / 7.0 + (q // 5 % 7).float() - ((q - kv) % 3).float()
+
+
 def zoo(rng, S):
     ids = np.sort(rng.integers(0, 4, size=S)).astype(np.int64)
     table = torch.from_numpy(rng.standard_normal((4, 2 * 5 + 1)).astype(np.float32))
@@ -49,6 +63,7 @@ def zoo(rng, S):
         "relative_bias": (mods.relative_bias(table), None),
         "bias_bf16": (mods.bias(bias), None),
         "every_float_op": (mods.score_mod(_every_float_op), None),
+        "divmod_constants": (mods.score_mod(_divide_by_constants), mods.mask_mod(_divmod_constants)),
         "combo": (mods.alibi(slopes) >> mods.softcap(20.0),
                   (mods.causal() & mods.sliding_window(S // 3)) | ~mods.document(ids)),
     }

@@ -8,7 +8,10 @@ new values never recompile; only ``key()`` (the mods' structure keys) does.
 
 Semantics follow ``mods.evaluate`` (the numpy oracle): Python floor division and modulo,
 float→int casts truncate, ``sigmoid`` / ``rsqrt`` as written there. Integer maths is
-int32 in the kernel (the oracle uses int64; indices never come near 2³¹).
+int32 in the kernel (the oracle uses int64; indices never come near 2³¹). The hook emits
+its mods' expressions after ``mods.optimize`` (division by a constant as a multiply by
+its reciprocal: within 1 ulp of the quotient) and lowers integer ``//``/``%`` by constants
+to shifts, masks and truncating division where that is exact.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32
 
 from flexattn.mods import MaskMod, ScoreMod, ir
+from flexattn.mods.optimize import divisor_shift, nonnegative, optimize, positive_constant
 from flexattn.kernels.emit.mod_hook import ModHook
 
 _TYPE = {ir.INT: Int32, ir.FLOAT: Float32, ir.BOOL: Boolean}
@@ -63,6 +67,30 @@ def _floordiv(a, b, dtype):
 
 def _mod(a, b, dtype):
     return a - _floordiv(a, b, dtype) * b  # Python's modulo takes the divisor's sign
+
+
+def _constant_divmod(n: ir.Node, a: list, vector: bool):
+    """Integer ``//`` or ``%`` of node ``n`` by a positive constant, lowered (see
+    mods/optimize.py): a power of two by a shift or a mask (floor semantics for every
+    sign), other constants by truncating division when the dividend is not negative.
+    None where the general (sign-corrected) form is needed."""
+    divisor = n.args[1]
+    if n.dtype != ir.INT or not positive_constant(divisor):
+        return None
+    binary = _vbinary if vector else (lambda f, x, y: f(x, y))
+    k = divisor_shift(divisor)
+    if k is not None:
+        if n.op == "floordiv":
+            if _is_vec(a[0]):   # TensorSSA has no >> operator; its apply_op lowers one
+                return a[0].apply_op(operator.rshift, Int32(k))
+            return a[0] >> Int32(k)
+        return binary(operator.and_, a[0], Int32(divisor.attr - 1))
+    if not nonnegative(n.args[0]):
+        return None
+    quotient = binary(operator.floordiv, a[0], Int32(divisor.attr))
+    if n.op == "floordiv":
+        return quotient
+    return binary(operator.sub, a[0], binary(operator.mul, quotient, Int32(divisor.attr)))
 
 
 _UNARY_MATH = {
@@ -180,10 +208,11 @@ def _emit_node(n: ir.Node, a: list, env: dict, args, fast_math: bool):
         return a[0] * a[1]
     if op == "truediv":
         return a[0] / a[1]
-    if op == "floordiv":
-        return _floordiv(a[0], a[1], dt)
-    if op == "mod":
-        return _mod(a[0], a[1], dt)
+    if op in ("floordiv", "mod"):
+        lowered = _constant_divmod(n, a, vector=False)
+        if lowered is not None:
+            return lowered
+        return _floordiv(a[0], a[1], dt) if op == "floordiv" else _mod(a[0], a[1], dt)
     if op == "minimum":
         return _select(a[0] < a[1], a[0], a[1], dt)
     if op == "maximum":
@@ -373,6 +402,10 @@ def _emit_row_node(n: ir.Node, a: list, env: dict, args, fast_math: bool):
         return _vselect(a[0], a[1], a[2], dt)
     if op in _VBINARY:
         return _vbinary(_VBINARY[op], a[0], a[1])
+    if op in ("floordiv", "mod"):
+        lowered = _constant_divmod(n, a, vector=True)
+        if lowered is not None:
+            return lowered
     if op == "floordiv":
         return _vfloordiv(a[0], a[1], dt)
     if op == "mod":
@@ -409,6 +442,14 @@ class _ElementEnv:
         return _Env(env.scalars)
 
 
+def _optimized(mod):
+    """``mod`` with its expression through ``mods.optimize`` (the same mod if unchanged)."""
+    if mod is None:
+        return None
+    expr = optimize(mod.expr)
+    return mod if expr is mod.expr else type(mod)(expr, mod.captures, mod.name)
+
+
 class IRModHook(ModHook):
     """A ``ModHook`` emitting traced mods; ``args`` = score captures + mask captures.
 
@@ -418,8 +459,8 @@ class IRModHook(ModHook):
 
     def __init__(self, score: ScoreMod | None = None, mask: MaskMod | None = None, fast_math: bool = True):
         self.fast_math = fast_math
-        self._score = score
-        self._mask = mask
+        self._score = _optimized(score)
+        self._mask = _optimized(mask)
         self.has_score = score is not None
         self.has_mask = mask is not None
         self._n_score_args = len(score.captures) if score is not None else 0
