@@ -1,8 +1,10 @@
 """Forward + backward attention with mods, side by side on one GPU in one process.
 
-The variants and implementations of bench_fwd.py (flexattn through the torch adapter and
-its autograd, FA4, flex Triton, flex FLASH backend, cuDNN SDPA — a baseline that cannot
-run a variant or its backward is skipped with the reason printed), plus
+The variants and implementations of bench_fwd.py (the headline "flexattn" column calls
+flexattn.torch exactly as a torch user calls flex_attention: torch-style functions, a block
+mask from create_block_mask(fn, ..., device="cuda"); "flexattn-builtin" the same variant
+spelled with our built-in mods; FA4, flex Triton, flex FLASH backend, cuDNN SDPA — a
+baseline that cannot run a variant or its backward is skipped with the reason printed), plus
 "causal+trainable_bias": a learnable [H, 2S-1] relative-position bias that requires grad
 (flexattn and flex Triton only; its gradient is part of the timed work).
 
@@ -30,8 +32,7 @@ from bench_fwd import VARIANTS as FWD_VARIANTS, Variant, baselines, ours_mask_ar
 from common import bench_ms, device_name, rel_diff, report
 from results_log import RECORD_HELP, append_rows, tflops_rows
 
-# The forward variants with built-in mods (the partial-tile rows are forward-only for now).
-VARIANTS = FWD_VARIANTS[:6] + ("causal+trainable_bias",)
+VARIANTS = FWD_VARIANTS + ("causal+trainable_bias",)
 BWD_FLOPS = 3.5  # × the forward's
 
 
@@ -57,9 +58,13 @@ def run_shape(B, S, H, D, variants, rows, deterministic=()):
     for name in variants:
         var = Variant(name, B, S, H)
         inputs = (q, k, v) + tuple(var.trainable)
-        density, kw = ours_mask_args(var, S)
+        # The user's door (headline): torch-style functions, a block mask built as a torch
+        # user builds it; our built-in mods are the second column (where they exist).
+        door_bm = fa.create_block_mask(var.mask_fn, None, None, S, S, device="cuda") if var.mask_fn else None
+        density = door_bm.density() if door_bm is not None else 1.0
         work = BWD_FLOPS * 4.0 * B * H * S * S * D * density
-        ours = fwd_bwd(lambda: fa.flex_attention(qh, kh, vh, score_mod=var.score, scale=scale, **kw), inputs, grad_bhsd)
+        ours = fwd_bwd(lambda: fa.flex_attention(qh, kh, vh, score_mod=var.score_fn, block_mask=door_bm, scale=scale),
+                       inputs, grad_bhsd)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         try:
@@ -80,7 +85,12 @@ def run_shape(B, S, H, D, variants, rows, deterministic=()):
                 det_ms = bench_ms(ours)
             finally:
                 torch.use_deterministic_algorithms(False)
-        for impl, make in baselines(q, k, v, scale, var, S):
+        makers = list(baselines(q, k, v, scale, var, S))
+        if var.mask is not None or var.score is not None or name == "full":
+            _, kw = ours_mask_args(var, S)
+            makers.insert(0, ("flexattn-builtin",
+                              lambda: lambda: fa.flex_attention(qh, kh, vh, score_mod=var.score, scale=scale, **kw)))
+        for impl, make in makers:
             try:
                 call = make()
                 if call is None:

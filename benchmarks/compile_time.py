@@ -117,6 +117,22 @@ def _relative_bias():
     return mods.relative_bias(np.zeros((4, 15), np.float32))
 
 
+def _softcap_division():   # as a torch user writes it: an IEEE division per element
+    from flexattn import mods
+    return mods.score_mod(lambda s, b, h, q, kv: 30.0 * (s / 30.0).tanh())
+
+
+def _dilated():            # bench_fwd's dilated1024: mostly partial tiles, % on q - kv
+    from flexattn import mods
+    return mods.mask_mod(lambda b, h, q, kv: ((q - kv).abs() <= 512) & ((q - kv) % 2 == 0))
+
+
+def _neighborhood():       # bench_fwd's neighborhood2d: // and % by the image width
+    from flexattn import mods
+    return mods.mask_mod(lambda b, h, q, kv: (((q // 64) - (kv // 64)).abs() <= 8)
+                         & (((q % 64) - (kv % 64)).abs() <= 8))
+
+
 # The benchmark's configurations (kernel_path.plan_forward: tile 128x128, persistent
 # dense with 132 CTAs on the H100), then others covering the code paths.
 KERNELS = {
@@ -131,6 +147,10 @@ KERNELS = {
     "softcap-nooverlap": _fwd(head_dim=128, tile_m=128, causal=True, score=_softcap,
                               intra_wg_overlap=False, pingpong=False),
     "dense-mask": _fwd(head_dim=128, tile_m=128, mask=_window),
+    "softcap-div": _fwd(head_dim=128, tile_m=128, causal=True, score=_softcap_division),
+    "sparse-nomask": _fwd(head_dim=128, tile_m=128, block_sparse=True),   # the base of the two below
+    "dilated": _fwd(head_dim=128, tile_m=128, block_sparse=True, mask=_dilated),
+    "neighborhood": _fwd(head_dim=128, tile_m=128, block_sparse=True, mask=_neighborhood),
     "decode-window-alibi": _decode(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2,
                                    score=_alibi, mask=lambda: _window_4k()),
     "decode-cluster4-alibi": _decode(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, cluster_splits=4,
