@@ -1,6 +1,11 @@
 """Decoding (q_len 1) against long KV caches, side by side on one GPU in one process.
 
-  flexattn      flexattn.torch.decode: one whole step (host planning, upload, launch)
+  flexattn      the user's door: flexattn.torch.flex_attention called as a torch user decodes
+                with torch's flex_attention (q_len 1 against the cache [B, Hkv, L, D], the
+                window as a torch-style mask function through create_block_mask(device=
+                "cuda"), ALiBi as a score_mod function; the same functions as "flex"): the
+                core routes it to the decode kernel (core/short_query.py). Contiguous only.
+  flexattn-decode  flexattn.torch.decode(q, KVCache): one whole step (host planning, upload, launch)
   flexattn-k    the same step's kernel alone (planned once, launched repeatedly; the splits
                 are merged inside the decode kernel)
   sdpa          torch SDPA, enable_gqa (cuDNN / flash / efficient, torch's choice); the
@@ -189,12 +194,9 @@ def baselines(name, q, k, v, L, scale, fa4=True, flex=True):
 _FLEX = {}
 
 
-def _flex(name, q, kh, vh, L, scale, slopes):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    if "fn" not in _FLEX:
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
-    fn = _FLEX["fn"]
+def torch_style_mods(name, L, slopes, create_block_mask):
+    """(score_mod, block_mask) of a variant as a torch user decodes with flex_attention:
+    the query at position 0, the newest key at L - 1 (``off``)."""
     off = L - 1
     score = block_mask = None
     if name == "window4096":
@@ -205,7 +207,29 @@ def _flex(name, q, kh, vh, L, scale, slopes):
         def alibi(s, b, h, q_idx, kv_idx):
             return s + slopes[h] * (kv_idx - q_idx - off)
         score = alibi
+    return score, block_mask
+
+
+def _flex(name, q, kh, vh, L, scale, slopes):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    fn = _FLEX["fn"]
+    score, block_mask = torch_style_mods(name, L, slopes, create_block_mask)
     return lambda: fn(q, kh, vh, score_mod=score, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
+def door(name, q, k, v, L, scale):
+    """The headline: flexattn.torch.flex_attention with the torch-style functions."""
+    import flexattn.torch as fa
+    from flexattn import mods
+
+    slopes = torch.from_numpy(mods.alibi_slopes(HQ)).cuda()
+    kh, vh = k.transpose(1, 2), v.transpose(1, 2)
+    score, block_mask = torch_style_mods(name, L, slopes, fa.create_block_mask)
+    return lambda: fa.flex_attention(q, kh, vh, score_mod=score, block_mask=block_mask, scale=scale,
+                                     enable_gqa=True)
 
 
 def run_shape(B, L, rows, fa4=True, flex=True, variants=VARIANTS, layouts=LAYOUTS):
@@ -219,7 +243,10 @@ def run_shape(B, L, rows, fa4=True, flex=True, variants=VARIANTS, layouts=LAYOUT
         for name in variants:
             mask, score = variant_mods(name)
             gbytes = step_bytes(B, L, name) / 1e9
-            impls = {"flexattn": lambda: fa.decode(q, cache, score_mod=score, mask=mask)}
+            impls = {}
+            if layout == "contiguous":
+                impls["flexattn"] = door(name, q, k, v, L, scale)
+            impls["flexattn-decode"] = lambda: fa.decode(q, cache, score_mod=score, mask=mask)
             try:
                 _, _, step = _kernel_decode(q, cache, score, mask, None, launch=False)
                 impls["flexattn-k"] = step.launch
@@ -235,14 +262,14 @@ def run_shape(B, L, rows, fa4=True, flex=True, variants=VARIANTS, layouts=LAYOUT
                 try:
                     o = fn()
                     torch.cuda.synchronize()
-                    if impl == "flexattn":
+                    if ref is None:
                         ref = o
                     elif ref is not None and isinstance(o, torch.Tensor) and o.shape[-1] == D and layout == "contiguous":
                         o4 = o if o.shape == ref.shape else o.transpose(1, 2)
                         row["rel_diff_vs_flexattn"] = ((o4.float() - ref.float()).norm() / ref.float().norm()).item()
                     ms = bench_ms(fn, 25, 150)
                     row.update(ms=ms, tbps=gbytes / ms)
-                    if impl == "flexattn":
+                    if impl in ("flexattn", "flexattn-decode"):
                         ms_l, host_us = loop_ms(fn)
                         row.update(ms_loop=ms_l, tbps_loop=gbytes / ms_l, host_us=host_us)
                     if impl in ("flexattn-k", "sdpa"):
@@ -257,10 +284,11 @@ def run_shape(B, L, rows, fa4=True, flex=True, variants=VARIANTS, layouts=LAYOUT
 
 
 def table(rows, stamp) -> str:
-    impls = ["flexattn", "flexattn/loop", "flexattn-k", "flexattn-k/c", "sdpa", "sdpa/c", "fa4", "flex"]
+    impls = ["flexattn", "flexattn/loop", "flexattn-decode", "flexattn-decode/loop", "flexattn-k", "flexattn-k/c",
+             "sdpa", "sdpa/c", "fa4", "flex"]
     lines = [f"Decode, q_len 1, Hq {HQ} Hkv {HKV} D {D} bf16 — TB/s of K+V bytes needed ({device_name()}, {stamp})", "",
-             "| B | L | layout | variant | splits | " + " | ".join(impls) + " | host µs |",
-             "|---|---|---|---|---|" + "---|" * (len(impls) + 1)]
+             "| B | L | layout | variant | splits | " + " | ".join(impls) + " | host µs door | host µs decode |",
+             "|---|---|---|---|---|" + "---|" * (len(impls) + 2)]
     keyed = {}
     for r in rows:
         keyed.setdefault((r["B"], r["L"], r["layout"], r["variant"]), {})[r["impl"]] = r
@@ -271,8 +299,9 @@ def table(rows, stamp) -> str:
             r = by.get(impl)
             key = {"c": "tbps_clean", "loop": "tbps_loop"}.get(timing, "tbps")
             cells.append("—" if r is None or r.get(key) is None else f"{r[key]:.2f}")
-        host = by.get("flexattn", {}).get("host_us")
-        cells.append("—" if host is None else f"{host:.0f}")
+        for impl in ("flexattn", "flexattn-decode"):
+            host = by.get(impl, {}).get("host_us")
+            cells.append("—" if host is None else f"{host:.0f}")
         splits = next(iter(by.values())).get("splits")
         lines.append(f"| {B} | {L} | {layout} | {name} | {splits} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -13,7 +13,7 @@ groups=(
   "public:tests/gpu/test_flex_attention_gpu.py tests/gpu/test_dlpack_gpu.py"
   "bwd:tests/gpu/test_bwd_gpu.py"
   "autograd:tests/gpu/test_autograd_gpu.py tests/gpu/test_cupy_gpu.py"
-  "decode:tests/gpu/test_decode_gpu.py tests/gpu/test_blockmask_gpu.py"
+  "decode:tests/gpu/test_decode_gpu.py tests/gpu/test_blockmask_gpu.py tests/gpu/test_short_query_gpu.py"
   "jax:tests/gpu/test_jax_gpu.py tests/gpu/test_notebooks_gpu.py"
 )
 pids=()

@@ -81,9 +81,10 @@ def tflops_rows(rows):
 
 
 def decode_rows(rows):
-    """bench_decode table rows -> measurements: TB/s per column of its table (``flexattn``,
-    ``flexattn/loop``, ``flexattn-k``, ``flexattn-k/c``, ``sdpa``, ``sdpa/c``, ``fa4``, ``flex``)
-    and the whole call's host µs."""
+    """bench_decode table rows -> measurements: TB/s per column of its table (``flexattn`` —
+    the flex_attention door since 2026-11-26, before that ``flexattn.torch.decode`` —,
+    ``flexattn-decode``, their ``/loop``, ``flexattn-k``, ``flexattn-k/c``, ``sdpa``,
+    ``sdpa/c``, ``fa4``, ``flex``) and the whole calls' host µs."""
     out = []
     for r in rows:
         key = {"shape": f"B{r['B']} L{r['L']}", "variant": r["variant"], "layout": r["layout"], "splits": r.get("splits")}

@@ -24,6 +24,7 @@ import numpy as np
 
 from .blockmask import BlockMask, create_block_mask
 from .core.backward_path import BackwardArrays, backward_into
+from .core.decode_device import decode_workspace
 from .core.kernel_path import Device, forward_into, kernel_unsupported, prepare_forward
 from .core.prepared import PreparedCalls, PreparedEntry, call_key
 from .problem.spec import AttentionSpec
@@ -77,7 +78,8 @@ class _PreparedCall(PreparedEntry):
             return None
         out = cupy.empty(self.out_shape, dtype=self.dtype)
         lse = cupy.empty(self.lse_shape, dtype=np.float32)
-        self.prepared.launch(q, k, v, out, lse, stream=cupy.cuda.get_current_stream().ptr)
+        if self.prepared.launch(q, k, v, out, lse, stream=cupy.cuda.get_current_stream().ptr) is False:
+            return None   # a routed short query on another stream than its plan's
         return out, lse
 
 
@@ -133,8 +135,27 @@ def _forward(q, k, v, spec):
 
 
 def _current_device() -> Device:
-    """The core's view of the current CuPy device: its current stream, host→GPU copies."""
-    return Device(cupy.cuda.get_current_stream().ptr, _to_device)
+    """The core's view of the current CuPy device: its current stream, host→GPU copies,
+    and the decode kernel's resources (short queries are routed there)."""
+    stream = cupy.cuda.get_current_stream().ptr
+    return Device(stream, _to_device, decode_resources=lambda: _decode_resources(stream))
+
+
+_SM_COUNTS: dict = {}
+
+
+def _decode_resources(stream: int):
+    """(SM count, the decode workspace of ``stream`` on the current device), CuPy arrays."""
+    index = cupy.cuda.runtime.getDevice()
+    num_sms = _SM_COUNTS.get(index)
+    if num_sms is None:
+        num_sms = _SM_COUNTS[index] = cupy.cuda.runtime.getDeviceProperties(index)["multiProcessorCount"]
+
+    def alloc(shape, dtype, zeroed):
+        with cupy.cuda.Device(index):
+            return (cupy.zeros if zeroed else cupy.empty)(shape, dtype=dtype)
+
+    return num_sms, decode_workspace(index, stream, alloc)
 
 
 def _to_device(x):

@@ -541,7 +541,8 @@ class _PreparedCall(PreparedEntry):
             return None
         out = _written_empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = _written_empty(self.lse_shape, dtype=torch.float32, device=self.device) if return_lse else self.lse_sink
-        self.launch(q, k, v, out, lse)
+        if self.launch(q, k, v, out, lse, _current_raw_stream(self.device_index)) is False:
+            return None   # a routed short query on another stream than its plan's
         return out, lse
 
 
@@ -551,7 +552,9 @@ _PREPARED = PreparedCalls()   # key -> _PreparedCall
 def _forward_device(dev) -> Device:
     """The core's view of a CUDA device for kernel launches (forward and backward): its
     current stream (which TVM-FFI reads from torch itself) and cached host→GPU copies."""
-    return Device(torch.cuda.current_stream(dev).cuda_stream, _DeviceCopies(dev), tvm_ffi_stream=True)
+    stream = torch.cuda.current_stream(dev)
+    return Device(stream.cuda_stream, _DeviceCopies(dev), tvm_ffi_stream=True,
+                  decode_resources=lambda: (_sm_count(dev), _decode_workspace(dev, stream)))
 
 
 def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buffers, grad_mask):

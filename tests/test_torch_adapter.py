@@ -198,10 +198,11 @@ def test_prepared_entry_takes_inference_calls_and_leaves_recorded_ones(monkeypat
     from flexattn.problem.validate import check_inputs
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)   # CPU tensors: get_device() == -1
+    monkeypatch.setattr(fa, "_current_raw_stream", lambda index: 0)
     launched = []
 
     class FakePrepared:
-        def launch(self, q, k, v, out, lse):
+        def launch(self, q, k, v, out, lse, stream=None):
             launched.append((q.requires_grad, k.requires_grad, v.requires_grad, lse))
 
     slopes = torch.rand(4)

@@ -179,10 +179,12 @@ def head_always_kept(mask, batch: int, q_heads: int) -> bool:
     return kept is not None and bool(np.all(kept == 1))
 
 
-def live_blocks(mask, batch: int, q_heads: int, q_len: int, length: int, tile_n: int) -> int:
+def live_blocks(mask, batch: int, q_heads: int, q_len: int, length: int, tile_n: int,
+                first_query: int | None = None) -> int:
     """The kv blocks of a ``length``-token sequence the decode kernel will visit: all but
-    the leading ones interval analysis proves ``mask`` excludes for its last ``q_len``
-    query positions (the kernel's own masked-prefix skip, done here on the host for the
+    the leading ones interval analysis proves ``mask`` excludes for its ``q_len`` query
+    positions from ``first_query`` (None: the last ``q_len`` of the sequence) on
+    (the kernel's own masked-prefix skip, done here on the host for the
     planner: a sliding window of 4096 leaves 65 of 2048 blocks at 128k keys, which want
     more splits than the cache's length suggests). One vectorized analysis over every
     prefix; ``mask`` at true positions, every batch and head at once. Masks reading
@@ -191,7 +193,8 @@ def live_blocks(mask, batch: int, q_heads: int, q_len: int, length: int, tile_n:
     if mask is None or blocks <= 1:
         return blocks
     prefix_end = np.minimum(np.arange(1, blocks + 1) * tile_n, length) - 1
-    kept = _classify_on_host(mask, {"b": (0, batch - 1), "h": (0, q_heads - 1), "q": (length - q_len, length - 1),
+    first = length - q_len if first_query is None else first_query
+    kept = _classify_on_host(mask, {"b": (0, batch - 1), "h": (0, q_heads - 1), "q": (first, first + q_len - 1),
                                     "kv": (np.zeros_like(prefix_end), prefix_end)})
     if kept is None:
         return blocks
@@ -376,6 +379,10 @@ class DecodeMods:
     score_mod: object = None
     mask: object = None
     scale: float | None = None
+    # True: query row i of a sequence of length L sits at L - q_len + i (a decoding step:
+    # the plan rewrites the mods to those positions). False: at i, as flex_attention
+    # numbers them (short queries routed here from the forward, ``core/short_query.py``).
+    true_positions: bool = True
 
     @property
     def call(self) -> tuple:
@@ -483,10 +490,15 @@ class DecodePlan:
         self.seq_lens, q_offset = self.positions[0], self.positions[1]
         self._put = workspace.uploader(self.positions)
         base = None if mask is None else as_mask(mask, "mask")
-        # At true positions, for the planner's live_blocks; None when it can never skip.
-        self._base_mask = base if not _is_full(base) and may_skip_head(base) else None
-        the_mask = None if _is_full(base) else _at_true_positions(base, q_offset)
-        the_score = None if score_mod is None else _at_true_positions(as_score(score_mod, "score_mod"), q_offset)
+        shift = mods.true_positions
+        # The first query's position: None at the end of each sequence (true positions), else 0.
+        self._first_query = None if shift else 0
+        # For the planner's live_blocks; None when it can never skip (at true positions,
+        # may_skip_head says so cheaply; at given positions live_blocks asks the mask itself).
+        self._base_mask = base if not _is_full(base) and (not shift or may_skip_head(base)) else None
+        at = _at_true_positions if shift else (lambda mod, _: mod)
+        the_mask = None if _is_full(base) else at(base, q_offset)
+        the_score = None if score_mod is None else at(as_score(score_mod, "score_mod"), q_offset)
         self.config = _config_for(KERNEL_DTYPES[dtype_name(q)], D, num_mma_wg, page_size, the_score, the_mask,
                                   tuning, skip_masked_prefix=not head_always_kept(base, B, Hq))
 
@@ -554,7 +566,8 @@ class DecodePlan:
             if launch is None:
                 # Splits are sized by the blocks the kernel visits, not the cache's length
                 # (a window's); planned once per block count (every tile_n tokens of decoding).
-                live = live_blocks(self._base_mask, self.batch, self.q_heads, q_len, longest, self.tuning.tile_n)
+                live = live_blocks(self._base_mask, self.batch, self.q_heads, q_len, longest, self.tuning.tile_n,
+                                   self._first_query)
                 launch = self._launches[key] = choose_launch(self.batch, self.kv_heads, self.m_blocks, live,
                                                              num_sms, self.tuning)
         else:
@@ -687,6 +700,45 @@ def _check_step(q, k, v, table, page_size: int, out, lse) -> None:
         raise ValueError(f"out/lse must be [B, Hq, q_len, D] / [B, Hq, q_len], got {tuple(out.shape)} / {tuple(lse.shape)}")
 
 
+def _mod_key(mod):
+    """A mod's part of a plan key: its IR's identity and its captures (numbers by value,
+    arrays by identity). The trace cache hands out a new mod object per call for one
+    function, so mod objects do not key plans here; the plan holds the IR and the
+    captures, so their ids stay theirs while it is kept."""
+    if mod is None:
+        return None
+    return (id(mod.expr), tuple(c if isinstance(c, (int, float)) else id(c) for c in mod.captures))
+
+
+def attention_plan(q, k, v, out, lse, site: DecodeSite, mods: DecodeMods) -> DecodePlan:
+    """The plan of the decode kernel as an ordinary attention call (``core/short_query.py``
+    routes short queries here): q [B, Hq, q_len, D] against all of k, v [B, Hkv, KV, D]
+    (views of a larger cache welcome), queries at the positions ``mods.true_positions``
+    says; ``mods`` holds ``Mod`` values. Kept per call shape like a decoding step's
+    (bounded; an entry holds its captured arrays until it is evicted)."""
+    key = ("attention", _mod_key(mods.score_mod), _mod_key(mods.mask), mods.scale, mods.true_positions,
+           id(site.workspace), site.device.stream, tuple(q.shape), dtype_name(q), _array_key(k), _array_key(v),
+           _array_key(out), _array_key(lse))
+    plan = _ATTENTION_PLANS.get(key)
+    if plan is None or plan.workspace is not site.workspace:
+        _check_step(q, k, v, None, 0, out, lse)
+        plan = DecodePlan(q, k, None, out, 0, DEFAULT_TUNING, site, mods)
+        if len(_ATTENTION_PLANS) >= _ATTENTION_PLANS_CAPACITY:
+            _ATTENTION_PLANS.pop(next(iter(_ATTENTION_PLANS)))
+        _ATTENTION_PLANS[key] = plan
+    return plan
+
+
+_ATTENTION_PLANS: dict = {}
+_ATTENTION_PLANS_CAPACITY = 32
+
+
+def attention_into(q, k, v, out, lse, site: DecodeSite, mods: DecodeMods) -> None:
+    """Run ``attention_plan``'s plan: each call uploads the lengths (KV per sequence)."""
+    plan = attention_plan(q, k, v, out, lse, site, mods)
+    plan.run(q, k, v, None, out, lse, [int(k.shape[2])] * int(q.shape[0]), site.num_sms)
+
+
 def decode_into(q, cache, out, lse, site: DecodeSite, mods: DecodeMods = NO_MODS, *, page_table=None,
                 overrides: DecodeOverrides = NO_OVERRIDES) -> DecodeLaunch:
     """Run one decode step with the split-KV kernel; see ``prepare_decode``. The upload and
@@ -698,6 +750,6 @@ def decode_into(q, cache, out, lse, site: DecodeSite, mods: DecodeMods = NO_MODS
     return step
 
 
-__all__ = ["DECODE_MAX_Q_LEN", "DEFAULT_TUNING", "DecodeLaunch", "DecodeMods", "DecodeOverrides", "DecodePlan",
+__all__ = ["DECODE_MAX_Q_LEN", "DEFAULT_TUNING", "DecodeLaunch", "attention_into", "attention_plan", "DecodeMods", "DecodeOverrides", "DecodePlan",
            "DecodeSite", "DecodeTuning", "DecodeWorkspace", "StagingRing", "choose_splits", "decode_into",
            "decode_unsupported", "prepare_decode"]

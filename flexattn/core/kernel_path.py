@@ -54,6 +54,9 @@ class Device:
     # torch's current stream); other frameworks take the from_dlpack runner, which is
     # handed `stream` explicitly.
     tvm_ffi_stream: bool = False
+    # () -> (SM count, this stream's decode workspace): lets the core send short-query
+    # calls to the decode kernel (core/short_query.py). None: this adapter never does.
+    decode_resources: Callable | None = None
 
 
 def kernel_unsupported(q, shape: AttentionShape) -> str | None:
@@ -331,8 +334,17 @@ def _tvm_ffi_installed() -> bool:
     return importlib.util.find_spec("tvm_ffi") is not None
 
 
-def forward_into(q, k, v, out, lse, shape: AttentionShape, spec: AttentionSpec, device: Device) -> KernelPlan:
-    """Run the forward kernel, writing ``out`` [B, Hq, Q, D] and ``lse`` [B, Hq, Q] (float32)."""
+def forward_into(q, k, v, out, lse, shape: AttentionShape, spec: AttentionSpec, device: Device) -> KernelPlan | None:
+    """Run the forward kernel, writing ``out`` [B, Hq, Q, D] and ``lse`` [B, Hq, Q] (float32).
+    Short queries go to the decode kernel where the device allows (``core/short_query.py``;
+    then no plan is returned)."""
+    if device.decode_resources is not None:
+        from .short_query import decode_route, short_query_into
+
+        route = decode_route(shape, spec)
+        if route is not None:
+            short_query_into(q, k, v, out, lse, route, device)
+            return None
     plan = plan_forward(q, shape, spec)
     lists = _kv_lists(plan, device)
     scale = spec.resolved_scale(shape.head_dim)
@@ -398,11 +410,19 @@ class PreparedForward:
             self._env_stream.swap(previous)
 
 
-def prepare_forward(q, shape: AttentionShape, spec: AttentionSpec, device: Device) -> PreparedForward | None:
-    """A ``PreparedForward`` for calls like this one, or None where launches must go
+def prepare_forward(q, shape: AttentionShape, spec: AttentionSpec, device: Device):
+    """A ``PreparedForward`` for calls like this one (a ``short_query.PreparedShortQuery``
+    for calls routed to the decode kernel; both ``launch(q, k, v, out, lse, stream)``, a
+    launch returning False asks for the full path), or None where launches must go
     through ``forward_into`` (no TVM-FFI for this device)."""
     if not use_tvm_ffi(device, stream_scope=True):
         return None
+    if device.decode_resources is not None:
+        from .short_query import PreparedShortQuery, decode_route
+
+        route = decode_route(shape, spec)
+        if route is not None:
+            return PreparedShortQuery(route, device)
     return PreparedForward(q, plan_forward(q, shape, spec), spec, shape, device)
 
 

@@ -1,0 +1,133 @@
+"""GPU: flex_attention with a short query runs the decode kernel (core/short_query.py) and
+matches the float64 reference at flex_attention's positions: masks, score mods, GQA,
+views of a larger preallocated cache, block masks, torch.compile and CuPy."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("cutlass")
+
+import flexattn.torch as fa  # noqa: E402
+from flexattn import reference  # noqa: E402
+from flexattn.core import AttentionSpec, short_query  # noqa: E402
+
+TOL = 2.5e-2
+
+
+@pytest.fixture
+def routed(monkeypatch):
+    """Counts the calls that took the decode kernel."""
+    calls = []
+    real = short_query.attention_into
+
+    def counting(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(short_query, "attention_into", counting)
+    return calls
+
+
+def _mods(name, L):
+    if name == "none":
+        return None, None
+    if name == "causal_lambda":          # flex positions: query 0 sees key 0 only
+        return None, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx
+    if name == "window_at_end":         # how torch users write a decoding window
+        return None, lambda b, h, q_idx, kv_idx: kv_idx >= L - 300 + q_idx
+    if name == "softcap_alibi":
+        slopes = torch.rand(8, device="cuda")
+        return (lambda s, b, h, q_idx, kv_idx: 20.0 * torch.tanh((s + slopes[h] * (kv_idx - q_idx)) / 20.0)), None
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("name", ["none", "causal_lambda", "window_at_end", "softcap_alibi"])
+@pytest.mark.parametrize("q_len, L", [(1, 1), (1, 1000), (3, 4097), (16, 777)])
+def test_short_queries_match_the_reference(name, q_len, L, routed):
+    torch.manual_seed(q_len * 10007 + L)
+    B, Hq, Hkv, D, capacity = 2, 8, 2, 128, 5000
+    k_cache = torch.randn(B, Hkv, capacity, D, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(B, Hkv, capacity, D, device="cuda", dtype=torch.bfloat16)
+    k, v = k_cache[:, :, :L], v_cache[:, :, :L]   # views of the preallocated cache
+    q = torch.randn(B, Hq, q_len, D, device="cuda", dtype=torch.bfloat16)
+    score_fn, mask_fn = _mods(name, L)
+    block_mask = fa.create_block_mask(mask_fn, None, None, q_len, L, device="cuda") if mask_fn else None
+    out, lse = fa.flex_attention(q, k, v, score_mod=score_fn, block_mask=block_mask, enable_gqa=True, return_lse=True)
+    assert routed, "the call did not take the decode kernel"
+    spec = AttentionSpec.from_args(score_mod=score_fn, mask=mask_fn, enable_gqa=True)
+    want_o, want_lse = reference.forward(q.cpu(), k.cpu(), v.cpu(), spec)
+    assert np.abs(out.double().cpu().numpy() - want_o).max() < TOL
+    alive = ~np.isneginf(want_lse)
+    assert np.abs(lse.double().cpu().numpy()[alive] - want_lse[alive]).max() < 5e-3
+
+
+def test_repeated_decoding_loop_and_compile(routed):
+    """A torch user's decoding loop (growing views of one cache), eagerly and under
+    torch.compile, agrees with the forward kernel's answer for the same call."""
+    B, Hq, Hkv, D, capacity = 1, 32, 8, 128, 2048
+    k_cache = torch.randn(B, Hkv, capacity, D, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(B, Hkv, capacity, D, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(fa.flex_attention, fullgraph=True)
+    for L in (100, 101, 102, 700):
+        q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+        k, v = k_cache[:, :, :L], v_cache[:, :, :L]
+        eager = fa.flex_attention(q, k, v, enable_gqa=True)
+        graph = compiled(q, k, v, enable_gqa=True)
+        want, _ = reference.forward(q.cpu(), k.cpu(), v.cpu(), AttentionSpec.from_args(enable_gqa=True))
+        assert np.abs(eager.double().cpu().numpy() - want).max() < TOL
+        assert np.abs(graph.double().cpu().numpy() - want).max() < TOL
+    assert len(routed) >= 8
+
+
+def test_given_block_lists_keep_the_forward_kernel(routed):
+    L = 640
+    q = torch.randn(1, 4, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 4, L, 128, device="cuda", dtype=torch.bfloat16)
+    built = fa.create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < 300, None, None, 1, L)
+    given = type(built).from_kv_blocks(built.kv_num_blocks, built.kv_indices, built.full_kv_num_blocks,
+                                       built.full_kv_indices, mask_mod=built.mask_mod, seq_lengths=(1, L))
+    out = fa.flex_attention(q, k, k, block_mask=given)
+    assert not routed
+    want, _ = reference.forward(q.cpu(), k.cpu(), k.cpu(), AttentionSpec.from_args(mask=built.mask_mod))
+    assert np.abs(out.double().cpu().numpy() - want).max() < TOL
+
+
+def test_cupy_short_query(routed):
+    cupy = pytest.importorskip("cupy")
+    import flexattn.cupy as fc
+
+    rng = np.random.default_rng(0)
+    q = cupy.asarray(rng.standard_normal((2, 8, 1, 128)).astype(np.float16))
+    k = cupy.asarray(rng.standard_normal((2, 2, 999, 128)).astype(np.float16))
+    out, _ = fc.flex_attention(q, k, k, enable_gqa=True)
+    assert routed
+    want, _ = reference.forward(cupy.asnumpy(q), cupy.asnumpy(k), cupy.asnumpy(k),
+                                AttentionSpec.from_args(enable_gqa=True))
+    assert np.abs(cupy.asnumpy(out).astype(np.float64) - want).max() < 5e-3
+
+
+def test_repeated_calls_take_the_prepared_route_and_follow_streams(routed):
+    """A repeated routed call is prepared (one plan, its whole step), and a call on another
+    stream takes the full path on that stream: the same answer everywhere."""
+    from flexattn.core.short_query import PreparedShortQuery
+
+    torch.manual_seed(3)
+    q = torch.randn(2, 8, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    window = fa.create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx >= 700, None, None, 1, 1000, device="cuda")
+    outs = [fa.flex_attention(q, k, v, block_mask=window, enable_gqa=True) for _ in range(4)]
+    entries = [e for _, e in fa._PREPARED._entries.values()]
+    assert any(isinstance(getattr(e.launch, "__self__", None), PreparedShortQuery) for e in entries)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        other = fa.flex_attention(q, k, v, block_mask=window, enable_gqa=True)
+    side.synchronize()
+    want, _ = reference.forward(q.cpu(), k.cpu(), v.cpu(), AttentionSpec.from_args(mask=window.mask_mod,
+                                                                                    enable_gqa=True))
+    for out in outs + [other]:
+        assert np.abs(out.double().cpu().numpy() - want).max() < TOL
+    assert len(routed) >= 2   # the first two calls took the full path through the route
