@@ -35,7 +35,7 @@ import numpy as np
 from ..arrays import dtype_name
 from ..blockmask import _LIST_NAMES, BlockMask, create_block_mask
 from ..kernels.hopper.device_facts import persistent_ctas
-from ..mods.structure import is_causal
+from ..mods.structure import canonical_band, is_causal
 from ..problem.spec import AttentionSpec
 from ..problem.validate import AttentionShape
 
@@ -133,7 +133,8 @@ def _block_structure(spec: AttentionSpec, shape: AttentionShape):
     The structure comes from the mask's IR (``mods.structure``), whatever door it came
     through: a ``mask=`` that is exactly ``q_idx >= kv_idx``, or a block mask built from
     such a mask alone (``from_mask``: its lists add nothing to the mask), runs the
-    kernel's causal structure."""
+    kernel's causal structure. The mask partial tiles evaluate is a band's canonical form
+    (``mods.structure.canonical_band``) where it is one."""
     block_mask = spec.block_mask
     mask = spec.mask
     causal = False
@@ -150,6 +151,10 @@ def _block_structure(spec: AttentionSpec, shape: AttentionShape):
                 " rebuild it with create_block_mask(..., BLOCK_SIZE=128)"
             )
         mask = None if _is_full(block_mask.mask_mod) else block_mask.mask_mod
+    if mask is not None:
+        # Every spelling of a band evaluates one IR on partial tiles: one kernel for them all.
+        band = canonical_band(mask)
+        mask = mask if band is None else band
     return causal, mask, block_mask
 
 

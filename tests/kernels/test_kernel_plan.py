@@ -55,6 +55,25 @@ def test_causal_through_every_door_plans_the_same_kernel(door):
     assert p.config.causal and p.block_mask is None and not p.config.mods.has_mask
 
 
+@pytest.mark.parametrize("door", ["builtin mask=", "lambda mask=", "block_mask= lambda", "block_mask= builtin"])
+def test_windows_through_every_door_plan_the_same_kernel(door):
+    """Every spelling of a sliding window evaluates the band's canonical IR on its partial
+    tiles (its bounds as runtime values): one kernel configuration for them all."""
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= 100)
+
+    kw = {
+        "builtin mask=": dict(mask=mods.sliding_window(100)),
+        "lambda mask=": dict(mask=window),
+        "block_mask= lambda": dict(block_mask=create_block_mask(window, None, None, 300, 300)),
+        "block_mask= builtin": dict(block_mask=create_block_mask(mods.sliding_window(100), None, None, 300, 300)),
+    }[door]
+    p = _plan(**kw)
+    reference = _plan(mask=mods.sliding_window(7))
+    assert p.config.key() == reference.config.key() and p.config.block_sparse
+    assert p.config.mods.captures() == (0, 100)
+
+
 def test_block_masks_not_built_from_their_mask_keep_their_lists():
     """A block mask whose lists were given (from_kv_blocks) may leave out tiles its mask
     allows: it keeps the block-sparse structure even with a causal mask_mod."""
