@@ -122,6 +122,12 @@ def _softcap_division():   # as a torch user writes it: an IEEE division per ele
     return mods.score_mod(lambda s, b, h, q, kv: 30.0 * (s / 30.0).tanh())
 
 
+def _softcap_runtime_division():   # the cap a captured number: x / $cap per element before the pass
+    from flexattn import mods
+    cap = 30.0
+    return mods.score_mod(lambda s, b, h, q, kv: cap * (s / cap).tanh())
+
+
 def _dilated():            # bench_fwd's dilated1024: mostly partial tiles, % on q - kv
     from flexattn import mods
     return mods.mask_mod(lambda b, h, q, kv: ((q - kv).abs() <= 512) & ((q - kv) % 2 == 0))
@@ -148,6 +154,7 @@ KERNELS = {
                               intra_wg_overlap=False, pingpong=False),
     "dense-mask": _fwd(head_dim=128, tile_m=128, mask=_window),
     "softcap-div": _fwd(head_dim=128, tile_m=128, causal=True, score=_softcap_division),
+    "softcap-div-runtime": _fwd(head_dim=128, tile_m=128, causal=True, score=_softcap_runtime_division),
     "sparse-nomask": _fwd(head_dim=128, tile_m=128, block_sparse=True),   # the base of the two below
     "dilated": _fwd(head_dim=128, tile_m=128, block_sparse=True, mask=_dilated),
     "neighborhood": _fwd(head_dim=128, tile_m=128, block_sparse=True, mask=_neighborhood),

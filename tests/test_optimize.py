@@ -108,3 +108,14 @@ def test_lowering_identities_the_emitters_rely_on():
         np.testing.assert_array_equal(x & (2 ** k - 1), x.astype(np.int64) % 2 ** k)
     nonneg = np.abs(x[x > np.iinfo(np.int32).min]).astype(np.int64)
     np.testing.assert_array_equal(np.trunc(nonneg / 7).astype(np.int64), nonneg // 7)
+
+
+def test_division_by_a_runtime_number_hoists_its_reciprocal():
+    expr = ir.binary("truediv", ir.var("score"), ir.scalar(0, ir.FLOAT))
+    opt = optimize(expr)
+    assert opt.op == "mul" and opt.args[1].op == "truediv" and opt.args[1].free_vars() == frozenset()
+    x = (RNG.standard_normal(50_000) * 40).astype(np.float32)
+    for s in (30.0, 7.0, -0.3, 1e-3):
+        exact = evaluate(expr, {"score": x}, [s], float_dtype=np.float32)
+        fast = evaluate(opt, {"score": x}, [s], float_dtype=np.float32)
+        assert _ulps(exact, fast).max() <= 1

@@ -16,6 +16,11 @@ What it does, and why:
   the product is within 1 ulp of the correctly rounded quotient (two roundings of at most
   half an ulp each), tested on random inputs. Skipped where ``1/c`` would not be a normal
   float32 (huge or tiny ``c``), so the rewrite never overflows or flushes.
+- **Division by a runtime number** ``x / $s`` (a captured float, e.g. a softcap's cap)
+  becomes ``x * (1 / $s)``: the reciprocal depends on no index, so it is computed once, not
+  per element. Same 1-ulp bound for ``|s|`` in float32's normal range; a subnormal ``s``
+  (below 1.2e-38), whose reciprocal overflows, gives inf where the quotient of a tiny ``x``
+  would be finite.
 - **Integer ``//`` and ``%`` by a positive constant** are lowered by the emitters, not here
   (they are already single IR ops): by a power of two ``2**k`` to an arithmetic shift
   ``x >> k`` and a mask ``x & (2**k - 1)``, which are Python's floor semantics for every
@@ -61,6 +66,10 @@ def _rewrite(n: ir.Node) -> ir.Node:
         reciprocal = 1.0 / c if c != 0 and np.isfinite(c) else 0.0
         if _F32.tiny <= abs(reciprocal) <= _F32.max:
             return ir.binary("mul", n.args[0], ir.const(reciprocal))
+    if n.op == "truediv" and n.args[1].op == "scalar" and n.args[0].op != "const":
+        # A runtime number: its reciprocal is loop-invariant (one division per kernel,
+        # hoisted by the compiler), the per-element work a multiply.
+        return ir.binary("mul", n.args[0], ir.binary("truediv", 1.0, n.args[1]))
     return n
 
 
