@@ -649,10 +649,22 @@ def _block_mask_arrays(device):
     elif dev.index != current:
         raise ValueError(f"create_block_mask: device={device!r} is not the current CUDA device"
                          f" (cuda:{current}); build it under torch.cuda.device({dev.index})")
+    stream = torch.cuda.current_stream(dev)
     return BlockMaskArrays(
-        device=str(dev), stream=torch.cuda.current_stream(dev).cuda_stream,
+        device=str(dev), stream=stream.cuda_stream,
         empty=lambda shape, dtype: torch.empty(shape, dtype=_INDEX_DTYPES[dtype], device=dev),
-        to_device=_DeviceCopies(dev), tvm_ffi_stream=True)
+        to_device=_DeviceCopies(dev), tvm_ffi_stream=True, download=lambda x: _download(x, stream))
+
+
+def _download(x: torch.Tensor, stream):
+    """Start copying ``x`` to pinned host memory in ``stream``'s order; the poll returns
+    its numpy view once the copy has landed, None before (``DeviceArrays.download``)."""
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    with torch.cuda.stream(stream):
+        host.copy_(x, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return lambda: host.numpy() if done.query() else None
 
 
 register_block_mask_device(_block_mask_arrays)

@@ -487,3 +487,24 @@ def test_tile_balance_of_gpu_built_masks_from_the_host_analysis():
     ids = np.repeat(np.arange(4), 250)
     _, bm = on_device(mods_document(ids))
     assert bm.tile_balance() is None
+
+
+def test_tile_balance_waits_for_the_downloaded_counts_without_stalling():
+    """A GPU-built mask whose mask reads arrays learns its balance from the builder's
+    asynchronous copies of the per-row counts: unknown (None, asked again) while they are
+    in flight, then kept."""
+    from flexattn.blockmask.layout import _LIST_NAMES
+
+    ids = np.repeat(np.arange(4), 250)
+    host = create_block_mask(mods_document(ids), None, None, 1000, 1000)
+    arrays = {name: getattr(host, name) for name in _LIST_NAMES}
+    arrays["states"] = np.zeros((1, 1, 8, 8), np.int8)
+    bm = BlockMask._on_device(arrays, (1000, 1000), (128, 128), host.mask_mod, "cuda")
+    bm.from_mask = True
+    landed = []
+    bm._row_counts = tuple((lambda a=a: a if landed else None) for a in (host.kv_num_blocks, host.full_kv_num_blocks))
+    assert bm.tile_balance() is None and bm.tile_balance() is None
+    landed.append(True)
+    assert bm.tile_balance() == pytest.approx(host.tile_balance())
+    landed.clear()
+    assert bm.tile_balance() == pytest.approx(host.tile_balance())   # kept

@@ -18,6 +18,10 @@ class DeviceArrays:
     empty: Callable  # (shape, dtype name) -> contiguous device array of the framework
     to_device: Callable  # captured value -> contiguous device array
     tvm_ffi_stream: bool = False  # TVM-FFI launches land on `stream` by themselves (torch)
+    # device array -> poll(): starts an asynchronous copy to the host in stream order;
+    # poll() gives the numpy copy once it has landed, None before (it never waits).
+    # Lets the planner learn a GPU-built mask's tile balance without stalling the host.
+    download: Callable | None = None
 
 
 _DEVICE_RESOLVERS: list = []

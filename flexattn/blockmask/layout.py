@@ -49,6 +49,7 @@ class BlockMask:
         self._num_allowed = num_allowed  # [B, H] exact count of attended (q, kv) pairs, if known
         self._count_allowed = None  # computes it on demand (GPU-built masks)
         self._rebuild = None  # new captures -> the block mask of the same structure (update)
+        self._row_counts = None  # GPU-built: polls of the per-row counts' copies (tile_balance)
         # True when the lists were derived from mask_mod alone (create_block_mask): the mask
         # then defines the attention exactly, and a kernel may iterate by the mask's own
         # structure (core/kernel_path.py) instead of reading the lists.
@@ -98,6 +99,7 @@ class BlockMask:
         self._num_allowed = None
         self._count_allowed = count_allowed
         self._rebuild = None
+        self._row_counts = None
         self.from_mask = False
         self._tile_balance = _NOT_COMPUTED
         for name in _LIST_NAMES:
@@ -151,28 +153,41 @@ class BlockMask:
 
     def tile_balance(self) -> float | None:
         """max / mean of the tiles each (batch, head, q block) row visits (partial + full),
-        or None for one that visits nothing or cannot be known without waiting for the GPU.
-        1.0: every row does the same work. From the host lists; for a GPU-built mask (whose
-        lists the host would wait for) from interval analysis of its tiles on the host
-        when its mask captures only numbers (a window, a dilated band: exact up to tiles
-        the GPU found empty inside undecided ones), else None. Decided at the first call
-        and kept (the planner asks on every planned call, and a mask's kernel
-        configuration must not change later)."""
+        or None for one that visits nothing or cannot be known yet without waiting for the
+        GPU. 1.0: every row does the same work. From the host lists; for a GPU-built mask,
+        from its per-row counts once their asynchronous copy to the host has landed
+        (started by the builder where the framework offers ``DeviceArrays.download``),
+        before that from interval analysis of its tiles on the host when its mask captures
+        only numbers (a window, a dilated band: exact up to tiles the GPU found empty inside
+        undecided ones). Kept once known (the planner asks on every planned call); while
+        unknown, calls plan without it (one CTA per tile: the same results)."""
         if self._tile_balance is _NOT_COMPUTED:
-            visited = None
+            counts = None
             if self._states is not None:
-                visited = self._states != EMPTY
-            elif self.from_mask and all(isinstance(c, (int, float)) for c in self.mask_mod.captures):
-                from .build import tile_verdicts
+                counts = (self._states != EMPTY).sum(axis=-1, dtype=np.int64)
+            else:
+                counts = self._downloaded_row_counts()
+                if counts is None and self.from_mask and all(isinstance(c, (int, float)) for c in self.mask_mod.captures):
+                    from .build import tile_verdicts
 
-                visited = tile_verdicts(self.mask_mod, *self._batch_heads, *self.seq_lengths, *self.BLOCK_SIZE) != 0
-            balance = None
-            if visited is not None:
-                counts = visited.sum(axis=-1, dtype=np.int64)
-                mean = float(counts.mean()) if counts.size else 0.0
-                balance = float(counts.max()) / mean if mean > 0 else None
-            self._tile_balance = balance
+                    verdicts = tile_verdicts(self.mask_mod, *self._batch_heads, *self.seq_lengths, *self.BLOCK_SIZE)
+                    counts = (verdicts != 0).sum(axis=-1, dtype=np.int64)
+                if counts is None:
+                    return None   # not known yet: ask again next call
+            mean = float(counts.mean()) if counts.size else 0.0
+            self._tile_balance = float(counts.max()) / mean if mean > 0 else None
         return self._tile_balance
+
+    def _downloaded_row_counts(self):
+        """Partial + full tiles per row from the GPU builder's asynchronous copies, or None
+        while they are in flight (or were never started)."""
+        polls = self._row_counts
+        if polls is None:
+            return None
+        parts = [poll() for poll in polls]
+        if any(p is None for p in parts):
+            return None
+        return np.asarray(parts[0], dtype=np.int64) + np.asarray(parts[1], dtype=np.int64)
 
     def density(self) -> float | None:
         """Fraction of (q, kv) pairs attended, exact; for FLOP accounting."""

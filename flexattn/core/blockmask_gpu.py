@@ -35,7 +35,10 @@ class KernelBlockMaskBuilder(GpuBuilder):
             per_tile = builder.count_allowed(mask, B, H, Q_LEN, KV_LEN, arrays)
             return np.asarray(to_numpy(per_tile), dtype=np.int64).sum(axis=-1)
 
-        return BlockMask._on_device(built, (Q_LEN, KV_LEN), (qb, kvb), mask, arrays.device, count_allowed)
+        block_mask = BlockMask._on_device(built, (Q_LEN, KV_LEN), (qb, kvb), mask, arrays.device, count_allowed)
+        if arrays.download is not None:   # the per-row tile counts, for tile_balance()
+            block_mask._row_counts = tuple(arrays.download(built[n]) for n in ("kv_num_blocks", "full_kv_num_blocks"))
+        return block_mask
 
     def compact(self, states, arrays: DeviceArrays) -> dict:
         from ..kernels.blockmask.classify import compact
