@@ -28,6 +28,7 @@ the GPU time per call (events around the loop), "host µs" the host's wall time 
 
     python3 benchmarks/bench_decode.py [--shapes 8x8192 8x65536 1x131072] [--out results.json]
     python3 benchmarks/bench_decode.py --sweep     # kernel shapes x split counts, kernels alone
+    python3 benchmarks/bench_decode.py --sweep --shapes 1x131072 --variants window4096 --splits 8 13 16 26
     python3 benchmarks/bench_decode.py --no-flex --no-fa4   # skip the slow baselines
     python3 benchmarks/bench_decode.py --profile 8x8192     # host time of a steady-state call, by function
     python3 benchmarks/bench_decode.py --host 8x8192        # host µs of a steady-state call and its pieces
@@ -314,19 +315,20 @@ def sweep_tunings():
             "t64s6": DecodeTuning(64, 6, 1), "t64s2c2": DecodeTuning(64, 2, 2)}
 
 
-def sweep_shape(B, L, rows, split_factors=(1, 2), only=None):
+def sweep_shape(B, L, rows, split_factors=(1, 2), only=None, variant="none", splits=None, layouts=LAYOUTS):
     """The kernel alone for every sweep tuning x split count (the heuristic's, and
-    multiples), no mods, SDPA beside them."""
-    from flexattn.core.decode_path import choose_splits
+    multiples; or the given ``splits``), with ``variant``'s mods, SDPA beside them."""
+    from flexattn.core.decode_path import choose_splits, live_blocks
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    gbytes = step_bytes(B, L) / 1e9
+    gbytes = step_bytes(B, L, variant) / 1e9
     scale = 1 / math.sqrt(D)
-    for layout in LAYOUTS:
+    mask, score = variant_mods(variant)
+    for layout in layouts:
         cache, k, v = make_inputs(B, L, layout)
         q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
         if layout == "contiguous":
-            sdpa = baselines("none", q, k, v, L, scale, fa4=False, flex=False)["sdpa"]
+            sdpa = baselines(variant, q, k, v, L, scale, fa4=False, flex=False)["sdpa"]
             ms, ms_c = bench_ms(sdpa, 25, 150), clean_ms(sdpa)
             rows.append(dict(B=B, L=L, layout=layout, tuning="sdpa", splits=None, tbps=gbytes / ms,
                              tbps_clean=gbytes / ms_c))
@@ -334,11 +336,12 @@ def sweep_shape(B, L, rows, split_factors=(1, 2), only=None):
         for name, tuning in sweep_tunings().items():
             if only and name not in only:
                 continue
-            base = choose_splits(B, HKV, 1, -(-L // tuning.tile_n), sms, tuning)
-            for f in split_factors:
-                row = dict(B=B, L=L, layout=layout, tuning=name, splits=base * f)
+            blocks = live_blocks(mask, B, HQ, 1, L, tuning.tile_n) if mask is not None else -(-L // tuning.tile_n)
+            base = choose_splits(B, HKV, 1, blocks, sms, tuning)
+            for n in (splits or [base * f for f in split_factors]):
+                row = dict(B=B, L=L, layout=layout, tuning=name, splits=n, variant=variant)
                 try:
-                    step, _ = plan_step(q, cache, None, None, tuning, base * f)
+                    step, _ = plan_step(q, cache, score, mask, tuning, n)
                     step.launch()
                     torch.cuda.synchronize()
                     ms, ms_c = bench_ms(step.launch, 25, 150), clean_ms(step.launch)
@@ -353,11 +356,12 @@ def sweep_shape(B, L, rows, split_factors=(1, 2), only=None):
 
 
 def sweep_table(rows, stamp) -> str:
-    lines = [f"Decode kernel sweep, no mods, TB/s ({device_name()}, {stamp}); /c: clean-L2 timing", "",
-             "| B | L | layout | tuning | splits | do_bench | /c |", "|---|---|---|---|---|---|---|"]
+    lines = [f"Decode kernel sweep, TB/s ({device_name()}, {stamp}); /c: clean-L2 timing", "",
+             "| B | L | layout | variant | tuning | splits | do_bench | /c |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         f = [f"{r[k]:.2f}" if r.get(k) is not None else "—" for k in ("tbps", "tbps_clean")]
-        lines.append(f"| {r['B']} | {r['L']} | {r['layout']} | {r['tuning']} | {r['splits']} | {' | '.join(f)} |")
+        lines.append(f"| {r['B']} | {r['L']} | {r['layout']} | {r.get('variant', 'none')} | {r['tuning']} | "
+                     f"{r['splits']} | {' | '.join(f)} |")
     return "\n".join(lines)
 
 
@@ -461,6 +465,7 @@ def main():
     p.add_argument("--no-flex", action="store_true")
     p.add_argument("--tunings", nargs="*", default=None, help="sweep only these (names in sweep_tunings)")
     p.add_argument("--split-factors", nargs="*", type=int, default=[1, 2])
+    p.add_argument("--splits", nargs="*", type=int, default=None, help="--sweep: these split counts instead")
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS)
     p.add_argument("--profile", default=None, help="BxL: cProfile a steady-state whole call instead")
@@ -482,7 +487,9 @@ def main():
         B, L = (int(x) for x in s.split("x"))
         try:
             if args.sweep:
-                sweep_shape(B, L, rows, tuple(args.split_factors), args.tunings)
+                for variant in args.variants:
+                    sweep_shape(B, L, rows, tuple(args.split_factors), args.tunings, variant, args.splits,
+                                args.layouts)
             else:
                 run_shape(B, L, rows, fa4=not args.no_fa4, flex=not args.no_flex, variants=args.variants,
                           layouts=args.layouts)
