@@ -610,3 +610,25 @@ def test_trace_is_reentrant_and_leaves_no_context():
     with pytest.raises(TraceError):
         mask_mod(lambda b, h, q, kv: torch.sin(q) > 0)
     assert active_context() is None
+
+
+def test_integer_divisors_from_captured_numbers_are_baked():
+    """``q_idx // width`` with a captured int: the divisor becomes a constant (the kernels
+    lower it to shifts / multiply-high); other uses of captured numbers stay runtime inputs."""
+    import numpy as np
+    from flexattn import mods
+
+    width, radius = 64, 8
+
+    def neighborhood(b, h, q_idx, kv_idx):
+        return (((q_idx // width) - (kv_idx // width)).abs() <= radius) & (((q_idx % width) - (kv_idx % width)).abs() <= radius)
+
+    mask = mods.mask_mod(neighborhood)
+    divisors = [n.args[1] for n in mask.expr.walk() if n.op in ("floordiv", "mod")]
+    assert divisors and all(d.op == "const" and d.attr == 64 for d in divisors)
+    assert mask.captures == (radius,)   # the radius stays a runtime input
+    q, kv = np.arange(256)[:, None], np.arange(256)[None, :]
+    want = (np.abs(q // 64 - kv // 64) <= 8) & (np.abs(q % 64 - kv % 64) <= 8)
+    np.testing.assert_array_equal(np.broadcast_to(mask(0, 0, q, kv), want.shape), want)
+    scaled = mods.score_mod(lambda s, b, h, q_idx, kv_idx: s + (q_idx - kv_idx) // (2 * width))
+    assert [n.args[1].attr for n in scaled.expr.walk() if n.op == "floordiv"] == [128]

@@ -9,7 +9,11 @@ globals, default arguments — are swapped for proxies before the call, so they 
 
 A captured number that the function uses in Python control flow (``if window > 0:``,
 ``range(n)``) cannot stay symbolic; it is *concretized* — baked in as a constant and thus
-part of the structure — much like JAX's static arguments. A traced index or score in
+part of the structure — much like JAX's static arguments. So is an integer captured number
+used as the divisor of ``//`` or ``%`` (``q_idx // width``): a constant divisor becomes a
+shift, a mask or a multiply-high in the kernels (``mods/optimize.py``) instead of an
+integer division per element (~4x the instructions); a new width compiles a new kernel,
+as torch.compile's guards on a closure's int would. A traced index or score in
 control flow is an error that names the user's line.
 """
 
@@ -295,7 +299,20 @@ def _wrap_ir(fn):
 
 
 def _binary(op):
+    if op in ("floordiv", "mod"):
+        return _wrap_ir(lambda a, b: ir.binary(op, a, _static_divisor(b)))
     return _wrap_ir(lambda a, b: ir.binary(op, a, b))
+
+
+def _static_divisor(b: ir.Node) -> ir.Node:
+    """An integer divisor made of captured numbers only is baked (see the module doc): the
+    kernels then divide by a constant (shifts, masks, multiply-high) instead of running an
+    integer division per element."""
+    if b.dtype != ir.INT or b.op == "const":
+        return b
+    ctx = active_context()
+    value = ctx.concretize(b) if ctx is not None else None
+    return b if value is None else ir.const(int(value))
 
 
 def _rbinary(op):
