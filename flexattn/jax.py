@@ -329,12 +329,13 @@ class _KernelBackend:
         self.shape = shape
         self.plan = xla_path.XlaPlan(q, shape, self.spec)  # raises what the kernel can't do
 
-    def _hook_args(self, ops: _Operands, score_bufs, mask_bufs) -> tuple:
+    def _hook_args(self, ops: _Operands, score_bufs, mask_bufs, decode: bool = False) -> tuple:
         """The kernel hook's args as sources (``xla_entry``): this call's jax arrays and
-        numpy captures as operands, numbers as compile-time constants."""
+        numpy captures as operands, numbers as compile-time constants (``decode``: of the
+        decode kernel's hook)."""
         bufs = (iter(_as_operands(mask_bufs)), iter(_as_operands(score_bufs)))
         sources = []
-        for i, (kind, c, is_score) in enumerate(self.plan.captures()):
+        for i, (kind, c, is_score) in enumerate(self.plan.captures(decode)):
             if c is OPERAND:
                 if kind[0] != "buffer":
                     raise ValueError(f"flexattn.jax: a captured jax array is used as a number (capture {i});"
@@ -379,6 +380,8 @@ class _KernelBackend:
     _scratch = xla_path.WORKSPACE  # never poisoned (the kernels fill it)
 
     def forward(self, q, k, v, score_bufs, mask_bufs):
+        if self.plan.decode is not None:
+            return self._short_query(q, k, v, score_bufs, mask_bufs)
         shape = self.shape
         ops = _Operands()
         main = [ops.add(x, _bhsd_spec(x)) for x in (q, k, v)]
@@ -392,6 +395,34 @@ class _KernelBackend:
             return self.plan.forward_launch(tuple(main) + (pos["out"], pos["lse"]), args, lists, fills)
 
         r = self._call(xla_path.forward_entry(), launch, ops, results)
+        return r["out"], r["lse"]
+
+    def _short_query(self, q, k, v, score_bufs, mask_bufs):
+        """The forward of a short query through the decode kernel (``core/short_query.py``):
+        every sequence's length is the key count (a constant operand); the splits'
+        partials and the arrival tickets are scratch results."""
+        shape, launch_ = self.shape, self.plan.decode
+        ops = _Operands()
+        main = [ops.add(x, _bhsd_spec(x)) for x in (q, k, v)]
+        lengths = np.full(shape.batch, shape.kv_len, np.int32)
+        main.append(ops.add_once(lengths, lambda: _constant(lengths), _tensor_spec(1, 4)))
+        args = self._hook_args(ops, score_bufs, mask_bufs, decode=True)
+        out = jax.ShapeDtypeStruct((shape.batch, shape.q_heads, shape.q_len, shape.head_dim), q.dtype)
+        lse = jax.ShapeDtypeStruct((shape.batch, shape.q_heads, shape.q_len), jnp.float32)
+        splits = launch_.num_splits
+        o_part = jax.ShapeDtypeStruct((splits,) + out.shape, jnp.float32)
+        lse_part = jax.ShapeDtypeStruct((splits,) + lse.shape, jnp.float32)
+        tickets = jax.ShapeDtypeStruct((launch_.num_tickets,), jnp.int32)
+        results = [("out", out, _bhsd_spec(out)), ("lse", lse, _tensor_spec(3, 4)),
+                   ("o_part", o_part, _tensor_spec(5, 4, shape.head_dim)), ("lse_part", lse_part, _tensor_spec(4, 4)),
+                   ("tickets", tickets, _tensor_spec(1, 4))]
+
+        def launch(pos, fills):
+            names = ("out", "lse", "o_part", "lse_part", "tickets")
+            fills = tuple(f for f in fills if f[0] in (pos["out"], pos["lse"]))   # partials: scratch
+            return self.plan.decode_launch(tuple(main) + tuple(pos[n] for n in names), args, fills)
+
+        r = self._call(xla_path.decode_entry(), launch, ops, results, zeroed={"tickets"})
         return r["out"], r["lse"]
 
     def backward(self, q, k, v, out, lse, d_out, d_lse, score_bufs, mask_bufs, wanted):

@@ -381,6 +381,43 @@ def test_entries_compile_through_cutlass_jax_once_per_structure(monkeypatch):
     assert compiles == ["flexattn.fwd", "flexattn.bwd"], compiles
 
 
+def test_short_query_entry_compiles_through_cutlass_jax(monkeypatch):
+    """A short query on the GPU path takes the decode kernel's XLA entry (core/short_query.py):
+    compiled by cutlass.jax's own compile path on the CPU (sm_90a), once per structure."""
+    pytest.importorskip("cutlass")
+    from cutlass.jax import compile as cj
+    from cutlass.jax.primitive import _resolve_input_spec_flat, _resolve_spec_flat
+    from flexattn.core import xla_path
+
+    keys = []
+
+    def cutlass_call(fn, *, output_shape_dtype, input_spec, output_spec, compile_options, compile_key,
+                     allow_cuda_graph, **kwargs):
+        def call(*ops):
+            outs = list(output_shape_dtype)
+            spec = cj.build_function_spec(
+                list(ops), jax.tree.structure(tuple(ops)), outs, jax.tree.structure(tuple(outs)),
+                _resolve_input_spec_flat(input_spec, ops, list(ops)), _resolve_spec_flat(output_spec, outs),
+                {}, compile_options, False, kwargs)
+            keys.append(compile_key[0])
+            cj.get_or_compile_kernel(fn, spec, compile_key=compile_key)
+            return tuple(jnp.zeros(o.shape, o.dtype) for o in outs)
+
+        return call
+
+    monkeypatch.setattr(fj, "_KERNEL_PLATFORMS", {"gpu", "cuda", "cpu"})
+    monkeypatch.setattr(fj, "_cutlass_call", lambda: cutlass_call)
+    monkeypatch.setattr(xla_path, "_sm_count", lambda q: 132)
+    rng = np.random.default_rng(40)
+    q = jnp.asarray(rng.standard_normal((2, Hq, 1, Dk)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((2, Hkv, 999, Dk)), jnp.bfloat16) for _ in range(2))
+    slopes = jnp.asarray(np.linspace(0.1, 0.8, Hq), jnp.float32)
+    for _ in range(2):
+        fj.flex_attention(q, k, v, score=mods.alibi(slopes), mask=lambda b, h, q_idx, kv_idx: kv_idx > q_idx + 99,
+                          enable_gqa=True)
+    assert keys == ["flexattn.decode"] * 2
+
+
 def test_kernel_path_under_vmap_runs_one_call_per_element(fake_kernels):
     """cutlass_call has no batching rule: under vmap (and nested vmaps) the adapter runs one
     call per element (custom_vmap + lax.map), forward and backward."""

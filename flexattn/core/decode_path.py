@@ -729,6 +729,51 @@ def attention_plan(q, k, v, out, lse, site: DecodeSite, mods: DecodeMods) -> Dec
     return plan
 
 
+@dataclass(frozen=True)
+class FixedLaunch:
+    """The decode kernel for calls whose every sequence holds ``kv_len`` keys, decided once
+    on the host (an XLA entry's compile-time choice): ``config`` (its mods capture-free;
+    ``hook`` carries this call's captures, in argument order), the split count and the
+    arrival tickets it needs."""
+
+    config: object
+    hook: object
+    num_splits: int
+    num_tickets: int
+
+
+def fixed_length_launch(q_shape, kv_heads: int, kv_len: int, dtype: str, mods: DecodeMods,
+                        num_sms: int) -> FixedLaunch:
+    """What ``DecodePlan`` decides per step, for a fixed length and queries at the
+    positions flex_attention gives them (``mods.true_positions`` False; the XLA route of
+    ``core/short_query.py``): the kernel shape, the mods, the splits (``choose_launch`` over
+    ``live_blocks``) and how they merge."""
+    from ..kernels.emit.mod_emit import IRModHook, capture_kinds
+
+    if mods.true_positions:
+        raise ValueError("fixed_length_launch takes queries at flex_attention's positions")
+    B, Hq, q_len, D = (int(x) for x in q_shape)
+    group_rows = (Hq // kv_heads) * q_len
+    num_mma_wg = 1 if group_rows <= 64 else 2
+    m_blocks = -(-group_rows // (64 * num_mma_wg))
+    tuning = DEFAULT_TUNING if num_mma_wg == 1 else ONE_CTA_TUNING
+    base = None if mods.mask is None else as_mask(mods.mask, "mask")
+    mask = None if _is_full(base) else base
+    score = None if mods.score_mod is None else as_score(mods.score_mod, "score_mod")
+    config = _config_for(KERNEL_DTYPES[dtype], D, num_mma_wg, 0, score, mask, tuning,
+                         skip_masked_prefix=not head_always_kept(base, B, Hq))
+    live = live_blocks(mask, B, Hq, q_len, kv_len, tuning.tile_n, first_query=0)
+    chosen, splits, cluster = choose_launch(B, kv_heads, m_blocks, live, num_sms, tuning)
+    if (chosen, cluster) != (tuning, 1):
+        config = dataclasses.replace(config, tile_n=chosen.tile_n, num_stages=chosen.num_stages,
+                                     ctas_per_sm=chosen.ctas_per_sm, cluster_splits=cluster)
+    hook = config.mods
+    template = IRModHook(*(None if m is None else m.with_captures((None,) * len(m.captures))
+                           for m in (score, mask)))
+    template.capture_kinds = capture_kinds(hook)
+    return FixedLaunch(config.with_mods(template), hook, splits, B * kv_heads * m_blocks)
+
+
 _ATTENTION_PLANS: dict = {}
 _ATTENTION_PLANS_CAPACITY = 32
 
@@ -750,6 +795,6 @@ def decode_into(q, cache, out, lse, site: DecodeSite, mods: DecodeMods = NO_MODS
     return step
 
 
-__all__ = ["DECODE_MAX_Q_LEN", "DEFAULT_TUNING", "DecodeLaunch", "attention_into", "attention_plan", "DecodeMods", "DecodeOverrides", "DecodePlan",
+__all__ = ["DECODE_MAX_Q_LEN", "DEFAULT_TUNING", "DecodeLaunch", "FixedLaunch", "attention_into", "attention_plan", "fixed_length_launch", "DecodeMods", "DecodeOverrides", "DecodePlan",
            "DecodeSite", "DecodeTuning", "DecodeWorkspace", "StagingRing", "choose_splits", "decode_into",
            "decode_unsupported", "prepare_decode"]

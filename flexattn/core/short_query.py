@@ -13,7 +13,9 @@ forward call here when
 - the mask is a mask mod (``mask=``, or a block mask built from its mask alone:
   ``BlockMask.from_mask``; the decode kernel skips blocks by analysing the mask itself,
   so lists given by hand keep the forward kernel), any score mod,
-- and the adapter supplies the decode kernel's resources (``Device.decode_resources``).
+- and the adapter supplies the decode kernel's resources (``Device.decode_resources``:
+  torch, CuPy) — or, for JAX, whose launches are XLA custom calls, ``xla_path.XlaPlan``
+  plans the decode kernel's entry with a fixed launch (``decode_path.fixed_length_launch``).
 
 Queries keep flex_attention's positions (``q_idx`` from 0: ``DecodeMods.true_positions``
 False). The forward's outputs and LSE are the same arrays, so a backward that follows

@@ -10,6 +10,7 @@ hashable launch descriptions the compiled entries (``kernels/launch/xla_entry.py
 
 from __future__ import annotations
 
+from ..arrays import dtype_name
 from ..problem.spec import AttentionSpec
 from ..problem.validate import AttentionShape
 from .backward_path import backward_config, backward_workspace
@@ -39,9 +40,29 @@ def backward_entry():
     return backward_entry
 
 
+def decode_entry():
+    from ..kernels.launch.xla_entry import decode_entry
+
+    return decode_entry
+
+
+def _sm_count(q) -> int | None:
+    """The SM count of q's CUDA device, or None elsewhere (the adapter's CPU plumbing tests:
+    short queries then keep the forward kernel)."""
+    device_type, device_id = q.__dlpack_device__()
+    if device_type != 2:
+        return None
+    from ..kernels.hopper.device_facts import sm_count
+
+    return sm_count(device_id)
+
+
 class XlaPlan:
     """One traced call's kernel decisions (raises what the kernels cannot do). ``config``
-    is the capture-free template: the launch descriptions outlive the trace."""
+    is the capture-free template: the launch descriptions outlive the trace. ``decode``:
+    for a short query on a CUDA device (``core/short_query.py``), the decode kernel's
+    fixed launch that runs the forward instead; the backward is planned from the forward
+    kernel's plan either way."""
 
     def __init__(self, q, shape: AttentionShape, spec: AttentionSpec):
         self.shape = shape
@@ -49,16 +70,34 @@ class XlaPlan:
         self.block_mask = self.plan.block_mask
         self.config = self.plan.entry.config if self.plan.entry is not None else self.plan.config
         self.scale = spec.resolved_scale(shape.head_dim)
+        self.decode = None
+        num_sms = _sm_count(q)
+        if num_sms is not None:
+            from .decode_path import fixed_length_launch
+            from .short_query import decode_route
 
-    def captures(self) -> list:
+            route = decode_route(shape, spec)
+            if route is not None:
+                self.decode = fixed_length_launch((shape.batch, shape.q_heads, shape.q_len, shape.head_dim),
+                                                  shape.kv_heads, shape.kv_len, dtype_name(q), route, num_sms)
+
+    def captures(self, decode: bool = False) -> list:
         """[(kind, value, is_score)] per kernel-hook capture, in argument order: ``kind`` is
-        ("scalar", "int32" | "float32") or ("buffer", dtype, ndim) (``capture_kinds``)."""
+        ("scalar", "int32" | "float32") or ("buffer", dtype, ndim) (``capture_kinds``);
+        ``decode``: of the decode kernel's hook."""
         from ..kernels.emit.mod_emit import capture_kinds
 
-        hook = self.plan.config.mods
+        hook = self.decode.hook if decode else self.plan.config.mods
         captures = hook.captures()
         n_score = len(captures) - len(hook.mask_args(captures))
         return [(kind, c, i < n_score) for i, (kind, c) in enumerate(zip(capture_kinds(hook), captures))]
+
+    def decode_launch(self, main: tuple, args: tuple, fills: tuple):
+        """``xla_entry.DecodeLaunch``: ``main`` the positions of q, k, v, seq_lens, out, lse,
+        o_part, lse_part, tickets."""
+        from ..kernels.launch.xla_entry import DecodeLaunch
+
+        return DecodeLaunch(self.decode.config, self.scale, main, args, fills)
 
     def forward_launch(self, main: tuple, args: tuple, lists, fills: tuple):
         """``xla_entry.ForwardLaunch``: ``main`` the positions of q, k, v, out, lse."""
@@ -84,4 +123,5 @@ class XlaPlan:
         return BackwardLaunch(cfg, self.scale, main, workspace, args, grads, lists, fills)
 
 
-__all__ = ["KV_LISTS", "Q_LISTS", "WORKSPACE", "XlaPlan", "backward_entry", "compile_options", "forward_entry"]
+__all__ = ["KV_LISTS", "Q_LISTS", "WORKSPACE", "XlaPlan", "backward_entry", "compile_options", "decode_entry",
+           "forward_entry"]

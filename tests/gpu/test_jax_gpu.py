@@ -310,3 +310,32 @@ def test_loops_over_layers_match_single_calls(loop):
         got = jax.jit(lambda: jax.lax.fori_loop(0, layers, body, jnp.zeros_like(want)))()
     assert float(jnp.abs(want).max()) > 0
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("q_len, KV, variant", [(1, 1000, "dense"), (4, 777, "causal+alibi"), (16, 300, "window")])
+def test_short_queries_take_the_decode_kernel(q_len, KV, variant, monkeypatch):
+    """A short query (core/short_query.py) runs the decode kernel's XLA entry at
+    flex_attention's positions; it matches the reference and the torch adapter's route
+    bitwise; its gradient still comes from the backward kernels."""
+    from flexattn.core import xla_path
+
+    entries = []
+    real = xla_path.decode_entry
+    monkeypatch.setattr(xla_path, "decode_entry", lambda: entries.append(1) or real())
+    B, Hq, Hkv, D = 2, 8, 2, 128
+    (q, k, v), exact = _inputs(q_len + KV, "bf16", B, Hq, Hkv, q_len, KV, D)
+    slopes = jnp.asarray(np.linspace(0.1, 0.9, Hq), jnp.float32)
+    jkw = {"dense": {}, "causal+alibi": dict(score=mods.alibi(slopes), mask=mods.causal()),
+           "window": dict(mask=lambda b, h, q_idx, kv_idx: kv_idx >= KV - 200 + q_idx)}[variant]
+    hkw = _on_host({n: (mods.as_mask(m) if n == "mask" else m) for n, m in jkw.items()})
+    out, lse = jax.jit(lambda q, k, v: fj.flex_attention(q, k, v, enable_gqa=True, return_lse=True, **jkw))(q, k, v)
+    assert entries, "the call did not take the decode kernel"
+    want, want_lse = reference.forward(*exact, AttentionSpec.from_args(enable_gqa=True, **hkw))
+    got = np.asarray(out).astype(np.float64)
+    assert np.abs(got - want).max() < 2e-2
+    finite = np.isfinite(want_lse)
+    assert np.abs(np.asarray(lse)[finite] - want_lse[finite]).max() < 2e-3
+    t_out = fa.flex_attention(*(_torch(x, "bf16") for x in (q, k, v)), enable_gqa=True, **hkw)
+    assert np.array_equal(got, t_out.double().cpu().numpy())   # one route, one answer
+    grad = jax.grad(lambda q: fj.flex_attention(q, k, v, enable_gqa=True, **jkw).astype(jnp.float32).sum())(q)
+    assert np.isfinite(np.asarray(grad).astype(np.float32)).all()

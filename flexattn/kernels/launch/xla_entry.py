@@ -1,5 +1,5 @@
-"""``@cute.jit`` entries for XLA's FFI: the forward and the backward as one host function
-each, in the argument order ``cutlass.jax.cutlass_call`` wants (``stream, *arrays,
+"""``@cute.jit`` entries for XLA's FFI: the forward, the backward and the short-query
+forward (the decode kernel) as one host function each, in the argument order ``cutlass.jax.cutlass_call`` wants (``stream, *arrays,
 launch=``), so XLA launches our kernels from C with no Python at run time.
 
 ``cutlass_call`` compiles the entry into a module that the CuTeDSL runtime's FFI handler
@@ -145,6 +145,29 @@ class BackwardLaunch(_Launch):
         BwdPostprocess(cfg)(dqacc, dq, scale, None, None, stream)
 
 
+class DecodeLaunch(_Launch):
+    """A short-query forward through the split-KV decode kernel (``core/short_query.py``'s
+    route): ``config`` a ``DecodeConfig`` (capture-free hook); ``main`` the positions of q,
+    k, v, seq_lens (int32 [B], every entry the key count), out, lse, o_part, lse_part and
+    tickets (zero-filled here: the kernel counts arrivals in them); ``args`` hook-arg
+    sources; ``fills`` other results filled first (the GPU tests' NaN)."""
+
+    __slots__ = ("config", "scale", "main", "args", "fills")
+
+    def __init__(self, config, scale: float, main: tuple, args: tuple, fills: tuple = ()):
+        self.config, self.scale, self.main, self.args = config, float(scale), main, args
+        self.fills = tuple(fills) + ((main[8], "zero"),)
+        self.key = ("flexattn.decode", config.key(), self.scale, main, args, self.fills)
+
+    def emit(self, stream, arrays):
+        from flexattn.kernels.decode.sm90 import DecodeSm90
+
+        _fill(self.fills, arrays, stream)
+        q, k, v, seq_lens, o, lse, o_part, lse_part, tickets = (arrays[i] for i in self.main)
+        DecodeSm90(self.config)(q, k, v, None, seq_lens, o, lse, o_part, lse_part, tickets,
+                                cutlass.Float32(self.scale), _mod_args(self.args, arrays), stream)
+
+
 @cute.jit
 def forward_entry(stream, *arrays, launch: cutlass.Constexpr):
     """cutlass_call's ``fn`` for a ``ForwardLaunch``."""
@@ -154,4 +177,10 @@ def forward_entry(stream, *arrays, launch: cutlass.Constexpr):
 @cute.jit
 def backward_entry(stream, *arrays, launch: cutlass.Constexpr):
     """cutlass_call's ``fn`` for a ``BackwardLaunch``."""
+    launch.emit(stream, arrays)
+
+
+@cute.jit
+def decode_entry(stream, *arrays, launch: cutlass.Constexpr):
+    """cutlass_call's ``fn`` for a ``DecodeLaunch``."""
     launch.emit(stream, arrays)
