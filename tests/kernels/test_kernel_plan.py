@@ -313,3 +313,19 @@ def test_prepared_launch_arguments_become_tvm_ffi_tensors():
     assert isinstance(out[0], tvm_ffi.Tensor) and tuple(out[0].shape) == (4,)
     assert out[1:] == (None, 3, 0.5)
     assert _ffi_tensors(None) is None
+
+
+def test_cached_plans_keep_the_ir_their_keys_name_alive():
+    """Plans are keyed by the ids of the mods' IR as given; the optimizing pass may hand the
+    hook other objects, so the cached template must hold the given ones, or a dead IR's
+    id could be reused by another mod's and hit a plan of another structure."""
+    import gc
+    from flexattn.core.kernel_path import _PLANS
+
+    for i in range(20):   # fresh structures: each a new IR whose optimized form is another object
+        _plan(score=mods.score_mod(lambda s, b, h, q, kv, i=i: s / (3.0 + i)))
+    gc.collect()
+    for key, entry in _PLANS.items():
+        held = {id(e) for e in entry.config.mods._sources}
+        for ident in key[-2:]:
+            assert ident is None or ident in held

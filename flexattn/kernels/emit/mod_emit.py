@@ -459,6 +459,9 @@ class IRModHook(ModHook):
 
     def __init__(self, score: ScoreMod | None = None, mask: MaskMod | None = None, fast_math: bool = True):
         self.fast_math = fast_math
+        # The IR objects as given: planners key their caches by these objects' ids and rely
+        # on the cached configs' hooks to keep them alive (the optimized ones may be others).
+        self._sources = tuple(m.expr for m in (score, mask) if m is not None)
         self._score = _optimized(score)
         self._mask = _optimized(mask)
         self.has_score = score is not None
