@@ -18,8 +18,15 @@ def test_only_immutable_calls_have_an_identity():
     # plain functions: by fingerprint, when they name no array (an entry would keep it alive)
     same = [call_identity(_call(lambda s, b, h, q, kv: s * 2.0)) for _ in range(2)]
     assert same[0] is not None and same[0] == same[1]                    # a new lambda each call
-    table = np.ones(4, np.float32)
-    assert call_identity(_call(lambda s, b, h, q, kv: s + table[h])) is None
+    def biased(table):
+        return lambda s, b, h, q, kv: s + table[h]
+
+    table = np.ones(4, np.float32)   # small arrays: by identity (the entry may hold them)
+    small = call_identity(_call(biased(table)))
+    assert small is not None and small == call_identity(_call(biased(table)))
+    assert call_identity(_call(biased(np.ones(4, np.float32)))) != small
+    big = np.ones(1 << 20, np.float32)   # large ones: never held by a cache entry
+    assert call_identity(_call(lambda s, b, h, q, kv: s + big[kv])) is None
     holder = type("Holder", (), {"cap": 3.0})()
     assert call_identity(_call(lambda s, b, h, q, kv: s * holder.cap)) is None   # an object: may change
     assert call_identity(_call(scale=np.float32(0.5))) is None            # not a plain number
@@ -73,3 +80,19 @@ def test_capacity_bounds_the_cache():
             cache.add(("k", i), call, lambda i=i: i)
     assert len(cache) == 3 and cache.get(("k", 4)) == 4
     assert cache.get(("k", 0)) is None
+
+
+def test_function_keyed_entries_die_with_the_arrays_they_name():
+    cache = PreparedCalls()
+    slopes = np.linspace(0.1, 0.5, 4).astype(np.float32)
+    call = _call(lambda s, b, h, q, kv: s + slopes[h] * (kv - q))
+    key = call_identity(call) + ("shape",)
+    for _ in range(2):
+        cache.add(key, call, lambda: "entry")
+    assert cache.get(key) == "entry"
+    del call
+    gc.collect()
+    assert cache.get(key) == "entry"          # the lambda died: the array it named lives
+    slopes = None   # noqa: F841
+    gc.collect()
+    assert len(cache) == 0

@@ -38,7 +38,7 @@ def call_identity(call) -> tuple | None:
             mods.append(id(m))
             continue
         fp = fingerprint(m)
-        if fp is None or fp.watched:   # arrays: an entry would keep them alive, see below
+        if fp is None or _named_bytes(fp) > SMALL_CAPTURE_BYTES:   # see _objects
             return None
         mods.append(fp.key)
     if block_mask is not None and not isinstance(block_mask, BlockMask):
@@ -56,12 +56,38 @@ def call_key(call, *facts) -> tuple | None:
     return None if ident is None else ident + facts
 
 
+# A plain function is keyed by its fingerprint (often a new lambda each call), which names
+# its arrays by identity; a prepared entry holds its captures until it is evicted (the
+# cache's capacity bounds them), so only functions naming small arrays are prepared —
+# ALiBi slopes, a bias table — at most this many bytes of them.
+SMALL_CAPTURE_BYTES = 1 << 16
+
+
+def _named_bytes(fp) -> int:
+    total = 0
+    for x in fp.watched.values():
+        if isinstance(x, Mod):
+            continue
+        size = 1
+        for n in x.shape:
+            size *= int(n)
+        total += size * int(getattr(x.dtype, "itemsize", 8))
+    return total
+
+
 def _objects(call):
-    """The objects whose death ends an entry: the mods and block mask. A plain function is
-    keyed by its fingerprint instead (often a new lambda each call), and only when it
-    names no array, so its entry holds no caller's tensor."""
-    return tuple(o if o is None or isinstance(o, (Mod, BlockMask)) else None
-                 for o in (call[0], call[1], call[4], call[5]))   # score_mod, block_mask, mask, score
+    """The objects whose death ends an entry: the mods, the block mask and the arrays a
+    plain function names (its fingerprint's). The entry's prepared launch holds the
+    captures it converts, so those arrays live until the entry is evicted; hence the
+    ``SMALL_CAPTURE_BYTES`` bound on what a function-keyed entry may name."""
+    objects = []
+    for o in (call[0], call[1], call[4], call[5]):   # score_mod, block_mask, mask, score
+        if o is None or isinstance(o, (Mod, BlockMask)):
+            objects.append(o)
+            continue
+        fp = fingerprint(o)
+        objects.extend(fp.watched.values() if fp is not None else ())
+    return tuple(objects)
 
 
 class PreparedCalls:
