@@ -632,3 +632,31 @@ def test_integer_divisors_from_captured_numbers_are_baked():
     np.testing.assert_array_equal(np.broadcast_to(mask(0, 0, q, kv), want.shape), want)
     scaled = mods.score_mod(lambda s, b, h, q_idx, kv_idx: s + (q_idx - kv_idx) // (2 * width))
     assert [n.args[1].attr for n in scaled.expr.walk() if n.op == "floordiv"] == [128]
+
+
+def test_torch_mask_combinators_trace():
+    """torch's and_masks / or_masks / noop_mask start from ``b.new_ones((), dtype=torch.bool)``
+    (and pass ``device=b.device``): they trace to the conjunction / disjunction itself."""
+    import numpy as np
+    import torch
+    from torch.nn.attention.flex_attention import and_masks, noop_mask, or_masks
+
+    from flexattn import mods
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def near(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx <= 5
+
+    q, kv = np.arange(40)[:, None], np.arange(40)[None, :]
+    both = mods.as_mask(and_masks(causal, near))
+    either = mods.as_mask(or_masks(causal, near))
+    np.testing.assert_array_equal(np.broadcast_to(both(0, 0, q, kv), (40, 40)), (q >= kv) & (q - kv <= 5))
+    np.testing.assert_array_equal(np.broadcast_to(either(0, 0, q, kv), (40, 40)), (q >= kv) | (q - kv <= 5))
+    assert mods.as_mask(noop_mask).expr.op == "const"
+    ones = mods.score_mod(lambda s, b, h, q_idx, kv_idx: s * q_idx.new_ones(()) + kv_idx.new_zeros(()) +
+                          b.new_full((), 2.5, dtype=torch.float32))
+    assert ones(1.0, 0, 0, 3, 4) == 3.5
+    with pytest.raises(TraceError, match="scalar size"):
+        mods.mask_mod(lambda b, h, q_idx, kv_idx: q_idx.new_ones((2, 2)).sum() > 0)

@@ -413,6 +413,29 @@ def _like(value):
     return lambda x, **_: _full_like(x, value)
 
 
+def _new_full(x, size, fill_value, dtype=None, **_):
+    """``x.new_full(size, value)``, ``new_ones``/``new_zeros``: a constant of ``dtype`` (x's
+    type by default). Mods compute one element at a time, so only a scalar size: torch's
+    ``and_masks``/``or_masks``/``noop_mask`` start from ``b.new_ones((), dtype=torch.bool)``."""
+    shape = tuple(size) if isinstance(size, (tuple, list)) else (size,)
+    if any(int(n) != 1 for n in shape):
+        raise TraceError(f"new_full/new_ones/new_zeros of size {tuple(shape)} in a mod: a mod computes one"
+                         " element; use a scalar size ()")
+    node = ir.const(fill_value)
+    if dtype is not None:
+        return _cast_to(dtype)(Sym(node))
+    return Sym(ir.cast(node, _to_node(x).dtype))
+
+
+def _new_constant(value):
+    def new(x, *size, dtype=None, **kwargs):
+        if "size" in kwargs:
+            size = (kwargs.pop("size"),)
+        shape = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list)) else size
+        return _new_full(x, tuple(shape), value, dtype=dtype)
+    return new
+
+
 def _is_dtype_like(a) -> bool:
     """torch/numpy dtypes, Python types and dtype names — not devices (``x.to("cuda")``)."""
     if isinstance(a, str):
@@ -469,6 +492,7 @@ OPERATIONS: dict[str, Callable] = {
     "bool": _cast_to("bool"), "to": _to, "type": lambda x, dtype: _cast_to(dtype)(x),
     "astype": lambda x, dtype, **_: _cast_to(dtype)(x),
     "full_like": _full_like, "zeros_like": _like(0), "ones_like": _like(1),
+    "new_full": _new_full, "new_ones": _new_constant(1), "new_zeros": _new_constant(0),
 }
 
 
@@ -598,9 +622,11 @@ for _name in (
     "clamp", "clip", "float", "double", "half", "bfloat16", "int", "long", "bool", "to",
     "type", "astype", "floor", "ceil", "sign", "square", "minimum", "maximum", "pow",
     "logical_not", "logical_and", "logical_or", "logical_xor", "remainder", "div",
+    "new_full", "new_ones", "new_zeros",
 ):
     setattr(Sym, _name, (lambda op: lambda self, *a, **k: op(self, *a, **k))(OPERATIONS[_name]))
 Sym.where = lambda self, cond, other: _where(cond, self, other)  # torch: x.where(cond, y)
+Sym.device = None   # ``device=b.device`` in torch's mask helpers: constants have no device
 
 
 def _rpow(exponent, base):

@@ -111,6 +111,9 @@ def _value_key(value, names, watched, depth):
         return _UNCACHEABLE if _UNCACHEABLE in keys else ("tuple", keys)
     if isinstance(value, types.FunctionType):
         if (value.__module__ or "").split(".")[0] in _LIBRARY_PREFIXES:
+            # by identity, watched: a library's closures (torch's and_masks) die and their
+            # ids come back as other functions'
+            watched[id(value)] = value
             return ("function", id(value))
         k = _function_key(value, watched, depth + 1)
         return k if k is _UNCACHEABLE else ("function", k)

@@ -9,6 +9,10 @@ pytest.importorskip("cutlass")
 from flexattn import create_block_mask, mods  # noqa: E402
 from flexattn.core import AttentionSpec, check_inputs  # noqa: E402
 from flexattn.core.kernel_path import plan_forward  # noqa: E402
+from torch.nn.attention.flex_attention import and_masks, noop_mask  # noqa: E402
+from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask  # noqa: E402
+
+from flexattn.blockmask.layout import as_block_mask  # noqa: E402
 
 
 def _plan(D=128, dtype=torch.bfloat16, Q=300, KV=300, **kw):
@@ -35,7 +39,8 @@ def _causal_lambda(b, h, q_idx, kv_idx):
 
 
 @pytest.mark.parametrize("door", ["builtin mask=", "lambda mask=", "spelled otherwise", "block_mask= lambda",
-                                  "block_mask= builtin", "block_mask= BLOCK_SIZE 64", "and full"])
+                                  "block_mask= builtin", "block_mask= BLOCK_SIZE 64", "and full",
+                                  "torch and_masks", "torch and_masks block_mask=", "torch's BlockMask"])
 def test_causal_through_every_door_plans_the_same_kernel(door):
     """The structure comes from the mask's IR: every spelling of causal, as mask= or as a
     block mask built from it alone, runs the kernel's diagonal (no lists, no mask hook)."""
@@ -48,6 +53,11 @@ def test_causal_through_every_door_plans_the_same_kernel(door):
         "block_mask= BLOCK_SIZE 64": dict(block_mask=create_block_mask(_causal_lambda, None, None, 300, 300,
                                                                        BLOCK_SIZE=64)),
         "and full": dict(mask=mods.mask_mod(_causal_lambda) & mods.full()),
+        "torch and_masks": dict(mask=and_masks(_causal_lambda, noop_mask)),
+        "torch and_masks block_mask=": dict(block_mask=create_block_mask(and_masks(_causal_lambda, _causal_lambda),
+                                                                         None, None, 300, 300)),
+        "torch's BlockMask": dict(block_mask=as_block_mask(torch_create_block_mask(_causal_lambda, None, None, 300, 300,
+                                                                                    device="cpu"))),
     }[door]
     p = _plan(score=mods.softcap(20.0), **kw)
     reference = _plan(score=mods.softcap(20.0), mask=mods.causal())
@@ -55,7 +65,8 @@ def test_causal_through_every_door_plans_the_same_kernel(door):
     assert p.config.causal and p.block_mask is None and not p.config.mods.has_mask
 
 
-@pytest.mark.parametrize("door", ["builtin mask=", "lambda mask=", "block_mask= lambda", "block_mask= builtin"])
+@pytest.mark.parametrize("door", ["builtin mask=", "lambda mask=", "block_mask= lambda", "block_mask= builtin",
+                                  "torch and_masks"])
 def test_windows_through_every_door_plan_the_same_kernel(door):
     """Every spelling of a sliding window evaluates the band's canonical IR on its partial
     tiles (its bounds as runtime values): one kernel configuration for them all."""
@@ -67,6 +78,8 @@ def test_windows_through_every_door_plan_the_same_kernel(door):
         "lambda mask=": dict(mask=window),
         "block_mask= lambda": dict(block_mask=create_block_mask(window, None, None, 300, 300)),
         "block_mask= builtin": dict(block_mask=create_block_mask(mods.sliding_window(100), None, None, 300, 300)),
+        "torch and_masks": dict(mask=and_masks(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx,
+                                               lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= 100)),
     }[door]
     p = _plan(**kw)
     reference = _plan(mask=mods.sliding_window(7))
