@@ -508,3 +508,28 @@ def test_tile_balance_waits_for_the_downloaded_counts_without_stalling():
     assert bm.tile_balance() == pytest.approx(host.tile_balance())
     landed.clear()
     assert bm.tile_balance() == pytest.approx(host.tile_balance())   # kept
+
+
+def test_torch_block_masks_convert_once_and_keep_their_structure():
+    """A torch BlockMask converts once per object (its lists are copied to the host once);
+    one built from a band mask (causal, a window) by torch's create_block_mask adds
+    nothing to its mask (``from_mask``), even where torch lists a padded last row of tiles
+    as partial; one whose lists leave out attended tiles does not."""
+    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+    from torch.nn.attention.flex_attention import and_masks
+
+    from flexattn.blockmask.layout import as_block_mask
+
+    def causal_fn(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    t = torch_create_block_mask(causal_fn, None, None, 1000, 1000, device="cpu")
+    ours = as_block_mask(t)
+    assert as_block_mask(t) is ours and ours.from_mask
+    window = torch_create_block_mask(and_masks(causal_fn, lambda b, h, q, kv: q - kv <= 300), 2, 1, 1000, 1000,
+                                     device="cpu")
+    assert as_block_mask(window).from_mask
+    fewer = TorchBlockMask.from_kv_blocks(t.kv_num_blocks.clamp(max=1), t.kv_indices, mask_mod=causal_fn)
+    assert not as_block_mask(fewer).from_mask
+    docs = torch_create_block_mask(lambda b, h, q, kv: q // 100 == kv // 100, None, None, 1000, 1000, device="cpu")
+    assert not as_block_mask(docs).from_mask     # not a band: lists kept

@@ -96,3 +96,18 @@ def test_function_keyed_entries_die_with_the_arrays_they_name():
     slopes = None   # noqa: F841
     gc.collect()
     assert len(cache) == 0
+
+
+def test_torch_block_masks_have_an_identity_and_end_entries_when_they_die():
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    cache = PreparedCalls()
+    bm = torch_create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 256, 256, device="cpu")
+    call = _call(block_mask=bm)
+    key = call_identity(call) + ("shape",)
+    for _ in range(2):
+        cache.add(key, call, lambda: "entry")
+    assert cache.get(key) == "entry"
+    del bm, call
+    gc.collect()
+    assert len(cache) == 0

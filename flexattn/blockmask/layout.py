@@ -10,6 +10,7 @@ like torch's: the listed blocks in ascending order first, the rest after.
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import numpy as np
@@ -228,19 +229,57 @@ class BlockMask:
         return repr(self) + "\n" + self.to_string()
 
 
+_CONVERTED: dict = {}   # id(framework block mask) -> (weakref to it, our BlockMask)
+
+
 def as_block_mask(block_mask):
     """A framework's BlockMask with torch's attributes (same lists; its mask_mod is traced)
-    → ours; ours and None pass as they are."""
+    → ours; ours and None pass as they are. Converted once per object (its lists are read
+    to the host: a copy the GPU must finish first), and kept while it lives. A converted
+    mask whose mask is a band (causal, a window) and whose tiles are exactly the ones that
+    mask classifies to (as torch's create_block_mask makes them) is marked ``from_mask``:
+    the kernels may then iterate by the mask's own structure, as for ours."""
     if block_mask is None or isinstance(block_mask, BlockMask):
         return block_mask
+    hit = _CONVERTED.get(id(block_mask))
+    if hit is not None and hit[0]() is block_mask:
+        return hit[1]
     needed = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "BLOCK_SIZE", "seq_lengths", "mask_mod")
     if not all(hasattr(block_mask, a) for a in needed):
         raise TypeError(f"block_mask must be a BlockMask, got {type(block_mask).__name__}")
-    return BlockMask.from_kv_blocks(
+    ours = BlockMask.from_kv_blocks(
         block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
         BLOCK_SIZE=tuple(block_mask.BLOCK_SIZE), mask_mod=as_mask(block_mask.mask_mod, "block_mask.mask_mod"),
         seq_lengths=tuple(block_mask.seq_lengths),
     )
+    ours.from_mask = _tiles_are_the_masks(ours)
+    try:
+        ref = weakref.ref(block_mask, lambda _, key=id(block_mask): _CONVERTED.pop(key, None))
+    except TypeError:   # not weakly referenceable: convert every call
+        return ours
+    _CONVERTED[id(block_mask)] = (ref, ours)
+    return ours
+
+
+def _tiles_are_the_masks(block_mask: BlockMask) -> bool:
+    """Whether a host block mask's lists add nothing to its mask: no tile the mask attends
+    is left out, and every tile listed full is full (partial tiles apply the mask, so
+    listing a full or empty tile as partial changes nothing — torch's lists do that for
+    a last, padded row of tiles). Checked for band masks only (the structures a kernel
+    iterates without lists; they capture only numbers, so the host classification is
+    cheap)."""
+    from ..mods.structure import diagonal_band
+    from .build import create_block_mask
+
+    mask = block_mask.mask_mod
+    if diagonal_band(mask.expr) is None or block_mask._states is None:
+        return False
+    b, h = block_mask._batch_heads
+    q_len, kv_len = block_mask.seq_lengths
+    expected = create_block_mask(mask, b, h, q_len, kv_len, BLOCK_SIZE=block_mask.BLOCK_SIZE)
+    exact = np.broadcast_to(expected._states, block_mask._states.shape)
+    given = block_mask._states
+    return bool(np.all((given != EMPTY) | (exact == EMPTY)) and np.all((given != FULL) | (exact == FULL)))
 
 
 def _block_size(bs):

@@ -41,11 +41,17 @@ def call_identity(call) -> tuple | None:
         if fp is None or _named_bytes(fp) > SMALL_CAPTURE_BYTES:   # see _objects
             return None
         mods.append(fp.key)
-    if block_mask is not None and not isinstance(block_mask, BlockMask):
+    if block_mask is not None and not isinstance(block_mask, BlockMask) and not _framework_block_mask(block_mask):
         return None
     if scale is not None and type(scale) is not float and type(scale) is not int:
         return None
     return (mods[0], id(block_mask), mods[1], mods[2], scale, enable_gqa)
+
+
+def _framework_block_mask(x) -> bool:
+    """A framework's BlockMask (torch's): converted once per object (``as_block_mask``) and
+    treated as immutable, as torch treats it; keyed by identity like ours."""
+    return hasattr(x, "kv_num_blocks") and hasattr(x, "mask_mod") and hasattr(x, "BLOCK_SIZE")
 
 
 def call_key(call, *facts) -> tuple | None:
@@ -66,7 +72,7 @@ SMALL_CAPTURE_BYTES = 1 << 16
 def _named_bytes(fp) -> int:
     total = 0
     for x in fp.watched.values():
-        if isinstance(x, Mod):
+        if not hasattr(x, "shape") or isinstance(x, Mod):   # functions, mods: no bytes of their own
             continue
         size = 1
         for n in x.shape:
@@ -82,7 +88,7 @@ def _objects(call):
     ``SMALL_CAPTURE_BYTES`` bound on what a function-keyed entry may name."""
     objects = []
     for o in (call[0], call[1], call[4], call[5]):   # score_mod, block_mask, mask, score
-        if o is None or isinstance(o, (Mod, BlockMask)):
+        if o is None or isinstance(o, (Mod, BlockMask)) or _framework_block_mask(o):
             objects.append(o)
             continue
         fp = fingerprint(o)

@@ -262,3 +262,26 @@ def test_torch_style_causal_block_mask_runs_the_causal_structure(Q, KV):
     want, _ = reference.forward(q.cpu(), k.cpu(), v.cpu(), AttentionSpec.from_args(mask=mods.causal(), enable_gqa=True))
     assert (out.double().cpu() - want).abs().max() < TOL[torch.bfloat16]
     assert (out.double() - sparse.double()).abs().max() < TOL[torch.bfloat16]
+
+
+def test_torch_block_masks_convert_once_and_run_their_structure():
+    """torch's own create_block_mask (on the GPU) through block_mask=: converted once per
+    object, a causal one runs the kernel's diagonal, results match the reference; repeats
+    take the prepared path (no conversion)."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    from flexattn.blockmask.layout import as_block_mask
+    from flexattn.core.kernel_path import plan_forward
+
+    torch.manual_seed(7)
+    q = torch.randn(2, 4, 600, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 4, 600, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    bm = torch_create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 600, 600, device="cuda")
+    ours = as_block_mask(bm)
+    assert as_block_mask(bm) is ours and ours.from_mask
+    spec = AttentionSpec.from_args(block_mask=ours)
+    assert plan_forward(q, check_inputs(q, k, v, spec), spec).config.causal
+    outs = [fa.flex_attention(q, k, v, block_mask=bm) for _ in range(3)]
+    want, _ = reference.forward(q.cpu(), k.cpu(), v.cpu(), AttentionSpec.from_args(mask=mods.causal()))
+    for out in outs:
+        assert np.abs(out.double().cpu().numpy() - want).max() < TOL[torch.bfloat16]
