@@ -533,3 +533,81 @@ def test_torch_block_masks_convert_once_and_keep_their_structure():
     assert not as_block_mask(fewer).from_mask
     docs = torch_create_block_mask(lambda b, h, q, kv: q // 100 == kv // 100, None, None, 1000, 1000, device="cpu")
     assert not as_block_mask(docs).from_mask     # not a band: lists kept
+
+
+@pytest.mark.parametrize("index", [0, -1, (0, 1), (slice(0, 2), slice(1, 2)), (slice(None), slice(None), [1, 3]),
+                                   (slice(0, 2), slice(1, 2), "tensor")])
+def test_slicing_matches_torch(index):
+    """``block_mask[b]``, ``[:, h]``, ``[:, :, rows]`` as torch slices its lists (ints keep
+    their dimension); the mask_mod is unset until the caller sets it, as in torch."""
+    def causal_fn(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    ours = create_block_mask(causal_fn, 2, 3, 512, 512)
+    theirs = torch_create_block_mask(causal_fn, 2, 3, 512, 512, device="cpu")
+    if isinstance(index, tuple) and index[-1] == "tensor":
+        index = index[:-1] + (torch.tensor([1], dtype=torch.int32),)
+    torch_index = tuple(torch.tensor(i) if isinstance(i, list) else i for i in index) if isinstance(index, tuple) else index
+    a, b = ours[index], theirs[torch_index]
+    for name in ("kv_num_blocks", "full_kv_num_blocks"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name).numpy())
+    n = a.kv_num_blocks
+    listed = np.arange(a.kv_indices.shape[-1]) < n[..., None]
+    np.testing.assert_array_equal(np.where(listed, a.kv_indices, -1), np.where(listed, b.kv_indices.numpy(), -1))
+    assert a.seq_lengths == tuple(b.seq_lengths) and a.numel() == b.numel()
+    with pytest.raises(ValueError, match="sliced"):
+        a.mask_mod
+    a.mask_mod = causal_fn
+    assert a.mask_mod(0, 0, 3, 2) and not a.from_mask
+
+
+def test_adjust_matches_torch():
+    def causal_fn(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    ours = create_block_mask(causal_fn, None, None, 1024, 1024)
+    theirs = torch_create_block_mask(causal_fn, None, None, 1024, 1024, device="cpu")
+    for q_len, kv_len in ((300, 700), (1024, 1024), (1, 1024)):
+        a, b = ours._adjust(q_len, kv_len), theirs._adjust(q_len, kv_len)
+        assert a.seq_lengths == (q_len, kv_len) == tuple(b.seq_lengths)
+        for name in ("kv_num_blocks", "full_kv_num_blocks"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name).numpy())
+        assert a.mask_mod is ours.mask_mod
+
+
+def test_a_new_mask_mod_ends_from_mask():
+    built = create_block_mask(causal(), None, None, 256, 256)
+    assert built.from_mask
+    built.mask_mod = causal()            # the same mask (another object): lists still its own
+    assert built.from_mask
+    built.mask_mod = sliding_window(8)   # another mask: the lists keep their meaning
+    assert not built.from_mask
+
+
+def test_torch_decoding_pattern_matches_torch_eager():
+    """The decoding pattern of torch users: one q-block row of a prebuilt causal mask, its
+    mask_mod shifted to the query's position, seq_lengths set — against torch's eager
+    flex_attention on CPU."""
+    import flexattn.torch as fa
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    torch.manual_seed(0)
+    L, pos = 512, 300
+    q = torch.randn(1, 2, 1, 16, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, L, 16, dtype=torch.float64) for _ in range(2))
+
+    def causal_fn(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def at_pos(b, h, q_idx, kv_idx):
+        return q_idx + pos >= kv_idx
+
+    outs = []
+    for make, attend in ((create_block_mask, fa.flex_attention), (torch_create_block_mask, torch_flex)):
+        full = make(causal_fn, None, None, L, L, device="cpu") if make is torch_create_block_mask \
+            else make(causal_fn, None, None, L, L)
+        row = full[:, :, pos // 128]
+        row.mask_mod = at_pos
+        row.seq_lengths = (1, L)
+        outs.append(attend(q, k, v, block_mask=row))
+    torch.testing.assert_close(outs[0], outs[1])

@@ -122,10 +122,70 @@ class BlockMask:
         return create_block_mask(self.mask_mod.with_captures(captures), b, h, q, kv,
                                  BLOCK_SIZE=self.BLOCK_SIZE, device=None if self.device == "cpu" else self.device)
 
+    # -- the mask applied inside partial tiles -------------------------------------------------
+    @property
+    def mask_mod(self) -> MaskMod:
+        if self._mask_mod is None:
+            raise ValueError("this block mask was sliced (block_mask[...]): its mask_mod is unset, as torch's is;"
+                             " set block_mask.mask_mod to the mask of the sliced rows (e.g. shifted to their"
+                             " positions) before using it")
+        return self._mask_mod
+
+    @mask_mod.setter
+    def mask_mod(self, value):
+        """Any mask mod or function. A mask other than the one the lists were derived from
+        (another structure, or other captured values) ends ``from_mask``: the lists then
+        keep their meaning, as in torch."""
+        new = as_mask(value, "block_mask.mask_mod") if value is not None else full()
+        old = self.__dict__.get("_mask_mod")
+        if old is not None and not _same_mask(old, new):
+            self.from_mask = False
+        self._mask_mod = new
+
     # -- views ---------------------------------------------------------------------------------
     @property
     def shape(self):
         return tuple(self._batch_heads) + self.seq_lengths
+
+    def numel(self) -> int:
+        """B * H * Q_LEN * KV_LEN (torch's: not accounting for sparsity)."""
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def __getitem__(self, index) -> "BlockMask":
+        """torch's slicing over (batch, head, q block): ints keep their dimension (as
+        torch's do), slices and index arrays select; ``seq_lengths`` stay, and the mask_mod
+        is unset — set ``mask_mod`` for the sliced rows before use, as torch requires."""
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) > 3:
+            raise IndexError(f"a block mask is indexed by (batch, head, q block), got {len(index)} indices")
+        states = self._host_states()
+        picked = states
+        for dim, i in enumerate(index):
+            if isinstance(i, (int, np.integer)) and not isinstance(i, bool):
+                n = states.shape[dim]
+                if not -n <= int(i) < n:
+                    raise IndexError(f"index {int(i)} out of range for dimension {dim} of size {n}")
+                i = slice(int(i) % n, int(i) % n + 1)
+            elif not isinstance(i, slice):
+                i = np.asarray(to_numpy(i)).astype(np.int64).reshape(-1)
+            picked = picked[(slice(None),) * dim + (i,)]
+        sliced = BlockMask(picked, self.seq_lengths, self.BLOCK_SIZE, None)
+        sliced._mask_mod = None   # unset, as torch leaves it (its getter names the fix)
+        return sliced
+
+    def _adjust(self, new_q_len: int, new_kv_len: int) -> "BlockMask":
+        """torch's ``_adjust``: the same mask for new lengths, keeping the tiles of the
+        first ceil(new_q_len / q_block) rows and ceil(new_kv_len / kv_block) columns (what
+        torch's lists keep); tiles beyond the old lengths, if the new ones are longer, empty."""
+        qb, kvb = self.BLOCK_SIZE
+        rows, cols = -(-int(new_q_len) // qb), -(-int(new_kv_len) // kvb)
+        states = self._host_states()
+        adjusted = np.zeros(states.shape[:2] + (rows, cols), np.int8)
+        r, c = min(rows, states.shape[2]), min(cols, states.shape[3])
+        adjusted[:, :, :r, :c] = states[:, :, :r, :c]
+        out = BlockMask(adjusted, (new_q_len, new_kv_len), self.BLOCK_SIZE, None)
+        out._mask_mod = self._mask_mod
+        return out
 
     @property
     def num_allowed(self):
@@ -217,7 +277,7 @@ class BlockMask:
 
     def __repr__(self):
         b, h, q, kv = self.shape
-        name = self.mask_mod.name or "custom"
+        name = "unset (sliced)" if self._mask_mod is None else (self._mask_mod.name or "custom")
         return (
             f"BlockMask(shape=(B={b}, H={h}, Q_LEN={q}, KV_LEN={kv}), BLOCK_SIZE={self.BLOCK_SIZE},"
             f" sparsity={self.sparsity():.2f}%, partial={int((self._host_states() == PARTIAL).sum())},"
@@ -280,6 +340,17 @@ def _tiles_are_the_masks(block_mask: BlockMask) -> bool:
     exact = np.broadcast_to(expected._states, block_mask._states.shape)
     given = block_mask._states
     return bool(np.all((given != EMPTY) | (exact == EMPTY)) and np.all((given != FULL) | (exact == FULL)))
+
+
+def _same_mask(a: MaskMod, b: MaskMod) -> bool:
+    """The same mask: one structure and the same captured values (numbers equal, arrays the
+    same objects)."""
+    if a is b:
+        return True
+    if a.structure_key != b.structure_key or len(a.captures) != len(b.captures):
+        return False
+    return all(x is y or (isinstance(x, (int, float)) and isinstance(y, (int, float)) and x == y)
+               for x, y in zip(a.captures, b.captures))
 
 
 def _block_size(bs):
