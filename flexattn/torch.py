@@ -32,10 +32,27 @@ from .core.registry import SpecRegistry, by_id, compiled_spec, operand_grad_slot
 from .problem.kvcache import KVCache, PagedKVCache
 from .problem.spec import AttentionSpec, lse_dtype
 from .problem.validate import check_inputs
+from . import mods as _mods
+from .blockmask.build import dense_mask
 from .mods import MaskMod, Mod, ScoreMod, mask_mod
 
-__all__ = ["flex_attention", "decode", "create_block_mask", "BlockMask", "KVCache", "PagedKVCache",
-           "MaskMod", "ScoreMod", "mask_mod"]
+__all__ = ["flex_attention", "decode", "create_block_mask", "create_mask", "BlockMask", "KVCache", "PagedKVCache",
+           "MaskMod", "ScoreMod", "mask_mod", "and_masks", "or_masks", "noop_mask", "FlexKernelOptions"]
+
+# torch's helpers, framework-free (mods/builtins.py): mask values that trace, compose with
+# ``& |`` and are callable like torch's functions.
+and_masks, or_masks, noop_mask = _mods.and_masks, _mods.or_masks, _mods.noop_mask
+try:   # the type of kernel_options= (a TypedDict in torch): accepted, its keys are advisory
+    from torch.nn.attention.flex_attention import FlexKernelOptions
+except ImportError:
+    FlexKernelOptions = dict
+
+
+def create_mask(mod_fn, B, H, Q_LEN, KV_LEN, device=None) -> torch.Tensor:
+    """torch's ``create_mask``: the dense bool mask [B, H, Q_LEN, KV_LEN] of a mask mod, or
+    where a score mod (given a zero score) is not -inf; computed on the host, put on
+    ``device`` (default: the CPU)."""
+    return torch.from_numpy(dense_mask(mod_fn, B, H, Q_LEN, KV_LEN)).to(device or "cpu")
 
 
 def flex_attention(

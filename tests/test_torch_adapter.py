@@ -296,3 +296,32 @@ def test_written_empty_skips_the_deterministic_fill_and_restores_it():
     finally:
         torch.use_deterministic_algorithms(False)
     assert _written_empty((2,), dtype=torch.int64, device="cpu").dtype == torch.int64
+
+
+def test_torch_mask_helpers_match_torch():
+    """and_masks / or_masks / noop_mask / create_mask / FlexKernelOptions, as torch's:
+    the same dense masks, and flex_attention with them equal to torch's eager call."""
+    from torch.nn.attention.flex_attention import and_masks, create_mask, noop_mask, or_masks
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    def causal_fn(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def near(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() <= 5
+
+    def score_fn(s, b, h, q_idx, kv_idx):
+        return torch.where(q_idx >= kv_idx, s, -float("inf"))
+
+    pairs = [(fa.and_masks(causal_fn, near), and_masks(causal_fn, near)),
+             (fa.or_masks(causal_fn, near), or_masks(causal_fn, near)),
+             (fa.noop_mask, noop_mask), (fa.and_masks(), and_masks()), (score_fn, score_fn)]
+    for ours, theirs in pairs:
+        assert torch.equal(fa.create_mask(ours, 2, 3, 40, 50), create_mask(theirs, 2, 3, 40, 50, device="cpu"))
+    q, k, v = (torch.randn(1, 2, 40, 16, dtype=torch.float64) for _ in range(3))
+    for ours, theirs in pairs[:3]:
+        want = torch_flex(q, k, v, block_mask=torch_create_block_mask(theirs, None, None, 40, 40, device="cpu"))
+        got = fa.flex_attention(q, k, v, block_mask=fa.create_block_mask(ours, None, None, 40, 40))
+        torch.testing.assert_close(got, want)
+    assert "FlexKernelOptions" in fa.__all__ and fa.FlexKernelOptions is not None

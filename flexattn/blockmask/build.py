@@ -54,6 +54,27 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
 
 
 
+def dense_mask(mod_fn, B, H, Q_LEN, KV_LEN) -> np.ndarray:
+    """torch's ``create_mask`` on the host: bool [B, H, Q_LEN, KV_LEN], where a mask mod
+    attends or a score mod (``(score, b, h, q_idx, kv_idx)``, given a zero score) does not
+    return -inf. ``B`` / ``H`` of None mean 1."""
+    import inspect
+
+    from ..mods import Mod, ScoreMod, as_score
+
+    B, H = int(B or 1), int(H or 1)
+    is_score = isinstance(mod_fn, ScoreMod) or (not isinstance(mod_fn, Mod) and callable(mod_fn)
+                                                 and len(inspect.signature(mod_fn).parameters) == 5)
+    env = {"b": np.arange(B).reshape(B, 1, 1, 1), "h": np.arange(H).reshape(1, H, 1, 1),
+           "q": np.arange(Q_LEN).reshape(1, 1, Q_LEN, 1), "kv": np.arange(KV_LEN).reshape(1, 1, 1, KV_LEN)}
+    mod = as_score(mod_fn, "mod_fn") if is_score else as_mask(mod_fn, "mod_fn")
+    if is_score:
+        env["score"] = np.zeros((1, 1, 1, 1))
+    value = evaluate(mod.expr, env, [to_numpy(c) for c in mod.captures])
+    attended = ~np.isneginf(value) if is_score else np.asarray(value, dtype=bool)
+    return np.broadcast_to(attended, (B, H, Q_LEN, KV_LEN)).copy()
+
+
 def _tile_bounds(Q_LEN, KV_LEN, qb, kvb):
     nq, nkv = -(-Q_LEN // qb), -(-KV_LEN // kvb)
     q_lo = np.arange(nq) * qb

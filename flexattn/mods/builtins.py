@@ -5,18 +5,34 @@ one compiled kernel.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 
 import numpy as np
 
 from ..arrays import to_numpy
-from .mod import MaskMod, ScoreMod, mask_mod, score_mod
+from .mod import MaskMod, ScoreMod, as_mask, mask_mod, score_mod
 from . import ir
 
 
 def full() -> MaskMod:
     """Every query attends to every key."""
     return MaskMod(ir.const(True), (), "full")
+
+
+def and_masks(*masks) -> MaskMod:
+    """torch's ``and_masks``: a mask attending where every one of ``masks`` (mods or
+    functions) does; none: every position."""
+    return functools.reduce(operator.and_, (as_mask(m, "and_masks") for m in masks), full())
+
+
+def or_masks(*masks) -> MaskMod:
+    """torch's ``or_masks``: a mask attending where any of ``masks`` does; none: nowhere."""
+    return functools.reduce(operator.or_, (as_mask(m, "or_masks") for m in masks), MaskMod(ir.const(False), (), "empty"))
+
+
+noop_mask = MaskMod(ir.const(True), (), "noop_mask")   # torch's name for "every position"
 
 
 def causal(offset: int = 0) -> MaskMod:
