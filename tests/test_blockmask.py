@@ -226,11 +226,15 @@ def test_repr_and_to_string():
     assert r.startswith("BlockMask(shape=(B=1, H=2, Q_LEN=256, KV_LEN=384), BLOCK_SIZE=(128, 128)")
     assert "sparsity=50.00%" in r and "partial=4" in r and "full=2" in r and "mask_mod=causal" in r
     s = bm.to_string()
-    assert s.splitlines() == ["b=0, h=0:", "  |░░    |", "  |██░░  |", "b=0, h=1:", "  |░░    |", "  |██░░  |"]
     assert str(bm) == r + "\n" + s
-    assert len(bm.to_string(max_blocks=1).splitlines()) == 4
-    big = create_block_mask(causal(), 5, 5, 128, 128)
-    assert big.to_string().count("b=") == 4  # at most 2 x 2 pictures
+    # torch's pictures: the same characters, sections, (b, h) labels and limit
+    theirs = torch_create_block_mask(lambda b, h, q, kv: q >= kv, 1, 2, 256, 384, device="cpu")
+    assert s == theirs.to_string()
+    wide = create_block_mask(causal(), 3, 3, 2048, 2048)
+    theirs_wide = torch_create_block_mask(lambda b, h, q, kv: q >= kv, 3, 3, 2048, 2048, device="cpu")
+    for kw in ({}, {"grid_size": 4}, {"grid_size": (3, 5)}, {"grid_size": -1, "limit": 2}):
+        assert wide.to_string(**kw) == theirs_wide.to_string(**kw), kw
+    assert len(bm.to_string(max_blocks=1).split("\n\n")[0].splitlines()) == 2   # ours: the first tiles only
     anon = create_block_mask(mask_mod(lambda b, h, q, kv: q >= kv, name=None), None, None, 128, 128)
     assert "mask_mod=" in repr(anon)
     assert "mask_mod=custom" in repr(BlockMask(np.zeros((1, 1, 1, 1)), (1, 1), (1, 1),
@@ -242,6 +246,25 @@ def test_as_tuple_order():
     t = bm.as_tuple()
     assert t[:2] == (256, 128) and t[10:12] == (128, 64) and t[12] is bm.mask_mod
     assert t[2] is bm.kv_num_blocks and t[9] is bm.full_q_indices
+    nested = bm.as_tuple(flatten=False)
+    assert nested[0] == (256, 128) and nested[9] == (128, 64) and nested[10] is bm.mask_mod
+
+
+def test_from_kv_blocks_takes_torch_shapes():
+    """Lists without leading dims ([Q_BLOCKS, KV_BLOCKS], [H, Q_BLOCKS, KV_BLOCKS]) as
+    torch's from_kv_blocks takes them, and its compute_q_blocks keyword."""
+    bm = create_block_mask(causal(), None, None, 512, 512)
+    for lead in (0, 1):
+        index = (0,) * (2 - lead) if lead == 0 else (0,)
+        lists = [getattr(bm, n)[index] for n in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")]
+        again = BlockMask.from_kv_blocks(*lists, mask_mod=causal(), compute_q_blocks=False)
+        assert again.shape == (1, 1, 512, 512)
+        np.testing.assert_array_equal(again.block_states(), bm.block_states())
+
+
+def test_to_keeps_the_mask_on_the_host():
+    bm = create_block_mask(causal(), None, None, 256, 256)
+    assert bm.to("cpu") is bm and bm.numel() == 256 * 256
 
 
 @pytest.mark.parametrize("name", ["causal", "noise", "document_b"])

@@ -65,11 +65,20 @@ class BlockMask:
     # -- construction -----------------------------------------------------------------------
     @classmethod
     def from_kv_blocks(cls, kv_num_blocks, kv_indices, full_kv_num_blocks=None, full_kv_indices=None,
-                       BLOCK_SIZE=128, mask_mod=None, seq_lengths=None):
-        """From kv-side lists (e.g. computed elsewhere); the q-side lists are derived."""
+                       BLOCK_SIZE=128, mask_mod=None, seq_lengths=None, compute_q_blocks=True):
+        """From kv-side lists (e.g. computed elsewhere); the q-side lists are derived (always:
+        ``compute_q_blocks`` is accepted for torch's signature). Lists may leave out leading
+        dims as torch's do: [Q_BLOCKS, KV_BLOCKS] or [H, Q_BLOCKS, KV_BLOCKS] indices."""
         qb, kvb = _block_size(BLOCK_SIZE)
         kv_num = np.asarray(to_numpy(kv_num_blocks), dtype=np.int64)
         kv_idx = np.asarray(to_numpy(kv_indices), dtype=np.int64)
+        if 2 <= kv_idx.ndim < 4 and kv_num.ndim == kv_idx.ndim - 1:   # leading (batch, head) dims of 1
+            kv_idx = kv_idx.reshape((1,) * (4 - kv_idx.ndim) + kv_idx.shape)
+            kv_num = kv_num.reshape(kv_idx.shape[:3])
+            if full_kv_num_blocks is not None:
+                full_kv_num_blocks = np.asarray(to_numpy(full_kv_num_blocks)).reshape(kv_idx.shape[:3])
+                full_kv_indices = np.asarray(to_numpy(full_kv_indices)).reshape(
+                    kv_idx.shape[:3] + np.shape(to_numpy(full_kv_indices))[-1:])
         if kv_idx.ndim != 4 or kv_num.shape != kv_idx.shape[:3]:
             raise ValueError(
                 f"kv_indices must be [B, H, Q_BLOCKS, KV_BLOCKS] and kv_num_blocks [B, H, Q_BLOCKS];"
@@ -257,23 +266,64 @@ class BlockMask:
         q, kv = self.seq_lengths
         return float(np.mean(self.num_allowed)) / (q * kv)
 
-    def as_tuple(self):
-        return (self.seq_lengths[0], self.seq_lengths[1], self.kv_num_blocks, self.kv_indices,
-                self.full_kv_num_blocks, self.full_kv_indices, self.q_num_blocks, self.q_indices,
-                self.full_q_num_blocks, self.full_q_indices, self.BLOCK_SIZE[0], self.BLOCK_SIZE[1],
-                self.mask_mod)
+    def as_tuple(self, flatten: bool = True):
+        """The lists and sizes in torch's order (without the dQ-order fields newer torch
+        versions add); ``flatten=False`` keeps ``seq_lengths`` and ``BLOCK_SIZE`` as pairs."""
+        lists = (self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices,
+                 self.q_num_blocks, self.q_indices, self.full_q_num_blocks, self.full_q_indices)
+        if flatten:
+            return (*self.seq_lengths, *lists, *self.BLOCK_SIZE, self.mask_mod)
+        return (self.seq_lengths, *lists, self.BLOCK_SIZE, self.mask_mod)
 
-    def to_string(self, max_blocks: int = 32) -> str:
-        """Tile picture per (b, h): █ full, ░ partial, blank empty (first ``max_blocks`` tiles)."""
-        chars = {EMPTY: " ", PARTIAL: "░", FULL: "█"}
-        lines = []
-        states = self._host_states()
-        for b in range(min(states.shape[0], 2)):
-            for h in range(min(states.shape[1], 2)):
-                grid = states[b, h, :max_blocks, :max_blocks]
-                lines.append(f"b={b}, h={h}:")
-                lines.extend("  |" + "".join(chars[int(s)] * 2 for s in row) + "|" for row in grid)
-        return "\n".join(lines)
+    def to_string(self, grid_size=(20, 20), limit: int = 4, max_blocks: int | None = None) -> str:
+        """Tile picture per (b, h), as torch draws it: █ all computed, ░ some, blank none,
+        each character a section of tiles so that at most ``grid_size`` (rows, cols; an int
+        for both, -1 for every tile) are drawn, for the first ``limit`` (b, h). ``max_blocks``
+        (ours, older): the first that many tiles, uncompressed."""
+        computed = self._host_states() != EMPTY
+        rows, cols = computed.shape[2:]
+        if max_blocks is not None:
+            computed = computed[:, :, :max_blocks, :max_blocks]
+            rows, cols = computed.shape[2:]
+            grid_size = -1
+        max_rows, max_cols = (rows, cols) if grid_size == -1 else \
+            (grid_size, grid_size) if isinstance(grid_size, int) else tuple(grid_size)
+        row_step, col_step = max(1, -(-rows // max_rows)), max(1, -(-cols // max_cols))
+        parts = []
+        for i, (b, h) in enumerate(np.ndindex(*computed.shape[:2])):
+            if i == limit:
+                parts += ["...", "To print out more, set BlockMask.to_string(limit=N)",
+                          "You can also index (BlockMask[batch, head]) to choose a specific batch or head"]
+                break
+            lines = [f"({b}, {h})"]
+            for r in range(0, rows, row_step):
+                line = ""
+                for c in range(0, cols, col_step):
+                    share = computed[b, h, r:r + row_step, c:c + col_step].mean()
+                    line += ("█" if share == 1 else " " if share == 0 else "░") * 2
+                lines.append(line)
+            parts.append("\n".join(lines) + "\n")
+        return "\n".join(parts)
+
+    def to(self, device) -> "BlockMask":
+        """This block mask on ``device``: the CPU gives host lists; a GPU device that an
+        imported adapter serves gives its arrays there (as ``create_block_mask(device=)``
+        builds them); the mask, its structure and ``from_mask`` are kept."""
+        from .device import _device_arrays
+
+        arrays = _device_arrays(device)
+        if arrays is None:   # the host
+            if self.device == "cpu":
+                return self
+            out = BlockMask(self._host_states(), self.seq_lengths, self.BLOCK_SIZE, None)
+        else:
+            listed = {name: arrays.to_device(np.ascontiguousarray(getattr(self, name))) for name in _LIST_NAMES}
+            listed["states"] = arrays.to_device(np.ascontiguousarray(self._host_states()))
+            out = BlockMask._on_device(listed, self.seq_lengths, self.BLOCK_SIZE, None, arrays.device)
+            out._states = self._host_states()
+        out._mask_mod, out.from_mask = self._mask_mod, self.from_mask
+        out._num_allowed = self._num_allowed
+        return out
 
     def __repr__(self):
         b, h, q, kv = self.shape
