@@ -82,6 +82,11 @@ def flex_attention(
     """
     if torch.compiler.is_compiling():
         return _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, mask, score)
+    if getattr(query, "is_nested", False) or getattr(key, "is_nested", False) or getattr(value, "is_nested", False):
+        raise ValueError(
+            "flexattn.torch.flex_attention takes dense [B, H, S, D] tensors, not nested (jagged) ones: pack the"
+            " sequences into one [1, H, total, D] tensor and mask across them with"
+            " flexattn.mods.document_from_offsets(offsets) (or flexattn.blockmask.varlen_block_mask(offsets) for the block mask)")
     call = (score_mod, block_mask, scale, enable_gqa, mask, score)
     prepared_key = _call_key(query, key, value, call)
     repeated = _PREPARED.run(prepared_key, query, key, value, return_lse)

@@ -634,3 +634,30 @@ def test_torch_decoding_pattern_matches_torch_eager():
         row.seq_lengths = (1, L)
         outs.append(attend(q, k, v, block_mask=row))
     torch.testing.assert_close(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("broken", ["count above the list", "negative count", "index past the last block",
+                                    "negative index"])
+def test_user_made_block_masks_with_bad_lists_are_clear_errors(broken):
+    """A user-made block mask (ours or torch's, converted) whose counts exceed its lists or
+    whose indices leave the grid is a ValueError when it is made: nothing reaches a kernel."""
+    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+
+    from flexattn.blockmask.layout import as_block_mask
+
+    num = np.array([[[1, 2]]], np.int32)
+    idx = np.array([[[[0, 1], [0, 1]]]], np.int32)
+    if broken == "count above the list":
+        num = np.array([[[1, 3]]], np.int32)
+    elif broken == "negative count":
+        num = np.array([[[-1, 2]]], np.int32)
+    elif broken == "index past the last block":
+        idx = np.array([[[[0, 1], [0, 2]]]], np.int32)
+    else:
+        idx = np.array([[[[0, 1], [-1, 1]]]], np.int32)
+    with pytest.raises(ValueError, match="kv_indices|must lie"):
+        BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=128, seq_lengths=(256, 256))
+    theirs = TorchBlockMask.from_kv_blocks(torch.from_numpy(num), torch.from_numpy(idx), BLOCK_SIZE=128,
+                                           seq_lengths=(256, 256), compute_q_blocks=False)
+    with pytest.raises(ValueError, match="kv_indices|must lie"):
+        as_block_mask(theirs)

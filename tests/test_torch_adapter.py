@@ -325,3 +325,9 @@ def test_torch_mask_helpers_match_torch():
         got = fa.flex_attention(q, k, v, block_mask=fa.create_block_mask(ours, None, None, 40, 40))
         torch.testing.assert_close(got, want)
     assert "FlexKernelOptions" in fa.__all__ and fa.FlexKernelOptions is not None
+
+
+def test_nested_jagged_inputs_get_a_clear_error():
+    jagged = torch.nested.nested_tensor([torch.randn(2, 5, 16), torch.randn(2, 7, 16)], layout=torch.jagged)
+    with pytest.raises(ValueError, match="document_from_offsets"):
+        fa.flex_attention(jagged, jagged, jagged)
