@@ -421,6 +421,23 @@ class DecodeLaunch:
         self._decode()
 
 
+def _row_blocks(q_heads: int, kv_heads: int, q_len: int, tuning: DecodeTuning) -> tuple:
+    """(consumer warpgroups, row blocks, tuning) of a step: a GQA group's query rows
+    (heads x q_len) packed into 64-row warpgroups, two when they exceed 64, and then one
+    CTA per SM."""
+    group_rows = (q_heads // kv_heads) * q_len
+    num_mma_wg = 1 if group_rows <= 64 else 2
+    if num_mma_wg > 1 and tuning.ctas_per_sm > 1:   # two consumer warpgroups: one CTA per SM
+        tuning = ONE_CTA_TUNING
+    return num_mma_wg, -(-group_rows // (64 * num_mma_wg)), tuning
+
+
+def _with_launch(config, tuning: DecodeTuning, cluster: int):
+    """``config`` for another kernel shape (``choose_launch``'s tuning) and merging cluster."""
+    return dataclasses.replace(config, tile_n=tuning.tile_n, num_stages=tuning.num_stages,
+                               ctas_per_sm=tuning.ctas_per_sm, cluster_splits=cluster)
+
+
 _CONFIGS: dict = {}
 _CONFIGS_CAPACITY = 128
 
@@ -474,11 +491,7 @@ class DecodePlan:
         self.q_len, self.batch = q_len, B
         self.workspace = workspace   # held: its id in the plan's key is never reused meanwhile
         self.lock = workspace.lock
-        group_rows = (Hq // self.kv_heads) * q_len
-        num_mma_wg = 1 if group_rows <= 64 else 2
-        self.m_blocks = -(-group_rows // (64 * num_mma_wg))
-        if num_mma_wg > 1 and tuning.ctas_per_sm > 1:   # two consumer warpgroups: one CTA per SM
-            tuning = ONE_CTA_TUNING
+        num_mma_wg, self.m_blocks, tuning = _row_blocks(Hq, self.kv_heads, q_len, tuning)
         self.tuning = tuning
         self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
         self.part_shapes = ((B, Hq, q_len, D), (B, Hq, q_len))
@@ -533,8 +546,7 @@ class DecodePlan:
             tuning, cluster = kernel
             config = self.config
             if kernel != (self.tuning, 1):
-                config = dataclasses.replace(config, tile_n=tuning.tile_n, num_stages=tuning.num_stages,
-                                             ctas_per_sm=tuning.ctas_per_sm, cluster_splits=cluster)
+                config = _with_launch(config, tuning, cluster)
             hit = self._kernels[kernel] = (config, decode_runner(config, self.ffi))
         return hit
 
@@ -753,10 +765,7 @@ def fixed_length_launch(q_shape, kv_heads: int, kv_len: int, dtype: str, mods: D
     if mods.true_positions:
         raise ValueError("fixed_length_launch takes queries at flex_attention's positions")
     B, Hq, q_len, D = (int(x) for x in q_shape)
-    group_rows = (Hq // kv_heads) * q_len
-    num_mma_wg = 1 if group_rows <= 64 else 2
-    m_blocks = -(-group_rows // (64 * num_mma_wg))
-    tuning = DEFAULT_TUNING if num_mma_wg == 1 else ONE_CTA_TUNING
+    num_mma_wg, m_blocks, tuning = _row_blocks(Hq, kv_heads, q_len, DEFAULT_TUNING)
     base = None if mods.mask is None else as_mask(mods.mask, "mask")
     mask = None if _is_full(base) else base
     score = None if mods.score_mod is None else as_score(mods.score_mod, "score_mod")
@@ -765,8 +774,7 @@ def fixed_length_launch(q_shape, kv_heads: int, kv_len: int, dtype: str, mods: D
     live = live_blocks(mask, B, Hq, q_len, kv_len, tuning.tile_n, first_query=0)
     chosen, splits, cluster = choose_launch(B, kv_heads, m_blocks, live, num_sms, tuning)
     if (chosen, cluster) != (tuning, 1):
-        config = dataclasses.replace(config, tile_n=chosen.tile_n, num_stages=chosen.num_stages,
-                                     ctas_per_sm=chosen.ctas_per_sm, cluster_splits=cluster)
+        config = _with_launch(config, chosen, cluster)
     hook = config.mods
     template = IRModHook(*(None if m is None else m.with_captures((None,) * len(m.captures))
                            for m in (score, mask)))
@@ -795,6 +803,7 @@ def decode_into(q, cache, out, lse, site: DecodeSite, mods: DecodeMods = NO_MODS
     return step
 
 
-__all__ = ["DECODE_MAX_Q_LEN", "DEFAULT_TUNING", "DecodeLaunch", "FixedLaunch", "attention_into", "attention_plan", "fixed_length_launch", "DecodeMods", "DecodeOverrides", "DecodePlan",
-           "DecodeSite", "DecodeTuning", "DecodeWorkspace", "StagingRing", "choose_splits", "decode_into",
-           "decode_unsupported", "prepare_decode"]
+__all__ = ["DECODE_MAX_Q_LEN", "DEFAULT_TUNING", "DecodeLaunch", "DecodeMods", "DecodeOverrides", "DecodePlan",
+           "DecodeSite", "DecodeTuning", "DecodeWorkspace", "FixedLaunch", "StagingRing", "attention_into",
+           "attention_plan", "choose_splits", "decode_into", "decode_unsupported", "fixed_length_launch",
+           "prepare_decode"]

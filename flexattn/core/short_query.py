@@ -51,10 +51,14 @@ def decode_route(shape: AttentionShape, spec: AttentionSpec) -> DecodeMods | Non
     return DecodeMods(spec.score, mask, spec.resolved_scale(shape.head_dim), true_positions=False)
 
 
+def _site(device) -> DecodeSite:
+    num_sms, workspace = device.decode_resources()
+    return DecodeSite(device, num_sms, workspace)
+
+
 def short_query_into(q, k, v, out, lse, mods: DecodeMods, device) -> None:
     """Run a routed call (``decode_route``) with the decode kernel on ``device``'s stream."""
-    num_sms, workspace = device.decode_resources()
-    attention_into(q, k, v, out, lse, DecodeSite(device, num_sms, workspace), mods)
+    attention_into(q, k, v, out, lse, _site(device), mods)
 
 
 class PreparedShortQuery:
@@ -72,9 +76,8 @@ class PreparedShortQuery:
         if stream is not None and stream != self._device.stream:
             return False
         if self._run is None:
-            num_sms, workspace = self._device.decode_resources()
-            plan = attention_plan(q, k, v, out, lse, DecodeSite(self._device, num_sms, workspace), self._mods)
-            self._run, self._num_sms = plan.run, num_sms
+            site = _site(self._device)
+            self._run, self._num_sms = attention_plan(q, k, v, out, lse, site, self._mods).run, site.num_sms
             self._lengths = [int(k.shape[2])] * int(q.shape[0])
         self._run(q, k, v, None, out, lse, self._lengths, self._num_sms)
         return True
