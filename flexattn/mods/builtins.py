@@ -29,7 +29,7 @@ def and_masks(*masks) -> MaskMod:
 
 def or_masks(*masks) -> MaskMod:
     """torch's ``or_masks``: a mask attending where any of ``masks`` does; none: nowhere."""
-    return functools.reduce(operator.or_, (as_mask(m, "or_masks") for m in masks), MaskMod(ir.const(False), (), "empty"))
+    return functools.reduce(operator.or_, (as_mask(m, "or_masks") for m in masks), as_mask(False))
 
 
 noop_mask = MaskMod(ir.const(True), (), "noop_mask")   # torch's name for "every position"

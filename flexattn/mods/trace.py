@@ -421,10 +421,9 @@ def _new_full(x, size, fill_value, dtype=None, **_):
     if any(int(n) != 1 for n in shape):
         raise TraceError(f"new_full/new_ones/new_zeros of size {tuple(shape)} in a mod: a mod computes one"
                          " element; use a scalar size ()")
-    node = ir.const(fill_value)
     if dtype is not None:
-        return _cast_to(dtype)(Sym(node))
-    return Sym(ir.cast(node, _to_node(x).dtype))
+        return _cast_to(dtype)(Sym(ir.const(fill_value)))
+    return _full_like(x, fill_value)
 
 
 def _new_constant(value):

@@ -1,6 +1,7 @@
 """``@cute.jit`` entries for XLA's FFI: the forward, the backward and the short-query
-forward (the decode kernel) as one host function each, in the argument order ``cutlass.jax.cutlass_call`` wants (``stream, *arrays,
-launch=``), so XLA launches our kernels from C with no Python at run time.
+forward (the decode kernel) as one host function each, in the argument order
+``cutlass.jax.cutlass_call`` wants (``stream, *arrays, launch=``), so XLA launches our
+kernels from C with no Python at run time.
 
 ``cutlass_call`` compiles the entry into a module that the CuTeDSL runtime's FFI handler
 calls with XLA's stream and buffers (each a compact row-major ``cute.Tensor``, shapes read
