@@ -28,7 +28,7 @@ import traceback
 import numpy as np
 import torch
 
-from bench_fwd import VARIANTS as FWD_VARIANTS, Variant, baselines, ours_mask_args, setup_dynamo, table
+from bench_fwd import VARIANTS as FWD_VARIANTS, Variant, beside_the_door, setup_dynamo, table
 from common import bench_ms, device_name, rel_diff, report
 from results_log import RECORD_HELP, append_rows, tflops_rows
 
@@ -85,12 +85,7 @@ def run_shape(B, S, H, D, variants, rows, deterministic=()):
                 det_ms = bench_ms(ours)
             finally:
                 torch.use_deterministic_algorithms(False)
-        makers = list(baselines(q, k, v, scale, var, S))
-        if var.mask is not None or var.score is not None or name == "full":
-            _, kw = ours_mask_args(var, S)
-            makers.insert(0, ("flexattn-builtin",
-                              lambda: lambda: fa.flex_attention(qh, kh, vh, score_mod=var.score, scale=scale, **kw)))
-        for impl, make in makers:
+        for impl, make in beside_the_door(q, k, v, scale, var, S):
             try:
                 call = make()
                 if call is None:

@@ -120,12 +120,7 @@ def run_shape(B, S, H, D, variants, rows):
             ours()
         host_us = (time.perf_counter() - t0) / 20 * 1e6
         torch.cuda.synchronize()
-        makers = list(baselines(q, k, v, scale, var, S))
-        if var.mask is not None or var.score is not None or name == "full":
-            _, kw = ours_mask_args(var, S)
-            makers.insert(0, ("flexattn-builtin",
-                              lambda: lambda: fa.flex_attention(qh, kh, vh, score_mod=var.score, scale=scale, **kw)))
-        for impl, make in makers:
+        for impl, make in beside_the_door(q, k, v, scale, var, S):
             try:
                 fn = make()
                 if fn is None:
@@ -154,6 +149,20 @@ def ours_mask_args(var, S):
         return 1.0, {}
     bm = fa.create_block_mask(var.mask, None, None, S, S)
     return bm.density(), ({"mask": var.mask} if var.name.startswith("causal") else {"block_mask": bm})
+
+
+def beside_the_door(q, k, v, scale, var, S):
+    """(impl, make) of every column beside the headline: our built-in mods where the
+    variant has them ("flexattn-builtin"), then ``baselines``. q, k, v: [B, S, H, D]."""
+    import flexattn.torch as fa
+
+    makers = list(baselines(q, k, v, scale, var, S))
+    if var.mask is not None or var.score is not None or var.name == "full":
+        _, kw = ours_mask_args(var, S)
+        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+        makers.insert(0, ("flexattn-builtin",
+                          lambda: lambda: fa.flex_attention(qh, kh, vh, score_mod=var.score, scale=scale, **kw)))
+    return makers
 
 
 def baselines(q, k, v, scale, var, S):

@@ -331,6 +331,30 @@ def test_kernel_path_refuses_before_launch(fake_kernels):
     assert fake_kernels["fwd"] == 0
 
 
+def _compiling_cutlass_call(keys: list):
+    """A stand-in for ``cutlass_call`` that builds and compiles the entry as its wrapper and
+    lowering do (cutlass.jax's own compile path, sm_90a, no GPU), appending each call's
+    compile-key kind to ``keys``, and returns zeros."""
+    from cutlass.jax import compile as cj
+    from cutlass.jax.primitive import _resolve_input_spec_flat, _resolve_spec_flat
+
+    def cutlass_call(fn, *, output_shape_dtype, input_spec, output_spec, compile_options, compile_key,
+                     allow_cuda_graph, **kwargs):
+        def call(*ops):
+            outs = list(output_shape_dtype)
+            spec = cj.build_function_spec(
+                list(ops), jax.tree.structure(tuple(ops)), outs, jax.tree.structure(tuple(outs)),
+                _resolve_input_spec_flat(input_spec, ops, list(ops)), _resolve_spec_flat(output_spec, outs),
+                {}, compile_options, False, kwargs)
+            keys.append(compile_key[0])
+            cj.get_or_compile_kernel(fn, spec, compile_key=compile_key)
+            return tuple(jnp.zeros(o.shape, o.dtype) for o in outs)
+
+        return call
+
+    return cutlass_call
+
+
 def test_entries_compile_through_cutlass_jax_once_per_structure(monkeypatch):
     """The real ``kernels.launch.xla_entry`` entries, compiled by cutlass.jax's own compile path
     (what cutlass_call's lowering does on a CUDA platform; sm_90a, no GPU here): forward and
@@ -338,7 +362,6 @@ def test_entries_compile_through_cutlass_jax_once_per_structure(monkeypatch):
     cache through the compile key (no IR generated on lookup)."""
     pytest.importorskip("cutlass")
     from cutlass.jax import compile as cj
-    from cutlass.jax.primitive import _resolve_input_spec_flat, _resolve_spec_flat
 
     compiles, lookups = [], []
     real_compile = cj.cutlass.cute.compile
@@ -347,20 +370,7 @@ def test_entries_compile_through_cutlass_jax_once_per_structure(monkeypatch):
         compiles.append(kw["spec"].kwargs[0][1].key[0])
         return real_compile(*a, **kw)
 
-    def cutlass_call(fn, *, output_shape_dtype, input_spec, output_spec, compile_options, compile_key,
-                     allow_cuda_graph, **kwargs):
-        def call(*ops):  # as cutlass_call's wrapper and lowering build and compile it
-            outs = list(output_shape_dtype)
-            spec = cj.build_function_spec(
-                list(ops), jax.tree.structure(tuple(ops)), outs, jax.tree.structure(tuple(outs)),
-                _resolve_input_spec_flat(input_spec, ops, list(ops)), _resolve_spec_flat(output_spec, outs),
-                {}, compile_options, False, kwargs)
-            lookups.append(compile_key[0])
-            cj.get_or_compile_kernel(fn, spec, compile_key=compile_key)
-            return tuple(jnp.zeros(o.shape, o.dtype) for o in outs)
-
-        return call
-
+    cutlass_call = _compiling_cutlass_call(lookups)
     monkeypatch.setattr(cj.cutlass.cute, "compile", counting_compile)
     monkeypatch.setattr(fj, "_KERNEL_PLATFORMS", {"gpu", "cuda", "cpu"})
     monkeypatch.setattr(fj, "_cutlass_call", lambda: cutlass_call)
@@ -385,26 +395,10 @@ def test_short_query_entry_compiles_through_cutlass_jax(monkeypatch):
     """A short query on the GPU path takes the decode kernel's XLA entry (core/short_query.py):
     compiled by cutlass.jax's own compile path on the CPU (sm_90a), once per structure."""
     pytest.importorskip("cutlass")
-    from cutlass.jax import compile as cj
-    from cutlass.jax.primitive import _resolve_input_spec_flat, _resolve_spec_flat
     from flexattn.core import xla_path
 
     keys = []
-
-    def cutlass_call(fn, *, output_shape_dtype, input_spec, output_spec, compile_options, compile_key,
-                     allow_cuda_graph, **kwargs):
-        def call(*ops):
-            outs = list(output_shape_dtype)
-            spec = cj.build_function_spec(
-                list(ops), jax.tree.structure(tuple(ops)), outs, jax.tree.structure(tuple(outs)),
-                _resolve_input_spec_flat(input_spec, ops, list(ops)), _resolve_spec_flat(output_spec, outs),
-                {}, compile_options, False, kwargs)
-            keys.append(compile_key[0])
-            cj.get_or_compile_kernel(fn, spec, compile_key=compile_key)
-            return tuple(jnp.zeros(o.shape, o.dtype) for o in outs)
-
-        return call
-
+    cutlass_call = _compiling_cutlass_call(keys)
     monkeypatch.setattr(fj, "_KERNEL_PLATFORMS", {"gpu", "cuda", "cpu"})
     monkeypatch.setattr(fj, "_cutlass_call", lambda: cutlass_call)
     monkeypatch.setattr(xla_path, "_sm_count", lambda q: 132)
