@@ -386,7 +386,8 @@ class _KernelBackend:
         ops = _Operands()
         main = [ops.add(x, _bhsd_spec(x)) for x in (q, k, v)]
         args = self._hook_args(ops, score_bufs, mask_bufs)
-        lists = self._lists(ops, xla_path.KV_LISTS)
+        # The band structure walks its blocks by arithmetic: no lists.
+        lists = self._lists(ops, xla_path.KV_LISTS) if self.plan.config.block_sparse else None
         out = jax.ShapeDtypeStruct((shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim), q.dtype)
         lse = jax.ShapeDtypeStruct((shape.batch, shape.q_heads, shape.q_len), jnp.float32)
         results = [("out", out, _bhsd_spec(out)), ("lse", lse, _tensor_spec(3, 4))]
@@ -435,7 +436,7 @@ class _KernelBackend:
         main.append(ops.add(lse, _tensor_spec(3, 4)))
         main.append(None if d_lse is None else ops.add(d_lse, _tensor_spec(3, 4)))
         args = self._hook_args(ops, score_bufs, mask_bufs)
-        lists = self._lists(ops, xla_path.Q_LISTS)
+        lists = self._lists(ops, xla_path.Q_LISTS) if cfg.block_sparse else None
         results = [(n, jax.ShapeDtypeStruct(x.shape, x.dtype), _bhsd_spec(x)) for n, x in (("dq", q), ("dk", k), ("dv", v))]
         for name, s, dtype, last_dims in self.plan.backward_workspace(cfg):
             results.append((name, jax.ShapeDtypeStruct(s, jnp.dtype(dtype)), _tensor_spec(len(s), 16, *last_dims)))

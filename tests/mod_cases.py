@@ -30,6 +30,23 @@ def case_sliding_window(rng, B, H, Q, KV):
     return mods.sliding_window(w), None, (lambda b, h, q, kv: (q - kv <= w) & (q >= kv)), None
 
 
+def case_band(rng, B, H, Q, KV):
+    """A band of diagonals written as a lambda: both edges anywhere (the diagonal itself
+    may lie outside it), or one edge open; the kernels walk its blocks by arithmetic."""
+    lo = int(rng.integers(-300, 60))
+    hi = lo + int(rng.integers(0, 400))
+    side = rng.integers(0, 3)
+
+    def mask(b, h, q, kv):
+        if side == 1:
+            return q - kv >= lo
+        if side == 2:
+            return kv >= q - hi
+        return (q - kv >= lo) & (kv - q >= -hi)
+
+    return mods.mask_mod(mask), None, mask, None
+
+
 def case_document(rng, B, H, Q, KV):
     S = max(Q, KV)
     ids = _doc_ids(rng, S, 4)

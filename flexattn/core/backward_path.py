@@ -61,7 +61,7 @@ def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: Attention
     cfg = backward_config(plan.config, deterministic, grad_captures)
     hook = cfg.mods
     lists = None
-    if plan.block_mask is not None:
+    if cfg.block_sparse:   # (the band structure walks by arithmetic: no lists)
         bm = plan.block_mask
         names = ["q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"]
         if deterministic:  # each CTA counts the kv blocks ahead of it in a q tile's kv list

@@ -28,7 +28,7 @@ import functools
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -127,17 +127,31 @@ _PLANS: dict = {}  # see plan_forward
 _PLANS_CAPACITY = 256
 
 
-def _block_structure(spec: AttentionSpec, shape: AttentionShape):
-    """(causal, effective element mask, block mask) of a call, cheapest structure first.
+class BlockStructure(NamedTuple):
+    """How a call's kernels walk their tiles (cheapest first): ``causal`` (the kernel's own
+    diagonal), ``band`` (the forward walks the mask's band of diagonals by arithmetic; the
+    backward reads ``block_mask``'s lists), ``block_mask``'s lists, or dense (neither)."""
+
+    causal: bool
+    band: bool
+    mask: object         # the element mask partial tiles evaluate, or None
+    block_mask: object   # BlockMask | None: the lists the (backward) kernels read
+
+
+def _block_structure(spec: AttentionSpec, shape: AttentionShape) -> BlockStructure:
+    """The ``BlockStructure`` of a call.
 
     The structure comes from the mask's IR (``mods.structure``), whatever door it came
     through: a ``mask=`` that is exactly ``q_idx >= kv_idx``, or a block mask built from
     such a mask alone (``from_mask``: its lists add nothing to the mask), runs the
-    kernel's causal structure. The mask partial tiles evaluate is a band's canonical form
+    kernel's causal structure; a band of diagonals (sliding windows) the band structure.
+    The mask partial tiles evaluate is a band's canonical form
     (``mods.structure.canonical_band``) where it is one."""
     block_mask = spec.block_mask
     mask = spec.mask
     causal = False
+    # A block mask made from its mask alone adds nothing to it: the mask decides.
+    mask_alone = block_mask is None or block_mask.from_mask
     if block_mask is not None and block_mask.from_mask and is_causal(block_mask.mask_mod):
         mask, block_mask = block_mask.mask_mod, None
     if block_mask is None and is_causal(mask):
@@ -151,11 +165,12 @@ def _block_structure(spec: AttentionSpec, shape: AttentionShape):
                 " rebuild it with create_block_mask(..., BLOCK_SIZE=128)"
             )
         mask = None if _is_full(block_mask.mask_mod) else block_mask.mask_mod
+    band = None
     if mask is not None:
         # Every spelling of a band evaluates one IR on partial tiles: one kernel for them all.
         band = canonical_band(mask)
         mask = mask if band is None else band
-    return causal, mask, block_mask
+    return BlockStructure(causal, band is not None and mask_alone, mask, block_mask)
 
 
 # Block-sparse rows whose tile counts stay within this factor of the mean run persistent
@@ -182,7 +197,7 @@ def _clusters_pay(shape: AttentionShape) -> bool:
 def kernel_block_mask(spec: AttentionSpec, shape: AttentionShape) -> BlockMask | None:
     """The block mask whose lists the kernels of this call read (the spec's own, or one
     built for its mask mod and shape and cached), or None (dense / built-in causal)."""
-    return _block_structure(spec, shape)[2]
+    return _block_structure(spec, shape).block_mask
 
 
 def block_lists_to_device(spec: AttentionSpec, shape: AttentionShape, to_device: Callable) -> None:
@@ -207,13 +222,13 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec) -> KernelPlan:
     reason = kernel_unsupported(q, shape)
     if reason:
         raise ValueError(reason)
-    causal, mask, block_mask = _block_structure(spec, shape)
+    causal, band, mask, block_mask = _block_structure(spec, shape)
     score = spec.score
     dtype = KERNEL_DTYPES[dtype_name(q)]
     dense = not causal and block_mask is None
     cluster_m = 2 if block_mask is None and _clusters_pay(shape) else 1
     max_ctas = persistent_ctas(q, cluster_m) if dense or _balanced(block_mask) else 0
-    key = (dtype, shape.head_dim, causal, block_mask is not None, max_ctas, cluster_m,
+    key = (dtype, shape.head_dim, causal, band, block_mask is not None, max_ctas, cluster_m,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     hook = IRModHook(score, mask)
@@ -227,7 +242,8 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec) -> KernelPlan:
         template = IRModHook(_structure_only(score), _structure_only(mask))
         config = FwdConfig(
             dtype=dtype, head_dim=shape.head_dim, tile_m=tile_m, tile_n=TILE_N,
-            causal=causal, block_sparse=block_mask is not None, mods=template, max_ctas=max_ctas,
+            causal=causal, block_sparse=block_mask is not None and not band, band=band, mods=template,
+            max_ctas=max_ctas,
             cluster_m=cluster_m,
         )
         # _clusters_pay counts 128-row q tiles; the kernel pairs its own tile_m rows, and
@@ -327,9 +343,10 @@ def _ffi_tensors(values):
 
 
 def _kv_lists(plan: KernelPlan, device: Device):
-    """The block mask's kv-side lists on the GPU (kernel order), or None without one."""
+    """The block mask's kv-side lists on the GPU (kernel order), or None where the forward
+    reads none (no block mask, or the band structure)."""
     bm = plan.block_mask
-    if bm is None:
+    if not plan.config.block_sparse:
         return None
     return tuple(device.to_device(x) for x in (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices))
 

@@ -33,8 +33,10 @@ class Affine(NamedTuple):
     const: int
     terms: tuple   # ((slot, coef), ...) sorted, no zero coefficients
 
-    def value(self, captures) -> int:
-        return self.const + sum(coef * int(captures[slot]) for slot, coef in self.terms)
+    def value(self, captures, as_int=int):
+        """The bound for ``captures`` (``as_int``: the integer type to read them as, e.g.
+        a kernel's Int32 for runtime values)."""
+        return self.const + sum(coef * as_int(captures[slot]) for slot, coef in self.terms)
 
 
 class Band(NamedTuple):
@@ -213,9 +215,9 @@ def _linear(n: ir.Node):
     return None
 
 
-def band_values(band: Band, captures) -> tuple:
+def band_values(band: Band, captures, as_int=int) -> tuple:
     """``(lo, hi)`` as numbers for a call's captures (None stays None)."""
-    return tuple(b.value(captures) if isinstance(b, Affine) else b for b in band)
+    return tuple(b.value(captures, as_int) if isinstance(b, Affine) else b for b in band)
 
 
 _CANONICAL: dict = {}   # (has lo, has hi) -> the canonical IR (one object: plans key on it)

@@ -68,11 +68,24 @@ def _call(spec, dtype=torch.bfloat16, d_lse=False, bshd=False, deterministic=Fal
     return arrays, result, allocs, copied
 
 
+def test_band_call_walks_by_arithmetic(runners):
+    """A sliding window's block mask (built from its mask alone) runs the band structure:
+    no lists passed, unless deterministic (its dQ turns count visitors from the lists)."""
+    bm = create_block_mask(mods.sliding_window(100), None, None, Q, KV)
+    spec = AttentionSpec.from_args(block_mask=bm, enable_gqa=True)
+    _call(spec)
+    _call(spec, deterministic=True)
+    band, det = runners
+    assert band.cfg.band and not band.cfg.block_sparse and band.calls[0][-1] is None
+    assert det.cfg.block_sparse and not det.cfg.band and len(det.calls[0][-1]) == 8
+
+
 def test_block_sparse_call_reads_the_q_side_lists(runners):
     slopes = torch.rand(Hq)
     table = np.random.default_rng(0).standard_normal((Hq, 9))
     score = mods.alibi(slopes) >> mods.softcap(5.0) >> mods.relative_bias(table)
-    bm = create_block_mask(mods.sliding_window(100), None, None, Q, KV)
+    docs = np.repeat(np.arange(3), -(-max(Q, KV) // 3))[:max(Q, KV)]
+    bm = create_block_mask(mods.sliding_window(100) & mods.document(docs), None, None, Q, KV)
     spec = AttentionSpec.from_args(score=score, block_mask=bm, enable_gqa=True, scale=0.2)
     arrays, result, allocs, copied = _call(spec, d_lse=True)
     (runner,) = runners
@@ -128,7 +141,8 @@ def test_arguments_pass_the_real_runners_checks(runners):
     from flexattn.kernels.launch.backward import BackwardRunner
 
     score = mods.alibi(torch.rand(Hq)) >> mods.softcap(5.0)
-    bm = create_block_mask(mods.sliding_window(100), None, None, Q, KV)
+    docs = np.repeat(np.arange(3), -(-max(Q, KV) // 3))[:max(Q, KV)]
+    bm = create_block_mask(mods.sliding_window(100) & mods.document(docs), None, None, Q, KV)
     spec = AttentionSpec.from_args(score=score, block_mask=bm, enable_gqa=True)
     _call(spec, d_lse=True, bshd=True)
     (recorder,) = runners
@@ -219,7 +233,8 @@ def test_tvm_ffi_call_passes_framework_tensors_and_compiles(runners, monkeypatch
 
     monkeypatch.setenv("FLEXATTN_TVM_FFI", "1")
     score = mods.alibi(torch.rand(Hq)) >> mods.softcap(5.0)
-    bm = create_block_mask(mods.sliding_window(100), None, None, Q, KV)
+    docs = np.repeat(np.arange(3), -(-max(Q, KV) // 3))[:max(Q, KV)]
+    bm = create_block_mask(mods.sliding_window(100) & mods.document(docs), None, None, Q, KV)
     spec = AttentionSpec.from_args(score=score, block_mask=bm, enable_gqa=True, scale=0.2)
     arrays, result, allocs, copied = _call(spec, d_lse=True, bshd=True)
     (recorder,) = runners

@@ -18,6 +18,7 @@ from flexattn import mods  # noqa: E402
 from flexattn.kernels.emit import example_hooks as hooks  # noqa: E402
 from flexattn.kernels.launch.compile import (  # noqa: E402
     compile_backward, compile_postprocess, compile_preprocess)
+from flexattn.mods.structure import canonical_band  # noqa: E402
 from flexattn.kernels.bwd.sm90 import BwdConfig  # noqa: E402
 from flexattn.kernels.launch.compile import resource_usage_from_ptx  # noqa: E402
 from flexattn.kernels.emit.mod_emit import IRModHook, capture_kinds, fake_args  # noqa: E402
@@ -33,6 +34,9 @@ def _config(name):
     if name == "d64-sparse-document":
         hook = IRModHook(None, mods.document(np.zeros(8, np.int32)))
         return BwdConfig(dtype="fp16", head_dim=64, block_sparse=True, mods=hook), hook
+    if name == "d128-band-window":         # a band walked by arithmetic
+        hook = IRModHook(None, canonical_band(mods.sliding_window(1024)))
+        return BwdConfig(head_dim=128, band=True, mods=hook), hook
     if name == "d128-relative-bias":       # trainable table: buffer gradients
         hook = IRModHook(mods.relative_bias(np.zeros((4, 15), np.float32)), None)
         return BwdConfig(head_dim=128, mods=hook), hook
@@ -48,7 +52,7 @@ def _config(name):
     raise KeyError(name)
 
 
-DEFAULT = ["d128-dense", "d128-causal-softcap", "d64-sparse-document", "d128-relative-bias"]
+DEFAULT = ["d128-dense", "d128-causal-softcap", "d64-sparse-document", "d128-band-window", "d128-relative-bias"]
 # Deterministic variants: dense, causal (+ score mod), block-sparse, buffer gradients.
 DETERMINISTIC = {"det-d128-dense": "d128-dense", "det-d128-causal-softcap": "d128-causal-softcap",
                  "det-d64-sparse-document": "d64-sparse-document",
@@ -109,6 +113,9 @@ def test_block_structures(compiled):
         for n in (name, "det-" + name):
             cfg, ptx = compiled[n]
             assert _steps(ptx, cfg) == steps, n
+    # The band: the same partial and full steps as the lists.
+    cfg, ptx = compiled["d128-band-window"]
+    assert _steps(ptx, cfg) == 2
 
 
 @pytest.mark.parametrize("name", TILE80)
@@ -314,10 +321,13 @@ def test_planner_tile_m():
 
     from flexattn.kernels.bwd.plan import config_from_forward
 
-    def tile(head_dim=128, causal=False, block_sparse=False, score=None, mask=None, **kw):
-        fwd = SimpleNamespace(dtype="bf16", head_dim=head_dim, causal=causal,
-                              block_sparse=block_sparse, mods=IRModHook(score, mask))
-        return config_from_forward(fwd, **kw).tile_m
+    def config(head_dim=128, causal=False, block_sparse=False, band=False, score=None, mask=None, **kw):
+        fwd = SimpleNamespace(dtype="bf16", head_dim=head_dim, causal=causal, block_sparse=block_sparse,
+                              band=band, mods=IRModHook(score, mask))
+        return config_from_forward(fwd, **kw)
+
+    def tile(**kw):
+        return config(**kw).tile_m
 
     table = mods.relative_bias(np.zeros((4, 15), np.float32))
     assert tile() == 80 and tile(deterministic=True) == 80
@@ -327,6 +337,11 @@ def test_planner_tile_m():
     assert tile(score=table) == 64 and tile(score=table, deterministic=True) == 64
     assert tile(score=table, mods=IRModHook(table, None).with_grad_filter(())) == 80
     assert tile(tile_m=64) == 64 and tile(score=table, tile_m=80) == 80
+    # A band walks by arithmetic in 64-row tiles; deterministic, it reads its block mask's lists.
+    window = canonical_band(mods.sliding_window(8))
+    assert tile(band=True, mask=window) == 64
+    det = config(band=True, mask=window, deterministic=True)
+    assert det.block_sparse and not det.band
 
 
 def test_tile_order():

@@ -13,6 +13,9 @@ from cutlass.cute.runtime import make_fake_tensor  # noqa: E402
 from flexattn.kernels.emit import example_hooks as hooks  # noqa: E402
 from flexattn.kernels.launch.compile import compile_forward, resource_usage_from_ptx  # noqa: E402
 from flexattn.kernels.fwd.sm90 import FwdConfig  # noqa: E402
+from flexattn import mods  # noqa: E402
+from flexattn.kernels.emit.mod_emit import IRModHook  # noqa: E402
+from flexattn.mods.structure import canonical_band  # noqa: E402
 
 
 def _doc_bias_args():
@@ -35,6 +38,10 @@ CASES = {
     "hd128-doc-bias": (FwdConfig(head_dim=128, mods=hooks.DocumentBiasHook()), _doc_bias_args),
     "hd128-sparse-lag": (FwdConfig(head_dim=128, block_sparse=True,
                                    mods=hooks.LaggedCausalHook()), lambda: (cutlass.Int32(3),)),
+    # a sliding window's band of diagonals walked by arithmetic (persistent, as planned)
+    "hd128-band-window": (FwdConfig(head_dim=128, band=True, max_ctas=132,
+                                    mods=IRModHook(None, canonical_band(mods.sliding_window(1024)))),
+                          lambda: (cutlass.Int32(0), cutlass.Int32(1024))),
     "hd64-sparse-plain": (FwdConfig(head_dim=64, block_sparse=True, intra_wg_overlap=False,
                                     mods=hooks.CausalHook()), lambda: ()),
     # step (a) schedule: no intra-warpgroup overlap, no ping-pong
@@ -123,8 +130,12 @@ def test_block_sparse_structure(compiled):
     cfg = CASES["hd64-sparse-plain"][0]
     assert compiled["hd64-sparse-plain"].count("wgmma.mma_async") == 2 * (
         cfg.head_dim // 16 + cfg.tile_n // 16)
+    # The band walks the same partial-then-full step, its blocks by arithmetic.
+    assert compiled["hd128-band-window"].count("wgmma.mma_async") == (qk + pv) + pv
     with pytest.raises(ValueError):
         FwdConfig(block_sparse=True, causal=True)
+    with pytest.raises(ValueError, match="band"):
+        FwdConfig(band=True, mods=hooks.CausalHook())    # no IR: no band to walk
     assert FwdConfig(head_dim=64, block_sparse=True).tile_m == 128
 
 

@@ -68,8 +68,9 @@ def test_causal_through_every_door_plans_the_same_kernel(door):
 @pytest.mark.parametrize("door", ["builtin mask=", "lambda mask=", "block_mask= lambda", "block_mask= builtin",
                                   "torch and_masks"])
 def test_windows_through_every_door_plan_the_same_kernel(door):
-    """Every spelling of a sliding window evaluates the band's canonical IR on its partial
-    tiles (its bounds as runtime values): one kernel configuration for them all."""
+    """Every spelling of a sliding window runs the band structure (its blocks by
+    arithmetic) and evaluates the band's canonical IR on its partial tiles (its bounds as
+    runtime values): one kernel configuration for them all."""
     def window(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (q_idx - kv_idx <= 100)
 
@@ -83,8 +84,11 @@ def test_windows_through_every_door_plan_the_same_kernel(door):
     }[door]
     p = _plan(**kw)
     reference = _plan(mask=mods.sliding_window(7))
-    assert p.config.key() == reference.config.key() and p.config.block_sparse
+    assert p.config.key() == reference.config.key()
+    assert p.config.band and not p.config.block_sparse
     assert p.config.mods.captures() == (0, 100)
+    # The backward walks the lists of a block mask (the given one, or one built).
+    assert p.block_mask is not None and p.block_mask.BLOCK_SIZE == (128, 128)
 
 
 def test_block_masks_not_built_from_their_mask_keep_their_lists():
@@ -95,13 +99,53 @@ def test_block_masks_not_built_from_their_mask_keep_their_lists():
                                        built.full_kv_indices, mask_mod=mods.causal(), seq_lengths=(300, 300))
     p = _plan(block_mask=given)
     assert p.config.block_sparse and p.block_mask is given
+    window = create_block_mask(mods.sliding_window(64), None, None, 300, 300)
+    given = type(window).from_kv_blocks(window.kv_num_blocks, window.kv_indices, window.full_kv_num_blocks,
+                                        window.full_kv_indices, mask_mod=mods.sliding_window(64),
+                                        seq_lengths=(300, 300))
+    p = _plan(block_mask=given)
+    assert p.config.block_sparse and not p.config.band and p.block_mask is given
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_band_block_ranges_are_the_band_tiles(seed):
+    """The band structure's arithmetic (kernels/blockmask/visit.py) lists every kv block with
+    a visible element and calls full exactly the blocks inside the band, against a brute
+    force over the tile's elements, for random bands (open sides included) and shapes."""
+    from flexattn.kernels.blockmask.visit import OPEN_BAND_SIDE, band_block_ranges
+
+    rng = np.random.default_rng(seed)
+    for _ in range(150):
+        tile_m, tile_n = int(rng.choice([64, 128, 192])), int(rng.choice([64, 128]))
+        q_len, kv_len = int(rng.integers(1, 700)), int(rng.integers(1, 700))
+        lo = None if rng.random() < 0.2 else int(rng.integers(-400, 400))
+        hi = None if rng.random() < 0.2 else int(rng.integers(-400, 400))
+        lo_, hi_ = (-OPEN_BAND_SIDE if lo is None else lo), (OPEN_BAND_SIDE if hi is None else hi)
+        q, kv = np.arange(q_len)[:, None], np.arange(kv_len)[None, :]
+        allowed = (q - kv >= lo_) & (q - kv <= hi_)
+        for m in range(-(-q_len // tile_m)):
+            n_lo, n_end, f_lo, f_end = band_block_ranges(lo_, hi_, m, tile_m, tile_n, kv_len)
+            rows = slice(m * tile_m, (m + 1) * tile_m)
+            visible = {n for n in range(-(-kv_len // tile_n)) if allowed[rows, n * tile_n:(n + 1) * tile_n].any()}
+            assert visible <= set(range(n_lo, n_end)), (lo, hi, m)
+            assert n_lo <= f_lo <= f_end <= n_end
+            for n in range(n_lo, n_end):
+                tile_q = np.arange(m * tile_m, (m + 1) * tile_m)[:, None]
+                tile_kv = np.arange(n * tile_n, (n + 1) * tile_n)[None, :]
+                inside = ((tile_q - tile_kv >= lo_) & (tile_q - tile_kv <= hi_)).all()
+                assert (f_lo <= n < f_end) == inside, (lo, hi, m, n)
+                # Listed blocks hold a visible column of some row (maybe past KV_LEN),
+                # unless runtime bounds made the band empty (lo > hi: visits, all masked).
+                if lo_ <= hi_:
+                    assert ((tile_q - tile_kv >= lo_) & (tile_q - tile_kv <= hi_)).any(), (lo, hi, m, n)
 
 
 def test_other_masks_become_block_sparse_lists():
-    p = _plan(mask=mods.sliding_window(64))
+    p = _plan(mask=mods.causal() & mods.prefix_lm(np.array([5, 50])) | mods.sliding_window(64))
     assert p.config.block_sparse and p.block_mask.BLOCK_SIZE == (128, 128)
-    assert p.block_mask.shape == (1, 1, 300, 300)  # mask reads neither b nor h: stored once
     assert p.config.mods.has_mask
+    p = _plan(mask=mods.document(np.zeros(300, np.int32)))
+    assert p.block_mask.shape == (1, 1, 300, 300)  # mask reads neither b nor h: stored once
     p = _plan(mask=mods.prefix_lm(np.array([5, 50])))  # reads b: one row of lists per batch
     assert p.block_mask.shape[0] == 2
 

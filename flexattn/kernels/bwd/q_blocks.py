@@ -21,6 +21,11 @@ tile (rot = n * tile_n // tile_m) spreads them over the tiles.
   may be 1 (broadcast). Visit order: the partial list, then the full list; deterministic
   mode merges them in ascending q order (`merged_at`, bwd.sm90._visit).
 
+* `BandQBlocks`: the same two lists for a mask that is a band of diagonals (``lo <= q -
+  kv <= hi``, runtime bounds), by arithmetic: the forward's `band_block_ranges` with the
+  roles of q and kv swapped (``-hi <= kv - q <= -lo``), in tile_m rows directly. Partial:
+  the q tiles crossing the band's lower edge, then its upper edge; full: those inside.
+
 The transposed question, for the deterministic dQ order (bwd/sm90.py): how many kv blocks
 *after* n visit q tile m (`KvVisitors.after`). Dense: every kv block visits every tile.
 Causal: kv blocks 0 .. last(m) (those whose `first` is <= m). Block-sparse: the kv blocks
@@ -33,7 +38,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from flexattn.kernels.blockmask.visit import _Staged
+from flexattn.kernels.blockmask.visit import _Staged, _kernel_ops, band_block_ranges
 
 
 def _rotated(i, rot, n):
@@ -107,6 +112,35 @@ class SparseQBlocks(_Staged):
         p = self.partial_at(ip)
         f = self.full_at(jf)
         return p if i < self.n_partial else f
+
+
+class BandQBlocks(_Staged):
+    _fields = ("n_partial", "n_full", "n_lower", "m_lo", "f_lo", "f_end", "rot")
+
+    def __init__(self, bounds, n_block, tile_m: int, tile_n: int, seqlen_q, rot=0):
+        lo, hi = bounds
+        m_lo, m_end, f_lo, f_end = band_block_ranges(-hi, -lo, n_block, tile_n, tile_m, seqlen_q, _kernel_ops())
+        self.m_lo = Int32(m_lo)
+        self.f_lo = Int32(f_lo)
+        self.f_end = Int32(f_end)
+        self.n_lower = Int32(f_lo - m_lo)
+        self.n_partial = self.n_lower + Int32(m_end - f_end)
+        self.n_full = Int32(f_end - f_lo)
+        self.rot = Int32(rot)
+
+    @property
+    def count(self):
+        return self.n_partial + self.n_full
+
+    def partial_at(self, i):
+        j = _rotated(i, self.rot, self.n_partial)
+        return Int32(cutlass.select_(j < self.n_lower, self.m_lo + j, self.f_end + (j - self.n_lower)))
+
+    def full_at(self, i):
+        return self.f_lo + _rotated(i, self.rot, self.n_full)
+
+    def at(self, i):
+        return Int32(cutlass.select_(i < self.n_partial, self.partial_at(i), self.full_at(i - self.n_partial)))
 
 
 class KvVisitors(_Staged):

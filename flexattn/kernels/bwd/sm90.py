@@ -80,7 +80,8 @@ from flexattn.kernels.hopper import mma
 from flexattn.kernels.hopper.atomics import (
     FIXED_WORDS, bulk_add_f32, ld_acquire_s32, red_add_f32, red_add_fixed, red_release_add_s32,
     st_shared_f32, trap)
-from flexattn.kernels.bwd.q_blocks import DenseQBlocks, KvVisitors, SparseQBlocks
+from flexattn.kernels.blockmask.visit import band_bounds, band_of
+from flexattn.kernels.bwd.q_blocks import BandQBlocks, DenseQBlocks, KvVisitors, SparseQBlocks
 from flexattn.kernels.emit.mod_hook import NO_MODS, FragmentCoords, ModHook, kept_if
 from flexattn.kernels.hopper.tile_scheduler import LongestFirst, TileSpace
 from flexattn.kernels.hopper.tma_pipeline import multicast_slice, tma_ring
@@ -112,6 +113,8 @@ class BwdConfig(KernelConfig):
     num_stages: int = 2           # Q/LSE and dO/D ring depth
     causal: bool = False          # block structure: skip q blocks above the diagonal
     block_sparse: bool = False    # block structure from the BlockMask's q-side lists
+    band: bool = False            # block structure of the mask's band of diagonals, by
+                                  # arithmetic (as the forward's; not deterministic)
     sparse_block_m: int = 128     # q rows of one BlockMask block (a multiple of tile_m)
     mods: ModHook = field(default=NO_MODS, compare=False)
     producer_regs: int = _REGS[0]  # setmaxnreg budgets (warp_specialized.register_split)
@@ -142,14 +145,17 @@ class BwdConfig(KernelConfig):
             raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
         if self.tile_m not in (64, 80) or self.tile_n != 128:
             raise ValueError("the backward supports tile_m=64 or 80, tile_n=128")
-        if self.tile_m == 80 and (self.head_dim != 128 or self.causal or self.block_sparse):
+        if self.tile_m == 80 and (self.head_dim != 128 or self.causal or self.block_sparse or self.band):
             # FA3/FA4's choice too: 80 pays off for dense head dim 128; the causal and
             # block-sparse walks (diagonal tiles, 128-row BlockMask blocks) keep 64.
             raise ValueError("tile_m=80 is for dense (not causal, not block-sparse) head dim 128")
         if self.block_sparse and self.sparse_block_m % self.tile_m:
             raise ValueError(f"sparse_block_m {self.sparse_block_m} must be a multiple of tile_m")
-        if self.causal and self.block_sparse:
-            raise ValueError("causal and block_sparse are exclusive block structures")
+        if self.causal + self.block_sparse + self.band > 1:
+            raise ValueError("causal, block_sparse and band are exclusive block structures")
+        if self.band and (self.deterministic or band_of(self.mods) is None):
+            raise ValueError("band=True needs a mask hook whose mask is a band of diagonals, and is"
+                             " not deterministic (its dQ turns count from block lists)")
         if self.tile_order not in (None, "by_head", "longest_first"):
             raise ValueError(f"tile_order must be 'by_head' or 'longest_first', got {self.tile_order!r}")
         if self.dq_turn_pass not in (None, "after_adds", "next_visit"):
@@ -158,7 +164,7 @@ class BwdConfig(KernelConfig):
             raise ValueError("deterministic mode orders its dQ turns by launch: tile_order='by_head'")
         if self.cluster_n not in (1, 2):
             raise ValueError(f"cluster_n must be 1 or 2, got {self.cluster_n}")
-        if self.cluster_n > 1 and (self.causal or self.block_sparse or self.deterministic
+        if self.cluster_n > 1 and (self.causal or self.block_sparse or self.band or self.deterministic
                                    or self.tile_order == "longest_first"):
             raise ValueError("cluster_n=2 needs the dense block structure, not deterministic, by_head")
         if self.mods.has_score and type(self.mods).score_and_grad is ModHook.score_and_grad:
@@ -527,6 +533,8 @@ class FlashBwdSm90(WarpSpecialized):
         warp_idx = self.warp_index()
         self.prefetch_descriptors(warp_idx, (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE,
                                              tma_atom_Delta, tma_atom_dK, tma_atom_dV))
+        if const_expr(cfg.band):
+            block_sparse = band_bounds(self.mods, mod_args)   # (lo, hi), Int32: see _q_blocks
 
         storage = self.allocate(SharedStorage)
         n = self.num_mma_threads
@@ -640,6 +648,16 @@ class FlashBwdSm90(WarpSpecialized):
         return SparseQBlocks(block_sparse[:4], batch, head, n_block,
                              self.cfg.sparse_block_m // self.cfg.tile_m, self._rotation(n_block))
 
+    def _q_blocks(self, block_sparse, batch, head, n_block, seqlen_q):
+        """The q blocks kv block `n_block` visits for q head `head`, by block structure
+        (`block_sparse`: the lists, or the band's bounds under cfg.band)."""
+        cfg = self.cfg
+        if const_expr(cfg.block_sparse):
+            return self._sparse_blocks(block_sparse, batch, head, n_block)
+        if const_expr(cfg.band):
+            return BandQBlocks(block_sparse, n_block, cfg.tile_m, cfg.tile_n, seqlen_q, self._rotation(n_block))
+        return self._dense_blocks(n_block, seqlen_q)
+
     @cute.jit
     def _visit(self, blocks, i, walk):
         """The i-th visit: (q block, 1 if partial (mask evaluated) else 0, walk state).
@@ -706,10 +724,7 @@ class FlashBwdSm90(WarpSpecialized):
             tDsD, tDgD = cpasync.tma_partition(
                 tma_atom_Delta, 0, one, cute.group_modes(sDelta, 0, 1),
                 cute.group_modes(gDelta, 0, 1))
-            if const_expr(cfg.block_sparse):
-                blocks = self._sparse_blocks(block_sparse, batch, head, n_block)
-            else:
-                blocks = self._dense_blocks(n_block, seqlen_q)
+            blocks = self._q_blocks(block_sparse, batch, head, n_block, seqlen_q)
             walk = (Int32(0), Int32(0))
             for i in cutlass.range(blocks.count, unroll=1):
                 m_block, _, walk = self._visit(blocks, i, walk)
@@ -821,8 +836,8 @@ class FlashBwdSm90(WarpSpecialized):
                         state = self._step(ctx, state, m_block, mask=mods.has_mask, causal=False)
                     else:
                         state = self._step(ctx, state, m_block, mask=False, causal=False)
-            elif const_expr(cfg.block_sparse):
-                blocks = self._sparse_blocks(block_sparse, batch, head, n_block)
+            elif const_expr(cfg.block_sparse or cfg.band):
+                blocks = self._q_blocks(block_sparse, batch, head, n_block, seqlen_q)
                 for i in cutlass.range(blocks.n_partial, unroll=1):
                     state = self._step(ctx, state, blocks.partial_at(i),
                                        mask=mods.has_mask, causal=False)
@@ -959,10 +974,7 @@ class FlashBwdSm90(WarpSpecialized):
             head = head_kv * group + g
             gdQ = cute.local_tile(mdQacc[None, None, head, batch], (cfg.tile_m, cfg.head_dim),
                                   (None, 0))
-            if const_expr(cfg.block_sparse):
-                blocks = self._sparse_blocks(block_sparse, batch, head, n_block)
-            else:
-                blocks = self._dense_blocks(n_block, seqlen_q)
+            blocks = self._q_blocks(block_sparse, batch, head, n_block, seqlen_q)
             visitors = None
             if const_expr(cfg.deterministic):
                 kv_lists = block_sparse[4:] if const_expr(cfg.block_sparse) else None

@@ -24,7 +24,9 @@ Tensors are [B, H, S, D] with D contiguous (any other strides); K/V may have few
 Which kv blocks are visited, and which of them need the mask evaluated, is the *block
 structure* (see blockmask/visit.py): "dense" (all blocks, last first, the mask on every
 block), "causal" (blocks at or below the diagonal, the mask only on blocks crossing it) or
-"block_sparse" (a FlexAttention BlockMask's partial and full lists, runtime tensors).
+"block_sparse" (a FlexAttention BlockMask's partial and full lists, runtime tensors) or
+"band" (a mask that is exactly a band of diagonals, ``lo <= q - kv <= hi`` with runtime
+bounds: the same partial-then-full walk, its blocks by arithmetic instead of lists).
 `_visit_blocks`, `_visit_blocks_one_step`, `_visit_sparse` (consumers) and `load`
 (producer) are the only code that enumerates blocks, in the same order. Where a hook is
 emitted (and for every block-sparse walk), one overlapped step (`_visit_step`) serves all
@@ -46,7 +48,7 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from flexattn.kernels.hopper import mma
-from flexattn.kernels.blockmask.visit import DenseBlocks, SparseBlocks
+from flexattn.kernels.blockmask.visit import BandBlocks, DenseBlocks, SparseBlocks, band_bounds, band_of
 from flexattn.kernels.emit.mod_hook import (NO_MODS, FragmentCoords, ModHook, apply_mods, masked_if,
                                             masked_where)
 from flexattn.kernels.hopper.softmax import OnlineSoftmax, rescale_rows
@@ -73,6 +75,8 @@ class FwdConfig(KernelConfig):
     num_stages: int = 2            # K/V ring depth
     causal: bool = False           # block structure: skip blocks above the diagonal
     block_sparse: bool = False     # block structure from BlockMask lists (runtime tensors)
+    band: bool = False             # block structure of the mask's band of diagonals (the
+                                   # mask hook's IR is one; its bounds are runtime captures)
     mods: ModHook = field(default=NO_MODS, compare=False)
     producer_regs: int | None = None  # setmaxnreg budgets; None: by warpgroup count,
     consumer_regs: int | None = None  # 2 WGs: 24 / 240, 3 WGs: 32 / 160 (fill 64K regs)
@@ -97,7 +101,7 @@ class FwdConfig(KernelConfig):
 
     def __post_init__(self):
         # Resolve the defaults that depend on other fields (frozen: via object.__setattr__).
-        if self.tile_m is None and self.block_sparse:
+        if self.tile_m is None and self.walks_partial_then_full:
             object.__setattr__(self, "tile_m", 128)   # = FlexAttention's default Q block
         if self.tile_m is None:
             # 3 consumer warpgroups at 160 regs each suit head_dim 64, but a score mod
@@ -125,19 +129,26 @@ class FwdConfig(KernelConfig):
             raise ValueError(f"tile_n must be a multiple of 16 in [16, 256], got {self.tile_n}")
         if self.num_stages < 1:
             raise ValueError("num_stages must be >= 1")
-        if self.block_sparse and self.causal:
-            raise ValueError("block_sparse and causal are two block structures: pick one")
+        if self.block_sparse + self.causal + self.band > 1:
+            raise ValueError("causal, block_sparse and band are block structures: pick one")
+        if self.band and band_of(self.mods) is None:
+            raise ValueError("band=True needs a mask hook whose mask is a band of diagonals")
         if self.max_ctas < 0:
             raise ValueError(f"max_ctas must be >= 0, got {self.max_ctas}")
         if self.cluster_m not in (1, 2):
             raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
-        if self.cluster_m > 1 and self.block_sparse:
+        if self.cluster_m > 1 and self.walks_partial_then_full:
             raise ValueError("cluster_m=2 needs the dense or causal block structure (the CTAs of"
                              " a cluster load the same kv blocks)")
         if self.cluster_m > 1 and self.causal and self.tile_m != self.tile_n:
             raise ValueError("cluster_m=2 under causal needs tile_m == tile_n")
         if self.pingpong and self.tile_m == 64:
             raise ValueError("pingpong needs 2 or 3 consumer warpgroups (tile_m 128 or 192)")
+
+    @property
+    def walks_partial_then_full(self) -> bool:
+        """Block-sparse or band: each tile walks its partial blocks, then its full ones."""
+        return self.block_sparse or self.band
 
     def cluster_fits(self, seqlen_q: int) -> bool:
         """Whether a call with `seqlen_q` queries may run this config (cluster_m tiles of
@@ -271,6 +282,8 @@ class FlashFwdSm90(WarpSpecialized):
         cfg = self.cfg
         warp_idx = self.warp_index()
         self.prefetch_descriptors(warp_idx, (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O))
+        if const_expr(cfg.band):
+            block_sparse = band_bounds(self.mods, mod_args)   # (lo, hi), Int32: see _tile
 
         storage = self.allocate(SharedStorage)
         n = self.num_mma_threads
@@ -317,6 +330,8 @@ class FlashFwdSm90(WarpSpecialized):
             m_block, head, batch = self.order.tile(idx, tiles)
         if const_expr(self.cfg.block_sparse):
             blocks = SparseBlocks(block_sparse, batch, head, m_block)
+        elif const_expr(self.cfg.band):   # `block_sparse` holds the band's bounds
+            blocks = BandBlocks(block_sparse, m_block, self.cfg.tile_m, self.cfg.tile_n, seqlen_k)
         else:
             blocks = DenseBlocks(self._n_block_max(m_block, seqlen_k))
         return m_block, head, batch, blocks
@@ -488,7 +503,7 @@ class FlashFwdSm90(WarpSpecialized):
         pipe_q.consumer_wait(q_state)
         if const_expr(not cfg.intra_wg_overlap):
             self._turn_wait(wg)
-        if const_expr(cfg.block_sparse):
+        if const_expr(cfg.walks_partial_then_full):
             kv_state = self._visit_sparse(ctx, kv_state, blocks)
         elif const_expr(self._walks_in_one_step()):
             kv_state = self._visit_blocks_one_step(ctx, kv_state, m_block, blocks.count)
