@@ -88,7 +88,7 @@ def kernel_backward(q, k, v, do, spec, dlse=None, deterministic=False, ffi=FFI, 
     hook = cfg.mods
     args = ffi_mod_args(hook, dev.to_device) if ffi else runtime_args(hook, dev.to_device)
     lists = None
-    if plan.block_mask is not None:
+    if cfg.block_sparse:    # (the band structure walks by arithmetic: no lists)
         bm = plan.block_mask
         side = [bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices]
         if deterministic:       # the kv-side lists order the dQ adds

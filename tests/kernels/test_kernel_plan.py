@@ -276,7 +276,8 @@ def test_launch_path_choice(monkeypatch):
 
 def test_tile_scheduling_by_structure(monkeypatch):
     """Dense tiles all cost the same: persistent CTAs, one per SM; so do block-sparse rows
-    of about equal work (host lists within BALANCED_TILES of the mean); causal and
+    of about equal work (host lists within BALANCED_TILES of the mean; bands, read without
+    lists, within BALANCED_BAND_TILES); causal and
     unbalanced block-sparse keep one CTA per tile (causal in longest-first order)."""
     from flexattn.kernels.hopper import device_facts
 
@@ -289,6 +290,11 @@ def test_tile_scheduling_by_structure(monkeypatch):
     for kw, ctas, order in (({}, 132, "by_head"), ({"mask": mods.causal()}, 0, "longest_first"),
                             # rows visit 1, 2, 2 tiles: 1.2x the mean
                             ({"mask": mods.sliding_window(64)}, 132, "by_head"),
+                            # rows visit 1, 2, 3 tiles: 1.5x, within a band's BALANCED_BAND_TILES
+                            ({"mask": mods.sliding_window(200)}, 132, "by_head"),
+                            # the same rows through a document mask's lists: one CTA per tile
+                            ({"mask": mods.sliding_window(200) & mods.document(np.zeros(300, np.int32))},
+                             0, "by_head"),
                             # rows visit 0, 1, 2 tiles: 2x the mean
                             ({"mask": mods.causal(offset=-128)}, 0, "by_head")):
         spec = AttentionSpec.from_args(**kw)
@@ -300,7 +306,7 @@ def test_tile_scheduling_by_structure(monkeypatch):
 def test_dense_head_dim_128_with_even_q_tiles_runs_clusters(monkeypatch):
     """Dense and causal attention at head dim 128 pair the CTAs of adjacent q tiles into
     clusters sharing K/V loads, when every head has an even number of q tiles (block-sparse
-    lists differ per tile: never); persistent clusters are as many as the driver says fit
+    lists and bands differ per tile: never); persistent clusters are as many as the driver says fit
     at once (not SMs / 2: clusters live inside a GPC)."""
     from flexattn.kernels.hopper import device_facts
 
@@ -321,7 +327,8 @@ def test_dense_head_dim_128_with_even_q_tiles_runs_clusters(monkeypatch):
                                     (256, 64, {}, 1, 132),            # head dim 64: not measured a gain
                                     (256, 128, {"mask": mods.causal()}, 2, 0),   # one CTA per tile
                                     (300, 128, {"mask": mods.causal()}, 1, 0),
-                                    (256, 128, {"mask": mods.sliding_window(64)}, 1, 0)):
+                                    # a band (no clusters): rows of 1 and 2 tiles, persistent
+                                    (256, 128, {"mask": mods.sliding_window(64)}, 1, 132)):
         cfg = plan(S, D, **kw)
         assert (cfg.cluster_m, cfg.max_ctas) == (cluster, ctas), (S, D, kw)
     cpu = _plan(Q=256).config
