@@ -163,4 +163,19 @@ def case_integer_division(rng, B, H, Q, KV):
     return mods.mask_mod(mask), mods.score_mod(score), mask, score
 
 
+def case_bit_shifts(rng, B, H, Q, KV):
+    """Morton-style blocks and shifts of signed differences (torch's >> is arithmetic):
+    the operators and torch's named functions."""
+    k = int(rng.integers(2, 6))
+
+    def mask(b, h, q, kv):
+        same_block = (q >> k) == (kv >> k)
+        return same_block | (torch.bitwise_right_shift(q - kv, 4) == -1) | ((kv << 1) == q)
+
+    def score(s, b, h, q, kv):
+        return s + ((q - kv) >> 5).to(s.dtype) * 0.1 - torch.bitwise_left_shift(kv & 3, 1).to(s.dtype) * 0.2
+
+    return mods.mask_mod(mask), mods.score_mod(score), mask, score
+
+
 CASES = {name[5:]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}

@@ -24,6 +24,7 @@ def _every_int_op(b, h, q, kv):
     c = (q - kv) % 5
     d = torch.minimum(q, kv) + torch.maximum(q, kv) - (q - kv).abs()
     bits = ((q & 3) | (kv ^ 5)) != (~kv & 7)
+    bits = bits | ((q >> 2) == (kv << 1)) | (torch.bitwise_right_shift(q - kv, 3) == (1 << (h & 3)) - 2)
     return ((a > c) ^ (d % 2 == 0)) | bits & ~(q == kv) | ((q.float() * 0.5).int() == kv // 2)
 
 

@@ -185,6 +185,25 @@ def test_random_int_and_float_bounds_are_sound(seed):
         check_sound(g.float(int(rng.integers(1, 4))), g.captures, rng, n_boxes=40)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_random_shifts_are_sound(seed):
+    """Shifts of random integer expressions by constant or computed counts (in [0, 31], as
+    the kernels' 32-bit shifts need), alone and compared."""
+    rng = np.random.default_rng(500 + seed)
+    g = Gen(rng)
+
+    def shifted(d):
+        x = g.int(d)
+        count = ir.binary("mod", g.int(1), 4) if rng.random() < 0.3 else int(rng.integers(0, 5))
+        return ir.binary(str(rng.choice(["shl", "shr"])), x, count)
+
+    for _ in range(25):
+        a = shifted(int(rng.integers(0, 3)))
+        check_sound(a, g.captures, rng, n_boxes=40)
+        b = ir.binary(str(rng.choice(ir.COMPARE)), a, shifted(int(rng.integers(0, 3))) if rng.random() < 0.5 else g.int(1))
+        check_sound(b, g.captures, rng, n_boxes=40)
+
+
 # --- random masks made of built-ins and traced functions -----------------------------------------
 
 def _sorted_ids(rng, n, docs):
@@ -217,6 +236,8 @@ def random_mask(rng, depth=2):
         lambda: mask_mod(lambda b, h, q, kv: tbl[torch.clamp(q - kv, 0, S - 1)] > 1),
         lambda: mask_mod(lambda b, h, q, kv: ((q * 3 + kv) // 7) % 3 != 0),
         lambda: mask_mod(lambda b, h, q, kv: (q.float() / (kv + 1)) > 0.5),
+        lambda: mask_mod(lambda b, h, q, kv: (q >> 2) == (kv >> 2)),
+        lambda: mask_mod(lambda b, h, q, kv: ((q - kv) >> 1) + (kv << 1) <= w * 2),
     ]
     if depth == 0 or rng.random() < 0.3:
         return leaves[rng.integers(len(leaves))]()

@@ -634,6 +634,29 @@ def test_integer_divisors_from_captured_numbers_are_baked():
     assert [n.args[1].attr for n in scaled.expr.walk() if n.op == "floordiv"] == [128]
 
 
+def test_bit_shifts_trace_as_torch_computes_them():
+    """``>>`` / ``<<`` on traced indices are shifts (arithmetic on negatives, as torch's),
+    as are torch.bitwise_right_shift / bitwise_left_shift and a number shifted by an index;
+    floats refuse."""
+    import numpy as np
+    import torch
+
+    from flexattn import mods
+    from flexattn.mods.evaluate import evaluate
+
+    def fn(b, h, q, kv):
+        return (((q - kv) >> 2) + torch.bitwise_left_shift(kv, 3) - (64 >> (kv % 4))
+                + torch.bitwise_right_shift(q, 1) + (1 << (q % 5)))
+
+    traced = mods.score_mod(lambda s, b, h, q, kv: s + fn(b, h, q, kv).float())
+    q, kv = torch.arange(-40, 40)[:, None], torch.arange(0, 70)[None, :]
+    got = evaluate(traced.expr, {"score": 0.0, "b": 0, "h": 0, "q": q.numpy(), "kv": kv.numpy()}, traced.captures)
+    np.testing.assert_array_equal(got, fn(0, 0, q, kv).double().numpy())
+    assert ">>" in str(traced.expr) and "<<" in str(traced.expr)
+    with pytest.raises(TraceError, match="integers"):
+        mods.score_mod(lambda s, b, h, q, kv: s >> 1)
+
+
 def test_torch_mask_combinators_trace():
     """torch's and_masks / or_masks / noop_mask start from ``b.new_ones((), dtype=torch.bool)``
     (and pass ``device=b.device``): they trace to the conjunction / disjunction itself."""

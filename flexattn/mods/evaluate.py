@@ -21,6 +21,7 @@ _BINARY = {
 }
 _LOGIC_BOOL = {"and": np.logical_and, "or": np.logical_or, "xor": np.logical_xor}
 _LOGIC_INT = {"and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor}
+_SHIFT = {"shl": np.left_shift, "shr": np.right_shift}   # right_shift: arithmetic on signed ints
 _UNARY = {
     "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "tanh": np.tanh,
     "sqrt": np.sqrt, "neg": np.negative, "abs": np.abs,
@@ -85,6 +86,8 @@ def _eval_node(n, args, env, values, float_dtype):
     if op in _LOGIC_BOOL:
         table = _LOGIC_BOOL if n.dtype == ir.BOOL else _LOGIC_INT
         return table[op](*args)
+    if op in _SHIFT:
+        return np.asarray(_SHIFT[op](*args)).astype(dt, copy=False)
     if op in _BINARY:
         return np.asarray(_BINARY[op](*args)).astype(dt, copy=False)
     if op in _UNARY:

@@ -153,6 +153,17 @@ def _bound(n: ir.Node, args, ranges, values, tables) -> Interval:
         known = (a.lo == a.hi) & (b.lo == b.hi)
         x = np.abs(a.lo - b.lo)
         return Interval(np.where(known, x, 0.0), np.where(known, x, 1.0))
+    if op in ir.SHIFT:
+        # Monotone in the shifted value for a known count: x << c = x * 2^c, x >> c =
+        # floor(x / 2^c).
+        a, b = args
+        known = b.lo == b.hi
+        factor = np.exp2(np.where(known, b.lo, 0.0))
+        if op == "shl":
+            lo, hi = a.lo * factor, a.hi * factor
+        else:
+            lo, hi = np.floor(a.lo / factor), np.floor(a.hi / factor)
+        return Interval(np.where(known, lo, -np.inf), np.where(known, hi, np.inf))
     raise NotImplementedError(f"interval bounds of op {op!r}")
 
 

@@ -13,7 +13,8 @@ scalar     a runtime scalar input (attr: its capture slot)
 load       read of a captured buffer (attr: ``BufferRef``; args: one index per dim)
 cast       conversion to ``dtype``
 where      ``where(cond, a, b)``
-others     see ``UNARY_FLOAT``, ``UNARY_SAME``, ``BINARY_ARITH``, ``COMPARE``, ``LOGIC``
+others     see ``UNARY_FLOAT``, ``UNARY_SAME``, ``BINARY_ARITH``, ``COMPARE``, ``LOGIC``,
+           ``SHIFT``
 =========  =====================================================================
 
 Captured values (buffers and scalars) appear only by *slot*: the IR of a mod is its
@@ -36,15 +37,18 @@ UNARY_SAME = ("neg", "abs")
 BINARY_ARITH = ("add", "sub", "mul", "truediv", "floordiv", "mod", "minimum", "maximum")
 COMPARE = ("lt", "le", "gt", "ge", "eq", "ne")
 LOGIC = ("and", "or", "xor")  # on bools: logic; on ints: bitwise
+# Bit shifts of integers: shr is arithmetic (sign-filling, as torch's >> on signed ints);
+# kernels compute in 32 bits, so shift counts must lie in [0, 31].
+SHIFT = ("shl", "shr")
 ALL_OPS = (
     ("var", "const", "scalar", "load", "cast", "where", "not")
-    + UNARY_FLOAT + UNARY_SAME + BINARY_ARITH + COMPARE + LOGIC
+    + UNARY_FLOAT + UNARY_SAME + BINARY_ARITH + COMPARE + LOGIC + SHIFT
 )
 
 _SYMBOL = {
     "add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%",
     "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!=",
-    "and": "&", "or": "|", "xor": "^",
+    "and": "&", "or": "|", "xor": "^", "shl": "<<", "shr": ">>",
 }
 
 
@@ -264,6 +268,13 @@ def binary(op: str, a, b) -> Node:
         simple = _simplify_logic(op, a, b)
         if simple is not None:
             return simple
+    elif op in SHIFT:
+        if FLOAT in (a.dtype, b.dtype):
+            raise IRTypeError(f"{_SYMBOL[op]} needs integers, got a float")
+        dtype = INT
+        a, b = cast(a, INT), cast(b, INT)
+        if _is_const(b, 0):
+            return a
     else:
         raise ValueError(f"unknown binary op {op!r}")
     return _fold(Node(op, dtype, (a, b)))

@@ -108,6 +108,8 @@ def nonnegative(node: ir.Node) -> bool:
         return positive_constant(node.args[1])   # Python's % takes the divisor's sign
     if op == "abs":
         return True
+    if op == "shr":
+        return nonnegative(node.args[0])
     if op == "where":
         return nonnegative(node.args[1]) and nonnegative(node.args[2])
     return False

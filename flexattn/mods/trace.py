@@ -475,6 +475,10 @@ OPERATIONS: dict[str, Callable] = {
     **{f"logical_{op}": _logical(op) for op in ir.LOGIC},
     **{f"__r{op}__": _rbinary(op) for op in ir.LOGIC},
     **{n: _unary("not") for n in ("__invert__", "bitwise_not", "invert")},
+    # Bit shifts (Morton orders, packed ids): torch's and numpy's names and operators.
+    **{n: _binary("shl") for n in ("__lshift__", "bitwise_left_shift", "left_shift")},
+    **{n: _binary("shr") for n in ("__rshift__", "bitwise_right_shift", "right_shift")},
+    "__rlshift__": _rbinary("shl"), "__rrshift__": _rbinary("shr"),
     "logical_not": _logical_not,
     **{n: _unary("neg") for n in ("neg", "negative", "__neg__")},
     "__pos__": lambda x: x, "positive": lambda x: x,
@@ -617,6 +621,7 @@ for _name in (
     "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__pow__",
     "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__and__", "__rand__",
     "__or__", "__ror__", "__xor__", "__rxor__", "__invert__", "__neg__", "__pos__", "__abs__",
+    "__lshift__", "__rlshift__", "__rshift__", "__rrshift__", "bitwise_left_shift", "bitwise_right_shift",
     "abs", "exp", "exp2", "log", "log2", "tanh", "sigmoid", "sqrt", "rsqrt", "neg",
     "clamp", "clip", "float", "double", "half", "bfloat16", "int", "long", "bool", "to",
     "type", "astype", "floor", "ceil", "sign", "square", "minimum", "maximum", "pow",

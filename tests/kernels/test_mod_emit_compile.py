@@ -77,3 +77,16 @@ def test_row_invariant_roots():
     assert _ops(row_invariant_roots(whole.expr)) == [("and", ("h", "q"))]
     hook = IRModHook(None, mods.causal())
     assert hook.row_invariants(None, None, None, ()) is None    # nothing to hoist: no emission
+
+
+def test_shifts_lower_to_arithmetic_shifts():
+    """``>>`` on signed indices is torch's arithmetic shift: shr.s32 in the kernel (a
+    logical shr.u32 would turn negative differences into huge positives)."""
+    from flexattn.kernels.emit.mod_emit import fake_args
+    from flexattn.kernels.fwd.sm90 import FwdConfig
+    from flexattn.kernels.launch.compile import compile_forward
+
+    hook = IRModHook(None, mods.mask_mod(lambda b, h, q, kv: ((q - kv) >> 3) == (kv << 1) - (q >> 2)))
+    ptx = compile_forward(FwdConfig(head_dim=128, block_sparse=True, mods=hook), fake_args(hook),
+                          keep_ptx=True).__ptx__
+    assert "shr.s32" in ptx and "shl.b32" in ptx

@@ -161,6 +161,18 @@ def _bound(n: ir.Node, a: list, ranges, args, scan_limit: int = SCAN_LIMIT):
         d = x[0] - y[0]
         d = _sel(d < 0.0, -d, d)
         return _sel(known, d, 0.0), _sel(known, d, 1.0)
+    if op in ir.SHIFT:
+        # Monotone in the shifted value for a known count (clamped to [0, 62] here: the
+        # element code's counts lie in [0, 31]): x << c = x * 2^c, x >> c = floor(x / 2^c).
+        (lo, hi), (c_lo, c_hi) = a
+        known = c_lo == c_hi
+        count = cutlass.Int64(_min(_max(_sel(known, c_lo, 0.0), 0.0), 62.0))
+        factor = _f64(cutlass.Int64(1) << count)
+        if op == "shl":
+            lo, hi = lo * factor, hi * factor
+        else:
+            lo, hi = _floor(lo / factor), _floor(hi / factor)
+        return _safe(_sel(known, lo, -_INF), _sel(known, hi, _INF))
     # exp, log, tanh, sqrt, ...: monotone, but the element evaluation runs them in float32
     # with approximations; rather than reason about their rounding, say "anything".
     return _unknown()

@@ -233,6 +233,10 @@ def _emit_node(n: ir.Node, a: list, env: dict, args, fast_math: bool):
         return a[0] | a[1]
     if op == "xor":
         return a[0] ^ a[1]
+    if op == "shl":
+        return a[0] << a[1]
+    if op == "shr":   # signed Int32: arithmetic
+        return a[0] >> a[1]
     raise NotImplementedError(f"CuTeDSL emission of IR op {op!r}")
 
 
@@ -301,6 +305,27 @@ _VBINARY = {
     "eq": operator.eq, "ne": operator.ne, "and": operator.and_, "or": operator.or_,
     "xor": operator.xor,
 }
+_SHIFTS = {"shl": operator.lshift, "shr": operator.rshift}
+
+
+def _vshift(op, a, b):
+    """A shift where either operand may be a vector: element by element (the DSL's vector
+    types have no shift; each element is one shl / shr.s32 either way)."""
+    f = _SHIFTS[op]
+    if not (_is_vec(a) or _is_vec(b)):
+        return f(a, b)
+    shape = next(v.shape for v in (a, b) if _is_vec(v))
+    n = cute.size(shape)
+    xs = _vector_elements(a, n) if _is_vec(a) else [a] * n
+    ys = _vector_elements(b, n) if _is_vec(b) else [b] * n
+    return _from_elements([f(x, y) for x, y in zip(xs, ys)], Int32, shape)
+
+
+def _vector_elements(v, n: int) -> list:
+    """The elements of an Int32 vector, in flat index order."""
+    from cutlass._mlir.dialects import vector
+
+    return [Int32(vector.extract(v.ir_value(), [], [i])) for i in range(n)]
 
 
 def _gather(n: ir.Node, row_env: dict, element_env, args, fast_math: bool):
@@ -402,6 +427,8 @@ def _emit_row_node(n: ir.Node, a: list, env: dict, args, fast_math: bool):
         return _vselect(a[0], a[1], a[2], dt)
     if op in _VBINARY:
         return _vbinary(_VBINARY[op], a[0], a[1])
+    if op in _SHIFTS:
+        return _vshift(op, _vtyped(a[0], ir.INT), _vtyped(a[1], ir.INT))
     if op in ("floordiv", "mod"):
         lowered = _constant_divmod(n, a, vector=True)
         if lowered is not None:
