@@ -37,7 +37,8 @@ from .blockmask.build import dense_mask
 from .mods import MaskMod, Mod, ScoreMod, mask_mod
 
 __all__ = ["flex_attention", "decode", "create_block_mask", "create_mask", "BlockMask", "KVCache", "PagedKVCache",
-           "MaskMod", "ScoreMod", "mask_mod", "and_masks", "or_masks", "noop_mask", "FlexKernelOptions"]
+           "MaskMod", "ScoreMod", "mask_mod", "and_masks", "or_masks", "noop_mask", "FlexKernelOptions",
+           "AuxRequest", "AuxOutput"]
 
 # torch's helpers, framework-free (mods/builtins.py): mask values that trace, compose with
 # ``& |`` and are callable like torch's functions.
@@ -46,6 +47,20 @@ try:   # the type of kernel_options= (a TypedDict in torch): accepted, its keys 
     from torch.nn.attention.flex_attention import FlexKernelOptions
 except ImportError:
     FlexKernelOptions = dict
+try:   # return_aux=: torch's own types where it has them
+    from torch.nn.attention.flex_attention import AuxOutput, AuxRequest
+except ImportError:
+    from typing import NamedTuple
+
+    class AuxRequest(NamedTuple):
+        """Which auxiliary outputs ``flex_attention(..., return_aux=)`` computes."""
+        lse: bool = False
+        max_scores: bool = False
+
+    class AuxOutput(NamedTuple):
+        """The auxiliary outputs asked for (None where not)."""
+        lse: torch.Tensor | None = None
+        max_scores: torch.Tensor | None = None
 
 
 def create_mask(mod_fn, B, H, Q_LEN, KV_LEN, device=None) -> torch.Tensor:
@@ -66,6 +81,7 @@ def flex_attention(
     return_lse: bool = False,
     kernel_options: dict | None = None,
     *,
+    return_aux: AuxRequest | None = None,
     mask=None,
     score=None,
 ):
@@ -74,12 +90,24 @@ def flex_attention(
     ``score_mod``: a ``ScoreMod`` or a function ``(score, b, h, q_idx, kv_idx) -> score``.
     ``block_mask``: a ``flexattn.BlockMask`` or torch's ``BlockMask`` (converted).
     ``mask=`` / ``score=``: our mod values; a ``mask`` without ``block_mask`` applies
-    element-wise. Returns ``out`` or ``(out, lse)`` (lse in natural log; float32, float64 for float64 inputs).
+    element-wise. Returns ``out`` or ``(out, lse)`` (lse in natural log; float32, float64 for float64 inputs);
+    with ``return_aux=AuxRequest(lse=, max_scores=)``, ``(out, AuxOutput(lse, max_scores))``:
+    ``max_scores`` [B, Hq, Q] is each row's max of the scaled, modded, masked scores (-inf
+    where a row sees nothing), from the forward kernel itself on the GPU; not differentiable.
 
     Under ``torch.compile`` (``fullgraph=True`` works) mods and block masks must be values
     built outside the compiled function (``ScoreMod``/``MaskMod``/``BlockMask``, e.g. in a
     module's ``__init__``); their captured tensors (parameters) still get gradients.
     """
+    if return_aux is not None:
+        if return_lse:
+            raise ValueError("Cannot specify both return_lse and return_aux: use return_aux=AuxRequest(lse=True)")
+        if not return_aux.max_scores:
+            out, lse = flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, True, kernel_options,
+                                      mask=mask, score=score)
+            return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=None)
+        out, lse, max_scores = _with_max_scores(query, key, value, (score_mod, block_mask, scale, enable_gqa, mask, score))
+        return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=max_scores)
     if torch.compiler.is_compiling():
         return _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, mask, score)
     if getattr(query, "is_nested", False) or getattr(key, "is_nested", False) or getattr(value, "is_nested", False):
@@ -118,6 +146,29 @@ def flex_attention(
     spec_id = _REGISTRY.register(spec)
     out, lse = torch.ops.flexattn.attention_fwd(query, key, value, buffers, spec_id)
     return (out, lse) if return_lse else out
+
+
+def _with_max_scores(query, key, value, call):
+    """(out, lse, max_scores) of a call that wants the row maxima: the forward kernel with
+    its max output (CUDA inference: directly; otherwise through the ``attention_fwd_max``
+    custom op, whose autograd is the forward's), the float64 reference on the CPU."""
+    score_mod, block_mask, scale, enable_gqa, mask, score = call
+    if torch.compiler.is_compiling():
+        spec_id = _prepare_for_compile(by_id(score_mod), by_id(block_mask), scale, enable_gqa, by_id(mask), by_id(score))
+        buffers = _score_tensors(score if score is not None else score_mod)
+        return torch.ops.flexattn.attention_fwd_max(query, key, value, buffers, spec_id)
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    spec = AttentionSpec.from_args(score_mod, as_block_mask(block_mask), scale, enable_gqa, mask, score)
+    shape = check_inputs(query, key, value, spec)
+    if query.is_cuda:
+        reason = kernel_unsupported(query, shape)
+        if reason:
+            raise ValueError(f"{reason} (CPU tensors run the exact reference for anything else)")
+        if not _records_grad(query, key, value, spec):
+            return _kernel_forward(spec, shape, query, key, value, want_max=True)
+    return torch.ops.flexattn.attention_fwd_max(query, key, value, _score_tensors(spec.score), _REGISTRY.register(spec))
 
 
 def _plain_eager(*tensors) -> bool:
@@ -387,13 +438,31 @@ def _attention_fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 
 @_attention_fwd.register_fake
-def _(query, key, value, buffers, spec_id):
+def _attention_fwd_fake(query, key, value, buffers, spec_id):
     spec = _REGISTRY.get(spec_id)
     shape = check_inputs(query, key, value, spec)  # shape errors surface while compiling
     _block_lists_to_device(spec, shape, query.device)
     out = query.new_empty(shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim)
     lse = query.new_empty(shape.batch, shape.q_heads, shape.q_len, dtype=getattr(torch, lse_dtype(query)))
     return out, lse
+
+
+@torch.library.custom_op("flexattn::attention_fwd_max", mutates_args=())
+def _attention_fwd_max(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, buffers: list[torch.Tensor],
+                       spec_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, max_scores): ``attention_fwd`` plus each row's max score."""
+    spec = _REGISTRY.get(spec_id).bind(buffers)
+    if query.is_cuda:
+        return _kernel_forward(spec, check_inputs(query, key, value, spec), query, key, value, want_max=True)
+    out, lse, max_scores = reference.forward(query, key, value, spec, max_scores=True)
+    stats = getattr(torch, lse_dtype(query))
+    return _like(out, query), _like(lse, query, stats), _like(max_scores, query, stats)
+
+
+@_attention_fwd_max.register_fake
+def _(query, key, value, buffers, spec_id):
+    out, lse = _attention_fwd_fake(query, key, value, buffers, spec_id)
+    return out, lse, torch.empty_like(lse)
 
 
 @torch.library.custom_op("flexattn::attention_bwd", mutates_args=())
@@ -480,6 +549,18 @@ def _float_grads(buffers, d_buffers) -> list:
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _setup_context_max(ctx, inputs, output):
+    _setup_context(ctx, inputs, output[:2])
+    ctx.mark_non_differentiable(output[2])
+
+
+def _backward_max(ctx, d_out, d_lse, d_max):
+    return _backward(ctx, d_out, d_lse)   # max_scores is not differentiable
+
+
+_attention_fwd_max.register_autograd(_backward_max, setup_context=_setup_context_max)
+
+
 def _written_empty(*shape, dtype, device):
     """torch.empty for arrays the kernels write in full (outputs, workspaces they
     initialize themselves), without the NaN fill that torch.use_deterministic_algorithms
@@ -497,20 +578,22 @@ def _written_empty(*shape, dtype, device):
 
 # --- the CUDA forward ---------------------------------------------------------------------------
 
-def _kernel_forward(spec, shape, query, key, value):
+def _kernel_forward(spec, shape, query, key, value, want_max: bool = False):
+    """(out, lse), or with ``want_max`` (out, lse, max_scores), from the forward kernel."""
     out = _written_empty(shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim, dtype=query.dtype,
                          device=query.device)
     lse = _written_empty(shape.batch, shape.q_heads, shape.q_len, dtype=torch.float32, device=query.device)
+    max_scores = torch.empty_like(lse) if want_max else None
     device = _forward_device(query.device)
     # DLPack refuses tensors that require grad; the kernel only reads them
     if query.requires_grad or key.requires_grad or value.requires_grad:
         query, key, value = query.detach(), key.detach(), value.detach()
     if query.device.index == torch.cuda.current_device():
-        forward_into(query, key, value, out, lse, shape, spec, device)
+        forward_into(query, key, value, out, lse, shape, spec, device, max_scores)
     else:
         with torch.cuda.device(query.device):  # the launch goes to the inputs' GPU
-            forward_into(query, key, value, out, lse, shape, spec, device)
-    return out, lse
+            forward_into(query, key, value, out, lse, shape, spec, device, max_scores)
+    return (out, lse, max_scores) if want_max else (out, lse)
 
 
 def _call_key(q, k, v, call):

@@ -331,3 +331,46 @@ def test_nested_jagged_inputs_get_a_clear_error():
     jagged = torch.nested.nested_tensor([torch.randn(2, 5, 16), torch.randn(2, 7, 16)], layout=torch.jagged)
     with pytest.raises(ValueError, match="document_from_offsets"):
         fa.flex_attention(jagged, jagged, jagged)
+
+
+def test_return_aux_matches_torch():
+    """``return_aux=AuxRequest(lse=, max_scores=)`` as torch's: the outputs asked for, None
+    for the others; max_scores equal to torch's own math implementation (torch computes
+    it only on the GPU; its math path is what its kernels are checked against), -inf on
+    rows that see nothing; not differentiable, gradients of out unchanged; return_lse
+    together with return_aux refused as torch does."""
+    from torch._higher_order_ops.flex_attention import math_attention
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 37, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+
+    def score(s, b, h, q_idx, kv_idx):
+        return 20 * torch.tanh(s / 20) + (q_idx - kv_idx) * 0.01
+
+    def mask(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx > 3)
+
+    bm = fa.create_block_mask(mask, None, None, 37, 37)
+    out, aux = fa.flex_attention(q, k, v, score_mod=score, block_mask=bm, scale=0.25,
+                                 return_aux=fa.AuxRequest(lse=True, max_scores=True))
+    assert isinstance(aux, fa.AuxOutput)
+    _, want_lse, want_max = math_attention(q.detach(), k.detach(), v.detach(), score,
+                                           torch_create_block_mask(mask, None, None, 37, 37, device="cpu").as_tuple(),
+                                           0.25, {})
+    torch.testing.assert_close(aux.max_scores, want_max * math.log(2), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(aux.lse, want_lse * math.log(2), atol=1e-6, rtol=1e-6)
+    assert torch.isneginf(aux.max_scores[:, :, :4]).all() and not aux.max_scores.requires_grad
+    (out.square().sum() + aux.lse.sum()).backward()
+    got = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    plain, lse = fa.flex_attention(q, k, v, score_mod=score, block_mask=bm, scale=0.25, return_lse=True)
+    (plain.square().sum() + lse.sum()).backward()
+    for a, t in zip(got, (q, k, v)):
+        torch.testing.assert_close(a, t.grad)
+    only_lse = fa.flex_attention(q, k, v, block_mask=bm, return_aux=fa.AuxRequest(lse=True))[1]
+    assert only_lse.lse is not None and only_lse.max_scores is None
+    assert fa.flex_attention(q, k, v, return_aux=fa.AuxRequest())[1] == fa.AuxOutput(None, None)
+    with pytest.raises(ValueError, match="return_lse and return_aux"):
+        fa.flex_attention(q, k, v, return_lse=True, return_aux=fa.AuxRequest(lse=True))

@@ -240,3 +240,32 @@ def test_mod_arguments_are_guarded_by_identity():
     gn = torch.compile(lambda q, k, v, bm: fa.flex_attention(q, k, v, block_mask=bm), fullgraph=True, backend="eager")
     for bm in (bm_a, bm_b):
         torch.testing.assert_close(gn(q, k, v, bm), fa.flex_attention(q, k, v, block_mask=bm), rtol=1e-6, atol=1e-6)
+
+
+def test_return_aux_max_scores_under_compile():
+    """``return_aux=AuxRequest(max_scores=True)`` in one graph (the ``attention_fwd_max`` op):
+    the eager values, and gradients through out and lse."""
+    score = mods.alibi(torch.rand(H, dtype=torch.float64)) >> mods.softcap(4.0)
+    bm = fa.create_block_mask(mods.causal(), None, None, S, S, BLOCK_SIZE=16)
+
+    def step(q, k, v):
+        out, aux = fa.flex_attention(q, k, v, score_mod=score, block_mask=bm,
+                                     return_aux=fa.AuxRequest(lse=True, max_scores=True))
+        return out, aux.lse, aux.max_scores
+
+    q, k, v = _qkv(7)
+    counter = CompileCounterWithBackend("aot_eager")
+    got = torch.compile(step, backend=counter, fullgraph=True)(q, k, v)
+    want = step(q, k, v)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    assert counter.frame_count == 1
+    grads = _grads(got[0].sum() + got[1].sum(), (q, k, v))
+    for a, b in zip(grads, _grads(want[0].sum() + want[1].sum(), (q, k, v))):
+        torch.testing.assert_close(a, b)
+
+
+def test_opcheck_max_scores_op():
+    spec_id = fa._REGISTRY.register(flexattn.AttentionSpec.from_args(score=mods.softcap(3.0), mask=mods.causal()))
+    q, k, v = _qkv(8)
+    torch.library.opcheck(torch.ops.flexattn.attention_fwd_max.default, (q, k, v, [], spec_id))

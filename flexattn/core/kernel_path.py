@@ -214,7 +214,7 @@ def block_lists_to_device(spec: AttentionSpec, shape: AttentionShape, to_device:
             to_device(getattr(block_mask, name))
 
 
-def plan_forward(q, shape: AttentionShape, spec: AttentionSpec) -> KernelPlan:
+def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool = False) -> KernelPlan:
     """Pick the kernel configuration (compile-time) for this call.
 
     Plans are cached by the *identity* of the mods' IR (shared by every ``with_captures``
@@ -232,7 +232,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec) -> KernelPlan:
     dense = not causal and block_mask is None
     cluster_m = 2 if block_mask is None and _clusters_pay(shape) else 1
     max_ctas = persistent_ctas(q, cluster_m) if dense or _balanced(block_mask, band) else 0
-    key = (dtype, shape.head_dim, causal, band, block_mask is not None, max_ctas, cluster_m,
+    key = (dtype, shape.head_dim, causal, band, block_mask is not None, max_ctas, cluster_m, max_scores,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     hook = IRModHook(score, mask)
@@ -247,8 +247,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec) -> KernelPlan:
         config = FwdConfig(
             dtype=dtype, head_dim=shape.head_dim, tile_m=tile_m, tile_n=TILE_N,
             causal=causal, block_sparse=block_mask is not None and not band, band=band, mods=template,
-            max_ctas=max_ctas,
-            cluster_m=cluster_m,
+            max_ctas=max_ctas, cluster_m=cluster_m, max_scores=max_scores,
         )
         # _clusters_pay counts 128-row q tiles; the kernel pairs its own tile_m rows, and
         # the TVM-FFI launch does not check again: the two counts must agree.
@@ -360,18 +359,21 @@ def _tvm_ffi_installed() -> bool:
     return importlib.util.find_spec("tvm_ffi") is not None
 
 
-def forward_into(q, k, v, out, lse, shape: AttentionShape, spec: AttentionSpec, device: Device) -> KernelPlan | None:
-    """Run the forward kernel, writing ``out`` [B, Hq, Q, D] and ``lse`` [B, Hq, Q] (float32).
-    Short queries go to the decode kernel where the device allows (``core/short_query.py``;
-    then no plan is returned)."""
-    if device.decode_resources is not None:
+def forward_into(q, k, v, out, lse, shape: AttentionShape, spec: AttentionSpec, device: Device,
+                 max_scores=None) -> KernelPlan | None:
+    """Run the forward kernel, writing ``out`` [B, Hq, Q, D] and ``lse`` [B, Hq, Q] (float32),
+    and ``max_scores`` [B, Hq, Q] (float32: each row's max of the scaled, modded, masked
+    scores; -inf for rows that see nothing) if given. Short queries go to the decode kernel
+    where the device allows (``core/short_query.py``; then no plan is returned) unless
+    ``max_scores`` is wanted (the decode kernel keeps no such output)."""
+    if device.decode_resources is not None and max_scores is None:
         from .short_query import decode_route, short_query_into
 
         route = decode_route(shape, spec)
         if route is not None:
             short_query_into(q, k, v, out, lse, route, device)
             return None
-    plan = plan_forward(q, shape, spec)
+    plan = plan_forward(q, shape, spec, max_scores is not None)
     lists = _kv_lists(plan, device)
     scale = spec.resolved_scale(shape.head_dim)
     if use_tvm_ffi(device, stream_scope=True):  # see kernels/launch/forward.py
@@ -379,12 +381,12 @@ def forward_into(q, k, v, out, lse, shape: AttentionShape, spec: AttentionSpec, 
 
         args = ffi_mod_args(plan.config.mods, device.to_device)
         with ffi_stream_scope(q, device):
-            _runner(plan, True).run(q, k, v, out, lse, scale, args, lists)
+            _runner(plan, True).run(q, k, v, out, lse, scale, args, lists, max_scores)
         return plan
     from ..kernels.emit.mod_emit import runtime_args
 
     args = runtime_args(plan.config.mods, device.to_device)
-    _runner(plan, False).run(q, k, v, out, lse, scale, args, device.stream, lists)
+    _runner(plan, False).run(q, k, v, out, lse, scale, args, device.stream, lists, max_scores)
     return plan
 
 
@@ -427,11 +429,11 @@ class PreparedForward:
 
             args = ffi_args(self._kinds, self._captures, self._to_device) or None
         if self._env_stream is None:
-            self._fn(q, k, v, out, lse, self._scale, args, self._lists)
+            self._fn(q, k, v, out, lse, self._scale, args, self._lists, None)
             return
         previous = self._env_stream.swap(stream)
         try:
-            self._fn(q, k, v, out, lse, self._scale, args, self._lists)
+            self._fn(q, k, v, out, lse, self._scale, args, self._lists, None)
         finally:
             self._env_stream.swap(previous)
 

@@ -31,13 +31,16 @@ class Gradients(NamedTuple):
     d_captures: tuple  # one per score-mod capture: an array for float buffers, else None
 
 
-def forward(q, k, v, spec: AttentionSpec | None = None, dtype=np.float64):
-    """(out [B, Hq, Q, Dv], lse [B, Hq, Q]) in ``dtype``."""
+def forward(q, k, v, spec: AttentionSpec | None = None, dtype=np.float64, max_scores: bool = False):
+    """(out [B, Hq, Q, Dv], lse [B, Hq, Q]) in ``dtype``; with ``max_scores``, also each
+    row's max of the scaled, modded, masked scores [B, Hq, Q] (-inf for empty rows), as
+    torch's ``AuxRequest(max_scores=True)``."""
     spec = spec or AttentionSpec()
     shape = check_inputs(q, k, v, spec)
     q, k, v = (_host(x, dtype) for x in (q, k, v))
     out = np.zeros((shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim), dtype)
     lse = np.zeros((shape.batch, shape.q_heads, shape.q_len), dtype)
+    row_max = np.zeros_like(lse)
     problem = _Problem(spec, shape, dtype)
     for b in range(shape.batch):
         for h in range(shape.q_heads):
@@ -45,7 +48,8 @@ def forward(q, k, v, spec: AttentionSpec | None = None, dtype=np.float64):
             p, row_lse, _, _ = problem.probabilities(b, h, q[b, h], k[b, hk])
             out[b, h] = p @ v[b, hk]
             lse[b, h] = row_lse
-    return out, lse
+            row_max[b, h] = problem.last_row_max
+    return (out, lse, row_max) if max_scores else (out, lse)
 
 
 def backward(q, k, v, d_out, d_lse=None, spec: AttentionSpec | None = None, dtype=np.float64,
@@ -135,6 +139,7 @@ class _Problem:
             s = np.where(allowed, s, -np.inf)
         with np.errstate(invalid="ignore", over="ignore"):
             m = np.max(s, axis=-1, keepdims=True)
+            self.last_row_max = m[:, 0]   # the forward's max_scores
             m_safe = np.where(np.isfinite(m), m, 0.0)
             e = np.exp(s - m_safe)
             total = e.sum(axis=-1, keepdims=True)

@@ -301,3 +301,40 @@ def test_block_mask_to_device_and_back():
     want = fa.flex_attention(q, k, v, block_mask=host)
     for bm in (on_gpu, back):
         assert torch.equal(fa.flex_attention(q, k, v, block_mask=bm), want)
+
+
+@pytest.mark.parametrize("case", ["none", "causal", "band", "torch_style_causal_softcap", "document_batched"])
+def test_max_scores_against_reference(case):
+    """``return_aux=AuxRequest(lse=True, max_scores=True)``: the forward kernel's row maxima
+    (NaN-poisoned before the launch) against the float64 reference, inference and through
+    autograd (then the gradients equal the plain call's); lse as always."""
+    rng = np.random.default_rng(zlib.crc32(case.encode()))
+    for i in range(3):
+        B, Hq, Q, KV, q, k, v = _random_problem(rng, torch.bfloat16, 128)
+        mask, score, _, _ = CASES[case](rng, B, Hq, Q, KV)
+        spec = AttentionSpec.from_args(score=score, mask=mask, enable_gqa=True)
+        shape = check_inputs(q, k, v, spec)
+        out = torch.full((B, Hq, Q, 128), float("nan"), dtype=q.dtype, device="cuda")
+        lse = torch.full((B, Hq, Q), float("nan"), device="cuda")
+        got_max = torch.full((B, Hq, Q), float("nan"), device="cuda")
+        forward_into(q, k, v, out, lse, shape, spec, _device(), got_max)
+        _, want_lse, want_max = reference.forward(q.cpu(), k.cpu(), v.cpu(), spec, max_scores=True)
+        got_max = got_max.double().cpu().numpy()
+        assert np.array_equal(np.isneginf(got_max), np.isneginf(want_max)), f"{case}#{i}: empty rows differ"
+        live = ~np.isneginf(want_max)
+        err = np.abs(got_max[live] - want_max[live]).max() if live.any() else 0.0
+        assert err < 2e-2 * max(1.0, np.abs(want_max[live]).max()), f"{case}#{i}: max error {err:.3g}"
+    # Through the torch door, with autograd: same values, out's gradients unchanged.
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    o1, aux = fa.flex_attention(qg, kg, vg, score_mod=score, enable_gqa=True, mask=mask,
+                                return_aux=fa.AuxRequest(lse=True, max_scores=True))
+    assert not aux.max_scores.requires_grad
+    np.testing.assert_allclose(aux.max_scores.double().cpu().numpy(), got_max, rtol=0, atol=0)
+    o1.float().square().sum().backward()
+    grads = [t.grad.clone() for t in (qg, kg, vg)]
+    for t in (qg, kg, vg):
+        t.grad = None
+    o2 = fa.flex_attention(qg, kg, vg, score_mod=score, enable_gqa=True, mask=mask)
+    o2.float().square().sum().backward()
+    for a, t in zip(grads, (qg, kg, vg)):
+        torch.testing.assert_close(a, t.grad)

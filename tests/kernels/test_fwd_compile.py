@@ -42,6 +42,9 @@ CASES = {
     "hd128-band-window": (FwdConfig(head_dim=128, band=True, max_ctas=132,
                                     mods=IRModHook(None, canonical_band(mods.sliding_window(1024)))),
                           lambda: (cutlass.Int32(0), cutlass.Int32(1024))),
+    # the row maxima as a second statistic (torch's AuxRequest(max_scores=True))
+    "hd128-causal-softcap-max": (FwdConfig(head_dim=128, causal=True, max_scores=True, mods=hooks.SoftcapHook()),
+                                 lambda: (cutlass.Float32(30.0),)),
     "hd64-sparse-plain": (FwdConfig(head_dim=64, block_sparse=True, intra_wg_overlap=False,
                                     mods=hooks.CausalHook()), lambda: ()),
     # step (a) schedule: no intra-warpgroup overlap, no ping-pong

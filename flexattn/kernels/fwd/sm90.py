@@ -77,6 +77,7 @@ class FwdConfig(KernelConfig):
     block_sparse: bool = False     # block structure from BlockMask lists (runtime tensors)
     band: bool = False             # block structure of the mask's band of diagonals (the
                                    # mask hook's IR is one; its bounds are runtime captures)
+    max_scores: bool = False       # also write each row's max score (torch's AuxRequest)
     mods: ModHook = field(default=NO_MODS, compare=False)
     producer_regs: int | None = None  # setmaxnreg budgets; None: by warpgroup count,
     consumer_regs: int | None = None  # 2 WGs: 24 / 240, 3 WGs: 32 / 160 (fill 64K regs)
@@ -187,6 +188,8 @@ class FlashFwdSm90(WarpSpecialized):
         mod_args,                 # tuple of runtime args for the mod hook, or None
         block_sparse,             # (kv_num_blocks, kv_indices, full_kv_num_blocks,
                                   #  full_kv_indices) int32, if cfg.block_sparse; else None
+        mMax,                     # [B, Hq, Sq] float32 iff cfg.max_scores (else None): per
+                                  #  row, the max of the scaled, modded, masked scores
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
@@ -197,10 +200,13 @@ class FlashFwdSm90(WarpSpecialized):
             raise TypeError("LSE must be float32")
         if const_expr(cfg.block_sparse != (block_sparse is not None)):
             raise ValueError("block_sparse tensors must be given iff cfg.block_sparse")
+        if const_expr(cfg.max_scores != (mMax is not None)):
+            raise ValueError("mMax must be given iff cfg.max_scores")
 
         # (S, D, H, B) views: the TMA box is (rows, D) and H, B index the tile.
         Q, K, V, O = [mma.select_modes(t, [2, 3, 1, 0]) for t in (mQ, mK, mV, mO)]
-        LSE = mma.select_modes(mLSE, [2, 1, 0])          # (S, H, B)
+        # Row statistics out: LSE, then (cfg.max_scores) the max score; (S, H, B) views.
+        stats = tuple(mma.select_modes(t, [2, 1, 0]) for t in (mLSE, mMax) if t is not None)
 
         tiled_mma_qk = mma.make_qk_mma(self.dtype, cfg.tile_m, cfg.tile_n)
         tiled_mma_pv = mma.make_pv_mma(self.dtype, cfg.tile_m, cfg.head_dim)
@@ -252,7 +258,7 @@ class FlashFwdSm90(WarpSpecialized):
         grid = grid_size((Q.shape[0] + cfg.tile_m - 1) // cfg.tile_m * Q.shape[2] * Q.shape[3],
                          cfg.max_ctas - cfg.max_ctas % cfg.cluster_m)
         self.kernel(
-            tma_Q, tma_K, tma_V, tma_O, LSE,
+            tma_Q, tma_K, tma_V, tma_O, stats,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             tiled_mma_qk, tiled_mma_pv,
             sQ_layout, sK_layout, sV_layout,
@@ -270,7 +276,7 @@ class FlashFwdSm90(WarpSpecialized):
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, stats,
         tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
         tma_atom_V: cute.CopyAtom, tma_atom_O: cute.CopyAtom,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
@@ -313,7 +319,7 @@ class FlashFwdSm90(WarpSpecialized):
                           pipe_q, pipe_k, pipe_v, tiles, seqlen_k, block_sparse)
         else:
             self.enter_consumer(regs)
-            self.consume(mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+            self.consume(mO, stats, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                          pipe_q, pipe_k, pipe_v, tiles, seqlen_q, seqlen_k,
                          block_sparse, softmax_scale, scale_log2, mod_args)
 
@@ -440,7 +446,7 @@ class FlashFwdSm90(WarpSpecialized):
                   tma_bar_ptr=pipe.producer_get_barrier(state), **multicast)
 
     @cute.jit
-    def consume(self, mO, mLSE, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+    def consume(self, mO, stats, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                 pipe_q, pipe_k, pipe_v, tiles, seqlen_q, seqlen_k,
                 block_sparse, softmax_scale, scale_log2, mod_args):
         cfg = self.cfg
@@ -476,7 +482,7 @@ class FlashFwdSm90(WarpSpecialized):
 
         fixed = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O,
                  softmax, coords, pipe_k, pipe_v)
-        out = (mO, mLSE, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx)
+        out = (mO, stats, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx)
         if const_expr(cfg.max_ctas):
             for idx in cutlass.range(tiles.first, tiles.total, tiles.stride, unroll=1):
                 q_state, kv_state = self._consume_tile(
@@ -516,8 +522,8 @@ class FlashFwdSm90(WarpSpecialized):
         # Every Q K^T of this tile has completed: the producer may load the next Q.
         pipe_q.consumer_release(q_state)
         q_state.advance()
-        mO, mLSE, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx = out
-        self.epilogue(acc_O, softmax, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx,
+        mO, stats, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx = out
+        self.epilogue(acc_O, softmax, mO, stats, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx,
                       m_block, head, batch, seqlen_q)
         return q_state, kv_state
 
@@ -863,9 +869,10 @@ class FlashFwdSm90(WarpSpecialized):
         return kv_state
 
     @cute.jit
-    def epilogue(self, acc_O, softmax, mO, mLSE, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx,
+    def epilogue(self, acc_O, softmax, mO, stats, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx,
                  m_block, head, batch, seqlen_q):
-        """O / l -> sO (stmatrix) -> TMA store; LSE straight to global memory."""
+        """O / l -> sO (stmatrix) -> TMA store; LSE (and the max score) straight to global
+        memory."""
         cfg = self.cfg
         inv_sum, lse = softmax.finalize()
         rescale_rows(acc_O, inv_sum)
@@ -883,12 +890,15 @@ class FlashFwdSm90(WarpSpecialized):
         # LSE: the lane holding column 0 of a row writes it.
         cO = cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))
         tOcO = mma.acc_mn_view(thr_pv.partition_C(cO))
-        gLSE = mLSE[None, head, batch]
+        gLSE = stats[0][None, head, batch]
+        row_max = softmax.max_scores() if const_expr(cfg.max_scores) else None
         if tOcO[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 q = m_block * cfg.tile_m + tOcO[r, 0][0]
                 if q < seqlen_q:
                     gLSE[q] = lse[r]
+                    if const_expr(cfg.max_scores):
+                        stats[1][None, head, batch][q] = row_max[r]
 
         def o_store():
             gO = cute.local_tile(mO[None, None, head, batch], (cfg.tile_m, cfg.head_dim), (m_block, 0))

@@ -83,6 +83,16 @@ class OnlineSoftmax:
             )
         return inv_sum, lse
 
+    @cute.jit
+    def max_scores(self) -> cute.Tensor:
+        """Per row, the max score in natural units of the softmax's input (the scaled,
+        modded scores): the running max times scale_log2 · ln 2; -inf for a row that saw
+        nothing."""
+        out = cute.make_rmem_tensor_like(self.row_max, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            out[r] = self.row_max[r] * (self.scale_log2 * Float32(LN2))
+        return out
+
 
 def _row_max(row: cute.TensorSSA) -> Float32:
     """Max over a row of this thread's fragment (loaded as a vector): a pairwise tree

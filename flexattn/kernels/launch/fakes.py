@@ -49,7 +49,7 @@ def _mod_args(mod_args):
 # -- forward ---------------------------------------------------------------------------------
 
 def fake_forward_args(cfg, mod_args: tuple = (), tvm_ffi: bool = False):
-    """(q, k, v, o, lse, softmax_scale, mod_args, block_sparse, stream) for
+    """(q, k, v, o, lse, softmax_scale, mod_args, block_sparse, max_scores, stream) for
     ``FlashFwdSm90.__call__``: Q/O and K/V with independent head counts and lengths."""
     dt = cfg.cutlass_dtype
     b, hq, hkv, sq, skv = (cute.sym_int() for _ in range(5))
@@ -61,7 +61,12 @@ def fake_forward_args(cfg, mod_args: tuple = (), tvm_ffi: bool = False):
                            (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
     # kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices
     block_sparse = fake_block_lists() if cfg.block_sparse else None
-    return (q, k, v, o, lse, cutlass.Float32(1.0), _mod_args(mod_args), block_sparse, fake_stream(tvm_ffi))
+    max_scores = None
+    if cfg.max_scores:
+        max_scores = make_fake_tensor(cutlass.Float32, (b, hq, sq), (cute.sym_int64(), cute.sym_int64(), 1),
+                                      assumed_align=4)
+    return (q, k, v, o, lse, cutlass.Float32(1.0), _mod_args(mod_args), block_sparse, max_scores,
+            fake_stream(tvm_ffi))
 
 
 # -- backward --------------------------------------------------------------------------------

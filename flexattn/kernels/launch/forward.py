@@ -79,24 +79,38 @@ class ForwardRunner:
                                  "kv", f"q-blocks of {self.cfg.tile_m}")
 
     def bind(self, q, k, v, o, lse, softmax_scale: float, mod_args: tuple, stream: int,
-             block_sparse=None):
+             block_sparse=None, max_scores=None):
         """Validate and compile once; return a no-argument launcher for these buffers
         (keeps DLPack conversion and checks out of timed loops). `block_sparse`:
         (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) as DLPack int32
-        arrays, block size tile_m x tile_n, iff cfg.block_sparse."""
+        arrays, block size tile_m x tile_n, iff cfg.block_sparse; `max_scores`: float32
+        [B, Hq, Sq] like lse, iff cfg.max_scores."""
         views = [to_cute(x, 16) for x in (q, k, v, o)] + [to_cute(lse, 4)]
         self._check(*(s for s, _ in views))
         bs = self._check_block_sparse(views[0][0], views[1][0], block_sparse)
         dyn = [d for _, d in views]
+        dyn_max = self._check_max_scores(views[4][0], max_scores)
         args = tuple(mod_args) if mod_args else None
         scale = cutlass.Float32(softmax_scale)
         cu_stream = cuda.CUstream(stream)
         key = tuple(arg_signature(a) for a in mod_args or ())
         fn = self._compiled.get(key)
         if fn is None:
-            fn, self.last_compile_seconds = compile_on_views(FlashFwdSm90(self.cfg), (*dyn, scale, args, bs, cu_stream))
+            fn, self.last_compile_seconds = compile_on_views(FlashFwdSm90(self.cfg),
+                                                             (*dyn, scale, args, bs, dyn_max, cu_stream))
             self._compiled[key] = fn
-        return lambda: fn(*dyn, scale, args, bs, cu_stream)
+        return lambda: fn(*dyn, scale, args, bs, dyn_max, cu_stream)
+
+    def _check_max_scores(self, lse, max_scores):
+        """The cute view of ``max_scores`` (checked like lse), or None."""
+        if self.cfg.max_scores != (max_scores is not None):
+            raise ValueError("pass max_scores iff the config has max_scores=True")
+        if max_scores is None:
+            return None
+        static, view = to_cute(max_scores, 4)
+        if str(static.element_type) != "Float32" or tuple(static.shape) != tuple(lse.shape) or static.stride[2] != 1:
+            raise ValueError("max_scores: want float32 [B, Hq, Sq] with the sequence dim contiguous")
+        return view
 
     @property
     def num_compiled(self) -> int:
@@ -104,8 +118,8 @@ class ForwardRunner:
         return len(self._compiled)
 
     def run(self, q, k, v, o, lse, softmax_scale: float, mod_args: tuple, stream: int,
-            block_sparse=None):
-        self.bind(q, k, v, o, lse, softmax_scale, mod_args, stream, block_sparse)()
+            block_sparse=None, max_scores=None):
+        self.bind(q, k, v, o, lse, softmax_scale, mod_args, stream, block_sparse, max_scores)()
 
 
 class FfiForwardRunner:
@@ -133,9 +147,13 @@ class FfiForwardRunner:
 
     @property
     def compiled(self):
-        """The compiled function: ``(q, k, v, o, lse, scale, mod_args | None, block_sparse | None)``."""
+        """The compiled function: ``(q, k, v, o, lse, scale, mod_args | None, block_sparse | None,
+        max_scores | None)``."""
         return self._fn
 
-    def run(self, q, k, v, o, lse, softmax_scale: float, mod_args: tuple, block_sparse=None):
+    def run(self, q, k, v, o, lse, softmax_scale: float, mod_args: tuple, block_sparse=None, max_scores=None):
         self.compile()
-        self._fn(q, k, v, o, lse, float(softmax_scale), tuple(mod_args) if mod_args else None, block_sparse)
+        if self.cfg.max_scores != (max_scores is not None):
+            raise ValueError("pass max_scores iff the config has max_scores=True")
+        self._fn(q, k, v, o, lse, float(softmax_scale), tuple(mod_args) if mod_args else None, block_sparse,
+                 max_scores)

@@ -106,7 +106,7 @@ class ForwardLaunch(_Launch):
         q, k, v, o, lse = (arrays[i] for i in self.main)
         lists = None if self.lists is None else tuple(arrays[i] for i in self.lists)
         FlashFwdSm90(self.config)(q, k, v, o, lse, cutlass.Float32(self.scale), _mod_args(self.args, arrays),
-                                  lists, stream)
+                                  lists, None, stream)
 
 
 class BackwardLaunch(_Launch):
