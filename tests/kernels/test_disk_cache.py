@@ -54,7 +54,7 @@ def _cpu_call_error(fn) -> str:
     q = torch.zeros(2, 4, 300, 64, dtype=torch.bfloat16)
     lse = torch.zeros(2, 4, 300)
     with pytest.raises(ValueError, match="expected device_type=cuda") as err:
-        fn(q, q, q, q, lse, 0.1, (30.0, 1 / 30.0), None)
+        fn(q, q, q, q, lse, 0.1, (30.0, 1 / 30.0), None, None)
     return str(err.value)
 
 
@@ -102,7 +102,7 @@ _FRESH_PROCESS = textwrap.dedent("""
     runner.compile()
     q = torch.zeros(2, 4, 300, 64, dtype=torch.bfloat16)
     try:
-        runner.compiled(q, q, q, q, torch.zeros(2, 4, 300), 0.1, (30.0, 1 / 30.0), None)
+        runner.compiled(q, q, q, q, torch.zeros(2, 4, 300), 0.1, (30.0, 1 / 30.0), None, None)
         error = None
     except ValueError as e:
         error = str(e)

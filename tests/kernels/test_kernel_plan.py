@@ -351,7 +351,7 @@ def test_env_stream_swap_sets_and_restores_tvm_ffi_stream(monkeypatch, private_s
 
     def fake_kernel(*args):
         seen.append(tvm_ffi.get_raw_stream(device))
-        if args[-1] == "boom":
+        if args[-2] == "boom":   # (..., block lists, max_scores)
             raise RuntimeError("launch failed")
 
     prepared = PreparedForward.__new__(PreparedForward)    # launch only: no compile
