@@ -26,7 +26,8 @@ from .blockmask import DeviceArrays as BlockMaskArrays, register_device as regis
 from .problem.decode import decode_problem
 from .core.backward_path import BackwardArrays, backward_into
 from .core.decode_device import cache_arrays, check_cache_layout, decode_key, decode_workspace, kernel_step, tma_ready
-from .core.kernel_path import Device, block_lists_to_device, forward_into, kernel_unsupported, prepare_forward
+from .core.kernel_path import (Device, backward_unsupported, block_lists_to_device, forward_into, kernel_unsupported,
+                               prepare_forward)
 from .core.prepared import HostCopies, PreparedCalls, PreparedEntry, call_key
 from .core.registry import SpecRegistry, by_id, compiled_spec, operand_grad_slots
 from .problem.kvcache import KVCache, PagedKVCache
@@ -130,9 +131,7 @@ def flex_attention(
     spec = AttentionSpec.from_args(score_mod, block_mask, scale, enable_gqa, mask, score)
     shape = check_inputs(query, key, value, spec)
     if query.is_cuda:
-        reason = kernel_unsupported(query, shape)
-        if reason:
-            raise ValueError(f"{reason} (CPU tensors run the exact reference for anything else)")
+        _check_cuda_call(query, key, value, spec, shape)
         if not _records_grad(query, key, value, spec):
             # Inference: straight to the kernel. The custom op's dispatch alone costs
             # ~50-130 µs of host time per call; it is only needed for autograd.
@@ -163,12 +162,20 @@ def _with_max_scores(query, key, value, call):
     spec = AttentionSpec.from_args(score_mod, as_block_mask(block_mask), scale, enable_gqa, mask, score)
     shape = check_inputs(query, key, value, spec)
     if query.is_cuda:
-        reason = kernel_unsupported(query, shape)
-        if reason:
-            raise ValueError(f"{reason} (CPU tensors run the exact reference for anything else)")
+        _check_cuda_call(query, key, value, spec, shape)
         if not _records_grad(query, key, value, spec):
             return _kernel_forward(spec, shape, query, key, value, want_max=True)
     return torch.ops.flexattn.attention_fwd_max(query, key, value, _score_tensors(spec.score), _REGISTRY.register(spec))
+
+
+def _check_cuda_call(query, key, value, spec, shape) -> None:
+    """What the CUDA kernels cannot do, as a clear error before any launch: the forward's
+    limits, and the backward's where autograd will need it."""
+    reason = kernel_unsupported(query, shape)
+    if reason is None and _records_grad(query, key, value, spec):
+        reason = backward_unsupported(shape)
+    if reason:
+        raise ValueError(f"{reason} (CPU tensors run the exact reference for anything else)")
 
 
 def _plain_eager(*tensors) -> bool:

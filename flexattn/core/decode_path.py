@@ -53,7 +53,7 @@ import numpy as np
 from ..arrays import dtype_name
 from ..mods import as_mask, as_score
 from ..mods.positions import shift_queries
-from .kernel_path import KERNEL_DTYPES, KERNEL_HEAD_DIMS, Device, use_tvm_ffi
+from .kernel_path import DECODE_HEAD_DIMS, KERNEL_DTYPES, Device, use_tvm_ffi
 from .prepared import PreparedCalls, call_identity
 
 DECODE_MAX_Q_LEN = 16      # longer query blocks take the ordinary forward kernel
@@ -241,8 +241,8 @@ def decode_unsupported(q, k, v, page_size: int) -> str | None:
     if dtype_name(k) != name or dtype_name(v) != name:
         return f"the KV cache must have the query's dtype {name}, got {dtype_name(k)} and {dtype_name(v)}"
     d = int(q.shape[-1])
-    if d not in KERNEL_HEAD_DIMS:
-        return f"the GPU decode kernel supports head dims {KERNEL_HEAD_DIMS}, got {d}"
+    if d not in DECODE_HEAD_DIMS:
+        return f"the GPU decode kernel supports head dims {DECODE_HEAD_DIMS}, got {d}"
     if int(k.shape[-1]) != d or int(v.shape[-1]) != d:
         return f"the KV cache's head dims must equal the query's ({d}), got {int(k.shape[-1])} and {int(v.shape[-1])}"
     if page_size:

@@ -40,7 +40,9 @@ from ..problem.spec import AttentionSpec
 from ..problem.validate import AttentionShape
 
 KERNEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
-KERNEL_HEAD_DIMS = (64, 128)
+# The forward kernel takes any query and value head dim that is a multiple of 16 up to 256
+# (wgmma's k step; TMA's 16-byte rows); the backward and decode kernels, these:
+BACKWARD_HEAD_DIMS = DECODE_HEAD_DIMS = (64, 128)
 TILE_N = 128
 
 
@@ -63,11 +65,45 @@ def kernel_unsupported(q, shape: AttentionShape) -> str | None:
     """Why the forward kernel cannot run these inputs, or None."""
     if dtype_name(q) not in KERNEL_DTYPES:
         return f"the GPU kernel supports bfloat16 and float16 inputs, got {dtype_name(q)}"
-    if shape.head_dim not in KERNEL_HEAD_DIMS:
-        return f"the GPU kernel supports head dims {KERNEL_HEAD_DIMS}, got {shape.head_dim}"
-    if shape.v_head_dim != shape.head_dim:
-        return f"the GPU kernel needs value head dim == query head dim, got {shape.v_head_dim} and {shape.head_dim}"
+    for name, d in (("head dim", shape.head_dim), ("value head dim", shape.v_head_dim)):
+        if d % 16 or not 16 <= d <= 256:
+            return f"the GPU kernel supports {name}s that are multiples of 16 up to 256, got {d}"
     return None
+
+
+def backward_unsupported(shape: AttentionShape) -> str | None:
+    """Why the backward kernels cannot differentiate a call of this shape, or None (checked
+    before the forward runs, where autograd will need the backward)."""
+    if shape.head_dim not in BACKWARD_HEAD_DIMS or shape.v_head_dim != shape.head_dim:
+        return (f"the GPU backward supports head dims {BACKWARD_HEAD_DIMS} with equal value head dim, got"
+                f" {shape.head_dim}/{shape.v_head_dim} (the forward alone runs any multiple of 16 up to 256:"
+                " call it without gradients, e.g. under torch.no_grad())")
+    return None
+
+
+# Keys per stage of the forward's K/V ring, largest first: the first whose shared memory
+# fits (`_forward_tiles`). 128 up to head dim 128 (and 192/128); FA3's choices above it.
+_TILE_N_CHOICES = (128, 112, 96, 80, 64)
+
+
+def _forward_tiles(shape: AttentionShape, tile_m: int, lists: bool, persistent: bool) -> tuple:
+    """(tile_n, num_stages, persistent) for the forward at this call's head dims: two K/V
+    stages of the largest tile_n that fits shared memory; block-sparse lists need tile_n
+    to divide their 128-key blocks: 128, or 64 where less than 128 fits (wide heads; the
+    kernel expands each listed block into two tiles); persistent CTAs (a separate O
+    buffer) only where that fits too."""
+    from ..kernels.fwd.sm90 import shared_bytes
+    from ..kernels.hopper.mma import SMEM_CAPACITY
+
+    d, dv = shape.head_dim, shape.v_head_dim
+
+    def fits(tile_n, stages, separate_o):
+        return shared_bytes(tile_m, tile_n, stages, d, dv, separate_o or dv > d) <= SMEM_CAPACITY
+
+    tile_n = next((t for t in _TILE_N_CHOICES if fits(t, 2, False)), _TILE_N_CHOICES[-1])
+    if lists and tile_n != TILE_N:
+        tile_n = TILE_N // 2
+    return tile_n, 2, persistent and fits(tile_n, 2, True)
 
 
 def _is_full(mask) -> bool:
@@ -195,7 +231,7 @@ def _clusters_pay(shape: AttentionShape) -> bool:
     cluster's two tiles share a head). H100 2026-11-22, H16 D128 TFLOP/s: dense
     persistent B4 S4096 612 -> 652, B8 S2048 592 -> 627; causal B4 S4096 569 -> 575,
     B2 S8192 614 -> 622, B8 S2048 492 -> 492. Head dim 64 (192-row tiles): no gain."""
-    return shape.head_dim == 128 and -(-shape.q_len // 128) % 2 == 0
+    return shape.head_dim == shape.v_head_dim == 128 and -(-shape.q_len // 128) % 2 == 0
 
 
 def kernel_block_mask(spec: AttentionSpec, shape: AttentionShape) -> BlockMask | None:
@@ -232,7 +268,8 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     dense = not causal and block_mask is None
     cluster_m = 2 if block_mask is None and _clusters_pay(shape) else 1
     max_ctas = persistent_ctas(q, cluster_m) if dense or _balanced(block_mask, band) else 0
-    key = (dtype, shape.head_dim, causal, band, block_mask is not None, max_ctas, cluster_m, max_scores,
+    key = (dtype, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas, cluster_m,
+           max_scores,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     hook = IRModHook(score, mask)
@@ -242,12 +279,15 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
 
         # Three consumer warpgroups (tile_m 192) pay off at head dim 64, but only without a
         # score mod (register pressure) and outside block-sparse mode (128-row tiles).
-        tile_m = 192 if shape.head_dim == 64 and score is None and block_mask is None else 128
+        lists = block_mask is not None and not band
+        small = max(shape.head_dim, shape.v_head_dim) <= 64
+        tile_m = 192 if small and score is None and block_mask is None else 128
+        tile_n, stages, persistent = _forward_tiles(shape, tile_m, lists, max_ctas > 0)
         template = IRModHook(_structure_only(score), _structure_only(mask))
         config = FwdConfig(
-            dtype=dtype, head_dim=shape.head_dim, tile_m=tile_m, tile_n=TILE_N,
-            causal=causal, block_sparse=block_mask is not None and not band, band=band, mods=template,
-            max_ctas=max_ctas, cluster_m=cluster_m, max_scores=max_scores,
+            dtype=dtype, head_dim=shape.head_dim, head_dim_v=shape.v_head_dim, tile_m=tile_m, tile_n=tile_n,
+            num_stages=stages, causal=causal, block_sparse=lists, band=band, mods=template,
+            max_ctas=max_ctas if persistent else 0, cluster_m=cluster_m, max_scores=max_scores,
         )
         # _clusters_pay counts 128-row q tiles; the kernel pairs its own tile_m rows, and
         # the TVM-FFI launch does not check again: the two counts must agree.

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from ..problem.spec import AttentionSpec
 from ..problem.validate import AttentionShape
+from .kernel_path import DECODE_HEAD_DIMS
 from .decode_path import DECODE_MAX_Q_LEN, DecodeMods, DecodeSite, attention_into, attention_plan
 
 # Query tokens up to which the decode kernel serves a forward call. Measured on the H100
@@ -38,7 +39,7 @@ def decode_route(shape: AttentionShape, spec: AttentionSpec) -> DecodeMods | Non
     """The decode kernel's mods for this forward call, or None where the forward kernel runs it."""
     if shape.q_len > SHORT_QUERY_MAX or shape.kv_len < shape.q_len or shape.group * shape.q_len > _MAX_GROUP_ROWS:
         return None
-    if shape.v_head_dim != shape.head_dim:
+    if shape.v_head_dim != shape.head_dim or shape.head_dim not in DECODE_HEAD_DIMS:
         return None
     mask = spec.mask
     block_mask = spec.block_mask

@@ -45,6 +45,17 @@ CASES = {
     # the row maxima as a second statistic (torch's AuxRequest(max_scores=True))
     "hd128-causal-softcap-max": (FwdConfig(head_dim=128, causal=True, max_scores=True, mods=hooks.SoftcapHook()),
                                  lambda: (cutlass.Float32(30.0),)),
+    # head dims beyond 64 / 128, as the planner tiles them (kernel_path._forward_tiles)
+    "hd32": (FwdConfig(head_dim=32, max_ctas=132), lambda: ()),
+    "hd80-causal": (FwdConfig(head_dim=80, causal=True), lambda: ()),
+    "hd96-softcap": (FwdConfig(head_dim=96, mods=hooks.SoftcapHook()), lambda: (cutlass.Float32(30.0),)),
+    "hd192-128-causal": (FwdConfig(head_dim=192, head_dim_v=128, causal=True), lambda: ()),
+    "hd192-tn112-softcap": (FwdConfig(head_dim=192, tile_n=112, mods=hooks.SoftcapHook()),
+                            lambda: (cutlass.Float32(30.0),)),
+    "hd256-tn80-causal": (FwdConfig(head_dim=256, tile_n=80, causal=True), lambda: ()),
+    "hd256-sparse-tn64": (FwdConfig(head_dim=256, block_sparse=True, tile_n=64,
+                                    mods=hooks.LaggedCausalHook()), lambda: (cutlass.Int32(3),)),
+    "hd64-128": (FwdConfig(head_dim=64, head_dim_v=128), lambda: ()),
     "hd64-sparse-plain": (FwdConfig(head_dim=64, block_sparse=True, intra_wg_overlap=False,
                                     mods=hooks.CausalHook()), lambda: ()),
     # step (a) schedule: no intra-warpgroup overlap, no ping-pong
@@ -161,8 +172,14 @@ def test_config_keys():
     assert a.key() == b.key()                       # structure, not identity
     assert a.key() != FwdConfig(mods=hooks.CausalHook()).key()
     assert a.key() != FwdConfig(head_dim=64, mods=hooks.SoftcapHook()).key()
-    with pytest.raises(ValueError):
-        FwdConfig(head_dim=96)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        FwdConfig(head_dim=72)
+    with pytest.raises(ValueError, match="head_dim_v"):
+        FwdConfig(head_dim=128, head_dim_v=512)
+    assert FwdConfig(head_dim=96).head_dim_v == 96 and FwdConfig(head_dim=192, head_dim_v=128).separate_o is False
+    assert FwdConfig(head_dim=64, head_dim_v=128).separate_o     # O wider than Q's buffer
+    with pytest.raises(ValueError, match="sparse_block_n"):
+        FwdConfig(block_sparse=True, tile_n=96)
     with pytest.raises(ValueError):
         FwdConfig(dtype="fp32")
     with pytest.raises(ValueError):

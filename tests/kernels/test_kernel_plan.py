@@ -172,13 +172,55 @@ def test_structure_not_values_decides_the_config_key():
 
 
 @pytest.mark.parametrize("kw, words", [
-    (dict(D=96), "head dims"),
+    (dict(D=72), "multiples of 16"),
+    (dict(D=272), "up to 256"),
     (dict(dtype=torch.float32), "bfloat16 and float16"),
     (dict(block_mask=create_block_mask(mods.sliding_window(64), None, None, 300, 300, BLOCK_SIZE=64)), "BLOCK_SIZE"),
 ])
 def test_unsupported_is_refused_before_compiling(kw, words):
     with pytest.raises(ValueError, match=words):
         _plan(**kw)
+
+
+def test_head_dims_plan_tiles_that_fit_shared_memory(monkeypatch):
+    """Every head dim (and value head dim) the forward takes gets two K/V stages of the
+    widest tile that fits (FA3's 112 / 80 at 192 / 256), 192-row tiles up to 64, persistent
+    CTAs only where their separate O buffer fits too; block-sparse lists take 64-key tiles
+    where 128 do not fit (two per listed block); clusters only at 128/128. The backward's
+    limits are told apart (``backward_unsupported``)."""
+    from flexattn.core.kernel_path import backward_unsupported
+    from flexattn.kernels.fwd.sm90 import shared_bytes
+    from flexattn.kernels.hopper import device_facts
+    from flexattn.kernels.hopper.mma import SMEM_CAPACITY
+
+    class OnGpu(torch.Tensor):
+        def __dlpack_device__(self):
+            return (2, 0)
+
+    monkeypatch.setattr(device_facts, "sm_count", lambda ordinal: 132)
+    monkeypatch.setattr(device_facts, "max_active_clusters", lambda ordinal, size: 60)
+
+    def plan(D, Dv, **kw):
+        q = torch.empty(2, 4, 256, D, dtype=torch.bfloat16).as_subclass(OnGpu)
+        v = torch.empty(2, 4, 256, Dv, dtype=torch.bfloat16).as_subclass(OnGpu)
+        spec = AttentionSpec.from_args(**kw)
+        shape = check_inputs(q, q, v, spec)
+        return plan_forward(q, shape, spec).config, shape
+
+    want = {(32, 32): (192, 128, 132), (80, 80): (128, 128, 132), (96, 96): (128, 128, 132),
+            (128, 64): (128, 128, 132), (192, 128): (128, 128, 0), (192, 192): (128, 112, 0),
+            (256, 128): (128, 96, 0), (256, 256): (128, 80, 0)}
+    for (D, Dv), (tile_m, tile_n, ctas) in want.items():
+        cfg, shape = plan(D, Dv)
+        assert (cfg.head_dim, cfg.head_dim_v, cfg.tile_m, cfg.tile_n, cfg.num_stages, cfg.max_ctas) == (
+            D, Dv, tile_m, tile_n, 2, ctas), (D, Dv)
+        assert shared_bytes(cfg.tile_m, cfg.tile_n, 2, D, Dv, cfg.separate_o) <= SMEM_CAPACITY
+        assert cfg.cluster_m == (2 if D == Dv == 128 else 1)
+        assert (backward_unsupported(shape) is None) == (D == Dv and D in (64, 128))
+    sparse, _ = plan(256, 256, mask=mods.document(np.zeros(256, np.int32)))
+    assert (sparse.block_sparse, sparse.tile_n, sparse.num_stages, sparse.sparse_block_n) == (True, 64, 2, 128)
+    band, _ = plan(256, 256, mask=mods.sliding_window(100))
+    assert (band.band, band.tile_n, band.num_stages) == (True, 80, 2)
 
 
 def test_tvm_ffi_forward_compiles_with_the_planned_signature():

@@ -9,7 +9,9 @@ source below gives `count` and `at(i)` (the kv block index of the i-th visit).
   `kv_num_blocks [B, H, nQ]`, `kv_indices [B, H, nQ, nKV]` (partial blocks: the mask must be
   evaluated) and `full_kv_num_blocks`, `full_kv_indices` (full blocks: no mask). The visit
   order is the partial list, then the full list, each in its stored order. B and H may be 1
-  (broadcast). Block sizes are the kernel's tile_m x tile_n.
+  (broadcast). Blocks are tile_m rows by `factor` x tile_n keys: each listed kv block
+  expands into `factor` consecutive kernel tiles (wide heads run 64-key tiles on
+  128-key lists).
 * `BandBlocks`: the same two lists for a mask that is a band of diagonals, ``lo <= q - kv
   <= hi`` (runtime bounds; `mods.structure.diagonal_band`), computed by arithmetic instead
   of read: the blocks crossing an edge of the band are partial, those inside it full.
@@ -59,29 +61,36 @@ class DenseBlocks(_Staged):
 class SparseBlocks(_Staged):
     _fields = ("n_partial", "n_full", "count", "partial", "full")
 
-    def __init__(self, tensors, batch, head, m_block):
+    def __init__(self, tensors, batch, head, m_block, factor: int = 1):
         kv_num, kv_idx, full_num, full_idx = tensors
         b = batch % kv_num.shape[0]
         h = head % kv_num.shape[1]
-        self.n_partial = Int32(kv_num[b, h, m_block])
-        self.n_full = Int32(full_num[b, h, m_block])
+        self.factor = factor
+        self.n_partial = Int32(kv_num[b, h, m_block]) * factor
+        self.n_full = Int32(full_num[b, h, m_block]) * factor
         self.count = self.n_partial + self.n_full
         self.partial = kv_idx[b, h, m_block, None]
         self.full = full_idx[b, h, m_block, None]
 
+    def _expand(self, lst, i):
+        f = self.factor
+        if cutlass.const_expr(f == 1):
+            return Int32(lst[i])
+        return Int32(lst[i // f]) * f + i % f
+
     def partial_at(self, i):
-        return Int32(self.partial[i])
+        return self._expand(self.partial, i)
 
     def full_at(self, i):
-        return Int32(self.full[i])
+        return self._expand(self.full, i)
 
     @cute.jit
     def at(self, i):
         # Both reads stay in bounds (clamped); the select picks the list i falls in.
         ip = cutlass.max(cutlass.min(i, self.n_partial - 1), 0)
         jf = cutlass.max(i - self.n_partial, 0)
-        p = Int32(self.partial[ip])
-        f = Int32(self.full[jf])
+        p = self.partial_at(ip)
+        f = self.full_at(jf)
         return p if i < self.n_partial else f
 
 

@@ -68,13 +68,15 @@ class FwdConfig(KernelConfig):
     KIND = "fwd"
 
     dtype: str = "bf16"            # "bf16" | "fp16": Q, K, V and O
-    head_dim: int = 128            # 64 | 128
+    head_dim: int = 128            # of Q and K: a multiple of 16 in [16, 256] (HEAD_DIMS tested)
+    head_dim_v: int | None = None  # of V and O (None: head_dim); a multiple of 16 in [16, 256]
     tile_m: int | None = None      # Q rows per CTA, 64 per consumer warpgroup (None: 192
                                    # for head_dim 64 without score mod, else 128)
     tile_n: int = 128              # KV rows per pipeline stage
     num_stages: int = 2            # K/V ring depth
     causal: bool = False           # block structure: skip blocks above the diagonal
     block_sparse: bool = False     # block structure from BlockMask lists (runtime tensors)
+    sparse_block_n: int = 128      # keys of one listed block (a multiple of tile_n)
     band: bool = False             # block structure of the mask's band of diagonals (the
                                    # mask hook's IR is one; its bounds are runtime captures)
     max_scores: bool = False       # also write each row's max score (torch's AuxRequest)
@@ -102,12 +104,14 @@ class FwdConfig(KernelConfig):
 
     def __post_init__(self):
         # Resolve the defaults that depend on other fields (frozen: via object.__setattr__).
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
         if self.tile_m is None and self.walks_partial_then_full:
             object.__setattr__(self, "tile_m", 128)   # = FlexAttention's default Q block
         if self.tile_m is None:
             # 3 consumer warpgroups at 160 regs each suit head_dim 64, but a score mod
             # (e.g. with buffer loads) can spill there: then 2 warpgroups at 240.
-            big = self.head_dim <= 64 and not self.mods.has_score
+            big = max(self.head_dim, self.head_dim_v) <= 64 and not self.mods.has_score
             object.__setattr__(self, "tile_m", 192 if big else 128)
         wgs = self.tile_m // 64
         regs = register_split(wgs, {1: 56, 3: 32}.get(wgs, 24)) if wgs in (1, 2, 3) else (24, 240)
@@ -120,16 +124,20 @@ class FwdConfig(KernelConfig):
         if self.consumer_regs is None:
             object.__setattr__(self, "consumer_regs", regs[1])
         self.check_dtype()
-        if self.head_dim not in (64, 128):
-            raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
+        for name in ("head_dim", "head_dim_v"):
+            d = getattr(self, name)
+            if d % 16 or not 16 <= d <= 256:
+                raise ValueError(f"{name} must be a multiple of 16 in [16, 256], got {d}")
         if self.tile_m not in (64, 128, 192):
             raise ValueError(f"tile_m must be 64, 128 or 192, got {self.tile_m}")
-        if self.tile_m == 192 and self.head_dim > 64:
-            raise ValueError("tile_m=192 (160 regs per warpgroup) only fits head_dim 64")
+        if self.tile_m == 192 and max(self.head_dim, self.head_dim_v) > 64:
+            raise ValueError("tile_m=192 (160 regs per warpgroup) only fits head dims <= 64")
         if self.tile_n % 16 != 0 or not 16 <= self.tile_n <= 256:
             raise ValueError(f"tile_n must be a multiple of 16 in [16, 256], got {self.tile_n}")
         if self.num_stages < 1:
             raise ValueError("num_stages must be >= 1")
+        if self.block_sparse and self.sparse_block_n % self.tile_n:
+            raise ValueError(f"sparse_block_n {self.sparse_block_n} must be a multiple of tile_n {self.tile_n}")
         if self.block_sparse + self.causal + self.band > 1:
             raise ValueError("causal, block_sparse and band are block structures: pick one")
         if self.band and band_of(self.mods) is None:
@@ -147,6 +155,12 @@ class FwdConfig(KernelConfig):
             raise ValueError("pingpong needs 2 or 3 consumer warpgroups (tile_m 128 or 192)")
 
     @property
+    def separate_o(self) -> bool:
+        """O is staged in its own shared buffer: persistent CTAs (the next tile's Q is
+        loading) or a value head dim wider than Q's buffer."""
+        return bool(self.max_ctas) or self.head_dim_v > self.head_dim
+
+    @property
     def walks_partial_then_full(self) -> bool:
         """Block-sparse or band: each tile walks its partial blocks, then its full ones."""
         return self.block_sparse or self.band
@@ -155,6 +169,18 @@ class FwdConfig(KernelConfig):
         """Whether a call with `seqlen_q` queries may run this config (cluster_m tiles of
         a cluster must share their (batch, head))."""
         return -(-seqlen_q // self.tile_m) % self.cluster_m == 0
+
+
+def shared_bytes(tile_m: int, tile_n: int, num_stages: int, head_dim: int, head_dim_v: int,
+                 separate_o: bool, elem_bytes: int = 2) -> int:
+    """The forward's shared memory (the kernel's SharedStorage: mbarriers, then Q, K, V and,
+    if separate, O, each 1024-byte aligned), so planners can pick tiles that fit."""
+    size = 8 * (2 + 4 * num_stages)
+    for rows, cols, stages in ((tile_m, head_dim, 1), (tile_n, head_dim, num_stages), (tile_n, head_dim_v, num_stages),
+                               (tile_m, head_dim_v, 1 if separate_o else 0)):
+        if stages:
+            size = -(-size // 1024) * 1024 + rows * cols * stages * elem_bytes
+    return size
 
 
 class FwdBarrier(NamedBarriers):
@@ -171,7 +197,7 @@ class FlashFwdSm90(WarpSpecialized):
         self.cfg = config
         self.dtype = config.cutlass_dtype
         self.mods = config.mods
-        kv_row_bytes = 2 * config.head_dim * (self.dtype.width // 8)
+        kv_row_bytes = (config.head_dim + config.head_dim_v) * (self.dtype.width // 8)
         self.order = (LongestFirst(kv_row_bytes) if config.tile_order == "longest_first"
                       else ByHead())
 
@@ -209,11 +235,12 @@ class FlashFwdSm90(WarpSpecialized):
         stats = tuple(mma.select_modes(t, [2, 1, 0]) for t in (mLSE, mMax) if t is not None)
 
         tiled_mma_qk = mma.make_qk_mma(self.dtype, cfg.tile_m, cfg.tile_n)
-        tiled_mma_pv = mma.make_pv_mma(self.dtype, cfg.tile_m, cfg.head_dim)
+        tiled_mma_pv = mma.make_pv_mma(self.dtype, cfg.tile_m, cfg.head_dim_v)
 
         sQ_layout = mma.smem_layout(self.dtype, cfg.tile_m, cfg.head_dim)
         sK_layout = mma.smem_layout(self.dtype, cfg.tile_n, cfg.head_dim, cfg.num_stages)
-        sV_layout = mma.smem_layout(self.dtype, cfg.tile_n, cfg.head_dim, cfg.num_stages)
+        sV_layout = mma.smem_layout(self.dtype, cfg.tile_n, cfg.head_dim_v, cfg.num_stages)
+        sO_layout = mma.smem_layout(self.dtype, cfg.tile_m, cfg.head_dim_v)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         g2s_kv = cpasync.CopyBulkTensorTileG2SMulticastOp() if cfg.cluster_m > 1 else g2s
@@ -222,13 +249,14 @@ class FlashFwdSm90(WarpSpecialized):
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
             g2s_kv, K, cute.select(sK_layout, mode=[0, 1]), (cfg.tile_n, cfg.head_dim), cfg.cluster_m)
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            g2s_kv, V, cute.select(sV_layout, mode=[0, 1]), (cfg.tile_n, cfg.head_dim), cfg.cluster_m)
-        # O goes out through sQ's buffer (same shape and swizzle) once Q is dead.
+            g2s_kv, V, cute.select(sV_layout, mode=[0, 1]), (cfg.tile_n, cfg.head_dim_v), cfg.cluster_m)
+        # O goes out through sQ's buffer once Q is dead (where it fits: head_dim_v <= head_dim).
         tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), O, sQ_layout, (cfg.tile_m, cfg.head_dim))
+            cpasync.CopyBulkTensorTileS2GOp(), O, sO_layout, (cfg.tile_m, cfg.head_dim_v))
 
         self.bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
-        self.bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        self.bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        self.bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
 
         @cute.struct
         class SharedStorage:
@@ -238,8 +266,8 @@ class FlashFwdSm90(WarpSpecialized):
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            if const_expr(cfg.max_ctas):    # persistent: O must not overwrite the next Q
-                sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            if const_expr(cfg.separate_o):   # persistent: O must not overwrite the next Q
+                sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
 
         # A layout past the limit would compile and then fail at launch ("invalid
         # argument"): refuse it here, before any launch.
@@ -261,7 +289,7 @@ class FlashFwdSm90(WarpSpecialized):
             tma_Q, tma_K, tma_V, tma_O, stats,
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
             tiled_mma_qk, tiled_mma_pv,
-            sQ_layout, sK_layout, sV_layout,
+            sQ_layout, sK_layout, sV_layout, sO_layout,
             softmax_scale, scale_log2, mod_args, block_sparse,
             SharedStorage,
         ).launch(
@@ -281,7 +309,7 @@ class FlashFwdSm90(WarpSpecialized):
         tma_atom_V: cute.CopyAtom, tma_atom_O: cute.CopyAtom,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
         softmax_scale: Float32, scale_log2: Float32, mod_args, block_sparse,
         SharedStorage: cutlass.Constexpr,
     ):
@@ -294,16 +322,17 @@ class FlashFwdSm90(WarpSpecialized):
         storage = self.allocate(SharedStorage)
         n = self.num_mma_threads
         pipe_q = tma_ring(storage.mbar_q.data_ptr(), 1, n, self.bytes_q)
-        pipe_k = tma_ring(storage.mbar_k.data_ptr(), cfg.num_stages, n, self.bytes_kv, cfg.cluster_m)
-        pipe_v = tma_ring(storage.mbar_v.data_ptr(), cfg.num_stages, n, self.bytes_kv, cfg.cluster_m)
+        pipe_k = tma_ring(storage.mbar_k.data_ptr(), cfg.num_stages, n, self.bytes_k, cfg.cluster_m)
+        pipe_v = tma_ring(storage.mbar_v.data_ptr(), cfg.num_stages, n, self.bytes_v, cfg.cluster_m)
         self.rings_init_arrive(cfg.cluster_m)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = sQ      # one tile per CTA: O is staged in Q's buffer once Q is dead
-        if const_expr(cfg.max_ctas):
-            sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        if const_expr(cfg.separate_o):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        else:   # one tile per CTA: O is staged in Q's buffer once Q is dead
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
@@ -335,7 +364,7 @@ class FlashFwdSm90(WarpSpecialized):
         else:
             m_block, head, batch = self.order.tile(idx, tiles)
         if const_expr(self.cfg.block_sparse):
-            blocks = SparseBlocks(block_sparse, batch, head, m_block)
+            blocks = SparseBlocks(block_sparse, batch, head, m_block, self.cfg.sparse_block_n // self.cfg.tile_n)
         elif const_expr(self.cfg.band):   # `block_sparse` holds the band's bounds
             blocks = BandBlocks(block_sparse, m_block, self.cfg.tile_m, self.cfg.tile_n, seqlen_k)
         else:
@@ -396,7 +425,7 @@ class FlashFwdSm90(WarpSpecialized):
         mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, pipe_q, pipe_k, pipe_v = operands
         gQ = cute.local_tile(mQ[None, None, head, batch], (cfg.tile_m, cfg.head_dim), (m_block, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim_v), (None, 0))
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(
             tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
@@ -466,7 +495,7 @@ class FlashFwdSm90(WarpSpecialized):
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(mma.transpose_view(sV)))
         tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
         acc_shape_S = wg_qk.partition_shape_C((cfg.tile_m, cfg.tile_n))
-        acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((cfg.tile_m, cfg.head_dim)), Float32)
+        acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((cfg.tile_m, cfg.head_dim_v)), Float32)
 
         softmax = OnlineSoftmax(scale_log2, cute.size(mma.acc_mn_view(acc_O).shape[0]))
         coords = FragmentCoords(thr_qk, cfg.tile_m, cfg.tile_n, mma.acc_mn_view)
@@ -888,7 +917,7 @@ class FlashFwdSm90(WarpSpecialized):
         stage_tiles(tiled_mma_pv, self.dtype, tidx, [(rO, sO)])
 
         # LSE: the lane holding column 0 of a row writes it.
-        cO = cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))
+        cO = cute.make_identity_tensor((cfg.tile_m, cfg.head_dim_v))
         tOcO = mma.acc_mn_view(thr_pv.partition_C(cO))
         gLSE = stats[0][None, head, batch]
         row_max = softmax.max_scores() if const_expr(cfg.max_scores) else None
@@ -901,7 +930,7 @@ class FlashFwdSm90(WarpSpecialized):
                         stats[1][None, head, batch][q] = row_max[r]
 
         def o_store():
-            gO = cute.local_tile(mO[None, None, head, batch], (cfg.tile_m, cfg.head_dim), (m_block, 0))
+            gO = cute.local_tile(mO[None, None, head, batch], (cfg.tile_m, cfg.head_dim_v), (m_block, 0))
             return [(tma_atom_O, sO, gO)]
 
         store_staged(o_store, tidx, FwdBarrier.EPILOGUE, self.num_mma_threads)

@@ -55,8 +55,8 @@ def fake_forward_args(cfg, mod_args: tuple = (), tvm_ffi: bool = False):
     b, hq, hkv, sq, skv = (cute.sym_int() for _ in range(5))
     q = fake_bhsd(dt, "q", b, hq, sq, cfg.head_dim)
     k = fake_bhsd(dt, "k", b, hkv, skv, cfg.head_dim)
-    v = fake_bhsd(dt, "v", b, hkv, skv, cfg.head_dim)
-    o = fake_bhsd(dt, "o", b, hq, sq, cfg.head_dim)
+    v = fake_bhsd(dt, "v", b, hkv, skv, cfg.head_dim_v)
+    o = fake_bhsd(dt, "o", b, hq, sq, cfg.head_dim_v)
     lse = make_fake_tensor(cutlass.Float32, (b, hq, sq),
                            (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
     # kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices

@@ -28,8 +28,9 @@ from flexattn.kernels.launch.compile import compile_forward, compile_on_views
 
 
 class ForwardRunner:
-    """`run(q, k, v, o, lse, softmax_scale, mod_args, stream)`; q/o [B,Hq,Sq,D],
-    k/v [B,Hkv,Skv,D] of cfg.dtype, lse float32 [B,Hq,Sq]. mod_args: tuple of cute
+    """`run(q, k, v, o, lse, softmax_scale, mod_args, stream)`; q [B,Hq,Sq,D], o [B,Hq,Sq,Dv],
+    k [B,Hkv,Skv,D], v [B,Hkv,Skv,Dv] of cfg.dtype (D, Dv: cfg.head_dim, cfg.head_dim_v),
+    lse float32 [B,Hq,Sq]. mod_args: tuple of cute
     values (use `hook_tensor` / cutlass.Float32 / cutlass.Int32). The first call for a
     given (config, hook-arg structure) compiles; `last_compile_seconds` records it."""
 
@@ -48,11 +49,12 @@ class ForwardRunner:
     def _check(self, q, k, v, o, lse):
         cfg = self.cfg
         want = str(cfg.cutlass_dtype)
-        for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
+        for name, t, d in (("q", q, cfg.head_dim), ("k", k, cfg.head_dim), ("v", v, cfg.head_dim_v),
+                           ("o", o, cfg.head_dim_v)):
             if str(t.element_type) != want:
                 raise TypeError(f"{name}: dtype {t.element_type}, kernel compiled for {want}")
-            if len(t.shape) != 4 or t.shape[3] != cfg.head_dim:
-                raise ValueError(f"{name}: want [B, H, S, {cfg.head_dim}], got {tuple(t.shape)}")
+            if len(t.shape) != 4 or t.shape[3] != d:
+                raise ValueError(f"{name}: want [B, H, S, {d}], got {tuple(t.shape)}")
             if t.stride[3] != 1 and t.shape[3] != 1:
                 raise ValueError(f"{name}: the head dim must be contiguous")
             if any(s % 8 for s in t.stride[:3]):
@@ -62,7 +64,7 @@ class ForwardRunner:
         if lse.stride[2] != 1:
             raise ValueError("lse: the sequence dim must be contiguous")
         (b, hq, sq, _), (bk, hk, sk, _) = q.shape, k.shape
-        if tuple(k.shape) != tuple(v.shape) or tuple(o.shape) != tuple(q.shape) or bk != b:
+        if tuple(k.shape[:3]) != tuple(v.shape[:3]) or tuple(o.shape[:3]) != tuple(q.shape[:3]) or bk != b:
             raise ValueError(f"shape mismatch q{tuple(q.shape)} k{tuple(k.shape)} "
                              f"v{tuple(v.shape)} o{tuple(o.shape)}")
         if hk == 0 or hq % hk:
