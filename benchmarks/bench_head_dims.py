@@ -1,0 +1,96 @@
+"""Causal forward at head dims beyond 64 / 128 and value head dims apart from the query's
+(issue 25, item 1), beside FlashAttention-4 and torch flex_attention (Triton), one process.
+
+The headline is the user's door: ``flexattn.torch.flex_attention`` with a torch-style causal
+function through ``create_block_mask`` (the kernel's causal structure, read from the mask's
+IR). TFLOP/s count 2·B·H·S²·(D + Dv) × the causal density (the two GEMMs' FLOPs), bf16,
+median of triton's do_bench with L2 flushed. FA4 or flex may lack a head dim: then "—".
+
+    python3 benchmarks/bench_head_dims.py [--shape 4x4096x16] [--dims 64/64 96/96 192/128 256/256]
+        [--out results.json]
+"""
+
+import argparse
+import datetime
+import math
+import traceback
+
+import torch
+
+from bench_fwd import setup_dynamo
+from common import bench_ms, device_name, rel_diff, report
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="4x4096x16", help="BxSxH")
+    ap.add_argument("--dims", nargs="*", default=["32/32", "64/64", "80/80", "96/96", "128/128", "192/128",
+                                                   "192/192", "256/128", "256/256"])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    setup_dynamo()
+    import flexattn.torch as fa
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    B, S, H = map(int, args.shape.split("x"))
+    flex = torch.compile(flex_attention, dynamic=False)
+    door_bm = fa.create_block_mask(causal, None, None, S, S, device="cuda")
+    torch_bm = create_block_mask(causal, None, None, S, S, device="cuda")
+    density = door_bm.density()
+    rows = []
+    for dims in args.dims:
+        D, Dv = map(int, dims.split("/"))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        v = torch.randn(B, S, H, Dv, device="cuda", dtype=torch.bfloat16, generator=g)
+        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+        scale = 1.0 / math.sqrt(D)
+        work = 2.0 * B * H * S * S * (D + Dv) * density
+        impls = {"flexattn": lambda: fa.flex_attention(qh, kh, vh, block_mask=door_bm, scale=scale)}
+
+        def fa4():
+            from flash_attn.cute import flash_attn_func
+
+            return flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
+
+        impls["fa4"] = fa4
+        impls["flex"] = lambda: flex(qh, kh, vh, block_mask=torch_bm, scale=scale)
+        ref = impls["flexattn"]()
+        torch.cuda.synchronize()
+        row = {"dims": f"{D}/{Dv}", "tflops": {}, "rel_diff_vs_ours": {}}
+        for name, fn in impls.items():
+            try:
+                out = fn()
+                torch.cuda.synchronize()
+                if name != "flexattn":
+                    row["rel_diff_vs_ours"][name] = rel_diff(out, ref)
+                row["tflops"][name] = work / bench_ms(fn) / 1e9
+            except Exception as e:   # a library without this head dim must not hide the others
+                print(f"[{name} {D}/{Dv}] failed: {type(e).__name__}: {str(e)[:160]}")
+                traceback.print_exc(limit=1)
+        rows.append(row)
+        print(f"D{D}/{Dv} " + "  ".join(f"{i}={t:.1f}" for i, t in row["tflops"].items())
+              + f"  diffs {row['rel_diff_vs_ours']}", flush=True)
+
+    def cell(row, impl):
+        t = row["tflops"].get(impl)
+        return "—" if t is None else f"{t:.1f}"
+
+    def ratio(row, impl):
+        t, o = row["tflops"].get(impl), row["tflops"].get("flexattn")
+        return "—" if t is None or o is None else f"{o / t:.2f}"
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    md = (f"Causal forward, bf16, B{B} S{S} H{H}, {device_name()}, {stamp}. TFLOP/s.\n\n"
+          "| D/Dv | flexattn | fa4 | flex | ours/fa4 | ours/flex |\n|---|---|---|---|---|---|\n"
+          + "\n".join(f"| {r['dims']} | {cell(r, 'flexattn')} | {cell(r, 'fa4')} | {cell(r, 'flex')} | "
+                      f"{ratio(r, 'fa4')} | {ratio(r, 'flex')} |" for r in rows))
+    report(md, rows, args.out, stamp)
+
+
+if __name__ == "__main__":
+    main()
