@@ -83,10 +83,45 @@ def test_head_dims_against_reference(pair, kind):
 
 
 def test_torch_door_inference_and_a_clear_error_for_gradients():
-    q = torch.randn(2, 4, 300, 96, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(2, 4, 300, 192, device="cuda", dtype=torch.bfloat16)
     k, v = torch.randn_like(q), torch.randn_like(q)
     out = fa.flex_attention(q, k, v, block_mask=fa.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 300, 300))
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
     with pytest.raises(ValueError, match="backward supports head dims"):
         fa.flex_attention(q.requires_grad_(), k, v)
+
+
+BACKWARD_DIMS = [32, 48, 80, 96, 112]
+# Error bounds relative to the largest reference gradient (max-abs) and to its norm (as
+# tests/gpu/test_autograd_gpu.py).
+GRAD_TOL = {torch.bfloat16: (4e-2, 1.5e-2), torch.float16: (1e-2, 4e-3)}
+
+
+@pytest.mark.parametrize("D", BACKWARD_DIMS)
+@pytest.mark.parametrize("kind", ["causal", "band", "documents", "scored"])
+def test_backward_head_dims_against_reference(D, kind):
+    """Training at head dims beyond 64 / 128 (equal value head dim): gradients of q, k, v
+    through the torch door (autograd, the backward kernels) against the float64 reference."""
+    rng = np.random.default_rng(zlib.crc32(repr(("bwd", D, kind)).encode()))
+    torch.manual_seed(int(rng.integers(0, 2**31)))
+    B, Hkv = int(rng.integers(1, 3)), int(rng.choice([1, 2]))
+    Hq = Hkv * int(rng.choice([1, 2]))
+    Q = int(rng.integers(64, 500))
+    KV = Q if rng.random() < 0.5 else int(rng.integers(64, 500))
+    dtype = torch.bfloat16 if rng.random() < 0.7 else torch.float16
+    q, k, v = (torch.randn(B, h, n, D, device="cuda", dtype=dtype).requires_grad_()
+               for h, n in ((Hq, Q), (Hkv, KV), (Hkv, KV)))
+    score, mask = _mods(kind, rng, Hq, max(Q, KV))
+    out = fa.flex_attention(q, k, v, score_mod=score, mask=mask, enable_gqa=True)
+    d_out = torch.randn_like(out)
+    out.backward(d_out)
+    spec = AttentionSpec.from_args(score=score, mask=mask, enable_gqa=True)
+    want = reference.backward(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), d_out.cpu(), None, spec=spec)
+    tol_max, tol_rel = GRAD_TOL[dtype]
+    for name, got, ref in (("dq", q.grad, want.dq), ("dk", k.grad, want.dk), ("dv", v.grad, want.dv)):
+        got = got.double().cpu().numpy()
+        assert not np.isnan(got).any(), f"D{D} {kind} {name}: NaN"
+        scale = max(np.abs(ref).max(), 1e-6)
+        err, rel = np.abs(got - ref).max(), np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-12)
+        assert err <= tol_max * scale and rel <= tol_rel, f"D{D} {kind} {name}: max {err:.3g} (ref {scale:.3g}) rel {rel:.3g}"

@@ -34,6 +34,12 @@ def _config(name):
     if name == "d64-sparse-document":
         hook = IRModHook(None, mods.document(np.zeros(8, np.int32)))
         return BwdConfig(dtype="fp16", head_dim=64, block_sparse=True, mods=hook), hook
+    if name == "d96-causal-softcap":       # head dims beyond 64 / 128 (dQ slices of 48)
+        hook = IRModHook(mods.softcap(30.0), None)
+        return BwdConfig(head_dim=96, causal=True, mods=hook), hook
+    if name == "d80-sparse-document":
+        hook = IRModHook(None, mods.document(np.zeros(8, np.int32)))
+        return BwdConfig(head_dim=80, block_sparse=True, mods=hook), hook
     if name == "d128-band-window":         # a band walked by arithmetic
         hook = IRModHook(None, canonical_band(mods.sliding_window(1024)))
         return BwdConfig(head_dim=128, band=True, mods=hook), hook
@@ -52,7 +58,8 @@ def _config(name):
     raise KeyError(name)
 
 
-DEFAULT = ["d128-dense", "d128-causal-softcap", "d64-sparse-document", "d128-band-window", "d128-relative-bias"]
+DEFAULT = ["d128-dense", "d128-causal-softcap", "d64-sparse-document", "d128-band-window", "d128-relative-bias",
+           "d96-causal-softcap", "d80-sparse-document"]
 # Deterministic variants: dense, causal (+ score mod), block-sparse, buffer gradients.
 DETERMINISTIC = {"det-d128-dense": "d128-dense", "det-d128-causal-softcap": "d128-causal-softcap",
                  "det-d64-sparse-document": "d64-sparse-document",
@@ -303,8 +310,10 @@ def test_config_validation():
             BwdConfig(tile_m=80, **bad)
     with pytest.raises(ValueError):
         BwdConfig(causal=True, block_sparse=True)
-    with pytest.raises(ValueError):
-        BwdConfig(head_dim=96)
+    for bad in (72, 192, 256):   # multiples of 16 up to 128 (dK, dV accumulators in registers)
+        with pytest.raises(ValueError, match="head_dim"):
+            BwdConfig(head_dim=bad)
+    assert BwdConfig(head_dim=96).head_dim == 96
     with pytest.raises(ValueError, match="derivative"):
         BwdConfig(mods=hooks.SoftcapHook())           # hand-written: no derivative
     BwdConfig(mods=hooks.CausalHook())                # masks need none
@@ -510,3 +519,17 @@ def test_fixed_point_digits_model():
         counters.append(S)
     assert counters[0] == counters[1] == counters[2]
     assert read(counters[0]) == np.float32(float(exact))
+
+
+@pytest.mark.parametrize("head_dim", [32, 48, 80, 96, 112])
+def test_pre_and_postprocess_at_other_head_dims(head_dim):
+    """The preprocess shares a row among a power of two of threads (their butterfly sum),
+    each owning whole 16-byte runs; the postprocess stages dQ in head-dim slices whose
+    swizzle atom divides them (bwd.sm90.dq_slice_atom)."""
+    from flexattn.kernels.bwd.preprocess import RowChunkKernel
+
+    geometry = RowChunkKernel(BwdConfig(head_dim=head_dim))
+    tpr = geometry.threads_per_row
+    assert tpr & (tpr - 1) == 0 and geometry.chunk * tpr == head_dim and geometry.chunk % 8 == 0
+    assert compile_preprocess("bf16", head_dim, with_dlse=True) is not None
+    assert compile_postprocess("bf16", head_dim) is not None

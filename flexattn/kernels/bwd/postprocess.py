@@ -27,7 +27,7 @@ from cutlass.cute.nvgpu import cpasync
 from flexattn.kernels.hopper import mma
 from flexattn.kernels.hopper.atomics import FIXED_WORDS, fixed_to_f32
 from flexattn.kernels.bwd.preprocess import grid_stride
-from flexattn.kernels.bwd.sm90 import FlashBwdSm90, dq_fragment_copy, dq_tile_layout, make_dq_mma
+from flexattn.kernels.bwd.sm90 import FlashBwdSm90, dq_fragment_copy, dq_slice_atom, dq_tile_layout, make_dq_mma
 
 
 class BwdPostprocess:
@@ -54,7 +54,7 @@ class BwdPostprocess:
         dQ = mma.select_modes(mdQ, [2, 3, 1, 0])          # (S, D, H, B)
         dQacc = mma.select_modes(mdQacc, [2, 3, 1, 0])
         tiled_mma = make_dq_mma(self.dtype, tm, D, self.num_wg, cfg.dq_swap_ab)
-        s_layout = mma.smem_layout(self.dtype, tm, D)
+        s_layout = mma.smem_layout(self.dtype, tm, D, atom_cols=dq_slice_atom(D, self.num_wg))
         tma_atom, tma_dQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), dQ, s_layout, (tm, D))
 

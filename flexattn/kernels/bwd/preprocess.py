@@ -31,16 +31,19 @@ LOG2_E = math.log2(math.e)
 
 class RowChunkKernel:
     """Geometry of the preprocess: one CTA = one q tile (tile_m rows) of one (batch, head);
-    D/8 threads share a row, each owning a 16-byte chunk."""
+    a power of two of threads share a row (their sum is a butterfly shuffle), each owning a
+    chunk of whole 16-byte runs: D/8 threads of one run at head dims 64 and 128; at 96,
+    4 threads of three runs; at 80, 2 of five."""
 
     num_threads = 128
-    chunk = 8                 # elements per thread and row: 16 bytes of bf16 / fp16
 
     def __init__(self, config):
         self.cfg = config
         self.dtype = config.cutlass_dtype
         self.rows_per_cta = config.tile_m   # a preprocess CTA zeroes one tile's dQ flag
-        self.threads_per_row = config.head_dim // self.chunk
+        runs = config.head_dim // 8         # 16-byte runs of bf16 / fp16 per row
+        self.threads_per_row = runs & -runs  # the largest power of two dividing them
+        self.chunk = config.head_dim // self.threads_per_row   # elements per thread and row
         self.rows_per_pass = self.num_threads // self.threads_per_row
         assert self.rows_per_cta % self.rows_per_pass == 0
 

@@ -141,8 +141,8 @@ class BwdConfig(KernelConfig):
 
     def __post_init__(self):
         self.check_dtype()
-        if self.head_dim not in (64, 128):
-            raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
+        if self.head_dim % 16 or not 16 <= self.head_dim <= 128:
+            raise ValueError(f"head_dim must be a multiple of 16 up to 128, got {self.head_dim}")
         if self.tile_m not in (64, 80) or self.tile_n != 128:
             raise ValueError("the backward supports tile_m=64 or 80, tile_n=128")
         if self.tile_m == 80 and (self.head_dim != 128 or self.causal or self.block_sparse or self.band):
@@ -249,6 +249,14 @@ def make_dq_mma(dtype, tile_m: int, head_dim: int, num_wg: int, swap_ab: bool = 
         atom_layout_mnk=(1, num_wg, 1),
         tiler_mn=(tile_m, head_dim // num_wg),
     )
+
+
+def dq_slice_atom(head_dim: int, num_wg: int) -> int | None:
+    """The swizzle-atom width (``mma.smem_layout``'s atom_cols) of tiles the dQ GEMM reads or
+    writes in head-dim slices of one warpgroup each (K, the staged dQ): a power-of-two head
+    dim's slices nest in its own atom (None: unchanged); others (96 -> 48) need an atom
+    that divides the slice."""
+    return None if head_dim & (head_dim - 1) == 0 else head_dim // num_wg
 
 
 def dq_tile_layout(cfg, num_wg: int) -> cute.Layout:
@@ -425,7 +433,7 @@ class FlashBwdSm90(WarpSpecialized):
 
         sQ_layout = mma.smem_layout(self.dtype, tm, D, cfg.num_stages)
         sdO_layout = mma.smem_layout(self.dtype, tm, D, cfg.num_stages)
-        sK_layout = mma.smem_layout(self.dtype, tn, D, 1)
+        sK_layout = mma.smem_layout(self.dtype, tn, D, 1, atom_cols=dq_slice_atom(D, self.num_mma_wg))
         sV_layout = mma.smem_layout(self.dtype, tn, D, 1)
         # dS^T, q contiguous (the dQ GEMM's MN-major A); swapped dQ: dS, keys contiguous
         # (its K-major B; 128-byte swizzle, where 80 q would only allow 32). One buffer per

@@ -25,11 +25,14 @@ from cutlass.utils import LayoutEnum
 SMEM_CAPACITY = 227 * 1024   # sm_90 shared memory per CTA (the opt-in maximum)
 
 
-def smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
+def smem_layout(dtype, rows: int, cols: int, stages: int | None = None, atom_cols: int | None = None):
     """Swizzled smem layout for a (rows, cols) tile whose `cols` dim is contiguous,
-    optionally with a trailing stage mode. wgmma and TMA both read it."""
+    optionally with a trailing stage mode. wgmma and TMA both read it. The swizzle is the
+    widest whose atom divides `atom_cols` (default `cols`): an MMA that reads the tile
+    MN-major in slices of `atom_cols` columns needs its atom to divide them (the
+    backward's dQ = dS K splits the head dim between two warpgroups: 96 -> 48 columns)."""
     atom = warpgroup.make_smem_layout_atom(
-        sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
+        sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, atom_cols or cols), dtype
     )
     shape = (rows, cols) if stages is None else (rows, cols, stages)
     order = (0, 1) if stages is None else (0, 1, 2)
