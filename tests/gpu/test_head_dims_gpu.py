@@ -92,7 +92,7 @@ def test_torch_door_inference_and_a_clear_error_for_gradients():
         fa.flex_attention(q.requires_grad_(), k, v)
 
 
-BACKWARD_DIMS = [32, 48, 80, 96, 112]
+BACKWARD_DIMS = [32, 96]
 # Error bounds relative to the largest reference gradient (max-abs) and to its norm (as
 # tests/gpu/test_autograd_gpu.py).
 GRAD_TOL = {torch.bfloat16: (4e-2, 1.5e-2), torch.float16: (1e-2, 4e-3)}
