@@ -374,3 +374,49 @@ def test_return_aux_matches_torch():
     assert fa.flex_attention(q, k, v, return_aux=fa.AuxRequest())[1] == fa.AuxOutput(None, None)
     with pytest.raises(ValueError, match="return_lse and return_aux"):
         fa.flex_attention(q, k, v, return_lse=True, return_aux=fa.AuxRequest(lse=True))
+
+
+def test_vector_reads_with_dot_and_sum_train_like_torch():
+    """A score mod reading rows of captured tensors and reducing them — torch.dot, ``@``,
+    ``(a * b).sum()``, ``.mean(-1)`` — traces (unrolled, mods/vectors.py) and matches
+    attention computed with torch ops, forward and gradients of q, k, v and of the
+    captured embeddings (GQA: the kv head is h // G)."""
+    g = torch.Generator().manual_seed(11)
+    B, Hq, Hkv, S, D, R = 2, 4, 2, 23, 8, 6
+    G = Hq // Hkv
+    q = torch.randn(B, Hq, S, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    q_emb = (0.3 * torch.randn(B, Hq, S, R, generator=g, dtype=torch.float64)).requires_grad_()
+    k_emb = (0.3 * torch.randn(B, Hkv, S, R, generator=g, dtype=torch.float64)).requires_grad_()
+
+    def score(s, b, h, q_idx, kv_idx):
+        a, c = q_emb[b, h, q_idx], k_emb[b, h // G, kv_idx]
+        return s + torch.dot(a, c) + 0.5 * (a * c).sum() - (a @ c) * 0.25 + (a - c).square().mean(-1)
+
+    out = fa.flex_attention(q, k, v, score_mod=score, enable_gqa=True)
+    kk, vv = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    ke = k_emb.repeat_interleave(G, 1)
+    dots = torch.einsum("bhqr,bhkr->bhqk", q_emb, ke)
+    sq = ((q_emb[:, :, :, None, :] - ke[:, :, None, :, :]) ** 2).mean(-1)
+    s = q @ kk.transpose(-1, -2) / math.sqrt(D) + 1.25 * dots + sq
+    want = torch.softmax(s, -1) @ vv
+    torch.testing.assert_close(out, want)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, q_emb, k_emb), grad)
+    exp = torch.autograd.grad(want, (q, k, v, q_emb, k_emb), grad)
+    for a, b in zip(got, exp):
+        torch.testing.assert_close(a, b)
+
+
+def test_vector_reads_refuse_what_they_cannot_unroll():
+    from flexattn.mods.trace import TraceError
+
+    big = torch.randn(4, 300)
+    emb = torch.randn(4, 6)
+    table = torch.randn(4, 3, 3)
+    with pytest.raises(TraceError, match="at most 256"):
+        mods.score_mod(lambda s, b, h, q, kv: s + big[h].sum())
+    with pytest.raises(TraceError, match="lengths 6 and 3"):
+        mods.score_mod(lambda s, b, h, q, kv: s + torch.dot(emb[h], table[h, 0]))
+    with pytest.raises(TraceError, match="1-D"):
+        mods.score_mod(lambda s, b, h, q, kv: s + torch.dot(table[h], table[h]))

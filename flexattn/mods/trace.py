@@ -290,6 +290,8 @@ def _wrap_ir(fn):
     """Adapt an ir constructor to proxies: operands in, Sym out, IR errors as TraceErrors."""
 
     def apply(*args):
+        if any(is_vector(a) for a in args):   # a vector read: element by element (mods/vectors.py)
+            return elementwise(apply, args)
         try:
             return Sym(fn(*(_to_node(a) for a in args)))
         except ir.IRTypeError as e:
@@ -496,6 +498,9 @@ OPERATIONS: dict[str, Callable] = {
     "astype": lambda x, dtype, **_: _cast_to(dtype)(x),
     "full_like": _full_like, "zeros_like": _like(0), "ones_like": _like(1),
     "new_full": _new_full, "new_ones": _new_constant(1), "new_zeros": _new_constant(0),
+    # Reductions of vector reads (mods/vectors.py; bound below, after the module loads).
+    "sum": None, "mean": None, **{n: None for n in ("dot", "inner", "vdot", "matmul", "__matmul__")},
+    "__rmatmul__": None,
 }
 
 
@@ -626,9 +631,12 @@ for _name in (
     "clamp", "clip", "float", "double", "half", "bfloat16", "int", "long", "bool", "to",
     "type", "astype", "floor", "ceil", "sign", "square", "minimum", "maximum", "pow",
     "logical_not", "logical_and", "logical_or", "logical_xor", "remainder", "div",
-    "new_full", "new_ones", "new_zeros",
+    "new_full", "new_ones", "new_zeros", "sum", "mean", "dot", "inner", "matmul", "__matmul__", "__rmatmul__",
 ):
-    setattr(Sym, _name, (lambda op: lambda self, *a, **k: op(self, *a, **k))(OPERATIONS[_name]))
+    _method = (lambda name: lambda self, *a, **k: OPERATIONS[name](self, *a, **k))(_name)
+    setattr(Sym, _name, _method)
+    if not _name.startswith("new_"):   # a vector read takes the same operators and methods
+        setattr(CapturedArray, _name, _method)
 Sym.where = lambda self, cond, other: _where(cond, self, other)  # torch: x.where(cond, y)
 Sym.device = None   # ``device=b.device`` in torch's mask helpers: constants have no device
 
@@ -640,3 +648,18 @@ def _rpow(exponent, base):
 
 
 Sym.__rpow__ = _rpow
+
+
+# Vector reads (a captured tensor indexed along its leading dims only): unrolled element by
+# element, reduced by sum / dot / @ (mods/vectors.py, which reads this module's names).
+from .vectors import SymArray, dot as _dot, elementwise, is_vector, vector_mean, vector_sum  # noqa: E402
+
+OPERATIONS.update({"sum": vector_sum, "mean": vector_mean, "dot": _dot, "inner": _dot, "vdot": _dot,
+                   "matmul": _dot, "__matmul__": _dot, "__rmatmul__": lambda a, b: _dot(b, a)})
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+              "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__pow__", "__neg__", "__abs__", "__lt__",
+              "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__and__", "__rand__", "__or__", "__ror__",
+              "__matmul__", "__rmatmul__"):
+    setattr(SymArray, _name, (lambda name: lambda self, *a: OPERATIONS[name](self, *a))(_name))
+CapturedArray.__torch_function__ = SymArray.__torch_function__
+CapturedArray.__array_function__ = SymArray.__array_function__

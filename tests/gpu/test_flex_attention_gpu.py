@@ -338,3 +338,37 @@ def test_max_scores_against_reference(case):
     o2.float().square().sum().backward()
     for a, t in zip(grads, (qg, kg, vg)):
         torch.testing.assert_close(a, t.grad)
+
+
+def test_vector_read_bias_trains_against_reference():
+    """A score mod reducing rows of captured embeddings (torch.dot, mods/vectors.py) through
+    the torch door on the GPU: forward and the gradients of q, k, v and of both embeddings
+    against the float64 reference (the embeddings' through the reference given the kernel's
+    stored output, as tests/gpu/test_autograd_gpu.py does for captured tensors)."""
+    torch.manual_seed(5)
+    B, Hq, Hkv, S, D, R = 2, 4, 2, 200, 128, 8
+    q = torch.randn(B, Hq, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    q_emb = (0.3 * torch.randn(B, Hq, S, R, device="cuda")).requires_grad_()
+    k_emb = (0.3 * torch.randn(B, Hkv, S, R, device="cuda")).requires_grad_()
+
+    def score(s, b, h, q_idx, kv_idx):
+        return s + torch.dot(q_emb[b, h, q_idx], k_emb[b, h // 2, kv_idx])
+
+    out = fa.flex_attention(q, k, v, score_mod=score, enable_gqa=True)
+    d_out = torch.randn_like(out)
+    out.backward(d_out)
+    spec = AttentionSpec.from_args(score=mods.score_mod(score), enable_gqa=True)
+    want_o, _ = reference.forward(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), spec)
+    assert np.abs(out.detach().double().cpu().numpy() - want_o).max() < 2.5e-2
+    want = reference.backward(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), d_out.cpu(), None, spec=spec,
+                              out=out.detach().cpu())
+    captures = spec.score.captures
+    grads = {"dq": (q.grad, want.dq), "dk": (k.grad, want.dk), "dv": (v.grad, want.dv)}
+    for name, t in (("d_q_emb", q_emb), ("d_k_emb", k_emb)):
+        slot = next(i for i, c in enumerate(captures) if c is t)
+        grads[name] = (t.grad, want.d_captures[slot])
+    for name, (got, ref) in grads.items():
+        got = got.double().cpu().numpy().reshape(np.shape(ref))
+        rel = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-12)
+        assert rel < 2e-2, f"{name}: rel err {rel:.3g}"

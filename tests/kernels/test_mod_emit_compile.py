@@ -90,3 +90,23 @@ def test_shifts_lower_to_arithmetic_shifts():
     ptx = compile_forward(FwdConfig(head_dim=128, block_sparse=True, mods=hook), fake_args(hook),
                           keep_ptx=True).__ptx__
     assert "shr.s32" in ptx and "shl.b32" in ptx
+
+
+def test_vector_read_dot_compiles_per_element_without_spills():
+    """A dot of embedding rows (mods/vectors.py: 8 loads at kv per element) is emitted per
+    element (row emission would keep 8 gathered rows live: MAX_ROW_GATHERS) and the
+    forward compiles without spilling."""
+    import torch
+
+    from flexattn.kernels.emit.mod_emit import fake_args, row_friendly
+    from flexattn.kernels.fwd.sm90 import FwdConfig
+    from flexattn.kernels.launch.compile import compile_forward, resource_usage_from_ptx
+
+    q_emb, k_emb = torch.randn(2, 4, 64, 8), torch.randn(2, 2, 64, 8)
+    score = mods.score_mod(lambda s, b, h, q, kv: s + torch.dot(q_emb[b, h, q], k_emb[b, h // 2, kv]))
+    assert not row_friendly(score.expr)
+    hook = IRModHook(score, mods.causal())
+    ptx = compile_forward(FwdConfig(head_dim=128, causal=True, mods=hook), fake_args(hook), keep_ptx=True).__ptx__
+    usage = resource_usage_from_ptx(ptx)
+    if usage is not None:
+        assert usage.spill_store_bytes == 0 and usage.stack_bytes == 0, usage

@@ -369,13 +369,24 @@ _VARYING = frozenset(("kv", "score"))
 _BOOLEAN_LOGIC = frozenset(("and", "or", "xor", "not"))
 
 
+# Buffer reads that vary along a row (gathers at kv) up to which row emission pays: each is
+# a whole row of loaded values live at once. A vector read reduced per element (a dot of
+# embedding rows, mods/vectors.py) has one per trailing index: 8 of them spilled 1.6 KB in
+# the forward (CPU compile, 2026-11-26), where per-element code uses each load at once.
+MAX_ROW_GATHERS = 2
+
+
 def row_friendly(expr: ir.Node) -> bool:
     """Whether ``emit_row`` gives ``expr`` the code per-element emission gives it. Not
     where boolean logic combines varying values: LLVM turns a vector select on an ``and``
     of two compares into two selects per element (a sliding window: +64 FSEL per tile
-    and thread), where per-element code keeps one select on a predicate ``or``."""
-    return not any(n.op in _BOOLEAN_LOGIC and id(n) in varying
-                   for varying in (_varying_nodes(expr),) for n in expr.walk())
+    and thread), where per-element code keeps one select on a predicate ``or``; nor with
+    more than ``MAX_ROW_GATHERS`` varying buffer reads."""
+    varying = _varying_nodes(expr)
+    nodes = list(expr.walk())
+    if sum(1 for n in nodes if n.op == "load" and id(n) in varying) > MAX_ROW_GATHERS:
+        return False
+    return not any(n.op in _BOOLEAN_LOGIC and id(n) in varying for n in nodes)
 
 
 def emit_row(node: ir.Node, env: dict, element_env, args, fast_math: bool = False) -> object:
