@@ -420,3 +420,26 @@ def test_vector_reads_refuse_what_they_cannot_unroll():
         mods.score_mod(lambda s, b, h, q, kv: s + torch.dot(emb[h], table[h, 0]))
     with pytest.raises(TraceError, match="1-D"):
         mods.score_mod(lambda s, b, h, q, kv: s + torch.dot(table[h], table[h]))
+
+
+def test_create_block_mask_keyword_arguments_as_torch():
+    """create_block_mask(separate_full_blocks=False): every visited block listed as partial,
+    as torch's lists; the same attention; compute_dq_write_order / dq_kv_order accepted."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    def mask(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 70)
+
+    ours = fa.create_block_mask(mask, None, None, 300, 300, BLOCK_SIZE=32, separate_full_blocks=False,
+                                compute_dq_write_order=True, dq_kv_order=False)
+    theirs = torch_create_block_mask(mask, None, None, 300, 300, device="cpu", BLOCK_SIZE=32, separate_full_blocks=False)
+    np.testing.assert_array_equal(np.asarray(ours.kv_num_blocks), theirs.kv_num_blocks.numpy())
+    n = np.asarray(ours.kv_num_blocks)
+    for row in np.ndindex(n.shape):
+        np.testing.assert_array_equal(np.sort(np.asarray(ours.kv_indices)[row][:n[row]]),
+                                      np.sort(theirs.kv_indices[row][:n[row]].numpy()))
+    assert int(np.asarray(ours.full_kv_num_blocks).sum()) == 0
+    separate = fa.create_block_mask(mask, None, None, 300, 300, BLOCK_SIZE=32)
+    assert int(np.asarray(separate.full_kv_num_blocks).sum()) > 0
+    q, k, v = (torch.randn(1, 2, 300, 16, dtype=torch.float64) for _ in range(3))
+    torch.testing.assert_close(fa.flex_attention(q, k, v, block_mask=ours), fa.flex_attention(q, k, v, block_mask=separate))

@@ -28,7 +28,9 @@ def _check_dims(fn, dims):
             raise ValueError(f"{fn}: {name} must be a positive int{' or None' if allow_none else ''}, got {v!r}")
 
 
-def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, _compile=False) -> BlockMask:
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, _compile=False,
+                      separate_full_blocks: bool = True, compute_dq_write_order: bool = False,
+                      dq_kv_order: bool = True) -> BlockMask:
     """Block mask of ``mask_mod`` (a ``MaskMod`` or a function ``(b, h, q_idx, kv_idx) -> bool``).
 
     Argument order as ``torch.nn.attention.flex_attention.create_block_mask``; ``B`` or ``H``
@@ -38,6 +40,11 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     with the GPU kernels and keeps the lists there as that framework's arrays
     (``num_allowed`` is then counted on first access); any other device builds on the host,
     as torch-style code expects to run everywhere. ``_compile`` is accepted for compatibility.
+    ``separate_full_blocks=False`` (torch's): every visited tile is listed as partial, so
+    the mask is evaluated on all of them (the full lists are empty). torch's
+    ``compute_dq_write_order`` / ``dq_kv_order`` order its FLASH backend's deterministic dQ
+    writes; our deterministic backward orders its own (``kernels/bwd``): accepted, no lists
+    are added.
     """
     mask = as_mask(mask_mod, "mask_mod") if mask_mod is not None else full()
     _check_dims("create_block_mask", (("B", B, True), ("H", H, True), ("Q_LEN", Q_LEN, False), ("KV_LEN", KV_LEN, False)))
@@ -45,9 +52,11 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     B, H, Q_LEN, KV_LEN = int(B or 1), int(H or 1), int(Q_LEN), int(KV_LEN)
     builder, arrays = gpu_builder(device)
     if builder is not None:
-        block_mask = builder.build(mask, B, H, Q_LEN, KV_LEN, (qb, kvb), arrays)
+        block_mask = builder.build(mask, B, H, Q_LEN, KV_LEN, (qb, kvb), arrays, separate_full_blocks)
     else:
         states, allowed = _classify_tiles(mask, B, H, Q_LEN, KV_LEN, qb, kvb)
+        if not separate_full_blocks:
+            states = np.where(states == FULL, PARTIAL, states).astype(states.dtype)
         block_mask = BlockMask(states, (Q_LEN, KV_LEN), (qb, kvb), mask, allowed)
     block_mask.from_mask = True   # every tile classified from the mask alone
     return block_mask

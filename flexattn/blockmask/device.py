@@ -54,12 +54,13 @@ class GpuBuilder:
     """The kernels behind ``create_block_mask(device=...)`` and ``varlen_block_mask(device=...)``
     (``flexattn.core.blockmask_gpu`` registers one):
 
-    - ``build(mask, B, H, Q_LEN, KV_LEN, block_size, arrays) -> BlockMask`` classifies every
-      tile on the GPU and compacts the lists there;
+    - ``build(mask, B, H, Q_LEN, KV_LEN, block_size, arrays, separate_full_blocks=True) ->
+      BlockMask`` classifies every tile on the GPU and compacts the lists there (full tiles
+      listed as partial unless ``separate_full_blocks``);
     - ``compact(states, arrays) -> dict`` turns device tile states into the eight lists.
     """
 
-    def build(self, mask, B, H, Q_LEN, KV_LEN, block_size, arrays: DeviceArrays):
+    def build(self, mask, B, H, Q_LEN, KV_LEN, block_size, arrays: DeviceArrays, separate_full_blocks: bool = True):
         raise NotImplementedError
 
     def compact(self, states, arrays: DeviceArrays) -> dict:

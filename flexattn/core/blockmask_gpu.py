@@ -24,12 +24,13 @@ def _tvm_ffi(arrays: DeviceArrays) -> bool:
 
 
 class KernelBlockMaskBuilder(GpuBuilder):
-    def build(self, mask, B, H, Q_LEN, KV_LEN, block_size, arrays: DeviceArrays) -> BlockMask:
+    def build(self, mask, B, H, Q_LEN, KV_LEN, block_size, arrays: DeviceArrays,
+              separate_full_blocks: bool = True) -> BlockMask:
         from ..kernels.blockmask.classify import builder_for
 
         qb, kvb = block_size
         builder = builder_for(mask, qb, kvb, _tvm_ffi(arrays))
-        built = builder.build(mask, B, H, Q_LEN, KV_LEN, arrays)
+        built = builder.build(mask, B, H, Q_LEN, KV_LEN, arrays, separate_full_blocks)
 
         def count_allowed():
             per_tile = builder.count_allowed(mask, B, H, Q_LEN, KV_LEN, arrays)

@@ -99,6 +99,18 @@ def test_gpu_builder_matches_cpu_builder(family):
     np.testing.assert_array_equal(gpu.num_allowed, cpu.num_allowed, err_msg=f"{family}: num_allowed")
 
 
+def test_separate_full_blocks_false_on_gpu_matches_host():
+    """torch's ``separate_full_blocks=False``: the GPU compactor lists full tiles as partial,
+    as the host builder does; attention through either mask is the same."""
+    rng = np.random.default_rng(3)
+    for family in FAMILIES[:3]:
+        for B, H, Q, KV, bs in SHAPES[:2]:
+            mask = make_mask(family, rng, B, H, Q, KV)
+            gpu = create_block_mask(mask, B, H, Q, KV, BLOCK_SIZE=bs, device="cuda", separate_full_blocks=False)
+            cpu = create_block_mask(mask, B, H, Q, KV, BLOCK_SIZE=bs, separate_full_blocks=False)
+            assert_same(gpu, cpu, f"{family} {B}x{H}x{Q}x{KV} {bs} separate_full_blocks=False")
+
+
 def test_update_reuses_compiled_kernels():
     rng = np.random.default_rng(7)
     S = 1500

@@ -44,6 +44,8 @@ def test_compactor_compiles_without_spills():
     ptx = compile_compactor(keep_ptx=True).__ptx__
     assert "vote.sync.ballot" in ptx and "popc" in ptx
     _no_spills(ptx)
+    # separate_full_blocks=False: full tiles listed as partial (one more select per tile)
+    _no_spills(compile_compactor(full_as_partial=True, keep_ptx=True).__ptx__)
 
 
 def test_tvm_ffi_variant_compiles():

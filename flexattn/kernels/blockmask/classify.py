@@ -189,14 +189,15 @@ class GpuBlockMaskBuilder:
             fn(_view(states), None if allowed is None else _view(allowed), Int32(q_len), Int32(kv_len),
                args, cuda.CUstream(arrays.stream))
 
-    def build(self, mask, B: int, H: int, q_len: int, kv_len: int, arrays) -> dict:
-        """Device arrays ``states`` and the eight lists (``LIST_NAMES``) of ``mask``."""
+    def build(self, mask, B: int, H: int, q_len: int, kv_len: int, arrays, separate_full_blocks: bool = True) -> dict:
+        """Device arrays ``states`` and the eight lists (``LIST_NAMES``) of ``mask`` (full
+        tiles listed as partial unless ``separate_full_blocks``)."""
         n_q, n_kv = -(-q_len // self.q_block), -(-kv_len // self.kv_block)
         states = arrays.empty((B, H, n_q, n_kv), "int8")
         hook = IRModHook(None, mask)
         hook.capture_kinds = self.template.capture_kinds
         self._launch(self._fn(False), hook, arrays, states, None, q_len, kv_len)
-        out = compact(states, arrays, self.tvm_ffi)
+        out = compact(states, arrays, self.tvm_ffi, full_as_partial=not separate_full_blocks)
         out["states"] = states
         return out
 
@@ -224,15 +225,17 @@ _COMPACTORS: dict = {}
 _BUILDERS: dict = {}
 
 
-def compact(states, arrays, tvm_ffi: bool) -> dict:
-    """The eight sorted lists (device int32 arrays) of a device states array."""
-    fn = _COMPACTORS.get(tvm_ffi)
+def compact(states, arrays, tvm_ffi: bool, full_as_partial: bool = False) -> dict:
+    """The eight sorted lists (device int32 arrays) of a device states array (full tiles
+    listed as partial with ``full_as_partial``)."""
+    fn = _COMPACTORS.get((tvm_ffi, full_as_partial))
     if fn is None:
         from flexattn.kernels.launch import disk_cache
         from flexattn.kernels.launch.compile import compile_compactor
 
-        fn = _COMPACTORS[tvm_ffi] = disk_cache.compiled(("blockmask_compact",) if tvm_ffi else None,
-                                                        lambda: compile_compactor(tvm_ffi=tvm_ffi))
+        key = (("blockmask_compact",) + (("full_as_partial",) if full_as_partial else ())) if tvm_ffi else None
+        fn = _COMPACTORS[tvm_ffi, full_as_partial] = disk_cache.compiled(
+            key, lambda: compile_compactor(tvm_ffi=tvm_ffi, full_as_partial=full_as_partial))
     B, H, n_q, n_kv = (int(s) for s in states.shape)
     lists = {}
     for side, rows, cols in (("kv", n_q, n_kv), ("q", n_kv, n_q)):

@@ -22,7 +22,12 @@ WARPS_PER_CTA = 4
 class BlockListCompactor:
     """``states`` int8 [B, H, nQ, nKV] → (kv_num, kv_idx, full_kv_num, full_kv_idx,
     q_num, q_idx, full_q_num, full_q_idx), int32, counts [B, H, n] and indices
-    [B, H, n, m] (kv side: n = nQ, m = nKV; q side: n = nKV, m = nQ)."""
+    [B, H, n, m] (kv side: n = nQ, m = nKV; q side: n = nKV, m = nQ). ``full_as_partial``:
+    full tiles are listed as partial (torch's ``separate_full_blocks=False``: the mask is
+    evaluated on every visited tile; the full lists are empty)."""
+
+    def __init__(self, full_as_partial: bool = False):
+        self.full_as_partial = full_as_partial
 
     @cute.jit
     def __call__(self, states: cute.Tensor, kv_lists, q_lists, stream):
@@ -83,6 +88,7 @@ class BlockListCompactor:
 
     @cute.jit
     def _state(self, states, b, h, line, m, transposed: cutlass.Constexpr[bool]):
-        if const_expr(transposed):
-            return Int32(states[b, h, m, line])
-        return Int32(states[b, h, line, m])
+        s = Int32(states[b, h, m, line]) if const_expr(transposed) else Int32(states[b, h, line, m])
+        if const_expr(self.full_as_partial):
+            s = Int32(cutlass.select_(s == FULL, Int32(PARTIAL), s))
+        return s

@@ -126,11 +126,12 @@ def compile_classifier(hook, q_block: int, kv_block: int, count_allowed: bool = 
                             tvm_ffi=tvm_ffi, **options)
 
 
-def compile_compactor(*, tvm_ffi: bool = False, **options):
+def compile_compactor(*, tvm_ffi: bool = False, full_as_partial: bool = False, **options):
     """The block-mask list compaction (``BlockListCompactor``)."""
     from flexattn.kernels.blockmask.compact import BlockListCompactor
 
-    return compile_on_fakes(BlockListCompactor(), fakes.fake_compactor_args(tvm_ffi), tvm_ffi=tvm_ffi, **options)
+    return compile_on_fakes(BlockListCompactor(full_as_partial), fakes.fake_compactor_args(tvm_ffi), tvm_ffi=tvm_ffi,
+                            **options)
 
 
 # CuTeDSL pass-pipeline options that change compile time only: without its
