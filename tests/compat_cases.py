@@ -1,0 +1,176 @@
+"""The torch FlexAttention calls a port to ``flexattn.torch`` must run unchanged (issue 25):
+each case is torch-style code — functions with torch ops, torch's helpers, torch's keyword
+arguments — written once and called with either library's ``flex_attention`` and
+``create_block_mask`` (``lib`` below). ``tests/test_torch_compat.py`` compares the two on the
+CPU; ``tests/gpu/test_torch_compat_gpu.py`` runs ours on the GPU against the float64
+reference.
+
+A case is ``make(lib, device, dtype) -> (call, spec_kwargs)``: ``call()`` returns the
+output (or ``(out, aux)``) and ``spec_kwargs`` rebuilds the call for the reference.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+B, H, S, D = 2, 4, 96, 32
+
+
+def libraries():
+    """torch's and ours, as two namespaces with the same names."""
+    import torch.nn.attention.flex_attention as torch_flex
+
+    import flexattn.torch as ours
+
+    def torch_ns():
+        return types.SimpleNamespace(name="torch", flex_attention=torch_flex.flex_attention,
+                                     create_block_mask=torch_flex.create_block_mask, and_masks=torch_flex.and_masks,
+                                     or_masks=torch_flex.or_masks, noop_mask=torch_flex.noop_mask,
+                                     AuxRequest=torch_flex.AuxRequest)
+
+    def ours_ns():
+        return types.SimpleNamespace(name="flexattn", flex_attention=ours.flex_attention,
+                                     create_block_mask=ours.create_block_mask, and_masks=ours.and_masks,
+                                     or_masks=ours.or_masks, noop_mask=ours.noop_mask, AuxRequest=ours.AuxRequest)
+
+    return torch_ns(), ours_ns()
+
+
+def _qkv(device, dtype, q_len=S, kv_len=S, hq=H, hkv=H, d=D, dv=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, hq, q_len, d, generator=g, dtype=torch.float64)
+    k = torch.randn(B, hkv, kv_len, d, generator=g, dtype=torch.float64)
+    v = torch.randn(B, hkv, kv_len, dv or d, generator=g, dtype=torch.float64)
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v)]
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def case_causal_lambda(lib, device, dtype):
+    q, k, v = _qkv(device, dtype)
+    bm = lib.create_block_mask(causal, None, None, S, S, device=device)
+    return (lambda: lib.flex_attention(q, k, v, block_mask=bm)), dict(mask=causal)
+
+
+def case_sliding_window_and_masks(lib, device, dtype):
+    q, k, v = _qkv(device, dtype)
+
+    def near(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx <= 24
+
+    mask = lib.and_masks(causal, near)
+    bm = lib.create_block_mask(mask, None, None, S, S, device=device)
+    return (lambda: lib.flex_attention(q, k, v, block_mask=bm)), dict(mask=lambda b, h, q_idx, kv_idx: causal(
+        b, h, q_idx, kv_idx) & near(b, h, q_idx, kv_idx))
+
+
+def case_prefix_or_causal(lib, device, dtype):
+    q, k, v = _qkv(device, dtype)
+    prefix = torch.tensor([10, 40], device=device)
+
+    def in_prefix(b, h, q_idx, kv_idx):
+        return kv_idx < prefix[b]
+
+    mask = lib.or_masks(causal, in_prefix)
+    bm = lib.create_block_mask(mask, B, None, S, S, device=device)
+    return (lambda: lib.flex_attention(q, k, v, block_mask=bm)), dict(
+        mask=lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) | (kv_idx < prefix[b]))
+
+
+def case_bit_shifts(lib, device, dtype):
+    q, k, v = _qkv(device, dtype)
+
+    def morton_blocks(b, h, q_idx, kv_idx):
+        return ((q_idx >> 4) == (kv_idx >> 4)) | (torch.bitwise_right_shift(q_idx - kv_idx, 3) == 1)
+
+    bm = lib.create_block_mask(morton_blocks, None, None, S, S, device=device)
+    return (lambda: lib.flex_attention(q, k, v, block_mask=bm)), dict(mask=morton_blocks)
+
+
+def case_softcap_division(lib, device, dtype):
+    q, k, v = _qkv(device, dtype)
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 20 * torch.tanh(score / 20)
+
+    bm = lib.create_block_mask(causal, None, None, S, S, device=device)
+    return (lambda: lib.flex_attention(q, k, v, score_mod=softcap, block_mask=bm)), dict(score=softcap, mask=causal)
+
+
+def case_alibi_tensor(lib, device, dtype):
+    q, k, v = _qkv(device, dtype)
+    slopes = torch.linspace(0.1, 0.8, H, dtype=torch.float64, device=device)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    return (lambda: lib.flex_attention(q, k, v, score_mod=alibi)), dict(score=alibi)
+
+
+def case_rotary_dot(lib, device, dtype):
+    q, k, v = _qkv(device, dtype)
+    g = torch.Generator().manual_seed(4)
+    q_emb = (0.3 * torch.randn(B, H, S, 4, generator=g, dtype=torch.float64)).to(device)
+    k_emb = (0.3 * torch.randn(B, H, S, 4, generator=g, dtype=torch.float64)).to(device)
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + torch.dot(q_emb[b, h, q_idx], k_emb[b, h, kv_idx])
+
+    return (lambda: lib.flex_attention(q, k, v, score_mod=bias)), dict(score=bias)
+
+
+def case_documents_tensor(lib, device, dtype):
+    q, k, v = _qkv(device, dtype)
+    doc = torch.repeat_interleave(torch.arange(3), torch.tensor([20, 50, S - 70])).to(device)
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    bm = lib.create_block_mask(same_doc, None, None, S, S, device=device)
+    return (lambda: lib.flex_attention(q, k, v, block_mask=bm)), dict(mask=same_doc)
+
+
+def case_gqa_causal(lib, device, dtype):
+    q, k, v = _qkv(device, dtype, hq=8, hkv=2)
+    bm = lib.create_block_mask(causal, None, None, S, S, device=device)
+    return (lambda: lib.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)), dict(mask=causal, enable_gqa=True)
+
+
+def case_q_len_differs(lib, device, dtype):
+    q, k, v = _qkv(device, dtype, q_len=40, kv_len=S)
+    bm = lib.create_block_mask(causal, None, None, 40, S, device=device)
+    return (lambda: lib.flex_attention(q, k, v, block_mask=bm)), dict(mask=causal)
+
+
+def case_value_head_dim_differs(lib, device, dtype):
+    q, k, v = _qkv(device, dtype, d=32, dv=64)
+    return (lambda: lib.flex_attention(q, k, v, scale=0.2)), dict(scale=0.2)
+
+
+def case_head_dim_96(lib, device, dtype):
+    q, k, v = _qkv(device, dtype, d=96)
+    bm = lib.create_block_mask(causal, None, None, S, S, device=device)
+    return (lambda: lib.flex_attention(q, k, v, block_mask=bm)), dict(mask=causal)
+
+
+def case_return_aux_lse(lib, device, dtype):
+    q, k, v = _qkv(device, dtype)
+    bm = lib.create_block_mask(causal, None, None, S, S, device=device)
+    return (lambda: lib.flex_attention(q, k, v, block_mask=bm, return_aux=lib.AuxRequest(lse=True))), dict(mask=causal)
+
+
+def case_noop_mask_with_score(lib, device, dtype):
+    q, k, v = _qkv(device, dtype)
+
+    def rel(score, b, h, q_idx, kv_idx):
+        return score - 0.01 * (q_idx - kv_idx).abs()
+
+    bm = lib.create_block_mask(lib.noop_mask, None, None, S, S, device=device)
+    return (lambda: lib.flex_attention(q, k, v, score_mod=rel, block_mask=bm)), dict(score=rel)
+
+
+CASES = {name[5:]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}
