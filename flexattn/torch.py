@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from . import reference
-from .blockmask import BlockMask, create_block_mask
+from .blockmask import BlockMask, create_block_mask as _create_block_mask
 from .blockmask.layout import as_block_mask
 from .blockmask import DeviceArrays as BlockMaskArrays, register_device as register_block_mask_device
 from .problem.decode import decode_problem
@@ -29,7 +29,7 @@ from .core.decode_device import cache_arrays, check_cache_layout, decode_key, de
 from .core.kernel_path import (Device, backward_unsupported, block_lists_to_device, forward_into, kernel_unsupported,
                                prepare_forward)
 from .core.prepared import HostCopies, PreparedCalls, PreparedEntry, call_key
-from .core.registry import SpecRegistry, by_id, compiled_spec, operand_grad_slots
+from .core.registry import SpecRegistry, by_id, compiled_spec, from_id, operand_grad_slots
 from .problem.kvcache import KVCache, PagedKVCache
 from .problem.spec import AttentionSpec, lse_dtype
 from .problem.validate import check_inputs
@@ -64,6 +64,43 @@ except ImportError:
         max_scores: torch.Tensor | None = None
 
 
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, _compile=False,
+                      separate_full_blocks: bool = True, compute_dq_write_order: bool = False,
+                      dq_kv_order: bool = True) -> BlockMask:
+    """torch's ``create_block_mask`` (``flexattn.blockmask.create_block_mask``: host or GPU
+    lists, torch's argument order and keywords).
+
+    Inside a function ``torch.compile`` traces, the block mask is built once, while
+    compiling, and is a constant of the graph (its handle goes to ``flex_attention`` of the
+    same graph; sizes are the traced ones, so new sizes recompile, as torch guards them).
+    A mask that reads tensors could change unseen between calls: there it is refused —
+    build it outside the compiled function."""
+    if torch.compiler.is_compiling():
+        return _block_mask_while_compiling(by_id(mask_mod), B, H, Q_LEN, KV_LEN,
+                                           None if device is None else str(device), BLOCK_SIZE, separate_full_blocks)
+    return _create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, _compile, separate_full_blocks,
+                              compute_dq_write_order, dq_kv_order)
+
+
+_COMPILED_BLOCK_MASKS: list = []   # built while compiling: graphs hold their handles
+
+
+@torch._dynamo.assume_constant_result
+def _block_mask_while_compiling(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, separate_full_blocks):
+    """``create_block_mask`` at compile time (plain Python: dynamo runs it on the real
+    arguments and bakes in its result): the mask's handle, ``("id", id(block_mask))`` as
+    ``core.registry.by_id`` makes it, the block mask kept alive for the graphs."""
+    mask = _mods.as_mask(from_id(mask_mod), "mask_mod") if mask_mod is not None else None
+    if mask is not None and any(_is_tensor(c) for c in mask.captures):
+        raise ValueError("create_block_mask inside a torch.compile'd function: this mask reads tensors, which"
+                         " may change between calls while the graph keeps its block mask; build the block mask"
+                         " outside the compiled function (or pass mask= to flex_attention)")
+    block_mask = _create_block_mask(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE,
+                                    separate_full_blocks=separate_full_blocks)
+    _COMPILED_BLOCK_MASKS.append(block_mask)
+    return ("id", id(block_mask))
+
+
 def create_mask(mod_fn, B, H, Q_LEN, KV_LEN, device=None) -> torch.Tensor:
     """torch's ``create_mask``: the dense bool mask [B, H, Q_LEN, KV_LEN] of a mask mod, or
     where a score mod (given a zero score) is not -inf; computed on the host, put on
@@ -96,9 +133,10 @@ def flex_attention(
     ``max_scores`` [B, Hq, Q] is each row's max of the scaled, modded, masked scores (-inf
     where a row sees nothing), from the forward kernel itself on the GPU; not differentiable.
 
-    Under ``torch.compile`` (``fullgraph=True`` works) mods and block masks must be values
-    built outside the compiled function (``ScoreMod``/``MaskMod``/``BlockMask``, e.g. in a
-    module's ``__init__``); their captured tensors (parameters) still get gradients.
+    Under ``torch.compile`` (``fullgraph=True`` works) mods that capture tensors must be
+    values built outside the compiled function (``ScoreMod``/``MaskMod``, e.g. in a
+    module's ``__init__``); their captured tensors (parameters) still get gradients. Block
+    masks may be built outside, or inside with ``create_block_mask`` (see there).
     """
     if return_aux is not None:
         if return_lse:

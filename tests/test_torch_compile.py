@@ -15,6 +15,7 @@ from flexattn import mods
 from flexattn.core.registry import SpecRegistry
 
 B, H, S, D = 2, 4, 40, 8
+DOC = torch.zeros(S, dtype=torch.int64)
 
 
 @pytest.fixture(autouse=True)
@@ -269,3 +270,43 @@ def test_opcheck_max_scores_op():
     spec_id = fa._REGISTRY.register(flexattn.AttentionSpec.from_args(score=mods.softcap(3.0), mask=mods.causal()))
     q, k, v = _qkv(8)
     torch.library.opcheck(torch.ops.flexattn.attention_fwd_max.default, (q, k, v, [], spec_id))
+
+
+def test_create_block_mask_inside_the_compiled_function():
+    """torch users build block masks inside the compiled step: module-level functions,
+    closures over numbers, lambdas and torch's and_masks compile into one graph (fullgraph
+    and not), equal to eager, without recompiling for new tensor values; a mask that reads
+    a tensor is refused with the way out (its values could change under the graph)."""
+    from torch.nn.attention.flex_attention import and_masks
+
+    window = 9
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def nested(q, k, v):
+        def near(b, h, q_idx, kv_idx):
+            return (q_idx - kv_idx <= window) & (q_idx >= kv_idx)
+        return fa.flex_attention(q, k, v, block_mask=fa.create_block_mask(near, None, None, S, S))
+
+    def combinators(q, k, v):
+        mask = and_masks(causal, lambda b, h, q_idx, kv_idx: q_idx - kv_idx < 20)
+        return fa.flex_attention(q, k, v, block_mask=fa.create_block_mask(mask, None, None, S, S, BLOCK_SIZE=16))
+
+    for step in (nested, combinators):
+        for fullgraph in (True, False):
+            torch._dynamo.reset()
+            counter = CompileCounterWithBackend("aot_eager")
+            compiled = torch.compile(step, backend=counter, fullgraph=fullgraph)
+            for seed in (1, 2):
+                q, k, v = _qkv(seed, grad=False)
+                torch.testing.assert_close(compiled(q, k, v), step(q, k, v), atol=1e-12, rtol=1e-12)
+            assert counter.frame_count == 1, (step.__name__, fullgraph)
+
+    def reads_a_tensor(q, k, v):   # a module-level tensor (a closure's stops dynamo itself first)
+        mask = fa.create_block_mask(lambda b, h, q_idx, kv_idx: DOC[q_idx] == DOC[kv_idx], None, None, S, S)
+        return fa.flex_attention(q, k, v, block_mask=mask)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="build the block mask outside the compiled function"):
+        torch.compile(reads_a_tensor, backend="aot_eager", fullgraph=True)(*_qkv(3, grad=False))
