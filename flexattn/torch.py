@@ -16,6 +16,8 @@ values are read at run time. See docs/ARCHITECTURE.md, "torch.compile".
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 
@@ -133,10 +135,13 @@ def flex_attention(
     ``max_scores`` [B, Hq, Q] is each row's max of the scaled, modded, masked scores (-inf
     where a row sees nothing), from the forward kernel itself on the GPU; not differentiable.
 
-    Under ``torch.compile`` (``fullgraph=True`` works) mods that capture tensors must be
-    values built outside the compiled function (``ScoreMod``/``MaskMod``, e.g. in a
-    module's ``__init__``); their captured tensors (parameters) still get gradients. Block
-    masks may be built outside, or inside with ``create_block_mask`` (see there).
+    Under ``torch.compile`` (``fullgraph=True`` works) a plain ``score_mod`` may read
+    tensors from its globals, closure cells (closures made outside the compiled function)
+    or defaults, and those of its helper functions: they become graph inputs (gradients,
+    no recompiles). Other mods that capture tensors must be values built outside the
+    compiled function (``ScoreMod``/``MaskMod``, e.g. in a module's ``__init__``); their
+    captured tensors (parameters) still get gradients. Block masks may be built outside,
+    or inside with ``create_block_mask`` (see there).
     """
     if return_aux is not None:
         if return_lse:
@@ -191,8 +196,9 @@ def _with_max_scores(query, key, value, call):
     custom op, whose autograd is the forward's), the float64 reference on the CPU."""
     score_mod, block_mask, scale, enable_gqa, mask, score = call
     if torch.compiler.is_compiling():
-        spec_id = _prepare_for_compile(by_id(score_mod), by_id(block_mask), scale, enable_gqa, by_id(mask), by_id(score))
-        buffers = _score_tensors(score if score is not None else score_mod)
+        spec_id, sources = _prepare_for_compile(by_id(score_mod), by_id(block_mask), scale, enable_gqa, by_id(mask),
+                                                by_id(score))
+        buffers = _compiled_score_tensors(score if score is not None else score_mod, sources)
         return torch.ops.flexattn.attention_fwd_max(query, key, value, buffers, spec_id)
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor):
@@ -437,22 +443,89 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
     identity of the mod / block-mask objects); the score mod's captured tensors are read
     here, where dynamo sees them (parameters become graph inputs and receive gradients).
     """
-    spec_id = _prepare_for_compile(by_id(score_mod), by_id(block_mask), scale, enable_gqa, by_id(mask), by_id(score))
-    the_score = score if score is not None else score_mod
-    buffers = _score_tensors(the_score)
+    spec_id, sources = _prepare_for_compile(by_id(score_mod), by_id(block_mask), scale, enable_gqa, by_id(mask),
+                                            by_id(score))
+    buffers = _compiled_score_tensors(score if score is not None else score_mod, sources)
     out, lse = torch.ops.flexattn.attention_fwd(query, key, value, buffers, spec_id)
     return (out, lse) if return_lse else out
 
 
+def _compiled_score_tensors(the_score, sources) -> list:
+    """The op's buffers under compile: a mod value's tensors, or those a plain score
+    function reads from its closure cells, globals or defaults — or a helper function's
+    (``sources``: paths found while compiling). Dynamo traces these reads, so the tensors
+    are graph inputs (new values never recompile; gradients reach them)."""
+    if isinstance(the_score, Mod) or not sources:
+        return _score_tensors(the_score)
+    return [_follow(the_score, path) for path in sources]
+
+
+def _follow(fn, path):
+    """The object at ``path`` ((kind, key) steps, see ``_tensor_sources``) from ``fn``."""
+    obj = fn
+    for kind, key in path:
+        if kind == "cell":
+            obj = obj.__closure__[key].cell_contents
+        elif kind == "global":
+            obj = obj.__globals__[key]
+        else:
+            obj = obj.__defaults__[key]
+    return obj
+
+
+def _tensor_sources(fn, score) -> tuple:
+    """Where a plain score function keeps each tensor its trace captured (capture order):
+    a path of ("cell", i) / ("global", name) / ("default", i) steps from the function,
+    through helper functions it calls (as tracing follows them); a TypeError for tensors it
+    reaches otherwise (through an object's attribute)."""
+    reachable = _reachable_tensors(fn)
+    sources = []
+    for c in score.captures:
+        if not _is_tensor(c):
+            continue
+        path = reachable.get(id(c))
+        if path is None:
+            raise TypeError("under torch.compile, a score_mod= function reads a tensor that is not one of its"
+                            " (or its helpers') closure variables, globals or defaults (e.g. self.bias): make it a"
+                            " mod value outside the compiled function (flexattn.score_mod(fn), e.g. in __init__)")
+        sources.append(path)
+    return tuple(sources)
+
+
+def _reachable_tensors(fn, path=(), found=None, depth=0) -> dict:
+    """{id(tensor): path} of the tensors in ``fn``'s closure cells, named globals and
+    defaults, and (recursively, a few levels) in those of the functions found there."""
+    found = {} if found is None else found
+    items = []
+    for i, cell in enumerate(fn.__closure__ or ()):
+        try:
+            items.append((("cell", i), cell.cell_contents))
+        except ValueError:   # an empty cell
+            pass
+    items += [(("global", n), fn.__globals__[n]) for n in fn.__code__.co_names if n in fn.__globals__]
+    items += [(("default", i), d) for i, d in enumerate(fn.__defaults__ or ())]
+    for step, value in items:
+        if _is_tensor(value):
+            found.setdefault(id(value), path + (step,))
+        elif depth < 3 and inspect.isfunction(value) and value is not fn:
+            _reachable_tensors(value, path + (step,), found, depth + 1)
+    return found
+
+
 @torch._dynamo.assume_constant_result
-def _prepare_for_compile(score_mod, block_mask, scale, enable_gqa, mask, score) -> int:
+def _prepare_for_compile(score_mod, block_mask, scale, enable_gqa, mask, score) -> tuple:
     """Trace/normalize the non-tensor arguments into a pinned registry entry (plain Python:
-    dynamo calls this on the real objects at compile time and bakes in the result). Mods
-    and block masks arrive as ``core.registry.by_id`` made them: some torch versions (2.11)
-    hand an ``assume_constant_result`` function only constants, never user objects; dynamo
+    dynamo calls this on the real objects at compile time and bakes in the result):
+    ``(spec id, tensor sources)``, the sources (``_tensor_sources``) where the score mod
+    is a plain function capturing tensors, else (). Mods and block masks arrive as
+    ``core.registry.by_id`` made them: some torch versions (2.11) hand an
+    ``assume_constant_result`` function only constants, never user objects; dynamo
     evaluates id() of an object at compile time and guards on its identity (ID_MATCH)."""
-    spec = compiled_spec(score_mod, block_mask, scale, enable_gqa, mask, score, _is_tensor, "torch.compile")
-    return _REGISTRY.register(spec, pin=True)
+    spec = compiled_spec(score_mod, block_mask, scale, enable_gqa, mask, score, _is_tensor, "torch.compile",
+                         function_operands=("score_mod", "score"))
+    fn = from_id(score if score is not None else score_mod)
+    sources = () if fn is None or isinstance(fn, Mod) else _tensor_sources(fn, spec.score)
+    return _REGISTRY.register(spec, pin=True), sources
 
 
 def _score_tensors(score) -> list:

@@ -153,14 +153,48 @@ def _global_bias(s, b, h, qi, ki):
     return s + _BIAS[h]
 
 
-def test_function_capturing_a_tensor_needs_a_mod_value_under_compile():
-    # (a closure over a *local* tensor fails earlier, inside dynamo, with its own message)
-    def f(q, k, v):
-        return fa.flex_attention(q, k, v, score_mod=_global_bias)
+def test_functions_capturing_tensors_compile_as_graph_inputs():
+    """A plain score function that reads tensors from its globals, closure cells (a closure
+    made outside the compiled function) or defaults: one graph, the eager values, gradients
+    reaching the tensors, and new values (updated in place) seen without recompiling. A
+    tensor reached through an object's attribute asks for a mod value."""
+    def make(table):
+        def score(s, b, h, q_idx, kv_idx, shift=torch.full((H,), 0.25, dtype=torch.float64)):
+            return _global_bias(s, b, h, q_idx, kv_idx) + table[h, 0] * (kv_idx - q_idx) + shift[h]
+        return score
 
-    q, k, v = _qkv(2, grad=False)
-    with pytest.raises(Exception, match="flexattn.score_mod"):
-        torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+    table = torch.rand(H, 3, dtype=torch.float64, requires_grad=True)
+    score = make(table)
+
+    def step(q, k, v):
+        return fa.flex_attention(q, k, v, score_mod=score)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    q, k, v = _qkv(2)
+    got = compiled(q, k, v)
+    grads = _grads(got.square().sum(), (q, k, v, _BIAS, table))
+    want = step(q, k, v)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(grads, _grads(want.square().sum(), (q, k, v, _BIAS, table))):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():
+        table.mul_(3.0)
+        _BIAS.add_(1.0)
+    torch.testing.assert_close(compiled(q, k, v), step(q, k, v))
+    assert counter.frame_count == 1
+
+    class Holder:
+        bias = torch.randn(H, dtype=torch.float64)
+
+    holder = Holder()
+
+    def via_attribute(q, k, v):
+        return fa.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + holder.bias[h])
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="flexattn.score_mod|closure"):
+        torch.compile(via_attribute, backend="aot_eager", fullgraph=True)(*_qkv(3, grad=False))
 
 
 def test_dynamic_sequence_lengths():

@@ -85,16 +85,18 @@ def from_id(x):
 
 
 def compiled_spec(score_mod, block_mask, scale, enable_gqa, mask, score, is_operand: Callable,
-                  compiler: str) -> AttentionSpec:
+                  compiler: str, function_operands: tuple = ()) -> AttentionSpec:
     """The spec of a call being compiled (arguments as ``by_id`` passed them): mods and
     block masks normalized; plain functions that capture operands are refused (only a mod
-    value built outside the compiled function makes its tensors inputs of the graph)."""
+    value built outside the compiled function makes its tensors inputs of the graph),
+    except for the arguments named in ``function_operands``, whose operands the adapter
+    fetches into the graph itself."""
     score_mod, block_mask, mask, score = (from_id(x) for x in (score_mod, block_mask, mask, score))
     spec = AttentionSpec.from_args(score_mod, as_block_mask(block_mask), scale, enable_gqa, mask, score)
     given = {"score_mod": score_mod, "score": score, "mask": mask}
     mods_ = {"score_mod": spec.score, "score": spec.score, "mask": spec.mask}
     for name, arg in given.items():
-        if arg is None or isinstance(arg, Mod):
+        if arg is None or isinstance(arg, Mod) or name in function_operands:
             continue
         if any(is_operand(c) for c in mods_[name].captures):
             raise TypeError(
