@@ -22,9 +22,12 @@ def _qkv(B=2, Hq=4, Hkv=4, Q=33, KV=47, D=16, dtype=torch.float64, grad=False, s
 
 
 def test_create_block_mask_importable_everywhere():
-    assert fa.create_block_mask is flexattn.create_block_mask
+    """flexattn.torch's create_block_mask is the core's (plus building inside torch.compile)."""
     bm = fa.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 256, 256)
+    core = flexattn.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 256, 256)
     assert isinstance(bm, fa.BlockMask) and bm.BLOCK_SIZE == (128, 128)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        np.testing.assert_array_equal(getattr(bm, name), getattr(core, name))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
