@@ -68,10 +68,10 @@ class FwdConfig(KernelConfig):
     KIND = "fwd"
 
     dtype: str = "bf16"            # "bf16" | "fp16": Q, K, V and O
-    head_dim: int = 128            # of Q and K: a multiple of 16 in [16, 256] (HEAD_DIMS tested)
+    head_dim: int = 128            # of Q and K: a multiple of 16 in [16, 256]
     head_dim_v: int | None = None  # of V and O (None: head_dim); a multiple of 16 in [16, 256]
     tile_m: int | None = None      # Q rows per CTA, 64 per consumer warpgroup (None: 192
-                                   # for head_dim 64 without score mod, else 128)
+                                   # for head dims <= 64 without score mod, else 128)
     tile_n: int = 128              # KV rows per pipeline stage
     num_stages: int = 2            # K/V ring depth
     causal: bool = False           # block structure: skip blocks above the diagonal
