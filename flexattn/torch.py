@@ -78,6 +78,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     A mask that reads tensors could change unseen between calls: there it is refused —
     build it outside the compiled function."""
     if torch.compiler.is_compiling():
+        _guard_numbers(mask_mod)
         return _block_mask_while_compiling(by_id(mask_mod), B, H, Q_LEN, KV_LEN,
                                            None if device is None else str(device), BLOCK_SIZE, separate_full_blocks)
     return _create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, _compile, separate_full_blocks,
@@ -196,6 +197,7 @@ def _with_max_scores(query, key, value, call):
     custom op, whose autograd is the forward's), the float64 reference on the CPU."""
     score_mod, block_mask, scale, enable_gqa, mask, score = call
     if torch.compiler.is_compiling():
+        _guard_numbers(score_mod, mask, score)
         spec_id, sources = _prepare_for_compile(by_id(score_mod), by_id(block_mask), scale, enable_gqa, by_id(mask),
                                                 by_id(score))
         buffers = _compiled_score_tensors(score if score is not None else score_mod, sources)
@@ -443,6 +445,7 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
     identity of the mod / block-mask objects); the score mod's captured tensors are read
     here, where dynamo sees them (parameters become graph inputs and receive gradients).
     """
+    _guard_numbers(score_mod, mask, score)
     spec_id, sources = _prepare_for_compile(by_id(score_mod), by_id(block_mask), scale, enable_gqa, by_id(mask),
                                             by_id(score))
     buffers = _compiled_score_tensors(score if score is not None else score_mod, sources)
@@ -478,7 +481,10 @@ def _tensor_sources(fn, score) -> tuple:
     a path of ("cell", i) / ("global", name) / ("default", i) steps from the function,
     through helper functions it calls (as tracing follows them); a TypeError for tensors it
     reaches otherwise (through an object's attribute)."""
-    reachable = _reachable_tensors(fn)
+    reachable = {}
+    for path, value in _reachable_values(fn):
+        if _is_tensor(value):
+            reachable.setdefault(id(value), path)
     sources = []
     for c in score.captures:
         if not _is_tensor(c):
@@ -492,10 +498,9 @@ def _tensor_sources(fn, score) -> tuple:
     return tuple(sources)
 
 
-def _reachable_tensors(fn, path=(), found=None, depth=0) -> dict:
-    """{id(tensor): path} of the tensors in ``fn``'s closure cells, named globals and
-    defaults, and (recursively, a few levels) in those of the functions found there."""
-    found = {} if found is None else found
+def _reachable_values(fn, path=(), depth=0) -> list:
+    """[(path, value)] of what ``fn`` can read: its closure cells, named globals and
+    defaults, and (recursively, a few levels) those of the functions found there."""
     items = []
     for i, cell in enumerate(fn.__closure__ or ()):
         try:
@@ -504,12 +509,37 @@ def _reachable_tensors(fn, path=(), found=None, depth=0) -> dict:
             pass
     items += [(("global", n), fn.__globals__[n]) for n in fn.__code__.co_names if n in fn.__globals__]
     items += [(("default", i), d) for i, d in enumerate(fn.__defaults__ or ())]
+    out = []
     for step, value in items:
-        if _is_tensor(value):
-            found.setdefault(id(value), path + (step,))
-        elif depth < 3 and inspect.isfunction(value) and value is not fn:
-            _reachable_tensors(value, path + (step,), found, depth + 1)
-    return found
+        out.append((path + (step,), value))
+        if depth < 3 and inspect.isfunction(value) and value is not fn:
+            out += _reachable_values(value, path + (step,), depth + 1)
+    return out
+
+
+@torch._dynamo.assume_constant_result
+def _numbers_seen(fn) -> tuple:
+    """(path, value) of the global numbers a plain mod function can read (``_follow``
+    paths), as they are while compiling."""
+    if not inspect.isfunction(fn):
+        return ()
+    # Globals only (also of helper functions reached through globals): a closure made
+    # inside the compiled code is traced by dynamo itself (its cells cannot be read there).
+    return tuple((path, float(value)) for path, value in _reachable_values(fn)
+                 if all(kind == "global" for kind, _ in path)
+                 and isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool))
+
+
+def _guard_numbers(*fns) -> None:
+    """Make dynamo guard on the numbers plain mod functions read: each is read again in
+    traced code and compared with the value the compile-time trace (or block mask) saw,
+    so a changed number recompiles instead of going unseen."""
+    for fn in fns:
+        if fn is None or isinstance(fn, (Mod, BlockMask)):
+            continue
+        for path, value in _numbers_seen(fn):
+            if _follow(fn, path) != value:   # never true: dynamo's guard recompiles first
+                raise RuntimeError("flexattn: a mod's number changed during a compiled call")
 
 
 @torch._dynamo.assume_constant_result

@@ -344,3 +344,32 @@ def test_create_block_mask_inside_the_compiled_function():
     torch._dynamo.reset()
     with pytest.raises(Exception, match="build the block mask outside the compiled function"):
         torch.compile(reads_a_tensor, backend="aot_eager", fullgraph=True)(*_qkv(3, grad=False))
+
+
+_CAP = 1.0
+_WINDOW = 10
+
+
+def test_numbers_plain_functions_read_are_guarded():
+    """A plain function's numbers (a global here) are baked into the compile-time trace and
+    block mask: changing one must recompile, never leave the old value in use."""
+    global _CAP, _WINDOW
+
+    def score(s, b, h, q_idx, kv_idx):
+        return s + _CAP * (kv_idx - q_idx) * 0.1
+
+    def near(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx <= _WINDOW) & (q_idx >= kv_idx)
+
+    def step(q, k, v):
+        return fa.flex_attention(q, k, v, score_mod=score,
+                                 block_mask=fa.create_block_mask(near, None, None, S, S, BLOCK_SIZE=16))
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    q, k, v = _qkv(4, grad=False)
+    try:
+        for cap, window in ((1.0, 10), (5.0, 10), (5.0, 3), (0.5, 20)):
+            _CAP, _WINDOW = cap, window
+            torch.testing.assert_close(compiled(q, k, v), step(q, k, v), atol=1e-12, rtol=1e-12)
+    finally:
+        _CAP, _WINDOW = 1.0, 10
