@@ -38,7 +38,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from flexattn.kernels.blockmask.visit import _Staged, _kernel_ops, band_block_ranges
+from flexattn.kernels.blockmask.visit import SparseBlocks, _Staged, _kernel_ops, band_block_ranges
 
 
 def _rotated(i, rot, n):
@@ -63,29 +63,15 @@ class DenseQBlocks(_Staged):
         return self.first + _rotated(i, self.rot, self.count)
 
 
-class SparseQBlocks(_Staged):
-    _fields = ("n_partial", "n_full", "partial", "full", "rot")
+class SparseQBlocks(SparseBlocks):
+    """The forward's `SparseBlocks` on the q-side lists (the same row reads, expansion and
+    `at`), each list walked from `rot` on."""
+
+    _fields = SparseBlocks._fields + ("rot",)
 
     def __init__(self, tensors, batch, head, n_block, factor: int, rot=0):
-        q_num, q_idx, full_num, full_idx = tensors
-        b = batch % q_num.shape[0]
-        h = head % q_num.shape[1]
-        self.factor = factor
-        self.n_partial = Int32(q_num[b, h, n_block]) * factor
-        self.n_full = Int32(full_num[b, h, n_block]) * factor
-        self.partial = q_idx[b, h, n_block, None]
-        self.full = full_idx[b, h, n_block, None]
+        super().__init__(tensors, batch, head, n_block, factor)
         self.rot = Int32(rot)
-
-    @property
-    def count(self):
-        return self.n_partial + self.n_full
-
-    def _expand(self, lst, i):
-        f = self.factor
-        if cutlass.const_expr(f == 1):
-            return Int32(lst[i])
-        return Int32(lst[i // f]) * f + i % f
 
     def partial_at(self, i):
         return self._expand(self.partial, _rotated(i, self.rot, self.n_partial))
@@ -103,15 +89,6 @@ class SparseQBlocks(_Staged):
         partial = Int32(1) if taken_full >= self.n_full else partial
         partial = partial if taken_partial < self.n_partial else Int32(0)
         return (p if partial != 0 else f), partial
-
-    @cute.jit
-    def at(self, i):
-        # Both reads stay in bounds (clamped); the select picks the list i falls in.
-        ip = cutlass.max(cutlass.min(i, self.n_partial - 1), 0)
-        jf = cutlass.max(i - self.n_partial, 0)
-        p = self.partial_at(ip)
-        f = self.full_at(jf)
-        return p if i < self.n_partial else f
 
 
 class BandQBlocks(_Staged):

@@ -316,16 +316,9 @@ def _vshift(op, a, b):
         return f(a, b)
     shape = next(v.shape for v in (a, b) if _is_vec(v))
     n = cute.size(shape)
-    xs = _vector_elements(a, n) if _is_vec(a) else [a] * n
-    ys = _vector_elements(b, n) if _is_vec(b) else [b] * n
+    xs = [Int32(a[i]) for i in range(n)] if _is_vec(a) else [a] * n
+    ys = [Int32(b[i]) for i in range(n)] if _is_vec(b) else [b] * n
     return _from_elements([f(x, y) for x, y in zip(xs, ys)], Int32, shape)
-
-
-def _vector_elements(v, n: int) -> list:
-    """The elements of an Int32 vector, in flat index order."""
-    from cutlass._mlir.dialects import vector
-
-    return [Int32(vector.extract(v.ir_value(), [], [i])) for i in range(n)]
 
 
 def _gather(n: ir.Node, row_env: dict, element_env, args, fast_math: bool):

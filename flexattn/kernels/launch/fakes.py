@@ -57,14 +57,14 @@ def fake_forward_args(cfg, mod_args: tuple = (), tvm_ffi: bool = False):
     k = fake_bhsd(dt, "k", b, hkv, skv, cfg.head_dim)
     v = fake_bhsd(dt, "v", b, hkv, skv, cfg.head_dim_v)
     o = fake_bhsd(dt, "o", b, hq, sq, cfg.head_dim_v)
-    lse = make_fake_tensor(cutlass.Float32, (b, hq, sq),
-                           (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+
+    def row_stats():   # lse, max_scores: fp32 [B, Hq, Sq], the sequence dim contiguous
+        return make_fake_tensor(cutlass.Float32, (b, hq, sq), (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+
+    lse = row_stats()
     # kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices
     block_sparse = fake_block_lists() if cfg.block_sparse else None
-    max_scores = None
-    if cfg.max_scores:
-        max_scores = make_fake_tensor(cutlass.Float32, (b, hq, sq), (cute.sym_int64(), cute.sym_int64(), 1),
-                                      assumed_align=4)
+    max_scores = row_stats() if cfg.max_scores else None
     return (q, k, v, o, lse, cutlass.Float32(1.0), _mod_args(mod_args), block_sparse, max_scores,
             fake_stream(tvm_ffi))
 

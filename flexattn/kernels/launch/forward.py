@@ -27,6 +27,20 @@ from flexattn.kernels.launch.arguments import arg_signature, check_block_lists, 
 from flexattn.kernels.launch.compile import compile_forward, compile_on_views
 
 
+def _check_row_stats(name: str, t, q_shape) -> None:
+    """A per-row fp32 statistic the kernel writes (lse, max_scores): [B, Hq, Sq] of q's
+    shape, the sequence dim contiguous."""
+    if str(t.element_type) != "Float32" or tuple(t.shape) != tuple(q_shape[:3]):
+        raise ValueError(f"{name}: want float32 [B, Hq, Sq]")
+    if t.stride[2] != 1:
+        raise ValueError(f"{name}: the sequence dim must be contiguous")
+
+
+def _check_max_scores_given(cfg: FwdConfig, max_scores) -> None:
+    if cfg.max_scores != (max_scores is not None):
+        raise ValueError("pass max_scores iff the config has max_scores=True")
+
+
 class ForwardRunner:
     """`run(q, k, v, o, lse, softmax_scale, mod_args, stream)`; q [B,Hq,Sq,D], o [B,Hq,Sq,Dv],
     k [B,Hkv,Skv,D], v [B,Hkv,Skv,Dv] of cfg.dtype (D, Dv: cfg.head_dim, cfg.head_dim_v),
@@ -59,10 +73,7 @@ class ForwardRunner:
                 raise ValueError(f"{name}: the head dim must be contiguous")
             if any(s % 8 for s in t.stride[:3]):
                 raise ValueError(f"{name}: strides must be multiples of 8 elements (TMA)")
-        if str(lse.element_type) != "Float32" or tuple(lse.shape) != tuple(q.shape[:3]):
-            raise ValueError("lse: want float32 [B, Hq, Sq]")
-        if lse.stride[2] != 1:
-            raise ValueError("lse: the sequence dim must be contiguous")
+        _check_row_stats("lse", lse, q.shape)
         (b, hq, sq, _), (bk, hk, sk, _) = q.shape, k.shape
         if tuple(k.shape[:3]) != tuple(v.shape[:3]) or tuple(o.shape[:3]) != tuple(q.shape[:3]) or bk != b:
             raise ValueError(f"shape mismatch q{tuple(q.shape)} k{tuple(k.shape)} "
@@ -105,13 +116,11 @@ class ForwardRunner:
 
     def _check_max_scores(self, lse, max_scores):
         """The cute view of ``max_scores`` (checked like lse), or None."""
-        if self.cfg.max_scores != (max_scores is not None):
-            raise ValueError("pass max_scores iff the config has max_scores=True")
+        _check_max_scores_given(self.cfg, max_scores)
         if max_scores is None:
             return None
         static, view = to_cute(max_scores, 4)
-        if str(static.element_type) != "Float32" or tuple(static.shape) != tuple(lse.shape) or static.stride[2] != 1:
-            raise ValueError("max_scores: want float32 [B, Hq, Sq] with the sequence dim contiguous")
+        _check_row_stats("max_scores", static, lse.shape)
         return view
 
     @property
@@ -155,7 +164,6 @@ class FfiForwardRunner:
 
     def run(self, q, k, v, o, lse, softmax_scale: float, mod_args: tuple, block_sparse=None, max_scores=None):
         self.compile()
-        if self.cfg.max_scores != (max_scores is not None):
-            raise ValueError("pass max_scores iff the config has max_scores=True")
+        _check_max_scores_given(self.cfg, max_scores)
         self._fn(q, k, v, o, lse, float(softmax_scale), tuple(mod_args) if mod_args else None, block_sparse,
                  max_scores)
