@@ -151,7 +151,8 @@ def flex_attention(
             out, lse = flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, True, kernel_options,
                                       mask=mask, score=score)
             return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=None)
-        out, lse, max_scores = _with_max_scores(query, key, value, (score_mod, block_mask, scale, enable_gqa, mask, score))
+        out, lse, max_scores = _with_max_scores(query, key, value, (score_mod, block_mask, scale, enable_gqa, mask, score),
+                                                kernel_options)
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=max_scores)
     if torch.compiler.is_compiling():
         return _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, mask, score)
@@ -166,22 +167,13 @@ def flex_attention(
     if repeated is not None:  # a call like an earlier one: checks and plan already done
         out, lse = repeated
         return (out, lse) if return_lse else out
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if kernel_options is not None and not isinstance(kernel_options, dict):
-        raise TypeError(f"kernel_options must be a dict or None, got {type(kernel_options).__name__}")
-    block_mask = as_block_mask(block_mask)
-    spec = AttentionSpec.from_args(score_mod, block_mask, scale, enable_gqa, mask, score)
-    shape = check_inputs(query, key, value, spec)
-    if query.is_cuda:
-        _check_cuda_call(query, key, value, spec, shape)
-        if not _records_grad(query, key, value, spec):
-            # Inference: straight to the kernel. The custom op's dispatch alone costs
-            # ~50-130 µs of host time per call; it is only needed for autograd.
-            out, lse = _kernel_forward(spec, shape, query, key, value)
-            _remember(prepared_key, query, call, spec, shape)
-            return (out, lse) if return_lse else out
+    spec, shape, records = _checked_call(query, key, value, call, kernel_options)
+    if query.is_cuda and not records:
+        # Inference: straight to the kernel. The custom op's dispatch alone costs
+        # ~50-130 µs of host time per call; it is only needed for autograd.
+        out, lse = _kernel_forward(spec, shape, query, key, value)
+        _remember(prepared_key, query, call, spec, shape)
+        return (out, lse) if return_lse else out
     buffers = _score_tensors(spec.score)
     if query.is_cuda and _plain_eager(query, key, value, *buffers):
         out, lse = _EagerAttention.apply(query, key, value, spec, shape, *buffers)
@@ -191,37 +183,39 @@ def flex_attention(
     return (out, lse) if return_lse else out
 
 
-def _with_max_scores(query, key, value, call):
+def _with_max_scores(query, key, value, call, kernel_options):
     """(out, lse, max_scores) of a call that wants the row maxima: the forward kernel with
     its max output (CUDA inference: directly; otherwise through the ``attention_fwd_max``
     custom op, whose autograd is the forward's), the float64 reference on the CPU."""
-    score_mod, block_mask, scale, enable_gqa, mask, score = call
     if torch.compiler.is_compiling():
-        _guard_numbers(score_mod, mask, score)
-        spec_id, sources = _prepare_for_compile(by_id(score_mod), by_id(block_mask), scale, enable_gqa, by_id(mask),
-                                                by_id(score))
-        buffers = _compiled_score_tensors(score if score is not None else score_mod, sources)
+        buffers, spec_id = _compiled_op_inputs(call)
         return torch.ops.flexattn.attention_fwd_max(query, key, value, buffers, spec_id)
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    spec = AttentionSpec.from_args(score_mod, as_block_mask(block_mask), scale, enable_gqa, mask, score)
-    shape = check_inputs(query, key, value, spec)
-    if query.is_cuda:
-        _check_cuda_call(query, key, value, spec, shape)
-        if not _records_grad(query, key, value, spec):
-            return _kernel_forward(spec, shape, query, key, value, want_max=True)
+    spec, shape, records = _checked_call(query, key, value, call, kernel_options)
+    if query.is_cuda and not records:
+        return _kernel_forward(spec, shape, query, key, value, want_max=True)
     return torch.ops.flexattn.attention_fwd_max(query, key, value, _score_tensors(spec.score), _REGISTRY.register(spec))
 
 
-def _check_cuda_call(query, key, value, spec, shape) -> None:
-    """What the CUDA kernels cannot do, as a clear error before any launch: the forward's
-    limits, and the backward's where autograd will need it."""
-    reason = kernel_unsupported(query, shape)
-    if reason is None and _records_grad(query, key, value, spec):
-        reason = backward_unsupported(shape)
-    if reason:
-        raise ValueError(f"{reason} (CPU tensors run the exact reference for anything else)")
+def _checked_call(query, key, value, call, kernel_options):
+    """``(spec, shape, records)`` of an eager call, with what it cannot do as a clear error
+    before any launch: argument types, shapes and, on CUDA, the forward kernel's limits and
+    the backward's where autograd will need it (``records``: autograd records this CUDA
+    call)."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if kernel_options is not None and not isinstance(kernel_options, dict):
+        raise TypeError(f"kernel_options must be a dict or None, got {type(kernel_options).__name__}")
+    score_mod, block_mask, scale, enable_gqa, mask, score = call
+    spec = AttentionSpec.from_args(score_mod, as_block_mask(block_mask), scale, enable_gqa, mask, score)
+    shape = check_inputs(query, key, value, spec)
+    records = False
+    if query.is_cuda:
+        records = _records_grad(query, key, value, spec)
+        reason = kernel_unsupported(query, shape) or (backward_unsupported(shape) if records else None)
+        if reason:
+            raise ValueError(f"{reason} (CPU tensors run the exact reference for anything else)")
+    return spec, shape, records
 
 
 def _plain_eager(*tensors) -> bool:
@@ -445,12 +439,20 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
     identity of the mod / block-mask objects); the score mod's captured tensors are read
     here, where dynamo sees them (parameters become graph inputs and receive gradients).
     """
+    buffers, spec_id = _compiled_op_inputs((score_mod, block_mask, scale, enable_gqa, mask, score))
+    out, lse = torch.ops.flexattn.attention_fwd(query, key, value, buffers, spec_id)
+    return (out, lse) if return_lse else out
+
+
+def _compiled_op_inputs(call) -> tuple:
+    """``(buffers, spec id)`` of a call being compiled (traced by dynamo): its mod functions'
+    numbers guarded, the spec registered at compile time, the score's tensors read where
+    dynamo sees them."""
+    score_mod, block_mask, scale, enable_gqa, mask, score = call
     _guard_numbers(score_mod, mask, score)
     spec_id, sources = _prepare_for_compile(by_id(score_mod), by_id(block_mask), scale, enable_gqa, by_id(mask),
                                             by_id(score))
-    buffers = _compiled_score_tensors(score if score is not None else score_mod, sources)
-    out, lse = torch.ops.flexattn.attention_fwd(query, key, value, buffers, spec_id)
-    return (out, lse) if return_lse else out
+    return _compiled_score_tensors(score if score is not None else score_mod, sources), spec_id
 
 
 def _compiled_score_tensors(the_score, sources) -> list:

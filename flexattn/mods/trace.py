@@ -498,9 +498,7 @@ OPERATIONS: dict[str, Callable] = {
     "astype": lambda x, dtype, **_: _cast_to(dtype)(x),
     "full_like": _full_like, "zeros_like": _like(0), "ones_like": _like(1),
     "new_full": _new_full, "new_ones": _new_constant(1), "new_zeros": _new_constant(0),
-    # Reductions of vector reads (mods/vectors.py; bound below, after the module loads).
-    "sum": None, "mean": None, **{n: None for n in ("dot", "inner", "vdot", "matmul", "__matmul__")},
-    "__rmatmul__": None,
+    # (reductions of vector reads are added at the end: mods/vectors.py)
 }
 
 
@@ -620,8 +618,9 @@ def _call(op, name, args, kwargs):
         raise TraceError(f"{name}() got arguments it does not support in a mod: {e}") from None
 
 
-# Python operators and tensor-style methods on the proxy.
-for _name in (
+# Python operators and tensor-style methods on the proxies (looked up in OPERATIONS when
+# called, so the reductions added at the end are found too).
+_PROXY_METHODS = (
     "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
     "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__pow__",
     "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__and__", "__rand__",
@@ -632,11 +631,17 @@ for _name in (
     "type", "astype", "floor", "ceil", "sign", "square", "minimum", "maximum", "pow",
     "logical_not", "logical_and", "logical_or", "logical_xor", "remainder", "div",
     "new_full", "new_ones", "new_zeros", "sum", "mean", "dot", "inner", "matmul", "__matmul__", "__rmatmul__",
-):
-    _method = (lambda name: lambda self, *a, **k: OPERATIONS[name](self, *a, **k))(_name)
-    setattr(Sym, _name, _method)
+)
+
+
+def _proxy_method(name):
+    return lambda self, *a, **k: OPERATIONS[name](self, *a, **k)
+
+
+for _name in _PROXY_METHODS:
+    setattr(Sym, _name, _proxy_method(_name))
     if not _name.startswith("new_"):   # a vector read takes the same operators and methods
-        setattr(CapturedArray, _name, _method)
+        setattr(CapturedArray, _name, _proxy_method(_name))
 Sym.where = lambda self, cond, other: _where(cond, self, other)  # torch: x.where(cond, y)
 Sym.device = None   # ``device=b.device`` in torch's mask helpers: constants have no device
 
@@ -656,10 +661,8 @@ from .vectors import SymArray, dot as _dot, elementwise, is_vector, vector_mean,
 
 OPERATIONS.update({"sum": vector_sum, "mean": vector_mean, "dot": _dot, "inner": _dot, "vdot": _dot,
                    "matmul": _dot, "__matmul__": _dot, "__rmatmul__": lambda a, b: _dot(b, a)})
-for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
-              "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__pow__", "__neg__", "__abs__", "__lt__",
-              "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__and__", "__rand__", "__or__", "__ror__",
-              "__matmul__", "__rmatmul__"):
-    setattr(SymArray, _name, (lambda name: lambda self, *a: OPERATIONS[name](self, *a))(_name))
+for _name in _PROXY_METHODS:   # its operators (its other methods: SymArray.__getattr__)
+    if _name.startswith("__"):
+        setattr(SymArray, _name, _proxy_method(_name))
 CapturedArray.__torch_function__ = SymArray.__torch_function__
 CapturedArray.__array_function__ = SymArray.__array_function__

@@ -45,10 +45,9 @@ def forward(q, k, v, spec: AttentionSpec | None = None, dtype=np.float64, max_sc
     for b in range(shape.batch):
         for h in range(shape.q_heads):
             hk = h // shape.group
-            p, row_lse, _, _ = problem.probabilities(b, h, q[b, h], k[b, hk])
+            p, row_lse, _, _, row_max[b, h] = problem.probabilities(b, h, q[b, h], k[b, hk])
             out[b, h] = p @ v[b, hk]
             lse[b, h] = row_lse
-            row_max[b, h] = problem.last_row_max
     return (out, lse, row_max) if max_scores else (out, lse)
 
 
@@ -76,7 +75,7 @@ def backward(q, k, v, d_out, d_lse=None, spec: AttentionSpec | None = None, dtyp
     for b in range(shape.batch):
         for h in range(shape.q_heads):
             hk = h // shape.group
-            p, _, raw, env = problem.probabilities(b, h, q[b, h], k[b, hk])
+            p, _, raw, env, _ = problem.probabilities(b, h, q[b, h], k[b, hk])
             o = p @ v[b, hk] if out is None else out[b, h]
             dv[b, hk] += p.T @ d_out[b, h]
             dp = d_out[b, h] @ v[b, hk].T
@@ -127,7 +126,8 @@ class _Problem:
         return (tile == FULL) | ((tile == PARTIAL) & inner)
 
     def probabilities(self, b, h, qh, kh):
-        """Softmax probabilities [Q, KV], row lse, raw scores and the index env."""
+        """Softmax probabilities [Q, KV], row lse, raw scores, the index env and the row max
+        of the scaled, modded, masked scores (the forward's max_scores)."""
         raw = (qh @ kh.T) * self.scale
         env = {"b": b, "h": h, "q": self.q_idx, "kv": self.kv_idx}
         s = raw
@@ -139,13 +139,12 @@ class _Problem:
             s = np.where(allowed, s, -np.inf)
         with np.errstate(invalid="ignore", over="ignore"):
             m = np.max(s, axis=-1, keepdims=True)
-            self.last_row_max = m[:, 0]   # the forward's max_scores
             m_safe = np.where(np.isfinite(m), m, 0.0)
             e = np.exp(s - m_safe)
             total = e.sum(axis=-1, keepdims=True)
             p = np.where(total > 0, e / np.where(total > 0, total, 1.0), 0.0)
             lse = np.where(total[:, 0] > 0, m_safe[:, 0] + np.log(np.where(total[:, 0] > 0, total[:, 0], 1.0)), -np.inf)
-        return p.astype(self.dtype, copy=False), lse, raw, env
+        return p.astype(self.dtype, copy=False), lse, raw, env, m[:, 0]
 
     # -- backward through the score mod ---------------------------------------------------------
     def new_capture_grads(self):
