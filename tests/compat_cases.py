@@ -5,8 +5,8 @@ arguments — written once and called with either library's ``flex_attention`` a
 CPU; ``tests/gpu/test_torch_compat_gpu.py`` runs ours on the GPU against the float64
 reference.
 
-A case is ``make(lib, device, dtype) -> (call, spec_kwargs)``: ``call()`` returns the
-output (or ``(out, aux)``) and ``spec_kwargs`` rebuilds the call for the reference.
+A case is ``make(lib, device, dtype) -> call``: ``call()`` returns the output (or ``(out,
+aux)``); ``outputs`` runs one and lists its tensors.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def causal(b, h, q_idx, kv_idx):
 def case_causal_lambda(lib, device, dtype):
     q, k, v = _qkv(device, dtype)
     bm = lib.create_block_mask(causal, None, None, S, S, device=device)
-    return (lambda: lib.flex_attention(q, k, v, block_mask=bm)), dict(mask=causal)
+    return lambda: lib.flex_attention(q, k, v, block_mask=bm)
 
 
 def case_sliding_window_and_masks(lib, device, dtype):
@@ -64,8 +64,7 @@ def case_sliding_window_and_masks(lib, device, dtype):
 
     mask = lib.and_masks(causal, near)
     bm = lib.create_block_mask(mask, None, None, S, S, device=device)
-    return (lambda: lib.flex_attention(q, k, v, block_mask=bm)), dict(mask=lambda b, h, q_idx, kv_idx: causal(
-        b, h, q_idx, kv_idx) & near(b, h, q_idx, kv_idx))
+    return lambda: lib.flex_attention(q, k, v, block_mask=bm)
 
 
 def case_prefix_or_causal(lib, device, dtype):
@@ -77,8 +76,7 @@ def case_prefix_or_causal(lib, device, dtype):
 
     mask = lib.or_masks(causal, in_prefix)
     bm = lib.create_block_mask(mask, B, None, S, S, device=device)
-    return (lambda: lib.flex_attention(q, k, v, block_mask=bm)), dict(
-        mask=lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) | (kv_idx < prefix[b]))
+    return lambda: lib.flex_attention(q, k, v, block_mask=bm)
 
 
 def case_bit_shifts(lib, device, dtype):
@@ -88,7 +86,7 @@ def case_bit_shifts(lib, device, dtype):
         return ((q_idx >> 4) == (kv_idx >> 4)) | (torch.bitwise_right_shift(q_idx - kv_idx, 3) == 1)
 
     bm = lib.create_block_mask(morton_blocks, None, None, S, S, device=device)
-    return (lambda: lib.flex_attention(q, k, v, block_mask=bm)), dict(mask=morton_blocks)
+    return lambda: lib.flex_attention(q, k, v, block_mask=bm)
 
 
 def case_softcap_division(lib, device, dtype):
@@ -98,7 +96,7 @@ def case_softcap_division(lib, device, dtype):
         return 20 * torch.tanh(score / 20)
 
     bm = lib.create_block_mask(causal, None, None, S, S, device=device)
-    return (lambda: lib.flex_attention(q, k, v, score_mod=softcap, block_mask=bm)), dict(score=softcap, mask=causal)
+    return lambda: lib.flex_attention(q, k, v, score_mod=softcap, block_mask=bm)
 
 
 def case_alibi_tensor(lib, device, dtype):
@@ -108,7 +106,7 @@ def case_alibi_tensor(lib, device, dtype):
     def alibi(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx)
 
-    return (lambda: lib.flex_attention(q, k, v, score_mod=alibi)), dict(score=alibi)
+    return lambda: lib.flex_attention(q, k, v, score_mod=alibi)
 
 
 def case_rotary_dot(lib, device, dtype):
@@ -120,7 +118,7 @@ def case_rotary_dot(lib, device, dtype):
     def bias(score, b, h, q_idx, kv_idx):
         return score + torch.dot(q_emb[b, h, q_idx], k_emb[b, h, kv_idx])
 
-    return (lambda: lib.flex_attention(q, k, v, score_mod=bias)), dict(score=bias)
+    return lambda: lib.flex_attention(q, k, v, score_mod=bias)
 
 
 def case_documents_tensor(lib, device, dtype):
@@ -131,36 +129,36 @@ def case_documents_tensor(lib, device, dtype):
         return doc[q_idx] == doc[kv_idx]
 
     bm = lib.create_block_mask(same_doc, None, None, S, S, device=device)
-    return (lambda: lib.flex_attention(q, k, v, block_mask=bm)), dict(mask=same_doc)
+    return lambda: lib.flex_attention(q, k, v, block_mask=bm)
 
 
 def case_gqa_causal(lib, device, dtype):
     q, k, v = _qkv(device, dtype, hq=8, hkv=2)
     bm = lib.create_block_mask(causal, None, None, S, S, device=device)
-    return (lambda: lib.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)), dict(mask=causal, enable_gqa=True)
+    return lambda: lib.flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
 
 
 def case_q_len_differs(lib, device, dtype):
     q, k, v = _qkv(device, dtype, q_len=40, kv_len=S)
     bm = lib.create_block_mask(causal, None, None, 40, S, device=device)
-    return (lambda: lib.flex_attention(q, k, v, block_mask=bm)), dict(mask=causal)
+    return lambda: lib.flex_attention(q, k, v, block_mask=bm)
 
 
 def case_value_head_dim_differs(lib, device, dtype):
     q, k, v = _qkv(device, dtype, d=32, dv=64)
-    return (lambda: lib.flex_attention(q, k, v, scale=0.2)), dict(scale=0.2)
+    return lambda: lib.flex_attention(q, k, v, scale=0.2)
 
 
 def case_head_dim_96(lib, device, dtype):
     q, k, v = _qkv(device, dtype, d=96)
     bm = lib.create_block_mask(causal, None, None, S, S, device=device)
-    return (lambda: lib.flex_attention(q, k, v, block_mask=bm)), dict(mask=causal)
+    return lambda: lib.flex_attention(q, k, v, block_mask=bm)
 
 
 def case_return_aux_lse(lib, device, dtype):
     q, k, v = _qkv(device, dtype)
     bm = lib.create_block_mask(causal, None, None, S, S, device=device)
-    return (lambda: lib.flex_attention(q, k, v, block_mask=bm, return_aux=lib.AuxRequest(lse=True))), dict(mask=causal)
+    return lambda: lib.flex_attention(q, k, v, block_mask=bm, return_aux=lib.AuxRequest(lse=True))
 
 
 def case_noop_mask_with_score(lib, device, dtype):
@@ -170,7 +168,17 @@ def case_noop_mask_with_score(lib, device, dtype):
         return score - 0.01 * (q_idx - kv_idx).abs()
 
     bm = lib.create_block_mask(lib.noop_mask, None, None, S, S, device=device)
-    return (lambda: lib.flex_attention(q, k, v, score_mod=rel, block_mask=bm)), dict(score=rel)
+    return lambda: lib.flex_attention(q, k, v, score_mod=rel, block_mask=bm)
 
 
 CASES = {name[5:]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}
+
+
+def outputs(case: str, lib, device, dtype) -> list:
+    """The tensors case ``case`` returns through ``lib`` on ``device`` in ``dtype``: out, then
+    the auxiliary outputs it asked for (lse; ``return_aux``'s non-None fields)."""
+    result = CASES[case](lib, device, dtype)()
+    if isinstance(result, tuple):   # (out, AuxOutput) or (out, lse)
+        out, aux = result
+        return [out] + [t for t in (aux if isinstance(aux, tuple) else (aux,)) if t is not None]
+    return [result]

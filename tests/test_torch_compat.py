@@ -5,21 +5,14 @@ FlexAttention code as torch users write it — gives the same result through tor
 import pytest
 import torch
 
-from compat_cases import CASES, libraries
-
-
-def _outputs(result):
-    if isinstance(result, tuple):   # (out, AuxOutput) or (out, lse)
-        out, aux = result
-        return [out] + [t for t in (aux if isinstance(aux, tuple) else (aux,)) if t is not None]
-    return [result]
+from compat_cases import CASES, libraries, outputs
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_case_matches_torch(case):
     torch_lib, ours = libraries()
-    want = _outputs(CASES[case](torch_lib, "cpu", torch.float64)[0]())
-    got = _outputs(CASES[case](ours, "cpu", torch.float64)[0]())
+    want = outputs(case, torch_lib, "cpu", torch.float64)
+    got = outputs(case, ours, "cpu", torch.float64)
     assert len(got) == len(want), case
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w.to(g.dtype), atol=1e-6, rtol=1e-6, msg=case)

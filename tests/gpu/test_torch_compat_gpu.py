@@ -12,15 +12,14 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("cutlass")
 
-from compat_cases import CASES, libraries  # noqa: E402
-from test_torch_compat import _outputs  # noqa: E402
+from compat_cases import CASES, libraries, outputs  # noqa: E402
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_case_on_the_gpu_matches_the_reference(case):
     _, ours = libraries()
-    got = _outputs(CASES[case](ours, "cuda", torch.bfloat16)[0]())
-    want = _outputs(CASES[case](ours, "cpu", torch.float64)[0]())
+    got = outputs(case, ours, "cuda", torch.bfloat16)
+    want = outputs(case, ours, "cpu", torch.float64)
     assert len(got) == len(want), case
     for g, w in zip(got, want):
         g, w = g.double().cpu().numpy(), w.numpy()

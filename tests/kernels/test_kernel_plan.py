@@ -22,6 +22,20 @@ def _plan(D=128, dtype=torch.bfloat16, Q=300, KV=300, **kw):
     return plan_forward(q, check_inputs(q, k, k, spec), spec)
 
 
+class _OnGpu(torch.Tensor):   # a CPU tensor that reports a CUDA DLPack device
+    def __dlpack_device__(self):
+        return (2, 0)
+
+
+@pytest.fixture
+def on_gpu(monkeypatch):
+    """Plans for ``_OnGpu`` tensors see an H100's device facts (132 SMs, 60 clusters of 2)."""
+    from flexattn.kernels.hopper import device_facts
+
+    monkeypatch.setattr(device_facts, "sm_count", lambda ordinal: 132)
+    monkeypatch.setattr(device_facts, "max_active_clusters", lambda ordinal, size: 60)
+
+
 def test_dense_without_mask():
     p = _plan()
     assert not p.config.causal and not p.config.block_sparse and p.block_mask is None
@@ -182,7 +196,7 @@ def test_unsupported_is_refused_before_compiling(kw, words):
         _plan(**kw)
 
 
-def test_head_dims_plan_tiles_that_fit_shared_memory(monkeypatch):
+def test_head_dims_plan_tiles_that_fit_shared_memory(on_gpu):
     """Every head dim (and value head dim) the forward takes gets two K/V stages of the
     widest tile that fits (FA3's 112 / 80 at 192 / 256), 192-row tiles up to 64, persistent
     CTAs only where their separate O buffer fits too; block-sparse lists take 64-key tiles
@@ -190,19 +204,11 @@ def test_head_dims_plan_tiles_that_fit_shared_memory(monkeypatch):
     limits are told apart (``backward_unsupported``)."""
     from flexattn.core.kernel_path import backward_unsupported
     from flexattn.kernels.fwd.sm90 import shared_bytes
-    from flexattn.kernels.hopper import device_facts
     from flexattn.kernels.hopper.mma import SMEM_CAPACITY
 
-    class OnGpu(torch.Tensor):
-        def __dlpack_device__(self):
-            return (2, 0)
-
-    monkeypatch.setattr(device_facts, "sm_count", lambda ordinal: 132)
-    monkeypatch.setattr(device_facts, "max_active_clusters", lambda ordinal, size: 60)
-
     def plan(D, Dv, **kw):
-        q = torch.empty(2, 4, 256, D, dtype=torch.bfloat16).as_subclass(OnGpu)
-        v = torch.empty(2, 4, 256, Dv, dtype=torch.bfloat16).as_subclass(OnGpu)
+        q = torch.empty(2, 4, 256, D, dtype=torch.bfloat16).as_subclass(_OnGpu)
+        v = torch.empty(2, 4, 256, Dv, dtype=torch.bfloat16).as_subclass(_OnGpu)
         spec = AttentionSpec.from_args(**kw)
         shape = check_inputs(q, q, v, spec)
         return plan_forward(q, shape, spec).config, shape
@@ -316,19 +322,12 @@ def test_launch_path_choice(monkeypatch):
     assert use_tvm_ffi(Device(0, lambda x: x, tvm_ffi_stream=True)) == use_tvm_ffi()
 
 
-def test_tile_scheduling_by_structure(monkeypatch):
+def test_tile_scheduling_by_structure(on_gpu):
     """Dense tiles all cost the same: persistent CTAs, one per SM; so do block-sparse rows
     of about equal work (host lists within BALANCED_TILES of the mean; bands, read without
     lists, within BALANCED_BAND_TILES); causal and
     unbalanced block-sparse keep one CTA per tile (causal in longest-first order)."""
-    from flexattn.kernels.hopper import device_facts
-
-    class OnGpu(torch.Tensor):  # a CPU tensor that reports a CUDA DLPack device
-        def __dlpack_device__(self):
-            return (2, 0)
-
-    monkeypatch.setattr(device_facts, "sm_count", lambda ordinal: 132)
-    q = torch.empty(2, 4, 300, 128, dtype=torch.bfloat16).as_subclass(OnGpu)
+    q = torch.empty(2, 4, 300, 128, dtype=torch.bfloat16).as_subclass(_OnGpu)
     for kw, ctas, order in (({}, 132, "by_head"), ({"mask": mods.causal()}, 0, "longest_first"),
                             # rows visit 1, 2, 2 tiles: 1.2x the mean
                             ({"mask": mods.sliding_window(64)}, 132, "by_head"),
@@ -345,22 +344,13 @@ def test_tile_scheduling_by_structure(monkeypatch):
     assert _plan().config.max_ctas == 0   # a CPU array: nothing to query
 
 
-def test_dense_head_dim_128_with_even_q_tiles_runs_clusters(monkeypatch):
+def test_dense_head_dim_128_with_even_q_tiles_runs_clusters(on_gpu):
     """Dense and causal attention at head dim 128 pair the CTAs of adjacent q tiles into
     clusters sharing K/V loads, when every head has an even number of q tiles (block-sparse
     lists and bands differ per tile: never); persistent clusters are as many as the driver says fit
     at once (not SMs / 2: clusters live inside a GPC)."""
-    from flexattn.kernels.hopper import device_facts
-
-    class OnGpu(torch.Tensor):
-        def __dlpack_device__(self):
-            return (2, 0)
-
-    monkeypatch.setattr(device_facts, "sm_count", lambda ordinal: 132)
-    monkeypatch.setattr(device_facts, "max_active_clusters", lambda ordinal, size: 60)
-
     def plan(S, D=128, **kw):
-        q = torch.empty(2, 4, S, D, dtype=torch.bfloat16).as_subclass(OnGpu)
+        q = torch.empty(2, 4, S, D, dtype=torch.bfloat16).as_subclass(_OnGpu)
         spec = AttentionSpec.from_args(**kw)
         return plan_forward(q, check_inputs(q, q, q, spec), spec).config
 
