@@ -24,7 +24,8 @@ class BlockListCompactor:
     q_num, q_idx, full_q_num, full_q_idx), int32, counts [B, H, n] and indices
     [B, H, n, m] (kv side: n = nQ, m = nKV; q side: n = nKV, m = nQ). ``full_as_partial``:
     full tiles are listed as partial (torch's ``separate_full_blocks=False``: the mask is
-    evaluated on every visited tile; the full lists are empty)."""
+    evaluated on every visited tile; the full lists are empty) and rewritten as partial in
+    ``states``."""
 
     def __init__(self, full_as_partial: bool = False):
         self.full_as_partial = full_as_partial
@@ -83,6 +84,11 @@ class BlockListCompactor:
             if valid:
                 idx_p[b, h, line, Int32(cutlass.select_(is_p, rank_p, total_p + m - rank_p))] = m
                 idx_f[b, h, line, Int32(cutlass.select_(is_f, rank_f, total_f + m - rank_f))] = m
+                if const_expr(self.full_as_partial and not transposed):
+                    # The states say what the lists say (block_states(), the backward's
+                    # transposes): full tiles become partial. The q-side lines may read
+                    # either value; _state maps both to partial.
+                    states[b, h, line, m] = cutlass.Int8(s)
             seen_p += cute.arch.popc(ballot_p)
             seen_f += cute.arch.popc(ballot_f)
 
