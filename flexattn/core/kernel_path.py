@@ -43,7 +43,7 @@ KERNEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 # The forward kernel takes any query and value head dim that is a multiple of 16 up to 256
 # (wgmma's k step; TMA's 16-byte rows); the backward, equal head dims of these; the decode
 # kernel, these:
-BACKWARD_HEAD_DIMS = (32, 64, 96, 128)
+BACKWARD_HEAD_DIMS = (32, 48, 64, 80, 96, 112, 128)
 DECODE_HEAD_DIMS = (64, 128)
 TILE_N = 128
 

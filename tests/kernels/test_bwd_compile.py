@@ -267,6 +267,17 @@ def test_pre_and_postprocess_compile_tile_m_80():
             assert usage.spill_store_bytes == 0 and usage.stack_bytes == 0, usage
 
 
+@pytest.mark.parametrize("head_dim", [48, 80, 112])
+def test_postprocess_stores_dq_halves_not_multiples_of_16(head_dim):
+    """dQ halves of 24, 40, 56 columns per warpgroup: stmatrix stores two 8x8 matrices at a
+    time (four span 16 columns and wrote past the tile: an illegal address on the H100,
+    found by compute-sanitizer, 2026-11-26); 16-byte loads of whole fragments."""
+    post = compile_postprocess("bf16", head_dim, keep_ptx=True).__ptx__
+    assert "stmatrix.sync.aligned.m8n8.x4" not in post
+    assert post.count("stmatrix.sync.aligned.m8n8.x2.shared.b16") == head_dim // 2 // 8
+    assert post.count("ld.global.v4") == 64 * head_dim // 2 // 128 // 4
+
+
 def test_deterministic_pre_and_postprocess_compile():
     base = compile_preprocess("bf16", 128, keep_ptx=True).__ptx__
     pre = compile_preprocess("bf16", 128, deterministic=True, keep_ptx=True).__ptx__
@@ -310,10 +321,10 @@ def test_config_validation():
             BwdConfig(tile_m=80, **bad)
     with pytest.raises(ValueError):
         BwdConfig(causal=True, block_sparse=True)
-    for bad in (72, 80, 192, 256):   # 32, 64, 96, 128 (dK, dV in registers; dQ halves of 16s)
+    for bad in (16, 72, 136, 192, 256):   # multiples of 16 from 32 to 128 (dK, dV in registers)
         with pytest.raises(ValueError, match="head_dim"):
             BwdConfig(head_dim=bad)
-    assert BwdConfig(head_dim=96).head_dim == 96
+    assert BwdConfig(head_dim=96).head_dim == 96 and BwdConfig(head_dim=80).head_dim == 80
     with pytest.raises(ValueError, match="derivative"):
         BwdConfig(mods=hooks.SoftcapHook())           # hand-written: no derivative
     BwdConfig(mods=hooks.CausalHook())                # masks need none

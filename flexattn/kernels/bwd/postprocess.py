@@ -91,7 +91,7 @@ class BwdPostprocess:
         rdQ.store((acc.load() * softmax_scale).to(self.dtype))
 
         # dQ^T fragments go in transposed (stmatrix .trans on the (D, tm) view of sdQ).
-        r2s = mma.stmatrix_copy(tiled_mma, self.dtype, tidx, transpose=swap)
+        r2s = mma.stmatrix_copy(tiled_mma, self.dtype, tidx, transpose=swap, wg_cols=D // self.num_wg)
         cute.copy(r2s, r2s.retile(rdQ),
                   r2s.partition_D(mma.transpose_view(sdQ) if const_expr(swap) else sdQ))
         cute.arch.fence_view_async_shared()          # generic-proxy writes -> TMA reads

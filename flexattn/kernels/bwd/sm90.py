@@ -107,7 +107,7 @@ class BwdConfig(KernelConfig):
     KIND = "bwd"
 
     dtype: str = "bf16"           # "bf16" | "fp16": Q, K, V, O, dO, dQ, dK, dV
-    head_dim: int = 128           # 64 | 128
+    head_dim: int = 128           # a multiple of 16, 32 .. 128 (= the value head dim)
     tile_m: int = 64              # q rows per visit (N of the S^T GEMM): 64 | 80 (dQ swapped)
     tile_n: int = 128             # keys per CTA: 64 per consumer warpgroup
     num_stages: int = 2           # Q/LSE and dO/D ring depth
@@ -141,10 +141,8 @@ class BwdConfig(KernelConfig):
 
     def __post_init__(self):
         self.check_dtype()
-        if self.head_dim % 32 or not 32 <= self.head_dim <= 128:
-            # dQ splits the head dim between two warpgroups; halves that are not multiples
-            # of 16 (48, 80, 112) compile but fault on the H100 (2026-11-26): not yet.
-            raise ValueError(f"head_dim must be 32, 64, 96 or 128, got {self.head_dim}")
+        if self.head_dim % 16 or not 32 <= self.head_dim <= 128:
+            raise ValueError(f"head_dim must be a multiple of 16 from 32 to 128, got {self.head_dim}")
         if self.tile_m not in (64, 80) or self.tile_n != 128:
             raise ValueError("the backward supports tile_m=64 or 80, tile_n=128")
         if self.tile_m == 80 and (self.head_dim != 128 or self.causal or self.block_sparse or self.band):

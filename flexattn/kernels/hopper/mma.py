@@ -79,14 +79,17 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cu
         warpgroup.wait_group(wait)
 
 
-def stmatrix_copy(tiled_mma: cute.TiledMma, dtype, tidx, transpose: bool = False):
+def stmatrix_copy(tiled_mma: cute.TiledMma, dtype, tidx, transpose: bool = False, wg_cols: int = 16):
     """Thread `tidx`'s slice of the stmatrix copy that writes a 16-bit fragment shaped like
     `tiled_mma`'s accumulator to shared memory (`cute.copy(r2s, r2s.retile(frag),
     r2s.partition_D(smem_tile))`): the epilogues' and the backward's dS^T register stores.
     `transpose`: stmatrix .trans, for a tile stored with the fragment's *rows* contiguous
-    (partition a `transpose_view` of it)."""
+    (partition a `transpose_view` of it). `wg_cols`: the accumulator columns of one
+    warpgroup's MMA; four 8x8 matrices per store span 16 of them, so a slice that is not a
+    multiple of 16 (the backward's dQ halves at head dims 48, 80, 112) stores two at a
+    time (four would write past the tile)."""
     atom = cute.make_copy_atom(
-        cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=transpose, num_matrices=4), dtype)
+        cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=transpose, num_matrices=4 if wg_cols % 16 == 0 else 2), dtype)
     return cute.make_tiled_copy_C(atom, tiled_mma).get_slice(tidx)
 
 
