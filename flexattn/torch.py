@@ -26,10 +26,10 @@ from .blockmask import BlockMask, create_block_mask as _create_block_mask
 from .blockmask.layout import as_block_mask
 from .blockmask import DeviceArrays as BlockMaskArrays, register_device as register_block_mask_device
 from .problem.decode import decode_problem
-from .core.backward_path import BackwardArrays, backward_into
+from .core.backward_path import BackwardArrays, backward_into, prepare_backward
 from .core.decode_device import cache_arrays, check_cache_layout, decode_key, decode_workspace, kernel_step, tma_ready
-from .core.kernel_path import (Device, backward_unsupported, block_lists_to_device, forward_into, kernel_unsupported,
-                               prepare_forward)
+from .core.kernel_path import (Device, PreparedForward, backward_unsupported, block_lists_to_device, forward_into,
+                               kernel_unsupported, prepare_forward)
 from .core.prepared import HostCopies, PreparedCalls, PreparedEntry, call_key
 from .core.registry import SpecRegistry, by_id, compiled_spec, from_id, operand_grad_slots
 from .problem.kvcache import KVCache, PagedKVCache
@@ -163,7 +163,7 @@ def flex_attention(
             " flexattn.mods.document_from_offsets(offsets) (or flexattn.blockmask.varlen_block_mask(offsets) for the block mask)")
     call = (score_mod, block_mask, scale, enable_gqa, mask, score)
     prepared_key = _call_key(query, key, value, call)
-    repeated = _PREPARED.run(prepared_key, query, key, value, return_lse)
+    repeated = _PREPARED.run(prepared_key, query, key, value, return_lse, call)
     if repeated is not None:  # a call like an earlier one: checks and plan already done
         out, lse = repeated
         return (out, lse) if return_lse else out
@@ -176,7 +176,8 @@ def flex_attention(
         return (out, lse) if return_lse else out
     buffers = _score_tensors(spec.score)
     if query.is_cuda and _plain_eager(query, key, value, *buffers):
-        out, lse = _EagerAttention.apply(query, key, value, spec, shape, *buffers)
+        out, lse = _EagerAttention.apply(query, key, value, _FullStep(spec, shape), *buffers)
+        _remember(prepared_key, query, call, spec, shape)   # the next steps skip checks and planning
         return (out, lse) if return_lse else out
     spec_id = _REGISTRY.register(spec)
     out, lse = torch.ops.flexattn.attention_fwd(query, key, value, buffers, spec_id)
@@ -232,13 +233,15 @@ def _plain_eager(*tensors) -> bool:
 class _EagerAttention(torch.autograd.Function):
     """The custom ops' autograd formula for eager CUDA calls, without their dispatch: the
     same kernels, saved tensors and gradients (``_attention_fwd`` / ``_attention_bwd``).
-    Inputs: q, k, v, the spec and its checked shape, then the score mod's tensors."""
+    Inputs: q, k, v, the ``step`` that launches the kernels (``_FullStep``: checked and
+    planned this call; ``_PreparedStep``: a repeated call's prepared launches), then the
+    score mod's tensors."""
 
     @staticmethod
-    def forward(ctx, query, key, value, spec, shape, *buffers):
-        out, lse = _kernel_forward(spec, shape, query, key, value)
+    def forward(ctx, query, key, value, step, *buffers):
+        out, lse = step.forward(query, key, value)
         ctx.save_for_backward(query, key, value, out, lse, *buffers)
-        ctx.spec, ctx.shape = spec, shape
+        ctx.step = step
         ctx.grad_mask = _grad_mask(buffers)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -247,12 +250,85 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, d_out, d_lse):
         query, key, value, out, lse, *buffers = ctx.saved_tensors
         if d_out is None and d_lse is None:
-            return (None,) * (5 + len(buffers))
+            return (None,) * (4 + len(buffers))
         if d_out is None:
             d_out = torch.zeros_like(out)
-        dq, dk, dv, d_buffers = _kernel_backward(ctx.spec, ctx.shape, query, key, value, out, lse, d_out, d_lse,
-                                                 buffers, ctx.grad_mask)
-        return (dq, dk, dv, None, None, *_float_grads(buffers, d_buffers))
+        dq, dk, dv, d_buffers = ctx.step.backward(query, key, value, out, lse, d_out, d_lse, buffers, ctx.grad_mask)
+        return (dq, dk, dv, None, *_float_grads(buffers, d_buffers))
+
+
+class _FullStep:
+    """A training call checked and planned now (``_checked_call``): the kernels through
+    ``forward_into`` / ``backward_into``."""
+
+    __slots__ = ("spec", "shape")
+
+    def __init__(self, spec, shape):
+        self.spec, self.shape = spec, shape
+
+    def forward(self, query, key, value):
+        return _kernel_forward(self.spec, self.shape, query, key, value)
+
+    def backward(self, query, key, value, out, lse, d_out, d_lse, buffers, grad_mask):
+        return _kernel_backward(self.spec, self.shape, query, key, value, out, lse, d_out, d_lse, buffers, grad_mask)
+
+
+class _PreparedStep:
+    """A repeated training call (``_PreparedCall``): the forward's prepared launch, and the
+    backward's once one ran for the same deterministic setting and buffer gradients
+    (``_PreparedBackward``, attached to the entry by the first backward of this kind,
+    which runs the full path). Holds the call (its mods) for that full path; the entry
+    holds no mod."""
+
+    __slots__ = ("entry", "call")
+
+    def __init__(self, entry, call):
+        self.entry, self.call = entry, call
+
+    def forward(self, query, key, value):
+        entry = self.entry
+        out = _written_empty(entry.out_shape, dtype=entry.dtype, device=entry.device)
+        lse = _written_empty(entry.lse_shape, dtype=torch.float32, device=entry.device)
+        entry.launch(query.detach(), key.detach(), value.detach(), out, lse, None)
+        return out, lse
+
+    def backward(self, query, key, value, out, lse, d_out, d_lse, buffers, grad_mask):
+        prepared = self.entry.backward
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        if (prepared is not None and prepared.deterministic == deterministic and prepared.grad_mask == grad_mask
+                and query.device.index == torch.cuda.current_device()):
+            arrays = _backward_arrays(query, key, value, out, lse, d_out, d_lse)
+            capture_grads = prepared.launch(arrays, _backward_alloc(query.device))
+            return arrays.dq, arrays.dk, arrays.dv, _buffer_grads(prepared.tensor_slots, capture_grads, buffers)
+        spec = AttentionSpec.from_args(*self.call[:1], as_block_mask(self.call[1]), *self.call[2:])
+        shape = check_inputs(query, key, value, spec)
+        grads = _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buffers, grad_mask)
+        self.entry.backward = _PreparedBackward.make(spec, shape, query, deterministic, grad_mask)
+        return grads
+
+
+class _PreparedBackward:
+    """A ``core.backward_path.PreparedBackward`` with what the torch side reads: the
+    deterministic setting and buffer-gradient mask it was made for, and the score-capture
+    slots of the op buffers (``_buffer_grads``)."""
+
+    __slots__ = ("prepared", "deterministic", "grad_mask", "tensor_slots")
+
+    @classmethod
+    def make(cls, spec, shape, query, deterministic: bool, grad_mask: int):
+        if query.device.index != torch.cuda.current_device():
+            return None
+        prepared = prepare_backward(query, shape, spec, _forward_device(query.device), deterministic,
+                                    _grad_captures(spec, grad_mask))
+        if prepared is None:
+            return None
+        self = cls()
+        self.prepared, self.deterministic, self.grad_mask = prepared, deterministic, grad_mask
+        self.tensor_slots = _tensor_slots(spec)
+        return self
+
+    def launch(self, arrays, alloc):
+        return self.prepared.launch(arrays, alloc)
 
 
 def _records_grad(query, key, value, spec) -> bool:
@@ -631,7 +707,7 @@ def _attention_bwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         return _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buffers, grad_mask)
     grads = reference.backward(query, key, value, d_out, d_lse, spec)
     return (_like(grads.dq, query), _like(grads.dk, key), _like(grads.dv, value),
-            _buffer_grads(spec, grads.d_captures, buffers))
+            _buffer_grads(_tensor_slots(spec), grads.d_captures, buffers))
 
 
 def _grad_mask(buffers) -> int:
@@ -652,14 +728,19 @@ def _(query, key, value, out, lse, d_out, d_lse, buffers, spec_id, grad_mask):
     return new(query), new(key), new(value), [new(b) for b in buffers]
 
 
-def _buffer_grads(spec: AttentionSpec, capture_grads, buffers) -> list:
-    """Per op buffer (the score mod's tensor captures, in capture order): its gradient as a
-    tensor like it (device, dtype, shape; contiguous), zeros where there is none.
+def _tensor_slots(spec: AttentionSpec) -> tuple:
+    """The score-capture slots of the op buffers (the score mod's tensor captures)."""
+    if spec.score is None:
+        return ()
+    return tuple(i for i, c in enumerate(spec.score.captures) if isinstance(c, torch.Tensor))
+
+
+def _buffer_grads(tensor_slots: tuple, capture_grads, buffers) -> list:
+    """Per op buffer (the score mod's tensor captures, at ``tensor_slots``): its gradient as
+    a tensor like it (device, dtype, shape; contiguous), zeros where there is none.
     ``capture_grads`` is indexed by score-mod capture (numpy from the reference, fp32 CUDA
     tensors from the kernel)."""
-    if spec.score is None:
-        return []
-    by_buffer = [g for c, g in zip(spec.score.captures, capture_grads) if isinstance(c, torch.Tensor)]
+    by_buffer = [capture_grads[i] for i in tensor_slots]
     out = []
     for b, g in zip(buffers, by_buffer):
         if g is None:
@@ -771,7 +852,7 @@ def _remember(key, q, call, spec, shape) -> None:
 
 
 class _PreparedCall(PreparedEntry):
-    __slots__ = ("score_tensors", "launch", "lse_sink")
+    __slots__ = ("score_tensors", "launch", "lse_sink", "trains", "backward")
 
     def __init__(self, spec, shape, q, prepared):
         super().__init__((shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim), q.dtype, q.device,
@@ -781,24 +862,34 @@ class _PreparedCall(PreparedEntry):
         # Where the kernel's LSE goes when the caller does not want it: one buffer, never
         # read (racing writes from several streams are harmless), one allocation saved.
         self.lse_sink = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        # Training calls repeat through _PreparedStep where the forward is the flash
+        # kernel's (a short query routed to the decode kernel may decline a launch).
+        self.trains = isinstance(prepared, PreparedForward)
+        self.backward = None   # _PreparedBackward, attached by the first backward
 
-    def __call__(self, q, k, v, return_lse):
+    def __call__(self, q, k, v, return_lse, call=None):
         """``(out, lse)``, or None where the full path must run: another current device
-        (it switches devices around the launch) or a call autograd records (the custom op).
-        Each tensor's ``requires_grad`` is read once: it decides both."""
+        (it switches devices around the launch), or a call autograd records that cannot
+        take ``_PreparedStep`` (not plain eager tensors: the custom op). Each tensor's
+        ``requires_grad`` is read once: it decides both."""
         if torch.cuda.current_device() != self.device_index:
             return None
         if q.requires_grad or k.requires_grad or v.requires_grad:
             if torch.is_grad_enabled():
-                return None
+                return self._train(q, k, v, call)
             q, k, v = q.detach(), k.detach(), v.detach()   # DLPack refuses tensors that require grad
         elif self.score_tensors and torch.is_grad_enabled() and any(t.requires_grad for t in self.score_tensors):
-            return None
+            return self._train(q, k, v, call)
         out = _written_empty(self.out_shape, dtype=self.dtype, device=self.device)
         lse = _written_empty(self.lse_shape, dtype=torch.float32, device=self.device) if return_lse else self.lse_sink
         if self.launch(q, k, v, out, lse, _current_raw_stream(self.device_index)) is False:
             return None   # a routed short query on another stream than its plan's
         return out, lse
+
+    def _train(self, q, k, v, call):
+        if call is None or not self.trains or not _plain_eager(q, k, v, *self.score_tensors):
+            return None
+        return _EagerAttention.apply(q, k, v, _PreparedStep(self, call), *self.score_tensors)
 
 
 _PREPARED = PreparedCalls()   # key -> _PreparedCall
@@ -817,25 +908,11 @@ def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buf
     ``_buffer_grads``), the buffers' whose bit is set in ``grad_mask``."""
     grad_captures = _grad_captures(spec, grad_mask)
     dev = query.device
-
-    def alloc(shape_, dtype, zeroed):   # workspaces: the preprocess initializes what needs it
-        if zeroed:
-            return torch.zeros(shape_, dtype=getattr(torch, dtype), device=dev)
-        return _written_empty(shape_, dtype=getattr(torch, dtype), device=dev)
-
-    def operand(x, dtype):  # DLPack refuses tensors that require grad; gradients may be strided
-        return x.detach().to(dtype).contiguous()
-
-    arrays = BackwardArrays(
-        q=query.detach(), k=key.detach(), v=value.detach(), out=out.detach(), lse=operand(lse, torch.float32),
-        d_out=operand(d_out, query.dtype), d_lse=None if d_lse is None else operand(d_lse, torch.float32),
-        dq=_written_empty(query.shape, dtype=query.dtype, device=dev),
-        dk=_written_empty(key.shape, dtype=key.dtype, device=dev),
-        dv=_written_empty(value.shape, dtype=value.dtype, device=dev),
-    )
+    arrays = _backward_arrays(query, key, value, out, lse, d_out, d_lse)
     device = _forward_device(dev)  # TVM-FFI launches read torch's current stream (the autograd thread's)
     # torch's switch for bitwise-repeatable algorithms selects the deterministic backward
     deterministic = torch.are_deterministic_algorithms_enabled()
+    alloc = _backward_alloc(dev)
     if dev.index == torch.cuda.current_device():
         result = backward_into(arrays, shape, spec, device, alloc, deterministic=deterministic,
                                grad_captures=grad_captures)
@@ -843,7 +920,33 @@ def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buf
         with torch.cuda.device(dev):  # the launches go to the inputs' GPU
             result = backward_into(arrays, shape, spec, device, alloc, deterministic=deterministic,
                                    grad_captures=grad_captures)
-    return arrays.dq, arrays.dk, arrays.dv, _buffer_grads(spec, result.capture_grads, buffers)
+    return arrays.dq, arrays.dk, arrays.dv, _buffer_grads(_tensor_slots(spec), result.capture_grads, buffers)
+
+
+def _backward_arrays(query, key, value, out, lse, d_out, d_lse) -> BackwardArrays:
+    """The backward kernels' operands (detached, the gradients contiguous in the inputs'
+    dtype) and their freshly allocated dq, dk, dv."""
+    def operand(x, dtype):  # DLPack refuses tensors that require grad; gradients may be strided
+        return x.detach().to(dtype).contiguous()
+
+    dev = query.device
+    return BackwardArrays(
+        q=query.detach(), k=key.detach(), v=value.detach(), out=out.detach(), lse=operand(lse, torch.float32),
+        d_out=operand(d_out, query.dtype), d_lse=None if d_lse is None else operand(d_lse, torch.float32),
+        dq=_written_empty(query.shape, dtype=query.dtype, device=dev),
+        dk=_written_empty(key.shape, dtype=key.dtype, device=dev),
+        dv=_written_empty(value.shape, dtype=value.dtype, device=dev),
+    )
+
+
+def _backward_alloc(dev):
+    """The backward's allocator (``core.backward_path.Allocator``) on ``dev``: workspaces
+    the preprocess initializes are left unfilled."""
+    def alloc(shape_, dtype, zeroed):
+        if zeroed:
+            return torch.zeros(shape_, dtype=getattr(torch, dtype), device=dev)
+        return _written_empty(shape_, dtype=getattr(torch, dtype), device=dev)
+    return alloc
 
 
 class _DeviceCopies(HostCopies):

@@ -375,7 +375,15 @@ def _ffi_device(q):
     return tvm_ffi.device("cuda", int(q.__dlpack_device__()[1]))
 
 
-def _ffi_tensors(values):
+def frozen_captures(captures) -> bool:
+    """Whether captured values cannot change between launches (numbers, read-only numpy
+    arrays): prepared launches convert them once. Anything else may be updated in place
+    or rebound between calls: converted per call."""
+    return all(isinstance(c, (int, float, np.integer, np.floating))
+               or (isinstance(c, np.ndarray) and not c.flags.writeable) for c in captures)
+
+
+def ffi_tensors(values):
     """``values`` with every array converted to a ``tvm_ffi.Tensor`` once, for arguments that
     stay the same across launches: TVM-FFI passes its own tensors through, while a
     framework array is exchanged over DLPack at every call (about 4 µs each for CuPy's,
@@ -453,12 +461,9 @@ class PreparedForward:
         # cache entry die with the mods it was keyed by.
         self._kinds, self._captures = capture_kinds(plan.config.mods), plan.config.mods.captures()
         self._to_device = device.to_device
-        frozen = all(isinstance(c, (int, float, np.integer, np.floating))
-                     or (isinstance(c, np.ndarray) and not c.flags.writeable) for c in self._captures)
-        # Numbers and read-only arrays cannot change: convert once. Anything else may be
-        # updated in place or rebound between calls: convert per call.
-        self._args = (_ffi_tensors(ffi_args(self._kinds, self._captures, self._to_device)) or None) if frozen else False
-        self._lists = _ffi_tensors(_kv_lists(plan, device))
+        self._args = (ffi_tensors(ffi_args(self._kinds, self._captures, self._to_device)) or None
+                      if frozen_captures(self._captures) else False)
+        self._lists = ffi_tensors(_kv_lists(plan, device))
         # Set: launches need TVM-FFI's stream set around them (as ffi_stream_scope does).
         self._env_stream = None if device.tvm_ffi_stream else EnvStream(_ffi_device(q))
 

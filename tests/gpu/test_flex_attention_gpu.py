@@ -211,6 +211,67 @@ def test_prepared_path_leaves_recorded_calls_to_autograd():
     assert slopes.grad is not None and torch.isfinite(slopes.grad).all()
 
 
+@pytest.mark.parametrize("kind", ["documents+alibi", "causal-det"])
+def test_repeated_training_steps_take_the_prepared_path(kind, monkeypatch):
+    """Training steps repeat through the prepared forward and backward (no checks, no
+    planning after the second sighting and the first prepared backward), with fresh inputs
+    and in-place updated captures each step: gradients of q, k, v and the trainable slopes
+    against the float64 reference every step. Switching torch's deterministic setting or
+    which captures need gradients goes back through the full path once, then is prepared
+    again; entries still die with their mods."""
+    pytest.importorskip("tvm_ffi")
+    fa._PREPARED.clear()
+    full = {"check": 0, "backward": 0}
+    for name, key in (("_checked_call", "check"), ("_kernel_backward", "backward")):
+        def counted(*a, _f=getattr(fa, name), _k=key, **kw):
+            # (the CPU reference takes _checked_call too; _kernel_backward is CUDA's alone)
+            full[_k] += 1 if _k == "backward" else a[0].is_cuda
+            return _f(*a, **kw)
+        monkeypatch.setattr(fa, name, counted)
+    slopes = torch.rand(4, device="cuda", requires_grad=True)
+    score = mods.alibi(slopes)
+    S = 333
+    if kind == "documents+alibi":
+        ids = np.sort(np.random.default_rng(0).integers(0, 3, S)).astype(np.int32)
+        call = dict(score_mod=score, block_mask=fa.create_block_mask(mods.document(ids), None, None, S, S))
+    else:
+        call = dict(score_mod=score, mask=mods.causal())
+    if kind.endswith("-det"):
+        torch.use_deterministic_algorithms(True)
+    try:
+        for i in range(6):
+            if i == 4:   # the slopes leave training: another gradient mask
+                slopes.requires_grad_(False)
+            q, k, v = (torch.randn(2, 4, S, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+            with torch.no_grad():
+                slopes.copy_(torch.rand(4, device="cuda"))
+            out = fa.flex_attention(q, k, v, **call)
+            d_out = torch.randn_like(out)
+            inputs = (q, k, v) + ((slopes,) if slopes.requires_grad else ())
+            grads = torch.autograd.grad(out, inputs, d_out)
+            # against the float64 reference; the slopes' gradient given the kernel's output
+            # (as tests/gpu/test_autograd_gpu.py: it sums over every score)
+            spec = AttentionSpec.from_args(score, call.get("block_mask"), None, False, call.get("mask"), None)
+            qc, kc, vc = (t.detach().cpu() for t in (q, k, v))
+            want = reference.backward(qc, kc, vc, d_out.cpu(), None, spec=spec, out=out.detach().cpu())
+            for g, w in zip(grads, (want.dq, want.dk, want.dv) + ((want.d_captures[0],) if len(grads) > 3 else ())):
+                g, w = g.double().cpu().numpy(), np.asarray(w, dtype=np.float64)
+                rel = np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-12)
+                assert np.abs(g - w).max() <= 4e-2 * np.abs(w).max() and rel <= 1.5e-2, (i, g.shape, rel)
+            # steps 0, 1: the full path (the second sighting prepares the forward); 2: the
+            # prepared forward, a full backward that prepares the backward; 3: prepared
+            # throughout; 4: a new gradient mask: one full backward again; 5: prepared
+            assert full["check"] == min(i + 1, 2), (i, full)
+            assert full["backward"] == [1, 2, 3, 3, 4, 4][i], (i, full)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    del score, call, spec, out   # (the last step's graph holds its call)
+    import gc
+    gc.collect()
+    assert len(fa._PREPARED._entries) == 0
+
+
 def test_cuda_graph_capture_and_replay():
     """A warmed-up call (compiled, prepared) is captured into a CUDA graph; replays
     recompute from whatever the static inputs hold, mods' captured tensors included."""

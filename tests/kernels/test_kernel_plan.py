@@ -402,13 +402,13 @@ def test_prepared_launch_arguments_become_tvm_ffi_tensors():
     tensors once: TVM-FFI passes those through, where a framework array would be exchanged
     over DLPack at every launch (CuPy: ~4 µs per list, bench_overhead)."""
     tvm_ffi = pytest.importorskip("tvm_ffi")
-    from flexattn.core.kernel_path import _ffi_tensors
+    from flexattn.core.kernel_path import ffi_tensors
 
     lists = (np.arange(4, dtype=np.int32), None, 3, 0.5)
-    out = _ffi_tensors(lists)
+    out = ffi_tensors(lists)
     assert isinstance(out[0], tvm_ffi.Tensor) and tuple(out[0].shape) == (4,)
     assert out[1:] == (None, 3, 0.5)
-    assert _ffi_tensors(None) is None
+    assert ffi_tensors(None) is None
 
 
 def test_cached_plans_keep_the_ir_their_keys_name_alive():
