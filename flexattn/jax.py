@@ -354,8 +354,8 @@ class _KernelBackend:
         bm = self.plan.block_mask
         if bm is None:
             return None
-        return tuple(ops.add_once(getattr(bm, n), lambda n=n: _constant(getattr(bm, n)),
-                                  _tensor_spec(getattr(bm, n).ndim, 4)) for n in names)
+        return tuple(ops.add_once(bm.list_array(n), lambda n=n: _constant(bm.list_array(n)),
+                                  _tensor_spec(bm.list_array(n).ndim, 4)) for n in names)
 
     def _call(self, entry, make_launch, ops: _Operands, results, zeroed=()):
         """One cutlass_call: ``results`` = [(name, ShapeDtypeStruct, TensorSpec)], the

@@ -22,9 +22,10 @@ import numpy as np
 import torch
 
 from . import reference
-from .blockmask import BlockMask, create_block_mask as _create_block_mask
-from .blockmask.layout import as_block_mask
+from .blockmask import BlockMask as _CoreBlockMask, create_block_mask as _create_block_mask
+from .blockmask.layout import as_block_mask, as_class
 from .blockmask import DeviceArrays as BlockMaskArrays, register_device as register_block_mask_device
+from .problem import bounds
 from .problem.decode import decode_problem
 from .core.backward_path import BackwardArrays, backward_into, prepare_backward
 from .core.decode_device import cache_arrays, check_cache_layout, decode_key, decode_workspace, kernel_step, tma_ready
@@ -66,11 +67,28 @@ except ImportError:
         max_scores: torch.Tensor | None = None
 
 
+class BlockMask(_CoreBlockMask):
+    """flexattn's ``BlockMask`` whose index lists are torch tensors, as torch's are (int32;
+    a host-built mask's on the CPU, a GPU-built mask's on its device): what
+    ``create_block_mask``, ``BlockMask.from_kv_blocks``, slicing, ``to`` and ``update`` of
+    this module return. The kernels read the lists as kept (``list_array``)."""
+
+    def _present(self, name: str):
+        array = self._lists[name]
+        if not isinstance(array, np.ndarray):
+            return array
+        tensors = self.__dict__.setdefault("_tensors", {})
+        t = tensors.get(name)
+        if t is None:   # a copy: the host lists are read-only, and stay the kernels'
+            t = tensors[name] = torch.from_numpy(np.array(array))
+        return t
+
+
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, _compile=False,
                       separate_full_blocks: bool = True, compute_dq_write_order: bool = False,
                       dq_kv_order: bool = True) -> BlockMask:
     """torch's ``create_block_mask`` (``flexattn.blockmask.create_block_mask``: host or GPU
-    lists, torch's argument order and keywords).
+    lists, torch's argument order and keywords; the lists come back as torch tensors).
 
     Inside a function ``torch.compile`` traces, the block mask is built once, while
     compiling, and is a constant of the graph (its handle goes to ``flex_attention`` of the
@@ -81,8 +99,8 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
         _guard_numbers(mask_mod)
         return _block_mask_while_compiling(by_id(mask_mod), B, H, Q_LEN, KV_LEN,
                                            None if device is None else str(device), BLOCK_SIZE, separate_full_blocks)
-    return _create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, _compile, separate_full_blocks,
-                              compute_dq_write_order, dq_kv_order)
+    return as_class(_create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, _compile,
+                                       separate_full_blocks, compute_dq_write_order, dq_kv_order), BlockMask)
 
 
 _COMPILED_BLOCK_MASKS: list = []   # built while compiling: graphs hold their handles
@@ -359,6 +377,9 @@ def decode(query: torch.Tensor, cache, score_mod=None, mask=None, scale=None, re
     """
     call = (score_mod, None, scale, True, mask, None)
     key = None
+    if bounds.enabled():   # the debug mode: the step's reads checked, as flex_attention's
+        k, v, spec = decode_problem(query, cache, score_mod, mask, scale)
+        check_inputs(query, k, v, spec)
     if type(query) is torch.Tensor and query.is_cuda:
         key = decode_key(call, query, cache, _step_facts)
         repeated = _DECODES.run(key, query, cache, return_lse)
@@ -613,7 +634,7 @@ def _guard_numbers(*fns) -> None:
     traced code and compared with the value the compile-time trace (or block mask) saw,
     so a changed number recompiles instead of going unseen."""
     for fn in fns:
-        if fn is None or isinstance(fn, (Mod, BlockMask)):
+        if fn is None or isinstance(fn, (Mod, _CoreBlockMask)):
             continue
         for path, value in _numbers_seen(fn):
             if _follow(fn, path) != value:   # never true: dynamo's guard recompiles first

@@ -425,6 +425,57 @@ def test_vector_reads_refuse_what_they_cannot_unroll():
         mods.score_mod(lambda s, b, h, q, kv: s + torch.dot(table[h], table[h]))
 
 
+def test_block_masks_of_the_torch_module_hold_tensors():
+    """Index lists of block masks made through flexattn.torch are int32 torch tensors, as
+    torch's (create_block_mask, from_kv_blocks, slices, to, update), equal to torch's own;
+    the kernels keep reading the host arrays (list_array)."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    def mask(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 70)
+
+    ours = fa.create_block_mask(mask, 2, 3, 320, 320, BLOCK_SIZE=32)   # (torch pads a partial last row differently)
+    theirs = torch_create_block_mask(mask, 2, 3, 320, 320, device="cpu", BLOCK_SIZE=32)
+    assert isinstance(ours, fa.BlockMask) and isinstance(ours, flexattn.BlockMask)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        got = getattr(ours, name)
+        assert isinstance(got, torch.Tensor) and got.dtype == torch.int32 and got.device.type == "cpu", name
+        assert isinstance(ours.list_array(name), np.ndarray)
+        np.testing.assert_array_equal(got.numpy(), ours.list_array(name))
+    torch.testing.assert_close(ours.kv_num_blocks, theirs.kv_num_blocks)
+    torch.testing.assert_close(ours.full_kv_num_blocks, theirs.full_kv_num_blocks)
+    assert all(isinstance(x, torch.Tensor) for x in ours.as_tuple()[2:10])
+    ours.kv_indices.zero_()   # the presented tensor is a copy: the kernels' lists stay
+    assert ours.list_array("kv_indices").any()
+    derived = [ours[0], ours[:, 1], ours._adjust(200, 200), ours.to("cpu"),
+               fa.BlockMask.from_kv_blocks(theirs.kv_num_blocks, theirs.kv_indices, BLOCK_SIZE=32)]
+    for d in derived:
+        assert type(d) is fa.BlockMask and isinstance(d.kv_indices, torch.Tensor)
+    docs = fa.create_block_mask(flexattn.mods.document(torch.arange(64) // 20), None, None, 64, 64, BLOCK_SIZE=16)
+    assert isinstance(docs.update(torch.arange(64) // 30).q_indices, torch.Tensor)
+    # the core's own block masks keep numpy lists
+    assert isinstance(flexattn.create_block_mask(mask, None, None, 300, 300).kv_indices, np.ndarray)
+
+
+def test_block_masks_whose_lists_do_not_fit_the_call_are_refused_before_launch():
+    """A user-made block mask whose lists hold more (or fewer) blocks than the call's lengths
+    need would send the kernels past the ends of its rows or past the keys: a clear error
+    before any launch (CPU tensors take the same checks)."""
+    q = torch.randn(1, 2, 300, 16)
+    num = torch.ones(1, 1, 4, dtype=torch.int32)
+    idx = torch.tensor([0, 1, 2, 3], dtype=torch.int32).repeat(1, 1, 4, 1)
+    wide = fa.BlockMask.from_kv_blocks(num * 4, idx, BLOCK_SIZE=128, seq_lengths=(300, 300))   # 4 x 4 > 3 x 3
+    with pytest.raises(ValueError, match=r"lists 4 x 4 blocks of 128 x 128, but Q_LEN=300, KV_LEN=300 need 3 x 3"):
+        fa.flex_attention(q, q, q, block_mask=wide)
+    fits = fa.BlockMask.from_kv_blocks(num[..., :3] * 3, idx[..., :3, :3], BLOCK_SIZE=128, seq_lengths=(300, 300))
+    fa.flex_attention(q, q, q, block_mask=fits)
+    with pytest.raises(ValueError, match="kv_indices"):   # counts beyond the lists, indices out of range
+        fa.BlockMask.from_kv_blocks(num * 5, idx)
+    with pytest.raises(ValueError, match="kv_indices"):
+        fa.BlockMask.from_kv_blocks(num, idx + 4)
+
+
 def test_create_block_mask_keyword_arguments_as_torch():
     """create_block_mask(separate_full_blocks=False): every visited block listed as partial,
     as torch's lists; the same attention; compute_dq_write_order / dq_kv_order accepted."""

@@ -57,10 +57,8 @@ class BlockMask:
         self.from_mask = False
         self._tile_balance = _NOT_COMPUTED
         partial, fullb = states == PARTIAL, states == FULL
-        self.kv_num_blocks, self.kv_indices = _lists(partial)
-        self.full_kv_num_blocks, self.full_kv_indices = _lists(fullb)
-        self.q_num_blocks, self.q_indices = _lists(partial.swapaxes(-1, -2))
-        self.full_q_num_blocks, self.full_q_indices = _lists(fullb.swapaxes(-1, -2))
+        self._lists = dict(zip(_LIST_NAMES, (*_lists(partial), *_lists(fullb), *_lists(partial.swapaxes(-1, -2)),
+                                             *_lists(fullb.swapaxes(-1, -2)))))
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
@@ -112,9 +110,22 @@ class BlockMask:
         self._row_counts = None
         self.from_mask = False
         self._tile_balance = _NOT_COMPUTED
-        for name in _LIST_NAMES:
-            setattr(self, name, arrays[name])
+        self._lists = {name: arrays[name] for name in _LIST_NAMES}
         return self
+
+    # -- the lists -----------------------------------------------------------------------------
+    # ``kv_num_blocks`` … ``full_q_indices`` (torch's attribute names) are properties over
+    # ``_present``: the arrays as kept (numpy for host-built masks, the framework's device
+    # arrays for GPU-built ones), or as an adapter presents them (flexattn.torch: tensors).
+    # The kernels read ``list_array``, the arrays as kept (host lists are copied to the
+    # GPU once per array, which a fresh tensor per access would defeat).
+
+    def list_array(self, name: str):
+        """List ``name`` as kept: a read-only int32 numpy array, or a device array."""
+        return self._lists[name]
+
+    def _present(self, name: str):
+        return self._lists[name]
 
     def update(self, *captures) -> "BlockMask":
         """The block mask of the same mask structure with new captured values (e.g. next
@@ -124,12 +135,16 @@ class BlockMask:
         if self._rebuild is not None:
             rebuilt = self._rebuild(*captures)
             rebuilt.from_mask = self.from_mask
-            return rebuilt
+            return self._same_kind(rebuilt)
         b, h, q, kv = self.shape
         from .build import create_block_mask
 
-        return create_block_mask(self.mask_mod.with_captures(captures), b, h, q, kv,
-                                 BLOCK_SIZE=self.BLOCK_SIZE, device=None if self.device == "cpu" else self.device)
+        return self._same_kind(create_block_mask(self.mask_mod.with_captures(captures), b, h, q, kv,
+                                                 BLOCK_SIZE=self.BLOCK_SIZE,
+                                                 device=None if self.device == "cpu" else self.device))
+
+    def _same_kind(self, other: "BlockMask") -> "BlockMask":
+        return as_class(other, type(self))
 
     # -- the mask applied inside partial tiles -------------------------------------------------
     @property
@@ -178,7 +193,7 @@ class BlockMask:
             elif not isinstance(i, slice):
                 i = np.asarray(to_numpy(i)).astype(np.int64).reshape(-1)
             picked = picked[(slice(None),) * dim + (i,)]
-        sliced = BlockMask(picked, self.seq_lengths, self.BLOCK_SIZE, None)
+        sliced = type(self)(picked, self.seq_lengths, self.BLOCK_SIZE, None)
         sliced._mask_mod = None   # unset, as torch leaves it (its getter names the fix)
         return sliced
 
@@ -192,7 +207,7 @@ class BlockMask:
         adjusted = np.zeros(states.shape[:2] + (rows, cols), np.int8)
         r, c = min(rows, states.shape[2]), min(cols, states.shape[3])
         adjusted[:, :, :r, :c] = states[:, :, :r, :c]
-        out = BlockMask(adjusted, (new_q_len, new_kv_len), self.BLOCK_SIZE, None)
+        out = type(self)(adjusted, (new_q_len, new_kv_len), self.BLOCK_SIZE, None)
         out._mask_mod = self._mask_mod
         return out
 
@@ -208,6 +223,12 @@ class BlockMask:
         if self._states is None:  # GPU-built: one host copy, on demand
             self._states = np.asarray(to_numpy(self._device_states), dtype=np.int8)
         return self._states
+
+    @property
+    def num_blocks(self) -> tuple:
+        """(Q_BLOCKS, KV_BLOCKS) of the lists (without a GPU-built mask's host copy)."""
+        states = self._states if self._states is not None else self._device_states
+        return tuple(int(n) for n in states.shape[2:])
 
     def block_states(self) -> np.ndarray:
         """[B, H, Q_BLOCKS, KV_BLOCKS] int8: 0 empty, 1 partial, 2 full."""
@@ -315,11 +336,11 @@ class BlockMask:
         if arrays is None:   # the host
             if self.device == "cpu":
                 return self
-            out = BlockMask(self._host_states(), self.seq_lengths, self.BLOCK_SIZE, None)
+            out = type(self)(self._host_states(), self.seq_lengths, self.BLOCK_SIZE, None)
         else:
-            listed = {name: arrays.to_device(np.ascontiguousarray(getattr(self, name))) for name in _LIST_NAMES}
+            listed = {name: arrays.to_device(np.ascontiguousarray(self.list_array(name))) for name in _LIST_NAMES}
             listed["states"] = arrays.to_device(np.ascontiguousarray(self._host_states()))
-            out = BlockMask._on_device(listed, self.seq_lengths, self.BLOCK_SIZE, None, arrays.device)
+            out = type(self)._on_device(listed, self.seq_lengths, self.BLOCK_SIZE, None, arrays.device)
             out._states = self._host_states()
         out._mask_mod, out.from_mask = self._mask_mod, self.from_mask
         out._num_allowed = self._num_allowed
@@ -340,6 +361,23 @@ class BlockMask:
 
 
 _CONVERTED: dict = {}   # id(framework block mask) -> (weakref to it, our BlockMask)
+
+
+def as_class(block_mask: BlockMask, cls: type) -> BlockMask:
+    """``block_mask`` as ``cls``, a ``BlockMask`` subclass of an adapter that presents the
+    lists its own way and adds no state (a class swap is all it takes): the same object."""
+    if type(block_mask) is not cls:
+        block_mask.__class__ = cls
+    return block_mask
+
+
+def _list_property(name: str) -> property:
+    return property(lambda self: self._present(name), doc=f"torch's ``{name}`` (see ``BlockMask._present``).")
+
+
+for _name in _LIST_NAMES:
+    setattr(BlockMask, _name, _list_property(_name))
+del _name
 
 
 def as_block_mask(block_mask):

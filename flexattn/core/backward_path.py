@@ -91,7 +91,7 @@ def _q_lists(cfg, plan: KernelPlan, device: Device):
     names = ["q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"]
     if cfg.deterministic:
         names += ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"]
-    return tuple(device.to_device(getattr(plan.block_mask, n)) for n in names)
+    return tuple(device.to_device(plan.block_mask.list_array(n)) for n in names)
 
 
 class PreparedBackward:

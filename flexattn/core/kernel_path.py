@@ -249,7 +249,7 @@ def block_lists_to_device(spec: AttentionSpec, shape: AttentionShape, to_device:
     block_mask = kernel_block_mask(spec, shape)
     if block_mask is not None:
         for name in _LIST_NAMES:
-            to_device(getattr(block_mask, name))
+            to_device(block_mask.list_array(name))
 
 
 def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool = False) -> KernelPlan:
@@ -401,7 +401,8 @@ def _kv_lists(plan: KernelPlan, device: Device):
     bm = plan.block_mask
     if not plan.config.block_sparse:
         return None
-    return tuple(device.to_device(x) for x in (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices))
+    return tuple(device.to_device(bm.list_array(n))
+                 for n in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"))
 
 
 @functools.cache

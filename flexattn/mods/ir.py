@@ -78,12 +78,15 @@ def compute_dtype(storage_dtype: str) -> str:
 class Node:
     """One IR node. Structural equality and hashing through ``key``."""
 
-    __slots__ = ("op", "dtype", "args", "attr", "key", "_hash")
+    __slots__ = ("op", "dtype", "args", "attr", "key", "_hash", "site")
 
     def __init__(self, op: str, dtype: str, args: tuple = (), attr=None):
         self.op, self.dtype, self.args, self.attr = op, dtype, tuple(args), attr
         self.key = (op, dtype, _attr_key(attr), tuple(a.key for a in self.args))
         self._hash = None
+        # Where the user's code made this node, (file, line, function), for error messages
+        # (loads of captured buffers: problem/bounds.py); not part of the structure.
+        self.site = None
 
     def __eq__(self, other):
         return isinstance(other, Node) and self.key == other.key

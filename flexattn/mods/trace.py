@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import sys
 import threading
 import traceback
 import types
@@ -198,9 +199,11 @@ class CapturedArray:
         if len(nodes) > len(self.array.shape):
             raise TraceError(f"too many indices ({len(nodes)}) for a captured array of rank {len(self.array.shape)}")
         try:
-            return Sym(ir.load(self.ctx.buffer_ref(self.array), nodes))
+            node = ir.load(self.ctx.buffer_ref(self.array), nodes)
         except ir.IRTypeError as e:  # float index, unsupported dtype: name the user's line
             raise TraceError(str(e)) from None
+        node.site = _user_site()
+        return Sym(node)
 
     def _as_sym(self) -> "Sym":
         if self.shape != ():
@@ -212,6 +215,25 @@ class CapturedArray:
 
     def __repr__(self):
         return f"CapturedArray(shape={tuple(self.array.shape)}, dtype={self.dtype})"
+
+
+# The tracing machinery's files: a node's site is the first frame outside them.
+_MACHINERY = None
+
+
+def _user_site():
+    """(file, line, function) of the code that indexed a captured array: the innermost
+    frame outside the tracing modules (the mod function, a helper of it, a built-in)."""
+    global _MACHINERY
+    if _MACHINERY is None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        _MACHINERY = {os.path.join(here, f) for f in ("trace.py", "vectors.py", "ops.py")}
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename in _MACHINERY:
+        frame = frame.f_back
+    if frame is None:
+        return None
+    return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
 
 
 def _index_node(i, dim: int, shape) -> ir.Node:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..arrays import device_type, dtype_name
+from . import bounds
 from .spec import AttentionSpec
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -63,6 +64,8 @@ def check_inputs(q, k, v, spec: AttentionSpec) -> AttentionShape:
     shape = AttentionShape(B, Hq, Hk, Sq, Sk, D, Dv)
     if spec.block_mask is not None:
         _check_block_mask(spec.block_mask, shape)
+    if bounds.enabled():   # the debug mode: every captured-tensor read in range
+        bounds.check_capture_reads(spec, shape)
     return shape
 
 
@@ -73,6 +76,16 @@ def _check_block_mask(bm, shape: AttentionShape):
             f"block_mask was built for Q_LEN={bq}, KV_LEN={bkv} but the inputs have"
             f" Q_LEN={shape.q_len}, KV_LEN={shape.kv_len}"
         )
+    # Lists with other block counts than the lengths need (from_kv_blocks with its own
+    # seq_lengths, a slice) would make the kernels read rows past their ends or visit
+    # tiles past the keys: an error here, before any launch.
+    (qb, kvb), grid = bm.BLOCK_SIZE, bm.num_blocks
+    need = (-(-shape.q_len // qb), -(-shape.kv_len // kvb))
+    if grid != need:
+        raise ValueError(
+            f"block_mask lists {grid[0]} x {grid[1]} blocks of {qb} x {kvb}, but Q_LEN={shape.q_len},"
+            f" KV_LEN={shape.kv_len} need {need[0]} x {need[1]}: build it for these lengths (or"
+            " block_mask._adjust(Q_LEN, KV_LEN))")
     if bb not in (1, shape.batch):
         raise ValueError(f"block_mask batch size {bb} must be 1 or {shape.batch}")
     if bh not in (1, shape.q_heads):

@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("cutlass")
 
+import flexattn  # noqa: E402
 import flexattn.torch as fa  # noqa: E402
 from flexattn import mods, reference  # noqa: E402
 from flexattn.core import AttentionSpec, check_inputs  # noqa: E402
@@ -270,6 +271,25 @@ def test_repeated_training_steps_take_the_prepared_path(kind, monkeypatch):
     import gc
     gc.collect()
     assert len(fa._PREPARED._entries) == 0
+
+
+def test_bounds_checked_debug_mode_on_the_gpu():
+    """With flexattn.check_bounds(), a CUDA call whose score mod reads past its table is an
+    IndexError naming the read before any launch, repeated or not; in range it runs the
+    kernel and matches the unchecked call."""
+    bias = torch.randn(4, 2 * 200 - 2, device="cuda")    # one short for q - kv + 199
+    q, k, v = (torch.randn(1, 4, 200, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx - kv_idx + 199]
+
+    ok = mods.alibi(torch.rand(4, device="cuda"))
+    want = fa.flex_attention(q, k, v, score_mod=ok)
+    with flexattn.check_bounds():
+        for _ in range(3):   # repeated: the prepared path declines while checking
+            with pytest.raises(IndexError, match=r"relative.*index 398 along dim 1.*q=199, kv=0"):
+                fa.flex_attention(q, k, v, score_mod=relative)
+            torch.testing.assert_close(fa.flex_attention(q, k, v, score_mod=ok), want)
 
 
 def test_cuda_graph_capture_and_replay():
