@@ -16,6 +16,9 @@ and each kernel is shorter than the host time), after warm-up (compiles, caches)
   sdpa             torch scaled_dot_product_attention (its default backend choice)
 
     python3 benchmarks/bench_overhead.py [--shape 1x128x4x64] [--calls 200] [--out overhead.json]
+
+``--train``: host time per *training step* instead (the call, then ``torch.autograd.grad`` of
+q, k, v: forward and backward kernels, autograd's bookkeeping), for the torch-side columns.
 """
 
 import argparse
@@ -158,6 +161,20 @@ def sdpa(qh, kh, vh, variant, S):
 
 
 IMPLS = ("flexattn/torch", "flexattn/cupy", "flexattn/jax", "jax x+1", "fa4", "flex", "sdpa")
+TRAIN_IMPLS = ("flexattn/torch", "fa4", "flex", "sdpa")
+
+
+def training_step(fn, inputs):
+    """A training step of ``fn``'s call: the forward, then the gradients of ``inputs``."""
+    grad = []
+
+    def step():
+        out = fn()
+        out = out[0] if isinstance(out, tuple) else out
+        if not grad:
+            grad.append(torch.randn_like(out))
+        return torch.autograd.grad(out, inputs, grad[0])
+    return step
 
 
 def main():
@@ -168,14 +185,19 @@ def main():
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--out", default=None)
     ap.add_argument("--record", action="store_true", help=RECORD_HELP)
+    ap.add_argument("--train", action="store_true", help="host time per training step (forward + backward)")
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     args = ap.parse_args()
     B, S, H, D = map(int, args.shape.split("x"))
     dtype = getattr(torch, args.dtype)
-    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=dtype) for _ in range(3))   # [B, S, H, D]
-    qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))                    # [B, H, S, D]
+    train = args.train
+    impls = TRAIN_IMPLS if train else IMPLS
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=dtype, requires_grad=train)
+               for _ in range(3))                                                          # [B, S, H, D]
+    qh, kh, vh = (t.detach().transpose(1, 2).contiguous().requires_grad_(train) for t in (q, k, v))   # [B, H, S, D]
     fns = {}
-    with torch.no_grad():
-        for variant in VARIANTS:
+    with torch.set_grad_enabled(train):
+        for variant in args.variants:
             makers = {"flexattn/torch": lambda: ours_torch(qh, kh, vh, variant, S),
                       "flexattn/cupy": lambda: ours_cupy(qh, kh, vh, variant, S),
                       "flexattn/jax": lambda: ours_jax(qh, kh, vh, variant, S),
@@ -184,8 +206,12 @@ def main():
                       "flex": lambda: flex(qh, kh, vh, variant, S),
                       "sdpa": lambda: sdpa(qh, kh, vh, variant, S)}
             for impl, make in makers.items():
+                if impl not in impls:
+                    continue
                 try:
                     fn = make()
+                    if fn is not None and train:
+                        fn = training_step(fn, (q, k, v) if impl == "fa4" else (qh, kh, vh))
                     if fn is not None:
                         warm_up(fn)
                         fns[variant, impl] = fn
@@ -194,21 +220,22 @@ def main():
                     traceback.print_exc(limit=1)
         best = best_of_interleaved(fns, args.calls, args.rounds)
     rows = []
-    for variant in VARIANTS:
-        res = {impl: best[variant, impl] for impl in IMPLS if (variant, impl) in best}
+    for variant in args.variants:
+        res = {impl: best[variant, impl] for impl in impls if (variant, impl) in best}
         rows.append({"variant": variant, "host_us": res})
         print(variant, {i: f"{t:.1f} / {c:.1f}" for i, (t, c) in res.items()}, flush=True)
 
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"Host µs per call, wall / thread CPU time (submit-only loop, best of {args.rounds} interleaved"
+    what = "training step (forward + autograd.grad)" if train else "call"
+    lines = [f"Host µs per {what}, wall / thread CPU time (submit-only loop, best of {args.rounds} interleaved"
              f" rounds × {args.calls}),"
              f" B{B} S{S} H{H} D{D} {args.dtype}, {device_name()}, {stamp}.", "",
-             "| variant | " + " | ".join(IMPLS) + " |", "|---|" + "---|" * len(IMPLS)]
+             "| variant | " + " | ".join(impls) + " |", "|---|" + "---|" * len(impls)]
     for r in rows:
         lines.append(f"| {r['variant']} | " + " | ".join(
-            "{:.1f} / {:.1f}".format(*r["host_us"][i]) if i in r["host_us"] else "n/a" for i in IMPLS) + " |")
+            "{:.1f} / {:.1f}".format(*r["host_us"][i]) if i in r["host_us"] else "n/a" for i in impls) + " |")
     report("\n".join(lines), rows, args.out, stamp)
-    if args.record:
+    if args.record and not train:   # (the host log's rows are per inference call)
         append_rows("host", host_rows(rows, f"B{B} S{S} H{H} D{D}", args.dtype), script="bench_overhead.py",
                     device=device_name(), date=stamp)
 
