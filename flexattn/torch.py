@@ -154,10 +154,10 @@ def flex_attention(
     ``max_scores`` [B, Hq, Q] is each row's max of the scaled, modded, masked scores (-inf
     where a row sees nothing), from the forward kernel itself on the GPU; not differentiable.
 
-    Under ``torch.compile`` (``fullgraph=True`` works) a plain ``score_mod`` may read
-    tensors from its globals, closure cells (closures made outside the compiled function)
-    or defaults, and those of its helper functions: they become graph inputs (gradients,
-    no recompiles). Other mods that capture tensors must be values built outside the
+    Under ``torch.compile`` (``fullgraph=True`` works) a plain ``score_mod`` or ``mask=``
+    function may read tensors from its globals, closure cells (closures made outside the
+    compiled function) or defaults, and those of its helper functions: they become graph
+    inputs (the score's get gradients; no recompiles). Other mods that capture tensors must be values built outside the
     compiled function (``ScoreMod``/``MaskMod``, e.g. in a module's ``__init__``); their
     captured tensors (parameters) still get gradients. Block masks may be built outside,
     or inside with ``create_block_mask`` (see there).
@@ -547,9 +547,10 @@ def _compiled_op_inputs(call) -> tuple:
     dynamo sees them."""
     score_mod, block_mask, scale, enable_gqa, mask, score = call
     _guard_numbers(score_mod, mask, score)
-    spec_id, sources = _prepare_for_compile(by_id(score_mod), by_id(block_mask), scale, enable_gqa, by_id(mask),
-                                            by_id(score))
-    return _compiled_score_tensors(score if score is not None else score_mod, sources), spec_id
+    spec_id, sources, mask_sources = _prepare_for_compile(by_id(score_mod), by_id(block_mask), scale, enable_gqa,
+                                                          by_id(mask), by_id(score))
+    mask_tensors = [_follow(mask, path) for path in mask_sources]
+    return _compiled_score_tensors(score if score is not None else score_mod, sources) + mask_tensors, spec_id
 
 
 def _compiled_score_tensors(the_score, sources) -> list:
@@ -575,8 +576,8 @@ def _follow(fn, path):
     return obj
 
 
-def _tensor_sources(fn, score) -> tuple:
-    """Where a plain score function keeps each tensor its trace captured (capture order):
+def _tensor_sources(fn, mod, role: str = "score_mod") -> tuple:
+    """Where a plain mod function keeps each tensor its trace captured (capture order):
     a path of ("cell", i) / ("global", name) / ("default", i) steps from the function,
     through helper functions it calls (as tracing follows them); a TypeError for tensors it
     reaches otherwise (through an object's attribute)."""
@@ -585,14 +586,15 @@ def _tensor_sources(fn, score) -> tuple:
         if _is_tensor(value):
             reachable.setdefault(id(value), path)
     sources = []
-    for c in score.captures:
+    for c in mod.captures:
         if not _is_tensor(c):
             continue
         path = reachable.get(id(c))
         if path is None:
-            raise TypeError("under torch.compile, a score_mod= function reads a tensor that is not one of its"
+            maker = "score_mod" if role == "score_mod" else "mask_mod"
+            raise TypeError(f"under torch.compile, a {role}= function reads a tensor that is not one of its"
                             " (or its helpers') closure variables, globals or defaults (e.g. self.bias): make it a"
-                            " mod value outside the compiled function (flexattn.score_mod(fn), e.g. in __init__)")
+                            f" mod value outside the compiled function (flexattn.{maker}(fn), e.g. in __init__)")
         sources.append(path)
     return tuple(sources)
 
@@ -645,16 +647,20 @@ def _guard_numbers(*fns) -> None:
 def _prepare_for_compile(score_mod, block_mask, scale, enable_gqa, mask, score) -> tuple:
     """Trace/normalize the non-tensor arguments into a pinned registry entry (plain Python:
     dynamo calls this on the real objects at compile time and bakes in the result):
-    ``(spec id, tensor sources)``, the sources (``_tensor_sources``) where the score mod
-    is a plain function capturing tensors, else (). Mods and block masks arrive as
+    ``(spec id, score tensor sources, mask tensor sources)``, the sources
+    (``_tensor_sources``) where the score mod / the mask is a plain function capturing
+    tensors, else (): the mask's then travel as op inputs after the score's (the registry
+    entry's ``masks``). Mods and block masks arrive as
     ``core.registry.by_id`` made them: some torch versions (2.11) hand an
     ``assume_constant_result`` function only constants, never user objects; dynamo
     evaluates id() of an object at compile time and guards on its identity (ID_MATCH)."""
     spec = compiled_spec(score_mod, block_mask, scale, enable_gqa, mask, score, _is_tensor, "torch.compile",
-                         function_operands=("score_mod", "score"))
+                         function_operands=("score_mod", "score", "mask"))
     fn = from_id(score if score is not None else score_mod)
     sources = () if fn is None or isinstance(fn, Mod) else _tensor_sources(fn, spec.score)
-    return _REGISTRY.register(spec, pin=True), sources
+    mask_fn = from_id(mask)
+    mask_sources = () if mask_fn is None or isinstance(mask_fn, Mod) else _tensor_sources(mask_fn, spec.mask, "mask")
+    return _REGISTRY.register(spec, pin=True, masks=bool(mask_sources)), sources, mask_sources
 
 
 def _score_tensors(score) -> list:
@@ -677,7 +683,7 @@ _REGISTRY = SpecRegistry(_is_tensor)   # the non-tensor half of each op call (co
 def _attention_fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, buffers: list[torch.Tensor],
                    spec_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse): the kernel for CUDA tensors, the reference for CPU ones."""
-    spec = _REGISTRY.get(spec_id).bind(buffers)
+    spec = _REGISTRY.bind_operands(spec_id, buffers)
     if query.is_cuda:
         return _kernel_forward(spec, check_inputs(query, key, value, spec), query, key, value)
     out, lse = reference.forward(query, key, value, spec)
@@ -698,7 +704,7 @@ def _attention_fwd_fake(query, key, value, buffers, spec_id):
 def _attention_fwd_max(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, buffers: list[torch.Tensor],
                        spec_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, lse, max_scores): ``attention_fwd`` plus each row's max score."""
-    spec = _REGISTRY.get(spec_id).bind(buffers)
+    spec = _REGISTRY.bind_operands(spec_id, buffers)
     if query.is_cuda:
         return _kernel_forward(spec, check_inputs(query, key, value, spec), query, key, value, want_max=True)
     out, lse, max_scores = reference.forward(query, key, value, spec, max_scores=True)
@@ -722,7 +728,7 @@ def _attention_bwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     reference recomputes its own). ``d_buffers[i]`` is zeros for buffers without a gradient
     and for those whose bit in ``grad_mask`` is clear (not requiring grad: the kernel then
     skips their gradient entirely). All outputs are contiguous."""
-    spec = _REGISTRY.get(spec_id).bind(buffers)
+    spec = _REGISTRY.bind_operands(spec_id, buffers)
     shape = check_inputs(query, key, value, spec)
     if query.is_cuda:
         return _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buffers, grad_mask)
@@ -761,7 +767,8 @@ def _buffer_grads(tensor_slots: tuple, capture_grads, buffers) -> list:
     a tensor like it (device, dtype, shape; contiguous), zeros where there is none.
     ``capture_grads`` is indexed by score-mod capture (numpy from the reference, fp32 CUDA
     tensors from the kernel)."""
-    by_buffer = [capture_grads[i] for i in tensor_slots]
+    # (buffers past the score's: a compiled call's mask tensors, never differentiated)
+    by_buffer = [capture_grads[i] for i in tensor_slots] + [None] * (len(buffers) - len(tensor_slots))
     out = []
     for b, g in zip(buffers, by_buffer):
         if g is None:

@@ -197,6 +197,50 @@ def test_functions_capturing_tensors_compile_as_graph_inputs():
         torch.compile(via_attribute, backend="aot_eager", fullgraph=True)(*_qkv(3, grad=False))
 
 
+_DOCS = (torch.arange(S) // 13).to(torch.int32)
+
+
+def test_mask_functions_reading_tensors_compile_as_graph_inputs():
+    """A plain mask function reading tensors from its globals, a closure made outside or its
+    defaults (with a trainable score beside it): one graph, the eager values and gradients,
+    and new values — updated in place or a global rebound to another tensor — seen
+    without recompiling."""
+    global _DOCS
+
+    def make(limit):
+        def in_doc(b, h, q_idx, kv_idx, shift=torch.tensor([0], dtype=torch.int64)):
+            return (_DOCS[q_idx] == _DOCS[kv_idx]) & (kv_idx <= q_idx + limit[0] + shift[0])
+        return in_doc
+
+    limit = torch.tensor([3])
+    mask = make(limit)
+    bias = torch.rand(H, dtype=torch.float64, requires_grad=True)
+    score = lambda s, b, h, qi, ki: s + bias[h]  # noqa: E731
+
+    def step(q, k, v):
+        return fa.flex_attention(q, k, v, score_mod=score, mask=mask)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    q, k, v = _qkv(4)
+    got = compiled(q, k, v)
+    want = step(q, k, v)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(_grads(got.square().sum(), (q, k, v, bias)), _grads(want.square().sum(), (q, k, v, bias))):
+        torch.testing.assert_close(a, b)
+    limit.fill_(-2)                                   # in place
+    torch.testing.assert_close(compiled(q, k, v), step(q, k, v))
+    old = _DOCS
+    _DOCS = (torch.arange(S) // 7).to(torch.int32)     # rebound
+    try:
+        torch.testing.assert_close(compiled(q, k, v), step(q, k, v))
+        assert not torch.equal(compiled(q, k, v), fa.flex_attention(
+            q, k, v, score_mod=score, mask=lambda b, h, qi, ki: (old[qi] == old[ki]) & (ki <= qi - 2)))
+    finally:
+        _DOCS = old
+    assert counter.frame_count == 1
+
+
 def test_dynamic_sequence_lengths():
     mask = mods.sliding_window(5)
     f = torch.compile(lambda q, k, v: fa.flex_attention(q, k, v, mask=mask), backend="aot_eager",

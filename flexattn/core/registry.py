@@ -41,15 +41,18 @@ class SpecRegistry:
         self._lru: collections.OrderedDict = collections.OrderedDict()
         self._next = 0
 
-    def register(self, spec: AttentionSpec, pin: bool = False) -> int:
-        key = spec_key(spec, self.is_operand)
+    def register(self, spec: AttentionSpec, pin: bool = False, masks: bool = False) -> int:
+        """The id of ``spec``'s entry. ``masks``: the element mask's operands travel as op
+        inputs too, after the score's (``bind_operands``), as a compiled call's plain mask
+        function reading tensors needs."""
+        key = spec_key(spec, self.is_operand, masks)
         with self._lock:
             spec_id = self._by_key.get(key)
             if spec_id is None:
                 spec_id, self._next = self._next, self._next + 1
                 self._by_key[key] = spec_id
-                # without the score mod's operands: the registry must not keep them alive
-                self._specs[spec_id] = spec.template(self.is_operand)[0]
+                # without the operands: the registry must not keep them alive
+                self._specs[spec_id] = spec.template(self.is_operand, masks)[0]
             if pin:
                 self._pinned.add(spec_id)
                 self._lru.pop(spec_id, None)
@@ -66,6 +69,13 @@ class SpecRegistry:
             return self._specs[spec_id]
         except KeyError:
             raise RuntimeError(f"flexattn: attention spec #{spec_id} is no longer registered") from None
+
+    def bind_operands(self, spec_id: int, operands) -> AttentionSpec:
+        """Entry ``spec_id`` with an op call's operands put back: the score mod's first (one
+        per operand slot of its template), then the element mask's (``register(masks=)``)."""
+        template = self.get(spec_id)
+        n = len(template.operand_slots())
+        return template.bind(operands[:n], operands[n:])
 
     def __len__(self):
         return len(self._specs)
@@ -130,11 +140,11 @@ def _mod_key(mod, operands: bool, is_operand: Callable):
     return (mod.structure_key, tuple(_capture_key(c, operands, is_operand) for c in mod.captures))
 
 
-def spec_key(spec: AttentionSpec, is_operand: Callable):
+def spec_key(spec: AttentionSpec, is_operand: Callable, masks: bool = False):
     """The registry's key of ``spec``: score captures for which ``is_operand`` holds count
-    as slots, mask captures by identity (they are never op inputs)."""
-    return (_mod_key(spec.score, True, is_operand), _mod_key(spec.mask, False, is_operand),
-            None if spec.block_mask is None else id(spec.block_mask), spec.scale, spec.enable_gqa)
+    as slots, mask captures by identity (slots too with ``masks``: op inputs then)."""
+    return (_mod_key(spec.score, True, is_operand), _mod_key(spec.mask, masks, is_operand),
+            None if spec.block_mask is None else id(spec.block_mask), spec.scale, spec.enable_gqa, masks)
 
 
 __all__ = ["SpecRegistry", "by_id", "compiled_spec", "from_id", "operand_grad_slots", "spec_key"]
