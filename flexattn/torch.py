@@ -157,10 +157,10 @@ def flex_attention(
     Under ``torch.compile`` (``fullgraph=True`` works) a plain ``score_mod`` or ``mask=``
     function may read tensors from its globals, closure cells (closures made outside the
     compiled function) or defaults, and those of its helper functions: they become graph
-    inputs (the score's get gradients; no recompiles). Other mods that capture tensors must be values built outside the
-    compiled function (``ScoreMod``/``MaskMod``, e.g. in a module's ``__init__``); their
-    captured tensors (parameters) still get gradients. Block masks may be built outside,
-    or inside with ``create_block_mask`` (see there).
+    inputs (the score's get gradients; no recompiles). Other mods that capture tensors
+    must be values built outside the compiled function (``ScoreMod``/``MaskMod``, e.g. in
+    a module's ``__init__``); their captured tensors (parameters) still get gradients.
+    Block masks may be built outside, or inside with ``create_block_mask`` (see there).
     """
     if return_aux is not None:
         if return_lse:
@@ -225,8 +225,7 @@ def _checked_call(query, key, value, call, kernel_options):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if kernel_options is not None and not isinstance(kernel_options, dict):
         raise TypeError(f"kernel_options must be a dict or None, got {type(kernel_options).__name__}")
-    score_mod, block_mask, scale, enable_gqa, mask, score = call
-    spec = AttentionSpec.from_args(score_mod, as_block_mask(block_mask), scale, enable_gqa, mask, score)
+    spec = _spec_of(call)
     shape = check_inputs(query, key, value, spec)
     records = False
     if query.is_cuda:
@@ -235,6 +234,12 @@ def _checked_call(query, key, value, call, kernel_options):
         if reason:
             raise ValueError(f"{reason} (CPU tensors run the exact reference for anything else)")
     return spec, shape, records
+
+
+def _spec_of(call) -> AttentionSpec:
+    """The spec of ``call = (score_mod, block_mask, scale, enable_gqa, mask, score)``."""
+    score_mod, block_mask, scale, enable_gqa, mask, score = call
+    return AttentionSpec.from_args(score_mod, as_block_mask(block_mask), scale, enable_gqa, mask, score)
 
 
 def _plain_eager(*tensors) -> bool:
@@ -318,7 +323,7 @@ class _PreparedStep:
             arrays = _backward_arrays(query, key, value, out, lse, d_out, d_lse)
             capture_grads = prepared.launch(arrays, _backward_alloc(query.device))
             return arrays.dq, arrays.dk, arrays.dv, _buffer_grads(prepared.tensor_slots, capture_grads, buffers)
-        spec = AttentionSpec.from_args(*self.call[:1], as_block_mask(self.call[1]), *self.call[2:])
+        spec = _spec_of(self.call)
         shape = check_inputs(query, key, value, spec)
         grads = _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buffers, grad_mask)
         self.entry.backward = _PreparedBackward.make(spec, shape, query, deterministic, grad_mask)
