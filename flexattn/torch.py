@@ -1,7 +1,8 @@
 """PyTorch adapter: ``flexattn.torch.flex_attention`` with torch's signature and autograd.
 
-Tensors in, tensors out, on the caller's device and dtype. CUDA tensors (bf16/fp16, head
-dim 64/128) run the CuTeDSL Hopper kernels on the current stream, forward and backward;
+Tensors in, tensors out, on the caller's device and dtype. CUDA tensors (bf16/fp16; head
+dims: see ``core.kernel_path``) run the CuTeDSL Hopper kernels on the current stream,
+forward and backward;
 CPU tensors run the exact numpy reference. Gradients flow to query, key, value and to
 captured float tensors of score mods (trainable biases, slopes, tables).
 
@@ -368,11 +369,12 @@ def decode(query: torch.Tensor, cache, score_mod=None, mask=None, scale=None, re
 
     ``query`` [B, Hq, q_len, D] holds the last q_len tokens of each sequence (append their
     K/V to the cache first); mods see true positions; GQA is implicit. CUDA inputs with
-    q_len <= 16 run the split-KV decode kernel (GQA heads packed, pages read in place,
+    q_len <= 16 that the kernel takes (``decode_device.kernel_step``: bf16/fp16, head dims
+    64/128, pages it reads in place) run the split-KV decode kernel (GQA heads packed,
     blocks past each sequence's length or before its mask's first key skipped; inference
     only — with autograd recording, the step goes through ``flex_attention``); anything
-    else is an ordinary attention problem (the CPU reference on CPU tensors; paged caches
-    then gathered into logical order).
+    else is an ordinary attention problem (the forward kernel on CUDA tensors, the CPU
+    reference on CPU ones; paged caches then gathered into logical order).
 
     A step like an earlier one — the same mod objects (``Mod`` values), scale, cache type,
     query / K / V / page-table / lengths metadata, device and current stream — skips the

@@ -229,3 +229,25 @@ def test_staging_ring_never_rewrites_a_slot_in_flight():
         stream.run(int(rng.integers(0, 3)))      # the GPU lags, sometimes far behind
     stream.run()
     assert ring.slot_bytes == 64 and any(w > 0 for w in waits)   # grew; the host did wait at times
+
+
+def test_steps_the_decode_kernel_cannot_take_are_attention_problems():
+    """kernel_step: the split-KV kernel takes bf16/fp16 steps of at most 16 tokens at head
+    dims 64 / 128 with pages it reads in place; other steps (head dim 96, pages of 48,
+    float32) are ordinary attention problems (the forward kernel on the GPU)."""
+    from flexattn.core.decode_device import kernel_step
+
+    lens = torch.tensor([5], dtype=torch.int32)
+
+    def contiguous(D, dtype=torch.bfloat16, q_len=1):
+        k = torch.zeros(1, 2, 64, D, dtype=dtype)
+        return torch.zeros(1, 4, q_len, D, dtype=dtype), KVCache(k, k.clone(), lens)
+
+    assert kernel_step(*contiguous(128)) and kernel_step(*contiguous(64))
+    assert not kernel_step(*contiguous(96)) and not kernel_step(*contiguous(256))
+    assert not kernel_step(*contiguous(128, torch.float32)) and not kernel_step(*contiguous(128, q_len=17))
+    table = torch.zeros(1, 4, dtype=torch.int32)
+    for page, takes in ((64, True), (16, True), (48, False)):
+        pages = torch.zeros(4, page, 2, 128, dtype=torch.bfloat16)
+        q = torch.zeros(1, 4, 1, 128, dtype=torch.bfloat16)
+        assert kernel_step(q, PagedKVCache(pages, pages.clone(), table, lens)) is takes, page

@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from ..problem.kvcache import KVCache, PagedKVCache
-from .decode_path import DECODE_MAX_Q_LEN, DecodeWorkspace, StagingRing
+from .decode_path import DECODE_MAX_Q_LEN, DecodeWorkspace, StagingRing, decode_unsupported
 from .prepared import call_identity
 
 _WORKSPACES: dict = {}
@@ -132,9 +132,14 @@ def tma_ready(strides) -> bool:
 
 def kernel_step(q, cache) -> bool:
     """Whether a decode step is the split-KV kernel's to take (a 4-D query of at most
-    ``DECODE_MAX_Q_LEN`` tokens, a cache with host lengths); else it is an ordinary
-    attention problem (``problem.decode.decode_problem``)."""
-    return len(q.shape) == 4 and q.shape[2] <= DECODE_MAX_Q_LEN and hasattr(cache, "host_lengths")
+    ``DECODE_MAX_Q_LEN`` tokens, a cache with host lengths, arrays the kernel reads:
+    ``decode_path.decode_unsupported``); else it is an ordinary attention problem
+    (``problem.decode.decode_problem``: on the GPU the forward kernel, which takes the head
+    dims the decode kernel does not, and whose checks have the last word)."""
+    if not (len(q.shape) == 4 and q.shape[2] <= DECODE_MAX_Q_LEN and hasattr(cache, "host_lengths")):
+        return False
+    k, v, table = cache_arrays(cache)
+    return decode_unsupported(q, k, v, cache.page_size if table is not None else 0) is None
 
 
 def cache_arrays(cache) -> tuple:

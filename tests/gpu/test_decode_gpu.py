@@ -322,16 +322,25 @@ def test_adapter_stepping_never_recompiles():
     assert counts[-1] == counts[1], counts
 
 
-def test_adapter_errors_before_launch():
+def test_adapter_takes_the_attention_path_where_the_decode_kernel_cannot():
+    """Steps the decode kernel cannot take — head dims other than 64 / 128, pages of 48
+    keys — run as the ordinary attention problem (the forward kernel, on the logical K/V)
+    instead of failing: against the float64 reference, causal, with ALiBi. The direct
+    kernel entry (decode_into) still refuses them before any launch."""
+    torch.manual_seed(3)
+    mask, score, mask_fn, score_fn = variant("alibi", 8)
+    for D, page_size in ((96, 0), (80, 0), (256, 0), (128, 48)):
+        lengths = [150, 96]
+        cache, k, v = make_cache(2, 2, 192, D, lengths, torch.bfloat16, page_size)
+        q = torch.randn(2, 8, 3, D, device=DEV, dtype=torch.bfloat16)
+        out, lse = fa.decode(q, cache, score_mod=score, mask=mask, return_lse=True)
+        want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), score_fn, mask_fn)
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
     q = torch.randn(1, 4, 1, 96, device=DEV, dtype=torch.bfloat16)
     k = torch.zeros(1, 2, 64, 96, device=DEV, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="head dims"):
-        fa.decode(q, fa.KVCache(k, k.clone(), torch.tensor([5], dtype=torch.int32)))
-    pages = torch.zeros(4, 48, 2, 128, device=DEV, dtype=torch.bfloat16)
-    q = torch.randn(1, 4, 1, 128, device=DEV, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="page"):
-        fa.decode(q, fa.PagedKVCache(pages, pages.clone(), torch.zeros(1, 4, dtype=torch.int32, device=DEV),
-                                     torch.tensor([5], dtype=torch.int32)))
+        run_kernel(q, fa.KVCache(k, k.clone(), torch.tensor([5], dtype=torch.int32)), None, None, 132)
 
 
 def test_long_cache_many_splits():
