@@ -421,15 +421,32 @@ class DecodeLaunch:
         self._decode()
 
 
-def _row_blocks(q_heads: int, kv_heads: int, q_len: int, tuning: DecodeTuning) -> tuple:
+def _row_blocks(q_heads: int, kv_heads: int, q_len: int, tuning: DecodeTuning, head_dim: int = 128) -> tuple:
     """(consumer warpgroups, row blocks, tuning) of a step: a GQA group's query rows
     (heads x q_len) packed into 64-row warpgroups, two when they exceed 64, and then one
-    CTA per SM."""
+    CTA per SM; the tuning fitted to the head dim (``fit_head_dim``)."""
     group_rows = (q_heads // kv_heads) * q_len
     num_mma_wg = 1 if group_rows <= 64 else 2
     if num_mma_wg > 1 and tuning.ctas_per_sm > 1:   # two consumer warpgroups: one CTA per SM
         tuning = ONE_CTA_TUNING
-    return num_mma_wg, -(-group_rows // (64 * num_mma_wg)), tuning
+    return num_mma_wg, -(-group_rows // (64 * num_mma_wg)), fit_head_dim(tuning, head_dim, num_mma_wg)
+
+
+def fit_head_dim(tuning: DecodeTuning, head_dim: int, num_mma_wg: int = 1) -> DecodeTuning:
+    """``tuning`` (sized for head dims up to 128) for a wider head: one CTA per SM with as
+    many K/V bytes in flight as ``ONE_CTA_TUNING`` at head dim 128 (fewer, wider stages),
+    as many stages as shared memory holds beside the Q tile; no pair-cluster merge where
+    the ring cannot hold a split's fp32 O tile (``DecodeConfig``'s rule)."""
+    if head_dim <= 128:
+        return tuning
+    from ..kernels.decode.sm90 import DecodeConfig
+
+    tile_m = 64 * num_mma_wg
+    stages = max(1, ONE_CTA_TUNING.num_stages * 128 // head_dim)
+    while stages > 1 and DecodeConfig.smem_for(head_dim, tile_m, tuning.tile_n, stages) > DecodeConfig.smem_limit_for(1):
+        stages -= 1
+    return dataclasses.replace(tuning, num_stages=stages, ctas_per_sm=1,
+                               cluster_merge=tuning.cluster_merge and stages * tuning.tile_n >= 2 * tile_m)
 
 
 def _with_launch(config, tuning: DecodeTuning, cluster: int):
@@ -491,7 +508,7 @@ class DecodePlan:
         self.q_len, self.batch = q_len, B
         self.workspace = workspace   # held: its id in the plan's key is never reused meanwhile
         self.lock = workspace.lock
-        num_mma_wg, self.m_blocks, tuning = _row_blocks(Hq, self.kv_heads, q_len, tuning)
+        num_mma_wg, self.m_blocks, tuning = _row_blocks(Hq, self.kv_heads, q_len, tuning, D)
         self.tuning = tuning
         self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
         self.part_shapes = ((B, Hq, q_len, D), (B, Hq, q_len))
@@ -765,7 +782,7 @@ def fixed_length_launch(q_shape, kv_heads: int, kv_len: int, dtype: str, mods: D
     if mods.true_positions:
         raise ValueError("fixed_length_launch takes queries at flex_attention's positions")
     B, Hq, q_len, D = (int(x) for x in q_shape)
-    num_mma_wg, m_blocks, tuning = _row_blocks(Hq, kv_heads, q_len, DEFAULT_TUNING)
+    num_mma_wg, m_blocks, tuning = _row_blocks(Hq, kv_heads, q_len, DEFAULT_TUNING, D)
     base = None if mods.mask is None else as_mask(mods.mask, "mask")
     mask = None if _is_full(base) else base
     score = None if mods.score_mod is None else as_score(mods.score_mod, "score_mod")
@@ -803,7 +820,7 @@ def decode_into(q, cache, out, lse, site: DecodeSite, mods: DecodeMods = NO_MODS
     return step
 
 
-__all__ = ["DECODE_MAX_Q_LEN", "DEFAULT_TUNING", "DecodeLaunch", "DecodeMods", "DecodeOverrides", "DecodePlan",
+__all__ = ["DECODE_MAX_Q_LEN", "DEFAULT_TUNING", "fit_head_dim", "DecodeLaunch", "DecodeMods", "DecodeOverrides", "DecodePlan",
            "DecodeSite", "DecodeTuning", "DecodeWorkspace", "FixedLaunch", "StagingRing", "attention_into",
            "attention_plan", "choose_splits", "decode_into", "decode_unsupported", "fixed_length_launch",
            "prepare_decode"]

@@ -57,6 +57,16 @@ CASES = {
                                mods.alibi(num_heads=32), mods.causal(), True, 4),
     "cluster2-timeline": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, cluster_splits=2,
                                timeline=True), None, None, True, 4),
+    # head dims beyond 64 / 128 (multiples of 32: each lane merges D/32 columns): one fp32
+    # per lane in the pair cluster at 32, three (scalar reads) at 96, eight (two v4) at 256
+    # with decode_path.fit_head_dim's ring (3 stages, one CTA per SM), 192 with two
+    # consumer warpgroups
+    "hd32-cluster2": (dict(head_dim=32, tile_n=64, num_stages=2, ctas_per_sm=2, cluster_splits=2),
+                      mods.alibi(num_heads=32), mods.sliding_window(4096), True, 2),
+    "hd96-2cta": (dict(head_dim=96, tile_n=64, num_stages=2, ctas_per_sm=2), None, mods.causal(), True, 6),
+    "hd256-cluster2": (dict(head_dim=256, tile_n=64, num_stages=3, cluster_splits=2),
+                       mods.alibi(num_heads=32), mods.sliding_window(4096), True, 8),
+    "hd192-2wg": (dict(head_dim=192, tile_n=64, num_stages=3, num_mma_wg=2), None, None, True, 6),
 }
 
 
@@ -106,9 +116,14 @@ def test_decode_ptx(compiled, name):
         # overwrites the K ring.
         assert "atom.global" not in ptx
         assert ptx.count("barrier.cluster.arrive") == 4 and ptx.count("barrier.cluster.wait") == 4
-        width = {4: "v4.f32", 2: "v2.f32"}[cfg.head_dim // 32]
-        assert ptx.count(f"ld.shared::cluster.{width}") == cfg.cluster_splits
-        assert ptx.count("ld.shared::cluster.f32") == 1
+        # a lane's D/32 columns in the widest loads their count allows (load_f32s_in_rank_chunked)
+        per_lane = cfg.head_dim // 32
+        width = 4 if per_lane % 4 == 0 else 2 if per_lane % 2 == 0 else 1
+        vector = {4: ".v4", 2: ".v2", 1: ""}[width]
+        row_loads = cfg.cluster_splits * per_lane // width
+        assert ptx.count(f"ld.shared::cluster{vector}.f32") == row_loads + (width == 1)
+        if width > 1:
+            assert ptx.count("ld.shared::cluster.f32") == 1   # the LSE
         assert len(re.findall(r"bar\.sync\s+2,", ptx)) == 1
     assert ("globaltimer" in ptx) == cfg.timeline == ("%smid" in ptx)
 
@@ -148,7 +163,8 @@ def test_decode_no_spills(compiled, name):
 def test_config_validation():
     assert DecodeConfig().key() == DecodeConfig().key()
     assert DecodeConfig().key() != DecodeConfig(page_size=64).key()
-    for bad in (dict(head_dim=96), dict(dtype="fp32"), dict(page_size=8), dict(page_size=48),
+    for bad in (dict(head_dim=80), dict(head_dim=288), dict(head_dim=16), dict(head_dim=256),   # 256: 3-stage ring too big
+                dict(dtype="fp32"), dict(page_size=8), dict(page_size=48),
                 dict(page_size=192), dict(num_mma_wg=3), dict(num_stages=5), dict(ctas_per_sm=3),
                 dict(ctas_per_sm=2), dict(ctas_per_sm=2, num_mma_wg=2, tile_n=64, num_stages=1)):
         with pytest.raises(ValueError):
@@ -163,6 +179,25 @@ def test_config_validation():
     two = DecodeConfig(tile_n=64, num_stages=3, ctas_per_sm=2)
     assert 2 * (two.smem_bytes + 1024) <= 228 * 1024 and two.regs == (40, 216)
     assert DecodeConfig().regs == (40, 240) and two.key() != DecodeConfig(tile_n=64).key()
+
+
+def test_head_dims_fit_their_rings():
+    """decode_path.fit_head_dim: tunings sized for head dims up to 128 unchanged; wider heads
+    get one CTA per SM and as many K/V bytes in flight as ONE_CTA_TUNING at 128, in stages
+    that fit beside the Q tile; the pair-cluster merge only where the ring holds the O tile."""
+    from flexattn.core.decode_path import DEFAULT_TUNING, ONE_CTA_TUNING, fit_head_dim
+
+    for D in (32, 64, 96, 128):
+        assert fit_head_dim(DEFAULT_TUNING, D) == DEFAULT_TUNING
+    want = {(160, 1): 4, (192, 1): 4, (224, 1): 3, (256, 1): 3, (192, 2): 3, (256, 2): 2}
+    for (D, wg), stages in want.items():
+        for tuning in (DEFAULT_TUNING, ONE_CTA_TUNING):
+            fit = fit_head_dim(tuning, D, wg)
+            assert (fit.num_stages, fit.ctas_per_sm, fit.tile_n) == (stages, 1, 64), (D, wg)
+            cfg = DecodeConfig(head_dim=D, num_mma_wg=wg, tile_n=fit.tile_n, num_stages=fit.num_stages,
+                               cluster_splits=2 if fit.cluster_merge else 1)
+            assert cfg.smem_bytes <= cfg.smem_limit
+            assert fit.cluster_merge == (stages * 64 >= 128 * wg)
 
 
 def test_choose_splits():

@@ -98,7 +98,7 @@ class DecodeConfig(KernelConfig):
     KIND = "decode"
 
     dtype: str = "bf16"          # "bf16" | "fp16": Q, K, V and O
-    head_dim: int = 128          # 64 | 128
+    head_dim: int = 128          # a multiple of 32 up to 256 (the merges give each lane D/32 columns)
     num_mma_wg: int = 1          # consumer warpgroups: 64 packed rows each
     tile_n: int = 128            # kv rows per pipeline stage
     num_stages: int = 3          # K/V ring depth
@@ -115,8 +115,8 @@ class DecodeConfig(KernelConfig):
 
     def __post_init__(self):
         self.check_dtype()
-        if self.head_dim not in (64, 128):
-            raise ValueError(f"head_dim must be 64 or 128, got {self.head_dim}")
+        if self.head_dim % 32 or not 32 <= self.head_dim <= 256:
+            raise ValueError(f"head_dim must be a multiple of 32 from 32 to 256, got {self.head_dim}")
         if self.num_mma_wg not in (1, 2):
             raise ValueError(f"num_mma_wg must be 1 or 2, got {self.num_mma_wg}")
         if self.tile_n not in (64, 128):
@@ -160,15 +160,23 @@ class DecodeConfig(KernelConfig):
 
     @property
     def smem_bytes(self) -> int:
+        return self.smem_for(self.head_dim, self.tile_m, self.tile_n, self.num_stages)
+
+    @staticmethod
+    def smem_for(head_dim: int, tile_m: int, tile_n: int, num_stages: int) -> int:
         """Q tile + K and V rings (1024-aligned, in that order) + the 2 x 2 x stages mbarriers
         + the last-arrival flag (8 bytes)."""
         elem = 2
-        return elem * self.head_dim * (self.tile_m + 2 * self.num_stages * self.tile_n) + 2 * 2 * self.num_stages * 8 + 8
+        return elem * head_dim * (tile_m + 2 * num_stages * tile_n) + 2 * 2 * num_stages * 8 + 8
 
     @property
     def smem_limit(self) -> int:
+        return self.smem_limit_for(self.ctas_per_sm)
+
+    @staticmethod
+    def smem_limit_for(ctas_per_sm: int) -> int:
         """Bytes one CTA may take: an H100 SM has 228 KB, 1 KB of it reserved per resident CTA."""
-        return 228 * 1024 // self.ctas_per_sm - 1024
+        return 228 * 1024 // ctas_per_sm - 1024
 
     @property
     def regs(self) -> tuple:
@@ -708,7 +716,7 @@ class DecodeSm90(WarpSpecialized):
         tile_rows = cutlass.min(cfg.tile_m, rows - p_lo)
         for r in cutlass.range(rank + splits * warp, tile_rows, splits * warps, unroll=1):
             cols = sPart.iterator + (r * cfg.head_dim + lane * per_lane)
-            parts = [dsmem.load_f32s_in_rank(cols, Int32(s), per_lane) for s in range(splits)]
+            parts = [dsmem.load_f32s_in_rank_chunked(cols, Int32(s), per_lane) for s in range(splits)]
             lse_s = -Float32.inf
             if lane < splits:
                 lse_s = dsmem.load_f32s_in_rank(sLSE.iterator + r, lane, 1)[0]

@@ -34,4 +34,15 @@ def load_f32s_in_rank(smem_ptr, rank, n: int, *, loc=None, ip=None) -> list:
     return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(n)]
 
 
-__all__ = ["load_f32s_in_rank"]
+def load_f32s_in_rank_chunked(smem_ptr, rank, n: int) -> list:
+    """`n` consecutive fp32 (any count) at `smem_ptr`'s offset in CTA `rank`'s shared memory,
+    in the widest vector loads that `n` and the pointer's alignment (4 * n bytes, as a
+    lane's run of n columns has) allow: 8 -> two v4, 6 -> three v2, 3 or 5 -> scalars."""
+    width = 4 if n % 4 == 0 else 2 if n % 2 == 0 else 1
+    out = []
+    for i in range(0, n, width):
+        out += load_f32s_in_rank(smem_ptr + i, rank, width)
+    return out
+
+
+__all__ = ["load_f32s_in_rank", "load_f32s_in_rank_chunked"]
