@@ -41,8 +41,11 @@ from ..problem.validate import AttentionShape
 
 KERNEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 # The forward kernel takes any query and value head dim that is a multiple of 16 up to 256
-# (wgmma's k step; TMA's 16-byte rows); the backward, equal head dims of these; decode
-# steps are routed to the split-KV kernel at these (GPU-verified). The decode kernel also
+# (wgmma's k step; TMA's 16-byte rows); the backward, equal head dims of these (its kernels
+# also take a value head dim apart from the query's, ``BwdConfig.head_dim_v``, compiled
+# without spills on the CPU, 2026-11-26: tests/gpu/test_head_dims_gpu.py trains them —
+# once it has passed, let ``backward_unsupported`` take them); decode steps are routed to
+# the split-KV kernel at these (GPU-verified). The decode kernel also
 # compiles, without spills, for every other multiple of 32 up to 256 (2026-11-26,
 # ``decode_path.fit_head_dim``); tests/gpu/test_decode_gpu.py checks them through the
 # kernel entry against float64 — once it has passed on the GPU, widen this to them.

@@ -49,6 +49,15 @@ def _config(name):
     if name == "d128-softcap":
         hook = IRModHook(mods.softcap(30.0), None)
         return BwdConfig(head_dim=128, mods=hook), hook
+    if name == "d128-64-causal-softcap":   # value head dims apart from the query's
+        hook = IRModHook(mods.softcap(30.0), None)
+        return BwdConfig(head_dim=128, head_dim_v=64, causal=True, mods=hook), hook
+    if name == "d64-128-dense":
+        hook = IRModHook()
+        return BwdConfig(head_dim=64, head_dim_v=128, mods=hook), hook
+    if name == "d96-64-sparse-document":
+        hook = IRModHook(None, mods.document(np.zeros(8, np.int32)))
+        return BwdConfig(head_dim=96, head_dim_v=64, block_sparse=True, mods=hook), hook
     if name.endswith("-80"):
         cfg, hook = _config(name[:-3])
         return dataclasses.replace(cfg, tile_m=80), hook
@@ -67,7 +76,9 @@ DETERMINISTIC = {"det-d128-dense": "d128-dense", "det-d128-causal-softcap": "d12
 # tile_m 80 (dQ^T = K^T dS^T): dense, a score mod, buffer gradients, deterministic.
 TILE80 = ["d128-dense-80", "d128-softcap-80", "d128-relative-bias-80", "det-d128-dense-80",
           "det-d128-relative-bias-80"]
-NAMES = DEFAULT + list(DETERMINISTIC) + TILE80
+# value head dims apart from the query's (dP^T's k steps and dV's N are Dv's)
+VALUE_DIMS = ["d128-64-causal-softcap", "d64-128-dense", "d96-64-sparse-document"]
+NAMES = DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +92,9 @@ def compiled():
 
 
 def _steps(ptx: str, cfg: BwdConfig) -> float:
-    """Instances of the per-q-block step: S^T, dP^T (D/16 each), dV, dK (tile_m/16 each),
-    dQ (tile_n/16)."""
-    per_step = 2 * cfg.head_dim // 16 + 2 * cfg.tile_m // 16 + cfg.tile_n // 16
+    """Instances of the per-q-block step: S^T (D/16), dP^T (Dv/16), dV, dK (tile_m/16
+    each), dQ (tile_n/16)."""
+    per_step = (cfg.head_dim + cfg.head_dim_v) // 16 + 2 * cfg.tile_m // 16 + cfg.tile_n // 16
     return ptx.count("wgmma.mma_async") / per_step
 
 
@@ -296,6 +307,19 @@ def test_deterministic_pre_and_postprocess_compile():
             assert usage.spill_store_bytes == 0 and usage.stack_bytes == 0, usage
 
 
+def test_value_head_dims(compiled):
+    """D != Dv: one step instance dense, two (diagonal + interior) causal or block-sparse;
+    dK and dV leave by two TMA stores of their own widths."""
+    for name, steps in (("d128-64-causal-softcap", 2), ("d64-128-dense", 1), ("d96-64-sparse-document", 2)):
+        cfg, ptx = compiled[name]
+        assert _steps(ptx, cfg) == steps, (name, _steps(ptx, cfg))
+    assert BwdConfig(head_dim=128).head_dim_v == 128
+    assert BwdConfig(head_dim=128, head_dim_v=64).key() != BwdConfig(head_dim=128).key()
+    for bad in (dict(head_dim_v=16), dict(head_dim_v=136), dict(head_dim_v=72), dict(tile_m=80, head_dim_v=64)):
+        with pytest.raises(ValueError):
+            BwdConfig(**bad)
+
+
 def test_config_validation():
     assert BwdConfig().q_pad == 128
     assert BwdConfig().key() == BwdConfig().key()
@@ -341,9 +365,10 @@ def test_planner_tile_m():
 
     from flexattn.kernels.bwd.plan import config_from_forward
 
-    def config(head_dim=128, causal=False, block_sparse=False, band=False, score=None, mask=None, **kw):
-        fwd = SimpleNamespace(dtype="bf16", head_dim=head_dim, causal=causal, block_sparse=block_sparse,
-                              band=band, mods=IRModHook(score, mask))
+    def config(head_dim=128, causal=False, block_sparse=False, band=False, score=None, mask=None,
+               head_dim_v=None, **kw):
+        fwd = SimpleNamespace(dtype="bf16", head_dim=head_dim, head_dim_v=head_dim_v or head_dim, causal=causal,
+                              block_sparse=block_sparse, band=band, mods=IRModHook(score, mask))
         return config_from_forward(fwd, **kw)
 
     def tile(**kw):
@@ -353,6 +378,7 @@ def test_planner_tile_m():
     assert tile() == 80 and tile(deterministic=True) == 80
     assert tile(score=mods.softcap(5.0)) == 80 and tile(score=mods.alibi(np.ones(4, np.float32))) == 80
     assert tile(causal=True) == 64 and tile(head_dim=64) == 64
+    assert tile(head_dim_v=64) == 64 and config(head_dim_v=64).head_dim_v == 64   # 80 rows: D = Dv = 128
     assert tile(block_sparse=True, mask=mods.sliding_window(8)) == 64
     assert tile(score=table) == 64 and tile(score=table, deterministic=True) == 64
     assert tile(score=table, mods=IRModHook(table, None).with_grad_filter(())) == 80

@@ -15,8 +15,8 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
     mods): what `kernel_path.plan_forward` chose for the forward applies to the backward.
     `overrides`: other BwdConfig fields, e.g. deterministic=True; tile_m, unless given,
     is `choose_tile_m`'s."""
-    kw = dict(dtype=fwd_cfg.dtype, head_dim=fwd_cfg.head_dim, causal=fwd_cfg.causal,
-              block_sparse=fwd_cfg.block_sparse, band=fwd_cfg.band, mods=fwd_cfg.mods)
+    kw = dict(dtype=fwd_cfg.dtype, head_dim=fwd_cfg.head_dim, head_dim_v=fwd_cfg.head_dim_v,
+              causal=fwd_cfg.causal, block_sparse=fwd_cfg.block_sparse, band=fwd_cfg.band, mods=fwd_cfg.mods)
     kw.update(overrides)
     if kw["band"] and kw.get("deterministic"):
         # Deterministic dQ turns count visitors from the lists: the band's block mask's.
@@ -35,7 +35,8 @@ def choose_tile_m(cfg: BwdConfig) -> int:
     block-sparse walks keep 64 (as FA4: diagonal tiles, 128-row BlockMask blocks), and so
     does a relative-position table's gradient (`bwd.sm90.one_diagonal_read`), whose
     per-diagonal shared-memory sums only fit next to 64-row tiles."""
-    if cfg.head_dim == 128 and not (cfg.causal or cfg.block_sparse or cfg.band or one_diagonal_read(cfg)):
+    if cfg.head_dim == cfg.head_dim_v == 128 and not (cfg.causal or cfg.block_sparse or cfg.band
+                                                      or one_diagonal_read(cfg)):
         return 80
     return 64
 

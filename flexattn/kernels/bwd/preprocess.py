@@ -31,9 +31,10 @@ LOG2_E = math.log2(math.e)
 
 class RowChunkKernel:
     """Geometry of the preprocess: one CTA = one q tile (tile_m rows) of one (batch, head);
-    a power of two of threads share a row (their sum is a butterfly shuffle), each owning a
-    chunk of whole 16-byte runs: D/8 threads of one run at head dims 64 and 128; at 96,
-    4 threads of three runs; at 80, 2 of five."""
+    a power of two of threads share a row of O / dO (their sum is a butterfly shuffle),
+    each owning a chunk of whole 16-byte runs: Dv/8 threads of one run at value head dims
+    64 and 128; at 96, 4 threads of three runs; at 80, 2 of five. The same threads zero
+    the row's D fp32 dq_accum columns (D/threads each)."""
 
     num_threads = 128
 
@@ -41,9 +42,10 @@ class RowChunkKernel:
         self.cfg = config
         self.dtype = config.cutlass_dtype
         self.rows_per_cta = config.tile_m   # a preprocess CTA zeroes one tile's dQ flag
-        runs = config.head_dim // 8         # 16-byte runs of bf16 / fp16 per row
+        runs = config.head_dim_v // 8       # 16-byte runs of bf16 / fp16 per O / dO row
         self.threads_per_row = runs & -runs  # the largest power of two dividing them
-        self.chunk = config.head_dim // self.threads_per_row   # elements per thread and row
+        self.chunk = config.head_dim_v // self.threads_per_row   # O / dO elements per thread and row
+        self.dq_chunk = config.head_dim // self.threads_per_row  # dq_accum columns zeroed per thread
         self.rows_per_pass = self.num_threads // self.threads_per_row
         assert self.rows_per_cta % self.rows_per_pass == 0
 
@@ -113,7 +115,7 @@ class BwdPreprocess(RowChunkKernel):
             prod = o.to(Float32) * do.to(Float32)
             dot = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             dot = cute.arch.warp_reduction_sum(dot, threads_in_group=tpr)
-            dq = cute.local_tile(mdQacc[batch, head, row, None], (self.chunk,), (chunk,))
+            dq = cute.local_tile(mdQacc[batch, head, row, None], (self.dq_chunk,), (chunk,))
             dq.fill(0.0)
             if chunk == 0:
                 lse_log2 = Float32.inf

@@ -107,7 +107,8 @@ class BwdConfig(KernelConfig):
     KIND = "bwd"
 
     dtype: str = "bf16"           # "bf16" | "fp16": Q, K, V, O, dO, dQ, dK, dV
-    head_dim: int = 128           # a multiple of 16, 32 .. 128 (= the value head dim)
+    head_dim: int = 128           # a multiple of 16, 32 .. 128: Q, K, dQ, dK
+    head_dim_v: int | None = None  # the same for V, O, dO, dV (None: head_dim)
     tile_m: int = 64              # q rows per visit (N of the S^T GEMM): 64 | 80 (dQ swapped)
     tile_n: int = 128             # keys per CTA: 64 per consumer warpgroup
     num_stages: int = 2           # Q/LSE and dO/D ring depth
@@ -141,11 +142,16 @@ class BwdConfig(KernelConfig):
 
     def __post_init__(self):
         self.check_dtype()
-        if self.head_dim % 16 or not 32 <= self.head_dim <= 128:
-            raise ValueError(f"head_dim must be a multiple of 16 from 32 to 128, got {self.head_dim}")
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        for name in ("head_dim", "head_dim_v"):
+            d = getattr(self, name)
+            if d % 16 or not 32 <= d <= 128:
+                raise ValueError(f"{name} must be a multiple of 16 from 32 to 128, got {d}")
         if self.tile_m not in (64, 80) or self.tile_n != 128:
             raise ValueError("the backward supports tile_m=64 or 80, tile_n=128")
-        if self.tile_m == 80 and (self.head_dim != 128 or self.causal or self.block_sparse or self.band):
+        if self.tile_m == 80 and (self.head_dim != 128 or self.head_dim_v != 128 or self.causal
+                                  or self.block_sparse or self.band):
             # FA3/FA4's choice too: 80 pays off for dense head dim 128; the causal and
             # block-sparse walks (diagonal tiles, 128-row BlockMask blocks) keep 64.
             raise ValueError("tile_m=80 is for dense (not causal, not block-sparse) head dim 128")
@@ -368,6 +374,13 @@ class FlashBwdSm90(WarpSpecialized):
         return not self.mods.has_score
 
     @property
+    def q_row_bytes(self) -> int:
+        """What the CTAs of a kv head share per query row: its Q and dO rows, its fp32 dQ
+        accumulator row, LSE and D (the L2 sections of the CTA orders)."""
+        cfg = self.cfg
+        return (cfg.head_dim + cfg.head_dim_v) * (self.dtype.width // 8) + 4 * cfg.head_dim + 8
+
+    @property
     def diag_floats(self) -> int:
         if not self.diagonal_reduction:
             return 1
@@ -425,16 +438,17 @@ class FlashBwdSm90(WarpSpecialized):
         LSE, Delta = [mma.select_modes(t, [2, 1, 0]) for t in (mLSE, mDelta)]  # (S, H, B)
         dQacc = mma.select_modes(mdQacc, [2, 3, 1, 0])
 
-        D, tm, tn = cfg.head_dim, cfg.tile_m, cfg.tile_n
-        # S^T, dP^T: [tile_n, tile_m], SS. dV, dK: [tile_n, D], A from registers.
+        D, Dv, tm, tn = cfg.head_dim, cfg.head_dim_v, cfg.tile_m, cfg.tile_n
+        # S^T, dP^T: [tile_n, tile_m], SS. dK: [tile_n, D], dV: [tile_n, Dv] (consume's
+        # tiled_mma_nv), A from registers.
         tiled_mma_nm = mma.make_qk_mma(self.dtype, tn, tm)
         tiled_mma_nd = mma.make_pv_mma(self.dtype, tn, D)
         tiled_mma_md = make_dq_mma(self.dtype, tm, D, self.num_mma_wg, cfg.dq_swap_ab)
 
         sQ_layout = mma.smem_layout(self.dtype, tm, D, cfg.num_stages)
-        sdO_layout = mma.smem_layout(self.dtype, tm, D, cfg.num_stages)
+        sdO_layout = mma.smem_layout(self.dtype, tm, Dv, cfg.num_stages)
         sK_layout = mma.smem_layout(self.dtype, tn, D, 1, atom_cols=dq_slice_atom(D, self.num_mma_wg))
-        sV_layout = mma.smem_layout(self.dtype, tn, D, 1)
+        sV_layout = mma.smem_layout(self.dtype, tn, Dv, 1)
         # dS^T, q contiguous (the dQ GEMM's MN-major A); swapped dQ: dS, keys contiguous
         # (its K-major B; 128-byte swizzle, where 80 q would only allow 32). One buffer per
         # Q stage, so writing step i's dS^T needs no wait for step i-1's dQ GEMMs (step
@@ -450,15 +464,15 @@ class FlashBwdSm90(WarpSpecialized):
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         s2g = cpasync.CopyBulkTensorTileS2GOp()
         g2s_q = cpasync.CopyBulkTensorTileG2SMulticastOp() if cfg.cluster_n > 1 else g2s
-        tile_qd, tile_kd = (tm, D), (tn, D)
+        tile_qd, tile_kd, tile_qv, tile_kv = (tm, D), (tn, D), (tm, Dv), (tn, Dv)
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
             g2s_q, Q, cute.select(sQ_layout, mode=[0, 1]), tile_qd, cfg.cluster_n)
         tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(
-            g2s_q, dO, cute.select(sdO_layout, mode=[0, 1]), tile_qd, cfg.cluster_n)
+            g2s_q, dO, cute.select(sdO_layout, mode=[0, 1]), tile_qv, cfg.cluster_n)
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
             g2s, K, cute.select(sK_layout, mode=[0, 1]), tile_kd, 1)
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            g2s, V, cute.select(sV_layout, mode=[0, 1]), tile_kd, 1)
+            g2s, V, cute.select(sV_layout, mode=[0, 1]), tile_kv, 1)
         tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(
             g2s, LSE, cute.make_layout(tm), (tm,), 1)
         tma_atom_Delta, tma_Delta = cpasync.make_tiled_tma_atom(
@@ -467,10 +481,12 @@ class FlashBwdSm90(WarpSpecialized):
         tma_atom_dK, tma_dK = cpasync.make_tiled_tma_atom(
             s2g, dK, cute.select(sK_layout, mode=[0, 1]), tile_kd)
         tma_atom_dV, tma_dV = cpasync.make_tiled_tma_atom(
-            s2g, dV, cute.select(sV_layout, mode=[0, 1]), tile_kd)
+            s2g, dV, cute.select(sV_layout, mode=[0, 1]), tile_kv)
 
         self.bytes_qd = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1]))
         self.bytes_kd = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        self.bytes_qv = cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1]))
+        self.bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
         self.bytes_stat = tm * 4
 
         @cute.struct
@@ -546,11 +562,11 @@ class FlashBwdSm90(WarpSpecialized):
 
         storage = self.allocate(SharedStorage)
         n = self.num_mma_threads
-        pipe_kv = tma_ring(storage.mbar_kv.data_ptr(), 1, n, 2 * self.bytes_kd)
+        pipe_kv = tma_ring(storage.mbar_kv.data_ptr(), 1, n, self.bytes_kd + self.bytes_kv)
         pipe_q = tma_ring(storage.mbar_q.data_ptr(), cfg.num_stages, n,
                           self.bytes_qd + self.bytes_stat, cfg.cluster_n)
         pipe_do = tma_ring(storage.mbar_do.data_ptr(), cfg.num_stages, n,
-                           self.bytes_qd + self.bytes_stat, cfg.cluster_n)
+                           self.bytes_qv + self.bytes_stat, cfg.cluster_n)
         self.rings_init_arrive(cfg.cluster_n)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -571,9 +587,7 @@ class FlashBwdSm90(WarpSpecialized):
             # S4096: causal B4 H16 D128 backward 500.6 -> 506.5 TFLOP/s, H100, 2026-11-22).
             tiles = TileSpace((seqlen_k + cfg.tile_n - 1) // cfg.tile_n, mK.shape[2],
                               mK.shape[3], seqlen_q * group)
-            n_block, head_kv, batch = LongestFirst(
-                cfg.head_dim * (2 * (self.dtype.width // 8) + 4) + 8,
-                last_row_first=False).tile(tiles.first, tiles)
+            n_block, head_kv, batch = LongestFirst(self.q_row_bytes, last_row_first=False).tile(tiles.first, tiles)
         elif const_expr(self.head_swizzle):
             n_block, head_kv, batch = self._deterministic_tile(seqlen_q, seqlen_k, group,
                                                               mK.shape[2], mK.shape[3])
@@ -626,7 +640,7 @@ class FlashBwdSm90(WarpSpecialized):
         cfg = self.cfg
         n_kv = (seqlen_k + cfg.tile_n - 1) // cfg.tile_n
         pairs = kv_heads * batches
-        row_bytes = cutlass.Int64(cfg.head_dim * (2 * (self.dtype.width // 8) + 4) + 8)
+        row_bytes = cutlass.Int64(self.q_row_bytes)
         per_pair = cutlass.Int64(seqlen_q) * group * row_bytes
         sec = Int32(cutlass.max(cutlass.min(cutlass.Int64(L2_BYTES) // per_pair,
                                             cutlass.Int64(pairs)), cutlass.Int64(1)))
@@ -701,7 +715,7 @@ class FlashBwdSm90(WarpSpecialized):
         one = cute.make_layout(1)
         tile_kd = (cfg.tile_n, cfg.head_dim)
         gK = cute.local_tile(mK[None, None, head_kv, batch], tile_kd, (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], tile_kd, (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim_v), (n_block, 0))
         tKsK, tKgK = cpasync.tma_partition(
             tma_atom_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(
@@ -720,7 +734,7 @@ class FlashBwdSm90(WarpSpecialized):
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
             gQ = cute.local_tile(mQ[None, None, head, batch], tile_qd, (None, 0))
-            gdO = cute.local_tile(mdO[None, None, head, batch], tile_qd, (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, batch], (cfg.tile_m, cfg.head_dim_v), (None, 0))
             gLSE = cute.local_tile(mLSE[None, head, batch], (cfg.tile_m,), (None,))
             gDelta = cute.local_tile(mDelta[None, head, batch], (cfg.tile_m,), (None,))
             tQsQ, tQgQ = cpasync.tma_partition(
@@ -776,6 +790,11 @@ class FlashBwdSm90(WarpSpecialized):
         wg_first_thread = cute.make_layout(self.num_mma_wg, stride=128)(wg)
         wg_nm = tiled_mma_nm.get_slice(wg_first_thread)
         wg_nd = tiled_mma_nd.get_slice(wg_first_thread)
+        # dV's GEMM: N = the value head dim (the same MMA as dK's where they are equal)
+        tiled_mma_nv = tiled_mma_nd
+        if const_expr(cfg.head_dim_v != cfg.head_dim):
+            tiled_mma_nv = mma.make_pv_mma(self.dtype, cfg.tile_n, cfg.head_dim_v)
+        wg_nv = tiled_mma_nv.get_slice(wg_first_thread)
         wg_md = tiled_mma_md.get_slice(wg_first_thread)
         thr_nm = tiled_mma_nm.get_slice(tidx)
 
@@ -787,7 +806,7 @@ class FlashBwdSm90(WarpSpecialized):
             wg_nm.make_fragment_A(wg_nm.partition_A(sV)),        # dP^T = V dO^T
             wg_nm.make_fragment_B(wg_nm.partition_B(sdO)),
             wg_nd.make_fragment_A(wg_nd.partition_shape_A((cfg.tile_n, cfg.tile_m))),  # P^T
-            wg_nd.make_fragment_B(wg_nd.partition_B(T(sdO))),    # dV += P^T dO
+            wg_nv.make_fragment_B(wg_nv.partition_B(T(sdO))),    # dV += P^T dO
             wg_nd.make_fragment_B(wg_nd.partition_B(T(sQ))),     # dK += dS^T Q
             # dQ = dS K, or swapped dQ^T = K^T dS^T: (dS, K^T) fragments either way.
             (wg_md.make_fragment_B(wg_md.partition_B(sdS)) if const_expr(swap)
@@ -798,7 +817,7 @@ class FlashBwdSm90(WarpSpecialized):
         acc_shape_nm = wg_nm.partition_shape_C((cfg.tile_n, cfg.tile_m))
         acc_shape_md = wg_md.partition_shape_C(
             (cfg.head_dim, cfg.tile_m) if const_expr(swap) else (cfg.tile_m, cfg.head_dim))
-        acc_dV = cute.make_rmem_tensor(wg_nd.partition_shape_C((cfg.tile_n, cfg.head_dim)), Float32)
+        acc_dV = cute.make_rmem_tensor(wg_nv.partition_shape_C((cfg.tile_n, cfg.head_dim_v)), Float32)
         acc_dK = cute.make_rmem_tensor(wg_nd.partition_shape_C((cfg.tile_n, cfg.head_dim)), Float32)
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
@@ -827,7 +846,7 @@ class FlashBwdSm90(WarpSpecialized):
         mods = self.mods
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
-            ctx = (tiled_mma_nm, tiled_mma_nd, tiled_mma_md, frags, acc_shape_nm, acc_shape_md,
+            ctx = ((tiled_mma_nm, tiled_mma_nd, tiled_mma_nv, tiled_mma_md), frags, acc_shape_nm, acc_shape_md,
                    acc_dV, acc_dK, coords, r2s_dS, tdSsdS, tdQsdQ, wg, sLSE, sDelta,
                    pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
                    softmax_scale, scale_log2, mod_args, grad_args, sDiag)
@@ -869,7 +888,7 @@ class FlashBwdSm90(WarpSpecialized):
                                            causal=False)
 
         self.epilogue(acc_dK, acc_dV, mdK, mdV, sK, sV, tma_atom_dK, tma_atom_dV,
-                      tiled_mma_nd, tidx, n_block, head_kv, batch, softmax_scale)
+                      (tiled_mma_nd, tiled_mma_nv), tidx, n_block, head_kv, batch, softmax_scale)
 
     @cute.jit
     def _step(self, ctx, state, m_block, mask: cutlass.Constexpr[bool],
@@ -878,7 +897,7 @@ class FlashBwdSm90(WarpSpecialized):
         for the writer warp. GEMM order (FA3/FA4's): S^T, dP^T | P, dS | dV; dQ; dK, each
         wait retiring the GEMM before the last one issued, so dQ's GEMM overlaps dK's and
         its copy to smem overlaps the dK GEMM's tail."""
-        (tiled_mma_nm, tiled_mma_nd, tiled_mma_md, frags, acc_shape_nm, acc_shape_md,
+        ((tiled_mma_nm, tiled_mma_nd, tiled_mma_nv, tiled_mma_md), frags, acc_shape_nm, acc_shape_md,
          acc_dV, acc_dK, coords, r2s_dS, tdSsdS, tdQsdQ, wg, sLSE, sDelta,
          pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
          softmax_scale, scale_log2, mod_args, grad_args, sDiag) = ctx
@@ -923,7 +942,7 @@ class FlashBwdSm90(WarpSpecialized):
 
         # dS^T -> sdS[stage] (no wait: see sdS_layout), then dV += P^T dO (A from registers).
         cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, stage])
-        mma.gemm(tiled_mma_nd, acc_dV, tVrP, tVrdOt[None, None, None, stage],
+        mma.gemm(tiled_mma_nv, acc_dV, tVrP, tVrdOt[None, None, None, stage],
                       zero_init=False, wait=-1)
         cute.arch.fence_view_async_shared()          # generic-proxy writes -> wgmma reads
         BwdBarrier.DS_FULL.sync(self.num_mma_threads)
@@ -1264,7 +1283,7 @@ class FlashBwdSm90(WarpSpecialized):
 
     @cute.jit
     def epilogue(self, acc_dK, acc_dV, mdK, mdV, sK, sV, tma_atom_dK, tma_atom_dV,
-                 tiled_mma_nd, tidx, n_block, head_kv, batch, softmax_scale):
+                 tiled_mmas, tidx, n_block, head_kv, batch, softmax_scale):
         """dK * scale and dV -> input dtype -> stmatrix into sK / sV -> TMA store (clips
         keys >= KV_LEN). A CTA that visited nothing writes zeros."""
         cfg = self.cfg
@@ -1276,12 +1295,16 @@ class FlashBwdSm90(WarpSpecialized):
         BwdBarrier.EPILOGUE.sync(self.num_mma_threads)
         sdK = sK[None, None, 0]
         sdV = sV[None, None, 0]
-        stage_tiles(tiled_mma_nd, self.dtype, tidx, [(rdK, sdK), (rdV, sdV)])
+        tiled_mma_nd, tiled_mma_nv = tiled_mmas   # dK's and dV's accumulator layouts
+        if const_expr(tiled_mma_nv is tiled_mma_nd):
+            stage_tiles(tiled_mma_nd, self.dtype, tidx, [(rdK, sdK), (rdV, sdV)])
+        else:
+            stage_tiles(tiled_mma_nd, self.dtype, tidx, [(rdK, sdK)])
+            stage_tiles(tiled_mma_nv, self.dtype, tidx, [(rdV, sdV)])
 
         def dk_dv_stores():
-            tile_kd = (cfg.tile_n, cfg.head_dim)
-            gdK = cute.local_tile(mdK[None, None, head_kv, batch], tile_kd, (n_block, 0))
-            gdV = cute.local_tile(mdV[None, None, head_kv, batch], tile_kd, (n_block, 0))
+            gdK = cute.local_tile(mdK[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim), (n_block, 0))
+            gdV = cute.local_tile(mdV[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim_v), (n_block, 0))
             return [(tma_atom_dK, sdK, gdK), (tma_atom_dV, sdV, gdV)]
 
         store_staged(dk_dv_stores, tidx, BwdBarrier.EPILOGUE, self.num_mma_threads, wait_read=True)

@@ -129,9 +129,11 @@ class BackwardRunner:
         want = str(cfg.cutlass_dtype)
         q, k = a.q, a.k
         (b, hq, sq, d) = q.shape
-        for name, t, shape in (("q", q, q.shape), ("o", a.out, q.shape), ("do", a.d_out, q.shape),
-                               ("dq", a.dq, q.shape), ("k", k, k.shape), ("v", a.v, k.shape),
-                               ("dk", a.dk, k.shape), ("dv", a.dv, k.shape)):
+        qv = (*q.shape[:3], cfg.head_dim_v)      # O, dO: the value head dim
+        kv = (*k.shape[:3], cfg.head_dim_v)      # V, dV
+        for name, t, shape in (("q", q, q.shape), ("o", a.out, qv), ("do", a.d_out, qv),
+                               ("dq", a.dq, q.shape), ("k", k, k.shape), ("v", a.v, kv),
+                               ("dk", a.dk, k.shape), ("dv", a.dv, kv)):
             if str(t.element_type) != want:
                 raise TypeError(f"{name}: dtype {t.element_type}, kernel compiled for {want}")
             if len(t.shape) != 4 or tuple(t.shape) != tuple(shape):
@@ -306,8 +308,10 @@ class FfiBackwardRunner:
         other = self._compiled.get(not with_dlse)
         # Disk keys: the arguments each compile function reads (the main kernel: the config).
         pre = disk_cache.compiled(
-            ("bwd_pre", cfg.dtype, cfg.head_dim, with_dlse, cfg.deterministic, fixed, cfg.tile_m),
+            ("bwd_pre", cfg.dtype, cfg.head_dim, with_dlse, cfg.deterministic, fixed, cfg.tile_m)
+            + ((cfg.head_dim_v,) if cfg.head_dim_v != cfg.head_dim else ()),
             lambda: compile_preprocess(cfg.dtype, cfg.head_dim, with_dlse, deterministic=cfg.deterministic,
+                                       head_dim_v=cfg.head_dim_v,
                                        grad_fixed=fixed, tile_m=cfg.tile_m, tvm_ffi=True))
         if other is not None:
             return pre, other[1], other[2]

@@ -107,9 +107,10 @@ def fake_backward_args(cfg, mod_args: tuple = (), tvm_ffi: bool = False):
     grad_args, grad_fixed, block_sparse, stream) for ``FlashBwdSm90.__call__``."""
     dt = cfg.cutlass_dtype
     b, hq, hkv, sq, skv = (cute.sym_int() for _ in range(5))
-    D = cfg.head_dim
-    q, do = (fake_bhsd(dt, n, b, hq, sq, D) for n in ("q", "do"))
-    k, v, dk, dv = (fake_bhsd(dt, n, b, hkv, skv, D) for n in ("k", "v", "dk", "dv"))
+    D, Dv = cfg.head_dim, cfg.head_dim_v
+    q, do = fake_bhsd(dt, "q", b, hq, sq, D), fake_bhsd(dt, "do", b, hq, sq, Dv)
+    k, dk = (fake_bhsd(dt, n, b, hkv, skv, D) for n in ("k", "dk"))
+    v, dv = (fake_bhsd(dt, n, b, hkv, skv, Dv) for n in ("v", "dv"))
     # q_num_blocks, q_indices, full_q_num_blocks, full_q_indices (+ the kv-side lists)
     block_sparse = None
     if cfg.block_sparse:
@@ -123,7 +124,7 @@ def fake_preprocess_args(cfg, with_dlse: bool, grad_fixed: bool, tvm_ffi: bool):
     """(o, do, lse, dlse, lse_log2, delta, dq_accum, dq_semaphore, grad_fixed, stream) for
     ``BwdPreprocess.__call__``."""
     b, h, s = (cute.sym_int() for _ in range(3))
-    o, do = (fake_bhsd(cfg.cutlass_dtype, n, b, h, s, cfg.head_dim) for n in ("o", "do"))
+    o, do = (fake_bhsd(cfg.cutlass_dtype, n, b, h, s, cfg.head_dim_v) for n in ("o", "do"))
     fixed = fake_tensor(cutlass.Int64, 2, 8) if grad_fixed else None
     return (o, do, _lse(), _lse() if with_dlse else None, _f32_rows(3), _f32_rows(3), _f32_rows(4),
             fake_dq_semaphore(cfg), fixed, fake_stream(tvm_ffi))
