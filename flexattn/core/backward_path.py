@@ -157,7 +157,11 @@ def backward_config(forward_config, deterministic: bool = False, grad_captures=N
     """The backward's ``BwdConfig`` for a forward's config (every adapter's backward plan):
     same structure and mods, gradients only for the ``grad_captures`` slots (None: all)."""
     from ..kernels.bwd.plan import config_from_forward
+    from . import kernel_path
 
+    reason = kernel_path.backward_unsupported_dims(forward_config.head_dim, forward_config.head_dim_v)
+    if reason:
+        raise ValueError(reason)
     mods = forward_config.mods
     if grad_captures is not None:
         mods = mods.with_grad_filter(grad_captures)

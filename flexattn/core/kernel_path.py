@@ -82,9 +82,15 @@ def kernel_unsupported(q, shape: AttentionShape) -> str | None:
 def backward_unsupported(shape: AttentionShape) -> str | None:
     """Why the backward kernels cannot differentiate a call of this shape, or None (checked
     before the forward runs, where autograd will need the backward)."""
-    if shape.head_dim not in BACKWARD_HEAD_DIMS or shape.v_head_dim != shape.head_dim:
+    return backward_unsupported_dims(shape.head_dim, shape.v_head_dim)
+
+
+def backward_unsupported_dims(head_dim: int, v_head_dim: int) -> str | None:
+    """``backward_unsupported`` by head dims: also what every adapter's backward plan
+    (``backward_path.backward_config``) refuses, whether or not its adapter asked first."""
+    if head_dim not in BACKWARD_HEAD_DIMS or v_head_dim != head_dim:
         return (f"the GPU backward supports head dims {BACKWARD_HEAD_DIMS} with equal value head dim, got"
-                f" {shape.head_dim}/{shape.v_head_dim} (the forward alone runs any multiple of 16 up to 256:"
+                f" {head_dim}/{v_head_dim} (the forward alone runs any multiple of 16 up to 256:"
                 " call it without gradients, e.g. under torch.no_grad())")
     return None
 

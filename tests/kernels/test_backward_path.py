@@ -135,6 +135,18 @@ def test_what_the_kernel_cannot_do_is_refused(runners):
     assert not runners
 
 
+def test_every_adapters_backward_plan_refuses_what_is_not_verified():
+    """backward_config (JAX's and CuPy's backward plans too, not only the torch door)
+    refuses a value head dim apart from the query's and head dims beyond 128."""
+    from flexattn.core.backward_path import backward_config
+    from flexattn.kernels.fwd.sm90 import FwdConfig
+
+    backward_config(FwdConfig(head_dim=96))
+    for kw in (dict(head_dim=128, head_dim_v=64), dict(head_dim=192, head_dim_v=128), dict(head_dim=256)):
+        with pytest.raises(ValueError, match="backward supports head dims"):
+            backward_config(FwdConfig(**kw))
+
+
 def test_arguments_pass_the_real_runners_checks(runners):
     """The recorded call, given to a real ``BackwardRunner``: validated and compiled on
     these CPU tensors (CUTE_DSL_ARCH=sm_90a), not launched (~10 s)."""
