@@ -661,6 +661,7 @@ def _prepare_for_compile(score_mod, block_mask, scale, enable_gqa, mask, score) 
     ``core.registry.by_id`` made them: some torch versions (2.11) hand an
     ``assume_constant_result`` function only constants, never user objects; dynamo
     evaluates id() of an object at compile time and guards on its identity (ID_MATCH)."""
+    _check_compiled_block_mask(from_id(block_mask))
     spec = compiled_spec(score_mod, block_mask, scale, enable_gqa, mask, score, _is_tensor, "torch.compile",
                          function_operands=("score_mod", "score", "mask"))
     fn = from_id(score if score is not None else score_mod)
@@ -668,6 +669,22 @@ def _prepare_for_compile(score_mod, block_mask, scale, enable_gqa, mask, score) 
     mask_fn = from_id(mask)
     mask_sources = () if mask_fn is None or isinstance(mask_fn, Mod) else _tensor_sources(mask_fn, spec.mask, "mask")
     return _REGISTRY.register(spec, pin=True, masks=bool(mask_sources)), sources, mask_sources
+
+
+def _check_compiled_block_mask(block_mask) -> None:
+    """A torch ``BlockMask`` made inside the compiled function reaches the compile-time
+    preparation without its lists (they are values of the graph, which the kernels cannot
+    take as constants): say what works instead of failing on a missing attribute."""
+    if block_mask is None or isinstance(block_mask, _CoreBlockMask):
+        return
+    try:
+        as_block_mask(block_mask)
+    except Exception as e:
+        raise TypeError(
+            "under torch.compile, flex_attention got a torch BlockMask built inside the compiled function"
+            " (torch's create_block_mask or BlockMask.from_kv_blocks there): its lists are values of the graph."
+            " Build it with flexattn.torch.create_block_mask (inside the compiled function too: it becomes a"
+            " constant of the graph), or outside the compiled function") from e
 
 
 def _score_tensors(score) -> list:

@@ -241,6 +241,35 @@ def test_mask_functions_reading_tensors_compile_as_graph_inputs():
     assert counter.frame_count == 1
 
 
+def test_torch_block_masks_built_inside_the_compiled_function_get_a_clear_error():
+    """torch's create_block_mask inside the compiled function gives graph values for lists:
+    a clear error naming what works (ours inside, or torch's outside, which runs)."""
+    from torch.nn.attention.flex_attention import and_masks
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def near(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx <= 9
+
+    def inside(q, k, v):
+        bm = torch_create_block_mask(and_masks(causal, near), None, None, S, S, device="cpu")
+        return fa.flex_attention(q, k, v, block_mask=bm)
+
+    q, k, v = _qkv(5, grad=False)
+    with pytest.raises(Exception, match="flexattn.torch.create_block_mask"):
+        torch.compile(inside, backend="aot_eager", fullgraph=True)(q, k, v)
+    outside = torch_create_block_mask(and_masks(causal, near), None, None, S, S, device="cpu")
+    ours = lambda q, k, v: fa.flex_attention(q, k, v, block_mask=fa.create_block_mask(  # noqa: E731
+        and_masks(causal, near), None, None, S, S))
+    want = fa.flex_attention(q, k, v, block_mask=outside)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(lambda q, k, v: fa.flex_attention(q, k, v, block_mask=outside),
+                                             backend="aot_eager", fullgraph=True)(q, k, v), want)
+    torch.testing.assert_close(torch.compile(ours, backend="aot_eager", fullgraph=True)(q, k, v), want)
+
+
 def test_dynamic_sequence_lengths():
     mask = mods.sliding_window(5)
     f = torch.compile(lambda q, k, v: fa.flex_attention(q, k, v, mask=mask), backend="aot_eager",
