@@ -7,7 +7,10 @@ IR). TFLOP/s count 2·B·H·S²·(D + Dv) × the causal density (the two GEMMs' 
 median of triton's do_bench with L2 flushed. FA4 or flex may lack a head dim: then "—".
 
     python3 benchmarks/bench_head_dims.py [--shape 4x4096x16] [--dims 64/64 96/96 192/128 256/256]
-        [--out results.json]
+        [--backward] [--out results.json]
+
+``--backward``: forward + backward steps (``torch.autograd.grad`` of q, k, v; TFLOP/s at
+3.5x the forward's FLOPs), for the head dims each library differentiates.
 """
 
 import argparse
@@ -17,6 +20,7 @@ import traceback
 
 import torch
 
+from bench_bwd import BWD_FLOPS, fwd_bwd
 from bench_fwd import setup_dynamo
 from common import bench_ms, device_name, rel_diff, report
 
@@ -31,7 +35,9 @@ def main():
     ap.add_argument("--dims", nargs="*", default=["32/32", "64/64", "80/80", "96/96", "128/128", "192/128",
                                                    "192/192", "256/128", "256/256"])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--backward", action="store_true", help="forward + backward steps")
     args = ap.parse_args()
+    train = args.backward
     setup_dynamo()
     import flexattn.torch as fa
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -45,11 +51,12 @@ def main():
     for dims in args.dims:
         D, Dv = map(int, dims.split("/"))
         g = torch.Generator(device="cuda").manual_seed(0)
-        q, k = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-        v = torch.randn(B, S, H, Dv, device="cuda", dtype=torch.bfloat16, generator=g)
+        q, k = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(train)
+                for _ in range(2))
+        v = torch.randn(B, S, H, Dv, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(train)
         qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
         scale = 1.0 / math.sqrt(D)
-        work = 2.0 * B * H * S * S * (D + Dv) * density
+        work = 2.0 * B * H * S * S * (D + Dv) * density * (BWD_FLOPS if train else 1.0)
         impls = {"flexattn": lambda: fa.flex_attention(qh, kh, vh, block_mask=door_bm, scale=scale)}
 
         def fa4():
@@ -59,15 +66,24 @@ def main():
 
         impls["fa4"] = fa4
         impls["flex"] = lambda: flex(qh, kh, vh, block_mask=torch_bm, scale=scale)
-        ref = impls["flexattn"]()
+        if train:   # one step each: the gradients of q, k, v (FA4 returns [B, S, H, Dv])
+            grad = torch.randn(B, H, S, Dv, device="cuda", dtype=torch.bfloat16, generator=g)
+            impls = {name: fwd_bwd(fn, (q, k, v), grad.transpose(1, 2) if name == "fa4" else grad)
+                     for name, fn in impls.items()}
+        try:
+            ref = impls["flexattn"]()
+        except Exception as e:   # a head dim our backward refuses: the others still run
+            print(f"[flexattn {D}/{Dv}] failed: {type(e).__name__}: {str(e)[:160]}")
+            ref = None
         torch.cuda.synchronize()
         row = {"dims": f"{D}/{Dv}", "tflops": {}, "rel_diff_vs_ours": {}}
         for name, fn in impls.items():
             try:
                 out = fn()
                 torch.cuda.synchronize()
-                if name != "flexattn":
-                    row["rel_diff_vs_ours"][name] = rel_diff(out, ref)
+                if name != "flexattn" and ref is not None:
+                    row["rel_diff_vs_ours"][name] = (max(rel_diff(a, b) for a, b in zip(out, ref)) if train
+                                                     else rel_diff(out, ref))
                 row["tflops"][name] = work / bench_ms(fn) / 1e9
             except Exception as e:   # a library without this head dim must not hide the others
                 print(f"[{name} {D}/{Dv}] failed: {type(e).__name__}: {str(e)[:160]}")
@@ -85,7 +101,8 @@ def main():
         return "—" if t is None or o is None else f"{o / t:.2f}"
 
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    md = (f"Causal forward, bf16, B{B} S{S} H{H}, {device_name()}, {stamp}. TFLOP/s.\n\n"
+    what = "Causal forward + backward" if train else "Causal forward"
+    md = (f"{what}, bf16, B{B} S{S} H{H}, {device_name()}, {stamp}. TFLOP/s.\n\n"
           "| D/Dv | flexattn | fa4 | flex | ours/fa4 | ours/flex |\n|---|---|---|---|---|---|\n"
           + "\n".join(f"| {r['dims']} | {cell(r, 'flexattn')} | {cell(r, 'fa4')} | {cell(r, 'flex')} | "
                       f"{ratio(r, 'fa4')} | {ratio(r, 'flex')} |" for r in rows))
