@@ -46,9 +46,10 @@ KERNEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 # without spills on the CPU, 2026-11-26: tests/gpu/test_head_dims_gpu.py trains them —
 # once it has passed, let ``backward_unsupported`` take them); decode steps are routed to
 # the split-KV kernel at these (GPU-verified). The decode kernel also
-# compiles, without spills, for every other multiple of 32 up to 256 (2026-11-26,
-# ``decode_path.fit_head_dim``); tests/gpu/test_decode_gpu.py checks them through the
-# kernel entry against float64 — once it has passed on the GPU, widen this to them.
+# compiles, without spills, for every other multiple of 16 from 32 to 256 (2026-11-26,
+# ``decode_path.fit_head_dim``, ``decode.combine.lane_columns``); tests/gpu/test_decode_gpu.py
+# checks them through the kernel entry against float64 — once it has passed on the GPU,
+# widen this to them.
 BACKWARD_HEAD_DIMS = (32, 48, 64, 80, 96, 112, 128)
 DECODE_HEAD_DIMS = (64, 128)
 TILE_N = 128

@@ -19,6 +19,7 @@ from flexattn.core.decode_path import DecodeTuning, choose_splits, decode_unsupp
 from flexattn.core.kernel_path import Device  # noqa: E402
 from flexattn.kernels.launch.compile import resource_usage_from_ptx  # noqa: E402
 from flexattn.kernels.launch.compile import compile_decode  # noqa: E402
+from flexattn.kernels.decode.combine import lane_columns  # noqa: E402
 from flexattn.kernels.decode.sm90 import DecodeConfig  # noqa: E402
 from flexattn.kernels.emit.mod_emit import IRModHook, fake_args  # noqa: E402
 from flexattn.mods.positions import shift_queries  # noqa: E402
@@ -67,6 +68,11 @@ CASES = {
     "hd256-cluster2": (dict(head_dim=256, tile_n=64, num_stages=3, cluster_splits=2),
                        mods.alibi(num_heads=32), mods.sliding_window(4096), True, 8),
     "hd192-2wg": (dict(head_dim=192, tile_n=64, num_stages=3, num_mma_wg=2), None, None, True, 6),
+    # not a multiple of 32: each lane merges the strided columns lane + 32 i (scalar reads);
+    # K/V rows of 160 / 224 bytes take 32-byte swizzle atoms: 5 / 7 TMA copies per box
+    "hd80-cluster2": (dict(head_dim=80, tile_n=64, num_stages=2, ctas_per_sm=2, cluster_splits=2),
+                      mods.alibi(num_heads=32), mods.sliding_window(4096), True, 10),
+    "hd112-2wg": (dict(head_dim=112, tile_n=64, num_stages=6, num_mma_wg=2), None, mods.causal(), True, 14),
 }
 
 
@@ -117,8 +123,8 @@ def test_decode_ptx(compiled, name):
         assert "atom.global" not in ptx
         assert ptx.count("barrier.cluster.arrive") == 4 and ptx.count("barrier.cluster.wait") == 4
         # a lane's D/32 columns in the widest loads their count allows (load_f32s_in_rank_chunked)
-        per_lane = cfg.head_dim // 32
-        width = 4 if per_lane % 4 == 0 else 2 if per_lane % 2 == 0 else 1
+        per_lane = lane_columns(cfg.head_dim)
+        width = 1 if cfg.head_dim % 32 else 4 if per_lane % 4 == 0 else 2 if per_lane % 2 == 0 else 1
         vector = {4: ".v4", 2: ".v2", 1: ""}[width]
         row_loads = cfg.cluster_splits * per_lane // width
         assert ptx.count(f"ld.shared::cluster{vector}.f32") == row_loads + (width == 1)
@@ -163,7 +169,7 @@ def test_decode_no_spills(compiled, name):
 def test_config_validation():
     assert DecodeConfig().key() == DecodeConfig().key()
     assert DecodeConfig().key() != DecodeConfig(page_size=64).key()
-    for bad in (dict(head_dim=80), dict(head_dim=288), dict(head_dim=16), dict(head_dim=256),   # 256: 3-stage ring too big
+    for bad in (dict(head_dim=72), dict(head_dim=288), dict(head_dim=16), dict(head_dim=256),   # 256: 3-stage ring too big
                 dict(dtype="fp32"), dict(page_size=8), dict(page_size=48),
                 dict(page_size=192), dict(num_mma_wg=3), dict(num_stages=5), dict(ctas_per_sm=3),
                 dict(ctas_per_sm=2), dict(ctas_per_sm=2, num_mma_wg=2, tile_n=64, num_stages=1)):

@@ -23,7 +23,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
 LOG2_E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -41,9 +41,9 @@ def merge_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: cute.Ten
     partials are read CHUNK splits at a time, branch-free (indices past the last split
     are clamped and weigh 0), so a chunk's loads are in flight together; the first chunk
     is issued before the LSEs are reduced, so up to CHUNK splits cost one round trip."""
-    per_lane = head_dim // 32
+    per_lane = lane_columns(head_dim)
     num_splits = cute.size(lse_parts.shape)
-    first = [_partial(o_parts, Int32(j), num_splits, lane, per_lane) for j in range(CHUNK)]
+    first = [_partial(o_parts, Int32(j), num_splits, lane, head_dim) for j in range(CHUNK)]
     # The LSEs across lanes (lane i: splits i, i + 32, ...): warp max, then sum of weights
     # (the second pass re-reads from L1). m_safe: 0 when no split saw a key, so every
     # weight is exp2(-inf) = 0 and no -inf - -inf appears.
@@ -64,13 +64,25 @@ def merge_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: cute.Ten
     for j in cutlass.range_constexpr(CHUNK):
         acc.store(acc.load() + first[j] * _weight(lse_parts, Int32(j), num_splits, m_safe))
     for s0 in cutlass.range(CHUNK, num_splits, CHUNK, unroll=1):
-        parts = [_partial(o_parts, s0 + j, num_splits, lane, per_lane) for j in range(CHUNK)]
+        parts = [_partial(o_parts, s0 + j, num_splits, lane, head_dim) for j in range(CHUNK)]
         for j in cutlass.range_constexpr(CHUNK):
             acc.store(acc.load() + parts[j] * _weight(lse_parts, s0 + j, num_splits, m_safe))
     inv, lse = inverse_and_lse(m, total)
-    out = cute.local_tile(out_row, (per_lane,), (lane,))
-    out.store((acc.load() * inv).to(out_row.element_type))
+    if const_expr(head_dim % 32 == 0):
+        out = cute.local_tile(out_row, (per_lane,), (lane,))
+        out.store((acc.load() * inv).to(out_row.element_type))
+    else:
+        for i in cutlass.range_constexpr(per_lane):
+            if lane + 32 * i < head_dim:
+                out_row[lane + 32 * i] = (acc[i] * inv).to(out_row.element_type)
     return lse
+
+
+def lane_columns(head_dim: int) -> int:
+    """Columns of a merged row each of a warp's 32 lanes owns: D/32 contiguous ones, or, for
+    head dims that are not multiples of 32, ceil(D/32) strided by 32 (lane + 32 i, the
+    last ones past D masked)."""
+    return head_dim // 32 if head_dim % 32 == 0 else -(-head_dim // 32)
 
 
 @cute.jit
@@ -93,9 +105,18 @@ def inverse_and_lse(m: Float32, total: Float32):
     return inv, lse
 
 
-def _partial(o_parts, s, num_splits, lane, per_lane):
-    """This lane's columns of split s's partial (s clamped to the last split)."""
-    return cute.local_tile(o_parts[cutlass.min(s, num_splits - 1), None], (per_lane,), (lane,)).load()
+def _partial(o_parts, s, num_splits, lane, head_dim: int):
+    """This lane's columns (``lane_columns``) of split s's partial (s clamped to the last
+    split; strided columns past D read column D - 1 and count as 0)."""
+    row = o_parts[cutlass.min(s, num_splits - 1), None]
+    per_lane = lane_columns(head_dim)
+    if head_dim % 32 == 0:
+        return cute.local_tile(row, (per_lane,), (lane,)).load()
+    vals = cute.make_rmem_tensor(per_lane, Float32)
+    for i in range(per_lane):
+        c = lane + 32 * i
+        vals[i] = cutlass.select_(c < head_dim, Float32(row[cutlass.min(c, head_dim - 1)]), Float32(0.0))
+    return vals.load()
 
 
 def _weight(lse_parts, s, num_splits, m_safe):
@@ -104,4 +125,4 @@ def _weight(lse_parts, s, num_splits, m_safe):
     return cutlass.select_(s < num_splits, w, Float32(0.0))
 
 
-__all__ = ["merge_splits", "log2_shift", "inverse_and_lse"]
+__all__ = ["lane_columns", "merge_splits", "log2_shift", "inverse_and_lse"]

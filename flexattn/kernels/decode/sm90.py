@@ -74,7 +74,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from flexattn.kernels.emit import interval_emit
 from flexattn.kernels.hopper import dsmem, mma
-from flexattn.kernels.decode.combine import inverse_and_lse, log2_shift, merge_splits
+from flexattn.kernels.decode.combine import inverse_and_lse, lane_columns, log2_shift, merge_splits
 from flexattn.kernels.emit.mod_hook import NO_MODS, FragmentCoords, ModHook, kept_if
 from flexattn.kernels.hopper.softmax import OnlineSoftmax, rescale_rows
 from flexattn.kernels.hopper.tma_pipeline import tma_ring
@@ -98,7 +98,7 @@ class DecodeConfig(KernelConfig):
     KIND = "decode"
 
     dtype: str = "bf16"          # "bf16" | "fp16": Q, K, V and O
-    head_dim: int = 128          # a multiple of 32 up to 256 (the merges give each lane D/32 columns)
+    head_dim: int = 128          # a multiple of 16 from 32 to 256 (merges: combine.lane_columns)
     num_mma_wg: int = 1          # consumer warpgroups: 64 packed rows each
     tile_n: int = 128            # kv rows per pipeline stage
     num_stages: int = 3          # K/V ring depth
@@ -115,8 +115,8 @@ class DecodeConfig(KernelConfig):
 
     def __post_init__(self):
         self.check_dtype()
-        if self.head_dim % 32 or not 32 <= self.head_dim <= 256:
-            raise ValueError(f"head_dim must be a multiple of 32 from 32 to 256, got {self.head_dim}")
+        if self.head_dim % 16 or not 32 <= self.head_dim <= 256:
+            raise ValueError(f"head_dim must be a multiple of 16 from 32 to 256, got {self.head_dim}")
         if self.num_mma_wg not in (1, 2):
             raise ValueError(f"num_mma_wg must be 1 or 2, got {self.num_mma_wg}")
         if self.tile_n not in (64, 128):
@@ -708,15 +708,23 @@ class DecodeSm90(WarpSpecialized):
         `combine.merge_splits`."""
         cfg = self.cfg
         splits = cfg.cluster_splits
-        per_lane = cfg.head_dim // 32
+        D = cfg.head_dim
+        per_lane = lane_columns(D)
         warp = tidx // 32
         lane = tidx % 32
         warps = self.num_mma_threads // 32
         p_lo = m_block * cfg.tile_m
         tile_rows = cutlass.min(cfg.tile_m, rows - p_lo)
         for r in cutlass.range(rank + splits * warp, tile_rows, splits * warps, unroll=1):
-            cols = sPart.iterator + (r * cfg.head_dim + lane * per_lane)
-            parts = [dsmem.load_f32s_in_rank_chunked(cols, Int32(s), per_lane) for s in range(splits)]
+            if const_expr(D % 32 == 0):
+                cols = sPart.iterator + (r * D + lane * per_lane)
+                parts = [dsmem.load_f32s_in_rank_chunked(cols, Int32(s), per_lane) for s in range(splits)]
+            else:   # strided columns (lane_columns); those past D read column D - 1, weigh 0
+                row = sPart.iterator + r * D
+                parts = [[cutlass.select_(lane + 32 * i < D,
+                                          dsmem.load_f32s_in_rank(row + cutlass.min(lane + 32 * i, D - 1),
+                                                                  Int32(s), 1)[0], Float32(0.0))
+                          for i in range(per_lane)] for s in range(splits)]
             lse_s = -Float32.inf
             if lane < splits:
                 lse_s = dsmem.load_f32s_in_rank(sLSE.iterator + r, lane, 1)[0]
@@ -732,8 +740,13 @@ class DecodeSm90(WarpSpecialized):
                     acc[i] = acc[i] + w_s * parts[s][i]
             p = p_lo + r
             head, qi = packed_row(p, head_kv, group, q_len)
-            out = cute.local_tile(mO[batch, head, qi, None], (per_lane,), (lane,))
-            out.store((acc.load() * inv).to(mO.element_type))
+            if const_expr(D % 32 == 0):
+                out = cute.local_tile(mO[batch, head, qi, None], (per_lane,), (lane,))
+                out.store((acc.load() * inv).to(mO.element_type))
+            else:
+                for i in cutlass.range_constexpr(per_lane):
+                    if lane + 32 * i < D:
+                        mO[batch, head, qi, lane + 32 * i] = (acc[i] * inv).to(mO.element_type)
             if lane == 0:
                 mLSE[batch, head, qi] = lse
 
