@@ -319,10 +319,10 @@ class _PreparedStep:
     def backward(self, query, key, value, out, lse, d_out, d_lse, buffers, grad_mask):
         prepared = self.entry.backward
         deterministic = torch.are_deterministic_algorithms_enabled()
-        if (prepared is not None and prepared.deterministic == deterministic and prepared.grad_mask == grad_mask
-                and query.device.index == torch.cuda.current_device()):
+        if (prepared is not None and prepared.kernels.deterministic == deterministic
+                and prepared.grad_mask == grad_mask and query.device.index == torch.cuda.current_device()):
             arrays = _backward_arrays(query, key, value, out, lse, d_out, d_lse)
-            capture_grads = prepared.launch(arrays, _backward_alloc(query.device))
+            capture_grads = prepared.kernels.launch(arrays, _backward_alloc(query.device))
             return arrays.dq, arrays.dk, arrays.dv, _buffer_grads(prepared.tensor_slots, capture_grads, buffers)
         spec = _spec_of(self.call)
         shape = check_inputs(query, key, value, spec)
@@ -332,11 +332,11 @@ class _PreparedStep:
 
 
 class _PreparedBackward:
-    """A ``core.backward_path.PreparedBackward`` with what the torch side reads: the
-    deterministic setting and buffer-gradient mask it was made for, and the score-capture
-    slots of the op buffers (``_buffer_grads``)."""
+    """A ``core.backward_path.PreparedBackward`` (``kernels``: it knows its deterministic
+    setting) with what the torch side reads: the buffer-gradient mask it was made for and
+    the score-capture slots of the op buffers (``_buffer_grads``)."""
 
-    __slots__ = ("prepared", "deterministic", "grad_mask", "tensor_slots")
+    __slots__ = ("kernels", "grad_mask", "tensor_slots")
 
     @classmethod
     def make(cls, spec, shape, query, deterministic: bool, grad_mask: int):
@@ -347,12 +347,8 @@ class _PreparedBackward:
         if prepared is None:
             return None
         self = cls()
-        self.prepared, self.deterministic, self.grad_mask = prepared, deterministic, grad_mask
-        self.tensor_slots = _tensor_slots(spec)
+        self.kernels, self.grad_mask, self.tensor_slots = prepared, grad_mask, _tensor_slots(spec)
         return self
-
-    def launch(self, arrays, alloc):
-        return self.prepared.launch(arrays, alloc)
 
 
 def _records_grad(query, key, value, spec) -> bool:

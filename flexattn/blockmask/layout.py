@@ -135,16 +135,13 @@ class BlockMask:
         if self._rebuild is not None:
             rebuilt = self._rebuild(*captures)
             rebuilt.from_mask = self.from_mask
-            return self._same_kind(rebuilt)
+            return as_class(rebuilt, type(self))
         b, h, q, kv = self.shape
         from .build import create_block_mask
 
-        return self._same_kind(create_block_mask(self.mask_mod.with_captures(captures), b, h, q, kv,
-                                                 BLOCK_SIZE=self.BLOCK_SIZE,
-                                                 device=None if self.device == "cpu" else self.device))
-
-    def _same_kind(self, other: "BlockMask") -> "BlockMask":
-        return as_class(other, type(self))
+        return as_class(create_block_mask(self.mask_mod.with_captures(captures), b, h, q, kv,
+                                          BLOCK_SIZE=self.BLOCK_SIZE,
+                                          device=None if self.device == "cpu" else self.device), type(self))
 
     # -- the mask applied inside partial tiles -------------------------------------------------
     @property

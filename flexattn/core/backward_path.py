@@ -105,7 +105,7 @@ class PreparedBackward:
     Holds no mod object (its adapter's cache entry must die with the mods), only
     captured values, as ``kernel_path.PreparedForward``."""
 
-    __slots__ = ("deterministic", "grad_captures", "_runner", "_workspace", "_grad_shapes", "_slots", "_n_slots",
+    __slots__ = ("deterministic", "_runner", "_workspace", "_grad_shapes", "_slots", "_n_slots",
                  "_scale", "_kinds", "_captures", "_args", "_to_device", "_lists")
 
     def __init__(self, plan: KernelPlan, spec: AttentionSpec, shape: AttentionShape, device: Device,
@@ -115,7 +115,7 @@ class PreparedBackward:
         from ..kernels.launch.cache import backward_runner
 
         cfg = backward_config(plan.config, deterministic, grad_captures)
-        self.deterministic, self.grad_captures = deterministic, grad_captures
+        self.deterministic = deterministic
         self._runner = backward_runner(cfg, tvm_ffi=True)
         self._runner.kernels(False)   # compiled (or loaded) now, not inside a step
         self._workspace = tuple((s, dtype) for _, s, dtype in backward_workspace(cfg, shape))

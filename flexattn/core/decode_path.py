@@ -53,7 +53,7 @@ import numpy as np
 from ..arrays import dtype_name
 from ..mods import as_mask, as_score
 from ..mods.positions import shift_queries
-from .kernel_path import DECODE_HEAD_DIMS, KERNEL_DTYPES, Device, use_tvm_ffi
+from .kernel_path import DECODE_HEAD_DIMS, KERNEL_DTYPES, Device, frozen_captures, use_tvm_ffi
 from .prepared import PreparedCalls, call_identity
 
 DECODE_MAX_Q_LEN = 16      # longer query blocks take the ordinary forward kernel
@@ -549,9 +549,7 @@ class DecodePlan:
         # Numbers, read-only arrays and our positions buffer cannot change under the plan:
         # convert once. Anything else (framework tensors, writeable arrays) may be updated
         # in place or rebound between steps: convert per step.
-        frozen = all(isinstance(c, (int, float, np.integer, np.floating))
-                     or (isinstance(c, np.ndarray) and not c.flags.writeable) or c is q_offset
-                     for c in self._captures)
+        frozen = frozen_captures(c for c in self._captures if c is not q_offset)
         self._args = self._convert() if frozen else None
 
     def _kernel(self, kernel: tuple) -> tuple:
