@@ -4,7 +4,7 @@ What a new framework needs, as one small file: convert nothing, allocate nothing
 caller passes ``out`` and ``lse``), hand the core a raw stream. Arrays are any objects with
 ``__dlpack__``, ``__dlpack_device__``, ``shape`` and ``dtype`` (every framework's arrays).
 
-- CUDA arrays run the forward kernel (bf16/fp16, head dims 64/128) on the raw ``CUstream``
+- CUDA arrays run the forward kernel (bf16/fp16, head dims multiples of 16 up to 256) on the raw ``CUstream``
   ``stream`` (0: the legacy default stream). Host arrays the kernel reads — block-mask
   lists, numpy captures of mods — need a ``to_device(host array) -> CUDA DLPack array``
   (e.g. ``cupy.asarray``); calls without any (dense, ``mods.causal()``, numbers or CUDA

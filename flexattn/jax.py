@@ -11,7 +11,8 @@ the mask's jax arrays; residuals: those plus ``out`` and ``lse``), with two back
 
 - CPU arrays: ``jax.pure_callback`` into the exact numpy reference
   (``flexattn.reference.forward/backward``).
-- CUDA arrays: the CuTeDSL Hopper kernels (bf16/fp16, head dims 64/128) through
+- CUDA arrays: the CuTeDSL Hopper kernels (bf16/fp16; head dims: the forward any multiple of 16
+  up to 256, value head dim apart; the backward query and value head dims from 32 to 128) through
   ``cutlass.jax.cutlass_call``: each launch (the forward; the backward's three kernels) is
   one XLA FFI custom call served by the CuTeDSL runtime's C handler, which calls a compiled
   ``@cute.jit`` entry (``kernels/launch/xla_entry.py``) with XLA's stream and buffers — no Python
@@ -91,7 +92,8 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, scale=None, enable_
     ``mask``: a mask applied element-wise). ``out`` has the query's dtype; ``lse`` (natural
     log) is float32, float64 for float64 inputs. Differentiable w.r.t. ``q, k, v`` and the
     score mod's captured float jax arrays. CPU arrays run the exact reference, CUDA arrays
-    the GPU kernels (bf16/fp16, head dims 64/128; block masks with BLOCK_SIZE 128).
+    the GPU kernels (bf16/fp16; the forward at head dims that are multiples of 16 up to
+    256, the backward from 32 to 128; block masks with BLOCK_SIZE 128).
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, jax.Array):

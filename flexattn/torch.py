@@ -366,7 +366,7 @@ def decode(query: torch.Tensor, cache, score_mod=None, mask=None, scale=None, re
     ``query`` [B, Hq, q_len, D] holds the last q_len tokens of each sequence (append their
     K/V to the cache first); mods see true positions; GQA is implicit. CUDA inputs with
     q_len <= 16 that the kernel takes (``decode_device.kernel_step``: bf16/fp16, head dims
-    64/128, pages it reads in place) run the split-KV decode kernel (GQA heads packed,
+    multiples of 16 from 32 to 256, pages it reads in place) run the split-KV decode kernel (GQA heads packed,
     blocks past each sequence's length or before its mask's first key skipped; inference
     only — with autograd recording, the step goes through ``flex_attention``); anything
     else is an ordinary attention problem (the forward kernel on CUDA tensors, the CPU

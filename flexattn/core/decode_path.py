@@ -242,7 +242,8 @@ def decode_unsupported(q, k, v, page_size: int) -> str | None:
         return f"the KV cache must have the query's dtype {name}, got {dtype_name(k)} and {dtype_name(v)}"
     d = int(q.shape[-1])
     if d not in DECODE_HEAD_DIMS:
-        return f"the GPU decode kernel supports head dims {DECODE_HEAD_DIMS}, got {d}"
+        return (f"the GPU decode kernel supports head dims that are multiples of 16 from {DECODE_HEAD_DIMS[0]}"
+                f" to {DECODE_HEAD_DIMS[-1]}, got {d}")
     if int(k.shape[-1]) != d or int(v.shape[-1]) != d:
         return f"the KV cache's head dims must equal the query's ({d}), got {int(k.shape[-1])} and {int(v.shape[-1])}"
     if page_size:

@@ -41,17 +41,13 @@ from ..problem.validate import AttentionShape
 
 KERNEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 # The forward kernel takes any query and value head dim that is a multiple of 16 up to 256
-# (wgmma's k step; TMA's 16-byte rows); the backward, equal head dims of these (its kernels
-# also take a value head dim apart from the query's, ``BwdConfig.head_dim_v``, compiled
-# without spills on the CPU, 2026-11-26: tests/gpu/test_head_dims_gpu.py trains them —
-# once it has passed, let ``backward_unsupported`` take them); decode steps are routed to
-# the split-KV kernel at these (GPU-verified). The decode kernel also
-# compiles, without spills, for every other multiple of 16 from 32 to 256 (2026-11-26,
-# ``decode_path.fit_head_dim``, ``decode.combine.lane_columns``); tests/gpu/test_decode_gpu.py
-# checks them through the kernel entry against float64 — once it has passed on the GPU,
-# widen this to them.
+# (wgmma's k step; TMA's 16-byte rows); the backward, query and value head dims among these
+# (equal or not: ``BwdConfig.head_dim_v``), trained against float64 on the H100
+# (tests/gpu/test_head_dims_gpu.py, 2026-11-27); decode steps go to the split-KV kernel at
+# every multiple of 16 from 32 to 256 with equal value head dim (``decode_path.fit_head_dim``,
+# ``decode.combine.lane_columns``; tests/gpu/test_decode_gpu.py, 2026-11-27).
 BACKWARD_HEAD_DIMS = (32, 48, 64, 80, 96, 112, 128)
-DECODE_HEAD_DIMS = (64, 128)
+DECODE_HEAD_DIMS = tuple(range(32, 257, 16))
 TILE_N = 128
 
 
@@ -89,8 +85,8 @@ def backward_unsupported(shape: AttentionShape) -> str | None:
 def backward_unsupported_dims(head_dim: int, v_head_dim: int) -> str | None:
     """``backward_unsupported`` by head dims: also what every adapter's backward plan
     (``backward_path.backward_config``) refuses, whether or not its adapter asked first."""
-    if head_dim not in BACKWARD_HEAD_DIMS or v_head_dim != head_dim:
-        return (f"the GPU backward supports head dims {BACKWARD_HEAD_DIMS} with equal value head dim, got"
+    if head_dim not in BACKWARD_HEAD_DIMS or v_head_dim not in BACKWARD_HEAD_DIMS:
+        return (f"the GPU backward supports query and value head dims {BACKWARD_HEAD_DIMS}, got"
                 f" {head_dim}/{v_head_dim} (the forward alone runs any multiple of 16 up to 256:"
                 " call it without gradients, e.g. under torch.no_grad())")
     return None

@@ -370,7 +370,7 @@ def test_torch_block_masks_convert_once_and_run_their_structure():
 
 def test_block_mask_to_device_and_back():
     """``BlockMask.to("cuda")`` puts the lists on the GPU as torch tensors (mask and
-    from_mask kept); ``.to("cpu")`` brings host lists back; both run the same attention."""
+    from_mask kept); ``.to("cpu")`` brings them back as CPU tensors; both run the same attention."""
     torch.manual_seed(11)
     q, k, v = (torch.randn(1, 2, 300, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     host = fa.create_block_mask(mods.sliding_window(64), None, None, 300, 300)
@@ -378,7 +378,8 @@ def test_block_mask_to_device_and_back():
     assert isinstance(on_gpu.kv_indices, torch.Tensor) and on_gpu.kv_indices.is_cuda
     assert on_gpu.mask_mod is host.mask_mod and on_gpu.from_mask == host.from_mask
     back = on_gpu.to("cpu")
-    assert isinstance(back.kv_indices, np.ndarray)
+    assert isinstance(back.kv_indices, torch.Tensor) and not back.kv_indices.is_cuda
+    assert torch.equal(back.kv_indices, on_gpu.kv_indices.cpu())
     want = fa.flex_attention(q, k, v, block_mask=host)
     for bm in (on_gpu, back):
         assert torch.equal(fa.flex_attention(q, k, v, block_mask=bm), want)

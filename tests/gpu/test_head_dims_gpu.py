@@ -90,7 +90,7 @@ def test_torch_door_inference_and_a_clear_error_for_gradients():
     out = fa.flex_attention(q, k, v, block_mask=fa.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 300, 300))
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
-    with pytest.raises(ValueError, match="backward supports head dims"):
+    with pytest.raises(ValueError, match="backward supports query and value head dims"):
         fa.flex_attention(q.requires_grad_(), k, v)
 
 
@@ -108,18 +108,13 @@ def test_backward_head_dims_against_reference(D, kind):
     _train_against_reference(D, D, kind)
 
 
-# Value head dims apart from the query's: the backward kernels take them (BwdConfig
-# head_dim_v, compiled without spills on the CPU, 2026-11-26); the torch door refuses them
-# (kernel_path.backward_unsupported) until this test has passed on the GPU.
+# Value head dims apart from the query's (BwdConfig head_dim_v), through the torch door.
 VALUE_PAIRS = [(128, 64), (64, 128), (96, 64), (128, 96)]
 
 
 @pytest.mark.parametrize("pair", VALUE_PAIRS, ids=lambda p: f"d{p[0]}-{p[1]}")
 @pytest.mark.parametrize("kind", ["causal", "documents", "scored"])
-def test_backward_value_head_dims_against_reference(pair, kind, monkeypatch):
-    from flexattn.core import kernel_path
-
-    monkeypatch.setattr(kernel_path, "backward_unsupported_dims", lambda head_dim, v_head_dim: None)
+def test_backward_value_head_dims_against_reference(pair, kind):
     _train_against_reference(*pair, kind)
 
 

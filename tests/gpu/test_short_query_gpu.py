@@ -64,6 +64,24 @@ def test_short_queries_match_the_reference(name, q_len, L, routed):
     assert np.abs(lse.double().cpu().numpy()[alive] - want_lse[alive]).max() < 5e-3
 
 
+@pytest.mark.parametrize("D", [32, 80, 96, 192, 256])
+def test_short_queries_at_other_head_dims(D, routed):
+    """Every multiple of 16 from 32 to 256 takes the decode kernel (strided lane columns
+    where D is not a multiple of 32), with a mask and a score mod."""
+    torch.manual_seed(D)
+    B, Hq, Hkv, q_len, L = 2, 8, 2, 2, 1500
+    q = torch.randn(B, Hq, q_len, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    score_fn, mask_fn = _mods("softcap_alibi", L)[0], _mods("window_at_end", L)[1]
+    block_mask = fa.create_block_mask(mask_fn, None, None, q_len, L, device="cuda")
+    out, lse = fa.flex_attention(q, k, v, score_mod=score_fn, block_mask=block_mask, enable_gqa=True, return_lse=True)
+    assert routed, "the call did not take the decode kernel"
+    spec = AttentionSpec.from_args(score_mod=score_fn, mask=mask_fn, enable_gqa=True)
+    want_o, want_lse = reference.forward(q.cpu(), k.cpu(), v.cpu(), spec)
+    assert np.abs(out.double().cpu().numpy() - want_o).max() < TOL
+    assert np.abs(lse.double().cpu().numpy() - want_lse).max() < 5e-3
+
+
 def test_repeated_decoding_loop_and_compile(routed):
     """A torch user's decoding loop (growing views of one cache), eagerly and under
     torch.compile, agrees with the forward kernel's answer for the same call."""

@@ -137,13 +137,15 @@ def test_what_the_kernel_cannot_do_is_refused(runners):
 
 def test_every_adapters_backward_plan_refuses_what_is_not_verified():
     """backward_config (JAX's and CuPy's backward plans too, not only the torch door)
-    refuses a value head dim apart from the query's and head dims beyond 128."""
+    refuses head dims beyond 128, query's or value's, and accepts value head dims apart
+    from the query's within them."""
     from flexattn.core.backward_path import backward_config
     from flexattn.kernels.fwd.sm90 import FwdConfig
 
     backward_config(FwdConfig(head_dim=96))
-    for kw in (dict(head_dim=128, head_dim_v=64), dict(head_dim=192, head_dim_v=128), dict(head_dim=256)):
-        with pytest.raises(ValueError, match="backward supports head dims"):
+    backward_config(FwdConfig(head_dim=128, head_dim_v=64))
+    for kw in (dict(head_dim=192, head_dim_v=128), dict(head_dim=128, head_dim_v=192), dict(head_dim=256)):
+        with pytest.raises(ValueError, match="backward supports query and value head dims"):
             backward_config(FwdConfig(**kw))
 
 

@@ -254,8 +254,11 @@ def test_decode_unsupported_reasons():
     assert "bfloat16" in decode_unsupported(q, q, q, 0)
     import torch
 
-    qb = torch.zeros(1, 4, 1, 96, dtype=torch.bfloat16)
+    qb = torch.zeros(1, 4, 1, 16, dtype=torch.bfloat16)
     assert "head dims" in decode_unsupported(qb, qb, qb, 0)
+    for d in (32, 80, 96, 144, 256):
+        qb = torch.zeros(1, 4, 1, d, dtype=torch.bfloat16)
+        assert decode_unsupported(qb, qb, qb, 0) is None
     qb = torch.zeros(1, 4, 1, 128, dtype=torch.bfloat16)
     assert "dtype" in decode_unsupported(qb, qb.half(), qb.half(), 0)
     assert "page" in decode_unsupported(qb, qb, qb, 48)
