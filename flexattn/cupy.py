@@ -138,7 +138,7 @@ def _current_device() -> Device:
     """The core's view of the current CuPy device: its current stream, host→GPU copies,
     and the decode kernel's resources (short queries are routed there)."""
     stream = cupy.cuda.get_current_stream().ptr
-    return Device(stream, _to_device, decode_resources=lambda: _decode_resources(stream))
+    return Device(stream, _to_device, decode_resources=lambda: _decode_resources(stream), alloc=_alloc)
 
 
 _SM_COUNTS: dict = {}

@@ -69,7 +69,7 @@ except ImportError as e:  # pragma: no cover - exercised only without jax
     raise ImportError("flexattn.jax needs JAX: pip install jax (or 'flexattn[jax]')") from e
 
 from . import reference
-from .arrays import to_numpy
+from .arrays import dtype_name, to_numpy
 from .blockmask import BlockMask, create_block_mask
 from .core import kernel_path, xla_path
 from .problem.spec import OPERAND, AttentionSpec, lse_dtype
@@ -461,6 +461,11 @@ class _KernelBackend:
 def kernel_unsupported_message(q, shape: AttentionShape) -> str | None:
     """Why the GPU kernels cannot run these inputs (as the torch adapter says it), or None."""
     reason = kernel_path.kernel_unsupported(q, shape)
+    if reason is None and dtype_name(q) not in kernel_path.KERNEL_DTYPES:
+        # The fp32 forward needs its operands made on the stream first (kernel_path's
+        # Device.alloc): not wired into the XLA custom calls yet.
+        reason = (f"the JAX adapter's GPU kernels take bfloat16 and float16 inputs, got {dtype_name(q)}"
+                  " (float32 runs on the GPU through flexattn.torch and flexattn.cupy)")
     if reason:
         return f"{reason} (CPU arrays run the exact reference for anything else)"
     return None

@@ -231,7 +231,7 @@ def _checked_call(query, key, value, call, kernel_options):
     records = False
     if query.is_cuda:
         records = _records_grad(query, key, value, spec)
-        reason = kernel_unsupported(query, shape) or (backward_unsupported(shape) if records else None)
+        reason = kernel_unsupported(query, shape) or (backward_unsupported(shape, query) if records else None)
         if reason:
             raise ValueError(f"{reason} (CPU tensors run the exact reference for anything else)")
     return spec, shape, records
@@ -945,10 +945,13 @@ _PREPARED = PreparedCalls()   # key -> _PreparedCall
 
 def _forward_device(dev) -> Device:
     """The core's view of a CUDA device for kernel launches (forward and backward): its
-    current stream (which TVM-FFI reads from torch itself) and cached host→GPU copies."""
+    current stream (which TVM-FFI reads from torch itself), cached host→GPU copies, and
+    for float32 inputs scratch memory and torch's float32 matmul precision ("highest":
+    3xTF32, as accurate as torch flex's float32 products; "high" / "medium": tf32)."""
     stream = torch.cuda.current_stream(dev)
     return Device(stream.cuda_stream, _DeviceCopies(dev), tvm_ffi_stream=True,
-                  decode_resources=lambda: (_sm_count(dev), _decode_workspace(dev, stream)))
+                  decode_resources=lambda: (_sm_count(dev), _decode_workspace(dev, stream)),
+                  alloc=_backward_alloc(dev), tf32_passes=3 if torch.get_float32_matmul_precision() == "highest" else 1)
 
 
 def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buffers, grad_mask):

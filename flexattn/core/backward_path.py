@@ -160,6 +160,8 @@ def backward_config(forward_config, deterministic: bool = False, grad_captures=N
     from . import kernel_path
 
     reason = kernel_path.backward_unsupported_dims(forward_config.head_dim, forward_config.head_dim_v)
+    if forward_config.dtype not in kernel_path.KERNEL_DTYPES.values():
+        reason = f"the GPU backward supports bfloat16 and float16 inputs, not {forward_config.dtype} (the forward alone does)"
     if reason:
         raise ValueError(reason)
     mods = forward_config.mods

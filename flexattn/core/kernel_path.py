@@ -39,7 +39,10 @@ from ..mods.structure import canonical_band, is_causal
 from ..problem.spec import AttentionSpec
 from ..problem.validate import AttentionShape
 
-KERNEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
+KERNEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}   # every kernel's
+# The forward also takes float32: tf32 MMAs, one pass or three (3xTF32) as the adapter's
+# float32 matmul precision says (``Device.tf32_passes``; kernels/fwd/sm90.py).
+FORWARD_DTYPES = {**KERNEL_DTYPES, "float32": "fp32"}
 # The forward kernel takes any query and value head dim that is a multiple of 16 up to 256
 # (wgmma's k step; TMA's 16-byte rows); the backward, query and value head dims among these
 # (equal or not: ``BwdConfig.head_dim_v``), trained against float64 on the H100
@@ -64,21 +67,32 @@ class Device:
     # () -> (SM count, this stream's decode workspace): lets the core send short-query
     # calls to the decode kernel (core/short_query.py). None: this adapter never does.
     decode_resources: Callable | None = None
+    # alloc(shape, dtype name, zeroed) -> a contiguous GPU array (backward_path.Allocator):
+    # scratch the forward needs for float32 inputs (their tf32 operands). None: float32
+    # inputs are refused.
+    alloc: Callable | None = None
+    # float32 inputs: tf32 MMAs per product, 3 (3xTF32, about float32's accuracy: torch's
+    # "highest" matmul precision) or 1 (tf32: "high" / "medium").
+    tf32_passes: int = 3
 
 
 def kernel_unsupported(q, shape: AttentionShape) -> str | None:
     """Why the forward kernel cannot run these inputs, or None."""
-    if dtype_name(q) not in KERNEL_DTYPES:
-        return f"the GPU kernel supports bfloat16 and float16 inputs, got {dtype_name(q)}"
+    if dtype_name(q) not in FORWARD_DTYPES:
+        return f"the GPU kernel supports bfloat16, float16 and float32 inputs, got {dtype_name(q)}"
     for name, d in (("head dim", shape.head_dim), ("value head dim", shape.v_head_dim)):
         if d % 16 or not 16 <= d <= 256:
             return f"the GPU kernel supports {name}s that are multiples of 16 up to 256, got {d}"
     return None
 
 
-def backward_unsupported(shape: AttentionShape) -> str | None:
-    """Why the backward kernels cannot differentiate a call of this shape, or None (checked
-    before the forward runs, where autograd will need the backward)."""
+def backward_unsupported(shape: AttentionShape, q=None) -> str | None:
+    """Why the backward kernels cannot differentiate a call of this shape (and of ``q``'s
+    dtype, if given), or None (checked before the forward runs, where autograd will need
+    the backward)."""
+    if q is not None and dtype_name(q) not in KERNEL_DTYPES:
+        return (f"the GPU backward supports bfloat16 and float16 inputs, got {dtype_name(q)} (the forward alone"
+                " runs float32: call it without gradients, e.g. under torch.no_grad())")
     return backward_unsupported_dims(shape.head_dim, shape.v_head_dim)
 
 
@@ -115,6 +129,28 @@ def _forward_tiles(shape: AttentionShape, tile_m: int, lists: bool, persistent: 
     if lists and tile_n != TILE_N:
         tile_n = TILE_N // 2
     return tile_n, 2, persistent and fits(tile_n, 2, True)
+
+
+# fp32's K/V tiles (`_fp32_tiles`): multiples of 8 keys (V^T's key groups).
+_FP32_TILE_N = (128, 96, 64, 48, 32, 16)
+
+
+def _fp32_tiles(shape: AttentionShape, parts: int, lists: bool) -> tuple:
+    """(tile_m, tile_n, num_stages) of the fp32 forward: 4-byte operands, twice over for
+    3xTF32, fill shared memory twice as fast as 16-bit ones. Two 128-row consumer
+    warpgroups; two K/V stages of at least 64 keys, else one stage of the widest tile that
+    fits, else 64-row tiles (3xTF32 at head dim > 128). Block-sparse lists need tile_n to
+    divide their 128-key blocks."""
+    from ..kernels.fwd.sm90 import shared_bytes
+    from ..kernels.hopper.mma import SMEM_CAPACITY
+
+    d, dv = shape.head_dim, shape.v_head_dim
+    choices = [t for t in _FP32_TILE_N if not lists or TILE_N % t == 0]
+    for tile_m in (128, 64):
+        for tile_n, stages in [(t, 2) for t in choices if t >= 64] + [(t, 1) for t in choices]:
+            if shared_bytes(tile_m, tile_n, stages, d, dv, dv > d, elem_bytes=4, parts=parts) <= SMEM_CAPACITY:
+                return tile_m, tile_n, stages
+    raise ValueError(f"float32 at head dims {d}/{dv} does not fit shared memory")   # not reached for D <= 256
 
 
 def _is_full(mask) -> bool:
@@ -261,7 +297,8 @@ def block_lists_to_device(spec: AttentionSpec, shape: AttentionShape, to_device:
             to_device(block_mask.list_array(name))
 
 
-def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool = False) -> KernelPlan:
+def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool = False,
+                 tf32_passes: int = 3) -> KernelPlan:
     """Pick the kernel configuration (compile-time) for this call.
 
     Plans are cached by the *identity* of the mods' IR (shared by every ``with_captures``
@@ -275,15 +312,20 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
         raise ValueError(reason)
     causal, band, mask, block_mask = _block_structure(spec, shape)
     score = spec.score
-    dtype = KERNEL_DTYPES[dtype_name(q)]
+    dtype = FORWARD_DTYPES[dtype_name(q)]
+    fp32 = dtype == "fp32"
+    tf32_passes = tf32_passes if fp32 else 1
     dense = not causal and block_mask is None
-    cluster_m = 2 if block_mask is None and _clusters_pay(shape) else 1
-    max_ctas = persistent_ctas(q, cluster_m) if dense or _balanced(block_mask, band) else 0
-    key = (dtype, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas, cluster_m,
-           max_scores,
+    # fp32: no clusters, no persistent CTAs (their separate O buffer would not fit).
+    cluster_m = 2 if block_mask is None and not fp32 and _clusters_pay(shape) else 1
+    max_ctas = persistent_ctas(q, cluster_m) if (dense or _balanced(block_mask, band)) and not fp32 else 0
+    key = (dtype, tf32_passes, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
+           cluster_m, max_scores,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
-    hook = IRModHook(score, mask)
+    # 3xTF32 keeps float32's accuracy: the mods' tanh / sigmoid exact, not tanh.approx.
+    fast_math = tf32_passes != 3
+    hook = IRModHook(score, mask, fast_math)
     if entry is None:
         from ..kernels.fwd.sm90 import FwdConfig
         from ..kernels.emit.mod_emit import capture_kinds
@@ -292,13 +334,18 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
         # score mod (register pressure) and outside block-sparse mode (128-row tiles).
         lists = block_mask is not None and not band
         small = max(shape.head_dim, shape.v_head_dim) <= 64
-        tile_m = 192 if small and score is None and block_mask is None else 128
-        tile_n, stages, persistent = _forward_tiles(shape, tile_m, lists, max_ctas > 0)
-        template = IRModHook(_structure_only(score), _structure_only(mask))
+        if fp32:
+            tile_m, tile_n, stages = _fp32_tiles(shape, 2 if tf32_passes == 3 else 1, lists)
+            persistent = False
+        else:
+            tile_m = 192 if small and score is None and block_mask is None else 128
+            tile_n, stages, persistent = _forward_tiles(shape, tile_m, lists, max_ctas > 0)
+        template = IRModHook(_structure_only(score), _structure_only(mask), fast_math)
         config = FwdConfig(
-            dtype=dtype, head_dim=shape.head_dim, head_dim_v=shape.v_head_dim, tile_m=tile_m, tile_n=tile_n,
-            num_stages=stages, causal=causal, block_sparse=lists, band=band, mods=template,
-            max_ctas=max_ctas if persistent else 0, cluster_m=cluster_m, max_scores=max_scores,
+            dtype=dtype, tf32_passes=tf32_passes, head_dim=shape.head_dim, head_dim_v=shape.v_head_dim,
+            tile_m=tile_m, tile_n=tile_n, num_stages=stages, causal=causal, block_sparse=lists, band=band,
+            mods=template, max_ctas=max_ctas if persistent else 0, cluster_m=cluster_m, max_scores=max_scores,
+            pingpong=tile_m > 64, sparse_block_m=128 if lists else None,   # lists: 128-row q blocks
         )
         # _clusters_pay counts 128-row q tiles; the kernel pairs its own tile_m rows, and
         # the TVM-FFI launch does not check again: the two counts must agree.
@@ -426,14 +473,15 @@ def forward_into(q, k, v, out, lse, shape: AttentionShape, spec: AttentionSpec, 
     scores; -inf for rows that see nothing) if given. Short queries go to the decode kernel
     where the device allows (``core/short_query.py``; then no plan is returned) unless
     ``max_scores`` is wanted (the decode kernel keeps no such output)."""
-    if device.decode_resources is not None and max_scores is None:
+    fp32 = dtype_name(q) == "float32"
+    if device.decode_resources is not None and max_scores is None and not fp32:
         from .short_query import decode_route, short_query_into
 
         route = decode_route(shape, spec)
         if route is not None:
             short_query_into(q, k, v, out, lse, route, device)
             return None
-    plan = plan_forward(q, shape, spec, max_scores is not None)
+    plan = plan_forward(q, shape, spec, max_scores is not None, device.tf32_passes)
     lists = _kv_lists(plan, device)
     scale = spec.resolved_scale(shape.head_dim)
     if use_tvm_ffi(device, stream_scope=True):  # see kernels/launch/forward.py
@@ -441,8 +489,16 @@ def forward_into(q, k, v, out, lse, shape: AttentionShape, spec: AttentionSpec, 
 
         args = ffi_mod_args(plan.config.mods, device.to_device)
         with ffi_stream_scope(q, device):
+            if fp32:
+                from ..kernels.launch.fp32 import fp32_operands
+
+                if device.alloc is None:
+                    raise ValueError("float32 inputs need scratch memory this adapter does not give (Device.alloc)")
+                q, k, v = fp32_operands(plan.config, q, k, v, device.alloc)
             _runner(plan, True).run(q, k, v, out, lse, scale, args, lists, max_scores)
         return plan
+    if fp32:
+        raise ValueError("float32 inputs run through TVM-FFI launches (pip install apache-tvm-ffi)")
     from ..kernels.emit.mod_emit import runtime_args
 
     args = runtime_args(plan.config.mods, device.to_device)
@@ -500,8 +556,8 @@ def prepare_forward(q, shape: AttentionShape, spec: AttentionSpec, device: Devic
     for calls routed to the decode kernel; both ``launch(q, k, v, out, lse, stream)``, a
     launch returning False asks for the full path), or None where launches must go
     through ``forward_into`` (no TVM-FFI for this device)."""
-    if not use_tvm_ffi(device, stream_scope=True):
-        return None
+    if not use_tvm_ffi(device, stream_scope=True) or dtype_name(q) == "float32":
+        return None   # float32 calls make their operands each time: the full path
     if device.decode_resources is not None:
         from .short_query import PreparedShortQuery, decode_route
 

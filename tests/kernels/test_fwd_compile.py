@@ -181,7 +181,12 @@ def test_config_keys():
     with pytest.raises(ValueError, match="sparse_block_n"):
         FwdConfig(block_sparse=True, tile_n=96)
     with pytest.raises(ValueError):
-        FwdConfig(dtype="fp32")
+        FwdConfig(dtype="fp64")
+    with pytest.raises(ValueError, match="tf32_passes"):
+        FwdConfig(tf32_passes=3)                                         # fp32 only
+    with pytest.raises(ValueError, match="cluster_m"):
+        FwdConfig(dtype="fp32", cluster_m=2)
+    assert FwdConfig(dtype="fp32", tf32_passes=3).operand_parts == 2
     with pytest.raises(ValueError):
         FwdConfig(head_dim=128, tile_m=192)
     assert FwdConfig(head_dim=64).tile_m == 192                         # 3 consumer WGs

@@ -21,6 +21,13 @@ Tensors are [B, H, S, D] with D contiguous (any other strides); K/V may have few
 (GQA: kv head = q head // (Hq / Hkv)); Q_LEN and KV_LEN are independent and arbitrary
 (TMA zero-fills reads past the end and clips the store; the KV_LEN edge is masked).
 
+fp32 inputs (``dtype="fp32"``) run tf32 wgmmas, which read both operands K-major: V comes
+transposed, its keys permuted within each 8 so the S accumulator feeds P V without a
+shuffle (``mma.acc_as_tf32_a_view``). ``tf32_passes=3`` (3xTF32, for torch's "highest"
+float32 matmul precision) takes Q, K and V^T as tf32 (hi, lo) parts stacked along the batch
+dim (batch b's lo part at b + B) and runs every product as three tf32 MMAs; P is split in
+registers. kernels/fwd/fp32_operands.py makes those operands.
+
 Which kv blocks are visited, and which of them need the mask evaluated, is the *block
 structure* (see blockmask/visit.py): "dense" (all blocks, last first, the mask on every
 block), "causal" (blocks at or below the diagonal, the mask only on blocks crossing it) or
@@ -54,10 +61,11 @@ from flexattn.kernels.emit.mod_hook import (NO_MODS, FragmentCoords, ModHook, ap
 from flexattn.kernels.hopper.softmax import OnlineSoftmax, rescale_rows
 from flexattn.kernels.hopper.tile_scheduler import ByHead, LongestFirst, TileSpace, grid_size
 from flexattn.kernels.hopper.tma_pipeline import multicast_slice, tma_ring
-from flexattn.kernels.hopper.warp_specialized import (KernelConfig, NamedBarriers, WarpSpecialized, register_split,
-                                                      stage_tiles, store_staged)
+from flexattn.kernels.hopper.warp_specialized import (DTYPES, KernelConfig, NamedBarriers, WarpSpecialized,
+                                                      register_split, stage_tiles, store_staged)
 
 LOG2_E = math.log2(math.e)
+FWD_DTYPES = {**DTYPES, "fp32": cutlass.Float32}   # the forward alone takes fp32 (tf32 MMAs)
 
 
 
@@ -67,7 +75,13 @@ class FwdConfig(KernelConfig):
 
     KIND = "fwd"
 
-    dtype: str = "bf16"            # "bf16" | "fp16": Q, K, V and O
+    dtype: str = "bf16"            # "bf16" | "fp16" | "fp32": Q, K, V and O
+    tf32_passes: int = 1           # fp32: tf32 MMAs per product, 1 or 3 (3xTF32, see above)
+    # Each block's P V summed by the tensor cores into a fresh accumulator, then added to
+    # O in registers (round-to-nearest FADD): the tensor cores' accumulation drops low
+    # bits at every add, which over a long row's thousands of adds outweighs 3xTF32's own
+    # error (DeepGEMM promotes its FP8 sums the same way). None: on for 3xTF32.
+    promote_pv: bool | None = None
     head_dim: int = 128            # of Q and K: a multiple of 16 in [16, 256]
     head_dim_v: int | None = None  # of V and O (None: head_dim); a multiple of 16 in [16, 256]
     tile_m: int | None = None      # Q rows per CTA, 64 per consumer warpgroup (None: 192
@@ -77,6 +91,8 @@ class FwdConfig(KernelConfig):
     causal: bool = False           # block structure: skip blocks above the diagonal
     block_sparse: bool = False     # block structure from BlockMask lists (runtime tensors)
     sparse_block_n: int = 128      # keys of one listed block (a multiple of tile_n)
+    sparse_block_m: int | None = None  # query rows of one listed block (None: tile_m; else a
+                                       # multiple of it: 64-row fp32 tiles read 128-row lists)
     band: bool = False             # block structure of the mask's band of diagonals (the
                                    # mask hook's IR is one; its bounds are runtime captures)
     max_scores: bool = False       # also write each row's max score (torch's AuxRequest)
@@ -136,6 +152,10 @@ class FwdConfig(KernelConfig):
             raise ValueError(f"tile_n must be a multiple of 16 in [16, 256], got {self.tile_n}")
         if self.num_stages < 1:
             raise ValueError("num_stages must be >= 1")
+        if self.sparse_block_m is None:
+            object.__setattr__(self, "sparse_block_m", self.tile_m)
+        if self.sparse_block_m % self.tile_m:
+            raise ValueError(f"sparse_block_m {self.sparse_block_m} must be a multiple of tile_m {self.tile_m}")
         if self.block_sparse and self.sparse_block_n % self.tile_n:
             raise ValueError(f"sparse_block_n {self.sparse_block_n} must be a multiple of tile_n {self.tile_n}")
         if self.block_sparse + self.causal + self.band > 1:
@@ -153,6 +173,29 @@ class FwdConfig(KernelConfig):
             raise ValueError("cluster_m=2 under causal needs tile_m == tile_n")
         if self.pingpong and self.tile_m == 64:
             raise ValueError("pingpong needs 2 or 3 consumer warpgroups (tile_m 128 or 192)")
+        if self.promote_pv is None:
+            # Not beyond 128 value columns: a second O-sized accumulator would spill there.
+            object.__setattr__(self, "promote_pv", self.tf32_passes == 3 and self.intra_wg_overlap
+                               and self.head_dim_v <= 128)
+        if self.promote_pv and not self.intra_wg_overlap:
+            raise ValueError("promote_pv needs the overlapped schedule (intra_wg_overlap)")
+        if self.tf32_passes not in (1, 3) or (self.tf32_passes == 3 and self.dtype != "fp32"):
+            raise ValueError(f"tf32_passes must be 1, or 3 with dtype 'fp32', got {self.tf32_passes}")
+        if self.dtype == "fp32" and (self.cluster_m > 1 or self.tile_n % 8):
+            raise ValueError("fp32 needs cluster_m=1 and tile_n a multiple of 8 (V's key groups)")
+
+    @property
+    def cutlass_dtype(self):
+        return FWD_DTYPES[self.dtype]
+
+    def check_dtype(self):
+        if self.dtype not in FWD_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(FWD_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def operand_parts(self) -> int:
+        """Arrays per operand: 2 for 3xTF32 (tf32 hi and lo parts), else 1."""
+        return 2 if self.tf32_passes == 3 else 1
 
     @property
     def separate_o(self) -> bool:
@@ -172,12 +215,13 @@ class FwdConfig(KernelConfig):
 
 
 def shared_bytes(tile_m: int, tile_n: int, num_stages: int, head_dim: int, head_dim_v: int,
-                 separate_o: bool, elem_bytes: int = 2) -> int:
+                 separate_o: bool, elem_bytes: int = 2, parts: int = 1) -> int:
     """The forward's shared memory (the kernel's SharedStorage: mbarriers, then Q, K, V and,
-    if separate, O, each 1024-byte aligned), so planners can pick tiles that fit."""
+    if separate, O, each 1024-byte aligned), so planners can pick tiles that fit. ``parts``:
+    arrays per operand (``FwdConfig.operand_parts``)."""
     size = 8 * (2 + 4 * num_stages)
-    for rows, cols, stages in ((tile_m, head_dim, 1), (tile_n, head_dim, num_stages), (tile_n, head_dim_v, num_stages),
-                               (tile_m, head_dim_v, 1 if separate_o else 0)):
+    for rows, cols, stages in ((tile_m, head_dim, parts), (tile_n, head_dim, num_stages * parts),
+                               (tile_n, head_dim_v, num_stages * parts), (tile_m, head_dim_v, 1 if separate_o else 0)):
         if stages:
             size = -(-size // 1024) * 1024 + rows * cols * stages * elem_bytes
     return size
@@ -197,7 +241,8 @@ class FlashFwdSm90(WarpSpecialized):
         self.cfg = config
         self.dtype = config.cutlass_dtype
         self.mods = config.mods
-        kv_row_bytes = (config.head_dim + config.head_dim_v) * (self.dtype.width // 8)
+        self.fp32 = config.dtype == "fp32"
+        kv_row_bytes = (config.head_dim + config.head_dim_v) * (self.dtype.width // 8) * config.operand_parts
         self.order = (LongestFirst(kv_row_bytes) if config.tile_order == "longest_first"
                       else ByHead())
 
@@ -205,10 +250,10 @@ class FlashFwdSm90(WarpSpecialized):
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,          # [B, Hq, Sq, D]
-        mK: cute.Tensor,          # [B, Hkv, Skv, D]
-        mV: cute.Tensor,          # [B, Hkv, Skv, D]
-        mO: cute.Tensor,          # [B, Hq, Sq, D]
+        mQ: cute.Tensor,          # [B, Hq, Sq, D] (fp32: [parts * B, ...], see the module doc)
+        mK: cute.Tensor,          # [B, Hkv, Skv, D] (idem)
+        mV: cute.Tensor,          # [B, Hkv, Skv, Dv] (fp32: V^T [parts * B, Hkv, Dv, Skv rounded up to 8])
+        mO: cute.Tensor,          # [B, Hq, Sq, Dv]
         mLSE: cute.Tensor,        # [B, Hq, Sq] float32, natural log
         softmax_scale: Float32,
         mod_args,                 # tuple of runtime args for the mod hook, or None
@@ -237,26 +282,31 @@ class FlashFwdSm90(WarpSpecialized):
         tiled_mma_qk = mma.make_qk_mma(self.dtype, cfg.tile_m, cfg.tile_n)
         tiled_mma_pv = mma.make_pv_mma(self.dtype, cfg.tile_m, cfg.head_dim_v)
 
-        sQ_layout = mma.smem_layout(self.dtype, cfg.tile_m, cfg.head_dim)
-        sK_layout = mma.smem_layout(self.dtype, cfg.tile_n, cfg.head_dim, cfg.num_stages)
-        sV_layout = mma.smem_layout(self.dtype, cfg.tile_n, cfg.head_dim_v, cfg.num_stages)
+        parts = cfg.operand_parts
+        sQ_layout = mma.smem_layout(self.dtype, cfg.tile_m, cfg.head_dim, parts if parts > 1 else None)
+        sK_layout = mma.smem_layout(self.dtype, cfg.tile_n, cfg.head_dim, cfg.num_stages * parts)
+        # V's tile as the PV MMA reads it: (keys, Dv), or fp32's V^T tile (Dv, keys), K-major.
+        v_tile = (cfg.head_dim_v, cfg.tile_n) if const_expr(self.fp32) else (cfg.tile_n, cfg.head_dim_v)
+        sV_layout = mma.smem_layout(self.dtype, *v_tile, cfg.num_stages * parts)
         sO_layout = mma.smem_layout(self.dtype, cfg.tile_m, cfg.head_dim_v)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         g2s_kv = cpasync.CopyBulkTensorTileG2SMulticastOp() if cfg.cluster_m > 1 else g2s
+        sQ_part = cute.select(sQ_layout, mode=[0, 1]) if const_expr(parts > 1) else sQ_layout
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
-            g2s, Q, sQ_layout, (cfg.tile_m, cfg.head_dim))
+            g2s, Q, sQ_part, (cfg.tile_m, cfg.head_dim))
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
             g2s_kv, K, cute.select(sK_layout, mode=[0, 1]), (cfg.tile_n, cfg.head_dim), cfg.cluster_m)
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            g2s_kv, V, cute.select(sV_layout, mode=[0, 1]), (cfg.tile_n, cfg.head_dim_v), cfg.cluster_m)
+            g2s_kv, V, cute.select(sV_layout, mode=[0, 1]), v_tile, cfg.cluster_m)
         # O goes out through sQ's buffer once Q is dead (where it fits: head_dim_v <= head_dim).
         tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), O, sO_layout, (cfg.tile_m, cfg.head_dim_v))
 
+        # Bytes per ring stage (every part of an operand arrives on the stage's barrier).
         self.bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
-        self.bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
-        self.bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
+        self.bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1])) * parts
+        self.bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1])) * parts
 
         @cute.struct
         class SharedStorage:
@@ -283,7 +333,9 @@ class FlashFwdSm90(WarpSpecialized):
         if const_expr(not self.mods.has_score):
             scale_log2 = softmax_scale * Float32(LOG2_E)
 
-        grid = grid_size((Q.shape[0] + cfg.tile_m - 1) // cfg.tile_m * Q.shape[2] * Q.shape[3],
+        # O's batch count: fp32's 3xTF32 operands stack two parts along Q's batch dim.
+        batch = O.shape[3] if const_expr(parts > 1) else Q.shape[3]
+        grid = grid_size((Q.shape[0] + cfg.tile_m - 1) // cfg.tile_m * Q.shape[2] * batch,
                          cfg.max_ctas - cfg.max_ctas % cfg.cluster_m)
         self.kernel(
             tma_Q, tma_K, tma_V, tma_O, stats,
@@ -336,7 +388,8 @@ class FlashFwdSm90(WarpSpecialized):
 
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
-        tiles = TileSpace((seqlen_q + cfg.tile_m - 1) // cfg.tile_m, mQ.shape[2], mQ.shape[3], seqlen_k)
+        batch = mO.shape[3] if const_expr(cfg.operand_parts > 1) else mQ.shape[3]
+        tiles = TileSpace((seqlen_q + cfg.tile_m - 1) // cfg.tile_m, mQ.shape[2], batch, seqlen_k)
 
         self.rings_init_wait(cfg.cluster_m)
 
@@ -364,7 +417,9 @@ class FlashFwdSm90(WarpSpecialized):
         else:
             m_block, head, batch = self.order.tile(idx, tiles)
         if const_expr(self.cfg.block_sparse):
-            blocks = SparseBlocks(block_sparse, batch, head, m_block, self.cfg.sparse_block_n // self.cfg.tile_n)
+            rows_per_block = self.cfg.sparse_block_m // self.cfg.tile_m
+            row = m_block // rows_per_block if const_expr(rows_per_block > 1) else m_block
+            blocks = SparseBlocks(block_sparse, batch, head, row, self.cfg.sparse_block_n // self.cfg.tile_n)
         elif const_expr(self.cfg.band):   # `block_sparse` holds the band's bounds
             blocks = BandBlocks(block_sparse, m_block, self.cfg.tile_m, self.cfg.tile_n, seqlen_k)
         else:
@@ -403,7 +458,7 @@ class FlashFwdSm90(WarpSpecialized):
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
         group = mQ.shape[2] // mK.shape[2]
-        operands = (mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, pipe_q, pipe_k, pipe_v)
+        operands = (mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, pipe_q, pipe_k, pipe_v, tiles.batch)
         if const_expr(cfg.max_ctas):
             for idx in cutlass.range(tiles.first, tiles.total, tiles.stride, unroll=1):
                 m_block, head, batch, blocks = self._tile(tiles, idx, seqlen_k, block_sparse)
@@ -422,19 +477,31 @@ class FlashFwdSm90(WarpSpecialized):
     @cute.jit
     def _load_tile(self, operands, m_block, head, head_kv, batch, blocks, q_state, kv_state):
         cfg = self.cfg
-        mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, pipe_q, pipe_k, pipe_v = operands
-        gQ = cute.local_tile(mQ[None, None, head, batch], (cfg.tile_m, cfg.head_dim), (m_block, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim_v), (None, 0))
+        mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, pipe_q, pipe_k, pipe_v, n_batch = operands
         one = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
         # Cluster: this CTA's slice of each K/V block (it multicasts it to both CTAs).
         rank, pair, multicast = multicast_slice(cfg.cluster_m)
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_K, rank, pair, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_V, rank, pair, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        # Per operand part (3xTF32: hi at `batch`, lo at `batch + n_batch`): the global
+        # tiles' TMA partitions; the smem side is one tensor whose last mode is
+        # stage * parts + part.
+        tQgQ, tKgK, tVgV = [], [], []
+        for part in cutlass.range_constexpr(cfg.operand_parts):
+            b = batch + part * n_batch if const_expr(part) else batch
+            gQ = cute.local_tile(mQ[None, None, head, b], (cfg.tile_m, cfg.head_dim), (m_block, 0))
+            gK = cute.local_tile(mK[None, None, head_kv, b], (cfg.tile_n, cfg.head_dim), (None, 0))
+            if const_expr(self.fp32):   # V^T: (Dv, keys) tiles
+                gV = cute.local_tile(mV[None, None, head_kv, b], (cfg.head_dim_v, cfg.tile_n), (0, None))
+            else:
+                gV = cute.local_tile(mV[None, None, head_kv, b], (cfg.tile_n, cfg.head_dim_v), (None, 0))
+            tQsQ, g = cpasync.tma_partition(
+                tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+            tQgQ.append(g)
+            tKsK, g = cpasync.tma_partition(
+                tma_atom_K, rank, pair, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+            tKgK.append(g)
+            tVsV, g = cpasync.tma_partition(
+                tma_atom_V, rank, pair, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+            tVgV.append(g)
 
         k_src = (pipe_k, tma_atom_K, tKgK, tKsK, multicast)
         v_src = (pipe_v, tma_atom_V, tVgV, tVsV, multicast)
@@ -446,7 +513,11 @@ class FlashFwdSm90(WarpSpecialized):
             if n > 0:
                 self._load_block(k_src, blocks.at(0), kv_state)
         pipe_q.producer_acquire(q_state)
-        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        if const_expr(cfg.operand_parts == 1):
+            cute.copy(tma_atom_Q, tQgQ[0], tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        else:
+            for part in cutlass.range_constexpr(cfg.operand_parts):
+                cute.copy(tma_atom_Q, tQgQ[part], tQsQ[None, part], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
         q_state.advance()
         if const_expr(not cfg.intra_wg_overlap):
             for i in cutlass.range(n, unroll=1):
@@ -471,8 +542,11 @@ class FlashFwdSm90(WarpSpecialized):
         """TMA one K or V block into the ring slot of `state` (waits for the slot)."""
         pipe, atom, tXgX, tXsX, multicast = src
         pipe.producer_acquire(state)
-        cute.copy(atom, tXgX[None, n_block], tXsX[None, state.index],
-                  tma_bar_ptr=pipe.producer_get_barrier(state), **multicast)
+        parts = self.cfg.operand_parts
+        for part in cutlass.range_constexpr(parts):
+            slot = state.index * parts + part if const_expr(parts > 1) else state.index
+            cute.copy(atom, tXgX[part][None, n_block], tXsX[None, slot],
+                      tma_bar_ptr=pipe.producer_get_barrier(state), **multicast)
 
     @cute.jit
     def consume(self, mO, stats, sQ, sK, sV, sO, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
@@ -490,14 +564,27 @@ class FlashFwdSm90(WarpSpecialized):
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
 
-        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        # 3xTF32: (hi, lo) parts of Q and of P.
+        if const_expr(cfg.operand_parts == 1):
+            tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        else:
+            tSrQ = tuple(wg_qk.make_fragment_A(wg_qk.partition_A(sQ[None, None, p])) for p in range(2))
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
-        tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(mma.transpose_view(sV)))
-        tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
+        if const_expr(self.fp32):   # sV holds V^T tiles already
+            tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sV))
+        else:
+            tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(mma.transpose_view(sV)))
+        p_shape = wg_pv.partition_shape_A((cfg.tile_m, cfg.tile_n))
+        if const_expr(cfg.operand_parts == 1):
+            tOrP = wg_pv.make_fragment_A(p_shape)
+        else:
+            tOrP = tuple(wg_pv.make_fragment_A(p_shape) for _ in range(2))
         acc_shape_S = wg_qk.partition_shape_C((cfg.tile_m, cfg.tile_n))
         acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((cfg.tile_m, cfg.head_dim_v)), Float32)
-
         softmax = OnlineSoftmax(scale_log2, cute.size(mma.acc_mn_view(acc_O).shape[0]))
+        if const_expr(cfg.promote_pv):   # (O, this block's P V): see FwdConfig.promote_pv
+            acc_O = (acc_O, cute.make_rmem_tensor_like(acc_O))
+
         coords = FragmentCoords(thr_qk, cfg.tile_m, cfg.tile_n, mma.acc_mn_view)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -532,6 +619,9 @@ class FlashFwdSm90(WarpSpecialized):
         m_block, head, batch, blocks = self._tile(tiles, idx, seqlen_k, block_sparse)
         ctx = fixed + (m_block, head, batch, seqlen_q, seqlen_k, softmax_scale, mod_args, wg)
         acc_O, softmax = fixed[7], fixed[8]
+        if const_expr(cfg.promote_pv):   # P V stays 0 until the first block's lands
+            acc_O[1].fill(0.0)
+            acc_O = acc_O[0]
         acc_O.fill(0.0)
         if const_expr(self._pairs_rows()):
             kv_state = self._skip_blocks(ctx, kv_state, self._blocks_for_peer(m_block, seqlen_k))
@@ -807,7 +897,7 @@ class FlashFwdSm90(WarpSpecialized):
 
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         pipe_k.consumer_wait(kv_state)
-        mma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
+        mma.gemm(tiled_mma_qk, acc_S, tSrQ, self._kv_operand(tSrK, kv_state),
                       zero_init=True, wait=-1)
         self._turn_pass(wg)
         warpgroup.wait_group(0)
@@ -817,11 +907,11 @@ class FlashFwdSm90(WarpSpecialized):
         row_scale = softmax.step(acc_S, is_first=is_first)
         if const_expr(not is_first):
             rescale_rows(acc_O, row_scale)
-        mma.convert_into(tOrP, mma.acc_as_a_view(acc_S))
+        self._to_p(tOrP, acc_S)
 
         pipe_v.consumer_wait(kv_state)
         self._turn_wait(wg)
-        mma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index],
+        mma.gemm(tiled_mma_pv, acc_O, tOrP, self._kv_operand(tOrVt, kv_state),
                       zero_init=False, wait=0)
         pipe_v.consumer_release(kv_state)
         kv_state.advance()
@@ -835,12 +925,12 @@ class FlashFwdSm90(WarpSpecialized):
          _, _, _, _, _, _, _, _) = ctx
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         pipe_k.consumer_wait(kv_state)
-        mma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
+        mma.gemm(tiled_mma_qk, acc_S, tSrQ, self._kv_operand(tSrK, kv_state),
                       zero_init=True, wait=0)
         pipe_k.consumer_release(kv_state)
         self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
         softmax.step(acc_S, is_first=True)
-        mma.convert_into(tOrP, mma.acc_as_a_view(acc_S))
+        self._to_p(tOrP, acc_S)
         return kv_state
 
     @cute.jit
@@ -858,12 +948,11 @@ class FlashFwdSm90(WarpSpecialized):
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         pipe_k.consumer_wait(kv_state)
         self._turn_wait(wg)
-        mma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
+        mma.gemm(tiled_mma_qk, acc_S, tSrQ, self._kv_operand(tSrK, kv_state),
                       zero_init=True, wait=-1)
         if has_prev:
             pipe_v.consumer_wait(v_state)
-            mma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index],
-                          zero_init=False, wait=-1)
+            self._pv_gemm(tiled_mma_pv, acc_O, tOrP, self._kv_operand(tOrVt, v_state), wait=-1)
         self._turn_pass(wg)
         if has_prev:
             warpgroup.wait_group(1)        # S_j ready (groups retire in order)
@@ -876,11 +965,45 @@ class FlashFwdSm90(WarpSpecialized):
         warpgroup.wait_group(0)            # P_{j-1} V_{j-1} done: O and P registers free
         if has_prev:
             pipe_v.consumer_release(v_state)
-        mma.convert_into(tOrP, mma.acc_as_a_view(acc_S))
-        rescale_rows(acc_O, row_scale)
+        self._to_p(tOrP, acc_S)
+        self._fold_o(acc_O, row_scale)
         v_state = kv_state.clone()
         kv_state.advance()
         return kv_state, v_state
+
+    def _pv_gemm(self, tiled_mma_pv, acc_O, tOrP, tOrVt, wait: int):
+        """O += P V, or with ``promote_pv`` this block's P V alone (folded in by ``_fold_o``)."""
+        if const_expr(self.cfg.promote_pv):
+            mma.gemm(tiled_mma_pv, acc_O[1], tOrP, tOrVt, zero_init=True, wait=wait)
+        else:
+            mma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt, zero_init=False, wait=wait)
+
+    def _fold_o(self, acc_O, row_scale):
+        """O = (O + the last block's P V if promoted) * row_scale, once that P V is done."""
+        if const_expr(self.cfg.promote_pv):
+            o, pv = acc_O
+            o.store(o.load() + pv.load())
+            rescale_rows(o, row_scale)
+        else:
+            rescale_rows(acc_O, row_scale)
+
+    def _kv_operand(self, frag, state):
+        """The MMA operand of a K or V fragment at a ring stage: (hi, lo) for 3xTF32."""
+        parts = self.cfg.operand_parts
+        if const_expr(parts == 1):
+            return frag[None, None, None, state.index]
+        return tuple(frag[None, None, None, state.index * parts + p] for p in range(parts))
+
+    def _to_p(self, tOrP, acc_S):
+        """P (the softmax's fp32 S fragment) into the PV MMA's A registers: 16-bit, or tf32
+        (rounded; 3xTF32: hi and lo parts)."""
+        if const_expr(not self.fp32):
+            mma.convert_into(tOrP, mma.acc_as_a_view(acc_S))
+        elif const_expr(self.cfg.operand_parts == 1):
+            mma.split_tf32_into(cute.recast_tensor(tOrP, Float32), mma.acc_as_tf32_a_view(acc_S), None)
+        else:
+            mma.split_tf32_into(cute.recast_tensor(tOrP[0], Float32), mma.acc_as_tf32_a_view(acc_S),
+                                cute.recast_tensor(tOrP[1], Float32))
 
     @cute.jit
     def _last_pv(self, ctx, kv_state, advance: cutlass.Constexpr[bool] = True):
@@ -890,9 +1013,10 @@ class FlashFwdSm90(WarpSpecialized):
         (_, tiled_mma_pv, _, _, tOrVt, tOrP, _, acc_O, _, _, _, pipe_v,
          _, _, _, _, _, _, _, _) = ctx
         pipe_v.consumer_wait(kv_state)
-        mma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index],
-                      zero_init=False, wait=0)
+        self._pv_gemm(tiled_mma_pv, acc_O, tOrP, self._kv_operand(tOrVt, kv_state), wait=0)
         pipe_v.consumer_release(kv_state)
+        if const_expr(self.cfg.promote_pv):
+            acc_O[0].store(acc_O[0].load() + acc_O[1].load())
         if const_expr(advance):
             kv_state.advance()
         return kv_state
@@ -905,8 +1029,9 @@ class FlashFwdSm90(WarpSpecialized):
         cfg = self.cfg
         inv_sum, lse = softmax.finalize()
         rescale_rows(acc_O, inv_sum)
-        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
-        rO.store(acc_O.load().to(self.dtype))
+        if const_expr(not self.fp32):
+            rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+            rO.store(acc_O.load().to(self.dtype))
         if const_expr(cfg.max_ctas):
             # The previous tile's O store must have read sO before it is overwritten.
             if tidx // 32 == 0:
@@ -914,7 +1039,12 @@ class FlashFwdSm90(WarpSpecialized):
         # Every consumer warpgroup must be done with sO's previous use (as sQ: its last
         # Q K^T; as sO: the wait above).
         FwdBarrier.EPILOGUE.sync(self.num_mma_threads)
-        stage_tiles(tiled_mma_pv, self.dtype, tidx, [(rO, sO)])
+        if const_expr(self.fp32):   # stmatrix moves 16-bit values only: 8-byte stores
+            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
+            r2s = cute.make_tiled_copy_C(atom, tiled_mma_pv).get_slice(tidx)
+            cute.copy(r2s, r2s.retile(acc_O), r2s.partition_D(sO))
+        else:
+            stage_tiles(tiled_mma_pv, self.dtype, tidx, [(rO, sO)])
 
         # LSE: the lane holding column 0 of a row writes it.
         cO = cute.make_identity_tensor((cfg.tile_m, cfg.head_dim_v))

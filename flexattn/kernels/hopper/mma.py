@@ -13,12 +13,15 @@ Fragment geometry (one warpgroup, wgmma m64nNk16, fp32 accumulator): a thread ho
 N/8 column groups 8 apart).
 """
 
+from dataclasses import dataclass
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu.warpgroup.mma import MmaF16BF16Trait, MmaOp, _cute_nvgpu_ir, _pack_shape, make_atom
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.utils import LayoutEnum
 
@@ -39,8 +42,36 @@ def smem_layout(dtype, rows: int, cols: int, stages: int | None = None, atom_col
     return cute.tile_to_shape(atom, shape, order=order)
 
 
+@dataclass(frozen=True)
+class MmaTF32Op(MmaOp):
+    """wgmma m64nNk8 .tf32 (CuTeDSL's helpers stop at 16-bit and 8-bit inputs; the MLIR atom
+    takes tf32): fp32 operands in shared memory or registers, read as tf32 (the low 13
+    mantissa bits ignored), fp32 accumulator. Both operands must be K-major: PTX allows the
+    transposed (MN-major) layouts for 16-bit types only."""
+
+    descriptive_name = "warpgroup TF32 MMA Operation"
+
+    def __init__(self, tile_n: int, a_src):
+        K = cute.nvgpu.OperandMajorMode.K
+        super().__init__(cutlass.TFloat32, cutlass.TFloat32, cutlass.Float32, (64, tile_n, 8), a_src, K, K)
+
+    def _make_trait(self, *, loc=None, ip=None, **kwargs):
+        shape_mnk = _pack_shape(self.shape_mnk, loc=loc, ip=ip)
+        ty = _cute_nvgpu_ir.MmaAtomSM90Type.get(
+            shape_mnk.type.attribute, self.a_major_mode._to_ir(), self.b_major_mode._to_ir(),
+            self.a_dtype.mlir_type, self.b_dtype.mlir_type, self.acc_dtype.mlir_type, self.a_src._to_ir())
+        return MmaF16BF16Trait(make_atom(ty, [cutlass.Boolean(False).ir_value(loc=loc, ip=ip)], loc=loc, ip=ip))
+
+
+def _tf32_tiled_mma(tile_m: int, tile_n: int, a_src):
+    return cute.make_tiled_mma(cute.make_mma_atom(MmaTF32Op(tile_n, a_src)), (tile_m // 64, 1, 1))
+
+
 def make_qk_mma(dtype, tile_m: int, tile_n: int):
-    """S[tile_m, tile_n] = Q K^T; one warpgroup per 64 rows; Q and K both K-major in smem."""
+    """S[tile_m, tile_n] = Q K^T; one warpgroup per 64 rows; Q and K both K-major in smem
+    (fp32 inputs: tf32 MMAs)."""
+    if dtype is cutlass.Float32:
+        return _tf32_tiled_mma(tile_m, tile_n, warpgroup.OperandSource.SMEM)
     return sm90_helpers.make_trivial_tiled_mma(
         dtype, dtype,
         warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
@@ -51,7 +82,10 @@ def make_qk_mma(dtype, tile_m: int, tile_n: int):
 
 
 def make_pv_mma(dtype, tile_m: int, head_dim: int):
-    """O[tile_m, head_dim] += P V; P from registers, V^T read MN-major from V's smem tile."""
+    """O[tile_m, head_dim] += P V; P from registers, V^T read MN-major from V's smem tile
+    (fp32 inputs: tf32 MMAs reading a K-major V^T tile, see ``acc_as_tf32_a_view``)."""
+    if dtype is cutlass.Float32:
+        return _tf32_tiled_mma(tile_m, head_dim, warpgroup.OperandSource.RMEM)
     return sm90_helpers.make_trivial_tiled_mma(
         dtype, dtype,
         warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
@@ -62,18 +96,30 @@ def make_pv_mma(dtype, tile_m: int, head_dim: int):
     )
 
 
+# 3xTF32: A B = (a_hi + a_lo)(b_hi + b_lo) without a_lo b_lo (below fp32's rounding), the
+# small products first: (part of A, part of B) per pass.
+SPLIT_PASSES = ((1, 0), (0, 1), (0, 0))
+
+
 @cute.jit
-def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA, tCrB,
          zero_init: cutlass.Constexpr[bool], wait: cutlass.Constexpr[int] = 0):
     """acc (+)= A B over all k-blocks as one committed wgmma group; `wait` >= 0 waits until
-    at most that many groups are in flight, -1 returns with the group in flight."""
+    at most that many groups are in flight, -1 returns with the group in flight. A and B
+    given as (hi, lo) pairs of tf32 parts: the three passes of ``SPLIT_PASSES``."""
     warpgroup.fence()
     # A fresh atom per call: its ACCUMULATE field is mutated below.
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
+    if const_expr(isinstance(tCrA, tuple)):
+        for ia, ib in SPLIT_PASSES:
+            for k in cutlass.range_constexpr(cute.size(tCrA[0].shape[2])):
+                cute.gemm(atom, acc, tCrA[ia][None, None, k], tCrB[ib][None, None, k], acc)
+                atom.set(warpgroup.Field.ACCUMULATE, True)
+    else:
+        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
     if const_expr(wait >= 0):
         warpgroup.wait_group(wait)
@@ -145,6 +191,47 @@ def _acc_as_a_layout(acc_layout: cute.Layout) -> cute.Layout:
 def acc_as_a_view(acc: cute.Tensor) -> cute.Tensor:
     """View an sm90 accumulator fragment in the register layout of a wgmma A operand."""
     return cute.make_tensor(acc.iterator, _acc_as_a_layout(acc.layout))
+
+
+@cute.jit
+def _acc_as_tf32_a_layout(acc_layout: cute.Layout) -> cute.Layout:
+    # ((2, 2, V), M, N) -> ((2, 2), M, (V, N)) with the first two modes swapped: a thread's
+    # accumulator holds columns (2c, 2c+1) of rows (r, r+8) in each 8-column group, a
+    # tf32 A operand rows (r, r+8) of columns (c, c+4) of each k-block of 8. Reading
+    # accumulator column 2c + j as A column c + 4j works once V's keys are stored in that
+    # order (kernels/fwd/fp32_operands.py: key 2(p % 4) + p // 4 at position p of each 8).
+    s, d = acc_layout.shape, acc_layout.stride
+    return cute.make_layout(
+        ((s[0][1], s[0][0]), s[1], (s[0][2], s[2])),
+        stride=((d[0][1], d[0][0]), d[1], (d[0][2], d[2])),
+    )
+
+
+def acc_as_tf32_a_view(acc: cute.Tensor) -> cute.Tensor:
+    """View an sm90 fp32 accumulator fragment as a tf32 wgmma A operand (keys permuted
+    within each 8, see ``_acc_as_tf32_a_layout``)."""
+    return cute.make_tensor(acc.iterator, _acc_as_tf32_a_layout(acc.layout))
+
+
+@dsl_user_op
+def round_tf32(x, *, loc=None, ip=None) -> Float32:
+    """x rounded to the nearest tf32 (ties away from zero), as an fp32 bit pattern."""
+    bits = llvm.inline_asm(
+        T.i32(), [Float32(x).ir_value(loc=loc, ip=ip)], "cvt.rna.tf32.f32 $0, $1;", "=r,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return Float32(llvm.bitcast(T.f32(), bits, loc=loc, ip=ip))
+
+
+@cute.jit
+def split_tf32_into(hi: cute.Tensor, src: cute.Tensor, lo):
+    """hi[i] = src[i] rounded to tf32; lo[i] = src[i] - hi[i] (exact in fp32, then rounded
+    to tf32) if ``lo`` is given: the two tf32 parts of a 3xTF32 product. Inline conversions, for the reason
+    ``convert_into`` gives."""
+    for i in cutlass.range_constexpr(cute.size(hi)):
+        h = round_tf32(src[i])
+        hi[i] = h
+        if const_expr(lo is not None):
+            lo[i] = round_tf32(src[i] - h)   # rounded: the MMA would truncate it
 
 
 @dsl_user_op

@@ -109,6 +109,13 @@ def compile_postprocess(dtype: str, head_dim: int, *, grad_ranks: tuple = (), ti
                             tvm_ffi=tvm_ffi, **options)
 
 
+def compile_fp32_operands(cfg, *, tvm_ffi: bool = False, **options):
+    """The fp32 forward's operand pass (``fp32_operands.Fp32Operands``) for an ``OperandsConfig``."""
+    from flexattn.kernels.fwd.fp32_operands import Fp32Operands
+
+    return compile_on_fakes(Fp32Operands(cfg), fakes.fake_fp32_operands_args(cfg, tvm_ffi), tvm_ffi=tvm_ffi, **options)
+
+
 def compile_decode(cfg, mod_args: tuple = (), *, tvm_ffi: bool = False, **options):
     """The split-KV decode kernel (``DecodeSm90``) for a ``DecodeConfig``."""
     from flexattn.kernels.decode.sm90 import DecodeSm90

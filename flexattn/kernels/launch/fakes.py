@@ -53,9 +53,19 @@ def fake_forward_args(cfg, mod_args: tuple = (), tvm_ffi: bool = False):
     ``FlashFwdSm90.__call__``: Q/O and K/V with independent head counts and lengths."""
     dt = cfg.cutlass_dtype
     b, hq, hkv, sq, skv = (cute.sym_int() for _ in range(5))
-    q = fake_bhsd(dt, "q", b, hq, sq, cfg.head_dim)
-    k = fake_bhsd(dt, "k", b, hkv, skv, cfg.head_dim)
-    v = fake_bhsd(dt, "v", b, hkv, skv, cfg.head_dim_v)
+    if cfg.dtype == "fp32":
+        # fp32_operands' layout: Q, K (and V^T) stacked by parts along the batch dim, V^T's
+        # keys rounded up to 8, every row 16-byte aligned.
+        parts_b = cute.sym_int() if cfg.operand_parts > 1 else b
+        q = fake_bhsd(dt, "q", parts_b, hq, sq, cfg.head_dim)
+        k = fake_bhsd(dt, "k", parts_b, hkv, skv, cfg.head_dim)
+        stride = (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), 1)
+        v = make_fake_tensor(dt, (parts_b, hkv, cfg.head_dim_v, cute.sym_int(divisibility=8)), stride,
+                             assumed_align=16)
+    else:
+        q = fake_bhsd(dt, "q", b, hq, sq, cfg.head_dim)
+        k = fake_bhsd(dt, "k", b, hkv, skv, cfg.head_dim)
+        v = fake_bhsd(dt, "v", b, hkv, skv, cfg.head_dim_v)
     o = fake_bhsd(dt, "o", b, hq, sq, cfg.head_dim_v)
 
     def row_stats():   # lse, max_scores: fp32 [B, Hq, Sq], the sequence dim contiguous
@@ -67,6 +77,19 @@ def fake_forward_args(cfg, mod_args: tuple = (), tvm_ffi: bool = False):
     max_scores = row_stats() if cfg.max_scores else None
     return (q, k, v, o, lse, cutlass.Float32(1.0), _mod_args(mod_args), block_sparse, max_scores,
             fake_stream(tvm_ffi))
+
+
+def fake_fp32_operands_args(cfg, tvm_ffi: bool):
+    """(x, out, stream) for ``Fp32Operands.__call__``: x fp32 [B, H, S, D] (any outer
+    strides), out contiguous [parts * B, H, D, S8] (transpose) or [2 * B, H, S, D]."""
+    b, h, s = (cute.sym_int() for _ in range(3))
+    x = make_fake_tensor(cutlass.Float32, (b, h, s, cfg.head_dim), (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), 1),
+                         assumed_align=4)
+    out_dims = (cfg.head_dim, cute.sym_int(divisibility=8)) if cfg.transpose else (cute.sym_int(), cfg.head_dim)
+    out = make_fake_tensor(cutlass.Float32, (cute.sym_int(), h, *out_dims),
+                           (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), 1),
+                           assumed_align=16)
+    return x, out, fake_stream(tvm_ffi)
 
 
 # -- backward --------------------------------------------------------------------------------

@@ -88,8 +88,8 @@ class ForwardRunner:
 
     def _check_block_sparse(self, q, k, block_sparse):
         (B, Hq, Sq, _) = q.shape
-        return check_block_lists(block_sparse, self.cfg.block_sparse, B, Hq, -(-Sq // self.cfg.tile_m),
-                                 "kv", f"q-blocks of {self.cfg.tile_m}")
+        return check_block_lists(block_sparse, self.cfg.block_sparse, B, Hq, -(-Sq // self.cfg.sparse_block_m),
+                                 "kv", f"q-blocks of {self.cfg.sparse_block_m}")
 
     def bind(self, q, k, v, o, lse, softmax_scale: float, mod_args: tuple, stream: int,
              block_sparse=None, max_scores=None):

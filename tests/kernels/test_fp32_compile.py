@@ -1,0 +1,100 @@
+"""float32 inputs (issue 25): the forward's tf32 kernels and their operand pass, compiled for
+sm_90a on the CPU; the planner's tiles. (tests/gpu/test_fp32_gpu.py runs them.)"""
+
+import os
+import re
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+pytest.importorskip("cutlass")
+
+from flexattn import mods  # noqa: E402
+from flexattn.core import AttentionSpec, check_inputs  # noqa: E402
+from flexattn.core.kernel_path import _fp32_tiles, kernel_unsupported, plan_forward  # noqa: E402
+from flexattn.kernels.emit.mod_emit import IRModHook, fake_args  # noqa: E402
+from flexattn.kernels.fwd.fp32_operands import OperandsConfig, key_order  # noqa: E402
+from flexattn.kernels.fwd.sm90 import FwdConfig, shared_bytes  # noqa: E402
+from flexattn.kernels.hopper.mma import SMEM_CAPACITY  # noqa: E402
+from flexattn.kernels.launch.compile import compile_forward, compile_fp32_operands, resource_usage_from_ptx  # noqa: E402
+
+
+def _dims(d, dv=None):
+    return SimpleNamespace(head_dim=d, v_head_dim=dv or d)
+
+
+def test_key_order_matches_the_accumulator_to_operand_view():
+    """Thread c's accumulator holds columns 2c, 2c+1 of each 8; as a tf32 A operand those
+    registers are columns c and c + 4 (mma.acc_as_tf32_a_view): V^T's position c + 4j must
+    hold key 2c + j."""
+    for c in range(4):
+        for j in range(2):
+            assert key_order(c + 4 * j) == 2 * c + j
+    assert sorted(key_order(p) for p in range(64)) == list(range(64))
+
+
+@pytest.mark.parametrize("d,dv", [(32, 32), (64, 64), (80, 80), (128, 128), (192, 128), (256, 256)])
+@pytest.mark.parametrize("parts", [1, 2])
+@pytest.mark.parametrize("lists", [False, True])
+def test_planned_tiles_fit(d, dv, parts, lists):
+    tile_m, tile_n, stages = _fp32_tiles(_dims(d, dv), parts, lists)
+    assert tile_n % 8 == 0 and (not lists or 128 % tile_n == 0)
+    assert shared_bytes(tile_m, tile_n, stages, d, dv, dv > d, elem_bytes=4, parts=parts) <= SMEM_CAPACITY
+    if d <= 128 and dv <= 128:
+        assert tile_m == 128                     # two consumer warpgroups taking turns
+
+
+# (head dims, passes, structure): the planner's tiles, compiled; no spills where the value
+# head dim is at most 128 (3xTF32 at 256 runs one 64-row warpgroup with two O-sized
+# accumulators' worth of registers: a known spill, see docs/KERNELS.md).
+CASES = [((64, 64), 1, "dense"), ((128, 128), 1, "causal"), ((80, 80), 3, "dense"), ((128, 128), 3, "causal"),
+         ((192, 128), 3, "dense"), ((128, 128), 3, "sparse_softcap")]
+
+
+@pytest.mark.parametrize("dims,passes,kind", CASES, ids=lambda x: str(x))
+def test_fp32_kernels_compile(dims, passes, kind):
+    d, dv = dims
+    lists = kind.startswith("sparse")
+    tile_m, tile_n, stages = _fp32_tiles(_dims(d, dv), 2 if passes == 3 else 1, lists)
+    hook = IRModHook(mods.softcap(20.0) if "softcap" in kind else None, None, passes != 3)
+    cfg = FwdConfig(dtype="fp32", tf32_passes=passes, head_dim=d, head_dim_v=dv, tile_m=tile_m, tile_n=tile_n,
+                    num_stages=stages, causal=kind == "causal", block_sparse=lists, mods=hook,
+                    pingpong=tile_m > 64, sparse_block_m=128 if lists else None)
+    ptx = compile_forward(cfg, fake_args(hook), keep_ptx=True).__ptx__
+    shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+\.\w+\.\w+\.\w+)", ptx))
+    assert shapes and all(s.endswith("f32.tf32.tf32") for s in shapes), shapes
+    # P to tf32: rounded (3xTF32: its hi and lo parts) for every block's S fragment.
+    assert "cvt.rna.tf32.f32" in ptx
+    assert cfg.promote_pv == (passes == 3 and dv <= 128)
+    if "softcap" in kind:
+        assert "tanh.approx" not in ptx          # 3xTF32 keeps the mods exact
+    usage = resource_usage_from_ptx(ptx)
+    if usage is None:
+        pytest.skip("no ptxas on PATH")
+    if kind != "sparse_softcap":
+        assert usage.spill_store_bytes == 0 and usage.stack_bytes == 0, usage
+    else:   # 3xTF32 with a score mod and 32-key block-sparse tiles: a few bytes
+        assert usage.spill_store_bytes <= 128, usage
+
+
+@pytest.mark.parametrize("cfg", [OperandsConfig(128, True, 1), OperandsConfig(80, True, 2), OperandsConfig(64, False, 2)],
+                         ids=str)
+def test_operand_kernels_compile(cfg):
+    ptx = compile_fp32_operands(cfg, keep_ptx=True).__ptx__
+    assert "cvt.rna.tf32.f32" in ptx and ".local" not in ptx
+    with pytest.raises(ValueError):
+        OperandsConfig(64, False, 1)
+
+
+def test_planner_takes_float32_with_the_devices_passes():
+    q = np.zeros((1, 2, 300, 128), np.float32)
+    spec = AttentionSpec.from_args(mask=mods.causal())
+    shape = check_inputs(q, q, q, spec)
+    assert kernel_unsupported(q, shape) is None
+    for passes in (1, 3):
+        cfg = plan_forward(q, shape, spec, tf32_passes=passes).config
+        assert (cfg.dtype, cfg.tf32_passes, cfg.cluster_m, cfg.max_ctas, cfg.causal) == ("fp32", passes, 1, 0, True)
+        assert cfg.mods.fast_math == (passes == 1)
+    assert "float64" in kernel_unsupported(q.astype(np.float64), shape)
