@@ -140,8 +140,8 @@ def test_vjp_backward_matches_the_reference(fake):
 
 def test_unsupported_inputs_are_clear_errors(fake):
     fc, _, calls = fake
-    q, k, v = _qkv(2, dtype=np.float32)
-    with pytest.raises(ValueError, match="bfloat16 and float16"):
+    q, k, v = _qkv(2, dtype=np.float64)
+    with pytest.raises(ValueError, match="bfloat16, float16 and float32"):
         fc.flex_attention(q, k, v)
     with pytest.raises(TypeError, match="cupy.ndarray"):
         fc.flex_attention(np.zeros((1, 1, 4, 64), np.float16), *_qkv()[1:])

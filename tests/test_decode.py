@@ -233,8 +233,9 @@ def test_staging_ring_never_rewrites_a_slot_in_flight():
 
 def test_steps_the_decode_kernel_cannot_take_are_attention_problems():
     """kernel_step: the split-KV kernel takes bf16/fp16 steps of at most 16 tokens at head
-    dims 64 / 128 with pages it reads in place; other steps (head dim 96, pages of 48,
-    float32) are ordinary attention problems (the forward kernel on the GPU)."""
+    dims that are multiples of 16 from 32 to 256 with pages it reads in place; other steps
+    (head dim 16, pages of 48, float32) are ordinary attention problems (the forward kernel
+    on the GPU)."""
     from flexattn.core.decode_device import kernel_step
 
     lens = torch.tensor([5], dtype=torch.int32)
@@ -244,7 +245,7 @@ def test_steps_the_decode_kernel_cannot_take_are_attention_problems():
         return torch.zeros(1, 4, q_len, D, dtype=dtype), KVCache(k, k.clone(), lens)
 
     assert kernel_step(*contiguous(128)) and kernel_step(*contiguous(64))
-    assert not kernel_step(*contiguous(96)) and not kernel_step(*contiguous(256))
+    assert kernel_step(*contiguous(96)) and kernel_step(*contiguous(256)) and not kernel_step(*contiguous(16))
     assert not kernel_step(*contiguous(128, torch.float32)) and not kernel_step(*contiguous(128, q_len=17))
     table = torch.zeros(1, 4, dtype=torch.int32)
     for page, takes in ((64, True), (16, True), (48, False)):
