@@ -702,10 +702,22 @@ _REGISTRY = SpecRegistry(_is_tensor)   # the non-tensor half of each op call (co
 @torch.library.custom_op("flexattn::attention_fwd", mutates_args=())
 def _attention_fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, buffers: list[torch.Tensor],
                    spec_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse): the kernel for CUDA tensors, the reference for CPU ones."""
+    """(out, lse): the kernel for CUDA tensors, the reference for CPU ones. A compiled
+    graph's repeated call launches its ``_OpPrepared`` entry."""
+    if query.is_cuda:
+        op_key = _op_key(spec_id, query, key, value)
+        entry = _OP_PREPARED.get(op_key)
+        if entry is not None and not bounds.enabled():
+            hit = entry(query, key, value, buffers)
+            if hit is not None:
+                return hit
     spec = _REGISTRY.bind_operands(spec_id, buffers)
     if query.is_cuda:
-        return _kernel_forward(spec, check_inputs(query, key, value, spec), query, key, value)
+        shape = check_inputs(query, key, value, spec)
+        result = _kernel_forward(spec, shape, query, key, value)
+        if op_key not in _OP_PREPARED:
+            _OpPrepared.remember(op_key, query, spec, shape, buffers)
+        return result
     out, lse = reference.forward(query, key, value, spec)
     return _like(out, query), _like(lse, query, getattr(torch, lse_dtype(query)))
 
@@ -718,6 +730,74 @@ def _attention_fwd_fake(query, key, value, buffers, spec_id):
     out = query.new_empty(shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim)
     lse = query.new_empty(shape.batch, shape.q_heads, shape.q_len, dtype=getattr(torch, lse_dtype(query)))
     return out, lse
+
+
+def _op_key(spec_id: int, q, k, v) -> tuple:
+    """A compiled graph's forward op call: its registry entry (pinned: the spec never
+    changes) and what the checks read of the tensors."""
+    return (spec_id, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+            q.get_device(), k.get_device(), v.get_device())
+
+
+class _OpPrepared:
+    """The forward op of a compiled graph, repeated: the eager door's prepared launch
+    (``kernel_path.PreparedForward``: no checks, no planning) with each call's score-mod
+    tensors put in place of the first call's. Made on the first call (a graph repeats its
+    calls); entries hold that call's tensors and are bounded by ``_OP_PREPARED_CAPACITY``."""
+
+    __slots__ = ("prepared", "positions", "out_shape", "lse_shape", "dtype", "device", "device_index")
+
+    @staticmethod
+    def remember(op_key, q, spec, shape, buffers) -> None:
+        if bounds.enabled():
+            return
+        with torch.cuda.device(q.device):
+            prepared = prepare_forward(q, shape, spec, _forward_device(q.device))
+        if not isinstance(prepared, PreparedForward):   # short queries, float32: the full path
+            return
+        if len(_OP_PREPARED) >= _OP_PREPARED_CAPACITY:
+            _OP_PREPARED.pop(next(iter(_OP_PREPARED)))
+        _OP_PREPARED[op_key] = _OpPrepared(prepared, shape, q, buffers)
+
+    def __init__(self, prepared, shape, q, buffers):
+        self.prepared = prepared
+        self.positions = prepared.operand_positions(buffers)
+        self.out_shape = (shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim)
+        self.lse_shape = self.out_shape[:3]
+        self.dtype, self.device, self.device_index = q.dtype, q.device, q.get_device()
+
+    def __call__(self, q, k, v, buffers):
+        """(out, lse), or None where the full path must run (another current device)."""
+        if torch.cuda.current_device() != self.device_index:
+            return None
+        if q.requires_grad or k.requires_grad or v.requires_grad:
+            q, k, v = q.detach(), k.detach(), v.detach()   # DLPack refuses tensors that require grad
+        out = _written_empty(self.out_shape, dtype=self.dtype, device=self.device)
+        lse = _written_empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        self.prepared.launch_operands(q, k, v, out, lse, buffers, self.positions)
+        return out, lse
+
+
+class _OpPreparedBackward:
+    """The backward op of a compiled graph, repeated: a ``_PreparedBackward`` launched with
+    each call's score-mod tensors (as ``_OpPrepared``)."""
+
+    __slots__ = ("prepared", "positions")
+
+    @staticmethod
+    def remember(op_key, spec, shape, query, grad_mask: int, buffers) -> None:
+        prepared = _PreparedBackward.make(spec, shape, query, op_key[2], grad_mask)
+        if prepared is None:
+            return
+        entry = _OpPreparedBackward()
+        entry.prepared, entry.positions = prepared, prepared.kernels.operand_positions(buffers)
+        if len(_OP_PREPARED) >= _OP_PREPARED_CAPACITY:
+            _OP_PREPARED.pop(next(iter(_OP_PREPARED)))
+        _OP_PREPARED[op_key] = entry
+
+
+_OP_PREPARED: dict = {}   # _op_key (forward), ("bwd", ...) + _op_key -> _OpPrepared(Backward)
+_OP_PREPARED_CAPACITY = 64
 
 
 @torch.library.custom_op("flexattn::attention_fwd_max", mutates_args=())
@@ -748,10 +828,23 @@ def _attention_bwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     reference recomputes its own). ``d_buffers[i]`` is zeros for buffers without a gradient
     and for those whose bit in ``grad_mask`` is clear (not requiring grad: the kernel then
     skips their gradient entirely). All outputs are contiguous."""
+    if query.is_cuda:
+        op_key = ("bwd", grad_mask, torch.are_deterministic_algorithms_enabled(), d_lse is None,
+                  *_op_key(spec_id, query, key, value))
+        entry = _OP_PREPARED.get(op_key)
+        if entry is not None and not bounds.enabled() and query.get_device() == torch.cuda.current_device():
+            arrays = _backward_arrays(query, key, value, out, lse, d_out, d_lse)
+            capture_grads = entry.prepared.kernels.launch(arrays, _backward_alloc(query.device), buffers,
+                                                          entry.positions)
+            return (arrays.dq, arrays.dk, arrays.dv,
+                    _buffer_grads(entry.prepared.tensor_slots, capture_grads, buffers))
     spec = _REGISTRY.bind_operands(spec_id, buffers)
     shape = check_inputs(query, key, value, spec)
     if query.is_cuda:
-        return _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buffers, grad_mask)
+        grads = _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buffers, grad_mask)
+        if op_key not in _OP_PREPARED and not bounds.enabled():
+            _OpPreparedBackward.remember(op_key, spec, shape, query, grad_mask, buffers)
+        return grads
     grads = reference.backward(query, key, value, d_out, d_lse, spec)
     return (_like(grads.dq, query), _like(grads.dk, key), _like(grads.dv, value),
             _buffer_grads(_tensor_slots(spec), grads.d_captures, buffers))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..kernels.launch.operands import BackwardArrays
+from . import kernel_path
 from .kernel_path import Device, KernelPlan, ffi_stream_scope, ffi_tensors, frozen_captures, plan_forward, use_tvm_ffi
 from ..problem.spec import AttentionSpec
 from ..problem.validate import AttentionShape
@@ -129,12 +130,21 @@ class PreparedBackward:
                       if frozen_captures(self._captures) else False)
         self._lists = ffi_tensors(_q_lists(cfg, plan, device))
 
-    def launch(self, arrays: BackwardArrays, alloc: Allocator) -> tuple:
+    def operand_positions(self, operands) -> tuple:
+        """Where each array of ``operands`` sits among this launch's captures (for
+        ``launch(operands=)``)."""
+        return kernel_path.operand_positions(self._captures, operands)
+
+    def launch(self, arrays: BackwardArrays, alloc: Allocator, operands=None, positions=None) -> tuple:
+        """``operands`` at ``positions``: this call's arrays in place of the prepared call's
+        (a compiled graph's op call)."""
         args = self._args
-        if args is False:
+        if operands is not None or args is False:
             from ..kernels.launch.arguments import ffi_args
 
-            args = ffi_args(self._kinds, self._captures, self._to_device) or None
+            captures = (self._captures if operands is None
+                        else kernel_path.with_operands(self._captures, operands, positions))
+            args = ffi_args(self._kinds, captures, self._to_device) or None
         workspace = tuple(alloc(s, dtype, False) for s, dtype in self._workspace)
         grads = tuple(alloc(s, "float32", True) for s in self._grad_shapes)
         self._runner.run(arrays, workspace, self._scale, args, grads or None, self._lists)

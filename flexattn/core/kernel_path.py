@@ -551,6 +551,37 @@ class PreparedForward:
             self._env_stream.swap(previous)
 
 
+    def operand_positions(self, operands) -> tuple:
+        """Where each array of ``operands`` sits among this launch's captures, for
+        ``launch_operands``."""
+        return operand_positions(self._captures, operands)
+
+    def launch_operands(self, q, k, v, out, lse, operands, positions):
+        """``launch`` with ``operands`` in place of the prepared call's arrays at ``positions``
+        (``operand_positions``): a compiled graph's op call, the same spec with this call's
+        tensors. For devices whose stream TVM-FFI reads itself."""
+        from ..kernels.launch.arguments import ffi_args
+
+        captures = with_operands(self._captures, operands, positions)
+        self._fn(q, k, v, out, lse, self._scale, ffi_args(self._kinds, captures, self._to_device) or None,
+                 self._lists, None)
+
+
+def operand_positions(captures, operands) -> tuple:
+    """Where each array of ``operands`` sits among a prepared launch's ``captures`` (by
+    identity: the spec it was prepared from holds them)."""
+    return tuple(tuple(i for i, c in enumerate(captures) if c is x) for x in operands)
+
+
+def with_operands(captures, operands, positions) -> list:
+    """``captures`` with ``operands`` at their ``positions`` (``operand_positions``)."""
+    captures = list(captures)
+    for x, where in zip(operands, positions):
+        for i in where:
+            captures[i] = x
+    return captures
+
+
 def prepare_forward(q, shape: AttentionShape, spec: AttentionSpec, device: Device):
     """A ``PreparedForward`` for calls like this one (a ``short_query.PreparedShortQuery``
     for calls routed to the decode kernel; both ``launch(q, k, v, out, lse, stream)``, a

@@ -454,3 +454,78 @@ def test_vector_read_bias_trains_against_reference():
         got = got.double().cpu().numpy().reshape(np.shape(ref))
         rel = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-12)
         assert rel < 2e-2, f"{name}: rel err {rel:.3g}"
+
+
+def test_compiled_graphs_repeat_through_prepared_op_launches(monkeypatch):
+    """A compiled forward's op call repeats through ``_OpPrepared`` (the eager door's
+    prepared launch: no checks, no planning) with each call's score-mod tensors: values
+    updated in place and a closure rebound to new tensors are both seen, equal to the eager
+    call and to the float64 reference."""
+    from flexattn.core.kernel_path import PreparedForward
+    import flexattn.torch as fat
+
+    launches = []
+    real = PreparedForward.launch_operands
+    monkeypatch.setattr(PreparedForward, "launch_operands",
+                        lambda self, *a: (launches.append(1), real(self, *a))[1])
+    fat._OP_PREPARED.clear()
+    H = 4
+
+    def make(slopes, table):
+        def score(s, b, h, q_idx, kv_idx):
+            return s + slopes[h] * (kv_idx - q_idx) + table[h, (q_idx - kv_idx) % 64]
+        return score
+
+    holder = {"score": make(torch.rand(H, device="cuda"), torch.randn(H, 64, device="cuda"))}
+
+    def forward(q, k, v):
+        return fa.flex_attention(q, k, v, score_mod=holder["score"])
+
+    compiled = torch.compile(forward, fullgraph=True)
+    q, k, v = (torch.randn(2, H, 333, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for step in range(4):
+        if step == 2:
+            slopes = torch.rand(H, device="cuda")
+            holder["score"] = make(slopes, torch.randn(H, 64, device="cuda"))
+        if step == 3:
+            with torch.no_grad():
+                slopes.mul_(3.0)
+        got = compiled(q, k, v)
+        assert torch.equal(got, forward(q, k, v)), step
+    assert len(launches) >= 3, launches   # every call after the first
+    want, _ = reference.forward(q.cpu(), k.cpu(), v.cpu(), AttentionSpec.from_args(score_mod=holder["score"]))
+    assert np.abs(got.double().cpu().numpy() - want).max() < TOL[torch.bfloat16]
+
+
+def test_compiled_training_repeats_through_prepared_op_launches(monkeypatch):
+    """The compiled graph's backward op repeats through ``_OpPreparedBackward``: gradients of
+    q, k, v and of the closed-over bias table equal the eager ones at every step, also after
+    the table is updated in place."""
+    from flexattn.core.backward_path import PreparedBackward
+    import flexattn.torch as fat
+
+    launches = []
+    real = PreparedBackward.launch
+    monkeypatch.setattr(PreparedBackward, "launch",
+                        lambda self, *a, **kw: (launches.append(len(a) > 2), real(self, *a, **kw))[1])
+    fat._OP_PREPARED.clear()
+    H = 4
+    table = torch.randn(H, 64, device="cuda", requires_grad=True)
+
+    def score(s, b, h, q_idx, kv_idx):
+        return s + table[h, (q_idx - kv_idx) % 64]
+
+    def forward(q, k, v):
+        return fa.flex_attention(q, k, v, score_mod=score)
+
+    compiled = torch.compile(forward, fullgraph=True)
+    q, k, v = (torch.randn(1, H, 300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    for step in range(3):
+        if step == 2:
+            with torch.no_grad():
+                table.mul_(2.0)
+        got = torch.autograd.grad(compiled(q, k, v).float().square().sum(), (q, k, v, table))
+        want = torch.autograd.grad(forward(q, k, v).float().square().sum(), (q, k, v, table))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    assert sum(launches) >= 2, launches   # the op's launches with this call's tensors

@@ -158,3 +158,45 @@ def test_fp32_errors_name_what_runs():
     with torch.no_grad():
         out = fa.flex_attention(q, q, q)
     assert out.dtype == torch.float32
+
+
+def test_fp32_through_decode_compile_and_cupy():
+    """float32 at the other doors: ``decode`` on a float32 cache (the decode kernel is 16-bit:
+    the step runs as an attention problem on the forward's tf32 kernel), a short query
+    (no decode route for float32), ``torch.compile`` (one graph) and CuPy."""
+    torch.manual_seed(9)
+    B, Hq, Hkv, L, D = 2, 8, 2, 700, 128
+    k_cache = torch.randn(B, Hkv, 1024, D, device="cuda")
+    v_cache = torch.randn(B, Hkv, 1024, D, device="cuda")
+    lengths = torch.tensor([L, 301], dtype=torch.int32, device="cuda")
+    q = torch.randn(B, Hq, 1, D, device="cuda")
+    out = fa.decode(q, fa.KVCache(k_cache, v_cache, lengths), mask=mods.causal())
+    for b, n in enumerate((L, 301)):
+        kb, vb = k_cache[b:b + 1, :, :n], v_cache[b:b + 1, :, :n]
+        want, _ = reference.forward(q[b:b + 1].cpu(), kb.cpu(), vb.cpu(), AttentionSpec.from_args(enable_gqa=True))
+        assert np.abs(out[b:b + 1].double().cpu().numpy() - want).max() < TOL["highest"]
+
+    k, v = k_cache[:, :, :L], v_cache[:, :, :L]
+    short = fa.flex_attention(q, k, v, enable_gqa=True)
+    want, _ = reference.forward(q.cpu(), k.cpu(), v.cpu(), AttentionSpec.from_args(enable_gqa=True))
+    assert np.abs(short.double().cpu().numpy() - want).max() < TOL["highest"]
+
+    slopes = torch.rand(Hq, device="cuda")
+    qq = torch.randn(B, Hq, 300, D, device="cuda")
+
+    def alibi(s, b, h, qi, ki):
+        return s + slopes[h] * (ki - qi)
+
+    def step(q_, k_, v_):
+        return fa.flex_attention(q_, k_, v_, score_mod=alibi, enable_gqa=True)
+
+    compiled = torch.compile(step, fullgraph=True)
+    torch.testing.assert_close(compiled(qq, k, v), step(qq, k, v), atol=1e-5, rtol=1e-5)
+
+    cupy = pytest.importorskip("cupy")
+    import flexattn.cupy as fc
+
+    cq, ck, cv = (cupy.asarray(x.cpu().numpy()) for x in (qq, k, v))
+    got, _ = fc.flex_attention(cq, ck, cv, enable_gqa=True)
+    want, _ = reference.forward(qq.cpu(), k.cpu(), v.cpu(), AttentionSpec.from_args(enable_gqa=True))
+    assert np.abs(cupy.asnumpy(got).astype(np.float64) - want).max() < TOL["highest"]
