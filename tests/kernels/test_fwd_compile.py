@@ -48,6 +48,9 @@ CASES = {
     # head dims beyond 64 / 128, as the planner tiles them (kernel_path._forward_tiles)
     "hd32": (FwdConfig(head_dim=32, max_ctas=132), lambda: ()),
     "hd80-causal": (FwdConfig(head_dim=80, causal=True), lambda: ()),
+    # three consumer warpgroups at 80 / 96, as the planner takes them (tile_n <= 112)
+    "hd96-m192-tn112-causal": (FwdConfig(head_dim=96, tile_m=192, tile_n=112, causal=True), lambda: ()),
+    "hd80-m192-tn112-persistent": (FwdConfig(head_dim=80, tile_m=192, tile_n=112, max_ctas=132), lambda: ()),
     "hd96-softcap": (FwdConfig(head_dim=96, mods=hooks.SoftcapHook()), lambda: (cutlass.Float32(30.0),)),
     "hd192-128-causal": (FwdConfig(head_dim=192, head_dim_v=128, causal=True), lambda: ()),
     "hd192-tn112-softcap": (FwdConfig(head_dim=192, tile_n=112, mods=hooks.SoftcapHook()),
