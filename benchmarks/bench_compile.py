@@ -4,7 +4,7 @@ target: the compiled call within 3% of the eager one, no recompiles for new tens
 The call is written the way torch users write FlexAttention in a model: a plain function
 closing over an ALiBi slope tensor and a learned bias table, passed as ``score_mod=`` to
 ``flexattn.torch.flex_attention``; the compiled step is ``torch.compile(step,
-fullgraph=True)`` (Inductor). Inference (forward) and training (the compiled forward, autograd's backward
+fullgraph=True)`` (Inductor). Inference (forward, under ``torch.no_grad()``) and training (the compiled forward, autograd's backward
 outside it, gradients reaching the bias table) at a host-bound shape (B1 S512 H4) and a GPU-bound one
 (B4 S4096 H16), D128 bf16, µs of wall time per call (CUDA-synchronized loops, median of 5
 rounds). Recompiles: dynamo frames compiled after updating the tensors in place and after
@@ -77,6 +77,8 @@ def main():
             fn, compiled = forward, compiled_forward
             if name == "fwd+bwd":
                 fn, compiled = train(forward), train(compiled_forward)
+            if name == "forward":   # inference: no autograd recording (the table requires grad)
+                fn, compiled = torch.no_grad()(fn), torch.no_grad()(compiled)
             eager_us = wall_us(lambda: fn(*inputs), iters)
             compiled_us = wall_us(lambda: compiled(*inputs), iters)
             graphed_us = None
@@ -85,7 +87,7 @@ def main():
                     # A fresh dynamo cache: the default-mode entries of `forward` would
                     # otherwise sit beside these under other guards.
                     torch._dynamo.reset()
-                    graphed = torch.compile(forward, fullgraph=True, mode="reduce-overhead")
+                    graphed = torch.no_grad()(torch.compile(forward, fullgraph=True, mode="reduce-overhead"))
                     graphed_us = wall_us(lambda: graphed(*inputs), iters)
                 except Exception as e:   # reported, not hiding the other columns
                     print(f"[reduce-overhead {B}x{S}] failed: {type(e).__name__}: {str(e)[:300]}")

@@ -126,8 +126,8 @@ def test_kernel_limits_are_clear_errors():
     q = torch.randn(1, 2, 64, 72, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="multiples of 16"):
         fa.flex_attention(q, q, q)
-    q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.float32)
-    with pytest.raises(ValueError, match="bfloat16 and float16"):
+    q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.float64)
+    with pytest.raises(ValueError, match="bfloat16, float16 and float32"):
         fa.flex_attention(q, q, q)
     q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
     bm = fa.create_block_mask(mods.sliding_window(8), None, None, 64, 64, BLOCK_SIZE=64)
