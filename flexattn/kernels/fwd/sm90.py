@@ -74,6 +74,7 @@ class FwdConfig(KernelConfig):
     """Everything that changes the generated code (runtime values never do)."""
 
     KIND = "fwd"
+    ELEMENT_TYPES = FWD_DTYPES
 
     dtype: str = "bf16"            # "bf16" | "fp16" | "fp32": Q, K, V and O
     tf32_passes: int = 1           # fp32: tf32 MMAs per product, 1 or 3 (3xTF32, see above)
@@ -184,14 +185,6 @@ class FwdConfig(KernelConfig):
             raise ValueError(f"tf32_passes must be 1, or 3 with dtype 'fp32', got {self.tf32_passes}")
         if self.dtype == "fp32" and (self.cluster_m > 1 or self.tile_n % 8):
             raise ValueError("fp32 needs cluster_m=1 and tile_n a multiple of 8 (V's key groups)")
-
-    @property
-    def cutlass_dtype(self):
-        return FWD_DTYPES[self.dtype]
-
-    def check_dtype(self):
-        if self.dtype not in FWD_DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(FWD_DTYPES)}, got {self.dtype!r}")
 
     @property
     def operand_parts(self) -> int:

@@ -53,14 +53,15 @@ class KernelConfig:
     in no field, so new values never recompile."""
 
     KIND = ""
+    ELEMENT_TYPES = DTYPES   # the dtypes a kernel takes (the forward adds fp32)
 
     @property
     def cutlass_dtype(self):
-        return DTYPES[self.dtype]
+        return self.ELEMENT_TYPES[self.dtype]
 
     def check_dtype(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in self.ELEMENT_TYPES:
+            raise ValueError(f"dtype must be one of {sorted(self.ELEMENT_TYPES)}, got {self.dtype!r}")
 
     def key_values(self) -> tuple:
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "mods")
