@@ -25,7 +25,7 @@ import numpy as np
 from .blockmask import BlockMask, create_block_mask
 from .core.backward_path import BackwardArrays, backward_into
 from .core.decode_device import decode_workspace
-from .core.kernel_path import Device, forward_into, kernel_unsupported, prepare_forward
+from .core.kernel_path import Device, backward_unsupported, forward_into, kernel_unsupported, prepare_forward
 from .core.prepared import PreparedCalls, PreparedEntry, call_key
 from .problem.spec import AttentionSpec
 from .problem.validate import check_inputs
@@ -96,6 +96,10 @@ def vjp(q, k, v, score_mod=None, block_mask=None, scale=None, enable_gqa=False, 
     ``d_captures`` one entry per score-mod capture (an array shaped and typed like a float
     buffer capture, else None). ``deterministic``: bitwise-repeatable gradients."""
     spec = AttentionSpec.from_args(score_mod, block_mask, scale, enable_gqa, mask, score)
+    if isinstance(q, cupy.ndarray):   # what the backward cannot do, refused before the forward runs
+        reason = backward_unsupported(check_inputs(q, k, v, spec), q)
+        if reason:
+            raise ValueError(reason)
     out, lse = _forward(q, k, v, spec)
     shape = check_inputs(q, k, v, spec)
 
