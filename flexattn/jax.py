@@ -11,7 +11,9 @@ the mask's jax arrays; residuals: those plus ``out`` and ``lse``), with two back
 
 - CPU arrays: ``jax.pure_callback`` into the exact numpy reference
   (``flexattn.reference.forward/backward``).
-- CUDA arrays: the CuTeDSL Hopper kernels (bf16/fp16; head dims: the forward any multiple of 16
+- CUDA arrays: the CuTeDSL Hopper kernels (bf16/fp16, and float32 for the forward — tf32
+  MMAs, 3xTF32 unless ``jax.default_matmul_precision`` allows tf32, operands made by the
+  same entry; head dims: the forward any multiple of 16
   up to 256, value head dim apart; the backward query and value head dims from 32 to 128) through
   ``cutlass.jax.cutlass_call``: each launch (the forward; the backward's three kernels) is
   one XLA FFI custom call served by the CuTeDSL runtime's C handler, which calls a compiled
@@ -69,7 +71,7 @@ except ImportError as e:  # pragma: no cover - exercised only without jax
     raise ImportError("flexattn.jax needs JAX: pip install jax (or 'flexattn[jax]')") from e
 
 from . import reference
-from .arrays import dtype_name, to_numpy
+from .arrays import to_numpy
 from .blockmask import BlockMask, create_block_mask
 from .core import kernel_path, xla_path
 from .problem.spec import OPERAND, AttentionSpec, lse_dtype
@@ -92,8 +94,8 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, scale=None, enable_
     ``mask``: a mask applied element-wise). ``out`` has the query's dtype; ``lse`` (natural
     log) is float32, float64 for float64 inputs. Differentiable w.r.t. ``q, k, v`` and the
     score mod's captured float jax arrays. CPU arrays run the exact reference, CUDA arrays
-    the GPU kernels (bf16/fp16; the forward at head dims that are multiples of 16 up to
-    256, the backward from 32 to 128; block masks with BLOCK_SIZE 128).
+    the GPU kernels (bf16/fp16, float32 forward-only; the forward at head dims that are
+    multiples of 16 up to 256, the backward from 32 to 128; block masks with BLOCK_SIZE 128).
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, jax.Array):
@@ -156,6 +158,7 @@ def _attention(backend):
         q, k, v = q.value, k.value, v.value
         score_bufs = tuple(b.value for b in score_bufs)
         mask_bufs = tuple(b.value for b in mask_bufs)
+        backend.check_backward()   # differentiated: what the backward cannot do, before any launch
         out, lse = backend.forward(q, k, v, score_bufs, mask_bufs)
         return (out, lse), (q, k, v, out, lse, score_bufs, mask_bufs, flags)
 
@@ -189,6 +192,9 @@ class _ReferenceBackend:
 
     def __init__(self, template_spec: AttentionSpec):
         self.spec = template_spec
+
+    def check_backward(self) -> None:   # the reference differentiates everything
+        pass
 
     def forward(self, q, k, v, score_bufs, mask_bufs):
         n_score = len(score_bufs)
@@ -327,9 +333,15 @@ class _KernelBackend:
         if reason:
             raise ValueError(reason)
         self.cutlass_call = _cutlass_call()
+        self._q = q
         self.spec = _with_host_block_mask(template_spec, shape, mask_bufs)
         self.shape = shape
-        self.plan = xla_path.XlaPlan(q, shape, self.spec)  # raises what the kernel can't do
+        self.plan = xla_path.XlaPlan(q, shape, self.spec, _tf32_passes())  # raises what the kernel can't do
+
+    def check_backward(self) -> None:
+        reason = kernel_path.backward_unsupported(self.shape, self._q)
+        if reason:
+            raise ValueError(f"{reason} (CPU arrays run the exact reference for anything else)")
 
     def _hook_args(self, ops: _Operands, score_bufs, mask_bufs, decode: bool = False) -> tuple:
         """The kernel hook's args as sources (``xla_entry``): this call's jax arrays and
@@ -370,7 +382,7 @@ class _KernelBackend:
         n_inputs = len(ops.arrays)
         position = {name: n_inputs + j for j, (name, _, _) in enumerate(results)}
         fills = tuple((position[n], "nan") for n, _, _ in results
-                      if self.poison_outputs and n not in self._scratch and n not in zeroed)
+                      if self.poison_outputs and n not in self._unpoisoned and n not in zeroed)
         launch = make_launch(position, fills)
         call = self.cutlass_call(
             entry, output_shape_dtype=tuple(sds for _, sds, _ in results), input_spec=tuple(ops.specs),
@@ -379,7 +391,8 @@ class _KernelBackend:
             allow_cuda_graph=os.environ.get("FLEXATTN_JAX_CUDA_GRAPH", "1") == "1")
         return dict(zip((name for name, _, _ in results), _sequential_vmap(call)(*ops.arrays)))
 
-    _scratch = xla_path.WORKSPACE  # never poisoned (the kernels fill it)
+    _scratch = xla_path.WORKSPACE  # the backward's workspace results, in entry order
+    _unpoisoned = xla_path.WORKSPACE + xla_path.FP32_SCRATCH  # scratch: the kernels fill it
 
     def forward(self, q, k, v, score_bufs, mask_bufs):
         if self.plan.decode is not None:
@@ -393,9 +406,13 @@ class _KernelBackend:
         out = jax.ShapeDtypeStruct((shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim), q.dtype)
         lse = jax.ShapeDtypeStruct((shape.batch, shape.q_heads, shape.q_len), jnp.float32)
         results = [("out", out, _bhsd_spec(out)), ("lse", lse, _tensor_spec(3, 4))]
+        scratch = self.plan.fp32_scratch()   # float32: the operand pass's results, rows 16-byte aligned
+        results += [(name, jax.ShapeDtypeStruct(s, jnp.float32), _tensor_spec(4, 16, 4 if name == "fp32_vt" else s[-1]))
+                    for name, s in scratch]
 
         def launch(pos, fills):
-            return self.plan.forward_launch(tuple(main) + (pos["out"], pos["lse"]), args, lists, fills)
+            operands = tuple(pos[name] for name, _ in scratch) or None
+            return self.plan.forward_launch(tuple(main) + (pos["out"], pos["lse"]), args, lists, fills, operands)
 
         r = self._call(xla_path.forward_entry(), launch, ops, results)
         return r["out"], r["lse"]
@@ -458,14 +475,20 @@ class _KernelBackend:
         return r["dq"], r["dk"], r["dv"], d_score
 
 
+# jax.default_matmul_precision values that allow tf32 (one pass) for float32 inputs; any
+# other (unset, "high", "bfloat16_3x", "highest", "float32") keeps float32's accuracy (3xTF32).
+_TF32_PRECISIONS = ("default", "fastest", "tensorfloat32", "bfloat16")
+
+
+def _tf32_passes() -> int:
+    """tf32 MMAs per product for float32 inputs, from JAX's matmul precision setting."""
+    precision = jax.config.jax_default_matmul_precision
+    return 1 if precision is not None and str(precision).lower() in _TF32_PRECISIONS else 3
+
+
 def kernel_unsupported_message(q, shape: AttentionShape) -> str | None:
     """Why the GPU kernels cannot run these inputs (as the torch adapter says it), or None."""
     reason = kernel_path.kernel_unsupported(q, shape)
-    if reason is None and dtype_name(q) not in kernel_path.KERNEL_DTYPES:
-        # The fp32 forward needs its operands made on the stream first (kernel_path's
-        # Device.alloc): not wired into the XLA custom calls yet.
-        reason = (f"the JAX adapter's GPU kernels take bfloat16 and float16 inputs, got {dtype_name(q)}"
-                  " (float32 runs on the GPU through flexattn.torch and flexattn.cupy)")
     if reason:
         return f"{reason} (CPU arrays run the exact reference for anything else)"
     return None

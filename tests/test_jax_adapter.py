@@ -1,6 +1,8 @@
 """flexattn.jax on CPU: forward vs the reference, jit, grad (vs reference and finite
 differences), captured jax arrays as operands, a jitted training step."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -315,8 +317,9 @@ def test_kernel_path_plumbing_out_only_loss_and_fixed_buffers(fake_kernels):
 
 def test_kernel_path_refuses_before_launch(fake_kernels):
     q, k, v = _kernel_inputs(14)
-    with pytest.raises(ValueError, match="bfloat16 and float16.*CPU arrays run the exact reference"):
-        fj.flex_attention(*_kernel_inputs(14, jnp.float32), enable_gqa=True)
+    with pytest.raises(ValueError, match="backward supports bfloat16 and float16"):   # float32: forward only
+        jax.grad(lambda q: fj.flex_attention(q, *_kernel_inputs(14, jnp.float32)[1:], enable_gqa=True).sum())(
+            _kernel_inputs(14, jnp.float32)[0])
     with pytest.raises(ValueError, match="multiples of 16"):
         fj.flex_attention(*_kernel_inputs(14, d=72), enable_gqa=True)
     with pytest.raises(ValueError, match="BLOCK_SIZE"):
@@ -329,6 +332,23 @@ def test_kernel_path_refuses_before_launch(fake_kernels):
     with pytest.raises(ValueError, match="x64"):
         fj.flex_attention(q, k, v, score=mods.relative_bias(table), enable_gqa=True)
     assert fake_kernels["fwd"] == 0
+
+
+@pytest.mark.parametrize("precision, parts", [(None, 2), ("tensorfloat32", 1), ("highest", 2)])
+def test_float32_forward_plumbing(fake_kernels, precision, parts):
+    """float32 on the GPU path: the forward's launch also writes its tf32 operands (V^T;
+    with 3xTF32 Q's and K's parts) into scratch results, as jax.default_matmul_precision
+    asks (unset: float32's accuracy); the result is the reference's."""
+    q, k, v = _kernel_inputs(15, jnp.float32)
+    slopes = jnp.asarray(np.linspace(0.1, 0.8, Hq), jnp.float32)
+    with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
+        out = fj.flex_attention(q, k, v, score=mods.alibi(slopes), mask=mods.causal(), enable_gqa=True)
+    (launch,) = fake_kernels["launches"]
+    assert launch.config.dtype == "fp32" and launch.config.operand_parts == parts
+    assert len(launch.operands) == (3 if parts == 2 else 1)
+    spec = AttentionSpec.from_args(score=mods.alibi(np.asarray(slopes)), mask=mods.causal(), enable_gqa=True)
+    want, _ = reference.forward(*_np(q, k, v), spec)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=1e-5)
 
 
 def _compiling_cutlass_call(keys: list):
@@ -389,6 +409,21 @@ def test_entries_compile_through_cutlass_jax_once_per_structure(monkeypatch):
     jax.jit(jax.grad(loss, argnums=(0, 3)))(q, k, v, slopes)  # a new jitted function, fewer gradients wanted
     assert lookups == ["flexattn.fwd", "flexattn.bwd"] * 3
     assert compiles == ["flexattn.fwd", "flexattn.bwd"], compiles
+
+
+@pytest.mark.parametrize("precision", [None, "tensorfloat32"])
+def test_float32_entry_compiles_through_cutlass_jax(monkeypatch, precision):
+    """The float32 forward's entry (operand pass, then the tf32 forward; 3xTF32 unless tf32 is
+    allowed) compiles through cutlass.jax's own compile path on the CPU (sm_90a)."""
+    pytest.importorskip("cutlass")
+    keys = []
+    cutlass_call = _compiling_cutlass_call(keys)
+    monkeypatch.setattr(fj, "_KERNEL_PLATFORMS", {"gpu", "cuda", "cpu"})
+    monkeypatch.setattr(fj, "_cutlass_call", lambda: cutlass_call)
+    q, k, v = _kernel_inputs(41, jnp.float32)
+    with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
+        fj.flex_attention(q, k, v, mask=mods.causal(), enable_gqa=True)
+    assert keys == ["flexattn.fwd"]
 
 
 def test_short_query_entry_compiles_through_cutlass_jax(monkeypatch):

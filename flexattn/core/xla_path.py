@@ -19,6 +19,7 @@ from .kernel_path import plan_forward
 KV_LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
 Q_LISTS = ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 WORKSPACE = ("lse_log2", "delta", "dq_accum")   # the backward's scratch results, in entry order
+FP32_SCRATCH = ("fp32_vt", "fp32_q", "fp32_k")   # the fp32 forward's operands (``XlaPlan.fp32_scratch``)
 
 
 def compile_options() -> str:
@@ -64,14 +65,14 @@ class XlaPlan:
     fixed launch that runs the forward instead; the backward is planned from the forward
     kernel's plan either way."""
 
-    def __init__(self, q, shape: AttentionShape, spec: AttentionSpec):
+    def __init__(self, q, shape: AttentionShape, spec: AttentionSpec, tf32_passes: int = 3):
         self.shape = shape
-        self.plan = plan_forward(q, shape, spec)
+        self.plan = plan_forward(q, shape, spec, tf32_passes=tf32_passes)
         self.block_mask = self.plan.block_mask
         self.config = self.plan.entry.config if self.plan.entry is not None else self.plan.config
         self.scale = spec.resolved_scale(shape.head_dim)
         self.decode = None
-        num_sms = _sm_count(q)
+        num_sms = _sm_count(q) if self.config.dtype != "fp32" else None   # the decode kernel is 16-bit
         if num_sms is not None:
             from .decode_path import fixed_length_launch
             from .short_query import decode_route
@@ -99,11 +100,27 @@ class XlaPlan:
 
         return DecodeLaunch(self.decode.config, self.scale, main, args, fills)
 
-    def forward_launch(self, main: tuple, args: tuple, lists, fills: tuple):
-        """``xla_entry.ForwardLaunch``: ``main`` the positions of q, k, v, out, lse."""
+    def fp32_scratch(self) -> list:
+        """[(name, shape)] of the fp32 forward's operand results (float32, contiguous; none
+        for 16-bit inputs): V^T with its keys rounded up to 8, then with 3xTF32 Q's and K's
+        (hi, lo) parts stacked along the batch dim (kernels/fwd/fp32_operands.py)."""
+        if self.config.dtype != "fp32":
+            return []
+        from ..kernels.fwd.fp32_operands import padded_keys
+
+        s, parts = self.shape, self.config.operand_parts
+        scratch = [("fp32_vt", (parts * s.batch, s.kv_heads, s.v_head_dim, padded_keys(s.kv_len)))]
+        if parts == 2:
+            scratch += [("fp32_q", (2 * s.batch, s.q_heads, s.q_len, s.head_dim)),
+                        ("fp32_k", (2 * s.batch, s.kv_heads, s.kv_len, s.head_dim))]
+        return scratch
+
+    def forward_launch(self, main: tuple, args: tuple, lists, fills: tuple, operands: tuple | None = None):
+        """``xla_entry.ForwardLaunch``: ``main`` the positions of q, k, v, out, lse;
+        ``operands`` those of ``fp32_scratch``'s results (fp32)."""
         from ..kernels.launch.xla_entry import ForwardLaunch
 
-        return ForwardLaunch(self.config, self.scale, main, args, lists, fills)
+        return ForwardLaunch(self.config, self.scale, main, args, lists, fills, operands)
 
     def backward_config(self, grad_captures: tuple):
         """The (non-deterministic) backward config, gradients for ``grad_captures`` only."""

@@ -9,6 +9,7 @@ Every array the kernels write (out/lse, dq/dk/dv) starts NaN-filled (the adapter
 fails to write fails the test.
 """
 
+import contextlib
 import math
 import os
 
@@ -197,10 +198,29 @@ def test_jitted_training_step_without_recompiles():
 
 def test_unsupported_inputs_fail_before_launch():
     (q, k, v), _ = _inputs(11, "bf16", 1, 2, 2, 64, 64, 64)
-    with pytest.raises(ValueError, match="bfloat16 and float16"):
-        fj.flex_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
+    q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+    with pytest.raises(ValueError, match="backward supports bfloat16 and float16"):   # float32: forward only
+        jax.grad(lambda q: fj.flex_attention(q, k32, v32).sum())(q32)
     with pytest.raises(ValueError, match="block_mask="):
         jax.jit(lambda q, doc: fj.flex_attention(q, k, v, mask=mods.document(doc)))(q, jnp.zeros(64, jnp.int32))
+
+
+@pytest.mark.parametrize("precision, tol", [(None, 1e-5), ("tensorfloat32", 8e-3)])
+def test_float32_forward_against_reference(precision, tol):
+    """float32 inputs: the entry's operand pass and the tf32 forward (3xTF32 unless
+    jax.default_matmul_precision allows tf32), NaN-poisoned outputs, against float64."""
+    rng = np.random.default_rng(17)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+               for s in ((2, 4, 333, 128), (2, 2, 300, 128), (2, 2, 300, 128)))
+    slopes = jnp.asarray(np.linspace(0.1, 0.8, 4), jnp.float32)
+    with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
+        out, lse = jax.jit(lambda q, k, v, s: fj.flex_attention(
+            q, k, v, score=mods.alibi(s), mask=mods.causal(), enable_gqa=True, return_lse=True))(q, k, v, slopes)
+    spec = AttentionSpec.from_args(score=mods.alibi(np.asarray(slopes)), mask=mods.causal(), enable_gqa=True)
+    want, want_lse = reference.forward(np.asarray(q), np.asarray(k), np.asarray(v), spec)
+    assert np.abs(np.asarray(out, np.float64) - want).max() < tol
+    live = ~np.isneginf(want_lse)
+    assert np.abs(np.asarray(lse, np.float64)[live] - want_lse[live]).max() < 10 * tol
 
 
 def test_repeated_and_rejitted_calls_compile_nothing():

@@ -90,23 +90,42 @@ class ForwardLaunch(_Launch):
     positions of q, k, v, out, lse; ``args``: hook-arg sources in args order; ``lists``:
     positions of (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) iff
     ``config.block_sparse``; ``fills``: (position, ``FILL_VALUES`` kind) of results filled
-    before the kernel (the GPU tests' NaN)."""
+    before the kernel (the GPU tests' NaN); ``operands``: for fp32, the positions of the
+    scratch results the operand pass writes first (V^T, then with 3xTF32 Q's and K's
+    parts; kernels/fwd/fp32_operands.py), the forward reading those instead."""
 
-    __slots__ = ("config", "scale", "main", "args", "lists", "fills")
+    __slots__ = ("config", "scale", "main", "args", "lists", "fills", "operands")
 
-    def __init__(self, config, scale: float, main: tuple, args: tuple, lists: tuple | None, fills: tuple = ()):
+    def __init__(self, config, scale: float, main: tuple, args: tuple, lists: tuple | None, fills: tuple = (),
+                 operands: tuple | None = None):
         self.config, self.scale, self.main, self.args, self.lists = config, float(scale), main, args, lists
-        self.fills = tuple(fills)
-        self.key = ("flexattn.fwd", config.key(), self.scale, main, args, lists, self.fills)
+        self.fills, self.operands = tuple(fills), operands
+        self.key = ("flexattn.fwd", config.key(), self.scale, main, args, lists, self.fills, operands)
 
     def emit(self, stream, arrays):
         from flexattn.kernels.fwd.sm90 import FlashFwdSm90
 
         _fill(self.fills, arrays, stream)
         q, k, v, o, lse = (arrays[i] for i in self.main)
+        if self.operands is not None:
+            q, k, v = _fp32_operands(self.config, q, k, v, [arrays[i] for i in self.operands], stream)
         lists = None if self.lists is None else tuple(arrays[i] for i in self.lists)
         FlashFwdSm90(self.config)(q, k, v, o, lse, cutlass.Float32(self.scale), _mod_args(self.args, arrays),
                                   lists, None, stream)
+
+
+def _fp32_operands(config, q, k, v, scratch, stream):
+    """The fp32 forward's operands written into ``scratch`` (V^T[, Q's parts, K's parts]) as
+    ``kernels/launch/fp32.py`` does for the other adapters -> (q, k, v) the forward reads."""
+    from flexattn.kernels.fwd.fp32_operands import Fp32Operands, OperandsConfig
+
+    parts = config.operand_parts
+    Fp32Operands(OperandsConfig(config.head_dim_v, True, parts))(v, scratch[0], stream)
+    if parts == 1:
+        return q, k, scratch[0]
+    for x, out in zip((q, k), scratch[1:]):
+        Fp32Operands(OperandsConfig(config.head_dim, False, 2))(x, out, stream)
+    return scratch[1], scratch[2], scratch[0]
 
 
 class BackwardLaunch(_Launch):
