@@ -57,7 +57,7 @@ def _mods(kind, rng, Hq, S):
     return mods.alibi(num_heads=Hq) >> mods.softcap(float(rng.uniform(5, 30))), mods.causal()
 
 
-PAIRS = [(64, 64), (128, 128), (32, 32), (80, 80), (256, 256), (192, 128)]
+PAIRS = [(64, 64), (128, 128), (32, 32), (80, 80), (256, 256), (192, 128), (64, 128)]
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"d{p[0]}-{p[1]}")
