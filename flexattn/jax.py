@@ -407,7 +407,7 @@ class _KernelBackend:
         lse = jax.ShapeDtypeStruct((shape.batch, shape.q_heads, shape.q_len), jnp.float32)
         results = [("out", out, _bhsd_spec(out)), ("lse", lse, _tensor_spec(3, 4))]
         scratch = self.plan.fp32_scratch()   # float32: the operand pass's results, rows 16-byte aligned
-        results += [(name, jax.ShapeDtypeStruct(s, jnp.float32), _tensor_spec(4, 16, 4 if name == "fp32_vt" else s[-1]))
+        results += [(name, jax.ShapeDtypeStruct(s, jnp.float32), _tensor_spec(4, 16, 4 if name == "fp32_v" else s[-1]))
                     for name, s in scratch]
 
         def launch(pos, fills):

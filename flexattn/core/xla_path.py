@@ -19,7 +19,7 @@ from .kernel_path import plan_forward
 KV_LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
 Q_LISTS = ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 WORKSPACE = ("lse_log2", "delta", "dq_accum")   # the backward's scratch results, in entry order
-FP32_SCRATCH = ("fp32_vt", "fp32_q", "fp32_k")   # the fp32 forward's operands (``XlaPlan.fp32_scratch``)
+FP32_SCRATCH = ("fp32_v", "fp32_q", "fp32_k")   # the fp32 forward's operands (``XlaPlan.fp32_scratch``)
 
 
 def compile_options() -> str:
@@ -102,18 +102,16 @@ class XlaPlan:
 
     def fp32_scratch(self) -> list:
         """[(name, shape)] of the fp32 forward's operand results (float32, contiguous; none
-        for 16-bit inputs): V^T with its keys rounded up to 8, then with 3xTF32 Q's and K's
-        (hi, lo) parts stacked along the batch dim (kernels/fwd/fp32_operands.py)."""
+        for 16-bit inputs), one per ``fp32_operands.operand_passes``: V^T with its keys
+        rounded up to 8, then with 3xTF32 Q's and K's (hi, lo) parts."""
         if self.config.dtype != "fp32":
             return []
-        from ..kernels.fwd.fp32_operands import padded_keys
+        from ..kernels.fwd.fp32_operands import operand_passes, operand_shape
 
-        s, parts = self.shape, self.config.operand_parts
-        scratch = [("fp32_vt", (parts * s.batch, s.kv_heads, s.v_head_dim, padded_keys(s.kv_len)))]
-        if parts == 2:
-            scratch += [("fp32_q", (2 * s.batch, s.q_heads, s.q_len, s.head_dim)),
-                        ("fp32_k", (2 * s.batch, s.kv_heads, s.kv_len, s.head_dim))]
-        return scratch
+        s = self.shape
+        inputs = {"q": (s.batch, s.q_heads, s.q_len, s.head_dim), "k": (s.batch, s.kv_heads, s.kv_len, s.head_dim),
+                  "v": (s.batch, s.kv_heads, s.kv_len, s.v_head_dim)}
+        return [(f"fp32_{source}", operand_shape(cfg, inputs[source])) for source, cfg in operand_passes(self.config)]
 
     def forward_launch(self, main: tuple, args: tuple, lists, fills: tuple, operands: tuple | None = None):
         """``xla_entry.ForwardLaunch``: ``main`` the positions of q, k, v, out, lse;

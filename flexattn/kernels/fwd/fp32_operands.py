@@ -53,6 +53,24 @@ def padded_keys(seqlen: int) -> int:
     return -(-seqlen // 8) * 8
 
 
+def operand_passes(fwd_cfg) -> tuple:
+    """(source, ``OperandsConfig``) of each pass the fp32 forward of ``fwd_cfg`` needs, in
+    the order its adapters launch them: "v" (V^T), then with 3xTF32 "q" and "k" (parts)."""
+    parts = fwd_cfg.operand_parts
+    passes = (("v", OperandsConfig(fwd_cfg.head_dim_v, True, parts)),)
+    if parts == 2:
+        passes += (("q", OperandsConfig(fwd_cfg.head_dim, False, 2)), ("k", OperandsConfig(fwd_cfg.head_dim, False, 2)))
+    return passes
+
+
+def operand_shape(cfg: OperandsConfig, x_shape) -> tuple:
+    """The shape of a pass's output for an input [B, H, S, D]."""
+    b, h, s, d = (int(n) for n in x_shape)
+    if cfg.transpose:
+        return (cfg.parts * b, h, d, padded_keys(s))
+    return (2 * b, h, s, d)
+
+
 class Fp32Operands:
     def __init__(self, cfg: OperandsConfig):
         self.cfg = cfg

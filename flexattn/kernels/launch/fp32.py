@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 
-from flexattn.kernels.fwd.fp32_operands import OperandsConfig, padded_keys
+from flexattn.kernels.fwd.fp32_operands import OperandsConfig, operand_passes, operand_shape
 from flexattn.kernels.launch import disk_cache
 from flexattn.kernels.launch.compile import compile_fp32_operands
 
@@ -20,15 +20,9 @@ def fp32_operands(fwd_cfg, q, k, v, alloc) -> tuple:
     """(q, k, v) as the fp32 forward of ``fwd_cfg`` reads them. ``alloc(shape, dtype,
     zeroed)`` gives contiguous GPU arrays (``core.backward_path.Allocator``); TVM-FFI's
     stream must be the caller's (the launches read it)."""
-    parts = fwd_cfg.operand_parts
-    b, h_kv, s_kv, dv = (int(n) for n in v.shape)
-    vt = alloc((parts * b, h_kv, dv, padded_keys(s_kv)), "float32", False)
-    _operands_kernel(OperandsConfig(dv, True, parts))(v, vt)
-    if parts == 1:
-        return q, k, vt
-    split = []
-    for x in (q, k):
-        out = alloc((2 * int(x.shape[0]), *(int(n) for n in x.shape[1:])), "float32", False)
-        _operands_kernel(OperandsConfig(int(x.shape[3]), False, 2))(x, out)
-        split.append(out)
-    return split[0], split[1], vt
+    arrays = {"q": q, "k": k, "v": v}
+    for source, cfg in operand_passes(fwd_cfg):
+        out = alloc(operand_shape(cfg, arrays[source].shape), "float32", False)
+        _operands_kernel(cfg)(arrays[source], out)
+        arrays[source] = out
+    return arrays["q"], arrays["k"], arrays["v"]

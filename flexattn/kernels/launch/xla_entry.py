@@ -115,17 +115,16 @@ class ForwardLaunch(_Launch):
 
 
 def _fp32_operands(config, q, k, v, scratch, stream):
-    """The fp32 forward's operands written into ``scratch`` (V^T[, Q's parts, K's parts]) as
-    ``kernels/launch/fp32.py`` does for the other adapters -> (q, k, v) the forward reads."""
-    from flexattn.kernels.fwd.fp32_operands import Fp32Operands, OperandsConfig
+    """The fp32 forward's operands written into ``scratch`` (one array per
+    ``operand_passes``, in order), as ``kernels/launch/fp32.py`` does for the other
+    adapters -> (q, k, v) the forward reads."""
+    from flexattn.kernels.fwd.fp32_operands import Fp32Operands, operand_passes
 
-    parts = config.operand_parts
-    Fp32Operands(OperandsConfig(config.head_dim_v, True, parts))(v, scratch[0], stream)
-    if parts == 1:
-        return q, k, scratch[0]
-    for x, out in zip((q, k), scratch[1:]):
-        Fp32Operands(OperandsConfig(config.head_dim, False, 2))(x, out, stream)
-    return scratch[1], scratch[2], scratch[0]
+    arrays = {"q": q, "k": k, "v": v}
+    for (source, cfg), out in zip(operand_passes(config), scratch):
+        Fp32Operands(cfg)(arrays[source], out, stream)
+        arrays[source] = out
+    return arrays["q"], arrays["k"], arrays["v"]
 
 
 class BackwardLaunch(_Launch):
