@@ -20,7 +20,7 @@ def _causal(b, h, q_idx, kv_idx):
 
 def test_short_queries_with_mods_are_routed_at_flex_positions():
     spec = AttentionSpec.from_args(score_mod=lambda s, b, h, q, kv: s * 0.5, mask=_causal, enable_gqa=True)
-    route = decode_route(_shape(), spec)
+    route = decode_route(_shape(), spec, "bfloat16")
     assert route is not None and not route.true_positions
     assert route.score_mod is spec.score and route.mask is spec.mask
     assert route.scale == pytest.approx(1 / np.sqrt(128))
@@ -33,18 +33,22 @@ def test_short_queries_with_mods_are_routed_at_flex_positions():
     _shape(dv=64),                               # value head dim != query head dim
 ])
 def test_what_stays_on_the_forward_kernel(shape):
-    assert decode_route(shape, AttentionSpec.from_args(enable_gqa=True)) is None
+    assert decode_route(shape, AttentionSpec.from_args(enable_gqa=True), "bfloat16") is None
+
+
+def test_float32_stays_on_the_forward_kernel():   # the decode kernel is 16-bit
+    assert decode_route(_shape(), AttentionSpec.from_args(enable_gqa=True), "float32") is None
 
 
 def test_block_masks_route_only_when_built_from_their_mask():
     built = create_block_mask(_causal, None, None, 1, 4096)
-    route = decode_route(_shape(), AttentionSpec.from_args(block_mask=built, enable_gqa=True))
+    route = decode_route(_shape(), AttentionSpec.from_args(block_mask=built, enable_gqa=True), "bfloat16")
     assert route is not None and route.mask is built.mask_mod
     given = type(built).from_kv_blocks(built.kv_num_blocks, built.kv_indices, mask_mod=_causal,
                                        seq_lengths=(1, 4096))
-    assert decode_route(_shape(), AttentionSpec.from_args(block_mask=given, enable_gqa=True)) is None
+    assert decode_route(_shape(), AttentionSpec.from_args(block_mask=given, enable_gqa=True), "bfloat16") is None
     full = create_block_mask(None, None, None, 1, 4096)
-    assert decode_route(_shape(), AttentionSpec.from_args(block_mask=full, enable_gqa=True)).mask is None
+    assert decode_route(_shape(), AttentionSpec.from_args(block_mask=full, enable_gqa=True), "bfloat16").mask is None
 
 
 def test_forward_into_routes_when_the_device_offers_decode_resources(monkeypatch):

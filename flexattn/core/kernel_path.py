@@ -479,10 +479,10 @@ def forward_into(q, k, v, out, lse, shape: AttentionShape, spec: AttentionSpec, 
     where the device allows (``core/short_query.py``; then no plan is returned) unless
     ``max_scores`` is wanted (the decode kernel keeps no such output)."""
     fp32 = dtype_name(q) == "float32"
-    if device.decode_resources is not None and max_scores is None and not fp32:
+    if device.decode_resources is not None and max_scores is None:
         from .short_query import decode_route, short_query_into
 
-        route = decode_route(shape, spec)
+        route = decode_route(shape, spec, dtype_name(q))
         if route is not None:
             short_query_into(q, k, v, out, lse, route, device)
             return None
@@ -597,7 +597,7 @@ def prepare_forward(q, shape: AttentionShape, spec: AttentionSpec, device: Devic
     if device.decode_resources is not None:
         from .short_query import PreparedShortQuery, decode_route
 
-        route = decode_route(shape, spec)
+        route = decode_route(shape, spec, dtype_name(q))
         if route is not None:
             return PreparedShortQuery(route, device)
     return PreparedForward(q, plan_forward(q, shape, spec), spec, shape, device)

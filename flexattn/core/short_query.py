@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from ..problem.spec import AttentionSpec
 from ..problem.validate import AttentionShape
-from .kernel_path import DECODE_HEAD_DIMS
+from .kernel_path import DECODE_HEAD_DIMS, KERNEL_DTYPES
 from .decode_path import DECODE_MAX_Q_LEN, DecodeMods, DecodeSite, attention_into, attention_plan
 
 # Query tokens up to which the decode kernel serves a forward call. Measured on the H100
@@ -35,8 +35,12 @@ SHORT_QUERY_MAX = DECODE_MAX_Q_LEN
 _MAX_GROUP_ROWS = 128   # two consumer warpgroups of 64 packed rows
 
 
-def decode_route(shape: AttentionShape, spec: AttentionSpec) -> DecodeMods | None:
-    """The decode kernel's mods for this forward call, or None where the forward kernel runs it."""
+def decode_route(shape: AttentionShape, spec: AttentionSpec, q_dtype: str) -> DecodeMods | None:
+    """The decode kernel's mods for this forward call (``q_dtype``: the query's dtype name),
+    or None where the forward kernel runs it (float32 among others: the decode kernel is
+    16-bit)."""
+    if q_dtype not in KERNEL_DTYPES:
+        return None
     if shape.q_len > SHORT_QUERY_MAX or shape.kv_len < shape.q_len or shape.group * shape.q_len > _MAX_GROUP_ROWS:
         return None
     if shape.v_head_dim != shape.head_dim or shape.head_dim not in DECODE_HEAD_DIMS:

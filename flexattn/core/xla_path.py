@@ -72,12 +72,12 @@ class XlaPlan:
         self.config = self.plan.entry.config if self.plan.entry is not None else self.plan.config
         self.scale = spec.resolved_scale(shape.head_dim)
         self.decode = None
-        num_sms = _sm_count(q) if self.config.dtype != "fp32" else None   # the decode kernel is 16-bit
+        num_sms = _sm_count(q)
         if num_sms is not None:
             from .decode_path import fixed_length_launch
             from .short_query import decode_route
 
-            route = decode_route(shape, spec)
+            route = decode_route(shape, spec, dtype_name(q))
             if route is not None:
                 self.decode = fixed_length_launch((shape.batch, shape.q_heads, shape.q_len, shape.head_dim),
                                                   shape.kv_heads, shape.kv_len, dtype_name(q), route, num_sms)
