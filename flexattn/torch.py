@@ -753,11 +753,8 @@ class _OpPrepared:
             return
         with torch.cuda.device(q.device):
             prepared = prepare_forward(q, shape, spec, _forward_device(q.device))
-        if not isinstance(prepared, PreparedForward):   # short queries, float32: the full path
-            return
-        if len(_OP_PREPARED) >= _OP_PREPARED_CAPACITY:
-            _OP_PREPARED.pop(next(iter(_OP_PREPARED)))
-        _OP_PREPARED[op_key] = _OpPrepared(prepared, shape, q, buffers)
+        if isinstance(prepared, PreparedForward):   # short queries, float32: the full path
+            _op_remember(op_key, _OpPrepared(prepared, shape, q, buffers))
 
     def __init__(self, prepared, shape, q, buffers):
         self.prepared = prepared
@@ -786,18 +783,33 @@ class _OpPreparedBackward:
 
     @staticmethod
     def remember(op_key, spec, shape, query, grad_mask: int, buffers) -> None:
-        prepared = _PreparedBackward.make(spec, shape, query, op_key[2], grad_mask)
-        if prepared is None:
+        if bounds.enabled():
             return
-        entry = _OpPreparedBackward()
-        entry.prepared, entry.positions = prepared, prepared.kernels.operand_positions(buffers)
-        if len(_OP_PREPARED) >= _OP_PREPARED_CAPACITY:
-            _OP_PREPARED.pop(next(iter(_OP_PREPARED)))
-        _OP_PREPARED[op_key] = entry
+        prepared = _PreparedBackward.make(spec, shape, query, op_key[2], grad_mask)
+        if prepared is not None:
+            entry = _OpPreparedBackward()
+            entry.prepared, entry.positions = prepared, prepared.kernels.operand_positions(buffers)
+            _op_remember(op_key, entry)
+
+    def __call__(self, q, k, v, out, lse, d_out, d_lse, buffers):
+        """(dq, dk, dv, d_buffers), or None where the full path must run (another current
+        device)."""
+        if q.get_device() != torch.cuda.current_device():
+            return None
+        arrays = _backward_arrays(q, k, v, out, lse, d_out, d_lse)
+        capture_grads = self.prepared.kernels.launch(arrays, _backward_alloc(q.device), buffers, self.positions)
+        return arrays.dq, arrays.dk, arrays.dv, _buffer_grads(self.prepared.tensor_slots, capture_grads, buffers)
 
 
 _OP_PREPARED: dict = {}   # _op_key (forward), ("bwd", ...) + _op_key -> _OpPrepared(Backward)
 _OP_PREPARED_CAPACITY = 64
+
+
+def _op_remember(op_key, entry) -> None:
+    """Keep ``entry`` for ``op_key``, the oldest entry leaving at capacity."""
+    if len(_OP_PREPARED) >= _OP_PREPARED_CAPACITY:
+        _OP_PREPARED.pop(next(iter(_OP_PREPARED)))
+    _OP_PREPARED[op_key] = entry
 
 
 @torch.library.custom_op("flexattn::attention_fwd_max", mutates_args=())
@@ -832,17 +844,15 @@ def _attention_bwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         op_key = ("bwd", grad_mask, torch.are_deterministic_algorithms_enabled(), d_lse is None,
                   *_op_key(spec_id, query, key, value))
         entry = _OP_PREPARED.get(op_key)
-        if entry is not None and not bounds.enabled() and query.get_device() == torch.cuda.current_device():
-            arrays = _backward_arrays(query, key, value, out, lse, d_out, d_lse)
-            capture_grads = entry.prepared.kernels.launch(arrays, _backward_alloc(query.device), buffers,
-                                                          entry.positions)
-            return (arrays.dq, arrays.dk, arrays.dv,
-                    _buffer_grads(entry.prepared.tensor_slots, capture_grads, buffers))
+        if entry is not None and not bounds.enabled():
+            hit = entry(query, key, value, out, lse, d_out, d_lse, buffers)
+            if hit is not None:
+                return hit
     spec = _REGISTRY.bind_operands(spec_id, buffers)
     shape = check_inputs(query, key, value, spec)
     if query.is_cuda:
         grads = _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buffers, grad_mask)
-        if op_key not in _OP_PREPARED and not bounds.enabled():
+        if op_key not in _OP_PREPARED:
             _OpPreparedBackward.remember(op_key, spec, shape, query, grad_mask, buffers)
         return grads
     grads = reference.backward(query, key, value, d_out, d_lse, spec)
@@ -1056,7 +1066,7 @@ def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buf
     device = _forward_device(dev)  # TVM-FFI launches read torch's current stream (the autograd thread's)
     # torch's switch for bitwise-repeatable algorithms selects the deterministic backward
     deterministic = torch.are_deterministic_algorithms_enabled()
-    alloc = _backward_alloc(dev)
+    alloc = device.alloc
     if dev.index == torch.cuda.current_device():
         result = backward_into(arrays, shape, spec, device, alloc, deterministic=deterministic,
                                grad_captures=grad_captures)

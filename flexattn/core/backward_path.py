@@ -167,11 +167,11 @@ def backward_config(forward_config, deterministic: bool = False, grad_captures=N
     """The backward's ``BwdConfig`` for a forward's config (every adapter's backward plan):
     same structure and mods, gradients only for the ``grad_captures`` slots (None: all)."""
     from ..kernels.bwd.plan import config_from_forward
-    from . import kernel_path
 
-    reason = kernel_path.backward_unsupported_dims(forward_config.head_dim, forward_config.head_dim_v)
     if forward_config.dtype not in kernel_path.KERNEL_DTYPES.values():
         reason = f"the GPU backward supports bfloat16 and float16 inputs, not {forward_config.dtype} (the forward alone does)"
+    else:
+        reason = kernel_path.backward_unsupported_dims(forward_config.head_dim, forward_config.head_dim_v)
     if reason:
         raise ValueError(reason)
     mods = forward_config.mods

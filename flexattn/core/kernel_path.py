@@ -555,7 +555,6 @@ class PreparedForward:
         finally:
             self._env_stream.swap(previous)
 
-
     def operand_positions(self, operands) -> tuple:
         """Where each array of ``operands`` sits among this launch's captures, for
         ``launch_operands``."""
