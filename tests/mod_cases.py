@@ -12,6 +12,26 @@ import torch
 from flexattn import mods
 
 
+# The block structures the forward planner tells apart, one call each (``structure_mods``):
+# dense, the built-in causal, a band (a lambda), block-sparse documents, causal + a score mod.
+STRUCTURES = ("dense", "causal", "band", "documents", "scored")
+
+
+def structure_mods(kind, rng, Hq, S):
+    """(score mod, mask) of a ``STRUCTURES`` kind, with fresh random bounds and data."""
+    if kind == "dense":
+        return None, None
+    if kind == "causal":
+        return None, mods.causal()
+    if kind == "band":
+        w = int(rng.integers(20, 300))
+        return None, mods.mask_mod(lambda b, h, q, kv: (q - kv <= w) & (kv <= q))
+    if kind == "documents":
+        ids = np.sort(rng.integers(0, 4, size=S)).astype(np.int32)
+        return None, mods.document(ids)
+    return mods.alibi(num_heads=Hq) >> mods.softcap(float(rng.uniform(5, 30))), mods.causal()
+
+
 def _doc_ids(rng, S, n_docs):
     cuts = np.sort(rng.choice(np.arange(1, S), size=min(n_docs - 1, S - 1), replace=False))
     return np.searchsorted(cuts, np.arange(S), side="right").astype(np.int32)

@@ -23,6 +23,7 @@ from flexattn.core import AttentionSpec, check_inputs  # noqa: E402
 from flexattn.core.kernel_path import forward_into, plan_forward  # noqa: E402
 from flexattn.kernels.fwd.fp32_operands import key_order  # noqa: E402
 from flexattn.torch import _forward_device  # noqa: E402
+from mod_cases import STRUCTURES, structure_mods  # noqa: E402
 
 # Max |out - float64| bounds for N(0, 1) inputs: 3xTF32 is within a few float32 ulps of the
 # output (torch flex's float32 "highest": ~1e-6 at S 4096); one tf32 pass ~1e-3 (flex: 2e-3).
@@ -43,25 +44,11 @@ def _round_tf32(x: torch.Tensor) -> torch.Tensor:
     return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
 
 
-def _mods(kind, rng, Hq, S):
-    if kind == "dense":
-        return None, None
-    if kind == "causal":
-        return None, mods.causal()
-    if kind == "band":
-        w = int(rng.integers(20, 300))
-        return None, mods.mask_mod(lambda b, h, q, kv: (q - kv <= w) & (kv <= q))
-    if kind == "documents":
-        ids = np.sort(rng.integers(0, 4, size=S)).astype(np.int32)
-        return None, mods.document(ids)
-    return mods.alibi(num_heads=Hq) >> mods.softcap(float(rng.uniform(5, 30))), mods.causal()
-
-
 PAIRS = [(64, 64), (128, 128), (32, 32), (80, 80), (256, 256), (192, 128), (64, 128)]
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"d{p[0]}-{p[1]}")
-@pytest.mark.parametrize("kind", ["dense", "causal", "band", "documents", "scored"])
+@pytest.mark.parametrize("kind", STRUCTURES)
 def test_fp32_against_reference(pair, kind, precision):
     D, Dv = pair
     rng = np.random.default_rng(zlib.crc32(repr((pair, kind, precision)).encode()))
@@ -73,7 +60,7 @@ def test_fp32_against_reference(pair, kind, precision):
     q = torch.randn(B, Hq, Q, D, device="cuda")
     k = torch.randn(B, Hkv, KV, D, device="cuda")
     v = torch.randn(B, Hkv, KV, Dv, device="cuda")
-    score, mask = _mods(kind, rng, Hq, max(Q, KV))
+    score, mask = structure_mods(kind, rng, Hq, max(Q, KV))
     spec = AttentionSpec.from_args(score=score, mask=mask, enable_gqa=True)
     shape = check_inputs(q, k, v, spec)
     out = torch.full((B, Hq, Q, Dv), float("nan"), device="cuda")

@@ -20,9 +20,10 @@ if not torch.cuda.is_available():
 pytest.importorskip("cutlass")
 
 import flexattn.torch as fa  # noqa: E402
-from flexattn import mods, reference  # noqa: E402
+from flexattn import reference  # noqa: E402
 from flexattn.core import AttentionSpec, check_inputs  # noqa: E402
 from flexattn.core.kernel_path import Device, forward_into, plan_forward  # noqa: E402
+from mod_cases import STRUCTURES, structure_mods  # noqa: E402
 
 PAIRS = [(32, 32), (80, 80), (96, 96), (192, 192), (256, 256), (192, 128), (128, 64), (64, 128), (256, 128)]
 
@@ -33,22 +34,8 @@ def _device():
     return Device(torch.cuda.current_stream().cuda_stream, _DeviceCopies(torch.device("cuda")))
 
 
-def _mods(kind, rng, Hq, S):
-    if kind == "dense":
-        return None, None
-    if kind == "causal":
-        return None, mods.causal()
-    if kind == "band":
-        w = int(rng.integers(20, 300))
-        return None, mods.mask_mod(lambda b, h, q, kv: (q - kv <= w) & (kv <= q))
-    if kind == "documents":
-        ids = np.sort(rng.integers(0, 4, size=S)).astype(np.int32)
-        return None, mods.document(ids)
-    return mods.alibi(num_heads=Hq) >> mods.softcap(float(rng.uniform(5, 30))), mods.causal()
-
-
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"d{p[0]}-{p[1]}")
-@pytest.mark.parametrize("kind", ["dense", "causal", "band", "documents", "scored"])
+@pytest.mark.parametrize("kind", STRUCTURES)
 def test_head_dims_against_reference(pair, kind):
     D, Dv = pair
     rng = np.random.default_rng(zlib.crc32(repr((pair, kind)).encode()))
@@ -61,7 +48,7 @@ def test_head_dims_against_reference(pair, kind):
     q = torch.randn(B, Hq, Q, D, device="cuda", dtype=dtype)
     k = torch.randn(B, Hkv, KV, D, device="cuda", dtype=dtype)
     v = torch.randn(B, Hkv, KV, Dv, device="cuda", dtype=dtype)
-    score, mask = _mods(kind, rng, Hq, max(Q, KV))
+    score, mask = structure_mods(kind, rng, Hq, max(Q, KV))
     spec = AttentionSpec.from_args(score=score, mask=mask, enable_gqa=True)
     shape = check_inputs(q, k, v, spec)
     out = torch.full((B, Hq, Q, Dv), float("nan"), dtype=dtype, device="cuda")
@@ -128,7 +115,7 @@ def _train_against_reference(D, Dv, kind):
     dtype = torch.bfloat16 if rng.random() < 0.7 else torch.float16
     q, k, v = (torch.randn(B, h, n, d, device="cuda", dtype=dtype).requires_grad_()
                for h, n, d in ((Hq, Q, D), (Hkv, KV, D), (Hkv, KV, Dv)))
-    score, mask = _mods(kind, rng, Hq, max(Q, KV))
+    score, mask = structure_mods(kind, rng, Hq, max(Q, KV))
     out = fa.flex_attention(q, k, v, score_mod=score, mask=mask, enable_gqa=True)
     d_out = torch.randn_like(out)
     out.backward(d_out)
