@@ -18,7 +18,7 @@ import math
 import torch
 
 from bench_fwd import setup_dynamo
-from common import bench_ms, device_name, report
+from common import bench_ms, device_name, report, tflops_ratio
 
 
 def causal(b, h, q_idx, kv_idx):
@@ -77,15 +77,11 @@ def main():
         t, e = row["tflops"].get(impl), row["error"].get(impl)
         return "—" if t is None else f"{t:.1f} ({e:.1e})"
 
-    def ratio(row, impl):
-        t, o = row["tflops"].get(impl), row["tflops"].get("flexattn")
-        return "—" if t is None or o is None else f"{o / t:.2f}"
-
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     md = (f"Causal forward, float32, {device_name()}, {stamp}. TFLOP/s (max error vs float64).\n\n"
           "| precision | shape | flexattn | flex | sdpa | ours/flex |\n|---|---|---|---|---|---|\n"
           + "\n".join(f"| {r['precision']} | {r['shape']} | {cell(r, 'flexattn')} | {cell(r, 'flex')} | "
-                      f"{cell(r, 'sdpa')} | {ratio(r, 'flex')} |" for r in rows))
+                      f"{cell(r, 'sdpa')} | {tflops_ratio(r, 'flex')} |" for r in rows))
     report(md, rows, args.out, stamp)
 
 

@@ -22,7 +22,7 @@ import torch
 
 from bench_bwd import BWD_FLOPS, fwd_bwd
 from bench_fwd import setup_dynamo
-from common import bench_ms, device_name, rel_diff, report
+from common import bench_ms, device_name, rel_diff, report, tflops_ratio
 
 
 def causal(b, h, q_idx, kv_idx):
@@ -96,16 +96,12 @@ def main():
         t = row["tflops"].get(impl)
         return "—" if t is None else f"{t:.1f}"
 
-    def ratio(row, impl):
-        t, o = row["tflops"].get(impl), row["tflops"].get("flexattn")
-        return "—" if t is None or o is None else f"{o / t:.2f}"
-
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     what = "Causal forward + backward" if train else "Causal forward"
     md = (f"{what}, bf16, B{B} S{S} H{H}, {device_name()}, {stamp}. TFLOP/s.\n\n"
           "| D/Dv | flexattn | fa4 | flex | ours/fa4 | ours/flex |\n|---|---|---|---|---|---|\n"
           + "\n".join(f"| {r['dims']} | {cell(r, 'flexattn')} | {cell(r, 'fa4')} | {cell(r, 'flex')} | "
-                      f"{ratio(r, 'fa4')} | {ratio(r, 'flex')} |" for r in rows))
+                      f"{tflops_ratio(r, 'fa4')} | {tflops_ratio(r, 'flex')} |" for r in rows))
     report(md, rows, args.out, stamp)
 
 

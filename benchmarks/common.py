@@ -18,6 +18,12 @@ def rel_diff(out, ref):
     return ((o.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+def tflops_ratio(row, impl: str, ours: str = "flexattn") -> str:
+    """A table cell: ours / ``impl`` of ``row["tflops"]``, or "—" where either is missing."""
+    t, o = row["tflops"].get(impl), row["tflops"].get(ours)
+    return "—" if t is None or o is None else f"{o / t:.2f}"
+
+
 def device_name():
     return torch.cuda.get_device_name()
 
