@@ -45,11 +45,11 @@ KERNEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}   # every kernel's
 FORWARD_DTYPES = {**KERNEL_DTYPES, "float32": "fp32"}
 # The forward kernel takes any query and value head dim that is a multiple of 16 up to 256
 # (wgmma's k step; TMA's 16-byte rows); the backward, query and value head dims among these
-# (equal or not: ``BwdConfig.head_dim_v``), trained against float64 on the H100
-# (tests/gpu/test_head_dims_gpu.py, 2026-11-27); decode steps go to the split-KV kernel at
+# from 32 (equal or not: ``BwdConfig.head_dim_v``; beyond 128 ``BwdConfig.split_head_dim``),
+# trained against float64 on the H100 (tests/gpu/test_head_dims_gpu.py, 2026-11-27); decode steps go to the split-KV kernel at
 # every multiple of 16 from 32 to 256 with equal value head dim (``decode_path.fit_head_dim``,
 # ``decode.combine.lane_columns``; tests/gpu/test_decode_gpu.py, 2026-11-27).
-BACKWARD_HEAD_DIMS = (32, 48, 64, 80, 96, 112, 128)
+BACKWARD_HEAD_DIMS = tuple(range(32, 257, 16))
 DECODE_HEAD_DIMS = tuple(range(32, 257, 16))
 TILE_N = 128
 

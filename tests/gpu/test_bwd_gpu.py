@@ -252,6 +252,28 @@ def test_tile_m_80(case):
     _check_listed(case, TILE80, tile_m=80)
 
 
+# Head dims beyond 128 (BwdConfig.split_head_dim: 64-key CTAs, the warpgroups splitting
+# dK, dV and dQ over the head dim, P^T / dS^T through shared memory; one Q / dO stage at
+# 256). (case, dtype, D, B, Hq, Hkv, Q, KV, layout)
+WIDE = [
+    ("none", "bf16", 256, 1, 4, 2, 300, 333, "bhsd"),
+    ("causal", "bf16", 192, 2, 4, 2, 700, 700, "bhsd"),
+    ("causal", "fp16", 256, 1, 2, 1, 129, 513, "bshd"),        # MQA, kv blocks nobody sees
+    ("sliding_window", "bf16", 256, 1, 4, 2, 700, 650, "bhsd"),  # 64-key CTAs under 128-key blocks
+    ("document", "fp16", 192, 2, 2, 2, 384, 390, "bhsd"),
+    ("alibi", "bf16", 256, 1, 4, 4, 300, 300, "bhsd"),         # slope gradients
+    ("causal_relative_bias", "bf16", 192, 1, 4, 2, 400, 450, "bhsd"),  # per-thread diagonal adds
+    ("window_document_alibi_softcap", "bf16", 160, 1, 4, 2, 500, 500, "bhsd"),
+    ("softcap", "fp16", 224, 2, 4, 2, 511, 257, "bshd"),
+    ("none", "bf16", 144, 1, 1, 1, 1, 1, "bhsd"),              # one element
+]
+
+
+@pytest.mark.parametrize("case", WIDE, ids=lambda c: "-".join(map(str, c)))
+def test_head_dims_beyond_128(case):
+    _check_listed(case, WIDE)
+
+
 # Clusters of 2 CTAs (kv blocks 2c, 2c + 1) sharing Q / dO loads by TMA multicast: dense
 # only, an even number of 128-key blocks. (case, dtype, D, B, Hq, Hkv, Q, KV, layout)
 CLUSTER = [
@@ -331,6 +353,11 @@ DETERMINISTIC = [
     ("bias", "fp16", 64, 1, 2, 2, 130, 140),                   # dense bias grads
     ("none", "bf16", 128, 2, 4, 2, 1000, 777),                 # 80-row tiles, GQA
     ("wide_relative_bias", "bf16", 128, 1, 4, 2, 333, 500, 80),  # 80 forced: per-thread adds
+    # head dims beyond 128: 64-key CTAs count their turns (block-sparse: two per listed
+    # 128-key block, one in the last of KV = 650)
+    ("causal", "bf16", 192, 1, 4, 2, 600, 600),
+    ("sliding_window", "bf16", 256, 1, 4, 2, 700, 650),
+    ("relative_bias", "fp16", 192, 2, 4, 2, 250, 250),
 ]
 
 

@@ -3,10 +3,11 @@ that differ from the query's (issue 25, item 1), against the float64 reference.
 
 Random shapes (odd lengths, Q != KV, GQA), NaN-poisoned outputs, LSE checked, each head-dim
 pair under a dense, causal, band (sliding window as a lambda), block-sparse (documents) and
-scored (softcap + ALiBi) call. The backward runs every multiple of 16 from 32 to 128 (equal
-value head dim): trained at 32, 48, 80, 96 and 112 against the reference (48, 80, 112: dQ
-halves that are not multiples of 16); at other head dims a call autograd records is
-refused before any launch with an error that says so.
+scored (softcap + ALiBi) call. The backward runs every multiple of 16 from 32 to 256: trained
+at 32, 48, 80, 96, 112 (48, 80, 112: dQ halves that are not multiples of 16) and, with the
+head dim split between the warpgroups, 144, 192, 256 against the reference, and with value
+head dims apart from the query's; at head dim 16 a call autograd records is refused before
+any launch with an error that says so.
 """
 
 import zlib
@@ -72,7 +73,7 @@ def test_head_dims_against_reference(pair, kind):
 
 
 def test_torch_door_inference_and_a_clear_error_for_gradients():
-    q = torch.randn(2, 4, 300, 192, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(2, 4, 300, 16, device="cuda", dtype=torch.bfloat16)
     k, v = torch.randn_like(q), torch.randn_like(q)
     out = fa.flex_attention(q, k, v, block_mask=fa.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 300, 300))
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -81,7 +82,7 @@ def test_torch_door_inference_and_a_clear_error_for_gradients():
         fa.flex_attention(q.requires_grad_(), k, v)
 
 
-BACKWARD_DIMS = [32, 48, 80, 96, 112]
+BACKWARD_DIMS = [32, 48, 80, 96, 112, 144, 192, 256]
 # Error bounds relative to the largest reference gradient (max-abs) and to its norm (as
 # tests/gpu/test_autograd_gpu.py).
 GRAD_TOL = {torch.bfloat16: (4e-2, 1.5e-2), torch.float16: (1e-2, 4e-3)}
@@ -96,7 +97,7 @@ def test_backward_head_dims_against_reference(D, kind):
 
 
 # Value head dims apart from the query's (BwdConfig head_dim_v), through the torch door.
-VALUE_PAIRS = [(128, 64), (64, 128), (96, 64), (128, 96)]
+VALUE_PAIRS = [(128, 64), (64, 128), (96, 64), (128, 96), (192, 128), (256, 128), (128, 256)]
 
 
 @pytest.mark.parametrize("pair", VALUE_PAIRS, ids=lambda p: f"d{p[0]}-{p[1]}")

@@ -58,6 +58,12 @@ def _config(name):
     if name == "d96-64-sparse-document":
         hook = IRModHook(None, mods.document(np.zeros(8, np.int32)))
         return BwdConfig(head_dim=96, head_dim_v=64, block_sparse=True, mods=hook), hook
+    if name == "d256-causal-softcap":      # head dims beyond 128: split_head_dim
+        hook = IRModHook(mods.softcap(30.0), None)
+        return BwdConfig(head_dim=256, causal=True, mods=hook), hook
+    if name == "d192-128-sparse-document":
+        hook = IRModHook(None, mods.document(np.zeros(8, np.int32)))
+        return BwdConfig(head_dim=192, head_dim_v=128, block_sparse=True, mods=hook), hook
     if name.endswith("-80"):
         cfg, hook = _config(name[:-3])
         return dataclasses.replace(cfg, tile_m=80), hook
@@ -72,13 +78,16 @@ DEFAULT = ["d128-dense", "d128-causal-softcap", "d64-sparse-document", "d128-ban
 # Deterministic variants: dense, causal (+ score mod), block-sparse, buffer gradients.
 DETERMINISTIC = {"det-d128-dense": "d128-dense", "det-d128-causal-softcap": "d128-causal-softcap",
                  "det-d64-sparse-document": "d64-sparse-document",
-                 "det-d128-relative-bias": "d128-relative-bias"}
+                 "det-d128-relative-bias": "d128-relative-bias",
+                 "det-d192-128-sparse-document": "d192-128-sparse-document"}
 # tile_m 80 (dQ^T = K^T dS^T): dense, a score mod, buffer gradients, deterministic.
 TILE80 = ["d128-dense-80", "d128-softcap-80", "d128-relative-bias-80", "det-d128-dense-80",
           "det-d128-relative-bias-80"]
 # value head dims apart from the query's (dP^T's k steps and dV's N are Dv's)
 VALUE_DIMS = ["d128-64-causal-softcap", "d64-128-dense", "d96-64-sparse-document"]
-NAMES = DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS
+# head dims beyond 128 (BwdConfig.split_head_dim)
+WIDE = ["d256-causal-softcap", "d192-128-sparse-document"]
+NAMES = DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +170,28 @@ def test_tile_m_80(compiled, name):
         assert "st.shared.f32" not in ptx
 
 
+@pytest.mark.parametrize("name", WIDE + ["det-d192-128-sparse-document"])
+def test_head_dims_beyond_128(compiled, name):
+    """split_head_dim: 64-key CTAs; S^T and dP^T m64n32 per warpgroup (its 32 q columns,
+    D / 16 and Dv / 16 k-steps), dQ, dK and dV m64n(D / 2 | Dv / 2) with 4 k-steps (64 keys
+    or 64 q rows) from shared memory (P^T and dS^T: 2 x 2 stmatrix per step, no RS
+    wgmma); one Q / dO stage at 256/256, two at 192/128; the same two bulk dQ adds."""
+    cfg, ptx = compiled[name]
+    D, Dv = cfg.head_dim, cfg.head_dim_v
+    assert cfg.split_head_dim and (cfg.tile_m, cfg.tile_n) == (64, 64)
+    assert cfg.num_stages == (1 if D == Dv == 256 else 2)
+    steps = 2 if cfg.causal or cfg.block_sparse else 1
+    per_step = {32: (D + Dv) // 16, D // 2: 8, Dv // 2: 4}
+    if D == Dv:
+        per_step = {32: (D + Dv) // 16, D // 2: 12}
+    for n, count in per_step.items():
+        assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{n}k16") == steps * count, n
+    assert ptx.count("wgmma.mma_async") == steps * sum(per_step.values())
+    # (epilogue: a warp stores its 16 keys x the warpgroup's D / 2 + Dv / 2 columns)
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == steps * 4 + (D + Dv) // 32
+    assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
+
+
 def test_tile_m_80_fits_shared_memory():
     """Q, dO (2 stages of 80 x 128), K, V, dS (2 stages), the fp32 dQ tile and LSE / D
     (stages 128-byte aligned for TMA): 227 KB, the sm_90 maximum per CTA, exactly (the
@@ -220,8 +251,9 @@ def test_deterministic_dq_turns(compiled, name):
     if cfg.block_sparse:
         # The turn is counted in the kv-side lists by the writer warp (one shuffle
         # reduction, 5 shfl, on top of the default kernel's).
+        # 64-key CTAs (split_head_dim) also count the last kv block's entries: 5 more.
         extra = ptx.count("shfl.sync") - compiled[name[4:]][1].count("shfl.sync")
-        assert extra == 5
+        assert extra == (10 if cfg.split_head_dim else 5)
 
 
 def test_default_has_no_turns(compiled):
@@ -345,10 +377,16 @@ def test_config_validation():
             BwdConfig(tile_m=80, **bad)
     with pytest.raises(ValueError):
         BwdConfig(causal=True, block_sparse=True)
-    for bad in (16, 72, 136, 192, 256):   # multiples of 16 from 32 to 128 (dK, dV in registers)
+    for bad in (16, 72, 136, 272):   # multiples of 16 from 32 to 256
         with pytest.raises(ValueError, match="head_dim"):
             BwdConfig(head_dim=bad)
     assert BwdConfig(head_dim=96).head_dim == 96 and BwdConfig(head_dim=80).head_dim == 80
+    # beyond 128: 64-key CTAs, the head dim split between the warpgroups
+    assert BwdConfig(head_dim=128, head_dim_v=144).split_head_dim and BwdConfig(head_dim=192).tile_n == 64
+    assert not BwdConfig().split_head_dim and BwdConfig().tile_n == 128
+    for bad in (dict(tile_n=128), dict(tile_m=80), dict(num_stages=3)):
+        with pytest.raises(ValueError):
+            BwdConfig(head_dim=256, **bad)
     with pytest.raises(ValueError, match="derivative"):
         BwdConfig(mods=hooks.SoftcapHook())           # hand-written: no derivative
     BwdConfig(mods=hooks.CausalHook())                # masks need none

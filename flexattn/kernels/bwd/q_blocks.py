@@ -129,6 +129,7 @@ class KvVisitors(_Staged):
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
         self.causal = cfg.causal
         self.factor = cfg.sparse_block_m // cfg.tile_m
+        self.kv_sub = cfg.sparse_block_n // cfg.tile_n     # CTAs per BlockMask kv block
         self.n_kv_blocks = Int32(n_kv_blocks)
         self.kv_lists = kv_lists           # (kv_num_blocks, kv_indices, full_kv_*) or None
         self.batch, self.head = batch, head
@@ -138,7 +139,16 @@ class KvVisitors(_Staged):
     @cute.jit
     def after(self, m_block, n_block):
         if cutlass.const_expr(self.kv_lists is not None):
-            return self._after_sparse(m_block // self.factor, n_block)
+            if cutlass.const_expr(self.kv_sub == 1):
+                return self._after_sparse(m_block // self.factor, n_block)
+            # 64-key CTAs: every CTA of each later listed kv block, and this block's later
+            # ones, less those past the last key (the last kv block may have fewer CTAs).
+            parent = n_block // self.kv_sub
+            last = (self.n_kv_blocks - 1) // self.kv_sub
+            missing = (last + 1) * self.kv_sub - self.n_kv_blocks
+            later, last_listed = self._after_sparse(m_block // self.factor, parent, last)
+            missing = missing if (last_listed != 0 or last == parent) else Int32(0)
+            return later * self.kv_sub + (self.kv_sub - 1 - n_block % self.kv_sub) - missing
         last = self.n_kv_blocks - 1
         if cutlass.const_expr(self.causal):
             # DenseQBlocks: kv block n visits m >= (n * tile_n) // tile_m, i.e. n <= last.
@@ -146,7 +156,9 @@ class KvVisitors(_Staged):
         return last - n_block
 
     @cute.jit
-    def _after_sparse(self, q_block, n_block):
+    def _after_sparse(self, q_block, n_block, watch=None):
+        """Listed kv blocks above `n_block` for `q_block`; with `watch`, also (as a second
+        result) how many list entries equal `watch`."""
         kv_num, kv_idx, full_num, full_idx = self.kv_lists
         b = self.batch % kv_num.shape[0]
         h = self.head % kv_num.shape[1]
@@ -156,11 +168,22 @@ class KvVisitors(_Staged):
         # round trips per count instead of four; this is on the dQ writer's path).
         n_partial = Int32(kv_num[b, h, q_block])
         n_full = Int32(full_num[b, h, q_block])
+        seen = Int32(0)
         for i in cutlass.range(lane, cutlass.max(n_partial, n_full), 32, unroll=1):
             if i < n_partial:
-                if Int32(kv_idx[b, h, q_block, i]) > n_block:
+                kv = Int32(kv_idx[b, h, q_block, i])
+                if kv > n_block:
                     count += 1
+                if cutlass.const_expr(watch is not None):
+                    if kv == watch:
+                        seen += 1
             if i < n_full:
-                if Int32(full_idx[b, h, q_block, i]) > n_block:
+                kv = Int32(full_idx[b, h, q_block, i])
+                if kv > n_block:
                     count += 1
+                if cutlass.const_expr(watch is not None):
+                    if kv == watch:
+                        seen += 1
+        if cutlass.const_expr(watch is not None):
+            return cute.arch.warp_reduction_sum(count), cute.arch.warp_reduction_sum(seen)
         return cute.arch.warp_reduction_sum(count)

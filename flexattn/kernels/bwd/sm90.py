@@ -107,11 +107,13 @@ class BwdConfig(KernelConfig):
     KIND = "bwd"
 
     dtype: str = "bf16"           # "bf16" | "fp16": Q, K, V, O, dO, dQ, dK, dV
-    head_dim: int = 128           # a multiple of 16, 32 .. 128: Q, K, dQ, dK
+    head_dim: int = 128           # a multiple of 16, 32 .. 256: Q, K, dQ, dK
     head_dim_v: int | None = None  # the same for V, O, dO, dV (None: head_dim)
     tile_m: int = 64              # q rows per visit (N of the S^T GEMM): 64 | 80 (dQ swapped)
-    tile_n: int = 128             # keys per CTA: 64 per consumer warpgroup
-    num_stages: int = 2           # Q/LSE and dO/D ring depth
+    tile_n: int | None = None     # keys per CTA: 128 (64 per consumer warpgroup), or 64
+                                  # where a head dim exceeds 128 (`split_head_dim`); None: that
+    num_stages: int | None = None  # Q/LSE and dO/D ring depth; None: 2, or 1 where 2 do not
+                                  # fit shared memory (`split_head_dim` at the widest heads)
     causal: bool = False          # block structure: skip q blocks above the diagonal
     block_sparse: bool = False    # block structure from the BlockMask's q-side lists
     band: bool = False            # block structure of the mask's band of diagonals, by
@@ -146,10 +148,19 @@ class BwdConfig(KernelConfig):
             object.__setattr__(self, "head_dim_v", self.head_dim)
         for name in ("head_dim", "head_dim_v"):
             d = getattr(self, name)
-            if d % 16 or not 32 <= d <= 128:
-                raise ValueError(f"{name} must be a multiple of 16 from 32 to 128, got {d}")
-        if self.tile_m not in (64, 80) or self.tile_n != 128:
-            raise ValueError("the backward supports tile_m=64 or 80, tile_n=128")
+            if d % 16 or not 32 <= d <= 256:
+                raise ValueError(f"{name} must be a multiple of 16 from 32 to 256, got {d}")
+        if self.tile_n is None:
+            object.__setattr__(self, "tile_n", 64 if self.split_head_dim else 128)
+        if self.num_stages is None:
+            object.__setattr__(self, "num_stages", default_stages(self))
+        if self.tile_m not in (64, 80) or self.tile_n != (64 if self.split_head_dim else 128):
+            raise ValueError("the backward supports tile_m=64 or 80 and tile_n=128, or tile_m=64 and"
+                             " tile_n=64 where a head dim exceeds 128")
+        if self.num_stages not in (1, 2):
+            raise ValueError(f"num_stages must be 1 or 2, got {self.num_stages}")
+        if self.split_head_dim and (self.tile_m != 64 or self.cluster_n != 1):
+            raise ValueError("head dims beyond 128 run tile_m=64 without clusters")
         if self.tile_m == 80 and (self.head_dim != 128 or self.head_dim_v != 128 or self.causal
                                   or self.block_sparse or self.band):
             # FA3/FA4's choice too: 80 pays off for dense head dim 128; the causal and
@@ -176,6 +187,21 @@ class BwdConfig(KernelConfig):
         if self.mods.has_score and type(self.mods).score_and_grad is ModHook.score_and_grad:
             raise ValueError(f"{type(self.mods).__name__} has a score mod but no derivative "
                              "(use mod_emit.IRModHook)")
+
+    @property
+    def split_head_dim(self) -> bool:
+        """Head dims beyond 128: the two consumer warpgroups share 64 keys and split dK, dV
+        and dQ over the head dim (FA3's layout there) instead of owning 64 keys each with
+        whole-head-dim dK / dV accumulators (D / 2 + Dv / 2 registers per thread: 256 at
+        256/256, more than the 240 a consumer has). S^T and dP^T split over the q columns,
+        so P^T and dS^T reach the dK / dV GEMMs of both warpgroups through shared memory."""
+        return self.head_dim > 128 or self.head_dim_v > 128
+
+    @property
+    def sparse_block_n(self) -> int:
+        """Keys of one BlockMask kv block (the q-side lists' index): 128; a 64-key CTA
+        (`split_head_dim`) walks its block's lists."""
+        return 128
 
     @property
     def dq_swap_ab(self) -> bool:
@@ -225,6 +251,23 @@ class BwdConfig(KernelConfig):
         return -(-seqlen_k // self.tile_n) % self.cluster_n == 0
 
 
+def default_stages(cfg) -> int:
+    """Q / dO ring depth: 2 where its shared memory fits (`split_shared_bytes`), else 1 (the
+    producer then loads a visit's Q and dO while the previous one's GEMMs finish)."""
+    if not cfg.split_head_dim or split_shared_bytes(cfg, 2) <= SMEM_CAPACITY:
+        return 2
+    return 1
+
+
+def split_shared_bytes(cfg, num_stages: int) -> int:
+    """Shared memory of a `split_head_dim` config (the kernel's SharedStorage, 16-bit
+    tiles): Q and dO per stage, K, V, two dS^T and two P^T buffers, the fp32 dQ tile, LSE
+    and D per stage, barriers and alignment."""
+    tm, tn, d, dv = cfg.tile_m, cfg.tile_n, cfg.head_dim, cfg.head_dim_v
+    tiles = 2 * (num_stages * tm * (d + dv) + tn * (d + dv) + 2 * 2 * tn * tm)
+    return tiles + 4 * tm * d + 2 * 4 * num_stages * max(tm, 32) + 1024
+
+
 def one_diagonal_read(cfg) -> bool:
     """The score mod's differentiated buffer reads are one read indexed by q - kv only (a
     relative-position table): what `FlashBwdSm90.diagonal_reduction` sums in shared memory."""
@@ -255,6 +298,15 @@ def make_dq_mma(dtype, tile_m: int, head_dim: int, num_wg: int, swap_ab: bool = 
         atom_layout_mnk=(1, num_wg, 1),
         tiler_mn=(tile_m, head_dim // num_wg),
     )
+
+
+def make_split_mma(dtype, rows: int, cols: int, num_wg: int, b_major):
+    """C[rows = 64, cols] = A B with the warpgroups side by side on N (cols / num_wg
+    each), A K-major in smem: `split_head_dim`'s S^T = K Q^T (B K-major) and
+    dK = dS^T Q, dV = P^T dO (B MN-major, the head dim's slices)."""
+    return sm90_helpers.make_trivial_tiled_mma(
+        dtype, dtype, warpgroup.OperandMajorMode.K, b_major, Float32,
+        atom_layout_mnk=(1, num_wg, 1), tiler_mn=(rows, cols // num_wg))
 
 
 def dq_slice_atom(head_dim: int, num_wg: int) -> int | None:
@@ -357,8 +409,9 @@ class FlashBwdSm90(WarpSpecialized):
         step instead of 18 per thread. Several such reads keep one add per thread-diagonal
         (the arrays would not fit next to the tiles)."""
         # 64 x 64 warpgroup tiles only: next to tile_m 80's tiles (~225 KB of shared
-        # memory) sDiag (~22 KB at 80) does not fit, so 80 keeps the per-thread adds.
-        return self.cfg.tile_m == 64 and one_diagonal_read(self.cfg)
+        # memory) sDiag (~22 KB at 80) does not fit, so 80 keeps the per-thread adds, and
+        # so do the 64 x 32 tiles of `split_head_dim`.
+        return self.cfg.tile_m == 64 and not self.cfg.split_head_dim and one_diagonal_read(self.cfg)
 
     @property
     def stats_in_registers(self) -> bool:
@@ -439,25 +492,39 @@ class FlashBwdSm90(WarpSpecialized):
         dQacc = mma.select_modes(mdQacc, [2, 3, 1, 0])
 
         D, Dv, tm, tn = cfg.head_dim, cfg.head_dim_v, cfg.tile_m, cfg.tile_n
+        n_wg = self.num_mma_wg
+        split = cfg.split_head_dim
         # S^T, dP^T: [tile_n, tile_m], SS. dK: [tile_n, D], dV: [tile_n, Dv] (consume's
-        # tiled_mma_nv), A from registers.
-        tiled_mma_nm = mma.make_qk_mma(self.dtype, tn, tm)
-        tiled_mma_nd = mma.make_pv_mma(self.dtype, tn, D)
-        tiled_mma_md = make_dq_mma(self.dtype, tm, D, self.num_mma_wg, cfg.dq_swap_ab)
+        # tiled_mma_nv), A from registers; split_head_dim: S^T / dP^T split over the q
+        # columns, dK / dV over the head dim, A (P^T, dS^T) from shared memory.
+        if const_expr(split):
+            tiled_mma_nm = make_split_mma(self.dtype, tn, tm, n_wg, warpgroup.OperandMajorMode.K)
+            tiled_mma_nd = make_split_mma(self.dtype, tn, D, n_wg, warpgroup.OperandMajorMode.MN)
+        else:
+            tiled_mma_nm = mma.make_qk_mma(self.dtype, tn, tm)
+            tiled_mma_nd = mma.make_pv_mma(self.dtype, tn, D)
+        tiled_mma_md = make_dq_mma(self.dtype, tm, D, n_wg, cfg.dq_swap_ab)
 
-        sQ_layout = mma.smem_layout(self.dtype, tm, D, cfg.num_stages)
-        sdO_layout = mma.smem_layout(self.dtype, tm, Dv, cfg.num_stages)
-        sK_layout = mma.smem_layout(self.dtype, tn, D, 1, atom_cols=dq_slice_atom(D, self.num_mma_wg))
-        sV_layout = mma.smem_layout(self.dtype, tn, Dv, 1)
+        # split_head_dim: the dK / dV GEMMs read Q and dO MN-major in head-dim slices of one
+        # warpgroup each, as the dQ GEMM reads K.
+        q_atom = dq_slice_atom(D, n_wg) if const_expr(split) else None
+        do_atom = dq_slice_atom(Dv, n_wg) if const_expr(split) else None
+        sQ_layout = mma.smem_layout(self.dtype, tm, D, cfg.num_stages, atom_cols=q_atom)
+        sdO_layout = mma.smem_layout(self.dtype, tm, Dv, cfg.num_stages, atom_cols=do_atom)
+        sK_layout = mma.smem_layout(self.dtype, tn, D, 1, atom_cols=dq_slice_atom(D, n_wg))
+        sV_layout = mma.smem_layout(self.dtype, tn, Dv, 1, atom_cols=do_atom)
         # dS^T, q contiguous (the dQ GEMM's MN-major A); swapped dQ: dS, keys contiguous
         # (its K-major B; 128-byte swizzle, where 80 q would only allow 32). One buffer per
         # Q stage, so writing step i's dS^T needs no wait for step i-1's dQ GEMMs (step
         # i-2's, on the same buffer, finished before both warpgroups passed step i-1's
         # ds_full barrier).
+        # split_head_dim: two buffers whatever the ring depth (a warpgroup writes visit
+        # i + 1's while the other may still read visit i's), and as many for P^T.
         if const_expr(cfg.dq_swap_ab):
             sdS_layout = mma.smem_layout(self.dtype, tm, tn, cfg.num_stages)
         else:
-            sdS_layout = mma.smem_layout(self.dtype, tn, tm, cfg.num_stages)
+            sdS_layout = mma.smem_layout(self.dtype, tn, tm, 2 if split else cfg.num_stages)
+        sP_layout = mma.smem_layout(self.dtype, tn, tm, 2) if const_expr(split) else mma.smem_layout(self.dtype, 8, 64, 1)
         # LSE / D per stage; each stage 128-byte aligned (TMA destinations).
         sStat_layout = cute.make_layout((tm, cfg.num_stages), stride=(1, -(-tm // 32) * 32))
 
@@ -504,6 +571,9 @@ class FlashBwdSm90(WarpSpecialized):
             # One fp32 dQ tile in fragment order (see dq_tile_layout), half per warpgroup.
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tm * D], 1024]
             sDiag: cute.struct.Align[cute.struct.MemRange[Float32, self.diag_floats], 16]
+            # split_head_dim's P^T buffers (last: elsewhere a 2-byte stub, no 1024 padding)
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout) if split else 1],
+                                  1024 if split else 16]
 
         self.smem_bytes = SharedStorage.size_in_bytes()     # (read by tests)
         if const_expr(self.smem_bytes > SMEM_CAPACITY):
@@ -524,7 +594,7 @@ class FlashBwdSm90(WarpSpecialized):
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_Delta,
             tma_atom_dK, tma_atom_dV,
             tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
-            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sStat_layout,
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sP_layout, sStat_layout,
             Q.shape[0], Q.shape[2], softmax_scale, scale_log2, mod_args, grad_args,
             block_sparse, mdQsem, grad_fixed, SharedStorage,
         ).launch(
@@ -548,7 +618,7 @@ class FlashBwdSm90(WarpSpecialized):
         tiled_mma_nm: cute.TiledMma, tiled_mma_nd: cute.TiledMma, tiled_mma_md: cute.TiledMma,
         sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-        sdS_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
+        sdS_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
         seqlen_q: Int32, num_q_heads: Int32,
         softmax_scale: Float32, scale_log2: Float32, mod_args, grad_args, block_sparse,
         mdQsem, grad_fixed, SharedStorage: cutlass.Constexpr,
@@ -574,6 +644,7 @@ class FlashBwdSm90(WarpSpecialized):
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner) if const_expr(cfg.split_head_dim) else None
         sLSE = storage.sLSE.get_tensor(sStat_layout)
         sDelta = storage.sDelta.get_tensor(sStat_layout)
         sdQ = storage.sdQ.get_tensor(dq_tile_layout(cfg, self.num_mma_wg))
@@ -612,7 +683,7 @@ class FlashBwdSm90(WarpSpecialized):
                               block_sparse, mdQsem)
         else:
             self.enter_consumer(regs)
-            self.consume(mdK, mdV, sdQ, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sDiag,
+            self.consume(mdK, mdV, sdQ, sQ, sK, sV, sdO, (sdS, sP), sLSE, sDelta, sDiag,
                          tma_atom_dK, tma_atom_dV, tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
                          pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, group,
                          seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args,
@@ -667,8 +738,12 @@ class FlashBwdSm90(WarpSpecialized):
         return DenseQBlocks(first, n_m, diag_end, self._rotation(n_block))
 
     def _sparse_blocks(self, block_sparse, batch, head, n_block) -> SparseQBlocks:
-        return SparseQBlocks(block_sparse[:4], batch, head, n_block,
-                             self.cfg.sparse_block_m // self.cfg.tile_m, self._rotation(n_block))
+        """The lists of the BlockMask kv block holding this CTA's keys (a 64-key CTA walks
+        its 128-key block's: its keys see at most those q blocks; the full ones entirely)."""
+        cfg = self.cfg
+        kv_block = n_block if const_expr(cfg.sparse_block_n == cfg.tile_n) else n_block // (cfg.sparse_block_n // cfg.tile_n)
+        return SparseQBlocks(block_sparse[:4], batch, head, kv_block,
+                             cfg.sparse_block_m // cfg.tile_m, self._rotation(n_block))
 
     def _q_blocks(self, block_sparse, batch, head, n_block, seqlen_q):
         """The q blocks kv block `n_block` visits for q head `head`, by block structure
@@ -769,12 +844,13 @@ class FlashBwdSm90(WarpSpecialized):
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def consume(self, mdK, mdV, sdQ, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sDiag,
+    def consume(self, mdK, mdV, sdQ, sQ, sK, sV, sdO, sdS_sP, sLSE, sDelta, sDiag,
                 tma_atom_dK, tma_atom_dV, tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
                 pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, group,
                 seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args,
                 block_sparse, grad_fixed):
         cfg = self.cfg
+        sdS, sP = sdS_sP
         if const_expr(mod_args is None):
             mod_args = ()
         if const_expr(grad_fixed is not None):
@@ -794,6 +870,10 @@ class FlashBwdSm90(WarpSpecialized):
         tiled_mma_nv = tiled_mma_nd
         if const_expr(cfg.head_dim_v != cfg.head_dim):
             tiled_mma_nv = mma.make_pv_mma(self.dtype, cfg.tile_n, cfg.head_dim_v)
+        split = cfg.split_head_dim
+        if const_expr(cfg.head_dim_v != cfg.head_dim and split):
+            tiled_mma_nv = make_split_mma(self.dtype, cfg.tile_n, cfg.head_dim_v, self.num_mma_wg,
+                                          warpgroup.OperandMajorMode.MN)
         wg_nv = tiled_mma_nv.get_slice(wg_first_thread)
         wg_md = tiled_mma_md.get_slice(wg_first_thread)
         thr_nm = tiled_mma_nm.get_slice(tidx)
@@ -805,7 +885,9 @@ class FlashBwdSm90(WarpSpecialized):
             wg_nm.make_fragment_B(wg_nm.partition_B(sQ)),
             wg_nm.make_fragment_A(wg_nm.partition_A(sV)),        # dP^T = V dO^T
             wg_nm.make_fragment_B(wg_nm.partition_B(sdO)),
-            wg_nd.make_fragment_A(wg_nd.partition_shape_A((cfg.tile_n, cfg.tile_m))),  # P^T
+            # P^T: registers, or split_head_dim: sP (both warpgroups' columns)
+            (wg_nv.make_fragment_A(wg_nv.partition_A(sP)) if const_expr(split)
+             else wg_nd.make_fragment_A(wg_nd.partition_shape_A((cfg.tile_n, cfg.tile_m)))),
             wg_nv.make_fragment_B(wg_nv.partition_B(T(sdO))),    # dV += P^T dO
             wg_nd.make_fragment_B(wg_nd.partition_B(T(sQ))),     # dK += dS^T Q
             # dQ = dS K, or swapped dQ^T = K^T dS^T: (dS, K^T) fragments either way.
@@ -813,6 +895,8 @@ class FlashBwdSm90(WarpSpecialized):
              else wg_md.make_fragment_A(wg_md.partition_A(T(sdS)))),
             (wg_md.make_fragment_A(wg_md.partition_A(T(sK))) if const_expr(swap)
              else wg_md.make_fragment_B(wg_md.partition_B(T(sK)))),
+            # split_head_dim: dS^T as dK's A from sdS (else from registers)
+            wg_nd.make_fragment_A(wg_nd.partition_A(sdS)) if const_expr(split) else None,
         )
         acc_shape_nm = wg_nm.partition_shape_C((cfg.tile_n, cfg.tile_m))
         acc_shape_md = wg_md.partition_shape_C(
@@ -825,8 +909,11 @@ class FlashBwdSm90(WarpSpecialized):
         coords = FragmentCoords(thr_nm, cfg.tile_n, cfg.tile_m, mma.acc_mn_view)
         # dS^T registers -> sdS (the forward's O epilogue copy, on the S^T tile; swapped
         # dQ: transposed, into the keys-contiguous dS tile).
-        r2s_dS = mma.stmatrix_copy(tiled_mma_nm, self.dtype, tidx, transpose=swap)
+        r2s_dS = mma.stmatrix_copy(tiled_mma_nm, self.dtype, tidx, transpose=swap,
+                                   wg_cols=cfg.tile_m // self.num_mma_wg if split else 16)
         tdSsdS = r2s_dS.partition_D(T(sdS) if const_expr(swap) else sdS)   # (..., stage)
+        if const_expr(split):
+            tdSsdS = (tdSsdS, r2s_dS.partition_D(sP))     # P^T's stores likewise
         # dQ registers -> this thread's 16-byte runs of sdQ (fragment order).
         tdQsdQ = dq_fragment_copy(self.num_mma_wg).get_slice(tidx).partition_D(sdQ)
 
@@ -901,9 +988,11 @@ class FlashBwdSm90(WarpSpecialized):
          acc_dV, acc_dK, coords, r2s_dS, tdSsdS, tdQsdQ, wg, sLSE, sDelta,
          pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
          softmax_scale, scale_log2, mod_args, grad_args, sDiag) = ctx
-        tSrK, tSrQ, tPrV, tPrdO, tVrP, tVrdOt, tKrQt, tQrdS, tQrKt = frags
+        tSrK, tSrQ, tPrV, tPrdO, tVrP, tVrdOt, tKrQt, tQrdS, tQrKt, _ = frags
         mods = self.mods
         stage = state.index
+        split = self.cfg.split_head_dim
+        rP = None
 
         # S^T = K Q^T and dP^T = V dO^T, both in flight at once.
         acc_S = cute.make_rmem_tensor(acc_shape_nm, Float32)
@@ -926,19 +1015,29 @@ class FlashBwdSm90(WarpSpecialized):
             self._pointwise(acc_S, acc_dP, lse, delta, coords,
                             blk, scale_log2, grad_args, mask, causal, True,
                             self._diag_row(sDiag, coords))
-            mma.convert_into(tVrP, mma.acc_as_a_view(acc_S))
+            if const_expr(split):
+                rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+                mma.convert_into(rP, acc_S)
+            else:
+                mma.convert_into(tVrP, mma.acc_as_a_view(acc_S))
         else:
             # Without a score mod dS = dS': P is computed while dP^T is still in flight.
             warpgroup.wait_group(1)                  # S^T ready (groups retire in order)
             self._pointwise_at_edge(acc_S, None, lse, None, coords, blk,
                                     scale_log2, grad_args, mask, causal)
-            mma.convert_into(tVrP, mma.acc_as_a_view(acc_S))
+            if const_expr(split):
+                rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+                mma.convert_into(rP, acc_S)
+            else:
+                mma.convert_into(tVrP, mma.acc_as_a_view(acc_S))
             if const_expr(self.stats_in_registers):
                 delta = self._column_values(delta, coords)
             warpgroup.wait_group(0)                  # dP^T ready
             self._ds_from_p(acc_S, acc_dP, delta, coords)
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         mma.convert_into(rdS, acc_dP)
+        if const_expr(split):
+            return self._split_step_tail(ctx, state, rP, rdS)
 
         # dS^T -> sdS[stage] (no wait: see sdS_layout), then dV += P^T dO (A from registers).
         cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, stage])
@@ -970,6 +1069,46 @@ class FlashBwdSm90(WarpSpecialized):
                           tdQsdQ)
         cute.arch.fence_view_async_shared()          # generic-proxy writes -> bulk copy
         BwdBarrier.DQ_FULL.arrive(self.dq_pair_threads, wg)
+        warpgroup.wait_group(0)                      # dK retired: Q may be overwritten
+        pipe_q.consumer_release(state)
+        state.advance()
+        return state
+
+    @cute.jit
+    def _split_step_tail(self, ctx, state, rP, rdS):
+        """`_step` after P^T and dS^T (16-bit, this warpgroup's q columns), under
+        `split_head_dim`: both go to shared memory (buffer by visit parity), then each
+        warpgroup runs its head-dim slice of dQ = dS K, dV += P^T dO and dK += dS^T Q, all
+        SS. dQ first: its accumulator (D / 4 registers) is only live until it is staged for
+        the writer, while dV and dK run."""
+        ((tiled_mma_nm, tiled_mma_nd, tiled_mma_nv, tiled_mma_md), frags, acc_shape_nm, acc_shape_md,
+         acc_dV, acc_dK, coords, r2s_dS, tdSsdS_tPsP, tdQsdQ, wg, sLSE, sDelta,
+         pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
+         softmax_scale, scale_log2, mod_args, grad_args, sDiag) = ctx
+        _, _, _, _, tVsP, tVrdOt, tKrQt, tQrdS, tQrKt, tKsdS = frags
+        tdSsdS, tPsP = tdSsdS_tPsP
+        stage = state.index
+        # Two buffers: a warpgroup writes visit i + 1's tiles only after the ds_full barrier
+        # of visit i, which the other passes after its visit i - 1 GEMMs have all retired.
+        buf = state.count % 2
+        cute.copy(r2s_dS, r2s_dS.retile(rP), tPsP[None, None, None, buf])
+        cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, buf])
+        cute.arch.fence_view_async_shared()          # generic-proxy writes -> wgmma reads
+        BwdBarrier.DS_FULL.sync(self.num_mma_threads)
+        acc_dQ = cute.make_rmem_tensor(acc_shape_md, Float32)
+        mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, buf], tQrKt[None, None, None, 0],
+                 zero_init=True, wait=-1)
+        mma.gemm(tiled_mma_nv, acc_dV, tVsP[None, None, None, buf], tVrdOt[None, None, None, stage],
+                 zero_init=False, wait=-1)
+        mma.gemm(tiled_mma_nd, acc_dK, tKsdS[None, None, None, buf], tKrQt[None, None, None, stage],
+                 zero_init=False, wait=2)            # dQ retired
+        BwdBarrier.DQ_EMPTY.sync(self.dq_pair_threads, wg)
+        cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)),
+                          tdQsdQ)
+        cute.arch.fence_view_async_shared()          # generic-proxy writes -> bulk copy
+        BwdBarrier.DQ_FULL.arrive(self.dq_pair_threads, wg)
+        warpgroup.wait_group(1)                      # dV retired: dO may be overwritten
+        pipe_do.consumer_release(state)
         warpgroup.wait_group(0)                      # dK retired: Q may be overwritten
         pipe_q.consumer_release(state)
         state.advance()
@@ -1296,11 +1435,14 @@ class FlashBwdSm90(WarpSpecialized):
         sdK = sK[None, None, 0]
         sdV = sV[None, None, 0]
         tiled_mma_nd, tiled_mma_nv = tiled_mmas   # dK's and dV's accumulator layouts
+        # split_head_dim: a warpgroup's accumulator columns are its head-dim slice
+        wg_cols = ((cfg.head_dim // self.num_mma_wg, cfg.head_dim_v // self.num_mma_wg)
+                   if cfg.split_head_dim else (16, 16))
         if const_expr(tiled_mma_nv is tiled_mma_nd):
-            stage_tiles(tiled_mma_nd, self.dtype, tidx, [(rdK, sdK), (rdV, sdV)])
+            stage_tiles(tiled_mma_nd, self.dtype, tidx, [(rdK, sdK), (rdV, sdV)], wg_cols[0])
         else:
-            stage_tiles(tiled_mma_nd, self.dtype, tidx, [(rdK, sdK)])
-            stage_tiles(tiled_mma_nv, self.dtype, tidx, [(rdV, sdV)])
+            stage_tiles(tiled_mma_nd, self.dtype, tidx, [(rdK, sdK)], wg_cols[0])
+            stage_tiles(tiled_mma_nv, self.dtype, tidx, [(rdV, sdV)], wg_cols[1])
 
         def dk_dv_stores():
             gdK = cute.local_tile(mdK[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim), (n_block, 0))

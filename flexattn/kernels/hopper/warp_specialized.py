@@ -147,11 +147,12 @@ class WarpSpecialized:
 
 
 @cute.jit
-def stage_tiles(tiled_mma, dtype, tidx, tiles):
+def stage_tiles(tiled_mma, dtype, tidx, tiles, wg_cols: int = 16):
     """Registers → shared memory by stmatrix for each (register tile, smem tile) pair of
     ``tiles`` (the accumulator layout of ``tiled_mma``, already converted to ``dtype``).
-    The caller has synchronized the consumers: the smem tiles are free."""
-    r2s = mma.stmatrix_copy(tiled_mma, dtype, tidx)
+    The caller has synchronized the consumers: the smem tiles are free. ``wg_cols``: as
+    ``mma.stmatrix_copy``'s."""
+    r2s = mma.stmatrix_copy(tiled_mma, dtype, tidx, wg_cols=wg_cols)
     for regs, smem in tiles:
         cute.copy(r2s, r2s.retile(regs), r2s.partition_D(smem))
 

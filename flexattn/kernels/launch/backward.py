@@ -114,7 +114,7 @@ class BackwardRunner:
     `cfg.mods.grad_slots` entry, shaped like that capture (0-d captures as [1]); None if
     there are none. block_sparse: the BlockMask's q-side lists (q_num_blocks, q_indices,
     full_q_num_blocks, full_q_indices), int32, q blocks of cfg.sparse_block_m rows, kv
-    blocks of cfg.tile_n, iff cfg.block_sparse; deterministic: followed by its kv-side
+    blocks of cfg.sparse_block_n (128), iff cfg.block_sparse; deterministic: followed by its kv-side
     lists (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)."""
 
     def __init__(self, cfg: BwdConfig):
@@ -171,15 +171,15 @@ class BackwardRunner:
         cfg = self.cfg
         (B, Hq, Sq, _), Skv = q.shape, k.shape[2]
         if not (cfg.deterministic and cfg.block_sparse and block_sparse is not None):
-            return check_block_lists(block_sparse, cfg.block_sparse, B, Hq, -(-Skv // cfg.tile_n),
-                                     "q", f"kv blocks of {cfg.tile_n}")
+            return check_block_lists(block_sparse, cfg.block_sparse, B, Hq, -(-Skv // cfg.sparse_block_n),
+                                     "q", f"kv blocks of {cfg.sparse_block_n}")
         if len(block_sparse) != 8:
             raise ValueError("deterministic block-sparse: block_sparse = (q_num_blocks, q_indices, "
                              "full_q_num_blocks, full_q_indices, kv_num_blocks, kv_indices, "
                              "full_kv_num_blocks, full_kv_indices): the kv-side lists order the "
                              "dQ adds")
-        q_side = check_block_lists(block_sparse[:4], True, B, Hq, -(-Skv // cfg.tile_n),
-                                   "q", f"kv blocks of {cfg.tile_n}")
+        q_side = check_block_lists(block_sparse[:4], True, B, Hq, -(-Skv // cfg.sparse_block_n),
+                                   "q", f"kv blocks of {cfg.sparse_block_n}")
         kv_side = check_block_lists(block_sparse[4:], True, B, Hq, -(-Sq // cfg.sparse_block_m),
                                     "kv", f"q blocks of {cfg.sparse_block_m}")
         return q_side + kv_side
@@ -351,7 +351,7 @@ class FfiBackwardRunner:
                              + (", then the kv-side lists)" if want == 8 else ")"))
         for i, t in enumerate(block_sparse):   # q-side lists, then (deterministic) kv-side
             if i < 4:
-                check_block_list_shape(i, tuple(t.shape), b, hq, -(-sk // cfg.tile_n), f"kv blocks of {cfg.tile_n}")
+                check_block_list_shape(i, tuple(t.shape), b, hq, -(-sk // cfg.sparse_block_n), f"kv blocks of {cfg.sparse_block_n}")
             else:
                 check_block_list_shape(i, tuple(t.shape), b, hq, -(-sq // cfg.sparse_block_m),
                                        f"q blocks of {cfg.sparse_block_m}")
