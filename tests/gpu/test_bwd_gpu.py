@@ -252,6 +252,24 @@ def test_tile_m_80(case):
     _check_listed(case, TILE80, tile_m=80)
 
 
+# 128 q rows per visit (head dims up to 64 without a score mod: bwd.plan.choose_tile_m),
+# forced here also where the planner keeps 64 (score mods, wider block lists).
+TILE128 = [
+    ("causal", "bf16", 64, 2, 8, 2, 1000, 1000, "bhsd"),
+    ("causal", "fp16", 32, 1, 4, 1, 129, 513, "bhsd"),
+    ("none", "bf16", 64, 1, 3, 3, 77, 300, "bhsd"),
+    ("document", "fp16", 64, 2, 2, 2, 384, 384, "bhsd"),
+    ("softcap", "fp16", 32, 2, 4, 2, 511, 257, "bshd"),
+    ("alibi", "bf16", 64, 1, 8, 8, 300, 300, "bhsd"),
+    ("sliding_window", "bf16", 32, 1, 4, 2, 700, 700, "bhsd"),
+]
+
+
+@pytest.mark.parametrize("case", TILE128, ids=lambda c: "-".join(map(str, c)))
+def test_tile_m_128(case):
+    _check_listed(case, TILE128, tile_m=128)
+
+
 # Head dims beyond 128 (BwdConfig.split_head_dim: 64-key CTAs, the warpgroups splitting
 # dK, dV and dQ over the head dim, P^T / dS^T through shared memory; one Q / dO stage at
 # 256). (case, dtype, D, B, Hq, Hkv, Q, KV, layout)

@@ -64,6 +64,12 @@ def _config(name):
     if name == "d192-128-sparse-document":
         hook = IRModHook(None, mods.document(np.zeros(8, np.int32)))
         return BwdConfig(head_dim=192, head_dim_v=128, block_sparse=True, mods=hook), hook
+    if name == "d64-causal":
+        hook = IRModHook(None, mods.causal())
+        return BwdConfig(head_dim=64, causal=True, mods=hook), hook
+    if name.endswith("-128"):
+        cfg, hook = _config(name[:-4])
+        return dataclasses.replace(cfg, tile_m=128), hook
     if name.endswith("-80"):
         cfg, hook = _config(name[:-3])
         return dataclasses.replace(cfg, tile_m=80), hook
@@ -87,7 +93,9 @@ TILE80 = ["d128-dense-80", "d128-softcap-80", "d128-relative-bias-80", "det-d128
 VALUE_DIMS = ["d128-64-causal-softcap", "d64-128-dense", "d96-64-sparse-document"]
 # head dims beyond 128 (BwdConfig.split_head_dim)
 WIDE = ["d256-causal-softcap", "d192-128-sparse-document"]
-NAMES = DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE
+# tile_m 128 (head dims up to 64, no score mod; wider block lists spill: bwd.plan)
+TILE128 = ["d64-causal-128", "d32-sparse-document-128"]
+NAMES = DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + TILE128
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +198,25 @@ def test_head_dims_beyond_128(compiled, name):
     # (epilogue: a warp stores its 16 keys x the warpgroup's D / 2 + Dv / 2 columns)
     assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == steps * 4 + (D + Dv) // 32
     assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
+
+
+@pytest.mark.parametrize("name", TILE128)
+def test_tile_m_128(compiled, name):
+    """128 q rows per visit: S^T and dP^T m64n128 (both warpgroups, D / 16 k-steps each),
+    dV and dK 8 k-steps over the rows, dQ two 64-row M atoms per warpgroup (4096 fp32 per
+    dQ half at D 64); still two bulk adds; the planner's choice (`choose_tile_m`) where
+    no score mod runs, block lists only at 32."""
+    from flexattn.kernels.bwd.plan import choose_tile_m
+
+    cfg, ptx = compiled[name]
+    D = cfg.head_dim
+    steps = 2
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k16") == steps * (2 * D // 16)
+    assert ptx.count("wgmma.mma_async") == steps * (2 * D // 16 + 2 * 128 // 16 + 2 * 128 // 16)
+    assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
+    assert choose_tile_m(dataclasses.replace(cfg, tile_m=64)) == 128
+    assert choose_tile_m(_config("d64-sparse-document")[0]) == 64       # lists beyond 32
+    assert choose_tile_m(_config("d128-causal-softcap")[0]) == 64
 
 
 def test_tile_m_80_fits_shared_memory():
@@ -397,8 +424,8 @@ def test_config_validation():
 def test_planner_tile_m():
     """config_from_forward: 80-row q tiles for dense non-causal head dim 128 (deterministic
     too, any score mod), except a relative-position table's gradient (its shared-memory
-    diagonal sums need 64-row tiles); 64 for causal, block-sparse, head dim 64; an
-    explicit tile_m wins; a grad filter that drops the table's gradient allows 80."""
+    diagonal sums need 64-row tiles); 128 up to head dim 64 without a score mod; 64 for
+    causal, block-sparse and score mods otherwise; an explicit tile_m wins; a grad filter that drops the table's gradient allows 80."""
     from types import SimpleNamespace
 
     from flexattn.kernels.bwd.plan import config_from_forward
@@ -415,7 +442,13 @@ def test_planner_tile_m():
     table = mods.relative_bias(np.zeros((4, 15), np.float32))
     assert tile() == 80 and tile(deterministic=True) == 80
     assert tile(score=mods.softcap(5.0)) == 80 and tile(score=mods.alibi(np.ones(4, np.float32))) == 80
-    assert tile(causal=True) == 64 and tile(head_dim=64) == 64
+    assert tile(causal=True) == 64 and tile(head_dim=64, score=mods.softcap(5.0)) == 64
+    # 128 rows up to head dim 64 without a score mod (block lists: only at 32)
+    assert tile(head_dim=64) == 128 and tile(head_dim=32, causal=True) == 128
+    assert tile(head_dim=64, head_dim_v=32, band=True, mask=mods.sliding_window(8)) == 128
+    assert tile(head_dim=64, block_sparse=True, mask=mods.sliding_window(8)) == 64
+    assert tile(head_dim=32, block_sparse=True, mask=mods.sliding_window(8)) == 128
+    assert tile(head_dim=64, head_dim_v=96) == 64
     assert tile(head_dim_v=64) == 64 and config(head_dim_v=64).head_dim_v == 64   # 80 rows: D = Dv = 128
     assert tile(block_sparse=True, mask=mods.sliding_window(8)) == 64
     assert tile(score=table) == 64 and tile(score=table, deterministic=True) == 64

@@ -31,13 +31,22 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
 
 def choose_tile_m(cfg: BwdConfig) -> int:
     """q rows per visit: 80 (FA3/FA4's tile for dense non-causal head dim 128; dQ is then
-    computed transposed, `BwdConfig.dq_swap_ab`) where it applies, else 64: causal and
-    block-sparse walks keep 64 (as FA4: diagonal tiles, 128-row BlockMask blocks), and so
-    does a relative-position table's gradient (`bwd.sm90.one_diagonal_read`), whose
-    per-diagonal shared-memory sums only fit next to 64-row tiles."""
+    computed transposed, `BwdConfig.dq_swap_ab`) where it applies; 128 at head dims up to
+    64 without a score mod (FA3's 128 x 128 there: half the visits, each K / V tile reused
+    over twice the rows; causal fwd+bwd B4 S4096 H16 on the H100, 2026-11-27: D32 271.7 ->
+    284.7 TFLOP/s, D64 408.0 -> 421.2), except block lists beyond 32 (a document mask's
+    reads spill there, as a score mod's do); else 64: causal and block-sparse walks keep
+    64 at wider heads (as FA4: diagonal tiles, 128-row BlockMask blocks), and so does a
+    relative-position table's gradient (`bwd.sm90.one_diagonal_read`), whose per-diagonal
+    shared-memory sums only fit next to 64-row tiles."""
+    if cfg.split_head_dim:
+        return 64
     if cfg.head_dim == cfg.head_dim_v == 128 and not (cfg.causal or cfg.block_sparse or cfg.band
                                                       or one_diagonal_read(cfg)):
         return 80
+    widest = max(cfg.head_dim, cfg.head_dim_v)
+    if widest <= 64 and not cfg.mods.has_score and not (cfg.block_sparse and widest > 32):
+        return 128
     return 64
 
 

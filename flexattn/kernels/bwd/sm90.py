@@ -30,8 +30,8 @@ the postprocess converts it.
                           keys as its K dimension: both warpgroups store dS^T to smem
                           (stmatrix), then each computes half of dQ's head dim.
 
-tile_m (`BwdConfig.tile_m`, chosen by bwd.plan.choose_tile_m): 64, or 80 for dense
-non-causal head dim 128 (FA3/FA4's tile there: 25% more q rows per K/V reuse, fewer
+tile_m (`BwdConfig.tile_m`, chosen by bwd.plan.choose_tile_m): 64, 128 at head dims up to
+64 (dQ's warpgroups then run two M atoms each), or 80 for dense non-causal head dim 128 (FA3/FA4's tile there: 25% more q rows per K/V reuse, fewer
 visits per CTA, fewer and larger dQ bulk adds). 80 rows cannot be a wgmma M (64 per
 warpgroup), so dQ is computed transposed (`dq_swap_ab`): dQ^T [D, 80] = K^T dS^T, each
 warpgroup taking 64 head dims on M and the 80 rows on N; dS is then stored keys-
@@ -110,6 +110,7 @@ class BwdConfig(KernelConfig):
     head_dim: int = 128           # a multiple of 16, 32 .. 256: Q, K, dQ, dK
     head_dim_v: int | None = None  # the same for V, O, dO, dV (None: head_dim)
     tile_m: int = 64              # q rows per visit (N of the S^T GEMM): 64 | 80 (dQ swapped)
+                                  # | 128 (head dims up to 64: bwd.plan.choose_tile_m)
     tile_n: int | None = None     # keys per CTA: 128 (64 per consumer warpgroup), or 64
                                   # where a head dim exceeds 128 (`split_head_dim`); None: that
     num_stages: int | None = None  # Q/LSE and dO/D ring depth; None: 2, or 1 where 2 do not
@@ -154,9 +155,12 @@ class BwdConfig(KernelConfig):
             object.__setattr__(self, "tile_n", 64 if self.split_head_dim else 128)
         if self.num_stages is None:
             object.__setattr__(self, "num_stages", default_stages(self))
-        if self.tile_m not in (64, 80) or self.tile_n != (64 if self.split_head_dim else 128):
-            raise ValueError("the backward supports tile_m=64 or 80 and tile_n=128, or tile_m=64 and"
+        if self.tile_m not in (64, 80, 128) or self.tile_n != (64 if self.split_head_dim else 128):
+            raise ValueError("the backward supports tile_m=64, 80 or 128 and tile_n=128, or tile_m=64 and"
                              " tile_n=64 where a head dim exceeds 128")
+        if self.tile_m == 128 and max(self.head_dim, self.head_dim_v) > 64:
+            # S^T and dP^T (64 registers each) beside dK and dV: beyond 64 they spill.
+            raise ValueError("tile_m=128 is for head dims up to 64")
         if self.num_stages not in (1, 2):
             raise ValueError(f"num_stages must be 1 or 2, got {self.num_stages}")
         if self.split_head_dim and (self.tile_m != 64 or self.cluster_n != 1):
@@ -296,7 +300,7 @@ def make_dq_mma(dtype, tile_m: int, head_dim: int, num_wg: int, swap_ab: bool = 
         warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN,
         Float32,
         atom_layout_mnk=(1, num_wg, 1),
-        tiler_mn=(tile_m, head_dim // num_wg),
+        tiler_mn=(64, head_dim // num_wg),
     )
 
 
