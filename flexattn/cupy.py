@@ -7,7 +7,7 @@ The forward runs the CuTeDSL Hopper kernel on CuPy's *current* stream
 the outputs are allocated by CuPy on the inputs' device. ``backward`` runs the backward
 kernels (``flexattn.core.backward_path.backward_into``) on the current stream, with the
 forward's saved ``out`` and ``lse``. The kernels take float16 (CuPy has no bfloat16) at head
-dims that are multiples of 16 (the forward up to 256, the backward from 32 to 128); other inputs raise ``ValueError`` (use ``flexattn.flex_attention`` on
+dims that are multiples of 16 (the forward up to 256, the backward from 32 to 256); other inputs raise ``ValueError`` (use ``flexattn.flex_attention`` on
 host arrays for those).
 """
 

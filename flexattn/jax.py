@@ -14,7 +14,7 @@ the mask's jax arrays; residuals: those plus ``out`` and ``lse``), with two back
 - CUDA arrays: the CuTeDSL Hopper kernels (bf16/fp16, and float32 for the forward — tf32
   MMAs, 3xTF32 unless ``jax.default_matmul_precision`` allows tf32, operands made by the
   same entry; head dims: the forward any multiple of 16
-  up to 256, value head dim apart; the backward query and value head dims from 32 to 128) through
+  up to 256, value head dim apart; the backward query and value head dims from 32 to 256) through
   ``cutlass.jax.cutlass_call``: each launch (the forward; the backward's three kernels) is
   one XLA FFI custom call served by the CuTeDSL runtime's C handler, which calls a compiled
   ``@cute.jit`` entry (``kernels/launch/xla_entry.py``) with XLA's stream and buffers — no Python
@@ -95,7 +95,7 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, scale=None, enable_
     log) is float32, float64 for float64 inputs. Differentiable w.r.t. ``q, k, v`` and the
     score mod's captured float jax arrays. CPU arrays run the exact reference, CUDA arrays
     the GPU kernels (bf16/fp16, float32 forward-only; the forward at head dims that are
-    multiples of 16 up to 256, the backward from 32 to 128; block masks with BLOCK_SIZE 128).
+    multiples of 16 up to 256, the backward from 32 too; block masks with BLOCK_SIZE 128).
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, jax.Array):
