@@ -8,6 +8,13 @@ far from it, or ``doc[q] == doc[kv]`` all-true / all-false when a block lies ins
 document (buffer reads use range-min/max tables over the indexed span).
 
 Bounds are sound, not tight: "unknown" only costs element evaluation later.
+
+Float values may also be NaN (0 / 0, inf - inf, 0 * inf, log or sqrt of a negative, a NaN
+in a buffer), which no range holds: bounds cover the values that are not NaN, and
+``Interval.nan`` says where a NaN is possible. A comparison with a NaN is false (``!=``:
+true), so it is never *surely true* (``!=``: surely false) where an operand may be NaN —
+without that, ``minimum(x / y, 0) <= 0`` would read "all true" for a box where x / y is
+0 / 0 somewhere.
 """
 
 from __future__ import annotations
@@ -28,10 +35,13 @@ _MAX_TABLE_ENTRIES = 1 << 25
 
 
 class Interval:
-    __slots__ = ("lo", "hi")
+    """Bounds ``[lo, hi]`` of the values that are not NaN; ``nan``: a NaN is possible."""
 
-    def __init__(self, lo, hi):
+    __slots__ = ("lo", "hi", "nan")
+
+    def __init__(self, lo, hi, nan=False):
         self.lo, self.hi = np.asarray(lo, dtype=np.float64), np.asarray(hi, dtype=np.float64)
+        self.nan = np.asarray(nan, dtype=bool)
 
 
 def bounds(
@@ -44,8 +54,54 @@ def bounds(
     out: dict[int, Interval] = {}
     with np.errstate(all="ignore"):
         for n in node.walk():
-            out[id(n)] = _bound(n, [out[id(a)] for a in n.args], ranges, values, tables)
+            args = [out[id(a)] for a in n.args]
+            iv = _bound(n, args, ranges, values, tables)
+            iv.nan = _may_be_nan(n, args, iv) if n.dtype == ir.FLOAT else np.asarray(False)
+            out[id(n)] = iv
     return out[id(node)]
+
+
+def _contains_zero(a: Interval):
+    return (a.lo <= 0) & (a.hi >= 0)
+
+
+def _unbounded(a: Interval):
+    return (a.lo == -_INF) | (a.hi == _INF)
+
+
+def _may_be_nan(n: ir.Node, args, iv: Interval):
+    """Where float node ``n`` may evaluate to NaN, given its operands' bounds and flags
+    (``iv``: its own bounds; a load or a captured number may hold a NaN itself)."""
+    op = n.op
+    if op in ("const", "scalar", "load"):    # set by _number / the tables
+        return iv.nan
+    if op == "cast":                       # from int or bool: a number
+        return np.asarray(False)
+    inherited = np.asarray(False)
+    for node, a in zip(n.args, args):
+        if node.dtype == ir.FLOAT:
+            inherited = inherited | a.nan
+    if op == "where":
+        c, a, b = args
+        return np.where(c.lo >= 1, a.nan, np.where(c.hi <= 0, b.nan, a.nan | b.nan))
+    if op == "add":
+        a, b = args
+        return inherited | ((a.hi == _INF) & (b.lo == -_INF)) | ((a.lo == -_INF) & (b.hi == _INF))
+    if op == "sub":
+        a, b = args
+        return inherited | ((a.hi == _INF) & (b.hi == _INF)) | ((a.lo == -_INF) & (b.lo == -_INF))
+    if op == "mul":
+        a, b = args
+        return inherited | (_contains_zero(a) & _unbounded(b)) | (_contains_zero(b) & _unbounded(a))
+    if op in ("truediv", "floordiv"):
+        a, b = args
+        return inherited | (_contains_zero(a) & _contains_zero(b)) | (_unbounded(a) & _unbounded(b))
+    if op == "mod":
+        a, b = args
+        return inherited | _contains_zero(b) | _unbounded(a) | _unbounded(b)
+    if op in ("log", "log2", "sqrt", "rsqrt"):
+        return inherited | (args[0].lo < 0)
+    return inherited       # neg, abs, minimum, maximum (NaN propagates), exp, tanh, ...
 
 
 def classify(node: ir.Node, ranges, values=()) -> np.ndarray:
@@ -56,6 +112,13 @@ def classify(node: ir.Node, ranges, values=()) -> np.ndarray:
 
 def _point(v):
     return Interval(v, v)
+
+
+def _number(v: float) -> Interval:
+    """A constant or captured number (NaN: "anything", possibly NaN)."""
+    if np.isnan(v):
+        return Interval(-_INF, _INF, True)
+    return _point(v)
 
 
 def _unknown(like):
@@ -86,9 +149,9 @@ def _bound(n: ir.Node, args, ranges, values, tables) -> Interval:
         lo, hi = ranges[n.attr]
         return Interval(lo, hi)
     if op == "const":
-        return _point(float(n.attr))
+        return _number(float(n.attr))
     if op == "scalar":
-        return _point(float(values[n.attr]))
+        return _number(float(values[n.attr]))
     if op == "load":
         return tables.bound(n.attr, args)
     if op == "cast":
@@ -168,16 +231,18 @@ def _bound(n: ir.Node, args, ranges, values, tables) -> Interval:
 
 
 def _cast(a: Interval, src: str, dst: str) -> Interval:
-    if dst == ir.BOOL:  # nonzero → true
+    if dst == ir.BOOL:  # nonzero → true (NaN too)
         surely_true = (a.lo > 0) | (a.hi < 0)
-        surely_false = (a.lo == 0) & (a.hi == 0)
+        surely_false = (a.lo == 0) & (a.hi == 0) & ~a.nan
         return Interval(np.where(surely_true, 1.0, 0.0), np.where(surely_false, 0.0, 1.0))
     if dst == ir.INT and src == ir.FLOAT:
-        return Interval(np.trunc(a.lo), np.trunc(a.hi))  # trunc is monotone
-    return a
+        # trunc is monotone; a NaN converts to an arbitrary integer
+        return Interval(np.where(a.nan, -_INF, np.trunc(a.lo)), np.where(a.nan, _INF, np.trunc(a.hi)))
+    return Interval(a.lo, a.hi, a.nan)
 
 
 def _compare(op, a: Interval, b: Interval) -> Interval:
+    nan = a.nan | b.nan        # a comparison with NaN is false (!=: true)
     if op in ("gt", "ge"):
         a, b, op = b, a, {"gt": "lt", "ge": "le"}[op]
     if op == "lt":
@@ -188,6 +253,10 @@ def _compare(op, a: Interval, b: Interval) -> Interval:
         same_point = (a.lo == a.hi) & (b.lo == b.hi) & (a.lo == b.lo)
         disjoint = (a.hi < b.lo) | (b.hi < a.lo)
         true, false = (same_point, disjoint) if op == "eq" else (disjoint, same_point)
+    if op == "ne":
+        false = false & ~nan
+    else:
+        true = true & ~nan
     return Interval(np.where(true, 1.0, 0.0), np.where(false, 0.0, 1.0))
 
 
@@ -229,9 +298,14 @@ class _RangeTables:
         return np.asarray(to_numpy(self.values[slot]), dtype=np.float64)
 
     def bound(self, buf: ir.BufferRef, index: list) -> Interval:
+        """Min / max over the indexed span, and whether it holds a NaN (as the kernels'
+        scan: a span's min / max tables propagate NaN; wider spans: any NaN in the buffer)."""
         arr = self._array(buf.slot)
+        return self._bound(buf.slot, arr, index)
+
+    def _bound(self, slot, arr, index: list) -> Interval:
         if arr.ndim == 0:
-            return _point(arr[()])
+            return _number(arr[()])
         if arr.size == 0:
             return _unknown(0.0)
         los, his = [], []
@@ -244,14 +318,14 @@ class _RangeTables:
         span_dims = [d for d in range(arr.ndim) if np.any(los[d] != his[d])]
         if not span_dims:
             v = arr[tuple(lo.astype(np.int64) for lo in los)]
-            return Interval(v, v)
+            nan = np.isnan(v)
+            return Interval(np.where(nan, -_INF, v), np.where(nan, _INF, v), nan)
         if len(span_dims) > 1 or arr.size * max(1, int(np.log2(arr.shape[span_dims[0]])) + 1) > _MAX_TABLE_ENTRIES:
-            gmin, gmax = np.nanmin(arr), np.nanmax(arr)
-            if np.isnan(arr).any():
-                gmin, gmax = -_INF, _INF
-            return Interval(np.full(los[0].shape, gmin), np.full(los[0].shape, gmax))
+            any_nan = bool(np.isnan(arr).any())
+            gmin, gmax = (-_INF, _INF) if any_nan else (np.min(arr), np.max(arr))
+            return Interval(np.full(los[0].shape, gmin), np.full(los[0].shape, gmax), any_nan)
         axis = span_dims[0]
-        mins, maxs = self._table(buf.slot, arr, axis)
+        mins, maxs = self._table(slot, arr, axis)
         lo = los[axis].astype(np.int64)
         hi = his[axis].astype(np.int64)
         k = np.floor(np.log2(np.maximum(hi - lo + 1, 1))).astype(np.int64)
@@ -261,7 +335,9 @@ class _RangeTables:
         idx2 = tuple([k] + [second if d == axis else pts[d] for d in range(arr.ndim)])
         vmin = np.minimum(mins[idx1], mins[idx2])
         vmax = np.maximum(maxs[idx1], maxs[idx2])
-        return _safe(vmin, vmax)
+        iv = _safe(vmin, vmax)
+        iv.nan = np.isnan(vmin) | np.isnan(vmax)
+        return iv
 
     def _table(self, slot, arr, axis):
         key = (slot, axis)

@@ -68,13 +68,21 @@ def make_mask(name, rng, B, H, Q, KV):
         ids = np.sort(rng.integers(0, 3, size=S)).astype(np.int32)
         w = int(rng.integers(10, 200))
         return (mods.document(ids) & mods.sliding_window(w)) | mods.prefix_lm(int(rng.integers(0, 64)))
+    if name == "nan_ratio":  # 0 / 0 on the diagonal: minimum(NaN, 0) <= 0 is false there
+        return mods.mask_mod(lambda b, h, q, kv: torch.minimum((q - kv).float() / (q - kv).float(),
+                                                               torch.tensor(0.0)) <= 0)
+    if name == "nan_table":  # a float table with NaNs, read along q: NaN > -1.5 is false
+        table = rng.standard_normal(S).astype(np.float32)
+        table[rng.integers(0, S, size=3)] = np.nan
+        return mods.mask_mod(lambda b, h, q, kv: (table[q] > -2.5) & (kv <= q + 300))
     if name == "modular":
         return mods.mask_mod(lambda b, h, q, kv: ((q * 3 + kv) % 7 != 0) & (kv - q < 100 * (b + 1)))
     raise KeyError(name)
 
 
 FAMILIES = ["causal", "window", "causal_window", "document", "document_offsets_causal", "prefix_lm",
-            "prefix_lm_batch", "head_dependent", "noise_bool", "float_threshold", "doc_window_prefix", "modular"]
+            "prefix_lm_batch", "head_dependent", "noise_bool", "float_threshold", "doc_window_prefix", "modular",
+            "nan_ratio", "nan_table"]
 SHAPES = [  # (B, H, Q, KV, BLOCK_SIZE)
     (1, 1, 1, 1, 128),
     (2, 3, 200, 77, 128),

@@ -10,6 +10,10 @@ multi-dimensional spans) it answers "anything", which only costs element evaluat
 Buffer reads take the exact min/max over the indexed span by scanning it (at most
 ``SCAN_LIMIT`` elements along one dimension): ``doc[q_idx]`` over a 128-row tile reads
 128 cached values, and a tile inside one document is decided without element work.
+
+NaN, as on the host: bounds cover the values that are not NaN, and each float node also
+gets a Boolean "surely not NaN" (``_not_nan``); a comparison is surely true (``!=``:
+surely false) only where both operands are surely not NaN.
 """
 
 from __future__ import annotations
@@ -85,9 +89,61 @@ def bounds(node: ir.Node, ranges: dict, args, scan_limit: int = SCAN_LIMIT) -> t
     ``ranges[v] = (lo, hi)`` (DSL integers); ``args`` are the mod's captured inputs by slot;
     buffer spans longer than ``scan_limit`` are unbounded (callers on a hot path lower it)."""
     out: dict[int, tuple] = {}
+    not_nan: dict[int, object] = {}
     for n in node.walk():
-        out[id(n)] = _bound(n, [out[id(a)] for a in n.args], ranges, args, scan_limit)
+        a = [out[id(x)] for x in n.args]
+        ok = [not_nan[id(x)] for x in n.args]
+        if n.op == "load":
+            lo, hi, ok_n = _load(args[n.attr.slot], a, scan_limit)
+            out[id(n)] = (lo, hi)
+        else:
+            out[id(n)] = _bound(n, a, ok, ranges, args, scan_limit)
+            ok_n = _not_nan(n, a, ok, out[id(n)], args) if n.dtype == ir.FLOAT else Boolean(True)
+        not_nan[id(n)] = ok_n if n.dtype == ir.FLOAT else Boolean(True)
     return out[id(node)]
+
+
+def _bounded(x):
+    return (x[0] > -_INF) & (x[1] < _INF)
+
+
+def _not_nan(n: ir.Node, a: list, ok: list, own, args):
+    """Boolean: float node ``n`` is surely not NaN over the box (the host's
+    ``intervals._may_be_nan``, negated)."""
+    op = n.op
+    if op == "const":
+        return Boolean(float(n.attr) == float(n.attr))
+    if op == "scalar":
+        v = _f64(args[n.attr])
+        return v == v
+    if op == "cast":
+        return Boolean(True)
+    inherited = Boolean(True)
+    for node, flag in zip(n.args, ok):
+        if node.dtype == ir.FLOAT:
+            inherited = inherited & flag
+    if op == "where":
+        c = a[0]
+        t, f = c[0] >= 1.0, c[1] <= 0.0
+        return (t & ok[1]) | (f & ok[2]) | (ok[1] & ok[2])
+    if op == "add":
+        x, y = a
+        return inherited & ((x[1] < _INF) | (y[0] > -_INF)) & ((x[0] > -_INF) | (y[1] < _INF))
+    if op == "sub":
+        x, y = a
+        return inherited & ((x[1] < _INF) | (y[1] < _INF)) & ((x[0] > -_INF) | (y[0] > -_INF))
+    if op == "mul":
+        x, y = a
+        return inherited & (_excludes_zero(x) | _bounded(y)) & (_excludes_zero(y) | _bounded(x))
+    if op in ("truediv", "floordiv"):
+        x, y = a
+        return inherited & (_excludes_zero(x) | _excludes_zero(y)) & (_bounded(x) | _bounded(y))
+    if op == "mod":
+        x, y = a
+        return inherited & _excludes_zero(y) & _bounded(x) & _bounded(y)
+    if op in ("log", "log2", "sqrt", "rsqrt"):
+        return inherited & (a[0][0] >= 0.0)
+    return inherited
 
 
 def classify(node: ir.Node, ranges: dict, args, scan_limit: int = SCAN_LIMIT):
@@ -96,7 +152,9 @@ def classify(node: ir.Node, ranges: dict, args, scan_limit: int = SCAN_LIMIT):
     return Int32(cutlass.select_(lo >= 1.0, Int32(1), cutlass.select_(hi <= 0.0, Int32(0), Int32(-1))))
 
 
-def _bound(n: ir.Node, a: list, ranges, args, scan_limit: int = SCAN_LIMIT):
+def _bound(n: ir.Node, a: list, ok: list, ranges, args, scan_limit: int = SCAN_LIMIT):
+    """``(lo, hi)`` of node ``n`` from its operands' bounds ``a`` and "surely not NaN"
+    flags ``ok``."""
     op = n.op
     if op == "var":
         lo, hi = ranges[n.attr]
@@ -107,10 +165,8 @@ def _bound(n: ir.Node, a: list, ranges, args, scan_limit: int = SCAN_LIMIT):
     if op == "scalar":
         v = _f64(args[n.attr])
         return v, v
-    if op == "load":
-        return _load(args[n.attr.slot], a, scan_limit)
     if op == "cast":
-        return _cast(a[0], n.args[0].dtype, n.dtype)
+        return _cast(a[0], ok[0], n.args[0].dtype, n.dtype)
     if op == "where":
         c, x, y = a
         t, f = c[0] >= 1.0, c[1] <= 0.0
@@ -143,7 +199,7 @@ def _bound(n: ir.Node, a: list, ranges, args, scan_limit: int = SCAN_LIMIT):
         abs_lo = _sel(lo >= 0.0, lo, _sel(hi <= 0.0, -hi, 0.0))
         return abs_lo, _max(_sel(lo < 0.0, -lo, lo), _sel(hi < 0.0, -hi, hi))
     if op in ir.COMPARE:
-        return _compare(op, a[0], a[1])
+        return _compare(op, a[0], a[1], ok[0] & ok[1])
     if op == "not":
         if n.dtype == ir.BOOL:
             return 1.0 - a[0][1], 1.0 - a[0][0]
@@ -178,28 +234,31 @@ def _bound(n: ir.Node, a: list, ranges, args, scan_limit: int = SCAN_LIMIT):
     return _unknown()
 
 
-def _cast(x, src: str, dst: str):
+def _cast(x, not_nan, src: str, dst: str):
     lo, hi = x
-    if dst == ir.BOOL:  # nonzero → true
-        return _bool_iv((lo > 0.0) | (hi < 0.0), (lo == 0.0) & (hi == 0.0))
+    if dst == ir.BOOL:  # nonzero → true (NaN too)
+        return _bool_iv((lo > 0.0) | (hi < 0.0), (lo == 0.0) & (hi == 0.0) & not_nan)
     if dst == ir.INT and src == ir.FLOAT:
-        # trunc is monotone; floor/ceil bracket it and keep ±inf as they are
-        return _floor(lo), Float64(cute.math.ceil(hi))
+        # trunc is monotone; floor/ceil bracket it and keep ±inf as they are; a NaN
+        # converts to an arbitrary integer
+        return _sel(not_nan, _floor(lo), -_INF), _sel(not_nan, Float64(cute.math.ceil(hi)), _INF)
     return lo, hi
 
 
-def _compare(op: str, a, b):
+def _compare(op: str, a, b, not_nan):
+    """A comparison with NaN is false (``!=``: true): surely true (``!=``: surely false)
+    needs both operands surely not NaN (``not_nan``)."""
     if op in ("gt", "ge"):
         a, b, op = b, a, {"gt": "lt", "ge": "le"}[op]
     if op == "lt":
-        return _bool_iv(a[1] < b[0], a[0] >= b[1])
+        return _bool_iv((a[1] < b[0]) & not_nan, a[0] >= b[1])
     if op == "le":
-        return _bool_iv(a[1] <= b[0], a[0] > b[1])
+        return _bool_iv((a[1] <= b[0]) & not_nan, a[0] > b[1])
     same_point = (a[0] == a[1]) & (b[0] == b[1]) & (a[0] == b[0])
     disjoint = (a[1] < b[0]) | (b[1] < a[0])
     if op == "eq":
-        return _bool_iv(same_point, disjoint)
-    return _bool_iv(disjoint, same_point)
+        return _bool_iv(same_point & not_nan, disjoint)
+    return _bool_iv(disjoint, same_point & not_nan)
 
 
 def _mod(a, b, is_int: bool):
@@ -228,8 +287,9 @@ def _exact_or_unknown(f, args):
 
 
 def _load(buf, index: list, scan_limit: int = SCAN_LIMIT):
-    """Min/max of ``buf`` over the index box, by scanning a span along at most one
-    dimension (0-d buffers travel as [1]); "anything" for longer or wider spans."""
+    """``(min, max, surely not NaN)`` of ``buf`` over the index box, by scanning a span
+    along at most one dimension (0-d buffers travel as [1]); "anything" for longer or
+    wider spans."""
     ndim = max(1, len(index))
     if not index:
         index = [(_f64(0.0), _f64(0.0))]
@@ -249,7 +309,10 @@ def _load(buf, index: list, scan_limit: int = SCAN_LIMIT):
     count = Int32(cutlass.select_(ok, length, Int32(1)))
     vmin, vmax, nan = _scan(buf, tuple(los), tuple(spans), count, ndim, buf.element_type is cutlass.Boolean)
     good = ok & (nan == Int32(0))
-    return _sel(good, vmin, -_INF), _sel(good, vmax, _INF)
+    # surely not NaN: an integer buffer, or a float span scanned whole without one
+    floats = (cutlass.Float16, cutlass.BFloat16, cutlass.Float32, cutlass.Float64)
+    not_nan = good if buf.element_type in floats else Boolean(True)
+    return _sel(good, vmin, -_INF), _sel(good, vmax, _INF), not_nan
 
 
 @cute.jit

@@ -213,10 +213,11 @@ def _emit_node(n: ir.Node, a: list, env: dict, args, fast_math: bool):
         if lowered is not None:
             return lowered
         return _floordiv(a[0], a[1], dt) if op == "floordiv" else _mod(a[0], a[1], dt)
-    if op == "minimum":
-        return _select(a[0] < a[1], a[0], a[1], dt)
-    if op == "maximum":
-        return _select(a[0] > a[1], a[0], a[1], dt)
+    if op in ("minimum", "maximum"):
+        pick_first = a[0] < a[1] if op == "minimum" else a[0] > a[1]
+        if dt == ir.FLOAT:   # NaN propagates (torch.minimum, numpy, the reference)
+            pick_first = pick_first | (a[0] != a[0])
+        return _select(pick_first, a[0], a[1], dt)
     if op == "neg":
         return -a[0]
     if op == "abs":
@@ -441,10 +442,11 @@ def _emit_row_node(n: ir.Node, a: list, env: dict, args, fast_math: bool):
         return _vfloordiv(a[0], a[1], dt)
     if op == "mod":
         return _vbinary(operator.sub, a[0], _vbinary(operator.mul, _vfloordiv(a[0], a[1], dt), a[1]))
-    if op == "minimum":
-        return _vselect(_vbinary(operator.lt, a[0], a[1]), a[0], a[1], dt)
-    if op == "maximum":
-        return _vselect(_vbinary(operator.gt, a[0], a[1]), a[0], a[1], dt)
+    if op in ("minimum", "maximum"):
+        pick_first = _vbinary(operator.lt if op == "minimum" else operator.gt, a[0], a[1])
+        if dt == ir.FLOAT:   # NaN propagates, as in the scalar path
+            pick_first = _vbinary(operator.or_, pick_first, _vbinary(operator.ne, a[0], a[0]))
+        return _vselect(pick_first, a[0], a[1], dt)
     if op == "neg":
         return -a[0]
     if op == "abs":
