@@ -157,7 +157,8 @@ def test_functions_capturing_tensors_compile_as_graph_inputs():
     """A plain score function that reads tensors from its globals, closure cells (a closure
     made outside the compiled function) or defaults: one graph, the eager values, gradients
     reaching the tensors, and new values (updated in place) seen without recompiling. A
-    tensor reached through an object's attribute asks for a mod value."""
+    tensor reached through an object's attribute asks for a mod value (a function made
+    outside; inside the compiled code it works: test_score_functions_defined_inside_...)."""
     def make(table):
         def score(s, b, h, q_idx, kv_idx, shift=torch.full((H,), 0.25, dtype=torch.float64)):
             return _global_bias(s, b, h, q_idx, kv_idx) + table[h, 0] * (kv_idx - q_idx) + shift[h]
@@ -188,9 +189,10 @@ def test_functions_capturing_tensors_compile_as_graph_inputs():
         bias = torch.randn(H, dtype=torch.float64)
 
     holder = Holder()
+    reads_attribute = lambda s, b, h, qi, ki: s + holder.bias[h]   # noqa: E731 (made outside)
 
     def via_attribute(q, k, v):
-        return fa.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + holder.bias[h])
+        return fa.flex_attention(q, k, v, score_mod=reads_attribute)
 
     torch._dynamo.reset()
     with pytest.raises(Exception, match="flexattn.score_mod|closure"):
@@ -446,3 +448,78 @@ def test_numbers_plain_functions_read_are_guarded():
             torch.testing.assert_close(compiled(q, k, v), step(q, k, v), atol=1e-12, rtol=1e-12)
     finally:
         _CAP, _WINDOW = 1.0, 10
+
+
+# --- score functions defined inside the compiled code (flexattn/torch/nested.py) ---------------
+
+_CAUSAL16 = fa.create_block_mask(mods.causal(), None, None, S, S, BLOCK_SIZE=16)
+
+
+class NestedScore(torch.nn.Module):
+    """As torch users write it: the score function defined in ``forward``, closing over the
+    module's parameters (a per-head bias, a relative-position table) and a local number."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.bias = torch.nn.Parameter(torch.randn(H, generator=g, dtype=torch.float64))
+        self.table = torch.nn.Parameter(torch.randn(H, 2 * S - 1, generator=g, dtype=torch.float64) * 0.3)
+
+    def forward(self, q, k, v):
+        cap = 4.0
+
+        def score_mod(s, b, h, q_idx, kv_idx):
+            s = s + self.bias[h] + self.table[h, q_idx - kv_idx + S - 1]
+            return cap * torch.tanh(s / cap)
+
+        out = fa.flex_attention(q, k, v, score_mod=score_mod, block_mask=_CAUSAL16, scale=0.3)
+        return out.square().sum()
+
+
+def test_score_functions_defined_inside_the_compiled_code():
+    """A score function made in the compiled ``forward`` (torch's HOP captures it, our pass
+    puts our op in its place): one graph under Inductor, the eager values and gradients
+    (q, k, v and both parameters), and new parameter values without recompiling."""
+    model = NestedScore()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    q, k, v = _qkv(5)
+    params = (q, k, v, model.bias, model.table)
+    got = compiled(q, k, v)
+    got_grads = _grads(got, params)
+    want = model(q, k, v)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_grads, _grads(want, params)):
+        torch.testing.assert_close(a, b)
+    for _ in range(3):
+        with torch.no_grad():
+            model.bias.add_(0.5)
+            model.table.mul_(1.5)
+        torch.testing.assert_close(compiled(q, k, v), model(q, k, v))
+    assert counter.frame_count == 1
+
+
+def test_lambdas_defined_inside_the_compiled_code_with_gqa_and_lse():
+    """A lambda over a tensor argument of the compiled function, with GQA and the LSE
+    returned: equal to eager, gradients reaching the argument; new values of the
+    argument never recompile."""
+    def step(q, k, v, slopes):
+        out, lse = fa.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s - slopes[h] * (qi - ki).abs(),
+                                     enable_gqa=True, return_lse=True)
+        return out.square().sum() + lse.sum()
+
+    q = _qkv(6)[0]
+    k, v = (t[:, : H // 2].detach().clone().requires_grad_() for t in _qkv(7)[:2])
+    slopes = torch.rand(H, dtype=torch.float64, requires_grad=True)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    got = compiled(q, k, v, slopes)
+    got_grads = _grads(got, (q, k, v, slopes))
+    want = step(q, k, v, slopes)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_grads, _grads(want, (q, k, v, slopes))):
+        torch.testing.assert_close(a, b)
+    for scale in (2.0, 0.5):
+        new = (slopes.detach() * scale).requires_grad_()
+        torch.testing.assert_close(compiled(q, k, v, new), step(q, k, v, new))
+    assert counter.frame_count == 1

@@ -516,7 +516,7 @@ class PreparedForward:
     metadata: ``launch(q, k, v, out, lse)`` costs the kernel call alone (TVM-FFI) plus,
     only for captures that may change between calls (framework tensors, writeable numpy
     arrays), their conversion. Built by ``prepare_forward`` after a first full call;
-    adapters keep them keyed by everything the checks read (see flexattn/torch.py)."""
+    adapters keep them keyed by everything the checks read (see flexattn/torch/__init__.py)."""
 
     __slots__ = ("_fn", "_scale", "_args", "_kinds", "_captures", "_to_device", "_lists", "_env_stream")
 

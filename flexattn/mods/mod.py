@@ -28,7 +28,7 @@ SCORE_VARS = ("score", "b", "h", "q", "kv")
 
 
 # id -> live mod / block mask. Lets code that can only pass constants refer to one by id()
-# (torch.compile: see flexattn/torch.py, _compiled_call). Weak: it keeps nothing alive.
+# (torch.compile: see flexattn/torch/__init__.py, _compiled_call). Weak: it keeps nothing alive.
 LIVE_OBJECTS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 

@@ -529,3 +529,51 @@ def test_compiled_training_repeats_through_prepared_op_launches(monkeypatch):
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
     assert sum(launches) >= 2, launches   # the op's launches with this call's tensors
+
+
+def test_compiled_score_functions_defined_inside_forward_train_on_the_kernels():
+    """A score function defined in the compiled ``forward``, closing over the module's
+    bias table (torch's HOP captures it; flexattn/torch/nested.py rewrites it into our op):
+    our kernels run (the op's CUDA path is entered), the values and the gradients of q, k,
+    v and the table equal the eager call's at every step, also after in-place updates, with
+    one compilation."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    import flexattn.torch as fat
+
+    calls = []
+    real = fat._kernel_forward
+    fat._OP_PREPARED.clear()
+    H = 4
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.randn(H, 64, device="cuda"))
+
+        def forward(self, q, k, v):
+            def score_mod(s, b, h, q_idx, kv_idx):
+                return s + self.table[h, (q_idx - kv_idx) % 64]
+            return fa.flex_attention(q, k, v, score_mod=score_mod)
+
+    model = Model()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    q, k, v = (torch.randn(1, H, 300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    spy = lambda *a, **kw: (calls.append(1), real(*a, **kw))[1]   # noqa: E731
+    for step in range(3):
+        if step == 2:
+            with torch.no_grad():
+                model.table.mul_(2.0)
+        fat._kernel_forward = spy         # the compiled call only (the first: later ones
+        try:                              # launch prepared, _OpPrepared)
+            got_out = compiled(q, k, v)
+        finally:
+            fat._kernel_forward = real
+        got = torch.autograd.grad(got_out.float().square().sum(), (q, k, v, model.table))
+        want_out = model(q, k, v)
+        want = torch.autograd.grad(want_out.float().square().sum(), (q, k, v, model.table))
+        torch.testing.assert_close(got_out, want_out, atol=2e-2, rtol=2e-2)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    assert calls, "the compiled call did not reach flexattn's kernels"
+    assert counter.frame_count == 1

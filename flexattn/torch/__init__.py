@@ -22,24 +22,25 @@ import inspect
 import numpy as np
 import torch
 
-from . import reference
-from .blockmask import BlockMask as _CoreBlockMask, create_block_mask as _create_block_mask
-from .blockmask.layout import as_block_mask, as_class
-from .blockmask import DeviceArrays as BlockMaskArrays, register_device as register_block_mask_device
-from .problem import bounds
-from .problem.decode import decode_problem
-from .core.backward_path import BackwardArrays, backward_into, prepare_backward
-from .core.decode_device import cache_arrays, check_cache_layout, decode_key, decode_workspace, kernel_step, tma_ready
-from .core.kernel_path import (Device, PreparedForward, backward_unsupported, block_lists_to_device, forward_into,
+from .. import reference
+from ..blockmask import BlockMask as _CoreBlockMask, create_block_mask as _create_block_mask
+from ..blockmask.layout import as_block_mask, as_class
+from ..blockmask import DeviceArrays as BlockMaskArrays, register_device as register_block_mask_device
+from ..problem import bounds
+from ..problem.decode import decode_problem
+from ..core.backward_path import BackwardArrays, backward_into, prepare_backward
+from ..core.decode_device import cache_arrays, check_cache_layout, decode_key, decode_workspace, kernel_step, tma_ready
+from ..core.kernel_path import (Device, PreparedForward, backward_unsupported, block_lists_to_device, forward_into,
                                kernel_unsupported, prepare_forward)
-from .core.prepared import HostCopies, PreparedCalls, PreparedEntry, call_key
-from .core.registry import SpecRegistry, by_id, compiled_spec, from_id, operand_grad_slots
-from .problem.kvcache import KVCache, PagedKVCache
-from .problem.spec import AttentionSpec, lse_dtype
-from .problem.validate import check_inputs
-from . import mods as _mods
-from .blockmask.build import dense_mask
-from .mods import MaskMod, Mod, ScoreMod, mask_mod
+from ..core.prepared import HostCopies, PreparedCalls, PreparedEntry, call_key
+from ..core.registry import SpecRegistry, by_id, compiled_spec, from_id, operand_grad_slots
+from ..problem.kvcache import KVCache, PagedKVCache
+from ..problem.spec import AttentionSpec, lse_dtype
+from ..problem.validate import check_inputs
+from .. import mods as _mods
+from ..blockmask.build import dense_mask
+from ..mods import MaskMod, Mod, ScoreMod, mask_mod
+from .nested import flex_attention_route, made_while_compiling
 
 __all__ = ["flex_attention", "decode", "create_block_mask", "create_mask", "BlockMask", "KVCache", "PagedKVCache",
            "MaskMod", "ScoreMod", "mask_mod", "and_masks", "or_masks", "noop_mask", "FlexKernelOptions",
@@ -158,7 +159,10 @@ def flex_attention(
     Under ``torch.compile`` (``fullgraph=True`` works) a plain ``score_mod`` or ``mask=``
     function may read tensors from its globals, closure cells (closures made outside the
     compiled function) or defaults, and those of its helper functions: they become graph
-    inputs (the score's get gradients; no recompiles). Other mods that capture tensors
+    inputs (the score's get gradients; no recompiles). A ``score_mod`` defined inside the
+    compiled code (closing over ``self.bias``, arguments, locals) goes through torch's
+    flex HOP and an Inductor pass (``flexattn.torch.nested``; Inductor, the default
+    backend, is needed). Other mods that capture tensors
     must be values built outside the compiled function (``ScoreMod``/``MaskMod``, e.g. in
     a module's ``__init__``); their captured tensors (parameters) still get gradients.
     Block masks may be built outside, or inside with ``create_block_mask`` (see there).
@@ -410,7 +414,7 @@ def _kernel_decode(query, cache, score_mod, mask, scale, launch=True):
     """The split-KV decode kernel on the current stream -> (out, lse); with ``launch``
     False (out, lse, the planned ``DecodeLaunch``) without running it (benchmarks); with
     ``launch`` None, launched, (out, lse, the ``DecodeLaunch``)."""
-    from .core.decode_path import DecodeMods, DecodeSite, decode_into, prepare_decode
+    from ..core.decode_path import DecodeMods, DecodeSite, decode_into, prepare_decode
 
     dev = query.device
     check_cache_layout(cache, lambda x: x.stride() if isinstance(x, torch.Tensor) and x.device == dev else None,
@@ -539,6 +543,20 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
     identity of the mod / block-mask objects); the score mod's captured tensors are read
     here, where dynamo sees them (parameters become graph inputs and receive gradients).
     """
+    the_score = score if score is not None else score_mod
+    if (the_score is not None and not isinstance(the_score, Mod) and inspect.isfunction(the_score)
+            and made_while_compiling(the_score.__code__)):
+        # A score function defined in the compiled code: torch's HOP captures it
+        # (flexattn/torch/nested.py), the rest of the call is registered here.
+        _guard_numbers(mask)
+        base_id, _, mask_sources = _prepare_for_compile(None, by_id(block_mask), scale, enable_gqa, by_id(mask),
+                                                        None)
+        if mask_sources:
+            raise TypeError("under torch.compile, a score function defined inside the compiled code cannot be"
+                            " combined with a mask= function that reads tensors: make the mask a mod value"
+                            " (flexattn.mask_mod(fn)) or a block mask")
+        out, lse = flex_attention_route(query, key, value, the_score, base_id, 1.0 if scale is None else scale)
+        return (out, lse) if return_lse else out
     buffers, spec_id = _compiled_op_inputs((score_mod, block_mask, scale, enable_gqa, mask, score))
     out, lse = torch.ops.flexattn.attention_fwd(query, key, value, buffers, spec_id)
     return (out, lse) if return_lse else out
