@@ -63,8 +63,8 @@ def flex_attention_route(query, key, value, score_fn, base_id: int, scale: float
                                           compute_q_blocks=False)
     empty.q_num_blocks, empty.q_indices = one_block()   # its own transpose
     options = {MARKER: base_id, "OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": False}
-    out, lse, _ = flex_hop(query, key, value, score_fn, empty.as_tuple(), scale, options)
-    return out, lse
+    result = flex_hop(query, key, value, score_fn, empty.as_tuple(), scale, options)
+    return result[0], result[1]      # (some torch versions add the max scores)
 
 
 def _pre_grad_pass(then):
@@ -110,9 +110,13 @@ def rewrite_marked_calls(graph: torch.fx.Graph) -> None:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not hop:
             continue
-        query, key, value, score_graph, _block_mask, _scale, options, score_buffers, _mask_buffers = node.args
+        # (query, key, value, score_mod, block_mask, scale, kernel_options,
+        #  score_mod_other_buffers, mask_mod_other_buffers)
+        options = node.args[6] if len(node.args) > 6 else node.kwargs.get("kernel_options")
         if not isinstance(options, dict) or MARKER not in options:
             continue
+        query, key, value, score_graph = node.args[:4]
+        score_buffers = node.args[7] if len(node.args) > 7 else node.kwargs.get("score_mod_other_buffers", ())
         module = graph.owning_module
         subgraph = getattr(module, score_graph.target)
         stand_ins = [_stand_in(b) for b in score_buffers]
