@@ -1066,13 +1066,7 @@ class FlashBwdSm90(WarpSpecialized):
             # come after the dq_empty barrier below, which every reader passes first.
             self._flush_diagonals(sDiag, wg, m_block, n_block, head, batch, mod_args,
                                   grad_args)
-        # dQ -> sdQ[wg] once the writer's previous bulk add has read it; the writer adds it
-        # into global memory while this warpgroup goes on.
-        BwdBarrier.DQ_EMPTY.sync(self.dq_pair_threads, wg)
-        cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)),
-                          tdQsdQ)
-        cute.arch.fence_view_async_shared()          # generic-proxy writes -> bulk copy
-        BwdBarrier.DQ_FULL.arrive(self.dq_pair_threads, wg)
+        self._stage_dq(acc_dQ, tdQsdQ, wg)
         warpgroup.wait_group(0)                      # dK retired: Q may be overwritten
         pipe_q.consumer_release(state)
         state.advance()
@@ -1106,17 +1100,23 @@ class FlashBwdSm90(WarpSpecialized):
                  zero_init=False, wait=-1)
         mma.gemm(tiled_mma_nd, acc_dK, tKsdS[None, None, None, buf], tKrQt[None, None, None, stage],
                  zero_init=False, wait=2)            # dQ retired
-        BwdBarrier.DQ_EMPTY.sync(self.dq_pair_threads, wg)
-        cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)),
-                          tdQsdQ)
-        cute.arch.fence_view_async_shared()          # generic-proxy writes -> bulk copy
-        BwdBarrier.DQ_FULL.arrive(self.dq_pair_threads, wg)
+        self._stage_dq(acc_dQ, tdQsdQ, wg)
         warpgroup.wait_group(1)                      # dV retired: dO may be overwritten
         pipe_do.consumer_release(state)
         warpgroup.wait_group(0)                      # dK retired: Q may be overwritten
         pipe_q.consumer_release(state)
         state.advance()
         return state
+
+    @cute.jit
+    def _stage_dq(self, acc_dQ, tdQsdQ, wg):
+        """This warpgroup's dQ tile -> sdQ[wg] once the writer's previous bulk add has read
+        it; the writer adds it into global memory while the warpgroup goes on."""
+        BwdBarrier.DQ_EMPTY.sync(self.dq_pair_threads, wg)
+        cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)),
+                          tdQsdQ)
+        cute.arch.fence_view_async_shared()          # generic-proxy writes -> bulk copy
+        BwdBarrier.DQ_FULL.arrive(self.dq_pair_threads, wg)
 
     # ------------------------------------------------------------------ dQ writer
     @cute.jit
