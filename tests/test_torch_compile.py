@@ -523,3 +523,36 @@ def test_lambdas_defined_inside_the_compiled_code_with_gqa_and_lse():
         new = (slopes.detach() * scale).requires_grad_()
         torch.testing.assert_close(compiled(q, k, v, new), step(q, k, v, new))
     assert counter.frame_count == 1
+
+
+def test_mask_functions_defined_inside_the_compiled_code():
+    """``mask=`` functions defined in the compiled code over tensor arguments (document ids),
+    beside a score function defined there (slopes) or a mod value without tensors: equal
+    to eager with gradients; new document ids and slopes never recompile."""
+    cap = mods.softcap(3.0)     # mod values are built outside
+
+    def step(q, k, v, docs, slopes):
+        def same_doc(b, h, qi, ki):
+            return (docs[qi] == docs[ki]) & (qi >= ki)
+
+        def score(s, b, h, qi, ki):
+            return s - slopes[h] * (qi - ki)
+
+        out = fa.flex_attention(q, k, v, score_mod=score, mask=same_doc)
+        return out.square().sum() + fa.flex_attention(q, k, v, score_mod=cap, mask=same_doc).sum()
+
+    q, k, v = _qkv(8)
+    slopes = torch.rand(H, dtype=torch.float64, requires_grad=True)
+    docs = (torch.arange(S) // 11).to(torch.int32)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    got = compiled(q, k, v, docs, slopes)
+    got_grads = _grads(got, (q, k, v, slopes))
+    want = step(q, k, v, docs, slopes)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_grads, _grads(want, (q, k, v, slopes))):
+        torch.testing.assert_close(a, b)
+    for width in (5, 17):
+        new_docs = (torch.arange(S) // width).to(torch.int32)
+        torch.testing.assert_close(compiled(q, k, v, new_docs, slopes), step(q, k, v, new_docs, slopes))
+    assert counter.frame_count == 1

@@ -40,7 +40,7 @@ from ..problem.validate import check_inputs
 from .. import mods as _mods
 from ..blockmask.build import dense_mask
 from ..mods import MaskMod, Mod, ScoreMod, mask_mod
-from .nested import flex_attention_route, made_while_compiling
+from .nested import captures_graph_values, flex_attention_route
 
 __all__ = ["flex_attention", "decode", "create_block_mask", "create_mask", "BlockMask", "KVCache", "PagedKVCache",
            "MaskMod", "ScoreMod", "mask_mod", "and_masks", "or_masks", "noop_mask", "FlexKernelOptions",
@@ -544,18 +544,20 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
     here, where dynamo sees them (parameters become graph inputs and receive gradients).
     """
     the_score = score if score is not None else score_mod
-    if (the_score is not None and not isinstance(the_score, Mod) and inspect.isfunction(the_score)
-            and made_while_compiling(the_score.__code__)):
-        # A score function defined in the compiled code: torch's HOP captures it
-        # (flexattn/torch/nested.py), the rest of the call is registered here.
-        _guard_numbers(mask)
-        base_id, _, mask_sources = _prepare_for_compile(None, by_id(block_mask), scale, enable_gqa, by_id(mask),
-                                                        None)
-        if mask_sources:
-            raise TypeError("under torch.compile, a score function defined inside the compiled code cannot be"
-                            " combined with a mask= function that reads tensors: make the mask a mod value"
-                            " (flexattn.mask_mod(fn)) or a block mask")
-        out, lse = flex_attention_route(query, key, value, the_score, base_id, 1.0 if scale is None else scale)
+    nested_score, nested_mask = captures_graph_values(the_score), captures_graph_values(mask)
+    if nested_score or nested_mask:
+        # A score or mask= function defined in the compiled code, over tensors: torch's HOP
+        # captures it (flexattn/torch/nested.py), the rest of the call is registered here.
+        score_rest, mask_rest = (None if nested_score else the_score), (None if nested_mask else mask)
+        _guard_numbers(score_rest, mask_rest)
+        base_id, sources, mask_sources = _prepare_for_compile(by_id(score_rest), by_id(block_mask), scale,
+                                                              enable_gqa, by_id(mask_rest), None)
+        if sources or mask_sources or _score_tensors(score_rest):
+            raise TypeError("under torch.compile, a score or mask= function defined inside the compiled code"
+                            " cannot be combined with one made outside that reads tensors: define both inside,"
+                            " or pass mod values without tensors")
+        out, lse = flex_attention_route(query, key, value, the_score if nested_score else None,
+                                        mask if nested_mask else None, base_id, 1.0 if scale is None else scale)
         return (out, lse) if return_lse else out
     buffers, spec_id = _compiled_op_inputs((score_mod, block_mask, scale, enable_gqa, mask, score))
     out, lse = torch.ops.flexattn.attention_fwd(query, key, value, buffers, spec_id)

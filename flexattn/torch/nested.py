@@ -1,9 +1,10 @@
 """torch.compile: score functions made *inside* the compiled function, through torch's HOP.
 
-A ``score_mod`` defined in the compiled code (in a model's ``forward``, closing over its
-tensors: ``def score_mod(s, b, h, q, kv): return s + self.bias[h]``) is not a Python object
-while dynamo traces: it cannot hand it to the compile-time preparation that traces other
-functions into our IR (``flexattn.torch._prepare_for_compile``). torch's own
+A ``score_mod`` (or ``mask=``) function defined in the compiled code and closing over
+tensors (in a model's ``forward``: ``def score_mod(s, b, h, q, kv): return s + bias[h]``)
+is not a Python object while dynamo traces: it cannot hand it to the compile-time
+preparation that traces other functions into our IR (``flexattn.torch._prepare_for_compile``;
+``captures_graph_values`` tells these apart). torch's own
 ``flex_attention`` higher-order op can: dynamo *speculates* its score function into an FX
 subgraph and lifts the tensors it closes over into graph inputs. So this route
 
@@ -26,26 +27,47 @@ HOP, which runs torch's own kernels.
 from __future__ import annotations
 
 import dataclasses
-import gc
+import inspect
 import operator
-import types
+import threading
 
 import torch
+from torch._dynamo.comptime import comptime
 
 MARKER = "FLEXATTN_SPEC"   # kernel_options key: the registry id of the call's other parts
+SCORE_KEY = "FLEXATTN_SCORE"   # kernel_options key: the HOP's score function is the call's
+MASK_KEY = "FLEXATTN_MASK"     # kernel_options key: the HOP's mask function is the call's mask=
+
+
+_PROBE = threading.local()
 
 
 @torch._dynamo.assume_constant_result
-def made_while_compiling(code) -> bool:
-    """Whether the function with this code object exists only in the code dynamo traces
-    (defined there: no live function object has it). A function made outside, or
-    earlier, is a real object whose captures the compile-time trace reads itself."""
-    return not any(type(r) is types.FunctionType and r.__code__ is code for r in gc.get_referrers(code))
+def _probed() -> bool:
+    return _PROBE.value
 
 
-def flex_attention_route(query, key, value, score_fn, base_id: int, scale: float):
-    """(out, lse) of a compiled call whose score function was made inside the compiled
-    code: torch's HOP, marked for ``rewrite_marked_calls``."""
+def captures_graph_values(fn) -> bool:
+    """Called in code dynamo traces: whether ``fn`` is a plain function that dynamo cannot
+    make a Python constant — one defined in the traced code whose closure holds tensors
+    (graph values). Those cannot reach the compile-time trace of ``flexattn.torch``;
+    everything else can (functions made outside, closures over numbers), as before. A
+    ``comptime`` hook reads dynamo's own verdict while tracing; the constant-result
+    function hands it to the traced code."""
+    if not inspect.isfunction(fn):
+        return False
+    comptime(lambda ctx: setattr(_PROBE, "value", not ctx.get_local("fn").is_python_constant()))
+    return _probed()
+
+
+def _keep_score(score, b, h, q_idx, kv_idx):
+    return score
+
+
+def flex_attention_route(query, key, value, score_fn, mask_fn, base_id: int, scale: float):
+    """(out, lse) of a compiled call whose score function or ``mask=`` function (or both;
+    None: the registered call's own) was made inside the compiled code: torch's HOP,
+    marked for ``rewrite_marked_calls``."""
     from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
     from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
 
@@ -59,11 +81,14 @@ def flex_attention_route(query, key, value, score_fn, base_id: int, scale: float
         return (torch.ones([1, 1, 1], dtype=torch.int32, device=query.device),
                 torch.zeros([1, 1, 1, 1], dtype=torch.int32, device=query.device))
 
-    empty = TorchBlockMask.from_kv_blocks(*one_block(), BLOCK_SIZE=block, seq_lengths=(1, 1),
-                                          compute_q_blocks=False)
-    empty.q_num_blocks, empty.q_indices = one_block()   # its own transpose
-    options = {MARKER: base_id, "OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": False}
-    result = flex_hop(query, key, value, score_fn, empty.as_tuple(), scale, options)
+    # Its one block is partial: the mask function (if any) applies to every element.
+    one = TorchBlockMask.from_kv_blocks(*one_block(), BLOCK_SIZE=block, mask_mod=mask_fn,
+                                        seq_lengths=(query.shape[-2], key.shape[-2]), compute_q_blocks=False)
+    one.q_num_blocks, one.q_indices = one_block()   # its own transpose
+    options = {MARKER: base_id, SCORE_KEY: score_fn is not None, MASK_KEY: mask_fn is not None,
+               "OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": False}
+    result = flex_hop(query, key, value, _keep_score if score_fn is None else score_fn, one.as_tuple(), scale,
+                      options)
     return result[0], result[1]      # (some torch versions add the max scores)
 
 
@@ -115,18 +140,25 @@ def rewrite_marked_calls(graph: torch.fx.Graph) -> None:
         options = node.args[6] if len(node.args) > 6 else node.kwargs.get("kernel_options")
         if not isinstance(options, dict) or MARKER not in options:
             continue
-        query, key, value, score_graph = node.args[:4]
-        score_buffers = node.args[7] if len(node.args) > 7 else node.kwargs.get("score_mod_other_buffers", ())
+        query, key, value, score_graph, block_mask = node.args[:5]
+        score_buffers = tuple(node.args[7] if len(node.args) > 7 else node.kwargs.get("score_mod_other_buffers", ()))
+        mask_buffers = tuple(node.args[8] if len(node.args) > 8 else node.kwargs.get("mask_mod_other_buffers", ()))
         module = graph.owning_module
-        subgraph = getattr(module, score_graph.target)
-        stand_ins = [_stand_in(b) for b in score_buffers]
-        score = _score_from_graph(subgraph, stand_ins)
-        base = _REGISTRY.get(options[MARKER])
-        spec = dataclasses.replace(base, score=score)
-        spec_id = _REGISTRY.register(spec, pin=True, masks=_base_has_mask_operands(base))
+        spec = _REGISTRY.get(options[MARKER])
+        if options.get(SCORE_KEY, True):
+            subgraph = getattr(module, score_graph.target)
+            spec = dataclasses.replace(spec, score=_mod_from_graph(subgraph, score_buffers, "score"))
+        else:
+            score_buffers = ()
+        if options.get(MASK_KEY, False):
+            subgraph = getattr(module, block_mask[-1].target)    # the block mask's mask_mod
+            spec = dataclasses.replace(spec, mask=_mod_from_graph(subgraph, mask_buffers, "mask"))
+        else:
+            mask_buffers = ()
+        spec_id = _REGISTRY.register(spec, pin=True, masks=bool(mask_buffers))
         with graph.inserting_before(node):
             op = graph.call_function(torch.ops.flexattn.attention_fwd.default,
-                                     (query, key, value, list(score_buffers), spec_id))
+                                     (query, key, value, list(score_buffers + mask_buffers), spec_id))
         example = node.meta.get("example_value")
         if example is not None:
             op.meta["example_value"] = (example[0], example[1])
@@ -139,10 +171,6 @@ def rewrite_marked_calls(graph: torch.fx.Graph) -> None:
     graph.eliminate_dead_code()
 
 
-def _base_has_mask_operands(base) -> bool:
-    return False   # the route takes calls without tensor-capturing mask functions (flexattn.torch)
-
-
 def _stand_in(node):
     """A zero tensor shaped like the graph input ``node`` (its example value): what the
     trace captures in the input's place; the op reads the real tensors at run time."""
@@ -152,26 +180,30 @@ def _stand_in(node):
     return torch.zeros(tuple(int(n) for n in value.shape), dtype=value.dtype)
 
 
-def _score_from_graph(subgraph, stand_ins):
-    """The ``ScoreMod`` of a speculated score subgraph (inputs: score, b, h, q, kv, then the
-    lifted tensors): its code run on our tracer's proxies, the stand-ins captured."""
+def _mod_from_graph(subgraph, buffers, kind: str):
+    """The ``ScoreMod`` / ``MaskMod`` of a speculated subgraph (inputs: [score,] b, h, q,
+    kv, then the lifted tensors): its code run on our tracer's proxies, with zero
+    stand-ins of the lifted tensors captured (the op binds the real ones per call)."""
     from .. import mods
 
-    return mods.score_mod(_closure_over(subgraph, stand_ins))
+    fn = _closure_over(subgraph, [_stand_in(b) for b in buffers], kind)
+    return mods.score_mod(fn) if kind == "score" else mods.mask_mod(fn)
 
 
-def _closure_over(subgraph, tensors):
-    """``fn(score, b, h, q_idx, kv_idx)`` calling ``subgraph`` with ``tensors`` after the
-    five: each tensor in a closure cell of its own, where the tracer finds captures."""
+def _closure_over(subgraph, tensors, kind: str):
+    """``fn(score, b, h, q_idx, kv_idx)`` (a mask: without ``score``) calling ``subgraph``
+    with ``tensors`` after its index arguments: each tensor in a closure cell of its own,
+    where the tracer finds captures."""
     names = [f"t{i}" for i in range(len(tensors))]
     packed = "".join(f"{n}, " for n in names)
+    args = ("score, " if kind == "score" else "") + "b, h, q_idx, kv_idx"
     source = (f"def make(subgraph, {packed}):\n"
-              f"    def score_fn(score, b, h, q_idx, kv_idx):\n"
-              f"        return subgraph(score, b, h, q_idx, kv_idx, {packed})\n"
-              f"    return score_fn\n")
+              f"    def {kind}_fn({args}):\n"
+              f"        return subgraph({args}, {packed})\n"
+              f"    return {kind}_fn\n")
     scope: dict = {}
     exec(source, scope)
     return scope["make"](subgraph, *tensors)
 
 
-__all__ = ["MARKER", "flex_attention_route", "made_while_compiling", "rewrite_marked_calls"]
+__all__ = ["MARKER", "captures_graph_values", "flex_attention_route", "rewrite_marked_calls"]
