@@ -243,9 +243,10 @@ def test_mask_functions_reading_tensors_compile_as_graph_inputs():
     assert counter.frame_count == 1
 
 
-def test_torch_block_masks_built_inside_the_compiled_function_get_a_clear_error():
-    """torch's create_block_mask inside the compiled function gives graph values for lists:
-    a clear error naming what works (ours inside, or torch's outside, which runs)."""
+def test_torch_block_masks_from_torch_combinators_inside_and_outside():
+    """torch's create_block_mask with torch's and_masks, built inside the compiled function
+    (graph lists: torch's HOP route, our op under Inductor; torch's own implementation
+    under aot_eager) or outside (converted), and ours built inside: all equal."""
     from torch.nn.attention.flex_attention import and_masks
     from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
@@ -260,8 +261,6 @@ def test_torch_block_masks_built_inside_the_compiled_function_get_a_clear_error(
         return fa.flex_attention(q, k, v, block_mask=bm)
 
     q, k, v = _qkv(5, grad=False)
-    with pytest.raises(Exception, match="flexattn.torch.create_block_mask"):
-        torch.compile(inside, backend="aot_eager", fullgraph=True)(q, k, v)
     outside = torch_create_block_mask(and_masks(causal, near), None, None, S, S, device="cpu")
     ours = lambda q, k, v: fa.flex_attention(q, k, v, block_mask=fa.create_block_mask(  # noqa: E731
         and_masks(causal, near), None, None, S, S))
@@ -270,6 +269,9 @@ def test_torch_block_masks_built_inside_the_compiled_function_get_a_clear_error(
     torch.testing.assert_close(torch.compile(lambda q, k, v: fa.flex_attention(q, k, v, block_mask=outside),
                                              backend="aot_eager", fullgraph=True)(q, k, v), want)
     torch.testing.assert_close(torch.compile(ours, backend="aot_eager", fullgraph=True)(q, k, v), want)
+    for backend in ("inductor", "aot_eager"):
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(inside, backend=backend, fullgraph=True)(q, k, v), want)
 
 
 def test_dynamic_sequence_lengths():
@@ -286,7 +288,7 @@ def test_opcheck_custom_op():
     spec = flexattn.AttentionSpec.from_args(score=mods.alibi(slopes), mask=mods.causal())
     spec_id = fa._REGISTRY.register(spec)
     q, k, v = _qkv(4)
-    torch.library.opcheck(torch.ops.flexattn.attention_fwd.default, (q, k, v, [slopes], spec_id))
+    torch.library.opcheck(torch.ops.flexattn.attention_fwd.default, (q, k, v, [slopes], spec_id, [], None))
 
 
 def test_opcheck_backward_op():
@@ -298,11 +300,11 @@ def test_opcheck_backward_op():
     spec_id = fa._REGISTRY.register(flexattn.AttentionSpec.from_args(score=score, mask=mods.causal()))
     q, k, v = _qkv(6, grad=False)
     q = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, S, H, D] storage
-    out, lse = torch.ops.flexattn.attention_fwd(q, k, v, [slopes, ids], spec_id)
+    out, lse = torch.ops.flexattn.attention_fwd(q, k, v, [slopes, ids], spec_id, [], None)
     d_out = torch.randn_like(out)
     for d_lse in (None, torch.randn_like(lse)):
         torch.library.opcheck(torch.ops.flexattn.attention_bwd.default,
-                              (q, k, v, out, lse, d_out, d_lse, [slopes, ids], spec_id, 1))
+                              (q, k, v, out, lse, d_out, d_lse, [slopes, ids], spec_id, 1, [], None))
 
 
 def test_registry_reuses_entries_and_stays_bounded():
@@ -417,7 +419,7 @@ def test_create_block_mask_inside_the_compiled_function():
         return fa.flex_attention(q, k, v, block_mask=mask)
 
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="build the block mask outside the compiled function"):
+    with pytest.raises(Exception, match="build it with torch.s create_block_mask there"):
         torch.compile(reads_a_tensor, backend="aot_eager", fullgraph=True)(*_qkv(3, grad=False))
 
 
@@ -555,4 +557,35 @@ def test_mask_functions_defined_inside_the_compiled_code():
     for width in (5, 17):
         new_docs = (torch.arange(S) // width).to(torch.int32)
         torch.testing.assert_close(compiled(q, k, v, new_docs, slopes), step(q, k, v, new_docs, slopes))
+    assert counter.frame_count == 1
+
+
+def test_torch_block_masks_built_inside_the_compiled_code():
+    """torch's own ``create_block_mask`` inside the compiled step, over a tensor argument
+    (document ids, new each step), as torch users write document masking: its lists stay
+    values of the graph and reach our op per call (torch's HOP route); equal to eager
+    (the same torch block mask built outside, converted), with gradients; new ids never
+    recompile. A score function defined there rides along."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    def step(q, k, v, docs, slopes):
+        def same_doc(b, h, qi, ki):
+            return (docs[qi] == docs[ki]) & (qi >= ki)
+
+        bm = torch_create_block_mask(same_doc, None, None, S, S, device="cpu", BLOCK_SIZE=16)
+        out = fa.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s - slopes[h] * (qi - ki), block_mask=bm)
+        return out.square().sum()
+
+    q, k, v = _qkv(9)
+    slopes = torch.rand(H, dtype=torch.float64, requires_grad=True)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    for width in (11, 5, 17):
+        docs = (torch.arange(S) // width).to(torch.int32)
+        got = compiled(q, k, v, docs, slopes)
+        got_grads = _grads(got, (q, k, v, slopes))
+        want = step(q, k, v, docs, slopes)
+        torch.testing.assert_close(got, want)
+        for a, b in zip(got_grads, _grads(want, (q, k, v, slopes))):
+            torch.testing.assert_close(a, b)
     assert counter.frame_count == 1

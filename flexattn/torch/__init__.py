@@ -17,7 +17,10 @@ values are read at run time. See docs/ARCHITECTURE.md, "torch.compile".
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+
+from typing import Optional
 
 import numpy as np
 import torch
@@ -40,7 +43,7 @@ from ..problem.validate import check_inputs
 from .. import mods as _mods
 from ..blockmask.build import dense_mask
 from ..mods import MaskMod, Mod, ScoreMod, mask_mod
-from .nested import captures_graph_values, flex_attention_route
+from .nested import captures_graph_values, flex_attention_route, made_in_traced_code
 
 __all__ = ["flex_attention", "decode", "create_block_mask", "create_mask", "BlockMask", "KVCache", "PagedKVCache",
            "MaskMod", "ScoreMod", "mask_mod", "and_masks", "or_masks", "noop_mask", "FlexKernelOptions",
@@ -49,6 +52,7 @@ __all__ = ["flex_attention", "decode", "create_block_mask", "create_mask", "Bloc
 # torch's helpers, framework-free (mods/builtins.py): mask values that trace, compose with
 # ``& |`` and are callable like torch's functions.
 and_masks, or_masks, noop_mask = _mods.and_masks, _mods.or_masks, _mods.noop_mask
+from torch.nn.attention.flex_attention import BlockMask as _TorchBlockMask   # (converted; built in compiled code: nested.py)
 try:   # the type of kernel_options= (a TypedDict in torch): accepted, its keys are advisory
     from torch.nn.attention.flex_attention import FlexKernelOptions
 except ImportError:
@@ -116,8 +120,9 @@ def _block_mask_while_compiling(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZ
     mask = _mods.as_mask(from_id(mask_mod), "mask_mod") if mask_mod is not None else None
     if mask is not None and any(_is_tensor(c) for c in mask.captures):
         raise ValueError("create_block_mask inside a torch.compile'd function: this mask reads tensors, which"
-                         " may change between calls while the graph keeps its block mask; build the block mask"
-                         " outside the compiled function (or pass mask= to flex_attention)")
+                         " may change between calls while the graph keeps its block mask; build it with torch's"
+                         " create_block_mask there (its lists stay values of the graph), or outside the compiled"
+                         " function (or pass mask= to flex_attention)")
     block_mask = _create_block_mask(mask, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE,
                                     separate_full_blocks=separate_full_blocks)
     _COMPILED_BLOCK_MASKS.append(block_mask)
@@ -203,7 +208,7 @@ def flex_attention(
         _remember(prepared_key, query, call, spec, shape)   # the next steps skip checks and planning
         return (out, lse) if return_lse else out
     spec_id = _REGISTRY.register(spec)
-    out, lse = torch.ops.flexattn.attention_fwd(query, key, value, buffers, spec_id)
+    out, lse = torch.ops.flexattn.attention_fwd(query, key, value, buffers, spec_id, [], None)
     return (out, lse) if return_lse else out
 
 
@@ -545,22 +550,28 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
     """
     the_score = score if score is not None else score_mod
     nested_score, nested_mask = captures_graph_values(the_score), captures_graph_values(mask)
-    if nested_score or nested_mask:
-        # A score or mask= function defined in the compiled code, over tensors: torch's HOP
-        # captures it (flexattn/torch/nested.py), the rest of the call is registered here.
+    graph_lists = isinstance(block_mask, _TorchBlockMask) and made_in_traced_code(block_mask)
+    if nested_score or nested_mask or graph_lists:
+        # A score or mask= function defined in the compiled code over tensors, or a torch
+        # block mask built there: torch's HOP captures them (flexattn/torch/nested.py), the
+        # rest of the call is registered here.
+        if graph_lists and mask is not None:
+            raise ValueError("pass either mask= or block_mask= (a block mask carries its own mask_mod)")
         score_rest, mask_rest = (None if nested_score else the_score), (None if nested_mask else mask)
         _guard_numbers(score_rest, mask_rest)
-        base_id, sources, mask_sources = _prepare_for_compile(by_id(score_rest), by_id(block_mask), scale,
-                                                              enable_gqa, by_id(mask_rest), None)
+        base_id, sources, mask_sources = _prepare_for_compile(
+            by_id(score_rest), None if graph_lists else by_id(block_mask), scale, enable_gqa, by_id(mask_rest), None)
         if sources or mask_sources or _score_tensors(score_rest):
-            raise TypeError("under torch.compile, a score or mask= function defined inside the compiled code"
-                            " cannot be combined with one made outside that reads tensors: define both inside,"
-                            " or pass mod values without tensors")
+            raise TypeError("under torch.compile, a score or mask= function defined inside the compiled code (or a"
+                            " torch block mask built there) cannot be combined with a function made outside that"
+                            " reads tensors: define both inside, or pass mod values without tensors")
         out, lse = flex_attention_route(query, key, value, the_score if nested_score else None,
-                                        mask if nested_mask else None, base_id, 1.0 if scale is None else scale)
+                                        mask if nested_mask else None, base_id,
+                                        query.shape[-1] ** -0.5 if scale is None else scale,
+                                        block_mask if graph_lists else None)
         return (out, lse) if return_lse else out
     buffers, spec_id = _compiled_op_inputs((score_mod, block_mask, scale, enable_gqa, mask, score))
-    out, lse = torch.ops.flexattn.attention_fwd(query, key, value, buffers, spec_id)
+    out, lse = torch.ops.flexattn.attention_fwd(query, key, value, buffers, spec_id, [], None)
     return (out, lse) if return_lse else out
 
 
@@ -721,29 +732,50 @@ _REGISTRY = SpecRegistry(_is_tensor)   # the non-tensor half of each op call (co
 
 @torch.library.custom_op("flexattn::attention_fwd", mutates_args=())
 def _attention_fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, buffers: list[torch.Tensor],
-                   spec_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   spec_id: int, lists: list[Optional[torch.Tensor]],
+                   layout: Optional[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse): the kernel for CUDA tensors, the reference for CPU ones. A compiled
-    graph's repeated call launches its ``_OpPrepared`` entry."""
-    if query.is_cuda:
+    graph's repeated call launches its ``_OpPrepared`` entry. ``lists`` / ``layout``: a
+    block mask whose lists are values of the graph (``_with_graph_block_mask``); else
+    ``[]`` / None."""
+    repeatable = query.is_cuda and layout is None
+    if repeatable:
         op_key = _op_key(spec_id, query, key, value)
         entry = _OP_PREPARED.get(op_key)
         if entry is not None and not bounds.enabled():
             hit = entry(query, key, value, buffers)
             if hit is not None:
                 return hit
-    spec = _REGISTRY.bind_operands(spec_id, buffers)
+    spec = _with_graph_block_mask(_REGISTRY.bind_operands(spec_id, buffers), lists, layout)
     if query.is_cuda:
         shape = check_inputs(query, key, value, spec)
         result = _kernel_forward(spec, shape, query, key, value)
-        if op_key not in _OP_PREPARED:
+        if repeatable and op_key not in _OP_PREPARED:
             _OpPrepared.remember(op_key, query, spec, shape, buffers)
         return result
     out, lse = reference.forward(query, key, value, spec)
     return _like(out, query), _like(lse, query, getattr(torch, lse_dtype(query)))
 
 
+def _with_graph_block_mask(spec: AttentionSpec, lists, layout) -> AttentionSpec:
+    """``spec`` with the block mask of a call whose torch ``BlockMask`` was built inside the
+    compiled code (``torch/nested.py``): its lists arrive as op inputs (kv-side then
+    q-side, partial then full, torch's order), ``layout`` = (q block, kv block, Q_LEN,
+    KV_LEN), and the spec's mask is its ``mask_mod``. Converted per call, as eager calls
+    convert a new torch block mask."""
+    if layout is None:
+        return spec
+    from types import SimpleNamespace
+
+    q_block, kv_block, q_len, kv_len = (int(x) for x in layout)
+    torch_like = SimpleNamespace(kv_num_blocks=lists[0], kv_indices=lists[1], full_kv_num_blocks=lists[2],
+                                 full_kv_indices=lists[3], BLOCK_SIZE=(q_block, kv_block),
+                                 seq_lengths=(q_len, kv_len), mask_mod=spec.mask)
+    return dataclasses.replace(spec, block_mask=as_block_mask(torch_like), mask=None)
+
+
 @_attention_fwd.register_fake
-def _attention_fwd_fake(query, key, value, buffers, spec_id):
+def _attention_fwd_fake(query, key, value, buffers, spec_id, lists, layout):
     spec = _REGISTRY.get(spec_id)
     shape = check_inputs(query, key, value, spec)  # shape errors surface while compiling
     _block_lists_to_device(spec, shape, query.device)
@@ -846,21 +878,24 @@ def _attention_fwd_max(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 @_attention_fwd_max.register_fake
 def _(query, key, value, buffers, spec_id):
-    out, lse = _attention_fwd_fake(query, key, value, buffers, spec_id)
+    out, lse = _attention_fwd_fake(query, key, value, buffers, spec_id, [], None)
     return out, lse, torch.empty_like(lse)
 
 
 @torch.library.custom_op("flexattn::attention_bwd", mutates_args=())
 def _attention_bwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, d_out: torch.Tensor, d_lse: torch.Tensor | None,
-                   buffers: list[torch.Tensor], spec_id: int,
-                   grad_mask: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+                   buffers: list[torch.Tensor], spec_id: int, grad_mask: int,
+                   lists: list[Optional[torch.Tensor]], layout: Optional[list[int]],
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """(dq, dk, dv, d_buffers): the backward kernels for CUDA tensors, the reference for CPU
     ones. ``out``/``lse`` are the forward's outputs (the kernels start from them; the exact
     reference recomputes its own). ``d_buffers[i]`` is zeros for buffers without a gradient
     and for those whose bit in ``grad_mask`` is clear (not requiring grad: the kernel then
-    skips their gradient entirely). All outputs are contiguous."""
-    if query.is_cuda:
+    skips their gradient entirely). All outputs are contiguous. ``lists`` / ``layout``: as
+    ``attention_fwd``'s."""
+    repeatable = query.is_cuda and layout is None
+    if repeatable:
         op_key = ("bwd", grad_mask, torch.are_deterministic_algorithms_enabled(), d_lse is None,
                   *_op_key(spec_id, query, key, value))
         entry = _OP_PREPARED.get(op_key)
@@ -868,11 +903,11 @@ def _attention_bwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             hit = entry(query, key, value, out, lse, d_out, d_lse, buffers)
             if hit is not None:
                 return hit
-    spec = _REGISTRY.bind_operands(spec_id, buffers)
+    spec = _with_graph_block_mask(_REGISTRY.bind_operands(spec_id, buffers), lists, layout)
     shape = check_inputs(query, key, value, spec)
     if query.is_cuda:
         grads = _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buffers, grad_mask)
-        if op_key not in _OP_PREPARED:
+        if repeatable and op_key not in _OP_PREPARED:
             _OpPreparedBackward.remember(op_key, spec, shape, query, grad_mask, buffers)
         return grads
     grads = reference.backward(query, key, value, d_out, d_lse, spec)
@@ -891,7 +926,7 @@ def _grad_captures(spec: AttentionSpec, grad_mask: int) -> tuple:
 
 
 @_attention_bwd.register_fake
-def _(query, key, value, out, lse, d_out, d_lse, buffers, spec_id, grad_mask):
+def _(query, key, value, out, lse, d_out, d_lse, buffers, spec_id, grad_mask, lists, layout):
     def new(x):
         return x.new_empty(x.shape)  # contiguous, as the real outputs
 
@@ -924,23 +959,30 @@ def _buffer_grads(tensor_slots: tuple, capture_grads, buffers) -> list:
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, buffers, spec_id = inputs
+    query, key, value, buffers, spec_id, *graph_block_mask = inputs
+    lists, layout = graph_block_mask if graph_block_mask else ([], None)   # (attention_fwd_max: none)
     out, lse = output
-    ctx.save_for_backward(query, key, value, out, lse, *buffers)
+    ctx.save_for_backward(query, key, value, out, lse, *buffers, *lists)
     ctx.spec_id = spec_id
     ctx.grad_mask = _grad_mask(buffers)
+    ctx.n_buffers = len(buffers)
+    ctx.layout = layout
+    ctx.inputs = len(inputs)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, d_out, d_lse):
-    query, key, value, out, lse, *buffers = ctx.saved_tensors
+    query, key, value, out, lse, *rest = ctx.saved_tensors
+    buffers, lists = rest[:ctx.n_buffers], list(rest[ctx.n_buffers:])
+    # no gradients for spec_id (and the lists, layout): one None per input of each
+    rest_none = (None,) if ctx.inputs == 5 else (None, [None] * len(lists), None)
     if d_out is None and d_lse is None:
-        return None, None, None, [None] * len(buffers), None
+        return None, None, None, [None] * len(buffers), *rest_none
     if d_out is None:
         d_out = torch.zeros_like(out)
     dq, dk, dv, d_buffers = torch.ops.flexattn.attention_bwd(query, key, value, out, lse, d_out, d_lse, buffers,
-                                                              ctx.spec_id, ctx.grad_mask)
-    return dq, dk, dv, _float_grads(buffers, d_buffers), None
+                                                              ctx.spec_id, ctx.grad_mask, lists, ctx.layout)
+    return dq, dk, dv, _float_grads(buffers, d_buffers), *rest_none
 
 
 def _float_grads(buffers, d_buffers) -> list:

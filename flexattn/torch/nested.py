@@ -37,6 +37,7 @@ from torch._dynamo.comptime import comptime
 MARKER = "FLEXATTN_SPEC"   # kernel_options key: the registry id of the call's other parts
 SCORE_KEY = "FLEXATTN_SCORE"   # kernel_options key: the HOP's score function is the call's
 MASK_KEY = "FLEXATTN_MASK"     # kernel_options key: the HOP's mask function is the call's mask=
+LISTS_KEY = "FLEXATTN_LISTS"   # kernel_options key: the HOP's block mask is the call's (graph lists)
 
 
 _PROBE = threading.local()
@@ -60,13 +61,30 @@ def captures_graph_values(fn) -> bool:
     return _probed()
 
 
+@torch._dynamo.assume_constant_result
+def _probed_source() -> bool:
+    return _PROBE.made_inside
+
+
+def made_in_traced_code(x) -> bool:
+    """Called in code dynamo traces: whether ``x`` was created there (dynamo tracks it
+    without a source: a torch ``BlockMask`` built inside the compiled code, whose lists are
+    values of the graph)."""
+    comptime(lambda ctx: setattr(
+        _PROBE, "made_inside", ctx.get_local("x")._i_will_not_complain_if_bc_breaks_VariableTracker().source is None))
+    return _probed_source()
+
+
 def _keep_score(score, b, h, q_idx, kv_idx):
     return score
 
 
-def flex_attention_route(query, key, value, score_fn, mask_fn, base_id: int, scale: float):
+def flex_attention_route(query, key, value, score_fn, mask_fn, base_id: int, scale: float, block_mask=None):
+    # (``scale``: the call's, resolved; our op reads the registered spec's, torch's own
+    # implementation — another backend than Inductor — this one.)
     """(out, lse) of a compiled call whose score function or ``mask=`` function (or both;
-    None: the registered call's own) was made inside the compiled code: torch's HOP,
+    None: the registered call's own) was made inside the compiled code, or whose torch
+    ``block_mask`` was (its lists and ``mask_mod`` go to the HOP as they are): torch's HOP,
     marked for ``rewrite_marked_calls``."""
     from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
     from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
@@ -81,14 +99,19 @@ def flex_attention_route(query, key, value, score_fn, mask_fn, base_id: int, sca
         return (torch.ones([1, 1, 1], dtype=torch.int32, device=query.device),
                 torch.zeros([1, 1, 1, 1], dtype=torch.int32, device=query.device))
 
-    # Its one block is partial: the mask function (if any) applies to every element.
-    one = TorchBlockMask.from_kv_blocks(*one_block(), BLOCK_SIZE=block, mask_mod=mask_fn,
-                                        seq_lengths=(query.shape[-2], key.shape[-2]), compute_q_blocks=False)
-    one.q_num_blocks, one.q_indices = one_block()   # its own transpose
-    options = {MARKER: base_id, SCORE_KEY: score_fn is not None, MASK_KEY: mask_fn is not None,
-               "OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": False}
-    result = flex_hop(query, key, value, _keep_score if score_fn is None else score_fn, one.as_tuple(), scale,
-                      options)
+    if block_mask is None:
+        # Its one block is partial: the mask function (if any) applies to every element.
+        block_mask = TorchBlockMask.from_kv_blocks(*one_block(), BLOCK_SIZE=block, mask_mod=mask_fn,
+                                                   seq_lengths=(query.shape[-2], key.shape[-2]),
+                                                   compute_q_blocks=False)
+        block_mask.q_num_blocks, block_mask.q_indices = one_block()   # its own transpose
+        lists = False
+    else:
+        lists = True
+    options = {MARKER: base_id, SCORE_KEY: score_fn is not None, MASK_KEY: lists or mask_fn is not None,
+               LISTS_KEY: lists, "OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": False}
+    result = flex_hop(query, key, value, _keep_score if score_fn is None else score_fn, block_mask.as_tuple(),
+                      scale, options)
     return result[0], result[1]      # (some torch versions add the max scores)
 
 
@@ -156,9 +179,15 @@ def rewrite_marked_calls(graph: torch.fx.Graph) -> None:
         else:
             mask_buffers = ()
         spec_id = _REGISTRY.register(spec, pin=True, masks=bool(mask_buffers))
+        lists, layout = [], None
+        if options.get(LISTS_KEY, False):
+            # torch's tuple: (Q_LEN, KV_LEN, kv_num_blocks, kv_indices, full_kv_num_blocks,
+            # full_kv_indices, the q-side four, [later torch: more], Q_BLOCK, KV_BLOCK, mask_mod)
+            lists = list(block_mask[2:6])
+            layout = [block_mask[-3], block_mask[-2], block_mask[0], block_mask[1]]
         with graph.inserting_before(node):
             op = graph.call_function(torch.ops.flexattn.attention_fwd.default,
-                                     (query, key, value, list(score_buffers + mask_buffers), spec_id))
+                                     (query, key, value, list(score_buffers + mask_buffers), spec_id, lists, layout))
         example = node.meta.get("example_value")
         if example is not None:
             op.meta["example_value"] = (example[0], example[1])
@@ -168,7 +197,8 @@ def rewrite_marked_calls(graph: torch.fx.Graph) -> None:
                 raise RuntimeError("flexattn: a compiled call read the HOP's max scores")
             user.args = (op, index)
         graph.erase_node(node)
-    graph.eliminate_dead_code()
+    # No dead-code elimination here: FX's would drop vmap's level bookkeeping (torch's
+    # create_block_mask traces vmapped code); AOT autograd retraces the graph anyway.
 
 
 def _stand_in(node):
@@ -206,4 +236,4 @@ def _closure_over(subgraph, tensors, kind: str):
     return scope["make"](subgraph, *tensors)
 
 
-__all__ = ["MARKER", "captures_graph_values", "flex_attention_route", "rewrite_marked_calls"]
+__all__ = ["MARKER", "captures_graph_values", "flex_attention_route", "made_in_traced_code", "rewrite_marked_calls"]
