@@ -577,3 +577,33 @@ def test_compiled_score_functions_defined_inside_forward_train_on_the_kernels():
             torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
     assert calls, "the compiled call did not reach flexattn's kernels"
     assert counter.frame_count == 1
+
+
+def test_compiled_torch_block_masks_built_inside_train_on_the_kernels():
+    """torch's create_block_mask inside the compiled step over per-step document ids (its
+    lists stay graph values, converted per call by our op): values and gradients equal the
+    eager call with the same torch block mask, for new ids each step, one compilation."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    H, S = 4, 512
+
+    def step(q, k, v, docs):
+        def same_doc(b, h, qi, ki):
+            return (docs[qi] == docs[ki]) & (qi >= ki)
+        bm = torch_create_block_mask(same_doc, None, None, S, S, device="cuda")
+        return fa.flex_attention(q, k, v, block_mask=bm)
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    q, k, v = (torch.randn(2, H, S, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    for width in (100, 37, 300):
+        docs = (torch.arange(S, device="cuda") // width).to(torch.int32)
+        got_out = compiled(q, k, v, docs)
+        got = torch.autograd.grad(got_out.float().square().sum(), (q, k, v))
+        want_out = step(q, k, v, docs)
+        want = torch.autograd.grad(want_out.float().square().sum(), (q, k, v))
+        torch.testing.assert_close(got_out, want_out, atol=2e-2, rtol=2e-2)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    assert counter.frame_count == 1
