@@ -589,3 +589,19 @@ def test_torch_block_masks_built_inside_the_compiled_code():
         for a, b in zip(got_grads, _grads(want, (q, k, v, slopes))):
             torch.testing.assert_close(a, b)
     assert counter.frame_count == 1
+
+
+def test_torch_block_masks_from_outside_are_guarded_by_identity():
+    """A torch block mask passed into the compiled function (built outside) reaches the
+    compile-time preparation (torch 2.11 and later); another one recompiles and is
+    honoured."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    first = torch_create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device="cpu", BLOCK_SIZE=16)
+    second = torch_create_block_mask(lambda b, h, qi, ki: qi - ki <= 3, None, None, S, S, device="cpu",
+                                     BLOCK_SIZE=16)
+    step = torch.compile(lambda q, k, v, bm: fa.flex_attention(q, k, v, block_mask=bm), backend="aot_eager",
+                         fullgraph=True)
+    q, k, v = _qkv(10, grad=False)
+    for bm in (first, second, first):
+        torch.testing.assert_close(step(q, k, v, bm), fa.flex_attention(q, k, v, block_mask=bm))

@@ -43,7 +43,7 @@ from ..problem.validate import check_inputs
 from .. import mods as _mods
 from ..blockmask.build import dense_mask
 from ..mods import MaskMod, Mod, ScoreMod, mask_mod
-from .nested import captures_graph_values, flex_attention_route, made_in_traced_code
+from .nested import captures_graph_values, flex_attention_route, made_in_traced_code, object_token, stashed
 
 __all__ = ["flex_attention", "decode", "create_block_mask", "create_mask", "BlockMask", "KVCache", "PagedKVCache",
            "MaskMod", "ScoreMod", "mask_mod", "and_masks", "or_masks", "noop_mask", "FlexKernelOptions",
@@ -560,7 +560,8 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
         score_rest, mask_rest = (None if nested_score else the_score), (None if nested_mask else mask)
         _guard_numbers(score_rest, mask_rest)
         base_id, sources, mask_sources = _prepare_for_compile(
-            by_id(score_rest), None if graph_lists else by_id(block_mask), scale, enable_gqa, by_id(mask_rest), None)
+            by_id(score_rest), None if graph_lists else _block_mask_token(block_mask), scale, enable_gqa,
+            by_id(mask_rest), None)
         if sources or mask_sources or _score_tensors(score_rest):
             raise TypeError("under torch.compile, a score or mask= function defined inside the compiled code (or a"
                             " torch block mask built there) cannot be combined with a function made outside that"
@@ -581,7 +582,8 @@ def _compiled_op_inputs(call) -> tuple:
     dynamo sees them."""
     score_mod, block_mask, scale, enable_gqa, mask, score = call
     _guard_numbers(score_mod, mask, score)
-    spec_id, sources, mask_sources = _prepare_for_compile(by_id(score_mod), by_id(block_mask), scale, enable_gqa,
+    spec_id, sources, mask_sources = _prepare_for_compile(by_id(score_mod), _block_mask_token(block_mask), scale,
+                                                          enable_gqa,
                                                           by_id(mask), by_id(score))
     mask_tensors = [_follow(mask, path) for path in mask_sources]
     return _compiled_score_tensors(score if score is not None else score_mod, sources) + mask_tensors, spec_id
@@ -688,6 +690,7 @@ def _prepare_for_compile(score_mod, block_mask, scale, enable_gqa, mask, score) 
     ``core.registry.by_id`` made them: some torch versions (2.11) hand an
     ``assume_constant_result`` function only constants, never user objects; dynamo
     evaluates id() of an object at compile time and guards on its identity (ID_MATCH)."""
+    block_mask = stashed(block_mask)
     _check_compiled_block_mask(from_id(block_mask))
     spec = compiled_spec(score_mod, block_mask, scale, enable_gqa, mask, score, _is_tensor, "torch.compile",
                          function_operands=("score_mod", "score", "mask"))
@@ -696,6 +699,16 @@ def _prepare_for_compile(score_mod, block_mask, scale, enable_gqa, mask, score) 
     mask_fn = from_id(mask)
     mask_sources = () if mask_fn is None or isinstance(mask_fn, Mod) else _tensor_sources(mask_fn, spec.mask, "mask")
     return _REGISTRY.register(spec, pin=True, masks=bool(mask_sources)), sources, mask_sources
+
+
+def _block_mask_token(block_mask):
+    """What the compile-time preparation receives for a block mask: ``by_id``'s handle; for
+    a torch ``BlockMask`` made outside the compiled code, its ``nested.object_token`` (torch
+    2.11's dynamo hands constant functions no user objects, and torch's class is not ours
+    to register)."""
+    if isinstance(block_mask, _TorchBlockMask):
+        return object_token(block_mask)
+    return by_id(block_mask)
 
 
 def _check_compiled_block_mask(block_mask) -> None:
@@ -767,11 +780,32 @@ def _with_graph_block_mask(spec: AttentionSpec, lists, layout) -> AttentionSpec:
         return spec
     from types import SimpleNamespace
 
-    q_block, kv_block, q_len, kv_len = (int(x) for x in layout)
-    torch_like = SimpleNamespace(kv_num_blocks=lists[0], kv_indices=lists[1], full_kv_num_blocks=lists[2],
-                                 full_kv_indices=lists[3], BLOCK_SIZE=(q_block, kv_block),
-                                 seq_lengths=(q_len, kv_len), mask_mod=spec.mask)
-    return dataclasses.replace(spec, block_mask=as_block_mask(torch_like), mask=None)
+    layout = tuple(int(x) for x in layout)
+    key = (layout, tuple(_contents_key(t) for t in lists), spec.mask.structure_key,
+           tuple(_contents_key(c) if isinstance(c, torch.Tensor) else (type(c).__name__, c) for c in spec.mask.captures))
+    block_mask = _GRAPH_BLOCK_MASKS.get(key)
+    if block_mask is None:
+        q_block, kv_block, q_len, kv_len = layout
+        torch_like = SimpleNamespace(kv_num_blocks=lists[0], kv_indices=lists[1], full_kv_num_blocks=lists[2],
+                                     full_kv_indices=lists[3], BLOCK_SIZE=(q_block, kv_block),
+                                     seq_lengths=(q_len, kv_len), mask_mod=spec.mask)
+        block_mask = as_block_mask(torch_like)
+        if len(_GRAPH_BLOCK_MASKS) >= 16:
+            _GRAPH_BLOCK_MASKS.pop(next(iter(_GRAPH_BLOCK_MASKS)))
+        _GRAPH_BLOCK_MASKS[key] = block_mask
+    return dataclasses.replace(spec, block_mask=block_mask, mask=None)
+
+
+# Converted graph block masks by list contents (``_contents_key``: a training loop's block
+# mask built outside the graph converts once; one rebuilt per step converts per step).
+_GRAPH_BLOCK_MASKS: dict = {}
+
+
+def _contents_key(t):
+    """What identifies a tensor's current contents: storage, in-place version, shape."""
+    if t is None:
+        return None
+    return (t.device, t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 @_attention_fwd.register_fake

@@ -75,6 +75,27 @@ def made_in_traced_code(x) -> bool:
     return _probed_source()
 
 
+_OBJECTS: dict = {}   # id -> object, stashed while tracing (object_token)
+
+
+def object_token(x):
+    """Called in code dynamo traces, for an object made outside it (an argument, a global):
+    ``("id", id(x))``, with the object itself stashed for ``stashed`` (a ``comptime``
+    hook reads it from dynamo's variable). Evaluating ``id(x)`` makes dynamo guard on the
+    object's identity: another object recompiles."""
+    comptime(lambda ctx: _OBJECTS.__setitem__(
+        id(ctx.get_local("x")._i_will_not_complain_if_bc_breaks_VariableTracker().value),
+        ctx.get_local("x")._i_will_not_complain_if_bc_breaks_VariableTracker().value))
+    return ("id", id(x))
+
+
+def stashed(token):
+    """The object of an ``object_token`` (others pass through); the stash lets it go."""
+    if isinstance(token, tuple) and len(token) == 2 and token[0] == "id" and token[1] in _OBJECTS:
+        return _OBJECTS.pop(token[1])
+    return token
+
+
 def _keep_score(score, b, h, q_idx, kv_idx):
     return score
 
@@ -236,4 +257,5 @@ def _closure_over(subgraph, tensors, kind: str):
     return scope["make"](subgraph, *tensors)
 
 
-__all__ = ["MARKER", "captures_graph_values", "flex_attention_route", "made_in_traced_code", "rewrite_marked_calls"]
+__all__ = ["MARKER", "captures_graph_values", "flex_attention_route", "made_in_traced_code", "object_token",
+           "rewrite_marked_calls", "stashed"]
