@@ -452,6 +452,16 @@ def test_numbers_plain_functions_read_are_guarded():
         _CAP, _WINDOW = 1.0, 10
 
 
+def _assert_same_as_eager(compiled, eager, args, wrt):
+    """``compiled(*args)`` and its gradients with respect to ``wrt`` equal ``eager``'s."""
+    got = compiled(*args)
+    got_grads = _grads(got, wrt)
+    want = eager(*args)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_grads, _grads(want, wrt)):
+        torch.testing.assert_close(a, b)
+
+
 # --- score functions defined inside the compiled code (flexattn/torch/nested.py) ---------------
 
 _CAUSAL16 = fa.create_block_mask(mods.causal(), None, None, S, S, BLOCK_SIZE=16)
@@ -486,13 +496,7 @@ def test_score_functions_defined_inside_the_compiled_code():
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     q, k, v = _qkv(5)
-    params = (q, k, v, model.bias, model.table)
-    got = compiled(q, k, v)
-    got_grads = _grads(got, params)
-    want = model(q, k, v)
-    torch.testing.assert_close(got, want)
-    for a, b in zip(got_grads, _grads(want, params)):
-        torch.testing.assert_close(a, b)
+    _assert_same_as_eager(compiled, model, (q, k, v), (q, k, v, model.bias, model.table))
     for _ in range(3):
         with torch.no_grad():
             model.bias.add_(0.5)
@@ -515,12 +519,7 @@ def test_lambdas_defined_inside_the_compiled_code_with_gqa_and_lse():
     slopes = torch.rand(H, dtype=torch.float64, requires_grad=True)
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(step, backend=counter, fullgraph=True)
-    got = compiled(q, k, v, slopes)
-    got_grads = _grads(got, (q, k, v, slopes))
-    want = step(q, k, v, slopes)
-    torch.testing.assert_close(got, want)
-    for a, b in zip(got_grads, _grads(want, (q, k, v, slopes))):
-        torch.testing.assert_close(a, b)
+    _assert_same_as_eager(compiled, step, (q, k, v, slopes), (q, k, v, slopes))
     for scale in (2.0, 0.5):
         new = (slopes.detach() * scale).requires_grad_()
         torch.testing.assert_close(compiled(q, k, v, new), step(q, k, v, new))
@@ -548,12 +547,7 @@ def test_mask_functions_defined_inside_the_compiled_code():
     docs = (torch.arange(S) // 11).to(torch.int32)
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(step, backend=counter, fullgraph=True)
-    got = compiled(q, k, v, docs, slopes)
-    got_grads = _grads(got, (q, k, v, slopes))
-    want = step(q, k, v, docs, slopes)
-    torch.testing.assert_close(got, want)
-    for a, b in zip(got_grads, _grads(want, (q, k, v, slopes))):
-        torch.testing.assert_close(a, b)
+    _assert_same_as_eager(compiled, step, (q, k, v, docs, slopes), (q, k, v, slopes))
     for width in (5, 17):
         new_docs = (torch.arange(S) // width).to(torch.int32)
         torch.testing.assert_close(compiled(q, k, v, new_docs, slopes), step(q, k, v, new_docs, slopes))
@@ -582,12 +576,7 @@ def test_torch_block_masks_built_inside_the_compiled_code():
     compiled = torch.compile(step, backend=counter, fullgraph=True)
     for width in (11, 5, 17):
         docs = (torch.arange(S) // width).to(torch.int32)
-        got = compiled(q, k, v, docs, slopes)
-        got_grads = _grads(got, (q, k, v, slopes))
-        want = step(q, k, v, docs, slopes)
-        torch.testing.assert_close(got, want)
-        for a, b in zip(got_grads, _grads(want, (q, k, v, slopes))):
-            torch.testing.assert_close(a, b)
+        _assert_same_as_eager(compiled, step, (q, k, v, docs, slopes), (q, k, v, slopes))
     assert counter.frame_count == 1
 
 
