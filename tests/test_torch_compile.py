@@ -594,3 +594,28 @@ def test_torch_block_masks_from_outside_are_guarded_by_identity():
     q, k, v = _qkv(10, grad=False)
     for bm in (first, second, first):
         torch.testing.assert_close(step(q, k, v, bm), fa.flex_attention(q, k, v, block_mask=bm))
+
+
+def test_functions_defined_inside_under_dynamic_shapes_and_mixed_with_outside_tensors():
+    """Under dynamic shapes the HOP route drops the symbolic sizes dynamo lifts beside the
+    tensors (two lengths, one graph, eager values); a mod value over tensors made outside
+    beside a function defined inside over tensors is a clear error."""
+    bias = torch.randn(H, dtype=torch.float64)
+
+    def step(q, k, v, bias):
+        return fa.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[h])
+
+    compiled = torch.compile(step, backend="inductor", fullgraph=True, dynamic=True)
+    q, k, v = _qkv(11, grad=False)
+    for n in (S, S - 7):
+        args = (q[:, :, :n], k[:, :, :n], v[:, :, :n], bias)
+        torch.testing.assert_close(compiled(*args), step(*args))
+
+    alibi = mods.alibi(torch.rand(H, dtype=torch.float64))
+
+    def mixed(q, k, v, docs):
+        return fa.flex_attention(q, k, v, score_mod=alibi, mask=lambda b, h, qi, ki: docs[qi] == docs[ki])
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="define that one inside the compiled code too"):
+        torch.compile(mixed, backend="inductor", fullgraph=True)(q, k, v, _DOCS)

@@ -563,9 +563,10 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
             by_id(score_rest), None if graph_lists else _block_mask_token(block_mask), scale, enable_gqa,
             by_id(mask_rest), None)
         if sources or mask_sources or _score_tensors(score_rest):
-            raise TypeError("under torch.compile, a score or mask= function defined inside the compiled code (or a"
-                            " torch block mask built there) cannot be combined with a function made outside that"
-                            " reads tensors: define both inside, or pass mod values without tensors")
+            raise TypeError("under torch.compile, a score or mask= function defined inside the compiled code over"
+                            " tensors (or a torch block mask built there) cannot be combined with a score or mask"
+                            " made outside that reads tensors (a function or a mod value such as alibi(slopes)):"
+                            " define that one inside the compiled code too")
         out, lse = flex_attention_route(query, key, value, the_score if nested_score else None,
                                         mask if nested_mask else None, base_id,
                                         query.shape[-1] ** -0.5 if scale is None else scale,

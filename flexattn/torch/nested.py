@@ -190,13 +190,14 @@ def rewrite_marked_calls(graph: torch.fx.Graph) -> None:
         module = graph.owning_module
         spec = _REGISTRY.get(options[MARKER])
         if options.get(SCORE_KEY, True):
-            subgraph = getattr(module, score_graph.target)
-            spec = dataclasses.replace(spec, score=_mod_from_graph(subgraph, score_buffers, "score"))
+            score, score_buffers = _mod_from_graph(getattr(module, score_graph.target), score_buffers, "score")
+            spec = dataclasses.replace(spec, score=score)
         else:
             score_buffers = ()
         if options.get(MASK_KEY, False):
-            subgraph = getattr(module, block_mask[-1].target)    # the block mask's mask_mod
-            spec = dataclasses.replace(spec, mask=_mod_from_graph(subgraph, mask_buffers, "mask"))
+            # the block mask's mask_mod
+            mask, mask_buffers = _mod_from_graph(getattr(module, block_mask[-1].target), mask_buffers, "mask")
+            spec = dataclasses.replace(spec, mask=mask)
         else:
             mask_buffers = ()
         spec_id = _REGISTRY.register(spec, pin=True, masks=bool(mask_buffers))
@@ -222,29 +223,49 @@ def rewrite_marked_calls(graph: torch.fx.Graph) -> None:
     # create_block_mask traces vmapped code); AOT autograd retraces the graph anyway.
 
 
-def _stand_in(node):
-    """A zero tensor shaped like the graph input ``node`` (its example value): what the
-    trace captures in the input's place; the op reads the real tensors at run time."""
+def _example(node):
     value = node.meta.get("example_value", node.meta.get("val"))
     if value is None:
-        raise RuntimeError(f"flexattn: no example value for the score function's input {node.name}")
-    return torch.zeros(tuple(int(n) for n in value.shape), dtype=value.dtype)
+        raise RuntimeError(f"flexattn: no example value for the mod function's input {node.name}")
+    return value
+
+
+def _size(n) -> int:
+    """A concrete size for a stand-in (a symbolic one's hint)."""
+    return int(n.node.hint) if isinstance(n, torch.SymInt) else int(n)
 
 
 def _mod_from_graph(subgraph, buffers, kind: str):
-    """The ``ScoreMod`` / ``MaskMod`` of a speculated subgraph (inputs: [score,] b, h, q,
-    kv, then the lifted tensors): its code run on our tracer's proxies, with zero
-    stand-ins of the lifted tensors captured (the op binds the real ones per call)."""
+    """``(mod, op buffers)`` of a speculated subgraph (inputs: [score,] b, h, q, kv, then
+    what dynamo lifted): the ``ScoreMod`` / ``MaskMod`` of its code run on our tracer's
+    proxies, with zero stand-ins of the lifted tensors captured (the op binds the real
+    ones per call), and the lifted tensors in capture order. Under dynamic shapes dynamo
+    also lifts symbolic sizes: unused ones are dropped; a function that computes with
+    one is refused (its value would be baked into the kernel)."""
     from .. import mods
 
-    fn = _closure_over(subgraph, [_stand_in(b) for b in buffers], kind)
-    return mods.score_mod(fn) if kind == "score" else mods.mask_mod(fn)
+    placeholders = [n for n in subgraph.graph.nodes if n.op == "placeholder"]
+    lifted = placeholders[len(placeholders) - len(buffers):]
+    stand_ins, tensors = [], []
+    for buffer, placeholder in zip(buffers, lifted):
+        value = _example(buffer)
+        if isinstance(value, torch.Tensor):
+            stand_ins.append(torch.zeros(tuple(_size(n) for n in value.shape), dtype=value.dtype))
+            tensors.append(buffer)
+        elif not placeholder.users:
+            stand_ins.append(0)          # an unused symbolic size: no capture
+        else:
+            raise TypeError(f"under torch.compile with dynamic shapes, a {kind} function defined inside the compiled"
+                            f" code computes with a symbolic size ({buffer.name}): mark that dimension static"
+                            " (torch._dynamo.mark_static) or compile with dynamic=False")
+    fn = _closure_over(subgraph, stand_ins, kind)
+    return (mods.score_mod(fn) if kind == "score" else mods.mask_mod(fn)), tuple(tensors)
 
 
 def _closure_over(subgraph, tensors, kind: str):
     """``fn(score, b, h, q_idx, kv_idx)`` (a mask: without ``score``) calling ``subgraph``
-    with ``tensors`` after its index arguments: each tensor in a closure cell of its own,
-    where the tracer finds captures."""
+    with ``tensors`` (stand-ins) after its index arguments: each in a closure cell of its
+    own, where the tracer finds captures."""
     names = [f"t{i}" for i in range(len(tensors))]
     packed = "".join(f"{n}, " for n in names)
     args = ("score, " if kind == "score" else "") + "b, h, q_idx, kv_idx"
