@@ -1,27 +1,31 @@
-"""torch.compile: score functions made *inside* the compiled function, through torch's HOP.
+"""torch.compile: mods and block masks made *inside* the compiled code, through torch's HOP.
 
-A ``score_mod`` (or ``mask=``) function defined in the compiled code and closing over
+A ``score_mod`` or ``mask=`` function defined in the compiled code and closing over
 tensors (in a model's ``forward``: ``def score_mod(s, b, h, q, kv): return s + bias[h]``)
-is not a Python object while dynamo traces: it cannot hand it to the compile-time
+is not a Python object while dynamo traces, so it cannot reach the compile-time
 preparation that traces other functions into our IR (``flexattn.torch._prepare_for_compile``;
-``captures_graph_values`` tells these apart). torch's own
-``flex_attention`` higher-order op can: dynamo *speculates* its score function into an FX
-subgraph and lifts the tensors it closes over into graph inputs. So this route
+``captures_graph_values`` tells these apart). Nor can the lists of a torch ``BlockMask``
+built there (``made_in_traced_code``): they are values of the graph. torch's own
+``flex_attention`` higher-order op takes both: dynamo *speculates* its score and mask
+functions into FX subgraphs, lifting the tensors they read into graph inputs, and its
+block-mask tuple carries the lists. So this route
 
-1. calls that HOP (``flex_attention_route``), with a marker in ``kernel_options``: the
-   registry id of the rest of the call (block mask, mask, scale, GQA), and an empty block
-   mask of torch's;
-2. before AOT autograd, a pre-grad pass of Inductor (``rewrite_marked_calls``, installed
-   on the first such call) traces each marked node's score subgraph into a ``ScoreMod``
+1. calls that HOP (``flex_attention_route``) with markers in ``kernel_options``: the
+   registry id of the rest of the call (block mask, mods made outside, scale, GQA) and
+   which of the HOP's functions / lists are the call's (else a one-block torch mask);
+2. before AOT autograd, Inductor's pre-grad pass ``rewrite_marked_calls`` (installed on the
+   first such call) traces each marked node's subgraphs into a ``ScoreMod`` / ``MaskMod``
    (running the subgraph's code on our tracer's proxies, as it traces a user's function;
-   its inputs, the lifted tensors, become the mod's captures) and puts the
-   ``flexattn::attention_fwd`` op in the node's place, with the lifted tensors as its
-   buffers.
+   the lifted tensors become the mods' captures) and puts ``flexattn::attention_fwd`` in
+   the node's place, with the lifted tensors as its buffers and the torch lists, if any,
+   as its ``lists``.
 
 AOT autograd then differentiates our op as any other (its registered backward): the
-gradients reach the closed-over tensors, new tensor values never recompile. The
-route needs Inductor (torch.compile's default backend): other backends leave torch's
-HOP, which runs torch's own kernels.
+gradients reach the closed-over tensors, new tensor values never recompile. The route
+needs Inductor (torch.compile's default backend): other backends leave torch's HOP, which
+runs torch's own implementation. ``object_token`` / ``stashed`` carry a torch block mask
+made *outside* to the compile-time preparation instead (torch 2.11's dynamo hands
+constant functions no user objects).
 """
 
 from __future__ import annotations
@@ -97,23 +101,22 @@ def stashed(token):
 
 
 def _keep_score(score, b, h, q_idx, kv_idx):
+    """The HOP's score function where the call's score is not on this route."""
     return score
 
 
 def flex_attention_route(query, key, value, score_fn, mask_fn, base_id: int, scale: float, block_mask=None):
-    # (``scale``: the call's, resolved; our op reads the registered spec's, torch's own
-    # implementation — another backend than Inductor — this one.)
     """(out, lse) of a compiled call whose score function or ``mask=`` function (or both;
     None: the registered call's own) was made inside the compiled code, or whose torch
     ``block_mask`` was (its lists and ``mask_mod`` go to the HOP as they are): torch's HOP,
-    marked for ``rewrite_marked_calls``."""
+    marked for ``rewrite_marked_calls``. ``scale``: the call's, resolved (our op reads the
+    registered spec's; torch's own implementation, under another backend, this one)."""
     from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
     from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
 
     _install_pass()
-    # One block covering everything (torch's default), without the q-side lists (their
-    # transposition is vmapped code, which must not stay half in the graph once the pass
-    # removes the HOP: dead code is all these nodes become).
+    # One block covering everything (torch's default mask), its own transpose: no
+    # q-side lists computed (vmapped code) for a mask the pass drops.
     block = 1 << 30
 
     def one_block():
