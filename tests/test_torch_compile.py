@@ -619,3 +619,19 @@ def test_functions_defined_inside_under_dynamic_shapes_and_mixed_with_outside_te
     torch._dynamo.reset()
     with pytest.raises(Exception, match="define that one inside the compiled code too"):
         torch.compile(mixed, backend="inductor", fullgraph=True)(q, k, v, _DOCS)
+
+
+def test_max_scores_with_a_score_function_defined_inside():
+    """return_aux=AuxRequest(lse=True, max_scores=True) with a score function defined in the
+    compiled code (the HOP route onto attention_fwd_max): equal to eager."""
+    bias = torch.randn(H, dtype=torch.float64)
+
+    def step(q, k, v, bias):
+        out, aux = fa.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[h],
+                                     return_aux=fa.AuxRequest(lse=True, max_scores=True))
+        return out, aux.lse, aux.max_scores
+
+    q, k, v = _qkv(12, grad=False)
+    got = torch.compile(step, backend="inductor", fullgraph=True)(q, k, v, bias)
+    for a, b in zip(got, step(q, k, v, bias)):
+        torch.testing.assert_close(a, b)

@@ -217,6 +217,9 @@ def _with_max_scores(query, key, value, call, kernel_options):
     its max output (CUDA inference: directly; otherwise through the ``attention_fwd_max``
     custom op, whose autograd is the forward's), the float64 reference on the CPU."""
     if torch.compiler.is_compiling():
+        routed = _compiled_route(query, key, value, call, True)
+        if routed is not None:
+            return routed
         buffers, spec_id = _compiled_op_inputs(call)
         return torch.ops.flexattn.attention_fwd_max(query, key, value, buffers, spec_id)
     spec, shape, records = _checked_call(query, key, value, call, kernel_options)
@@ -548,13 +551,25 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
     identity of the mod / block-mask objects); the score mod's captured tensors are read
     here, where dynamo sees them (parameters become graph inputs and receive gradients).
     """
+    routed = _compiled_route(query, key, value, (score_mod, block_mask, scale, enable_gqa, mask, score), False)
+    if routed is not None:
+        out, lse = routed
+        return (out, lse) if return_lse else out
+    buffers, spec_id = _compiled_op_inputs((score_mod, block_mask, scale, enable_gqa, mask, score))
+    out, lse = torch.ops.flexattn.attention_fwd(query, key, value, buffers, spec_id, [], None)
+    return (out, lse) if return_lse else out
+
+
+def _compiled_route(query, key, value, call, want_max: bool):
+    """(out, lse[, max_scores]) through torch's HOP (flexattn/torch/nested.py) where a score
+    or mask= function was defined in the compiled code over tensors, or a torch block mask
+    was built there; None otherwise (the compile-time preparation takes the call). The
+    rest of the call is registered here."""
+    score_mod, block_mask, scale, enable_gqa, mask, score = call
     the_score = score if score is not None else score_mod
     nested_score, nested_mask = captures_graph_values(the_score), captures_graph_values(mask)
     graph_lists = isinstance(block_mask, _TorchBlockMask) and made_in_traced_code(block_mask)
     if nested_score or nested_mask or graph_lists:
-        # A score or mask= function defined in the compiled code over tensors, or a torch
-        # block mask built there: torch's HOP captures them (flexattn/torch/nested.py), the
-        # rest of the call is registered here.
         if graph_lists and mask is not None:
             raise ValueError("pass either mask= or block_mask= (a block mask carries its own mask_mod)")
         score_rest, mask_rest = (None if nested_score else the_score), (None if nested_mask else mask)
@@ -567,14 +582,15 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
                             " tensors (or a torch block mask built there) cannot be combined with a score or mask"
                             " made outside that reads tensors (a function or a mod value such as alibi(slopes)):"
                             " define that one inside the compiled code too")
-        out, lse = flex_attention_route(query, key, value, the_score if nested_score else None,
-                                        mask if nested_mask else None, base_id,
-                                        query.shape[-1] ** -0.5 if scale is None else scale,
-                                        block_mask if graph_lists else None)
-        return (out, lse) if return_lse else out
-    buffers, spec_id = _compiled_op_inputs((score_mod, block_mask, scale, enable_gqa, mask, score))
-    out, lse = torch.ops.flexattn.attention_fwd(query, key, value, buffers, spec_id, [], None)
-    return (out, lse) if return_lse else out
+        if graph_lists and want_max:
+            raise ValueError("under torch.compile, return_aux=AuxRequest(max_scores=True) with a torch block mask"
+                             " built inside the compiled code is not supported: build it outside, or use"
+                             " flexattn.torch.create_block_mask")
+        return flex_attention_route(query, key, value, the_score if nested_score else None,
+                                    mask if nested_mask else None, base_id,
+                                    query.shape[-1] ** -0.5 if scale is None else scale,
+                                    block_mask if graph_lists else None, want_max)
+    return None
 
 
 def _compiled_op_inputs(call) -> tuple:

@@ -42,6 +42,7 @@ MARKER = "FLEXATTN_SPEC"   # kernel_options key: the registry id of the call's o
 SCORE_KEY = "FLEXATTN_SCORE"   # kernel_options key: the HOP's score function is the call's
 MASK_KEY = "FLEXATTN_MASK"     # kernel_options key: the HOP's mask function is the call's mask=
 LISTS_KEY = "FLEXATTN_LISTS"   # kernel_options key: the HOP's block mask is the call's (graph lists)
+MAX_KEY = "FLEXATTN_MAX"       # kernel_options key: the call wants the row maxima (attention_fwd_max)
 
 
 _PROBE = threading.local()
@@ -105,12 +106,14 @@ def _keep_score(score, b, h, q_idx, kv_idx):
     return score
 
 
-def flex_attention_route(query, key, value, score_fn, mask_fn, base_id: int, scale: float, block_mask=None):
+def flex_attention_route(query, key, value, score_fn, mask_fn, base_id: int, scale: float, block_mask=None,
+                         want_max: bool = False):
     """(out, lse) of a compiled call whose score function or ``mask=`` function (or both;
     None: the registered call's own) was made inside the compiled code, or whose torch
     ``block_mask`` was (its lists and ``mask_mod`` go to the HOP as they are): torch's HOP,
     marked for ``rewrite_marked_calls``. ``scale``: the call's, resolved (our op reads the
-    registered spec's; torch's own implementation, under another backend, this one)."""
+    registered spec's; torch's own implementation, under another backend, this one).
+    ``want_max``: (out, lse, max_scores)."""
     from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
     from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
 
@@ -133,9 +136,14 @@ def flex_attention_route(query, key, value, score_fn, mask_fn, base_id: int, sca
     else:
         lists = True
     options = {MARKER: base_id, SCORE_KEY: score_fn is not None, MASK_KEY: lists or mask_fn is not None,
-               LISTS_KEY: lists, "OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": False}
+               LISTS_KEY: lists, MAX_KEY: want_max, "OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": want_max}
     result = flex_hop(query, key, value, _keep_score if score_fn is None else score_fn, block_mask.as_tuple(),
                       scale, options)
+    if want_max:
+        if len(result) < 3:
+            raise ValueError("under torch.compile, return_aux=AuxRequest(max_scores=True) with a mod defined inside"
+                             " the compiled code needs a torch whose flex_attention returns max scores")
+        return result[0], result[1], result[2]
     return result[0], result[1]      # (some torch versions add the max scores)
 
 
@@ -210,15 +218,22 @@ def rewrite_marked_calls(graph: torch.fx.Graph) -> None:
             # full_kv_indices, the q-side four, [later torch: more], Q_BLOCK, KV_BLOCK, mask_mod)
             lists = list(block_mask[2:6])
             layout = [block_mask[-3], block_mask[-2], block_mask[0], block_mask[1]]
+        buffers = list(score_buffers + mask_buffers)
+        want_max = options.get(MAX_KEY, False)
         with graph.inserting_before(node):
-            op = graph.call_function(torch.ops.flexattn.attention_fwd.default,
-                                     (query, key, value, list(score_buffers + mask_buffers), spec_id, lists, layout))
+            if want_max:    # (no graph lists here: flexattn.torch refuses them with max scores)
+                op = graph.call_function(torch.ops.flexattn.attention_fwd_max.default,
+                                         (query, key, value, buffers, spec_id))
+            else:
+                op = graph.call_function(torch.ops.flexattn.attention_fwd.default,
+                                         (query, key, value, buffers, spec_id, lists, layout))
+        outputs = 3 if want_max else 2
         example = node.meta.get("example_value")
         if example is not None:
-            op.meta["example_value"] = (example[0], example[1])
+            op.meta["example_value"] = tuple(example[:outputs])
         for user in list(node.users):
             index = user.args[1] if user.target is operator.getitem else None
-            if index not in (0, 1):
+            if index not in range(outputs):
                 raise RuntimeError("flexattn: a compiled call read the HOP's max scores")
             user.args = (op, index)
         graph.erase_node(node)
