@@ -819,10 +819,15 @@ _GRAPH_BLOCK_MASKS: dict = {}
 
 
 def _contents_key(t):
-    """What identifies a tensor's current contents: storage, in-place version, shape."""
+    """What identifies a tensor's current contents: storage, in-place version, shape (an
+    inference-mode tensor has no version: a key that never repeats)."""
     if t is None:
         return None
-    return (t.device, t.data_ptr(), t._version, tuple(t.shape), tuple(t.stride()), t.dtype)
+    try:
+        version = t._version
+    except RuntimeError:
+        version = object()
+    return (t.device, t.data_ptr(), version, tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 @_attention_fwd.register_fake
