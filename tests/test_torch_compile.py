@@ -635,3 +635,23 @@ def test_max_scores_with_a_score_function_defined_inside():
     got = torch.compile(step, backend="inductor", fullgraph=True)(q, k, v, bias)
     for a, b in zip(got, step(q, k, v, bias)):
         torch.testing.assert_close(a, b)
+
+
+def test_torch_block_masks_built_inside_with_gqa_lse_and_a_mod_value():
+    """A torch block mask built inside, with GQA and the LSE returned, and beside a mod value
+    without tensors (softcap, made outside): equal to eager."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    cap = mods.softcap(2.0)
+
+    def step(q, k, v, docs):
+        bm = torch_create_block_mask(lambda b, h, qi, ki: (docs[qi] == docs[ki]) & (qi >= ki), None, None, S, S,
+                                     device="cpu", BLOCK_SIZE=16)
+        out, lse = fa.flex_attention(q, k, v, score_mod=cap, block_mask=bm, enable_gqa=True, return_lse=True)
+        return out, lse
+
+    q = _qkv(13, grad=False)[0]
+    k, v = (t[:, : H // 2].contiguous() for t in _qkv(14, grad=False)[:2])
+    got = torch.compile(step, backend="inductor", fullgraph=True)(q, k, v, _DOCS)
+    for a, b in zip(got, step(q, k, v, _DOCS)):
+        torch.testing.assert_close(a, b)
