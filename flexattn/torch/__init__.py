@@ -789,10 +789,10 @@ def _attention_fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 def _with_graph_block_mask(spec: AttentionSpec, lists, layout) -> AttentionSpec:
     """``spec`` with the block mask of a call whose torch ``BlockMask`` was built inside the
-    compiled code (``torch/nested.py``): its lists arrive as op inputs (kv-side then
-    q-side, partial then full, torch's order), ``layout`` = (q block, kv block, Q_LEN,
-    KV_LEN), and the spec's mask is its ``mask_mod``. Converted per call, as eager calls
-    convert a new torch block mask."""
+    compiled code (``torch/nested.py``): its kv-side lists arrive as op inputs (partial
+    then full, torch's order), ``layout`` = (q block, kv block, Q_LEN, KV_LEN), and the
+    spec's mask is its ``mask_mod``. Converted once per list and capture contents
+    (``_GRAPH_BLOCK_MASKS``), as eager calls convert a torch block mask once per object."""
     if layout is None:
         return spec
     from types import SimpleNamespace
@@ -807,9 +807,7 @@ def _with_graph_block_mask(spec: AttentionSpec, lists, layout) -> AttentionSpec:
                                      full_kv_indices=lists[3], BLOCK_SIZE=(q_block, kv_block),
                                      seq_lengths=(q_len, kv_len), mask_mod=spec.mask)
         block_mask = as_block_mask(torch_like)
-        if len(_GRAPH_BLOCK_MASKS) >= 16:
-            _GRAPH_BLOCK_MASKS.pop(next(iter(_GRAPH_BLOCK_MASKS)))
-        _GRAPH_BLOCK_MASKS[key] = block_mask
+        _keep_bounded(_GRAPH_BLOCK_MASKS, key, block_mask, 16)
     return dataclasses.replace(spec, block_mask=block_mask, mask=None)
 
 
@@ -914,10 +912,14 @@ _OP_PREPARED_CAPACITY = 64
 
 
 def _op_remember(op_key, entry) -> None:
-    """Keep ``entry`` for ``op_key``, the oldest entry leaving at capacity."""
-    if len(_OP_PREPARED) >= _OP_PREPARED_CAPACITY:
-        _OP_PREPARED.pop(next(iter(_OP_PREPARED)))
-    _OP_PREPARED[op_key] = entry
+    _keep_bounded(_OP_PREPARED, op_key, entry, _OP_PREPARED_CAPACITY)
+
+
+def _keep_bounded(table: dict, key, value, capacity: int) -> None:
+    """Keep ``value`` for ``key`` in ``table``, the oldest entry leaving at capacity."""
+    if len(table) >= capacity:
+        table.pop(next(iter(table)))
+    table[key] = value
 
 
 @torch.library.custom_op("flexattn::attention_fwd_max", mutates_args=())

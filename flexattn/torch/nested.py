@@ -45,12 +45,17 @@ LISTS_KEY = "FLEXATTN_LISTS"   # kernel_options key: the HOP's block mask is the
 MAX_KEY = "FLEXATTN_MAX"       # kernel_options key: the call wants the row maxima (attention_fwd_max)
 
 
-_PROBE = threading.local()
+_PROBE = threading.local()   # a comptime hook's answer, read back by _probed
 
 
 @torch._dynamo.assume_constant_result
-def _probed() -> bool:
+def _probed():
     return _PROBE.value
+
+
+def _variable(ctx, name: str):
+    """Dynamo's variable of the traced local ``name`` (its internal API: one place)."""
+    return ctx.get_local(name)._i_will_not_complain_if_bc_breaks_VariableTracker()
 
 
 def captures_graph_values(fn) -> bool:
@@ -66,21 +71,20 @@ def captures_graph_values(fn) -> bool:
     return _probed()
 
 
-@torch._dynamo.assume_constant_result
-def _probed_source() -> bool:
-    return _PROBE.made_inside
-
-
 def made_in_traced_code(x) -> bool:
     """Called in code dynamo traces: whether ``x`` was created there (dynamo tracks it
     without a source: a torch ``BlockMask`` built inside the compiled code, whose lists are
     values of the graph)."""
-    comptime(lambda ctx: setattr(
-        _PROBE, "made_inside", ctx.get_local("x")._i_will_not_complain_if_bc_breaks_VariableTracker().source is None))
-    return _probed_source()
+    comptime(lambda ctx: setattr(_PROBE, "value", _variable(ctx, "x").source is None))
+    return _probed()
 
 
 _OBJECTS: dict = {}   # id -> object, stashed while tracing (object_token)
+
+
+def _stash(ctx) -> None:
+    value = _variable(ctx, "x").value
+    _OBJECTS[id(value)] = value
 
 
 def object_token(x):
@@ -88,9 +92,7 @@ def object_token(x):
     ``("id", id(x))``, with the object itself stashed for ``stashed`` (a ``comptime``
     hook reads it from dynamo's variable). Evaluating ``id(x)`` makes dynamo guard on the
     object's identity: another object recompiles."""
-    comptime(lambda ctx: _OBJECTS.__setitem__(
-        id(ctx.get_local("x")._i_will_not_complain_if_bc_breaks_VariableTracker().value),
-        ctx.get_local("x")._i_will_not_complain_if_bc_breaks_VariableTracker().value))
+    comptime(_stash)
     return ("id", id(x))
 
 
