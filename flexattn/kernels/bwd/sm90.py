@@ -870,14 +870,13 @@ class FlashBwdSm90(WarpSpecialized):
         wg_first_thread = cute.make_layout(self.num_mma_wg, stride=128)(wg)
         wg_nm = tiled_mma_nm.get_slice(wg_first_thread)
         wg_nd = tiled_mma_nd.get_slice(wg_first_thread)
+        split = cfg.split_head_dim
         # dV's GEMM: N = the value head dim (the same MMA as dK's where they are equal)
         tiled_mma_nv = tiled_mma_nd
         if const_expr(cfg.head_dim_v != cfg.head_dim):
-            tiled_mma_nv = mma.make_pv_mma(self.dtype, cfg.tile_n, cfg.head_dim_v)
-        split = cfg.split_head_dim
-        if const_expr(cfg.head_dim_v != cfg.head_dim and split):
-            tiled_mma_nv = make_split_mma(self.dtype, cfg.tile_n, cfg.head_dim_v, self.num_mma_wg,
-                                          warpgroup.OperandMajorMode.MN)
+            tiled_mma_nv = (make_split_mma(self.dtype, cfg.tile_n, cfg.head_dim_v, self.num_mma_wg,
+                                           warpgroup.OperandMajorMode.MN) if split
+                            else mma.make_pv_mma(self.dtype, cfg.tile_n, cfg.head_dim_v))
         wg_nv = tiled_mma_nv.get_slice(wg_first_thread)
         wg_md = tiled_mma_md.get_slice(wg_first_thread)
         thr_nm = tiled_mma_nm.get_slice(tidx)
