@@ -61,10 +61,6 @@ def bounds(
     return out[id(node)]
 
 
-def _contains_zero(a: Interval):
-    return (a.lo <= 0) & (a.hi >= 0)
-
-
 def _unbounded(a: Interval):
     return (a.lo == -_INF) | (a.hi == _INF)
 
@@ -92,13 +88,13 @@ def _may_be_nan(n: ir.Node, args, iv: Interval):
         return inherited | ((a.hi == _INF) & (b.hi == _INF)) | ((a.lo == -_INF) & (b.lo == -_INF))
     if op == "mul":
         a, b = args
-        return inherited | (_contains_zero(a) & _unbounded(b)) | (_contains_zero(b) & _unbounded(a))
+        return inherited | (~_excludes_zero(a) & _unbounded(b)) | (~_excludes_zero(b) & _unbounded(a))
     if op in ("truediv", "floordiv"):
         a, b = args
-        return inherited | (_contains_zero(a) & _contains_zero(b)) | (_unbounded(a) & _unbounded(b))
+        return inherited | (~_excludes_zero(a) & ~_excludes_zero(b)) | (_unbounded(a) & _unbounded(b))
     if op == "mod":
         a, b = args
-        return inherited | _contains_zero(b) | _unbounded(a) | _unbounded(b)
+        return inherited | ~_excludes_zero(b) | _unbounded(a) | _unbounded(b)
     if op in ("log", "log2", "sqrt", "rsqrt"):
         return inherited | (args[0].lo < 0)
     return inherited       # neg, abs, minimum, maximum (NaN propagates), exp, tanh, ...
