@@ -91,16 +91,17 @@ def _tile_bounds(Q_LEN, KV_LEN, qb, kvb):
     return q_lo, np.minimum(q_lo + qb, Q_LEN) - 1, kv_lo, np.minimum(kv_lo + kvb, KV_LEN) - 1
 
 
-def tile_verdicts(mask: MaskMod, B, H, Q_LEN, KV_LEN, qb, kvb, values=None) -> np.ndarray:
+def tile_verdicts(mask: MaskMod, B, H, Q_LEN, KV_LEN, qb, kvb, values=None, b_hi=None, h_hi=None) -> np.ndarray:
     """Interval analysis of every tile at once, [B, H, Q_BLOCKS, KV_BLOCKS]: 1 surely all
-    attended, 0 surely none, -1 undecided (no element is evaluated)."""
+    attended, 0 surely none, -1 undecided (no element is evaluated). ``b_hi`` / ``h_hi``
+    (with B / H = 1): one verdict over batches / heads 0..b_hi / 0..h_hi together."""
     values = [to_numpy(c) for c in mask.captures] if values is None else values
     q_lo, q_hi, kv_lo, kv_hi = _tile_bounds(Q_LEN, KV_LEN, qb, kvb)
     nq, nkv = len(q_lo), len(kv_lo)
     b = np.arange(B).reshape(B, 1, 1, 1)
     h = np.arange(H).reshape(1, H, 1, 1)
     ranges = {
-        "b": (b, b), "h": (h, h),
+        "b": (b, b if b_hi is None else b + b_hi), "h": (h, h if h_hi is None else h + h_hi),
         "q": (q_lo.reshape(1, 1, nq, 1), q_hi.reshape(1, 1, nq, 1)),
         "kv": (kv_lo.reshape(1, 1, 1, nkv), kv_hi.reshape(1, 1, 1, nkv)),
     }

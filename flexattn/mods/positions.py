@@ -29,3 +29,24 @@ def limit_keys(mask: MaskMod, kv_lengths) -> MaskMod:
     _check_rank("limit_keys", kv_lengths, (1,))
     name = f"{mask.name} & valid_keys" if mask.name else "valid_keys"
     return mask_mod(lambda b, h, q_idx, kv_idx: mask(b, h, q_idx, kv_idx) & (kv_idx < kv_lengths[b]), name=name)
+
+
+def offset_positions(mod: Mod, q_offset, kv_offset) -> Mod:
+    """``mod`` evaluated at query position ``q_idx + q_offset`` and key position ``kv_idx +
+    kv_offset`` (two numbers): a shard of a longer sequence (context parallelism) sees the
+    global positions. The offsets are captured numbers, runtime kernel arguments, so every
+    shard pair shares one kernel. Where the two are equal one number serves both, so
+    ``q_idx >= kv_idx`` stays exactly causal (the offsets cancel) instead of a band with
+    runtime bounds."""
+    if not isinstance(mod, Mod):
+        raise TypeError(f"offset_positions: expected a mod, got {type(mod).__name__}")
+    q_offset, kv_offset = int(q_offset), int(kv_offset)
+    name = f"{mod.name}@shard" if mod.name else None
+    if q_offset == kv_offset:
+        both = q_offset
+        if isinstance(mod, MaskMod):
+            return mask_mod(lambda b, h, q_idx, kv_idx: mod(b, h, q_idx + both, kv_idx + both), name=name)
+        return score_mod(lambda s, b, h, q_idx, kv_idx: mod(s, b, h, q_idx + both, kv_idx + both), name=name)
+    if isinstance(mod, MaskMod):
+        return mask_mod(lambda b, h, q_idx, kv_idx: mod(b, h, q_idx + q_offset, kv_idx + kv_offset), name=name)
+    return score_mod(lambda s, b, h, q_idx, kv_idx: mod(s, b, h, q_idx + q_offset, kv_idx + kv_offset), name=name)

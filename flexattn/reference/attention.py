@@ -52,20 +52,27 @@ def forward(q, k, v, spec: AttentionSpec | None = None, dtype=np.float64, max_sc
 
 
 def backward(q, k, v, d_out, d_lse=None, spec: AttentionSpec | None = None, dtype=np.float64,
-             out=None) -> Gradients:
+             out=None, lse=None) -> Gradients:
     """Gradients of ``sum(out·d_out) + sum(lse·d_lse)`` w.r.t. q, k, v and score-mod buffers.
 
     ``out``: the forward output as a FlashAttention-style backward sees it (stored in
     bf16/fp16). If given, ``delta = rowsum(d_out·out)`` uses it instead of the exact
     output, which reproduces that backward's one inherent rounding: buffer gradients
     are sums with heavy cancellation, so the bf16 rounding of ``out`` alone moves them
-    by ~2% (ALiBi slopes) while dq/dk/dv barely change."""
+    by ~2% (ALiBi slopes) while dq/dk/dv barely change.
+
+    ``lse`` (with ``out``): the row statistics of a longer attention this call is one key
+    shard of (context parallelism): probabilities are ``exp(s' - lse)`` instead of this
+    call's own softmax, so the gradients are this shard's part of the whole's."""
     spec = spec or AttentionSpec()
+    if lse is not None and out is None:
+        raise ValueError("backward(lse=...) needs the whole attention's out as well")
     shape = check_inputs(q, k, v, spec)
     q, k, v = (_host(x, dtype) for x in (q, k, v))
     d_out = _host(d_out, dtype)
     d_lse = None if d_lse is None else _host(d_lse, dtype)
     out = None if out is None else _host(out, dtype)
+    lse = None if lse is None else _host(lse, dtype)
     if d_out.shape != (shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim):
         raise ValueError(f"d_out has shape {d_out.shape}, expected the output's {tuple(q.shape[:3]) + (shape.v_head_dim,)}")
     problem = _Problem(spec, shape, dtype)
@@ -75,7 +82,7 @@ def backward(q, k, v, d_out, d_lse=None, spec: AttentionSpec | None = None, dtyp
     for b in range(shape.batch):
         for h in range(shape.q_heads):
             hk = h // shape.group
-            p, _, raw, env, _ = problem.probabilities(b, h, q[b, h], k[b, hk])
+            p, _, raw, env, _ = problem.probabilities(b, h, q[b, h], k[b, hk], None if lse is None else lse[b, h])
             o = p @ v[b, hk] if out is None else out[b, h]
             dv[b, hk] += p.T @ d_out[b, h]
             dp = d_out[b, h] @ v[b, hk].T
@@ -125,9 +132,10 @@ class _Problem:
         inner = evaluate(bm.mask_mod.expr, env, self.mask_values)
         return (tile == FULL) | ((tile == PARTIAL) & inner)
 
-    def probabilities(self, b, h, qh, kh):
+    def probabilities(self, b, h, qh, kh, given_lse=None):
         """Softmax probabilities [Q, KV], row lse, raw scores, the index env and the row max
-        of the scaled, modded, masked scores (the forward's max_scores)."""
+        of the scaled, modded, masked scores (the forward's max_scores). ``given_lse``:
+        probabilities against these row statistics instead of this call's own."""
         raw = (qh @ kh.T) * self.scale
         env = {"b": b, "h": h, "q": self.q_idx, "kv": self.kv_idx}
         s = raw
@@ -144,6 +152,9 @@ class _Problem:
             total = e.sum(axis=-1, keepdims=True)
             p = np.where(total > 0, e / np.where(total > 0, total, 1.0), 0.0)
             lse = np.where(total[:, 0] > 0, m_safe[:, 0] + np.log(np.where(total[:, 0] > 0, total[:, 0], 1.0)), -np.inf)
+            if given_lse is not None:
+                live = np.isfinite(s) & np.isfinite(given_lse)[:, None]
+                p = np.where(live, np.exp(np.where(live, s - given_lse[:, None], 0.0)), 0.0)
         return p.astype(self.dtype, copy=False), lse, raw, env, m[:, 0]
 
     # -- backward through the score mod ---------------------------------------------------------

@@ -38,7 +38,7 @@ from ..core.kernel_path import (Device, PreparedForward, backward_unsupported, b
 from ..core.prepared import HostCopies, PreparedCalls, PreparedEntry, call_key
 from ..core.registry import SpecRegistry, by_id, compiled_spec, from_id, operand_grad_slots
 from ..problem.kvcache import KVCache, PagedKVCache
-from ..problem.spec import AttentionSpec, lse_dtype
+from ..problem.spec import OPERAND, AttentionSpec, lse_dtype
 from ..problem.validate import check_inputs
 from .. import mods as _mods
 from ..blockmask.build import dense_mask
@@ -832,7 +832,8 @@ def _contents_key(t):
 def _attention_fwd_fake(query, key, value, buffers, spec_id, lists, layout):
     spec = _REGISTRY.get(spec_id)
     shape = check_inputs(query, key, value, spec)  # shape errors surface while compiling
-    _block_lists_to_device(spec, shape, query.device)
+    if layout is None:   # (a graph's own block mask: its lists are graph tensors already)
+        _block_lists_to_device(spec, shape, query.device)
     out = query.new_empty(shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim)
     lse = query.new_empty(shape.batch, shape.q_heads, shape.q_len, dtype=getattr(torch, lse_dtype(query)))
     return out, lse
@@ -1250,6 +1251,9 @@ def _block_lists_to_device(spec: AttentionSpec, shape, device) -> None:
     symbolic sizes the lists are not known yet: the first real call copies them)."""
     if device.type != "cuda" or not all(isinstance(n, int) for n in shape):
         return
+    mask = spec.element_mask
+    if mask is not None and any(c is OPERAND for c in mask.captures):
+        return   # the mask reads op operands (graph values): its lists follow them, built at the real call
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():

@@ -1,0 +1,245 @@
+"""Context parallelism across GPUs (issue 26): weak scaling and torch's context parallelism,
+side by side in one run on one mesh.
+
+For each world size W (one process per GPU, NCCL) the sequence is ``--per-gpu`` tokens per
+GPU (S = W x per-gpu), B1 H16 D128 bf16, under a causal mask and a 16-document causal mask
+(packed documents of random lengths). Rows: ours through ``flexattn.torch.context_parallel``
+(the ring and the all-gather schedule), torch's ``context_parallel`` with SDPA (causal; its
+ring, "alltoall" rotation) and torch's context-parallel flex_attention (compiled, its
+``_ContextParallel`` FLEX style with head-tail load balancing) where this torch has them.
+Times: the slowest rank's median of ``--iters`` CUDA-event timings (forward; forward +
+backward). TFLOP/s per GPU count the attended pairs exactly: 4·B·H·pairs·D (forward),
+x3.5 forward + backward, divided by W. W = 1 is one GPU's single call (the weak-scaling
+reference).
+
+    python3 benchmarks/bench_context_parallel.py --worlds 1 2 4 [--per-gpu 65536] [--iters 5]
+"""
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import sys
+import traceback
+
+import numpy as np
+import torch
+
+B, H, D = 1, 16, 128
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _documents(seq, count=16, seed=0):
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.choice(np.arange(1, seq // 128), count - 1, replace=False)) * 128
+    lengths = np.diff(np.concatenate([[0], cuts, [seq]]))
+    return lengths
+
+
+def _pairs(mask, seq, lengths):
+    if mask == "causal":
+        return seq * (seq + 1) / 2
+    return float(sum(n * (n + 1) / 2 for n in lengths))
+
+
+def _time(fn, iters, dist):
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    t = torch.tensor([float(np.median(times))], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _worker(rank, world, port, args, queue):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    rows = []
+    try:
+        seq = args.per_gpu * world
+        lengths = _documents(seq)
+        doc = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32),
+                                      torch.as_tensor(lengths)).cuda()
+
+        def causal(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+
+        def documents(b, h, q_idx, kv_idx):
+            return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, d_out = (torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+                          for _ in range(4))
+        for mask_name, mask in (("causal", causal), ("documents16", documents)):
+            flops = 4 * B * H * _pairs(mask_name, seq, lengths) * D
+            for impl, run in _implementations(mask_name, mask, q, k, v, d_out, world, rank, dist, args):
+                for phase, train in (("fwd", False), ("fwd+bwd", True)):
+                    try:
+                        ms = _time(lambda: run(train), args.iters, dist)
+                        per_gpu = flops * (3.5 if train else 1.0) / world / (ms * 1e-3) / 1e12
+                        rows.append(dict(world=world, seq=seq, mask=mask_name, impl=impl, phase=phase, ms=ms,
+                                         tflops_per_gpu=per_gpu,
+                                         peak_gib=torch.cuda.max_memory_allocated() / 2**30))
+                    except Exception as e:   # noqa: BLE001 - a baseline this torch lacks: reported as n/a
+                        rows.append(dict(world=world, seq=seq, mask=mask_name, impl=impl, phase=phase, ms=None,
+                                         error=f"{type(e).__name__}: {str(e)[:160]}"))
+                        if rank == 0:
+                            traceback.print_exc()
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+    finally:
+        if rank == 0:
+            queue.put(rows)
+        dist.destroy_process_group()
+
+
+def _implementations(mask_name, mask, q, k, v, d_out, world, rank, dist, args):
+    """(name, run(train)) of every implementation of this mask at this world size."""
+    import flexattn.torch as fa
+    from flexattn.torch import context_parallel as tcp
+
+    seq = q.shape[2]
+    if world == 1:   # one GPU's call as a torch user makes it: the block mask built once
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+        block_mask = fa.create_block_mask(mask, None, None, seq, seq, device="cuda")
+
+        def one(train):
+            if not train:
+                with torch.no_grad():
+                    return fa.flex_attention(*leaves, block_mask=block_mask)
+            out = fa.flex_attention(*leaves, block_mask=block_mask)
+            torch.autograd.grad(out, leaves, d_out)
+        yield "flexattn (1 GPU)", one
+        return
+    layout = tcp.shard_layout(seq, world, mask=mask)
+    shards = [tcp.shard(x, layout).detach().requires_grad_(True) for x in (q, k, v)]
+    d_local = tcp.shard(d_out, layout)
+    for schedule in ("ring", "all_gather"):
+        parallel = tcp.ContextParallel(layout, schedule=schedule)
+
+        def ours(train, parallel=parallel):
+            if not train:
+                with torch.no_grad():
+                    return tcp.flex_attention(*shards, mask=mask, parallel=parallel)
+            out = tcp.flex_attention(*shards, mask=mask, parallel=parallel)
+            torch.autograd.grad(out, shards, d_local)
+        yield f"flexattn {schedule}", ours
+    if mask_name == "causal":
+        yield "torch cp sdpa (ring)", _torch_sdpa(q, k, v, d_out, world)
+    yield "torch cp flex", _torch_flex(mask, q, k, v, d_out, world)
+
+
+def _torch_sdpa(q, k, v, d_out, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mesh = init_device_mesh("cuda", (world,))
+    set_rotate_method("alltoall")
+
+    def run(train):
+        qq, kk, vv = (x.detach().clone().requires_grad_(train) for x in (q, k, v))
+        dd = d_out.clone()
+        with context_parallel(mesh, buffers=[qq, kk, vv, dd], buffer_seq_dims=[2, 2, 2, 2]):
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+                out = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
+                if train:
+                    torch.autograd.grad(out, (qq, kk, vv), dd)
+    return run
+
+
+def _torch_flex(mask, q, k, v, d_out, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental._attention import (_context_parallel_shard, _ContextParallel,
+                                                                  _HeadTailLoadBalancer)
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    mesh = init_device_mesh("cuda", (world,))
+    seq = q.shape[2]
+    compiled = torch.compile(flex_attention)
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v, block_mask):
+            return compiled(q, k, v, block_mask=block_mask)
+
+    attention = parallelize_module(Attention(), mesh, _ContextParallel(
+        seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
+    block_mask = create_block_mask(mask, None, None, seq, seq, device="cuda")
+    balancer = _HeadTailLoadBalancer(seq, world, torch.device("cuda"))
+    shards = _context_parallel_shard(mesh, [q, k, v, d_out], (2, 2, 2, 2), load_balancer=balancer)
+    local_mask = _context_parallel_shard(mesh, [block_mask], (2,), load_balancer=balancer)[0]
+    ql, kl, vl, dl = shards
+
+    def run(train):
+        qq, kk, vv = (x.detach().requires_grad_(train) for x in (ql, kl, vl))
+        out = attention(qq, kk, vv, local_mask)
+        if train:
+            torch.autograd.grad(out, (qq, kk, vv), dl)
+    return run
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worlds", nargs="*", type=int, default=[1, 2])
+    ap.add_argument("--per-gpu", type=int, default=65536)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    rows = []
+    for world in args.worlds:
+        if world > torch.cuda.device_count():
+            print(f"world {world}: only {torch.cuda.device_count()} GPUs", flush=True)
+            continue
+        queue = ctx.Queue()
+        port = _port()
+        procs = [ctx.Process(target=_worker, args=(r, world, port, args, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        rows += queue.get(timeout=3000)
+        for p in procs:
+            p.join()
+        print(f"world {world} done", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    base = {(r["mask"], r["phase"]): r["tflops_per_gpu"] for r in rows if r["world"] == 1 and r.get("ms")}
+    print(f"\n{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC  {torch.cuda.get_device_name()}  per GPU "
+          f"{args.per_gpu} tokens, B{B} H{H} D{D} bf16")
+    print("| W | S | mask | impl | phase | ms | TFLOP/s per GPU | vs 1 GPU | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r.get("ms") is None:
+            print(f"| {r['world']} | {r['seq']} | {r['mask']} | {r['impl']} | {r['phase']} | n/a ({r['error']}) |")
+            continue
+        ref = base.get((r["mask"], r["phase"]))
+        scale = f"{r['tflops_per_gpu'] / ref:.2f}" if ref else "—"
+        print(f"| {r['world']} | {r['seq']} | {r['mask']} | {r['impl']} | {r['phase']} | {r['ms']:.2f} | "
+              f"{r['tflops_per_gpu']:.1f} | {scale} | {r['peak_gib']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

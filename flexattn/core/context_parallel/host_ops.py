@@ -1,0 +1,65 @@
+"""The schedules' array operations on host (numpy) arrays, attention by the exact reference:
+the framework-free CPU path, and the oracle the adapters' operations are tested against."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ... import reference
+
+
+class HostOps:
+    """``ops`` for ``schedule`` over numpy [B, H, S, D] arrays (float64 work)."""
+
+    def attention(self, q, k, v, spec):
+        return reference.forward(q, k, v, spec)
+
+    def attention_backward(self, q, k, v, out, lse, d_out, d_lse, spec):
+        grads = reference.backward(q, k, v, d_out, d_lse, spec, out=out, lse=lse)
+        captures = spec.score.captures if spec.score is not None else ()
+        by_id = {id(c): g for c, g in zip(captures, grads.d_captures) if g is not None}
+        return grads.dq, grads.dk, grads.dv, by_id
+
+    def rows(self, x, start, stop):
+        return x[:, :, start:stop]
+
+    def cat(self, parts):
+        return np.concatenate(parts, axis=2)
+
+    def stats(self, q, v):
+        b, h, s = q.shape[:3]
+        return np.zeros((b, h, s, v.shape[-1])), np.full((b, h, s), -np.inf)
+
+    def merge(self, acc, lse, start, stop, out_j, lse_j):
+        merge_rows(acc[:, :, start:stop], lse[:, :, start:stop], out_j, lse_j)
+        return acc, lse
+
+    def finish(self, acc, like):
+        return acc.astype(np.result_type(like, np.float32), copy=False)
+
+    def zeros(self, x):
+        return np.zeros(np.shape(x))
+
+    def add_rows(self, acc, start, stop, x):
+        acc[:, :, start:stop] += x
+        return acc
+
+    def add(self, a, b):
+        return a + b
+
+    def cast(self, x, like):
+        return x.astype(np.asarray(like).dtype, copy=False)
+
+
+def merge_rows(acc, lse, out_j, lse_j) -> None:
+    """``acc``/``lse`` (views, updated in place) ← the softmax-weighted merge of the two
+    partial attentions: lse = logaddexp(lse, lse_j), acc = acc·e^(lse₀−lse) + out_j·e^(lse_j−lse).
+    Rows empty on both sides stay 0 / −inf."""
+    new = np.logaddexp(lse, lse_j)
+    live = np.isfinite(new)
+    safe = np.where(live, new, 0.0)
+    w0 = np.where(live, np.exp(np.where(np.isfinite(lse), lse, -np.inf) - safe), 0.0)
+    w1 = np.where(live, np.exp(np.where(np.isfinite(lse_j), lse_j, -np.inf) - safe), 0.0)
+    acc *= w0[..., None]
+    acc += w1[..., None] * out_j
+    lse[...] = new

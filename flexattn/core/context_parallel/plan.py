@@ -1,0 +1,163 @@
+"""Which (query chunk, key chunk) pairs a rank computes, and each pair's spec.
+
+Every pair runs the ordinary kernels on a chunk of queries against a chunk of keys, with the
+mods rewritten to global positions (``mods.positions.offset_positions``: the offsets are
+captured numbers, so all pairs share one kernel per structure; a diagonal pair stays
+exactly causal). Interval analysis of the whole mask over chunk-sized tiles, or the block
+mask's tile states, decides each pair: nothing attended → skipped (no launch), everything
+attended → no mask at all (the dense kernel), else the mask at its offsets (a causal mask
+off the diagonal becomes a band with runtime bounds; documents a block mask per pair).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...arrays import to_numpy
+from ...blockmask import BlockMask
+from ...blockmask.layout import EMPTY, FULL
+from ...mods.positions import offset_positions
+from ...mods.structure import diagonal_band
+from ...problem.spec import AttentionSpec
+from .layout import ShardLayout, tile_verdicts_box
+
+
+@dataclass(frozen=True)
+class ShardPair:
+    """One launch: local q rows ``q_rows`` against keys ``kv_rows`` of the K/V buffer in
+    hand (both (start, stop) along the sequence), with ``spec`` at global positions."""
+
+    q_rows: tuple
+    kv_rows: tuple
+    spec: AttentionSpec
+
+
+class ContextParallelPlan:
+    """What rank ``rank`` launches at each ring step (``ring_steps``: the source rank whose
+    K/V it holds, and the pairs), or over all-gathered K/V (``gathered_pairs``).
+
+    ``block_mask_builder(mask, batch, heads, q_len, kv_len)``: builds a pair's block mask
+    where the adapter can (on its device; None: the kernels' path builds one itself)."""
+
+    def __init__(self, spec: AttentionSpec, layout: ShardLayout, rank: int, batch: int, heads: int,
+                 block_mask_builder=None):
+        if not 0 <= rank < layout.world:
+            raise ValueError(f"rank {rank} outside a world of {layout.world}")
+        self.spec, self.layout, self.rank = spec, layout, rank
+        self.batch, self.heads = batch, heads
+        self._builder = block_mask_builder
+        self._offset_mods: dict = {}
+        self._steps = self._gathered = None     # built once: the backward reuses the forward's pairs
+        self.verdicts = _chunk_verdicts(spec, layout, batch, heads)
+        self.position_free = spec.element_mask is None and (
+            spec.score is None or not ({"q", "kv"} & spec.score.depends_on))
+
+    # -- the ring ----------------------------------------------------------------------------
+    def ring_steps(self) -> list:
+        """[(source rank, [ShardPair])] for steps 0 .. world − 1 (step s holds the K/V of
+        rank (rank − s) mod world)."""
+        if self._steps is None:
+            self._steps = self._ring_steps()
+        return self._steps
+
+    def _ring_steps(self) -> list:
+        layout, c = self.layout, self.layout.chunk
+        mine = layout.local_chunks(self.rank)
+        steps = []
+        for s in range(layout.world):
+            src = (self.rank - s) % layout.world
+            if self.position_free:
+                steps.append((src, [ShardPair((0, layout.local_len), (0, layout.local_len), self.spec)]))
+                continue
+            theirs = layout.local_chunks(src)
+            pairs = []
+            for qi, gq in enumerate(mine):
+                for ki, gk in enumerate(theirs):
+                    v = self.verdicts[gq, gk]
+                    if v == 0:
+                        continue
+                    spec = self._pair_spec(gq * c, gk * c, c, c, v)
+                    pairs.append(ShardPair((qi * c, (qi + 1) * c), (ki * c, (ki + 1) * c), spec))
+            steps.append((src, pairs))
+        return steps
+
+    # -- all-gathered K/V ----------------------------------------------------------------------
+    def gathered_pairs(self) -> list:
+        """[ShardPair] over the whole sequence's K/V in global order: each local query
+        chunk against the one range of key chunks it may attend."""
+        if self._gathered is None:
+            self._gathered = self._gathered_pairs()
+        return self._gathered
+
+    def _gathered_pairs(self) -> list:
+        layout, c = self.layout, self.layout.chunk
+        if self.position_free:
+            return [ShardPair((0, layout.local_len), (0, layout.seq_len), self.spec)]
+        pairs = []
+        for qi, gq in enumerate(layout.local_chunks(self.rank)):
+            live = np.flatnonzero(self.verdicts[gq] != 0)
+            if live.size == 0:
+                continue
+            lo, hi = int(live[0]), int(live[-1]) + 1
+            row = self.verdicts[gq, lo:hi]
+            verdict = 1 if np.all(row == 1) else -1
+            spec = self._pair_spec(gq * c, lo * c, c, (hi - lo) * c, verdict)
+            pairs.append(ShardPair((qi * c, (qi + 1) * c), (lo * c, hi * c), spec))
+        return pairs
+
+    # -- a pair's spec -------------------------------------------------------------------------
+    def _pair_spec(self, q0: int, kv0: int, q_len: int, kv_len: int, verdict: int) -> AttentionSpec:
+        spec = self.spec
+        score = spec.score
+        if score is not None and {"q", "kv"} & score.depends_on:
+            score = self._offset(score, q0, kv0)
+        if verdict == 1:
+            return AttentionSpec(score, None, None, spec.scale, spec.enable_gqa)
+        mask = self._offset(spec.element_mask, q0, kv0)
+        block_mask = spec.block_mask
+        if block_mask is not None:
+            bq, bk = block_mask.BLOCK_SIZE
+            states = block_mask.block_states()[..., q0 // bq:(q0 + q_len) // bq, kv0 // bk:(kv0 + kv_len) // bk]
+            sliced = BlockMask(states, (q_len, kv_len), block_mask.BLOCK_SIZE, mask)
+            sliced.from_mask = block_mask.from_mask
+            return AttentionSpec(score, None, sliced, spec.scale, spec.enable_gqa)
+        if self._builder is not None and diagonal_band(mask.expr) is None:
+            built = self._builder(mask, self.batch, self.heads, q_len, kv_len)
+            if built is not None:
+                return AttentionSpec(score, None, built, spec.scale, spec.enable_gqa)
+        return AttentionSpec(score, mask, None, spec.scale, spec.enable_gqa)
+
+    def _offset(self, mod, q0: int, kv0: int):
+        key = (id(mod), q0, kv0)
+        hit = self._offset_mods.get(key)
+        if hit is None:
+            hit = self._offset_mods[key] = offset_positions(mod, q0, kv0)
+        return hit
+
+
+def _chunk_verdicts(spec: AttentionSpec, layout: ShardLayout, batch: int, heads: int) -> np.ndarray:
+    """[chunks, chunks]: 1 every pair of the two chunks attended (for every batch and
+    head), 0 none, -1 some — from the block mask's tile states where there is one, else
+    interval analysis of the mask over chunk-sized tiles."""
+    n, c = layout.num_chunks, layout.chunk
+    block_mask = spec.block_mask
+    if block_mask is not None:
+        bq, bk = block_mask.BLOCK_SIZE
+        if block_mask.seq_lengths != (layout.seq_len, layout.seq_len):
+            raise ValueError(f"the block mask is for lengths {block_mask.seq_lengths}, the sharded sequence has"
+                             f" {layout.seq_len} tokens")
+        if c % bq or c % bk:
+            raise ValueError(f"context parallelism with a block mask needs chunks ({c} tokens) that are whole"
+                             f" blocks ({bq}x{bk}): choose a sequence length or world size to match")
+        states = block_mask.block_states()
+        tiles = states.reshape(-1, n, c // bq, n, c // bk)
+        full = np.all(tiles == FULL, axis=(0, 2, 4))
+        empty = np.all(tiles == EMPTY, axis=(0, 2, 4))
+        return np.where(full, 1, np.where(empty, 0, -1)).astype(np.int8)
+    mask = spec.mask
+    if mask is None:
+        return np.ones((n, n), dtype=np.int8)
+    values = [to_numpy(v) for v in mask.captures]
+    return tile_verdicts_box(mask, batch, heads, layout.seq_len, c, values).astype(np.int8)

@@ -1,0 +1,152 @@
+"""The context-parallel schedules, written once for every framework.
+
+A rank holds its query shard and its K/V shard. *Ring*: the K/V shards travel around the
+ranks (rank r sends to r + 1, receives from r − 1); at each step the rank computes its
+pairs against the K/V in hand while the next shard is already on its way, and merges the
+partial outputs by their log-sum-exp. *All-gather*: every rank gathers all K/V first (one
+collective; cheap when GQA makes K/V small), then runs each query chunk once against the
+key range it may attend. The backwards reuse the forward's global ``out`` and ``lse``, so
+every pair's gradients are exact parts of the whole's: dQ sums locally; dK/dV travel
+around the ring behind the K/V (each rank adds its part and passes the sum on, which
+overlaps the next step's compute) or reduce-scatter back to their owners; gradients of
+captured tensors sum over pairs, then over ranks.
+
+What a framework supplies (duck-typed, see ``flexattn.torch.context_parallel``):
+
+``ops`` — arrays [B, H, S, D] with the sequence at dim 2:
+  ``attention(q, k, v, spec) -> (out, lse)``; ``attention_backward(q, k, v, out, lse,
+  d_out, d_lse, spec) -> (dq, dk, dv, {id(capture): fp32 grad})`` (the captures of
+  ``spec.score`` that want gradients); ``rows(x, start, stop)``
+  (a view); ``cat(parts)`` (along the sequence); ``stats(q, v) -> (out accumulator, lse)``
+  (fp32 zeros, −inf); ``merge(acc, lse, start, stop, out_j, lse_j) -> (acc, lse)``;
+  ``finish(acc, like) -> out``; ``zeros(x) -> fp32 zeros``; ``add_rows(acc, start, stop, x)
+  -> acc``; ``add(a, b)``; ``cast(x, like)``.
+``comm`` — ``rank``, ``world``; ``shift(arrays) -> pending`` (send to rank + 1, receive
+  from rank − 1; ``pending.wait() -> arrays``); ``all_gather(x) -> [x of each rank]``;
+  ``reduce_scatter(parts) -> sum over ranks of their parts[rank]``; ``all_reduce(x)``.
+"""
+
+from __future__ import annotations
+
+from .plan import ContextParallelPlan
+
+
+def ring_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
+    """(out, lse) of the local queries against the whole sequence, K/V around the ring."""
+    acc, lse = ops.stats(q, v)
+    kv = (k, v)
+    steps = plan.ring_steps()
+    for s, (_, pairs) in enumerate(steps):
+        pending = comm.shift(kv) if s + 1 < len(steps) else None
+        kh, vh = kv
+        for pair in pairs:
+            (q0, q1), (k0, k1) = pair.q_rows, pair.kv_rows
+            out_j, lse_j = ops.attention(ops.rows(q, q0, q1), ops.rows(kh, k0, k1), ops.rows(vh, k0, k1), pair.spec)
+            acc, lse = ops.merge(acc, lse, q0, q1, out_j, lse_j)
+        if pending is not None:
+            kv = tuple(pending.wait())
+    return ops.finish(acc, q), lse
+
+
+def ring_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d_out, d_lse, wanted=()):
+    """(dq, dk, dv, [fp32 gradient of each ``wanted`` capture of the score mod (indices into
+    its captures), summed over every rank]) for the local shards."""
+    dq = ops.zeros(q)
+    captures: dict = {}
+    kv = (k, v)
+    passing = None     # the dK/dV sums on their way to this rank from rank − 1
+    steps = plan.ring_steps()
+    for s, (_, pairs) in enumerate(steps):
+        pending = comm.shift(kv) if s + 1 < len(steps) else None
+        kh, vh = kv
+        dk, dv = ops.zeros(kh), ops.zeros(vh)
+        for pair in pairs:
+            (q0, q1), (k0, k1) = pair.q_rows, pair.kv_rows
+            dq_j, dk_j, dv_j, cap_j = ops.attention_backward(
+                ops.rows(q, q0, q1), ops.rows(kh, k0, k1), ops.rows(vh, k0, k1), ops.rows(out, q0, q1),
+                ops.rows(lse, q0, q1), ops.rows(d_out, q0, q1), None if d_lse is None else ops.rows(d_lse, q0, q1),
+                pair.spec)
+            dq = ops.add_rows(dq, q0, q1, dq_j)
+            dk = ops.add_rows(dk, k0, k1, dk_j)
+            dv = ops.add_rows(dv, k0, k1, dv_j)
+            _add_captures(ops, captures, cap_j)
+        if passing is not None:
+            before_k, before_v = passing.wait()
+            dk, dv = ops.add(dk, before_k), ops.add(dv, before_v)
+        passing = comm.shift((dk, dv))       # to rank + 1: after the last step, the owner
+        if pending is not None:
+            kv = tuple(pending.wait())
+    dk, dv = passing.wait()
+    return (ops.cast(dq, q), ops.cast(dk, k), ops.cast(dv, v), _all_reduced(plan, comm, ops, captures, wanted))
+
+
+def gathered_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
+    """(out, lse) of the local queries with every rank's K/V gathered first; also returns
+    the gathered K/V in global order for the backward."""
+    k_all, v_all = _global_order(plan, ops, comm.all_gather(k)), _global_order(plan, ops, comm.all_gather(v))
+    acc, lse = ops.stats(q, v)
+    for pair in plan.gathered_pairs():
+        (q0, q1), (k0, k1) = pair.q_rows, pair.kv_rows
+        out_j, lse_j = ops.attention(ops.rows(q, q0, q1), ops.rows(k_all, k0, k1), ops.rows(v_all, k0, k1), pair.spec)
+        acc, lse = ops.merge(acc, lse, q0, q1, out_j, lse_j)
+    return ops.finish(acc, q), lse, (k_all, v_all)
+
+
+def gathered_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d_out, d_lse, wanted=(),
+                      gathered=None):
+    """The all-gather schedule's backward: dK/dV of the whole sequence reduce-scattered to
+    their owners."""
+    if gathered is None:
+        gathered = (_global_order(plan, ops, comm.all_gather(k)), _global_order(plan, ops, comm.all_gather(v)))
+    k_all, v_all = gathered
+    dq, dk, dv = ops.zeros(q), ops.zeros(k_all), ops.zeros(v_all)
+    captures: dict = {}
+    for pair in plan.gathered_pairs():
+        (q0, q1), (k0, k1) = pair.q_rows, pair.kv_rows
+        dq_j, dk_j, dv_j, cap_j = ops.attention_backward(
+            ops.rows(q, q0, q1), ops.rows(k_all, k0, k1), ops.rows(v_all, k0, k1), ops.rows(out, q0, q1),
+            ops.rows(lse, q0, q1), ops.rows(d_out, q0, q1), None if d_lse is None else ops.rows(d_lse, q0, q1),
+            pair.spec)
+        dq = ops.add_rows(dq, q0, q1, dq_j)
+        dk = ops.add_rows(dk, k0, k1, dk_j)
+        dv = ops.add_rows(dv, k0, k1, dv_j)
+        _add_captures(ops, captures, cap_j)
+    dk = comm.reduce_scatter(_rank_order(plan, ops, dk))
+    dv = comm.reduce_scatter(_rank_order(plan, ops, dv))
+    return ops.cast(dq, q), ops.cast(dk, k), ops.cast(dv, v), _all_reduced(plan, comm, ops, captures, wanted)
+
+
+def _global_order(plan, ops, shards):
+    """The ranks' shards (a list in rank order) as one array in global sequence order."""
+    layout, c = plan.layout, plan.layout.chunk
+    where = {}
+    for r in range(layout.world):
+        for i, g in enumerate(layout.local_chunks(r)):
+            where[g] = (r, i)
+    if all(where[g] == (g, 0) for g in range(layout.num_chunks)):
+        return ops.cat(list(shards))
+    return ops.cat([ops.rows(shards[r], i * c, (i + 1) * c) for r, i in (where[g] for g in range(layout.num_chunks))])
+
+
+def _rank_order(plan, ops, x) -> list:
+    """An array in global order cut into each rank's shard (its chunks concatenated)."""
+    layout, c = plan.layout, plan.layout.chunk
+    return [ops.cat([ops.rows(x, g * c, (g + 1) * c) for g in layout.local_chunks(r)]) for r in range(layout.world)]
+
+
+def _add_captures(ops, captures: dict, grads: dict) -> None:
+    for key, grad in grads.items():
+        if grad is not None:
+            captures[key] = grad if key not in captures else ops.add(captures[key], grad)
+
+
+def _all_reduced(plan, comm, ops, captures: dict, wanted) -> list:
+    """Each wanted capture's gradient summed over ranks (every rank holds the tensor; one
+    all-reduce per capture, in capture order on every rank, zeros where a rank's pairs
+    never read it)."""
+    originals = plan.spec.score.captures if plan.spec.score is not None else ()
+    grads = []
+    for i in wanted:
+        grad = captures.get(id(originals[i]))
+        grads.append(comm.all_reduce(ops.zeros(originals[i]) if grad is None else grad))
+    return grads

@@ -1,0 +1,326 @@
+"""Context parallelism over ``torch.distributed``: attention over a sequence sharded across
+ranks, any mod, forward and backward (``flexattn.core.context_parallel`` holds the
+schedules; this module gives them torch arrays, kernels and a process group).
+
+    import torch.distributed as dist
+    from flexattn.torch import context_parallel as cp
+
+    layout = cp.shard_layout(S, dist.get_world_size(), mask=causal_fn)   # same on every rank
+    q, k, v = (cp.shard(x, layout) for x in (q_full, k_full, v_full))     # this rank's tokens
+    out = cp.flex_attention(q, k, v, score_mod=fn, mask=causal_fn, parallel=cp.ContextParallel(layout))
+    out_full = cp.unshard(out, layout)                                     # if wanted whole
+
+Mods and block masks are written over *global* positions, exactly as for one GPU; each
+rank's shard pairs see their global positions. NCCL on GPUs (K/V travel on NCCL's stream
+while the kernels run on the current one), gloo on CPU (the exact reference: the schedule
+is testable without a GPU). Gradients reach q, k, v and the score mod's captured tensors
+(summed over ranks, since every rank holds them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .. import reference
+from ..blockmask.layout import as_block_mask
+from ..core.context_parallel import (ContextParallelPlan, ShardLayout, choose_layout, gathered_backward,
+                                     gathered_forward, ring_backward, ring_forward)
+from ..core.context_parallel.host_ops import merge_rows
+from ..problem.spec import AttentionSpec, lse_dtype
+from ..problem.validate import check_inputs
+from . import (_grad_mask, _kernel_backward, _kernel_forward, _score_tensors, backward_unsupported,
+               create_block_mask, kernel_unsupported)
+
+SCHEDULES = ("ring", "all_gather")
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """How a call is sharded: the ``layout`` of tokens over ranks (``shard_layout``), the
+    process ``group`` (None: the default group; or a communicator with the schedules'
+    interface, e.g. a ``LoopbackWorld`` member: ranks as threads of one process), and the ``schedule`` — ``"ring"`` (K/V
+    passed rank to rank, overlapped with the kernels; memory per rank ∝ S / world) or
+    ``"all_gather"`` (every rank gathers all K/V first; fewer, larger launches)."""
+
+    layout: ShardLayout
+    group: object = None
+    schedule: str = "ring"
+
+    def __post_init__(self):
+        if not isinstance(self.layout, ShardLayout):
+            raise TypeError(f"layout must be a ShardLayout (from shard_layout), got {type(self.layout).__name__}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+
+
+def shard_layout(seq_len: int, world: int | None = None, mask=None, block_mask=None, batch: int = 1,
+                 heads: int = 1) -> ShardLayout:
+    """The token layout for a mask (a function ``(b, h, q_idx, kv_idx) -> bool``, a
+    ``MaskMod``, or a block mask's own), balanced so every rank attends about as many
+    tiles: contiguous where even already, head-tail under causal, else chunks dealt by
+    their work. Every rank must compute the same layout (it is deterministic)."""
+    world = dist.get_world_size() if world is None else world
+    if block_mask is not None:
+        mask = as_block_mask(block_mask).mask_mod
+    spec = AttentionSpec.from_args(mask=mask) if mask is not None else AttentionSpec()
+    return choose_layout(seq_len, world, spec.mask, batch, heads)
+
+
+def shard(x: torch.Tensor, layout: ShardLayout, rank: int | None = None, dim: int = 2) -> torch.Tensor:
+    """Rank ``rank``'s tokens of a whole-sequence tensor (its chunks, in local order)."""
+    rank = dist.get_rank() if rank is None else rank
+    return x.index_select(dim, torch.as_tensor(layout.positions(rank), device=x.device))
+
+
+def unshard(x: torch.Tensor, layout: ShardLayout, group=None, dim: int = 2) -> torch.Tensor:
+    """The whole sequence from every rank's shard (an all-gather, then global order)."""
+    parts = [torch.empty_like(x) for _ in range(layout.world)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    whole = torch.cat(parts, dim=dim)
+    inverse = np.argsort(layout.order())
+    return whole.index_select(dim, torch.as_tensor(inverse, device=x.device))
+
+
+def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+                   return_lse=False, *, parallel: ContextParallel, mask=None, score=None):
+    """``flexattn.torch.flex_attention`` on this rank's shards ([B, H, S / world, D], tokens
+    as ``parallel.layout`` says) of a sequence sharded over ``parallel.group``: returns this
+    rank's rows of the whole attention's output (and lse). Mods and ``block_mask`` (built
+    for the whole sequence) see global positions."""
+    if not isinstance(parallel, ContextParallel):
+        raise TypeError(f"parallel must be a ContextParallel, got {type(parallel).__name__}")
+    group = parallel.group
+    if hasattr(group, "shift"):     # a communicator of its own (core.context_parallel.LoopbackWorld's members)
+        comm = group
+    else:
+        comm = _TorchRing(group, dist.get_rank(group), dist.get_world_size(group))
+    rank, world = comm.rank, comm.world
+    layout = parallel.layout
+    if layout.world != world:
+        raise ValueError(f"the layout is for {layout.world} ranks, the group has {world}")
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4 or x.shape[2] != layout.local_len:
+            raise ValueError(f"{name} must be this rank's shard [B, H, {layout.local_len}, D] of the"
+                             f" {layout.seq_len}-token sequence, got shape {tuple(x.shape)}")
+    spec = AttentionSpec.from_args(score_mod, as_block_mask(block_mask), scale, enable_gqa, mask, score)
+    _check_shard(query, key, value, spec, layout)
+    plan = ContextParallelPlan(spec, layout, rank, query.shape[0], query.shape[1],
+                               block_mask_builder=_device_block_masks(query))
+    buffers = _score_tensors(spec.score)
+    run = _Run(plan, comm, TorchOps(), parallel.schedule,
+               wanted=tuple(i for i, c in enumerate(spec.score.captures if spec.score is not None else ())
+                            if isinstance(c, torch.Tensor) and c.requires_grad and c.is_floating_point()))
+    out, lse = _ContextParallelAttention.apply(query, key, value, run, *buffers)
+    return (out, lse) if return_lse else out
+
+
+def _check_shard(query, key, value, spec, layout) -> None:
+    """The whole call's checks, before any launch or message: shapes, dtypes, GQA, and on
+    CUDA what the kernels support (forward, and backward where autograd records)."""
+    shape = check_inputs(query, key, value, AttentionSpec(spec.score, None, None, spec.scale, spec.enable_gqa))
+    if query.is_cuda:
+        reason = kernel_unsupported(query, shape)
+        records = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+        reason = reason or (backward_unsupported(shape, query) if records else None)
+        if reason:
+            raise ValueError(f"{reason} (CPU tensors run the exact reference for anything else)")
+
+
+def _device_block_masks(query):
+    """A pair's block mask built on the query's GPU (None on CPU: the reference needs none)."""
+    if not query.is_cuda:
+        return None
+
+    def build(mask, batch, heads, q_len, kv_len):
+        deps = mask.depends_on
+        return create_block_mask(mask, batch if "b" in deps else None, heads if "h" in deps else None,
+                                 q_len, kv_len, device=query.device)
+    return build
+
+
+class _Run:
+    """One call's plan, communicator, operations and schedule (what the autograd function
+    carries from forward to backward)."""
+
+    def __init__(self, plan, comm, ops, schedule, wanted):
+        self.plan, self.comm, self.ops, self.schedule, self.wanted = plan, comm, ops, schedule, wanted
+
+    def forward(self, q, k, v):
+        if self.schedule == "all_gather":
+            out, lse, _ = gathered_forward(self.plan, self.comm, self.ops, q, k, v)
+            return out, lse
+        return ring_forward(self.plan, self.comm, self.ops, q, k, v)
+
+    def backward(self, q, k, v, out, lse, d_out, d_lse):
+        args = (self.plan, self.comm, self.ops, q, k, v, out, lse, d_out, d_lse, self.wanted)
+        return gathered_backward(*args) if self.schedule == "all_gather" else ring_backward(*args)
+
+
+class _ContextParallelAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, run, *buffers):
+        q, k, v = (x.detach().contiguous() for x in (query, key, value))
+        out, lse = run.forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse, *buffers)
+        ctx.run = run
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, out, lse, *buffers = ctx.saved_tensors
+        run = ctx.run
+        # every rank takes part in the backward's messages, also one whose rows got no gradient
+        d_out = torch.zeros_like(out) if d_out is None else d_out.contiguous()
+        dq, dk, dv, grads = run.backward(q, k, v, out, lse, d_out, None if d_lse is None else d_lse.contiguous())
+        by_slot = dict(zip(run.wanted, grads))
+        captures = run.plan.spec.score.captures if run.plan.spec.score is not None else ()
+        slots = [i for i, c in enumerate(captures) if isinstance(c, torch.Tensor)]
+        d_buffers = [None if i not in by_slot else by_slot[i].to(b.dtype).reshape(b.shape)
+                     for i, b in zip(slots, buffers)]
+        return (dq, dk, dv, None, *d_buffers)
+
+
+class TorchOps:
+    """The schedules' array operations on torch tensors: the kernels on CUDA (current
+    stream), the float64 reference on CPU; merges and sums in float32 (float64 for
+    float64 inputs)."""
+
+    def attention(self, q, k, v, spec):
+        if q.is_cuda:
+            return _kernel_forward(spec, check_inputs(q, k, v, spec), q, k, v)
+        out, lse = reference.forward(q, k, v, spec)
+        return _tensor(out, q), _tensor(lse, q, getattr(torch, lse_dtype(q)))
+
+    def attention_backward(self, q, k, v, out, lse, d_out, d_lse, spec):
+        captures = spec.score.captures if spec.score is not None else ()
+        if q.is_cuda:
+            buffers = _score_tensors(spec.score)
+            shape = check_inputs(q, k, v, spec)
+            dq, dk, dv, grads = _kernel_backward(spec, shape, q, k, v, out, lse, d_out, d_lse, buffers,
+                                                 _grad_mask(buffers))
+            by_id = {id(b): g.float() for b, g in zip(buffers, grads) if b.requires_grad}
+            return dq, dk, dv, by_id
+        g = reference.backward(q, k, v, d_out, d_lse, spec, out=out, lse=lse)
+        by_id = {id(c): _tensor(d, c, self._work(q)) for c, d in zip(captures, g.d_captures)
+                 if d is not None and isinstance(c, torch.Tensor) and c.requires_grad}
+        return _tensor(g.dq, q), _tensor(g.dk, k), _tensor(g.dv, v), by_id
+
+    @staticmethod
+    def _work(x):
+        return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+    def rows(self, x, start, stop):
+        return x[:, :, start:stop]
+
+    def cat(self, parts):
+        return torch.cat(parts, dim=2)
+
+    def stats(self, q, v):
+        b, h, s = q.shape[:3]
+        acc = torch.zeros(b, h, s, v.shape[-1], dtype=self._work(q), device=q.device)
+        lse = torch.full((b, h, s), -torch.inf, dtype=getattr(torch, lse_dtype(q)), device=q.device)
+        return acc, lse
+
+    def merge(self, acc, lse, start, stop, out_j, lse_j):
+        if acc.device.type == "cpu":
+            merge_rows(acc[:, :, start:stop].numpy(), lse[:, :, start:stop].numpy(),
+                       out_j.to(acc.dtype).numpy(), lse_j.to(lse.dtype).numpy())
+            return acc, lse
+        _merge_rows(acc[:, :, start:stop], lse[:, :, start:stop], out_j, lse_j)
+        return acc, lse
+
+    def finish(self, acc, like):
+        return acc.to(like.dtype)
+
+    def zeros(self, x):
+        return torch.zeros(x.shape, dtype=self._work(x), device=x.device)
+
+    def add_rows(self, acc, start, stop, x):
+        acc[:, :, start:stop] += x
+        return acc
+
+    def add(self, a, b):
+        return a.add_(b)
+
+    def cast(self, x, like):
+        return x.to(like.dtype)
+
+
+def _merge_rows(acc, lse, out_j, lse_j) -> None:
+    """In place on views: the log-sum-exp merge of a partial attention (see
+    ``core.context_parallel.host_ops.merge_rows``); rows empty on both sides stay 0/−inf."""
+    lse_j = lse_j.to(lse.dtype)
+    new = torch.logaddexp(lse, lse_j)
+    live = torch.isfinite(new)
+    safe = torch.where(live, new, torch.zeros_like(new))
+    w0 = torch.where(live, torch.exp(lse - safe), torch.zeros_like(new))
+    w1 = torch.where(live, torch.exp(lse_j - safe), torch.zeros_like(new))
+    acc.mul_(w0.unsqueeze(-1).to(acc.dtype)).add_(out_j.to(acc.dtype) * w1.unsqueeze(-1).to(acc.dtype))
+    lse.copy_(new)
+
+
+def _tensor(array, like, dtype=None):
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device=like.device, dtype=dtype or like.dtype)
+
+
+class _Pending:
+    __slots__ = ("requests", "received")
+
+    def __init__(self, requests, received):
+        self.requests, self.received = requests, received
+
+    def wait(self):
+        for r in self.requests:
+            r.wait()
+        return self.received
+
+
+class _TorchRing:
+    """The schedules' communicator over a ``torch.distributed`` group. Ring messages are
+    posted as one batch of sends and receives (NCCL: on its own stream, ordered after the
+    current stream's work at posting; ``wait`` makes the current stream wait for them)."""
+
+    def __init__(self, group, rank: int, world: int):
+        self.group, self.rank, self.world = group, rank, world
+        self._next = _global_rank(group, (rank + 1) % world)
+        self._prev = _global_rank(group, (rank - 1) % world)
+
+    def shift(self, arrays):
+        sends = [a.contiguous() for a in arrays]
+        received = [torch.empty_like(a) for a in sends]
+        ops = [dist.P2POp(dist.isend, a, self._next, self.group) for a in sends]
+        ops += [dist.P2POp(dist.irecv, r, self._prev, self.group) for r in received]
+        return _Pending(dist.batch_isend_irecv(ops), received)
+
+    def all_gather(self, x) -> list:
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return parts
+
+    def reduce_scatter(self, parts):
+        if dist.get_backend(self.group) == "nccl":
+            out = torch.empty_like(parts[self.rank])
+            dist.reduce_scatter(out, [p.contiguous() for p in parts], group=self.group)
+            return out
+        whole = torch.stack([p.contiguous() for p in parts])     # gloo has no reduce-scatter
+        dist.all_reduce(whole, group=self.group)
+        return whole[self.rank]
+
+    def all_reduce(self, x):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=self.group)
+        return x
+
+
+def _global_rank(group, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+__all__ = ["ContextParallel", "SCHEDULES", "TorchOps", "flex_attention", "shard", "shard_layout", "unshard"]

@@ -1,0 +1,236 @@
+"""GPU: context parallelism on the kernels.
+
+One GPU: the whole ring (and all-gather) schedule run shard by shard in one process, ranks
+as threads (``LoopbackWorld``), every pair on the forward and backward kernels, against one
+``flexattn.torch.flex_attention`` call and the float64 reference: the sharded result's error
+stays within the one call's bounds (test_autograd_gpu.py's tolerances). Several GPUs: the
+public door over NCCL, one process per GPU, autograd to q, k, v and a trainable bias,
+against one GPU's call. Skipped without CUDA (the NCCL part without 2 GPUs).
+"""
+
+import os
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("cutlass")
+
+import flexattn.torch as fa  # noqa: E402
+from flexattn import mods, reference  # noqa: E402
+from flexattn.core import AttentionSpec  # noqa: E402
+from flexattn.core import context_parallel as cp  # noqa: E402
+from flexattn.torch import context_parallel as tcp  # noqa: E402
+
+TOL = (4e-2, 1.5e-2)   # bf16: max error / largest reference value, and relative norm error
+
+
+def _close(what, got, want):
+    got = got.detach().double().cpu().numpy().reshape(np.shape(want))
+    assert not np.isnan(got).any(), f"{what}: NaN elements"
+    ref = max(np.abs(want).max(), 1e-6)
+    err = np.abs(got - want).max()
+    rel = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12)
+    assert err <= TOL[0] * ref and rel <= TOL[1], f"{what}: max err {err:.3g} (ref {ref:.3g}), rel {rel:.3g}"
+
+
+class _SerialKernels(tcp.TorchOps):
+    """The kernels one rank-thread at a time (compiles and launches from one thread at a
+    time); messages between ranks still interleave freely."""
+
+    lock = threading.Lock()
+
+    def attention(self, *args):
+        with self.lock:
+            return super().attention(*args)
+
+    def attention_backward(self, *args):
+        with self.lock:
+            return super().attention_backward(*args)
+
+
+B, H, HK, D = 1, 4, 2, 128
+
+
+def _cases(seq, device):
+    g = torch.Generator().manual_seed(seq)
+    bias = (torch.randn(2 * seq + 1, generator=g, dtype=torch.float64) * 0.5)
+    lengths = torch.tensor([seq // 2 + 128, seq // 4 - 256, seq // 4 + 128])
+    doc = torch.repeat_interleave(torch.arange(3), lengths).to(torch.int32)
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + bias_t[q_idx - kv_idx + seq]
+
+    bias_t = bias.to(device=device, dtype=torch.float32).requires_grad_(True)
+    doc_t = doc.to(device)
+
+    def documents(b, h, q_idx, kv_idx):
+        return (doc_t[q_idx] == doc_t[kv_idx]) & (q_idx >= kv_idx)
+
+    return {
+        "causal": (AttentionSpec.from_args(mask=mods.causal(), enable_gqa=True), None),
+        "window": (AttentionSpec.from_args(mask=mods.sliding_window(300), enable_gqa=True), None),
+        "documents": (AttentionSpec.from_args(mask=documents, enable_gqa=True), None),
+        "alibi": (AttentionSpec.from_args(score=mods.alibi(H), mask=mods.causal(), enable_gqa=True), None),
+        "bias": (AttentionSpec.from_args(score_mod=relative, mask=mods.causal(), enable_gqa=True), bias_t),
+    }
+
+
+@pytest.mark.parametrize("case", ["causal", "window", "documents", "alibi", "bias"])
+@pytest.mark.parametrize("world,schedule", [(2, "ring"), (4, "ring"), (4, "all_gather")])
+def test_schedule_shard_by_shard_matches_one_call(case, world, schedule):
+    seq = 2048
+    torch.manual_seed(world)
+    q = torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, HK, seq, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, HK, seq, D, device="cuda", dtype=torch.bfloat16)
+    d_out = torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16)
+    spec, trained = _cases(seq, "cuda")[case]
+    layout = cp.choose_layout(seq, world, spec.mask, B, H)
+    wanted = [i for i, c in enumerate(spec.score.captures if spec.score is not None else ()) if c is trained]
+    ops = _SerialKernels()
+    build = tcp._device_block_masks(q)
+
+    def serial_build(*args):
+        with _SerialKernels.lock:
+            return build(*args)
+
+    def rank(comm):
+        plan = cp.ContextParallelPlan(spec, layout, comm.rank, B, H, block_mask_builder=serial_build)
+        pos = torch.as_tensor(layout.positions(comm.rank), device="cuda")
+        ql, kl, vl, dl = (x.index_select(2, pos).contiguous() for x in (q, k, v, d_out))
+        if schedule == "ring":
+            out, lse = cp.ring_forward(plan, comm, ops, ql, kl, vl)
+            grads = cp.ring_backward(plan, comm, ops, ql, kl, vl, out, lse, dl, None, wanted)
+        else:
+            out, lse, gathered = cp.gathered_forward(plan, comm, ops, ql, kl, vl)
+            grads = cp.gathered_backward(plan, comm, ops, ql, kl, vl, out, lse, dl, None, wanted, gathered)
+        torch.cuda.synchronize()
+        return pos, out, lse, grads
+
+    results = cp.LoopbackWorld(world).run(rank)
+    whole = {n: torch.zeros_like(x, dtype=torch.float32) for n, x in (("out", d_out), ("dq", q), ("dk", k), ("dv", v))}
+    whole["lse"] = torch.zeros(B, H, seq, device="cuda")
+    for pos, out, lse, (dq, dk, dv, d_caps) in results:
+        for n, x in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
+            whole[n][:, :, pos] = x.float()
+    host = [x.double().cpu().numpy() for x in (q, k, v, d_out)]
+    ref_spec = spec if trained is None else AttentionSpec.from_args(
+        score=spec.score.with_captures(tuple(c.detach().double().cpu().numpy() if c is trained else c
+                                             for c in spec.score.captures)), mask=spec.mask, enable_gqa=True)
+    ref_out, ref_lse = reference.forward(*host[:3], ref_spec)
+    ref = reference.backward(*host, None, ref_spec)
+    for n, want in (("out", ref_out), ("dq", ref.dq), ("dk", ref.dk), ("dv", ref.dv)):
+        _close(f"{case} {n}", whole[n], want)
+    lse_err = np.abs(whole["lse"].double().cpu().numpy() - ref_lse).max()
+    assert lse_err < 2e-2, f"lse error {lse_err}"
+    if trained is not None:
+        want = ref.d_captures[wanted[0]]
+        for *_, (_, _, _, d_caps) in results:
+            _close(f"{case} d_bias", d_caps[0], want)
+    # the same data through one call of the public door: the sharded error is no worse than ~2x its error
+    one = fa.flex_attention(q, k, v, score_mod=spec.score, mask=spec.mask, enable_gqa=True)
+    one_err = (one.double().cpu().numpy() - ref_out)
+    sharded_err = whole["out"].double().cpu().numpy() - ref_out
+    assert np.abs(sharded_err).max() <= 2 * np.abs(one_err).max() + 2e-3
+
+
+def test_the_public_door_runs_threads_of_one_process():
+    """``flexattn.torch.context_parallel.flex_attention`` with a loopback group, forward."""
+    seq, world = 2048, 2
+    q = torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, HK, seq, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, HK, seq, D, device="cuda", dtype=torch.bfloat16)
+    causal = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx  # noqa: E731 - as torch users write it
+    layout = tcp.shard_layout(seq, world, mask=causal)
+
+    def rank(comm):
+        ql, kl, vl = (tcp.shard(x, layout, comm.rank) for x in (q, k, v))
+        with torch.no_grad():
+            return tcp.flex_attention(ql, kl, vl, mask=causal, enable_gqa=True,
+                                      parallel=tcp.ContextParallel(layout, comm))
+
+    for mask in (causal, None):   # compile the pairs' kernels (diagonal: causal; below it: dense) in one thread
+        fa.flex_attention(q[:, :, :256], k[:, :, :256], v[:, :, :256], mask=mask, enable_gqa=True)
+    outs = cp.LoopbackWorld(world).run(rank)
+    torch.cuda.synchronize()
+    whole = torch.empty_like(q)
+    for r, o in enumerate(outs):
+        whole[:, :, torch.as_tensor(layout.positions(r), device="cuda")] = o
+    one = fa.flex_attention(q, k, v, mask=causal, enable_gqa=True)
+    assert (whole.float() - one.float()).abs().max().item() < 2e-2
+
+
+# -- NCCL, one process per GPU ------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_NCCL_CASES = [("causal", "ring"), ("documents", "ring"), ("causal", "all_gather"), ("bias", "ring")]
+
+
+def _nccl_worker(rank, world, port, inputs, results):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    try:
+        q, k, v, d_out = (x.to(f"cuda:{rank}") for x in inputs)
+        seq = q.shape[2]
+        got = {}
+        for case, schedule in _NCCL_CASES:
+            spec, trained = _cases(seq, f"cuda:{rank}")[case]
+            layout = tcp.shard_layout(seq, world, mask=spec.mask)
+            ql, kl, vl = (tcp.shard(x, layout).requires_grad_(True) for x in (q, k, v))
+            out = tcp.flex_attention(ql, kl, vl, score=spec.score, mask=spec.mask, enable_gqa=True,
+                                     parallel=tcp.ContextParallel(layout, schedule=schedule))
+            (out.float() * tcp.shard(d_out, layout).float()).sum().backward()
+            whole = [tcp.unshard(x, layout).float().cpu().numpy() for x in (out.detach(), ql.grad, kl.grad, vl.grad)]
+            if trained is not None:
+                whole.append(trained.grad.cpu().numpy())
+            got[(case, schedule)] = whole
+        results.put((rank, got))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs or more")
+def test_nccl_ranks_match_one_gpu():
+    import torch.multiprocessing as mp
+
+    world = min(torch.cuda.device_count(), 4)
+    seq = 4096
+    torch.manual_seed(7)
+    inputs = [torch.randn(B, H, seq, D, dtype=torch.bfloat16), torch.randn(B, HK, seq, D, dtype=torch.bfloat16),
+              torch.randn(B, HK, seq, D, dtype=torch.bfloat16), torch.randn(B, H, seq, D, dtype=torch.bfloat16)]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_nccl_worker, args=(r, world, port, inputs, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=540) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    q, k, v, d_out = (x.cuda() for x in inputs)
+    for case, schedule in _NCCL_CASES:
+        spec, trained = _cases(seq, "cuda")[case]
+        qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))
+        out = fa.flex_attention(qq, kk, vv, score=spec.score, mask=spec.mask, enable_gqa=True)
+        (out.float() * d_out.float()).sum().backward()
+        expected = [out.detach(), qq.grad, kk.grad, vv.grad] + ([trained.grad] if trained is not None else [])
+        for rank in range(world):
+            for name, a, b in zip(("out", "dq", "dk", "dv", "d_bias"), got[rank][(case, schedule)], expected):
+                b = b.float().cpu().numpy()
+                scale = max(np.abs(b).max(), 1e-6)
+                err = np.abs(a - b).max()
+                assert err <= 3e-2 * scale, f"{case} {schedule} rank {rank} {name}: {err:.3g} (ref {scale:.3g})"

@@ -1,0 +1,290 @@
+"""Context parallelism on the CPU: layouts, the ring and all-gather schedules shard by shard
+against one exact call (ranks as threads), and torch.distributed over gloo with 2 and 4
+processes against one process, forward and gradients (q, k, v and a trainable bias)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import pytest
+
+from flexattn import mods, reference
+from flexattn.blockmask import create_block_mask
+from flexattn.core import context_parallel as cp
+from flexattn.core.context_parallel.host_ops import HostOps
+from flexattn.problem.spec import AttentionSpec
+
+
+# -- layouts -------------------------------------------------------------------------------------
+
+def test_layouts_hold_every_token_once():
+    for layout in (cp.contiguous(96, 3), cp.head_tail(96, 3), cp.balanced(96, 3, np.arange(12.0))):
+        order = layout.order()
+        assert sorted(order) == list(range(96))
+        assert all(len(layout.positions(r)) == 32 for r in range(3))
+    assert cp.head_tail(64, 4).owners == (0, 1, 2, 3, 3, 2, 1, 0)
+
+
+def test_layout_errors_are_clear():
+    with pytest.raises(ValueError, match="equal chunks"):
+        cp.ShardLayout(100, 3, (0, 1, 2))
+    with pytest.raises(ValueError, match="must own"):
+        cp.ShardLayout(64, 2, (0, 0, 0, 1))
+    with pytest.raises(ValueError, match="evenly"):
+        cp.balanced(64, 3, np.ones(4))
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_causal_layout_balances_the_attended_tiles(world):
+    seq = 128 * 16 * world
+    layout = cp.choose_layout(seq, world, mods.causal())
+    weights = cp.mask_weights(mods.causal(), 1, 1, seq, layout.num_chunks)
+    assert cp.imbalance(layout, weights) <= cp.layout.EVEN_ENOUGH
+    # contiguous shards would give the last rank ~1.5x (2 ranks) to ~2x the mean
+    flat = cp.mask_weights(mods.causal(), 1, 1, seq, world)
+    assert cp.imbalance(cp.contiguous(seq, world), flat) > 1.4
+
+
+def test_documents_of_uneven_lengths_are_balanced():
+    seq, world = 8192, 4
+    lengths = np.array([4000, 2000, 1192, 600, 400])
+    doc = np.repeat(np.arange(len(lengths)), lengths)
+    mask = mods.document(doc) & mods.causal()
+    layout = cp.choose_layout(seq, world, mask)
+    weights = cp.mask_weights(mask, 1, 1, seq, layout.num_chunks)
+    assert cp.imbalance(layout, weights) <= cp.layout.EVEN_ENOUGH
+    assert cp.choose_layout(seq, world, None) == cp.contiguous(seq, world)
+    assert cp.choose_layout(seq, world, mods.sliding_window(256)) == cp.contiguous(seq, world)
+
+
+# -- the schedules, ranks as threads -----------------------------------------------------------------
+
+B, H, HK, S, D = 2, 4, 2, 256, 16
+
+
+def _problem(seed):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, H, S, D))
+    k = rng.standard_normal((B, HK, S, D))
+    v = rng.standard_normal((B, HK, S, D))
+    d_out = rng.standard_normal((B, H, S, D))
+    return rng, q, k, v, d_out
+
+
+def _specs(rng):
+    bias = rng.standard_normal(2 * S + 1)
+    doc = np.repeat(np.arange(5), [100, 20, 60, 40, 36])
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + bias[q_idx - kv_idx + S]
+
+    def documents(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    return {
+        "causal": AttentionSpec.from_args(mask=mods.causal(), enable_gqa=True),
+        "window": AttentionSpec.from_args(mask=mods.sliding_window(40), enable_gqa=True),
+        "documents": AttentionSpec.from_args(mask=documents, enable_gqa=True),
+        "alibi": AttentionSpec.from_args(score=mods.alibi(H), mask=mods.causal(), enable_gqa=True),
+        "bias": AttentionSpec.from_args(score_mod=relative, enable_gqa=True),
+        "block_mask": AttentionSpec.from_args(
+            block_mask=create_block_mask(documents, None, None, S, S, BLOCK_SIZE=32), enable_gqa=True),
+    }
+
+
+def _float_captures(spec):
+    if spec.score is None:
+        return []
+    return [i for i, c in enumerate(spec.score.captures) if isinstance(c, np.ndarray) and c.dtype.kind == "f"]
+
+
+def _sharded_run(spec, layout, schedule, q, k, v, d_out):
+    ops = HostOps()
+    wanted = _float_captures(spec)
+
+    def rank(comm):
+        plan = cp.ContextParallelPlan(spec, layout, comm.rank, B, H)
+        pos = layout.positions(comm.rank)
+        ql, kl, vl, dl = q[:, :, pos], k[:, :, pos], v[:, :, pos], d_out[:, :, pos]
+        if schedule == "ring":
+            out, lse = cp.ring_forward(plan, comm, ops, ql, kl, vl)
+            grads = cp.ring_backward(plan, comm, ops, ql, kl, vl, out, lse, dl, None, wanted)
+        else:
+            out, lse, gathered = cp.gathered_forward(plan, comm, ops, ql, kl, vl)
+            grads = cp.gathered_backward(plan, comm, ops, ql, kl, vl, out, lse, dl, None, wanted, gathered)
+        launches = sum(len(pairs) for _, pairs in plan.ring_steps())
+        return pos, out, lse, grads, launches
+
+    return cp.LoopbackWorld(layout.world).run(rank)
+
+
+_LAYOUTS = {
+    "contiguous4": lambda: cp.contiguous(S, 4),
+    "head_tail2": lambda: cp.head_tail(S, 2),
+    "head_tail4": lambda: cp.head_tail(S, 4),
+    "shuffled2": lambda: cp.ShardLayout(S, 2, (1, 0, 0, 1)),
+}
+
+
+@pytest.mark.parametrize("name", ["causal", "window", "documents", "alibi", "bias", "block_mask"])
+@pytest.mark.parametrize("schedule", ["ring", "all_gather"])
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+def test_schedules_match_one_call(name, schedule, layout):
+    rng, q, k, v, d_out = _problem(len(name) * 7 + len(layout))
+    spec = _specs(rng)[name]
+    layout = _LAYOUTS[layout]()
+    out, lse = reference.forward(q, k, v, spec)
+    grads = reference.backward(q, k, v, d_out, None, spec)
+    whole = {n: np.zeros_like(x) for n, x in (("out", out), ("lse", lse), ("dq", q), ("dk", k), ("dv", v))}
+    results = _sharded_run(spec, layout, schedule, q, k, v, d_out)
+    for pos, o, l, (dq, dk, dv, d_caps), _ in results:
+        for n, x in (("out", o), ("lse", l), ("dq", dq), ("dk", dk), ("dv", dv)):
+            whole[n][:, :, pos] = x
+    for n, ref in (("out", out), ("lse", lse), ("dq", grads.dq), ("dk", grads.dk), ("dv", grads.dv)):
+        np.testing.assert_allclose(whole[n], ref, rtol=1e-10, atol=1e-10, err_msg=n)
+    ref_caps = [grads.d_captures[i] for i in _float_captures(spec)]
+    for *_, (_, _, _, d_caps), _ in results:
+        assert len(d_caps) == len(ref_caps)
+        for got, ref in zip(d_caps, ref_caps):
+            np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_pairs_the_mask_excludes_are_skipped():
+    rng, *_ = _problem(0)
+    specs = _specs(rng)
+    layout = cp.contiguous(S, 4)
+    # causal, contiguous: rank r computes the r + 1 pairs at or below the diagonal
+    counts = [sum(len(p) for _, p in cp.ContextParallelPlan(specs["causal"], layout, r, B, H).ring_steps())
+              for r in range(4)]
+    assert counts == [1, 2, 3, 4]
+    # a 40-token window over 64-token shards: the diagonal and the one below it
+    counts = [sum(len(p) for _, p in cp.ContextParallelPlan(specs["window"], layout, r, B, H).ring_steps())
+              for r in range(4)]
+    assert counts == [1, 2, 2, 2]
+    # pairs entirely below the causal diagonal run without a mask (the dense kernel)
+    plan = cp.ContextParallelPlan(specs["causal"], layout, 3, B, H)
+    masks = [pair.spec.mask for _, pairs in plan.ring_steps() for pair in pairs]
+    assert sum(m is None for m in masks) == 3
+    assert mods.structure.is_causal([m for m in masks if m is not None][0])
+
+
+def test_shifted_mods_share_one_structure():
+    from flexattn.mods.positions import offset_positions
+
+    window = mods.sliding_window(100)
+    a, b = offset_positions(window, 512, 0), offset_positions(window, 1024, 256)
+    assert a.structure_key == b.structure_key
+    assert mods.structure.is_causal(offset_positions(mods.causal(), 4096, 4096))
+
+
+# -- torch.distributed over gloo ------------------------------------------------------------------
+
+torch = pytest.importorskip("torch")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_worker(rank, world, port, tensors, results):
+    import torch.distributed as dist
+
+    from flexattn.torch import context_parallel as tcp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        q, k, v, d_out, bias, doc = tensors
+        seq = q.shape[2]
+        out = {}
+        for case, schedule in _GLOO_CASES:
+            score_mod, mask, trained = _gloo_mods(case, bias, doc, seq)
+            layout = tcp.shard_layout(seq, world, mask=mask)
+            ql, kl, vl = (tcp.shard(x, layout).requires_grad_(True) for x in (q, k, v))
+            o, lse = tcp.flex_attention(ql, kl, vl, score_mod=score_mod, mask=mask, enable_gqa=True, return_lse=True,
+                                        parallel=tcp.ContextParallel(layout, schedule=schedule))
+            (o * tcp.shard(d_out, layout)).sum().backward()
+            whole = [tcp.unshard(x, layout) for x in (o.detach(), ql.grad, kl.grad, vl.grad)]
+            whole.append(tcp.unshard(lse.detach(), layout))
+            grads = [trained.grad.numpy()] if trained is not None else []
+            out[(case, schedule)] = [x.numpy() for x in whole] + grads
+        results.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+_GLOO_CASES = [("causal", "ring"), ("documents", "ring"), ("window", "all_gather"), ("alibi", "ring"),
+               ("bias", "ring"), ("bias", "all_gather")]
+
+
+def _gloo_mods(case, bias, doc, seq):
+    """(score_mod, mask, the trained tensor) as torch users write them; a fresh leaf per call."""
+    if case == "causal":
+        return None, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None
+    if case == "documents":
+        return None, lambda b, h, q_idx, kv_idx: (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx), None
+    if case == "window":
+        return None, lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() <= 48, None
+    if case == "alibi":
+        return mods.alibi(H), lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None
+    trained = bias.clone().requires_grad_(True)
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + trained[q_idx - kv_idx + seq]
+    return relative, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, trained
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_processes_match_one_process(world):
+    import torch.multiprocessing as mp
+
+    import flexattn.torch as fa
+
+    torch.manual_seed(world)
+    seq = 256
+    q = torch.randn(B, H, seq, D, dtype=torch.float64)
+    k = torch.randn(B, HK, seq, D, dtype=torch.float64)
+    v = torch.randn(B, HK, seq, D, dtype=torch.float64)
+    d_out = torch.randn(B, H, seq, D, dtype=torch.float64)
+    bias = torch.randn(2 * seq + 1, dtype=torch.float64)
+    doc = torch.repeat_interleave(torch.arange(4), torch.tensor([100, 50, 70, 36]))
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, (q, k, v, d_out, bias, doc), results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for case, schedule in _GLOO_CASES:
+        score_mod, mask, trained = _gloo_mods(case, bias, doc, seq)
+        qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))
+        o, lse = fa.flex_attention(qq, kk, vv, score_mod=score_mod, mask=mask, enable_gqa=True, return_lse=True)
+        (o * d_out).sum().backward()
+        expected = [o.detach(), qq.grad, kk.grad, vv.grad, lse.detach()] + ([trained.grad] if trained is not None else [])
+        for rank in range(world):   # every rank holds the whole result after unshard, and the bias gradient
+            for name, a, b in zip(("out", "dq", "dk", "dv", "lse", "d_bias"), got[rank][(case, schedule)], expected):
+                np.testing.assert_allclose(a, b.numpy(), rtol=1e-9, atol=1e-9, err_msg=f"{case} {schedule} {name}")
+
+
+def test_torch_call_errors_before_any_message():
+    from flexattn.torch import context_parallel as tcp
+
+    world = cp.LoopbackWorld(2)
+    layout = cp.head_tail(64, 2)
+    q = torch.randn(1, 2, 32, 16)
+    with pytest.raises(TypeError, match="ContextParallel"):
+        tcp.flex_attention(q, q, q, parallel=layout)
+    with pytest.raises(ValueError, match="shard"):
+        tcp.flex_attention(q[:, :, :16], q, q, parallel=tcp.ContextParallel(layout, world.member(0)))
+    with pytest.raises(ValueError, match="3 ranks, the group has 2"):
+        tcp.flex_attention(q, q, q, parallel=tcp.ContextParallel(cp.head_tail(96, 3), world.member(0)))
+    with pytest.raises(ValueError, match="schedule"):
+        tcp.ContextParallel(layout, schedule="tree")
