@@ -51,8 +51,8 @@ class ContextParallelPlan:
         self._offset_mods: dict = {}
         self._steps = self._gathered = None     # built once: the backward reuses the forward's pairs
         self.verdicts = _chunk_verdicts(spec, layout, batch, heads)
-        self.position_free = spec.element_mask is None and (
-            spec.score is None or not ({"q", "kv"} & spec.score.depends_on))
+        self.score_position_free = spec.score is None or not ({"q", "kv"} & spec.score.depends_on)
+        self.position_free = spec.element_mask is None and self.score_position_free
 
     # -- the ring ----------------------------------------------------------------------------
     def ring_steps(self) -> list:
@@ -73,15 +73,47 @@ class ContextParallelPlan:
                 continue
             theirs = layout.local_chunks(src)
             pairs = []
+            for (q_lo, q_hi), (k_lo, k_hi) in self._full_blocks(mine, theirs):
+                spec = self._pair_spec(mine[q_lo] * c, theirs[k_lo] * c, (q_hi - q_lo) * c, (k_hi - k_lo) * c, 1)
+                pairs.append(ShardPair((q_lo * c, q_hi * c), (k_lo * c, k_hi * c), spec))
             for qi, gq in enumerate(mine):
                 for ki, gk in enumerate(theirs):
-                    v = self.verdicts[gq, gk]
-                    if v == 0:
-                        continue
-                    spec = self._pair_spec(gq * c, gk * c, c, c, v)
-                    pairs.append(ShardPair((qi * c, (qi + 1) * c), (ki * c, (ki + 1) * c), spec))
+                    if self.verdicts[gq, gk] == -1:
+                        spec = self._pair_spec(gq * c, gk * c, c, c, -1)
+                        pairs.append(ShardPair((qi * c, (qi + 1) * c), (ki * c, (ki + 1) * c), spec))
             steps.append((src, pairs))
         return steps
+
+    def _full_blocks(self, mine, theirs) -> list:
+        """The fully attended chunk pairs of one step as few rectangles as possible: runs of
+        the local key chunks, then of the local query chunks with equal runs, each a launch
+        and a merge instead of one per chunk pair. Chunks join where their global positions
+        continue each other, or anywhere when the score reads no position (the pair runs
+        without a mask). [((q_lo, q_hi), (k_lo, k_hi))] in local chunk indices."""
+        def joins(chunks, i):
+            return self.score_position_free or chunks[i] == chunks[i - 1] + 1
+
+        rows = []
+        for qi, gq in enumerate(mine):
+            runs, start = [], None
+            for ki, gk in enumerate(theirs):
+                full = self.verdicts[gq, gk] == 1
+                if full and start is not None and joins(theirs, ki):
+                    continue
+                if start is not None:
+                    runs.append((start, ki))
+                start = ki if full else None
+            if start is not None:
+                runs.append((start, len(theirs)))
+            rows.append(runs)
+        blocks = []
+        for qi, runs in enumerate(rows):
+            for run in runs:
+                if blocks and blocks[-1][1] == run and blocks[-1][0][1] == qi and joins(mine, qi):
+                    blocks[-1] = ((blocks[-1][0][0], qi + 1), run)
+                else:
+                    blocks.append(((qi, qi + 1), run))
+        return blocks
 
     # -- all-gathered K/V ----------------------------------------------------------------------
     def gathered_pairs(self) -> list:
