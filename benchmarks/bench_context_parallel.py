@@ -170,12 +170,12 @@ def _torch_sdpa(q, k, v, d_out, world):
         qq, kk, vv = (x.detach().clone() for x in (q, k, v))
         dd = d_out.clone()
         with context_parallel(mesh, buffers=[qq, kk, vv, dd], buffer_seq_dims=[2, 2, 2, 2]):
-            for x in (qq, kk, vv):     # (the buffers are sharded in place: leaves only once sharded)
-                x.requires_grad_(train)
+            # (the buffers are sharded in place, and restored on exit: the leaves are views of them)
+            leaves = [x.detach().requires_grad_(train) for x in (qq, kk, vv)]
             with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
-                out = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
+                out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True)
                 if train:
-                    torch.autograd.grad(out, (qq, kk, vv), dd)
+                    torch.autograd.grad(out, leaves, dd)
     return run
 
 

@@ -110,8 +110,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
                              f" {layout.seq_len}-token sequence, got shape {tuple(x.shape)}")
     spec = AttentionSpec.from_args(score_mod, as_block_mask(block_mask), scale, enable_gqa, mask, score)
     _check_shard(query, key, value, spec, layout)
-    plan = ContextParallelPlan(spec, layout, rank, query.shape[0], query.shape[1],
-                               block_mask_builder=_device_block_masks(query))
+    plan = _plan(spec, layout, rank, query)
     buffers = _score_tensors(spec.score)
     run = _Run(plan, comm, TorchOps(), parallel.schedule,
                wanted=tuple(i for i, c in enumerate(spec.score.captures if spec.score is not None else ())
@@ -130,6 +129,45 @@ def _check_shard(query, key, value, spec, layout) -> None:
         reason = reason or (backward_unsupported(shape, query) if records else None)
         if reason:
             raise ValueError(f"{reason} (CPU tensors run the exact reference for anything else)")
+
+
+_PLANS: dict = {}   # see _plan
+_PLANS_CAPACITY = 8
+
+
+def _plan(spec, layout, rank, query) -> ContextParallelPlan:
+    """The call's plan, reused while nothing it was made from changed: the mods' structure,
+    the mask's captured values (a tensor by identity and in-place version: its pair block
+    masks follow its values), the score's captured tensors by identity (pairs read them at
+    run time, so updates in place need no new plan), the block mask object, layout, rank,
+    batch, heads and device. A training step's repeated call skips the pair analysis, the
+    mods' rewrites and the pairs' block-mask builds (host time that would delay its first
+    launch). Bounded: holds at most a few calls' mods and masks alive."""
+    def values(mod, versions):
+        if mod is None:
+            return None
+        return (mod.structure_key, tuple(
+            (id(c), _version(c) if versions else None) if isinstance(c, torch.Tensor) else
+            (id(c),) if isinstance(c, np.ndarray) else c for c in mod.captures))
+
+    key = (values(spec.score, False), values(spec.element_mask, True), id(spec.block_mask), spec.scale,
+           spec.enable_gqa, layout, rank, tuple(query.shape[:2]), query.device)
+    hit = _PLANS.get(key)
+    if hit is not None and hit.spec.block_mask is spec.block_mask:
+        return hit
+    plan = ContextParallelPlan(spec, layout, rank, query.shape[0], query.shape[1],
+                               block_mask_builder=_device_block_masks(query))
+    if len(_PLANS) >= _PLANS_CAPACITY:
+        _PLANS.pop(next(iter(_PLANS)))
+    _PLANS[key] = plan     # (holds the call's captures, so their ids stay theirs while cached)
+    return plan
+
+
+def _version(t):
+    try:
+        return t._version
+    except RuntimeError:    # an inference tensor has none: a key that never repeats
+        return object()
 
 
 def _device_block_masks(query):
