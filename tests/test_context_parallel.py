@@ -125,6 +125,7 @@ _LAYOUTS = {
     "head_tail2": lambda: cp.head_tail(S, 2),
     "head_tail4": lambda: cp.head_tail(S, 4),
     "shuffled2": lambda: cp.ShardLayout(S, 2, (1, 0, 0, 1)),
+    "many2": lambda: cp.ShardLayout(S, 2, (0, 1, 1, 0, 1, 0, 0, 1)),   # steps fused over position tables
 }
 
 
@@ -168,6 +169,21 @@ def test_pairs_the_mask_excludes_are_skipped():
     masks = [pair.spec.mask for _, pairs in plan.ring_steps() for pair in pairs]
     assert sum(m is None for m in masks) == 3
     assert mods.structure.is_causal([m for m in masks if m is not None][0])
+
+
+def test_steps_of_many_chunk_pairs_fuse_into_one_launch():
+    rng, *_ = _problem(0)
+    specs = _specs(rng)
+    layout = _LAYOUTS["many2"]()
+    for name in ("causal", "documents", "bias"):
+        plan = cp.ContextParallelPlan(specs[name], layout, 0, B, H)
+        steps = [pairs for _, pairs in plan.ring_steps()]
+        assert all(len(pairs) <= cp.plan.FUSE_ABOVE for pairs in steps), name
+        fused = [pairs[0] for pairs in steps if len(pairs) == 1 and pairs[0].q_rows == (0, S // 2)]
+        assert fused and all(p.kv_rows == (0, S // 2) for p in fused), name
+    # a user's block mask is sliced per pair instead
+    plan = cp.ContextParallelPlan(specs["block_mask"], layout, 0, B, H)
+    assert max(len(pairs) for _, pairs in plan.ring_steps()) > 1
 
 
 def test_shifted_mods_share_one_structure():

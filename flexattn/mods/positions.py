@@ -50,3 +50,18 @@ def offset_positions(mod: Mod, q_offset, kv_offset) -> Mod:
     if isinstance(mod, MaskMod):
         return mask_mod(lambda b, h, q_idx, kv_idx: mod(b, h, q_idx + q_offset, kv_idx + kv_offset), name=name)
     return score_mod(lambda s, b, h, q_idx, kv_idx: mod(s, b, h, q_idx + q_offset, kv_idx + kv_offset), name=name)
+
+
+def table_positions(mod: Mod, q_positions, kv_positions) -> Mod:
+    """``mod`` evaluated at query position ``q_positions[q_idx]`` and key position
+    ``kv_positions[kv_idx]`` (two int arrays, captured: runtime kernel arguments): a shard
+    whose tokens are several separate runs of the sequence (a load-balanced layout) as one
+    launch."""
+    if not isinstance(mod, Mod):
+        raise TypeError(f"table_positions: expected a mod, got {type(mod).__name__}")
+    _check_rank("table_positions", q_positions, (1,))
+    _check_rank("table_positions", kv_positions, (1,))
+    name = f"{mod.name}@positions" if mod.name else None
+    if isinstance(mod, MaskMod):
+        return mask_mod(lambda b, h, q_idx, kv_idx: mod(b, h, q_positions[q_idx], kv_positions[kv_idx]), name=name)
+    return score_mod(lambda s, b, h, q_idx, kv_idx: mod(s, b, h, q_positions[q_idx], kv_positions[kv_idx]), name=name)

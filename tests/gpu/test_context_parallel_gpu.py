@@ -81,8 +81,9 @@ def _cases(seq, device):
 
 
 @pytest.mark.parametrize("case", ["causal", "window", "documents", "alibi", "bias"])
-@pytest.mark.parametrize("world,schedule", [(2, "ring"), (4, "ring"), (4, "all_gather")])
-def test_schedule_shard_by_shard_matches_one_call(case, world, schedule):
+@pytest.mark.parametrize("world,schedule,chunks", [(2, "ring", None), (4, "ring", None), (4, "all_gather", None),
+                                                   (2, "ring", 8)])
+def test_schedule_shard_by_shard_matches_one_call(case, world, schedule, chunks):
     seq = 2048
     torch.manual_seed(world)
     q = torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16)
@@ -91,6 +92,8 @@ def test_schedule_shard_by_shard_matches_one_call(case, world, schedule):
     d_out = torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16)
     spec, trained = _cases(seq, "cuda")[case]
     layout = cp.choose_layout(seq, world, spec.mask, B, H)
+    if chunks:   # chunks dealt alternately: ring steps fused into one launch over position tables
+        layout = cp.ShardLayout(seq, world, tuple((i + i // world) % world for i in range(chunks * world)))
     wanted = [i for i, c in enumerate(spec.score.captures if spec.score is not None else ()) if c is trained]
     ops = _SerialKernels()
     build = tcp._device_block_masks(q)

@@ -18,7 +18,7 @@ import numpy as np
 from ...arrays import to_numpy
 from ...blockmask import BlockMask
 from ...blockmask.layout import EMPTY, FULL
-from ...mods.positions import offset_positions
+from ...mods.positions import offset_positions, table_positions
 from ...mods.structure import diagonal_band
 from ...problem.spec import AttentionSpec
 from .layout import ShardLayout, tile_verdicts_box
@@ -72,6 +72,10 @@ class ContextParallelPlan:
                 steps.append((src, [ShardPair((0, layout.local_len), (0, layout.local_len), self.spec)]))
                 continue
             theirs = layout.local_chunks(src)
+            pairs = self._fused_step(mine, theirs)
+            if pairs is not None:
+                steps.append((src, pairs))
+                continue
             pairs = []
             for (q_lo, q_hi), (k_lo, k_hi) in self._full_blocks(mine, theirs):
                 spec = self._pair_spec(mine[q_lo] * c, theirs[k_lo] * c, (q_hi - q_lo) * c, (k_hi - k_lo) * c, 1)
@@ -83,6 +87,33 @@ class ContextParallelPlan:
                         pairs.append(ShardPair((qi * c, (qi + 1) * c), (ki * c, (ki + 1) * c), spec))
             steps.append((src, pairs))
         return steps
+
+    def _fused_step(self, mine, theirs):
+        """[one ShardPair] over the whole local queries and the K/V in hand, with the mods
+        reading each token's global position from a table, where the step would otherwise
+        take more than ``FUSE_ABOVE`` launches (a layout of many chunks, e.g. documents
+        balanced over 4-8 chunks per rank: one large launch and one merge instead of many
+        small ones; the pairs the mask excludes become empty tiles of its block mask). None
+        where the chunk pairs are few (causal head-tail keeps its diagonal structure) or
+        the user gave a block mask (its tiles are sliced per pair)."""
+        if self.spec.block_mask is not None:
+            return None
+        live = sum(1 for gq in mine for gk in theirs if self.verdicts[gq, gk] == -1)
+        if live + len(self._full_blocks(mine, theirs)) <= FUSE_ABOVE:
+            return None
+        c, spec = self.layout.chunk, self.spec
+        q_pos, kv_pos = _positions(mine, c), _positions(theirs, c)
+        score = spec.score
+        if score is not None and not self.score_position_free:
+            score = table_positions(score, q_pos, kv_pos)
+        mask = None if spec.element_mask is None else table_positions(spec.element_mask, q_pos, kv_pos)
+        n = len(q_pos)
+        built = None
+        if mask is not None and self._builder is not None:
+            built = self._builder(mask, self.batch, self.heads, n, len(kv_pos))
+        pair_spec = (AttentionSpec(score, None, built, spec.scale, spec.enable_gqa) if built is not None
+                     else AttentionSpec(score, mask, None, spec.scale, spec.enable_gqa))
+        return [ShardPair((0, n), (0, len(kv_pos)), pair_spec)]
 
     def _full_blocks(self, mine, theirs) -> list:
         """The fully attended chunk pairs of one step as few rectangles as possible: runs of
@@ -167,6 +198,18 @@ class ContextParallelPlan:
         if hit is None:
             hit = self._offset_mods[key] = offset_positions(mod, q0, kv0)
         return hit
+
+
+# A ring step with more chunk-pair launches than this runs as one launch over position tables.
+FUSE_ABOVE = 3
+
+
+def _positions(chunks, chunk: int) -> np.ndarray:
+    """Global positions of the tokens of these chunks laid end to end (int32, read-only:
+    a kernel argument the GPU path copies once)."""
+    table = np.concatenate([np.arange(g * chunk, (g + 1) * chunk, dtype=np.int32) for g in chunks])
+    table.flags.writeable = False
+    return table
 
 
 def _chunk_verdicts(spec: AttentionSpec, layout: ShardLayout, batch: int, heads: int) -> np.ndarray:
