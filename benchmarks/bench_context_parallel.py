@@ -4,7 +4,7 @@ side by side in one run on one mesh.
 For each world size W (one process per GPU, NCCL) the sequence is ``--per-gpu`` tokens per
 GPU (S = W x per-gpu), B1 H16 D128 bf16, under a causal mask and a 16-document causal mask
 (packed documents of random lengths). Rows: ours through ``flexattn.torch.context_parallel``
-(the ring and the all-gather schedule), torch's ``context_parallel`` with SDPA (causal; its
+(the ring, direct and all-gather schedules), torch's ``context_parallel`` with SDPA (causal; its
 ring, "alltoall" rotation) and torch's context-parallel flex_attention (compiled, its
 ``_ContextParallel`` FLEX style with head-tail load balancing) where this torch has them.
 Times: the slowest rank's median of ``--iters`` CUDA-event timings (forward; forward +
@@ -137,7 +137,7 @@ def _implementations(mask_name, mask, q, k, v, d_out, world, rank, dist, args):
     layout = tcp.shard_layout(seq, world, mask=mask)
     shards = [tcp.shard(x, layout).detach().requires_grad_(True) for x in (q, k, v)]
     d_local = tcp.shard(d_out, layout)
-    for schedule in ("ring", "all_gather"):
+    for schedule in ("ring", "direct", "all_gather"):
         parallel = tcp.ContextParallel(layout, schedule=schedule)
 
         def ours(train, parallel=parallel):

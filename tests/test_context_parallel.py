@@ -111,6 +111,9 @@ def _sharded_run(spec, layout, schedule, q, k, v, d_out):
         if schedule == "ring":
             out, lse = cp.ring_forward(plan, comm, ops, ql, kl, vl)
             grads = cp.ring_backward(plan, comm, ops, ql, kl, vl, out, lse, dl, None, wanted)
+        elif schedule == "direct":
+            out, lse = cp.direct_forward(plan, comm, ops, ql, kl, vl)
+            grads = cp.direct_backward(plan, comm, ops, ql, kl, vl, out, lse, dl, None, wanted)
         else:
             out, lse, gathered = cp.gathered_forward(plan, comm, ops, ql, kl, vl)
             grads = cp.gathered_backward(plan, comm, ops, ql, kl, vl, out, lse, dl, None, wanted, gathered)
@@ -130,7 +133,7 @@ _LAYOUTS = {
 
 
 @pytest.mark.parametrize("name", ["causal", "window", "documents", "alibi", "bias", "block_mask"])
-@pytest.mark.parametrize("schedule", ["ring", "all_gather"])
+@pytest.mark.parametrize("schedule", ["ring", "direct", "all_gather"])
 @pytest.mark.parametrize("layout", list(_LAYOUTS))
 def test_schedules_match_one_call(name, schedule, layout):
     rng, q, k, v, d_out = _problem(len(name) * 7 + len(layout))
@@ -169,6 +172,40 @@ def test_pairs_the_mask_excludes_are_skipped():
     masks = [pair.spec.mask for _, pairs in plan.ring_steps() for pair in pairs]
     assert sum(m is None for m in masks) == 3
     assert mods.structure.is_causal([m for m in masks if m is not None][0])
+
+
+def test_the_direct_schedule_sends_only_what_the_mask_attends():
+    rng, q, k, v, d_out = _problem(3)
+    spec = _specs(rng)["window"]          # 40 tokens over 64-token shards: only the next rank's keys
+    layout = cp.contiguous(S, 4)
+    world = cp.LoopbackWorld(4)
+    sent = []
+
+    class Counting:
+        def __init__(self, member):
+            self.member, self.rank, self.world = member, member.rank, member.world
+
+        def exchange(self, dst, arrays, src, like, channel="kv"):
+            if dst is not None:
+                sent.append((channel, self.rank, dst))
+            return self.member.exchange(dst, arrays, src, like, channel)
+
+        def __getattr__(self, name):
+            return getattr(self.member, name)
+
+    def rank(member):
+        comm = Counting(member)
+        plan = cp.ContextParallelPlan(spec, layout, comm.rank, B, H)
+        pos = layout.positions(comm.rank)
+        out, lse = cp.direct_forward(plan, comm, HostOps(), q[:, :, pos], k[:, :, pos], v[:, :, pos])
+        cp.direct_backward(plan, comm, HostOps(), q[:, :, pos], k[:, :, pos], v[:, :, pos], out, lse,
+                           d_out[:, :, pos], None)
+        return out
+
+    world.run(rank)
+    # forward and backward each fetch rank r's keys to rank r + 1 only; dK/dV go back once
+    assert sorted(m for m in sent if m[0] == "kv") == sorted([("kv", r, r + 1) for r in range(3)] * 2)
+    assert sorted(m for m in sent if m[0] == "grad") == sorted(("grad", r + 1, r) for r in range(3))
 
 
 def test_steps_of_many_chunk_pairs_fuse_into_one_launch():
@@ -234,7 +271,8 @@ def _gloo_worker(rank, world, port, tensors, results):
 
 
 _GLOO_CASES = [("causal", "ring"), ("documents", "ring"), ("window", "all_gather"), ("alibi", "ring"),
-               ("bias", "ring"), ("bias", "all_gather")]
+               ("bias", "ring"), ("bias", "all_gather"), ("documents", "direct"), ("window", "direct"),
+               ("bias", "direct")]
 
 
 def _gloo_mods(case, bias, doc, seq):

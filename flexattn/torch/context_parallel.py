@@ -27,15 +27,15 @@ import torch.distributed as dist
 
 from .. import reference
 from ..blockmask.layout import as_block_mask
-from ..core.context_parallel import (ContextParallelPlan, ShardLayout, choose_layout, gathered_backward,
-                                     gathered_forward, ring_backward, ring_forward)
+from ..core.context_parallel import (ContextParallelPlan, ShardLayout, choose_layout, direct_backward,
+                                     direct_forward, gathered_backward, gathered_forward, ring_backward, ring_forward)
 from ..core.context_parallel.host_ops import merge_rows
 from ..problem.spec import AttentionSpec, lse_dtype
 from ..problem.validate import check_inputs
 from . import (_grad_mask, _kernel_backward, _kernel_forward, _score_tensors, backward_unsupported,
                create_block_mask, kernel_unsupported)
 
-SCHEDULES = ("ring", "all_gather")
+SCHEDULES = ("ring", "direct", "all_gather")
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,10 @@ class ContextParallel:
     process ``group`` (None: the default group; or a communicator with the schedules'
     interface, e.g. a ``LoopbackWorld`` member: ranks as threads of one process), and the ``schedule`` — ``"ring"`` (K/V
     passed rank to rank, overlapped with the kernels; memory per rank ∝ S / world) or
-    ``"all_gather"`` (every rank gathers all K/V first; fewer, larger launches)."""
+    ``"direct"`` (each step's K/V straight from its owner, and only where the mask
+    attends any of it: windows and documents skip most messages; dK/dV return to their
+    owners at the end on a second communicator made once per group) or ``"all_gather"``
+    (every rank gathers all K/V first; fewer, larger launches)."""
 
     layout: ShardLayout
     group: object = None
@@ -193,11 +196,13 @@ class _Run:
         if self.schedule == "all_gather":
             out, lse, _ = gathered_forward(self.plan, self.comm, self.ops, q, k, v)
             return out, lse
-        return ring_forward(self.plan, self.comm, self.ops, q, k, v)
+        forward = direct_forward if self.schedule == "direct" else ring_forward
+        return forward(self.plan, self.comm, self.ops, q, k, v)
 
     def backward(self, q, k, v, out, lse, d_out, d_lse):
         args = (self.plan, self.comm, self.ops, q, k, v, out, lse, d_out, d_lse, self.wanted)
-        return gathered_backward(*args) if self.schedule == "all_gather" else ring_backward(*args)
+        backward = {"all_gather": gathered_backward, "direct": direct_backward}.get(self.schedule, ring_backward)
+        return backward(*args)
 
 
 class _ContextParallelAttention(torch.autograd.Function):
@@ -337,6 +342,16 @@ class _TorchRing:
         ops += [dist.P2POp(dist.irecv, r, self._prev, self.group) for r in received]
         return _Pending(dist.batch_isend_irecv(ops), received)
 
+    def exchange(self, dst, arrays, src, like, channel="kv"):
+        group = self.group if channel == "kv" else _second_group(self.group)
+        ops, received = [], None
+        if dst is not None:
+            ops += [dist.P2POp(dist.isend, a.contiguous(), _global_rank(self.group, dst), group) for a in arrays]
+        if src is not None:
+            received = [torch.empty_like(a) for a in like]
+            ops += [dist.P2POp(dist.irecv, r, _global_rank(self.group, src), group) for r in received]
+        return _Pending(dist.batch_isend_irecv(ops) if ops else [], received)
+
     def all_gather(self, x) -> list:
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
@@ -355,6 +370,21 @@ class _TorchRing:
         x = x.contiguous().clone()
         dist.all_reduce(x, group=self.group)
         return x
+
+
+_SECOND_GROUPS: dict = {}
+
+
+def _second_group(group):
+    """A second communicator over ``group``'s ranks, made once (a collective: every rank
+    makes it at the same call), for messages that must not be matched with the first's
+    (the direct schedule's dK/dV returns next to its K/V fetches)."""
+    key = id(group) if group is not None else None
+    made = _SECOND_GROUPS.get(key)
+    if made is None:
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        made = _SECOND_GROUPS[key] = (group, dist.new_group(ranks=ranks))
+    return made[1]
 
 
 def _global_rank(group, rank: int) -> int:

@@ -82,7 +82,7 @@ def _cases(seq, device):
 
 @pytest.mark.parametrize("case", ["causal", "window", "documents", "alibi", "bias"])
 @pytest.mark.parametrize("world,schedule,chunks", [(2, "ring", None), (4, "ring", None), (4, "all_gather", None),
-                                                   (2, "ring", 8)])
+                                                   (2, "ring", 8), (4, "direct", None)])
 def test_schedule_shard_by_shard_matches_one_call(case, world, schedule, chunks):
     seq = 2048
     torch.manual_seed(world)
@@ -109,6 +109,9 @@ def test_schedule_shard_by_shard_matches_one_call(case, world, schedule, chunks)
         if schedule == "ring":
             out, lse = cp.ring_forward(plan, comm, ops, ql, kl, vl)
             grads = cp.ring_backward(plan, comm, ops, ql, kl, vl, out, lse, dl, None, wanted)
+        elif schedule == "direct":
+            out, lse = cp.direct_forward(plan, comm, ops, ql, kl, vl)
+            grads = cp.direct_backward(plan, comm, ops, ql, kl, vl, out, lse, dl, None, wanted)
         else:
             out, lse, gathered = cp.gathered_forward(plan, comm, ops, ql, kl, vl)
             grads = cp.gathered_backward(plan, comm, ops, ql, kl, vl, out, lse, dl, None, wanted, gathered)
@@ -176,7 +179,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-_NCCL_CASES = [("causal", "ring"), ("documents", "ring"), ("causal", "all_gather"), ("bias", "ring")]
+_NCCL_CASES = [("causal", "ring"), ("documents", "ring"), ("causal", "all_gather"), ("bias", "ring"),
+               ("documents", "direct"), ("window", "direct")]
 
 
 def _nccl_worker(rank, world, port, inputs, results):

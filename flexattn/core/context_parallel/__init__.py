@@ -8,9 +8,10 @@ a communicator the adapter supplies), ``loopback`` (ranks as threads of one proc
 from .layout import ShardLayout, balanced, choose_layout, contiguous, head_tail, imbalance, mask_weights
 from .loopback import LoopbackWorld
 from .plan import ContextParallelPlan, ShardPair
-from .schedule import gathered_backward, gathered_forward, ring_backward, ring_forward
+from .schedule import (direct_backward, direct_forward, gathered_backward, gathered_forward, ring_backward,
+                       ring_forward)
 
 __all__ = [
     "ShardLayout", "balanced", "choose_layout", "contiguous", "head_tail", "imbalance", "mask_weights", "LoopbackWorld",
-    "ContextParallelPlan", "ShardPair", "gathered_backward", "gathered_forward", "ring_backward", "ring_forward",
+    "ContextParallelPlan", "ShardPair", "direct_backward", "direct_forward", "gathered_backward", "gathered_forward", "ring_backward", "ring_forward",
 ]

@@ -61,6 +61,8 @@ class _Received:
         self.world, self.rank, self.number = world, rank, number
 
     def wait(self):
+        if self.number is None:
+            return None
         w = self.world
         with w._arrived:
             w._arrived.wait_for(lambda: self.number in w._inbox[self.rank] or w._barrier.broken)
@@ -73,6 +75,8 @@ class LoopbackMember:
     def __init__(self, world: LoopbackWorld, rank: int):
         self._world, self.rank, self.world = world, rank, world.world
         self._shifts = 0
+        self._sent: dict = {}       # (channel, peer) -> messages posted to / from that peer
+        self._received: dict = {}
 
     def shift(self, arrays):
         w, n = self._world, self._shifts
@@ -81,6 +85,20 @@ class LoopbackMember:
             w._inbox[(self.rank + 1) % self.world][n] = list(arrays)
             w._arrived.notify_all()
         return _Received(w, self.rank, n)
+
+    def exchange(self, dst, arrays, src, like, channel="kv"):
+        w = self._world
+        if dst is not None:
+            n = self._sent.get((channel, dst), 0)
+            self._sent[(channel, dst)] = n + 1
+            with w._arrived:
+                w._inbox[dst][(channel, self.rank, n)] = list(arrays)
+                w._arrived.notify_all()
+        if src is None:
+            return _Received(w, self.rank, None)
+        n = self._received.get((channel, src), 0)
+        self._received[(channel, src)] = n + 1
+        return _Received(w, self.rank, (channel, src, n))
 
     def _exchange(self, value) -> list:
         w = self._world

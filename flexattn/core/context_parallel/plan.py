@@ -54,6 +54,12 @@ class ContextParallelPlan:
         self.score_position_free = spec.score is None or not ({"q", "kv"} & spec.score.depends_on)
         self.position_free = spec.element_mask is None and self.score_position_free
 
+    def needs(self, rank: int, source: int) -> bool:
+        """Whether ``rank``'s queries attend any key ``source`` holds (every rank computes
+        the same answer: the verdicts are the whole mask's)."""
+        mine, theirs = self.layout.local_chunks(rank), self.layout.local_chunks(source)
+        return bool(np.any(self.verdicts[np.ix_(mine, theirs)] != 0))
+
     # -- the ring ----------------------------------------------------------------------------
     def ring_steps(self) -> list:
         """[(source rank, [ShardPair])] for steps 0 .. world − 1 (step s holds the K/V of

@@ -3,7 +3,10 @@
 A rank holds its query shard and its K/V shard. *Ring*: the K/V shards travel around the
 ranks (rank r sends to r + 1, receives from r − 1); at each step the rank computes its
 pairs against the K/V in hand while the next shard is already on its way, and merges the
-partial outputs by their log-sum-exp. *All-gather*: every rank gathers all K/V first (one
+partial outputs by their log-sum-exp. *Direct*: the same steps, but at step s rank r
+receives the K/V of rank r − s straight from it, and only where its queries attend any of
+those keys (a window or documents leave most pairs of ranks empty: no message at all);
+dK/dV contributions go straight back to their owner at the end. *All-gather*: every rank gathers all K/V first (one
 collective; cheap when GQA makes K/V small), then runs each query chunk once against the
 key range it may attend. The backwards reuse the forward's global ``out`` and ``lse``, so
 every pair's gradients are exact parts of the whole's: dQ sums locally; dK/dV travel
@@ -22,7 +25,10 @@ What a framework supplies (duck-typed, see ``flexattn.torch.context_parallel``):
   ``finish(acc, like) -> out``; ``zeros(x) -> fp32 zeros``; ``add_rows(acc, start, stop, x)
   -> acc``; ``add(a, b)``; ``cast(x, like)``.
 ``comm`` — ``rank``, ``world``; ``shift(arrays) -> pending`` (send to rank + 1, receive
-  from rank − 1; ``pending.wait() -> arrays``); ``all_gather(x) -> [x of each rank]``;
+  from rank − 1; ``pending.wait() -> arrays``); ``exchange(dst, arrays, src, like,
+  channel) -> pending`` (send ``arrays`` to ``dst`` and receive arrays like ``like`` from
+  ``src``, either None; messages of one ``channel`` between two ranks match in the order
+  they were posted, channels apart: "kv" and "grad"); ``all_gather(x) -> [x of each rank]``;
   ``reduce_scatter(parts) -> sum over ranks of their parts[rank]``; ``all_reduce(x)``.
 """
 
@@ -78,6 +84,91 @@ def ring_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d_out
             kv = tuple(pending.wait())
     dk, dv = passing.wait()
     return (ops.cast(dq, q), ops.cast(dk, k), ops.cast(dv, v), _all_reduced(plan, comm, ops, captures, wanted))
+
+
+def direct_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
+    """(out, lse) of the local queries, each step's K/V straight from its owner, only
+    where this rank's queries attend it; the next step's message is on its way while
+    this step computes."""
+    acc, lse = ops.stats(q, v)
+    steps = plan.ring_steps()
+    pending = _post_kv(plan, comm, 1, k, v)
+    kv = (k, v)
+    for s, (_, pairs) in enumerate(steps):
+        if s > 0:
+            got = pending.wait()
+            pending = _post_kv(plan, comm, s + 1, k, v)
+            if got is None:
+                continue        # the mask leaves this source's keys unattended: nothing came
+            kv = tuple(got)
+        kh, vh = kv
+        for pair in pairs:
+            (q0, q1), (k0, k1) = pair.q_rows, pair.kv_rows
+            out_j, lse_j = ops.attention(ops.rows(q, q0, q1), ops.rows(kh, k0, k1), ops.rows(vh, k0, k1), pair.spec)
+            acc, lse = ops.merge(acc, lse, q0, q1, out_j, lse_j)
+    return ops.finish(acc, q), lse
+
+
+def direct_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d_out, d_lse, wanted=()):
+    """The direct schedule's backward: K/V fetched again as in the forward; each step's
+    dK/dV contributions kept until the loop ends, then sent to their owners on the
+    "grad" channel while this rank receives the contributions to its own keys."""
+    dq = ops.zeros(q)
+    captures: dict = {}
+    own_dk, own_dv = ops.zeros(k), ops.zeros(v)
+    outgoing = []
+    steps = plan.ring_steps()
+    pending = _post_kv(plan, comm, 1, k, v)
+    kv = (k, v)
+    for s, (src, pairs) in enumerate(steps):
+        if s > 0:
+            got = pending.wait()
+            pending = _post_kv(plan, comm, s + 1, k, v)
+            if got is None:
+                continue
+            kv = tuple(got)
+        kh, vh = kv
+        dk, dv = (own_dk, own_dv) if s == 0 else (ops.zeros(kh), ops.zeros(vh))
+        for pair in pairs:
+            (q0, q1), (k0, k1) = pair.q_rows, pair.kv_rows
+            dq_j, dk_j, dv_j, cap_j = ops.attention_backward(
+                ops.rows(q, q0, q1), ops.rows(kh, k0, k1), ops.rows(vh, k0, k1), ops.rows(out, q0, q1),
+                ops.rows(lse, q0, q1), ops.rows(d_out, q0, q1), None if d_lse is None else ops.rows(d_lse, q0, q1),
+                pair.spec)
+            dq = ops.add_rows(dq, q0, q1, dq_j)
+            dk = ops.add_rows(dk, k0, k1, dk_j)
+            dv = ops.add_rows(dv, k0, k1, dv_j)
+            _add_captures(ops, captures, cap_j)
+        if s == 0:
+            own_dk, own_dv = dk, dv
+        else:
+            outgoing.append((src, dk, dv))
+    # contributions to the owners, in step order on both sides (rank r + s used r's keys at its step s)
+    sent = {src: (dk, dv) for src, dk, dv in outgoing}
+    world, rank = comm.world, comm.rank
+    for s in range(1, world):
+        src, dst = (rank - s) % world, (rank + s) % world
+        send = sent.get(src)
+        from_dst = plan.needs(dst, rank)
+        got = comm.exchange(src if send is not None else None, send, dst if from_dst else None,
+                            (own_dk, own_dv) if from_dst else None, "grad").wait()
+        if got is not None:
+            own_dk, own_dv = ops.add(own_dk, got[0]), ops.add(own_dv, got[1])
+    return (ops.cast(dq, q), ops.cast(own_dk, k), ops.cast(own_dv, v), _all_reduced(plan, comm, ops, captures, wanted))
+
+
+def _post_kv(plan, comm, s: int, k, v):
+    """Step ``s``'s K/V messages: this rank's K/V to rank + s where its queries attend
+    them, rank − s's K/V to this rank where this rank's attend those (None past the last
+    step)."""
+    world, rank = comm.world, comm.rank
+    if s >= world:
+        return None
+    dst, src = (rank + s) % world, (rank - s) % world
+    send = plan.needs(dst, rank)
+    receive = plan.needs(rank, src)
+    return comm.exchange(dst if send else None, (k, v) if send else None, src if receive else None,
+                         (k, v) if receive else None, "kv")
 
 
 def gathered_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
