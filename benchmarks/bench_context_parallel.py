@@ -241,7 +241,7 @@ def main():
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
     base = {(r["mask"], r["phase"]): r["tflops_per_gpu"] for r in rows if r["world"] == 1 and r.get("ms")}
-    print(f"\n{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC  {torch.cuda.get_device_name()}  per GPU "
+    print(f"\n{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC  {torch.cuda.get_device_name()}  per GPU "
           f"{args.per_gpu} tokens, B{B} H{H} D{D} bf16")
     print("| W | S | mask | impl | phase | ms | TFLOP/s per GPU | vs 1 GPU | peak GiB |")
     print("|---|---|---|---|---|---|---|---|---|")

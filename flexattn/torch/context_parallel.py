@@ -279,6 +279,11 @@ class TorchOps:
         _merge_rows(acc[:, :, start:stop], lse[:, :, start:stop], out_j, lse_j)
         return acc, lse
 
+    def assign(self, acc, lse, start, stop, out_j, lse_j):
+        acc[:, :, start:stop].copy_(out_j)
+        lse[:, :, start:stop].copy_(lse_j)
+        return acc, lse
+
     def finish(self, acc, like):
         return acc.to(like.dtype)
 

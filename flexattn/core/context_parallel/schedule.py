@@ -22,6 +22,7 @@ What a framework supplies (duck-typed, see ``flexattn.torch.context_parallel``):
   ``spec.score`` that want gradients); ``rows(x, start, stop)``
   (a view); ``cat(parts)`` (along the sequence); ``stats(q, v) -> (out accumulator, lse)``
   (fp32 zeros, −inf); ``merge(acc, lse, start, stop, out_j, lse_j) -> (acc, lse)``;
+  ``assign(acc, lse, start, stop, out_j, lse_j) -> (acc, lse)`` (rows no launch wrote yet);
   ``finish(acc, like) -> out``; ``zeros(x) -> fp32 zeros``; ``add_rows(acc, start, stop, x)
   -> acc``; ``add(a, b)``; ``cast(x, like)``.
 ``comm`` — ``rank``, ``world``; ``shift(arrays) -> pending`` (send to rank + 1, receive
@@ -40,6 +41,7 @@ from .plan import ContextParallelPlan
 def ring_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
     """(out, lse) of the local queries against the whole sequence, K/V around the ring."""
     acc, lse = ops.stats(q, v)
+    written = _Written()
     kv = (k, v)
     steps = plan.ring_steps()
     for s, (_, pairs) in enumerate(steps):
@@ -48,7 +50,7 @@ def ring_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
         for pair in pairs:
             (q0, q1), (k0, k1) = pair.q_rows, pair.kv_rows
             out_j, lse_j = ops.attention(ops.rows(q, q0, q1), ops.rows(kh, k0, k1), ops.rows(vh, k0, k1), pair.spec)
-            acc, lse = ops.merge(acc, lse, q0, q1, out_j, lse_j)
+            acc, lse = written.combine(ops, acc, lse, q0, q1, out_j, lse_j)
         if pending is not None:
             kv = tuple(pending.wait())
     return ops.finish(acc, q), lse
@@ -91,6 +93,7 @@ def direct_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
     where this rank's queries attend it; the next step's message is on its way while
     this step computes."""
     acc, lse = ops.stats(q, v)
+    written = _Written()
     steps = plan.ring_steps()
     pending = _post_kv(plan, comm, 1, k, v)
     kv = (k, v)
@@ -105,7 +108,7 @@ def direct_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
         for pair in pairs:
             (q0, q1), (k0, k1) = pair.q_rows, pair.kv_rows
             out_j, lse_j = ops.attention(ops.rows(q, q0, q1), ops.rows(kh, k0, k1), ops.rows(vh, k0, k1), pair.spec)
-            acc, lse = ops.merge(acc, lse, q0, q1, out_j, lse_j)
+            acc, lse = written.combine(ops, acc, lse, q0, q1, out_j, lse_j)
     return ops.finish(acc, q), lse
 
 
@@ -176,10 +179,11 @@ def gathered_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
     the gathered K/V in global order for the backward."""
     k_all, v_all = _global_order(plan, ops, comm.all_gather(k)), _global_order(plan, ops, comm.all_gather(v))
     acc, lse = ops.stats(q, v)
+    written = _Written()
     for pair in plan.gathered_pairs():
         (q0, q1), (k0, k1) = pair.q_rows, pair.kv_rows
         out_j, lse_j = ops.attention(ops.rows(q, q0, q1), ops.rows(k_all, k0, k1), ops.rows(v_all, k0, k1), pair.spec)
-        acc, lse = ops.merge(acc, lse, q0, q1, out_j, lse_j)
+        acc, lse = written.combine(ops, acc, lse, q0, q1, out_j, lse_j)
     return ops.finish(acc, q), lse, (k_all, v_all)
 
 
@@ -205,6 +209,21 @@ def gathered_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d
     dk = comm.reduce_scatter(_rank_order(plan, ops, dk))
     dv = comm.reduce_scatter(_rank_order(plan, ops, dv))
     return ops.cast(dq, q), ops.cast(dk, k), ops.cast(dv, v), _all_reduced(plan, comm, ops, captures, wanted)
+
+
+class _Written:
+    """Which local query rows a launch has written: the first launch over rows is copied
+    in (``ops.assign``), later ones merged by LSE — one fp32 read-modify-write of the
+    output fewer per row."""
+
+    def __init__(self):
+        self.ranges = []
+
+    def combine(self, ops, acc, lse, q0, q1, out_j, lse_j):
+        if any(a < q1 and q0 < b for a, b in self.ranges):
+            return ops.merge(acc, lse, q0, q1, out_j, lse_j)
+        self.ranges.append((q0, q1))
+        return ops.assign(acc, lse, q0, q1, out_j, lse_j)
 
 
 def _global_order(plan, ops, shards):
