@@ -16,6 +16,8 @@ from flexattn.core import context_parallel as cp
 from flexattn.core.context_parallel.host_ops import HostOps
 from flexattn.problem.spec import AttentionSpec
 
+from cp_schedules import run_schedule
+
 
 # -- layouts -------------------------------------------------------------------------------------
 
@@ -108,15 +110,7 @@ def _sharded_run(spec, layout, schedule, q, k, v, d_out):
         plan = cp.ContextParallelPlan(spec, layout, comm.rank, B, H)
         pos = layout.positions(comm.rank)
         ql, kl, vl, dl = q[:, :, pos], k[:, :, pos], v[:, :, pos], d_out[:, :, pos]
-        if schedule == "ring":
-            out, lse = cp.ring_forward(plan, comm, ops, ql, kl, vl)
-            grads = cp.ring_backward(plan, comm, ops, ql, kl, vl, out, lse, dl, None, wanted)
-        elif schedule == "direct":
-            out, lse = cp.direct_forward(plan, comm, ops, ql, kl, vl)
-            grads = cp.direct_backward(plan, comm, ops, ql, kl, vl, out, lse, dl, None, wanted)
-        else:
-            out, lse, gathered = cp.gathered_forward(plan, comm, ops, ql, kl, vl)
-            grads = cp.gathered_backward(plan, comm, ops, ql, kl, vl, out, lse, dl, None, wanted, gathered)
+        out, lse, grads = run_schedule(schedule, plan, comm, ops, ql, kl, vl, dl, wanted)
         launches = sum(len(pairs) for _, pairs in plan.ring_steps())
         return pos, out, lse, grads, launches
 

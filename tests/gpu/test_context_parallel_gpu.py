@@ -25,6 +25,7 @@ from flexattn import mods, reference  # noqa: E402
 from flexattn.core import AttentionSpec  # noqa: E402
 from flexattn.core import context_parallel as cp  # noqa: E402
 from flexattn.torch import context_parallel as tcp  # noqa: E402
+from cp_schedules import run_schedule  # noqa: E402
 
 TOL = (4e-2, 1.5e-2)   # bf16: max error / largest reference value, and relative norm error
 
@@ -106,15 +107,7 @@ def test_schedule_shard_by_shard_matches_one_call(case, world, schedule, chunks)
         plan = cp.ContextParallelPlan(spec, layout, comm.rank, B, H, block_mask_builder=serial_build)
         pos = torch.as_tensor(layout.positions(comm.rank), device="cuda")
         ql, kl, vl, dl = (x.index_select(2, pos).contiguous() for x in (q, k, v, d_out))
-        if schedule == "ring":
-            out, lse = cp.ring_forward(plan, comm, ops, ql, kl, vl)
-            grads = cp.ring_backward(plan, comm, ops, ql, kl, vl, out, lse, dl, None, wanted)
-        elif schedule == "direct":
-            out, lse = cp.direct_forward(plan, comm, ops, ql, kl, vl)
-            grads = cp.direct_backward(plan, comm, ops, ql, kl, vl, out, lse, dl, None, wanted)
-        else:
-            out, lse, gathered = cp.gathered_forward(plan, comm, ops, ql, kl, vl)
-            grads = cp.gathered_backward(plan, comm, ops, ql, kl, vl, out, lse, dl, None, wanted, gathered)
+        out, lse, grads = run_schedule(schedule, plan, comm, ops, ql, kl, vl, dl, wanted)
         torch.cuda.synchronize()
         return pos, out, lse, grads
 

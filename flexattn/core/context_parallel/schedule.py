@@ -46,11 +46,7 @@ def ring_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
     steps = plan.ring_steps()
     for s, (_, pairs) in enumerate(steps):
         pending = comm.shift(kv) if s + 1 < len(steps) else None
-        kh, vh = kv
-        for pair in pairs:
-            (q0, q1), (k0, k1) = pair.q_rows, pair.kv_rows
-            out_j, lse_j = ops.attention(ops.rows(q, q0, q1), ops.rows(kh, k0, k1), ops.rows(vh, k0, k1), pair.spec)
-            acc, lse = written.combine(ops, acc, lse, q0, q1, out_j, lse_j)
+        acc, lse = _forward_pairs(ops, pairs, q, *kv, acc, lse, written)
         if pending is not None:
             kv = tuple(pending.wait())
     return ops.finish(acc, q), lse
@@ -68,16 +64,7 @@ def ring_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d_out
         pending = comm.shift(kv) if s + 1 < len(steps) else None
         kh, vh = kv
         dk, dv = ops.zeros(kh), ops.zeros(vh)
-        for pair in pairs:
-            (q0, q1), (k0, k1) = pair.q_rows, pair.kv_rows
-            dq_j, dk_j, dv_j, cap_j = ops.attention_backward(
-                ops.rows(q, q0, q1), ops.rows(kh, k0, k1), ops.rows(vh, k0, k1), ops.rows(out, q0, q1),
-                ops.rows(lse, q0, q1), ops.rows(d_out, q0, q1), None if d_lse is None else ops.rows(d_lse, q0, q1),
-                pair.spec)
-            dq = ops.add_rows(dq, q0, q1, dq_j)
-            dk = ops.add_rows(dk, k0, k1, dk_j)
-            dv = ops.add_rows(dv, k0, k1, dv_j)
-            _add_captures(ops, captures, cap_j)
+        dq, dk, dv = _backward_pairs(ops, pairs, (q, kh, vh, out, lse, d_out, d_lse), dq, dk, dv, captures)
         if passing is not None:
             before_k, before_v = passing.wait()
             dk, dv = ops.add(dk, before_k), ops.add(dv, before_v)
@@ -94,21 +81,8 @@ def direct_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
     this step computes."""
     acc, lse = ops.stats(q, v)
     written = _Written()
-    steps = plan.ring_steps()
-    pending = _post_kv(plan, comm, 1, k, v)
-    kv = (k, v)
-    for s, (_, pairs) in enumerate(steps):
-        if s > 0:
-            got = pending.wait()
-            pending = _post_kv(plan, comm, s + 1, k, v)
-            if got is None:
-                continue        # the mask leaves this source's keys unattended: nothing came
-            kv = tuple(got)
-        kh, vh = kv
-        for pair in pairs:
-            (q0, q1), (k0, k1) = pair.q_rows, pair.kv_rows
-            out_j, lse_j = ops.attention(ops.rows(q, q0, q1), ops.rows(kh, k0, k1), ops.rows(vh, k0, k1), pair.spec)
-            acc, lse = written.combine(ops, acc, lse, q0, q1, out_j, lse_j)
+    for _, _, pairs, kv in _fetched_steps(plan, comm, k, v):
+        acc, lse = _forward_pairs(ops, pairs, q, *kv, acc, lse, written)
     return ops.finish(acc, q), lse
 
 
@@ -120,28 +94,9 @@ def direct_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d_o
     captures: dict = {}
     own_dk, own_dv = ops.zeros(k), ops.zeros(v)
     outgoing = []
-    steps = plan.ring_steps()
-    pending = _post_kv(plan, comm, 1, k, v)
-    kv = (k, v)
-    for s, (src, pairs) in enumerate(steps):
-        if s > 0:
-            got = pending.wait()
-            pending = _post_kv(plan, comm, s + 1, k, v)
-            if got is None:
-                continue
-            kv = tuple(got)
-        kh, vh = kv
+    for s, src, pairs, (kh, vh) in _fetched_steps(plan, comm, k, v):
         dk, dv = (own_dk, own_dv) if s == 0 else (ops.zeros(kh), ops.zeros(vh))
-        for pair in pairs:
-            (q0, q1), (k0, k1) = pair.q_rows, pair.kv_rows
-            dq_j, dk_j, dv_j, cap_j = ops.attention_backward(
-                ops.rows(q, q0, q1), ops.rows(kh, k0, k1), ops.rows(vh, k0, k1), ops.rows(out, q0, q1),
-                ops.rows(lse, q0, q1), ops.rows(d_out, q0, q1), None if d_lse is None else ops.rows(d_lse, q0, q1),
-                pair.spec)
-            dq = ops.add_rows(dq, q0, q1, dq_j)
-            dk = ops.add_rows(dk, k0, k1, dk_j)
-            dv = ops.add_rows(dv, k0, k1, dv_j)
-            _add_captures(ops, captures, cap_j)
+        dq, dk, dv = _backward_pairs(ops, pairs, (q, kh, vh, out, lse, d_out, d_lse), dq, dk, dv, captures)
         if s == 0:
             own_dk, own_dv = dk, dv
         else:
@@ -158,6 +113,23 @@ def direct_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d_o
         if got is not None:
             own_dk, own_dv = ops.add(own_dk, got[0]), ops.add(own_dv, got[1])
     return (ops.cast(dq, q), ops.cast(own_dk, k), ops.cast(own_dv, v), _all_reduced(plan, comm, ops, captures, wanted))
+
+
+def _fetched_steps(plan, comm, k, v):
+    """(step, source rank, pairs, its K/V) of each step of the direct schedule that has
+    work: step 0 on this rank's own K/V, later ones on the K/V fetched from their owner
+    (the next step's fetch posted before this step computes); steps whose keys the mask
+    leaves unattended receive nothing and are passed over. Consume it to the end."""
+    pending = _post_kv(plan, comm, 1, k, v)
+    for s, (src, pairs) in enumerate(plan.ring_steps()):
+        kv = (k, v)
+        if s > 0:
+            got = pending.wait()
+            pending = _post_kv(plan, comm, s + 1, k, v)
+            if got is None:
+                continue
+            kv = tuple(got)
+        yield s, src, pairs, kv
 
 
 def _post_kv(plan, comm, s: int, k, v):
@@ -180,10 +152,7 @@ def gathered_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
     k_all, v_all = _global_order(plan, ops, comm.all_gather(k)), _global_order(plan, ops, comm.all_gather(v))
     acc, lse = ops.stats(q, v)
     written = _Written()
-    for pair in plan.gathered_pairs():
-        (q0, q1), (k0, k1) = pair.q_rows, pair.kv_rows
-        out_j, lse_j = ops.attention(ops.rows(q, q0, q1), ops.rows(k_all, k0, k1), ops.rows(v_all, k0, k1), pair.spec)
-        acc, lse = written.combine(ops, acc, lse, q0, q1, out_j, lse_j)
+    acc, lse = _forward_pairs(ops, plan.gathered_pairs(), q, k_all, v_all, acc, lse, written)
     return ops.finish(acc, q), lse, (k_all, v_all)
 
 
@@ -196,19 +165,37 @@ def gathered_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d
     k_all, v_all = gathered
     dq, dk, dv = ops.zeros(q), ops.zeros(k_all), ops.zeros(v_all)
     captures: dict = {}
-    for pair in plan.gathered_pairs():
+    dq, dk, dv = _backward_pairs(ops, plan.gathered_pairs(), (q, k_all, v_all, out, lse, d_out, d_lse), dq, dk, dv,
+                                 captures)
+    dk = comm.reduce_scatter(_rank_order(plan, ops, dk))
+    dv = comm.reduce_scatter(_rank_order(plan, ops, dv))
+    return ops.cast(dq, q), ops.cast(dk, k), ops.cast(dv, v), _all_reduced(plan, comm, ops, captures, wanted)
+
+
+def _forward_pairs(ops, pairs, q, k, v, acc, lse, written):
+    """Each pair's launch on the K/V in hand, its output combined into ``acc`` / ``lse``."""
+    for pair in pairs:
+        (q0, q1), (k0, k1) = pair.q_rows, pair.kv_rows
+        out_j, lse_j = ops.attention(ops.rows(q, q0, q1), ops.rows(k, k0, k1), ops.rows(v, k0, k1), pair.spec)
+        acc, lse = written.combine(ops, acc, lse, q0, q1, out_j, lse_j)
+    return acc, lse
+
+
+def _backward_pairs(ops, pairs, arrays, dq, dk, dv, captures):
+    """Each pair's backward launch (``arrays``: q, the K/V in hand, out, lse, d_out,
+    d_lse), its gradients added into ``dq`` / ``dk`` / ``dv`` and ``captures``."""
+    q, k, v, out, lse, d_out, d_lse = arrays
+    for pair in pairs:
         (q0, q1), (k0, k1) = pair.q_rows, pair.kv_rows
         dq_j, dk_j, dv_j, cap_j = ops.attention_backward(
-            ops.rows(q, q0, q1), ops.rows(k_all, k0, k1), ops.rows(v_all, k0, k1), ops.rows(out, q0, q1),
+            ops.rows(q, q0, q1), ops.rows(k, k0, k1), ops.rows(v, k0, k1), ops.rows(out, q0, q1),
             ops.rows(lse, q0, q1), ops.rows(d_out, q0, q1), None if d_lse is None else ops.rows(d_lse, q0, q1),
             pair.spec)
         dq = ops.add_rows(dq, q0, q1, dq_j)
         dk = ops.add_rows(dk, k0, k1, dk_j)
         dv = ops.add_rows(dv, k0, k1, dv_j)
         _add_captures(ops, captures, cap_j)
-    dk = comm.reduce_scatter(_rank_order(plan, ops, dk))
-    dv = comm.reduce_scatter(_rank_order(plan, ops, dv))
-    return ops.cast(dq, q), ops.cast(dk, k), ops.cast(dv, v), _all_reduced(plan, comm, ops, captures, wanted)
+    return dq, dk, dv
 
 
 class _Written:
