@@ -254,7 +254,7 @@ def _gloo_worker(rank, world, port, tensors, results):
             ql, kl, vl = (tcp.shard(x, layout).requires_grad_(True) for x in (q, k, v))
             o, lse = tcp.flex_attention(ql, kl, vl, score_mod=score_mod, mask=mask, enable_gqa=True, return_lse=True,
                                         parallel=tcp.ContextParallel(layout, schedule=schedule))
-            (o * tcp.shard(d_out, layout)).sum().backward()
+            ((o * tcp.shard(d_out, layout)).sum() + 0.5 * lse.sum()).backward()   # d_lse too
             whole = [tcp.unshard(x, layout) for x in (o.detach(), ql.grad, kl.grad, vl.grad)]
             whole.append(tcp.unshard(lse.detach(), layout))
             grads = [trained.grad.numpy()] if trained is not None else []
@@ -315,7 +315,7 @@ def test_gloo_processes_match_one_process(world):
         score_mod, mask, trained = _gloo_mods(case, bias, doc, seq)
         qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))
         o, lse = fa.flex_attention(qq, kk, vv, score_mod=score_mod, mask=mask, enable_gqa=True, return_lse=True)
-        (o * d_out).sum().backward()
+        ((o * d_out).sum() + 0.5 * lse.sum()).backward()
         expected = [o.detach(), qq.grad, kk.grad, vv.grad, lse.detach()] + ([trained.grad] if trained is not None else [])
         for rank in range(world):   # every rank holds the whole result after unshard, and the bias gradient
             for name, a, b in zip(("out", "dq", "dk", "dv", "lse", "d_bias"), got[rank][(case, schedule)], expected):

@@ -116,10 +116,13 @@ def imbalance(layout: ShardLayout, weights) -> float:
     return float(load.max() / mean) if mean > 0 else 1.0
 
 
-def mask_weights(mask, batch: int, heads: int, seq_len: int, num_chunks: int, block: int = 128) -> np.ndarray:
+def mask_weights(mask, batch: int, heads: int, seq_len: int, num_chunks: int, block: int = 128,
+                 rows: dict | None = None) -> np.ndarray:
     """Work per query chunk under ``mask`` (a ``MaskMod`` over global positions, or None):
     the (q, kv) tiles of ``block`` tokens interval analysis cannot prove empty, over every
-    batch and head at once (one box: sound, and one pass however many heads)."""
+    batch and head at once (one box: sound, and one pass however many heads). ``rows``:
+    a dict that keeps each block size's per-row counts for the next call (layouts tried
+    one after another analyse the mask once)."""
     chunk = seq_len // num_chunks
     block = max(1, min(block, chunk))
     while chunk % block:
@@ -127,9 +130,12 @@ def mask_weights(mask, batch: int, heads: int, seq_len: int, num_chunks: int, bl
     nb = seq_len // block
     if mask is None:
         return np.full(num_chunks, float(nb * (chunk // block)))
-    values = [to_numpy(c) for c in mask.captures]
-    verdict = tile_verdicts_box(mask, batch, heads, seq_len, block, values)
-    per_block = (verdict != 0).sum(axis=-1)
+    per_block = None if rows is None else rows.get(block)
+    if per_block is None:
+        values = [to_numpy(c) for c in mask.captures]
+        per_block = (tile_verdicts_box(mask, batch, heads, seq_len, block, values) != 0).sum(axis=-1)
+        if rows is not None:
+            rows[block] = per_block
     return per_block.reshape(num_chunks, chunk // block).sum(axis=-1).astype(np.float64)
 
 
@@ -155,12 +161,12 @@ def choose_layout(seq_len: int, world: int, mask=None, batch: int = 1, heads: in
     Deterministic: every rank computes the same layout from the same arguments."""
     if world == 1:
         return contiguous(seq_len, 1)
-    candidates = []
+    candidates, rows = [], {}
     for per_rank in (1, 2, 4, 8):
         n = per_rank * world
         if seq_len % n or (seq_len // n) % block and per_rank > 1:
             continue
-        weights = mask_weights(mask, batch, heads, seq_len, n, max(block, seq_len // 2048))
+        weights = mask_weights(mask, batch, heads, seq_len, n, max(block, seq_len // 2048), rows)
         if per_rank == 1:
             layout = contiguous(seq_len, world)
         elif per_rank == 2:
