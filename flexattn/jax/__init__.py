@@ -70,13 +70,13 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without jax
     raise ImportError("flexattn.jax needs JAX: pip install jax (or 'flexattn[jax]')") from e
 
-from . import reference
-from .arrays import to_numpy
-from .blockmask import BlockMask, create_block_mask
-from .core import kernel_path, xla_path
-from .problem.spec import OPERAND, AttentionSpec, lse_dtype
-from .problem.validate import AttentionShape, check_inputs
-from .mods import MaskMod, ScoreMod, mask_mod, score_mod
+from .. import reference
+from ..arrays import to_numpy
+from ..blockmask import BlockMask, create_block_mask
+from ..core import kernel_path, xla_path
+from ..problem.spec import OPERAND, AttentionSpec, lse_dtype
+from ..problem.validate import AttentionShape, check_inputs
+from ..mods import MaskMod, ScoreMod, mask_mod, score_mod
 
 __all__ = ["flex_attention", "create_block_mask", "BlockMask", "MaskMod", "ScoreMod", "mask_mod", "score_mod"]
 
@@ -147,9 +147,15 @@ def _attention(backend):
     Symbolic zeros tell the backward which score buffers jax differentiates (``perturbed``)
     and which cotangents are absent (a loss of ``out`` alone has no ``lse`` cotangent)."""
 
+    def forward(q, k, v, score_bufs, mask_bufs):
+        # inside shard_map the results vary as the query does (a host callback's results
+        # are typed invariant, whose cotangents autodiff would sum over the mesh axis)
+        out, lse = backend.forward(q, k, v, score_bufs, mask_bufs)
+        return _match_vma(out, q), _match_vma(lse, q)
+
     @jax.custom_vjp
     def attention(q, k, v, score_bufs, mask_bufs):
-        return backend.forward(q, k, v, score_bufs, mask_bufs)
+        return forward(q, k, v, score_bufs, mask_bufs)
 
     def attention_fwd(q, k, v, score_bufs, mask_bufs):
         # perturbed flags are static: they travel in the residuals' tree structure
@@ -159,7 +165,7 @@ def _attention(backend):
         score_bufs = tuple(b.value for b in score_bufs)
         mask_bufs = tuple(b.value for b in mask_bufs)
         backend.check_backward()   # differentiated: what the backward cannot do, before any launch
-        out, lse = backend.forward(q, k, v, score_bufs, mask_bufs)
+        out, lse = forward(q, k, v, score_bufs, mask_bufs)
         return (out, lse), (q, k, v, out, lse, score_bufs, mask_bufs, flags)
 
     def attention_bwd(residuals, cotangents):
@@ -173,10 +179,59 @@ def _attention(backend):
             dq, dk, dv, d_score = backend.backward(q, k, v, out, lse, d_out, d_lse, score_bufs, mask_bufs, wanted)
         d_score = tuple(_zero_cotangent(b) if d is None or not w else d
                         for d, b, w in zip(d_score, score_bufs, wanted))
-        return dq, dk, dv, d_score, tuple(_zero_cotangent(b) for b in mask_bufs)
+        varying = _varying(q) | _varying(k) | _varying(v)      # the axes this call's work differs over
+        dq, dk, dv = _summed_to(dq, q, varying), _summed_to(dk, k, varying), _summed_to(dv, v, varying)
+        d_score = tuple(_summed_to(d, b, varying) for d, b in zip(d_score, score_bufs))
+        return dq, dk, dv, d_score, tuple(_match_vma(_zero_cotangent(b), b) for b in mask_bufs)
 
     attention.defvjp(attention_fwd, attention_bwd, symbolic_zeros=True)
     return attention
+
+
+def _match_vma(x, like):
+    """``x`` typed as varying over the same ``shard_map`` mesh axes as ``like`` (a
+    custom_vjp's cotangent must match its primal's type; results of the host callbacks and
+    fresh zeros vary over none). Float0 zeros and arrays outside shard_map pass as they are."""
+    if not isinstance(x, jax.Array) or not hasattr(jax, "typeof"):
+        return x
+    missing = tuple(sorted(_varying(like) - _varying(x)))
+    if not missing:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)
+
+
+def _summed_to(grad, primal, varying: set):
+    """A cotangent computed on each device (inside ``shard_map``: one device's part) as
+    ``primal``'s type wants it: summed over the mesh axes the call's work varies over but
+    ``primal`` does not (a replicated captured tensor gets every device's part), varying
+    over the rest. Outside shard_map, unchanged."""
+    if not isinstance(grad, jax.Array) or not hasattr(jax, "typeof"):
+        return grad
+    over = tuple(sorted(varying - _varying(primal)))
+    if over:
+        grad = jax.lax.psum(_match_vma(grad, _Axes(varying)), over)
+    return _match_vma(grad, primal)
+
+
+class _Axes:
+    """Stands for an array varying over ``axes`` (``_match_vma``'s ``like``)."""
+
+    def __init__(self, axes):
+        self.axes = set(axes)
+
+
+def _varying(x) -> set:
+    """The shard_map mesh axes ``x``'s type varies over (newer JAX: ``manual_axis_type``;
+    earlier: ``vma``)."""
+    if isinstance(x, _Axes):
+        return x.axes
+    kind = jax.typeof(x)
+    manual = getattr(kind, "manual_axis_type", None)
+    if manual is not None:
+        return set(manual.varying)
+    return set(getattr(kind, "vma", None) or ())
 
 
 def _zero_cotangent(x):
