@@ -13,6 +13,7 @@ x3.5 forward + backward, divided by W. W = 1 is one GPU's single call (the weak-
 reference).
 
     python3 benchmarks/bench_context_parallel.py --worlds 1 2 4 [--per-gpu 65536] [--iters 5]
+        [--masks causal] [--impls ring direct] [--trace DIR]   (DIR: one profiled step per row)
 """
 
 import argparse
@@ -90,8 +91,12 @@ def _worker(rank, world, port, args, queue):
         q, k, v, d_out = (torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16, generator=g)
                           for _ in range(4))
         for mask_name, mask in (("causal", causal), ("documents16", documents)):
+            if args.masks and mask_name not in args.masks:
+                continue
             flops = 4 * B * H * _pairs(mask_name, seq, lengths) * D
             for impl, run in _implementations(mask_name, mask, q, k, v, d_out, world, rank, dist, args):
+                if args.impls and not any(word in impl for word in args.impls):
+                    continue
                 if isinstance(run, Exception):
                     rows.append(dict(world=world, seq=seq, mask=mask_name, impl=impl, phase="setup", ms=None,
                                      error=f"{type(run).__name__}: {str(run)[:160]}"))
@@ -103,6 +108,9 @@ def _worker(rank, world, port, args, queue):
                         rows.append(dict(world=world, seq=seq, mask=mask_name, impl=impl, phase=phase, ms=ms,
                                          tflops_per_gpu=per_gpu,
                                          peak_gib=torch.cuda.max_memory_allocated() / 2**30))
+                        if args.trace and world > 1:
+                            rows[-1].update(_overlap(lambda: run(train), args.trace,
+                                                     f"{mask_name}_{impl.replace(' ', '-')}_{phase}_w{world}_r{rank}"))
                     except Exception as e:   # noqa: BLE001 - a baseline this torch lacks: reported as n/a
                         rows.append(dict(world=world, seq=seq, mask=mask_name, impl=impl, phase=phase, ms=None,
                                          error=f"{type(e).__name__}: {str(e)[:160]}"))
@@ -114,6 +122,41 @@ def _worker(rank, world, port, args, queue):
         if rank == 0:
             queue.put(rows)
         dist.destroy_process_group()
+
+
+def _overlap(step, folder, name) -> dict:
+    """One profiled step: the GPU time NCCL's kernels and the other kernels take, and how
+    much of NCCL's ran while another kernel ran (union of intervals, ms); the trace goes to
+    ``folder`` (chrome format) for a closer look."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    os.makedirs(folder, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(folder, name + ".json"))
+    nccl, other = [], []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start:
+            (nccl if "nccl" in e.name.lower() else other).append((e.time_range.start, e.time_range.end))
+
+    def union(spans):
+        spans, total = sorted(spans), 0.0
+        merged = []
+        for a, b in spans:
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        for a, b in merged:
+            total += b - a
+        return merged, total
+
+    n_spans, n_total = union(nccl)
+    o_spans, o_total = union(other)
+    both = sum(max(0.0, min(b, d) - max(a, c)) for a, b in n_spans for c, d in o_spans)
+    return dict(nccl_ms=n_total / 1e3, kernels_ms=o_total / 1e3, nccl_overlapped_ms=both / 1e3)
 
 
 def _implementations(mask_name, mask, q, k, v, d_out, world, rank, dist, args):
@@ -216,6 +259,9 @@ def main():
     ap.add_argument("--per-gpu", type=int, default=65536)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--masks", nargs="*", default=None, help="causal documents16 (default both)")
+    ap.add_argument("--impls", nargs="*", default=None, help="words an implementation's name must contain")
+    ap.add_argument("--trace", default=None, help="folder: profile one step per row (NCCL/kernel overlap)")
     args = ap.parse_args()
     import torch.multiprocessing as mp
 
@@ -251,8 +297,10 @@ def main():
             continue
         ref = base.get((r["mask"], r["phase"]))
         scale = f"{r['tflops_per_gpu'] / ref:.2f}" if ref else "—"
+        overlap = (f" (NCCL {r['nccl_ms']:.1f} ms, {r['nccl_overlapped_ms']:.1f} overlapped; kernels"
+                   f" {r['kernels_ms']:.1f})" if "nccl_ms" in r else "")
         print(f"| {r['world']} | {r['seq']} | {r['mask']} | {r['impl']} | {r['phase']} | {r['ms']:.2f} | "
-              f"{r['tflops_per_gpu']:.1f} | {scale} | {r['peak_gib']:.1f} |")
+              f"{r['tflops_per_gpu']:.1f} | {scale} | {r['peak_gib']:.1f} |{overlap}")
 
 
 if __name__ == "__main__":
