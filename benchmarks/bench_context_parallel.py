@@ -13,7 +13,8 @@ x3.5 forward + backward, divided by W. W = 1 is one GPU's single call (the weak-
 reference).
 
     python3 benchmarks/bench_context_parallel.py --worlds 1 2 4 [--per-gpu 65536] [--iters 5]
-        [--masks causal] [--impls ring direct] [--trace DIR]   (DIR: one profiled step per row)
+        [--masks causal] [--impls ring direct] [--trace DIR] [--reserve-sms N]
+    (DIR: one profiled step per row; N: FLEXATTN_RESERVED_SMS, SMs persistent kernels leave to NCCL)
 """
 
 import argparse
@@ -70,7 +71,7 @@ def _time(fn, iters, dist):
 def _worker(rank, world, port, args, queue):
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FLEXATTN_RESERVED_SMS=str(args.reserve_sms))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -262,6 +263,7 @@ def main():
     ap.add_argument("--masks", nargs="*", default=None, help="causal documents16 (default both)")
     ap.add_argument("--impls", nargs="*", default=None, help="words an implementation's name must contain")
     ap.add_argument("--trace", default=None, help="folder: profile one step per row (NCCL/kernel overlap)")
+    ap.add_argument("--reserve-sms", type=int, default=0, help="SMs persistent kernels leave free (for NCCL)")
     args = ap.parse_args()
     import torch.multiprocessing as mp
 
