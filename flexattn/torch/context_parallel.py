@@ -46,7 +46,7 @@ class ContextParallel:
     passed rank to rank, overlapped with the kernels; memory per rank ∝ S / world) or
     ``"direct"`` (each step's K/V straight from its owner, and only where the mask
     attends any of it: windows and documents skip most messages; dK/dV return to their
-    owners at the end on a second communicator made once per group) or ``"all_gather"``
+    owners one step behind, on a second communicator made once per group) or ``"all_gather"``
     (every rank gathers all K/V first; fewer, larger launches)."""
 
     layout: ShardLayout

@@ -6,7 +6,7 @@ pairs against the K/V in hand while the next shard is already on its way, and me
 partial outputs by their log-sum-exp. *Direct*: the same steps, but at step s rank r
 receives the K/V of rank r − s straight from it, and only where its queries attend any of
 those keys (a window or documents leave most pairs of ranks empty: no message at all);
-dK/dV contributions go straight back to their owner at the end. *All-gather*: every rank gathers all K/V first (one
+dK/dV contributions go straight back to their owner, one step behind. *All-gather*: every rank gathers all K/V first (one
 collective; cheap when GQA makes K/V small), then runs each query chunk once against the
 key range it may attend. The backwards reuse the forward's global ``out`` and ``lse``, so
 every pair's gradients are exact parts of the whole's: dQ sums locally; dK/dV travel
@@ -87,48 +87,59 @@ def direct_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
 
 
 def direct_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d_out, d_lse, wanted=()):
-    """The direct schedule's backward: K/V fetched again as in the forward; each step's
-    dK/dV contributions kept until the loop ends, then sent to their owners on the
-    "grad" channel while this rank receives the contributions to its own keys."""
+    """The direct schedule's backward: K/V fetched again as in the forward. At step s a
+    rank computes its contributions to the keys of rank − s and sends them straight back
+    on the "grad" channel, while rank + s sends it the contributions to its own keys
+    (each pair of ranks exchanges at most one such message per step and direction); the
+    exchange runs while the next step computes."""
     dq = ops.zeros(q)
     captures: dict = {}
     own_dk, own_dv = ops.zeros(k), ops.zeros(v)
-    outgoing = []
-    for s, src, pairs, (kh, vh) in _fetched_steps(plan, comm, k, v):
-        dk, dv = (own_dk, own_dv) if s == 0 else (ops.zeros(kh), ops.zeros(vh))
-        dq, dk, dv = _backward_pairs(ops, pairs, (q, kh, vh, out, lse, d_out, d_lse), dq, dk, dv, captures)
-        if s == 0:
-            own_dk, own_dv = dk, dv
-        else:
-            outgoing.append((src, dk, dv))
-    # contributions to the owners, in step order on both sides (rank r + s used r's keys at its step s)
-    sent = {src: (dk, dv) for src, dk, dv in outgoing}
     world, rank = comm.world, comm.rank
-    for s in range(1, world):
-        src, dst = (rank - s) % world, (rank + s) % world
-        send = sent.get(src)
-        from_dst = plan.needs(dst, rank)
-        got = comm.exchange(src if send is not None else None, send, dst if from_dst else None,
-                            (own_dk, own_dv) if from_dst else None, "grad").wait()
-        if got is not None:
-            own_dk, own_dv = ops.add(own_dk, got[0]), ops.add(own_dv, got[1])
+    arriving = None     # the contributions posted for at the previous step
+    for s, src, pairs, kv in _fetched_steps(plan, comm, k, v, every=True):
+        outgoing = None
+        if kv is not None:
+            kh, vh = kv
+            dk, dv = (own_dk, own_dv) if s == 0 else (ops.zeros(kh), ops.zeros(vh))
+            dq, dk, dv = _backward_pairs(ops, pairs, (q, kh, vh, out, lse, d_out, d_lse), dq, dk, dv, captures)
+            if s == 0:
+                own_dk, own_dv = dk, dv
+            else:
+                outgoing = (dk, dv)
+        own_dk, own_dv = _received_into(ops, arriving, own_dk, own_dv)
+        if s > 0:
+            dst = (rank + s) % world
+            from_dst = plan.needs(dst, rank)
+            arriving = comm.exchange(src if outgoing is not None else None, outgoing, dst if from_dst else None,
+                                     (own_dk, own_dv) if from_dst else None, "grad")
+    own_dk, own_dv = _received_into(ops, arriving, own_dk, own_dv)
     return (ops.cast(dq, q), ops.cast(own_dk, k), ops.cast(own_dv, v), _all_reduced(plan, comm, ops, captures, wanted))
 
 
-def _fetched_steps(plan, comm, k, v):
-    """(step, source rank, pairs, its K/V) of each step of the direct schedule that has
-    work: step 0 on this rank's own K/V, later ones on the K/V fetched from their owner
-    (the next step's fetch posted before this step computes); steps whose keys the mask
-    leaves unattended receive nothing and are passed over. Consume it to the end."""
+def _received_into(ops, pending, dk, dv):
+    """``dk``/``dv`` plus the contributions ``pending`` brings (if it brings any)."""
+    got = None if pending is None else pending.wait()
+    if got is None:
+        return dk, dv
+    return ops.add(dk, got[0]), ops.add(dv, got[1])
+
+
+def _fetched_steps(plan, comm, k, v, every: bool = False):
+    """(step, source rank, pairs, its K/V) of each step of the direct schedule: step 0 on
+    this rank's own K/V, later ones on the K/V fetched from their owner (the next step's
+    fetch posted before this step computes). Steps whose keys the mask leaves unattended
+    receive nothing: passed over, or with ``every`` yielded with K/V None. Consume it to
+    the end."""
     pending = _post_kv(plan, comm, 1, k, v)
     for s, (src, pairs) in enumerate(plan.ring_steps()):
         kv = (k, v)
         if s > 0:
             got = pending.wait()
             pending = _post_kv(plan, comm, s + 1, k, v)
-            if got is None:
+            if got is None and not every:
                 continue
-            kv = tuple(got)
+            kv = None if got is None else tuple(got)
         yield s, src, pairs, kv
 
 
