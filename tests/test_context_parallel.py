@@ -247,13 +247,16 @@ def _gloo_worker(rank, world, port, tensors, results):
     try:
         q, k, v, d_out, bias, doc = tensors
         seq = q.shape[2]
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (world,))
         out = {}
         for case, schedule in _GLOO_CASES:
             score_mod, mask, trained = _gloo_mods(case, bias, doc, seq)
             layout = tcp.shard_layout(seq, world, mask=mask)
             ql, kl, vl = (tcp.shard(x, layout).requires_grad_(True) for x in (q, k, v))
+            group = mesh if case == "alibi" else None     # a DeviceMesh serves as the group too
             o, lse = tcp.flex_attention(ql, kl, vl, score_mod=score_mod, mask=mask, enable_gqa=True, return_lse=True,
-                                        parallel=tcp.ContextParallel(layout, schedule=schedule))
+                                        parallel=tcp.ContextParallel(layout, group, schedule=schedule))
             ((o * tcp.shard(d_out, layout)).sum() + 0.5 * lse.sum()).backward()   # d_lse too
             whole = [tcp.unshard(x, layout) for x in (o.detach(), ql.grad, kl.grad, vl.grad)]
             whole.append(tcp.unshard(lse.detach(), layout))

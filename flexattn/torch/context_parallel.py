@@ -41,8 +41,9 @@ SCHEDULES = ("ring", "direct", "all_gather")
 @dataclass(frozen=True)
 class ContextParallel:
     """How a call is sharded: the ``layout`` of tokens over ranks (``shard_layout``), the
-    process ``group`` (None: the default group; or a communicator with the schedules'
-    interface, e.g. a ``LoopbackWorld`` member: ranks as threads of one process), and the ``schedule`` — ``"ring"`` (K/V
+    process ``group`` (None: the default group; a one-dimensional ``DeviceMesh``; or a
+    communicator with the schedules' interface, e.g. a ``LoopbackWorld`` member: ranks as
+    threads of one process), and the ``schedule`` — ``"ring"`` (K/V
     passed rank to rank, overlapped with the kernels; memory per rank ∝ S / world) or
     ``"direct"`` (each step's K/V straight from its owner, and only where the mask
     attends any of it: windows and documents skip most messages; dK/dV return to their
@@ -100,6 +101,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if hasattr(group, "shift"):     # a communicator of its own (core.context_parallel.LoopbackWorld's members)
         comm = group
     else:
+        if hasattr(group, "get_group"):     # a one-dimensional DeviceMesh: its process group
+            group = group.get_group()
         comm = _TorchRing(group, dist.get_rank(group), dist.get_world_size(group))
     rank, world = comm.rank, comm.world
     layout = parallel.layout
