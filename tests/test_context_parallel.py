@@ -252,11 +252,12 @@ def _gloo_worker(rank, world, port, tensors, results):
         out = {}
         for case, schedule in _GLOO_CASES:
             score_mod, mask, trained = _gloo_mods(case, bias, doc, seq)
-            layout = tcp.shard_layout(seq, world, mask=mask)
+            masking = _masking(mask)
+            layout = tcp.shard_layout(seq, world, **masking)
             ql, kl, vl = (tcp.shard(x, layout).requires_grad_(True) for x in (q, k, v))
             group = mesh if case == "alibi" else None     # a DeviceMesh serves as the group too
-            o, lse = tcp.flex_attention(ql, kl, vl, score_mod=score_mod, mask=mask, enable_gqa=True, return_lse=True,
-                                        parallel=tcp.ContextParallel(layout, group, schedule=schedule))
+            o, lse = tcp.flex_attention(ql, kl, vl, score_mod=score_mod, enable_gqa=True, return_lse=True,
+                                        parallel=tcp.ContextParallel(layout, group, schedule=schedule), **masking)
             ((o * tcp.shard(d_out, layout)).sum() + 0.5 * lse.sum()).backward()   # d_lse too
             whole = [tcp.unshard(x, layout) for x in (o.detach(), ql.grad, kl.grad, vl.grad)]
             whole.append(tcp.unshard(lse.detach(), layout))
@@ -269,7 +270,12 @@ def _gloo_worker(rank, world, port, tensors, results):
 
 _GLOO_CASES = [("causal", "ring"), ("documents", "ring"), ("window", "all_gather"), ("alibi", "ring"),
                ("bias", "ring"), ("bias", "all_gather"), ("documents", "direct"), ("window", "direct"),
-               ("bias", "direct")]
+               ("bias", "direct"), ("block_mask", "ring"), ("block_mask", "direct")]
+
+
+def _masking(mask) -> dict:
+    """The keyword a mask goes by: a block mask (built for the whole sequence) or a function."""
+    return {"block_mask": mask} if hasattr(mask, "BLOCK_SIZE") else {"mask": mask}
 
 
 def _gloo_mods(case, bias, doc, seq):
@@ -278,6 +284,12 @@ def _gloo_mods(case, bias, doc, seq):
         return None, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None
     if case == "documents":
         return None, lambda b, h, q_idx, kv_idx: (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx), None
+    if case == "block_mask":     # torch's way: create_block_mask once for the whole sequence
+        import flexattn.torch as fa
+
+        def same_document(b, h, q_idx, kv_idx):
+            return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+        return None, fa.create_block_mask(same_document, None, None, seq, seq, BLOCK_SIZE=32), None
     if case == "window":
         return None, lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() <= 48, None
     if case == "alibi":
@@ -317,7 +329,7 @@ def test_gloo_processes_match_one_process(world):
     for case, schedule in _GLOO_CASES:
         score_mod, mask, trained = _gloo_mods(case, bias, doc, seq)
         qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))
-        o, lse = fa.flex_attention(qq, kk, vv, score_mod=score_mod, mask=mask, enable_gqa=True, return_lse=True)
+        o, lse = fa.flex_attention(qq, kk, vv, score_mod=score_mod, enable_gqa=True, return_lse=True, **_masking(mask))
         ((o * d_out).sum() + 0.5 * lse.sum()).backward()
         expected = [o.detach(), qq.grad, kk.grad, vv.grad, lse.detach()] + ([trained.grad] if trained is not None else [])
         for rank in range(world):   # every rank holds the whole result after unshard, and the bias gradient
