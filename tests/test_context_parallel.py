@@ -5,7 +5,6 @@ processes against one process, forward and gradients (q, k, v and a trainable bi
 from __future__ import annotations
 
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ from flexattn.core import context_parallel as cp
 from flexattn.core.context_parallel.host_ops import HostOps
 from flexattn.problem.spec import AttentionSpec
 
-from cp_schedules import run_schedule
+from cp_schedules import run_ranks, run_schedule
 
 
 # -- layouts -------------------------------------------------------------------------------------
@@ -231,12 +230,6 @@ def test_shifted_mods_share_one_structure():
 torch = pytest.importorskip("torch")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gloo_worker(rank, world, port, tensors, results):
     import torch.distributed as dist
 
@@ -303,8 +296,6 @@ def _gloo_mods(case, bias, doc, seq):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_processes_match_one_process(world):
-    import torch.multiprocessing as mp
-
     import flexattn.torch as fa
 
     torch.manual_seed(world)
@@ -315,17 +306,7 @@ def test_gloo_processes_match_one_process(world):
     d_out = torch.randn(B, H, seq, D, dtype=torch.float64)
     bias = torch.randn(2 * seq + 1, dtype=torch.float64)
     doc = torch.repeat_interleave(torch.arange(4), torch.tensor([100, 50, 70, 36]))
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_gloo_worker, args=(r, world, port, (q, k, v, d_out, bias, doc), results))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    got = run_ranks(_gloo_worker, world, ((q, k, v, d_out, bias, doc),), timeout=600)
     for case, schedule in _GLOO_CASES:
         score_mod, mask, trained = _gloo_mods(case, bias, doc, seq)
         qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))

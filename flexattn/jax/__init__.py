@@ -192,14 +192,9 @@ def _match_vma(x, like):
     """``x`` typed as varying over the same ``shard_map`` mesh axes as ``like`` (a
     custom_vjp's cotangent must match its primal's type; results of the host callbacks and
     fresh zeros vary over none). Float0 zeros and arrays outside shard_map pass as they are."""
-    if not isinstance(x, jax.Array) or not hasattr(jax, "typeof"):
+    if not isinstance(x, jax.Array):
         return x
-    missing = tuple(sorted(_varying(like) - _varying(x)))
-    if not missing:
-        return x
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(x, missing, to="varying")
-    return jax.lax.pvary(x, missing)
+    return _vary(x, _varying(like))
 
 
 def _summed_to(grad, primal, varying: set):
@@ -207,26 +202,29 @@ def _summed_to(grad, primal, varying: set):
     ``primal``'s type wants it: summed over the mesh axes the call's work varies over but
     ``primal`` does not (a replicated captured tensor gets every device's part), varying
     over the rest. Outside shard_map, unchanged."""
-    if not isinstance(grad, jax.Array) or not hasattr(jax, "typeof"):
+    if not isinstance(grad, jax.Array):
         return grad
     over = tuple(sorted(varying - _varying(primal)))
     if over:
-        grad = jax.lax.psum(_match_vma(grad, _Axes(varying)), over)
+        grad = jax.lax.psum(_vary(grad, varying), over)
     return _match_vma(grad, primal)
 
 
-class _Axes:
-    """Stands for an array varying over ``axes`` (``_match_vma``'s ``like``)."""
-
-    def __init__(self, axes):
-        self.axes = set(axes)
+def _vary(x, axes: set):
+    """``x`` typed as varying over ``axes`` too (values unchanged)."""
+    missing = tuple(sorted(set(axes) - _varying(x)))
+    if not missing:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)
 
 
 def _varying(x) -> set:
     """The shard_map mesh axes ``x``'s type varies over (newer JAX: ``manual_axis_type``;
-    earlier: ``vma``)."""
-    if isinstance(x, _Axes):
-        return x.axes
+    earlier: ``vma``; none where JAX has no such types)."""
+    if not hasattr(jax, "typeof"):
+        return set()
     kind = jax.typeof(x)
     manual = getattr(kind, "manual_axis_type", None)
     if manual is not None:

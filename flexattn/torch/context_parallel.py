@@ -32,7 +32,7 @@ from ..core.context_parallel import (ContextParallelPlan, ShardLayout, choose_la
 from ..core.context_parallel.host_ops import merge_rows
 from ..problem.spec import AttentionSpec, lse_dtype
 from ..problem.validate import check_inputs
-from . import (_grad_mask, _kernel_backward, _kernel_forward, _score_tensors, backward_unsupported,
+from . import (_grad_mask, _like, _kernel_backward, _kernel_forward, _score_tensors, backward_unsupported,
                create_block_mask, kernel_unsupported)
 
 SCHEDULES = ("ring", "direct", "all_gather")
@@ -98,12 +98,12 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     if not isinstance(parallel, ContextParallel):
         raise TypeError(f"parallel must be a ContextParallel, got {type(parallel).__name__}")
     group = parallel.group
-    if hasattr(group, "shift"):     # a communicator of its own (core.context_parallel.LoopbackWorld's members)
+    if hasattr(group, "exchange"):     # a communicator of its own (core.context_parallel.LoopbackWorld's members)
         comm = group
     else:
         if hasattr(group, "get_group"):     # a one-dimensional DeviceMesh: its process group
             group = group.get_group()
-        comm = _TorchRing(group, dist.get_rank(group), dist.get_world_size(group))
+        comm = _GroupComm(group, dist.get_rank(group), dist.get_world_size(group))
     rank, world = comm.rank, comm.world
     layout = parallel.layout
     if layout.world != world:
@@ -242,7 +242,7 @@ class TorchOps:
         if q.is_cuda:
             return _kernel_forward(spec, check_inputs(q, k, v, spec), q, k, v)
         out, lse = reference.forward(q, k, v, spec)
-        return _tensor(out, q), _tensor(lse, q, getattr(torch, lse_dtype(q)))
+        return _like(out, q), _like(lse, q, getattr(torch, lse_dtype(q)))
 
     def attention_backward(self, q, k, v, out, lse, d_out, d_lse, spec):
         captures = spec.score.captures if spec.score is not None else ()
@@ -254,9 +254,9 @@ class TorchOps:
             by_id = {id(b): g.float() for b, g in zip(buffers, grads) if b.requires_grad}
             return dq, dk, dv, by_id
         g = reference.backward(q, k, v, d_out, d_lse, spec, out=out, lse=lse)
-        by_id = {id(c): _tensor(d, c, self._work(q)) for c, d in zip(captures, g.d_captures)
+        by_id = {id(c): _like(d, c, self._work(q)) for c, d in zip(captures, g.d_captures)
                  if d is not None and isinstance(c, torch.Tensor) and c.requires_grad}
-        return _tensor(g.dq, q), _tensor(g.dk, k), _tensor(g.dv, v), by_id
+        return _like(g.dq, q), _like(g.dk, k), _like(g.dv, v), by_id
 
     @staticmethod
     def _work(x):
@@ -317,10 +317,6 @@ def _merge_rows(acc, lse, out_j, lse_j) -> None:
     lse.copy_(new)
 
 
-def _tensor(array, like, dtype=None):
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device=like.device, dtype=dtype or like.dtype)
-
-
 class _Pending:
     __slots__ = ("requests", "received")
 
@@ -333,22 +329,13 @@ class _Pending:
         return self.received
 
 
-class _TorchRing:
-    """The schedules' communicator over a ``torch.distributed`` group. Ring messages are
-    posted as one batch of sends and receives (NCCL: on its own stream, ordered after the
+class _GroupComm:
+    """The schedules' communicator over a ``torch.distributed`` group. An exchange's sends
+    and receives are posted as one batch (NCCL: on its own stream, ordered after the
     current stream's work at posting; ``wait`` makes the current stream wait for them)."""
 
     def __init__(self, group, rank: int, world: int):
         self.group, self.rank, self.world = group, rank, world
-        self._next = _global_rank(group, (rank + 1) % world)
-        self._prev = _global_rank(group, (rank - 1) % world)
-
-    def shift(self, arrays):
-        sends = [a.contiguous() for a in arrays]
-        received = [torch.empty_like(a) for a in sends]
-        ops = [dist.P2POp(dist.isend, a, self._next, self.group) for a in sends]
-        ops += [dist.P2POp(dist.irecv, r, self._prev, self.group) for r in received]
-        return _Pending(dist.batch_isend_irecv(ops), received)
 
     def exchange(self, dst, arrays, src, like, channel="kv"):
         group = self.group if channel == "kv" else _second_group(self.group)

@@ -9,7 +9,6 @@ against one GPU's call. Skipped without CUDA (the NCCL part without 2 GPUs).
 """
 
 import os
-import socket
 import threading
 
 import numpy as np
@@ -25,7 +24,7 @@ from flexattn import mods, reference  # noqa: E402
 from flexattn.core import AttentionSpec  # noqa: E402
 from flexattn.core import context_parallel as cp  # noqa: E402
 from flexattn.torch import context_parallel as tcp  # noqa: E402
-from cp_schedules import run_schedule  # noqa: E402
+from cp_schedules import run_ranks, run_schedule  # noqa: E402
 
 TOL = (4e-2, 1.5e-2)   # bf16: max error / largest reference value, and relative norm error
 
@@ -166,12 +165,6 @@ def test_the_public_door_runs_threads_of_one_process():
 
 # -- NCCL, one process per GPU ------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _NCCL_CASES = [("causal", "ring"), ("documents", "ring"), ("causal", "all_gather"), ("bias", "ring"),
                ("documents", "direct"), ("window", "direct")]
 
@@ -204,23 +197,12 @@ def _nccl_worker(rank, world, port, inputs, results):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs or more")
 def test_nccl_ranks_match_one_gpu():
-    import torch.multiprocessing as mp
-
     world = min(torch.cuda.device_count(), 4)
     seq = 4096
     torch.manual_seed(7)
     inputs = [torch.randn(B, H, seq, D, dtype=torch.bfloat16), torch.randn(B, HK, seq, D, dtype=torch.bfloat16),
               torch.randn(B, HK, seq, D, dtype=torch.bfloat16), torch.randn(B, H, seq, D, dtype=torch.bfloat16)]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_nccl_worker, args=(r, world, port, inputs, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=540) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    got = run_ranks(_nccl_worker, world, (inputs,), timeout=540)
     q, k, v, d_out = (x.cuda() for x in inputs)
     for case, schedule in _NCCL_CASES:
         spec, trained = _cases(seq, "cuda")[case]

@@ -12,16 +12,16 @@ import threading
 
 
 class LoopbackWorld:
-    """``world`` ranks; ``member(rank)`` is rank ``rank``'s communicator (``shift``,
+    """``world`` ranks; ``member(rank)`` is rank ``rank``'s communicator (``exchange``,
     ``all_gather``, ``reduce_scatter``, ``all_reduce`` as the schedules use them). Every
     member must make the same calls in the same order, as over a real process group."""
 
     def __init__(self, world: int, add=None):
         self.world = world
         self._add = add or (lambda a, b: a + b)
-        # ring messages to each rank from rank − 1, by the sender's shift number: the n-th
-        # shift a rank makes receives the n-th its neighbour made (as point-to-point
-        # messages between two ranks match in the order they were posted)
+        # messages to each rank, by (channel, sender, the sender's message number to it):
+        # the n-th receive from a rank on a channel gets the n-th message it sent there (as
+        # point-to-point messages between two ranks match in the order they were posted)
         self._inbox = [dict() for _ in range(world)]
         self._arrived = threading.Condition()
         self._barrier = threading.Barrier(world)
@@ -74,17 +74,8 @@ class _Received:
 class LoopbackMember:
     def __init__(self, world: LoopbackWorld, rank: int):
         self._world, self.rank, self.world = world, rank, world.world
-        self._shifts = 0
         self._sent: dict = {}       # (channel, peer) -> messages posted to / from that peer
         self._received: dict = {}
-
-    def shift(self, arrays):
-        w, n = self._world, self._shifts
-        self._shifts += 1
-        with w._arrived:
-            w._inbox[(self.rank + 1) % self.world][n] = list(arrays)
-            w._arrived.notify_all()
-        return _Received(w, self.rank, n)
 
     def exchange(self, dst, arrays, src, like, channel="kv"):
         w = self._world
@@ -100,7 +91,7 @@ class LoopbackMember:
         self._received[(channel, src)] = n + 1
         return _Received(w, self.rank, (channel, src, n))
 
-    def _exchange(self, value) -> list:
+    def _gather_all(self, value) -> list:
         w = self._world
         w._barrier.wait()
         w._slots[self.rank] = value
@@ -110,17 +101,17 @@ class LoopbackMember:
         return seen
 
     def all_gather(self, x) -> list:
-        return self._exchange(x)
+        return self._gather_all(x)
 
     def reduce_scatter(self, parts):
-        every = self._exchange(parts)
+        every = self._gather_all(parts)
         total = every[0][self.rank]
         for p in every[1:]:
             total = self._world._add(total, p[self.rank])
         return total
 
     def all_reduce(self, x):
-        every = self._exchange(x)
+        every = self._gather_all(x)
         total = every[0]
         for p in every[1:]:
             total = self._world._add(total, p)

@@ -50,7 +50,9 @@ class ContextParallelPlan:
         self._builder = block_mask_builder
         self._offset_mods: dict = {}
         self._steps = self._gathered = None     # built once: the backward reuses the forward's pairs
-        self.verdicts = _chunk_verdicts(spec, layout, batch, heads)
+        # the user's block mask's tile states, one host copy for the verdicts and every pair
+        self._states = None if spec.block_mask is None else spec.block_mask.block_states()
+        self.verdicts = _chunk_verdicts(spec, layout, batch, heads, self._states)
         self.score_position_free = spec.score is None or not ({"q", "kv"} & spec.score.depends_on)
         self.position_free = spec.element_mask is None and self.score_position_free
 
@@ -78,12 +80,13 @@ class ContextParallelPlan:
                 steps.append((src, [ShardPair((0, layout.local_len), (0, layout.local_len), self.spec)]))
                 continue
             theirs = layout.local_chunks(src)
-            pairs = self._fused_step(mine, theirs)
+            full = self._full_blocks(mine, theirs)
+            pairs = self._fused_step(mine, theirs, len(full))
             if pairs is not None:
                 steps.append((src, pairs))
                 continue
             pairs = []
-            for (q_lo, q_hi), (k_lo, k_hi) in self._full_blocks(mine, theirs):
+            for (q_lo, q_hi), (k_lo, k_hi) in full:
                 spec = self._pair_spec(mine[q_lo] * c, theirs[k_lo] * c, (q_hi - q_lo) * c, (k_hi - k_lo) * c, 1)
                 pairs.append(ShardPair((q_lo * c, q_hi * c), (k_lo * c, k_hi * c), spec))
             for qi, gq in enumerate(mine):
@@ -94,18 +97,19 @@ class ContextParallelPlan:
             steps.append((src, pairs))
         return steps
 
-    def _fused_step(self, mine, theirs):
+    def _fused_step(self, mine, theirs, full_launches: int):
         """[one ShardPair] over the whole local queries and the K/V in hand, with the mods
         reading each token's global position from a table, where the step would otherwise
         take more than ``FUSE_ABOVE`` launches (a layout of many chunks, e.g. documents
         balanced over 4-8 chunks per rank: one large launch and one merge instead of many
         small ones; the pairs the mask excludes become empty tiles of its block mask). None
         where the chunk pairs are few (causal head-tail keeps its diagonal structure) or
-        the user gave a block mask (its tiles are sliced per pair)."""
+        the user gave a block mask (its tiles are sliced per pair). ``full_launches``: the
+        step's fully attended rectangles (``_full_blocks``)."""
         if self.spec.block_mask is not None:
             return None
         live = sum(1 for gq in mine for gk in theirs if self.verdicts[gq, gk] == -1)
-        if live + len(self._full_blocks(mine, theirs)) <= FUSE_ABOVE:
+        if live + full_launches <= FUSE_ABOVE:
             return None
         c, spec = self.layout.chunk, self.spec
         q_pos, kv_pos = _positions(mine, c), _positions(theirs, c)
@@ -188,7 +192,7 @@ class ContextParallelPlan:
         block_mask = spec.block_mask
         if block_mask is not None:
             bq, bk = block_mask.BLOCK_SIZE
-            states = block_mask.block_states()[..., q0 // bq:(q0 + q_len) // bq, kv0 // bk:(kv0 + kv_len) // bk]
+            states = self._states[..., q0 // bq:(q0 + q_len) // bq, kv0 // bk:(kv0 + kv_len) // bk]
             sliced = BlockMask(states, (q_len, kv_len), block_mask.BLOCK_SIZE, mask)
             sliced.from_mask = block_mask.from_mask
             return AttentionSpec(score, None, sliced, spec.scale, spec.enable_gqa)
@@ -218,10 +222,10 @@ def _positions(chunks, chunk: int) -> np.ndarray:
     return table
 
 
-def _chunk_verdicts(spec: AttentionSpec, layout: ShardLayout, batch: int, heads: int) -> np.ndarray:
+def _chunk_verdicts(spec: AttentionSpec, layout: ShardLayout, batch: int, heads: int, states) -> np.ndarray:
     """[chunks, chunks]: 1 every pair of the two chunks attended (for every batch and
-    head), 0 none, -1 some — from the block mask's tile states where there is one, else
-    interval analysis of the mask over chunk-sized tiles."""
+    head), 0 none, -1 some — from the block mask's tile ``states`` where there is one,
+    else interval analysis of the mask over chunk-sized tiles."""
     n, c = layout.num_chunks, layout.chunk
     block_mask = spec.block_mask
     if block_mask is not None:
@@ -232,7 +236,6 @@ def _chunk_verdicts(spec: AttentionSpec, layout: ShardLayout, batch: int, heads:
         if c % bq or c % bk:
             raise ValueError(f"context parallelism with a block mask needs chunks ({c} tokens) that are whole"
                              f" blocks ({bq}x{bk}): choose a sequence length or world size to match")
-        states = block_mask.block_states()
         tiles = states.reshape(-1, n, c // bq, n, c // bk)
         full = np.all(tiles == FULL, axis=(0, 2, 4))
         empty = np.all(tiles == EMPTY, axis=(0, 2, 4))

@@ -25,11 +25,10 @@ What a framework supplies (duck-typed, see ``flexattn.torch.context_parallel``):
   ``assign(acc, lse, start, stop, out_j, lse_j) -> (acc, lse)`` (rows no launch wrote yet);
   ``finish(acc, like) -> out``; ``zeros(x) -> fp32 zeros``; ``add_rows(acc, start, stop, x)
   -> acc``; ``add(a, b)``; ``cast(x, like)``.
-``comm`` — ``rank``, ``world``; ``shift(arrays) -> pending`` (send to rank + 1, receive
-  from rank − 1; ``pending.wait() -> arrays``); ``exchange(dst, arrays, src, like,
-  channel) -> pending`` (send ``arrays`` to ``dst`` and receive arrays like ``like`` from
-  ``src``, either None; messages of one ``channel`` between two ranks match in the order
-  they were posted, channels apart: "kv" and "grad"); ``all_gather(x) -> [x of each rank]``;
+``comm`` — ``rank``, ``world``; ``exchange(dst, arrays, src, like, channel) -> pending``
+  (send ``arrays`` to ``dst`` and receive arrays like ``like`` from ``src``, either None;
+  ``pending.wait() -> arrays`` or None; messages of one ``channel`` between two ranks match
+  in the order they were posted, channels apart: "kv" and "grad"); ``all_gather(x) -> [x of each rank]``;
   ``reduce_scatter(parts) -> sum over ranks of their parts[rank]``; ``all_reduce(x)``.
 """
 
@@ -45,7 +44,7 @@ def ring_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
     kv = (k, v)
     steps = plan.ring_steps()
     for s, (_, pairs) in enumerate(steps):
-        pending = comm.shift(kv) if s + 1 < len(steps) else None
+        pending = _shift(comm, kv) if s + 1 < len(steps) else None
         acc, lse = _forward_pairs(ops, pairs, q, *kv, acc, lse, written)
         if pending is not None:
             kv = tuple(pending.wait())
@@ -61,18 +60,24 @@ def ring_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d_out
     passing = None     # the dK/dV sums on their way to this rank from rank − 1
     steps = plan.ring_steps()
     for s, (_, pairs) in enumerate(steps):
-        pending = comm.shift(kv) if s + 1 < len(steps) else None
+        pending = _shift(comm, kv) if s + 1 < len(steps) else None
         kh, vh = kv
         dk, dv = ops.zeros(kh), ops.zeros(vh)
         dq, dk, dv = _backward_pairs(ops, pairs, (q, kh, vh, out, lse, d_out, d_lse), dq, dk, dv, captures)
         if passing is not None:
             before_k, before_v = passing.wait()
             dk, dv = ops.add(dk, before_k), ops.add(dv, before_v)
-        passing = comm.shift((dk, dv))       # to rank + 1: after the last step, the owner
+        passing = _shift(comm, (dk, dv))     # to rank + 1: after the last step, the owner
         if pending is not None:
             kv = tuple(pending.wait())
     dk, dv = passing.wait()
     return (ops.cast(dq, q), ops.cast(dk, k), ops.cast(dv, v), _all_reduced(plan, comm, ops, captures, wanted))
+
+
+def _shift(comm, arrays):
+    """The ring's message: ``arrays`` to rank + 1, the same from rank − 1."""
+    world, rank = comm.world, comm.rank
+    return comm.exchange((rank + 1) % world, arrays, (rank - 1) % world, arrays, "kv")
 
 
 def direct_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
