@@ -13,8 +13,8 @@ x3.5 forward + backward, divided by W. W = 1 is one GPU's single call (the weak-
 reference).
 
     python3 benchmarks/bench_context_parallel.py --worlds 1 2 4 [--per-gpu 65536] [--iters 5]
-        [--masks causal] [--impls ring direct] [--trace DIR] [--reserve-sms N]
-    (DIR: one profiled step per row; N: FLEXATTN_RESERVED_SMS, SMs persistent kernels leave to NCCL)
+        [--masks causal] [--impls ring direct] [--trace DIR]
+    (DIR: one profiled step per row: NCCL's time and overlap, idle time, the costliest kernels)
 """
 
 import argparse
@@ -71,7 +71,7 @@ def _time(fn, iters, dist):
 def _worker(rank, world, port, args, queue):
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FLEXATTN_RESERVED_SMS=str(args.reserve_sms))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -109,7 +109,7 @@ def _worker(rank, world, port, args, queue):
                         rows.append(dict(world=world, seq=seq, mask=mask_name, impl=impl, phase=phase, ms=ms,
                                          tflops_per_gpu=per_gpu,
                                          peak_gib=torch.cuda.max_memory_allocated() / 2**30))
-                        if args.trace and world > 1:
+                        if args.trace:
                             rows[-1].update(_overlap(lambda: run(train), args.trace,
                                                      f"{mask_name}_{impl.replace(' ', '-')}_{phase}_w{world}_r{rank}"))
                     except Exception as e:   # noqa: BLE001 - a baseline this torch lacks: reported as n/a
@@ -157,7 +157,17 @@ def _overlap(step, folder, name) -> dict:
     n_spans, n_total = union(nccl)
     o_spans, o_total = union(other)
     both = sum(max(0.0, min(b, d) - max(a, c)) for a, b in n_spans for c, d in o_spans)
-    return dict(nccl_ms=n_total / 1e3, kernels_ms=o_total / 1e3, nccl_overlapped_ms=both / 1e3)
+    everything = nccl + other
+    span = (max(b for _, b in everything) - min(a for a, _ in everything)) if everything else 0.0
+    by_name: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start:
+            n, t = by_name.get(e.name[:48], (0, 0.0))
+            by_name[e.name[:48]] = (n + 1, t + (e.time_range.end - e.time_range.start) / 1e3)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:6]
+    return dict(nccl_ms=n_total / 1e3, kernels_ms=o_total / 1e3, nccl_overlapped_ms=both / 1e3,
+                gpu_span_ms=span / 1e3, idle_ms=(span - union(everything)[1]) / 1e3,
+                top_kernels=[f"{name} x{n}: {t:.2f} ms" for name, (n, t) in top])
 
 
 def _implementations(mask_name, mask, q, k, v, d_out, world, rank, dist, args):
@@ -264,7 +274,6 @@ def main():
     ap.add_argument("--impls", nargs="*", default=None,
                     help="words an implementation's name must contain (the one-GPU reference always runs)")
     ap.add_argument("--trace", default=None, help="folder: profile one step per row (NCCL/kernel overlap)")
-    ap.add_argument("--reserve-sms", type=int, default=0, help="SMs persistent kernels leave free (for NCCL)")
     args = ap.parse_args()
     import torch.multiprocessing as mp
 
@@ -301,9 +310,13 @@ def main():
         ref = base.get((r["mask"], r["phase"]))
         scale = f"{r['tflops_per_gpu'] / ref:.2f}" if ref else "—"
         overlap = (f" (NCCL {r['nccl_ms']:.1f} ms, {r['nccl_overlapped_ms']:.1f} overlapped; kernels"
-                   f" {r['kernels_ms']:.1f})" if "nccl_ms" in r else "")
+                   f" {r['kernels_ms']:.1f}; GPU span {r['gpu_span_ms']:.1f}, idle {r['idle_ms']:.1f})"
+                   if "nccl_ms" in r else "")
         print(f"| {r['world']} | {r['seq']} | {r['mask']} | {r['impl']} | {r['phase']} | {r['ms']:.2f} | "
               f"{r['tflops_per_gpu']:.1f} | {scale} | {r['peak_gib']:.1f} |{overlap}")
+    for r in rows:
+        if r.get("top_kernels"):
+            print(f"W{r['world']} {r['mask']} {r['impl']} {r['phase']}: " + "; ".join(r["top_kernels"]))
 
 
 if __name__ == "__main__":

@@ -333,24 +333,3 @@ def test_torch_call_errors_before_any_message():
     with pytest.raises(ValueError, match="schedule"):
         tcp.ContextParallel(layout, schedule="tree")
 
-
-def test_reserved_sms_leave_room_for_nccl(monkeypatch):
-    """FLEXATTN_RESERVED_SMS: persistent kernels launch that many CTAs fewer (whole
-    clusters fewer), for NCCL's kernels to run beside them."""
-    from flexattn.kernels.hopper import device_facts
-
-    class OnGpu:
-        def __dlpack_device__(self):
-            return (2, 0)
-
-    monkeypatch.setattr(device_facts, "sm_count", lambda device: 132)
-    monkeypatch.setattr(device_facts, "max_active_clusters", lambda device, size: 66)
-    monkeypatch.delenv("FLEXATTN_RESERVED_SMS", raising=False)
-    assert device_facts.persistent_ctas(OnGpu()) == 132
-    monkeypatch.setenv("FLEXATTN_RESERVED_SMS", "8")
-    assert device_facts.persistent_ctas(OnGpu()) == 124
-    monkeypatch.setenv("FLEXATTN_RESERVED_SMS", "3")
-    assert device_facts.persistent_ctas(OnGpu(), 2) == 2 * (66 - 2)
-    monkeypatch.setenv("FLEXATTN_RESERVED_SMS", "many")
-    with pytest.raises(ValueError, match="whole number"):
-        device_facts.persistent_ctas(OnGpu())

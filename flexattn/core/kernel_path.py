@@ -18,12 +18,14 @@ same work, runs persistent CTAs (one per SM; +3-5% measured on H100 at S=2k-4k, 
 causal runs one CTA per tile in longest-first order (the hardware's dynamic dispatch then
 balances the uneven tiles: +4% over head order); block-sparse runs persistent CTAs when its
 host lists show every q tile visiting about as many kv tiles (``BALANCED_TILES``: windows,
-documents; +4-9% measured), else one CTA per tile.
+documents; +4-9% measured), else one CTA per tile. Inside ``gpu_shared()`` (context
+parallelism: NCCL's kernels run beside ours) every launch runs one CTA per tile.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib.util
 import os
@@ -212,6 +214,26 @@ def _structure_only(mod):
 _PLANS: dict = {}  # see plan_forward
 _PLANS_CAPACITY = 256
 
+# Launches planned inside gpu_shared() run one CTA per tile, never persistent CTAs: a
+# persistent kernel deals its tiles out statically, so a CTA whose SM another kernel holds
+# (NCCL's transfer, 16 CTAs, spinning until its peer is ready) starts its whole share late
+# and the launch lasts the other kernel's time plus its own. 4x H100, 2026-11-27, context
+# parallelism: a 32k x 32k dense pair 11.0 -> 12.9 ms beside a 2 ms transfer, a 64k x 64k
+# one 26 -> 52 ms beside a 28 ms wait. One CTA per tile lets the hardware hand the held
+# SMs' tiles to the others; at these lengths persistence gains nothing.
+_GPU_SHARED = contextvars.ContextVar("flexattn_gpu_shared", default=False)
+
+
+@contextlib.contextmanager
+def gpu_shared():
+    """Within this block (this thread or task), forward launches are planned for a GPU
+    whose SMs other kernels take at any time: one CTA per tile."""
+    token = _GPU_SHARED.set(True)
+    try:
+        yield
+    finally:
+        _GPU_SHARED.reset(token)
+
 
 class BlockStructure(NamedTuple):
     """How a call's kernels walk their tiles (cheapest first): ``causal`` (the kernel's own
@@ -321,7 +343,8 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     dense = not causal and block_mask is None
     # fp32: no clusters, no persistent CTAs (their separate O buffer would not fit).
     cluster_m = 2 if block_mask is None and not fp32 and _clusters_pay(shape) else 1
-    max_ctas = persistent_ctas(q, cluster_m) if (dense or _balanced(block_mask, band)) and not fp32 else 0
+    persistent_pays = (dense or _balanced(block_mask, band)) and not fp32 and not _GPU_SHARED.get()
+    max_ctas = persistent_ctas(q, cluster_m) if persistent_pays else 0
     key = (dtype, tf32_passes, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
            cluster_m, max_scores,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
@@ -602,5 +625,5 @@ def prepare_forward(q, shape: AttentionShape, spec: AttentionSpec, device: Devic
     return PreparedForward(q, plan_forward(q, shape, spec), spec, shape, device)
 
 
-__all__ = ["Device", "EnvStream", "KernelPlan", "PreparedForward", "forward_into", "kernel_unsupported", "plan_forward",
-           "prepare_forward", "use_tvm_ffi"]
+__all__ = ["Device", "EnvStream", "KernelPlan", "PreparedForward", "forward_into", "gpu_shared", "kernel_unsupported",
+           "plan_forward", "prepare_forward", "use_tvm_ffi"]

@@ -279,10 +279,16 @@ class TorchOps:
             merge_rows(acc[:, :, start:stop].numpy(), lse[:, :, start:stop].numpy(),
                        out_j.to(acc.dtype).numpy(), lse_j.to(lse.dtype).numpy())
             return acc, lse
-        _merge_rows(acc[:, :, start:stop], lse[:, :, start:stop], out_j, lse_j)
+        merge = _merge_kernel if _kernel_merges(acc, out_j, lse_j) else _merge_rows
+        merge(acc[:, :, start:stop], lse[:, :, start:stop], out_j, lse_j)
         return acc, lse
 
     def assign(self, acc, lse, start, stop, out_j, lse_j):
+        if _kernel_merges(acc, out_j, lse_j):
+            # the merge kernel copies the rows lse holds at -inf (all of these) and leaves
+            # the rows out_j did not attend as they are (zeros / -inf already)
+            _merge_kernel(acc[:, :, start:stop], lse[:, :, start:stop], out_j, lse_j)
+            return acc, lse
         acc[:, :, start:stop].copy_(out_j)
         lse[:, :, start:stop].copy_(lse_j)
         return acc, lse
@@ -304,6 +310,21 @@ class TorchOps:
         return x.to(like.dtype)
 
 
+def _kernel_merges(acc, out_j, lse_j) -> bool:
+    return (acc.is_cuda and out_j.dtype in (torch.bfloat16, torch.float16)
+            and acc.dtype == lse_j.dtype == torch.float32)
+
+
+def _merge_kernel(acc, lse, out_j, lse_j) -> None:
+    """The merge on the GPU in one pass over the attended rows only
+    (``kernels.merge.partial``), on the current stream."""
+    from ..core.kernel_path import use_tvm_ffi
+    from ..kernels.launch.merge import merge_partial
+
+    merge_partial(acc, lse, out_j, lse_j, tvm_ffi=use_tvm_ffi(),
+                  stream=torch.cuda.current_stream(acc.device).cuda_stream)
+
+
 def _merge_rows(acc, lse, out_j, lse_j) -> None:
     """In place on views: the log-sum-exp merge of a partial attention (see
     ``core.context_parallel.host_ops.merge_rows``); rows empty on both sides stay 0/−inf."""
@@ -313,7 +334,10 @@ def _merge_rows(acc, lse, out_j, lse_j) -> None:
     safe = torch.where(live, new, torch.zeros_like(new))
     w0 = torch.where(live, torch.exp(lse - safe), torch.zeros_like(new))
     w1 = torch.where(live, torch.exp(lse_j - safe), torch.zeros_like(new))
-    acc.mul_(w0.unsqueeze(-1).to(acc.dtype)).add_(out_j.to(acc.dtype) * w1.unsqueeze(-1).to(acc.dtype))
+    # Two passes over the rows (acc scaled, then out_j * w1 added in the same read), not
+    # four: out_j is read in its own dtype, no fp32 copy (4x H100 2026-11-27: 1.9 ms a
+    # merge of 64k rows H16 D128 before).
+    acc.mul_(w0.unsqueeze(-1).to(acc.dtype)).addcmul_(out_j, w1.unsqueeze(-1).to(acc.dtype))
     lse.copy_(new)
 
 

@@ -216,3 +216,31 @@ def test_nccl_ranks_match_one_gpu():
                 scale = max(np.abs(b).max(), 1e-6)
                 err = np.abs(a - b).max()
                 assert err <= 3e-2 * scale, f"{case} {schedule} rank {rank} {name}: {err:.3g} (ref {scale:.3g})"
+
+
+@pytest.mark.parametrize("dtype,dv", [(torch.bfloat16, 128), (torch.float16, 64), (torch.bfloat16, 80),
+                                      (torch.bfloat16, 256)])
+def test_merge_kernel_matches_the_elementwise_merge(dtype, dv):
+    """The GPU merge of a partial (``kernels.merge.partial``) on strided row views against
+    the torch elementwise merge in float64: rows unattended on either side, on both, and
+    attended on both; the rows outside the view untouched."""
+    from flexattn.torch.context_parallel import _merge_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(dv)
+    b, h, s, start, stop = 2, 3, 700, 129, 611
+    acc = torch.randn(b, h, s, dv, device="cuda", generator=g)
+    lse = torch.randn(b, h, s, device="cuda", generator=g) * 4
+    out = torch.randn(b, h, stop - start, dv, device="cuda", generator=g).to(dtype)
+    lse_j = torch.randn(b, h, stop - start, device="cuda", generator=g) * 4
+    lse[:, :, start:start + 50] = -torch.inf           # first visit: a copy
+    acc[:, :, start:start + 50] = 0
+    lse_j[:, :, 40:90] = -torch.inf                     # unattended by the piece (some by both)
+    want_acc, want_lse = acc.double().clone(), lse.double().clone()
+    tcp._merge_rows(want_acc[:, :, start:stop], want_lse[:, :, start:stop], out.double(), lse_j.double())
+    _merge_kernel(acc[:, :, start:stop], lse[:, :, start:stop], out, lse_j)
+    torch.cuda.synchronize()
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    live = torch.isfinite(want_lse)
+    assert (lse[live].double() - want_lse[live]).abs().max() < 1e-5
+    assert (acc.double() - want_acc).abs().max() < 1e-5
+    assert torch.equal(acc[:, :, :start], want_acc[:, :, :start].float())

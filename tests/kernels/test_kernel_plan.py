@@ -345,6 +345,31 @@ def test_tile_scheduling_by_structure(on_gpu):
     assert _plan().config.max_ctas == 0   # a CPU array: nothing to query
 
 
+
+def test_a_shared_gpu_gets_one_cta_per_tile(on_gpu):
+    """Inside ``gpu_shared()`` (context parallelism's launches, NCCL beside them) the
+    structures that run persistent CTAs elsewhere run one CTA per tile; outside it, and in
+    another thread while one thread is inside, nothing changes."""
+    import threading
+
+    from flexattn.core.kernel_path import gpu_shared
+
+    q = torch.empty(2, 4, 300, 128, dtype=torch.bfloat16).as_subclass(_OnGpu)
+
+    def ctas(**kw):
+        spec = AttentionSpec.from_args(**kw)
+        return plan_forward(q, check_inputs(q, q, q, spec), spec).config.max_ctas
+
+    assert ctas() == 132 and ctas(mask=mods.sliding_window(64)) == 132
+    other = []
+    with gpu_shared():
+        assert ctas() == 0 and ctas(mask=mods.sliding_window(64)) == 0
+        thread = threading.Thread(target=lambda: other.append(ctas()))
+        thread.start()
+        thread.join()
+    assert other == [132]
+    assert ctas() == 132
+
 def test_dense_head_dim_128_with_even_q_tiles_runs_clusters(on_gpu):
     """Dense and causal attention at head dim 128 pair the CTAs of adjacent q tiles into
     clusters sharing K/V loads, when every head has an even number of q tiles (block-sparse

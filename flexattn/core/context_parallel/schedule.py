@@ -34,9 +34,23 @@ What a framework supplies (duck-typed, see ``flexattn.torch.context_parallel``):
 
 from __future__ import annotations
 
+import functools
+
+from ..kernel_path import gpu_shared
 from .plan import ContextParallelPlan
 
 
+def _beside_transfers(schedule):
+    """A schedule's launches run while its messages are in flight, NCCL's kernels taking
+    SMs at any moment: plan them for a shared GPU (``kernel_path.gpu_shared``)."""
+    @functools.wraps(schedule)
+    def run(*args, **kwargs):
+        with gpu_shared():
+            return schedule(*args, **kwargs)
+    return run
+
+
+@_beside_transfers
 def ring_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
     """(out, lse) of the local queries against the whole sequence, K/V around the ring."""
     acc, lse = ops.stats(q, v)
@@ -51,6 +65,7 @@ def ring_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
     return ops.finish(acc, q), lse
 
 
+@_beside_transfers
 def ring_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d_out, d_lse, wanted=()):
     """(dq, dk, dv, [fp32 gradient of each ``wanted`` capture of the score mod (indices into
     its captures), summed over every rank]) for the local shards."""
@@ -80,6 +95,7 @@ def _shift(comm, arrays):
     return comm.exchange((rank + 1) % world, arrays, (rank - 1) % world, arrays, "kv")
 
 
+@_beside_transfers
 def direct_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
     """(out, lse) of the local queries, each step's K/V straight from its owner, only
     where this rank's queries attend it; the next step's message is on its way while
@@ -91,6 +107,7 @@ def direct_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
     return ops.finish(acc, q), lse
 
 
+@_beside_transfers
 def direct_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d_out, d_lse, wanted=()):
     """The direct schedule's backward: K/V fetched again as in the forward. At step s a
     rank computes its contributions to the keys of rank − s and sends them straight back
@@ -162,6 +179,7 @@ def _post_kv(plan, comm, s: int, k, v):
                          (k, v) if receive else None, "kv")
 
 
+@_beside_transfers
 def gathered_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
     """(out, lse) of the local queries with every rank's K/V gathered first; also returns
     the gathered K/V in global order for the backward."""
@@ -172,6 +190,7 @@ def gathered_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
     return ops.finish(acc, q), lse, (k_all, v_all)
 
 
+@_beside_transfers
 def gathered_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d_out, d_lse, wanted=(),
                       gathered=None):
     """The all-gather schedule's backward: dK/dV of the whole sequence reduce-scattered to

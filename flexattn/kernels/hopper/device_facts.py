@@ -5,7 +5,6 @@ such facts as config values, so they also compile on machines without a GPU).
 """
 
 import functools
-import os
 
 
 @functools.cache
@@ -30,25 +29,9 @@ def persistent_ctas(x, cluster_size: int = 1) -> int:
     kind, ordinal = x.__dlpack_device__()
     if int(kind) != _DL_CUDA:
         return 0
-    reserved = reserved_sms()
     if cluster_size == 1:
-        return max(1, sm_count(int(ordinal)) - reserved)
-    clusters = max_active_clusters(int(ordinal), cluster_size) - -(-reserved // cluster_size)
-    return cluster_size * max(1, clusters)
-
-
-def reserved_sms() -> int:
-    """SMs persistent kernels leave free (``FLEXATTN_RESERVED_SMS``, default 0): room for
-    kernels that must run beside them, e.g. NCCL's transfers under context parallelism,
-    which cannot start on an SM a persistent CTA fills. Read when a call is planned."""
-    value = os.environ.get("FLEXATTN_RESERVED_SMS", "0")
-    try:
-        reserved = int(value)
-    except ValueError:
-        raise ValueError(f"FLEXATTN_RESERVED_SMS must be a whole number of SMs, got {value!r}") from None
-    if reserved < 0:
-        raise ValueError(f"FLEXATTN_RESERVED_SMS must be 0 or more, got {reserved}")
-    return reserved
+        return sm_count(int(ordinal))
+    return cluster_size * max_active_clusters(int(ordinal), cluster_size)
 
 
 # An empty kernel to ask the driver about clusters: occupancy questions need a function,

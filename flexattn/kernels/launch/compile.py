@@ -2,7 +2,8 @@
 with no GPU and no driver query.
 
 ``compile_forward(cfg, ...)`` (and ``compile_backward``, ``compile_preprocess``,
-``compile_postprocess``, ``compile_decode``, ``compile_classifier``, ``compile_compactor``)
+``compile_postprocess``, ``compile_decode``, ``compile_classifier``, ``compile_compactor``,
+``compile_merge``)
 traces the kernel on symbolic-shape fake tensors and returns a ``cute.compile`` result that
 can be launched with real tensors of the same dtypes and ranks (any sizes / strides with
 the last dim contiguous). The target is a compile option (``ARCH_OPTION``), so a CPU-only
@@ -122,6 +123,15 @@ def compile_decode(cfg, mod_args: tuple = (), *, tvm_ffi: bool = False, **option
 
     return compile_on_fakes(DecodeSm90(cfg), fakes.fake_decode_args(cfg, mod_args, tvm_ffi),
                             tvm_ffi=tvm_ffi, **options)
+
+
+def compile_merge(dtype: str, head_dim_v: int, *, tvm_ffi: bool = False, **options):
+    """The log-sum-exp merge of a partial result (``merge.partial.MergePartial``)."""
+    from flexattn.kernels.merge.partial import MergePartial
+
+    kernel = MergePartial(dtype, head_dim_v)
+    return compile_on_fakes(kernel, fakes.fake_merge_args(kernel.dtype, head_dim_v, tvm_ffi), tvm_ffi=tvm_ffi,
+                            **options)
 
 
 def compile_classifier(hook, q_block: int, kv_block: int, count_allowed: bool = False, *,

@@ -164,6 +164,16 @@ def fake_postprocess_args(cfg, grad_ranks: tuple, tvm_ffi: bool):
     return (_f32_rows(4), dq, cutlass.Float32(1.0), grads, fixed, fake_stream(tvm_ffi))
 
 
+# -- merge of partial results -----------------------------------------------------------------
+
+def fake_merge_args(dtype, head_dim_v: int, tvm_ffi: bool):
+    """(acc, lse, out, lse_j, stream) for ``MergePartial.__call__``: rows 16-byte aligned
+    with strides in whole 16-byte units (views of [B, H, S, Dv] arrays along S)."""
+    acc = fake_tensor(cutlass.Float32, 4, 16, head_dim_v, divisibility=4)
+    out = fake_tensor(dtype, 4, 16, head_dim_v, divisibility=128 // dtype.width)
+    return (acc, fake_tensor(cutlass.Float32, 3, 4), out, fake_tensor(cutlass.Float32, 3, 4), fake_stream(tvm_ffi))
+
+
 # -- decode ----------------------------------------------------------------------------------
 
 def fake_decode_args(cfg, mod_args: tuple = (), tvm_ffi: bool = False):

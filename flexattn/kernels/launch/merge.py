@@ -1,0 +1,42 @@
+"""Launch the log-sum-exp merge of a partial result (``merge.partial.MergePartial``): one
+compile per (dtype, value head dim, launch path), cached on disk like every kernel."""
+
+from flexattn.arrays import dtype_name
+
+_MERGE_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
+_COMPILED: dict = {}
+
+
+def merge_partial(acc, lse, out, lse_j, *, tvm_ffi: bool, stream: int) -> None:
+    """In place: ``acc`` [B, H, S, Dv] fp32 / ``lse`` [B, H, S] fp32 become the merge of
+    themselves and the partial ``out`` (bf16/fp16) / ``lse_j`` (fp32). Rows ``lse_j``
+    leaves at -inf are not touched; rows ``lse`` holds at -inf take the partial as it is.
+    ``stream``: the CUstream handle to launch on (TVM-FFI launches use the framework's)."""
+    dtype = _MERGE_DTYPES.get(dtype_name(out))
+    if dtype is None or dtype_name(acc) != "float32" or dtype_name(lse) != "float32" or dtype_name(lse_j) != "float32":
+        raise TypeError(f"merge_partial takes fp32 acc/lse/lse_j and a bf16/fp16 partial, got {dtype_name(acc)}, "
+                        f"{dtype_name(lse)}, {dtype_name(out)}, {dtype_name(lse_j)}")
+    head_dim_v = int(out.shape[-1])
+    key = (dtype, head_dim_v, tvm_ffi)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        from flexattn.kernels.launch import disk_cache
+        from flexattn.kernels.launch.compile import compile_merge
+
+        fn = _COMPILED[key] = disk_cache.compiled(
+            ("merge_partial", dtype, head_dim_v) if tvm_ffi else None,
+            lambda: compile_merge(dtype, head_dim_v, tvm_ffi=tvm_ffi))
+    if tvm_ffi:
+        fn(acc, lse, out, lse_j)
+        return
+    import cuda.bindings.driver as cuda
+    from cutlass.cute.runtime import from_dlpack
+
+    def view(x):
+        t = from_dlpack(x)
+        return t.mark_layout_dynamic(leading_dim=len(t.shape) - 1)
+
+    fn(view(acc), view(lse), view(out), view(lse_j), cuda.CUstream(stream))
+
+
+__all__ = ["merge_partial"]

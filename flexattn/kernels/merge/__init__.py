@@ -1,0 +1,1 @@
+"""Merging partial attention results by log-sum-exp (context parallelism's pieces)."""
