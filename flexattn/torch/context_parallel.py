@@ -355,14 +355,15 @@ class _Pending:
 
 class _GroupComm:
     """The schedules' communicator over a ``torch.distributed`` group. An exchange's sends
-    and receives are posted as one batch (NCCL: on its own stream, ordered after the
-    current stream's work at posting; ``wait`` makes the current stream wait for them)."""
+    and receives are posted as one batch on its channel's own communicator
+    (``_channel_group``; NCCL: on its high-priority stream, ordered after the current
+    stream's work at posting; ``wait`` makes the current stream wait for them)."""
 
     def __init__(self, group, rank: int, world: int):
         self.group, self.rank, self.world = group, rank, world
 
     def exchange(self, dst, arrays, src, like, channel="kv"):
-        group = self.group if channel == "kv" else _second_group(self.group)
+        group = _channel_group(self.group, channel)
         ops, received = [], None
         if dst is not None:
             ops += [dist.P2POp(dist.isend, a.contiguous(), _global_rank(self.group, dst), group) for a in arrays]
@@ -391,18 +392,27 @@ class _GroupComm:
         return x
 
 
-_SECOND_GROUPS: dict = {}
+_CHANNEL_GROUPS: dict = {}
 
 
-def _second_group(group):
-    """A second communicator over ``group``'s ranks, made once (a collective: every rank
-    makes it at the same call), for messages that must not be matched with the first's
-    (the direct schedule's dK/dV returns next to its K/V fetches)."""
-    key = id(group) if group is not None else None
-    made = _SECOND_GROUPS.get(key)
+def _channel_group(group, channel: str):
+    """The communicator of one message channel over ``group``'s ranks, made once per
+    channel (a collective among those ranks only: each makes it at the same exchange).
+    Channels apart never match each other's messages (the direct schedule's dK/dV returns
+    beside its K/V fetches). Under NCCL its stream runs at high priority: a transfer's
+    kernel gets the next free SMs instead of waiting behind every CTA of the attention
+    launch queued after it (4x H100, 2026-11-27: the ring's next shift started only as
+    the step's launch ended, ~2.5 ms idle per step at W 4)."""
+    key = (None if group is None else id(group), channel)
+    made = _CHANNEL_GROUPS.get(key)
     if made is None:
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        made = _SECOND_GROUPS[key] = (group, dist.new_group(ranks=ranks))
+        ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+        options = None
+        if dist.get_backend(group) == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = True
+        made = _CHANNEL_GROUPS[key] = (group, dist.new_group(ranks=ranks, pg_options=options,
+                                                             use_local_synchronization=True))
     return made[1]
 
 

@@ -1,10 +1,13 @@
 """Launch the log-sum-exp merge of a partial result (``merge.partial.MergePartial``): one
 compile per (dtype, value head dim, launch path), cached on disk like every kernel."""
 
+import threading
+
 from flexattn.arrays import dtype_name
 
 _MERGE_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 _COMPILED: dict = {}
+_COMPILING = threading.Lock()   # ranks as threads merge at once; one compile each, one at a time
 
 
 def merge_partial(acc, lse, out, lse_j, *, tvm_ffi: bool, stream: int) -> None:
@@ -20,12 +23,7 @@ def merge_partial(acc, lse, out, lse_j, *, tvm_ffi: bool, stream: int) -> None:
     key = (dtype, head_dim_v, tvm_ffi)
     fn = _COMPILED.get(key)
     if fn is None:
-        from flexattn.kernels.launch import disk_cache
-        from flexattn.kernels.launch.compile import compile_merge
-
-        fn = _COMPILED[key] = disk_cache.compiled(
-            ("merge_partial", dtype, head_dim_v) if tvm_ffi else None,
-            lambda: compile_merge(dtype, head_dim_v, tvm_ffi=tvm_ffi))
+        fn = _compiled(key)
     if tvm_ffi:
         fn(acc, lse, out, lse_j)
         return
@@ -37,6 +35,20 @@ def merge_partial(acc, lse, out, lse_j, *, tvm_ffi: bool, stream: int) -> None:
         return t.mark_layout_dynamic(leading_dim=len(t.shape) - 1)
 
     fn(view(acc), view(lse), view(out), view(lse_j), cuda.CUstream(stream))
+
+
+def _compiled(key):
+    from flexattn.kernels.launch import disk_cache
+    from flexattn.kernels.launch.compile import compile_merge
+
+    dtype, head_dim_v, tvm_ffi = key
+    with _COMPILING:
+        fn = _COMPILED.get(key)
+        if fn is None:
+            fn = _COMPILED[key] = disk_cache.compiled(
+                ("merge_partial", dtype, head_dim_v) if tvm_ffi else None,
+                lambda: compile_merge(dtype, head_dim_v, tvm_ffi=tvm_ffi))
+    return fn
 
 
 __all__ = ["merge_partial"]
