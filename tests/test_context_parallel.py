@@ -201,6 +201,62 @@ def test_the_direct_schedule_sends_only_what_the_mask_attends():
     assert sorted(m for m in sent if m[0] == "grad") == sorted(("grad", r + 1, r) for r in range(3))
 
 
+
+def test_the_direct_schedule_sends_only_the_chunks_attended():
+    """Documents of 64 tokens, causal, over chunks of 32 dealt (0, 1, 0, 1, 1, 0, 0, 1):
+    rank 1's queries attend rank 0's chunks 0, 2 and 6 (not 5: its document starts at
+    160), so rank 0 sends those three laid end to end (two runs), and rank 0 fetches only
+    chunk 4 of rank 1's; the dK/dV contributions return just as compact. Each message's
+    rows are checked against the dense mask, and the result against one exact call."""
+    rng, q, k, v, d_out = _problem(5)
+    doc = np.repeat(np.arange(4), 64)
+
+    def documents(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    spec = AttentionSpec.from_args(mask=documents, enable_gqa=True)
+    layout = cp.ShardLayout(S, 2, (0, 1, 0, 1, 1, 0, 0, 1))
+    dense = (doc[:, None] == doc[None, :]) & (np.arange(S)[:, None] >= np.arange(S)[None, :])
+    sent = []
+
+    class Counting:
+        def __init__(self, member):
+            self.member, self.rank, self.world = member, member.rank, member.world
+
+        def exchange(self, dst, arrays, src, like, channel="kv"):
+            if dst is not None:
+                sent.append((channel, self.rank, dst, arrays[0].shape[2]))
+            return self.member.exchange(dst, arrays, src, like, channel)
+
+        def __getattr__(self, name):
+            return getattr(self.member, name)
+
+    def rank(member):
+        comm = Counting(member)
+        plan = cp.ContextParallelPlan(spec, layout, comm.rank, B, H)
+        pos = layout.positions(comm.rank)
+        out, lse, grads = run_schedule("direct", plan, comm, HostOps(), q[:, :, pos], k[:, :, pos], v[:, :, pos],
+                                       d_out[:, :, pos], [])
+        return pos, out, grads, plan.sent_chunks(1 - comm.rank, comm.rank)
+
+    results = cp.LoopbackWorld(2).run(rank)
+    c = layout.chunk
+    for src in (0, 1):
+        chunks = layout.local_chunks(src)
+        attended = [i for i, g in enumerate(chunks)
+                    if dense[np.ix_(layout.positions(1 - src), np.arange(g * c, (g + 1) * c))].any()]
+        assert results[src][3] == tuple(attended)
+        for channel, frm, to in (("kv", src, 1 - src), ("grad", 1 - src, src)):
+            rows = [n for ch, a, b, n in sent if (ch, a, b) == (channel, frm, to)]
+            assert rows == [len(attended) * c] * (2 if channel == "kv" else 1), (channel, frm, to, rows)
+    assert results[0][3] == (0, 1, 3) and results[1][3] == (2,)
+    out_ref, _ = reference.forward(q, k, v, spec)
+    grads_ref = reference.backward(q, k, v, d_out, None, spec)
+    for pos, out, (dq, dk, dv, _), _ in results:
+        np.testing.assert_allclose(out, out_ref[:, :, pos], atol=1e-10)
+        for got, want in ((dq, grads_ref.dq), (dk, grads_ref.dk), (dv, grads_ref.dv)):
+            np.testing.assert_allclose(got, want[:, :, pos], atol=1e-10)
+
 def test_steps_of_many_chunk_pairs_fuse_into_one_launch():
     rng, *_ = _problem(0)
     specs = _specs(rng)

@@ -43,16 +43,19 @@ class ContextParallel:
     """How a call is sharded: the ``layout`` of tokens over ranks (``shard_layout``), the
     process ``group`` (None: the default group; a one-dimensional ``DeviceMesh``; or a
     communicator with the schedules' interface, e.g. a ``LoopbackWorld`` member: ranks as
-    threads of one process), and the ``schedule`` — ``"ring"`` (K/V
-    passed rank to rank, overlapped with the kernels; memory per rank ∝ S / world) or
-    ``"direct"`` (each step's K/V straight from its owner, and only where the mask
-    attends any of it: windows and documents skip most messages; dK/dV return to their
-    owners one step behind, on a second communicator made once per group) or ``"all_gather"``
-    (every rank gathers all K/V first; fewer, larger launches)."""
+    threads of one process), and the ``schedule`` — ``"direct"`` (the default: each
+    step's K/V straight from its owner, only the chunks of it the mask attends, two steps
+    ahead; dK/dV return to their owners one step behind on a second communicator) or
+    ``"ring"`` (whole K/V shards passed rank to rank, overlapped with the kernels) or
+    ``"all_gather"`` (every rank gathers all K/V first; fewer, larger launches). Memory
+    per rank ∝ S / world for ring and direct. Direct is the default by measurement: 4x
+    H100, 2026-11-27, 64k tokens per GPU, forward + backward per-GPU throughput against
+    one GPU's, causal 0.92 (ring 0.87) at 4 GPUs, documents16 0.65-0.67 (ring 0.59-0.62);
+    forwards alike (0.89-0.90 causal)."""
 
     layout: ShardLayout
     group: object = None
-    schedule: str = "ring"
+    schedule: str = "direct"
 
     def __post_init__(self):
         if not isinstance(self.layout, ShardLayout):

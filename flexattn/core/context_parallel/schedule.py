@@ -103,7 +103,7 @@ def direct_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
     their way while this step computes."""
     acc, lse = ops.stats(q, v)
     written = _Written()
-    for _, _, pairs, kv in _fetched_steps(plan, comm, k, v):
+    for _, _, pairs, kv in _fetched_steps(plan, comm, ops, k, v):
         acc, lse = _forward_pairs(ops, pairs, q, *kv, acc, lse, written)
     return ops.finish(acc, q), lse
 
@@ -111,16 +111,16 @@ def direct_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
 @_beside_transfers
 def direct_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d_out, d_lse, wanted=()):
     """The direct schedule's backward: K/V fetched again as in the forward. At step s a
-    rank computes its contributions to the keys of rank − s and sends them straight back
-    on the "grad" channel, while rank + s sends it the contributions to its own keys
-    (each pair of ranks exchanges at most one such message per step and direction); the
-    exchange runs while the next step computes."""
+    rank computes its contributions to the keys of rank − s it holds and sends them
+    straight back on the "grad" channel, while rank + s sends it the contributions to its
+    own keys (each pair of ranks exchanges at most one such message per step and
+    direction, as compact as the fetch); the exchange runs while the next step computes."""
     dq = ops.zeros(q)
     captures: dict = {}
     own_dk, own_dv = ops.zeros(k), ops.zeros(v)
-    world, rank = comm.world, comm.rank
-    arriving = None     # the contributions posted for at the previous step
-    for s, src, pairs, kv in _fetched_steps(plan, comm, k, v, every=True):
+    world, rank, c = comm.world, comm.rank, plan.layout.chunk
+    arriving = None     # the contributions posted for at the previous step, and their chunks
+    for s, src, pairs, kv in _fetched_steps(plan, comm, ops, k, v, every=True):
         outgoing = None
         if kv is not None:
             kh, vh = kv
@@ -130,22 +130,50 @@ def direct_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d_o
                 own_dk, own_dv = dk, dv
             else:
                 outgoing = (dk, dv)
-        own_dk, own_dv = _received_into(ops, arriving, own_dk, own_dv)
+        own_dk, own_dv = _received_into(ops, arriving, own_dk, own_dv, c)
         if s > 0:
             dst = (rank + s) % world
-            from_dst = plan.needs(dst, rank)
-            arriving = comm.exchange(src if outgoing is not None else None, outgoing, dst if from_dst else None,
-                                     (own_dk, own_dv) if from_dst else None, "grad")
-    own_dk, own_dv = _received_into(ops, arriving, own_dk, own_dv)
+            chunks = plan.sent_chunks(dst, rank)     # what dst fetched from this rank: its contributions' rows
+            like = tuple(ops.rows(x, 0, len(chunks) * c) for x in (own_dk, own_dv)) if chunks else None
+            arriving = (comm.exchange(src if outgoing is not None else None, outgoing, dst if chunks else None,
+                                      like, "grad"), chunks)
+    own_dk, own_dv = _received_into(ops, arriving, own_dk, own_dv, c)
     return (ops.cast(dq, q), ops.cast(own_dk, k), ops.cast(own_dv, v), _all_reduced(plan, comm, ops, captures, wanted))
 
 
-def _received_into(ops, pending, dk, dv):
-    """``dk``/``dv`` plus the contributions ``pending`` brings (if it brings any)."""
-    got = None if pending is None else pending.wait()
+def _received_into(ops, arriving, dk, dv, chunk: int):
+    """``dk``/``dv`` plus the contributions ``arriving`` brings (if it brings any): a
+    pending message of the given chunks of this rank's keys, laid end to end."""
+    got = None if arriving is None else arriving[0].wait()
     if got is None:
         return dk, dv
-    return ops.add(dk, got[0]), ops.add(dv, got[1])
+    at = 0
+    for lo, hi in _runs(arriving[1]):
+        n = (hi - lo) * chunk
+        dk = ops.add_rows(dk, lo * chunk, hi * chunk, ops.rows(got[0], at, at + n))
+        dv = ops.add_rows(dv, lo * chunk, hi * chunk, ops.rows(got[1], at, at + n))
+        at += n
+    return dk, dv
+
+
+def _runs(chunks) -> list:
+    """Ascending chunk indices as [(lo, hi)] runs of consecutive ones."""
+    runs = []
+    for i in chunks:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _chunk_rows(ops, x, chunks, chunk: int, total: int):
+    """The rows of these local chunks of ``x`` laid end to end (``x`` itself when they are
+    all ``total`` of them)."""
+    if len(chunks) == total:
+        return x
+    parts = [ops.rows(x, lo * chunk, hi * chunk) for lo, hi in _runs(chunks)]
+    return parts[0] if len(parts) == 1 else ops.cat(parts)
 
 
 # Steps whose K/V fetch is in flight at once in the direct schedule: a step of few attended
@@ -155,39 +183,39 @@ def _received_into(ops, pending, dk, dv):
 FETCH_AHEAD = 2
 
 
-def _fetched_steps(plan, comm, k, v, every: bool = False):
+def _fetched_steps(plan, comm, ops, k, v, every: bool = False):
     """(step, source rank, pairs, its K/V) of each step of the direct schedule: step 0 on
-    this rank's own K/V, later ones on the K/V fetched from their owner (``FETCH_AHEAD``
-    steps' fetches posted before this step computes). Steps whose keys the mask leaves
-    unattended receive nothing: passed over, or with ``every`` yielded with K/V None.
-    Consume it to the end."""
-    ahead = collections.deque(_post_kv(plan, comm, s, k, v) for s in range(1, 1 + FETCH_AHEAD))
-    for s, (src, pairs) in enumerate(plan.ring_steps()):
+    this rank's own K/V, later ones on the chunks of it fetched from their owner that this
+    rank attends (``plan.direct_steps``; ``FETCH_AHEAD`` steps' fetches posted before this
+    step computes). Steps whose keys the mask leaves unattended receive nothing: passed
+    over, or with ``every`` yielded with K/V None. Consume it to the end."""
+    ahead = collections.deque(_post_kv(plan, comm, ops, s, k, v) for s in range(1, 1 + FETCH_AHEAD))
+    for s, (src, pairs) in enumerate(plan.direct_steps()):
         kv = (k, v)
         if s > 0:
             got = ahead.popleft().wait()
-            ahead.append(_post_kv(plan, comm, s + FETCH_AHEAD, k, v))
+            ahead.append(_post_kv(plan, comm, ops, s + FETCH_AHEAD, k, v))
             if got is None and not every:
                 continue
             kv = None if got is None else tuple(got)
         yield s, src, pairs, kv
 
 
-def _post_kv(plan, comm, s: int, k, v):
-    """Step ``s``'s K/V messages: this rank's K/V to rank + s where its queries attend
-    them, rank − s's K/V to this rank where this rank's attend those (None past the last
-    step)."""
+def _post_kv(plan, comm, ops, s: int, k, v):
+    """Step ``s``'s K/V messages: the chunks of this rank's K/V that rank + s attends, to
+    it; the chunks of rank − s's this rank attends, from it (None past the last step)."""
     world, rank = comm.world, comm.rank
     if s >= world:
         return None
+    c = plan.layout.chunk
+    total = plan.layout.local_len // c
     dst, src = (rank + s) % world, (rank - s) % world
-    send = plan.needs(dst, rank)
-    receive = plan.needs(rank, src)
-    return comm.exchange(dst if send else None, (k, v) if send else None, src if receive else None,
-                         (k, v) if receive else None, "kv")
+    send, receive = plan.sent_chunks(dst, rank), plan.sent_chunks(rank, src)
+    outgoing = tuple(_chunk_rows(ops, x, send, c, total) for x in (k, v)) if send else None
+    like = tuple(ops.rows(x, 0, len(receive) * c) for x in (k, v)) if receive else None
+    return comm.exchange(dst if send else None, outgoing, src if receive else None, like, "kv")
 
 
-@_beside_transfers
 def gathered_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
     """(out, lse) of the local queries with every rank's K/V gathered first; also returns
     the gathered K/V in global order for the backward."""
