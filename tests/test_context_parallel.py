@@ -379,3 +379,76 @@ def test_torch_call_errors_before_any_message():
     with pytest.raises(ValueError, match="schedule"):
         tcp.ContextParallel(layout, schedule="tree")
 
+
+
+def _style_worker(rank, world, port, tensors, results):
+    """torchtitan's way: torch's head-tail sharding, an inner-attention module made
+    context-parallel by ``parallelize_module`` with our style, a whole-sequence block mask
+    and a torch-style score_mod over a trainable bias."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental._attention import _context_parallel_shard, _HeadTailLoadBalancer
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import flexattn.torch as fa
+    from flexattn.torch import context_parallel as tcp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        q, k, v, d_out, bias = tensors
+        seq = q.shape[2]
+        mesh = init_device_mesh("cpu", (world,))
+
+        def causal(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+
+        layout = tcp.head_tail(seq, world)     # torch's balancer's order (shard_layout's choice at longer lengths)
+        balancer = _HeadTailLoadBalancer(seq, world, torch.device("cpu"))
+        shards = _context_parallel_shard(mesh, [q, k, v, d_out], (2, 2, 2, 2), load_balancer=balancer)
+        same_order = all(torch.equal(s, tcp.shard(x, layout)) for s, x in zip(shards, (q, k, v, d_out)))
+        trained = bias.clone().requires_grad_(True)
+
+        class InnerAttention(torch.nn.Module):
+            def forward(self, q, k, v, block_mask=None):
+                return fa.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + trained[qi - ki + seq],
+                                         block_mask=block_mask, enable_gqa=True)
+
+        attention = parallelize_module(InnerAttention(), mesh, tcp.ContextParallelStyle(layout))
+        block_mask = fa.create_block_mask(causal, None, None, seq, seq, BLOCK_SIZE=32)
+        leaves = [x.detach().requires_grad_(True) for x in shards[:3]]
+        out = attention(*leaves, block_mask=block_mask)
+        (out * shards[3]).sum().backward()
+        outside = fa.CONTEXT_PARALLEL.get()    # the style's scope ends with the forward
+        whole = [tcp.unshard(x, layout).numpy() for x in (out.detach(), *(x.grad for x in leaves))]
+        results.put((rank, (same_order, outside, whole, trained.grad.numpy())))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_parallel_style_runs_an_inner_attention_module():
+    """``parallelize_module(module, mesh, ContextParallelStyle(layout))`` on 2 gloo ranks, the
+    inputs sharded by torch's own head-tail balancer (the same token order as ours): the
+    module's output and gradients (q, k, v, the trainable bias) against one process's call."""
+    import flexattn.torch as fa
+
+    torch.manual_seed(7)
+    seq = 256
+    q = torch.randn(B, H, seq, D, dtype=torch.float64)
+    k = torch.randn(B, HK, seq, D, dtype=torch.float64)
+    v = torch.randn(B, HK, seq, D, dtype=torch.float64)
+    d_out = torch.randn(B, H, seq, D, dtype=torch.float64)
+    bias = torch.randn(2 * seq + 1, dtype=torch.float64)
+    got = run_ranks(_style_worker, 2, ((q, k, v, d_out, bias),), timeout=300)
+    trained = bias.clone().requires_grad_(True)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out = fa.flex_attention(*leaves, score_mod=lambda s, b, h, qi, ki: s + trained[qi - ki + seq],
+                            mask=lambda b, h, qi, ki: qi >= ki, enable_gqa=True)
+    (out * d_out).sum().backward()
+    want = [out.detach().numpy(), *(x.grad.numpy() for x in leaves)]
+    for rank in (0, 1):
+        same_order, outside, whole, d_bias = got[rank]
+        assert same_order and outside is None
+        for g, w in zip(whole, want):
+            np.testing.assert_allclose(g, w, atol=1e-10)
+        np.testing.assert_allclose(d_bias, trained.grad.numpy(), atol=1e-9)

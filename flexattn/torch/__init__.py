@@ -17,6 +17,7 @@ values are read at run time. See docs/ARCHITECTURE.md, "torch.compile".
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import inspect
 
@@ -172,6 +173,14 @@ def flex_attention(
     a module's ``__init__``); their captured tensors (parameters) still get gradients.
     Block masks may be built outside, or inside with ``create_block_mask`` (see there).
     """
+    parallel = CONTEXT_PARALLEL.get()
+    if parallel is not None:   # inside a module parallelized with context_parallel.ContextParallelStyle
+        from .context_parallel import flex_attention as parallel_attention
+
+        if return_aux is not None:
+            raise ValueError("return_aux is not supported under context parallelism: use return_lse=True")
+        return parallel_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+                                  parallel=parallel, mask=mask, score=score)
     if return_aux is not None:
         if return_lse:
             raise ValueError("Cannot specify both return_lse and return_aux: use return_aux=AuxRequest(lse=True)")
@@ -756,6 +765,9 @@ def _is_tensor(x) -> bool:   # a score-mod tensor capture: an input of each op c
 
 
 _REGISTRY = SpecRegistry(_is_tensor)   # the non-tensor half of each op call (core/registry.py)
+# The ContextParallel that flex_attention calls run under, set around the forward of a
+# module parallelized with context_parallel.ContextParallelStyle (None: one device).
+CONTEXT_PARALLEL: contextvars.ContextVar = contextvars.ContextVar("flexattn_context_parallel", default=None)
 
 
 # --- the custom ops -----------------------------------------------------------------------------

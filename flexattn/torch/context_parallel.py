@@ -19,15 +19,17 @@ is testable without a GPU). Gradients reach q, k, v and the score mod's captured
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from .. import reference
 from ..blockmask.layout import as_block_mask
-from ..core.context_parallel import (ContextParallelPlan, ShardLayout, choose_layout, direct_backward,
+from ..core.context_parallel import (ContextParallelPlan, ShardLayout, choose_layout, direct_backward, head_tail,
                                      direct_forward, gathered_backward, gathered_forward, ring_backward, ring_forward)
 from ..core.context_parallel.host_ops import merge_rows
 from ..problem.spec import AttentionSpec, lse_dtype
@@ -62,6 +64,39 @@ class ContextParallel:
             raise TypeError(f"layout must be a ShardLayout (from shard_layout), got {type(self.layout).__name__}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+
+
+class ContextParallelStyle(ParallelStyle):
+    """torch's parallel-style door: ``parallelize_module(attention, mesh,
+    ContextParallelStyle(layout))`` makes every ``flexattn.torch.flex_attention`` call inside
+    ``attention``'s forward run context-parallel over ``mesh`` (one-dimensional) with this
+    ``layout`` and ``schedule`` — the role torch's ``_ContextParallel`` plays for its own
+    flex_attention (torchtitan's inner-attention modules). The module receives this rank's
+    shards (``shard``; a head-tail layout orders tokens exactly as torch's
+    ``_HeadTailLoadBalancer``) and block masks built for the whole sequence, as torch's
+    style does. Eager only (the forward is wrapped in Python)."""
+
+    def __init__(self, layout: ShardLayout, schedule: str = "direct"):
+        super().__init__()
+        ContextParallel(layout, None, schedule)     # the same checks, before any module is touched
+        self.layout, self.schedule = layout, schedule
+
+    def _apply(self, module, device_mesh):
+        from . import CONTEXT_PARALLEL
+
+        parallel = ContextParallel(self.layout, device_mesh, self.schedule)
+        inner = module.forward
+
+        @functools.wraps(inner)
+        def forward(*args, **kwargs):
+            token = CONTEXT_PARALLEL.set(parallel)
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                CONTEXT_PARALLEL.reset(token)
+
+        module.forward = forward
+        return module
 
 
 def shard_layout(seq_len: int, world: int | None = None, mask=None, block_mask=None, batch: int = 1,
@@ -423,4 +458,5 @@ def _global_rank(group, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-__all__ = ["ContextParallel", "SCHEDULES", "TorchOps", "flex_attention", "shard", "shard_layout", "unshard"]
+__all__ = ["ContextParallel", "ContextParallelStyle", "SCHEDULES", "TorchOps", "flex_attention", "head_tail", "shard",
+           "shard_layout", "unshard"]
