@@ -365,20 +365,36 @@ def test_gloo_processes_match_one_process(world):
 
 
 def test_torch_call_errors_before_any_message():
+    """Bad calls raise on every rank before any attention message: a rank's own error
+    there, and on the others that it refused; ranks that disagree on the layout all say
+    so (instead of waiting for messages that never come)."""
     from flexattn.torch import context_parallel as tcp
 
-    world = cp.LoopbackWorld(2)
     layout = cp.head_tail(64, 2)
     q = torch.randn(1, 2, 32, 16)
     with pytest.raises(TypeError, match="ContextParallel"):
         tcp.flex_attention(q, q, q, parallel=layout)
-    with pytest.raises(ValueError, match="shard"):
-        tcp.flex_attention(q[:, :, :16], q, q, parallel=tcp.ContextParallel(layout, world.member(0)))
-    with pytest.raises(ValueError, match="3 ranks, the group has 2"):
-        tcp.flex_attention(q, q, q, parallel=tcp.ContextParallel(cp.head_tail(96, 3), world.member(0)))
     with pytest.raises(ValueError, match="schedule"):
         tcp.ContextParallel(layout, schedule="tree")
 
+    def on_each_rank(call):
+        def rank(member):
+            try:
+                call(member)
+            except (TypeError, ValueError) as e:
+                return e
+            return None
+        return cp.LoopbackWorld(2).run(rank)
+
+    errors = on_each_rank(lambda m: tcp.flex_attention(q[:, :, :16] if m.rank == 0 else q, q, q,
+                                                       parallel=tcp.ContextParallel(layout, m)))
+    assert "shard" in str(errors[0]) and "rank(s) [0] refused" in str(errors[1])
+    errors = on_each_rank(lambda m: tcp.flex_attention(q, q, q, parallel=tcp.ContextParallel(cp.head_tail(96, 3), m)))
+    assert all("3 ranks, the group has 2" in str(e) for e in errors)
+    errors = on_each_rank(lambda m: tcp.flex_attention(
+        q, q, q, parallel=tcp.ContextParallel(layout if m.rank == 0 else cp.contiguous(64, 2), m)))
+    assert all(e is not None and "disagree" in str(e) for e in errors), errors
+    assert on_each_rank(lambda m: tcp.flex_attention(q, q, q, parallel=tcp.ContextParallel(layout, m))) == [None, None]
 
 
 def _style_worker(rank, world, port, tensors, results):

@@ -142,8 +142,24 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         if hasattr(group, "get_group"):     # a one-dimensional DeviceMesh: its process group
             group = group.get_group()
         comm = _GroupComm(group, dist.get_rank(group), dist.get_world_size(group))
-    rank, world = comm.rank, comm.world
-    layout = parallel.layout
+    rank, layout = comm.rank, parallel.layout
+    try:
+        spec = _checked(query, key, value, layout, comm.world, (score_mod, block_mask, scale, enable_gqa, mask, score))
+        error = None
+    except (TypeError, ValueError) as e:
+        error = e
+    _agree(comm, parallel, (query, key, value), error)   # every rank raises together, none waits forever
+    plan = _plan(spec, layout, rank, query)
+    buffers = _score_tensors(spec.score)
+    run = _Run(plan, comm, TorchOps(), parallel.schedule,
+               wanted=tuple(i for i, c in enumerate(spec.score.captures if spec.score is not None else ())
+                            if isinstance(c, torch.Tensor) and c.requires_grad and c.is_floating_point()))
+    out, lse = _ContextParallelAttention.apply(query, key, value, run, *buffers)
+    return (out, lse) if return_lse else out
+
+
+def _checked(query, key, value, layout, world, call) -> AttentionSpec:
+    """This rank's checks of a call (its spec, or a clear error)."""
     if layout.world != world:
         raise ValueError(f"the layout is for {layout.world} ranks, the group has {world}")
     for name, x in (("query", query), ("key", key), ("value", value)):
@@ -152,15 +168,61 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         if x.dim() != 4 or x.shape[2] != layout.local_len:
             raise ValueError(f"{name} must be this rank's shard [B, H, {layout.local_len}, D] of the"
                              f" {layout.seq_len}-token sequence, got shape {tuple(x.shape)}")
+    score_mod, block_mask, scale, enable_gqa, mask, score = call
     spec = AttentionSpec.from_args(score_mod, as_block_mask(block_mask), scale, enable_gqa, mask, score)
     _check_shard(query, key, value, spec, layout)
-    plan = _plan(spec, layout, rank, query)
-    buffers = _score_tensors(spec.score)
-    run = _Run(plan, comm, TorchOps(), parallel.schedule,
-               wanted=tuple(i for i, c in enumerate(spec.score.captures if spec.score is not None else ())
-                            if isinstance(c, torch.Tensor) and c.requires_grad and c.is_floating_point()))
-    out, lse = _ContextParallelAttention.apply(query, key, value, run, *buffers)
-    return (out, lse) if return_lse else out
+    return spec
+
+
+_AGREED: set = set()   # (communicator, fingerprint) pairs every rank has confirmed
+
+
+def _agree(comm, parallel, tensors, error) -> None:
+    """Raise on every rank, before any message, if any rank's checks failed or the ranks
+    disagree on the layout, schedule or shard shapes (which would otherwise leave ranks
+    waiting for messages that never come). One small all-gather the first time a group
+    sees a call of this kind (a host sync); repeats cost a set lookup."""
+    fingerprint = _fingerprint(parallel, tensors, error)
+    key = (id(comm.group) if isinstance(comm, _GroupComm) else id(comm), fingerprint)
+    if error is None and key in _AGREED:
+        return
+    device = tensors[0].device if isinstance(tensors[0], torch.Tensor) else torch.device("cpu")
+    if isinstance(comm, _GroupComm) and dist.get_backend(comm.group) != "nccl":
+        device = torch.device("cpu")
+    mine = torch.tensor(fingerprint, dtype=torch.int64, device=device)
+    every = [tuple(t.tolist()) for t in comm.all_gather(mine)]
+    failed = [r for r, f in enumerate(every) if f[-1]]
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(f"context parallelism: rank(s) {failed} refused this call (their errors say why); no rank ran it")
+    if any(f != every[0] for f in every):
+        described = "; ".join(f"rank {r}: {_describe(f)}" for r, f in enumerate(every))
+        raise ValueError("context parallelism: the ranks disagree on the call (every rank must pass the same layout,"
+                         f" schedule and shard shapes): {described}")
+    _AGREED.add(key)
+
+
+def _fingerprint(parallel, tensors, error) -> tuple:
+    """The integers every rank's call must share: the layout, the schedule, q/k/v shapes and
+    dtype; the last says whether this rank's own checks failed."""
+    layout = parallel.layout
+    shapes = []
+    for x in tensors:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) and x.dim() == 4 else (-1,) * 4
+        shapes += [int(n) for n in shape]
+    dtype = tensors[0].dtype if isinstance(tensors[0], torch.Tensor) else None
+    return (layout.seq_len, layout.world, hash(layout.owners) & (2 ** 62 - 1), SCHEDULES.index(parallel.schedule),
+            *shapes, _DTYPE_CODES.get(dtype, -1), int(error is not None))
+
+
+_DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float64: 3}
+
+
+def _describe(f) -> str:
+    q, k, v = f[4:8], f[8:12], f[12:16]
+    return (f"{f[0]} tokens over {f[1]} ranks (layout #{f[2] % 10 ** 6:06d}), schedule {SCHEDULES[f[3]]},"
+            f" q {list(q)} k {list(k)} v {list(v)}")
 
 
 def _check_shard(query, key, value, spec, layout) -> None:
