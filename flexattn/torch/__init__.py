@@ -173,7 +173,8 @@ def flex_attention(
     a module's ``__init__``); their captured tensors (parameters) still get gradients.
     Block masks may be built outside, or inside with ``create_block_mask`` (see there).
     """
-    parallel = CONTEXT_PARALLEL.get()
+    # (eager only: dynamo cannot trace a ContextVar, and context parallelism runs eagerly)
+    parallel = None if torch.compiler.is_compiling() else CONTEXT_PARALLEL.get()
     if parallel is not None:   # inside a module parallelized with context_parallel.ContextParallelStyle
         from .context_parallel import flex_attention as parallel_attention
 
