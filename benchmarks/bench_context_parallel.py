@@ -12,7 +12,7 @@ backward). TFLOP/s per GPU count the attended pairs exactly: 4·B·H·pairs·D (
 x3.5 forward + backward, divided by W. W = 1 is one GPU's single call (the weak-scaling
 reference).
 
-    python3 benchmarks/bench_context_parallel.py --worlds 1 2 4 [--per-gpu 65536] [--iters 5]
+    python3 benchmarks/bench_context_parallel.py --worlds 1 2 4 [--per-gpu 65536] [--iters 5] [--kv-heads 2]
         [--masks causal] [--impls ring direct] [--trace DIR]
     (DIR: one profiled step per row: NCCL's time and overlap, idle time, the costliest kernels)
 """
@@ -89,8 +89,9 @@ def _worker(rank, world, port, args, queue):
             return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
         g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v, d_out = (torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16, generator=g)
-                          for _ in range(4))
+        q, d_out = (torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        k, v = (torch.randn(B, args.kv_heads, seq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+                for _ in range(2))
         for mask_name, mask in (("causal", causal), ("documents16", documents)):
             if args.masks and mask_name not in args.masks:
                 continue
@@ -176,6 +177,7 @@ def _implementations(mask_name, mask, q, k, v, d_out, world, rank, dist, args):
     from flexattn.torch import context_parallel as tcp
 
     seq = q.shape[2]
+    gqa = k.shape[1] != q.shape[1]
     if world == 1:   # one GPU's call as a torch user makes it: the block mask built once
         leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
         block_mask = fa.create_block_mask(mask, None, None, seq, seq, device="cuda")
@@ -183,8 +185,8 @@ def _implementations(mask_name, mask, q, k, v, d_out, world, rank, dist, args):
         def one(train):
             if not train:
                 with torch.no_grad():
-                    return fa.flex_attention(*leaves, block_mask=block_mask)
-            out = fa.flex_attention(*leaves, block_mask=block_mask)
+                    return fa.flex_attention(*leaves, block_mask=block_mask, enable_gqa=gqa)
+            out = fa.flex_attention(*leaves, block_mask=block_mask, enable_gqa=gqa)
             torch.autograd.grad(out, leaves, d_out)
         yield "flexattn (1 GPU)", one
         return
@@ -197,8 +199,8 @@ def _implementations(mask_name, mask, q, k, v, d_out, world, rank, dist, args):
         def ours(train, parallel=parallel):
             if not train:
                 with torch.no_grad():
-                    return tcp.flex_attention(*shards, mask=mask, parallel=parallel)
-            out = tcp.flex_attention(*shards, mask=mask, parallel=parallel)
+                    return tcp.flex_attention(*shards, mask=mask, parallel=parallel, enable_gqa=gqa)
+            out = tcp.flex_attention(*shards, mask=mask, parallel=parallel, enable_gqa=gqa)
             torch.autograd.grad(out, shards, d_local)
         yield f"flexattn {schedule}", ours
     baselines = [("torch cp flex", lambda: _torch_flex(mask, q, k, v, d_out, world))]
@@ -227,7 +229,8 @@ def _torch_sdpa(q, k, v, d_out, world):
             # (the buffers are sharded in place, and restored on exit: the leaves are views of them)
             leaves = [x.detach().requires_grad_(train) for x in (qq, kk, vv)]
             with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
-                out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True)
+                out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True,
+                                                                       enable_gqa=k.shape[1] != q.shape[1])
                 if train:
                     torch.autograd.grad(out, leaves, dd)
     return run
@@ -246,7 +249,7 @@ def _torch_flex(mask, q, k, v, d_out, world):
 
     class Attention(torch.nn.Module):
         def forward(self, q, k, v, block_mask):
-            return compiled(q, k, v, block_mask=block_mask)
+            return compiled(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
 
     attention = parallelize_module(Attention(), mesh, _ContextParallel(
         seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
@@ -268,6 +271,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--worlds", nargs="*", type=int, default=[1, 2])
     ap.add_argument("--per-gpu", type=int, default=65536)
+    ap.add_argument("--kv-heads", type=int, default=H, help="K/V heads (GQA: fewer than the 16 query heads)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--masks", nargs="*", default=None, help="causal documents16 (default both)")
@@ -300,7 +304,7 @@ def main():
             json.dump(rows, f, indent=1)
     base = {(r["mask"], r["phase"]): r["tflops_per_gpu"] for r in rows if r["world"] == 1 and r.get("ms")}
     print(f"\n{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC  {torch.cuda.get_device_name()}  per GPU "
-          f"{args.per_gpu} tokens, B{B} H{H} D{D} bf16")
+          f"{args.per_gpu} tokens, B{B} H{H} Hkv{args.kv_heads} D{D} bf16")
     print("| W | S | mask | impl | phase | ms | TFLOP/s per GPU | vs 1 GPU | peak GiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
