@@ -2,8 +2,9 @@
 # Context parallelism on a multi-GPU device machine (kind nvidia-h100-x4): the CP GPU tests,
 # then the weak-scaling benchmark side by side with torch's context parallelism, with one
 # profiled step per row (NCCL overlap, idle time, costliest kernels) under $OUT/traces.
-#   source .gpu/activate.sh; bash benchmarks/context_parallel_suite.sh [extra bench args, e.g. --kv-heads 2]
+# Usage (device tool, carry [".gpu"]):  bash benchmarks/context_parallel_suite.sh [bench args, e.g. --kv-heads 2]
 # ~2.5 min of tests, ~4 min of benchmark (W 1, 2, 4) on 4 H100s. Results: $OUT/tests.txt, $OUT/bench.txt/.json.
+source .gpu/activate.sh
 OUT=${OUT:-/tmp/cp_out}
 mkdir -p "$OUT"
 timeout 240 python -m pytest -q -x --tb=short tests/gpu/test_context_parallel_gpu.py > "$OUT/tests.txt" 2>&1
