@@ -148,6 +148,36 @@ def test_schedules_match_one_call(name, schedule, layout):
             np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-10)
 
 
+
+@pytest.mark.parametrize("schedule", ["ring", "direct", "all_gather"])
+def test_schedules_plan_their_launches_for_a_shared_gpu(schedule):
+    """Every launch of every schedule, forward and backward, is planned inside
+    ``kernel_path.gpu_shared()`` (one CTA per tile: NCCL's kernels take SMs at any time)."""
+    from flexattn.core import kernel_path
+
+    seen = []
+
+    class Watching(HostOps):
+        def attention(self, *args):
+            seen.append(kernel_path._GPU_SHARED.get())
+            return super().attention(*args)
+
+        def attention_backward(self, *args):
+            seen.append(kernel_path._GPU_SHARED.get())
+            return super().attention_backward(*args)
+
+    rng, q, k, v, d_out = _problem(2)
+    spec, layout = _specs(rng)["causal"], cp.head_tail(S, 2)
+
+    def rank(comm):
+        plan = cp.ContextParallelPlan(spec, layout, comm.rank, B, H)
+        pos = layout.positions(comm.rank)
+        run_schedule(schedule, plan, comm, Watching(), q[:, :, pos], k[:, :, pos], v[:, :, pos], d_out[:, :, pos], [])
+
+    cp.LoopbackWorld(2).run(rank)
+    assert seen and all(seen)
+    assert kernel_path._GPU_SHARED.get() is False
+
 def test_pairs_the_mask_excludes_are_skipped():
     rng, *_ = _problem(0)
     specs = _specs(rng)

@@ -4,9 +4,10 @@ A rank holds its query shard and its K/V shard. *Ring*: the K/V shards travel ar
 ranks (rank r sends to r + 1, receives from r − 1); at each step the rank computes its
 pairs against the K/V in hand while the next shard is already on its way, and merges the
 partial outputs by their log-sum-exp. *Direct*: the same steps, but at step s rank r
-receives the K/V of rank r − s straight from it, and only where its queries attend any of
-those keys (a window or documents leave most pairs of ranks empty: no message at all);
-dK/dV contributions go straight back to their owner, one step behind. *All-gather*: every rank gathers all K/V first (one
+receives from rank r − s straight only the chunks of its K/V that its queries attend (a
+window or documents leave most pairs of ranks empty: no message at all, and most chunks
+unsent); dK/dV contributions go straight back to their owner as compactly, one step
+behind. *All-gather*: every rank gathers all K/V first (one
 collective; cheap when GQA makes K/V small), then runs each query chunk once against the
 key range it may attend. The backwards reuse the forward's global ``out`` and ``lse``, so
 every pair's gradients are exact parts of the whole's: dQ sums locally; dK/dV travel
@@ -216,6 +217,7 @@ def _post_kv(plan, comm, ops, s: int, k, v):
     return comm.exchange(dst if send else None, outgoing, src if receive else None, like, "kv")
 
 
+@_beside_transfers
 def gathered_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
     """(out, lse) of the local queries with every rank's K/V gathered first; also returns
     the gathered K/V in global order for the backward."""
