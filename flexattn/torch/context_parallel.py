@@ -186,9 +186,9 @@ def _agree(comm, parallel, tensors, error) -> None:
     key = (id(comm.group) if isinstance(comm, _GroupComm) else id(comm), fingerprint)
     if error is None and key in _AGREED:
         return
-    device = tensors[0].device if isinstance(tensors[0], torch.Tensor) else torch.device("cpu")
-    if isinstance(comm, _GroupComm) and dist.get_backend(comm.group) != "nccl":
-        device = torch.device("cpu")
+    device = torch.device("cpu")     # gloo and the loopback take host tensors; NCCL this rank's GPU
+    if isinstance(comm, _GroupComm) and dist.get_backend(comm.group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
     mine = torch.tensor(fingerprint, dtype=torch.int64, device=device)
     every = [tuple(t.tolist()) for t in comm.all_gather(mine)]
     failed = [r for r, f in enumerate(every) if f[-1]]
