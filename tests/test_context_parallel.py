@@ -60,6 +60,30 @@ def test_documents_of_uneven_lengths_are_balanced():
     assert cp.choose_layout(seq, world, mods.sliding_window(256)) == cp.contiguous(seq, world)
 
 
+
+def test_documents_keep_together_where_balance_allows():
+    """``fewer_transfers`` after ``balanced``: 16 packed documents over 4 ranks — fewer K/V
+    chunks attended from other ranks, the work still within TRANSFER_SLACK of even (or
+    the balanced layout's own spread), every token once; the chosen layout is it."""
+    seq, world = 16384, 4
+    rng = np.random.default_rng(0)
+    cuts = np.sort(rng.choice(np.arange(1, seq // 128), 15, replace=False)) * 128
+    doc = np.repeat(np.arange(16), np.diff(np.concatenate([[0], cuts, [seq]])))
+    mask = mods.document(doc) & mods.causal()
+    n = 8 * world
+    weights = cp.mask_weights(mask, 1, 1, seq, n)
+    attended = cp.layout._chunks_attended(mask, 1, 1, seq, n)
+    start = cp.balanced(seq, world, weights)
+    refined = cp.fewer_transfers(start, weights, attended)
+    assert cp.transfers(refined.owners, attended) < cp.transfers(start.owners, attended)
+    assert cp.imbalance(refined, weights) <= max(cp.layout.TRANSFER_SLACK, cp.imbalance(start, weights)) + 1e-12
+    assert sorted(np.concatenate([refined.positions(r) for r in range(world)])) == list(range(seq))
+    chosen = cp.choose_layout(seq, world, mask)     # balanced over 4 chunks per rank here, then refined
+    m = chosen.num_chunks
+    assert m == 4 * world
+    w4 = cp.mask_weights(mask, 1, 1, seq, m)
+    assert chosen == cp.fewer_transfers(cp.balanced(seq, world, w4), w4, cp.layout._chunks_attended(mask, 1, 1, seq, m))
+
 # -- the schedules, ranks as threads -----------------------------------------------------------------
 
 B, H, HK, S, D = 2, 4, 2, 256, 16
