@@ -146,7 +146,16 @@ _LAYOUTS = {
     "head_tail4": lambda: cp.head_tail(S, 4),
     "shuffled2": lambda: cp.ShardLayout(S, 2, (1, 0, 0, 1)),
     "many2": lambda: cp.ShardLayout(S, 2, (0, 1, 1, 0, 1, 0, 0, 1)),   # steps fused over position tables
+    "documents_kept2": lambda: _documents_kept(2),   # fewer_transfers: compact direct fetches
 }
+
+
+def _documents_kept(world):
+    """The test documents' balanced layout over 4 chunks per rank, then ``fewer_transfers``."""
+    mask = mods.document(np.repeat(np.arange(5), [100, 20, 60, 40, 36])) & mods.causal()
+    n = 4 * world
+    weights = cp.mask_weights(mask, 1, 1, S, n)
+    return cp.fewer_transfers(cp.balanced(S, world, weights), weights, cp.layout._chunks_attended(mask, 1, 1, S, n))
 
 
 @pytest.mark.parametrize("name", ["causal", "window", "documents", "alibi", "bias", "block_mask"])
