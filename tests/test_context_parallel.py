@@ -84,6 +84,18 @@ def test_documents_keep_together_where_balance_allows():
     w4 = cp.mask_weights(mask, 1, 1, seq, m)
     assert chosen == cp.fewer_transfers(cp.balanced(seq, world, w4), w4, cp.layout._chunks_attended(mask, 1, 1, seq, m))
 
+
+def test_layout_report():
+    """``layout_report``: work shares summing to 1, the imbalance, and the remote chunks the
+    direct schedule would send — head-tail under causal: even work, every rank attending
+    chunks of every other."""
+    from flexattn.torch import context_parallel as tcp
+
+    report = tcp.layout_report(cp.head_tail(1024, 2), lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+    assert abs(report["work"].sum() - 1) < 1e-12 and report["imbalance"] < 1.01
+    # rank 0 (chunks 0, 3) attends rank 1's chunks 1 and 2; rank 1 (chunks 1, 2) attends chunk 0 only
+    assert (report["remote_chunks"], report["chunks"]) == (3, 4)
+
 # -- the schedules, ranks as threads -----------------------------------------------------------------
 
 B, H, HK, S, D = 2, 4, 2, 256, 16

@@ -14,7 +14,7 @@ NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 MAX_BYTES = 100_000
 # modules a notebook may import: the public API
-PUBLIC_MODULES = {"flexattn", "flexattn.torch", "flexattn.mods", "flexattn.mods.ops", "flexattn.mods.positions", "flexattn.plotting"}
+PUBLIC_MODULES = {"flexattn", "flexattn.torch", "flexattn.torch.context_parallel", "flexattn.mods", "flexattn.mods.ops", "flexattn.mods.positions", "flexattn.plotting"}
 
 
 def execute(nb, cwd):

@@ -29,8 +29,9 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from .. import reference
 from ..blockmask.layout import as_block_mask
-from ..core.context_parallel import (ContextParallelPlan, ShardLayout, choose_layout, direct_backward, head_tail,
-                                     direct_forward, gathered_backward, gathered_forward, ring_backward, ring_forward)
+from ..core.context_parallel import (ContextParallelPlan, LoopbackWorld, ShardLayout, choose_layout, direct_backward,
+                                     direct_forward, gathered_backward, gathered_forward, head_tail, imbalance,
+                                     mask_weights, ring_backward, ring_forward, transfers)
 from ..core.context_parallel.host_ops import merge_rows
 from ..problem.spec import AttentionSpec, lse_dtype
 from ..problem.validate import check_inputs
@@ -110,6 +111,21 @@ def shard_layout(seq_len: int, world: int | None = None, mask=None, block_mask=N
         mask = as_block_mask(block_mask).mask_mod
     spec = AttentionSpec.from_args(mask=mask) if mask is not None else AttentionSpec()
     return choose_layout(seq_len, world, spec.mask, batch, heads)
+
+
+def layout_report(layout: ShardLayout, mask, batch: int = 1, heads: int = 1) -> dict:
+    """How well ``layout`` suits ``mask`` (a function or ``MaskMod`` over global positions):
+    each rank's share of the attended tiles (``work``, summing to 1), ``imbalance`` (the
+    busiest rank's work over the mean), and ``remote_chunks`` — the K/V chunks the ranks'
+    queries attend on other ranks (what the direct schedule sends) — out of ``chunks`` ×
+    (world − 1)."""
+    spec = AttentionSpec.from_args(mask=mask)
+    n = layout.num_chunks
+    weights = mask_weights(spec.mask, batch, heads, layout.seq_len, n)
+    work = np.bincount(np.asarray(layout.owners), weights=weights, minlength=layout.world)
+    plan = ContextParallelPlan(spec, layout, 0, batch, heads)
+    return {"work": work / work.sum(), "imbalance": imbalance(layout, weights),
+            "remote_chunks": transfers(layout.owners, plan.verdicts != 0), "chunks": n}
 
 
 def shard(x: torch.Tensor, layout: ShardLayout, rank: int | None = None, dim: int = 2) -> torch.Tensor:
@@ -520,5 +536,5 @@ def _global_rank(group, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-__all__ = ["ContextParallel", "ContextParallelStyle", "SCHEDULES", "TorchOps", "flex_attention", "head_tail", "shard",
-           "shard_layout", "unshard"]
+__all__ = ["ContextParallel", "ContextParallelStyle", "LoopbackWorld", "SCHEDULES", "TorchOps", "flex_attention",
+           "head_tail", "layout_report", "shard", "shard_layout", "unshard"]
