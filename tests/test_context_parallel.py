@@ -415,17 +415,22 @@ def _gloo_mods(case, bias, doc, seq):
     return relative, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, trained
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_gloo_processes_match_one_process(world):
-    import flexattn.torch as fa
-
-    torch.manual_seed(world)
-    seq = 256
+def _gloo_inputs(seed: int, seq: int):
+    """q, k, v, d_out and a relative-position bias table, float64, from torch's seed ``seed``."""
+    torch.manual_seed(seed)
     q = torch.randn(B, H, seq, D, dtype=torch.float64)
     k = torch.randn(B, HK, seq, D, dtype=torch.float64)
     v = torch.randn(B, HK, seq, D, dtype=torch.float64)
     d_out = torch.randn(B, H, seq, D, dtype=torch.float64)
-    bias = torch.randn(2 * seq + 1, dtype=torch.float64)
+    return q, k, v, d_out, torch.randn(2 * seq + 1, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_processes_match_one_process(world):
+    import flexattn.torch as fa
+
+    seq = 256
+    q, k, v, d_out, bias = _gloo_inputs(world, seq)
     doc = torch.repeat_interleave(torch.arange(4), torch.tensor([100, 50, 70, 36]))
     got = run_ranks(_gloo_worker, world, ((q, k, v, d_out, bias, doc),), timeout=600)
     for case, schedule in _GLOO_CASES:
@@ -523,13 +528,8 @@ def test_the_parallel_style_runs_an_inner_attention_module():
     module's output and gradients (q, k, v, the trainable bias) against one process's call."""
     import flexattn.torch as fa
 
-    torch.manual_seed(7)
     seq = 256
-    q = torch.randn(B, H, seq, D, dtype=torch.float64)
-    k = torch.randn(B, HK, seq, D, dtype=torch.float64)
-    v = torch.randn(B, HK, seq, D, dtype=torch.float64)
-    d_out = torch.randn(B, H, seq, D, dtype=torch.float64)
-    bias = torch.randn(2 * seq + 1, dtype=torch.float64)
+    q, k, v, d_out, bias = _gloo_inputs(7, seq)
     got = run_ranks(_style_worker, 2, ((q, k, v, d_out, bias),), timeout=300)
     trained = bias.clone().requires_grad_(True)
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]

@@ -199,11 +199,16 @@ def tile_verdicts_box(mask, batch: int, heads: int, seq_len: int, block: int, va
     return verdict[0, 0]
 
 
-def _chunks_attended(mask, batch: int, heads: int, seq_len: int, num_chunks: int) -> np.ndarray:
-    """[chunks, chunks] bool: chunk i's queries may attend a key of chunk j (interval
-    analysis over chunk-sized tiles, as the plan's verdicts)."""
+def chunk_verdicts(mask, batch: int, heads: int, seq_len: int, num_chunks: int) -> np.ndarray:
+    """[chunks, chunks] int8 of ``mask`` by interval analysis over chunk-sized tiles: 1
+    chunk i's queries attend every key of chunk j, 0 none, -1 some (the plan's verdicts)."""
     values = [to_numpy(c) for c in mask.captures]
-    return tile_verdicts_box(mask, batch, heads, seq_len, seq_len // num_chunks, values) != 0
+    return tile_verdicts_box(mask, batch, heads, seq_len, seq_len // num_chunks, values).astype(np.int8)
+
+
+def _chunks_attended(mask, batch: int, heads: int, seq_len: int, num_chunks: int) -> np.ndarray:
+    """[chunks, chunks] bool: chunk i's queries may attend a key of chunk j."""
+    return chunk_verdicts(mask, batch, heads, seq_len, num_chunks) != 0
 
 
 # choose_layout weighs chunks over at most this many tiles per side. Documents16 over 2-8

@@ -15,13 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...arrays import to_numpy
 from ...blockmask import BlockMask
 from ...blockmask.layout import EMPTY, FULL
 from ...mods.positions import offset_positions, table_positions
 from ...mods.structure import diagonal_band
 from ...problem.spec import AttentionSpec
-from .layout import ShardLayout, tile_verdicts_box
+from .layout import ShardLayout, chunk_verdicts
 
 
 @dataclass(frozen=True)
@@ -86,9 +85,8 @@ class ContextParallelPlan:
         to end: the pairs index that compact buffer (documents on 4 ranks: 42 of 96 remote
         chunks sent instead of 88 in whole shards)."""
         if self._direct is None:
-            self._direct = self._steps_over(lambda s, src: [
-                self.layout.local_chunks(src)[i] for i in (
-                    range(self.layout.local_len // self.layout.chunk) if s == 0 else self.sent_chunks(self.rank, src))])
+            self._direct = self._steps_over(lambda s, src: list(self.layout.local_chunks(src)) if s == 0 else [
+                self.layout.local_chunks(src)[i] for i in self.sent_chunks(self.rank, src)])
         return self._direct
 
     def _ring_steps(self) -> list:
@@ -272,5 +270,4 @@ def _chunk_verdicts(spec: AttentionSpec, layout: ShardLayout, batch: int, heads:
     mask = spec.mask
     if mask is None:
         return np.ones((n, n), dtype=np.int8)
-    values = [to_numpy(v) for v in mask.captures]
-    return tile_verdicts_box(mask, batch, heads, layout.seq_len, c, values).astype(np.int8)
+    return chunk_verdicts(mask, batch, heads, layout.seq_len, n)
