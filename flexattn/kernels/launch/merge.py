@@ -28,13 +28,12 @@ def merge_partial(acc, lse, out, lse_j, *, tvm_ffi: bool, stream: int) -> None:
         fn(acc, lse, out, lse_j)
         return
     import cuda.bindings.driver as cuda
-    from cutlass.cute.runtime import from_dlpack
 
-    def view(x):
-        t = from_dlpack(x)
-        return t.mark_layout_dynamic(leading_dim=len(t.shape) - 1)
+    from flexattn.kernels.launch.arguments import to_cute
 
-    fn(view(acc), view(lse), view(out), view(lse_j), cuda.CUstream(stream))
+    # the alignments the kernel was compiled for (fakes.fake_merge_args)
+    views = [to_cute(x, align)[1] for x, align in ((acc, 16), (lse, 4), (out, 16), (lse_j, 4))]
+    fn(*views, cuda.CUstream(stream))
 
 
 def _compiled(key):
