@@ -13,8 +13,8 @@ def run_schedule(schedule, plan, comm, ops, q, k, v, d_out, wanted):
         out, lse = cp.ring_forward(plan, comm, ops, q, k, v)
         return out, lse, cp.ring_backward(plan, comm, ops, q, k, v, out, lse, d_out, None, wanted)
     if schedule == "direct":
-        out, lse = cp.direct_forward(plan, comm, ops, q, k, v)
-        return out, lse, cp.direct_backward(plan, comm, ops, q, k, v, out, lse, d_out, None, wanted)
+        out, lse, fetched = cp.direct_forward(plan, comm, ops, q, k, v)
+        return out, lse, cp.direct_backward(plan, comm, ops, q, k, v, out, lse, d_out, None, wanted, fetched)
     out, lse, gathered = cp.gathered_forward(plan, comm, ops, q, k, v)
     return out, lse, cp.gathered_backward(plan, comm, ops, q, k, v, out, lse, d_out, None, wanted, gathered)
 

@@ -256,7 +256,15 @@ class _Recording:
     def __getattr__(self, name):
         return getattr(self.member, name)
 
-def test_the_direct_schedule_sends_only_what_the_mask_attends():
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_direct_schedule_sends_only_what_the_mask_attends(keep, monkeypatch):
+    """A window over contiguous shards: rank r's keys go to rank r + 1 only, once if the
+    forward keeps them for the backward (``KEEP_FETCHED``: a shard's worth here), else
+    once per pass; dK/dV go back once, in the keys' dtype; the gradients are the one call's."""
+    from flexattn.core.context_parallel import schedule
+
+    monkeypatch.setattr(schedule, "KEEP_FETCHED", 1.0 if keep else 0.0)
     rng, q, k, v, d_out = _problem(3)
     spec = _specs(rng)["window"]          # 40 tokens over 64-token shards: only the next rank's keys
     layout = cp.contiguous(S, 4)
@@ -266,17 +274,23 @@ def test_the_direct_schedule_sends_only_what_the_mask_attends():
     def rank(member):
         comm = _Recording(member, sent)
         plan = cp.ContextParallelPlan(spec, layout, comm.rank, B, H)
+        assert schedule.keeps_fetched(plan) == keep
         pos = layout.positions(comm.rank)
-        out, lse = cp.direct_forward(plan, comm, HostOps(), q[:, :, pos], k[:, :, pos], v[:, :, pos])
-        cp.direct_backward(plan, comm, HostOps(), q[:, :, pos], k[:, :, pos], v[:, :, pos], out, lse,
-                           d_out[:, :, pos], None)
-        return out
+        out, lse, fetched = cp.direct_forward(plan, comm, HostOps(), q[:, :, pos], k[:, :, pos], v[:, :, pos])
+        assert (fetched is not None) == keep
+        return cp.direct_backward(plan, comm, HostOps(), q[:, :, pos], k[:, :, pos], v[:, :, pos], out, lse,
+                                  d_out[:, :, pos], None, fetched=fetched)[:3]
 
-    world.run(rank)
-    # forward and backward each fetch rank r's keys to rank r + 1 only; dK/dV go back once
-    assert sorted(m[:3] for m in sent if m[0] == "kv") == sorted([("kv", r, r + 1) for r in range(3)] * 2)
+    grads = world.run(rank)
+    passes = 1 if keep else 2
+    assert sorted(m[:3] for m in sent if m[0] == "kv") == sorted([("kv", r, r + 1) for r in range(3)] * passes)
     assert sorted(m[:3] for m in sent if m[0] == "grad") == sorted(("grad", r + 1, r) for r in range(3))
-
+    want = reference.backward(q, k, v, d_out, None, spec)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        whole = np.empty_like(q if i == 0 else k)
+        for r in range(4):
+            whole[:, :, layout.positions(r)] = grads[r][i]
+        np.testing.assert_allclose(whole, getattr(want, name), atol=1e-10, err_msg=name)
 
 
 def test_the_direct_schedule_sends_only_the_chunks_attended():
@@ -313,7 +327,8 @@ def test_the_direct_schedule_sends_only_the_chunks_attended():
         assert results[src][3] == tuple(attended)
         for channel, frm, to in (("kv", src, 1 - src), ("grad", 1 - src, src)):
             rows = [n for ch, a, b, n in sent if (ch, a, b) == (channel, frm, to)]
-            assert rows == [len(attended) * c] * (2 if channel == "kv" else 1), (channel, frm, to, rows)
+            # once each: the forward keeps the K/V it fetched (3 chunks of a 4-chunk shard at most)
+            assert rows == [len(attended) * c], (channel, frm, to, rows)
     assert results[0][3] == (0, 1, 3) and results[1][3] == (2,)
     out_ref, _ = reference.forward(q, k, v, spec)
     grads_ref = reference.backward(q, k, v, d_out, None, spec)
@@ -321,6 +336,7 @@ def test_the_direct_schedule_sends_only_the_chunks_attended():
         np.testing.assert_allclose(out, out_ref[:, :, pos], atol=1e-10)
         for got, want in ((dq, grads_ref.dq), (dk, grads_ref.dk), (dv, grads_ref.dv)):
             np.testing.assert_allclose(got, want[:, :, pos], atol=1e-10)
+
 
 def test_steps_of_many_chunk_pairs_fuse_into_one_launch():
     rng, *_ = _problem(0)

@@ -312,25 +312,29 @@ class _Run:
         self.plan, self.comm, self.ops, self.schedule, self.wanted = plan, comm, ops, schedule, wanted
 
     def forward(self, q, k, v):
+        """(out, lse, kept): ``kept`` what the backward reuses (the direct schedule's
+        fetched K/V where it keeps them), else None."""
         if self.schedule == "all_gather":
             out, lse, _ = gathered_forward(self.plan, self.comm, self.ops, q, k, v)
-            return out, lse
-        forward = direct_forward if self.schedule == "direct" else ring_forward
-        return forward(self.plan, self.comm, self.ops, q, k, v)
+            return out, lse, None
+        if self.schedule == "direct":
+            return direct_forward(self.plan, self.comm, self.ops, q, k, v)
+        return (*ring_forward(self.plan, self.comm, self.ops, q, k, v), None)
 
-    def backward(self, q, k, v, out, lse, d_out, d_lse):
+    def backward(self, q, k, v, out, lse, d_out, d_lse, kept=None):
         args = (self.plan, self.comm, self.ops, q, k, v, out, lse, d_out, d_lse, self.wanted)
-        backward = {"all_gather": gathered_backward, "direct": direct_backward}.get(self.schedule, ring_backward)
-        return backward(*args)
+        if self.schedule == "direct":
+            return direct_backward(*args, fetched=kept)
+        return (gathered_backward if self.schedule == "all_gather" else ring_backward)(*args)
 
 
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, run, *buffers):
         q, k, v = (x.detach().contiguous() for x in (query, key, value))
-        out, lse = run.forward(q, k, v)
+        out, lse, kept = run.forward(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse, *buffers)
-        ctx.run = run
+        ctx.run, ctx.kept = run, kept     # kept: intermediate K/V (not inputs or outputs), held on ctx
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -340,7 +344,9 @@ class _ContextParallelAttention(torch.autograd.Function):
         run = ctx.run
         # every rank takes part in the backward's messages, also one whose rows got no gradient
         d_out = torch.zeros_like(out) if d_out is None else d_out.contiguous()
-        dq, dk, dv, grads = run.backward(q, k, v, out, lse, d_out, None if d_lse is None else d_lse.contiguous())
+        dq, dk, dv, grads = run.backward(q, k, v, out, lse, d_out, None if d_lse is None else d_lse.contiguous(),
+                                         ctx.kept)
+        ctx.kept = None
         by_slot = dict(zip(run.wanted, grads))
         captures = run.plan.spec.score.captures if run.plan.spec.score is not None else ()
         slots = [i for i, c in enumerate(captures) if isinstance(c, torch.Tensor)]

@@ -190,9 +190,34 @@ def _nccl_worker(rank, world, port, inputs, results):
             if trained is not None:
                 whole.append(trained.grad.cpu().numpy())
             got[(case, schedule)] = whole
+        got[("style", "direct")] = _style_step(rank, world, q, k, v, d_out)
         results.put((rank, got))
     finally:
         dist.destroy_process_group()
+
+
+def _style_step(rank, world, q, k, v, d_out):
+    """torch's parallel-style door on a CUDA DeviceMesh: a module whose forward calls
+    ``flexattn.torch.flex_attention`` the torch way (a lambda causal mask through
+    ``create_block_mask``, ``block_mask=``), sharded in torch's head-tail order."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    seq = q.shape[2]
+    mesh = init_device_mesh("cuda", (world,))
+    layout = tcp.head_tail(seq, world)
+
+    class InnerAttention(torch.nn.Module):
+        def forward(self, q, k, v, block_mask=None):
+            return fa.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+    attention = parallelize_module(InnerAttention(), mesh, tcp.ContextParallelStyle(layout))
+    block_mask = fa.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seq, seq,
+                                      device=f"cuda:{rank}")
+    leaves = [tcp.shard(x, layout).requires_grad_(True) for x in (q, k, v)]
+    out = attention(*leaves, block_mask=block_mask)
+    (out.float() * tcp.shard(d_out, layout).float()).sum().backward()
+    return [tcp.unshard(x, layout).float().cpu().numpy() for x in (out.detach(), *(x.grad for x in leaves))]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs or more")
@@ -204,8 +229,8 @@ def test_nccl_ranks_match_one_gpu():
               torch.randn(B, HK, seq, D, dtype=torch.bfloat16), torch.randn(B, H, seq, D, dtype=torch.bfloat16)]
     got = run_ranks(_nccl_worker, world, (inputs,), timeout=540)
     q, k, v, d_out = (x.cuda() for x in inputs)
-    for case, schedule in _NCCL_CASES:
-        spec, trained = _cases(seq, "cuda")[case]
+    for case, schedule in _NCCL_CASES + [("style", "direct")]:
+        spec, trained = _cases(seq, "cuda")["causal" if case == "style" else case]
         qq, kk, vv = (x.clone().requires_grad_(True) for x in (q, k, v))
         out = fa.flex_attention(qq, kk, vv, score=spec.score, mask=spec.mask, enable_gqa=True)
         (out.float() * d_out.float()).sum().backward()

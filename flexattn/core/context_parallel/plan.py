@@ -49,6 +49,7 @@ class ContextParallelPlan:
         self._builder = block_mask_builder
         self._offset_mods: dict = {}
         self._steps = self._direct = self._gathered = None     # built once: the backward reuses the forward's pairs
+        self._most_fetched = None
         # the user's block mask's tile states, one host copy for the verdicts and every pair
         self._states = None if spec.block_mask is None else spec.block_mask.block_states()
         self.verdicts = _chunk_verdicts(spec, layout, batch, heads, self._states)
@@ -70,6 +71,16 @@ class ContextParallelPlan:
         if self.position_free:
             return tuple(range(len(theirs))) if live.any() else ()
         return tuple(int(i) for i in np.flatnonzero(live))
+
+    def most_fetched(self) -> float:
+        """The most K/V any rank fetches over the direct steps, in local shards (0 where
+        every rank attends only its own keys; world − 1 at most)."""
+        if self._most_fetched is None:
+            layout, world = self.layout, self.layout.world
+            per_rank = layout.local_len // layout.chunk
+            self._most_fetched = max(
+                sum(len(self.sent_chunks(r, (r - s) % world)) for s in range(1, world)) for r in range(world)) / per_rank
+        return self._most_fetched
 
     # -- the ring ----------------------------------------------------------------------------
     def ring_steps(self) -> list:

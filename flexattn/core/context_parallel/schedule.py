@@ -99,43 +99,62 @@ def _shift(comm, arrays):
 
 @_beside_transfers
 def direct_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
-    """(out, lse) of the local queries, each step's K/V straight from its owner, only
-    where this rank's queries attend it; the next ``FETCH_AHEAD`` steps' messages are on
-    their way while this step computes."""
+    """(out, lse, fetched) of the local queries, each step's K/V straight from its owner,
+    only where this rank's queries attend it; the next ``FETCH_AHEAD`` steps' messages are
+    on their way while this step computes. ``fetched``: where the plan keeps them
+    (``keeps_fetched``: every rank's fetched chunks fit one more shard), the K/V of each
+    step for ``direct_backward`` — all posted at once, since they are held anyway — else
+    None (the backward fetches again)."""
     acc, lse = ops.stats(q, v)
     written = _Written()
-    for _, _, pairs, kv in _fetched_steps(plan, comm, ops, k, v):
+    keep = keeps_fetched(plan)
+    fetched = {} if keep else None
+    ahead = plan.layout.world - 1 if keep else FETCH_AHEAD
+    for s, _, pairs, kv in _fetched_steps(plan, comm, ops, k, v, ahead=ahead):
+        if keep and s > 0:
+            fetched[s] = kv
         acc, lse = _forward_pairs(ops, pairs, q, *kv, acc, lse, written)
-    return ops.finish(acc, q), lse
+    return ops.finish(acc, q), lse, fetched
 
 
 @_beside_transfers
-def direct_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d_out, d_lse, wanted=()):
-    """The direct schedule's backward: K/V fetched again as in the forward. At step s a
-    rank computes its contributions to the keys of rank − s it holds and sends them
-    straight back on the "grad" channel, while rank + s sends it the contributions to its
-    own keys (each pair of ranks exchanges at most one such message per step and
-    direction, as compact as the fetch); the exchange runs while the next step computes."""
+def direct_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d_out, d_lse, wanted=(),
+                    fetched=None):
+    """The direct schedule's backward: on the forward's ``fetched`` K/V where it kept them,
+    else K/V fetched again as in the forward. At step s a rank computes its contributions
+    to the keys of rank − s it holds and sends them straight back on the "grad" channel,
+    while rank + s sends it the contributions to its own keys (each pair of ranks
+    exchanges at most one such message per step and direction, as compact as the fetch);
+    the exchange runs while the next step computes. Contributions travel in the keys'
+    dtype (each rounded once, as the result is; summed in fp32 by the owner): half the
+    bytes of fp32 for 16-bit inputs."""
     dq = ops.zeros(q)
     captures: dict = {}
     own_dk, own_dv = ops.zeros(k), ops.zeros(v)
     world, rank, c = comm.world, comm.rank, plan.layout.chunk
     arriving = None     # the contributions posted for at the previous step, and their chunks
-    for s, src, pairs, kv in _fetched_steps(plan, comm, ops, k, v, every=True):
+    steps = (_fetched_steps(plan, comm, ops, k, v, every=True) if fetched is None
+             else _kept_steps(plan, k, v, fetched))
+    for s, src, pairs, kv in steps:
         outgoing = None
         if kv is not None:
             kh, vh = kv
-            dk, dv = (own_dk, own_dv) if s == 0 else (ops.zeros(kh), ops.zeros(vh))
+            if s == 0:
+                dk, dv = own_dk, own_dv
+            elif _one_launch_over(pairs, kh.shape[2]):
+                dk = dv = None     # that launch's dK/dV are the message as they come
+            else:
+                dk, dv = ops.zeros(kh), ops.zeros(vh)
             dq, dk, dv = _backward_pairs(ops, pairs, (q, kh, vh, out, lse, d_out, d_lse), dq, dk, dv, captures)
             if s == 0:
                 own_dk, own_dv = dk, dv
             else:
-                outgoing = (dk, dv)
+                outgoing = (ops.cast(dk, k), ops.cast(dv, v))
         own_dk, own_dv = _received_into(ops, arriving, own_dk, own_dv, c)
         if s > 0:
             dst = (rank + s) % world
             chunks = plan.sent_chunks(dst, rank)     # what dst fetched from this rank: its contributions' rows
-            like = tuple(ops.rows(x, 0, len(chunks) * c) for x in (own_dk, own_dv)) if chunks else None
+            like = tuple(ops.rows(x, 0, len(chunks) * c) for x in (k, v)) if chunks else None
             arriving = (comm.exchange(src if outgoing is not None else None, outgoing, dst if chunks else None,
                                       like, "grad"), chunks)
     own_dk, own_dv = _received_into(ops, arriving, own_dk, own_dv, c)
@@ -183,23 +202,42 @@ def _chunk_rows(ops, x, chunks, chunk: int, total: int):
 # a 17.5 ms step of the forward). Each step ahead holds one more K/V shard.
 FETCH_AHEAD = 2
 
+# The direct forward keeps the K/V it fetched for the backward (which then sends only the
+# dK/dV contributions: a third of its messages, half with 16-bit contributions) where no
+# rank fetches more than this many shards' worth: documents or windows, whose ranks attend
+# a few of the others' chunks; not causal, whose last rank attends every other shard (that
+# memory would grow with the whole sequence, as an all-gather's).
+KEEP_FETCHED = 1.0
 
-def _fetched_steps(plan, comm, ops, k, v, every: bool = False):
+
+def keeps_fetched(plan) -> bool:
+    """Whether the direct schedule's forward keeps its fetched K/V for the backward: every
+    rank's fetched chunks fit ``KEEP_FETCHED`` local shards (the same answer on every rank)."""
+    return plan.most_fetched() <= KEEP_FETCHED
+
+
+def _fetched_steps(plan, comm, ops, k, v, every: bool = False, ahead: int = FETCH_AHEAD):
     """(step, source rank, pairs, its K/V) of each step of the direct schedule: step 0 on
     this rank's own K/V, later ones on the chunks of it fetched from their owner that this
-    rank attends (``plan.direct_steps``; ``FETCH_AHEAD`` steps' fetches posted before this
+    rank attends (``plan.direct_steps``; ``ahead`` steps' fetches posted before this
     step computes). Steps whose keys the mask leaves unattended receive nothing: passed
     over, or with ``every`` yielded with K/V None. Consume it to the end."""
-    ahead = collections.deque(_post_kv(plan, comm, ops, s, k, v) for s in range(1, 1 + FETCH_AHEAD))
+    posted = collections.deque(_post_kv(plan, comm, ops, s, k, v) for s in range(1, 1 + ahead))
     for s, (src, pairs) in enumerate(plan.direct_steps()):
         kv = (k, v)
         if s > 0:
-            got = ahead.popleft().wait()
-            ahead.append(_post_kv(plan, comm, ops, s + FETCH_AHEAD, k, v))
+            got = posted.popleft().wait()
+            posted.append(_post_kv(plan, comm, ops, s + ahead, k, v))
             if got is None and not every:
                 continue
             kv = None if got is None else tuple(got)
         yield s, src, pairs, kv
+
+
+def _kept_steps(plan, k, v, fetched: dict):
+    """``_fetched_steps(every=True)`` on the K/V the forward kept (``direct_forward``)."""
+    for s, (src, pairs) in enumerate(plan.direct_steps()):
+        yield s, src, pairs, (k, v) if s == 0 else fetched.get(s)
 
 
 def _post_kv(plan, comm, ops, s: int, k, v):
@@ -265,10 +303,18 @@ def _backward_pairs(ops, pairs, arrays, dq, dk, dv, captures):
             ops.rows(lse, q0, q1), ops.rows(d_out, q0, q1), None if d_lse is None else ops.rows(d_lse, q0, q1),
             pair.spec)
         dq = ops.add_rows(dq, q0, q1, dq_j)
-        dk = ops.add_rows(dk, k0, k1, dk_j)
-        dv = ops.add_rows(dv, k0, k1, dv_j)
+        if dk is None:      # one launch over every key (``_one_launch_over``): its own dK/dV
+            dk, dv = dk_j, dv_j
+        else:
+            dk = ops.add_rows(dk, k0, k1, dk_j)
+            dv = ops.add_rows(dv, k0, k1, dv_j)
         _add_captures(ops, captures, cap_j)
     return dq, dk, dv
+
+
+def _one_launch_over(pairs, kv_len: int) -> bool:
+    """The step is one launch over all ``kv_len`` keys in hand."""
+    return len(pairs) == 1 and pairs[0].kv_rows == (0, kv_len)
 
 
 class _Written:
