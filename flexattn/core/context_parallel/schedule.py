@@ -151,6 +151,7 @@ def direct_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d_o
             else:
                 outgoing = (ops.cast(dk, k), ops.cast(dv, v))
         own_dk, own_dv = _received_into(ops, arriving, own_dk, own_dv, c)
+        arriving = None
         if s > 0:
             dst = (rank + s) % world
             chunks = plan.sent_chunks(dst, rank)     # what dst fetched from this rank: its contributions' rows
@@ -235,8 +236,13 @@ def _fetched_steps(plan, comm, ops, k, v, every: bool = False, ahead: int = FETC
 
 
 def _kept_steps(plan, k, v, fetched: dict):
-    """``_fetched_steps(every=True)`` on the K/V the forward kept (``direct_forward``)."""
-    for s, (src, pairs) in enumerate(plan.direct_steps()):
+    """``_fetched_steps(every=True)`` on the K/V the forward kept (``direct_forward``), the
+    other ranks' steps first: their dK/dV contributions travel while this rank's own keys
+    (the largest step under documents) compute, instead of after the last step. Every rank
+    takes the steps in the same order, so the messages still pair up."""
+    steps = plan.direct_steps()
+    for s in (*range(1, len(steps)), 0):
+        src, pairs = steps[s]
         yield s, src, pairs, (k, v) if s == 0 else fetched.get(s)
 
 
