@@ -344,10 +344,21 @@ def test_steps_of_many_chunk_pairs_fuse_into_one_launch():
     layout = _LAYOUTS["many2"]()
     for name in ("causal", "documents", "bias"):
         plan = cp.ContextParallelPlan(specs[name], layout, 0, B, H)
-        steps = [pairs for _, pairs in plan.ring_steps()]
-        assert all(len(pairs) <= cp.plan.FUSE_ABOVE for pairs in steps), name
-        fused = [pairs[0] for pairs in steps if len(pairs) == 1 and pairs[0].q_rows == (0, S // 2)]
-        assert fused and all(p.kv_rows == (0, S // 2) for p in fused), name
+        steps = plan.ring_steps()
+        assert all(len(pairs) <= cp.plan.FUSE_ABOVE for _, pairs in steps), name
+        c, mine = layout.chunk, layout.local_chunks(0)
+        fused = 0
+        for src, pairs in steps:
+            theirs = layout.local_chunks(src)
+            live = plan.verdicts[np.ix_(mine, theirs)] != 0
+            if len(pairs) != 1 or live.sum() <= cp.plan.FUSE_ABOVE:
+                continue
+            # one launch over exactly the span of chunks the step attends
+            rows, cols = np.flatnonzero(live.any(axis=1)), np.flatnonzero(live.any(axis=0))
+            assert pairs[0].q_rows == (rows[0] * c, (rows[-1] + 1) * c), name
+            assert pairs[0].kv_rows == (cols[0] * c, (cols[-1] + 1) * c), name
+            fused += 1
+        assert fused, name
     # a user's block mask is sliced per pair instead
     plan = cp.ContextParallelPlan(specs["block_mask"], layout, 0, B, H)
     assert max(len(pairs) for _, pairs in plan.ring_steps()) > 1

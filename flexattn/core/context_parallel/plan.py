@@ -136,11 +136,12 @@ class ContextParallelPlan:
         return steps
 
     def _fused_step(self, mine, theirs, full_launches: int):
-        """[one ShardPair] over the whole local queries and the K/V in hand, with the mods
-        reading each token's global position from a table, where the step would otherwise
-        take more than ``FUSE_ABOVE`` launches (a layout of many chunks, e.g. documents
-        balanced over 4-8 chunks per rank: one large launch and one merge instead of many
-        small ones; the pairs the mask excludes become empty tiles of its block mask). None
+        """[one ShardPair] over the span of local query chunks and of the K/V in hand that
+        the step attends, with the mods reading each token's global position from a table,
+        where the step would otherwise take more than ``FUSE_ABOVE`` launches (a layout of
+        many chunks, e.g. documents balanced over 4-8 chunks per rank: one large launch and
+        one merge instead of many small ones; the pairs the mask excludes become empty
+        tiles of its block mask). None
         where the chunk pairs are few (causal head-tail keeps its diagonal structure) or
         the user gave a block mask (its tiles are sliced per pair). ``full_launches``: the
         step's fully attended rectangles (``_full_blocks``)."""
@@ -150,18 +151,22 @@ class ContextParallelPlan:
         if live + full_launches <= FUSE_ABOVE:
             return None
         c, spec = self.layout.chunk, self.spec
-        q_pos, kv_pos = _positions(mine, c), _positions(theirs, c)
+        # only the span of chunks the step attends: the launch's per-row work (the
+        # backward's preprocess, postprocess and dQ sum, the forward's merge) skips the rest
+        live = self.verdicts[np.ix_(mine, theirs)] != 0
+        rows, cols = np.flatnonzero(live.any(axis=1)), np.flatnonzero(live.any(axis=0))
+        q_lo, q_hi, k_lo, k_hi = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
+        q_pos, kv_pos = _positions(mine[q_lo:q_hi], c), _positions(theirs[k_lo:k_hi], c)
         score = spec.score
         if score is not None and not self.score_position_free:
             score = table_positions(score, q_pos, kv_pos)
         mask = None if spec.element_mask is None else table_positions(spec.element_mask, q_pos, kv_pos)
-        n = len(q_pos)
         built = None
         if mask is not None and self._builder is not None:
-            built = self._builder(mask, self.batch, self.heads, n, len(kv_pos))
+            built = self._builder(mask, self.batch, self.heads, len(q_pos), len(kv_pos))
         pair_spec = (AttentionSpec(score, None, built, spec.scale, spec.enable_gqa) if built is not None
                      else AttentionSpec(score, mask, None, spec.scale, spec.enable_gqa))
-        return [ShardPair((0, n), (0, len(kv_pos)), pair_spec)]
+        return [ShardPair((q_lo * c, q_hi * c), (k_lo * c, k_hi * c), pair_spec)]
 
     def _full_blocks(self, mine, theirs) -> list:
         """The fully attended chunk pairs of one step as few rectangles as possible: runs of
