@@ -380,7 +380,7 @@ def test_return_aux_max_scores_under_compile():
 def test_opcheck_max_scores_op():
     spec_id = fa._REGISTRY.register(flexattn.AttentionSpec.from_args(score=mods.softcap(3.0), mask=mods.causal()))
     q, k, v = _qkv(8)
-    torch.library.opcheck(torch.ops.flexattn.attention_fwd_max.default, (q, k, v, [], spec_id))
+    torch.library.opcheck(torch.ops.flexattn.attention_fwd_max.default, (q, k, v, [], spec_id, [], None))
 
 
 def test_create_block_mask_inside_the_compiled_function():
@@ -634,6 +634,30 @@ def test_max_scores_with_a_score_function_defined_inside():
     q, k, v = _qkv(12, grad=False)
     got = torch.compile(step, backend="inductor", fullgraph=True)(q, k, v, bias)
     for a, b in zip(got, step(q, k, v, bias)):
+        torch.testing.assert_close(a, b)
+
+
+def test_max_scores_with_a_torch_block_mask_built_inside():
+    """return_aux=AuxRequest(lse=True, max_scores=True) beside a torch block mask built in
+    the compiled code (its lists graph values of attention_fwd_max): one graph, the eager
+    values, and gradients through out and lse."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    def step(q, k, v, docs):
+        bm = torch_create_block_mask(lambda b, h, qi, ki: (docs[qi] == docs[ki]) & (qi >= ki), None, None, S, S,
+                                     device="cpu", BLOCK_SIZE=16)
+        out, aux = fa.flex_attention(q, k, v, block_mask=bm, return_aux=fa.AuxRequest(lse=True, max_scores=True))
+        return out, aux.lse, aux.max_scores
+
+    q, k, v = _qkv(15)
+    counter = CompileCounterWithBackend("inductor")
+    got = torch.compile(step, backend=counter, fullgraph=True)(q, k, v, _DOCS)
+    want = step(q, k, v, _DOCS)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    assert counter.frame_count == 1
+    grads = _grads(got[0].sum() + got[1].sum(), (q, k, v))
+    for a, b in zip(grads, _grads(want[0].sum() + want[1].sum(), (q, k, v))):
         torch.testing.assert_close(a, b)
 
 

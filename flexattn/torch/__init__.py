@@ -231,11 +231,12 @@ def _with_max_scores(query, key, value, call, kernel_options):
         if routed is not None:
             return routed
         buffers, spec_id = _compiled_op_inputs(call)
-        return torch.ops.flexattn.attention_fwd_max(query, key, value, buffers, spec_id)
+        return torch.ops.flexattn.attention_fwd_max(query, key, value, buffers, spec_id, [], None)
     spec, shape, records = _checked_call(query, key, value, call, kernel_options)
     if query.is_cuda and not records:
         return _kernel_forward(spec, shape, query, key, value, want_max=True)
-    return torch.ops.flexattn.attention_fwd_max(query, key, value, _score_tensors(spec.score), _REGISTRY.register(spec))
+    return torch.ops.flexattn.attention_fwd_max(query, key, value, _score_tensors(spec.score), _REGISTRY.register(spec),
+                                                [], None)
 
 
 def _checked_call(query, key, value, call, kernel_options):
@@ -592,10 +593,6 @@ def _compiled_route(query, key, value, call, want_max: bool):
                             " tensors (or a torch block mask built there) cannot be combined with a score or mask"
                             " made outside that reads tensors (a function or a mod value such as alibi(slopes)):"
                             " define that one inside the compiled code too")
-        if graph_lists and want_max:
-            raise ValueError("under torch.compile, return_aux=AuxRequest(max_scores=True) with a torch block mask"
-                             " built inside the compiled code is not supported: build it outside, or use"
-                             " flexattn.torch.create_block_mask")
         return flex_attention_route(query, key, value, the_score if nested_score else None,
                                     mask if nested_mask else None, base_id,
                                     query.shape[-1] ** -0.5 if scale is None else scale,
@@ -938,9 +935,11 @@ def _keep_bounded(table: dict, key, value, capacity: int) -> None:
 
 @torch.library.custom_op("flexattn::attention_fwd_max", mutates_args=())
 def _attention_fwd_max(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, buffers: list[torch.Tensor],
-                       spec_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, lse, max_scores): ``attention_fwd`` plus each row's max score."""
-    spec = _REGISTRY.bind_operands(spec_id, buffers)
+                       spec_id: int, lists: list[Optional[torch.Tensor]],
+                       layout: Optional[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, max_scores): ``attention_fwd`` plus each row's max score (``lists`` /
+    ``layout`` as there)."""
+    spec = _with_graph_block_mask(_REGISTRY.bind_operands(spec_id, buffers), lists, layout)
     if query.is_cuda:
         return _kernel_forward(spec, check_inputs(query, key, value, spec), query, key, value, want_max=True)
     out, lse, max_scores = reference.forward(query, key, value, spec, max_scores=True)
@@ -949,8 +948,8 @@ def _attention_fwd_max(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 @_attention_fwd_max.register_fake
-def _(query, key, value, buffers, spec_id):
-    out, lse = _attention_fwd_fake(query, key, value, buffers, spec_id, [], None)
+def _(query, key, value, buffers, spec_id, lists, layout):
+    out, lse = _attention_fwd_fake(query, key, value, buffers, spec_id, lists, layout)
     return out, lse, torch.empty_like(lse)
 
 
@@ -1031,23 +1030,21 @@ def _buffer_grads(tensor_slots: tuple, capture_grads, buffers) -> list:
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, buffers, spec_id, *graph_block_mask = inputs
-    lists, layout = graph_block_mask if graph_block_mask else ([], None)   # (attention_fwd_max: none)
+    query, key, value, buffers, spec_id, lists, layout = inputs
     out, lse = output
     ctx.save_for_backward(query, key, value, out, lse, *buffers, *lists)
     ctx.spec_id = spec_id
     ctx.grad_mask = _grad_mask(buffers)
     ctx.n_buffers = len(buffers)
     ctx.layout = layout
-    ctx.inputs = len(inputs)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, d_out, d_lse):
     query, key, value, out, lse, *rest = ctx.saved_tensors
     buffers, lists = rest[:ctx.n_buffers], list(rest[ctx.n_buffers:])
-    # no gradients for spec_id (and the lists, layout): one None per input of each
-    rest_none = (None,) if ctx.inputs == 5 else (None, [None] * len(lists), None)
+    # no gradients for spec_id, the lists and layout: one None per input of each
+    rest_none = (None, [None] * len(lists), None)
     if d_out is None and d_lse is None:
         return None, None, None, [None] * len(buffers), *rest_none
     if d_out is None:

@@ -223,12 +223,8 @@ def rewrite_marked_calls(graph: torch.fx.Graph) -> None:
         buffers = list(score_buffers + mask_buffers)
         want_max = options.get(MAX_KEY, False)
         with graph.inserting_before(node):
-            if want_max:    # (no graph lists here: flexattn.torch refuses them with max scores)
-                op = graph.call_function(torch.ops.flexattn.attention_fwd_max.default,
-                                         (query, key, value, buffers, spec_id))
-            else:
-                op = graph.call_function(torch.ops.flexattn.attention_fwd.default,
-                                         (query, key, value, buffers, spec_id, lists, layout))
+            target = torch.ops.flexattn.attention_fwd_max if want_max else torch.ops.flexattn.attention_fwd
+            op = graph.call_function(target.default, (query, key, value, buffers, spec_id, lists, layout))
         outputs = 3 if want_max else 2
         example = node.meta.get("example_value")
         if example is not None:
