@@ -328,6 +328,36 @@ def test_full_and_empty_decide_everything():
     assert (classify((~full()).expr, ranges) == 0).all()
 
 
+@pytest.mark.parametrize("kind", ["int32", "int64", "float", "float_nan", "bool"])
+def test_buffer_spans_are_exact_at_every_width(kind):
+    """buf[q] over spans of every width (1 .. the whole buffer, narrow queries first, so the
+    range tables grow deeper within one analysis): the exact min / max of the span, in the
+    buffer's own dtype, and NaN where the span holds one."""
+    rng = np.random.default_rng(11)
+    n = 301
+    arr = {"int32": rng.integers(-1000, 1000, n).astype(np.int32),
+           "int64": rng.integers(-(1 << 40), 1 << 40, n),
+           "float": rng.standard_normal(n), "float_nan": rng.standard_normal(n),
+           "bool": rng.random(n) < 0.5}[kind]
+    if kind == "float_nan":
+        arr[[17, 150]] = np.nan
+    dtype = {"bool": "bool", "int32": "int64", "int64": "int64"}.get(kind, "float64")
+    node = ir.load(ir.BufferRef(0, dtype, 1), (ir.var("q"),))
+    lo = rng.integers(0, n, 400)
+    hi = np.minimum(n - 1, lo + np.sort(rng.integers(0, n, 400)))   # widths growing along the queries
+    from flexattn.mods.intervals import _RangeTables
+
+    tables = _RangeTables([arr])
+    for part in np.array_split(np.arange(400), 4):   # four queries on one set of tables, widest last
+        iv = tables.bound(node.attr, [bounds(ir.var("q"), {"q": (lo[part], hi[part])})])
+        for j, i in enumerate(part):
+            span = arr[lo[i]:hi[i] + 1].astype(np.float64)
+            if np.isnan(span).any():
+                assert iv.nan[j]
+                continue
+            assert (iv.lo[j], iv.hi[j]) == (span.min(), span.max()), (kind, lo[i], hi[i])
+
+
 def test_bounds_of_simple_expressions():
     q, kv = ir.var("q"), ir.var("kv")
     r = {"q": (np.array(10), np.array(20)), "kv": (np.array(3), np.array(5))}

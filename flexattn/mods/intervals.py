@@ -282,21 +282,30 @@ def _exact_or_unknown(f, args) -> Interval:
 
 
 class _RangeTables:
-    """Min/max of buffer spans in O(1) per query via sparse tables along one axis."""
+    """Min/max of buffer spans in O(1) per query via sparse tables along one axis, with
+    only the levels the widest span asked needs (tile-sized spans of a long document-id
+    array: 10 levels, not 20), in the buffer's own dtype where it is an integer (exact,
+    and half the bytes of float64)."""
 
     def __init__(self, values):
         self.values = values
         self._tables: dict = {}
+        self._arrays: dict = {}
 
     def _array(self, slot):
-        from ..arrays import to_numpy
+        """(the buffer as float64, as its own numpy array) — made once per slot."""
+        hit = self._arrays.get(slot)
+        if hit is None:
+            from ..arrays import to_numpy
 
-        return np.asarray(to_numpy(self.values[slot]), dtype=np.float64)
+            native = np.asarray(to_numpy(self.values[slot]))
+            hit = self._arrays[slot] = (np.asarray(native, dtype=np.float64), native)
+        return hit
 
     def bound(self, buf: ir.BufferRef, index: list) -> Interval:
         """Min / max over the indexed span, and whether it holds a NaN (as the kernels'
         scan: a span's min / max tables propagate NaN; wider spans: any NaN in the buffer)."""
-        arr = self._array(buf.slot)
+        arr, _ = self._array(buf.slot)
         return self._bound(buf.slot, arr, index)
 
     def _bound(self, slot, arr, index: list) -> Interval:
@@ -316,12 +325,16 @@ class _RangeTables:
             v = arr[tuple(lo.astype(np.int64) for lo in los)]
             nan = np.isnan(v)
             return Interval(np.where(nan, -_INF, v), np.where(nan, _INF, v), nan)
-        if len(span_dims) > 1 or arr.size * max(1, int(np.log2(arr.shape[span_dims[0]])) + 1) > _MAX_TABLE_ENTRIES:
+        levels = 0
+        if len(span_dims) == 1:
+            widest = int(np.max(his[span_dims[0]] - los[span_dims[0]])) + 1
+            levels = int(np.floor(np.log2(max(widest, 1)))) + 1
+        if len(span_dims) > 1 or arr.size * levels > _MAX_TABLE_ENTRIES:
             any_nan = bool(np.isnan(arr).any())
             gmin, gmax = (-_INF, _INF) if any_nan else (np.min(arr), np.max(arr))
             return Interval(np.full(los[0].shape, gmin), np.full(los[0].shape, gmax), any_nan)
         axis = span_dims[0]
-        mins, maxs = self._table(slot, arr, axis)
+        mins, maxs = self._table(slot, axis, levels)
         lo = los[axis].astype(np.int64)
         hi = his[axis].astype(np.int64)
         k = np.floor(np.log2(np.maximum(hi - lo + 1, 1))).astype(np.int64)
@@ -329,27 +342,32 @@ class _RangeTables:
         pts = [x.astype(np.int64) for x in los]
         idx1 = tuple([k] + [lo if d == axis else pts[d] for d in range(arr.ndim)])
         idx2 = tuple([k] + [second if d == axis else pts[d] for d in range(arr.ndim)])
-        vmin = np.minimum(mins[idx1], mins[idx2])
-        vmax = np.maximum(maxs[idx1], maxs[idx2])
+        vmin = np.minimum(mins[idx1], mins[idx2]).astype(np.float64, copy=False)
+        vmax = np.maximum(maxs[idx1], maxs[idx2]).astype(np.float64, copy=False)
         iv = _safe(vmin, vmax)
         iv.nan = np.isnan(vmin) | np.isnan(vmax)
         return iv
 
-    def _table(self, slot, arr, axis):
+    def _table(self, slot, axis, levels: int):
+        """(mins, maxs) [levels, *shape]: level k holds the min / max of the 2^k entries
+        from each index along ``axis`` (fewer at the end). Rebuilt deeper if a later
+        query spans more."""
         key = (slot, axis)
-        if key not in self._tables:
+        hit = self._tables.get(key)
+        if hit is None or len(hit[0]) < levels:
+            as_float, native = self._array(slot)
+            arr = native if np.issubdtype(native.dtype, np.integer) else as_float
             n = arr.shape[axis]
-            levels = int(np.floor(np.log2(n))) + 1
-            mins = np.empty((levels,) + arr.shape)
-            maxs = np.empty((levels,) + arr.shape)
+            mins = np.empty((levels,) + arr.shape, dtype=arr.dtype)
+            maxs = np.empty((levels,) + arr.shape, dtype=arr.dtype)
             mins[0] = maxs[0] = arr
             a = np.moveaxis(mins, axis + 1, -1)
             b = np.moveaxis(maxs, axis + 1, -1)
             for k in range(1, levels):
                 step = 1 << (k - 1)
-                a[k] = a[k - 1]
-                b[k] = b[k - 1]
-                a[k][..., : n - step] = np.minimum(a[k - 1][..., : n - step], a[k - 1][..., step:])
-                b[k][..., : n - step] = np.maximum(b[k - 1][..., : n - step], b[k - 1][..., step:])
-            self._tables[key] = (mins, maxs)
-        return self._tables[key]
+                a[k][..., n - step:] = a[k - 1][..., n - step:]
+                b[k][..., n - step:] = b[k - 1][..., n - step:]
+                np.minimum(a[k - 1][..., : n - step], a[k - 1][..., step:], out=a[k][..., : n - step])
+                np.maximum(b[k - 1][..., : n - step], b[k - 1][..., step:], out=b[k][..., : n - step])
+            hit = self._tables[key] = (mins, maxs)
+        return hit
