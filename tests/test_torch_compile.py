@@ -365,15 +365,20 @@ def test_return_aux_max_scores_under_compile():
                                      return_aux=fa.AuxRequest(lse=True, max_scores=True))
         return out, aux.lse, aux.max_scores
 
-    q, k, v = _qkv(7)
-    counter = CompileCounterWithBackend("aot_eager")
-    got = torch.compile(step, backend=counter, fullgraph=True)(q, k, v)
-    want = step(q, k, v)
+    _assert_max_scores_step_compiles(step, "aot_eager", _qkv(7))
+
+
+def _assert_max_scores_step_compiles(step, backend, qkv, *rest):
+    """``step(q, k, v, *rest) -> (out, lse, max_scores)`` compiled in one graph: the eager
+    values, and the same gradients of q, k, v through out and lse."""
+    counter = CompileCounterWithBackend(backend)
+    got = torch.compile(step, backend=counter, fullgraph=True)(*qkv, *rest)
+    want = step(*qkv, *rest)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
     assert counter.frame_count == 1
-    grads = _grads(got[0].sum() + got[1].sum(), (q, k, v))
-    for a, b in zip(grads, _grads(want[0].sum() + want[1].sum(), (q, k, v))):
+    grads = _grads(got[0].sum() + got[1].sum(), qkv)
+    for a, b in zip(grads, _grads(want[0].sum() + want[1].sum(), qkv)):
         torch.testing.assert_close(a, b)
 
 
@@ -649,16 +654,7 @@ def test_max_scores_with_a_torch_block_mask_built_inside():
         out, aux = fa.flex_attention(q, k, v, block_mask=bm, return_aux=fa.AuxRequest(lse=True, max_scores=True))
         return out, aux.lse, aux.max_scores
 
-    q, k, v = _qkv(15)
-    counter = CompileCounterWithBackend("inductor")
-    got = torch.compile(step, backend=counter, fullgraph=True)(q, k, v, _DOCS)
-    want = step(q, k, v, _DOCS)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
-    assert counter.frame_count == 1
-    grads = _grads(got[0].sum() + got[1].sum(), (q, k, v))
-    for a, b in zip(grads, _grads(want[0].sum() + want[1].sum(), (q, k, v))):
-        torch.testing.assert_close(a, b)
+    _assert_max_scores_step_compiles(step, "inductor", _qkv(15), _DOCS)
 
 
 def test_torch_block_masks_built_inside_with_gqa_lse_and_a_mod_value():
