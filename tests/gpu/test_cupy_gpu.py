@@ -16,10 +16,10 @@ from flexattn import mods, reference  # noqa: E402
 from flexattn.core import AttentionSpec  # noqa: E402
 
 
-def _inputs(seed, B=2, Hq=4, Hkv=2, Q=333, KV=300, D=64):
+def _inputs(seed, B=2, Hq=4, Hkv=2, Q=333, KV=300, D=64, Dv=None):
     rng = np.random.default_rng(seed)
-    mk = lambda H, S: (rng.standard_normal((B, H, S, D)) * 0.5).astype(np.float16)  # noqa: E731
-    return mk(Hq, Q), mk(Hkv, KV), mk(Hkv, KV)
+    mk = lambda H, S, d: (rng.standard_normal((B, H, S, d)) * 0.5).astype(np.float16)  # noqa: E731
+    return mk(Hq, Q, D), mk(Hkv, KV, D), mk(Hkv, KV, Dv or D)
 
 
 def test_forward_on_a_side_stream_matches_reference_and_torch():
@@ -42,8 +42,11 @@ def test_forward_on_a_side_stream_matches_reference_and_torch():
     assert np.array_equal(cupy.asnumpy(out), t_out.cpu().numpy())   # one kernel, one answer
 
 
-def test_vjp_runs_the_backward_kernels():
-    qh, kh, vh = _inputs(1, Q=257, KV=257)
+@pytest.mark.parametrize("D,Dv", [(64, 64), (192, 128), (256, 256)])
+def test_vjp_runs_the_backward_kernels(D, Dv):
+    """Also beyond head dim 128 (the split-head-dim backward) and with the value head dim
+    apart from the query's, through this adapter's plans."""
+    qh, kh, vh = _inputs(1, Q=257, KV=257, D=D, Dv=Dv)
     slopes = cupy.asarray(np.linspace(0.2, 0.6, 4).astype(np.float32))
     kw = dict(score=mods.alibi(slopes), mask=mods.causal(), enable_gqa=True)
     q, k, v = (cupy.asarray(x) for x in (qh, kh, vh))

@@ -46,9 +46,10 @@ def _kernel_compiles() -> int:
     return len(cj._CUTLASS_COMPILE_CACHE)
 
 
-def _inputs(seed, dtype, B, Hq, Hkv, Q, KV, D):
+def _inputs(seed, dtype, B, Hq, Hkv, Q, KV, D, Dv=None):
     rng = np.random.default_rng(seed)
-    host = [(rng.standard_normal(s) * 0.5).astype(np.float32) for s in ((B, Hq, Q, D), (B, Hkv, KV, D), (B, Hkv, KV, D))]
+    host = [(rng.standard_normal(s) * 0.5).astype(np.float32)
+            for s in ((B, Hq, Q, D), (B, Hkv, KV, D), (B, Hkv, KV, Dv or D))]
     jx = [jnp.asarray(x, DTYPES[dtype][0]) for x in host]
     exact = [np.asarray(x).astype(np.float64) for x in jx]   # the values the kernel sees
     return jx, exact
@@ -128,13 +129,15 @@ def test_follows_xla_stream():
     assert np.abs(out - want).max() < 2e-2
 
 
-@pytest.mark.parametrize("dtype,D,variant", [("bf16", 64, "causal+alibi"), ("fp16", 128, "block_mask")])
-def test_grad_matches_reference_backward(dtype, D, variant):
+@pytest.mark.parametrize("dtype,D,Dv,variant", [("bf16", 64, 64, "causal+alibi"), ("fp16", 128, 128, "block_mask"),
+                                                ("bf16", 192, 128, "causal+alibi"), ("bf16", 256, 256, "block_mask")])
+def test_grad_matches_reference_backward(dtype, D, Dv, variant):
+    """Also beyond head dim 128 (the split-head-dim backward), value dims apart."""
     B, Hq, Hkv, Q, KV = 2, 4, 2, 257, 300 if variant == "block_mask" else 257
-    (q, k, v), exact = _inputs(7, dtype, B, Hq, Hkv, Q, KV, D)
+    (q, k, v), exact = _inputs(7, dtype, B, Hq, Hkv, Q, KV, D, Dv)
     slopes = jnp.asarray(np.linspace(0.2, 0.7, Hq), jnp.float32)
     rng = np.random.default_rng(8)
-    w = jnp.asarray(rng.standard_normal((B, Hq, Q, D)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((B, Hq, Q, Dv)), jnp.float32)
     u = jnp.asarray(rng.standard_normal((B, Hq, Q)), jnp.float32)
 
     def loss(q, k, v, slopes):
