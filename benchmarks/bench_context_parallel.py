@@ -21,6 +21,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import socket
 import sys
 import traceback
@@ -111,8 +112,8 @@ def _worker(rank, world, port, args, queue):
                                          tflops_per_gpu=per_gpu,
                                          peak_gib=torch.cuda.max_memory_allocated() / 2**30))
                         if args.trace:
-                            rows[-1].update(_overlap(lambda: run(train), args.trace,
-                                                     f"{mask_name}_{impl.replace(' ', '-')}_{phase}_w{world}_r{rank}"))
+                            rows[-1].update(_overlap(lambda: run(train), args.trace if rank in args.trace_ranks
+                                                     else None, _trace_name(mask_name, impl, phase, world, rank)))
                     except Exception as e:   # noqa: BLE001 - a baseline this torch lacks: reported as n/a
                         rows.append(dict(world=world, seq=seq, mask=mask_name, impl=impl, phase=phase, ms=None,
                                          error=f"{type(e).__name__}: {str(e)[:160]}"))
@@ -126,18 +127,26 @@ def _worker(rank, world, port, args, queue):
         dist.destroy_process_group()
 
 
+def _trace_name(mask_name, impl, phase, world, rank) -> str:
+    """A trace file's name of letters, digits, '-' and '_' only (the device tool returns no
+    file whose name has '+' or parentheses)."""
+    name = f"{mask_name}_{impl}_{phase.replace('+', '')}_w{world}_r{rank}".replace(" ", "-")
+    return re.sub(r"[^A-Za-z0-9_-]", "", name)
+
+
 def _overlap(step, folder, name) -> dict:
     """One profiled step: the GPU time NCCL's kernels and the other kernels take, and how
     much of NCCL's ran while another kernel ran (union of intervals, ms); the trace goes to
-    ``folder`` (chrome format) for a closer look."""
+    ``folder`` (chrome format; None: not kept) for a closer look."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    os.makedirs(folder, exist_ok=True)
-    prof.export_chrome_trace(os.path.join(folder, name + ".json"))
+    if folder is not None:
+        os.makedirs(folder, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(folder, name + ".json"))
     nccl, other = [], []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start:
@@ -278,7 +287,11 @@ def main():
     ap.add_argument("--impls", nargs="*", default=None,
                     help="words an implementation's name must contain (the one-GPU reference always runs)")
     ap.add_argument("--trace", default=None, help="folder: profile one step per row (NCCL/kernel overlap)")
+    ap.add_argument("--trace-ranks", nargs="*", type=int, default=None,
+                    help="keep these ranks' trace files only (default: every rank's; the overlap figures are rank 0's)")
     args = ap.parse_args()
+    if args.trace_ranks is None:
+        args.trace_ranks = list(range(max(args.worlds)))
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")

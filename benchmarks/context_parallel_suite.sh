@@ -11,6 +11,6 @@ timeout 240 python -m pytest -q -x --tb=short tests/gpu/test_context_parallel_gp
 grep -v "Warning\|warn\|^  \|^$\|^tests/" "$OUT/tests.txt" | tail -8
 cd benchmarks || exit 1
 timeout 340 python bench_context_parallel.py --worlds 1 2 4 --per-gpu 65536 --iters 3 \
-    --impls "flexattn ring" "flexattn direct" torch --trace "$OUT/traces" --out "$OUT/bench.json" "$@" \
+    --impls "flexattn ring" "flexattn direct" torch --trace "$OUT/traces" --trace-ranks 0 --out "$OUT/bench.json" "$@" \
     > "$OUT/bench.txt" 2>&1
 grep '^|\|UTC' "$OUT/bench.txt" | tail -40
