@@ -141,10 +141,10 @@ class ContextParallelPlan:
         where the step would otherwise take more than ``FUSE_ABOVE`` launches (a layout of
         many chunks, e.g. documents balanced over 4-8 chunks per rank: one large launch and
         one merge instead of many small ones; the pairs the mask excludes become empty
-        tiles of its block mask). None
-        where the chunk pairs are few (causal head-tail keeps its diagonal structure) or
-        the user gave a block mask (its tiles are sliced per pair). ``full_launches``: the
-        step's fully attended rectangles (``_full_blocks``)."""
+        tiles of its block mask). None where the chunk pairs are few (causal head-tail
+        keeps its diagonal structure) or the user gave a block mask (its tiles are sliced
+        per pair). ``full_launches``: the step's fully attended rectangles
+        (``_full_blocks``)."""
         if self.spec.block_mask is not None:
             return None
         live = sum(1 for gq in mine for gk in theirs if self.verdicts[gq, gk] == -1)

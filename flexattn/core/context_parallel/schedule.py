@@ -7,7 +7,9 @@ partial outputs by their log-sum-exp. *Direct*: the same steps, but at step s ra
 receives from rank r − s straight only the chunks of its K/V that its queries attend (a
 window or documents leave most pairs of ranks empty: no message at all, and most chunks
 unsent); dK/dV contributions go straight back to their owner as compactly, one step
-behind. *All-gather*: every rank gathers all K/V first (one
+behind, in the keys' dtype. Where no rank fetches more than a shard's worth
+(``KEEP_FETCHED``), the forward keeps what it fetched and the backward sends only the
+contributions. *All-gather*: every rank gathers all K/V first (one
 collective; cheap when GQA makes K/V small), then runs each query chunk once against the
 key range it may attend. The backwards reuse the forward's global ``out`` and ``lse``, so
 every pair's gradients are exact parts of the whole's: dQ sums locally; dK/dV travel
