@@ -338,6 +338,25 @@ def test_the_direct_schedule_sends_only_the_chunks_attended():
             np.testing.assert_allclose(got, want[:, :, pos], atol=1e-10)
 
 
+def test_the_direct_forward_keeps_at_most_a_shard_of_fetched_keys():
+    """``plan.most_fetched`` in local shards, and so what the direct forward keeps: causal
+    head-tail's last chunk attends every other shard (3 at W 4: fetched again in the
+    backward), a window over contiguous shards one shard's worth (kept); a mask every rank
+    answers from its own keys fetches nothing."""
+    from flexattn.core.context_parallel import schedule
+
+    rng, *_ = _problem(0)
+    specs = _specs(rng)
+    cases = [("causal", cp.head_tail(S, 4), 3.0, False), ("window", cp.contiguous(S, 4), 1.0, True),
+             ("causal", cp.contiguous(S, 2), 1.0, True)]
+    for name, layout, most, kept in cases:
+        plans = [cp.ContextParallelPlan(specs[name], layout, r, B, H) for r in range(layout.world)]
+        assert [p.most_fetched() for p in plans] == [most] * layout.world, name
+        assert all(schedule.keeps_fetched(p) == kept for p in plans), name
+    local = AttentionSpec.from_args(mask=mods.document(np.repeat(np.arange(4), S // 4)), enable_gqa=True)
+    assert cp.ContextParallelPlan(local, cp.contiguous(S, 4), 0, B, H).most_fetched() == 0.0
+
+
 def test_steps_of_many_chunk_pairs_fuse_into_one_launch():
     rng, *_ = _problem(0)
     specs = _specs(rng)
