@@ -51,10 +51,12 @@ class ContextParallel:
     ahead; dK/dV return to their owners one step behind on a second communicator) or
     ``"ring"`` (whole K/V shards passed rank to rank, overlapped with the kernels) or
     ``"all_gather"`` (every rank gathers all K/V first; fewer, larger launches). Memory
-    per rank ∝ S / world for ring and direct. Direct is the default by measurement: 4x
-    H100, 2026-11-27, 64k tokens per GPU, forward + backward per-GPU throughput against
-    one GPU's, causal 0.92 (ring 0.87) at 4 GPUs, documents16 0.65-0.67 (ring 0.59-0.62);
-    forwards alike (0.89-0.90 causal)."""
+    per rank ∝ S / world for ring and direct (direct keeps its fetched K/V for the
+    backward only where they are at most one shard: ``schedule.KEEP_FETCHED``). Direct is
+    the default by measurement: 4x H100, 2026-11-27 10:25 UTC, one run, 64k tokens per
+    GPU, forward + backward per-GPU throughput against one GPU's at 4 GPUs: causal 0.92
+    (ring 0.88), documents16 0.70 (ring 0.59); forwards causal 0.95 / 0.95, documents16
+    0.76 / 0.65; with 2 K/V heads within 4% of the best schedule in every row."""
 
     layout: ShardLayout
     group: object = None

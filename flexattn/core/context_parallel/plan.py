@@ -147,13 +147,13 @@ class ContextParallelPlan:
         (``_full_blocks``)."""
         if self.spec.block_mask is not None:
             return None
-        live = sum(1 for gq in mine for gk in theirs if self.verdicts[gq, gk] == -1)
-        if live + full_launches <= FUSE_ABOVE:
+        verdicts = self.verdicts[np.ix_(mine, theirs)]
+        if int(np.count_nonzero(verdicts == -1)) + full_launches <= FUSE_ABOVE:
             return None
         c, spec = self.layout.chunk, self.spec
         # only the span of chunks the step attends: the launch's per-row work (the
         # backward's preprocess, postprocess and dQ sum, the forward's merge) skips the rest
-        live = self.verdicts[np.ix_(mine, theirs)] != 0
+        live = verdicts != 0
         rows, cols = np.flatnonzero(live.any(axis=1)), np.flatnonzero(live.any(axis=0))
         q_lo, q_hi, k_lo, k_hi = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
         q_pos, kv_pos = _positions(mine[q_lo:q_hi], c), _positions(theirs[k_lo:k_hi], c)
