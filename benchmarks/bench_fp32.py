@@ -8,7 +8,11 @@ density, median of triton's do_bench. The error column: max |out - float64| over
 batch and two heads (the float64 reference computed there), the issue's accuracy bar
 (ours no worse than flex's under the same setting).
 
-    python3 benchmarks/bench_fp32.py [--shapes 4x4096x16x128 4x4096x16x64] [--out results.json]
+With ``--backward``: forward + backward through autograd (TFLOP/s at 3.5x the forward's
+FLOPs); the error column is then the max |grad - float64 grad| over dQ, dK and dV of the
+same two heads, relative to the largest reference gradient.
+
+    python3 benchmarks/bench_fp32.py [--shapes 4x4096x16x128 4x4096x16x64] [--backward] [--out results.json]
 """
 
 import argparse
@@ -34,9 +38,31 @@ def _error(out, q, k, v, scale):
     return (out[:1, :2].double() - want).abs().max().item()
 
 
+def _grad_error(q, k, v, do, scale):
+    """max |(dq, dk, dv) - float64| / max |float64 grads| over batch 0, heads 0-1 (q, k, v
+    hold the implementation's gradients)."""
+    qd, kd, vd = (t[:1, :2].detach().double().requires_grad_() for t in (q, k, v))
+    S = q.shape[2]
+    s = (qd @ kd.transpose(-1, -2)) * scale
+    s = s.masked_fill(~torch.ones(S, S, dtype=torch.bool, device="cuda").tril(), float("-inf"))
+    (torch.softmax(s, -1) @ vd).backward(do[:1, :2].double())
+    wants = (qd.grad, kd.grad, vd.grad)
+    top = max(w.abs().max().item() for w in wants)
+    return max((t.grad[:1, :2].double() - w).abs().max().item() for t, w in zip((q, k, v), wants)) / top
+
+
+def _training(fn, q, k, v, do):
+    def step():
+        for t in (q, k, v):
+            t.grad = None
+        fn().backward(do)
+    return step
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=["4x4096x16x128", "4x4096x16x64"], help="BxSxHxD")
+    ap.add_argument("--backward", action="store_true", help="forward + backward (autograd)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     setup_dynamo()
@@ -62,9 +88,19 @@ def main():
                 "flex": lambda: flex(q, k, v, block_mask=torch_bm),
                 "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
             }
-            row = {"precision": precision, "shape": f"B{B} S{S} H{H} D{D}", "tflops": {}, "error": {}}
+            row = {"precision": precision, "shape": f"B{B} S{S} H{H} D{D}", "tflops": {}, "error": {},
+                   "phase": "fwd+bwd" if args.backward else "fwd"}
+            do = torch.randn(B, H, S, D, device="cuda", generator=g) if args.backward else None
+            for t in (q, k, v):
+                t.requires_grad_(args.backward)
             for name, fn in impls.items():
                 try:
+                    if args.backward:
+                        step = _training(fn, q, k, v, do)
+                        step()
+                        row["error"][name] = _grad_error(q, k, v, do, scale)
+                        row["tflops"][name] = 3.5 * work / bench_ms(step) / 1e9
+                        continue
                     row["error"][name] = _error(fn(), q, k, v, scale)
                     row["tflops"][name] = work / bench_ms(fn) / 1e9
                 except Exception as e:   # one library failing must not hide the others
@@ -78,7 +114,9 @@ def main():
         return "—" if t is None else f"{t:.1f} ({e:.1e})"
 
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    md = (f"Causal forward, float32, {device_name()}, {stamp}. TFLOP/s (max error vs float64).\n\n"
+    what = "forward + backward" if args.backward else "forward"
+    error = "max grad error vs float64, relative to the largest gradient" if args.backward else "max error vs float64"
+    md = (f"Causal {what}, float32, {device_name()}, {stamp}. TFLOP/s ({error}).\n\n"
           "| precision | shape | flexattn | flex | sdpa | ours/flex |\n|---|---|---|---|---|---|\n"
           + "\n".join(f"| {r['precision']} | {r['shape']} | {cell(r, 'flexattn')} | {cell(r, 'flex')} | "
                       f"{cell(r, 'sdpa')} | {tflops_ratio(r, 'flex')} |" for r in rows))

@@ -140,9 +140,9 @@ def test_vjp_backward_matches_the_reference(fake):
 
 def test_unsupported_inputs_are_clear_errors(fake):
     fc, _, calls = fake
-    q, k, v = _qkv(2, dtype=np.float32)
-    with pytest.raises(ValueError, match="backward supports bfloat16 and float16"):
-        fc.vjp(q, k, v)                      # float32: the forward alone, refused before it runs
+    q, k, v = _qkv(2, dtype=np.float32, D=240)
+    with pytest.raises(ValueError, match="does not fit shared memory"):
+        fc.vjp(q, k, v)                      # float32 at head dim 240: the forward alone, refused before it runs
     q, k, v = _qkv(2, dtype=np.float64)
     with pytest.raises(ValueError, match="bfloat16, float16 and float32"):
         fc.flex_attention(q, k, v)

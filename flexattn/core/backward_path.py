@@ -58,7 +58,8 @@ def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: Attention
     from ..kernels.launch.cache import backward_runner
     from ..kernels.emit.mod_emit import IRModHook, runtime_args
 
-    plan = plan_forward(arrays.q, shape, spec)  # raises what the kernel cannot do
+    # raises what the kernel cannot do; float32: the forward's tf32 passes
+    plan = plan_forward(arrays.q, shape, spec, tf32_passes=device.tf32_passes)
     cfg = backward_config(plan.config, deterministic, grad_captures)
     hook = cfg.mods
     lists = _q_lists(cfg, plan, device)
@@ -160,7 +161,8 @@ def prepare_backward(q, shape: AttentionShape, spec: AttentionSpec, device: Devi
     through ``backward_into`` (no TVM-FFI, or a stream TVM-FFI does not read itself)."""
     if not (device.tvm_ffi_stream and use_tvm_ffi(device)):
         return None
-    return PreparedBackward(plan_forward(q, shape, spec), spec, shape, device, deterministic, grad_captures)
+    return PreparedBackward(plan_forward(q, shape, spec, tf32_passes=device.tf32_passes), spec, shape, device,
+                            deterministic, grad_captures)
 
 
 def backward_config(forward_config, deterministic: bool = False, grad_captures=None):
@@ -168,10 +170,9 @@ def backward_config(forward_config, deterministic: bool = False, grad_captures=N
     same structure and mods, gradients only for the ``grad_captures`` slots (None: all)."""
     from ..kernels.bwd.plan import config_from_forward
 
-    if forward_config.dtype not in kernel_path.KERNEL_DTYPES.values():
-        reason = f"the GPU backward supports bfloat16 and float16 inputs, not {forward_config.dtype} (the forward alone does)"
-    else:
-        reason = kernel_path.backward_unsupported_dims(forward_config.head_dim, forward_config.head_dim_v)
+    reason = kernel_path.backward_unsupported_dims(forward_config.head_dim, forward_config.head_dim_v)
+    if reason is None and forward_config.dtype == "fp32":
+        reason = kernel_path.fp32_backward_unsupported(forward_config.head_dim, forward_config.head_dim_v)
     if reason:
         raise ValueError(reason)
     mods = forward_config.mods

@@ -92,10 +92,26 @@ def backward_unsupported(shape: AttentionShape, q=None) -> str | None:
     """Why the backward kernels cannot differentiate a call of this shape (and of ``q``'s
     dtype, if given), or None (checked before the forward runs, where autograd will need
     the backward)."""
-    if q is not None and dtype_name(q) not in KERNEL_DTYPES:
-        return (f"the GPU backward supports bfloat16 and float16 inputs, got {dtype_name(q)} (the forward alone"
-                " runs float32: call it without gradients, e.g. under torch.no_grad())")
-    return backward_unsupported_dims(shape.head_dim, shape.v_head_dim)
+    if q is not None and dtype_name(q) not in FORWARD_DTYPES:
+        return f"the GPU backward supports bfloat16, float16 and float32 inputs, got {dtype_name(q)}"
+    reason = backward_unsupported_dims(shape.head_dim, shape.v_head_dim)
+    if reason is None and q is not None and dtype_name(q) == "float32":
+        reason = fp32_backward_unsupported(shape.head_dim, shape.v_head_dim)
+    return reason
+
+
+@functools.lru_cache(maxsize=None)
+def fp32_backward_unsupported(head_dim: int, v_head_dim: int) -> str | None:
+    """Why the float32 backward (kernels/bwd/tf32_sync.py) cannot take these head dims (its
+    tiles must fit shared memory), or None."""
+    from ..kernels.bwd.plan import fp32_tile_m
+    from ..kernels.bwd.sm90 import BwdConfig
+
+    try:
+        BwdConfig(dtype="fp32", head_dim=head_dim, head_dim_v=v_head_dim, tile_m=fp32_tile_m(head_dim, v_head_dim))
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def backward_unsupported_dims(head_dim: int, v_head_dim: int) -> str | None:

@@ -32,18 +32,23 @@ from flexattn.kernels.emit.mod_emit import runtime_args  # noqa: E402
 
 from mod_cases import CASES  # noqa: E402
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# "fp32" and "tf32": float32 inputs on the float32 kernel (bwd/tf32_sync.py), 3xTF32 and
+# one tf32 pass.
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "tf32": torch.float32}
+TF32_PASSES = {"fp32": 3, "tf32": 1}
 # Error bounds relative to the largest reference gradient (max-abs) and to its norm.
 # bf16/fp16 P and dS feed the GEMMs; dQ, buffer grads accumulate in fp32.
-TOL = {"bf16": (4e-2, 1.5e-2), "fp16": (1e-2, 4e-3)}
+TOL = {"bf16": (4e-2, 1.5e-2), "fp16": (1e-2, 4e-3), "fp32": (1e-4, 2e-5), "tf32": (1.5e-2, 4e-3)}
 
 _RUNNERS = {}
 
 
-def _device():
-    from flexattn.torch import _DeviceCopies
+def _device(tf32_passes=3):
+    from flexattn.torch import _backward_alloc, _DeviceCopies
 
-    return Device(torch.cuda.current_stream().cuda_stream, _DeviceCopies(torch.device("cuda")))
+    dev = torch.device("cuda")   # alloc: float32's forward operands
+    return Device(torch.cuda.current_stream().cuda_stream, _DeviceCopies(dev), alloc=_backward_alloc(dev),
+                  tf32_passes=tf32_passes)
 
 
 # The launch path users get: TVM-FFI where it is installed (kernels/launch/backward.py);
@@ -71,12 +76,13 @@ def _poison(shape, dtype):
 
 
 def kernel_backward(q, k, v, do, spec, dlse=None, deterministic=False, ffi=FFI, tile_m=None,
-                    cluster_n=None):
+                    cluster_n=None, tf32_passes=3):
     """Forward kernel for O and LSE, then the backward kernels. -> (dq, dk, dv, grads by
     capture slot (None where no gradient), forward config, out, backward config).
     `deterministic`: the bitwise-repeatable backward (BwdConfig.deterministic); `ffi`:
-    launch through TVM-FFI; `tile_m`, `cluster_n`: instead of the planner's."""
-    dev = _device()
+    launch through TVM-FFI; `tile_m`, `cluster_n`: instead of the planner's; `tf32_passes`:
+    float32's (the forward's and so the backward's)."""
+    dev = _device(tf32_passes)
     shape = check_inputs(q, k, v, spec)
     out = _nan((shape.batch, shape.q_heads, shape.q_len, shape.head_dim), q.dtype)
     lse = _nan((shape.batch, shape.q_heads, shape.q_len), torch.float32)
@@ -147,7 +153,10 @@ def check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, scale=None, 
     dlse = torch.randn(B, Hq, Q, device="cuda") if with_dlse else None
     spec = AttentionSpec.from_args(score=score, mask=mask, scale=scale, enable_gqa=True)
     dq, dk, dv, grads, _, out, cfg = kernel_backward(q, k, v, do, spec, dlse, ffi=ffi, tile_m=tile_m,
-                                                     cluster_n=cluster_n)
+                                                     cluster_n=cluster_n,
+                                                     tf32_passes=TF32_PASSES.get(dtype_name, 1))
+    if dtype_name in TF32_PASSES:
+        assert (cfg.dtype, cfg.tf32_passes) == ("fp32", TF32_PASSES[dtype_name])
     want = reference.backward(q.cpu(), k.cpu(), v.cpu(), do.cpu(),
                               dlse.cpu() if dlse is not None else None, spec=spec)
     label = f"{name} {dtype_name} D{D} B{B} Hq{Hq} Hkv{Hkv} Q{Q} KV{KV} tile_m {cfg.tile_m}"
@@ -206,6 +215,43 @@ def test_fixed(case):
     mask, score, _, _ = CASES[name](rng, B, Hq, Q, KV)
     check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, layout=layout,
                seed=FIXED.index(case))
+
+
+# float32 inputs (issue 25): the warp-MMA kernel under 3xTF32 ("fp32") and one tf32 pass
+# ("tf32"): every block structure, score-mod derivatives, buffer gradients, GQA, strided
+# inputs, odd lengths, head dims 32..256 (80: tile_m 64).
+FP32 = [
+    ("none", "fp32", 128, 2, 4, 2, 300, 257, "bhsd"),
+    ("causal", "fp32", 128, 1, 4, 1, 513, 513, "bshd"),        # MQA, strided
+    ("causal", "tf32", 64, 2, 6, 3, 333, 129, "bhsd"),         # Q > KV
+    ("sliding_window", "fp32", 64, 1, 4, 2, 700, 700, "bhsd"),
+    ("band", "tf32", 128, 1, 2, 2, 600, 600, "bhsd"),          # walked by arithmetic
+    ("document", "tf32", 128, 2, 2, 2, 384, 384, "bhsd"),      # block-sparse lists
+    ("alibi", "fp32", 128, 1, 8, 8, 300, 300, "bhsd"),         # slope gradients
+    ("softcap", "fp32", 80, 2, 4, 2, 211, 257, "bhsd"),        # tile_m 64
+    ("relative_bias", "tf32", 64, 2, 4, 2, 250, 250, "bhsd"),  # table gradients (GQA)
+    ("bias", "fp32", 32, 1, 2, 2, 130, 140, "bhsd"),           # dense bias gradient
+    ("window_document_alibi_softcap", "fp32", 256, 1, 4, 2, 300, 300, "bhsd"),
+    ("causal_softcap", "tf32", 192, 1, 2, 2, 400, 400, "bhsd"),
+    ("prefix_lm", "fp32", 96, 2, 2, 1, 200, 260, "bhsd"),
+    ("none", "fp32", 64, 1, 1, 1, 1, 1, "bhsd"),               # one element
+]
+
+
+@pytest.mark.parametrize("case", FP32, ids=lambda c: "-".join(map(str, c)))
+def test_float32(case):
+    name, dtype_name, D, B, Hq, Hkv, Q, KV, layout = case
+    seed = zlib.crc32(repr(case).encode())
+    mask, score, _, _ = CASES[name](np.random.default_rng(seed), B, Hq, Q, KV)
+    check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, layout=layout, seed=seed % 1000,
+               with_dlse=name == "causal")
+
+
+def test_float32_from_dlpack_runner():
+    case = FP32[6]
+    name, dtype_name, D, B, Hq, Hkv, Q, KV, layout = case
+    mask, score, _, _ = CASES[name](np.random.default_rng(7), B, Hq, Q, KV)
+    check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, layout=layout, seed=7, ffi=False)
 
 
 @pytest.mark.parametrize("case", [c for c in FIXED if c[0] in ("window_document_alibi_softcap", "relative_bias")]

@@ -202,8 +202,8 @@ def test_jitted_training_step_without_recompiles():
 def test_unsupported_inputs_fail_before_launch():
     (q, k, v), _ = _inputs(11, "bf16", 1, 2, 2, 64, 64, 64)
     q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
-    with pytest.raises(ValueError, match="backward supports bfloat16 and float16"):   # float32: forward only
-        jax.grad(lambda q: fj.flex_attention(q, k32, v32).sum())(q32)
+    with pytest.raises(ValueError, match="does not fit shared memory"):   # float32 at head dim 240
+        jax.grad(lambda q: fj.flex_attention(q, q, q).sum())(jnp.zeros((1, 2, 64, 240), jnp.float32))
     with pytest.raises(ValueError, match="block_mask="):
         jax.jit(lambda q, doc: fj.flex_attention(q, k, v, mask=mods.document(doc)))(q, jnp.zeros(64, jnp.int32))
 
@@ -224,6 +224,30 @@ def test_float32_forward_against_reference(precision, tol):
     assert np.abs(np.asarray(out, np.float64) - want).max() < tol
     live = ~np.isneginf(want_lse)
     assert np.abs(np.asarray(lse, np.float64)[live] - want_lse[live]).max() < 10 * tol
+
+
+@pytest.mark.parametrize("precision, tol", [(None, 1e-4), ("tensorfloat32", 2e-2)])
+def test_float32_gradients_against_reference(precision, tol):
+    """float32 training under jit: the float32 backward (bwd/tf32_sync.py; 3xTF32 unless
+    jax.default_matmul_precision allows tf32) with ALiBi's slope gradient, GQA, causal,
+    against the float64 reference (max error relative to the largest gradient)."""
+    rng = np.random.default_rng(18)
+    q, k, v, do = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+                   for s in ((2, 4, 333, 128), (2, 2, 300, 128), (2, 2, 300, 128), (2, 4, 333, 128)))
+    slopes = jnp.asarray(np.linspace(0.1, 0.8, 4), jnp.float32)
+
+    def loss(q, k, v, s):
+        out = fj.flex_attention(q, k, v, score=mods.alibi(s), mask=mods.causal(), enable_gqa=True)
+        return (out * do).sum()
+
+    with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, slopes)
+    spec = AttentionSpec.from_args(score=mods.alibi(np.asarray(slopes)), mask=mods.causal(), enable_gqa=True)
+    want = reference.backward(np.asarray(q), np.asarray(k), np.asarray(v), np.asarray(do), None, spec)
+    slot = next(i for i, g in enumerate(want.d_captures) if g is not None)
+    for name, got, ref in zip(("dq", "dk", "dv", "d_slopes"), grads, (want.dq, want.dk, want.dv, want.d_captures[slot])):
+        err = np.abs(np.asarray(got, np.float64).reshape(np.shape(ref)) - ref).max() / np.abs(ref).max()
+        assert err < tol, f"{precision} {name}: {err:.3g}"
 
 
 def test_repeated_and_rejitted_calls_compile_nothing():

@@ -6,7 +6,7 @@ fixed-point buffer-gradient accumulators. The launch itself: ``launch/backward.p
 
 import dataclasses
 
-from flexattn.kernels.bwd.sm90 import BwdConfig, one_diagonal_read
+from flexattn.kernels.bwd.sm90 import FP32_TILE_M, BwdConfig, one_diagonal_read
 from flexattn.kernels.hopper.atomics import FIXED_WORDS
 
 
@@ -16,8 +16,11 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
     `overrides`: other BwdConfig fields, e.g. deterministic=True; tile_m, unless given,
     is `choose_tile_m`'s."""
     kw = dict(dtype=fwd_cfg.dtype, head_dim=fwd_cfg.head_dim, head_dim_v=fwd_cfg.head_dim_v,
-              causal=fwd_cfg.causal, block_sparse=fwd_cfg.block_sparse, band=fwd_cfg.band, mods=fwd_cfg.mods)
+              causal=fwd_cfg.causal, block_sparse=fwd_cfg.block_sparse, band=fwd_cfg.band, mods=fwd_cfg.mods,
+              tf32_passes=getattr(fwd_cfg, "tf32_passes", 1))
     kw.update(overrides)
+    if kw["dtype"] == "fp32" and "tile_m" not in kw:
+        kw["tile_m"] = fp32_tile_m(kw["head_dim"], kw["head_dim_v"])   # before the stages are derived
     if kw["band"] and kw.get("deterministic"):
         # Deterministic dQ turns count visitors from the lists: the band's block mask's.
         kw.update(band=False, block_sparse=True)
@@ -39,6 +42,8 @@ def choose_tile_m(cfg: BwdConfig) -> int:
     64 at wider heads (as FA4: diagonal tiles, 128-row BlockMask blocks), and so does a
     relative-position table's gradient (`bwd.sm90.one_diagonal_read`), whose per-diagonal
     shared-memory sums only fit next to 64-row tiles."""
+    if cfg.dtype == "fp32":
+        return fp32_tile_m(cfg.head_dim, cfg.head_dim_v)
     if cfg.split_head_dim:
         return 64
     if cfg.head_dim == cfg.head_dim_v == 128 and not (cfg.causal or cfg.block_sparse or cfg.band
@@ -48,6 +53,13 @@ def choose_tile_m(cfg: BwdConfig) -> int:
     if widest <= 64 and not cfg.mods.has_score and not (cfg.block_sparse and widest > 32):
         return 128
     return 64
+
+
+def fp32_tile_m(head_dim: int, head_dim_v: int) -> int:
+    """The float32 kernel's q rows per visit: 32 (the accumulators stay small at every head
+    dim); 64 where dQ's GEMM needs it (head dims not multiples of 32:
+    bwd/tf32_sync.warp_layouts)."""
+    return FP32_TILE_M if head_dim % 32 == 0 and head_dim_v % 32 == 0 else 64
 
 
 def padded_len(q_len: int, cfg: BwdConfig) -> int:

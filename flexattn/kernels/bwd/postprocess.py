@@ -116,3 +116,48 @@ class BwdPostprocess:
             for e in cutlass.range(start, cute.size(grad), step, unroll=1):
                 flat[e] = flat[e] + fixed_to_f32(mGradFixed.iterator + FIXED_WORDS * (offset + e))
             offset = offset + cute.size(grad)
+
+
+class Fp32Postprocess:
+    """The float32 backward's postprocess: dQ = softmax_scale * dq_accum, row by row (the
+    float32 kernel, bwd/tf32_sync.py, adds into dq_accum in plain row order). One CTA = one
+    tile_m-row tile of one (batch, head); each thread moves 16 bytes at a time."""
+
+    num_threads = 128
+
+    def __init__(self, config):
+        self.cfg = config
+
+    @cute.jit
+    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
+                 grad_args, mGradFixed, stream: cuda.CUstream):
+        if const_expr(mdQ.element_type != Float32):
+            raise TypeError(f"expected Float32, got {mdQ.element_type}")
+        if const_expr(grad_args is not None or mGradFixed is not None):
+            raise ValueError("the float32 backward has no deterministic mode")
+        tm = self.cfg.tile_m
+        grid = ((mdQ.shape[2] + tm - 1) // tm, mdQ.shape[1], mdQ.shape[0])
+        self.kernel(mdQacc, mdQ, softmax_scale).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32):
+        tm, D = self.cfg.tile_m, self.cfg.head_dim
+        tidx = cute.arch.thread_idx()[0]
+        m_block, head, batch = cute.arch.block_idx()
+        per_row = D // 4
+        total = tm * per_row
+        for c in cutlass.range_constexpr((total + self.num_threads - 1) // self.num_threads):
+            idx = tidx + c * self.num_threads
+            r = idx // per_row
+            row = m_block * tm + r
+            if idx < total and row < mdQ.shape[2]:
+                col = idx - r * per_row
+                src = cute.local_tile(mdQacc[batch, head, row, None], (4,), (col,))
+                dst = cute.local_tile(mdQ[batch, head, row, None], (4,), (col,))
+                dst.store(src.load() * softmax_scale)
+
+
+def postprocess_kernel(config):
+    """The postprocess for a `BwdConfig`: the float32 kernel's row order or the bf16
+    kernel's fragment order."""
+    return Fp32Postprocess(config) if config.dtype == "fp32" else BwdPostprocess(config)

@@ -42,8 +42,9 @@ class RowChunkKernel:
         self.cfg = config
         self.dtype = config.cutlass_dtype
         self.rows_per_cta = config.tile_m   # a preprocess CTA zeroes one tile's dQ flag
-        runs = config.head_dim_v // 8       # 16-byte runs of bf16 / fp16 per O / dO row
-        self.threads_per_row = runs & -runs  # the largest power of two dividing them
+        runs = config.head_dim_v * self.dtype.width // 128   # 16-byte runs per O / dO row
+        # the largest power of two dividing them, at most a warp (the shuffle reduction)
+        self.threads_per_row = min(runs & -runs, 32)
         self.chunk = config.head_dim_v // self.threads_per_row   # O / dO elements per thread and row
         self.dq_chunk = config.head_dim // self.threads_per_row  # dq_accum columns zeroed per thread
         self.rows_per_pass = self.num_threads // self.threads_per_row

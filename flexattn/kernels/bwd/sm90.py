@@ -85,7 +85,7 @@ from flexattn.kernels.bwd.q_blocks import BandQBlocks, DenseQBlocks, KvVisitors,
 from flexattn.kernels.emit.mod_hook import NO_MODS, FragmentCoords, ModHook, kept_if
 from flexattn.kernels.hopper.tile_scheduler import LongestFirst, TileSpace
 from flexattn.kernels.hopper.tma_pipeline import multicast_slice, tma_ring
-from flexattn.kernels.hopper.warp_specialized import (KernelConfig, NamedBarriers, WarpSpecialized, register_split,
+from flexattn.kernels.hopper.warp_specialized import (DTYPES, KernelConfig, NamedBarriers, WarpSpecialized, register_split,
                                                       stage_tiles, store_staged)
 
 LOG2_E = math.log2(math.e)
@@ -98,6 +98,7 @@ L2_BYTES = 50 * 1024 * 1024       # the L2 section size of the deterministic CTA
 SMEM_CAPACITY = mma.SMEM_CAPACITY
 
 _REGS = register_split(2, 24)     # two consumer warpgroups: 24 + 2 x 240 fills the register file
+FP32_TILE_M = 32                  # q rows per visit of the float32 kernel (bwd/tf32_sync.py)
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,9 @@ class BwdConfig(KernelConfig):
     """Everything that changes the generated backward code (runtime values never do)."""
 
     KIND = "bwd"
+    ELEMENT_TYPES = {**DTYPES, "fp32": Float32}   # fp32: bwd/tf32_sync.py's kernel
 
-    dtype: str = "bf16"           # "bf16" | "fp16": Q, K, V, O, dO, dQ, dK, dV
+    dtype: str = "bf16"           # "bf16" | "fp16" | "fp32": Q, K, V, O, dO, dQ, dK, dV
     head_dim: int = 128           # a multiple of 16, 32 .. 256: Q, K, dQ, dK
     head_dim_v: int | None = None  # the same for V, O, dO, dV (None: head_dim)
     tile_m: int = 64              # q rows per visit (N of the S^T GEMM): 64 | 80 (dQ swapped)
@@ -142,6 +144,8 @@ class BwdConfig(KernelConfig):
     # (TMA multicast, as the forward's cluster_m shares K/V). Dense, not deterministic
     # (its dQ turns follow single CTAs); the caller guarantees an even number of kv blocks.
     cluster_n: int = 1
+    # fp32: tf32 MMAs per product, 1 or 3 (3xTF32: torch's "highest" float32 precision)
+    tf32_passes: int = 1
 
     def __post_init__(self):
         self.check_dtype()
@@ -151,6 +155,11 @@ class BwdConfig(KernelConfig):
             d = getattr(self, name)
             if d % 16 or not 32 <= d <= 256:
                 raise ValueError(f"{name} must be a multiple of 16 from 32 to 256, got {d}")
+        if self.tf32_passes not in (1, 3) or (self.tf32_passes == 3 and self.dtype != "fp32"):
+            raise ValueError(f"tf32_passes must be 1, or 3 with dtype 'fp32', got {self.tf32_passes}")
+        if self.dtype == "fp32":
+            self._check_fp32()
+            return
         if self.tile_n is None:
             object.__setattr__(self, "tile_n", 64 if self.split_head_dim else 128)
         if self.num_stages is None:
@@ -192,6 +201,37 @@ class BwdConfig(KernelConfig):
             raise ValueError(f"{type(self.mods).__name__} has a score mod but no derivative "
                              "(use mod_emit.IRModHook)")
 
+    def _check_fp32(self):
+        """The float32 kernel's configs (bwd/tf32_sync.py): 64 keys per CTA, tile_m 32 (or
+        64), one or two Q / dO stages; the dense, causal, band and block-sparse walks; no
+        deterministic mode, no clusters."""
+        from flexattn.kernels.bwd.tf32_sync import default_fp32_stages, shared_bytes, wide_n
+
+        if self.tile_n is None:
+            object.__setattr__(self, "tile_n", 64)
+        if self.num_stages is None:
+            object.__setattr__(self, "num_stages", default_fp32_stages(self))
+        if self.tile_n != 64 or self.tile_m not in (32, 64) or self.num_stages not in (1, 2):
+            raise ValueError("the float32 backward runs tile_n=64, tile_m=32 or 64, 1 or 2 stages")
+        if self.tile_m == 32 and not wide_n(self):
+            raise ValueError("the float32 backward runs tile_m=64 where a head dim is not a multiple of 32")
+        if shared_bytes(self) > SMEM_CAPACITY:
+            raise ValueError(f"the float32 backward at head dims {self.head_dim}/{self.head_dim_v} does not fit"
+                             f" shared memory ({shared_bytes(self)} bytes at tile_m {self.tile_m}); head dims"
+                             " that are multiples of 32 fit up to 256")
+        if self.deterministic or self.cluster_n != 1:
+            raise ValueError("the float32 backward has no deterministic mode and no clusters (its dQ adds are"
+                             " fp32 atomics): call it with deterministic algorithms off")
+        if self.causal + self.block_sparse + self.band > 1:
+            raise ValueError("causal, block_sparse and band are exclusive block structures")
+        if self.band and band_of(self.mods) is None:
+            raise ValueError("band=True needs a mask hook whose mask is a band of diagonals")
+        if self.block_sparse and self.sparse_block_m % self.tile_m:
+            raise ValueError(f"sparse_block_m {self.sparse_block_m} must be a multiple of tile_m")
+        if self.mods.has_score and type(self.mods).score_and_grad is ModHook.score_and_grad:
+            raise ValueError(f"{type(self.mods).__name__} has a score mod but no derivative "
+                             "(use mod_emit.IRModHook)")
+
     @property
     def split_head_dim(self) -> bool:
         """Head dims beyond 128: the two consumer warpgroups share 64 keys and split dK, dV
@@ -212,7 +252,7 @@ class BwdConfig(KernelConfig):
         """dQ computed transposed, dQ^T = K^T dS^T (FA3/FA4's dQ_swapAB): wgmma's M is 64
         rows, so a tile_m that is not a multiple of 64 (80) goes on N, and the warpgroups
         split the head dim on M instead."""
-        return self.tile_m % 64 != 0
+        return self.tile_m % 64 != 0 and self.dtype != "fp32"
 
     @property
     def q_pad(self) -> int:
@@ -390,6 +430,9 @@ class FlashBwdSm90(WarpSpecialized):
     through `flexattn.kernels.launch.compile.compile_backward`."""
 
     num_mma_wg = 2
+    # The (rows, cols) view of an S^T / dP^T accumulator fragment (the pointwise math's;
+    # bwd/tf32_sync.py's warp-level MMAs have their own).
+    acc_mn_view = staticmethod(mma.acc_mn_view)
     # Per-diagonal buffer-gradient sums (`diagonal_reduction`): one fp32 row of DIAG_ROW
     # per (consumer warp, row group of 8 lanes); a thread's diagonal keys -8..57 plus its
     # column offset 0..6 index 0..71 of its row. 72 keeps the stores at 2-way bank
@@ -1225,8 +1268,8 @@ class FlashBwdSm90(WarpSpecialized):
         mods = self.mods
         cfg = self.cfg
         fused = acc_dP is not None
-        s_mn = mma.acc_mn_view(acc_S)
-        dp_mn = mma.acc_mn_view(acc_dP) if const_expr(fused) else None
+        s_mn = self.acc_mn_view(acc_S)
+        dp_mn = self.acc_mn_view(acc_dP) if const_expr(fused) else None
         col_local0 = coords.col_offset()
         q_first = m_block * cfg.tile_m + col_local0
         kv_base = n_block * cfg.tile_n
@@ -1347,8 +1390,8 @@ class FlashBwdSm90(WarpSpecialized):
     @cute.jit
     def _ds_from_p(self, acc_P, acc_dP, sDelta, coords):
         """No score mod: acc_dP (dP^T) <- dS^T = P * (dP - D)."""
-        p_mn = mma.acc_mn_view(acc_P)
-        dp_mn = mma.acc_mn_view(acc_dP)
+        p_mn = self.acc_mn_view(acc_P)
+        dp_mn = self.acc_mn_view(acc_dP)
         col_local0 = coords.col_offset()
         for c in cutlass.range_constexpr(cute.size(p_mn.shape[1])):
             delta = self._column(sDelta, c, col_local0, coords)

@@ -40,6 +40,22 @@ def red_add_f32(ptr, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def red_add_v2_f32(ptr, x, y, *, loc=None, ip=None) -> None:
+    """ptr[0] += x, ptr[1] += y (global fp32, ptr 8-byte aligned): one vector reduction
+    (sm_90) instead of two."""
+    llvm.inline_asm(
+        None,
+        [ptr.toint(loc=loc, ip=ip).ir_value(), Float32(x).ir_value(loc=loc, ip=ip),
+         Float32(y).ir_value(loc=loc, ip=ip)],
+        "red.global.add.v2.f32 [$0], {$1, $2};",
+        "l,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
 def st_shared_f32(ptr, value, *, loc=None, ip=None) -> None:
     """*ptr = value (shared fp32), where the program puts it: an ordinary store may be
     merged with a neighbour's, which keeps the earlier value alive until the later one is

@@ -86,9 +86,10 @@ import cuda.bindings.driver as cuda
 import cutlass
 
 from flexattn.kernels.bwd.plan import workspace_dtypes, workspace_shapes
-from flexattn.kernels.bwd.postprocess import BwdPostprocess
+from flexattn.kernels.bwd.postprocess import postprocess_kernel
 from flexattn.kernels.bwd.preprocess import BwdPreprocess
-from flexattn.kernels.bwd.sm90 import BwdConfig, FlashBwdSm90
+from flexattn.kernels.bwd.sm90 import BwdConfig
+from flexattn.kernels.bwd.tf32_sync import backward_kernel
 from flexattn.kernels.emit.mod_emit import IRModHook, fake_args
 from flexattn.kernels.launch import disk_cache
 from flexattn.kernels.launch.arguments import (arg_signature, check_block_list_shape, check_block_lists,
@@ -251,11 +252,11 @@ class BackwardRunner:
                      fixed, bs, cu_stream)
         grad_key = tuple(arg_signature(g) for g in grads or ())
         key = ("main",) + tuple(arg_signature(a) for a in mod_args or ()) + grad_key
-        main = self._compiled_fn(key, lambda: FlashBwdSm90(cfg), main_args)
+        main = self._compiled_fn(key, lambda: backward_kernel(cfg), main_args)
         post_grads = grads if fixed is not None else None
         post_args = (dqacc, dqd, scale, post_grads, fixed, cu_stream)
         post_key = ("post",) + (grad_key if fixed is not None else ())
-        post = self._compiled_fn(post_key, lambda: BwdPostprocess(cfg), post_args)
+        post = self._compiled_fn(post_key, lambda: postprocess_kernel(cfg), post_args)
 
         def launch():
             pre(*pre_args)

@@ -75,10 +75,11 @@ def compile_forward(cfg, mod_args: tuple = (), *, tvm_ffi: bool = False, **optio
 
 
 def compile_backward(cfg, mod_args: tuple = (), *, tvm_ffi: bool = False, **options):
-    """The sm90 backward main kernel (``FlashBwdSm90``) for a ``BwdConfig``."""
-    from flexattn.kernels.bwd.sm90 import FlashBwdSm90
+    """The backward main kernel for a ``BwdConfig`` (``FlashBwdSm90``; float32:
+    ``FlashBwdTf32``)."""
+    from flexattn.kernels.bwd.tf32_sync import backward_kernel
 
-    return compile_on_fakes(FlashBwdSm90(cfg), fakes.fake_backward_args(cfg, mod_args, tvm_ffi),
+    return compile_on_fakes(backward_kernel(cfg), fakes.fake_backward_args(cfg, mod_args, tvm_ffi),
                             tvm_ffi=tvm_ffi, **options)
 
 
@@ -102,11 +103,11 @@ def compile_postprocess(dtype: str, head_dim: int, *, grad_ranks: tuple = (), ti
     """The backward's postprocess. ``grad_ranks``: deterministic mode's buffer gradients
     (their ranks) to finish; ``tile_m``: the main kernel's (it wrote dq_accum in its tiles'
     fragment order)."""
-    from flexattn.kernels.bwd.postprocess import BwdPostprocess
+    from flexattn.kernels.bwd.postprocess import postprocess_kernel
     from flexattn.kernels.bwd.sm90 import BwdConfig
 
     cfg = BwdConfig(dtype=dtype, head_dim=head_dim, tile_m=tile_m)
-    return compile_on_fakes(BwdPostprocess(cfg), fakes.fake_postprocess_args(cfg, grad_ranks, tvm_ffi),
+    return compile_on_fakes(postprocess_kernel(cfg), fakes.fake_postprocess_args(cfg, grad_ranks, tvm_ffi),
                             tvm_ffi=tvm_ffi, **options)
 
 

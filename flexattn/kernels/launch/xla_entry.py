@@ -147,9 +147,9 @@ class BackwardLaunch(_Launch):
         self.key = ("flexattn.bwd", config.key(), self.scale, main, workspace, args, grads, lists, self.fills)
 
     def emit(self, stream, arrays):
-        from flexattn.kernels.bwd.postprocess import BwdPostprocess
+        from flexattn.kernels.bwd.postprocess import postprocess_kernel
         from flexattn.kernels.bwd.preprocess import BwdPreprocess
-        from flexattn.kernels.bwd.sm90 import FlashBwdSm90
+        from flexattn.kernels.bwd.tf32_sync import backward_kernel
 
         cfg = self.config
         q, k, v, o, do, lse, dlse, dq, dk, dv = (None if i is None else arrays[i] for i in self.main)
@@ -159,9 +159,9 @@ class BackwardLaunch(_Launch):
         scale = cutlass.Float32(self.scale)
         _fill(self.fills, arrays, stream)
         BwdPreprocess(cfg)(o, do, lse, dlse, lse2, delta, dqacc, None, None, stream)
-        FlashBwdSm90(cfg)(q, k, v, do, lse2, delta, dqacc, None, dk, dv, scale, _mod_args(self.args, arrays),
-                          grads, None, lists, stream)
-        BwdPostprocess(cfg)(dqacc, dq, scale, None, None, stream)
+        backward_kernel(cfg)(q, k, v, do, lse2, delta, dqacc, None, dk, dv, scale, _mod_args(self.args, arrays),
+                             grads, None, lists, stream)
+        postprocess_kernel(cfg)(dqacc, dq, scale, None, None, stream)
 
 
 class DecodeLaunch(_Launch):
