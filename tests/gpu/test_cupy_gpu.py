@@ -65,6 +65,24 @@ def test_vjp_runs_the_backward_kernels(D, Dv):
     assert np.abs(cupy.asnumpy(d_caps[slot[0]]) - ref_g).max() < 2e-2 * max(1.0, np.abs(ref_g).max())
 
 
+def test_float32_vjp_runs_the_float32_backward():
+    """float32 arrays: 3xTF32 forward and the float32 backward kernel (bwd/tf32_sync.py),
+    slope gradient included, against float64 (max error relative to the largest gradient)."""
+    rng = np.random.default_rng(3)
+    qh, kh, vh, doh = ((rng.standard_normal(s) * 0.5).astype(np.float32)
+                       for s in ((2, 4, 201, 128), (2, 2, 190, 128), (2, 2, 190, 128), (2, 4, 201, 128)))
+    slopes = cupy.asarray(np.linspace(0.2, 0.6, 4).astype(np.float32))
+    kw = dict(score=mods.alibi(slopes), mask=mods.causal(), enable_gqa=True)
+    out, backward = fc.vjp(*(cupy.asarray(x) for x in (qh, kh, vh)), **kw)
+    dq, dk, dv, d_caps = backward(cupy.asarray(doh))
+    cupy.cuda.get_current_stream().synchronize()
+    want = reference.backward(qh, kh, vh, doh, None, AttentionSpec.from_args(**dict(kw, score=mods.alibi(cupy.asnumpy(slopes)))))
+    slot = next(i for i, g in enumerate(d_caps) if g is not None)
+    for got, ref in ((dq, want.dq), (dk, want.dk), (dv, want.dv), (d_caps[slot], want.d_captures[slot])):
+        assert got.dtype == np.float32
+        assert np.abs(cupy.asnumpy(got).astype(np.float64) - ref).max() < 1e-4 * np.abs(ref).max()
+
+
 def test_repeated_calls_take_the_prepared_path_on_the_current_stream():
     fc._PREPARED.clear()
     slopes = np.linspace(0.1, 0.8, 4).astype(np.float32)
