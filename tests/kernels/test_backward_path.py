@@ -130,9 +130,21 @@ def test_zero_dim_capture_gradient_is_passed_as_one_element(runners):
 
 
 def test_what_the_kernel_cannot_do_is_refused(runners):
-    with pytest.raises(ValueError, match="bfloat16 and float16"):
-        _call(AttentionSpec.from_args(enable_gqa=True), dtype=torch.float32)
+    with pytest.raises(ValueError, match="bfloat16, float16 and float32"):
+        _call(AttentionSpec.from_args(enable_gqa=True), dtype=torch.float64)
+    with pytest.raises(ValueError, match="no deterministic mode"):   # float32's dQ: fp32 atomics
+        _call(AttentionSpec.from_args(enable_gqa=True), dtype=torch.float32, deterministic=True)
     assert not runners
+
+
+def test_float32_plans_the_float32_kernel(runners):
+    """float32 runs bwd/tf32_sync.py's kernel with the Device's tf32 passes (3: the default,
+    torch's "highest"), 32-row visits of 64-key CTAs, and a plain workspace."""
+    _, result, allocs, _ = _call(AttentionSpec.from_args(score=mods.softcap(20.0), mask=mods.causal(),
+                                                         enable_gqa=True), dtype=torch.float32)
+    cfg = result.config
+    assert (cfg.dtype, cfg.tf32_passes, cfg.tile_m, cfg.tile_n, cfg.causal) == ("fp32", 3, 32, 64, True)
+    assert [a[1] for a in allocs[:3]] == ["float32"] * 3
 
 
 def test_every_adapters_backward_plan_refuses_what_is_not_verified():
