@@ -36,7 +36,7 @@ as `BlockMask` builds both from one tile-state array).
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, const_expr
 
 from flexattn.kernels.blockmask.visit import SparseBlocks, _Staged, _kernel_ops, band_block_ranges
 
@@ -187,3 +187,67 @@ class KvVisitors(_Staged):
         if cutlass.const_expr(watch is not None):
             return cute.arch.warp_reduction_sum(count), cute.arch.warp_reduction_sum(seen)
         return cute.arch.warp_reduction_sum(count)
+
+
+class BwdWalks:
+    """A backward kernel's q-block walks (mixed into both backward kernels): which q blocks
+    kv block `n_block` visits for a q head, by the config's block structure, and where each
+    walk starts. Needs `cfg` (a BwdConfig) and, for the band structure, the band's bounds
+    passed in place of the lists."""
+
+    @cute.jit
+    def _dense_blocks(self, n_block: Int32, seqlen_q: Int32) -> DenseQBlocks:
+        cfg = self.cfg
+        n_m = (seqlen_q + cfg.tile_m - 1) // cfg.tile_m
+        first = Int32(0)
+        diag_end = Int32(0)
+        if const_expr(cfg.causal):
+            # Top-left aligned causal (kv <= q): rows below the block's first key see
+            # nothing of it; rows below its last key see all of it.
+            first = (n_block * cfg.tile_n) // cfg.tile_m
+            diag_end = ((n_block + 1) * cfg.tile_n + cfg.tile_m - 2) // cfg.tile_m
+        return DenseQBlocks(first, n_m, diag_end, self._rotation(n_block))
+
+    def _sparse_blocks(self, block_sparse, batch, head, n_block) -> SparseQBlocks:
+        """The lists of the BlockMask kv block holding this CTA's keys (a 64-key CTA walks
+        its 128-key block's: its keys see at most those q blocks; the full ones entirely)."""
+        cfg = self.cfg
+        kv_block = n_block if const_expr(cfg.sparse_block_n == cfg.tile_n) else n_block // (cfg.sparse_block_n // cfg.tile_n)
+        return SparseQBlocks(block_sparse[:4], batch, head, kv_block,
+                             cfg.sparse_block_m // cfg.tile_m, self._rotation(n_block))
+
+    def _q_blocks(self, block_sparse, batch, head, n_block, seqlen_q):
+        """The q blocks kv block `n_block` visits for q head `head`, by block structure
+        (`block_sparse`: the lists, or the band's bounds under cfg.band)."""
+        cfg = self.cfg
+        if const_expr(cfg.block_sparse):
+            return self._sparse_blocks(block_sparse, batch, head, n_block)
+        if const_expr(cfg.band):
+            return BandQBlocks(block_sparse, n_block, cfg.tile_m, cfg.tile_n, seqlen_q, self._rotation(n_block))
+        return self._dense_blocks(n_block, seqlen_q)
+
+    @cute.jit
+    def _visit(self, blocks, i, walk):
+        """The i-th visit: (q block, 1 if partial (mask evaluated) else 0, walk state).
+        Deterministic block-sparse walks both lists merged in ascending order (the dQ turns
+        of a banded mask would otherwise wait for whole list lengths); otherwise the
+        partial list, then the full one. `walk` = (partial, full) blocks taken so far.
+        Only the merged walk's consumers read the partial flag (the others loop over the
+        two lists separately), so elsewhere it is a constant 0."""
+        if const_expr(self.cfg.block_sparse and self.cfg.deterministic):
+            m_block, partial = blocks.merged_at(walk[0], walk[1])
+            return m_block, partial, (walk[0] + partial, walk[1] + 1 - partial)
+        return blocks.at(i), Int32(0), walk
+
+    def _rotation(self, n_block):
+        """Where the q-block walk starts (bwd/q_blocks.py): at the kv block's diagonal
+        tile, except under causal (the walk starts there anyway, diagonal blocks first)
+        and in deterministic mode (the dQ turns assume ascending walks)."""
+        cfg = self.cfg
+        if const_expr(cfg.causal or cfg.deterministic):
+            return 0
+        if const_expr(cfg.cluster_n > 1):
+            n_block = n_block - n_block % cfg.cluster_n    # one walk for the cluster's CTAs
+        if const_expr(cfg.tile_n % cfg.tile_m):
+            return (n_block * cfg.tile_n) // cfg.tile_m
+        return n_block * (cfg.tile_n // cfg.tile_m)

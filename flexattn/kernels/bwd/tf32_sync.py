@@ -46,6 +46,8 @@ from flexattn.kernels.hopper import mma
 from flexattn.kernels.hopper.atomics import red_add_v2_f32
 from flexattn.kernels.hopper.tile_scheduler import LongestFirst, TileSpace
 from flexattn.kernels.emit.mod_hook import FragmentCoords
+from flexattn.kernels.bwd.pointwise import BwdPointwise
+from flexattn.kernels.bwd.q_blocks import BwdWalks
 from flexattn.kernels.bwd.sm90 import LOG2_E, SMEM_CAPACITY, FlashBwdSm90
 
 PAD = 4            # fp32 of padding per shared-memory row (see the module doc)
@@ -177,11 +179,12 @@ def warp_layouts(cfg) -> tuple:
     return (4, 2), ((2, 4) if wide_n(cfg) else (4, 2)), md
 
 
-class FlashBwdTf32(FlashBwdSm90):
+class FlashBwdTf32(BwdPointwise, BwdWalks):
     """Compile with the bf16 kernel's arguments (`FlashBwdSm90.__call__`; dq_accum here in
     plain row order, dq_semaphore and grad_fixed None) for a `BwdConfig(dtype="fp32")`.
-    Shares `FlashBwdSm90`'s pointwise math (`_pointwise`, `_ds_from_p`: the forward's mods
-    re-applied, the score mod's derivative, buffer gradients) and q-block walks."""
+    Shares the bf16 kernel's pointwise math (bwd/pointwise.py: the forward's mods
+    re-applied, the score mod's derivative, buffer gradients) and q-block walks
+    (bwd/q_blocks.BwdWalks)."""
 
     num_threads = 32 * NUM_WARPS
     acc_mn_view = staticmethod(sync_acc_mn_view)
@@ -194,8 +197,11 @@ class FlashBwdTf32(FlashBwdSm90):
         self.mods = config.mods
 
     @property
-    def diagonal_reduction(self) -> bool:
-        return False
+    def q_row_bytes(self) -> int:
+        """What the CTAs of a kv head share per query row (the causal CTA order's L2
+        sections): its Q and dO rows, its dq_accum row, LSE and D."""
+        cfg = self.cfg
+        return 4 * (2 * cfg.head_dim + cfg.head_dim_v) + 8
 
     @property
     def promote(self) -> tuple:
