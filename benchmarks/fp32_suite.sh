@@ -8,8 +8,8 @@ source .gpu/activate.sh
 out=${OUT:-/tmp/fp32-out}
 mkdir -p "$out"
 t() { timeout 330 python3 -m pytest -q -p no:cacheprovider "$@"; }
-t tests/gpu/test_bwd_gpu.py -k "float32 and (none or causal or sliding or band or document)" > "$out/bwd_a.log" 2>&1 &
-t tests/gpu/test_bwd_gpu.py -k "float32 and not (none or causal or sliding or band or document)" > "$out/bwd_b.log" 2>&1 &
+t tests/gpu/test_bwd_fp32_gpu.py -k "none or causal or sliding or band or document" > "$out/bwd_a.log" 2>&1 &
+t tests/gpu/test_bwd_fp32_gpu.py -k "not (none or causal or sliding or band or document)" > "$out/bwd_b.log" 2>&1 &
 t tests/gpu/test_fp32_gpu.py -k "training or errors" > "$out/fp32.log" 2>&1 &
 t tests/gpu/test_jax_gpu.py -k "float32" > "$out/jax.log" 2>&1 &
 wait

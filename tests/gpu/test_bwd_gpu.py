@@ -217,43 +217,6 @@ def test_fixed(case):
                seed=FIXED.index(case))
 
 
-# float32 inputs (issue 25): the warp-MMA kernel under 3xTF32 ("fp32") and one tf32 pass
-# ("tf32"): every block structure, score-mod derivatives, buffer gradients, GQA, strided
-# inputs, odd lengths, head dims 32..256 (80: tile_m 64).
-FP32 = [
-    ("none", "fp32", 128, 2, 4, 2, 300, 257, "bhsd"),
-    ("causal", "fp32", 128, 1, 4, 1, 513, 513, "bshd"),        # MQA, strided
-    ("causal", "tf32", 64, 2, 6, 3, 333, 129, "bhsd"),         # Q > KV
-    ("sliding_window", "fp32", 64, 1, 4, 2, 700, 700, "bhsd"),
-    ("band", "tf32", 128, 1, 2, 2, 600, 600, "bhsd"),          # walked by arithmetic
-    ("document", "tf32", 128, 2, 2, 2, 384, 384, "bhsd"),      # block-sparse lists
-    ("alibi", "fp32", 128, 1, 8, 8, 300, 300, "bhsd"),         # slope gradients
-    ("softcap", "fp32", 80, 2, 4, 2, 211, 257, "bhsd"),        # tile_m 64
-    ("relative_bias", "tf32", 64, 2, 4, 2, 250, 250, "bhsd"),  # table gradients (GQA)
-    ("bias", "fp32", 32, 1, 2, 2, 130, 140, "bhsd"),           # dense bias gradient
-    ("window_document_alibi_softcap", "fp32", 256, 1, 4, 2, 300, 300, "bhsd"),
-    ("causal_softcap", "tf32", 192, 1, 2, 2, 400, 400, "bhsd"),
-    ("prefix_lm", "fp32", 96, 2, 2, 1, 200, 260, "bhsd"),
-    ("none", "fp32", 64, 1, 1, 1, 1, 1, "bhsd"),               # one element
-]
-
-
-@pytest.mark.parametrize("case", FP32, ids=lambda c: "-".join(map(str, c)))
-def test_float32(case):
-    name, dtype_name, D, B, Hq, Hkv, Q, KV, layout = case
-    seed = zlib.crc32(repr(case).encode())
-    mask, score, _, _ = CASES[name](np.random.default_rng(seed), B, Hq, Q, KV)
-    check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, layout=layout, seed=seed % 1000,
-               with_dlse=name == "causal")
-
-
-def test_float32_from_dlpack_runner():
-    case = FP32[6]
-    name, dtype_name, D, B, Hq, Hkv, Q, KV, layout = case
-    mask, score, _, _ = CASES[name](np.random.default_rng(7), B, Hq, Q, KV)
-    check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, layout=layout, seed=7, ffi=False)
-
-
 @pytest.mark.parametrize("case", [c for c in FIXED if c[0] in ("window_document_alibi_softcap", "relative_bias")]
                          + [FIXED[4]], ids=lambda c: "-".join(map(str, c)))
 def test_from_dlpack_runner(case):
