@@ -108,32 +108,52 @@ def default_fp32_stages(cfg) -> int:
 
 
 @cute.jit
-def _tf32_parts(src: cute.Tensor, passes: cutlass.Constexpr[int]):
+def _tf32_parts(src: cute.Tensor, n: cutlass.Constexpr[int]):
     """This thread's operand values (a slice of a shared-memory partition) -> registers as
-    tf32: (hi, lo) parts for 3 passes, (rounded, None) for one."""
+    `n` tf32 parts whose sum approximates them: part 0 rounded to tf32, each next one the
+    rounded remainder (2 parts: 3xTF32's (hi, lo); 3 parts hold every bit of an fp32)."""
     x = cute.make_rmem_tensor(cute.make_layout(src.shape), Float32)
     cute.autovec_copy(src, x)
-    hi = cute.make_rmem_tensor(cute.make_layout(src.shape), cutlass.TFloat32)
-    lo = None
-    lo32 = None
-    if const_expr(passes == 3):
-        lo = cute.make_rmem_tensor(cute.make_layout(src.shape), cutlass.TFloat32)
-        lo32 = cute.recast_tensor(lo, Float32)
-    mma.split_tf32_into(cute.recast_tensor(hi, Float32), x, lo32)
-    return hi, lo
+    parts = [cute.make_rmem_tensor(cute.make_layout(src.shape), cutlass.TFloat32) for _ in range(n)]
+    views = [cute.recast_tensor(t, Float32) for t in parts]
+    for i in cutlass.range_constexpr(cute.size(x)):
+        rest = x[i]
+        for j in cutlass.range_constexpr(n):
+            part = mma.round_tf32(rest)
+            views[j][i] = part
+            if const_expr(j + 1 < n):
+                rest = rest - part          # exact in fp32
+    return parts
+
+
+def split_pairs(passes: int, b_parts: int = 2) -> tuple:
+    """The (A part, B part) products a GEMM sums, small ones first: one pass (0, 0);
+    3xTF32 `mma.SPLIT_PASSES`; with B in three parts (the exact dP^T split, see
+    `BwdConfig.exact_dp`) also B's third part against A's first, and A's second against B's
+    second."""
+    if passes == 1:
+        return ((0, 0),)
+    if b_parts == 3:
+        return ((0, 2), (1, 1)) + mma.SPLIT_PASSES
+    return mma.SPLIT_PASSES
 
 
 @cute.jit
 def tf32_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
-              passes: cutlass.Constexpr[int], promote: cutlass.Constexpr[int] = 0):
+              passes: cutlass.Constexpr[int], promote: cutlass.Constexpr[int] = 0,
+              b_parts: cutlass.Constexpr[int] = 2):
     """acc += A B over K, warp-level tf32 MMAs. tA (V, M, K) and tB (V, N, K): this thread's
-    partitions of fp32 shared-memory operands, loaded one k-block at a time.
+    partitions of fp32 shared-memory operands, loaded one k-block at a time and split into
+    tf32 parts in registers (`split_pairs` says which products are summed).
 
     `promote` > 0: every `promote` k-blocks are summed in a fresh accumulator that is then
     added into `acc` with fp32 adds. The tensor cores' own accumulation loses more than IEEE
     adds over long chains (the forward's `promote_pv`): 3xTF32's dK / dV summed over all
     the q rows in one accumulator were 20x further from float64 than torch flex's float32
     (B4 S4096, H100), which makes the "highest" precision's error no worse than flex's."""
+    pairs = split_pairs(passes, b_parts)
+    n_a = 1 if const_expr(passes == 1) else 2
+    n_b = 1 if const_expr(passes == 1) else b_parts
     n_k = cute.size(tA.shape[2])
     chunk = promote if const_expr(promote > 0) else n_k
     for k0 in cutlass.range_constexpr(0, n_k, chunk):
@@ -142,12 +162,10 @@ def tf32_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: c
             dst = cute.make_rmem_tensor(acc.layout, Float32)
             dst.fill(0.0)
         for k in cutlass.range_constexpr(k0, min(k0 + chunk, n_k)):
-            a_hi, a_lo = _tf32_parts(tA[None, None, k], passes)
-            b_hi, b_lo = _tf32_parts(tB[None, None, k], passes)
-            if const_expr(passes == 3):
-                cute.gemm(tiled_mma, dst, a_lo, b_hi, dst)
-                cute.gemm(tiled_mma, dst, a_hi, b_lo, dst)
-            cute.gemm(tiled_mma, dst, a_hi, b_hi, dst)
+            a = _tf32_parts(tA[None, None, k], n_a)
+            b = _tf32_parts(tB[None, None, k], n_b)
+            for ia, ib in pairs:
+                cute.gemm(tiled_mma, dst, a[ia], b[ib], dst)
         if const_expr(promote > 0):
             for i in cutlass.range_constexpr(cute.size(acc)):
                 acc[i] = acc[i] + dst[i]
@@ -446,7 +464,10 @@ class FlashBwdTf32(BwdPointwise, BwdWalks):
         acc_dP.fill(0.0)
         chain, per_visit, chain_dq = self.promote
         tf32_gemm(mma_nm, acc_S, thr_nm.partition_A(sK), thr_nm.partition_B(sQs), passes, chain)
-        tf32_gemm(mma_nm, acc_dP, thr_nm.partition_A(sV), thr_nm.partition_B(sdOs), passes, chain)
+        # dO in three parts where `exact_dp`: dP^T then equals the forward's O-side sum
+        # (its V in two parts) closely enough for dP - D to cancel (BwdConfig.exact_dp).
+        tf32_gemm(mma_nm, acc_dP, thr_nm.partition_A(sV), thr_nm.partition_B(sdOs), passes, chain,
+                  3 if const_expr(cfg.exact_dp and passes == 3) else 2)
 
         # P^T, dS^T (unscaled: dK and dQ take the scale at the end)
         lse, delta = sLSE[None, stage], sDelta[None, stage]
