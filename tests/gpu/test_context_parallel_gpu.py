@@ -29,13 +29,14 @@ from cp_schedules import run_ranks, run_schedule  # noqa: E402
 TOL = (4e-2, 1.5e-2)   # bf16: max error / largest reference value, and relative norm error
 
 
-def _close(what, got, want):
+def _close(what, got, want, tol=None):
+    tol = tol or TOL
     got = got.detach().double().cpu().numpy().reshape(np.shape(want))
     assert not np.isnan(got).any(), f"{what}: NaN elements"
     ref = max(np.abs(want).max(), 1e-6)
     err = np.abs(got - want).max()
     rel = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12)
-    assert err <= TOL[0] * ref and rel <= TOL[1], f"{what}: max err {err:.3g} (ref {ref:.3g}), rel {rel:.3g}"
+    assert err <= tol[0] * ref and rel <= tol[1], f"{what}: max err {err:.3g} (ref {ref:.3g}), rel {rel:.3g}"
 
 
 class _SerialKernels(tcp.TorchOps):
@@ -84,12 +85,26 @@ def _cases(seq, device):
 @pytest.mark.parametrize("world,schedule,chunks", [(2, "ring", None), (4, "ring", None), (4, "all_gather", None),
                                                    (2, "ring", 8), (4, "direct", None)])
 def test_schedule_shard_by_shard_matches_one_call(case, world, schedule, chunks):
+    _shard_by_shard(case, world, schedule, chunks, torch.bfloat16, TOL)
+
+
+@pytest.mark.parametrize("case", ["causal", "documents", "bias"])
+@pytest.mark.parametrize("world,schedule,chunks", [(2, "ring", 8), (4, "direct", None)])
+def test_float32_schedule_shard_by_shard(case, world, schedule, chunks):
+    """float32 (torch's default "highest": 3xTF32 forward, the float32 backward kernel,
+    bwd/tf32_sync.py) through the ring's fused steps and the direct schedule's kept K/V:
+    each pair's backward in float32, dK / dV returned in float32. Written in session 23,
+    not yet run on a GPU."""
+    _shard_by_shard(case, world, schedule, chunks, torch.float32, (1e-4, 2e-5))
+
+
+def _shard_by_shard(case, world, schedule, chunks, dtype, tol):
     seq = 2048
     torch.manual_seed(world)
-    q = torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(B, HK, seq, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(B, HK, seq, D, device="cuda", dtype=torch.bfloat16)
-    d_out = torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(B, H, seq, D, device="cuda", dtype=dtype)
+    k = torch.randn(B, HK, seq, D, device="cuda", dtype=dtype)
+    v = torch.randn(B, HK, seq, D, device="cuda", dtype=dtype)
+    d_out = torch.randn(B, H, seq, D, device="cuda", dtype=dtype)
     spec, trained = _cases(seq, "cuda")[case]
     layout = cp.choose_layout(seq, world, spec.mask, B, H)
     if chunks:   # chunks dealt alternately: ring steps fused into one launch over position tables
@@ -123,13 +138,13 @@ def test_schedule_shard_by_shard_matches_one_call(case, world, schedule, chunks)
     ref_out, ref_lse = reference.forward(*host[:3], ref_spec)
     ref = reference.backward(*host, None, ref_spec)
     for n, want in (("out", ref_out), ("dq", ref.dq), ("dk", ref.dk), ("dv", ref.dv)):
-        _close(f"{case} {n}", whole[n], want)
+        _close(f"{case} {n}", whole[n], want, tol)
     lse_err = np.abs(whole["lse"].double().cpu().numpy() - ref_lse).max()
-    assert lse_err < 2e-2, f"lse error {lse_err}"
+    assert lse_err < (2e-2 if dtype == torch.bfloat16 else 1e-4), f"lse error {lse_err}"
     if trained is not None:
         want = ref.d_captures[wanted[0]]
         for *_, (_, _, _, d_caps) in results:
-            _close(f"{case} d_bias", d_caps[0], want)
+            _close(f"{case} d_bias", d_caps[0], want, tol)
     # the same data through one call of the public door: the sharded error is no worse than ~2x its error
     one = fa.flex_attention(q, k, v, score_mod=spec.score, mask=spec.mask, enable_gqa=True)
     one_err = (one.detach().double().cpu().numpy() - ref_out)
