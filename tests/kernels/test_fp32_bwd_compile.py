@@ -85,6 +85,7 @@ CASES = [
     ((128, 128), 3, "softcap", "causal"),
     ((80, 80), 3, None, None),
     ((256, 256), 1, "alibi", "window"),
+    ((192, 128), 3, None, None),               # value head dim apart
 ]
 
 
@@ -102,7 +103,7 @@ def test_fp32_backward_kernels_compile(dims, passes, score, mask):
     # each k-block once per pass.
     (nm_m, nm_n), (nd_m, nd_n), (md_m, md_n) = warp_layouts(cfg)
     tm, tn = cfg.tile_m, cfg.tile_n
-    per_visit = (2 * (tn // (16 * nm_m)) * (tm // (8 * nm_n)) * (d // 8)
+    per_visit = ((tn // (16 * nm_m)) * (tm // (8 * nm_n)) * ((d + dv) // 8)     # S^T over D, dP^T over Dv
                  + (tn // (16 * nd_m)) * ((d + dv) // (8 * nd_n)) * (tm // 8)
                  + (tm // (16 * md_m)) * (d // (8 * md_n)) * (tn // 8))
     copies = 2 if mask else 1          # masked visits and full ones: two instantiations
