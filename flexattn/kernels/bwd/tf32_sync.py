@@ -9,13 +9,14 @@ orientations, and the (hi, lo) tf32 parts of 3xTF32 are split in registers.
 
 One CTA = 64 keys (tile_n) of one kv head of one batch, 8 warps, no warp
 specialization. It loops over the q heads of its GQA group and, per head, over the q
-blocks of `tile_m` (32) rows that see its keys (the bf16 kernel's walks: dense, causal,
-band, block-sparse lists). Per visit:
+blocks of `tile_m` rows (32; 64 where a head dim is not a multiple of 32) that see its
+keys (the bf16 kernel's walks, bwd/q_blocks.BwdWalks: dense, causal, band, block-sparse
+lists). Per visit (warps as `warp_layouts` places them):
 
     cp.async   the next visit's Q, dO, LSE, D into the other stage (two stages where they fit)
     S^T  = K Q^T,  dP^T = V dO^T          [64, tile_m]   warps 4 (keys) x 2 (q)
-    P^T, dS^T                              the bf16 kernel's pointwise math (mods, masks,
-                                           score-mod derivative, buffer gradients)
+    P^T, dS^T                              the bf16 kernel's pointwise math (bwd/pointwise.py:
+                                           mods, masks, score-mod derivative, buffer grads)
     P^T, dS^T -> shared memory; barrier
     dV += P^T dO,  dK += dS^T Q            [64, D]        warps 2 (keys) x 4 (head dim)
     dQ_tile = dS K -> fp32 atomics into dq_accum (plain [B, H, Sq_pad, D] rows)
@@ -32,7 +33,10 @@ operands alike (a K permutation does not change the product), which makes those 
 conflict-free as well.
 
 Precision: `tf32_passes` 1 rounds every operand to tf32 (cvt.rna); 3 adds the two cross
-products of the (hi, lo) parts, small ones first (`mma.SPLIT_PASSES`), as the forward.
+products of the (hi, lo) parts, small ones first (`mma.SPLIT_PASSES`), as the forward, and
+sums the long chains in pieces (`tf32_gemm`'s promote, `FlashBwdTf32.promote`).
+`BwdConfig.exact_dp` (opt-in) gives dP^T all of dO's bits (docs/KERNELS.md: the dP - D
+cancellation of rows that see few keys).
 """
 
 import cuda.bindings.driver as cuda
@@ -43,6 +47,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 
 from flexattn.kernels.hopper import mma
+from flexattn.kernels.blockmask.visit import band_bounds
 from flexattn.kernels.hopper.atomics import red_add_v2_f32
 from flexattn.kernels.hopper.tile_scheduler import LongestFirst, TileSpace
 from flexattn.kernels.emit.mod_hook import FragmentCoords
@@ -305,7 +310,7 @@ class FlashBwdTf32(BwdPointwise, BwdWalks):
         tm, tn, D, Dv = cfg.tile_m, cfg.tile_n, cfg.head_dim, cfg.head_dim_v
         tidx = cute.arch.thread_idx()[0]
         if const_expr(cfg.band):
-            block_sparse = self._band_bounds(mod_args)
+            block_sparse = band_bounds(self.mods, mod_args)   # (lo, hi): BandQBlocks walks by them
         if const_expr(mod_args is None):
             mod_args = ()
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
@@ -375,11 +380,6 @@ class FlashBwdTf32(BwdPointwise, BwdWalks):
 
         cute.arch.cp_async_wait_group(0)
         self._store_dk_dv(acc_dK, acc_dV, thr_nd, mdK, mdV, n_block, head_kv, batch, seqlen_k, softmax_scale)
-
-    def _band_bounds(self, mod_args):
-        from flexattn.kernels.blockmask.visit import band_bounds
-
-        return band_bounds(self.mods, mod_args)
 
     # --------------------------------------------------------------- the walk
     def _walk_counts(self, blocks, n_block, seqlen_q):
