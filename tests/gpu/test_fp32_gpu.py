@@ -242,3 +242,33 @@ def test_fp32_through_decode_compile_and_cupy():
     got, _ = fc.flex_attention(cq, ck, cv, enable_gqa=True)
     want, _ = reference.forward(qq.cpu(), k.cpu(), v.cpu(), AttentionSpec.from_args(enable_gqa=True))
     assert np.abs(cupy.asnumpy(got).astype(np.float64) - want).max() < TOL["highest"]
+
+
+def test_fp32_training_under_torch_compile():
+    """float32 training in a compiled step (fullgraph), a score function closing over a
+    learned bias table made outside it: the same gradients as the eager call (same kernels),
+    the table's included, and new values never recompile. Written in session 23, not yet
+    run on a GPU."""
+    torch.manual_seed(11)
+    B, H, S, D = 1, 4, 300, 64
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", requires_grad=True) for _ in range(3))
+    table = torch.zeros(2 * S, device="cuda", requires_grad=True)
+
+    def biased(s, b, h, qi, ki):
+        return s + table[qi - ki + S]
+
+    def step(q_, k_, v_):
+        return fa.flex_attention(q_, k_, v_, score_mod=biased).square().sum()
+
+    compiled = torch.compile(step, fullgraph=True)
+    grads = []
+    for fn in (step, compiled):
+        for t in (q, k, v, table):
+            t.grad = None
+        fn(q, k, v).backward()
+        grads.append([t.grad.clone() for t in (q, k, v, table)])
+    for name, eager, comp in zip(("dq", "dk", "dv", "d_table"), *grads):
+        torch.testing.assert_close(comp, eager, atol=1e-5, rtol=1e-4, msg=name)
+    with torch.no_grad():
+        table.add_(0.1)
+    compiled(q, k, v).backward()   # new values: no recompile (fullgraph would raise on a graph break)
