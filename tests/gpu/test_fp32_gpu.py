@@ -260,7 +260,10 @@ def test_fp32_training_under_torch_compile():
     def step(q_, k_, v_):
         return fa.flex_attention(q_, k_, v_, score_mod=biased).square().sum()
 
-    compiled = torch.compile(step, fullgraph=True)
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
     grads = []
     for fn in (step, compiled):
         for t in (q, k, v, table):
@@ -271,4 +274,5 @@ def test_fp32_training_under_torch_compile():
         torch.testing.assert_close(comp, eager, atol=1e-5, rtol=1e-4, msg=name)
     with torch.no_grad():
         table.add_(0.1)
-    compiled(q, k, v).backward()   # new values: no recompile (fullgraph would raise on a graph break)
+    compiled(q, k, v).backward()
+    assert counter.frame_count == 1, "new values recompiled"
