@@ -16,7 +16,8 @@ groups=(
   "decode:tests/gpu/test_decode_gpu.py tests/gpu/test_blockmask_gpu.py tests/gpu/test_short_query_gpu.py"
   "jax:tests/gpu/test_jax_gpu.py tests/gpu/test_notebooks_gpu.py"
   "heads:tests/gpu/test_head_dims_gpu.py tests/gpu/test_torch_compat_gpu.py"
-  "fp32:tests/gpu/test_fp32_gpu.py tests/gpu/test_bwd_fp32_gpu.py"
+  "fp32:tests/gpu/test_fp32_gpu.py"
+  "fp32bwd:tests/gpu/test_bwd_fp32_gpu.py"
 )
 pids=()
 for g in "${groups[@]}"; do
