@@ -170,9 +170,8 @@ def backward_config(forward_config, deterministic: bool = False, grad_captures=N
     same structure and mods, gradients only for the ``grad_captures`` slots (None: all)."""
     from ..kernels.bwd.plan import config_from_forward
 
-    reason = kernel_path.backward_unsupported_dims(forward_config.head_dim, forward_config.head_dim_v)
-    if reason is None and forward_config.dtype == "fp32":
-        reason = kernel_path.fp32_backward_unsupported(forward_config.head_dim, forward_config.head_dim_v)
+    reason = kernel_path.backward_unsupported_dims(forward_config.head_dim, forward_config.head_dim_v,
+                                                   forward_config.dtype == "fp32")
     if reason:
         raise ValueError(reason)
     mods = forward_config.mods

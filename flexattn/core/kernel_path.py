@@ -94,16 +94,25 @@ def backward_unsupported(shape: AttentionShape, q=None) -> str | None:
     the backward)."""
     if q is not None and dtype_name(q) not in FORWARD_DTYPES:
         return f"the GPU backward supports bfloat16, float16 and float32 inputs, got {dtype_name(q)}"
-    reason = backward_unsupported_dims(shape.head_dim, shape.v_head_dim)
-    if reason is None and q is not None and dtype_name(q) == "float32":
-        reason = fp32_backward_unsupported(shape.head_dim, shape.v_head_dim)
-    return reason
+    fp32 = q is not None and dtype_name(q) == "float32"
+    return backward_unsupported_dims(shape.head_dim, shape.v_head_dim, fp32)
+
+
+def backward_unsupported_dims(head_dim: int, v_head_dim: int, fp32: bool = False) -> str | None:
+    """``backward_unsupported`` by head dims (and, with ``fp32``, those the float32 kernel's
+    tiles fit): also what every adapter's backward plan (``backward_path.backward_config``)
+    refuses, whether or not its adapter asked first."""
+    if head_dim not in BACKWARD_HEAD_DIMS or v_head_dim not in BACKWARD_HEAD_DIMS:
+        return (f"the GPU backward supports query and value head dims {BACKWARD_HEAD_DIMS}, got"
+                f" {head_dim}/{v_head_dim} (the forward alone runs any multiple of 16 up to 256:"
+                " call it without gradients, e.g. under torch.no_grad())")
+    return _fp32_backward_unsupported(head_dim, v_head_dim) if fp32 else None
 
 
 @functools.lru_cache(maxsize=None)
-def fp32_backward_unsupported(head_dim: int, v_head_dim: int) -> str | None:
+def _fp32_backward_unsupported(head_dim: int, v_head_dim: int) -> str | None:
     """Why the float32 backward (kernels/bwd/tf32_sync.py) cannot take these head dims (its
-    tiles must fit shared memory), or None."""
+    tiles must fit shared memory: BwdConfig's own check), or None."""
     from ..kernels.bwd.plan import fp32_tile_m
     from ..kernels.bwd.sm90 import BwdConfig
 
@@ -111,16 +120,6 @@ def fp32_backward_unsupported(head_dim: int, v_head_dim: int) -> str | None:
         BwdConfig(dtype="fp32", head_dim=head_dim, head_dim_v=v_head_dim, tile_m=fp32_tile_m(head_dim, v_head_dim))
     except ValueError as e:
         return str(e)
-    return None
-
-
-def backward_unsupported_dims(head_dim: int, v_head_dim: int) -> str | None:
-    """``backward_unsupported`` by head dims: also what every adapter's backward plan
-    (``backward_path.backward_config``) refuses, whether or not its adapter asked first."""
-    if head_dim not in BACKWARD_HEAD_DIMS or v_head_dim not in BACKWARD_HEAD_DIMS:
-        return (f"the GPU backward supports query and value head dims {BACKWARD_HEAD_DIMS}, got"
-                f" {head_dim}/{v_head_dim} (the forward alone runs any multiple of 16 up to 256:"
-                " call it without gradients, e.g. under torch.no_grad())")
     return None
 
 

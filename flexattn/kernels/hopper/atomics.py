@@ -21,12 +21,14 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 
 def _f32_to_address(asm: str, ptr_constraint: str, ptr, value, loc, ip) -> None:
-    """One side-effecting instruction `asm` on ($0: ptr's address, $1: an fp32 value)."""
+    """One side-effecting instruction `asm` on ($0: ptr's address, $1...: fp32 values;
+    `value` one, or a tuple of them)."""
+    values = value if isinstance(value, tuple) else (value,)
     llvm.inline_asm(
         None,
-        [ptr.toint(loc=loc, ip=ip).ir_value(), Float32(value).ir_value(loc=loc, ip=ip)],
+        [ptr.toint(loc=loc, ip=ip).ir_value()] + [Float32(v).ir_value(loc=loc, ip=ip) for v in values],
         asm,
-        ptr_constraint + ",f",
+        ptr_constraint + ",f" * len(values),
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
@@ -43,16 +45,7 @@ def red_add_f32(ptr, value, *, loc=None, ip=None) -> None:
 def red_add_v2_f32(ptr, x, y, *, loc=None, ip=None) -> None:
     """ptr[0] += x, ptr[1] += y (global fp32, ptr 8-byte aligned): one vector reduction
     (sm_90) instead of two."""
-    llvm.inline_asm(
-        None,
-        [ptr.toint(loc=loc, ip=ip).ir_value(), Float32(x).ir_value(loc=loc, ip=ip),
-         Float32(y).ir_value(loc=loc, ip=ip)],
-        "red.global.add.v2.f32 [$0], {$1, $2};",
-        "l,f,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+    _f32_to_address("red.global.add.v2.f32 [$0], {$1, $2};", "l", ptr, (x, y), loc, ip)
 
 
 @dsl_user_op
