@@ -17,7 +17,7 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
     is `choose_tile_m`'s."""
     kw = dict(dtype=fwd_cfg.dtype, head_dim=fwd_cfg.head_dim, head_dim_v=fwd_cfg.head_dim_v,
               causal=fwd_cfg.causal, block_sparse=fwd_cfg.block_sparse, band=fwd_cfg.band, mods=fwd_cfg.mods,
-              tf32_passes=fwd_cfg.tf32_passes)
+              tf32_passes=getattr(fwd_cfg, "tf32_passes", 1))   # (a 16-bit config stand-in may lack it)
     kw.update(overrides)
     if kw["dtype"] == "fp32" and "tile_m" not in kw:
         kw["tile_m"] = fp32_tile_m(kw["head_dim"], kw["head_dim_v"])   # before the stages are derived

@@ -165,7 +165,23 @@ class BwdConfig(KernelConfig):
             raise ValueError("exact_dp is for dtype 'fp32' with tf32_passes=3")
         if self.dtype == "fp32":
             self._check_fp32()
-            return
+        else:
+            self._check_wgmma()
+        # Both kernels' block structures and mods:
+        if self.block_sparse and self.sparse_block_m % self.tile_m:
+            raise ValueError(f"sparse_block_m {self.sparse_block_m} must be a multiple of tile_m")
+        if self.causal + self.block_sparse + self.band > 1:
+            raise ValueError("causal, block_sparse and band are exclusive block structures")
+        if self.band and (self.deterministic or band_of(self.mods) is None):
+            raise ValueError("band=True needs a mask hook whose mask is a band of diagonals, and is"
+                             " not deterministic (its dQ turns count from block lists)")
+        if self.mods.has_score and type(self.mods).score_and_grad is ModHook.score_and_grad:
+            raise ValueError(f"{type(self.mods).__name__} has a score mod but no derivative "
+                             "(use mod_emit.IRModHook)")
+
+    def _check_wgmma(self):
+        """The bf16 / fp16 kernel's configs (FlashBwdSm90): tiles, stages, CTA order, dQ
+        turns and clusters."""
         if self.tile_n is None:
             object.__setattr__(self, "tile_n", 64 if self.split_head_dim else 128)
         if self.num_stages is None:
@@ -185,13 +201,6 @@ class BwdConfig(KernelConfig):
             # FA3/FA4's choice too: 80 pays off for dense head dim 128; the causal and
             # block-sparse walks (diagonal tiles, 128-row BlockMask blocks) keep 64.
             raise ValueError("tile_m=80 is for dense (not causal, not block-sparse) head dim 128")
-        if self.block_sparse and self.sparse_block_m % self.tile_m:
-            raise ValueError(f"sparse_block_m {self.sparse_block_m} must be a multiple of tile_m")
-        if self.causal + self.block_sparse + self.band > 1:
-            raise ValueError("causal, block_sparse and band are exclusive block structures")
-        if self.band and (self.deterministic or band_of(self.mods) is None):
-            raise ValueError("band=True needs a mask hook whose mask is a band of diagonals, and is"
-                             " not deterministic (its dQ turns count from block lists)")
         if self.tile_order not in (None, "by_head", "longest_first"):
             raise ValueError(f"tile_order must be 'by_head' or 'longest_first', got {self.tile_order!r}")
         if self.dq_turn_pass not in (None, "after_adds", "next_visit"):
@@ -203,9 +212,6 @@ class BwdConfig(KernelConfig):
         if self.cluster_n > 1 and (self.causal or self.block_sparse or self.band or self.deterministic
                                    or self.tile_order == "longest_first"):
             raise ValueError("cluster_n=2 needs the dense block structure, not deterministic, by_head")
-        if self.mods.has_score and type(self.mods).score_and_grad is ModHook.score_and_grad:
-            raise ValueError(f"{type(self.mods).__name__} has a score mod but no derivative "
-                             "(use mod_emit.IRModHook)")
 
     def _check_fp32(self):
         """The float32 kernel's configs (bwd/tf32_sync.py): 64 keys per CTA, tile_m 32 (or
@@ -228,15 +234,6 @@ class BwdConfig(KernelConfig):
         if self.deterministic or self.cluster_n != 1:
             raise ValueError("the float32 backward has no deterministic mode and no clusters (its dQ adds are"
                              " fp32 atomics): call it with deterministic algorithms off")
-        if self.causal + self.block_sparse + self.band > 1:
-            raise ValueError("causal, block_sparse and band are exclusive block structures")
-        if self.band and band_of(self.mods) is None:
-            raise ValueError("band=True needs a mask hook whose mask is a band of diagonals")
-        if self.block_sparse and self.sparse_block_m % self.tile_m:
-            raise ValueError(f"sparse_block_m {self.sparse_block_m} must be a multiple of tile_m")
-        if self.mods.has_score and type(self.mods).score_and_grad is ModHook.score_and_grad:
-            raise ValueError(f"{type(self.mods).__name__} has a score mod but no derivative "
-                             "(use mod_emit.IRModHook)")
 
     @property
     def split_head_dim(self) -> bool:
