@@ -148,6 +148,8 @@ KERNELS = {
     "doc": _fwd(head_dim=128, tile_m=128, block_sparse=True, mask=_document),
     "alibi": _fwd(head_dim=128, tile_m=128, causal=True, score=_alibi),
     "window": _fwd(head_dim=128, tile_m=128, block_sparse=True, mask=_window),
+    "window-band": _fwd(head_dim=128, tile_m=128, band=True, max_ctas=132, mask=_window),
+    "window-band-softcap": _fwd(head_dim=128, tile_m=128, band=True, max_ctas=132, score=_softcap, mask=_window),
     "doc+softcap-d64": _fwd(head_dim=64, block_sparse=True, score=_softcap, mask=_document),
     "causal-d64-192": _fwd(head_dim=64, tile_m=192, causal=True),
     "softcap-nooverlap": _fwd(head_dim=128, tile_m=128, causal=True, score=_softcap,
@@ -170,6 +172,7 @@ KERNELS = {
     "bwd-det-relbias": _bwd(head_dim=128, score=_relative_bias, deterministic=True),
     "bwd-causal-alibi": _bwd(head_dim=128, causal=True, score=_alibi),
     "bwd-window": _bwd(head_dim=128, block_sparse=True, mask=_window),
+    "bwd-window-band": _bwd(head_dim=128, band=True, mask=_window),
     "bwd-det-full": _bwd(head_dim=128, deterministic=True),
     # tile_m 80 (dQ swapped): what the planner picks for dense non-causal head dim 128
     "bwd80-full": _bwd(head_dim=128, tile_m=80),

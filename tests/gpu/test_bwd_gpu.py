@@ -76,22 +76,20 @@ def _poison(shape, dtype):
 
 
 def kernel_backward(q, k, v, do, spec, dlse=None, deterministic=False, ffi=FFI, tile_m=None,
-                    cluster_n=None, tf32_passes=3, exact_dp=False):
+                    cluster_n=None, tf32_passes=3):
     """Forward kernel for O and LSE, then the backward kernels. -> (dq, dk, dv, grads by
     capture slot (None where no gradient), forward config, out, backward config).
     `deterministic`: the bitwise-repeatable backward (BwdConfig.deterministic); `ffi`:
     launch through TVM-FFI; `tile_m`, `cluster_n`: instead of the planner's; `tf32_passes`:
-    float32's (the forward's and so the backward's); `exact_dp`: BwdConfig.exact_dp."""
+    float32's (the forward's and so the backward's)."""
     dev = _device(tf32_passes)
     shape = check_inputs(q, k, v, spec)
-    out = _nan((shape.batch, shape.q_heads, shape.q_len, shape.head_dim), q.dtype)
+    out = _nan((shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim), q.dtype)
     lse = _nan((shape.batch, shape.q_heads, shape.q_len), torch.float32)
     plan = forward_into(q, k, v, out, lse, shape, spec, dev)
     tile = {} if tile_m is None else {"tile_m": tile_m}
     if cluster_n is not None:
         tile["cluster_n"] = cluster_n
-    if exact_dp:
-        tile["exact_dp"] = True
     cfg = config_from_forward(plan.config, deterministic=deterministic, **tile)
     hook = cfg.mods
     args = ffi_mod_args(hook, dev.to_device) if ffi else runtime_args(hook, dev.to_device)

@@ -126,19 +126,3 @@ def test_fp32_pre_and_postprocess_compile(d, tile_m):
     post = compile_postprocess("fp32", d, tile_m=tile_m, keep_ptx=True).__ptx__
     assert re.search(r"ld\.global(\.nc)?\.v4\.(f32|b32)", pre), "the preprocess reads O and dO 16 bytes at a time"
     assert re.search(r"st\.global\.v4\.(f32|b32)", post), "the postprocess stores 16 bytes at a time"
-
-
-def test_exact_dp_splits_do_in_three_parts():
-    """BwdConfig.exact_dp (opt-in): the dP^T GEMM sums five products per k-block instead of
-    three (dO's third part); every other GEMM is unchanged; no spills at head dim 128."""
-    with pytest.raises(ValueError, match="exact_dp"):
-        BwdConfig(dtype="fp32", head_dim=128, tile_m=32, tf32_passes=1, exact_dp=True)
-    counts = {}
-    for exact in (False, True):
-        cfg = BwdConfig(dtype="fp32", head_dim=128, tile_m=32, tf32_passes=3, exact_dp=exact)
-        ptx = compile_backward(cfg, keep_ptx=True).__ptx__
-        counts[exact] = len(re.findall(r"mma\.sync\.aligned\.m16n8k8", ptx))
-        usage = resource_usage_from_ptx(ptx)
-        assert usage is None or usage.spill_store_bytes == 0, usage
-    dp_per_pass = (64 // 64) * (32 // 16) * (128 // 8)       # dP^T: one m-atom x 2 n-atoms x 16 k-blocks
-    assert counts[True] - counts[False] == 2 * dp_per_pass, counts

@@ -145,11 +145,6 @@ class BwdConfig(KernelConfig):
     cluster_n: int = 1
     # fp32: tf32 MMAs per product, 1 or 3 (3xTF32: torch's "highest" float32 precision)
     tf32_passes: int = 1
-    # fp32 with 3xTF32: dP^T = V dO^T with dO in three tf32 parts (all its bits; five
-    # products instead of three), so that dP - D cancels where a row sees few keys as it
-    # does in exact arithmetic (D comes from the forward's O, whose V had two parts).
-    # Opt-in until measured on the GPU (docs/KERNELS.md, the float32 backward's known gap).
-    exact_dp: bool = False
 
     def __post_init__(self):
         self.check_dtype()
@@ -161,8 +156,6 @@ class BwdConfig(KernelConfig):
                 raise ValueError(f"{name} must be a multiple of 16 from 32 to 256, got {d}")
         if self.tf32_passes not in (1, 3) or (self.tf32_passes == 3 and self.dtype != "fp32"):
             raise ValueError(f"tf32_passes must be 1, or 3 with dtype 'fp32', got {self.tf32_passes}")
-        if self.exact_dp and (self.dtype != "fp32" or self.tf32_passes != 3):
-            raise ValueError("exact_dp is for dtype 'fp32' with tf32_passes=3")
         if self.dtype == "fp32":
             self._check_fp32()
         else:

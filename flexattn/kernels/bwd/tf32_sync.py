@@ -35,8 +35,6 @@ conflict-free as well.
 Precision: `tf32_passes` 1 rounds every operand to tf32 (cvt.rna); 3 adds the two cross
 products of the (hi, lo) parts, small ones first (`mma.SPLIT_PASSES`), as the forward, and
 sums the long chains in pieces (`tf32_gemm`'s promote, `FlashBwdTf32.promote`).
-`BwdConfig.exact_dp` (opt-in) gives dP^T all of dO's bits (docs/KERNELS.md: the dP - D
-cancellation of rows that see few keys).
 """
 
 import cuda.bindings.driver as cuda
@@ -131,22 +129,17 @@ def _tf32_parts(src: cute.Tensor, n: cutlass.Constexpr[int]):
     return parts
 
 
-def split_pairs(passes: int, b_parts: int = 2) -> tuple:
+def split_pairs(passes: int) -> tuple:
     """The (A part, B part) products a GEMM sums, small ones first: one pass (0, 0);
-    3xTF32 `mma.SPLIT_PASSES`; with B in three parts (the exact dP^T split, see
-    `BwdConfig.exact_dp`) also B's third part against A's first, and A's second against B's
-    second."""
+    3xTF32 `mma.SPLIT_PASSES`."""
     if passes == 1:
         return ((0, 0),)
-    if b_parts == 3:
-        return ((0, 2), (1, 1)) + mma.SPLIT_PASSES
     return mma.SPLIT_PASSES
 
 
 @cute.jit
 def tf32_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
-              passes: cutlass.Constexpr[int], promote: cutlass.Constexpr[int] = 0,
-              b_parts: cutlass.Constexpr[int] = 2):
+              passes: cutlass.Constexpr[int], promote: cutlass.Constexpr[int] = 0):
     """acc += A B over K, warp-level tf32 MMAs. tA (V, M, K) and tB (V, N, K): this thread's
     partitions of fp32 shared-memory operands, loaded one k-block at a time and split into
     tf32 parts in registers (`split_pairs` says which products are summed).
@@ -156,9 +149,8 @@ def tf32_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: c
     adds over long chains (the forward's `promote_pv`): 3xTF32's dK / dV summed over all
     the q rows in one accumulator were 20x further from float64 than torch flex's float32
     (B4 S4096, H100), which makes the "highest" precision's error no worse than flex's."""
-    pairs = split_pairs(passes, b_parts)
-    n_a = 1 if const_expr(passes == 1) else 2
-    n_b = 1 if const_expr(passes == 1) else b_parts
+    pairs = split_pairs(passes)
+    n_parts = 1 if const_expr(passes == 1) else 2
     n_k = cute.size(tA.shape[2])
     chunk = promote if const_expr(promote > 0) else n_k
     for k0 in cutlass.range_constexpr(0, n_k, chunk):
@@ -167,8 +159,8 @@ def tf32_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: c
             dst = cute.make_rmem_tensor(acc.layout, Float32)
             dst.fill(0.0)
         for k in cutlass.range_constexpr(k0, min(k0 + chunk, n_k)):
-            a = _tf32_parts(tA[None, None, k], n_a)
-            b = _tf32_parts(tB[None, None, k], n_b)
+            a = _tf32_parts(tA[None, None, k], n_parts)
+            b = _tf32_parts(tB[None, None, k], n_parts)
             for ia, ib in pairs:
                 cute.gemm(tiled_mma, dst, a[ia], b[ib], dst)
         if const_expr(promote > 0):
@@ -458,10 +450,7 @@ class FlashBwdTf32(BwdPointwise, BwdWalks):
         acc_dP.fill(0.0)
         chain, per_visit, chain_dq = self.promote
         tf32_gemm(mma_nm, acc_S, thr_nm.partition_A(sK), thr_nm.partition_B(sQs), passes, chain)
-        # dO in three parts where `exact_dp`: dP^T then equals the forward's O-side sum
-        # (its V in two parts) closely enough for dP - D to cancel (BwdConfig.exact_dp).
-        tf32_gemm(mma_nm, acc_dP, thr_nm.partition_A(sV), thr_nm.partition_B(sdOs), passes, chain,
-                  3 if const_expr(cfg.exact_dp and passes == 3) else 2)
+        tf32_gemm(mma_nm, acc_dP, thr_nm.partition_A(sV), thr_nm.partition_B(sdOs), passes, chain)
 
         # P^T, dS^T (unscaled: dK and dQ take the scale at the end)
         lse, delta = sLSE[None, stage], sDelta[None, stage]
