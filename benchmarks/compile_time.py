@@ -173,6 +173,11 @@ KERNELS = {
     "bwd-causal-alibi": _bwd(head_dim=128, causal=True, score=_alibi),
     "bwd-window": _bwd(head_dim=128, block_sparse=True, mask=_window),
     "bwd-window-band": _bwd(head_dim=128, band=True, mask=_window),
+    # head dims beyond 128: the 64-key split layout and the 96-key swapped one (dkv_swap)
+    "bwd-192-128-causal-split": _bwd(head_dim=192, head_dim_v=128, causal=True),
+    "bwd-192-128-causal": _bwd(head_dim=192, head_dim_v=128, tile_n=96, causal=True),
+    "bwd-192-128-softcap": _bwd(head_dim=192, head_dim_v=128, tile_n=96, causal=True, score=_softcap),
+    "bwd-192-192": _bwd(head_dim=192, tile_n=96, num_stages=1),
     "bwd-det-full": _bwd(head_dim=128, deterministic=True),
     # tile_m 80 (dQ swapped): what the planner picks for dense non-causal head dim 128
     "bwd80-full": _bwd(head_dim=128, tile_m=80),

@@ -293,6 +293,12 @@ WIDE = [
     ("window_document_alibi_softcap", "bf16", 160, 1, 4, 2, 500, 500, "bhsd"),
     ("softcap", "fp16", 224, 2, 4, 2, 511, 257, "bshd"),
     ("none", "bf16", 144, 1, 1, 1, 1, 1, "bhsd"),              # one element
+    # the swapped layout (BwdConfig.dkv_swap: 96-key CTAs, dK^T / dV^T): dense and causal
+    # at 192, KV_LEN inside a CTA, GQA / MQA, slope gradients, a score mod, one element
+    ("none", "fp16", 192, 1, 4, 1, 1000, 777, "bhsd"),
+    ("alibi", "bf16", 192, 2, 4, 2, 300, 300, "bshd"),
+    ("causal_softcap", "bf16", 192, 1, 4, 2, 97, 97, "bhsd"),
+    ("causal", "bf16", 192, 1, 2, 2, 1, 1, "bhsd"),
 ]
 
 

@@ -64,6 +64,12 @@ def _config(name):
     if name == "d192-128-sparse-document":
         hook = IRModHook(None, mods.document(np.zeros(8, np.int32)))
         return BwdConfig(head_dim=192, head_dim_v=128, block_sparse=True, mods=hook), hook
+    if name == "d192-128-causal-softcap-swap":   # the swapped layout (dkv_swap): 96-key CTAs
+        hook = IRModHook(mods.softcap(30.0), None)
+        return BwdConfig(head_dim=192, head_dim_v=128, tile_n=96, causal=True, mods=hook), hook
+    if name == "d192-dense-swap":
+        hook = IRModHook()
+        return BwdConfig(head_dim=192, tile_n=96, num_stages=1, mods=hook), hook
     if name == "d64-causal":
         hook = IRModHook(None, mods.causal())
         return BwdConfig(head_dim=64, causal=True, mods=hook), hook
@@ -93,9 +99,11 @@ TILE80 = ["d128-dense-80", "d128-softcap-80", "d128-relative-bias-80", "det-d128
 VALUE_DIMS = ["d128-64-causal-softcap", "d64-128-dense", "d96-64-sparse-document"]
 # head dims beyond 128 (BwdConfig.split_head_dim)
 WIDE = ["d256-causal-softcap", "d192-128-sparse-document"]
+# the swapped layout beyond 128 (BwdConfig.dkv_swap)
+SWAPPED = ["d192-128-causal-softcap-swap", "d192-dense-swap"]
 # tile_m 128 (head dims up to 64, no score mod; wider block lists spill: bwd.plan)
 TILE128 = ["d64-causal-128", "d32-sparse-document-128"]
-NAMES = DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + TILE128
+NAMES = DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + SWAPPED + TILE128
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +206,48 @@ def test_head_dims_beyond_128(compiled, name):
     # (epilogue: a warp stores its 16 keys x the warpgroup's D / 2 + Dv / 2 columns)
     assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == steps * 4 + (D + Dv) // 32
     assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
+
+
+@pytest.mark.parametrize("name", SWAPPED)
+def test_swapped_layout(compiled, name):
+    """dkv_swap: 96-key CTAs; S = Q K^T and dP = dO V^T m64n48 per warpgroup (its 48 keys, D
+    / 16 and Dv / 16 k-steps); dK^T and dV^T m64n48 with the head dim on M (D / 64 and Dv /
+    64 atoms, 4 k-steps over the 64 q rows); dQ m64n(D / 2) over the 96 keys (6 k-steps);
+    P^T and dS^T by transposing stmatrix (one x4 store each per step), dK^T / dV^T too in
+    the epilogue; the same two bulk dQ adds."""
+    cfg, ptx = compiled[name]
+    D, Dv = cfg.head_dim, cfg.head_dim_v
+    assert cfg.dkv_swap and (cfg.tile_m, cfg.tile_n) == (64, 96)
+    steps = 2 if cfg.causal else 1
+    n48 = (D + Dv) // 16 + 4 * (D + Dv) // 64
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n48k16") == steps * n48
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{D // 2}k16") == steps * 6
+    assert ptx.count("wgmma.mma_async") == steps * (n48 + 6)
+    assert "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == 0
+    assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
+
+
+def test_planner_swapped_layout():
+    """bwd.plan.with_swapped_layout: the 96-key layout beyond 128 where both head dims are
+    multiples of 64 up to 192, for the dense and causal walks (two Q / dO stages, one at
+    192/192); the 64-key split layout elsewhere (256, 144, block lists, bands, deterministic)."""
+    from flexattn.kernels.bwd.plan import with_swapped_layout
+
+    def layout(**kw):
+        cfg = with_swapped_layout(BwdConfig(**kw))
+        return cfg.tile_n, cfg.num_stages
+
+    assert layout(head_dim=192, head_dim_v=128, causal=True) == (96, 2)
+    assert layout(head_dim=192) == (96, 1) and layout(head_dim=128, head_dim_v=192) == (96, 2)
+    for kw in (dict(head_dim=256, head_dim_v=128), dict(head_dim=144), dict(head_dim=192, deterministic=True),
+               dict(head_dim=192, block_sparse=True, mods=IRModHook(None, mods.sliding_window(64)))):
+        assert layout(**kw)[0] == 64, kw
+    assert layout(head_dim=128)[0] == 128
+    with pytest.raises(ValueError, match="swapped"):
+        BwdConfig(head_dim=256, tile_n=96)
+    with pytest.raises(ValueError, match="swapped"):
+        BwdConfig(head_dim=192, tile_n=96, deterministic=True)
 
 
 @pytest.mark.parametrize("name", TILE128)

@@ -6,7 +6,7 @@ fixed-point buffer-gradient accumulators. The launch itself: ``launch/backward.p
 
 import dataclasses
 
-from flexattn.kernels.bwd.sm90 import FP32_TILE_M, BwdConfig, one_diagonal_read
+from flexattn.kernels.bwd.sm90 import FP32_TILE_M, SWAP_TILE_N, BwdConfig, dkv_swap_allowed, one_diagonal_read
 from flexattn.kernels.hopper.atomics import FIXED_WORDS
 
 
@@ -29,7 +29,33 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
         tile_m = choose_tile_m(cfg)
         if tile_m != cfg.tile_m:
             cfg = dataclasses.replace(cfg, tile_m=tile_m)
+    if "tile_n" not in overrides:
+        cfg = with_swapped_layout(cfg)
     return cfg
+
+
+def with_swapped_layout(cfg: BwdConfig) -> BwdConfig:
+    """Head dims beyond 128: the swapped layout (`BwdConfig.dkv_swap`, 96-key CTAs) where it
+    is allowed, with two Q / dO stages if they fit shared memory, else one (192/192); else
+    `cfg` as it is (the 64-key split layout). Causal fwd+bwd B4 S4096 H16, H100: see
+    docs/experiments.md (issue 25, session 24)."""
+    if cfg.dtype == "fp32" or not cfg.split_head_dim or cfg.num_stages is None:
+        return cfg
+    for stages in (2, 1):
+        if dkv_swap_allowed(_Probe(cfg, stages)):
+            return dataclasses.replace(cfg, tile_n=SWAP_TILE_N, num_stages=stages)
+    return cfg
+
+
+class _Probe:
+    """`cfg`'s fields with tile_n = SWAP_TILE_N and `stages` (dkv_swap_allowed and
+    split_shared_bytes read fields only; a BwdConfig would check itself on construction)."""
+
+    def __init__(self, cfg, stages):
+        self._cfg, self.tile_n, self.num_stages = cfg, SWAP_TILE_N, stages
+
+    def __getattr__(self, name):
+        return getattr(self._cfg, name)
 
 
 def choose_tile_m(cfg: BwdConfig) -> int:

@@ -113,7 +113,8 @@ class BwdConfig(KernelConfig):
     tile_m: int = 64              # q rows per visit (N of the S^T GEMM): 64 | 80 (dQ swapped)
                                   # | 128 (head dims up to 64: bwd.plan.choose_tile_m)
     tile_n: int | None = None     # keys per CTA: 128 (64 per consumer warpgroup), or 64
-                                  # where a head dim exceeds 128 (`split_head_dim`); None: that
+                                  # where a head dim exceeds 128 (`split_head_dim`), or 96
+                                  # there in the swapped layout (`dkv_swap`); None: 128 / 64
     num_stages: int | None = None  # Q/LSE and dO/D ring depth; None: 2, or 1 where 2 do not
                                   # fit shared memory (`split_head_dim` at the widest heads)
     causal: bool = False          # block structure: skip q blocks above the diagonal
@@ -179,9 +180,14 @@ class BwdConfig(KernelConfig):
             object.__setattr__(self, "tile_n", 64 if self.split_head_dim else 128)
         if self.num_stages is None:
             object.__setattr__(self, "num_stages", default_stages(self))
-        if self.tile_m not in (64, 80, 128) or self.tile_n != (64 if self.split_head_dim else 128):
+        if self.tile_m not in (64, 80, 128) or self.tile_n not in ((64, SWAP_TILE_N) if self.split_head_dim else (128,)):
             raise ValueError("the backward supports tile_m=64, 80 or 128 and tile_n=128, or tile_m=64 and"
-                             " tile_n=64 where a head dim exceeds 128")
+                             f" tile_n=64 or {SWAP_TILE_N} where a head dim exceeds 128")
+        if self.dkv_swap and not dkv_swap_allowed(self):
+            raise ValueError(f"tile_n={SWAP_TILE_N} (the swapped layout) is for head dims up to {SWAP_MAX_HEAD_DIM}"
+                             " beyond 128 that are multiples of 64, the dense and causal structures, not"
+                             " deterministic, where it fits"
+                             f" shared memory ({split_shared_bytes(self, self.num_stages)} bytes)")
         if self.tile_m == 128 and max(self.head_dim, self.head_dim_v) > 64:
             # S^T and dP^T (64 registers each) beside dK and dV: beyond 64 they spill.
             raise ValueError("tile_m=128 is for head dims up to 64")
@@ -238,6 +244,15 @@ class BwdConfig(KernelConfig):
         return self.head_dim > 128 or self.head_dim_v > 128
 
     @property
+    def dkv_swap(self) -> bool:
+        """The swapped layout beyond head dim 128 (FA3/FA4's there): CTAs of 96 keys, S = Q K^T
+        and dP = dO V^T with the keys on N (48 per warpgroup), dK^T = Q^T dS and dV^T =
+        dO^T P with the head dim on M. A 64-key CTA (`split_head_dim`'s other layout) moves
+        1.5x the L2 bytes per key (Q, dO and the dQ adds per visit): at 192/128 that bound
+        its backward (Nsight Compute, H100: L2 91.5% busy, tensor pipe 37.6%)."""
+        return self.tile_n == SWAP_TILE_N
+
+    @property
     def sparse_block_n(self) -> int:
         """Keys of one BlockMask kv block (the q-side lists' index): 128; a 64-key CTA
         (`split_head_dim`) walks its block's lists."""
@@ -291,6 +306,23 @@ class BwdConfig(KernelConfig):
         return -(-seqlen_k // self.tile_n) % self.cluster_n == 0
 
 
+SWAP_TILE_N = 96                  # keys per CTA of the swapped layout (`BwdConfig.dkv_swap`)
+SWAP_MAX_HEAD_DIM = 192           # its dK^T / dV^T registers: 3 x 24 + 2 x 24 at 192/128
+
+
+def dkv_swap_allowed(cfg) -> bool:
+    """Whether `cfg` (with tile_n = SWAP_TILE_N) may run the swapped layout: head dims beyond
+    128 up to SWAP_MAX_HEAD_DIM, both multiples of 64 (dK^T / dV^T put them on wgmma's M,
+    64 rows per atom), 64-row visits, the dense or causal walk (block lists and bands index
+    128- / 64-key blocks; the deterministic dQ turns count 64-key CTAs), no clusters, and
+    its shared memory fits."""
+    return (cfg.split_head_dim and max(cfg.head_dim, cfg.head_dim_v) <= SWAP_MAX_HEAD_DIM
+            and cfg.head_dim % 64 == 0 and cfg.head_dim_v % 64 == 0
+            and cfg.tile_m == 64 and cfg.cluster_n == 1
+            and not (cfg.block_sparse or cfg.band or cfg.deterministic)
+            and split_shared_bytes(cfg, cfg.num_stages) <= SMEM_CAPACITY)
+
+
 def default_stages(cfg) -> int:
     """Q / dO ring depth: 2 where its shared memory fits (`split_shared_bytes`), else 1 (the
     producer then loads a visit's Q and dO while the previous one's GEMMs finish)."""
@@ -301,10 +333,12 @@ def default_stages(cfg) -> int:
 
 def split_shared_bytes(cfg, num_stages: int) -> int:
     """Shared memory of a `split_head_dim` config (the kernel's SharedStorage, 16-bit
-    tiles): Q and dO per stage, K, V, two dS^T and two P^T buffers, the fp32 dQ tile, LSE
+    tiles): Q and dO per stage, K, V, two dS^T and two P^T buffers (one P^T buffer in the
+    swapped layout: only its own warpgroup reads a P^T slice there), the fp32 dQ tile, LSE
     and D per stage, barriers and alignment."""
     tm, tn, d, dv = cfg.tile_m, cfg.tile_n, cfg.head_dim, cfg.head_dim_v
-    tiles = 2 * (num_stages * tm * (d + dv) + tn * (d + dv) + 2 * 2 * tn * tm)
+    p_buffers = 1 if tn == SWAP_TILE_N else 2
+    tiles = 2 * (num_stages * tm * (d + dv) + tn * (d + dv) + (2 + p_buffers) * tn * tm)
     return tiles + 4 * tm * d + 2 * 4 * num_stages * max(tm, 32) + 1024
 
 
@@ -347,6 +381,22 @@ def make_split_mma(dtype, rows: int, cols: int, num_wg: int, b_major):
     return sm90_helpers.make_trivial_tiled_mma(
         dtype, dtype, warpgroup.OperandMajorMode.K, b_major, Float32,
         atom_layout_mnk=(1, num_wg, 1), tiler_mn=(rows, cols // num_wg))
+
+
+def make_swapped_dkv_mma(dtype, tile_n: int, num_wg: int):
+    """`BwdConfig.dkv_swap`'s dK^T = Q^T dS and dV^T = dO^T P: C[head dim, tile_n] with the
+    warpgroups side by side on the keys (N), each running all head-dim rows (M, 64 per
+    atom); A (Q^T, dO^T tiles) MN-major, B (the dS^T / P^T tiles, q contiguous) K-major."""
+    return sm90_helpers.make_trivial_tiled_mma(
+        dtype, dtype, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.K, Float32,
+        atom_layout_mnk=(1, num_wg, 1), tiler_mn=(64, tile_n // num_wg))
+
+
+def acc_kq_view(acc: cute.Tensor) -> cute.Tensor:
+    """An S = Q K^T accumulator fragment (`BwdConfig.dkv_swap`) as (keys, queries): the
+    orientation of the S^T fragments the pointwise code (bwd/pointwise.py) indexes."""
+    view = mma.acc_mn_view(acc)
+    return cute.make_tensor(view.iterator, cute.select(view.layout, mode=[1, 0]))
 
 
 def dq_slice_atom(head_dim: int, num_wg: int) -> int | None:
@@ -404,6 +454,8 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
     def __init__(self, config: BwdConfig):
         super().__init__(self.num_mma_wg)
         self.cfg = config
+        if config.dkv_swap:     # S / dP come as (queries, keys): the pointwise sees (keys, queries)
+            self.acc_mn_view = acc_kq_view
         self.dtype = config.cutlass_dtype
         self.mods = config.mods
         self.dq_pair_threads = 128 + 32
@@ -505,7 +557,13 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         # S^T, dP^T: [tile_n, tile_m], SS. dK: [tile_n, D], dV: [tile_n, Dv] (consume's
         # tiled_mma_nv), A from registers; split_head_dim: S^T / dP^T split over the q
         # columns, dK / dV over the head dim, A (P^T, dS^T) from shared memory.
-        if const_expr(split):
+        # dkv_swap: S = Q K^T / dP = dO V^T [tile_m, tile_n] with the keys split between the
+        # warpgroups (N), and dK^T [D, tile_n] / dV^T [Dv, tile_n] = Q^T dS / dO^T P, A (Q^T,
+        # dO^T) MN-major, B (dS^T, P^T tiles) K-major: one MMA for both (M from the tile).
+        if const_expr(cfg.dkv_swap):
+            tiled_mma_nm = make_split_mma(self.dtype, tm, tn, n_wg, warpgroup.OperandMajorMode.K)
+            tiled_mma_nd = make_swapped_dkv_mma(self.dtype, tn, n_wg)
+        elif const_expr(split):
             tiled_mma_nm = make_split_mma(self.dtype, tn, tm, n_wg, warpgroup.OperandMajorMode.K)
             tiled_mma_nd = make_split_mma(self.dtype, tn, D, n_wg, warpgroup.OperandMajorMode.MN)
         else:
@@ -515,8 +573,9 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
 
         # split_head_dim: the dK / dV GEMMs read Q and dO MN-major in head-dim slices of one
         # warpgroup each, as the dQ GEMM reads K.
-        q_atom = dq_slice_atom(D, n_wg) if const_expr(split) else None
-        do_atom = dq_slice_atom(Dv, n_wg) if const_expr(split) else None
+        # (dkv_swap reads them MN-major whole, 64 rows of M at a time: the default atoms.)
+        q_atom = dq_slice_atom(D, n_wg) if const_expr(split and not cfg.dkv_swap) else None
+        do_atom = dq_slice_atom(Dv, n_wg) if const_expr(split and not cfg.dkv_swap) else None
         sQ_layout = mma.smem_layout(self.dtype, tm, D, cfg.num_stages, atom_cols=q_atom)
         sdO_layout = mma.smem_layout(self.dtype, tm, Dv, cfg.num_stages, atom_cols=do_atom)
         sK_layout = mma.smem_layout(self.dtype, tn, D, 1, atom_cols=dq_slice_atom(D, n_wg))
@@ -532,7 +591,9 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             sdS_layout = mma.smem_layout(self.dtype, tm, tn, cfg.num_stages)
         else:
             sdS_layout = mma.smem_layout(self.dtype, tn, tm, 2 if split else cfg.num_stages)
-        sP_layout = mma.smem_layout(self.dtype, tn, tm, 2) if const_expr(split) else mma.smem_layout(self.dtype, 8, 64, 1)
+        # dkv_swap: one P^T buffer (each warpgroup reads only its own keys' rows of it).
+        sP_layout = (mma.smem_layout(self.dtype, tn, tm, 1 if cfg.dkv_swap else 2) if const_expr(split)
+                     else mma.smem_layout(self.dtype, 8, 64, 1))
         # LSE / D per stage; each stage 128-byte aligned (TMA destinations).
         sStat_layout = cute.make_layout((tm, cfg.num_stages), stride=(1, -(-tm // 32) * 32))
 
@@ -820,7 +881,8 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         split = cfg.split_head_dim
         # dV's GEMM: N = the value head dim (the same MMA as dK's where they are equal)
         tiled_mma_nv = tiled_mma_nd
-        if const_expr(cfg.head_dim_v != cfg.head_dim):
+        kv_swap = cfg.dkv_swap
+        if const_expr(cfg.head_dim_v != cfg.head_dim and not kv_swap):
             tiled_mma_nv = (make_split_mma(self.dtype, cfg.tile_n, cfg.head_dim_v, self.num_mma_wg,
                                            warpgroup.OperandMajorMode.MN) if split
                             else mma.make_pv_mma(self.dtype, cfg.tile_n, cfg.head_dim_v))
@@ -830,40 +892,65 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
 
         T = mma.transpose_view
         swap = cfg.dq_swap_ab
-        frags = (
-            wg_nm.make_fragment_A(wg_nm.partition_A(sK)),        # S^T = K Q^T
-            wg_nm.make_fragment_B(wg_nm.partition_B(sQ)),
-            wg_nm.make_fragment_A(wg_nm.partition_A(sV)),        # dP^T = V dO^T
-            wg_nm.make_fragment_B(wg_nm.partition_B(sdO)),
-            # P^T: registers, or split_head_dim: sP (both warpgroups' columns)
-            (wg_nv.make_fragment_A(wg_nv.partition_A(sP)) if const_expr(split)
-             else wg_nd.make_fragment_A(wg_nd.partition_shape_A((cfg.tile_n, cfg.tile_m)))),
-            wg_nv.make_fragment_B(wg_nv.partition_B(T(sdO))),    # dV += P^T dO
-            wg_nd.make_fragment_B(wg_nd.partition_B(T(sQ))),     # dK += dS^T Q
-            # dQ = dS K, or swapped dQ^T = K^T dS^T: (dS, K^T) fragments either way.
-            (wg_md.make_fragment_B(wg_md.partition_B(sdS)) if const_expr(swap)
-             else wg_md.make_fragment_A(wg_md.partition_A(T(sdS)))),
-            (wg_md.make_fragment_A(wg_md.partition_A(T(sK))) if const_expr(swap)
-             else wg_md.make_fragment_B(wg_md.partition_B(T(sK)))),
-            # split_head_dim: dS^T as dK's A from sdS (else from registers)
-            wg_nd.make_fragment_A(wg_nd.partition_A(sdS)) if const_expr(split) else None,
-        )
-        acc_shape_nm = wg_nm.partition_shape_C((cfg.tile_n, cfg.tile_m))
+        tm, tn = cfg.tile_m, cfg.tile_n
+        if const_expr(kv_swap):
+            # The same slots as below, operands of the swapped GEMMs (see __call__).
+            frags = (
+                wg_nm.make_fragment_B(wg_nm.partition_B(sK)),        # S = Q K^T
+                wg_nm.make_fragment_A(wg_nm.partition_A(sQ)),
+                wg_nm.make_fragment_B(wg_nm.partition_B(sV)),        # dP = dO V^T
+                wg_nm.make_fragment_A(wg_nm.partition_A(sdO)),
+                wg_nv.make_fragment_B(wg_nv.partition_B(sP)),        # dV^T += dO^T P
+                wg_nv.make_fragment_A(wg_nv.partition_A(T(sdO))),
+                wg_nd.make_fragment_A(wg_nd.partition_A(T(sQ))),     # dK^T += Q^T dS
+                wg_md.make_fragment_A(wg_md.partition_A(T(sdS))),    # dQ = dS K
+                wg_md.make_fragment_B(wg_md.partition_B(T(sK))),
+                wg_nd.make_fragment_B(wg_nd.partition_B(sdS)),
+            )
+            acc_shape_nm = wg_nm.partition_shape_C((tm, tn))
+            acc_dV = cute.make_rmem_tensor(wg_nv.partition_shape_C((cfg.head_dim_v, tn)), Float32)
+            acc_dK = cute.make_rmem_tensor(wg_nd.partition_shape_C((cfg.head_dim, tn)), Float32)
+            coords = FragmentCoords(thr_nm, tm, tn, acc_kq_view, transposed=True)
+            # P^T / dS^T tiles (q contiguous) from the S / dP fragments: transposing stmatrix.
+            r2s_dS = mma.stmatrix_copy(tiled_mma_nm, self.dtype, tidx, transpose=True,
+                                       wg_cols=tn // self.num_mma_wg)
+            tdSsdS = (r2s_dS.partition_D(T(sdS)), r2s_dS.partition_D(T(sP)))
+        else:
+            frags = (
+                wg_nm.make_fragment_A(wg_nm.partition_A(sK)),        # S^T = K Q^T
+                wg_nm.make_fragment_B(wg_nm.partition_B(sQ)),
+                wg_nm.make_fragment_A(wg_nm.partition_A(sV)),        # dP^T = V dO^T
+                wg_nm.make_fragment_B(wg_nm.partition_B(sdO)),
+                # P^T: registers, or split_head_dim: sP (both warpgroups' columns)
+                (wg_nv.make_fragment_A(wg_nv.partition_A(sP)) if const_expr(split)
+                 else wg_nd.make_fragment_A(wg_nd.partition_shape_A((cfg.tile_n, cfg.tile_m)))),
+                wg_nv.make_fragment_B(wg_nv.partition_B(T(sdO))),    # dV += P^T dO
+                wg_nd.make_fragment_B(wg_nd.partition_B(T(sQ))),     # dK += dS^T Q
+                # dQ = dS K, or swapped dQ^T = K^T dS^T: (dS, K^T) fragments either way.
+                (wg_md.make_fragment_B(wg_md.partition_B(sdS)) if const_expr(swap)
+                 else wg_md.make_fragment_A(wg_md.partition_A(T(sdS)))),
+                (wg_md.make_fragment_A(wg_md.partition_A(T(sK))) if const_expr(swap)
+                 else wg_md.make_fragment_B(wg_md.partition_B(T(sK)))),
+                # split_head_dim: dS^T as dK's A from sdS (else from registers)
+                wg_nd.make_fragment_A(wg_nd.partition_A(sdS)) if const_expr(split) else None,
+            )
         acc_shape_md = wg_md.partition_shape_C(
             (cfg.head_dim, cfg.tile_m) if const_expr(swap) else (cfg.tile_m, cfg.head_dim))
-        acc_dV = cute.make_rmem_tensor(wg_nv.partition_shape_C((cfg.tile_n, cfg.head_dim_v)), Float32)
-        acc_dK = cute.make_rmem_tensor(wg_nd.partition_shape_C((cfg.tile_n, cfg.head_dim)), Float32)
+        if const_expr(not kv_swap):
+            acc_shape_nm = wg_nm.partition_shape_C((cfg.tile_n, cfg.tile_m))
+            acc_dV = cute.make_rmem_tensor(wg_nv.partition_shape_C((cfg.tile_n, cfg.head_dim_v)), Float32)
+            acc_dK = cute.make_rmem_tensor(wg_nd.partition_shape_C((cfg.tile_n, cfg.head_dim)), Float32)
+            # Rows of the S^T fragment are keys, columns are queries.
+            coords = FragmentCoords(thr_nm, cfg.tile_n, cfg.tile_m, mma.acc_mn_view)
+            # dS^T registers -> sdS (the forward's O epilogue copy, on the S^T tile; swapped
+            # dQ: transposed, into the keys-contiguous dS tile).
+            r2s_dS = mma.stmatrix_copy(tiled_mma_nm, self.dtype, tidx, transpose=swap,
+                                       wg_cols=cfg.tile_m // self.num_mma_wg if split else 16)
+            tdSsdS = r2s_dS.partition_D(T(sdS) if const_expr(swap) else sdS)   # (..., stage)
+            if const_expr(split):
+                tdSsdS = (tdSsdS, r2s_dS.partition_D(sP))     # P^T's stores likewise
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
-        # Rows of the S^T fragment are keys, columns are queries.
-        coords = FragmentCoords(thr_nm, cfg.tile_n, cfg.tile_m, mma.acc_mn_view)
-        # dS^T registers -> sdS (the forward's O epilogue copy, on the S^T tile; swapped
-        # dQ: transposed, into the keys-contiguous dS tile).
-        r2s_dS = mma.stmatrix_copy(tiled_mma_nm, self.dtype, tidx, transpose=swap,
-                                   wg_cols=cfg.tile_m // self.num_mma_wg if split else 16)
-        tdSsdS = r2s_dS.partition_D(T(sdS) if const_expr(swap) else sdS)   # (..., stage)
-        if const_expr(split):
-            tdSsdS = (tdSsdS, r2s_dS.partition_D(sP))     # P^T's stores likewise
         # dQ registers -> this thread's 16-byte runs of sdQ (fragment order).
         tdQsdQ = dq_fragment_copy(self.num_mma_wg).get_slice(tidx).partition_D(sdQ)
 
@@ -950,12 +1037,20 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         lse, delta = sLSE[None, stage], sDelta[None, stage]
         if const_expr(self.stats_in_registers):
             lse = self._column_values(lse, coords)
-        mma.gemm(tiled_mma_nm, acc_S, tSrK[None, None, None, 0],
-                      tSrQ[None, None, None, stage], zero_init=True, wait=-1)
+        if const_expr(self.cfg.dkv_swap):            # S = Q K^T
+            mma.gemm(tiled_mma_nm, acc_S, tSrQ[None, None, None, stage], tSrK[None, None, None, 0],
+                     zero_init=True, wait=-1)
+        else:
+            mma.gemm(tiled_mma_nm, acc_S, tSrK[None, None, None, 0],
+                     tSrQ[None, None, None, stage], zero_init=True, wait=-1)
         acc_dP = cute.make_rmem_tensor(acc_shape_nm, Float32)
         pipe_do.consumer_wait(state)
-        mma.gemm(tiled_mma_nm, acc_dP, tPrV[None, None, None, 0],
-                      tPrdO[None, None, None, stage], zero_init=True, wait=-1)
+        if const_expr(self.cfg.dkv_swap):            # dP = dO V^T
+            mma.gemm(tiled_mma_nm, acc_dP, tPrdO[None, None, None, stage], tPrV[None, None, None, 0],
+                     zero_init=True, wait=-1)
+        else:
+            mma.gemm(tiled_mma_nm, acc_dP, tPrV[None, None, None, 0],
+                     tPrdO[None, None, None, stage], zero_init=True, wait=-1)
         blk = (m_block, n_block, head, batch, seqlen_q, seqlen_k, softmax_scale, mod_args)
         if const_expr(mods.has_score):
             # One pass after both GEMMs: ds'/ds and the raw score stay per-element
@@ -1024,7 +1119,9 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         `split_head_dim`: both go to shared memory (buffer by visit parity), then each
         warpgroup runs its head-dim slice of dQ = dS K, dV += P^T dO and dK += dS^T Q, all
         SS. dQ first: its accumulator (D / 4 registers) is only live until it is staged for
-        the writer, while dV and dK run."""
+        the writer, while dV and dK run. `dkv_swap`: dV^T += dO^T P and dK^T += Q^T dS, one
+        P^T buffer (a warpgroup's dV^T reads only its own keys' rows, after its previous
+        visit's GEMMs all retired)."""
         ((tiled_mma_nm, tiled_mma_nd, tiled_mma_nv, tiled_mma_md), frags, acc_shape_nm, acc_shape_md,
          acc_dV, acc_dK, coords, r2s_dS, tdSsdS_tPsP, tdQsdQ, wg, sLSE, sDelta,
          pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
@@ -1035,17 +1132,24 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         # Two buffers: a warpgroup writes visit i + 1's tiles only after the ds_full barrier
         # of visit i, which the other passes after its visit i - 1 GEMMs have all retired.
         buf = state.count % 2
-        cute.copy(r2s_dS, r2s_dS.retile(rP), tPsP[None, None, None, buf])
+        kv_swap = self.cfg.dkv_swap
+        cute.copy(r2s_dS, r2s_dS.retile(rP), tPsP[None, None, None, 0 if kv_swap else buf])
         cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, buf])
         cute.arch.fence_view_async_shared()          # generic-proxy writes -> wgmma reads
         BwdBarrier.DS_FULL.sync(self.num_mma_threads)
         acc_dQ = cute.make_rmem_tensor(acc_shape_md, Float32)
         mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, buf], tQrKt[None, None, None, 0],
                  zero_init=True, wait=-1)
-        mma.gemm(tiled_mma_nv, acc_dV, tVsP[None, None, None, buf], tVrdOt[None, None, None, stage],
-                 zero_init=False, wait=-1)
-        mma.gemm(tiled_mma_nd, acc_dK, tKsdS[None, None, None, buf], tKrQt[None, None, None, stage],
-                 zero_init=False, wait=2)            # dQ retired
+        if const_expr(kv_swap):
+            mma.gemm(tiled_mma_nv, acc_dV, tVrdOt[None, None, None, stage], tVsP[None, None, None, 0],
+                     zero_init=False, wait=-1)
+            mma.gemm(tiled_mma_nd, acc_dK, tKrQt[None, None, None, stage], tKsdS[None, None, None, buf],
+                     zero_init=False, wait=2)        # dQ retired
+        else:
+            mma.gemm(tiled_mma_nv, acc_dV, tVsP[None, None, None, buf], tVrdOt[None, None, None, stage],
+                     zero_init=False, wait=-1)
+            mma.gemm(tiled_mma_nd, acc_dK, tKsdS[None, None, None, buf], tKrQt[None, None, None, stage],
+                     zero_init=False, wait=2)        # dQ retired
         self._stage_dq(acc_dQ, tdQsdQ, wg)
         warpgroup.wait_group(1)                      # dV retired: dO may be overwritten
         pipe_do.consumer_release(state)
@@ -1205,7 +1309,14 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         # split_head_dim: a warpgroup's accumulator columns are its head-dim slice
         wg_cols = ((cfg.head_dim // self.num_mma_wg, cfg.head_dim_v // self.num_mma_wg)
                    if cfg.split_head_dim else (16, 16))
-        if const_expr(tiled_mma_nv is tiled_mma_nd):
+        if const_expr(cfg.dkv_swap):
+            # dK^T / dV^T fragments (head dim x keys) into the keys-major tiles: transposing
+            # stmatrix; a warpgroup's columns are its keys.
+            r2s = mma.stmatrix_copy(tiled_mma_nd, self.dtype, tidx, transpose=True,
+                                    wg_cols=cfg.tile_n // self.num_mma_wg)
+            cute.copy(r2s, r2s.retile(rdK), r2s.partition_D(mma.transpose_view(sdK)))
+            cute.copy(r2s, r2s.retile(rdV), r2s.partition_D(mma.transpose_view(sdV)))
+        elif const_expr(tiled_mma_nv is tiled_mma_nd):
             stage_tiles(tiled_mma_nd, self.dtype, tidx, [(rdK, sdK), (rdV, sdV)], wg_cols[0])
         else:
             stage_tiles(tiled_mma_nd, self.dtype, tidx, [(rdK, sdK)], wg_cols[0])

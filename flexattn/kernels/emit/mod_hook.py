@@ -113,26 +113,30 @@ class FragmentCoords:
     thread 0's coordinates (compile-time constants) so each column index costs one add.
     """
 
-    def __init__(self, thr_mma, tile_m: int, tile_n: int, acc_mn_view):
+    def __init__(self, thr_mma, tile_m: int, tile_n: int, acc_mn_view, transposed: bool = False):
+        """`transposed`: `acc_mn_view` shows the accumulator's (M, N) tile as (N, M) (the
+        backward's swapped layout views its S = Q K^T tile as keys x queries): rows then
+        take the N coordinate, columns the M one."""
         ident = cute.make_identity_tensor((tile_m, tile_n))
         self.t_mn = acc_mn_view(thr_mma.partition_C(ident))
         self.t0_mn = acc_mn_view(thr_mma.get_slice(0).partition_C(ident))
         self.tile_m, self.tile_n = tile_m, tile_n
+        self._row_mode, self._col_mode = (1, 0) if transposed else (0, 1)
         # Thread 0's coordinates are Python ints: looked up once each (a lookup builds
         # IR and costs ~1.4 ms of tracing; kernels ask for each one several times).
         self._const = {}
 
     def row(self, r):           # local row of fragment row r
-        return self.t_mn[r, 0][0]
+        return self.t_mn[r, 0][self._row_mode]
 
     def col_offset(self):       # local column of this thread's first element
-        return self.t_mn[0, 0][1]
+        return self.t_mn[0, 0][self._col_mode]
 
     def col0(self, c):          # thread-0 column of fragment column c: a constant
-        return self._thread0(0, c, 1)
+        return self._thread0(0, c, self._col_mode)
 
     def row0(self, r):          # thread-0 row of fragment row r: a constant
-        return self._thread0(r, 0, 0)
+        return self._thread0(r, 0, self._row_mode)
 
     def col0_vector(self, shape):
         """Thread 0's columns of a fragment row of shape `shape`, as an Int32 vector
