@@ -76,11 +76,11 @@ def _poison(shape, dtype):
 
 
 def kernel_backward(q, k, v, do, spec, dlse=None, deterministic=False, ffi=FFI, tile_m=None,
-                    cluster_n=None, tf32_passes=3):
+                    cluster_n=None, tf32_passes=3, tile_n=None):
     """Forward kernel for O and LSE, then the backward kernels. -> (dq, dk, dv, grads by
     capture slot (None where no gradient), forward config, out, backward config).
     `deterministic`: the bitwise-repeatable backward (BwdConfig.deterministic); `ffi`:
-    launch through TVM-FFI; `tile_m`, `cluster_n`: instead of the planner's; `tf32_passes`:
+    launch through TVM-FFI; `tile_m`, `cluster_n`, `tile_n`: instead of the planner's; `tf32_passes`:
     float32's (the forward's and so the backward's)."""
     dev = _device(tf32_passes)
     shape = check_inputs(q, k, v, spec)
@@ -90,6 +90,8 @@ def kernel_backward(q, k, v, do, spec, dlse=None, deterministic=False, ffi=FFI, 
     tile = {} if tile_m is None else {"tile_m": tile_m}
     if cluster_n is not None:
         tile["cluster_n"] = cluster_n
+    if tile_n is not None:           # (the planner's otherwise: bwd.plan.with_swapped_layout)
+        tile["tile_n"] = tile_n
     cfg = config_from_forward(plan.config, deterministic=deterministic, **tile)
     hook = cfg.mods
     args = ffi_mod_args(hook, dev.to_device) if ffi else runtime_args(hook, dev.to_device)

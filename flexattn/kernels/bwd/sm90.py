@@ -42,6 +42,11 @@ sdQ 40 KB, LSE / D: 227 KB, the sm_90 limit, so no room for the relative-bias di
 sums (sDiag: at 80 each thread adds its diagonals itself; the planner keeps 64 for those
 mods).
 
+Head dims beyond 128 (`BwdConfig.split_head_dim`, docs/KERNELS.md): 64-key CTAs whose
+warpgroups split dK / dV / dQ over the head dim, or, for the dense and causal walks at head
+dims that are multiples of 64 up to 192, the swapped layout (`BwdConfig.dkv_swap`): 96-key
+CTAs, S = Q K^T with the keys split between the warpgroups, dK^T = Q^T dS and dV^T = dO^T P.
+
 Per visit (consumer warpgroup):  LSE to registers, S^T = K Q^T, dP^T = V dO^T (SS, async)
 -> P^T from LSE (mods re-applied exactly as the forward does; D read while dP^T runs)
 -> dS^T -> dS^T to smem (double-buffered by Q stage), dV (RS, async) -> barrier ds_full
