@@ -151,7 +151,7 @@ def test_every_adapters_backward_plan_refuses_what_is_not_verified():
     """backward_config (JAX's and CuPy's backward plans too, not only the torch door)
     refuses head dim 16, query's or value's, and accepts every other the forward takes,
     value head dims apart from the query's included; beyond 128 the config splits the head
-    dim between the warpgroups over 64-key CTAs."""
+    dim between the warpgroups (64-key CTAs) or swaps dK / dV (96-key CTAs)."""
     from flexattn.core.backward_path import backward_config
     from flexattn.kernels.fwd.sm90 import FwdConfig
 
@@ -159,7 +159,9 @@ def test_every_adapters_backward_plan_refuses_what_is_not_verified():
     backward_config(FwdConfig(head_dim=128, head_dim_v=64))
     for kw in (dict(head_dim=192, head_dim_v=128), dict(head_dim=128, head_dim_v=192), dict(head_dim=256)):
         cfg = backward_config(FwdConfig(**kw))
-        assert cfg.split_head_dim and cfg.tile_n == 64 and cfg.tile_m == 64
+        # 96-key CTAs in the swapped layout up to 192 (bwd.plan.with_swapped_layout)
+        assert cfg.split_head_dim and cfg.tile_n == (64 if kw["head_dim"] == 256 else 96) and cfg.tile_m == 64
+        assert cfg.dkv_swap == (cfg.tile_n == 96)
     assert backward_config(FwdConfig(head_dim=256)).num_stages == 1      # 2 do not fit
     assert backward_config(FwdConfig(head_dim=192, head_dim_v=128)).num_stages == 2
     for kw in (dict(head_dim=16), dict(head_dim=64, head_dim_v=16)):

@@ -70,6 +70,9 @@ def _config(name):
     if name == "d192-dense-swap":
         hook = IRModHook()
         return BwdConfig(head_dim=192, tile_n=96, num_stages=1, mods=hook), hook
+    if name == "d256-128-causal-swap48":       # 48-key CTAs (FA4's at 256; not planned)
+        hook = IRModHook(None, mods.causal())
+        return BwdConfig(head_dim=256, head_dim_v=128, tile_n=48, causal=True, mods=hook), hook
     if name == "d64-causal":
         hook = IRModHook(None, mods.causal())
         return BwdConfig(head_dim=64, causal=True, mods=hook), hook
@@ -100,7 +103,7 @@ VALUE_DIMS = ["d128-64-causal-softcap", "d64-128-dense", "d96-64-sparse-document
 # head dims beyond 128 (BwdConfig.split_head_dim)
 WIDE = ["d256-causal-softcap", "d192-128-sparse-document"]
 # the swapped layout beyond 128 (BwdConfig.dkv_swap)
-SWAPPED = ["d192-128-causal-softcap-swap", "d192-dense-swap"]
+SWAPPED = ["d192-128-causal-softcap-swap", "d192-dense-swap", "d256-128-causal-swap48"]
 # tile_m 128 (head dims up to 64, no score mod; wider block lists spill: bwd.plan)
 TILE128 = ["d64-causal-128", "d32-sparse-document-128"]
 NAMES = DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + SWAPPED + TILE128
@@ -210,21 +213,21 @@ def test_head_dims_beyond_128(compiled, name):
 
 @pytest.mark.parametrize("name", SWAPPED)
 def test_swapped_layout(compiled, name):
-    """dkv_swap: 96-key CTAs; S = Q K^T and dP = dO V^T m64n48 per warpgroup (its 48 keys, D
-    / 16 and Dv / 16 k-steps); dK^T and dV^T m64n48 with the head dim on M (D / 64 and Dv /
-    64 atoms, 4 k-steps over the 64 q rows); dQ m64n(D / 2) over the 96 keys (6 k-steps);
-    P^T and dS^T by transposing stmatrix (one x4 store each per step), dK^T / dV^T too in
-    the epilogue; the same two bulk dQ adds."""
+    """dkv_swap: 96- (or 48-) key CTAs; S = Q K^T and dP = dO V^T m64n48 (n24) per warpgroup
+    (its half of the keys, D / 16 and Dv / 16 k-steps); dK^T and dV^T m64n48 (n24) with the
+    head dim on M (D / 64 and Dv / 64 atoms, 4 k-steps over the 64 q rows); dQ m64n(D / 2)
+    over all the keys (tile_n / 16 k-steps); P^T and dS^T by transposing stmatrix, dK^T / dV^T
+    too in the epilogue; the same two bulk dQ adds."""
     cfg, ptx = compiled[name]
-    D, Dv = cfg.head_dim, cfg.head_dim_v
-    assert cfg.dkv_swap and (cfg.tile_m, cfg.tile_n) == (64, 96)
+    D, Dv, tn = cfg.head_dim, cfg.head_dim_v, cfg.tile_n
+    assert cfg.dkv_swap and cfg.tile_m == 64 and tn in (96, 48)
     steps = 2 if cfg.causal else 1
-    n48 = (D + Dv) // 16 + 4 * (D + Dv) // 64
-    assert ptx.count("wgmma.mma_async.sync.aligned.m64n48k16") == steps * n48
-    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{D // 2}k16") == steps * 6
-    assert ptx.count("wgmma.mma_async") == steps * (n48 + 6)
-    assert "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
-    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == 0
+    n_half = (D + Dv) // 16 + 4 * (D + Dv) // 64
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{tn // 2}k16") == steps * n_half
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{D // 2}k16") == steps * tn // 16
+    assert ptx.count("wgmma.mma_async") == steps * (n_half + tn // 16)
+    assert "stmatrix.sync.aligned.m8n8" in ptx and ".trans.shared.b16" in ptx
+    assert "stmatrix.sync.aligned.m8n8.x4.shared.b16" not in ptx and "stmatrix.sync.aligned.m8n8.x2.shared.b16" not in ptx
     assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
 
 

@@ -185,12 +185,12 @@ class BwdConfig(KernelConfig):
             object.__setattr__(self, "tile_n", 64 if self.split_head_dim else 128)
         if self.num_stages is None:
             object.__setattr__(self, "num_stages", default_stages(self))
-        if self.tile_m not in (64, 80, 128) or self.tile_n not in ((64, SWAP_TILE_N) if self.split_head_dim else (128,)):
+        if self.tile_m not in (64, 80, 128) or self.tile_n not in ((64, *SWAP_TILES) if self.split_head_dim else (128,)):
             raise ValueError("the backward supports tile_m=64, 80 or 128 and tile_n=128, or tile_m=64 and"
-                             f" tile_n=64 or {SWAP_TILE_N} where a head dim exceeds 128")
+                             f" tile_n=64 or one of {tuple(SWAP_TILES)} where a head dim exceeds 128")
         if self.dkv_swap and not dkv_swap_allowed(self):
-            raise ValueError(f"tile_n={SWAP_TILE_N} (the swapped layout) is for head dims up to {SWAP_MAX_HEAD_DIM}"
-                             " beyond 128 that are multiples of 64, the dense and causal structures, not"
+            raise ValueError(f"tile_n={self.tile_n} (the swapped layout) is for head dims up to"
+                             f" {SWAP_TILES[self.tile_n]} beyond 128 that are multiples of 64, the dense and causal structures, not"
                              " deterministic, where it fits"
                              f" shared memory ({split_shared_bytes(self, self.num_stages)} bytes)")
         if self.tile_m == 128 and max(self.head_dim, self.head_dim_v) > 64:
@@ -255,7 +255,7 @@ class BwdConfig(KernelConfig):
         dO^T P with the head dim on M. A 64-key CTA (`split_head_dim`'s other layout) moves
         1.5x the L2 bytes per key (Q, dO and the dQ adds per visit): at 192/128 that bound
         its backward (Nsight Compute, H100: L2 91.5% busy, tensor pipe 37.6%)."""
-        return self.tile_n == SWAP_TILE_N
+        return self.split_head_dim and self.tile_n in SWAP_TILES
 
     @property
     def sparse_block_n(self) -> int:
@@ -311,17 +311,20 @@ class BwdConfig(KernelConfig):
         return -(-seqlen_k // self.tile_n) % self.cluster_n == 0
 
 
-SWAP_TILE_N = 96                  # keys per CTA of the swapped layout (`BwdConfig.dkv_swap`)
-SWAP_MAX_HEAD_DIM = 192           # its dK^T / dV^T registers: 3 x 24 + 2 x 24 at 192/128
+# Keys per CTA of the swapped layout (`BwdConfig.dkv_swap`) -> the widest head dim it takes:
+# 96 up to 192 (dK^T / dV^T registers 3 x 24 + 3 x 24 at 192/192), 48 up to 256 (FA4's
+# tile there: 4 x 12 + 4 x 12).
+SWAP_TILES = {96: 192, 48: 256}
+SWAP_TILE_N = 96                  # the planned one (bwd.plan.with_swapped_layout)
 
 
 def dkv_swap_allowed(cfg) -> bool:
-    """Whether `cfg` (with tile_n = SWAP_TILE_N) may run the swapped layout: head dims beyond
-    128 up to SWAP_MAX_HEAD_DIM, both multiples of 64 (dK^T / dV^T put them on wgmma's M,
+    """Whether `cfg` (tile_n one of SWAP_TILES) may run the swapped layout: head dims beyond
+    128 up to the tile's limit, both multiples of 64 (dK^T / dV^T put them on wgmma's M,
     64 rows per atom), 64-row visits, the dense or causal walk (block lists and bands index
     128- / 64-key blocks; the deterministic dQ turns count 64-key CTAs), no clusters, and
     its shared memory fits."""
-    return (cfg.split_head_dim and max(cfg.head_dim, cfg.head_dim_v) <= SWAP_MAX_HEAD_DIM
+    return (cfg.split_head_dim and max(cfg.head_dim, cfg.head_dim_v) <= SWAP_TILES.get(cfg.tile_n, 0)
             and cfg.head_dim % 64 == 0 and cfg.head_dim_v % 64 == 0
             and cfg.tile_m == 64 and cfg.cluster_n == 1
             and not (cfg.block_sparse or cfg.band or cfg.deterministic)
@@ -342,7 +345,7 @@ def split_shared_bytes(cfg, num_stages: int) -> int:
     swapped layout: only its own warpgroup reads a P^T slice there), the fp32 dQ tile, LSE
     and D per stage, barriers and alignment."""
     tm, tn, d, dv = cfg.tile_m, cfg.tile_n, cfg.head_dim, cfg.head_dim_v
-    p_buffers = 1 if tn == SWAP_TILE_N else 2
+    p_buffers = 1 if tn in SWAP_TILES else 2
     tiles = 2 * (num_stages * tm * (d + dv) + tn * (d + dv) + (2 + p_buffers) * tn * tm)
     return tiles + 4 * tm * d + 2 * 4 * num_stages * max(tm, 32) + 1024
 
