@@ -11,7 +11,8 @@ limit=${1:-540}
 groups=(
   "fwd:tests/gpu/test_fwd_gpu.py tests/gpu/test_mod_emit_gpu.py"
   "public:tests/gpu/test_flex_attention_gpu.py tests/gpu/test_dlpack_gpu.py"
-  "bwd:tests/gpu/test_bwd_gpu.py"
+  "bwd:tests/gpu/test_bwd_gpu.py -k not(deterministic)"
+  "bwddet:tests/gpu/test_bwd_gpu.py -k deterministic"
   "autograd:tests/gpu/test_autograd_gpu.py tests/gpu/test_cupy_gpu.py"
   "decode:tests/gpu/test_decode_gpu.py tests/gpu/test_blockmask_gpu.py tests/gpu/test_short_query_gpu.py"
   "jax:tests/gpu/test_jax_gpu.py tests/gpu/test_notebooks_gpu.py"
