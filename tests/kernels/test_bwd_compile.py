@@ -233,8 +233,9 @@ def test_swapped_layout(compiled, name):
 
 def test_planner_swapped_layout():
     """bwd.plan.with_swapped_layout: the 96-key layout beyond 128 where both head dims are
-    multiples of 64 up to 192, for the dense and causal walks (two Q / dO stages, one at
-    192/192); the 64-key split layout elsewhere (256, 144, block lists, bands, deterministic)."""
+    multiples of 64 up to 192, for the dense and causal walks, where two Q / dO stages fit;
+    the 64-key split layout elsewhere (192/192: one stage only; 256, 144, block lists,
+    bands, deterministic)."""
     from flexattn.kernels.bwd.plan import with_swapped_layout
 
     def layout(**kw):
@@ -242,8 +243,9 @@ def test_planner_swapped_layout():
         return cfg.tile_n, cfg.num_stages
 
     assert layout(head_dim=192, head_dim_v=128, causal=True) == (96, 2)
-    assert layout(head_dim=192) == (96, 1) and layout(head_dim=128, head_dim_v=192) == (96, 2)
+    assert layout(head_dim=128, head_dim_v=192) == (96, 2) and layout(head_dim=192, head_dim_v=64) == (96, 2)
     for kw in (dict(head_dim=256, head_dim_v=128), dict(head_dim=144), dict(head_dim=192, deterministic=True),
+               dict(head_dim=192),
                dict(head_dim=192, block_sparse=True, mods=IRModHook(None, mods.sliding_window(64)))):
         assert layout(**kw)[0] == 64, kw
     assert layout(head_dim=128)[0] == 128

@@ -36,14 +36,14 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
 
 def with_swapped_layout(cfg: BwdConfig) -> BwdConfig:
     """Head dims beyond 128: the swapped layout (`BwdConfig.dkv_swap`, 96-key CTAs) where it
-    is allowed, with two Q / dO stages if they fit shared memory, else one (192/192); else
-    `cfg` as it is (the 64-key split layout). Causal fwd+bwd B4 S4096 H16, H100: see
-    docs/experiments.md (issue 25, session 24)."""
+    is allowed with two Q / dO stages; else `cfg` as it is (the 64-key split layout). With
+    one stage (192/192) the split layout's two stages won: causal B4 S4096 H16 fwd+bwd
+    kernels, H100, 2026-11-27: 192/192 split 3.81-3.88 ms, swapped 4.03-4.06; 192/128 split
+    3.53-3.65, swapped 2.75 (docs/experiments.md, issue 25, session 24)."""
     if cfg.dtype == "fp32" or not cfg.split_head_dim or cfg.num_stages is None:
         return cfg
-    for stages in (2, 1):
-        if dkv_swap_allowed(_Probe(cfg, stages)):
-            return dataclasses.replace(cfg, tile_n=SWAP_TILE_N, num_stages=stages)
+    if dkv_swap_allowed(_Probe(cfg, 2)):
+        return dataclasses.replace(cfg, tile_n=SWAP_TILE_N, num_stages=2)
     return cfg
 
 
