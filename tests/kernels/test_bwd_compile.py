@@ -258,16 +258,18 @@ def test_planner_swapped_layout():
 @pytest.mark.parametrize("name", TILE128)
 def test_tile_m_128(compiled, name):
     """128 q rows per visit: S^T and dP^T m64n128 (both warpgroups, D / 16 k-steps each),
-    dV and dK 8 k-steps over the rows, dQ two 64-row M atoms per warpgroup (4096 fp32 per
-    dQ half at D 64); still two bulk adds; the planner's choice (`choose_tile_m`) where
-    no score mod runs, block lists only at 32."""
+    dV and dK 8 k-steps over the rows, dQ one 64-row M atom of the whole head dim per
+    warpgroup (`dq_splits_rows`: m64nD, 8 k-steps over the keys; 4096 fp32 per warpgroup at
+    D 64); still two bulk adds; the planner's choice (`choose_tile_m`) where no score mod
+    runs, block lists only at 32."""
     from flexattn.kernels.bwd.plan import choose_tile_m
 
     cfg, ptx = compiled[name]
     D = cfg.head_dim
     steps = 2
     assert ptx.count("wgmma.mma_async.sync.aligned.m64n128k16") == steps * (2 * D // 16)
-    assert ptx.count("wgmma.mma_async") == steps * (2 * D // 16 + 2 * 128 // 16 + 2 * 128 // 16)
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{D}k16") == steps * (2 * 128 // 16 + 128 // 16)
+    assert ptx.count("wgmma.mma_async") == steps * (2 * D // 16 + 2 * 128 // 16 + 128 // 16)
     assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
     assert choose_tile_m(dataclasses.replace(cfg, tile_m=64)) == 128
     assert choose_tile_m(_config("d64-sparse-document")[0]) == 64       # lists beyond 32

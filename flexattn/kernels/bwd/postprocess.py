@@ -27,7 +27,8 @@ from cutlass.cute.nvgpu import cpasync
 from flexattn.kernels.hopper import mma
 from flexattn.kernels.hopper.atomics import FIXED_WORDS, fixed_to_f32
 from flexattn.kernels.bwd.preprocess import grid_stride
-from flexattn.kernels.bwd.sm90 import FlashBwdSm90, dq_fragment_copy, dq_slice_atom, dq_tile_layout, make_dq_mma
+from flexattn.kernels.bwd.sm90 import (FlashBwdSm90, dq_fragment_copy, dq_slice_atom, dq_splits_rows, dq_tile_layout,
+                                       make_dq_mma)
 
 
 class BwdPostprocess:
@@ -54,7 +55,9 @@ class BwdPostprocess:
         dQ = mma.select_modes(mdQ, [2, 3, 1, 0])          # (S, D, H, B)
         dQacc = mma.select_modes(mdQacc, [2, 3, 1, 0])
         tiled_mma = make_dq_mma(self.dtype, tm, D, self.num_wg, cfg.dq_swap_ab)
-        s_layout = mma.smem_layout(self.dtype, tm, D, atom_cols=dq_slice_atom(D, self.num_wg))
+        rows = dq_splits_rows(tm, self.num_wg, cfg.dq_swap_ab)   # a warpgroup's columns: all of D
+        s_layout = mma.smem_layout(self.dtype, tm, D, atom_cols=None if rows else dq_slice_atom(D, self.num_wg))
+        self.wg_cols = D if rows else D // self.num_wg
         tma_atom, tma_dQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), dQ, s_layout, (tm, D))
 
@@ -91,7 +94,7 @@ class BwdPostprocess:
         rdQ.store((acc.load() * softmax_scale).to(self.dtype))
 
         # dQ^T fragments go in transposed (stmatrix .trans on the (D, tm) view of sdQ).
-        r2s = mma.stmatrix_copy(tiled_mma, self.dtype, tidx, transpose=swap, wg_cols=D // self.num_wg)
+        r2s = mma.stmatrix_copy(tiled_mma, self.dtype, tidx, transpose=swap, wg_cols=self.wg_cols)
         cute.copy(r2s, r2s.retile(rdQ),
                   r2s.partition_D(mma.transpose_view(sdQ) if const_expr(swap) else sdQ))
         cute.arch.fence_view_async_shared()          # generic-proxy writes -> TMA reads

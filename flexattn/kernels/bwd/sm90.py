@@ -359,9 +359,18 @@ def one_diagonal_read(cfg) -> bool:
             and getattr(mods, "grad_read_count", 0) == 1)
 
 
+def dq_splits_rows(tile_m: int, num_wg: int, swap_ab: bool = False) -> bool:
+    """Whether the warpgroups split dQ's rows (M: one 64-row atom each, at tile_m 128) rather
+    than its head dim (N). FA4's AtomLayoutMdQ = 2 at head dims up to 64: at 64 a half of the
+    head dim would be m64n32 atoms, twice as many wgmma per FLOP, each re-reading its A
+    slice of dS^T from shared memory (and m64n16 at head dim 32)."""
+    return not swap_ab and tile_m == 64 * num_wg
+
+
 def make_dq_mma(dtype, tile_m: int, head_dim: int, num_wg: int, swap_ab: bool = False):
     """dQ[tile_m, D] = dS K: both operands MN-major in smem (dS^T tile, K tile); the
-    warpgroups split the head dim (N), each computing all tile_m rows.
+    warpgroups split the head dim (N), each computing all tile_m rows, or at tile_m 128
+    the rows (`dq_splits_rows`), each computing the whole head dim.
     `swap_ab` (`BwdConfig.dq_swap_ab`): dQ^T[D, tile_m] = K^T dS^T instead, K^T MN-major
     (the K tile), dS K-major (sdS stored keys-contiguous); the warpgroups split the head
     dim on M (64 rows each), each computing all tile_m columns."""
@@ -373,12 +382,13 @@ def make_dq_mma(dtype, tile_m: int, head_dim: int, num_wg: int, swap_ab: bool = 
             atom_layout_mnk=(num_wg, 1, 1),
             tiler_mn=(head_dim // num_wg, tile_m),
         )
+    rows = dq_splits_rows(tile_m, num_wg)
     return sm90_helpers.make_trivial_tiled_mma(
         dtype, dtype,
         warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN,
         Float32,
-        atom_layout_mnk=(1, num_wg, 1),
-        tiler_mn=(64, head_dim // num_wg),
+        atom_layout_mnk=(num_wg, 1, 1) if rows else (1, num_wg, 1),
+        tiler_mn=(64, head_dim if rows else head_dim // num_wg),
     )
 
 
@@ -586,7 +596,9 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         do_atom = dq_slice_atom(Dv, n_wg) if const_expr(split and not cfg.dkv_swap) else None
         sQ_layout = mma.smem_layout(self.dtype, tm, D, cfg.num_stages, atom_cols=q_atom)
         sdO_layout = mma.smem_layout(self.dtype, tm, Dv, cfg.num_stages, atom_cols=do_atom)
-        sK_layout = mma.smem_layout(self.dtype, tn, D, 1, atom_cols=dq_slice_atom(D, n_wg))
+        # (dQ's B: K^T in head-dim slices of one warpgroup, unless the warpgroups split rows)
+        k_atom = None if const_expr(dq_splits_rows(tm, n_wg, cfg.dq_swap_ab)) else dq_slice_atom(D, n_wg)
+        sK_layout = mma.smem_layout(self.dtype, tn, D, 1, atom_cols=k_atom)
         sV_layout = mma.smem_layout(self.dtype, tn, Dv, 1, atom_cols=do_atom)
         # dS^T, q contiguous (the dQ GEMM's MN-major A); swapped dQ: dS, keys contiguous
         # (its K-major B; 128-byte swizzle, where 80 q would only allow 32). One buffer per
