@@ -14,6 +14,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
+from flexattn.kernels.blockmask.visit import band_bounds
 from flexattn.kernels.emit.mod_hook import kept_if
 from flexattn.kernels.hopper.atomics import FIXED_WORDS, red_add_f32, red_add_fixed, st_shared_f32
 
@@ -105,9 +106,15 @@ class BwdPointwise:
         lse = delta = None
         # Indices only where something reads them (a score mod like softcap reads none):
         # ops per element of tracing that MLIR would delete again.
-        hook_vars = mods.index_vars(mods.has_score, mask)
-        need_q = "q" in hook_vars or causal or diagonal
-        need_kv = "kv" in hook_vars or causal or kv_edge or diagonal
+        # The band structure's mask is exactly its band: q - kv against the bounds (from the
+        # captures, once per step) instead of the mask's expression on clamped indices.
+        band = mask and cfg.band
+        band_lo = band_hi = None
+        if const_expr(band):
+            band_lo, band_hi = band_bounds(mods, mod_args)
+        hook_vars = mods.index_vars(mods.has_score, mask and not band)
+        need_q = "q" in hook_vars or causal or diagonal or band
+        need_kv = "kv" in hook_vars or causal or kv_edge or diagonal or band
         for i in cutlass.range_constexpr(len(order)):
             r, c = order[i]
             q = q_hook = kv = kv_hook = None
@@ -130,7 +137,11 @@ class BwdPointwise:
                 x = s2
             # One FFMA; the masks then replace the exponent (-inf - lse_log2 = -inf).
             x = x * scale_log2 - lse
-            if const_expr(mask):
+            if const_expr(band):
+                diag = q - kv
+                x = kept_if(diag <= band_hi, x)
+                x = kept_if(diag >= band_lo, x)
+            elif const_expr(mask):
                 keep = mods.mask(batch, head, q_hook, kv_hook, mod_args)
                 x = kept_if(keep, x)
             if const_expr(causal):
