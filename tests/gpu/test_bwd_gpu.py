@@ -323,6 +323,29 @@ def test_swapped_layout(case):
     _check_listed(tuple(listed), [tuple(c[:-1]) for c in SWAPPED], tile_n=tile_n)
 
 
+@pytest.mark.parametrize("D,Dv", [(192, 128), (128, 192), (192, 64)])
+@pytest.mark.parametrize("name", ["causal_softcap", "none"])
+def test_swapped_layout_value_head_dims(D, Dv, name):
+    """The swapped layout (96-key CTAs, two stages) at value head dims apart from the
+    query's: 192/128 is planned (bwd.plan.SWAP_PLANNED); 128/192 and 192/64 join it once
+    these pass. GQA, KV_LEN inside a CTA, q rows past a tile."""
+    torch.manual_seed(D * 7 + Dv)
+    B, Hq, Hkv, Q, KV = 1, 4, 2, 300, 333
+    q, k = torch.randn(B, Hq, Q, D, device="cuda", dtype=torch.bfloat16), \
+        torch.randn(B, Hkv, KV, D, device="cuda", dtype=torch.bfloat16)
+    v, do = torch.randn(B, Hkv, KV, Dv, device="cuda", dtype=torch.bfloat16), \
+        torch.randn(B, Hq, Q, Dv, device="cuda", dtype=torch.bfloat16)
+    mask, score = _case_mods(name, np.random.default_rng(D + Dv), B, Hq, Q, KV)
+    spec = AttentionSpec.from_args(score=score, mask=mask, enable_gqa=True)
+    dq, dk, dv, _, _, _, cfg = kernel_backward(q, k, v, do, spec, tile_n=96)
+    assert cfg.dkv_swap and cfg.num_stages == 2
+    want = reference.backward(q.cpu(), k.cpu(), v.cpu(), do.cpu(), None, spec=spec)
+    label = f"{name} {D}/{Dv}"
+    _close(f"{label} dq", dq, want.dq, "bf16")
+    _close(f"{label} dk", dk, want.dk, "bf16")
+    _close(f"{label} dv", dv, want.dv, "bf16")
+
+
 # Clusters of 2 CTAs (kv blocks 2c, 2c + 1) sharing Q / dO loads by TMA multicast: dense
 # only, an even number of 128-key blocks. (case, dtype, D, B, Hq, Hkv, Q, KV, layout)
 CLUSTER = [

@@ -34,13 +34,22 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
     return cfg
 
 
+# Head dims the planner gives the swapped layout: GPU-verified and two stages fit (192/128,
+# DeepSeek's). 128/192 and 192/64 also fit two stages; their GPU cases
+# (tests/gpu/test_bwd_gpu.py SWAPPED, tile_n forced) run before they join.
+SWAP_PLANNED = {(192, 128)}
+
+
 def with_swapped_layout(cfg: BwdConfig) -> BwdConfig:
     """Head dims beyond 128: the swapped layout (`BwdConfig.dkv_swap`, 96-key CTAs) where it
-    is allowed with two Q / dO stages; else `cfg` as it is (the 64-key split layout). With
+    is planned (SWAP_PLANNED) and allowed with two Q / dO stages; else `cfg` as it is (the
+    64-key split layout). With
     one stage (192/192) the split layout's two stages won: causal B4 S4096 H16 fwd+bwd
     kernels, H100, 2026-11-27: 192/192 split 3.81-3.88 ms, swapped 4.03-4.06; 192/128 split
     3.53-3.65, swapped 2.75 (docs/experiments.md, issue 25, session 24)."""
     if cfg.dtype == "fp32" or not cfg.split_head_dim or cfg.num_stages is None:
+        return cfg
+    if (cfg.head_dim, cfg.head_dim_v) not in SWAP_PLANNED:
         return cfg
     if dkv_swap_allowed(_Probe(cfg, 2)):
         return dataclasses.replace(cfg, tile_n=SWAP_TILE_N, num_stages=2)
