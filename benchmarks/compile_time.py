@@ -178,6 +178,8 @@ KERNELS = {
     "bwd-192-128-causal": _bwd(head_dim=192, head_dim_v=128, tile_n=96, causal=True),
     "bwd-192-128-softcap": _bwd(head_dim=192, head_dim_v=128, tile_n=96, causal=True, score=_softcap),
     "bwd-192-192": _bwd(head_dim=192, tile_n=96, num_stages=1),
+    "bwd-192-192-q2do1": _bwd(head_dim=192, tile_n=96, num_stages=2, do_stages=1, ds_buffers=1, causal=True),
+    "bwd-256-256-swap48-q2do1": _bwd(head_dim=256, tile_n=48, num_stages=2, do_stages=1, ds_buffers=1, causal=True),
     "bwd-256-256-swap48": _bwd(head_dim=256, tile_n=48, num_stages=1, causal=True),
     "bwd-256-128-swap48": _bwd(head_dim=256, head_dim_v=128, tile_n=48, causal=True),
     "bwd-det-full": _bwd(head_dim=128, deterministic=True),

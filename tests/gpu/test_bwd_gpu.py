@@ -76,11 +76,12 @@ def _poison(shape, dtype):
 
 
 def kernel_backward(q, k, v, do, spec, dlse=None, deterministic=False, ffi=FFI, tile_m=None,
-                    cluster_n=None, tf32_passes=3, tile_n=None):
+                    cluster_n=None, tf32_passes=3, tile_n=None, **config):
     """Forward kernel for O and LSE, then the backward kernels. -> (dq, dk, dv, grads by
     capture slot (None where no gradient), forward config, out, backward config).
     `deterministic`: the bitwise-repeatable backward (BwdConfig.deterministic); `ffi`:
-    launch through TVM-FFI; `tile_m`, `cluster_n`, `tile_n`: instead of the planner's; `tf32_passes`:
+    launch through TVM-FFI; `tile_m`, `cluster_n`, `tile_n`, `config` (other BwdConfig fields):
+    instead of the planner's; `tf32_passes`:
     float32's (the forward's and so the backward's)."""
     dev = _device(tf32_passes)
     shape = check_inputs(q, k, v, spec)
@@ -92,6 +93,7 @@ def kernel_backward(q, k, v, do, spec, dlse=None, deterministic=False, ffi=FFI, 
         tile["cluster_n"] = cluster_n
     if tile_n is not None:           # (the planner's otherwise: bwd.plan.with_swapped_layout)
         tile["tile_n"] = tile_n
+    tile.update(config)              # other BwdConfig fields (num_stages, do_stages, ds_buffers)
     cfg = config_from_forward(plan.config, deterministic=deterministic, **tile)
     hook = cfg.mods
     args = ffi_mod_args(hook, dev.to_device) if ffi else runtime_args(hook, dev.to_device)
@@ -143,7 +145,7 @@ def _close(what, got, want, dtype_name):
 
 
 def check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, scale=None, layout="bhsd",
-               with_dlse=False, seed=0, ffi=FFI, tile_m=None, cluster_n=None, tile_n=None):
+               with_dlse=False, seed=0, ffi=FFI, tile_m=None, cluster_n=None, tile_n=None, **config):
     torch.manual_seed(seed)
     dtype = DTYPES[dtype_name]
 
@@ -155,7 +157,7 @@ def check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, scale=None, 
     dlse = torch.randn(B, Hq, Q, device="cuda") if with_dlse else None
     spec = AttentionSpec.from_args(score=score, mask=mask, scale=scale, enable_gqa=True)
     dq, dk, dv, grads, _, out, cfg = kernel_backward(q, k, v, do, spec, dlse, ffi=ffi, tile_m=tile_m,
-                                                     cluster_n=cluster_n, tile_n=tile_n,
+                                                     cluster_n=cluster_n, tile_n=tile_n, **config,
                                                      tf32_passes=TF32_PASSES.get(dtype_name, 1))
     if dtype_name in TF32_PASSES:
         assert (cfg.dtype, cfg.tf32_passes) == ("fp32", TF32_PASSES[dtype_name])
@@ -321,6 +323,23 @@ SWAPPED = [
 def test_swapped_layout(case):
     *listed, tile_n = case
     _check_listed(tuple(listed), [tuple(c[:-1]) for c in SWAPPED], tile_n=tile_n)
+
+
+# Two Q stages, one dO stage and one dS^T buffer in the swapped layout (FA4's rings at 192/192
+# and 256; not planned until measured): 96 keys at 192/192, 48 at 256/256.
+RINGS = [
+    ("causal_softcap", "bf16", 192, 1, 4, 2, 333, 333, "bhsd", 96),
+    ("none", "fp16", 192, 2, 4, 1, 300, 777, "bshd", 96),
+    ("alibi", "bf16", 256, 1, 4, 2, 200, 250, "bhsd", 48),
+    ("causal", "bf16", 256, 1, 2, 2, 1, 1, "bhsd", 48),
+]
+
+
+@pytest.mark.parametrize("case", RINGS, ids=lambda c: "-".join(map(str, c)))
+def test_swapped_layout_q2_do1(case):
+    *listed, tile_n = case
+    _check_listed(tuple(listed), [tuple(c[:-1]) for c in RINGS], tile_n=tile_n, num_stages=2, do_stages=1,
+                  ds_buffers=1)
 
 
 @pytest.mark.parametrize("D,Dv", [(192, 128), (128, 192), (192, 64)])

@@ -8,6 +8,7 @@ buffer-gradient atomics in their PTX, and only there.
 The runner validates and compiles on CPU tensors too (launching needs the GPU)."""
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -70,6 +71,10 @@ def _config(name):
     if name == "d192-dense-swap":
         hook = IRModHook()
         return BwdConfig(head_dim=192, tile_n=96, num_stages=1, mods=hook), hook
+    if name == "d192-causal-swap-q2do1":       # FA4's rings: 2 Q stages, 1 dO stage, 1 dS^T buffer
+        hook = IRModHook()                         # (with softcap: spills 4 bytes at 192/192)
+        return BwdConfig(head_dim=192, tile_n=96, num_stages=2, do_stages=1, ds_buffers=1, causal=True,
+                         mods=hook), hook
     if name == "d256-128-causal-swap48":       # 48-key CTAs (FA4's at 256; not planned)
         hook = IRModHook(None, mods.causal())
         return BwdConfig(head_dim=256, head_dim_v=128, tile_n=48, causal=True, mods=hook), hook
@@ -103,7 +108,7 @@ VALUE_DIMS = ["d128-64-causal-softcap", "d64-128-dense", "d96-64-sparse-document
 # head dims beyond 128 (BwdConfig.split_head_dim)
 WIDE = ["d256-causal-softcap", "d192-128-sparse-document"]
 # the swapped layout beyond 128 (BwdConfig.dkv_swap)
-SWAPPED = ["d192-128-causal-softcap-swap", "d192-dense-swap", "d256-128-causal-swap48"]
+SWAPPED = ["d192-128-causal-softcap-swap", "d192-dense-swap", "d256-128-causal-swap48", "d192-causal-swap-q2do1"]
 # tile_m 128 (head dims up to 64, no score mod; wider block lists spill: bwd.plan)
 TILE128 = ["d64-causal-128", "d32-sparse-document-128"]
 NAMES = DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + SWAPPED + TILE128
@@ -229,6 +234,24 @@ def test_swapped_layout(compiled, name):
     assert "stmatrix.sync.aligned.m8n8" in ptx and ".trans.shared.b16" in ptx
     assert "stmatrix.sync.aligned.m8n8.x4.shared.b16" not in ptx and "stmatrix.sync.aligned.m8n8.x2.shared.b16" not in ptx
     assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
+
+
+def test_swapped_layout_rings(compiled):
+    """do_stages / ds_buffers (the split layouts only): FA4's rings at 192/192 fit shared
+    memory with two Q stages, one dO stage and one dS^T buffer (not with two dS^T buffers);
+    the one-buffer kernel meets at an extra consumer barrier per visit (bar.sync 7, 256);
+    elsewhere the fields are refused."""
+    from flexattn.kernels.bwd.sm90 import SMEM_CAPACITY, split_shared_bytes
+
+    cfg, ptx = compiled["d192-causal-swap-q2do1"]
+    assert (cfg.num_stages, cfg.do_ring, cfg.ds_ring) == (2, 1, 1)
+    assert split_shared_bytes(cfg, 2) <= SMEM_CAPACITY < split_shared_bytes(cfg, 2, 1, 2)
+    assert re.search(r"bar\.sync\s+7, 256;", ptx)
+    assert not re.search(r"bar\.sync\s+7,", compiled["d192-128-causal-softcap-swap"][1])
+    for bad in (dict(head_dim=128, do_stages=1), dict(head_dim=192, ds_buffers=1),
+                dict(head_dim=192, tile_n=96, num_stages=1, do_stages=2)):
+        with pytest.raises(ValueError):
+            BwdConfig(**bad)
 
 
 def test_planner_swapped_layout():

@@ -88,7 +88,7 @@ from flexattn.kernels.bwd.pointwise import BwdPointwise, _diagonal_flushes, _ele
 from flexattn.kernels.bwd.q_blocks import BwdWalks, KvVisitors
 from flexattn.kernels.emit.mod_hook import NO_MODS, FragmentCoords, ModHook
 from flexattn.kernels.hopper.tile_scheduler import LongestFirst, TileSpace
-from flexattn.kernels.hopper.tma_pipeline import multicast_slice, tma_ring
+from flexattn.kernels.hopper.tma_pipeline import lockstep_state, multicast_slice, tma_ring
 from flexattn.kernels.hopper.warp_specialized import (DTYPES, KernelConfig, NamedBarriers, WarpSpecialized, register_split,
                                                       stage_tiles, store_staged)
 
@@ -122,6 +122,12 @@ class BwdConfig(KernelConfig):
                                   # there in the swapped layout (`dkv_swap`); None: 128 / 64
     num_stages: int | None = None  # Q/LSE and dO/D ring depth; None: 2, or 1 where 2 do not
                                   # fit shared memory (`split_head_dim` at the widest heads)
+    # The split layouts (`split_head_dim`) only: the dO / D ring's depth where it is shallower
+    # than Q's (None: num_stages; FA4's 2 Q + 1 dO stages at 192/192 and 256), and the dS^T
+    # buffers (None: 2, by visit parity; 1 in the swapped layout: a barrier before it is
+    # rewritten, when both warpgroups' dQ GEMMs of the previous visit have retired).
+    do_stages: int | None = None
+    ds_buffers: int | None = None
     causal: bool = False          # block structure: skip q blocks above the diagonal
     block_sparse: bool = False    # block structure from the BlockMask's q-side lists
     band: bool = False            # block structure of the mask's band of diagonals, by
@@ -185,6 +191,12 @@ class BwdConfig(KernelConfig):
             object.__setattr__(self, "tile_n", 64 if self.split_head_dim else 128)
         if self.num_stages is None:
             object.__setattr__(self, "num_stages", default_stages(self))
+        if self.do_ring not in (1, 2) or self.do_ring > self.num_stages or (
+                self.do_ring != self.num_stages and not self.split_head_dim):
+            raise ValueError("do_stages must be 1 or 2, at most num_stages, and below it only beyond head dim 128")
+        if self.ds_buffers is not None and (self.ds_buffers not in (1, 2) or not self.split_head_dim
+                                            or (self.ds_buffers == 1 and not self.dkv_swap)):
+            raise ValueError("ds_buffers is 2, or 1 in the swapped layout (beyond head dim 128)")
         if self.tile_m not in (64, 80, 128) or self.tile_n not in ((64, *SWAP_TILES) if self.split_head_dim else (128,)):
             raise ValueError("the backward supports tile_m=64, 80 or 128 and tile_n=128, or tile_m=64 and"
                              f" tile_n=64 or one of {tuple(SWAP_TILES)} where a head dim exceeds 128")
@@ -192,7 +204,8 @@ class BwdConfig(KernelConfig):
             raise ValueError(f"tile_n={self.tile_n} (the swapped layout) is for head dims up to"
                              f" {SWAP_TILES[self.tile_n]} beyond 128 that are multiples of 64, the dense and causal structures, not"
                              " deterministic, where it fits"
-                             f" shared memory ({split_shared_bytes(self, self.num_stages)} bytes)")
+                             f" shared memory ({split_shared_bytes(self, self.num_stages, self.do_ring, self.ds_ring)}"
+                             " bytes)")
         if self.tile_m == 128 and max(self.head_dim, self.head_dim_v) > 64:
             # S^T and dP^T (64 registers each) beside dK and dV: beyond 64 they spill.
             raise ValueError("tile_m=128 is for head dims up to 64")
@@ -247,6 +260,17 @@ class BwdConfig(KernelConfig):
         256/256, more than the 240 a consumer has). S^T and dP^T split over the q columns,
         so P^T and dS^T reach the dK / dV GEMMs of both warpgroups through shared memory."""
         return self.head_dim > 128 or self.head_dim_v > 128
+
+    @property
+    def do_ring(self) -> int:
+        """The dO / D ring's depth (`do_stages`, defaulted)."""
+        return self.do_stages or self.num_stages
+
+    @property
+    def ds_ring(self) -> int:
+        """dS^T buffers (`ds_buffers`, defaulted): 2 in the split layouts (by visit parity),
+        else one per Q stage."""
+        return self.ds_buffers or (2 if self.split_head_dim else self.num_stages)
 
     @property
     def dkv_swap(self) -> bool:
@@ -339,15 +363,17 @@ def default_stages(cfg) -> int:
     return 1
 
 
-def split_shared_bytes(cfg, num_stages: int) -> int:
+def split_shared_bytes(cfg, num_stages: int, do_stages: int | None = None, ds_buffers: int | None = None) -> int:
     """Shared memory of a `split_head_dim` config (the kernel's SharedStorage, 16-bit
     tiles): Q and dO per stage, K, V, two dS^T and two P^T buffers (one P^T buffer in the
     swapped layout: only its own warpgroup reads a P^T slice there), the fp32 dQ tile, LSE
     and D per stage, barriers and alignment."""
     tm, tn, d, dv = cfg.tile_m, cfg.tile_n, cfg.head_dim, cfg.head_dim_v
+    do_stages = do_stages or getattr(cfg, "do_stages", None) or num_stages
+    ds_buffers = ds_buffers or getattr(cfg, "ds_buffers", None) or 2     # (split layouts)
     p_buffers = 1 if tn in SWAP_TILES else 2
-    tiles = 2 * (num_stages * tm * (d + dv) + tn * (d + dv) + (2 + p_buffers) * tn * tm)
-    return tiles + 4 * tm * d + 2 * 4 * num_stages * max(tm, 32) + 1024
+    tiles = 2 * (num_stages * tm * d + do_stages * tm * dv + tn * (d + dv) + (ds_buffers + p_buffers) * tn * tm)
+    return tiles + 4 * tm * d + 4 * (num_stages + do_stages) * max(tm, 32) + 1024
 
 
 def one_diagonal_read(cfg) -> bool:
@@ -452,6 +478,9 @@ class BwdBarrier(NamedBarriers):
     # Over one consumer warpgroup + the dQ writer warp (dq_pair_threads), one per warpgroup:
     DQ_EMPTY = 3    # 3 + wg: the writer's last bulk add has read sdQ[wg]
     DQ_FULL = 5     # 5 + wg: the warpgroup's dQ tile is in sdQ[wg]
+    # Over the consumer threads, with one dS^T buffer (`BwdConfig.ds_buffers` 1): both
+    # warpgroups are done with the previous visit (its dQ GEMMs read the buffer).
+    DS_EMPTY = 7
 
 
 class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
@@ -595,7 +624,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         q_atom = dq_slice_atom(D, n_wg) if const_expr(split and not cfg.dkv_swap) else None
         do_atom = dq_slice_atom(Dv, n_wg) if const_expr(split and not cfg.dkv_swap) else None
         sQ_layout = mma.smem_layout(self.dtype, tm, D, cfg.num_stages, atom_cols=q_atom)
-        sdO_layout = mma.smem_layout(self.dtype, tm, Dv, cfg.num_stages, atom_cols=do_atom)
+        sdO_layout = mma.smem_layout(self.dtype, tm, Dv, cfg.do_ring, atom_cols=do_atom)
         # (dQ's B: K^T in head-dim slices of one warpgroup, unless the warpgroups split rows)
         k_atom = None if const_expr(dq_splits_rows(tm, n_wg, cfg.dq_swap_ab)) else dq_slice_atom(D, n_wg)
         sK_layout = mma.smem_layout(self.dtype, tn, D, 1, atom_cols=k_atom)
@@ -610,12 +639,13 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         if const_expr(cfg.dq_swap_ab):
             sdS_layout = mma.smem_layout(self.dtype, tm, tn, cfg.num_stages)
         else:
-            sdS_layout = mma.smem_layout(self.dtype, tn, tm, 2 if split else cfg.num_stages)
+            sdS_layout = mma.smem_layout(self.dtype, tn, tm, cfg.ds_ring)
         # dkv_swap: one P^T buffer (each warpgroup reads only its own keys' rows of it).
         sP_layout = (mma.smem_layout(self.dtype, tn, tm, 1 if cfg.dkv_swap else 2) if const_expr(split)
                      else mma.smem_layout(self.dtype, 8, 64, 1))
         # LSE / D per stage; each stage 128-byte aligned (TMA destinations).
         sStat_layout = cute.make_layout((tm, cfg.num_stages), stride=(1, -(-tm // 32) * 32))
+        sDelta_layout = cute.make_layout((tm, cfg.do_ring), stride=(1, -(-tm // 32) * 32))   # (D: dO's ring)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         s2g = cpasync.CopyBulkTensorTileS2GOp()
@@ -649,9 +679,9 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
-            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * cfg.do_ring]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
-            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sDelta_layout)], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
@@ -683,7 +713,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_Delta,
             tma_atom_dK, tma_atom_dV,
             tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
-            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sP_layout, sStat_layout,
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sP_layout, (sStat_layout, sDelta_layout),
             Q.shape[0], Q.shape[2], softmax_scale, scale_log2, mod_args, grad_args,
             block_sparse, mdQsem, grad_fixed, SharedStorage,
         ).launch(
@@ -707,7 +737,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         tiled_mma_nm: cute.TiledMma, tiled_mma_nd: cute.TiledMma, tiled_mma_md: cute.TiledMma,
         sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-        sdS_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout, sStat_layout: cute.Layout,
+        sdS_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout, sStat_layouts,
         seqlen_q: Int32, num_q_heads: Int32,
         softmax_scale: Float32, scale_log2: Float32, mod_args, grad_args, block_sparse,
         mdQsem, grad_fixed, SharedStorage: cutlass.Constexpr,
@@ -724,7 +754,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         pipe_kv = tma_ring(storage.mbar_kv.data_ptr(), 1, n, self.bytes_kd + self.bytes_kv)
         pipe_q = tma_ring(storage.mbar_q.data_ptr(), cfg.num_stages, n,
                           self.bytes_qd + self.bytes_stat, cfg.cluster_n)
-        pipe_do = tma_ring(storage.mbar_do.data_ptr(), cfg.num_stages, n,
+        pipe_do = tma_ring(storage.mbar_do.data_ptr(), cfg.do_ring, n,
                            self.bytes_qv + self.bytes_stat, cfg.cluster_n)
         self.rings_init_arrive(cfg.cluster_n)
 
@@ -734,8 +764,8 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner) if const_expr(cfg.split_head_dim) else None
-        sLSE = storage.sLSE.get_tensor(sStat_layout)
-        sDelta = storage.sDelta.get_tensor(sStat_layout)
+        sLSE = storage.sLSE.get_tensor(sStat_layouts[0])
+        sDelta = storage.sDelta.get_tensor(sStat_layouts[1])
         sdQ = storage.sdQ.get_tensor(dq_tile_layout(cfg, self.num_mma_wg))
         sDiag = storage.sDiag.get_tensor(cute.make_layout(self.diag_floats))
 
@@ -862,11 +892,12 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                 cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar,
                           **mcast)
                 cute.copy(tma_atom_LSE, tLgL[None, m_block], tLsL[None, state.index], tma_bar_ptr=bar)
-                pipe_do.producer_acquire(state)
-                bar = pipe_do.producer_get_barrier(state)
-                cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, state.index],
+                do_state = lockstep_state(state, cfg.do_ring, producer=True)
+                pipe_do.producer_acquire(do_state)
+                bar = pipe_do.producer_get_barrier(do_state)
+                cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, do_state.index],
                           tma_bar_ptr=bar, **mcast)
-                cute.copy(tma_atom_Delta, tDgD[None, m_block], tDsD[None, state.index],
+                cute.copy(tma_atom_Delta, tDgD[None, m_block], tDsD[None, do_state.index],
                           tma_bar_ptr=bar)
                 state.advance()
         if const_expr(cfg.cluster_n > 1):
@@ -1048,13 +1079,15 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         tSrK, tSrQ, tPrV, tPrdO, tVrP, tVrdOt, tKrQt, tQrdS, tQrKt, _ = frags
         mods = self.mods
         stage = state.index
+        do_state = lockstep_state(state, self.cfg.do_ring, producer=False)   # (state itself unless shallower)
+        do_stage = do_state.index
         split = self.cfg.split_head_dim
         rP = None
 
         # S^T = K Q^T and dP^T = V dO^T, both in flight at once.
         acc_S = cute.make_rmem_tensor(acc_shape_nm, Float32)
         pipe_q.consumer_wait(state)
-        lse, delta = sLSE[None, stage], sDelta[None, stage]
+        lse, delta = sLSE[None, stage], sDelta[None, do_stage]
         if const_expr(self.stats_in_registers):
             lse = self._column_values(lse, coords)
         if const_expr(self.cfg.dkv_swap):            # S = Q K^T
@@ -1064,13 +1097,13 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             mma.gemm(tiled_mma_nm, acc_S, tSrK[None, None, None, 0],
                      tSrQ[None, None, None, stage], zero_init=True, wait=-1)
         acc_dP = cute.make_rmem_tensor(acc_shape_nm, Float32)
-        pipe_do.consumer_wait(state)
+        pipe_do.consumer_wait(do_state)
         if const_expr(self.cfg.dkv_swap):            # dP = dO V^T
-            mma.gemm(tiled_mma_nm, acc_dP, tPrdO[None, None, None, stage], tPrV[None, None, None, 0],
+            mma.gemm(tiled_mma_nm, acc_dP, tPrdO[None, None, None, do_stage], tPrV[None, None, None, 0],
                      zero_init=True, wait=-1)
         else:
             mma.gemm(tiled_mma_nm, acc_dP, tPrV[None, None, None, 0],
-                     tPrdO[None, None, None, stage], zero_init=True, wait=-1)
+                     tPrdO[None, None, None, do_stage], zero_init=True, wait=-1)
         blk = (m_block, n_block, head, batch, seqlen_q, seqlen_k, softmax_scale, mod_args)
         if const_expr(mods.has_score):
             # One pass after both GEMMs: ds'/ds and the raw score stay per-element
@@ -1106,8 +1139,8 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
 
         # dS^T -> sdS[stage] (no wait: see sdS_layout), then dV += P^T dO (A from registers).
         cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, stage])
-        mma.gemm(tiled_mma_nv, acc_dV, tVrP, tVrdOt[None, None, None, stage],
-                      zero_init=False, wait=-1)
+        mma.gemm(tiled_mma_nv, acc_dV, tVrP, tVrdOt[None, None, None, do_stage],
+                 zero_init=False, wait=-1)
         cute.arch.fence_view_async_shared()          # generic-proxy writes -> wgmma reads
         BwdBarrier.DS_FULL.sync(self.num_mma_threads)
         # dQ = dS K (this warpgroup's half of the head dim; swapped: dQ^T = K^T dS^T).
@@ -1118,7 +1151,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         else:
             mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, stage],
                           tQrKt[None, None, None, 0], zero_init=True, wait=1)
-        pipe_do.consumer_release(state)              # dV (the last reader of dO) retired
+        pipe_do.consumer_release(do_state)           # dV (the last reader of dO) retired
         # dK += dS^T Q (A from registers).
         mma.gemm(tiled_mma_nd, acc_dK, mma.acc_as_a_view(rdS),
                       tKrQt[None, None, None, stage], zero_init=False, wait=1)   # dQ retired
@@ -1148,31 +1181,38 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
          softmax_scale, scale_log2, mod_args, grad_args, sDiag) = ctx
         _, _, _, _, tVsP, tVrdOt, tKrQt, tQrdS, tQrKt, tKsdS = frags
         tdSsdS, tPsP = tdSsdS_tPsP
+        cfg = self.cfg
         stage = state.index
+        do_state = lockstep_state(state, cfg.do_ring, producer=False)
+        do_stage = do_state.index
         # Two buffers: a warpgroup writes visit i + 1's tiles only after the ds_full barrier
         # of visit i, which the other passes after its visit i - 1 GEMMs have all retired.
+        # One dS^T buffer (swapped layout): after both warpgroups are done with visit i.
         buf = state.count % 2
-        kv_swap = self.cfg.dkv_swap
+        kv_swap = cfg.dkv_swap
+        ds_buf = buf if const_expr(cfg.ds_ring == 2) else 0
         cute.copy(r2s_dS, r2s_dS.retile(rP), tPsP[None, None, None, 0 if kv_swap else buf])
-        cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, buf])
+        if const_expr(cfg.ds_ring == 1):
+            BwdBarrier.DS_EMPTY.sync(self.num_mma_threads)
+        cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, ds_buf])
         cute.arch.fence_view_async_shared()          # generic-proxy writes -> wgmma reads
         BwdBarrier.DS_FULL.sync(self.num_mma_threads)
         acc_dQ = cute.make_rmem_tensor(acc_shape_md, Float32)
-        mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, buf], tQrKt[None, None, None, 0],
+        mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, ds_buf], tQrKt[None, None, None, 0],
                  zero_init=True, wait=-1)
         if const_expr(kv_swap):
-            mma.gemm(tiled_mma_nv, acc_dV, tVrdOt[None, None, None, stage], tVsP[None, None, None, 0],
+            mma.gemm(tiled_mma_nv, acc_dV, tVrdOt[None, None, None, do_stage], tVsP[None, None, None, 0],
                      zero_init=False, wait=-1)
-            mma.gemm(tiled_mma_nd, acc_dK, tKrQt[None, None, None, stage], tKsdS[None, None, None, buf],
+            mma.gemm(tiled_mma_nd, acc_dK, tKrQt[None, None, None, stage], tKsdS[None, None, None, ds_buf],
                      zero_init=False, wait=2)        # dQ retired
         else:
-            mma.gemm(tiled_mma_nv, acc_dV, tVsP[None, None, None, buf], tVrdOt[None, None, None, stage],
+            mma.gemm(tiled_mma_nv, acc_dV, tVsP[None, None, None, buf], tVrdOt[None, None, None, do_stage],
                      zero_init=False, wait=-1)
             mma.gemm(tiled_mma_nd, acc_dK, tKsdS[None, None, None, buf], tKrQt[None, None, None, stage],
                      zero_init=False, wait=2)        # dQ retired
         self._stage_dq(acc_dQ, tdQsdQ, wg)
         warpgroup.wait_group(1)                      # dV retired: dO may be overwritten
-        pipe_do.consumer_release(state)
+        pipe_do.consumer_release(do_state)
         warpgroup.wait_group(0)                      # dK retired: Q may be overwritten
         pipe_q.consumer_release(state)
         state.advance()

@@ -39,3 +39,16 @@ def multicast_slice(cluster_size: int):
     rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
     mask = cutlass.Int16((1 << cluster_size) - 1)
     return rank, cute.make_layout(cluster_size), dict(mcast_mask=mask)
+
+
+def lockstep_state(state, stages: int, producer: bool):
+    """The state of a `stages`-deep ring that advances in lockstep with `state` (a ring at
+    least as deep, advanced once per use of both): slot count % stages, its phase flipped
+    once per wrap from the producer's 1 or the consumer's 0. Derived from `state.count`, so
+    a shallower ring (the backward's dO ring under a two-stage Q ring) carries no state of
+    its own through the loops."""
+    if stages == state.stages:
+        return state
+    start = 1 if producer else 0
+    count = state.count
+    return pipeline.PipelineState(stages, count, count % stages, start ^ ((count // stages) % 2))

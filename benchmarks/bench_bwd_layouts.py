@@ -1,0 +1,80 @@
+"""The backward's layouts beyond head dim 128, side by side on one GPU: the split layout
+(64-key CTAs) against the swapped one (`BwdConfig.dkv_swap`: 96- or 48-key CTAs), with
+the rings the shared memory allows and FA4's (two Q stages, one dO stage, one dS^T
+buffer: `do_stages=1, ds_buffers=1`). Configs are forced through tests/gpu's harness
+(`kernel_backward`: our forward, then the backward kernels, NaN-poisoned workspace), so
+each time is forward + backward kernels plus the harness's fills — compare rows, not
+against other benchmarks. Causal, bf16, B4 S4096 H16 by default; median of 5 per round,
+two alternating rounds. What `bwd.plan.with_swapped_layout` plans comes from these.
+
+    python3 benchmarks/bench_bwd_layouts.py [--shape 4x4096x16] [--dims 192/192 256/256]
+"""
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(ROOT, "tests", "gpu"), os.path.join(ROOT, "tests")]
+from test_bwd_gpu import kernel_backward  # noqa: E402
+from flexattn import mods  # noqa: E402
+from flexattn.core import AttentionSpec  # noqa: E402
+
+# name -> BwdConfig fields (None: the planner's)
+LAYOUTS = {
+    "planned": {},
+    "split": dict(tile_n=64),
+    "swap96": dict(tile_n=96),
+    "swap96-q2do1": dict(tile_n=96, num_stages=2, do_stages=1, ds_buffers=1),
+    "swap48": dict(tile_n=48),
+    "swap48-q2do1": dict(tile_n=48, num_stages=2, do_stages=1, ds_buffers=1),
+}
+
+
+def time_ms(call, reps=5):
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="4x4096x16", help="BxSxH")
+    ap.add_argument("--dims", nargs="*", default=["192/128", "192/192", "256/128", "256/256"])
+    ap.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
+    args = ap.parse_args()
+    B, S, H = map(int, args.shape.split("x"))
+    spec = AttentionSpec.from_args(mask=mods.causal())
+    print("| D/Dv | layout | tile_n | stages Q/dO | dS bufs | ms round 1 | ms round 2 |")
+    print("|---|---|---|---|---|---|---|")
+    for dims in args.dims:
+        D, Dv = map(int, dims.split("/"))
+        q, k = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        v, do = (torch.randn(B, H, S, Dv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        rows = {}
+        for name in args.layouts:
+            try:
+                cfg = kernel_backward(q, k, v, do, spec, **LAYOUTS[name])[6]
+            except ValueError as e:          # a layout this head dim does not allow
+                print(f"| {dims} | {name} | — | — | — | {str(e)[:60]} | |")
+                continue
+            rows[name] = [cfg, []]
+        for _ in range(2):
+            for name, row in rows.items():
+                row[1].append(time_ms(lambda: kernel_backward(q, k, v, do, spec, **LAYOUTS[name])))
+        for name, (cfg, ms) in rows.items():
+            print(f"| {dims} | {name} | {cfg.tile_n} | {cfg.num_stages}/{cfg.do_ring} | {cfg.ds_ring} | "
+                  + " | ".join(f"{t:.3f}" for t in ms) + " |")
+
+
+if __name__ == "__main__":
+    main()
