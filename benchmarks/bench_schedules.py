@@ -46,6 +46,8 @@ SCHEDULES = {  # our kernel's scheduling options; "ov+pp" is the default config
     "longest": dict(tile_order="longest_first"),       # under causal, by_head otherwise)
     "persist": dict(max_ctas=-1),                      # -1: the GPU's SM count
     "persist+by_head": dict(max_ctas=-1, tile_order="by_head"),
+    "persist+snake": dict(max_ctas=-1, snake=True),
+    "persist+longest+snake": dict(max_ctas=-1, tile_order="longest_first", snake=True),
     "stages3": dict(num_stages=3),                     # a third K/V slot (one CTA per tile:
                                                        # with the persistent O buffer it won't fit)
     # kv tile width (FA3 / FA4 take 176 for head dim 128 without a causal / local mask)
@@ -63,9 +65,11 @@ SCHEDULES = {  # our kernel's scheduling options; "ov+pp" is the default config
 }
 
 
-def ours(q, k, v, causal, scale, sched="ov+pp", block_sparse=False):
+def ours(q, k, v, causal, scale, sched="ov+pp", block_sparse=False, window=None):
     """Returns (fn, first-call compile seconds, (o, lse)). block_sparse: drive the kernel
-    with torch's own BlockMask tensors for the causal mask (the FlexAttention path)."""
+    with torch's own BlockMask tensors for the causal mask (the FlexAttention path);
+    window: a causal sliding window of that many keys as the band structure (what the
+    planner runs for it), instead of causal / full."""
     import cutlass  # noqa: F401
     from flexattn.kernels.emit import example_hooks as hooks
     from flexattn.kernels.fwd.sm90 import FwdConfig
@@ -78,8 +82,16 @@ def ours(q, k, v, causal, scale, sched="ov+pp", block_sparse=False):
     # (the other variants add a causal mask hook).
     builtin = opts.pop("builtin", False)
     hook = causal and not builtin
-    cfg = FwdConfig(dtype="bf16", head_dim=q.shape[-1], causal=causal,
-                    mods=hooks.CausalHook() if hook else FwdConfig().mods, **opts)
+    if window is not None:
+        from flexattn import mods
+        from flexattn.kernels.emit.mod_emit import IRModHook
+        from flexattn.mods.structure import canonical_band
+
+        cfg = FwdConfig(dtype="bf16", head_dim=q.shape[-1], band=True,
+                        mods=IRModHook(None, canonical_band(mods.sliding_window(window))), **opts)
+    else:
+        cfg = FwdConfig(dtype="bf16", head_dim=q.shape[-1], causal=causal,
+                        mods=hooks.CausalHook() if hook else FwdConfig().mods, **opts)
     lists = None
     if block_sparse:
         from torch.nn.attention.flex_attention import create_block_mask
@@ -94,15 +106,27 @@ def ours(q, k, v, causal, scale, sched="ov+pp", block_sparse=False):
     lse = torch.empty(qh.shape[:3], device="cuda", dtype=torch.float32)
     stream = torch.cuda.current_stream().cuda_stream
 
-    fn = runner.bind(qh, kh, vh, o, lse, scale, (), stream, lists)   # compiles here
+    args = ()
+    if window is not None:   # the band's bounds are captured scalars
+        from flexattn.kernels.emit.mod_emit import runtime_args
+        args = runtime_args(cfg.mods, torch.as_tensor)
+    fn = runner.bind(qh, kh, vh, o, lse, scale, args, stream, lists)   # compiles here
     fn()
     torch.cuda.synchronize()
     return fn, runner.last_compile_seconds, (o, lse)
 
 
-def fa4(q, k, v, causal, scale):
+def fa4(q, k, v, causal, scale, window=None):
     from flash_attn.cute import flash_attn_func
+    if window is not None:
+        return lambda: flash_attn_func(q, k, v, softmax_scale=scale, window_size=(window, 0))
     return lambda: flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+
+
+def band_density(S: int, window: int) -> float:
+    """Attended fraction of the S x S pairs under a causal window of `window` past keys."""
+    pairs = sum(min(i, window) + 1 for i in range(S))
+    return pairs / (S * S)
 
 
 def flex(q, k, v, causal, scale, backend=None):
@@ -133,6 +157,8 @@ def main():
     ap.add_argument("--shapes", nargs="*", default=["4x4096x16x128", "8x4096x16x64"], help="BxSxHxD")
     ap.add_argument("--variants", nargs="*", default=["plain", "pp", "ov"], choices=list(SCHEDULES))
     ap.add_argument("--anchors", nargs="*", default=["fa4", "flex", "flex-fa", "cudnn"])
+    ap.add_argument("--window", type=int, default=None,
+                    help="a causal sliding window of this many keys (the band structure; anchors: fa4)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -142,33 +168,34 @@ def main():
         B, S, H, D = map(int, shape.split("x"))
         q, k, v = make_inputs(B, S, H, D)
         scale = 1.0 / math.sqrt(D)
-        for causal in (False, True):
-            f = flops(B, H, S, D, causal)
+        for causal in ((None,) if args.window else (False, True)):
+            w = args.window
+            f = flops(B, H, S, D, False) * band_density(S, w) if w else flops(B, H, S, D, causal)
             res = {}
-            fn, compile_s, (o_ours, _) = ours(q, k, v, causal, scale)
+            fn, compile_s, (o_ours, _) = ours(q, k, v, causal, scale, window=w)
             res["flexattn"] = bench_ms(fn)
             ref_o = o_ours.clone()
             errs = {}
             for sched in args.variants:
                 try:
-                    fn_s, _, (o_s, _) = ours(q, k, v, causal, scale, sched)
+                    fn_s, _, (o_s, _) = ours(q, k, v, causal, scale, sched, window=w)
                 except Exception as e:  # e.g. a tile that does not fit in shared memory
                     print(f"[ours:{sched}] failed: {type(e).__name__}: {str(e)[:300]}")
                     continue
                 errs[f"ours:{sched}"] = rel_diff(o_s, ref_o)
                 res[f"ours:{sched}"] = bench_ms(fn_s)
-            if causal:   # same causal attention through torch's BlockMask lists
+            if causal and not w:   # same causal attention through torch's BlockMask lists
                 fn_s, _, (o_s, _) = ours(q, k, v, causal, scale, block_sparse=True)
                 errs["ours:bs"] = rel_diff(o_s, ref_o)
                 res["ours:bs"] = bench_ms(fn_s)
             cands = {
-                "fa4": lambda: fa4(q, k, v, causal, scale),
+                "fa4": lambda: fa4(q, k, v, causal, scale, w),
                 "flex": lambda: flex(q, k, v, causal, scale),
                 "flex-fa": lambda: flex(q, k, v, causal, scale, backend="FLASH"),
                 "cudnn": lambda: cudnn(q, k, v, causal, scale),
             }
             for name, make in cands.items():
-                if name not in args.anchors:
+                if name not in args.anchors or (w and name != "fa4"):
                     continue
                 try:
                     fn_b = make()
@@ -179,7 +206,7 @@ def main():
                 except Exception as e:  # a missing/broken baseline must not hide the rest
                     print(f"[{name}] failed: {type(e).__name__}: {str(e)[:300]}")
                     traceback.print_exc(limit=2)
-            tag = f"B={B} S={S} H={H} D={D} {'causal' if causal else 'full'}"
+            tag = f"B={B} S={S} H={H} D={D} " + (f"window{w}" if w else ("causal" if causal else "full"))
             for name, ms in res.items():
                 tf = f / ms / 1e9
                 print(f"{tag:38s} {name:9s} {ms:8.3f} ms {tf:7.1f} TFLOP/s"

@@ -108,6 +108,7 @@ SCHEDULES = {  # step (b) scheduling options; results must not depend on them
     "persist": dict(max_ctas=7),
     "persist+pp": dict(max_ctas=3, intra_wg_overlap=False),
     "persist+plain": dict(max_ctas=5, intra_wg_overlap=False, pingpong=False),
+    "persist+snake": dict(max_ctas=7, snake=True),   # odd full rounds reversed, a partial last one
 }
 # Clusters of 2 CTAs sharing K/V by TMA multicast: dense structure and an even number of
 # q tiles per head only, so kept out of the random draw.
@@ -176,6 +177,8 @@ FIXED = [
     ("bf16", 64, 2, 4, 2, 450, 450, "lag", "bshd", "persist"),            # 3 WGs, empty rows
     ("fp16", 128, 2, 4, 1, 257, 700, "softcap", "bhsd", "persist+pp"),
     ("bf16", 128, 2, 2, 2, 300, 301, "causal_builtin", "bhsd", "persist+plain"),
+    ("bf16", 128, 3, 4, 4, 700, 333, "doc", "bhsd", "persist+snake"),       # 72 tiles: 10 rounds + 2
+    ("fp16", 128, 2, 8, 2, 1000, 1000, "causal", "bhsd", "persist+snake"),
     # clusters (q tiles per head even: 128-row tiles, 192 for head dim 64 without score mod)
     ("bf16", 128, 2, 4, 4, 256, 256, "none", "bhsd", "cluster"),
     ("bf16", 128, 3, 8, 2, 1000, 999, "none", "bshd", "cluster"),          # GQA, odd Skv

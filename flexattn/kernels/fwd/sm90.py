@@ -111,6 +111,12 @@ class FwdConfig(KernelConfig):
     # next tile's loads overlap this one's epilogue; 0 = one CTA per tile. Costs a separate
     # O staging buffer in shared memory.
     max_ctas: int = 0
+    # Persistent CTAs: CTA c takes position c of every even round of `grid` tiles and
+    # position grid - 1 - c of every odd full one (a snake), so the CTAs that take the
+    # longer tile of a round take the shorter one of the next (`TileSpace.snake`). Off by
+    # default until measured: a stride of 132 over by-head rows of 16 gives CTA c the rows
+    # (c + 4 r) mod 16, 25% more work for some CTAs than others under a sliding window.
+    snake: bool = False
     # CTAs per cluster along the q tiles (1 or 2). With 2, the two CTAs of a cluster take
     # adjacent q tiles of one (batch, head) and load each K/V block once for both: each
     # CTA TMA-loads half of it, multicast into both CTAs' shared memory (FA3's cluster
@@ -137,6 +143,8 @@ class FwdConfig(KernelConfig):
             object.__setattr__(self, "tile_order", "longest_first" if self.causal else "by_head")
         if self.tile_order not in ("by_head", "longest_first"):
             raise ValueError(f"tile_order must be 'by_head' or 'longest_first', got {self.tile_order!r}")
+        if self.snake and (not self.max_ctas or self.cluster_m > 1):
+            raise ValueError("snake orders persistent CTAs (max_ctas), without clusters")
         if self.producer_regs is None:
             object.__setattr__(self, "producer_regs", regs[0])
         if self.consumer_regs is None:
@@ -409,7 +417,7 @@ class FlashFwdSm90(WarpSpecialized):
             row_pair, head, batch = self.order.tile(idx // 2, pairs)
             m_block = 2 * row_pair + 1 - idx % 2
         else:
-            m_block, head, batch = self.order.tile(idx, tiles)
+            m_block, head, batch = self.order.tile(tiles.snake(idx) if const_expr(self.cfg.snake) else idx, tiles)
         if const_expr(self.cfg.block_sparse):
             rows_per_block = self.cfg.sparse_block_m // self.cfg.tile_m
             row = m_block // rows_per_block if const_expr(rows_per_block > 1) else m_block

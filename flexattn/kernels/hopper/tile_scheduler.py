@@ -40,6 +40,16 @@ class TileSpace:
         self.stride = cute.arch.grid_dim()[0]
 
 
+    def snake(self, idx: Int32) -> Int32:
+        """Persistent CTAs in a snake: `idx` (= first + r * stride, this CTA's r-th tile)
+        reversed within every odd round that is full (a partial last round keeps its
+        order: its reversed positions would pass `total`)."""
+        r = idx // self.stride
+        full = (r + 1) * self.stride <= self.total
+        flip = (r % 2 == 1) & full
+        return Int32(cutlass.select_(flip, r * self.stride + self.stride - 1 - (idx - r * self.stride), idx))
+
+
 def grid_size(total_tiles, max_ctas: int):
     """1-D grid: one CTA per tile, or at most `max_ctas` persistent CTAs (0: no cap)."""
     if max_ctas:
