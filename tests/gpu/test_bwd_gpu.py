@@ -309,37 +309,27 @@ def test_head_dims_beyond_128(case):
 # 192/192 (one Q / dO stage; the planner keeps the split layout there, 192/128 runs it:
 # test_head_dims_gpu) — dense and causal, KV_LEN inside a CTA, GQA / MQA, slope gradients,
 # a score mod, one element; 48-key CTAs at 256 (FA4's tile there, not planned: slower).
+# "q2do1": two Q stages, one dO stage, one dS^T buffer (FA4's rings at 192/192 and 256;
+# not planned until measured). (case..., tile_n, rings)
 SWAPPED = [
-    ("none", "fp16", 192, 1, 4, 1, 1000, 777, "bhsd", 96),
-    ("alibi", "bf16", 192, 2, 4, 2, 300, 300, "bshd", 96),
-    ("causal_softcap", "bf16", 192, 1, 4, 2, 97, 97, "bhsd", 96),
-    ("causal", "bf16", 192, 1, 2, 2, 1, 1, "bhsd", 96),
-    ("causal_softcap", "bf16", 256, 1, 4, 2, 333, 333, "bhsd", 48),
-    ("alibi", "fp16", 256, 2, 2, 1, 200, 150, "bshd", 48),
+    ("none", "fp16", 192, 1, 4, 1, 1000, 777, "bhsd", 96, ""),
+    ("alibi", "bf16", 192, 2, 4, 2, 300, 300, "bshd", 96, ""),
+    ("causal_softcap", "bf16", 192, 1, 4, 2, 97, 97, "bhsd", 96, ""),
+    ("causal", "bf16", 192, 1, 2, 2, 1, 1, "bhsd", 96, ""),
+    ("causal_softcap", "bf16", 256, 1, 4, 2, 333, 333, "bhsd", 48, ""),
+    ("alibi", "fp16", 256, 2, 2, 1, 200, 150, "bshd", 48, ""),
+    ("causal_softcap", "bf16", 192, 1, 4, 2, 333, 333, "bhsd", 96, "q2do1"),
+    ("none", "fp16", 192, 2, 4, 1, 300, 777, "bshd", 96, "q2do1"),
+    ("alibi", "bf16", 256, 1, 4, 2, 200, 250, "bhsd", 48, "q2do1"),
+    ("causal", "bf16", 256, 1, 2, 2, 1, 1, "bhsd", 48, "q2do1"),
 ]
+RINGS = {"": {}, "q2do1": dict(num_stages=2, do_stages=1, ds_buffers=1)}
 
 
 @pytest.mark.parametrize("case", SWAPPED, ids=lambda c: "-".join(map(str, c)))
 def test_swapped_layout(case):
-    *listed, tile_n = case
-    _check_listed(tuple(listed), [tuple(c[:-1]) for c in SWAPPED], tile_n=tile_n)
-
-
-# Two Q stages, one dO stage and one dS^T buffer in the swapped layout (FA4's rings at 192/192
-# and 256; not planned until measured): 96 keys at 192/192, 48 at 256/256.
-RINGS = [
-    ("causal_softcap", "bf16", 192, 1, 4, 2, 333, 333, "bhsd", 96),
-    ("none", "fp16", 192, 2, 4, 1, 300, 777, "bshd", 96),
-    ("alibi", "bf16", 256, 1, 4, 2, 200, 250, "bhsd", 48),
-    ("causal", "bf16", 256, 1, 2, 2, 1, 1, "bhsd", 48),
-]
-
-
-@pytest.mark.parametrize("case", RINGS, ids=lambda c: "-".join(map(str, c)))
-def test_swapped_layout_q2_do1(case):
-    *listed, tile_n = case
-    _check_listed(tuple(listed), [tuple(c[:-1]) for c in RINGS], tile_n=tile_n, num_stages=2, do_stages=1,
-                  ds_buffers=1)
+    *listed, tile_n, rings = case
+    _check_listed(tuple(listed), [tuple(c[:-2]) for c in SWAPPED], tile_n=tile_n, **RINGS[rings])
 
 
 @pytest.mark.parametrize("D,Dv", [(192, 128), (128, 192), (192, 64)])
