@@ -42,6 +42,10 @@ CASES = {
     "hd128-band-window": (FwdConfig(head_dim=128, band=True, max_ctas=132,
                                     mods=IRModHook(None, canonical_band(mods.sliding_window(1024)))),
                           lambda: (cutlass.Int32(0), cutlass.Int32(1024))),
+    # ... with its persistent CTAs in a snake (FwdConfig.snake, opt-in)
+    "hd128-band-window-snake": (FwdConfig(head_dim=128, band=True, max_ctas=132, snake=True,
+                                          mods=IRModHook(None, canonical_band(mods.sliding_window(1024)))),
+                                lambda: (cutlass.Int32(0), cutlass.Int32(1024))),
     # the row maxima as a second statistic (torch's AuxRequest(max_scores=True))
     "hd128-causal-softcap-max": (FwdConfig(head_dim=128, causal=True, max_scores=True, mods=hooks.SoftcapHook()),
                                  lambda: (cutlass.Float32(30.0),)),
@@ -196,6 +200,29 @@ def test_config_keys():
     assert FwdConfig(head_dim=64, mods=hooks.SoftcapHook()).tile_m == 128
     assert FwdConfig(head_dim=64).consumer_regs == 160
     assert FwdConfig(head_dim=128).consumer_regs == 240
+
+
+def test_snake_order_is_a_permutation_that_alternates():
+    """FwdConfig.snake (tile_scheduler.snake_index): the persistent CTAs' walks cover every
+    tile exactly once for any tile count and grid; in each pair of full rounds CTA c takes
+    positions c and grid - 1 - c; a partial last round keeps its order. Needs persistent
+    CTAs without clusters."""
+    from flexattn.kernels.hopper.tile_scheduler import snake_index
+
+    for total in range(1, 200):
+        for grid in range(1, 40):
+            walks = [[snake_index(c + r * grid, grid, total) for r in range(-(-total // grid)) if c + r * grid < total]
+                     for c in range(grid)]
+            assert sorted(i for w in walks for i in w) == list(range(total)), (total, grid)
+            full = total // grid
+            for c, walk in enumerate(walks):
+                for r, i in enumerate(walk):
+                    position = grid - 1 - c if r % 2 == 1 and r < full else c
+                    assert i == r * grid + position, (total, grid, c, r)
+    FwdConfig(head_dim=128, max_ctas=132, snake=True)
+    for bad in (dict(snake=True), dict(snake=True, max_ctas=132, cluster_m=2)):
+        with pytest.raises(ValueError, match="snake"):
+            FwdConfig(head_dim=128, **bad)
 
 
 def test_persistent_walks_tiles_in_a_loop(compiled):

@@ -41,13 +41,19 @@ class TileSpace:
 
 
     def snake(self, idx: Int32) -> Int32:
-        """Persistent CTAs in a snake: `idx` (= first + r * stride, this CTA's r-th tile)
-        reversed within every odd round that is full (a partial last round keeps its
-        order: its reversed positions would pass `total`)."""
-        r = idx // self.stride
-        full = (r + 1) * self.stride <= self.total
-        flip = (r % 2 == 1) & full
-        return Int32(cutlass.select_(flip, r * self.stride + self.stride - 1 - (idx - r * self.stride), idx))
+        """`snake_index` of this launch's `idx`."""
+        return snake_index(idx, self.stride, self.total, lambda c, a, b: Int32(cutlass.select_(c, a, b)))
+
+
+def snake_index(idx, stride, total, select=None):
+    """Persistent CTAs in a snake: linear index `idx` (= first + r * stride, a CTA's r-th
+    tile) reversed within every odd round that is full (a partial last round keeps its
+    order: its reversed positions would pass `total`). `select(cond, a, b)`: the kernel's,
+    or Python's (the default) for host code and tests."""
+    select = select or (lambda c, a, b: a if c else b)
+    r = idx // stride
+    flip = (r % 2 == 1) & ((r + 1) * stride <= total)
+    return select(flip, r * stride + stride - 1 - (idx - r * stride), idx)
 
 
 def grid_size(total_tiles, max_ctas: int):
