@@ -254,6 +254,30 @@ def test_swapped_layout_rings(compiled):
             BwdConfig(**bad)
 
 
+def test_lockstep_state_follows_a_ring_of_its_own():
+    """`tma_pipeline.lockstep_state` (the dO ring under a deeper Q ring, `do_stages`): after
+    n visits it is where a ring of its own depth would be after n advances — slot n % depth,
+    the phase flipped once per wrap from the producer's 1 / the consumer's 0 (cutlass'
+    PipelineState convention) — and a ring of the same depth is the Q state itself."""
+    from types import SimpleNamespace
+
+    from flexattn.kernels.hopper.tma_pipeline import lockstep_state
+
+    for producer in (True, False):
+        for depth in (1, 2):
+            index, phase = 0, int(producer)
+            for n in range(9):
+                q_state = SimpleNamespace(stages=2, count=n)
+                got = lockstep_state(q_state, depth, producer)
+                if depth == 2:
+                    assert got is q_state
+                else:
+                    assert (got.stages, got.count, got.index, got.phase) == (depth, n, index, phase), (producer, n)
+                index += 1                          # PipelineState.advance
+                if index == depth:
+                    index, phase = 0, phase ^ 1
+
+
 def test_planner_swapped_layout():
     """bwd.plan.with_swapped_layout: the 96-key layout beyond 128 where both head dims are
     multiples of 64 up to 192, for the dense and causal walks, where two Q / dO stages fit
