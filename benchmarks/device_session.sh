@@ -24,7 +24,10 @@
 # step, ours and FA4: where the energy of a step goes once the GPU is power-limited),
 # sustained (fwd+bwd, backward and forward under seconds of load: ms, MHz, W, mJ per call),
 # ncu-decode (B 8 L 8k decode kernels, ours and SDPA's: duration, DRAM bytes and
-# throughput, SM active vs elapsed cycles — where the last few % of bandwidth go, issue 5).
+# throughput, SM active vs elapsed cycles — where the last few % of bandwidth go, issue 5),
+# window-sched (the band forward's persistent schedules incl. the snake order beside FA4,
+# three shapes, issue 24), bwd-layouts (the backward's layouts and rings beyond head dim 128,
+# forced configs side by side, issue 25).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -112,6 +115,11 @@ for step in $steps; do
            --variants cluster ;;
     sched) run sched 300 python3 benchmarks/bench_schedules.py --shapes 4x4096x16x128 8x2048x16x128 \
            --variants by_head longest persist persist+by_head --anchors fa4 ;;
+    window-sched) run window_sched 300 python3 benchmarks/bench_schedules.py \
+           --shapes 8x2048x16x128 4x4096x16x128 2x8192x16x128 --window 1024 \
+           --variants persist persist+snake persist+longest+snake --anchors fa4 ;;
+    bwd-layouts) run bwd_layouts 300 python3 benchmarks/bench_bwd_layouts.py \
+           --dims 192/192 256/128 256/256 ;;
     bwd-bench-mods) run bwd_bench_mods 560 python3 benchmarks/bench_bwd.py \
            --variants causal+softcap30 causal+alibi causal+trainable_bias --out "$out/bench_bwd_mods.json" ;;
     *) echo "unknown step $step" ;;
