@@ -43,11 +43,11 @@ SWAP_PLANNED = {(192, 128)}
 def with_swapped_layout(cfg: BwdConfig) -> BwdConfig:
     """Head dims beyond 128: the swapped layout (`BwdConfig.dkv_swap`, 96-key CTAs) where it
     is planned (SWAP_PLANNED) and allowed with two Q / dO stages; else `cfg` as it is (the
-    64-key split layout). With
-    one stage (192/192) the split layout's two stages won: causal B4 S4096 H16 fwd+bwd
-    kernels, H100, 2026-11-27: 192/192 split 3.81-3.88 ms, swapped 4.03-4.06; 192/128 split
-    3.53-3.65, swapped 2.75 (docs/experiments.md, issue 25, session 24)."""
-    if cfg.dtype == "fp32" or not cfg.split_head_dim or cfg.num_stages is None:
+    64-key split layout). With one stage (192/192) the split layout's two stages won: causal
+    B4 S4096 H16 fwd+bwd kernels, H100, 2026-11-27: 192/192 split 3.81-3.88 ms, swapped
+    4.03-4.06; 192/128 split 3.53-3.65, swapped 2.75 (docs/experiments.md, issue 25,
+    session 24)."""
+    if cfg.dtype == "fp32" or not cfg.split_head_dim:
         return cfg
     if (cfg.head_dim, cfg.head_dim_v) not in SWAP_PLANNED:
         return cfg

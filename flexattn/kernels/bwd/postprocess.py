@@ -39,6 +39,8 @@ class BwdPostprocess:
     def __init__(self, config):
         self.cfg = config
         self.dtype = config.cutlass_dtype
+        # The main kernel's warpgroups split dQ's rows (each holds all of D), or its head dim.
+        self.rows_split = dq_splits_rows(config.tile_m, self.num_wg, config.dq_swap_ab)
 
     @cute.jit
     def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
@@ -55,9 +57,7 @@ class BwdPostprocess:
         dQ = mma.select_modes(mdQ, [2, 3, 1, 0])          # (S, D, H, B)
         dQacc = mma.select_modes(mdQacc, [2, 3, 1, 0])
         tiled_mma = make_dq_mma(self.dtype, tm, D, self.num_wg, cfg.dq_swap_ab)
-        rows = dq_splits_rows(tm, self.num_wg, cfg.dq_swap_ab)   # a warpgroup's columns: all of D
-        s_layout = mma.smem_layout(self.dtype, tm, D, atom_cols=None if rows else dq_slice_atom(D, self.num_wg))
-        self.wg_cols = D if rows else D // self.num_wg
+        s_layout = mma.smem_layout(self.dtype, tm, D, atom_cols=None if self.rows_split else dq_slice_atom(D, self.num_wg))
         tma_atom, tma_dQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), dQ, s_layout, (tm, D))
 
@@ -94,7 +94,8 @@ class BwdPostprocess:
         rdQ.store((acc.load() * softmax_scale).to(self.dtype))
 
         # dQ^T fragments go in transposed (stmatrix .trans on the (D, tm) view of sdQ).
-        r2s = mma.stmatrix_copy(tiled_mma, self.dtype, tidx, transpose=swap, wg_cols=self.wg_cols)
+        r2s = mma.stmatrix_copy(tiled_mma, self.dtype, tidx, transpose=swap,
+                                wg_cols=D if const_expr(self.rows_split) else D // self.num_wg)
         cute.copy(r2s, r2s.retile(rdQ),
                   r2s.partition_D(mma.transpose_view(sdQ) if const_expr(swap) else sdQ))
         cute.arch.fence_view_async_shared()          # generic-proxy writes -> TMA reads

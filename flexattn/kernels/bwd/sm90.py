@@ -1090,20 +1090,12 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         lse, delta = sLSE[None, stage], sDelta[None, do_stage]
         if const_expr(self.stats_in_registers):
             lse = self._column_values(lse, coords)
-        if const_expr(self.cfg.dkv_swap):            # S = Q K^T
-            mma.gemm(tiled_mma_nm, acc_S, tSrQ[None, None, None, stage], tSrK[None, None, None, 0],
-                     zero_init=True, wait=-1)
-        else:
-            mma.gemm(tiled_mma_nm, acc_S, tSrK[None, None, None, 0],
-                     tSrQ[None, None, None, stage], zero_init=True, wait=-1)
+        mma.gemm(tiled_mma_nm, acc_S, *self._ordered(tSrK[None, None, None, 0], tSrQ[None, None, None, stage]),
+                 zero_init=True, wait=-1)
         acc_dP = cute.make_rmem_tensor(acc_shape_nm, Float32)
         pipe_do.consumer_wait(do_state)
-        if const_expr(self.cfg.dkv_swap):            # dP = dO V^T
-            mma.gemm(tiled_mma_nm, acc_dP, tPrdO[None, None, None, do_stage], tPrV[None, None, None, 0],
-                     zero_init=True, wait=-1)
-        else:
-            mma.gemm(tiled_mma_nm, acc_dP, tPrV[None, None, None, 0],
-                     tPrdO[None, None, None, do_stage], zero_init=True, wait=-1)
+        mma.gemm(tiled_mma_nm, acc_dP, *self._ordered(tPrV[None, None, None, 0], tPrdO[None, None, None, do_stage]),
+                 zero_init=True, wait=-1)
         blk = (m_block, n_block, head, batch, seqlen_q, seqlen_k, softmax_scale, mod_args)
         if const_expr(mods.has_score):
             # One pass after both GEMMs: ds'/ds and the raw score stay per-element
@@ -1135,7 +1127,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         mma.convert_into(rdS, acc_dP)
         if const_expr(split):
-            return self._split_step_tail(ctx, state, rP, rdS)
+            return self._split_step_tail(ctx, state, do_state, rP, rdS)
 
         # dS^T -> sdS[stage] (no wait: see sdS_layout), then dV += P^T dO (A from registers).
         cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, stage])
@@ -1167,7 +1159,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         return state
 
     @cute.jit
-    def _split_step_tail(self, ctx, state, rP, rdS):
+    def _split_step_tail(self, ctx, state, do_state, rP, rdS):
         """`_step` after P^T and dS^T (16-bit, this warpgroup's q columns), under
         `split_head_dim`: both go to shared memory (buffer by visit parity), then each
         warpgroup runs its head-dim slice of dQ = dS K, dV += P^T dO and dK += dS^T Q, all
@@ -1182,16 +1174,15 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         _, _, _, _, tVsP, tVrdOt, tKrQt, tQrdS, tQrKt, tKsdS = frags
         tdSsdS, tPsP = tdSsdS_tPsP
         cfg = self.cfg
-        stage = state.index
-        do_state = lockstep_state(state, cfg.do_ring, producer=False)
-        do_stage = do_state.index
+        stage, do_stage = state.index, do_state.index
         # Two buffers: a warpgroup writes visit i + 1's tiles only after the ds_full barrier
         # of visit i, which the other passes after its visit i - 1 GEMMs have all retired.
-        # One dS^T buffer (swapped layout): after both warpgroups are done with visit i.
+        # One dS^T buffer (swapped layout): after both warpgroups are done with visit i. One
+        # P^T buffer in the swapped layout (each warpgroup reads only its own rows).
         buf = state.count % 2
-        kv_swap = cfg.dkv_swap
         ds_buf = buf if const_expr(cfg.ds_ring == 2) else 0
-        cute.copy(r2s_dS, r2s_dS.retile(rP), tPsP[None, None, None, 0 if kv_swap else buf])
+        p_buf = 0 if const_expr(cfg.dkv_swap) else buf
+        cute.copy(r2s_dS, r2s_dS.retile(rP), tPsP[None, None, None, p_buf])
         if const_expr(cfg.ds_ring == 1):
             BwdBarrier.DS_EMPTY.sync(self.num_mma_threads)
         cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, ds_buf])
@@ -1200,16 +1191,10 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         acc_dQ = cute.make_rmem_tensor(acc_shape_md, Float32)
         mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, ds_buf], tQrKt[None, None, None, 0],
                  zero_init=True, wait=-1)
-        if const_expr(kv_swap):
-            mma.gemm(tiled_mma_nv, acc_dV, tVrdOt[None, None, None, do_stage], tVsP[None, None, None, 0],
-                     zero_init=False, wait=-1)
-            mma.gemm(tiled_mma_nd, acc_dK, tKrQt[None, None, None, stage], tKsdS[None, None, None, ds_buf],
-                     zero_init=False, wait=2)        # dQ retired
-        else:
-            mma.gemm(tiled_mma_nv, acc_dV, tVsP[None, None, None, buf], tVrdOt[None, None, None, do_stage],
-                     zero_init=False, wait=-1)
-            mma.gemm(tiled_mma_nd, acc_dK, tKsdS[None, None, None, buf], tKrQt[None, None, None, stage],
-                     zero_init=False, wait=2)        # dQ retired
+        mma.gemm(tiled_mma_nv, acc_dV, *self._ordered(tVsP[None, None, None, p_buf], tVrdOt[None, None, None, do_stage]),
+                 zero_init=False, wait=-1)
+        mma.gemm(tiled_mma_nd, acc_dK, *self._ordered(tKsdS[None, None, None, ds_buf], tKrQt[None, None, None, stage]),
+                 zero_init=False, wait=2)            # dQ retired
         self._stage_dq(acc_dQ, tdQsdQ, wg)
         warpgroup.wait_group(1)                      # dV retired: dO may be overwritten
         pipe_do.consumer_release(do_state)
@@ -1217,6 +1202,12 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         pipe_q.consumer_release(state)
         state.advance()
         return state
+
+    def _ordered(self, a, b):
+        """A GEMM's (A, B) fragments as the layout takes them: (a, b) — S^T = K Q^T, dV +=
+        P^T dO, ... — or, in the swapped layout (`dkv_swap`: S = Q K^T, dV^T = dO^T P, ...),
+        (b, a). The fragment slots hold each layout's own operands."""
+        return (b, a) if self.cfg.dkv_swap else (a, b)
 
     @cute.jit
     def _stage_dq(self, acc_dQ, tdQsdQ, wg):

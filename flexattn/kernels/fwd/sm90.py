@@ -900,8 +900,8 @@ class FlashFwdSm90(WarpSpecialized):
         is exactly that) and past KV_LEN: per row, the columns q - hi .. min(q - lo, KV_LEN -
         1) relative to this thread's first column, so an element costs two compares with
         compile-time columns and its selects, as the causal limit does (`_mask_past_limits`),
-        instead of the mask's expression (H100 window1024 B8 S2048: 14% more instructions
-        than FA4's forward, its partial blocks' masks)."""
+        instead of the mask's expression (window1024 B8 S2048, H100: 14% more instructions
+        than FA4's forward; the SASS counts put the difference in these masks)."""
         coords, m_block, seqlen_k, mod_args = ctx[9], ctx[12], ctx[16], ctx[18]
         cfg = self.cfg
         lo, hi = band_bounds(self.mods, mod_args)

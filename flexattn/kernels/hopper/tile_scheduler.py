@@ -39,7 +39,6 @@ class TileSpace:
         self.first = cute.arch.block_idx()[0]
         self.stride = cute.arch.grid_dim()[0]
 
-
     def snake(self, idx: Int32) -> Int32:
         """`snake_index` of this launch's `idx`."""
         return snake_index(idx, self.stride, self.total, lambda c, a, b: Int32(cutlass.select_(c, a, b)))
