@@ -6,8 +6,11 @@ buffer: `do_stages=1, ds_buffers=1`). Configs are forced through tests/gpu's har
 each time is forward + backward kernels plus the harness's fills — compare rows, not
 against other benchmarks. Causal, bf16, B4 S4096 H16 by default; median of 5 per round,
 two alternating rounds. What `bwd.plan.with_swapped_layout` plans comes from these.
+`--mask window1024` and the `by_head` / `longest` layouts compare the CTA orders of a band's
+backward instead (head dim 128).
 
     python3 benchmarks/bench_bwd_layouts.py [--shape 4x4096x16] [--dims 192/192 256/256]
+    python3 benchmarks/bench_bwd_layouts.py --mask window1024 --dims 128/128 --layouts by_head longest
 """
 
 import argparse
@@ -31,6 +34,8 @@ LAYOUTS = {
     "swap96-q2do1": dict(tile_n=96, num_stages=2, do_stages=1, ds_buffers=1),
     "swap48": dict(tile_n=48),
     "swap48-q2do1": dict(tile_n=48, num_stages=2, do_stages=1, ds_buffers=1),
+    "by_head": dict(tile_order="by_head"),
+    "longest": dict(tile_order="longest_first"),
 }
 
 
@@ -48,15 +53,17 @@ def time_ms(call, reps=5):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="4x4096x16", help="BxSxH")
+    ap.add_argument("--shapes", nargs="*", default=["4x4096x16"], help="BxSxH each")
+    ap.add_argument("--mask", default="causal", help="causal or windowN")
     ap.add_argument("--dims", nargs="*", default=["192/128", "192/192", "256/128", "256/256"])
     ap.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
     args = ap.parse_args()
-    B, S, H = map(int, args.shape.split("x"))
-    spec = AttentionSpec.from_args(mask=mods.causal())
-    print("| D/Dv | layout | tile_n | stages Q/dO | dS bufs | ms round 1 | ms round 2 |")
-    print("|---|---|---|---|---|---|---|")
-    for dims in args.dims:
+    mask = mods.causal() if args.mask == "causal" else mods.sliding_window(int(args.mask[len("window"):]))
+    spec = AttentionSpec.from_args(mask=mask)
+    print(f"{args.mask}\n| BxSxH | D/Dv | layout | tile_n | stages Q/dO | dS bufs | order | ms round 1 | ms round 2 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for shape, dims in ((s, d) for s in args.shapes for d in args.dims):
+        B, S, H = map(int, shape.split("x"))
         D, Dv = map(int, dims.split("/"))
         q, k = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         v, do = (torch.randn(B, H, S, Dv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -65,14 +72,14 @@ def main():
             try:
                 cfg = kernel_backward(q, k, v, do, spec, **LAYOUTS[name])[6]
             except ValueError as e:          # a layout this head dim does not allow
-                print(f"| {dims} | {name} | — | — | — | {str(e)[:60]} | |")
+                print(f"| {shape} | {dims} | {name} | — | — | — | — | {str(e)[:60]} | |")
                 continue
             rows[name] = [cfg, []]
         for _ in range(2):
             for name, row in rows.items():
                 row[1].append(time_ms(lambda: kernel_backward(q, k, v, do, spec, **LAYOUTS[name])))
         for name, (cfg, ms) in rows.items():
-            print(f"| {dims} | {name} | {cfg.tile_n} | {cfg.num_stages}/{cfg.do_ring} | {cfg.ds_ring} | "
+            print(f"| {shape} | {dims} | {name} | {cfg.tile_n} | {cfg.num_stages}/{cfg.do_ring} | {cfg.ds_ring} | {cfg.order} | "
                   + " | ".join(f"{t:.3f}" for t in ms) + " |")
 
 

@@ -48,6 +48,9 @@ SCHEDULES = {  # our kernel's scheduling options; "ov+pp" is the default config
     "persist+by_head": dict(max_ctas=-1, tile_order="by_head"),
     "persist+snake": dict(max_ctas=-1, snake=True),
     "persist+longest+snake": dict(max_ctas=-1, tile_order="longest_first", snake=True),
+    # tiles after the first round by tickets from a global counter (one counter, reused:
+    # the kernel leaves it zero)
+    "persist+tickets": dict(max_ctas=-1, tile_tickets=True),
     "stages3": dict(num_stages=3),                     # a third K/V slot (one CTA per tile:
                                                        # with the persistent O buffer it won't fit)
     # kv tile width (FA3 / FA4 take 176 for head dim 128 without a causal / local mask)
@@ -100,6 +103,8 @@ def ours(q, k, v, causal, scale, sched="ov+pp", block_sparse=False, window=None)
                         mods=hooks.CausalHook(), **opts)
         bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device="cuda")
         lists = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+    if cfg.tile_tickets:
+        lists = (lists or ()) + (torch.zeros(1, dtype=torch.int32, device="cuda"),)
     runner = ForwardRunner(cfg)
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))      # [B, H, S, D] views
     o = torch.empty_like(qh)

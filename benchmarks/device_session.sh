@@ -27,7 +27,11 @@
 # throughput, SM active vs elapsed cycles — where the last few % of bandwidth go, issue 5),
 # window-sched (the band forward's persistent schedules incl. the snake order beside FA4,
 # three shapes, issue 24), bwd-layouts (the backward's layouts and rings beyond head dim 128,
-# forced configs side by side, issue 25).
+# forced configs side by side, issue 25), window-bwd-order (a band's backward in head order
+# against longest-first, three shapes, issue 24), swap-vdims (split against swapped layouts
+# at 128/192 and 192/64, issue 25), window-door (bench_fwd and bench_bwd's window1024 rows
+# at three shapes, issue 24), window-tickets (the band forward's snake against tile tickets
+# beside FA4, three shapes, issue 24).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -120,6 +124,17 @@ for step in $steps; do
            --variants persist persist+snake persist+longest+snake --anchors fa4 ;;
     bwd-layouts) run bwd_layouts 300 python3 benchmarks/bench_bwd_layouts.py \
            --dims 192/192 256/128 256/256 ;;
+    window-tickets) run window_tickets 300 python3 benchmarks/bench_schedules.py \
+           --shapes 8x2048x16x128 4x4096x16x128 2x8192x16x128 --window 1024 \
+           --variants persist+snake persist+tickets --anchors fa4 ;;
+    window-bwd-order) run window_bwd_order 300 python3 benchmarks/bench_bwd_layouts.py --mask window1024 \
+           --shapes 8x2048x16 4x4096x16 2x8192x16 --dims 128/128 --layouts by_head longest ;;
+    swap-vdims) run swap_vdims 240 python3 benchmarks/bench_bwd_layouts.py --dims 128/192 192/64 \
+           --layouts planned split swap96 ;;
+    window-door) run window_door_fwd 300 python3 benchmarks/bench_fwd.py --variants window1024 \
+           --shapes 8x2048x16x128 4x4096x16x128 2x8192x16x128 --out "$out/window_fwd.json"
+             run window_door_bwd 400 python3 benchmarks/bench_bwd.py --variants window1024 \
+           --shapes 8x2048x16x128 4x4096x16x128 2x8192x16x128 --out "$out/window_bwd.json" ;;
     bwd-bench-mods) run bwd_bench_mods 560 python3 benchmarks/bench_bwd.py \
            --variants causal+softcap30 causal+alibi causal+trainable_bias --out "$out/bench_bwd_mods.json" ;;
     *) echo "unknown step $step" ;;

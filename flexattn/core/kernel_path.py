@@ -76,6 +76,11 @@ class Device:
     # float32 inputs: tf32 MMAs per product, 3 (3xTF32, about float32's accuracy: torch's
     # "highest" matmul precision) or 1 (tf32: "high" / "medium").
     tf32_passes: int = 3
+    # () -> an int32 GPU array of at least one zero for one launch's tile tickets
+    # (FwdConfig.tile_tickets), private to the stream that launch goes to (the kernel
+    # leaves it zero, so it may be the stream's own, kept). None: a fresh zeroed array
+    # per launch from `alloc`.
+    tile_tickets: Callable | None = None
 
 
 def kernel_unsupported(q, shape: AttentionShape) -> str | None:
@@ -321,6 +326,18 @@ def _clusters_pay(shape: AttentionShape) -> bool:
     return shape.head_dim == shape.v_head_dim == 128 and -(-shape.q_len // 128) % 2 == 0
 
 
+def _tickets_pay(shape: AttentionShape, band, max_ctas: int, cluster_m: int) -> bool:
+    """Whether a band's persistent CTAs take their tiles by tickets (FwdConfig.tile_tickets):
+    rows near the start of a band see fewer keys, and a static walk commits each CTA to its
+    tiles up front. H100, window 1024 H16 D128 forward, snake -> tickets (2026-11-27):
+    B8 S2048 452.4 -> 457.3 TFLOP/s, B4 S4096 463.6 -> 469.3, B2 S8192 469.4 -> 474.4 (FA4
+    462.0 / 473.6 / 466.4). Only with at least two rounds of 128-row tiles, where a
+    launch's counter (``launch_tickets``) buys a tail worth evening out."""
+    if not band or not max_ctas or cluster_m != 1:
+        return False
+    return -(-shape.q_len // 128) * shape.q_heads * shape.batch >= 2 * max_ctas
+
+
 def kernel_block_mask(spec: AttentionSpec, shape: AttentionShape) -> BlockMask | None:
     """The block mask whose lists the kernels of this call read (the spec's own, or one
     built for its mask mod and shape and cached), or None (dense / built-in causal)."""
@@ -360,8 +377,9 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     cluster_m = 2 if block_mask is None and not fp32 and _clusters_pay(shape) else 1
     persistent_pays = (dense or _balanced(block_mask, band)) and not fp32 and not _GPU_SHARED.get()
     max_ctas = persistent_ctas(q, cluster_m) if persistent_pays else 0
+    tickets = _tickets_pay(shape, band, max_ctas, cluster_m)
     key = (dtype, tf32_passes, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
-           cluster_m, max_scores,
+           cluster_m, max_scores, tickets,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     # 3xTF32 keeps float32's accuracy: the mods' tanh / sigmoid exact, not tanh.approx.
@@ -389,6 +407,12 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
             tile_m=tile_m, tile_n=tile_n, num_stages=stages, causal=causal, block_sparse=lists, band=band,
             mods=template, max_ctas=max_ctas if persistent else 0, cluster_m=cluster_m, max_scores=max_scores,
             pingpong=tile_m > 64, sparse_block_m=128 if lists else None,   # lists: 128-row q blocks
+            # Bands: persistent CTAs take tiles by tickets (_tickets_pay), else in a snake
+            # (odd rounds reversed), which evens out the last round too. H100, window 1024
+            # H16 D128, 2026-11-27, static order -> snake: B8 S2048 434 -> 453 TFLOP/s (FA4
+            # 464), B4 S4096 463 -> 467, B2 S8192 468 -> 472 (issue 24, session 25).
+            tile_tickets=tickets and persistent,
+            snake=bool(band) and persistent and max_ctas > 0 and cluster_m == 1 and not tickets,
         )
         # _clusters_pay counts 128-row q tiles; the kernel pairs its own tile_m rows, and
         # the TVM-FFI launch does not check again: the two counts must agree.
@@ -494,14 +518,30 @@ def ffi_tensors(values):
     return tuple(v if v is None or isinstance(v, (int, float)) else tvm_ffi.from_dlpack(v) for v in values)
 
 
-def _kv_lists(plan: KernelPlan, device: Device):
-    """The block mask's kv-side lists on the GPU (kernel order), or None where the forward
-    reads none (no block mask, or the band structure)."""
+def _kv_lists(plan: KernelPlan, device: Device, tickets: bool = True):
+    """The int32 arrays the forward kernel reads besides its operands, on the GPU: the
+    block mask's kv-side lists (kernel order) where it reads them, then (``tickets``) the
+    tile tickets' counter where it schedules by tickets; None where it reads none."""
     bm = plan.block_mask
-    if not plan.config.block_sparse:
-        return None
-    return tuple(device.to_device(bm.list_array(n))
-                 for n in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"))
+    lists = ()
+    if plan.config.block_sparse:
+        lists = tuple(device.to_device(bm.list_array(n))
+                      for n in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"))
+    if tickets and plan.config.tile_tickets:
+        lists += (launch_tickets(device),)
+    return lists or None
+
+
+def launch_tickets(device: Device):
+    """The counter of one launch's tile tickets (FwdConfig.tile_tickets): the adapter's
+    for the launch's stream (``Device.tile_tickets``), else a fresh zero allocated in the
+    stream's order, so launches on different streams, or recorded into CUDA graphs, never
+    share a counter."""
+    if device.tile_tickets is not None:
+        return device.tile_tickets()
+    if device.alloc is not None:
+        return device.alloc((1,), "int32", True)
+    return device.to_device(np.zeros(1, np.int32))
 
 
 @functools.cache
@@ -556,7 +596,7 @@ class PreparedForward:
     arrays), their conversion. Built by ``prepare_forward`` after a first full call;
     adapters keep them keyed by everything the checks read (see flexattn/torch/__init__.py)."""
 
-    __slots__ = ("_fn", "_scale", "_args", "_kinds", "_captures", "_to_device", "_lists", "_env_stream")
+    __slots__ = ("_fn", "_scale", "_args", "_kinds", "_captures", "_to_device", "_lists", "_tickets", "_env_stream")
 
     def __init__(self, q, plan: KernelPlan, spec: AttentionSpec, shape: AttentionShape, device: Device):
         from ..kernels.launch.arguments import ffi_args
@@ -572,7 +612,8 @@ class PreparedForward:
         self._to_device = device.to_device
         self._args = (ffi_tensors(ffi_args(self._kinds, self._captures, self._to_device)) or None
                       if frozen_captures(self._captures) else False)
-        self._lists = ffi_tensors(_kv_lists(plan, device))
+        self._lists = ffi_tensors(_kv_lists(plan, device, tickets=False))
+        self._tickets = device if plan.config.tile_tickets else None   # a counter per launch
         # Set: launches need TVM-FFI's stream set around them (as ffi_stream_scope does).
         self._env_stream = None if device.tvm_ffi_stream else EnvStream(_ffi_device(q))
 
@@ -585,11 +626,11 @@ class PreparedForward:
 
             args = ffi_args(self._kinds, self._captures, self._to_device) or None
         if self._env_stream is None:
-            self._fn(q, k, v, out, lse, self._scale, args, self._lists, None)
+            self._fn(q, k, v, out, lse, self._scale, args, self._launch_lists(), None)
             return
         previous = self._env_stream.swap(stream)
         try:
-            self._fn(q, k, v, out, lse, self._scale, args, self._lists, None)
+            self._fn(q, k, v, out, lse, self._scale, args, self._launch_lists(), None)
         finally:
             self._env_stream.swap(previous)
 
@@ -606,7 +647,14 @@ class PreparedForward:
 
         captures = with_operands(self._captures, operands, positions)
         self._fn(q, k, v, out, lse, self._scale, ffi_args(self._kinds, captures, self._to_device) or None,
-                 self._lists, None)
+                 self._launch_lists(), None)
+
+    def _launch_lists(self):
+        """The block lists, then this launch's own tile-ticket counter where the kernel
+        takes one (made here, in the launch's stream order)."""
+        if self._tickets is None:
+            return self._lists
+        return (self._lists or ()) + (launch_tickets(self._tickets),)
 
 
 def operand_positions(captures, operands) -> tuple:

@@ -462,12 +462,19 @@ class _KernelBackend:
         scratch = self.plan.fp32_scratch()   # float32: the operand pass's results, rows 16-byte aligned
         results += [(name, jax.ShapeDtypeStruct(s, jnp.float32), _tensor_spec(4, 16, 4 if name == "fp32_v" else s[-1]))
                     for name, s in scratch]
+        tickets = self.plan.config.tile_tickets   # the tile tickets' counter: a result zeroed per call
+        if tickets:
+            results.append(("tile_tickets", jax.ShapeDtypeStruct((1,), jnp.int32), _tensor_spec(1, 4)))
 
         def launch(pos, fills):
             operands = tuple(pos[name] for name, _ in scratch) or None
-            return self.plan.forward_launch(tuple(main) + (pos["out"], pos["lse"]), args, lists, fills, operands)
+            kv_lists = lists
+            if tickets:
+                kv_lists = (lists or ()) + (pos["tile_tickets"],)
+                fills = tuple(fills) + ((pos["tile_tickets"], "zero"),)
+            return self.plan.forward_launch(tuple(main) + (pos["out"], pos["lse"]), args, kv_lists, fills, operands)
 
-        r = self._call(xla_path.forward_entry(), launch, ops, results)
+        r = self._call(xla_path.forward_entry(), launch, ops, results, zeroed=("tile_tickets",))
         return r["out"], r["lse"]
 
     def _short_query(self, q, k, v, score_bufs, mask_bufs):

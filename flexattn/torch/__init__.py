@@ -1185,7 +1185,18 @@ def _forward_device(dev) -> Device:
     stream = torch.cuda.current_stream(dev)
     return Device(stream.cuda_stream, _DeviceCopies(dev), tvm_ffi_stream=True,
                   decode_resources=lambda: (_sm_count(dev), _decode_workspace(dev, stream)),
-                  alloc=_backward_alloc(dev), tf32_passes=3 if torch.get_float32_matmul_precision() == "highest" else 1)
+                  alloc=_backward_alloc(dev), tf32_passes=3 if torch.get_float32_matmul_precision() == "highest" else 1,
+                  tile_tickets=lambda: _tile_tickets(dev))
+
+
+def _tile_tickets(dev):
+    """The tile tickets' counter for a forward launch on ``dev``'s current stream (read at
+    each launch: a prepared call may be repeated on another stream): the stream's decode
+    workspace counters, which the kernels leave zero (no allocation, no fill per call);
+    while a CUDA graph is being captured, a zero of the graph's own."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(1, dtype=torch.int32, device=dev)
+    return _decode_workspace(dev, torch.cuda.current_stream(dev)).tickets(1)
 
 
 def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buffers, grad_mask):

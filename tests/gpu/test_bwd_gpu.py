@@ -336,8 +336,8 @@ def test_swapped_layout(case):
 @pytest.mark.parametrize("name", ["causal_softcap", "none"])
 def test_swapped_layout_value_head_dims(D, Dv, name):
     """The swapped layout (96-key CTAs, two stages) at value head dims apart from the
-    query's: 192/128 is planned (bwd.plan.SWAP_PLANNED); 128/192 and 192/64 join it once
-    these pass. GQA, KV_LEN inside a CTA, q rows past a tile."""
+    query's, each planned (bwd.plan.SWAP_PLANNED). GQA, KV_LEN inside a CTA, q rows past
+    a tile."""
     torch.manual_seed(D * 7 + Dv)
     B, Hq, Hkv, Q, KV = 1, 4, 2, 300, 333
     q, k = torch.randn(B, Hq, Q, D, device="cuda", dtype=torch.bfloat16), \

@@ -322,6 +322,38 @@ def test_cuda_graph_capture_and_replay():
         assert (out_b.double().cpu() - want_b).abs().max() < 2.5e-2
 
 
+def test_band_tile_tickets_at_the_door():
+    """A torch-style sliding window with two rounds of tiles (9 q tiles x 34 heads on 132
+    SMs) runs its band's persistent CTAs by tile tickets: right on the full path, on the
+    prepared repeats (a counter per launch) and in a CUDA graph's replays."""
+    from flexattn.core.kernel_path import plan_forward
+
+    q, k, v = (torch.randn(1, 34, 1100, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx <= 300) & (q_idx >= kv_idx)
+
+    bm = fa.create_block_mask(window, None, None, 1100, 1100, device="cuda")
+    spec = AttentionSpec.from_args(block_mask=bm)
+    assert plan_forward(q, check_inputs(q, k, v, spec), spec).config.tile_tickets   # (132 SMs)
+    want = _torch_ref(q, k, v, block_mask=fa.create_block_mask(window, None, None, 1100, 1100))
+    outs = []
+    with torch.no_grad():
+        for _ in range(4):   # the full path, then prepared launches
+            outs.append(fa.flex_attention(q, k, v, block_mask=bm))
+    torch.cuda.synchronize()
+    assert (outs[0].double().cpu() - want).abs().max() < 2.5e-2
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = fa.flex_attention(q, k, v, block_mask=bm)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, outs[0])
+
+
 @pytest.mark.parametrize("Q, KV", [(300, 300), (300, 517), (517, 300), (1, 129)])
 def test_torch_style_causal_block_mask_runs_the_causal_structure(Q, KV):
     """A torch user's causal lambda through create_block_mask(..., device='cuda') and

@@ -74,6 +74,15 @@ def mod_setup(kind, B, Hq, Sq, Skv, dev):
         return ({"mods": hooks.DocumentBiasHook()}, args,
                 lambda s, b, h, q, k: s + bias.double()[h],
                 lambda b, h, q, k: d64[b, q] == d64[b, k])
+    if kind == "window":                       # a band of diagonals, walked by arithmetic
+        from flexattn import mods
+        from flexattn.kernels.emit.mod_emit import IRModHook, runtime_args
+        from flexattn.mods.structure import canonical_band
+
+        left, right = random.choice([(100, 0), (300, 40), (0, 200)])
+        hook = IRModHook(None, canonical_band(mods.sliding_window(left, right)))
+        return ({"band": True, "mods": hook}, runtime_args(hook, torch.as_tensor), None,
+                lambda b, h, q, k: (q - k <= left) & (k - q <= right))
     raise ValueError(kind)
 
 
@@ -109,6 +118,7 @@ SCHEDULES = {  # step (b) scheduling options; results must not depend on them
     "persist+pp": dict(max_ctas=3, intra_wg_overlap=False),
     "persist+plain": dict(max_ctas=5, intra_wg_overlap=False, pingpong=False),
     "persist+snake": dict(max_ctas=7, snake=True),   # odd full rounds reversed, a partial last one
+    "persist+tickets": dict(max_ctas=7, tile_tickets=True),   # later tiles by a global counter
 }
 # Clusters of 2 CTAs sharing K/V by TMA multicast: dense structure and an even number of
 # q tiles per head only, so kept out of the random draw.
@@ -130,8 +140,18 @@ def run_case(dtype_name, D, B, Hq, Hkv, Sq, Skv, kind, layout="bhsd", sched="ov+
     scale = 1.0 / math.sqrt(D)
     o = torch.full((B, Hq, Sq, D), float("nan"), device=dev, dtype=dtype)
     lse = torch.full((B, Hq, Sq), float("nan"), device=dev, dtype=torch.float32)
-    runner_for(cfg).run(q, k, v, o, lse, scale, args, torch.cuda.current_stream().cuda_stream)
+    tickets = torch.zeros(1, dtype=torch.int32, device=dev) if cfg.tile_tickets else None
+    stream = torch.cuda.current_stream().cuda_stream
+    runner_for(cfg).run(q, k, v, o, lse, scale, args, stream, None if tickets is None else (tickets,))
     torch.cuda.synchronize()
+    if tickets is not None:
+        # The counter is left zero; a second launch with it (NaN-poisoned outputs) computes
+        # every tile again, bit for bit.
+        assert tickets.item() == 0, "the tile tickets' counter was not reset"
+        o2, lse2 = torch.full_like(o, float("nan")), torch.full_like(lse, float("nan"))
+        runner_for(cfg).run(q, k, v, o2, lse2, scale, args, stream, (tickets,))
+        torch.cuda.synchronize()
+        assert torch.equal(o2, o) and torch.equal(lse2.nan_to_num(), lse.nan_to_num()) and tickets.item() == 0
     ref_o, ref_lse = reference(q, k, v, scale, score_fn, mask_fn)
 
     assert not torch.isnan(o).any(), "unwritten or NaN output"
@@ -179,6 +199,14 @@ FIXED = [
     ("bf16", 128, 2, 2, 2, 300, 301, "causal_builtin", "bhsd", "persist+plain"),
     ("bf16", 128, 3, 4, 4, 700, 333, "doc", "bhsd", "persist+snake"),       # 72 tiles: 10 rounds + 2
     ("fp16", 128, 2, 8, 2, 1000, 1000, "causal", "bhsd", "persist+snake"),
+    ("bf16", 128, 3, 4, 2, 1000, 1000, "window", "bhsd", "persist"),
+    ("bf16", 128, 3, 4, 2, 1000, 1000, "window", "bhsd", "persist+tickets"),  # 96 tiles, 7 CTAs
+    ("fp16", 128, 2, 6, 3, 700, 900, "window", "bshd", "persist+tickets"),
+    ("bf16", 64, 2, 4, 4, 450, 450, "window", "bhsd", "persist+tickets"),     # 3 WGs
+    ("bf16", 128, 3, 4, 4, 700, 333, "doc", "bhsd", "persist+tickets"),
+    ("fp16", 128, 2, 8, 2, 1000, 1000, "causal", "bhsd", "persist+tickets"),
+    ("bf16", 128, 2, 2, 2, 300, 301, "causal_builtin", "bhsd", "persist+tickets"),
+    ("bf16", 128, 1, 1, 1, 100, 100, "window", "bhsd", "persist+tickets"),    # one tile: no ticket used
     # clusters (q tiles per head even: 128-row tiles, 192 for head dim 64 without score mod)
     ("bf16", 128, 2, 4, 4, 256, 256, "none", "bhsd", "cluster"),
     ("bf16", 128, 3, 8, 2, 1000, 999, "none", "bshd", "cluster"),          # GQA, odd Skv

@@ -38,11 +38,11 @@ CASES = {
     "hd128-doc-bias": (FwdConfig(head_dim=128, mods=hooks.DocumentBiasHook()), _doc_bias_args),
     "hd128-sparse-lag": (FwdConfig(head_dim=128, block_sparse=True,
                                    mods=hooks.LaggedCausalHook()), lambda: (cutlass.Int32(3),)),
-    # a sliding window's band of diagonals walked by arithmetic (persistent, as planned)
+    # a sliding window's band of diagonals walked by arithmetic (persistent)
     "hd128-band-window": (FwdConfig(head_dim=128, band=True, max_ctas=132,
                                     mods=IRModHook(None, canonical_band(mods.sliding_window(1024)))),
                           lambda: (cutlass.Int32(0), cutlass.Int32(1024))),
-    # ... with its persistent CTAs in a snake (FwdConfig.snake, opt-in)
+    # ... with its persistent CTAs in a snake (FwdConfig.snake), as planned
     "hd128-band-window-snake": (FwdConfig(head_dim=128, band=True, max_ctas=132, snake=True,
                                           mods=IRModHook(None, canonical_band(mods.sliding_window(1024)))),
                                 lambda: (cutlass.Int32(0), cutlass.Int32(1024))),
@@ -77,6 +77,12 @@ CASES = {
     "hd128-cluster-softcap": (FwdConfig(head_dim=128, cluster_m=2, mods=hooks.SoftcapHook()),
                               lambda: (cutlass.Float32(30.0),)),
     "hd128-cluster-causal": (FwdConfig(head_dim=128, causal=True, cluster_m=2), lambda: ()),
+    # persistent CTAs taking their later tiles by tickets (FwdConfig.tile_tickets), as
+    # planned for bands; and with three consumer warpgroups
+    "hd128-band-window-tickets": (FwdConfig(head_dim=128, band=True, max_ctas=132, tile_tickets=True,
+                                            mods=IRModHook(None, canonical_band(mods.sliding_window(1024)))),
+                                  lambda: (cutlass.Int32(0), cutlass.Int32(1024))),
+    "hd64-causal-tickets": (FwdConfig(head_dim=64, causal=True, max_ctas=132, tile_tickets=True), lambda: ()),
 }
 
 
@@ -222,6 +228,25 @@ def test_snake_order_is_a_permutation_that_alternates():
     FwdConfig(head_dim=128, max_ctas=132, snake=True)
     for bad in (dict(snake=True), dict(snake=True, max_ctas=132, cluster_m=2)):
         with pytest.raises(ValueError, match="snake"):
+            FwdConfig(head_dim=128, **bad)
+
+
+def test_tile_tickets(compiled):
+    """Tile tickets: one relaxed atomic add per later tile and the last drawer's reset (an
+    exchange) at GPU scope; static walks draw none. Persistent CTAs without clusters or
+    snake only."""
+    for name in ("hd128-band-window-tickets", "hd64-causal-tickets"):
+        ptx = compiled[name]
+        # (PTX's default atom semantics: relaxed, GPU scope)
+        assert ptx.count("atom.global.add") == 1 and ptx.count("atom.global.exch") == 1, name
+    for name in ("hd128-band-window", "hd128-band-window-snake", "hd128-persistent"):
+        assert "atom." not in compiled[name], name
+    assert FwdConfig(head_dim=128, max_ctas=132, tile_tickets=True).launch_lists == 1
+    assert FwdConfig(head_dim=128, block_sparse=True, mods=hooks.CausalHook(), max_ctas=132,
+                     tile_tickets=True).launch_lists == 5
+    for bad in (dict(tile_tickets=True), dict(tile_tickets=True, max_ctas=132, cluster_m=2),
+                dict(tile_tickets=True, max_ctas=132, snake=True)):
+        with pytest.raises(ValueError, match="tile_tickets"):
             FwdConfig(head_dim=128, **bad)
 
 

@@ -342,7 +342,18 @@ def test_tile_scheduling_by_structure(on_gpu):
         spec = AttentionSpec.from_args(**kw)
         cfg = plan_forward(q, check_inputs(q, q, q, spec), spec).config
         assert (cfg.max_ctas, cfg.tile_order) == (ctas, order), kw
+        # bands' persistent CTAs walk in a snake (measured: issue 24); nothing else does
+        assert cfg.snake == (cfg.band and ctas > 0) and not cfg.tile_tickets, kw
     assert _plan().config.max_ctas == 0   # a CPU array: nothing to query
+    # From two rounds of 128-row tiles (264 on 132 SMs) a band's CTAs take tiles by tickets
+    # instead; other structures never do.
+    for S, B, kw, tickets in ((4096, 2, {"mask": mods.sliding_window(1024)}, True),     # 512 tiles
+                              (2048, 1, {"mask": mods.sliding_window(1024)}, False),    # 64 tiles
+                              (4096, 2, {}, False), (4096, 2, {"mask": mods.causal()}, False)):
+        big = torch.empty(B, 16, S, 128, dtype=torch.bfloat16).as_subclass(_OnGpu)
+        spec = AttentionSpec.from_args(**kw)
+        cfg = plan_forward(big, check_inputs(big, big, big, spec), spec).config
+        assert (cfg.tile_tickets, cfg.snake) == (tickets, bool(cfg.band) and not tickets), (S, B, kw)
 
 
 
@@ -415,7 +426,7 @@ def test_env_stream_swap_sets_and_restores_tvm_ffi_stream(monkeypatch, private_s
     prepared = PreparedForward.__new__(PreparedForward)    # launch only: no compile
     prepared._fn, prepared._scale, prepared._args, prepared._env_stream = fake_kernel, 0.125, None, env
     before = tvm_ffi.get_raw_stream(device)
-    prepared._lists = None
+    prepared._lists, prepared._tickets = None, None
     prepared.launch("q", "k", "v", "out", "lse", stream=0xBEEF)
     prepared._lists = "boom"
     with pytest.raises(RuntimeError, match="launch failed"):

@@ -34,10 +34,11 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
     return cfg
 
 
-# Head dims the planner gives the swapped layout: GPU-verified and two stages fit (192/128,
-# DeepSeek's). 128/192 and 192/64 also fit two stages; their GPU cases
-# (tests/gpu/test_bwd_gpu.py SWAPPED, tile_n forced) run before they join.
-SWAP_PLANNED = {(192, 128)}
+# Head dims the planner gives the swapped layout: GPU-verified, two stages fit, and faster
+# than the split layout in forced A/Bs (causal B4 S4096 H16 fwd+bwd kernels, H100,
+# 2026-11-27, split -> swapped ms): 192/128 (DeepSeek's) 3.53-3.65 -> 2.75, 128/192
+# 2.77 -> 2.52, 192/64 3.52-3.54 -> 2.63 (benchmarks/bench_bwd_layouts.py, issue 25).
+SWAP_PLANNED = {(192, 128), (128, 192), (192, 64)}
 
 
 def with_swapped_layout(cfg: BwdConfig) -> BwdConfig:

@@ -59,7 +59,7 @@ from flexattn.kernels.blockmask.visit import BandBlocks, DenseBlocks, SparseBloc
 from flexattn.kernels.emit.mod_hook import (NO_MODS, FragmentCoords, ModHook, apply_mods, masked_if,
                                             masked_where)
 from flexattn.kernels.hopper.softmax import OnlineSoftmax, rescale_rows
-from flexattn.kernels.hopper.tile_scheduler import ByHead, LongestFirst, TileSpace, grid_size
+from flexattn.kernels.hopper.tile_scheduler import ByHead, LongestFirst, TileSpace, TileTickets, grid_size
 from flexattn.kernels.hopper.tma_pipeline import multicast_slice, tma_ring
 from flexattn.kernels.hopper.warp_specialized import (DTYPES, KernelConfig, NamedBarriers, WarpSpecialized,
                                                       register_split, stage_tiles, store_staged)
@@ -113,10 +113,16 @@ class FwdConfig(KernelConfig):
     max_ctas: int = 0
     # Persistent CTAs: CTA c takes position c of every even round of `grid` tiles and
     # position grid - 1 - c of every odd full one (a snake), so the CTAs that take the
-    # longer tile of a round take the shorter one of the next (`TileSpace.snake`). Off by
-    # default until measured: a stride of 132 over by-head rows of 16 gives CTA c the rows
-    # (c + 4 r) mod 16, 25% more work for some CTAs than others under a sliding window.
+    # longer tile of a round take the shorter one of the next (`TileSpace.snake`): a
+    # stride of 132 over by-head rows of 16 gives CTA c the rows (c + 4 r) mod 16, 25%
+    # more work for some CTAs than others under a sliding window. The planner turns it on
+    # for bands (core/kernel_path.py: measured there).
     snake: bool = False
+    # Persistent CTAs: tiles after a CTA's first go to whichever CTA frees up first, by
+    # tickets from a global int32 counter the launch passes after the block lists
+    # (`TileTickets`; the kernel leaves it zero). Evens out the tail of walks whose tiles
+    # differ in work (bands: rows near the start see fewer keys).
+    tile_tickets: bool = False
     # CTAs per cluster along the q tiles (1 or 2). With 2, the two CTAs of a cluster take
     # adjacent q tiles of one (batch, head) and load each K/V block once for both: each
     # CTA TMA-loads half of it, multicast into both CTAs' shared memory (FA3's cluster
@@ -145,6 +151,8 @@ class FwdConfig(KernelConfig):
             raise ValueError(f"tile_order must be 'by_head' or 'longest_first', got {self.tile_order!r}")
         if self.snake and (not self.max_ctas or self.cluster_m > 1):
             raise ValueError("snake orders persistent CTAs (max_ctas), without clusters")
+        if self.tile_tickets and (not self.max_ctas or self.cluster_m > 1 or self.snake):
+            raise ValueError("tile_tickets schedule persistent CTAs (max_ctas), without clusters or snake")
         if self.producer_regs is None:
             object.__setattr__(self, "producer_regs", regs[0])
         if self.consumer_regs is None:
@@ -206,6 +214,12 @@ class FwdConfig(KernelConfig):
         return bool(self.max_ctas) or self.head_dim_v > self.head_dim
 
     @property
+    def launch_lists(self) -> int:
+        """int32 arrays the launch passes as `block_sparse`: the BlockMask's four kv-side
+        lists (block_sparse), then the tile tickets' counter (tile_tickets)."""
+        return 4 * self.block_sparse + self.tile_tickets
+
+    @property
     def walks_partial_then_full(self) -> bool:
         """Block-sparse or band: each tile walks its partial blocks, then its full ones."""
         return self.block_sparse or self.band
@@ -221,7 +235,7 @@ def shared_bytes(tile_m: int, tile_n: int, num_stages: int, head_dim: int, head_
     """The forward's shared memory (the kernel's SharedStorage: mbarriers, then Q, K, V and,
     if separate, O, each 1024-byte aligned), so planners can pick tiles that fit. ``parts``:
     arrays per operand (``FwdConfig.operand_parts``)."""
-    size = 8 * (2 + 4 * num_stages)
+    size = 8 * (2 + 4 * num_stages) + 8   # mbarriers, tile slots
     for rows, cols, stages in ((tile_m, head_dim, parts), (tile_n, head_dim, num_stages * parts),
                                (tile_n, head_dim_v, num_stages * parts), (tile_m, head_dim_v, 1 if separate_o else 0)):
         if stages:
@@ -260,7 +274,8 @@ class FlashFwdSm90(WarpSpecialized):
         softmax_scale: Float32,
         mod_args,                 # tuple of runtime args for the mod hook, or None
         block_sparse,             # (kv_num_blocks, kv_indices, full_kv_num_blocks,
-                                  #  full_kv_indices) int32, if cfg.block_sparse; else None
+                                  #  full_kv_indices) int32, if cfg.block_sparse, then the
+                                  #  tile tickets' int32 counter if cfg.tile_tickets; else None
         mMax,                     # [B, Hq, Sq] float32 iff cfg.max_scores (else None): per
                                   #  row, the max of the scaled, modded, masked scores
         stream: cuda.CUstream,
@@ -271,8 +286,8 @@ class FlashFwdSm90(WarpSpecialized):
                 raise TypeError(f"expected {self.dtype}, got {t.element_type}")
         if const_expr(mLSE.element_type != Float32):
             raise TypeError("LSE must be float32")
-        if const_expr(cfg.block_sparse != (block_sparse is not None)):
-            raise ValueError("block_sparse tensors must be given iff cfg.block_sparse")
+        if const_expr(bool(cfg.launch_lists) != (block_sparse is not None)):
+            raise ValueError("block_sparse tensors must be given iff cfg.block_sparse or cfg.tile_tickets")
         if const_expr(cfg.max_scores != (mMax is not None)):
             raise ValueError("mMax must be given iff cfg.max_scores")
 
@@ -315,6 +330,7 @@ class FlashFwdSm90(WarpSpecialized):
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
+            tile_slots: cute.struct.MemRange[Int32, 2]   # tile tickets (TileTickets)
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
@@ -370,6 +386,10 @@ class FlashFwdSm90(WarpSpecialized):
         cfg = self.cfg
         warp_idx = self.warp_index()
         self.prefetch_descriptors(warp_idx, (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O))
+        tickets = None
+        if const_expr(cfg.tile_tickets):
+            tickets = block_sparse[-1]
+            block_sparse = block_sparse[:-1] if const_expr(cfg.block_sparse) else None
         if const_expr(cfg.band):
             block_sparse = band_bounds(self.mods, mod_args)   # (lo, hi), Int32: see _tile
 
@@ -392,6 +412,8 @@ class FlashFwdSm90(WarpSpecialized):
         seqlen_k = mK.shape[0]
         batch = mO.shape[3] if const_expr(cfg.operand_parts > 1) else mQ.shape[3]
         tiles = TileSpace((seqlen_q + cfg.tile_m - 1) // cfg.tile_m, mQ.shape[2], batch, seqlen_k)
+        if const_expr(cfg.tile_tickets):
+            tiles.tickets = TileTickets(tickets, storage.tile_slots.get_tensor(cute.make_layout(2)), tiles)
 
         self.rings_init_wait(cfg.cluster_m)
 
@@ -461,7 +483,19 @@ class FlashFwdSm90(WarpSpecialized):
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
         group = mQ.shape[2] // mK.shape[2]
         operands = (mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, pipe_q, pipe_k, pipe_v, tiles.batch)
-        if const_expr(cfg.max_ctas):
+        if const_expr(cfg.tile_tickets):
+            idx, total = tiles.first, tiles.total
+            count = Int32(0)
+            while idx < total:
+                q_state, kv_state, idx = self._load_ticketed_tile(
+                    operands, tiles, idx, count, group, seqlen_k, block_sparse, q_state, kv_state)
+                count += 1
+            # No tile left: the next Q slot's barrier completes with an arrive and no bytes;
+            # the consumers then find an index past the end in the slot.
+            pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
+            if cute.arch.lane_idx() == 0:
+                cute.arch.mbarrier_arrive(pipe_q.producer_get_barrier(q_state))
+        elif const_expr(cfg.max_ctas):
             for idx in cutlass.range(tiles.first, tiles.total, tiles.stride, unroll=1):
                 m_block, head, batch, blocks = self._tile(tiles, idx, seqlen_k, block_sparse)
                 q_state, kv_state = self._load_tile(
@@ -475,6 +509,13 @@ class FlashFwdSm90(WarpSpecialized):
             # slot has been released by both CTAs, so no arrive targets an exited CTA.
             pipe_k.producer_tail(kv_state.clone())
             pipe_v.producer_tail(kv_state.clone())
+
+    @cute.jit
+    def _load_ticketed_tile(self, operands, tiles, idx, count, group, seqlen_k, block_sparse, q_state, kv_state):
+        """Load tile `idx` (this CTA's tile number `count`), then draw the next one's ticket."""
+        m_block, head, batch, blocks = self._tile(tiles, idx, seqlen_k, block_sparse)
+        q_state, kv_state = self._load_tile(operands, m_block, head, head // group, batch, blocks, q_state, kv_state)
+        return q_state, kv_state, tiles.tickets.draw(count)
 
     @cute.jit
     def _load_tile(self, operands, m_block, head, head_kv, batch, blocks, q_state, kv_state):
@@ -601,7 +642,18 @@ class FlashFwdSm90(WarpSpecialized):
         fixed = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O,
                  softmax, coords, pipe_k, pipe_v)
         out = (mO, stats, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx)
-        if const_expr(cfg.max_ctas):
+        if const_expr(cfg.tile_tickets):
+            idx, total = tiles.first, tiles.total
+            count = Int32(0)
+            while idx < total:
+                q_state, kv_state = self._consume_tile(
+                    fixed, out, tiles, idx, seqlen_q, seqlen_k, block_sparse, softmax_scale,
+                    mod_args, wg, pipe_q, q_state, kv_state)
+                count += 1
+                # The next tile's Q (or the producer's end signal) names the next tile;
+                # its wait in _consume_tile then returns at once.
+                idx = self._next_ticketed(tiles, pipe_q, q_state, count)
+        elif const_expr(cfg.max_ctas):
             for idx in cutlass.range(tiles.first, tiles.total, tiles.stride, unroll=1):
                 q_state, kv_state = self._consume_tile(
                     fixed, out, tiles, idx, seqlen_q, seqlen_k, block_sparse, softmax_scale,
@@ -612,6 +664,12 @@ class FlashFwdSm90(WarpSpecialized):
         if tidx // 32 == 0:
             # The last O store must finish reading shared memory before the CTA exits.
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _next_ticketed(self, tiles, pipe_q, q_state, count) -> Int32:
+        """Consumers: the index of this CTA's tile number `count` (past the end: none)."""
+        pipe_q.consumer_wait(q_state)
+        return cute.arch.make_warp_uniform(tiles.tickets.read(count))
 
     @cute.jit
     def _consume_tile(self, fixed, out, tiles, idx, seqlen_q, seqlen_k, block_sparse,

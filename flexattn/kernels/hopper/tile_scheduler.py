@@ -18,6 +18,12 @@ should share K/V):
                 first, heads fastest. Causal S=4k D=128: the first wave takes the longest
                 tiles of 16 heads instead of all the tiles of 4 heads.
 
+`TileTickets`   persistent CTAs take their first tile by index and every later one by a
+                ticket from a global counter, so a tile goes to whichever CTA frees up
+                first (FA3's dynamic persistent scheduler): the tail of a walk whose tiles
+                differ in work evens out as the hardware's own CTA scheduling would, while
+                the next tile's loads still overlap this one's epilogue.
+
 Everything is computed from runtime sizes (no recompile across shapes). `rows` is the
 number of row blocks (query tiles in the forward); `last_row_first` says which end of the
 row range carries the most work.
@@ -38,6 +44,7 @@ class TileSpace:
         self.total = rows * heads * batch
         self.first = cute.arch.block_idx()[0]
         self.stride = cute.arch.grid_dim()[0]
+        self.tickets = None   # TileTickets, where the kernel schedules by tickets
 
     def snake(self, idx: Int32) -> Int32:
         """`snake_index` of this launch's `idx`."""
@@ -53,6 +60,43 @@ def snake_index(idx, stride, total, select=None):
     r = idx // stride
     flip = (r % 2 == 1) & ((r + 1) * stride <= total)
     return select(flip, r * stride + stride - 1 - (idx - r * stride), idx)
+
+
+class TileTickets:
+    """Tiles after a persistent CTA's first, by ticket: ticket t of the launch is linear
+    tile `stride + t` (the first round goes by CTA index). Every CTA draws until its ticket
+    is past `total`, so a launch draws exactly `total` tickets, and the drawer of ticket
+    `total - 1` (the last: the counter's values are handed out in order) resets the
+    counter to zero for the next launch in stream order: it is zeroed once, when
+    allocated. Two launches must never share a counter at the same time (one per stream).
+
+    The producer warp draws (lane 0: one atomic per tile, relaxed, as the counter
+    publishes nothing but numbers) once it has issued a tile's loads, and publishes the
+    index in a shared slot before its next Q arrives; the consumers read the slot once
+    that Q has landed (the barrier's arrive and wait order the slot's write and read). Two
+    slots, by tile parity: the slot of tile n + 1 is tile n - 1's, which the consumers
+    read before releasing tile n - 1's Q buffer; the producer writes it after acquiring
+    that buffer again for tile n."""
+
+    def __init__(self, counter: cute.Tensor, slots: cute.Tensor, space: TileSpace):
+        self.counter, self.slots, self.space = counter, slots, space
+
+    @cute.jit
+    def draw(self, count: Int32) -> Int32:
+        """Producer warp, after this CTA's tile number `count`: the linear index of its
+        next tile (>= total: none left), published in the slot of tile `count + 1`."""
+        counter, slots, last, stride = self.counter.iterator, self.slots, self.space.total - 1, self.space.stride
+        ticket = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            ticket = cute.arch.atomic_add(counter, Int32(1), sem="relaxed", scope="gpu")
+            if ticket == last:
+                cute.arch.atomic_exch(counter, Int32(0), sem="relaxed", scope="gpu")
+            slots[(count + 1) % 2] = stride + ticket
+        return cute.arch.shuffle_sync(stride + ticket, 0)
+
+    def read(self, count: Int32) -> Int32:
+        """Consumers, once tile `count`'s Q (or the end signal) has landed: its index."""
+        return self.slots[count % 2]
 
 
 def grid_size(total_tiles, max_ctas: int):

@@ -72,8 +72,10 @@ def fake_forward_args(cfg, mod_args: tuple = (), tvm_ffi: bool = False):
         return make_fake_tensor(cutlass.Float32, (b, hq, sq), (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
 
     lse = row_stats()
-    # kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices
-    block_sparse = fake_block_lists() if cfg.block_sparse else None
+    # kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices; the tile tickets' counter
+    block_sparse = (fake_block_lists() if cfg.block_sparse else ()) + \
+        ((fake_tensor(cutlass.Int32, 1, 4),) if cfg.tile_tickets else ())
+    block_sparse = block_sparse or None
     max_scores = row_stats() if cfg.max_scores else None
     return (q, k, v, o, lse, cutlass.Float32(1.0), _mod_args(mod_args), block_sparse, max_scores,
             fake_stream(tvm_ffi))

@@ -88,8 +88,20 @@ class ForwardRunner:
 
     def _check_block_sparse(self, q, k, block_sparse):
         (B, Hq, Sq, _) = q.shape
-        return check_block_lists(block_sparse, self.cfg.block_sparse, B, Hq, -(-Sq // self.cfg.sparse_block_m),
-                                 "kv", f"q-blocks of {self.cfg.sparse_block_m}")
+        cfg = self.cfg
+        tickets = ()
+        if cfg.tile_tickets:   # the counter, after the lists
+            if not block_sparse:
+                raise ValueError("tile_tickets: pass the tickets' int32 counter (zeros) as block_sparse's last array")
+            *lists, counter = block_sparse
+            block_sparse = tuple(lists) or None
+            static, tickets = to_cute(counter, 4)
+            if str(static.element_type) != "Int32" or len(static.shape) != 1 or static.shape[0] < 1:
+                raise ValueError("tile_tickets: the counter must be an int32 array of at least one zero")
+            tickets = (tickets,)
+        lists = check_block_lists(block_sparse, cfg.block_sparse, B, Hq, -(-Sq // cfg.sparse_block_m),
+                                  "kv", f"q-blocks of {cfg.sparse_block_m}")
+        return ((lists or ()) + tickets) or None
 
     def bind(self, q, k, v, o, lse, softmax_scale: float, mod_args: tuple, stream: int,
              block_sparse=None, max_scores=None):

@@ -89,7 +89,8 @@ class ForwardLaunch(_Launch):
     """``config``: a ``FwdConfig`` (its hook's IR; captured values unused); ``main``: the
     positions of q, k, v, out, lse; ``args``: hook-arg sources in args order; ``lists``:
     positions of (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) iff
-    ``config.block_sparse``; ``fills``: (position, ``FILL_VALUES`` kind) of results filled
+    ``config.block_sparse``, then of the tile tickets' counter (a result zero-filled
+    here) iff ``config.tile_tickets``; ``fills``: (position, ``FILL_VALUES`` kind) of results filled
     before the kernel (the GPU tests' NaN); ``operands``: for fp32, the positions of the
     scratch results the operand pass writes first (V^T, then with 3xTF32 Q's and K's
     parts; kernels/fwd/fp32_operands.py), the forward reading those instead."""
