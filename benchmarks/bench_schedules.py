@@ -51,6 +51,9 @@ SCHEDULES = {  # our kernel's scheduling options; "ov+pp" is the default config
     # tiles after the first round by tickets from a global counter (one counter, reused:
     # the kernel leaves it zero)
     "persist+tickets": dict(max_ctas=-1, tile_tickets=True),
+    "builtin+persist+longest": dict(builtin=True, max_ctas=-1, tile_order="longest_first"),
+    "builtin+persist+longest+tickets": dict(builtin=True, max_ctas=-1, tile_order="longest_first",
+                                            tile_tickets=True),
     "stages3": dict(num_stages=3),                     # a third K/V slot (one CTA per tile:
                                                        # with the persistent O buffer it won't fit)
     # kv tile width (FA3 / FA4 take 176 for head dim 128 without a causal / local mask)

@@ -326,16 +326,36 @@ def _clusters_pay(shape: AttentionShape) -> bool:
     return shape.head_dim == shape.v_head_dim == 128 and -(-shape.q_len // 128) % 2 == 0
 
 
-def _tickets_pay(shape: AttentionShape, band, max_ctas: int, cluster_m: int) -> bool:
+def _short_causal_rows(shape: AttentionShape) -> bool:
+    """Causal calls at head dim 128 with at most 16 q tiles of 128 rows per head and two
+    rounds of tiles: persistent CTAs by tickets, longest tile first, instead of clusters of
+    one CTA per tile. H100 2026-11-27, H16 D128 causal forward kernels, clusters ->
+    tickets TFLOP/s: B8 S2048 494.2 -> 518.7 (FA4 502.8); longer rows lose what the
+    clusters' shared K/V loads bring: B4 S4096 575.7 -> 572.9, B2 S8192 626.4 -> 601.9."""
+    tiles = -(-shape.q_len // 128)
+    return (shape.head_dim == shape.v_head_dim == 128 and tiles <= 16
+            and tiles * shape.q_heads * shape.batch >= 2 * _SMS_FOR_RULES)
+
+
+# The SM count the planner's shape rules assume (an H100's); the launch reads the real one.
+_SMS_FOR_RULES = 132
+
+
+def _tickets_pay(shape: AttentionShape, band, max_ctas: int, cluster_m: int, causal: bool = False) -> bool:
     """Whether a band's persistent CTAs take their tiles by tickets (FwdConfig.tile_tickets):
     rows near the start of a band see fewer keys, and a static walk commits each CTA to its
     tiles up front. H100, window 1024 H16 D128 forward, snake -> tickets (2026-11-27):
     B8 S2048 452.4 -> 457.3 TFLOP/s, B4 S4096 463.6 -> 469.3, B2 S8192 469.4 -> 474.4 (FA4
     462.0 / 473.6 / 466.4). Only with at least two rounds of 128-row tiles, where a
-    launch's counter (``launch_tickets``) buys a tail worth evening out."""
-    if not band or not max_ctas or cluster_m != 1:
+    launch's counter (``launch_tickets``) buys a tail worth evening out.
+    ``FLEXATTN_TILE_TICKETS`` overrides, for A/B runs: ``0`` never, ``1`` every persistent
+    walk without clusters (dense, balanced block lists, bands)."""
+    flag = os.environ.get("FLEXATTN_TILE_TICKETS", "auto")   # 0: never; 1: every persistent walk
+    if not max_ctas or cluster_m != 1 or flag == "0":
         return False
-    return -(-shape.q_len // 128) * shape.q_heads * shape.batch >= 2 * max_ctas
+    if flag == "1" or causal:   # (causal is persistent only where _short_causal_rows says so)
+        return True
+    return bool(band) and -(-shape.q_len // 128) * shape.q_heads * shape.batch >= 2 * max_ctas
 
 
 def kernel_block_mask(spec: AttentionSpec, shape: AttentionShape) -> BlockMask | None:
@@ -374,10 +394,11 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     tf32_passes = tf32_passes if fp32 else 1
     dense = not causal and block_mask is None
     # fp32: no clusters, no persistent CTAs (their separate O buffer would not fit).
-    cluster_m = 2 if block_mask is None and not fp32 and _clusters_pay(shape) else 1
-    persistent_pays = (dense or _balanced(block_mask, band)) and not fp32 and not _GPU_SHARED.get()
+    short_causal = causal and block_mask is None and not fp32 and _short_causal_rows(shape)
+    cluster_m = 2 if block_mask is None and not fp32 and _clusters_pay(shape) and not short_causal else 1
+    persistent_pays = (dense or _balanced(block_mask, band) or short_causal) and not fp32 and not _GPU_SHARED.get()
     max_ctas = persistent_ctas(q, cluster_m) if persistent_pays else 0
-    tickets = _tickets_pay(shape, band, max_ctas, cluster_m)
+    tickets = _tickets_pay(shape, band, max_ctas, cluster_m, short_causal)
     key = (dtype, tf32_passes, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
            cluster_m, max_scores, tickets,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))

@@ -346,14 +346,20 @@ def test_tile_scheduling_by_structure(on_gpu):
         assert cfg.snake == (cfg.band and ctas > 0) and not cfg.tile_tickets, kw
     assert _plan().config.max_ctas == 0   # a CPU array: nothing to query
     # From two rounds of 128-row tiles (264 on 132 SMs) a band's CTAs take tiles by tickets
-    # instead; other structures never do.
+    # instead; so do causal calls with at most 16 q tiles per head (persistent, no clusters,
+    # longest first); dense calls never.
     for S, B, kw, tickets in ((4096, 2, {"mask": mods.sliding_window(1024)}, True),     # 512 tiles
                               (2048, 1, {"mask": mods.sliding_window(1024)}, False),    # 64 tiles
-                              (4096, 2, {}, False), (4096, 2, {"mask": mods.causal()}, False)):
+                              (4096, 2, {}, False), (4096, 2, {"mask": mods.causal()}, False),
+                              (2048, 8, {"mask": mods.causal()}, True),                # 16 tiles per head
+                              (2048, 1, {"mask": mods.causal()}, False)):              # 256 tiles
         big = torch.empty(B, 16, S, 128, dtype=torch.bfloat16).as_subclass(_OnGpu)
         spec = AttentionSpec.from_args(**kw)
         cfg = plan_forward(big, check_inputs(big, big, big, spec), spec).config
         assert (cfg.tile_tickets, cfg.snake) == (tickets, bool(cfg.band) and not tickets), (S, B, kw)
+        if cfg.causal:
+            assert (cfg.max_ctas, cfg.cluster_m) == ((132, 1) if tickets else (0, 2)), (S, B)
+            assert cfg.tile_order == "longest_first"
 
 
 
