@@ -206,6 +206,8 @@ FIXED = [
     ("bf16", 128, 3, 4, 4, 700, 333, "doc", "bhsd", "persist+tickets"),
     ("fp16", 128, 2, 8, 2, 1000, 1000, "causal", "bhsd", "persist+tickets"),
     ("bf16", 128, 2, 2, 2, 300, 301, "causal_builtin", "bhsd", "persist+tickets"),
+    ("bf16", 64, 3, 8, 2, 1000, 1000, "causal_builtin", "bhsd", "persist+tickets"),   # 192-row tiles
+    ("fp16", 96, 2, 6, 3, 777, 777, "causal_builtin", "bshd", "persist+tickets"),
     ("bf16", 128, 1, 1, 1, 100, 100, "window", "bhsd", "persist+tickets"),    # one tile: no ticket used
     # clusters (q tiles per head even: 128-row tiles, 192 for head dim 64 without score mod)
     ("bf16", 128, 2, 4, 4, 256, 256, "none", "bhsd", "cluster"),

@@ -346,8 +346,8 @@ def test_tile_scheduling_by_structure(on_gpu):
         assert cfg.snake == (cfg.band and ctas > 0) and not cfg.tile_tickets, kw
     assert _plan().config.max_ctas == 0   # a CPU array: nothing to query
     # From two rounds of 128-row tiles (264 on 132 SMs) a band's CTAs take tiles by tickets
-    # instead; so do causal calls with at most 16 q tiles per head (persistent, no clusters,
-    # longest first); dense calls never.
+    # instead; so do causal calls at head dims up to 96, and at 128 with at most 16 q tiles
+    # per head (persistent, no clusters, longest first); dense calls never.
     for S, B, kw, tickets in ((4096, 2, {"mask": mods.sliding_window(1024)}, True),     # 512 tiles
                               (2048, 1, {"mask": mods.sliding_window(1024)}, False),    # 64 tiles
                               (4096, 2, {}, False), (4096, 2, {"mask": mods.causal()}, False),
@@ -360,6 +360,17 @@ def test_tile_scheduling_by_structure(on_gpu):
         if cfg.causal:
             assert (cfg.max_ctas, cfg.cluster_m) == ((132, 1) if tickets else (0, 2)), (S, B)
             assert cfg.tile_order == "longest_first"
+    from flexattn.core import kernel_path
+
+    small = kernel_path.CAUSAL_TICKETS_UP_TO_96   # (on once its GPU cases passed)
+    for S, B, D, Dv, tickets in ((4096, 4, 64, 64, small), (4096, 4, 96, 96, small), (8192, 2, 32, 32, small),
+                                 (4096, 4, 64, 128, False),     # 128-wide values: not measured
+                                 (4096, 4, 192, 128, False), (512, 2, 64, 64, False)):   # 64 tiles
+        q = torch.empty(B, 16, S, D, dtype=torch.bfloat16).as_subclass(_OnGpu)
+        v = torch.empty(B, 16, S, Dv, dtype=torch.bfloat16).as_subclass(_OnGpu)
+        spec = AttentionSpec.from_args(mask=mods.causal())
+        cfg = plan_forward(q, check_inputs(q, q, v, spec), spec).config
+        assert (cfg.tile_tickets, cfg.max_ctas > 0) == (tickets, tickets), (S, B, D, Dv)
 
 
 
