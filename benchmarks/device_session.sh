@@ -127,6 +127,10 @@ for step in $steps; do
     window-tickets) run window_tickets 300 python3 benchmarks/bench_schedules.py \
            --shapes 8x2048x16x128 4x4096x16x128 2x8192x16x128 --window 1024 \
            --variants persist+snake persist+tickets --anchors fa4 ;;
+    small-causal-tickets) run small_causal_tickets_tests 300 python3 -m pytest -q -p no:cacheprovider \
+           tests/gpu/test_fwd_gpu.py -k tickets
+             for t in auto 1; do FLEXATTN_TILE_TICKETS=$t run head_dims_tickets_$t 300 python3 \
+               benchmarks/bench_head_dims.py --dims 32/32 64/64 80/80 96/96; done ;;
     window-bwd-order) run window_bwd_order 300 python3 benchmarks/bench_bwd_layouts.py --mask window1024 \
            --shapes 8x2048x16 4x4096x16 2x8192x16 --dims 128/128 --layouts by_head longest ;;
     swap-vdims) run swap_vdims 240 python3 benchmarks/bench_bwd_layouts.py --dims 128/192 192/64 \

@@ -336,11 +336,13 @@ def _causal_tickets_pay(shape: AttentionShape) -> bool:
     longer rows lose what the clusters' shared K/V loads bring: B4 S4096 575.7 -> 572.9,
     B2 S8192 626.4 -> 601.9. Beyond 128: not measured. The head dims up to 96 (192-row tiles)
     wait for their GPU cases (`CAUSAL_TICKETS_UP_TO_96`)."""
+    flag = os.environ.get("FLEXATTN_TILE_TICKETS", "auto")   # (see _tickets_pay)
     tiles = -(-shape.q_len // 128)
-    if tiles * shape.q_heads * shape.batch < 2 * _SMS_FOR_RULES:
+    if flag == "0" or tiles * shape.q_heads * shape.batch < 2 * _SMS_FOR_RULES:
         return False
     widest = max(shape.head_dim, shape.v_head_dim)
-    return (CAUSAL_TICKETS_UP_TO_96 and widest <= 96) or (shape.head_dim == shape.v_head_dim == 128 and tiles <= 16)
+    small = CAUSAL_TICKETS_UP_TO_96 or flag == "1"
+    return (small and widest <= 96) or (shape.head_dim == shape.v_head_dim == 128 and tiles <= 16)
 
 
 # Causal tickets at head dims up to 96: measured faster in the kernel benchmark (above), but
@@ -362,7 +364,8 @@ def _tickets_pay(shape: AttentionShape, band, max_ctas: int, cluster_m: int, cau
     462.0 / 473.6 / 466.4). Only with at least two rounds of 128-row tiles, where a
     launch's counter (``launch_tickets``) buys a tail worth evening out.
     ``FLEXATTN_TILE_TICKETS`` overrides, for A/B runs: ``0`` never, ``1`` every persistent
-    walk without clusters (dense, balanced block lists, bands)."""
+    walk without clusters (dense, balanced block lists, bands) and causal at head dims up
+    to 96 whatever ``CAUSAL_TICKETS_UP_TO_96`` says."""
     flag = os.environ.get("FLEXATTN_TILE_TICKETS", "auto")   # 0: never; 1: every persistent walk
     if not max_ctas or cluster_m != 1 or flag == "0":
         return False

@@ -323,7 +323,7 @@ def test_launch_path_choice(monkeypatch):
     assert use_tvm_ffi(Device(0, lambda x: x, tvm_ffi_stream=True)) == use_tvm_ffi()
 
 
-def test_tile_scheduling_by_structure(on_gpu):
+def test_tile_scheduling_by_structure(on_gpu, monkeypatch):
     """Dense tiles all cost the same: persistent CTAs, one per SM; so do block-sparse rows
     of about equal work (host lists within BALANCED_TILES of the mean; bands, read without
     lists, within BALANCED_BAND_TILES); causal and
@@ -371,6 +371,15 @@ def test_tile_scheduling_by_structure(on_gpu):
         spec = AttentionSpec.from_args(mask=mods.causal())
         cfg = plan_forward(q, check_inputs(q, q, v, spec), spec).config
         assert (cfg.tile_tickets, cfg.max_ctas > 0) == (tickets, tickets), (S, B, D, Dv)
+    # FLEXATTN_TILE_TICKETS: 1 plans the small head dims' causal tickets, 0 no tickets at all
+    # (causal then keeps one CTA per tile, in clusters at 128)
+    for flag, want in (("1", True), ("0", False)):
+        monkeypatch.setenv("FLEXATTN_TILE_TICKETS", flag)
+        for D, S, B in ((64, 4096, 4), (128, 2048, 8)):
+            q = torch.empty(B, 16, S, D, dtype=torch.bfloat16).as_subclass(_OnGpu)
+            spec = AttentionSpec.from_args(mask=mods.causal())
+            cfg = plan_forward(q, check_inputs(q, q, q, spec), spec).config
+            assert cfg.tile_tickets == want and (cfg.max_ctas > 0) == want, (flag, D)
 
 
 
