@@ -326,7 +326,12 @@ def _clusters_pay(shape: AttentionShape) -> bool:
     return shape.head_dim == shape.v_head_dim == 128 and -(-shape.q_len // 128) % 2 == 0
 
 
-def _causal_tickets_pay(shape: AttentionShape) -> bool:
+def _two_rounds(shape: AttentionShape, ctas: int) -> bool:
+    """At least two rounds of 128-row q tiles (over every head and batch) for `ctas` CTAs."""
+    return -(-shape.q_len // 128) * shape.q_heads * shape.batch >= 2 * ctas
+
+
+def _causal_tickets_pay(shape: AttentionShape, flag: str) -> bool:
     """Causal calls that run persistent CTAs by tickets, longest tile first (instead of one
     CTA per tile, in clusters at head dim 128), given two rounds of tiles: head dims up to
     96, and head dim 128 with at most 16 q tiles of 128 rows per head. H100 2026-11-27,
@@ -335,14 +340,13 @@ def _causal_tickets_pay(shape: AttentionShape) -> bool:
     351.4 -> 382.1 (368.9); D128 clusters -> tickets: B8 S2048 494.2 -> 518.7 (502.8), while
     longer rows lose what the clusters' shared K/V loads bring: B4 S4096 575.7 -> 572.9,
     B2 S8192 626.4 -> 601.9. Beyond 128: not measured. The head dims up to 96 (192-row tiles)
-    wait for their GPU cases (`CAUSAL_TICKETS_UP_TO_96`)."""
-    flag = os.environ.get("FLEXATTN_TILE_TICKETS", "auto")   # (see _tickets_pay)
-    tiles = -(-shape.q_len // 128)
-    if flag == "0" or tiles * shape.q_heads * shape.batch < 2 * _SMS_FOR_RULES:
+    wait for their GPU cases (`CAUSAL_TICKETS_UP_TO_96`). `flag`: FLEXATTN_TILE_TICKETS
+    (see _tickets_pay)."""
+    if flag == "0" or not _two_rounds(shape, _SMS_FOR_RULES):
         return False
     widest = max(shape.head_dim, shape.v_head_dim)
     small = CAUSAL_TICKETS_UP_TO_96 or flag == "1"
-    return (small and widest <= 96) or (shape.head_dim == shape.v_head_dim == 128 and tiles <= 16)
+    return (small and widest <= 96) or (shape.head_dim == shape.v_head_dim == 128 and -(-shape.q_len // 128) <= 16)
 
 
 # Causal tickets at head dims up to 96: measured faster in the kernel benchmark (above), but
@@ -356,22 +360,21 @@ CAUSAL_TICKETS_UP_TO_96 = False
 _SMS_FOR_RULES = 132
 
 
-def _tickets_pay(shape: AttentionShape, band, max_ctas: int, cluster_m: int, causal: bool = False) -> bool:
+def _tickets_pay(shape: AttentionShape, band, max_ctas: int, cluster_m: int, causal: bool, flag: str) -> bool:
     """Whether a band's persistent CTAs take their tiles by tickets (FwdConfig.tile_tickets):
     rows near the start of a band see fewer keys, and a static walk commits each CTA to its
     tiles up front. H100, window 1024 H16 D128 forward, snake -> tickets (2026-11-27):
     B8 S2048 452.4 -> 457.3 TFLOP/s, B4 S4096 463.6 -> 469.3, B2 S8192 469.4 -> 474.4 (FA4
     462.0 / 473.6 / 466.4). Only with at least two rounds of 128-row tiles, where a
     launch's counter (``launch_tickets``) buys a tail worth evening out.
-    ``FLEXATTN_TILE_TICKETS`` overrides, for A/B runs: ``0`` never, ``1`` every persistent
-    walk without clusters (dense, balanced block lists, bands) and causal at head dims up
-    to 96 whatever ``CAUSAL_TICKETS_UP_TO_96`` says."""
-    flag = os.environ.get("FLEXATTN_TILE_TICKETS", "auto")   # 0: never; 1: every persistent walk
+    `flag` (``FLEXATTN_TILE_TICKETS``) overrides, for A/B runs: ``0`` never, ``1`` every
+    persistent walk without clusters (dense, balanced block lists, bands) and causal at head
+    dims up to 96 whatever ``CAUSAL_TICKETS_UP_TO_96`` says."""
     if not max_ctas or cluster_m != 1 or flag == "0":
         return False
     if flag == "1" or causal:   # (causal is persistent only where _causal_tickets_pay says so)
         return True
-    return bool(band) and -(-shape.q_len // 128) * shape.q_heads * shape.batch >= 2 * max_ctas
+    return bool(band) and _two_rounds(shape, max_ctas)
 
 
 def kernel_block_mask(spec: AttentionSpec, shape: AttentionShape) -> BlockMask | None:
@@ -410,11 +413,12 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     tf32_passes = tf32_passes if fp32 else 1
     dense = not causal and block_mask is None
     # fp32: no clusters, no persistent CTAs (their separate O buffer would not fit).
-    causal_tickets = causal and block_mask is None and not fp32 and _causal_tickets_pay(shape)
+    tickets_flag = os.environ.get("FLEXATTN_TILE_TICKETS", "auto")   # A/B override: see _tickets_pay
+    causal_tickets = causal and block_mask is None and not fp32 and _causal_tickets_pay(shape, tickets_flag)
     cluster_m = 2 if block_mask is None and not fp32 and _clusters_pay(shape) and not causal_tickets else 1
     persistent_pays = (dense or _balanced(block_mask, band) or causal_tickets) and not fp32 and not _GPU_SHARED.get()
     max_ctas = persistent_ctas(q, cluster_m) if persistent_pays else 0
-    tickets = _tickets_pay(shape, band, max_ctas, cluster_m, causal_tickets)
+    tickets = _tickets_pay(shape, band, max_ctas, cluster_m, causal_tickets, tickets_flag)
     key = (dtype, tf32_passes, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
            cluster_m, max_scores, tickets,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
@@ -449,7 +453,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
             # H16 D128, 2026-11-27, static order -> snake: B8 S2048 434 -> 453 TFLOP/s (FA4
             # 464), B4 S4096 463 -> 467, B2 S8192 468 -> 472 (issue 24, session 25).
             tile_tickets=tickets and persistent,
-            snake=bool(band) and persistent and max_ctas > 0 and cluster_m == 1 and not tickets,
+            snake=bool(band) and persistent and cluster_m == 1 and not tickets,
         )
         # _clusters_pay counts 128-row q tiles; the kernel pairs its own tile_m rows, and
         # the TVM-FFI launch does not check again: the two counts must agree.
