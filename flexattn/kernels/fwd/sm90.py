@@ -497,13 +497,11 @@ class FlashFwdSm90(WarpSpecialized):
                 cute.arch.mbarrier_arrive(pipe_q.producer_get_barrier(q_state))
         elif const_expr(cfg.max_ctas):
             for idx in cutlass.range(tiles.first, tiles.total, tiles.stride, unroll=1):
-                m_block, head, batch, blocks = self._tile(tiles, idx, seqlen_k, block_sparse)
                 q_state, kv_state = self._load_tile(
-                    operands, m_block, head, head // group, batch, blocks, q_state, kv_state)
+                    operands, tiles, idx, group, seqlen_k, block_sparse, q_state, kv_state)
         else:   # one tile per CTA: no loop (its carried state costs registers)
-            m_block, head, batch, blocks = self._tile(tiles, tiles.first, seqlen_k, block_sparse)
             q_state, kv_state = self._load_tile(
-                operands, m_block, head, head // group, batch, blocks, q_state, kv_state)
+                operands, tiles, tiles.first, group, seqlen_k, block_sparse, q_state, kv_state)
         if const_expr(cfg.cluster_m > 1):
             # The peer CTA's consumers still arrive on our empty barriers: stay until every
             # slot has been released by both CTAs, so no arrive targets an exited CTA.
@@ -513,13 +511,15 @@ class FlashFwdSm90(WarpSpecialized):
     @cute.jit
     def _load_ticketed_tile(self, operands, tiles, idx, count, group, seqlen_k, block_sparse, q_state, kv_state):
         """Load tile `idx` (this CTA's tile number `count`), then draw the next one's ticket."""
-        m_block, head, batch, blocks = self._tile(tiles, idx, seqlen_k, block_sparse)
-        q_state, kv_state = self._load_tile(operands, m_block, head, head // group, batch, blocks, q_state, kv_state)
+        q_state, kv_state = self._load_tile(operands, tiles, idx, group, seqlen_k, block_sparse, q_state, kv_state)
         return q_state, kv_state, tiles.tickets.draw(count)
 
     @cute.jit
-    def _load_tile(self, operands, m_block, head, head_kv, batch, blocks, q_state, kv_state):
+    def _load_tile(self, operands, tiles, idx, group, seqlen_k, block_sparse, q_state, kv_state):
+        """Issue linear tile `idx`'s loads: its Q and the K/V blocks it visits."""
         cfg = self.cfg
+        m_block, head, batch, blocks = self._tile(tiles, idx, seqlen_k, block_sparse)
+        head_kv = head // group
         mQ, mK, mV, sQ, sK, sV, tma_atom_Q, tma_atom_K, tma_atom_V, pipe_q, pipe_k, pipe_v, n_batch = operands
         one = cute.make_layout(1)
         # Cluster: this CTA's slice of each K/V block (it multicasts it to both CTAs).
