@@ -9,7 +9,7 @@ two alternating rounds. What `bwd.plan.with_swapped_layout` plans comes from the
 `--mask window1024` and the `by_head` / `longest` layouts compare the CTA orders of a band's
 backward instead (head dim 128).
 
-    python3 benchmarks/bench_bwd_layouts.py [--shape 4x4096x16] [--dims 192/192 256/256]
+    python3 benchmarks/bench_bwd_layouts.py [--shapes 4x4096x16 ...] [--dims 192/192 256/256]
     python3 benchmarks/bench_bwd_layouts.py --mask window1024 --dims 128/128 --layouts by_head longest
 """
 
