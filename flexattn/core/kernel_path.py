@@ -339,21 +339,13 @@ def _causal_tickets_pay(shape: AttentionShape, flag: str) -> bool:
     278.0 (FA4 275.7), D64 425.2 -> 444.5 (442.4), D96 471.2 -> 496.2 (492.7), D64 B8 S2048
     351.4 -> 382.1 (368.9); D128 clusters -> tickets: B8 S2048 494.2 -> 518.7 (502.8), while
     longer rows lose what the clusters' shared K/V loads bring: B4 S4096 575.7 -> 572.9,
-    B2 S8192 626.4 -> 601.9. Beyond 128: not measured. The head dims up to 96 (192-row tiles)
-    wait for their GPU cases (`CAUSAL_TICKETS_UP_TO_96`). `flag`: FLEXATTN_TILE_TICKETS
+    B2 S8192 626.4 -> 601.9. Beyond 128: not measured. At the door (bench_head_dims.py, B4
+    S4096 H16, 2026-11-27), one CTA per tile -> tickets: D32 265.0 -> 274.3 (FA4 ~274),
+    D64 421.4 -> 443.0 (~439), D96 500.2 -> 520.6 (~495). `flag`: FLEXATTN_TILE_TICKETS
     (see _tickets_pay)."""
     if flag == "0" or not _two_rounds(shape, _SMS_FOR_RULES):
         return False
-    widest = max(shape.head_dim, shape.v_head_dim)
-    small = CAUSAL_TICKETS_UP_TO_96 or flag == "1"
-    return (small and widest <= 96) or (shape.head_dim == shape.v_head_dim == 128 and -(-shape.q_len // 128) <= 16)
-
-
-# Causal tickets at head dims up to 96: measured faster in the kernel benchmark (above), but
-# the 192-row causal walk by tickets has not yet run its GPU correctness cases
-# (tests/gpu/test_fwd_gpu.py FIXED, "causal_builtin" at D 64 / 96 with "persist+tickets"):
-# on once they pass.
-CAUSAL_TICKETS_UP_TO_96 = False
+    return max(shape.head_dim, shape.v_head_dim) <= 96 or (shape.head_dim == shape.v_head_dim == 128 and -(-shape.q_len // 128) <= 16)
 
 
 # The SM count the planner's shape rules assume (an H100's); the launch reads the real one.
@@ -368,8 +360,7 @@ def _tickets_pay(shape: AttentionShape, band, max_ctas: int, cluster_m: int, cau
     462.0 / 473.6 / 466.4). Only with at least two rounds of 128-row tiles, where a
     launch's counter (``launch_tickets``) buys a tail worth evening out.
     `flag` (``FLEXATTN_TILE_TICKETS``) overrides, for A/B runs: ``0`` never, ``1`` every
-    persistent walk without clusters (dense, balanced block lists, bands) and causal at head
-    dims up to 96 whatever ``CAUSAL_TICKETS_UP_TO_96`` says."""
+    persistent walk without clusters (dense, balanced block lists, bands)."""
     if not max_ctas or cluster_m != 1 or flag == "0":
         return False
     if flag == "1" or causal:   # (causal is persistent only where _causal_tickets_pay says so)

@@ -360,10 +360,7 @@ def test_tile_scheduling_by_structure(on_gpu, monkeypatch):
         if cfg.causal:
             assert (cfg.max_ctas, cfg.cluster_m) == ((132, 1) if tickets else (0, 2)), (S, B)
             assert cfg.tile_order == "longest_first"
-    from flexattn.core import kernel_path
-
-    small = kernel_path.CAUSAL_TICKETS_UP_TO_96   # (on once its GPU cases passed)
-    for S, B, D, Dv, tickets in ((4096, 4, 64, 64, small), (4096, 4, 96, 96, small), (8192, 2, 32, 32, small),
+    for S, B, D, Dv, tickets in ((4096, 4, 64, 64, True), (4096, 4, 96, 96, True), (8192, 2, 32, 32, True),
                                  (4096, 4, 64, 128, False),     # 128-wide values: not measured
                                  (4096, 4, 192, 128, False), (512, 2, 64, 64, False)):   # 64 tiles
         q = torch.empty(B, 16, S, D, dtype=torch.bfloat16).as_subclass(_OnGpu)
@@ -371,7 +368,7 @@ def test_tile_scheduling_by_structure(on_gpu, monkeypatch):
         spec = AttentionSpec.from_args(mask=mods.causal())
         cfg = plan_forward(q, check_inputs(q, q, v, spec), spec).config
         assert (cfg.tile_tickets, cfg.max_ctas > 0) == (tickets, tickets), (S, B, D, Dv)
-    # FLEXATTN_TILE_TICKETS: 1 plans the small head dims' causal tickets, 0 no tickets at all
+    # FLEXATTN_TILE_TICKETS: 1 plans tickets (as auto does here), 0 no tickets at all
     # (causal then keeps one CTA per tile, in clusters at 128)
     for flag, want in (("1", True), ("0", False)):
         monkeypatch.setenv("FLEXATTN_TILE_TICKETS", flag)
