@@ -146,6 +146,9 @@ KERNELS = {
     "causal": _fwd(head_dim=128, tile_m=128, causal=True),
     "softcap": _fwd(head_dim=128, tile_m=128, causal=True, score=_softcap),
     "doc": _fwd(head_dim=128, tile_m=128, block_sparse=True, mask=_document),
+    # as planned for documents on 256-token boundaries (BlockMask.row_pairs_match)
+    "doc-clusters": _fwd(head_dim=128, tile_m=128, block_sparse=True, mask=_document, max_ctas=120, cluster_m=2),
+    "doc-persist": _fwd(head_dim=128, tile_m=128, block_sparse=True, mask=_document, max_ctas=132),
     "alibi": _fwd(head_dim=128, tile_m=128, causal=True, score=_alibi),
     "window": _fwd(head_dim=128, tile_m=128, block_sparse=True, mask=_window),
     "window-band": _fwd(head_dim=128, tile_m=128, band=True, max_ctas=132, mask=_window),

@@ -533,6 +533,39 @@ def test_tile_balance_waits_for_the_downloaded_counts_without_stalling():
     assert bm.tile_balance() == pytest.approx(host.tile_balance())   # kept
 
 
+def test_row_pairs_match_reads_the_states_host_or_downloaded():
+    """Rows 2i and 2i+1 visiting the same tiles in the same states (documents on 256-token
+    boundaries at 128-token blocks): what the planner reads to run block lists in clusters
+    of two CTAs. A boundary inside a pair, an odd row count or a causal mask: no. A
+    GPU-built mask knows once its states' host copy has landed."""
+    from flexattn import mods as m
+    from flexattn.blockmask.layout import _LIST_NAMES
+
+    assert create_block_mask(m.document(np.repeat(np.arange(4), 256)), None, None, 1024, 1024).row_pairs_match()
+    assert not create_block_mask(m.document(np.repeat(np.arange(8), 128)), None, None, 1024, 1024).row_pairs_match()
+    assert not create_block_mask(m.document(np.zeros(640, np.int64)), None, None, 640, 640).row_pairs_match()   # 5 rows
+    assert not create_block_mask(m.causal(), None, None, 1024, 1024).row_pairs_match()
+    assert create_block_mask(None, None, None, 1024, 1024).row_pairs_match()   # full: every row alike
+    # per (batch, head): a pair may differ between heads, not inside one
+    ids = np.stack([np.repeat(np.arange(2), 512), np.repeat(np.arange(4), 256)])
+    assert create_block_mask(m.document(ids), 2, None, 1024, 1024).row_pairs_match()
+    ids[1, 256:384] = 7
+    assert not create_block_mask(m.document(ids), 2, None, 1024, 1024).row_pairs_match()
+
+    host = create_block_mask(m.document(np.repeat(np.arange(4), 256)), None, None, 1024, 1024)
+    arrays = {name: getattr(host, name) for name in _LIST_NAMES}
+    arrays["states"] = host._states
+    bm = BlockMask._on_device(arrays, (1024, 1024), (128, 128), host.mask_mod, "cuda")
+    assert bm.row_pairs_match() is None                # no copy started
+    landed = []
+    bm._states_copy = lambda: host._states if landed else None
+    assert bm.row_pairs_match() is None
+    landed.append(True)
+    assert bm.row_pairs_match() is True
+    landed.clear()
+    assert bm.row_pairs_match() is True                # kept
+
+
 def test_torch_block_masks_convert_once_and_keep_their_structure():
     """A torch BlockMask converts once per object (its lists are copied to the host once);
     one built from a band mask (causal, a window) by torch's create_block_mask adds

@@ -56,6 +56,8 @@ class BlockMask:
         # structure (core/kernel_path.py) instead of reading the lists.
         self.from_mask = False
         self._tile_balance = _NOT_COMPUTED
+        self._row_pairs = _NOT_COMPUTED
+        self._states_copy = None   # GPU-built: a poll of the states' host copy (row_pairs_match)
         partial, fullb = states == PARTIAL, states == FULL
         self._lists = dict(zip(_LIST_NAMES, (*_lists(partial), *_lists(fullb), *_lists(partial.swapaxes(-1, -2)),
                                              *_lists(fullb.swapaxes(-1, -2)))))
@@ -110,6 +112,8 @@ class BlockMask:
         self._row_counts = None
         self.from_mask = False
         self._tile_balance = _NOT_COMPUTED
+        self._row_pairs = _NOT_COMPUTED
+        self._states_copy = None
         self._lists = {name: arrays[name] for name in _LIST_NAMES}
         return self
 
@@ -265,6 +269,24 @@ class BlockMask:
             mean = float(counts.mean()) if counts.size else 0.0
             self._tile_balance = float(counts.max()) / mean if mean > 0 else None
         return self._tile_balance
+
+    def row_pairs_match(self) -> bool | None:
+        """Whether each pair of q-block rows (0 and 1, 2 and 3, ...) of every (batch, head)
+        visits the same kv tiles in the same states, with an even number of rows: then the
+        two rows' lists are identical, and two CTAs of a cluster can walk them in step,
+        sharing each K/V load (``FwdConfig.cluster_m``). Documents whose boundaries fall on
+        every other q block do. From the host states; for a GPU-built mask from their
+        asynchronous host copy (None until it has landed, or when the builder kept none)."""
+        if self._row_pairs is _NOT_COMPUTED:
+            states = self._states
+            if states is None:
+                poll = self._states_copy
+                states = None if poll is None else poll()
+                if states is None:
+                    return None   # not known yet: ask again next call
+            rows = states.shape[2]
+            self._row_pairs = bool(rows % 2 == 0 and np.array_equal(states[:, :, 0::2], states[:, :, 1::2]))
+        return self._row_pairs
 
     def _downloaded_row_counts(self):
         """Partial + full tiles per row from the GPU builder's asynchronous copies, or None

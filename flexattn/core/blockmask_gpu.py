@@ -23,6 +23,15 @@ def _tvm_ffi(arrays: DeviceArrays) -> bool:
     return use_tvm_ffi(arrays)
 
 
+# GPU-built masks copy their int8 tile states to the host (asynchronously) up to this size,
+# for BlockMask.row_pairs_match: 4 MiB is B 4, H 16, 32k tokens of 128-token blocks.
+STATES_COPY_BYTES = 4 << 20
+
+
+def _nbytes(array) -> int:
+    return int(np.prod(array.shape, dtype=np.int64))   # int8
+
+
 class KernelBlockMaskBuilder(GpuBuilder):
     def build(self, mask, B, H, Q_LEN, KV_LEN, block_size, arrays: DeviceArrays,
               separate_full_blocks: bool = True) -> BlockMask:
@@ -39,6 +48,9 @@ class KernelBlockMaskBuilder(GpuBuilder):
         block_mask = BlockMask._on_device(built, (Q_LEN, KV_LEN), (qb, kvb), mask, arrays.device, count_allowed)
         if arrays.download is not None:   # the per-row tile counts, for tile_balance()
             block_mask._row_counts = tuple(arrays.download(built[n]) for n in ("kv_num_blocks", "full_kv_num_blocks"))
+            states = built["states"]
+            if _nbytes(states) <= STATES_COPY_BYTES:   # the tile states, for row_pairs_match()
+                block_mask._states_copy = arrays.download(states)
         return block_mask
 
     def compact(self, states, arrays: DeviceArrays) -> dict:

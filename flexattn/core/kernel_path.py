@@ -322,8 +322,23 @@ def _clusters_pay(shape: AttentionShape) -> bool:
     multicast) at head dim 128, when each head has an even number of 128-row q tiles (a
     cluster's two tiles share a head). H100 2026-11-22, H16 D128 TFLOP/s: dense
     persistent B4 S4096 612 -> 652, B8 S2048 592 -> 627; causal B4 S4096 569 -> 575,
-    B2 S8192 614 -> 622, B8 S2048 492 -> 492. Head dim 64 (192-row tiles): no gain."""
+    B2 S8192 614 -> 622, B8 S2048 492 -> 492. Head dim 64 (192-row tiles): no gain.
+    ``FLEXATTN_CLUSTERS=0`` turns clusters off everywhere, for A/B runs."""
+    if os.environ.get("FLEXATTN_CLUSTERS") == "0":
+        return False
     return shape.head_dim == shape.v_head_dim == 128 and -(-shape.q_len // 128) % 2 == 0
+
+
+def _list_clusters_pay(block_mask: BlockMask | None, band) -> bool:
+    """Block lists that run clusters of 2 CTAs as dense calls do (with `_clusters_pay`):
+    128-row q blocks whose rows pair up (`BlockMask.row_pairs_match`: documents on 256-token
+    boundaries), so both CTAs of a cluster walk identical lists and share each K/V load. Not
+    bands (their rows differ). ``FLEXATTN_LIST_CLUSTERS=0`` turns it off, for A/B runs."""
+    if block_mask is None or band or block_mask.BLOCK_SIZE[0] != 128:
+        return False
+    if os.environ.get("FLEXATTN_LIST_CLUSTERS") == "0":
+        return False
+    return bool(block_mask.row_pairs_match())
 
 
 def _two_rounds(shape: AttentionShape, ctas: int) -> bool:
@@ -406,7 +421,8 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     # fp32: no clusters, no persistent CTAs (their separate O buffer would not fit).
     tickets_flag = os.environ.get("FLEXATTN_TILE_TICKETS", "auto")   # A/B override: see _tickets_pay
     causal_tickets = causal and block_mask is None and not fp32 and _causal_tickets_pay(shape, tickets_flag)
-    cluster_m = 2 if block_mask is None and not fp32 and _clusters_pay(shape) and not causal_tickets else 1
+    clusters_fit = block_mask is None or _list_clusters_pay(block_mask, band)
+    cluster_m = 2 if clusters_fit and not fp32 and _clusters_pay(shape) and not causal_tickets else 1
     persistent_pays = (dense or _balanced(block_mask, band) or causal_tickets) and not fp32 and not _GPU_SHARED.get()
     max_ctas = persistent_ctas(q, cluster_m) if persistent_pays else 0
     tickets = _tickets_pay(shape, band, max_ctas, cluster_m, causal_tickets, tickets_flag)

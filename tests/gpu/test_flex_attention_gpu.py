@@ -354,6 +354,43 @@ def test_band_tile_tickets_at_the_door():
         assert torch.equal(out, outs[0])
 
 
+@pytest.mark.parametrize("bounds, clusters", [((512, 768, 1536), True), ((512, 640, 1536), False)])
+def test_document_block_mask_runs_clusters_where_row_pairs_match(bounds, clusters, monkeypatch):
+    """Documents on 256-token boundaries: once the GPU-built mask's states reached the host,
+    the two CTAs of a cluster walk identical lists and share K/V loads (cluster_m 2), with
+    results bitwise equal to the one-CTA walk; a boundary inside a pair of q blocks keeps
+    one CTA per tile."""
+    from flexattn.core.kernel_path import plan_forward
+
+    torch.manual_seed(len(bounds) + bounds[1])
+    S = 2048
+    q, k, v = (torch.randn(2, 4, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    doc_cpu = torch.bucketize(torch.arange(S), torch.tensor(bounds), right=True)
+    doc = doc_cpu.cuda()
+
+    def document(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    bm = fa.create_block_mask(document, None, None, S, S, device="cuda")
+    torch.cuda.synchronize()   # the states' host copy has landed
+    spec = AttentionSpec.from_args(block_mask=bm)
+    cfg = plan_forward(q, check_inputs(q, k, v, spec), spec).config
+    assert cfg.block_sparse and cfg.cluster_m == (2 if clusters else 1)
+    monkeypatch.setenv("FLEXATTN_LIST_CLUSTERS", "0")
+    assert plan_forward(q, check_inputs(q, k, v, spec), spec).config.cluster_m == 1
+    fa._PREPARED.clear()
+    with torch.no_grad():
+        one_cta = fa.flex_attention(q, k, v, block_mask=bm)
+        monkeypatch.delenv("FLEXATTN_LIST_CLUSTERS")
+        fa._PREPARED.clear()
+        outs = [fa.flex_attention(q, k, v, block_mask=bm) for _ in range(3)]   # full path, then prepared
+    torch.cuda.synchronize()
+    want = _torch_ref(q, k, v, block_mask=fa.create_block_mask(
+        lambda b, h, q_idx, kv_idx: doc_cpu[q_idx] == doc_cpu[kv_idx], None, None, S, S))
+    assert (outs[0].double().cpu() - want).abs().max() < 2.5e-2
+    assert all(torch.equal(o, one_cta) for o in outs)
+
+
 @pytest.mark.parametrize("Q, KV", [(300, 300), (300, 517), (517, 300), (1, 129)])
 def test_torch_style_causal_block_mask_runs_the_causal_structure(Q, KV):
     """A torch user's causal lambda through create_block_mask(..., device='cuda') and

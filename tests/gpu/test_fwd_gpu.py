@@ -280,13 +280,16 @@ def test_cluster_refuses_odd_tile_count():
 
 
 # ----------------------------------------------------------------- block sparsity
-def random_block_mask(B, Hm, Sq, Skv, tm, tn, seed, dev):
+def random_block_mask(B, Hm, Sq, Skv, tm, tn, seed, dev, paired=False):
     """FlexAttention-style lists with random per-block kinds (0 skip, 1 partial, 2 full)
-    in random order; row (0, 0, 0) is forced empty. Returns (tensors, kinds)."""
+    in random order; row (0, 0, 0) is forced empty. `paired`: rows 2i and 2i+1 get
+    identical lists (what a cluster's two CTAs need). Returns (tensors, kinds)."""
     g = torch.Generator().manual_seed(seed)
     nq, nk = -(-Sq // tm), -(-Skv // tn)
     kinds = torch.randint(0, 3, (B, Hm, nq, nk), generator=g)
     kinds[0, 0, 0] = 0
+    if paired:
+        kinds[:, :, 1::2] = kinds[:, :, 0::2][:, :, :nq // 2]
     num = [torch.zeros(B, Hm, nq, dtype=torch.int32) for _ in range(2)]
     idx = [torch.zeros(B, Hm, nq, nk, dtype=torch.int32) for _ in range(2)]
     for b in range(B):
@@ -295,6 +298,8 @@ def random_block_mask(B, Hm, Sq, Skv, tm, tn, seed, dev):
                 for j, kind in enumerate((1, 2)):
                     sel = torch.nonzero(kinds[b, h, m] == kind).flatten()
                     sel = sel[torch.randperm(len(sel), generator=g)]
+                    if paired and m % 2:   # the same order as its pair's first row
+                        sel = idx[j][b, h, m - 1, :num[j][b, h, m - 1]].long()
                     num[j][b, h, m] = len(sel)
                     idx[j][b, h, m, :len(sel)] = sel.int()
     tensors = tuple(t.to(dev) for t in (num[0], idx[0], num[1], idx[1]))
@@ -309,6 +314,11 @@ BLOCK_SPARSE = [  # (dtype, D, B, Hq, Hkv, Hmask, Sq, Skv, mod, schedule)
     ("bf16", 128, 1, 3, 3, 3, 129, 129, "softcap", "pp"),
     ("bf16", 128, 2, 4, 2, 4, 700, 650, "lag", "persist"),    # empty rows inside the walk
     ("fp16", 64, 2, 2, 1, 1, 513, 257, "doc", "persist+plain"),
+    # clusters over lists whose row pairs are identical (documents on 256-token boundaries)
+    ("bf16", 128, 2, 4, 2, 4, 700, 650, "lag", "cluster"),
+    ("bf16", 128, 2, 4, 2, 1, 1000, 650, "none", "cluster+persist"),
+    ("fp16", 128, 1, 4, 4, 4, 512, 1000, "doc", "cluster+plain"),
+    ("bf16", 128, 2, 2, 1, 1, 256, 300, "softcap", "cluster+persist"),
 ]
 
 
@@ -324,8 +334,9 @@ def test_block_sparse(case):
     cfg_kw, args, score_fn, mask_fn = mod_setup(kind, B, Hq, Sq, Skv, dev)
     cfg_kw.pop("causal", None)
     cfg = FwdConfig(dtype=dtype_name, head_dim=D, block_sparse=True, **cfg_kw,
-                    **SCHEDULES[sched])
-    tensors, kinds = random_block_mask(B, Hm, Sq, Skv, cfg.tile_m, cfg.tile_n, seed, dev)
+                    **{**SCHEDULES, **CLUSTER_SCHEDULES}[sched])
+    tensors, kinds = random_block_mask(B, Hm, Sq, Skv, cfg.tile_m, cfg.tile_n, seed, dev,
+                                       paired=cfg.cluster_m > 1)
 
     def block_mask(b, h, qi, ki):
         kb = kinds[b, h % Hm, qi // cfg.tile_m, ki // cfg.tile_n]

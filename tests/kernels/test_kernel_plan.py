@@ -380,6 +380,24 @@ def test_tile_scheduling_by_structure(on_gpu, monkeypatch):
 
 
 
+def test_documents_on_pair_boundaries_run_clusters(on_gpu, monkeypatch):
+    """Block lists whose row pairs match (documents on 256-token boundaries) run clusters
+    of two CTAs sharing K/V loads, as dense calls do at head dim 128; a boundary inside a
+    pair, head dim 64 or FLEXATTN_LIST_CLUSTERS=0 keep one CTA per tile (persistent)."""
+    def cfg(ids, D=128, S=2048):
+        q = torch.empty(2, 16, S, D, dtype=torch.bfloat16).as_subclass(_OnGpu)
+        bm = create_block_mask(mods.document(ids), None, None, S, S)
+        spec = AttentionSpec.from_args(block_mask=bm)
+        return plan_forward(q, check_inputs(q, q, q, spec), spec).config
+
+    aligned, split = np.arange(2048) * 4 // 2048, np.arange(2048) * 16 // 2048   # 512- / 128-token docs
+    for ids, D, want in ((aligned, 128, 2), (split, 128, 1), (aligned, 64, 1)):
+        c = cfg(ids, D)
+        assert c.block_sparse and (c.cluster_m, c.max_ctas) == (want, 120 if want == 2 else 132), (D, want)
+    monkeypatch.setenv("FLEXATTN_LIST_CLUSTERS", "0")
+    assert cfg(aligned).cluster_m == 1
+
+
 def test_a_shared_gpu_gets_one_cta_per_tile(on_gpu):
     """Inside ``gpu_shared()`` (context parallelism's launches, NCCL beside them) the
     structures that run persistent CTAs elsewhere run one CTA per tile; outside it, and in

@@ -128,8 +128,10 @@ class FwdConfig(KernelConfig):
     # CTA TMA-loads half of it, multicast into both CTAs' shared memory (FA3's cluster
     # for head dim >= 128), halving the K/V traffic from L2. Dense or causal structure
     # (under causal the lower tile of a pair skips the blocks only the upper one sees:
-    # loaded for its peer, not computed). The caller must guarantee an even number of q
-    # tiles per head (`cluster_fits`), or a pair would straddle two heads.
+    # loaded for its peer, not computed), or block-sparse lists whose two rows of a pair
+    # are identical (the caller checks: `BlockMask.row_pairs_match`; else the CTAs' walks
+    # diverge and wait on each other forever). The caller must guarantee an even number
+    # of q tiles per head (`cluster_fits`), or a pair would straddle two heads.
     cluster_m: int = 1
 
     def __post_init__(self):
@@ -184,9 +186,9 @@ class FwdConfig(KernelConfig):
             raise ValueError(f"max_ctas must be >= 0, got {self.max_ctas}")
         if self.cluster_m not in (1, 2):
             raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
-        if self.cluster_m > 1 and self.walks_partial_then_full:
-            raise ValueError("cluster_m=2 needs the dense or causal block structure (the CTAs of"
-                             " a cluster load the same kv blocks)")
+        if self.cluster_m > 1 and self.band:
+            raise ValueError("cluster_m=2 needs the dense, causal or block-sparse structure (the"
+                             " CTAs of a cluster load the same kv blocks; a band's rows differ)")
         if self.cluster_m > 1 and self.causal and self.tile_m != self.tile_n:
             raise ValueError("cluster_m=2 under causal needs tile_m == tile_n")
         if self.pingpong and self.tile_m == 64:
