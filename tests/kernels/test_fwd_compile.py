@@ -276,8 +276,9 @@ def test_cluster_config_checks():
     FwdConfig(cluster_m=2, causal=True)
     with pytest.raises(ValueError, match="tile_m == tile_n"):
         FwdConfig(cluster_m=2, causal=True, head_dim=64)          # 192-row tiles
-    with pytest.raises(ValueError, match="dense or causal"):
-        FwdConfig(cluster_m=2, block_sparse=True, mods=hooks.CausalHook())
+    FwdConfig(cluster_m=2, block_sparse=True, mods=hooks.CausalHook())   # lists: the planner pairs rows
+    with pytest.raises(ValueError, match="a band's rows differ"):
+        FwdConfig(cluster_m=2, band=True, mods=IRModHook(None, canonical_band(mods.sliding_window(64))))
     with pytest.raises(ValueError):
         FwdConfig(cluster_m=4)
     cfg = FwdConfig(cluster_m=2)
