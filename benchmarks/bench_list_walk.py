@@ -34,16 +34,16 @@ BURST = 10
 
 
 def main():
+    from flexattn import mods
+    from flexattn.kernels.emit.mod_emit import IRModHook, runtime_args
     from flexattn.kernels.fwd.sm90 import FwdConfig
     from flexattn.kernels.launch.forward import ForwardRunner
+    from flexattn.mods.structure import canonical_band
 
     sms = torch.cuda.get_device_properties().multi_processor_count
     H, D = 16, 128
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    from flexattn import mods
-    from flexattn.kernels.emit.mod_emit import IRModHook, runtime_args
-    from flexattn.mods.structure import canonical_band
 
     cases = [(name, B, S, layout) for layout in ("bhsd", "bshd")
              for name, B, S in (("dense", 8, 2048), ("lists:full", 8, 2048), ("lists:doc", 2, 8192), ("band:full", 8, 2048))]

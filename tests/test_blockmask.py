@@ -537,7 +537,7 @@ def test_row_pairs_match_reads_the_states_host_or_downloaded():
     """Rows 2i and 2i+1 visiting the same tiles in the same states (documents on 256-token
     boundaries at 128-token blocks): what the planner reads to run block lists in clusters
     of two CTAs. A boundary inside a pair, an odd row count or a causal mask: no. A
-    GPU-built mask knows once its states' host copy has landed."""
+    GPU-built mask knows once its states' host copy has landed (its tile balance too)."""
     from flexattn import mods as m
     from flexattn.blockmask.layout import _LIST_NAMES
 
@@ -559,9 +559,10 @@ def test_row_pairs_match_reads_the_states_host_or_downloaded():
     assert bm.row_pairs_match() is None                # no copy started
     landed = []
     bm._states_copy = lambda: host._states if landed else None
-    assert bm.row_pairs_match() is None
+    assert bm.row_pairs_match() is None and bm.tile_balance() is None
     landed.append(True)
     assert bm.row_pairs_match() is True
+    assert bm.tile_balance() == host.tile_balance() == 1.0   # the same copy serves the balance
     landed.clear()
     assert bm.row_pairs_match() is True                # kept
 

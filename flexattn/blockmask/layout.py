@@ -57,7 +57,7 @@ class BlockMask:
         self.from_mask = False
         self._tile_balance = _NOT_COMPUTED
         self._row_pairs = _NOT_COMPUTED
-        self._states_copy = None   # GPU-built: a poll of the states' host copy (row_pairs_match)
+        self._states_copy = None   # GPU-built: a poll of the states' host copy (_landed_states)
         partial, fullb = states == PARTIAL, states == FULL
         self._lists = dict(zip(_LIST_NAMES, (*_lists(partial), *_lists(fullb), *_lists(partial.swapaxes(-1, -2)),
                                              *_lists(fullb.swapaxes(-1, -2)))))
@@ -246,17 +246,18 @@ class BlockMask:
     def tile_balance(self) -> float | None:
         """max / mean of the tiles each (batch, head, q block) row visits (partial + full),
         or None for one that visits nothing or cannot be known yet without waiting for the
-        GPU. 1.0: every row does the same work. From the host lists; for a GPU-built mask,
-        from its per-row counts once their asynchronous copy to the host has landed
-        (started by the builder where the framework offers ``DeviceArrays.download``),
-        before that from interval analysis of its tiles on the host when its mask captures
-        only numbers (a window, a dilated band: exact up to tiles the GPU found empty inside
-        undecided ones). Kept once known (the planner asks on every planned call); while
-        unknown, calls plan without it (one CTA per tile: the same results)."""
+        GPU. 1.0: every row does the same work. From the host states; for a GPU-built mask,
+        from its tile states' or (masks too big to copy whole) its per-row counts'
+        asynchronous copy to the host once landed (started by the builder where the
+        framework offers ``DeviceArrays.download``), before that from interval analysis of
+        its tiles on the host when its mask captures only numbers (a window, a dilated band:
+        exact up to tiles the GPU found empty inside undecided ones). Kept once known (the
+        planner asks on every planned call); while unknown, calls plan without it (one CTA
+        per tile: the same results)."""
         if self._tile_balance is _NOT_COMPUTED:
-            counts = None
-            if self._states is not None:
-                counts = (self._states != EMPTY).sum(axis=-1, dtype=np.int64)
+            states = self._landed_states()
+            if states is not None:
+                counts = (states != EMPTY).sum(axis=-1, dtype=np.int64)
             else:
                 counts = self._downloaded_row_counts()
                 if counts is None and self.from_mask and all(isinstance(c, (int, float)) for c in self.mask_mod.captures):
@@ -278,15 +279,21 @@ class BlockMask:
         every other q block do. From the host states; for a GPU-built mask from their
         asynchronous host copy (None until it has landed, or when the builder kept none)."""
         if self._row_pairs is _NOT_COMPUTED:
-            states = self._states
+            states = self._landed_states()
             if states is None:
-                poll = self._states_copy
-                states = None if poll is None else poll()
-                if states is None:
-                    return None   # not known yet: ask again next call
+                return None   # not known yet: ask again next call
             rows = states.shape[2]
             self._row_pairs = bool(rows % 2 == 0 and np.array_equal(states[:, :, 0::2], states[:, :, 1::2]))
         return self._row_pairs
+
+    def _landed_states(self):
+        """The tile states on the host without waiting for the GPU: kept (host-built, or
+        copied by ``_host_states``), or a GPU-built mask's asynchronous copy once landed;
+        None while in flight or where the builder started none."""
+        if self._states is not None:
+            return self._states
+        poll = self._states_copy
+        return None if poll is None else poll()
 
     def _downloaded_row_counts(self):
         """Partial + full tiles per row from the GPU builder's asynchronous copies, or None

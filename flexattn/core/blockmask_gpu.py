@@ -24,7 +24,8 @@ def _tvm_ffi(arrays: DeviceArrays) -> bool:
 
 
 # GPU-built masks copy their int8 tile states to the host (asynchronously) up to this size,
-# for BlockMask.row_pairs_match: 4 MiB is B 4, H 16, 32k tokens of 128-token blocks.
+# for BlockMask.tile_balance and row_pairs_match (larger ones copy their per-row counts,
+# for tile_balance alone): 4 MiB is B 4, H 16, 32k tokens of 128-token blocks.
 STATES_COPY_BYTES = 4 << 20
 
 
@@ -46,11 +47,12 @@ class KernelBlockMaskBuilder(GpuBuilder):
             return np.asarray(to_numpy(per_tile), dtype=np.int64).sum(axis=-1)
 
         block_mask = BlockMask._on_device(built, (Q_LEN, KV_LEN), (qb, kvb), mask, arrays.device, count_allowed)
-        if arrays.download is not None:   # the per-row tile counts, for tile_balance()
-            block_mask._row_counts = tuple(arrays.download(built[n]) for n in ("kv_num_blocks", "full_kv_num_blocks"))
+        if arrays.download is not None:
             states = built["states"]
-            if _nbytes(states) <= STATES_COPY_BYTES:   # the tile states, for row_pairs_match()
+            if _nbytes(states) <= STATES_COPY_BYTES:   # the tile states: tile_balance(), row_pairs_match()
                 block_mask._states_copy = arrays.download(states)
+            else:   # the per-row tile counts alone, for tile_balance()
+                block_mask._row_counts = tuple(arrays.download(built[n]) for n in ("kv_num_blocks", "full_kv_num_blocks"))
         return block_mask
 
     def compact(self, states, arrays: DeviceArrays) -> dict:

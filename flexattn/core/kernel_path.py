@@ -329,12 +329,12 @@ def _clusters_pay(shape: AttentionShape) -> bool:
     return shape.head_dim == shape.v_head_dim == 128 and -(-shape.q_len // 128) % 2 == 0
 
 
-def _list_clusters_pay(block_mask: BlockMask | None, band) -> bool:
+def _list_clusters_pay(block_mask: BlockMask, band) -> bool:
     """Block lists that run clusters of 2 CTAs as dense calls do (with `_clusters_pay`):
     128-row q blocks whose rows pair up (`BlockMask.row_pairs_match`: documents on 256-token
     boundaries), so both CTAs of a cluster walk identical lists and share each K/V load. Not
     bands (their rows differ). ``FLEXATTN_LIST_CLUSTERS=0`` turns it off, for A/B runs."""
-    if block_mask is None or band or block_mask.BLOCK_SIZE[0] != 128:
+    if band or block_mask.BLOCK_SIZE[0] != 128:
         return False
     if os.environ.get("FLEXATTN_LIST_CLUSTERS") == "0":
         return False
@@ -421,8 +421,9 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     # fp32: no clusters, no persistent CTAs (their separate O buffer would not fit).
     tickets_flag = os.environ.get("FLEXATTN_TILE_TICKETS", "auto")   # A/B override: see _tickets_pay
     causal_tickets = causal and block_mask is None and not fp32 and _causal_tickets_pay(shape, tickets_flag)
-    clusters_fit = block_mask is None or _list_clusters_pay(block_mask, band)
-    cluster_m = 2 if clusters_fit and not fp32 and _clusters_pay(shape) and not causal_tickets else 1
+    # (the lists' row pairs are asked last: a host mask's first answer compares its states)
+    clusters = not fp32 and not causal_tickets and _clusters_pay(shape)
+    cluster_m = 2 if clusters and (block_mask is None or _list_clusters_pay(block_mask, band)) else 1
     persistent_pays = (dense or _balanced(block_mask, band) or causal_tickets) and not fp32 and not _GPU_SHARED.get()
     max_ctas = persistent_ctas(q, cluster_m) if persistent_pays else 0
     tickets = _tickets_pay(shape, band, max_ctas, cluster_m, causal_tickets, tickets_flag)
