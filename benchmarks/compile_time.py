@@ -148,6 +148,8 @@ KERNELS = {
     "doc": _fwd(head_dim=128, tile_m=128, block_sparse=True, mask=_document),
     # as planned for documents on 256-token boundaries (BlockMask.row_pairs_match)
     "doc-clusters": _fwd(head_dim=128, tile_m=128, block_sparse=True, mask=_document, max_ctas=120, cluster_m=2),
+    "doc-clusters-aligned": _fwd(head_dim=128, tile_m=128, block_sparse=True, mask=_document, max_ctas=120,
+                                 cluster_m=2, kv_aligned=True),
     "doc-persist": _fwd(head_dim=128, tile_m=128, block_sparse=True, mask=_document, max_ctas=132),
     "alibi": _fwd(head_dim=128, tile_m=128, causal=True, score=_alibi),
     "window": _fwd(head_dim=128, tile_m=128, block_sparse=True, mask=_window),

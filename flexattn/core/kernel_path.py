@@ -428,7 +428,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     max_ctas = persistent_ctas(q, cluster_m) if persistent_pays else 0
     tickets = _tickets_pay(shape, band, max_ctas, cluster_m, causal_tickets, tickets_flag)
     key = (dtype, tf32_passes, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
-           cluster_m, max_scores, tickets,
+           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     # 3xTF32 keeps float32's accuracy: the mods' tanh / sigmoid exact, not tanh.approx.
@@ -462,6 +462,8 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
             # 464), B4 S4096 463 -> 467, B2 S8192 468 -> 472 (issue 24, session 25).
             tile_tickets=tickets and persistent,
             snake=bool(band) and persistent and cluster_m == 1 and not tickets,
+            # (keyed above by KV_LEN % 128: a tile_n that divides 128 then divides KV_LEN)
+            kv_aligned=shape.kv_len % 128 == 0 and 128 % tile_n == 0,
         )
         # _clusters_pay counts 128-row q tiles; the kernel pairs its own tile_m rows, and
         # the TVM-FFI launch does not check again: the two counts must agree.

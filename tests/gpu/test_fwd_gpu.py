@@ -126,6 +126,10 @@ CLUSTER_SCHEDULES = {
     "cluster": dict(cluster_m=2),
     "cluster+persist": dict(cluster_m=2, max_ctas=6),
     "cluster+plain": dict(cluster_m=2, intra_wg_overlap=False, pingpong=False),
+    # KV_LEN a multiple of tile_n (so also kept out of the random draw): full blocks skip
+    # the straddle test (kv_aligned)
+    "aligned": dict(kv_aligned=True),
+    "aligned+tickets": dict(max_ctas=7, tile_tickets=True, kv_aligned=True),
 }
 
 
@@ -209,6 +213,8 @@ FIXED = [
     ("bf16", 64, 3, 8, 2, 1000, 1000, "causal_builtin", "bhsd", "persist+tickets"),   # 192-row tiles
     ("fp16", 96, 2, 6, 3, 777, 777, "causal_builtin", "bshd", "persist+tickets"),
     ("bf16", 128, 1, 1, 1, 100, 100, "window", "bhsd", "persist+tickets"),    # one tile: no ticket used
+    ("bf16", 128, 3, 4, 2, 1000, 1024, "window", "bhsd", "aligned+tickets"),  # KV_LEN on tile boundaries
+    ("fp16", 128, 2, 6, 3, 700, 896, "window", "bshd", "aligned"),
     # clusters (q tiles per head even: 128-row tiles, 192 for head dim 64 without score mod)
     ("bf16", 128, 2, 4, 4, 256, 256, "none", "bhsd", "cluster"),
     ("bf16", 128, 3, 8, 2, 1000, 999, "none", "bshd", "cluster"),          # GQA, odd Skv
@@ -319,6 +325,10 @@ BLOCK_SPARSE = [  # (dtype, D, B, Hq, Hkv, Hmask, Sq, Skv, mod, schedule)
     ("bf16", 128, 2, 4, 2, 1, 1000, 650, "none", "cluster+persist"),
     ("fp16", 128, 1, 4, 4, 4, 512, 1000, "doc", "cluster+plain"),
     ("bf16", 128, 2, 2, 1, 1, 256, 300, "softcap", "cluster+persist"),
+    # KV_LEN on tile boundaries: full blocks skip the straddle test
+    ("bf16", 128, 2, 4, 2, 4, 700, 640, "lag", "aligned"),
+    ("fp16", 64, 2, 2, 1, 1, 513, 256, "doc", "aligned"),
+    ("bf16", 128, 2, 4, 2, 4, 512, 1024, "softcap", "aligned"),
 ]
 
 

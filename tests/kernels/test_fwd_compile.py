@@ -148,17 +148,18 @@ def test_hooks_walk_blocks_in_one_step(compiled):
 
 
 def test_block_sparse_structure(compiled):
-    # Sparse, overlapped: one step for every visit, the first included (partial or full
-    # block and whether a previous P V is due are decided at run time), and the final P V.
+    # Sparse, overlapped: one step for the partial blocks and one for the full ones, each
+    # serving its first visit too (whether a previous P V is due is decided at run time),
+    # and the final P V.
     cfg = CASES["hd128-sparse-lag"][0]
     qk, pv = cfg.head_dim // 16, cfg.tile_n // 16
-    assert compiled["hd128-sparse-lag"].count("wgmma.mma_async") == (qk + pv) + pv
+    assert compiled["hd128-sparse-lag"].count("wgmma.mma_async") == 2 * (qk + pv) + pv
     # Sparse, plain: one step per list.
     cfg = CASES["hd64-sparse-plain"][0]
     assert compiled["hd64-sparse-plain"].count("wgmma.mma_async") == 2 * (
         cfg.head_dim // 16 + cfg.tile_n // 16)
-    # The band walks the same partial-then-full step, its blocks by arithmetic.
-    assert compiled["hd128-band-window"].count("wgmma.mma_async") == (qk + pv) + pv
+    # The band walks the same partial-then-full steps, its blocks by arithmetic.
+    assert compiled["hd128-band-window"].count("wgmma.mma_async") == 2 * (qk + pv) + pv
     with pytest.raises(ValueError):
         FwdConfig(block_sparse=True, causal=True)
     with pytest.raises(ValueError, match="band"):

@@ -503,3 +503,22 @@ def test_cached_plans_keep_the_ir_their_keys_name_alive():
         held = {id(e) for e in entry.config.mods._sources}
         for ident in key[-2:]:
             assert ident is None or ident in held
+
+
+@pytest.mark.parametrize("kv, aligned", [(1024, True), (1000, False), (640, True)])
+def test_kv_len_on_tile_boundaries_plans_the_aligned_walk(kv, aligned):
+    """KV_LEN a multiple of 128: no full block straddles it, so the kernel skips that
+    run-time test (FwdConfig.kv_aligned); any other length keeps it."""
+    window = mods.sliding_window(256)
+    for kw in (dict(mask=window), dict(block_mask=create_block_mask(window, None, None, 1024, kv))):
+        assert _plan(Q=1024, KV=kv, **kw).config.kv_aligned is aligned
+
+
+def test_a_kv_aligned_kernel_refuses_a_ragged_kv_len():
+    from flexattn.kernels.fwd.sm90 import FwdConfig
+    from flexattn.kernels.launch.forward import _check_kv_aligned
+
+    cfg = FwdConfig(head_dim=128, block_sparse=True, kv_aligned=True)
+    _check_kv_aligned(cfg, 1024)
+    with pytest.raises(ValueError, match="multiple of tile_n 128"):
+        _check_kv_aligned(cfg, 1000)

@@ -133,6 +133,11 @@ class FwdConfig(KernelConfig):
     # diverge and wait on each other forever). The caller must guarantee an even number
     # of q tiles per head (`cluster_fits`), or a pair would straddle two heads.
     cluster_m: int = 1
+    # KV_LEN is a multiple of tile_n (the launch checks): no block straddles it, so the
+    # full blocks of lists and bands skip the run-time test for one that does. That test
+    # was a branch in the middle of the step, and ptxas then started the softmax only after
+    # the P V wait (documents B2 S8192, H100: see docs/experiments.md, session 27).
+    kv_aligned: bool = False
 
     def __post_init__(self):
         # Resolve the defaults that depend on other fields (frozen: via object.__setattr__).
@@ -814,14 +819,19 @@ class FlashFwdSm90(WarpSpecialized):
                 kv_state = self._step(ctx, kv_state, blocks.full_at(i), is_first=False,
                                       mask=False, causal=False, kv_bound="tail")
         else:
-            # One copy of the step serves every visit, the first included (it skips the
-            # P V of a previous block at run time): a peeled first visit would be a second
-            # copy of the mods and the softmax (compile time). Which masks a visit applies
-            # (partial or full block) is decided at run time too.
+            # One step per kind of block, each serving every visit of its kind, the first
+            # included (it skips the P V of a previous block at run time): a peeled first
+            # visit would be a third copy of the mods and the softmax (compile time).
+            # Partial blocks, then full ones, in loops of their own: one step for both
+            # with a run-time `partial` branched around the mask, read both lists per
+            # block, and kept the softmax from starting before the branch ended.
             v_state = kv_state.clone()
-            for i in cutlass.range(n_p + n_f, unroll=1):
-                kv_state, v_state = self._visit_step(ctx, kv_state, v_state, blocks.at(i), i > 0,
-                                                      mask=has_mask, partial=i < n_p)
+            for i in cutlass.range(n_p, unroll=1):
+                kv_state, v_state = self._visit_step(ctx, kv_state, v_state, blocks.partial_at(i), i > 0,
+                                                      mask=has_mask, partial=True)
+            for i in cutlass.range(n_f, unroll=1):
+                kv_state, v_state = self._visit_step(ctx, kv_state, v_state, blocks.full_at(i), n_p + i > 0,
+                                                      mask=has_mask, partial=False)
             if n_p + n_f > 0:
                 self._last_pv(ctx, v_state, advance=False)
         return kv_state
@@ -891,6 +901,8 @@ class FlashFwdSm90(WarpSpecialized):
                 self._mask_past_limits(ctx, acc_S, n_block, causal=True, kv_bound=True)
             elif (n_block + 1) * self.cfg.tile_n > ctx[16]:
                 self._mask_past_limits(ctx, acc_S, n_block, causal=False, kv_bound=True)
+        elif const_expr(kv_bound == "tail" and self.cfg.kv_aligned):
+            self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=False)
         elif const_expr(kv_bound == "tail"):
             self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=False, clamp_kv=True)
             if (n_block + 1) * self.cfg.tile_n > ctx[16]:   # the bound alone
@@ -1043,11 +1055,10 @@ class FlashFwdSm90(WarpSpecialized):
         if has_prev:
             pipe_v.consumer_wait(v_state)
             self._pv_gemm(tiled_mma_pv, acc_O, tOrP, self._kv_operand(tOrVt, v_state), wait=-1)
-        self._turn_pass(wg)
-        if has_prev:
-            warpgroup.wait_group(1)        # S_j ready (groups retire in order)
         else:
-            warpgroup.wait_group(0)
+            warpgroup.commit_group()       # an empty group: one wait below serves both cases
+        self._turn_pass(wg)
+        warpgroup.wait_group(1)            # S_j ready (groups retire in order)
         pipe_k.consumer_release(kv_state)
 
         self._scores(ctx, acc_S, n_block, mask, causal, kv_bound, partial)

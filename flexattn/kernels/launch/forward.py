@@ -85,6 +85,7 @@ class ForwardRunner:
         if not cfg.cluster_fits(sq):
             raise ValueError(f"cluster_m={cfg.cluster_m} needs a multiple of {cfg.cluster_m} q tiles of "
                              f"{cfg.tile_m} rows per head, got Sq={sq}")
+        _check_kv_aligned(cfg, sk)
 
     def _check_block_sparse(self, q, k, block_sparse):
         (B, Hq, Sq, _) = q.shape
@@ -145,6 +146,12 @@ class ForwardRunner:
         self.bind(q, k, v, o, lse, softmax_scale, mod_args, stream, block_sparse, max_scores)()
 
 
+def _check_kv_aligned(cfg: FwdConfig, kv_len: int) -> None:
+    """A kernel compiled for KV_LEN a multiple of tile_n would read past a shorter tail."""
+    if cfg.kv_aligned and kv_len % cfg.tile_n:
+        raise ValueError(f"kv_aligned: the kernel needs KV_LEN a multiple of tile_n {cfg.tile_n}, got {kv_len}")
+
+
 class FfiForwardRunner:
     """``run(q, k, v, o, lse, softmax_scale, mod_args, block_sparse)`` with framework tensors:
     ``mod_args`` holds the hook's captures in args order (contiguous device tensors for
@@ -177,5 +184,6 @@ class FfiForwardRunner:
     def run(self, q, k, v, o, lse, softmax_scale: float, mod_args: tuple, block_sparse=None, max_scores=None):
         self.compile()
         _check_max_scores_given(self.cfg, max_scores)
+        _check_kv_aligned(self.cfg, k.shape[2])
         self._fn(q, k, v, o, lse, float(softmax_scale), tuple(mod_args) if mod_args else None, block_sparse,
                  max_scores)
