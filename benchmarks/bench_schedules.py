@@ -57,6 +57,13 @@ SCHEDULES = {  # our kernel's scheduling options; "ov+pp" is the default config
     "builtin+persist+longest": dict(builtin=True, max_ctas=-1, tile_order="longest_first"),
     "builtin+persist+longest+tickets": dict(builtin=True, max_ctas=-1, tile_order="longest_first",
                                             tile_tickets=True),
+    # wider kv tiles at small head dims (fewer, longer softmax steps per wait): two
+    # warpgroups of 128 rows; fit without spills at D32 x 256 and D64 x 192 (CPU SASS,
+    # session 27), not measured yet
+    "builtin+tickets+m128n256": dict(builtin=True, max_ctas=-1, tile_order="longest_first", tile_tickets=True,
+                                     tile_m=128, tile_n=256),
+    "builtin+tickets+m128n192": dict(builtin=True, max_ctas=-1, tile_order="longest_first", tile_tickets=True,
+                                     tile_m=128, tile_n=192),
     "stages3": dict(num_stages=3),                     # a third K/V slot (one CTA per tile:
                                                        # with the persistent O buffer it won't fit)
     # kv tile width (FA3 / FA4 take 176 for head dim 128 without a causal / local mask)

@@ -147,7 +147,8 @@ class ForwardRunner:
 
 
 def _check_kv_aligned(cfg: FwdConfig, kv_len: int) -> None:
-    """A kernel compiled for KV_LEN a multiple of tile_n would read past a shorter tail."""
+    """A kernel compiled for KV_LEN a multiple of tile_n does not mask the keys past a
+    KV_LEN inside its last block (they would be attended as zero-filled keys)."""
     if cfg.kv_aligned and kv_len % cfg.tile_n:
         raise ValueError(f"kv_aligned: the kernel needs KV_LEN a multiple of tile_n {cfg.tile_n}, got {kv_len}")
 
