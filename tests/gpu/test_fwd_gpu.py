@@ -120,17 +120,17 @@ SCHEDULES = {  # step (b) scheduling options; results must not depend on them
     "persist+snake": dict(max_ctas=7, snake=True),   # odd full rounds reversed, a partial last one
     "persist+tickets": dict(max_ctas=7, tile_tickets=True),   # later tiles by a global counter
 }
-# Clusters of 2 CTAs sharing K/V by TMA multicast: dense structure and an even number of
-# q tiles per head only, so kept out of the random draw.
-CLUSTER_SCHEDULES = {
+# Schedules that need particular shapes, so kept out of the random draw:
+SHAPED_SCHEDULES = {
+    # clusters of 2 CTAs sharing K/V by TMA multicast: an even number of q tiles per head
     "cluster": dict(cluster_m=2),
     "cluster+persist": dict(cluster_m=2, max_ctas=6),
     "cluster+plain": dict(cluster_m=2, intra_wg_overlap=False, pingpong=False),
-    # KV_LEN a multiple of tile_n (so also kept out of the random draw): full blocks skip
-    # the straddle test (kv_aligned)
+    # KV_LEN a multiple of tile_n: full blocks skip the straddle test (kv_aligned)
     "aligned": dict(kv_aligned=True),
     "aligned+tickets": dict(max_ctas=7, tile_tickets=True, kv_aligned=True),
 }
+ALL_SCHEDULES = {**SCHEDULES, **SHAPED_SCHEDULES}
 
 
 def run_case(dtype_name, D, B, Hq, Hkv, Sq, Skv, kind, layout="bhsd", sched="ov+pp", seed=0):
@@ -140,7 +140,7 @@ def run_case(dtype_name, D, B, Hq, Hkv, Sq, Skv, kind, layout="bhsd", sched="ov+
     dtype = DTYPES[dtype_name]
     q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D, dtype, layout, dev)
     cfg_kw, args, score_fn, mask_fn = mod_setup(kind, B, Hq, Sq, Skv, dev)
-    cfg = FwdConfig(dtype=dtype_name, head_dim=D, **cfg_kw, **{**SCHEDULES, **CLUSTER_SCHEDULES}[sched])
+    cfg = FwdConfig(dtype=dtype_name, head_dim=D, **cfg_kw, **ALL_SCHEDULES[sched])
     scale = 1.0 / math.sqrt(D)
     o = torch.full((B, Hq, Sq, D), float("nan"), device=dev, dtype=dtype)
     lse = torch.full((B, Hq, Sq), float("nan"), device=dev, dtype=torch.float32)
@@ -344,7 +344,7 @@ def test_block_sparse(case):
     cfg_kw, args, score_fn, mask_fn = mod_setup(kind, B, Hq, Sq, Skv, dev)
     cfg_kw.pop("causal", None)
     cfg = FwdConfig(dtype=dtype_name, head_dim=D, block_sparse=True, **cfg_kw,
-                    **{**SCHEDULES, **CLUSTER_SCHEDULES}[sched])
+                    **ALL_SCHEDULES[sched])
     tensors, kinds = random_block_mask(B, Hm, Sq, Skv, cfg.tile_m, cfg.tile_n, seed, dev,
                                        paired=cfg.cluster_m > 1)
 
