@@ -180,6 +180,9 @@ KERNELS = {
     "bwd-causal-alibi": _bwd(head_dim=128, causal=True, score=_alibi),
     "bwd-window": _bwd(head_dim=128, block_sparse=True, mask=_window),
     "bwd-window-band": _bwd(head_dim=128, band=True, mask=_window),
+    "bwd-window-band-persist": _bwd(head_dim=128, band=True, mask=_window, max_ctas=132),
+    "bwd-doc-persist": _bwd(head_dim=128, block_sparse=True, mask=_document, max_ctas=132),
+    "bwd-full-persist": _bwd(head_dim=128, tile_m=80, max_ctas=132),
     # head dims beyond 128: the 64-key split layout and the 96-key swapped one (dkv_swap)
     "bwd-192-128-causal-split": _bwd(head_dim=192, head_dim_v=128, causal=True),
     "bwd-192-128-causal": _bwd(head_dim=192, head_dim_v=128, tile_n=96, causal=True),

@@ -60,7 +60,7 @@ def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: Attention
 
     # raises what the kernel cannot do; float32: the forward's tf32 passes
     plan = plan_forward(arrays.q, shape, spec, tf32_passes=device.tf32_passes)
-    cfg = backward_config(plan.config, deterministic, grad_captures)
+    cfg = backward_config(plan.config, deterministic, grad_captures, plan.backward_ctas)
     hook = cfg.mods
     lists = _q_lists(cfg, plan, device)
     workspace = tuple(alloc(s, dtype, False) for _, s, dtype in backward_workspace(cfg, shape))
@@ -116,7 +116,7 @@ class PreparedBackward:
         from ..kernels.launch.arguments import ffi_args
         from ..kernels.launch.cache import backward_runner
 
-        cfg = backward_config(plan.config, deterministic, grad_captures)
+        cfg = backward_config(plan.config, deterministic, grad_captures, plan.backward_ctas)
         self.deterministic = deterministic
         self._runner = backward_runner(cfg, tvm_ffi=True)
         self._runner.kernels(False)   # compiled (or loaded) now, not inside a step
@@ -165,9 +165,10 @@ def prepare_backward(q, shape: AttentionShape, spec: AttentionSpec, device: Devi
                             deterministic, grad_captures)
 
 
-def backward_config(forward_config, deterministic: bool = False, grad_captures=None):
+def backward_config(forward_config, deterministic: bool = False, grad_captures=None, max_ctas: int = 0):
     """The backward's ``BwdConfig`` for a forward's config (every adapter's backward plan):
-    same structure and mods, gradients only for the ``grad_captures`` slots (None: all)."""
+    same structure and mods, gradients only for the ``grad_captures`` slots (None: all);
+    ``max_ctas`` persistent CTAs (``KernelPlan.backward_ctas``; never deterministic)."""
     from ..kernels.bwd.plan import config_from_forward
 
     reason = kernel_path.backward_unsupported_dims(forward_config.head_dim, forward_config.head_dim_v,
@@ -177,7 +178,8 @@ def backward_config(forward_config, deterministic: bool = False, grad_captures=N
     mods = forward_config.mods
     if grad_captures is not None:
         mods = mods.with_grad_filter(grad_captures)
-    return config_from_forward(forward_config, deterministic=deterministic, mods=mods)
+    return config_from_forward(forward_config, deterministic=deterministic, mods=mods,
+                               max_ctas=0 if deterministic else max_ctas)
 
 
 def backward_workspace(cfg, shape: AttentionShape) -> list:

@@ -213,6 +213,7 @@ class KernelPlan:
     config: object  # kernels.fwd.sm90.FwdConfig (its hook carries this call's captures)
     block_mask: BlockMask | None
     entry: object = None  # the cached _PlanEntry it came from (runner lookups), if any
+    backward_ctas: int = 0  # persistent CTAs for this call's backward (``_backward_ctas``), or 0
 
 
 class _PlanEntry:
@@ -474,7 +475,22 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
         _PLANS[key] = entry
     hook.capture_kinds = entry.kinds
     hook.derivative_box = entry.config.mods.derivative_box  # the same IR: one derivative
-    return KernelPlan(entry.config.with_mods(hook), block_mask, entry)
+    return KernelPlan(entry.config.with_mods(hook), block_mask, entry,
+                      _backward_ctas(q, fp32))
+
+
+def _backward_ctas(q, fp32: bool) -> int:
+    """Persistent CTAs for the backward (``BwdConfig.max_ctas``), or 0: one CTA per kv tile.
+    Not planned: statically strided persistent CTAs measured slower at the door (H100,
+    2026-11-27, fwd+bwd time, persistent / one CTA per tile: window1024 B4 S4096 1.031, B8
+    S2048 1.126, B2 S8192 1.027; document4 1.013 / 1.075 / 0.997; full 1.017, causal 1.35):
+    the next tile's K / V still wait for this tile's dK / dV stores through sK / sV, and a
+    static walk cannot even out tiles of unequal length as the hardware's CTA scheduling
+    does. ``FLEXATTN_BWD_PERSISTENT=1`` plans them for every 16-bit backward (A/B runs);
+    never inside ``gpu_shared()`` (see there)."""
+    if fp32 or _GPU_SHARED.get() or os.environ.get("FLEXATTN_BWD_PERSISTENT") != "1":
+        return 0
+    return persistent_ctas(q)
 
 
 def _runner(plan: KernelPlan, tvm_ffi: bool):

@@ -122,7 +122,7 @@ class XlaPlan:
 
     def backward_config(self, grad_captures: tuple):
         """The (non-deterministic) backward config, gradients for ``grad_captures`` only."""
-        return backward_config(self.config, False, grad_captures)
+        return backward_config(self.config, False, grad_captures, self.plan.backward_ctas)
 
     def backward_workspace(self, cfg) -> list:
         """[(name, shape, dtype name, divisibility of the last dims)] of the workspace results."""

@@ -373,6 +373,33 @@ def test_cluster(case):
     _check_listed(case, CLUSTER, cluster_n=2)
 
 
+# Persistent CTAs (BwdConfig.max_ctas): 3 of them, so each walks many kv tiles (K / V
+# reloaded after the previous tile's dK / dV left through sK / sV, the Q / dO ring and the
+# dQ writer's handshakes running on across tiles), and an H100's 132. Bands, block lists,
+# causal, dense 80-row tiles, GQA, kv tiles nobody visits, per-diagonal sums across tiles,
+# head dims beyond 128 (split and swapped layouts). (case..., tile_n or None)
+PERSISTENT = [
+    ("sliding_window", "bf16", 128, 1, 4, 2, 700, 700, "bhsd", None),
+    ("document", "fp16", 64, 2, 2, 2, 384, 384, "bhsd", None),
+    ("document_batched", "bf16", 128, 2, 4, 4, 300, 300, "bhsd", None),
+    ("causal", "bf16", 128, 2, 8, 2, 1000, 1000, "bhsd", None),
+    ("causal", "fp16", 128, 1, 4, 1, 129, 513, "bhsd", None),     # kv blocks nobody sees
+    ("none", "fp16", 128, 2, 8, 2, 1000, 1000, "bshd", None),     # 80-row tiles, GQA 4:1
+    ("causal_relative_bias", "bf16", 128, 1, 4, 2, 777, 900, "bhsd", None),  # sDiag across tiles
+    ("window_document_alibi_softcap", "bf16", 64, 1, 4, 2, 500, 500, "bhsd", None),
+    ("sliding_window", "bf16", 256, 1, 4, 2, 700, 650, "bhsd", None),   # split layout
+    ("causal_softcap", "bf16", 192, 1, 4, 2, 333, 333, "bhsd", 96),     # swapped layout
+]
+
+
+@pytest.mark.parametrize("ctas", [3, 132])
+@pytest.mark.parametrize("case", PERSISTENT, ids=lambda c: "-".join(map(str, c)))
+def test_persistent(case, ctas):
+    *listed, tile_n = case
+    extra = {} if tile_n is None else {"tile_n": tile_n}
+    _check_listed(tuple(listed), [tuple(c[:-1]) for c in PERSISTENT], max_ctas=ctas, **extra)
+
+
 def _random_cases(n, seed=4321):
     """Random shapes for the (mod, dtype, head dim) combinations of FIXED only (so they
     compile nothing FIXED does not): batch, heads and GQA ratio, lengths 1..900 (Q != KV

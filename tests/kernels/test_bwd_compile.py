@@ -87,6 +87,9 @@ def _config(name):
     if name.endswith("-80"):
         cfg, hook = _config(name[:-3])
         return dataclasses.replace(cfg, tile_m=80), hook
+    if name.endswith("-persist"):             # persistent CTAs (BwdConfig.max_ctas)
+        cfg, hook = _config(name[:-8])
+        return dataclasses.replace(cfg, max_ctas=132), hook
     if name.startswith("det-"):
         cfg, hook = _config(DETERMINISTIC[name])
         return dataclasses.replace(cfg, deterministic=True), hook
@@ -111,7 +114,9 @@ WIDE = ["d256-causal-softcap", "d192-128-sparse-document"]
 SWAPPED = ["d192-128-causal-softcap-swap", "d192-dense-swap", "d256-128-causal-swap48", "d192-causal-swap-q2do1"]
 # tile_m 128 (head dims up to 64, no score mod; wider block lists spill: bwd.plan)
 TILE128 = ["d64-causal-128", "d32-sparse-document-128"]
-NAMES = DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + SWAPPED + TILE128
+# persistent CTAs (not planned: measured slower; FLEXATTN_BWD_PERSISTENT=1 plans them)
+PERSISTENT = ["d128-band-window-persist"]
+NAMES = DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + SWAPPED + TILE128 + PERSISTENT
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +172,23 @@ def test_block_structures(compiled):
     # The band: the same partial and full steps as the lists.
     cfg, ptx = compiled["d128-band-window"]
     assert _steps(ptx, cfg) == 2
+
+
+def test_persistent(compiled):
+    """Persistent CTAs loop over kv tiles around the same two steps (no second copy), and
+    release K / V once dK / dV have been stored (one more mbarrier arrive than one CTA per
+    tile, which never reloads them). The combinations they refuse are errors."""
+    cfg, ptx = compiled["d128-band-window-persist"]
+    assert _steps(ptx, cfg) == 2
+    _, once = compiled["d128-band-window"]
+    arrives = "mbarrier.arrive.shared"
+    assert ptx.count(arrives) > once.count(arrives)
+    for bad in (dict(deterministic=True), dict(cluster_n=2), dict(max_ctas=-1)):
+        with pytest.raises(ValueError, match="max_ctas"):
+            BwdConfig(head_dim=128, max_ctas=132 if "max_ctas" not in bad else bad["max_ctas"],
+                      **{k: v for k, v in bad.items() if k != "max_ctas"})
+    with pytest.raises(ValueError, match="persistent"):
+        BwdConfig(dtype="fp32", head_dim=64, max_ctas=132)
 
 
 @pytest.mark.parametrize("name", TILE80)

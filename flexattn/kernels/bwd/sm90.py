@@ -87,7 +87,7 @@ from flexattn.kernels.blockmask.visit import band_bounds, band_of
 from flexattn.kernels.bwd.pointwise import BwdPointwise, _diagonal_flushes, _element_order
 from flexattn.kernels.bwd.q_blocks import BwdWalks, KvVisitors
 from flexattn.kernels.emit.mod_hook import NO_MODS, FragmentCoords, ModHook
-from flexattn.kernels.hopper.tile_scheduler import LongestFirst, TileSpace
+from flexattn.kernels.hopper.tile_scheduler import ByHead, LongestFirst, TileSpace, grid_size
 from flexattn.kernels.hopper.tma_pipeline import lockstep_state, multicast_slice, tma_ring
 from flexattn.kernels.hopper.warp_specialized import (DTYPES, KernelConfig, NamedBarriers, WarpSpecialized, register_split,
                                                       stage_tiles, store_staged)
@@ -155,6 +155,14 @@ class BwdConfig(KernelConfig):
     # (TMA multicast, as the forward's cluster_m shares K/V). Dense, not deterministic
     # (its dQ turns follow single CTAs); the caller guarantees an even number of kv blocks.
     cluster_n: int = 1
+    # Persistent CTAs (0: one CTA per kv tile): at most this many (the SM count), each walking
+    # linear tiles first, first + stride, ... in `order`. The producer loads the next tile's
+    # first Q / dO while the consumers finish this one, and its K / V once they have stored
+    # dK / dV; the dQ writer's last adds and the CTA launch overlap the next tile. For short
+    # walks (bands, documents: ~10 visits per tile) where a CTA's fixed cost weighs.
+    # Not deterministic (a CTA waiting for a later tile's dQ turn could wait for itself),
+    # no clusters.
+    max_ctas: int = 0
     # fp32: tf32 MMAs per product, 1 or 3 (3xTF32: torch's "highest" float32 precision)
     tf32_passes: int = 1
 
@@ -229,6 +237,9 @@ class BwdConfig(KernelConfig):
         if self.cluster_n > 1 and (self.causal or self.block_sparse or self.band or self.deterministic
                                    or self.tile_order == "longest_first"):
             raise ValueError("cluster_n=2 needs the dense block structure, not deterministic, by_head")
+        if self.max_ctas < 0 or (self.max_ctas and (self.deterministic or self.cluster_n != 1)):
+            raise ValueError(f"max_ctas (persistent CTAs) must be >= 0, and 0 in deterministic mode or"
+                             f" with clusters, got {self.max_ctas}")
 
     def _check_fp32(self):
         """The float32 kernel's configs (bwd/tf32_sync.py): 64 keys per CTA, tile_m 32 (or
@@ -251,6 +262,8 @@ class BwdConfig(KernelConfig):
         if self.deterministic or self.cluster_n != 1:
             raise ValueError("the float32 backward has no deterministic mode and no clusters (its dQ adds are"
                              " fp32 atomics): call it with deterministic algorithms off")
+        if self.max_ctas:
+            raise ValueError("the float32 backward has no persistent CTAs (max_ctas=0)")
 
     @property
     def split_head_dim(self) -> bool:
@@ -706,7 +719,9 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             scale_log2 = softmax_scale * Float32(LOG2_E)
 
         grid = ((K.shape[0] + tn - 1) // tn, K.shape[2], K.shape[3])
-        if const_expr(cfg.order == "longest_first" or self.head_swizzle):
+        if const_expr(cfg.max_ctas):
+            grid = grid_size(grid[0] * grid[1] * grid[2], cfg.max_ctas)
+        elif const_expr(cfg.order == "longest_first" or self.head_swizzle):
             grid = (grid[0] * grid[1] * grid[2], 1, 1)
         self.kernel(
             tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Delta, tma_dK, tma_dV, dQacc,
@@ -771,21 +786,22 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
 
         seqlen_k = mK.shape[0]
         group = num_q_heads // mK.shape[2]          # q heads per kv head (GQA)
-        if const_expr(cfg.order == "longest_first"):
-            # What the CTAs of a kv head share: the Q, dO, LSE, D rows of its group and
-            # their fp32 dQ accumulator rows (counting those halves the L2 sections at
-            # S4096: causal B4 H16 D128 backward 500.6 -> 506.5 TFLOP/s, H100, 2026-11-22).
-            tiles = TileSpace((seqlen_k + cfg.tile_n - 1) // cfg.tile_n, mK.shape[2],
-                              mK.shape[3], seqlen_q * group)
-            n_block, head_kv, batch = LongestFirst(self.q_row_bytes, last_row_first=False).tile(tiles.first, tiles)
+        # `where`: this CTA's tile (n_block, head_kv, batch), or persistent: the TileSpace
+        # whose linear tiles it walks (`_tiles`).
+        tiles = TileSpace((seqlen_k + cfg.tile_n - 1) // cfg.tile_n, mK.shape[2],
+                          mK.shape[3], seqlen_q * group)
+        if const_expr(cfg.max_ctas):
+            where = tiles
+        elif const_expr(cfg.order == "longest_first"):
+            where = self._tile_order().tile(tiles.first, tiles)
         elif const_expr(self.head_swizzle):
-            n_block, head_kv, batch = self._deterministic_tile(seqlen_q, seqlen_k, group,
-                                                              mK.shape[2], mK.shape[3])
+            where = self._deterministic_tile(seqlen_q, seqlen_k, group, mK.shape[2], mK.shape[3])
         else:
             n_block, head_kv, batch = cute.arch.block_idx()
             if const_expr(cfg.deterministic):
                 # Launch order = dQ turn order: the highest kv block adds first.
                 n_block = cute.arch.grid_dim()[0] - 1 - n_block
+            where = (n_block, head_kv, batch)
 
         self.rings_init_wait(cfg.cluster_n)
 
@@ -796,17 +812,25 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                 self.load(mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
                           tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE,
                           tma_atom_Delta, pipe_kv, pipe_q, pipe_do,
-                          n_block, head_kv, batch, group, seqlen_q, block_sparse)
+                          where, group, seqlen_q, block_sparse)
             elif warp_idx == self.dq_writer_warp:
-                self.store_dq(mdQacc, sdQ, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
-                              block_sparse, mdQsem)
+                self.store_dq(mdQacc, sdQ, where, group, seqlen_q, seqlen_k, block_sparse, mdQsem)
         else:
             self.enter_consumer(regs)
             self.consume(mdK, mdV, sdQ, sQ, sK, sV, sdO, (sdS, sP), sLSE, sDelta, sDiag,
                          tma_atom_dK, tma_atom_dV, tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
-                         pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, group,
+                         pipe_kv, pipe_q, pipe_do, where, group,
                          seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args,
                          block_sparse, grad_fixed)
+
+    def _tile_order(self):
+        """Linear tile index -> (kv block, kv head, batch) (hopper/tile_scheduler.py)."""
+        if self.cfg.order == "longest_first":
+            # What the CTAs of a kv head share: the Q, dO, LSE, D rows of its group and
+            # their fp32 dQ accumulator rows (counting those halves the L2 sections at
+            # S4096: causal B4 H16 D128 backward 500.6 -> 506.5 TFLOP/s, H100, 2026-11-22).
+            return LongestFirst(self.q_row_bytes, last_row_first=False)
+        return ByHead(last_row_first=False)
 
     @property
     def head_swizzle(self) -> bool:
@@ -847,23 +871,60 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
     @cute.jit
     def load(self, mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
              tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_Delta,
-             pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, group, seqlen_q, block_sparse):
+             pipe_kv, pipe_q, pipe_do, where, group, seqlen_q, block_sparse):
         cfg = self.cfg
+        ops = (mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
+               tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_Delta,
+               pipe_kv, pipe_q, pipe_do)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
+        if const_expr(cfg.max_ctas):
+            for idx in cutlass.range(where.first, where.total, where.stride, unroll=1):
+                n_block, head_kv, batch = self._tile_order().tile(idx, where)
+                kv_state, state = self._load_tile(ops, kv_state, state, n_block, head_kv, batch,
+                                                  group, seqlen_q, block_sparse)
+        else:
+            n_block, head_kv, batch = where
+            kv_state, state = self._load_tile(ops, kv_state, state, n_block, head_kv, batch, group,
+                                              seqlen_q, block_sparse)   # (state: the cluster's tail)
+        if const_expr(cfg.cluster_n > 1):
+            # The peer's consumers still release our stages: stay until they all have.
+            pipe_q.producer_tail(state.clone())
+            pipe_do.producer_tail(state.clone())
+
+    @cute.jit
+    def _load_kv(self, ops, kv_state, n_block, head_kv, batch):
+        """Issue one tile's K and V (one barrier), once the consumers have released the
+        previous tile's (persistent: after its dK / dV left through sK / sV)."""
+        cfg = self.cfg
+        mK, mV, sK, sV = ops[1], ops[2], ops[7], ops[8]
+        tma_atom_K, tma_atom_V, pipe_kv = ops[13], ops[14], ops[18]
         one = cute.make_layout(1)
-        tile_kd = (cfg.tile_n, cfg.head_dim)
-        gK = cute.local_tile(mK[None, None, head_kv, batch], tile_kd, (n_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim), (n_block, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim_v), (n_block, 0))
         tKsK, tKgK = cpasync.tma_partition(
             tma_atom_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(
             tma_atom_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_kv.producer_acquire(kv_state)
         bar = pipe_kv.producer_get_barrier(kv_state)
         cute.copy(tma_atom_K, tKgK, tKsK[None, 0], tma_bar_ptr=bar)
         cute.copy(tma_atom_V, tVgV, tVsV[None, 0], tma_bar_ptr=bar)
 
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
+    @cute.jit
+    def _load_tile(self, ops, kv_state, state, n_block, head_kv, batch, group, seqlen_q, block_sparse):
+        """One kv tile's loads: K / V, and per visit Q + LSE, dO + D. One tile per CTA: K / V
+        first. Persistent: after the first visit's Q / dO, which only need a free ring
+        slot, while K / V wait for the previous tile's epilogue."""
+        cfg = self.cfg
+        (mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
+         tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_Delta,
+         pipe_kv, pipe_q, pipe_do) = ops
+        one = cute.make_layout(1)
+        kv_due = Int32(1)
+        if const_expr(not cfg.max_ctas):
+            self._load_kv(ops, kv_state, n_block, head_kv, batch)
+            kv_due = Int32(0)
         tile_qd = (cfg.tile_m, cfg.head_dim)
         # Cluster: this CTA's slice of each Q / dO tile, multicast into both CTAs (LSE and
         # D, a few hundred bytes, each CTA loads for itself).
@@ -899,17 +960,22 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                           tma_bar_ptr=bar, **mcast)
                 cute.copy(tma_atom_Delta, tDgD[None, m_block], tDsD[None, do_state.index],
                           tma_bar_ptr=bar)
+                if const_expr(cfg.max_ctas):
+                    if kv_due != 0:
+                        self._load_kv(ops, kv_state, n_block, head_kv, batch)
+                        kv_due = Int32(0)
                 state.advance()
-        if const_expr(cfg.cluster_n > 1):
-            # The peer's consumers still release our stages: stay until they all have.
-            pipe_q.producer_tail(state.clone())
-            pipe_do.producer_tail(state.clone())
+        if const_expr(cfg.max_ctas):
+            if kv_due != 0:                  # a tile without visits still gets its K / V
+                self._load_kv(ops, kv_state, n_block, head_kv, batch)
+            kv_state.advance()
+        return kv_state, state
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
     def consume(self, mdK, mdV, sdQ, sQ, sK, sV, sdO, sdS_sP, sLSE, sDelta, sDiag,
                 tma_atom_dK, tma_atom_dV, tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
-                pipe_kv, pipe_q, pipe_do, n_block, head_kv, batch, group,
+                pipe_kv, pipe_q, pipe_do, where, group,
                 seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args,
                 block_sparse, grad_fixed):
         cfg = self.cfg
@@ -1000,14 +1066,13 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             tdSsdS = r2s_dS.partition_D(T(sdS) if const_expr(swap) else sdS)   # (..., stage)
             if const_expr(split):
                 tdSsdS = (tdSsdS, r2s_dS.partition_D(sP))     # P^T's stores likewise
-        acc_dV.fill(0.0)
-        acc_dK.fill(0.0)
         # dQ registers -> this thread's 16-byte runs of sdQ (fragment order).
         tdQsdQ = dq_fragment_copy(self.num_mma_wg).get_slice(tidx).partition_D(sdQ)
 
         if const_expr(self.diagonal_reduction):
             # Each thread zeroes the sDiag entries it alone writes (the first flush reads
-            # them after ds_full, which orders these stores).
+            # them after ds_full, which orders these stores; the flushes leave them zero,
+            # so persistent CTAs zero them once).
             diag_row = self._diag_row(sDiag, coords)
             s_mn0 = mma.acc_mn_view(cute.make_rmem_tensor(acc_shape_nm, Float32))
             order = _element_order(cute.size(s_mn0.shape[0]), cute.size(s_mn0.shape[1]), False)
@@ -1015,16 +1080,38 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             for k in cutlass.range_constexpr(len(keys)):
                 diag_row[keys[k] + 8] = Float32(0.0)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
+        fixed = ((tiled_mma_nm, tiled_mma_nd, tiled_mma_nv, tiled_mma_md), frags, acc_shape_nm, acc_shape_md,
+                 acc_dV, acc_dK, coords, r2s_dS, tdSsdS, tdQsdQ, wg, sLSE, sDelta, pipe_q, pipe_do)
+        rest = (seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args, sDiag)
+        out = (mdK, mdV, sK, sV, tma_atom_dK, tma_atom_dV, tidx, pipe_kv)
+        if const_expr(cfg.max_ctas):
+            for idx in cutlass.range(where.first, where.total, where.stride, unroll=1):
+                n_block, head_kv, batch = self._tile_order().tile(idx, where)
+                kv_state, state = self._consume_tile(fixed, rest, out, kv_state, state, n_block, head_kv,
+                                                     batch, group, block_sparse)
+        else:
+            n_block, head_kv, batch = where
+            self._consume_tile(fixed, rest, out, kv_state, state, n_block, head_kv, batch, group,
+                               block_sparse)
 
+    @cute.jit
+    def _consume_tile(self, fixed, rest, out, kv_state, state, n_block, head_kv, batch, group,
+                      block_sparse):
+        """One kv tile: its q-block walks per q head of the group, then dK / dV out
+        (persistent: then K / V released for the next tile's loads)."""
+        cfg = self.cfg
         mods = self.mods
+        acc_dV, acc_dK = fixed[4], fixed[5]
+        seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args, sDiag = rest
+        mdK, mdV, sK, sV, tma_atom_dK, tma_atom_dV, tidx, pipe_kv = out
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        pipe_kv.consumer_wait(kv_state)
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
-            ctx = ((tiled_mma_nm, tiled_mma_nd, tiled_mma_nv, tiled_mma_md), frags, acc_shape_nm, acc_shape_md,
-                   acc_dV, acc_dK, coords, r2s_dS, tdSsdS, tdQsdQ, wg, sLSE, sDelta,
-                   pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
-                   softmax_scale, scale_log2, mod_args, grad_args, sDiag)
+            ctx = fixed + (n_block, head, batch, seqlen_q, seqlen_k,
+                           softmax_scale, scale_log2, mod_args, grad_args, sDiag)
             if const_expr(cfg.block_sparse and cfg.deterministic):
                 blocks = self._sparse_blocks(block_sparse, batch, head, n_block)
                 # The next visit's list reads are issued a step ahead: the branch on
@@ -1062,8 +1149,14 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                         state = self._step(ctx, state, blocks.at(i), mask=mods.has_mask,
                                            causal=False)
 
+        tiled_mma_nd, tiled_mma_nv = fixed[0][1], fixed[0][2]
         self.epilogue(acc_dK, acc_dV, mdK, mdV, sK, sV, tma_atom_dK, tma_atom_dV,
                       (tiled_mma_nd, tiled_mma_nv), tidx, n_block, head_kv, batch, softmax_scale)
+        if const_expr(cfg.max_ctas):
+            # Warp 0 waited until the dK / dV stores read sK / sV (store_staged).
+            pipe_kv.consumer_release(kv_state)
+            kv_state.advance()
+        return kv_state, state
 
     @cute.jit
     def _step(self, ctx, state, m_block, mask: cutlass.Constexpr[bool],
@@ -1221,8 +1314,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
 
     # ------------------------------------------------------------------ dQ writer
     @cute.jit
-    def store_dq(self, mdQacc, sdQ, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
-                 block_sparse, mdQsem):
+    def store_dq(self, mdQacc, sdQ, where, group, seqlen_q, seqlen_k, block_sparse, mdQsem):
         """Warp 1: per visit, add each warpgroup's dQ tile (sdQ column) into the dq_accum
         workspace with one `cp.reduce.async.bulk .add.f32` (16 KB, fire and forget: the
         reads of sdQ complete before the next visit hands the buffer back). Visits are
@@ -1235,12 +1327,30 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         cannot deadlock: a CTA only ever waits for higher kv blocks' turns."""
         cfg = self.cfg
         lane = cute.arch.lane_idx()
+        if const_expr(cfg.max_ctas):     # (never deterministic)
+            for idx in cutlass.range(where.first, where.total, where.stride, unroll=1):
+                n_block, head_kv, batch = self._tile_order().tile(idx, where)
+                self._store_dq_tile(mdQacc, sdQ, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
+                                    block_sparse, None, Int32(-1), lane)
+        else:
+            n_block, head_kv, batch = where
+            # Deterministic: the flag (its offset in this batch's [H, q tiles] semaphores)
+            # whose turn is still held, or -1. One register: this warp has 24.
+            sems = mdQsem[batch, None, None] if const_expr(cfg.deterministic) else None
+            held = self._store_dq_tile(mdQacc, sdQ, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
+                                       block_sparse, sems, Int32(-1), lane)
+            if const_expr(cfg.deterministic and cfg.turn_pass == "next_visit"):
+                if held >= 0:
+                    self._dq_pass_turn(sems.iterator + held, lane)
+        cute.arch.cp_async_bulk_wait_group(0, read=True)   # sdQ is read before the CTA exits
+
+    @cute.jit
+    def _store_dq_tile(self, mdQacc, sdQ, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
+                       block_sparse, sems, held, lane):
+        """`store_dq` for one kv tile; returns the deterministic turn still held."""
+        cfg = self.cfg
         n_wg = self.num_mma_wg
         chunk = cfg.tile_m * cfg.head_dim // n_wg
-        # Deterministic: the flag (its offset in this batch's [H, q tiles] semaphores) whose
-        # turn is still held, or -1. One register: this warp has 24.
-        held = Int32(-1)
-        sems = mdQsem[batch, None, None] if const_expr(cfg.deterministic) else None
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
             gdQ = cute.local_tile(mdQacc[None, None, head, batch], (cfg.tile_m, cfg.head_dim),
@@ -1274,10 +1384,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                     self._dq_pass_turn(sems[head, None].iterator + m_block, lane)
                 elif const_expr(cfg.deterministic):
                     held = Int32(cute.crd2idx((head, m_block), sems.layout))
-        if const_expr(cfg.deterministic and cfg.turn_pass == "next_visit"):
-            if held >= 0:
-                self._dq_pass_turn(sems.iterator + held, lane)
-        cute.arch.cp_async_bulk_wait_group(0, read=True)   # sdQ is read before the CTA exits
+        return held
 
     @cute.jit
     def _dq_pass_turn(self, flag, lane):
