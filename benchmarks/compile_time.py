@@ -180,6 +180,7 @@ KERNELS = {
     "bwd-causal-alibi": _bwd(head_dim=128, causal=True, score=_alibi),
     "bwd-window": _bwd(head_dim=128, block_sparse=True, mask=_window),
     "bwd-window-band": _bwd(head_dim=128, band=True, mask=_window),
+    "bwd-window-band-80": _bwd(head_dim=128, band=True, mask=_window, tile_m=80),
     "bwd-window-band-persist": _bwd(head_dim=128, band=True, mask=_window, max_ctas=132),
     "bwd-doc-persist": _bwd(head_dim=128, block_sparse=True, mask=_document, max_ctas=132),
     "bwd-full-persist": _bwd(head_dim=128, tile_m=80, max_ctas=132),

@@ -239,6 +239,9 @@ TILE80 = [
     ("relative_bias", "bf16", 128, 2, 4, 2, 333, 250, "bhsd"),
     ("wide_relative_bias", "fp16", 128, 1, 4, 4, 1000, 777, "bshd"),
     ("bias", "bf16", 128, 1, 2, 1, 130, 170, "bhsd"),
+    # a band walked by arithmetic in 80-row tiles (both edges partial, GQA, ragged ends)
+    ("sliding_window", "bf16", 128, 1, 4, 2, 700, 700, "bhsd"),
+    ("sliding_window", "fp16", 128, 2, 8, 2, 1000, 777, "bshd"),
 ]
 
 

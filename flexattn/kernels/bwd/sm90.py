@@ -222,10 +222,11 @@ class BwdConfig(KernelConfig):
         if self.split_head_dim and (self.tile_m != 64 or self.cluster_n != 1):
             raise ValueError("head dims beyond 128 run tile_m=64 without clusters")
         if self.tile_m == 80 and (self.head_dim != 128 or self.head_dim_v != 128 or self.causal
-                                  or self.block_sparse or self.band):
+                                  or self.block_sparse):
             # FA3/FA4's choice too: 80 pays off for dense head dim 128; the causal and
-            # block-sparse walks (diagonal tiles, 128-row BlockMask blocks) keep 64.
-            raise ValueError("tile_m=80 is for dense (not causal, not block-sparse) head dim 128")
+            # block-sparse walks (diagonal tiles, 128-row BlockMask blocks) keep 64. A band's
+            # walk is arithmetic in tile_m rows (bwd/q_blocks.BandQBlocks): 80 fits it.
+            raise ValueError("tile_m=80 is for dense or band (not causal, not block-sparse) head dim 128")
         if self.tile_order not in (None, "by_head", "longest_first"):
             raise ValueError(f"tile_order must be 'by_head' or 'longest_first', got {self.tile_order!r}")
         if self.dq_turn_pass not in (None, "after_adds", "next_visit"):
