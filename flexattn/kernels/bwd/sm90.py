@@ -15,7 +15,8 @@ of its GQA group and, per head, over the q blocks of tile_m rows that see its ke
 written once in the input dtype by TMA. dQ gets one contribution per kv block: each
 visit's fp32 dQ tile goes to shared memory and a writer warp adds it into a workspace
 (`dq_accum`, zeroed by the preprocess) with bulk `cp.reduce.async.bulk .add.f32` copies;
-the postprocess converts it.
+the postprocess converts it. (`BwdConfig.max_ctas`, not planned: persistent CTAs walk
+several such tiles in turn, see there.)
 
     warpgroup 0, warp 0   producer: K, V once (one mbarrier); per visit Q + LSE and
                           dO + D through two `num_stages` rings (TMA; LSE/D 1-D boxes)
@@ -158,8 +159,8 @@ class BwdConfig(KernelConfig):
     # Persistent CTAs (0: one CTA per kv tile): at most this many (the SM count), each walking
     # linear tiles first, first + stride, ... in `order`. The producer loads the next tile's
     # first Q / dO while the consumers finish this one, and its K / V once they have stored
-    # dK / dV; the dQ writer's last adds and the CTA launch overlap the next tile. For short
-    # walks (bands, documents: ~10 visits per tile) where a CTA's fixed cost weighs.
+    # dK / dV; the dQ writer's last adds and the CTA launch overlap the next tile. Measured
+    # slower than one CTA per tile, so not planned (core/kernel_path._backward_ctas).
     # Not deterministic (a CTA waiting for a later tile's dQ turn could wait for itself),
     # no clusters.
     max_ctas: int = 0
@@ -788,7 +789,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         seqlen_k = mK.shape[0]
         group = num_q_heads // mK.shape[2]          # q heads per kv head (GQA)
         # `where`: this CTA's tile (n_block, head_kv, batch), or persistent: the TileSpace
-        # whose linear tiles it walks (`_tiles`).
+        # whose linear tiles it walks in `_tile_order`.
         tiles = TileSpace((seqlen_k + cfg.tile_n - 1) // cfg.tile_n, mK.shape[2],
                           mK.shape[3], seqlen_q * group)
         if const_expr(cfg.max_ctas):
@@ -894,12 +895,11 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             pipe_do.producer_tail(state.clone())
 
     @cute.jit
-    def _load_kv(self, ops, kv_state, n_block, head_kv, batch):
+    def _load_kv(self, kv_operands, kv_state, n_block, head_kv, batch):
         """Issue one tile's K and V (one barrier), once the consumers have released the
         previous tile's (persistent: after its dK / dV left through sK / sV)."""
         cfg = self.cfg
-        mK, mV, sK, sV = ops[1], ops[2], ops[7], ops[8]
-        tma_atom_K, tma_atom_V, pipe_kv = ops[13], ops[14], ops[18]
+        mK, mV, sK, sV, tma_atom_K, tma_atom_V, pipe_kv = kv_operands
         one = cute.make_layout(1)
         gK = cute.local_tile(mK[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim), (n_block, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim_v), (n_block, 0))
@@ -921,10 +921,11 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         (mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
          tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE, tma_atom_Delta,
          pipe_kv, pipe_q, pipe_do) = ops
+        kv_operands = (mK, mV, sK, sV, tma_atom_K, tma_atom_V, pipe_kv)
         one = cute.make_layout(1)
         kv_due = Int32(1)
         if const_expr(not cfg.max_ctas):
-            self._load_kv(ops, kv_state, n_block, head_kv, batch)
+            self._load_kv(kv_operands, kv_state, n_block, head_kv, batch)
             kv_due = Int32(0)
         tile_qd = (cfg.tile_m, cfg.head_dim)
         # Cluster: this CTA's slice of each Q / dO tile, multicast into both CTAs (LSE and
@@ -963,12 +964,12 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                           tma_bar_ptr=bar)
                 if const_expr(cfg.max_ctas):
                     if kv_due != 0:
-                        self._load_kv(ops, kv_state, n_block, head_kv, batch)
+                        self._load_kv(kv_operands, kv_state, n_block, head_kv, batch)
                         kv_due = Int32(0)
                 state.advance()
         if const_expr(cfg.max_ctas):
             if kv_due != 0:                  # a tile without visits still gets its K / V
-                self._load_kv(ops, kv_state, n_block, head_kv, batch)
+                self._load_kv(kv_operands, kv_state, n_block, head_kv, batch)
             kv_state.advance()
         return kv_state, state
 
