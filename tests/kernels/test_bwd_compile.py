@@ -183,10 +183,9 @@ def test_persistent(compiled):
     _, once = compiled["d128-band-window"]
     arrives = "mbarrier.arrive.shared"
     assert ptx.count(arrives) > once.count(arrives)
-    for bad in (dict(deterministic=True), dict(cluster_n=2), dict(max_ctas=-1)):
+    for bad in (dict(max_ctas=132, deterministic=True), dict(max_ctas=132, cluster_n=2), dict(max_ctas=-1)):
         with pytest.raises(ValueError, match="max_ctas"):
-            BwdConfig(head_dim=128, max_ctas=132 if "max_ctas" not in bad else bad["max_ctas"],
-                      **{k: v for k, v in bad.items() if k != "max_ctas"})
+            BwdConfig(head_dim=128, **bad)
     with pytest.raises(ValueError, match="persistent"):
         BwdConfig(dtype="fp32", head_dim=64, max_ctas=132)
 

@@ -1086,7 +1086,8 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         fixed = ((tiled_mma_nm, tiled_mma_nd, tiled_mma_nv, tiled_mma_md), frags, acc_shape_nm, acc_shape_md,
                  acc_dV, acc_dK, coords, r2s_dS, tdSsdS, tdQsdQ, wg, sLSE, sDelta, pipe_q, pipe_do)
         rest = (seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args, sDiag)
-        out = (mdK, mdV, sK, sV, tma_atom_dK, tma_atom_dV, tidx, pipe_kv)
+        out = (acc_dK, acc_dV, mdK, mdV, sK, sV, tma_atom_dK, tma_atom_dV, (tiled_mma_nd, tiled_mma_nv),
+               tidx, pipe_kv)
         if const_expr(cfg.max_ctas):
             for idx in cutlass.range(where.first, where.total, where.stride, unroll=1):
                 n_block, head_kv, batch = self._tile_order().tile(idx, where)
@@ -1104,9 +1105,8 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         (persistent: then K / V released for the next tile's loads)."""
         cfg = self.cfg
         mods = self.mods
-        acc_dV, acc_dK = fixed[4], fixed[5]
         seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args, sDiag = rest
-        mdK, mdV, sK, sV, tma_atom_dK, tma_atom_dV, tidx, pipe_kv = out
+        acc_dK, acc_dV, mdK, mdV, sK, sV, tma_atom_dK, tma_atom_dV, dkv_mmas, tidx, pipe_kv = out
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
         pipe_kv.consumer_wait(kv_state)
@@ -1151,9 +1151,8 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                         state = self._step(ctx, state, blocks.at(i), mask=mods.has_mask,
                                            causal=False)
 
-        tiled_mma_nd, tiled_mma_nv = fixed[0][1], fixed[0][2]
         self.epilogue(acc_dK, acc_dV, mdK, mdV, sK, sV, tma_atom_dK, tma_atom_dV,
-                      (tiled_mma_nd, tiled_mma_nv), tidx, n_block, head_kv, batch, softmax_scale)
+                      dkv_mmas, tidx, n_block, head_kv, batch, softmax_scale)
         if const_expr(cfg.max_ctas):
             # Warp 0 waited until the dK / dV stores read sK / sV (store_staged).
             pipe_kv.consumer_release(kv_state)
