@@ -85,13 +85,13 @@ def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: Attention
 
 def _q_lists(cfg, plan: KernelPlan, device: Device):
     """The block mask's lists the backward reads, on the GPU: the q-side lists (and, when
-    deterministic, the kv-side ones: each CTA counts the kv blocks ahead of it in a q
-    tile's kv list), or None (dense, causal, and the band structure, which walks by
+    deterministic or dq_finish (`BwdConfig.kv_lists`), the kv-side ones: each CTA counts the
+    kv blocks ahead of it in a q tile's kv list, or all of them), or None (dense, causal, and the band structure, which walks by
     arithmetic)."""
     if not cfg.block_sparse:
         return None
     names = ["q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"]
-    if cfg.deterministic:
+    if cfg.kv_lists:
         names += ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"]
     return tuple(device.to_device(plan.block_mask.list_array(n)) for n in names)
 
@@ -165,10 +165,12 @@ def prepare_backward(q, shape: AttentionShape, spec: AttentionSpec, device: Devi
                             deterministic, grad_captures)
 
 
-def backward_config(forward_config, deterministic: bool = False, grad_captures=None, max_ctas: int = 0):
+def backward_config(forward_config, deterministic: bool = False, grad_captures=None, max_ctas: int = 0,
+                    **overrides):
     """The backward's ``BwdConfig`` for a forward's config (every adapter's backward plan):
     same structure and mods, gradients only for the ``grad_captures`` slots (None: all);
-    ``max_ctas`` persistent CTAs (``KernelPlan.backward_ctas``; never deterministic)."""
+    ``max_ctas`` persistent CTAs (``KernelPlan.backward_ctas``; never deterministic);
+    ``overrides``: other fields (the XLA entry: dq_finish=False)."""
     from ..kernels.bwd.plan import config_from_forward
 
     reason = kernel_path.backward_unsupported_dims(forward_config.head_dim, forward_config.head_dim_v,
@@ -179,7 +181,7 @@ def backward_config(forward_config, deterministic: bool = False, grad_captures=N
     if grad_captures is not None:
         mods = mods.with_grad_filter(grad_captures)
     return config_from_forward(forward_config, deterministic=deterministic, mods=mods,
-                               max_ctas=0 if deterministic else max_ctas)
+                               max_ctas=0 if deterministic else max_ctas, **overrides)
 
 
 def backward_workspace(cfg, shape: AttentionShape) -> list:

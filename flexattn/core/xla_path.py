@@ -121,8 +121,9 @@ class XlaPlan:
         return ForwardLaunch(self.config, self.scale, main, args, lists, fills, operands)
 
     def backward_config(self, grad_captures: tuple):
-        """The (non-deterministic) backward config, gradients for ``grad_captures`` only."""
-        return backward_config(self.config, False, grad_captures, self.plan.backward_ctas)
+        """The (non-deterministic) backward config, gradients for ``grad_captures`` only; dQ
+        by the postprocess (the XLA entry has no dq_finish launch yet)."""
+        return backward_config(self.config, False, grad_captures, self.plan.backward_ctas, dq_finish=False)
 
     def backward_workspace(self, cfg) -> list:
         """[(name, shape, dtype name, divisibility of the last dims)] of the workspace results."""

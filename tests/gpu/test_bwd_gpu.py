@@ -101,7 +101,7 @@ def kernel_backward(q, k, v, do, spec, dlse=None, deterministic=False, ffi=FFI, 
     if cfg.block_sparse:    # (the band structure walks by arithmetic: no lists)
         bm = plan.block_mask
         side = [bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices]
-        if deterministic:       # the kv-side lists order the dQ adds
+        if cfg.kv_lists:        # the kv-side lists order the dQ adds / count a tile's visitors
             side += [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices]
         lists = tuple(dev.to_device(x) for x in side)
     captures = hook.captures()
@@ -401,6 +401,38 @@ def test_persistent(case, ctas):
     *listed, tile_n = case
     extra = {} if tile_n is None else {"tile_n": tile_n}
     _check_listed(tuple(listed), [tuple(c[:-1]) for c in PERSISTENT], max_ctas=ctas, **extra)
+
+
+# dq_finish (the main kernel stores dQ, planned wherever it applies, so FIXED and RANDOM run
+# it too): q tiles no CTA visits (the preprocess zeroes their empty rows) — a mask on the
+# first rows only, a band whose edges may leave rows empty — a band with Q != KV, head dim
+# 96, GQA; then the postprocess path (dq_finish=False, the XLA entry's) on the same shapes.
+FINISH = [
+    ("first_rows", "bf16", 128, 2, 4, 2, 300, 333, "bhsd"),
+    ("first_rows", "fp16", 64, 1, 2, 1, 700, 129, "bshd"),
+    ("band", "bf16", 128, 2, 4, 2, 500, 420, "bhsd"),
+    ("band", "fp16", 64, 1, 4, 4, 333, 700, "bshd"),
+    ("sliding_window", "bf16", 128, 1, 8, 2, 1000, 777, "bhsd"),
+    ("causal_softcap", "bf16", 96, 1, 4, 2, 400, 400, "bhsd"),
+    ("document", "bf16", 128, 2, 4, 2, 640, 640, "bhsd"),
+]
+
+
+def _finish_mods(name, rng, B, Hq, Q, KV):
+    if name == "first_rows":       # rows from 70 on see no key: whole q tiles nobody visits
+        return mods.mask_mod(lambda b, h, q, kv: q < 70), None
+    mask, score, _, _ = CASES[name](rng, B, Hq, Q, KV)
+    return mask, score
+
+
+@pytest.mark.parametrize("finish", [True, False])
+@pytest.mark.parametrize("case", FINISH, ids=lambda c: "-".join(map(str, c)))
+def test_dq_finish(case, finish):
+    name, dtype_name, D, B, Hq, Hkv, Q, KV, layout = case
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    mask, score = _finish_mods(name, rng, B, Hq, Q, KV)
+    check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, layout=layout,
+               seed=FINISH.index(case), dq_finish=finish)
 
 
 def _random_cases(n, seed=4321):

@@ -90,6 +90,9 @@ def _config(name):
     if name.endswith("-persist"):             # persistent CTAs (BwdConfig.max_ctas)
         cfg, hook = _config(name[:-8])
         return dataclasses.replace(cfg, max_ctas=132), hook
+    if name.endswith("-finish"):              # dQ stored by the main kernel (BwdConfig.dq_finish)
+        cfg, hook = _config(name[:-7])
+        return dataclasses.replace(cfg, dq_finish=True), hook
     if name.startswith("det-"):
         cfg, hook = _config(DETERMINISTIC[name])
         return dataclasses.replace(cfg, deterministic=True), hook
@@ -116,7 +119,10 @@ SWAPPED = ["d192-128-causal-softcap-swap", "d192-dense-swap", "d256-128-causal-s
 TILE128 = ["d64-causal-128", "d32-sparse-document-128"]
 # persistent CTAs (not planned: measured slower; FLEXATTN_BWD_PERSISTENT=1 plans them)
 PERSISTENT = ["d128-band-window-persist"]
-NAMES = DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + SWAPPED + TILE128 + PERSISTENT
+# dQ finished in the main kernel (planned where it applies: bwd.plan.config_from_forward)
+FINISH = ["d128-causal-softcap-finish", "d128-band-window-finish", "d64-sparse-document-finish",
+          "d96-causal-softcap-finish", "d128-dense-finish"]
+NAMES = DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + SWAPPED + TILE128 + PERSISTENT + FINISH
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +194,28 @@ def test_persistent(compiled):
             BwdConfig(head_dim=128, **bad)
     with pytest.raises(ValueError, match="persistent"):
         BwdConfig(dtype="fp32", head_dim=64, max_ctas=132)
+
+
+@pytest.mark.parametrize("name", FINISH)
+def test_dq_finish(compiled, name):
+    """dq_finish: the same steps; the dQ writer counts each visit's landed adds with one
+    acquire-release atom per visit (and hands finished tiles over through two named
+    barriers), two finisher warps each read their half of a tile back with one bulk copy
+    and store dQ in 4-byte pairs; none of it without dq_finish."""
+    cfg, ptx = compiled[name]
+    _, plain = compiled[name[:-7]]
+    assert _steps(ptx, cfg) == _steps(plain, cfg)
+    for text, count in (("atom.acq_rel.gpu.global.add.s32", 2),
+                        ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes", 1),
+                        ("fence.proxy.async.global", 1)):
+        assert ptx.count(text) == count and text not in plain, text
+    assert "st.global.b32" in ptx or "st.global.v2.b16" in ptx or "st.global.u32" in ptx
+    with pytest.raises(ValueError, match="dq_finish"):
+        BwdConfig(head_dim=128, dq_finish=True, deterministic=True)
+    with pytest.raises(ValueError, match="dq_finish"):
+        BwdConfig(head_dim=128, dq_finish=True, tile_m=80)
+    with pytest.raises(ValueError, match="dq_finish"):
+        BwdConfig(head_dim=256, dq_finish=True)
 
 
 @pytest.mark.parametrize("name", TILE80)

@@ -5,8 +5,10 @@ dQ accumulator, padded to whole q tiles; deterministic: the dQ turn semaphores a
 fixed-point buffer-gradient accumulators. The launch itself: ``launch/backward.py``."""
 
 import dataclasses
+import os
 
-from flexattn.kernels.bwd.sm90 import FP32_TILE_M, SWAP_TILE_N, BwdConfig, dkv_swap_allowed, one_diagonal_read
+from flexattn.kernels.bwd.sm90 import (FP32_TILE_M, SWAP_TILE_N, BwdConfig, dkv_swap_allowed, finish_allowed,
+                                       one_diagonal_read)
 from flexattn.kernels.hopper.atomics import FIXED_WORDS
 
 
@@ -14,7 +16,8 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
     """The backward config for a forward config (same dtype, head dim, block structure and
     mods): what `kernel_path.plan_forward` chose for the forward applies to the backward.
     `overrides`: other BwdConfig fields, e.g. deterministic=True; tile_m, unless given,
-    is `choose_tile_m`'s."""
+    is `choose_tile_m`'s; dq_finish, unless given, off (FLEXATTN_DQ_FINISH=1: wherever it
+    applies, `finish_allowed`, for A/B runs; measured slower)."""
     kw = dict(dtype=fwd_cfg.dtype, head_dim=fwd_cfg.head_dim, head_dim_v=fwd_cfg.head_dim_v,
               causal=fwd_cfg.causal, block_sparse=fwd_cfg.block_sparse, band=fwd_cfg.band, mods=fwd_cfg.mods,
               tf32_passes=getattr(fwd_cfg, "tf32_passes", 1))   # (a 16-bit config stand-in may lack it)
@@ -26,11 +29,15 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
         kw.update(band=False, block_sparse=True)
     cfg = BwdConfig(**kw)
     if "tile_m" not in overrides:
-        tile_m = choose_tile_m(cfg)
+        tile_m = 64 if cfg.dq_finish else choose_tile_m(cfg)     # (dq_finish asked for: its tiles)
         if tile_m != cfg.tile_m:
             cfg = dataclasses.replace(cfg, tile_m=tile_m)
     if "tile_n" not in overrides:
         cfg = with_swapped_layout(cfg)
+    if "dq_finish" not in overrides and finish_allowed(cfg) and os.environ.get("FLEXATTN_DQ_FINISH") == "1":
+        # dQ stored by the main kernel, no postprocess (bwd/sm90.py, BwdConfig.dq_finish):
+        # measured slower (docs/experiments.md, session 29), so only for A/B runs.
+        cfg = dataclasses.replace(cfg, dq_finish=True)
     return cfg
 
 
@@ -122,8 +129,9 @@ def workspace_shapes(cfg: BwdConfig, batch: int, q_heads: int, q_len: int,
     sp = padded_len(q_len, cfg)
     out = {"lse_log2": (batch, q_heads, sp), "delta": (batch, q_heads, sp),
            "dq_accum": (batch, q_heads, sp, cfg.head_dim)}
-    if cfg.deterministic:
+    if cfg.deterministic or cfg.dq_finish:
         out["dq_semaphore"] = (batch, q_heads, sp // cfg.tile_m)
+    if cfg.deterministic:
         if cfg.buffer_grads:
             shapes = buffer_grad_shapes(cfg.mods) if grad_shapes is None else grad_shapes
             out["grad_fixed"] = (max(sum(_numel(s) for s in shapes), 1), FIXED_WORDS)
@@ -133,8 +141,9 @@ def workspace_shapes(cfg: BwdConfig, batch: int, q_heads: int, q_len: int,
 def workspace_dtypes(cfg: BwdConfig) -> dict:
     """dtype name ("float32" | "int32" | "int64") of each `workspace_shapes` entry."""
     out = {"lse_log2": "float32", "delta": "float32", "dq_accum": "float32"}
-    if cfg.deterministic:
+    if cfg.deterministic or cfg.dq_finish:
         out["dq_semaphore"] = "int32"
+    if cfg.deterministic:
         if cfg.buffer_grads:
             out["grad_fixed"] = "int64"
     return out

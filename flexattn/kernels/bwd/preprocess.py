@@ -4,7 +4,9 @@
     lse_log2[q] = LSE[q] * log2(e)           (+inf for empty rows, LSE = -inf, and for the
                                               padding rows q >= Q_LEN: P = exp2(.. - inf) = 0)
     dq_accum[q, :] = 0                       (the main kernel only adds into it)
-    dq_semaphore[tile] = 0                   (deterministic mode: one per tile_m-row q tile)
+    dq_semaphore[tile] = 0                   (deterministic mode, dq_finish: one per tile_m-row q tile)
+    dQ[q, :] = 0 where LSE[q] = -inf         (dq_finish: the main kernel stores the dQ rows of the
+                                              tiles it visits; a tile none visits has only empty rows)
     grad_fixed = 0                           (deterministic mode with buffer grads: the
                                               128-bit accumulators, grid-stride)
 
@@ -72,21 +74,24 @@ class BwdPreprocess(RowChunkKernel):
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE,
                  mLSElog2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor,
-                 mdQsem, mGradFixed, stream: cuda.CUstream):
+                 mdQsem, mdQ, mGradFixed, stream: cuda.CUstream):
         """mO, mdO [B, H, Sq, D]; mLSE (natural log) and mdLSE (or None) [B, H, Sq] fp32;
         outputs mLSElog2, mDelta [B, H, Sq_pad], mdQacc [B, H, Sq_pad, D] fp32, and (or
-        None) mdQsem [B, H, Sq_pad / tile_m] int32, mGradFixed [N, FIXED_WORDS] int64, zeroed."""
-        for t in (mO, mdO):
+        None) mdQsem [B, H, Sq_pad / tile_m] int32, mGradFixed [N, FIXED_WORDS] int64, zeroed;
+        mdQ [B, H, Sq, D] (iff cfg.dq_finish): its empty rows zeroed."""
+        for t in (mO, mdO) + ((mdQ,) if const_expr(mdQ is not None) else ()):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"expected {self.dtype}, got {t.element_type}")
+        if const_expr(self.cfg.dq_finish != (mdQ is not None)):
+            raise ValueError("dq must be given iff cfg.dq_finish")
         grid = (mLSElog2.shape[2] // self.rows_per_cta, mO.shape[1], mO.shape[0])
-        self.kernel(mO, mdO, mLSE, mdLSE, mLSElog2, mDelta, mdQacc, mdQsem, mGradFixed).launch(
+        self.kernel(mO, mdO, mLSE, mdLSE, mLSElog2, mDelta, mdQacc, mdQsem, mdQ, mGradFixed).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE,
                mLSElog2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor,
-               mdQsem, mGradFixed):
+               mdQsem, mdQ, mGradFixed):
         tidx = cute.arch.thread_idx()[0]
         m_block, head, batch = cute.arch.block_idx()
         if const_expr(mdQsem is not None):
@@ -118,6 +123,9 @@ class BwdPreprocess(RowChunkKernel):
             dot = cute.arch.warp_reduction_sum(dot, threads_in_group=tpr)
             dq = cute.local_tile(mdQacc[batch, head, row, None], (self.dq_chunk,), (chunk,))
             dq.fill(0.0)
+            if const_expr(mdQ is not None):
+                if row < seqlen and lse == -Float32.inf:
+                    cute.local_tile(mdQ[batch, head, row, None], (self.dq_chunk,), (chunk,)).fill(0.0)
             if chunk == 0:
                 lse_log2 = Float32.inf
                 delta = Float32(0.0)

@@ -120,6 +120,21 @@ class BandQBlocks(_Staged):
         return Int32(cutlass.select_(i < self.n_partial, self.partial_at(i), self.full_at(i - self.n_partial)))
 
 
+def visitor_count(m_block, tile_m: int, tile_n: int, seqlen_k, causal: bool = False, band=None, ops=None):
+    """How many kv blocks visit q tile `m_block` — the transpose of `DenseQBlocks` (dense:
+    all of them; causal: kv blocks n with (n tile_n) // tile_m <= m_block) and of
+    `BandQBlocks` (`band` = (lo, hi): the forward's kv-block range of that tile). ``ops``:
+    (max, min, select), the kernel's or Python's (the default, for tests)."""
+    max_, min_, _ = ops or (max, min, None)
+    n_kv = (seqlen_k + tile_n - 1) // tile_n
+    if band is not None:
+        n_lo, n_end, _, _ = band_block_ranges(band[0], band[1], m_block, tile_m, tile_n, seqlen_k, ops)
+        return n_end - n_lo
+    if causal:
+        return min_(n_kv - 1, ((m_block + 1) * tile_m - 1) // tile_n) + 1
+    return n_kv
+
+
 class KvVisitors(_Staged):
     """Which kv blocks visit a q tile: `after(m_block, n_block)` = how many kv blocks with
     a higher index than `n_block` visit tile `m_block` of (batch, head). For the sparse

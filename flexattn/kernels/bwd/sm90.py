@@ -83,10 +83,11 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from flexattn.kernels.hopper import mma
-from flexattn.kernels.hopper.atomics import bulk_add_f32, ld_acquire_s32, red_release_add_s32, trap
-from flexattn.kernels.blockmask.visit import band_bounds, band_of
+from flexattn.kernels.hopper.atomics import (atom_add_acq_rel_s32, bulk_add_f32, bulk_load, ld_acquire_s32,
+                                             red_release_add_s32, trap)
+from flexattn.kernels.blockmask.visit import _kernel_ops, band_bounds, band_of
 from flexattn.kernels.bwd.pointwise import BwdPointwise, _diagonal_flushes, _element_order
-from flexattn.kernels.bwd.q_blocks import BwdWalks, KvVisitors
+from flexattn.kernels.bwd.q_blocks import BwdWalks, KvVisitors, visitor_count
 from flexattn.kernels.emit.mod_hook import NO_MODS, FragmentCoords, ModHook
 from flexattn.kernels.hopper.tile_scheduler import ByHead, LongestFirst, TileSpace, grid_size
 from flexattn.kernels.hopper.tma_pipeline import lockstep_state, multicast_slice, tma_ring
@@ -164,6 +165,17 @@ class BwdConfig(KernelConfig):
     # Not deterministic (a CTA waiting for a later tile's dQ turn could wait for itself),
     # no clusters.
     max_ctas: int = 0
+    # dQ finished in this kernel (no postprocess): the dQ writer counts each q tile's
+    # landed adds in dq_semaphore (atom.acq_rel); the CTA whose adds complete the tile (its
+    # count reaches the tile's visitor count, `_dq_visitors`) hands it to two finisher
+    # warps (producer warps 2 and 3, one warpgroup column each), which read it back into
+    # shared memory (TMA bulk copy), scale, convert and store dQ while the CTA goes on.
+    # The 64- and 128-key, 64-row layouts where the 32 KB read-back buffer fits beside the
+    # tiles (`finish_fits`); not deterministic (its turns order the adds already), not
+    # persistent. dQ rows no CTA visits are empty (LSE -inf): the preprocess zeroes them.
+    # Measured slower than the postprocess (each CTA's end waits for its last adds to land
+    # and counts them), so not planned: FLEXATTN_DQ_FINISH=1 plans it (bwd/plan.py).
+    dq_finish: bool = False
     # fp32: tf32 MMAs per product, 1 or 3 (3xTF32: torch's "highest" float32 precision)
     tf32_passes: int = 1
 
@@ -242,6 +254,10 @@ class BwdConfig(KernelConfig):
         if self.max_ctas < 0 or (self.max_ctas and (self.deterministic or self.cluster_n != 1)):
             raise ValueError(f"max_ctas (persistent CTAs) must be >= 0, and 0 in deterministic mode or"
                              f" with clusters, got {self.max_ctas}")
+        if self.dq_finish and not finish_allowed(self):
+            raise ValueError("dq_finish is for tile_m 64, 128-key CTAs (head dims up to 128, block lists of"
+                             " 128 keys), not deterministic, not persistent, without the per-diagonal"
+                             " buffer-gradient sums")
 
     def _check_fp32(self):
         """The float32 kernel's configs (bwd/tf32_sync.py): 64 keys per CTA, tile_m 32 (or
@@ -266,6 +282,8 @@ class BwdConfig(KernelConfig):
                              " fp32 atomics): call it with deterministic algorithms off")
         if self.max_ctas:
             raise ValueError("the float32 backward has no persistent CTAs (max_ctas=0)")
+        if self.dq_finish:
+            raise ValueError("the float32 backward finishes dQ in its postprocess (dq_finish=False)")
 
     @property
     def split_head_dim(self) -> bool:
@@ -275,6 +293,12 @@ class BwdConfig(KernelConfig):
         256/256, more than the 240 a consumer has). S^T and dP^T split over the q columns,
         so P^T and dS^T reach the dK / dV GEMMs of both warpgroups through shared memory."""
         return self.head_dim > 128 or self.head_dim_v > 128
+
+    @property
+    def kv_lists(self) -> bool:
+        """Block-sparse kernels that also read the kv-side lists (q block -> kv blocks):
+        deterministic (the dQ turns) and dq_finish (each q tile's visitor count)."""
+        return self.block_sparse and (self.deterministic or self.dq_finish)
 
     @property
     def do_ring(self) -> int:
@@ -368,6 +392,17 @@ def dkv_swap_allowed(cfg) -> bool:
             and cfg.tile_m == 64 and cfg.cluster_n == 1
             and not (cfg.block_sparse or cfg.band or cfg.deterministic)
             and split_shared_bytes(cfg, cfg.num_stages) <= SMEM_CAPACITY)
+
+
+def finish_allowed(cfg) -> bool:
+    """Where `BwdConfig.dq_finish` applies: 64-row tiles of 128-key CTAs (two warpgroups
+    splitting dQ's head dim; the read-back buffer, one dQ tile, fits beside them up to head
+    dim 128 at two stages, not beside the per-diagonal sums), one CTA per kv tile, turns
+    not ordered."""
+    return (cfg.dtype != "fp32" and cfg.tile_m == 64 and cfg.tile_n == 128 and not cfg.split_head_dim
+            and not cfg.deterministic and not cfg.max_ctas
+            and not (cfg.block_sparse and cfg.sparse_block_n != cfg.tile_n)
+            and not one_diagonal_read(cfg))
 
 
 def default_stages(cfg) -> int:
@@ -496,11 +531,14 @@ class BwdBarrier(NamedBarriers):
     # Over the consumer threads, with one dS^T buffer (`BwdConfig.ds_buffers` 1): both
     # warpgroups are done with the previous visit (its dQ GEMMs read the buffer).
     DS_EMPTY = 7
+    # `BwdConfig.dq_finish`, over the dQ writer and the two finisher warps (96 threads):
+    FIN_EMPTY = 8   # the finishers have taken the last tile handed over
+    FIN_FULL = 9    # a finished tile's (head, q tile) is in sFinTile (head -1: no more)
 
 
 class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
     """Compile with `cute.compile(FlashBwdSm90(cfg), q, k, v, do, lse_log2, delta, dq_accum,
-    dq_semaphore, dk, dv, scale, mod_args, grad_args, grad_fixed, block_sparse, stream)` or
+    dq_semaphore, dq, dk, dv, scale, mod_args, grad_args, grad_fixed, block_sparse, stream)` or
     through `flexattn.kernels.launch.compile.compile_backward`."""
 
     num_mma_wg = 2
@@ -522,6 +560,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         self.mods = config.mods
         self.dq_pair_threads = 128 + 32
         self.dq_writer_warp = 1         # warp 0 loads; warp 1 adds dQ tiles into global
+        self.fin_threads = 32 * 3       # dq_finish: the writer + finisher warps 2 and 3
 
     @property
     def diagonal_reduction(self) -> bool:
@@ -573,6 +612,8 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         mDelta: cute.Tensor,      # [B, Hq, Sq_pad] float32: rowsum(dO * O) (- dLSE)
         mdQacc: cute.Tensor,      # [B, Hq, Sq_pad, D] float32, zeroed; gets dS K (unscaled)
         mdQsem,                   # [B, Hq, Sq_pad / tile_m] int32, zeroed, iff deterministic
+                                  #  or dq_finish (then: landed visits per q tile)
+        mdQ,                      # [B, Hq, Sq, D] iff dq_finish (else None): dQ out
         mdK: cute.Tensor,         # [B, Hkv, Skv, D]
         mdV: cute.Tensor,         # [B, Hkv, Skv, D]
         softmax_scale: Float32,
@@ -598,20 +639,25 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             raise ValueError("block_sparse tensors must be given iff cfg.block_sparse")
         if const_expr(cfg.buffer_grads != (grad_args is not None)):
             raise ValueError("grad_args must be given iff the score mod reads float buffers")
-        if const_expr(cfg.deterministic != (mdQsem is not None)):
-            raise ValueError("dq_semaphore must be given iff cfg.deterministic")
+        if const_expr((cfg.deterministic or cfg.dq_finish) != (mdQsem is not None)):
+            raise ValueError("dq_semaphore must be given iff cfg.deterministic or cfg.dq_finish")
+        if const_expr(cfg.dq_finish != (mdQ is not None)):
+            raise ValueError("dq must be given iff cfg.dq_finish")
+        if const_expr(cfg.dq_finish and mdQ.element_type != self.dtype):
+            raise TypeError(f"dq: expected {self.dtype}, got {mdQ.element_type}")
         if const_expr((cfg.deterministic and cfg.buffer_grads) != (grad_fixed is not None)):
             raise ValueError("grad_fixed must be given iff deterministic with buffer grads")
         if const_expr(cfg.block_sparse and
-                      len(block_sparse) != (8 if cfg.deterministic else 4)):
+                      len(block_sparse) != (8 if cfg.kv_lists else 4)):
             raise ValueError("block_sparse: the 4 q-side lists (+ the 4 kv-side lists iff "
-                             "deterministic)")
+                             "deterministic or dq_finish)")
 
         # (S, D, H, B) views: the TMA box is (rows, D); H and B index the tile.
         Q, K, V, dO, dK, dV = [mma.select_modes(t, [2, 3, 1, 0])
                                for t in (mQ, mK, mV, mdO, mdK, mdV)]
         LSE, Delta = [mma.select_modes(t, [2, 1, 0]) for t in (mLSE, mDelta)]  # (S, H, B)
         dQacc = mma.select_modes(mdQacc, [2, 3, 1, 0])
+        dQ = mma.select_modes(mdQ, [2, 3, 1, 0]) if const_expr(cfg.dq_finish) else None
 
         D, Dv, tm, tn = cfg.head_dim, cfg.head_dim_v, cfg.tile_m, cfg.tile_n
         n_wg = self.num_mma_wg
@@ -690,24 +736,34 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         self.bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
         self.bytes_stat = tm * 4
 
-        @cute.struct
-        class SharedStorage:
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
-            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * cfg.do_ring]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128]
-            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sDelta_layout)], 128]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+        # (fields built as a dict: the DSL rewrites `if` inside this traced function)
+        fields = {
+            "mbar_kv": cute.struct.MemRange[cutlass.Int64, 2],
+            "mbar_q": cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages],
+            "mbar_do": cute.struct.MemRange[cutlass.Int64, 2 * cfg.do_ring],
+        }
+        if const_expr(cfg.dq_finish):    # (in the header's slack before sQ's 1024-byte alignment)
+            fields["mbar_fin"] = cute.struct.MemRange[cutlass.Int64, 2]   # one per finisher warp
+            fields["sFinTile"] = cute.struct.MemRange[Int32, 2]           # (head, q tile) handed over
+        fields.update({
+            "sLSE": cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sStat_layout)], 128],
+            "sDelta": cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sDelta_layout)], 128],
+            "sQ": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024],
+            "sdO": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024],
+            "sK": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024],
+            "sV": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024],
+            "sdS": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024],
             # One fp32 dQ tile in fragment order (see dq_tile_layout), half per warpgroup.
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tm * D], 1024]
-            sDiag: cute.struct.Align[cute.struct.MemRange[Float32, self.diag_floats], 16]
+            "sdQ": cute.struct.Align[cute.struct.MemRange[Float32, tm * D], 1024],
+            "sDiag": cute.struct.Align[cute.struct.MemRange[Float32, self.diag_floats], 16],
             # split_head_dim's P^T buffers (last: elsewhere a 2-byte stub, no 1024 padding)
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout) if split else 1],
-                                  1024 if split else 16]
+            "sP": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout) if split else 1],
+                                    1024 if split else 16],
+        })
+        if const_expr(cfg.dq_finish):
+            # One dQ tile read back from dq_accum (fragment order, as sdQ).
+            fields["sFin"] = cute.struct.Align[cute.struct.MemRange[Float32, tm * D], 128]
+        SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
         self.smem_bytes = SharedStorage.size_in_bytes()     # (read by tests)
         if const_expr(self.smem_bytes > SMEM_CAPACITY):
@@ -732,7 +788,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sP_layout, (sStat_layout, sDelta_layout),
             Q.shape[0], Q.shape[2], softmax_scale, scale_log2, mod_args, grad_args,
-            block_sparse, mdQsem, grad_fixed, SharedStorage,
+            block_sparse, mdQsem, dQ, grad_fixed, SharedStorage,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -757,7 +813,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         sdS_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout, sStat_layouts,
         seqlen_q: Int32, num_q_heads: Int32,
         softmax_scale: Float32, scale_log2: Float32, mod_args, grad_args, block_sparse,
-        mdQsem, grad_fixed, SharedStorage: cutlass.Constexpr,
+        mdQsem, mdQ, grad_fixed, SharedStorage: cutlass.Constexpr,
     ):
         cfg = self.cfg
         warp_idx = self.warp_index()
@@ -816,7 +872,13 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                           tma_atom_Delta, pipe_kv, pipe_q, pipe_do,
                           where, group, seqlen_q, block_sparse)
             elif warp_idx == self.dq_writer_warp:
-                self.store_dq(mdQacc, sdQ, where, group, seqlen_q, seqlen_k, block_sparse, mdQsem)
+                self.store_dq(mdQacc, sdQ, where, group, seqlen_q, seqlen_k, block_sparse, mdQsem,
+                              storage.sFinTile.get_tensor(cute.make_layout(2)) if const_expr(cfg.dq_finish) else None)
+            elif const_expr(cfg.dq_finish):
+                self.finish_dq(mdQacc, mdQ, storage.sFin.get_tensor(dq_tile_layout(cfg, self.num_mma_wg)),
+                               storage.mbar_fin.data_ptr() + (warp_idx - 2),
+                               storage.sFinTile.get_tensor(cute.make_layout(2)), tiled_mma_md,
+                               warp_idx - 2, where, seqlen_q, softmax_scale)
         else:
             self.enter_consumer(regs)
             self.consume(mdK, mdV, sdQ, sQ, sK, sV, sdO, (sdS, sP), sLSE, sDelta, sDiag,
@@ -1315,7 +1377,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
 
     # ------------------------------------------------------------------ dQ writer
     @cute.jit
-    def store_dq(self, mdQacc, sdQ, where, group, seqlen_q, seqlen_k, block_sparse, mdQsem):
+    def store_dq(self, mdQacc, sdQ, where, group, seqlen_q, seqlen_k, block_sparse, mdQsem, fin_tile):
         """Warp 1: per visit, add each warpgroup's dQ tile (sdQ column) into the dq_accum
         workspace with one `cp.reduce.async.bulk .add.f32` (16 KB, fire and forget: the
         reads of sdQ complete before the next visit hands the buffer back). Visits are
@@ -1325,7 +1387,11 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         passed on once they have landed (`BwdConfig.dq_turn_pass`): right away, or one
         visit later, after the next tile's first half is ready, by when they have long
         landed (the landing wait is then off the writer's path). Holding a turn longer
-        cannot deadlock: a CTA only ever waits for higher kv blocks' turns."""
+        cannot deadlock: a CTA only ever waits for higher kv blocks' turns.
+
+        dq_finish: a visit's adds are counted once they have landed, one visit later (by
+        then they have: the wait is off the writer's path), the last visit's at the end;
+        the visit that completes its tile hands it to the finisher warps (`fin_tile`)."""
         cfg = self.cfg
         lane = cute.arch.lane_idx()
         if const_expr(cfg.max_ctas):     # (never deterministic)
@@ -1337,18 +1403,29 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             n_block, head_kv, batch = where
             # Deterministic: the flag (its offset in this batch's [H, q tiles] semaphores)
             # whose turn is still held, or -1. One register: this warp has 24.
-            sems = mdQsem[batch, None, None] if const_expr(cfg.deterministic) else None
-            held = self._store_dq_tile(mdQacc, sdQ, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
-                                       block_sparse, sems, Int32(-1), lane)
-            if const_expr(cfg.deterministic and cfg.turn_pass == "next_visit"):
-                if held >= 0:
-                    self._dq_pass_turn(sems.iterator + held, lane)
+            sems = mdQsem[batch, None, None] if const_expr(cfg.deterministic or cfg.dq_finish) else None
+            if const_expr(cfg.dq_finish):
+                # The visit whose adds are not counted yet: (head, q tile), head -1: none.
+                none = Int32(-1)
+                pending = self._store_dq_tile(mdQacc, sdQ, n_block, head_kv, batch, group, seqlen_q,
+                                              seqlen_k, block_sparse, sems, (none, Int32(0)), lane, fin_tile)
+                if pending[0] >= 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    self._dq_landed(sems, fin_tile, pending, batch, seqlen_k, block_sparse, lane)
+                self._hand_over(fin_tile, (none, Int32(0)), lane)     # no more tiles
+            else:
+                held = self._store_dq_tile(mdQacc, sdQ, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
+                                           block_sparse, sems, Int32(-1), lane)
+                if const_expr(cfg.deterministic and cfg.turn_pass == "next_visit"):
+                    if held >= 0:
+                        self._dq_pass_turn(sems.iterator + held, lane)
         cute.arch.cp_async_bulk_wait_group(0, read=True)   # sdQ is read before the CTA exits
 
     @cute.jit
     def _store_dq_tile(self, mdQacc, sdQ, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
-                       block_sparse, sems, held, lane):
-        """`store_dq` for one kv tile; returns the deterministic turn still held."""
+                       block_sparse, sems, held, lane, fin_tile=None):
+        """`store_dq` for one kv tile; returns the deterministic turn still held (dq_finish:
+        the visit not yet counted, `held` on entry)."""
         cfg = self.cfg
         n_wg = self.num_mma_wg
         chunk = cfg.tile_m * cfg.head_dim // n_wg
@@ -1385,7 +1462,114 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                     self._dq_pass_turn(sems[head, None].iterator + m_block, lane)
                 elif const_expr(cfg.deterministic):
                     held = Int32(cute.crd2idx((head, m_block), sems.layout))
+                elif const_expr(cfg.dq_finish):
+                    if held[0] >= 0:
+                        # Only this visit's groups may still be in flight.
+                        cute.arch.cp_async_bulk_wait_group(n_wg, read=False)
+                        self._dq_landed(sems, fin_tile, held, batch, seqlen_k, block_sparse, lane)
+                    held = (head, m_block)
         return held
+
+    @cute.jit
+    def _dq_landed(self, sems, fin_tile, visit, batch, seqlen_k, block_sparse, lane):
+        """dq_finish: the bulk adds of `visit` = (head, q tile) have landed (the caller
+        waited). Count them in the tile's flag (acquire + release: the adds are published
+        with the count, and the last visitor sees everyone's); if they complete the tile,
+        hand it over."""
+        head, m_block = visit
+        # (No proxy fence here: the bulk group's completion makes its writes visible to this
+        # thread, and the release publishes them; a fence.proxy.async would wait for this
+        # visit's adds too, still in flight.)
+        old = Int32(0)
+        if lane == 0:
+            old = atom_add_acq_rel_s32(sems[head, None].iterator + m_block, 1)
+        old = cute.arch.shuffle_sync(old, 0)
+        if old + 1 == self._dq_visitors(block_sparse, batch, head, m_block, seqlen_k):
+            self._hand_over(fin_tile, visit, lane)
+
+    @cute.jit
+    def _hand_over(self, fin_tile, visit, lane):
+        """The dQ writer hands (head, q tile) to the finisher warps once they have taken the
+        previous one (head -1: no more tiles)."""
+        BwdBarrier.FIN_EMPTY.sync(self.fin_threads)
+        if lane == 0:
+            fin_tile[0] = visit[0]
+            fin_tile[1] = visit[1]
+        BwdBarrier.FIN_FULL.arrive(self.fin_threads)
+
+    @cute.jit
+    def _dq_visitors(self, block_sparse, batch, head, m_block, seqlen_k):
+        """How many CTAs (kv tiles) visit q tile `m_block` of (batch, head): the transposes
+        of the walks (bwd/q_blocks.visitor_count; block-sparse: the BlockMask's kv-side
+        lists of q block m_block // factor, each listed kv block one CTA)."""
+        cfg = self.cfg
+        if const_expr(cfg.block_sparse):
+            kv_num, _, full_num, _ = block_sparse[4:]
+            qb = m_block // (cfg.sparse_block_m // cfg.tile_m)
+            b, h = batch % kv_num.shape[0], head % kv_num.shape[1]
+            return Int32(kv_num[b, h, qb]) + Int32(full_num[b, h, qb])
+        return Int32(visitor_count(m_block, cfg.tile_m, cfg.tile_n, seqlen_k, cfg.causal,
+                                   block_sparse if const_expr(cfg.band) else None, _kernel_ops()))
+
+    # ------------------------------------------------------------------ dQ finishers
+    @cute.jit
+    def finish_dq(self, mdQacc, mdQ, sFin, mbar, fin_tile, tiled_mma, w, where, seqlen_q, softmax_scale):
+        """dq_finish, producer warp 2 + w (w = 0, 1): for each q tile the dQ writer hands
+        over, read column w of its dq_accum tile (fragment order: consumer warpgroup w's
+        half of the head dim) back into sFin with one bulk copy, and store dQ = scale *
+        that, converted, from the registers consumer thread 128 w + t held (t = 32 j +
+        lane: this warp takes the four warps' turns). Rows past Q_LEN are not stored."""
+        lane = cute.arch.lane_idx()
+        batch = where[2]
+        if lane == 0:
+            cute.arch.mbarrier_init(mbar, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_warp()
+        BwdBarrier.FIN_EMPTY.arrive(self.fin_threads)
+        phase = Int32(0)
+        head = Int32(0)
+        while head >= 0:
+            BwdBarrier.FIN_FULL.sync(self.fin_threads)
+            head = fin_tile[0]
+            m_block = fin_tile[1]
+            if head >= 0:
+                BwdBarrier.FIN_EMPTY.arrive(self.fin_threads)
+                self._finish_tile(mdQacc, mdQ, sFin, mbar, phase, tiled_mma, w, head, m_block, batch,
+                                  seqlen_q, softmax_scale, lane)
+                phase = phase ^ 1
+
+    @cute.jit
+    def _finish_tile(self, mdQacc, mdQ, sFin, mbar, phase, tiled_mma, w, head, m_block, batch,
+                     seqlen_q, softmax_scale, lane):
+        cfg = self.cfg
+        tm, D = cfg.tile_m, cfg.head_dim
+        chunk = tm * D // self.num_mma_wg
+        cute.arch.fence_proxy("async.global")     # the writer's acquire before this bulk read
+        acc_tile = cute.local_tile(mdQacc[None, None, head, batch], (tm, D), (m_block, 0))
+        if lane == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar, chunk * 4)
+            bulk_load(sFin[None, w].iterator, acc_tile.iterator + w * chunk, chunk * 4, mbar)
+        cute.arch.mbarrier_wait(mbar, phase)
+        gdQ = cute.local_tile(mdQ[None, None, head, batch], (tm, D), (m_block, 0))
+        cdQ = cute.make_identity_tensor((tm, D))
+        rows = seqlen_q - m_block * tm
+        copy = dq_fragment_copy(self.num_mma_wg)
+        for j in cutlass.range(4, unroll=1):
+            t = 128 * w + 32 * j + lane
+            src = copy.get_slice(t).partition_S(sFin)        # ((4, 1), chunks, 1)
+            thr = tiled_mma.get_slice(t)
+            tCg = thr.partition_C(gdQ)                       # thread t's accumulator, in order
+            tCc = thr.partition_C(cdQ)
+            for i in cutlass.range_constexpr(cute.size(src, mode=[1])):
+                # One 16-byte chunk at a time (registers: this warp has few).
+                vals = cute.make_rmem_tensor((4,), Float32)
+                cute.autovec_copy(src[None, i, 0], vals)
+                out = cute.make_rmem_tensor((4,), self.dtype)
+                out.store((vals.load() * softmax_scale).to(self.dtype))
+                for e in cutlass.range_constexpr(4):
+                    if tCc[4 * i + e][0] < rows:
+                        tCg[4 * i + e] = out[e]
+        cute.arch.sync_warp()      # every lane has read sFin before the next bulk copy
 
     @cute.jit
     def _dq_pass_turn(self, flag, lane):

@@ -196,7 +196,7 @@ def warp_layouts(cfg) -> tuple:
 
 class FlashBwdTf32(BwdPointwise, BwdWalks):
     """Compile with the bf16 kernel's arguments (`FlashBwdSm90.__call__`; dq_accum here in
-    plain row order, dq_semaphore and grad_fixed None) for a `BwdConfig(dtype="fp32")`.
+    plain row order, dq_semaphore, dq and grad_fixed None) for a `BwdConfig(dtype="fp32")`.
     Shares the bf16 kernel's pointwise math (bwd/pointwise.py: the forward's mods
     re-applied, the score mod's derivative, buffer gradients) and q-block walks
     (bwd/q_blocks.BwdWalks)."""
@@ -238,7 +238,7 @@ class FlashBwdTf32(BwdPointwise, BwdWalks):
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                 mLSE: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor, mdQsem,
+                 mLSE: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor, mdQsem, mdQ,
                  mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale: Float32, mod_args, grad_args,
                  grad_fixed, block_sparse, stream: cuda.CUstream):
         cfg = self.cfg
@@ -249,8 +249,8 @@ class FlashBwdTf32(BwdPointwise, BwdWalks):
             raise ValueError("block_sparse tensors must be given iff cfg.block_sparse")
         if const_expr(cfg.buffer_grads != (grad_args is not None)):
             raise ValueError("grad_args must be given iff the score mod reads float buffers")
-        if const_expr(mdQsem is not None or grad_fixed is not None):
-            raise ValueError("the float32 backward has no deterministic mode")
+        if const_expr(mdQsem is not None or grad_fixed is not None or mdQ is not None):
+            raise ValueError("the float32 backward has no deterministic mode and no dq_finish")
 
         tm, tn, D, Dv, stages = cfg.tile_m, cfg.tile_n, cfg.head_dim, cfg.head_dim_v, cfg.num_stages
         sQ_layout = padded_layout(tm, D, stages)

@@ -6,6 +6,9 @@
   backward never reads it, so this emits the fire-and-forget `red` form directly.
 * `bulk_add_f32`: a whole contiguous fp32 run from shared memory added into global memory
   by the TMA engine (`cp.reduce.async.bulk`), for the backward's dQ tiles.
+* `bulk_load`: a contiguous run from global into shared memory by the TMA engine,
+  completing on an mbarrier (the fused dQ finish reads a q tile back).
+* The fused dQ finish's tile counts: `atom_add_acq_rel_s32` (returns the old count).
 * The deterministic mode's dQ turn flags: `ld_acquire_s32` (spin reads) and
   `red_release_add_s32` (hand the turn on), the acquire / release pair of
   `cutlass::GenericBarrier` (wait_eq / arrive_inc).
@@ -99,6 +102,39 @@ def red_release_add_s32(ptr, value, *, loc=None, ip=None) -> None:
         [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
         "red.release.gpu.global.add.s32 [$0], $1;",
         "l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def atom_add_acq_rel_s32(ptr, value, *, loc=None, ip=None) -> Int32:
+    """old = *ptr; *ptr += value (global int32), acquire and release at GPU scope: the
+    fused dQ finish's tile counts (bwd/sm90.py) — the writes released before it are
+    published with the new count, and whoever sees the final count sees every add."""
+    return Int32(llvm.inline_asm(
+        T.i32(),
+        [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
+        "atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;",
+        "=r,l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
+
+
+@dsl_user_op
+def bulk_load(smem_ptr, gmem_ptr, num_bytes: int, mbar_ptr, *, loc=None, ip=None) -> None:
+    """smem[i] = gmem[i] for num_bytes contiguous bytes, one asynchronous bulk copy (TMA
+    engine, no tensor map; 16-byte aligned, a multiple of 16) that completes `num_bytes`
+    of transactions on the mbarrier at `mbar_ptr` (arm it with expect_tx first)."""
+    llvm.inline_asm(
+        None,
+        [smem_ptr.toint(loc=loc, ip=ip).ir_value(), gmem_ptr.toint(loc=loc, ip=ip).ir_value(),
+         Int32(num_bytes).ir_value(loc=loc, ip=ip), mbar_ptr.toint(loc=loc, ip=ip).ir_value()],
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+        "r,l,r,r",
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,

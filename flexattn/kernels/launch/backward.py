@@ -3,9 +3,12 @@
 Three kernels on the caller's stream, in order:
 
     BwdPreprocess   delta = rowsum(dO * O) (- dLSE), lse_log2, dq_accum = 0
-                    (deterministic: dq_semaphore = 0, grad_fixed = 0)
+                    (deterministic: dq_semaphore = 0, grad_fixed = 0; dq_finish:
+                    dq_semaphore = 0, dQ's empty rows = 0)
     FlashBwdSm90    dK, dV (input dtype), dq_accum += dS K (bulk fp32 adds), buffer grads
-    BwdPostprocess  dQ = scale * dq_accum -> input dtype (deterministic: grads += grad_fixed)
+                    (dq_finish: and dQ, each q tile once its last visitor's adds landed)
+    BwdPostprocess  dQ = scale * dq_accum -> input dtype (deterministic: grads += grad_fixed;
+                    not launched under dq_finish)
 
 Destination-passing and framework-free, like `ForwardRunner`: the caller allocates dq, dk,
 dv, the workspace (`workspace_shapes`, `workspace_dtypes`) and the zeroed fp32 buffer
@@ -171,14 +174,14 @@ class BackwardRunner:
     def _check_block_sparse(self, q, k, block_sparse):
         cfg = self.cfg
         (B, Hq, Sq, _), Skv = q.shape, k.shape[2]
-        if not (cfg.deterministic and cfg.block_sparse and block_sparse is not None):
+        if not (cfg.kv_lists and block_sparse is not None):
             return check_block_lists(block_sparse, cfg.block_sparse, B, Hq, -(-Skv // cfg.sparse_block_n),
                                      "q", f"kv blocks of {cfg.sparse_block_n}")
         if len(block_sparse) != 8:
-            raise ValueError("deterministic block-sparse: block_sparse = (q_num_blocks, q_indices, "
-                             "full_q_num_blocks, full_q_indices, kv_num_blocks, kv_indices, "
+            raise ValueError("deterministic or dq_finish block-sparse: block_sparse = (q_num_blocks, "
+                             "q_indices, full_q_num_blocks, full_q_indices, kv_num_blocks, kv_indices, "
                              "full_kv_num_blocks, full_kv_indices): the kv-side lists order the "
-                             "dQ adds")
+                             "dQ adds / count each q tile's visitors")
         q_side = check_block_lists(block_sparse[:4], True, B, Hq, -(-Skv // cfg.sparse_block_n),
                                    "q", f"kv blocks of {cfg.sparse_block_n}")
         kv_side = check_block_lists(block_sparse[4:], True, B, Hq, -(-Sq // cfg.sparse_block_m),
@@ -246,13 +249,19 @@ class BackwardRunner:
         cu_stream = cuda.CUstream(stream)
 
         # (cfg, hence deterministic and which workspaces exist, is fixed per runner.)
-        pre_args = (od, dod, lsed, dlsed, lse2, delta, dqacc, dqsem, fixed, cu_stream)
+        dq_out = dqd if cfg.dq_finish else None
+        pre_args = (od, dod, lsed, dlsed, lse2, delta, dqacc, dqsem, dq_out, fixed, cu_stream)
         pre = self._compiled_fn(("pre", dlse is not None), lambda: BwdPreprocess(cfg), pre_args)
-        main_args = (qd, kd, vd, dod, lse2, delta, dqacc, dqsem, dkd, dvd, scale, args, grads,
+        main_args = (qd, kd, vd, dod, lse2, delta, dqacc, dqsem, dq_out, dkd, dvd, scale, args, grads,
                      fixed, bs, cu_stream)
         grad_key = tuple(arg_signature(g) for g in grads or ())
         key = ("main",) + tuple(arg_signature(a) for a in mod_args or ()) + grad_key
         main = self._compiled_fn(key, lambda: backward_kernel(cfg), main_args)
+        if cfg.dq_finish:
+            def launch():
+                pre(*pre_args)
+                main(*main_args)
+            return launch
         post_grads = grads if fixed is not None else None
         post_args = (dqacc, dqd, scale, post_grads, fixed, cu_stream)
         post_key = ("post",) + (grad_key if fixed is not None else ())
@@ -288,11 +297,13 @@ class FfiBackwardRunner:
 
     @property
     def num_compiled(self) -> int:
-        """Kernels compiled: three for the first dLSE variant, one preprocess per other."""
-        return len({id(f) for fns in self._compiled.values() for f in fns})
+        """Kernels compiled: three (two under dq_finish) for the first dLSE variant, one
+        preprocess per other."""
+        return len({id(f) for fns in self._compiled.values() for f in fns if f is not None})
 
     def kernels(self, with_dlse: bool):
-        """(preprocess, main, postprocess) compiled functions (once per runner and dLSE)."""
+        """(preprocess, main, postprocess) compiled functions (once per runner and dLSE;
+        postprocess None under dq_finish)."""
         fns = self._compiled.get(with_dlse)
         if fns is None:
             t0 = time.perf_counter()
@@ -310,14 +321,17 @@ class FfiBackwardRunner:
         # Disk keys: the arguments each compile function reads (the main kernel: the config).
         pre = disk_cache.compiled(
             ("bwd_pre", cfg.dtype, cfg.head_dim, with_dlse, cfg.deterministic, fixed, cfg.tile_m)
-            + ((cfg.head_dim_v,) if cfg.head_dim_v != cfg.head_dim else ()),
+            + ((cfg.head_dim_v,) if cfg.head_dim_v != cfg.head_dim else ())
+            + (("dq_finish",) if cfg.dq_finish else ()),
             lambda: compile_preprocess(cfg.dtype, cfg.head_dim, with_dlse, deterministic=cfg.deterministic,
-                                       head_dim_v=cfg.head_dim_v,
+                                       head_dim_v=cfg.head_dim_v, dq_finish=cfg.dq_finish,
                                        grad_fixed=fixed, tile_m=cfg.tile_m, tvm_ffi=True))
         if other is not None:
             return pre, other[1], other[2]
         main = disk_cache.compiled(disk_cache.config_key("bwd_main", cfg),
                                    lambda: compile_backward(cfg, mod_fakes, tvm_ffi=True))
+        if cfg.dq_finish:
+            return pre, main, None
         post_ranks = grad_ranks if fixed else ()
         post = disk_cache.compiled(
             ("bwd_post", cfg.dtype, cfg.head_dim, post_ranks, cfg.tile_m),
@@ -346,11 +360,11 @@ class FfiBackwardRunner:
             raise ValueError("pass block_sparse tensors iff the config has block_sparse=True")
         if block_sparse is None:
             return
-        want = 8 if cfg.deterministic else 4
+        want = 8 if cfg.kv_lists else 4
         if len(block_sparse) != want:
             raise ValueError(f"block_sparse: want {want} arrays (q-side lists"
                              + (", then the kv-side lists)" if want == 8 else ")"))
-        for i, t in enumerate(block_sparse):   # q-side lists, then (deterministic) kv-side
+        for i, t in enumerate(block_sparse):   # q-side lists, then (kv_lists) kv-side
             if i < 4:
                 check_block_list_shape(i, tuple(t.shape), b, hq, -(-sk // cfg.sparse_block_n), f"kv blocks of {cfg.sparse_block_n}")
             else:
@@ -368,7 +382,9 @@ class FfiBackwardRunner:
         dqsem, fixed = ws.get("dq_semaphore"), ws.get("grad_fixed")
         grads = tuple(grad_args) if grad_args else None
         scale = float(softmax_scale)
-        pre(a.out, a.d_out, a.lse, a.d_lse, lse2, delta, dqacc, dqsem, fixed)
-        main(a.q, a.k, a.v, a.d_out, lse2, delta, dqacc, dqsem, a.dk, a.dv, scale,
+        dq_out = a.dq if post is None else None
+        pre(a.out, a.d_out, a.lse, a.d_lse, lse2, delta, dqacc, dqsem, dq_out, fixed)
+        main(a.q, a.k, a.v, a.d_out, lse2, delta, dqacc, dqsem, dq_out, a.dk, a.dv, scale,
              tuple(mod_args) if mod_args else None, grads, fixed, tuple(block_sparse) if block_sparse else None)
-        post(dqacc, a.dq, scale, grads if fixed is not None else None, fixed)
+        if post is not None:
+            post(dqacc, a.dq, scale, grads if fixed is not None else None, fixed)

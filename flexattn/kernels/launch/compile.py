@@ -85,15 +85,16 @@ def compile_backward(cfg, mod_args: tuple = (), *, tvm_ffi: bool = False, **opti
 
 def compile_preprocess(dtype: str, head_dim: int, with_dlse: bool = False, *, deterministic: bool = False,
                        grad_fixed: bool = False, tile_m: int = 64, head_dim_v: int | None = None,
-                       tvm_ffi: bool = False, **options):
+                       dq_finish: bool = False, tvm_ffi: bool = False, **options):
     """The backward's preprocess. ``deterministic``: it also zeroes the dQ semaphores;
+    ``dq_finish``: those and dQ's empty rows (the main kernel stores the rest of dQ);
     ``grad_fixed``: and the fixed-point buffer-gradient accumulators. ``tile_m``: the main
     kernel's (one CTA per q tile). ``head_dim_v``: O's and dO's (None: ``head_dim``)."""
     from flexattn.kernels.bwd.preprocess import BwdPreprocess
     from flexattn.kernels.bwd.sm90 import BwdConfig
 
     cfg = BwdConfig(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, tile_m=tile_m,
-                    deterministic=deterministic)
+                    deterministic=deterministic, dq_finish=dq_finish)
     return compile_on_fakes(BwdPreprocess(cfg), fakes.fake_preprocess_args(cfg, with_dlse, grad_fixed, tvm_ffi),
                             tvm_ffi=tvm_ffi, **options)
 

@@ -109,7 +109,7 @@ def _lse():
 
 
 def fake_dq_semaphore(cfg):
-    return fake_tensor(cutlass.Int32, 3, 4) if cfg.deterministic else None
+    return fake_tensor(cutlass.Int32, 3, 4) if cfg.deterministic or cfg.dq_finish else None
 
 
 def fake_grad_fixed(cfg):
@@ -128,31 +128,33 @@ def fake_grad_args(cfg, mod_args: tuple):
 
 
 def fake_backward_args(cfg, mod_args: tuple = (), tvm_ffi: bool = False):
-    """(q, k, v, do, lse_log2, delta, dq_accum, dq_semaphore, dk, dv, scale, mod_args,
+    """(q, k, v, do, lse_log2, delta, dq_accum, dq_semaphore, dq, dk, dv, scale, mod_args,
     grad_args, grad_fixed, block_sparse, stream) for ``FlashBwdSm90.__call__``."""
     dt = cfg.cutlass_dtype
     b, hq, hkv, sq, skv = (cute.sym_int() for _ in range(5))
     D, Dv = cfg.head_dim, cfg.head_dim_v
     q, do = fake_bhsd(dt, "q", b, hq, sq, D), fake_bhsd(dt, "do", b, hq, sq, Dv)
+    dq = fake_bhsd(dt, "q", b, hq, sq, D) if cfg.dq_finish else None
     k, dk = (fake_bhsd(dt, n, b, hkv, skv, D) for n in ("k", "dk"))
     v, dv = (fake_bhsd(dt, n, b, hkv, skv, Dv) for n in ("v", "dv"))
     # q_num_blocks, q_indices, full_q_num_blocks, full_q_indices (+ the kv-side lists)
     block_sparse = None
     if cfg.block_sparse:
-        block_sparse = fake_block_lists() + (fake_block_lists() if cfg.deterministic else ())
-    return (q, k, v, do, _f32_rows(3), _f32_rows(3), _f32_rows(4), fake_dq_semaphore(cfg),
+        block_sparse = fake_block_lists() + (fake_block_lists() if cfg.kv_lists else ())
+    return (q, k, v, do, _f32_rows(3), _f32_rows(3), _f32_rows(4), fake_dq_semaphore(cfg), dq,
             dk, dv, cutlass.Float32(1.0), _mod_args(mod_args),
             fake_grad_args(cfg, mod_args), fake_grad_fixed(cfg), block_sparse, fake_stream(tvm_ffi))
 
 
 def fake_preprocess_args(cfg, with_dlse: bool, grad_fixed: bool, tvm_ffi: bool):
-    """(o, do, lse, dlse, lse_log2, delta, dq_accum, dq_semaphore, grad_fixed, stream) for
-    ``BwdPreprocess.__call__``."""
+    """(o, do, lse, dlse, lse_log2, delta, dq_accum, dq_semaphore, dq, grad_fixed, stream)
+    for ``BwdPreprocess.__call__``."""
     b, h, s = (cute.sym_int() for _ in range(3))
     o, do = (fake_bhsd(cfg.cutlass_dtype, n, b, h, s, cfg.head_dim_v) for n in ("o", "do"))
+    dq = fake_bhsd(cfg.cutlass_dtype, "q", b, h, s, cfg.head_dim) if cfg.dq_finish else None
     fixed = fake_tensor(cutlass.Int64, 2, 8) if grad_fixed else None
     return (o, do, _lse(), _lse() if with_dlse else None, _f32_rows(3), _f32_rows(3), _f32_rows(4),
-            fake_dq_semaphore(cfg), fixed, fake_stream(tvm_ffi))
+            fake_dq_semaphore(cfg), dq, fixed, fake_stream(tvm_ffi))
 
 
 def fake_postprocess_args(cfg, grad_ranks: tuple, tvm_ffi: bool):

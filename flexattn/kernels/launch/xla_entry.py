@@ -140,8 +140,8 @@ class BackwardLaunch(_Launch):
 
     def __init__(self, config, scale: float, main: tuple, workspace: tuple, args: tuple, grads: tuple,
                  lists: tuple | None, fills: tuple = ()):
-        if config.deterministic:
-            raise ValueError("the XLA entry runs the default (non-deterministic) backward")
+        if config.deterministic or config.dq_finish:
+            raise ValueError("the XLA entry runs the default (non-deterministic) backward, dQ by the postprocess")
         self.config, self.scale, self.main, self.workspace = config, float(scale), main, workspace
         self.args, self.grads, self.lists = args, grads, lists
         self.fills = tuple(fills) + tuple((i, "zero") for i in grads)
@@ -159,8 +159,8 @@ class BackwardLaunch(_Launch):
         lists = None if self.lists is None else tuple(arrays[i] for i in self.lists)
         scale = cutlass.Float32(self.scale)
         _fill(self.fills, arrays, stream)
-        BwdPreprocess(cfg)(o, do, lse, dlse, lse2, delta, dqacc, None, None, stream)
-        backward_kernel(cfg)(q, k, v, do, lse2, delta, dqacc, None, dk, dv, scale, _mod_args(self.args, arrays),
+        BwdPreprocess(cfg)(o, do, lse, dlse, lse2, delta, dqacc, None, None, None, stream)
+        backward_kernel(cfg)(q, k, v, do, lse2, delta, dqacc, None, None, dk, dv, scale, _mod_args(self.args, arrays),
                              grads, None, lists, stream)
         postprocess_kernel(cfg)(dqacc, dq, scale, None, None, stream)
 
