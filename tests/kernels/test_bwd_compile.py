@@ -199,15 +199,15 @@ def test_persistent(compiled):
 @pytest.mark.parametrize("name", FINISH)
 def test_dq_finish(compiled, name):
     """dq_finish: the same steps; the dQ writer counts each visit's landed adds with one
-    acquire-release atom per visit (and hands finished tiles over through two named
+    release atom per visit (and hands finished tiles over through two named
     barriers), two finisher warps each read their half of a tile back with one bulk copy
     and store dQ in 4-byte pairs; none of it without dq_finish."""
     cfg, ptx = compiled[name]
     _, plain = compiled[name[:-7]]
     assert _steps(ptx, cfg) == _steps(plain, cfg)
-    for text, count in (("atom.acq_rel.gpu.global.add.s32", 2),
+    for text, count in (("atom.release.gpu.global.add.s32", 2),
                         ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes", 1),
-                        ("fence.proxy.async.global", 1)):
+                        ("fence.proxy.async.global", 1), ("fence.acq_rel.gpu", 1)):
         assert ptx.count(text) == count and text not in plain, text
     assert "st.global.b32" in ptx or "st.global.v2.b16" in ptx or "st.global.u32" in ptx
     with pytest.raises(ValueError, match="dq_finish"):

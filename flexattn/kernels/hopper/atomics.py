@@ -8,7 +8,7 @@
   by the TMA engine (`cp.reduce.async.bulk`), for the backward's dQ tiles.
 * `bulk_load`: a contiguous run from global into shared memory by the TMA engine,
   completing on an mbarrier (the fused dQ finish reads a q tile back).
-* The fused dQ finish's tile counts: `atom_add_acq_rel_s32` (returns the old count).
+* The fused dQ finish's tile counts: `atom_add_release_s32` (returns the old count).
 * The deterministic mode's dQ turn flags: `ld_acquire_s32` (spin reads) and
   `red_release_add_s32` (hand the turn on), the acquire / release pair of
   `cutlass::GenericBarrier` (wait_eq / arrive_inc).
@@ -109,14 +109,14 @@ def red_release_add_s32(ptr, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def atom_add_acq_rel_s32(ptr, value, *, loc=None, ip=None) -> Int32:
-    """old = *ptr; *ptr += value (global int32), acquire and release at GPU scope: the
-    fused dQ finish's tile counts (bwd/sm90.py) — the writes released before it are
-    published with the new count, and whoever sees the final count sees every add."""
+def atom_add_release_s32(ptr, value, *, loc=None, ip=None) -> Int32:
+    """old = *ptr; *ptr += value (global int32), release at GPU scope: the fused dQ
+    finish's tile counts (bwd/sm90.py) — the writes that precede it are published with the
+    new count; the finisher that sees the final count acquires with a fence."""
     return Int32(llvm.inline_asm(
         T.i32(),
         [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
-        "atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;",
+        "atom.release.gpu.global.add.s32 $0, [$1], $2;",
         "=r,l,r",
         has_side_effects=True,
         is_align_stack=False,
