@@ -19,7 +19,9 @@ key of a repeated step — the torch adapter's whole step costs ~34 µs of host 
 the cache's lengths (host ints) are checked (batch, query tokens present, capacity) and
 go with the offsets (``len - q_len``) into the plan's buffer through the workspace's
 uploader (a ``StagingRing`` slot and one asynchronous copy: the host plans the next
-step while the GPU runs this one — new values, same structure: nothing recompiles);
+step while the GPU runs this one — new values, same structure: nothing recompiles; values
+equal to the plan's last upload are not copied again: a flex_attention call against a
+fixed-length cache repeats them every call);
 ``choose_launch`` picks how many splits of the kv blocks to visit fill the GPU and how
 they merge (see there; cached per kv block count); the partials are views of the workspace's
 scratch, kept per split count; one launch, whose split CTAs merge in a cluster (pairs)

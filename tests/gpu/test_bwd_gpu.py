@@ -246,10 +246,12 @@ TILE80 = [
 
 
 def _case_mods(name, rng, B, Hq, Q, KV):
-    """(mask, score) of a mod_cases case, or of "wide_relative_bias"."""
+    """(mask, score) of a mod_cases case, or of "wide_relative_bias" or "first_rows"."""
     if name == "wide_relative_bias":           # causal_relative_bias's table, no mask
         _, score, _, _ = CASES["causal_relative_bias"](rng, B, Hq, Q, KV)
         return None, score
+    if name == "first_rows":       # rows from 70 on see no key: whole q tiles nobody visits
+        return mods.mask_mod(lambda b, h, q, kv: q < 70), None
     mask, score, _, _ = CASES[name](rng, B, Hq, Q, KV)
     return mask, score
 
@@ -403,10 +405,10 @@ def test_persistent(case, ctas):
     _check_listed(tuple(listed), [tuple(c[:-1]) for c in PERSISTENT], max_ctas=ctas, **extra)
 
 
-# dq_finish (the main kernel stores dQ, planned wherever it applies, so FIXED and RANDOM run
-# it too): q tiles no CTA visits (the preprocess zeroes their empty rows) — a mask on the
-# first rows only, a band whose edges may leave rows empty — a band with Q != KV, head dim
-# 96, GQA; then the postprocess path (dq_finish=False, the XLA entry's) on the same shapes.
+# BwdConfig.dq_finish (the main kernel stores dQ; not planned, measured slower): q tiles no
+# CTA visits (the preprocess zeroes their empty rows) — a mask on the first rows only, a band
+# whose edges may leave rows empty — a band with Q != KV, head dim 96, GQA; and the default
+# postprocess path on the same shapes.
 FINISH = [
     ("first_rows", "bf16", 128, 2, 4, 2, 300, 333, "bhsd"),
     ("first_rows", "fp16", 64, 1, 2, 1, 700, 129, "bshd"),
@@ -418,21 +420,10 @@ FINISH = [
 ]
 
 
-def _finish_mods(name, rng, B, Hq, Q, KV):
-    if name == "first_rows":       # rows from 70 on see no key: whole q tiles nobody visits
-        return mods.mask_mod(lambda b, h, q, kv: q < 70), None
-    mask, score, _, _ = CASES[name](rng, B, Hq, Q, KV)
-    return mask, score
-
-
 @pytest.mark.parametrize("finish", [True, False])
 @pytest.mark.parametrize("case", FINISH, ids=lambda c: "-".join(map(str, c)))
 def test_dq_finish(case, finish):
-    name, dtype_name, D, B, Hq, Hkv, Q, KV, layout = case
-    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
-    mask, score = _finish_mods(name, rng, B, Hq, Q, KV)
-    check_case(name, dtype_name, D, B, Hq, Hkv, Q, KV, mask, score, layout=layout,
-               seed=FINISH.index(case), dq_finish=finish)
+    _check_listed(case, FINISH, dq_finish=finish)
 
 
 def _random_cases(n, seed=4321):

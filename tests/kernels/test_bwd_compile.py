@@ -207,7 +207,7 @@ def test_dq_finish(compiled, name):
     assert _steps(ptx, cfg) == _steps(plain, cfg)
     for text, count in (("atom.release.gpu.global.add.s32", 2),
                         ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes", 1),
-                        ("fence.proxy.async.global", 1), ("fence.acq_rel.gpu", 1)):
+                        ("fence.proxy.async.global", 1), ("fence.acq_rel.gpu", 3)):
         assert ptx.count(text) == count and text not in plain, text
     assert "st.global.b32" in ptx or "st.global.v2.b16" in ptx or "st.global.u32" in ptx
     with pytest.raises(ValueError, match="dq_finish"):

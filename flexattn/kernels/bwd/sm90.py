@@ -1490,10 +1490,13 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
 
     @cute.jit
     def _finish_if_last(self, fin_tile, visit, counted, lane):
-        """dq_finish: hand `visit`'s tile over if its count (`_count_landed`'s) made it whole."""
+        """dq_finish: hand `visit`'s tile over if its count (`_count_landed`'s) made it whole:
+        a fence after the read of the final count acquires every visitor's released adds
+        (the fence-acquire pattern), the hand-over's barrier orders the finishers after it."""
         if visit[0] >= 0:
             seen = cute.arch.shuffle_sync(counted[0], 0)
             if seen + 1 == counted[1]:
+                cute.arch.fence_acq_rel_gpu()
                 self._hand_over(fin_tile, visit, lane)
 
     @cute.jit
@@ -1553,8 +1556,8 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         cfg = self.cfg
         tm, D = cfg.tile_m, cfg.head_dim
         chunk = tm * D // self.num_mma_wg
-        # Acquire (the writer's count was a release: every visitor's adds are visible), then
-        # order this generic-proxy acquire before the bulk (async-proxy) read.
+        # The writer acquired the adds (`_finish_if_last`); fence again here, in the reading
+        # warp, then order those generic-proxy fences before the bulk (async-proxy) read.
         cute.arch.fence_acq_rel_gpu()
         cute.arch.fence_proxy("async.global")
         acc_tile = cute.local_tile(mdQacc[None, None, head, batch], (tm, D), (m_block, 0))

@@ -92,20 +92,20 @@ def ld_acquire_s32(ptr, *, loc=None, ip=None) -> Int32:
     ))
 
 
+def _s32_at(asm: str, ptr, value, returns: bool, loc, ip):
+    """One int32 atomic `asm` on ptr's address ($0, or $1 after the result) and `value`."""
+    operands = [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)]
+    result = llvm.inline_asm(T.i32() if returns else None, operands, asm, "=r,l,r" if returns else "l,r",
+                             has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return Int32(result) if returns else None
+
+
 @dsl_user_op
 def red_release_add_s32(ptr, value, *, loc=None, ip=None) -> None:
     """*ptr += value (global int32), with release semantics at GPU scope: the writes that
     precede it (in this thread, or in threads ordered before it by a CTA barrier: release
     is cumulative) are visible to whoever acquires the new value."""
-    llvm.inline_asm(
-        None,
-        [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
-        "red.release.gpu.global.add.s32 [$0], $1;",
-        "l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+    _s32_at("red.release.gpu.global.add.s32 [$0], $1;", ptr, value, False, loc, ip)
 
 
 @dsl_user_op
@@ -113,15 +113,7 @@ def atom_add_release_s32(ptr, value, *, loc=None, ip=None) -> Int32:
     """old = *ptr; *ptr += value (global int32), release at GPU scope: the fused dQ
     finish's tile counts (bwd/sm90.py) — the writes that precede it are published with the
     new count; the finisher that sees the final count acquires with a fence."""
-    return Int32(llvm.inline_asm(
-        T.i32(),
-        [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
-        "atom.release.gpu.global.add.s32 $0, [$1], $2;",
-        "=r,l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    ))
+    return _s32_at("atom.release.gpu.global.add.s32 $0, [$1], $2;", ptr, value, True, loc, ip)
 
 
 @dsl_user_op
