@@ -231,6 +231,24 @@ def test_staging_ring_never_rewrites_a_slot_in_flight():
     assert ring.slot_bytes == 64 and any(w > 0 for w in waits)   # grew; the host did wait at times
 
 
+def test_a_step_with_the_last_uploaded_lengths_skips_the_upload():
+    """DecodePlan._stage uploads [lengths; offsets] into the plan's own positions buffer only
+    when they differ from its last upload (the short-query door repeats a fixed cache
+    length every call); a change uploads again, and so does going back."""
+    from flexattn.core.decode_path import DEFAULT_TUNING, DecodePlan
+
+    plan = object.__new__(DecodePlan)
+    uploads = []
+    plan.batch, plan.q_len, plan.capacity, plan.tuning = 2, 1, 4096, DEFAULT_TUNING
+    plan._put, plan._uploaded = uploads.append, None
+    plan._launches, plan._parts = {}, {}
+    plan._part_sizes, plan.part_shapes = (8, 8), ((2, 4, 1, 1), (2, 4, 1))
+    plan._scratch = lambda n: np.zeros(n, np.float32)
+    for lengths in ([100, 200], [100, 200], [100, 200], [101, 200], [101, 200], [100, 200]):
+        plan._stage(lengths, 132, 2)
+    assert uploads == [(100, 200, 99, 199), (101, 200, 100, 199), (100, 200, 99, 199)]
+
+
 def test_steps_the_decode_kernel_cannot_take_are_attention_problems():
     """kernel_step: the split-KV kernel takes bf16/fp16 steps of at most 16 tokens at head
     dims that are multiples of 16 from 32 to 256 with pages it reads in place; other steps
