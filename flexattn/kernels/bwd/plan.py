@@ -129,7 +129,7 @@ def workspace_shapes(cfg: BwdConfig, batch: int, q_heads: int, q_len: int,
     sp = padded_len(q_len, cfg)
     out = {"lse_log2": (batch, q_heads, sp), "delta": (batch, q_heads, sp),
            "dq_accum": (batch, q_heads, sp, cfg.head_dim)}
-    if cfg.deterministic or cfg.dq_finish:
+    if cfg.dq_flags:
         out["dq_semaphore"] = (batch, q_heads, sp // cfg.tile_m)
     if cfg.deterministic:
         if cfg.buffer_grads:
@@ -141,7 +141,7 @@ def workspace_shapes(cfg: BwdConfig, batch: int, q_heads: int, q_len: int,
 def workspace_dtypes(cfg: BwdConfig) -> dict:
     """dtype name ("float32" | "int32" | "int64") of each `workspace_shapes` entry."""
     out = {"lse_log2": "float32", "delta": "float32", "dq_accum": "float32"}
-    if cfg.deterministic or cfg.dq_finish:
+    if cfg.dq_flags:
         out["dq_semaphore"] = "int32"
     if cfg.deterministic:
         if cfg.buffer_grads:

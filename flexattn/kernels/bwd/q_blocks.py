@@ -120,19 +120,24 @@ class BandQBlocks(_Staged):
         return Int32(cutlass.select_(i < self.n_partial, self.partial_at(i), self.full_at(i - self.n_partial)))
 
 
+def last_visitor(m_block, tile_m: int, tile_n: int, n_kv, causal: bool, min_=min):
+    """The highest kv block whose `DenseQBlocks` walk visits q tile `m_block` (dense: the
+    last; causal: the last n with (n tile_n) // tile_m <= m_block); kv blocks 0 .. it do."""
+    if causal:
+        return min_(n_kv - 1, ((m_block + 1) * tile_m - 1) // tile_n)
+    return n_kv - 1
+
+
 def visitor_count(m_block, tile_m: int, tile_n: int, seqlen_k, causal: bool = False, band=None, ops=None):
-    """How many kv blocks visit q tile `m_block` — the transpose of `DenseQBlocks` (dense:
-    all of them; causal: kv blocks n with (n tile_n) // tile_m <= m_block) and of
-    `BandQBlocks` (`band` = (lo, hi): the forward's kv-block range of that tile). ``ops``:
-    (max, min, select), the kernel's or Python's (the default, for tests)."""
-    max_, min_, _ = ops or (max, min, None)
-    n_kv = (seqlen_k + tile_n - 1) // tile_n
+    """How many kv blocks visit q tile `m_block` — the transpose of `DenseQBlocks`
+    (`last_visitor` + 1) and of `BandQBlocks` (`band` = (lo, hi): the forward's kv-block
+    range of that tile). ``ops``: (max, min, select), the kernel's or Python's (the default,
+    for tests)."""
     if band is not None:
         n_lo, n_end, _, _ = band_block_ranges(band[0], band[1], m_block, tile_m, tile_n, seqlen_k, ops)
         return n_end - n_lo
-    if causal:
-        return min_(n_kv - 1, ((m_block + 1) * tile_m - 1) // tile_n) + 1
-    return n_kv
+    min_ = ops[1] if ops else min
+    return last_visitor(m_block, tile_m, tile_n, (seqlen_k + tile_n - 1) // tile_n, causal, min_) + 1
 
 
 class KvVisitors(_Staged):
@@ -164,11 +169,7 @@ class KvVisitors(_Staged):
             later, last_listed = self._after_sparse(m_block // self.factor, parent, last)
             missing = missing if (last_listed != 0 or last == parent) else Int32(0)
             return later * self.kv_sub + (self.kv_sub - 1 - n_block % self.kv_sub) - missing
-        last = self.n_kv_blocks - 1
-        if cutlass.const_expr(self.causal):
-            # DenseQBlocks: kv block n visits m >= (n * tile_n) // tile_m, i.e. n <= last.
-            last = cutlass.min(last, ((m_block + 1) * self.tile_m - 1) // self.tile_n)
-        return last - n_block
+        return last_visitor(m_block, self.tile_m, self.tile_n, self.n_kv_blocks, self.causal, cutlass.min) - n_block
 
     @cute.jit
     def _after_sparse(self, q_block, n_block, watch=None):

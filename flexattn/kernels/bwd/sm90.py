@@ -170,8 +170,8 @@ class BwdConfig(KernelConfig):
     # count reaches the tile's visitor count, `_dq_visitors`) hands it to two finisher
     # warps (producer warps 2 and 3, one warpgroup column each), which read it back into
     # shared memory (TMA bulk copy), scale, convert and store dQ while the CTA goes on.
-    # The 64- and 128-key, 64-row layouts where the 32 KB read-back buffer fits beside the
-    # tiles (`finish_fits`); not deterministic (its turns order the adds already), not
+    # The 128-key, 64-row layout where the 32 KB read-back buffer fits beside the tiles
+    # (`finish_allowed`); not deterministic (its turns order the adds already), not
     # persistent. dQ rows no CTA visits are empty (LSE -inf): the preprocess zeroes them.
     # Measured slower than the postprocess (each CTA's end waits for its last adds to land
     # and counts them), so not planned: FLEXATTN_DQ_FINISH=1 plans it (bwd/plan.py).
@@ -293,6 +293,12 @@ class BwdConfig(KernelConfig):
         256/256, more than the 240 a consumer has). S^T and dP^T split over the q columns,
         so P^T and dS^T reach the dK / dV GEMMs of both warpgroups through shared memory."""
         return self.head_dim > 128 or self.head_dim_v > 128
+
+    @property
+    def dq_flags(self) -> bool:
+        """The kernel keeps one int32 flag per q tile in the `dq_semaphore` workspace:
+        deterministic (the dQ turns) and dq_finish (the landed visits)."""
+        return self.deterministic or self.dq_finish
 
     @property
     def kv_lists(self) -> bool:
@@ -639,7 +645,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             raise ValueError("block_sparse tensors must be given iff cfg.block_sparse")
         if const_expr(cfg.buffer_grads != (grad_args is not None)):
             raise ValueError("grad_args must be given iff the score mod reads float buffers")
-        if const_expr((cfg.deterministic or cfg.dq_finish) != (mdQsem is not None)):
+        if const_expr(cfg.dq_flags != (mdQsem is not None)):
             raise ValueError("dq_semaphore must be given iff cfg.deterministic or cfg.dq_finish")
         if const_expr(cfg.dq_finish != (mdQ is not None)):
             raise ValueError("dq must be given iff cfg.dq_finish")
@@ -1403,7 +1409,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             n_block, head_kv, batch = where
             # Deterministic: the flag (its offset in this batch's [H, q tiles] semaphores)
             # whose turn is still held, or -1. One register: this warp has 24.
-            sems = mdQsem[batch, None, None] if const_expr(cfg.deterministic or cfg.dq_finish) else None
+            sems = mdQsem[batch, None, None] if const_expr(cfg.dq_flags) else None
             if const_expr(cfg.dq_finish):
                 # The visit whose adds are not counted yet: (head, q tile), head -1: none.
                 none = Int32(-1)

@@ -257,20 +257,18 @@ class BackwardRunner:
         grad_key = tuple(arg_signature(g) for g in grads or ())
         key = ("main",) + tuple(arg_signature(a) for a in mod_args or ()) + grad_key
         main = self._compiled_fn(key, lambda: backward_kernel(cfg), main_args)
-        if cfg.dq_finish:
-            def launch():
-                pre(*pre_args)
-                main(*main_args)
-            return launch
-        post_grads = grads if fixed is not None else None
-        post_args = (dqacc, dqd, scale, post_grads, fixed, cu_stream)
-        post_key = ("post",) + (grad_key if fixed is not None else ())
-        post = self._compiled_fn(post_key, lambda: postprocess_kernel(cfg), post_args)
+        post = post_args = None          # (dq_finish: the main kernel stores dQ)
+        if not cfg.dq_finish:
+            post_grads = grads if fixed is not None else None
+            post_args = (dqacc, dqd, scale, post_grads, fixed, cu_stream)
+            post_key = ("post",) + (grad_key if fixed is not None else ())
+            post = self._compiled_fn(post_key, lambda: postprocess_kernel(cfg), post_args)
 
         def launch():
             pre(*pre_args)
             main(*main_args)
-            post(*post_args)
+            if post is not None:
+                post(*post_args)
         return launch
 
     @property
@@ -382,7 +380,7 @@ class FfiBackwardRunner:
         dqsem, fixed = ws.get("dq_semaphore"), ws.get("grad_fixed")
         grads = tuple(grad_args) if grad_args else None
         scale = float(softmax_scale)
-        dq_out = a.dq if post is None else None
+        dq_out = a.dq if self.cfg.dq_finish else None
         pre(a.out, a.d_out, a.lse, a.d_lse, lse2, delta, dqacc, dqsem, dq_out, fixed)
         main(a.q, a.k, a.v, a.d_out, lse2, delta, dqacc, dqsem, dq_out, a.dk, a.dv, scale,
              tuple(mod_args) if mod_args else None, grads, fixed, tuple(block_sparse) if block_sparse else None)

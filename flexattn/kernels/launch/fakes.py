@@ -109,7 +109,7 @@ def _lse():
 
 
 def fake_dq_semaphore(cfg):
-    return fake_tensor(cutlass.Int32, 3, 4) if cfg.deterministic or cfg.dq_finish else None
+    return fake_tensor(cutlass.Int32, 3, 4) if cfg.dq_flags else None
 
 
 def fake_grad_fixed(cfg):
