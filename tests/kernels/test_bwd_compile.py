@@ -119,7 +119,7 @@ SWAPPED = ["d192-128-causal-softcap-swap", "d192-dense-swap", "d256-128-causal-s
 TILE128 = ["d64-causal-128", "d32-sparse-document-128"]
 # persistent CTAs (not planned: measured slower; FLEXATTN_BWD_PERSISTENT=1 plans them)
 PERSISTENT = ["d128-band-window-persist"]
-# dQ finished in the main kernel (planned where it applies: bwd.plan.config_from_forward)
+# dQ finished in the main kernel (not planned: measured slower; FLEXATTN_DQ_FINISH=1 plans it)
 FINISH = ["d128-causal-softcap-finish", "d128-band-window-finish", "d64-sparse-document-finish",
           "d96-causal-softcap-finish", "d128-dense-finish"]
 NAMES = DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + SWAPPED + TILE128 + PERSISTENT + FINISH
