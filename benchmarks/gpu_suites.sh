@@ -2,13 +2,15 @@
 # Every GPU test suite in one device call, in parallel processes: the suites are dominated
 # by kernel compiles (CPU-bound, 2-8 s each, ~16 cores on the device) while their GPU work
 # is short, so groups run side by side on the one GPU. Logs land in $OUT (or /tmp).
-# Usage (device tool, carry [".gpu"]):  bash benchmarks/gpu_suites.sh [seconds per group]
+# Usage (device tool, carry [".gpu"]):  bash benchmarks/gpu_suites.sh [seconds per group] [group ...]
+# (no groups named: all of them)
 set -u
 source .gpu/activate.sh
 out=${OUT:-/tmp/flexattn-out}
 mkdir -p "$out"
 limit=${1:-540}
-groups=(
+shift $(( $# > 0 ? 1 : 0 ))
+all_groups=(
   "fwd:tests/gpu/test_fwd_gpu.py tests/gpu/test_mod_emit_gpu.py"
   "public:tests/gpu/test_flex_attention_gpu.py tests/gpu/test_dlpack_gpu.py"
   "bwd:tests/gpu/test_bwd_gpu.py -k '(test_fixed or test_random or from_dlpack) and not deterministic'"
@@ -21,6 +23,10 @@ groups=(
   "fp32:tests/gpu/test_fp32_gpu.py"
   "fp32bwd:tests/gpu/test_bwd_fp32_gpu.py"
 )
+groups=()
+for g in "${all_groups[@]}"; do
+  if [ $# -eq 0 ] || [[ " $* " == *" ${g%%:*} "* ]]; then groups+=("$g"); fi
+done
 pids=()
 for g in "${groups[@]}"; do
   name=${g%%:*}

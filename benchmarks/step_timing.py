@@ -7,6 +7,10 @@ flushed loop kernel by kernel, so a difference shows up as either kernel time (c
 or GPU idle time (host latency exposed between the flush and the step's first kernel).
 
     python3 benchmarks/step_timing.py [--shape 4x4096x16x128] [--variants full causal]
+        [--impls flexattn fa4 flex] [--door]
+
+``--door``: ours called as bench_bwd's headline (torch-style functions, the block mask from
+``create_block_mask(fn, ..., device="cuda")``) instead of through our built-in mods.
 """
 
 import argparse
@@ -96,6 +100,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="4x4096x16x128", help="BxSxHxD")
     ap.add_argument("--variants", nargs="*", default=["full", "causal"])
+    ap.add_argument("--impls", nargs="*", default=["flexattn", "fa4"])
+    ap.add_argument("--door", action="store_true", help="ours through torch-style functions (bench_bwd's headline)")
     args = ap.parse_args()
     setup_dynamo()
     import flexattn.torch as fa
@@ -107,11 +113,20 @@ def main():
         var = Variant(name, B, S, H)
         density, kw = ours_mask_args(var, S)
         work = BWD_FLOPS * 4.0 * B * H * S * S * D * density
-        makers = [("flexattn", lambda: (lambda: fa.flex_attention(qh, kh, vh, score_mod=var.score,
-                                                                  scale=scale, **kw)))]
-        makers += [(n, m) for n, m in baselines(q, k, v, scale, var, S) if n == "fa4"]
+        if args.door:
+            door_bm = fa.create_block_mask(var.mask_fn, None, None, S, S, device="cuda") if var.mask_fn else None
+            ours = lambda: (lambda: fa.flex_attention(qh, kh, vh, score_mod=var.score_fn, block_mask=door_bm,
+                                                      scale=scale))
+        else:
+            ours = lambda: (lambda: fa.flex_attention(qh, kh, vh, score_mod=var.score, scale=scale, **kw))
+        makers = [("flexattn", ours)] + list(baselines(q, k, v, scale, var, S))
         for impl, make in makers:
-            step = fwd_bwd(make(), (q, k, v), grad_bshd if impl == "fa4" else grad_bhsd)
+            if impl not in args.impls:
+                continue
+            call = make()
+            if call is None:
+                continue
+            step = fwd_bwd(call, (q, k, v) + tuple(var.trainable), grad_bshd if impl == "fa4" else grad_bhsd)
             flushed = bench_ms(step)
             warm = back_to_back_ms(step)
             kernels, span = flushed_profile(step)
