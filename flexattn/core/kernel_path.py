@@ -486,8 +486,11 @@ def _backward_ctas(q, fp32: bool) -> int:
     S2048 1.126, B2 S8192 1.027; document4 1.013 / 1.075 / 0.997; full 1.017, causal 1.35):
     the next tile's K / V still wait for this tile's dK / dV stores through sK / sV, and a
     static walk cannot even out tiles of unequal length as the hardware's CTA scheduling
-    does. ``FLEXATTN_BWD_PERSISTENT=1`` plans them for every 16-bit backward (A/B runs);
-    never inside ``gpu_shared()`` (see there)."""
+    does. Since dK / dV are staged apart (``FlashBwdSm90.dkv_staged_apart``, H200,
+    2026-11-28): document4 0.979-0.986 at B4 S4096, 0.992 at B8 S2048, 0.998 at B2 S8192;
+    window1024 1.016, full 1.009 — balanced block lists are the candidates, not yet
+    planned. ``FLEXATTN_BWD_PERSISTENT=1`` plans them for every 16-bit backward (A/B
+    runs); never inside ``gpu_shared()`` (see there)."""
     if fp32 or _GPU_SHARED.get() or os.environ.get("FLEXATTN_BWD_PERSISTENT") != "1":
         return 0
     return persistent_ctas(q)

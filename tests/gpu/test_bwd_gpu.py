@@ -379,7 +379,8 @@ def test_cluster(case):
 
 
 # Persistent CTAs (BwdConfig.max_ctas): 3 of them, so each walks many kv tiles (K / V
-# reloaded after the previous tile's dK / dV left through sK / sV, the Q / dO ring and the
+# reloaded while the previous tile's dK / dV leave through sdQ / sdS — `dkv_staged_apart`;
+# through sK / sV, then reloaded, in the split and swapped layouts — the Q / dO ring and the
 # dQ writer's handshakes running on across tiles), and an H100's 132. Bands, block lists,
 # causal, dense 80-row tiles, GQA, kv tiles nobody visits, per-diagonal sums across tiles,
 # head dims beyond 128 (split and swapped layouts). (case..., tile_n or None)
@@ -424,6 +425,25 @@ FINISH = [
 @pytest.mark.parametrize("case", FINISH, ids=lambda c: "-".join(map(str, c)))
 def test_dq_finish(case, finish):
     _check_listed(case, FINISH, dq_finish=finish)
+
+
+# Programmatic dependent launch (BwdConfig.pdl; not planned, measured neutral): the main
+# kernel and the postprocess take SMs while the kernel before them drains and wait for it
+# before reading its results. A band, block lists, buffer gradients with per-diagonal sums
+# and a score mod, each as the default, the deterministic and the persistent kernel.
+PDL = [
+    ("sliding_window", "bf16", 128, 1, 4, 2, 700, 700, "bhsd"),
+    ("document", "fp16", 64, 2, 2, 2, 384, 384, "bhsd"),
+    ("causal_relative_bias", "bf16", 128, 1, 4, 2, 777, 900, "bhsd"),
+    ("causal_softcap", "bf16", 128, 2, 4, 4, 400, 400, "bshd"),
+]
+
+
+@pytest.mark.parametrize("kind", [{}, {"deterministic": True}, {"max_ctas": 132}],
+                         ids=["default", "deterministic", "persistent"])
+@pytest.mark.parametrize("case", PDL, ids=lambda c: "-".join(map(str, c)))
+def test_pdl(case, kind):
+    _check_listed(case, PDL, pdl=True, **kind)
 
 
 def _random_cases(n, seed=4321):

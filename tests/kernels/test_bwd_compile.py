@@ -90,6 +90,9 @@ def _config(name):
     if name.endswith("-persist"):             # persistent CTAs (BwdConfig.max_ctas)
         cfg, hook = _config(name[:-8])
         return dataclasses.replace(cfg, max_ctas=132), hook
+    if name.endswith("-pdl"):                 # programmatic dependent launches (BwdConfig.pdl)
+        cfg, hook = _config(name[:-4])
+        return dataclasses.replace(cfg, pdl=True), hook
     if name.endswith("-finish"):              # dQ stored by the main kernel (BwdConfig.dq_finish)
         cfg, hook = _config(name[:-7])
         return dataclasses.replace(cfg, dq_finish=True), hook
@@ -122,7 +125,9 @@ PERSISTENT = ["d128-band-window-persist"]
 # dQ finished in the main kernel (not planned: measured slower; FLEXATTN_DQ_FINISH=1 plans it)
 FINISH = ["d128-causal-softcap-finish", "d128-band-window-finish", "d64-sparse-document-finish",
           "d96-causal-softcap-finish", "d128-dense-finish"]
-NAMES = DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + SWAPPED + TILE128 + PERSISTENT + FINISH
+# programmatic dependent launch (not planned: measured neutral; FLEXATTN_BWD_PDL=1 plans it)
+PDL = ["d128-band-window-pdl", "d128-band-window-persist-pdl", "det-d128-relative-bias-pdl"]
+NAMES = DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + SWAPPED + TILE128 + PERSISTENT + FINISH + PDL
 
 
 @pytest.fixture(scope="module")
@@ -182,18 +187,64 @@ def test_block_structures(compiled):
 
 def test_persistent(compiled):
     """Persistent CTAs loop over kv tiles around the same two steps (no second copy), and
-    release K / V once dK / dV have been stored (one more mbarrier arrive than one CTA per
-    tile, which never reloads them). The combinations they refuse are errors."""
+    release K / V for the next tile (one more mbarrier arrive than one CTA per tile, which
+    never reloads them) before the epilogue: dK / dV are staged in sdQ / sdS
+    (`dkv_staged_apart`), behind the writer's `DQ_DRAINED` arrival (barrier 10, the 256
+    consumers and the writer warp, in place of the consumers' own sync before staging), and
+    the consumers meet once more after the stores have read them. The combinations they
+    refuse are errors."""
+    from flexattn.kernels.bwd.sm90 import FlashBwdSm90
+
     cfg, ptx = compiled["d128-band-window-persist"]
     assert _steps(ptx, cfg) == 2
     _, once = compiled["d128-band-window"]
     arrives = "mbarrier.arrive.shared"
     assert ptx.count(arrives) > once.count(arrives)
+    assert FlashBwdSm90(cfg).dkv_staged_apart and not FlashBwdSm90(compiled["d128-band-window"][0]).dkv_staged_apart
+    assert len(re.findall(r"bar\.arrive\s+10, 288;", ptx)) == 1
+    assert len(re.findall(r"bar\.sync\s+10, 288;", ptx)) == 1
+    assert "10, 288" not in once
+    epilogue = r"bar\.sync\s+1, 256;"
+    assert len(re.findall(epilogue, ptx)) == len(re.findall(epilogue, once)) == 2
     for bad in (dict(max_ctas=132, deterministic=True), dict(max_ctas=132, cluster_n=2), dict(max_ctas=-1)):
         with pytest.raises(ValueError, match="max_ctas"):
             BwdConfig(head_dim=128, **bad)
     with pytest.raises(ValueError, match="persistent"):
         BwdConfig(dtype="fp32", head_dim=64, max_ctas=132)
+
+
+@pytest.mark.parametrize("name", PDL)
+def test_pdl(compiled, name, monkeypatch):
+    """Under PDL the main kernel lets the postprocess launch once its CTAs have started
+    (one launch_dependents) and waits for the preprocess in every role that reads what it
+    wrote: the producer (after K / V where one CTA has one tile), the dQ writer (and the
+    idle producer warps with it) and the consumers: three waits; the same steps; none of
+    it without PDL. The preprocess signals, the postprocess waits; neither without PDL."""
+    cfg, ptx = compiled[name]
+    _, plain = compiled[name[:-4]]
+    assert _steps(ptx, cfg) == _steps(plain, cfg)
+    assert ptx.count("griddepcontrol.launch_dependents") == 1
+    assert ptx.count("griddepcontrol.wait") == 3
+    assert "griddepcontrol" not in plain
+    if name == PDL[0]:
+        pre = compile_preprocess("bf16", 128, pdl=True, keep_ptx=True).__ptx__
+        post = compile_postprocess("bf16", 128, pdl=True, keep_ptx=True).__ptx__
+        assert pre.count("griddepcontrol.launch_dependents") == 1 and "griddepcontrol.wait" not in pre
+        assert post.count("griddepcontrol.wait") == 1 and "launch_dependents" not in post
+        for ptx in (compile_preprocess("bf16", 128, keep_ptx=True).__ptx__,
+                    compile_postprocess("bf16", 128, keep_ptx=True).__ptx__):
+            assert "griddepcontrol" not in ptx
+        with pytest.raises(ValueError, match="pdl"):
+            BwdConfig(dtype="fp32", head_dim=64, pdl=True)
+        from flexattn.kernels.bwd.plan import config_from_forward
+        from flexattn.kernels.fwd.sm90 import FwdConfig
+
+        fwd = FwdConfig(head_dim=128)
+        monkeypatch.delenv("FLEXATTN_BWD_PDL", raising=False)
+        assert not config_from_forward(fwd).pdl
+        monkeypatch.setenv("FLEXATTN_BWD_PDL", "1")
+        assert config_from_forward(fwd).pdl
+        assert not config_from_forward(dataclasses.replace(fwd, dtype="fp32")).pdl
 
 
 @pytest.mark.parametrize("name", FINISH)

@@ -68,7 +68,7 @@ class BwdPostprocess:
         grid = ((dQ.shape[0] + tm - 1) // tm, dQ.shape[2], dQ.shape[3])
         self.kernel(dQacc, tma_dQ, tma_atom, tiled_mma, s_layout, softmax_scale, grad_args,
                     mGradFixed, SharedStorage).launch(
-            grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream, use_pdl=cfg.pdl)
 
     @cute.kernel
     def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, tma_atom: cute.CopyAtom,
@@ -80,6 +80,8 @@ class BwdPostprocess:
         m_block, head, batch = cute.arch.block_idx()
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
         sdQ = storage.sdQ.get_tensor(s_layout.outer, swizzle=s_layout.inner)
+        if const_expr(cfg.pdl):
+            cute.arch.griddepcontrol_wait()   # launched as the main kernel's dependent: dq_accum done
 
         # Registers of consumer thread tidx, in the order its dQ fragment holds them
         # (swapped: a dQ^T fragment).

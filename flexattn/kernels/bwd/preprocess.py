@@ -94,6 +94,10 @@ class BwdPreprocess(RowChunkKernel):
                mdQsem, mdQ, mGradFixed):
         tidx = cute.arch.thread_idx()[0]
         m_block, head, batch = cute.arch.block_idx()
+        if const_expr(self.cfg.pdl):
+            # The main kernel (a programmatic dependent) may take SMs as this grid drains;
+            # it waits for this grid to finish before reading what it writes.
+            cute.arch.griddepcontrol_launch_dependents()
         if const_expr(mdQsem is not None):
             # One CTA per q tile: the main kernel's dQ turn flag of this tile.
             if tidx == 0:

@@ -159,9 +159,11 @@ class BwdConfig(KernelConfig):
     cluster_n: int = 1
     # Persistent CTAs (0: one CTA per kv tile): at most this many (the SM count), each walking
     # linear tiles first, first + stride, ... in `order`. The producer loads the next tile's
-    # first Q / dO while the consumers finish this one, and its K / V once they have stored
-    # dK / dV; the dQ writer's last adds and the CTA launch overlap the next tile. Measured
-    # slower than one CTA per tile, so not planned (core/kernel_path._backward_ctas).
+    # first Q / dO while the consumers finish this one, and its K / V once they have released
+    # sK / sV (`FlashBwdSm90.dkv_staged_apart`: before the epilogue, which stages dK / dV in
+    # sdQ / sdS; else after it); the dQ writer's last adds and the CTA launch overlap the next
+    # tile. Measured faster for documents (1-2%), slower for windows and dense walks, so not
+    # planned (core/kernel_path._backward_ctas).
     # Not deterministic (a CTA waiting for a later tile's dQ turn could wait for itself),
     # no clusters.
     max_ctas: int = 0
@@ -178,6 +180,17 @@ class BwdConfig(KernelConfig):
     dq_finish: bool = False
     # fp32: tf32 MMAs per product, 1 or 3 (3xTF32: torch's "highest" float32 precision)
     tf32_passes: int = 1
+    # Programmatic dependent launch (PDL): the main kernel and the postprocess are launched
+    # as dependents of the kernel before them, whose CTAs all signal
+    # `griddepcontrol.launch_dependents` as they start: a dependent's CTAs take SMs as its
+    # predecessor's drain (launch and K / V loads overlap that tail) and wait
+    # (`griddepcontrol.wait`) before touching what the predecessor writes — the main
+    # kernel's producer before the first Q / LSE / dO / D load, its dQ writer before the
+    # first add, its consumers (buffer-gradient accumulators) at the start; the
+    # postprocess at the start. Off: every kernel waits for the one before to finish.
+    # Measured neutral (H200, fwd+bwd B4 S4096: 0.999-1.005x), so not planned:
+    # FLEXATTN_BWD_PDL=1 plans it (bwd/plan.py).
+    pdl: bool = False
 
     def __post_init__(self):
         self.check_dtype()
@@ -284,6 +297,8 @@ class BwdConfig(KernelConfig):
             raise ValueError("the float32 backward has no persistent CTAs (max_ctas=0)")
         if self.dq_finish:
             raise ValueError("the float32 backward finishes dQ in its postprocess (dq_finish=False)")
+        if self.pdl:
+            raise ValueError("the float32 backward launches its kernels in plain stream order (pdl=False)")
 
     @property
     def split_head_dim(self) -> bool:
@@ -540,6 +555,9 @@ class BwdBarrier(NamedBarriers):
     # `BwdConfig.dq_finish`, over the dQ writer and the two finisher warps (96 threads):
     FIN_EMPTY = 8   # the finishers have taken the last tile handed over
     FIN_FULL = 9    # a finished tile's (head, q tile) is in sFinTile (head -1: no more)
+    # Persistent CTAs staging dK / dV apart (`dkv_staged_apart`), over the consumer threads
+    # and the dQ writer warp: the writer's last bulk add of the tile has read sdQ.
+    DQ_DRAINED = 10
 
 
 class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
@@ -579,6 +597,20 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         # memory) sDiag (~22 KB at 80) does not fit, so 80 keeps the per-thread adds, and
         # so do the 64 x 32 tiles of `split_head_dim`.
         return self.cfg.tile_m == 64 and not self.cfg.split_head_dim and one_diagonal_read(self.cfg)
+
+    @property
+    def dkv_staged_apart(self) -> bool:
+        """Persistent CTAs stage dK / dV for their TMA stores in sdQ and sdS instead of sK /
+        sV: sdQ (fp32, tile_m x D) and sdS (tile_n x tile_m per buffer) each hold a
+        tile_n x D / Dv 16-bit tile at tile_m 64 and beyond, and both are free once the
+        tile's last visit is done (sdQ: once the writer's last add has read it,
+        `DQ_DRAINED`), so the consumers release sK / sV right after their last GEMMs and
+        the producer loads the next tile's K / V during the epilogue."""
+        cfg = self.cfg
+        ds_elems = cfg.tile_n * cfg.tile_m * (cfg.num_stages if cfg.dq_swap_ab else cfg.ds_ring)
+        return bool(cfg.max_ctas) and not cfg.split_head_dim and not cfg.dkv_swap and not cfg.dq_finish \
+            and 2 * cfg.tile_n * cfg.head_dim <= 4 * cfg.tile_m * cfg.head_dim \
+            and cfg.tile_n * cfg.head_dim_v <= ds_elems
 
     @property
     def stats_in_registers(self) -> bool:
@@ -801,6 +833,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             cluster=[cfg.cluster_n, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
+            use_pdl=cfg.pdl,
         )
 
     # ------------------------------------------------------------------ device side
@@ -868,10 +901,16 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             where = (n_block, head_kv, batch)
 
         self.rings_init_wait(cfg.cluster_n)
+        if const_expr(cfg.pdl):
+            # The postprocess may take SMs as this grid's last CTAs start (it waits for
+            # this grid to finish before reading dq_accum).
+            cute.arch.griddepcontrol_launch_dependents()
 
         regs = (cfg.producer_regs, cfg.consumer_regs)
         if self.is_producer(warp_idx):
             self.enter_producer(regs)
+            if warp_idx != 0:
+                self._wait_predecessor()      # dq_accum (and dQ's zeroed rows) are the preprocess's
             if warp_idx == 0:
                 self.load(mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
                           tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_dO, tma_atom_LSE,
@@ -887,7 +926,14 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                                warp_idx - 2, where, seqlen_q, softmax_scale)
         else:
             self.enter_consumer(regs)
-            self.consume(mdK, mdV, sdQ, sQ, sK, sV, sdO, (sdS, sP), sLSE, sDelta, sDiag,
+            self._wait_predecessor()          # (the deterministic buffer-grad accumulators)
+            dkv_stage = (sK[None, None, 0], sV[None, None, 0])
+            if const_expr(self.dkv_staged_apart):
+                # sK's / sV's layouts (the dK / dV TMA atoms') over sdQ's and sdS's bytes
+                dkv_stage = (storage.sdQ.get_tensor(sK_layout.outer, swizzle=sK_layout.inner,
+                                                    dtype=self.dtype)[None, None, 0],
+                             storage.sdS.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)[None, None, 0])
+            self.consume(mdK, mdV, sdQ, sQ, sK, sV, dkv_stage, sdO, (sdS, sP), sLSE, sDelta, sDiag,
                          tma_atom_dK, tma_atom_dV, tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
                          pipe_kv, pipe_q, pipe_do, where, group,
                          seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args,
@@ -937,6 +983,13 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         return n_kv - 1 - r // width, pair % kv_heads, pair // kv_heads
 
     # --------------------------------------------------------------- block structure
+    @cute.jit
+    def _wait_predecessor(self):
+        """Under PDL (`BwdConfig.pdl`): wait until the kernel before (the preprocess) has
+        finished and its writes are visible; a no-op when it already has."""
+        if const_expr(self.cfg.pdl):
+            cute.arch.griddepcontrol_wait()
+
     # ------------------------------------------------------------------ producer
     @cute.jit
     def load(self, mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
@@ -949,6 +1002,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
         if const_expr(cfg.max_ctas):
+            self._wait_predecessor()          # (the first tile's first load is its Q + LSE)
             for idx in cutlass.range(where.first, where.total, where.stride, unroll=1):
                 n_block, head_kv, batch = self._tile_order().tile(idx, where)
                 kv_state, state = self._load_tile(ops, kv_state, state, n_block, head_kv, batch,
@@ -995,6 +1049,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         if const_expr(not cfg.max_ctas):
             self._load_kv(kv_operands, kv_state, n_block, head_kv, batch)
             kv_due = Int32(0)
+            self._wait_predecessor()          # K / V are inputs; LSE and D are the preprocess's
         tile_qd = (cfg.tile_m, cfg.head_dim)
         # Cluster: this CTA's slice of each Q / dO tile, multicast into both CTAs (LSE and
         # D, a few hundred bytes, each CTA loads for itself).
@@ -1043,7 +1098,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def consume(self, mdK, mdV, sdQ, sQ, sK, sV, sdO, sdS_sP, sLSE, sDelta, sDiag,
+    def consume(self, mdK, mdV, sdQ, sQ, sK, sV, dkv_stage, sdO, sdS_sP, sLSE, sDelta, sDiag,
                 tma_atom_dK, tma_atom_dV, tiled_mma_nm, tiled_mma_nd, tiled_mma_md,
                 pipe_kv, pipe_q, pipe_do, where, group,
                 seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args,
@@ -1154,7 +1209,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         fixed = ((tiled_mma_nm, tiled_mma_nd, tiled_mma_nv, tiled_mma_md), frags, acc_shape_nm, acc_shape_md,
                  acc_dV, acc_dK, coords, r2s_dS, tdSsdS, tdQsdQ, wg, sLSE, sDelta, pipe_q, pipe_do)
         rest = (seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args, sDiag)
-        out = (acc_dK, acc_dV, mdK, mdV, sK, sV, tma_atom_dK, tma_atom_dV, (tiled_mma_nd, tiled_mma_nv),
+        out = (acc_dK, acc_dV, mdK, mdV, dkv_stage, tma_atom_dK, tma_atom_dV, (tiled_mma_nd, tiled_mma_nv),
                tidx, pipe_kv)
         if const_expr(cfg.max_ctas):
             for idx in cutlass.range(where.first, where.total, where.stride, unroll=1):
@@ -1174,7 +1229,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         cfg = self.cfg
         mods = self.mods
         seqlen_q, seqlen_k, softmax_scale, scale_log2, mod_args, grad_args, sDiag = rest
-        acc_dK, acc_dV, mdK, mdV, sK, sV, tma_atom_dK, tma_atom_dV, dkv_mmas, tidx, pipe_kv = out
+        acc_dK, acc_dV, mdK, mdV, dkv_stage, tma_atom_dK, tma_atom_dV, dkv_mmas, tidx, pipe_kv = out
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
         pipe_kv.consumer_wait(kv_state)
@@ -1219,9 +1274,14 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                         state = self._step(ctx, state, blocks.at(i), mask=mods.has_mask,
                                            causal=False)
 
-        self.epilogue(acc_dK, acc_dV, mdK, mdV, sK, sV, tma_atom_dK, tma_atom_dV,
+        if const_expr(self.dkv_staged_apart):
+            # Each thread's last GEMMs (the last readers of sK / sV) have retired: the next
+            # tile's K / V may load while dK / dV leave through sdQ / sdS.
+            pipe_kv.consumer_release(kv_state)
+            kv_state.advance()
+        self.epilogue(acc_dK, acc_dV, mdK, mdV, dkv_stage, tma_atom_dK, tma_atom_dV,
                       dkv_mmas, tidx, n_block, head_kv, batch, softmax_scale)
-        if const_expr(cfg.max_ctas):
+        if const_expr(cfg.max_ctas and not self.dkv_staged_apart):
             # Warp 0 waited until the dK / dV stores read sK / sV (store_staged).
             pipe_kv.consumer_release(kv_state)
             kv_state.advance()
@@ -1405,6 +1465,10 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                 n_block, head_kv, batch = self._tile_order().tile(idx, where)
                 self._store_dq_tile(mdQacc, sdQ, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
                                     block_sparse, None, Int32(-1), lane)
+                if const_expr(self.dkv_staged_apart):
+                    # The tile's last adds have read sdQ: the epilogue may stage dK there.
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    BwdBarrier.DQ_DRAINED.arrive(self.num_mma_threads + 32)
         else:
             n_block, head_kv, batch = where
             # Deterministic: the flag (its offset in this batch's [H, q tiles] semaphores)
@@ -1656,19 +1720,24 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             self._add_buffer_grad(reads[0][0], reads[0][1], total, grad_args)
 
     @cute.jit
-    def epilogue(self, acc_dK, acc_dV, mdK, mdV, sK, sV, tma_atom_dK, tma_atom_dV,
+    def epilogue(self, acc_dK, acc_dV, mdK, mdV, dkv_stage, tma_atom_dK, tma_atom_dV,
                  tiled_mmas, tidx, n_block, head_kv, batch, softmax_scale):
-        """dK * scale and dV -> input dtype -> stmatrix into sK / sV -> TMA store (clips
-        keys >= KV_LEN). A CTA that visited nothing writes zeros."""
+        """dK * scale and dV -> input dtype -> stmatrix into the staging tiles (sK / sV, or
+        under `dkv_staged_apart` sdQ / sdS) -> TMA store (clips keys >= KV_LEN). A CTA that
+        visited nothing writes zeros."""
         cfg = self.cfg
         rdK = cute.make_rmem_tensor_like(acc_dK, self.dtype)
         rdK.store((acc_dK.load() * softmax_scale).to(self.dtype))
         rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
         rdV.store(acc_dV.load().to(self.dtype))
-        # sK / sV are read by both warpgroups' GEMMs until their last visit.
-        BwdBarrier.EPILOGUE.sync(self.num_mma_threads)
-        sdK = sK[None, None, 0]
-        sdV = sV[None, None, 0]
+        if const_expr(self.dkv_staged_apart):
+            # sdS: both warpgroups' last dQ GEMMs (its readers) retired before they arrive;
+            # sdQ: the writer arrives once its last add of the tile has read it.
+            BwdBarrier.DQ_DRAINED.sync(self.num_mma_threads + 32)
+        else:
+            # sK / sV are read by both warpgroups' GEMMs until their last visit.
+            BwdBarrier.EPILOGUE.sync(self.num_mma_threads)
+        sdK, sdV = dkv_stage
         tiled_mma_nd, tiled_mma_nv = tiled_mmas   # dK's and dV's accumulator layouts
         # split_head_dim: a warpgroup's accumulator columns are its head-dim slice
         wg_cols = ((cfg.head_dim // self.num_mma_wg, cfg.head_dim_v // self.num_mma_wg)
@@ -1692,3 +1761,6 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             return [(tma_atom_dK, sdK, gdK), (tma_atom_dV, sdV, gdV)]
 
         store_staged(dk_dv_stores, tidx, BwdBarrier.EPILOGUE, self.num_mma_threads, wait_read=True)
+        if const_expr(self.dkv_staged_apart):
+            # The next tile writes sdS / sdQ again: not before warp 0's stores have read them.
+            BwdBarrier.EPILOGUE.sync(self.num_mma_threads)

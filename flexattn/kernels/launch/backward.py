@@ -320,9 +320,9 @@ class FfiBackwardRunner:
         pre = disk_cache.compiled(
             ("bwd_pre", cfg.dtype, cfg.head_dim, with_dlse, cfg.deterministic, fixed, cfg.tile_m)
             + ((cfg.head_dim_v,) if cfg.head_dim_v != cfg.head_dim else ())
-            + (("dq_finish",) if cfg.dq_finish else ()),
+            + (("dq_finish",) if cfg.dq_finish else ()) + (("pdl",) if cfg.pdl else ()),
             lambda: compile_preprocess(cfg.dtype, cfg.head_dim, with_dlse, deterministic=cfg.deterministic,
-                                       head_dim_v=cfg.head_dim_v, dq_finish=cfg.dq_finish,
+                                       head_dim_v=cfg.head_dim_v, dq_finish=cfg.dq_finish, pdl=cfg.pdl,
                                        grad_fixed=fixed, tile_m=cfg.tile_m, tvm_ffi=True))
         if other is not None:
             return pre, other[1], other[2]
@@ -332,8 +332,8 @@ class FfiBackwardRunner:
             return pre, main, None
         post_ranks = grad_ranks if fixed else ()
         post = disk_cache.compiled(
-            ("bwd_post", cfg.dtype, cfg.head_dim, post_ranks, cfg.tile_m),
-            lambda: compile_postprocess(cfg.dtype, cfg.head_dim, grad_ranks=post_ranks, tile_m=cfg.tile_m,
+            ("bwd_post", cfg.dtype, cfg.head_dim, post_ranks, cfg.tile_m) + (("pdl",) if cfg.pdl else ()),
+            lambda: compile_postprocess(cfg.dtype, cfg.head_dim, grad_ranks=post_ranks, tile_m=cfg.tile_m, pdl=cfg.pdl,
                                         tvm_ffi=True))
         return pre, main, post
 

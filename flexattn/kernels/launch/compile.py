@@ -85,29 +85,30 @@ def compile_backward(cfg, mod_args: tuple = (), *, tvm_ffi: bool = False, **opti
 
 def compile_preprocess(dtype: str, head_dim: int, with_dlse: bool = False, *, deterministic: bool = False,
                        grad_fixed: bool = False, tile_m: int = 64, head_dim_v: int | None = None,
-                       dq_finish: bool = False, tvm_ffi: bool = False, **options):
+                       dq_finish: bool = False, pdl: bool = False, tvm_ffi: bool = False, **options):
     """The backward's preprocess. ``deterministic``: it also zeroes the dQ semaphores;
     ``dq_finish``: those and dQ's empty rows (the main kernel stores the rest of dQ);
     ``grad_fixed``: and the fixed-point buffer-gradient accumulators. ``tile_m``: the main
-    kernel's (one CTA per q tile). ``head_dim_v``: O's and dO's (None: ``head_dim``)."""
+    kernel's (one CTA per q tile). ``head_dim_v``: O's and dO's (None: ``head_dim``).
+    ``pdl``: its CTAs let the main kernel launch early (``BwdConfig.pdl``)."""
     from flexattn.kernels.bwd.preprocess import BwdPreprocess
     from flexattn.kernels.bwd.sm90 import BwdConfig
 
     cfg = BwdConfig(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, tile_m=tile_m,
-                    deterministic=deterministic, dq_finish=dq_finish)
+                    deterministic=deterministic, dq_finish=dq_finish, pdl=pdl)
     return compile_on_fakes(BwdPreprocess(cfg), fakes.fake_preprocess_args(cfg, with_dlse, grad_fixed, tvm_ffi),
                             tvm_ffi=tvm_ffi, **options)
 
 
 def compile_postprocess(dtype: str, head_dim: int, *, grad_ranks: tuple = (), tile_m: int = 64,
-                        tvm_ffi: bool = False, **options):
+                        pdl: bool = False, tvm_ffi: bool = False, **options):
     """The backward's postprocess. ``grad_ranks``: deterministic mode's buffer gradients
     (their ranks) to finish; ``tile_m``: the main kernel's (it wrote dq_accum in its tiles'
-    fragment order)."""
+    fragment order); ``pdl``: launched as the main kernel's programmatic dependent."""
     from flexattn.kernels.bwd.postprocess import postprocess_kernel
     from flexattn.kernels.bwd.sm90 import BwdConfig
 
-    cfg = BwdConfig(dtype=dtype, head_dim=head_dim, tile_m=tile_m)
+    cfg = BwdConfig(dtype=dtype, head_dim=head_dim, tile_m=tile_m, pdl=pdl)
     return compile_on_fakes(postprocess_kernel(cfg), fakes.fake_postprocess_args(cfg, grad_ranks, tvm_ffi),
                             tvm_ffi=tvm_ffi, **options)
 
