@@ -24,7 +24,7 @@ import torch
 
 from bench_bwd import fwd_bwd
 from bench_fwd import Variant, setup_dynamo
-from profile_kernels import step_inputs
+from profile_kernels import host_profile, step_inputs
 
 
 def _sleep_ms(ms: float):
@@ -41,12 +41,7 @@ def _sleep_ms(ms: float):
 def probe(step, steps: int, sleep_ms: float):
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    free = (time.perf_counter() - t0) / steps * 1e6
-    torch.cuda.synchronize()
+    free = host_profile(step, steps, profile=False)   # submit-only µs per step, idle GPU first
     _sleep_ms(sleep_ms)
     pr = cProfile.Profile()
     with warnings.catch_warnings(record=True) as caught:
