@@ -491,6 +491,45 @@ def test_tile_balance_from_host_lists():
     assert empty.tile_balance() is None
 
 
+def test_column_visits_from_host_lists_and_landed_states():
+    """The q tiles visiting each kv-block column (the backward's work per CTA): balance
+    (max / mean) and mean; what the planner reads to run persistent backward CTAs. A
+    GPU-built mask knows them once its states' host copy has landed (its per-row counts
+    alone do not tell), or from the host analysis when its mask captures only numbers."""
+    from flexattn import mods as m
+    from flexattn.blockmask.layout import _LIST_NAMES
+
+    S = 1024
+    docs = create_block_mask(m.document(np.arange(S) * 4 // S), None, None, S, S).column_visits()
+    assert (docs.balance, docs.mean) == (1.0, 2.0)
+    causal = create_block_mask(m.causal(), None, None, S, S).column_visits()
+    assert causal.balance == pytest.approx(8 / 4.5) and causal.mean == 4.5    # columns seen by 8..1 rows
+    window = create_block_mask(m.sliding_window(256), None, None, S, S).column_visits()
+    assert window.mean == pytest.approx(21 / 8) and window.balance == pytest.approx(3 / (21 / 8))
+    assert BlockMask(np.zeros((1, 1, 2, 2), np.int8), (256, 256), (128, 128), None).column_visits() is None
+
+    host = create_block_mask(m.document(np.repeat(np.arange(4), 256)), None, None, S, S)
+    arrays = {name: getattr(host, name) for name in _LIST_NAMES}
+    arrays["states"] = host._states
+    bm = BlockMask._on_device(arrays, (S, S), (128, 128), host.mask_mod, "cuda")
+    bm.from_mask = True
+    bm._row_counts = tuple((lambda a=a: a) for a in (host.kv_num_blocks, host.full_kv_num_blocks))
+    assert bm.tile_balance() == 1.0 and bm.column_visits() is None    # rows known, columns not
+    landed = []
+    bm._states_copy = lambda: host._states if landed else None
+    assert bm.column_visits() is None
+    landed.append(True)
+    assert bm.column_visits() == host.column_visits()
+    landed.clear()
+    assert bm.column_visits() == host.column_visits()                  # kept
+    band = create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv <= 300), None, None, 1000, 1000)
+    arrays = {name: getattr(band, name) for name in _LIST_NAMES}
+    arrays["states"] = np.zeros((1, 1, 8, 8), np.int8)                 # never read
+    bm = BlockMask._on_device(arrays, (1000, 1000), (128, 128), band.mask_mod, "cuda")
+    bm.from_mask = True
+    assert bm.column_visits().balance == pytest.approx(band.column_visits().balance)
+
+
 def test_tile_balance_of_gpu_built_masks_from_the_host_analysis():
     """A GPU-built block mask's balance (persistent scheduling) comes from interval
     analysis on the host when its mask captures only numbers; masks reading arrays

@@ -25,12 +25,25 @@ _LIST_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_ind
                "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 
 
+class ColumnVisits(NamedTuple):
+    """``BlockMask.column_visits``: q tiles per kv-block column, max / mean and mean."""
+
+    balance: float
+    mean: float
+
+
 class BlockCounts(NamedTuple):
     num_blocks: np.ndarray  # [..., rows]
     indices: np.ndarray  # [..., rows, cols]
 
 
-_NOT_COMPUTED = object()  # BlockMask._tile_balance before its first computation
+_NOT_COMPUTED = object()  # BlockMask._tile_balance (and friends) before its first computation
+
+
+def _balance(counts) -> float | None:
+    """max / mean of visit counts (None when nothing is visited)."""
+    mean = float(counts.mean()) if counts.size else 0.0
+    return float(counts.max()) / mean if mean > 0 else None
 
 
 class BlockMask:
@@ -56,6 +69,7 @@ class BlockMask:
         # structure (core/kernel_path.py) instead of reading the lists.
         self.from_mask = False
         self._tile_balance = _NOT_COMPUTED
+        self._column_visits = _NOT_COMPUTED
         self._row_pairs = _NOT_COMPUTED
         self._states_copy = None   # GPU-built: a poll of the states' host copy (_landed_states)
         partial, fullb = states == PARTIAL, states == FULL
@@ -112,6 +126,7 @@ class BlockMask:
         self._row_counts = None
         self.from_mask = False
         self._tile_balance = _NOT_COMPUTED
+        self._column_visits = _NOT_COMPUTED
         self._row_pairs = _NOT_COMPUTED
         self._states_copy = None
         self._lists = {name: arrays[name] for name in _LIST_NAMES}
@@ -255,21 +270,44 @@ class BlockMask:
         planner asks on every planned call); while unknown, calls plan without it (one CTA
         per tile: the same results)."""
         if self._tile_balance is _NOT_COMPUTED:
-            states = self._landed_states()
-            if states is not None:
-                counts = (states != EMPTY).sum(axis=-1, dtype=np.int64)
-            else:
-                counts = self._downloaded_row_counts()
-                if counts is None and self.from_mask and all(isinstance(c, (int, float)) for c in self.mask_mod.captures):
-                    from .build import tile_verdicts
-
-                    verdicts = tile_verdicts(self.mask_mod, *self._batch_heads, *self.seq_lengths, *self.BLOCK_SIZE)
-                    counts = (verdicts != 0).sum(axis=-1, dtype=np.int64)
-                if counts is None:
-                    return None   # not known yet: ask again next call
-            mean = float(counts.mean()) if counts.size else 0.0
-            self._tile_balance = float(counts.max()) / mean if mean > 0 else None
+            counts = self._tile_counts(axis=-1)
+            if counts is None:
+                return None   # not known yet: ask again next call
+            self._tile_balance = _balance(counts)
         return self._tile_balance
+
+    def column_visits(self) -> "ColumnVisits | None":
+        """The backward's work per kv tile: over the (batch, head, kv block) columns, how
+        many q tiles visit each (partial + full) — its max / mean (``balance``, as
+        ``tile_balance`` for rows) and its mean. From the tile states (host, or a GPU-built
+        mask's landed copy) or, for a mask capturing only numbers, its interval analysis;
+        None while unknown (also for masks too big to copy their states) or where nothing
+        is visited."""
+        if self._column_visits is _NOT_COMPUTED:
+            counts = self._tile_counts(axis=-2)
+            if counts is None:
+                return None   # not known yet: ask again next call
+            balance = _balance(counts)
+            self._column_visits = None if balance is None else ColumnVisits(balance, float(counts.mean()))
+        return self._column_visits
+
+    def _tile_counts(self, axis: int):
+        """Visited (partial + full) tiles summed along ``axis`` of the [B, H, Q_BLOCKS,
+        KV_BLOCKS] states (-1: per row, -2: per column), from the states on the host, the
+        GPU builder's per-row counts (rows only), or interval analysis of a mask capturing
+        only numbers; None if none is at hand."""
+        states = self._landed_states()
+        if states is not None:
+            return (states != EMPTY).sum(axis=axis, dtype=np.int64)
+        counts = self._downloaded_row_counts() if axis == -1 else None
+        if counts is not None:
+            return counts
+        if self.from_mask and all(isinstance(c, (int, float)) for c in self.mask_mod.captures):
+            from .build import tile_verdicts
+
+            verdicts = tile_verdicts(self.mask_mod, *self._batch_heads, *self.seq_lengths, *self.BLOCK_SIZE)
+            return (verdicts != 0).sum(axis=axis, dtype=np.int64)
+        return None
 
     def row_pairs_match(self) -> bool | None:
         """Whether each pair of q-block rows (0 and 1, 2 and 3, ...) of every (batch, head)

@@ -476,22 +476,40 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     hook.capture_kinds = entry.kinds
     hook.derivative_box = entry.config.mods.derivative_box  # the same IR: one derivative
     return KernelPlan(entry.config.with_mods(hook), block_mask, entry,
-                      _backward_ctas(q, fp32))
+                      _backward_ctas(q, shape, fp32, block_mask, band))
 
 
-def _backward_ctas(q, fp32: bool) -> int:
+# The backward runs persistent CTAs over block lists whose kv-block columns are this even
+# (q tiles per column, max / mean) and this short (mean q blocks per column): see
+# _backward_ctas.
+BWD_PERSISTENT_COLUMN_BALANCE = 1.05
+BWD_PERSISTENT_MEAN_COLUMN = 16
+
+
+def _backward_ctas(q, shape: AttentionShape, fp32: bool, block_mask: BlockMask | None, band: bool) -> int:
     """Persistent CTAs for the backward (``BwdConfig.max_ctas``), or 0: one CTA per kv tile.
-    Not planned: statically strided persistent CTAs measured slower at the door (H100,
-    2026-11-27, fwd+bwd time, persistent / one CTA per tile: window1024 B4 S4096 1.031, B8
-    S2048 1.126, B2 S8192 1.027; document4 1.013 / 1.075 / 0.997; full 1.017, causal 1.35):
-    the next tile's K / V still wait for this tile's dK / dV stores through sK / sV, and a
-    static walk cannot even out tiles of unequal length as the hardware's CTA scheduling
-    does. Since dK / dV are staged apart (``FlashBwdSm90.dkv_staged_apart``, H200,
-    2026-11-28): document4 0.979-0.986 at B4 S4096, 0.992 at B8 S2048, 0.998 at B2 S8192;
-    window1024 1.016, full 1.009 — balanced block lists are the candidates, not yet
-    planned. ``FLEXATTN_BWD_PERSISTENT=1`` plans them for every 16-bit backward (A/B
-    runs); never inside ``gpu_shared()`` (see there)."""
-    if fp32 or _GPU_SHARED.get() or os.environ.get("FLEXATTN_BWD_PERSISTENT") != "1":
+
+    Planned for block lists (not bands) at head dim 128 whose kv-block columns are even
+    and short, i.e. documents: each CTA then walks equal tiles, a static walk loses
+    nothing to the hardware's CTA scheduling, and the next tile's K / V loading during the
+    epilogue (``FlashBwdSm90.dkv_staged_apart``) hides part of each tile's fixed cost
+    (K / V load, pipeline fill and drain, ~5 µs, 14% of a 16-visit tile). H200,
+    2026-11-28, the door's fwd+bwd time, persistent / one CTA per tile: document4 (4 equal
+    documents: column balance 1.0, 4 / 8 / 16 q blocks per column) 0.992 at B8 S2048,
+    0.979-0.986 at B4 S4096, 0.998 at B2 S8192. Not planned where it measured slower:
+    window1024 (a band) 1.016, full (balance 1.0, 32 q blocks per column) 1.009; H100
+    before the apart staging: causal 1.35 (uneven columns). Never for float32 or inside
+    ``gpu_shared()`` (see there). ``FLEXATTN_BWD_PERSISTENT``: ``1`` plans them for every
+    16-bit backward, ``0`` never (A/B runs)."""
+    flag = os.environ.get("FLEXATTN_BWD_PERSISTENT", "auto")
+    if fp32 or _GPU_SHARED.get() or flag == "0":
+        return 0
+    if flag == "1":
+        return persistent_ctas(q)
+    if block_mask is None or band or not shape.head_dim == shape.v_head_dim == 128:
+        return 0
+    visits = block_mask.column_visits()
+    if visits is None or visits.balance > BWD_PERSISTENT_COLUMN_BALANCE or visits.mean > BWD_PERSISTENT_MEAN_COLUMN:
         return 0
     return persistent_ctas(q)
 

@@ -35,6 +35,9 @@ def _config(name):
     if name == "d64-sparse-document":
         hook = IRModHook(None, mods.document(np.zeros(8, np.int32)))
         return BwdConfig(dtype="fp16", head_dim=64, block_sparse=True, mods=hook), hook
+    if name == "d128-sparse-document":     # (planned with persistent CTAs: even, short columns)
+        hook = IRModHook(None, mods.document(np.zeros(8, np.int32)))
+        return BwdConfig(head_dim=128, block_sparse=True, mods=hook), hook
     if name == "d96-causal-softcap":       # head dims beyond 64 / 128 (dQ slices of 48)
         hook = IRModHook(mods.softcap(30.0), None)
         return BwdConfig(head_dim=96, causal=True, mods=hook), hook
@@ -120,8 +123,8 @@ WIDE = ["d256-causal-softcap", "d192-128-sparse-document"]
 SWAPPED = ["d192-128-causal-softcap-swap", "d192-dense-swap", "d256-128-causal-swap48", "d192-causal-swap-q2do1"]
 # tile_m 128 (head dims up to 64, no score mod; wider block lists spill: bwd.plan)
 TILE128 = ["d64-causal-128", "d32-sparse-document-128"]
-# persistent CTAs (not planned: measured slower; FLEXATTN_BWD_PERSISTENT=1 plans them)
-PERSISTENT = ["d128-band-window-persist"]
+# persistent CTAs (planned for documents' even columns: kernel_path._backward_ctas; FLEXATTN_BWD_PERSISTENT=1 everywhere)
+PERSISTENT = ["d128-band-window-persist", "d128-sparse-document-persist"]
 # dQ finished in the main kernel (not planned: measured slower; FLEXATTN_DQ_FINISH=1 plans it)
 FINISH = ["d128-causal-softcap-finish", "d128-band-window-finish", "d64-sparse-document-finish",
           "d96-causal-softcap-finish", "d128-dense-finish"]
@@ -206,6 +209,10 @@ def test_persistent(compiled):
     assert "10, 288" not in once
     epilogue = r"bar\.sync\s+1, 256;"
     assert len(re.findall(epilogue, ptx)) == len(re.findall(epilogue, once)) == 2
+    # documents' lists, as planned: the partial and full steps once, dK / dV staged apart
+    cfg, ptx = compiled["d128-sparse-document-persist"]
+    assert _steps(ptx, cfg) == 2 and FlashBwdSm90(cfg).dkv_staged_apart
+    assert len(re.findall(r"bar\.arrive\s+10, 288;", ptx)) == 1
     for bad in (dict(max_ctas=132, deterministic=True), dict(max_ctas=132, cluster_n=2), dict(max_ctas=-1)):
         with pytest.raises(ValueError, match="max_ctas"):
             BwdConfig(head_dim=128, **bad)

@@ -398,6 +398,39 @@ def test_documents_on_pair_boundaries_run_clusters(on_gpu, monkeypatch):
     assert cfg(aligned).cluster_m == 1
 
 
+def test_backward_runs_persistent_ctas_over_even_short_document_columns(on_gpu, monkeypatch):
+    """The backward walks kv-block columns: persistent CTAs where block lists (not bands) at
+    head dim 128 give every column the same, short work (documents: measured faster),
+    one CTA per kv tile elsewhere (dense, causal, windows, long or uneven columns, other
+    head dims, float32, a shared GPU); FLEXATTN_BWD_PERSISTENT=1 / 0 forces either way."""
+    from flexattn.core.kernel_path import gpu_shared
+
+    def ctas(mask=None, S=4096, D=128, Dv=None, dtype=torch.bfloat16, **kw):
+        q = torch.empty(2, 16, S, D, dtype=dtype).as_subclass(_OnGpu)
+        v = torch.empty(2, 16, S, Dv or D, dtype=dtype).as_subclass(_OnGpu)
+        spec = AttentionSpec.from_args(mask=mask, **kw)
+        return plan_forward(q, check_inputs(q, q, v, spec), spec).backward_ctas
+
+    docs4 = np.arange(4096) * 4 // 4096                       # 8 q blocks per column
+    assert ctas(mods.document(docs4)) == 132
+    assert ctas(block_mask=create_block_mask(lambda b, h, q, kv: docs4[q] == docs4[kv], None, None, 4096, 4096)) == 132
+    assert ctas(mods.document(np.arange(8192) * 4 // 8192), S=8192) == 132    # 16 per column
+    assert ctas(mods.document(np.arange(8192) * 2 // 8192), S=8192) == 0      # 32 per column
+    uneven = np.repeat(np.arange(3), [1024, 1024, 2048])
+    assert ctas(mods.document(uneven)) == 0                                   # 8, 8, 16: 1.33x the mean
+    assert ctas(mods.document(docs4) & mods.causal()) == 0                    # columns of 1..8 tiles
+    assert ctas() == ctas(mods.causal()) == ctas(mods.sliding_window(1024)) == 0
+    assert ctas(mods.document(docs4), D=64) == ctas(mods.document(docs4), D=128, Dv=64) == 0
+    assert ctas(mods.document(docs4), dtype=torch.float32) == 0
+    with gpu_shared():
+        assert ctas(mods.document(docs4)) == 0
+    monkeypatch.setenv("FLEXATTN_BWD_PERSISTENT", "0")
+    assert ctas(mods.document(docs4)) == 0
+    monkeypatch.setenv("FLEXATTN_BWD_PERSISTENT", "1")
+    assert ctas() == ctas(mods.sliding_window(1024)) == 132
+    assert _plan().backward_ctas == 0     # a CPU array: nothing to query
+
+
 def test_a_shared_gpu_gets_one_cta_per_tile(on_gpu):
     """Inside ``gpu_shared()`` (context parallelism's launches, NCCL beside them) the
     structures that run persistent CTAs elsewhere run one CTA per tile; outside it, and in

@@ -162,8 +162,8 @@ class BwdConfig(KernelConfig):
     # first Q / dO while the consumers finish this one, and its K / V once they have released
     # sK / sV (`FlashBwdSm90.dkv_staged_apart`: before the epilogue, which stages dK / dV in
     # sdQ / sdS; else after it); the dQ writer's last adds and the CTA launch overlap the next
-    # tile. Measured faster for documents (1-2%), slower for windows and dense walks, so not
-    # planned (core/kernel_path._backward_ctas).
+    # tile. Measured faster for documents (1-2%), slower for windows and dense walks: planned
+    # for block lists with even, short kv-block columns (core/kernel_path._backward_ctas).
     # Not deterministic (a CTA waiting for a later tile's dQ turn could wait for itself),
     # no clusters.
     max_ctas: int = 0
@@ -885,11 +885,17 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         group = num_q_heads // mK.shape[2]          # q heads per kv head (GQA)
         # `where`: this CTA's tile (n_block, head_kv, batch), or persistent: the TileSpace
         # whose linear tiles it walks in `_tile_order`.
-        tiles = TileSpace((seqlen_k + cfg.tile_n - 1) // cfg.tile_n, mK.shape[2],
-                          mK.shape[3], seqlen_q * group)
+        def tile_space():
+            return TileSpace((seqlen_k + cfg.tile_n - 1) // cfg.tile_n, mK.shape[2], mK.shape[3], seqlen_q * group)
+
         if const_expr(cfg.max_ctas):
-            where = tiles
+            # Each role builds the walk's numbers inside its own branch (`where()`): built
+            # here, before the roles split, they stayed live through every role and the
+            # producer's 24 registers spilled them (document lists: 24 bytes per CTA, reloaded
+            # every tile).
+            where = tile_space
         elif const_expr(cfg.order == "longest_first"):
+            tiles = tile_space()
             where = self._tile_order().tile(tiles.first, tiles)
         elif const_expr(self.head_swizzle):
             where = self._deterministic_tile(seqlen_q, seqlen_k, group, mK.shape[2], mK.shape[3])
@@ -1003,8 +1009,9 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages)
         if const_expr(cfg.max_ctas):
             self._wait_predecessor()          # (the first tile's first load is its Q + LSE)
-            for idx in cutlass.range(where.first, where.total, where.stride, unroll=1):
-                n_block, head_kv, batch = self._tile_order().tile(idx, where)
+            tiles = where()
+            for idx in cutlass.range(tiles.first, tiles.total, tiles.stride, unroll=1):
+                n_block, head_kv, batch = self._tile_order().tile(idx, tiles)
                 kv_state, state = self._load_tile(ops, kv_state, state, n_block, head_kv, batch,
                                                   group, seqlen_q, block_sparse)
         else:
@@ -1212,8 +1219,9 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         out = (acc_dK, acc_dV, mdK, mdV, dkv_stage, tma_atom_dK, tma_atom_dV, (tiled_mma_nd, tiled_mma_nv),
                tidx, pipe_kv)
         if const_expr(cfg.max_ctas):
-            for idx in cutlass.range(where.first, where.total, where.stride, unroll=1):
-                n_block, head_kv, batch = self._tile_order().tile(idx, where)
+            tiles = where()
+            for idx in cutlass.range(tiles.first, tiles.total, tiles.stride, unroll=1):
+                n_block, head_kv, batch = self._tile_order().tile(idx, tiles)
                 kv_state, state = self._consume_tile(fixed, rest, out, kv_state, state, n_block, head_kv,
                                                      batch, group, block_sparse)
         else:
@@ -1461,8 +1469,9 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         cfg = self.cfg
         lane = cute.arch.lane_idx()
         if const_expr(cfg.max_ctas):     # (never deterministic)
-            for idx in cutlass.range(where.first, where.total, where.stride, unroll=1):
-                n_block, head_kv, batch = self._tile_order().tile(idx, where)
+            tiles = where()
+            for idx in cutlass.range(tiles.first, tiles.total, tiles.stride, unroll=1):
+                n_block, head_kv, batch = self._tile_order().tile(idx, tiles)
                 self._store_dq_tile(mdQacc, sdQ, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
                                     block_sparse, None, Int32(-1), lane)
                 if const_expr(self.dkv_staged_apart):
