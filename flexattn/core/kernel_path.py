@@ -483,23 +483,25 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
 # (q tiles per column, max / mean) and this short (mean q blocks per column): see
 # _backward_ctas.
 BWD_PERSISTENT_COLUMN_BALANCE = 1.05
-BWD_PERSISTENT_MEAN_COLUMN = 16
+BWD_PERSISTENT_MEAN_COLUMN = 8
 
 
 def _backward_ctas(q, shape: AttentionShape, fp32: bool, block_mask: BlockMask | None, band: bool) -> int:
     """Persistent CTAs for the backward (``BwdConfig.max_ctas``), or 0: one CTA per kv tile.
 
     Planned for block lists (not bands) at head dim 128 whose kv-block columns are even
-    and short, i.e. documents: each CTA then walks equal tiles, a static walk loses
-    nothing to the hardware's CTA scheduling, and the next tile's K / V loading during the
-    epilogue (``FlashBwdSm90.dkv_staged_apart``) hides part of each tile's fixed cost
-    (K / V load, pipeline fill and drain, ~5 µs, 14% of a 16-visit tile). H200,
-    2026-11-28, the door's fwd+bwd time, persistent / one CTA per tile: document4 (4 equal
-    documents: column balance 1.0, 4 / 8 / 16 q blocks per column) 0.992 at B8 S2048,
-    0.979-0.986 at B4 S4096, 0.998 at B2 S8192. Not planned where it measured slower:
-    window1024 (a band) 1.016, full (balance 1.0, 32 q blocks per column) 1.009; H100
-    before the apart staging: causal 1.35 (uneven columns). Never for float32 or inside
-    ``gpu_shared()`` (see there). ``FLEXATTN_BWD_PERSISTENT``: ``1`` plans them for every
+    and short, i.e. documents of up to 1024 tokens: each CTA then walks equal tiles, a
+    static walk loses nothing to the hardware's CTA scheduling, and the next tile's K / V
+    loading during the epilogue (``FlashBwdSm90.dkv_staged_apart``) hides part of each
+    tile's fixed cost (K / V load, pipeline fill and drain, ~5 µs, 14% of a 16-visit
+    tile). H200, the door's fwd+bwd time, persistent / one CTA per tile, document4 (4
+    equal documents: column balance 1.0; 4 / 8 / 16 q blocks per column at B8 S2048 / B4
+    S4096 / B2 S8192): 2026-11-28 13:00 UTC 0.992 / 0.979-0.986 / 0.998; 14:25 UTC (the
+    walk's numbers no longer spilled) 0.991 / 0.991 / 1.010 — longer columns lose, hence
+    at most 8. Not planned where it measured slower: window1024 (a band) 1.016, full
+    (balance 1.0, 32 q blocks per column) 1.009; H100 before the apart staging: causal
+    1.35 (uneven columns). Never for float32 or inside ``gpu_shared()`` (see there).
+    ``FLEXATTN_BWD_PERSISTENT``: ``1`` plans them for every
     16-bit backward, ``0`` never (A/B runs)."""
     flag = os.environ.get("FLEXATTN_BWD_PERSISTENT", "auto")
     if fp32 or _GPU_SHARED.get() or flag == "0":
