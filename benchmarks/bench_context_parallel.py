@@ -8,7 +8,8 @@ GPU (S = W x per-gpu), B1 H16 D128 bf16, under a causal mask and a 16-document c
 ring, "alltoall" rotation) and torch's context-parallel flex_attention (compiled, its
 ``_ContextParallel`` FLEX style with head-tail load balancing) where this torch has them.
 Times: the slowest rank's median of ``--iters`` CUDA-event timings (forward; forward +
-backward). TFLOP/s per GPU count the attended pairs exactly: 4·B·H·pairs·D (forward),
+backward); each rank's median is printed too, with (``--trace``) its profiled step's GPU span,
+kernel, NCCL and idle time: which rank sets the step's time, and why. TFLOP/s per GPU count the attended pairs exactly: 4·B·H·pairs·D (forward),
 x3.5 forward + backward, divided by W. W = 1 is one GPU's single call (the weak-scaling
 reference).
 
@@ -52,6 +53,7 @@ def _pairs(mask, seq, lengths):
 
 
 def _time(fn, iters, dist):
+    """(the slowest rank's median ms, every rank's median ms in rank order)."""
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
@@ -64,9 +66,11 @@ def _time(fn, iters, dist):
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    t = torch.tensor([float(np.median(times))], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    mine = torch.tensor([float(np.median(times))], device="cuda")
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    per_rank = [t.item() for t in every]
+    return max(per_rank), per_rank
 
 
 def _worker(rank, world, port, args, queue):
@@ -106,14 +110,18 @@ def _worker(rank, world, port, args, queue):
                     continue
                 for phase, train in (("fwd", False), ("fwd+bwd", True)):
                     try:
-                        ms = _time(lambda: run(train), args.iters, dist)
+                        ms, rank_ms = _time(lambda: run(train), args.iters, dist)
                         per_gpu = flops * (3.5 if train else 1.0) / world / (ms * 1e-3) / 1e12
                         rows.append(dict(world=world, seq=seq, mask=mask_name, impl=impl, phase=phase, ms=ms,
-                                         tflops_per_gpu=per_gpu,
+                                         tflops_per_gpu=per_gpu, rank_ms=rank_ms,
                                          peak_gib=torch.cuda.max_memory_allocated() / 2**30))
                         if args.trace:
-                            rows[-1].update(_overlap(lambda: run(train), args.trace if rank in args.trace_ranks
-                                                     else None, _trace_name(mask_name, impl, phase, world, rank)))
+                            mine = _overlap(lambda: run(train), args.trace if rank in args.trace_ranks
+                                            else None, _trace_name(mask_name, impl, phase, world, rank))
+                            rows[-1].update(mine)     # (rank 0's figures; every rank's below)
+                            every = [None] * world
+                            dist.all_gather_object(every, {k: v for k, v in mine.items() if k != "top_kernels"})
+                            rows[-1]["ranks"] = every
                     except Exception as e:   # noqa: BLE001 - a baseline this torch lacks: reported as n/a
                         rows.append(dict(world=world, seq=seq, mask=mask_name, impl=impl, phase=phase, ms=None,
                                          error=f"{type(e).__name__}: {str(e)[:160]}"))
@@ -276,6 +284,24 @@ def _torch_flex(mask, q, k, v, d_out, world):
     return run
 
 
+def _by_rank(rows) -> list:
+    """One line per multi-rank row: each rank's median step time and (``--trace``) its
+    profiled step's GPU span, kernel, NCCL and idle time — which rank sets the step's
+    time, and whether its GPU was busy or waiting."""
+    lines = []
+    for r in rows:
+        if r.get("world", 1) < 2 or r.get("ms") is None or not r.get("rank_ms"):
+            continue
+        parts = []
+        for i, t in enumerate(r["rank_ms"]):
+            o = r["ranks"][i] if r.get("ranks") else None
+            parts.append(f"r{i} {t:.2f} ms" + (f" (span {o['gpu_span_ms']:.1f}, kernels {o['kernels_ms']:.1f}, NCCL"
+                                               f" {o['nccl_ms']:.1f} / {o['nccl_overlapped_ms']:.1f} overlapped,"
+                                               f" idle {o['idle_ms']:.1f})" if o else ""))
+        lines.append(f"W{r['world']} {r['mask']} {r['impl']} {r['phase']} by rank: " + "; ".join(parts))
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--worlds", nargs="*", type=int, default=[1, 2])
@@ -331,6 +357,8 @@ def main():
                    if "nccl_ms" in r else "")
         print(f"| {r['world']} | {r['seq']} | {r['mask']} | {r['impl']} | {r['phase']} | {r['ms']:.2f} | "
               f"{r['tflops_per_gpu']:.1f} | {scale} | {r['peak_gib']:.1f} |{overlap}")
+    for line in _by_rank(rows):
+        print(line)
     for r in rows:
         if r.get("top_kernels"):
             print(f"W{r['world']} {r['mask']} {r['impl']} {r['phase']}: " + "; ".join(r["top_kernels"]))
