@@ -293,6 +293,55 @@ def test_the_direct_schedule_sends_only_what_the_mask_attends(keep, monkeypatch)
         np.testing.assert_allclose(whole, getattr(want, name), atol=1e-10, err_msg=name)
 
 
+def test_row_sums_take_single_contributions_as_they_come():
+    """The direct backward's gradient sums (``schedule._RowSums``): rows one contribution
+    covers take it as it comes (no accumulator add), rows several cover are summed in the
+    work dtype and cast once, rows none covers are zeros — bit for bit what a float32
+    accumulator, its adds and a final cast give for 16-bit contributions. A contribution
+    the plan did not count is an error, not a silent overwrite."""
+    import torch
+
+    from flexattn.core.context_parallel.schedule import _RowSums
+    from flexattn.torch.context_parallel import TorchOps
+
+    class Counting(TorchOps):
+        def __init__(self):
+            self.adds = self.assigns = 0
+
+        def add_rows(self, acc, start, stop, x):
+            self.adds += 1
+            return super().add_rows(acc, start, stop, x)
+
+        def assign_rows(self, out, start, stop, x):
+            self.assigns += 1
+            super().assign_rows(out, start, stop, x)
+
+    g = torch.Generator().manual_seed(0)
+    like = torch.zeros(1, 2, 100, 8, dtype=torch.bfloat16)
+    spans = [(0, 40), (20, 60), (20, 30), (70, 90)]          # rows 60:70 and 90:100: nobody's
+    parts = [torch.randn(1, 2, b - a, 8, generator=g).to(torch.bfloat16) for a, b in spans]
+    ops = Counting()
+    sums = _RowSums(ops, like, spans)
+    for (a, b), x in zip(spans, parts):
+        sums.add(a, b, x)
+    got = sums.result()
+    acc = torch.zeros(like.shape, dtype=torch.float32)
+    for (a, b), x in zip(spans, parts):
+        acc[:, :, a:b] += x
+    assert got.dtype == torch.bfloat16 and torch.equal(got, acc.to(torch.bfloat16))
+    # rows 0:20, 40:60 and 70:90 copied as they came; 20:40 summed (one add per contribution
+    # reaching it) and cast in one copy
+    assert (ops.adds, ops.assigns) == (3, 4) and sums.count[(20, 30)] == 3
+    one = _RowSums(Counting(), like, [(0, 100)])
+    one.add(0, 100, parts[0].new_ones(1, 2, 100, 8))
+    assert one.acc is None and torch.equal(one.result(), torch.ones_like(like))
+    with pytest.raises(RuntimeError, match="did not count"):
+        one.add(0, 100, parts[0].new_ones(1, 2, 100, 8))
+    # a counted contribution that never came leaves zeros, not garbage
+    empty = _RowSums(HostOps(), np.zeros((1, 1, 8, 2), np.float32), [(0, 8)])
+    assert np.array_equal(empty.result(), np.zeros((1, 1, 8, 2), np.float32))
+
+
 def test_the_direct_schedule_sends_only_the_chunks_attended():
     """Documents of 64 tokens, causal, over chunks of 32 dealt (0, 1, 0, 1, 1, 0, 0, 1):
     rank 1's queries attend rank 0's chunks 0, 2 and 6 (not 5: its document starts at

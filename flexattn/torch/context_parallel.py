@@ -430,6 +430,15 @@ class TorchOps:
     def add(self, a, b):
         return a.add_(b)
 
+    def empty(self, x):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    def assign_rows(self, out, start, stop, x):
+        out[:, :, start:stop].copy_(x)
+
+    def zero_rows(self, out, start, stop):
+        out[:, :, start:stop].zero_()
+
     def cast(self, x, like):
         return x.to(like.dtype)
 
