@@ -288,13 +288,15 @@ def gathered_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d
     if gathered is None:
         gathered = (_global_order(plan, ops, comm.all_gather(k)), _global_order(plan, ops, comm.all_gather(v)))
     k_all, v_all = gathered
-    dq, dk, dv = ops.zeros(q), ops.zeros(k_all), ops.zeros(v_all)
+    pairs = plan.gathered_pairs()
+    # (each local query chunk runs once: its dQ rows take their one contribution as it
+    # comes; dK/dV sum over the ranks in fp32, so they keep the work dtype)
+    dq, dk, dv = _RowSums(ops, q, [pair.q_rows for pair in pairs]), ops.zeros(k_all), ops.zeros(v_all)
     captures: dict = {}
-    dq, dk, dv = _backward_pairs(ops, plan.gathered_pairs(), (q, k_all, v_all, out, lse, d_out, d_lse), dq, dk, dv,
-                                 captures)
+    dq, dk, dv = _backward_pairs(ops, pairs, (q, k_all, v_all, out, lse, d_out, d_lse), dq, dk, dv, captures)
     dk = comm.reduce_scatter(_rank_order(plan, ops, dk))
     dv = comm.reduce_scatter(_rank_order(plan, ops, dv))
-    return ops.cast(dq, q), ops.cast(dk, k), ops.cast(dv, v), _all_reduced(plan, comm, ops, captures, wanted)
+    return dq.result(), ops.cast(dk, k), ops.cast(dv, v), _all_reduced(plan, comm, ops, captures, wanted)
 
 
 def _forward_pairs(ops, pairs, q, k, v, acc, lse, written):
