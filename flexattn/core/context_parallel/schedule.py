@@ -349,7 +349,7 @@ class _RowSums:
     a 56.8 ms step went to such fills, adds and casts)."""
 
     def __init__(self, ops, like, spans):
-        self.ops, self.like = ops, like
+        self.ops = ops
         n = like.shape[2]
         bounds = sorted({0, n, *(a for a, _ in spans), *(b for _, b in spans)})
         self.segments = [(a, b) for a, b in zip(bounds, bounds[1:]) if a < b]
@@ -366,48 +366,43 @@ class _RowSums:
     def add(self, start, stop, x):
         """Contribution ``x`` to rows start:stop (one of the spans)."""
         ops = self.ops
-        for kind, a, b in self._runs(start, stop):
+        covered = [seg for seg in self.segments if start <= seg[0] and seg[1] <= stop]
+        for seg in covered:
+            if self.count[seg] == 1:
+                if seg in self.written:
+                    raise RuntimeError(f"context parallelism: rows {seg} got a second contribution the plan did not"
+                                       " count (internal error)")
+                self.written.add(seg)
+        for kind, a, b in _kind_runs(("single" if self.count[seg] == 1 else "summed", seg) for seg in covered):
             part = ops.rows(x, a - start, b - start)
             if kind == "single":
                 ops.assign_rows(self.out, a, b, part)
             else:
                 self.acc = ops.add_rows(self.acc, a, b, part)
 
-    def _runs(self, start, stop):
-        """(``single`` / ``summed``, a, b): maximal runs of start:stop's segments of one kind."""
-        runs = []
-        for seg in self.segments:
-            if not (start <= seg[0] and seg[1] <= stop):
-                continue
-            count = self.count[seg]
-            if count == 1:
-                if seg in self.written:
-                    raise RuntimeError(f"context parallelism: rows {seg} got a second contribution the plan did not"
-                                       " count (internal error)")
-                self.written.add(seg)
-            kind = "single" if count == 1 else "summed"
-            if runs and runs[-1][0] == kind and runs[-1][2] == seg[0]:
-                runs[-1] = (kind, runs[-1][1], seg[1])
-            else:
-                runs.append((kind, *seg))
-        return runs
-
     def result(self):
         """The sums in the array's dtype (rows no contribution reached: zeros)."""
         ops = self.ops
-        runs = []     # (kind, a, b): adjacent segments of one kind, one operation each
-        for seg in self.segments:
-            kind = "summed" if self.count[seg] > 1 else "taken" if seg in self.written else "zero"
-            if runs and runs[-1][0] == kind and runs[-1][2] == seg[0]:
-                runs[-1] = (kind, runs[-1][1], seg[1])
-            else:
-                runs.append((kind, *seg))
-        for kind, a, b in runs:
+        kinds = (("summed" if self.count[seg] > 1 else "taken" if seg in self.written else "zero", seg)
+                 for seg in self.segments)
+        for kind, a, b in _kind_runs(kinds):
             if kind == "summed":
                 ops.assign_rows(self.out, a, b, ops.rows(self.acc, a, b))
             elif kind == "zero":
                 ops.zero_rows(self.out, a, b)
         return self.out
+
+
+def _kind_runs(kinded) -> list:
+    """[(kind, a, b)]: adjacent (kind, (a, b)) segments of one kind joined, so each run is
+    one array operation."""
+    runs = []
+    for kind, (a, b) in kinded:
+        if runs and runs[-1][0] == kind and runs[-1][2] == a:
+            runs[-1] = (kind, runs[-1][1], b)
+        else:
+            runs.append((kind, a, b))
+    return runs
 
 
 def _one_launch_over(pairs, kv_len: int) -> bool:
