@@ -50,6 +50,7 @@ class ContextParallelPlan:
         self._offset_mods: dict = {}
         self._steps = self._direct = self._gathered = None     # built once: the backward reuses the forward's pairs
         self._most_fetched = None
+        self._sent: dict = {}     # (rank, source) -> sent_chunks: asked every step of every call
         # the user's block mask's tile states, one host copy for the verdicts and every pair
         self._states = None if spec.block_mask is None else spec.block_mask.block_states()
         self.verdicts = _chunk_verdicts(spec, layout, batch, heads, self._states)
@@ -66,11 +67,16 @@ class ContextParallelPlan:
         queries attend: what the direct schedule sends from ``source`` to ``rank`` (all of
         them, or none, where the mods read no position and pairs run whole shards). Every
         rank computes the same answer."""
-        mine, theirs = self.layout.local_chunks(rank), self.layout.local_chunks(source)
-        live = np.any(self.verdicts[np.ix_(mine, theirs)] != 0, axis=0)
-        if self.position_free:
-            return tuple(range(len(theirs))) if live.any() else ()
-        return tuple(int(i) for i in np.flatnonzero(live))
+        hit = self._sent.get((rank, source))
+        if hit is None:
+            mine, theirs = self.layout.local_chunks(rank), self.layout.local_chunks(source)
+            live = np.any(self.verdicts[np.ix_(mine, theirs)] != 0, axis=0)
+            if self.position_free:
+                hit = tuple(range(len(theirs))) if live.any() else ()
+            else:
+                hit = tuple(int(i) for i in np.flatnonzero(live))
+            self._sent[(rank, source)] = hit
+        return hit
 
     def most_fetched(self) -> float:
         """The most K/V any rank fetches over the direct steps, in local shards (0 where
