@@ -677,3 +677,38 @@ def test_trusted_cache_may_be_owned_by_root(stored, own_cache, tmp_path, monkeyp
     monkeypatch.setenv("FLEXATTN_CACHE_DIR", str(own_cache))
     monkeypatch.setenv("FLEXATTN_TRUSTED_CACHE_DIRS", str(image))
     assert _recompiles(runner, key)[0] == 0 and len(linked) == 1
+
+
+def test_compiles_and_loads_take_turns_across_threads(monkeypatch):
+    """Every compile entry (on fakes, on views, a mod evaluator's, a disk-cache load or
+    compile) holds the one process-wide compile lock: CuTeDSL's compile is not thread-safe,
+    and ranks as threads compiled at once crashed a process (compile_lock.py)."""
+    import threading
+    import time
+
+    import cutlass.cute as cute
+
+    from flexattn.kernels.launch import compile as compile_mod
+
+    inside, most = [0], [0]
+    count = threading.Lock()
+
+    def slow_compile(kernel, *args, options=""):
+        with count:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.03)
+        with count:
+            inside[0] -= 1
+        return kernel
+
+    monkeypatch.setattr(cute, "compile", slow_compile)
+    entries = [lambda: compile_mod.compile_kernel("k", (), "", False),
+               lambda: compile_mod.compile_on_views("k", ()),
+               lambda: disk_cache.compiled(None, lambda: slow_compile("k"))]
+    threads = [threading.Thread(target=entry) for entry in entries * 3]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1, f"{most[0]} compiles ran at once"

@@ -112,9 +112,12 @@ def compile_mod_eval(hook: IRModHook, options: str = "--gpu-arch=sm_90a", rows: 
 
     q, kv = cute.sym_int(), cute.sym_int()
     grid = lambda dt: make_fake_tensor(dt, (q, kv), (cute.sym_int64(), 1))  # noqa: E731
+    from flexattn.kernels.launch.compile_lock import COMPILING
+
     args = fake_args(hook) or None
-    return cute.compile(ModEvalKernel(hook, rows, hoisted), grid(Float32), grid(Float32), grid(cutlass.Int8),
-                        Int32(0), Int32(0), args, make_fake_stream(), options=options)
+    with COMPILING:
+        return cute.compile(ModEvalKernel(hook, rows, hoisted), grid(Float32), grid(Float32), grid(cutlass.Int8),
+                            Int32(0), Int32(0), args, make_fake_stream(), options=options)
 
 
 def grid_arg(array):

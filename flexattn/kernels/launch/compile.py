@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from flexattn.kernels.launch import fakes
+from flexattn.kernels.launch.compile_lock import COMPILING
 
 ARCH = "sm_90a"
 # Passed to every compile: it overrides CUTE_DSL_ARCH / GPU detection, so compiling works
@@ -57,10 +58,11 @@ def compile_on_views(kernel, args) -> tuple:
     with, and checks none of them) -> (function, seconds)."""
     import cutlass.cute as cute
 
-    t0 = time.perf_counter()
-    with pipeline_options():
-        fn = cute.compile(kernel, *args, options=ARCH_OPTION)
-    return fn, time.perf_counter() - t0
+    with COMPILING:
+        t0 = time.perf_counter()
+        with pipeline_options():
+            fn = cute.compile(kernel, *args, options=ARCH_OPTION)
+        return fn, time.perf_counter() - t0
 
 
 # One entry per kernel; ``mod_args``: the hook's runtime args as typed stand-ins
@@ -190,7 +192,7 @@ def compile_kernel(kernel, args, options: str, tvm_ffi: bool):
     the ordinary way."""
     import cutlass.cute as cute
 
-    with pipeline_options(), _no_pyir_auto_load():
+    with COMPILING, pipeline_options(), _no_pyir_auto_load():
         if not tvm_ffi:
             return cute.compile(kernel, *args, options=options)
         with _placeholder_host_engine() as placeholder, _captured_objects() as objects:

@@ -74,6 +74,8 @@ import sys
 import tempfile
 import warnings
 
+from flexattn.kernels.launch.compile_lock import COMPILING
+
 FORMAT = "flexattn-kernel-cache-2"   # bump when the file layout or key rendering changes
 _TRAILER_TAG = b"\n#flexattn-sha256:"
 _TRAILER_LEN = len(_TRAILER_TAG) + 64 + 1
@@ -257,7 +259,13 @@ def location(key: tuple) -> tuple | None:
 def compiled(key: tuple | None, compile):
     """``compile()``'s TVM-FFI function — or the same kernel loaded from disk: the user's
     cache first, then each trusted read-only root. ``key``: everything the kernel's code
-    depends on besides ``environment()`` (None: no disk cache)."""
+    depends on besides ``environment()`` (None: no disk cache). One load or compile at a
+    time in the process (``compile_lock``)."""
+    with COMPILING:
+        return _load_or_compile(key, compile)
+
+
+def _load_or_compile(key, compile):
     global _loads
     where = location(key) if key is not None and enabled() else None
     if where is None:

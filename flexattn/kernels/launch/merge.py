@@ -1,13 +1,11 @@
 """Launch the log-sum-exp merge of a partial result (``merge.partial.MergePartial``): one
 compile per (dtype, value head dim, launch path), cached on disk like every kernel."""
 
-import threading
-
 from flexattn.arrays import dtype_name
+from flexattn.kernels.launch.compile_lock import COMPILING
 
 _MERGE_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 _COMPILED: dict = {}
-_COMPILING = threading.Lock()   # ranks as threads merge at once; one compile each, one at a time
 
 
 def merge_partial(acc, lse, out, lse_j, *, tvm_ffi: bool, stream: int) -> None:
@@ -41,7 +39,7 @@ def _compiled(key):
     from flexattn.kernels.launch.compile import compile_merge
 
     dtype, head_dim_v, tvm_ffi = key
-    with _COMPILING:
+    with COMPILING:     # ranks as threads merge at once: one compile per key
         fn = _COMPILED.get(key)
         if fn is None:
             fn = _COMPILED[key] = disk_cache.compiled(
