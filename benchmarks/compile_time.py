@@ -66,7 +66,9 @@ def _bwd(**kw):
         from flexattn.kernels.emit.mod_emit import IRModHook
 
         score, mask, rest = _split_mods(kw)
-        return ("bwd", BwdConfig(mods=IRModHook(score() if score else None, mask() if mask else None), **rest))
+        grads = rest.pop("grads", None)   # capture slots that want gradients (None: every float buffer)
+        hook = IRModHook(score() if score else None, mask() if mask else None)
+        return ("bwd", BwdConfig(mods=hook if grads is None else hook.with_grad_filter(grads), **rest))
     return make
 
 
@@ -178,6 +180,8 @@ KERNELS = {
     "bwd-relbias": _bwd(head_dim=128, score=_relative_bias),
     "bwd-det-relbias": _bwd(head_dim=128, score=_relative_bias, deterministic=True),
     "bwd-causal-alibi": _bwd(head_dim=128, causal=True, score=_alibi),
+    # as planned when the slopes do not require grad (the door's causal+alibi)
+    "bwd-causal-alibi-fixed": _bwd(head_dim=128, causal=True, score=_alibi, grads=()),
     "bwd-window": _bwd(head_dim=128, block_sparse=True, mask=_window),
     "bwd-window-band": _bwd(head_dim=128, band=True, mask=_window),
     "bwd-window-band-80": _bwd(head_dim=128, band=True, mask=_window, tile_m=80),

@@ -127,6 +127,28 @@ def test_sliding_window_block_mask_alibi_slopes(lse_loss):
     _window_alibi(lse_loss)
 
 
+@pytest.mark.parametrize("S", [1000, 1024])
+def test_causal_alibi_fixed_slopes_torch_style(S):
+    """causal + ALiBi as a torch user writes it (a score_mod closing over a slopes tensor
+    that needs no gradient): the backward's additive-mod path (ds'/ds = 1, no masked-element
+    guard, the KV_LEN test only in the CTA whose keys straddle it; S 1000 has one, 1024
+    none)."""
+    torch.manual_seed(3)
+    B, Hq, Hkv, D, dtype = 2, 8, 2, 128, torch.bfloat16
+    leaves, (q, k, v) = _qkv(B, Hq, Hkv, S, S, D, dtype)
+    slopes = torch.tensor(mods.alibi_slopes(Hq), device="cuda")
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    bm = fa.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, S, S, device="cuda")
+    out = fa.flex_attention(q, k, v, score_mod=alibi, block_mask=bm, enable_gqa=True)
+    d_out = torch.randn_like(out)
+    (out * d_out).sum().backward()
+    spec = AttentionSpec.from_args(score=mods.alibi(mods.alibi_slopes(Hq)), mask=mods.causal(), enable_gqa=True)
+    _check(f"causal-alibi-fixed-{S}", (q, k, v), leaves, spec, out, d_out)
+
+
 def test_document_softcap_fully_masked_rows():
     """mask= (block mask built per call), softcap, Q > KV: queries of the last document
     see no key (out 0, lse -inf) and must get zero gradients, not NaN."""

@@ -802,6 +802,28 @@ def test_buffer_gradients_are_summed_per_diagonal_before_the_atomics():
     assert counts["2-d table"][2] == 0
 
 
+def test_additive_mods_with_fixed_captures_skip_the_masked_element_guard():
+    """ALiBi with slopes that need no gradient (the door's causal+alibi): ds'/ds is the
+    constant 1, so dS' needs no per-element derivative and no `P == 0` select, and the
+    KV_LEN test runs only in the CTA whose keys straddle it (two copies of the pointwise
+    pass, as without a score mod). softcap's derivative is not constant: one guarded copy."""
+    alibi = IRModHook(mods.alibi(np.ones(4, np.float32)), None)
+    assert alibi.constant_score_grad == 1.0
+    assert IRModHook(mods.softcap(30.0), None).constant_score_grad is None
+    ptx = {}
+    for name, hook in (("fixed", alibi.with_grad_filter(())), ("trained", alibi)):
+        ptx[name] = compile_backward(BwdConfig(head_dim=128, causal=True, mods=hook), fake_args(hook),
+                                     keep_ptx=True).__ptx__
+        usage = resource_usage_from_ptx(ptx[name])
+        assert usage is None or usage.spill_store_bytes == 0, name
+    ex2 = {name: p.count("ex2.approx") for name, p in ptx.items()}
+    assert ex2["fixed"] >= 1.9 * ex2["trained"]      # edge / interior copies (x diagonal / below)
+    # the guard: one `P == 0` test per element, in the trained kernel only
+    guard = re.compile(r"setp\.(eq|neu)\.f32\s+%p\d+, %\w+, 0f00000000")
+    assert len(guard.findall(ptx["trained"])) >= ex2["trained"]
+    assert len(guard.findall(ptx["fixed"])) < ex2["fixed"] // 4
+
+
 def test_fixed_point_digits_model():
     """A host model of atomics._FIXED_ADD / _FIXED_READ (same steps): sums of random
     fp32 values in any order give the same counters, and the read-back is the exact sum

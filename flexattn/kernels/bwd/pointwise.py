@@ -59,16 +59,16 @@ class BwdPointwise:
     @cute.jit
     def _pointwise_at_edge(self, acc_S, acc_dP, sLSE, sDelta, coords, blk, scale_log2,
                            grad_args, mask: cutlass.Constexpr[bool],
-                           causal: cutlass.Constexpr[bool]):
+                           causal: cutlass.Constexpr[bool], sDiag_thr=None):
         """`_pointwise`, with the KV_LEN test only in the CTA whose keys straddle KV_LEN
         (a CTA-uniform branch: the other CTAs skip one select per element)."""
         n_block, seqlen_k = blk[1], blk[5]
         if (n_block + 1) * self.cfg.tile_n > seqlen_k:
             self._pointwise(acc_S, acc_dP, sLSE, sDelta, coords, blk, scale_log2, grad_args,
-                            mask, causal, True)
+                            mask, causal, True, sDiag_thr)
         else:
             self._pointwise(acc_S, acc_dP, sLSE, sDelta, coords, blk, scale_log2, grad_args,
-                            mask, causal, False)
+                            mask, causal, False, sDiag_thr)
 
     @cute.jit
     def _pointwise(self, acc_S, acc_dP, sLSE, sDelta, coords, blk, scale_log2, grad_args,
@@ -78,7 +78,8 @@ class BwdPointwise:
         mod, mask and bounds in the forward's order (as apply_mods) on the clamped indices
         the forward's hook saw. If `acc_dP` is given (score-mod path) also
         acc_dP <- dS^T = P (dP - D) ds'/ds (0 where P == 0: the derivative may be inf or
-        NaN at masked elements) and the buffer gradients are scattered."""
+        NaN at masked elements, unless it is a finite constant) and the buffer gradients
+        are scattered."""
         m_block, n_block, head, batch, seqlen_q, seqlen_k, softmax_scale, mod_args = blk
         mods = self.mods
         cfg = self.cfg
@@ -104,6 +105,7 @@ class BwdPointwise:
         flushes = _diagonal_flushes(order, coords, uniform) if const_expr(diagonal) else None
         sums = {}
         lse = delta = None
+        constant_grad = getattr(mods, "constant_score_grad", None) if fused else None
         # Indices only where something reads them (a score mod like softcap reads none):
         # ops per element of tracing that MLIR would delete again.
         # The band structure's mask is exactly its band: q - kv against the bounds (from the
@@ -191,8 +193,13 @@ class BwdPointwise:
                 elif const_expr(cfg.buffer_grads):
                     self._scatter_buffer_grads(ds, p, s_scaled, batch, head, q_hook,
                                                kv_hook, mod_args, grad_args)
-                ds = ds * grad
-                dp_mn[r, c] = Float32(cutlass.select_(p == Float32(0.0), Float32(0.0), ds))
+                if const_expr(constant_grad is not None):
+                    # A finite constant ds'/ds (additive mods): masked elements give
+                    # 0 * c = 0 unguarded, and c = 1 multiplies by nothing.
+                    dp_mn[r, c] = ds if const_expr(constant_grad == 1.0) else ds * Float32(constant_grad)
+                else:
+                    ds = ds * grad
+                    dp_mn[r, c] = Float32(cutlass.select_(p == Float32(0.0), Float32(0.0), ds))
 
     @cute.jit
     def _column_values(self, sStat, coords):

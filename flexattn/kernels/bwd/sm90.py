@@ -1331,10 +1331,15 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             # One pass after both GEMMs: ds'/ds and the raw score stay per-element
             # temporaries instead of two more 32-register fragments (which spilled).
             warpgroup.wait_group(0)
-            # (One copy of this loop: two spill with a score mod's temporaries.)
-            self._pointwise(acc_S, acc_dP, lse, delta, coords,
-                            blk, scale_log2, grad_args, mask, causal, True,
-                            self._diag_row(sDiag, coords))
+            if const_expr(getattr(mods, "constant_score_grad", None) is not None and not self.cfg.buffer_grads):
+                # Additive mods with fixed captures: the KV_LEN test only where keys
+                # straddle it (two copies; with buffer grads the scatter dominates).
+                self._pointwise_at_edge(acc_S, acc_dP, lse, delta, coords, blk, scale_log2,
+                                        grad_args, mask, causal, self._diag_row(sDiag, coords))
+            else:
+                # One copy: two spill with a derivative's temporaries (softcap: 48 B).
+                self._pointwise(acc_S, acc_dP, lse, delta, coords, blk, scale_log2,
+                                grad_args, mask, causal, True, self._diag_row(sDiag, coords))
             if const_expr(split):
                 rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
                 mma.convert_into(rP, acc_S)

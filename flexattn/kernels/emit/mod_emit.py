@@ -620,6 +620,17 @@ class IRModHook(ModHook):
         return self.derivative_box[0]
 
     @property
+    def constant_score_grad(self) -> float | None:
+        """ds'/ds when it is one finite constant (additive mods: ALiBi, biases, relative
+        positions: 1.0), else None. The backward then needs no per-element derivative and no
+        guard for masked elements (0 * a finite constant is 0)."""
+        d = self.derivative
+        if d is None or d.d_score.op != "const":
+            return None
+        value = float(d.d_score.attr)
+        return value if math.isfinite(value) else None
+
+    @property
     def grad_slots(self) -> tuple:
         """Score-capture slots (= positions in ``args``) of float buffers that get grads."""
         d = self.derivative
