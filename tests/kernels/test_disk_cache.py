@@ -712,3 +712,27 @@ def test_compiles_and_loads_take_turns_across_threads(monkeypatch):
     for t in threads:
         t.join()
     assert most[0] == 1, f"{most[0]} compiles ran at once"
+
+
+def test_threads_that_miss_a_kernel_at_once_compile_it_once():
+    """``compile_lock.once``: every runner's and builder's in-memory cache — threads that
+    find no kernel at the same moment make it once; the others wait and take it."""
+    import threading
+    import time
+
+    from flexattn.kernels.launch.compile_lock import once
+
+    cache, made = {}, []
+
+    def make():
+        made.append(1)
+        time.sleep(0.05)
+        return object()
+
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(once(cache, "k", make))) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and len(got) == 6 and all(g is got[0] for g in got)

@@ -164,16 +164,18 @@ class GpuBlockMaskBuilder:
         return len(self._fns)
 
     def _fn(self, count_allowed: bool):
-        fn = self._fns.get(count_allowed)
-        if fn is None:
+        from flexattn.kernels.launch.compile_lock import once
+
+        def make():
             from flexattn.kernels.launch import disk_cache
             from flexattn.kernels.launch.compile import compile_classifier
 
             hook = disk_cache.hook_key(self.template) if self.tvm_ffi else None
             key = None if hook is None else ("blockmask_classifier", hook, self.q_block, self.kv_block, count_allowed)
-            fn = self._fns[count_allowed] = disk_cache.compiled(key, lambda: compile_classifier(
+            return disk_cache.compiled(key, lambda: compile_classifier(
                 self.template, self.q_block, self.kv_block, count_allowed, tvm_ffi=self.tvm_ffi))
-        return fn
+
+        return once(self._fns, count_allowed, make)
 
     def _launch(self, fn, hook, arrays, states, allowed, q_len, kv_len):
         from flexattn.kernels.emit.mod_emit import runtime_args
@@ -228,14 +230,16 @@ _BUILDERS: dict = {}
 def compact(states, arrays, tvm_ffi: bool, full_as_partial: bool = False) -> dict:
     """The eight sorted lists (device int32 arrays) of a device states array (full tiles
     listed as partial with ``full_as_partial``)."""
-    fn = _COMPACTORS.get((tvm_ffi, full_as_partial))
-    if fn is None:
+    from flexattn.kernels.launch.compile_lock import once
+
+    def make():
         from flexattn.kernels.launch import disk_cache
         from flexattn.kernels.launch.compile import compile_compactor
 
         key = (("blockmask_compact",) + (("full_as_partial",) if full_as_partial else ())) if tvm_ffi else None
-        fn = _COMPACTORS[tvm_ffi, full_as_partial] = disk_cache.compiled(
-            key, lambda: compile_compactor(tvm_ffi=tvm_ffi, full_as_partial=full_as_partial))
+        return disk_cache.compiled(key, lambda: compile_compactor(tvm_ffi=tvm_ffi, full_as_partial=full_as_partial))
+
+    fn = once(_COMPACTORS, (tvm_ffi, full_as_partial), make)
     B, H, n_q, n_kv = (int(s) for s in states.shape)
     lists = {}
     for side, rows, cols in (("kv", n_q, n_kv), ("q", n_kv, n_q)):

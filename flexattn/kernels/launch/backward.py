@@ -97,6 +97,7 @@ from flexattn.kernels.emit.mod_emit import IRModHook, fake_args
 from flexattn.kernels.launch import disk_cache
 from flexattn.kernels.launch.arguments import (arg_signature, check_block_list_shape, check_block_lists,
                                                check_q_and_kv_shapes, is_contiguous, to_cute)
+from flexattn.kernels.launch.compile_lock import once
 from flexattn.kernels.launch.compile import (compile_backward, compile_on_views, compile_postprocess,
                                              compile_preprocess)
 from flexattn.kernels.launch.operands import BackwardArrays
@@ -211,12 +212,12 @@ class BackwardRunner:
 
     # ------------------------------------------------------------------ compile + launch
     def _compiled_fn(self, key, make_kernel, args):
-        fn = self._compiled.get(key)
-        if fn is None:
+        def make():
             fn, seconds = compile_on_views(make_kernel(), args)
             self.last_compile_seconds += seconds
-            self._compiled[key] = fn
-        return fn
+            return fn
+
+        return once(self._compiled, key, make)
 
     def bind(self, arrays: BackwardArrays, workspace, softmax_scale: float, mod_args: tuple, grad_args,
              stream: int, block_sparse=None):
@@ -302,12 +303,13 @@ class FfiBackwardRunner:
     def kernels(self, with_dlse: bool):
         """(preprocess, main, postprocess) compiled functions (once per runner and dLSE;
         postprocess None under dq_finish)."""
-        fns = self._compiled.get(with_dlse)
-        if fns is None:
+        def make():
             t0 = time.perf_counter()
-            fns = self._compiled[with_dlse] = self._compile(with_dlse)
+            fns = self._compile(with_dlse)
             self.last_compile_seconds += time.perf_counter() - t0
-        return fns
+            return fns
+
+        return once(self._compiled, with_dlse, make)
 
     def _compile(self, with_dlse: bool):
         cfg = self.cfg

@@ -11,3 +11,15 @@ not compiled yet must take turns: two compiles at once crashed the process (segf
 import threading
 
 COMPILING = threading.RLock()
+
+
+def once(cache: dict, key, make):
+    """``cache[key]``, made by ``make()`` (a compile or load) the first time; threads that
+    miss it at once make it once (the others wait, then find it)."""
+    value = cache.get(key)
+    if value is None:
+        with COMPILING:
+            value = cache.get(key)
+            if value is None:
+                value = cache[key] = make()
+    return value

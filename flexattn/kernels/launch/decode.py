@@ -20,6 +20,7 @@ from flexattn.kernels.emit.mod_emit import fake_args
 from flexattn.kernels.launch import disk_cache
 from flexattn.kernels.launch.arguments import arg_signature, dlpack_view
 from flexattn.kernels.launch.compile import compile_decode, compile_on_views
+from flexattn.kernels.launch.compile_lock import once
 
 
 class DecodeRunner:
@@ -43,16 +44,17 @@ class DecodeRunner:
         o, lse, o_part, lse_part, tickets, scale, mod_args | None)``, launching on the
         framework's current stream (``core/decode_path.DecodePlan.run`` calls it directly);
         ``mod_args`` are the stand-ins for hooks without IR captures."""
-        fn = self._compiled.get("ffi")
-        if fn is None:
+        def make():
             t0 = time.perf_counter()
             ir_hook = hasattr(self.cfg.mods, "captures")
             fake = fake_args(self.cfg.mods) if ir_hook else tuple(mod_args or ())
             # Stand-ins of a hand-written hook's args are not part of the config key: no disk.
             key = disk_cache.config_key("decode", self.cfg) if ir_hook or not fake else None
-            fn = self._compiled["ffi"] = disk_cache.compiled(key, lambda: compile_decode(self.cfg, fake, tvm_ffi=True))
+            fn = disk_cache.compiled(key, lambda: compile_decode(self.cfg, fake, tvm_ffi=True))
             self.last_compile_seconds = time.perf_counter() - t0
-        return fn
+            return fn
+
+        return once(self._compiled, "ffi", make)
 
     def run(self, q, k, v, page_table, seq_lens, o, lse, o_part, lse_part, tickets, scale: float,
             mod_args: tuple, stream: int):
@@ -68,8 +70,9 @@ class DecodeRunner:
         s = cutlass.Float32(scale)
         cu_stream = cuda.CUstream(stream)
         key = tuple(arg_signature(a) for a in mod_args or ())
-        fn = self._compiled.get(key)
-        if fn is None:
+        def make():
             fn, self.last_compile_seconds = compile_on_views(DecodeSm90(self.cfg), (*tensors, s, args, cu_stream))
-            self._compiled[key] = fn
+            return fn
+
+        fn = once(self._compiled, key, make)
         fn(*tensors, s, args, cu_stream)

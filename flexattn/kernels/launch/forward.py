@@ -25,6 +25,7 @@ from flexattn.kernels.fwd.sm90 import FlashFwdSm90, FwdConfig
 from flexattn.kernels.launch import disk_cache
 from flexattn.kernels.launch.arguments import arg_signature, check_block_lists, to_cute
 from flexattn.kernels.launch.compile import compile_forward, compile_on_views
+from flexattn.kernels.launch.compile_lock import COMPILING, once
 
 
 def _check_row_stats(name: str, t, q_shape) -> None:
@@ -120,11 +121,12 @@ class ForwardRunner:
         scale = cutlass.Float32(softmax_scale)
         cu_stream = cuda.CUstream(stream)
         key = tuple(arg_signature(a) for a in mod_args or ())
-        fn = self._compiled.get(key)
-        if fn is None:
+        def make():
             fn, self.last_compile_seconds = compile_on_views(FlashFwdSm90(self.cfg),
                                                              (*dyn, scale, args, bs, dyn_max, cu_stream))
-            self._compiled[key] = fn
+            return fn
+
+        fn = once(self._compiled, key, make)
         return lambda: fn(*dyn, scale, args, bs, dyn_max, cu_stream)
 
     def _check_max_scores(self, lse, max_scores):
@@ -170,7 +172,11 @@ class FfiForwardRunner:
         return int(self._fn is not None)
 
     def compile(self) -> None:
-        if self._fn is None:  # capture kinds are part of cfg.key(): one compile per runner
+        if self._fn is not None:  # capture kinds are part of cfg.key(): one compile per runner
+            return
+        with COMPILING:           # threads that miss at once compile once
+            if self._fn is not None:
+                return
             t0 = time.perf_counter()
             self._fn = disk_cache.compiled(disk_cache.config_key("fwd", self.cfg),
                                            lambda: compile_forward(self.cfg, fake_args(self.cfg.mods), tvm_ffi=True))

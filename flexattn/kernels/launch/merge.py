@@ -2,7 +2,7 @@
 compile per (dtype, value head dim, launch path), cached on disk like every kernel."""
 
 from flexattn.arrays import dtype_name
-from flexattn.kernels.launch.compile_lock import COMPILING
+from flexattn.kernels.launch.compile_lock import once
 
 _MERGE_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 _COMPILED: dict = {}
@@ -39,13 +39,10 @@ def _compiled(key):
     from flexattn.kernels.launch.compile import compile_merge
 
     dtype, head_dim_v, tvm_ffi = key
-    with COMPILING:     # ranks as threads merge at once: one compile per key
-        fn = _COMPILED.get(key)
-        if fn is None:
-            fn = _COMPILED[key] = disk_cache.compiled(
-                ("merge_partial", dtype, head_dim_v) if tvm_ffi else None,
-                lambda: compile_merge(dtype, head_dim_v, tvm_ffi=tvm_ffi))
-    return fn
+    # ranks as threads merge at once: one compile per key
+    return once(_COMPILED, key, lambda: disk_cache.compiled(
+        ("merge_partial", dtype, head_dim_v) if tvm_ffi else None,
+        lambda: compile_merge(dtype, head_dim_v, tvm_ffi=tvm_ffi)))
 
 
 __all__ = ["merge_partial"]
