@@ -342,6 +342,51 @@ def test_row_sums_take_single_contributions_as_they_come():
     assert np.array_equal(empty.result(), np.zeros((1, 1, 8, 2), np.float32))
 
 
+def test_launches_write_single_contribution_rows_in_place():
+    """A backward launch whose rows have no other contribution gets the result's rows as
+    its output (``_RowSums.lend``; ops with ``writes_into``): no copy afterwards, the same
+    bits as copying its output in (bf16 through TorchOps on CPU, documents kept on their
+    ranks by the direct schedule)."""
+    import torch
+
+    from flexattn.torch.context_parallel import TorchOps
+
+    class Counting(TorchOps):
+        def __init__(self, lend):
+            self.writes_into = lend
+            self.lent = self.copies = 0
+
+        def attention_backward(self, *args):
+            into = args[8] if len(args) > 8 else None
+            self.lent += sum(x is not None for x in into or ())
+            return super().attention_backward(*args)
+
+        def assign_rows(self, out, start, stop, x):
+            self.copies += 1
+            super().assign_rows(out, start, stop, x)
+
+    rng, q, k, v, d_out = _problem(5)
+    spec = _specs(rng)["documents"]
+    layout = _documents_kept(2)
+    q, k, v, d_out = (torch.as_tensor(x).to(torch.bfloat16) for x in (q, k, v, d_out))
+    got = {}
+    for lend in (True, False):
+        ops = Counting(lend)
+
+        def rank(comm):
+            plan = cp.ContextParallelPlan(spec, layout, comm.rank, B, H)
+            pos = torch.as_tensor(layout.positions(comm.rank))
+            shards = [x[:, :, pos] for x in (q, k, v, d_out)]
+            return run_schedule("direct", plan, comm, ops, *shards, [])[2][:3]
+
+        got[lend] = (cp.LoopbackWorld(layout.world).run(rank), ops.lent, ops.copies)
+    (lent_grads, lent, copies), (copied_grads, none_lent, all_copies) = got[True], got[False]
+    assert none_lent == 0 and lent > 0 and copies < all_copies
+    for a, b in zip(lent_grads, copied_grads):
+        for x, y in zip(a, b):
+            assert x.dtype == torch.bfloat16 and torch.equal(x, y)
+
+
 def test_the_direct_schedule_sends_only_the_chunks_attended():
     """Documents of 64 tokens, causal, over chunks of 32 dealt (0, 1, 0, 1, 1, 0, 0, 1):
     rank 1's queries attend rank 0's chunks 0, 2 and 6 (not 5: its document starts at

@@ -1199,12 +1199,14 @@ def _tile_tickets(dev):
     return _decode_workspace(dev, torch.cuda.current_stream(dev)).tickets(1)
 
 
-def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buffers, grad_mask):
+def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buffers, grad_mask, into=None):
     """The backward kernels on the current stream -> (dq, dk, dv, gradient per op buffer:
-    ``_buffer_grads``), the buffers' whose bit is set in ``grad_mask``."""
+    ``_buffer_grads``), the buffers' whose bit is set in ``grad_mask``. ``into``: None, or
+    (dq, dk, dv), each None or a tensor (a view: rows of a larger gradient) the kernels
+    write that gradient into (the inputs' shape and dtype, last dim contiguous)."""
     grad_captures = _grad_captures(spec, grad_mask)
     dev = query.device
-    arrays = _backward_arrays(query, key, value, out, lse, d_out, d_lse)
+    arrays = _backward_arrays(query, key, value, out, lse, d_out, d_lse, into)
     device = _forward_device(dev)  # TVM-FFI launches read torch's current stream (the autograd thread's)
     # torch's switch for bitwise-repeatable algorithms selects the deterministic backward
     deterministic = torch.are_deterministic_algorithms_enabled()
@@ -1219,19 +1221,25 @@ def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buf
     return arrays.dq, arrays.dk, arrays.dv, _buffer_grads(_tensor_slots(spec), result.capture_grads, buffers)
 
 
-def _backward_arrays(query, key, value, out, lse, d_out, d_lse) -> BackwardArrays:
+def _backward_arrays(query, key, value, out, lse, d_out, d_lse, into=None) -> BackwardArrays:
     """The backward kernels' operands (detached, the gradients contiguous in the inputs'
-    dtype) and their freshly allocated dq, dk, dv."""
+    dtype) and their dq, dk, dv: freshly allocated, or the views ``into`` gives."""
     def operand(x, dtype):  # DLPack refuses tensors that require grad; gradients may be strided
         return x.detach().to(dtype).contiguous()
 
-    dev = query.device
+    def output(like, view):
+        if view is None:
+            return _written_empty(like.shape, dtype=like.dtype, device=like.device)
+        if view.shape != like.shape or view.dtype != like.dtype or view.device != like.device or view.stride(-1) != 1:
+            raise ValueError(f"a gradient's target must be {tuple(like.shape)} {like.dtype} on {like.device} with its "
+                             f"last dim contiguous, got {tuple(view.shape)} {view.dtype} strides {view.stride()}")
+        return view
+
+    into = into or (None, None, None)
     return BackwardArrays(
         q=query.detach(), k=key.detach(), v=value.detach(), out=out.detach(), lse=operand(lse, torch.float32),
         d_out=operand(d_out, query.dtype), d_lse=None if d_lse is None else operand(d_lse, torch.float32),
-        dq=_written_empty(query.shape, dtype=query.dtype, device=dev),
-        dk=_written_empty(key.shape, dtype=key.dtype, device=dev),
-        dv=_written_empty(value.shape, dtype=value.dtype, device=dev),
+        dq=output(query, into[0]), dk=output(key, into[1]), dv=output(value, into[2]),
     )
 
 

@@ -362,25 +362,30 @@ class TorchOps:
     stream), the float64 reference on CPU; merges and sums in float32 (float64 for
     float64 inputs)."""
 
+    writes_into = True    # attention_backward writes into the views it is given (on CUDA: the kernels)
+
     def attention(self, q, k, v, spec):
         if q.is_cuda:
             return _kernel_forward(spec, check_inputs(q, k, v, spec), q, k, v)
         out, lse = reference.forward(q, k, v, spec)
         return _like(out, q), _like(lse, q, getattr(torch, lse_dtype(q)))
 
-    def attention_backward(self, q, k, v, out, lse, d_out, d_lse, spec):
+    def attention_backward(self, q, k, v, out, lse, d_out, d_lse, spec, into=None):
         captures = spec.score.captures if spec.score is not None else ()
         if q.is_cuda:
             buffers = _score_tensors(spec.score)
             shape = check_inputs(q, k, v, spec)
             dq, dk, dv, grads = _kernel_backward(spec, shape, q, k, v, out, lse, d_out, d_lse, buffers,
-                                                 _grad_mask(buffers))
+                                                 _grad_mask(buffers), into)
             by_id = {id(b): g.float() for b, g in zip(buffers, grads) if b.requires_grad}
             return dq, dk, dv, by_id
         g = reference.backward(q, k, v, d_out, d_lse, spec, out=out, lse=lse)
         by_id = {id(c): _like(d, c, self._work(q)) for c, d in zip(captures, g.d_captures)
                  if d is not None and isinstance(c, torch.Tensor) and c.requires_grad}
-        return _like(g.dq, q), _like(g.dk, k), _like(g.dv, v), by_id
+        grads = (_like(g.dq, q), _like(g.dk, k), _like(g.dv, v))
+        if into is not None:
+            grads = tuple(g if view is None else view.copy_(g) for view, g in zip(into, grads))
+        return (*grads, by_id)
 
     @staticmethod
     def _work(x):

@@ -11,14 +11,16 @@ from ... import reference
 class HostOps:
     """``ops`` for ``schedule`` over numpy [B, H, S, D] arrays (float64 work)."""
 
+    writes_into = True    # attention_backward writes into the views it is given
+
     def attention(self, q, k, v, spec):
         return reference.forward(q, k, v, spec)
 
-    def attention_backward(self, q, k, v, out, lse, d_out, d_lse, spec):
+    def attention_backward(self, q, k, v, out, lse, d_out, d_lse, spec, into=None):
         grads = reference.backward(q, k, v, d_out, d_lse, spec, out=out, lse=lse)
         captures = spec.score.captures if spec.score is not None else ()
         by_id = {id(c): g for c, g in zip(captures, grads.d_captures) if g is not None}
-        return grads.dq, grads.dk, grads.dv, by_id
+        return (*written_into(into, (grads.dq, grads.dk, grads.dv)), by_id)
 
     def rows(self, x, start, stop):
         return x[:, :, start:stop]
@@ -63,6 +65,20 @@ class HostOps:
 
     def cast(self, x, like):
         return x.astype(np.asarray(like).dtype, copy=False)
+
+
+def written_into(into, grads) -> tuple:
+    """Each gradient copied into its view of ``into`` (None, or a view or None per
+    gradient) and returned as that view; the others as they are."""
+    if into is None:
+        return tuple(grads)
+    out = []
+    for view, g in zip(into, grads):
+        if view is not None:
+            view[...] = g
+            g = view
+        out.append(g)
+    return tuple(out)
 
 
 def merge_rows(acc, lse, out_j, lse_j) -> None:

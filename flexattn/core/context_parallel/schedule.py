@@ -21,8 +21,10 @@ What a framework supplies (duck-typed, see ``flexattn.torch.context_parallel``):
 
 ``ops`` — arrays [B, H, S, D] with the sequence at dim 2:
   ``attention(q, k, v, spec) -> (out, lse)``; ``attention_backward(q, k, v, out, lse,
-  d_out, d_lse, spec) -> (dq, dk, dv, {id(capture): fp32 grad})`` (the captures of
-  ``spec.score`` that want gradients); ``rows(x, start, stop)``
+  d_out, d_lse, spec, into) -> (dq, dk, dv, {id(capture): fp32 grad})`` (the captures of
+  ``spec.score`` that want gradients; ``into``: None, or (dq, dk, dv) arrays, each None or
+  a view the gradient is written into and returned as — with ``writes_into`` true);
+  ``rows(x, start, stop)``
   (a view); ``cat(parts)`` (along the sequence); ``stats(q, v) -> (out accumulator, lse)``
   (fp32 zeros, −inf); ``merge(acc, lse, start, stop, out_j, lse_j) -> (acc, lse)``;
   ``assign(acc, lse, start, stop, out_j, lse_j) -> (acc, lse)`` (rows no launch wrote yet);
@@ -310,29 +312,36 @@ def _forward_pairs(ops, pairs, q, k, v, acc, lse, written):
 
 def _backward_pairs(ops, pairs, arrays, dq, dk, dv, captures):
     """Each pair's backward launch (``arrays``: q, the K/V in hand, out, lse, d_out,
-    d_lse), its gradients added into ``dq`` / ``dk`` / ``dv`` and ``captures``."""
+    d_lse), its gradients added into ``dq`` / ``dk`` / ``dv`` and ``captures`` — or, where
+    a ``_RowSums`` lends the launch its result's rows (one contribution covers them all),
+    written there by the launch itself."""
     q, k, v, out, lse, d_out, d_lse = arrays
     for pair in pairs:
         (q0, q1), (k0, k1) = pair.q_rows, pair.kv_rows
+        spans = ((dq, q0, q1), (dk, k0, k1), (dv, k0, k1))
+        into = tuple(s.lend(a, b) if isinstance(s, _RowSums) else None for s, a, b in spans)
         dq_j, dk_j, dv_j, cap_j = ops.attention_backward(
             ops.rows(q, q0, q1), ops.rows(k, k0, k1), ops.rows(v, k0, k1), ops.rows(out, q0, q1),
             ops.rows(lse, q0, q1), ops.rows(d_out, q0, q1), None if d_lse is None else ops.rows(d_lse, q0, q1),
-            pair.spec)
-        dq = _add_into(ops, dq, q0, q1, dq_j)
+            pair.spec, into if any(x is not None for x in into) else None)
+        dq = _add_into(ops, dq, q0, q1, dq_j, into[0] is not None)
         if dk is None:      # one launch over every key (``_one_launch_over``): its own dK/dV
             dk, dv = dk_j, dv_j
         else:
-            dk = _add_into(ops, dk, k0, k1, dk_j)
-            dv = _add_into(ops, dv, k0, k1, dv_j)
+            dk = _add_into(ops, dk, k0, k1, dk_j, into[1] is not None)
+            dv = _add_into(ops, dv, k0, k1, dv_j, into[2] is not None)
         _add_captures(ops, captures, cap_j)
     return dq, dk, dv
 
 
-def _add_into(ops, sums, start, stop, x):
+def _add_into(ops, sums, start, stop, x, lent: bool = False):
     """``x`` added into rows start:stop of ``sums`` (an array in the work dtype, or a
-    ``_RowSums``); returns ``sums``."""
+    ``_RowSums``; ``lent``: x was written into the rows it lent); returns ``sums``."""
     if isinstance(sums, _RowSums):
-        sums.add(start, stop, x)
+        if lent:
+            sums.written_in_place(start, stop)
+        else:
+            sums.add(start, stop, x)
         return sums
     return ops.add_rows(sums, start, stop, x)
 
@@ -346,7 +355,9 @@ class _RowSums:
     contributions cover are summed in the work dtype (``ops.zeros``; in arrival order, as
     before) and cast once at the end; rows none covers are zeros. Documents kept on their
     ranks leave most rows with one contribution (4x H200, documents16 W 4 fwd+bwd: 4.6 ms of
-    a 56.8 ms step went to such fills, adds and casts)."""
+    a 56.8 ms step went to such fills, adds and casts). A launch whose whole range is such
+    rows writes them itself (``lend``; ops with ``writes_into``): not even a copy (the
+    same H200 run: 4.1 ms of strided copies were left)."""
 
     def __init__(self, ops, like, spans):
         self.ops = ops
@@ -363,16 +374,44 @@ class _RowSums:
         self.acc = ops.zeros(like) if any(c > 1 for c in count.values()) else None
         self.written = set()      # single-contribution segments already taken
 
-    def add(self, start, stop, x):
-        """Contribution ``x`` to rows start:stop (one of the spans)."""
-        ops = self.ops
-        covered = [seg for seg in self.segments if start <= seg[0] and seg[1] <= stop]
+    def lend(self, start, stop):
+        """Rows start:stop of the result (a view) for the launch that contributes them
+        (else None): the launch writes them itself, and ``written_in_place`` then adds the
+        rows other contributions share into the sums — rows that are the launch's alone
+        are never copied."""
+        if not getattr(self.ops, "writes_into", False):
+            return None
+        covered = self._covered(start, stop)
+        if not covered or any(self.count[seg] == 1 and seg in self.written for seg in covered):
+            return None
+        return self.ops.rows(self.out, start, stop)
+
+    def written_in_place(self, start, stop):
+        """The launch wrote its contribution into the rows ``lend`` gave it: its own rows
+        are taken; rows other contributions share are added into the sums from there
+        (``result`` writes their sums over them at the end)."""
+        covered = self._covered(start, stop)
+        self._take_singles(covered)
+        for kind, a, b in _kind_runs(("single" if self.count[seg] == 1 else "summed", seg) for seg in covered):
+            if kind == "summed":
+                self.acc = self.ops.add_rows(self.acc, a, b, self.ops.rows(self.out, a, b))
+
+    def _covered(self, start, stop) -> list:
+        return [seg for seg in self.segments if start <= seg[0] and seg[1] <= stop]
+
+    def _take_singles(self, covered):
         for seg in covered:
             if self.count[seg] == 1:
                 if seg in self.written:
                     raise RuntimeError(f"context parallelism: rows {seg} got a second contribution the plan did not"
                                        " count (internal error)")
                 self.written.add(seg)
+
+    def add(self, start, stop, x):
+        """Contribution ``x`` to rows start:stop (one of the spans)."""
+        ops = self.ops
+        covered = self._covered(start, stop)
+        self._take_singles(covered)
         for kind, a, b in _kind_runs(("single" if self.count[seg] == 1 else "summed", seg) for seg in covered):
             part = ops.rows(x, a - start, b - start)
             if kind == "single":
