@@ -332,9 +332,11 @@ def test_row_sums_take_single_contributions_as_they_come():
     # rows 0:20, 40:60 and 70:90 copied as they came; 20:40 summed (one add per contribution
     # reaching it) and cast in one copy
     assert (ops.adds, ops.assigns) == (3, 4) and sums.count[(20, 30)] == 3
+    # the fp32 sums hold only the shared rows 20:40
+    assert list(sums.sums) == [(20, 40)] and tuple(sums.sums[(20, 40)].shape) == (1, 2, 20, 8)
     one = _RowSums(Counting(), like, [(0, 100)])
     one.add(0, 100, parts[0].new_ones(1, 2, 100, 8))
-    assert one.acc is None and torch.equal(one.result(), torch.ones_like(like))
+    assert one.sums == {} and torch.equal(one.result(), torch.ones_like(like))
     with pytest.raises(RuntimeError, match="did not count"):
         one.add(0, 100, parts[0].new_ones(1, 2, 100, 8))
     # a counted contribution that never came leaves zeros, not garbage
