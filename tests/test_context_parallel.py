@@ -344,11 +344,12 @@ def test_row_sums_take_single_contributions_as_they_come():
     assert np.array_equal(empty.result(), np.zeros((1, 1, 8, 2), np.float32))
 
 
-def test_launches_write_single_contribution_rows_in_place():
-    """A backward launch whose rows have no other contribution gets the result's rows as
-    its output (``_RowSums.lend``; ops with ``writes_into``): no copy afterwards, the same
-    bits as copying its output in (bf16 through TorchOps on CPU, documents kept on their
-    ranks by the direct schedule)."""
+def test_launches_write_their_rows_in_place():
+    """Forward and backward launches get the result's rows as their outputs
+    (``_RowOutputs.lend``, ``_RowSums.lend``; ops with ``writes_into``): rows no other
+    launch shares are never copied, shared ones are merged or summed from there — the
+    same bits as copying each launch's output in (bf16 through TorchOps on CPU, documents
+    kept on their ranks by the direct schedule)."""
     import torch
 
     from flexattn.torch.context_parallel import TorchOps
@@ -357,6 +358,10 @@ def test_launches_write_single_contribution_rows_in_place():
         def __init__(self, lend):
             self.writes_into = lend
             self.lent = self.copies = 0
+
+        def attention(self, *args):
+            self.lent += int(len(args) > 4 and args[4] is not None)
+            return super().attention(*args)
 
         def attention_backward(self, *args):
             into = args[8] if len(args) > 8 else None
@@ -379,14 +384,16 @@ def test_launches_write_single_contribution_rows_in_place():
             plan = cp.ContextParallelPlan(spec, layout, comm.rank, B, H)
             pos = torch.as_tensor(layout.positions(comm.rank))
             shards = [x[:, :, pos] for x in (q, k, v, d_out)]
-            return run_schedule("direct", plan, comm, ops, *shards, [])[2][:3]
+            out, lse, grads = run_schedule("direct", plan, comm, ops, *shards, [])
+            return out, lse, *grads[:3]
 
         got[lend] = (cp.LoopbackWorld(layout.world).run(rank), ops.lent, ops.copies)
     (lent_grads, lent, copies), (copied_grads, none_lent, all_copies) = got[True], got[False]
     assert none_lent == 0 and lent > 0 and copies < all_copies
-    for a, b in zip(lent_grads, copied_grads):
+    for a, b in zip(lent_grads, copied_grads):       # each rank's out, lse, dq, dk, dv
         for x, y in zip(a, b):
-            assert x.dtype == torch.bfloat16 and torch.equal(x, y)
+            assert torch.equal(x, y)
+        assert a[0].dtype == a[2].dtype == torch.bfloat16
 
 
 def test_the_direct_schedule_sends_only_the_chunks_attended():

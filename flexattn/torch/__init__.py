@@ -1091,11 +1091,22 @@ def _written_empty(*shape, dtype, device):
 
 # --- the CUDA forward ---------------------------------------------------------------------------
 
-def _kernel_forward(spec, shape, query, key, value, want_max: bool = False):
-    """(out, lse), or with ``want_max`` (out, lse, max_scores), from the forward kernel."""
-    out = _written_empty(shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim, dtype=query.dtype,
-                         device=query.device)
-    lse = _written_empty(shape.batch, shape.q_heads, shape.q_len, dtype=torch.float32, device=query.device)
+def _kernel_forward(spec, shape, query, key, value, want_max: bool = False, into=None):
+    """(out, lse), or with ``want_max`` (out, lse, max_scores), from the forward kernel.
+    ``into``: None, or (out, lse) tensors to write (views: rows of larger arrays; the
+    call's shapes and dtypes, last dim contiguous)."""
+    if into is None:
+        out = _written_empty(shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim, dtype=query.dtype,
+                             device=query.device)
+        lse = _written_empty(shape.batch, shape.q_heads, shape.q_len, dtype=torch.float32, device=query.device)
+    else:
+        out, lse = into
+        want = (((shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim), query.dtype),
+                ((shape.batch, shape.q_heads, shape.q_len), torch.float32))
+        for name, t, (size, dtype) in zip(("out", "lse"), into, want):
+            if tuple(t.shape) != size or t.dtype != dtype or t.device != query.device or t.stride(-1) != 1:
+                raise ValueError(f"the forward's {name} target must be {size} {dtype} on {query.device} with its "
+                                 f"last dim contiguous, got {tuple(t.shape)} {t.dtype} strides {t.stride()}")
     max_scores = torch.empty_like(lse) if want_max else None
     device = _forward_device(query.device)
     # DLPack refuses tensors that require grad; the kernel only reads them

@@ -35,8 +35,8 @@ from ..core.context_parallel import (ContextParallelPlan, LoopbackWorld, ShardLa
 from ..core.context_parallel.host_ops import merge_rows
 from ..problem.spec import AttentionSpec, lse_dtype
 from ..problem.validate import check_inputs
-from . import (_grad_mask, _like, _kernel_backward, _kernel_forward, _score_tensors, backward_unsupported,
-               create_block_mask, kernel_unsupported)
+from . import (_grad_mask, _like, _kernel_backward, _kernel_forward, _score_tensors, _written_empty,
+               backward_unsupported, create_block_mask, kernel_unsupported)
 
 SCHEDULES = ("ring", "direct", "all_gather")
 
@@ -364,11 +364,17 @@ class TorchOps:
 
     writes_into = True    # attention_backward writes into the views it is given (on CUDA: the kernels)
 
-    def attention(self, q, k, v, spec):
+    def attention(self, q, k, v, spec, into=None):
         if q.is_cuda:
-            return _kernel_forward(spec, check_inputs(q, k, v, spec), q, k, v)
+            return _kernel_forward(spec, check_inputs(q, k, v, spec), q, k, v, into=into)
         out, lse = reference.forward(q, k, v, spec)
-        return _like(out, q), _like(lse, q, getattr(torch, lse_dtype(q)))
+        out, lse = _like(out, q), _like(lse, q, getattr(torch, lse_dtype(q)))
+        return (out, lse) if into is None else (into[0].copy_(out), into[1].copy_(lse))
+
+    def outputs(self, q, v):
+        b, h, s = q.shape[:3]
+        return (_written_empty(b, h, s, v.shape[-1], dtype=q.dtype, device=q.device),
+                _written_empty(b, h, s, dtype=getattr(torch, lse_dtype(q)), device=q.device))
 
     def attention_backward(self, q, k, v, out, lse, d_out, d_lse, spec, into=None):
         captures = spec.score.captures if spec.score is not None else ()
@@ -421,9 +427,6 @@ class TorchOps:
         acc[:, :, start:stop].copy_(out_j)
         lse[:, :, start:stop].copy_(lse_j)
         return acc, lse
-
-    def finish(self, acc, like):
-        return acc.to(like.dtype)
 
     def zeros(self, x):
         return torch.zeros(x.shape, dtype=self._work(x), device=x.device)

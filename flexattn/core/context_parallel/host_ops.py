@@ -11,10 +11,14 @@ from ... import reference
 class HostOps:
     """``ops`` for ``schedule`` over numpy [B, H, S, D] arrays (float64 work)."""
 
-    writes_into = True    # attention_backward writes into the views it is given
+    writes_into = True    # attention / attention_backward write into the views they are given
 
-    def attention(self, q, k, v, spec):
-        return reference.forward(q, k, v, spec)
+    def attention(self, q, k, v, spec, into=None):
+        return written_into(into, reference.forward(q, k, v, spec))
+
+    def outputs(self, q, v):
+        b, h, s = np.shape(q)[:3]
+        return np.empty((b, h, s, np.shape(v)[-1]), np.result_type(q, np.float32)), np.empty((b, h, s))
 
     def attention_backward(self, q, k, v, out, lse, d_out, d_lse, spec, into=None):
         grads = reference.backward(q, k, v, d_out, d_lse, spec, out=out, lse=lse)
@@ -40,9 +44,6 @@ class HostOps:
         acc[:, :, start:stop] = out_j
         lse[:, :, start:stop] = lse_j
         return acc, lse
-
-    def finish(self, acc, like):
-        return acc.astype(np.result_type(like, np.float32), copy=False)
 
     def zeros(self, x):
         return np.zeros(np.shape(x))

@@ -20,7 +20,9 @@ captured tensors sum over pairs, then over ranks.
 What a framework supplies (duck-typed, see ``flexattn.torch.context_parallel``):
 
 ``ops`` — arrays [B, H, S, D] with the sequence at dim 2:
-  ``attention(q, k, v, spec) -> (out, lse)``; ``attention_backward(q, k, v, out, lse,
+  ``attention(q, k, v, spec, into) -> (out, lse)`` (``into``: None, or (out, lse) views
+  written and returned, with ``writes_into``); ``outputs(q, v) -> (out, lse)`` (uninitialized, the
+  results' dtypes); ``attention_backward(q, k, v, out, lse,
   d_out, d_lse, spec, into) -> (dq, dk, dv, {id(capture): fp32 grad})`` (the captures of
   ``spec.score`` that want gradients; ``into``: None, or (dq, dk, dv) arrays, each None or
   a view the gradient is written into and returned as — with ``writes_into`` true);
@@ -28,7 +30,7 @@ What a framework supplies (duck-typed, see ``flexattn.torch.context_parallel``):
   (a view); ``cat(parts)`` (along the sequence); ``stats(q, v) -> (out accumulator, lse)``
   (fp32 zeros, −inf); ``merge(acc, lse, start, stop, out_j, lse_j) -> (acc, lse)``;
   ``assign(acc, lse, start, stop, out_j, lse_j) -> (acc, lse)`` (rows no launch wrote yet);
-  ``finish(acc, like) -> out``; ``zeros(x) -> fp32 zeros``; ``add_rows(acc, start, stop, x)
+  ``zeros(x) -> fp32 zeros``; ``add_rows(acc, start, stop, x)
   -> acc``; ``add(a, b)``; ``cast(x, like)``; ``empty(x)`` (uninitialized, x's dtype);
   ``assign_rows(out, start, stop, x)`` (copy, cast to out's dtype); ``zero_rows(out, start, stop)``.
 ``comm`` — ``rank``, ``world``; ``exchange(dst, arrays, src, like, channel) -> pending``
@@ -60,16 +62,15 @@ def _beside_transfers(schedule):
 @_beside_transfers
 def ring_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
     """(out, lse) of the local queries against the whole sequence, K/V around the ring."""
-    acc, lse = ops.stats(q, v)
-    written = _Written()
     kv = (k, v)
     steps = plan.ring_steps()
+    outputs = _RowOutputs(ops, q, v, [pair.q_rows for _, pairs in steps for pair in pairs])
     for s, (_, pairs) in enumerate(steps):
         pending = _shift(comm, kv) if s + 1 < len(steps) else None
-        acc, lse = _forward_pairs(ops, pairs, q, *kv, acc, lse, written)
+        _forward_pairs(ops, pairs, q, *kv, outputs)
         if pending is not None:
             kv = tuple(pending.wait())
-    return ops.finish(acc, q), lse
+    return outputs.result()
 
 
 @_beside_transfers
@@ -110,16 +111,15 @@ def direct_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
     (``keeps_fetched``: every rank's fetched chunks fit one more shard), the K/V of each
     step for ``direct_backward`` — all posted at once, since they are held anyway — else
     None (the backward fetches again)."""
-    acc, lse = ops.stats(q, v)
-    written = _Written()
     keep = keeps_fetched(plan)
     fetched = {} if keep else None
     ahead = plan.layout.world - 1 if keep else FETCH_AHEAD
+    outputs = _RowOutputs(ops, q, v, [pair.q_rows for _, pairs in plan.direct_steps() for pair in pairs])
     for s, _, pairs, kv in _fetched_steps(plan, comm, ops, k, v, ahead=ahead):
         if keep and s > 0:
             fetched[s] = kv
-        acc, lse = _forward_pairs(ops, pairs, q, *kv, acc, lse, written)
-    return ops.finish(acc, q), lse, fetched
+        _forward_pairs(ops, pairs, q, *kv, outputs)
+    return (*outputs.result(), fetched)
 
 
 @_beside_transfers
@@ -276,10 +276,10 @@ def gathered_forward(plan: ContextParallelPlan, comm, ops, q, k, v):
     """(out, lse) of the local queries with every rank's K/V gathered first; also returns
     the gathered K/V in global order for the backward."""
     k_all, v_all = _global_order(plan, ops, comm.all_gather(k)), _global_order(plan, ops, comm.all_gather(v))
-    acc, lse = ops.stats(q, v)
-    written = _Written()
-    acc, lse = _forward_pairs(ops, plan.gathered_pairs(), q, k_all, v_all, acc, lse, written)
-    return ops.finish(acc, q), lse, (k_all, v_all)
+    pairs = plan.gathered_pairs()
+    outputs = _RowOutputs(ops, q, v, [pair.q_rows for pair in pairs])
+    _forward_pairs(ops, pairs, q, k_all, v_all, outputs)
+    return (*outputs.result(), (k_all, v_all))
 
 
 @_beside_transfers
@@ -301,13 +301,15 @@ def gathered_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d
     return dq.result(), ops.cast(dk, k), ops.cast(dv, v), _all_reduced(plan, comm, ops, captures, wanted)
 
 
-def _forward_pairs(ops, pairs, q, k, v, acc, lse, written):
-    """Each pair's launch on the K/V in hand, its output combined into ``acc`` / ``lse``."""
+def _forward_pairs(ops, pairs, q, k, v, outputs):
+    """Each pair's launch on the K/V in hand, its output combined into ``outputs`` (a
+    ``_RowOutputs``), or written into the rows it lends."""
     for pair in pairs:
         (q0, q1), (k0, k1) = pair.q_rows, pair.kv_rows
-        out_j, lse_j = ops.attention(ops.rows(q, q0, q1), ops.rows(k, k0, k1), ops.rows(v, k0, k1), pair.spec)
-        acc, lse = written.combine(ops, acc, lse, q0, q1, out_j, lse_j)
-    return acc, lse
+        into = outputs.lend(q0, q1)
+        out_j, lse_j = ops.attention(ops.rows(q, q0, q1), ops.rows(k, k0, k1), ops.rows(v, k0, k1), pair.spec,
+                                     into)
+        outputs.add(q0, q1, out_j, lse_j, lent=into is not None)
 
 
 def _backward_pairs(ops, pairs, arrays, dq, dk, dv, captures):
@@ -361,15 +363,8 @@ class _RowSums:
 
     def __init__(self, ops, like, spans):
         self.ops = ops
-        n = like.shape[2]
-        bounds = sorted({0, n, *(a for a, _ in spans), *(b for _, b in spans)})
-        self.segments = [(a, b) for a, b in zip(bounds, bounds[1:]) if a < b]
-        count = {seg: 0 for seg in self.segments}
-        for a, b in spans:
-            for seg in self.segments:
-                if a <= seg[0] and seg[1] <= b:
-                    count[seg] += 1
-        self.count = count
+        self.segments, self.count = _segment_counts(like.shape[2], spans)
+        count = self.count
         self.out = ops.empty(like)
         # work-dtype sums only for the runs of rows several contributions share: (a, b) ->
         # zeros for rows a:b (no fill or memory for the rest)
@@ -438,6 +433,84 @@ class _RowSums:
             if kind == "zero":
                 ops.zero_rows(self.out, a, b)
         return self.out
+
+
+def _segment_counts(n: int, spans) -> tuple:
+    """([(a, b)] the rows 0:n cut at every span's ends, {segment: how many spans cover it})."""
+    bounds = sorted({0, n, *(a for a, _ in spans), *(b for _, b in spans)})
+    segments = [(a, b) for a, b in zip(bounds, bounds[1:]) if a < b]
+    count = {seg: sum(a <= seg[0] and seg[1] <= b for a, b in spans) for seg in segments}
+    return segments, count
+
+
+class _RowOutputs:
+    """The local queries' (out, lse) over launches whose query rows are known ahead
+    (``spans``). Rows one launch covers take its output as it comes — written by the
+    launch itself into the result where the ops allow (``lend``, ``writes_into``), else
+    copied — with no fp32 accumulator, fill or final cast: the same numbers, one 16-bit
+    output cast up and back being itself. Rows several launches cover are merged by LSE in
+    the work dtype (accumulators for those rows only; the first launch copied in, the
+    others merged) and cast once at the end; rows no launch covers are 0 / −inf."""
+
+    def __init__(self, ops, q, v, spans):
+        self.ops, self.q, self.v = ops, q, v
+        self.segments, self.count = _segment_counts(q.shape[2], spans)
+        self.out, self.lse = ops.outputs(q, v)
+        # rows several launches share: (a, b) -> [acc, lse, _Written] for rows a:b
+        self.shared = {(a, b): [*ops.stats(ops.rows(q, a, b), v), _Written()]
+                       for kind, a, b in _kind_runs(("shared" if self.count[seg] > 1 else "", seg)
+                                                    for seg in self.segments) if kind == "shared"}
+        self.taken = set()        # single-launch segments already written
+
+    def _covered(self, start, stop) -> list:
+        return [seg for seg in self.segments if start <= seg[0] and seg[1] <= stop]
+
+    def lend(self, start, stop):
+        """(out, lse) rows start:stop of the result (views) for the launch over them, or
+        None: the launch writes them itself; ``add`` then merges the rows it shares with
+        other launches from there."""
+        if not getattr(self.ops, "writes_into", False):
+            return None
+        covered = self._covered(start, stop)
+        if not covered or any(self.count[seg] == 1 and seg in self.taken for seg in covered):
+            return None
+        return self.ops.rows(self.out, start, stop), self.ops.rows(self.lse, start, stop)
+
+    def add(self, start, stop, out_j, lse_j, lent: bool = False):
+        """Launch output (``out_j``, ``lse_j``) for rows start:stop (the rows it was lent,
+        if ``lent``)."""
+        ops = self.ops
+        covered = self._covered(start, stop)
+        for seg in covered:
+            if self.count[seg] == 1:
+                if seg in self.taken:
+                    raise RuntimeError(f"context parallelism: query rows {seg} got a second launch the plan did not"
+                                       " count (internal error)")
+                self.taken.add(seg)
+        for kind, a, b in _kind_runs(("single" if self.count[seg] == 1 else "shared", seg) for seg in covered):
+            part_o, part_l = ops.rows(out_j, a - start, b - start), ops.rows(lse_j, a - start, b - start)
+            if kind == "single":
+                if not lent:
+                    ops.assign_rows(self.out, a, b, part_o)
+                    ops.assign_rows(self.lse, a, b, part_l)
+                continue
+            (lo, hi), entry = next(((lo, hi), e) for (lo, hi), e in self.shared.items() if lo <= a and b <= hi)
+            acc, lse, written = entry
+            entry[0], entry[1] = written.combine(ops, acc, lse, a - lo, b - lo, part_o, part_l)
+
+    def result(self) -> tuple:
+        """(out in the inputs' dtype, lse)."""
+        ops = self.ops
+        for (a, b), (acc, lse, _) in self.shared.items():
+            ops.assign_rows(self.out, a, b, acc)
+            ops.assign_rows(self.lse, a, b, lse)
+        singles = (("taken" if seg in self.taken else "none", seg) for seg in self.segments if self.count[seg] <= 1)
+        for kind, a, b in _kind_runs(singles):
+            if kind == "none":      # no launch (or a counted one that never came): 0 / -inf
+                acc, lse = ops.stats(ops.rows(self.q, a, b), self.v)
+                ops.assign_rows(self.out, a, b, acc)
+                ops.assign_rows(self.lse, a, b, lse)
+        return self.out, self.lse
 
 
 def _kind_runs(kinded) -> list:
