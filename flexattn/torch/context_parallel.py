@@ -362,7 +362,11 @@ class TorchOps:
     stream), the float64 reference on CPU; merges and sums in float32 (float64 for
     float64 inputs)."""
 
-    writes_into = True    # attention_backward writes into the views it is given (on CUDA: the kernels)
+    @staticmethod
+    def writes_into(result) -> bool:
+        """Launches write into views of ``result`` (on CUDA, the kernels themselves): their
+        outputs come in the inputs' dtype, as the result's."""
+        return True
 
     def attention(self, q, k, v, spec, into=None):
         if q.is_cuda:

@@ -21,11 +21,12 @@ What a framework supplies (duck-typed, see ``flexattn.torch.context_parallel``):
 
 ``ops`` — arrays [B, H, S, D] with the sequence at dim 2:
   ``attention(q, k, v, spec, into) -> (out, lse)`` (``into``: None, or (out, lse) views
-  written and returned, with ``writes_into``); ``outputs(q, v) -> (out, lse)`` (uninitialized, the
+  written and returned, where ``writes_into(result)``: the launches' outputs already in that
+  array's dtype); ``outputs(q, v) -> (out, lse)`` (uninitialized, the
   results' dtypes); ``attention_backward(q, k, v, out, lse,
   d_out, d_lse, spec, into) -> (dq, dk, dv, {id(capture): fp32 grad})`` (the captures of
   ``spec.score`` that want gradients; ``into``: None, or (dq, dk, dv) arrays, each None or
-  a view the gradient is written into and returned as — with ``writes_into`` true);
+  a view the gradient is written into and returned as, where ``writes_into``);
   ``rows(x, start, stop)``
   (a view); ``cat(parts)`` (along the sequence); ``stats(q, v) -> (out accumulator, lse)``
   (fp32 zeros, −inf); ``merge(acc, lse, start, stop, out_j, lse_j) -> (acc, lse)``;
@@ -378,7 +379,7 @@ class _RowSums:
         (else None): the launch writes them itself, and ``written_in_place`` then adds the
         rows other contributions share into the sums — rows that are the launch's alone
         are never copied."""
-        if not getattr(self.ops, "writes_into", False):
+        if not _writes_into(self.ops, self.out):
             return None
         covered = self._covered(start, stop)
         if not covered or any(self.count[seg] == 1 and seg in self.written for seg in covered):
@@ -435,6 +436,13 @@ class _RowSums:
         return self.out
 
 
+def _writes_into(ops, result) -> bool:
+    """Whether launches may write into views of ``result`` (``ops.writes_into(result)``:
+    their outputs already in its dtype, so writing there changes no number)."""
+    writes = getattr(ops, "writes_into", None)
+    return writes is not None and writes(result)
+
+
 def _segment_counts(n: int, spans) -> tuple:
     """([(a, b)] the rows 0:n cut at every span's ends, {segment: how many spans cover it})."""
     bounds = sorted({0, n, *(a for a, _ in spans), *(b for _, b in spans)})
@@ -469,7 +477,7 @@ class _RowOutputs:
         """(out, lse) rows start:stop of the result (views) for the launch over them, or
         None: the launch writes them itself; ``add`` then merges the rows it shares with
         other launches from there."""
-        if not getattr(self.ops, "writes_into", False):
+        if not _writes_into(self.ops, self.out):
             return None
         covered = self._covered(start, stop)
         if not covered or any(self.count[seg] == 1 and seg in self.taken for seg in covered):
