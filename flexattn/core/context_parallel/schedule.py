@@ -349,40 +349,81 @@ def _add_into(ops, sums, start, stop, x, lent: bool = False):
     return ops.add_rows(sums, start, stop, x)
 
 
+class _RowSegments:
+    """The local rows cut at the ends of every contribution a result will get (``spans``,
+    known ahead: the plan's pairs, the returns' chunks), with how many contributions cover
+    each segment; segments one contribution covers are ``taken`` once it came."""
+
+    def __init__(self, n: int, spans):
+        bounds = sorted({0, n, *(a for a, _ in spans), *(b for _, b in spans)})
+        self.segments = [(a, b) for a, b in zip(bounds, bounds[1:]) if a < b]
+        self.count = {seg: sum(a <= seg[0] and seg[1] <= b for a, b in spans) for seg in self.segments}
+        self.taken = set()
+
+    def covered(self, start, stop) -> list:
+        return [seg for seg in self.segments if start <= seg[0] and seg[1] <= stop]
+
+    def lendable(self, ops, result, start, stop) -> bool:
+        """Whether the contribution to rows start:stop may be written into ``result``'s
+        rows: the ops allow it (``writes_into``) and none of its own rows came yet."""
+        writes = getattr(ops, "writes_into", None)
+        covered = self.covered(start, stop)
+        return (writes is not None and writes(result) and bool(covered)
+                and not any(self.count[seg] == 1 and seg in self.taken for seg in covered))
+
+    def take(self, start, stop) -> list:
+        """[(kind, a, b)] runs of the rows start:stop, "single" (this contribution's alone,
+        now taken) or "shared"."""
+        covered = self.covered(start, stop)
+        for seg in covered:
+            if self.count[seg] == 1:
+                if seg in self.taken:
+                    raise RuntimeError(f"context parallelism: rows {seg} got a second contribution the plan did not"
+                                       " count (internal error)")
+                self.taken.add(seg)
+        return _kind_runs(("single" if self.count[seg] == 1 else "shared", seg) for seg in covered)
+
+    def shared_runs(self) -> list:
+        """[(a, b)] the runs of rows several contributions share."""
+        return [(a, b) for kind, a, b in _kind_runs(("shared" if self.count[seg] > 1 else "", seg)
+                                                   for seg in self.segments) if kind == "shared"]
+
+    def untouched_runs(self) -> list:
+        """[(a, b)] the runs of rows no contribution reached (none covers them, or the one
+        counted never came)."""
+        return [(a, b) for kind, a, b in _kind_runs(("none" if seg not in self.taken else "", seg)
+                                                   for seg in self.segments if self.count[seg] <= 1)
+                if kind == "none"]
+
+
 class _RowSums:
     """A gradient summed over launches and messages, each adding into a row range of one
-    array known ahead (``spans``: every (start, stop) a contribution will cover). Rows that
-    exactly one contribution covers take it as it comes, straight into the result (in the
-    array's dtype): no work-dtype accumulator, zero fill, add or cast for them — the same
-    numbers, since one 16-bit contribution cast up and back is itself. Rows several
-    contributions cover are summed in the work dtype (``sums``: zeros for those rows only,
-    in arrival order, as before) and cast once at the end; rows none covers are zeros. Documents kept on their
-    ranks leave most rows with one contribution (4x H200, documents16 W 4 fwd+bwd: 4.6 ms of
-    a 56.8 ms step went to such fills, adds and casts). A launch whose whole range is such
-    rows writes them itself (``lend``; ops with ``writes_into``): not even a copy (the
-    same H200 run: 4.1 ms of strided copies were left)."""
+    array known ahead (``_RowSegments``). Rows that exactly one contribution covers take it
+    as it comes, straight into the result (in the array's dtype): no work-dtype
+    accumulator, zero fill, add or cast for them — the same numbers, since one 16-bit
+    contribution cast up and back is itself. Rows several contributions cover are summed in
+    the work dtype (``sums``: zeros for those rows only, in arrival order, as before) and
+    cast once at the end; rows none covers are zeros. Documents kept on their ranks leave
+    most rows with one contribution (4x H200, documents16 W 4 fwd+bwd: 4.6 ms of a 56.8 ms
+    step went to such fills, adds and casts). A launch writes its rows itself (``lend``;
+    ops with ``writes_into``): not even a copy (the same H200 run: 4.1 ms of strided copies
+    were left)."""
 
     def __init__(self, ops, like, spans):
         self.ops = ops
-        self.segments, self.count = _segment_counts(like.shape[2], spans)
-        count = self.count
+        self.rows = _RowSegments(like.shape[2], spans)
+        self.count = self.rows.count
         self.out = ops.empty(like)
         # work-dtype sums only for the runs of rows several contributions share: (a, b) ->
         # zeros for rows a:b (no fill or memory for the rest)
-        self.sums = {(a, b): ops.zeros(ops.rows(like, a, b))
-                     for kind, a, b in _kind_runs(("summed" if count[seg] > 1 else "", seg) for seg in self.segments)
-                     if kind == "summed"}
-        self.written = set()      # single-contribution segments already taken
+        self.sums = {(a, b): ops.zeros(ops.rows(like, a, b)) for a, b in self.rows.shared_runs()}
 
     def lend(self, start, stop):
         """Rows start:stop of the result (a view) for the launch that contributes them
         (else None): the launch writes them itself, and ``written_in_place`` then adds the
         rows other contributions share into the sums — rows that are the launch's alone
         are never copied."""
-        if not _writes_into(self.ops, self.out):
-            return None
-        covered = self._covered(start, stop)
-        if not covered or any(self.count[seg] == 1 and seg in self.written for seg in covered):
+        if not self.rows.lendable(self.ops, self.out, start, stop):
             return None
         return self.ops.rows(self.out, start, stop)
 
@@ -390,29 +431,14 @@ class _RowSums:
         """The launch wrote its contribution into the rows ``lend`` gave it: its own rows
         are taken; rows other contributions share are added into the sums from there
         (``result`` writes their sums over them at the end)."""
-        covered = self._covered(start, stop)
-        self._take_singles(covered)
-        for kind, a, b in _kind_runs(("single" if self.count[seg] == 1 else "summed", seg) for seg in covered):
-            if kind == "summed":
+        for kind, a, b in self.rows.take(start, stop):
+            if kind == "shared":
                 self._add_summed(a, b, self.ops.rows(self.out, a, b))
-
-    def _covered(self, start, stop) -> list:
-        return [seg for seg in self.segments if start <= seg[0] and seg[1] <= stop]
-
-    def _take_singles(self, covered):
-        for seg in covered:
-            if self.count[seg] == 1:
-                if seg in self.written:
-                    raise RuntimeError(f"context parallelism: rows {seg} got a second contribution the plan did not"
-                                       " count (internal error)")
-                self.written.add(seg)
 
     def add(self, start, stop, x):
         """Contribution ``x`` to rows start:stop (one of the spans)."""
         ops = self.ops
-        covered = self._covered(start, stop)
-        self._take_singles(covered)
-        for kind, a, b in _kind_runs(("single" if self.count[seg] == 1 else "summed", seg) for seg in covered):
+        for kind, a, b in self.rows.take(start, stop):
             part = ops.rows(x, a - start, b - start)
             if kind == "single":
                 ops.assign_rows(self.out, a, b, part)
@@ -429,58 +455,33 @@ class _RowSums:
         ops = self.ops
         for (a, b), acc in self.sums.items():
             ops.assign_rows(self.out, a, b, acc)
-        kinds = (("taken" if seg in self.written else "zero", seg) for seg in self.segments if self.count[seg] <= 1)
-        for kind, a, b in _kind_runs(kinds):
-            if kind == "zero":
-                ops.zero_rows(self.out, a, b)
+        for a, b in self.rows.untouched_runs():
+            ops.zero_rows(self.out, a, b)
         return self.out
-
-
-def _writes_into(ops, result) -> bool:
-    """Whether launches may write into views of ``result`` (``ops.writes_into(result)``:
-    their outputs already in its dtype, so writing there changes no number)."""
-    writes = getattr(ops, "writes_into", None)
-    return writes is not None and writes(result)
-
-
-def _segment_counts(n: int, spans) -> tuple:
-    """([(a, b)] the rows 0:n cut at every span's ends, {segment: how many spans cover it})."""
-    bounds = sorted({0, n, *(a for a, _ in spans), *(b for _, b in spans)})
-    segments = [(a, b) for a, b in zip(bounds, bounds[1:]) if a < b]
-    count = {seg: sum(a <= seg[0] and seg[1] <= b for a, b in spans) for seg in segments}
-    return segments, count
 
 
 class _RowOutputs:
     """The local queries' (out, lse) over launches whose query rows are known ahead
-    (``spans``). Rows one launch covers take its output as it comes — written by the
-    launch itself into the result where the ops allow (``lend``, ``writes_into``), else
-    copied — with no fp32 accumulator, fill or final cast: the same numbers, one 16-bit
-    output cast up and back being itself. Rows several launches cover are merged by LSE in
-    the work dtype (accumulators for those rows only; the first launch copied in, the
-    others merged) and cast once at the end; rows no launch covers are 0 / −inf."""
+    (``spans``, ``_RowSegments``). Rows one launch covers take its output as it comes —
+    written by the launch itself into the result where the ops allow (``lend``,
+    ``writes_into``), else copied — with no fp32 accumulator, fill or final cast: the same
+    numbers, one 16-bit output cast up and back being itself. Rows several launches cover
+    are merged by LSE in the work dtype (accumulators for those rows only; the first launch
+    copied in, the others merged) and cast once at the end; rows no launch covers are
+    0 / −inf."""
 
     def __init__(self, ops, q, v, spans):
         self.ops, self.q, self.v = ops, q, v
-        self.segments, self.count = _segment_counts(q.shape[2], spans)
+        self.rows = _RowSegments(q.shape[2], spans)
         self.out, self.lse = ops.outputs(q, v)
         # rows several launches share: (a, b) -> [acc, lse, _Written] for rows a:b
-        self.shared = {(a, b): [*ops.stats(ops.rows(q, a, b), v), _Written()]
-                       for kind, a, b in _kind_runs(("shared" if self.count[seg] > 1 else "", seg)
-                                                    for seg in self.segments) if kind == "shared"}
-        self.taken = set()        # single-launch segments already written
-
-    def _covered(self, start, stop) -> list:
-        return [seg for seg in self.segments if start <= seg[0] and seg[1] <= stop]
+        self.shared = {(a, b): [*ops.stats(ops.rows(q, a, b), v), _Written()] for a, b in self.rows.shared_runs()}
 
     def lend(self, start, stop):
         """(out, lse) rows start:stop of the result (views) for the launch over them, or
         None: the launch writes them itself; ``add`` then merges the rows it shares with
         other launches from there."""
-        if not _writes_into(self.ops, self.out):
-            return None
-        covered = self._covered(start, stop)
-        if not covered or any(self.count[seg] == 1 and seg in self.taken for seg in covered):
+        if not self.rows.lendable(self.ops, self.out, start, stop):
             return None
         return self.ops.rows(self.out, start, stop), self.ops.rows(self.lse, start, stop)
 
@@ -488,14 +489,7 @@ class _RowOutputs:
         """Launch output (``out_j``, ``lse_j``) for rows start:stop (the rows it was lent,
         if ``lent``)."""
         ops = self.ops
-        covered = self._covered(start, stop)
-        for seg in covered:
-            if self.count[seg] == 1:
-                if seg in self.taken:
-                    raise RuntimeError(f"context parallelism: query rows {seg} got a second launch the plan did not"
-                                       " count (internal error)")
-                self.taken.add(seg)
-        for kind, a, b in _kind_runs(("single" if self.count[seg] == 1 else "shared", seg) for seg in covered):
+        for kind, a, b in self.rows.take(start, stop):
             part_o, part_l = ops.rows(out_j, a - start, b - start), ops.rows(lse_j, a - start, b - start)
             if kind == "single":
                 if not lent:
@@ -512,12 +506,10 @@ class _RowOutputs:
         for (a, b), (acc, lse, _) in self.shared.items():
             ops.assign_rows(self.out, a, b, acc)
             ops.assign_rows(self.lse, a, b, lse)
-        singles = (("taken" if seg in self.taken else "none", seg) for seg in self.segments if self.count[seg] <= 1)
-        for kind, a, b in _kind_runs(singles):
-            if kind == "none":      # no launch (or a counted one that never came): 0 / -inf
-                acc, lse = ops.stats(ops.rows(self.q, a, b), self.v)
-                ops.assign_rows(self.out, a, b, acc)
-                ops.assign_rows(self.lse, a, b, lse)
+        for a, b in self.rows.untouched_runs():     # 0 / -inf
+            acc, lse = ops.stats(ops.rows(self.q, a, b), self.v)
+            ops.assign_rows(self.out, a, b, acc)
+            ops.assign_rows(self.lse, a, b, lse)
         return self.out, self.lse
 
 
