@@ -47,8 +47,9 @@ def compile_on_fakes(kernel, args, *, keep_ptx: bool = False, keep_cubin: bool =
     if not (keep_ptx or keep_cubin):
         return compile_kernel(kernel, args, opts, tvm_ffi)
     # Kept artifacts go to the DSL's dump dir (the CWD at import time) and are read back
-    # into the result at once; point it at a scratch directory for this compile.
-    with tempfile.TemporaryDirectory() as d, _dump_dir(d):
+    # into the result at once; point it at a scratch directory for this compile (a global
+    # setting: held under the compile lock with the compile itself).
+    with COMPILING, tempfile.TemporaryDirectory() as d, _dump_dir(d):
         return compile_kernel(kernel, args, opts, tvm_ffi)
 
 
