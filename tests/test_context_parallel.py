@@ -344,6 +344,38 @@ def test_row_sums_take_single_contributions_as_they_come():
     assert np.array_equal(empty.result(), np.zeros((1, 1, 8, 2), np.float32))
 
 
+def test_row_outputs_merge_only_shared_rows():
+    """``schedule._RowOutputs``: rows one launch covers take its output as it comes (lent:
+    written by the launch itself), rows several cover are merged by LSE in float64 and
+    written once, rows none covers are 0 / -inf — the same numbers as merging every launch
+    into full accumulators."""
+    from flexattn.core.context_parallel.host_ops import merge_rows
+    from flexattn.core.context_parallel.schedule import _RowOutputs
+
+    rng = np.random.default_rng(3)
+    q, v = np.zeros((1, 2, 100, 4)), np.zeros((1, 2, 100, 3))
+    spans = [(0, 40), (20, 60), (20, 30), (70, 90)]            # rows 60:70 and 90:100: nobody's
+    launches = [(rng.standard_normal((1, 2, b - a, 3)), rng.standard_normal((1, 2, b - a))) for a, b in spans]
+    for lend in (True, False):
+        ops = HostOps() if lend else type("Copying", (HostOps,), {"writes_into": staticmethod(lambda r: False)})()
+        outputs = _RowOutputs(ops, q, v, spans)
+        assert sorted(outputs.shared) == [(20, 40)]          # accumulators for the shared rows alone
+        for (a, b), (o, l) in zip(spans, launches):
+            into = outputs.lend(a, b)
+            assert (into is not None) == lend
+            if into is not None:
+                into[0][...], into[1][...] = o, l
+                o, l = into
+            outputs.add(a, b, o, l, lent=into is not None)
+        out, lse = outputs.result()
+        acc, want_lse = np.zeros((1, 2, 100, 3)), np.full((1, 2, 100), -np.inf)
+        for (a, b), (o, l) in zip(spans, launches):
+            merge_rows(acc[:, :, a:b], want_lse[:, :, a:b], o, l)
+        np.testing.assert_allclose(out, acc, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(lse, want_lse, rtol=1e-12)
+        assert np.all(out[:, :, 60:70] == 0) and np.all(lse[:, :, 90:100] == -np.inf)
+
+
 def test_launches_write_their_rows_in_place():
     """Forward and backward launches get the result's rows as their outputs
     (``_RowOutputs.lend``, ``_RowSums.lend``; ops with ``writes_into``): rows no other
