@@ -183,9 +183,35 @@ def _overlap(step, folder, name) -> dict:
             n, t = by_name.get(e.name[:48], (0, 0.0))
             by_name[e.name[:48]] = (n + 1, t + (e.time_range.end - e.time_range.start) / 1e3)
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:6]
+    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
     return dict(nccl_ms=n_total / 1e3, kernels_ms=o_total / 1e3, nccl_overlapped_ms=both / 1e3,
                 gpu_span_ms=span / 1e3, idle_ms=(span - union(everything)[1]) / 1e3,
-                top_kernels=[f"{name} x{n}: {t:.2f} ms" for name, (n, t) in top])
+                top_kernels=[f"{name} x{n}: {t:.2f} ms" for name, (n, t) in top],
+                waits=_compute_waits(kernels))
+
+
+def _compute_waits(kernels, at_least_us: float = 100.0, most: int = 4) -> list:
+    """The longest stretches (≥ ``at_least_us``) in which no kernel but NCCL's ran, as
+    "at +T ms: L ms, after <kernel>, before <kernel>" (T from the step's first kernel): a
+    rank's compute waiting on a transfer, or on its host. ``kernels``: (start µs, end µs,
+    name) of every GPU activity. Never raises (a diagnostic)."""
+    try:
+        compute = sorted((a, b, n) for a, b, n in kernels if "nccl" not in n.lower())
+        if not compute:
+            return []
+        t0 = min(a for a, _, _ in kernels)
+        gaps, end, last = [], compute[0][1], compute[0][2]
+        for a, b, n in compute[1:]:
+            if a - end >= at_least_us:
+                gaps.append((a - end, end, last, n))
+            if b > end:
+                end, last = b, n
+        gaps.sort(reverse=True)
+        return [f"at +{(start - t0) / 1e3:.1f} ms: {length / 1e3:.2f} ms, after {before[:40]}, before {after[:40]}"
+                for length, start, before, after in gaps[:most]]
+    except Exception as e:   # noqa: BLE001 - a diagnostic never costs the measurement
+        return [f"(waits not computed: {type(e).__name__}: {e})"]
 
 
 def _implementations(mask_name, mask, q, k, v, d_out, world, rank, dist, args):
@@ -299,6 +325,9 @@ def _by_rank(rows) -> list:
                                                f" {o['nccl_ms']:.1f} / {o['nccl_overlapped_ms']:.1f} overlapped,"
                                                f" idle {o['idle_ms']:.1f})" if o else ""))
         lines.append(f"W{r['world']} {r['mask']} {r['impl']} {r['phase']} by rank: " + "; ".join(parts))
+        for i, o in enumerate(r.get("ranks") or []):
+            if o and o.get("waits"):
+                lines.append(f"  r{i} compute waits: " + "; ".join(o["waits"]))
     return lines
 
 
