@@ -1100,13 +1100,9 @@ def _kernel_forward(spec, shape, query, key, value, want_max: bool = False, into
                              device=query.device)
         lse = _written_empty(shape.batch, shape.q_heads, shape.q_len, dtype=torch.float32, device=query.device)
     else:
-        out, lse = into
-        want = (((shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim), query.dtype),
-                ((shape.batch, shape.q_heads, shape.q_len), torch.float32))
-        for name, t, (size, dtype) in zip(("out", "lse"), into, want):
-            if tuple(t.shape) != size or t.dtype != dtype or t.device != query.device or t.stride(-1) != 1:
-                raise ValueError(f"the forward's {name} target must be {size} {dtype} on {query.device} with its "
-                                 f"last dim contiguous, got {tuple(t.shape)} {t.dtype} strides {t.stride()}")
+        out = _write_target("out", into[0], (shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim),
+                            query.dtype, query.device)
+        lse = _write_target("lse", into[1], (shape.batch, shape.q_heads, shape.q_len), torch.float32, query.device)
     max_scores = torch.empty_like(lse) if want_max else None
     device = _forward_device(query.device)
     # DLPack refuses tensors that require grad; the kernel only reads them
@@ -1238,20 +1234,26 @@ def _backward_arrays(query, key, value, out, lse, d_out, d_lse, into=None) -> Ba
     def operand(x, dtype):  # DLPack refuses tensors that require grad; gradients may be strided
         return x.detach().to(dtype).contiguous()
 
-    def output(like, view):
+    def output(name, like, view):
         if view is None:
             return _written_empty(like.shape, dtype=like.dtype, device=like.device)
-        if view.shape != like.shape or view.dtype != like.dtype or view.device != like.device or view.stride(-1) != 1:
-            raise ValueError(f"a gradient's target must be {tuple(like.shape)} {like.dtype} on {like.device} with its "
-                             f"last dim contiguous, got {tuple(view.shape)} {view.dtype} strides {view.stride()}")
-        return view
+        return _write_target(name, view, tuple(like.shape), like.dtype, like.device)
 
     into = into or (None, None, None)
     return BackwardArrays(
         q=query.detach(), k=key.detach(), v=value.detach(), out=out.detach(), lse=operand(lse, torch.float32),
         d_out=operand(d_out, query.dtype), d_lse=None if d_lse is None else operand(d_lse, torch.float32),
-        dq=output(query, into[0]), dk=output(key, into[1]), dv=output(value, into[2]),
+        dq=output("dq", query, into[0]), dk=output("dk", key, into[1]), dv=output("dv", value, into[2]),
     )
+
+
+def _write_target(name, t, size: tuple, dtype, device):
+    """``t``, a tensor a kernel is to write an output into (a view: rows of a larger array),
+    checked: ``size`` and ``dtype`` on ``device``, its last dim contiguous."""
+    if tuple(t.shape) != size or t.dtype != dtype or t.device != device or t.stride(-1) != 1:
+        raise ValueError(f"the {name} target must be {size} {dtype} on {device} with its last dim contiguous, "
+                         f"got {tuple(t.shape)} {t.dtype} on {t.device}, strides {t.stride()}")
+    return t
 
 
 def _backward_alloc(dev):

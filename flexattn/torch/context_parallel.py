@@ -32,7 +32,7 @@ from ..blockmask.layout import as_block_mask
 from ..core.context_parallel import (ContextParallelPlan, LoopbackWorld, ShardLayout, choose_layout, direct_backward,
                                      direct_forward, gathered_backward, gathered_forward, head_tail, imbalance,
                                      mask_weights, ring_backward, ring_forward, transfers)
-from ..core.context_parallel.host_ops import merge_rows
+from ..core.context_parallel.host_ops import merge_rows, written_into
 from ..problem.spec import AttentionSpec, lse_dtype
 from ..problem.validate import check_inputs
 from . import (_grad_mask, _like, _kernel_backward, _kernel_forward, _score_tensors, _written_empty,
@@ -372,8 +372,7 @@ class TorchOps:
         if q.is_cuda:
             return _kernel_forward(spec, check_inputs(q, k, v, spec), q, k, v, into=into)
         out, lse = reference.forward(q, k, v, spec)
-        out, lse = _like(out, q), _like(lse, q, getattr(torch, lse_dtype(q)))
-        return (out, lse) if into is None else (into[0].copy_(out), into[1].copy_(lse))
+        return written_into(into, (_like(out, q), _like(lse, q, getattr(torch, lse_dtype(q)))))
 
     def outputs(self, q, v):
         b, h, s = q.shape[:3]
@@ -392,10 +391,7 @@ class TorchOps:
         g = reference.backward(q, k, v, d_out, d_lse, spec, out=out, lse=lse)
         by_id = {id(c): _like(d, c, self._work(q)) for c, d in zip(captures, g.d_captures)
                  if d is not None and isinstance(c, torch.Tensor) and c.requires_grad}
-        grads = (_like(g.dq, q), _like(g.dk, k), _like(g.dv, v))
-        if into is not None:
-            grads = tuple(g if view is None else view.copy_(g) for view, g in zip(into, grads))
-        return (*grads, by_id)
+        return (*written_into(into, (_like(g.dq, q), _like(g.dk, k), _like(g.dv, v))), by_id)
 
     @staticmethod
     def _work(x):

@@ -72,17 +72,17 @@ class HostOps:
         return x.astype(np.asarray(like).dtype, copy=False)
 
 
-def written_into(into, grads) -> tuple:
-    """Each gradient copied into its view of ``into`` (None, or a view or None per
-    gradient) and returned as that view; the others as they are."""
+def written_into(into, results) -> tuple:
+    """Each result copied into its view of ``into`` (None, or a view or None per result;
+    numpy or torch) and returned as that view; the others as they are."""
     if into is None:
-        return tuple(grads)
+        return tuple(results)
     out = []
-    for view, g in zip(into, grads):
+    for view, x in zip(into, results):
         if view is not None:
-            view[...] = g
-            g = view
-        out.append(g)
+            view[...] = x
+            x = view
+        out.append(x)
     return tuple(out)
 
 

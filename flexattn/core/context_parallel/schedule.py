@@ -388,6 +388,11 @@ class _RowSegments:
         return [(a, b) for kind, a, b in _kind_runs(("shared" if self.count[seg] > 1 else "", seg)
                                                    for seg in self.segments) if kind == "shared"]
 
+    @staticmethod
+    def run_of(runs, a, b):
+        """The key (lo, hi) of ``runs`` (keyed by ``shared_runs``) holding rows a:b."""
+        return next((lo, hi) for lo, hi in runs if lo <= a and b <= hi)
+
     def untouched_runs(self) -> list:
         """[(a, b)] the runs of rows no contribution reached (none covers them, or the one
         counted never came)."""
@@ -447,8 +452,8 @@ class _RowSums:
 
     def _add_summed(self, a, b, part):
         """``part`` added into rows a:b of the sums (within one run of shared rows)."""
-        (lo, hi), acc = next(((lo, hi), acc) for (lo, hi), acc in self.sums.items() if lo <= a and b <= hi)
-        self.sums[(lo, hi)] = self.ops.add_rows(acc, a - lo, b - lo, part)
+        lo, hi = self.rows.run_of(self.sums, a, b)
+        self.sums[(lo, hi)] = self.ops.add_rows(self.sums[(lo, hi)], a - lo, b - lo, part)
 
     def result(self):
         """The sums in the array's dtype (rows no contribution reached: zeros)."""
@@ -496,7 +501,8 @@ class _RowOutputs:
                     ops.assign_rows(self.out, a, b, part_o)
                     ops.assign_rows(self.lse, a, b, part_l)
                 continue
-            (lo, hi), entry = next(((lo, hi), e) for (lo, hi), e in self.shared.items() if lo <= a and b <= hi)
+            lo, hi = self.rows.run_of(self.shared, a, b)
+            entry = self.shared[(lo, hi)]
             acc, lse, written = entry
             entry[0], entry[1] = written.combine(ops, acc, lse, a - lo, b - lo, part_o, part_l)
 
