@@ -143,7 +143,13 @@ def direct_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d_o
     own_spans = [pair.kv_rows for pair in steps_planned[0][1]] + returned
     own_dk, own_dv = _RowSums(ops, k, own_spans), _RowSums(ops, v, own_spans)
     captures: dict = {}
-    arriving = None     # the contributions posted for at the previous step, and their chunks
+    # Contributions posted for and not yet added: (pending message, its chunks). Adding one
+    # makes the compute stream wait for its message, which waits on the sender's step: where
+    # K/V are fetched again, each is added after the next step's launches (one message held);
+    # on the forward's kept K/V, all after the last step — this rank's own keys, the largest
+    # under documents — so no step waits on another rank's (4x H200, documents16 W 4: rank 2
+    # waited 5.2 ms after its third step for the second step's message).
+    arrivals = []
     steps = (_fetched_steps(plan, comm, ops, k, v, every=True) if fetched is None
              else _kept_steps(plan, k, v, fetched))
     for s, src, pairs, kv in steps:
@@ -161,15 +167,18 @@ def direct_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d_o
             if s > 0:
                 outgoing = ((dk.result(), dv.result()) if isinstance(dk, _RowSums)
                             else (ops.cast(dk, k), ops.cast(dv, v)))
-        _received_into(ops, arriving, own_dk, own_dv, c)
-        arriving = None
+        if fetched is None:
+            for arriving in arrivals:
+                _received_into(ops, arriving, own_dk, own_dv, c)
+            arrivals = []
         if s > 0:
             dst = (rank + s) % world
             chunks = plan.sent_chunks(dst, rank)     # what dst fetched from this rank: its contributions' rows
             like = tuple(ops.rows(x, 0, len(chunks) * c) for x in (k, v)) if chunks else None
-            arriving = (comm.exchange(src if outgoing is not None else None, outgoing, dst if chunks else None,
-                                      like, "grad"), chunks)
-    _received_into(ops, arriving, own_dk, own_dv, c)
+            arrivals.append((comm.exchange(src if outgoing is not None else None, outgoing, dst if chunks else None,
+                                           like, "grad"), chunks))
+    for arriving in arrivals:
+        _received_into(ops, arriving, own_dk, own_dv, c)
     return dq.result(), own_dk.result(), own_dv.result(), _all_reduced(plan, comm, ops, captures, wanted)
 
 
