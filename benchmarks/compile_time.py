@@ -173,6 +173,17 @@ KERNELS = {
                                    score=_alibi, mask=lambda: _window_4k()),
     "decode-cluster4-alibi": _decode(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, cluster_splits=4,
                                      score=_alibi, mask=lambda: _window_4k()),
+    # issue 25's sweep candidates (sweep_fwd_configs.py): 192/128 causal with narrower kv
+    # tiles (FA3's 112 for head dim 192), small head dims with wider ones
+    "causal-192-128-n112": _fwd(head_dim=192, head_dim_v=128, tile_m=128, tile_n=112, causal=True),
+    "causal-192-128-n96": _fwd(head_dim=192, head_dim_v=128, tile_m=128, tile_n=96, causal=True),
+    "causal-192-128-n128-c2": _fwd(head_dim=192, head_dim_v=128, tile_m=128, tile_n=128, causal=True, cluster_m=2),
+    "causal-d64-m128n192": _fwd(head_dim=64, tile_m=128, tile_n=192, causal=True),
+    "causal-d64-m128n256": _fwd(head_dim=64, tile_m=128, tile_n=256, causal=True),
+    "causal-d64-m192n160": _fwd(head_dim=64, tile_m=192, tile_n=160, causal=True),
+    "causal-d32-m128n256": _fwd(head_dim=32, tile_m=128, tile_n=256, causal=True),
+    "causal-d32-m192n192": _fwd(head_dim=32, tile_m=192, tile_n=192, causal=True),
+    "causal-d32-m192n256": _fwd(head_dim=32, tile_m=192, tile_n=256, causal=True),
     "bwd-full": _bwd(head_dim=128),
     "bwd-causal": _bwd(head_dim=128, causal=True),
     "bwd-causal-softcap": _bwd(head_dim=128, causal=True, score=_softcap),
