@@ -45,6 +45,8 @@ def forced(qh, kh, vh, causal: bool, scale: float, overrides: dict):
     opts = dict(overrides)
     if opts.get("max_ctas") == -1:
         opts["max_ctas"] = torch.cuda.get_device_properties().multi_processor_count
+    if "tile_n" in opts and "kv_aligned" not in opts:   # as the planner sets it
+        opts["kv_aligned"] = kh.shape[2] % 128 == 0 and 128 % opts["tile_n"] == 0
     if "tile_tickets" in opts:
         opts["tile_tickets"] = bool(opts["tile_tickets"])
     cfg = FwdConfig(dtype="bf16", head_dim=qh.shape[-1], head_dim_v=vh.shape[-1], causal=causal, **opts)

@@ -324,10 +324,14 @@ def _clusters_pay(shape: AttentionShape) -> bool:
     cluster's two tiles share a head). H100 2026-11-22, H16 D128 TFLOP/s: dense
     persistent B4 S4096 612 -> 652, B8 S2048 592 -> 627; causal B4 S4096 569 -> 575,
     B2 S8192 614 -> 622, B8 S2048 492 -> 492. Head dim 64 (192-row tiles): no gain.
+    Also 192/128 (DeepSeek's MLA shape; 128 keys per tile fit two stages there, which
+    clusters under causal need): H200 2026-11-28, causal B4 S4096 H16, forced configs side
+    by side (sweep_fwd_configs.py), one CTA per tile 553.1 -> clusters 601.5 (FA4 616.4).
     ``FLEXATTN_CLUSTERS=0`` turns clusters off everywhere, for A/B runs."""
     if os.environ.get("FLEXATTN_CLUSTERS") == "0":
         return False
-    return shape.head_dim == shape.v_head_dim == 128 and -(-shape.q_len // 128) % 2 == 0
+    return (shape.v_head_dim == 128 and shape.head_dim in (128, 192)
+            and -(-shape.q_len // 128) % 2 == 0)
 
 
 def _list_clusters_pay(block_mask: BlockMask, band) -> bool:

@@ -201,7 +201,7 @@ def test_head_dims_plan_tiles_that_fit_shared_memory(on_gpu):
     widest tile that fits (FA3's 112 / 80 at 192 / 256), 192-row tiles up to 96 (at most 112
     keys beyond 64: the S fragment's registers), persistent
     CTAs only where their separate O buffer fits too; block-sparse lists take 64-key tiles
-    where 128 do not fit (two per listed block); clusters only at 128/128. The backward takes
+    where 128 do not fit (two per listed block); clusters only at 128/128 and 192/128. The backward takes
     every one of them (``backward_unsupported``)."""
     from flexattn.core.kernel_path import backward_unsupported
     from flexattn.kernels.fwd.sm90 import shared_bytes
@@ -222,7 +222,7 @@ def test_head_dims_plan_tiles_that_fit_shared_memory(on_gpu):
         assert (cfg.head_dim, cfg.head_dim_v, cfg.tile_m, cfg.tile_n, cfg.num_stages, cfg.max_ctas) == (
             D, Dv, tile_m, tile_n, 2, ctas), (D, Dv)
         assert shared_bytes(cfg.tile_m, cfg.tile_n, 2, D, Dv, cfg.separate_o) <= SMEM_CAPACITY
-        assert cfg.cluster_m == (2 if D == Dv == 128 else 1)
+        assert cfg.cluster_m == (2 if (D, Dv) in ((128, 128), (192, 128)) else 1)
         assert backward_unsupported(shape) is None
     sparse, _ = plan(256, 256, mask=mods.document(np.zeros(256, np.int32)))
     assert (sparse.block_sparse, sparse.tile_n, sparse.num_stages, sparse.sparse_block_n) == (True, 64, 2, 128)
