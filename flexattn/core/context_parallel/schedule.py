@@ -148,7 +148,8 @@ def direct_backward(plan: ContextParallelPlan, comm, ops, q, k, v, out, lse, d_o
     # K/V are fetched again, each is added after the next step's launches (one message held);
     # on the forward's kept K/V, all after the last step — this rank's own keys, the largest
     # under documents — so no step waits on another rank's (4x H200, documents16 W 4: rank 2
-    # waited 5.2 ms after its third step for the second step's message).
+    # waited 5.2 ms after its third step for the second step's message). Those messages are
+    # then held together: dK/dV-sized rows for every chunk of this rank's the others fetched.
     arrivals = []
     steps = (_fetched_steps(plan, comm, ops, k, v, every=True) if fetched is None
              else _kept_steps(plan, k, v, fetched))
