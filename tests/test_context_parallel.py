@@ -306,7 +306,11 @@ def test_row_sums_take_single_contributions_as_they_come():
 
     class Counting(TorchOps):
         def __init__(self):
-            self.adds = self.assigns = 0
+            self.adds = self.assigns = self.adds_into = 0
+
+        def add_rows_into(self, out, start, stop, acc, x):
+            self.adds_into += 1
+            super().add_rows_into(out, start, stop, acc, x)
 
         def add_rows(self, acc, start, stop, x):
             self.adds += 1
@@ -329,9 +333,17 @@ def test_row_sums_take_single_contributions_as_they_come():
     for (a, b), x in zip(spans, parts):
         acc[:, :, a:b] += x
     assert got.dtype == torch.bfloat16 and torch.equal(got, acc.to(torch.bfloat16))
-    # rows 0:20, 40:60 and 70:90 copied as they came; 20:40 summed (one add per contribution
-    # reaching it) and cast in one copy
-    assert (ops.adds, ops.assigns) == (3, 4) and sums.count[(20, 30)] == 3
+    # rows 0:20, 40:60 and 70:90 copied as they came; of 20:40, the first contribution
+    # copied into the fp32 sums, the middle one added, each row's last added with the sums
+    # straight into the result (20:30 has three, 30:40 two): no separate cast
+    assert (ops.adds, ops.assigns, ops.adds_into) == (1, 4, 2) and sums.count[(20, 30)] == 3
+    # a shared row whose last contribution never came gets the sum of those that did
+    part = _RowSums(Counting(), like, [(0, 10), (5, 10)])
+    part.add(0, 10, parts[0][:, :, :10])
+    assert torch.equal(part.result()[:, :, :10], parts[0][:, :, :10])
+    part.add(5, 10, parts[0][:, :, :5])          # the last one, late: written into the result
+    with pytest.raises(RuntimeError, match="more contributions"):
+        part.add(5, 10, parts[0][:, :, :5])
     # the fp32 sums hold only the shared rows 20:40
     assert list(sums.sums) == [(20, 40)] and tuple(sums.sums[(20, 40)].shape) == (1, 2, 20, 8)
     one = _RowSums(Counting(), like, [(0, 100)])

@@ -444,6 +444,10 @@ class TorchOps:
     def assign_rows(self, out, start, stop, x):
         out[:, :, start:stop].copy_(x)
 
+    def add_rows_into(self, out, start, stop, acc, x):
+        # one elementwise kernel: summed in acc's (work) dtype, cast as written
+        torch.add(acc, x, out=out[:, :, start:stop])
+
     def zero_rows(self, out, start, stop):
         out[:, :, start:stop].zero_()
 

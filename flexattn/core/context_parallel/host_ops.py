@@ -65,6 +65,11 @@ class HostOps:
     def assign_rows(self, out, start, stop, x):
         out[:, :, start:stop] = x
 
+    def add_rows_into(self, out, start, stop, acc, x):
+        """Rows start:stop of ``out`` ← ``acc`` + ``x`` (work-dtype sums plus a last
+        contribution), in ``out``'s dtype."""
+        out[:, :, start:stop] = acc + x
+
     def zero_rows(self, out, start, stop):
         out[:, :, start:stop] = 0
 
