@@ -485,6 +485,57 @@ def test_the_direct_schedule_sends_only_the_chunks_attended():
             np.testing.assert_allclose(got, want[:, :, pos], atol=1e-10)
 
 
+@pytest.mark.parametrize("name,layout_of", [("causal", lambda: cp.head_tail(S, 4)),
+                                             ("window", lambda: cp.contiguous(S, 4))])
+def test_direct_fetches_are_staged_before_a_step_and_posted_after_its_launches(name, layout_of):
+    """The direct schedule stages each step's new fetches (sends made ready on the stream)
+    before the step's launches and posts them after: the host time of posting follows the
+    launches, and the transfers wait for the staging only. Every step's fetch is posted
+    before it is waited on, in the same order on every rank (the result is the one call's)."""
+    rng, q, k, v, d_out = _problem(6)
+    spec = _specs(rng)[name]
+    layout = layout_of()
+    logs = {r: [] for r in range(layout.world)}
+
+    class Staging(_Recording):
+        def stage(self, dst, arrays, src, like, channel="kv"):
+            log = logs[self.rank]
+            log.append(("stage", len(log)))
+            comm = self
+
+            class Staged:
+                def post(self):
+                    log.append(("post", len(log)))
+                    return comm.exchange(dst, arrays, src, like, channel)
+            return Staged()
+
+    class Launches(HostOps):
+        def __init__(self, rank):
+            self.log = logs[rank]
+
+        def attention(self, *args, **kwargs):
+            self.log.append(("launch", len(self.log)))
+            return super().attention(*args, **kwargs)
+
+    def rank(member):
+        comm = Staging(member, [])
+        plan = cp.ContextParallelPlan(spec, layout, comm.rank, B, H)
+        pos = layout.positions(comm.rank)
+        out, lse, _ = cp.direct_forward(plan, comm, Launches(comm.rank), q[:, :, pos], k[:, :, pos], v[:, :, pos])
+        return pos, out
+
+    results = cp.LoopbackWorld(layout.world).run(rank)
+    out_ref, _ = reference.forward(q, k, v, spec)
+    for pos, out in results:
+        np.testing.assert_allclose(out, out_ref[:, :, pos], atol=1e-10)
+    for r, log in logs.items():
+        kinds = [kind for kind, _ in log]
+        first_launch, first_post = kinds.index("launch"), kinds.index("post")
+        assert "stage" in kinds[:first_launch], (r, kinds)       # step 0's fetches staged first
+        assert first_launch < first_post, (r, kinds)             # posted after step 0's launches
+        assert kinds.count("stage") == kinds.count("post"), (r, kinds)
+
+
 def test_the_direct_forward_keeps_at_most_a_shard_of_fetched_keys():
     """``plan.most_fetched`` in local shards, and so what the direct forward keeps: causal
     head-tail's last chunk attends every other shard (3 at W 4: fetched again in the

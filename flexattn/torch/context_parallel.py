@@ -487,15 +487,63 @@ def _merge_rows(acc, lse, out_j, lse_j) -> None:
 
 
 class _Pending:
-    __slots__ = ("requests", "received")
+    __slots__ = ("requests", "received", "sent")
 
-    def __init__(self, requests, received):
-        self.requests, self.received = requests, received
+    def __init__(self, requests, received, sent=None):
+        # sent: the send buffers, held until the transfers are waited on
+        self.requests, self.received, self.sent = requests, received, sent
 
     def wait(self):
         for r in self.requests:
             r.wait()
+        self.sent = None
         return self.received
+
+
+class _Staged:
+    """An exchange whose send buffers (contiguous copies) and receive buffers were made on
+    the current stream at staging; ``post`` posts its transfers from a side stream that
+    waits for that staging only, so the host time of posting can follow launches queued
+    in between without the transfers waiting for them."""
+
+    def __init__(self, comm, dst, sends, src, received, channel):
+        self.comm, self.dst, self.sends, self.src, self.received = comm, dst, sends, src, received
+        self.channel = channel
+        tensors = (sends or []) + (received or [])
+        self.ready = None
+        if tensors and tensors[0].is_cuda:
+            self.device = tensors[0].device
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def post(self):
+        comm, group = self.comm, _channel_group(self.comm.group, self.channel)
+        ops = []
+        if self.dst is not None:
+            ops += [dist.P2POp(dist.isend, a, _global_rank(comm.group, self.dst), group) for a in self.sends]
+        if self.src is not None:
+            ops += [dist.P2POp(dist.irecv, r, _global_rank(comm.group, self.src), group) for r in self.received]
+        if not ops:
+            return _Pending([], self.received)
+        if self.ready is None:
+            return _Pending(dist.batch_isend_irecv(ops), self.received, self.sends)
+        side = _side_stream(self.device)
+        side.wait_event(self.ready)
+        with torch.cuda.stream(side):
+            requests = dist.batch_isend_irecv(ops)
+        return _Pending(requests, self.received, self.sends)
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device) -> "torch.cuda.Stream":
+    """One stream per device from which staged transfers are posted (NCCL orders its
+    transfers after the posting stream's work: here only the staging event)."""
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
 
 
 class _GroupComm:
@@ -516,6 +564,13 @@ class _GroupComm:
             received = [torch.empty_like(a) for a in like]
             ops += [dist.P2POp(dist.irecv, r, _global_rank(self.group, src), group) for r in received]
         return _Pending(dist.batch_isend_irecv(ops) if ops else [], received)
+
+    def stage(self, dst, arrays, src, like, channel="kv"):
+        """``exchange``'s arrays made ready now (``_Staged``), its transfers posted by
+        ``.post()``."""
+        sends = [a.contiguous() for a in arrays] if dst is not None else None
+        received = [torch.empty_like(a) for a in like] if src is not None else None
+        return _Staged(self, dst, sends, src, received, channel)
 
     def all_gather(self, x) -> list:
         parts = [torch.empty_like(x) for _ in range(self.world)]
