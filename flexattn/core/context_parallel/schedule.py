@@ -32,7 +32,8 @@ What a framework supplies (duck-typed, see ``flexattn.torch.context_parallel``):
   (fp32 zeros, −inf); ``merge(acc, lse, start, stop, out_j, lse_j) -> (acc, lse)``;
   ``assign(acc, lse, start, stop, out_j, lse_j) -> (acc, lse)`` (rows no launch wrote yet);
   ``zeros(x) -> fp32 zeros``; ``add_rows(acc, start, stop, x)
-  -> acc``; ``add(a, b)``; ``cast(x, like)``; ``empty(x)`` (uninitialized, x's dtype);
+  -> acc``; ``add_rows_into(out, start, stop, acc, x)`` (out's rows ← acc + x, in out's
+  dtype); ``add(a, b)``; ``cast(x, like)``; ``empty(x)`` (uninitialized, x's dtype);
   ``assign_rows(out, start, stop, x)`` (copy, cast to out's dtype); ``zero_rows(out, start, stop)``.
 ``comm`` — ``rank``, ``world``; ``exchange(dst, arrays, src, like, channel) -> pending``
   (send ``arrays`` to ``dst`` and receive arrays like ``like`` from ``src``, either None;
