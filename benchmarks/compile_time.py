@@ -208,6 +208,13 @@ KERNELS = {
     "bwd-256-256-swap48-q2do1": _bwd(head_dim=256, tile_n=48, num_stages=2, do_stages=1, ds_buffers=1, causal=True),
     "bwd-256-256-swap48": _bwd(head_dim=256, tile_n=48, num_stages=1, causal=True),
     "bwd-256-128-swap48": _bwd(head_dim=256, head_dim_v=128, tile_n=48, causal=True),
+    # issue 25's head-dim-256 candidates (BwdConfig.dkv_rows / tail_order: FA4's choices; CPU-checked)
+    "bwd-256-128-split-q2do1": _bwd(head_dim=256, head_dim_v=128, causal=True, num_stages=2, do_stages=1),
+    "bwd-256-256-split-dvfirst": _bwd(head_dim=256, causal=True, tail_order="dv_first"),
+    "bwd-256-256-swap48-rows": _bwd(head_dim=256, tile_n=48, num_stages=2, do_stages=1, ds_buffers=1, causal=True,
+                                    dkv_rows=True, tail_order="dv_first"),
+    "bwd-256-128-swap80-rows": _bwd(head_dim=256, head_dim_v=128, tile_n=80, num_stages=2, do_stages=1, ds_buffers=1,
+                                    causal=True, dkv_rows=True, tail_order="dv_first"),
     "bwd-det-full": _bwd(head_dim=128, deterministic=True),
     # tile_m 80 (dQ swapped): what the planner picks for dense non-causal head dim 128
     "bwd80-full": _bwd(head_dim=128, tile_m=80),

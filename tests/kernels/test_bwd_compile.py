@@ -81,6 +81,17 @@ def _config(name):
     if name == "d256-128-causal-swap48":       # 48-key CTAs (FA4's at 256; not planned)
         hook = IRModHook(None, mods.causal())
         return BwdConfig(head_dim=256, head_dim_v=128, tile_n=48, causal=True, mods=hook), hook
+    # issue 25's head-dim-256 candidates (FA4's choices there; CPU-checked, not yet GPU-run)
+    if name == "d256-128-causal-split-q2do1":  # split layout, two Q stages and one dO stage
+        return BwdConfig(head_dim=256, head_dim_v=128, causal=True, num_stages=2, do_stages=1), IRModHook()
+    if name == "d256-causal-split-dvfirst":    # dV, dQ, dK: dO released once dV retired
+        return BwdConfig(head_dim=256, causal=True, tail_order="dv_first"), IRModHook()
+    if name == "d256-causal-swap48-rows":      # FA4's 256 layout: dK^T / dV^T split by head-dim rows
+        return BwdConfig(head_dim=256, tile_n=48, num_stages=2, do_stages=1, ds_buffers=1, causal=True,
+                         dkv_rows=True, tail_order="dv_first"), IRModHook()
+    if name == "d256-128-causal-swap80-rows":  # 80 keys: FA4's config search's best at 256/128
+        return BwdConfig(head_dim=256, head_dim_v=128, tile_n=80, num_stages=2, do_stages=1, ds_buffers=1,
+                         causal=True, dkv_rows=True, tail_order="dv_first"), IRModHook()
     if name == "d64-causal":
         hook = IRModHook(None, mods.causal())
         return BwdConfig(head_dim=64, causal=True, mods=hook), hook
@@ -130,7 +141,11 @@ FINISH = ["d128-causal-softcap-finish", "d128-band-window-finish", "d64-sparse-d
           "d96-causal-softcap-finish", "d128-dense-finish"]
 # programmatic dependent launch (not planned: measured neutral; FLEXATTN_BWD_PDL=1 plans it)
 PDL = ["d128-band-window-pdl", "d128-band-window-persist-pdl", "det-d128-relative-bias-pdl"]
-NAMES = DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + SWAPPED + TILE128 + PERSISTENT + FINISH + PDL
+# head dim 256 candidates (BwdConfig.dkv_rows, tail_order; not planned, not yet GPU-run)
+WIDE256 = ["d256-128-causal-split-q2do1", "d256-causal-split-dvfirst", "d256-causal-swap48-rows",
+           "d256-128-causal-swap80-rows"]
+NAMES = (DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + SWAPPED + TILE128 + PERSISTENT + FINISH + PDL
+         + WIDE256)
 
 
 @pytest.fixture(scope="module")
@@ -357,6 +372,30 @@ def test_swapped_layout_rings(compiled):
     assert not re.search(r"bar\.sync\s+7,", compiled["d192-128-causal-softcap-swap"][1])
     for bad in (dict(head_dim=128, do_stages=1), dict(head_dim=192, ds_buffers=1),
                 dict(head_dim=192, tile_n=96, num_stages=1, do_stages=2)):
+        with pytest.raises(ValueError):
+            BwdConfig(**bad)
+
+
+@pytest.mark.parametrize("name", ["d256-causal-swap48-rows", "d256-128-causal-swap80-rows"])
+def test_swapped_layout_by_rows(compiled, name):
+    """dkv_rows: the swapped layout's dK^T / dV^T with the warpgroups on head-dim rows (FA4's
+    AtomLayoutNdKV=1 at 256): m64n<tile_n> over all the keys — (D + Dv) / 128 atoms of 4
+    k-steps per warpgroup — beside S / dP at m64n<tile_n / 2> and dQ at m64n<D / 2>; the P^T
+    store waits at the dS barrier (both warpgroups read all of P^T)."""
+    cfg, ptx = compiled[name]
+    D, Dv, tn = cfg.head_dim, cfg.head_dim_v, cfg.tile_n
+    assert cfg.dkv_swap and cfg.dkv_rows and cfg.tail_order == "dv_first"
+    steps = 2 if cfg.causal else 1
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{tn}k16") == steps * 4 * (D + Dv) // 128
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{tn // 2}k16") == steps * (D + Dv) // 16
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{D // 2}k16") == steps * tn // 16
+    assert re.search(r"bar\.sync\s+7, 256;", ptx)
+
+
+def test_head_dim_256_candidates_are_validated():
+    """dkv_rows needs the swapped layout; tail_order "dv_first" the split layouts."""
+    for bad in (dict(head_dim=256, dkv_rows=True), dict(head_dim=128, tail_order="dv_first"),
+                dict(head_dim=256, tail_order="dv_last")):
         with pytest.raises(ValueError):
             BwdConfig(**bad)
 

@@ -191,6 +191,16 @@ class BwdConfig(KernelConfig):
     # Measured neutral (H200, fwd+bwd B4 S4096: 0.999-1.005x), so not planned:
     # FLEXATTN_BWD_PDL=1 plans it (bwd/plan.py).
     pdl: bool = False
+    # Candidates for the head-dim-256 backward (issue 25; FA4's choices there), compiled and
+    # checked on the CPU only (no spills), NOT yet run on a GPU: the planner never sets them.
+    # dkv_rows: in the swapped layout the warpgroups split dK^T / dV^T over the head dim (M:
+    # m64n<tile_n> atoms, FA4's AtomLayoutNdKV=1) instead of the keys (m64n<tile_n / 2>);
+    # both then read all of P^T, so its store waits for both warpgroups' previous visit.
+    dkv_rows: bool = False
+    # tail_order of the split layouts' dQ / dV / dK GEMMs: "dq_first" (planned: dQ's
+    # accumulator dies early) or "dv_first" (FA4's: dV, dQ, dK; dO released as soon as dV
+    # retired, before the dQ staging waits for the writer — a single dO slot refills sooner).
+    tail_order: str = "dq_first"
 
     def __post_init__(self):
         self.check_dtype()
@@ -240,6 +250,12 @@ class BwdConfig(KernelConfig):
                              " deterministic, where it fits"
                              f" shared memory ({split_shared_bytes(self, self.num_stages, self.do_ring, self.ds_ring)}"
                              " bytes)")
+        if self.dkv_rows and not self.dkv_swap:
+            raise ValueError("dkv_rows splits the swapped layout's dK^T / dV^T by head-dim rows: it needs"
+                             f" the swapped layout (tile_n one of {tuple(SWAP_TILES)})")
+        if self.tail_order not in ("dq_first", "dv_first") or (self.tail_order != "dq_first"
+                                                                and not self.split_head_dim):
+            raise ValueError("tail_order is 'dq_first', or 'dv_first' in the split layouts (beyond head dim 128)")
         if self.tile_m == 128 and max(self.head_dim, self.head_dim_v) > 64:
             # S^T and dP^T (64 registers each) beside dK and dV: beyond 64 they spill.
             raise ValueError("tile_m=128 is for head dims up to 64")
@@ -398,7 +414,7 @@ class BwdConfig(KernelConfig):
 # Keys per CTA of the swapped layout (`BwdConfig.dkv_swap`) -> the widest head dim it takes:
 # 96 up to 192 (dK^T / dV^T registers 3 x 24 + 3 x 24 at 192/192), 48 up to 256 (FA4's
 # tile there: 4 x 12 + 4 x 12).
-SWAP_TILES = {96: 192, 48: 256}
+SWAP_TILES = {96: 192, 48: 256, 80: 256}   # 80: FA4's search's best at 256/128 (not GPU-run yet)
 SWAP_TILE_N = 96                  # the planned one (bwd.plan.with_swapped_layout)
 
 
@@ -498,10 +514,14 @@ def make_split_mma(dtype, rows: int, cols: int, num_wg: int, b_major):
         atom_layout_mnk=(1, num_wg, 1), tiler_mn=(rows, cols // num_wg))
 
 
-def make_swapped_dkv_mma(dtype, tile_n: int, num_wg: int):
+def make_swapped_dkv_mma(dtype, tile_n: int, num_wg: int, rows: bool = False):
     """`BwdConfig.dkv_swap`'s dK^T = Q^T dS and dV^T = dO^T P: C[head dim, tile_n] with the
     warpgroups side by side on the keys (N), each running all head-dim rows (M, 64 per
     atom); A (Q^T, dO^T tiles) MN-major, B (the dS^T / P^T tiles, q contiguous) K-major."""
+    if rows:
+        return sm90_helpers.make_trivial_tiled_mma(
+            dtype, dtype, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(num_wg, 1, 1), tiler_mn=(64, tile_n))
     return sm90_helpers.make_trivial_tiled_mma(
         dtype, dtype, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.K, Float32,
         atom_layout_mnk=(1, num_wg, 1), tiler_mn=(64, tile_n // num_wg))
@@ -708,7 +728,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         # dO^T) MN-major, B (dS^T, P^T tiles) K-major: one MMA for both (M from the tile).
         if const_expr(cfg.dkv_swap):
             tiled_mma_nm = make_split_mma(self.dtype, tm, tn, n_wg, warpgroup.OperandMajorMode.K)
-            tiled_mma_nd = make_swapped_dkv_mma(self.dtype, tn, n_wg)
+            tiled_mma_nd = make_swapped_dkv_mma(self.dtype, tn, n_wg, cfg.dkv_rows)
         elif const_expr(split):
             tiled_mma_nm = make_split_mma(self.dtype, tn, tm, n_wg, warpgroup.OperandMajorMode.K)
             tiled_mma_nd = make_split_mma(self.dtype, tn, D, n_wg, warpgroup.OperandMajorMode.MN)
@@ -1417,22 +1437,35 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         buf = state.count % 2
         ds_buf = buf if const_expr(cfg.ds_ring == 2) else 0
         p_buf = 0 if const_expr(cfg.dkv_swap) else buf
+        if const_expr(cfg.dkv_rows):
+            # Both warpgroups read all of P^T (dV^T's B): the previous visit's readers first.
+            BwdBarrier.DS_EMPTY.sync(self.num_mma_threads)
         cute.copy(r2s_dS, r2s_dS.retile(rP), tPsP[None, None, None, p_buf])
-        if const_expr(cfg.ds_ring == 1):
+        if const_expr(cfg.ds_ring == 1 and not cfg.dkv_rows):
             BwdBarrier.DS_EMPTY.sync(self.num_mma_threads)
         cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, ds_buf])
         cute.arch.fence_view_async_shared()          # generic-proxy writes -> wgmma reads
         BwdBarrier.DS_FULL.sync(self.num_mma_threads)
         acc_dQ = cute.make_rmem_tensor(acc_shape_md, Float32)
-        mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, ds_buf], tQrKt[None, None, None, 0],
-                 zero_init=True, wait=-1)
-        mma.gemm(tiled_mma_nv, acc_dV, *self._ordered(tVsP[None, None, None, p_buf], tVrdOt[None, None, None, do_stage]),
-                 zero_init=False, wait=-1)
-        mma.gemm(tiled_mma_nd, acc_dK, *self._ordered(tKsdS[None, None, None, ds_buf], tKrQt[None, None, None, stage]),
-                 zero_init=False, wait=2)            # dQ retired
-        self._stage_dq(acc_dQ, tdQsdQ, wg)
-        warpgroup.wait_group(1)                      # dV retired: dO may be overwritten
-        pipe_do.consumer_release(do_state)
+        if const_expr(cfg.tail_order == "dv_first"):
+            mma.gemm(tiled_mma_nv, acc_dV, *self._ordered(tVsP[None, None, None, p_buf], tVrdOt[None, None, None, do_stage]),
+                     zero_init=False, wait=-1)
+            mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, ds_buf], tQrKt[None, None, None, 0],
+                     zero_init=True, wait=1)         # dV retired: dO may be overwritten
+            pipe_do.consumer_release(do_state)
+            mma.gemm(tiled_mma_nd, acc_dK, *self._ordered(tKsdS[None, None, None, ds_buf], tKrQt[None, None, None, stage]),
+                     zero_init=False, wait=1)        # dQ retired
+            self._stage_dq(acc_dQ, tdQsdQ, wg)
+        else:
+            mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, ds_buf], tQrKt[None, None, None, 0],
+                     zero_init=True, wait=-1)
+            mma.gemm(tiled_mma_nv, acc_dV, *self._ordered(tVsP[None, None, None, p_buf], tVrdOt[None, None, None, do_stage]),
+                     zero_init=False, wait=-1)
+            mma.gemm(tiled_mma_nd, acc_dK, *self._ordered(tKsdS[None, None, None, ds_buf], tKrQt[None, None, None, stage]),
+                     zero_init=False, wait=2)            # dQ retired
+            self._stage_dq(acc_dQ, tdQsdQ, wg)
+            warpgroup.wait_group(1)                      # dV retired: dO may be overwritten
+            pipe_do.consumer_release(do_state)
         warpgroup.wait_group(0)                      # dK retired: Q may be overwritten
         pipe_q.consumer_release(state)
         state.advance()
@@ -1760,7 +1793,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             # dK^T / dV^T fragments (head dim x keys) into the keys-major tiles: transposing
             # stmatrix; a warpgroup's columns are its keys.
             r2s = mma.stmatrix_copy(tiled_mma_nd, self.dtype, tidx, transpose=True,
-                                    wg_cols=cfg.tile_n // self.num_mma_wg)
+                                    wg_cols=cfg.tile_n if cfg.dkv_rows else cfg.tile_n // self.num_mma_wg)
             cute.copy(r2s, r2s.retile(rdK), r2s.partition_D(mma.transpose_view(sdK)))
             cute.copy(r2s, r2s.retile(rdV), r2s.partition_D(mma.transpose_view(sdV)))
         elif const_expr(tiled_mma_nv is tiled_mma_nd):
