@@ -5,7 +5,11 @@ buffer: `do_stages=1, ds_buffers=1`). Configs are forced through tests/gpu's har
 (`kernel_backward`: our forward, then the backward kernels, NaN-poisoned workspace), so
 each time is forward + backward kernels plus the harness's fills — compare rows, not
 against other benchmarks. Causal, bf16, B4 S4096 H16 by default; median of 5 per round,
-two alternating rounds. What `bwd.plan.with_swapped_layout` plans comes from these.
+two alternating rounds; each layout's dQ / dK / dV against the planned layout's (max
+difference over the largest value), so a wrong layout shows. What
+`bwd.plan.with_swapped_layout` plans comes from these. Head dim 256's candidates (FA4's
+choices there, not yet GPU-run): `--dims 256/256 256/128 --layouts planned split-q2do1
+split-dvfirst split-q2do1-dvfirst swap48-q2do1 rows48-q2do1 rows80-q2do1`.
 `--mask window1024` and the `by_head` / `longest` layouts compare the CTA orders of a band's
 backward instead (head dim 128).
 
@@ -34,6 +38,13 @@ LAYOUTS = {
     "swap96-q2do1": dict(tile_n=96, num_stages=2, do_stages=1, ds_buffers=1),
     "swap48": dict(tile_n=48),
     "swap48-q2do1": dict(tile_n=48, num_stages=2, do_stages=1, ds_buffers=1),
+    # issue 25's head-dim-256 candidates (FA4's choices there; first GPU run pending):
+    # the split layout with two Q stages, FA4's tail order, FA4's rows-split swapped layout
+    "split-q2do1": dict(tile_n=64, num_stages=2, do_stages=1),
+    "split-dvfirst": dict(tile_n=64, tail_order="dv_first"),
+    "split-q2do1-dvfirst": dict(tile_n=64, num_stages=2, do_stages=1, tail_order="dv_first"),
+    "rows48-q2do1": dict(tile_n=48, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, tail_order="dv_first"),
+    "rows80-q2do1": dict(tile_n=80, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, tail_order="dv_first"),
     "by_head": dict(tile_order="by_head"),
     "longest": dict(tile_order="longest_first"),
 }
@@ -60,27 +71,31 @@ def main():
     args = ap.parse_args()
     mask = mods.causal() if args.mask == "causal" else mods.sliding_window(int(args.mask[len("window"):]))
     spec = AttentionSpec.from_args(mask=mask)
-    print(f"{args.mask}\n| BxSxH | D/Dv | layout | tile_n | stages Q/dO | dS bufs | order | ms round 1 | ms round 2 |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"{args.mask}\n| BxSxH | D/Dv | layout | tile_n | stages Q/dO | dS bufs | order | ms round 1 | ms round 2 |"
+          " max rel. diff vs planned (dq, dk, dv) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for shape, dims in ((s, d) for s in args.shapes for d in args.dims):
         B, S, H = map(int, shape.split("x"))
         D, Dv = map(int, dims.split("/"))
         q, k = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         v, do = (torch.randn(B, H, S, Dv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         rows = {}
+        want = kernel_backward(q, k, v, do, spec)[:3]      # the planned layout's dq, dk, dv
         for name in args.layouts:
             try:
-                cfg = kernel_backward(q, k, v, do, spec, **LAYOUTS[name])[6]
+                got = kernel_backward(q, k, v, do, spec, **LAYOUTS[name])
             except ValueError as e:          # a layout this head dim does not allow
-                print(f"| {shape} | {dims} | {name} | — | — | — | — | {str(e)[:60]} | |")
+                print(f"| {shape} | {dims} | {name} | — | — | — | — | {str(e)[:60]} | | |")
                 continue
-            rows[name] = [cfg, []]
+            # a wrong layout shows here (NaN-poisoned outputs: NaN where it wrote nothing)
+            diff = [((g.float() - w.float()).abs().max() / w.float().abs().max()).item() for g, w in zip(got[:3], want)]
+            rows[name] = [got[6], [], diff]
         for _ in range(2):
             for name, row in rows.items():
                 row[1].append(time_ms(lambda: kernel_backward(q, k, v, do, spec, **LAYOUTS[name])))
-        for name, (cfg, ms) in rows.items():
+        for name, (cfg, ms, diff) in rows.items():
             print(f"| {shape} | {dims} | {name} | {cfg.tile_n} | {cfg.num_stages}/{cfg.do_ring} | {cfg.ds_ring} | {cfg.order} | "
-                  + " | ".join(f"{t:.3f}" for t in ms) + " |")
+                  + " | ".join(f"{t:.3f}" for t in ms) + " | " + ", ".join(f"{d:.1e}" for d in diff) + " |")
 
 
 if __name__ == "__main__":
