@@ -337,6 +337,41 @@ def test_swapped_layout(case):
     _check_listed(tuple(listed), [tuple(c[:-2]) for c in SWAPPED], tile_n=tile_n, **RINGS[rings])
 
 
+# Issue 25's head-dim-256 candidates (FA4's choices there; BwdConfig.dkv_rows / tail_order
+# and 80-key swapped tiles; not planned): (D, Dv, BwdConfig fields)
+CANDIDATES_256 = [
+    (256, 256, dict(tile_n=48, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, tail_order="dv_first")),
+    (256, 128, dict(tile_n=48, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, tail_order="dv_first")),
+    (256, 128, dict(tile_n=80, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, tail_order="dv_first")),
+    (256, 256, dict(tile_n=64, tail_order="dv_first")),
+    (256, 128, dict(tile_n=64, num_stages=2, do_stages=1)),
+    (256, 128, dict(tile_n=64, num_stages=2, do_stages=1, tail_order="dv_first")),
+]
+
+
+@pytest.mark.parametrize("D,Dv,fields", CANDIDATES_256, ids=lambda c: str(c).replace(" ", ""))
+@pytest.mark.parametrize("name", ["causal_softcap", "alibi"])
+def test_head_dim_256_candidates(D, Dv, fields, name):
+    """The head-dim-256 backward candidates, forced, against the float64 reference: GQA,
+    KV_LEN inside a CTA, q rows past a tile, a score mod (ALiBi: slope gradients)."""
+    torch.manual_seed(D * 7 + Dv + fields["tile_n"])
+    B, Hq, Hkv, Q, KV = 1, 4, 2, 300, 333
+    q, k = torch.randn(B, Hq, Q, D, device="cuda", dtype=torch.bfloat16), \
+        torch.randn(B, Hkv, KV, D, device="cuda", dtype=torch.bfloat16)
+    v, do = torch.randn(B, Hkv, KV, Dv, device="cuda", dtype=torch.bfloat16), \
+        torch.randn(B, Hq, Q, Dv, device="cuda", dtype=torch.bfloat16)
+    mask, score = _case_mods(name, np.random.default_rng(D + Dv), B, Hq, Q, KV)
+    spec = AttentionSpec.from_args(score=score, mask=mask, enable_gqa=True)
+    dq, dk, dv, _, _, _, cfg = kernel_backward(q, k, v, do, spec, **fields)
+    assert (cfg.tile_n, cfg.dkv_rows, cfg.tail_order) == (fields["tile_n"], fields.get("dkv_rows", False),
+                                                          fields.get("tail_order", "dq_first"))
+    want = reference.backward(q.cpu(), k.cpu(), v.cpu(), do.cpu(), None, spec=spec)
+    label = f"{name} {D}/{Dv} {fields}"
+    _close(f"{label} dq", dq, want.dq, "bf16")
+    _close(f"{label} dk", dk, want.dk, "bf16")
+    _close(f"{label} dv", dv, want.dv, "bf16")
+
+
 @pytest.mark.parametrize("D,Dv", [(192, 128), (128, 192), (192, 64)])
 @pytest.mark.parametrize("name", ["causal_softcap", "none"])
 def test_swapped_layout_value_head_dims(D, Dv, name):
