@@ -245,9 +245,10 @@ def keeps_fetched(plan) -> bool:
 def _fetched_steps(plan, comm, ops, k, v, every: bool = False, ahead: int = FETCH_AHEAD):
     """(step, source rank, pairs, its K/V) of each step of the direct schedule: step 0 on
     this rank's own K/V, later ones on the chunks of it fetched from their owner that this
-    rank attends (``plan.direct_steps``; ``ahead`` steps' fetches posted before this
-    step computes). Steps whose keys the mask leaves unattended receive nothing: passed
-    over, or with ``every`` yielded with K/V None. Consume it to the end."""
+    rank attends (``plan.direct_steps``; ``ahead`` steps' fetches in flight while this
+    step computes: staged before its launches, posted once the consumer resumes). Steps
+    whose keys the mask leaves unattended receive nothing: passed over, or with ``every``
+    yielded with K/V None. Consume it to the end: the last posts follow the last step."""
     # Each step's new fetches are staged (their sends' copies queued) before the step's
     # launches and posted after them: posting costs host time (~0.3 ms per exchange on 4x
     # H200), which before the step's launches left the GPU idle (documents16 W 4: the first
