@@ -354,7 +354,15 @@ CANDIDATES_256 = [
 def test_head_dim_256_candidates(D, Dv, fields, name):
     """The head-dim-256 backward candidates, forced, against the float64 reference: GQA,
     KV_LEN inside a CTA, q rows past a tile, a score mod (ALiBi: slope gradients)."""
-    torch.manual_seed(D * 7 + Dv + fields["tile_n"])
+    cfg = _check_wide(name, D, Dv, D * 7 + Dv + fields["tile_n"], **fields)
+    assert (cfg.tile_n, cfg.dkv_rows, cfg.tail_order) == (fields["tile_n"], fields.get("dkv_rows", False),
+                                                          fields.get("tail_order", "dq_first"))
+
+
+def _check_wide(name, D, Dv, seed, **fields):
+    """One backward with these BwdConfig fields against the float64 reference: bf16, GQA,
+    KV_LEN inside a CTA, q rows past a tile, the mods of case ``name``. -> its config."""
+    torch.manual_seed(seed)
     B, Hq, Hkv, Q, KV = 1, 4, 2, 300, 333
     q, k = torch.randn(B, Hq, Q, D, device="cuda", dtype=torch.bfloat16), \
         torch.randn(B, Hkv, KV, D, device="cuda", dtype=torch.bfloat16)
@@ -363,13 +371,12 @@ def test_head_dim_256_candidates(D, Dv, fields, name):
     mask, score = _case_mods(name, np.random.default_rng(D + Dv), B, Hq, Q, KV)
     spec = AttentionSpec.from_args(score=score, mask=mask, enable_gqa=True)
     dq, dk, dv, _, _, _, cfg = kernel_backward(q, k, v, do, spec, **fields)
-    assert (cfg.tile_n, cfg.dkv_rows, cfg.tail_order) == (fields["tile_n"], fields.get("dkv_rows", False),
-                                                          fields.get("tail_order", "dq_first"))
     want = reference.backward(q.cpu(), k.cpu(), v.cpu(), do.cpu(), None, spec=spec)
     label = f"{name} {D}/{Dv} {fields}"
     _close(f"{label} dq", dq, want.dq, "bf16")
     _close(f"{label} dk", dk, want.dk, "bf16")
     _close(f"{label} dv", dv, want.dv, "bf16")
+    return cfg
 
 
 @pytest.mark.parametrize("D,Dv", [(192, 128), (128, 192), (192, 64)])
@@ -378,21 +385,8 @@ def test_swapped_layout_value_head_dims(D, Dv, name):
     """The swapped layout (96-key CTAs, two stages) at value head dims apart from the
     query's, each planned (bwd.plan.SWAP_PLANNED). GQA, KV_LEN inside a CTA, q rows past
     a tile."""
-    torch.manual_seed(D * 7 + Dv)
-    B, Hq, Hkv, Q, KV = 1, 4, 2, 300, 333
-    q, k = torch.randn(B, Hq, Q, D, device="cuda", dtype=torch.bfloat16), \
-        torch.randn(B, Hkv, KV, D, device="cuda", dtype=torch.bfloat16)
-    v, do = torch.randn(B, Hkv, KV, Dv, device="cuda", dtype=torch.bfloat16), \
-        torch.randn(B, Hq, Q, Dv, device="cuda", dtype=torch.bfloat16)
-    mask, score = _case_mods(name, np.random.default_rng(D + Dv), B, Hq, Q, KV)
-    spec = AttentionSpec.from_args(score=score, mask=mask, enable_gqa=True)
-    dq, dk, dv, _, _, _, cfg = kernel_backward(q, k, v, do, spec, tile_n=96)
+    cfg = _check_wide(name, D, Dv, D * 7 + Dv, tile_n=96)
     assert cfg.dkv_swap and cfg.num_stages == 2
-    want = reference.backward(q.cpu(), k.cpu(), v.cpu(), do.cpu(), None, spec=spec)
-    label = f"{name} {D}/{Dv}"
-    _close(f"{label} dq", dq, want.dq, "bf16")
-    _close(f"{label} dk", dk, want.dk, "bf16")
-    _close(f"{label} dv", dv, want.dv, "bf16")
 
 
 # Clusters of 2 CTAs (kv blocks 2c, 2c + 1) sharing Q / dO loads by TMA multicast: dense
