@@ -460,7 +460,8 @@ class _RowSums:
     were left). Of several contributions to a row, the first is copied into the sums and
     the last added to them straight into the result (``add_rows_into``: the cast fused in,
     the same numbers): a row of two contributions moves 14 bytes per element instead of 34
-    (fill, add, add, cast; 4x H200 documents16 W 4: 3.2 ms of rank 0's 51 ms step)."""
+    (fill, add, add, cast). 4x H200, documents16 W 4 fwd+bwd: rank 0's adds, casts, copies
+    and fills 3.95 -> 3.25 ms of a ~50 ms step."""
 
     def __init__(self, ops, like, spans):
         self.ops = ops
@@ -515,8 +516,9 @@ class _RowSums:
                 self.sums[(lo, hi)] = ops.add_rows(self.sums[(lo, hi)], s - lo, e - lo, piece)
 
     def _arrival(self, seg) -> str:
-        """Counts a contribution to shared segment ``seg``: "first", "last" (of the count
-        the plan gave it; a lone one is both, and "last" writes it), or "more"."""
+        """Counts a contribution to shared segment ``seg`` (several are counted for it):
+        "first", "last" (the count the plan gave it reached: it writes the result), or
+        "more"."""
         self.arrived[seg] += 1
         n = self.arrived[seg]
         if n > self.count[seg]:
