@@ -517,12 +517,7 @@ class _Staged:
             self.ready.record()
 
     def post(self):
-        comm, group = self.comm, _channel_group(self.comm.group, self.channel)
-        ops = []
-        if self.dst is not None:
-            ops += [dist.P2POp(dist.isend, a, _global_rank(comm.group, self.dst), group) for a in self.sends]
-        if self.src is not None:
-            ops += [dist.P2POp(dist.irecv, r, _global_rank(comm.group, self.src), group) for r in self.received]
+        ops = self.comm.p2p_ops(self.dst, self.sends, self.src, self.received, self.channel)
         if not ops:
             return _Pending([], self.received)
         if self.ready is None:
@@ -556,14 +551,20 @@ class _GroupComm:
         self.group, self.rank, self.world = group, rank, world
 
     def exchange(self, dst, arrays, src, like, channel="kv"):
-        group = _channel_group(self.group, channel)
-        ops, received = [], None
-        if dst is not None:
-            ops += [dist.P2POp(dist.isend, a.contiguous(), _global_rank(self.group, dst), group) for a in arrays]
-        if src is not None:
-            received = [torch.empty_like(a) for a in like]
-            ops += [dist.P2POp(dist.irecv, r, _global_rank(self.group, src), group) for r in received]
+        sends = [a.contiguous() for a in arrays] if dst is not None else None
+        received = [torch.empty_like(a) for a in like] if src is not None else None
+        ops = self.p2p_ops(dst, sends, src, received, channel)
         return _Pending(dist.batch_isend_irecv(ops) if ops else [], received)
+
+    def p2p_ops(self, dst, sends, src, received, channel) -> list:
+        """The point-to-point ops of one exchange on its channel's communicator."""
+        group = _channel_group(self.group, channel)
+        ops = []
+        if dst is not None:
+            ops += [dist.P2POp(dist.isend, a, _global_rank(self.group, dst), group) for a in sends]
+        if src is not None:
+            ops += [dist.P2POp(dist.irecv, r, _global_rank(self.group, src), group) for r in received]
+        return ops
 
     def stage(self, dst, arrays, src, like, channel="kv"):
         """``exchange``'s arrays made ready now (``_Staged``), its transfers posted by
