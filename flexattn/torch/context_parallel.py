@@ -529,6 +529,14 @@ class _Staged:
         return _Pending(requests, self.received, self.sends)
 
 
+def _buffers(dst, arrays, src, like) -> tuple:
+    """(send buffers or None, receive buffers or None) of one exchange: the arrays made
+    contiguous, fresh arrays like ``like``."""
+    sends = [a.contiguous() for a in arrays] if dst is not None else None
+    received = [torch.empty_like(a) for a in like] if src is not None else None
+    return sends, received
+
+
 _SIDE_STREAMS: dict = {}
 
 
@@ -551,8 +559,7 @@ class _GroupComm:
         self.group, self.rank, self.world = group, rank, world
 
     def exchange(self, dst, arrays, src, like, channel="kv"):
-        sends = [a.contiguous() for a in arrays] if dst is not None else None
-        received = [torch.empty_like(a) for a in like] if src is not None else None
+        sends, received = _buffers(dst, arrays, src, like)
         ops = self.p2p_ops(dst, sends, src, received, channel)
         return _Pending(dist.batch_isend_irecv(ops) if ops else [], received)
 
@@ -569,8 +576,7 @@ class _GroupComm:
     def stage(self, dst, arrays, src, like, channel="kv"):
         """``exchange``'s arrays made ready now (``_Staged``), its transfers posted by
         ``.post()``."""
-        sends = [a.contiguous() for a in arrays] if dst is not None else None
-        received = [torch.empty_like(a) for a in like] if src is not None else None
+        sends, received = _buffers(dst, arrays, src, like)
         return _Staged(self, dst, sends, src, received, channel)
 
     def all_gather(self, x) -> list:
