@@ -7,9 +7,10 @@ each time is forward + backward kernels plus the harness's fills — compare row
 against other benchmarks. Causal, bf16, B4 S4096 H16 by default; median of 5 per round,
 two alternating rounds; each layout's dQ / dK / dV against the planned layout's (max
 difference over the largest value), so a wrong layout shows. What
-`bwd.plan.with_swapped_layout` plans comes from these. Head dim 256's candidates (FA4's
-choices there, not yet GPU-run): `--dims 256/256 256/128 --layouts planned split-q2do1
-split-dvfirst split-q2do1-dvfirst swap48-q2do1 rows48-q2do1 rows80-q2do1`.
+`bwd.plan.with_swapped_layout` plans comes from these (`bwd.plan.SWAP_PLANNED`). Head dim
+256's (FA4's choices there won, H200, 2026-11-28): `--dims 256/256 256/128 --layouts
+planned split split-q2do1 split-dvfirst split-q2do1-dvfirst swap48-q2do1 rows48-q2do1
+rows80-q2do1`.
 `--mask window1024` and the `by_head` / `longest` layouts compare the CTA orders of a band's
 backward instead (head dim 128).
 
@@ -45,6 +46,10 @@ LAYOUTS = {
     "split-q2do1-dvfirst": dict(tile_n=64, num_stages=2, do_stages=1, tail_order="dv_first"),
     "rows48-q2do1": dict(tile_n=48, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, tail_order="dv_first"),
     "rows80-q2do1": dict(tile_n=80, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, tail_order="dv_first"),
+    # the rows split at 96 keys (head dims up to 192), with two stages of both or FA4's rings
+    "rows96": dict(tile_n=96, num_stages=2, dkv_rows=True),
+    "rows96-q2do1": dict(tile_n=96, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, tail_order="dv_first"),
+    "swap96-dvfirst": dict(tile_n=96, num_stages=2, tail_order="dv_first"),
     "by_head": dict(tile_order="by_head"),
     "longest": dict(tile_order="longest_first"),
 }

@@ -338,7 +338,8 @@ def test_swapped_layout(case):
 
 
 # Issue 25's head-dim-256 candidates (FA4's choices there; BwdConfig.dkv_rows / tail_order
-# and 80-key swapped tiles; not planned): (D, Dv, BwdConfig fields)
+# and 80-key swapped tiles; the first and third planned, bwd.plan.SWAP_PLANNED; all 12 cases
+# passed on the H200, 2026-11-28): (D, Dv, BwdConfig fields)
 CANDIDATES_256 = [
     (256, 256, dict(tile_n=48, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, tail_order="dv_first")),
     (256, 128, dict(tile_n=48, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, tail_order="dv_first")),

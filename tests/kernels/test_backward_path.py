@@ -161,12 +161,13 @@ def test_every_adapters_backward_plan_refuses_what_is_not_verified():
     backward_config(FwdConfig(head_dim=128, head_dim_v=64))
     for kw in (dict(head_dim=192, head_dim_v=128), dict(head_dim=128, head_dim_v=192), dict(head_dim=256)):
         cfg = backward_config(FwdConfig(**kw))
-        # 96-key CTAs in the swapped layout at 192/128 and 128/192 (bwd.plan.SWAP_PLANNED)
-        planned = (kw["head_dim"], kw.get("head_dim_v", kw["head_dim"])) in ((192, 128), (128, 192))
-        assert cfg.split_head_dim and cfg.tile_n == (96 if planned else 64) and cfg.tile_m == 64
-        assert cfg.dkv_swap == (cfg.tile_n == 96)
-    assert backward_config(FwdConfig(head_dim=256)).num_stages == 1      # 2 do not fit
+        # the swapped layout where bwd.plan.SWAP_PLANNED names the head dims: 96 keys at 192/128
+        # and 128/192, 48 at 256/256 (two Q stages, one dO stage)
+        tile_n = {(192, 128): 96, (128, 192): 96, (256, 256): 48}[kw["head_dim"], kw.get("head_dim_v", kw["head_dim"])]
+        assert cfg.split_head_dim and cfg.tile_n == tile_n and cfg.tile_m == 64 and cfg.dkv_swap
+    assert backward_config(FwdConfig(head_dim=256)).num_stages == 2 and backward_config(FwdConfig(head_dim=256)).do_ring == 1
     assert backward_config(FwdConfig(head_dim=192, head_dim_v=128)).num_stages == 2
+    assert backward_config(FwdConfig(head_dim=192)).tile_n == 64     # not planned: the split layout
     for kw in (dict(head_dim=16), dict(head_dim=64, head_dim_v=16)):
         with pytest.raises(ValueError, match="backward supports query and value head dims"):
             backward_config(FwdConfig(**kw))

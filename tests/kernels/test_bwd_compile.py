@@ -141,7 +141,8 @@ FINISH = ["d128-causal-softcap-finish", "d128-band-window-finish", "d64-sparse-d
           "d96-causal-softcap-finish", "d128-dense-finish"]
 # programmatic dependent launch (not planned: measured neutral; FLEXATTN_BWD_PDL=1 plans it)
 PDL = ["d128-band-window-pdl", "d128-band-window-persist-pdl", "det-d128-relative-bias-pdl"]
-# head dim 256 candidates (BwdConfig.dkv_rows, tail_order; not planned, not yet GPU-run)
+# head dim 256 layouts (BwdConfig.dkv_rows, tail_order): swap48-rows / swap80-rows planned at 256/256 and
+# 256/128 (bwd.plan.SWAP_PLANNED), the split ones measured slower on the H200
 WIDE256 = ["d256-128-causal-split-q2do1", "d256-causal-split-dvfirst", "d256-causal-swap48-rows",
            "d256-128-causal-swap80-rows"]
 NAMES = (DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + SWAPPED + TILE128 + PERSISTENT + FINISH + PDL
@@ -425,10 +426,11 @@ def test_lockstep_state_follows_a_ring_of_its_own():
 
 
 def test_planner_swapped_layout():
-    """bwd.plan.with_swapped_layout: the 96-key layout beyond 128 where both head dims are
-    multiples of 64 up to 192, for the dense and causal walks, where two Q / dO stages fit
-    and the swapped layout measured faster (SWAP_PLANNED: 192/128, 128/192, 192/64); the 64-key split layout
-    elsewhere (192/192: one stage only; 256, 144, block lists, bands, deterministic)."""
+    """bwd.plan.with_swapped_layout: the swapped layout where SWAP_PLANNED names the head
+    dims (measured faster), for the dense and causal walks, where its stages fit: 96 keys
+    split by keys at 192/128, 128/192, 192/64; 80 (256/128) and 48 (256/256) keys split by
+    head-dim rows, two Q stages, one dO stage, one dS^T buffer, dV first; the 64-key split
+    layout elsewhere (192/192, 144, block lists, bands, deterministic)."""
     from flexattn.kernels.bwd.plan import with_swapped_layout
 
     def layout(**kw):
@@ -439,15 +441,23 @@ def test_planner_swapped_layout():
     assert layout(head_dim=128, head_dim_v=192) == (96, 2) and layout(head_dim=192, head_dim_v=64) == (96, 2)
     BwdConfig(head_dim=128, head_dim_v=192, tile_n=96, num_stages=2)
     BwdConfig(head_dim=192, head_dim_v=64, tile_n=96, num_stages=2)
-    for kw in (dict(head_dim=256, head_dim_v=128), dict(head_dim=144), dict(head_dim=192, deterministic=True),
-               dict(head_dim=192),
-               dict(head_dim=192, block_sparse=True, mods=IRModHook(None, mods.sliding_window(64)))):
+    for kw, tile_n in ((dict(head_dim=256, head_dim_v=128, causal=True), 80), (dict(head_dim=256), 48)):
+        cfg = with_swapped_layout(BwdConfig(**kw))
+        assert (cfg.tile_n, cfg.num_stages, cfg.do_ring, cfg.ds_ring, cfg.dkv_rows, cfg.tail_order) == (
+            tile_n, 2, 1, 1, True, "dv_first"), kw
+        assert cfg.dkv_swap and not with_swapped_layout(BwdConfig(**kw, deterministic=True)).dkv_swap
+    for kw in (dict(head_dim=144), dict(head_dim=192, deterministic=True), dict(head_dim=192),
+               dict(head_dim=256, head_dim_v=64),
+               dict(head_dim=192, block_sparse=True, mods=IRModHook(None, mods.sliding_window(64))),
+               dict(head_dim=256, block_sparse=True, mods=IRModHook(None, mods.sliding_window(64)))):
         assert layout(**kw)[0] == 64, kw
     assert layout(head_dim=128)[0] == 128
     with pytest.raises(ValueError, match="swapped"):
         BwdConfig(head_dim=256, tile_n=96)
     with pytest.raises(ValueError, match="swapped"):
         BwdConfig(head_dim=192, tile_n=96, deterministic=True)
+    with pytest.raises(ValueError, match="multiples of 128"):     # (192 rows: no whole atoms per warpgroup)
+        BwdConfig(head_dim=192, head_dim_v=128, tile_n=96, num_stages=2, dkv_rows=True)
 
 
 @pytest.mark.parametrize("name", TILE128)

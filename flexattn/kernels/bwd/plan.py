@@ -7,7 +7,7 @@ fixed-point buffer-gradient accumulators. The launch itself: ``launch/backward.p
 import dataclasses
 import os
 
-from flexattn.kernels.bwd.sm90 import (FP32_TILE_M, SWAP_TILE_N, BwdConfig, dkv_swap_allowed, finish_allowed,
+from flexattn.kernels.bwd.sm90 import (FP32_TILE_M, BwdConfig, dkv_swap_allowed, finish_allowed,
                                        one_diagonal_read)
 from flexattn.kernels.hopper.atomics import FIXED_WORDS
 
@@ -46,35 +46,45 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
     return cfg
 
 
-# Head dims the planner gives the swapped layout: GPU-verified, two stages fit, and faster
-# than the split layout in forced A/Bs (causal B4 S4096 H16 fwd+bwd kernels, H100,
-# 2026-11-27, split -> swapped ms): 192/128 (DeepSeek's) 3.53-3.65 -> 2.75, 128/192
-# 2.77 -> 2.52, 192/64 3.52-3.54 -> 2.63 (benchmarks/bench_bwd_layouts.py, issue 25).
-SWAP_PLANNED = {(192, 128), (128, 192), (192, 64)}
+# Head dims the planner gives the swapped layout (`BwdConfig.dkv_swap`), each with the
+# fields that measured fastest in forced A/Bs (benchmarks/bench_bwd_layouts.py, causal
+# B4 S4096 H16 fwd+bwd kernels, ms, the 64-key split layout -> the planned one):
+# - 192/128 (DeepSeek's) 3.53-3.65 -> 2.75, 128/192 2.77 -> 2.52, 192/64 3.52-3.54 ->
+#   2.63: 96-key CTAs, the warpgroups splitting the keys, two Q / dO stages (H100,
+#   2026-11-27; with one stage, at 192/192, the split layout's two stages won: 3.81-3.88
+#   against 4.03-4.06);
+# - 256/128 5.51-5.63 -> 3.56-3.57 (80 keys) and 256/256 5.81-6.07 -> 5.10-5.18 (48 keys):
+#   FA4's layout there, the warpgroups splitting dK^T / dV^T by head-dim rows, two Q stages
+#   and one dO stage, one dS^T buffer, dV's GEMM first (H200, 2026-11-28; splitting by keys
+#   instead at 48: 6.8-7.2, slower than the split layout).
+SWAP_PLANNED = {
+    (192, 128): dict(tile_n=96, num_stages=2),
+    (128, 192): dict(tile_n=96, num_stages=2),
+    (192, 64): dict(tile_n=96, num_stages=2),
+    (256, 128): dict(tile_n=80, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, tail_order="dv_first"),
+    (256, 256): dict(tile_n=48, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, tail_order="dv_first"),
+}
 
 
 def with_swapped_layout(cfg: BwdConfig) -> BwdConfig:
-    """Head dims beyond 128: the swapped layout (`BwdConfig.dkv_swap`, 96-key CTAs) where it
-    is planned (SWAP_PLANNED) and allowed with two Q / dO stages; else `cfg` as it is (the
-    64-key split layout). With one stage (192/192) the split layout's two stages won: causal
-    B4 S4096 H16 fwd+bwd kernels, H100, 2026-11-27: 192/192 split 3.81-3.88 ms, swapped
-    4.03-4.06; 192/128 split 3.53-3.65, swapped 2.75 (docs/experiments.md, issue 25,
-    session 24)."""
+    """Head dims beyond 128: the swapped layout where it is planned (SWAP_PLANNED) and
+    allowed for this call's structure and mods (`dkv_swap_allowed`: dense or causal walks,
+    not deterministic, shared memory fits); else `cfg` as it is (the 64-key split layout)."""
     if cfg.dtype == "fp32" or not cfg.split_head_dim:
         return cfg
-    if (cfg.head_dim, cfg.head_dim_v) not in SWAP_PLANNED:
-        return cfg
-    if dkv_swap_allowed(_Probe(cfg, 2)):
-        return dataclasses.replace(cfg, tile_n=SWAP_TILE_N, num_stages=2)
+    fields = SWAP_PLANNED.get((cfg.head_dim, cfg.head_dim_v))
+    if fields is not None and dkv_swap_allowed(_Probe(cfg, fields)):
+        return dataclasses.replace(cfg, **fields)
     return cfg
 
 
 class _Probe:
-    """`cfg`'s fields with tile_n = SWAP_TILE_N and `stages` (dkv_swap_allowed and
-    split_shared_bytes read fields only; a BwdConfig would check itself on construction)."""
+    """`cfg`'s fields with `fields` in place (dkv_swap_allowed and split_shared_bytes read
+    fields only; a BwdConfig would check itself on construction)."""
 
-    def __init__(self, cfg, stages):
-        self._cfg, self.tile_n, self.num_stages = cfg, SWAP_TILE_N, stages
+    def __init__(self, cfg, fields):
+        self._cfg = cfg
+        self.__dict__.update(fields)
 
     def __getattr__(self, name):
         return getattr(self._cfg, name)

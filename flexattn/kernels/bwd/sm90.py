@@ -191,13 +191,13 @@ class BwdConfig(KernelConfig):
     # Measured neutral (H200, fwd+bwd B4 S4096: 0.999-1.005x), so not planned:
     # FLEXATTN_BWD_PDL=1 plans it (bwd/plan.py).
     pdl: bool = False
-    # Candidates for the head-dim-256 backward (issue 25; FA4's choices there), compiled and
-    # checked on the CPU only (no spills), NOT yet run on a GPU: the planner never sets them.
+    # FA4's choices at head dim 256 (planned there, bwd.plan.SWAP_PLANNED: 1.14-1.58x faster
+    # fwd+bwd kernels than the split layout, H200, 2026-11-28).
     # dkv_rows: in the swapped layout the warpgroups split dK^T / dV^T over the head dim (M:
     # m64n<tile_n> atoms, FA4's AtomLayoutNdKV=1) instead of the keys (m64n<tile_n / 2>);
     # both then read all of P^T, so its store waits for both warpgroups' previous visit.
     dkv_rows: bool = False
-    # tail_order of the split layouts' dQ / dV / dK GEMMs: "dq_first" (planned: dQ's
+    # tail_order of the split layouts' dQ / dV / dK GEMMs: "dq_first" (the default: dQ's
     # accumulator dies early) or "dv_first" (FA4's: dV, dQ, dK; dO released as soon as dV
     # retired, before the dQ staging waits for the writer — a single dO slot refills sooner).
     tail_order: str = "dq_first"
@@ -253,6 +253,10 @@ class BwdConfig(KernelConfig):
         if self.dkv_rows and not self.dkv_swap:
             raise ValueError("dkv_rows splits the swapped layout's dK^T / dV^T by head-dim rows: it needs"
                              f" the swapped layout (tile_n one of {tuple(SWAP_TILES)})")
+        if self.dkv_rows and (self.head_dim % 128 or self.head_dim_v % 128):
+            # Each of the two warpgroups takes whole 64-row atoms of dK^T / dV^T.
+            raise ValueError("dkv_rows needs head dims that are multiples of 128 (64 rows per warpgroup),"
+                             f" got {self.head_dim}/{self.head_dim_v}")
         if self.tail_order not in ("dq_first", "dv_first") or (self.tail_order != "dq_first"
                                                                 and not self.split_head_dim):
             raise ValueError("tail_order is 'dq_first', or 'dv_first' in the split layouts (beyond head dim 128)")
@@ -414,8 +418,7 @@ class BwdConfig(KernelConfig):
 # Keys per CTA of the swapped layout (`BwdConfig.dkv_swap`) -> the widest head dim it takes:
 # 96 up to 192 (dK^T / dV^T registers 3 x 24 + 3 x 24 at 192/192), 48 up to 256 (FA4's
 # tile there: 4 x 12 + 4 x 12).
-SWAP_TILES = {96: 192, 48: 256, 80: 256}   # 80: FA4's search's best at 256/128 (not GPU-run yet)
-SWAP_TILE_N = 96                  # the planned one (bwd.plan.with_swapped_layout)
+SWAP_TILES = {96: 192, 48: 256, 80: 256}   # 80: FA4's search's best at 256/128 (planned there: bwd.plan)
 
 
 def dkv_swap_allowed(cfg) -> bool:
