@@ -161,10 +161,6 @@ KERNELS = {
     "window-band-softcap": _fwd(head_dim=128, tile_m=128, band=True, max_ctas=132, score=_softcap, mask=_window),
     "doc+softcap-d64": _fwd(head_dim=64, block_sparse=True, score=_softcap, mask=_document),
     "causal-d64-192": _fwd(head_dim=64, tile_m=192, causal=True),
-    # issue 25: every k-th exponential on the FMA pipes (FwdConfig.exp2_emulation)
-    "causal-d64-192-emu4": _fwd(head_dim=64, tile_m=192, causal=True, exp2_emulation=4),
-    "causal-d32-192-emu4": _fwd(head_dim=32, tile_m=192, causal=True, exp2_emulation=4),
-    "causal-d32-192": _fwd(head_dim=32, tile_m=192, causal=True),
     "softcap-nooverlap": _fwd(head_dim=128, tile_m=128, causal=True, score=_softcap,
                               intra_wg_overlap=False, pingpong=False),
     "dense-mask": _fwd(head_dim=128, tile_m=128, mask=_window),

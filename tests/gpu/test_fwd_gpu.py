@@ -129,9 +129,6 @@ SHAPED_SCHEDULES = {
     # KV_LEN a multiple of tile_n: full blocks skip the straddle test (kv_aligned)
     "aligned": dict(kv_aligned=True),
     "aligned+tickets": dict(max_ctas=7, tile_tickets=True, kv_aligned=True),
-    # every k-th exponential by the FMA-pipe polynomial (exp2_emulation; -inf scores give 0)
-    "emu4": dict(exp2_emulation=4),
-    "emu2+tickets": dict(exp2_emulation=2, max_ctas=7, tile_tickets=True),
 }
 ALL_SCHEDULES = {**SCHEDULES, **SHAPED_SCHEDULES}
 
@@ -235,12 +232,6 @@ FIXED = [
     ("bf16", 128, 2, 4, 1, 256, 1000, "causal_builtin", "bhsd", "cluster"),    # Sq < Skv, MQA
     ("bf16", 128, 2, 4, 2, 700, 701, "causal", "bhsd", "cluster"),             # + mask hook
     ("bf16", 128, 2, 4, 2, 511, 511, "causal_builtin", "bhsd", "cluster+plain"),
-    # exponentials on the FMA pipes: 3 WGs at head dims 32 / 64, masked (-inf) and empty rows
-    ("bf16", 64, 2, 8, 2, 1000, 1000, "causal_builtin", "bhsd", "emu4"),
-    ("fp16", 32, 2, 4, 2, 450, 700, "lag", "bshd", "emu4"),
-    ("bf16", 64, 3, 8, 2, 1000, 1000, "causal_builtin", "bhsd", "emu2+tickets"),
-    ("fp16", 128, 2, 4, 2, 511, 257, "softcap", "bhsd", "emu4"),
-    ("bf16", 64, 2, 4, 4, 500, 500, "doc", "bhsd", "emu2+tickets"),
 ]
 
 

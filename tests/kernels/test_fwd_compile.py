@@ -83,9 +83,6 @@ CASES = {
                                             mods=IRModHook(None, canonical_band(mods.sliding_window(1024)))),
                                   lambda: (cutlass.Int32(0), cutlass.Int32(1024))),
     "hd64-causal-tickets": (FwdConfig(head_dim=64, causal=True, max_ctas=132, tile_tickets=True), lambda: ()),
-    # every 4th exponential by the FMA-pipe polynomial (FwdConfig.exp2_emulation)
-    "hd64-causal-tickets-emu4": (FwdConfig(head_dim=64, causal=True, max_ctas=132, tile_tickets=True,
-                                           exp2_emulation=4), lambda: ()),
 }
 
 
@@ -290,35 +287,3 @@ def test_cluster_config_checks():
     assert cfg.cluster_fits(256) and cfg.cluster_fits(129) and cfg.cluster_fits(4096)
     assert not cfg.cluster_fits(128) and not cfg.cluster_fits(300)
     assert FwdConfig().cluster_fits(300)
-
-
-def test_exp2_emulation_in_the_ptx(compiled):
-    """exp2_emulation=4: a quarter of each step's exponentials leave ex2.approx for the
-    polynomial (its rounding-down floor sum, one per emulated element), the rest stay."""
-    plain, emu = compiled["hd64-causal-tickets"], compiled["hd64-causal-tickets-emu4"]
-    assert "add.rm.ftz.f32" not in plain
-    n_emu = emu.count("add.rm.ftz.f32")
-    assert n_emu and plain.count("ex2.approx") - emu.count("ex2.approx") == n_emu
-
-
-def test_exp2_polynomial_accuracy():
-    """hopper/softmax.exp2_fma's steps in numpy (floor by the rounding-down sum, fp32
-    Horner, the floor added into the exponent bits): relative error under 1e-4 against 2^x
-    over [-126, 0], exactly 0 at -127 and -inf, never above 2^x's largest neighbour."""
-    import numpy as np
-
-    from flexattn.kernels.hopper.softmax import EXP2_POLY
-
-    x = np.concatenate([np.linspace(-126, 0, 400_001, dtype=np.float32),
-                        np.float32([-127, -np.inf, -0.0, -1e-30])])
-    c = np.maximum(x, np.float32(-127))
-    n = np.floor(c)                                      # add.rm(c + 1.5 * 2^23) - 1.5 * 2^23
-    f = (c - n).astype(np.float32)
-    c1, c2, c3 = (np.float32(v) for v in EXP2_POLY)
-    p = ((f * c3 + c2) * f + c1).astype(np.float32) * f + np.float32(1)
-    bits = p.astype(np.float32).view(np.int32) + (n.astype(np.int32) << 23)
-    got = bits.view(np.float32).astype(np.float64)
-    want = np.exp2(x.astype(np.float64))
-    normal = x >= -126
-    assert np.max(np.abs(got[normal] - want[normal]) / want[normal]) < 1e-4
-    assert got[-4] == 0 and got[-3] == 0 and got[-2] == 1 and np.all(got <= 1)

@@ -138,11 +138,6 @@ class FwdConfig(KernelConfig):
     # was a branch in the middle of the step, and ptxas then started the softmax only after
     # the P V wait (documents B2 S8192, H100: see docs/experiments.md, session 27).
     kv_aligned: bool = False
-    # Every k-th exponential of a softmax row on the FMA / integer pipes (a degree-3
-    # polynomial, relative error 9.5e-5: hopper/softmax.exp2_fma) instead of the MUFU,
-    # whose 16 per clock per SM bound the step at small head dims; 0: all on the MUFU.
-    # 16-bit dtypes only (P is rounded to 2^-9 / 2^-12 there).
-    exp2_emulation: int = 0
 
     def __post_init__(self):
         # Resolve the defaults that depend on other fields (frozen: via object.__setattr__).
@@ -211,8 +206,6 @@ class FwdConfig(KernelConfig):
             raise ValueError("promote_pv needs the overlapped schedule (intra_wg_overlap)")
         if self.tf32_passes not in (1, 3) or (self.tf32_passes == 3 and self.dtype != "fp32"):
             raise ValueError(f"tf32_passes must be 1, or 3 with dtype 'fp32', got {self.tf32_passes}")
-        if self.exp2_emulation and (self.exp2_emulation < 2 or self.dtype == "fp32"):
-            raise ValueError(f"exp2_emulation must be 0, or k >= 2 with a 16-bit dtype, got {self.exp2_emulation}")
         if self.dtype == "fp32" and (self.cluster_m > 1 or self.tile_n % 8):
             raise ValueError("fp32 needs cluster_m=1 and tile_n a multiple of 8 (V's key groups)")
 
@@ -638,7 +631,7 @@ class FlashFwdSm90(WarpSpecialized):
             tOrP = tuple(wg_pv.make_fragment_A(p_shape) for _ in range(2))
         acc_shape_S = wg_qk.partition_shape_C((cfg.tile_m, cfg.tile_n))
         acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((cfg.tile_m, cfg.head_dim_v)), Float32)
-        softmax = OnlineSoftmax(scale_log2, cute.size(mma.acc_mn_view(acc_O).shape[0]), cfg.exp2_emulation)
+        softmax = OnlineSoftmax(scale_log2, cute.size(mma.acc_mn_view(acc_O).shape[0]))
         if const_expr(cfg.promote_pv):   # (O, this block's P V): see FwdConfig.promote_pv
             acc_O = (acc_O, cute.make_rmem_tensor_like(acc_O))
 

@@ -7,21 +7,13 @@ reduced across the quad each step, the sum only once at the end.
 A row that has seen only -inf keeps m = -inf; the exponent then uses 0 in place of m so
 that exp2(-inf) = 0 and no inf - inf appears. At the end such a row has l = 0: its output
 is 0 and its LSE -inf.
-
-At small head dims the exponentials, not the GEMMs, bound a step: one MUFU.EX2 per score
-at 16 per clock per SM, against 2 * (D + Dv) GEMM FLOPs per score at ~4096 per clock.
-`exp2_emulation = k` computes every k-th exponential of a row on the FMA and integer
-pipes instead (`exp2_fma`), as FA4 does on Blackwell.
 """
 
 import math
-import struct
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from flexattn.kernels.hopper.mma import acc_mn_view
 
@@ -31,9 +23,8 @@ LN2 = math.log(2.0)
 class OnlineSoftmax:
     """Row statistics of one thread; `scale_log2` multiplies scores inside exp2."""
 
-    def __init__(self, scale_log2: Float32, num_rows: int, exp2_emulation: int = 0):
+    def __init__(self, scale_log2: Float32, num_rows: int):
         self.scale_log2 = scale_log2
-        self.exp2_emulation = exp2_emulation     # every k-th exponential by `exp2_fma` (0: none)
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
 
@@ -70,18 +61,8 @@ class OnlineSoftmax:
                 # m_prev = -inf gives exp2(-inf) = 0: nothing accumulated yet.
                 row_scale[r] = cute.math.exp2((m_prev - m_safe) * self.scale_log2, fastmath=True)
                 sum_init = self.row_sum[r] * row_scale[r]
-            if const_expr(self.exp2_emulation):
-                s_mn[r, None].store(row * self.scale_log2 - m_scaled)
-                k = self.exp2_emulation
-                for j in cutlass.range_constexpr(cute.size(row.shape)):
-                    if const_expr(j % k == k - 1):
-                        s_mn[r, j] = exp2_fma(s_mn[r, j])
-                    else:
-                        s_mn[r, j] = cute.math.exp2(s_mn[r, j], fastmath=True)
-                p = s_mn[r, None].load()
-            else:
-                p = cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True)
-                s_mn[r, None].store(p)
+            p = cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True)
+            s_mn[r, None].store(p)
             self.row_sum[r] = p.reduce(cute.ReductionOp.ADD, sum_init, 0)
         return row_scale
 
@@ -142,40 +123,3 @@ def _elements(row: cute.TensorSSA) -> list:
 
     v = row.ir_value() if hasattr(row, "ir_value") else row
     return [Float32(vector.extract(v, [], [i])) for i in range(cute.size(row.shape))]
-
-
-# 2^f on [0, 1): p(f) = 1 + f (C1 + f (C2 + f C3)), minimax relative error 9.5e-5 (Lawson
-# iterations on 20001 points, coefficients rounded to fp32 and re-checked; p(0) = 1
-# exactly) — below bf16's and fp16's rounding of P (2^-9, 2^-12 relative).
-EXP2_POLY = (0.6950706243515015, 0.22765065729618073, 0.07714355736970901)
-# 1.5 * 2^23: added with rounding down, x's floor lands in the sum's low mantissa bits.
-_FLOOR_MAGIC = 12582912.0
-
-
-def _f32_hex(x: float) -> str:
-    return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
-
-
-@dsl_user_op
-def exp2_fma(x, *, loc=None, ip=None) -> Float32:
-    """2^x for x <= 0 (-inf included: 0) without the MUFU: x clamped at -127, split into
-    its floor n and fraction f by the magic-number sum, 2^f by `EXP2_POLY` (three FFMA),
-    n added into the exponent bits (shift, integer add). Relative error 9.5e-5; results
-    below 2^-126 come out denormal or 0 (the clamp's -127 gives exactly 0)."""
-    c1, c2, c3 = (_f32_hex(c) for c in EXP2_POLY)
-    magic = _f32_hex(_FLOOR_MAGIC)
-    asm = ("{\n\t.reg .f32 c, r, n, f, p;\n\t.reg .b32 ri, pi;\n\t"
-           "max.ftz.f32 c, $1, 0fC2FE0000;\n\t"            # clamp at -127
-           f"add.rm.ftz.f32 r, c, {magic};\n\t"           # floor(c) in r's low bits
-           f"sub.ftz.f32 n, r, {magic};\n\t"
-           "sub.ftz.f32 f, c, n;\n\t"                       # f in [0, 1)
-           f"fma.rn.ftz.f32 p, f, {c3}, {c2};\n\t"
-           f"fma.rn.ftz.f32 p, p, f, {c1};\n\t"
-           "fma.rn.ftz.f32 p, p, f, 0f3F800000;\n\t"
-           "mov.b32 ri, r;\n\tmov.b32 pi, p;\n\t"
-           "shl.b32 ri, ri, 23;\n\t"                        # floor(c) << 23 (the magic's bits shift out)
-           "add.s32 pi, pi, ri;\n\t"
-           "mov.b32 $0, pi;\n\t}")
-    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], asm, "=f,f",
-                                   has_side_effects=False, is_align_stack=False,
-                                   asm_dialect=llvm.AsmDialect.AD_ATT))
