@@ -11,7 +11,7 @@ wall time the GPU sits idle (host gaps).
 
 ``--host``: also the host time of a step (submit-only loop, no synchronization: if it
 comes out near the step's GPU time, something in the step waits for the GPU) and, for
-flexattn, a cProfile of that loop (top functions by own time).
+flexattn, a cProfile of that loop (top functions by own and by cumulative time).
 """
 
 import argparse
@@ -88,9 +88,10 @@ def host_profile(step, steps: int, profile: bool):
             step()
         pr.disable()
         torch.cuda.synchronize()
-        buf = io.StringIO()
-        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(40)
-        print("\n".join("      " + ln for ln in buf.getvalue().splitlines() if ln.strip())[:6000])
+        for key, limit in (("tottime", 40), ("cumulative", 60)):
+            buf = io.StringIO()
+            pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(limit)
+            print("\n".join("      " + ln for ln in buf.getvalue().splitlines() if ln.strip())[:9000])
     return host
 
 

@@ -347,6 +347,9 @@ CANDIDATES_256 = [
     (256, 256, dict(tile_n=64, tail_order="dv_first")),
     (256, 128, dict(tile_n=64, num_stages=2, do_stages=1)),
     (256, 128, dict(tile_n=64, num_stages=2, do_stages=1, tail_order="dv_first")),
+    # value head dim 256 beside 128 (the transposed pair)
+    (128, 256, dict(tile_n=80, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, tail_order="dv_first")),
+    (128, 256, dict(tile_n=48, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, tail_order="dv_first")),
 ]
 
 
