@@ -301,6 +301,32 @@ def test_written_empty_skips_the_deterministic_fill_and_restores_it():
     assert _written_empty((2,), dtype=torch.int64, device="cpu").dtype == torch.int64
 
 
+def test_backward_operands_are_read_in_place_where_the_kernels_can():
+    """The backward's dO and LSE reach the kernels without a copy where TMA reads them as
+    they are: the gradient of a transposed output ([B, S, H, D] storage), context
+    parallelism's row slices of dO and LSE; a copy where it cannot: an expanded gradient
+    (zero strides), strides off 16 bytes, a base off 16 bytes, a non-contiguous head dim."""
+    from flexattn.torch import _backward_arrays
+
+    B, H, S, D = 2, 4, 40, 64
+    q = torch.randn(B, H, S, D, dtype=torch.bfloat16)
+    lse = torch.randn(B, H, 2 * S)[:, :, 8:8 + S]                       # a row slice
+    def passed(d_out, lse=lse):
+        arrays = _backward_arrays(q, q, q, q, lse, d_out, None)
+        return arrays.d_out.data_ptr() == d_out.data_ptr(), arrays.lse.data_ptr() == lse.data_ptr()
+
+    base = torch.randn(B, 2 * S, H, D, dtype=torch.bfloat16)
+    assert passed(base.transpose(1, 2)[:, :, 16:16 + S]) == (True, True)   # transposed, rows 16..
+    assert passed(torch.randn(B, H, S, D, dtype=torch.bfloat16)) == (True, True)
+    assert passed(torch.ones(1, 1, 1, D, dtype=torch.bfloat16).expand(B, H, S, D))[0] is False
+    assert passed(torch.randn(B, H, S, D + 4, dtype=torch.bfloat16)[..., :D])[0] is False     # rows of 68
+    assert passed(torch.randn(B * H * S * D + 1, dtype=torch.bfloat16)[1:].view(B, H, S, D))[0] is False
+    assert passed(torch.randn(B, H, D, S, dtype=torch.bfloat16).transpose(2, 3))[0] is False
+    assert passed(q, lse=torch.randn(B, H, S, 2)[..., 0])[1] is False    # strided sequence dim
+    got = _backward_arrays(q, q, q, q, lse, torch.ones(1, 1, 1, D, dtype=torch.bfloat16).expand(B, H, S, D), None)
+    assert got.d_out.is_contiguous() and torch.equal(got.d_out, torch.ones(B, H, S, D, dtype=torch.bfloat16))
+
+
 def test_torch_mask_helpers_match_torch():
     """and_masks / or_masks / noop_mask / create_mask / FlexKernelOptions, as torch's:
     the same dense masks, and flex_attention with them equal to torch's eager call."""

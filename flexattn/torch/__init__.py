@@ -1231,8 +1231,9 @@ def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buf
 def _backward_arrays(query, key, value, out, lse, d_out, d_lse, into=None) -> BackwardArrays:
     """The backward kernels' operands (detached, the gradients contiguous in the inputs'
     dtype) and their dq, dk, dv: freshly allocated, or the views ``into`` gives."""
-    def operand(x, dtype):  # DLPack refuses tensors that require grad; gradients may be strided
-        return x.detach().to(dtype).contiguous()
+    def operand(x, dtype):  # DLPack refuses tensors that require grad
+        x = x.detach().to(dtype)
+        return x if _kernel_reads_as_is(x) else x.clone(memory_format=torch.contiguous_format)   # (fresh: aligned)
 
     def output(name, like, view):
         if view is None:
@@ -1245,6 +1246,20 @@ def _backward_arrays(query, key, value, out, lse, d_out, d_lse, into=None) -> Ba
         d_out=operand(d_out, query.dtype), d_lse=None if d_lse is None else operand(d_lse, torch.float32),
         dq=output("dq", query, into[0]), dk=output("dk", key, into[1]), dv=output("dv", value, into[2]),
     )
+
+
+def _kernel_reads_as_is(x) -> bool:
+    """Whether the backward kernels read ``x`` (dO [B, H, S, Dv] by TMA, or an fp32 LSE
+    [B, H, S] row statistic) without a copy: the last dim contiguous, the others' strides
+    nonzero, and for 16-bit dO 16-byte aligned rows (strides multiples of 8 elements, the
+    base aligned) — as autograd hands over the gradient of a transposed output, or context
+    parallelism's rows of one. Else a fresh contiguous copy (e.g. an expanded gradient)."""
+    strides = x.stride()
+    if (x.shape[-1] != 1 and strides[-1] != 1) or any(st == 0 for n, st in zip(x.shape, strides) if n != 1):
+        return False
+    if x.dtype == torch.float32 and x.dim() == 3:
+        return True
+    return tma_ready(strides) and x.data_ptr() % 16 == 0
 
 
 def _write_target(name, t, size: tuple, dtype, device):
