@@ -354,6 +354,13 @@ def test_row_sums_take_single_contributions_as_they_come():
     # a counted contribution that never came leaves zeros, not garbage
     empty = _RowSums(HostOps(), np.zeros((1, 1, 8, 2), np.float32), [(0, 8)])
     assert np.array_equal(empty.result(), np.zeros((1, 1, 8, 2), np.float32))
+    # the shared rows' sums are not filled (HostOps poisons them with NaN): rows whose
+    # contributions partly came get those, rows none of whose contributions came get zeros
+    shared = _RowSums(HostOps(), np.zeros((1, 1, 10, 2), np.float32), [(0, 10), (5, 10), (5, 8)])
+    shared.add(5, 8, np.full((1, 1, 3, 2), 2.0, np.float32))
+    want = np.zeros((1, 1, 10, 2), np.float32)
+    want[:, :, 5:8] = 2.0
+    assert np.array_equal(shared.result(), want)
 
 
 def test_row_outputs_merge_only_shared_rows():

@@ -431,6 +431,9 @@ class TorchOps:
     def zeros(self, x):
         return torch.zeros(x.shape, dtype=self._work(x), device=x.device)
 
+    def work_empty(self, x):
+        return torch.empty(x.shape, dtype=self._work(x), device=x.device)
+
     def add_rows(self, acc, start, stop, x):
         acc[:, :, start:stop] += x
         return acc

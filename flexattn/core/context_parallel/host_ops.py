@@ -52,6 +52,11 @@ class HostOps:
     def zeros(self, x):
         return np.zeros(np.shape(x))
 
+    def work_empty(self, x):
+        """A work-dtype array shaped like ``x`` whose contents the caller writes before it
+        reads them: NaN here, so a read of an unwritten element shows in every result."""
+        return np.full(np.shape(x), np.nan)
+
     def add_rows(self, acc, start, stop, x):
         acc[:, :, start:stop] += x
         return acc

@@ -31,7 +31,7 @@ What a framework supplies (duck-typed, see ``flexattn.torch.context_parallel``):
   (a view); ``cat(parts)`` (along the sequence); ``stats(q, v) -> (out accumulator, lse)``
   (fp32 zeros, −inf); ``merge(acc, lse, start, stop, out_j, lse_j) -> (acc, lse)``;
   ``assign(acc, lse, start, stop, out_j, lse_j) -> (acc, lse)`` (rows no launch wrote yet);
-  ``zeros(x) -> fp32 zeros``; ``add_rows(acc, start, stop, x)
+  ``zeros(x) -> fp32 zeros``; ``work_empty(x)`` (fp32, uninitialized); ``add_rows(acc, start, stop, x)
   -> acc``; ``add_rows_into(out, start, stop, acc, x)`` (out's rows ← acc + x, in out's
   dtype); ``add(a, b)``; ``cast(x, like)``; ``empty(x)`` (uninitialized, x's dtype);
   ``assign_rows(out, start, stop, x)`` (copy, cast to out's dtype); ``zero_rows(out, start, stop)``.
@@ -459,7 +459,8 @@ class _RowSums:
     the last added to them straight into the result (``add_rows_into``: the cast fused in,
     the same numbers): a row of two contributions moves 14 bytes per element instead of 34
     (fill, add, add, cast). 4x H200, documents16 W 4 fwd+bwd: rank 0's adds, casts, copies
-    and fills 3.95 -> 3.25 ms of a ~50 ms step."""
+    and fills 3.95 -> 3.25 ms of a ~50 ms step. The sums are not zero-filled: every row's
+    first contribution is copied in."""
 
     def __init__(self, ops, like, spans):
         self.ops = ops
@@ -467,8 +468,9 @@ class _RowSums:
         self.count = self.rows.count
         self.out = ops.empty(like)
         # work-dtype sums only for the runs of rows several contributions share: (a, b) ->
-        # zeros for rows a:b (no fill or memory for the rest)
-        self.sums = {(a, b): ops.zeros(ops.rows(like, a, b)) for a, b in self.rows.shared_runs()}
+        # rows a:b, unfilled: each row's first contribution is copied in (`_add_summed`),
+        # and rows none reached are zeroed in the result instead (`result`)
+        self.sums = {(a, b): ops.work_empty(ops.rows(like, a, b)) for a, b in self.rows.shared_runs()}
         self.arrived = {seg: 0 for seg in self.rows.segments if self.count[seg] > 1}
 
     def lend(self, start, stop):
@@ -527,11 +529,16 @@ class _RowSums:
     def result(self):
         """The sums in the array's dtype (rows no contribution reached: zeros)."""
         ops = self.ops
-        pending = _kind_runs(("pending" if n < self.count[seg] else "", seg) for seg, n in self.arrived.items())
-        for kind, a, b in pending:     # rows whose last contribution never came
+        # shared rows whose last contribution never came: their sums so far, or zeros where
+        # none came (those sums were never written)
+        pending = _kind_runs(("none" if n == 0 else "pending" if n < self.count[seg] else "", seg)
+                             for seg, n in self.arrived.items())
+        for kind, a, b in pending:
             if kind == "pending":
                 lo, hi = self.rows.run_of(self.sums, a, b)
                 ops.assign_rows(self.out, a, b, ops.rows(self.sums[(lo, hi)], a - lo, b - lo))
+            elif kind == "none":
+                ops.zero_rows(self.out, a, b)
         for a, b in self.rows.untouched_runs():
             ops.zero_rows(self.out, a, b)
         return self.out
