@@ -1229,8 +1229,9 @@ def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buf
 
 
 def _backward_arrays(query, key, value, out, lse, d_out, d_lse, into=None) -> BackwardArrays:
-    """The backward kernels' operands (detached, the gradients contiguous in the inputs'
-    dtype) and their dq, dk, dv: freshly allocated, or the views ``into`` gives."""
+    """The backward kernels' operands (detached; dO in the inputs' dtype, dO and the LSEs
+    as they are where the kernels read them so, `_kernel_reads_as_is`, else contiguous
+    copies) and their dq, dk, dv: freshly allocated, or the views ``into`` gives."""
     def operand(x, dtype):  # DLPack refuses tensors that require grad
         x = x.detach().to(dtype)
         return x if _kernel_reads_as_is(x) else x.clone(memory_format=torch.contiguous_format)   # (fresh: aligned)
