@@ -92,6 +92,9 @@ def main():
             except ValueError as e:          # a layout this head dim does not allow
                 print(f"| {shape} | {dims} | {name} | — | — | — | — | {str(e)[:60]} | | |")
                 continue
+            except Exception as e:           # a compile failure: reported, the other layouts still run
+                print(f"| {shape} | {dims} | {name} | — | — | — | — | failed: {type(e).__name__}: {str(e)[:60]} | | |")
+                continue
             # a wrong layout shows here (NaN-poisoned outputs: NaN where it wrote nothing)
             diff = [((g.float() - w.float()).abs().max() / w.float().abs().max()).item() for g, w in zip(got[:3], want)]
             rows[name] = [got[6], [], diff]
