@@ -148,7 +148,10 @@ class PreparedBackward:
             args = ffi_args(self._kinds, captures, self._to_device) or None
         workspace = tuple(alloc(s, dtype, False) for s, dtype in self._workspace)
         grads = tuple(alloc(s, "float32", True) for s in self._grad_shapes)
-        self._runner.run(arrays, workspace, self._scale, args, grads or None, self._lists)
+        # The call's shapes are the prepared call's (its key), checked then; a compiled
+        # graph's operands may be new arrays: checked.
+        self._runner.run(arrays, workspace, self._scale, args, grads or None, self._lists,
+                         checked=operands is None)
         by_slot = [None] * self._n_slots
         for s, g in zip(self._slots, grads):
             by_slot[s] = g

@@ -1233,7 +1233,7 @@ def _backward_arrays(query, key, value, out, lse, d_out, d_lse, into=None) -> Ba
     as they are where the kernels read them so, `_kernel_reads_as_is`, else contiguous
     copies) and their dq, dk, dv: freshly allocated, or the views ``into`` gives."""
     def operand(x, dtype):  # DLPack refuses tensors that require grad
-        x = x.detach().to(dtype)
+        x = x.detach() if x.dtype == dtype else x.detach().to(dtype)
         return x if _kernel_reads_as_is(x) else x.clone(memory_format=torch.contiguous_format)   # (fresh: aligned)
 
     def output(name, like, view):

@@ -302,3 +302,37 @@ def test_both_runners_share_the_q_kv_shape_check():
                                     ((1, 4, 0, 64), (1, 2, 8, 64), "empty sequences")):
         with pytest.raises(ValueError, match=words):
             check_q_and_kv_shapes(q_shape, k_shape)
+
+
+def test_a_prepared_backward_skips_the_per_step_checks(monkeypatch):
+    """``PreparedBackward.launch``: a repeated step's shapes are the prepared call's,
+    checked when it was prepared, so the runner skips its ``check`` (``checked=True``); a
+    compiled graph's call with new operand arrays is still checked."""
+    from flexattn.core.backward_path import PreparedBackward
+    from flexattn.core.kernel_path import plan_forward
+
+    calls = []
+
+    class Runner:
+        def kernels(self, with_dlse):
+            return None
+
+        def run(self, *args, checked=False):
+            calls.append(checked)
+
+    monkeypatch.setattr(cache, "backward_runner", lambda cfg, tvm_ffi=False: Runner())
+    slopes = torch.rand(Hq)
+    spec = AttentionSpec.from_args(score=mods.alibi(slopes), mask=mods.causal(), enable_gqa=True)
+    q, k, v = torch.zeros(B, Hq, Q, D), torch.zeros(B, Hkv, KV, D), torch.zeros(B, Hkv, KV, D)
+    q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+    shape = check_inputs(q, k, v, spec)
+    prepared = PreparedBackward(plan_forward(q, shape, spec), spec, shape, Device(1234, lambda x: torch.as_tensor(x)),
+                                False, None)
+    arrays = BackwardArrays(q, k, v, torch.zeros(B, Hq, Q, D, dtype=torch.bfloat16), torch.zeros(B, Hq, Q),
+                            torch.zeros(B, Hq, Q, D, dtype=torch.bfloat16), torch.empty_like(q), torch.empty_like(k),
+                            torch.empty_like(v))
+    alloc = lambda s, dtype, zeroed: torch.zeros(s, dtype=getattr(torch, dtype))   # noqa: E731
+    prepared.launch(arrays, alloc)
+    positions = prepared.operand_positions((slopes,))
+    prepared.launch(arrays, alloc, (torch.rand(Hq),), positions)
+    assert calls == [True, False]

@@ -372,9 +372,12 @@ class FfiBackwardRunner:
                                        f"q blocks of {cfg.sparse_block_m}")
 
     def run(self, arrays: BackwardArrays, workspace, softmax_scale: float, mod_args: tuple, grad_args,
-            block_sparse=None) -> None:
+            block_sparse=None, checked: bool = False) -> None:
+        """``checked``: the arguments' shapes are a prepared call's, checked when it was
+        prepared (``core.backward_path.PreparedBackward``): no `check` per step."""
         a = arrays
-        self.check(a.q, a.k, a.lse, a.d_lse, workspace, grad_args, block_sparse)
+        if not checked:
+            self.check(a.q, a.k, a.lse, a.d_lse, workspace, grad_args, block_sparse)
         self.last_compile_seconds = 0.0
         pre, main, post = self.kernels(a.d_lse is not None)
         ws = dict(zip(workspace_dtypes(self.cfg), workspace))
