@@ -39,8 +39,8 @@ LAYOUTS = {
     "swap96-q2do1": dict(tile_n=96, num_stages=2, do_stages=1, ds_buffers=1),
     "swap48": dict(tile_n=48),
     "swap48-q2do1": dict(tile_n=48, num_stages=2, do_stages=1, ds_buffers=1),
-    # issue 25's head-dim-256 candidates (FA4's choices there; first GPU run pending):
-    # the split layout with two Q stages, FA4's tail order, FA4's rows-split swapped layout
+    # issue 25's head-dim-256 candidates (FA4's choices there; rows48 / rows80 planned since
+    # 2026-11-28): the split layout with two Q stages, FA4's tail order, FA4's rows split
     "split-q2do1": dict(tile_n=64, num_stages=2, do_stages=1),
     "split-dvfirst": dict(tile_n=64, tail_order="dv_first"),
     "split-q2do1-dvfirst": dict(tile_n=64, num_stages=2, do_stages=1, tail_order="dv_first"),

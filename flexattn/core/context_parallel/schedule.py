@@ -260,10 +260,8 @@ def _fetched_steps(plan, comm, ops, k, v, every: bool = False, ahead: int = FETC
         if s > 0:
             got = posted.popleft().wait()
             staged.append(_stage_kv(plan, comm, ops, s + ahead, k, v))
-            if got is not None or every:
-                kv = None if got is None else tuple(got)
-                yield s, src, pairs, kv
-        else:
+            kv = None if got is None else tuple(got)
+        if kv is not None or every:
             yield s, src, pairs, kv
         posted.extend(x.post() for x in staged)
         staged = []

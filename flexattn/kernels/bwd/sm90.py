@@ -520,7 +520,9 @@ def make_split_mma(dtype, rows: int, cols: int, num_wg: int, b_major):
 def make_swapped_dkv_mma(dtype, tile_n: int, num_wg: int, rows: bool = False):
     """`BwdConfig.dkv_swap`'s dK^T = Q^T dS and dV^T = dO^T P: C[head dim, tile_n] with the
     warpgroups side by side on the keys (N), each running all head-dim rows (M, 64 per
-    atom); A (Q^T, dO^T tiles) MN-major, B (the dS^T / P^T tiles, q contiguous) K-major."""
+    atom) — or, with ``rows`` (`BwdConfig.dkv_rows`), stacked on the head-dim rows, each
+    running all keys; A (Q^T, dO^T tiles) MN-major, B (the dS^T / P^T tiles, q contiguous)
+    K-major."""
     if rows:
         return sm90_helpers.make_trivial_tiled_mma(
             dtype, dtype, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.K, Float32,
