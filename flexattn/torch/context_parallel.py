@@ -401,7 +401,7 @@ class TorchOps:
         return x[:, :, start:stop]
 
     def cat(self, parts):
-        return torch.cat(parts, dim=2)
+        return _cat_rows(parts)
 
     def stats(self, q, v):
         b, h, s = q.shape[:3]
@@ -428,6 +428,15 @@ class TorchOps:
         lse[:, :, start:stop].copy_(lse_j)
         return acc, lse
 
+    def merge_into(self, out, lse, start, stop, out_j, lse_j):
+        rows, lse_rows = out[:, :, start:stop], lse[:, :, start:stop]
+        if _kernel_merges(rows, out_j, lse_j) and lse.dtype == torch.float32:
+            _merge_kernel(rows, lse_rows, out_j, lse_j)      # straight into the 16-bit rows
+            return
+        acc = rows.to(self._work(out))
+        self.merge(acc, lse_rows, 0, stop - start, out_j, lse_j)
+        rows.copy_(acc)
+
     def zeros(self, x):
         return torch.zeros(x.shape, dtype=self._work(x), device=x.device)
 
@@ -445,7 +454,7 @@ class TorchOps:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     def assign_rows(self, out, start, stop, x):
-        out[:, :, start:stop].copy_(x)
+        _copy(out[:, :, start:stop], x)
 
     def add_rows_into(self, out, start, stop, acc, x):
         # one elementwise kernel: summed in acc's (work) dtype, cast as written
@@ -458,9 +467,54 @@ class TorchOps:
         return x.to(like.dtype)
 
 
+# Row slices of [B, H, S, D] (a run of rows in every head) are strided, and torch copies
+# strided tensors one element per thread step: viewed as WIDE elements (the same bytes, 4
+# bf16 to an int64), they copy in a quarter of the steps. See bench_row_copies.py.
+WIDE = torch.int64
+
+
+def _wide(x):
+    """``x`` viewed as ``WIDE`` elements where its layout allows (last dim contiguous, its
+    bytes and every other stride and the offset in whole wide elements), else None."""
+    ratio = WIDE.itemsize // x.element_size()
+    if ratio <= 1 or x.dim() == 0 or x.stride(-1) != 1 or x.shape[-1] % ratio or x.storage_offset() % ratio:
+        return None
+    if any(s % ratio for s in x.stride()[:-1]):
+        return None
+    return x.view(WIDE)
+
+
+def _copy(dst, src) -> None:
+    """dst ← src (dst's dtype), through wide views where both take one and dtypes match."""
+    if dst.dtype == src.dtype and dst.shape == src.shape:
+        wd, ws = _wide(dst), _wide(src)
+        if wd is not None and ws is not None:
+            wd.copy_(ws)
+            return
+    dst.copy_(src)
+
+
+def _contiguous(x):
+    """``x.contiguous()``, its copy made through a wide view where one applies."""
+    if x.is_contiguous():
+        return x
+    w = _wide(x)
+    return x.contiguous() if w is None else w.contiguous().view(x.dtype)
+
+
+def _cat_rows(parts):
+    """``torch.cat(parts, dim=2)``, through wide views where every part takes one."""
+    wides = [_wide(p) for p in parts]
+    if len({p.dtype for p in parts}) == 1 and all(w is not None for w in wides):
+        return torch.cat(wides, dim=2).view(parts[0].dtype)
+    return torch.cat(parts, dim=2)
+
+
 def _kernel_merges(acc, out_j, lse_j) -> bool:
+    """The merge kernel takes it: a 16-bit partial into an fp32 accumulator or into rows of
+    the partial's own dtype, fp32 LSEs, on CUDA."""
     return (acc.is_cuda and out_j.dtype in (torch.bfloat16, torch.float16)
-            and acc.dtype == lse_j.dtype == torch.float32)
+            and acc.dtype in (torch.float32, out_j.dtype) and lse_j.dtype == torch.float32)
 
 
 def _merge_kernel(acc, lse, out_j, lse_j) -> None:
@@ -535,7 +589,7 @@ class _Staged:
 def _buffers(dst, arrays, src, like) -> tuple:
     """(send buffers or None, receive buffers or None) of one exchange: the arrays made
     contiguous, fresh arrays like ``like``."""
-    sends = [a.contiguous() for a in arrays] if dst is not None else None
+    sends = [_contiguous(a) for a in arrays] if dst is not None else None
     received = [torch.empty_like(a) for a in like] if src is not None else None
     return sends, received
 
