@@ -4,6 +4,7 @@ processes against one process, forward and gradients (q, k, v and a trainable bi
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
@@ -333,9 +334,10 @@ def test_row_sums_take_single_contributions_as_they_come():
     for (a, b), x in zip(spans, parts):
         acc[:, :, a:b] += x
     assert got.dtype == torch.bfloat16 and torch.equal(got, acc.to(torch.bfloat16))
-    # rows 0:20, 40:60 and 70:90 copied as they came; of 20:40, the first contribution
-    # copied into the fp32 sums, the middle one added, each row's last added with the sums
-    # straight into the result (20:30 has three, 30:40 two): no separate cast
+    # rows 0:20, 40:60 and 70:90 copied as they came; of 20:30 (three contributions) the
+    # first copied into the fp32 sums, the second added, the last added with the sums
+    # straight into the result; of 30:40 (two) the first held as it came and the second
+    # added to it straight into the result: no separate cast
     assert (ops.adds, ops.assigns, ops.adds_into) == (1, 4, 2) and sums.count[(20, 30)] == 3
     # a shared row whose last contribution never came gets the sum of those that did
     part = _RowSums(Counting(), like, [(0, 10), (5, 10)])
@@ -344,8 +346,8 @@ def test_row_sums_take_single_contributions_as_they_come():
     part.add(5, 10, parts[0][:, :, :5])          # the last one, late: written into the result
     with pytest.raises(RuntimeError, match="more contributions"):
         part.add(5, 10, parts[0][:, :, :5])
-    # the fp32 sums hold only the shared rows 20:40
-    assert list(sums.sums) == [(20, 40)] and tuple(sums.sums[(20, 40)].shape) == (1, 2, 20, 8)
+    # the fp32 sums hold only the rows of three contributions, 20:30
+    assert list(sums.sums) == [(20, 30)] and tuple(sums.sums[(20, 30)].shape) == (1, 2, 10, 8)
     one = _RowSums(Counting(), like, [(0, 100)])
     one.add(0, 100, parts[0].new_ones(1, 2, 100, 8))
     assert one.sums == {} and torch.equal(one.result(), torch.ones_like(like))
@@ -363,25 +365,91 @@ def test_row_sums_take_single_contributions_as_they_come():
     assert np.array_equal(shared.result(), want)
 
 
+def test_row_sums_add_two_contributions_in_one_pass():
+    """Rows of two contributions (``_RowSums``): the longer launch is lent the result's
+    rows whichever comes first, the other contribution is held as it came (or, coming
+    second, not lent) and added to it in one pass straight into the result — no fp32
+    sums, copies or casts — bit for bit an fp32 accumulator's sum, in either order, lent
+    or not."""
+    import torch
+
+    from flexattn.core.context_parallel.schedule import _RowSums
+    from flexattn.torch.context_parallel import TorchOps
+
+    class Counting(TorchOps):
+        def __init__(self, lend):
+            self.lend, self.calls = lend, []
+
+        def writes_into(self, result):
+            return self.lend
+
+        def add_rows_into(self, out, start, stop, acc, x):
+            self.calls.append(("add_into", start, stop))
+            super().add_rows_into(out, start, stop, acc, x)
+
+        def assign_rows(self, out, start, stop, x):
+            self.calls.append(("assign", start, stop))
+            super().assign_rows(out, start, stop, x)
+
+    g = torch.Generator().manual_seed(1)
+    like = torch.zeros(1, 3, 64, 8, dtype=torch.bfloat16)
+    long, short = (0, 64), (16, 40)
+    parts = {s: torch.randn(1, 3, s[1] - s[0], 8, generator=g).to(torch.bfloat16) for s in (long, short)}
+    want = torch.zeros(like.shape)
+    for (a, b), x in parts.items():
+        want[:, :, a:b] += x.float()
+    want = want.to(torch.bfloat16)
+    for order in ((long, short), (short, long)):
+        for lend in (True, False):
+            ops = Counting(lend)
+            sums = _RowSums(ops, like, list(order))
+            lent = []
+            for a, b in order:
+                into = sums.lend(a, b)
+                if into is None:
+                    sums.add(a, b, parts[(a, b)])
+                else:
+                    lent.append((a, b))
+                    into.copy_(parts[(a, b)])          # the launch writing its rows
+                    sums.written_in_place(a, b)
+            assert torch.equal(sums.result(), want), (order, lend)
+            assert sums.sums == {} and lent == ([long] if lend else [])
+            singles = [] if lend else [("assign", 0, 16), ("assign", 40, 64)]
+            assert sorted(ops.calls) == sorted([("add_into", 16, 40), *singles]), (order, lend, ops.calls)
+    # the first of two never followed: the result holds it; the late second still adds
+    ops = Counting(False)
+    sums = _RowSums(ops, like, [long, short])
+    sums.add(*short, parts[short])
+    assert torch.equal(sums.result()[:, :, 16:40], parts[short])
+    sums.add(*long, parts[long])
+    assert torch.equal(sums.result(), want)
+
+
 def test_row_outputs_merge_only_shared_rows():
     """``schedule._RowOutputs``: rows one launch covers take its output as it comes (lent:
-    written by the launch itself), rows several cover are merged by LSE in float64 and
-    written once, rows none covers are 0 / -inf — the same numbers as merging every launch
-    into full accumulators."""
+    written by the launch itself), rows two cover are merged by LSE straight into the
+    result, rows three or more cover in float64 accumulators written once, rows none
+    covers are 0 / -inf — the same numbers as merging every launch into full
+    accumulators."""
     from flexattn.core.context_parallel.host_ops import merge_rows
     from flexattn.core.context_parallel.schedule import _RowOutputs
 
     rng = np.random.default_rng(3)
     q, v = np.zeros((1, 2, 100, 4)), np.zeros((1, 2, 100, 3))
-    spans = [(0, 40), (20, 60), (20, 30), (70, 90)]            # rows 60:70 and 90:100: nobody's
+    spans = [(0, 45), (20, 60), (20, 30), (70, 90)]            # rows 60:70 and 90:100: nobody's
     launches = [(rng.standard_normal((1, 2, b - a, 3)), rng.standard_normal((1, 2, b - a))) for a, b in spans]
-    for lend in (True, False):
+    # each order: the lends expected (rows 30:45 are two launches': the longer one over
+    # them, 0:45, is lent; the other is merged into it, or held until it came)
+    orders = {(0, 1, 2, 3): [True, False, True, True], (3, 2, 1, 0): [True, True, False, True]}
+    for (order, lends), lend in itertools.product(orders.items(), (True, False)):
+        spans_now, launches_now = [spans[i] for i in order], [launches[i] for i in order]
         ops = HostOps() if lend else type("Copying", (HostOps,), {"writes_into": staticmethod(lambda r: False)})()
-        outputs = _RowOutputs(ops, q, v, spans)
-        assert sorted(outputs.shared) == [(20, 40)]          # accumulators for the shared rows alone
-        for (a, b), (o, l) in zip(spans, launches):
+        outputs = _RowOutputs(ops, q, v, spans_now)
+        assert sorted(outputs.shared) == [(20, 30)]          # accumulators for rows of three launches alone
+        lent = []
+        for (a, b), (o, l) in zip(spans_now, launches_now):
             into = outputs.lend(a, b)
-            assert (into is not None) == lend
+            lent.append(into is not None)
             if into is not None:
                 into[0][...], into[1][...] = o, l
                 o, l = into
@@ -393,6 +461,7 @@ def test_row_outputs_merge_only_shared_rows():
         np.testing.assert_allclose(out, acc, rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(lse, want_lse, rtol=1e-12)
         assert np.all(out[:, :, 60:70] == 0) and np.all(lse[:, :, 90:100] == -np.inf)
+        assert lent == (lends if lend else [False] * 4), (order, lend)
 
 
 def test_launches_write_their_rows_in_place():

@@ -11,19 +11,25 @@ pytest.importorskip("cutlass")
 from flexattn.kernels.launch.compile import compile_merge, resource_usage_from_ptx  # noqa: E402
 
 
-@pytest.mark.parametrize("dtype,dv,vector", [("bf16", 128, True), ("fp16", 64, True), ("bf16", 256, True),
-                                             ("bf16", 80, False)])
-def test_merge_compiles(dtype, dv, vector):
-    ptx = compile_merge(dtype, dv, keep_ptx=True, tvm_ffi=True).__ptx__
+@pytest.mark.parametrize("dtype,dv,vector,acc", [("bf16", 128, True, "fp32"), ("fp16", 64, True, "fp32"),
+                                                 ("bf16", 256, True, "fp32"), ("bf16", 80, False, "fp32"),
+                                                 ("bf16", 128, True, "bf16"), ("fp16", 80, False, "fp16")])
+def test_merge_compiles(dtype, dv, vector, acc):
+    ptx = compile_merge(dtype, dv, acc_dtype=acc, keep_ptx=True, tvm_ffi=True).__ptx__
     loads = set(re.findall(r"ld\.global(?:\.v\d)?\.b\d+", ptx))
     stores = set(re.findall(r"st\.global(?:\.v\d)?\.b\d+", ptx))
-    # the two LSEs, then the rows: fp32 acc and the partial in its 16-bit dtype
+    # the two LSEs, then the rows: the accumulator (fp32, or the result's own 16-bit rows)
+    # and the partial in its 16-bit dtype
     assert "ld.global.b32" in loads
     if vector:
-        width = dv // 32
-        assert f"ld.global.v{min(width, 4)}.b32" in loads and f"st.global.v{min(width, 4)}.b32" in stores, (loads, stores)
+        # a lane's columns of the accumulator in one vector access (16-bit: 4 columns, 8 bytes)
+        vecs = {f"v{min(dv // 32, 4)}.b32"} if acc == "fp32" else {"v2.b32", "v4.b16"}
+        assert any(f"ld.global.{v}" in loads for v in vecs) and any(f"st.global.{v}" in stores for v in vecs), \
+            (loads, stores)
     else:
         assert "ld.global.b16" in loads
+        if acc != "fp32":
+            assert "st.global.b16" in stores, stores
     usage = resource_usage_from_ptx(ptx)     # None without ptxas on PATH
     assert usage is None or (usage.spill_store_bytes, usage.spill_load_bytes, usage.stack_bytes) == (0, 0, 0), usage
 

@@ -49,6 +49,13 @@ class HostOps:
         lse[:, :, start:stop] = lse_j
         return acc, lse
 
+    def merge_into(self, out, lse, start, stop, out_j, lse_j):
+        """Rows start:stop of the result (``out`` in its dtype, ``lse``) ← their merge with
+        the partial (``out_j``, ``lse_j``), computed in float64, rounded once."""
+        acc = out[:, :, start:stop].astype(np.float64)
+        merge_rows(acc, lse[:, :, start:stop], out_j, lse_j)
+        out[:, :, start:stop] = acc
+
     def zeros(self, x):
         return np.zeros(np.shape(x))
 

@@ -31,8 +31,9 @@ What a framework supplies (duck-typed, see ``flexattn.torch.context_parallel``):
   (a view); ``cat(parts)`` (along the sequence); ``stats(q, v) -> (out accumulator, lse)``
   (fp32 zeros, −inf); ``merge(acc, lse, start, stop, out_j, lse_j) -> (acc, lse)``;
   ``assign(acc, lse, start, stop, out_j, lse_j) -> (acc, lse)`` (rows no launch wrote yet);
-  ``zeros(x) -> fp32 zeros``; ``work_empty(x)`` (fp32, uninitialized); ``add_rows(acc, start, stop, x)
-  -> acc``; ``add_rows_into(out, start, stop, acc, x)`` (out's rows ← acc + x, in out's
+  ``merge_into(out, lse, start, stop, out_j, lse_j)`` (the result's rows merged with a
+  partial in the work dtype, written in out's dtype); ``zeros(x) -> fp32 zeros``;
+  ``work_empty(x)`` (fp32, uninitialized); ``add_rows(acc, start, stop, x) -> acc``; ``add_rows_into(out, start, stop, acc, x)`` (out's rows ← acc + x, in out's
   dtype); ``add(a, b)``; ``cast(x, like)``; ``empty(x)`` (uninitialized, x's dtype);
   ``assign_rows(out, start, stop, x)`` (copy, cast to out's dtype); ``zero_rows(out, start, stop)``.
 ``comm`` — ``rank``, ``world``; ``exchange(dst, arrays, src, like, channel) -> pending``
@@ -393,24 +394,45 @@ def _add_into(ops, sums, start, stop, x, lent: bool = False):
 class _RowSegments:
     """The local rows cut at the ends of every contribution a result will get (``spans``,
     known ahead: the plan's pairs, the returns' chunks), with how many contributions cover
-    each segment; segments one contribution covers are ``taken`` once it came."""
+    each segment; segments one contribution covers are ``taken`` once it came, the others
+    count their arrivals (``arrive``).
+
+    Segments of exactly two contributions are combined without a work-dtype buffer: one
+    contribution sits in the result — lent to its launch (``anchor``: the longest span over
+    the segment, whose launch then writes the most rows in place) — or is ``held`` as it
+    came (a view, no copy); the other is then combined with it straight into the result."""
 
     def __init__(self, n: int, spans):
+        spans = [tuple(s) for s in spans]
         bounds = sorted({0, n, *(a for a, _ in spans), *(b for _, b in spans)})
         self.segments = [(a, b) for a, b in zip(bounds, bounds[1:]) if a < b]
         self.count = {seg: sum(a <= seg[0] and seg[1] <= b for a, b in spans) for seg in self.segments}
         self.taken = set()
+        self.arrived = {seg: 0 for seg in self.segments if self.count[seg] > 1}
+        self.anchor = {seg: max((s for s in spans if s[0] <= seg[0] and seg[1] <= s[1]), key=lambda s: s[1] - s[0])
+                       for seg in self.segments if self.count[seg] == 2}
+        self.in_out: set = set()     # two-contribution segments whose first is in the result
+        self.held: dict = {}         # ... whose first is held: seg -> that contribution's rows
 
     def covered(self, start, stop) -> list:
         return [seg for seg in self.segments if start <= seg[0] and seg[1] <= stop]
 
     def lendable(self, ops, result, start, stop) -> bool:
         """Whether the contribution to rows start:stop may be written into ``result``'s
-        rows: the ops allow it (``writes_into``) and none of its own rows came yet."""
+        rows: the ops allow it (``writes_into``) and it overwrites nothing the result holds
+        (a row's only contribution, or the first of two), nor takes the rows of two
+        contributions from the other's longer launch."""
         writes = getattr(ops, "writes_into", None)
         covered = self.covered(start, stop)
-        return (writes is not None and writes(result) and bool(covered)
-                and not any(self.count[seg] == 1 and seg in self.taken for seg in covered))
+        if writes is None or not writes(result) or not covered:
+            return False
+        for seg in covered:
+            n = self.count[seg]
+            if n == 1 and seg in self.taken:
+                return False
+            if n == 2 and (seg in self.in_out or (self.arrived[seg] == 0 and self.anchor[seg] != (start, stop))):
+                return False
+        return True
 
     def take(self, start, stop) -> list:
         """[(kind, a, b)] runs of the rows start:stop, "single" (this contribution's alone,
@@ -424,9 +446,51 @@ class _RowSegments:
                 self.taken.add(seg)
         return _kind_runs(("single" if self.count[seg] == 1 else "shared", seg) for seg in covered)
 
-    def shared_runs(self) -> list:
-        """[(a, b)] the runs of rows several contributions share."""
-        return [(a, b) for kind, a, b in _kind_runs(("shared" if self.count[seg] > 1 else "", seg)
+    def arrive(self, seg) -> str:
+        """Counts a contribution to shared segment ``seg``: "first", "last" (the count the
+        plan gave it reached), or "more"."""
+        self.arrived[seg] += 1
+        n = self.arrived[seg]
+        if n > self.count[seg]:
+            raise RuntimeError(f"context parallelism: rows {seg} got more contributions than the plan counted"
+                               " (internal error)")
+        return "last" if n == self.count[seg] else "first" if n == 1 else "more"
+
+    def combine_steps(self, runs, view, lent: bool) -> list:
+        """The shared rows of ``runs`` (``take``'s) that a contribution reaches, as [(step,
+        a, b, extra)]: "summed" rows of three or more contributions (``extra``: each
+        segment's arrival role), "into" the second of two whose first is in the result,
+        "held" the second of two whose first was held (one segment; ``extra``: those held
+        rows). A first of two makes no step: it is recorded as in the result (``lent``) or
+        held (``view(a, b)``: the contribution's rows a:b, no copy)."""
+        steps, roles = [], {}
+        for kind, a, b in runs:
+            if kind != "shared":
+                continue
+            for seg in self.covered(a, b):
+                role = roles[seg] = self.arrive(seg)
+                if self.count[seg] > 2:
+                    steps.append(("summed", seg))
+                elif role == "first":
+                    if lent:
+                        self.in_out.add(seg)
+                    else:
+                        self.held[seg] = view(*seg)
+                else:
+                    steps.append(("into" if seg in self.in_out else ("held", seg), seg))
+        combined = []
+        for step, a, b in _kind_runs(steps):
+            if step == "summed":
+                combined.append(("summed", a, b, roles))
+            elif step == "into":
+                combined.append(("into", a, b, None))
+            else:
+                combined.append(("held", a, b, self.held.pop((a, b))))
+        return combined
+
+    def shared_runs(self, least: int = 2) -> list:
+        """[(a, b)] the runs of rows ``least`` or more contributions share."""
+        return [(a, b) for kind, a, b in _kind_runs(("shared" if self.count[seg] >= least else "", seg)
                                                    for seg in self.segments) if kind == "shared"]
 
     @staticmethod
@@ -435,76 +499,83 @@ class _RowSegments:
         return next((lo, hi) for lo, hi in runs if lo <= a and b <= hi)
 
     def untouched_runs(self) -> list:
-        """[(a, b)] the runs of rows no contribution reached (none covers them, or the one
-        counted never came)."""
-        return [(a, b) for kind, a, b in _kind_runs(("none" if seg not in self.taken else "", seg)
-                                                   for seg in self.segments if self.count[seg] <= 1)
-                if kind == "none"]
+        """[(a, b)] the runs of rows no contribution reached: none covers them, the one
+        counted never came, or neither of two came."""
+        return [(a, b) for kind, a, b in _kind_runs(
+            ("none" if (seg not in self.taken if self.count[seg] <= 1 else
+                        self.count[seg] == 2 and self.arrived[seg] == 0) else "", seg)
+            for seg in self.segments) if kind == "none"]
 
 
 class _RowSums:
     """A gradient summed over launches and messages, each adding into a row range of one
-    array known ahead (``_RowSegments``). Rows that exactly one contribution covers take it
-    as it comes, straight into the result (in the array's dtype): no work-dtype
-    accumulator, zero fill, add or cast for them — the same numbers, since one 16-bit
-    contribution cast up and back is itself. Rows several contributions cover are summed in
-    the work dtype (``sums``: for those rows only, in arrival order, as before; see below
-    for the first and last); rows none covers are zeros. Documents kept on their ranks leave
-    most rows with one contribution (4x H200, documents16 W 4 fwd+bwd: 4.6 ms of a 56.8 ms
-    step went to such fills, adds and casts). A launch writes its rows itself (``lend``;
-    ops with ``writes_into``): not even a copy (the same H200 run: 4.1 ms of strided copies
-    were left). Of several contributions to a row, the first is copied into the sums and
-    the last added to them straight into the result (``add_rows_into``: the cast fused in,
-    the same numbers): a row of two contributions moves 14 bytes per element instead of 34
-    (fill, add, add, cast). 4x H200, documents16 W 4 fwd+bwd: rank 0's adds, casts, copies
-    and fills 3.95 -> 3.25 ms of a ~50 ms step. The sums are not zero-filled: every row's
-    first contribution is copied in."""
+    array known ahead (``_RowSegments``), in the array's dtype with as few passes as each
+    row's count of contributions allows:
+
+    - one contribution: taken as it comes, straight into the result — written there by the
+      launch itself where the ops allow (``lend``, ``writes_into``), else copied;
+    - two: one in the result or held as it came, the other added to it straight into the
+      result (``add_rows_into``: one pass, 6 bytes per element for 16-bit gradients);
+    - three or more: summed in work-dtype sums kept for those rows only, the first copied
+      in, the last added with the sums straight into the result;
+    - none: zeros.
+
+    These are the numbers a work-dtype accumulator, its adds in arrival order and one final
+    cast give, bit for bit (no contribution is rounded before its add). Why: documents kept
+    on their ranks leave most rows one contribution and the rest mostly two (4x H200,
+    documents16 W 4 fwd+bwd: fills, adds and casts took 4.6 ms of a 56.8 ms step, 3.25 with
+    sums for shared rows; 2x H200, W 2: two-contribution rows copied into fp32 sums and
+    added back, 1.7 ms of a 26.9 ms step)."""
 
     def __init__(self, ops, like, spans):
         self.ops = ops
         self.rows = _RowSegments(like.shape[2], spans)
         self.count = self.rows.count
         self.out = ops.empty(like)
-        # work-dtype sums only for the runs of rows several contributions share: (a, b) ->
-        # rows a:b, unfilled: each row's first contribution is copied in (`_add_summed`),
-        # and rows none reached are zeroed in the result instead (`result`)
-        self.sums = {(a, b): ops.work_empty(ops.rows(like, a, b)) for a, b in self.rows.shared_runs()}
-        self.arrived = {seg: 0 for seg in self.rows.segments if self.count[seg] > 1}
+        # work-dtype sums for the runs of rows three or more contributions share, unfilled:
+        # each row's first contribution is copied in (`_add_summed`), and rows none reached
+        # are zeroed in the result instead (`result`)
+        self.sums = {(a, b): ops.work_empty(ops.rows(like, a, b)) for a, b in self.rows.shared_runs(least=3)}
 
     def lend(self, start, stop):
         """Rows start:stop of the result (a view) for the launch that contributes them
-        (else None): the launch writes them itself, and ``written_in_place`` then adds the
-        rows other contributions share into the sums — rows that are the launch's alone
-        are never copied."""
+        (else None, ``_RowSegments.lendable``): the launch writes them itself, and
+        ``written_in_place`` then takes them from there."""
         if not self.rows.lendable(self.ops, self.out, start, stop):
             return None
         return self.ops.rows(self.out, start, stop)
 
     def written_in_place(self, start, stop):
-        """The launch wrote its contribution into the rows ``lend`` gave it: its own rows
-        are taken; rows other contributions share go into the sums from there (their last
-        contribution writes the sum over them)."""
-        for kind, a, b in self.rows.take(start, stop):
-            if kind == "shared":
-                self._add_summed(a, b, self.ops.rows(self.out, a, b))
+        """The launch wrote its contribution into the rows ``lend`` gave it."""
+        self._shared(start, self.rows.take(start, stop), self.ops.rows(self.out, start, stop), lent=True)
 
     def add(self, start, stop, x):
         """Contribution ``x`` to rows start:stop (one of the spans)."""
         ops = self.ops
-        for kind, a, b in self.rows.take(start, stop):
-            part = ops.rows(x, a - start, b - start)
+        runs = self.rows.take(start, stop)
+        for kind, a, b in runs:
             if kind == "single":
-                ops.assign_rows(self.out, a, b, part)
-            else:
-                self._add_summed(a, b, part)
+                ops.assign_rows(self.out, a, b, ops.rows(x, a - start, b - start))
+        self._shared(start, runs, x, lent=False)
 
-    def _add_summed(self, a, b, part):
-        """``part`` (rows a:b, within one run of shared rows) into the sums: copied where it
-        is a row's first contribution, added with the sums into the result where it is the
-        last (those rows are then done), else added."""
+    def _shared(self, start, runs, x, lent: bool):
+        ops = self.ops
+        for step, a, b, extra in self.rows.combine_steps(runs, lambda s, e: ops.rows(x, s - start, e - start), lent):
+            piece = ops.rows(x, a - start, b - start)
+            if step == "summed":
+                self._add_summed(a, b, piece, extra)
+            elif step == "into":        # (never lent: ``lendable``)
+                ops.add_rows_into(self.out, a, b, ops.rows(self.out, a, b), piece)
+            else:
+                ops.add_rows_into(self.out, a, b, extra, piece)
+
+    def _add_summed(self, a, b, part, roles):
+        """``part`` (rows a:b, within one run of rows three or more contributions share)
+        into the sums: copied where it is a row's first contribution, added with the sums
+        into the result where it is the last (those rows are then done), else added."""
         ops = self.ops
         lo, hi = self.rows.run_of(self.sums, a, b)
-        for role, s, e in _kind_runs((self._arrival(seg), seg) for seg in self.rows.covered(a, b)):
+        for role, s, e in _kind_runs((roles[seg], seg) for seg in self.rows.covered(a, b)):
             piece = ops.rows(part, s - a, e - a)
             if role == "first":
                 ops.assign_rows(self.sums[(lo, hi)], s - lo, e - lo, piece)
@@ -513,31 +584,22 @@ class _RowSums:
             else:
                 self.sums[(lo, hi)] = ops.add_rows(self.sums[(lo, hi)], s - lo, e - lo, piece)
 
-    def _arrival(self, seg) -> str:
-        """Counts a contribution to shared segment ``seg`` (several are counted for it):
-        "first", "last" (the count the plan gave it reached: it writes the result), or
-        "more"."""
-        self.arrived[seg] += 1
-        n = self.arrived[seg]
-        if n > self.count[seg]:
-            raise RuntimeError(f"context parallelism: rows {seg} got more contributions than the plan counted"
-                               " (internal error)")
-        return "last" if n == self.count[seg] else "first" if n == 1 else "more"
-
     def result(self):
         """The sums in the array's dtype (rows no contribution reached: zeros)."""
-        ops = self.ops
-        # shared rows whose last contribution never came: their sums so far, or zeros where
-        # none came (those sums were never written)
+        ops, rows = self.ops, self.rows
+        for seg, view in rows.held.items():     # the second of two never came
+            ops.assign_rows(self.out, *seg, view)
+        # rows of three or more whose last contribution never came: the sums of those that
+        # did, or zeros where none did (their sums were never written)
         pending = _kind_runs(("none" if n == 0 else "pending" if n < self.count[seg] else "", seg)
-                             for seg, n in self.arrived.items())
+                             for seg, n in rows.arrived.items() if self.count[seg] > 2)
         for kind, a, b in pending:
             if kind == "pending":
-                lo, hi = self.rows.run_of(self.sums, a, b)
+                lo, hi = rows.run_of(self.sums, a, b)
                 ops.assign_rows(self.out, a, b, ops.rows(self.sums[(lo, hi)], a - lo, b - lo))
             elif kind == "none":
                 ops.zero_rows(self.out, a, b)
-        for a, b in self.rows.untouched_runs():
+        for a, b in rows.untouched_runs():
             ops.zero_rows(self.out, a, b)
         return self.out
 
@@ -547,17 +609,21 @@ class _RowOutputs:
     (``spans``, ``_RowSegments``). Rows one launch covers take its output as it comes —
     written by the launch itself into the result where the ops allow (``lend``,
     ``writes_into``), else copied — with no fp32 accumulator, fill or final cast: the same
-    numbers, one 16-bit output cast up and back being itself. Rows several launches cover
-    are merged by LSE in the work dtype (accumulators for those rows only; the first launch
-    copied in, the others merged) and cast once at the end; rows no launch covers are
-    0 / −inf."""
+    numbers, one 16-bit output cast up and back being itself. Rows two launches cover: one
+    output in the result (lent) or held as it came, the other merged with it by LSE
+    straight into the result (``ops.merge_into``: computed in the work dtype, rounded once;
+    2x H200, documents16 W 2: an fp32 copy, a merge and a cast back took 0.45 ms of a 7.6 ms
+    forward). Rows three or more cover are merged in the work dtype (accumulators for those
+    rows only; the first launch copied in, the others merged) and cast once at the end;
+    rows no launch covers are 0 / −inf."""
 
     def __init__(self, ops, q, v, spans):
         self.ops, self.q, self.v = ops, q, v
         self.rows = _RowSegments(q.shape[2], spans)
         self.out, self.lse = ops.outputs(q, v)
-        # rows several launches share: (a, b) -> [acc, lse, _Written] for rows a:b
-        self.shared = {(a, b): [*ops.stats(ops.rows(q, a, b), v), _Written()] for a, b in self.rows.shared_runs()}
+        # rows three or more launches share: (a, b) -> [acc, lse, _Written] for rows a:b
+        self.shared = {(a, b): [*ops.stats(ops.rows(q, a, b), v), _Written()]
+                       for a, b in self.rows.shared_runs(least=3)}
 
     def lend(self, start, stop):
         """(out, lse) rows start:stop of the result (views) for the launch over them, or
@@ -571,17 +637,28 @@ class _RowOutputs:
         """Launch output (``out_j``, ``lse_j``) for rows start:stop (the rows it was lent,
         if ``lent``)."""
         ops = self.ops
-        for kind, a, b in self.rows.take(start, stop):
-            part_o, part_l = ops.rows(out_j, a - start, b - start), ops.rows(lse_j, a - start, b - start)
-            if kind == "single":
+        runs = self.rows.take(start, stop)
+        for kind, a, b in runs:
+            if kind == "single" and not lent:
+                ops.assign_rows(self.out, a, b, ops.rows(out_j, a - start, b - start))
+                ops.assign_rows(self.lse, a, b, ops.rows(lse_j, a - start, b - start))
+        def view(s, e):
+            return ops.rows(out_j, s - start, e - start), ops.rows(lse_j, s - start, e - start)
+
+        for step, a, b, extra in self.rows.combine_steps(runs, view, lent):
+            part_o, part_l = view(a, b)
+            if step == "summed":
+                lo, hi = self.rows.run_of(self.shared, a, b)
+                entry = self.shared[(lo, hi)]
+                acc, lse, written = entry
+                entry[0], entry[1] = written.combine(ops, acc, lse, a - lo, b - lo, part_o, part_l)
+            elif step == "into":         # the first in the result: merge this one into it (never lent)
+                ops.merge_into(self.out, self.lse, a, b, part_o, part_l)
+            else:                        # the first held: this one in the result (lent) or put there
                 if not lent:
                     ops.assign_rows(self.out, a, b, part_o)
                     ops.assign_rows(self.lse, a, b, part_l)
-                continue
-            lo, hi = self.rows.run_of(self.shared, a, b)
-            entry = self.shared[(lo, hi)]
-            acc, lse, written = entry
-            entry[0], entry[1] = written.combine(ops, acc, lse, a - lo, b - lo, part_o, part_l)
+                ops.merge_into(self.out, self.lse, a, b, *extra)
 
     def result(self) -> tuple:
         """(out in the inputs' dtype, lse)."""
@@ -589,6 +666,9 @@ class _RowOutputs:
         for (a, b), (acc, lse, _) in self.shared.items():
             ops.assign_rows(self.out, a, b, acc)
             ops.assign_rows(self.lse, a, b, lse)
+        for (a, b), (held_o, held_l) in self.rows.held.items():     # the second of two never came
+            ops.assign_rows(self.out, a, b, held_o)
+            ops.assign_rows(self.lse, a, b, held_l)
         for a, b in self.rows.untouched_runs():     # 0 / -inf
             acc, lse = ops.stats(ops.rows(self.q, a, b), self.v)
             ops.assign_rows(self.out, a, b, acc)

@@ -131,13 +131,14 @@ def compile_decode(cfg, mod_args: tuple = (), *, tvm_ffi: bool = False, **option
                             tvm_ffi=tvm_ffi, **options)
 
 
-def compile_merge(dtype: str, head_dim_v: int, *, tvm_ffi: bool = False, **options):
-    """The log-sum-exp merge of a partial result (``merge.partial.MergePartial``)."""
+def compile_merge(dtype: str, head_dim_v: int, *, acc_dtype: str = "fp32", tvm_ffi: bool = False, **options):
+    """The log-sum-exp merge of a partial result (``merge.partial.MergePartial``) into an
+    fp32 accumulator, or (``acc_dtype`` = ``dtype``) into the result's own rows."""
     from flexattn.kernels.merge.partial import MergePartial
 
-    kernel = MergePartial(dtype, head_dim_v)
-    return compile_on_fakes(kernel, fakes.fake_merge_args(kernel.dtype, head_dim_v, tvm_ffi), tvm_ffi=tvm_ffi,
-                            **options)
+    kernel = MergePartial(dtype, head_dim_v, acc_dtype)
+    return compile_on_fakes(kernel, fakes.fake_merge_args(kernel.dtype, head_dim_v, tvm_ffi, kernel.acc_dtype),
+                            tvm_ffi=tvm_ffi, **options)
 
 
 def compile_classifier(hook, q_block: int, kv_block: int, count_allowed: bool = False, *,

@@ -170,10 +170,10 @@ def fake_postprocess_args(cfg, grad_ranks: tuple, tvm_ffi: bool):
 
 # -- merge of partial results -----------------------------------------------------------------
 
-def fake_merge_args(dtype, head_dim_v: int, tvm_ffi: bool):
+def fake_merge_args(dtype, head_dim_v: int, tvm_ffi: bool, acc_dtype=cutlass.Float32):
     """(acc, lse, out, lse_j, stream) for ``MergePartial.__call__``: rows 16-byte aligned
     with strides in whole 16-byte units (views of [B, H, S, Dv] arrays along S)."""
-    acc = fake_tensor(cutlass.Float32, 4, 16, head_dim_v, divisibility=4)
+    acc = fake_tensor(acc_dtype, 4, 16, head_dim_v, divisibility=128 // acc_dtype.width)
     out = fake_tensor(dtype, 4, 16, head_dim_v, divisibility=128 // dtype.width)
     return (acc, fake_tensor(cutlass.Float32, 3, 4), out, fake_tensor(cutlass.Float32, 3, 4), fake_stream(tvm_ffi))
 

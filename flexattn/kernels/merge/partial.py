@@ -31,16 +31,21 @@ LN2 = math.log(2.0)
 
 
 class MergePartial:
-    """``__call__(acc, lse, out, lse_j, stream)``: acc [B, H, S, Dv] fp32, lse [B, H, S]
-    fp32, out [B, H, S, Dv] of ``dtype``, lse_j [B, H, S] fp32 (any strides, Dv
-    contiguous); acc and lse are updated in place."""
+    """``__call__(acc, lse, out, lse_j, stream)``: acc [B, H, S, Dv] fp32 (or, with
+    ``acc_dtype`` = ``dtype``, the result's own 16-bit rows: the last of two partials merged
+    straight into the result, computed in fp32 and rounded once), lse [B, H, S] fp32, out
+    [B, H, S, Dv] of ``dtype``, lse_j [B, H, S] fp32 (any strides, Dv contiguous); acc and
+    lse are updated in place."""
 
     warps = 8   # rows per CTA
 
-    def __init__(self, dtype: str, head_dim_v: int):
+    def __init__(self, dtype: str, head_dim_v: int, acc_dtype: str = "fp32"):
         from flexattn.kernels.hopper.warp_specialized import DTYPES
 
+        if acc_dtype not in ("fp32", dtype):
+            raise ValueError(f"the merge accumulates in fp32 or in the partial's dtype {dtype}, not {acc_dtype}")
         self.dtype = DTYPES[dtype]
+        self.acc_dtype = Float32 if acc_dtype == "fp32" else self.dtype
         self.head_dim_v = head_dim_v
 
     @cute.jit
@@ -48,6 +53,8 @@ class MergePartial:
                  stream: cuda.CUstream):
         if const_expr(mOut.element_type != self.dtype):
             raise TypeError(f"expected {self.dtype}, got {mOut.element_type}")
+        if const_expr(mAcc.element_type != self.acc_dtype):
+            raise TypeError(f"expected an {self.acc_dtype} accumulator, got {mAcc.element_type}")
         rows = mAcc.shape[0] * mAcc.shape[1] * mAcc.shape[2]
         self.kernel(mAcc, mLse, mOut, mLseJ).launch(
             grid=((rows + self.warps - 1) // self.warps, 1, 1), block=[32 * self.warps, 1, 1], stream=stream)
