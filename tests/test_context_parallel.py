@@ -795,6 +795,24 @@ def test_torch_call_errors_before_any_message():
         q, q, q, parallel=tcp.ContextParallel(layout if m.rank == 0 else cp.contiguous(64, 2), m)))
     assert all(e is not None and "disagree" in str(e) for e in errors), errors
     assert on_each_rank(lambda m: tcp.flex_attention(q, q, q, parallel=tcp.ContextParallel(layout, m))) == [None, None]
+    # rank-threads recording a backward on one GPU would hang in torch's one autograd
+    # worker of that GPU: every rank refuses (the GPU index as _backward_gpu finds it on
+    # CUDA tensors); on two GPUs, or without a recorded backward, they run
+    real = tcp._backward_gpu
+    leaf = q.clone().requires_grad_(True)
+    try:
+        for gpus, refused in (((0, 0), True), ((0, 1), False), ((-1, -1), False)):
+            tcp._backward_gpu = lambda comm, query, records, gpus=gpus: gpus[comm.rank] if records else -1
+            errors = on_each_rank(lambda m: tcp.flex_attention(leaf, q, q, parallel=tcp.ContextParallel(layout, m)))
+            assert all((e is not None and "one worker thread" in str(e)) == refused for e in errors), (gpus, errors)
+        tcp._backward_gpu = lambda comm, query, records: 0 if records else -1
+
+        def without_grad(m):     # (grad mode is per thread: each rank's)
+            with torch.no_grad():
+                tcp.flex_attention(leaf, q, q, parallel=tcp.ContextParallel(layout, m))
+        assert on_each_rank(without_grad) == [None, None]
+    finally:
+        tcp._backward_gpu = real
 
 
 def _style_worker(rank, world, port, tensors, results):

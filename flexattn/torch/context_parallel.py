@@ -166,9 +166,12 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         error = None
     except (TypeError, ValueError) as e:
         error = e
-    _agree(comm, parallel, (query, key, value), error)   # every rank raises together, none waits forever
+    buffers = _score_tensors(spec.score) if error is None else []
+    records = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
+                                              for x in (query, key, value, *buffers))
+    # every rank raises together, none waits forever
+    _agree(comm, parallel, (query, key, value), error, _backward_gpu(comm, query, records))
     plan = _plan(spec, layout, rank, query)
-    buffers = _score_tensors(spec.score)
     run = _Run(plan, comm, TorchOps(), parallel.schedule,
                wanted=tuple(i for i, c in enumerate(spec.score.captures if spec.score is not None else ())
                             if isinstance(c, torch.Tensor) and c.requires_grad and c.is_floating_point()))
@@ -195,25 +198,43 @@ def _checked(query, key, value, layout, world, call) -> AttentionSpec:
 _AGREED: set = set()   # (communicator, fingerprint) pairs every rank has confirmed
 
 
-def _agree(comm, parallel, tensors, error) -> None:
-    """Raise on every rank, before any message, if any rank's checks failed or the ranks
+def _backward_gpu(comm, query, records: bool) -> int:
+    """The GPU index whose autograd worker would run this rank's backward, where ranks are
+    threads of this process (an in-process communicator such as ``LoopbackWorld``'s) and
+    autograd records; else -1. torch runs every backward function of one GPU on a single
+    worker thread: two rank-threads' backwards on one GPU would each wait there for the
+    other's messages forever."""
+    if isinstance(comm, _GroupComm) or not records or not isinstance(query, torch.Tensor) or not query.is_cuda:
+        return -1
+    return query.device.index if query.device.index is not None else torch.cuda.current_device()
+
+
+def _agree(comm, parallel, tensors, error, backward_gpu: int = -1) -> None:
+    """Raise on every rank, before any message, if any rank's checks failed, the ranks
     disagree on the layout, schedule or shard shapes (which would otherwise leave ranks
-    waiting for messages that never come). One small all-gather the first time a group
-    sees a call of this kind (a host sync); repeats cost a set lookup."""
+    waiting for messages that never come), or rank-threads of this process would run
+    their backwards on one GPU (``_backward_gpu``: a hang). One small all-gather the first
+    time a group sees a call of this kind (a host sync); repeats cost a set lookup."""
     fingerprint = _fingerprint(parallel, tensors, error)
-    key = (id(comm.group) if isinstance(comm, _GroupComm) else id(comm), fingerprint)
+    key = (id(comm.group) if isinstance(comm, _GroupComm) else id(comm), fingerprint, backward_gpu)
     if error is None and key in _AGREED:
         return
     device = torch.device("cpu")     # gloo and the loopback take host tensors; NCCL this rank's GPU
     if isinstance(comm, _GroupComm) and dist.get_backend(comm.group) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    mine = torch.tensor(fingerprint, dtype=torch.int64, device=device)
-    every = [tuple(t.tolist()) for t in comm.all_gather(mine)]
+    mine = torch.tensor((*fingerprint, backward_gpu), dtype=torch.int64, device=device)
+    gathered = [tuple(t.tolist()) for t in comm.all_gather(mine)]
+    every, gpus = [f[:-1] for f in gathered], [f[-1] for f in gathered if f[-1] >= 0]
     failed = [r for r, f in enumerate(every) if f[-1]]
     if error is not None:
         raise error
     if failed:
         raise ValueError(f"context parallelism: rank(s) {failed} refused this call (their errors say why); no rank ran it")
+    if len(gpus) != len(set(gpus)):
+        raise ValueError("context parallelism: ranks that are threads of one process cannot record a backward on the"
+                         " same GPU (torch runs every backward function of a GPU on one worker thread, where the ranks"
+                         " would wait for each other's messages forever): run one process per GPU over"
+                         " torch.distributed, give each rank-thread its own GPU, or call under torch.no_grad()")
     if any(f != every[0] for f in every):
         described = "; ".join(f"rank {r}: {_describe(f)}" for r, f in enumerate(every))
         raise ValueError("context parallelism: the ranks disagree on the call (every rank must pass the same layout,"
