@@ -57,8 +57,10 @@ def main():
         chunk_bytes * 2)
     # two contributions summed into the result's rows (16-bit; no wider view applies)
     cells = []
+    heads_out, heads_part = list(out[:, :, c:2 * c].view(H, c, D).unbind(0)), list(part.view(H, c, D).unbind(0))
     for name, fn in (("add_(strided)", lambda: out[:, :, c:2 * c].add_(y[:, :, c:2 * c])),
                      ("add(out=strided)", lambda: torch.add(x[:, :, c:2 * c], part, out=out[:, :, c:2 * c])),
+                     ("_foreach_add_ per head", lambda: torch._foreach_add_(heads_out, heads_part)),
                      ("add contiguous", lambda: torch.add(part, part, out=part))):
         ms = bench_ms(fn)
         cells.append(f"{name} {ms * 1e3:.0f} µs, {3 * chunk_bytes / ms / 1e6:.0f} GB/s")

@@ -425,6 +425,31 @@ def test_row_sums_add_two_contributions_in_one_pass():
     assert torch.equal(sums.result(), want)
 
 
+def test_torch_adds_onto_the_result_rows_per_head():
+    """``TorchOps.add_rows_into`` where one operand is the result's own rows (the second of
+    two contributions onto the first): an in-place multi-tensor add over the heads'
+    contiguous row runs — the bits of ``torch.add`` in fp32, rows outside untouched; a
+    layout whose heads do not split so (a [B, S, H, D] view) takes ``torch.add``."""
+    import torch
+
+    from flexattn.torch import context_parallel as tcp
+
+    g = torch.Generator().manual_seed(2)
+    ops = tcp.TorchOps()
+    for layout in ("bhsd", "bshd"):
+        base = torch.randn(2, 3, 50, 8, generator=g).to(torch.bfloat16)
+        out = base if layout == "bhsd" else base.transpose(1, 2).contiguous().transpose(1, 2)
+        x = torch.randn(2, 3, 20, 8, generator=g).to(torch.bfloat16)
+        want = base.clone()
+        want[:, :, 10:30] = (base[:, :, 10:30].float() + x.float()).to(torch.bfloat16)
+        for order in (0, 1):
+            got = out.clone() if layout == "bhsd" else out.transpose(1, 2).clone().transpose(1, 2)
+            rows = got[:, :, 10:30]
+            assert (tcp._heads(rows) is not None) == (layout == "bhsd")
+            ops.add_rows_into(got, 10, 30, *((rows, x) if order == 0 else (x, rows)))
+            assert torch.equal(got, want), (layout, order)
+
+
 def test_row_outputs_merge_only_shared_rows():
     """``schedule._RowOutputs``: rows one launch covers take its output as it comes (lent:
     written by the launch itself), rows two cover are merged by LSE straight into the
