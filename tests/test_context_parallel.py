@@ -502,7 +502,15 @@ def test_launches_write_their_rows_in_place():
     class Counting(TorchOps):
         def __init__(self, lend):
             self.writes_into = lambda result: lend
-            self.lent = self.copies = 0
+            self.lent = self.copies = self.buffers = 0
+
+        def work_empty(self, x):
+            self.buffers += 1
+            return super().work_empty(x)
+
+        def stats(self, q, v):
+            self.buffers += 1
+            return super().stats(q, v)
 
         def attention(self, *args):
             self.lent += int(len(args) > 4 and args[4] is not None)
@@ -532,9 +540,13 @@ def test_launches_write_their_rows_in_place():
             out, lse, grads = run_schedule("direct", plan, comm, ops, *shards, [])
             return out, lse, *grads[:3]
 
-        got[lend] = (cp.LoopbackWorld(layout.world).run(rank), ops.lent, ops.copies)
-    (lent_grads, lent, copies), (copied_grads, none_lent, all_copies) = got[True], got[False]
+        got[lend] = (cp.LoopbackWorld(layout.world).run(rank), ops.lent, ops.copies, ops.buffers)
+    (lent_grads, lent, copies, buffers), (copied_grads, none_lent, all_copies, _) = got[True], got[False]
     assert none_lent == 0 and lent > 0 and copies < all_copies
+    # at W 2 no row has more than two contributions: each shared one is combined straight
+    # into the result (the longer launch lent, the other added or merged onto it), so
+    # nothing is copied and no fp32 buffer is made
+    assert (copies, buffers) == (0, 0)
     for a, b in zip(lent_grads, copied_grads):       # each rank's out, lse, dq, dk, dv
         for x, y in zip(a, b):
             assert torch.equal(x, y)
