@@ -675,3 +675,36 @@ def test_torch_block_masks_built_inside_with_gqa_lse_and_a_mod_value():
     got = torch.compile(step, backend="inductor", fullgraph=True)(q, k, v, _DOCS)
     for a, b in zip(got, step(q, k, v, _DOCS)):
         torch.testing.assert_close(a, b)
+
+
+def test_compiled_inference_calls_the_op_without_autograd():
+    """A graph that records no backward (no_grad, or nothing requires grad) calls
+    ``flexattn::attention_fwd_inference`` — a plain op, no Python autograd layer per call —
+    and one that records calls ``attention_fwd`` (its backward registered); both give the
+    eager call's numbers."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    slopes = torch.rand(H, dtype=torch.float64)
+
+    def alibi(s, b, h, qi, ki):     # (made outside the compiled code: the op's route, not the HOP's)
+        return s + slopes[h] * (ki - qi)
+
+    def step(q, k, v):
+        return fa.flex_attention(q, k, v, score_mod=alibi)
+
+    compiled = torch.compile(step, backend=record, fullgraph=True)
+    q, k, v = _qkv(3, grad=False)
+    want = step(q, k, v)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(q, k, v), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(compiled(q, k, v), want, rtol=1e-12, atol=1e-12)   # grad mode, nothing requires grad
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    out = compiled(*leaves)
+    out.sum().backward()
+    assert all(x.grad is not None for x in leaves)
+    ops = [{t.split(".")[1] for t in g if t.startswith("flexattn.")} for g in graphs]
+    assert ops[:2] == [{"attention_fwd_inference"}] * 2 and ops[-1] == {"attention_fwd"}, (ops, graphs)
