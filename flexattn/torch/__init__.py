@@ -8,7 +8,8 @@ captured float tensors of score mods (trainable biases, slopes, tables).
 
 The computation is a ``torch.library`` custom op pair, ``flexattn::attention_fwd`` and
 ``flexattn::attention_bwd`` (fake implementations + ``register_autograd``), so
-``torch.compile(fullgraph=True)`` sees one opaque node. Mods are not tensors: everything
+``torch.compile(fullgraph=True)`` sees one opaque node (graphs that record no backward:
+``flexattn::attention_fwd_inference``, the forward without an autograd layer). Mods are not tensors: everything
 that is not a tensor (mods' IR, non-tensor captures, block mask, scale, GQA) lives in a
 spec registry (``core.registry.SpecRegistry``) under an int the op receives; the score mod's captured
 tensors travel as a ``Tensor[]`` input, so autograd reaches them and their current
