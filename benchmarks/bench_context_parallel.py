@@ -91,6 +91,9 @@ def _worker(rank, world, port, args, queue):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    if args.fuse_above is not None:     # an A/B of the plan's fused steps (plan.FUSE_ABOVE)
+        from flexattn.core.context_parallel import plan as cp_plan
+        cp_plan.FUSE_ABOVE = args.fuse_above
     rows = []
     try:
         seq = args.per_gpu * world
@@ -348,6 +351,8 @@ def main():
     ap.add_argument("--per-gpu", type=int, default=65536)
     ap.add_argument("--kv-heads", type=int, default=H, help="K/V heads (GQA: fewer than the 16 query heads)")
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--fuse-above", type=int, default=None,
+                    help="run a step of more chunk-pair launches than this as one fused launch (plan.FUSE_ABOVE)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--masks", nargs="*", default=None, help="causal documents16 (default both)")
     ap.add_argument("--impls", nargs="*", default=None,
@@ -383,7 +388,8 @@ def main():
             json.dump(rows, f, indent=1)
     base = {(r["mask"], r["phase"]): r["tflops_per_gpu"] for r in rows if r["world"] == 1 and r.get("ms")}
     print(f"\n{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC  {torch.cuda.get_device_name()}  per GPU "
-          f"{args.per_gpu} tokens, B{B} H{H} Hkv{args.kv_heads} D{D} bf16")
+          f"{args.per_gpu} tokens, B{B} H{H} Hkv{args.kv_heads} D{D} bf16"
+          + ("" if args.fuse_above is None else f", FUSE_ABOVE {args.fuse_above}"))
     print("| W | S | mask | impl | phase | ms | TFLOP/s per GPU | vs 1 GPU | peak GiB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
