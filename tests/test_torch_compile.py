@@ -708,3 +708,29 @@ def test_compiled_inference_calls_the_op_without_autograd():
     assert all(x.grad is not None for x in leaves)
     ops = [{t.split(".")[1] for t in g if t.startswith("flexattn.")} for g in graphs]
     assert ops[:2] == [{"attention_fwd_inference"}] * 2 and ops[-1] == {"attention_fwd"}, (ops, graphs)
+
+
+def test_functions_defined_inside_take_the_inference_op_when_nothing_records():
+    """Through torch's HOP (a score function defined in the compiled code over a tensor
+    argument), a call autograd does not record runs ``attention_fwd_inference``; one it
+    records runs ``attention_fwd`` — both the eager values."""
+    def step(q, k, v, slopes):
+        return fa.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s - slopes[h] * (qi - ki).abs())
+
+    def ops_run(fn):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = fn()
+        return out, {e.name for e in prof.events() if e.name.startswith("flexattn::")}
+
+    q, k, v = _qkv(8, grad=False)
+    slopes = torch.rand(H, dtype=torch.float64)
+    compiled = torch.compile(step, backend="inductor", fullgraph=True)
+    with torch.no_grad():
+        out, ran = ops_run(lambda: compiled(q, k, v, slopes))
+    torch.testing.assert_close(out, step(q, k, v, slopes))
+    assert ran == {"flexattn::attention_fwd_inference"}, ran
+    trained = slopes.clone().requires_grad_(True)
+    compiled(q, k, v, trained)      # (compiling traces the backward op too)
+    out, ran = ops_run(lambda: compiled(q, k, v, trained))
+    torch.testing.assert_close(out, step(q, k, v, trained))
+    assert ran == {"flexattn::attention_fwd"}, ran

@@ -17,8 +17,8 @@ block-mask tuple carries the lists. So this route
    first such call) traces each marked node's subgraphs into a ``ScoreMod`` / ``MaskMod``
    (running the subgraph's code on our tracer's proxies, as it traces a user's function;
    the lifted tensors become the mods' captures) and puts ``flexattn::attention_fwd`` in
-   the node's place, with the lifted tensors as its buffers and the torch lists, if any,
-   as its ``lists``.
+   the node's place (``attention_fwd_inference`` where autograd does not record the call),
+   with the lifted tensors as its buffers and the torch lists, if any, as its ``lists``.
 
 AOT autograd then differentiates our op as any other (its registered backward): the
 gradients reach the closed-over tensors, new tensor values never recompile. The route
@@ -185,7 +185,8 @@ def _install_pass() -> bool:
 
 
 def rewrite_marked_calls(graph: torch.fx.Graph) -> None:
-    """Each marked ``flex_attention`` HOP node of ``graph`` -> ``flexattn::attention_fwd``."""
+    """Each marked ``flex_attention`` HOP node of ``graph`` -> ``flexattn::attention_fwd``
+    (``attention_fwd_inference`` where autograd does not record the call)."""
     from . import _REGISTRY
 
     hop = torch.ops.higher_order.flex_attention
@@ -222,11 +223,15 @@ def rewrite_marked_calls(graph: torch.fx.Graph) -> None:
             layout = [block_mask[-3], block_mask[-2], block_mask[0], block_mask[1]]
         buffers = list(score_buffers + mask_buffers)
         want_max = options.get(MAX_KEY, False)
-        with graph.inserting_before(node):
-            target = torch.ops.flexattn.attention_fwd_max if want_max else torch.ops.flexattn.attention_fwd
-            op = graph.call_function(target.default, (query, key, value, buffers, spec_id, lists, layout))
         outputs = 3 if want_max else 2
         example = node.meta.get("example_value")
+        # a call autograd does not record (traced under no_grad, or nothing requires grad:
+        # its outputs' example values say so) takes the op without an autograd layer
+        records = example is None or any(getattr(x, "requires_grad", True) for x in tuple(example)[:outputs])
+        with graph.inserting_before(node):
+            target = (torch.ops.flexattn.attention_fwd_max if want_max else
+                      torch.ops.flexattn.attention_fwd if records else torch.ops.flexattn.attention_fwd_inference)
+            op = graph.call_function(target.default, (query, key, value, buffers, spec_id, lists, layout))
         if example is not None:
             op.meta["example_value"] = tuple(example[:outputs])
         for user in list(node.users):
