@@ -852,6 +852,40 @@ def test_torch_call_errors_before_any_message():
         tcp._backward_gpu = real
 
 
+def test_call_agreement_is_kept_per_communicator_object():
+    """The door's agreement before any message (``_agree``: one small all-gather, then a
+    cache) is remembered per in-process communicator object: every rank of a new world
+    gathers again, whatever ids freed members had (keyed by id, one rank of a new world
+    once skipped the gather while the other waited for it forever); a repeated call on the
+    same members does not gather."""
+    import gc
+
+    from flexattn.torch import context_parallel as tcp
+
+    layout = cp.head_tail(64, 2)
+    q = torch.randn(1, 2, 32, 16)
+    gathers = []
+
+    def run(world):
+        def rank(member):
+            real = member.all_gather
+
+            def counted(x):
+                gathers.append(member.rank)
+                return real(x)
+            member.all_gather = counted
+            with torch.no_grad():
+                for _ in range(2):      # the second call: agreed already
+                    tcp.flex_attention(q, q, q, parallel=tcp.ContextParallel(layout, member))
+        world.run(rank)
+
+    for _ in range(4):      # fresh worlds, their members freed in between
+        gathers.clear()
+        run(cp.LoopbackWorld(2))
+        gc.collect()
+        assert sorted(gathers) == [0, 1], gathers
+
+
 def _style_worker(rank, world, port, tensors, results):
     """torchtitan's way: torch's head-tail sharding, an inner-attention module made
     context-parallel by ``parallelize_module`` with our style, a whole-sequence block mask

@@ -20,6 +20,8 @@ is testable without a GPU). Gradients reach q, k, v and the score mod's captured
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -195,7 +197,12 @@ def _checked(query, key, value, layout, world, call) -> AttentionSpec:
     return spec
 
 
-_AGREED: set = set()   # (communicator, fingerprint) pairs every rank has confirmed
+_AGREED: set = set()   # (process group id, fingerprint, backward GPU) every rank has confirmed
+# the same for in-process communicators, by the object: a freed member's id is reused by a
+# new world's, whose ranks must all gather again (one rank skipping it left the others
+# waiting forever)
+_AGREED_IN_PROCESS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_AGREED_LOCK = threading.Lock()     # (its ranks are threads)
 
 
 def _backward_gpu(comm, query, records: bool) -> int:
@@ -216,8 +223,13 @@ def _agree(comm, parallel, tensors, error, backward_gpu: int = -1) -> None:
     their backwards on one GPU (``_backward_gpu``: a hang). One small all-gather the first
     time a group sees a call of this kind (a host sync); repeats cost a set lookup."""
     fingerprint = _fingerprint(parallel, tensors, error)
-    key = (id(comm.group) if isinstance(comm, _GroupComm) else id(comm), fingerprint, backward_gpu)
-    if error is None and key in _AGREED:
+    if isinstance(comm, _GroupComm):
+        agreed, key = _AGREED, (id(comm.group), fingerprint, backward_gpu)
+    else:
+        with _AGREED_LOCK:
+            agreed = _AGREED_IN_PROCESS.setdefault(comm, set())
+        key = (fingerprint, backward_gpu)
+    if error is None and key in agreed:
         return
     device = torch.device("cpu")     # gloo and the loopback take host tensors; NCCL this rank's GPU
     if isinstance(comm, _GroupComm) and dist.get_backend(comm.group) == "nccl":
@@ -239,7 +251,7 @@ def _agree(comm, parallel, tensors, error, backward_gpu: int = -1) -> None:
         described = "; ".join(f"rank {r}: {_describe(f)}" for r, f in enumerate(every))
         raise ValueError("context parallelism: the ranks disagree on the call (every rank must pass the same layout,"
                          f" schedule and shard shapes): {described}")
-    _AGREED.add(key)
+    agreed.add(key)
 
 
 def _fingerprint(parallel, tensors, error) -> tuple:
