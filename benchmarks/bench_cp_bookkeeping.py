@@ -15,8 +15,11 @@ import argparse
 import datetime
 import os
 import sys
+import threading
 
 import torch
+
+from flexattn.torch.context_parallel import TorchOps
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_context_parallel import B, D, H, _documents  # noqa: E402
@@ -47,26 +50,19 @@ def _profiled(step):
     return sums, counts
 
 
-class _OneLaunchAtATime:
-    """TorchOps whose kernels launch from one rank-thread at a time (as the GPU tests'):
-    messages between the ranks still interleave freely."""
+class _OneLaunchAtATime(TorchOps):
+    """TorchOps whose kernels launch from one rank-thread at a time (as the GPU tests'
+    ``_SerialKernels``): messages between the ranks still interleave freely."""
 
-    def __new__(cls):
-        import threading
+    lock = threading.Lock()
 
-        from flexattn.torch.context_parallel import TorchOps
+    def attention(self, *args):
+        with self.lock:
+            return super().attention(*args)
 
-        lock = threading.Lock()
-
-        class Ops(TorchOps):
-            def attention(self, *args):
-                with lock:
-                    return super().attention(*args)
-
-            def attention_backward(self, *args):
-                with lock:
-                    return super().attention_backward(*args)
-        return Ops()
+    def attention_backward(self, *args):
+        with self.lock:
+            return super().attention_backward(*args)
 
 
 def rank_step(comm, spec, layout, shards, train: bool, ops) -> None:

@@ -254,7 +254,7 @@ def _checked_call(query, key, value, call, kernel_options):
     shape = check_inputs(query, key, value, spec)
     records = False
     if query.is_cuda:
-        records = _records_grad(query, key, value, spec)
+        records = _records_grad(query, key, value, *_score_tensors(spec.score))
         reason = kernel_unsupported(query, shape) or (backward_unsupported(shape, query) if records else None)
         if reason:
             raise ValueError(f"{reason} (CPU tensors run the exact reference for anything else)")
@@ -375,13 +375,11 @@ class _PreparedBackward:
         return self
 
 
-def _records_grad(query, key, value, spec) -> bool:
-    """Whether autograd would record this call (some input, or a score-mod tensor,
-    requires grad while grad mode is on)."""
-    if not torch.is_grad_enabled():
-        return False
-    return (query.requires_grad or key.requires_grad or value.requires_grad
-            or any(t.requires_grad for t in _score_tensors(spec.score)))
+def _records_grad(*tensors) -> bool:
+    """Whether autograd would record a call over ``tensors`` (its inputs and its mods'
+    tensors): grad mode is on and one of them requires grad. Under torch.compile it is
+    known while tracing, and guarded."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def decode(query: torch.Tensor, cache, score_mod=None, mask=None, scale=None, return_lse=False):
@@ -568,7 +566,7 @@ def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, 
         out, lse = routed
         return (out, lse) if return_lse else out
     buffers, spec_id = _compiled_op_inputs((score_mod, block_mask, scale, enable_gqa, mask, score))
-    op = torch.ops.flexattn.attention_fwd if _records(query, key, value, buffers) else \
+    op = torch.ops.flexattn.attention_fwd if _records_grad(query, key, value, *buffers) else \
         torch.ops.flexattn.attention_fwd_inference
     out, lse = op(query, key, value, buffers, spec_id, [], None)
     return (out, lse) if return_lse else out
@@ -864,12 +862,6 @@ _INFERENCE_OPS.define("attention_fwd_inference(Tensor query, Tensor key, Tensor 
                       " Tensor?[] lists, int[]? layout) -> (Tensor, Tensor)")
 _INFERENCE_OPS.impl("attention_fwd_inference", _attention_fwd_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("flexattn::attention_fwd_inference", _attention_fwd_fake, lib=_INFERENCE_OPS)
-
-
-def _records(query, key, value, buffers) -> bool:
-    """Whether autograd records this call (under torch.compile: known while tracing, and
-    guarded)."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, *buffers))
 
 
 def _op_key(spec_id: int, q, k, v) -> tuple:

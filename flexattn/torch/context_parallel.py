@@ -37,7 +37,7 @@ from ..core.context_parallel import (ContextParallelPlan, LoopbackWorld, ShardLa
 from ..core.context_parallel.host_ops import merge_rows, written_into
 from ..problem.spec import AttentionSpec, lse_dtype
 from ..problem.validate import check_inputs
-from . import (_grad_mask, _like, _kernel_backward, _kernel_forward, _score_tensors, _written_empty,
+from . import (_grad_mask, _like, _kernel_backward, _kernel_forward, _records_grad, _score_tensors, _written_empty,
                backward_unsupported, create_block_mask, kernel_unsupported)
 
 SCHEDULES = ("ring", "direct", "all_gather")
@@ -169,8 +169,7 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     except (TypeError, ValueError) as e:
         error = e
     buffers = _score_tensors(spec.score) if error is None else []
-    records = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
-                                              for x in (query, key, value, *buffers))
+    records = error is None and _records_grad(query, key, value, *buffers)
     # every rank raises together, none waits forever
     _agree(comm, parallel, (query, key, value), error, _backward_gpu(comm, query, records))
     plan = _plan(spec, layout, rank, query)
@@ -211,7 +210,7 @@ def _backward_gpu(comm, query, records: bool) -> int:
     autograd records; else -1. torch runs every backward function of one GPU on a single
     worker thread: two rank-threads' backwards on one GPU would each wait there for the
     other's messages forever."""
-    if isinstance(comm, _GroupComm) or not records or not isinstance(query, torch.Tensor) or not query.is_cuda:
+    if isinstance(comm, _GroupComm) or not records or not query.is_cuda:
         return -1
     return query.device.index if query.device.index is not None else torch.cuda.current_device()
 

@@ -33,8 +33,9 @@ What a framework supplies (duck-typed, see ``flexattn.torch.context_parallel``):
   ``assign(acc, lse, start, stop, out_j, lse_j) -> (acc, lse)`` (rows no launch wrote yet);
   ``merge_into(out, lse, start, stop, out_j, lse_j)`` (the result's rows merged with a
   partial in the work dtype, written in out's dtype); ``zeros(x) -> fp32 zeros``;
-  ``work_empty(x)`` (fp32, uninitialized); ``add_rows(acc, start, stop, x) -> acc``; ``add_rows_into(out, start, stop, acc, x)`` (out's rows ← acc + x, in out's
-  dtype); ``add(a, b)``; ``cast(x, like)``; ``empty(x)`` (uninitialized, x's dtype);
+  ``work_empty(x)`` (fp32, uninitialized); ``add_rows(acc, start, stop, x) -> acc``;
+  ``add_rows_into(out, start, stop, acc, x)`` (out's rows ← acc + x, in out's dtype);
+  ``add(a, b)``; ``cast(x, like)``; ``empty(x)`` (uninitialized, x's dtype);
   ``assign_rows(out, start, stop, x)`` (copy, cast to out's dtype); ``zero_rows(out, start, stop)``.
 ``comm`` — ``rank``, ``world``; ``exchange(dst, arrays, src, like, channel) -> pending``
   (send ``arrays`` to ``dst`` and receive arrays like ``like`` from ``src``, either None;
@@ -642,6 +643,7 @@ class _RowOutputs:
             if kind == "single" and not lent:
                 ops.assign_rows(self.out, a, b, ops.rows(out_j, a - start, b - start))
                 ops.assign_rows(self.lse, a, b, ops.rows(lse_j, a - start, b - start))
+
         def view(s, e):
             return ops.rows(out_j, s - start, e - start), ops.rows(lse_j, s - start, e - start)
 
