@@ -510,6 +510,22 @@ def test_score_functions_defined_inside_the_compiled_code():
     assert counter.frame_count == 1
 
 
+def test_the_pre_grad_pass_pickles_into_inductors_cache_key():
+    """The pass the HOP route installs pickles (by reference to its class), as Inductor
+    pickles its config into a cache key: torch 2.11 logged a traceback per compile for a
+    local function there ("Failed to pickle cache key") and skipped its cache. It keeps no
+    ``uuid()`` (it must run before the cache lookup) and chains a pass set before it."""
+    import pickle
+
+    import torch._inductor.config as inductor_config
+
+    test_score_functions_defined_inside_the_compiled_code()   # installs the pass
+    installed = inductor_config.pre_grad_custom_pass
+    assert hasattr(installed, "flexattn_then") and not hasattr(installed, "uuid")
+    again = pickle.loads(pickle.dumps(installed))
+    assert type(again) is type(installed) and again.flexattn_then is installed.flexattn_then
+
+
 def test_lambdas_defined_inside_the_compiled_code_with_gqa_and_lse():
     """A lambda over a tensor argument of the compiled function, with GQA and the LSE
     returned: equal to eager, gradients reaching the argument; new values of the

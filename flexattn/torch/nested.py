@@ -149,21 +149,25 @@ def flex_attention_route(query, key, value, score_fn, mask_fn, base_id: int, sca
     return result[0], result[1]      # (some torch versions add the max scores)
 
 
-def _pre_grad_pass(then):
-    """``rewrite_marked_calls``, then the pre-grad pass that was set before (if any).
+class _RewriteMarkedCalls:
+    """Inductor's pre-grad custom pass: ``rewrite_marked_calls``, then the pass that was
+    set before (``flexattn_then``, if any).
 
-    A plain function, on purpose: Inductor runs a pass without a ``uuid()`` before its
-    cache lookup ("early" pre-grad timing), so the cache key sees the rewritten graph.
-    With a uuid it would run after the lookup, and a graph cached by another process
-    would skip the pass — and the registration of the spec ids the graph names."""
+    Without a ``uuid()``, on purpose: Inductor runs such a pass before its cache lookup
+    ("early" pre-grad timing), so the cache key sees the rewritten graph. With a uuid it
+    would run after the lookup, and a graph cached by another process would skip the pass
+    — and the registration of the spec ids the graph names. A module-level class, so the
+    pass pickles (by reference) where Inductor pickles its config into a cache key (torch
+    2.11 does; a local function there failed to pickle: a logged traceback per compile,
+    and no cache)."""
 
-    def flexattn_rewrite_marked_calls(graph):
+    def __init__(self, then):
+        self.flexattn_then = then
+
+    def __call__(self, graph):
         rewrite_marked_calls(graph)
-        if then is not None:
-            then(graph)
-
-    flexattn_rewrite_marked_calls.flexattn_then = then
-    return flexattn_rewrite_marked_calls
+        if self.flexattn_then is not None:
+            self.flexattn_then(graph)
 
 
 @torch._dynamo.assume_constant_result
@@ -175,12 +179,12 @@ def _install_pass() -> bool:
 
     current = inductor_config.pre_grad_custom_pass
     if not hasattr(current, "flexattn_then"):
-        chained = _pre_grad_pass(current)
+        chained = _RewriteMarkedCalls(current)
         inductor_config.pre_grad_custom_pass = chained
         # Inductor logs a warning for a pass without a uuid: here that is the point.
         warned = getattr(codecache, "_warned_pre_grad_pass_missing_uuid", None)
         if warned is not None and current is None:
-            warned.add(chained.__qualname__)
+            warned.add(type(chained).__qualname__)
     return True
 
 
