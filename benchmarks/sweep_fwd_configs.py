@@ -16,6 +16,7 @@ TFLOP/s count 2·B·H·S²·(D + Dv) × the causal density, bf16, do_bench with 
 import argparse
 import datetime
 import math
+import statistics
 import traceback
 
 import torch
@@ -65,6 +66,7 @@ def main():
     ap.add_argument("--dense", action="store_true", help="no mask (default: causal)")
     ap.add_argument("--configs", nargs="*", default=[])
     ap.add_argument("--anchors", nargs="*", default=["fa4", "flex"])
+    ap.add_argument("--rounds", type=int, default=1, help="timings per impl, interleaved; the median is reported")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import flexattn.torch as fa
@@ -103,13 +105,19 @@ def main():
         except Exception as e:
             traceback.print_exc()
             print(f"[{text}] failed: {type(e).__name__}: {str(e)[:200]}")
+    times = {name: [] for name in impls}
+    for _ in range(args.rounds):   # interleaved: a clock drift spreads over every impl
+        for name, fn in impls.items():
+            try:
+                times[name].append(bench_ms(fn))
+            except Exception as e:
+                print(f"[{name}] bench failed: {type(e).__name__}: {str(e)[:200]}")
     rows = []
-    for name, fn in impls.items():
-        try:
-            ms = bench_ms(fn)
-            rows.append({"impl": name, "ms": ms, "tflops": work / ms / 1e9, "note": notes.get(name, "")})
-        except Exception as e:
-            print(f"[{name}] bench failed: {type(e).__name__}: {str(e)[:200]}")
+    for name, got in times.items():
+        if got:
+            ms = statistics.median(got)
+            rows.append({"impl": name, "ms": ms, "tflops": work / ms / 1e9, "note": notes.get(name, ""),
+                         "spread_ms": [min(got), max(got)]})
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     base = next((r["tflops"] for r in rows if r["impl"] == "fa4"), None)
     md = (f"{stamp}  {device_name()}  B{B} S{S} H{H} D{D}/{Dv} {'causal' if causal else 'dense'}\n"

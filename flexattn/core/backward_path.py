@@ -47,8 +47,9 @@ Allocator = Callable[[tuple, str, bool], Any]
 def allocate_workspace(alloc: Allocator, arrays) -> tuple:
     """The backward's workspace arrays (``[(shape, dtype name)]``, uninitialized) from
     ``alloc``: carved from one allocation where the allocator offers ``group`` (the torch
-    adapter: one ``torch.empty`` instead of three or four, ~10 µs of host time each on the
-    H200's host, where a B8 S2048 training step is host-bound), else one call per array."""
+    adapter: one ``torch.empty`` per training step instead of three or four — host time,
+    which bounds B8 S2048 training steps on the H200's host; the saving was below that
+    host's run-to-run spread, docs/experiments.md), else one call per array."""
     group = getattr(alloc, "group", None)
     if group is not None:
         return tuple(group(arrays))
