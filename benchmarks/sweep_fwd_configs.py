@@ -59,6 +59,19 @@ def forced(qh, kh, vh, causal: bool, scale: float, overrides: dict):
     return (lambda: (fn(), o)[1]), cfg
 
 
+def kernel_us(fn, calls: int = 5) -> float:
+    """Mean GPU µs per call of ``fn``'s kernels, ``calls`` calls back to back under the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / calls
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dims", default="192/128", help="D/Dv")
@@ -67,6 +80,9 @@ def main():
     ap.add_argument("--configs", nargs="*", default=[])
     ap.add_argument("--anchors", nargs="*", default=["fa4", "flex"])
     ap.add_argument("--rounds", type=int, default=1, help="timings per impl, interleaved; the median is reported")
+    ap.add_argument("--kernel-times", action="store_true",
+                    help="also each impl's kernel µs per call back to back under the profiler (do_bench times from "
+                         "its start event: where a call's host time exceeds the L2 flush, that difference counts)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import flexattn.torch as fa
@@ -118,13 +134,17 @@ def main():
             ms = statistics.median(got)
             rows.append({"impl": name, "ms": ms, "tflops": work / ms / 1e9, "note": notes.get(name, ""),
                          "spread_ms": [min(got), max(got)]})
+    if args.kernel_times:
+        for r in rows:
+            r["kernel_us"] = kernel_us(impls[r["impl"]])
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     base = next((r["tflops"] for r in rows if r["impl"] == "fa4"), None)
     md = (f"{stamp}  {device_name()}  B{B} S{S} H{H} D{D}/{Dv} {'causal' if causal else 'dense'}\n"
-          "| impl | ms | TFLOP/s | vs fa4 | config |\n|---|---|---|---|---|\n")
+          "| impl | ms | TFLOP/s | vs fa4 | kernel µs back to back | config |\n|---|---|---|---|---|---|\n")
     for r in rows:
         ratio = f"{r['tflops'] / base:.3f}" if base else "—"
-        md += f"| {r['impl']} | {r['ms']:.4f} | {r['tflops']:.1f} | {ratio} | {r['note']} |\n"
+        kernel = f"{r['kernel_us']:.1f}" if "kernel_us" in r else "—"
+        md += f"| {r['impl']} | {r['ms']:.4f} | {r['tflops']:.1f} | {ratio} | {kernel} | {r['note']} |\n"
     report(md, rows, args.out, stamp)
 
 
