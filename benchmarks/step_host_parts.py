@@ -1,7 +1,7 @@
 """Where a training step's host time goes at the user's door, part by part.
 
-bench_bwd's step (torch-style mask functions through ``flexattn.torch``'s
-``create_block_mask(..., device="cuda")``, the forward, then ``torch.autograd.grad``) is
+bench_bwd's step (its headline: torch-style mask and score functions through
+``flexattn.torch``, the forward, then ``torch.autograd.grad``) is
 submitted back to back without synchronizing; each round of N steps reports the host µs
 per step, and wrappers (``time.perf_counter``) around our parts say how much of it is
 ours: the prepared forward step, the prepared backward (its operands and output
@@ -22,7 +22,10 @@ import time
 
 import torch
 
+from bench_bwd import VARIANTS
+from bench_fwd import Variant, ours_mask_args
 from common import device_name
+from profile_kernels import step_inputs
 
 _PARTS = collections.defaultdict(float)
 
@@ -75,7 +78,7 @@ def host_us(step, steps: int, rounds: int):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="8x2048x16x128", help="BxSxHxD")
-    ap.add_argument("--variants", nargs="*", default=["document4", "window1024"], choices=["document4", "window1024"])
+    ap.add_argument("--variants", nargs="*", default=["document4", "window1024"], choices=VARIANTS)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
@@ -88,21 +91,15 @@ def main():
     _timed(backward_path.PreparedBackward, "launch", "  workspace, 3 launches")
 
     B, S, H, D = map(int, args.shape.split("x"))
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-               for _ in range(3))
-    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-    grad = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    doc = torch.arange(S, device="cuda") * 4 // S
-    masks = {"document4": lambda b, h, i, j: doc[i] == doc[j],
-             "window1024": lambda b, h, i, j: (i - j).abs() <= 1024}
+    (q, k, v), (qh, kh, vh), _, grad, scale = step_inputs(B, S, H, D, True)
     print(f"# {device_name()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, B{B} S{S} H{H} D{D}, "
           f"host µs per step (median of {args.rounds} rounds of {args.steps})")
     for name in args.variants:
-        block_mask = fa.create_block_mask(masks[name], None, None, S, S, device="cuda")
+        var = Variant(name, B, S, H)
+        _, kw = ours_mask_args(var, S)   # bench_bwd's headline: the torch-style function's block mask
 
         def forward():
-            return fa.flex_attention(qh, kh, vh, block_mask=block_mask)
+            return fa.flex_attention(qh, kh, vh, score_mod=var.score, scale=scale, **kw)
 
         def no_grad_forward():
             with torch.no_grad():
@@ -113,7 +110,7 @@ def main():
 
         for label, fn in (("fwd+bwd", step), ("forward, no_grad", no_grad_forward), ("forward, recorded", forward)):
             us, parts = host_us(fn, args.steps, args.rounds)
-            print(f"{name} {label}: {us:.0f}  " + ", ".join(f"{k.strip()} {v:.0f}" for k, v in parts.items()),
+            print(f"{name} {label}: {us:.0f}  " + ", ".join(f"{part.strip()} {t:.0f}" for part, t in parts.items()),
                   flush=True)
     us, _ = host_us(lambda: torch.autograd.grad(_AllocatesOnly.apply(qh, kh, vh)[0], (q, k, v), grad),
                     args.steps, args.rounds)

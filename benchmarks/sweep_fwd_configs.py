@@ -60,16 +60,11 @@ def forced(qh, kh, vh, causal: bool, scale: float, overrides: dict):
 
 
 def kernel_us(fn, calls: int = 5) -> float:
-    """Mean GPU µs per call of ``fn``'s kernels, ``calls`` calls back to back under the profiler."""
-    from torch.profiler import ProfilerActivity, profile
+    """GPU µs per call of ``fn``'s kernels, ``calls`` calls back to back under the profiler."""
+    from profile_kernels import profile_step
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / calls
+    kernels, _ = profile_step(fn, calls)
+    return sum(t for t, _ in kernels.values())
 
 
 def main():
