@@ -327,38 +327,6 @@ def test_backward_operands_are_read_in_place_where_the_kernels_can():
     assert got.d_out.is_contiguous() and torch.equal(got.d_out, torch.ones(B, H, S, D, dtype=torch.bfloat16))
 
 
-def test_backward_workspace_arrays_come_from_one_allocation():
-    """The backward's workspace (``core.backward_path.allocate_workspace``) through the torch
-    allocator's ``group``: one buffer, each array contiguous with its shape and dtype,
-    starting on a 256-byte boundary past the previous one (no overlap: writes stay apart);
-    an allocator without ``group`` gets one call per array."""
-    from flexattn.core.backward_path import allocate_workspace
-    from flexattn.torch import _backward_alloc
-
-    specs = [((2, 3, 40), "float32"), ((2, 3, 40), "float32"), ((2, 3, 40, 64), "float32"), ((2, 3, 5), "int32"),
-             ((7, 4), "int64"), ((0,), "float32")]
-    arrays = allocate_workspace(_backward_alloc(torch.device("cpu")), specs)
-    base = arrays[0].data_ptr()
-    assert len({a.untyped_storage().data_ptr() for a in arrays}) == 1
-    end = base
-    for a, (shape, dtype) in zip(arrays, specs):
-        assert tuple(a.shape) == shape and a.dtype == getattr(torch, dtype) and a.is_contiguous()
-        if a.numel():   # (an empty array's data_ptr is 0)
-            assert (a.data_ptr() - base) % 256 == 0 and a.data_ptr() >= end
-            end = a.data_ptr() + a.numel() * a.element_size()
-    for i, a in enumerate(arrays):
-        a.fill_(i + 1)
-    assert all(bool((a == i + 1).all()) for i, a in enumerate(arrays))
-
-    calls = []
-
-    def plain(shape, dtype, zeroed):
-        calls.append((shape, dtype, zeroed))
-        return torch.empty(shape, dtype=getattr(torch, dtype))
-    assert [tuple(a.shape) for a in allocate_workspace(plain, specs)] == [s for s, _ in specs]
-    assert calls == [(s, d, False) for s, d in specs]
-
-
 def test_torch_mask_helpers_match_torch():
     """and_masks / or_masks / noop_mask / create_mask / FlexKernelOptions, as torch's:
     the same dense masks, and flex_attention with them equal to torch's eager call."""

@@ -37,23 +37,10 @@ class BackwardResult:
 
 
 # alloc(shape, dtype, zeroed) -> a contiguous DLPack array on the GPU of ``dtype`` (a numpy
-# dtype name: "float32"; a deterministic backward's workspace adds int32 / int64 arrays),
-# zero-filled iff ``zeroed`` (the workspace needs no initialization, buffer gradients do).
-# An allocator may also offer ``alloc.group([(shape, dtype), ...])``: uninitialized arrays
-# carved from one allocation (see ``allocate_workspace``).
+# dtype name: "float32" today; the workspace of a deterministic backward will add int32 /
+# int64 arrays), zero-filled iff ``zeroed`` (the workspace needs no initialization, buffer
+# gradients do).
 Allocator = Callable[[tuple, str, bool], Any]
-
-
-def allocate_workspace(alloc: Allocator, arrays) -> tuple:
-    """The backward's workspace arrays (``[(shape, dtype name)]``, uninitialized) from
-    ``alloc``: carved from one allocation where the allocator offers ``group`` (the torch
-    adapter: one ``torch.empty`` per training step instead of three or four — host time,
-    which bounds B8 S2048 training steps on the H200's host; the saving was below that
-    host's run-to-run spread, docs/experiments.md), else one call per array."""
-    group = getattr(alloc, "group", None)
-    if group is not None:
-        return tuple(group(arrays))
-    return tuple(alloc(s, dtype, False) for s, dtype in arrays)
 
 
 def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: AttentionSpec, device: Device,
@@ -76,7 +63,7 @@ def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: Attention
     cfg = backward_config(plan.config, deterministic, grad_captures, plan.backward_ctas)
     hook = cfg.mods
     lists = _q_lists(cfg, plan, device)
-    workspace = allocate_workspace(alloc, [(s, dtype) for _, s, dtype in backward_workspace(cfg, shape)])
+    workspace = tuple(alloc(s, dtype, False) for _, s, dtype in backward_workspace(cfg, shape))
     captures = hook.captures()
     slots = hook.grad_slots
     grads = tuple(alloc(_grad_shape(captures[s]), "float32", True) for s in slots)
@@ -159,7 +146,7 @@ class PreparedBackward:
             captures = (self._captures if operands is None
                         else kernel_path.with_operands(self._captures, operands, positions))
             args = ffi_args(self._kinds, captures, self._to_device) or None
-        workspace = allocate_workspace(alloc, self._workspace)
+        workspace = tuple(alloc(s, dtype, False) for s, dtype in self._workspace)
         grads = tuple(alloc(s, "float32", True) for s in self._grad_shapes)
         # The call's shapes are the prepared call's (its key), checked then; a compiled
         # graph's operands may be new arrays: checked.
@@ -215,5 +202,5 @@ def _grad_shape(capture) -> tuple:
     return tuple(int(n) for n in capture.shape) or (1,)
 
 
-__all__ = ["Allocator", "BackwardArrays", "allocate_workspace", "BackwardResult", "PreparedBackward", "backward_config", "backward_into",
+__all__ = ["Allocator", "BackwardArrays", "BackwardResult", "PreparedBackward", "backward_config", "backward_into",
            "backward_workspace", "prepare_backward"]

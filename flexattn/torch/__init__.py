@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import inspect
-import math
 
 from typing import Optional
 
@@ -1288,41 +1287,14 @@ def _write_target(name, t, size: tuple, dtype, device):
     return t
 
 
-class _BackwardAlloc:
-    """The backward's allocator (``core.backward_path.Allocator``) on a device: workspaces
-    the preprocess initializes are left unfilled; ``group`` carves a workspace's arrays
-    from one allocation."""
-
-    GROUP_ALIGN = 256   # bytes: every array of a group starts on such a boundary (TMA wants 16)
-
-    __slots__ = ("device",)
-
-    def __init__(self, device):
-        self.device = device
-
-    def __call__(self, shape_, dtype, zeroed):
-        if zeroed:
-            return torch.zeros(shape_, dtype=getattr(torch, dtype), device=self.device)
-        return _written_empty(shape_, dtype=getattr(torch, dtype), device=self.device)
-
-    def group(self, arrays):
-        """Uninitialized contiguous arrays ``[(shape, dtype name)]``, views of one byte
-        buffer (which lives as long as any of them)."""
-        dtypes = [getattr(torch, dtype) for _, dtype in arrays]
-        sizes = [math.prod(shape_) * dt.itemsize for (shape_, _), dt in zip(arrays, dtypes)]
-        align = self.GROUP_ALIGN
-        starts, end = [], 0
-        for n in sizes:
-            starts.append(end)
-            end += -(-n // align) * align
-        buffer = _written_empty(max(end, 1), dtype=torch.uint8, device=self.device)
-        return [buffer[start:start + n].view(dt).view(shape_)
-                for (shape_, _), dt, start, n in zip(arrays, dtypes, starts, sizes)]
-
-
 def _backward_alloc(dev):
-    """The backward's allocator on ``dev`` (``_BackwardAlloc``)."""
-    return _BackwardAlloc(dev)
+    """The backward's allocator (``core.backward_path.Allocator``) on ``dev``: workspaces
+    the preprocess initializes are left unfilled."""
+    def alloc(shape_, dtype, zeroed):
+        if zeroed:
+            return torch.zeros(shape_, dtype=getattr(torch, dtype), device=dev)
+        return _written_empty(shape_, dtype=getattr(torch, dtype), device=dev)
+    return alloc
 
 
 class _DeviceCopies(HostCopies):
