@@ -852,6 +852,33 @@ def test_torch_call_errors_before_any_message():
         tcp._backward_gpu = real
 
 
+def test_the_backward_is_checked_where_only_a_score_capture_records(monkeypatch):
+    """The door's checks before any message ask whether the backward kernels take the call
+    wherever autograd records it: q, k or v requiring grad, or a tensor the score mod
+    captures (a trainable bias on frozen inputs) — not only q, k, v. (CUDA-looking CPU
+    tensors, the kernels' verdicts stubbed: the checks are what is tested.)"""
+    from flexattn.torch import context_parallel as tcp
+
+    class CudaLooking(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+    monkeypatch.setattr(tcp, "kernel_unsupported", lambda query, shape: None)
+    monkeypatch.setattr(tcp, "backward_unsupported", lambda shape, query: "no backward here")
+    layout = cp.head_tail(64, 2)
+    q = torch.randn(1, 2, 32, 16).as_subclass(CudaLooking)
+    bias = torch.zeros(2, requires_grad=True)
+    spec = AttentionSpec.from_args(score=mods.score_mod(lambda s, b, h, qi, ki: s + bias[h]))
+    with pytest.raises(ValueError, match="no backward here"):
+        tcp._check_shard(q, q, q, spec, layout)
+    tcp._check_shard(q, q, q, AttentionSpec.from_args(), layout)          # nothing records
+    with torch.no_grad():
+        tcp._check_shard(q, q, q, spec, layout)                            # grad mode off
+    with pytest.raises(ValueError, match="no backward here"):
+        tcp._check_shard(q.detach().requires_grad_(True), q, q, AttentionSpec.from_args(), layout)
+
+
 def test_call_agreement_is_kept_per_communicator_object():
     """The door's agreement before any message (``_agree``: one small all-gather, then a
     cache) is remembered per in-process communicator object: every rank of a new world

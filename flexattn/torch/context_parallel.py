@@ -277,11 +277,12 @@ def _describe(f) -> str:
 
 def _check_shard(query, key, value, spec, layout) -> None:
     """The whole call's checks, before any launch or message: shapes, dtypes, GQA, and on
-    CUDA what the kernels support (forward, and backward where autograd records)."""
+    CUDA what the kernels support (forward, and backward where autograd records: q, k, v or
+    a tensor the score mod captures requires grad)."""
     shape = check_inputs(query, key, value, AttentionSpec(spec.score, None, None, spec.scale, spec.enable_gqa))
     if query.is_cuda:
         reason = kernel_unsupported(query, shape)
-        records = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+        records = _records_grad(query, key, value, *_score_tensors(spec.score))
         reason = reason or (backward_unsupported(shape, query) if records else None)
         if reason:
             raise ValueError(f"{reason} (CPU tensors run the exact reference for anything else)")
