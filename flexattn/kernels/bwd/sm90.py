@@ -1452,22 +1452,30 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         cute.arch.fence_view_async_shared()          # generic-proxy writes -> wgmma reads
         BwdBarrier.DS_FULL.sync(self.num_mma_threads)
         acc_dQ = cute.make_rmem_tensor(acc_shape_md, Float32)
-        if const_expr(cfg.tail_order == "dv_first"):
-            mma.gemm(tiled_mma_nv, acc_dV, *self._ordered(tVsP[None, None, None, p_buf], tVrdOt[None, None, None, do_stage]),
-                     zero_init=False, wait=-1)
+
+        # The three GEMMs; `wait`: groups left in flight after issuing (-1: none waited for).
+        def gemm_dq(wait):
             mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, ds_buf], tQrKt[None, None, None, 0],
-                     zero_init=True, wait=1)         # dV retired: dO may be overwritten
-            pipe_do.consumer_release(do_state)
+                     zero_init=True, wait=wait)
+
+        def gemm_dv(wait):
+            mma.gemm(tiled_mma_nv, acc_dV, *self._ordered(tVsP[None, None, None, p_buf], tVrdOt[None, None, None, do_stage]),
+                     zero_init=False, wait=wait)
+
+        def gemm_dk(wait):
             mma.gemm(tiled_mma_nd, acc_dK, *self._ordered(tKsdS[None, None, None, ds_buf], tKrQt[None, None, None, stage]),
-                     zero_init=False, wait=1)        # dQ retired
+                     zero_init=False, wait=wait)
+
+        if const_expr(cfg.tail_order == "dv_first"):
+            gemm_dv(-1)
+            gemm_dq(1)                                   # dV retired: dO may be overwritten
+            pipe_do.consumer_release(do_state)
+            gemm_dk(1)                                   # dQ retired
             self._stage_dq(acc_dQ, tdQsdQ, wg)
         else:
-            mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, ds_buf], tQrKt[None, None, None, 0],
-                     zero_init=True, wait=-1)
-            mma.gemm(tiled_mma_nv, acc_dV, *self._ordered(tVsP[None, None, None, p_buf], tVrdOt[None, None, None, do_stage]),
-                     zero_init=False, wait=-1)
-            mma.gemm(tiled_mma_nd, acc_dK, *self._ordered(tKsdS[None, None, None, ds_buf], tKrQt[None, None, None, stage]),
-                     zero_init=False, wait=2)            # dQ retired
+            gemm_dq(-1)
+            gemm_dv(-1)
+            gemm_dk(2)                                   # dQ retired
             self._stage_dq(acc_dQ, tdQsdQ, wg)
             warpgroup.wait_group(1)                      # dV retired: dO may be overwritten
             pipe_do.consumer_release(do_state)
