@@ -164,15 +164,15 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
         comm = _GroupComm(group, dist.get_rank(group), dist.get_world_size(group))
     rank, layout = comm.rank, parallel.layout
     try:
-        spec = _checked(query, key, value, layout, comm.world, (score_mod, block_mask, scale, enable_gqa, mask, score))
+        spec, records = _checked(query, key, value, layout, comm.world,
+                                 (score_mod, block_mask, scale, enable_gqa, mask, score))
         error = None
     except (TypeError, ValueError) as e:
-        error = e
-    buffers = _score_tensors(spec.score) if error is None else []
-    records = error is None and _records_grad(query, key, value, *buffers)
+        error, records = e, False
     # every rank raises together, none waits forever
     _agree(comm, parallel, (query, key, value), error, _backward_gpu(comm, query, records))
     plan = _plan(spec, layout, rank, query)
+    buffers = _score_tensors(spec.score)
     run = _Run(plan, comm, TorchOps(), parallel.schedule,
                wanted=tuple(i for i, c in enumerate(spec.score.captures if spec.score is not None else ())
                             if isinstance(c, torch.Tensor) and c.requires_grad and c.is_floating_point()))
@@ -180,8 +180,9 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     return (out, lse) if return_lse else out
 
 
-def _checked(query, key, value, layout, world, call) -> AttentionSpec:
-    """This rank's checks of a call (its spec, or a clear error)."""
+def _checked(query, key, value, layout, world, call) -> tuple:
+    """This rank's checks of a call: (its spec, whether autograd records it), or a clear
+    error."""
     if layout.world != world:
         raise ValueError(f"the layout is for {layout.world} ranks, the group has {world}")
     for name, x in (("query", query), ("key", key), ("value", value)):
@@ -192,8 +193,7 @@ def _checked(query, key, value, layout, world, call) -> AttentionSpec:
                              f" {layout.seq_len}-token sequence, got shape {tuple(x.shape)}")
     score_mod, block_mask, scale, enable_gqa, mask, score = call
     spec = AttentionSpec.from_args(score_mod, as_block_mask(block_mask), scale, enable_gqa, mask, score)
-    _check_shard(query, key, value, spec, layout)
-    return spec
+    return spec, _check_shard(query, key, value, spec, layout)
 
 
 _AGREED: set = set()   # (process group id, fingerprint, backward GPU) every rank has confirmed
@@ -275,17 +275,17 @@ def _describe(f) -> str:
             f" q {list(q)} k {list(k)} v {list(v)}")
 
 
-def _check_shard(query, key, value, spec, layout) -> None:
+def _check_shard(query, key, value, spec, layout) -> bool:
     """The whole call's checks, before any launch or message: shapes, dtypes, GQA, and on
     CUDA what the kernels support (forward, and backward where autograd records: q, k, v or
-    a tensor the score mod captures requires grad)."""
+    a tensor the score mod captures requires grad). Returns whether autograd records."""
     shape = check_inputs(query, key, value, AttentionSpec(spec.score, None, None, spec.scale, spec.enable_gqa))
+    records = _records_grad(query, key, value, *_score_tensors(spec.score))
     if query.is_cuda:
-        reason = kernel_unsupported(query, shape)
-        records = _records_grad(query, key, value, *_score_tensors(spec.score))
-        reason = reason or (backward_unsupported(shape, query) if records else None)
+        reason = kernel_unsupported(query, shape) or (backward_unsupported(shape, query) if records else None)
         if reason:
             raise ValueError(f"{reason} (CPU tensors run the exact reference for anything else)")
+    return records
 
 
 _PLANS: dict = {}   # see _plan

@@ -561,8 +561,12 @@ class _RowSums:
 
     def _shared(self, start, runs, x, lent: bool):
         ops = self.ops
-        for step, a, b, extra in self.rows.combine_steps(runs, lambda s, e: ops.rows(x, s - start, e - start), lent):
-            piece = ops.rows(x, a - start, b - start)
+
+        def view(s, e):
+            return ops.rows(x, s - start, e - start)
+
+        for step, a, b, extra in self.rows.combine_steps(runs, view, lent):
+            piece = view(a, b)
             if step == "summed":
                 self._add_summed(a, b, piece, extra)
             elif step == "into":        # (never lent: ``lendable``)
