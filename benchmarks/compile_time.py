@@ -184,6 +184,13 @@ KERNELS = {
     "causal-d32-m128n256": _fwd(head_dim=32, tile_m=128, tile_n=256, causal=True),
     "causal-d32-m192n192": _fwd(head_dim=32, tile_m=192, tile_n=192, causal=True),
     "causal-d32-m192n256": _fwd(head_dim=32, tile_m=192, tile_n=256, causal=True),
+    # 256 value columns: O rescaled while Q K^T runs (FwdConfig.rescale_o_early), ping-pong off
+    "causal-256-n80": _fwd(head_dim=256, tile_m=128, tile_n=80, causal=True),
+    "causal-256-n80-early": _fwd(head_dim=256, tile_m=128, tile_n=80, causal=True, rescale_o_early=True),
+    "causal-256-n80-early-nopp": _fwd(head_dim=256, tile_m=128, tile_n=80, causal=True, rescale_o_early=True,
+                                      pingpong=False),
+    "doc-256-early": _fwd(head_dim=256, tile_m=128, tile_n=64, block_sparse=True, mask=_document,
+                          rescale_o_early=True),
     "bwd-full": _bwd(head_dim=128),
     "bwd-causal": _bwd(head_dim=128, causal=True),
     "bwd-causal-softcap": _bwd(head_dim=128, causal=True, score=_softcap),

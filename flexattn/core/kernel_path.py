@@ -403,6 +403,18 @@ def block_lists_to_device(spec: AttentionSpec, shape: AttentionShape, to_device:
         for name in _LIST_NAMES:
             to_device(block_mask.list_array(name))
 
+def _rescale_o_early(shape: AttentionShape, tf32_passes: int) -> bool:
+    """Whether the forward shrinks O while Q K^T runs (`FwdConfig.rescale_o_early`): beyond
+    128 value columns, as FA4 does (measurement: docs/experiments.md, issue 25). Not with
+    3xTF32's promoted P V (its own fold). ``FLEXATTN_RESCALE_O_EARLY=0`` / ``1`` overrides,
+    for A/B runs."""
+    if tf32_passes == 3 and shape.v_head_dim <= 128:
+        return False
+    flag = os.environ.get("FLEXATTN_RESCALE_O_EARLY", "auto")
+    if flag in ("0", "1"):
+        return flag == "1"
+    return shape.v_head_dim > 128
+
 
 def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool = False,
                  tf32_passes: int = 3) -> KernelPlan:
@@ -432,8 +444,9 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     persistent_pays = (dense or _balanced(block_mask, band) or causal_tickets) and not fp32 and not _GPU_SHARED.get()
     max_ctas = persistent_ctas(q, cluster_m) if persistent_pays else 0
     tickets = _tickets_pay(shape, band, max_ctas, cluster_m, causal_tickets, tickets_flag)
+    rescale_early = _rescale_o_early(shape, tf32_passes)
     key = (dtype, tf32_passes, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
-           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0,
+           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     # 3xTF32 keeps float32's accuracy: the mods' tanh / sigmoid exact, not tanh.approx.
@@ -469,6 +482,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
             snake=bool(band) and persistent and cluster_m == 1 and not tickets,
             # (keyed above by KV_LEN % 128: a tile_n that divides 128 then divides KV_LEN)
             kv_aligned=shape.kv_len % 128 == 0 and 128 % tile_n == 0,
+            rescale_o_early=rescale_early,
         )
         # _clusters_pay counts 128-row q tiles; the kernel pairs its own tile_m rows, and
         # the TVM-FFI launch does not check again: the two counts must agree.

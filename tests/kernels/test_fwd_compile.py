@@ -2,6 +2,8 @@
 uses the Hopper paths (wgmma, TMA, setmaxnreg), nothing spills, and hook arguments stay
 runtime arguments. No GPU or driver needed."""
 
+import re
+
 import pytest
 
 pytest.importorskip("cutlass")
@@ -59,8 +61,9 @@ CASES = {
     "hd192-128-causal": (FwdConfig(head_dim=192, head_dim_v=128, causal=True), lambda: ()),
     "hd192-tn112-softcap": (FwdConfig(head_dim=192, tile_n=112, mods=hooks.SoftcapHook()),
                             lambda: (cutlass.Float32(30.0),)),
-    "hd256-tn80-causal": (FwdConfig(head_dim=256, tile_n=80, causal=True), lambda: ()),
-    "hd256-sparse-tn64": (FwdConfig(head_dim=256, block_sparse=True, tile_n=64,
+    "hd256-tn80-causal": (FwdConfig(head_dim=256, tile_n=80, causal=True, rescale_o_early=True), lambda: ()),
+    "hd256-tn80-causal-late": (FwdConfig(head_dim=256, tile_n=80, causal=True), lambda: ()),
+    "hd256-sparse-tn64": (FwdConfig(head_dim=256, block_sparse=True, tile_n=64, rescale_o_early=True,
                                     mods=hooks.LaggedCausalHook()), lambda: (cutlass.Int32(3),)),
     "hd64-128": (FwdConfig(head_dim=64, head_dim_v=128), lambda: ()),
     "hd64-sparse-plain": (FwdConfig(head_dim=64, block_sparse=True, intra_wg_overlap=False,
@@ -145,6 +148,38 @@ def test_hooks_walk_blocks_in_one_step(compiled):
         cfg = CASES[name][0]
         qk, pv = cfg.head_dim // 16, cfg.tile_n // 16
         assert compiled[name].count("wgmma.mma_async") == (qk + pv) + pv, name
+
+
+def _gemm_and_multiply_runs(ptx: str) -> str:
+    """The PTX's wgmma (``W<n>``: an m64n<n>k16 run), commit (``C``), wait (``wait<k>``) and
+    fp32 multiply (``mul``) instructions as runs, e.g. ``W80x16 Cx1 mulx128 W256x5``."""
+    runs = []
+    for line in ptx.splitlines():
+        line = line.strip()
+        if line.startswith("wgmma.mma_async"):
+            tok = "W" + re.search(r"m64n(\d+)k16", line).group(1)
+        elif line.startswith("wgmma.commit"):
+            tok = "C"
+        elif line.startswith("wgmma.wait_group"):
+            tok = "wait" + line.split()[-1].rstrip(";")
+        elif line.startswith("mul.") and ".f32" in line:
+            tok = "mul"
+        else:
+            continue
+        if runs and runs[-1][0] == tok:
+            runs[-1][1] += 1
+        else:
+            runs.append([tok, 1])
+    return " ".join(f"{tok}x{n}" for tok, n in runs)
+
+
+def test_early_o_rescale_runs_between_the_two_gemms(compiled):
+    """FwdConfig.rescale_o_early: O's multiply by the pending row scale (one per O element:
+    Dv / 2 per thread) sits between Q K^T's commit and the P V GEMM, not after P V's wait."""
+    qk_run = "W80x16 Cx1"
+    early, late = (_gemm_and_multiply_runs(compiled[n]) for n in ("hd256-tn80-causal", "hd256-tn80-causal-late"))
+    assert early.count(f"{qk_run} mulx128 W256x5") >= 2 and "wait0x1 mulx128 W80" not in early, early
+    assert f"{qk_run} mulx128 W256" not in late and late.count("wait0x1 mulx128 W80") >= 1, late
 
 
 def test_block_sparse_structure(compiled):

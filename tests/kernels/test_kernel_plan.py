@@ -223,11 +223,25 @@ def test_head_dims_plan_tiles_that_fit_shared_memory(on_gpu):
             D, Dv, tile_m, tile_n, 2, ctas), (D, Dv)
         assert shared_bytes(cfg.tile_m, cfg.tile_n, 2, D, Dv, cfg.separate_o) <= SMEM_CAPACITY
         assert cfg.cluster_m == (2 if (D, Dv) in ((128, 128), (192, 128)) else 1)
+        assert cfg.rescale_o_early == (Dv > 128), (D, Dv)   # O shrinks while Q K^T runs
         assert backward_unsupported(shape) is None
     sparse, _ = plan(256, 256, mask=mods.document(np.zeros(256, np.int32)))
     assert (sparse.block_sparse, sparse.tile_n, sparse.num_stages, sparse.sparse_block_n) == (True, 64, 2, 128)
     band, _ = plan(256, 256, mask=mods.sliding_window(100))
     assert (band.band, band.tile_n, band.num_stages) == (True, 80, 2)
+    assert sparse.rescale_o_early and band.rescale_o_early
+
+
+def test_early_o_rescale_needs_the_overlapped_schedule_without_promoted_pv():
+    """`rescale_o_early` shrinks O between two GEMMs of the overlapped step; 3xTF32's
+    promoted P V folds O its own way: both combinations are refused at construction."""
+    from flexattn.kernels.fwd.sm90 import FwdConfig
+
+    with pytest.raises(ValueError, match="rescale_o_early"):
+        FwdConfig(head_dim=256, rescale_o_early=True, intra_wg_overlap=False)
+    with pytest.raises(ValueError, match="rescale_o_early"):
+        FwdConfig(dtype="fp32", tf32_passes=3, head_dim=128, tile_n=64, rescale_o_early=True)
+    assert FwdConfig(head_dim=256, rescale_o_early=True).rescale_o_early
 
 
 def test_tvm_ffi_forward_compiles_with_the_planned_signature():

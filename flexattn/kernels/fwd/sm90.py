@@ -104,6 +104,11 @@ class FwdConfig(KernelConfig):
     # Step (b) scheduling; both only change timing, never results:
     intra_wg_overlap: bool = True  # softmax of block j overlaps P_{j-1} V_{j-1} on the tensor cores
     pingpong: bool = True          # 2 consumer warpgroups take turns issuing their GEMMs
+    # Overlapped schedule: O shrinks by block j-1's row scale right after Q K_j^T is issued
+    # (on registers the tensor cores do not hold then), instead of after the softmax of
+    # block j, where it sits between P_{j-1} V_{j-1} landing and Q K_{j+1}^T going out:
+    # 128 FMULs per thread there at 256 value columns (FA4 does this beyond 128).
+    rescale_o_early: bool = False
     # Which tiles each CTA takes (hopper/tile_scheduler.py): "by_head" or "longest_first"
     # (None: longest_first under causal, where tiles differ in work; by_head otherwise).
     tile_order: str | None = None
@@ -204,6 +209,8 @@ class FwdConfig(KernelConfig):
                                and self.head_dim_v <= 128)
         if self.promote_pv and not self.intra_wg_overlap:
             raise ValueError("promote_pv needs the overlapped schedule (intra_wg_overlap)")
+        if self.rescale_o_early and (self.promote_pv or not self.intra_wg_overlap):
+            raise ValueError("rescale_o_early needs the overlapped schedule without promote_pv")
         if self.tf32_passes not in (1, 3) or (self.tf32_passes == 3 and self.dtype != "fp32"):
             raise ValueError(f"tf32_passes must be 1, or 3 with dtype 'fp32', got {self.tf32_passes}")
         if self.dtype == "fp32" and (self.cluster_m > 1 or self.tile_n % 8):
@@ -631,7 +638,8 @@ class FlashFwdSm90(WarpSpecialized):
             tOrP = tuple(wg_pv.make_fragment_A(p_shape) for _ in range(2))
         acc_shape_S = wg_qk.partition_shape_C((cfg.tile_m, cfg.tile_n))
         acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((cfg.tile_m, cfg.head_dim_v)), Float32)
-        softmax = OnlineSoftmax(scale_log2, cute.size(mma.acc_mn_view(acc_O).shape[0]))
+        softmax = OnlineSoftmax(scale_log2, cute.size(mma.acc_mn_view(acc_O).shape[0]),
+                                defer_o_scale=cfg.rescale_o_early)
         if const_expr(cfg.promote_pv):   # (O, this block's P V): see FwdConfig.promote_pv
             acc_O = (acc_O, cute.make_rmem_tensor_like(acc_O))
 
@@ -1032,6 +1040,8 @@ class FlashFwdSm90(WarpSpecialized):
         pipe_k.consumer_release(kv_state)
         self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
         softmax.step(acc_S, is_first=True)
+        if const_expr(self.cfg.rescale_o_early):
+            softmax.o_scale.fill(1.0)
         self._to_p(tOrP, acc_S)
         return kv_state
 
@@ -1052,6 +1062,8 @@ class FlashFwdSm90(WarpSpecialized):
         self._turn_wait(wg)
         mma.gemm(tiled_mma_qk, acc_S, tSrQ, self._kv_operand(tSrK, kv_state),
                       zero_init=True, wait=-1)
+        if const_expr(self.cfg.rescale_o_early):
+            rescale_rows(acc_O, softmax.o_scale)   # block j-1's scale, while Q K_j^T runs
         if has_prev:
             pipe_v.consumer_wait(v_state)
             self._pv_gemm(tiled_mma_pv, acc_O, tOrP, self._kv_operand(tOrVt, v_state), wait=-1)
@@ -1067,7 +1079,10 @@ class FlashFwdSm90(WarpSpecialized):
         if has_prev:
             pipe_v.consumer_release(v_state)
         self._to_p(tOrP, acc_S)
-        self._fold_o(acc_O, row_scale)
+        if const_expr(self.cfg.rescale_o_early):
+            softmax.o_scale.store(row_scale.load())
+        else:
+            self._fold_o(acc_O, row_scale)
         v_state = kv_state.clone()
         kv_state.advance()
         return kv_state, v_state
@@ -1111,8 +1126,10 @@ class FlashFwdSm90(WarpSpecialized):
         """Overlapped schedule, tail: O += P_last V_last; the ring moves on to the next
         tile's first block (the producer advances alike; `advance` False: the caller's
         state has moved on already)."""
-        (_, tiled_mma_pv, _, _, tOrVt, tOrP, _, acc_O, _, _, _, pipe_v,
+        (_, tiled_mma_pv, _, _, tOrVt, tOrP, _, acc_O, softmax, _, _, pipe_v,
          _, _, _, _, _, _, _, _) = ctx
+        if const_expr(self.cfg.rescale_o_early):
+            rescale_rows(acc_O, softmax.o_scale)
         pipe_v.consumer_wait(kv_state)
         self._pv_gemm(tiled_mma_pv, acc_O, tOrP, self._kv_operand(tOrVt, kv_state), wait=0)
         pipe_v.consumer_release(kv_state)

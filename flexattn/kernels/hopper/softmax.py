@@ -23,16 +23,21 @@ LN2 = math.log(2.0)
 class OnlineSoftmax:
     """Row statistics of one thread; `scale_log2` multiplies scores inside exp2."""
 
-    def __init__(self, scale_log2: Float32, num_rows: int):
+    def __init__(self, scale_log2: Float32, num_rows: int, defer_o_scale: bool = False):
         self.scale_log2 = scale_log2
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
+        # `defer_o_scale`: the last step's row scale, held until the caller applies it to
+        # O (FwdConfig.rescale_o_early); 1 where nothing is pending.
+        self.o_scale = cute.make_rmem_tensor(num_rows, Float32) if defer_o_scale else None
 
     def reset(self):
         """State before any block: max -inf, sum 0 (needed when the first visited block
         is not known at compile time)."""
         self.row_max.fill(-Float32.inf)
         self.row_sum.fill(0.0)
+        if const_expr(self.o_scale is not None):
+            self.o_scale.fill(1.0)
 
     @cute.jit
     def step(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
