@@ -405,15 +405,17 @@ def block_lists_to_device(spec: AttentionSpec, shape: AttentionShape, to_device:
 
 def _rescale_o_early(shape: AttentionShape, tf32_passes: int) -> bool:
     """Whether the forward shrinks O while Q K^T runs (`FwdConfig.rescale_o_early`): beyond
-    128 value columns, as FA4 does (measurement: docs/experiments.md, issue 25). Not with
-    3xTF32's promoted P V (its own fold). ``FLEXATTN_RESCALE_O_EARLY=0`` / ``1`` overrides,
-    for A/B runs."""
+    192 value columns (FA4 does it beyond 128). H200, B4 S4096 H16, door A/B in one process,
+    ms early / late: 256/256 causal 0.8816 / 0.8917, dense 1.6007 / 1.6324; 192/192 causal
+    0.7020 / 0.6855, dense 1.2511 / 1.2178; 128/128 causal 0.4925 / 0.4664 (issue 25,
+    docs/experiments.md). Not with 3xTF32's promoted P V (its own fold).
+    ``FLEXATTN_RESCALE_O_EARLY=0`` / ``1`` overrides, for A/B runs."""
     if tf32_passes == 3 and shape.v_head_dim <= 128:
         return False
     flag = os.environ.get("FLEXATTN_RESCALE_O_EARLY", "auto")
     if flag in ("0", "1"):
         return flag == "1"
-    return shape.v_head_dim > 128
+    return shape.v_head_dim > 192
 
 
 def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool = False,
