@@ -107,8 +107,8 @@ class FwdConfig(KernelConfig):
     # Overlapped schedule: O shrinks by block j-1's row scale right after Q K_j^T is issued
     # (on registers the tensor cores do not hold then), instead of after the softmax of
     # block j, where it sits between P_{j-1} V_{j-1} landing and Q K_{j+1}^T going out:
-    # 128 FMULs per thread there at 256 value columns. Planned beyond 192 (measured:
-    # kernel_path._rescale_o_early); FA4 does it beyond 128.
+    # 128 FMULs per thread there at 256 value columns. The same products, rounded in another
+    # order. Planned beyond 192 (measured: kernel_path._rescale_o_early); FA4 does it beyond 128.
     rescale_o_early: bool = False
     # Which tiles each CTA takes (hopper/tile_scheduler.py): "by_head" or "longest_first"
     # (None: longest_first under causal, where tiles differ in work; by_head otherwise).
@@ -1050,7 +1050,8 @@ class FlashFwdSm90(WarpSpecialized):
     def _visit_step(self, ctx, kv_state, v_state, n_block, has_prev, mask: cutlass.Constexpr[bool], partial,
                     kv_bound: cutlass.Constexpr = "sparse", causal: cutlass.Constexpr[bool] = False):
         """Overlapped schedule, block j: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}, then
-        do mods + softmax of S_j while the P V GEMM is still running. `kv_state`: block
+        do mods + softmax of S_j while the P V GEMM is still running (O shrinks by S_j's
+        row scale once P V is done, or with ``rescale_o_early`` by S_{j-1}'s before P V). `kv_state`: block
         j's stage; `v_state`: block j-1's, whose P V is issued here unless `has_prev` is
         false (a run-time value where one step serves every visit, the first included:
         the softmax state then starts reset, so the first visit's rescale is a no-op).
