@@ -46,6 +46,7 @@ due.
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 
@@ -67,6 +68,32 @@ from flexattn.kernels.hopper.warp_specialized import (DTYPES, KernelConfig, Name
 LOG2_E = math.log2(math.e)
 FWD_DTYPES = {**DTYPES, "fp32": cutlass.Float32}   # the forward alone takes fp32 (tf32 MMAs)
 
+
+
+class _Consumer(NamedTuple):
+    """A consumer warpgroup's parts for all its tiles (built once in `consume`): its two
+    MMAs and their register operands, the S accumulator's shape, O (with ``promote_pv`` a
+    pair: O and a block's P V), the softmax state, the fragment's coordinates, the K / V
+    rings."""
+    tiled_mma_qk: object
+    tiled_mma_pv: object
+    tSrQ: object
+    tSrK: object
+    tOrVt: object
+    tOrP: object
+    acc_shape_S: object
+    acc_O: object
+    softmax: object
+    coords: object
+    pipe_k: object
+    pipe_v: object
+
+
+# What a main-loop step reads: the `_Consumer` parts, then this tile's position, the call's
+# run-time sizes, scale and mod arguments, and the warpgroup's index.
+_Step = NamedTuple("_Step", [*_Consumer.__annotations__.items(), *(
+    (name, object) for name in ("m_block", "head", "batch", "seqlen_q", "seqlen_k", "softmax_scale",
+                                "mod_args", "wg"))])
 
 
 @dataclass(frozen=True)
@@ -655,8 +682,8 @@ class FlashFwdSm90(WarpSpecialized):
             if wg == 0:
                 FwdBarrier.TURN.arrive(256)
 
-        fixed = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O,
-                 softmax, coords, pipe_k, pipe_v)
+        fixed = _Consumer(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O,
+                          softmax, coords, pipe_k, pipe_v)
         out = (mO, stats, sO, tma_atom_O, tiled_mma_pv, thr_pv, tidx)
         if const_expr(cfg.tile_tickets):
             idx, total = tiles.first, tiles.total
@@ -693,8 +720,8 @@ class FlashFwdSm90(WarpSpecialized):
         """Linear tile `idx`: main loop over its kv blocks, then the epilogue."""
         cfg = self.cfg
         m_block, head, batch, blocks = self._tile(tiles, idx, seqlen_k, block_sparse)
-        ctx = fixed + (m_block, head, batch, seqlen_q, seqlen_k, softmax_scale, mod_args, wg)
-        acc_O, softmax = fixed[7], fixed[8]
+        ctx = _Step(*fixed, m_block, head, batch, seqlen_q, seqlen_k, softmax_scale, mod_args, wg)
+        acc_O, softmax = fixed.acc_O, fixed.softmax
         if const_expr(cfg.promote_pv):   # P V stays 0 until the first block's lands
             acc_O[1].fill(0.0)
             acc_O = acc_O[0]
@@ -725,7 +752,7 @@ class FlashFwdSm90(WarpSpecialized):
     @cute.jit
     def _skip_blocks(self, ctx, kv_state, count: Int32):
         """Release `count` K/V stages unread (blocks loaded only for the cluster peer)."""
-        pipe_k, pipe_v = ctx[10], ctx[11]
+        pipe_k, pipe_v = ctx.pipe_k, ctx.pipe_v
         for _ in cutlass.range(count, unroll=1):
             pipe_k.consumer_wait(kv_state)
             pipe_k.consumer_release(kv_state)
@@ -795,7 +822,7 @@ class FlashFwdSm90(WarpSpecialized):
         the per-row limits (causal diagonal, KV_LEN) only on the first block and, under
         causal, on blocks crossing the diagonal, decided at run time."""
         cfg = self.cfg
-        softmax = ctx[8]
+        softmax = ctx.softmax
         softmax.reset()
         n_diag = n_block_max - 1     # blocks >= n_diag cross the diagonal (causal)
         if const_expr(cfg.causal):
@@ -816,7 +843,7 @@ class FlashFwdSm90(WarpSpecialized):
         mask). Counts are runtime values and may be 0. Any block may be the one straddling
         KV_LEN: partial blocks check the bound per element next to their mask; full blocks
         check at run time whether they straddle it, so the others pay nothing."""
-        softmax = ctx[8]
+        softmax = ctx.softmax
         has_mask = self.mods.has_mask
         softmax.reset()       # the first visit may be any block, or there may be none
         n_p, n_f = blocks.n_partial, blocks.n_full
@@ -897,7 +924,7 @@ class FlashFwdSm90(WarpSpecialized):
             else:
                 self._scores(ctx, acc_S, n_block, False, causal, "tail")
         elif const_expr(kv_bound == "first" and self._hooks_clamp_kv(mask)):
-            if (n_block + 1) * self.cfg.tile_n > ctx[16]:
+            if (n_block + 1) * self.cfg.tile_n > ctx.seqlen_k:
                 self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=True)
             else:
                 self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=False)
@@ -908,13 +935,13 @@ class FlashFwdSm90(WarpSpecialized):
             self._masks(ctx, acc_S, n_block, mask, causal=False, kv_bound=False)
             if const_expr(causal):
                 self._mask_past_limits(ctx, acc_S, n_block, causal=True, kv_bound=True)
-            elif (n_block + 1) * self.cfg.tile_n > ctx[16]:
+            elif (n_block + 1) * self.cfg.tile_n > ctx.seqlen_k:
                 self._mask_past_limits(ctx, acc_S, n_block, causal=False, kv_bound=True)
         elif const_expr(kv_bound == "tail" and self.cfg.kv_aligned):
             self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=False)
         elif const_expr(kv_bound == "tail"):
             self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=False, clamp_kv=True)
-            if (n_block + 1) * self.cfg.tile_n > ctx[16]:   # the bound alone
+            if (n_block + 1) * self.cfg.tile_n > ctx.seqlen_k:   # the bound alone
                 self._mask_past_limits(ctx, acc_S, n_block, causal=False, kv_bound=True)
         else:
             self._masks(ctx, acc_S, n_block, mask, causal, kv_bound=kv_bound)
@@ -931,8 +958,8 @@ class FlashFwdSm90(WarpSpecialized):
                clamp_kv: cutlass.Constexpr[bool] = False):
         """Hooks (score mod, mask mod) through apply_mods, then the built-in causal mask
         and the KV_LEN bound as per-row column limits."""
-        (_, _, _, _, _, _, _, _, _, coords, _, _, m_block, head, batch, seqlen_q, seqlen_k,
-         softmax_scale, mod_args, _) = ctx
+        coords, m_block, head, batch = ctx.coords, ctx.m_block, ctx.head, ctx.batch
+        seqlen_q, seqlen_k, softmax_scale, mod_args = ctx.seqlen_q, ctx.seqlen_k, ctx.softmax_scale, ctx.mod_args
         mods = self.mods
         if const_expr(mods.has_score or mask):
             # Hooks index buffers with kv: clamped wherever kv may pass KV_LEN.
@@ -957,7 +984,7 @@ class FlashFwdSm90(WarpSpecialized):
         once per row, so an element costs one compare with a compile-time column and one
         select (no per-column index arithmetic); a row is one vector compare and select
         unless `per_element`."""
-        coords, m_block, seqlen_k = ctx[9], ctx[12], ctx[16]
+        coords, m_block, seqlen_k = ctx.coords, ctx.m_block, ctx.seqlen_k
         cfg = self.cfg
         s_mn = mma.acc_mn_view(acc_S)
         kv_first = n_block * cfg.tile_n + coords.col_offset()
@@ -983,7 +1010,7 @@ class FlashFwdSm90(WarpSpecialized):
         compile-time columns and its selects, as the causal limit does (`_mask_past_limits`),
         instead of the mask's expression (window1024 B8 S2048, H100: 14% more instructions
         than FA4's forward; the SASS counts put the difference in these masks)."""
-        coords, m_block, seqlen_k, mod_args = ctx[9], ctx[12], ctx[16], ctx[18]
+        coords, m_block, seqlen_k, mod_args = ctx.coords, ctx.m_block, ctx.seqlen_k, ctx.mod_args
         cfg = self.cfg
         lo, hi = band_bounds(self.mods, mod_args)
         s_mn = mma.acc_mn_view(acc_S)
@@ -1003,8 +1030,10 @@ class FlashFwdSm90(WarpSpecialized):
               kv_bound: cutlass.Constexpr):
         """One kv block, no overlap: S = Q K^T, mods, softmax, O = O * scale + P V.
         (Ping-pong turn: held from before P V until Q K^T of the next block is issued.)"""
-        (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O,
-         softmax, _, pipe_k, pipe_v, _, _, _, _, _, _, _, wg) = ctx
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP = (
+            ctx.tiled_mma_qk, ctx.tiled_mma_pv, ctx.tSrQ, ctx.tSrK, ctx.tOrVt, ctx.tOrP)
+        acc_shape_S, acc_O, softmax = ctx.acc_shape_S, ctx.acc_O, ctx.softmax
+        pipe_k, pipe_v, wg = ctx.pipe_k, ctx.pipe_v, ctx.wg
 
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         pipe_k.consumer_wait(kv_state)
@@ -1032,8 +1061,8 @@ class FlashFwdSm90(WarpSpecialized):
     def _first_half(self, ctx, kv_state, n_block, mask: cutlass.Constexpr[bool],
                     causal: cutlass.Constexpr[bool], kv_bound: cutlass.Constexpr):
         """Overlapped schedule, block 0: S_0 and P_0 only (P_0 V_0 runs in the next step)."""
-        (tiled_mma_qk, _, tSrQ, tSrK, _, tOrP, acc_shape_S, _, softmax, _, pipe_k, _,
-         _, _, _, _, _, _, _, _) = ctx
+        tiled_mma_qk, tSrQ, tSrK, tOrP = ctx.tiled_mma_qk, ctx.tSrQ, ctx.tSrK, ctx.tOrP
+        acc_shape_S, softmax, pipe_k = ctx.acc_shape_S, ctx.softmax, ctx.pipe_k
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         pipe_k.consumer_wait(kv_state)
         mma.gemm(tiled_mma_qk, acc_S, tSrQ, self._kv_operand(tSrK, kv_state),
@@ -1057,8 +1086,10 @@ class FlashFwdSm90(WarpSpecialized):
         the softmax state then starts reset, so the first visit's rescale is a no-op).
         Masks per `kv_bound`, `causal` and `partial` (see `_scores`). Returns the stages
         of block j+1 and of block j."""
-        (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O,
-         softmax, _, pipe_k, pipe_v, _, _, _, _, _, _, _, wg) = ctx
+        tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP = (
+            ctx.tiled_mma_qk, ctx.tiled_mma_pv, ctx.tSrQ, ctx.tSrK, ctx.tOrVt, ctx.tOrP)
+        acc_shape_S, acc_O, softmax = ctx.acc_shape_S, ctx.acc_O, ctx.softmax
+        pipe_k, pipe_v, wg = ctx.pipe_k, ctx.pipe_v, ctx.wg
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         pipe_k.consumer_wait(kv_state)
         self._turn_wait(wg)
@@ -1128,8 +1159,8 @@ class FlashFwdSm90(WarpSpecialized):
         """Overlapped schedule, tail: O += P_last V_last; the ring moves on to the next
         tile's first block (the producer advances alike; `advance` False: the caller's
         state has moved on already)."""
-        (_, tiled_mma_pv, _, _, tOrVt, tOrP, _, acc_O, softmax, _, _, pipe_v,
-         _, _, _, _, _, _, _, _) = ctx
+        tiled_mma_pv, tOrVt, tOrP = ctx.tiled_mma_pv, ctx.tOrVt, ctx.tOrP
+        acc_O, softmax, pipe_v = ctx.acc_O, ctx.softmax, ctx.pipe_v
         if const_expr(self.cfg.rescale_o_early):
             rescale_rows(acc_O, softmax.o_scale)
         pipe_v.consumer_wait(kv_state)
