@@ -50,6 +50,9 @@ LAYOUTS = {
     "rows96": dict(tile_n=96, num_stages=2, dkv_rows=True),
     "rows96-q2do1": dict(tile_n=96, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, tail_order="dv_first"),
     "swap96-dvfirst": dict(tile_n=96, num_stages=2, tail_order="dv_first"),
+    # FA4's 192/192 layout exactly (its one dO slot freed once dV's GEMM retires, not after
+    # dQ's staging): not yet measured; `swap96-q2do1` ran our dQ-first order
+    "swap96-q2do1-dvfirst": dict(tile_n=96, num_stages=2, do_stages=1, ds_buffers=1, tail_order="dv_first"),
     "by_head": dict(tile_order="by_head"),
     "longest": dict(tile_order="longest_first"),
 }
