@@ -350,6 +350,10 @@ CANDIDATES_256 = [
     # value head dim 256 beside 128 (the transposed pair)
     (128, 256, dict(tile_n=80, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, tail_order="dv_first")),
     (128, 256, dict(tile_n=48, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, tail_order="dv_first")),
+    # FA4's 192/192 layout (96 keys split by warpgroup, one dO stage, dV's GEMM first; session
+    # 37: not yet measured, bench_bwd_layouts.py's swap96-q2do1-dvfirst), and at 192/128
+    (192, 192, dict(tile_n=96, num_stages=2, do_stages=1, ds_buffers=1, tail_order="dv_first")),
+    (192, 128, dict(tile_n=96, num_stages=2, do_stages=1, ds_buffers=1, tail_order="dv_first")),
 ]
 
 
