@@ -191,6 +191,12 @@ KERNELS = {
                                       pingpong=False),
     "doc-256-early": _fwd(head_dim=256, tile_m=128, tile_n=64, block_sparse=True, mask=_document,
                           rescale_o_early=True),
+    # 192/192's backward candidates (FA4's layout: keys split, one dO stage, dV first; P^T
+    # stored while dP runs, BwdConfig.p_early)
+    "bwd-192-swap96-dvfirst": _bwd(head_dim=192, causal=True, tile_n=96, num_stages=2, do_stages=1, ds_buffers=1,
+                                   tail_order="dv_first"),
+    "bwd-192-swap96-dvfirst-pearly": _bwd(head_dim=192, causal=True, tile_n=96, num_stages=2, do_stages=1,
+                                          ds_buffers=1, tail_order="dv_first", p_early=True),
     "bwd-full": _bwd(head_dim=128),
     "bwd-causal": _bwd(head_dim=128, causal=True),
     "bwd-causal-softcap": _bwd(head_dim=128, causal=True, score=_softcap),

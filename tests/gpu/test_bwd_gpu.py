@@ -353,6 +353,7 @@ CANDIDATES_256 = [
     # FA4's 192/192 layout (96 keys split by warpgroup, one dO stage, dV's GEMM first; session
     # 37: not yet measured, bench_bwd_layouts.py's swap96-q2do1-dvfirst), and at 192/128
     (192, 192, dict(tile_n=96, num_stages=2, do_stages=1, ds_buffers=1, tail_order="dv_first")),
+    (192, 192, dict(tile_n=96, num_stages=2, do_stages=1, ds_buffers=1, tail_order="dv_first", p_early=True)),
     (192, 128, dict(tile_n=96, num_stages=2, do_stages=1, ds_buffers=1, tail_order="dv_first")),
 ]
 

@@ -23,6 +23,7 @@ from flexattn.mods.structure import canonical_band  # noqa: E402
 from flexattn.kernels.bwd.sm90 import BwdConfig  # noqa: E402
 from flexattn.kernels.launch.compile import resource_usage_from_ptx  # noqa: E402
 from flexattn.kernels.emit.mod_emit import IRModHook, capture_kinds, fake_args  # noqa: E402
+import ptx_order  # noqa: E402
 
 
 def _config(name):
@@ -92,6 +93,11 @@ def _config(name):
     if name == "d256-128-causal-swap80-rows":  # 80 keys: FA4's config search's best at 256/128
         return BwdConfig(head_dim=256, head_dim_v=128, tile_n=80, num_stages=2, do_stages=1, ds_buffers=1,
                          causal=True, dkv_rows=True, tail_order="dv_first"), IRModHook()
+    # 192/192's candidate (FA4's layout there: keys split, one dO stage, dV first), P^T stored
+    # while dP runs (BwdConfig.p_early) or with dS^T
+    if name in ("d192-causal-swap96-dvfirst", "d192-causal-swap96-dvfirst-pearly"):
+        return BwdConfig(head_dim=192, tile_n=96, num_stages=2, do_stages=1, ds_buffers=1, causal=True,
+                         tail_order="dv_first", p_early=name.endswith("pearly")), IRModHook()
     if name == "d64-causal":
         hook = IRModHook(None, mods.causal())
         return BwdConfig(head_dim=64, causal=True, mods=hook), hook
@@ -145,8 +151,10 @@ PDL = ["d128-band-window-pdl", "d128-band-window-persist-pdl", "det-d128-relativ
 # 256/128 (bwd.plan.SWAP_PLANNED), the split ones measured slower on the H200
 WIDE256 = ["d256-128-causal-split-q2do1", "d256-causal-split-dvfirst", "d256-causal-swap48-rows",
            "d256-128-causal-swap80-rows"]
+# 192/192's candidates (not planned; session 37): with and without BwdConfig.p_early
+P_EARLY = ["d192-causal-swap96-dvfirst", "d192-causal-swap96-dvfirst-pearly"]
 NAMES = (DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + SWAPPED + TILE128 + PERSISTENT + FINISH + PDL
-         + WIDE256)
+         + WIDE256 + P_EARLY)
 
 
 @pytest.fixture(scope="module")
@@ -391,6 +399,19 @@ def test_swapped_layout_by_rows(compiled, name):
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{tn // 2}k16") == steps * (D + Dv) // 16
     assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{D // 2}k16") == steps * tn // 16
     assert re.search(r"bar\.sync\s+7, 256;", ptx)
+
+
+def test_p_early_stores_p_while_dp_runs(compiled):
+    """BwdConfig.p_early: P^T's stmatrix stores sit between S's wait (1: dP still in flight)
+    and dP's (0), instead of after dP's with dS^T's."""
+    late, early = (ptx_order.runs(compiled[n][1], ptx_order.WAIT, ptx_order.STMATRIX, ptx_order.BARRIER)
+                   for n in P_EARLY)
+    assert late.count("wait1x1 wait0x1 stmx3 barx1 stmx3") == 2 and "wait1x1 stmx3 wait0x1" not in late, late
+    assert early.count("wait1x1 stmx3 wait0x1 barx1 stmx3") == 2 and "wait1x1 wait0x1 stmx3" not in early, early
+    with pytest.raises(ValueError, match="p_early"):
+        BwdConfig(head_dim=192, tile_n=64, p_early=True)        # the split layout: no P^T buffer of its own
+    with pytest.raises(ValueError, match="p_early"):
+        BwdConfig(head_dim=256, tile_n=48, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, p_early=True)
 
 
 def test_head_dim_256_candidates_are_validated():

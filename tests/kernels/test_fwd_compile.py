@@ -2,8 +2,6 @@
 uses the Hopper paths (wgmma, TMA, setmaxnreg), nothing spills, and hook arguments stay
 runtime arguments. No GPU or driver needed."""
 
-import re
-
 import pytest
 
 pytest.importorskip("cutlass")
@@ -18,6 +16,7 @@ from flexattn.kernels.fwd.sm90 import FwdConfig  # noqa: E402
 from flexattn import mods  # noqa: E402
 from flexattn.kernels.emit.mod_emit import IRModHook  # noqa: E402
 from flexattn.mods.structure import canonical_band  # noqa: E402
+import ptx_order  # noqa: E402
 
 
 def _doc_bias_args():
@@ -150,34 +149,12 @@ def test_hooks_walk_blocks_in_one_step(compiled):
         assert compiled[name].count("wgmma.mma_async") == (qk + pv) + pv, name
 
 
-def _gemm_and_multiply_runs(ptx: str) -> str:
-    """The PTX's wgmma (``W<n>``: an m64n<n>k16 run), commit (``C``), wait (``wait<k>``) and
-    fp32 multiply (``mul``) instructions as runs, e.g. ``W80x16 Cx1 mulx128 W256x5``."""
-    runs = []
-    for line in ptx.splitlines():
-        line = line.strip()
-        if line.startswith("wgmma.mma_async"):
-            tok = "W" + re.search(r"m64n(\d+)k16", line).group(1)
-        elif line.startswith("wgmma.commit"):
-            tok = "C"
-        elif line.startswith("wgmma.wait_group"):
-            tok = "wait" + line.split()[-1].rstrip(";")
-        elif line.startswith("mul.") and ".f32" in line:
-            tok = "mul"
-        else:
-            continue
-        if runs and runs[-1][0] == tok:
-            runs[-1][1] += 1
-        else:
-            runs.append([tok, 1])
-    return " ".join(f"{tok}x{n}" for tok, n in runs)
-
-
 def test_early_o_rescale_runs_between_the_two_gemms(compiled):
     """FwdConfig.rescale_o_early: O's multiply by the pending row scale (one per O element:
     Dv / 2 per thread) sits between Q K^T's commit and the P V GEMM, not after P V's wait."""
     qk_run = "W80x16 Cx1"
-    early, late = (_gemm_and_multiply_runs(compiled[n]) for n in ("hd256-tn80-causal", "hd256-tn80-causal-late"))
+    early, late = (ptx_order.runs(compiled[n], ptx_order.WGMMA, ptx_order.COMMIT, ptx_order.WAIT, ptx_order.MUL_F32)
+                   for n in ("hd256-tn80-causal", "hd256-tn80-causal-late"))
     assert early.count(f"{qk_run} mulx128 W256x5") >= 2 and "wait0x1 mulx128 W80" not in early, early
     assert f"{qk_run} mulx128 W256" not in late and late.count("wait0x1 mulx128 W80") >= 1, late
 

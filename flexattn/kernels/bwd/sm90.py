@@ -201,6 +201,12 @@ class BwdConfig(KernelConfig):
     # accumulator dies early) or "dv_first" (FA4's: dV, dQ, dK; dO released as soon as dV
     # retired, before the dQ staging waits for the writer — a single dO slot refills sooner).
     tail_order: str = "dq_first"
+    # p_early: the swapped layout with the keys split (not dkv_rows), without a score mod:
+    # P^T goes to shared memory as soon as it is converted, while dP's GEMM still runs
+    # (FA4's order), instead of with dS^T after it. Each warpgroup writes and reads only its
+    # own keys' rows of the one P^T buffer, whose last reader (its own previous dV^T GEMM)
+    # retired at the end of the previous visit. Not measured yet (192/192's candidate).
+    p_early: bool = False
 
     def __post_init__(self):
         self.check_dtype()
@@ -257,6 +263,8 @@ class BwdConfig(KernelConfig):
             # Each of the two warpgroups takes whole 64-row atoms of dK^T / dV^T.
             raise ValueError("dkv_rows needs head dims that are multiples of 128 (64 rows per warpgroup),"
                              f" got {self.head_dim}/{self.head_dim_v}")
+        if self.p_early and not (self.dkv_swap and not self.dkv_rows):
+            raise ValueError("p_early is for the swapped layout with the keys split (dkv_swap, not dkv_rows)")
         if self.tail_order not in ("dq_first", "dv_first") or (self.tail_order != "dq_first"
                                                                 and not self.split_head_dim):
             raise ValueError("tail_order is 'dq_first', or 'dv_first' in the split layouts (beyond head dim 128)")
@@ -1378,6 +1386,8 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             if const_expr(split):
                 rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
                 mma.convert_into(rP, acc_S)
+                if const_expr(self.cfg.p_early):     # while dP runs (the tail's fence covers it)
+                    cute.copy(r2s_dS, r2s_dS.retile(rP), tdSsdS[1][None, None, None, 0])
             else:
                 mma.convert_into(tVrP, mma.acc_as_a_view(acc_S))
             if const_expr(self.stats_in_registers):
@@ -1387,7 +1397,8 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         mma.convert_into(rdS, acc_dP)
         if const_expr(split):
-            return self._split_step_tail(ctx, state, do_state, rP, rdS)
+            return self._split_step_tail(ctx, state, do_state, rP, rdS,
+                                         p_stored=self.cfg.p_early and not mods.has_score)
 
         # dS^T -> sdS[stage] (no wait: see sdS_layout), then dV += P^T dO (A from registers).
         cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, stage])
@@ -1419,14 +1430,14 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         return state
 
     @cute.jit
-    def _split_step_tail(self, ctx, state, do_state, rP, rdS):
+    def _split_step_tail(self, ctx, state, do_state, rP, rdS, p_stored: cutlass.Constexpr[bool] = False):
         """`_step` after P^T and dS^T (16-bit, this warpgroup's q columns), under
         `split_head_dim`: both go to shared memory (buffer by visit parity), then each
         warpgroup runs its head-dim slice of dQ = dS K, dV += P^T dO and dK += dS^T Q, all
         SS. dQ first: its accumulator (D / 4 registers) is only live until it is staged for
         the writer, while dV and dK run. `dkv_swap`: dV^T += dO^T P and dK^T += Q^T dS, one
         P^T buffer (a warpgroup's dV^T reads only its own keys' rows, after its previous
-        visit's GEMMs all retired)."""
+        visit's GEMMs all retired). `p_stored`: P^T is in shared memory already (p_early)."""
         ((tiled_mma_nm, tiled_mma_nd, tiled_mma_nv, tiled_mma_md), frags, acc_shape_nm, acc_shape_md,
          acc_dV, acc_dK, coords, r2s_dS, tdSsdS_tPsP, tdQsdQ, wg, sLSE, sDelta,
          pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
@@ -1445,7 +1456,8 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         if const_expr(cfg.dkv_rows):
             # Both warpgroups read all of P^T (dV^T's B): the previous visit's readers first.
             BwdBarrier.DS_EMPTY.sync(self.num_mma_threads)
-        cute.copy(r2s_dS, r2s_dS.retile(rP), tPsP[None, None, None, p_buf])
+        if const_expr(not p_stored):
+            cute.copy(r2s_dS, r2s_dS.retile(rP), tPsP[None, None, None, p_buf])
         if const_expr(cfg.ds_ring == 1 and not cfg.dkv_rows):
             BwdBarrier.DS_EMPTY.sync(self.num_mma_threads)
         cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, ds_buf])
