@@ -134,8 +134,9 @@ class FwdConfig(KernelConfig):
     # Overlapped schedule: O shrinks by block j-1's row scale right after Q K_j^T is issued
     # (on registers the tensor cores do not hold then), instead of after the softmax of
     # block j, where it sits between P_{j-1} V_{j-1} landing and Q K_{j+1}^T going out:
-    # 128 FMULs per thread there at 256 value columns. The same products, rounded in another
-    # order. Planned beyond 192 (measured: kernel_path._rescale_o_early); FA4 does it beyond 128.
+    # 128 FMULs per thread there at 256 value columns. O sees the same multiplies and adds in
+    # the same order (results bitwise equal: sweep_fwd_configs' diff 0); only when the
+    # multiply issues moves. Planned beyond 192 (kernel_path._rescale_o_early); FA4: beyond 128.
     rescale_o_early: bool = False
     # Which tiles each CTA takes (hopper/tile_scheduler.py): "by_head" or "longest_first"
     # (None: longest_first under causal, where tiles differ in work; by_head otherwise).
