@@ -403,6 +403,7 @@ def block_lists_to_device(spec: AttentionSpec, shape: AttentionShape, to_device:
         for name in _LIST_NAMES:
             to_device(block_mask.list_array(name))
 
+
 def _rescale_o_early(shape: AttentionShape, tf32_passes: int) -> bool:
     """Whether the forward shrinks O while Q K^T runs (`FwdConfig.rescale_o_early`): beyond
     192 value columns (FA4 does it beyond 128). H200, B4 S4096 H16, door A/B in one process,
