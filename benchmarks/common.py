@@ -1,5 +1,7 @@
 """Timing and reporting helpers shared by the benchmark scripts."""
 
+import time
+
 import torch
 
 
@@ -22,6 +24,20 @@ def tflops_ratio(row, impl: str, ours: str = "flexattn") -> str:
     """A table cell: ours / ``impl`` of ``row["tflops"]``, or "—" where either is missing."""
     t, o = row["tflops"].get(impl), row["tflops"].get(ours)
     return "—" if t is None or o is None else f"{o / t:.2f}"
+
+
+def accumulate_time(owner, name: str, totals: dict, key: str):
+    """Wrap ``owner.name`` so that each call's wall time (s) adds to ``totals[key]``: how
+    the host-time tools split a process's time into parts (compile phases, a step's parts)."""
+    inner = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            totals[key] += time.perf_counter() - t0
+    setattr(owner, name, timed)
 
 
 def device_name():

@@ -246,20 +246,11 @@ class PhaseTimer:
         from cutlass.base_dsl import compiler as C
         from cutlass.base_dsl import dsl as D
 
+        from common import accumulate_time
+
         self.t = collections.defaultdict(float)
         self.pass_report = ""
         timer = self
-
-        def wrap(owner, name, key):
-            orig = getattr(owner, name)
-
-            def f(*a, **kw):
-                t0 = time.perf_counter()
-                try:
-                    return orig(*a, **kw)
-                finally:
-                    timer.t[key] += time.perf_counter() - t0
-            setattr(owner, name, f)
 
         orig_compile = C.Compiler.compile
 
@@ -292,12 +283,12 @@ class PhaseTimer:
                     tmp.seek(0)
                     timer.pass_report = tmp.read().decode(errors="replace")
         C.Compiler.compile = compile_
-        wrap(C.Compiler, "jit", "engine")
-        wrap(D.BaseDSL, "_lookup_jit_entry", "lookup")
-        wrap(D.BaseDSL, "generate_original_ir", "trace")
+        accumulate_time(C.Compiler, "jit", self.t, "engine")
+        accumulate_time(D.BaseDSL, "_lookup_jit_entry", self.t, "lookup")
+        accumulate_time(D.BaseDSL, "generate_original_ir", self.t, "trace")
         try:
             from cutlass.cutlass_dsl import tvm_ffi_provider as P
-            wrap(P.TVMFFIJitCompiledFunctionBase, "_create_tvm_ffi_function", "ffi")
+            accumulate_time(P.TVMFFIJitCompiledFunctionBase, "_create_tvm_ffi_function", self.t, "ffi")
         except (ImportError, AttributeError):
             pass
 

@@ -17,30 +17,16 @@ of percent between minutes, so compare trees in alternating processes.
 
 import argparse
 import collections
-import statistics
 import time
 
 import torch
 
 from bench_bwd import VARIANTS
 from bench_fwd import Variant, ours_mask_args
-from common import device_name
+from common import accumulate_time, device_name
 from profile_kernels import step_inputs
 
 _PARTS = collections.defaultdict(float)
-
-
-def _timed(owner, name: str, label: str):
-    """Wrap ``owner.name`` so that its wall time adds to ``_PARTS[label]``."""
-    inner = getattr(owner, name)
-
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            _PARTS[label] += time.perf_counter() - t0
-    setattr(owner, name, timed)
 
 
 class _AllocatesOnly(torch.autograd.Function):
@@ -85,10 +71,10 @@ def main():
     import flexattn.torch as fa
     from flexattn.core import backward_path
 
-    _timed(fa._PreparedStep, "forward", "forward step (outputs, launch)")
-    _timed(fa._PreparedStep, "backward", "backward (ours, all)")
-    _timed(fa, "_backward_arrays", "  operands, dq dk dv")
-    _timed(backward_path.PreparedBackward, "launch", "  workspace, 3 launches")
+    accumulate_time(fa._PreparedStep, "forward", _PARTS, "forward step (outputs, launch)")
+    accumulate_time(fa._PreparedStep, "backward", _PARTS, "backward (ours, all)")
+    accumulate_time(fa, "_backward_arrays", _PARTS, "  operands, dq dk dv")
+    accumulate_time(backward_path.PreparedBackward, "launch", _PARTS, "  workspace, 3 launches")
 
     B, S, H, D = map(int, args.shape.split("x"))
     (q, k, v), (qh, kh, vh), _, grad, scale = step_inputs(B, S, H, D, True)

@@ -1387,6 +1387,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                 rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
                 mma.convert_into(rP, acc_S)
                 if const_expr(self.cfg.p_early):     # while dP runs (the tail's fence covers it)
+                    # (tdSsdS is (dS^T, P^T) here; the swapped layout has one P^T buffer: 0)
                     cute.copy(r2s_dS, r2s_dS.retile(rP), tdSsdS[1][None, None, None, 0])
             else:
                 mma.convert_into(tVrP, mma.acc_as_a_view(acc_S))
