@@ -16,6 +16,7 @@ backward instead (head dim 128).
 
     python3 benchmarks/bench_bwd_layouts.py [--shapes 4x4096x16 ...] [--dims 192/192 256/256]
     python3 benchmarks/bench_bwd_layouts.py --mask window1024 --dims 128/128 --layouts by_head longest
+    python3 benchmarks/bench_bwd_layouts.py --dims 192/192 --layouts planned split --score softcap30
 """
 
 import argparse
@@ -79,10 +80,12 @@ def main():
     ap.add_argument("--mask", default="causal", help="causal or windowN")
     ap.add_argument("--dims", nargs="*", default=["192/128", "192/192", "256/128", "256/256"])
     ap.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
+    ap.add_argument("--score", default=None, help="softcapN (a score mod: its registers ride along)")
     args = ap.parse_args()
     mask = mods.causal() if args.mask == "causal" else mods.sliding_window(int(args.mask[len("window"):]))
-    spec = AttentionSpec.from_args(mask=mask)
-    print(f"{args.mask}\n| BxSxH | D/Dv | layout | tile_n | stages Q/dO | dS bufs | order | ms round 1 | ms round 2 |"
+    score = mods.softcap(float(args.score[len("softcap"):])) if args.score else None
+    spec = AttentionSpec.from_args(mask=mask, score=score)
+    print(f"{args.mask} {args.score or ''}\n| BxSxH | D/Dv | layout | tile_n | stages Q/dO | dS bufs | order | ms round 1 | ms round 2 |"
           " max rel. diff vs planned (dq, dk, dv) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for shape, dims in ((s, d) for s in args.shapes for d in args.dims):

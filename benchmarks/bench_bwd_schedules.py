@@ -32,11 +32,13 @@ def ours(qh, kh, vh, doh, causal, scale, overrides):
     from flexattn.kernels.bwd.plan import config_from_forward, workspace_dtypes, workspace_shapes
     from flexattn.kernels.launch.backward import BackwardRunner
     from flexattn.kernels.launch.operands import BackwardArrays
+    from flexattn.torch import _backward_alloc, _DeviceCopies
 
     spec = AttentionSpec.from_args(mask=mods.causal() if causal else None, scale=scale)
     shape = check_inputs(qh, kh, vh, spec)
     stream = torch.cuda.current_stream().cuda_stream
-    dev = Device(stream, lambda x: x)
+    # (the forward's causal walk takes a tile-order list: copied to the GPU as the door does)
+    dev = Device(stream, _DeviceCopies(torch.device("cuda")), alloc=_backward_alloc(torch.device("cuda")))
     out = torch.empty_like(qh)
     lse = torch.empty(qh.shape[:3], device="cuda", dtype=torch.float32)
     plan = forward_into(qh, kh, vh, out, lse, shape, spec, dev)

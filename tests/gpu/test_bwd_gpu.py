@@ -311,7 +311,7 @@ def test_head_dims_beyond_128(case):
 
 
 # The swapped layout (BwdConfig.dkv_swap: dK^T / dV^T), tile_n forced: 96-key CTAs at
-# 192/192 (one Q / dO stage; the planner keeps the split layout there, 192/128 runs it:
+# 192/192 (one Q / dO stage here; the planner runs FA4's rings there, 192/128 two stages:
 # test_head_dims_gpu) — dense and causal, KV_LEN inside a CTA, GQA / MQA, slope gradients,
 # a score mod, one element; 48-key CTAs at 256 (FA4's tile there, not planned: slower).
 # "q2do1": two Q stages, one dO stage, one dS^T buffer (FA4's rings at 192/192 and 256;
@@ -350,8 +350,8 @@ CANDIDATES_256 = [
     # value head dim 256 beside 128 (the transposed pair)
     (128, 256, dict(tile_n=80, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, tail_order="dv_first")),
     (128, 256, dict(tile_n=48, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, tail_order="dv_first")),
-    # FA4's 192/192 layout (96 keys split by warpgroup, one dO stage, dV's GEMM first; session
-    # 37: not yet measured, bench_bwd_layouts.py's swap96-q2do1-dvfirst), and at 192/128
+    # FA4's 192/192 layout (96 keys split by warpgroup, one dO stage, dV's GEMM first; planned
+    # since session 38: bench_bwd_layouts.py's swap96-q2do1-dvfirst), and at 192/128 (not planned)
     (192, 192, dict(tile_n=96, num_stages=2, do_stages=1, ds_buffers=1, tail_order="dv_first")),
     (192, 192, dict(tile_n=96, num_stages=2, do_stages=1, ds_buffers=1, tail_order="dv_first", p_early=True)),
     (192, 128, dict(tile_n=96, num_stages=2, do_stages=1, ds_buffers=1, tail_order="dv_first")),

@@ -167,7 +167,8 @@ def test_every_adapters_backward_plan_refuses_what_is_not_verified():
         assert cfg.split_head_dim and cfg.tile_n == tile_n and cfg.tile_m == 64 and cfg.dkv_swap
     assert backward_config(FwdConfig(head_dim=256)).num_stages == 2 and backward_config(FwdConfig(head_dim=256)).do_ring == 1
     assert backward_config(FwdConfig(head_dim=192, head_dim_v=128)).num_stages == 2
-    assert backward_config(FwdConfig(head_dim=192)).tile_n == 64     # not planned: the split layout
+    assert backward_config(FwdConfig(head_dim=192)).do_ring == 1     # 192/192: FA4's rings (96 keys)
+    assert backward_config(FwdConfig(head_dim=144)).tile_n == 64     # not planned: the split layout
     for kw in (dict(head_dim=16), dict(head_dim=64, head_dim_v=16)):
         with pytest.raises(ValueError, match="backward supports query and value head dims"):
             backward_config(FwdConfig(**kw))

@@ -151,7 +151,7 @@ PDL = ["d128-band-window-pdl", "d128-band-window-persist-pdl", "det-d128-relativ
 # 256/128 (bwd.plan.SWAP_PLANNED), the split ones measured slower on the H200
 WIDE256 = ["d256-128-causal-split-q2do1", "d256-causal-split-dvfirst", "d256-causal-swap48-rows",
            "d256-128-causal-swap80-rows"]
-# 192/192's candidates (not planned; session 37): with and without BwdConfig.p_early
+# 192/192's layout (planned since session 38: bwd.plan.SWAP_PLANNED) with and without BwdConfig.p_early
 P_EARLY = ["d192-causal-swap96-dvfirst", "d192-causal-swap96-dvfirst-pearly"]
 NAMES = (DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + SWAPPED + TILE128 + PERSISTENT + FINISH + PDL
          + WIDE256 + P_EARLY)
@@ -449,9 +449,10 @@ def test_lockstep_state_follows_a_ring_of_its_own():
 def test_planner_swapped_layout():
     """bwd.plan.with_swapped_layout: the swapped layout where SWAP_PLANNED names the head
     dims (measured faster), for the dense and causal walks, where its stages fit: 96 keys
-    split by keys at 192/128, 128/192, 192/64; 80 (256/128) and 48 (256/256) keys split by
+    split by keys at 192/128, 128/192, 192/64 (two Q / dO stages) and 192/192 (FA4's rings, dV
+    first); 80 (256/128) and 48 (256/256) keys split by
     head-dim rows, two Q stages, one dO stage, one dS^T buffer, dV first; the 64-key split
-    layout elsewhere (192/192, 144, block lists, bands, deterministic)."""
+    layout elsewhere (144, block lists, bands, deterministic)."""
     from flexattn.kernels.bwd.plan import with_swapped_layout
 
     def layout(**kw):
@@ -467,7 +468,10 @@ def test_planner_swapped_layout():
         assert (cfg.tile_n, cfg.num_stages, cfg.do_ring, cfg.ds_ring, cfg.dkv_rows, cfg.tail_order) == (
             tile_n, 2, 1, 1, True, "dv_first"), kw
         assert cfg.dkv_swap and not with_swapped_layout(BwdConfig(**kw, deterministic=True)).dkv_swap
-    for kw in (dict(head_dim=144), dict(head_dim=192, deterministic=True), dict(head_dim=192),
+    cfg = with_swapped_layout(BwdConfig(head_dim=192, causal=True))     # 192/192: FA4's rings, keys split
+    assert (cfg.tile_n, cfg.num_stages, cfg.do_ring, cfg.ds_ring, cfg.dkv_rows, cfg.tail_order) == (
+        96, 2, 1, 1, False, "dv_first")
+    for kw in (dict(head_dim=144), dict(head_dim=192, deterministic=True),
                dict(head_dim=256, head_dim_v=64),
                dict(head_dim=192, block_sparse=True, mods=IRModHook(None, mods.sliding_window(64))),
                dict(head_dim=256, block_sparse=True, mods=IRModHook(None, mods.sliding_window(64)))):

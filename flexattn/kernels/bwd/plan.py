@@ -56,11 +56,16 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
 # - 256/128 5.51-5.63 -> 3.56-3.57 (80 keys) and 256/256 5.81-6.07 -> 5.10-5.18 (48 keys):
 #   FA4's layout there, the warpgroups splitting dK^T / dV^T by head-dim rows, two Q stages
 #   and one dO stage, one dS^T buffer, dV's GEMM first (H200, 2026-11-28; splitting by keys
-#   instead at 48: 6.8-7.2, slower than the split layout).
+#   instead at 48: 6.8-7.2, slower than the split layout);
+# - 192/192 3.48-3.54 -> 3.22: FA4's layout there, 96-key CTAs split by keys, two Q stages,
+#   one dO stage, one dS^T buffer, dV's GEMM first, so the one dO slot frees as soon as dV's
+#   GEMM retires (H200, 2026-11-29; the same rings with dQ first: 4.00-4.21; storing P^T
+#   during dP, `p_early`: 3.18-3.23, within noise, not planned).
 SWAP_PLANNED = {
     (192, 128): dict(tile_n=96, num_stages=2),
     (128, 192): dict(tile_n=96, num_stages=2),
     (192, 64): dict(tile_n=96, num_stages=2),
+    (192, 192): dict(tile_n=96, num_stages=2, do_stages=1, ds_buffers=1, tail_order="dv_first"),
     (256, 128): dict(tile_n=80, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, tail_order="dv_first"),
     (256, 256): dict(tile_n=48, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, tail_order="dv_first"),
 }
