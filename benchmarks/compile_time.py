@@ -199,6 +199,7 @@ KERNELS = {
                                           ds_buffers=1, tail_order="dv_first", p_early=True),
     "bwd-full": _bwd(head_dim=128),
     "bwd-causal": _bwd(head_dim=128, causal=True),
+    "bwd-causal-d64": _bwd(head_dim=64, causal=True, tile_m=128),
     "bwd-causal-softcap": _bwd(head_dim=128, causal=True, score=_softcap),
     "bwd-doc-d64": _bwd(dtype="fp16", head_dim=64, block_sparse=True, mask=_document),
     "bwd-relbias": _bwd(head_dim=128, score=_relative_bias),
