@@ -200,6 +200,8 @@ KERNELS = {
     "bwd-full": _bwd(head_dim=128),
     "bwd-causal": _bwd(head_dim=128, causal=True),
     "bwd-causal-d64": _bwd(head_dim=64, causal=True, tile_m=128),
+    "bwd-causal-idle": _bwd(head_dim=128, causal=True, idle_masked_keys=True),
+    "bwd-window-band-idle": _bwd(head_dim=128, band=True, mask=_window, idle_masked_keys=True),
     "bwd-causal-softcap": _bwd(head_dim=128, causal=True, score=_softcap),
     "bwd-doc-d64": _bwd(dtype="fp16", head_dim=64, block_sparse=True, mask=_document),
     "bwd-relbias": _bwd(head_dim=128, score=_relative_bias),

@@ -398,6 +398,48 @@ def test_swapped_layout_value_head_dims(D, Dv, name):
     assert cfg.dkv_swap and cfg.num_stages == 2
 
 
+# Idle warpgroups on visits whose mask hides all their keys (BwdConfig.idle_masked_keys:
+# prepared in session 38, not planned; FLEXATTN_BWD_IDLE_KEYS=1 for A/Bs): the causal
+# diagonal's first visit, a band's edges. GQA / MQA, KV_LEN and Q_LEN inside tiles, score
+# mods. (case, dtype, D, B, Hq, Hkv, Q, KV, layout)
+IDLE = [
+    ("causal", "bf16", 128, 2, 4, 2, 1000, 1000, "bhsd"),
+    ("causal", "fp16", 96, 1, 4, 1, 129, 513, "bhsd"),
+    ("causal_softcap", "bf16", 128, 1, 4, 2, 511, 700, "bshd"),
+    ("torch_style_causal_softcap", "bf16", 128, 1, 2, 2, 300, 300, "bhsd"),
+    ("sliding_window", "bf16", 128, 1, 4, 2, 700, 700, "bhsd"),
+    ("band", "fp16", 128, 2, 2, 2, 640, 650, "bhsd"),
+]
+
+
+@pytest.mark.parametrize("case", IDLE, ids=lambda c: "-".join(map(str, c)))
+def test_idle_masked_keys(case):
+    """Against the float64 reference (check_case), with idle warpgroups forced."""
+    _check_listed(case, IDLE, idle_masked_keys=True)
+
+
+@pytest.mark.parametrize("name,fields", [("causal", dict(deterministic=True)), ("sliding_window", {}),
+                                         ("sliding_window", dict(tile_m=80))])
+def test_idle_masked_keys_bitwise(name, fields):
+    """P and dS are exactly 0 where a warpgroup idles, so dK and dV equal the full step's
+    bit for bit, and so does dQ in the deterministic mode (causal; a band there walks block
+    lists); elsewhere dQ's adds land in another order. tile_m 80: the transposed dQ."""
+    torch.manual_seed(7)
+    B, Hq, Hkv, Q, KV, D = 1, 4, 2, 1100, 1100, 128
+    q, do = (torch.randn(B, Hq, Q, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, KV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mask = mods.causal() if name == "causal" else mods.sliding_window(300)
+    spec = AttentionSpec.from_args(mask=mask, enable_gqa=True)
+    *want, _, _, _, cfg = kernel_backward(q, k, v, do, spec, **fields)
+    *got, _, _, _, idle_cfg = kernel_backward(q, k, v, do, spec, idle_masked_keys=True, **fields)
+    assert idle_cfg.idle_masked_keys and not cfg.idle_masked_keys and (cfg.causal or cfg.band)
+    for label, a, b in zip(("dq", "dk", "dv"), got[:3], want[:3]):
+        if label == "dq" and not fields.get("deterministic"):
+            assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max(), (name, fields)
+        else:
+            assert torch.equal(a, b), (name, label, (a.float() - b.float()).abs().max().item())
+
+
 # Clusters of 2 CTAs (kv blocks 2c, 2c + 1) sharing Q / dO loads by TMA multicast: dense
 # only, an even number of 128-key blocks. (case, dtype, D, B, Hq, Hkv, Q, KV, layout)
 CLUSTER = [

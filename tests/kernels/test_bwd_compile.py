@@ -48,6 +48,20 @@ def _config(name):
     if name == "d128-band-window":         # a band walked by arithmetic
         hook = IRModHook(None, canonical_band(mods.sliding_window(1024)))
         return BwdConfig(head_dim=128, band=True, mods=hook), hook
+    # BwdConfig.idle_masked_keys (not planned; session 38): a warpgroup whose keys a visit masks
+    # runs `_idle_step` (zero dS^T half, its dQ share) instead of `_step`
+    if name == "d128-causal-idle":
+        hook = IRModHook()
+        return BwdConfig(head_dim=128, causal=True, mods=hook, idle_masked_keys=True), hook
+    if name == "d128-band-window-idle":
+        hook = IRModHook(None, canonical_band(mods.sliding_window(1024)))
+        return BwdConfig(head_dim=128, band=True, mods=hook, idle_masked_keys=True), hook
+    if name == "d128-causal-softcap-idle":
+        hook = IRModHook(mods.softcap(30.0), None)
+        return BwdConfig(head_dim=128, causal=True, mods=hook, idle_masked_keys=True), hook
+    if name == "d128-causal":
+        hook = IRModHook()
+        return BwdConfig(head_dim=128, causal=True, mods=hook), hook
     if name == "d128-relative-bias":       # trainable table: buffer gradients
         hook = IRModHook(mods.relative_bias(np.zeros((4, 15), np.float32)), None)
         return BwdConfig(head_dim=128, mods=hook), hook
@@ -151,10 +165,12 @@ PDL = ["d128-band-window-pdl", "d128-band-window-persist-pdl", "det-d128-relativ
 # 256/128 (bwd.plan.SWAP_PLANNED), the split ones measured slower on the H200
 WIDE256 = ["d256-128-causal-split-q2do1", "d256-causal-split-dvfirst", "d256-causal-swap48-rows",
            "d256-128-causal-swap80-rows"]
+# idle warpgroups on visits that mask all their keys (BwdConfig.idle_masked_keys), beside the plain causal kernel
+IDLE = ["d128-causal-idle", "d128-band-window-idle", "d128-causal-softcap-idle", "d128-causal"]
 # 192/192's layout (planned since session 38: bwd.plan.SWAP_PLANNED) with and without BwdConfig.p_early
 P_EARLY = ["d192-causal-swap96-dvfirst", "d192-causal-swap96-dvfirst-pearly"]
 NAMES = (DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + SWAPPED + TILE128 + PERSISTENT + FINISH + PDL
-         + WIDE256 + P_EARLY)
+         + WIDE256 + P_EARLY + IDLE)
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +226,32 @@ def test_block_structures(compiled):
     # The band: the same partial and full steps as the lists.
     cfg, ptx = compiled["d128-band-window"]
     assert _steps(ptx, cfg) == 2
+
+
+def test_idle_masked_keys(compiled):
+    """BwdConfig.idle_masked_keys adds one step body, the idle warpgroup's: a zero dS^T
+    store and its dQ GEMM only (tile_m / 16 wgmma at head dim 128, no exponentials), beside
+    the causal / band walk's two full steps; the default config's PTX has none of it."""
+    base = compiled["d128-causal"][1].count("wgmma.mma_async")
+    for name in ("d128-causal-idle", "d128-band-window-idle", "d128-causal-softcap-idle"):
+        cfg, ptx = compiled[name]
+        plain = compiled["d128-band-window"][1] if "band" in name else compiled[name.replace("-idle", "")][1]
+        assert ptx.count("wgmma.mma_async") - plain.count("wgmma.mma_async") == cfg.tile_n // 16, name
+        assert ptx.count("ex2.approx") == plain.count("ex2.approx"), name
+        assert ptx.count("bar.sync") > plain.count("bar.sync"), name      # its own ds_full / dq_empty waits
+    assert base == compiled["d128-causal-softcap"][1].count("wgmma.mma_async")
+
+
+def test_idle_masked_keys_is_validated():
+    """Only the causal / band walks of 128-key CTAs without split head dims or per-diagonal
+    sums take idle warpgroups."""
+    BwdConfig(head_dim=128, causal=True, idle_masked_keys=True)
+    for kw in (dict(head_dim=128), dict(head_dim=256, causal=True), dict(head_dim=128, block_sparse=True),
+               dict(head_dim=192, causal=True), dict(dtype="fp32", head_dim=128, causal=True),
+               dict(head_dim=128, causal=True, mods=IRModHook(mods.relative_bias(np.zeros((4, 15), np.float32)),
+                                                              None))):
+        with pytest.raises(ValueError, match="idle_masked_keys"):
+            BwdConfig(**kw, idle_masked_keys=True)
 
 
 def test_persistent(compiled):

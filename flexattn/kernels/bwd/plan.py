@@ -7,7 +7,7 @@ fixed-point buffer-gradient accumulators. The launch itself: ``launch/backward.p
 import dataclasses
 import os
 
-from flexattn.kernels.bwd.sm90 import (FP32_TILE_M, BwdConfig, dkv_swap_allowed, finish_allowed,
+from flexattn.kernels.bwd.sm90 import (FP32_TILE_M, BwdConfig, dkv_swap_allowed, finish_allowed, idle_keys_allowed,
                                        one_diagonal_read)
 from flexattn.kernels.hopper.atomics import FIXED_WORDS
 
@@ -39,6 +39,11 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
         # dQ stored by the main kernel, no postprocess (bwd/sm90.py, BwdConfig.dq_finish):
         # measured slower (docs/experiments.md, session 29), so only for A/B runs.
         cfg = dataclasses.replace(cfg, dq_finish=True)
+    if ("idle_masked_keys" not in overrides and os.environ.get("FLEXATTN_BWD_IDLE_KEYS") == "1"
+            and idle_keys_allowed(cfg)):
+        # Idle warpgroups on visits that mask all their keys (BwdConfig.idle_masked_keys):
+        # prepared in session 38, not yet measured, so only for A/B runs.
+        cfg = dataclasses.replace(cfg, idle_masked_keys=True)
     if "pdl" not in overrides and cfg.dtype != "fp32" and os.environ.get("FLEXATTN_BWD_PDL") == "1":
         # The main kernel and the postprocess as programmatic dependents (BwdConfig.pdl):
         # measured neutral (docs/experiments.md, session 30), so only for A/B runs.

@@ -208,6 +208,14 @@ class BwdConfig(KernelConfig):
     # retired at the end of the previous visit. Measured neutral at 192/192 (H200, 2026-11-29:
     # 3.18-3.31 ms against 3.03-3.23 without), so not planned.
     p_early: bool = False
+    # idle_masked_keys: on a visit whose mask hides all of a warpgroup's 64 keys from all of
+    # the q tile's rows (the causal diagonal's first visit, a band's two edge visits: known
+    # from the structure, per visit), that warpgroup skips its S^T / dP^T GEMMs, the
+    # pointwise pass and its dV / dK GEMMs, stores its half of dS^T as zeros (dQ reads all
+    # keys) and computes its share of dQ (`_idle_step`). P and dS are exactly 0 there, so
+    # the gradients are bitwise those of the full step. For 128-key CTAs of the split-free
+    # layout, causal or band walks, without per-diagonal buffer-gradient sums.
+    idle_masked_keys: bool = False
 
     def __post_init__(self):
         self.check_dtype()
@@ -264,6 +272,9 @@ class BwdConfig(KernelConfig):
             # Each of the two warpgroups takes whole 64-row atoms of dK^T / dV^T.
             raise ValueError("dkv_rows needs head dims that are multiples of 128 (64 rows per warpgroup),"
                              f" got {self.head_dim}/{self.head_dim_v}")
+        if self.idle_masked_keys and not idle_keys_allowed(self):
+            raise ValueError("idle_masked_keys needs the causal or band walk of 128-key CTAs without split head"
+                             " dims or swapped dK / dV, and no per-diagonal buffer-gradient sums")
         if self.p_early and not (self.dkv_swap and not self.dkv_rows):
             raise ValueError("p_early is for the swapped layout with the keys split (dkv_swap, not dkv_rows)")
         if self.tail_order not in ("dq_first", "dv_first") or (self.tail_order != "dq_first"
@@ -322,6 +333,8 @@ class BwdConfig(KernelConfig):
         if self.deterministic or self.cluster_n != 1:
             raise ValueError("the float32 backward has no deterministic mode and no clusters (its dQ adds are"
                              " fp32 atomics): call it with deterministic algorithms off")
+        if self.idle_masked_keys:
+            raise ValueError("idle_masked_keys is for the bf16 / fp16 kernel (the float32 one runs 64-key CTAs)")
         if self.max_ctas:
             raise ValueError("the float32 backward has no persistent CTAs (max_ctas=0)")
         if self.dq_finish:
@@ -441,6 +454,15 @@ def dkv_swap_allowed(cfg) -> bool:
             and cfg.tile_m == 64 and cfg.cluster_n == 1
             and not (cfg.block_sparse or cfg.band or cfg.deterministic)
             and split_shared_bytes(cfg, cfg.num_stages) <= SMEM_CAPACITY)
+
+
+def idle_keys_allowed(cfg) -> bool:
+    """Where `BwdConfig.idle_masked_keys` applies: the causal or band walk (the structure
+    says which keys a visit masks) of 128-key CTAs, 64 keys per warpgroup, in the split-free
+    layout, without the per-diagonal sums of a relative-position gradient (flushed per
+    visit by both warpgroups)."""
+    return (cfg.dtype != "fp32" and (cfg.causal or cfg.band) and cfg.tile_n == 128 and not cfg.split_head_dim
+            and not one_diagonal_read(cfg))
 
 
 def finish_allowed(cfg) -> bool:
@@ -1295,8 +1317,14 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             elif const_expr(cfg.block_sparse or cfg.band):
                 blocks = self._q_blocks(block_sparse, batch, head, n_block, seqlen_q)
                 for i in cutlass.range(blocks.n_partial, unroll=1):
-                    state = self._step(ctx, state, blocks.partial_at(i),
-                                       mask=mods.has_mask, causal=False)
+                    m_block = blocks.partial_at(i)
+                    if const_expr(cfg.idle_masked_keys):
+                        if self._keys_masked(m_block, n_block, ctx, block_sparse):
+                            state = self._idle_step(ctx, state)
+                        else:
+                            state = self._step(ctx, state, m_block, mask=mods.has_mask, causal=False)
+                    else:
+                        state = self._step(ctx, state, m_block, mask=mods.has_mask, causal=False)
                 for i in cutlass.range(blocks.n_full, unroll=1):
                     state = self._step(ctx, state, blocks.full_at(i), mask=False, causal=False)
             else:
@@ -1306,8 +1334,15 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                     # mask, as in the forward), else the built-in one; then full blocks.
                     n_diag = cutlass.min(blocks.diag_end, blocks.n_m)
                     for m_block in cutlass.range(blocks.first, n_diag, unroll=1):
-                        state = self._step(ctx, state, m_block, mask=mods.has_mask,
-                                           causal=not mods.has_mask)
+                        if const_expr(cfg.idle_masked_keys):
+                            if self._keys_masked(m_block, n_block, ctx, None):
+                                state = self._idle_step(ctx, state)
+                            else:
+                                state = self._step(ctx, state, m_block, mask=mods.has_mask,
+                                                   causal=not mods.has_mask)
+                        else:
+                            state = self._step(ctx, state, m_block, mask=mods.has_mask,
+                                               causal=not mods.has_mask)
                     for m_block in cutlass.range(cutlass.max(n_diag, blocks.first), blocks.n_m,
                                                  unroll=1):
                         state = self._step(ctx, state, m_block, mask=False, causal=False)
@@ -1328,6 +1363,59 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             pipe_kv.consumer_release(kv_state)
             kv_state.advance()
         return kv_state, state
+
+    def _keys_masked(self, m_block, n_block, ctx, band):
+        """Whether the visit of q block `m_block` masks all of this warpgroup's keys
+        (`BwdConfig.idle_masked_keys`): causal (top-left, kv <= q) when its last row comes
+        before its first key; a band (`band` = (lo, hi) of q - kv) when every q - kv of the
+        visit lies outside [lo, hi]. Warpgroup-uniform."""
+        cfg = self.cfg
+        wg = ctx[10]
+        keys = cfg.tile_n // self.num_mma_wg
+        q_lo = m_block * cfg.tile_m
+        q_hi = q_lo + (cfg.tile_m - 1)
+        kv_lo = n_block * cfg.tile_n + wg * keys
+        kv_hi = kv_lo + (keys - 1)
+        if const_expr(band is None):
+            return q_hi < kv_lo
+        lo, hi = band
+        return (q_lo - kv_hi > hi) | (q_hi - kv_lo < lo)
+
+    @cute.jit
+    def _idle_step(self, ctx, state):
+        """`_step` for a warpgroup whose keys the visit masks entirely (`_keys_masked`):
+        P^T and dS^T are 0 there, so no S^T / dP^T GEMM, pointwise pass, dV or dK. It
+        stores its half of dS^T as zeros (the dQ GEMMs read all the keys) and computes its
+        share of dQ, with `_step`'s waits, barrier and releases (the other warpgroup runs
+        `_step`, or this same step)."""
+        ((tiled_mma_nm, tiled_mma_nd, tiled_mma_nv, tiled_mma_md), frags, acc_shape_nm, acc_shape_md,
+         acc_dV, acc_dK, coords, r2s_dS, tdSsdS, tdQsdQ, wg, sLSE, sDelta,
+         pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
+         softmax_scale, scale_log2, mod_args, grad_args, sDiag) = ctx
+        tSrK, tSrQ, tPrV, tPrdO, tVrP, tVrdOt, tKrQt, tQrdS, tQrKt, _ = frags
+        stage = state.index
+        do_state = lockstep_state(state, self.cfg.do_ring, producer=False)
+        pipe_q.consumer_wait(state)
+        pipe_do.consumer_wait(do_state)
+        zeros = cute.make_rmem_tensor(acc_shape_nm, Float32)
+        zeros.fill(0.0)
+        rdS = cute.make_rmem_tensor_like(zeros, self.dtype)
+        mma.convert_into(rdS, zeros)
+        cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, stage])
+        cute.arch.fence_view_async_shared()          # generic-proxy writes -> wgmma reads
+        BwdBarrier.DS_FULL.sync(self.num_mma_threads)
+        pipe_do.consumer_release(do_state)
+        acc_dQ = cute.make_rmem_tensor(acc_shape_md, Float32)
+        if const_expr(self.cfg.dq_swap_ab):
+            mma.gemm(tiled_mma_md, acc_dQ, tQrKt[None, None, None, 0],
+                     tQrdS[None, None, None, stage], zero_init=True, wait=0)
+        else:
+            mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, stage],
+                     tQrKt[None, None, None, 0], zero_init=True, wait=0)
+        self._stage_dq(acc_dQ, tdQsdQ, wg)
+        pipe_q.consumer_release(state)
+        state.advance()
+        return state
 
     @cute.jit
     def _step(self, ctx, state, m_block, mask: cutlass.Constexpr[bool],
