@@ -1364,6 +1364,18 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             kv_state.advance()
         return kv_state, state
 
+    def _dq_gemm(self, tiled_mma_md, acc_shape_md, tQrdS, tQrKt, stage, wait: int):
+        """dQ = dS K from sdS[stage] (this warpgroup's half of the head dim, or at tile_m 128
+        of the rows; swapped: dQ^T = K^T dS^T), issued; `wait` as `mma.gemm`'s."""
+        acc_dQ = cute.make_rmem_tensor(acc_shape_md, Float32)
+        if const_expr(self.cfg.dq_swap_ab):
+            mma.gemm(tiled_mma_md, acc_dQ, tQrKt[None, None, None, 0],
+                     tQrdS[None, None, None, stage], zero_init=True, wait=wait)
+        else:
+            mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, stage],
+                     tQrKt[None, None, None, 0], zero_init=True, wait=wait)
+        return acc_dQ
+
     def _keys_masked(self, m_block, n_block, ctx, band):
         """Whether the visit of q block `m_block` masks all of this warpgroup's keys
         (`BwdConfig.idle_masked_keys`): causal (top-left, kv <= q) when its last row comes
@@ -1405,13 +1417,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         cute.arch.fence_view_async_shared()          # generic-proxy writes -> wgmma reads
         BwdBarrier.DS_FULL.sync(self.num_mma_threads)
         pipe_do.consumer_release(do_state)
-        acc_dQ = cute.make_rmem_tensor(acc_shape_md, Float32)
-        if const_expr(self.cfg.dq_swap_ab):
-            mma.gemm(tiled_mma_md, acc_dQ, tQrKt[None, None, None, 0],
-                     tQrdS[None, None, None, stage], zero_init=True, wait=0)
-        else:
-            mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, stage],
-                     tQrKt[None, None, None, 0], zero_init=True, wait=0)
+        acc_dQ = self._dq_gemm(tiled_mma_md, acc_shape_md, tQrdS, tQrKt, stage, wait=0)
         self._stage_dq(acc_dQ, tdQsdQ, wg)
         pipe_q.consumer_release(state)
         state.advance()
@@ -1496,14 +1502,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                  zero_init=False, wait=-1)
         cute.arch.fence_view_async_shared()          # generic-proxy writes -> wgmma reads
         BwdBarrier.DS_FULL.sync(self.num_mma_threads)
-        # dQ = dS K (this warpgroup's half of the head dim; swapped: dQ^T = K^T dS^T).
-        acc_dQ = cute.make_rmem_tensor(acc_shape_md, Float32)
-        if const_expr(self.cfg.dq_swap_ab):
-            mma.gemm(tiled_mma_md, acc_dQ, tQrKt[None, None, None, 0],
-                          tQrdS[None, None, None, stage], zero_init=True, wait=1)
-        else:
-            mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, stage],
-                          tQrKt[None, None, None, 0], zero_init=True, wait=1)
+        acc_dQ = self._dq_gemm(tiled_mma_md, acc_shape_md, tQrdS, tQrKt, stage, wait=1)
         pipe_do.consumer_release(do_state)           # dV (the last reader of dO) retired
         # dK += dS^T Q (A from registers).
         mma.gemm(tiled_mma_nd, acc_dK, mma.acc_as_a_view(rdS),
