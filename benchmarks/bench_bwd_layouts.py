@@ -53,7 +53,7 @@ LAYOUTS = {
     "rows96-q2do1": dict(tile_n=96, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, tail_order="dv_first"),
     "swap96-dvfirst": dict(tile_n=96, num_stages=2, tail_order="dv_first"),
     # FA4's 192/192 layout exactly (its one dO slot freed once dV's GEMM retires, not after
-    # dQ's staging): not yet measured; `swap96-q2do1` ran our dQ-first order
+    # dQ's staging): planned at 192/192 since session 38; `swap96-q2do1` runs our dQ-first order
     "swap96-q2do1-dvfirst": dict(tile_n=96, num_stages=2, do_stages=1, ds_buffers=1, tail_order="dv_first"),
     # ... and P^T stored while dP's GEMM runs (BwdConfig.p_early), as FA4 does
     "swap96-q2do1-dvfirst-pearly": dict(tile_n=96, num_stages=2, do_stages=1, ds_buffers=1, tail_order="dv_first",

@@ -73,6 +73,7 @@ in ascending order (`_visit`), so dK/dV are the default mode's sums in another o
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
 
@@ -95,6 +96,14 @@ from flexattn.kernels.hopper.warp_specialized import (DTYPES, KernelConfig, Name
                                                       stage_tiles, store_staged)
 
 LOG2_E = math.log2(math.e)
+
+# What a consumer step (`_step`, `_idle_step`) reads: the warpgroup's MMAs and fragments (built
+# once in `consume`), this visit's kv tile and q head, the call's sizes, scales and mod arguments.
+_BwdStep = NamedTuple("_BwdStep", [(name, object) for name in (
+    "mmas", "frags", "acc_shape_nm", "acc_shape_md", "acc_dV", "acc_dK", "coords", "r2s_dS", "tdSsdS",
+    "tdQsdQ", "wg", "sLSE", "sDelta", "pipe_q", "pipe_do", "n_block", "head", "batch", "seqlen_q",
+    "seqlen_k", "softmax_scale", "scale_log2", "mod_args", "grad_args", "sDiag")])
+
 # Deterministic mode: a CTA waiting this long for its dQ turn traps (the launch fails
 # instead of hanging). Legitimate waits are at most one CTA's work (milliseconds);
 # only kv-side block lists that are not the transposes of the q-side ones, or a GPU that
@@ -1299,7 +1308,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         pipe_kv.consumer_wait(kv_state)
         for g in cutlass.range(group, unroll=1):
             head = head_kv * group + g
-            ctx = fixed + (n_block, head, batch, seqlen_q, seqlen_k,
+            ctx = _BwdStep(*fixed, n_block, head, batch, seqlen_q, seqlen_k,
                            softmax_scale, scale_log2, mod_args, grad_args, sDiag)
             if const_expr(cfg.block_sparse and cfg.deterministic):
                 blocks = self._sparse_blocks(block_sparse, batch, head, n_block)
@@ -1319,7 +1328,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                 for i in cutlass.range(blocks.n_partial, unroll=1):
                     m_block = blocks.partial_at(i)
                     if const_expr(cfg.idle_masked_keys):
-                        if self._keys_masked(m_block, n_block, ctx, block_sparse):
+                        if self._keys_masked(m_block, ctx, block_sparse):
                             state = self._idle_step(ctx, state)
                         else:
                             state = self._step(ctx, state, m_block, mask=mods.has_mask, causal=False)
@@ -1335,7 +1344,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                     n_diag = cutlass.min(blocks.diag_end, blocks.n_m)
                     for m_block in cutlass.range(blocks.first, n_diag, unroll=1):
                         if const_expr(cfg.idle_masked_keys):
-                            if self._keys_masked(m_block, n_block, ctx, None):
+                            if self._keys_masked(m_block, ctx, None):
                                 state = self._idle_step(ctx, state)
                             else:
                                 state = self._step(ctx, state, m_block, mask=mods.has_mask,
@@ -1376,17 +1385,16 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                      tQrKt[None, None, None, 0], zero_init=True, wait=wait)
         return acc_dQ
 
-    def _keys_masked(self, m_block, n_block, ctx, band):
+    def _keys_masked(self, m_block, ctx, band):
         """Whether the visit of q block `m_block` masks all of this warpgroup's keys
         (`BwdConfig.idle_masked_keys`): causal (top-left, kv <= q) when its last row comes
         before its first key; a band (`band` = (lo, hi) of q - kv) when every q - kv of the
         visit lies outside [lo, hi]. Warpgroup-uniform."""
         cfg = self.cfg
-        wg = ctx[10]
         keys = cfg.tile_n // self.num_mma_wg
         q_lo = m_block * cfg.tile_m
         q_hi = q_lo + (cfg.tile_m - 1)
-        kv_lo = n_block * cfg.tile_n + wg * keys
+        kv_lo = ctx.n_block * cfg.tile_n + ctx.wg * keys
         kv_hi = kv_lo + (keys - 1)
         if const_expr(band is None):
             return q_hi < kv_lo
@@ -1400,26 +1408,23 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         stores its half of dS^T as zeros (the dQ GEMMs read all the keys) and computes its
         share of dQ, with `_step`'s waits, barrier and releases (the other warpgroup runs
         `_step`, or this same step)."""
-        ((tiled_mma_nm, tiled_mma_nd, tiled_mma_nv, tiled_mma_md), frags, acc_shape_nm, acc_shape_md,
-         acc_dV, acc_dK, coords, r2s_dS, tdSsdS, tdQsdQ, wg, sLSE, sDelta,
-         pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
-         softmax_scale, scale_log2, mod_args, grad_args, sDiag) = ctx
-        tSrK, tSrQ, tPrV, tPrdO, tVrP, tVrdOt, tKrQt, tQrdS, tQrKt, _ = frags
+        *_, tQrdS, tQrKt, _ = ctx.frags               # the dQ GEMM's operands (as `_step` names them)
+        *_, tiled_mma_md = ctx.mmas
         stage = state.index
         do_state = lockstep_state(state, self.cfg.do_ring, producer=False)
-        pipe_q.consumer_wait(state)
-        pipe_do.consumer_wait(do_state)
-        zeros = cute.make_rmem_tensor(acc_shape_nm, Float32)
+        ctx.pipe_q.consumer_wait(state)
+        ctx.pipe_do.consumer_wait(do_state)
+        zeros = cute.make_rmem_tensor(ctx.acc_shape_nm, Float32)
         zeros.fill(0.0)
         rdS = cute.make_rmem_tensor_like(zeros, self.dtype)
         mma.convert_into(rdS, zeros)
-        cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, stage])
+        cute.copy(ctx.r2s_dS, ctx.r2s_dS.retile(rdS), ctx.tdSsdS[None, None, None, stage])
         cute.arch.fence_view_async_shared()          # generic-proxy writes -> wgmma reads
         BwdBarrier.DS_FULL.sync(self.num_mma_threads)
-        pipe_do.consumer_release(do_state)
-        acc_dQ = self._dq_gemm(tiled_mma_md, acc_shape_md, tQrdS, tQrKt, stage, wait=0)
-        self._stage_dq(acc_dQ, tdQsdQ, wg)
-        pipe_q.consumer_release(state)
+        ctx.pipe_do.consumer_release(do_state)
+        acc_dQ = self._dq_gemm(tiled_mma_md, ctx.acc_shape_md, tQrdS, tQrKt, stage, wait=0)
+        self._stage_dq(acc_dQ, ctx.tdQsdQ, ctx.wg)
+        ctx.pipe_q.consumer_release(state)
         state.advance()
         return state
 
