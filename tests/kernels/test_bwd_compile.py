@@ -230,7 +230,7 @@ def test_block_structures(compiled):
 
 def test_idle_masked_keys(compiled):
     """BwdConfig.idle_masked_keys adds one step body, the idle warpgroup's: a zero dS^T
-    store and its dQ GEMM only (tile_m / 16 wgmma at head dim 128, no exponentials), beside
+    store and its dQ GEMM only (tile_n / 16 wgmma: k-steps over the keys; no exponentials), beside
     the causal / band walk's two full steps; the default config's PTX has none of it."""
     base = compiled["d128-causal"][1].count("wgmma.mma_async")
     for name in ("d128-causal-idle", "d128-band-window-idle", "d128-causal-softcap-idle"):
