@@ -12,8 +12,9 @@ difference over the largest value), so a wrong layout shows. What
 planned split split-q2do1 split-dvfirst split-q2do1-dvfirst swap48-q2do1 rows48-q2do1
 rows80-q2do1`.
 `--mask window1024` and the `by_head` / `longest` layouts compare the CTA orders of a band's
-backward instead (head dim 128); `idle` (`BwdConfig.idle_masked_keys`) a warpgroup idling on
-visits that mask all its keys (head dims up to 128, causal or a band).
+backward instead (head dim 128); `idle` (`BwdConfig.idle_masked_keys`, planned since session
+39) a warpgroup idling on visits that mask all its keys (head dims up to 128, causal or a
+band), `no_idle` the same kernel without it.
 
     python3 benchmarks/bench_bwd_layouts.py [--shapes 4x4096x16 ...] [--dims 192/192 256/256]
     python3 benchmarks/bench_bwd_layouts.py --mask window1024 --dims 128/128 --layouts by_head longest
@@ -59,6 +60,7 @@ LAYOUTS = {
     "swap96-q2do1-dvfirst-pearly": dict(tile_n=96, num_stages=2, do_stages=1, ds_buffers=1, tail_order="dv_first",
                                         p_early=True),
     "idle": dict(idle_masked_keys=True),   # idle warpgroups on visits masking all their keys (128/128)
+    "no_idle": dict(idle_masked_keys=False),
     "by_head": dict(tile_order="by_head"),
     "longest": dict(tile_order="longest_first"),
 }

@@ -399,7 +399,7 @@ def test_swapped_layout_value_head_dims(D, Dv, name):
 
 
 # Idle warpgroups on visits whose mask hides all their keys (BwdConfig.idle_masked_keys:
-# prepared in session 38, not planned; FLEXATTN_BWD_IDLE_KEYS=1 for A/Bs): the causal
+# planned since session 39 wherever idle_keys_allowed; forced on here): the causal
 # diagonal's first visit, a band's edges. GQA / MQA, KV_LEN and Q_LEN inside tiles, score
 # mods. (case, dtype, D, B, Hq, Hkv, Q, KV, layout)
 IDLE = [
@@ -430,7 +430,7 @@ def test_idle_masked_keys_bitwise(name, fields):
     k, v = (torch.randn(B, Hkv, KV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     mask = mods.causal() if name == "causal" else mods.sliding_window(300)
     spec = AttentionSpec.from_args(mask=mask, enable_gqa=True)
-    *want, _, _, _, cfg = kernel_backward(q, k, v, do, spec, **fields)
+    *want, _, _, _, cfg = kernel_backward(q, k, v, do, spec, idle_masked_keys=False, **fields)
     *got, _, _, _, idle_cfg = kernel_backward(q, k, v, do, spec, idle_masked_keys=True, **fields)
     assert idle_cfg.idle_masked_keys and not cfg.idle_masked_keys and (cfg.causal or cfg.band)
     for label, a, b in zip(("dq", "dk", "dv"), got[:3], want[:3]):

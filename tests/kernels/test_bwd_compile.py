@@ -48,7 +48,7 @@ def _config(name):
     if name == "d128-band-window":         # a band walked by arithmetic
         hook = IRModHook(None, canonical_band(mods.sliding_window(1024)))
         return BwdConfig(head_dim=128, band=True, mods=hook), hook
-    # BwdConfig.idle_masked_keys (not planned; session 38): a warpgroup whose keys a visit masks
+    # BwdConfig.idle_masked_keys (planned since session 39): a warpgroup whose keys a visit masks
     # runs `_idle_step` (zero dS^T half, its dQ share) instead of `_step`
     if name == "d128-causal-idle":
         hook = IRModHook()
@@ -252,6 +252,27 @@ def test_idle_masked_keys_is_validated():
                                                               None))):
         with pytest.raises(ValueError, match="idle_masked_keys"):
             BwdConfig(**kw, idle_masked_keys=True)
+
+
+def test_planner_idle_masked_keys(monkeypatch):
+    """config_from_forward plans idle warpgroups wherever they apply (causal and band walks
+    at head dims up to 128, deterministic too), never on block lists, dense walks, float32
+    or wide head dims; FLEXATTN_BWD_IDLE_KEYS=0 and an explicit override leave it off."""
+    from flexattn.kernels.bwd.plan import config_from_forward
+    from flexattn.kernels.fwd.sm90 import FwdConfig
+
+    monkeypatch.delenv("FLEXATTN_BWD_IDLE_KEYS", raising=False)
+    band = IRModHook(None, canonical_band(mods.sliding_window(1024)))
+    for fwd in (FwdConfig(head_dim=128, causal=True), FwdConfig(head_dim=64, causal=True),
+                FwdConfig(head_dim=96, causal=True), FwdConfig(head_dim=128, band=True, mods=band)):
+        assert config_from_forward(fwd).idle_masked_keys, fwd
+        assert config_from_forward(fwd, deterministic=True).idle_masked_keys == fwd.causal, fwd
+        assert not config_from_forward(fwd, idle_masked_keys=False).idle_masked_keys
+    for fwd in (FwdConfig(head_dim=128), FwdConfig(head_dim=128, block_sparse=True),
+                FwdConfig(head_dim=192, causal=True), FwdConfig(dtype="fp32", head_dim=128, causal=True)):
+        assert not config_from_forward(fwd).idle_masked_keys, fwd
+    monkeypatch.setenv("FLEXATTN_BWD_IDLE_KEYS", "0")
+    assert not config_from_forward(FwdConfig(head_dim=128, causal=True)).idle_masked_keys
 
 
 def test_persistent(compiled):

@@ -16,9 +16,11 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
     """The backward config for a forward config (same dtype, head dim, block structure and
     mods): what `kernel_path.plan_forward` chose for the forward applies to the backward.
     `overrides`: other BwdConfig fields, e.g. deterministic=True; tile_m, unless given,
-    is `choose_tile_m`'s; dq_finish, unless given, off (FLEXATTN_DQ_FINISH=1: wherever it
-    applies, `finish_allowed`, for A/B runs; measured slower); pdl, unless given, off
-    (FLEXATTN_BWD_PDL=1, 16-bit dtypes, for A/B runs; measured neutral)."""
+    is `choose_tile_m`'s; idle_masked_keys, unless given, on wherever `idle_keys_allowed`
+    (FLEXATTN_BWD_IDLE_KEYS=0: off, for A/B runs); dq_finish, unless given, off
+    (FLEXATTN_DQ_FINISH=1: wherever it applies, `finish_allowed`, for A/B runs; measured
+    slower); pdl, unless given, off (FLEXATTN_BWD_PDL=1, 16-bit dtypes, for A/B runs;
+    measured neutral)."""
     kw = dict(dtype=fwd_cfg.dtype, head_dim=fwd_cfg.head_dim, head_dim_v=fwd_cfg.head_dim_v,
               causal=fwd_cfg.causal, block_sparse=fwd_cfg.block_sparse, band=fwd_cfg.band, mods=fwd_cfg.mods,
               tf32_passes=getattr(fwd_cfg, "tf32_passes", 1))   # (a 16-bit config stand-in may lack it)
@@ -39,10 +41,11 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
         # dQ stored by the main kernel, no postprocess (bwd/sm90.py, BwdConfig.dq_finish):
         # measured slower (docs/experiments.md, session 29), so only for A/B runs.
         cfg = dataclasses.replace(cfg, dq_finish=True)
-    if ("idle_masked_keys" not in overrides and os.environ.get("FLEXATTN_BWD_IDLE_KEYS") == "1"
+    if ("idle_masked_keys" not in overrides and os.environ.get("FLEXATTN_BWD_IDLE_KEYS") != "0"
             and idle_keys_allowed(cfg)):
         # Idle warpgroups on visits that mask all their keys (BwdConfig.idle_masked_keys):
-        # prepared in session 38, not yet measured, so only for A/B runs.
+        # window1024 / causal fwd+bwd kernels 1-2% faster at D128 and D96 (H200, session 39,
+        # docs/experiments.md). FLEXATTN_BWD_IDLE_KEYS=0 leaves it off, for A/B runs.
         cfg = dataclasses.replace(cfg, idle_masked_keys=True)
     if "pdl" not in overrides and cfg.dtype != "fp32" and os.environ.get("FLEXATTN_BWD_PDL") == "1":
         # The main kernel and the postprocess as programmatic dependents (BwdConfig.pdl):
