@@ -1436,11 +1436,13 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         for the writer warp. GEMM order (FA3/FA4's): S^T, dP^T | P, dS | dV; dQ; dK, each
         wait retiring the GEMM before the last one issued, so dQ's GEMM overlaps dK's and
         its copy to smem overlaps the dK GEMM's tail."""
-        ((tiled_mma_nm, tiled_mma_nd, tiled_mma_nv, tiled_mma_md), frags, acc_shape_nm, acc_shape_md,
-         acc_dV, acc_dK, coords, r2s_dS, tdSsdS, tdQsdQ, wg, sLSE, sDelta,
-         pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
-         softmax_scale, scale_log2, mod_args, grad_args, sDiag) = ctx
-        tSrK, tSrQ, tPrV, tPrdO, tVrP, tVrdOt, tKrQt, tQrdS, tQrKt, _ = frags
+        tiled_mma_nm, tiled_mma_nd, tiled_mma_nv, tiled_mma_md = ctx.mmas
+        tSrK, tSrQ, tPrV, tPrdO, tVrP, tVrdOt, tKrQt, tQrdS, tQrKt, _ = ctx.frags
+        acc_shape_nm, acc_shape_md, acc_dV, acc_dK = ctx.acc_shape_nm, ctx.acc_shape_md, ctx.acc_dV, ctx.acc_dK
+        coords, r2s_dS, tdSsdS, tdQsdQ, wg = ctx.coords, ctx.r2s_dS, ctx.tdSsdS, ctx.tdQsdQ, ctx.wg
+        sLSE, sDelta, pipe_q, pipe_do, sDiag = ctx.sLSE, ctx.sDelta, ctx.pipe_q, ctx.pipe_do, ctx.sDiag
+        n_block, head, batch, seqlen_q, seqlen_k = ctx.n_block, ctx.head, ctx.batch, ctx.seqlen_q, ctx.seqlen_k
+        softmax_scale, scale_log2, mod_args, grad_args = ctx.softmax_scale, ctx.scale_log2, ctx.mod_args, ctx.grad_args
         mods = self.mods
         stage = state.index
         do_state = lockstep_state(state, self.cfg.do_ring, producer=False)   # (state itself unless shallower)
@@ -1533,12 +1535,11 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         the writer, while dV and dK run. `dkv_swap`: dV^T += dO^T P and dK^T += Q^T dS, one
         P^T buffer (a warpgroup's dV^T reads only its own keys' rows, after its previous
         visit's GEMMs all retired). `p_stored`: P^T is in shared memory already (p_early)."""
-        ((tiled_mma_nm, tiled_mma_nd, tiled_mma_nv, tiled_mma_md), frags, acc_shape_nm, acc_shape_md,
-         acc_dV, acc_dK, coords, r2s_dS, tdSsdS_tPsP, tdQsdQ, wg, sLSE, sDelta,
-         pipe_q, pipe_do, n_block, head, batch, seqlen_q, seqlen_k,
-         softmax_scale, scale_log2, mod_args, grad_args, sDiag) = ctx
-        _, _, _, _, tVsP, tVrdOt, tKrQt, tQrdS, tQrKt, tKsdS = frags
-        tdSsdS, tPsP = tdSsdS_tPsP
+        _, tiled_mma_nd, tiled_mma_nv, tiled_mma_md = ctx.mmas
+        _, _, _, _, tVsP, tVrdOt, tKrQt, tQrdS, tQrKt, tKsdS = ctx.frags
+        tdSsdS, tPsP = ctx.tdSsdS                    # (dS^T, P^T) under split_head_dim
+        acc_shape_md, acc_dV, acc_dK, r2s_dS = ctx.acc_shape_md, ctx.acc_dV, ctx.acc_dK, ctx.r2s_dS
+        tdQsdQ, wg, pipe_q, pipe_do = ctx.tdQsdQ, ctx.wg, ctx.pipe_q, ctx.pipe_do
         cfg = self.cfg
         stage, do_stage = state.index, do_state.index
         # Two buffers: a warpgroup writes visit i + 1's tiles only after the ds_full barrier
