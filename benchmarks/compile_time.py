@@ -169,6 +169,7 @@ KERNELS = {
     "sparse-nomask": _fwd(head_dim=128, tile_m=128, block_sparse=True),   # the base of the two below
     "dilated": _fwd(head_dim=128, tile_m=128, block_sparse=True, mask=_dilated),
     "neighborhood": _fwd(head_dim=128, tile_m=128, block_sparse=True, mask=_neighborhood),
+    "decode-window": _decode(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, mask=lambda: _window_4k()),
     "decode-window-alibi": _decode(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2,
                                    score=_alibi, mask=lambda: _window_4k()),
     "decode-cluster4-alibi": _decode(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, cluster_splits=4,
