@@ -1327,14 +1327,9 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             elif const_expr(cfg.block_sparse or cfg.band):
                 blocks = self._q_blocks(block_sparse, batch, head, n_block, seqlen_q)
                 for i in cutlass.range(blocks.n_partial, unroll=1):
-                    m_block = blocks.partial_at(i)
-                    if const_expr(cfg.idle_masked_keys):
-                        if self._keys_masked(m_block, ctx, block_sparse):
-                            state = self._idle_step(ctx, state)
-                        else:
-                            state = self._step(ctx, state, m_block, mask=mods.has_mask, causal=False)
-                    else:
-                        state = self._step(ctx, state, m_block, mask=mods.has_mask, causal=False)
+                    # (under a band, `block_sparse` holds its (lo, hi): see _q_blocks)
+                    state = self._partial_step(ctx, state, blocks.partial_at(i), block_sparse,
+                                               mask=mods.has_mask, causal=False)
                 for i in cutlass.range(blocks.n_full, unroll=1):
                     state = self._step(ctx, state, blocks.full_at(i), mask=False, causal=False)
             else:
@@ -1344,15 +1339,8 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                     # mask, as in the forward), else the built-in one; then full blocks.
                     n_diag = cutlass.min(blocks.diag_end, blocks.n_m)
                     for m_block in cutlass.range(blocks.first, n_diag, unroll=1):
-                        if const_expr(cfg.idle_masked_keys):
-                            if self._keys_masked(m_block, ctx, None):
-                                state = self._idle_step(ctx, state)
-                            else:
-                                state = self._step(ctx, state, m_block, mask=mods.has_mask,
+                        state = self._partial_step(ctx, state, m_block, None, mask=mods.has_mask,
                                                    causal=not mods.has_mask)
-                        else:
-                            state = self._step(ctx, state, m_block, mask=mods.has_mask,
-                                               causal=not mods.has_mask)
                     for m_block in cutlass.range(cutlass.max(n_diag, blocks.first), blocks.n_m,
                                                  unroll=1):
                         state = self._step(ctx, state, m_block, mask=False, causal=False)
@@ -1385,6 +1373,21 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             mma.gemm(tiled_mma_md, acc_dQ, tQrdS[None, None, None, stage],
                      tQrKt[None, None, None, 0], zero_init=True, wait=wait)
         return acc_dQ
+
+    @cute.jit
+    def _partial_step(self, ctx, state, m_block, band, mask: cutlass.Constexpr[bool],
+                      causal: cutlass.Constexpr[bool]):
+        """`_step` on a visit the mask may cut (a causal diagonal's, a band's or a list's
+        partial block); under `idle_masked_keys` a warpgroup whose keys it hides entirely
+        (`_keys_masked`; `band`: the band's (lo, hi), None for causal) runs `_idle_step`."""
+        if const_expr(self.cfg.idle_masked_keys):
+            if self._keys_masked(m_block, ctx, band):
+                state = self._idle_step(ctx, state)
+            else:
+                state = self._step(ctx, state, m_block, mask=mask, causal=causal)
+        else:
+            state = self._step(ctx, state, m_block, mask=mask, causal=causal)
+        return state
 
     def _keys_masked(self, m_block, ctx, band):
         """Whether the visit of q block `m_block` masks all of this warpgroup's keys
