@@ -21,6 +21,12 @@ VARIANTS = {  # BwdConfig overrides on top of the planner's config (config_from_
     "cluster": dict(cluster_n=2),      # kv-block pairs share Q / dO loads (TMA multicast)
     "by_head": dict(tile_order="by_head"),            # kv blocks of a head in launch order
     "longest": dict(tile_order="longest_first"),      # (the default under causal)
+    # longest-first sections of fewer (kv head, batch) pairs (BwdConfig.l2_section_bytes): at
+    # D64 S4096 a pair's rows take 2.1 MB, so 5 / 10 / 20 MB hold 2 / 4 / 8 pairs (default 16)
+    "sections2": dict(tile_order="longest_first", l2_section_bytes=5 << 20),
+    "sections4": dict(tile_order="longest_first", l2_section_bytes=10 << 20),
+    "sections8": dict(tile_order="longest_first", l2_section_bytes=20 << 20),
+    "v_with_do": dict(v_with_first_do=True),
 }
 
 

@@ -442,6 +442,42 @@ def test_idle_masked_keys_bitwise(name, fields):
             assert torch.equal(a, b), (name, label, (a.float() - b.float()).abs().max().item())
 
 
+# V's load on the first visit's dO barrier (BwdConfig.v_with_first_do, session 40; measured
+# neutral, not planned; forced here): only when V lands changes, so every gradient is bitwise the
+# shared-barrier load's where the dQ adds keep their order (deterministic) and dK / dV always.
+# (name, BwdConfig fields, D, Hq, Hkv, Q, KV): GQA, kv tiles no q row visits (causal with
+# KV > Q), block lists, 128-row visits (D64), clusters sharing Q / dO (dense, even kv tiles).
+V_WITH_DO = [
+    ("causal", dict(deterministic=True), 128, 4, 2, 300, 700),
+    ("causal", {}, 64, 4, 1, 777, 777),
+    ("document", {}, 128, 2, 2, 1000, 1000),
+    ("none", dict(cluster_n=2), 128, 2, 2, 512, 512),
+    ("sliding_window", {}, 128, 4, 2, 900, 900),
+]
+
+
+@pytest.mark.parametrize("name,fields,D,Hq,Hkv,Q,KV", V_WITH_DO, ids=lambda c: str(c).replace(" ", ""))
+def test_v_with_first_do_bitwise(name, fields, D, Hq, Hkv, Q, KV):
+    torch.manual_seed(D + Q + KV)
+    q, do = (torch.randn(1, Hq, Q, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, Hkv, KV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    if name == "document":
+        doc = torch.from_numpy(np.repeat(np.arange(4, dtype=np.int32), [100, 333, 300, 267]))
+        mask = mods.document(doc.cuda())
+    else:
+        mask = {"causal": mods.causal(), "sliding_window": mods.sliding_window(300), "none": None}[name]
+    spec = AttentionSpec.from_args(mask=mask, enable_gqa=True)
+    *want, _, _, _, cfg = kernel_backward(q, k, v, do, spec, v_with_first_do=False, **fields)
+    *got, _, _, _, v_cfg = kernel_backward(q, k, v, do, spec, v_with_first_do=True, **fields)
+    assert v_cfg.v_with_first_do and not cfg.v_with_first_do and not v_cfg.max_ctas
+    for label, a, b in zip(("dq", "dk", "dv"), got[:3], want[:3]):
+        assert torch.isfinite(a.float()).all(), (name, label)
+        if label == "dq" and not fields.get("deterministic"):
+            assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max(), (name, fields)
+        else:
+            assert torch.equal(a, b), (name, label, (a.float() - b.float()).abs().max().item())
+
+
 # Clusters of 2 CTAs (kv blocks 2c, 2c + 1) sharing Q / dO loads by TMA multicast: dense
 # only, an even number of 128-key blocks. (case, dtype, D, B, Hq, Hkv, Q, KV, layout)
 CLUSTER = [

@@ -127,6 +127,9 @@ def _config(name):
     if name.endswith("-pdl"):                 # programmatic dependent launches (BwdConfig.pdl)
         cfg, hook = _config(name[:-4])
         return dataclasses.replace(cfg, pdl=True), hook
+    if name.endswith("-vdo"):                 # V on the first visit's dO barrier (BwdConfig.v_with_first_do)
+        cfg, hook = _config(name[:-4])
+        return dataclasses.replace(cfg, v_with_first_do=True), hook
     if name.endswith("-finish"):              # dQ stored by the main kernel (BwdConfig.dq_finish)
         cfg, hook = _config(name[:-7])
         return dataclasses.replace(cfg, dq_finish=True), hook
@@ -169,8 +172,10 @@ WIDE256 = ["d256-128-causal-split-q2do1", "d256-causal-split-dvfirst", "d256-cau
 IDLE = ["d128-causal-idle", "d128-band-window-idle", "d128-causal-softcap-idle", "d128-causal"]
 # 192/192's layout (planned since session 38: bwd.plan.SWAP_PLANNED) with and without BwdConfig.p_early
 P_EARLY = ["d192-causal-swap96-dvfirst", "d192-causal-swap96-dvfirst-pearly"]
+# V's load on the first visit's dO barrier (not planned: measured neutral; FLEXATTN_BWD_V_WITH_DO=1 plans it)
+V_WITH_DO = ["d64-causal-128-vdo", "d64-sparse-document-vdo"]
 NAMES = (DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + SWAPPED + TILE128 + PERSISTENT + FINISH + PDL
-         + WIDE256 + P_EARLY + IDLE)
+         + WIDE256 + P_EARLY + IDLE + V_WITH_DO)
 
 
 @pytest.fixture(scope="module")
@@ -339,6 +344,31 @@ def test_pdl(compiled, name, monkeypatch):
         monkeypatch.setenv("FLEXATTN_BWD_PDL", "1")
         assert config_from_forward(fwd).pdl
         assert not config_from_forward(dataclasses.replace(fwd, dtype="fp32")).pdl
+
+
+@pytest.mark.parametrize("name", V_WITH_DO)
+def test_v_with_first_do(compiled, name, monkeypatch):
+    """V's bytes counted on the first visit's dO barrier (one expect_tx without an arrive,
+    none otherwise), the same TMA loads and steps; persistent CTAs ignore the field (one
+    kernel key). Planned only under FLEXATTN_BWD_V_WITH_DO=1, never persistent or fp32."""
+    cfg, ptx = compiled[name]
+    plain_cfg, plain = compiled[name[:-4]]
+    assert _steps(ptx, cfg) == _steps(plain, plain_cfg)
+    assert ptx.count("cp.async.bulk.tensor") == plain.count("cp.async.bulk.tensor")
+    assert len(re.findall(r"mbarrier\.expect_tx", ptx)) == 1 and not re.findall(r"mbarrier\.expect_tx", plain)
+    assert (dataclasses.replace(cfg, max_ctas=132).key()
+            == dataclasses.replace(cfg, max_ctas=132, v_with_first_do=False).key())
+    assert cfg.key() != plain_cfg.key()
+    from flexattn.kernels.bwd.plan import config_from_forward
+    from flexattn.kernels.fwd.sm90 import FwdConfig
+
+    fwd = FwdConfig(head_dim=64, causal=True)
+    monkeypatch.delenv("FLEXATTN_BWD_V_WITH_DO", raising=False)
+    assert not config_from_forward(fwd).v_with_first_do
+    monkeypatch.setenv("FLEXATTN_BWD_V_WITH_DO", "1")
+    assert config_from_forward(fwd).v_with_first_do
+    assert not config_from_forward(fwd, max_ctas=132).v_with_first_do
+    assert not config_from_forward(dataclasses.replace(fwd, dtype="fp32")).v_with_first_do
 
 
 @pytest.mark.parametrize("name", FINISH)
@@ -743,6 +773,11 @@ def test_config_validation():
     assert BwdConfig().key() == BwdConfig(dq_turn_pass="next_visit").key()
     with pytest.raises(ValueError, match="dq_turn_pass"):
         BwdConfig(dq_turn_pass="later")
+    # the longest-first order's L2 budget is one kernel with the default where no such order runs
+    assert BwdConfig(causal=True).key() != BwdConfig(causal=True, l2_section_bytes=10 << 20).key()
+    assert BwdConfig(tile_order="by_head").key() == BwdConfig(tile_order="by_head", l2_section_bytes=10 << 20).key()
+    with pytest.raises(ValueError, match="l2_section_bytes"):
+        BwdConfig(l2_section_bytes=-1)
     with pytest.raises(ValueError):
         BwdConfig(tile_m=128)
     # tile_m 80: dense non-causal head dim 128 only; workspace rows padded to 80

@@ -90,7 +90,7 @@ from flexattn.kernels.blockmask.visit import _kernel_ops, band_bounds, band_of
 from flexattn.kernels.bwd.pointwise import BwdPointwise, _diagonal_flushes, _element_order
 from flexattn.kernels.bwd.q_blocks import BwdWalks, KvVisitors, visitor_count
 from flexattn.kernels.emit.mod_hook import NO_MODS, FragmentCoords, ModHook
-from flexattn.kernels.hopper.tile_scheduler import ByHead, LongestFirst, TileSpace, grid_size
+from flexattn.kernels.hopper.tile_scheduler import L2_BYTES_FOR_KV, ByHead, LongestFirst, TileSpace, grid_size
 from flexattn.kernels.hopper.tma_pipeline import lockstep_state, multicast_slice, tma_ring
 from flexattn.kernels.hopper.warp_specialized import (DTYPES, KernelConfig, NamedBarriers, WarpSpecialized, register_split,
                                                       stage_tiles, store_staged)
@@ -226,6 +226,17 @@ class BwdConfig(KernelConfig):
     # layout, causal or band walks, without per-diagonal buffer-gradient sums. Planned there
     # (bwd/plan.py): fwd+bwd kernels 0.5-2% faster on window1024 / causal (H200, 2026-11-29).
     idle_masked_keys: bool = False
+    # v_with_first_do: one CTA per kv tile (not persistent): V's bytes ride on the first
+    # visit's dO barrier (issued after K and that visit's Q), so the first S^T GEMM waits for
+    # K + Q only and V lands under it, as FA4 loads them; off: K and V share one barrier the
+    # consumers wait on before the first visit. Measured neutral (H200, fwd+bwd at the door
+    # 0.996-1.006x: D64 causal / full, D128 document4 / window1024 / causal, 2026-11-29),
+    # so not planned: FLEXATTN_BWD_V_WITH_DO=1 plans it (bwd/plan.py).
+    v_with_first_do: bool = False
+    # l2_section_bytes: the longest-first order's L2 budget (0: hopper.tile_scheduler's
+    # L2_BYTES_FOR_KV): a section holds the most (kv head, batch) pairs, a power of two,
+    # whose Q, dO, LSE, D and dq_accum rows fit in it.
+    l2_section_bytes: int = 0
 
     def __post_init__(self):
         self.check_dtype()
@@ -317,6 +328,8 @@ class BwdConfig(KernelConfig):
         if self.max_ctas < 0 or (self.max_ctas and (self.deterministic or self.cluster_n != 1)):
             raise ValueError(f"max_ctas (persistent CTAs) must be >= 0, and 0 in deterministic mode or"
                              f" with clusters, got {self.max_ctas}")
+        if self.l2_section_bytes < 0:
+            raise ValueError(f"l2_section_bytes must be >= 0 (0: the default budget), got {self.l2_section_bytes}")
         if self.dq_finish and not finish_allowed(self):
             raise ValueError("dq_finish is for tile_m 64, 128-key CTAs (head dims up to 128, block lists of"
                              " 128 keys), not deterministic, not persistent, without the per-diagonal"
@@ -439,6 +452,8 @@ class BwdConfig(KernelConfig):
         values = dict(zip((f.name for f in dataclasses.fields(self) if f.name != "mods"), super().key_values()))
         values["tile_order"] = self.order
         values["dq_turn_pass"] = self.turn_pass if self.deterministic else None
+        values["v_with_first_do"] = self.v_with_first_do and not self.max_ctas   # (persistent: ignored)
+        values["l2_section_bytes"] = self.l2_section_bytes if self.order == "longest_first" else 0
         return tuple(values.values())
 
     def cluster_fits(self, seqlen_k: int) -> bool:
@@ -929,7 +944,8 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
 
         storage = self.allocate(SharedStorage)
         n = self.num_mma_threads
-        pipe_kv = tma_ring(storage.mbar_kv.data_ptr(), 1, n, self.bytes_kd + self.bytes_kv)
+        pipe_kv = tma_ring(storage.mbar_kv.data_ptr(), 1, n,
+                           self.bytes_kd + (0 if self.v_with_first_do else self.bytes_kv))
         pipe_q = tma_ring(storage.mbar_q.data_ptr(), cfg.num_stages, n,
                           self.bytes_qd + self.bytes_stat, cfg.cluster_n)
         pipe_do = tma_ring(storage.mbar_do.data_ptr(), cfg.do_ring, n,
@@ -1017,7 +1033,8 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             # What the CTAs of a kv head share: the Q, dO, LSE, D rows of its group and
             # their fp32 dQ accumulator rows (counting those halves the L2 sections at
             # S4096: causal B4 H16 D128 backward 500.6 -> 506.5 TFLOP/s, H100, 2026-11-22).
-            return LongestFirst(self.q_row_bytes, last_row_first=False)
+            return LongestFirst(self.q_row_bytes, last_row_first=False,
+                                l2_budget=self.cfg.l2_section_bytes or L2_BYTES_FOR_KV)
         return ByHead(last_row_first=False)
 
     @property
@@ -1089,22 +1106,37 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             pipe_q.producer_tail(state.clone())
             pipe_do.producer_tail(state.clone())
 
+    @property
+    def v_with_first_do(self) -> bool:
+        """V's load on the first visit's dO barrier (BwdConfig.v_with_first_do): one CTA
+        per kv tile only (a persistent CTA's next K / V wait for this tile's epilogue)."""
+        return self.cfg.v_with_first_do and not self.cfg.max_ctas
+
     @cute.jit
     def _load_kv(self, kv_operands, kv_state, n_block, head_kv, batch):
-        """Issue one tile's K and V (one barrier), once the consumers have released the
-        previous tile's (persistent: after its dK / dV left through sK / sV)."""
+        """Issue one tile's K and V (one barrier; K alone where V rides on the first
+        visit's dO barrier, `_load_v`), once the consumers have released the previous
+        tile's (persistent: after its dK / dV left through sK / sV)."""
         cfg = self.cfg
         mK, mV, sK, sV, tma_atom_K, tma_atom_V, pipe_kv = kv_operands
         one = cute.make_layout(1)
         gK = cute.local_tile(mK[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim_v), (n_block, 0))
         tKsK, tKgK = cpasync.tma_partition(
             tma_atom_K, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
         pipe_kv.producer_acquire(kv_state)
         bar = pipe_kv.producer_get_barrier(kv_state)
         cute.copy(tma_atom_K, tKgK, tKsK[None, 0], tma_bar_ptr=bar)
+        if const_expr(not self.v_with_first_do):
+            self._load_v(kv_operands, bar, n_block, head_kv, batch)
+
+    @cute.jit
+    def _load_v(self, kv_operands, bar, n_block, head_kv, batch):
+        """Issue one tile's V on `bar` (whose expected bytes count it)."""
+        cfg = self.cfg
+        mK, mV, sK, sV, tma_atom_K, tma_atom_V, pipe_kv = kv_operands
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim_v), (n_block, 0))
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
         cute.copy(tma_atom_V, tVgV, tVsV[None, 0], tma_bar_ptr=bar)
 
     @cute.jit
@@ -1119,6 +1151,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         kv_operands = (mK, mV, sK, sV, tma_atom_K, tma_atom_V, pipe_kv)
         one = cute.make_layout(1)
         kv_due = Int32(1)
+        v_due = Int32(1)                      # (v_with_first_do: until the first visit's dO)
         if const_expr(not cfg.max_ctas):
             self._load_kv(kv_operands, kv_state, n_block, head_kv, batch)
             kv_due = Int32(0)
@@ -1154,6 +1187,14 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                 do_state = lockstep_state(state, cfg.do_ring, producer=True)
                 pipe_do.producer_acquire(do_state)
                 bar = pipe_do.producer_get_barrier(do_state)
+                if const_expr(self.v_with_first_do):
+                    if v_due != 0:
+                        # The slot's phase cannot complete before its dO lands: counting
+                        # V's bytes on it now is in time.
+                        with cute.arch.elect_one():
+                            cute.arch.mbarrier_expect_tx(bar, self.bytes_kv)
+                        self._load_v(kv_operands, bar, n_block, head_kv, batch)
+                        v_due = Int32(0)
                 cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, do_state.index],
                           tma_bar_ptr=bar, **mcast)
                 cute.copy(tma_atom_Delta, tDgD[None, m_block], tDsD[None, do_state.index],

@@ -120,15 +120,16 @@ class ByHead:
 
 
 class LongestFirst:
-    def __init__(self, kv_row_bytes: int, last_row_first: bool = True):
+    def __init__(self, kv_row_bytes: int, last_row_first: bool = True, l2_budget: int = L2_BYTES_FOR_KV):
         self.kv_row_bytes = kv_row_bytes          # bytes of one K row + one V row
         self.last_row_first = last_row_first
+        self.l2_budget = l2_budget                # bytes a section's rows may take in L2
 
     @cute.jit
     def tile(self, idx: Int32, space: TileSpace):
         pairs = space.heads * space.batch
         # Pairs per section: the largest power of two whose K/V fit the L2 budget.
-        fit = Int32(L2_BYTES_FOR_KV // self.kv_row_bytes) // cutlass.max(space.kv_len, 1)
+        fit = Int32(self.l2_budget // self.kv_row_bytes) // cutlass.max(space.kv_len, 1)
         section = Int32(1)
         for i in cutlass.range_constexpr(1, 16):
             if (1 << i) <= fit:
