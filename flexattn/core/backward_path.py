@@ -136,9 +136,11 @@ class PreparedBackward:
         ``launch(operands=)``)."""
         return kernel_path.operand_positions(self._captures, operands)
 
-    def launch(self, arrays: BackwardArrays, alloc: Allocator, operands=None, positions=None) -> tuple:
+    def launch(self, arrays: BackwardArrays, alloc: Allocator, operands=None, positions=None,
+               outputs=None) -> tuple:
         """``operands`` at ``positions``: this call's arrays in place of the prepared call's
-        (a compiled graph's op call)."""
+        (a compiled graph's op call). ``outputs``: dq, dk, dv allocated once the preprocess
+        is launched (`FfiBackwardRunner.run`), ``arrays``' own None."""
         args = self._args
         if operands is not None or args is False:
             from ..kernels.launch.arguments import ffi_args
@@ -151,7 +153,7 @@ class PreparedBackward:
         # The call's shapes are the prepared call's (its key), checked then; a compiled
         # graph's operands may be new arrays: checked.
         self._runner.run(arrays, workspace, self._scale, args, grads or None, self._lists,
-                         checked=operands is None)
+                         checked=operands is None, outputs=outputs)
         by_slot = [None] * self._n_slots
         for s, g in zip(self._slots, grads):
             by_slot[s] = g

@@ -318,7 +318,7 @@ def test_a_prepared_backward_skips_the_per_step_checks(monkeypatch):
         def kernels(self, with_dlse):
             return None
 
-        def run(self, *args, checked=False):
+        def run(self, *args, checked=False, outputs=None):
             calls.append(checked)
 
     monkeypatch.setattr(cache, "backward_runner", lambda cfg, tvm_ffi=False: Runner())
@@ -337,3 +337,29 @@ def test_a_prepared_backward_skips_the_per_step_checks(monkeypatch):
     positions = prepared.operand_positions((slopes,))
     prepared.launch(arrays, alloc, (torch.rand(Hq),), positions)
     assert calls == [True, False]
+
+
+@pytest.mark.parametrize("dq_finish", [False, True])
+def test_outputs_allocated_after_the_preprocess_launch(dq_finish):
+    """``FfiBackwardRunner.run(outputs=)``: dq, dk, dv come from the callable once the
+    preprocess is launched (so a host-bound step's allocations overlap its GPU work), and
+    the main kernel and the postprocess write those; under dq_finish, whose preprocess
+    zeroes dQ's empty rows, before it."""
+    from flexattn.kernels.bwd.sm90 import BwdConfig
+    from flexattn.kernels.launch.backward import FfiBackwardRunner
+
+    runner = FfiBackwardRunner(BwdConfig(head_dim=64, dq_finish=dq_finish))
+    events = []
+    fresh = ("dq", "dk", "dv")
+    pre = lambda *a: events.append(("pre", a[8]))                    # noqa: E731  (a[8]: dQ under dq_finish)
+    main = lambda *a: events.append(("main", a[8:11]))               # noqa: E731  (dq_out, dk, dv)
+    post = lambda *a: events.append(("post", a[1]))                  # noqa: E731
+    runner.kernels = lambda with_dlse: (pre, main, None if dq_finish else post)
+    arrays = BackwardArrays(*(object() for _ in range(6)), None, None, None)
+    workspace = (object(), object(), object())
+    runner.run(arrays, workspace, 1.0, (), None, checked=True,
+               outputs=lambda: events.append(("outputs", None)) or fresh)
+    if dq_finish:
+        assert events == [("outputs", None), ("pre", "dq"), ("main", fresh)]
+    else:
+        assert events == [("pre", None), ("outputs", None), ("main", (None, "dk", "dv")), ("post", "dq")]

@@ -372,9 +372,13 @@ class FfiBackwardRunner:
                                        f"q blocks of {cfg.sparse_block_m}")
 
     def run(self, arrays: BackwardArrays, workspace, softmax_scale: float, mod_args: tuple, grad_args,
-            block_sparse=None, checked: bool = False) -> None:
+            block_sparse=None, checked: bool = False, outputs=None) -> None:
         """``checked``: the arguments' shapes are a prepared call's, checked when it was
-        prepared (``core.backward_path.PreparedBackward``): no `check` per step."""
+        prepared (``core.backward_path.PreparedBackward``): no `check` per step.
+        ``outputs``: None, or a callable -> (dq, dk, dv) called once the preprocess is
+        launched (before it under dq_finish, whose preprocess zeroes dQ's empty rows), in
+        place of ``arrays``' own: a host-bound step's allocations then overlap the
+        preprocess instead of delaying it."""
         a = arrays
         if not checked:
             self.check(a.q, a.k, a.lse, a.d_lse, workspace, grad_args, block_sparse)
@@ -385,9 +389,15 @@ class FfiBackwardRunner:
         dqsem, fixed = ws.get("dq_semaphore"), ws.get("grad_fixed")
         grads = tuple(grad_args) if grad_args else None
         scale = float(softmax_scale)
-        dq_out = a.dq if self.cfg.dq_finish else None
+        dq, dk, dv = a.dq, a.dk, a.dv
+        if outputs is not None and self.cfg.dq_finish:
+            dq, dk, dv = outputs()
+            outputs = None
+        dq_out = dq if self.cfg.dq_finish else None
         pre(a.out, a.d_out, a.lse, a.d_lse, lse2, delta, dqacc, dqsem, dq_out, fixed)
-        main(a.q, a.k, a.v, a.d_out, lse2, delta, dqacc, dqsem, dq_out, a.dk, a.dv, scale,
+        if outputs is not None:
+            dq, dk, dv = outputs()
+        main(a.q, a.k, a.v, a.d_out, lse2, delta, dqacc, dqsem, dq_out, dk, dv, scale,
              tuple(mod_args) if mod_args else None, grads, fixed, tuple(block_sparse) if block_sparse else None)
         if post is not None:
-            post(dqacc, a.dq, scale, grads if fixed is not None else None, fixed)
+            post(dqacc, dq, scale, grads if fixed is not None else None, fixed)

@@ -15,7 +15,8 @@ class BackwardArrays:
     (float32, natural log): what the forward wrote for them. ``d_out``: the gradient of
     ``out`` (input dtype, head dim contiguous, other strides multiples of 8 elements);
     ``d_lse``: the gradient of ``lse`` (float32 [B, Hq, Q], contiguous) or None.
-    ``dq, dk, dv``: destinations shaped like q, k, v, written entirely.
+    ``dq, dk, dv``: destinations shaped like q, k, v, written entirely (None where the
+    runner gets them later from its ``outputs`` callable: `FfiBackwardRunner.run`).
     """
 
     q: Any
