@@ -202,7 +202,7 @@ KERNELS = {
     "bwd-causal": _bwd(head_dim=128, causal=True),
     "bwd-causal-d64": _bwd(head_dim=64, causal=True, tile_m=128),
     "bwd-causal-idle": _bwd(head_dim=128, causal=True, idle_masked_keys=True),
-    # as planned since session 40: V's load on the first visit's dO barrier
+    # V's load on the first visit's dO barrier (BwdConfig.v_with_first_do: measured neutral, not planned)
     "bwd-causal-vdo": _bwd(head_dim=128, causal=True, idle_masked_keys=True, v_with_first_do=True),
     "bwd-causal-d64-vdo": _bwd(head_dim=64, causal=True, tile_m=128, v_with_first_do=True),
     "bwd-doc-vdo": _bwd(head_dim=128, block_sparse=True, mask=_document, v_with_first_do=True),
