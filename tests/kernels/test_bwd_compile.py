@@ -1048,3 +1048,15 @@ def test_pre_and_postprocess_at_other_head_dims(head_dim):
     assert tpr & (tpr - 1) == 0 and geometry.chunk * tpr == head_dim and geometry.chunk % 8 == 0
     assert compile_preprocess("bf16", head_dim, with_dlse=True) is not None
     assert compile_postprocess("bf16", head_dim) is not None
+
+
+def test_alibi_backward_converts_positions_once_per_row():
+    """The backward passes q (its fragment columns) as a base plus offsets, clamped to
+    Q_LEN - 1 as the hooks see it: float(kv - q) is one conversion per row and bound, a
+    float add and a min / max per element (emit/affine_index.py); 128 conversions per
+    tile and thread before (two copies of the pointwise pass)."""
+    hook = IRModHook(mods.alibi(num_heads=8)).with_grad_filter(())
+    ptx = compile_backward(BwdConfig(head_dim=128, causal=True, mods=hook), fake_args(hook),
+                           keep_ptx=True).__ptx__
+    assert 0 < ptx.count("cvt.rn.f32.s32") <= 32, ptx.count("cvt.rn.f32.s32")
+    assert "max.f32" in ptx   # the clamp of q, on the converted value

@@ -32,3 +32,12 @@ def test_ir_forward_compiles_without_spills(name):
     if usage is None:
         pytest.skip("no ptxas on PATH to report resource usage")
     assert usage.spill_store_bytes == 0 and usage.spill_load_bytes == 0 and usage.stack_bytes == 0, usage
+
+
+def test_alibi_converts_positions_once_per_row():
+    """ALiBi's float(kv - q): the forward passes kv as a base plus compile-time offsets
+    (emit/affine_index.py), so the PTX converts one integer per fragment row, not one per
+    element (64 conversions per tile and thread before; I2F shares the XU pipe with exp2)."""
+    hook = IRModHook(mods.alibi(num_heads=8))
+    ptx = compile_forward(FwdConfig(head_dim=128, causal=True, mods=hook), fake_args(hook), keep_ptx=True).__ptx__
+    assert 0 < ptx.count("cvt.rn.f32.s32") <= 8, ptx.count("cvt.rn.f32.s32")

@@ -110,3 +110,22 @@ def test_vector_read_dot_compiles_per_element_without_spills():
     usage = resource_usage_from_ptx(ptx)
     if usage is not None:
         assert usage.spill_store_bytes == 0 and usage.stack_bytes == 0, usage
+
+
+def test_affine_index_casts_found_on_the_ir():
+    """Which mods take an index as an AffineIndex: those converting a sum / difference of
+    that index and terms free of it to float (ALiBi's kv - q, both ways), not other uses."""
+    from flexattn.kernels.emit.affine_index import casts_index_affinely
+    from flexattn.mods import ir
+
+    alibi = mods.alibi(num_heads=4).expr
+    assert casts_index_affinely(alibi, "kv") and casts_index_affinely(alibi, "q")
+    kv, q = ir.var("kv"), ir.var("q")
+    b = ir.binary
+    assert casts_index_affinely(ir.cast(b("sub", ir.unary("neg", b("add", kv, 3)), q), ir.FLOAT), "kv")
+    assert not casts_index_affinely(ir.cast(b("mul", kv, kv), ir.FLOAT), "kv")                 # not affine
+    assert not casts_index_affinely(ir.cast(b("sub", kv, b("floordiv", kv, 2)), ir.FLOAT), "kv")  # kv twice
+    assert not casts_index_affinely(mods.softcap(5.0).expr, "kv")
+    assert not casts_index_affinely(mods.sliding_window(8).expr, "kv")        # compares, no cast
+    hook = IRModHook(mods.alibi(num_heads=4), mods.sliding_window(8))
+    assert hook.affine_index("kv", True, True) and not hook.affine_index("kv", False, True)

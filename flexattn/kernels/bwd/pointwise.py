@@ -15,6 +15,7 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 from flexattn.kernels.blockmask.visit import band_bounds
+from flexattn.kernels.emit.affine_index import AffineIndex
 from flexattn.kernels.emit.mod_hook import kept_if
 from flexattn.kernels.hopper.atomics import FIXED_WORDS, red_add_f32, red_add_fixed, st_shared_f32
 
@@ -117,12 +118,17 @@ class BwdPointwise:
         hook_vars = mods.index_vars(mods.has_score, mask and not band)
         need_q = "q" in hook_vars or causal or diagonal or band
         need_kv = "kv" in hook_vars or causal or kv_edge or diagonal or band
+        # Mods that convert kv - q to float (ALiBi) take q (the columns here) as base plus
+        # offset: one conversion per row instead of one per element (affine_index).
+        affine_q = "q" in hook_vars and mods.affine_index("q", mods.has_score, mask and not band)
         for i in cutlass.range_constexpr(len(order)):
             r, c = order[i]
             q = q_hook = kv = kv_hook = None
             if const_expr(need_q):
                 q = q_first + coords.col0(c)
                 q_hook = cutlass.min(q, seqlen_q - 1)
+                if const_expr(affine_q):
+                    q_hook = AffineIndex(q_first, coords.col0(c), hi=seqlen_q - 1)
             if const_expr(rows_outer or r == 0):
                 lse = self._column(sLSE, c, col_local0, coords)
                 if const_expr(fused):

@@ -27,6 +27,7 @@ from cutlass import Boolean, Float32, Int32
 
 from flexattn.mods import MaskMod, ScoreMod, ir
 from flexattn.mods.optimize import divisor_shift, nonnegative, optimize, positive_constant
+from flexattn.kernels.emit.affine_index import AffineIndex, casts_index_affinely, emit_affine, plain
 from flexattn.kernels.emit.mod_hook import ModHook
 
 _TYPE = {ir.INT: Int32, ir.FLOAT: Float32, ir.BOOL: Boolean}
@@ -120,8 +121,25 @@ def emit(node: ir.Node, env: dict, args, fast_math: bool = False, known: dict | 
     values: dict[int, object] = {}
     for n in _walk_pruned(node, known):
         values[id(n)] = known[id(n)] if id(n) in known else \
-            _emit_node(n, [values[id(a)] for a in n.args], env, args, fast_math)
-    return _typed(values[id(node)], node.dtype)
+            _emit_node_affine(n, [values[id(a)] for a in n.args], env, args, fast_math, _emit_node)
+    return _typed(_plain_value(values[id(node)]), node.dtype)
+
+
+def _emit_node_affine(n: ir.Node, a: list, env: dict, args, fast_math: bool, emit_node):
+    """``emit_node(n, a, ...)``, keeping an ``AffineIndex`` variable (a kernel's ``kv``)
+    in its form where that pays (``affine_index``); elsewhere it is the plain integer."""
+    if n.op == "var" and isinstance(env.get(n.attr), AffineIndex):
+        return env[n.attr]
+    if any(isinstance(x, AffineIndex) for x in a):
+        value = emit_affine(n, a)
+        if value is not None:
+            return value
+        a = plain(a)
+    return emit_node(n, a, env, args, fast_math)
+
+
+def _plain_value(x):
+    return x.value() if isinstance(x, AffineIndex) else x
 
 
 def _walk_pruned(root: ir.Node, known: dict) -> list:
@@ -170,8 +188,9 @@ def emit_many(nodes, env: dict, args, fast_math: bool = False) -> list:
     for root in nodes:
         for n in root.walk():
             if id(n) not in values:
-                values[id(n)] = _emit_node(n, [values[id(a)] for a in n.args], env, args, fast_math)
-    return [_typed(values[id(r)], r.dtype) for r in nodes]
+                values[id(n)] = _emit_node_affine(n, [values[id(a)] for a in n.args], env, args, fast_math,
+                                                  _emit_node)
+    return [_typed(_plain_value(values[id(r)]), r.dtype) for r in nodes]
 
 
 def _emit_node(n: ir.Node, a: list, env: dict, args, fast_math: bool):
@@ -405,8 +424,9 @@ def emit_row(node: ir.Node, env: dict, element_env, args, fast_math: bool = Fals
         if n.op == "load" and id(n) in varying:
             values[id(n)] = _gather(n, env, element_env, args, fast_math)
         else:
-            values[id(n)] = _emit_row_node(n, [values[id(a)] for a in n.args], env, args, fast_math)
-    return _vtyped(values[id(node)], node.dtype)
+            values[id(n)] = _emit_node_affine(n, [values[id(a)] for a in n.args], env, args, fast_math,
+                                              _emit_row_node)
+    return _vtyped(_plain_value(values[id(node)]), node.dtype)
 
 
 def _varying_nodes(expr: ir.Node) -> set:
@@ -530,6 +550,10 @@ class IRModHook(ModHook):
             if use and mod is not None:
                 found |= mod.expr.free_vars()
         return found & frozenset(("b", "h", "q", "kv"))
+
+    def affine_index(self, var: str, score: bool, mask: bool) -> bool:
+        return any(casts_index_affinely(mod.expr, var) for use, mod in ((score, self._score), (mask, self._mask))
+                   if use and mod is not None)
 
     def load_index_vars(self, score: bool, mask: bool) -> frozenset:
         found = set()

@@ -11,6 +11,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass._mlir_helpers import arith as cutlass_arith
 
+from flexattn.kernels.emit.affine_index import AffineIndex
 from flexattn.kernels.emit.mod_emit import IRModHook, fake_args
 from flexattn.kernels.emit.mod_hook import int32_vector
 
@@ -33,6 +34,10 @@ class ModEvalKernel:
         self.hook = hook
         self.rows = rows
         self.hoisted = hoisted
+
+    def _affine(self, var: str) -> bool:
+        hook = self.hook
+        return hook.affine_index(var, hook.has_score, hook.has_mask)
 
     @cute.jit
     def __call__(self, scores: cute.Tensor, out_score: cute.Tensor, out_mask: cute.Tensor,
@@ -62,6 +67,8 @@ class ModEvalKernel:
                 frag[c] = scores[q, cutlass.min(kv0 + c, kv_last)]
             s = frag.load()
             kv = (int32_vector(list(range(ROW)), s.shape) + kv0).apply_op(cutlass_arith._min, kv_last)
+            if cutlass.const_expr(self._affine("kv")):   # as the forward passes kv (clamped here)
+                kv = AffineIndex(kv0, tuple(range(ROW)), s.shape, hi=kv_last)
 
             def kv_at(c):
                 return cutlass.min(kv0 + c, kv_last)
@@ -96,10 +103,17 @@ class ModEvalKernel:
             row = {}
             if cutlass.const_expr(self.hoisted):
                 row = {"row": self.hook.row_invariants(b, h, q, args)}
+            # Indices in the form the kernels pass where the mod converts them to float
+            # (affine_index): a base plus a compile-time offset, clamped as the backward's q.
+            q_hook, kv_hook = q, kv
+            if cutlass.const_expr(self._affine("kv")):
+                kv_hook = AffineIndex(kv - 5, 5)
+            if cutlass.const_expr(self._affine("q")):
+                q_hook = AffineIndex(q - 3, 3, hi=scores.shape[0] - 1)
             if cutlass.const_expr(self.hook.has_score):
-                out_score[q, kv] = self.hook.score(scores[q, kv], b, h, q, kv, args, **row)
+                out_score[q, kv] = self.hook.score(scores[q, kv], b, h, q_hook, kv_hook, args, **row)
             if cutlass.const_expr(self.hook.has_mask):
-                keep = self.hook.mask(b, h, q, kv, args, **row)
+                keep = self.hook.mask(b, h, q_hook, kv_hook, args, **row)
                 out_mask[q, kv] = cutlass.Int8(cutlass.select_(keep, cutlass.Int8(1), cutlass.Int8(0)))
 
 

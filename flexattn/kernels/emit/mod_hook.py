@@ -36,6 +36,8 @@ import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass._mlir_helpers import arith as cutlass_arith
 
+from flexattn.kernels.emit.affine_index import AffineIndex
+
 
 class ModHook:
     """No score mod, no mask. Subclass and set the flags for the methods you override."""
@@ -49,6 +51,13 @@ class ModHook:
         kv, args), where `s` and `kv` are vectors (cute.TensorSSA) of the row's elements
         and the others scalars. The kernel then calls them once per row (less to trace
         and compile than once per element, same results)."""
+        return False
+
+    def affine_index(self, var: str, score: bool, mask: bool) -> bool:
+        """Whether `score` / `mask` take index `var` ("q", "kv") as an
+        `affine_index.AffineIndex` (a base plus compile-time offsets: a conversion of
+        kv - q to float then costs one conversion per row). Only hooks that emit through
+        `mod_emit` understand it, and only mods that convert such an index to float ask."""
         return False
 
     def score(self, s, b, h, q, kv, args):
@@ -219,9 +228,10 @@ def apply_mods(
     # element whatever the hooks made of it.
     hook_kv = "kv" in mods.index_vars(apply_score, apply_mask)
     clamp = (clamp_kv or check_kv_bounds) and "kv" in mods.load_index_vars(apply_score, apply_mask)
+    affine = hook_kv and not clamp and mods.affine_index("kv", apply_score, apply_mask)
     if const_expr(mods.rows(apply_score, apply_mask) or not (apply_score or apply_mask)):
         tile = _TileIndices(batch, head, q_base, kv_base, q_last, kv_last, seqlen_k)
-        parts = _ModParts(apply_score, apply_mask, builtin_causal, check_kv_bounds, hook_kv, clamp)
+        parts = _ModParts(apply_score, apply_mask, builtin_causal, check_kv_bounds, hook_kv, clamp, affine)
         _apply_mods_rows(s_mn, coords, mods, tile, softmax_scale, args, parts)
         return
     for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
@@ -234,6 +244,8 @@ def apply_mods(
                 kv_hook = kv
             if const_expr(hook_kv and clamp):
                 kv_hook = cutlass.min(kv, kv_last)
+            elif const_expr(hook_kv and affine):
+                kv_hook = AffineIndex(kv_base, coords.col0(c))
             s = s_mn[r, c]
             if const_expr(apply_score):
                 s = mods.score(s * softmax_scale, batch, head, q_hook, kv_hook, args)
@@ -270,6 +282,7 @@ class _ModParts(NamedTuple):
     kv_bounds: bool
     hook_kv: bool
     clamp: bool
+    affine: bool     # the hooks take kv as an AffineIndex (mods.affine_index; unclamped)
 
 
 def _apply_mods_rows(s_mn, coords, mods, tile: _TileIndices, softmax_scale, args, parts: _ModParts):
@@ -285,6 +298,9 @@ def _apply_mods_rows(s_mn, coords, mods, tile: _TileIndices, softmax_scale, args
             kv_hook = kv
         if parts.hook_kv and parts.clamp:
             kv_hook = kv.apply_op(cutlass_arith._min, tile.kv_last)
+        elif parts.affine:
+            offsets = tuple(coords.col0(c) for c in range(cute.size(s.shape)))
+            kv_hook = AffineIndex(tile.kv_base, offsets, s.shape)
 
         def kv_at(c):   # element c's kv as per-element emission computes it
             kv_c = tile.kv_base + coords.col0(c)
