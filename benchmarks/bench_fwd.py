@@ -5,7 +5,8 @@
              ``score_mod=fn``), torch's argument order
   flexattn-builtin  the same variant through our built-in mods (``mask=``/``block_mask=`` of
              ``mods.causal()``, ``mods.softcap(30)``, ...), where one exists
-  fa4        FlashAttention-4, flash_attn.cute.flash_attn_func (where it has the variant)
+  fa4        FlashAttention-4, flash_attn.cute.flash_attn_func (where it has the variant);
+             document4 through flash_attn_varlen_func (the documents as packed sequences)
   flex       torch flex_attention, torch.compile'd (Triton backend)
   flex-fa    torch flex_attention, kernel_options={"BACKEND": "FLASH"}
   cudnn      torch SDPA on the cuDNN backend (full and causal only)
@@ -49,6 +50,7 @@ class Variant:
         causal_fn = lambda b, h, q, kv: q >= kv  # noqa: E731
         self.mask = self.score = self.mask_fn = self.score_fn = None
         self.fa4_kw, self.sdpa_kw = None, None
+        self.fa4_documents = None   # FA4 runs equal documents as varlen sequences of this length
         self.trainable = ()  # captured tensors that require grad (bench_bwd differentiates them)
         self.flex_options = {}  # kernel_options for flex Triton (tiles that fit where its defaults do not)
         self.impls = IMPLS   # the implementations to run
@@ -85,6 +87,7 @@ class Variant:
         elif name == "document4":
             self.mask = mods.document(doc)
             self.mask_fn = lambda b, h, q, kv: doc[q] == doc[kv]
+            self.fa4_documents = S // 4
         elif name == "dilated1024":   # mostly partial tiles: every other key within 512
             self.mask_fn = lambda b, h, q, kv: ((q - kv).abs() <= 512) & ((q - kv) % 2 == 0)
         elif name == "neighborhood2d":   # integer division: a 17 x 17 window on a 64-wide image
@@ -175,11 +178,31 @@ def baselines(q, k, v, scale, var, S):
 
 
 def _fa4(q, k, v, scale, var):
+    if var.fa4_documents is not None:
+        return _fa4_documents(q, k, v, scale, var.fa4_documents)
     if var.fa4_kw is None:
         return None
     from flash_attn.cute import flash_attn_func
 
     return lambda: flash_attn_func(q, k, v, softmax_scale=scale, **var.fa4_kw)
+
+
+def _fa4_documents(q, k, v, scale, length):
+    """Equal documents of ``length`` tokens the way FA4's users run them: its varlen call on
+    the packed [B*S, H, D] tokens (views of q, k, v: no copy; gradients flow back), the
+    output viewed as [B, S, H, D] again."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    B, S, H, D = q.shape
+    cu = torch.arange(0, B * S + 1, length, device=q.device, dtype=torch.int32)
+
+    def call():
+        out = flash_attn_varlen_func(*(t.reshape(B * S, t.shape[2], t.shape[3]) for t in (q, k, v)),
+                                     cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=length, max_seqlen_k=length,
+                                     softmax_scale=scale)
+        out = out[0] if isinstance(out, tuple) else out
+        return out.reshape(B, S, H, out.shape[-1])
+    return call
 
 
 _compiled_flex = {}
