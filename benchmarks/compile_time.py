@@ -219,6 +219,10 @@ KERNELS = {
     "bwd-window-band-80": _bwd(head_dim=128, band=True, mask=_window, tile_m=80),
     "bwd-window-band-persist": _bwd(head_dim=128, band=True, mask=_window, max_ctas=132),
     "bwd-doc-persist": _bwd(head_dim=128, block_sparse=True, mask=_document, max_ctas=132),
+    # dq_first_store (unplanned, FLEXATTN_DQ_FIRST_STORE=1): the first visit stores each dQ tile
+    "bwd-causal-first": _bwd(head_dim=128, causal=True, dq_first_store=True),
+    "bwd-doc-persist-first": _bwd(head_dim=128, block_sparse=True, mask=_document, max_ctas=132,
+                                  dq_first_store=True),
     "bwd-full-persist": _bwd(head_dim=128, tile_m=80, max_ctas=132),
     # head dims beyond 128: the 64-key split layout and the 96-key swapped one (dkv_swap)
     "bwd-192-128-causal-split": _bwd(head_dim=192, head_dim_v=128, causal=True),

@@ -1060,3 +1060,38 @@ def test_alibi_backward_converts_positions_once_per_row():
                            keep_ptx=True).__ptx__
     assert 0 < ptx.count("cvt.rn.f32.s32") <= 32, ptx.count("cvt.rn.f32.s32")
     assert "max.f32" in ptx   # the clamp of q, on the converted value
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_dq_first_store(persistent, monkeypatch):
+    """dq_first_store: the dQ writer draws a ticket per visit (a relaxed atomic), stores the
+    tile on the first (a bulk copy, beside the bulk adds of the others), publishes it with a
+    release and waits for it with acquires; the preprocess then zeroes dq_accum only where
+    LSE is -inf (a branch around the zero stores). Planned only under
+    FLEXATTN_DQ_FIRST_STORE=1, never deterministic or fp32; the flags workspace comes with it."""
+    from flexattn.kernels.bwd.plan import config_from_forward, workspace_shapes
+    from flexattn.kernels.fwd.sm90 import FwdConfig
+
+    hook = IRModHook(None, mods.document(np.zeros(8, np.int32)))
+    kw = dict(head_dim=128, block_sparse=True, mods=hook, max_ctas=132) if persistent else dict(head_dim=128, causal=True)
+    cfg = BwdConfig(dq_first_store=True, **kw)
+    ptx = compile_backward(cfg, fake_args(hook) if persistent else (), keep_ptx=True).__ptx__
+    plain = compile_backward(BwdConfig(**kw), fake_args(hook) if persistent else (), keep_ptx=True).__ptx__
+    store = "cp.async.bulk.global.shared::cta.bulk_group"
+    assert ptx.count(store) >= 1 and plain.count(store) == 0
+    assert "atom.relaxed.gpu.global.add.s32" in ptx and "red.release.gpu.global.add.s32" in ptx
+    assert "ld.acquire.gpu.global.b32" in ptx
+    assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") >= 1
+    assert "dq_semaphore" in workspace_shapes(cfg, 2, 4, 300) and "dq_semaphore" not in workspace_shapes(
+        BwdConfig(**kw), 2, 4, 300)
+    pre = compile_preprocess("bf16", 128, dq_first_store=True, keep_ptx=True).__ptx__
+    zeroing = compile_preprocess("bf16", 128, keep_ptx=True).__ptx__
+    assert pre.count("st.global") < zeroing.count("st.global") + 2   # (the flag word's store)
+    with pytest.raises(ValueError, match="dq_first_store"):
+        BwdConfig(dq_first_store=True, deterministic=True, head_dim=128, causal=True)
+    fwd = FwdConfig(head_dim=128, causal=True)
+    monkeypatch.delenv("FLEXATTN_DQ_FIRST_STORE", raising=False)
+    assert not config_from_forward(fwd).dq_first_store
+    monkeypatch.setenv("FLEXATTN_DQ_FIRST_STORE", "1")
+    assert config_from_forward(fwd).dq_first_store
+    assert not config_from_forward(fwd, deterministic=True).dq_first_store

@@ -3,8 +3,10 @@
     delta[q]    = sum_d dO[q, d] * O[q, d]  (- dLSE[q] when the LSE output has a gradient)
     lse_log2[q] = LSE[q] * log2(e)           (+inf for empty rows, LSE = -inf, and for the
                                               padding rows q >= Q_LEN: P = exp2(.. - inf) = 0)
-    dq_accum[q, :] = 0                       (the main kernel only adds into it)
-    dq_semaphore[tile] = 0                   (deterministic mode, dq_finish: one per tile_m-row q tile)
+    dq_accum[q, :] = 0                       (the main kernel only adds into it; dq_first_store: only
+                                              where LSE[q] = -inf, the rows of tiles no CTA visits)
+    dq_semaphore[tile] = 0                   (deterministic mode, dq_finish, dq_first_store: one per
+                                              tile_m-row q tile)
     dQ[q, :] = 0 where LSE[q] = -inf         (dq_finish: the main kernel stores the dQ rows of the
                                               tiles it visits; a tile none visits has only empty rows)
     grad_fixed = 0                           (deterministic mode with buffer grads: the
@@ -126,7 +128,13 @@ class BwdPreprocess(RowChunkKernel):
             dot = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             dot = cute.arch.warp_reduction_sum(dot, threads_in_group=tpr)
             dq = cute.local_tile(mdQacc[batch, head, row, None], (self.dq_chunk,), (chunk,))
-            dq.fill(0.0)
+            if const_expr(self.cfg.dq_first_store):
+                # The main kernel's first visit to a tile stores it; tiles no CTA visits
+                # have only empty rows (as under dq_finish).
+                if lse == -Float32.inf:
+                    dq.fill(0.0)
+            else:
+                dq.fill(0.0)
             if const_expr(mdQ is not None):
                 if row < seqlen and lse == -Float32.inf:
                     cute.local_tile(mdQ[batch, head, row, None], (self.dq_chunk,), (chunk,)).fill(0.0)

@@ -84,8 +84,8 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from flexattn.kernels.hopper import mma
-from flexattn.kernels.hopper.atomics import (atom_add_release_s32, bulk_add_f32, bulk_load, ld_acquire_s32,
-                                             red_release_add_s32, trap)
+from flexattn.kernels.hopper.atomics import (atom_add_relaxed_s32, atom_add_release_s32, bulk_add_f32, bulk_load,
+                                             bulk_store, ld_acquire_s32, red_release_add_s32, trap)
 from flexattn.kernels.blockmask.visit import _kernel_ops, band_bounds, band_of
 from flexattn.kernels.bwd.pointwise import BwdPointwise, _diagonal_flushes, _element_order
 from flexattn.kernels.bwd.q_blocks import BwdWalks, KvVisitors, visitor_count
@@ -109,6 +109,7 @@ _BwdStep = NamedTuple("_BwdStep", [(name, object) for name in (
 # only kv-side block lists that are not the transposes of the q-side ones, or a GPU that
 # does not dispatch CTAs in index order, can get here.
 DQ_TURN_TIMEOUT_NS = 1 << 34      # ~17 s
+DQ_STORED = 1 << 20               # dq_first_store: the tile's first store has landed (above the tickets)
 L2_BYTES = 50 * 1024 * 1024       # the L2 section size of the deterministic CTA order
 SMEM_CAPACITY = mma.SMEM_CAPACITY
 
@@ -233,6 +234,16 @@ class BwdConfig(KernelConfig):
     # 0.996-1.006x: D64 causal / full, D128 document4 / window1024 / causal, 2026-11-29),
     # so not planned: FLEXATTN_BWD_V_WITH_DO=1 plans it (bwd/plan.py).
     v_with_first_do: bool = False
+    # dq_first_store: the first visit to land on a dQ tile stores it (a bulk copy) instead of
+    # adding into zeros, so the preprocess zeroes only the rows no CTA visits (LSE -inf)
+    # and the tiles' tickets, not the whole dq_accum (2 x dQ's bytes of DRAM writes), and
+    # the main kernel's first add into a line no longer fetches it. Per (q head, q tile) an
+    # int32 in dq_semaphore: the writer draws a ticket (atom.relaxed, old value 0: first)
+    # before its visit's copies; the first visitor publishes (red.release of
+    # DQ_STORED) once its store has landed, which it checks at its next visit's start (or
+    # its end), where the wait is short; later visitors wait for that before their adds.
+    # Not deterministic (its turns order the adds), not with dq_finish.
+    dq_first_store: bool = False
     # l2_section_bytes: the longest-first order's L2 budget (0: hopper.tile_scheduler's
     # L2_BYTES_FOR_KV): a section holds the most (kv head, batch) pairs, a power of two,
     # whose Q, dO, LSE, D and dq_accum rows fit in it.
@@ -296,6 +307,8 @@ class BwdConfig(KernelConfig):
         if self.idle_masked_keys and not idle_keys_allowed(self):
             raise ValueError("idle_masked_keys needs the causal or band walk of 128-key CTAs without split head"
                              " dims or swapped dK / dV, and no per-diagonal buffer-gradient sums")
+        if self.dq_first_store and (self.deterministic or self.dq_finish):
+            raise ValueError("dq_first_store is for the unordered dQ adds (not deterministic, not dq_finish)")
         if self.p_early and not (self.dkv_swap and not self.dkv_rows):
             raise ValueError("p_early is for the swapped layout with the keys split (dkv_swap, not dkv_rows)")
         if self.tail_order not in ("dq_first", "dv_first") or (self.tail_order != "dq_first"
@@ -358,6 +371,8 @@ class BwdConfig(KernelConfig):
                              " fp32 atomics): call it with deterministic algorithms off")
         if self.idle_masked_keys:
             raise ValueError("idle_masked_keys is for the bf16 / fp16 kernel (the float32 one runs 64-key CTAs)")
+        if self.dq_first_store:
+            raise ValueError("dq_first_store is for the bf16 / fp16 kernel (the float32 one adds dQ by atomics)")
         if self.max_ctas:
             raise ValueError("the float32 backward has no persistent CTAs (max_ctas=0)")
         if self.dq_finish:
@@ -377,8 +392,9 @@ class BwdConfig(KernelConfig):
     @property
     def dq_flags(self) -> bool:
         """The kernel keeps one int32 flag per q tile in the `dq_semaphore` workspace:
-        deterministic (the dQ turns) and dq_finish (the landed visits)."""
-        return self.deterministic or self.dq_finish
+        deterministic (the dQ turns), dq_finish (the landed visits) and dq_first_store (the
+        tickets)."""
+        return self.deterministic or self.dq_finish or self.dq_first_store
 
     @property
     def kv_lists(self) -> bool:
@@ -730,7 +746,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         mLSE: cute.Tensor,        # [B, Hq, Sq_pad] float32: LSE * log2(e), +inf if empty
         mDelta: cute.Tensor,      # [B, Hq, Sq_pad] float32: rowsum(dO * O) (- dLSE)
         mdQacc: cute.Tensor,      # [B, Hq, Sq_pad, D] float32, zeroed; gets dS K (unscaled)
-        mdQsem,                   # [B, Hq, Sq_pad / tile_m] int32, zeroed, iff deterministic
+        mdQsem,                   # [B, Hq, Sq_pad / tile_m] int32, zeroed, iff cfg.dq_flags
                                   #  or dq_finish (then: landed visits per q tile)
         mdQ,                      # [B, Hq, Sq, D] iff dq_finish (else None): dQ out
         mdK: cute.Tensor,         # [B, Hkv, Skv, D]
@@ -1675,8 +1691,9 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             tiles = where()
             for idx in cutlass.range(tiles.first, tiles.total, tiles.stride, unroll=1):
                 n_block, head_kv, batch = self._tile_order().tile(idx, tiles)
+                sems = mdQsem[batch, None, None] if const_expr(cfg.dq_first_store) else None
                 self._store_dq_tile(mdQacc, sdQ, n_block, head_kv, batch, group, seqlen_q, seqlen_k,
-                                    block_sparse, None, Int32(-1), lane)
+                                    block_sparse, sems, Int32(-1), lane)
                 if const_expr(self.dkv_staged_apart):
                     # The tile's last adds have read sdQ: the epilogue may stage dK there.
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -1732,6 +1749,12 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                 if const_expr(cfg.dq_finish):
                     # The previous visit's adds, counted before this visit's are issued.
                     count = self._count_landed(sems, held, batch, seqlen_k, block_sparse, lane)
+                first = None
+                if const_expr(cfg.dq_first_store):
+                    # The previous visit's store published (issued a visit ago: landed by
+                    # now), then this visit's ticket.
+                    held = self._publish_stored(sems, held, lane)
+                    first = self._draw_ticket(sems[head, None].iterator + m_block, lane)
                 for w in cutlass.range_constexpr(n_wg):
                     BwdBarrier.DQ_FULL.sync(self.dq_pair_threads, w)
                     if const_expr(cfg.deterministic and w == 0 and cfg.turn_pass == "next_visit"):
@@ -1740,9 +1763,22 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                     if const_expr(cfg.deterministic and w == 0):
                         self._dq_wait_turn(sems[head, None].iterator + m_block,
                                            visitors.after(m_block, n_block), lane)
-                    if lane == 0:
+                    if const_expr(cfg.dq_first_store):
+                        if first:
+                            if lane == 0:
+                                bulk_store(dst + w * chunk, sdQ[None, w].iterator, chunk * 4)
+                        else:
+                            if const_expr(w == 0):
+                                self._wait_stored(sems[head, None].iterator + m_block, lane)
+                            if lane == 0:
+                                bulk_add_f32(dst + w * chunk, sdQ[None, w].iterator, chunk * 4)
+                    elif lane == 0:
                         bulk_add_f32(dst + w * chunk, sdQ[None, w].iterator, chunk * 4)
                     cute.arch.cp_async_bulk_commit_group()
+                if const_expr(cfg.dq_first_store):
+                    held = Int32(-1)
+                    if first:
+                        held = Int32(cute.crd2idx((head, m_block), sems.layout))
                 if const_expr(cfg.deterministic and cfg.turn_pass == "after_adds"):
                     self._dq_pass_turn(sems[head, None].iterator + m_block, lane)
                 elif const_expr(cfg.deterministic):
@@ -1750,7 +1786,41 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                 elif const_expr(cfg.dq_finish):
                     self._finish_if_last(fin_tile, held, count, lane)
                     held = (head, m_block)
+        if const_expr(cfg.dq_first_store):
+            held = self._publish_stored(sems, held, lane)   # the tile's last store, if first
         return held
+
+    @cute.jit
+    def _draw_ticket(self, flag, lane):
+        """dq_first_store: whether this visit is the first of its dQ tile (lane 0 draws the
+        tile's next ticket; relaxed: it must not wait for this warp's copies in flight)."""
+        old = Int32(0)
+        if lane == 0:
+            old = atom_add_relaxed_s32(flag, 1)
+        return cute.arch.shuffle_sync(old, 0) == 0
+
+    @cute.jit
+    def _publish_stored(self, sems, held, lane):
+        """dq_first_store: once the store of the tile at offset `held` (-1: none) has landed,
+        set its DQ_STORED bit (release: the store is visible to whoever sees the bit).
+        Returns -1 (nothing held)."""
+        if held >= 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+            if lane == 0:
+                red_release_add_s32(sems.iterator + held, DQ_STORED)
+        return Int32(-1)
+
+    @cute.jit
+    def _wait_stored(self, flag, lane):
+        """dq_first_store: spin (lane 0, acquire) until the tile's first store has landed."""
+        if lane == 0:
+            seen = Int32(0)
+            start = cute.arch.globaltimer()
+            while seen & DQ_STORED == 0:
+                seen = ld_acquire_s32(flag)
+                if cute.arch.globaltimer() - start > DQ_TURN_TIMEOUT_NS:
+                    trap()
+        cute.arch.sync_warp()
 
     @cute.jit
     def _count_landed(self, sems, visit, batch, seqlen_k, block_sparse, lane):

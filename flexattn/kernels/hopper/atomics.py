@@ -76,6 +76,22 @@ def bulk_add_f32(gmem_ptr, smem_ptr, num_bytes: int, *, loc=None, ip=None) -> No
     )
 
 
+@dsl_user_op
+def bulk_store(gmem_ptr, smem_ptr, num_bytes: int, *, loc=None, ip=None) -> None:
+    """gmem[i] = smem[i] for num_bytes contiguous bytes, as one asynchronous bulk copy
+    (`bulk_add_f32`'s store twin: the first visitor of a dQ tile, BwdConfig.dq_first_store)."""
+    llvm.inline_asm(
+        None,
+        [gmem_ptr.toint(loc=loc, ip=ip).ir_value(), smem_ptr.toint(loc=loc, ip=ip).ir_value(),
+         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+        "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;",
+        "l,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
 # ---------------------------------------------------------------------------- turn flags
 @dsl_user_op
 def ld_acquire_s32(ptr, *, loc=None, ip=None) -> Int32:
@@ -114,6 +130,13 @@ def atom_add_release_s32(ptr, value, *, loc=None, ip=None) -> Int32:
     finish's tile counts (bwd/sm90.py) — the writes that precede it are published with the
     new count; the finisher that sees the final count acquires with a fence."""
     return _s32_at("atom.release.gpu.global.add.s32 $0, [$1], $2;", ptr, value, True, loc, ip)
+
+
+@dsl_user_op
+def atom_add_relaxed_s32(ptr, value, *, loc=None, ip=None) -> Int32:
+    """old = *ptr; *ptr += value (global int32), relaxed at GPU scope: a ticket (it orders
+    nothing, so it does not wait for this thread's bulk copies in flight)."""
+    return _s32_at("atom.relaxed.gpu.global.add.s32 $0, [$1], $2;", ptr, value, True, loc, ip)
 
 
 @dsl_user_op

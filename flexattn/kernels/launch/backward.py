@@ -322,10 +322,12 @@ class FfiBackwardRunner:
         pre = disk_cache.compiled(
             ("bwd_pre", cfg.dtype, cfg.head_dim, with_dlse, cfg.deterministic, fixed, cfg.tile_m)
             + ((cfg.head_dim_v,) if cfg.head_dim_v != cfg.head_dim else ())
-            + (("dq_finish",) if cfg.dq_finish else ()) + (("pdl",) if cfg.pdl else ()),
+            + (("dq_finish",) if cfg.dq_finish else ()) + (("pdl",) if cfg.pdl else ())
+            + (("dq_first_store",) if cfg.dq_first_store else ()),
             lambda: compile_preprocess(cfg.dtype, cfg.head_dim, with_dlse, deterministic=cfg.deterministic,
                                        head_dim_v=cfg.head_dim_v, dq_finish=cfg.dq_finish, pdl=cfg.pdl,
-                                       grad_fixed=fixed, tile_m=cfg.tile_m, tvm_ffi=True))
+                                       dq_first_store=cfg.dq_first_store, grad_fixed=fixed, tile_m=cfg.tile_m,
+                                       tvm_ffi=True))
         if other is not None:
             return pre, other[1], other[2]
         main = disk_cache.compiled(disk_cache.config_key("bwd_main", cfg),

@@ -88,9 +88,12 @@ def compile_backward(cfg, mod_args: tuple = (), *, tvm_ffi: bool = False, **opti
 
 def compile_preprocess(dtype: str, head_dim: int, with_dlse: bool = False, *, deterministic: bool = False,
                        grad_fixed: bool = False, tile_m: int = 64, head_dim_v: int | None = None,
-                       dq_finish: bool = False, pdl: bool = False, tvm_ffi: bool = False, **options):
+                       dq_finish: bool = False, pdl: bool = False, dq_first_store: bool = False,
+                       tvm_ffi: bool = False, **options):
     """The backward's preprocess. ``deterministic``: it also zeroes the dQ semaphores;
     ``dq_finish``: those and dQ's empty rows (the main kernel stores the rest of dQ);
+    ``dq_first_store``: the semaphores (tickets), and dq_accum only in the rows whose LSE is
+    -inf (the main kernel's first visit to a tile stores it);
     ``grad_fixed``: and the fixed-point buffer-gradient accumulators. ``tile_m``: the main
     kernel's (one CTA per q tile). ``head_dim_v``: O's and dO's (None: ``head_dim``).
     ``pdl``: its CTAs let the main kernel launch early (``BwdConfig.pdl``)."""
@@ -98,7 +101,7 @@ def compile_preprocess(dtype: str, head_dim: int, with_dlse: bool = False, *, de
     from flexattn.kernels.bwd.sm90 import BwdConfig
 
     cfg = BwdConfig(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, tile_m=tile_m,
-                    deterministic=deterministic, dq_finish=dq_finish, pdl=pdl)
+                    deterministic=deterministic, dq_finish=dq_finish, pdl=pdl, dq_first_store=dq_first_store)
     return compile_on_fakes(BwdPreprocess(cfg), fakes.fake_preprocess_args(cfg, with_dlse, grad_fixed, tvm_ffi),
                             tvm_ffi=tvm_ffi, **options)
 
