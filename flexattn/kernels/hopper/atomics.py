@@ -59,37 +59,35 @@ def st_shared_f32(ptr, value, *, loc=None, ip=None) -> None:
     _f32_to_address("st.shared.f32 [$0], $1;", "r", ptr, value, loc, ip)
 
 
-@dsl_user_op
-def bulk_add_f32(gmem_ptr, smem_ptr, num_bytes: int, *, loc=None, ip=None) -> None:
-    """gmem[i] += smem[i] for num_bytes / 4 contiguous fp32, as one asynchronous bulk copy
-    (TMA engine; both addresses 16-byte aligned, num_bytes a multiple of 16). Joins the
-    thread's current bulk group: commit, then `cp_async_bulk_wait_group`."""
+def _bulk_to_global(asm: str, gmem_ptr, smem_ptr, num_bytes: int, loc, ip) -> None:
+    """One shared -> global bulk copy `asm` ($0 global, $1 shared, $2 bytes)."""
     llvm.inline_asm(
         None,
         [gmem_ptr.toint(loc=loc, ip=ip).ir_value(), smem_ptr.toint(loc=loc, ip=ip).ir_value(),
          Int32(num_bytes).ir_value(loc=loc, ip=ip)],
-        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        asm,
         "l,r,r",
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+@dsl_user_op
+def bulk_add_f32(gmem_ptr, smem_ptr, num_bytes: int, *, loc=None, ip=None) -> None:
+    """gmem[i] += smem[i] for num_bytes / 4 contiguous fp32, as one asynchronous bulk copy
+    (TMA engine; both addresses 16-byte aligned, num_bytes a multiple of 16). Joins the
+    thread's current bulk group: commit, then `cp_async_bulk_wait_group`."""
+    _bulk_to_global("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+                    gmem_ptr, smem_ptr, num_bytes, loc, ip)
 
 
 @dsl_user_op
 def bulk_store(gmem_ptr, smem_ptr, num_bytes: int, *, loc=None, ip=None) -> None:
     """gmem[i] = smem[i] for num_bytes contiguous bytes, as one asynchronous bulk copy
     (`bulk_add_f32`'s store twin: the first visitor of a dQ tile, BwdConfig.dq_first_store)."""
-    llvm.inline_asm(
-        None,
-        [gmem_ptr.toint(loc=loc, ip=ip).ir_value(), smem_ptr.toint(loc=loc, ip=ip).ir_value(),
-         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
-        "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;",
-        "l,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+    _bulk_to_global("cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;", gmem_ptr, smem_ptr, num_bytes,
+                    loc, ip)
 
 
 # ---------------------------------------------------------------------------- turn flags
