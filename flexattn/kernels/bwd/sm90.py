@@ -746,8 +746,8 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         mLSE: cute.Tensor,        # [B, Hq, Sq_pad] float32: LSE * log2(e), +inf if empty
         mDelta: cute.Tensor,      # [B, Hq, Sq_pad] float32: rowsum(dO * O) (- dLSE)
         mdQacc: cute.Tensor,      # [B, Hq, Sq_pad, D] float32, zeroed; gets dS K (unscaled)
-        mdQsem,                   # [B, Hq, Sq_pad / tile_m] int32, zeroed, iff cfg.dq_flags
-                                  #  or dq_finish (then: landed visits per q tile)
+        mdQsem,                   # [B, Hq, Sq_pad / tile_m] int32, zeroed, iff cfg.dq_flags (turns,
+                                  #  landed visits (dq_finish) or tickets (dq_first_store) per q tile)
         mdQ,                      # [B, Hq, Sq, D] iff dq_finish (else None): dQ out
         mdK: cute.Tensor,         # [B, Hkv, Skv, D]
         mdV: cute.Tensor,         # [B, Hkv, Skv, D]
