@@ -221,6 +221,7 @@ KERNELS = {
     "bwd-doc-persist": _bwd(head_dim=128, block_sparse=True, mask=_document, max_ctas=132),
     # dq_first_store (unplanned, FLEXATTN_DQ_FIRST_STORE=1): the first visit stores each dQ tile
     "bwd-causal-first": _bwd(head_dim=128, causal=True, dq_first_store=True),
+    "bwd-causal-first-data": _bwd(head_dim=128, causal=True, dq_first_store=True, dq_ticket_on_data=True),
     "bwd-doc-persist-first": _bwd(head_dim=128, block_sparse=True, mask=_document, max_ctas=132,
                                   dq_first_store=True),
     "bwd-full-persist": _bwd(head_dim=128, tile_m=80, max_ctas=132),

@@ -1062,8 +1062,8 @@ def test_alibi_backward_converts_positions_once_per_row():
     assert "max.f32" in ptx   # the clamp of q, on the converted value
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_dq_first_store(persistent, monkeypatch):
+@pytest.mark.parametrize("persistent,on_data", [(False, False), (True, False), (False, True)])
+def test_dq_first_store(persistent, on_data, monkeypatch):
     """dq_first_store: the dQ writer draws a ticket per visit (a relaxed atomic), stores the
     tile on the first (a bulk copy, beside the bulk adds of the others), publishes it with a
     release and waits for it with acquires; the preprocess then zeroes dq_accum only where
@@ -1074,7 +1074,7 @@ def test_dq_first_store(persistent, monkeypatch):
 
     hook = IRModHook(None, mods.document(np.zeros(8, np.int32)))
     kw = dict(head_dim=128, block_sparse=True, mods=hook, max_ctas=132) if persistent else dict(head_dim=128, causal=True)
-    cfg = BwdConfig(dq_first_store=True, **kw)
+    cfg = BwdConfig(dq_first_store=True, dq_ticket_on_data=on_data, **kw)
     ptx = compile_backward(cfg, fake_args(hook) if persistent else (), keep_ptx=True).__ptx__
     plain = compile_backward(BwdConfig(**kw), fake_args(hook) if persistent else (), keep_ptx=True).__ptx__
     store = "cp.async.bulk.global.shared::cta.bulk_group"
@@ -1093,5 +1093,9 @@ def test_dq_first_store(persistent, monkeypatch):
     monkeypatch.delenv("FLEXATTN_DQ_FIRST_STORE", raising=False)
     assert not config_from_forward(fwd).dq_first_store
     monkeypatch.setenv("FLEXATTN_DQ_FIRST_STORE", "1")
-    assert config_from_forward(fwd).dq_first_store
+    assert config_from_forward(fwd).dq_first_store and not config_from_forward(fwd).dq_ticket_on_data
     assert not config_from_forward(fwd, deterministic=True).dq_first_store
+    monkeypatch.setenv("FLEXATTN_DQ_FIRST_STORE", "data")
+    assert config_from_forward(fwd).dq_ticket_on_data
+    with pytest.raises(ValueError, match="dq_ticket_on_data"):
+        BwdConfig(dq_ticket_on_data=True, head_dim=128, causal=True)

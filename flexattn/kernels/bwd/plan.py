@@ -21,7 +21,7 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
     (FLEXATTN_DQ_FINISH=1: wherever it applies, `finish_allowed`, for A/B runs; measured
     slower); pdl, unless given, off (FLEXATTN_BWD_PDL=1, 16-bit dtypes, for A/B runs;
     measured neutral); v_with_first_do likewise (FLEXATTN_BWD_V_WITH_DO=1); dq_first_store
-    likewise (FLEXATTN_DQ_FIRST_STORE=1, not deterministic)."""
+    likewise (FLEXATTN_DQ_FIRST_STORE=1, or =data for dq_ticket_on_data; not deterministic)."""
     kw = dict(dtype=fwd_cfg.dtype, head_dim=fwd_cfg.head_dim, head_dim_v=fwd_cfg.head_dim_v,
               causal=fwd_cfg.causal, block_sparse=fwd_cfg.block_sparse, band=fwd_cfg.band, mods=fwd_cfg.mods,
               tf32_passes=getattr(fwd_cfg, "tf32_passes", 1))   # (a 16-bit config stand-in may lack it)
@@ -53,11 +53,14 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
         # V loaded on the first visit's dO barrier (BwdConfig.v_with_first_do): measured
         # neutral (H200, fwd+bwd 0.996-1.006x, session 40), so only for A/B runs.
         cfg = dataclasses.replace(cfg, v_with_first_do=True)
+    first_store = os.environ.get("FLEXATTN_DQ_FIRST_STORE")
     if ("dq_first_store" not in overrides and cfg.dtype != "fp32" and not (cfg.deterministic or cfg.dq_finish)
-            and os.environ.get("FLEXATTN_DQ_FIRST_STORE") == "1"):
+            and first_store in ("1", "data")):
         # Each dQ tile's first visit stores it; the preprocess zeroes only unvisited rows
-        # (BwdConfig.dq_first_store): not measured yet, so only for A/B runs.
-        cfg = dataclasses.replace(cfg, dq_first_store=True)
+        # (BwdConfig.dq_first_store; "data": its ticket drawn once the visit's dQ is staged):
+        # door A/B 0.976 on B8 S2048 document4 (H200, session 41), not yet through the GPU
+        # suites, so only for A/B runs.
+        cfg = dataclasses.replace(cfg, dq_first_store=True, dq_ticket_on_data=first_store == "data")
     if "pdl" not in overrides and cfg.dtype != "fp32" and os.environ.get("FLEXATTN_BWD_PDL") == "1":
         # The main kernel and the postprocess as programmatic dependents (BwdConfig.pdl):
         # measured neutral (docs/experiments.md, session 30), so only for A/B runs.

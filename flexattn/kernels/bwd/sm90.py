@@ -244,6 +244,10 @@ class BwdConfig(KernelConfig):
     # its end), where the wait is short; later visitors wait for that before their adds.
     # Not deterministic (its turns order the adds), not with dq_finish.
     dq_first_store: bool = False
+    # dq_ticket_on_data (with dq_first_store): the ticket is drawn once the visit's first dQ
+    # half is staged (after DQ_FULL) instead of at the visit's start, so the first visitor is
+    # the one whose data is ready first (fewer waits, one atomic's latency on the path).
+    dq_ticket_on_data: bool = False
     # l2_section_bytes: the longest-first order's L2 budget (0: hopper.tile_scheduler's
     # L2_BYTES_FOR_KV): a section holds the most (kv head, batch) pairs, a power of two,
     # whose Q, dO, LSE, D and dq_accum rows fit in it.
@@ -309,6 +313,8 @@ class BwdConfig(KernelConfig):
                              " dims or swapped dK / dV, and no per-diagonal buffer-gradient sums")
         if self.dq_first_store and (self.deterministic or self.dq_finish):
             raise ValueError("dq_first_store is for the unordered dQ adds (not deterministic, not dq_finish)")
+        if self.dq_ticket_on_data and not self.dq_first_store:
+            raise ValueError("dq_ticket_on_data is a choice of dq_first_store's")
         if self.p_early and not (self.dkv_swap and not self.dkv_rows):
             raise ValueError("p_early is for the swapped layout with the keys split (dkv_swap, not dkv_rows)")
         if self.tail_order not in ("dq_first", "dv_first") or (self.tail_order != "dq_first"
@@ -1752,11 +1758,14 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                 first = None
                 if const_expr(cfg.dq_first_store):
                     # The previous visit's store published (issued a visit ago: landed by
-                    # now), then this visit's ticket.
+                    # now), then this visit's ticket (or once its data is staged).
                     held = self._publish_stored(sems, held, lane)
-                    first = self._draw_ticket(sems[head, None].iterator + m_block, lane)
+                    if const_expr(not cfg.dq_ticket_on_data):
+                        first = self._draw_ticket(sems[head, None].iterator + m_block, lane)
                 for w in cutlass.range_constexpr(n_wg):
                     BwdBarrier.DQ_FULL.sync(self.dq_pair_threads, w)
+                    if const_expr(cfg.dq_ticket_on_data and w == 0):
+                        first = self._draw_ticket(sems[head, None].iterator + m_block, lane)
                     if const_expr(cfg.deterministic and w == 0 and cfg.turn_pass == "next_visit"):
                         if held >= 0:
                             self._dq_pass_turn(sems.iterator + held, lane)
