@@ -154,9 +154,14 @@ def emit_affine(n: ir.Node, a: list):
     return None
 
 
+def plain_value(x):
+    """``x``, or its plain integer if it is an ``AffineIndex``."""
+    return x.value() if isinstance(x, AffineIndex) else x
+
+
 def plain(values: list) -> list:
     """``values`` with every ``AffineIndex`` as its plain integer."""
-    return [x.value() if isinstance(x, AffineIndex) else x for x in values]
+    return [plain_value(x) for x in values]
 
 
 def casts_index_affinely(expr: ir.Node, var: str = "kv") -> bool:

@@ -27,7 +27,8 @@ from cutlass import Boolean, Float32, Int32
 
 from flexattn.mods import MaskMod, ScoreMod, ir
 from flexattn.mods.optimize import divisor_shift, nonnegative, optimize, positive_constant
-from flexattn.kernels.emit.affine_index import AffineIndex, casts_index_affinely, emit_affine, plain
+from flexattn.kernels.emit.affine_index import (AffineIndex, casts_index_affinely, emit_affine, plain,
+                                                 plain_value)
 from flexattn.kernels.emit.mod_hook import ModHook
 
 _TYPE = {ir.INT: Int32, ir.FLOAT: Float32, ir.BOOL: Boolean}
@@ -122,7 +123,7 @@ def emit(node: ir.Node, env: dict, args, fast_math: bool = False, known: dict | 
     for n in _walk_pruned(node, known):
         values[id(n)] = known[id(n)] if id(n) in known else \
             _emit_node_affine(n, [values[id(a)] for a in n.args], env, args, fast_math, _emit_node)
-    return _typed(_plain_value(values[id(node)]), node.dtype)
+    return _typed(plain_value(values[id(node)]), node.dtype)
 
 
 def _emit_node_affine(n: ir.Node, a: list, env: dict, args, fast_math: bool, emit_node):
@@ -136,10 +137,6 @@ def _emit_node_affine(n: ir.Node, a: list, env: dict, args, fast_math: bool, emi
             return value
         a = plain(a)
     return emit_node(n, a, env, args, fast_math)
-
-
-def _plain_value(x):
-    return x.value() if isinstance(x, AffineIndex) else x
 
 
 def _walk_pruned(root: ir.Node, known: dict) -> list:
@@ -190,7 +187,7 @@ def emit_many(nodes, env: dict, args, fast_math: bool = False) -> list:
             if id(n) not in values:
                 values[id(n)] = _emit_node_affine(n, [values[id(a)] for a in n.args], env, args, fast_math,
                                                   _emit_node)
-    return [_typed(_plain_value(values[id(r)]), r.dtype) for r in nodes]
+    return [_typed(plain_value(values[id(r)]), r.dtype) for r in nodes]
 
 
 def _emit_node(n: ir.Node, a: list, env: dict, args, fast_math: bool):
@@ -426,7 +423,7 @@ def emit_row(node: ir.Node, env: dict, element_env, args, fast_math: bool = Fals
         else:
             values[id(n)] = _emit_node_affine(n, [values[id(a)] for a in n.args], env, args, fast_math,
                                               _emit_row_node)
-    return _vtyped(_plain_value(values[id(node)]), node.dtype)
+    return _vtyped(plain_value(values[id(node)]), node.dtype)
 
 
 def _varying_nodes(expr: ir.Node) -> set:
