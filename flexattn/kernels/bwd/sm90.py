@@ -1755,17 +1755,18 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                 if const_expr(cfg.dq_finish):
                     # The previous visit's adds, counted before this visit's are issued.
                     count = self._count_landed(sems, held, batch, seqlen_k, block_sparse, lane)
-                first = None
+                first = flag = None
                 if const_expr(cfg.dq_first_store):
                     # The previous visit's store published (issued a visit ago: landed by
                     # now), then this visit's ticket (or once its data is staged).
                     held = self._publish_stored(sems, held, lane)
+                    flag = sems[head, None].iterator + m_block
                     if const_expr(not cfg.dq_ticket_on_data):
-                        first = self._draw_ticket(sems[head, None].iterator + m_block, lane)
+                        first = self._draw_ticket(flag, lane)
                 for w in cutlass.range_constexpr(n_wg):
                     BwdBarrier.DQ_FULL.sync(self.dq_pair_threads, w)
                     if const_expr(cfg.dq_ticket_on_data and w == 0):
-                        first = self._draw_ticket(sems[head, None].iterator + m_block, lane)
+                        first = self._draw_ticket(flag, lane)
                     if const_expr(cfg.deterministic and w == 0 and cfg.turn_pass == "next_visit"):
                         if held >= 0:
                             self._dq_pass_turn(sems.iterator + held, lane)
@@ -1778,7 +1779,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                                 bulk_store(dst + w * chunk, sdQ[None, w].iterator, chunk * 4)
                         else:
                             if const_expr(w == 0):
-                                self._wait_stored(sems[head, None].iterator + m_block, lane)
+                                self._wait_stored(flag, lane)
                             if lane == 0:
                                 bulk_add_f32(dst + w * chunk, sdQ[None, w].iterator, chunk * 4)
                     elif lane == 0:
@@ -1826,9 +1827,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             seen = Int32(0)
             start = cute.arch.globaltimer()
             while seen & DQ_STORED == 0:
-                seen = ld_acquire_s32(flag)
-                if cute.arch.globaltimer() - start > DQ_TURN_TIMEOUT_NS:
-                    trap()
+                seen = self._acquire_flag(flag, start)
         cute.arch.sync_warp()
 
     @cute.jit
@@ -1963,10 +1962,17 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             seen = Int32(0)
             start = cute.arch.globaltimer()
             while seen != rank:
-                seen = ld_acquire_s32(flag)
-                if cute.arch.globaltimer() - start > DQ_TURN_TIMEOUT_NS:
-                    trap()
+                seen = self._acquire_flag(flag, start)
         cute.arch.sync_warp()
+
+    @cute.jit
+    def _acquire_flag(self, flag, start):
+        """One read of a dQ flag in a spin (acquire), trapping once the spin that began at
+        `start` (globaltimer) has run DQ_TURN_TIMEOUT_NS: a wait nothing will end."""
+        seen = ld_acquire_s32(flag)
+        if cute.arch.globaltimer() - start > DQ_TURN_TIMEOUT_NS:
+            trap()
+        return seen
 
     def _diag_row(self, sDiag, coords):
         """This thread's row of sDiag from its column offset on (diagonal key k at
