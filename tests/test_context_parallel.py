@@ -160,6 +160,7 @@ _LAYOUTS = {
     "shuffled2": lambda: cp.ShardLayout(S, 2, (1, 0, 0, 1)),
     "many2": lambda: cp.ShardLayout(S, 2, (0, 1, 1, 0, 1, 0, 0, 1)),   # steps fused over position tables
     "documents_kept2": lambda: _documents_kept(2),   # fewer_transfers: compact direct fetches
+    "joined2": lambda: cp.ShardLayout(S, 2, (0, 0, 1, 0, 1, 1, 1, 0)),   # partly attended pairs joined
 }
 
 
@@ -692,6 +693,41 @@ def test_steps_of_many_chunk_pairs_fuse_into_one_launch():
     # a user's block mask is sliced per pair instead
     plan = cp.ContextParallelPlan(specs["block_mask"], layout, 0, B, H)
     assert max(len(pairs) for _, pairs in plan.ring_steps()) > 1
+
+
+def test_launches_cover_each_attended_chunk_pair_once():
+    """Every step's launches (rectangles of chunk pairs, joined where positions continue)
+    cover exactly the chunk pairs the mask attends, each once; a partly attended rectangle
+    spans chunks whose global positions continue (its mask runs at the rectangle's offsets),
+    and on "joined2" the documents and the window each get one that joins two pairs."""
+    rng, *_ = _problem(0)
+    specs = _specs(rng)
+    for layout_name in ("joined2", "documents_kept2", "shuffled2", "head_tail4"):
+        layout = _LAYOUTS[layout_name]()
+        c = layout.chunk
+        for name in ("causal", "window", "documents", "bias", "block_mask"):
+            joined = 0
+            for r in range(layout.world):
+                plan = cp.ContextParallelPlan(specs[name], layout, r, B, H)
+                mine = layout.local_chunks(r)
+                for s, (src, pairs) in enumerate(plan.direct_steps()):
+                    theirs = ([*layout.local_chunks(src)] if s == 0 else
+                              [layout.local_chunks(src)[i] for i in plan.sent_chunks(r, src)])
+                    if plan._fused_step(mine, theirs, len(plan._blocks(mine, theirs, 1))) is not None:
+                        continue    # one launch over position tables (test_steps_of_many_chunk_pairs_fuse...)
+                    covered = np.zeros((len(mine), len(theirs)), dtype=int)
+                    for pair in pairs:
+                        (q0, q1), (k0, k1) = (tuple(x // c for x in rows) for rows in (pair.q_rows, pair.kv_rows))
+                        covered[q0:q1, k0:k1] += 1
+                        masked = pair.spec.mask is not None or pair.spec.block_mask is not None
+                        if masked and (q1 - q0) * (k1 - k0) > 1:
+                            assert all(theirs[i + 1] == theirs[i] + 1 for i in range(k0, k1 - 1)), (name, layout_name)
+                            assert all(mine[i + 1] == mine[i] + 1 for i in range(q0, q1 - 1)), (name, layout_name)
+                            joined += layout_name == "joined2"
+                    live = plan.verdicts[np.ix_(mine, theirs)] != 0
+                    np.testing.assert_array_equal(covered, live.astype(int), err_msg=f"{name} {layout_name} r{r} s{s}")
+            if layout_name == "joined2" and name in ("documents", "window"):
+                assert joined >= 1, name
 
 
 def test_shifted_mods_share_one_structure():

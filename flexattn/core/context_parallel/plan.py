@@ -124,20 +124,17 @@ class ContextParallelPlan:
             if self.position_free:
                 steps.append((src, [ShardPair((0, layout.local_len), (0, len(theirs) * c), self.spec)]))
                 continue
-            full = self._full_blocks(mine, theirs)
+            full = self._blocks(mine, theirs, 1)
             pairs = self._fused_step(mine, theirs, len(full))
             if pairs is not None:
                 steps.append((src, pairs))
                 continue
             pairs = []
-            for (q_lo, q_hi), (k_lo, k_hi) in full:
-                spec = self._pair_spec(mine[q_lo] * c, theirs[k_lo] * c, (q_hi - q_lo) * c, (k_hi - k_lo) * c, 1)
-                pairs.append(ShardPair((q_lo * c, q_hi * c), (k_lo * c, k_hi * c), spec))
-            for qi, gq in enumerate(mine):
-                for ki, gk in enumerate(theirs):
-                    if self.verdicts[gq, gk] == -1:
-                        spec = self._pair_spec(gq * c, gk * c, c, c, -1)
-                        pairs.append(ShardPair((qi * c, (qi + 1) * c), (ki * c, (ki + 1) * c), spec))
+            for verdict, blocks in ((1, full), (-1, self._blocks(mine, theirs, -1))):
+                for (q_lo, q_hi), (k_lo, k_hi) in blocks:
+                    spec = self._pair_spec(mine[q_lo] * c, theirs[k_lo] * c, (q_hi - q_lo) * c, (k_hi - k_lo) * c,
+                                           verdict)
+                    pairs.append(ShardPair((q_lo * c, q_hi * c), (k_lo * c, k_hi * c), spec))
             steps.append((src, pairs))
         return steps
 
@@ -150,7 +147,7 @@ class ContextParallelPlan:
         tiles of its block mask). None where the chunk pairs are few (causal head-tail
         keeps its diagonal structure) or the user gave a block mask (its tiles are sliced
         per pair). ``full_launches``: the step's fully attended rectangles
-        (``_full_blocks``)."""
+        (``_blocks``)."""
         if self.spec.block_mask is not None:
             return None
         verdicts = self.verdicts[np.ix_(mine, theirs)]
@@ -174,20 +171,26 @@ class ContextParallelPlan:
                      else AttentionSpec(score, mask, None, spec.scale, spec.enable_gqa))
         return [ShardPair((q_lo * c, q_hi * c), (k_lo * c, k_hi * c), pair_spec)]
 
-    def _full_blocks(self, mine, theirs) -> list:
-        """The fully attended chunk pairs of one step as few rectangles as possible: runs of
-        the local key chunks, then of the local query chunks with equal runs, each a launch
-        and a merge instead of one per chunk pair. Chunks join where their global positions
-        continue each other, or anywhere when the score reads no position (the pair runs
-        without a mask). [((q_lo, q_hi), (k_lo, k_hi))] in local chunk indices."""
+    def _blocks(self, mine, theirs, verdict: int) -> list:
+        """The chunk pairs of one step with ``verdict`` (1: fully attended, -1: partly) as
+        few rectangles as possible: runs of the local key chunks, then of the local query
+        chunks with equal runs, each a launch and a merge instead of one per chunk pair.
+        Chunks join where their global positions continue each other — or, fully attended,
+        anywhere when the score reads no position (the pair runs without a mask); partly
+        attended pairs run the mask at the rectangle's offsets, so they need the positions
+        to continue (documents16 on 2 ranks: a step of three 16k x 16k pairs, two of them on
+        adjacent key chunks, becomes two launches, and its rows take two contributions, not
+        three). [((q_lo, q_hi), (k_lo, k_hi))] in local chunk indices."""
+        anywhere = verdict == 1 and self.score_position_free
+
         def joins(chunks, i):
-            return self.score_position_free or chunks[i] == chunks[i - 1] + 1
+            return anywhere or chunks[i] == chunks[i - 1] + 1
 
         rows = []
         for qi, gq in enumerate(mine):
             runs, start = [], None
             for ki, gk in enumerate(theirs):
-                full = self.verdicts[gq, gk] == 1
+                full = self.verdicts[gq, gk] == verdict
                 if full and start is not None and joins(theirs, ki):
                     continue
                 if start is not None:
