@@ -83,7 +83,8 @@ def _cases(seq, device):
 
 @pytest.mark.parametrize("case", ["causal", "window", "documents", "alibi", "bias"])
 @pytest.mark.parametrize("world,schedule,chunks", [(2, "ring", None), (4, "ring", None), (4, "all_gather", None),
-                                                   (2, "ring", 8), (4, "direct", None)])
+                                                   (2, "ring", 8), (4, "direct", None),
+                                                   (2, "direct", (0, 0, 1, 0, 1, 1, 1, 0))])
 def test_schedule_shard_by_shard_matches_one_call(case, world, schedule, chunks):
     _shard_by_shard(case, world, schedule, chunks, torch.bfloat16, TOL)
 
@@ -107,7 +108,9 @@ def _shard_by_shard(case, world, schedule, chunks, dtype, tol):
     d_out = torch.randn(B, H, seq, D, device="cuda", dtype=dtype)
     spec, trained = _cases(seq, "cuda")[case]
     layout = cp.choose_layout(seq, world, spec.mask, B, H)
-    if chunks:   # chunks dealt alternately: ring steps fused into one launch over position tables
+    if isinstance(chunks, tuple):   # these owners: documents' and the window's partly attended pairs join
+        layout = cp.ShardLayout(seq, world, chunks)
+    elif chunks:   # chunks dealt alternately: ring steps fused into one launch over position tables
         layout = cp.ShardLayout(seq, world, tuple((i + i // world) % world for i in range(chunks * world)))
     wanted = [i for i, c in enumerate(spec.score.captures if spec.score is not None else ()) if c is trained]
     ops = _SerialKernels()
