@@ -4,6 +4,7 @@ processes against one process, forward and gradients (q, k, v and a trainable bi
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 
@@ -625,21 +626,31 @@ def test_direct_fetches_are_staged_before_a_step_and_posted_after_its_launches(n
 
     class Launches(HostOps):
         def __init__(self, rank):
-            self.log = logs[rank]
+            self.log, self.inside = logs[rank], False
 
         def attention(self, *args, **kwargs):
             self.log.append(("launch", len(self.log)))
             return super().attention(*args, **kwargs)
 
-    def rank(member):
-        comm = Staging(member, [])
+        def contiguous(self, x):
+            self.log.append(("copy aside" if self.inside else "copy", len(self.log)))
+            return super().contiguous(x)
+
+        @contextlib.contextmanager
+        def aside(self, like):
+            self.inside = True
+            yield
+            self.inside = False
+
+    def rank(member, comm_type):
+        comm = comm_type(member, [])
         plan = cp.ContextParallelPlan(spec, layout, comm.rank, B, H)
         pos = layout.positions(comm.rank)
         out, lse, _ = cp.direct_forward(plan, comm, Launches(comm.rank), q[:, :, pos], k[:, :, pos], v[:, :, pos])
         return pos, out
 
-    results = cp.LoopbackWorld(layout.world).run(rank)
     out_ref, _ = reference.forward(q, k, v, spec)
+    results = cp.LoopbackWorld(layout.world).run(lambda member: rank(member, Staging))
     for pos, out in results:
         np.testing.assert_allclose(out, out_ref[:, :, pos], atol=1e-10)
     for r, log in logs.items():
@@ -648,6 +659,18 @@ def test_direct_fetches_are_staged_before_a_step_and_posted_after_its_launches(n
         assert "stage" in kinds[:first_launch], (r, kinds)       # step 0's fetches staged first
         assert first_launch < first_post, (r, kinds)             # posted after step 0's launches
         assert kinds.count("stage") == kinds.count("post"), (r, kinds)
+        # the sends are made inside ops.aside (torch: beside the launches), each before its stage
+        assert "copy" not in kinds, (r, kinds)
+        assert all(kinds[i + 2] == "stage" for i, kind in enumerate(kinds) if kind == "copy aside" and (
+            i == 0 or kinds[i - 1] != "copy aside")), (r, kinds)
+    assert any("copy aside" in [kind for kind, _ in log] for log in logs.values())
+    # a plain exchange hands its arrays over at once: they are made in line
+    logs.update({r: [] for r in logs})
+    results = cp.LoopbackWorld(layout.world).run(lambda member: rank(member, _Recording))
+    for pos, out in results:
+        np.testing.assert_allclose(out, out_ref[:, :, pos], atol=1e-10)
+    kinds = [kind for log in logs.values() for kind, _ in log]
+    assert "copy aside" not in kinds and "copy" in kinds
 
 
 def test_the_direct_forward_keeps_at_most_a_shard_of_fetched_keys():

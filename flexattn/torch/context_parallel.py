@@ -19,7 +19,9 @@ is testable without a GPU). Gradients reach q, k, v and the score mod's captured
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -436,6 +438,20 @@ class TorchOps:
     def cat(self, parts):
         return _cat_rows(parts)
 
+    def contiguous(self, x):
+        return _contiguous(x)
+
+    def aside(self, like):
+        """A context whose work runs on the high-priority side stream that posts the staged
+        transfers, after the current stream's work so far, so the sends' copies run beside
+        the step's launches instead of before them (their transfers are posted from that
+        stream, so they follow the copies). Only with FLEXATTN_CP_STAGE_ASIDE=1, for A/B
+        runs: not yet measured. The buffers made there are read only on that stream and by
+        NCCL, and released once the current stream has waited for the transfers."""
+        if not like.is_cuda or os.environ.get("FLEXATTN_CP_STAGE_ASIDE") != "1":
+            return contextlib.nullcontext()
+        return _on_side_stream(like.device)
+
     def stats(self, q, v):
         b, h, s = q.shape[:3]
         acc = torch.zeros(b, h, s, v.shape[-1], dtype=self._work(q), device=q.device)
@@ -627,10 +643,11 @@ class _Pending:
 
 
 class _Staged:
-    """An exchange whose send buffers (contiguous copies) and receive buffers were made on
-    the current stream at staging; ``post`` posts its transfers from a side stream that
-    waits for that staging only, so the host time of posting can follow launches queued
-    in between without the transfers waiting for them."""
+    """An exchange whose send buffers (contiguous copies) and receive buffers were made at
+    staging — on the current stream, or the sends on the side stream (``TorchOps.aside``);
+    ``post`` posts its transfers from that side stream, after the staging only, so the
+    host time of posting can follow launches queued in between without the transfers
+    waiting for them."""
 
     def __init__(self, comm, dst, sends, src, received, channel):
         self.comm, self.dst, self.sends, self.src, self.received = comm, dst, sends, src, received
@@ -668,11 +685,21 @@ _SIDE_STREAMS: dict = {}
 
 def _side_stream(device) -> "torch.cuda.Stream":
     """One stream per device from which staged transfers are posted (NCCL orders its
-    transfers after the posting stream's work: here only the staging event)."""
+    transfers after the posting stream's work: the staging event, and the sends' copies
+    where ``TorchOps.aside`` put them there). High priority: those copies' CTAs take SMs
+    as the attention launch's free, not after its last."""
     stream = _SIDE_STREAMS.get(device)
     if stream is None:
-        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
     return stream
+
+
+@contextlib.contextmanager
+def _on_side_stream(device):
+    side, current = _side_stream(device), torch.cuda.current_stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        yield
 
 
 class _GroupComm:

@@ -239,7 +239,11 @@ def _style_step(rank, world, q, k, v, d_out):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs or more")
-def test_nccl_ranks_match_one_gpu():
+@pytest.mark.parametrize("aside", [False, True], ids=["copies_in_line", "copies_aside"])
+def test_nccl_ranks_match_one_gpu(aside, monkeypatch):
+    """aside: the direct schedule's sends copied on the high-priority side stream
+    (FLEXATTN_CP_STAGE_ASIDE=1, ``TorchOps.aside``; the spawned ranks inherit it)."""
+    monkeypatch.setenv("FLEXATTN_CP_STAGE_ASIDE", "1" if aside else "0")
     world = min(torch.cuda.device_count(), 4)
     seq = 4096
     torch.manual_seed(7)

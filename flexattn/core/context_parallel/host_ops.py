@@ -3,6 +3,8 @@ the framework-free CPU path, and the oracle the adapters' operations are tested 
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from ... import reference
@@ -35,6 +37,13 @@ class HostOps:
 
     def cat(self, parts):
         return np.concatenate(parts, axis=2)
+
+    def contiguous(self, x):
+        return np.ascontiguousarray(x)
+
+    def aside(self, like):
+        """A context whose copies run beside the launches (on the host: in line)."""
+        return contextlib.nullcontext()
 
     def stats(self, q, v):
         b, h, s = q.shape[:3]

@@ -50,6 +50,7 @@ What a framework supplies (duck-typed, see ``flexattn.torch.context_parallel``):
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 
 from ..kernel_path import gpu_shared
@@ -291,10 +292,16 @@ def _stage_kv(plan, comm, ops, s: int, k, v):
     total = plan.layout.local_len // c
     dst, src = (rank + s) % world, (rank - s) % world
     send, receive = plan.sent_chunks(dst, rank), plan.sent_chunks(rank, src)
-    outgoing = tuple(_chunk_rows(ops, x, send, c, total) for x in (k, v)) if send else None
+    stage = getattr(comm, "stage", None)
+    outgoing = None
+    if send:
+        # A staged exchange posts its transfers from the stream its sends were made on, so
+        # their copies may run beside the step's launches (``ops.aside``); a plain exchange
+        # hands them over at once, so they are made in line.
+        with ops.aside(k) if stage is not None else contextlib.nullcontext():
+            outgoing = tuple(ops.contiguous(_chunk_rows(ops, x, send, c, total)) for x in (k, v))
     like = tuple(ops.rows(x, 0, len(receive) * c) for x in (k, v)) if receive else None
     args = (dst if send else None, outgoing, src if receive else None, like, "kv")
-    stage = getattr(comm, "stage", None)
     return stage(*args) if stage is not None else _PostLater(comm, args)
 
 
