@@ -4,7 +4,8 @@ side by side in one run on one mesh.
 For each world size W (one process per GPU, NCCL) the sequence is ``--per-gpu`` tokens per
 GPU (S = W x per-gpu), B1 H16 D128 bf16, under a causal mask and a 16-document causal mask
 (packed documents of random lengths). Rows: ours through ``flexattn.torch.context_parallel``
-(the ring, direct and all-gather schedules), torch's ``context_parallel`` with SDPA (causal; its
+(the ring, direct and all-gather schedules; "direct aside": the direct one with its sends' copies on
+the side stream, FLEXATTN_CP_STAGE_ASIDE=1, an A/B), torch's ``context_parallel`` with SDPA (causal; its
 ring, "alltoall" rotation) and torch's context-parallel flex_attention (compiled, its
 ``_ContextParallel`` FLEX style with head-tail load balancing) where this torch has them.
 Times: the slowest rank's median of ``--iters`` CUDA-event timings (forward; forward +
@@ -260,6 +261,8 @@ def _implementations(mask_name, mask, q, k, v, d_out, world, rank, dist, args):
             out = tcp.flex_attention(*shards, mask=mask, parallel=parallel, enable_gqa=gqa)
             torch.autograd.grad(out, shards, d_local)
         yield f"flexattn {schedule}", ours
+        if schedule == "direct":   # an A/B of the sends' copies beside the launches (TorchOps.aside)
+            yield "flexattn direct aside", _with_env("FLEXATTN_CP_STAGE_ASIDE", "1", ours)
     baselines = [("torch cp flex", lambda: _torch_flex(mask, q, k, v, d_out, world))]
     if mask_name == "causal":
         baselines.insert(0, ("torch cp sdpa (ring)", lambda: _torch_sdpa(q, k, v, d_out, world)))
@@ -268,6 +271,21 @@ def _implementations(mask_name, mask, q, k, v, d_out, world, rank, dist, args):
             yield name, make()
         except Exception as e:   # noqa: BLE001 - a baseline this torch cannot set up here: n/a with why
             yield name, e
+
+
+def _with_env(name, value, run):
+    """``run`` with the environment variable ``name`` set to ``value`` during each call."""
+    def wrapped(train):
+        before = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return run(train)
+        finally:
+            if before is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = before
+    return wrapped
 
 
 def _torch_sdpa(q, k, v, d_out, world):
