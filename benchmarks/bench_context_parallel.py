@@ -159,21 +159,30 @@ def _trace_name(mask_name, impl, phase, world, rank) -> str:
 
 def _overlap(step, folder, name) -> dict:
     """One profiled step: the GPU time NCCL's kernels and the other kernels take, and how
-    much of NCCL's ran while another kernel ran (union of intervals, ms); the trace goes to
+    much of NCCL's ran while another kernel ran (union of intervals, ms); ``lead_ms``: the
+    GPU idle from the step's start (a marker kernel queued just before it) to its first
+    work, i.e. the host's time before its first launch; the trace goes to
     ``folder`` (chrome format; None: not kept) for a closer look."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
+    marker = torch.zeros(1, device="cuda")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        marker.zero_()      # the step's start on the GPU's clock: its first kernel's lead is host time
         step()
         torch.cuda.synchronize()
     if folder is not None:
         os.makedirs(folder, exist_ok=True)
         prof.export_chrome_trace(os.path.join(folder, name + ".json"))
+    gpu = sorted((e for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start),
+                 key=lambda e: e.time_range.start)
+    # lead: from the marker's end to the step's first GPU work (the host's time before it)
+    lead = (gpu[1].time_range.start - gpu[0].time_range.end) if len(gpu) > 1 else 0.0
+    gpu = gpu[1:]
     nccl, other = [], []
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start:
-            (nccl if "nccl" in e.name.lower() else other).append((e.time_range.start, e.time_range.end))
+    for e in gpu:
+        (nccl if "nccl" in e.name.lower() else other).append((e.time_range.start, e.time_range.end))
 
     def union(spans):
         spans, total = sorted(spans), 0.0
@@ -193,15 +202,13 @@ def _overlap(step, folder, name) -> dict:
     everything = nccl + other
     span = (max(b for _, b in everything) - min(a for a, _ in everything)) if everything else 0.0
     by_name: dict = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start:
-            n, t = by_name.get(e.name[:48], (0, 0.0))
-            by_name[e.name[:48]] = (n + 1, t + (e.time_range.end - e.time_range.start) / 1e3)
+    for e in gpu:
+        n, t = by_name.get(e.name[:48], (0, 0.0))
+        by_name[e.name[:48]] = (n + 1, t + (e.time_range.end - e.time_range.start) / 1e3)
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:6]
-    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in gpu]
     return dict(nccl_ms=n_total / 1e3, kernels_ms=o_total / 1e3, nccl_overlapped_ms=both / 1e3,
-                gpu_span_ms=span / 1e3, idle_ms=(span - union(everything)[1]) / 1e3,
+                gpu_span_ms=span / 1e3, idle_ms=(span - union(everything)[1]) / 1e3, lead_ms=lead / 1e3,
                 top_kernels=[f"{name} x{n}: {t:.2f} ms" for name, (n, t) in top],
                 waits=_compute_waits(kernels))
 
@@ -353,7 +360,8 @@ def _by_rank(rows) -> list:
         parts = []
         for i, t in enumerate(r["rank_ms"]):
             o = r["ranks"][i] if r.get("ranks") else None
-            parts.append(f"r{i} {t:.2f} ms" + (f" (span {o['gpu_span_ms']:.1f}, kernels {o['kernels_ms']:.1f}, NCCL"
+            parts.append(f"r{i} {t:.2f} ms" + (f" (lead {o.get('lead_ms', 0.0):.2f}, span {o['gpu_span_ms']:.1f},"
+                                               f" kernels {o['kernels_ms']:.1f}, NCCL"
                                                f" {o['nccl_ms']:.1f} / {o['nccl_overlapped_ms']:.1f} overlapped,"
                                                f" idle {o['idle_ms']:.1f})" if o else ""))
         lines.append(f"W{r['world']} {r['mask']} {r['impl']} {r['phase']} by rank: " + "; ".join(parts))
