@@ -522,6 +522,27 @@ def test_python_if_on_traced_value():
     assert f"{HERE}:{line}:" in msg
 
 
+def test_return_type_errors_name_the_user_code_not_ours():
+    """An error found after tracing (the function's frames are gone) names where the
+    function is defined and the user's call, never a frame inside flexattn (the block-mask
+    builder, the adapters)."""
+    import flexattn
+    from flexattn.blockmask import create_block_mask
+
+    def distance(b, h, q, kv):
+        return (q - kv) * 1.0
+
+    with pytest.raises(TraceError) as e:
+        create_block_mask(distance, None, None, 64, 64)
+    msg = str(e.value)
+    assert f"{HERE}:{distance.__code__.co_firstlineno})" in msg, msg   # defined at
+    assert "create_block_mask(distance" in msg, msg                      # the call's line
+    assert os.path.dirname(os.path.abspath(flexattn.__file__)) + os.sep not in msg, msg
+    with pytest.raises(TraceError, match=f"{HERE}:") as e:
+        score_mod(lambda s, b, h, q, kv: q > kv)
+    assert "returns a boolean" in str(e.value)
+
+
 @pytest.mark.parametrize(
     "fn, words",
     [

@@ -198,7 +198,8 @@ def _trace_mask(fn, name):
     _check_arity(fn, 4, "a mask function takes (b, h, q_idx, kv_idx)")
     expr, captures = trace(fn, MASK_VARS)
     if expr.dtype == ir.FLOAT:
-        raise TraceError(f"a mask function must return a boolean, but {_fn_name(fn)} returns a float")
+        raise TraceError(f"a mask function must return a boolean, but {_fn_name(fn)}{_defined_at(fn)}"
+                         " returns a float")
     expr, captures = canonicalize(ir.cast(expr, ir.BOOL), captures)
     return MaskMod(expr, captures, name or _fn_name(fn))
 
@@ -214,7 +215,8 @@ def _trace_score(fn, name):
     _check_arity(fn, 5, "a score function takes (score, b, h, q_idx, kv_idx)")
     expr, captures = trace(fn, SCORE_VARS)
     if expr.dtype == ir.BOOL:
-        raise TraceError(f"a score function must return a number, but {_fn_name(fn)} returns a boolean")
+        raise TraceError(f"a score function must return a number, but {_fn_name(fn)}{_defined_at(fn)}"
+                         " returns a boolean")
     expr, captures = canonicalize(ir.cast(expr, ir.FLOAT), captures)
     return ScoreMod(expr, captures, name or _fn_name(fn))
 
@@ -251,6 +253,13 @@ def as_score(x, what: str = "score") -> ScoreMod:
 
 def _fn_name(fn) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _defined_at(fn) -> str:
+    """" (defined at file:line)" for a Python function, else "" (errors about what a traced
+    function returned are raised after its frames are gone)."""
+    code = getattr(fn, "__code__", None)
+    return f" (defined at {code.co_filename}:{code.co_firstlineno})" if code is not None else ""
 
 
 def _check_arity(fn, n, message):

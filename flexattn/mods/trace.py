@@ -42,7 +42,9 @@ class TraceError(TypeError):
         super().__init__(f"{message}{f' (at {where})' if where else ''}")
 
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+# Frames inside the package are ours wherever the error is raised (the block-mask builder,
+# the adapters), so the location named is the user's line: the mod's, or the call's.
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LIBRARY_MARKERS = (os.sep + "torch" + os.sep, os.sep + "numpy" + os.sep, "<frozen")
 
 
