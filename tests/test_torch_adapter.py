@@ -449,6 +449,11 @@ def test_vector_reads_refuse_what_they_cannot_unroll():
         mods.score_mod(lambda s, b, h, q, kv: s + torch.dot(emb[h], table[h, 0]))
     with pytest.raises(TraceError, match="1-D"):
         mods.score_mod(lambda s, b, h, q, kv: s + torch.dot(table[h], table[h]))
+    # a row left unreduced (the capture indexed in fewer dims than it has): says so
+    with pytest.raises(TraceError, match=r"vector of shape \(6,\) appeared as the function's return value"):
+        mods.score_mod(lambda s, b, h, q, kv: s + emb[h])
+    with pytest.raises(TraceError, match=r"vector of shape \(3, 3\)"):
+        mods.mask_mod(lambda b, h, q, kv: table[h] > 0)
 
 
 def test_block_masks_of_the_torch_module_hold_tensors():

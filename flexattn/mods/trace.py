@@ -303,6 +303,11 @@ def _to_node(x, what: str = "an operand") -> ir.Node:
             f"an array of shape {tuple(x.shape)} appeared as {what}; mods compute one element"
             " at a time — index captured arrays with the mod's variables"
         )
+    if isinstance(x, SymArray):     # a captured array indexed in fewer dims than it has
+        raise TraceError(
+            f"a vector of shape {x.shape} appeared as {what}; mods compute one element at a time — a"
+            " captured array: index it in every dim with the mod's variables (e.g. bias[h, q_idx]), or"
+            " reduce the vector (sum, dot, @)")
     raise TraceError(f"cannot use {type(x).__name__} {x!r} as {what} in a mod")
 
 

@@ -97,7 +97,8 @@ def unrolled(captured) -> SymArray:
 def elementwise(apply, args):
     """``apply`` (a scalar op on proxies) over broadcast vector operands."""
     arrays = [as_values(a) for a in args]
-    shape = np.broadcast_shapes(*(np.shape(a) for a in arrays))
+    # (a proxy is a scalar: np.shape on it would ask the proxy's __array_function__)
+    shape = np.broadcast_shapes(*(a.shape if isinstance(a, np.ndarray) else () for a in arrays))
     out = np.empty(shape, dtype=object)
     views = [np.broadcast_to(np.asarray(a, dtype=object), shape) for a in arrays]
     for index in np.ndindex(*shape):
