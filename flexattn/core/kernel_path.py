@@ -36,6 +36,7 @@ import numpy as np
 
 from ..arrays import dtype_name
 from ..blockmask import _LIST_NAMES, BlockMask, create_block_mask
+from ..blockmask.coarsen import at_block_size
 from ..kernels.hopper.device_facts import persistent_ctas
 from ..mods.structure import canonical_band, is_causal
 from ..problem.spec import AttentionSpec
@@ -281,18 +282,18 @@ def _block_structure(spec: AttentionSpec, shape: AttentionShape) -> BlockStructu
     causal = False
     # A block mask made from its mask alone adds nothing to it: the mask decides.
     mask_alone = block_mask is None or block_mask.from_mask
-    if block_mask is not None and block_mask.from_mask and is_causal(block_mask.mask_mod):
+    if block_mask is not None and block_mask.from_mask and (
+            is_causal(block_mask.mask_mod) or block_mask.BLOCK_SIZE != (128, TILE_N)):
+        # (at another BLOCK_SIZE: the kernels' own is built from the mask, as for mask=)
         mask, block_mask = block_mask.mask_mod, None
+    elif block_mask is not None and block_mask.BLOCK_SIZE != (128, TILE_N):
+        # Lists at another BLOCK_SIZE keep their meaning on the kernels' tiles (blockmask/coarsen.py).
+        block_mask = at_block_size(block_mask, (128, TILE_N))
     if block_mask is None and is_causal(mask):
         causal, mask = True, None  # the kernel's own diagonal mask
     elif block_mask is None and not _is_full(mask):
         block_mask = _block_mask_for(mask, shape)
     if block_mask is not None:
-        if block_mask.BLOCK_SIZE != (128, TILE_N):
-            raise ValueError(
-                f"the GPU kernel needs a block mask with BLOCK_SIZE=(128, {TILE_N}), got {block_mask.BLOCK_SIZE};"
-                " rebuild it with create_block_mask(..., BLOCK_SIZE=128)"
-            )
         mask = None if _is_full(block_mask.mask_mod) else block_mask.mask_mod
     band = None
     if mask is not None:

@@ -129,13 +129,39 @@ def test_kernel_limits_are_clear_errors():
     q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.float64)
     with pytest.raises(ValueError, match="bfloat16, float16 and float32"):
         fa.flex_attention(q, q, q)
-    q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
-    bm = fa.create_block_mask(mods.sliding_window(8), None, None, 64, 64, BLOCK_SIZE=64)
-    with pytest.raises(ValueError, match="BLOCK_SIZE"):
-        fa.flex_attention(q, q, q, block_mask=bm)
-    # a causal block mask built from its mask alone needs no lists: any BLOCK_SIZE runs
-    causal = fa.create_block_mask(mods.causal(), None, None, 64, 64, BLOCK_SIZE=64)
-    assert torch.isfinite(fa.flex_attention(q, q, q, block_mask=causal).float()).all()
+
+
+@pytest.mark.parametrize("kind", ["window from its mask", "causal from its mask", "lists of their own"])
+@pytest.mark.parametrize("block_size", [64, (64, 32), (128, 64), 256])
+def test_block_masks_at_any_block_size(kind, block_size):
+    """Block masks at another BLOCK_SIZE than the kernels' 128 x 128 run with torch's
+    meaning (blockmask/coarsen.py: lists of their own read on the kernels' tiles through a
+    table of their states), forward and backward, against float64."""
+    B, H, Q, D = 2, 4, 333, 64
+    doc = torch.repeat_interleave(torch.arange(5), torch.tensor([60, 13, 100, 80, 80])).to(torch.int32)
+    mask = {"window from its mask": mods.sliding_window(40), "causal from its mask": mods.causal(),
+            "lists of their own": mods.document(doc.numpy())}[kind]
+    bm = fa.create_block_mask(mask, B, H, Q, Q, BLOCK_SIZE=block_size)
+    if kind == "lists of their own":   # the same lists, given as lists (not from the mask alone)
+        g = torch.Generator().manual_seed(1)
+        drop = torch.rand(bm.kv_num_blocks.shape, generator=g) < 0.3   # some rows attend fewer tiles
+        counts = torch.where(drop, torch.clamp(torch.as_tensor(bm.kv_num_blocks) - 1, min=0),
+                             torch.as_tensor(bm.kv_num_blocks)).to(torch.int32)
+        bm = fa.BlockMask.from_kv_blocks(counts, torch.as_tensor(bm.kv_indices), torch.as_tensor(bm.full_kv_num_blocks),
+                                         torch.as_tensor(bm.full_kv_indices), BLOCK_SIZE=bm.BLOCK_SIZE,
+                                         mask_mod=bm.mask_mod, seq_lengths=(Q, Q))
+    q, k, v, d_out = (torch.randn(B, H, Q, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    spec = AttentionSpec.from_args(block_mask=bm)
+    host = [x.double().cpu().numpy() for x in (q, k, v, d_out)]
+    want, _ = reference.forward(*host[:3], spec)
+    grads = reference.backward(*host, None, spec)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out = fa.flex_attention(*leaves, block_mask=bm)
+    out.backward(d_out)
+    for name, got, ref in (("out", out, want), ("dq", leaves[0].grad, grads.dq), ("dk", leaves[1].grad, grads.dk),
+                           ("dv", leaves[2].grad, grads.dv)):
+        err = np.abs(got.detach().double().cpu().numpy() - ref).max()
+        assert err <= 3e-2 * max(np.abs(ref).max(), 1e-3), f"{kind} {block_size} {name}: {err:.3g}"
 
 
 @pytest.mark.parametrize("q_len", [1, 5, 16])

@@ -12,7 +12,7 @@ from flexattn.core.kernel_path import plan_forward  # noqa: E402
 from torch.nn.attention.flex_attention import and_masks, noop_mask  # noqa: E402
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask  # noqa: E402
 
-from flexattn.blockmask.layout import as_block_mask  # noqa: E402
+from flexattn.blockmask.layout import BlockMask, as_block_mask  # noqa: E402
 
 
 def _plan(D=128, dtype=torch.bfloat16, Q=300, KV=300, **kw):
@@ -189,11 +189,35 @@ def test_structure_not_values_decides_the_config_key():
     (dict(D=72), "multiples of 16"),
     (dict(D=272), "up to 256"),
     (dict(dtype=torch.float64), "bfloat16, float16 and float32"),
-    (dict(block_mask=create_block_mask(mods.sliding_window(64), None, None, 300, 300, BLOCK_SIZE=64)), "BLOCK_SIZE"),
 ])
 def test_unsupported_is_refused_before_compiling(kw, words):
     with pytest.raises(ValueError, match=words):
         _plan(**kw)
+
+
+def test_block_masks_at_other_block_sizes_run_on_the_kernels_tiles():
+    """A block mask built at another BLOCK_SIZE runs (torch's semantics kept): made from its
+    mask alone, the mask plans as mask= would (a window at 64: the band); lists of their own
+    (from_kv_blocks at 64 x 32) become 128 x 128 tiles whose mask reads the original tiles'
+    states (blockmask/coarsen.py), made once per block mask."""
+    window = _plan(block_mask=create_block_mask(mods.sliding_window(64), None, None, 300, 300, BLOCK_SIZE=64))
+    assert window.config.key() == _plan(mask=mods.sliding_window(64)).config.key()
+    fine = create_block_mask(mods.document(np.repeat(np.arange(5), 60).astype(np.int32)), None, None, 300, 300,
+                             BLOCK_SIZE=(64, 32))
+    listed = BlockMask.from_kv_blocks(*fine.as_tuple()[2:6], BLOCK_SIZE=(64, 32), mask_mod=fine.mask_mod,
+                                      seq_lengths=(300, 300))
+    assert not listed.from_mask
+    p = _plan(block_mask=listed)
+    assert p.config.block_sparse and p.block_mask.BLOCK_SIZE == (128, 128) and p.config.mods.has_mask
+    assert _plan(block_mask=listed).block_mask is p.block_mask
+    # the table-reading mask compiles, forward and backward (an int8 gather per element of a partial tile)
+    from flexattn.kernels.bwd.plan import config_from_forward
+    from flexattn.kernels.emit.mod_emit import fake_args
+    from flexattn.kernels.launch.compile import compile_backward, compile_forward
+
+    assert ".s8" in compile_forward(p.config, fake_args(p.config.mods), keep_ptx=True).__ptx__
+    backward = config_from_forward(p.config)
+    compile_backward(backward, fake_args(backward.mods))
 
 
 def test_head_dims_plan_tiles_that_fit_shared_memory(on_gpu):

@@ -1,0 +1,83 @@
+"""A block mask at the kernels' tile size, from one built at another ``BLOCK_SIZE``.
+
+The GPU kernels walk 128 x 128 tiles. A block mask made at another size (torch users pass
+``BLOCK_SIZE=64``, ``(128, 64)``, ...) keeps its meaning exactly, as torch defines it: an
+element (q, kv) is attended where its tile is full, or partial and the mask mod holds there.
+``at_block_size`` gives the same attention on the kernels' tiles:
+
+- each kernel tile is full where every listed tile it overlaps is full, empty where every
+  one is empty, else partial (only the states decide: the mask mod is not evaluated, so a
+  captured tensor keeps being read at call time wherever the original read it);
+- its mask mod reads the original tile states from a captured table (``states[b, h, q //
+  q_block, kv // kv_block]``): full there, or partial and the original mask mod.
+
+A block mask made from its mask alone (``from_mask``) needs none of this: the kernels'
+path builds its own from the mask (``core/kernel_path.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..mods.mod import mask_mod
+from .layout import EMPTY, FULL, PARTIAL, BlockMask
+
+
+def at_block_size(block_mask: BlockMask, block_size: tuple) -> BlockMask:
+    """``block_mask`` at ``block_size`` (see the module's text); itself where it already
+    is. Made once per block mask and mask mod (kept on the block mask)."""
+    block_size = tuple(int(s) for s in block_size)
+    if tuple(block_mask.BLOCK_SIZE) == block_size:
+        return block_mask
+    fine_mask = block_mask.mask_mod
+    kept = block_mask.__dict__.get("_at_block_size")
+    if kept is not None and kept[0] == block_size and kept[1] is fine_mask:
+        return kept[2]
+    states = block_mask.block_states()
+    coarse = BlockMask(_coarse_states(states, block_mask.BLOCK_SIZE, block_size, block_mask.seq_lengths),
+                       block_mask.seq_lengths, block_size, _tile_mask(states, block_mask.BLOCK_SIZE, fine_mask))
+    block_mask.__dict__["_at_block_size"] = (block_size, fine_mask, coarse)
+    return coarse
+
+
+def _coarse_states(states: np.ndarray, fine: tuple, coarse: tuple, seq_lengths: tuple) -> np.ndarray:
+    """[B, H, Q tiles, KV tiles] of the ``coarse`` tiles: FULL where every ``fine`` tile
+    they overlap is FULL, EMPTY where every one is EMPTY, else PARTIAL."""
+    rows = _overlaps(seq_lengths[0], fine[0], coarse[0], states.shape[2])
+    cols = _overlaps(seq_lengths[1], fine[1], coarse[1], states.shape[3])
+    out = np.empty(states.shape[:2] + (len(rows), len(cols)), dtype=np.int8)
+    for i, (r0, r1) in enumerate(rows):
+        band = states[:, :, r0:r1]
+        for j, (c0, c1) in enumerate(cols):
+            tile = band[:, :, :, c0:c1]
+            full = np.all(tile == FULL, axis=(2, 3))
+            empty = np.all(tile == EMPTY, axis=(2, 3))
+            out[:, :, i, j] = np.where(full, FULL, np.where(empty, EMPTY, PARTIAL))
+    return out
+
+
+def _overlaps(length: int, fine: int, coarse: int, fine_count: int) -> list:
+    """[(first, last + 1)] of the fine blocks each coarse block of ``length`` tokens overlaps."""
+    out = []
+    for start in range(0, max(length, 1), coarse):
+        stop = min(start + coarse, length) - 1
+        out.append((start // fine, min(stop // fine, fine_count - 1) + 1))
+    return out
+
+
+def _tile_mask(states: np.ndarray, fine: tuple, fine_mask):
+    """The element mask the original tile states and mask mod mean: full tiles attended,
+    partial ones where ``fine_mask`` holds, empty ones not."""
+    table = np.ascontiguousarray(states, dtype=np.int8)
+    table.flags.writeable = False      # read-only: a captured constant the GPU path copies once
+    q_block, kv_block = fine
+    one_batch, one_head = table.shape[0] == 1, table.shape[1] == 1   # (broadcast over b / h)
+    everywhere = fine_mask.expr.op == "const" and fine_mask.expr.attr is True
+
+    def listed(b, h, q_idx, kv_idx):
+        state = table[0 if one_batch else b, 0 if one_head else h, q_idx // q_block, kv_idx // kv_block]
+        if everywhere:
+            return state != EMPTY
+        return (state == FULL) | ((state == PARTIAL) & fine_mask(b, h, q_idx, kv_idx))
+
+    return mask_mod(listed, name=f"{fine_mask.name}@{q_block}x{kv_block}")
