@@ -95,7 +95,8 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, scale=None, enable_
     log) is float32, float64 for float64 inputs. Differentiable w.r.t. ``q, k, v`` and the
     score mod's captured float jax arrays. CPU arrays run the exact reference, CUDA arrays
     the GPU kernels (bf16/fp16, float32 forward-only; the forward at head dims that are
-    multiples of 16 up to 256, the backward from 32 too; block masks with BLOCK_SIZE 128).
+    multiples of 16 up to 256, the backward from 32 too; block masks at any BLOCK_SIZE, 128 saving
+    a conversion: ``blockmask/coarsen.py``).
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, jax.Array):
