@@ -74,7 +74,8 @@ def _check_block_mask(bm, shape: AttentionShape):
     if (bq, bkv) != (shape.q_len, shape.kv_len):
         raise ValueError(
             f"block_mask was built for Q_LEN={bq}, KV_LEN={bkv} but the inputs have"
-            f" Q_LEN={shape.q_len}, KV_LEN={shape.kv_len}"
+            f" Q_LEN={shape.q_len}, KV_LEN={shape.kv_len}: build it for these lengths, or adjust it"
+            f" (block_mask._adjust({shape.q_len}, {shape.kv_len}), as torch's)"
         )
     # Lists with other block counts than the lengths need (from_kv_blocks with its own
     # seq_lengths, a slice) would make the kernels read rows past their ends or visit
