@@ -322,9 +322,6 @@ def test_kernel_path_refuses_before_launch(fake_kernels):
             _kernel_inputs(14, jnp.float32, d=240)[0])
     with pytest.raises(ValueError, match="multiples of 16"):
         fj.flex_attention(*_kernel_inputs(14, d=72), enable_gqa=True)
-    with pytest.raises(ValueError, match="BLOCK_SIZE"):
-        fj.flex_attention(q, k, v, block_mask=fj.create_block_mask(mods.sliding_window(4), None, None, S, S + 5,
-                                                                   BLOCK_SIZE=8), enable_gqa=True)
     with pytest.raises(ValueError, match="block_mask="):  # a traced mask capture: no block mask while tracing
         jax.jit(lambda q, doc: fj.flex_attention(q, k, v, mask=mods.document(doc), enable_gqa=True))(
             q, jnp.zeros(S + 5, jnp.int32))
@@ -332,6 +329,38 @@ def test_kernel_path_refuses_before_launch(fake_kernels):
     with pytest.raises(ValueError, match="x64"):
         fj.flex_attention(q, k, v, score=mods.relative_bias(table), enable_gqa=True)
     assert fake_kernels["fwd"] == 0
+
+
+def test_kernel_path_takes_block_masks_at_any_block_size(fake_kernels):
+    """Block masks at BLOCK_SIZE 8 run on the kernels' 128 x 128 tiles: one from its mask
+    alone is rebuilt from the mask; one with lists of its own (some rows attend fewer
+    tiles) whose mask reads a jax array is read through a table of its tile states
+    (blockmask/coarsen.py: the table a constant operand, the jax capture an operand). Forward
+    and gradients match the reference at the original block size."""
+    from flexattn.blockmask import BlockMask
+
+    q, k, v = _kernel_inputs(16)
+    doc_np = np.repeat([0, 1, 2], [10, 10, 9]).astype(np.int32)
+    window = fj.create_block_mask(mods.sliding_window(4), None, None, S, S + 5, BLOCK_SIZE=8)
+    fine = fj.create_block_mask(mods.document(doc_np), None, None, S, S + 5, BLOCK_SIZE=8)
+    counts = np.maximum(np.asarray(fine.kv_num_blocks) - (np.arange(S // 8) % 2), 0).astype(np.int32)
+    listed = BlockMask.from_kv_blocks(counts, fine.kv_indices, fine.full_kv_num_blocks, fine.full_kv_indices,
+                                      BLOCK_SIZE=8, mask_mod=mods.document(jnp.asarray(doc_np)), seq_lengths=(S, S + 5))
+    for bm, host_bm in ((window, window), (listed, BlockMask.from_kv_blocks(
+            counts, fine.kv_indices, fine.full_kv_num_blocks, fine.full_kv_indices, BLOCK_SIZE=8,
+            mask_mod=mods.document(doc_np), seq_lengths=(S, S + 5)))):
+        def loss(q, k, v):
+            return fj.flex_attention(q, k, v, block_mask=bm, enable_gqa=True).astype(jnp.float32).sum()
+
+        dq, dk, dv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+        launch = fake_kernels["launches"][-2]
+        assert launch.config.block_sparse or launch.config.band
+        spec = AttentionSpec.from_args(block_mask=host_bm, enable_gqa=True)
+        qn, kn, vn = _np(q, k, v)
+        want = reference.backward(qn, kn, vn, np.ones((B, Hq, S, Dk)), None, spec)
+        for got, ref in zip((dq, dk, dv), (want.dq, want.dk, want.dv)):
+            np.testing.assert_allclose(np.asarray(got, np.float64), ref, atol=1e-2 * max(1, np.abs(ref).max()))
+    assert fake_kernels["fwd"] == 2 and len(fake_kernels["bwd"]) == 2
 
 
 @pytest.mark.parametrize("precision, parts", [(None, 2), ("tensorfloat32", 1), ("highest", 2)])
