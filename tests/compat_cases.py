@@ -132,6 +132,19 @@ def case_documents_tensor(lib, device, dtype):
     return lambda: lib.flex_attention(q, k, v, block_mask=bm)
 
 
+def case_documents_block_size_64(lib, device, dtype):
+    """A block mask at BLOCK_SIZE 64 (96 tokens: a partial last block), its mask reading a
+    tensor: ours runs it on the kernels' 128 x 128 tiles (blockmask/coarsen.py)."""
+    q, k, v = _qkv(device, dtype, seed=3)
+    doc = torch.repeat_interleave(torch.arange(3), torch.tensor([20, 50, S - 70])).to(device)
+
+    def same_doc_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    bm = lib.create_block_mask(same_doc_causal, None, None, S, S, device=device, BLOCK_SIZE=64)
+    return lambda: lib.flex_attention(q, k, v, block_mask=bm)
+
+
 def case_gqa_causal(lib, device, dtype):
     q, k, v = _qkv(device, dtype, hq=8, hkv=2)
     bm = lib.create_block_mask(causal, None, None, S, S, device=device)

@@ -64,3 +64,19 @@ def test_coarse_states_take_full_and_empty_only_where_every_fine_tile_does():
     states[0, 0, 1, 1] = FULL
     coarse = at_block_size(BlockMask(states, (128, 256), (64, 64), None), (128, 128))
     np.testing.assert_array_equal(coarse.block_states()[0, 0], [[FULL, EMPTY]])
+
+
+def test_a_block_mask_from_its_mask_alone_is_built_anew_from_the_mask():
+    """``from_mask``: the mask itself at the kernels' tiles (so its structure — a band, the
+    diagonal — still plans the kernels), built once per block mask."""
+    from flexattn import create_block_mask
+
+    doc = mods.document(DOC) & mods.causal()
+    fine = create_block_mask(doc, 2, None, 400, 400, BLOCK_SIZE=(64, 32))
+    coarse = at_block_size(fine, (128, 128))
+    assert coarse.from_mask and coarse.BLOCK_SIZE == (128, 128) and coarse.mask_mod is fine.mask_mod
+    np.testing.assert_array_equal(coarse.block_states(),
+                                  create_block_mask(doc, 2, None, 400, 400, BLOCK_SIZE=128).block_states())
+    assert at_block_size(fine, (128, 128)) is coarse
+    for b in range(2):
+        np.testing.assert_array_equal(_elements(coarse, b, 0), _elements(fine, b, 0))

@@ -11,8 +11,9 @@ element (q, kv) is attended where its tile is full, or partial and the mask mod 
 - its mask mod reads the original tile states from a captured table (``states[b, h, q //
   q_block, kv // kv_block]``): full there, or partial and the original mask mod.
 
-A block mask made from its mask alone (``from_mask``) needs none of this: the kernels'
-path builds its own from the mask (``core/kernel_path.py``).
+A block mask made from its mask alone (``from_mask``) is instead built anew from the mask at
+``block_size`` (on its device), and stays ``from_mask``: the kernels' path then reads the
+mask's structure as for any such block mask (a window's band, causal's diagonal).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..mods.mod import mask_mod
+from .build import create_block_mask
 from .layout import EMPTY, FULL, PARTIAL, BlockMask
 
 
@@ -33,9 +35,14 @@ def at_block_size(block_mask: BlockMask, block_size: tuple) -> BlockMask:
     kept = block_mask.__dict__.get("_at_block_size")
     if kept is not None and kept[0] == block_size and kept[1] is fine_mask:
         return kept[2]
-    states = block_mask.block_states()
-    coarse = BlockMask(_coarse_states(states, block_mask.BLOCK_SIZE, block_size, block_mask.seq_lengths),
-                       block_mask.seq_lengths, block_size, _tile_mask(states, block_mask.BLOCK_SIZE, fine_mask))
+    if block_mask.from_mask:
+        batch, heads = block_mask.shape[:2]
+        coarse = create_block_mask(fine_mask, batch, heads, *block_mask.seq_lengths, BLOCK_SIZE=block_size,
+                                   device=None if block_mask.device == "cpu" else block_mask.device)
+    else:
+        states = block_mask.block_states()
+        coarse = BlockMask(_coarse_states(states, block_mask.BLOCK_SIZE, block_size, block_mask.seq_lengths),
+                           block_mask.seq_lengths, block_size, _tile_mask(states, block_mask.BLOCK_SIZE, fine_mask))
     block_mask.__dict__["_at_block_size"] = (block_size, fine_mask, coarse)
     return coarse
 

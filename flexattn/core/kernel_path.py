@@ -282,13 +282,12 @@ def _block_structure(spec: AttentionSpec, shape: AttentionShape) -> BlockStructu
     causal = False
     # A block mask made from its mask alone adds nothing to it: the mask decides.
     mask_alone = block_mask is None or block_mask.from_mask
-    if block_mask is not None and block_mask.from_mask and (
-            is_causal(block_mask.mask_mod) or block_mask.BLOCK_SIZE != (128, TILE_N)):
-        # (at another BLOCK_SIZE: the kernels' own is built from the mask, as for mask=)
-        mask, block_mask = block_mask.mask_mod, None
-    elif block_mask is not None and block_mask.BLOCK_SIZE != (128, TILE_N):
-        # Lists at another BLOCK_SIZE keep their meaning on the kernels' tiles (blockmask/coarsen.py).
+    if block_mask is not None and block_mask.BLOCK_SIZE != (128, TILE_N):
+        # At another BLOCK_SIZE: built anew from its mask, or its lists read on the kernels'
+        # tiles with their meaning kept (blockmask/coarsen.py); once per block mask.
         block_mask = at_block_size(block_mask, (128, TILE_N))
+    if block_mask is not None and block_mask.from_mask and is_causal(block_mask.mask_mod):
+        mask, block_mask = block_mask.mask_mod, None
     if block_mask is None and is_causal(mask):
         causal, mask = True, None  # the kernel's own diagonal mask
     elif block_mask is None and not _is_full(mask):
