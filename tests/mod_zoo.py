@@ -42,6 +42,16 @@ def _divide_by_constants(s, b, h, q, kv):
     return s / 30.0 + s / 0.125 + ((q - kv) // 16).float() / 7.0 + (q // 5 % 7).float() - ((q - kv) % 3).float()
 
 
+def _rewritten_torch_functions(s, b, h, q, kv):
+    """torch functions the tracer writes with the IR's own ops (trunc division, fmod,
+    isnan / isinf / isfinite, log1p, expm1, logaddexp, new_tensor)."""
+    d = q - kv
+    x = torch.logaddexp(s * 0.5, d * 0.1) + torch.log1p(d.abs() * 0.25) - torch.expm1(-(s * s) * 0.1)
+    x = x + torch.div(d, 3, rounding_mode="trunc") * 0.1 + torch.fmod(d, 5) * 0.2 + torch.fmod(s, 0.5)
+    x = torch.where(torch.isnan(s / d) | torch.isinf(1.0 / d) | ~torch.isfinite(x), s, x)
+    return x * s.new_tensor(0.5)
+
+
 def zoo(rng, S):
     ids = np.sort(rng.integers(0, 4, size=S)).astype(np.int64)
     table = torch.from_numpy(rng.standard_normal((4, 2 * 5 + 1)).astype(np.float32))
@@ -65,6 +75,8 @@ def zoo(rng, S):
         "bias_bf16": (mods.bias(bias), None),
         "every_float_op": (mods.score_mod(_every_float_op), None),
         "divmod_constants": (mods.score_mod(_divide_by_constants), mods.mask_mod(_divmod_constants)),
+        "rewritten_torch_functions": (mods.score_mod(_rewritten_torch_functions),
+                                      mods.mask_mod(lambda b, h, q, kv: torch.fmod(q - kv, 7) != 3)),
         "combo": (mods.alibi(slopes) >> mods.softcap(20.0),
                   (mods.causal() & mods.sliding_window(S // 3)) | ~mods.document(ids)),
     }

@@ -108,6 +108,16 @@ def _cases():
         return score_mod(f), f, [w]
     cases["buffer_read_twice"] = read_twice
 
+    # torch functions the tracer writes with the IR's own ops (trace.py): the derivative
+    # pass sees only those ops
+    def rewritten():
+        w, c = leaf(rng, H), leaf(rng, KVL)
+        f = lambda s, b, h, q, kv: (torch.logaddexp(s, c[kv] * w[h]) + torch.log1p(s * s)  # noqa: E731
+                                    - torch.expm1(-w[h] ** 2) + torch.fmod(s * 3.0, 1.3 + w[h] ** 2)
+                                    + torch.trunc(s) * w[h])
+        return score_mod(f), f, [w, c]
+    cases["logaddexp_log1p_expm1_fmod_trunc"] = rewritten
+
     def tanh_sigmoid():
         w, w2 = leaf(rng, H), leaf(rng, QL)
         f = lambda s, b, h, q, kv: torch.tanh(s) * w[h] + torch.sigmoid(s * w2[q])  # noqa: E731

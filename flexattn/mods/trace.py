@@ -433,7 +433,67 @@ def _divide(a, b, rounding_mode=None):
         return _binary("truediv")(a, b)
     if rounding_mode == "floor":
         return _binary("floordiv")(a, b)
-    raise TraceError("division with rounding_mode='trunc' is not supported; use floor division")
+    if rounding_mode == "trunc":
+        return _trunc_divide(a, b)
+    raise TraceError(f"division with rounding_mode={rounding_mode!r}: torch takes None, 'floor' or 'trunc'")
+
+
+# torch functions written with the IR's own ops (each traced like the user had written it):
+# no new node kinds, so the kernels, the interval analysis and the derivatives take them
+# as they are.
+
+def _is_float(x) -> bool:
+    return _to_node(x).dtype == ir.FLOAT
+
+
+def _trunc(x):
+    """torch.trunc / fix: toward zero (integers are whole already)."""
+    return _where(_binary("lt")(x, 0), OPERATIONS["ceil"](x), _floor(x)) if _is_float(x) else x
+
+
+def _trunc_divide(a, b):
+    """div(rounding_mode="trunc"): integers exactly (floor division, plus one where the
+    signs differ and a remainder is left); floats as the true quotient truncated."""
+    if _is_float(a) or _is_float(b):
+        return _trunc(_binary("truediv")(a, b))
+    quotient, remainder = _binary("floordiv")(a, b), _binary("mod")(a, b)
+    signs_differ = _binary("ne")(_binary("lt")(a, 0), _binary("lt")(b, 0))
+    return _where(_binary("and")(_binary("ne")(remainder, 0), signs_differ), _binary("add")(quotient, 1), quotient)
+
+
+def _fmod(a, b):
+    """torch.fmod: the remainder with the dividend's sign, a - b * trunc(a / b) (integers
+    exactly; floats within the rounding of that product)."""
+    return _binary("sub")(a, _binary("mul")(b, _trunc_divide(a, b)))
+
+
+def _isnan(x):
+    # (!= is unordered on the GPU too: NaN != NaN, as in Python)
+    return _binary("ne")(x, x) if _is_float(x) else Sym(ir.const(False))
+
+
+def _isinf(x):
+    return _binary("eq")(_unary("abs")(x), float("inf")) if _is_float(x) else Sym(ir.const(False))
+
+
+def _isfinite(x):
+    if not _is_float(x):
+        return Sym(ir.const(True))
+    return _binary("and")(_binary("eq")(x, x), _binary("ne")(_unary("abs")(x), float("inf")))
+
+
+def _new_tensor(x, data, dtype=None, **_):
+    """``x.new_tensor(value)``: a constant (a scalar: mods compute one element)."""
+    if isinstance(data, (list, tuple)) or (is_array(data) and len(np.shape(data)) > 0):
+        raise TraceError("new_tensor of a sequence in a mod: a mod computes one element; use a scalar")
+    return _new_full(x, (), np.asarray(data).item() if is_array(data) else data, dtype=dtype)
+
+
+def _logaddexp(a, b):
+    """log(exp(a) + exp(b)) as max + log(1 + exp(-|a - b|)); where the max is infinite, the max."""
+    top = _binary("maximum")(a, b)
+    rest = _unary("log")(_binary("add")(1.0, _unary("exp")(_unary("neg")(_unary("abs")(_binary("sub")(a, b))))))
+    return _where(_isinf(top), top, _binary("add")(top, rest))
 
 
 def _full_like(x, fill_value, **_):
@@ -527,6 +587,14 @@ OPERATIONS: dict[str, Callable] = {
     "astype": lambda x, dtype, **_: _cast_to(dtype)(x),
     "full_like": _full_like, "zeros_like": _like(0), "ones_like": _like(1),
     "new_full": _new_full, "new_ones": _new_constant(1), "new_zeros": _new_constant(0),
+    "new_tensor": _new_tensor,
+    "trunc": _trunc, "fix": _trunc, "fmod": _fmod,
+    "isnan": _isnan, "isinf": _isinf, "isfinite": _isfinite,
+    # log1p / expm1 as log(1 + x) / exp(x) - 1: within float32's rounding of 1 + x (absolute
+    # error ~6e-8 near 0, where torch's are exact: no matter beside a score)
+    "log1p": lambda x: _unary("log")(_binary("add")(1.0, x)),
+    "expm1": lambda x: _binary("sub")(_unary("exp")(x), 1.0),
+    "logaddexp": _logaddexp,
     # (reductions of vector reads are added at the end: mods/vectors.py)
 }
 
@@ -659,7 +727,8 @@ _PROXY_METHODS = (
     "clamp", "clip", "float", "double", "half", "bfloat16", "int", "long", "bool", "to",
     "type", "astype", "floor", "ceil", "sign", "square", "minimum", "maximum", "pow",
     "logical_not", "logical_and", "logical_or", "logical_xor", "remainder", "div",
-    "new_full", "new_ones", "new_zeros", "sum", "mean", "dot", "inner", "matmul", "__matmul__", "__rmatmul__",
+    "new_full", "new_ones", "new_zeros", "new_tensor", "trunc", "fix", "fmod", "isnan", "isinf", "isfinite",
+    "log1p", "expm1", "logaddexp", "sum", "mean", "dot", "inner", "matmul", "__matmul__", "__rmatmul__",
 )
 
 
