@@ -118,6 +118,12 @@ def _cases():
         return score_mod(f), f, [w, c]
     cases["logaddexp_log1p_expm1_fmod_trunc"] = rewritten
 
+    def periodic():
+        freq = leaf(rng, H)
+        f = lambda s, b, h, q, kv: s * torch.cos(s * 0.3) + torch.sin(freq[h] * (q - kv))  # noqa: E731
+        return score_mod(f), f, [freq]
+    cases["sin_cos"] = periodic
+
     def tanh_sigmoid():
         w, w2 = leaf(rng, H), leaf(rng, QL)
         f = lambda s, b, h, q, kv: torch.tanh(s) * w[h] + torch.sigmoid(s * w2[q])  # noqa: E731

@@ -128,7 +128,7 @@ class Gen:
         if d == 0 or r.random() < 0.2:
             return ir.cast(self.int(0), ir.FLOAT) if r.random() < 0.7 else ir.const(float(r.normal()))
         op = self.choice(["cast", "truediv", "mul", "add", "exp", "tanh", "sigmoid", "sqrt", "log", "rsqrt",
-                          "exp2", "log2", "load", "minimum", "where", "floordiv", "mod"])
+                          "exp2", "log2", "load", "minimum", "where", "floordiv", "mod", "sin", "cos"])
         if op == "cast":
             return ir.cast(self.int(d - 1), ir.FLOAT)
         if op in ("truediv", "mul", "add", "minimum", "floordiv", "mod"):
@@ -138,6 +138,8 @@ class Gen:
             return ir.unary(op, ir.binary("truediv", self.float(d - 1), 8.0))
         if op in ("sqrt", "log", "rsqrt", "log2", "tanh", "sigmoid"):
             return ir.unary(op, self.float(d - 1))
+        if op in ("sin", "cos"):   # narrow and wide arguments: endpoints, one extremum, many periods
+            return ir.unary(op, ir.binary("mul", self.float(d - 1), float(self.choice([0.05, 0.3, 1.0, 7.0]))))
         if op == "load":
             return ir.load(self.refs[2], (self.index(d - 1),))
         return ir.where(self.bool(d - 1), self.float(d - 1), self.float(d - 1))
@@ -414,3 +416,26 @@ def test_masks_that_are_nan_somewhere_are_sound(case):
     values = check_sound(node, captures, rng, n_boxes=200)
     # the NaNs are real: the mask is not all true (!=: NaN != 1 is true everywhere)
     assert np.all(values) if node.op == "ne" else not np.all(values)
+
+
+@pytest.mark.parametrize("op", ["sin", "cos"])
+def test_sin_cos_bounds_hold_every_value_and_tighten_between_extrema(op):
+    """Bounds of sin / cos over random ranges (inside one monotone stretch, across one or
+    two extrema, over many periods, far from 0): every sampled value inside them; a range
+    without an extremum gets its endpoints' values (up to the GPU's rounding slack)."""
+    from flexattn.mods.intervals import bounds
+
+    rng = np.random.default_rng(7)
+    f = {"sin": np.sin, "cos": np.cos}[op]
+    tight = 0
+    for _ in range(3000):
+        lo = float(rng.choice([rng.uniform(-8, 8), rng.uniform(-1e4, 1e4)]))
+        hi = lo + float(rng.choice([rng.uniform(0, 0.5), rng.uniform(0, 4), rng.uniform(0, 30)]))
+        iv = bounds(ir.unary(op, ir.var("score")), {"score": (lo, hi)})
+        xs = np.concatenate([[lo, hi], rng.uniform(lo, hi, 200)])
+        assert iv.lo <= f(xs).min() + 1e-12 and f(xs).max() - 1e-12 <= iv.hi, (lo, hi, iv.lo, iv.hi)
+        assert not iv.nan
+        tight += bool(iv.hi - iv.lo < 1.0)
+    assert tight > 300   # not vacuous
+    unbounded = bounds(ir.unary(op, ir.var("score")), {"score": (0.0, np.inf)})
+    assert unbounded.lo == -1.0 and unbounded.hi == 1.0 and unbounded.nan

@@ -88,6 +88,10 @@ def _local_grads(n: ir.Node, g: ir.Node):
         return [(args[0], ir.binary("truediv", g, args[0]))]
     if op == "log2":
         return [(args[0], ir.binary("truediv", g, _mul(args[0], _LN2)))]
+    if op == "sin":
+        return [(args[0], _mul(g, ir.unary("cos", args[0])))]
+    if op == "cos":
+        return [(args[0], ir.unary("neg", _mul(g, ir.unary("sin", args[0]))))]
     if op == "tanh":
         return [(args[0], _mul(g, ir.binary("sub", 1.0, _mul(n, n))))]
     if op == "sigmoid":

@@ -27,6 +27,7 @@ _UNARY = {
     "sqrt": np.sqrt, "neg": np.negative, "abs": np.abs,
     "sigmoid": lambda x: 0.5 * (1.0 + np.tanh(0.5 * x)),  # overflow-free form
     "rsqrt": lambda x: 1.0 / np.sqrt(x),
+    "sin": np.sin, "cos": np.cos,
 }
 
 

@@ -29,6 +29,7 @@ _INC = {
     "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "tanh": np.tanh,
     "sqrt": np.sqrt, "sigmoid": lambda x: 0.5 * (1.0 + np.tanh(0.5 * x)),
 }
+_INC_SIN_COS = {"sin": np.sin, "cos": np.cos}
 _INF = np.inf
 # Above this many table entries a buffer is bounded by its global min/max instead.
 _MAX_TABLE_ENTRIES = 1 << 25
@@ -97,6 +98,8 @@ def _may_be_nan(n: ir.Node, args, iv: Interval):
         return inherited | ~_excludes_zero(b) | _unbounded(a) | _unbounded(b)
     if op in ("log", "log2", "sqrt", "rsqrt"):
         return inherited | (args[0].lo < 0)
+    if op in ("sin", "cos"):
+        return inherited | _unbounded(args[0])     # sin(±inf) is NaN
     return inherited       # neg, abs, minimum, maximum (NaN propagates), exp, tanh, ...
 
 
@@ -193,6 +196,9 @@ def _bound(n: ir.Node, args, ranges, values, tables) -> Interval:
     if op == "rsqrt":
         a = args[0]
         return _safe(1.0 / np.sqrt(a.hi), 1.0 / np.sqrt(a.lo))
+    if op in ("sin", "cos"):
+        # [-1, 1]; tighter where the range holds no extremum (between the endpoints' values)
+        return _periodic(_INC_SIN_COS[op], args[0])
     if op in ir.COMPARE:
         return _compare(op, *args)
     if op == "not":
@@ -226,14 +232,38 @@ def _bound(n: ir.Node, args, ranges, values, tables) -> Interval:
     raise NotImplementedError(f"interval bounds of op {op!r}")
 
 
+def _periodic(f, a: Interval) -> Interval:
+    """Bounds of sin / cos over [lo, hi]: the endpoints' values, widened to ±1 where an
+    extremum (sin: π/2 + kπ; cos: kπ) lies inside; [-1, 1] for ranges of a period or more,
+    unbounded ones and where float32 evaluation could disagree (|x| > 2^20)."""
+    shift = 0.5 * np.pi if f is np.sin else 0.0     # extrema of f at shift + k * pi
+    lo, hi = np.broadcast_arrays(a.lo, a.hi)
+    wide = ~((hi - lo) < 2 * np.pi) | (np.abs(lo) > 2.0 ** 20) | (np.abs(hi) > 2.0 ** 20)
+    with np.errstate(invalid="ignore"):
+        first = np.ceil((lo - shift) / np.pi)            # the first extremum index at or above lo
+        inside = np.where(wide, True, shift + first * np.pi <= hi)
+        ends_lo, ends_hi = np.minimum(f(lo), f(hi)), np.maximum(f(lo), f(hi))
+        # an extremum inside: a maximum (f = 1) where its index is even for sin / cos at kπ
+        # with k even; a minimum otherwise; a range of more than pi holds both
+        two = np.where(wide, True, shift + (first + 1) * np.pi <= hi)
+        is_max = np.where(np.isfinite(first), np.mod(first, 2) == 0, True)
+    out_lo = np.where(wide | two | (inside & ~is_max), -1.0, ends_lo)
+    out_hi = np.where(wide | two | (inside & is_max), 1.0, ends_hi)
+    # a little slack: float32 evaluation on the GPU rounds differently near the endpoints
+    return Interval(np.maximum(out_lo - 1e-6, -1.0), np.minimum(out_hi + 1e-6, 1.0))
+
+
 def _cast(a: Interval, src: str, dst: str) -> Interval:
     if dst == ir.BOOL:  # nonzero → true (NaN too)
         surely_true = (a.lo > 0) | (a.hi < 0)
         surely_false = (a.lo == 0) & (a.hi == 0) & ~a.nan
         return Interval(np.where(surely_true, 1.0, 0.0), np.where(surely_false, 0.0, 1.0))
     if dst == ir.INT and src == ir.FLOAT:
-        # trunc is monotone; a NaN converts to an arbitrary integer
-        return Interval(np.where(a.nan, -_INF, np.trunc(a.lo)), np.where(a.nan, _INF, np.trunc(a.hi)))
+        # trunc is monotone; a NaN converts to an arbitrary integer, and so does an infinity
+        # (numpy: INT64_MIN for either sign; the GPU saturates to the int32 range)
+        wild_lo = a.nan | (a.hi == _INF)
+        wild_hi = a.nan | np.isinf(a.hi)
+        return Interval(np.where(wild_lo, -_INF, np.trunc(a.lo)), np.where(wild_hi, _INF, np.trunc(a.hi)))
     return Interval(a.lo, a.hi, a.nan)
 
 

@@ -12,7 +12,7 @@ from .trace import OPERATIONS, CapturedArray, Sym, active_context
 
 __all__ = [
     "where", "abs", "minimum", "maximum", "clamp", "exp", "exp2", "log", "log2", "tanh",
-    "sigmoid", "sqrt", "rsqrt", "floor", "sign", "cast", "load",
+    "sigmoid", "sqrt", "rsqrt", "sin", "cos", "floor", "sign", "cast", "load",
 ]
 
 
@@ -44,6 +44,8 @@ tanh = _op("tanh", np.tanh)
 sigmoid = _op("sigmoid", lambda x: 0.5 * (1.0 + np.tanh(0.5 * np.asarray(x, dtype=np.float64))))
 sqrt = _op("sqrt", np.sqrt)
 rsqrt = _op("rsqrt", lambda x: 1.0 / np.sqrt(x))
+sin = _op("sin", np.sin)
+cos = _op("cos", np.cos)
 floor = _op("floor", np.floor)
 sign = _op("sign", np.sign)
 

@@ -723,7 +723,7 @@ _PROXY_METHODS = (
     "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__and__", "__rand__",
     "__or__", "__ror__", "__xor__", "__rxor__", "__invert__", "__neg__", "__pos__", "__abs__",
     "__lshift__", "__rlshift__", "__rshift__", "__rrshift__", "bitwise_left_shift", "bitwise_right_shift",
-    "abs", "exp", "exp2", "log", "log2", "tanh", "sigmoid", "sqrt", "rsqrt", "neg",
+    "abs", "exp", "exp2", "log", "log2", "tanh", "sigmoid", "sqrt", "rsqrt", "sin", "cos", "neg",
     "clamp", "clip", "float", "double", "half", "bfloat16", "int", "long", "bool", "to",
     "type", "astype", "floor", "ceil", "sign", "square", "minimum", "maximum", "pow",
     "logical_not", "logical_and", "logical_or", "logical_xor", "remainder", "div",

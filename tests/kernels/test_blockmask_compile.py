@@ -27,6 +27,11 @@ MASKS = {
     "causal_window": (mods.causal() & mods.sliding_window(256), (128, 128), False),
     "document_offsets": (mods.document_from_offsets(np.array([0, 100, 300])), (64, 128), True),
     "prefix_lm_batch": (mods.prefix_lm(np.array([3, 70], dtype=np.int32)), (128, 128), False),
+    # periodic functions (bounds unknown on the GPU: every tile evaluated) and a float -> int
+    # cast of a value that may be infinite (its bounds then unknown too)
+    "periodic_and_casts": (mods.mask_mod(lambda b, h, q, kv: (mods.ops.sin((q - kv) * 0.1) > 0.5)
+                                         | (mods.ops.cast(mods.ops.log(mods.ops.cast(q, "float32")), "int32") > 3)),
+                           (128, 128), False),
 }
 
 

@@ -239,9 +239,11 @@ def _cast(x, not_nan, src: str, dst: str):
     if dst == ir.BOOL:  # nonzero → true (NaN too)
         return _bool_iv((lo > 0.0) | (hi < 0.0), (lo == 0.0) & (hi == 0.0) & not_nan)
     if dst == ir.INT and src == ir.FLOAT:
-        # trunc is monotone; floor/ceil bracket it and keep ±inf as they are; a NaN
-        # converts to an arbitrary integer
-        return _sel(not_nan, _floor(lo), -_INF), _sel(not_nan, Float64(cute.math.ceil(hi)), _INF)
+        # trunc is monotone; floor/ceil bracket it; a NaN converts to an arbitrary integer,
+        # and so does an infinity (saturated to the int32 range here, INT64_MIN in numpy)
+        hi_finite = (hi < _INF) & (hi > -_INF)
+        return (_sel(not_nan & (hi < _INF), _floor(lo), -_INF),
+                _sel(not_nan & hi_finite, Float64(cute.math.ceil(hi)), _INF))
     return lo, hi
 
 

@@ -104,6 +104,9 @@ _UNARY_MATH = {
     "tanh": lambda x, fast: cute.math.tanh(x, fastmath=fast),
     "sqrt": lambda x, fast: cute.math.sqrt(x),
     "rsqrt": lambda x, fast: cute.math.rsqrt(x),
+    # sin / cos: the accurate forms (range reduction), not sin.approx's absolute ~2^-20.9 near 0 only
+    "sin": lambda x, fast: cute.math.sin(x),
+    "cos": lambda x, fast: cute.math.cos(x),
     "sigmoid": lambda x, fast: Float32(0.5) * (Float32(1.0) + cute.math.tanh(Float32(0.5) * x, fastmath=fast)),
 }
 
