@@ -638,8 +638,39 @@ def test_functions_defined_inside_under_dynamic_shapes_and_mixed_with_outside_te
         return fa.flex_attention(q, k, v, score_mod=alibi, mask=lambda b, h, qi, ki: docs[qi] == docs[ki])
 
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="define that one inside the compiled code too"):
+    with pytest.raises(Exception, match="write that one as a function"):
         torch.compile(mixed, backend="inductor", fullgraph=True)(q, k, v, _DOCS)
+
+
+def test_functions_reading_outside_tensors_beside_a_block_mask_built_inside():
+    """torch's create_block_mask inside the compiled step beside a score function reading a
+    trainable tensor made outside (a global, or a closure defined outside): both through
+    torch's HOP, dynamo lifting the tensor; equal to eager with gradients (the tensor's
+    too), no recompile for new document ids. (A mod value such as alibi(slopes) there is
+    still a clear error: the test above.)"""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    bias = torch.randn(S, dtype=torch.float64, requires_grad=True)
+
+    def outside(s, b, h, qi, ki):   # defined outside the compiled code, reading a tensor
+        return s + bias[qi] * 0.5
+
+    def step(q, k, v, docs, inner):
+        bm = torch_create_block_mask(lambda b, h, qi, ki: docs[qi] == docs[ki], None, None, S, S, device="cpu",
+                                     BLOCK_SIZE=16)
+        score = (lambda s, b, h, qi, ki: s - bias[ki] * torch.sin(bias[qi])) if inner else outside
+        return fa.flex_attention(q, k, v, score_mod=score, block_mask=bm).square().sum()
+
+    q, k, v = _qkv(12)
+    for inner in (True, False):
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("inductor")
+        compiled = torch.compile(lambda q, k, v, docs: step(q, k, v, docs, inner), backend=counter, fullgraph=True)
+        for width in (11, 5):
+            docs = (torch.arange(S) // width).to(torch.int32)
+            _assert_same_as_eager(compiled, lambda q, k, v, docs: step(q, k, v, docs, inner), (q, k, v, docs),
+                                  (q, k, v, bias))
+        assert counter.frame_count == 1
 
 
 def test_max_scores_with_a_score_function_defined_inside():

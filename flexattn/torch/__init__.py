@@ -596,14 +596,19 @@ def _compiled_route(query, key, value, call, want_max: bool):
             raise ValueError("pass either mask= or block_mask= (a block mask carries its own mask_mod)")
         score_rest, mask_rest = (None if nested_score else the_score), (None if nested_mask else mask)
         _guard_numbers(score_rest, mask_rest)
-        base_id, sources, mask_sources = _prepare_for_compile(
-            by_id(score_rest), None if graph_lists else _block_mask_token(block_mask), scale, enable_gqa,
-            by_id(mask_rest), None)
+        block_token = None if graph_lists else _block_mask_token(block_mask)
+        base_id, sources, mask_sources = _prepare_for_compile(by_id(score_rest), block_token, scale, enable_gqa,
+                                                              by_id(mask_rest), None)
         if sources or mask_sources or _score_tensors(score_rest):
-            raise TypeError("under torch.compile, a score or mask= function defined inside the compiled code over"
-                            " tensors (or a torch block mask built there) cannot be combined with a score or mask"
-                            " made outside that reads tensors (a function or a mod value such as alibi(slopes)):"
-                            " define that one inside the compiled code too")
+            rest = [f for f in (score_rest, mask_rest) if f is not None]
+            if not all(inspect.isfunction(f) for f in rest):
+                raise TypeError("under torch.compile, a score or mask= function defined inside the compiled code"
+                                " over tensors (or a torch block mask built there) cannot be combined with a mod"
+                                " value that reads tensors (such as alibi(slopes)): write that one as a function")
+            # Plain functions reading tensors (globals, closures made outside) go through torch's
+            # HOP beside the nested ones: dynamo traces them there, their tensors lifted as graph inputs.
+            nested_score, nested_mask = nested_score or score_rest is not None, nested_mask or mask_rest is not None
+            base_id, _, _ = _prepare_for_compile(by_id(None), block_token, scale, enable_gqa, by_id(None), None)
         return flex_attention_route(query, key, value, the_score if nested_score else None,
                                     mask if nested_mask else None, base_id,
                                     query.shape[-1] ** -0.5 if scale is None else scale,

@@ -702,3 +702,37 @@ def test_compiled_torch_block_masks_built_inside_train_on_the_kernels():
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
     assert counter.frame_count == 1
+
+
+_OUTSIDE_BIAS = torch.randn(512, device="cuda", requires_grad=True) * 0.5 if torch.cuda.is_available() else None
+
+
+def test_compiled_block_masks_built_inside_beside_a_score_reading_an_outside_tensor():
+    """torch's create_block_mask inside the compiled step beside a score function reading a
+    trainable tensor made outside (a global): through torch's HOP, on the kernels; values
+    and gradients (the tensor's too) equal eager, one compilation."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    H, S = 4, 512
+    bias = _OUTSIDE_BIAS.detach().requires_grad_(True)
+
+    def step(q, k, v, docs):
+        bm = torch_create_block_mask(lambda b, h, qi, ki: (docs[qi] == docs[ki]) & (qi >= ki), None, None, S, S,
+                                     device="cuda")
+        return fa.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[qi] * torch.cos(bias[ki]),
+                                 block_mask=bm)
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    q, k, v = (torch.randn(2, H, S, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    for width in (100, 37):
+        docs = (torch.arange(S, device="cuda") // width).to(torch.int32)
+        got_out = compiled(q, k, v, docs)
+        got = torch.autograd.grad(got_out.float().square().sum(), (q, k, v, bias))
+        want_out = step(q, k, v, docs)
+        want = torch.autograd.grad(want_out.float().square().sum(), (q, k, v, bias))
+        torch.testing.assert_close(got_out, want_out, atol=2e-2, rtol=2e-2)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
+    assert counter.frame_count == 1
