@@ -704,7 +704,7 @@ def test_compiled_torch_block_masks_built_inside_train_on_the_kernels():
     assert counter.frame_count == 1
 
 
-_OUTSIDE_BIAS = torch.randn(512, device="cuda", requires_grad=True) * 0.5 if torch.cuda.is_available() else None
+_OUTSIDE_BIAS = (torch.randn(512, device="cuda") * 0.5).requires_grad_(True)   # read as a global below
 
 
 def test_compiled_block_masks_built_inside_beside_a_score_reading_an_outside_tensor():
@@ -715,13 +715,13 @@ def test_compiled_block_masks_built_inside_beside_a_score_reading_an_outside_ten
     from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
     H, S = 4, 512
-    bias = _OUTSIDE_BIAS.detach().requires_grad_(True)
+    bias = _OUTSIDE_BIAS
 
     def step(q, k, v, docs):
         bm = torch_create_block_mask(lambda b, h, qi, ki: (docs[qi] == docs[ki]) & (qi >= ki), None, None, S, S,
                                      device="cuda")
-        return fa.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[qi] * torch.cos(bias[ki]),
-                                 block_mask=bm)
+        return fa.flex_attention(q, k, v, block_mask=bm, score_mod=lambda s, b, h, qi, ki: (
+            s + _OUTSIDE_BIAS[qi] * torch.cos(_OUTSIDE_BIAS[ki])))
 
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(step, backend=counter, fullgraph=True)
