@@ -80,3 +80,23 @@ def test_a_block_mask_from_its_mask_alone_is_built_anew_from_the_mask():
     assert at_block_size(fine, (128, 128)) is coarse
     for b in range(2):
         np.testing.assert_array_equal(_elements(coarse, b, 0), _elements(fine, b, 0))
+
+
+@pytest.mark.parametrize("fine", [(64, 64), (32, 128), (256, 64), (512, 256), (16, 32)])
+def test_whole_number_ratios_take_array_operations_with_the_same_states(fine):
+    """The reshaping path (ratios 2, 4, 8, 1/2, ...) gives the tile-by-tile path's states,
+    and a 128k sequence at BLOCK_SIZE 64 (4M tiles) takes well under a second."""
+    import time
+
+    from flexattn.blockmask.coarsen import _coarse_states, _coarse_states_by_tile
+
+    rng = np.random.default_rng(fine[0] * 7 + fine[1])
+    for q_len, kv_len in ((1000, 777), (1024, 1024), (129, 3000)):
+        shape = (2, 3, -(-q_len // fine[0]), -(-kv_len // fine[1]))
+        states = rng.choice([EMPTY, PARTIAL, FULL], size=shape, p=[0.45, 0.1, 0.45]).astype(np.int8)
+        np.testing.assert_array_equal(_coarse_states(states, fine, (128, 128), (q_len, kv_len)),
+                                      _coarse_states_by_tile(states, fine, (128, 128), (q_len, kv_len)))
+    states = rng.choice([EMPTY, PARTIAL, FULL], size=(1, 1, 2048, 2048)).astype(np.int8)
+    start = time.perf_counter()
+    _coarse_states(states, (64, 64), (128, 128), (131072, 131072))
+    assert time.perf_counter() - start < 1.0

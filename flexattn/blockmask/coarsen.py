@@ -49,7 +49,30 @@ def at_block_size(block_mask: BlockMask, block_size: tuple) -> BlockMask:
 
 def _coarse_states(states: np.ndarray, fine: tuple, coarse: tuple, seq_lengths: tuple) -> np.ndarray:
     """[B, H, Q tiles, KV tiles] of the ``coarse`` tiles: FULL where every ``fine`` tile
-    they overlap is FULL, EMPTY where every one is EMPTY, else PARTIAL."""
+    they overlap is FULL, EMPTY where every one is EMPTY, else PARTIAL. Whole-number ratios
+    (64 -> 128, 256 -> 128) in array operations (a 128k sequence at 64 holds 4M tiles per
+    head); other sizes tile by tile."""
+    out = states
+    for axis, (f, c, length) in ((2, (fine[0], coarse[0], seq_lengths[0])), (3, (fine[1], coarse[1], seq_lengths[1]))):
+        n = -(-length // c)
+        if f % c == 0:       # each coarse tile inside one fine tile
+            out = np.take(out, np.minimum(np.arange(n) * c // f, out.shape[axis] - 1), axis=axis)
+        elif c % f == 0:     # each coarse tile over c / f fine ones: padded with neutral tiles
+            ratio = c // f
+            pad = [(0, 0)] * 4
+            pad[axis] = (0, n * ratio - out.shape[axis])
+            shape = out.shape[:axis] + (n, ratio) + out.shape[axis + 1:]
+            full = np.all(np.pad(out, pad, constant_values=FULL).reshape(shape) == FULL, axis=axis + 1)
+            empty = np.all(np.pad(out, pad, constant_values=EMPTY).reshape(shape) == EMPTY, axis=axis + 1)
+            # (a partial fine tile makes its coarse tile partial: neither all full nor all empty)
+            out = np.where(full, FULL, np.where(empty, EMPTY, PARTIAL)).astype(np.int8)
+        else:
+            return _coarse_states_by_tile(states, fine, coarse, seq_lengths)
+    return np.ascontiguousarray(out, dtype=np.int8)
+
+
+def _coarse_states_by_tile(states: np.ndarray, fine: tuple, coarse: tuple, seq_lengths: tuple) -> np.ndarray:
+    """``_coarse_states`` tile by tile, for sizes of no whole-number ratio."""
     rows = _overlaps(seq_lengths[0], fine[0], coarse[0], states.shape[2])
     cols = _overlaps(seq_lengths[1], fine[1], coarse[1], states.shape[3])
     out = np.empty(states.shape[:2] + (len(rows), len(cols)), dtype=np.int8)
