@@ -100,3 +100,21 @@ def test_whole_number_ratios_take_array_operations_with_the_same_states(fine):
     start = time.perf_counter()
     _coarse_states(states, (64, 64), (128, 128), (131072, 131072))
     assert time.perf_counter() - start < 1.0
+
+
+def test_a_copy_binding_the_same_captures_finds_the_coarse_block_mask_again():
+    """Call paths that copy a block mask to put this call's captures back (the registry
+    under torch.compile, JAX's templates) find the coarse one again while the tile states
+    and the captured values are the same objects; other captures make another."""
+    import copy
+
+    states = np.random.default_rng(3).choice([EMPTY, PARTIAL, FULL], size=(1, 2, 7, 7)).astype(np.int8)
+    ids = np.repeat(np.arange(4), 100).astype(np.int32)
+    bm = BlockMask(states, (400, 400), (64, 64), mods.document(ids))
+    coarse = at_block_size(bm, (128, 128))
+    again = copy.copy(bm)
+    again.mask_mod = mods.document(ids)         # the same structure and capture objects
+    assert at_block_size(again, (128, 128)) is coarse
+    other = copy.copy(bm)
+    other.mask_mod = mods.document(ids.copy())  # another capture: another coarse mask, its own table mask
+    assert at_block_size(other, (128, 128)) is not coarse

@@ -18,6 +18,8 @@ mask's structure as for any such block mask (a window's band, causal's diagonal)
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 
 from ..mods.mod import mask_mod
@@ -25,9 +27,18 @@ from .build import create_block_mask
 from .layout import EMPTY, FULL, PARTIAL, BlockMask
 
 
+# Coarse block masks by (the original's lists, block size, mask structure and
+# captures): a call path that copies a block mask to bind this call's captures (the
+# registry under torch.compile, JAX's templates) finds it again. Bounded; it holds what
+# its keys name alive, so their ids stay theirs.
+_KEPT: "collections.OrderedDict" = collections.OrderedDict()
+_KEPT_CAPACITY = 32
+
+
 def at_block_size(block_mask: BlockMask, block_size: tuple) -> BlockMask:
     """``block_mask`` at ``block_size`` (see the module's text); itself where it already
-    is. Made once per block mask and mask mod (kept on the block mask)."""
+    is. Made once per block mask and mask mod (kept on the block mask, and by what it is
+    made from)."""
     block_size = tuple(int(s) for s in block_size)
     if tuple(block_mask.BLOCK_SIZE) == block_size:
         return block_mask
@@ -35,6 +46,15 @@ def at_block_size(block_mask: BlockMask, block_size: tuple) -> BlockMask:
     kept = block_mask.__dict__.get("_at_block_size")
     if kept is not None and kept[0] == block_size and kept[1] is fine_mask:
         return kept[2]
+    # (its lists: made once per block mask, shared by its copies)
+    states_source = block_mask.__dict__.get("_lists")
+    key = (id(states_source), block_mask.from_mask, block_size, tuple(block_mask.BLOCK_SIZE),
+           fine_mask.structure_key, tuple(id(c) for c in fine_mask.captures))
+    hit = _KEPT.get(key)
+    if hit is not None:
+        _KEPT.move_to_end(key)
+        block_mask.__dict__["_at_block_size"] = (block_size, fine_mask, hit[0])
+        return hit[0]
     if block_mask.from_mask:
         batch, heads = block_mask.shape[:2]
         coarse = create_block_mask(fine_mask, batch, heads, *block_mask.seq_lengths, BLOCK_SIZE=block_size,
@@ -44,6 +64,9 @@ def at_block_size(block_mask: BlockMask, block_size: tuple) -> BlockMask:
         coarse = BlockMask(_coarse_states(states, block_mask.BLOCK_SIZE, block_size, block_mask.seq_lengths),
                            block_mask.seq_lengths, block_size, _tile_mask(states, block_mask.BLOCK_SIZE, fine_mask))
     block_mask.__dict__["_at_block_size"] = (block_size, fine_mask, coarse)
+    _KEPT[key] = (coarse, states_source, fine_mask.captures)
+    while len(_KEPT) > _KEPT_CAPACITY:
+        _KEPT.popitem(last=False)
     return coarse
 
 
