@@ -49,7 +49,7 @@ def _rewritten_torch_functions(s, b, h, q, kv):
     x = torch.logaddexp(s * 0.5, d * 0.1) + torch.log1p(d.abs() * 0.25) - torch.expm1(-(s * s) * 0.1)
     x = x + torch.div(d, 3, rounding_mode="trunc") * 0.1 + torch.fmod(d, 5) * 0.2 + torch.fmod(s, 0.5)
     x = torch.where(torch.isnan(s / d) | torch.isinf(1.0 / d) | ~torch.isfinite(x), s, x)
-    return x * s.new_tensor(0.5) + torch.sin(d * 0.37) * torch.cos(s)
+    return x * s.new_tensor(0.5) + torch.sin(d * 0.37) * torch.cos(s) + torch.erf(s * 0.3)
 
 
 def zoo(rng, S):

@@ -265,3 +265,22 @@ def test_finite_differences_for_builtins():
               - evaluate(mod.expr, {**env, "score": score - eps}, caps)) / (2 * eps)
         d = np.broadcast_to(evaluate(differentiate(mod.expr).d_score, env, caps), SHAPE)
         np.testing.assert_allclose(d, fd, rtol=1e-6, atol=1e-8)
+
+
+def test_erf_derivative_is_its_approximations():
+    """torch.erf traces as a rational approximation (|error| < 1.5e-7): its derivative is
+    the approximation's, within 2e-6 of 2 / sqrt(pi) exp(-x^2) over [-6, 6]."""
+    w = torch.tensor([0.7, -1.3, 2.0], dtype=torch.float64, requires_grad=True)
+
+    def f(s, b, h, q, kv):
+        return torch.erf(s * w[h]) + torch.erfc(s)
+
+    mod = score_mod(f)
+    rng = np.random.default_rng(5)
+    score = rng.uniform(-6, 6, size=SHAPE)
+    dS = rng.normal(size=SHAPE)
+    d_score, grads, _ = symbolic_grads(mod, score, dS)
+    t_score, t_grads = autograd(f, score, dS, [w])
+    np.testing.assert_allclose(d_score, t_score, atol=2e-6 * np.abs(dS).max() * 4)
+    np.testing.assert_allclose(grads[[i for i, c in enumerate(mod.captures) if c is w][0]], t_grads[0],
+                               atol=2e-6 * np.abs(dS * score).sum())

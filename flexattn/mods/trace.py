@@ -489,6 +489,24 @@ def _new_tensor(x, data, dtype=None, **_):
     return _new_full(x, (), np.asarray(data).item() if is_array(data) else data, dtype=dtype)
 
 
+# erf by Abramowitz & Stegun 7.1.26: |error| < 1.5e-7, float32's own rounding near 1
+_ERF_P = 0.3275911
+_ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
+
+
+def _erf(x):
+    """torch.erf as 1 - poly(t) exp(-x^2), t = 1 / (1 + p|x|), odd in x (|error| < 1.5e-7)."""
+    ax = _unary("abs")(x)
+    t = _binary("truediv")(1.0, _binary("add")(1.0, _binary("mul")(ax, _ERF_P)))
+    poly = _ERF_A[-1]
+    for a in reversed(_ERF_A[:-1]):
+        poly = _binary("add")(_binary("mul")(poly, t), a)
+    poly = _binary("mul")(poly, t)
+    tail = _binary("mul")(poly, _unary("exp")(_unary("neg")(_binary("mul")(ax, ax))))
+    magnitude = _binary("sub")(1.0, tail)
+    return _where(_binary("lt")(x, 0), _unary("neg")(magnitude), magnitude)
+
+
 def _logaddexp(a, b):
     """log(exp(a) + exp(b)) as max + log(1 + exp(-|a - b|)); where the max is infinite, the max."""
     top = _binary("maximum")(a, b)
@@ -595,6 +613,8 @@ OPERATIONS: dict[str, Callable] = {
     "log1p": lambda x: _unary("log")(_binary("add")(1.0, x)),
     "expm1": lambda x: _binary("sub")(_unary("exp")(x), 1.0),
     "logaddexp": _logaddexp,
+    "erf": _erf, "erfc": lambda x: _binary("sub")(1.0, _erf(x)),
+    "tan": lambda x: _binary("truediv")(_unary("sin")(x), _unary("cos")(x)),
     # (reductions of vector reads are added at the end: mods/vectors.py)
 }
 
@@ -728,7 +748,7 @@ _PROXY_METHODS = (
     "type", "astype", "floor", "ceil", "sign", "square", "minimum", "maximum", "pow",
     "logical_not", "logical_and", "logical_or", "logical_xor", "remainder", "div",
     "new_full", "new_ones", "new_zeros", "new_tensor", "trunc", "fix", "fmod", "isnan", "isinf", "isfinite",
-    "log1p", "expm1", "logaddexp", "sum", "mean", "dot", "inner", "matmul", "__matmul__", "__rmatmul__",
+    "log1p", "expm1", "logaddexp", "erf", "erfc", "tan", "sum", "mean", "dot", "inner", "matmul", "__matmul__", "__rmatmul__",
 )
 
 
