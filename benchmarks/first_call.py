@@ -9,7 +9,10 @@ mod variant, B4 S4096 H16 D128 bf16, without the on-disk kernel cache. The varia
 order rotates between repetitions, so no variant is always the first after the warm-up.
 Block masks are built before the timed call (as a caller builds them once). Each call
 is timed as wall time and as the process's CPU time (all threads): the device's host is
-shared, and its wall times moved by ~40% between minutes in one session.
+shared, and its wall times moved by ~40% between minutes in one session. "compiling": the
+seconds the call's new kernel runners spent compiling (trace, MLIR, ptxas, host object;
+``last_compile_seconds``); the rest of the wall time is the door's (planning, loading,
+the launch).
 
     python3 benchmarks/first_call.py [--reps 3] [--variants causal window1024 ...] [--out first_call.json]
 """
@@ -39,6 +42,11 @@ def child(order):
     torch.cuda.synchronize()
     doc = torch.arange(S, device="cuda") * 4 // S
     slopes = torch.exp2(-8.0 * torch.arange(1, H + 1, device="cuda") / H)
+    from flexattn.kernels.launch import cache
+
+    def compiles():   # runner -> (kernels compiled, seconds of its last compile)
+        return {id(r): (r.num_compiled, getattr(r, "last_compile_seconds", 0.0)) for r in cache._RUNNERS.values()}
+
     out = {}
     for name in order:
         kw = {"causal": lambda: {"mask": mods.causal()},
@@ -47,10 +55,14 @@ def child(order):
               "causal+softcap30": lambda: {"mask": mods.causal(), "score_mod": mods.softcap(30.0)},
               "causal+alibi": lambda: {"mask": mods.causal(), "score_mod": mods.alibi(slopes)}}[name]()
         torch.cuda.synchronize()
+        before = compiles()
         c0, t0 = time.process_time(), time.perf_counter()
         fa.flex_attention(q, k, v, **kw)
         torch.cuda.synchronize()
-        out[name] = (time.perf_counter() - t0, time.process_time() - c0)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        # the kernel compiles inside the call (trace, MLIR, ptxas, host object): the rest is the door's
+        compile_s = sum(s for key, (n, s) in compiles().items() if before.get(key, (0, 0.0))[0] < n)
+        out[name] = (wall, cpu, compile_s)
     print("FIRST_CALLS " + json.dumps(out), flush=True)
 
 
@@ -74,8 +86,8 @@ def main():
             print(res.stdout[-2000:], res.stderr[-4000:])
             raise SystemExit(f"repetition {rep} failed (rc {res.returncode})")
         got = json.loads(line[0].split(" ", 1)[1])
-        print(f"rep {rep} order {order}: " + ", ".join(f"{k} {t:.2f} ({c:.2f} cpu)" for k, (t, c) in got.items()),
-              flush=True)
+        print(f"rep {rep} order {order}: " + ", ".join(f"{k} {t:.2f} ({c:.2f} cpu, {s:.2f} compiling)"
+                                                        for k, (t, c, s) in got.items()), flush=True)
         for k, t in got.items():
             times[k].append(t)
     import torch
@@ -83,12 +95,14 @@ def main():
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"First call of a new mod (s), fresh process after one warm-up call, no disk cache, "
              f"{torch.cuda.get_device_name()}, {stamp}, {args.reps} processes:", "",
-             "| variant | wall median | wall min | wall max | process CPU median |", "|---|---|---|---|---|"]
+             "| variant | wall median | wall min | wall max | process CPU median | compiling median |",
+             "|---|---|---|---|---|---|"]
     for k, ts in times.items():
-        wall = [t for t, _ in ts]
-        cpu = [c for _, c in ts]
+        wall = [t for t, _, _ in ts]
+        cpu = [c for _, c, _ in ts]
+        comp = [s for _, _, s in ts]
         lines.append(f"| {k} | {statistics.median(wall):.2f} | {min(wall):.2f} | {max(wall):.2f} |"
-                     f" {statistics.median(cpu):.2f} |")
+                     f" {statistics.median(cpu):.2f} | {statistics.median(comp):.2f} |")
     print("\n".join(lines))
     if args.out:
         with open(args.out, "w") as f:
