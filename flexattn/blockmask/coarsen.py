@@ -28,24 +28,20 @@ from .layout import EMPTY, FULL, PARTIAL, BlockMask
 
 
 # Coarse block masks by (the original's lists, block size, mask structure and
-# captures): a call path that copies a block mask to bind this call's captures (the
-# registry under torch.compile, JAX's templates) finds it again. Bounded; it holds what
-# its keys name alive, so their ids stay theirs.
+# captures): a repeated call finds its block mask's again, and so does a call path that
+# copies a block mask to bind this call's captures (the registry under torch.compile,
+# JAX's templates). Bounded; it holds what its keys name alive, so their ids stay theirs.
 _KEPT: "collections.OrderedDict" = collections.OrderedDict()
 _KEPT_CAPACITY = 32
 
 
 def at_block_size(block_mask: BlockMask, block_size: tuple) -> BlockMask:
     """``block_mask`` at ``block_size`` (see the module's text); itself where it already
-    is. Made once per block mask and mask mod (kept on the block mask, and by what it is
-    made from)."""
+    is. Made once per block mask, mask structure and captures (``_KEPT``)."""
     block_size = tuple(int(s) for s in block_size)
     if tuple(block_mask.BLOCK_SIZE) == block_size:
         return block_mask
     fine_mask = block_mask.mask_mod
-    kept = block_mask.__dict__.get("_at_block_size")
-    if kept is not None and kept[0] == block_size and kept[1] is fine_mask:
-        return kept[2]
     # (its lists: made once per block mask, shared by its copies)
     states_source = block_mask.__dict__.get("_lists")
     key = (id(states_source), block_mask.from_mask, block_size, tuple(block_mask.BLOCK_SIZE),
@@ -53,7 +49,6 @@ def at_block_size(block_mask: BlockMask, block_size: tuple) -> BlockMask:
     hit = _KEPT.get(key)
     if hit is not None:
         _KEPT.move_to_end(key)
-        block_mask.__dict__["_at_block_size"] = (block_size, fine_mask, hit[0])
         return hit[0]
     if block_mask.from_mask:
         batch, heads = block_mask.shape[:2]
@@ -63,7 +58,6 @@ def at_block_size(block_mask: BlockMask, block_size: tuple) -> BlockMask:
         states = block_mask.block_states()
         coarse = BlockMask(_coarse_states(states, block_mask.BLOCK_SIZE, block_size, block_mask.seq_lengths),
                            block_mask.seq_lengths, block_size, _tile_mask(states, block_mask.BLOCK_SIZE, fine_mask))
-    block_mask.__dict__["_at_block_size"] = (block_size, fine_mask, coarse)
     _KEPT[key] = (coarse, states_source, fine_mask.captures)
     while len(_KEPT) > _KEPT_CAPACITY:
         _KEPT.popitem(last=False)
@@ -133,4 +127,4 @@ def _tile_mask(states: np.ndarray, fine: tuple, fine_mask):
             return state != EMPTY
         return (state == FULL) | ((state == PARTIAL) & fine_mask(b, h, q_idx, kv_idx))
 
-    return mask_mod(listed, name=f"{fine_mask.name}@{q_block}x{kv_block}")
+    return mask_mod(listed, name=f"{fine_mask.name or 'mask'}@{q_block}x{kv_block}")

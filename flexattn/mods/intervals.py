@@ -29,7 +29,7 @@ _INC = {
     "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "tanh": np.tanh,
     "sqrt": np.sqrt, "sigmoid": lambda x: 0.5 * (1.0 + np.tanh(0.5 * x)),
 }
-_INC_SIN_COS = {"sin": np.sin, "cos": np.cos}
+_PERIODIC = {"sin": np.sin, "cos": np.cos}
 _INF = np.inf
 # Above this many table entries a buffer is bounded by its global min/max instead.
 _MAX_TABLE_ENTRIES = 1 << 25
@@ -196,9 +196,9 @@ def _bound(n: ir.Node, args, ranges, values, tables) -> Interval:
     if op == "rsqrt":
         a = args[0]
         return _safe(1.0 / np.sqrt(a.hi), 1.0 / np.sqrt(a.lo))
-    if op in ("sin", "cos"):
+    if op in _PERIODIC:
         # [-1, 1]; tighter where the range holds no extremum (between the endpoints' values)
-        return _periodic(_INC_SIN_COS[op], args[0])
+        return _periodic(_PERIODIC[op], args[0])
     if op in ir.COMPARE:
         return _compare(op, *args)
     if op == "not":

@@ -748,7 +748,8 @@ _PROXY_METHODS = (
     "type", "astype", "floor", "ceil", "sign", "square", "minimum", "maximum", "pow",
     "logical_not", "logical_and", "logical_or", "logical_xor", "remainder", "div",
     "new_full", "new_ones", "new_zeros", "new_tensor", "trunc", "fix", "fmod", "isnan", "isinf", "isfinite",
-    "log1p", "expm1", "logaddexp", "erf", "erfc", "tan", "sum", "mean", "dot", "inner", "matmul", "__matmul__", "__rmatmul__",
+    "log1p", "expm1", "logaddexp", "erf", "erfc", "tan",
+    "sum", "mean", "dot", "inner", "matmul", "__matmul__", "__rmatmul__",
 )
 
 

@@ -190,12 +190,12 @@ class ContextParallelPlan:
         for qi, gq in enumerate(mine):
             runs, start = [], None
             for ki, gk in enumerate(theirs):
-                full = self.verdicts[gq, gk] == verdict
-                if full and start is not None and joins(theirs, ki):
+                hit = self.verdicts[gq, gk] == verdict
+                if hit and start is not None and joins(theirs, ki):
                     continue
                 if start is not None:
                     runs.append((start, ki))
-                start = ki if full else None
+                start = ki if hit else None
             if start is not None:
                 runs.append((start, len(theirs)))
             rows.append(runs)
