@@ -11,9 +11,11 @@ aux)``); ``outputs`` runs one and lists its tensors.
 
 from __future__ import annotations
 
+import math
 import types
 
 import torch
+import torch.nn.functional as F
 
 B, H, S, D = 2, 4, 96, 32
 
@@ -182,6 +184,50 @@ def case_noop_mask_with_score(lib, device, dtype):
 
     bm = lib.create_block_mask(lib.noop_mask, None, None, S, S, device=device)
     return lambda: lib.flex_attention(q, k, v, score_mod=rel, block_mask=bm)
+
+
+def case_alibi_slopes_by_torch_pow(lib, device, dtype):
+    """ALiBi with its slopes computed inside the function from the traced head index."""
+    q, k, v = _qkv(device, dtype)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + torch.pow(2, -8.0 * (h + 1) / H) * (kv_idx - q_idx)
+
+    bm = lib.create_block_mask(causal, None, None, S, S, device=device)
+    return lambda: lib.flex_attention(q, k, v, score_mod=alibi, block_mask=bm)
+
+
+def case_t5_relative_buckets(lib, device, dtype):
+    """T5's bucketed relative positions (log-spaced beyond 8) indexing a learned table."""
+    q, k, v = _qkv(device, dtype)
+    table = (0.5 * torch.randn(H, 32, generator=torch.Generator().manual_seed(5), dtype=torch.float64)).to(device)
+
+    def t5_bias(score, b, h, q_idx, kv_idx):
+        relative = kv_idx - q_idx
+        buckets, max_distance = 16, 64
+        bucket = (relative > 0).to(torch.long) * buckets
+        distance = torch.abs(relative)
+        exact = buckets // 2
+        large = exact + (torch.log(distance.float() / exact) / math.log(max_distance / exact)
+                         * (buckets - exact)).to(torch.long)
+        large = torch.min(large, torch.full_like(large, buckets - 1))
+        return score + table[h, bucket + torch.where(distance < exact, distance, large)]
+
+    return lambda: lib.flex_attention(q, k, v, score_mod=t5_bias)
+
+
+def case_activation_score(lib, device, dtype):
+    """Scores through torch.nn.functional and inverse trigonometry, in a sliding window."""
+    q, k, v = _qkv(device, dtype)
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() <= 24
+
+    def squash(score, b, h, q_idx, kv_idx):
+        return F.gelu(score) + 0.5 * torch.atan(score) - F.softplus(-score, beta=2.0)
+
+    bm = lib.create_block_mask(window, None, None, S, S, device=device)
+    return lambda: lib.flex_attention(q, k, v, score_mod=squash, block_mask=bm)
 
 
 CASES = {name[5:]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}

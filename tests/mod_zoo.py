@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from flexattn import mods
 
@@ -52,6 +53,17 @@ def _rewritten_torch_functions(s, b, h, q, kv):
     return x * s.new_tensor(0.5) + torch.sin(d * 0.37) * torch.cos(s) + torch.erf(s * 0.3)
 
 
+def _composed_torch_functions(s, b, h, q, kv):
+    """mods/torch_functions.py's compositions: activations, inverse and hyperbolic
+    trigonometry, rounding, traced powers (ALiBi's 2 ** (-8 (h + 1) / H) through torch.pow)."""
+    d = (q - kv).float()
+    x = F.gelu(s) + torch.atan(d * 0.3) + torch.atan2(d, s) * 0.5 + F.softplus(s, beta=2.0) - F.silu(s * 0.5)
+    x = x + torch.asinh(d * 0.1) + torch.sinh(s * 0.25) - torch.cosh(s * 0.1) + torch.round(s) * 0.1
+    x = x + torch.pow(2.0, -8.0 * (h + 1) / 4) * d + torch.hypot(s, d * 0.1) * 0.1 + F.leaky_relu(s, 0.1)
+    # (acos away from +-1, round of the score itself: no float32 / float64 disagreement there)
+    return torch.where(torch.signbit(d), x, x + torch.acos(torch.tanh(s * 0.1) * 0.9) + torch.log10(d.abs() + 1.0))
+
+
 def zoo(rng, S):
     ids = np.sort(rng.integers(0, 4, size=S)).astype(np.int64)
     table = torch.from_numpy(rng.standard_normal((4, 2 * 5 + 1)).astype(np.float32))
@@ -77,6 +89,7 @@ def zoo(rng, S):
         "divmod_constants": (mods.score_mod(_divide_by_constants), mods.mask_mod(_divmod_constants)),
         "rewritten_torch_functions": (mods.score_mod(_rewritten_torch_functions),
                                       mods.mask_mod(lambda b, h, q, kv: torch.fmod(q - kv, 7) != 3)),
+        "composed_torch_functions": (mods.score_mod(_composed_torch_functions), None),
         "combo": (mods.alibi(slopes) >> mods.softcap(20.0),
                   (mods.causal() & mods.sliding_window(S // 3)) | ~mods.document(ids)),
     }

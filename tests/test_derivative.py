@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from flexattn.mods import alibi, bias, relative_bias, score_mod, softcap
 from flexattn.mods import ir
@@ -202,6 +203,16 @@ def _cases():
         f = lambda s, b, h, q, kv: s * w16[h]  # noqa: E731
         return score_mod(f), (lambda s, b, h, q, kv: s * w16.double()[h]), []
     cases["float16_buffer_no_grad_requested"] = float16_buffer
+
+    # torch_functions.py: closed forms, so their derivatives are exact up to rounding
+    def closed_form_functions():
+        w, c = leaf(rng, H), leaf(rng, KVL)
+        f = lambda s, b, h, q, kv: (torch.sinh(s / 4) * w[h] + torch.cosh(c[kv]) + F.softplus(s, beta=2.0)  # noqa: E731
+                                    + torch.pow(s.abs() + 0.5, w[h]) + torch.pow(2.0, s * c[kv]) + F.silu(s * w[h])
+                                    + torch.asinh(c[kv] * s) + F.elu(s) + F.mish(s) + torch.hypot(s, c[kv])
+                                    + torch.log10(s * s + 1) + torch.lerp(s, c[kv], 0.7) + (s.abs() + 1) ** 1.5)
+        return score_mod(f), f, [w, c]
+    cases["sinh_cosh_softplus_pow_silu_asinh_elu_mish_hypot"] = closed_form_functions
     return cases
 
 
@@ -265,6 +276,26 @@ def test_finite_differences_for_builtins():
               - evaluate(mod.expr, {**env, "score": score - eps}, caps)) / (2 * eps)
         d = np.broadcast_to(evaluate(differentiate(mod.expr).d_score, env, caps), SHAPE)
         np.testing.assert_allclose(d, fd, rtol=1e-6, atol=1e-8)
+
+
+def test_approximated_functions_train_close_to_the_exact_derivative():
+    """atan (and asin / acos / atan2 built on it) and gelu (on erf) trace as approximations:
+    their derivatives are the approximations', within ~1e-6 of the exact ones."""
+    w = torch.tensor([0.7, -1.3, 2.0], dtype=torch.float64, requires_grad=True)
+
+    def f(s, b, h, q, kv):
+        return (torch.atan(s * w[h]) + F.gelu(s) + torch.atan2(s, w[h]) + torch.asin(torch.tanh(s) * 0.9)
+                + torch.acos(torch.sigmoid(s * w[h])))
+
+    mod = score_mod(f)
+    rng = np.random.default_rng(6)
+    score = rng.uniform(-6, 6, size=SHAPE)
+    dS = rng.normal(size=SHAPE)
+    d_score, grads, _ = symbolic_grads(mod, score, dS)
+    t_score, t_grads = autograd(f, score, dS, [w])
+    np.testing.assert_allclose(d_score, t_score, atol=5e-6 * np.abs(dS).max())
+    np.testing.assert_allclose(grads[[i for i, c in enumerate(mod.captures) if c is w][0]], t_grads[0],
+                               rtol=1e-5, atol=5e-6 * np.abs(dS * score).sum())
 
 
 def test_erf_derivative_is_its_approximations():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from flexattn.mods import (
     causal, document, document_from_offsets, full, mask_mod, prefix_lm, sliding_window,
@@ -439,3 +440,25 @@ def test_sin_cos_bounds_hold_every_value_and_tighten_between_extrema(op):
     assert tight > 300   # not vacuous
     unbounded = bounds(ir.unary(op, ir.var("score")), {"score": (0.0, np.inf)})
     assert unbounded.lo == -1.0 and unbounded.hi == 1.0 and unbounded.nan
+
+
+# Masks through torch functions written with the IR's ops (mods/torch_functions.py): the
+# analysis sees only those ops, so its verdicts stay sound (NaN branches included).
+TORCH_FUNCTION_MASKS = {
+    "atan": lambda b, h, q, kv: torch.atan((q - kv).float() * 0.3) > 0.5,
+    "round": lambda b, h, q, kv: torch.round((q - kv) / 3.0) == 2,
+    "gelu": lambda b, h, q, kv: F.gelu((q - kv).float() * 0.5) < 1.0,
+    "number_to_traced_power": lambda b, h, q, kv: torch.pow(1.5, (kv - q).float()) > 0.5,
+    "atan2": lambda b, h, q, kv: torch.atan2((q % 7).float() - 3, (kv % 5).float() - 2) > 1.0,
+    "sinh_cosh": lambda b, h, q, kv: torch.sinh((q - kv).float() * 0.5) < torch.cosh(kv * 0.3),
+    "acosh_asinh": lambda b, h, q, kv: torch.acosh(q.float() - 2) > torch.asinh(kv.float() * 0.5),
+    "fractional_power_of_negatives": lambda b, h, q, kv: torch.pow((q - kv).float(), 1.5) > 3,
+    "softplus_hypot": lambda b, h, q, kv: F.softplus((q - kv).float()) < torch.hypot(q.float(), kv * 0.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_FUNCTION_MASKS))
+def test_masks_through_torch_functions_are_sound(name):
+    node = mask_mod(TORCH_FUNCTION_MASKS[name]).expr
+    values = check_sound(node, [], np.random.default_rng(11), n_boxes=200)
+    assert values.any() and not values.all(), name   # the mask is not trivial on the grid

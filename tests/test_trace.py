@@ -503,7 +503,7 @@ def _raises_at(fn, kind, *words):
 
 
 def test_unsupported_torch_function():
-    msg = _raises_at(lambda s, b, h, q, kv: torch.atan(s), "score", "atan", "torch.atan(s)")
+    msg = _raises_at(lambda s, b, h, q, kv: torch.lgamma(s), "score", "lgamma", "torch.lgamma(s)")
     assert "not supported" in msg
 
 
@@ -582,8 +582,8 @@ def test_return_type_errors_name_the_user_code_not_ours():
 @pytest.mark.parametrize(
     "fn, words",
     [
-        (lambda s, b, h, q, kv: torch.sin(s) + torch.atan(s), ["atan"]),
-        (lambda s, b, h, q, kv: np.sinh(s), ["numpy.sinh"]),
+        (lambda s, b, h, q, kv: torch.sin(s) + torch.lgamma(s), ["lgamma"]),
+        (lambda s, b, h, q, kv: np.spacing(s), ["numpy.spacing"]),
         (lambda s, b, h, q, kv: np.add.reduce(s), ["reduce"]),
         (lambda s, b, h, q, kv: s[0], ["indexing a traced scalar"]),
         (lambda s, b, h, q, kv: sum(x for x in s), ["iterating"]),
@@ -595,9 +595,6 @@ def test_return_type_errors_name_the_user_code_not_ours():
         (lambda s, b, h, q, kv: s + BIAS[h, q, kv], ["too many indices"]),
         (lambda s, b, h, q, kv: s + BIAS[h], ["index it"]),
         (lambda s, b, h, q, kv: s & q, ["&"]),
-        (lambda s, b, h, q, kv: s ** q, ["constant exponent"]),
-        (lambda s, b, h, q, kv: s ** 9, ["not supported"]),
-        (lambda s, b, h, q, kv: (-2) ** s, ["positive constant base"]),
         (lambda s, b, h, q, kv: torch.div(s, 2, rounding_mode="round"), ["rounding_mode='round'"]),
         (lambda s, b, h, q, kv: torch.sub(s, q, alpha=2), ["sub()"]),
         (lambda s, b, h, q, kv: torch.max(s), ["max"]),
@@ -665,7 +662,7 @@ def test_trace_is_reentrant_and_leaves_no_context():
     assert active_context() is None
     assert inner[0].expr == ir.binary("gt", ir.var("q"), ir.var("kv"))
     with pytest.raises(TraceError):
-        mask_mod(lambda b, h, q, kv: torch.atan(q) > 0)
+        mask_mod(lambda b, h, q, kv: torch.lgamma(q) > 0)
     assert active_context() is None
 
 

@@ -20,7 +20,6 @@ control flow is an error that names the user's line.
 from __future__ import annotations
 
 import inspect
-import math
 import os
 import sys
 import threading
@@ -355,30 +354,6 @@ def _unary(op):
     return _wrap_ir(lambda x: ir.unary(op, x))
 
 
-def _power(x, p):
-    p_node = _to_node(p)
-    if p_node.op != "const":  # a captured number: bake it, like Python control flow does
-        ctx = active_context()
-        value = ctx.concretize(p_node) if ctx is not None else None
-        if value is None:
-            raise TraceError("x ** y needs a constant exponent (use exp/log for a traced one)")
-        p_node = ir.const(value)
-    p = p_node.attr
-    if p_node.dtype == ir.FLOAT:  # int ** float is a float (torch, numpy)
-        x = _cast_to("float32")(x)
-    if p == 0.5:
-        return _unary("sqrt")(x)
-    if p == -0.5:
-        return _unary("rsqrt")(x)
-    if float(p).is_integer() and abs(p) <= 8:
-        n = int(abs(p))
-        result = Sym(ir.const(1.0)) if n == 0 else x
-        for _ in range(n - 1):
-            result = result * x
-        return _binary("truediv")(1.0, result) if p < 0 else result
-    raise TraceError(f"x ** {p!r} is not supported (integer exponents up to 8, 0.5, -0.5)")
-
-
 def _cast_to(dtype_like):
     name = str(dtype_like).replace("torch.", "")
     if "bool" in name:  # torch.bool, bool, np.bool_
@@ -428,90 +403,11 @@ def _min_max(op):
     return f
 
 
-def _divide(a, b, rounding_mode=None):
-    if rounding_mode is None:
-        return _binary("truediv")(a, b)
-    if rounding_mode == "floor":
-        return _binary("floordiv")(a, b)
-    if rounding_mode == "trunc":
-        return _trunc_divide(a, b)
-    raise TraceError(f"division with rounding_mode={rounding_mode!r}: torch takes None, 'floor' or 'trunc'")
-
-
-# torch functions written with the IR's own ops (each traced like the user had written it):
-# no new node kinds, so the kernels, the interval analysis and the derivatives take them
-# as they are.
-
-def _is_float(x) -> bool:
-    return _to_node(x).dtype == ir.FLOAT
-
-
-def _trunc(x):
-    """torch.trunc / fix: toward zero (integers are whole already)."""
-    return _where(_binary("lt")(x, 0), OPERATIONS["ceil"](x), _floor(x)) if _is_float(x) else x
-
-
-def _trunc_divide(a, b):
-    """div(rounding_mode="trunc"): integers exactly (floor division, plus one where the
-    signs differ and a remainder is left); floats as the true quotient truncated."""
-    if _is_float(a) or _is_float(b):
-        return _trunc(_binary("truediv")(a, b))
-    quotient, remainder = _binary("floordiv")(a, b), _binary("mod")(a, b)
-    signs_differ = _binary("ne")(_binary("lt")(a, 0), _binary("lt")(b, 0))
-    return _where(_binary("and")(_binary("ne")(remainder, 0), signs_differ), _binary("add")(quotient, 1), quotient)
-
-
-def _fmod(a, b):
-    """torch.fmod: the remainder with the dividend's sign, a - b * trunc(a / b) (integers
-    exactly; floats within the rounding of that product)."""
-    return _binary("sub")(a, _binary("mul")(b, _trunc_divide(a, b)))
-
-
-def _isnan(x):
-    # (!= is unordered on the GPU too: NaN != NaN, as in Python)
-    return _binary("ne")(x, x) if _is_float(x) else Sym(ir.const(False))
-
-
-def _isinf(x):
-    return _binary("eq")(_unary("abs")(x), float("inf")) if _is_float(x) else Sym(ir.const(False))
-
-
-def _isfinite(x):
-    if not _is_float(x):
-        return Sym(ir.const(True))
-    return _binary("and")(_binary("eq")(x, x), _binary("ne")(_unary("abs")(x), float("inf")))
-
-
 def _new_tensor(x, data, dtype=None, **_):
     """``x.new_tensor(value)``: a constant (a scalar: mods compute one element)."""
     if isinstance(data, (list, tuple)) or (is_array(data) and len(np.shape(data)) > 0):
         raise TraceError("new_tensor of a sequence in a mod: a mod computes one element; use a scalar")
     return _new_full(x, (), np.asarray(data).item() if is_array(data) else data, dtype=dtype)
-
-
-# erf by Abramowitz & Stegun 7.1.26: |error| < 1.5e-7, float32's own rounding near 1
-_ERF_P = 0.3275911
-_ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
-
-
-def _erf(x):
-    """torch.erf as 1 - poly(t) exp(-x^2), t = 1 / (1 + p|x|), odd in x (|error| < 1.5e-7)."""
-    ax = _unary("abs")(x)
-    t = _binary("truediv")(1.0, _binary("add")(1.0, _binary("mul")(ax, _ERF_P)))
-    poly = _ERF_A[-1]
-    for a in reversed(_ERF_A[:-1]):
-        poly = _binary("add")(_binary("mul")(poly, t), a)
-    poly = _binary("mul")(poly, t)
-    tail = _binary("mul")(poly, _unary("exp")(_unary("neg")(_binary("mul")(ax, ax))))
-    magnitude = _binary("sub")(1.0, tail)
-    return _where(_binary("lt")(x, 0), _unary("neg")(magnitude), magnitude)
-
-
-def _logaddexp(a, b):
-    """log(exp(a) + exp(b)) as max + log(1 + exp(-|a - b|)); where the max is infinite, the max."""
-    top = _binary("maximum")(a, b)
-    rest = _unary("log")(_binary("add")(1.0, _unary("exp")(_unary("neg")(_unary("abs")(_binary("sub")(a, b))))))
-    return _where(_isinf(top), top, _binary("add")(top, rest))
 
 
 def _full_like(x, fill_value, **_):
@@ -567,7 +463,6 @@ OPERATIONS: dict[str, Callable] = {
     **{n: _rbinary("sub") for n in ("__rsub__", "rsub")},
     **{n: _binary("mul") for n in ("mul", "multiply", "__mul__")},
     "__rmul__": _rbinary("mul"),
-    "div": _divide, "divide": _divide,
     **{n: _binary("truediv") for n in ("true_divide", "__truediv__")},
     "__rtruediv__": _rbinary("truediv"),
     **{n: _binary("floordiv") for n in ("floor_divide", "__floordiv__")},
@@ -594,8 +489,6 @@ OPERATIONS: dict[str, Callable] = {
     **{n: _unary("abs") for n in ("abs", "absolute", "__abs__")},
     **{op: _unary(op) for op in ir.UNARY_FLOAT},
     "expit": _unary("sigmoid"),
-    "pow": _power, "__pow__": _power, "power": _power, "float_power": _power,
-    "square": lambda x: _power(x, 2),
     "floor": _floor, "ceil": lambda x: -_floor(-x), "sign": _sign,
     "where": _where,
     "clamp": _clamp, "clip": _clamp,
@@ -606,17 +499,13 @@ OPERATIONS: dict[str, Callable] = {
     "full_like": _full_like, "zeros_like": _like(0), "ones_like": _like(1),
     "new_full": _new_full, "new_ones": _new_constant(1), "new_zeros": _new_constant(0),
     "new_tensor": _new_tensor,
-    "trunc": _trunc, "fix": _trunc, "fmod": _fmod,
-    "isnan": _isnan, "isinf": _isinf, "isfinite": _isfinite,
-    # log1p / expm1 as log(1 + x) / exp(x) - 1: within float32's rounding of 1 + x (absolute
-    # error ~6e-8 near 0, where torch's are exact: no matter beside a score)
-    "log1p": lambda x: _unary("log")(_binary("add")(1.0, x)),
-    "expm1": lambda x: _binary("sub")(_unary("exp")(x), 1.0),
-    "logaddexp": _logaddexp,
-    "erf": _erf, "erfc": lambda x: _binary("sub")(1.0, _erf(x)),
-    "tan": lambda x: _binary("truediv")(_unary("sin")(x), _unary("cos")(x)),
-    # (reductions of vector reads are added at the end: mods/vectors.py)
+    # (added at the end: functions written with these ops, mods/torch_functions.py;
+    # reductions of vector reads, mods/vectors.py)
 }
+
+
+# torch functions whose __name__ is not the name users call them by
+_TORCH_NAMES = {"_threshold": "threshold"}
 
 
 def _is_tensor_method(func) -> bool:
@@ -692,7 +581,9 @@ class Sym:
             args = (args[1], args[0], *args[2:])
         if name == "__get__" or name == "dtype":  # attribute access such as x.dtype
             return func(*args, **kwargs)
-        op = OPERATIONS.get(name)
+        op = OPERATIONS.get(_TORCH_NAMES.get(name, name))
+        if op is None and name.startswith("special_"):   # torch.special.expit is special_expit
+            op = OPERATIONS.get(name[len("special_"):])
         if op is None:
             raise TraceError(f"torch.{name} is not supported in a mod")
         kwargs.pop("out", None)
@@ -736,7 +627,7 @@ def _call(op, name, args, kwargs):
 
 
 # Python operators and tensor-style methods on the proxies (looked up in OPERATIONS when
-# called, so the reductions added at the end are found too).
+# called; torch_functions' method names are added at the end).
 _PROXY_METHODS = (
     "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
     "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__pow__",
@@ -747,8 +638,7 @@ _PROXY_METHODS = (
     "clamp", "clip", "float", "double", "half", "bfloat16", "int", "long", "bool", "to",
     "type", "astype", "floor", "ceil", "sign", "square", "minimum", "maximum", "pow",
     "logical_not", "logical_and", "logical_or", "logical_xor", "remainder", "div",
-    "new_full", "new_ones", "new_zeros", "new_tensor", "trunc", "fix", "fmod", "isnan", "isinf", "isfinite",
-    "log1p", "expm1", "logaddexp", "erf", "erfc", "tan",
+    "new_full", "new_ones", "new_zeros", "new_tensor",
     "sum", "mean", "dot", "inner", "matmul", "__matmul__", "__rmatmul__",
 )
 
@@ -757,31 +647,24 @@ def _proxy_method(name):
     return lambda self, *a, **k: OPERATIONS[name](self, *a, **k)
 
 
+Sym.where = lambda self, cond, other: _where(cond, self, other)  # torch: x.where(cond, y)
+Sym.device = None   # ``device=b.device`` in torch's mask helpers: constants have no device
+
+# Functions written with the IR's ops (mods/torch_functions.py: erf, atan, gelu, pow, ...)
+# and vector reads (a captured tensor indexed along its leading dims only), unrolled element
+# by element and reduced by sum / dot / @ (mods/vectors.py). Both read this module's names.
+from .vectors import SymArray, dot as _dot, elementwise, is_vector, vector_mean, vector_sum  # noqa: E402
+from .torch_functions import FUNCTIONS, TENSOR_METHODS  # noqa: E402
+
+OPERATIONS.update(FUNCTIONS)
+OPERATIONS.update({"sum": vector_sum, "mean": vector_mean, "dot": _dot, "inner": _dot, "vdot": _dot,
+                   "matmul": _dot, "__matmul__": _dot, "__rmatmul__": lambda a, b: _dot(b, a)})
+_PROXY_METHODS += TENSOR_METHODS + ("__rpow__", "__round__")
 for _name in _PROXY_METHODS:
     setattr(Sym, _name, _proxy_method(_name))
     if not _name.startswith("new_"):   # a vector read takes the same operators and methods
         setattr(CapturedArray, _name, _proxy_method(_name))
-Sym.where = lambda self, cond, other: _where(cond, self, other)  # torch: x.where(cond, y)
-Sym.device = None   # ``device=b.device`` in torch's mask helpers: constants have no device
-
-
-def _rpow(exponent, base):
-    if not (isinstance(base, (int, float)) and base > 0):
-        raise TraceError(f"{base!r} ** x needs a positive constant base")
-    return _unary("exp2")(exponent * math.log2(base))
-
-
-Sym.__rpow__ = _rpow
-
-
-# Vector reads (a captured tensor indexed along its leading dims only): unrolled element by
-# element, reduced by sum / dot / @ (mods/vectors.py, which reads this module's names).
-from .vectors import SymArray, dot as _dot, elementwise, is_vector, vector_mean, vector_sum  # noqa: E402
-
-OPERATIONS.update({"sum": vector_sum, "mean": vector_mean, "dot": _dot, "inner": _dot, "vdot": _dot,
-                   "matmul": _dot, "__matmul__": _dot, "__rmatmul__": lambda a, b: _dot(b, a)})
-for _name in _PROXY_METHODS:   # its operators (its other methods: SymArray.__getattr__)
-    if _name.startswith("__"):
+    if _name.startswith("__"):   # SymArray's operators (its other methods: SymArray.__getattr__)
         setattr(SymArray, _name, _proxy_method(_name))
 CapturedArray.__torch_function__ = SymArray.__torch_function__
 CapturedArray.__array_function__ = SymArray.__array_function__
