@@ -262,7 +262,7 @@ def _substitute_captures(fn: Callable, ctx: TraceContext) -> Callable:
             return CapturedArray(v, ctx)
         if _is_number(v):
             return ctx.scalar(v)
-        return v
+        return namespaces.substitute(v)   # jax.numpy, jax.nn, jax.lax and their functions
 
     closure = None
     if fn.__closure__:
@@ -274,7 +274,8 @@ def _substitute_captures(fn: Callable, ctx: TraceContext) -> Callable:
                 cells.append(cell)
         closure = tuple(cells)
     glb = fn.__globals__
-    names = [n for n in fn.__code__.co_names if n in glb and (is_array(glb[n]) or _is_number(glb[n]))]
+    names = [n for n in fn.__code__.co_names if n in glb and (is_array(glb[n]) or _is_number(glb[n])
+                                                            or namespaces.substitute(glb[n]) is not glb[n])]
     if names:
         glb = dict(glb)
         glb.update({n: wrap(glb[n]) for n in names})
@@ -655,6 +656,7 @@ Sym.device = None   # ``device=b.device`` in torch's mask helpers: constants hav
 # by element and reduced by sum / dot / @ (mods/vectors.py). Both read this module's names.
 from .vectors import SymArray, dot as _dot, elementwise, is_vector, vector_mean, vector_sum  # noqa: E402
 from .torch_functions import FUNCTIONS, TENSOR_METHODS  # noqa: E402
+from . import namespaces  # noqa: E402
 
 OPERATIONS.update(FUNCTIONS)
 OPERATIONS.update({"sum": vector_sum, "mean": vector_mean, "dot": _dot, "inner": _dot, "vdot": _dot,

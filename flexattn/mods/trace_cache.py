@@ -32,6 +32,7 @@ from .trace import _is_number, is_array
 # Library code does not change between calls: its functions are keyed by identity.
 _LIBRARY_PREFIXES = ("torch", "numpy", "math", "jax", "jaxlib", "cupy", "flexattn", "functools", "operator",
                      "builtins")
+_JAX_FUNCTION_TYPES = ("PjitFunction", "custom_jvp", "custom_vjp")
 _MAX_DEPTH = 4
 _UNCACHEABLE = object()
 
@@ -122,6 +123,8 @@ def _value_key(value, names, watched, depth):
     if isinstance(value, (type, types.BuiltinFunctionType, types.BuiltinMethodType, np.dtype)) or \
             type(value).__name__ in ("dtype", "ufunc", "method_descriptor", "wrapper_descriptor"):
         return ("object", id(value))   # classes, builtins, dtypes: not mutated in practice
+    if type(value).__name__ in _JAX_FUNCTION_TYPES and (getattr(value, "__module__", None) or "").startswith("jax"):
+        return ("object", id(value))   # jax.numpy's jitted functions, jax.nn's custom_jvp ones
     if is_array(value):
         try:
             weakref.ref(value)

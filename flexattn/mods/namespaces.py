@@ -1,0 +1,186 @@
+"""Array-library modules as a traced mod sees them: ``jnp.where`` and ``jax.nn.gelu`` in a mod.
+
+torch and numpy functions reach the tracer by protocol (``__torch_function__``,
+``__array_ufunc__`` / ``__array_function__``). ``jax.numpy``, ``jax.nn`` and ``jax.lax`` have
+no hook for foreign objects: their functions reject a proxy. So while a function is traced,
+the globals and closure cells holding one of these modules (or one of their functions,
+``from jax.numpy import where``) are swapped, as captured arrays are, for a namespace that
+answers with the tracer's implementations under JAX's names and semantics:
+
+- ``jax.numpy`` follows numpy's names (``where``, ``exp``, ``arctan2``, ``clip``, ...), so
+  it resolves through the tracer's own table; ``select`` chains ``where``s.
+- ``jax.nn`` keeps JAX's defaults where they differ from torch's: ``gelu`` is the tanh
+  form unless ``approximate=False``; ``softplus`` is ``logaddexp(x, 0)``.
+- ``jax.lax`` keeps lax's: ``div`` / ``rem`` truncate (C-style), ``round`` rounds half away
+  from zero unless ``rounding_method`` says to even, ``clamp(min, x, max)``.
+
+Anything else a traced value reaches is a ``TraceError`` naming the function, never JAX's
+own error about abstract arrays. Constants (``jnp.pi``, ``jnp.inf``, dtypes) pass through.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+from . import torch_functions as tf
+from . import trace as _t
+
+
+def _traced(x) -> bool:
+    if isinstance(x, (tuple, list)):
+        return any(_traced(i) for i in x)
+    return isinstance(x, _t.Sym) or _t.is_vector(x) or isinstance(x, _t.CapturedArray)
+
+
+def _refusing(label: str, fn):
+    """A library function: called on traced values, a clear error; on constants, itself."""
+
+    def call(*args, **kwargs):
+        if _traced(args) or _traced(tuple(kwargs.values())):
+            raise _t.TraceError(f"{label} is not supported in a mod")
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def _op(name):
+    return lambda *args, **kwargs: _t._call(_t.OPERATIONS[name], name, args, kwargs)
+
+
+class TracedNamespace:
+    """A module seen through ``table`` (name -> implementation on proxies)."""
+
+    def __init__(self, module: types.ModuleType, label: str, table: dict, numpy_names: bool):
+        self._module, self._label, self._table, self._numpy_names = module, label, table, numpy_names
+
+    def __getattr__(self, name):
+        if name in self._table:
+            return self._table[name]
+        if self._numpy_names and name in _t.OPERATIONS:
+            return _op(name)
+        value = getattr(self._module, name)
+        if isinstance(value, types.ModuleType):
+            return substitute(value)
+        if callable(value) and not isinstance(value, type):
+            return _refusing(f"{self._label}.{name}", value)
+        return value
+
+    def __repr__(self):
+        return f"<{self._label} as traced mods see it>"
+
+
+# --- jax.numpy ------------------------------------------------------------------------------
+
+def _clip(x, min=None, max=None, *, a_min=None, a_max=None):
+    return _t._clamp(x, min=a_min if min is None else min, max=a_max if max is None else max)
+
+
+def _select(condlist, choicelist, default=0):
+    result = default
+    for cond, choice in reversed(list(zip(condlist, choicelist))):
+        result = _t._where(cond, choice, result)
+    return result
+
+
+def _as_array(x, dtype=None, **_):
+    return x if dtype is None else _t._cast_to(dtype)(x)
+
+
+_JNP = {"clip": _clip, "select": _select, "asarray": _as_array, "array": _as_array}
+
+# --- jax.nn -----------------------------------------------------------------------------------
+
+_JAX_NN = {
+    "relu": tf.relu, "relu6": tf.relu6, "sigmoid": _t._unary("sigmoid"), "log_sigmoid": tf.logsigmoid,
+    "silu": tf.silu, "swish": tf.silu, "soft_sign": tf.softsign, "selu": tf.selu, "mish": tf.mish,
+    "gelu": lambda x, approximate=True: tf.gelu(x, "tanh" if approximate else "none"),
+    "softplus": lambda x: tf.logaddexp(x, 0.0),
+    "elu": lambda x, alpha=1.0: tf.elu(x, alpha), "celu": lambda x, alpha=1.0: tf.celu(x, alpha),
+    "leaky_relu": lambda x, negative_slope=0.01: tf.leaky_relu(x, negative_slope),
+    "hard_tanh": tf.hardtanh, "hard_sigmoid": tf.hardsigmoid,
+    "hard_silu": tf.hardswish, "hard_swish": tf.hardswish, "tanh": _t._unary("tanh"),
+}
+
+# --- jax.lax ------------------------------------------------------------------------------------
+
+
+def _lax_div(a, b):
+    return tf.trunc_divide(a, b)   # integers toward zero; floats the true quotient
+
+
+def _lax_round(x, rounding_method=0):
+    """lax.round: half away from zero (rounding_method 0, the default) or to even (1)."""
+    if int(rounding_method) == 1:
+        return tf.round_half_even(x)
+    x = tf._v(x)
+    a = tf._abs(x)
+    f = _t._floor(a)
+    return tf._odd(x, _t._where(a - f >= 0.5, f + 1.0, f))
+
+
+_JAX_LAX = {
+    "select": lambda pred, on_true, on_false: _t._where(pred, on_true, on_false),
+    "max": _op("maximum"), "min": _op("minimum"), "add": _op("add"), "sub": _op("sub"), "mul": _op("mul"),
+    "neg": _op("neg"), "abs": _op("abs"), "sign": _op("sign"), "floor": _op("floor"), "ceil": _op("ceil"),
+    "exp": _op("exp"), "exp2": _op("exp2"), "log": _op("log"), "log1p": tf.log1p, "expm1": tf.expm1,
+    "tanh": _op("tanh"), "logistic": _t._unary("sigmoid"), "sqrt": _op("sqrt"), "rsqrt": _op("rsqrt"),
+    "erf": tf.erf, "erfc": tf.erfc, "sin": _op("sin"), "cos": _op("cos"), "tan": tf.tan, "atan": tf.atan,
+    "asin": tf.asin, "acos": tf.acos, "atan2": tf.atan2, "sinh": tf.sinh, "cosh": tf.cosh,
+    "asinh": tf.asinh, "acosh": tf.acosh, "atanh": tf.atanh, "pow": tf.power,
+    "integer_pow": tf.power, "div": _lax_div, "rem": tf.fmod, "round": _lax_round,
+    "clamp": lambda lo, x, hi: _t._clamp(x, min=lo, max=hi),
+    "convert_element_type": lambda x, new_dtype: _t._cast_to(new_dtype)(x),
+    "lt": _op("lt"), "le": _op("le"), "gt": _op("gt"), "ge": _op("ge"), "eq": _op("eq"), "ne": _op("ne"),
+    "bitwise_and": _op("bitwise_and"), "bitwise_or": _op("bitwise_or"), "bitwise_xor": _op("bitwise_xor"),
+    "bitwise_not": _op("bitwise_not"), "shift_left": _op("left_shift"),
+    "shift_right_arithmetic": _op("right_shift"),
+}
+
+# module name -> (label, table, numpy-named)
+_MODULES = {
+    "jax.numpy": ("jax.numpy", _JNP, True),
+    "jax.nn": ("jax.nn", _JAX_NN, False),
+    "jax.lax": ("jax.lax", _JAX_LAX, False),
+}
+_NAMESPACES: dict = {}
+_FUNCTIONS: dict = {}   # id(a library function) -> its traced implementation, built on first use
+
+
+def _namespace(module: types.ModuleType):
+    name = getattr(module, "__name__", "")
+    if name == "jax":
+        return _NAMESPACES.setdefault(name, TracedNamespace(module, "jax", {}, False))
+    if name not in _MODULES:
+        return None
+    if name not in _NAMESPACES:
+        label, table, numpy_names = _MODULES[name]
+        _NAMESPACES[name] = TracedNamespace(module, label, table, numpy_names)
+    return _NAMESPACES[name]
+
+
+def _function_table() -> dict:
+    """Each loaded module's functions by identity (``from jax.numpy import where``)."""
+    for name in _MODULES:
+        module = sys.modules.get(name)
+        if module is None or ("loaded", name) in _FUNCTIONS:
+            continue
+        _FUNCTIONS[("loaded", name)] = True
+        namespace = _namespace(module)
+        for attr in dir(module):
+            value = getattr(module, attr, None)
+            if callable(value) and not isinstance(value, (type, types.ModuleType)):
+                _FUNCTIONS.setdefault(id(value), (value, getattr(namespace, attr)))
+    return _FUNCTIONS
+
+
+def substitute(value):
+    """What a traced mod sees in place of ``value`` (a module or a library function); the
+    value itself when it is neither."""
+    if isinstance(value, types.ModuleType):
+        return _namespace(value) or value
+    if callable(value) and (getattr(value, "__module__", "") or "").startswith("jax"):
+        entry = _function_table().get(id(value))
+        if entry is not None and entry[0] is value:
+            return entry[1]
+    return value
