@@ -122,3 +122,19 @@ def test_functions_imported_from_jax_keep_the_trace_cache():
 
     first, second = trace_cache.fingerprint(fn), trace_cache.fingerprint(fn)
     assert first is not None and first.key == second.key
+
+
+def test_cupy_resolves_numpy_names_the_same_way():
+    """cupy follows numpy's names: a module named cupy (a stand-in here: the GPU test
+    runs the real one) answers with the tracer's functions, refusing the rest by name."""
+    import types
+
+    stand_in = types.ModuleType("cupy")
+    stand_in.where, stand_in.tanh, stand_in.clip, stand_in.cumsum = jnp.where, jnp.tanh, jnp.clip, jnp.cumsum
+
+    def fn(s, b, h, q, kv):
+        return stand_in.where(q >= kv, stand_in.tanh(s), stand_in.clip(s, -1.0, 1.0))
+
+    _compare(fn)
+    with pytest.raises(TraceError, match="cupy.cumsum"):
+        score_mod(lambda s, b, h, q, kv: stand_in.cumsum(s))

@@ -1,14 +1,14 @@
-"""Array-library modules as a traced mod sees them: ``jnp.where`` and ``jax.nn.gelu`` in a mod.
+"""Array-library modules as a traced mod sees them: ``jnp.where``, ``jax.nn.gelu``, ``cupy.tanh``.
 
 torch and numpy functions reach the tracer by protocol (``__torch_function__``,
-``__array_ufunc__`` / ``__array_function__``). ``jax.numpy``, ``jax.nn`` and ``jax.lax`` have
-no hook for foreign objects: their functions reject a proxy. So while a function is traced,
+``__array_ufunc__`` / ``__array_function__``). ``jax.numpy``, ``jax.nn``, ``jax.lax`` and
+``cupy`` have no hook for foreign objects: their functions reject a proxy. So while a function is traced,
 the globals and closure cells holding one of these modules (or one of their functions,
 ``from jax.numpy import where``) are swapped, as captured arrays are, for a namespace that
 answers with the tracer's implementations under JAX's names and semantics:
 
-- ``jax.numpy`` follows numpy's names (``where``, ``exp``, ``arctan2``, ``clip``, ...), so
-  it resolves through the tracer's own table; ``select`` chains ``where``s.
+- ``jax.numpy`` and ``cupy`` follow numpy's names (``where``, ``exp``, ``arctan2``, ``clip``,
+  ...), so they resolve through the tracer's own table; ``select`` chains ``where``s.
 - ``jax.nn`` keeps JAX's defaults where they differ from torch's: ``gelu`` is the tanh
   form unless ``approximate=False``; ``softplus`` is ``logaddexp(x, 0)``.
 - ``jax.lax`` keeps lax's: ``div`` / ``rem`` truncate (C-style), ``round`` rounds half away
@@ -142,21 +142,22 @@ _MODULES = {
     "jax.numpy": ("jax.numpy", _JNP, True),
     "jax.nn": ("jax.nn", _JAX_NN, False),
     "jax.lax": ("jax.lax", _JAX_LAX, False),
+    "cupy": ("cupy", _JNP, True),
 }
-_NAMESPACES: dict = {}
+_LIBRARIES = ("jax", "cupy")   # the top-level packages of the modules above
+_NAMESPACES: dict = {}   # id(module) -> (module, its namespace)
 _FUNCTIONS: dict = {}   # id(a library function) -> its traced implementation, built on first use
 
 
 def _namespace(module: types.ModuleType):
     name = getattr(module, "__name__", "")
-    if name == "jax":
-        return _NAMESPACES.setdefault(name, TracedNamespace(module, "jax", {}, False))
-    if name not in _MODULES:
+    if name != "jax" and name not in _MODULES:
         return None
-    if name not in _NAMESPACES:
-        label, table, numpy_names = _MODULES[name]
-        _NAMESPACES[name] = TracedNamespace(module, label, table, numpy_names)
-    return _NAMESPACES[name]
+    kept = _NAMESPACES.get(id(module))
+    if kept is None or kept[0] is not module:
+        label, table, numpy_names = _MODULES.get(name, ("jax", {}, False))
+        kept = _NAMESPACES[id(module)] = (module, TracedNamespace(module, label, table, numpy_names))
+    return kept[1]
 
 
 def _function_table() -> dict:
@@ -179,7 +180,7 @@ def substitute(value):
     value itself when it is neither."""
     if isinstance(value, types.ModuleType):
         return _namespace(value) or value
-    if callable(value) and (getattr(value, "__module__", "") or "").startswith("jax"):
+    if callable(value) and (getattr(value, "__module__", "") or "").split(".")[0] in _LIBRARIES:
         entry = _function_table().get(id(value))
         if entry is not None and entry[0] is value:
             return entry[1]

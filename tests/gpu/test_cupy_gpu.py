@@ -102,3 +102,25 @@ def test_repeated_calls_take_the_prepared_path_on_the_current_stream():
         assert np.abs(cupy.asnumpy(out).astype(np.float64) - want).max() < 5e-3, i
         assert np.abs(cupy.asnumpy(lse) - want_lse).max() < 2e-3, i
         assert len(fc._PREPARED) == (1 if i >= 1 else 0)
+
+
+def test_mods_written_with_cupy_functions():
+    """cupy.where / cupy.tanh / cupy.clip in a mod trace as numpy's names do (mods/namespaces.py):
+    the same output as the mod written with numpy."""
+    qh, kh, vh = _inputs(3, Q=200, KV=200)
+
+    def score_cp(s, b, h, q_idx, kv_idx):
+        return cupy.where(q_idx >= kv_idx, 20.0 * cupy.tanh(s / 20.0), cupy.clip(s, -1.0, 1.0))
+
+    def score_np(s, b, h, q_idx, kv_idx):
+        return np.where(q_idx >= kv_idx, 20.0 * np.tanh(s / 20.0), np.clip(s, -1.0, 1.0))
+
+    def band_cp(b, h, q_idx, kv_idx):
+        return cupy.abs(q_idx - kv_idx) <= 64
+
+    q, k, v = (cupy.asarray(x) for x in (qh, kh, vh))
+    out, _ = fc.flex_attention(q, k, v, score_mod=score_cp, mask=band_cp, enable_gqa=True)
+    want, _ = reference.forward(qh, kh, vh, AttentionSpec.from_args(
+        score=mods.score_mod(score_np), mask=mods.mask_mod(lambda b, h, q_idx, kv_idx: np.abs(q_idx - kv_idx) <= 64),
+        enable_gqa=True))
+    assert np.abs(cupy.asnumpy(out).astype(np.float64) - want).max() < 5e-3
