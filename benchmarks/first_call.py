@@ -47,6 +47,16 @@ def child(order):
     def compiles():   # runner -> (kernels compiled, seconds of its last compile)
         return {id(r): (r.num_compiled, getattr(r, "last_compile_seconds", 0.0)) for r in cache._RUNNERS.values()}
 
+    def described(runner):
+        """A runner's kernel: its class and the config fields it sets away from their defaults."""
+        import dataclasses
+        cfg = getattr(runner, "cfg", None)
+        if cfg is None or not dataclasses.is_dataclass(cfg):
+            return type(runner).__name__
+        changed = [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
+                   if f.name != "mods" and f.default is not dataclasses.MISSING and getattr(cfg, f.name) != f.default]
+        return f"{type(runner).__name__}({', '.join(changed)})"
+
     out = {}
     for name in order:
         kw = {"causal": lambda: {"mask": mods.causal()},
@@ -61,8 +71,11 @@ def child(order):
         torch.cuda.synchronize()
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         # the kernel compiles inside the call (trace, MLIR, ptxas, host object): the rest is the door's
-        compile_s = sum(s for key, (n, s) in compiles().items() if before.get(key, (0, 0.0))[0] < n)
-        out[name] = (wall, cpu, compile_s)
+        after = compiles()
+        compiled = [(r, after[id(r)][1]) for r in cache._RUNNERS.values()
+                    if before.get(id(r), (0, 0.0))[0] < after[id(r)][0]]
+        out[name] = (wall, cpu, sum(s for _, s in compiled))
+        print(f"KERNELS {name}: " + "; ".join(f"{described(r)} {s:.2f} s" for r, s in compiled), flush=True)
     print("FIRST_CALLS " + json.dumps(out), flush=True)
 
 
@@ -82,6 +95,8 @@ def main():
         order = args.variants[n:] + args.variants[:n]
         res = subprocess.run([sys.executable, __file__, "--child", *order], env=env, capture_output=True, text=True)
         line = [ln for ln in res.stdout.splitlines() if ln.startswith("FIRST_CALLS ")]
+        if rep == 0:   # which kernels each first call compiled (the same in every repetition)
+            print("\n".join(ln for ln in res.stdout.splitlines() if ln.startswith("KERNELS ")), flush=True)
         if res.returncode != 0 or not line:
             print(res.stdout[-2000:], res.stderr[-4000:])
             raise SystemExit(f"repetition {rep} failed (rc {res.returncode})")

@@ -60,6 +60,7 @@ def _composed_torch_functions(s, b, h, q, kv):
     x = F.gelu(s) + torch.atan(d * 0.3) + torch.atan2(d, s) * 0.5 + F.softplus(s, beta=2.0) - F.silu(s * 0.5)
     x = x + torch.asinh(d * 0.1) + torch.sinh(s * 0.25) - torch.cosh(s * 0.1) + torch.round(s) * 0.1
     x = x + torch.pow(2.0, -8.0 * (h + 1) / 4) * d + torch.hypot(s, d * 0.1) * 0.1 + F.leaky_relu(s, 0.1)
+    x = x + torch.pow(d.abs() * 0.1 + 0.5, s * 0.1)   # the general power: NaN constants in its branches
     # (acos away from +-1, round of the score itself: no float32 / float64 disagreement there)
     return torch.where(torch.signbit(d), x, x + torch.acos(torch.tanh(s * 0.1) * 0.9) + torch.log10(d.abs() + 1.0))
 

@@ -278,40 +278,27 @@ def test_finite_differences_for_builtins():
         np.testing.assert_allclose(d, fd, rtol=1e-6, atol=1e-8)
 
 
-def test_approximated_functions_train_close_to_the_exact_derivative():
-    """atan (and asin / acos / atan2 built on it) and gelu (on erf) trace as approximations:
-    their derivatives are the approximations', within ~1e-6 of the exact ones."""
-    w = torch.tensor([0.7, -1.3, 2.0], dtype=torch.float64, requires_grad=True)
+_APPROXIMATED_W = torch.tensor([0.7, -1.3, 2.0], dtype=torch.float64, requires_grad=True)
 
-    def f(s, b, h, q, kv):
-        return (torch.atan(s * w[h]) + F.gelu(s) + torch.atan2(s, w[h]) + torch.asin(torch.tanh(s) * 0.9)
-                + torch.acos(torch.sigmoid(s * w[h])))
 
+@pytest.mark.parametrize("f, seed, tolerance", [
+    # erf is a rational approximation (|error| < 1.5e-7): within 2e-6 of 2 / sqrt(pi) exp(-x^2)
+    (lambda s, b, h, q, kv: torch.erf(s * _APPROXIMATED_W[h]) + torch.erfc(s), 5, 8e-6),
+    # atan (and asin / acos / atan2 built on it), gelu (on erf)
+    (lambda s, b, h, q, kv: (torch.atan(s * _APPROXIMATED_W[h]) + F.gelu(s) + torch.atan2(s, _APPROXIMATED_W[h])
+                             + torch.asin(torch.tanh(s) * 0.9) + torch.acos(torch.sigmoid(s * _APPROXIMATED_W[h]))),
+     6, 5e-6),
+], ids=["erf_erfc", "atan_asin_acos_atan2_gelu"])
+def test_approximated_functions_train_close_to_the_exact_derivative(f, seed, tolerance):
+    """Functions traced as approximations differentiate as the approximations do, within
+    ``tolerance`` of the exact derivatives (torch autograd) over [-6, 6]."""
+    w = _APPROXIMATED_W
     mod = score_mod(f)
-    rng = np.random.default_rng(6)
+    rng = np.random.default_rng(seed)
     score = rng.uniform(-6, 6, size=SHAPE)
     dS = rng.normal(size=SHAPE)
     d_score, grads, _ = symbolic_grads(mod, score, dS)
     t_score, t_grads = autograd(f, score, dS, [w])
-    np.testing.assert_allclose(d_score, t_score, atol=5e-6 * np.abs(dS).max())
+    np.testing.assert_allclose(d_score, t_score, atol=tolerance * np.abs(dS).max())
     np.testing.assert_allclose(grads[[i for i, c in enumerate(mod.captures) if c is w][0]], t_grads[0],
-                               rtol=1e-5, atol=5e-6 * np.abs(dS * score).sum())
-
-
-def test_erf_derivative_is_its_approximations():
-    """torch.erf traces as a rational approximation (|error| < 1.5e-7): its derivative is
-    the approximation's, within 2e-6 of 2 / sqrt(pi) exp(-x^2) over [-6, 6]."""
-    w = torch.tensor([0.7, -1.3, 2.0], dtype=torch.float64, requires_grad=True)
-
-    def f(s, b, h, q, kv):
-        return torch.erf(s * w[h]) + torch.erfc(s)
-
-    mod = score_mod(f)
-    rng = np.random.default_rng(5)
-    score = rng.uniform(-6, 6, size=SHAPE)
-    dS = rng.normal(size=SHAPE)
-    d_score, grads, _ = symbolic_grads(mod, score, dS)
-    t_score, t_grads = autograd(f, score, dS, [w])
-    np.testing.assert_allclose(d_score, t_score, atol=2e-6 * np.abs(dS).max() * 4)
-    np.testing.assert_allclose(grads[[i for i, c in enumerate(mod.captures) if c is w][0]], t_grads[0],
-                               atol=2e-6 * np.abs(dS * score).sum())
+                               rtol=1e-5, atol=tolerance * np.abs(dS * score).sum())
