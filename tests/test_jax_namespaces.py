@@ -51,7 +51,9 @@ SCORES = {
                                    + lax.clamp(-2.0, s, 2.0) + lax.logistic(s) + lax.atan2(s, 2.0)
                                    + lax.integer_pow(s, 3) * 0.01 + lax.erf(s)
                                    + lax.convert_element_type(q - kv, jnp.float32)),
-    "lax_truncating_division": lambda s, b, h, q, kv: (lax.div(q - kv, 3) + lax.rem(q - kv, 4)).astype(jnp.float32),
+    "lax_truncating_division": lambda s, b, h, q, kv: (lax.div(q - kv, 3) + lax.rem(q - kv, 4)).astype(jnp.float32)
+                                                      + lax.div(s, 4.0) + lax.rem(s, 1.5),
+    "scalar_type_casts": lambda s, b, h, q, kv: s + jnp.float32(q - kv) * 0.1 + jnp.int32(s * 2),
     "lax_round": lambda s, b, h, q, kv: lax.round(s) + lax.round(s, lax.RoundingMethod.TO_NEAREST_EVEN) * 2,
     "imported_function": lambda s, b, h, q, kv: imported_where(q >= kv, s, 0.0),
 }

@@ -62,12 +62,31 @@ class TracedNamespace:
         value = getattr(self._module, name)
         if isinstance(value, types.ModuleType):
             return substitute(value)
+        if isinstance(value, type) and hasattr(value, "dtype"):   # jnp.float32 (x): a cast
+            return _ScalarType(value)
         if callable(value) and not isinstance(value, type):
             return _refusing(f"{self._label}.{name}", value)
         return value
 
     def __repr__(self):
         return f"<{self._label} as traced mods see it>"
+
+
+class _ScalarType:
+    """A library's scalar type (``jnp.float32``): called on a traced value, a cast; otherwise
+    the type itself (its string names the dtype, so ``x.astype(jnp.float32)`` reads it)."""
+
+    def __init__(self, scalar_type):
+        self._type = scalar_type
+
+    def __call__(self, x, *args, **kwargs):
+        return _t._cast_to(self._type)(x) if _traced(x) else self._type(x, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._type, name)
+
+    def __str__(self):
+        return str(self._type)
 
 
 # --- jax.numpy ------------------------------------------------------------------------------
@@ -106,7 +125,10 @@ _JAX_NN = {
 
 
 def _lax_div(a, b):
-    return tf.trunc_divide(a, b)   # integers toward zero; floats the true quotient
+    """lax.div: integers toward zero (C's division), floats the true quotient."""
+    if tf._is_float(a) or tf._is_float(b):
+        return _t._binary("truediv")(a, b)
+    return tf.trunc_divide(a, b)
 
 
 def _lax_round(x, rounding_method=0):
