@@ -202,3 +202,38 @@ def test_functions_apply_element_by_element_on_vector_reads():
     want = (F.gelu(torch.from_numpy(e[q % 5])).sum(-1).numpy()
             + torch.atan2(torch.from_numpy(e[kv % 5]), torch.from_numpy(e[q % 5])).mean(-1).numpy())
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+# Tensor idioms torch users write in score mods: methods, alpha=, masked_fill, in-place ops
+# (the traced value rebinds), torch.finfo of a traced value's dtype.
+IDIOMS = {
+    "masked_fill": lambda s, b, h, q, kv: s.masked_fill(q < kv, float("-inf")),
+    "torch_masked_fill_finfo": lambda s, b, h, q, kv: torch.masked_fill(s, q < kv, torch.finfo(s.dtype).min),
+    "methods": lambda s, b, h, q, kv: s.add(1.0).mul(0.5).sub(q * 0.01).div(2.0) + q.floor_divide(3),
+    "alpha": lambda s, b, h, q, kv: torch.add(s, q - kv, alpha=0.1) + torch.sub(s, kv, alpha=2) + torch.rsub(s, 1.0),
+    "in_place": lambda s, b, h, q, kv: s.clone().add_(0.5).clamp_(min=-1.0).mul_((q - kv).float().mul_(0.1)),
+    "in_place_functions": lambda s, b, h, q, kv: torch.relu_(s.detach() * 1.0) + F.relu_(s - 1),
+    "fill_and_masked_fill_": lambda s, b, h, q, kv: torch.zeros_like(s).fill_(2.0).masked_fill_(q > kv, 3.0) * s,
+    "comparison_methods": lambda s, b, h, q, kv: torch.where(q.eq(kv) | q.gt(kv).logical_and(q.le(kv + 4)), s, -s),
+    "bitwise_methods": lambda s, b, h, q, kv: torch.where(q.bitwise_and(3).ne(kv.bitwise_and(3)), s, s * 2),
+    "type_as_contiguous": lambda s, b, h, q, kv: s.contiguous() + (q - kv).type_as(s) * 0.25,
+}
+
+
+@pytest.mark.parametrize("name", sorted(IDIOMS))
+def test_tensor_idioms_match_torch(name):
+    fn = IDIOMS[name]
+    rng = np.random.default_rng(3)
+    score = rng.normal(size=(7, 9)) * 2
+    q, kv = np.arange(7)[:, None], np.arange(9)[None, :]
+    got = np.broadcast_to(score_mod(fn)(score, 0, 1, q, kv), score.shape)
+    dtype = torch.float32 if "finfo" in name else torch.float64   # (a mod's floats are float32)
+    want = fn(torch.from_numpy(score.copy()).to(dtype), torch.tensor(0), torch.tensor(1), torch.from_numpy(q),
+              torch.from_numpy(kv)).double().numpy()
+    np.testing.assert_allclose(got, np.broadcast_to(want, score.shape), rtol=1e-6, atol=1e-6)
+
+
+def test_in_place_changes_to_captured_tensors_are_refused():
+    bias = torch.zeros(9)
+    with pytest.raises(TraceError, match="captured array"):
+        score_mod(lambda s, b, h, q, kv: s + bias.add_(1)[kv])

@@ -51,8 +51,9 @@ def _op(name):
 class TracedNamespace:
     """A module seen through ``table`` (name -> implementation on proxies)."""
 
-    def __init__(self, module: types.ModuleType, label: str, table: dict, numpy_names: bool):
+    def __init__(self, module: types.ModuleType, label: str, table: dict, numpy_names: bool, refuse: bool = True):
         self._module, self._label, self._table, self._numpy_names = module, label, table, numpy_names
+        self._refuse = refuse   # torch's own functions dispatch by protocol: they pass through
 
     def __getattr__(self, name):
         if name in self._table:
@@ -62,14 +63,20 @@ class TracedNamespace:
         value = getattr(self._module, name)
         if isinstance(value, types.ModuleType):
             return substitute(value)
-        if isinstance(value, type) and hasattr(value, "dtype"):   # jnp.float32 (x): a cast
+        if self._numpy_names and _is_scalar_type(value):   # jnp.float32(x): a cast
             return _ScalarType(value)
-        if callable(value) and not isinstance(value, type):
+        if self._refuse and callable(value) and not isinstance(value, type):
             return _refusing(f"{self._label}.{name}", value)
         return value
 
     def __repr__(self):
         return f"<{self._label} as traced mods see it>"
+
+
+def _is_scalar_type(value) -> bool:
+    """numpy's scalar types (cupy's are numpy's) and jax.numpy's."""
+    import numpy as np
+    return isinstance(value, type) and (issubclass(value, np.generic) or type(value).__name__ == "_ScalarMeta")
 
 
 class _ScalarType:
@@ -165,8 +172,10 @@ _MODULES = {
     "jax.nn": ("jax.nn", _JAX_NN, False),
     "jax.lax": ("jax.lax", _JAX_LAX, False),
     "cupy": ("cupy", _JNP, True),
+    # torch dispatches by protocol; only its dtype queries need a traced value's dtype name
+    "torch": ("torch", {"finfo": tf.finfo, "iinfo": tf.iinfo}, False),
 }
-_LIBRARIES = ("jax", "cupy")   # the top-level packages of the modules above
+_LIBRARIES = ("jax", "cupy")   # packages whose functions are looked up by identity
 _NAMESPACES: dict = {}   # id(module) -> (module, its namespace)
 _FUNCTIONS: dict = {}   # id(a library function) -> its traced implementation, built on first use
 
@@ -178,13 +187,16 @@ def _namespace(module: types.ModuleType):
     kept = _NAMESPACES.get(id(module))
     if kept is None or kept[0] is not module:
         label, table, numpy_names = _MODULES.get(name, ("jax", {}, False))
-        kept = _NAMESPACES[id(module)] = (module, TracedNamespace(module, label, table, numpy_names))
+        kept = _NAMESPACES[id(module)] = (module, TracedNamespace(module, label, table, numpy_names,
+                                                                  refuse=name != "torch"))
     return kept[1]
 
 
 def _function_table() -> dict:
     """Each loaded module's functions by identity (``from jax.numpy import where``)."""
     for name in _MODULES:
+        if name.split(".")[0] not in _LIBRARIES:
+            continue
         module = sys.modules.get(name)
         if module is None or ("loaded", name) in _FUNCTIONS:
             continue

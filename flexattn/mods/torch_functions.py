@@ -15,9 +15,11 @@ erf (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7), atan (a range reduction to
 integer exponent multiply (exact as float32 products); other powers are
 exp2(p log2 |x|) with torch's signs, NaNs and zeros.
 
-Every name is reachable the way torch users spell it: ``torch.f``, ``x.f()``,
-``torch.special.f`` and ``torch.nn.functional.f`` (``inplace=True`` rebinds the traced
-value, as the in-place op would), and numpy's ufunc names where numpy has them.
+Every name is reachable the way torch users spell it: ``torch.f``, ``x.f()``, ``x.f_()``
+in place, ``torch.special.f`` and ``torch.nn.functional.f`` (``inplace=True`` and in-place
+methods rebind the traced value, as the in-place op would change the tensor), and numpy's
+ufunc names where numpy has them. Tensor idioms (``masked_fill``, ``alpha=``, ``clone``,
+``type_as``, ``torch.finfo`` of a traced dtype) live here too.
 """
 
 from __future__ import annotations
@@ -588,6 +590,45 @@ def addcdiv(x, tensor1, tensor2, value=1):
     return _v(x) + value * (_v(tensor1) / tensor2)
 
 
+# --- tensor idioms -------------------------------------------------------------------------------
+
+def add(x, other, alpha=1):
+    return _v(x) + (other if alpha == 1 else alpha * _v(other))
+
+
+def sub(x, other, alpha=1):
+    return _v(x) - (other if alpha == 1 else alpha * _v(other))
+
+
+def rsub(x, other, alpha=1):
+    return _v(other) - (x if alpha == 1 else alpha * _v(x))
+
+
+def masked_fill(x, mask, value):
+    """``score.masked_fill(q_idx < kv_idx, float("-inf"))``: value where mask holds."""
+    return where(mask, value, x)
+
+
+def identity(x, *_, **__):
+    return x   # clone / detach / contiguous: a traced value is a value
+
+
+def type_as(x, other):
+    return _t._cast_to(_t._to_node(other).dtype)(_v(x))
+
+
+def finfo(dtype=None):
+    """torch.finfo of a traced value's dtype (``torch.finfo(score.dtype).min``): a mod's
+    floats are float32."""
+    import torch
+    return torch.finfo(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+
+
+def iinfo(dtype):
+    import torch
+    return torch.iinfo(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+
+
 # --- the table ----------------------------------------------------------------------------------
 
 _ACTIVATIONS = {f.__name__: _activation(f) for f in (
@@ -614,6 +655,8 @@ FUNCTIONS = {
     "expit": _t._unary("sigmoid"),
     **_ACTIVATIONS, "log_sigmoid": _ACTIVATIONS["logsigmoid"],
     "lerp": lerp, "addcmul": addcmul, "addcdiv": addcdiv,
+    "add": add, "sub": sub, "subtract": sub, "rsub": rsub, "masked_fill": masked_fill,
+    "clone": identity, "detach": identity, "contiguous": identity, "type_as": type_as,
 }
 
 def _elementwise(fn):
@@ -637,4 +680,17 @@ TENSOR_METHODS = (
     "tan", "atan", "arctan", "asin", "arcsin", "acos", "arccos", "atan2", "arctan2", "sinh", "cosh",
     "asinh", "arcsinh", "acosh", "arccosh", "atanh", "arctanh", "sinc", "deg2rad", "rad2deg", "erf", "erfc",
     "relu", "hardshrink", "lerp", "addcmul", "addcdiv",
+    "add", "sub", "subtract", "mul", "multiply", "true_divide", "floor_divide", "masked_fill",
+    "clone", "detach", "contiguous", "type_as", "eq", "ne", "lt", "le", "gt", "ge", "less", "less_equal",
+    "greater", "greater_equal", "equal", "not_equal", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not",
+    "fmin", "fmax", "absolute", "negative", "exp2", "sigmoid",
 )
+
+# In-place tensor methods (``s.add_(b)``, ``s.clamp_(min=0)``, ``s.masked_fill_(m, v)``,
+# ``s.fill_(v)``): the traced value is rebound to the result (trace.py), as the operation
+# would change the tensor for the rest of the function.
+INPLACE_METHODS = tuple(f"{n}_" for n in (
+    "add", "sub", "mul", "div", "clamp", "clamp_min", "clamp_max", "masked_fill", "neg", "abs", "exp", "log",
+    "tanh", "sigmoid", "relu", "pow", "floor", "ceil", "round", "trunc", "sqrt", "rsqrt", "sin", "cos",
+    "fmod", "remainder", "reciprocal", "sign", "square", "lerp", "addcmul", "addcdiv", "nan_to_num",
+    "logical_not", "logical_and", "logical_or", "bitwise_and", "bitwise_or", "bitwise_xor")) + ("fill_",)

@@ -585,6 +585,8 @@ class Sym:
         op = OPERATIONS.get(_TORCH_NAMES.get(name, name))
         if op is None and name.startswith("special_"):   # torch.special.expit is special_expit
             op = OPERATIONS.get(name[len("special_"):])
+        if op is None and name.endswith("_") and not name.startswith("_") and name[:-1] in OPERATIONS and args:
+            return _in_place(args[0], name, args[1:], kwargs)   # torch.relu_(x), F.relu_(x)
         if op is None:
             raise TraceError(f"torch.{name} is not supported in a mod")
         kwargs.pop("out", None)
@@ -648,6 +650,23 @@ def _proxy_method(name):
     return lambda self, *a, **k: OPERATIONS[name](self, *a, **k)
 
 
+def _in_place(self, name, args, kwargs):
+    """``x.add_(y)`` and friends: the traced value is rebound to the result (in x's dtype,
+    as the in-place op keeps it), which is what the rest of the function sees."""
+    if not isinstance(self, Sym):
+        raise TraceError(f"{name}() on a captured array in a mod: in-place changes to captured data are not traced")
+    if name == "fill_":
+        result = _full_like(self, *args, **kwargs)
+    else:
+        result = _call(OPERATIONS[name[:-1]], name, (self, *_to_proxy(tuple(args))), kwargs)
+    self.node = ir.cast(_to_node(result), self.node.dtype)
+    return self
+
+
+def _in_place_method(name):
+    return lambda self, *a, **k: _in_place(self, name, a, k)
+
+
 Sym.where = lambda self, cond, other: _where(cond, self, other)  # torch: x.where(cond, y)
 Sym.device = None   # ``device=b.device`` in torch's mask helpers: constants have no device
 
@@ -655,7 +674,7 @@ Sym.device = None   # ``device=b.device`` in torch's mask helpers: constants hav
 # and vector reads (a captured tensor indexed along its leading dims only), unrolled element
 # by element and reduced by sum / dot / @ (mods/vectors.py). Both read this module's names.
 from .vectors import SymArray, dot as _dot, elementwise, is_vector, vector_mean, vector_sum  # noqa: E402
-from .torch_functions import FUNCTIONS, TENSOR_METHODS  # noqa: E402
+from .torch_functions import FUNCTIONS, INPLACE_METHODS, TENSOR_METHODS  # noqa: E402
 from . import namespaces  # noqa: E402
 
 OPERATIONS.update(FUNCTIONS)
@@ -668,5 +687,8 @@ for _name in _PROXY_METHODS:
         setattr(CapturedArray, _name, _proxy_method(_name))
     if _name.startswith("__"):   # SymArray's operators (its other methods: SymArray.__getattr__)
         setattr(SymArray, _name, _proxy_method(_name))
+for _name in INPLACE_METHODS:
+    setattr(Sym, _name, _in_place_method(_name))
+    setattr(CapturedArray, _name, _in_place_method(_name))
 CapturedArray.__torch_function__ = SymArray.__torch_function__
 CapturedArray.__array_function__ = SymArray.__array_function__
