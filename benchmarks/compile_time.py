@@ -130,6 +130,18 @@ def _softcap_runtime_division():   # the cap a captured number: x / $cap per ele
     return mods.score_mod(lambda s, b, h, q, kv: cap * (s / cap).tanh())
 
 
+def _gelu():               # torch_functions: F.gelu on erf (an IR node: libdevice's erff)
+    import torch.nn.functional as F
+    from flexattn import mods
+    return mods.score_mod(lambda s, b, h, q, kv: F.gelu(s))
+
+
+def _atan_cap():           # a softcap written with atan (an IR node: libdevice's atanf)
+    import torch
+    from flexattn import mods
+    return mods.score_mod(lambda s, b, h, q, kv: 20.0 * torch.atan(s / 20.0))
+
+
 def _dilated():            # bench_fwd's dilated1024: mostly partial tiles, % on q - kv
     from flexattn import mods
     return mods.mask_mod(lambda b, h, q, kv: ((q - kv).abs() <= 512) & ((q - kv) % 2 == 0))
@@ -199,6 +211,10 @@ KERNELS = {
     "bwd-192-swap96-dvfirst-pearly": _bwd(head_dim=192, causal=True, tile_n=96, num_stages=2, do_stages=1,
                                           ds_buffers=1, tail_order="dv_first", p_early=True),
     "bwd-full": _bwd(head_dim=128),
+    "gelu": _fwd(head_dim=128, tile_m=128, causal=True, score=_gelu),
+    "atan-cap": _fwd(head_dim=128, tile_m=128, causal=True, score=_atan_cap),
+    "bwd-causal-gelu": _bwd(head_dim=128, causal=True, score=_gelu),
+    "bwd-causal-atan-cap": _bwd(head_dim=128, causal=True, score=_atan_cap),
     "bwd-causal": _bwd(head_dim=128, causal=True),
     "bwd-causal-d64": _bwd(head_dim=64, causal=True, tile_m=128),
     "bwd-causal-idle": _bwd(head_dim=128, causal=True, idle_masked_keys=True),

@@ -129,7 +129,8 @@ class Gen:
         if d == 0 or r.random() < 0.2:
             return ir.cast(self.int(0), ir.FLOAT) if r.random() < 0.7 else ir.const(float(r.normal()))
         op = self.choice(["cast", "truediv", "mul", "add", "exp", "tanh", "sigmoid", "sqrt", "log", "rsqrt",
-                          "exp2", "log2", "load", "minimum", "where", "floordiv", "mod", "sin", "cos"])
+                          "exp2", "log2", "load", "minimum", "where", "floordiv", "mod", "sin", "cos", "erf",
+                          "atan"])
         if op == "cast":
             return ir.cast(self.int(d - 1), ir.FLOAT)
         if op in ("truediv", "mul", "add", "minimum", "floordiv", "mod"):
@@ -137,7 +138,7 @@ class Gen:
             return ir.binary(op, self.float(d - 1), other)
         if op in ("exp", "exp2"):
             return ir.unary(op, ir.binary("truediv", self.float(d - 1), 8.0))
-        if op in ("sqrt", "log", "rsqrt", "log2", "tanh", "sigmoid"):
+        if op in ("sqrt", "log", "rsqrt", "log2", "tanh", "sigmoid", "erf", "atan"):
             return ir.unary(op, self.float(d - 1))
         if op in ("sin", "cos"):   # narrow and wide arguments: endpoints, one extremum, many periods
             return ir.unary(op, ir.binary("mul", self.float(d - 1), float(self.choice([0.05, 0.3, 1.0, 7.0]))))

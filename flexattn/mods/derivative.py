@@ -17,6 +17,7 @@ from typing import NamedTuple
 from . import ir
 
 _LN2 = math.log(2.0)
+_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
 
 
 class ScoreDerivative(NamedTuple):
@@ -94,6 +95,12 @@ def _local_grads(n: ir.Node, g: ir.Node):
         return [(args[0], ir.unary("neg", _mul(g, ir.unary("sin", args[0]))))]
     if op == "tanh":
         return [(args[0], _mul(g, ir.binary("sub", 1.0, _mul(n, n))))]
+    if op == "erf":   # 2 / sqrt(pi) exp(-x^2)
+        x = args[0]
+        return [(x, _mul(g, _mul(ir.unary("exp", ir.unary("neg", _mul(x, x))), _TWO_OVER_SQRT_PI)))]
+    if op == "atan":  # 1 / (1 + x^2)
+        x = args[0]
+        return [(x, ir.binary("truediv", g, ir.binary("add", 1.0, _mul(x, x))))]
     if op == "sigmoid":
         return [(args[0], _mul(g, _mul(n, ir.binary("sub", 1.0, n))))]
     if op == "sqrt":

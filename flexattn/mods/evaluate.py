@@ -9,9 +9,17 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+import math
+
 import numpy as np
 
 from . import ir
+
+_erf = np.frompyfunc(math.erf, 1, 1)   # numpy has no erf; math's is exact to float64
+
+
+def erf(x):
+    return np.asarray(_erf(np.asarray(x, dtype=np.float64)), dtype=np.float64)
 
 _BINARY = {
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "truediv": np.true_divide,
@@ -27,7 +35,7 @@ _UNARY = {
     "sqrt": np.sqrt, "neg": np.negative, "abs": np.abs,
     "sigmoid": lambda x: 0.5 * (1.0 + np.tanh(0.5 * x)),  # overflow-free form
     "rsqrt": lambda x: 1.0 / np.sqrt(x),
-    "sin": np.sin, "cos": np.cos,
+    "sin": np.sin, "cos": np.cos, "erf": erf, "atan": np.arctan,
 }
 
 

@@ -24,11 +24,14 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from . import ir
+from .evaluate import erf as _erf
 
 _INC = {
     "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "tanh": np.tanh,
     "sqrt": np.sqrt, "sigmoid": lambda x: 0.5 * (1.0 + np.tanh(0.5 * x)),
 }
+# increasing, evaluated on the GPU by libdevice (a few ulp): bounds with a little slack
+_INC_LIBDEVICE = {"erf": _erf, "atan": np.arctan}
 _PERIODIC = {"sin": np.sin, "cos": np.cos}
 _INF = np.inf
 # Above this many table entries a buffer is bounded by its global min/max instead.
@@ -193,6 +196,9 @@ def _bound(n: ir.Node, args, ranges, values, tables) -> Interval:
     if op in _INC:
         f = _INC[op]
         return _safe(f(args[0].lo), f(args[0].hi))
+    if op in _INC_LIBDEVICE:
+        f = _INC_LIBDEVICE[op]
+        return _safe(f(args[0].lo) - 1e-6, f(args[0].hi) + 1e-6)
     if op == "rsqrt":
         a = args[0]
         return _safe(1.0 / np.sqrt(a.hi), 1.0 / np.sqrt(a.lo))

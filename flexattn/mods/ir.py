@@ -32,7 +32,7 @@ INT, FLOAT, BOOL = "int32", "float32", "bool"
 INDEX_VARS = ("b", "h", "q", "kv")
 SCORE_VAR = "score"
 
-UNARY_FLOAT = ("exp", "exp2", "log", "log2", "tanh", "sigmoid", "sqrt", "rsqrt", "sin", "cos")
+UNARY_FLOAT = ("exp", "exp2", "log", "log2", "tanh", "sigmoid", "sqrt", "rsqrt", "sin", "cos", "erf", "atan")
 UNARY_SAME = ("neg", "abs")
 BINARY_ARITH = ("add", "sub", "mul", "truediv", "floordiv", "mod", "minimum", "maximum")
 COMPARE = ("lt", "le", "gt", "ge", "eq", "ne")

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from .evaluate import erf as _evaluate_erf
 from .trace import OPERATIONS, CapturedArray, Sym, active_context
 
 __all__ = [
     "where", "abs", "minimum", "maximum", "clamp", "exp", "exp2", "log", "log2", "tanh",
-    "sigmoid", "sqrt", "rsqrt", "sin", "cos", "floor", "sign", "cast", "load",
+    "sigmoid", "sqrt", "rsqrt", "sin", "cos", "erf", "atan", "floor", "sign", "cast", "load",
 ]
 
 
@@ -46,6 +47,8 @@ sqrt = _op("sqrt", np.sqrt)
 rsqrt = _op("rsqrt", lambda x: 1.0 / np.sqrt(x))
 sin = _op("sin", np.sin)
 cos = _op("cos", np.cos)
+erf = _op("erf", _evaluate_erf)
+atan = _op("atan", np.arctan)
 floor = _op("floor", np.floor)
 sign = _op("sign", np.sign)
 

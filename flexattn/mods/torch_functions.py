@@ -9,10 +9,9 @@ its gradient (a score mod with ``gelu`` that trains) comes from the nodes it is 
 Accuracy, as the kernels compute them (float32 scores): integers and booleans exact;
 floats within a few float32 roundings of the formula, *absolute* near zero for the
 forms built from exp / log (sinh, asinh, log1p: errors ~1e-7 beside the score, not
-relative to a tiny result). Functions without a closed form use stated approximations:
-erf (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7), atan (a range reduction to
-|t| <= tan(pi/8) and a degree-9 odd polynomial, relative error ~2e-7). Powers with an
-integer exponent multiply (exact as float32 products); other powers are
+relative to a tiny result). erf and atan are IR nodes of their own (libdevice's forms on
+the GPU, exact derivatives): gelu, ndtr, erfc and asin / acos / atan2 are built on them.
+Powers with an integer exponent multiply (exact as float32 products); other powers are
 exp2(p log2 |x|) with torch's signs, NaNs and zeros.
 
 Every name is reachable the way torch users spell it: ``torch.f``, ``x.f()``, ``x.f_()``
@@ -353,25 +352,8 @@ def tan(x):
     return _t._unary("sin")(x) / _t._unary("cos")(x)
 
 
-# atan's odd polynomial on |t| <= tan(pi/8), the classic single-precision minimax fit
-_ATAN_POLY = (8.05374449538e-2, -1.38776856032e-1, 1.99777106478e-1, -3.33329491539e-1)
-_TAN_3PI_8 = 1.0 + math.sqrt(2.0)
-_TAN_PI_8 = math.sqrt(2.0) - 1.0
-
-
 def atan(x):
-    """atan by range reduction: |x| > tan(3pi/8) via pi/2 - atan(1/|x|), |x| > tan(pi/8) via
-    pi/4 + atan((|x| - 1) / (|x| + 1)), then t + t^3 P(t^2) (relative error ~2e-7)."""
-    x = _float(x)
-    a = _abs(x)
-    big, middle = a > _TAN_3PI_8, a > _TAN_PI_8
-    t = where(big, -1.0 / a, where(middle, (a - 1.0) / (a + 1.0), a))
-    base = where(big, _PI / 2, where(middle, _PI / 4, 0.0))
-    z = t * t
-    poly = _ATAN_POLY[0]
-    for c in _ATAN_POLY[1:]:
-        poly = poly * z + c
-    return _odd(x, base + (poly * z * t + t))
+    return _t._unary("atan")(x)   # an IR node: libdevice's atanf on the GPU, 1 / (1 + x^2) as its derivative
 
 
 def asin(x):
@@ -443,20 +425,8 @@ def rad2deg(x):
 
 # --- error function and the normal distribution ---------------------------------------------
 
-# erf by Abramowitz & Stegun 7.1.26: |error| < 1.5e-7, float32's own rounding near 1
-_ERF_P = 0.3275911
-_ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
-
-
 def erf(x):
-    """torch.erf as 1 - poly(t) exp(-x^2), t = 1 / (1 + p|x|), odd in x (|error| < 1.5e-7)."""
-    x = _float(x)
-    ax = _abs(x)
-    t = 1.0 / (1.0 + ax * _ERF_P)
-    poly = _ERF_A[-1]
-    for a in reversed(_ERF_A[:-1]):
-        poly = poly * t + a
-    return _odd(x, 1.0 - poly * t * _exp(-(ax * ax)))
+    return _t._unary("erf")(x)   # an IR node: libdevice's erff on the GPU, 2/sqrt(pi) exp(-x^2) as its derivative
 
 
 def erfc(x):

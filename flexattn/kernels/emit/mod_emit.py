@@ -107,6 +107,9 @@ _UNARY_MATH = {
     # sin / cos: the accurate forms (range reduction), not sin.approx's absolute ~2^-20.9 near 0 only
     "sin": lambda x, fast: cute.math.sin(x),
     "cos": lambda x, fast: cute.math.cos(x),
+    # erf / atan: libdevice's single-precision forms (a few ulp)
+    "erf": lambda x, fast: cute.math.erf(x),
+    "atan": lambda x, fast: cute.math.atan(x),
     "sigmoid": lambda x, fast: Float32(0.5) * (Float32(1.0) + cute.math.tanh(Float32(0.5) * x, fastmath=fast)),
 }
 
