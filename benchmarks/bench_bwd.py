@@ -28,7 +28,7 @@ import traceback
 import numpy as np
 import torch
 
-from bench_fwd import VARIANTS as FWD_VARIANTS, Variant, beside_the_door, setup_dynamo, table
+from bench_fwd import OPTIONAL_VARIANTS, VARIANTS as FWD_VARIANTS, Variant, beside_the_door, setup_dynamo, table
 from common import bench_ms, device_name, rel_diff, report
 from results_log import RECORD_HELP, append_rows, tflops_rows
 
@@ -111,7 +111,7 @@ def run_shape(B, S, H, D, variants, rows, deterministic=()):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=["4x4096x16x128"], help="BxSxHxD")
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS + OPTIONAL_VARIANTS)
     ap.add_argument("--out", default=None, help="write rows + markdown table as JSON")
     ap.add_argument("--deterministic", nargs="*", default=["full", "causal", "window1024"], choices=VARIANTS,
                     help="variants whose flexattn step is also timed under torch.use_deterministic_algorithms")

@@ -34,6 +34,9 @@ from results_log import RECORD_HELP, append_rows, tflops_rows
 
 VARIANTS = ("full", "causal", "window1024", "document4", "causal+softcap30", "causal+alibi", "dilated1024",
             "neighborhood2d")
+# Asked for by name only: score mods through torch functions without an IR node of their own
+# (mods/torch_functions.py: gelu on the erf node, a softcap written with atan)
+OPTIONAL_VARIANTS = ("causal+gelu", "causal+atan_softcap20")
 IMPLS = ("flexattn", "flexattn-builtin", "fa4", "flex", "flex-fa", "cudnn")
 IMAGE_WIDTH = 64   # neighborhood2d: tokens are a row-major image this wide
 
@@ -68,6 +71,11 @@ class Variant:
             elif name == "causal+alibi":
                 self.score = mods.alibi(slopes)
                 self.score_fn = lambda s, b, h, q, kv: s + slopes[h] * (kv - q)
+                self.fa4_kw = None
+            elif name in ("causal+gelu", "causal+atan_softcap20"):   # no built-in: the traced function as a mod value
+                self.score_fn = ((lambda s, b, h, q, kv: torch.nn.functional.gelu(s)) if name == "causal+gelu"
+                                 else (lambda s, b, h, q, kv: 20.0 * torch.atan(s / 20.0)))
+                self.score = mods.score_mod(self.score_fn)
                 self.fa4_kw = None
             elif name == "causal+trainable_bias":  # learnable [H, 2S-1] relative bias
                 rel = (0.1 * torch.randn(H, 2 * S - 1, device="cuda")).requires_grad_()
@@ -262,7 +270,7 @@ def setup_dynamo():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=["4x4096x16x128"], help="BxSxHxD")
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS + OPTIONAL_VARIANTS)
     ap.add_argument("--out", default=None, help="write rows + markdown table as JSON")
     ap.add_argument("--tvm-ffi", action="store_true", help="launch ours through TVM-FFI (FLEXATTN_TVM_FFI=1)")
     ap.add_argument("--record", action="store_true", help=RECORD_HELP)
