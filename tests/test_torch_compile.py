@@ -781,3 +781,46 @@ def test_functions_defined_inside_take_the_inference_op_when_nothing_records():
     out, ran = ops_run(lambda: compiled(q, k, v, trained))
     torch.testing.assert_close(out, step(q, k, v, trained))
     assert ran == {"flexattn::attention_fwd"}, ran
+
+
+class TorchFunctionScore(torch.nn.Module):
+    """A score function in ``forward`` written with torch functions that have no IR node of
+    their own (mods/torch_functions.py) and tensor idioms: gelu, atan on a trainable
+    temperature, ALiBi slopes by torch.pow of the traced head, masked_fill."""
+
+    def __init__(self):
+        super().__init__()
+        self.temperature = torch.nn.Parameter(torch.rand(H, dtype=torch.float64) + 0.5)
+
+    def forward(self, q, k, v):
+        temperature = self.temperature
+
+        def score(s, b, h, q_idx, kv_idx):
+            s = torch.nn.functional.gelu(s) + torch.atan(s * temperature[h])
+            s = s + torch.pow(2, -8.0 * (h + 1) / H) * (kv_idx - q_idx)
+            return s.masked_fill(q_idx < kv_idx, float("-inf"))
+
+        return fa.flex_attention(q, k, v, score_mod=score).square().sum()
+
+
+def test_torch_functions_in_a_compiled_score_function():
+    model = TorchFunctionScore()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    q, k, v = _qkv(7)
+    _assert_same_as_eager(compiled, model, (q, k, v), (q, k, v, model.temperature))
+    assert counter.frame_count == 1
+
+
+def test_torch_functions_in_a_score_function_match_dense_autograd():
+    """The same model's value and gradients against dense attention in torch autograd."""
+    model = TorchFunctionScore()
+    q, k, v = _qkv(8)
+    got = _grads(model(q, k, v), (q, k, v, model.temperature))
+    h, qi, ki = torch.arange(H).view(1, H, 1, 1), torch.arange(S).view(1, 1, S, 1), torch.arange(S).view(1, 1, 1, S)
+    s = q @ k.transpose(-1, -2) / D ** 0.5
+    s = torch.nn.functional.gelu(s) + torch.atan(s * model.temperature[h])
+    s = (s + torch.pow(2, -8.0 * (h + 1) / H) * (ki - qi)).masked_fill(qi < ki, float("-inf"))
+    want = _grads((torch.softmax(s, -1) @ v).square().sum(), (q, k, v, model.temperature))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

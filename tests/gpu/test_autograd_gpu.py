@@ -149,6 +149,32 @@ def test_causal_alibi_fixed_slopes_torch_style(S):
     _check(f"causal-alibi-fixed-{S}", (q, k, v), leaves, spec, out, d_out)
 
 
+def test_torch_function_score_trains_a_temperature():
+    """A score function written with torch functions that have no IR node of their own or
+    are IR nodes since session 43 (F.gelu on erf, atan on a trainable per-head temperature,
+    ALiBi slopes by torch.pow of the traced head), in a causal block mask: the backward
+    kernels' derivative code, dq / dk / dv and the temperature's gradient."""
+    torch.manual_seed(4)
+    B, H, S, D, dtype = 1, 4, 333, 128, torch.bfloat16
+    leaves, (q, k, v) = _qkv(B, H, H, S, S, D, dtype)
+    temperature = (torch.rand(H, device="cuda") + 0.5).requires_grad_()
+
+    def score(s, b, h, q_idx, kv_idx):
+        s = torch.nn.functional.gelu(s) + torch.atan(s * temperature[h])
+        return s + torch.pow(2, -8.0 * (h + 1) / H) * (kv_idx - q_idx)
+
+    bm = fa.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, S, S, device="cuda")
+    out = fa.flex_attention(q, k, v, score_mod=score, block_mask=bm)
+    d_out = torch.randn_like(out)
+    (out * d_out).sum().backward()
+    spec = AttentionSpec.from_args(score=mods.score_mod(score), mask=mods.causal())
+    _check("torch-functions", (q, k, v), leaves, spec, out, d_out)
+    (slot,) = [i for i, c in enumerate(spec.score.captures) if c is temperature]
+    want = reference.backward(*(x.detach().cpu() for x in (q, k, v)), d_out.detach().cpu(), None, spec=spec,
+                              out=out.detach().cpu())
+    _close("torch-functions d_temperature", temperature.grad, want.d_captures[slot], dtype)
+
+
 def test_document_softcap_fully_masked_rows():
     """mask= (block mask built per call), softcap, Q > KV: queries of the last document
     see no key (out 0, lse -inf) and must get zero gradients, not NaN."""
