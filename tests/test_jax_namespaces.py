@@ -8,6 +8,7 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
+import jax.scipy.special  # noqa: E402,F401
 from jax import lax  # noqa: E402
 from jax.numpy import where as imported_where  # noqa: E402
 
@@ -56,6 +57,8 @@ SCORES = {
     "scalar_type_casts": lambda s, b, h, q, kv: s + jnp.float32(q - kv) * 0.1 + jnp.int32(s * 2),
     "lax_round": lambda s, b, h, q, kv: lax.round(s) + lax.round(s, lax.RoundingMethod.TO_NEAREST_EVEN) * 2,
     "imported_function": lambda s, b, h, q, kv: imported_where(q >= kv, s, 0.0),
+    "scipy_special": lambda s, b, h, q, kv: (jax.scipy.special.erf(s * 0.5) + jax.scipy.special.expit(s)
+                                             + jax.scipy.special.ndtr(s) + jax.scipy.special.xlogy(jnp.abs(s), 2.0)),
 }
 
 

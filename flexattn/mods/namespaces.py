@@ -1,8 +1,8 @@
 """Array-library modules as a traced mod sees them: ``jnp.where``, ``jax.nn.gelu``, ``cupy.tanh``.
 
 torch and numpy functions reach the tracer by protocol (``__torch_function__``,
-``__array_ufunc__`` / ``__array_function__``). ``jax.numpy``, ``jax.nn``, ``jax.lax`` and
-``cupy`` have no hook for foreign objects: their functions reject a proxy. So while a function is traced,
+``__array_ufunc__`` / ``__array_function__``). ``jax.numpy``, ``jax.nn``, ``jax.lax``,
+``jax.scipy.special`` and ``cupy`` have no hook for foreign objects: their functions reject a proxy. So while a function is traced,
 the globals and closure cells holding one of these modules (or one of their functions,
 ``from jax.numpy import where``) are swapped, as captured arrays are, for a namespace that
 answers with the tracer's implementations under JAX's names and semantics:
@@ -166,11 +166,17 @@ _JAX_LAX = {
     "shift_right_arithmetic": _op("right_shift"),
 }
 
+_JAX_SPECIAL = {
+    "erf": tf.erf, "erfc": tf.erfc, "expit": _t._unary("sigmoid"), "logit": tf.logit, "ndtr": tf.ndtr,
+    "xlogy": tf.xlogy, "xlog1py": tf.xlog1py, "entr": tf.entr,
+}
+
 # module name -> (label, table, numpy-named)
 _MODULES = {
     "jax.numpy": ("jax.numpy", _JNP, True),
     "jax.nn": ("jax.nn", _JAX_NN, False),
     "jax.lax": ("jax.lax", _JAX_LAX, False),
+    "jax.scipy.special": ("jax.scipy.special", _JAX_SPECIAL, False),
     "cupy": ("cupy", _JNP, True),
     # torch dispatches by protocol; only its dtype queries need a traced value's dtype name
     "torch": ("torch", {"finfo": tf.finfo, "iinfo": tf.iinfo}, False),
@@ -180,13 +186,18 @@ _NAMESPACES: dict = {}   # id(module) -> (module, its namespace)
 _FUNCTIONS: dict = {}   # id(a library function) -> its traced implementation, built on first use
 
 
+# packages above those modules (jax.scipy.special through `jax`): namespaces that only pass
+# their submodules on
+_PARENTS = {".".join(m.split(".")[:i]) for m in _MODULES for i in range(1, m.count(".") + 1)}
+
+
 def _namespace(module: types.ModuleType):
     name = getattr(module, "__name__", "")
-    if name != "jax" and name not in _MODULES:
+    if name not in _PARENTS and name not in _MODULES:
         return None
     kept = _NAMESPACES.get(id(module))
     if kept is None or kept[0] is not module:
-        label, table, numpy_names = _MODULES.get(name, ("jax", {}, False))
+        label, table, numpy_names = _MODULES.get(name, (name, {}, False))
         kept = _NAMESPACES[id(module)] = (module, TracedNamespace(module, label, table, numpy_names,
                                                                   refuse=name != "torch"))
     return kept[1]
