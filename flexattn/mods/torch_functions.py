@@ -9,8 +9,9 @@ its gradient (a score mod with ``gelu`` that trains) comes from the nodes it is 
 Accuracy, as the kernels compute them (float32 scores): integers and booleans exact;
 floats within a few float32 roundings of the formula, *absolute* near zero for the
 forms built from exp / log (sinh, asinh, log1p: errors ~1e-7 beside the score, not
-relative to a tiny result). erf and atan are IR nodes of their own (libdevice's forms on
-the GPU, exact derivatives): gelu, ndtr, erfc and asin / acos / atan2 are built on them.
+relative to a tiny result). erf and atan are IR nodes of their own (on the GPU: atan
+libdevice's; erf Abramowitz & Stegun 7.1.26 under the kernels' fast math, |error| < 1.5e-7,
+else libdevice's; exact derivatives): gelu, ndtr, erfc and asin / acos / atan2 are built on them.
 Powers with an integer exponent multiply (exact as float32 products); other powers are
 exp2(p log2 |x|) with torch's signs, NaNs and zeros.
 
