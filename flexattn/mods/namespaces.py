@@ -183,7 +183,8 @@ _MODULES = {
 }
 _LIBRARIES = ("jax", "cupy")   # packages whose functions are looked up by identity
 _NAMESPACES: dict = {}   # id(module) -> (module, its namespace)
-_FUNCTIONS: dict = {}   # id(a library function) -> its traced implementation, built on first use
+_FUNCTIONS: dict = {}   # id(a library function) -> (it, its traced implementation)
+_SCANNED: set = set()   # the modules whose functions _FUNCTIONS holds
 
 
 # packages above those modules (jax.scipy.special through `jax`): namespaces that only pass
@@ -209,9 +210,9 @@ def _function_table() -> dict:
         if name.split(".")[0] not in _LIBRARIES:
             continue
         module = sys.modules.get(name)
-        if module is None or ("loaded", name) in _FUNCTIONS:
+        if module is None or name in _SCANNED:
             continue
-        _FUNCTIONS[("loaded", name)] = True
+        _SCANNED.add(name)
         namespace = _namespace(module)
         for attr in dir(module):
             value = getattr(module, attr, None)
