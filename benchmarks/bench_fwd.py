@@ -34,9 +34,13 @@ from results_log import RECORD_HELP, append_rows, tflops_rows
 
 VARIANTS = ("full", "causal", "window1024", "document4", "causal+softcap30", "causal+alibi", "dilated1024",
             "neighborhood2d")
-# Asked for by name only: score mods through torch functions without an IR node of their own
-# (mods/torch_functions.py: gelu on the erf node, a softcap written with atan)
-OPTIONAL_VARIANTS = ("causal+gelu", "causal+atan_softcap20")
+# Asked for by name only: score mods through torch functions (mods/torch_functions.py:
+# gelu built on the erf node, a softcap written with atan)
+FUNCTION_SCORES = {
+    "causal+gelu": lambda s, b, h, q, kv: torch.nn.functional.gelu(s),
+    "causal+atan_softcap20": lambda s, b, h, q, kv: 20.0 * torch.atan(s / 20.0),
+}
+OPTIONAL_VARIANTS = tuple(FUNCTION_SCORES)
 IMPLS = ("flexattn", "flexattn-builtin", "fa4", "flex", "flex-fa", "cudnn")
 IMAGE_WIDTH = 64   # neighborhood2d: tokens are a row-major image this wide
 
@@ -72,9 +76,8 @@ class Variant:
                 self.score = mods.alibi(slopes)
                 self.score_fn = lambda s, b, h, q, kv: s + slopes[h] * (kv - q)
                 self.fa4_kw = None
-            elif name in ("causal+gelu", "causal+atan_softcap20"):   # no built-in: the traced function as a mod value
-                self.score_fn = ((lambda s, b, h, q, kv: torch.nn.functional.gelu(s)) if name == "causal+gelu"
-                                 else (lambda s, b, h, q, kv: 20.0 * torch.atan(s / 20.0)))
+            elif name in FUNCTION_SCORES:   # no built-in: the traced function as a mod value
+                self.score_fn = FUNCTION_SCORES[name]
                 self.score = mods.score_mod(self.score_fn)
                 self.fa4_kw = None
             elif name == "causal+trainable_bias":  # learnable [H, 2S-1] relative bias

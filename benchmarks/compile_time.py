@@ -42,6 +42,8 @@ os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from first_call import VARIANTS as FIRST_CALL_VARIANTS  # noqa: E402  (stdlib-only at import)
+
 
 def _split_mods(kw):
     """(score maker, mask maker, the other config fields) of a KERNELS entry, leaving
@@ -89,27 +91,19 @@ def _decode(**kw):
 
 def _door(variant):
     """The forward kernel ``flexattn.torch.flex_attention`` plans for first_call.py's
-    ``variant`` (B4 S4096 H16 D128 bf16), asked of kernel_path.plan_forward with the
+    ``variant`` (its own arguments, on the CPU), asked of kernel_path.plan_forward with the
     H100 / H200's answers passed in (132 SMs; 120 CTAs resident in clusters of 2): the
     kernels a first call compiles, not hand-written configs that may drift from the plan."""
     def make():
         import torch
 
-        import flexattn.torch as fa
-        from flexattn import mods
+        from first_call import B, D, H, S, variant_kwargs
         from flexattn.core import AttentionSpec
         from flexattn.core import kernel_path
         from flexattn.problem.validate import check_inputs
 
-        B, S, H, D = 4, 4096, 16, 128
         q = torch.empty(B, H, S, D, dtype=torch.bfloat16)
-        doc = torch.arange(S) * 4 // S
-        kw = {"causal": lambda: {"mask": mods.causal()},
-              "window1024": lambda: {"block_mask": fa.create_block_mask(mods.sliding_window(1024), None, None, S, S)},
-              "document4": lambda: {"block_mask": fa.create_block_mask(mods.document(doc), None, None, S, S)},
-              "causal+softcap30": lambda: {"mask": mods.causal(), "score": mods.softcap(30.0)},
-              "causal+alibi": lambda: {"mask": mods.causal(), "score": mods.alibi(num_heads=H)}}[variant]()
-        spec = AttentionSpec.from_args(**kw)
+        spec = AttentionSpec.from_args(**variant_kwargs(variant, device="cpu"))
         asked = kernel_path.persistent_ctas
         kernel_path.persistent_ctas = lambda x, cluster_size=1: 132 if cluster_size == 1 else 120
         try:
@@ -189,7 +183,7 @@ def _neighborhood():       # bench_fwd's neighborhood2d: // and % by the image w
 # The benchmark's configurations (kernel_path.plan_forward: tile 128x128, persistent
 # dense with 132 CTAs on the H100), then others covering the code paths.
 KERNELS = {
-    **{f"door-{v}": _door(v) for v in ("causal", "window1024", "document4", "causal+softcap30", "causal+alibi")},
+    **{f"door-{v}": _door(v) for v in FIRST_CALL_VARIANTS},
     "full": _fwd(head_dim=128, tile_m=128, max_ctas=132),
     "causal": _fwd(head_dim=128, tile_m=128, causal=True),
     "softcap": _fwd(head_dim=128, tile_m=128, causal=True, score=_softcap),

@@ -588,16 +588,21 @@ def type_as(x, other):
     return _t._cast_to(_t._to_node(other).dtype)(_v(x))
 
 
-def finfo(dtype=None):
-    """torch.finfo of a traced value's dtype (``torch.finfo(score.dtype).min``): a mod's
-    floats are float32."""
+def _torch_dtype(dtype):
+    """A traced value's dtype name ("float32": a mod's floats) as torch's dtype."""
     import torch
-    return torch.finfo(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def finfo(*dtype):
+    """torch.finfo of a traced value's dtype (``torch.finfo(score.dtype).min``)."""
+    import torch
+    return torch.finfo(*map(_torch_dtype, dtype))
 
 
 def iinfo(dtype):
     import torch
-    return torch.iinfo(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    return torch.iinfo(_torch_dtype(dtype))
 
 
 # --- the table ----------------------------------------------------------------------------------
@@ -645,17 +650,17 @@ FUNCTIONS = {name: _elementwise(fn) for name, fn in FUNCTIONS.items()}
 
 # Names that are also tensor methods (x.atan(), x.relu(), x.clamp_min(0), ...)
 TENSOR_METHODS = (
-    "div", "divide", "trunc", "fix", "fmod", "frac", "round", "reciprocal", "isnan", "isinf", "isfinite",
+    "divide", "trunc", "fix", "fmod", "frac", "round", "reciprocal", "isnan", "isinf", "isfinite",
     "signbit", "copysign", "sgn", "heaviside", "nan_to_num", "clamp_min", "clamp_max", "log1p", "expm1",
-    "log10", "logaddexp", "logaddexp2", "xlogy", "logit", "pow", "float_power", "square", "hypot",
+    "log10", "logaddexp", "logaddexp2", "xlogy", "logit", "float_power", "hypot",
     "tan", "atan", "arctan", "asin", "arcsin", "acos", "arccos", "atan2", "arctan2", "sinh", "cosh",
     "asinh", "arcsinh", "acosh", "arccosh", "atanh", "arctanh", "sinc", "deg2rad", "rad2deg", "erf", "erfc",
     "relu", "hardshrink", "lerp", "addcmul", "addcdiv",
     "add", "sub", "subtract", "mul", "multiply", "true_divide", "floor_divide", "masked_fill",
     "clone", "detach", "contiguous", "type_as", "eq", "ne", "lt", "le", "gt", "ge", "less", "less_equal",
     "greater", "greater_equal", "equal", "not_equal", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not",
-    "fmin", "fmax", "absolute", "negative", "exp2", "sigmoid",
-)
+    "fmin", "fmax", "absolute", "negative",
+)   # (div, pow, square, exp2, sigmoid, ...: trace._PROXY_METHODS)
 
 # In-place tensor methods (``s.add_(b)``, ``s.clamp_(min=0)``, ``s.masked_fill_(m, v)``,
 # ``s.fill_(v)``): the traced value is rebound to the result (trace.py), as the operation

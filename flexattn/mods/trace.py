@@ -274,11 +274,11 @@ def _substitute_captures(fn: Callable, ctx: TraceContext) -> Callable:
                 cells.append(cell)
         closure = tuple(cells)
     glb = fn.__globals__
-    names = [n for n in fn.__code__.co_names if n in glb and (is_array(glb[n]) or _is_number(glb[n])
-                                                            or namespaces.substitute(glb[n]) is not glb[n])]
-    if names:
+    wrapped = {n: wrap(glb[n]) for n in fn.__code__.co_names if n in glb}
+    replaced = {n: w for n, w in wrapped.items() if w is not glb[n]}
+    if replaced:
         glb = dict(glb)
-        glb.update({n: wrap(glb[n]) for n in names})
+        glb.update(replaced)
     defaults = tuple(wrap(d) for d in fn.__defaults__) if fn.__defaults__ else None
     new = types.FunctionType(fn.__code__, glb, fn.__name__, defaults, closure)
     if fn.__kwdefaults__:
