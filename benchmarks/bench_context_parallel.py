@@ -130,6 +130,9 @@ def _worker(rank, world, port, args, queue):
                         rows.append(dict(world=world, seq=seq, mask=mask_name, impl=impl, phase=phase, ms=ms,
                                          tflops_per_gpu=per_gpu, rank_ms=rank_ms,
                                          peak_gib=torch.cuda.max_memory_allocated() / 2**30))
+                        if args.host_profile and impl.startswith("flexattn"):
+                            _host_profile(lambda: run(train), args.host_profile, rank,
+                                          _trace_name(mask_name, impl, phase, world, rank))
                         if args.trace:
                             mine = _overlap(lambda: run(train), args.trace if rank in args.trace_ranks
                                             else None, _trace_name(mask_name, impl, phase, world, rank))
@@ -148,6 +151,32 @@ def _worker(rank, world, port, args, queue):
         if rank == 0:
             queue.put(rows)
         dist.destroy_process_group()
+
+
+def _host_profile(step, folder, rank, name, calls=20) -> None:
+    """cProfile of ``calls`` steps on every rank (each synchronized, as ``_time`` times
+    them); rank 0's top entries by internal and by cumulative time into ``folder``: where a
+    step's host time before its first launch goes (its ``lead_ms`` in the traces)."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    for _ in range(calls):
+        profiler.enable()
+        step()
+        profiler.disable()
+        torch.cuda.synchronize()
+    if rank != 0:
+        return
+    os.makedirs(folder, exist_ok=True)
+    text = io.StringIO()
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
+    # one file for every row (the device tool returns at most 8 files)
+    with open(os.path.join(folder, "host_profile.txt"), "a") as f:
+        f.write(f"\n######## {name}: {calls} steps\n" + text.getvalue())
 
 
 def _trace_name(mask_name, impl, phase, world, rank) -> str:
@@ -383,6 +412,9 @@ def main():
     ap.add_argument("--masks", nargs="*", default=None, help="causal documents16 (default both)")
     ap.add_argument("--impls", nargs="*", default=None,
                     help="words an implementation's name must contain (the one-GPU reference always runs)")
+    ap.add_argument("--host-profile", default=None,
+                    help="folder: cProfile of 20 steps of our implementations (rank 0's, as text, all rows in"
+                         " host_profile.txt)")
     ap.add_argument("--trace", default=None, help="folder: profile one step per row (NCCL/kernel overlap)")
     ap.add_argument("--trace-ranks", nargs="*", type=int, default=None,
                     help="keep these ranks' trace files only (default: every rank's; the overlap figures are rank 0's)")

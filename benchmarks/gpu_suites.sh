@@ -27,12 +27,23 @@ groups=()
 for g in "${all_groups[@]}"; do
   if [ $# -eq 0 ] || [[ " $* " == *" ${g%%:*} "* ]]; then groups+=("$g"); fi
 done
+# On a machine of several GPUs (nvidia-h200-x2 ...) the groups take them in turn, unless the
+# caller chose the GPUs (CUDA_VISIBLE_DEVICES set): each GPU then runs fewer groups side by side.
+gpus=1
+if [ -z "${CUDA_VISIBLE_DEVICES:-}" ]; then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  [ "$gpus" -ge 1 ] || gpus=1
+fi
 pids=()
+i=0
 for g in "${groups[@]}"; do
   name=${g%%:*}
   files=${g#*:}
+  gpu_env=""
+  [ "$gpus" -gt 1 ] && gpu_env="CUDA_VISIBLE_DEVICES=$(( i % gpus ))"
+  i=$(( i + 1 ))
   # (eval: a group's -k expression is quoted inside its string)
-  eval "timeout $limit python3 -m pytest -q -p no:cacheprovider $files" > "$out/gpu_$name.log" 2>&1 &
+  eval "$gpu_env timeout $limit python3 -m pytest -q -p no:cacheprovider $files" > "$out/gpu_$name.log" 2>&1 &
   pids+=($!)
 done
 rc=0
