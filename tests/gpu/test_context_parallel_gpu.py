@@ -181,6 +181,62 @@ def test_the_public_door_runs_threads_of_one_process():
     assert (whole.float() - one.float()).abs().max().item() < 2e-2
 
 
+def test_repeated_calls_launch_prepared_pairs():
+    """A repeated call's pairs launch prepared (``tcp._pair_forward``: no checks, planning or
+    lists): three calls of the public door per rank-thread, the second on the prepared
+    launches, the third after the score's captured bias changed in place (a prepared launch
+    reads its tensor captures at launch), each against one GPU's call."""
+    seq, world = 2048, 2
+    torch.manual_seed(3)
+    q = torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, HK, seq, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, HK, seq, D, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(H, device="cuda")
+    doc = (torch.arange(seq, device="cuda") * 3 // seq).to(torch.int32)
+
+    def documents(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    def score(s, b, h, q_idx, kv_idx):
+        return s + bias[h]
+
+    layout = tcp.shard_layout(seq, world, mask=documents)
+
+    def calls(comm):
+        ql, kl, vl = (tcp.shard(x, layout, comm.rank) for x in (q, k, v))
+        parallel = tcp.ContextParallel(layout, comm)
+        outs = []
+        for step in range(3):
+            if step == 2:
+                comm_barrier.wait()
+                if comm.rank == 0:
+                    bias.mul_(-2.0).add_(0.5)
+                comm_barrier.wait()
+            with torch.no_grad():
+                outs.append(tcp.flex_attention(ql, kl, vl, score_mod=score, mask=documents, enable_gqa=True,
+                                               parallel=parallel))
+            torch.cuda.synchronize()
+        return outs
+
+    comm_barrier = threading.Barrier(world)
+    for mask in (documents, None):   # compile the pairs' kernels in one thread (as the door test does)
+        fa.flex_attention(q[:, :, :256], k[:, :, :256], v[:, :, :256], score_mod=score, mask=mask, enable_gqa=True)
+    tcp._PAIR_LAUNCHES.clear()
+    before = bias.clone()
+    per_rank = cp.LoopbackWorld(world).run(calls)
+    assert any(slot[2] is not None for slot in list(tcp._PAIR_LAUNCHES.values())), "no pair launch was prepared"
+    after = bias.clone()
+    for step, value in ((0, before), (1, before), (2, after)):
+        bias.copy_(value)
+        one = fa.flex_attention(q, k, v, score_mod=score, mask=documents, enable_gqa=True)
+        whole = torch.empty_like(q)
+        for r, outs in enumerate(per_rank):
+            whole[:, :, torch.as_tensor(layout.positions(r), device="cuda")] = outs[step]
+        err = (whole.float() - one.float()).abs().max().item()
+        assert err < 2e-2, f"call {step}: max difference to one GPU {err}"
+    assert (per_rank[0][1] == per_rank[0][0]).all(), "the prepared launch changed the result"
+
+
 # -- NCCL, one process per GPU ------------------------------------------------------------------
 
 _NCCL_CASES = [("causal", "ring"), ("documents", "ring"), ("causal", "all_gather"), ("bias", "ring"),
