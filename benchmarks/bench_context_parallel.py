@@ -299,6 +299,8 @@ def _implementations(mask_name, mask, q, k, v, d_out, world, rank, dist, args):
         yield f"flexattn {schedule}", ours
         if schedule == "direct":   # an A/B of the sends' copies beside the launches (TorchOps.aside)
             yield "flexattn direct aside", _with_env("FLEXATTN_CP_STAGE_ASIDE", "1", ours)
+            # an A/B of the pairs' prepared launches (torch/context_parallel._pair_forward)
+            yield "flexattn direct unprepared", _with_env("FLEXATTN_CP_PREPARED", "0", ours)
     baselines = [("torch cp flex", lambda: _torch_flex(mask, q, k, v, d_out, world))]
     if mask_name == "causal":
         baselines.insert(0, ("torch cp sdpa (ring)", lambda: _torch_sdpa(q, k, v, d_out, world)))

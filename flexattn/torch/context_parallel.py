@@ -542,8 +542,10 @@ def _pair_forward(spec, q, k, v, into):
     launch included, while the GPU waited (documents16 W 2's forward, 2026-11-29). Keyed by
     the spec object's id and everything the checks read of the tensors; an entry leaves
     with its spec (a weak reference: the plan's lifetime bounds what the launch holds).
-    The debug mode (``bounds``) takes the full path, as the door's repeats do."""
-    if into is None or bounds.enabled() or q.device.index != torch.cuda.current_device():
+    The debug mode (``bounds``) takes the full path, as the door's repeats do; so does
+    every launch with FLEXATTN_CP_PREPARED=0 (for A/B runs in one process)."""
+    if (into is None or bounds.enabled() or q.device.index != torch.cuda.current_device()
+            or os.environ.get("FLEXATTN_CP_PREPARED") == "0"):
         return _kernel_forward(spec, check_inputs(q, k, v, spec), q, k, v, into=into)
     key = (id(spec), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
            q.device.index, into[0].stride(), into[1].stride())
