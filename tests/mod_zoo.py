@@ -65,6 +65,17 @@ def _composed_torch_functions(s, b, h, q, kv):
     return torch.where(torch.signbit(d), x, x + torch.acos(torch.tanh(s * 0.1) * 0.9) + torch.log10(d.abs() + 1.0))
 
 
+def _vector_reductions(emb):
+    """Reductions of vector reads (amax, logsumexp, norm: unrolled over the trailing dims),
+    an integer base to a traced power (torch's integer result) and a constant made with
+    the score's dtype."""
+    def fn(s, b, h, q, kv):
+        row, col = emb[h], emb[kv % 4]
+        return (s + row.amax() * 0.1 + torch.logsumexp(col, dim=-1).mean() * 0.1 + col.norm() * 0.05
+                + 2 ** (h % 3) + torch.minimum(s, torch.tensor(4.0, dtype=s.dtype)) * 0.1)
+    return fn
+
+
 def zoo(rng, S):
     ids = np.sort(rng.integers(0, 4, size=S)).astype(np.int64)
     table = torch.from_numpy(rng.standard_normal((4, 2 * 5 + 1)).astype(np.float32))
@@ -91,6 +102,8 @@ def zoo(rng, S):
         "rewritten_torch_functions": (mods.score_mod(_rewritten_torch_functions),
                                       mods.mask_mod(lambda b, h, q, kv: torch.fmod(q - kv, 7) != 3)),
         "composed_torch_functions": (mods.score_mod(_composed_torch_functions), None),
+        "vector_reductions": (mods.score_mod(_vector_reductions(
+            torch.from_numpy(rng.standard_normal((4, 4, 3)).astype(np.float32)))), None),
         "combo": (mods.alibi(slopes) >> mods.softcap(20.0),
                   (mods.causal() & mods.sliding_window(S // 3)) | ~mods.document(ids)),
     }

@@ -217,6 +217,15 @@ IDIOMS = {
     "comparison_methods": lambda s, b, h, q, kv: torch.where(q.eq(kv) | q.gt(kv).logical_and(q.le(kv + 4)), s, -s),
     "bitwise_methods": lambda s, b, h, q, kv: torch.where(q.bitwise_and(3).ne(kv.bitwise_and(3)), s, s * 2),
     "type_as_contiguous": lambda s, b, h, q, kv: s.contiguous() + (q - kv).type_as(s) * 0.25,
+    # constants made with a traced value's dtype (our dtype names become torch's)
+    "dtype_from_traced_value": lambda s, b, h, q, kv: (torch.minimum(s, torch.tensor(3.0, dtype=s.dtype))
+                                                       + torch.full((), 0.5, dtype=s.dtype, device=s.device)
+                                                       + torch.zeros((), dtype=s.dtype) + torch.scalar_tensor(
+                                                           -1.0, dtype=s.dtype)),
+    # an integer base to a traced integer exponent is an integer, as torch computes it
+    # (2 ** -2 == 0 there)
+    "integer_base_powers": lambda s, b, h, q, kv: (s + 2 ** (-(h + 1)) + 3 ** (kv % 4) + (-2) ** (q % 5)
+                                                   + (-1) ** q + 0 ** (kv % 2) + 1 ** (q - kv)),
 }
 
 
@@ -231,6 +240,35 @@ def test_tensor_idioms_match_torch(name):
     want = fn(torch.from_numpy(score.copy()).to(dtype), torch.tensor(0), torch.tensor(1), torch.from_numpy(q),
               torch.from_numpy(kv)).double().numpy()
     np.testing.assert_allclose(got, np.broadcast_to(want, score.shape), rtol=1e-6, atol=1e-6)
+
+
+_EMB = torch.from_numpy(np.random.default_rng(5).normal(size=(5, 4, 3)))
+
+
+def _reductions(s, b, h, q, kv):
+    row, col = _EMB[q % 5], _EMB[kv % 5]
+    return (s + row.amax() + col.amin(-1).sum() + torch.max(row) + torch.min(col) + row.max() * 0.5
+            + row.norm() + torch.linalg.vector_norm(col, ord=1) + torch.norm(row, p=float("inf"))
+            + row.norm(p=3) + col.norm(dim=-1).sum() + row[0].prod() + torch.logsumexp(col, dim=-1).mean()
+            + torch.logsumexp(row * 30.0, dim=(0, 1)) * 0.01 + row.var() + col.std(dim=0).sum()
+            + row.var(unbiased=False) + col.amax(dim=0, keepdim=True).sum())
+
+
+def test_reductions_of_vector_reads_match_torch():
+    """max / min / amax / amin / norm (p = 2, 1, inf, 3; torch.linalg.vector_norm) / prod /
+    logsumexp / var / std over a captured tensor's trailing dims, whole or along dims."""
+    rng = np.random.default_rng(4)
+    score = rng.normal(size=(7, 9))
+    q, kv = np.arange(7)[:, None], np.arange(9)[None, :]
+    got = np.broadcast_to(score_mod(_reductions)(score, 0, 1, q, kv), score.shape)
+    want = np.array([[_reductions(torch.tensor(score[i, j]), 0, 1, torch.tensor(i), torch.tensor(j)).item()
+                      for j in range(9)] for i in range(7)])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_max_along_a_dim_asks_for_amax():
+    with pytest.raises(TraceError, match="torch.amax"):
+        score_mod(lambda s, b, h, q, kv: s + torch.max(_EMB[q % 5], 0).values.sum())
 
 
 def test_in_place_changes_to_captured_tensors_are_refused():

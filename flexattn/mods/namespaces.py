@@ -67,10 +67,26 @@ class TracedNamespace:
             return _ScalarType(value)
         if self._refuse and callable(value) and not isinstance(value, type):
             return _refusing(f"{self._label}.{name}", value)
+        if not self._refuse and callable(value) and not isinstance(value, type):
+            return _with_dtypes(value)
         return value
 
     def __repr__(self):
         return f"<{self._label} as traced mods see it>"
+
+
+def _with_dtypes(fn):
+    """A torch function whose ``dtype=`` may name a traced value's dtype ("float32":
+    ``torch.tensor(-1e4, dtype=score.dtype)``, ``torch.full((), 0.5, dtype=s.dtype)``): torch's
+    dtype passed on; everything else reaches torch as written (traced operands dispatch by
+    protocol)."""
+
+    def call(*args, **kwargs):
+        if isinstance(kwargs.get("dtype"), str):
+            kwargs["dtype"] = tf._torch_dtype(kwargs["dtype"])
+        return fn(*args, **kwargs)
+
+    return call
 
 
 def _is_scalar_type(value) -> bool:
@@ -178,7 +194,8 @@ _MODULES = {
     "jax.lax": ("jax.lax", _JAX_LAX, False),
     "jax.scipy.special": ("jax.scipy.special", _JAX_SPECIAL, False),
     "cupy": ("cupy", _JNP, True),
-    # torch dispatches by protocol; only its dtype queries need a traced value's dtype name
+    # torch dispatches by protocol; only its dtype queries and dtype= arguments need a
+    # traced value's dtype name converted (_with_dtypes)
     "torch": ("torch", {"finfo": tf.finfo, "iinfo": tf.iinfo}, False),
 }
 _LIBRARIES = ("jax", "cupy")   # packages whose functions are looked up by identity

@@ -292,6 +292,8 @@ def power(x, exponent):
             p_node = ir.const(value)
     if p_node.op == "const":
         return _constant_power(x, p_node)
+    if x_is_number and not isinstance(x, (float, np.floating)) and not _is_float(p):
+        return _integer_base_power(int(x), _v(p))
     if x_is_number and float(x) > 0:
         return _t._unary("exp2")(_float(p) * math.log2(float(x)))
     x, p = _v(x), _v(p)
@@ -299,6 +301,22 @@ def power(x, exponent):
         raise _t.TraceError("an integer to a traced integer power in a mod: write the base as a float"
                             " (x.float() ** p), exact below 2^24")
     return _general_power(_float(x), _float(p))
+
+
+def _integer_base_power(base: int, p):
+    """``base ** p`` for an integer base and a traced integer exponent, as torch computes it
+    on integer tensors (``2 ** (-(h + 1))`` is 0 there): an integer, 0 for negative exponents
+    unless |base| is 1; exact while |result| < 2^24."""
+    if base == 1:
+        return _t._full_like(p, 1)
+    if base == -1:
+        return where(p % 2 == 0, 1, -1)
+    if base == 0:
+        return where(p == 0, 1, 0)
+    magnitude = _floor(_t._unary("exp2")(_float(p) * math.log2(abs(base))) + 0.5)
+    if base < 0:
+        magnitude = where(p % 2 == 0, magnitude, -magnitude)
+    return _t._cast_to("int32")(where(p < 0, 0.0, magnitude))
 
 
 def _constant_power(x, p_node):

@@ -396,7 +396,16 @@ def _logical_not(x):
 
 
 def _min_max(op):
+    """torch.max / min: of two operands the elementwise one; of a vector read (a captured
+    tensor indexed along its leading dims) its largest / smallest element."""
     def f(a, b=None, *rest, **kw):
+        if is_vector(a) and not rest and (b is None or isinstance(b, int)):
+            dim = kw.pop("dim", b)
+            kw.pop("keepdim", None)
+            if dim is not None or kw:
+                raise TraceError(f"torch.{op}(x, dim) in a mod also returns argmax indices, which are not traced;"
+                                 f" use torch.a{op}(x, dim)")
+            return (vector_amax if op == "max" else vector_amin)(a)
         if b is None or rest or kw:
             raise TraceError(f"{op} of a single traced value is meaningless here; use {op}imum(a, b)")
         return _binary(op + "imum")(a, b)
@@ -643,6 +652,7 @@ _PROXY_METHODS = (
     "logical_not", "logical_and", "logical_or", "logical_xor", "remainder", "div",
     "new_full", "new_ones", "new_zeros", "new_tensor",
     "sum", "mean", "dot", "inner", "matmul", "__matmul__", "__rmatmul__",
+    "max", "min", "amax", "amin", "prod", "logsumexp", "norm", "var", "std",
 )
 
 
@@ -673,13 +683,16 @@ Sym.device = None   # ``device=b.device`` in torch's mask helpers: constants hav
 # Functions written with the IR's ops (mods/torch_functions.py: erf, atan, gelu, pow, ...)
 # and vector reads (a captured tensor indexed along its leading dims only), unrolled element
 # by element and reduced by sum / dot / @ (mods/vectors.py). Both read this module's names.
-from .vectors import SymArray, dot as _dot, elementwise, is_vector, vector_mean, vector_sum  # noqa: E402
+from .vectors import (SymArray, dot as _dot, elementwise, is_vector, vector_amax, vector_amin,  # noqa: E402
+                      vector_logsumexp, vector_mean, vector_norm, vector_prod, vector_std, vector_sum, vector_var)
 from .torch_functions import FUNCTIONS, INPLACE_METHODS, TENSOR_METHODS  # noqa: E402
 from . import namespaces  # noqa: E402
 
 OPERATIONS.update(FUNCTIONS)
 OPERATIONS.update({"sum": vector_sum, "mean": vector_mean, "dot": _dot, "inner": _dot, "vdot": _dot,
-                   "matmul": _dot, "__matmul__": _dot, "__rmatmul__": lambda a, b: _dot(b, a)})
+                   "matmul": _dot, "__matmul__": _dot, "__rmatmul__": lambda a, b: _dot(b, a),
+                   "amax": vector_amax, "amin": vector_amin, "prod": vector_prod, "logsumexp": vector_logsumexp,
+                   "norm": vector_norm, "linalg_vector_norm": vector_norm, "var": vector_var, "std": vector_std})
 _PROXY_METHODS += TENSOR_METHODS + ("__rpow__", "__round__")
 for _name in _PROXY_METHODS:
     setattr(Sym, _name, _proxy_method(_name))

@@ -106,33 +106,52 @@ def elementwise(apply, args):
     return SymArray(out)
 
 
-def _total(values):
-    """Sum of an object array as a balanced tree of adds (shallower IR than a chain)."""
-    items = list(np.ravel(values))
-    if not items:
-        return 0
+def _tree(items, combine):
+    """``combine`` over ``items`` as a balanced tree (shallower IR than a chain)."""
+    items = list(items)
     while len(items) > 1:
-        items = [items[i] + items[i + 1] if i + 1 < len(items) else items[i] for i in range(0, len(items), 2)]
+        items = [combine(items[i], items[i + 1]) if i + 1 < len(items) else items[i] for i in range(0, len(items), 2)]
     return items[0]
 
 
-def vector_sum(x, dim=None, keepdim=False, dtype=None, **_):
-    """torch.sum / x.sum / np.sum: over every element, or one dim."""
+def _total(values):
+    """Sum of an object array."""
+    items = list(np.ravel(values))
+    return _tree(items, lambda a, b: a + b) if items else 0
+
+
+def _reduce(x, dim, keepdim, reduce_items, empty=None):
+    """``reduce_items(list of elements) -> one value`` over every element of a vector
+    operand, or along ``dim`` (an int or a tuple), torch's ``keepdim``; scalars are their
+    own reduction."""
     values = as_values(x)
     if not isinstance(values, np.ndarray):
         return x
+    if values.size == 0:
+        if empty is None:
+            raise _t.TraceError("a reduction over an empty vector read in a mod has no value")
+        return empty
     if dim is None or (isinstance(dim, (tuple, list)) and len(dim) == values.ndim):
-        return _total(values)
+        out = np.empty((), dtype=object)
+        out[()] = reduce_items(list(np.ravel(values)))
+        if keepdim:
+            out = out.reshape((1,) * values.ndim)
+        return SymArray(out) if out.ndim else out[()]
     dims = dim if isinstance(dim, (tuple, list)) else (dim,)
     dims = tuple(sorted(d % values.ndim for d in dims))
     moved = np.moveaxis(values, dims, tuple(range(values.ndim - len(dims), values.ndim)))
     out = np.empty(moved.shape[:values.ndim - len(dims)], dtype=object)
     for index in np.ndindex(*out.shape):
-        out[index] = _total(moved[index])
+        out[index] = reduce_items(list(np.ravel(moved[index])))
     if keepdim:
         for d in dims:
             out = np.expand_dims(out, d)
     return SymArray(out) if out.ndim else out[()]
+
+
+def vector_sum(x, dim=None, keepdim=False, dtype=None, **_):
+    """torch.sum / x.sum / np.sum: over every element, or one dim."""
+    return _reduce(x, dim, keepdim, lambda items: _tree(items, lambda a, b: a + b), empty=0)
 
 
 def vector_mean(x, dim=None, keepdim=False, **_):
@@ -141,6 +160,88 @@ def vector_mean(x, dim=None, keepdim=False, **_):
         return x
     count = values.size if dim is None else int(np.prod([values.shape[d] for d in np.atleast_1d(dim)]))
     return vector_sum(x, dim, keepdim) / count
+
+
+def _op(name):
+    return _t.OPERATIONS[name]
+
+
+def vector_amax(x, dim=None, keepdim=False, **_):
+    """torch.amax / np.max: the largest element (NaN if any is, as torch's)."""
+    return _reduce(x, dim, keepdim, lambda items: _tree(items, _op("maximum")))
+
+
+def vector_amin(x, dim=None, keepdim=False, **_):
+    return _reduce(x, dim, keepdim, lambda items: _tree(items, _op("minimum")))
+
+
+def vector_prod(x, dim=None, keepdim=False, dtype=None, **_):
+    return _reduce(x, dim, keepdim, lambda items: _tree(items, lambda a, b: a * b), empty=1)
+
+
+def _logsumexp_items(items):
+    """log(sum(exp(items))) shifted by their max (finite for large scores; -inf when every
+    item is -inf, as torch's)."""
+    m = _tree(items, _op("maximum"))
+    shift = _t._where(_op("isinf")(m), 0.0, m)
+    return shift + _op("log")(_total(np.array([_op("exp")(i - shift) for i in items], dtype=object)))
+
+
+def vector_logsumexp(x, dim=None, keepdim=False, **_):
+    """torch.logsumexp (``dim`` required by torch; every element when omitted)."""
+    return _reduce(x, dim, keepdim, _logsumexp_items)
+
+
+def vector_norm(x, p=2, dim=None, keepdim=False, dtype=None, ord=None, **_):
+    """torch.norm / x.norm / torch.linalg.vector_norm (``ord``): the p-norm of the elements
+    (2 and "fro": the square root of the sum of squares; 1; inf / -inf: the largest /
+    smallest magnitude; 0: the count of non-zeros; any other p: (sum |x|^p)^(1/p))."""
+    p = ord if ord is not None else p
+    p = 2 if p in (None, "fro") else p
+    if isinstance(p, str):
+        raise _t.TraceError(f"norm with p={p!r} in a mod: vector reads take numeric p (2, 1, inf, ...)")
+    absolute = _op("abs")
+
+    def norm(items):
+        if p == 2:
+            return _op("sqrt")(_tree([i * i for i in items], lambda a, b: a + b))
+        if p == 1:
+            return _tree([absolute(i) for i in items], lambda a, b: a + b)
+        if p == float("inf"):
+            return _tree([absolute(i) for i in items], _op("maximum"))
+        if p == -float("inf"):
+            return _tree([absolute(i) for i in items], _op("minimum"))
+        if p == 0:
+            return _tree([(i != 0).float() if isinstance(i, _t.Sym) else float(i != 0) for i in items],
+                         lambda a, b: a + b)
+        power = _op("pow")
+        return power(_tree([power(absolute(i), p) for i in items], lambda a, b: a + b), 1.0 / p)
+
+    return _reduce(x, dim, keepdim, norm, empty=0.0)
+
+
+def vector_var(x, dim=None, *args, correction=None, unbiased=None, keepdim=False, **_):
+    """torch.var / x.var (``correction``, default 1; the older ``unbiased`` flag)."""
+    if args:   # torch.var(x, dim, unbiased, keepdim) and torch.var(x, unbiased)
+        if isinstance(args[0], bool) and dim is not None and not isinstance(dim, bool):
+            unbiased, args = args[0], args[1:]
+        if args:
+            keepdim = args[0]
+    if isinstance(dim, bool):
+        dim, unbiased = None, dim
+    if correction is None:
+        correction = 1 if unbiased is None or unbiased else 0
+
+    def var(items):
+        mean = _total(np.array(items, dtype=object)) / len(items)
+        squares = _total(np.array([(i - mean) * (i - mean) for i in items], dtype=object))
+        return squares / max(len(items) - correction, 0) if len(items) > correction else squares * float("nan")
+
+    return _reduce(x, dim, keepdim, var)
+
+
+def vector_std(x, dim=None, *args, **kwargs):
+    return _op("sqrt")(vector_var(x, dim, *args, **kwargs))
 
 
 def dot(a, b, **_):
