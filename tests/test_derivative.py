@@ -222,6 +222,17 @@ def _cases():
                                     + torch.acos(torch.sigmoid(s * w[h])))
         return score_mod(f), f, [w]
     cases["erf_erfc_atan_gelu_atan2_asin_acos"] = erf_atan_family
+
+    # reductions of vector reads (mods/vectors.py): the gradient reaches every element read
+    # (trailing dims named, so torch's broadcast evaluation of the same function agrees)
+    def vector_reductions():
+        e = leaf(rng, H, 3, 2)
+        last2 = (-2, -1)
+        f = lambda s, b, h, q, kv: (s * e[h].amax(dim=last2) + torch.logsumexp(e[h], dim=-1).sum(-1) * s  # noqa: E731
+                                    + e[h].norm(dim=last2) * s + e[h, 0].prod(-1) + e[h].var(dim=last2) * s
+                                    + e[h].std(dim=-2).sum(-1) + torch.linalg.vector_norm(e[h] * 0.5, ord=3, dim=last2))
+        return score_mod(f), f, [e]
+    cases["amax_logsumexp_norm_prod_var_std"] = vector_reductions
     return cases
 
 
