@@ -824,3 +824,42 @@ def test_torch_functions_in_a_score_function_match_dense_autograd():
     want = _grads((torch.softmax(s, -1) @ v).square().sum(), (q, k, v, model.temperature))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+class LiteralsAndReductionsScore(torch.nn.Module):
+    """A score function in ``forward`` making literals with torch's constructors
+    (``torch.tensor(c, dtype=s.dtype)``, ``torch.full((), c)``: constants of the expression,
+    not tensors for torch.compile to find a source for) and reducing a vector read of a
+    trainable table (``emb[h].amax(...)``, ``logsumexp``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Parameter(torch.randn(H, 3, 2, dtype=torch.float64,
+                                                  generator=torch.Generator().manual_seed(11)))
+
+    def forward(self, q, k, v):
+        emb = self.emb
+
+        def score(s, b, h, q_idx, kv_idx):
+            s = torch.minimum(s, torch.tensor(2.5, dtype=s.dtype)) + torch.full((), 0.25)
+            return s + emb[h].amax(dim=(-2, -1)) * 0.5 + torch.logsumexp(emb[h], dim=-1).sum(-1) * 0.1
+
+        return fa.flex_attention(q, k, v, score_mod=score).square().sum()
+
+
+def test_literals_and_vector_reductions_in_a_compiled_score_function():
+    model = LiteralsAndReductionsScore()
+    counter = CompileCounterWithBackend("inductor")   # (our route; other backends run torch's HOP)
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    q, k, v = _qkv(9)
+    _assert_same_as_eager(compiled, model, (q, k, v), (q, k, v, model.emb))
+    assert counter.frame_count == 1
+    # and against dense attention in torch autograd
+    got = _grads(model(q, k, v), (q, k, v, model.emb))
+    h = torch.arange(H).view(1, H, 1, 1)
+    s = torch.minimum(q @ k.transpose(-1, -2) / D ** 0.5, torch.tensor(2.5, dtype=q.dtype)) + 0.25
+    e = model.emb[h]     # [1, H, 1, 1, 3, 2]
+    s = s + e.amax(dim=(-2, -1)) * 0.5 + torch.logsumexp(e, dim=-1).sum(-1) * 0.1
+    want = _grads((torch.softmax(s, -1) @ v).square().sum(), (q, k, v, model.emb))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

@@ -68,25 +68,48 @@ class TracedNamespace:
         if self._refuse and callable(value) and not isinstance(value, type):
             return _refusing(f"{self._label}.{name}", value)
         if not self._refuse and callable(value) and not isinstance(value, type):
-            return _with_dtypes(value)
+            return _torch_function(name, value)
         return value
 
     def __repr__(self):
         return f"<{self._label} as traced mods see it>"
 
 
-def _with_dtypes(fn):
-    """A torch function whose ``dtype=`` may name a traced value's dtype ("float32":
-    ``torch.tensor(-1e4, dtype=score.dtype)``, ``torch.full((), 0.5, dtype=s.dtype)``): torch's
-    dtype passed on; everything else reaches torch as written (traced operands dispatch by
-    protocol)."""
+# torch's constructors of a value: a 0-d result made inside a mod is a literal
+_CONSTRUCTORS = ("tensor", "as_tensor", "asarray", "scalar_tensor", "full", "zeros", "ones")
+
+
+def _torch_function(name: str, fn):
+    """A torch function as a traced mod sees it. ``dtype=`` may name a traced value's dtype
+    ("float32": ``torch.tensor(-1e4, dtype=score.dtype)``): torch's dtype is passed on. A
+    0-d tensor built from constants (``torch.tensor(2.0)``, ``torch.full((), 0.5)``) is a
+    literal of the expression, not a captured tensor: no kernel argument, and nothing for
+    torch.compile to trace to a source. ``torch.tensor(x)`` of a traced value is that value
+    (cast to ``dtype``). Everything else reaches torch as written (traced operands dispatch
+    by protocol)."""
 
     def call(*args, **kwargs):
         if isinstance(kwargs.get("dtype"), str):
             kwargs["dtype"] = tf._torch_dtype(kwargs["dtype"])
-        return fn(*args, **kwargs)
+        if name not in _CONSTRUCTORS:
+            return fn(*args, **kwargs)
+        if name in ("tensor", "as_tensor", "asarray", "scalar_tensor") and args and _traced(args[0]):
+            dtype = kwargs.get("dtype")
+            value = args[0]
+            return _t._cast_to(dtype)(value) if dtype is not None else value
+        result = fn(*args, **kwargs)
+        if getattr(result, "ndim", None) == 0 and not getattr(result, "requires_grad", False):
+            return _t.Sym(_t.ir.const(result.item(), _literal_dtype(result)))
+        return result
 
     return call
+
+
+def _literal_dtype(tensor) -> str:
+    """The IR dtype of a 0-d torch tensor's literal: bool, an integer or a float."""
+    if tensor.dtype.is_floating_point:
+        return _t.ir.FLOAT
+    return _t.ir.BOOL if str(tensor.dtype) == "torch.bool" else _t.ir.INT
 
 
 def _is_scalar_type(value) -> bool:

@@ -31,9 +31,11 @@ constant functions no user objects).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import operator
 import threading
+import types
 
 import torch
 from torch._dynamo.comptime import comptime
@@ -290,7 +292,11 @@ def _mod_from_graph(subgraph, buffers, kind: str):
 def _closure_over(subgraph, tensors, kind: str):
     """``fn(score, b, h, q_idx, kv_idx)`` (a mask: without ``score``) calling ``subgraph``
     with ``tensors`` (stand-ins) after its index arguments: each in a closure cell of its
-    own, where the tracer finds captures."""
+    own, where the tracer finds captures. The subgraph's code runs with ``torch`` as traced
+    mods see it (``mods.namespaces``): a constant it makes (``torch.tensor(2.5, dtype=...)``,
+    ``torch.full((), c)``, which dynamo records as calls, not lifted inputs) is a literal of
+    the expression, not a tensor capture that no op input would bind."""
+    subgraph = _with_traced_torch(subgraph)
     names = [f"t{i}" for i in range(len(tensors))]
     packed = "".join(f"{n}, " for n in names)
     args = ("score, " if kind == "score" else "") + "b, h, q_idx, kv_idx"
@@ -301,6 +307,20 @@ def _closure_over(subgraph, tensors, kind: str):
     scope: dict = {}
     exec(source, scope)
     return scope["make"](subgraph, *tensors)
+
+
+def _with_traced_torch(subgraph):
+    """``subgraph``'s generated ``forward``, bound to it, with its global ``torch`` swapped
+    for the namespace traced mods see (``mods.namespaces.substitute``)."""
+    from ..mods import namespaces
+
+    forward = type(subgraph).forward
+    if not inspect.isfunction(forward) or "torch" not in forward.__globals__:
+        return subgraph
+    scope = dict(forward.__globals__)
+    scope["torch"] = namespaces.substitute(scope["torch"])
+    code = types.FunctionType(forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__)
+    return functools.partial(code, subgraph)
 
 
 __all__ = ["MARKER", "captures_graph_values", "flex_attention_route", "made_in_traced_code", "object_token",
