@@ -863,3 +863,34 @@ def test_literals_and_vector_reductions_in_a_compiled_score_function():
     want = _grads((torch.softmax(s, -1) @ v).square().sum(), (q, k, v, model.emb))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+_GLOBAL_SLOPES = torch.nn.Parameter(torch.rand(H, dtype=torch.float64) + 0.1)
+
+
+def _global_helper(h):
+    return _GLOBAL_SLOPES[h] * 0.5
+
+
+def test_functions_defined_inside_reading_global_tensors():
+    """A score function defined in the compiled code whose tensors are module globals (read
+    directly and through a global helper), closing over a local number only: dynamo
+    cannot follow a nested function's globals, so it takes torch's HOP like closures over
+    tensors (nested.py). One graph under Inductor, the eager values and gradients, new
+    values of the global without recompiling."""
+    def step(q, k, v):
+        cap = 5.0
+
+        def score(s, b, h, q_idx, kv_idx):
+            return cap * torch.tanh((s + _GLOBAL_SLOPES[h] * (kv_idx - q_idx) * 0.1 + _global_helper(h)) / cap)
+
+        return fa.flex_attention(q, k, v, score_mod=score).square().sum()
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    q, k, v = _qkv(12)
+    _assert_same_as_eager(compiled, step, (q, k, v), (q, k, v, _GLOBAL_SLOPES))
+    with torch.no_grad():
+        _GLOBAL_SLOPES.mul_(2.0)
+    torch.testing.assert_close(compiled(q, k, v), step(q, k, v))
+    assert counter.frame_count == 1

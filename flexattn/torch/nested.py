@@ -69,8 +69,27 @@ def captures_graph_values(fn) -> bool:
     function hands it to the traced code."""
     if not inspect.isfunction(fn):
         return False
-    comptime(lambda ctx: setattr(_PROBE, "value", not ctx.get_local("fn").is_python_constant()))
+    comptime(lambda ctx: setattr(_PROBE, "value", _takes_the_hop(_variable(ctx, "fn"))))
     return _probed()
+
+
+def _takes_the_hop(var) -> bool:
+    """dynamo's verdict on a mod function it traces: not a Python constant (a closure over
+    graph values), or defined in the traced code and reading tensors through its globals
+    (directly or through helper functions): dynamo cannot follow such a function's
+    ``__globals__`` to those tensors (``_follow`` would stop with an "Observed exception"),
+    while torch's HOP lifts them as inputs like closed-over ones."""
+    if not var.is_python_constant():
+        return True
+    code, f_globals = getattr(var, "code", None), getattr(var, "f_globals", None)
+    if code is None or not isinstance(f_globals, dict):
+        return False     # a function made outside the traced code: dynamo reads its globals
+    from . import _is_tensor, _reachable_values
+
+    code = code.as_python_constant()
+    fn = types.FunctionType(code, f_globals, code.co_name, None,
+                            tuple(types.CellType() for _ in code.co_freevars) or None)
+    return any(path[0][0] == "global" and _is_tensor(value) for path, value in _reachable_values(fn))
 
 
 def made_in_traced_code(x) -> bool:
