@@ -16,6 +16,7 @@ from flexattn.core.registry import SpecRegistry
 
 B, H, S, D = 2, 4, 40, 8
 DOC = torch.zeros(S, dtype=torch.int64)
+_DOC3 = torch.arange(S) * 3 // S      # three documents
 
 
 @pytest.fixture(autouse=True)
@@ -391,8 +392,10 @@ def test_opcheck_max_scores_op():
 def test_create_block_mask_inside_the_compiled_function():
     """torch users build block masks inside the compiled step: module-level functions,
     closures over numbers, lambdas and torch's and_masks compile into one graph (fullgraph
-    and not), equal to eager, without recompiling for new tensor values; a mask that reads
-    a tensor is refused with the way out (its values could change under the graph)."""
+    and not), equal to eager, without recompiling for new tensor values. A mask function
+    that reads a tensor (a global, a closure's) is built by torch's create_block_mask in the
+    graph (its lists computed each call: new values in place are seen); a mod value reading
+    one is refused with the way out."""
     from torch.nn.attention.flex_attention import and_masks
 
     window = 9
@@ -419,13 +422,40 @@ def test_create_block_mask_inside_the_compiled_function():
                 torch.testing.assert_close(compiled(q, k, v), step(q, k, v), atol=1e-12, rtol=1e-12)
             assert counter.frame_count == 1, (step.__name__, fullgraph)
 
-    def reads_a_tensor(q, k, v):   # a module-level tensor (a closure's stops dynamo itself first)
-        mask = fa.create_block_mask(lambda b, h, q_idx, kv_idx: DOC[q_idx] == DOC[kv_idx], None, None, S, S)
+    doc = _DOC3.clone()
+
+    def reads_a_global(q, k, v):
+        mask = fa.create_block_mask(lambda b, h, q_idx, kv_idx: _DOC3[q_idx] == _DOC3[kv_idx], None, None, S, S)
+        return fa.flex_attention(q, k, v, block_mask=mask)
+
+    def reads_a_closure(q, k, v):
+        mask = fa.create_block_mask(lambda b, h, q_idx, kv_idx: (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx),
+                                    None, None, S, S, BLOCK_SIZE=16)
+        return fa.flex_attention(q, k, v, block_mask=mask)
+
+    for step, ids in ((reads_a_global, _DOC3), (reads_a_closure, doc)):
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("inductor")
+        compiled = torch.compile(step, backend=counter, fullgraph=True)
+        q, k, v = _qkv(3, grad=False)
+        before = ids.clone()
+        try:
+            torch.testing.assert_close(compiled(q, k, v), step(q, k, v))
+            ids.copy_(torch.roll(ids, 7))     # new ids in place: the lists are recomputed
+            torch.testing.assert_close(compiled(q, k, v), step(q, k, v))
+        finally:
+            ids.copy_(before)
+        assert counter.frame_count == 1, step.__name__
+
+    documents = mods.document(_DOC3)   # (a mod value, made outside)
+
+    def mod_value_reading_a_tensor(q, k, v):
+        mask = fa.create_block_mask(documents, None, None, S, S)
         return fa.flex_attention(q, k, v, block_mask=mask)
 
     torch._dynamo.reset()
     with pytest.raises(Exception, match="build it with torch.s create_block_mask there"):
-        torch.compile(reads_a_tensor, backend="aot_eager", fullgraph=True)(*_qkv(3, grad=False))
+        torch.compile(mod_value_reading_a_tensor, backend="aot_eager", fullgraph=True)(*_qkv(3, grad=False))
 
 
 _CAP = 1.0

@@ -55,6 +55,7 @@ __all__ = ["flex_attention", "decode", "create_block_mask", "create_mask", "Bloc
 # ``& |`` and are callable like torch's functions.
 and_masks, or_masks, noop_mask = _mods.and_masks, _mods.or_masks, _mods.noop_mask
 from torch.nn.attention.flex_attention import BlockMask as _TorchBlockMask   # (converted; built in compiled code: nested.py)
+from torch.nn.attention.flex_attention import create_block_mask as _torch_create_block_mask   # (masks over tensors, compiled)
 try:   # the type of kernel_options= (a TypedDict in torch): accepted, its keys are advisory
     from torch.nn.attention.flex_attention import FlexKernelOptions
 except ImportError:
@@ -101,9 +102,14 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     Inside a function ``torch.compile`` traces, the block mask is built once, while
     compiling, and is a constant of the graph (its handle goes to ``flex_attention`` of the
     same graph; sizes are the traced ones, so new sizes recompile, as torch guards them).
-    A mask that reads tensors could change unseen between calls: there it is refused —
-    build it outside the compiled function."""
+    A mask function that reads tensors (they could change between calls) is built by
+    torch's ``create_block_mask`` there instead, its lists values of the graph computed
+    each call (``flex_attention`` takes such a block mask through torch's HOP, nested.py);
+    a mod value reading tensors is refused: build it outside the compiled function."""
     if torch.compiler.is_compiling():
+        if inspect.isfunction(mask_mod) and (captures_graph_values(mask_mod) or _reads_tensors(by_id(mask_mod))):
+            return _torch_create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu" if device is None else device,
+                                            BLOCK_SIZE=BLOCK_SIZE)
         _guard_numbers(mask_mod)
         return _block_mask_while_compiling(by_id(mask_mod), B, H, Q_LEN, KV_LEN,
                                            None if device is None else str(device), BLOCK_SIZE, separate_full_blocks)
@@ -112,6 +118,14 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
 
 
 _COMPILED_BLOCK_MASKS: list = []   # built while compiling: graphs hold their handles
+
+
+@torch._dynamo.assume_constant_result
+def _reads_tensors(mask_mod) -> bool:
+    """Whether a mask function (``by_id`` handle) reads tensors, found by tracing it at
+    compile time (plain Python)."""
+    mask = _mods.as_mask(from_id(mask_mod), "mask_mod")
+    return any(_is_tensor(c) for c in mask.captures)
 
 
 @torch._dynamo.assume_constant_result
