@@ -924,3 +924,27 @@ def test_functions_defined_inside_reading_global_tensors():
         _GLOBAL_SLOPES.mul_(2.0)
     torch.testing.assert_close(compiled(q, k, v), step(q, k, v))
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("make", [
+    lambda: {"mask": mods.causal()},
+    lambda: {"mask": _CAUSAL_MOD & mods.sliding_window(8)},
+    lambda: {"score_mod": mods.softcap(20.0)},
+])
+def test_mods_made_inside_the_compiled_code_are_refused_clearly(make):
+    """Mod values made in code dynamo traces (dynamo cannot trace our tracer): a TypeError
+    that says to make them outside or to pass plain functions — not dynamo's "Observed
+    exception" from inside the tracer. The same call with the mod made outside compiles."""
+    def step(q, k, v):
+        return fa.flex_attention(q, k, v, **make())
+
+    with pytest.raises(Exception, match="made inside a torch.compile'd function"):
+        torch.compile(step, backend="aot_eager", fullgraph=True)(*_qkv(4, grad=False))
+    made = make()
+    torch._dynamo.reset()
+    q, k, v = _qkv(4, grad=False)
+    torch.testing.assert_close(torch.compile(lambda q, k, v: fa.flex_attention(q, k, v, **made), backend="aot_eager",
+                                             fullgraph=True)(q, k, v), fa.flex_attention(q, k, v, **made))
+
+
+_CAUSAL_MOD = mods.causal()

@@ -27,6 +27,17 @@ MASK_VARS = ("b", "h", "q", "kv")
 SCORE_VARS = ("score", "b", "h", "q", "kv")
 
 
+# Called where a mod is made (``mask_mod``, ``score_mod``, the operators); an adapter may
+# set it: flexattn.torch refuses, with a clear error, mods made in code torch.compile's
+# dynamo traces (it would stop inside the tracer with an unrelated "Observed exception").
+CONSTRUCTION_CHECK = None
+
+
+def _construction_check():
+    if CONSTRUCTION_CHECK is not None:
+        CONSTRUCTION_CHECK()
+
+
 # id -> live mod / block mask. Lets code that can only pass constants refer to one by id()
 # (torch.compile: see flexattn/torch/__init__.py, _compiled_call). Weak: it keeps nothing alive.
 LIVE_OBJECTS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
@@ -108,6 +119,7 @@ def _slot_and_var_mapping(slots, bound):
 
 def _combine(cls, parts, build, name=None):
     """New mod of class ``cls`` from ``parts`` (mods), ``build(*exprs)`` joining their exprs."""
+    _construction_check()
     values: list = []
     slot_of: dict[int, int] = {}
     exprs = []
@@ -191,6 +203,7 @@ def mask_mod(fn: Callable | None = None, *, name: str | None = None):
     """Trace ``fn(b, h, q_idx, kv_idx) -> bool`` into a ``MaskMod``. Usable as a decorator."""
     if fn is None:
         return lambda f: mask_mod(f, name=name)
+    _construction_check()
     return _MASK_TRACES.lookup(fn, name)
 
 
@@ -208,6 +221,7 @@ def score_mod(fn: Callable | None = None, *, name: str | None = None):
     """Trace ``fn(score, b, h, q_idx, kv_idx) -> float`` into a ``ScoreMod``."""
     if fn is None:
         return lambda f: score_mod(f, name=name)
+    _construction_check()
     return _SCORE_TRACES.lookup(fn, name)
 
 

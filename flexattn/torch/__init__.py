@@ -120,6 +120,25 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
 _COMPILED_BLOCK_MASKS: list = []   # built while compiling: graphs hold their handles
 
 
+def _mods_made_in_traced_code() -> None:
+    """``mods.mod.CONSTRUCTION_CHECK``: a mod made in code dynamo traces is refused with the
+    way out (dynamo cannot trace our tracer; plain functions go through the compile-time
+    trace instead)."""
+    if torch.compiler.is_dynamo_compiling():
+        _refuse_mods_made_in_traced_code()
+
+
+@torch._dynamo.assume_constant_result
+def _refuse_mods_made_in_traced_code():
+    raise TypeError("flexattn mods made inside a torch.compile'd function (mods.causal(), mods.alibi(slopes),"
+                    " score_mod(fn), mask & mask, ...) are not supported: make them outside it (at module level or"
+                    " in __init__: they are immutable values, their tensors read at each call), or pass plain"
+                    " functions (score_mod=fn, mask=fn, create_block_mask(fn, ...)), which work inside")
+
+
+_mods.mod.CONSTRUCTION_CHECK = _mods_made_in_traced_code
+
+
 @torch._dynamo.assume_constant_result
 def _reads_tensors(mask_mod) -> bool:
     """Whether a mask function (``by_id`` handle) reads tensors, found by tracing it at
