@@ -266,6 +266,29 @@ def test_reductions_of_vector_reads_match_torch():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_numpy_spellings_of_reductions_keep_numpy_semantics():
+    """axis / keepdims (never silently dropped), np.max(x, axis) as values, var / std with
+    numpy's ddof 0 (torch's correction is 1), jax.numpy alike; unsupported options refused."""
+    jnp = pytest.importorskip("jax.numpy")
+    e = _EMB.numpy()
+    q, kv = np.arange(7)[:, None], np.arange(9)[None, :]
+
+    def fn(s, b, h, q, kv):
+        row = _EMB[q % 5]
+        return (s + np.max(np.sum(row, axis=-1)) + np.min(row, axis=0).sum() + np.var(row) + np.std(row, axis=1).sum()
+                + np.mean(row, axis=(0, 1)) + np.max(row, axis=-1, keepdims=True).sum() + jnp.var(row, ddof=1)
+                + jnp.max(jnp.sum(row, axis=0)) + torch.var(row) + torch.max(s * 0.0) + np.max(row, 0).sum())
+
+    got = score_mod(fn)(np.zeros((7, 9)), 0, 0, q, kv)
+    r = e[q % 5]          # [7, 1, 4, 3]
+    want = (r.sum(-1).max(-1) + r.min(-2).sum(-1) + r.var(axis=(-2, -1)) + r.std(axis=-1).sum(-1)
+            + r.mean(axis=(-2, -1)) + r.max(-1).sum(-1) + r.var(axis=(-2, -1), ddof=1)
+            + r.sum(-2).max(-1) + r.var(axis=(-2, -1), ddof=1) + r.max(-2).sum(-1))
+    np.testing.assert_allclose(np.broadcast_to(got, (7, 9)), np.broadcast_to(want, (7, 9)), rtol=1e-6, atol=1e-6)
+    with pytest.raises(TraceError, match="where="):
+        score_mod(lambda s, b, h, q, kv: s + jnp.sum(_EMB[q % 5], where=True))
+
+
 def test_max_along_a_dim_asks_for_amax():
     with pytest.raises(TraceError, match="torch.amax"):
         score_mod(lambda s, b, h, q, kv: s + torch.max(_EMB[q % 5], 0).values.sum())

@@ -596,7 +596,7 @@ def test_return_type_errors_name_the_user_code_not_ours():
         (lambda s, b, h, q, kv: s + BIAS[h], ["index it"]),
         (lambda s, b, h, q, kv: s & q, ["&"]),
         (lambda s, b, h, q, kv: torch.div(s, 2, rounding_mode="round"), ["rounding_mode='round'"]),
-        (lambda s, b, h, q, kv: torch.max(s), ["max"]),
+        (lambda s, b, h, q, kv: torch.max(s, 0), ["torch.max(x, dim)", "indices", "amax"]),
         (lambda s, b, h, q, kv: s.to(torch.complex64), ["cast"]),
         (lambda s, b, h, q, kv: s.to("cpu", torch.complex64), ["cast"]),
         (lambda s, b, h, q, kv: s.astype(np.complex64), ["cast"]),

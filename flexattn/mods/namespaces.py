@@ -45,7 +45,9 @@ def _refusing(label: str, fn):
 
 
 def _op(name):
-    return lambda *args, **kwargs: _t._call(_t.OPERATIONS[name], name, args, kwargs)
+    # (looked up per call: tables are built while trace.py is still importing; numpy-named
+    # libraries keep numpy's defaults, trace.NUMPY_NAMES)
+    return lambda *args, **kwargs: _t._call(_t.OPERATIONS[_t.NUMPY_NAMES.get(name, name)], name, args, kwargs)
 
 
 class TracedNamespace:

@@ -399,17 +399,28 @@ def _min_max(op):
     """torch.max / min: of two operands the elementwise one; of a vector read (a captured
     tensor indexed along its leading dims) its largest / smallest element."""
     def f(a, b=None, *rest, **kw):
-        if is_vector(a) and not rest and (b is None or isinstance(b, int)):
-            dim = kw.pop("dim", b)
-            kw.pop("keepdim", None)
-            if dim is not None or kw:
-                raise TraceError(f"torch.{op}(x, dim) in a mod also returns argmax indices, which are not traced;"
-                                 f" use torch.a{op}(x, dim)")
-            return (vector_amax if op == "max" else vector_amin)(a)
+        if "axis" in kw or "keepdims" in kw:     # numpy's max(x, axis=...): values only
+            return _numpy_min_max(op)(a, b, *rest, **kw)
+        if (isinstance(b, int) and not isinstance(b, bool)) or "dim" in kw:
+            raise TraceError(f"torch.{op}(x, dim) in a mod also returns argmax indices, which are not traced;"
+                             f" use torch.a{op}(x, dim)")
+        kw.pop("keepdim", None)
+        if b is None and not rest and not kw:
+            if is_vector(a):
+                return (vector_amax if op == "max" else vector_amin)(a)
+            return a     # the max of one value (torch.max of a 0-d tensor) is itself
         if b is None or rest or kw:
-            raise TraceError(f"{op} of a single traced value is meaningless here; use {op}imum(a, b)")
+            raise TraceError(f"{op}(...) of a traced value with these arguments is not supported in a mod;"
+                             f" {op}imum(a, b) is the elementwise one")
         return _binary(op + "imum")(a, b)
 
+    return f
+
+
+def _numpy_min_max(op):
+    """numpy's / jax.numpy's max and min: the reduction, ``axis`` positional or keyword."""
+    def f(a, axis=None, *rest, **kw):
+        return (vector_amax if op == "max" else vector_amin)(a, axis, *rest, **kw) if is_vector(a) else a
     return f
 
 
@@ -618,7 +629,7 @@ class Sym:
         return _call(op, ufunc.__name__, inputs, {})
 
     def __array_function__(self, func, types_, args, kwargs):
-        op = OPERATIONS.get(func.__name__)
+        op = OPERATIONS.get(NUMPY_NAMES.get(func.__name__, func.__name__))
         if op is None:
             raise TraceError(f"numpy.{func.__name__} is not supported in a mod")
         if func.__name__ == "clip":  # np.clip(x, a_min, a_max)
@@ -683,8 +694,9 @@ Sym.device = None   # ``device=b.device`` in torch's mask helpers: constants hav
 # Functions written with the IR's ops (mods/torch_functions.py: erf, atan, gelu, pow, ...)
 # and vector reads (a captured tensor indexed along its leading dims only), unrolled element
 # by element and reduced by sum / dot / @ (mods/vectors.py). Both read this module's names.
-from .vectors import (SymArray, dot as _dot, elementwise, is_vector, vector_amax, vector_amin,  # noqa: E402
-                      vector_logsumexp, vector_mean, vector_norm, vector_prod, vector_std, vector_sum, vector_var)
+from .vectors import (SymArray, dot as _dot, elementwise, is_vector, numpy_std, numpy_var, vector_amax,  # noqa: E402
+                      vector_amin, vector_linalg_norm, vector_logsumexp, vector_mean, vector_norm, vector_prod,
+                      vector_std, vector_sum, vector_var)
 from .torch_functions import FUNCTIONS, INPLACE_METHODS, TENSOR_METHODS  # noqa: E402
 from . import namespaces  # noqa: E402
 
@@ -692,7 +704,12 @@ OPERATIONS.update(FUNCTIONS)
 OPERATIONS.update({"sum": vector_sum, "mean": vector_mean, "dot": _dot, "inner": _dot, "vdot": _dot,
                    "matmul": _dot, "__matmul__": _dot, "__rmatmul__": lambda a, b: _dot(b, a),
                    "amax": vector_amax, "amin": vector_amin, "prod": vector_prod, "logsumexp": vector_logsumexp,
-                   "norm": vector_norm, "linalg_vector_norm": vector_norm, "var": vector_var, "std": vector_std})
+                   "norm": vector_norm, "linalg_vector_norm": vector_linalg_norm, "var": vector_var,
+                   "std": vector_std, "numpy_var": numpy_var, "numpy_std": numpy_std,
+                   "numpy_max": _numpy_min_max("max"), "numpy_min": _numpy_min_max("min")})
+# numpy functions whose meaning differs from torch's of the same name: var / std with ddof 0
+# (torch's correction is 1), max / min with a positional axis (torch's dim also returns indices)
+NUMPY_NAMES = {"var": "numpy_var", "std": "numpy_std", "max": "numpy_max", "min": "numpy_min"}
 _PROXY_METHODS += TENSOR_METHODS + ("__rpow__", "__round__")
 for _name in _PROXY_METHODS:
     setattr(Sym, _name, _proxy_method(_name))

@@ -149,12 +149,43 @@ def _reduce(x, dim, keepdim, reduce_items, empty=None):
     return SymArray(out) if out.ndim else out[()]
 
 
-def vector_sum(x, dim=None, keepdim=False, dtype=None, **_):
-    """torch.sum / x.sum / np.sum: over every element, or one dim."""
-    return _reduce(x, dim, keepdim, lambda items: _tree(items, lambda a, b: a + b), empty=0)
+def _axes(name, dim, keepdim, kwargs):
+    """(dim, keepdim) of a reduction from torch's and numpy's spellings (``dim`` / ``axis``,
+    ``keepdim`` / ``keepdims``); ``dtype`` and ``out=None`` change nothing in a mod; any other
+    option (numpy's ``where=``, ``initial=``) is a clear error, never silently dropped."""
+    if "axis" in kwargs:
+        axis = kwargs.pop("axis")
+        if dim is not None and axis is not None:
+            raise _t.TraceError(f"{name}: pass dim or axis, not both")
+        dim = axis if axis is not None else dim
+    if "keepdims" in kwargs:
+        keepdim = kwargs.pop("keepdims")
+    kwargs.pop("dtype", None)
+    if kwargs.pop("out", None) is not None:
+        raise _t.TraceError(f"{name}(..., out=) in a mod: a mod computes values, it writes no arrays")
+    unknown = [k for k, v in kwargs.items() if v is not None]
+    if unknown:
+        raise _t.TraceError(f"{name}(..., {', '.join(k + '=' for k in unknown)}) is not supported in a mod")
+    return dim, bool(keepdim)
 
 
-def vector_mean(x, dim=None, keepdim=False, **_):
+def _reduction(name, reduce_items, empty=None):
+    """torch's ``f(x, dim=None, keepdim=False)`` / numpy's ``f(x, axis=None, keepdims=False)``
+    over a vector operand, ``reduce_items`` reducing each run of elements."""
+    def f(x, dim=None, keepdim=False, *rest, **kwargs):
+        if rest:
+            raise _t.TraceError(f"{name}: too many positional arguments in a mod")
+        dim, keepdim = _axes(name, dim, keepdim, kwargs)
+        return _reduce(x, dim, keepdim, reduce_items, empty)
+    f.__name__ = name
+    return f
+
+
+vector_sum = _reduction("sum", lambda items: _tree(items, lambda a, b: a + b), empty=0)
+
+
+def vector_mean(x, dim=None, keepdim=False, **kwargs):
+    dim, keepdim = _axes("mean", dim, keepdim, kwargs)
     values = as_values(x)
     if not isinstance(values, np.ndarray):
         return x
@@ -166,17 +197,10 @@ def _op(name):
     return _t.OPERATIONS[name]
 
 
-def vector_amax(x, dim=None, keepdim=False, **_):
-    """torch.amax / np.max: the largest element (NaN if any is, as torch's)."""
-    return _reduce(x, dim, keepdim, lambda items: _tree(items, _op("maximum")))
-
-
-def vector_amin(x, dim=None, keepdim=False, **_):
-    return _reduce(x, dim, keepdim, lambda items: _tree(items, _op("minimum")))
-
-
-def vector_prod(x, dim=None, keepdim=False, dtype=None, **_):
-    return _reduce(x, dim, keepdim, lambda items: _tree(items, lambda a, b: a * b), empty=1)
+# torch.amax / np.max: the largest element (NaN if any is, as torch's)
+vector_amax = _reduction("amax", lambda items: _tree(items, _op("maximum")))
+vector_amin = _reduction("amin", lambda items: _tree(items, _op("minimum")))
+vector_prod = _reduction("prod", lambda items: _tree(items, lambda a, b: a * b), empty=1)
 
 
 def _logsumexp_items(items):
@@ -187,17 +211,19 @@ def _logsumexp_items(items):
     return shift + _op("log")(_total(np.array([_op("exp")(i - shift) for i in items], dtype=object)))
 
 
-def vector_logsumexp(x, dim=None, keepdim=False, **_):
-    """torch.logsumexp (``dim`` required by torch; every element when omitted)."""
-    return _reduce(x, dim, keepdim, _logsumexp_items)
+# torch.logsumexp (``dim`` required by torch; every element when omitted)
+vector_logsumexp = _reduction("logsumexp", _logsumexp_items)
 
 
-def vector_norm(x, p=2, dim=None, keepdim=False, dtype=None, ord=None, **_):
-    """torch.norm / x.norm / torch.linalg.vector_norm (``ord``): the p-norm of the elements
-    (2 and "fro": the square root of the sum of squares; 1; inf / -inf: the largest /
-    smallest magnitude; 0: the count of non-zeros; any other p: (sum |x|^p)^(1/p))."""
-    p = ord if ord is not None else p
-    p = 2 if p in (None, "fro") else p
+def vector_norm(x, p=2, dim=None, keepdim=False, **kwargs):
+    """torch.norm / x.norm / torch.linalg.vector_norm (``ord``) / numpy's linalg.norm of a
+    vector (``ord``, ``axis``): the p-norm of the elements (2, "fro" and None: the square
+    root of the sum of squares; 1; inf / -inf: the largest / smallest magnitude; 0: the
+    count of non-zeros; any other p: (sum |x|^p)^(1/p))."""
+    if "ord" in kwargs:
+        p = kwargs.pop("ord")
+    dim, keepdim = _axes("norm", dim, keepdim, kwargs)
+    p = 2 if p is None or p == "fro" else p
     if isinstance(p, str):
         raise _t.TraceError(f"norm with p={p!r} in a mod: vector reads take numeric p (2, 1, inf, ...)")
     absolute = _op("abs")
@@ -220,28 +246,49 @@ def vector_norm(x, p=2, dim=None, keepdim=False, dtype=None, ord=None, **_):
     return _reduce(x, dim, keepdim, norm, empty=0.0)
 
 
-def vector_var(x, dim=None, *args, correction=None, unbiased=None, keepdim=False, **_):
-    """torch.var / x.var (``correction``, default 1; the older ``unbiased`` flag)."""
-    if args:   # torch.var(x, dim, unbiased, keepdim) and torch.var(x, unbiased)
+def vector_linalg_norm(x, ord=None, dim=None, keepdim=False, **kwargs):
+    """torch.linalg.vector_norm(x, ord=2, dim, keepdim): ``ord`` second."""
+    return vector_norm(x, 2 if ord is None else ord, dim, keepdim, **kwargs)
+
+
+def _variance(correction):
+    def var(items):
+        mean = _total(np.array(items, dtype=object)) / len(items)
+        squares = _total(np.array([(i - mean) * (i - mean) for i in items], dtype=object))
+        return squares / (len(items) - correction) if len(items) > correction else squares * float("nan")
+    return var
+
+
+def vector_var(x, dim=None, *args, correction=None, unbiased=None, keepdim=False, ddof=None, **kwargs):
+    """torch.var / x.var (``correction``, default 1; the older ``unbiased`` flag; positional
+    ``torch.var(x, dim, unbiased, keepdim)``) and numpy's ``ddof`` (numpy's own default, 0,
+    is ``numpy_var``'s)."""
+    if args:
         if isinstance(args[0], bool) and dim is not None and not isinstance(dim, bool):
             unbiased, args = args[0], args[1:]
         if args:
             keepdim = args[0]
     if isinstance(dim, bool):
         dim, unbiased = None, dim
+    dim, keepdim = _axes("var", dim, keepdim, kwargs)
+    if ddof is not None:
+        correction = ddof
     if correction is None:
         correction = 1 if unbiased is None or unbiased else 0
-
-    def var(items):
-        mean = _total(np.array(items, dtype=object)) / len(items)
-        squares = _total(np.array([(i - mean) * (i - mean) for i in items], dtype=object))
-        return squares / max(len(items) - correction, 0) if len(items) > correction else squares * float("nan")
-
-    return _reduce(x, dim, keepdim, var)
+    return _reduce(x, dim, keepdim, _variance(correction))
 
 
 def vector_std(x, dim=None, *args, **kwargs):
     return _op("sqrt")(vector_var(x, dim, *args, **kwargs))
+
+
+def numpy_var(x, axis=None, dtype=None, out=None, ddof=0, keepdims=False, **kwargs):
+    """numpy's / jax.numpy's var: ``ddof`` 0 by default (torch's correction is 1)."""
+    return vector_var(x, axis, ddof=ddof, keepdim=keepdims, dtype=dtype, out=out, **kwargs)
+
+
+def numpy_std(x, axis=None, dtype=None, out=None, ddof=0, keepdims=False, **kwargs):
+    return _op("sqrt")(numpy_var(x, axis, dtype, out, ddof, keepdims, **kwargs))
 
 
 def dot(a, b, **_):
