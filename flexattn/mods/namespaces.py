@@ -16,6 +16,10 @@ answers with the tracer's implementations under JAX's names and semantics:
 
 Anything else a traced value reaches is a ``TraceError`` naming the function, never JAX's
 own error about abstract arrays. Constants (``jnp.pi``, ``jnp.inf``, dtypes) pass through.
+
+``torch`` is swapped too, though its functions dispatch by protocol: a ``dtype=`` naming a
+traced value's dtype (``torch.tensor(c, dtype=score.dtype)``) becomes torch's, and a 0-d
+tensor its constructors make from constants is a literal of the expression.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ class TracedNamespace:
 
     def __init__(self, module: types.ModuleType, label: str, table: dict, numpy_names: bool, refuse: bool = True):
         self._module, self._label, self._table, self._numpy_names = module, label, table, numpy_names
-        self._refuse = refuse   # torch's own functions dispatch by protocol: they pass through
+        self._refuse = refuse   # torch's functions dispatch by protocol: they pass through (_torch_function)
 
     def __getattr__(self, name):
         if name in self._table:
@@ -220,7 +224,7 @@ _MODULES = {
     "jax.scipy.special": ("jax.scipy.special", _JAX_SPECIAL, False),
     "cupy": ("cupy", _JNP, True),
     # torch dispatches by protocol; only its dtype queries and dtype= arguments need a
-    # traced value's dtype name converted (_with_dtypes)
+    # traced value's dtype name converted, and its constructors make literals (_torch_function)
     "torch": ("torch", {"finfo": tf.finfo, "iinfo": tf.iinfo}, False),
 }
 _LIBRARIES = ("jax", "cupy")   # packages whose functions are looked up by identity

@@ -6,7 +6,10 @@ rotary or learned bias ``score + torch.dot(q_emb[b, h, q_idx], k_emb[b, h, kv_id
 ``q_emb[b, h, q_idx]`` (a ``CapturedArray`` with the trailing dims left) becomes, wherever
 it is used in arithmetic, a ``SymArray`` — a numpy object array holding one traced load per
 trailing index — and every operation on it applies element by element (numpy broadcasting
-rules); ``sum`` / ``dot`` / ``@`` / ``inner`` / ``mean`` reduce it back to one traced value.
+rules); ``sum`` / ``dot`` / ``@`` / ``inner`` / ``mean`` reduce it back to one traced value,
+as do ``max`` / ``min`` / ``amax`` / ``amin`` / ``prod`` / ``logsumexp`` / ``norm`` / ``var`` /
+``std`` (torch's ``dim`` / ``keepdim`` and numpy's ``axis`` / ``keepdims``, numpy's defaults
+where they differ: ``trace.NUMPY_NAMES``).
 The kernels then see plain loads, products and adds (their derivatives too, so captured
 tensors read this way get gradients), computed once per row where they depend only on the
 query (the emitters' row factoring).
