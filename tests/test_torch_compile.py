@@ -926,25 +926,51 @@ def test_functions_defined_inside_reading_global_tensors():
     assert counter.frame_count == 1
 
 
+_CAUSAL_MOD = mods.causal()
+_SLOPES = torch.nn.Parameter(torch.rand(H, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("make", [
     lambda: {"mask": mods.causal()},
     lambda: {"mask": _CAUSAL_MOD & mods.sliding_window(8)},
-    lambda: {"score_mod": mods.softcap(20.0)},
+    # (dynamo traces no unary ~ on objects: "Failed to trace builtin operator invert")
+    lambda: {"mask": (mods.sliding_window(4) ^ mods.causal()) | mods.causal(offset=2), "score_mod": mods.softcap(20.0)},
+    lambda: {"mask": mods.and_masks(mods.causal(), mods.sliding_window(12)), "score_mod": mods.softcap(9.0)},
+    lambda: {"block_mask": fa.create_block_mask(mods.causal() & mods.sliding_window(10), None, None, S, S,
+                                                BLOCK_SIZE=16)},
+], ids=["causal", "outside_and_inside", "operators_and_softcap", "and_masks", "block_mask"])
+def test_mods_of_numbers_made_inside_the_compiled_code(make):
+    """Built-in mods of numbers made in code dynamo traces (``mods.causal()`` in a compiled
+    ``forward``), combined with each other and with mods made outside: made at compile time
+    from their recipe (flexattn/torch: ``_made_while_traced``). One graph under Inductor for
+    repeated calls, the eager values and gradients."""
+    def step(q, k, v):
+        return fa.flex_attention(q, k, v, **make()).square().sum()
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    q, k, v = _qkv(13)
+    _assert_same_as_eager(compiled, step, (q, k, v), (q, k, v))
+    torch.testing.assert_close(compiled(q, k, v), step(q, k, v))
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: {"score_mod": mods.alibi(_SLOPES)}, "alibi of tensors"),
+    (lambda: {"mask": mods.document(DOC)}, "document of tensors"),
+    (lambda: {"score_mod": mods.score_mod(lambda s, b, h, q, kv: s * 0.5)}, "score_mod(fn)"),
 ])
-def test_mods_made_inside_the_compiled_code_are_refused_clearly(make):
-    """Mod values made in code dynamo traces (dynamo cannot trace our tracer): a TypeError
-    that says to make them outside or to pass plain functions — not dynamo's "Observed
-    exception" from inside the tracer. The same call with the mod made outside compiles."""
+def test_mods_of_tensors_made_inside_the_compiled_code_are_refused_clearly(make, words):
+    """A mod over tensors (or of a plain function) made in code dynamo traces: a TypeError
+    with the way out, not dynamo's "Observed exception" from inside the tracer; the same
+    mod made outside compiles."""
     def step(q, k, v):
         return fa.flex_attention(q, k, v, **make())
 
-    with pytest.raises(Exception, match="made inside a torch.compile'd function"):
+    with pytest.raises(Exception, match=words.replace("(", r"\(").replace(")", r"\)")):
         torch.compile(step, backend="aot_eager", fullgraph=True)(*_qkv(4, grad=False))
     made = make()
     torch._dynamo.reset()
     q, k, v = _qkv(4, grad=False)
     torch.testing.assert_close(torch.compile(lambda q, k, v: fa.flex_attention(q, k, v, **made), backend="aot_eager",
                                              fullgraph=True)(q, k, v), fa.flex_attention(q, k, v, **made))
-
-
-_CAUSAL_MOD = mods.causal()

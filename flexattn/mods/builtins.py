@@ -12,21 +12,24 @@ import operator
 import numpy as np
 
 from ..arrays import to_numpy
-from .mod import MaskMod, ScoreMod, as_mask, mask_mod, score_mod
+from .mod import MaskMod, ScoreMod, as_mask, built_in, mask_mod, score_mod
 from . import ir
 
 
+@built_in
 def full() -> MaskMod:
     """Every query attends to every key."""
     return MaskMod(ir.const(True), (), "full")
 
 
+@built_in
 def and_masks(*masks) -> MaskMod:
     """torch's ``and_masks``: a mask attending where every one of ``masks`` (mods or
     functions) does; none: every position."""
     return functools.reduce(operator.and_, (as_mask(m, "and_masks") for m in masks), full())
 
 
+@built_in
 def or_masks(*masks) -> MaskMod:
     """torch's ``or_masks``: a mask attending where any of ``masks`` does; none: nowhere."""
     return functools.reduce(operator.or_, (as_mask(m, "or_masks") for m in masks), as_mask(False))
@@ -35,6 +38,7 @@ def or_masks(*masks) -> MaskMod:
 noop_mask = MaskMod(ir.const(True), (), "noop_mask")   # torch's name for "every position"
 
 
+@built_in
 def causal(offset: int = 0) -> MaskMod:
     """``q_idx + offset >= kv_idx``. ``offset = KV_LEN - Q_LEN`` aligns bottom-right
     (a query block at the end of a longer key sequence)."""
@@ -43,6 +47,7 @@ def causal(offset: int = 0) -> MaskMod:
     return mask_mod(lambda b, h, q_idx, kv_idx: q_idx + offset >= kv_idx, name=f"causal(offset={offset})")
 
 
+@built_in
 def sliding_window(left: int | None, right: int | None = 0) -> MaskMod:
     """Keys within ``[q_idx - left, q_idx + right]``; ``None`` leaves that side open.
 
@@ -63,6 +68,7 @@ def sliding_window(left: int | None, right: int | None = 0) -> MaskMod:
     )
 
 
+@built_in
 def document(ids, kv_ids=None) -> MaskMod:
     """Tokens attend within their own document: ``ids[q_idx] == kv_ids[kv_idx]``.
 
@@ -109,6 +115,7 @@ def document_ids_from_offsets(offsets, length: int | None = None) -> np.ndarray:
     return ids[0] if off.ndim == 1 else ids
 
 
+@built_in
 def document_from_offsets(offsets, length: int | None = None) -> MaskMod:
     """Packed sequences from cumulative offsets ([n+1], or [B, n+1] per sequence); padding
     tokens attend to nothing."""
@@ -119,6 +126,7 @@ def document_from_offsets(offsets, length: int | None = None) -> MaskMod:
     return mask_mod(lambda b, h, q_idx, kv_idx: (ids[b, q_idx] == ids[b, kv_idx]) & (ids[b, q_idx] >= 0), name="document")
 
 
+@built_in
 def document_from_lengths(lengths, length: int | None = None) -> MaskMod:
     """Packed sequences from per-document lengths ``[l0, l1, ...]`` (or [B, n] per sequence,
     zero-padded)."""
@@ -129,6 +137,7 @@ def document_from_lengths(lengths, length: int | None = None) -> MaskMod:
     return document_from_offsets(np.concatenate([zeros, np.cumsum(lens, axis=-1)], axis=-1), length)
 
 
+@built_in
 def prefix_lm(prefix_len) -> MaskMod:
     """Bidirectional over the first ``prefix_len`` keys, causal after: an int, or [B] per batch."""
     if isinstance(prefix_len, (int, np.integer)):
@@ -153,6 +162,7 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     return np.asarray(slopes, dtype=np.float32)
 
 
+@built_in
 def alibi(slopes=None, *, num_heads: int | None = None) -> ScoreMod:
     """ALiBi: ``score + slopes[h] * (kv_idx - q_idx)``. Pass ``slopes`` ([H], trainable if
     it is a tensor that requires grad) or ``num_heads`` for the paper's slopes."""
@@ -168,6 +178,7 @@ def alibi(slopes=None, *, num_heads: int | None = None) -> ScoreMod:
     return score_mod(lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx), name="alibi")
 
 
+@built_in
 def softcap(cap: float) -> ScoreMod:
     """Gemma-style soft capping: ``cap * tanh(score / cap)``."""
     if not cap > 0:
@@ -177,6 +188,7 @@ def softcap(cap: float) -> ScoreMod:
     return score_mod(lambda score, b, h, q_idx, kv_idx: cap * (score * inv_cap).tanh(), name=f"softcap({cap:g})")
 
 
+@built_in
 def relative_bias(table) -> ScoreMod:
     """Learned relative-position bias: ``score + table[h, clamp(q-kv, -D, D) + D]``.
 
@@ -192,6 +204,7 @@ def relative_bias(table) -> ScoreMod:
     return score_mod(lambda score, b, h, q_idx, kv_idx: score + table[h, (q_idx - kv_idx).clamp(-d, d) + d], name="relative_bias")
 
 
+@built_in
 def bias(tensor) -> ScoreMod:
     """Additive bias broadcastable to [B, H, Q, KV] (rank 2 to 4; size-1 dims broadcast)."""
     _check_rank("bias", tensor, (2, 3, 4))

@@ -12,6 +12,7 @@ it evaluates with numpy.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 from typing import Callable
@@ -27,15 +28,35 @@ MASK_VARS = ("b", "h", "q", "kv")
 SCORE_VARS = ("score", "b", "h", "q", "kv")
 
 
-# Called where a mod is made (``mask_mod``, ``score_mod``, the operators); an adapter may
-# set it: flexattn.torch refuses, with a clear error, mods made in code torch.compile's
-# dynamo traces (it would stop inside the tracer with an unrelated "Observed exception").
-CONSTRUCTION_CHECK = None
+# Where a mod is made — a built-in's call (``built_in``), an operator, ``mask_mod`` /
+# ``score_mod`` — an adapter may take over: ``MADE_ELSEWHERE(kind, name, args, kwargs)``
+# returns the mod made some other way, or None to make it here. flexattn.torch uses it in
+# code torch.compile's dynamo traces, which cannot trace the tracer: mods of constants are
+# made in plain Python at compile time, the others refused with the way out.
+MADE_ELSEWHERE = None
+
+# name -> the undecorated built-in constructor (what an adapter's recipe calls)
+BUILT_INS: dict = {}
 
 
-def _construction_check():
-    if CONSTRUCTION_CHECK is not None:
-        CONSTRUCTION_CHECK()
+def built_in(make):
+    """Marks a public mod constructor (``causal``, ``alibi``...): its calls go through
+    ``MADE_ELSEWHERE`` first."""
+    BUILT_INS[make.__name__] = make
+
+    @functools.wraps(make)
+    def call(*args, **kwargs):
+        if MADE_ELSEWHERE is not None:
+            mod = MADE_ELSEWHERE("call", make.__name__, args, kwargs)
+            if mod is not None:
+                return mod
+        return make(*args, **kwargs)
+
+    return call
+
+
+def _made_elsewhere(kind, name, args):
+    return MADE_ELSEWHERE(kind, name, args, {}) if MADE_ELSEWHERE is not None else None
 
 
 # id -> live mod / block mask. Lets code that can only pass constants refer to one by id()
@@ -119,7 +140,6 @@ def _slot_and_var_mapping(slots, bound):
 
 def _combine(cls, parts, build, name=None):
     """New mod of class ``cls`` from ``parts`` (mods), ``build(*exprs)`` joining their exprs."""
-    _construction_check()
     values: list = []
     slot_of: dict[int, int] = {}
     exprs = []
@@ -145,12 +165,21 @@ class MaskMod(Mod):
     __slots__ = ()
 
     def __and__(self, other):
+        made = _made_elsewhere("op", "__and__", (self, other))
+        if made is not None:
+            return made
         return _combine(MaskMod, (self, as_mask(other, "right operand of &")), lambda a, b: ir.binary("and", a, b), _join(self, other, "&"))
 
     def __or__(self, other):
+        made = _made_elsewhere("op", "__or__", (self, other))
+        if made is not None:
+            return made
         return _combine(MaskMod, (self, as_mask(other, "right operand of |")), lambda a, b: ir.binary("or", a, b), _join(self, other, "|"))
 
     def __xor__(self, other):
+        made = _made_elsewhere("op", "__xor__", (self, other))
+        if made is not None:
+            return made
         return _combine(MaskMod, (self, as_mask(other, "right operand of ^")), lambda a, b: ir.binary("xor", a, b), _join(self, other, "^"))
 
     def __rand__(self, other):
@@ -163,6 +192,9 @@ class MaskMod(Mod):
         return as_mask(other, "left operand of ^") ^ self
 
     def __invert__(self):
+        made = _made_elsewhere("op", "__invert__", (self,))
+        if made is not None:
+            return made
         return _combine(MaskMod, (self,), lambda a: ir.unary("not", a), f"~{self.name}" if self.name else None)
 
 
@@ -173,6 +205,9 @@ class ScoreMod(Mod):
 
     def __rshift__(self, other):
         """``a >> b``: apply ``a``, then ``b`` to its result."""
+        made = _made_elsewhere("op", "__rshift__", (self, other))
+        if made is not None:
+            return made
         other = as_score(other, "right operand of >>")
         first = self
 
@@ -203,7 +238,9 @@ def mask_mod(fn: Callable | None = None, *, name: str | None = None):
     """Trace ``fn(b, h, q_idx, kv_idx) -> bool`` into a ``MaskMod``. Usable as a decorator."""
     if fn is None:
         return lambda f: mask_mod(f, name=name)
-    _construction_check()
+    made = _made_elsewhere("call", "mask_mod", (fn,))
+    if made is not None:
+        return made
     return _MASK_TRACES.lookup(fn, name)
 
 
@@ -221,7 +258,9 @@ def score_mod(fn: Callable | None = None, *, name: str | None = None):
     """Trace ``fn(score, b, h, q_idx, kv_idx) -> float`` into a ``ScoreMod``."""
     if fn is None:
         return lambda f: score_mod(f, name=name)
-    _construction_check()
+    made = _made_elsewhere("call", "score_mod", (fn,))
+    if made is not None:
+        return made
     return _SCORE_TRACES.lookup(fn, name)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import inspect
+import types
 
 from typing import Optional
 
@@ -120,23 +121,75 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
 _COMPILED_BLOCK_MASKS: list = []   # built while compiling: graphs hold their handles
 
 
-def _mods_made_in_traced_code() -> None:
-    """``mods.mod.CONSTRUCTION_CHECK``: a mod made in code dynamo traces is refused with the
-    way out (dynamo cannot trace our tracer; plain functions go through the compile-time
-    trace instead)."""
-    if torch.compiler.is_dynamo_compiling():
-        _refuse_mods_made_in_traced_code()
+# Mods made in code dynamo traces (``mods.causal()`` in a compiled ``forward``): dynamo
+# cannot trace our tracer, so such a mod is made in plain Python at compile time — from its
+# recipe: the built-in's name or the operator, and its arguments as constants (mods by
+# identity) — and kept as an attribute of this namespace; the traced code reads it back
+# from there, so dynamo sees an object with a source, as for a mod made outside, guarded
+# by identity (each recipe has an attribute of its own: no guard sees the others).
+_MADE_WHILE_TRACED = types.ModuleType("flexattn.torch.mods_made_while_traced")
+_RECIPES: dict = {}   # recipe -> attribute name
+
+
+def _made_while_traced(kind, name, args, kwargs):
+    """``mods.mod.MADE_ELSEWHERE``: in code dynamo traces, the mod of a built-in's call or
+    an operator, made at compile time; None elsewhere (made as usual)."""
+    if not torch.compiler.is_dynamo_compiling():
+        return None
+    if kind == "call" and name in ("mask_mod", "score_mod"):
+        _refuse_mods_made_in_traced_code("a plain function's mod (score_mod(fn), mask_mod(fn))")
+    parts = [*args, *kwargs.values()]
+    if any(_is_tensor(a) or isinstance(a, np.ndarray) for a in _flat(parts)):
+        _refuse_mods_made_in_traced_code(f"{name} of tensors")
+    encoded = tuple(("mod", id(a)) if isinstance(a, _mods.Mod) else a for a in args)
+    return getattr(_MADE_WHILE_TRACED, _mod_from_recipe(kind, name, encoded, tuple(kwargs.items())))
+
+
+def _flat(values):
+    for v in values:
+        if isinstance(v, (tuple, list)):
+            yield from _flat(v)
+        else:
+            yield v
 
 
 @torch._dynamo.assume_constant_result
-def _refuse_mods_made_in_traced_code():
-    raise TypeError("flexattn mods made inside a torch.compile'd function (mods.causal(), mods.alibi(slopes),"
-                    " score_mod(fn), mask & mask, ...) are not supported: make them outside it (at module level or"
-                    " in __init__: they are immutable values, their tensors read at each call), or pass plain"
-                    " functions (score_mod=fn, mask=fn, create_block_mask(fn, ...)), which work inside")
+def _mod_from_recipe(kind, name, args, kwargs) -> str:
+    """The attribute of ``_MADE_WHILE_TRACED`` holding the mod of this recipe, made now (plain
+    Python, at compile time) if it is new."""
+    recipe = _hashable((kind, name, args, kwargs))
+    attribute = _RECIPES.get(recipe)
+    if attribute is None:
+        decoded = [_mods.mod.LIVE_OBJECTS[a[1]] if isinstance(a, tuple) and len(a) == 2 and a[0] == "mod" else a
+                   for a in args]
+        if kind == "call":
+            mod = _mods.mod.BUILT_INS[name](*decoded, **dict(kwargs))
+        else:
+            mod = getattr(decoded[0], name)(*decoded[1:])
+        attribute = f"mod{len(_RECIPES)}"
+        setattr(_MADE_WHILE_TRACED, attribute, mod)
+        _RECIPES[recipe] = attribute
+    return attribute
 
 
-_mods.mod.CONSTRUCTION_CHECK = _mods_made_in_traced_code
+def _hashable(value):
+    """A recipe as a dict key: lists (document lengths) as tagged tuples."""
+    if isinstance(value, (list, tuple)):
+        items = tuple(_hashable(v) for v in value)
+        return ("list", items) if isinstance(value, list) else items
+    return value
+
+
+@torch._dynamo.assume_constant_result
+def _refuse_mods_made_in_traced_code(what: str):
+    raise TypeError(f"flexattn: {what} made inside a torch.compile'd function is not supported: make the mod"
+                    " outside it (at module level or in __init__: mods are immutable values, their tensors read"
+                    " at each call), or pass the plain function (score_mod=fn, mask=fn, create_block_mask(fn, ...)),"
+                    " which works inside. Built-in mods of numbers (mods.causal(), mods.softcap(30.0), a & b) work"
+                    " inside too")
+
+
+_mods.mod.MADE_ELSEWHERE = _made_while_traced
 
 
 @torch._dynamo.assume_constant_result
