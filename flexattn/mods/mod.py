@@ -39,24 +39,26 @@ MADE_ELSEWHERE = None
 BUILT_INS: dict = {}
 
 
+def _handed_over(kind: str):
+    """Decorator: calls of ``make`` (a constructor, ``kind`` "call", or an operator, "op") go
+    through ``MADE_ELSEWHERE`` first."""
+    def wrap(make):
+        @functools.wraps(make)
+        def call(*args, **kwargs):
+            if MADE_ELSEWHERE is not None:
+                mod = MADE_ELSEWHERE(kind, make.__name__, args, kwargs)
+                if mod is not None:
+                    return mod
+            return make(*args, **kwargs)
+        return call
+    return wrap
+
+
 def built_in(make):
     """Marks a public mod constructor (``causal``, ``alibi``...): its calls go through
-    ``MADE_ELSEWHERE`` first."""
+    ``MADE_ELSEWHERE`` first, which may remake it by name (``BUILT_INS``)."""
     BUILT_INS[make.__name__] = make
-
-    @functools.wraps(make)
-    def call(*args, **kwargs):
-        if MADE_ELSEWHERE is not None:
-            mod = MADE_ELSEWHERE("call", make.__name__, args, kwargs)
-            if mod is not None:
-                return mod
-        return make(*args, **kwargs)
-
-    return call
-
-
-def _made_elsewhere(kind, name, args):
-    return MADE_ELSEWHERE(kind, name, args, {}) if MADE_ELSEWHERE is not None else None
+    return _handed_over("call")(make)
 
 
 # id -> live mod / block mask. Lets code that can only pass constants refer to one by id()
@@ -164,22 +166,16 @@ class MaskMod(Mod):
     var_names = MASK_VARS
     __slots__ = ()
 
+    @_handed_over("op")
     def __and__(self, other):
-        made = _made_elsewhere("op", "__and__", (self, other))
-        if made is not None:
-            return made
         return _combine(MaskMod, (self, as_mask(other, "right operand of &")), lambda a, b: ir.binary("and", a, b), _join(self, other, "&"))
 
+    @_handed_over("op")
     def __or__(self, other):
-        made = _made_elsewhere("op", "__or__", (self, other))
-        if made is not None:
-            return made
         return _combine(MaskMod, (self, as_mask(other, "right operand of |")), lambda a, b: ir.binary("or", a, b), _join(self, other, "|"))
 
+    @_handed_over("op")
     def __xor__(self, other):
-        made = _made_elsewhere("op", "__xor__", (self, other))
-        if made is not None:
-            return made
         return _combine(MaskMod, (self, as_mask(other, "right operand of ^")), lambda a, b: ir.binary("xor", a, b), _join(self, other, "^"))
 
     def __rand__(self, other):
@@ -191,10 +187,8 @@ class MaskMod(Mod):
     def __rxor__(self, other):
         return as_mask(other, "left operand of ^") ^ self
 
+    @_handed_over("op")
     def __invert__(self):
-        made = _made_elsewhere("op", "__invert__", (self,))
-        if made is not None:
-            return made
         return _combine(MaskMod, (self,), lambda a: ir.unary("not", a), f"~{self.name}" if self.name else None)
 
 
@@ -203,11 +197,9 @@ class ScoreMod(Mod):
     var_names = SCORE_VARS
     __slots__ = ()
 
+    @_handed_over("op")
     def __rshift__(self, other):
         """``a >> b``: apply ``a``, then ``b`` to its result."""
-        made = _made_elsewhere("op", "__rshift__", (self, other))
-        if made is not None:
-            return made
         other = as_score(other, "right operand of >>")
         first = self
 
@@ -234,13 +226,11 @@ def _as_numpy(value):
 
 # --- constructors -------------------------------------------------------------------------------
 
+@_handed_over("call")
 def mask_mod(fn: Callable | None = None, *, name: str | None = None):
     """Trace ``fn(b, h, q_idx, kv_idx) -> bool`` into a ``MaskMod``. Usable as a decorator."""
     if fn is None:
         return lambda f: mask_mod(f, name=name)
-    made = _made_elsewhere("call", "mask_mod", (fn,))
-    if made is not None:
-        return made
     return _MASK_TRACES.lookup(fn, name)
 
 
@@ -254,13 +244,11 @@ def _trace_mask(fn, name):
     return MaskMod(expr, captures, name or _fn_name(fn))
 
 
+@_handed_over("call")
 def score_mod(fn: Callable | None = None, *, name: str | None = None):
     """Trace ``fn(score, b, h, q_idx, kv_idx) -> float`` into a ``ScoreMod``."""
     if fn is None:
         return lambda f: score_mod(f, name=name)
-    made = _made_elsewhere("call", "score_mod", (fn,))
-    if made is not None:
-        return made
     return _SCORE_TRACES.lookup(fn, name)
 
 

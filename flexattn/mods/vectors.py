@@ -20,6 +20,8 @@ Unrolling costs a load per element per trailing index: vectors are capped at
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from . import trace as _t
@@ -117,10 +119,13 @@ def _tree(items, combine):
     return items[0]
 
 
+def _sum(items):
+    return _tree(items, operator.add) if len(items) else 0
+
+
 def _total(values):
     """Sum of an object array."""
-    items = list(np.ravel(values))
-    return _tree(items, lambda a, b: a + b) if items else 0
+    return _sum(list(np.ravel(values)))
 
 
 def _reduce(x, dim, keepdim, reduce_items, empty=None):
@@ -184,7 +189,7 @@ def _reduction(name, reduce_items, empty=None):
     return f
 
 
-vector_sum = _reduction("sum", lambda items: _tree(items, lambda a, b: a + b), empty=0)
+vector_sum = _reduction("sum", _sum, empty=0)
 
 
 def vector_mean(x, dim=None, keepdim=False, **kwargs):
@@ -203,7 +208,7 @@ def _op(name):
 # torch.amax / np.max: the largest element (NaN if any is, as torch's)
 vector_amax = _reduction("amax", lambda items: _tree(items, _op("maximum")))
 vector_amin = _reduction("amin", lambda items: _tree(items, _op("minimum")))
-vector_prod = _reduction("prod", lambda items: _tree(items, lambda a, b: a * b), empty=1)
+vector_prod = _reduction("prod", lambda items: _tree(items, operator.mul), empty=1)
 
 
 def _logsumexp_items(items):
@@ -211,7 +216,7 @@ def _logsumexp_items(items):
     item is -inf, as torch's)."""
     m = _tree(items, _op("maximum"))
     shift = _t._where(_op("isinf")(m), 0.0, m)
-    return shift + _op("log")(_total(np.array([_op("exp")(i - shift) for i in items], dtype=object)))
+    return shift + _op("log")(_sum([_op("exp")(i - shift) for i in items]))
 
 
 # torch.logsumexp (``dim`` required by torch; every element when omitted)
@@ -233,18 +238,17 @@ def vector_norm(x, p=2, dim=None, keepdim=False, **kwargs):
 
     def norm(items):
         if p == 2:
-            return _op("sqrt")(_tree([i * i for i in items], lambda a, b: a + b))
+            return _op("sqrt")(_sum([i * i for i in items]))
         if p == 1:
-            return _tree([absolute(i) for i in items], lambda a, b: a + b)
+            return _sum([absolute(i) for i in items])
         if p == float("inf"):
             return _tree([absolute(i) for i in items], _op("maximum"))
         if p == -float("inf"):
             return _tree([absolute(i) for i in items], _op("minimum"))
         if p == 0:
-            return _tree([(i != 0).float() if isinstance(i, _t.Sym) else float(i != 0) for i in items],
-                         lambda a, b: a + b)
+            return _sum([(i != 0).float() if isinstance(i, _t.Sym) else float(i != 0) for i in items])
         power = _op("pow")
-        return power(_tree([power(absolute(i), p) for i in items], lambda a, b: a + b), 1.0 / p)
+        return power(_sum([power(absolute(i), p) for i in items]), 1.0 / p)
 
     return _reduce(x, dim, keepdim, norm, empty=0.0)
 
@@ -256,8 +260,8 @@ def vector_linalg_norm(x, ord=None, dim=None, keepdim=False, **kwargs):
 
 def _variance(correction):
     def var(items):
-        mean = _total(np.array(items, dtype=object)) / len(items)
-        squares = _total(np.array([(i - mean) * (i - mean) for i in items], dtype=object))
+        mean = _sum(items) / len(items)
+        squares = _sum([(i - mean) * (i - mean) for i in items])
         return squares / (len(items) - correction) if len(items) > correction else squares * float("nan")
     return var
 
