@@ -245,6 +245,12 @@ KERNELS = {
     "bwd-causal-atan-cap": _bwd(head_dim=128, causal=True, score=_atan_cap),
     "bwd-causal": _bwd(head_dim=128, causal=True),
     "bwd-causal-d64": _bwd(head_dim=64, causal=True, tile_m=128),
+    "bwd-causal-d64-dvearly": _bwd(head_dim=64, causal=True, tile_m=128, dv_before_ds=True),
+    "bwd-causal-dvearly": _bwd(head_dim=128, causal=True, idle_masked_keys=True, dv_before_ds=True),
+    "bwd-doc-persist-dvearly": _bwd(head_dim=128, block_sparse=True, mask=_document, max_ctas=132, dv_before_ds=True),
+    "bwd-window-band-idle-dvearly": _bwd(head_dim=128, band=True, mask=_window, idle_masked_keys=True,
+                                         dv_before_ds=True),
+    "bwd-full-dvearly": _bwd(head_dim=128, dv_before_ds=True),
     "bwd-causal-idle": _bwd(head_dim=128, causal=True, idle_masked_keys=True),
     # V's load on the first visit's dO barrier (BwdConfig.v_with_first_do: measured neutral, not planned)
     "bwd-causal-vdo": _bwd(head_dim=128, causal=True, idle_masked_keys=True, v_with_first_do=True),

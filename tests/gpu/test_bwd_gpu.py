@@ -478,6 +478,44 @@ def test_v_with_first_do_bitwise(name, fields, D, Hq, Hkv, Q, KV):
             assert torch.equal(a, b), (name, label, (a.float() - b.float()).abs().max().item())
 
 
+# dV's GEMM issued before the dS pass (BwdConfig.dv_before_ds; forced here): only when the
+# tensor pipe runs dV += P^T dO changes, not what it adds or in which order, so dK / dV are
+# bitwise the default order's, and dQ too where its adds keep their order (deterministic).
+# (name, BwdConfig fields, D, Hq, Hkv, Q, KV): idle warpgroups on the causal diagonal, kv
+# tiles no q row visits, block lists, a band, clusters, D64 in 64- and 128-row visits.
+DV_EARLY = [
+    ("causal", dict(deterministic=True), 128, 4, 2, 300, 700),
+    ("causal", dict(idle_masked_keys=True), 128, 4, 4, 1000, 1000),
+    ("document", {}, 128, 2, 2, 1000, 1000),
+    ("sliding_window", {}, 128, 4, 2, 900, 900),
+    ("none", dict(cluster_n=2), 128, 2, 2, 512, 512),
+    ("causal", dict(tile_m=64), 64, 4, 1, 777, 777),
+    ("causal", dict(tile_m=128), 64, 2, 2, 500, 500),
+]
+
+
+@pytest.mark.parametrize("name,fields,D,Hq,Hkv,Q,KV", DV_EARLY, ids=lambda c: str(c).replace(" ", ""))
+def test_dv_before_ds_bitwise(name, fields, D, Hq, Hkv, Q, KV):
+    torch.manual_seed(3 * D + Q + KV)
+    q, do = (torch.randn(1, Hq, Q, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, Hkv, KV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    if name == "document":
+        doc = torch.from_numpy(np.repeat(np.arange(4, dtype=np.int32), [100, 333, 300, 267]))
+        mask = mods.document(doc.cuda())
+    else:
+        mask = {"causal": mods.causal(), "sliding_window": mods.sliding_window(300), "none": None}[name]
+    spec = AttentionSpec.from_args(mask=mask, enable_gqa=True)
+    *want, _, _, _, cfg = kernel_backward(q, k, v, do, spec, dv_before_ds=False, **fields)
+    *got, _, _, _, early_cfg = kernel_backward(q, k, v, do, spec, dv_before_ds=True, **fields)
+    assert early_cfg.dv_before_ds and not cfg.dv_before_ds
+    for label, a, b in zip(("dq", "dk", "dv"), got[:3], want[:3]):
+        assert torch.isfinite(a.float()).all(), (name, label)
+        if label == "dq" and not fields.get("deterministic"):
+            assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max(), (name, fields)
+        else:
+            assert torch.equal(a, b), (name, label, (a.float() - b.float()).abs().max().item())
+
+
 # Clusters of 2 CTAs (kv blocks 2c, 2c + 1) sharing Q / dO loads by TMA multicast: dense
 # only, an even number of 128-key blocks. (case, dtype, D, B, Hq, Hkv, Q, KV, layout)
 CLUSTER = [

@@ -130,6 +130,9 @@ def _config(name):
     if name.endswith("-vdo"):                 # V on the first visit's dO barrier (BwdConfig.v_with_first_do)
         cfg, hook = _config(name[:-4])
         return dataclasses.replace(cfg, v_with_first_do=True), hook
+    if name.endswith("-dvearly"):             # dV's GEMM under the dS pass (BwdConfig.dv_before_ds)
+        cfg, hook = _config(name[:-8])
+        return dataclasses.replace(cfg, dv_before_ds=True), hook
     if name.endswith("-finish"):              # dQ stored by the main kernel (BwdConfig.dq_finish)
         cfg, hook = _config(name[:-7])
         return dataclasses.replace(cfg, dq_finish=True), hook
@@ -174,8 +177,11 @@ IDLE = ["d128-causal-idle", "d128-band-window-idle", "d128-causal-softcap-idle",
 P_EARLY = ["d192-causal-swap96-dvfirst", "d192-causal-swap96-dvfirst-pearly"]
 # V's load on the first visit's dO barrier (not planned: measured neutral; FLEXATTN_BWD_V_WITH_DO=1 plans it)
 V_WITH_DO = ["d64-causal-128-vdo", "d64-sparse-document-vdo"]
+# dV's GEMM issued before the dS pass (not planned until measured; FLEXATTN_BWD_DV_EARLY=1 plans it), beside
+# d128-causal (IDLE) and d128-dense (DEFAULT)
+DV_EARLY = ["d128-causal-dvearly", "d128-dense-dvearly"]
 NAMES = (DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + SWAPPED + TILE128 + PERSISTENT + FINISH + PDL
-         + WIDE256 + P_EARLY + IDLE + V_WITH_DO)
+         + WIDE256 + P_EARLY + IDLE + V_WITH_DO + DV_EARLY)
 
 
 @pytest.fixture(scope="module")
@@ -505,6 +511,20 @@ def test_p_early_stores_p_while_dp_runs(compiled):
         BwdConfig(head_dim=192, tile_n=64, p_early=True)        # the split layout: no P^T buffer of its own
     with pytest.raises(ValueError, match="p_early"):
         BwdConfig(head_dim=256, tile_n=48, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, p_early=True)
+
+
+@pytest.mark.parametrize("name", DV_EARLY)
+def test_dv_before_ds_issues_dv_under_the_ds_pass(compiled, name):
+    """BwdConfig.dv_before_ds: dV's GEMM (m64n<D>, A = P^T from registers) is issued right
+    after S^T's wait and before dP^T's, which then waits for 1 (dV still in flight); by
+    default it follows dS^T's stmatrix stores, after dP^T's wait for 0."""
+    tokens = (ptx_order.WGMMA, ptx_order.COMMIT, ptx_order.WAIT, ptx_order.STMATRIX, ptx_order.BARRIER)
+    late = ptx_order.runs(compiled[name[:-len("-dvearly")]][1], *tokens)
+    early = ptx_order.runs(compiled[name][1], *tokens)
+    steps = 2 if compiled[name][0].causal else 1
+    default, moved = "wait1x1 wait0x1 stmx4 W128x4 Cx1 barx1", "wait1x1 W128x4 Cx1 wait1x1 stmx4 barx1"
+    assert late.count(default) == steps and moved not in late, late
+    assert early.count(moved) == steps and default not in early, early
 
 
 def test_head_dim_256_candidates_are_validated():

@@ -21,7 +21,8 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
     (FLEXATTN_DQ_FINISH=1: wherever it applies, `finish_allowed`, for A/B runs; measured
     slower); pdl, unless given, off (FLEXATTN_BWD_PDL=1, 16-bit dtypes, for A/B runs;
     measured neutral); v_with_first_do likewise (FLEXATTN_BWD_V_WITH_DO=1); dq_first_store
-    likewise (FLEXATTN_DQ_FIRST_STORE=1, or =data for dq_ticket_on_data; not deterministic)."""
+    likewise (FLEXATTN_DQ_FIRST_STORE=1, or =data for dq_ticket_on_data; not deterministic);
+    dv_before_ds likewise (FLEXATTN_BWD_DV_EARLY=1)."""
     kw = dict(dtype=fwd_cfg.dtype, head_dim=fwd_cfg.head_dim, head_dim_v=fwd_cfg.head_dim_v,
               causal=fwd_cfg.causal, block_sparse=fwd_cfg.block_sparse, band=fwd_cfg.band, mods=fwd_cfg.mods,
               tf32_passes=getattr(fwd_cfg, "tf32_passes", 1))   # (a 16-bit config stand-in may lack it)
@@ -63,6 +64,12 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
         # B8 S2048, B4 S4096, B2 S8192 gave 0.983-1.010 (session 41's 0.976 on B8 S2048
         # document4 read 0.994), "data" 1.00-1.04 in 4 rounds; so only for A/B runs.
         cfg = dataclasses.replace(cfg, dq_first_store=True, dq_ticket_on_data=first_store == "data")
+    if ("dv_before_ds" not in overrides and cfg.dtype != "fp32" and cfg.tile_m == 64
+            and not cfg.split_head_dim and os.environ.get("FLEXATTN_BWD_DV_EARLY") == "1"):
+        # dV's GEMM issued before the dS pass (BwdConfig.dv_before_ds): measured neutral
+        # (H200, 2026-11-29), so only for A/B runs; 64-row visits only (at 128 rows, D64,
+        # P^T's early conversion spills 48 B and the kernel reads 1.1x slower).
+        cfg = dataclasses.replace(cfg, dv_before_ds=True)
     if "pdl" not in overrides and cfg.dtype != "fp32" and os.environ.get("FLEXATTN_BWD_PDL") == "1":
         # The main kernel and the postprocess as programmatic dependents (BwdConfig.pdl):
         # measured neutral (docs/experiments.md, session 30), so only for A/B runs.

@@ -248,6 +248,17 @@ class BwdConfig(KernelConfig):
     # half is staged (after DQ_FULL) instead of at the visit's start, so the first visitor is
     # the one whose data is ready first (fewer waits, one atomic's latency on the path).
     dq_ticket_on_data: bool = False
+    # dv_before_ds: without a score mod, in the layout that keeps P^T in registers (no
+    # split head dim), dV += P^T dO is issued as soon as P^T is converted, before the wait
+    # for dP^T, so the tensor pipe runs it under the dS pass (dS = P (dP - D), its
+    # conversion, its store to shared memory and the DS_FULL barrier), where FA3 / FA4
+    # issue it after dS and the pass runs beside nothing. The wgmma groups then retire S^T,
+    # dP^T, dV, dQ, dK in issue order, so dQ's wait=1 still releases dO after dV. Measured
+    # neutral at 64-row visits (H200, 2026-11-29: door fwd+bwd 1.001-1.012x of the default
+    # over document4 / causal / window1024 / full at B8 S2048 and B4 S4096; kernels alone
+    # within noise) and slower at D64's 128-row visits (P^T's early conversion spills, 48 B),
+    # so not planned: FLEXATTN_BWD_DV_EARLY=1 plans it where visits are 64 rows (bwd/plan.py).
+    dv_before_ds: bool = False
     # l2_section_bytes: the longest-first order's L2 budget (0: hopper.tile_scheduler's
     # L2_BYTES_FOR_KV): a section holds the most (kv head, batch) pairs, a power of two,
     # whose Q, dO, LSE, D and dq_accum rows fit in it.
@@ -1514,6 +1525,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         do_state = lockstep_state(state, self.cfg.do_ring, producer=False)   # (state itself unless shallower)
         do_stage = do_state.index
         split = self.cfg.split_head_dim
+        dv_early = self.cfg.dv_before_ds and not split and not mods.has_score
         rP = None
 
         # S^T = K Q^T and dP^T = V dO^T, both in flight at once.
@@ -1560,9 +1572,15 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                     cute.copy(r2s_dS, r2s_dS.retile(rP), tdSsdS[1][None, None, None, 0])
             else:
                 mma.convert_into(tVrP, mma.acc_as_a_view(acc_S))
+                if const_expr(dv_early):             # under the dS pass (BwdConfig.dv_before_ds)
+                    mma.gemm(tiled_mma_nv, acc_dV, tVrP, tVrdOt[None, None, None, do_stage],
+                             zero_init=False, wait=-1)
             if const_expr(self.stats_in_registers):
                 delta = self._column_values(delta, coords)
-            warpgroup.wait_group(0)                  # dP^T ready
+            if const_expr(dv_early):
+                warpgroup.wait_group(1)              # dP^T ready (dV may still run)
+            else:
+                warpgroup.wait_group(0)              # dP^T ready
             self._ds_from_p(acc_S, acc_dP, delta, coords)
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         mma.convert_into(rdS, acc_dP)
@@ -1572,8 +1590,9 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
 
         # dS^T -> sdS[stage] (no wait: see sdS_layout), then dV += P^T dO (A from registers).
         cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, stage])
-        mma.gemm(tiled_mma_nv, acc_dV, tVrP, tVrdOt[None, None, None, do_stage],
-                 zero_init=False, wait=-1)
+        if const_expr(not dv_early):
+            mma.gemm(tiled_mma_nv, acc_dV, tVrP, tVrdOt[None, None, None, do_stage],
+                     zero_init=False, wait=-1)
         cute.arch.fence_view_async_shared()          # generic-proxy writes -> wgmma reads
         BwdBarrier.DS_FULL.sync(self.num_mma_threads)
         acc_dQ = self._dq_gemm(tiled_mma_md, acc_shape_md, tQrdS, tQrKt, stage, wait=1)
