@@ -10,38 +10,50 @@ out=${OUT:-/tmp/flexattn-out}
 mkdir -p "$out"
 limit=${1:-540}
 shift $(( $# > 0 ? 1 : 0 ))
+# name:seconds:files. seconds = the group's wall time beside others on one H200 (sessions
+# 43-45), which spreads the groups over several GPUs (below).
 all_groups=(
-  "fwd:tests/gpu/test_fwd_gpu.py tests/gpu/test_mod_emit_gpu.py"
-  "public:tests/gpu/test_flex_attention_gpu.py tests/gpu/test_dlpack_gpu.py"
-  "bwd:tests/gpu/test_bwd_gpu.py -k '(test_fixed or test_random or from_dlpack) and not deterministic'"
-  "bwdwide:tests/gpu/test_bwd_gpu.py -k 'not (deterministic or test_fixed or test_random or from_dlpack)'"
-  "bwddet:tests/gpu/test_bwd_gpu.py -k deterministic"
-  "autograd:tests/gpu/test_autograd_gpu.py tests/gpu/test_cupy_gpu.py"
-  "decode:tests/gpu/test_decode_gpu.py tests/gpu/test_blockmask_gpu.py tests/gpu/test_short_query_gpu.py"
-  "jax:tests/gpu/test_jax_gpu.py tests/gpu/test_notebooks_gpu.py"
-  "heads:tests/gpu/test_head_dims_gpu.py tests/gpu/test_torch_compat_gpu.py"
-  "fp32:tests/gpu/test_fp32_gpu.py"
-  "fp32bwd:tests/gpu/test_bwd_fp32_gpu.py"
+  "fwd:200:tests/gpu/test_fwd_gpu.py tests/gpu/test_mod_emit_gpu.py"
+  "public:310:tests/gpu/test_flex_attention_gpu.py tests/gpu/test_dlpack_gpu.py"
+  "bwd:300:tests/gpu/test_bwd_gpu.py -k '(test_fixed or test_random or from_dlpack) and not deterministic'"
+  "bwdwide:420:tests/gpu/test_bwd_gpu.py -k 'not (deterministic or test_fixed or test_random or from_dlpack)'"
+  "bwddet:100:tests/gpu/test_bwd_gpu.py -k deterministic"
+  "autograd:150:tests/gpu/test_autograd_gpu.py tests/gpu/test_cupy_gpu.py"
+  "decode:250:tests/gpu/test_decode_gpu.py tests/gpu/test_blockmask_gpu.py tests/gpu/test_short_query_gpu.py"
+  "jax:250:tests/gpu/test_jax_gpu.py tests/gpu/test_notebooks_gpu.py"
+  "heads:400:tests/gpu/test_head_dims_gpu.py tests/gpu/test_torch_compat_gpu.py"
+  "fp32:200:tests/gpu/test_fp32_gpu.py"
+  "fp32bwd:100:tests/gpu/test_bwd_fp32_gpu.py"
 )
 groups=()
 for g in "${all_groups[@]}"; do
   if [ $# -eq 0 ] || [[ " $* " == *" ${g%%:*} "* ]]; then groups+=("$g"); fi
 done
-# On a machine of several GPUs (nvidia-h200-x2 ...) the groups take them in turn, unless the
-# caller chose the GPUs (CUDA_VISIBLE_DEVICES set): each GPU then runs fewer groups side by side.
+# On a machine of several GPUs (nvidia-h200-x2 ...) the groups spread over them, unless the
+# caller chose the GPUs (CUDA_VISIBLE_DEVICES set): longest first, each to the GPU with the
+# fewest seconds so far (taking them in turn put public and heads, the two longest, on one
+# GPU of two, where public ran past a 420 s limit in session 45).
 gpus=1
 if [ -z "${CUDA_VISIBLE_DEVICES:-}" ]; then
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
   [ "$gpus" -ge 1 ] || gpus=1
 fi
+mapfile -t groups < <(for g in "${groups[@]}"; do rest=${g#*:}; echo "${rest%%:*} $g"; done | sort -rn | cut -d' ' -f2-)
+load=()
+for (( d = 0; d < gpus; d++ )); do load[$d]=0; done
 pids=()
-i=0
 for g in "${groups[@]}"; do
   name=${g%%:*}
-  files=${g#*:}
+  rest=${g#*:}
+  secs=${rest%%:*}
+  files=${rest#*:}
   gpu_env=""
-  [ "$gpus" -gt 1 ] && gpu_env="CUDA_VISIBLE_DEVICES=$(( i % gpus ))"
-  i=$(( i + 1 ))
+  if [ "$gpus" -gt 1 ]; then
+    best=0
+    for (( d = 1; d < gpus; d++ )); do [ "${load[$d]}" -lt "${load[$best]}" ] && best=$d; done
+    load[$best]=$(( load[best] + secs ))
+    gpu_env="CUDA_VISIBLE_DEVICES=$best"
+  fi
   # (eval: a group's -k expression is quoted inside its string)
   eval "$gpu_env timeout $limit python3 -m pytest -q -p no:cacheprovider $files" > "$out/gpu_$name.log" 2>&1 &
   pids+=($!)
