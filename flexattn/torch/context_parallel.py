@@ -41,8 +41,9 @@ from ..problem.spec import AttentionSpec, lse_dtype
 from ..problem.validate import check_inputs
 from ..core.kernel_path import prepare_forward
 from ..problem import bounds
-from . import (_forward_device, _grad_mask, _like, _kernel_backward, _kernel_forward, _records_grad, _score_tensors,
-               _write_target, _written_empty, backward_unsupported, create_block_mask, kernel_unsupported)
+from . import (_PreparedBackward, _backward_alloc, _backward_arrays, _buffer_grads, _forward_device, _grad_mask, _like,
+               _kernel_backward, _kernel_forward, _records_grad, _score_tensors, _write_target, _written_empty,
+               backward_unsupported, create_block_mask, kernel_unsupported)
 
 SCHEDULES = ("ring", "direct", "all_gather")
 
@@ -420,9 +421,7 @@ class TorchOps:
         captures = spec.score.captures if spec.score is not None else ()
         if q.is_cuda:
             buffers = _score_tensors(spec.score)
-            shape = check_inputs(q, k, v, spec)
-            dq, dk, dv, grads = _kernel_backward(spec, shape, q, k, v, out, lse, d_out, d_lse, buffers,
-                                                 _grad_mask(buffers), into)
+            dq, dk, dv, grads = _pair_backward(spec, q, k, v, out, lse, d_out, d_lse, buffers, into)
             by_id = {id(b): g.float() for b, g in zip(buffers, grads) if b.requires_grad}
             return dq, dk, dv, by_id
         g = reference.backward(q, k, v, d_out, d_lse, spec, out=out, lse=lse)
@@ -564,6 +563,42 @@ def _pair_forward(spec, q, k, v, into):
         if len(_PAIR_LAUNCHES) >= _PAIR_LAUNCHES_CAPACITY:
             _PAIR_LAUNCHES.pop(next(iter(_PAIR_LAUNCHES)), None)
         _PAIR_LAUNCHES[key] = (weakref.ref(spec, lambda _, key=key: _PAIR_LAUNCHES.pop(key, None)), shape, prepared)
+    return result
+
+
+_PAIR_BACKWARDS: dict = {}   # see _pair_backward
+
+
+def _pair_backward(spec, q, k, v, out, lse, d_out, d_lse, buffers, into):
+    """A chunk pair's backward launch -> (dq, dk, dv, gradient per score buffer), as
+    ``_pair_forward`` is its forward's: from a plan's second step on, the pair launches
+    through a ``core.backward_path.PreparedBackward`` (no checks, no planning, the block
+    lists already on the GPU), held per pair spec, device, shapes and strides, the
+    deterministic setting and which buffers take gradients; weakly, as the forward's. The
+    debug mode, FLEXATTN_CP_PREPARED=0 and another device than the current take the full
+    path (``_kernel_backward``)."""
+    grad_mask = _grad_mask(buffers)
+    if (bounds.enabled() or q.device.index != torch.cuda.current_device()
+            or os.environ.get("FLEXATTN_CP_PREPARED") == "0"):
+        return _kernel_backward(spec, check_inputs(q, k, v, spec), q, k, v, out, lse, d_out, d_lse, buffers,
+                                grad_mask, into)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    key = (id(spec), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+           q.device.index, d_lse is None, deterministic, grad_mask,
+           tuple(None if t is None else t.stride() for t in (into or (None, None, None))))
+    slot = _PAIR_BACKWARDS.get(key)
+    if slot is not None and slot[0]() is spec and slot[1] is not None:
+        prepared = slot[1]
+        arrays = _backward_arrays(q, k, v, out, lse, d_out, d_lse, into)
+        capture_grads = prepared.kernels.launch(arrays, _backward_alloc(q.device))
+        return arrays.dq, arrays.dk, arrays.dv, _buffer_grads(prepared.tensor_slots, capture_grads, buffers)
+    shape = check_inputs(q, k, v, spec)
+    result = _kernel_backward(spec, shape, q, k, v, out, lse, d_out, d_lse, buffers, grad_mask, into)
+    if slot is None:
+        prepared = _PreparedBackward.make(spec, shape, q, deterministic, grad_mask)
+        if len(_PAIR_BACKWARDS) >= _PAIR_LAUNCHES_CAPACITY:
+            _PAIR_BACKWARDS.pop(next(iter(_PAIR_BACKWARDS)), None)
+        _PAIR_BACKWARDS[key] = (weakref.ref(spec, lambda _, key=key: _PAIR_BACKWARDS.pop(key, None)), prepared)
     return result
 
 

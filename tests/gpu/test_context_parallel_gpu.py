@@ -237,6 +237,85 @@ def test_repeated_calls_launch_prepared_pairs():
     assert (per_rank[0][1] == per_rank[0][0]).all(), "the prepared launch changed the result"
 
 
+def test_repeated_steps_launch_prepared_pair_backwards(monkeypatch):
+    """From a plan's second step on, every pair's backward launches prepared
+    (``tcp._pair_backward``: no checks, planning or list uploads): the full path
+    (``_kernel_backward``) runs in the first step only. dK / dV are bitwise the first
+    step's (one CTA per kv tile, the pairs summed in a fixed order), dQ and the trained
+    bias's gradient within their atomics' order; the fourth step, after the bias changed
+    in place (a prepared launch reads its captures at launch), against the float64
+    reference."""
+    seq, world = 2048, 2
+    torch.manual_seed(9)
+    q = torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, HK, seq, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    d_out = torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16)
+    spec, trained = _cases(seq, "cuda")["bias"]
+    wanted = [spec.score.captures.index(trained)]
+    layout = cp.choose_layout(seq, world, spec.mask, B, H)
+    ops = _SerialKernels()
+    build = tcp._device_block_masks(q)
+    full_path = []
+    kernel_backward = tcp._kernel_backward
+
+    def counted(*args, **kw):
+        full_path.append(1)
+        return kernel_backward(*args, **kw)
+
+    monkeypatch.setattr(tcp, "_kernel_backward", counted)
+    monkeypatch.delenv("FLEXATTN_CP_PREPARED", raising=False)
+    tcp._PAIR_BACKWARDS.clear()
+    steps, barrier = 4, threading.Barrier(world)
+
+    def serial_build(*args):
+        with _SerialKernels.lock:
+            return build(*args)
+
+    def rank(comm):
+        plan = cp.ContextParallelPlan(spec, layout, comm.rank, B, H, block_mask_builder=serial_build)
+        pos = torch.as_tensor(layout.positions(comm.rank), device="cuda")
+        ql, kl, vl, dl = (x.index_select(2, pos).contiguous() for x in (q, k, v, d_out))
+        results = []
+        for step in range(steps):
+            if step == steps - 1:
+                barrier.wait()
+                if comm.rank == 0:
+                    with torch.no_grad():
+                        trained.mul_(-1.5)
+                barrier.wait()
+            _, _, grads = run_schedule("direct", plan, comm, ops, ql, kl, vl, dl, wanted)
+            torch.cuda.synchronize()
+            barrier.wait()                        # both ranks' launches of the step done
+            results.append((len(full_path), grads))
+            barrier.wait()
+        return pos, results
+
+    per_rank = cp.LoopbackWorld(world).run(rank)
+    first_step = per_rank[0][1][0][0]
+    assert first_step > 0 and len(full_path) == first_step, (first_step, len(full_path))
+    assert any(slot[1] is not None for slot in list(tcp._PAIR_BACKWARDS.values())), "no pair backward was prepared"
+    for _, results in per_rank:
+        (_, (dq0, dk0, dv0, caps0)) = results[0]
+        for _, (dq, dk, dv, caps) in results[1:steps - 1]:
+            assert torch.equal(dk, dk0) and torch.equal(dv, dv0), "a prepared step changed dK / dV"
+            assert (dq.float() - dq0.float()).abs().max() <= 1e-2 * dq0.float().abs().max()
+            assert (caps[0] - caps0[0]).abs().max() <= 1e-3 * caps0[0].abs().max()
+    whole = {n: torch.zeros_like(x, dtype=torch.float32) for n, x in (("dq", q), ("dk", k), ("dv", v))}
+    for pos, results in per_rank:
+        dq, dk, dv, _ = results[-1][1]
+        for n, x in (("dq", dq), ("dk", dk), ("dv", dv)):
+            whole[n][:, :, pos] = x.float()
+    host = [x.double().cpu().numpy() for x in (q, k, v, d_out)]
+    ref_spec = AttentionSpec.from_args(
+        score=spec.score.with_captures(tuple(c.detach().double().cpu().numpy() if c is trained else c
+                                             for c in spec.score.captures)), mask=spec.mask, enable_gqa=True)
+    ref = reference.backward(*host, None, ref_spec)
+    for n, want in (("dq", ref.dq), ("dk", ref.dk), ("dv", ref.dv)):
+        _close(f"step {steps - 1} {n}", whole[n], want)
+    for _, results in per_rank:
+        _close(f"step {steps - 1} d_bias", results[-1][1][3][0], ref.d_captures[wanted[0]])
+
+
 # -- NCCL, one process per GPU ------------------------------------------------------------------
 
 _NCCL_CASES = [("causal", "ring"), ("documents", "ring"), ("causal", "all_gather"), ("bias", "ring"),
