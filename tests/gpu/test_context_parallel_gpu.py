@@ -288,20 +288,22 @@ def test_repeated_steps_launch_prepared_pair_backwards(monkeypatch):
             barrier.wait()                        # both ranks' launches of the step done
             results.append((len(full_path), grads))
             barrier.wait()
-        return pos, results
+        # (entries leave with their plan's specs: looked at while the plan lives)
+        prepared = any(slot[1] is not None for slot in list(tcp._PAIR_BACKWARDS.values()))
+        return pos, results, prepared
 
     per_rank = cp.LoopbackWorld(world).run(rank)
     first_step = per_rank[0][1][0][0]
     assert first_step > 0 and len(full_path) == first_step, (first_step, len(full_path))
-    assert any(slot[1] is not None for slot in list(tcp._PAIR_BACKWARDS.values())), "no pair backward was prepared"
-    for _, results in per_rank:
+    assert all(prepared for *_, prepared in per_rank), "no pair backward was prepared"
+    for _, results, _ in per_rank:
         (_, (dq0, dk0, dv0, caps0)) = results[0]
         for _, (dq, dk, dv, caps) in results[1:steps - 1]:
             assert torch.equal(dk, dk0) and torch.equal(dv, dv0), "a prepared step changed dK / dV"
             assert (dq.float() - dq0.float()).abs().max() <= 1e-2 * dq0.float().abs().max()
             assert (caps[0] - caps0[0]).abs().max() <= 1e-3 * caps0[0].abs().max()
     whole = {n: torch.zeros_like(x, dtype=torch.float32) for n, x in (("dq", q), ("dk", k), ("dv", v))}
-    for pos, results in per_rank:
+    for pos, results, _ in per_rank:
         dq, dk, dv, _ = results[-1][1]
         for n, x in (("dq", dq), ("dk", dk), ("dv", dv)):
             whole[n][:, :, pos] = x.float()
@@ -312,7 +314,7 @@ def test_repeated_steps_launch_prepared_pair_backwards(monkeypatch):
     ref = reference.backward(*host, None, ref_spec)
     for n, want in (("dq", ref.dq), ("dk", ref.dk), ("dv", ref.dv)):
         _close(f"step {steps - 1} {n}", whole[n], want)
-    for _, results in per_rank:
+    for _, results, _ in per_rank:
         _close(f"step {steps - 1} d_bias", results[-1][1][3][0], ref.d_captures[wanted[0]])
 
 
