@@ -458,7 +458,15 @@ V_WITH_DO = [
 
 @pytest.mark.parametrize("name,fields,D,Hq,Hkv,Q,KV", V_WITH_DO, ids=lambda c: str(c).replace(" ", ""))
 def test_v_with_first_do_bitwise(name, fields, D, Hq, Hkv, Q, KV):
-    torch.manual_seed(D + Q + KV)
+    cfg = _same_gradients_with("v_with_first_do", D + Q + KV, name, fields, D, Hq, Hkv, Q, KV)
+    assert not cfg.max_ctas
+
+
+def _same_gradients_with(field, seed, name, fields, D, Hq, Hkv, Q, KV):
+    """The backward with BwdConfig ``field`` forced on against it off (every other field
+    ``fields`` or the planner's): dK / dV bitwise, dQ too where its adds keep their order
+    (deterministic), else within 1% of its largest value. -> the config with it on."""
+    torch.manual_seed(seed)
     q, do = (torch.randn(1, Hq, Q, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(1, Hkv, KV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     if name == "document":
@@ -467,15 +475,16 @@ def test_v_with_first_do_bitwise(name, fields, D, Hq, Hkv, Q, KV):
     else:
         mask = {"causal": mods.causal(), "sliding_window": mods.sliding_window(300), "none": None}[name]
     spec = AttentionSpec.from_args(mask=mask, enable_gqa=True)
-    *want, _, _, _, cfg = kernel_backward(q, k, v, do, spec, v_with_first_do=False, **fields)
-    *got, _, _, _, v_cfg = kernel_backward(q, k, v, do, spec, v_with_first_do=True, **fields)
-    assert v_cfg.v_with_first_do and not cfg.v_with_first_do and not v_cfg.max_ctas
+    *want, _, _, _, cfg = kernel_backward(q, k, v, do, spec, **{field: False}, **fields)
+    *got, _, _, _, on_cfg = kernel_backward(q, k, v, do, spec, **{field: True}, **fields)
+    assert getattr(on_cfg, field) and not getattr(cfg, field)
     for label, a, b in zip(("dq", "dk", "dv"), got[:3], want[:3]):
         assert torch.isfinite(a.float()).all(), (name, label)
         if label == "dq" and not fields.get("deterministic"):
             assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max(), (name, fields)
         else:
             assert torch.equal(a, b), (name, label, (a.float() - b.float()).abs().max().item())
+    return on_cfg
 
 
 # dV's GEMM issued before the dS pass (BwdConfig.dv_before_ds; forced here): only when the
@@ -496,24 +505,7 @@ DV_EARLY = [
 
 @pytest.mark.parametrize("name,fields,D,Hq,Hkv,Q,KV", DV_EARLY, ids=lambda c: str(c).replace(" ", ""))
 def test_dv_before_ds_bitwise(name, fields, D, Hq, Hkv, Q, KV):
-    torch.manual_seed(3 * D + Q + KV)
-    q, do = (torch.randn(1, Hq, Q, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    k, v = (torch.randn(1, Hkv, KV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    if name == "document":
-        doc = torch.from_numpy(np.repeat(np.arange(4, dtype=np.int32), [100, 333, 300, 267]))
-        mask = mods.document(doc.cuda())
-    else:
-        mask = {"causal": mods.causal(), "sliding_window": mods.sliding_window(300), "none": None}[name]
-    spec = AttentionSpec.from_args(mask=mask, enable_gqa=True)
-    *want, _, _, _, cfg = kernel_backward(q, k, v, do, spec, dv_before_ds=False, **fields)
-    *got, _, _, _, early_cfg = kernel_backward(q, k, v, do, spec, dv_before_ds=True, **fields)
-    assert early_cfg.dv_before_ds and not cfg.dv_before_ds
-    for label, a, b in zip(("dq", "dk", "dv"), got[:3], want[:3]):
-        assert torch.isfinite(a.float()).all(), (name, label)
-        if label == "dq" and not fields.get("deterministic"):
-            assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max(), (name, fields)
-        else:
-            assert torch.equal(a, b), (name, label, (a.float() - b.float()).abs().max().item())
+    _same_gradients_with("dv_before_ds", 3 * D + Q + KV, name, fields, D, Hq, Hkv, Q, KV)
 
 
 # Clusters of 2 CTAs (kv blocks 2c, 2c + 1) sharing Q / dO loads by TMA multicast: dense

@@ -57,6 +57,21 @@ class _SerialKernels(tcp.TorchOps):
 B, H, HK, D = 1, 4, 2, 128
 
 
+def _rank_setup(spec, layout, comm, arrays):
+    """A loopback rank's plan (block masks built one rank-thread at a time, as
+    ``_SerialKernels`` launches) and its rows of each of ``arrays`` -> (plan, positions,
+    rows)."""
+    build = tcp._device_block_masks(arrays[0])
+
+    def serial_build(*args):
+        with _SerialKernels.lock:
+            return build(*args)
+
+    plan = cp.ContextParallelPlan(spec, layout, comm.rank, B, H, block_mask_builder=serial_build)
+    pos = torch.as_tensor(layout.positions(comm.rank), device="cuda")
+    return plan, pos, [x.index_select(2, pos).contiguous() for x in arrays]
+
+
 def _cases(seq, device):
     g = torch.Generator().manual_seed(seq)
     bias = (torch.randn(2 * seq + 1, generator=g, dtype=torch.float64) * 0.5)
@@ -114,16 +129,9 @@ def _shard_by_shard(case, world, schedule, chunks, dtype, tol):
         layout = cp.ShardLayout(seq, world, tuple((i + i // world) % world for i in range(chunks * world)))
     wanted = [i for i, c in enumerate(spec.score.captures if spec.score is not None else ()) if c is trained]
     ops = _SerialKernels()
-    build = tcp._device_block_masks(q)
-
-    def serial_build(*args):
-        with _SerialKernels.lock:
-            return build(*args)
 
     def rank(comm):
-        plan = cp.ContextParallelPlan(spec, layout, comm.rank, B, H, block_mask_builder=serial_build)
-        pos = torch.as_tensor(layout.positions(comm.rank), device="cuda")
-        ql, kl, vl, dl = (x.index_select(2, pos).contiguous() for x in (q, k, v, d_out))
+        plan, pos, (ql, kl, vl, dl) = _rank_setup(spec, layout, comm, (q, k, v, d_out))
         out, lse, grads = run_schedule(schedule, plan, comm, ops, ql, kl, vl, dl, wanted)
         torch.cuda.synchronize()
         return pos, out, lse, grads
@@ -254,7 +262,6 @@ def test_repeated_steps_launch_prepared_pair_backwards(monkeypatch):
     wanted = [i for i, c in enumerate(spec.score.captures) if c is trained]
     layout = cp.choose_layout(seq, world, spec.mask, B, H)
     ops = _SerialKernels()
-    build = tcp._device_block_masks(q)
     full_path = []
     kernel_backward = tcp._kernel_backward
 
@@ -267,14 +274,8 @@ def test_repeated_steps_launch_prepared_pair_backwards(monkeypatch):
     tcp._PAIR_BACKWARDS.clear()
     steps, barrier = 4, threading.Barrier(world)
 
-    def serial_build(*args):
-        with _SerialKernels.lock:
-            return build(*args)
-
     def rank(comm):
-        plan = cp.ContextParallelPlan(spec, layout, comm.rank, B, H, block_mask_builder=serial_build)
-        pos = torch.as_tensor(layout.positions(comm.rank), device="cuda")
-        ql, kl, vl, dl = (x.index_select(2, pos).contiguous() for x in (q, k, v, d_out))
+        plan, pos, (ql, kl, vl, dl) = _rank_setup(spec, layout, comm, (q, k, v, d_out))
         results = []
         for step in range(steps):
             if step == steps - 1:
