@@ -5,7 +5,8 @@ For each world size W (one process per GPU, NCCL) the sequence is ``--per-gpu`` 
 GPU (S = W x per-gpu), B1 H16 D128 bf16, under a causal mask and a 16-document causal mask
 (packed documents of random lengths). Rows: ours through ``flexattn.torch.context_parallel``
 (the ring, direct and all-gather schedules; "direct aside": the direct one with its sends' copies on
-the side stream, FLEXATTN_CP_STAGE_ASIDE=1, an A/B), torch's ``context_parallel`` with SDPA (causal; its
+the side stream, FLEXATTN_CP_STAGE_ASIDE=1, an A/B; "direct unprepared": every pair's forward and
+backward launch through the full door path, FLEXATTN_CP_PREPARED=0, an A/B), torch's ``context_parallel`` with SDPA (causal; its
 ring, "alltoall" rotation) and torch's context-parallel flex_attention (compiled, its
 ``_ContextParallel`` FLEX style with head-tail load balancing) where this torch has them.
 Times: the slowest rank's median of ``--iters`` CUDA-event timings (forward; forward +
