@@ -926,6 +926,44 @@ def test_functions_defined_inside_reading_global_tensors():
     assert counter.frame_count == 1
 
 
+_OFFSETS = torch.tensor([3, 7])                      # per batch: a position shift (as a decode step's)
+_HEAD_SLOPES = torch.nn.Parameter(torch.rand(H, dtype=torch.float64) + 0.1)
+
+
+def _slope_bias(s, b, h, q_idx, kv_idx):
+    return s + _HEAD_SLOPES[h] * (kv_idx - q_idx) * 0.1
+
+
+def _kept_near(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx).abs() <= 4 + h
+
+
+def test_functions_defined_inside_reading_a_tensor_in_a_helpers_argument():
+    """A function defined in the compiled code that reads one tensor in the argument of a
+    helper reading another (``helper(s, b, h, q + offsets[b], kv)``): its trace reads
+    ``offsets`` first, dynamo lifts ``slopes`` first, and the op binds the tensors in the
+    trace's order (before: swapped, an index past the [B] tensor). Score and mask, one graph,
+    the eager values and gradients, new tensor values without recompiling."""
+    def step(q, k, v):
+        def score(s, b, h, q_idx, kv_idx):
+            return _slope_bias(s, b, h, q_idx + _OFFSETS[b], kv_idx)
+
+        def mask(b, h, q_idx, kv_idx):
+            return _kept_near(b, h, q_idx + _OFFSETS[b], kv_idx) | (kv_idx < _OFFSETS[b] * h)
+
+        return fa.flex_attention(q, k, v, score_mod=score, mask=mask).square().sum()
+
+    counter = CompileCounterWithBackend("inductor")   # (our op replaces torch's HOP in Inductor's pass)
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    q, k, v = _qkv(14)
+    _assert_same_as_eager(compiled, step, (q, k, v), (q, k, v, _HEAD_SLOPES))
+    with torch.no_grad():
+        _HEAD_SLOPES.mul_(-1.5)
+        _OFFSETS.copy_(torch.tensor([5, 1]))
+    torch.testing.assert_close(compiled(q, k, v), step(q, k, v))
+    assert counter.frame_count == 1
+
+
 _CAUSAL_MOD = mods.causal()
 _SLOPES = torch.nn.Parameter(torch.rand(H, dtype=torch.float64))
 
@@ -974,3 +1012,58 @@ def test_mods_of_tensors_made_inside_the_compiled_code_are_refused_clearly(make,
     q, k, v = _qkv(4, grad=False)
     torch.testing.assert_close(torch.compile(lambda q, k, v: fa.flex_attention(q, k, v, **made), backend="aot_eager",
                                              fullgraph=True)(q, k, v), fa.flex_attention(q, k, v, **made))
+
+
+# --- decode steps under torch.compile (flexattn.torch._decode_in_graph) -------------------------
+
+def _decode_cache(lengths):
+    g = torch.Generator().manual_seed(21)
+    k, v = (torch.randn(2, 2, 64, D, generator=g, dtype=torch.float64) for _ in range(2))
+    return fa.KVCache(k, v, torch.tensor(lengths))
+
+
+def test_decode_steps_compile_and_follow_the_lengths():
+    """``fa.decode`` in a compiled step, mods as torch-style functions (one over a tensor):
+    the eager step's output and LSE at every step while the cache's lengths grow in place,
+    one graph per query length (none for new lengths), q_len 1 and 3."""
+    cache = _decode_cache([40, 25])
+    slopes = torch.rand(2 * H, dtype=torch.float64)
+
+    def score(s, b, h, q_idx, kv_idx):
+        return s + slopes[h] * (kv_idx - q_idx) * 0.1
+
+    def near(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < 20
+
+    def step(q, cache):
+        return fa.decode(q, cache, score_mod=score, mask=near, return_lse=True)
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    g = torch.Generator().manual_seed(22)
+    for q_len, steps in ((1, 3), (3, 2)):
+        for _ in range(steps):
+            q = torch.randn(2, 2 * H, q_len, D, generator=g, dtype=torch.float64)
+            (out, lse), (want, want_lse) = compiled(q, cache), step(q, cache)
+            torch.testing.assert_close(out, want)
+            torch.testing.assert_close(lse, want_lse)
+            cache.lengths += 5
+    assert counter.frame_count == 2
+
+
+def _paged(cache):
+    pages = [x[0].transpose(0, 1).reshape(4, 16, 2, D) for x in (cache.k, cache.v)]
+    return fa.PagedKVCache(*pages, torch.tensor([[0, 1, 2, 3]] * 2), cache.lengths)
+
+
+@pytest.mark.parametrize("make,kw,words", [
+    (lambda c: c, {"mask": mods.sliding_window(8)}, "torch-style function"),
+    (_paged, {}, "contiguous KVCache"),
+], ids=["mod_value", "paged"])
+def test_decode_under_compile_refuses_clearly(make, kw, words):
+    """What a compiled decode step does not take (a mod value, a paged cache) is a clear
+    error naming the way out, not dynamo's failure on the host-side checks."""
+    cache = make(_decode_cache([40, 25]))
+    q = torch.randn(2, 2 * H, 1, D, dtype=torch.float64)
+    with pytest.raises(Exception, match=words):
+        torch.compile(lambda q, c: fa.decode(q, c, **kw), backend="aot_eager", fullgraph=True)(q, cache)

@@ -496,6 +496,8 @@ def decode(query: torch.Tensor, cache, score_mod=None, mask=None, scale=None, re
     outputs and launches. Steps are queued without waiting for the GPU; steps on one
     stream from several threads are serialized around their upload and launch.
     """
+    if torch.compiler.is_compiling():
+        return _decode_in_graph(query, cache, score_mod, mask, scale, return_lse)
     call = (score_mod, None, scale, True, mask, None)
     key = None
     if bounds.enabled():   # the debug mode: the step's reads checked, as flex_attention's
@@ -515,6 +517,47 @@ def decode(query: torch.Tensor, cache, score_mod=None, mask=None, scale=None, re
     k, v, spec = decode_problem(query, cache, score_mod, mask, scale)
     return flex_attention(query, k, v, score=spec.score, mask=spec.mask, scale=spec.scale,
                           enable_gqa=True, return_lse=return_lse)
+
+
+def _decode_in_graph(query, cache, score_mod, mask, scale, return_lse):
+    """``decode`` under torch.compile: the step as ``flex_attention`` over the cache's
+    tensors, whose short-query route (``core/short_query.py``) takes the decode kernel on
+    CUDA. The eager step reads the lengths on the host (its checks and its mods' shifted
+    positions); here they stay a tensor of the graph, read per batch in the mask and the
+    score (``lengths[b]``), so a new step's lengths neither break the graph nor recompile.
+    A contiguous ``KVCache`` with torch ``lengths`` only, made outside the compiled code
+    (its constructor checks the lengths on the host), and mods written as torch-style
+    functions; the lengths are not checked here (the debug mode checks the mods' reads)."""
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"decode under torch.compile takes a contiguous KVCache, not {type(cache).__name__}: a paged "
+                        "cache's pages are read in place by the eager step (call decode outside the compiled code, "
+                        "e.g. under torch.compiler.disable)")
+    lengths = cache.lengths
+    if not isinstance(lengths, torch.Tensor):
+        raise TypeError("decode under torch.compile needs the cache's lengths as a torch tensor (the graph reads "
+                        f"them per step), got {type(lengths).__name__}")
+    if query.dim() != 4:
+        raise ValueError(f"query must be 4-D [B, H, q_len, D], got shape {tuple(query.shape)}")
+    for name, m in (("score_mod", score_mod), ("mask", mask)):
+        if isinstance(m, Mod):
+            # A mod value evaluates on numpy (or inlines into a trace of ours), not on the
+            # graph's tensors, and a mod made here over the lengths tensor is refused.
+            raise TypeError(f"decode under torch.compile takes {name}= as a torch-style function (or none), not a "
+                            f"mod value ({m!r}): write it as a function of (b, h, q_idx, kv_idx), or call decode "
+                            "outside the compiled code")
+    # Query row i is position lengths[b] - q_len + i: the shift as a tensor of the graph (under
+    # dynamic shapes q_len is symbolic, which a function defined here must not compute with).
+    shift = lengths - query.shape[2]
+
+    def step_mask(b, h, q_idx, kv_idx):      # the valid keys; mods see true positions
+        keep = kv_idx < lengths[b]
+        return keep if mask is None else keep & mask(b, h, q_idx + shift[b], kv_idx)
+
+    def step_score(score, b, h, q_idx, kv_idx):
+        return score_mod(score, b, h, q_idx + shift[b], kv_idx)
+
+    return flex_attention(query, cache.k, cache.v, score_mod=None if score_mod is None else step_score,
+                          mask=step_mask, scale=scale, enable_gqa=True, return_lse=return_lse)
 
 
 def _cache_requires_grad(query, cache) -> bool:

@@ -305,7 +305,15 @@ def _mod_from_graph(subgraph, buffers, kind: str):
                             f" code computes with a symbolic size ({buffer.name}): mark that dimension static"
                             " (torch._dynamo.mark_static) or compile with dynamic=False")
     fn = _closure_over(subgraph, stand_ins, kind)
-    return (mods.score_mod(fn) if kind == "score" else mods.mask_mod(fn)), tuple(tensors)
+    mod = mods.score_mod(fn) if kind == "score" else mods.mask_mod(fn)
+    # The mod captures the stand-ins in the order its trace first reads them, which need
+    # not be dynamo's order of lifting (an argument read before the call that reads
+    # another tensor: ``user(s, b, h, q + lengths[b], kv)``); the op binds its buffers to
+    # the captures in the mod's order, so they follow it (unread ones dropped).
+    buffer_of = {id(stand_in): buffer for stand_in, buffer in zip(stand_ins, buffers)
+                 if isinstance(stand_in, torch.Tensor)}
+    ordered = tuple(buffer_of[id(c)] for c in mod.captures if id(c) in buffer_of)
+    return mod, ordered
 
 
 def _closure_over(subgraph, tensors, kind: str):

@@ -100,6 +100,36 @@ def test_repeated_decoding_loop_and_compile(routed):
     assert len(routed) >= 8
 
 
+def test_decode_steps_under_compile(routed):
+    """``fa.decode`` in a compiled step (written in session 45, not yet run on a GPU): mods
+    as torch-style functions (one over per-head slopes), a contiguous KVCache whose lengths
+    grow in place; each step takes the decode kernel through the short-query route and
+    agrees with the eager step (the decode kernel over host-read lengths)."""
+    B, Hq, Hkv, D, capacity = 2, 16, 4, 128, 4096
+    k = torch.randn(B, Hkv, capacity, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, Hkv, capacity, D, device="cuda", dtype=torch.bfloat16)
+    cache = fa.KVCache(k, v, torch.tensor([1000, 3000], device="cuda", dtype=torch.int32))
+    slopes = torch.rand(Hq, device="cuda")
+
+    def score(s, b, h, q_idx, kv_idx):
+        return s + slopes[h] * (kv_idx - q_idx) * 0.01
+
+    def window(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < 1024
+
+    def step(q, cache):
+        return fa.decode(q, cache, score_mod=score, mask=window, return_lse=True)
+
+    compiled = torch.compile(step, fullgraph=True)
+    for _ in range(4):
+        q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+        (out, lse), (want, want_lse) = compiled(q, cache), step(q, cache)
+        assert (out.float() - want.float()).abs().max().item() < TOL
+        assert (lse - want_lse).abs().max().item() < 1e-2
+        cache.lengths += 9
+    assert len(routed) >= 4
+
+
 def test_given_block_lists_keep_the_forward_kernel(routed):
     L = 640
     q = torch.randn(1, 4, 1, 128, device="cuda", dtype=torch.bfloat16)
