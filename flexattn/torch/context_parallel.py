@@ -529,7 +529,24 @@ WIDE = torch.int64
 
 
 _PAIR_LAUNCHES: dict = {}    # see _pair_forward
-_PAIR_LAUNCHES_CAPACITY = 256
+_PAIR_LAUNCHES_CAPACITY = 256   # entries per table (_PAIR_LAUNCHES, _PAIR_BACKWARDS)
+
+
+def _full_path_only(q) -> bool:
+    """Whether a pair's launch must take the full door path, not a prepared one: the debug
+    mode (``bounds``) checks every call; another device than the current; and
+    FLEXATTN_CP_PREPARED=0 (for A/B runs in one process)."""
+    return (bounds.enabled() or q.device.index != torch.cuda.current_device()
+            or os.environ.get("FLEXATTN_CP_PREPARED") == "0")
+
+
+def _remember(table: dict, key, spec, *value) -> None:
+    """``table[key] = (weak reference to spec, *value)``: the entry leaves with its spec
+    (the plan's lifetime bounds what a prepared launch holds); the oldest entry gives way
+    at capacity."""
+    if len(table) >= _PAIR_LAUNCHES_CAPACITY:
+        table.pop(next(iter(table)), None)
+    table[key] = (weakref.ref(spec, lambda _, key=key: table.pop(key, None)), *value)
 
 
 def _pair_forward(spec, q, k, v, into):
@@ -543,8 +560,7 @@ def _pair_forward(spec, q, k, v, into):
     with its spec (a weak reference: the plan's lifetime bounds what the launch holds).
     The debug mode (``bounds``) takes the full path, as the door's repeats do; so does
     every launch with FLEXATTN_CP_PREPARED=0 (for A/B runs in one process)."""
-    if (into is None or bounds.enabled() or q.device.index != torch.cuda.current_device()
-            or os.environ.get("FLEXATTN_CP_PREPARED") == "0"):
+    if into is None or _full_path_only(q):
         return _kernel_forward(spec, check_inputs(q, k, v, spec), q, k, v, into=into)
     key = (id(spec), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
            q.device.index, into[0].stride(), into[1].stride())
@@ -559,10 +575,7 @@ def _pair_forward(spec, q, k, v, into):
     shape = check_inputs(q, k, v, spec)
     result = _kernel_forward(spec, shape, q, k, v, into=into)
     if slot is None:
-        prepared = prepare_forward(q, shape, spec, _forward_device(q.device))
-        if len(_PAIR_LAUNCHES) >= _PAIR_LAUNCHES_CAPACITY:
-            _PAIR_LAUNCHES.pop(next(iter(_PAIR_LAUNCHES)), None)
-        _PAIR_LAUNCHES[key] = (weakref.ref(spec, lambda _, key=key: _PAIR_LAUNCHES.pop(key, None)), shape, prepared)
+        _remember(_PAIR_LAUNCHES, key, spec, shape, prepare_forward(q, shape, spec, _forward_device(q.device)))
     return result
 
 
@@ -578,8 +591,7 @@ def _pair_backward(spec, q, k, v, out, lse, d_out, d_lse, buffers, into):
     debug mode, FLEXATTN_CP_PREPARED=0 and another device than the current take the full
     path (``_kernel_backward``)."""
     grad_mask = _grad_mask(buffers)
-    if (bounds.enabled() or q.device.index != torch.cuda.current_device()
-            or os.environ.get("FLEXATTN_CP_PREPARED") == "0"):
+    if _full_path_only(q):
         return _kernel_backward(spec, check_inputs(q, k, v, spec), q, k, v, out, lse, d_out, d_lse, buffers,
                                 grad_mask, into)
     deterministic = torch.are_deterministic_algorithms_enabled()
@@ -595,10 +607,7 @@ def _pair_backward(spec, q, k, v, out, lse, d_out, d_lse, buffers, into):
     shape = check_inputs(q, k, v, spec)
     result = _kernel_backward(spec, shape, q, k, v, out, lse, d_out, d_lse, buffers, grad_mask, into)
     if slot is None:
-        prepared = _PreparedBackward.make(spec, shape, q, deterministic, grad_mask)
-        if len(_PAIR_BACKWARDS) >= _PAIR_LAUNCHES_CAPACITY:
-            _PAIR_BACKWARDS.pop(next(iter(_PAIR_BACKWARDS)), None)
-        _PAIR_BACKWARDS[key] = (weakref.ref(spec, lambda _, key=key: _PAIR_BACKWARDS.pop(key, None)), prepared)
+        _remember(_PAIR_BACKWARDS, key, spec, _PreparedBackward.make(spec, shape, q, deterministic, grad_mask))
     return result
 
 

@@ -292,12 +292,12 @@ def _mod_from_graph(subgraph, buffers, kind: str):
 
     placeholders = [n for n in subgraph.graph.nodes if n.op == "placeholder"]
     lifted = placeholders[len(placeholders) - len(buffers):]
-    stand_ins, tensors = [], []
+    stand_ins, buffer_of = [], {}     # buffer_of: id(a tensor's stand-in) -> its op buffer
     for buffer, placeholder in zip(buffers, lifted):
         value = _example(buffer)
         if isinstance(value, torch.Tensor):
             stand_ins.append(torch.zeros(tuple(_size(n) for n in value.shape), dtype=value.dtype))
-            tensors.append(buffer)
+            buffer_of[id(stand_ins[-1])] = buffer
         elif not placeholder.users:
             stand_ins.append(0)          # an unused symbolic size: no capture
         else:
@@ -310,8 +310,6 @@ def _mod_from_graph(subgraph, buffers, kind: str):
     # not be dynamo's order of lifting (an argument read before the call that reads
     # another tensor: ``user(s, b, h, q + lengths[b], kv)``); the op binds its buffers to
     # the captures in the mod's order, so they follow it (unread ones dropped).
-    buffer_of = {id(stand_in): buffer for stand_in, buffer in zip(stand_ins, buffers)
-                 if isinstance(stand_in, torch.Tensor)}
     ordered = tuple(buffer_of[id(c)] for c in mod.captures if id(c) in buffer_of)
     return mod, ordered
 

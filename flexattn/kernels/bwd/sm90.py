@@ -1577,10 +1577,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                              zero_init=False, wait=-1)
             if const_expr(self.stats_in_registers):
                 delta = self._column_values(delta, coords)
-            if const_expr(dv_early):
-                warpgroup.wait_group(1)              # dP^T ready (dV may still run)
-            else:
-                warpgroup.wait_group(0)              # dP^T ready
+            warpgroup.wait_group(1 if dv_early else 0)   # dP^T ready (dv_early: dV may still run)
             self._ds_from_p(acc_S, acc_dP, delta, coords)
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         mma.convert_into(rdS, acc_dP)
