@@ -703,6 +703,82 @@ def test_functions_reading_outside_tensors_beside_a_block_mask_built_inside():
         assert counter.frame_count == 1
 
 
+_OUTSIDE_BIAS = torch.randn(S, dtype=torch.float64, requires_grad=True)
+
+
+def _outside_score(s, b, h, qi, ki):     # defined outside the compiled code, reading a global tensor
+    return s + _OUTSIDE_BIAS[ki] * 0.5
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "eager"])
+def test_functions_defined_inside_keep_every_part_under_other_backends(backend):
+    """Backends other than Inductor run torch's own implementation of the HOP (no pass puts
+    our op there), so every part of the call goes into it beside a function defined inside:
+    a mask= function reading no tensors, a plain score made outside reading a tensor, a
+    torch block mask made outside, with GQA and the LSE. Equal to eager with gradients.
+    (Before, parts handed to the compile-time preparation were silently left out there:
+    the first case was off by ~0.9.)"""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    causal_torch = torch_create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device="cpu",
+                                           BLOCK_SIZE=16)
+
+    def score_inside_mask_plain(q, k, v, bias, docs):
+        return fa.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[h],
+                                 mask=lambda b, h, qi, ki: ki < 30).square().sum()
+
+    def mask_inside_score_outside(q, k, v, bias, docs):
+        return fa.flex_attention(q, k, v, score_mod=_outside_score,
+                                 mask=lambda b, h, qi, ki: docs[qi] == docs[ki]).square().sum()
+
+    def score_inside_torch_block_mask(q, k, v, bias, docs):
+        out, lse = fa.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s * bias[h], block_mask=causal_torch,
+                                     scale=0.3, enable_gqa=True, return_lse=True)
+        return out.square().sum() + lse.sum()
+
+    q = _qkv(16)[0]
+    bias = torch.rand(H, dtype=torch.float64, requires_grad=True)
+    for step, trained in ((score_inside_mask_plain, bias), (mask_inside_score_outside, _OUTSIDE_BIAS),
+                          (score_inside_torch_block_mask, bias)):
+        k, v = _qkv(17)[:2]
+        if step is score_inside_torch_block_mask:
+            k, v = (t[:, : H // 2].detach().clone().requires_grad_() for t in (k, v))
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend(backend)
+        compiled = torch.compile(step, backend=counter, fullgraph=True)
+        _assert_same_as_eager(compiled, step, (q, k, v, bias, _DOCS), (q, k, v, trained))
+        assert counter.frame_count == 1
+
+    def max_scores_step(q, k, v, bias):
+        out, aux = fa.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[h],
+                                     mask=lambda b, h, qi, ki: ki <= qi + 3,
+                                     return_aux=fa.AuxRequest(lse=True, max_scores=True))
+        return out, aux.lse, aux.max_scores
+
+    torch._dynamo.reset()
+    _assert_max_scores_step_compiles(max_scores_step, backend, _qkv(19), bias)
+
+
+@pytest.mark.parametrize("other, words", [
+    (lambda: {"mask": mods.causal()}, "cannot take a flexattn mod value as the call's mask="),
+    (lambda: {"block_mask": _CAUSAL16}, "cannot take a flexattn BlockMask"),
+])
+def test_parts_torchs_hop_cannot_take_are_refused_under_other_backends(other, words):
+    """Beside a function defined inside, a mod value or a flexattn block mask cannot enter
+    torch's HOP, which backends other than Inductor run: a clear error naming the way out
+    (Inductor, where the same call compiles and matches eager)."""
+    made = other()
+
+    def step(q, k, v, bias):
+        return fa.flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[h], **made)
+
+    args = (*_qkv(18, grad=False), torch.rand(H, dtype=torch.float64))
+    with pytest.raises(Exception, match=words):
+        torch.compile(step, backend="aot_eager", fullgraph=True)(*args)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(step, backend="inductor", fullgraph=True)(*args), step(*args))
+
+
 def test_max_scores_with_a_score_function_defined_inside():
     """return_aux=AuxRequest(lse=True, max_scores=True) with a score function defined in the
     compiled code (the HOP route onto attention_fwd_max): equal to eager."""

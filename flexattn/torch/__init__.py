@@ -46,7 +46,8 @@ from ..problem.validate import check_inputs
 from .. import mods as _mods
 from ..blockmask.build import dense_mask
 from ..mods import MaskMod, Mod, ScoreMod, mask_mod
-from .nested import captures_graph_values, flex_attention_route, made_in_traced_code, object_token, stashed
+from .nested import (captures_graph_values, compiling_for_inductor, flex_attention_route, made_in_traced_code,
+                     object_token, stashed, torch_flex_call)
 
 __all__ = ["flex_attention", "decode", "create_block_mask", "create_mask", "BlockMask", "KVCache", "PagedKVCache",
            "MaskMod", "ScoreMod", "mask_mod", "and_masks", "or_masks", "noop_mask", "FlexKernelOptions",
@@ -723,6 +724,8 @@ def _compiled_route(query, key, value, call, want_max: bool):
     if nested_score or nested_mask or graph_lists:
         if graph_lists and mask is not None:
             raise ValueError("pass either mask= or block_mask= (a block mask carries its own mask_mod)")
+        if not compiling_for_inductor():
+            return _route_whole_call(query, key, value, call, want_max)
         score_rest, mask_rest = (None if nested_score else the_score), (None if nested_mask else mask)
         _guard_numbers(score_rest, mask_rest)
         block_token = None if graph_lists else _block_mask_token(block_mask)
@@ -743,6 +746,30 @@ def _compiled_route(query, key, value, call, want_max: bool):
                                     query.shape[-1] ** -0.5 if scale is None else scale,
                                     block_mask if graph_lists else None, want_max)
     return None
+
+
+def _route_whole_call(query, key, value, call, want_max: bool):
+    """``_compiled_route`` where the graph may not reach Inductor, whose pass alone puts our
+    op (and the parts registered for it) in place of torch's HOP: the whole call is torch's
+    own ``flex_attention`` — functions, a torch block mask. A part it cannot take is a
+    clear error, never silently left out."""
+    score_mod, block_mask, scale, enable_gqa, mask, score = call
+    the_score = score if score is not None else score_mod
+    for role, fn in (("score", the_score), ("mask=", mask)):
+        if fn is not None and not inspect.isfunction(fn):
+            raise TypeError(f"under torch.compile with a backend other than Inductor, a {role} function defined"
+                            " inside the compiled code (over tensors) runs through torch's flex_attention, which"
+                            f" cannot take a flexattn mod value as the call's {role}: write that one as a"
+                            " function too, or compile with Inductor (torch.compile's default backend), where"
+                            " flexattn's kernels run")
+    if block_mask is not None and not isinstance(block_mask, _TorchBlockMask):
+        raise TypeError("under torch.compile with a backend other than Inductor, a score or mask= function defined"
+                        " inside the compiled code (over tensors) runs through torch's flex_attention, which"
+                        " cannot take a flexattn BlockMask: pass a torch BlockMask (torch's create_block_mask) or"
+                        " a mask= function, or compile with Inductor (torch.compile's default backend)")
+    if block_mask is not None and mask is not None:
+        raise ValueError("pass either mask= or block_mask= (a block mask carries its own mask_mod)")
+    return torch_flex_call(query, key, value, the_score, mask, block_mask, scale, enable_gqa, want_max)
 
 
 def _compiled_op_inputs(call) -> tuple:

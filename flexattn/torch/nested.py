@@ -21,9 +21,12 @@ block-mask tuple carries the lists. So this route
    with the lifted tensors as its buffers and the torch lists, if any, as its ``lists``.
 
 AOT autograd then differentiates our op as any other (its registered backward): the
-gradients reach the closed-over tensors, new tensor values never recompile. The route
-needs Inductor (torch.compile's default backend): other backends leave torch's HOP, which
-runs torch's own implementation. ``object_token`` / ``stashed`` carry a torch block mask
+gradients reach the closed-over tensors, new tensor values never recompile. Our op needs
+Inductor (torch.compile's default backend; ``compiling_for_inductor``): other backends
+would leave torch's HOP to torch's own implementation, without the parts we registered —
+so there the whole call is torch's ``flex_attention`` (``torch_flex_call``: functions, a
+torch block mask), and parts it cannot take (mod values, flexattn block masks) are a
+clear error instead of silently left out. ``object_token`` / ``stashed`` carry a torch block mask
 made *outside* to the compile-time preparation instead (torch 2.11's dynamo hands
 constant functions no user objects).
 """
@@ -33,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 import operator
 import threading
 import types
@@ -92,6 +96,34 @@ def _takes_the_hop(var) -> bool:
     return any(path[0][0] == "global" and _is_tensor(value) for path, value in _reachable_values(fn))
 
 
+@torch._dynamo.assume_constant_result
+def compiling_for_inductor() -> bool:
+    """Called in code dynamo traces: whether the graph goes to Inductor, whose pre-grad
+    pass (``rewrite_marked_calls``) puts our op in the HOP's place. Other backends
+    (``aot_eager``, ``eager``, a user's own) run torch's implementation of the HOP, so
+    the call's parts must all be in it; False where the backend cannot be told (the
+    route that is right under every backend)."""
+    try:
+        from torch._dynamo.backends.registry import lookup_backend
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch._inductor.compile_fx import compile_fx
+
+        backend = InstructionTranslator.current_tx().output.compiler_fn
+        inductors = (compile_fx, lookup_backend("inductor"))
+        for _ in range(8):   # down the wrappers (dynamo's debug and config ones, a counter) to the backend
+            if isinstance(backend, str):     # a wrapper naming a registered backend
+                backend = lookup_backend(backend)
+            if isinstance(backend, torch._TorchCompileInductorWrapper) or any(backend is f for f in inductors):
+                return True
+            backend = (getattr(backend, "_torchdynamo_orig_backend", None) or getattr(backend, "__wrapped__", None)
+                       or getattr(backend, "compiler_fn", None) or getattr(backend, "backend", None))
+            if backend is None:
+                break
+    except Exception:    # dynamo's internals moved: take the route right under every backend
+        pass
+    return False
+
+
 def made_in_traced_code(x) -> bool:
     """Called in code dynamo traces: whether ``x`` was created there (dynamo tracks it
     without a source: a torch ``BlockMask`` built inside the compiled code, whose lists are
@@ -141,23 +173,9 @@ def flex_attention_route(query, key, value, score_fn, mask_fn, base_id: int, sca
     from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
 
     _install_pass()
-    # One block covering everything (torch's default mask), its own transpose: no
-    # q-side lists computed (vmapped code) for a mask the pass drops.
-    block = 1 << 30
-
-    def one_block():
-        return (torch.ones([1, 1, 1], dtype=torch.int32, device=query.device),
-                torch.zeros([1, 1, 1, 1], dtype=torch.int32, device=query.device))
-
+    lists = block_mask is not None
     if block_mask is None:
-        # Its one block is partial: the mask function (if any) applies to every element.
-        block_mask = TorchBlockMask.from_kv_blocks(*one_block(), BLOCK_SIZE=block, mask_mod=mask_fn,
-                                                   seq_lengths=(query.shape[-2], key.shape[-2]),
-                                                   compute_q_blocks=False)
-        block_mask.q_num_blocks, block_mask.q_indices = one_block()   # its own transpose
-        lists = False
-    else:
-        lists = True
+        block_mask = _one_block_mask(query, key, mask_fn)
     options = {MARKER: base_id, SCORE_KEY: score_fn is not None, MASK_KEY: lists or mask_fn is not None,
                LISTS_KEY: lists, MAX_KEY: want_max, "OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": want_max}
     result = flex_hop(query, key, value, _keep_score if score_fn is None else score_fn, block_mask.as_tuple(),
@@ -168,6 +186,46 @@ def flex_attention_route(query, key, value, score_fn, mask_fn, base_id: int, sca
                              " the compiled code needs a torch whose flex_attention returns max scores")
         return result[0], result[1], result[2]
     return result[0], result[1]      # (some torch versions add the max scores)
+
+
+def _one_block_mask(query, key, mask_fn):
+    """A torch ``BlockMask`` of one partial block covering everything, ``mask_fn`` (if any)
+    applied to every element, its own transpose: no q-side lists computed (vmapped code)."""
+    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+
+    def one_block():
+        return (torch.ones([1, 1, 1], dtype=torch.int32, device=query.device),
+                torch.zeros([1, 1, 1, 1], dtype=torch.int32, device=query.device))
+
+    block_mask = TorchBlockMask.from_kv_blocks(*one_block(), BLOCK_SIZE=1 << 30, mask_mod=mask_fn,
+                                               seq_lengths=(query.shape[-2], key.shape[-2]), compute_q_blocks=False)
+    block_mask.q_num_blocks, block_mask.q_indices = one_block()
+    return block_mask
+
+
+def torch_flex_call(query, key, value, score_fn, mask_fn, block_mask, scale, enable_gqa: bool, want_max: bool):
+    """(out, lse[, max_scores]) of torch's own flex attention for a compiled call whose
+    graph may not reach Inductor (``compiling_for_inductor``): torch's HOP, unmarked, so no
+    pass rewrites it, whichever backend compiles it — right everywhere, at torch's speed.
+    (The HOP itself, not torch's ``flex_attention``, which refuses gradients on the CPU
+    where the HOP under ``aot_eager`` gives them.) ``mask_fn``: the call's ``mask=``
+    function (a one-block torch mask carries it); ``scale``: None for 1/sqrt(D)."""
+    from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
+
+    if query.shape[-3] != key.shape[-3] and not enable_gqa:
+        raise ValueError(f"query has {query.shape[-3]} heads, key and value {key.shape[-3]}: pass enable_gqa=True"
+                         " for grouped-query attention")
+    if block_mask is None:
+        block_mask = _one_block_mask(query, key, mask_fn)
+    result = flex_hop(query, key, value, _keep_score if score_fn is None else score_fn, block_mask.as_tuple(),
+                      query.shape[-1] ** -0.5 if scale is None else scale,
+                      {"OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": want_max})
+    if want_max and len(result) < 3:
+        raise ValueError("under torch.compile, return_aux=AuxRequest(max_scores=True) with a mod defined inside the"
+                         " compiled code needs a torch whose flex_attention returns max scores")
+    # torch's kernels (but its FLASH backend, not chosen here) keep the statistics in base 2
+    ln2 = math.log(2.0)
+    return (result[0], result[1] * ln2, result[2] * ln2) if want_max else (result[0], result[1] * ln2)
 
 
 class _RewriteMarkedCalls:

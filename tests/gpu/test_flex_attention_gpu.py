@@ -736,3 +736,49 @@ def test_compiled_block_masks_built_inside_beside_a_score_reading_an_outside_ten
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
     assert counter.frame_count == 1
+
+
+def test_compiled_functions_defined_inside_under_each_backend():
+    """A score function defined in the compiled step beside a mask= function reading no
+    tensors: torch.compile's default backend (Inductor, told apart by
+    ``nested.compiling_for_inductor``) runs our kernels; aot_eager runs torch's own
+    implementation of the whole call (before, it silently left the mask out). Both match
+    a float64 reference, gradients too."""
+    import flexattn.torch as fat
+
+    H, S = 4, 384
+    bias = torch.randn(H, device="cuda")
+
+    def step(q, k, v, bias):
+        def score(s, b, h, qi, ki):
+            return s + bias[h]
+        return fa.flex_attention(q, k, v, score_mod=score, mask=lambda b, h, qi, ki: ki <= qi - 5)
+
+    def reference(q, k, v):   # float64; rows with no key give zeros, as torch's flex does
+        s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + bias.double()[None, :, None, None]
+        idx = torch.arange(S, device="cuda")
+        allowed = idx[None, :] <= idx[:, None] - 5
+        p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+        return p @ v
+
+    q, k, v = (torch.randn(2, H, S, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want_out = reference(q64, k64, v64)
+    want = torch.autograd.grad(want_out.square().sum(), (q64, k64, v64))
+    real = fat._kernel_forward
+    for backend in ("inductor", "aot_eager"):
+        torch._dynamo.reset()
+        fat._OP_PREPARED.clear()
+        calls = []
+        fat._kernel_forward = lambda *a, **kw: (calls.append(1), real(*a, **kw))[1]
+        try:
+            compiled = torch.compile(step, fullgraph=True) if backend == "inductor" else \
+                torch.compile(step, backend=backend, fullgraph=True)
+            got_out = compiled(q, k, v, bias)
+        finally:
+            fat._kernel_forward = real
+        got = torch.autograd.grad(got_out.float().square().sum(), (q, k, v))
+        for name, a, b in zip(("out", "dq", "dk", "dv"), (got_out, *got), (want_out, *want)):
+            error = (a.double() - b).abs().max().item() / b.abs().max().item()
+            assert error < 2e-2, (backend, name, error)
+        assert bool(calls) == (backend == "inductor"), (backend, calls)
