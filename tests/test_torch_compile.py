@@ -1132,13 +1132,46 @@ def _paged(cache):
     return fa.PagedKVCache(*pages, torch.tensor([[0, 1, 2, 3]] * 2), cache.lengths)
 
 
+_DECODE_SLOPES = torch.rand(2 * H, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_decode_steps_with_mod_values_compile_and_follow_the_lengths(backend):
+    """``fa.decode`` in a compiled step with mod values (ALiBi over a tensor, a sliding
+    window; none at all): our op on every backend, the eager step's output and LSE while
+    the lengths grow in place and the slopes change in place, one graph per query length."""
+    cache = _decode_cache([40, 25])
+    alibi, window = mods.alibi(_DECODE_SLOPES), mods.sliding_window(12)
+    g = torch.Generator().manual_seed(23)
+    for kw in ({"score_mod": alibi, "mask": window}, {"score_mod": alibi}, {"mask": window}, {}):
+        torch._dynamo.reset()
+        cache.lengths.copy_(torch.tensor([40, 25]))
+
+        def step(q, cache):
+            return fa.decode(q, cache, return_lse=True, **kw)
+
+        counter = CompileCounterWithBackend(backend)
+        compiled = torch.compile(step, backend=counter, fullgraph=True)
+        for q_len, steps in ((1, 3), (3, 2)):
+            for _ in range(steps):
+                q = torch.randn(2, 2 * H, q_len, D, generator=g, dtype=torch.float64)
+                (out, lse), (want, want_lse) = compiled(q, cache), step(q, cache)
+                torch.testing.assert_close(out, want)
+                torch.testing.assert_close(lse, want_lse)
+                cache.lengths += 5
+                _DECODE_SLOPES.mul_(1.1)
+        assert counter.frame_count == 2, kw
+        assert not any(n.target is torch.ops.higher_order.flex_attention for gm in counter.graphs
+                       for n in gm.graph.nodes), kw
+
+
 @pytest.mark.parametrize("make,kw,words", [
-    (lambda c: c, {"mask": mods.sliding_window(8)}, "torch-style function"),
+    (lambda c: c, {"score_mod": lambda s, b, h, q, kv: s, "mask": mods.sliding_window(8)}, "not one of each"),
     (_paged, {}, "contiguous KVCache"),
-], ids=["mod_value", "paged"])
+], ids=["mod_value_beside_a_function", "paged"])
 def test_decode_under_compile_refuses_clearly(make, kw, words):
-    """What a compiled decode step does not take (a mod value, a paged cache) is a clear
-    error naming the way out, not dynamo's failure on the host-side checks."""
+    """What a compiled decode step does not take (a mod value beside a function, a paged
+    cache) is a clear error naming the way out, not dynamo's failure on the host-side checks."""
     cache = make(_decode_cache([40, 25]))
     q = torch.randn(2, 2 * H, 1, D, dtype=torch.float64)
     with pytest.raises(Exception, match=words):

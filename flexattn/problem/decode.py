@@ -33,12 +33,18 @@ def decode_problem(q, cache, score_mod=None, mask=None, scale=None):
     q_offset = (lengths - q_len).astype(np.int32)
     valid = lengths.astype(np.int32)
     q_offset.flags.writeable = valid.flags.writeable = False  # ours alone: device copies may be cached
+    k, v = cache.logical_kv()
+    return k, v, decode_spec(score_mod, mask, q_offset, valid, scale)
+
+
+def decode_spec(score_mod, mask, q_offset, lengths, scale=None) -> AttentionSpec:
+    """The attention problem of a decode step: the mods at true positions (query row i of
+    sequence b at ``q_offset[b] + i``) and the keys limited to each sequence's ``lengths[b]``,
+    both [B] arrays captured by the mods (runtime values: new steps never recompile)."""
     base = as_mask(mask, "mask") if mask is not None else full()
-    spec = AttentionSpec.from_args(
+    return AttentionSpec.from_args(
         score=shift_queries(as_score(score_mod, "score_mod"), q_offset) if score_mod is not None else None,
-        mask=limit_keys(shift_queries(base, q_offset), valid),
+        mask=limit_keys(shift_queries(base, q_offset), lengths),
         scale=scale,
         enable_gqa=True,
     )
-    k, v = cache.logical_kv()
-    return k, v, spec

@@ -33,7 +33,7 @@ from ..blockmask import BlockMask as _CoreBlockMask, create_block_mask as _creat
 from ..blockmask.layout import as_block_mask, as_class
 from ..blockmask import DeviceArrays as BlockMaskArrays, register_device as register_block_mask_device
 from ..problem import bounds
-from ..problem.decode import decode_problem
+from ..problem.decode import decode_problem, decode_spec
 from ..core.backward_path import BackwardArrays, backward_into, prepare_backward
 from ..core.decode_device import cache_arrays, check_cache_layout, decode_key, decode_workspace, kernel_step, tma_ready
 from ..core.kernel_path import (Device, PreparedForward, backward_unsupported, block_lists_to_device, forward_into,
@@ -527,8 +527,9 @@ def _decode_in_graph(query, cache, score_mod, mask, scale, return_lse):
     positions); here they stay a tensor of the graph, read per batch in the mask and the
     score (``lengths[b]``), so a new step's lengths neither break the graph nor recompile.
     A contiguous ``KVCache`` with torch ``lengths`` only, made outside the compiled code
-    (its constructor checks the lengths on the host), and mods written as torch-style
-    functions; the lengths are not checked here (the debug mode checks the mods' reads)."""
+    (its constructor checks the lengths on the host); mods as torch-style functions, or as
+    mod values (``_decode_mods_in_graph``), not one of each. The lengths are not checked
+    here (the debug mode checks the mods' reads)."""
     if not isinstance(cache, KVCache):
         raise TypeError(f"decode under torch.compile takes a contiguous KVCache, not {type(cache).__name__}: a paged "
                         "cache's pages are read in place by the eager step (call decode outside the compiled code, "
@@ -539,13 +540,13 @@ def _decode_in_graph(query, cache, score_mod, mask, scale, return_lse):
                         f"them per step), got {type(lengths).__name__}")
     if query.dim() != 4:
         raise ValueError(f"query must be 4-D [B, H, q_len, D], got shape {tuple(query.shape)}")
-    for name, m in (("score_mod", score_mod), ("mask", mask)):
-        if isinstance(m, Mod):
-            # A mod value evaluates on numpy (or inlines into a trace of ours), not on the
-            # graph's tensors, and a mod made here over the lengths tensor is refused.
-            raise TypeError(f"decode under torch.compile takes {name}= as a torch-style function (or none), not a "
-                            f"mod value ({m!r}): write it as a function of (b, h, q_idx, kv_idx), or call decode "
-                            "outside the compiled code")
+    given = [m for m in (score_mod, mask) if m is not None]
+    if all(isinstance(m, Mod) for m in given):
+        return _decode_mods_in_graph(query, cache, score_mod, mask, scale, return_lse)
+    if any(isinstance(m, Mod) for m in given):
+        raise TypeError("decode under torch.compile takes score_mod= and mask= both as mod values or both as"
+                        " torch-style functions, not one of each: write the mod value as a function of"
+                        " (b, h, q_idx, kv_idx), or make the function a mod value outside the compiled code")
     # Query row i is position lengths[b] - q_len + i: the shift as a tensor of the graph (under
     # dynamic shapes q_len is symbolic, which a function defined here must not compute with).
     shift = lengths - query.shape[2]
@@ -559,6 +560,44 @@ def _decode_in_graph(query, cache, score_mod, mask, scale, return_lse):
 
     return flex_attention(query, cache.k, cache.v, score_mod=None if score_mod is None else step_score,
                           mask=step_mask, scale=scale, enable_gqa=True, return_lse=return_lse)
+
+
+def _decode_mods_in_graph(query, cache, score_mod, mask, scale, return_lse):
+    """``_decode_in_graph`` for mod values (or none): the eager step's spec
+    (``decode_spec``), registered at compile time with stand-ins for the per-step query
+    offsets and lengths, which the graph computes from the cache's lengths tensor and
+    hands our op as buffers beside the mods' own tensors (read from the mod values, which
+    dynamo guards by identity). Our op on every backend, no HOP."""
+    lengths = cache.lengths
+    spec_id, origins = _prepare_decode_for_compile(by_id(score_mod), by_id(mask), scale,
+                                                   str(lengths.dtype).removeprefix("torch."))
+    per_step = {"offsets": lengths - query.shape[2], "lengths": lengths}
+    mods_ = {"score": score_mod, "mask": mask}
+    buffers = [per_step[o] if isinstance(o, str) else mods_[o[0]].captures[o[1]] for o in origins]
+    op = torch.ops.flexattn.attention_fwd if _records_grad(query, cache.k, cache.v, *buffers) else \
+        torch.ops.flexattn.attention_fwd_inference
+    out, lse = op(query, cache.k, cache.v, buffers, spec_id, [], None)
+    return (out, lse) if return_lse else out
+
+
+@torch._dynamo.assume_constant_result
+def _prepare_decode_for_compile(score_mod, mask, scale, lengths_dtype: str) -> tuple:
+    """``(spec id, buffer origins)`` of a compiled decode step over mod values (plain Python
+    at compile time, as ``_prepare_for_compile``): ``decode_spec`` with stand-in tensors for
+    the offsets and lengths, registered with the mask's tensors as op buffers too. Each
+    origin names where the graph finds that buffer: "offsets", "lengths", or (role,
+    capture index) of the score / mask mod value."""
+    score_mod, mask = from_id(score_mod), from_id(mask)
+    dtype = getattr(torch, lengths_dtype)
+    offsets, lengths = torch.zeros(1, dtype=dtype), torch.zeros(1, dtype=dtype)
+    spec = decode_spec(score_mod, mask, offsets, lengths, scale)
+    origins = {id(offsets): "offsets", id(lengths): "lengths"}
+    for role, m in (("score", score_mod), ("mask", mask)):
+        for i, c in enumerate(m.captures if m is not None else ()):
+            origins.setdefault(id(c), (role, i))
+    found = [origins[id(c)] for m in (spec.score, spec.element_mask) if m is not None
+             for c in m.captures if _is_tensor(c)]
+    return _REGISTRY.register(spec, pin=True, masks=True), tuple(found)
 
 
 def _cache_requires_grad(query, cache) -> bool:

@@ -100,11 +100,15 @@ def test_repeated_decoding_loop_and_compile(routed):
     assert len(routed) >= 8
 
 
-def test_decode_steps_under_compile(routed):
-    """``fa.decode`` in a compiled step (written in session 45, not yet run on a GPU): mods
-    as torch-style functions (one over per-head slopes), a contiguous KVCache whose lengths
-    grow in place; each step takes the decode kernel through the short-query route and
-    agrees with the eager step (the decode kernel over host-read lengths)."""
+@pytest.mark.parametrize("spelled", ["functions", "mod_values"])
+def test_decode_steps_under_compile(routed, spelled):
+    """``fa.decode`` in a compiled step, its mods as torch-style functions (one over per-head
+    slopes; through torch's HOP) or as mod values (ALiBi over the slopes, a sliding window;
+    our op directly, the lengths its buffers), a contiguous KVCache whose lengths grow in
+    place: each step takes the decode kernel through the short-query route and agrees with
+    the eager step (the decode kernel over host-read lengths)."""
+    from flexattn import mods
+
     B, Hq, Hkv, D, capacity = 2, 16, 4, 128, 4096
     k = torch.randn(B, Hkv, capacity, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(B, Hkv, capacity, D, device="cuda", dtype=torch.bfloat16)
@@ -116,6 +120,9 @@ def test_decode_steps_under_compile(routed):
 
     def window(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < 1024
+
+    if spelled == "mod_values":
+        score, window = mods.alibi(slopes * 0.01), mods.sliding_window(1023)
 
     def step(q, cache):
         return fa.decode(q, cache, score_mod=score, mask=window, return_lse=True)
