@@ -66,3 +66,93 @@ def test_forward_into_routes_when_the_device_offers_decode_resources(monkeypatch
     monkeypatch.setattr(kernel_path, "plan_forward", lambda *a: (_ for _ in ()).throw(RuntimeError("forward")))
     with pytest.raises(RuntimeError, match="forward"):   # no resources: the forward kernel
         kernel_path.forward_into(q, k, k, None, None, shape, spec, kernel_path.Device(0, lambda x: x))
+
+
+def _torch_paged_step(B=3, Hq=8, Hkv=2, D=32, page=16, n_pages=20, L=96, lengths=(40, 96, 17), heads=None,
+                      full_blocks=False):
+    """torch's PagedAttention step (CPU, float64): q [B, Hq, 1, D], the physical cache
+    [1, Hkv, n_pages * page, D] as a stride-0 batch of B (flexattn.torch's broadcast), and
+    the converted torch block mask (``full_blocks``: its logical mask built over a block of
+    query rows and cut to one, as gpt-fast does, so pages below a length are listed full)."""
+    torch = pytest.importorskip("torch")
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    g = torch.Generator().manual_seed(5)
+    paged = PagedAttention(n_pages, page, B, device="cpu")
+    for b in reversed(range(B)):
+        paged.reserve(torch.tensor(b), torch.tensor(L))
+    k_cache, v_cache = (torch.zeros(1, Hkv, n_pages * page, D, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, L, D, generator=g, dtype=torch.float64) for _ in range(2))
+    paged.assign(torch.arange(B), torch.arange(L)[None].expand(B, L), k, v, k_cache, v_cache)
+    lens = torch.tensor(lengths)
+    logical = torch_create_block_mask(lambda b, h, qi, ki: ki < lens[b], B, heads, page if full_blocks else 1, L,
+                                      device="cpu", BLOCK_SIZE=page)
+    logical.seq_lengths = (1, L)
+    q = torch.randn(B, Hq, 1, D, generator=g, dtype=torch.float64)
+    expand = lambda x: x.expand(B, -1, -1, -1)   # noqa: E731
+    return q, expand(k_cache), expand(v_cache), paged.convert_logical_block_mask(logical)
+
+
+@pytest.mark.parametrize("full_blocks", [False, True])
+def test_listed_kv_blocks_of_a_shared_cache_walk_as_pages(full_blocks):
+    """torch's PagedAttention step takes the decode kernel's paged walk (``list_walk_route``):
+    each sequence's listed blocks in its table, the K / V page views, the mods seeing keys
+    at their physical positions; where pages below a length are listed full, they come
+    first and the mask applies on each sequence's last page alone. Emulated here on the
+    host — the walk's keys gathered through the table, its mods evaluated at walk positions
+    (the mask where the kernel evaluates it) — it equals the reference of the physical
+    call; per-head lists, a batched K / V or more than one row of q blocks keep the forward
+    kernel."""
+    import flexattn.torch as fa
+    from flexattn import reference
+    from flexattn.blockmask.layout import as_block_mask
+    from flexattn.core import kernel_path
+    from flexattn.core.short_query import list_walk_route
+    from flexattn.mods.evaluate import evaluate
+
+    q, k, v, physical = _torch_paged_step(full_blocks=full_blocks)
+    spec = AttentionSpec.from_args(score_mod=lambda s, b, h, qi, ki: s - 0.01 * ki, block_mask=as_block_mask(physical),
+                                   enable_gqa=True)
+    B, Hq, _, D = q.shape
+    shape = AttentionShape(B, Hq, k.shape[1], 1, k.shape[2], D, D)
+    device = kernel_path.Device(0, lambda x: x, decode_resources=lambda: (132, None), page_view=fa._page_view)
+    route = list_walk_route(shape, spec, "bfloat16", k, v, device)
+    assert route is not None
+    walk, k_pages, v_pages = route
+    assert walk.block == 16 and not walk.mods.true_positions
+    assert walk.lengths == [48, 96, 32]          # listed pages x 16: each sequence's own
+    # full pages first, a length's partial last page last: the kernel masks that page alone
+    states = spec.block_mask.block_states()[:, 0, 0]
+    assert walk.mods.full_but_last == full_blocks
+    if full_blocks:
+        for b, last in ((0, 2), (2, 1)):
+            assert states[b, walk.table[b, last]] == 1 and (states[b, walk.table[b, :last]] == 2).all()
+    assert tuple(k_pages.shape) == (20, 16, 2, D)
+    again = list_walk_route(shape, spec, "bfloat16", k, v, device)[0]
+    assert again is walk                         # made once: a repeated call finds its plan
+
+    want, _ = reference.forward(q, k, v, spec)
+    for b in range(B):
+        keys = np.arange(walk.lengths[b])
+        rows = walk.table[b, keys // 16] * 16 + keys % 16           # physical positions
+        kb = k_pages.numpy()[walk.table[b, keys // 16], keys % 16]   # [keys, Hkv, D]
+        vb = v_pages.numpy()[walk.table[b, keys // 16], keys % 16]
+        np.testing.assert_array_equal(kb, k[b].numpy()[:, rows].transpose(1, 0, 2))
+        for h in range(Hq):
+            env = {"b": np.int64(b), "h": np.int64(h), "q": np.int64(0), "kv": keys}
+            s = q[b, h, 0].numpy() @ kb[:, h // (Hq // 2)].T * walk.mods.scale
+            s = evaluate(walk.mods.score_mod.expr, dict(env, score=s), walk.mods.score_mod.captures)
+            keep = evaluate(walk.mods.mask.expr, env, walk.mods.mask.captures)
+            if walk.mods.full_but_last:     # the kernel's rule: only keys on the last page masked
+                keep = keep | (keys < walk.lengths[b] - walk.block)
+            p = np.where(keep, np.exp(s - s[keep].max()), 0.0)
+            np.testing.assert_allclose(p @ vb[:, h // (Hq // 2)] / p.sum(), want[b, h, 0], rtol=1e-10, atol=1e-12)
+
+    per_head = _torch_paged_step(heads=2)[3]
+    assert list_walk_route(shape, AttentionSpec.from_args(block_mask=as_block_mask(per_head), enable_gqa=True),
+                           "bfloat16", k, v, device) is not None   # heads that agree still walk
+    batched = k.contiguous()
+    assert list_walk_route(shape, spec, "bfloat16", batched, batched, device) is None
+    assert list_walk_route(shape._replace(q_len=17), spec, "bfloat16", k, v, device) is None
+    assert list_walk_route(shape, spec, "float32", k, v, device) is None

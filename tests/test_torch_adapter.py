@@ -156,7 +156,7 @@ def test_scale_argument():
     (lambda q, k, v: fa.flex_attention(q, k[:, :3], v[:, :3], enable_gqa=True), ValueError, "multiple"),
     (lambda q, k, v: fa.flex_attention(q, k[..., :8], v), ValueError, "head dims differ"),
     (lambda q, k, v: fa.flex_attention(q, k, v[:, :, :5]), ValueError, "same sequence length"),
-    (lambda q, k, v: fa.flex_attention(q, k[:1], v[:1]), ValueError, "batch sizes differ"),
+    (lambda q, k, v: fa.flex_attention(q[:1], k, v), ValueError, "batch sizes differ"),   # (k / v of batch 1 broadcast)
     (lambda q, k, v: fa.flex_attention(q, k, v, scale="big"), TypeError, "scale"),
     (lambda q, k, v: fa.flex_attention(q, k, v, scale=math.nan), TypeError, "scale"),
     (lambda q, k, v: fa.flex_attention(q, k, v, enable_gqa=1), TypeError, "enable_gqa"),
@@ -533,3 +533,53 @@ def test_create_block_mask_keyword_arguments_as_torch():
     assert int(np.asarray(separate.full_kv_num_blocks).sum()) > 0
     q, k, v = (torch.randn(1, 2, 300, 16, dtype=torch.float64) for _ in range(3))
     torch.testing.assert_close(fa.flex_attention(q, k, v, block_mask=ours), fa.flex_attention(q, k, v, block_mask=separate))
+
+
+def _paged_decode_problem(B=3, Hq=4, Hkv=2, D=16, page=16, n_pages=14, L=64, lengths=(40, 64, 17)):
+    """torch's PagedAttention as its users decode: one physical cache of batch 1 holding
+    every sequence's pages (shuffled by reservation order), a q_len-1 query per sequence,
+    and a torch block mask over logical positions converted to physical pages. Returns
+    (q, physical k / v, converted block mask, logical k / v, logical block mask)."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    g = torch.Generator().manual_seed(31)
+    paged = PagedAttention(n_pages, page, B, device="cpu")
+    for b in reversed(range(B)):             # later sequences take the first pages
+        paged.reserve(torch.tensor(b), torch.tensor(L))
+    k_cache, v_cache = (torch.zeros(1, Hkv, n_pages * page, D, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, L, D, generator=g, dtype=torch.float64) for _ in range(2))
+    paged.assign(torch.arange(B), torch.arange(L)[None].expand(B, L), k, v, k_cache, v_cache)
+    lens = torch.tensor(lengths)
+    logical = torch_create_block_mask(lambda b, h, qi, ki: ki < lens[b], B, None, 1, L, device="cpu",
+                                      BLOCK_SIZE=page)
+    q = torch.randn(B, Hq, 1, D, generator=g, dtype=torch.float64)
+    return q, k_cache, v_cache, paged.convert_logical_block_mask(logical), k, v, logical
+
+
+def test_key_value_batch_of_one_broadcasts_as_torchs():
+    """torch broadcasts a key / value batch of 1 over the query batch (its PagedAttention
+    decodes that way): the same outputs as torch's flex_attention and as the logical
+    cache; gradients of the shared K / V summed over the batch (as of explicit copies)."""
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    q, k_cache, v_cache, physical, k, v, logical = _paged_decode_problem()
+    out = fa.flex_attention(q, k_cache, v_cache, block_mask=physical, enable_gqa=True)
+    torch.testing.assert_close(out, torch_flex(q, k_cache, v_cache, block_mask=physical, enable_gqa=True))
+    torch.testing.assert_close(out, fa.flex_attention(q, k, v, block_mask=logical, enable_gqa=True))
+
+    g = torch.Generator().manual_seed(32)
+    q = torch.randn(3, 4, 24, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k1, v1 = (torch.randn(1, 2, 30, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    score = lambda s, b, h, qi, ki: s + 0.1 * b - 0.05 * (qi - ki).abs()   # noqa: E731  (per-sequence)
+    got = fa.flex_attention(q, k1, v1, score_mod=score, enable_gqa=True, return_lse=True)
+    grads = torch.autograd.grad(got[0].square().sum() + got[1].sum(), (q, k1, v1))
+    copies = [t.detach().expand(3, -1, -1, -1).clone().requires_grad_() for t in (k1, v1)]
+    want = fa.flex_attention(q, *copies, score_mod=score, enable_gqa=True, return_lse=True)
+    want_grads = torch.autograd.grad(want[0].square().sum() + want[1].sum(), (q, *copies))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(grads[0], want_grads[0])
+    for a, b in zip(grads[1:], want_grads[1:]):
+        torch.testing.assert_close(a, b.sum(0, keepdim=True))
+    with pytest.raises(ValueError, match="batch sizes differ"):
+        fa.flex_attention(q, k1.expand(2, -1, -1, -1), v1.expand(2, -1, -1, -1), enable_gqa=True)

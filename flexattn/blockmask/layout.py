@@ -250,6 +250,31 @@ class BlockMask:
         """[B, H, Q_BLOCKS, KV_BLOCKS] int8: 0 empty, 1 partial, 2 full."""
         return self._host_states().copy()
 
+    def kv_block_table(self, batch: int):
+        """``(table, counts, full_but_last)`` for a walk over the listed kv blocks of a block
+        mask with one row of q blocks whose heads all list the same blocks (a decoding
+        step's; torch's ``PagedAttention`` pages): ``table`` int32 [batch, most blocks
+        listed], each sequence's kv blocks, full ones first (ascending), then partial ones;
+        ``counts`` int32 [batch] how many it lists; ``full_but_last``: no sequence lists a
+        partial block before its last. Read-only, computed once per batch size; None for
+        other block masks."""
+        tables = self.__dict__.setdefault("_kv_tables", {})
+        if batch not in tables:
+            states = self._host_states()
+            b, h, rows, cols = states.shape
+            table = None
+            if rows == 1 and b in (1, batch) and (h == 1 or np.all(states == states[:, :1])):
+                row = np.broadcast_to(states[:, 0, 0, :], (batch, cols))
+                counts = (row != EMPTY).sum(axis=1).astype(np.int32)
+                table = np.zeros((batch, max(1, int(counts.max(initial=0)))), np.int32)
+                for i in range(batch):
+                    blocks = np.concatenate([np.flatnonzero(row[i] == FULL), np.flatnonzero(row[i] == PARTIAL)])
+                    table[i, :blocks.size] = blocks
+                table.flags.writeable = counts.flags.writeable = False   # device copies may be cached
+                table = (table, counts, bool(np.all((row == PARTIAL).sum(axis=1) <= 1)))
+            tables[batch] = table
+        return tables[batch]
+
     def to_dense(self) -> np.ndarray:
         """[B, H, Q_BLOCKS, KV_BLOCKS] int32: 1 where a tile is computed (partial or full)."""
         return (self._host_states() != EMPTY).astype(np.int32)

@@ -386,6 +386,10 @@ class DecodeMods:
     # the plan rewrites the mods to those positions). False: at i, as flex_attention
     # numbers them (short queries routed here from the forward, ``core/short_query.py``).
     true_positions: bool = True
+    # True: every page of a sequence but its last is known full (a short query's walk of
+    # listed blocks, full ones first: ``short_query.ListWalk``): the kernel evaluates the
+    # mask in the tiles over the last page alone (``DecodeConfig.mask_last_page_only``).
+    full_but_last: bool = False
 
     @property
     def call(self) -> tuple:
@@ -463,7 +467,8 @@ _CONFIGS_CAPACITY = 128
 
 
 def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, score, mask,
-                tuning: DecodeTuning = DEFAULT_TUNING, skip_masked_prefix: bool = True):
+                tuning: DecodeTuning = DEFAULT_TUNING, skip_masked_prefix: bool = True,
+                mask_last_page_only: bool = False):
     """The step's DecodeConfig; configs are cached by the mods' structure, so a hit only
     wraps these captures in a fresh hook."""
     from ..kernels.decode.sm90 import DecodeConfig
@@ -471,7 +476,7 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
 
     # By IR identity (cached rewrites share it), so a hit hashes no structure; the entry's
     # template holds the IR, so the ids stay its own.
-    key = (dtype, head_dim, num_mma_wg, page_size, tuning, skip_masked_prefix,
+    key = (dtype, head_dim, num_mma_wg, page_size, tuning, skip_masked_prefix, mask_last_page_only,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     hook = IRModHook(score, mask)
     entry = _CONFIGS.get(key)
@@ -480,7 +485,8 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
                                for m in (score, mask)))
         config = DecodeConfig(dtype=dtype, head_dim=head_dim, num_mma_wg=num_mma_wg, tile_n=tuning.tile_n,
                               num_stages=tuning.num_stages, ctas_per_sm=tuning.ctas_per_sm,
-                              page_size=page_size, skip_masked_prefix=skip_masked_prefix, mods=template)
+                              page_size=page_size, skip_masked_prefix=skip_masked_prefix,
+                              mask_last_page_only=mask_last_page_only, mods=template)
         entry = (config, capture_kinds(template))
         if len(_CONFIGS) >= _CONFIGS_CAPACITY:
             _CONFIGS.pop(next(iter(_CONFIGS)))
@@ -529,12 +535,17 @@ class DecodePlan:
         self._first_query = None if shift else 0
         # For the planner's live_blocks; None when it can never skip (at true positions,
         # may_skip_head says so cheaply; at given positions live_blocks asks the mask itself).
-        self._base_mask = base if not _is_full(base) and (not shift or may_skip_head(base)) else None
+        self._base_mask = base if (not _is_full(base) and not mods.full_but_last
+                                   and (not shift or may_skip_head(base))) else None
         at = _at_true_positions if shift else (lambda mod, _: mod)
         the_mask = None if _is_full(base) else at(base, q_offset)
         the_score = None if score_mod is None else at(as_score(score_mod, "score_mod"), q_offset)
+        # A walk of listed blocks, full ones first: its mask reads the block table, which no
+        # interval analysis sees through (no masked prefix to find), and matters on the last page alone.
+        walk = mods.full_but_last
         self.config = _config_for(KERNEL_DTYPES[dtype_name(q)], D, num_mma_wg, page_size, the_score, the_mask,
-                                  tuning, skip_masked_prefix=not head_always_kept(base, B, Hq))
+                                  tuning, skip_masked_prefix=not walk and not head_always_kept(base, B, Hq),
+                                  mask_last_page_only=walk)
 
         from ..kernels.emit.mod_emit import capture_kinds
 
@@ -748,19 +759,23 @@ def _mod_key(mod):
     return (id(mod.expr), tuple(c if isinstance(c, (int, float)) else id(c) for c in mod.captures))
 
 
-def attention_plan(q, k, v, out, lse, site: DecodeSite, mods: DecodeMods) -> DecodePlan:
+def attention_plan(q, k, v, out, lse, site: DecodeSite, mods: DecodeMods, table=None,
+                   page_size: int = 0) -> DecodePlan:
     """The plan of the decode kernel as an ordinary attention call (``core/short_query.py``
     routes short queries here): q [B, Hq, q_len, D] against all of k, v [B, Hkv, KV, D]
-    (views of a larger cache welcome), queries at the positions ``mods.true_positions``
-    says; ``mods`` holds ``Mod`` values. Kept per call shape like a decoding step's
-    (bounded; an entry holds its captured arrays until it is evicted)."""
+    (views of a larger cache welcome) — or, with a ``table`` (int32 [B, blocks] on the
+    device), against the blocks it lists of k, v as pages [pages, page_size, Hkv, D]
+    (views welcome) — queries at the positions ``mods.true_positions`` says; ``mods``
+    holds ``Mod`` values. Kept per call shape like a decoding step's (bounded; an entry
+    holds its captured arrays until it is evicted)."""
     key = ("attention", _mod_key(mods.score_mod), _mod_key(mods.mask), mods.scale, mods.true_positions,
+           mods.full_but_last,
            id(site.workspace), site.device.stream, tuple(q.shape), dtype_name(q), _array_key(k), _array_key(v),
-           _array_key(out), _array_key(lse))
+           _array_key(out), _array_key(lse), _array_key(table), page_size)
     plan = _ATTENTION_PLANS.get(key)
     if plan is None or plan.workspace is not site.workspace:
-        _check_step(q, k, v, None, 0, out, lse)
-        plan = DecodePlan(q, k, None, out, 0, DEFAULT_TUNING, site, mods)
+        _check_step(q, k, v, table, page_size, out, lse)
+        plan = DecodePlan(q, k, table, out, page_size, DEFAULT_TUNING, site, mods)
         if len(_ATTENTION_PLANS) >= _ATTENTION_PLANS_CAPACITY:
             _ATTENTION_PLANS.pop(next(iter(_ATTENTION_PLANS)))
         _ATTENTION_PLANS[key] = plan

@@ -82,6 +82,12 @@ class Device:
     # leaves it zero, so it may be the stream's own, kept). None: a fresh zeroed array
     # per launch from `alloc`.
     tile_tickets: Callable | None = None
+    # (k, block) -> k [B, Hkv, KV, D] as pages [KV / block, block, Hkv, D] (a view), where
+    # every sequence reads the same keys (batch 1, or a stride-0 batch: a key / value batch
+    # of 1 broadcast) and blocks tile KV; else None. Lets a short query walk the kv blocks
+    # its block mask lists with the decode kernel (``short_query.list_walk_route``: torch's
+    # PagedAttention). None: this adapter never does.
+    page_view: Callable | None = None
 
 
 def kernel_unsupported(q, shape: AttentionShape) -> str | None:
@@ -669,11 +675,15 @@ def forward_into(q, k, v, out, lse, shape: AttentionShape, spec: AttentionSpec, 
     ``max_scores`` is wanted (the decode kernel keeps no such output)."""
     fp32 = dtype_name(q) == "float32"
     if device.decode_resources is not None and max_scores is None:
-        from .short_query import decode_route, short_query_into
+        from .short_query import decode_route, list_walk_into, list_walk_route, short_query_into
 
         route = decode_route(shape, spec, dtype_name(q))
         if route is not None:
             short_query_into(q, k, v, out, lse, route, device)
+            return None
+        walk = list_walk_route(shape, spec, dtype_name(q), k, v, device)
+        if walk is not None:
+            list_walk_into(q, out, lse, walk, device)
             return None
     plan = plan_forward(q, shape, spec, max_scores is not None, device.tf32_passes)
     lists = _kv_lists(plan, device)
@@ -796,6 +806,11 @@ def prepare_forward(q, shape: AttentionShape, spec: AttentionSpec, device: Devic
         route = decode_route(shape, spec, dtype_name(q))
         if route is not None:
             return PreparedShortQuery(route, device)
+        from .short_query import prepared_list_walk
+
+        walk = prepared_list_walk(shape, spec, dtype_name(q), device)
+        if walk is not None:
+            return walk
     return PreparedForward(q, plan_forward(q, shape, spec), spec, shape, device)
 
 

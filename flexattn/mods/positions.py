@@ -65,3 +65,23 @@ def table_positions(mod: Mod, q_positions, kv_positions) -> Mod:
     if isinstance(mod, MaskMod):
         return mask_mod(lambda b, h, q_idx, kv_idx: mod(b, h, q_positions[q_idx], kv_positions[kv_idx]), name=name)
     return score_mod(lambda s, b, h, q_idx, kv_idx: mod(s, b, h, q_positions[q_idx], kv_positions[kv_idx]), name=name)
+
+
+def block_table_keys(mod: Mod, table, block: int) -> Mod:
+    """``mod`` evaluated at key position ``table[b, kv_idx // block] * block + kv_idx % block``
+    (``table``: [B, blocks] ints): a walk over the key blocks a block mask lists, in list
+    order, sees each key at its position in the key tensor — where the mod (torch's
+    ``PagedAttention`` masks, any mask of a block-sparse call) expects it."""
+    if not isinstance(mod, Mod):
+        raise TypeError(f"block_table_keys: expected a mod, got {type(mod).__name__}")
+    _check_rank("block_table_keys", table, (2,))
+    block = int(block)
+    name = f"{mod.name}@blocks" if mod.name else None
+
+    # (the table read in the traced functions themselves: tracing captures their closures' arrays)
+    if isinstance(mod, MaskMod):
+        return mask_mod(lambda b, h, q_idx, kv_idx: mod(b, h, q_idx, table[b, kv_idx // block] * block + kv_idx % block),
+                        name=name)
+    return score_mod(lambda s, b, h, q_idx, kv_idx: mod(s, b, h, q_idx,
+                                                        table[b, kv_idx // block] * block + kv_idx % block),
+                     name=name)

@@ -47,7 +47,8 @@ def check_inputs(q, k, v, spec: AttentionSpec) -> AttentionShape:
         raise ValueError(f"query, key and value must be on one device, got {sorted({dev_q, dev_k, dev_v})}")
     (B, Hq, Sq, D), (Bk, Hk, Sk, Dk), (Bv, Hv, Sv, Dv) = dims
     if not B == Bk == Bv:
-        raise ValueError(f"batch sizes differ: query {B}, key {Bk}, value {Bv}")
+        raise ValueError(f"batch sizes differ: query {B}, key {Bk}, value {Bv} (flexattn.torch broadcasts a key /"
+                         " value batch of 1, as torch does)")
     if Hk != Hv:
         raise ValueError(f"key and value must have the same number of heads, got {Hk} and {Hv}")
     if Sk != Sv:

@@ -261,6 +261,7 @@ def flex_attention(
     a module's ``__init__``); their captured tensors (parameters) still get gradients.
     Block masks may be built outside, or inside with ``create_block_mask`` (see there).
     """
+    key, value = _broadcast_kv_batch(query, key, value)
     # (eager only: dynamo cannot trace a ContextVar, and context parallelism runs eagerly)
     parallel = None if torch.compiler.is_compiling() else CONTEXT_PARALLEL.get()
     if parallel is not None:   # inside a module parallelized with context_parallel.ContextParallelStyle
@@ -308,6 +309,19 @@ def flex_attention(
     spec_id = _REGISTRY.register(spec)
     out, lse = torch.ops.flexattn.attention_fwd(query, key, value, buffers, spec_id, [], None)
     return (out, lse) if return_lse else out
+
+
+def _broadcast_kv_batch(query, key, value) -> tuple:
+    """torch's flex_attention broadcasts a key / value batch of 1 over the query's batch
+    (one physical cache that every sequence's block mask points into: torch's
+    ``PagedAttention``). The same here, as stride-0 views of the batch: the kernels read
+    them in place (no copy per sequence), autograd sums their gradients over the batch."""
+    tensors = (query, key, value)
+    if (all(isinstance(t, torch.Tensor) and not t.is_nested and t.dim() == 4 for t in tensors)
+            and key.shape[0] == value.shape[0] == 1 and query.shape[0] > 1):
+        batch = query.shape[0]
+        return key.expand(batch, *key.shape[1:]), value.expand(batch, *value.shape[1:])
+    return key, value
 
 
 def _with_max_scores(query, key, value, call, kernel_options):
@@ -1418,7 +1432,16 @@ def _forward_device(dev) -> Device:
     return Device(stream.cuda_stream, _DeviceCopies(dev), tvm_ffi_stream=True,
                   decode_resources=lambda: (_sm_count(dev), _decode_workspace(dev, stream)),
                   alloc=_backward_alloc(dev), tf32_passes=3 if torch.get_float32_matmul_precision() == "highest" else 1,
-                  tile_tickets=lambda: _tile_tickets(dev))
+                  tile_tickets=lambda: _tile_tickets(dev), page_view=_page_view)
+
+
+def _page_view(x: torch.Tensor, block: int):
+    """``Device.page_view``: [B, H, KV, D] keys or values that every sequence shares (batch
+    1, or a stride-0 batch) as pages [KV / block, block, H, D], a view; else None."""
+    batch, heads, length, dim = x.shape
+    if length % block or not (batch == 1 or x.stride(0) == 0):
+        return None
+    return x[0].unflatten(1, (length // block, block)).permute(1, 2, 0, 3)
 
 
 def _tile_tickets(dev):

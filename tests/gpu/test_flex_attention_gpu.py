@@ -782,3 +782,28 @@ def test_compiled_functions_defined_inside_under_each_backend():
             error = (a.double() - b).abs().max().item() / b.abs().max().item()
             assert error < 2e-2, (backend, name, error)
         assert bool(calls) == (backend == "inductor"), (backend, calls)
+
+
+def test_key_value_batch_of_one_broadcasts_in_place():
+    """A key / value batch of 1 beside a query batch of 3 (torch broadcasts it): the
+    kernels read the stride-0 views in place; forward, LSE and gradients equal those of
+    explicit copies (K / V gradients summed over the batch), a causal torch-style mask and
+    a per-sequence score."""
+    torch.manual_seed(43)
+    B, H, S, D = 3, 4, 333, 128
+    q = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k1, v1 = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    block_mask = fa.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, S, S, device="cuda")
+
+    def score(s, b, h, qi, ki):
+        return s + 0.25 * b
+
+    got = fa.flex_attention(q, k1, v1, score_mod=score, block_mask=block_mask, return_lse=True)
+    grads = torch.autograd.grad(got[0].float().square().sum() + got[1].sum(), (q, k1, v1))
+    copies = [t.detach().expand(B, -1, -1, -1).clone().requires_grad_() for t in (k1, v1)]
+    want = fa.flex_attention(q, *copies, score_mod=score, block_mask=block_mask, return_lse=True)
+    want_grads = torch.autograd.grad(want[0].float().square().sum() + want[1].sum(), (q, *copies))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    torch.testing.assert_close(grads[0], want_grads[0], atol=1e-2, rtol=1e-2)
+    for a, b in zip(grads[1:], want_grads[1:]):
+        torch.testing.assert_close(a.float(), b.float().sum(0, keepdim=True), atol=3e-2, rtol=3e-2)

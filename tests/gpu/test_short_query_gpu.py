@@ -121,11 +121,10 @@ def test_decode_steps_under_compile(routed, spelled):
     def window(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < 1024
 
-    if spelled == "mod_values":
-        score, window = mods.alibi(slopes * 0.01), mods.sliding_window(1023)
+    given = (score, window) if spelled == "functions" else (mods.alibi(slopes * 0.01), mods.sliding_window(1023))
 
     def step(q, cache):
-        return fa.decode(q, cache, score_mod=score, mask=window, return_lse=True)
+        return fa.decode(q, cache, score_mod=given[0], mask=given[1], return_lse=True)
 
     compiled = torch.compile(step, fullgraph=True)
     for _ in range(4):
@@ -137,15 +136,23 @@ def test_decode_steps_under_compile(routed, spelled):
     assert len(routed) >= 4
 
 
-def test_given_block_lists_keep_the_forward_kernel(routed):
+def test_given_block_lists_are_walked_as_listed(routed, monkeypatch):
+    """A block mask built by hand (from_kv_blocks: two full blocks, a partial one, two
+    empty) over a batch-1 cache: not the mask's own walk (the contiguous route) but the
+    listed blocks' (``list_walk_route``: pages of 128 over tiles of 64, the partial page
+    masked across both its tiles); the reference agrees."""
     L = 640
     q = torch.randn(1, 4, 1, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 4, L, 128, device="cuda", dtype=torch.bfloat16)
     built = fa.create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < 300, None, None, 1, L)
     given = type(built).from_kv_blocks(built.kv_num_blocks, built.kv_indices, built.full_kv_num_blocks,
                                        built.full_kv_indices, mask_mod=built.mask_mod, seq_lengths=(1, L))
+    walks = []
+    real = short_query.list_walk_into
+    monkeypatch.setattr(short_query, "list_walk_into", lambda *a: (walks.append(a[3][0].mods.full_but_last),
+                                                                   real(*a))[1])
     out = fa.flex_attention(q, k, k, block_mask=given)
-    assert not routed
+    assert not routed and walks == [True]
     want, _ = reference.forward(q.cpu(), k.cpu(), k.cpu(), AttentionSpec.from_args(mask=built.mask_mod))
     assert np.abs(out.double().cpu().numpy() - want).max() < TOL
 
@@ -186,3 +193,46 @@ def test_repeated_calls_take_the_prepared_route_and_follow_streams(routed):
     for out in outs + [other]:
         assert np.abs(out.double().cpu().numpy() - want).max() < TOL
     assert len(routed) >= 2   # the first two calls took the full path through the route
+
+
+@pytest.mark.parametrize("blocks", ["partial", "full"])
+def test_torchs_paged_attention_decodes_on_the_decode_kernel(monkeypatch, blocks):
+    """torch's PagedAttention as its users decode: one physical cache of batch 1 (pages of
+    128 shuffled across sequences), a q_len-1 query per sequence, torch's block mask over
+    logical positions converted to physical pages (its mask_mod reads the page map and the
+    lengths) — built for the one query (every block listed partial) or over a block of
+    rows and cut to one, as gpt-fast does (pages below a length listed full: the kernel
+    masks each sequence's last page alone). The key / value batch of 1 broadcasts in place
+    and the step walks the listed pages with the decode kernel; the float64 reference of
+    the logical caches agrees."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    torch.manual_seed(41)
+    B, Hq, Hkv, D, page, n_pages, L = 4, 32, 8, 128, 128, 80, 2048
+    lens = torch.tensor([2048, 1000, 129, 1777], device="cuda")
+    paged = PagedAttention(n_pages, page, B, device="cuda")
+    for b in (2, 0, 3, 1):
+        paged.reserve(torch.tensor(b, device="cuda"), torch.tensor(L, device="cuda"))
+    k_cache, v_cache = (torch.zeros(1, Hkv, n_pages * page, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    paged.assign(torch.arange(B, device="cuda"), torch.arange(L, device="cuda")[None].expand(B, L), k, v, k_cache,
+                 v_cache)
+    logical = torch_create_block_mask(lambda b, h, qi, ki: ki < lens[b], B, None, page if blocks == "full" else 1, L,
+                                      device="cuda", BLOCK_SIZE=page)
+    logical.seq_lengths = (1, L)
+    physical = paged.convert_logical_block_mask(logical)
+    assert (physical.full_kv_num_blocks.sum().item() > 0) == (blocks == "full")
+    walks = []
+    real = short_query.attention_plan
+    monkeypatch.setattr(short_query, "attention_plan",
+                        lambda *a: (walks.append((a[-1], a[6].full_but_last)), real(*a))[1])
+    host_lens = lens.cpu()
+    spec = AttentionSpec.from_args(mask=lambda b, h, qi, ki: ki < host_lens[b], enable_gqa=True)
+    for step in range(3):     # the first call plans; repeats launch prepared
+        q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+        out, lse = fa.flex_attention(q, k_cache, v_cache, block_mask=physical, enable_gqa=True, return_lse=True)
+        want_o, want_lse = reference.forward(q.cpu(), k.cpu(), v.cpu(), spec)
+        assert np.abs(out.double().cpu().numpy() - want_o).max() < TOL, step
+        assert np.abs(lse.double().cpu().numpy() - want_lse).max() < 5e-3, step
+    assert walks and all(w == (page, blocks == "full") for w in walks), walks

@@ -33,6 +33,23 @@ def _hook(score, mask):
                      None if mask is None else shift_queries(mask, OFFSETS))
 
 
+def _paged_attention_mods():
+    """torch's PagedAttention step as the short-query route hands it to the decode kernel
+    (``short_query.list_walk_route``): its converted mask (the page map and lengths read per
+    key) and an ALiBi score, both seeing each key at its physical position through the
+    walk's block table (``positions.block_table_keys``)."""
+    from flexattn.mods.positions import block_table_keys
+
+    page_map, lengths, table = np.zeros((4, 64), np.int64), np.zeros(4, np.int64), np.zeros((4, 16), np.int32)
+
+    def physical(b, h, q_idx, kv_idx):
+        logical = page_map[b, kv_idx // 128] * 128 + kv_idx % 128
+        return (page_map[b, kv_idx // 128] >= 0) & (logical < lengths[b])
+
+    return (block_table_keys(mods.alibi(num_heads=32), table, 128),
+            block_table_keys(mods.mask_mod(physical), table, 128))
+
+
 # name: (config kwargs, score, mask, tvm_ffi, TMA copies per K+V block)
 CASES = {
     "contiguous-plain": (dict(head_dim=128), None, None, True, 4),
@@ -73,6 +90,13 @@ CASES = {
     "hd80-cluster2": (dict(head_dim=80, tile_n=64, num_stages=2, ctas_per_sm=2, cluster_splits=2),
                       mods.alibi(num_heads=32), mods.sliding_window(4096), True, 10),
     "hd112-2wg": (dict(head_dim=112, tile_n=64, num_stages=6, num_mma_wg=2), None, mods.causal(), True, 14),
+    # a short query's walk of the kv blocks its block mask lists (torch's PagedAttention):
+    # the mask on each sequence's last page alone (the others are full), as planned; and everywhere
+    "paged128-block-table": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, page_size=128,
+                                  skip_masked_prefix=False, mask_last_page_only=True),
+                             *_paged_attention_mods(), True, 4),
+    "paged128-block-table-every-block": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, page_size=128,
+                                              skip_masked_prefix=False), *_paged_attention_mods(), True, 4),
 }
 
 
@@ -96,9 +120,11 @@ def test_decode_ptx(compiled, name):
     # TMA copy sites: K and V, one per 64-column half of a box (D=128: two), times the
     # tile's pages where pages are smaller than the tile (an unrolled loop over them).
     assert ptx.count("cp.async.bulk.tensor") == tma_copies
-    # QK^T (D/16 wgmmas) and PV (tile_n/16) for the bounded first block and the rest.
+    # QK^T (D/16 wgmmas) and PV (tile_n/16) for the bounded first block and the rest (the
+    # rest twice, masked and not, where the mask applies on the last page alone).
     cfg = DecodeConfig(**kw)
-    assert ptx.count("wgmma.mma_async") == 2 * (cfg.head_dim // 16 + cfg.tile_n // 16)
+    steps = 3 if cfg.mask_last_page_only else 2
+    assert ptx.count("wgmma.mma_async") == steps * (cfg.head_dim // 16 + cfg.tile_n // 16)
     assert ("tanh.approx" in ptx) == (name == "paged256-hd64-softcap-fp16")
     # The masked-prefix skip: Float64 interval analysis only where a mask is traced, and
     # its search over prefixes, one candidate per lane counted by a ballot.
@@ -137,6 +163,17 @@ def test_decode_ptx(compiled, name):
 class _NoHoisting(IRModHook):
     def row_invariants(self, b, h, q, args):
         return None
+
+
+def test_walks_of_listed_blocks_mask_the_last_page_alone(compiled):
+    """``mask_last_page_only``: the loop's steps come in two bodies, one evaluating the mask
+    (tiles over a sequence's last page) and one without it — its page map, lengths and
+    block-table reads absent (fewer scalar loads per body than the kernel that masks every
+    step: 137 when written, with two bodies)."""
+    once, every = compiled["paged128-block-table"], compiled["paged128-block-table-every-block"]
+    loads = [len(re.findall(r"ld\.global(?:\.nc)?\.b32\b", ptx)) for ptx in (once, every)]
+    assert loads[0] < 1.5 * loads[1], loads   # three step bodies, one of them unmasked
+    assert once.count("wgmma.mma_async") == 3 * every.count("wgmma.mma_async") // 2
 
 
 def test_decode_hoists_row_invariant_reads(compiled):

@@ -111,6 +111,10 @@ class DecodeConfig(KernelConfig):
     skip_masked_prefix: bool = True  # the masked-prefix analysis before the stream (masks
                                      # only); off where the planner proves the cache's first
                                      # key always attended (causal...): it would find nothing
+    mask_last_page_only: bool = False  # paged: the mask evaluated in the tiles that overlap
+                                     # a sequence's last page alone (every page before it is
+                                     # known full: a short query's walk of listed blocks,
+                                     # full ones first: core/short_query.py)
     mods: ModHook = field(default=NO_MODS, compare=False)
 
     def __post_init__(self):
@@ -126,6 +130,8 @@ class DecodeConfig(KernelConfig):
         if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2 and self.num_mma_wg != 1):
             raise ValueError(f"ctas_per_sm must be 1, or 2 with one consumer warpgroup, got {self.ctas_per_sm}")
         check_page_size(self.page_size, self.tile_n)
+        if self.mask_last_page_only and not self.paged:
+            raise ValueError("mask_last_page_only needs a paged cache (page_size > 0)")
         if self.cluster_splits not in CLUSTER_SPLITS:
             raise ValueError(f"cluster_splits must be one of {CLUSTER_SPLITS}, got {self.cluster_splits}")
         if self.cluster_splits > 1 and 2 * self.tile_m > self.num_stages * self.tile_n:
@@ -614,7 +620,16 @@ class DecodeSm90(WarpSpecialized):
             kv_state = self._step(ctx, kv_state, first + count - 1, kv_bound=True)
         self._stamp(stamps, 3, tidx < 32)
         for i in cutlass.range(1, count, unroll=1):
-            kv_state = self._step(ctx, kv_state, first + count - 1 - i, kv_bound=False)
+            n_block = first + count - 1 - i
+            if const_expr(cfg.mask_last_page_only):
+                # The pages before a sequence's last are full: tiles that end before the
+                # last page starts skip the mask (pages wider than a tile: not only the bound one).
+                if (n_block + 1) * cfg.tile_n > seqlen - cfg.page_size:
+                    kv_state = self._step(ctx, kv_state, n_block, kv_bound=False)
+                else:
+                    kv_state = self._step(ctx, kv_state, n_block, kv_bound=False, masked=False)
+            else:
+                kv_state = self._step(ctx, kv_state, n_block, kv_bound=False)
             if const_expr(cfg.timeline):
                 for k in cutlass.range_constexpr(1, 4):
                     if i == count * k // 4:
@@ -630,8 +645,9 @@ class DecodeSm90(WarpSpecialized):
                           head_kv, group, q_len, rows, m_block, batch)
 
     @cute.jit
-    def _step(self, ctx, kv_state, n_block, kv_bound: cutlass.Constexpr[bool]):
-        """One kv block: S = Q K^T, mods, online softmax, O = O * scale + P V."""
+    def _step(self, ctx, kv_state, n_block, kv_bound: cutlass.Constexpr[bool], masked: cutlass.Constexpr[bool] = True):
+        """One kv block: S = Q K^T, mods (``masked`` False: the block is known full, no
+        mask), online softmax, O = O * scale + P V."""
         (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O, softmax,
          coords, row_head, row_q, row_values, pipe_k, pipe_v, batch, seqlen, softmax_scale, mod_args) = ctx
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
@@ -641,9 +657,10 @@ class DecodeSm90(WarpSpecialized):
         pipe_k.consumer_release(kv_state)
 
         mods = self.mods
-        if const_expr(mods.has_score or mods.has_mask or kv_bound):
+        masked = mods.has_mask and masked
+        if const_expr(mods.has_score or masked or kv_bound):
             apply_packed_mods(mma.acc_mn_view(acc_S), coords, row_head, row_q, row_values, mods, batch,
-                              n_block, seqlen, softmax_scale, mod_args, kv_bound)
+                              n_block, seqlen, softmax_scale, mod_args, kv_bound, masked)
         row_scale = softmax.step(acc_S, is_first=False)
         rescale_rows(acc_O, row_scale)
         tOrP.store(mma.acc_as_a_view(acc_S).load().to(self.dtype))
@@ -798,11 +815,12 @@ def apply_packed_mods(s_mn: cute.Tensor, coords: FragmentCoords, row_head: cute.
                       row_q: cute.Tensor, row_values: cutlass.Constexpr, mods: cutlass.Constexpr,
                       batch: Int32, n_block: Int32,
                       seqlen: Int32, softmax_scale: Float32, args,
-                      kv_bound: cutlass.Constexpr[bool]):
+                      kv_bound: cutlass.Constexpr[bool], masked: cutlass.Constexpr[bool] = True):
     """`mod_hook.apply_mods` for GQA-packed rows: fragment row r belongs to q head
     `row_head[r]` and query row `row_q[r]`. With `kv_bound`, keys at or beyond `seqlen` are
     masked and the hooks see min(kv, seqlen - 1) (buffers of cache length stay in bounds).
-    `row_values[r]`: row r's `mods.row_invariants` (emitted before the kv loop), or None."""
+    `row_values[r]`: row r's `mods.row_invariants` (emitted before the kv loop), or None.
+    `masked` False: the block is known full, the mask is not evaluated."""
     kv_base = n_block * coords.tile_n + coords.col_offset()
     kv_last = seqlen - 1
     for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
@@ -817,7 +835,7 @@ def apply_packed_mods(s_mn: cute.Tensor, coords: FragmentCoords, row_head: cute.
             row = {} if const_expr(row_values is None) else {"row": row_values[r]}
             if const_expr(mods.has_score):
                 s = mods.score(s * softmax_scale, batch, head, q, kv_hook, args, **row)
-            if const_expr(mods.has_mask):
+            if const_expr(mods.has_mask and masked):
                 keep = mods.mask(batch, head, q, kv_hook, args, **row)
                 s = kept_if(keep, s)
             if const_expr(kv_bound):

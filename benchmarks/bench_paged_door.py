@@ -1,0 +1,126 @@
+"""torch's PagedAttention decoding step through each library's door, one process, one GPU.
+
+A torch user decodes from a paged cache with ``torch.nn.attention.experimental.
+_paged_attention.PagedAttention``: one physical cache [1, Hkv, pages x page, D] that every
+sequence's pages live in, a q_len-1 query [B, Hq, 1, D], and a block mask over logical
+positions converted to physical pages (``convert_logical_block_mask``: its lists name each
+sequence's pages, its mask_mod maps physical keys back through the page map). Pages of
+128 here, handed out to the sequences in turn (interleaved, as a serving loop fills them).
+
+  flexattn      flexattn.torch.flex_attention(q, k_cache, v_cache, block_mask=converted,
+                enable_gqa=True), exactly the torch call: the key / value batch of 1
+                broadcasts, and the short-query route walks each sequence's listed pages
+                with the decode kernel (core/short_query.py: list_walk_route)
+  flexattn-fwd  the same call with that walk turned off: the forward kernel reads the lists
+  flexattn-decode  flexattn.torch.decode over a PagedKVCache of the same pages (views of the
+                physical cache, torch's page table, no mask): our paged step's own speed
+  flex          torch's flex_attention compiled, same arguments (flex decoding)
+  sdpa          SDPA over the logical cache [B, Hkv, L, D] (contiguous, enable_gqa): the
+                speed of the same bytes without pages
+
+TB/s count the K+V bytes a step needs: 2 · B · Hkv · L · D · 2 bytes (median of triton's
+do_bench, L2 flushed). The last column is each output's relative difference from SDPA's.
+
+    python3 benchmarks/bench_paged_door.py [--shapes 8x8192 8x32768 1x131072] [--out paged.json]
+"""
+
+import argparse
+import datetime
+
+import torch
+
+from common import bench_ms, device_name, rel_diff, report
+
+HQ, HKV, D, PAGE = 32, 8, 128, 128
+
+
+def paged_step(batch: int, length: int, full_blocks: bool):
+    """(q, physical k / v caches, converted block mask, logical k / v, page table) of one
+    step. ``full_blocks``: the logical mask built over a block of query rows and cut to one
+    (as gpt-fast slices its mask per step: blocks below each length listed full); else
+    built for the one query (torch lists every block partial)."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    pages = batch * length // PAGE
+    paged = PagedAttention(pages, PAGE, batch, device="cuda")
+    for chunk in range(length // PAGE):       # the sequences take pages in turn
+        for b in range(batch):
+            paged.reserve(torch.tensor(b, device="cuda"), torch.tensor((chunk + 1) * PAGE, device="cuda"))
+    k_cache, v_cache = (torch.zeros(1, HKV, pages * PAGE, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(batch, HKV, length, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    paged.assign(torch.arange(batch, device="cuda"), torch.arange(length, device="cuda")[None].expand(batch, length),
+                 k, v, k_cache, v_cache)
+    lengths = torch.full((batch,), length, device="cuda")
+    logical = create_block_mask(lambda b, h, qi, ki: ki < lengths[b], batch, None, PAGE if full_blocks else 1, length,
+                                device="cuda", BLOCK_SIZE=PAGE)
+    logical.seq_lengths = (1, length)
+    q = torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+    return q, k_cache, v_cache, paged.convert_logical_block_mask(logical), k, v, paged.page_table
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=["8x8192", "8x32768", "1x131072"])
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--blocks", nargs="+", default=["partial", "full"],
+                    help="how the logical mask lists its blocks (see paged_step)")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+
+    import flexattn.torch as fa
+    from flexattn.core import short_query
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    compiled_flex = torch.compile(torch_flex)
+    real_walk = short_query.list_walk_route, short_query.prepared_list_walk
+    rows = []
+    for spec, blocks in [(s, b) for s in args.shapes for b in args.blocks]:
+        batch, length = (int(x) for x in spec.split("x"))
+        q, k_cache, v_cache, block_mask, k, v, page_table = paged_step(batch, length, blocks == "full")
+        pages = [fa._page_view(x, PAGE) for x in (k_cache, v_cache)]
+        cache = fa.PagedKVCache(*pages, page_table[:, :length // PAGE].to(torch.int32).contiguous(),
+                                torch.full((batch,), length, dtype=torch.int32))
+        nbytes = 2 * batch * HKV * length * D * 2
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        impls = {
+            "flexattn": lambda: fa.flex_attention(q, k_cache, v_cache, block_mask=block_mask, enable_gqa=True),
+            "flexattn-fwd": lambda: fa.flex_attention(q, k_cache, v_cache, block_mask=block_mask, enable_gqa=True),
+            "flexattn-decode": lambda: fa.decode(q, cache),
+            "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        }
+        if not args.no_flex:
+            impls["flex"] = lambda: compiled_flex(q, k_cache, v_cache, block_mask=block_mask, enable_gqa=True)
+        row = {"shape": spec, "blocks": blocks, "tbps": {}, "us": {}, "diff": {}}
+        for name, fn in impls.items():
+            fa._PREPARED.clear()     # the door's prepared calls: made afresh under each column's route
+            if name == "flexattn-fwd":
+                short_query.list_walk_route = short_query.prepared_list_walk = lambda *a, **kw: None
+            try:
+                row["diff"][name] = rel_diff(fn(), sdpa)
+                ms = bench_ms(fn)
+            except Exception as e:   # a column that cannot run this shape: say so, go on
+                print(f"{spec} {name}: {type(e).__name__}: {e}")
+                continue
+            finally:
+                short_query.list_walk_route, short_query.prepared_list_walk = real_walk
+            row["us"][name], row["tbps"][name] = ms * 1e3, nbytes / ms / 1e9
+        rows.append(row)
+
+    names = ["flexattn", "flexattn-fwd", "flexattn-decode", "sdpa"] + ([] if args.no_flex else ["flex"])
+    md = (f"{device_name()}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC: torch PagedAttention"
+          f" step, Hq {HQ} Hkv {HKV} D {D} bf16, pages of {PAGE}; TB/s (µs)\n\n"
+          "| B x L | blocks | " + " | ".join(names) + " | flexattn / flex | flexattn / sdpa | rel diff vs sdpa |\n"
+          "|---|---|" + "---|" * (len(names) + 3) + "\n")
+    for r in rows:
+        t = r["tbps"]
+        cells = [f"{t[n]:.2f} ({r['us'][n]:.1f})" if n in t else "—" for n in names]
+        vs_flex = f"{t['flexattn'] / t['flex']:.2f}" if "flex" in t and "flexattn" in t else "—"
+        diffs = ", ".join(f"{n} {r['diff'][n]:.1e}" for n in names if n != "sdpa" and n in r["diff"])
+        vs_sdpa = f"{t['flexattn'] / t['sdpa']:.2f}" if "flexattn" in t and "sdpa" in t else "—"
+        md += f"| {r['shape']} | {r['blocks']} | " + " | ".join(cells) + f" | {vs_flex} | {vs_sdpa} | {diffs} |\n"
+    report(md, rows, args.out, f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}")
+
+
+if __name__ == "__main__":
+    main()
