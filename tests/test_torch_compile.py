@@ -1176,3 +1176,38 @@ def test_decode_under_compile_refuses_clearly(make, kw, words):
     q = torch.randn(2, 2 * H, 1, D, dtype=torch.float64)
     with pytest.raises(Exception, match=words):
         torch.compile(lambda q, c: fa.decode(q, c, **kw), backend="aot_eager", fullgraph=True)(q, cache)
+
+
+def test_torchs_paged_attention_step_compiles():
+    """torch's PagedAttention step under torch.compile (the physical cache's batch of 1
+    broadcast in the graph; the converted block mask made outside, or converted inside the
+    compiled step from a logical mask made outside): one graph, the eager step's output."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    B, page, n_pages, L = 3, 16, 14, 64
+    g = torch.Generator().manual_seed(33)
+    paged = PagedAttention(n_pages, page, B, device="cpu")
+    for b in reversed(range(B)):
+        paged.reserve(torch.tensor(b), torch.tensor(L))
+    k_cache, v_cache = (torch.zeros(1, H // 2, n_pages * page, D, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, H // 2, L, D, generator=g, dtype=torch.float64) for _ in range(2))
+    paged.assign(torch.arange(B), torch.arange(L)[None].expand(B, L), k, v, k_cache, v_cache)
+    lens = torch.tensor([40, 64, 17])
+    logical = torch_create_block_mask(lambda b, h, qi, ki: ki < lens[b], B, None, 1, L, device="cpu", BLOCK_SIZE=page)
+    converted = paged.convert_logical_block_mask(logical)
+    q = torch.randn(B, H, 1, D, generator=g, dtype=torch.float64)
+    want = fa.flex_attention(q, k, v, block_mask=logical, enable_gqa=True)
+
+    def step(q, k_cache, v_cache):
+        return fa.flex_attention(q, k_cache, v_cache, block_mask=converted, enable_gqa=True)
+
+    def converting_step(q, k_cache, v_cache):
+        return fa.flex_attention(q, k_cache, v_cache, block_mask=paged.convert_logical_block_mask(logical),
+                                 enable_gqa=True)
+
+    for fn in (step, converting_step):
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        torch.testing.assert_close(torch.compile(fn, backend=counter, fullgraph=True)(q, k_cache, v_cache), want)
+        assert counter.frame_count == 1

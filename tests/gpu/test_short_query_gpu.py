@@ -236,3 +236,46 @@ def test_torchs_paged_attention_decodes_on_the_decode_kernel(monkeypatch, blocks
         assert np.abs(out.double().cpu().numpy() - want_o).max() < TOL, step
         assert np.abs(lse.double().cpu().numpy() - want_lse).max() < 5e-3, step
     assert walks and all(w == (page, blocks == "full") for w in walks), walks
+
+
+def test_torchs_paged_attention_step_compiled_walks_its_pages(monkeypatch):
+    """The same PagedAttention step under torch.compile (default backend), the block mask
+    converted inside the compiled step or outside: the broadcast K / V reach our op as
+    stride-0 views and the step walks the listed pages; the reference agrees."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    torch.manual_seed(47)
+    B, Hq, Hkv, D, page, n_pages, L = 2, 16, 4, 128, 128, 24, 1024
+    lens = torch.tensor([1024, 700], device="cuda")
+    paged = PagedAttention(n_pages, page, B, device="cuda")
+    for b in (1, 0):
+        paged.reserve(torch.tensor(b, device="cuda"), torch.tensor(L, device="cuda"))
+    k_cache, v_cache = (torch.zeros(1, Hkv, n_pages * page, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    paged.assign(torch.arange(B, device="cuda"), torch.arange(L, device="cuda")[None].expand(B, L), k, v, k_cache,
+                 v_cache)
+    logical = torch_create_block_mask(lambda b, h, qi, ki: ki < lens[b], B, None, page, L, device="cuda",
+                                      BLOCK_SIZE=page)
+    logical.seq_lengths = (1, L)
+    converted = paged.convert_logical_block_mask(logical)
+    walks = []
+    real = short_query.attention_plan
+    monkeypatch.setattr(short_query, "attention_plan", lambda *a: (walks.append(a[-1]), real(*a))[1])
+    host_lens = lens.cpu()
+    spec = AttentionSpec.from_args(mask=lambda b, h, qi, ki: ki < host_lens[b], enable_gqa=True)
+    steps = {
+        "outside": lambda q: fa.flex_attention(q, k_cache, v_cache, block_mask=converted, enable_gqa=True),
+        "inside": lambda q: fa.flex_attention(q, k_cache, v_cache, block_mask=paged.convert_logical_block_mask(logical),
+                                              enable_gqa=True),
+    }
+    for name, step in steps.items():
+        torch._dynamo.reset()
+        walks.clear()
+        compiled = torch.compile(step, fullgraph=True)
+        for _ in range(2):
+            q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+            out = compiled(q)
+            want, _ = reference.forward(q.cpu(), k.cpu(), v.cpu(), spec)
+            assert np.abs(out.double().cpu().numpy() - want).max() < TOL, name
+        assert walks, f"{name}: the compiled step did not walk its pages"
