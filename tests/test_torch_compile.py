@@ -1115,8 +1115,15 @@ def test_decode_steps_compile_and_follow_the_lengths():
         return fa.decode(q, cache, score_mod=score, mask=near, return_lse=True)
 
     counter = CompileCounterWithBackend("inductor")
+    _decode_steps_match_eager(step, counter, cache, torch.Generator().manual_seed(22))
+    assert counter.frame_count == 2
+
+
+def _decode_steps_match_eager(step, counter, cache, g, between=lambda: None):
+    """``step(q, cache)`` compiled with ``counter`` against the eager step: output and LSE at
+    q_len 1 (three steps) and 3 (two), the cache's lengths growing by 5 after each step
+    (and ``between()`` called)."""
     compiled = torch.compile(step, backend=counter, fullgraph=True)
-    g = torch.Generator().manual_seed(22)
     for q_len, steps in ((1, 3), (3, 2)):
         for _ in range(steps):
             q = torch.randn(2, 2 * H, q_len, D, generator=g, dtype=torch.float64)
@@ -1124,7 +1131,7 @@ def test_decode_steps_compile_and_follow_the_lengths():
             torch.testing.assert_close(out, want)
             torch.testing.assert_close(lse, want_lse)
             cache.lengths += 5
-    assert counter.frame_count == 2
+            between()
 
 
 def _paged(cache):
@@ -1151,15 +1158,7 @@ def test_decode_steps_with_mod_values_compile_and_follow_the_lengths(backend):
             return fa.decode(q, cache, return_lse=True, **kw)
 
         counter = CompileCounterWithBackend(backend)
-        compiled = torch.compile(step, backend=counter, fullgraph=True)
-        for q_len, steps in ((1, 3), (3, 2)):
-            for _ in range(steps):
-                q = torch.randn(2, 2 * H, q_len, D, generator=g, dtype=torch.float64)
-                (out, lse), (want, want_lse) = compiled(q, cache), step(q, cache)
-                torch.testing.assert_close(out, want)
-                torch.testing.assert_close(lse, want_lse)
-                cache.lengths += 5
-                _DECODE_SLOPES.mul_(1.1)
+        _decode_steps_match_eager(step, counter, cache, g, between=lambda: _DECODE_SLOPES.mul_(1.1))
         assert counter.frame_count == 2, kw
         assert not any(n.target is torch.ops.higher_order.flex_attention for gm in counter.graphs
                        for n in gm.graph.nodes), kw

@@ -24,9 +24,9 @@ AOT autograd then differentiates our op as any other (its registered backward): 
 gradients reach the closed-over tensors, new tensor values never recompile. Our op needs
 Inductor (torch.compile's default backend; ``compiling_for_inductor``): other backends
 would leave torch's HOP to torch's own implementation, without the parts we registered —
-so there the whole call is torch's ``flex_attention`` (``torch_flex_call``: functions, a
-torch block mask), and parts it cannot take (mod values, flexattn block masks) are a
-clear error instead of silently left out. ``object_token`` / ``stashed`` carry a torch block mask
+so there the whole call is torch's HOP, unmarked (``torch_flex_call``: functions, a torch
+block mask), and parts it cannot take (mod values, flexattn block masks) are a clear
+error instead of silently left out. ``object_token`` / ``stashed`` carry a torch block mask
 made *outside* to the compile-time preparation instead (torch 2.11's dynamo hands
 constant functions no user objects).
 """
@@ -170,7 +170,6 @@ def flex_attention_route(query, key, value, score_fn, mask_fn, base_id: int, sca
     registered spec's; torch's own implementation, under another backend, this one).
     ``want_max``: (out, lse, max_scores)."""
     from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
-    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
 
     _install_pass()
     lists = block_mask is not None
