@@ -156,3 +156,55 @@ def test_listed_kv_blocks_of_a_shared_cache_walk_as_pages(full_blocks):
     assert list_walk_route(shape, spec, "bfloat16", batched, batched, device) is None
     assert list_walk_route(shape._replace(q_len=17), spec, "bfloat16", k, v, device) is None
     assert list_walk_route(shape, spec, "float32", k, v, device) is None
+
+
+def test_batched_caches_fold_into_heads_for_a_shared_block_mask(monkeypatch):
+    """gpt-fast's decoding step: a batched contiguous cache (a view of a longer one), a
+    block mask of batch 1 cut to one row with its mask_mod replaced. With
+    ``FLEXATTN_FOLD_BATCH=1`` the walk folds the batch into the heads: q / out / LSE as
+    [1, B x Hq, ...], K / V as pages of B x Hkv heads, one table row, the mods seeing each
+    folded head's (b, h). Emulated on the host against the reference; without the flag the
+    forward kernel keeps it."""
+    torch = pytest.importorskip("torch")
+    import flexattn.torch as fa
+    from flexattn import reference
+    from flexattn.core import kernel_path
+    from flexattn.core.short_query import list_walk_route
+    from flexattn.mods.evaluate import evaluate
+
+    B, Hq, Hkv, D, S, block = 3, 8, 2, 32, 96, 16
+    g = torch.Generator().manual_seed(8)
+    cache_k, cache_v = (torch.randn(B, Hkv, 128, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = cache_k[:, :, :S], cache_v[:, :, :S]          # views of the preallocated cache
+    q = torch.randn(B, Hq, 1, D, generator=g, dtype=torch.float64)
+    pos = torch.tensor([70, 40, 90])                      # each sequence's current position
+    full = fa.create_block_mask(lambda b, h, qi, ki: qi >= ki, 1, 1, S, S, BLOCK_SIZE=block)
+    step = full[:, :, 90 // block]
+    step.mask_mod = mods.mask_mod(lambda b, h, qi, ki: ki <= pos[b])
+    step.seq_lengths = (1, S)
+    score = lambda s, b, h, qi, ki: s + 0.1 * b * (ki % 7) - 0.05 * h * (ki % 5)   # noqa: E731  (folded b, h)
+    spec = AttentionSpec.from_args(score_mod=score, block_mask=step, enable_gqa=True)
+    shape = AttentionShape(B, Hq, Hkv, 1, S, D, D)
+    device = kernel_path.Device(0, lambda x: x, decode_resources=lambda: (132, None), page_view=fa._page_view,
+                                heads_view=fa._heads_view)
+    monkeypatch.delenv("FLEXATTN_FOLD_BATCH", raising=False)
+    assert list_walk_route(shape, spec, "bfloat16", k, v, device) is None
+    monkeypatch.setenv("FLEXATTN_FOLD_BATCH", "1")
+    walk, k_pages, v_pages = list_walk_route(shape, spec, "bfloat16", k, v, device)
+    assert walk.folded and walk.mods.full_but_last and walk.table.shape[0] == 1 and tuple(k_pages.shape) == (S // block, block, B * Hkv, D)
+    q_folded = fa._heads_view(q, True)
+    assert tuple(q_folded.shape) == (1, B * Hq, 1, D)
+
+    want, _ = reference.forward(q, k, v, spec)
+    keys = np.arange(walk.lengths[0])
+    pages = walk.table[0, keys // block]
+    for f in range(B * Hq):
+        kb = k_pages.numpy()[pages, keys % block, f // (Hq // Hkv)]
+        vb = v_pages.numpy()[pages, keys % block, f // (Hq // Hkv)]
+        env = {"b": np.int64(0), "h": np.int64(f), "q": np.int64(0), "kv": keys}
+        s = q_folded[0, f, 0].numpy() @ kb.T * walk.mods.scale
+        s = evaluate(walk.mods.score_mod.expr, dict(env, score=s), walk.mods.score_mod.captures)
+        keep = evaluate(walk.mods.mask.expr, env, walk.mods.mask.captures)
+        keep = keep | (keys < walk.lengths[0] - block)   # the kernel's rule: pages listed full unmasked
+        p = np.where(keep, np.exp(s - s[keep].max()), 0.0)
+        np.testing.assert_allclose(p @ vb / p.sum(), want[f // Hq, f % Hq, 0], rtol=1e-10, atol=1e-12)

@@ -82,12 +82,16 @@ class Device:
     # leaves it zero, so it may be the stream's own, kept). None: a fresh zeroed array
     # per launch from `alloc`.
     tile_tickets: Callable | None = None
-    # (k, block) -> k [B, Hkv, KV, D] as pages [KV / block, block, Hkv, D] (a view), where
-    # every sequence reads the same keys (batch 1, or a stride-0 batch: a key / value batch
-    # of 1 broadcast) and blocks tile KV; else None. Lets a short query walk the kv blocks
-    # its block mask lists with the decode kernel (``short_query.list_walk_route``: torch's
-    # PagedAttention). None: this adapter never does.
+    # (k, block, fold=False) -> k [B, Hkv, KV, D] as pages [KV / block, block, Hkv, D] (a
+    # view), where every sequence reads the same keys (batch 1, or a stride-0 batch: a key /
+    # value batch of 1 broadcast) and blocks tile KV; with ``fold``, a batched k as pages of
+    # B x Hkv heads [KV / block, block, B x Hkv, D] (its batch stride Hkv head strides);
+    # else None. Lets a short query walk the kv blocks its block mask lists with the decode
+    # kernel (``short_query.list_walk_route``: torch's PagedAttention). None: never.
     page_view: Callable | None = None
+    # (x, copy) -> x [B, H, ...] as [1, B x H, ...]: a view, or with ``copy`` a copy where
+    # the strides do not merge; else None (a folded walk's q, out and LSE). None: never.
+    heads_view: Callable | None = None
 
 
 def kernel_unsupported(q, shape: AttentionShape) -> str | None:

@@ -27,9 +27,10 @@ runs unchanged.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-from ..mods.positions import block_table_keys
+from ..mods.positions import batch_in_heads, block_table_keys
 from ..problem.spec import AttentionSpec
 from ..problem.validate import AttentionShape
 from .kernel_path import DECODE_HEAD_DIMS, KERNEL_DTYPES
@@ -78,6 +79,16 @@ class ListWalk:
     table: object
     lengths: list
     block: int
+    # The batch folded into the heads (K / V batched, the lists shared by every sequence):
+    # q, out and LSE as [1, B x Hq, ...], K / V as pages of B x Hkv heads, one table row.
+    folded: bool = False
+
+
+def fold_batch_enabled() -> bool:
+    """Whether a walk may fold a batched K / V into heads (``FLEXATTN_FOLD_BATCH=1``). Off
+    by default until its GPU test has run (written in session 46, when the device time was
+    spent); the CPU emulation of the walk covers its host side."""
+    return os.environ.get("FLEXATTN_FOLD_BATCH", "0") == "1"
 
 
 def list_walk_possible(shape: AttentionShape, spec: AttentionSpec, q_dtype: str, device) -> bool:
@@ -105,47 +116,79 @@ def list_walk_possible(shape: AttentionShape, spec: AttentionSpec, q_dtype: str,
 _WALKS_PER_MASK = 8
 
 
-def _walk(shape: AttentionShape, spec: AttentionSpec) -> ListWalk:
+def _walk(shape: AttentionShape, spec: AttentionSpec, folded: bool = False) -> ListWalk:
     """The ``ListWalk`` of a call that ``list_walk_possible`` accepts, kept on its block mask
     per batch, score mod (its IR and captures: the trace cache hands out a new mod object
-    per call of one function) and scale."""
+    per call of one function), scale and folding."""
     block_mask = spec.block_mask
     score = spec.score
     scale = spec.resolved_scale(shape.head_dim)
-    key = (shape.batch, scale, None if score is None else
+    key = (shape.batch, shape.q_heads, folded, scale, None if score is None else
            (id(score.expr), tuple(c if isinstance(c, (int, float)) else id(c) for c in score.captures)))
     walks = block_mask.__dict__.setdefault("_list_walks", {})
     hit = walks.get(key)
     if hit is None:
         block = int(block_mask.BLOCK_SIZE[1])
-        table, counts, full_but_last = block_mask.kv_block_table(shape.batch)
-        mods = DecodeMods(None if score is None else block_table_keys(score, table, block),
-                          block_table_keys(block_mask.mask_mod, table, block), scale, true_positions=False,
+        table, counts, full_but_last = block_mask.kv_block_table(1 if folded else shape.batch)
+        # Folded: the mods see (b, h) of the folded head first, then the keys through the
+        # table, whose one row the kernel's b (always 0 then) reads.
+        fold = (lambda mod: batch_in_heads(mod, shape.q_heads)) if folded else (lambda mod: mod)
+        mods = DecodeMods(None if score is None else block_table_keys(fold(score), table, block),
+                          block_table_keys(fold(block_mask.mask_mod), table, block), scale, true_positions=False,
                           full_but_last=full_but_last)
         if len(walks) >= _WALKS_PER_MASK:
             walks.pop(next(iter(walks)))
         # (the score kept too: the ids in the key stay its own)
-        hit = walks[key] = (ListWalk(mods, table, [int(n) * block for n in counts], block), score)
+        hit = walks[key] = (ListWalk(mods, table, [int(n) * block for n in counts], block, folded), score)
     return hit[0]
+
+
+def _pages(spec: AttentionSpec, k, v, device):
+    """``(folded, k pages, v pages)`` of a walk over this K / V: page views where every
+    sequence reads the same K / V (batch 1, or a key / value batch of 1 broadcast:
+    ``Device.page_view``); else, where the walk may fold the batch into the heads and the
+    block mask treats every sequence alike (its batch dim 1, as gpt-fast slices one per
+    step), pages of B x Hkv heads; else None."""
+    block = int(spec.block_mask.BLOCK_SIZE[1])
+    k_pages, v_pages = device.page_view(k, block), device.page_view(v, block)
+    if k_pages is not None and v_pages is not None:
+        return False, k_pages, v_pages
+    if not fold_batch_enabled() or device.heads_view is None or spec.block_mask.shape[0] != 1:
+        return None
+    k_pages, v_pages = device.page_view(k, block, True), device.page_view(v, block, True)
+    if k_pages is None or v_pages is None:
+        return None
+    return True, k_pages, v_pages
 
 
 def list_walk_route(shape: AttentionShape, spec: AttentionSpec, q_dtype: str, k, v, device) -> tuple | None:
     """``(ListWalk, k pages, v pages)`` for the decode kernel's walk of a short query's
-    listed kv blocks, where every sequence reads the same K / V (batch 1, or a key / value
-    batch of 1 broadcast: ``Device.page_view``), one row of q blocks lists them and its
-    heads agree; else None (the forward kernel reads the lists itself)."""
+    listed kv blocks (``_pages`` says over which K / V layouts), where one row of q blocks
+    lists them and its heads agree; else None (the forward kernel reads the lists itself)."""
     if not list_walk_possible(shape, spec, q_dtype, device):
         return None
-    block = int(spec.block_mask.BLOCK_SIZE[1])
-    k_pages, v_pages = device.page_view(k, block), device.page_view(v, block)
-    if k_pages is None or v_pages is None:
+    pages = _pages(spec, k, v, device)
+    if pages is None:
         return None
-    return _walk(shape, spec), k_pages, v_pages
+    folded, k_pages, v_pages = pages
+    return _walk(shape, spec, folded), k_pages, v_pages
+
+
+def _folded(walk: ListWalk, q, out, lse, device) -> tuple:
+    """``(q, out, lse)`` as the walk's kernel sees them: [1, B x Hq, ...] views where it is
+    folded (q copied if its strides do not merge; the outputs are the adapter's, contiguous)."""
+    if not walk.folded:
+        return q, out, lse
+    views = device.heads_view(q, True), device.heads_view(out, False), device.heads_view(lse, False)
+    if views[1] is None or views[2] is None:
+        raise RuntimeError("flexattn: a folded walk needs contiguous outputs")
+    return views
 
 
 def list_walk_into(q, out, lse, route: tuple, device) -> None:
     """Run a ``list_walk_route`` call with the decode kernel on ``device``'s stream."""
     walk, k_pages, v_pages = route
+    q, out, lse = _folded(walk, q, out, lse, device)
     site = _site(device)
     table = device.to_device(walk.table)
     plan = attention_plan(q, k_pages, v_pages, out, lse, site, walk.mods, table, walk.block)
@@ -153,27 +196,33 @@ def list_walk_into(q, out, lse, route: tuple, device) -> None:
 
 
 class PreparedListWalk:
-    """``PreparedShortQuery`` for ``list_walk_route`` calls: the walk made once, the page
-    views per launch (K / V of another layout, or another stream: False, the full path)."""
+    """``PreparedShortQuery`` for ``list_walk_route`` calls: per K / V layout (folded or
+    not) the walk, its table on the device and its plan, made at the first launch; the page
+    views per launch (K / V the walk cannot take, or another stream: False, the full path)."""
 
-    __slots__ = ("_walk", "_device", "_plan", "_table", "_num_sms")
+    __slots__ = ("_shape", "_spec", "_device", "_ready")
 
-    def __init__(self, walk: ListWalk, device):
-        self._walk, self._device, self._plan = walk, device, None
+    def __init__(self, shape: AttentionShape, spec: AttentionSpec, device):
+        self._shape, self._spec, self._device, self._ready = shape, spec, device, {}
 
     def launch(self, q, k, v, out, lse, stream: int | None = None):
-        device, walk = self._device, self._walk
+        device = self._device
         if stream is not None and stream != device.stream:
             return False
-        k_pages, v_pages = device.page_view(k, walk.block), device.page_view(v, walk.block)
-        if k_pages is None or v_pages is None:
+        pages = _pages(self._spec, k, v, device)
+        if pages is None:
             return False
-        if self._plan is None:
+        folded, k_pages, v_pages = pages
+        ready = self._ready.get(folded)
+        walk = ready[0] if ready is not None else _walk(self._shape, self._spec, folded)
+        q, out, lse = _folded(walk, q, out, lse, device)
+        if ready is None:
             site = _site(device)
-            self._table = device.to_device(walk.table)
-            self._plan = attention_plan(q, k_pages, v_pages, out, lse, site, walk.mods, self._table, walk.block)
-            self._num_sms = site.num_sms
-        self._plan.run(q, k_pages, v_pages, self._table, out, lse, walk.lengths, self._num_sms)
+            table = device.to_device(walk.table)
+            plan = attention_plan(q, k_pages, v_pages, out, lse, site, walk.mods, table, walk.block)
+            ready = self._ready[folded] = (walk, plan, table, site.num_sms)
+        _, plan, table, num_sms = ready
+        plan.run(q, k_pages, v_pages, table, out, lse, walk.lengths, num_sms)
         return True
 
 
@@ -181,7 +230,7 @@ def prepared_list_walk(shape: AttentionShape, spec: AttentionSpec, q_dtype: str,
     """A ``PreparedListWalk`` for calls like this one, or None where they cannot walk."""
     if not list_walk_possible(shape, spec, q_dtype, device):
         return None
-    return PreparedListWalk(_walk(shape, spec), device)
+    return PreparedListWalk(shape, spec, device)
 
 
 def _site(device) -> DecodeSite:

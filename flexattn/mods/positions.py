@@ -85,3 +85,16 @@ def block_table_keys(mod: Mod, table, block: int) -> Mod:
     return score_mod(lambda s, b, h, q_idx, kv_idx: mod(s, b, h, q_idx,
                                                         table[b, kv_idx // block] * block + kv_idx % block),
                      name=name)
+
+
+def batch_in_heads(mod: Mod, heads: int) -> Mod:
+    """``mod`` for a call whose batch is folded into its heads (one sequence of
+    ``B x heads`` heads): head ``h`` of the folded call is head ``h % heads`` of sequence
+    ``h // heads``, which the mod sees as (b, h)."""
+    if not isinstance(mod, Mod):
+        raise TypeError(f"batch_in_heads: expected a mod, got {type(mod).__name__}")
+    heads = int(heads)
+    name = f"{mod.name}@folded" if mod.name else None
+    if isinstance(mod, MaskMod):
+        return mask_mod(lambda b, h, q_idx, kv_idx: mod(h // heads, h % heads, q_idx, kv_idx), name=name)
+    return score_mod(lambda s, b, h, q_idx, kv_idx: mod(s, h // heads, h % heads, q_idx, kv_idx), name=name)

@@ -1432,16 +1432,32 @@ def _forward_device(dev) -> Device:
     return Device(stream.cuda_stream, _DeviceCopies(dev), tvm_ffi_stream=True,
                   decode_resources=lambda: (_sm_count(dev), _decode_workspace(dev, stream)),
                   alloc=_backward_alloc(dev), tf32_passes=3 if torch.get_float32_matmul_precision() == "highest" else 1,
-                  tile_tickets=lambda: _tile_tickets(dev), page_view=_page_view)
+                  tile_tickets=lambda: _tile_tickets(dev), page_view=_page_view, heads_view=_heads_view)
 
 
-def _page_view(x: torch.Tensor, block: int):
+def _page_view(x: torch.Tensor, block: int, fold: bool = False):
     """``Device.page_view``: [B, H, KV, D] keys or values that every sequence shares (batch
-    1, or a stride-0 batch) as pages [KV / block, block, H, D], a view; else None."""
+    1, or a stride-0 batch) as pages [KV / block, block, H, D], a view; with ``fold``, a
+    batch whose stride is H head strides as pages of B x H heads; else None."""
     batch, heads, length, dim = x.shape
-    if length % block or not (batch == 1 or x.stride(0) == 0):
+    if length % block:
         return None
-    return x[0].unflatten(1, (length // block, block)).permute(1, 2, 0, 3)
+    if not fold:
+        if not (batch == 1 or x.stride(0) == 0):
+            return None
+        return x[0].unflatten(1, (length // block, block)).permute(1, 2, 0, 3)
+    if x.stride(0) != heads * x.stride(1) or x.stride(3) != 1:
+        return None
+    return x.as_strided((length // block, block, batch * heads, dim), (block * x.stride(2), x.stride(2), x.stride(1), 1))
+
+
+def _heads_view(x: torch.Tensor, copy: bool):
+    """``Device.heads_view``: [B, H, ...] as [1, B x H, ...]."""
+    shape = (1, x.shape[0] * x.shape[1], *x.shape[2:])
+    try:
+        return x.view(shape)
+    except RuntimeError:   # strides that do not merge
+        return x.reshape(shape) if copy else None
 
 
 def _tile_tickets(dev):

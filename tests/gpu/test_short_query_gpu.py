@@ -279,3 +279,42 @@ def test_torchs_paged_attention_step_compiled_walks_its_pages(monkeypatch):
             want, _ = reference.forward(q.cpu(), k.cpu(), v.cpu(), spec)
             assert np.abs(out.double().cpu().numpy() - want).max() < TOL, name
         assert walks, f"{name}: the compiled step did not walk its pages"
+
+
+def test_gpt_fast_batched_decoding_folds_into_heads(monkeypatch):
+    """gpt-fast's decoding step with ``FLEXATTN_FOLD_BATCH=1`` (written in session 46 when
+    the device time was spent: run it, then make folding the default): a batched view of a
+    preallocated cache, a causal block mask of batch 1 cut to the current row with its
+    mask_mod moved to the position, a score reading b, h and kv. The walk folds the batch
+    into the heads (pages of B x Hkv heads, q / out / LSE as [1, B x Hq, ...]); the float64
+    reference agrees, eagerly and on the prepared repeat."""
+    from flexattn import mods
+
+    monkeypatch.setenv("FLEXATTN_FOLD_BATCH", "1")
+    torch.manual_seed(53)
+    B, Hq, Hkv, D, capacity, L = 4, 32, 8, 128, 4096, 2048
+    cache_k, cache_v = (torch.randn(B, Hkv, capacity, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = cache_k[:, :, :L], cache_v[:, :, :L]
+    full = fa.create_block_mask(lambda b, h, qi, ki: qi >= ki, 1, 1, L, L)
+    position = 1500
+    offset = torch.tensor(position, device="cuda")
+    step = full[:, :, position // 128]
+    step.mask_mod = mods.mask_mod(lambda b, h, qi, ki: qi + offset >= ki)
+    step.seq_lengths = (1, L)
+
+    def score(s, b, h, qi, ki):
+        return s + 0.02 * (b + 1) * ((ki + h) % 9)
+
+    walks = []
+    real = short_query.attention_plan
+    monkeypatch.setattr(short_query, "attention_plan",
+                        lambda *a: (walks.append(tuple(a[0].shape)), real(*a))[1])
+    host_offset = position
+    spec = AttentionSpec.from_args(score_mod=score, mask=lambda b, h, qi, ki: qi + host_offset >= ki, enable_gqa=True)
+    for _ in range(2):
+        q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+        out, lse = fa.flex_attention(q, k, v, score_mod=score, block_mask=step, enable_gqa=True, return_lse=True)
+        want_o, want_lse = reference.forward(q.cpu(), k.cpu(), v.cpu(), spec)
+        assert np.abs(out.double().cpu().numpy() - want_o).max() < TOL
+        assert np.abs(lse.double().cpu().numpy() - want_lse).max() < 5e-3
+    assert walks and all(shape == (1, B * Hq, 1, D) for shape in walks), walks
