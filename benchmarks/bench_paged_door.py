@@ -18,14 +18,21 @@ sequence's pages, its mask_mod maps physical keys back through the page map). Pa
   sdpa          SDPA over the logical cache [B, Hkv, L, D] (contiguous, enable_gqa): the
                 speed of the same bytes without pages
 
+``--blocks gptfast``: gpt-fast's batched step instead (``gpt_fast_step``: views of a batched
+contiguous cache, a causal block mask of batch 1 cut to the current row); ``flexattn-fold``
+= the door with ``FLEXATTN_FOLD_BATCH=1`` (the batch folded into the heads), and
+``flexattn-decode`` = ``fa.decode`` over a ``KVCache`` of the same views.
+
 TB/s count the K+V bytes a step needs: 2 · B · Hkv · L · D · 2 bytes (median of triton's
 do_bench, L2 flushed). The last column is each output's relative difference from SDPA's.
 
     python3 benchmarks/bench_paged_door.py [--shapes 8x8192 8x32768 1x131072] [--out paged.json]
+    python3 benchmarks/bench_paged_door.py --shapes 8x8192 8x32768 --blocks gptfast
 """
 
 import argparse
 import datetime
+import os
 
 import torch
 
@@ -59,12 +66,35 @@ def paged_step(batch: int, length: int, full_blocks: bool):
     return q, k_cache, v_cache, paged.convert_logical_block_mask(logical), k, v, paged.page_table
 
 
+def gpt_fast_step(batch: int, length: int):
+    """gpt-fast's decoding step: q [B, Hq, 1, D] at position length - 1 against views of a
+    preallocated batched cache [B, Hkv, 2 x length, D], a causal block mask of batch 1 cut to
+    the current row with its mask_mod moved to the position (ours and torch's, built alike)."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    import flexattn.torch as fa
+
+    cache_k, cache_v = (torch.randn(batch, HKV, 2 * length, D, device="cuda", dtype=torch.bfloat16)
+                        for _ in range(2))
+    k, v = cache_k[:, :, :length], cache_v[:, :, :length]
+    offset = torch.tensor(length - 1, device="cuda")
+    masks = []
+    for build in (fa.create_block_mask, torch_create_block_mask):
+        row = build(lambda b, h, qi, ki: qi >= ki, 1, 1, length, length, device="cuda")[:, :, (length - 1) // PAGE]
+        row.mask_mod = lambda b, h, qi, ki: qi + offset >= ki
+        row.seq_lengths = (1, length)
+        masks.append(row)
+    q = torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+    return q, k, v, masks[0], masks[1]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["8x8192", "8x32768", "1x131072"])
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--blocks", nargs="+", default=["partial", "full"],
-                    help="how the logical mask lists its blocks (see paged_step)")
+                    help="how the logical mask lists its blocks (see paged_step); gptfast: gpt-fast's batched "
+                         "step instead (gpt_fast_step), with a flexattn-fold column (FLEXATTN_FOLD_BATCH=1)")
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -74,13 +104,20 @@ def main():
 
     compiled_flex = torch.compile(torch_flex)
     real_walk = short_query.list_walk_route, short_query.prepared_list_walk
+    fold_default = os.environ.get("FLEXATTN_FOLD_BATCH", "0")
     rows = []
     for spec, blocks in [(s, b) for s in args.shapes for b in args.blocks]:
         batch, length = (int(x) for x in spec.split("x"))
-        q, k_cache, v_cache, block_mask, k, v, page_table = paged_step(batch, length, blocks == "full")
-        pages = [fa._page_view(x, PAGE) for x in (k_cache, v_cache)]
-        cache = fa.PagedKVCache(*pages, page_table[:, :length // PAGE].to(torch.int32).contiguous(),
-                                torch.full((batch,), length, dtype=torch.int32))
+        if blocks == "gptfast":
+            q, k, v, block_mask, torch_mask = gpt_fast_step(batch, length)
+            k_cache, v_cache = k, v
+            cache = fa.KVCache(k, v, torch.full((batch,), length, dtype=torch.int32))
+        else:
+            q, k_cache, v_cache, block_mask, k, v, page_table = paged_step(batch, length, blocks == "full")
+            torch_mask = block_mask
+            pages = [fa._page_view(x, PAGE) for x in (k_cache, v_cache)]
+            cache = fa.PagedKVCache(*pages, page_table[:, :length // PAGE].to(torch.int32).contiguous(),
+                                    torch.full((batch,), length, dtype=torch.int32))
         nbytes = 2 * batch * HKV * length * D * 2
         sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         impls = {
@@ -89,13 +126,16 @@ def main():
             "flexattn-decode": lambda: fa.decode(q, cache),
             "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
         }
+        if blocks == "gptfast":
+            impls["flexattn-fold"] = impls["flexattn"]
         if not args.no_flex:
-            impls["flex"] = lambda: compiled_flex(q, k_cache, v_cache, block_mask=block_mask, enable_gqa=True)
+            impls["flex"] = lambda: compiled_flex(q, k_cache, v_cache, block_mask=torch_mask, enable_gqa=True)
         row = {"shape": spec, "blocks": blocks, "tbps": {}, "us": {}, "diff": {}}
         for name, fn in impls.items():
             fa._PREPARED.clear()     # the door's prepared calls: made afresh under each column's route
             if name == "flexattn-fwd":
                 short_query.list_walk_route = short_query.prepared_list_walk = lambda *a, **kw: None
+            os.environ["FLEXATTN_FOLD_BATCH"] = "1" if name == "flexattn-fold" else fold_default
             try:
                 row["diff"][name] = rel_diff(fn(), sdpa)
                 ms = bench_ms(fn)
@@ -107,7 +147,9 @@ def main():
             row["us"][name], row["tbps"][name] = ms * 1e3, nbytes / ms / 1e9
         rows.append(row)
 
-    names = ["flexattn", "flexattn-fwd", "flexattn-decode", "sdpa"] + ([] if args.no_flex else ["flex"])
+    os.environ["FLEXATTN_FOLD_BATCH"] = fold_default
+    names = (["flexattn", "flexattn-fwd"] + (["flexattn-fold"] if "gptfast" in args.blocks else [])
+             + ["flexattn-decode", "sdpa"] + ([] if args.no_flex else ["flex"]))
     md = (f"{device_name()}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC: torch PagedAttention"
           f" step, Hq {HQ} Hkv {HKV} D {D} bf16, pages of {PAGE}; TB/s (µs)\n\n"
           "| B x L | blocks | " + " | ".join(names) + " | flexattn / flex | flexattn / sdpa | rel diff vs sdpa |\n"
