@@ -1164,15 +1164,43 @@ def test_decode_steps_with_mod_values_compile_and_follow_the_lengths(backend):
                        for n in gm.graph.nodes), kw
 
 
+_PAGED_BIAS = torch.rand(2 * H, dtype=torch.float64)
+
+
+def _paged_score(s, b, h, q_idx, kv_idx):     # a function made outside, over a global tensor
+    return s + _PAGED_BIAS[h] * (kv_idx % 3)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_paged_decode_steps_compile_and_follow_the_lengths(backend):
+    """``fa.decode`` over a PagedKVCache in a compiled step (``flexattn::decode_paged``: the
+    eager step over the graph's pages, table and lengths): mod values, or a function made
+    outside over a tensor updated in place; the eager step's output and LSE while the
+    lengths grow, one graph per query length."""
+    g = torch.Generator().manual_seed(24)
+    for kw in ({"score_mod": mods.alibi(_DECODE_SLOPES), "mask": mods.sliding_window(12)},
+               {"score_mod": _paged_score}, {}):
+        torch._dynamo.reset()
+        cache = _paged(_decode_cache([40, 25]))
+
+        def step(q, cache):
+            return fa.decode(q, cache, return_lse=True, **kw)
+
+        counter = CompileCounterWithBackend(backend)
+        _decode_steps_match_eager(step, counter, cache, g, between=lambda: _PAGED_BIAS.mul_(1.2))
+        assert counter.frame_count == 2, kw
+
+
 @pytest.mark.parametrize("make,kw,words", [
     (lambda c: c, {"score_mod": lambda s, b, h, q, kv: s, "mask": mods.sliding_window(8)}, "not one of each"),
-    (_paged, {}, "contiguous KVCache"),
-], ids=["mod_value_beside_a_function", "paged"])
+    (_paged, {"score_mod": None}, "inference only"),
+], ids=["mod_value_beside_a_function", "paged_training"])
 def test_decode_under_compile_refuses_clearly(make, kw, words):
-    """What a compiled decode step does not take (a mod value beside a function, a paged
-    cache) is a clear error naming the way out, not dynamo's failure on the host-side checks."""
+    """What a compiled decode step does not take (a mod value beside a function; a paged
+    step that autograd would record) is a clear error naming the way out, not dynamo's
+    failure on the host-side checks."""
     cache = make(_decode_cache([40, 25]))
-    q = torch.randn(2, 2 * H, 1, D, dtype=torch.float64)
+    q = torch.randn(2, 2 * H, 1, D, dtype=torch.float64, requires_grad=make is _paged)
     with pytest.raises(Exception, match=words):
         torch.compile(lambda q, c: fa.decode(q, c, **kw), backend="aot_eager", fullgraph=True)(q, cache)
 

@@ -544,10 +544,10 @@ def _decode_in_graph(query, cache, score_mod, mask, scale, return_lse):
     (its constructor checks the lengths on the host); mods as torch-style functions, or as
     mod values (``_decode_mods_in_graph``), not one of each. The lengths are not checked
     here (the debug mode checks the mods' reads)."""
+    if isinstance(cache, PagedKVCache):
+        return _decode_paged_in_graph(query, cache, score_mod, mask, scale, return_lse)
     if not isinstance(cache, KVCache):
-        raise TypeError(f"decode under torch.compile takes a contiguous KVCache, not {type(cache).__name__}: a paged "
-                        "cache's pages are read in place by the eager step (call decode outside the compiled code, "
-                        "e.g. under torch.compiler.disable)")
+        raise TypeError(f"decode under torch.compile takes a KVCache or PagedKVCache, not {type(cache).__name__}")
     lengths = cache.lengths
     if not isinstance(lengths, torch.Tensor):
         raise TypeError("decode under torch.compile needs the cache's lengths as a torch tensor (the graph reads "
@@ -574,6 +574,53 @@ def _decode_in_graph(query, cache, score_mod, mask, scale, return_lse):
 
     return flex_attention(query, cache.k, cache.v, score_mod=None if score_mod is None else step_score,
                           mask=step_mask, scale=scale, enable_gqa=True, return_lse=return_lse)
+
+
+def _decode_paged_in_graph(query, cache, score_mod, mask, scale, return_lse):
+    """``_decode_in_graph`` for a ``PagedKVCache``: one op (``flexattn::decode_paged``) whose
+    call is the eager step over the graph's pages, page table and lengths (read on the
+    host per step, as the eager step reads them; new values never recompile). Its mods are
+    made outside the compiled code (mod values, or functions whose tensors become graph
+    inputs, as ``flex_attention``'s); inference only."""
+    for name, fn in (("score_mod", score_mod), ("mask", mask)):
+        if captures_graph_values(fn):
+            raise TypeError(f"decode under torch.compile with a PagedKVCache takes a {name}= made outside the"
+                            " compiled code (a mod value, or a function over tensors made there): this one is"
+                            " defined inside it over tensors")
+    for name in ("page_table", "lengths"):
+        if not isinstance(getattr(cache, name), torch.Tensor):
+            raise TypeError(f"decode under torch.compile needs the PagedKVCache's {name} as a torch tensor (the graph"
+                            f" reads it per step), got {type(getattr(cache, name)).__name__}")
+    buffers, spec_id = _compiled_op_inputs((score_mod, None, scale, True, mask, None))
+    if _records_grad(query, cache.k_pages, cache.v_pages, *buffers):
+        raise TypeError("decode under torch.compile with a PagedKVCache is inference only: call it under"
+                        " torch.no_grad() (or detach the query and cache)")
+    out, lse = torch.ops.flexattn.decode_paged(query, cache.k_pages, cache.v_pages, cache.page_table, cache.lengths,
+                                               buffers, spec_id)
+    return (out, lse) if return_lse else out
+
+
+def _decode_paged_impl(query, k_pages, v_pages, page_table, lengths, buffers, spec_id):
+    """``flexattn::decode_paged``: the eager step (``decode``) over these pages with the
+    registered mods bound to this call's buffers (kept per buffer objects, so that repeated
+    steps find the same mod objects and the eager step's prepared plan)."""
+    key = (spec_id, tuple(id(b) for b in buffers))
+    hit = _PAGED_BINDINGS.get(key)
+    if hit is None:
+        hit = (_REGISTRY.bind_operands(spec_id, buffers), tuple(buffers))   # (the buffers kept: their ids stay)
+        _keep_bounded(_PAGED_BINDINGS, key, hit, 16)
+    spec = hit[0]
+    cache = PagedKVCache(k_pages, v_pages, page_table, lengths)
+    return decode(query, cache, score_mod=spec.score, mask=spec.mask, scale=spec.scale, return_lse=True)
+
+
+def _decode_paged_fake(query, k_pages, v_pages, page_table, lengths, buffers, spec_id):
+    batch, heads, q_len, _ = query.shape
+    out = query.new_empty(batch, heads, q_len, v_pages.shape[-1])
+    return out, query.new_empty(batch, heads, q_len, dtype=getattr(torch, lse_dtype(query)))
+
+
+_PAGED_BINDINGS: dict = {}   # (spec id, buffer ids) -> (bound spec, buffers): decode_paged's calls
 
 
 def _decode_mods_in_graph(query, cache, score_mod, mask, scale, return_lse):
@@ -1086,6 +1133,11 @@ _INFERENCE_OPS.define("attention_fwd_inference(Tensor query, Tensor key, Tensor 
                       " Tensor?[] lists, int[]? layout) -> (Tensor, Tensor)")
 _INFERENCE_OPS.impl("attention_fwd_inference", _attention_fwd_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("flexattn::attention_fwd_inference", _attention_fwd_fake, lib=_INFERENCE_OPS)
+# A compiled decode step over a PagedKVCache (``_decode_paged_in_graph``): inference only.
+_INFERENCE_OPS.define("decode_paged(Tensor query, Tensor k_pages, Tensor v_pages, Tensor page_table, Tensor lengths,"
+                      " Tensor[] buffers, int spec_id) -> (Tensor, Tensor)")
+_INFERENCE_OPS.impl("decode_paged", _decode_paged_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("flexattn::decode_paged", _decode_paged_fake, lib=_INFERENCE_OPS)
 
 
 def _op_key(spec_id: int, q, k, v) -> tuple:

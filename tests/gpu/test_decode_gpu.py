@@ -635,3 +635,28 @@ def test_steps_from_threads(streams):
             want, want_lse = _alibi_causal_ref(q, k, v, lengths)
             torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
             torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+
+
+def test_paged_decode_steps_under_compile():
+    """``fa.decode`` over a PagedKVCache (pages of 64, shuffled) in a compiled step
+    (``flexattn::decode_paged``, written in session 46 when the device time was spent: run
+    it): mod values, the lengths growing in place; each step equals the eager step, which
+    the decode kernel runs (both read the same pages in place)."""
+    torch.manual_seed(61)
+    B, Hq, Hkv, D, page, pages_per_seq = 2, 16, 4, 128, 64, 32
+    n_pages = B * pages_per_seq
+    k_pages, v_pages = (torch.randn(n_pages, page, Hkv, D, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    table = torch.randperm(n_pages, device=DEV).view(B, pages_per_seq).to(torch.int32)
+    cache = fa.PagedKVCache(k_pages, v_pages, table, torch.tensor([700, 1500], device=DEV, dtype=torch.int32))
+    score, window = mods.alibi(torch.rand(Hq, device=DEV) * 0.01), mods.sliding_window(1023)
+
+    def step(q, cache):
+        return fa.decode(q, cache, score_mod=score, mask=window, return_lse=True)
+
+    compiled = torch.compile(step, fullgraph=True)
+    for _ in range(3):
+        q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
+        (out, lse), (want, want_lse) = compiled(q, cache), step(q, cache)
+        torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+        cache.lengths += 33
