@@ -149,6 +149,10 @@ def test_listed_kv_blocks_of_a_shared_cache_walk_as_pages(full_blocks):
             p = np.where(keep, np.exp(s - s[keep].max()), 0.0)
             np.testing.assert_allclose(p @ vb[:, h // (Hq // 2)] / p.sum(), want[b, h, 0], rtol=1e-10, atol=1e-12)
 
+    # a sequence that lists no block sees no key: the forward kernel's zeros and -inf LSE
+    empty = _torch_paged_step(lengths=(40, 0, 17), full_blocks=full_blocks)[3]
+    assert list_walk_route(shape, AttentionSpec.from_args(block_mask=as_block_mask(empty), enable_gqa=True),
+                           "bfloat16", k, v, device) is None
     per_head = _torch_paged_step(heads=2)[3]
     assert list_walk_route(shape, AttentionSpec.from_args(block_mask=as_block_mask(per_head), enable_gqa=True),
                            "bfloat16", k, v, device) is not None   # heads that agree still walk
