@@ -131,6 +131,14 @@ def test_listed_kv_blocks_of_a_shared_cache_walk_as_pages(full_blocks):
     assert tuple(k_pages.shape) == (20, 16, 2, D)
     again = list_walk_route(shape, spec, "bfloat16", k, v, device)[0]
     assert again is walk                         # made once: a repeated call finds its plan
+    # a block mask converted anew (a serving loop's next step): the same rewritten IR, with
+    # the new mask's page map and table put in
+    q2, k2, v2, physical2 = _torch_paged_step(full_blocks=full_blocks)
+    spec2 = AttentionSpec.from_args(score_mod=spec.score, block_mask=as_block_mask(physical2), enable_gqa=True)
+    walk2 = list_walk_route(shape, spec2, "bfloat16", k2, v2, device)[0]
+    assert walk2.mods.mask.expr is walk.mods.mask.expr
+    assert {id(c) for c in walk2.mods.mask.captures} >= {id(c) for c in spec2.block_mask.mask_mod.captures}
+    assert any(c is walk2.table for c in walk2.mods.mask.captures)
 
     want, _ = reference.forward(q, k, v, spec)
     for b in range(B):

@@ -30,6 +30,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..mods.positions import batch_in_heads, block_table_keys
 from ..problem.spec import AttentionSpec
 from ..problem.validate import AttentionShape
@@ -130,11 +132,9 @@ def _walk(shape: AttentionShape, spec: AttentionSpec, folded: bool = False) -> L
     if hit is None:
         block = int(block_mask.BLOCK_SIZE[1])
         table, counts, full_but_last = block_mask.kv_block_table(1 if folded else shape.batch)
-        # Folded: the mods see (b, h) of the folded head first, then the keys through the
-        # table, whose one row the kernel's b (always 0 then) reads.
-        fold = (lambda mod: batch_in_heads(mod, shape.q_heads)) if folded else (lambda mod: mod)
-        mods = DecodeMods(None if score is None else block_table_keys(fold(score), table, block),
-                          block_table_keys(fold(block_mask.mask_mod), table, block), scale, true_positions=False,
+        heads = shape.q_heads if folded else None
+        mods = DecodeMods(None if score is None else _through_table(score, table, block, heads),
+                          _through_table(block_mask.mask_mod, table, block, heads), scale, true_positions=False,
                           full_but_last=full_but_last)
         if len(walks) >= _WALKS_PER_MASK:
             walks.pop(next(iter(walks)))
@@ -159,6 +159,31 @@ def _pages(spec: AttentionSpec, k, v, device):
     if k_pages is None or v_pages is None:
         return None
     return True, k_pages, v_pages
+
+
+_TABLE_REWRITES: dict = {}   # (mod structure, block, heads) -> (rewrite, origin of each capture)
+_TABLE_REWRITES_CAPACITY = 64
+
+
+def _through_table(mod, table, block: int, heads: int | None):
+    """``block_table_keys(mod, table, block)`` (with ``heads``, of the mod folded first:
+    ``batch_in_heads``; the table's one row then read at the kernel's b, always 0), traced
+    once per mod structure: a block mask converted anew each step (torch's PagedAttention
+    in a serving loop: a fresh mask_mod closure, traced anew, same structure) reuses the
+    rewrite with this mod's captures and this table put in — the same IR, so the decode
+    kernel's config is found again (tracing the rewrite cost ~0.5 ms)."""
+    key = (mod.structure_key, block, heads)
+    hit = _TABLE_REWRITES.get(key)
+    if hit is None:
+        stand_in = np.zeros((1, 1), np.int32)
+        template = block_table_keys(batch_in_heads(mod, heads) if heads else mod, stand_in, block)
+        slots = {id(c): i for i, c in enumerate(mod.captures)}
+        origins = tuple(None if c is stand_in else slots[id(c)] for c in template.captures)
+        if len(_TABLE_REWRITES) >= _TABLE_REWRITES_CAPACITY:
+            _TABLE_REWRITES.pop(next(iter(_TABLE_REWRITES)))
+        hit = _TABLE_REWRITES[key] = (template, origins)
+    template, origins = hit
+    return template.with_captures(tuple(table if o is None else mod.captures[o] for o in origins))
 
 
 def list_walk_route(shape: AttentionShape, spec: AttentionSpec, q_dtype: str, k, v, device) -> tuple | None:
