@@ -749,7 +749,7 @@ def _check_step(q, k, v, table, page_size: int, out, lse) -> None:
         raise ValueError(f"out/lse must be [B, Hq, q_len, D] / [B, Hq, q_len], got {tuple(out.shape)} / {tuple(lse.shape)}")
 
 
-def _mod_key(mod):
+def mod_key(mod):
     """A mod's part of a plan key: its IR's identity and its captures (numbers by value,
     arrays by identity). The trace cache hands out a new mod object per call for one
     function, so mod objects do not key plans here; the plan holds the IR and the
@@ -768,7 +768,7 @@ def attention_plan(q, k, v, out, lse, site: DecodeSite, mods: DecodeMods, table=
     (views welcome) — queries at the positions ``mods.true_positions`` says; ``mods``
     holds ``Mod`` values. Kept per call shape like a decoding step's (bounded; an entry
     holds its captured arrays until it is evicted)."""
-    key = ("attention", _mod_key(mods.score_mod), _mod_key(mods.mask), mods.scale, mods.true_positions,
+    key = ("attention", mod_key(mods.score_mod), mod_key(mods.mask), mods.scale, mods.true_positions,
            mods.full_but_last,
            id(site.workspace), site.device.stream, tuple(q.shape), dtype_name(q), _array_key(k), _array_key(v),
            _array_key(out), _array_key(lse), _array_key(table), page_size)

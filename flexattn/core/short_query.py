@@ -36,7 +36,7 @@ from ..mods.positions import batch_in_heads, block_table_keys
 from ..problem.spec import AttentionSpec
 from ..problem.validate import AttentionShape
 from .kernel_path import DECODE_HEAD_DIMS, KERNEL_DTYPES
-from .decode_path import DECODE_MAX_Q_LEN, PAGE_TILE, DecodeMods, DecodeSite, attention_into, attention_plan
+from .decode_path import DECODE_MAX_Q_LEN, PAGE_TILE, DecodeMods, DecodeSite, attention_into, attention_plan, mod_key
 
 # Query tokens up to which the decode kernel serves a forward call. Measured on the H100
 # (bench_decode.py --flex, 2026-11-26): see benchmarks/RESULTS.md, "Decode".
@@ -44,15 +44,18 @@ SHORT_QUERY_MAX = DECODE_MAX_Q_LEN
 _MAX_GROUP_ROWS = 128   # two consumer warpgroups of 64 packed rows
 
 
+def _decode_kernel_takes(shape: AttentionShape, q_dtype: str) -> bool:
+    """Whether the decode kernel takes a forward call of this shape and dtype (float32 among
+    others is not: the decode kernel is 16-bit), whatever its mask."""
+    return (q_dtype in KERNEL_DTYPES and shape.q_len <= SHORT_QUERY_MAX and shape.kv_len >= shape.q_len
+            and shape.group * shape.q_len <= _MAX_GROUP_ROWS and shape.v_head_dim == shape.head_dim
+            and shape.head_dim in DECODE_HEAD_DIMS)
+
+
 def decode_route(shape: AttentionShape, spec: AttentionSpec, q_dtype: str) -> DecodeMods | None:
     """The decode kernel's mods for this forward call (``q_dtype``: the query's dtype name),
-    or None where the forward kernel runs it (float32 among others: the decode kernel is
-    16-bit)."""
-    if q_dtype not in KERNEL_DTYPES:
-        return None
-    if shape.q_len > SHORT_QUERY_MAX or shape.kv_len < shape.q_len or shape.group * shape.q_len > _MAX_GROUP_ROWS:
-        return None
-    if shape.v_head_dim != shape.head_dim or shape.head_dim not in DECODE_HEAD_DIMS:
+    or None where the forward kernel runs it."""
+    if not _decode_kernel_takes(shape, q_dtype):
         return None
     mask = spec.mask
     block_mask = spec.block_mask
@@ -73,9 +76,9 @@ class ListWalk:
     cache (``table``: host int32 [B, blocks], read-only, full blocks first; ``lengths``:
     listed blocks x ``block`` per sequence), its mods rewritten to see each key at its
     position in K (``mods.positions.block_table_keys``); where each sequence lists at most
-    one partial block (a length's last page), the kernel evaluates the mask in the
-    length-bound block alone (``DecodeMods.full_but_last``). Made once per block mask, batch and score mod
-    (``_walk``): repeated calls find the same mods, hence the same decode plan."""
+    one partial block (a length's last page), the kernel evaluates the mask on the tiles
+    over that page alone (``DecodeMods.full_but_last``). Made once per block mask, batch
+    and score mod (``_walk``): repeated calls find the same mods, hence the same decode plan."""
 
     mods: DecodeMods
     table: object
@@ -97,9 +100,8 @@ def list_walk_possible(shape: AttentionShape, spec: AttentionSpec, q_dtype: str,
     """The shape, mask and adapter side of ``list_walk_route`` (the K / V side: their page
     views)."""
     block_mask = spec.block_mask
-    if (device.page_view is None or block_mask is None or block_mask.from_mask or q_dtype not in KERNEL_DTYPES
-            or shape.q_len > SHORT_QUERY_MAX or shape.group * shape.q_len > _MAX_GROUP_ROWS
-            or shape.v_head_dim != shape.head_dim or shape.head_dim not in DECODE_HEAD_DIMS):
+    if (device.page_view is None or block_mask is None or block_mask.from_mask
+            or not _decode_kernel_takes(shape, q_dtype)):
         return False
     q_block, kv_block = block_mask.BLOCK_SIZE
     if shape.q_len > q_block or shape.kv_len % kv_block:
@@ -125,8 +127,7 @@ def _walk(shape: AttentionShape, spec: AttentionSpec, folded: bool = False) -> L
     block_mask = spec.block_mask
     score = spec.score
     scale = spec.resolved_scale(shape.head_dim)
-    key = (shape.batch, shape.q_heads, folded, scale, None if score is None else
-           (id(score.expr), tuple(c if isinstance(c, (int, float)) else id(c) for c in score.captures)))
+    key = (shape.batch, shape.q_heads, folded, scale, mod_key(score))
     walks = block_mask.__dict__.setdefault("_list_walks", {})
     hit = walks.get(key)
     if hit is None:
@@ -210,14 +211,20 @@ def _folded(walk: ListWalk, q, out, lse, device) -> tuple:
     return views
 
 
+def _walk_plan(walk: ListWalk, q, k_pages, v_pages, out, lse, device) -> tuple:
+    """``(decode plan, table on the device, SM count)`` of a walk over these arrays (q, out
+    and LSE as ``_folded`` gives them)."""
+    site = _site(device)
+    table = device.to_device(walk.table)
+    return attention_plan(q, k_pages, v_pages, out, lse, site, walk.mods, table, walk.block), table, site.num_sms
+
+
 def list_walk_into(q, out, lse, route: tuple, device) -> None:
     """Run a ``list_walk_route`` call with the decode kernel on ``device``'s stream."""
     walk, k_pages, v_pages = route
     q, out, lse = _folded(walk, q, out, lse, device)
-    site = _site(device)
-    table = device.to_device(walk.table)
-    plan = attention_plan(q, k_pages, v_pages, out, lse, site, walk.mods, table, walk.block)
-    plan.run(q, k_pages, v_pages, table, out, lse, walk.lengths, site.num_sms)
+    plan, table, num_sms = _walk_plan(walk, q, k_pages, v_pages, out, lse, device)
+    plan.run(q, k_pages, v_pages, table, out, lse, walk.lengths, num_sms)
 
 
 class PreparedListWalk:
@@ -242,10 +249,7 @@ class PreparedListWalk:
         walk = ready[0] if ready is not None else _walk(self._shape, self._spec, folded)
         q, out, lse = _folded(walk, q, out, lse, device)
         if ready is None:
-            site = _site(device)
-            table = device.to_device(walk.table)
-            plan = attention_plan(q, k_pages, v_pages, out, lse, site, walk.mods, table, walk.block)
-            ready = self._ready[folded] = (walk, plan, table, site.num_sms)
+            ready = self._ready[folded] = (walk, *_walk_plan(walk, q, k_pages, v_pages, out, lse, device))
         _, plan, table, num_sms = ready
         plan.run(q, k_pages, v_pages, table, out, lse, walk.lengths, num_sms)
         return True

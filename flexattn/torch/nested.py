@@ -169,16 +169,23 @@ def flex_attention_route(query, key, value, score_fn, mask_fn, base_id: int, sca
     marked for ``rewrite_marked_calls``. ``scale``: the call's, resolved (our op reads the
     registered spec's; torch's own implementation, under another backend, this one).
     ``want_max``: (out, lse, max_scores)."""
-    from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
-
     _install_pass()
     lists = block_mask is not None
     if block_mask is None:
         block_mask = _one_block_mask(query, key, mask_fn)
     options = {MARKER: base_id, SCORE_KEY: score_fn is not None, MASK_KEY: lists or mask_fn is not None,
-               LISTS_KEY: lists, MAX_KEY: want_max, "OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": want_max}
-    result = flex_hop(query, key, value, _keep_score if score_fn is None else score_fn, block_mask.as_tuple(),
-                      scale, options)
+               LISTS_KEY: lists, MAX_KEY: want_max}
+    return _hop(query, key, value, score_fn, block_mask, scale, options, want_max)
+
+
+def _hop(query, key, value, score_fn, block_mask, scale: float, options: dict, want_max: bool) -> tuple:
+    """torch's flex HOP over a torch ``block_mask`` (``score_fn`` None: the identity), its
+    LSE (and with ``want_max`` its row maxima) asked for: (out, lse[, max_scores]), as the
+    HOP returns them (torch's kernels: statistics in base 2)."""
+    from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
+
+    result = flex_hop(query, key, value, _keep_score if score_fn is None else score_fn, block_mask.as_tuple(), scale,
+                      {**options, "OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": want_max})
     if want_max:
         if len(result) < 3:
             raise ValueError("under torch.compile, return_aux=AuxRequest(max_scores=True) with a mod defined inside"
@@ -209,22 +216,15 @@ def torch_flex_call(query, key, value, score_fn, mask_fn, block_mask, scale, ena
     (The HOP itself, not torch's ``flex_attention``, which refuses gradients on the CPU
     where the HOP under ``aot_eager`` gives them.) ``mask_fn``: the call's ``mask=``
     function (a one-block torch mask carries it); ``scale``: None for 1/sqrt(D)."""
-    from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
-
     if query.shape[-3] != key.shape[-3] and not enable_gqa:
         raise ValueError(f"query has {query.shape[-3]} heads, key and value {key.shape[-3]}: pass enable_gqa=True"
                          " for grouped-query attention")
     if block_mask is None:
         block_mask = _one_block_mask(query, key, mask_fn)
-    result = flex_hop(query, key, value, _keep_score if score_fn is None else score_fn, block_mask.as_tuple(),
-                      query.shape[-1] ** -0.5 if scale is None else scale,
-                      {"OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": want_max})
-    if want_max and len(result) < 3:
-        raise ValueError("under torch.compile, return_aux=AuxRequest(max_scores=True) with a mod defined inside the"
-                         " compiled code needs a torch whose flex_attention returns max scores")
+    out, *stats = _hop(query, key, value, score_fn, block_mask, query.shape[-1] ** -0.5 if scale is None else scale,
+                       {}, want_max)
     # torch's kernels (but its FLASH backend, not chosen here) keep the statistics in base 2
-    ln2 = math.log(2.0)
-    return (result[0], result[1] * ln2, result[2] * ln2) if want_max else (result[0], result[1] * ln2)
+    return (out, *(x * math.log(2.0) for x in stats))
 
 
 class _RewriteMarkedCalls:

@@ -657,10 +657,10 @@ class DecodeSm90(WarpSpecialized):
         pipe_k.consumer_release(kv_state)
 
         mods = self.mods
-        masked = mods.has_mask and masked
-        if const_expr(mods.has_score or masked or kv_bound):
+        apply_mask = mods.has_mask and masked
+        if const_expr(mods.has_score or apply_mask or kv_bound):
             apply_packed_mods(mma.acc_mn_view(acc_S), coords, row_head, row_q, row_values, mods, batch,
-                              n_block, seqlen, softmax_scale, mod_args, kv_bound, masked)
+                              n_block, seqlen, softmax_scale, mod_args, kv_bound, apply_mask)
         row_scale = softmax.step(acc_S, is_first=False)
         rescale_rows(acc_O, row_scale)
         tOrP.store(mma.acc_as_a_view(acc_S).load().to(self.dtype))
