@@ -19,9 +19,9 @@ sequence's pages, its mask_mod maps physical keys back through the page map). Pa
                 speed of the same bytes without pages
 
 ``--blocks gptfast``: gpt-fast's batched step instead (``gpt_fast_step``: views of a batched
-contiguous cache, a causal block mask of batch 1 cut to the current row); ``flexattn-fold``
-= the door with ``FLEXATTN_FOLD_BATCH=1`` (the batch folded into the heads), and
-``flexattn-decode`` = ``fa.decode`` over a ``KVCache`` of the same views.
+contiguous cache, a causal block mask of batch 1 cut to the current row; the door's walk
+folds the batch into the heads), and ``flexattn-decode`` = ``fa.decode`` over a ``KVCache``
+of the same views.
 
 TB/s count the K+V bytes a step needs: 2 · B · Hkv · L · D · 2 bytes (median of triton's
 do_bench, L2 flushed). The last column is each output's relative difference from SDPA's.
@@ -32,7 +32,6 @@ do_bench, L2 flushed). The last column is each output's relative difference from
 
 import argparse
 import datetime
-import os
 
 import torch
 
@@ -94,7 +93,7 @@ def main():
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--blocks", nargs="+", default=["partial", "full"],
                     help="how the logical mask lists its blocks (see paged_step); gptfast: gpt-fast's batched "
-                         "step instead (gpt_fast_step), with a flexattn-fold column (FLEXATTN_FOLD_BATCH=1)")
+                         "step instead (gpt_fast_step)")
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -104,7 +103,6 @@ def main():
 
     compiled_flex = torch.compile(torch_flex)
     real_walk = short_query.list_walk_route, short_query.prepared_list_walk
-    fold_default = os.environ.get("FLEXATTN_FOLD_BATCH", "0")
     rows = []
     for spec, blocks in [(s, b) for s in args.shapes for b in args.blocks]:
         batch, length = (int(x) for x in spec.split("x"))
@@ -126,8 +124,6 @@ def main():
             "flexattn-decode": lambda: fa.decode(q, cache),
             "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
         }
-        if blocks == "gptfast":
-            impls["flexattn-fold"] = impls["flexattn"]
         if not args.no_flex:
             impls["flex"] = lambda: compiled_flex(q, k_cache, v_cache, block_mask=torch_mask, enable_gqa=True)
         row = {"shape": spec, "blocks": blocks, "tbps": {}, "us": {}, "diff": {}}
@@ -135,7 +131,6 @@ def main():
             fa._PREPARED.clear()     # the door's prepared calls: made afresh under each column's route
             if name == "flexattn-fwd":
                 short_query.list_walk_route = short_query.prepared_list_walk = lambda *a, **kw: None
-            os.environ["FLEXATTN_FOLD_BATCH"] = "1" if name == "flexattn-fold" else fold_default
             try:
                 row["diff"][name] = rel_diff(fn(), sdpa)
                 ms = bench_ms(fn)
@@ -147,9 +142,7 @@ def main():
             row["us"][name], row["tbps"][name] = ms * 1e3, nbytes / ms / 1e9
         rows.append(row)
 
-    os.environ["FLEXATTN_FOLD_BATCH"] = fold_default
-    names = (["flexattn", "flexattn-fwd"] + (["flexattn-fold"] if "gptfast" in args.blocks else [])
-             + ["flexattn-decode", "sdpa"] + ([] if args.no_flex else ["flex"]))
+    names = ["flexattn", "flexattn-fwd", "flexattn-decode", "sdpa"] + ([] if args.no_flex else ["flex"])
     md = (f"{device_name()}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC: torch PagedAttention"
           f" step, Hq {HQ} Hkv {HKV} D {D} bf16, pages of {PAGE}; TB/s (µs)\n\n"
           "| B x L | blocks | " + " | ".join(names) + " | flexattn / flex | flexattn / sdpa | rel diff vs sdpa |\n"

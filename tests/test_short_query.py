@@ -1,6 +1,8 @@
 """Short queries take the decode kernel (flexattn/core/short_query.py): which forward calls
 are routed there, with which mods, and that the route keeps flex_attention's positions."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -170,13 +172,13 @@ def test_listed_kv_blocks_of_a_shared_cache_walk_as_pages(full_blocks):
     assert list_walk_route(shape, spec, "float32", k, v, device) is None
 
 
-def test_batched_caches_fold_into_heads_for_a_shared_block_mask(monkeypatch):
+def test_batched_caches_fold_into_heads_for_a_shared_block_mask():
     """gpt-fast's decoding step: a batched contiguous cache (a view of a longer one), a
-    block mask of batch 1 cut to one row with its mask_mod replaced. With
-    ``FLEXATTN_FOLD_BATCH=1`` the walk folds the batch into the heads: q / out / LSE as
-    [1, B x Hq, ...], K / V as pages of B x Hkv heads, one table row, the mods seeing each
-    folded head's (b, h). Emulated on the host against the reference; without the flag the
-    forward kernel keeps it."""
+    block mask of batch 1 cut to one row with its mask_mod replaced. The walk folds the
+    batch into the heads: q / out / LSE as [1, B x Hq, ...], K / V as pages of B x Hkv
+    heads, one table row, the mods seeing each folded head's (b, h). Emulated on the host
+    against the reference; a block mask with a batch of its own (the lists may differ per
+    sequence) and an adapter without head views keep the forward kernel."""
     torch = pytest.importorskip("torch")
     import flexattn.torch as fa
     from flexattn import reference
@@ -199,9 +201,12 @@ def test_batched_caches_fold_into_heads_for_a_shared_block_mask(monkeypatch):
     shape = AttentionShape(B, Hq, Hkv, 1, S, D, D)
     device = kernel_path.Device(0, lambda x: x, decode_resources=lambda: (132, None), page_view=fa._page_view,
                                 heads_view=fa._heads_view)
-    monkeypatch.delenv("FLEXATTN_FOLD_BATCH", raising=False)
-    assert list_walk_route(shape, spec, "bfloat16", k, v, device) is None
-    monkeypatch.setenv("FLEXATTN_FOLD_BATCH", "1")
+    no_heads = dataclasses.replace(device, heads_view=None)
+    assert list_walk_route(shape, spec, "bfloat16", k, v, no_heads) is None
+    batched = fa.create_block_mask(lambda b, h, qi, ki: qi >= ki, B, 1, S, S, BLOCK_SIZE=block)[:, :, 90 // block]
+    batched.seq_lengths = (1, S)
+    per_sequence = AttentionSpec.from_args(score_mod=score, block_mask=batched, enable_gqa=True)
+    assert list_walk_route(shape, per_sequence, "bfloat16", k, v, device) is None
     walk, k_pages, v_pages = list_walk_route(shape, spec, "bfloat16", k, v, device)
     assert walk.folded and walk.mods.full_but_last and walk.table.shape[0] == 1 and tuple(k_pages.shape) == (S // block, block, B * Hkv, D)
     q_folded = fa._heads_view(q, True)

@@ -27,7 +27,6 @@ runs unchanged.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,13 +88,6 @@ class ListWalk:
     folded: bool = False
 
 
-def fold_batch_enabled() -> bool:
-    """Whether a walk may fold a batched K / V into heads (``FLEXATTN_FOLD_BATCH=1``). Off
-    by default until its GPU test has run (written in session 46, when the device time was
-    spent); the CPU emulation of the walk covers its host side."""
-    return os.environ.get("FLEXATTN_FOLD_BATCH", "0") == "1"
-
-
 def list_walk_possible(shape: AttentionShape, spec: AttentionSpec, q_dtype: str, device) -> bool:
     """The shape, mask and adapter side of ``list_walk_route`` (the K / V side: their page
     views)."""
@@ -154,7 +146,7 @@ def _pages(spec: AttentionSpec, k, v, device):
     k_pages, v_pages = device.page_view(k, block), device.page_view(v, block)
     if k_pages is not None and v_pages is not None:
         return False, k_pages, v_pages
-    if not fold_batch_enabled() or device.heads_view is None or spec.block_mask.shape[0] != 1:
+    if device.heads_view is None or spec.block_mask.shape[0] != 1:
         return None
     k_pages, v_pages = device.page_view(k, block, True), device.page_view(v, block, True)
     if k_pages is None or v_pages is None:

@@ -282,15 +282,12 @@ def test_torchs_paged_attention_step_compiled_walks_its_pages(monkeypatch):
 
 
 def test_gpt_fast_batched_decoding_folds_into_heads(monkeypatch):
-    """gpt-fast's decoding step with ``FLEXATTN_FOLD_BATCH=1`` (written in session 46 when
-    the device time was spent: run it, then make folding the default): a batched view of a
-    preallocated cache, a causal block mask of batch 1 cut to the current row with its
-    mask_mod moved to the position, a score reading b, h and kv. The walk folds the batch
+    """gpt-fast's decoding step: a batched view of a preallocated cache, a causal block
+    mask of batch 1 cut to the current row with its mask_mod moved to the position, a score reading b, h and kv. The walk folds the batch
     into the heads (pages of B x Hkv heads, q / out / LSE as [1, B x Hq, ...]); the float64
     reference agrees, eagerly and on the prepared repeat."""
     from flexattn import mods
 
-    monkeypatch.setenv("FLEXATTN_FOLD_BATCH", "1")
     torch.manual_seed(53)
     B, Hq, Hkv, D, capacity, L = 4, 32, 8, 128, 4096, 2048
     cache_k, cache_v = (torch.randn(B, Hkv, capacity, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
