@@ -119,3 +119,38 @@ def test_division_by_a_runtime_number_hoists_its_reciprocal():
         exact = evaluate(expr, {"score": x}, [s], float_dtype=np.float32)
         fast = evaluate(opt, {"score": x}, [s], float_dtype=np.float32)
         assert _ulps(exact, fast).max() <= 1
+
+
+def test_page_arithmetic_reads_back_the_page():
+    """A key's page read back from its physical position (torch's PagedAttention mask over
+    a walk's table) is the table entry itself: the key enters only through ``kv // 128``."""
+    kv = ir.var("kv")
+    table = ir.BufferRef(0, "int32", 2)
+    page = ir.load(table, (ir.var("b"), ir.binary("floordiv", kv, 128)))
+    physical = ir.binary("add", ir.binary("mul", page, 128), ir.binary("mod", kv, 128))
+    assert optimize(ir.binary("floordiv", physical, 128)) == page
+    assert optimize(ir.binary("mod", physical, 128)) == ir.binary("mod", kv, 128)
+    assert optimize(ir.binary("floordiv", ir.binary("mod", kv, 64), 64)).op == "const"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_multiples_taken_out_of_integer_division_are_exact(seed):
+    rng = np.random.default_rng(seed)
+    q = np.arange(-70, 70)[:, None]
+    kv = np.arange(0, 300)[None, :]
+    checked = 0
+    for _ in range(150):
+        c = int(rng.choice([2, 3, 4, 7, 64, 128]))
+        x, y = _random_int_expr(2), _random_int_expr(2)
+        factor = c * int(rng.integers(-3, 4)) or c
+        terms = [ir.binary("mul", x, factor), y if rng.random() < 0.5 else ir.binary("mod", y, c)]
+        if rng.random() < 0.5:
+            terms.reverse()
+        for op in ("floordiv", "mod"):
+            expr = ir.binary(op, ir.binary("add", *terms), c)
+            opt = optimize(expr)
+            env = {"q": q, "kv": kv, "h": np.int64(3)}
+            np.testing.assert_array_equal(np.broadcast_to(evaluate(opt, env), (140, 300)),
+                                          np.broadcast_to(evaluate(expr, env), (140, 300)), err_msg=ir.format_node(expr))
+            checked += opt is not expr
+    assert checked > 200

@@ -27,6 +27,14 @@ What it does, and why:
   sign in two's complement; by other constants to the hardware's truncating division
   (which the compiler turns into a multiply-high by a magic number) without the sign
   correction when ``nonnegative`` proves the dividend is not negative (indices are not).
+- **Integer ``//`` and ``%`` of multiples** by a positive constant ``c``: ``(x*c + y) // c``
+  is ``x + y // c`` and ``(x*c + y) % c`` is ``y % c``; ``(y % c) // c`` is 0 and ``(y % c)
+  % c`` is ``y % c`` (floor semantics: ``y % c`` lies in [0, c)). Page arithmetic is
+  written this way: a key's page read back from its physical position ``page * 128 +
+  kv % 128`` (torch's ``PagedAttention`` masks over a walk's table) becomes ``page``, one
+  table read per key tile instead of per key once a kernel sees that it depends on the key
+  only through ``kv // 128`` (``kernels/emit/mod_emit.tile_invariant_roots``). Exact
+  wherever ``x*c`` does not overflow int32 (the form it replaces would wrap there).
 """
 
 from __future__ import annotations
@@ -61,6 +69,8 @@ def optimize(expr: ir.Node) -> ir.Node:
 
 
 def _rewrite(n: ir.Node) -> ir.Node:
+    if n.op in ("floordiv", "mod") and n.dtype == ir.INT and positive_constant(n.args[1]):
+        return _divide_multiples(n.op, n.args[0], n.args[1].attr)
     if n.op == "truediv" and n.args[1].op == "const":
         c = n.args[1].attr
         reciprocal = 1.0 / c if c != 0 and np.isfinite(c) else 0.0
@@ -71,6 +81,37 @@ def _rewrite(n: ir.Node) -> ir.Node:
         # hoisted by the compiler), the per-element work a multiply.
         return ir.binary("mul", n.args[0], ir.binary("truediv", 1.0, n.args[1]))
     return n
+
+
+def _divide_multiples(op: str, x: ir.Node, c: int) -> ir.Node:
+    """``x // c`` or ``x % c`` (``c`` > 0) with the multiples of ``c`` in ``x`` taken out
+    (see the module doc)."""
+    quotient = _quotient(x, c)
+    if quotient is not None:                     # x = quotient * c
+        return quotient if op == "floordiv" else ir.const(0)
+    if x.op == "mod" and x.args[1].op == "const" and x.args[1].attr == c:
+        return ir.const(0) if op == "floordiv" else x
+    if x.op == "add":
+        for multiple, rest in ((x.args[0], x.args[1]), (x.args[1], x.args[0])):
+            quotient = _quotient(multiple, c)
+            if quotient is not None:
+                inner = _divide_multiples(op, rest, c)
+                return ir.binary("add", quotient, inner) if op == "floordiv" else inner
+    return ir.binary(op, x, c)
+
+
+def _quotient(x: ir.Node, c: int) -> ir.Node | None:
+    """``x / c`` as a node where ``x`` is an integer multiple of ``c`` by its form (a
+    constant, or a product with a constant factor), else None."""
+    if x.dtype != ir.INT:
+        return None
+    if x.op == "const":
+        return ir.const(x.attr // c) if x.attr % c == 0 else None
+    if x.op == "mul":
+        for factor, other in ((x.args[0], x.args[1]), (x.args[1], x.args[0])):
+            if factor.op == "const" and factor.attr % c == 0:
+                return ir.binary("mul", other, factor.attr // c)
+    return None
 
 
 def divisor_shift(divisor: ir.Node) -> int | None:

@@ -169,11 +169,33 @@ def test_walks_of_listed_blocks_mask_the_last_page_alone(compiled):
     """``mask_last_page_only``: the loop's steps come in two bodies, one evaluating the mask
     (tiles over a sequence's last page) and one without it — its page map, lengths and
     block-table reads absent (fewer scalar loads per body than the kernel that masks every
-    step: 137 when written, with two bodies)."""
+    step: 137 when written, with two bodies; 47 once those reads came once per tile)."""
     once, every = compiled["paged128-block-table"], compiled["paged128-block-table-every-block"]
     loads = [len(re.findall(r"ld\.global(?:\.nc)?\.b32\b", ptx)) for ptx in (once, every)]
     assert loads[0] < 1.5 * loads[1], loads   # three step bodies, one of them unmasked
     assert once.count("wgmma.mma_async") == 3 * every.count("wgmma.mma_async") // 2
+
+
+class _NoTileHoisting(IRModHook):
+    def tile_invariants(self, *args, **kwargs):
+        return None
+
+
+def test_walks_read_the_table_and_page_map_once_per_tile(compiled):
+    """A walk's mods read the key's page as ``page_map[b, table[b, kv // 128]]`` (the
+    converted PagedAttention mask and a score at physical positions): constant over a
+    64-key tile, so read once per tile and row before the wait for K, not once per key
+    (``mod_emit.tile_invariant_roots``; 137 scalar loads in the kernel without, 47 with,
+    when written)."""
+    name = "paged128-block-table-every-block"
+    kw, score, mask, ffi, _ = CASES[name]
+    plain = _NoTileHoisting(shift_queries(score, OFFSETS), shift_queries(mask, OFFSETS))
+    per_key = compile_decode(DecodeConfig(mods=plain, **kw), fake_args(plain), keep_ptx=True, tvm_ffi=ffi).__ptx__
+
+    def scalar_reads(ptx):
+        return len(re.findall(r"\bld\.global(?:\.nc)?\.(?:b32|b64|s64|u64|u32|s32)\b", ptx))
+    assert 2 * scalar_reads(compiled[name]) < scalar_reads(per_key), (scalar_reads(compiled[name]),
+                                                                       scalar_reads(per_key))
 
 
 def test_decode_hoists_row_invariant_reads(compiled):

@@ -79,6 +79,39 @@ def test_row_invariant_roots():
     assert hook.row_invariants(None, None, None, ()) is None    # nothing to hoist: no emission
 
 
+def test_tile_invariant_roots():
+    """The largest subexpressions that read a buffer and read kv only as ``kv // P``, P a
+    multiple of the tile: what a kernel may emit once per aligned key tile. A walk's
+    table and the page map of torch's PagedAttention mask behind it are; reads at kv
+    itself, at ``kv // P`` with P below the tile or not dividing it, or beside the score,
+    are not."""
+    from flexattn.kernels.emit.mod_emit import tile_invariant_roots
+    from flexattn.mods.optimize import optimize
+    from flexattn.mods.positions import block_table_keys
+
+    page_map, lengths, table = np.zeros((4, 64), np.int64), np.zeros(4, np.int64), np.zeros((4, 16), np.int32)
+    paged = mods.mask_mod(lambda b, h, q, kv: (page_map[b, kv // 128] >= 0)
+                          & (page_map[b, kv // 128] * 128 + kv % 128 < lengths[b]))
+    walked = optimize(block_table_keys(paged, table, 128).expr)
+    roots = tile_invariant_roots(walked, 64)
+
+    def loads(roots):
+        return sorted(str(n) for r in roots for n in r.walk() if n.op == "load")
+    # page_map[b, table[b, kv // 128]] >= 0 and page_map[...] * 128: the two loads in both
+    assert {n.op for n in roots} == {"ge", "mul"}
+    assert len(set(loads(roots))) == 2 and not any(n.op == "mod" for r in roots for n in r.walk())
+    assert loads(tile_invariant_roots(walked, 128)) == loads(roots)
+    assert tile_invariant_roots(walked, 256) == []        # 128-key pages: not constant over 256 keys
+    ids = np.zeros((2, 64), np.int32)
+    assert tile_invariant_roots(mods.document(ids).expr, 64) == []          # read at kv itself
+    coarse = mods.mask_mod(lambda b, h, q, kv: ids[b, kv // 192] == 0)
+    assert tile_invariant_roots(coarse.expr, 64) != [] and tile_invariant_roots(coarse.expr, 128) == []
+    bias = np.zeros((4, 64), np.float32)
+    blocky = mods.score_mod(lambda s, b, h, q, kv: s + bias[b, kv // 128])
+    assert _ops(tile_invariant_roots(blocky.expr, 64)) == [("load", ("b", "kv"))]   # bias[b, kv // 128]
+    assert tile_invariant_roots(mods.alibi(mods.alibi_slopes(8)).expr, 64) == []
+
+
 def test_shifts_lower_to_arithmetic_shifts():
     """``>>`` on signed indices is torch's arithmetic shift: shr.s32 in the kernel (a
     logical shr.u32 would turn negative differences into huge positives)."""

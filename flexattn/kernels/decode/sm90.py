@@ -650,17 +650,29 @@ class DecodeSm90(WarpSpecialized):
         mask), online softmax, O = O * scale + P V."""
         (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O, softmax,
          coords, row_head, row_q, row_values, pipe_k, pipe_v, batch, seqlen, softmax_scale, mod_args) = ctx
+        mods = self.mods
+        apply_mask = mods.has_mask and masked
+        # The mods' reads that stay constant over the tile (a walk's table, a paged mask's
+        # page map: read at kv // page), issued before the wait for K so they overlap it.
+        tile_values = None
+        if const_expr(mods.has_score or apply_mask):
+            tile_values = []
+            for r in cutlass.range_constexpr(cute.size(row_head.shape)):
+                row = None if const_expr(row_values is None) else row_values[r]
+                tile_values.append(mods.tile_invariants(batch, row_head[r], row_q[r], n_block * self.cfg.tile_n,
+                                                        self.cfg.tile_n, mod_args, row=row,
+                                                        score=mods.has_score, mask=apply_mask))
+            if const_expr(tile_values[0] is None):
+                tile_values = None
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         pipe_k.consumer_wait(kv_state)
         mma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
                       zero_init=True, wait=0)
         pipe_k.consumer_release(kv_state)
 
-        mods = self.mods
-        apply_mask = mods.has_mask and masked
         if const_expr(mods.has_score or apply_mask or kv_bound):
             apply_packed_mods(mma.acc_mn_view(acc_S), coords, row_head, row_q, row_values, mods, batch,
-                              n_block, seqlen, softmax_scale, mod_args, kv_bound, apply_mask)
+                              n_block, seqlen, softmax_scale, mod_args, kv_bound, apply_mask, tile_values)
         row_scale = softmax.step(acc_S, is_first=False)
         rescale_rows(acc_O, row_scale)
         tOrP.store(mma.acc_as_a_view(acc_S).load().to(self.dtype))
@@ -815,12 +827,14 @@ def apply_packed_mods(s_mn: cute.Tensor, coords: FragmentCoords, row_head: cute.
                       row_q: cute.Tensor, row_values: cutlass.Constexpr, mods: cutlass.Constexpr,
                       batch: Int32, n_block: Int32,
                       seqlen: Int32, softmax_scale: Float32, args,
-                      kv_bound: cutlass.Constexpr[bool], masked: cutlass.Constexpr[bool] = True):
+                      kv_bound: cutlass.Constexpr[bool], masked: cutlass.Constexpr[bool] = True,
+                      tile_values: cutlass.Constexpr = None):
     """`mod_hook.apply_mods` for GQA-packed rows: fragment row r belongs to q head
     `row_head[r]` and query row `row_q[r]`. With `kv_bound`, keys at or beyond `seqlen` are
     masked and the hooks see min(kv, seqlen - 1) (buffers of cache length stay in bounds).
     `row_values[r]`: row r's `mods.row_invariants` (emitted before the kv loop), or None.
-    `masked` False: the block is known full, the mask is not evaluated."""
+    `masked` False: the block is known full, the mask is not evaluated. `tile_values[r]`:
+    row r's `mods.tile_invariants` for this block, or None."""
     kv_base = n_block * coords.tile_n + coords.col_offset()
     kv_last = seqlen - 1
     for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
@@ -833,6 +847,8 @@ def apply_packed_mods(s_mn: cute.Tensor, coords: FragmentCoords, row_head: cute.
                 kv_hook = cutlass.min(kv, kv_last)
             s = s_mn[r, c]
             row = {} if const_expr(row_values is None) else {"row": row_values[r]}
+            if const_expr(tile_values is not None):
+                row["tile"] = tile_values[r]
             if const_expr(mods.has_score):
                 s = mods.score(s * softmax_scale, batch, head, q, kv_hook, args, **row)
             if const_expr(mods.has_mask and masked):

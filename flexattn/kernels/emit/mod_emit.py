@@ -20,6 +20,7 @@ import copy
 import functools
 import math
 import operator
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -202,12 +203,58 @@ def row_invariant_roots(expr: ir.Node) -> list:
     return roots
 
 
-def emit_many(nodes, env: dict, args, fast_math: bool = False) -> list:
+class TileValues(NamedTuple):
+    """``IRModHook.tile_invariants``' values: the score's and the mask's roots (None: not
+    emitted), at tiles of ``tile_n`` keys."""
+
+    tile_n: int
+    score: tuple | None
+    mask: tuple | None
+
+
+def tile_invariant_roots(expr: ir.Node, tile_n: int) -> list:
+    """The largest subexpressions of ``expr`` that read a buffer, depend on kv, and read kv
+    only as ``kv // P`` with ``P`` a multiple of ``tile_n`` (and not the score): constant
+    over an aligned tile of ``tile_n`` keys, so a kernel can emit them once per tile at
+    the tile's first key instead of once per key (``IRModHook.tile_invariants``): a walk's
+    table and the page map behind a torch ``PagedAttention`` mask (``table[b, kv // 128]``,
+    ``page_map[b, table[b, kv // 128]]``: two dependent loads per key otherwise)."""
+    constant = set()     # ids of nodes constant over a tile (kv-free ones included)
+    keyed = set()        # ... of those, the ones that read kv (through kv // P)
+    for n in expr.walk():
+        if n.op == "var":
+            if n.attr not in _VARYING:
+                constant.add(id(n))
+        elif (n.op == "floordiv" and n.args[0].op == "var" and n.args[0].attr == "kv"
+              and n.args[1].op == "const" and n.args[1].dtype == ir.INT
+              and n.args[1].attr > 0 and n.args[1].attr % tile_n == 0):
+            constant.add(id(n))
+            keyed.add(id(n))
+        elif all(id(a) in constant for a in n.args):
+            constant.add(id(n))
+            if any(id(a) in keyed for a in n.args):
+                keyed.add(id(n))
+    reads = set()
+    for n in expr.walk():
+        if n.op == "load" or any(id(a) in reads for a in n.args):
+            reads.add(id(n))
+    candidates = [expr] if id(expr) in constant else \
+        [a for n in expr.walk() if id(n) not in constant for a in n.args]
+    roots, seen = [], set()
+    for n in candidates:
+        if id(n) in keyed and id(n) in reads and id(n) not in seen:
+            seen.add(id(n))
+            roots.append(n)
+    return roots
+
+
+def emit_many(nodes, env: dict, args, fast_math: bool = False, known: dict | None = None) -> list:
     """Emit several expressions with one memo, so subexpressions they share (a derivative
-    reuses its forward's nodes, e.g. ``tanh`` in softcap's) are emitted once."""
-    values: dict[int, object] = {}
+    reuses its forward's nodes, e.g. ``tanh`` in softcap's) are emitted once. ``known``:
+    as ``emit``'s."""
+    values: dict[int, object] = dict(known or {})
     for root in nodes:
-        for n in root.walk():
+        for n in _walk_pruned(root, values):
             if id(n) not in values:
                 values[id(n)] = _emit_node_affine(n, [values[id(a)] for a in n.args], env, args, fast_math,
                                                   _emit_node)
@@ -601,15 +648,15 @@ class IRModHook(ModHook):
         """The mask's captures out of this hook's ``args``."""
         return tuple(args[self._n_score_args:]) if args else ()
 
-    def score(self, s, b, h, q, kv, args, row=None):
+    def score(self, s, b, h, q, kv, args, row=None, tile=None):
         env = {"score": s, "b": b, "h": h, "q": q, "kv": kv}
         return emit(self._score.expr, env, args[: self._n_score_args] if args else (), self.fast_math,
-                    self._known(row, 0))
+                    self._known(row, 0, tile))
 
-    def mask(self, b, h, q, kv, args, row=None):
+    def mask(self, b, h, q, kv, args, row=None, tile=None):
         env = {"b": b, "h": h, "q": q, "kv": kv}
         return emit(self._mask.expr, env, args[self._n_score_args:] if args else (), self.fast_math,
-                    self._known(row, 1))
+                    self._known(row, 1, tile))
 
     @functools.cached_property
     def _invariant_roots(self) -> tuple:
@@ -626,10 +673,34 @@ class IRModHook(ModHook):
         return (tuple(emit_many(score_roots, env, args[: self._n_score_args], self.fast_math)),
                 tuple(emit_many(mask_roots, env, args[self._n_score_args:], self.fast_math)))
 
-    def _known(self, row, which: int):
-        if row is None:
+    def tile_invariants(self, b, h, q, kv_start, tile_n: int, args, row=None, score=True, mask=True):
+        roots = self._tile_roots(tile_n)
+        score, mask = score and bool(roots[0]), mask and bool(roots[1])
+        if not score and not mask:
             return None
-        return {id(n): v for n, v in zip(self._invariant_roots[which], row[which])}
+        env = {"b": b, "h": h, "q": q, "kv": kv_start}
+        args = args or ()
+        score_args, mask_args = args[: self._n_score_args], args[self._n_score_args:]
+        return TileValues(tile_n,
+                          tuple(emit_many(roots[0], env, score_args, self.fast_math, self._known(row, 0))) if score else None,
+                          tuple(emit_many(roots[1], env, mask_args, self.fast_math, self._known(row, 1))) if mask else None)
+
+    def _tile_roots(self, tile_n: int) -> tuple:
+        """(score's, mask's) ``tile_invariant_roots`` for tiles of ``tile_n`` keys, found
+        once per tile size (the nodes stay alive with the mods)."""
+        cache = self.__dict__.setdefault("_tile_roots_by_n", {})
+        if tile_n not in cache:
+            cache[tile_n] = tuple(tile_invariant_roots(mod.expr, tile_n) if mod is not None else []
+                                  for mod in (self._score, self._mask))
+        return cache[tile_n]
+
+    def _known(self, row, which: int, tile=None):
+        known = {}
+        if row is not None:
+            known.update((id(n), v) for n, v in zip(self._invariant_roots[which], row[which]))
+        if tile is not None and tile[1 + which] is not None:
+            known.update((id(n), v) for n, v in zip(self._tile_roots(tile.tile_n)[which], tile[1 + which]))
+        return known or None
 
     def rows(self, score: bool, mask: bool) -> bool:
         return all(row_friendly(mod.expr) for use, mod in ((score, self._score), (mask, self._mask))

@@ -12,6 +12,7 @@ values: `b, h, q, kv` are Int32 (global batch, *query* head, query row, key colu
         def mask(self, b, h, q, kv, args) -> Boolean       # True = keep
         def key(self) -> hashable                          # structure only
         def row_invariants(self, b, h, q, args) -> object | None   # optional, see there
+        def tile_invariants(self, b, h, q, kv_start, tile_n, args, ...) -> object | None  # optional
 
 `args` is the tuple of *runtime* kernel arguments the caller passed next to Q/K/V
 (captured buffers as cute tensors, scalars as Float32/Int32). A hook reads them; it must
@@ -74,6 +75,15 @@ class ModHook:
         start, beside the first K/V loads, instead of after the first K block has arrived
         (behind the whole first round of K/V loads: ~5 µs on an H100 decode step), and
         no block reads them again. None: nothing to hoist, call `score` / `mask` as usual."""
+        return None
+
+    def tile_invariants(self, b, h, q, kv_start, tile_n: int, args, row=None, score=True, mask=True):
+        """What `score` (if `score`) and `mask` (if `mask`) read from buffers that stays
+        constant over an aligned tile of `tile_n` keys starting at `kv_start` (a walk's
+        table and a paged mask's page map, read at `kv // page`), emitted once per tile
+        and row, or None. A kernel that calls this before the tile's scores are ready
+        (the loads then overlap its wait for K) passes the result back as `tile=` to
+        `score` / `mask` for that tile and row (with `row=` from `row_invariants`)."""
         return None
 
     def key(self):
