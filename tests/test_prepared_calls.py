@@ -111,3 +111,53 @@ def test_torch_block_masks_have_an_identity_and_end_entries_when_they_die():
     del bm, call
     gc.collect()
     assert len(cache) == 0
+
+
+def test_capture_args_convert_as_rarely_as_each_capture_allows():
+    """``kernel_path.CaptureArgs``: numbers and read-only arrays converted once; arrays with
+    a ``same_memory`` key once per key (an update in place costs nothing, a new storage
+    converts again); writeable host arrays, or keys of None, every launch."""
+    from flexattn.core.kernel_path import CaptureArgs
+
+    class Tensor:   # a framework tensor on the GPU: same_memory keys it by its pointer
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+    conversions = []
+
+    def args_for(captures, **kw):
+        def convert():
+            conversions.append(1)
+            return tuple(c.ptr if isinstance(c, Tensor) else c for c in captures)
+        same = lambda x: x.ptr if isinstance(x, Tensor) and x.ptr is not None else None   # noqa: E731
+        return CaptureArgs(captures, convert, same, wrap=lambda a: ("wrapped",) + a, **kw)
+
+    frozen = np.arange(4)
+    frozen.flags.writeable = False
+    args = args_for((3.0, frozen))
+    assert len(conversions) == 1 and args.current() == ("wrapped", 3.0, frozen) and len(conversions) == 1
+
+    conversions.clear()
+    t = Tensor(100)
+    args = args_for((2, t))
+    assert not conversions                         # nothing converted before the first launch
+    assert args.current() == ("wrapped", 2, 100) and args.current() == ("wrapped", 2, 100)
+    assert len(conversions) == 1                   # once for this pointer
+    t.ptr = 200                                    # the storage rebound (``x.data = ...``)
+    assert args.current() == ("wrapped", 2, 200) and len(conversions) == 2
+    t.ptr = None                                   # not readable in place now: per launch
+    args.current(), args.current()
+    assert len(conversions) == 4
+
+    conversions.clear()
+    writeable = np.arange(4)                       # host array: copied at every launch
+    args = args_for((writeable,))
+    args.current(), args.current()
+    assert len(conversions) == 2
+    args = args_for((writeable, 5), stable=(writeable,))   # ... unless the plan owns it
+    args.current(), args.current()
+    assert len(conversions) == 3
+    conversions.clear()
+    per_launch = CaptureArgs((Tensor(1),), lambda: conversions.append(1) or (1,))   # no same_memory
+    per_launch.current(), per_launch.current()
+    assert len(conversions) == 2

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from ..kernels.launch.operands import BackwardArrays
 from . import kernel_path
-from .kernel_path import Device, KernelPlan, ffi_stream_scope, ffi_tensors, frozen_captures, plan_forward, use_tvm_ffi
+from .kernel_path import Device, KernelPlan, ffi_stream_scope, ffi_tensors, plan_forward, use_tvm_ffi
 from ..problem.spec import AttentionSpec
 from ..problem.validate import AttentionShape
 
@@ -127,8 +127,9 @@ class PreparedBackward:
         self._n_slots = len(spec.score.captures) if spec.score is not None else 0
         self._scale = spec.resolved_scale(shape.head_dim)
         self._to_device = device.to_device
-        self._args = (ffi_tensors(ffi_args(self._kinds, self._captures, self._to_device)) or None
-                      if frozen_captures(self._captures) else False)
+        self._args = kernel_path.CaptureArgs(
+            self._captures, lambda: ffi_args(self._kinds, self._captures, self._to_device) or None,
+            device.same_memory, ffi_tensors)
         self._lists = ffi_tensors(_q_lists(cfg, plan, device))
 
     def operand_positions(self, operands) -> tuple:
@@ -141,12 +142,12 @@ class PreparedBackward:
         """``operands`` at ``positions``: this call's arrays in place of the prepared call's
         (a compiled graph's op call). ``outputs``: dq, dk, dv allocated once the preprocess
         is launched (`FfiBackwardRunner.run`), ``arrays``' own None."""
-        args = self._args
-        if operands is not None or args is False:
+        if operands is None:
+            args = self._args.current()
+        else:
             from ..kernels.launch.arguments import ffi_args
 
-            captures = (self._captures if operands is None
-                        else kernel_path.with_operands(self._captures, operands, positions))
+            captures = kernel_path.with_operands(self._captures, operands, positions)
             args = ffi_args(self._kinds, captures, self._to_device) or None
         workspace = tuple(alloc(s, dtype, False) for s, dtype in self._workspace)
         grads = tuple(alloc(s, "float32", True) for s in self._grad_shapes)

@@ -55,7 +55,7 @@ import numpy as np
 from ..arrays import dtype_name
 from ..mods import as_mask, as_score
 from ..mods.positions import shift_queries
-from .kernel_path import DECODE_HEAD_DIMS, KERNEL_DTYPES, Device, frozen_captures, use_tvm_ffi
+from .kernel_path import DECODE_HEAD_DIMS, KERNEL_DTYPES, CaptureArgs, Device, ffi_tensors, use_tvm_ffi
 from .prepared import PreparedCalls, call_identity
 
 DECODE_MAX_Q_LEN = 16      # longer query blocks take the ordinary forward kernel
@@ -562,10 +562,10 @@ class DecodePlan:
         self.q_heads = Hq
         self._parts: dict = {}       # split count -> (scratch array, o_part, lse_part)
         # Numbers, read-only arrays and our positions buffer cannot change under the plan:
-        # convert once. Anything else (framework tensors, writeable arrays) may be updated
-        # in place or rebound between steps: convert per step.
-        frozen = frozen_captures(c for c in self._captures if c is not q_offset)
-        self._args = self._convert() if frozen else None
+        # converted once; tensors read in place, once per data pointer; anything else
+        # (writeable host arrays, strided tensors) per step (CaptureArgs).
+        self._args = CaptureArgs(self._captures, self._convert, device.same_memory,
+                                 ffi_tensors if self.ffi else None, stable=(q_offset,))
 
     def _kernel(self, kernel: tuple) -> tuple:
         """(config, runner) of `kernel` = (tuning, CTAs per merging cluster)."""
@@ -641,7 +641,7 @@ class DecodePlan:
     def _launcher(self, kernel, q, k, v, table, out, lse, o_part, lse_part) -> Callable:
         """The launch of `kernel` (tuning, cluster) with these arguments (compiling on its
         first call)."""
-        args = self._args if self._args is not None else self._convert()
+        args = self._args.current()
         runner = self._kernel(kernel)[1]
         if self.ffi:
             seq_lens, tickets, scale = self.seq_lens, self._tickets, self.scale
@@ -667,7 +667,7 @@ class DecodePlan:
             fn = self._fns.get((tuning, cluster))
             if fn is not None:
                 fn(q, k, v, table, self.seq_lens, out, lse, o_part, lse_part, self._tickets, self.scale,
-                   self._args if self._args is not None else self._convert())
+                   self._args.current())
             else:
                 self._launcher((tuning, cluster), q, k, v, table, out, lse, o_part, lse_part)()
         return splits

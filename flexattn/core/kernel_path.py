@@ -92,6 +92,11 @@ class Device:
     # (x, copy) -> x [B, H, ...] as [1, B x H, ...]: a view, or with ``copy`` a copy where
     # the strides do not merge; else None (a folded walk's q, out and LSE). None: never.
     heads_view: Callable | None = None
+    # x -> a key that stays equal while ``to_device(x)`` hands the kernel the same memory
+    # (a framework tensor already on this GPU and contiguous: its data pointer), else None
+    # (``to_device`` copies it). Lets prepared launches convert such captures once per key
+    # (``CaptureArgs``). None: they are converted per launch.
+    same_memory: Callable | None = None
 
 
 def kernel_unsupported(q, shape: AttentionShape) -> str | None:
@@ -627,6 +632,43 @@ def frozen_captures(captures) -> bool:
                or (isinstance(c, np.ndarray) and not c.flags.writeable) for c in captures)
 
 
+class CaptureArgs:
+    """A prepared launch's captured values as kernel arguments (``current()``), converted
+    as rarely as their kinds allow: numbers and read-only host arrays once (with the
+    ``stable`` captures: arrays the plan itself owns and writes in stream order); arrays
+    the kernel reads in place (``Device.same_memory`` gives them a key: a framework
+    tensor's data pointer, on this GPU and contiguous) once per key, so updates in place
+    cost nothing and a rebound storage converts again; anything else per launch
+    (writeable host arrays are copied, strided tensors made contiguous, each time: their
+    values may have changed). ``convert()``: every capture converted now; ``wrap``: applied
+    to a conversion that is kept (``ffi_tensors``: TVM-FFI then skips the DLPack exchange
+    per launch, ~1-4 µs per array)."""
+
+    __slots__ = ("_convert", "_wrap", "_same_memory", "_watched", "_keys", "_args")
+
+    def __init__(self, captures, convert: Callable, same_memory: Callable | None = None, wrap=None, stable=()):
+        self._convert, self._wrap, self._same_memory = convert, wrap or (lambda a: a), same_memory
+        self._keys = self._args = None
+        changing = tuple(c for c in captures if not any(c is x for x in stable) and not frozen_captures((c,)))
+        # (): nothing changes, converted now; None: every launch converts
+        self._watched = changing if not changing or same_memory is not None else None
+        if not changing:
+            self._args = self._wrap(convert())
+
+    def current(self):
+        watched = self._watched
+        if watched is None:
+            return self._convert()
+        if not watched:
+            return self._args
+        keys = tuple(self._same_memory(c) for c in watched)
+        if keys != self._keys:
+            if any(k is None for k in keys):
+                return self._convert()
+            self._args, self._keys = self._wrap(self._convert()), keys
+        return self._args
+
+
 def ffi_tensors(values):
     """``values`` with every array converted to a ``tvm_ffi.Tensor`` once, for arguments that
     stay the same across launches: TVM-FFI passes its own tensors through, while a
@@ -735,8 +777,8 @@ class PreparedForward:
         # cache entry die with the mods it was keyed by.
         self._kinds, self._captures = capture_kinds(plan.config.mods), plan.config.mods.captures()
         self._to_device = device.to_device
-        self._args = (ffi_tensors(ffi_args(self._kinds, self._captures, self._to_device)) or None
-                      if frozen_captures(self._captures) else False)
+        self._args = CaptureArgs(self._captures, lambda: ffi_args(self._kinds, self._captures, self._to_device) or None,
+                                 device.same_memory, ffi_tensors)
         self._lists = ffi_tensors(_kv_lists(plan, device, tickets=False))
         self._tickets = device if plan.config.tile_tickets else None   # a counter per launch
         # Set: launches need TVM-FFI's stream set around them (as ffi_stream_scope does).
@@ -745,11 +787,7 @@ class PreparedForward:
     def launch(self, q, k, v, out, lse, stream: int | None = None):
         """``stream``: the caller's current stream, for frameworks whose stream TVM-FFI does
         not read itself (the ``Device`` had ``tvm_ffi_stream=False``)."""
-        args = self._args
-        if args is False:
-            from ..kernels.launch.arguments import ffi_args
-
-            args = ffi_args(self._kinds, self._captures, self._to_device) or None
+        args = self._args.current()
         if self._env_stream is None:
             self._fn(q, k, v, out, lse, self._scale, args, self._launch_lists(), None)
             return

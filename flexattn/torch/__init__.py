@@ -695,8 +695,9 @@ def _kernel_decode(query, cache, score_mod, mask, scale, launch=True):
 
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream(dev)
-        site = DecodeSite(Device(stream.cuda_stream, _DeviceCopies(dev), tvm_ffi_stream=True), num_sms,
-                          _decode_workspace(dev, stream))
+        copies = _DeviceCopies(dev)
+        site = DecodeSite(Device(stream.cuda_stream, copies, tvm_ffi_stream=True, same_memory=copies.same_memory),
+                          num_sms, _decode_workspace(dev, stream))
         run = prepare_decode if launch is False else decode_into
         step = run(q, cache, out, lse, site, DecodeMods(score_mod, mask, scale), page_table=table)
     return (out, lse) if launch else (out, lse, step)
@@ -1484,7 +1485,8 @@ def _forward_device(dev) -> Device:
     for float32 inputs scratch memory and torch's float32 matmul precision ("highest":
     3xTF32, as accurate as torch flex's float32 products; "high" / "medium": tf32)."""
     stream = torch.cuda.current_stream(dev)
-    return Device(stream.cuda_stream, _DeviceCopies(dev), tvm_ffi_stream=True,
+    copies = _DeviceCopies(dev)
+    return Device(stream.cuda_stream, copies, tvm_ffi_stream=True, same_memory=copies.same_memory,
                   decode_resources=lambda: (_sm_count(dev), _decode_workspace(dev, stream)),
                   alloc=_backward_alloc(dev), tf32_passes=3 if torch.get_float32_matmul_precision() == "highest" else 1,
                   tile_tickets=lambda: _tile_tickets(dev), page_view=_page_view, heads_view=_heads_view)
@@ -1497,13 +1499,15 @@ def _page_view(x: torch.Tensor, block: int, fold: bool = False):
     batch, heads, length, dim = x.shape
     if length % block:
         return None
+    sb, sh, sk, sd = x.stride()
     if not fold:
-        if not (batch == 1 or x.stride(0) == 0):
+        if not (batch == 1 or sb == 0):
             return None
-        return x[0].unflatten(1, (length // block, block)).permute(1, 2, 0, 3)
-    if x.stride(0) != heads * x.stride(1) or x.stride(3) != 1:
+        # (one as_strided, not index / unflatten / permute: ~3x less host time per call)
+        return x.as_strided((length // block, block, heads, dim), (block * sk, sk, sh, sd), x.storage_offset())
+    if sb != heads * sh or sd != 1:
         return None
-    return x.as_strided((length // block, block, batch * heads, dim), (block * x.stride(2), x.stride(2), x.stride(1), 1))
+    return x.as_strided((length // block, block, batch * heads, dim), (block * sk, sk, sh, 1), x.storage_offset())
 
 
 def _heads_view(x: torch.Tensor, copy: bool):
@@ -1620,6 +1624,13 @@ class _DeviceCopies(HostCopies):
         if isinstance(x, torch.Tensor):
             return x.detach().to(self.device).contiguous()
         return self.host(x)
+
+    def same_memory(self, x):
+        """``Device.same_memory``: a tensor this returns as a view of itself (on the device,
+        contiguous) is keyed by its data pointer, dtype and shape; anything else None."""
+        if isinstance(x, torch.Tensor) and x.device == self.device and x.is_contiguous():
+            return x.data_ptr(), x.dtype, x.shape
+        return None
 
 
 def _block_lists_to_device(spec: AttentionSpec, shape, device) -> None:

@@ -522,7 +522,7 @@ def test_env_stream_swap_sets_and_restores_tvm_ffi_stream(monkeypatch, private_s
     is that stream during the launch and the previous one after it, also when the launch
     raises; the same through the public API where TVM-FFI's setter is not there."""
     tvm_ffi = pytest.importorskip("tvm_ffi")
-    from flexattn.core.kernel_path import EnvStream, PreparedForward
+    from flexattn.core.kernel_path import CaptureArgs, EnvStream, PreparedForward
 
     device = tvm_ffi.device("cuda", 0)      # the stream table needs no GPU
     env = EnvStream(device)
@@ -536,7 +536,8 @@ def test_env_stream_swap_sets_and_restores_tvm_ffi_stream(monkeypatch, private_s
             raise RuntimeError("launch failed")
 
     prepared = PreparedForward.__new__(PreparedForward)    # launch only: no compile
-    prepared._fn, prepared._scale, prepared._args, prepared._env_stream = fake_kernel, 0.125, None, env
+    prepared._fn, prepared._scale, prepared._env_stream = fake_kernel, 0.125, env
+    prepared._args = CaptureArgs((), lambda: None)
     before = tvm_ffi.get_raw_stream(device)
     prepared._lists, prepared._tickets = None, None
     prepared.launch("q", "k", "v", "out", "lse", stream=0xBEEF)
