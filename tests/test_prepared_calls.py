@@ -28,7 +28,14 @@ def test_only_immutable_calls_have_an_identity():
     big = np.ones(1 << 20, np.float32)   # large ones: never held by a cache entry
     assert call_identity(_call(lambda s, b, h, q, kv: s + big[kv])) is None
     holder = type("Holder", (), {"cap": 3.0})()
-    assert call_identity(_call(lambda s, b, h, q, kv: s * holder.cap)) is None   # an object: may change
+    def scaled():
+        return lambda s, b, h, q, kv: s * holder.cap
+    by_holder = call_identity(_call(scaled()))   # an object: by the attributes the code names
+    assert by_holder is not None and by_holder == call_identity(_call(scaled()))
+    holder.cap = 4.0
+    assert call_identity(_call(scaled())) != by_holder
+    holder.caps = [1.0]
+    assert call_identity(_call(lambda s, b, h, q, kv: s * holder.caps[0])) is None   # a list: may change
     assert call_identity(_call(scale=np.float32(0.5))) is None            # not a plain number
     assert call_identity(_call(scale=0.5)) == call_identity(_call(scale=0.5))
 

@@ -65,19 +65,61 @@ def test_arrays_by_identity_and_never_kept_alive():
         fingerprint(lambda s, b, h, q, kv: s + table[h]).key
 
 
-def test_objects_that_may_change_are_traced_every_call():
+def test_objects_are_keyed_by_the_attributes_the_code_names():
     class Config:
         window = 3
 
     config = Config()
     fn = lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= config.window  # noqa: E731
-    assert fingerprint(fn) is None
     first = as_mask(fn)
+    assert as_mask(fn).expr is first.expr                   # unchanged: the kept trace
     config.window = 5
     second = as_mask(fn)
     assert first.expr != second.expr                        # the new value was seen
     values = [1, 2]
     assert fingerprint(lambda b, h, q, kv: q - kv <= values[0]) is None   # a list may change
+    config.values = values                                  # ... also as an attribute
+    assert fingerprint(lambda b, h, q, kv: q - kv <= config.values[0]) is None
+    name = "window"
+    assert fingerprint(lambda b, h, q, kv: q - kv <= getattr(config, name)) is None   # computed names
+
+
+def test_a_method_closure_over_self_keeps_its_trace_until_an_attribute_changes():
+    """torch's PagedAttention converts a block mask with a closure over ``self`` reading
+    ``self.physical_to_logical`` and ``self.page_size``: a new closure per conversion, the
+    same trace while those attributes key the same (an update in place of the tensor
+    needs no new trace; the trace reads it at run time). (torch tensors: an attribute's
+    numpy array is not traced through, only the function's own.)"""
+    torch = pytest.importorskip("torch")
+
+    class Pages:
+        def __init__(self):
+            self.page_size = 4
+            self.page_map = torch.arange(8, dtype=torch.int32)
+
+        def mask_mod(self):
+            def physical(b, h, q_idx, kv_idx):
+                return self.page_map[kv_idx // self.page_size] * self.page_size + kv_idx % self.page_size <= q_idx
+            return physical
+
+        def helper(self, x):
+            return x
+
+        def with_method(self):
+            return lambda b, h, q_idx, kv_idx: self.helper(q_idx) >= kv_idx
+
+    pages = Pages()
+    first = as_mask(pages.mask_mod())
+    again = as_mask(pages.mask_mod())                      # a new closure, same attributes
+    assert again.expr is first.expr and again.captures[0] is pages.page_map
+    pages.page_map[:] = 0                                  # in place: same key
+    assert as_mask(pages.mask_mod()).expr is first.expr
+    pages.page_map = torch.zeros(8, dtype=torch.int32)    # rebound: a new trace over it
+    rebound = as_mask(pages.mask_mod())
+    assert rebound.captures[0] is pages.page_map
+    pages.page_size = 2
+    assert as_mask(pages.mask_mod()).expr != first.expr
+    assert fingerprint(pages.with_method()) is None         # a bound method: not keyed
 
 
 def test_module_attributes_named_by_the_code_are_fingerprinted():

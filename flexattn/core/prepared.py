@@ -25,6 +25,7 @@ import numpy as np
 
 from ..blockmask import BlockMask
 from ..mods import Mod
+from ..mods.trace import is_array
 from ..mods.trace_cache import fingerprint
 from ..problem import bounds
 
@@ -73,7 +74,7 @@ SMALL_CAPTURE_BYTES = 1 << 16
 def _named_bytes(fp) -> int:
     total = 0
     for x in fp.watched.values():
-        if not hasattr(x, "shape") or isinstance(x, Mod):   # functions, mods: no bytes of their own
+        if isinstance(x, Mod) or not is_array(x):   # functions, mods, objects: no bytes of their own
             continue
         size = 1
         for n in x.shape:

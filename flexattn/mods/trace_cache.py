@@ -11,8 +11,14 @@ under the function's *fingerprint*: its code, and what that code can read —
   ``id`` never matches); Python functions by their own fingerprint, library functions,
   builtins, classes and modules by identity (a module's attributes named by the code are
   fingerprinted too: ``config.WINDOW``);
-- anything else (an object such as ``self``, a list, a dict) can change without the
-  function changing, so a function that reads one is traced on every call, as before.
+- other objects (``self`` in a method's closure: torch's ``PagedAttention`` mask reads
+  ``self.physical_to_logical``; a module's ``self.bias``) by identity plus the attributes
+  the code names, each keyed as above, as for a module: the fingerprint is taken at every
+  call, so a rebound or changed attribute gives another key. Not where the code reads
+  attributes by a computed name (``getattr``), nor an attribute that is itself not keyed
+  (a bound method, a list);
+- anything else (a list, a dict) can change without the function changing, so a
+  function that reads one is traced on every call, as before.
 
 A hit rebuilds the mod from the kept IR (the same object: plans and compiled kernels hit)
 and the arrays it captured. A trace that captured something the fingerprint does not
@@ -137,7 +143,36 @@ def _value_key(value, names, watched, depth):
     if isinstance(value, Mod):   # immutable; its captures are its own
         watched[id(value)] = value
         return ("mod", id(value))
-    return _UNCACHEABLE
+    return _object_key(value, names, watched, depth)
+
+
+# Code naming these may read attributes the fingerprint does not see.
+_COMPUTED_ACCESS = frozenset(("getattr", "vars", "__dict__", "__getattribute__", "attrgetter"))
+
+
+def _object_key(obj, names, watched, depth):
+    """An object by identity plus the attributes the code names (see the module doc)."""
+    if (depth >= _MAX_DEPTH or names & _COMPUTED_ACCESS
+            or isinstance(obj, (list, dict, set, frozenset, bytearray, memoryview, types.MethodType))):
+        return _UNCACHEABLE
+    try:
+        weakref.ref(obj)
+    except TypeError:
+        return _UNCACHEABLE
+    parts = [("object", id(obj))]
+    for name in sorted(names):
+        try:
+            value = getattr(obj, name)
+        except AttributeError:
+            continue
+        except Exception:   # a property that fails: nothing to rely on
+            return _UNCACHEABLE
+        k = _value_key(value, names, watched, depth + 1)
+        if k is _UNCACHEABLE:
+            return _UNCACHEABLE
+        parts.append((name, k))
+    watched[id(obj)] = obj
+    return tuple(parts)
 
 
 def _module_key(module, names, watched, depth):

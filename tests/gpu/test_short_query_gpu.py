@@ -238,6 +238,42 @@ def test_torchs_paged_attention_decodes_on_the_decode_kernel(monkeypatch, blocks
     assert walks and all(w == (page, blocks == "full") for w in walks), walks
 
 
+def test_torchs_paged_attention_block_mask_converted_every_step():
+    """A serving loop converts its block mask every step (``convert_logical_block_mask``:
+    a new closure over the PagedAttention object, whose page map and the lengths it reads
+    change in place): the conversion's trace is kept across steps (same IR: the walk's
+    rewrite and kernel are found again) and every step's output still follows the current
+    lengths."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    torch.manual_seed(59)
+    B, Hq, Hkv, D, page, n_pages, L = 2, 16, 4, 128, 128, 16, 1024
+    lens = torch.tensor([383, 200], device="cuda")
+    paged = PagedAttention(n_pages, page, B, device="cuda")
+    for b in (1, 0):
+        paged.reserve(torch.tensor(b, device="cuda"), torch.tensor(L, device="cuda"))
+    k_cache, v_cache = (torch.zeros(1, Hkv, n_pages * page, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    paged.assign(torch.arange(B, device="cuda"), torch.arange(L, device="cuda")[None].expand(B, L), k, v, k_cache,
+                 v_cache)
+    masks = []
+    for step in range(4):
+        lens += torch.tensor([1, 61], device="cuda")     # in place, as a serving loop's lengths
+        logical = torch_create_block_mask(lambda b, h, qi, ki: ki < lens[b], B, None, 1, L, device="cuda",
+                                          BLOCK_SIZE=page)
+        logical.seq_lengths = (1, L)
+        physical = paged.convert_logical_block_mask(logical)
+        masks.append(fa.as_block_mask(physical).mask_mod)
+        q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+        out = fa.flex_attention(q, k_cache, v_cache, block_mask=physical, enable_gqa=True)
+        host_lens = lens.cpu()
+        spec = AttentionSpec.from_args(mask=lambda b, h, qi, ki: ki < host_lens[b], enable_gqa=True)
+        want, _ = reference.forward(q.cpu(), k.cpu(), v.cpu(), spec)
+        assert np.abs(out.double().cpu().numpy() - want).max() < TOL, step
+    assert all(m.expr is masks[0].expr for m in masks)
+
+
 def test_torchs_paged_attention_step_compiled_walks_its_pages(monkeypatch):
     """The same PagedAttention step under torch.compile (default backend), the block mask
     converted inside the compiled step or outside: the broadcast K / V reach our op as
