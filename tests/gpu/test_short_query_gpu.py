@@ -195,6 +195,22 @@ def test_repeated_calls_take_the_prepared_route_and_follow_streams(routed):
     assert len(routed) >= 2   # the first two calls took the full path through the route
 
 
+def _paged_cache(B, Hkv, D, page, n_pages, L, order):
+    """torch's PagedAttention over one physical cache [1, Hkv, n_pages x page, D] with L
+    positions reserved per sequence (pages handed out in the sequences' ``order``), filled
+    from random logical caches k, v [B, Hkv, L, D]: (paged, k_cache, v_cache, k, v)."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+
+    paged = PagedAttention(n_pages, page, B, device="cuda")
+    for b in order:
+        paged.reserve(torch.tensor(b, device="cuda"), torch.tensor(L, device="cuda"))
+    k_cache, v_cache = (torch.zeros(1, Hkv, n_pages * page, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    paged.assign(torch.arange(B, device="cuda"), torch.arange(L, device="cuda")[None].expand(B, L), k, v, k_cache,
+                 v_cache)
+    return paged, k_cache, v_cache, k, v
+
+
 @pytest.mark.parametrize("blocks", ["partial", "full"])
 def test_torchs_paged_attention_decodes_on_the_decode_kernel(monkeypatch, blocks):
     """torch's PagedAttention as its users decode: one physical cache of batch 1 (pages of
@@ -205,19 +221,12 @@ def test_torchs_paged_attention_decodes_on_the_decode_kernel(monkeypatch, blocks
     masks each sequence's last page alone). The key / value batch of 1 broadcasts in place
     and the step walks the listed pages with the decode kernel; the float64 reference of
     the logical caches agrees."""
-    from torch.nn.attention.experimental._paged_attention import PagedAttention
     from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
     torch.manual_seed(41)
     B, Hq, Hkv, D, page, n_pages, L = 4, 32, 8, 128, 128, 80, 2048
     lens = torch.tensor([2048, 1000, 129, 1777], device="cuda")
-    paged = PagedAttention(n_pages, page, B, device="cuda")
-    for b in (2, 0, 3, 1):
-        paged.reserve(torch.tensor(b, device="cuda"), torch.tensor(L, device="cuda"))
-    k_cache, v_cache = (torch.zeros(1, Hkv, n_pages * page, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    k, v = (torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    paged.assign(torch.arange(B, device="cuda"), torch.arange(L, device="cuda")[None].expand(B, L), k, v, k_cache,
-                 v_cache)
+    paged, k_cache, v_cache, k, v = _paged_cache(B, Hkv, D, page, n_pages, L, (2, 0, 3, 1))
     logical = torch_create_block_mask(lambda b, h, qi, ki: ki < lens[b], B, None, page if blocks == "full" else 1, L,
                                       device="cuda", BLOCK_SIZE=page)
     logical.seq_lengths = (1, L)
@@ -244,19 +253,12 @@ def test_torchs_paged_attention_block_mask_converted_every_step():
     change in place): the conversion's trace is kept across steps (same IR: the walk's
     rewrite and kernel are found again) and every step's output still follows the current
     lengths."""
-    from torch.nn.attention.experimental._paged_attention import PagedAttention
     from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
     torch.manual_seed(59)
     B, Hq, Hkv, D, page, n_pages, L = 2, 16, 4, 128, 128, 16, 1024
     lens = torch.tensor([383, 200], device="cuda")
-    paged = PagedAttention(n_pages, page, B, device="cuda")
-    for b in (1, 0):
-        paged.reserve(torch.tensor(b, device="cuda"), torch.tensor(L, device="cuda"))
-    k_cache, v_cache = (torch.zeros(1, Hkv, n_pages * page, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    k, v = (torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    paged.assign(torch.arange(B, device="cuda"), torch.arange(L, device="cuda")[None].expand(B, L), k, v, k_cache,
-                 v_cache)
+    paged, k_cache, v_cache, k, v = _paged_cache(B, Hkv, D, page, n_pages, L, (1, 0))
     masks = []
     for step in range(4):
         lens += torch.tensor([1, 61], device="cuda")     # in place, as a serving loop's lengths
@@ -278,19 +280,12 @@ def test_torchs_paged_attention_step_compiled_walks_its_pages(monkeypatch):
     """The same PagedAttention step under torch.compile (default backend), the block mask
     converted inside the compiled step or outside: the broadcast K / V reach our op as
     stride-0 views and the step walks the listed pages; the reference agrees."""
-    from torch.nn.attention.experimental._paged_attention import PagedAttention
     from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
     torch.manual_seed(47)
     B, Hq, Hkv, D, page, n_pages, L = 2, 16, 4, 128, 128, 24, 1024
     lens = torch.tensor([1024, 700], device="cuda")
-    paged = PagedAttention(n_pages, page, B, device="cuda")
-    for b in (1, 0):
-        paged.reserve(torch.tensor(b, device="cuda"), torch.tensor(L, device="cuda"))
-    k_cache, v_cache = (torch.zeros(1, Hkv, n_pages * page, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    k, v = (torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    paged.assign(torch.arange(B, device="cuda"), torch.arange(L, device="cuda")[None].expand(B, L), k, v, k_cache,
-                 v_cache)
+    paged, k_cache, v_cache, k, v = _paged_cache(B, Hkv, D, page, n_pages, L, (1, 0))
     logical = torch_create_block_mask(lambda b, h, qi, ki: ki < lens[b], B, None, page, L, device="cuda",
                                       BLOCK_SIZE=page)
     logical.seq_lengths = (1, L)

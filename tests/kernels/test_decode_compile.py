@@ -181,21 +181,27 @@ class _NoTileHoisting(IRModHook):
         return None
 
 
+def _compiled_with(hook_class, name) -> str:
+    """The PTX of case ``name`` with its mods through ``hook_class`` (an ``IRModHook`` with
+    a hoisting turned off)."""
+    kw, score, mask, ffi, _ = CASES[name]
+    hook = hook_class(shift_queries(score, OFFSETS), shift_queries(mask, OFFSETS))
+    return compile_decode(DecodeConfig(mods=hook, **kw), fake_args(hook), keep_ptx=True, tvm_ffi=ffi).__ptx__
+
+
+def _scalar_reads(ptx, types: str) -> int:
+    return len(re.findall(rf"\bld\.global(?:\.nc)?\.(?:{types})\b", ptx))
+
+
 def test_walks_read_the_table_and_page_map_once_per_tile(compiled):
     """A walk's mods read the key's page as ``page_map[b, table[b, kv // 128]]`` (the
     converted PagedAttention mask and a score at physical positions): constant over a
     64-key tile, so read once per tile and row before the wait for K, not once per key
     (``mod_emit.tile_invariant_roots``; 137 scalar loads in the kernel without, 47 with,
     when written)."""
-    name = "paged128-block-table-every-block"
-    kw, score, mask, ffi, _ = CASES[name]
-    plain = _NoTileHoisting(shift_queries(score, OFFSETS), shift_queries(mask, OFFSETS))
-    per_key = compile_decode(DecodeConfig(mods=plain, **kw), fake_args(plain), keep_ptx=True, tvm_ffi=ffi).__ptx__
-
-    def scalar_reads(ptx):
-        return len(re.findall(r"\bld\.global(?:\.nc)?\.(?:b32|b64|s64|u64|u32|s32)\b", ptx))
-    assert 2 * scalar_reads(compiled[name]) < scalar_reads(per_key), (scalar_reads(compiled[name]),
-                                                                       scalar_reads(per_key))
+    name, types = "paged128-block-table-every-block", "b32|b64|s64|u64|u32|s32"
+    hoisted, per_key = (_scalar_reads(ptx, types) for ptx in (compiled[name], _compiled_with(_NoTileHoisting, name)))
+    assert 2 * hoisted < per_key, (hoisted, per_key)
 
 
 def test_decode_hoists_row_invariant_reads(compiled):
@@ -203,15 +209,9 @@ def test_decode_hoists_row_invariant_reads(compiled):
     before the kv loop: without hoisting, the bounded first block and the loop body each
     read them again (after the first K block has arrived, behind the first round of K/V
     loads)."""
-    name = "2cta-tile64-window-alibi"
-    kw, score, mask, ffi, _ = CASES[name]
-    plain = _NoHoisting(shift_queries(score, OFFSETS), shift_queries(mask, OFFSETS))
-    unhoisted = compile_decode(DecodeConfig(mods=plain, **kw), fake_args(plain), keep_ptx=True, tvm_ffi=ffi).__ptx__
-
-    def scalar_reads(ptx):
-        return len(re.findall(r"\bld\.global(?:\.nc)?\.(?:b32|f32|u32|s32)\b", ptx))
-    assert scalar_reads(compiled[name]) < scalar_reads(unhoisted), (scalar_reads(compiled[name]),
-                                                                     scalar_reads(unhoisted))
+    name, types = "2cta-tile64-window-alibi", "b32|f32|u32|s32"
+    hoisted, unhoisted = (_scalar_reads(ptx, types) for ptx in (compiled[name], _compiled_with(_NoHoisting, name)))
+    assert hoisted < unhoisted, (hoisted, unhoisted)
 
 
 @pytest.mark.parametrize("name", list(CASES))
