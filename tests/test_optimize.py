@@ -65,6 +65,8 @@ def test_common_subexpressions_become_one_object():
 def test_unchanged_expressions_come_back_as_themselves():
     expr = mods.causal().expr
     assert optimize(expr) is expr
+    blocks = mods.mask_mod(lambda b, h, q, kv: (q // 64) == (kv // 32) + (kv % 7)).expr   # // and %: none to take out
+    assert optimize(blocks) is blocks
 
 
 def test_divisor_shift():

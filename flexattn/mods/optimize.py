@@ -70,7 +70,7 @@ def optimize(expr: ir.Node) -> ir.Node:
 
 def _rewrite(n: ir.Node) -> ir.Node:
     if n.op in ("floordiv", "mod") and n.dtype == ir.INT and positive_constant(n.args[1]):
-        return _divide_multiples(n.op, n.args[0], n.args[1].attr)
+        return _divide_multiples(n.op, n.args[0], n.args[1].attr) or n
     if n.op == "truediv" and n.args[1].op == "const":
         c = n.args[1].attr
         reciprocal = 1.0 / c if c != 0 and np.isfinite(c) else 0.0
@@ -83,9 +83,9 @@ def _rewrite(n: ir.Node) -> ir.Node:
     return n
 
 
-def _divide_multiples(op: str, x: ir.Node, c: int) -> ir.Node:
+def _divide_multiples(op: str, x: ir.Node, c: int) -> ir.Node | None:
     """``x // c`` or ``x % c`` (``c`` > 0) with the multiples of ``c`` in ``x`` taken out
-    (see the module doc)."""
+    (see the module doc); None where ``x`` has none."""
     quotient = _quotient(x, c)
     if quotient is not None:                     # x = quotient * c
         return quotient if op == "floordiv" else ir.const(0)
@@ -95,9 +95,9 @@ def _divide_multiples(op: str, x: ir.Node, c: int) -> ir.Node:
         for multiple, rest in ((x.args[0], x.args[1]), (x.args[1], x.args[0])):
             quotient = _quotient(multiple, c)
             if quotient is not None:
-                inner = _divide_multiples(op, rest, c)
+                inner = _divide_multiples(op, rest, c) or ir.binary(op, rest, c)
                 return ir.binary("add", quotient, inner) if op == "floordiv" else inner
-    return ir.binary(op, x, c)
+    return None
 
 
 def _quotient(x: ir.Node, c: int) -> ir.Node | None:
