@@ -18,6 +18,9 @@ sequence's pages, its mask_mod maps physical keys back through the page map). Pa
   sdpa          SDPA over the logical cache [B, Hkv, L, D] (contiguous, enable_gqa): the
                 speed of the same bytes without pages
 
+``flexattn-classified`` (partial rows): the door with ``FLEXATTN_CLASSIFY_TILES=1`` (each tile
+of the walk classified by interval analysis, the mask skipped where surely all kept).
+
 ``--blocks gptfast``: gpt-fast's batched step instead (``gpt_fast_step``: views of a batched
 contiguous cache, a causal block mask of batch 1 cut to the current row; the door's walk
 folds the batch into the heads), and ``flexattn-decode`` = ``fa.decode`` over a ``KVCache``
@@ -32,6 +35,7 @@ do_bench, L2 flushed). The last column is each output's relative difference from
 
 import argparse
 import datetime
+import os
 
 import torch
 
@@ -103,6 +107,7 @@ def main():
 
     compiled_flex = torch.compile(torch_flex)
     real_walk = short_query.list_walk_route, short_query.prepared_list_walk
+    classify_default = os.environ.get("FLEXATTN_CLASSIFY_TILES", "0")
     rows = []
     for spec, blocks in [(s, b) for s in args.shapes for b in args.blocks]:
         batch, length = (int(x) for x in spec.split("x"))
@@ -124,13 +129,17 @@ def main():
             "flexattn-decode": lambda: fa.decode(q, cache),
             "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
         }
+        if blocks == "partial":
+            impls["flexattn-classified"] = impls["flexattn"]
         if not args.no_flex:
             impls["flex"] = lambda: compiled_flex(q, k_cache, v_cache, block_mask=torch_mask, enable_gqa=True)
         row = {"shape": spec, "blocks": blocks, "tbps": {}, "us": {}, "diff": {}}
         for name, fn in impls.items():
             fa._PREPARED.clear()     # the door's prepared calls: made afresh under each column's route
+            fa.as_block_mask(block_mask).__dict__.pop("_list_walks", None)   # (walks keep their planning)
             if name == "flexattn-fwd":
                 short_query.list_walk_route = short_query.prepared_list_walk = lambda *a, **kw: None
+            os.environ["FLEXATTN_CLASSIFY_TILES"] = "1" if name == "flexattn-classified" else classify_default
             try:
                 row["diff"][name] = rel_diff(fn(), sdpa)
                 ms = bench_ms(fn)
@@ -139,10 +148,12 @@ def main():
                 continue
             finally:
                 short_query.list_walk_route, short_query.prepared_list_walk = real_walk
+                os.environ["FLEXATTN_CLASSIFY_TILES"] = classify_default
             row["us"][name], row["tbps"][name] = ms * 1e3, nbytes / ms / 1e9
         rows.append(row)
 
-    names = ["flexattn", "flexattn-fwd", "flexattn-decode", "sdpa"] + ([] if args.no_flex else ["flex"])
+    names = (["flexattn", "flexattn-fwd"] + (["flexattn-classified"] if "partial" in args.blocks else [])
+             + ["flexattn-decode", "sdpa"] + ([] if args.no_flex else ["flex"]))
     md = (f"{device_name()}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC: torch PagedAttention"
           f" step, Hq {HQ} Hkv {HKV} D {D} bf16, pages of {PAGE}; TB/s (µs)\n\n"
           "| B x L | blocks | " + " | ".join(names) + " | flexattn / flex | flexattn / sdpa | rel diff vs sdpa |\n"

@@ -225,3 +225,43 @@ def test_batched_caches_fold_into_heads_for_a_shared_block_mask():
         keep = keep | (keys < walk.lengths[0] - block)   # the kernel's rule: pages listed full unmasked
         p = np.where(keep, np.exp(s - s[keep].max()), 0.0)
         np.testing.assert_allclose(p @ vb / p.sum(), want[f // Hq, f % Hq, 0], rtol=1e-10, atol=1e-12)
+
+
+def test_walk_tiles_surely_kept_are_kept():
+    """The per-tile classification of a walk of pages listed partial
+    (``DecodeConfig.classify_tiles``), on the host twin of the kernel's interval analysis
+    (``mods.intervals``): over pages of 128 read as 64-key tiles, the table and page map
+    are read at one point per tile, so every tile below a sequence's length is proven kept
+    (and each one proven kept is, key by key); only the tiles over the length stay
+    undecided."""
+    import flexattn.torch as fa
+    from flexattn.blockmask.layout import as_block_mask
+    from flexattn.core import kernel_path
+    from flexattn.core.short_query import list_walk_route
+    from flexattn.mods.evaluate import evaluate
+    from flexattn.mods.intervals import classify
+    from flexattn.mods.optimize import optimize
+
+    lengths, tile = (300, 1000, 129, 640), 64
+    q, k, v, physical = _torch_paged_step(B=4, D=32, page=128, n_pages=40, L=1024, lengths=lengths)
+    spec = AttentionSpec.from_args(block_mask=as_block_mask(physical), enable_gqa=True)
+    shape = AttentionShape(4, 8, 2, 1, k.shape[2], 32, 32)
+    device = kernel_path.Device(0, lambda x: x, decode_resources=lambda: (132, None), page_view=fa._page_view)
+    walk = list_walk_route(shape, spec, "bfloat16", k, v, device)[0]
+    assert not walk.mods.full_but_last
+    mask = walk.mods.mask
+    expr = optimize(mask.expr)
+    values = [np.asarray(c) for c in mask.captures]
+    for b, length in enumerate(lengths):
+        assert walk.lengths[b] == -(-length // 128) * 128
+        starts = np.arange(0, walk.lengths[b], tile)
+        ranges = {"b": (np.full(starts.shape, b), np.full(starts.shape, b)), "h": (0, 7), "q": (0, 0),
+                  "kv": (starts, starts + tile - 1)}
+        decided = classify(expr, ranges, values)
+        keys = np.arange(walk.lengths[b])
+        keep = evaluate(expr, {"b": np.int64(b), "h": np.int64(0), "q": np.int64(0), "kv": keys}, values)
+        all_kept = np.array([keep[start:start + tile].all() for start in starts])
+        # sound (a tile proven kept is), and here exact: each tile the mask keeps whole
+        # is proven (in walk order: the table lists pages by physical index)
+        np.testing.assert_array_equal(decided == 1, all_kept)
+        assert (decided == 1).sum() == length // tile      # every tile wholly below the length

@@ -211,7 +211,7 @@ def _paged_cache(B, Hkv, D, page, n_pages, L, order):
     return paged, k_cache, v_cache, k, v
 
 
-@pytest.mark.parametrize("blocks", ["partial", "full"])
+@pytest.mark.parametrize("blocks", ["partial", "full", "partial-classified"])
 def test_torchs_paged_attention_decodes_on_the_decode_kernel(monkeypatch, blocks):
     """torch's PagedAttention as its users decode: one physical cache of batch 1 (pages of
     128 shuffled across sequences), a q_len-1 query per sequence, torch's block mask over
@@ -220,7 +220,12 @@ def test_torchs_paged_attention_decodes_on_the_decode_kernel(monkeypatch, blocks
     rows and cut to one, as gpt-fast does (pages below a length listed full: the kernel
     masks each sequence's last page alone). The key / value batch of 1 broadcasts in place
     and the step walks the listed pages with the decode kernel; the float64 reference of
-    the logical caches agrees."""
+    the logical caches agrees. ``partial-classified``: the partial lists with each tile
+    classified by interval analysis (``FLEXATTN_CLASSIFY_TILES=1``, written in session 47:
+    run it, then make it the default)."""
+    classified = blocks == "partial-classified"
+    blocks = "partial" if classified else blocks
+    monkeypatch.setenv("FLEXATTN_CLASSIFY_TILES", "1" if classified else "0")
     from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
     torch.manual_seed(41)
@@ -235,7 +240,7 @@ def test_torchs_paged_attention_decodes_on_the_decode_kernel(monkeypatch, blocks
     walks = []
     real = short_query.attention_plan
     monkeypatch.setattr(short_query, "attention_plan",
-                        lambda *a: (walks.append((a[-1], a[6].full_but_last)), real(*a))[1])
+                        lambda *a: (walks.append((a[-1], a[6].full_but_last, a[6].classify_tiles)), real(*a))[1])
     host_lens = lens.cpu()
     spec = AttentionSpec.from_args(mask=lambda b, h, qi, ki: ki < host_lens[b], enable_gqa=True)
     for step in range(3):     # the first call plans; repeats launch prepared
@@ -244,7 +249,7 @@ def test_torchs_paged_attention_decodes_on_the_decode_kernel(monkeypatch, blocks
         want_o, want_lse = reference.forward(q.cpu(), k.cpu(), v.cpu(), spec)
         assert np.abs(out.double().cpu().numpy() - want_o).max() < TOL, step
         assert np.abs(lse.double().cpu().numpy() - want_lse).max() < 5e-3, step
-    assert walks and all(w == (page, blocks == "full") for w in walks), walks
+    assert walks and all(w == (page, blocks == "full", classified) for w in walks), walks
 
 
 def test_torchs_paged_attention_block_mask_converted_every_step():
