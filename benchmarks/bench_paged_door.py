@@ -31,6 +31,7 @@ do_bench, L2 flushed). The last column is each output's relative difference from
 
     python3 benchmarks/bench_paged_door.py [--shapes 8x8192 8x32768 1x131072] [--out paged.json]
     python3 benchmarks/bench_paged_door.py --shapes 8x8192 8x32768 --blocks gptfast
+    python3 benchmarks/bench_paged_door.py --shapes 8x8192 --blocks partial --prefill 4x8192 2x32768
 """
 
 import argparse
@@ -44,13 +45,11 @@ from common import bench_ms, device_name, rel_diff, report
 HQ, HKV, D, PAGE = 32, 8, 128, 128
 
 
-def paged_step(batch: int, length: int, full_blocks: bool):
-    """(q, physical k / v caches, converted block mask, logical k / v, page table) of one
-    step. ``full_blocks``: the logical mask built over a block of query rows and cut to one
-    (as gpt-fast slices its mask per step: blocks below each length listed full); else
-    built for the one query (torch lists every block partial)."""
+def paged_caches(batch: int, length: int):
+    """torch's PagedAttention with ``length`` positions per sequence (pages handed to the
+    sequences in turn), its physical caches filled from random logical ones:
+    (paged, k_cache, v_cache, logical k, logical v)."""
     from torch.nn.attention.experimental._paged_attention import PagedAttention
-    from torch.nn.attention.flex_attention import create_block_mask
 
     pages = batch * length // PAGE
     paged = PagedAttention(pages, PAGE, batch, device="cuda")
@@ -61,12 +60,85 @@ def paged_step(batch: int, length: int, full_blocks: bool):
     k, v = (torch.randn(batch, HKV, length, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     paged.assign(torch.arange(batch, device="cuda"), torch.arange(length, device="cuda")[None].expand(batch, length),
                  k, v, k_cache, v_cache)
+    return paged, k_cache, v_cache, k, v
+
+
+def paged_step(batch: int, length: int, full_blocks: bool):
+    """(q, physical k / v caches, converted block mask, logical k / v, page table) of one
+    step. ``full_blocks``: the logical mask built over a block of query rows and cut to one
+    (as gpt-fast slices its mask per step: blocks below each length listed full); else
+    built for the one query (torch lists every block partial)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    paged, k_cache, v_cache, k, v = paged_caches(batch, length)
     lengths = torch.full((batch,), length, device="cuda")
     logical = create_block_mask(lambda b, h, qi, ki: ki < lengths[b], batch, None, PAGE if full_blocks else 1, length,
                                 device="cuda", BLOCK_SIZE=PAGE)
     logical.seq_lengths = (1, length)
     q = torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
     return q, k_cache, v_cache, paged.convert_logical_block_mask(logical), k, v, paged.page_table
+
+
+def paged_prefill(batch: int, length: int, chunk: int):
+    """A prefill chunk: each sequence's last ``chunk`` queries (at length - chunk + i),
+    causal, against its ``length`` keys through torch's PagedAttention: (q, physical k / v
+    caches, converted block mask, logical k / v, the logical block mask, the chunk's
+    boolean mask [chunk, length] for SDPA)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    paged, k_cache, v_cache, k, v = paged_caches(batch, length)
+    start = length - chunk
+    logical = create_block_mask(lambda b, h, qi, ki: ki <= qi + start, batch, None, chunk, length, device="cuda",
+                                BLOCK_SIZE=PAGE)
+    q = torch.randn(batch, HQ, chunk, D, device="cuda", dtype=torch.bfloat16)
+    dense = torch.arange(length, device="cuda")[None, :] <= torch.arange(chunk, device="cuda")[:, None] + start
+    return q, k_cache, v_cache, paged.convert_logical_block_mask(logical), k, v, logical, dense
+
+
+def prefill_table(shapes, chunk: int, compiled_flex) -> str:
+    """The prefill rows: TFLOP/s (µs) of the door (the forward kernel over the broadcast
+    physical cache and the converted lists, its mask reading the page map per key), torch's
+    compiled flex on the same arguments, the same door over the logical contiguous caches
+    with the logical block mask (``flexattn-logical``: the cost of the pages), and SDPA with
+    the chunk's boolean mask over the logical caches."""
+    import flexattn.torch as fa
+
+    names = ["flexattn", "flexattn-logical", "sdpa", "flex"]
+    md = (f"Prefill chunks of {chunk} queries (causal at the sequence's end), TFLOP/s (µs)\n\n"
+          "| B x L | " + " | ".join(names) + " | flexattn / flex | flexattn / flexattn-logical | rel diff vs sdpa |\n"
+          "|---|" + "---|" * (len(names) + 3) + "\n")
+    for spec in shapes:
+        batch, length = (int(x) for x in spec.split("x"))
+        q, k_cache, v_cache, physical, k, v, logical, dense = paged_prefill(batch, length, chunk)
+        start = length - chunk
+        flops = 4 * batch * HQ * D * sum(start + i + 1 for i in range(chunk))
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
+        ours = fa.as_block_mask(logical)
+        impls = {
+            "flexattn": lambda: fa.flex_attention(q, k_cache, v_cache, block_mask=physical, enable_gqa=True),
+            "flexattn-logical": lambda: fa.flex_attention(q, k, v, block_mask=ours, enable_gqa=True),
+            "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True),
+            "flex": lambda: compiled_flex(q, k_cache, v_cache, block_mask=physical, enable_gqa=True),
+        }
+        cells, tflops, diffs = [], {}, []
+        for name in names:
+            try:
+                diff = rel_diff(impls[name](), sdpa)
+                ms = bench_ms(impls[name])
+            except Exception as e:   # a column that cannot run this shape: say so, go on
+                print(f"prefill {spec} {name}: {type(e).__name__}: {e}")
+                cells.append("—")
+                continue
+            tflops[name] = flops / ms / 1e9
+            cells.append(f"{tflops[name]:.1f} ({ms * 1e3:.1f})")
+            if name != "sdpa":
+                diffs.append(f"{name} {diff:.1e}")
+
+        def ratio(a, b):
+            return f"{tflops[a] / tflops[b]:.2f}" if a in tflops and b in tflops else "—"
+        md += (f"| {spec} | " + " | ".join(cells) + f" | {ratio('flexattn', 'flex')} | "
+               f"{ratio('flexattn', 'flexattn-logical')} | {', '.join(diffs)} |\n")
+    return md
 
 
 def gpt_fast_step(batch: int, length: int):
@@ -98,6 +170,9 @@ def main():
     ap.add_argument("--blocks", nargs="+", default=["partial", "full"],
                     help="how the logical mask lists its blocks (see paged_step); gptfast: gpt-fast's batched "
                          "step instead (gpt_fast_step)")
+    ap.add_argument("--prefill", nargs="*", metavar="BxL",
+                    help="also a prefill chunk through the door at these shapes (default 4x8192), see prefill_table")
+    ap.add_argument("--chunk", type=int, default=512, help="the prefill chunk's queries")
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -165,6 +240,8 @@ def main():
         diffs = ", ".join(f"{n} {r['diff'][n]:.1e}" for n in names if n != "sdpa" and n in r["diff"])
         vs_sdpa = f"{t['flexattn'] / t['sdpa']:.2f}" if "flexattn" in t and "sdpa" in t else "—"
         md += f"| {r['shape']} | {r['blocks']} | " + " | ".join(cells) + f" | {vs_flex} | {vs_sdpa} | {diffs} |\n"
+    if args.prefill is not None:
+        md += "\n" + prefill_table(args.prefill or ["4x8192"], args.chunk, compiled_flex)
     report(md, rows, args.out, f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}")
 
 

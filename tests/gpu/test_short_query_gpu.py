@@ -281,6 +281,31 @@ def test_torchs_paged_attention_block_mask_converted_every_step():
     assert all(m.expr is masks[0].expr for m in masks)
 
 
+@pytest.mark.parametrize("chunk", [160, 512])
+def test_torchs_paged_attention_prefill_chunk(chunk):
+    """A prefill chunk through torch's PagedAttention (q_len > 16: the forward kernel over
+    the key / value batch of 1 broadcast, the converted block mask's lists and its mask
+    reading the page map per key): each sequence's last ``chunk`` queries, causal at their
+    true positions; the float64 reference of the logical caches agrees. (The door
+    ``bench_paged_door.py --blocks prefill`` times.)"""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    torch.manual_seed(61)
+    B, Hq, Hkv, D, page, n_pages, L = 2, 16, 4, 128, 128, 20, 1024
+    paged, k_cache, v_cache, k, v = _paged_cache(B, Hkv, D, page, n_pages, L, (1, 0))
+    lens = torch.tensor([1024, 700], device="cuda")
+    logical = torch_create_block_mask(lambda b, h, qi, ki: (ki <= qi + lens[b] - chunk) & (ki < lens[b]), B, None,
+                                      chunk, L, device="cuda", BLOCK_SIZE=page)
+    physical = paged.convert_logical_block_mask(logical)
+    q = torch.randn(B, Hq, chunk, D, device="cuda", dtype=torch.bfloat16)
+    out = fa.flex_attention(q, k_cache, v_cache, block_mask=physical, enable_gqa=True)
+    host_lens = lens.cpu()
+    spec = AttentionSpec.from_args(mask=lambda b, h, qi, ki: (ki <= qi + host_lens[b] - chunk) & (ki < host_lens[b]),
+                                   enable_gqa=True)
+    want, _ = reference.forward(q.cpu(), k.cpu(), v.cpu(), spec)
+    assert np.abs(out.double().cpu().numpy() - want).max() < TOL
+
+
 def test_torchs_paged_attention_step_compiled_walks_its_pages(monkeypatch):
     """The same PagedAttention step under torch.compile (default backend), the block mask
     converted inside the compiled step or outside: the broadcast K / V reach our op as
