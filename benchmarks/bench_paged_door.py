@@ -97,13 +97,14 @@ def paged_prefill(batch: int, length: int, chunk: int):
 
 def prefill_table(shapes, chunk: int, compiled_flex) -> str:
     """The prefill rows: TFLOP/s (µs) of the door (the forward kernel over the broadcast
-    physical cache and the converted lists, its mask reading the page map per key), torch's
+    physical cache and the converted lists, its mask reading the page map per key; with
+    ``FLEXATTN_FWD_TILE_READS=1``, ``flexattn-hoisted``, once per tile and row), torch's
     compiled flex on the same arguments, the same door over the logical contiguous caches
     with the logical block mask (``flexattn-logical``: the cost of the pages), and SDPA with
     the chunk's boolean mask over the logical caches."""
     import flexattn.torch as fa
 
-    names = ["flexattn", "flexattn-logical", "sdpa", "flex"]
+    names = ["flexattn", "flexattn-hoisted", "flexattn-logical", "sdpa", "flex"]
     md = (f"Prefill chunks of {chunk} queries (causal at the sequence's end), TFLOP/s (µs)\n\n"
           "| B x L | " + " | ".join(names) + " | flexattn / flex | flexattn / flexattn-logical | rel diff vs sdpa |\n"
           "|---|" + "---|" * (len(names) + 3) + "\n")
@@ -116,12 +117,16 @@ def prefill_table(shapes, chunk: int, compiled_flex) -> str:
         ours = fa.as_block_mask(logical)
         impls = {
             "flexattn": lambda: fa.flex_attention(q, k_cache, v_cache, block_mask=physical, enable_gqa=True),
+            "flexattn-hoisted": lambda: fa.flex_attention(q, k_cache, v_cache, block_mask=physical, enable_gqa=True),
             "flexattn-logical": lambda: fa.flex_attention(q, k, v, block_mask=ours, enable_gqa=True),
             "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True),
             "flex": lambda: compiled_flex(q, k_cache, v_cache, block_mask=physical, enable_gqa=True),
         }
         cells, tflops, diffs = [], {}, []
+        hoist_default = os.environ.get("FLEXATTN_FWD_TILE_READS", "0")
         for name in names:
+            fa._PREPARED.clear()     # the door's prepared calls: planned afresh under each column's setting
+            os.environ["FLEXATTN_FWD_TILE_READS"] = "1" if name == "flexattn-hoisted" else hoist_default
             try:
                 diff = rel_diff(impls[name](), sdpa)
                 ms = bench_ms(impls[name])
@@ -129,6 +134,8 @@ def prefill_table(shapes, chunk: int, compiled_flex) -> str:
                 print(f"prefill {spec} {name}: {type(e).__name__}: {e}")
                 cells.append("—")
                 continue
+            finally:
+                os.environ["FLEXATTN_FWD_TILE_READS"] = hoist_default
             tflops[name] = flops / ms / 1e9
             cells.append(f"{tflops[name]:.1f} ({ms * 1e3:.1f})")
             if name != "sdpa":

@@ -281,14 +281,18 @@ def test_torchs_paged_attention_block_mask_converted_every_step():
     assert all(m.expr is masks[0].expr for m in masks)
 
 
+@pytest.mark.parametrize("hoisted", [False, True])
 @pytest.mark.parametrize("chunk", [160, 512])
-def test_torchs_paged_attention_prefill_chunk(chunk):
+def test_torchs_paged_attention_prefill_chunk(monkeypatch, chunk, hoisted):
     """A prefill chunk through torch's PagedAttention (q_len > 16: the forward kernel over
     the key / value batch of 1 broadcast, the converted block mask's lists and its mask
     reading the page map per key): each sequence's last ``chunk`` queries, causal at their
-    true positions; the float64 reference of the logical caches agrees. (The door
-    ``bench_paged_door.py --blocks prefill`` times.)"""
+    true positions; the float64 reference of the logical caches agrees. ``hoisted``: the
+    page map read once per tile (``FLEXATTN_FWD_TILE_READS=1``, written in session 47:
+    run it and ``bench_paged_door.py --prefill``, then decide the default)."""
     from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    monkeypatch.setenv("FLEXATTN_FWD_TILE_READS", "1" if hoisted else "0")
 
     torch.manual_seed(61)
     B, Hq, Hkv, D, page, n_pages, L = 2, 16, 4, 128, 128, 20, 1024

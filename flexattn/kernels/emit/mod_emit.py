@@ -470,26 +470,32 @@ def row_friendly(expr: ir.Node) -> bool:
     return not any(n.op in _BOOLEAN_LOGIC and id(n) in varying for n in nodes)
 
 
-def emit_row(node: ir.Node, env: dict, element_env, args, fast_math: bool = False) -> object:
+def emit_row(node: ir.Node, env: dict, element_env, args, fast_math: bool = False,
+             known: dict | None = None) -> object:
     """``emit`` with vector variables in ``env`` (see above; ``env["shape"]`` is the
     row's shape): a scalar where the expression does not vary along the row, else a
     vector of that shape. ``element_env(i)``: the scalar variables of element i, for
-    buffer reads at varying indices."""
+    buffer reads at varying indices. ``known``: as ``emit``'s (scalars constant along
+    the row: a tile's ``tile_invariants``)."""
+    known = known or {}
     varying = _varying_nodes(node)
-    # Nodes needed as values: not the index expressions of varying reads (per element).
+    # Nodes needed as values: not the index expressions of varying reads (per element),
+    # nor what a known value stands for.
     needed, stack = set(), [node]
     while stack:
         n = stack.pop()
         if id(n) in needed:
             continue
         needed.add(id(n))
-        if not (n.op == "load" and id(n) in varying):
+        if id(n) not in known and not (n.op == "load" and id(n) in varying):
             stack.extend(n.args)
     values: dict[int, object] = {}
     for n in node.walk():
         if id(n) not in needed:
             continue
-        if n.op == "load" and id(n) in varying:
+        if id(n) in known:
+            values[id(n)] = known[id(n)]
+        elif n.op == "load" and id(n) in varying:
             values[id(n)] = _gather(n, env, element_env, args, fast_math)
         else:
             values[id(n)] = _emit_node_affine(n, [values[id(a)] for a in n.args], env, args, fast_math,
@@ -685,6 +691,9 @@ class IRModHook(ModHook):
                           tuple(emit_many(roots[0], env, score_args, self.fast_math, self._known(row, 0))) if score else None,
                           tuple(emit_many(roots[1], env, mask_args, self.fast_math, self._known(row, 1))) if mask else None)
 
+    def tile_invariant_count(self, tile_n: int) -> int:
+        return sum(len(roots) for roots in self._tile_roots(tile_n))
+
     def _tile_roots(self, tile_n: int) -> tuple:
         """(score's, mask's) ``tile_invariant_roots`` for tiles of ``tile_n`` keys, found
         once per tile size (the nodes stay alive with the mods)."""
@@ -706,21 +715,21 @@ class IRModHook(ModHook):
         return all(row_friendly(mod.expr) for use, mod in ((score, self._score), (mask, self._mask))
                    if use and mod is not None)
 
-    def score_row(self, s, b, h, q, kv, args, kv_at=None):
+    def score_row(self, s, b, h, q, kv, args, kv_at=None, tile=None):
         """``score`` for a row: ``s`` and ``kv`` vectors; ``kv_at(i)`` element i's kv (for
-        buffer reads at kv)."""
+        buffer reads at kv); ``tile``: this row's ``tile_invariants``."""
         env = {"score": s, "b": b, "h": h, "q": q, "kv": kv, "shape": s.shape}
         element = _ElementEnv(b=b, h=h, q=q, kv=kv_at, score=lambda i: Float32(s[i]))
         out = emit_row(self._score.expr, env, element, args[: self._n_score_args] if args else (),
-                       self.fast_math)
+                       self.fast_math, self._known(None, 0, tile))
         return out if _is_vec(out) else cute.full(s.shape, out, Float32)   # s not read
 
-    def mask_row(self, b, h, q, kv, args, kv_at=None, shape=None):
+    def mask_row(self, b, h, q, kv, args, kv_at=None, shape=None, tile=None):
         """``mask`` for a row of shape ``shape``: ``kv`` a vector (see ``score_row``)."""
         env = {"b": b, "h": h, "q": q, "kv": kv, "shape": shape}
         element = _ElementEnv(b=b, h=h, q=q, kv=kv_at)
         return emit_row(self._mask.expr, env, element, args[self._n_score_args:] if args else (),
-                        self.fast_math)
+                        self.fast_math, self._known(None, 1, tile))
 
     # ---- backward: the score mod's symbolic derivative (mods.derivative) ---------------
     @property

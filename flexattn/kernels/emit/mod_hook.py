@@ -86,6 +86,11 @@ class ModHook:
         `score` / `mask` for that tile and row (with `row=` from `row_invariants`)."""
         return None
 
+    def tile_invariant_count(self, tile_n: int) -> int:
+        """How many values `tile_invariants` would emit per row for tiles of `tile_n` keys
+        (0: nothing to hoist; planners then leave the kernel as it is)."""
+        return 0
+
     def key(self):
         return (type(self).__module__, type(self).__qualname__)
 
@@ -215,6 +220,7 @@ def apply_mods(
     builtin_causal: cutlass.Constexpr[bool],
     check_kv_bounds: cutlass.Constexpr[bool],
     clamp_kv: cutlass.Constexpr[bool] = False,
+    hoist_tile_reads: cutlass.Constexpr[bool] = False,
 ):
     """Apply score mod, mask, built-in causal mask and the KV_LEN bound to one S tile
     (`s_mn`: this thread's fragment as rows x cols), in place.
@@ -227,6 +233,8 @@ def apply_mods(
     clamp_kv:        the hooks see min(kv, KV_LEN - 1) (implied by check_kv_bounds; for
                      tiles whose bound is applied by a separate bound-only call) —
                      where kv reaches a buffer index (`mods.load_index_vars`).
+    hoist_tile_reads: the hooks' reads constant over the tile (`mods.tile_invariants`:
+                     at kv // P, P a multiple of the tile) emitted once per row first.
     """
     q_base = m_block * coords.tile_m
     kv_base = n_block * coords.tile_n + coords.col_offset()
@@ -239,14 +247,23 @@ def apply_mods(
     hook_kv = "kv" in mods.index_vars(apply_score, apply_mask)
     clamp = (clamp_kv or check_kv_bounds) and "kv" in mods.load_index_vars(apply_score, apply_mask)
     affine = hook_kv and not clamp and mods.affine_index("kv", apply_score, apply_mask)
+    # Per row: the reads constant over the tile (at the tile's first key, which the clamp
+    # leaves as it is: the tile holds a key below KV_LEN), or None.
+    tile_values = [None] * cute.size(s_mn.shape[0])
+    if const_expr(hoist_tile_reads and (apply_score or apply_mask)):
+        for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
+            q_hook = cutlass.min(q_base + coords.row(r), q_last)
+            tile_values[r] = mods.tile_invariants(batch, head, q_hook, n_block * coords.tile_n, coords.tile_n, args,
+                                                  score=apply_score, mask=apply_mask)
     if const_expr(mods.rows(apply_score, apply_mask) or not (apply_score or apply_mask)):
         tile = _TileIndices(batch, head, q_base, kv_base, q_last, kv_last, seqlen_k)
         parts = _ModParts(apply_score, apply_mask, builtin_causal, check_kv_bounds, hook_kv, clamp, affine)
-        _apply_mods_rows(s_mn, coords, mods, tile, softmax_scale, args, parts)
+        _apply_mods_rows(s_mn, coords, mods, tile, softmax_scale, args, parts, tile_values)
         return
     for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
         q = q_base + coords.row(r)
         q_hook = cutlass.min(q, q_last)
+        hoisted = {} if const_expr(tile_values[r] is None) else {"tile": tile_values[r]}
         for c in cutlass.range_constexpr(cute.size(s_mn.shape[1])):
             kv = kv_hook = None
             if const_expr(hook_kv or builtin_causal or check_kv_bounds):
@@ -258,9 +275,9 @@ def apply_mods(
                 kv_hook = AffineIndex(kv_base, coords.col0(c))
             s = s_mn[r, c]
             if const_expr(apply_score):
-                s = mods.score(s * softmax_scale, batch, head, q_hook, kv_hook, args)
+                s = mods.score(s * softmax_scale, batch, head, q_hook, kv_hook, args, **hoisted)
             if const_expr(apply_mask):
-                keep = mods.mask(batch, head, q_hook, kv_hook, args)
+                keep = mods.mask(batch, head, q_hook, kv_hook, args, **hoisted)
                 s = kept_if(keep, s)
             if const_expr(builtin_causal):
                 s = kept_if(q >= kv, s)
@@ -295,10 +312,12 @@ class _ModParts(NamedTuple):
     affine: bool     # the hooks take kv as an AffineIndex (mods.affine_index; unclamped)
 
 
-def _apply_mods_rows(s_mn, coords, mods, tile: _TileIndices, softmax_scale, args, parts: _ModParts):
+def _apply_mods_rows(s_mn, coords, mods, tile: _TileIndices, softmax_scale, args, parts: _ModParts,
+                     tile_values: list):
     """apply_mods a row at a time (hooks with `rows`): the row's scores and kv indices as
-    vectors, the hooks called once per row."""
+    vectors, the hooks called once per row (with row r's `tile_values[r]`, if any)."""
     for r in range(cute.size(s_mn.shape[0])):
+        hoisted = {} if tile_values[r] is None else {"tile": tile_values[r]}
         q = tile.q_base + coords.row(r)
         q_hook = cutlass.min(q, tile.q_last)
         s = s_mn[r, None].load()
@@ -316,10 +335,11 @@ def _apply_mods_rows(s_mn, coords, mods, tile: _TileIndices, softmax_scale, args
             kv_c = tile.kv_base + coords.col0(c)
             return cutlass.min(kv_c, tile.kv_last) if parts.clamp else kv_c
         if parts.score:
-            s = mods.score_row(s * softmax_scale, tile.batch, tile.head, q_hook, kv_hook, args, kv_at=kv_at)
+            s = mods.score_row(s * softmax_scale, tile.batch, tile.head, q_hook, kv_hook, args, kv_at=kv_at,
+                               **hoisted)
         if parts.mask:
             s = kept_where(mods.mask_row(tile.batch, tile.head, q_hook, kv_hook, args, kv_at=kv_at,
-                                         shape=s.shape), s)
+                                         shape=s.shape, **hoisted), s)
         if parts.builtin_causal:
             s = kept_where(kv <= q, s)
         if parts.kv_bounds:

@@ -125,6 +125,9 @@ class FwdConfig(KernelConfig):
     band: bool = False             # block structure of the mask's band of diagonals (the
                                    # mask hook's IR is one; its bounds are runtime captures)
     max_scores: bool = False       # also write each row's max score (torch's AuxRequest)
+    hoist_tile_reads: bool = False # the mods' reads at kv // P (P a multiple of tile_n: a
+                                   # paged mask's page map) once per tile and row, not per
+                                   # element (mod_hook.apply_mods, IRModHook.tile_invariants)
     mods: ModHook = field(default=NO_MODS, compare=False)
     producer_regs: int | None = None  # setmaxnreg budgets; None: by warpgroup count,
     consumer_regs: int | None = None  # 2 WGs: 24 / 240, 3 WGs: 32 / 160 (fill 64K regs)
@@ -968,7 +971,7 @@ class FlashFwdSm90(WarpSpecialized):
                        n_block, seqlen_q, seqlen_k, softmax_scale, mod_args,
                        apply_score=mods.has_score, apply_mask=mask,
                        builtin_causal=False, check_kv_bounds=False,
-                       clamp_kv=kv_bound or clamp_kv)
+                       clamp_kv=kv_bound or clamp_kv, hoist_tile_reads=self.cfg.hoist_tile_reads)
         if const_expr(causal or kv_bound):
             # Element by element after hooks emitted so: LLVM folds the two selects of an
             # element into one, which it does not across a vector built of scalars.
