@@ -127,9 +127,9 @@ class PreparedBackward:
         self._n_slots = len(spec.score.captures) if spec.score is not None else 0
         self._scale = spec.resolved_scale(shape.head_dim)
         self._to_device = device.to_device
-        self._args = kernel_path.CaptureArgs(
-            self._captures, lambda: ffi_args(self._kinds, self._captures, self._to_device) or None,
-            device.same_memory, ffi_tensors)
+        kinds, captures, to_device = self._kinds, self._captures, self._to_device   # (no cycle through self)
+        self._args = kernel_path.CaptureArgs(captures, lambda: ffi_args(kinds, captures, to_device) or None,
+                                             device.same_memory, ffi_tensors)
         self._lists = ffi_tensors(_q_lists(cfg, plan, device))
 
     def operand_positions(self, operands) -> tuple:

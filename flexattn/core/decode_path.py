@@ -501,6 +501,19 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
     return entry[0].with_mods(hook)
 
 
+def _converter(ffi: bool, kinds, captures, to_device, mods) -> Callable:
+    """A plan's captures converted as its runner takes them (TVM-FFI arguments, or cute
+    views for the from_dlpack runner), as a function that holds no plan (``CaptureArgs``
+    keeps it: the plan would then sit in a reference cycle)."""
+    if ffi:
+        from ..kernels.launch.arguments import ffi_args
+
+        return lambda: ffi_args(kinds, captures, to_device) or None
+    from ..kernels.emit.mod_emit import runtime_args
+
+    return lambda: runtime_args(mods, to_device)
+
+
 class DecodePlan:
     """Everything about a step that stays while the mods, shapes, dtypes and stream do: the
     kernel config with the mods rewritten to true positions, its runner, the captures
@@ -572,8 +585,9 @@ class DecodePlan:
         # Numbers, read-only arrays and our positions buffer cannot change under the plan:
         # converted once; tensors read in place, once per data pointer; anything else
         # (writeable host arrays, strided tensors) per step (CaptureArgs).
-        self._args = CaptureArgs(self._captures, self._convert, device.same_memory,
-                                 ffi_tensors if self.ffi else None, stable=(q_offset,))
+        self._args = CaptureArgs(self._captures, _converter(self.ffi, self._kinds, self._captures, self._to_device,
+                                                            self.config.mods),
+                                 device.same_memory, ffi_tensors if self.ffi else None, stable=(q_offset,))
 
     def _kernel(self, kernel: tuple) -> tuple:
         """(config, runner) of `kernel` = (tuning, CTAs per merging cluster)."""
@@ -588,14 +602,6 @@ class DecodePlan:
             hit = self._kernels[kernel] = (config, decode_runner(config, self.ffi))
         return hit
 
-    def _convert(self) -> tuple:
-        if self.ffi:
-            from ..kernels.launch.arguments import ffi_args
-
-            return ffi_args(self._kinds, self._captures, self._to_device) or None
-        from ..kernels.emit.mod_emit import runtime_args
-
-        return runtime_args(self.config.mods, self._to_device)
 
     def _stage(self, lengths: list, num_sms: int, num_splits: int | None):
         """Check this step's lengths (ints, one per sequence), upload them with the query

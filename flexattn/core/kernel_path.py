@@ -788,8 +788,9 @@ class PreparedForward:
         # cache entry die with the mods it was keyed by.
         self._kinds, self._captures = capture_kinds(plan.config.mods), plan.config.mods.captures()
         self._to_device = device.to_device
-        self._args = CaptureArgs(self._captures, lambda: ffi_args(self._kinds, self._captures, self._to_device) or None,
-                                 device.same_memory, ffi_tensors)
+        kinds, captures, to_device = self._kinds, self._captures, self._to_device   # (no cycle through self)
+        self._args = CaptureArgs(captures, lambda: ffi_args(kinds, captures, to_device) or None, device.same_memory,
+                                 ffi_tensors)
         self._lists = ffi_tensors(_kv_lists(plan, device, tickets=False))
         self._tickets = device if plan.config.tile_tickets else None   # a counter per launch
         # Set: launches need TVM-FFI's stream set around them (as ffi_stream_scope does).

@@ -590,3 +590,35 @@ def test_walks_plan_their_tiles_classified(monkeypatch, listed, flag):
         assert other.mods.mask.expr is walk.mods.mask.expr
         assert short_query._walk_plan(other, q, k_pages, v_pages, out, lse, device)[0].config.classify_tiles != \
             cfg.classify_tiles
+
+
+def test_a_decode_plan_dies_with_its_last_reference():
+    """A plan holds its captures' conversion as a function of the captures alone
+    (``decode_path._converter``), not as its own bound method: no reference cycle, so a
+    plan evicted from its cache frees its captured tensors at once, not at the next
+    cyclic collection."""
+    import gc
+    import weakref
+
+    torch = pytest.importorskip("torch")
+    B, Hq = 2, 8
+    k = torch.zeros(B, 2, 512, 128, dtype=torch.bfloat16)
+    q = torch.zeros(B, Hq, 1, 128, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    ws = decode_path.DecodeWorkspace(alloc=lambda shape, dt: torch.empty(shape, dtype=getattr(torch, dt)),
+                                     tickets=lambda n: torch.zeros(max(n, 16), dtype=torch.int32),
+                                     scratch=lambda n: torch.empty(n), uploader=lambda into: (lambda values: None))
+    device = Device(0, lambda x: x if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x)))
+    bias = torch.zeros(Hq)
+    step_mods = decode_path.DecodeMods(mods.score_mod(lambda s, b, h, q_idx, kv_idx: s + bias[h]), mods.causal())
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        plan = decode_path.DecodePlan(q, k, None, out, 0, decode_path.DEFAULT_TUNING,
+                                      decode_path.DecodeSite(device, 132, ws), step_mods)
+        ref = weakref.ref(plan)
+        del plan
+        assert ref() is None
+    finally:
+        if was_enabled:
+            gc.enable()
