@@ -583,3 +583,23 @@ def test_key_value_batch_of_one_broadcasts_as_torchs():
         torch.testing.assert_close(a, b.sum(0, keepdim=True))
     with pytest.raises(ValueError, match="batch sizes differ"):
         fa.flex_attention(q, k1.expand(2, -1, -1, -1), v1.expand(2, -1, -1, -1), enable_gqa=True)
+
+
+def test_device_copies_key_tensors_read_in_place():
+    """``Device.same_memory`` for torch: a tensor on the device and contiguous is handed to
+    the kernel as a view of itself, so it is keyed by its data pointer, dtype and shape (an
+    update in place keeps the key; a rebound storage changes it); strided tensors and
+    tensors on another device are copied at every launch (no key)."""
+    from flexattn.torch import _DeviceCopies
+
+    copies = _DeviceCopies(torch.device("cpu"))
+    table = torch.arange(12.0).reshape(3, 4)
+    key = copies.same_memory(table)
+    assert key is not None and copies(table).data_ptr() == table.data_ptr()
+    table.mul_(2)
+    assert copies.same_memory(table) == key                          # in place: same memory
+    table.data = torch.zeros(3, 4)
+    assert copies.same_memory(table) != key                          # rebound storage
+    assert copies.same_memory(table.t()) is None                     # strided: copied contiguous
+    assert copies.same_memory(np.arange(3)) is None                  # host arrays: copied
+    assert _DeviceCopies(torch.device("meta")).same_memory(table) is None   # another device
