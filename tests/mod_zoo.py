@@ -107,3 +107,22 @@ def zoo(rng, S):
         "combo": (mods.alibi(slopes) >> mods.softcap(20.0),
                   (mods.causal() & mods.sliding_window(S // 3)) | ~mods.document(ids)),
     }
+
+
+def paged_zoo(rng, S, page=32):
+    """Mods that read a buffer at kv // page (a converted PagedAttention mask's page map, a
+    per-page bias): what ``tile_invariants`` hoists over tiles that ``page`` is a multiple of."""
+    pages = -(-S // page)
+    page_map = torch.from_numpy(rng.permutation(pages).astype(np.int64))[None].repeat(2, 1)
+    page_map[1, rng.integers(0, pages)] = -1                       # a page no longer live
+    lengths = torch.tensor([S - 3, S // 2], dtype=torch.int64)
+    bias = torch.from_numpy(rng.standard_normal((2, pages)).astype(np.float32))
+
+    def physical(b, h, q_idx, kv_idx):
+        logical = page_map[b, kv_idx // page] * page + kv_idx % page
+        return (page_map[b, kv_idx // page] >= 0) & (logical < lengths[b]) & (logical <= q_idx + 5)
+
+    return {
+        "paged": (mods.score_mod(lambda s, b, h, q_idx, kv_idx: s + bias[b, kv_idx // page] * (h + 1)),
+                  mods.mask_mod(physical)),
+    }

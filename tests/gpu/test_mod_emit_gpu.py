@@ -23,19 +23,23 @@ def _dev(x):
     return (x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))).cuda().contiguous()
 
 
-@pytest.mark.parametrize("mode", ["elements", "rows", "hoisted"])
+@pytest.mark.parametrize("mode", ["elements", "rows", "hoisted", "tiled", "tiled-rows"])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("S", [37, 130])
 def test_emitted_mods_match_numpy(seed, S, mode):
     """Per-element emission, row emission (vectors of 8 keys, as the forward's apply_mods
-    uses it on fragment rows), and per-element emission with the buffer reads that do not
-    depend on kv hoisted per query row (as the decode kernel emits them)."""
+    uses it on fragment rows), per-element emission with the buffer reads that do not
+    depend on kv hoisted per query row (as the decode kernel emits them), and both with the
+    reads at kv // page hoisted per tile of 32 keys (``tiled``: as the decode kernel and
+    the forward's ``hoist_tile_reads`` emit them; written in session 47, first run next)."""
     rng = np.random.default_rng(seed)
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     failures = []
-    for name, (score, mask) in mod_zoo.zoo(rng, S).items():
+    tiled = 32 if mode.startswith("tiled") else 0
+    cases = dict(mod_zoo.zoo(rng, S), **mod_zoo.paged_zoo(rng, S))
+    for name, (score, mask) in cases.items():
         hook = IRModHook(score, mask, fast_math=False)  # exact comparison with the oracle
-        kernel = compile_mod_eval(hook, rows=mode == "rows", hoisted=mode == "hoisted")
+        kernel = compile_mod_eval(hook, rows=mode in ("rows", "tiled-rows"), hoisted=mode == "hoisted", tiled=tiled)
         scores = torch.from_numpy(rng.standard_normal((S, S)).astype(np.float32) * 4).cuda()
         out_s = torch.full_like(scores, float("nan"))
         out_m = torch.full((S, S), 7, dtype=torch.int8, device="cuda")

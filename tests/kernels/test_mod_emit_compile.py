@@ -47,6 +47,23 @@ def test_mod_hoisted_compiles_for_sm90(name):
     assert compile_mod_eval(IRModHook(score, mask), hoisted=True) is not None
 
 
+@pytest.mark.parametrize("rows", [False, True])
+def test_mod_tiled_compiles_for_sm90(rows):
+    """Element and row emission with the reads at kv // page emitted once per tile first
+    (``ModEvalKernel(tiled=)``, as the decode kernel and the forward's hoist_tile_reads do):
+    a row of 8 keys reads the page map and the bias once, not per key (one element per
+    thread: as many reads either way)."""
+    import re
+
+    (score, mask), = mod_zoo.paged_zoo(np.random.default_rng(0), 130).values()
+    hook = IRModHook(score, mask)
+    assert hook.tile_invariant_count(32) == 3
+    reads = [len(re.findall(r"ld\.global(?:\.nc)?\.(?:b32|b64|s64|u64|f32)\b",
+                            compile_mod_eval(hook, "--gpu-arch=sm_90a --keep-ptx", rows=rows, tiled=tiled).__ptx__))
+             for tiled in (0, 32)]
+    assert reads[1] < reads[0] if rows else reads[1] == reads[0], reads
+
+
 def _ops(nodes):
     return [(n.op, tuple(sorted(n.free_vars()))) for n in nodes]
 

@@ -28,12 +28,25 @@ class ModEvalKernel:
     hook's row emission (``score_row`` / ``mask_row``, as the forward's apply_mods uses
     it), kv clamped into the grid (and reads past its end discarded).
     `hoisted`: per element, with the hook's ``row_invariants`` of (b, h, q) emitted first
-    and passed back as ``row=`` (as the decode kernel hoists them out of its kv loop)."""
+    and passed back as ``row=`` (as the decode kernel hoists them out of its kv loop).
+    `tiled` (a tile size, 0: off): the hook's ``tile_invariants`` at each aligned tile of
+    that many keys emitted first and passed back as ``tile=`` (as the decode kernel and,
+    with ``hoist_tile_reads``, the forward emit them), per element or per row."""
 
-    def __init__(self, hook: IRModHook, rows: bool = False, hoisted: bool = False):
+    def __init__(self, hook: IRModHook, rows: bool = False, hoisted: bool = False, tiled: int = 0):
+        if tiled and (tiled % ROW or tiled < ROW):
+            raise ValueError(f"tiled must be a multiple of the row of {ROW} keys, got {tiled}")
         self.hook = hook
         self.rows = rows
         self.hoisted = hoisted
+        self.tiled = tiled
+
+    def _tile(self, b, h, q, kv, args) -> dict:
+        """``tile=`` for the tile holding key ``kv`` (``tiled``), or nothing."""
+        if cutlass.const_expr(not self.tiled):
+            return {}
+        values = self.hook.tile_invariants(b, h, q, (kv // self.tiled) * self.tiled, self.tiled, args)
+        return {} if cutlass.const_expr(values is None) else {"tile": values}
 
     def _affine(self, var: str) -> bool:
         hook = self.hook
@@ -72,13 +85,14 @@ class ModEvalKernel:
 
             def kv_at(c):
                 return cutlass.min(kv0 + c, kv_last)
+            tile = self._tile(b, h, q, kv0, args)   # (ROW divides the tile: one tile per row segment)
             if cutlass.const_expr(self.hook.has_score):
-                frag.store(self.hook.score_row(s, b, h, q, kv, args, kv_at=kv_at))
+                frag.store(self.hook.score_row(s, b, h, q, kv, args, kv_at=kv_at, **tile))
                 for c in cutlass.range_constexpr(ROW):
                     if kv0 + c < n_kv:
                         out_score[q, kv0 + c] = frag[c]
             if cutlass.const_expr(self.hook.has_mask):
-                keep = self.hook.mask_row(b, h, q, kv, args, kv_at=kv_at, shape=s.shape)
+                keep = self.hook.mask_row(b, h, q, kv, args, kv_at=kv_at, shape=s.shape, **tile)
                 if cutlass.const_expr(not isinstance(keep, cute.TensorSSA)):
                     keep = cute.full(s.shape, keep, cutlass.Boolean)
                 # Elements read before the stores' branches (a TensorSSA caches IR for
@@ -103,6 +117,7 @@ class ModEvalKernel:
             row = {}
             if cutlass.const_expr(self.hoisted):
                 row = {"row": self.hook.row_invariants(b, h, q, args)}
+            row.update(self._tile(b, h, q, kv, args))
             # Indices in the form the kernels pass where the mod converts them to float
             # (affine_index): a base plus a compile-time offset, clamped as the backward's q.
             q_hook, kv_hook = q, kv
@@ -118,10 +133,10 @@ class ModEvalKernel:
 
 
 def compile_mod_eval(hook: IRModHook, options: str = "--gpu-arch=sm_90a", rows: bool = False,
-                     hoisted: bool = False):
+                     hoisted: bool = False, tiled: int = 0):
     """Compile for sm_90a on fake tensors (no GPU needed). The runtime grids must be
     [Q, KV] with a contiguous last dim, passed through ``grid_arg``; args through
-    ``mod_emit.runtime_args``. `rows`, `hoisted`: see ``ModEvalKernel``."""
+    ``mod_emit.runtime_args``. `rows`, `hoisted`, `tiled`: see ``ModEvalKernel``."""
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
     q, kv = cute.sym_int(), cute.sym_int()
@@ -130,7 +145,7 @@ def compile_mod_eval(hook: IRModHook, options: str = "--gpu-arch=sm_90a", rows: 
 
     args = fake_args(hook) or None
     with COMPILING:
-        return cute.compile(ModEvalKernel(hook, rows, hoisted), grid(Float32), grid(Float32), grid(cutlass.Int8),
+        return cute.compile(ModEvalKernel(hook, rows, hoisted, tiled), grid(Float32), grid(Float32), grid(cutlass.Int8),
                             Int32(0), Int32(0), args, make_fake_stream(), options=options)
 
 
