@@ -145,7 +145,7 @@ for step in $steps; do
     bwd-bench-mods) run bwd_bench_mods 560 python3 benchmarks/bench_bwd.py \
            --variants causal+softcap30 causal+alibi causal+trainable_bias --out "$out/bench_bwd_mods.json" ;;
     gated) run gated_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_short_query_gpu.py \
-           -k "classified or prefill"
+           tests/gpu/test_mod_emit_gpu.py -k "classified or prefill or tiled"
            (cd benchmarks && run gated_bench 300 python3 bench_paged_door.py --shapes 8x8192 8x32768 1x131072 \
            --blocks partial --prefill 4x8192 2x32768 --out "$out/paged_gated.json") ;;
     *) echo "unknown step $step" ;;
