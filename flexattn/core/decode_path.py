@@ -602,7 +602,6 @@ class DecodePlan:
             hit = self._kernels[kernel] = (config, decode_runner(config, self.ffi))
         return hit
 
-
     def _stage(self, lengths: list, num_sms: int, num_splits: int | None):
         """Check this step's lengths (ints, one per sequence), upload them with the query
         offsets, pick the launch -> ((tuning, splits, cluster), o_part, lse_part)."""

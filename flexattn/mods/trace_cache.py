@@ -159,20 +159,10 @@ def _object_key(obj, names, watched, depth):
         weakref.ref(obj)
     except TypeError:
         return _UNCACHEABLE
-    parts = [("object", id(obj))]
-    for name in sorted(names):
-        try:
-            value = getattr(obj, name)
-        except AttributeError:
-            continue
-        except Exception:   # a property that fails: nothing to rely on
-            return _UNCACHEABLE
-        k = _value_key(value, names, watched, depth + 1)
-        if k is _UNCACHEABLE:
-            return _UNCACHEABLE
-        parts.append((name, k))
-    watched[id(obj)] = obj
-    return tuple(parts)
+    key = _attributes_key(("object", id(obj)), obj, names, watched, depth, lambda value: False)
+    if key is not _UNCACHEABLE:
+        watched[id(obj)] = obj
+    return key
 
 
 def _module_key(module, names, watched, depth):
@@ -180,10 +170,22 @@ def _module_key(module, names, watched, depth):
     (``config.WINDOW``, ``settings.bias``): a library's own attributes are fixed."""
     if (module.__name__ or "").split(".")[0] in _LIBRARY_PREFIXES:
         return ("module", id(module))
-    parts = [("module", id(module))]
+    return _attributes_key(("module", id(module)), module, names, watched, depth,
+                           lambda value: value is None or isinstance(value, types.ModuleType))
+
+
+def _attributes_key(head, obj, names, watched, depth, skip):
+    """``head`` plus the key of each attribute of ``obj`` the code names (absent ones and
+    those ``skip(value)`` says left out), or ``_UNCACHEABLE`` if one cannot be keyed."""
+    parts = [head]
     for name in sorted(names):
-        value = getattr(module, name, None)
-        if value is None or isinstance(value, types.ModuleType):
+        try:
+            value = getattr(obj, name)
+        except AttributeError:
+            continue
+        except Exception:   # a property that fails: nothing to rely on
+            return _UNCACHEABLE
+        if skip(value):
             continue
         k = _value_key(value, names, watched, depth + 1)
         if k is _UNCACHEABLE:

@@ -470,16 +470,15 @@ class DecodeSm90(WarpSpecialized):
         one point each (kv // page is one value over the tile); reads over longer spans
         stay unbounded: those tiles evaluate the mask per element."""
         start = n_block * self.cfg.tile_n
-        ranges = {"b": (batch, batch), "h": heads, "q": (Int32(0), q_len - 1), "kv": (start, start + self.cfg.tile_n - 1)}
-        return interval_emit.classify(self.tile_mask_expr, ranges, args, scan_limit=TILE_SCAN_LIMIT) == 1
+        return _classify_keys(self.tile_mask_expr, batch, heads, q_len - 1, start, start + self.cfg.tile_n - 1, args,
+                              TILE_SCAN_LIMIT) == 1
 
     def _prefix_masked(self, n, batch, heads, q_len, seqlen, args):
         """Keys [0, n * tile_n) surely masked for the tile's rows (n >= 1)."""
-        ranges = {"b": (batch, batch), "h": heads, "q": (Int32(0), q_len - 1),
-                  "kv": (Int32(0), cutlass.min(n * self.cfg.tile_n, seqlen) - 1)}
         # Buffers read over long kv spans (document ids...) stay unbounded: scanning them
         # per CTA would cost more than the blocks it could skip.
-        return interval_emit.classify(self.mask_expr, ranges, args, scan_limit=PREFIX_SCAN_LIMIT) == 0
+        return _classify_keys(self.mask_expr, batch, heads, q_len - 1, Int32(0),
+                              cutlass.min(n * self.cfg.tile_n, seqlen) - 1, args, PREFIX_SCAN_LIMIT) == 0
 
     # ------------------------------------------------------------------ producer
     @cute.jit
@@ -846,6 +845,14 @@ class DecodeSm90(WarpSpecialized):
                                mO[batch, head, qi, None], lane, cfg.head_dim)
             if lane == 0:
                 mLSE[batch, head, qi] = lse
+
+
+def _classify_keys(mask_expr, batch, heads, q_last, kv_lo, kv_hi, args, scan_limit: int):
+    """``interval_emit.classify`` of the mask over keys [kv_lo, kv_hi] for an M tile's rows
+    (sequence ``batch``, q heads ``heads`` = (first, last), query rows [0, q_last]): 1 surely
+    kept, 0 surely masked, -1 undecided."""
+    ranges = {"b": (batch, batch), "h": heads, "q": (Int32(0), q_last), "kv": (kv_lo, kv_hi)}
+    return interval_emit.classify(mask_expr, ranges, args, scan_limit=scan_limit)
 
 
 def packed_row(p, head_kv, group, q_len) -> tuple:

@@ -189,15 +189,23 @@ def row_invariant_roots(expr: ir.Node) -> list:
     constant along a query row, so a kernel can emit them once per row before its kv loop
     (``IRModHook.row_invariants``). Buffer-free ones are left to the compiler."""
     varying = _varying_nodes(expr)
+    invariant = {id(n) for n in expr.walk() if id(n) not in varying}
+    return _largest_reads(expr, invariant, invariant)
+
+
+def _largest_reads(expr: ir.Node, invariant: set, wanted: set) -> list:
+    """The largest subexpressions of ``expr`` among the ``invariant`` ones (ids) that read
+    a buffer and are ``wanted`` (ids), in walk order, each once: ``expr`` itself if it is
+    one, else the invariant arguments of the nodes that are not."""
     reads = set()
     for n in expr.walk():
         if n.op == "load" or any(id(a) in reads for a in n.args):
             reads.add(id(n))
-    candidates = [expr] if id(expr) not in varying else \
-        [a for n in expr.walk() if id(n) in varying for a in n.args]
+    candidates = [expr] if id(expr) in invariant else \
+        [a for n in expr.walk() if id(n) not in invariant for a in n.args]
     roots, seen = [], set()
     for n in candidates:
-        if id(n) not in varying and id(n) in reads and id(n) not in seen:
+        if id(n) in wanted and id(n) in invariant and id(n) in reads and id(n) not in seen:
             seen.add(id(n))
             roots.append(n)
     return roots
@@ -234,18 +242,7 @@ def tile_invariant_roots(expr: ir.Node, tile_n: int) -> list:
             constant.add(id(n))
             if any(id(a) in keyed for a in n.args):
                 keyed.add(id(n))
-    reads = set()
-    for n in expr.walk():
-        if n.op == "load" or any(id(a) in reads for a in n.args):
-            reads.add(id(n))
-    candidates = [expr] if id(expr) in constant else \
-        [a for n in expr.walk() if id(n) not in constant for a in n.args]
-    roots, seen = [], set()
-    for n in candidates:
-        if id(n) in keyed and id(n) in reads and id(n) not in seen:
-            seen.add(id(n))
-            roots.append(n)
-    return roots
+    return _largest_reads(expr, constant, keyed)
 
 
 def emit_many(nodes, env: dict, args, fast_math: bool = False, known: dict | None = None) -> list:
