@@ -18,9 +18,6 @@ sequence's pages, its mask_mod maps physical keys back through the page map). Pa
   sdpa          SDPA over the logical cache [B, Hkv, L, D] (contiguous, enable_gqa): the
                 speed of the same bytes without pages
 
-``flexattn-classified`` (partial rows): the door with ``FLEXATTN_CLASSIFY_TILES=1`` (each tile
-of the walk classified by interval analysis, the mask skipped where surely all kept).
-
 ``--blocks gptfast``: gpt-fast's batched step instead (``gpt_fast_step``: views of a batched
 contiguous cache, a causal block mask of batch 1 cut to the current row; the door's walk
 folds the batch into the heads), and ``flexattn-decode`` = ``fa.decode`` over a ``KVCache``
@@ -36,7 +33,6 @@ do_bench, L2 flushed). The last column is each output's relative difference from
 
 import argparse
 import datetime
-import os
 
 import torch
 
@@ -97,14 +93,14 @@ def paged_prefill(batch: int, length: int, chunk: int):
 
 def prefill_table(shapes, chunk: int, compiled_flex) -> str:
     """The prefill rows: TFLOP/s (µs) of the door (the forward kernel over the broadcast
-    physical cache and the converted lists, its mask reading the page map per key; with
-    ``FLEXATTN_FWD_TILE_READS=1``, ``flexattn-hoisted``, once per tile and row), torch's
+    physical cache and the converted lists, its mask reading the page map once per tile
+    and row), torch's
     compiled flex on the same arguments, the same door over the logical contiguous caches
     with the logical block mask (``flexattn-logical``: the cost of the pages), and SDPA with
     the chunk's boolean mask over the logical caches."""
     import flexattn.torch as fa
 
-    names = ["flexattn", "flexattn-hoisted", "flexattn-logical", "sdpa", "flex"]
+    names = ["flexattn", "flexattn-logical", "sdpa", "flex"]
     md = (f"Prefill chunks of {chunk} queries (causal at the sequence's end), TFLOP/s (µs)\n\n"
           "| B x L | " + " | ".join(names) + " | flexattn / flex | flexattn / flexattn-logical | rel diff vs sdpa |\n"
           "|---|" + "---|" * (len(names) + 3) + "\n")
@@ -117,16 +113,12 @@ def prefill_table(shapes, chunk: int, compiled_flex) -> str:
         ours = fa.as_block_mask(logical)
         impls = {
             "flexattn": lambda: fa.flex_attention(q, k_cache, v_cache, block_mask=physical, enable_gqa=True),
-            "flexattn-hoisted": lambda: fa.flex_attention(q, k_cache, v_cache, block_mask=physical, enable_gqa=True),
             "flexattn-logical": lambda: fa.flex_attention(q, k, v, block_mask=ours, enable_gqa=True),
             "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True),
             "flex": lambda: compiled_flex(q, k_cache, v_cache, block_mask=physical, enable_gqa=True),
         }
         cells, tflops, diffs = [], {}, []
-        hoist_default = os.environ.get("FLEXATTN_FWD_TILE_READS", "0")
         for name in names:
-            fa._PREPARED.clear()     # the door's prepared calls: planned afresh under each column's setting
-            os.environ["FLEXATTN_FWD_TILE_READS"] = "1" if name == "flexattn-hoisted" else hoist_default
             try:
                 diff = rel_diff(impls[name](), sdpa)
                 ms = bench_ms(impls[name])
@@ -134,8 +126,6 @@ def prefill_table(shapes, chunk: int, compiled_flex) -> str:
                 print(f"prefill {spec} {name}: {type(e).__name__}: {e}")
                 cells.append("—")
                 continue
-            finally:
-                os.environ["FLEXATTN_FWD_TILE_READS"] = hoist_default
             tflops[name] = flops / ms / 1e9
             cells.append(f"{tflops[name]:.1f} ({ms * 1e3:.1f})")
             if name != "sdpa":
@@ -189,7 +179,6 @@ def main():
 
     compiled_flex = torch.compile(torch_flex)
     real_walk = short_query.list_walk_route, short_query.prepared_list_walk
-    classify_default = os.environ.get("FLEXATTN_CLASSIFY_TILES", "0")
     rows = []
     for spec, blocks in [(s, b) for s in args.shapes for b in args.blocks]:
         batch, length = (int(x) for x in spec.split("x"))
@@ -211,17 +200,13 @@ def main():
             "flexattn-decode": lambda: fa.decode(q, cache),
             "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
         }
-        if blocks == "partial":
-            impls["flexattn-classified"] = impls["flexattn"]
         if not args.no_flex:
             impls["flex"] = lambda: compiled_flex(q, k_cache, v_cache, block_mask=torch_mask, enable_gqa=True)
         row = {"shape": spec, "blocks": blocks, "tbps": {}, "us": {}, "diff": {}}
         for name, fn in impls.items():
             fa._PREPARED.clear()     # the door's prepared calls: made afresh under each column's route
-            fa.as_block_mask(block_mask).__dict__.pop("_list_walks", None)   # (walks keep their planning)
             if name == "flexattn-fwd":
                 short_query.list_walk_route = short_query.prepared_list_walk = lambda *a, **kw: None
-            os.environ["FLEXATTN_CLASSIFY_TILES"] = "1" if name == "flexattn-classified" else classify_default
             try:
                 row["diff"][name] = rel_diff(fn(), sdpa)
                 ms = bench_ms(fn)
@@ -230,12 +215,10 @@ def main():
                 continue
             finally:
                 short_query.list_walk_route, short_query.prepared_list_walk = real_walk
-                os.environ["FLEXATTN_CLASSIFY_TILES"] = classify_default
             row["us"][name], row["tbps"][name] = ms * 1e3, nbytes / ms / 1e9
         rows.append(row)
 
-    names = (["flexattn", "flexattn-fwd"] + (["flexattn-classified"] if "partial" in args.blocks else [])
-             + ["flexattn-decode", "sdpa"] + ([] if args.no_flex else ["flex"]))
+    names = ["flexattn", "flexattn-fwd", "flexattn-decode", "sdpa"] + ([] if args.no_flex else ["flex"])
     md = (f"{device_name()}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC: torch PagedAttention"
           f" step, Hq {HQ} Hkv {HKV} D {D} bf16, pages of {PAGE}; TB/s (µs)\n\n"
           "| B x L | blocks | " + " | ".join(names) + " | flexattn / flex | flexattn / sdpa | rel diff vs sdpa |\n"

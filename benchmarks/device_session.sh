@@ -31,10 +31,9 @@
 # against longest-first, three shapes, issue 24), swap-vdims (split against swapped layouts
 # at 128/192 and 192/64, issue 25), window-door (bench_fwd and bench_bwd's window1024 rows
 # at three shapes, issue 24), window-tickets (the band forward's snake against tile tickets
-# beside FA4, three shapes, issue 24), gated (session 47's two changes behind flags: their GPU
-# tests, then bench_paged_door's partial rows with the flexattn-classified column and the
-# PagedAttention prefill rows with flexattn-hoisted; decide FLEXATTN_CLASSIFY_TILES and
-# FLEXATTN_FWD_TILE_READS by them).
+# beside FA4, three shapes, issue 24), paged (torch's PagedAttention at the door: the short-query
+# GPU tests and the emitter's tiled modes, then bench_paged_door's partial decode rows and
+# prefill chunks).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -144,10 +143,10 @@ for step in $steps; do
            --shapes 8x2048x16x128 4x4096x16x128 2x8192x16x128 --out "$out/window_bwd.json" ;;
     bwd-bench-mods) run bwd_bench_mods 560 python3 benchmarks/bench_bwd.py \
            --variants causal+softcap30 causal+alibi causal+trainable_bias --out "$out/bench_bwd_mods.json" ;;
-    gated) run gated_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_short_query_gpu.py \
-           tests/gpu/test_mod_emit_gpu.py -k "classified or prefill or tiled"
-           (cd benchmarks && run gated_bench 300 python3 bench_paged_door.py --shapes 8x8192 8x32768 1x131072 \
-           --blocks partial --prefill 4x8192 2x32768 --out "$out/paged_gated.json") ;;
+    paged) run paged_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_short_query_gpu.py \
+           tests/gpu/test_mod_emit_gpu.py -k "paged or prefill or tiled"
+           (cd benchmarks && run paged_bench 300 python3 bench_paged_door.py --shapes 8x8192 8x32768 1x131072 \
+           --blocks partial --prefill 4x8192 2x32768 --out "$out/paged.json") ;;
     *) echo "unknown step $step" ;;
   esac
 done

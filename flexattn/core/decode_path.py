@@ -390,11 +390,9 @@ class DecodeMods:
     # listed blocks, full ones first: ``short_query.ListWalk``): the kernel evaluates the
     # mask in the tiles over the last page alone (``DecodeConfig.mask_last_page_only``).
     full_but_last: bool = False
-    # True: a walk whose lists mark its pages partial although most are wholly kept
-    # (torch's PagedAttention at Q_LEN 1 lists every page partial): the kernel classifies
-    # each tile by interval analysis and skips the mask on those surely all kept
-    # (``DecodeConfig.classify_tiles``).
-    classify_tiles: bool = False
+    # True: the mods read a walk's block table (any ``short_query.ListWalk``), which the
+    # masked-prefix analysis cannot see through: the kernel runs without it.
+    listed_walk: bool = False
 
     @property
     def call(self) -> tuple:
@@ -473,7 +471,7 @@ _CONFIGS_CAPACITY = 128
 
 def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, score, mask,
                 tuning: DecodeTuning = DEFAULT_TUNING, skip_masked_prefix: bool = True,
-                mask_last_page_only: bool = False, classify_tiles: bool = False):
+                mask_last_page_only: bool = False):
     """The step's DecodeConfig; configs are cached by the mods' structure, so a hit only
     wraps these captures in a fresh hook."""
     from ..kernels.decode.sm90 import DecodeConfig
@@ -481,7 +479,7 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
 
     # By IR identity (cached rewrites share it), so a hit hashes no structure; the entry's
     # template holds the IR, so the ids stay its own.
-    key = (dtype, head_dim, num_mma_wg, page_size, tuning, skip_masked_prefix, mask_last_page_only, classify_tiles,
+    key = (dtype, head_dim, num_mma_wg, page_size, tuning, skip_masked_prefix, mask_last_page_only,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     hook = IRModHook(score, mask)
     entry = _CONFIGS.get(key)
@@ -491,8 +489,7 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
         config = DecodeConfig(dtype=dtype, head_dim=head_dim, num_mma_wg=num_mma_wg, tile_n=tuning.tile_n,
                               num_stages=tuning.num_stages, ctas_per_sm=tuning.ctas_per_sm,
                               page_size=page_size, skip_masked_prefix=skip_masked_prefix,
-                              mask_last_page_only=mask_last_page_only, classify_tiles=classify_tiles,
-                              mods=template)
+                              mask_last_page_only=mask_last_page_only, mods=template)
         entry = (config, capture_kinds(template))
         if len(_CONFIGS) >= _CONFIGS_CAPACITY:
             _CONFIGS.pop(next(iter(_CONFIGS)))
@@ -559,14 +556,13 @@ class DecodePlan:
         at = _at_true_positions if shift else (lambda mod, _: mod)
         the_mask = None if _is_full(base) else at(base, q_offset)
         the_score = None if score_mod is None else at(as_score(score_mod, "score_mod"), q_offset)
-        # A walk of listed blocks: its mask reads the block table, which the masked-prefix
-        # analysis does not see through over a prefix (nothing to find). Full ones listed
-        # first: the mask matters on the last page alone; else each tile is classified.
-        walk = mods.full_but_last or mods.classify_tiles
+        # A walk of listed blocks: its mask reads the block table, which no interval analysis
+        # sees through (no masked prefix to find). Full ones listed first: the mask matters
+        # on the last page alone.
+        walk = mods.listed_walk or mods.full_but_last
         self.config = _config_for(KERNEL_DTYPES[dtype_name(q)], D, num_mma_wg, page_size, the_score, the_mask,
                                   tuning, skip_masked_prefix=not walk and not head_always_kept(base, B, Hq),
-                                  mask_last_page_only=mods.full_but_last,
-                                  classify_tiles=mods.classify_tiles and not mods.full_but_last and the_mask is not None)
+                                  mask_last_page_only=mods.full_but_last)
 
         from ..kernels.emit.mod_emit import capture_kinds
 
@@ -782,7 +778,7 @@ def attention_plan(q, k, v, out, lse, site: DecodeSite, mods: DecodeMods, table=
     holds ``Mod`` values. Kept per call shape like a decoding step's (bounded; an entry
     holds its captured arrays until it is evicted)."""
     key = ("attention", mod_key(mods.score_mod), mod_key(mods.mask), mods.scale, mods.true_positions,
-           mods.full_but_last, mods.classify_tiles,
+           mods.full_but_last, mods.listed_walk,
            id(site.workspace), site.device.stream, tuple(q.shape), dtype_name(q), _array_key(k), _array_key(v),
            _array_key(out), _array_key(lse), _array_key(table), page_size)
     plan = _ATTENTION_PLANS.get(key)

@@ -99,15 +99,6 @@ class Device:
     same_memory: Callable | None = None
 
 
-def fwd_tile_reads_enabled() -> bool:
-    """Whether the forward hoists its mods' tile-constant reads (``FwdConfig.
-    hoist_tile_reads``): ``FLEXATTN_FWD_TILE_READS=1``. Off by default until measured on
-    the GPU (written in session 47 after the device time was spent; the decode kernel's
-    twin, GPU-verified, took torch's PagedAttention step from 0.79-0.90x to 0.92-0.94x
-    SDPA): ``bench_paged_door.py --prefill`` with and without it."""
-    return os.environ.get("FLEXATTN_FWD_TILE_READS", "0") == "1"
-
-
 def kernel_unsupported(q, shape: AttentionShape) -> str | None:
     """Why the forward kernel cannot run these inputs, or None."""
     if dtype_name(q) not in FORWARD_DTYPES:
@@ -472,9 +463,8 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     max_ctas = persistent_ctas(q, cluster_m) if persistent_pays else 0
     tickets = _tickets_pay(shape, band, max_ctas, cluster_m, causal_tickets, tickets_flag)
     rescale_early = _rescale_o_early(shape, tf32_passes)
-    tile_reads = fwd_tile_reads_enabled()
     key = (dtype, tf32_passes, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
-           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, tile_reads,
+           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     # 3xTF32 keeps float32's accuracy: the mods' tanh / sigmoid exact, not tanh.approx.
@@ -511,7 +501,10 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
             # (keyed above by KV_LEN % 128: a tile_n that divides 128 then divides KV_LEN)
             kv_aligned=shape.kv_len % 128 == 0 and 128 % tile_n == 0,
             rescale_o_early=rescale_early,
-            hoist_tile_reads=tile_reads and template.tile_invariant_count(tile_n) > 0,
+            # The mods' reads constant over a tile (a converted PagedAttention mask's page
+            # map at kv // 128) once per tile and row: H200, 2026-11-30, a prefill chunk
+            # 627 -> 633 TFLOP/s, no spill (36 B before); other kernels unchanged.
+            hoist_tile_reads=template.tile_invariant_count(tile_n) > 0,
         )
         # _clusters_pay counts 128-row q tiles; the kernel pairs its own tile_m rows, and
         # the TVM-FFI launch does not check again: the two counts must agree.

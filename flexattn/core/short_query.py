@@ -27,7 +27,6 @@ runs unchanged.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,14 +88,6 @@ class ListWalk:
     folded: bool = False
 
 
-def classify_tiles_enabled() -> bool:
-    """Whether walks of pages listed partial classify each tile (``DecodeConfig.
-    classify_tiles``): ``FLEXATTN_CLASSIFY_TILES=1``. Off by default until its GPU test
-    and benchmark have run (written in session 47, after the device time was spent;
-    compiled and checked on the CPU)."""
-    return os.environ.get("FLEXATTN_CLASSIFY_TILES", "0") == "1"
-
-
 def list_walk_possible(shape: AttentionShape, spec: AttentionSpec, q_dtype: str, device) -> bool:
     """The shape, mask and adapter side of ``list_walk_route`` (the K / V side: their page
     views)."""
@@ -137,7 +128,7 @@ def _walk(shape: AttentionShape, spec: AttentionSpec, folded: bool = False) -> L
         heads = shape.q_heads if folded else None
         mods = DecodeMods(None if score is None else _through_table(score, table, block, heads),
                           _through_table(block_mask.mask_mod, table, block, heads), scale, true_positions=False,
-                          full_but_last=full_but_last, classify_tiles=not full_but_last and classify_tiles_enabled())
+                          full_but_last=full_but_last, listed_walk=True)
         if len(walks) >= _WALKS_PER_MASK:
             walks.pop(next(iter(walks)))
         # (the score kept too: the ids in the key stay its own)

@@ -211,7 +211,7 @@ def _paged_cache(B, Hkv, D, page, n_pages, L, order):
     return paged, k_cache, v_cache, k, v
 
 
-@pytest.mark.parametrize("blocks", ["partial", "full", "partial-classified"])
+@pytest.mark.parametrize("blocks", ["partial", "full"])
 def test_torchs_paged_attention_decodes_on_the_decode_kernel(monkeypatch, blocks):
     """torch's PagedAttention as its users decode: one physical cache of batch 1 (pages of
     128 shuffled across sequences), a q_len-1 query per sequence, torch's block mask over
@@ -220,12 +220,7 @@ def test_torchs_paged_attention_decodes_on_the_decode_kernel(monkeypatch, blocks
     rows and cut to one, as gpt-fast does (pages below a length listed full: the kernel
     masks each sequence's last page alone). The key / value batch of 1 broadcasts in place
     and the step walks the listed pages with the decode kernel; the float64 reference of
-    the logical caches agrees. ``partial-classified``: the partial lists with each tile
-    classified by interval analysis (``FLEXATTN_CLASSIFY_TILES=1``, written in session 47:
-    run it, then make it the default)."""
-    classified = blocks == "partial-classified"
-    blocks = "partial" if classified else blocks
-    monkeypatch.setenv("FLEXATTN_CLASSIFY_TILES", "1" if classified else "0")
+    the logical caches agrees."""
     from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
     torch.manual_seed(41)
@@ -240,7 +235,7 @@ def test_torchs_paged_attention_decodes_on_the_decode_kernel(monkeypatch, blocks
     walks = []
     real = short_query.attention_plan
     monkeypatch.setattr(short_query, "attention_plan",
-                        lambda *a: (walks.append((a[-1], a[6].full_but_last, a[6].classify_tiles)), real(*a))[1])
+                        lambda *a: (walks.append((a[-1], a[6].full_but_last)), real(*a))[1])
     host_lens = lens.cpu()
     spec = AttentionSpec.from_args(mask=lambda b, h, qi, ki: ki < host_lens[b], enable_gqa=True)
     for step in range(3):     # the first call plans; repeats launch prepared
@@ -249,7 +244,7 @@ def test_torchs_paged_attention_decodes_on_the_decode_kernel(monkeypatch, blocks
         want_o, want_lse = reference.forward(q.cpu(), k.cpu(), v.cpu(), spec)
         assert np.abs(out.double().cpu().numpy() - want_o).max() < TOL, step
         assert np.abs(lse.double().cpu().numpy() - want_lse).max() < 5e-3, step
-    assert walks and all(w == (page, blocks == "full", classified) for w in walks), walks
+    assert walks and all(w == (page, blocks == "full") for w in walks), walks
 
 
 def test_torchs_paged_attention_block_mask_converted_every_step():
@@ -281,18 +276,14 @@ def test_torchs_paged_attention_block_mask_converted_every_step():
     assert all(m.expr is masks[0].expr for m in masks)
 
 
-@pytest.mark.parametrize("hoisted", [False, True])
 @pytest.mark.parametrize("chunk", [160, 512])
-def test_torchs_paged_attention_prefill_chunk(monkeypatch, chunk, hoisted):
+def test_torchs_paged_attention_prefill_chunk(chunk):
     """A prefill chunk through torch's PagedAttention (q_len > 16: the forward kernel over
     the key / value batch of 1 broadcast, the converted block mask's lists and its mask
     reading the page map per key): each sequence's last ``chunk`` queries, causal at their
-    true positions; the float64 reference of the logical caches agrees. ``hoisted``: the
-    page map read once per tile (``FLEXATTN_FWD_TILE_READS=1``, written in session 47:
-    run it and ``bench_paged_door.py --prefill``, then decide the default)."""
+    true positions (the page map read once per tile and row: ``FwdConfig.hoist_tile_reads``);
+    the float64 reference of the logical caches agrees."""
     from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
-
-    monkeypatch.setenv("FLEXATTN_FWD_TILE_READS", "1" if hoisted else "0")
 
     torch.manual_seed(61)
     B, Hq, Hkv, D, page, n_pages, L = 2, 16, 4, 128, 128, 20, 1024

@@ -97,11 +97,6 @@ CASES = {
                              *_paged_attention_mods(), True, 4),
     "paged128-block-table-every-block": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, page_size=128,
                                               skip_masked_prefix=False), *_paged_attention_mods(), True, 4),
-    # ... its pages listed partial (torch's at Q_LEN 1): each tile classified, the mask
-    # skipped on those surely all kept
-    "paged128-block-table-classified": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, page_size=128,
-                                             skip_masked_prefix=False, classify_tiles=True),
-                                        *_paged_attention_mods(), True, 4),
 }
 
 
@@ -128,15 +123,14 @@ def test_decode_ptx(compiled, name):
     # QK^T (D/16 wgmmas) and PV (tile_n/16) for the bounded first block and the rest (the
     # rest twice, masked and not, where the mask applies on the last page alone).
     cfg = DecodeConfig(**kw)
-    steps = 3 if cfg.mask_last_page_only or cfg.classify_tiles else 2
+    steps = 3 if cfg.mask_last_page_only else 2
     assert ptx.count("wgmma.mma_async") == steps * (cfg.head_dim // 16 + cfg.tile_n // 16)
     assert ("tanh.approx" in ptx) == (name == "paged256-hd64-softcap-fp16")
     # The masked-prefix skip: Float64 interval analysis only where a mask is traced, and
     # its search over prefixes, one candidate per lane counted by a ballot.
-    # The per-tile classification (classify_tiles) is Float64 interval analysis too.
     f64 = len(re.findall(r"\.f64\b", ptx))
     analysed = mask is not None and cfg.skip_masked_prefix
-    assert (f64 > 0) == (analysed or cfg.classify_tiles), f64
+    assert (f64 > 0) == analysed, f64
     assert ("vote.sync.ballot" in ptx) == analysed
     assert re.search(rf"\.minnctapersm\s+{cfg.ctas_per_sm}\b", ptx)
     if cfg.cluster_splits == 1:
@@ -237,8 +231,7 @@ def test_config_validation():
     for bad in (dict(head_dim=72), dict(head_dim=288), dict(head_dim=16), dict(head_dim=256),   # 256: 3-stage ring too big
                 dict(dtype="fp32"), dict(page_size=8), dict(page_size=48),
                 dict(page_size=192), dict(num_mma_wg=3), dict(num_stages=5), dict(ctas_per_sm=3),
-                dict(ctas_per_sm=2), dict(ctas_per_sm=2, num_mma_wg=2, tile_n=64, num_stages=1),
-                dict(page_size=128, mask_last_page_only=True, classify_tiles=True)):
+                dict(ctas_per_sm=2), dict(ctas_per_sm=2, num_mma_wg=2, tile_n=64, num_stages=1)):
         with pytest.raises(ValueError):
             DecodeConfig(**bad)
     # cluster sizes 1/2/4/8/16; the fp32 O tile must fit the K ring (num_stages x tile_n >= 2 x tile_m)
@@ -545,19 +538,17 @@ def test_head_always_kept():
     assert not head_always_kept(mods.causal(offset=3).with_captures((OnDevice(),)), 1, 8)
 
 
-@pytest.mark.parametrize("listed, flag", [("partial", "1"), ("partial", "0"), ("full", "1")])
-def test_walks_plan_their_tiles_classified(monkeypatch, listed, flag):
-    """A short query's walk of pages its block mask lists partial (torch's PagedAttention at
-    Q_LEN 1) plans the per-tile classification where ``FLEXATTN_CLASSIFY_TILES=1`` (off by
-    default until its GPU test runs); pages listed full plan the last-page mask instead.
-    Neither runs the masked-prefix analysis (the table hides any prefix); with the flag off
-    a partial walk plans as before."""
+@pytest.mark.parametrize("listed", ["partial", "full"])
+def test_walks_plan_their_last_page_mask(listed):
+    """A short query's walk of pages its block mask lists full below the length plans the
+    mask on the last page's tiles alone (``mask_last_page_only``); pages listed partial
+    (torch's PagedAttention at Q_LEN 1) evaluate it on every tile. Neither runs the
+    masked-prefix analysis (the table hides any prefix)."""
     torch = pytest.importorskip("torch")
     import flexattn.torch as fa
     from flexattn.core import AttentionSpec, short_query
     from flexattn.problem.validate import AttentionShape
 
-    monkeypatch.setenv("FLEXATTN_CLASSIFY_TILES", flag)
     B, Hq, Hkv, D, L, block = 2, 8, 2, 128, 512, 128
     lens = torch.tensor([300, 512])
     from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
@@ -580,16 +571,7 @@ def test_walks_plan_their_tiles_classified(monkeypatch, listed, flag):
     plan, _, _ = short_query._walk_plan(walk, q, k_pages, v_pages, out, lse, device)
     cfg = plan.config
     assert cfg.mask_last_page_only == (listed == "full")
-    assert cfg.classify_tiles == (listed == "partial" and flag == "1")
-    if cfg.classify_tiles or cfg.mask_last_page_only:
-        assert not cfg.skip_masked_prefix
-    if listed == "partial":   # the other setting, same block mask and arrays: another plan
-        monkeypatch.setenv("FLEXATTN_CLASSIFY_TILES", "0" if flag == "1" else "1")
-        spec.block_mask.__dict__.pop("_list_walks")
-        other = short_query.list_walk_route(AttentionShape(B, Hq, Hkv, 1, L, D, D), spec, "bfloat16", k, k, device)[0]
-        assert other.mods.mask.expr is walk.mods.mask.expr
-        assert short_query._walk_plan(other, q, k_pages, v_pages, out, lse, device)[0].config.classify_tiles != \
-            cfg.classify_tiles
+    assert not cfg.skip_masked_prefix
 
 
 def test_a_decode_plan_dies_with_its_last_reference():

@@ -596,14 +596,11 @@ def test_a_kv_aligned_kernel_refuses_a_ragged_kv_len():
         _check_kv_aligned(cfg, 1000)
 
 
-@pytest.mark.parametrize("flag", ["0", "1"])
-def test_forward_plans_hoisted_tile_reads_behind_its_flag(monkeypatch, flag):
-    """``FwdConfig.hoist_tile_reads`` where ``FLEXATTN_FWD_TILE_READS=1`` (off until measured
-    on the GPU) and the mods read something at kv // P with P a multiple of the tile (a
-    converted PagedAttention mask's page map); never for mods without such reads."""
-    monkeypatch.setenv("FLEXATTN_FWD_TILE_READS", flag)
+def test_forward_plans_hoisted_tile_reads():
+    """``FwdConfig.hoist_tile_reads`` where the mods read something at kv // P with P a
+    multiple of the tile (a converted PagedAttention mask's page map); never for mods
+    without such reads (their kernels stay as they were)."""
     page_map = torch.zeros(2, 8, dtype=torch.int64)
     paged = mods.mask_mod(lambda b, h, q, kv: page_map[b, kv // 128] * 128 + kv % 128 <= q)
-    assert _plan(Q=1024, KV=1024, block_mask=create_block_mask(paged, 2, 1, 1024, 1024)).config.hoist_tile_reads == \
-        (flag == "1")
+    assert _plan(Q=1024, KV=1024, block_mask=create_block_mask(paged, 2, 1, 1024, 1024)).config.hoist_tile_reads
     assert not _plan(Q=1024, KV=1024, block_mask=create_block_mask(mods.causal(), 2, 1, 1024, 1024)).config.hoist_tile_reads

@@ -88,7 +88,6 @@ TIMELINE_STAMPS = 16    # per CTA: entry, producer start, Q loaded, first block 
 CLUSTER_SPLITS = (1, 2, 4, 8, 16)   # cluster merge sizes; 16 is a non-portable cluster size,
                                     # which CuTeDSL allows on every kernel it builds (H100: 16)
 PREFIX_SCAN_LIMIT = 16  # buffer spans the masked-prefix analysis scans: q rows, not kv ranges
-TILE_SCAN_LIMIT = 16    # ... and the per-tile classification (classify_tiles)
 
 
 
@@ -116,10 +115,6 @@ class DecodeConfig(KernelConfig):
                                      # a sequence's last page alone (every page before it is
                                      # known full: a short query's walk of listed blocks,
                                      # full ones first: core/short_query.py)
-    classify_tiles: bool = False     # each tile's mask classified by interval analysis
-                                     # (emit/interval_emit, its table and page-map reads at
-                                     # points): tiles surely all kept skip the mask (a walk of
-                                     # pages listed partial: torch's PagedAttention at Q_LEN 1)
     mods: ModHook = field(default=NO_MODS, compare=False)
 
     def __post_init__(self):
@@ -137,8 +132,6 @@ class DecodeConfig(KernelConfig):
         check_page_size(self.page_size, self.tile_n)
         if self.mask_last_page_only and not self.paged:
             raise ValueError("mask_last_page_only needs a paged cache (page_size > 0)")
-        if self.classify_tiles and self.mask_last_page_only:
-            raise ValueError("classify_tiles and mask_last_page_only exclude each other")
         if self.cluster_splits not in CLUSTER_SPLITS:
             raise ValueError(f"cluster_splits must be one of {CLUSTER_SPLITS}, got {self.cluster_splits}")
         if self.cluster_splits > 1 and 2 * self.tile_m > self.num_stages * self.tile_n:
@@ -228,9 +221,6 @@ class DecodeSm90(WarpSpecialized):
         # The traced mask, for the in-kernel masked-prefix skip (hand-written hooks: none).
         self.mask_expr = getattr(config.mods, "mask_expr", None) \
             if config.mods.has_mask and config.skip_masked_prefix else None
-        self.tile_mask_expr = getattr(config.mods, "mask_expr", None) if config.classify_tiles else None
-        if config.classify_tiles and self.tile_mask_expr is None:
-            raise ValueError("classify_tiles needs a traced mask (an IRModHook's)")
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -362,7 +352,9 @@ class DecodeSm90(WarpSpecialized):
         n_hi = (seqlen + cfg.tile_n - 1) // cfg.tile_n
         n_lo = Int32(0)
         if const_expr(self.mask_expr is not None):
-            heads = self._tile_heads(head_kv, group, q_len, rows, m_block)
+            p_lo = m_block * cfg.tile_m
+            p_hi = cutlass.min(p_lo + cfg.tile_m, rows) - 1
+            heads = (head_kv * group + p_lo // q_len, head_kv * group + p_hi // q_len)
             n_lo = self._masked_prefix_blocks(batch, heads, q_len, seqlen, n_hi, mod_args)
         per_split = (n_hi - n_lo + num_splits - 1) // num_splits
         first = cutlass.min(n_lo + split * per_split, n_hi)
@@ -457,21 +449,6 @@ class DecodeSm90(WarpSpecialized):
                     hi = cutlass.min(hi, lo + (count + 1) * step - 1)
                     lo = new_lo
         return lo
-
-    def _tile_heads(self, head_kv, group, q_len, rows, m_block) -> tuple:
-        """(first, last) q head of the M tile's packed rows."""
-        p_lo = m_block * self.cfg.tile_m
-        p_hi = cutlass.min(p_lo + self.cfg.tile_m, rows) - 1
-        return head_kv * group + p_lo // q_len, head_kv * group + p_hi // q_len
-
-    def _tile_kept(self, n_block, batch, heads, q_len, args):
-        """Keys of block ``n_block`` (wholly below the length: not the bound block) surely
-        all kept by the mask for the tile's rows. A walk's table and page map are read at
-        one point each (kv // page is one value over the tile); reads over longer spans
-        stay unbounded: those tiles evaluate the mask per element."""
-        start = n_block * self.cfg.tile_n
-        return _classify_keys(self.tile_mask_expr, batch, heads, q_len - 1, start, start + self.cfg.tile_n - 1, args,
-                              TILE_SCAN_LIMIT) == 1
 
     def _prefix_masked(self, n, batch, heads, q_len, seqlen, args):
         """Keys [0, n * tile_n) surely masked for the tile's rows (n >= 1)."""
@@ -637,10 +614,6 @@ class DecodeSm90(WarpSpecialized):
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
         ctx = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O, softmax,
                coords, row_head, row_q, row_values, pipe_k, pipe_v, batch, seqlen, softmax_scale, mod_args)
-        tile_heads = mask_args = None
-        if const_expr(cfg.classify_tiles):
-            tile_heads = self._tile_heads(head_kv, group, q_len, rows, m_block)
-            mask_args = self.mods.mask_args(mod_args)
         if count > 0:
             # The last block (visited first) is the only one that may straddle the length.
             kv_state = self._step(ctx, kv_state, first + count - 1, kv_bound=True)
@@ -654,12 +627,6 @@ class DecodeSm90(WarpSpecialized):
                     kv_state = self._step(ctx, kv_state, n_block, kv_bound=False)
                 else:
                     kv_state = self._step(ctx, kv_state, n_block, kv_bound=False, masked=False)
-            elif const_expr(cfg.classify_tiles):
-                # (the same answer in every thread: one body runs per tile)
-                if self._tile_kept(n_block, batch, tile_heads, q_len, mask_args):
-                    kv_state = self._step(ctx, kv_state, n_block, kv_bound=False, masked=False)
-                else:
-                    kv_state = self._step(ctx, kv_state, n_block, kv_bound=False)
             else:
                 kv_state = self._step(ctx, kv_state, n_block, kv_bound=False)
             if const_expr(cfg.timeline):
