@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import struct
 import threading
 from dataclasses import dataclass, field
@@ -462,7 +463,18 @@ def fit_head_dim(tuning: DecodeTuning, head_dim: int, num_mma_wg: int = 1) -> De
 def _with_launch(config, tuning: DecodeTuning, cluster: int):
     """``config`` for another kernel shape (``choose_launch``'s tuning) and merging cluster."""
     return dataclasses.replace(config, tile_n=tuning.tile_n, num_stages=tuning.num_stages,
-                               ctas_per_sm=tuning.ctas_per_sm, cluster_splits=cluster)
+                               ctas_per_sm=tuning.ctas_per_sm, cluster_splits=cluster,
+                               prefetch_tile_reads=config.prefetch_tile_reads
+                               and _prefetch_pays(config.mods, tuning.tile_n, config.mask_last_page_only))
+
+
+def _prefetch_pays(mods, tile_n: int, mask_last_page_only: bool) -> bool:
+    """Whether the kernel reads the mods' tile-constant values a step ahead (``DecodeConfig.
+    prefetch_tile_reads``): wherever they have such reads (a walk's table, a paged mask's
+    page map) and every step applies them. ``FLEXATTN_DECODE_PREFETCH=0`` turns it off for
+    A/Bs."""
+    return (not mask_last_page_only and mods.tile_invariant_count(tile_n) > 0
+            and os.environ.get("FLEXATTN_DECODE_PREFETCH", "1") != "0")
 
 
 _CONFIGS: dict = {}
@@ -480,6 +492,7 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
     # By IR identity (cached rewrites share it), so a hit hashes no structure; the entry's
     # template holds the IR, so the ids stay its own.
     key = (dtype, head_dim, num_mma_wg, page_size, tuning, skip_masked_prefix, mask_last_page_only,
+           os.environ.get("FLEXATTN_DECODE_PREFETCH", "1") != "0",
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     hook = IRModHook(score, mask)
     entry = _CONFIGS.get(key)
@@ -489,7 +502,9 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
         config = DecodeConfig(dtype=dtype, head_dim=head_dim, num_mma_wg=num_mma_wg, tile_n=tuning.tile_n,
                               num_stages=tuning.num_stages, ctas_per_sm=tuning.ctas_per_sm,
                               page_size=page_size, skip_masked_prefix=skip_masked_prefix,
-                              mask_last_page_only=mask_last_page_only, mods=template)
+                              mask_last_page_only=mask_last_page_only,
+                              prefetch_tile_reads=_prefetch_pays(template, tuning.tile_n, mask_last_page_only),
+                              mods=template)
         entry = (config, capture_kinds(template))
         if len(_CONFIGS) >= _CONFIGS_CAPACITY:
             _CONFIGS.pop(next(iter(_CONFIGS)))

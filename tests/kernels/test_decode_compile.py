@@ -97,6 +97,10 @@ CASES = {
                              *_paged_attention_mods(), True, 4),
     "paged128-block-table-every-block": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, page_size=128,
                                               skip_masked_prefix=False), *_paged_attention_mods(), True, 4),
+    # ... with the next tile's table and page-map reads issued a step ahead
+    "paged128-block-table-prefetched": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, page_size=128,
+                                             skip_masked_prefix=False, prefetch_tile_reads=True),
+                                        *_paged_attention_mods(), True, 4),
 }
 
 
@@ -202,6 +206,19 @@ def test_walks_read_the_table_and_page_map_once_per_tile(compiled):
     name, types = "paged128-block-table-every-block", "b32|b64|s64|u64|u32|s32"
     hoisted, per_key = (_scalar_reads(ptx, types) for ptx in (compiled[name], _compiled_with(_NoTileHoisting, name)))
     assert 2 * hoisted < per_key, (hoisted, per_key)
+
+
+def test_walks_prefetch_their_tile_reads(compiled):
+    """``prefetch_tile_reads``: the loop's step reads the next tile's table and page map
+    (issued before its wait for K, consumed one step later: carried through the loop), so
+    the loop body has no more scalar loads than without the prefetch; the prologue's read
+    of the first looped tile adds one set."""
+    every, ahead = compiled["paged128-block-table-every-block"], compiled["paged128-block-table-prefetched"]
+    types = "b32|b64|s64|u64|u32|s32"
+    assert _scalar_reads(every, types) <= _scalar_reads(ahead, types) <= _scalar_reads(every, types) + 8
+    assert ahead.count("wgmma.mma_async") == every.count("wgmma.mma_async")
+    with pytest.raises(ValueError, match="prefetch_tile_reads"):
+        DecodeConfig(page_size=128, prefetch_tile_reads=True, mask_last_page_only=True)
 
 
 def test_decode_hoists_row_invariant_reads(compiled):
@@ -542,8 +559,9 @@ def test_head_always_kept():
 def test_walks_plan_their_last_page_mask(listed):
     """A short query's walk of pages its block mask lists full below the length plans the
     mask on the last page's tiles alone (``mask_last_page_only``); pages listed partial
-    (torch's PagedAttention at Q_LEN 1) evaluate it on every tile. Neither runs the
-    masked-prefix analysis (the table hides any prefix)."""
+    (torch's PagedAttention at Q_LEN 1) evaluate it on every tile, their tile-constant
+    reads issued a step ahead. Neither runs the masked-prefix analysis (the table hides
+    any prefix)."""
     torch = pytest.importorskip("torch")
     import flexattn.torch as fa
     from flexattn.core import AttentionSpec, short_query
@@ -572,6 +590,8 @@ def test_walks_plan_their_last_page_mask(listed):
     cfg = plan.config
     assert cfg.mask_last_page_only == (listed == "full")
     assert not cfg.skip_masked_prefix
+    # Masked on every tile: the table and page map read a step ahead (prefetch_tile_reads).
+    assert cfg.prefetch_tile_reads == (listed == "partial")
 
 
 def test_a_decode_plan_dies_with_its_last_reference():

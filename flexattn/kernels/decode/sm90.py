@@ -115,6 +115,10 @@ class DecodeConfig(KernelConfig):
                                      # a sequence's last page alone (every page before it is
                                      # known full: a short query's walk of listed blocks,
                                      # full ones first: core/short_query.py)
+    prefetch_tile_reads: bool = False  # the mods' tile-constant reads (ModHook.tile_invariants:
+                                     # a walk's table, a paged mask's page map) issued one tile
+                                     # ahead, so their dependent loads overlap the step before
+                                     # (masked steps; not with mask_last_page_only)
     mods: ModHook = field(default=NO_MODS, compare=False)
 
     def __post_init__(self):
@@ -132,6 +136,8 @@ class DecodeConfig(KernelConfig):
         check_page_size(self.page_size, self.tile_n)
         if self.mask_last_page_only and not self.paged:
             raise ValueError("mask_last_page_only needs a paged cache (page_size > 0)")
+        if self.prefetch_tile_reads and self.mask_last_page_only:
+            raise ValueError("prefetch_tile_reads serves walks masked on every tile, not mask_last_page_only")
         if self.cluster_splits not in CLUSTER_SPLITS:
             raise ValueError(f"cluster_splits must be one of {CLUSTER_SPLITS}, got {self.cluster_splits}")
         if self.cluster_splits > 1 and 2 * self.tile_m > self.num_stages * self.tile_n:
@@ -618,9 +624,22 @@ class DecodeSm90(WarpSpecialized):
             # The last block (visited first) is the only one that may straddle the length.
             kv_state = self._step(ctx, kv_state, first + count - 1, kv_bound=True)
         self._stamp(stamps, 3, tidx < 32)
+        # Prefetched: the next block's tile-constant reads, issued before this block's step
+        # (blocks run downwards; the last read, clamped to ``first``, is a harmless repeat).
+        shape = pending = None
+        if const_expr(cfg.prefetch_tile_reads):
+            # (a split with fewer than two blocks reads, unused, a block below the length)
+            last = cutlass.max((seqlen + cfg.tile_n - 1) // cfg.tile_n - 1, 0)
+            shape = self._tile_values(ctx, cutlass.min(cutlass.max(first + count - 2, first), last),
+                                      self.mods.has_mask)
+            pending = _leaves(shape)
         for i in cutlass.range(1, count, unroll=1):
             n_block = first + count - 1 - i
-            if const_expr(cfg.mask_last_page_only):
+            if const_expr(cfg.prefetch_tile_reads):
+                current = _rebuild(shape, pending)
+                pending = _leaves(self._tile_values(ctx, cutlass.max(n_block - 1, first), self.mods.has_mask))
+                kv_state = self._step(ctx, kv_state, n_block, kv_bound=False, tile_values=current)
+            elif const_expr(cfg.mask_last_page_only):
                 # The pages before a sequence's last are full: tiles that end before the
                 # last page starts skip the mask (pages wider than a tile: not only the bound one).
                 if (n_block + 1) * cfg.tile_n > seqlen - cfg.page_size:
@@ -643,26 +662,34 @@ class DecodeSm90(WarpSpecialized):
             self.epilogue(acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, split, num_splits,
                           head_kv, group, q_len, rows, m_block, batch)
 
+    def _tile_values(self, ctx, n_block, apply_mask: bool):
+        """The mods' reads that stay constant over block ``n_block`` (a walk's table, a paged
+        mask's page map: read at kv // page), one ``TileValues`` per fragment row, or None."""
+        (_, _, _, _, _, _, _, _, _, _, row_head, row_q, row_values, _, _, batch, _, _, mod_args) = ctx
+        mods = self.mods
+        if not (mods.has_score or apply_mask):
+            return None
+        values = []
+        for r in range(cute.size(row_head.shape)):     # (plain Python: traced inline)
+            row = None if row_values is None else row_values[r]
+            values.append(mods.tile_invariants(batch, row_head[r], row_q[r], n_block * self.cfg.tile_n,
+                                               self.cfg.tile_n, mod_args, row=row,
+                                               score=mods.has_score, mask=apply_mask))
+        return None if values[0] is None else values
+
     @cute.jit
-    def _step(self, ctx, kv_state, n_block, kv_bound: cutlass.Constexpr[bool], masked: cutlass.Constexpr[bool] = True):
+    def _step(self, ctx, kv_state, n_block, kv_bound: cutlass.Constexpr[bool], masked: cutlass.Constexpr[bool] = True,
+              tile_values=None):
         """One kv block: S = Q K^T, mods (``masked`` False: the block is known full, no
-        mask), online softmax, O = O * scale + P V."""
+        mask), online softmax, O = O * scale + P V. ``tile_values``: the block's
+        ``_tile_values`` read ahead (None: read here)."""
         (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O, softmax,
          coords, row_head, row_q, row_values, pipe_k, pipe_v, batch, seqlen, softmax_scale, mod_args) = ctx
         mods = self.mods
         apply_mask = mods.has_mask and masked
-        # The mods' reads that stay constant over the tile (a walk's table, a paged mask's
-        # page map: read at kv // page), issued before the wait for K so they overlap it.
-        tile_values = None
-        if const_expr(mods.has_score or apply_mask):
-            tile_values = []
-            for r in cutlass.range_constexpr(cute.size(row_head.shape)):
-                row = None if const_expr(row_values is None) else row_values[r]
-                tile_values.append(mods.tile_invariants(batch, row_head[r], row_q[r], n_block * self.cfg.tile_n,
-                                                        self.cfg.tile_n, mod_args, row=row,
-                                                        score=mods.has_score, mask=apply_mask))
-            if const_expr(tile_values[0] is None):
-                tile_values = None
+        # Read here: issued before the wait for K so the loads overlap it.
+        if const_expr(tile_values is None):
+            tile_values = self._tile_values(ctx, n_block, apply_mask)
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         pipe_k.consumer_wait(kv_state)
         mma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
@@ -812,6 +839,32 @@ class DecodeSm90(WarpSpecialized):
                                mO[batch, head, qi, None], lane, cfg.head_dim)
             if lane == 0:
                 mLSE[batch, head, qi] = lse
+
+
+def _leaves(tree) -> list:
+    """The run-time values in a structure of tuples, lists and named tuples (a hook's
+    ``tile_invariants``), flat: a loop-carried variable. Python numbers and None stay
+    structure."""
+    if tree is None or isinstance(tree, (bool, int, float, str)):
+        return []
+    if isinstance(tree, (tuple, list)):
+        return [leaf for item in tree for leaf in _leaves(item)]
+    return [tree]
+
+
+def _rebuild(like, leaves) -> object:
+    """``like`` with its run-time values replaced by ``leaves`` in ``_leaves``' order."""
+    it = iter(leaves)
+
+    def build(tree):
+        if tree is None or isinstance(tree, (bool, int, float, str)):
+            return tree
+        if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+            return type(tree)(*(build(item) for item in tree))
+        if isinstance(tree, (tuple, list)):
+            return type(tree)(build(item) for item in tree)
+        return next(it)
+    return build(like)
 
 
 def _classify_keys(mask_expr, batch, heads, q_last, kv_lo, kv_hi, args, scan_limit: int):
