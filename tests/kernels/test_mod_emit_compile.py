@@ -55,31 +55,13 @@ def test_mod_tiled_compiles_for_sm90(rows):
     thread: as many reads either way)."""
     import re
 
-    score, mask = mod_zoo.paged_zoo(np.random.default_rng(0), 130)["paged"]
+    (score, mask), = mod_zoo.paged_zoo(np.random.default_rng(0), 130).values()
     hook = IRModHook(score, mask)
     assert hook.tile_invariant_count(32) == 3
     reads = [len(re.findall(r"ld\.global(?:\.nc)?\.(?:b32|b64|s64|u64|f32)\b",
                             compile_mod_eval(hook, "--gpu-arch=sm_90a --keep-ptx", rows=rows, tiled=tiled).__ptx__))
              for tiled in (0, 32)]
     assert reads[1] < reads[0] if rows else reads[1] == reads[0], reads
-
-
-def test_tile_leaf_reads_start_each_chain():
-    """``tile_leaves``: the first loads of the tile-constant chains — the walk's
-    ``table[b, kv // page]`` inside ``page_map[b, table[...]]`` and the score's
-    ``bias[b, table[...]]`` (one read, shared), the page map itself where it is read
-    directly; reads that do not depend on kv (``lengths[b]``) are left to the row.
-    Compiled staged (leaves emitted first, passed as ``leaves=``) for sm_90a."""
-    zoo = mod_zoo.paged_zoo(np.random.default_rng(0), 130)
-    walk = IRModHook(*zoo["paged-walk"])
-    score_leaves, mask_leaves = walk._tile_leaf_reads(32)
-    assert len(score_leaves) == len(mask_leaves) == 1
-    for leaf in score_leaves + mask_leaves:
-        assert leaf.op == "load" and leaf.args[1].op == "floordiv"
-    direct = IRModHook(*zoo["paged"])
-    assert [len(x) for x in direct._tile_leaf_reads(32)] == [1, 1]   # bias[b, kv // 32], page_map[b, kv // 32]
-    for hook in (walk, direct):
-        assert compile_mod_eval(hook, tiled=32, staged=True) is not None
 
 
 def _ops(nodes):

@@ -624,27 +624,20 @@ class DecodeSm90(WarpSpecialized):
             # The last block (visited first) is the only one that may straddle the length.
             kv_state = self._step(ctx, kv_state, first + count - 1, kv_bound=True)
         self._stamp(stamps, 3, tidx < 32)
-        # Prefetched: before block n's step, block n-1's tile-constant values (from its
-        # leaf reads, issued a step earlier) and block n-2's leaf reads, so neither link of
-        # a chain of dependent loads (a walk's table, then the page map) waits in the step.
-        # Blocks run downwards; reads clamped to ``first`` are harmless repeats.
-        values_like = leaves_like = values_ahead = leaves_ahead = None
+        # Prefetched: the next block's tile-constant reads, issued before this block's step
+        # (blocks run downwards; the last read, clamped to ``first``, is a harmless repeat).
+        shape = pending = None
         if const_expr(cfg.prefetch_tile_reads):
             # (a split with fewer than two blocks reads, unused, a block below the length)
             last = cutlass.max((seqlen + cfg.tile_n - 1) // cfg.tile_n - 1, 0)
-            second = cutlass.min(cutlass.max(first + count - 2, first), last)
-            leaves_like = self._tile_leaves(ctx, second)
-            values_like = self._tile_values(ctx, second, self.mods.has_mask, leaves=leaves_like)
-            values_ahead = _leaves(values_like)
-            leaves_ahead = _leaves(self._tile_leaves(ctx, cutlass.max(second - 1, first)))
+            shape = self._tile_values(ctx, cutlass.min(cutlass.max(first + count - 2, first), last),
+                                      self.mods.has_mask)
+            pending = _leaves(shape)
         for i in cutlass.range(1, count, unroll=1):
             n_block = first + count - 1 - i
             if const_expr(cfg.prefetch_tile_reads):
-                current = _rebuild(values_like, values_ahead)
-                next_block = cutlass.max(n_block - 1, first)
-                values_ahead = _leaves(self._tile_values(ctx, next_block, self.mods.has_mask,
-                                                         leaves=_rebuild(leaves_like, leaves_ahead)))
-                leaves_ahead = _leaves(self._tile_leaves(ctx, cutlass.max(n_block - 2, first)))
+                current = _rebuild(shape, pending)
+                pending = _leaves(self._tile_values(ctx, cutlass.max(n_block - 1, first), self.mods.has_mask))
                 kv_state = self._step(ctx, kv_state, n_block, kv_bound=False, tile_values=current)
             elif const_expr(cfg.mask_last_page_only):
                 # The pages before a sequence's last are full: tiles that end before the
@@ -669,18 +662,9 @@ class DecodeSm90(WarpSpecialized):
             self.epilogue(acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, split, num_splits,
                           head_kv, group, q_len, rows, m_block, batch)
 
-    def _tile_values(self, ctx, n_block, apply_mask: bool, leaves=None):
+    def _tile_values(self, ctx, n_block, apply_mask: bool):
         """The mods' reads that stay constant over block ``n_block`` (a walk's table, a paged
-        mask's page map: read at kv // page), one ``TileValues`` per fragment row, or None.
-        ``leaves``: the block's ``_tile_leaves``, read earlier."""
-        return self._per_row(ctx, "tile_invariants", n_block, apply_mask, leaves)
-
-    def _tile_leaves(self, ctx, n_block):
-        """The first loads of the block's ``_tile_values`` chains (``ModHook.tile_leaves``)."""
-        return self._per_row(ctx, "tile_leaves", n_block, self.mods.has_mask)
-
-    def _per_row(self, ctx, method: str, n_block, apply_mask: bool, leaves=None):
-        """The hook's ``method`` (``tile_invariants`` / ``tile_leaves``) for each fragment row."""
+        mask's page map: read at kv // page), one ``TileValues`` per fragment row, or None."""
         (_, _, _, _, _, _, _, _, _, _, row_head, row_q, row_values, _, _, batch, _, _, mod_args) = ctx
         mods = self.mods
         if not (mods.has_score or apply_mask):
@@ -688,10 +672,9 @@ class DecodeSm90(WarpSpecialized):
         values = []
         for r in range(cute.size(row_head.shape)):     # (plain Python: traced inline)
             row = None if row_values is None else row_values[r]
-            kw = {} if leaves is None else {"leaves": leaves[r]}
-            values.append(getattr(mods, method)(batch, row_head[r], row_q[r], n_block * self.cfg.tile_n,
-                                                self.cfg.tile_n, mod_args, row=row, score=mods.has_score,
-                                                mask=apply_mask, **kw))
+            values.append(mods.tile_invariants(batch, row_head[r], row_q[r], n_block * self.cfg.tile_n,
+                                               self.cfg.tile_n, mod_args, row=row,
+                                               score=mods.has_score, mask=apply_mask))
         return None if values[0] is None else values
 
     @cute.jit

@@ -676,51 +676,17 @@ class IRModHook(ModHook):
         return (tuple(emit_many(score_roots, env, args[: self._n_score_args], self.fast_math)),
                 tuple(emit_many(mask_roots, env, args[self._n_score_args:], self.fast_math)))
 
-    def tile_invariants(self, b, h, q, kv_start, tile_n: int, args, row=None, score=True, mask=True, leaves=None):
-        return self._emit_tile(self._tile_roots(tile_n), b, h, q, kv_start, tile_n, args, row, score, mask, leaves)
-
-    def tile_leaves(self, b, h, q, kv_start, tile_n: int, args, row=None, score=True, mask=True):
-        return self._emit_tile(self._tile_leaf_reads(tile_n), b, h, q, kv_start, tile_n, args, row, score, mask)
-
-    def _emit_tile(self, nodes, b, h, q, kv_start, tile_n, args, row, score, mask, leaves=None):
-        """``TileValues`` of the (score's, mask's) ``nodes`` at the tile starting at
-        ``kv_start`` (``leaves``: that tile's ``tile_leaves``, known)."""
+    def tile_invariants(self, b, h, q, kv_start, tile_n: int, args, row=None, score=True, mask=True):
         roots = self._tile_roots(tile_n)
         score, mask = score and bool(roots[0]), mask and bool(roots[1])
         if not score and not mask:
             return None
         env = {"b": b, "h": h, "q": q, "kv": kv_start}
         args = args or ()
-        parts = (args[: self._n_score_args], args[self._n_score_args:])
-
-        def values(which):
-            known = self._known(row, which) or {}
-            if leaves is not None and leaves[1 + which] is not None:
-                known.update((id(n), v) for n, v in zip(self._tile_leaf_reads(tile_n)[which], leaves[1 + which]))
-            return tuple(emit_many(nodes[which], env, parts[which], self.fast_math, known or None))
-        return TileValues(tile_n, values(0) if score else None, values(1) if mask else None)
-
-    def _tile_leaf_reads(self, tile_n: int) -> tuple:
-        """(score's, mask's) buffer reads inside the tile roots whose indices read no buffer
-        and depend on kv (``table[b, kv // 128]`` inside ``page_map[b, table[b, kv // 128]]``):
-        the first of each chain of dependent loads, which a kernel can issue a tile earlier
-        than the rest (``tile_leaves``, then ``tile_invariants(leaves=)``)."""
-        cache = self.__dict__.setdefault("_tile_leaves_by_n", {})
-        if tile_n not in cache:
-            found = []
-            for which, roots in enumerate(self._tile_roots(tile_n)):
-                row_known = {id(n): None for n in self._invariant_roots[which]}
-                leaves, seen = [], set()
-                for root in roots:
-                    for n in _walk_pruned(root, row_known):
-                        if (n.op == "load" and id(n) not in row_known and id(n) not in seen
-                                and "kv" in n.free_vars()
-                                and not any(m.op == "load" for a in n.args for m in a.walk())):
-                            seen.add(id(n))
-                            leaves.append(n)
-                found.append(leaves)
-            cache[tile_n] = tuple(found)
-        return cache[tile_n]
+        score_args, mask_args = args[: self._n_score_args], args[self._n_score_args:]
+        return TileValues(tile_n,
+                          tuple(emit_many(roots[0], env, score_args, self.fast_math, self._known(row, 0))) if score else None,
+                          tuple(emit_many(roots[1], env, mask_args, self.fast_math, self._known(row, 1))) if mask else None)
 
     def tile_invariant_count(self, tile_n: int) -> int:
         return sum(len(roots) for roots in self._tile_roots(tile_n))

@@ -31,27 +31,21 @@ class ModEvalKernel:
     and passed back as ``row=`` (as the decode kernel hoists them out of its kv loop).
     `tiled` (a tile size, 0: off): the hook's ``tile_invariants`` at each aligned tile of
     that many keys emitted first and passed back as ``tile=`` (as the decode kernel and,
-    with ``hoist_tile_reads``, the forward emit them), per element or per row; `staged`:
-    those from the tile's ``tile_leaves`` emitted first and passed as ``leaves=`` (as the
-    decode kernel's ``prefetch_tile_reads`` issues them a step apart)."""
+    with ``hoist_tile_reads``, the forward emit them), per element or per row."""
 
-    def __init__(self, hook: IRModHook, rows: bool = False, hoisted: bool = False, tiled: int = 0,
-                 staged: bool = False):
+    def __init__(self, hook: IRModHook, rows: bool = False, hoisted: bool = False, tiled: int = 0):
         if tiled and (tiled % ROW or tiled < ROW):
             raise ValueError(f"tiled must be a multiple of the row of {ROW} keys, got {tiled}")
         self.hook = hook
         self.rows = rows
         self.hoisted = hoisted
         self.tiled = tiled
-        self.staged = staged
 
     def _tile(self, b, h, q, kv, args) -> dict:
         """``tile=`` for the tile holding key ``kv`` (``tiled``), or nothing."""
         if cutlass.const_expr(not self.tiled):
             return {}
-        start = (kv // self.tiled) * self.tiled
-        leaves = self.hook.tile_leaves(b, h, q, start, self.tiled, args) if cutlass.const_expr(self.staged) else None
-        values = self.hook.tile_invariants(b, h, q, start, self.tiled, args, leaves=leaves)
+        values = self.hook.tile_invariants(b, h, q, (kv // self.tiled) * self.tiled, self.tiled, args)
         return {} if cutlass.const_expr(values is None) else {"tile": values}
 
     def _affine(self, var: str) -> bool:
@@ -139,10 +133,10 @@ class ModEvalKernel:
 
 
 def compile_mod_eval(hook: IRModHook, options: str = "--gpu-arch=sm_90a", rows: bool = False,
-                     hoisted: bool = False, tiled: int = 0, staged: bool = False):
+                     hoisted: bool = False, tiled: int = 0):
     """Compile for sm_90a on fake tensors (no GPU needed). The runtime grids must be
     [Q, KV] with a contiguous last dim, passed through ``grid_arg``; args through
-    ``mod_emit.runtime_args``. `rows`, `hoisted`, `tiled`, `staged`: see ``ModEvalKernel``."""
+    ``mod_emit.runtime_args``. `rows`, `hoisted`, `tiled`: see ``ModEvalKernel``."""
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
     q, kv = cute.sym_int(), cute.sym_int()
@@ -151,7 +145,7 @@ def compile_mod_eval(hook: IRModHook, options: str = "--gpu-arch=sm_90a", rows: 
 
     args = fake_args(hook) or None
     with COMPILING:
-        return cute.compile(ModEvalKernel(hook, rows, hoisted, tiled, staged), grid(Float32), grid(Float32), grid(cutlass.Int8),
+        return cute.compile(ModEvalKernel(hook, rows, hoisted, tiled), grid(Float32), grid(Float32), grid(cutlass.Int8),
                             Int32(0), Int32(0), args, make_fake_stream(), options=options)
 
 

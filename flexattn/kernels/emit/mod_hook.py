@@ -77,20 +77,13 @@ class ModHook:
         no block reads them again. None: nothing to hoist, call `score` / `mask` as usual."""
         return None
 
-    def tile_invariants(self, b, h, q, kv_start, tile_n: int, args, row=None, score=True, mask=True, leaves=None):
+    def tile_invariants(self, b, h, q, kv_start, tile_n: int, args, row=None, score=True, mask=True):
         """What `score` (if `score`) and `mask` (if `mask`) read from buffers that stays
         constant over an aligned tile of `tile_n` keys starting at `kv_start` (a walk's
         table and a paged mask's page map, read at `kv // page`), emitted once per tile
         and row, or None. A kernel that calls this before the tile's scores are ready
         (the loads then overlap its wait for K) passes the result back as `tile=` to
-        `score` / `mask` for that tile and row (with `row=` from `row_invariants`).
-        `leaves`: this tile's `tile_leaves`, emitted earlier (a tile ahead)."""
-        return None
-
-    def tile_leaves(self, b, h, q, kv_start, tile_n: int, args, row=None, score=True, mask=True):
-        """The first loads of `tile_invariants`' chains of dependent loads (the walk's
-        `table[b, kv // 128]` inside `page_map[b, table[b, kv // 128]]`), or None: a
-        kernel may issue them a tile before the rest and pass them as `leaves=`."""
+        `score` / `mask` for that tile and row (with `row=` from `row_invariants`)."""
         return None
 
     def tile_invariant_count(self, tile_n: int) -> int:
