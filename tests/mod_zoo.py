@@ -122,7 +122,16 @@ def paged_zoo(rng, S, page=32):
         logical = page_map[b, kv_idx // page] * page + kv_idx % page
         return (page_map[b, kv_idx // page] >= 0) & (logical < lengths[b]) & (logical <= q_idx + 5)
 
+    # ... walked through a block table (a short query's walk of listed blocks): the page
+    # map read at the table's entry, a chain of two dependent loads per tile
+    table = torch.from_numpy(rng.permutation(pages).astype(np.int32))[None].repeat(2, 1)
+
+    def walked(b, h, q_idx, kv_idx):
+        return (page_map[b, table[b, kv_idx // page]] >= 0) & (kv_idx <= q_idx + 5)
+
     return {
         "paged": (mods.score_mod(lambda s, b, h, q_idx, kv_idx: s + bias[b, kv_idx // page] * (h + 1)),
                   mods.mask_mod(physical)),
+        "paged-walk": (mods.score_mod(lambda s, b, h, q_idx, kv_idx: s + bias[b, table[b, kv_idx // page]]),
+                       mods.mask_mod(walked)),
     }
