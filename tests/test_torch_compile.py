@@ -1238,3 +1238,68 @@ def test_torchs_paged_attention_step_compiles():
         counter = CompileCounterWithBackend("aot_eager")
         torch.testing.assert_close(torch.compile(fn, backend=counter, fullgraph=True)(q, k_cache, v_cache), want)
         assert counter.frame_count == 1
+
+
+def test_mods_called_on_tensors_evaluate_with_torch():
+    """A mod called on torch tensors (as torch code calls a block mask's ``mask_mod``, and as
+    torch's flex HOP traces a function that wraps one) answers with torch tensors equal to
+    the numpy oracle's, for every op in the zoo (``flexattn.torch.tensor_eval``)."""
+    import mod_zoo
+    from flexattn.mods.evaluate import evaluate
+
+    rng = np.random.default_rng(3)
+    n = 37
+    cases = dict(mod_zoo.zoo(rng, n), **mod_zoo.paged_zoo(rng, n))
+    q, kv = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    scores = torch.from_numpy(rng.standard_normal((n, n)).astype(np.float32) * 4)
+    for name, (score, mask) in cases.items():
+        b, h = torch.tensor(1), torch.tensor(2)
+        env = {"b": 1, "h": 2, "q": q.numpy(), "kv": kv.numpy()}
+        if mask is not None:
+            got = mask(b, h, q, kv)
+            want = evaluate(mask.expr, env, [np.asarray(c) for c in mask.captures])
+            assert isinstance(got, torch.Tensor) and got.dtype == torch.bool, name
+            assert np.array_equal(np.broadcast_to(got.numpy(), (n, n)), np.broadcast_to(want, (n, n))), name
+        if score is not None:
+            got = score(scores, b, h, q, kv)
+            want = evaluate(score.expr, dict(env, score=scores.double().numpy()),
+                            [np.asarray(c.float() if isinstance(c, torch.Tensor) and c.dtype == torch.bfloat16 else c)
+                             for c in score.captures])
+            assert isinstance(got, torch.Tensor), name
+            np.testing.assert_allclose(got.double().numpy(), np.broadcast_to(want, (n, n)), rtol=2e-4, atol=2e-4,
+                                       err_msg=name)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_gpt_fast_decoding_step_compiles(backend):
+    """gpt-fast's decoding step written against flexattn.torch, compiled with fullgraph: our
+    block mask (made outside) sliced by a tensor of the graph (``input_pos // BLOCK_SIZE``:
+    in the graph, as torch's BlockMask slices), its ``mask_mod`` (our mod) wrapped in a
+    closure that moves it to the position (``input_pos[0]``, a tensor). New positions do
+    not recompile; each step agrees with SDPA over the cache's prefix."""
+    torch.manual_seed(0)
+    Bt, Hq, Hkv, Dh, L = 2, 8, 2, 16, 256
+    block_mask = fa.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, L, L, BLOCK_SIZE=64)
+    k_cache, v_cache = torch.randn(Bt, Hkv, L, Dh), torch.randn(Bt, Hkv, L, Dh)
+
+    def moved(mask_mod, offset):
+        def at_position(b, h, q, kv):
+            return mask_mod(b, h, q + offset, kv)
+        return at_position
+
+    def decode_one_token(q, input_pos, block_mask):
+        mask = block_mask[:, :, input_pos // block_mask.BLOCK_SIZE[0]]
+        mask.mask_mod = moved(block_mask.mask_mod, input_pos[0])
+        mask.seq_lengths = (1, L)
+        return fa.flex_attention(q, k_cache, v_cache, block_mask=mask, enable_gqa=True)
+
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(decode_one_token, fullgraph=True, backend=counter)
+    for pos in (70, 71, 200):
+        q = torch.randn(Bt, Hq, 1, Dh)
+        got = compiled(q, torch.tensor([pos]), block_mask)
+        prefix = slice(0, pos + 1)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, k_cache[:, :, prefix].repeat_interleave(Hq // Hkv, 1), v_cache[:, :, prefix].repeat_interleave(Hq // Hkv, 1))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 1

@@ -38,6 +38,13 @@ MADE_ELSEWHERE = None
 # name -> the undecorated built-in constructor (what an adapter's recipe calls)
 BUILT_INS: dict = {}
 
+# A mod called on a framework's arrays — eagerly, or while the framework traces a function
+# that calls it (torch's flex HOP tracing a ``mask_mod`` that wraps our mod, as gpt-fast's
+# position offset does) — is evaluated by that adapter's own ops, so the framework sees its
+# arrays in and out: ``(accepts(x), evaluate(expr, env, captures))`` pairs, the first whose
+# ``accepts`` takes an argument wins (flexattn.torch: torch tensors). Elsewhere: numpy.
+ARRAY_EVALUATORS: list = []
+
 
 def _handed_over(kind: str):
     """Decorator: calls of ``make`` (a constructor, ``kind`` "call", or an operator, "op") go
@@ -111,6 +118,9 @@ class Mod:
             raise TypeError(f"{type(self).__name__} takes {len(self.var_names)} arguments ({', '.join(self.var_names)})")
         if any(isinstance(a, Sym) for a in args) or active_context() is not None:
             return Sym(self.inline([a.node if isinstance(a, Sym) else ir.as_node(a) for a in args]))
+        for accepts, evaluate_with in ARRAY_EVALUATORS:
+            if any(accepts(a) for a in args):
+                return evaluate_with(self.expr, dict(zip(self.var_names, args)), self.captures)
         env = dict(zip(self.var_names, (np.asarray(a) for a in args)))
         return evaluate(self.expr, env, [_as_numpy(c) for c in self.captures])
 

@@ -29,8 +29,9 @@ import numpy as np
 import torch
 
 from .. import reference
+from . import tensor_eval
 from ..blockmask import BlockMask as _CoreBlockMask, create_block_mask as _create_block_mask
-from ..blockmask.layout import as_block_mask, as_class
+from ..blockmask.layout import _LIST_NAMES, as_block_mask, as_class
 from ..blockmask import DeviceArrays as BlockMaskArrays, register_device as register_block_mask_device
 from ..problem import bounds
 from ..problem.decode import decode_problem, decode_spec
@@ -93,6 +94,21 @@ class BlockMask(_CoreBlockMask):
         if t is None:   # a copy: the host lists are read-only, and stay the kernels'
             t = tensors[name] = torch.from_numpy(np.array(array))
         return t
+
+    def __getitem__(self, index):
+        """torch's slicing. Inside code dynamo traces (gpt-fast's decoding step slices its
+        block mask by ``input_pos // BLOCK_SIZE``, a tensor of the graph) the lists are
+        sliced as torch's ``BlockMask`` slices them, in the graph: the result is a torch
+        ``BlockMask`` with this one's lists and ``mask_mod`` (our mods evaluate on tensors:
+        ``tensor_eval``), which ``flex_attention`` takes as it takes torch's."""
+        if torch.compiler.is_dynamo_compiling():
+            return self._as_torch()[index]
+        return super().__getitem__(index)
+
+    def _as_torch(self) -> _TorchBlockMask:
+        """This block mask as torch's ``BlockMask`` (the same list tensors and mask_mod)."""
+        return _TorchBlockMask(self.seq_lengths, *(self._present(name) for name in _LIST_NAMES),
+                               BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod)
 
 
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, _compile=False,
@@ -191,6 +207,7 @@ def _refuse_mods_made_in_traced_code(what: str):
 
 
 _mods.mod.MADE_ELSEWHERE = _made_while_traced
+_mods.mod.ARRAY_EVALUATORS.append((tensor_eval.is_tensor, tensor_eval.evaluate))   # mods called on tensors
 
 
 @torch._dynamo.assume_constant_result

@@ -371,3 +371,43 @@ def test_gpt_fast_batched_decoding_folds_into_heads(monkeypatch):
         assert np.abs(out.double().cpu().numpy() - want_o).max() < TOL
         assert np.abs(lse.double().cpu().numpy() - want_lse).max() < 5e-3
     assert walks and all(shape == (1, B * Hq, 1, D) for shape in walks), walks
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_gpt_fast_step_compiled_with_our_imports(mode):
+    """gpt-fast's decoding step with flexattn.torch's create_block_mask and flex_attention,
+    compiled as gpt-fast compiles it (fullgraph; inductor, and inductor with CUDA graphs):
+    our block mask sliced by ``input_pos // BLOCK_SIZE`` in the graph, its mask_mod moved to
+    ``input_pos[0]`` by a closure. Positions change every step (new tensor values, no
+    recompile); each step agrees with the float64 reference over the cache's prefix."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(71)
+    torch._dynamo.reset()
+    B, Hq, Hkv, D, L = 4, 32, 8, 128, 2048
+    k_cache, v_cache = (torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    block_mask = fa.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, L, L, device="cuda")
+
+    def at_position(mask_mod, offset):
+        def moved(b, h, q, kv):
+            return mask_mod(b, h, q + offset, kv)
+        return moved
+
+    def decode_one_token(q, input_pos, block_mask):
+        mask = block_mask[:, :, input_pos // block_mask.BLOCK_SIZE[0]]
+        mask.mask_mod = at_position(block_mask.mask_mod, input_pos[0])
+        mask.seq_lengths = (1, L)
+        return fa.flex_attention(q, k_cache, v_cache, block_mask=mask, enable_gqa=True)
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(decode_one_token, fullgraph=True, backend=counter) if mode == "default" else \
+        torch.compile(decode_one_token, fullgraph=True, mode=mode)
+    for pos in (700, 701, 1500, 1501, 2047):
+        q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+        out = compiled(q, torch.tensor([pos], device="cuda"), block_mask).clone()
+        prefix = slice(0, pos + 1)
+        want, _ = reference.forward(q.cpu(), k_cache[:, :, prefix].cpu(), v_cache[:, :, prefix].cpu(),
+                                    AttentionSpec.from_args(enable_gqa=True))
+        assert np.abs(out.double().cpu().numpy() - want).max() < TOL, pos
+    if mode == "default":
+        assert counter.frame_count == 1
