@@ -106,9 +106,14 @@ class BlockMask(_CoreBlockMask):
         return super().__getitem__(index)
 
     def _as_torch(self) -> _TorchBlockMask:
-        """This block mask as torch's ``BlockMask`` (the same list tensors and mask_mod)."""
+        """This block mask as torch's ``BlockMask``: the same list tensors, and our mask_mod
+        behind a plain function (torch's code may test a mask_mod's truth; a mod has none)."""
+        mod = self.mask_mod
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return mod(b, h, q_idx, kv_idx)
         return _TorchBlockMask(self.seq_lengths, *(self._present(name) for name in _LIST_NAMES),
-                               BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod)
+                               BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=mask_mod)
 
 
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, _compile=False,
