@@ -105,15 +105,32 @@ class BlockMask(_CoreBlockMask):
             return self._as_torch()[index]
         return super().__getitem__(index)
 
-    def _as_torch(self) -> _TorchBlockMask:
-        """This block mask as torch's ``BlockMask``: the same list tensors, and our mask_mod
-        behind a plain function (torch's code may test a mask_mod's truth; a mod has none)."""
-        mod = self.mask_mod
+    @property
+    def mask_mod(self):
+        """The mask (a ``MaskMod``). Inside code dynamo traces, a plain function of torch
+        tensors evaluating it (``tensor_eval``): what torch code does with a block mask's
+        mask_mod there — wrap it in a closure, hand it to torch's flex HOP — then meets
+        only a function, as with torch's own block masks."""
+        mod = self._mask_mod
+        if mod is None:
+            return super().mask_mod     # (a slice's: unset, its getter says so)
+        return _mask_function(mod.expr, mod.captures) if torch.compiler.is_dynamo_compiling() else mod
 
-        def mask_mod(b, h, q_idx, kv_idx):
-            return mod(b, h, q_idx, kv_idx)
+    @mask_mod.setter
+    def mask_mod(self, value):
+        _CoreBlockMask.mask_mod.__set__(self, value)
+
+    def _as_torch(self) -> _TorchBlockMask:
+        """This block mask as torch's ``BlockMask``: the same list tensors and mask."""
         return _TorchBlockMask(self.seq_lengths, *(self._present(name) for name in _LIST_NAMES),
-                               BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=mask_mod)
+                               BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod)
+
+
+def _mask_function(expr, captures):
+    """A mask's IR as a plain function of torch tensors (``BlockMask.mask_mod`` in traced code)."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return tensor_eval.evaluate(expr, {"b": b, "h": h, "q": q_idx, "kv": kv_idx}, captures)
+    return mask_mod
 
 
 def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128, _compile=False,
