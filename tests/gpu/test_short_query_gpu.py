@@ -373,7 +373,10 @@ def test_gpt_fast_batched_decoding_folds_into_heads(monkeypatch):
     assert walks and all(shape == (1, B * Hq, 1, D) for shape in walks), walks
 
 
-@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+@pytest.mark.parametrize("mode", ["default", pytest.param("reduce-overhead", marks=pytest.mark.xfail(
+    strict=True, reason="known gap (2026-11-30): a block mask sliced in the graph reaches our op as graph lists, which"
+    " it converts on the host per call (nested.py, _with_graph_block_mask); CUDA graph trees refuse the copies it"
+    " keeps (cudagraph pool), and a replay could not redo that conversion"))])
 def test_gpt_fast_step_compiled_with_our_imports(mode):
     """gpt-fast's decoding step with flexattn.torch's create_block_mask and flex_attention,
     compiled as gpt-fast compiles it (fullgraph; inductor, and inductor with CUDA graphs):
