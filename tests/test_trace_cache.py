@@ -48,21 +48,52 @@ def test_rebinding_a_closure_cell_or_global_retraces():
     assert as_score(g).captures == (7.0,)
 
 
-def test_arrays_by_identity_and_never_kept_alive():
+def test_arrays_by_place_and_never_kept_alive():
+    """An array is keyed by where the code finds it, its shape and dtype: a new array of the
+    same kind in the same cell reuses the trace (the same IR) and captures the new array;
+    the cache holds no array. ``Fingerprint.key`` (the prepared calls') still tells arrays
+    apart by identity."""
+    import weakref
+
     table = np.arange(8, dtype=np.float32)
     fn = lambda score, b, h, q_idx, kv_idx: score + table[h]  # noqa: E731
     a, b = as_score(fn), as_score(fn)
     assert a.expr is b.expr and b.captures[0] is table
-    n = len(_SCORE_TRACES)
+    old_key, watch = fingerprint(fn).key, weakref.ref(table)
     table = np.zeros(8, dtype=np.float32)                   # a new array in the cell
     c = as_score(fn)
-    assert c.captures[0] is table and c(0.0, 3, 3, 0, 0) == 0.0
-    del a, b, c
+    assert c.expr is a.expr and c.captures[0] is table and c(0.0, 3, 3, 0, 0) == 0.0
+    assert fingerprint(fn).key != old_key
+    del a, b
     gc.collect()
-    assert len(_SCORE_TRACES) <= n                          # the old array's entry left with it
+    assert watch() is None                                  # not kept alive by the cache
     shape_changed = np.arange(4, dtype=np.float32)
-    assert fingerprint(lambda s, b, h, q, kv: s + shape_changed[h]).key != \
-        fingerprint(lambda s, b, h, q, kv: s + table[h]).key
+    assert fingerprint(lambda s, b, h, q, kv: s + shape_changed[h]).shape_key != \
+        fingerprint(lambda s, b, h, q, kv: s + table[h]).shape_key
+    assert as_score(lambda s, b, h, q, kv: s + shape_changed[h]).captures[0] is shape_changed
+
+
+def test_a_closure_over_a_new_tensor_each_call_keeps_its_trace():
+    """gpt-fast moves a mask to the current position with a closure over a new tensor each
+    step (``input_pos[0]``): one trace, each mod capturing its own step's tensor. One array
+    in two places and two arrays there are different keys (aliasing is structure)."""
+    torch = pytest.importorskip("torch")
+
+    def at(offset):
+        return lambda b, h, q_idx, kv_idx: q_idx + offset >= kv_idx
+
+    first, second = as_mask(at(torch.tensor(5))), as_mask(at(torch.tensor(9)))
+    assert second.expr is first.expr and int(second.captures[0]) == 9
+    q, kv = np.arange(12)[:, None], np.arange(12)[None, :]
+    np.testing.assert_array_equal(np.asarray(second(0, 0, q, kv)), q + 9 >= kv)
+
+    def pair(x, y):
+        return lambda s, b, h, q_idx, kv_idx: s + x[h] * y[h]
+
+    same, other = np.ones(4, np.float32), np.full(4, 2.0, np.float32)
+    aliased, apart = as_score(pair(same, same)), as_score(pair(same, other))
+    assert len(aliased.captures) == 1 and len(apart.captures) == 2
+    assert apart(1.0, 0, 1, 0, 0) == 3.0 and aliased(1.0, 0, 1, 0, 0) == 2.0
 
 
 def test_objects_are_keyed_by_the_attributes_the_code_names():
@@ -87,8 +118,8 @@ def test_objects_are_keyed_by_the_attributes_the_code_names():
 def test_a_method_closure_over_self_keeps_its_trace_until_an_attribute_changes():
     """torch's PagedAttention converts a block mask with a closure over ``self`` reading
     ``self.physical_to_logical`` and ``self.page_size``: a new closure per conversion, the
-    same trace while those attributes key the same (an update in place of the tensor
-    needs no new trace; the trace reads it at run time). (torch tensors: an attribute's
+    same trace while those attributes key the same (an update in place of the tensor, or
+    a new tensor of the same kind, needs no new trace; the trace reads it at run time). (torch tensors: an attribute's
     numpy array is not traced through, only the function's own.)"""
     torch = pytest.importorskip("torch")
 
@@ -114,9 +145,9 @@ def test_a_method_closure_over_self_keeps_its_trace_until_an_attribute_changes()
     assert again.expr is first.expr and again.captures[0] is pages.page_map
     pages.page_map[:] = 0                                  # in place: same key
     assert as_mask(pages.mask_mod()).expr is first.expr
-    pages.page_map = torch.zeros(8, dtype=torch.int32)    # rebound: a new trace over it
+    pages.page_map = torch.zeros(8, dtype=torch.int32)    # rebound: the same trace over it
     rebound = as_mask(pages.mask_mod())
-    assert rebound.captures[0] is pages.page_map
+    assert rebound.expr is first.expr and rebound.captures[0] is pages.page_map
     pages.page_size = 2
     assert as_mask(pages.mask_mod()).expr != first.expr
     assert fingerprint(pages.with_method()) is None         # a bound method: not keyed

@@ -6,9 +6,10 @@ misses every plan cache keyed by the IR's identity (another ~0.3 ms). So a trace
 under the function's *fingerprint*: its code, and what that code can read —
 
 - closure cells, default arguments and the globals its code names (nested code included);
-- numbers, strings, None and tuples by value; arrays by identity, shape and dtype
-  (watched by weak reference, so an entry never keeps a tensor alive and a recycled
-  ``id`` never matches); Python functions by their own fingerprint, library functions,
+- numbers, strings, None and tuples by value; arrays by shape and dtype and where the
+  code finds them (which closure cell, global, attribute: gpt-fast's ``q + offset`` over
+  a new position tensor each step is the same trace), the arrays of this call captured
+  in their place on a hit; Python functions by their own fingerprint, library functions,
   builtins, classes and modules by identity (a module's attributes named by the code are
   fingerprinted too: ``config.WINDOW``);
 - other objects (``self`` in a method's closure: torch's ``PagedAttention`` mask reads
@@ -21,8 +22,11 @@ under the function's *fingerprint*: its code, and what that code can read —
   function that reads one is traced on every call, as before.
 
 A hit rebuilds the mod from the kept IR (the same object: plans and compiled kernels hit)
-and the arrays it captured. A trace that captured something the fingerprint does not
-cover (a tensor made inside the function) is not kept.
+with the arrays the function names now, taken from the same places. A trace that
+captured something the fingerprint does not cover (a tensor made inside the function) is
+not kept. ``Fingerprint.key`` itself keeps arrays by identity (watched by weak reference,
+so a recycled ``id`` never matches): the prepared-call cache (core/prepared.py), whose
+entries hold converted captures, keys by it.
 """
 
 from __future__ import annotations
@@ -44,12 +48,32 @@ _UNCACHEABLE = object()
 
 
 class Fingerprint:
-    """The hashable key of a function plus the arrays (and mods) it names, watched weakly."""
+    """The hashable key of a function plus the arrays (and mods) it names, watched weakly.
+    ``shape_key``: the key with each array by its place among ``arrays`` (the arrays the
+    function names, in the order the fingerprint met them) instead of its identity."""
 
-    __slots__ = ("key", "watched")
+    __slots__ = ("key", "watched", "shape_key", "arrays")
 
     def __init__(self, key, watched):
         self.key, self.watched = key, watched
+        self.arrays = [v for v in watched.values() if _is_watched_array(v)]
+        places = {id(a): i for i, a in enumerate(self.arrays)}
+        self.shape_key = _by_place(key, places)
+
+
+def _is_watched_array(value) -> bool:
+    from .mod import Mod
+
+    return not isinstance(value, (Mod, types.FunctionType)) and is_array(value)
+
+
+def _by_place(key, places: dict):
+    """``key`` with each ``("array", id, shape, dtype)`` as ``("array", place, shape, dtype)``."""
+    if type(key) is not tuple:
+        return key
+    if len(key) == 4 and key[0] == "array" and type(key[1]) is int and key[1] in places:
+        return ("array", places[key[1]], key[2], key[3])
+    return tuple(_by_place(k, places) for k in key)
 
 
 def fingerprint(fn) -> Fingerprint | None:
@@ -197,15 +221,25 @@ def _attributes_key(head, obj, names, watched, depth, skip):
 class _Entry:
     __slots__ = ("expr", "captures", "name", "finalizers")
 
-    def __init__(self, mod, finalizers):
+    def __init__(self, mod, places: dict, finalizers):
         self.expr, self.name, self.finalizers = mod.expr, mod.name, finalizers
-        # arrays weakly (the fingerprint watches them), numbers by value
-        self.captures = tuple(c if _is_number(c) else weakref.ref(c) for c in mod.captures)
+        # numbers by value, arrays by their place among the fingerprint's arrays
+        self.captures = tuple(c if _is_number(c) else _Place(places[id(c)]) for c in mod.captures)
 
-    def mod(self, cls):
-        """The mod again, or None when a captured array has died."""
-        captures = tuple(c() if isinstance(c, weakref.ref) else c for c in self.captures)
-        return None if any(c is None for c in captures) else cls(self.expr, captures, self.name)
+    def mod(self, cls, arrays: list):
+        """The mod again over ``arrays`` (this call's, from the fingerprint)."""
+        return cls(self.expr, tuple(arrays[c.index] if isinstance(c, _Place) else c for c in self.captures), self.name)
+
+    def drop(self):
+        for f in self.finalizers:
+            f.detach()
+
+
+class _Place:
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
 
     def drop(self):
         for f in self.finalizers:
@@ -235,25 +269,24 @@ class TraceCache:
         fp = fingerprint(fn)
         if fp is None:
             return self.trace(fn, name)
-        fp.key = (fp.key, name)
-        entry = self._entries.get(fp.key)
+        key = (fp.shape_key, name)
+        entry = self._entries.get(key)
         if entry is not None:
-            mod = entry.mod(self.cls)
-            if mod is not None:
-                self._entries.move_to_end(fp.key)
-                return mod
-            self._pop(fp.key)
+            self._entries.move_to_end(key)
+            return entry.mod(self.cls, fp.arrays)
         mod = self.trace(fn, name)
-        if all(_is_number(c) or id(c) in fp.watched for c in mod.captures):
-            self._keep(fp, mod)
+        places = {id(a): i for i, a in enumerate(fp.arrays)}
+        if all(_is_number(c) or id(c) in places for c in mod.captures):
+            self._keep(key, fp, mod, places)
         return mod
 
-    def _keep(self, fp, mod):
-        try:   # an entry leaves when something it names dies (its id could be reused)
-            finalizers = [weakref.finalize(obj, self._pop, fp.key) for obj in fp.watched.values()]
+    def _keep(self, key, fp, mod, places):
+        try:   # an entry leaves when something it names by identity dies (its id could be reused)
+            finalizers = [weakref.finalize(obj, self._pop, key) for obj in fp.watched.values()
+                          if not _is_watched_array(obj)]
         except TypeError:   # not weakly referenceable after all
             return
-        self._entries[fp.key] = _Entry(mod, finalizers)
+        self._entries[key] = _Entry(mod, places, finalizers)
         if len(self._entries) > self.capacity:
             self._pop(next(iter(self._entries)))
 
