@@ -566,7 +566,9 @@ class DecodePlan:
         self._first_query = None if shift else 0
         # For the planner's live_blocks; None when it can never skip (at true positions,
         # may_skip_head says so cheaply; at given positions live_blocks asks the mask itself).
-        self._base_mask = base if (not _is_full(base) and not mods.full_but_last
+        # (a walk's mask reads its table, which no analysis sees through: nothing to skip,
+        # and its plan serves other captures: ``rebind``)
+        self._base_mask = base if (not _is_full(base) and not mods.full_but_last and not mods.listed_walk
                                    and (not shift or may_skip_head(base))) else None
         at = _at_true_positions if shift else (lambda mod, _: mod)
         the_mask = None if _is_full(base) else at(base, q_offset)
@@ -596,9 +598,33 @@ class DecodePlan:
         # Numbers, read-only arrays and our positions buffer cannot change under the plan:
         # converted once; tensors read in place, once per data pointer; anything else
         # (writeable host arrays, strided tensors) per step (CaptureArgs).
-        self._args = CaptureArgs(self._captures, _converter(self.ffi, self._kinds, self._captures, self._to_device,
-                                                            self.config.mods),
-                                 device.same_memory, ffi_tensors if self.ffi else None, stable=(q_offset,))
+        self._same_memory, self._stable = device.same_memory, (q_offset,)
+        self._args = self._capture_args()
+
+    def _capture_args(self) -> CaptureArgs:
+        return CaptureArgs(self._captures, _converter(self.ffi, self._kinds, self._captures, self._to_device,
+                                                      self.config.mods),
+                           self._same_memory, ffi_tensors if self.ffi else None, stable=self._stable)
+
+    def rebind(self, mods: DecodeMods) -> None:
+        """This plan for a call whose mods have its mods' IR but capture other values (a
+        walk's table of a new block mask, a closure's new tensor): the launch takes them
+        from now on. Only for walks (``DecodeMods.listed_walk``, at flex_attention's
+        positions): nothing else the plan decided read the captured values."""
+        from ..kernels.emit.mod_emit import IRModHook
+
+        if not mods.listed_walk or mods.true_positions:
+            raise ValueError("rebind serves list walks at flex_attention's positions")
+        hook = IRModHook(None if mods.score_mod is None else as_score(mods.score_mod, "score_mod"),
+                         None if mods.mask is None or _is_full(as_mask(mods.mask, "mask"))
+                         else as_mask(mods.mask, "mask"))
+        captures = hook.captures()
+        if len(captures) == len(self._captures) and all(a is b for a, b in zip(captures, self._captures)):
+            return
+        hook.capture_kinds = self._kinds
+        self.config = self.config.with_mods(hook)
+        self._captures = captures
+        self._args = self._capture_args()
 
     def _kernel(self, kernel: tuple) -> tuple:
         """(config, runner) of `kernel` = (tuning, CTAs per merging cluster)."""
@@ -783,6 +809,16 @@ def mod_key(mod):
     return (id(mod.expr), tuple(c if isinstance(c, (int, float)) else id(c) for c in mod.captures))
 
 
+def structure_key(mod):
+    """A mod's part of a walk's plan key (``attention_plan``): its IR's identity and what
+    its captures are (numbers, arrays by shape and dtype), not which."""
+    if mod is None:
+        return None
+    return (id(mod.expr), tuple(("number",) if isinstance(c, (int, float)) else
+                                (tuple(getattr(c, "shape", ())), str(getattr(c, "dtype", type(c))))
+                                for c in mod.captures))
+
+
 def attention_plan(q, k, v, out, lse, site: DecodeSite, mods: DecodeMods, table=None,
                    page_size: int = 0) -> DecodePlan:
     """The plan of the decode kernel as an ordinary attention call (``core/short_query.py``
@@ -792,7 +828,11 @@ def attention_plan(q, k, v, out, lse, site: DecodeSite, mods: DecodeMods, table=
     (views welcome) — queries at the positions ``mods.true_positions`` says; ``mods``
     holds ``Mod`` values. Kept per call shape like a decoding step's (bounded; an entry
     holds its captured arrays until it is evicted)."""
-    key = ("attention", mod_key(mods.score_mod), mod_key(mods.mask), mods.scale, mods.true_positions,
+    # A walk's plan is kept by its mods' IR alone and rebound to each call's captures (a
+    # block mask sliced or converted anew each step brings a new table, a closure a new
+    # tensor); other plans by their captures too (planning read their values).
+    mod_part = structure_key if mods.listed_walk and not mods.true_positions else mod_key
+    key = ("attention", mod_part(mods.score_mod), mod_part(mods.mask), mods.scale, mods.true_positions,
            mods.full_but_last, mods.listed_walk,
            id(site.workspace), site.device.stream, tuple(q.shape), dtype_name(q), _array_key(k), _array_key(v),
            _array_key(out), _array_key(lse), _array_key(table), page_size)
@@ -803,6 +843,8 @@ def attention_plan(q, k, v, out, lse, site: DecodeSite, mods: DecodeMods, table=
         if len(_ATTENTION_PLANS) >= _ATTENTION_PLANS_CAPACITY:
             _ATTENTION_PLANS.pop(next(iter(_ATTENTION_PLANS)))
         _ATTENTION_PLANS[key] = plan
+    elif mod_part is structure_key:
+        plan.rebind(mods)
     return plan
 
 

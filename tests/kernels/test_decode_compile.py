@@ -592,6 +592,19 @@ def test_walks_plan_their_last_page_mask(listed):
     assert not cfg.skip_masked_prefix
     # Masked on every tile: the table and page map read a step ahead (prefetch_tile_reads).
     assert cfg.prefetch_tile_reads == (listed == "partial")
+    # The next step's block mask, converted anew (other lengths: another table, a new
+    # tensor in the mask's closure): the same plan, rebound to this step's captures.
+    lens2 = torch.tensor([130, 400])
+    step2 = torch_create_block_mask(lambda b, h, q, kv: kv < lens2[b], B, None, rows, L, device="cpu",
+                                    BLOCK_SIZE=block)
+    step2.seq_lengths = (1, L)
+    spec2 = AttentionSpec.from_args(block_mask=fa.as_block_mask(step2), enable_gqa=True)
+    walk2 = short_query.list_walk_route(AttentionShape(B, Hq, Hkv, 1, L, D, D), spec2, "bfloat16", k, k, device)[0]
+    assert walk2.mods.mask.expr is walk.mods.mask.expr and walk2.table is not walk.table
+    again = short_query._walk_plan(walk2, q, k_pages, v_pages, out, lse, device)[0]
+    assert again is plan and any(c is walk2.table for c in again._captures)
+    assert not any(c is walk.table for c in again._captures)
+    assert any(c is lens2 for c in again._captures)
 
 
 def test_a_decode_plan_dies_with_its_last_reference():
