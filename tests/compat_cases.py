@@ -241,3 +241,21 @@ def outputs(case: str, lib, device, dtype) -> list:
         out, aux = result
         return [out] + [t for t in (aux if isinstance(aux, tuple) else (aux,)) if t is not None]
     return [result]
+
+
+def gpt_fast_decode_step(lib, k_cache, v_cache, max_len: int):
+    """gpt-fast's decoding step over ``lib`` (``decode_one_token``, as gpt-fast writes it and
+    compiles it): its block mask cut to the row of ``input_pos`` (a tensor), the row's
+    mask_mod moved to that position by a closure over ``input_pos[0]``. Not a ``CASES``
+    entry: it is compiled (tests/test_torch_compile.py, tests/gpu/test_short_query_gpu.py)."""
+    def at_position(mask_mod, offset):
+        def moved(b, h, q_idx, kv_idx):
+            return mask_mod(b, h, q_idx + offset, kv_idx)
+        return moved
+
+    def decode_one_token(q, input_pos, block_mask):
+        mask = block_mask[:, :, input_pos // block_mask.BLOCK_SIZE[0]]
+        mask.mask_mod = at_position(block_mask.mask_mod, input_pos[0])
+        mask.seq_lengths = (1, max_len)
+        return lib.flex_attention(q, k_cache, v_cache, block_mask=mask, enable_gqa=True)
+    return decode_one_token

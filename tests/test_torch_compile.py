@@ -1277,24 +1277,16 @@ def test_gpt_fast_decoding_step_compiles(backend):
     in the graph, as torch's BlockMask slices), its ``mask_mod`` (our mod) wrapped in a
     closure that moves it to the position (``input_pos[0]``, a tensor). New positions do
     not recompile; each step agrees with SDPA over the cache's prefix."""
+    import compat_cases
+
     torch.manual_seed(0)
     Bt, Hq, Hkv, Dh, L = 2, 8, 2, 16, 256
     block_mask = fa.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, L, L, BLOCK_SIZE=64)
     k_cache, v_cache = torch.randn(Bt, Hkv, L, Dh), torch.randn(Bt, Hkv, L, Dh)
 
-    def moved(mask_mod, offset):
-        def at_position(b, h, q, kv):
-            return mask_mod(b, h, q + offset, kv)
-        return at_position
-
-    def decode_one_token(q, input_pos, block_mask):
-        mask = block_mask[:, :, input_pos // block_mask.BLOCK_SIZE[0]]
-        mask.mask_mod = moved(block_mask.mask_mod, input_pos[0])
-        mask.seq_lengths = (1, L)
-        return fa.flex_attention(q, k_cache, v_cache, block_mask=mask, enable_gqa=True)
-
     counter = CompileCounterWithBackend(backend)
-    compiled = torch.compile(decode_one_token, fullgraph=True, backend=counter)
+    compiled = torch.compile(compat_cases.gpt_fast_decode_step(fa, k_cache, v_cache, L), fullgraph=True,
+                             backend=counter)
     for pos in (70, 71, 200):
         q = torch.randn(Bt, Hq, 1, Dh)
         got = compiled(q, torch.tensor([pos]), block_mask)

@@ -385,23 +385,15 @@ def test_gpt_fast_step_compiled_with_our_imports(mode):
     recompile); each step agrees with the float64 reference over the cache's prefix."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
+    import compat_cases
+
     torch.manual_seed(71)
     torch._dynamo.reset()
     B, Hq, Hkv, D, L = 4, 32, 8, 128, 2048
     k_cache, v_cache = (torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     block_mask = fa.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, L, L, device="cuda")
 
-    def at_position(mask_mod, offset):
-        def moved(b, h, q, kv):
-            return mask_mod(b, h, q + offset, kv)
-        return moved
-
-    def decode_one_token(q, input_pos, block_mask):
-        mask = block_mask[:, :, input_pos // block_mask.BLOCK_SIZE[0]]
-        mask.mask_mod = at_position(block_mask.mask_mod, input_pos[0])
-        mask.seq_lengths = (1, L)
-        return fa.flex_attention(q, k_cache, v_cache, block_mask=mask, enable_gqa=True)
-
+    decode_one_token = compat_cases.gpt_fast_decode_step(fa, k_cache, v_cache, L)
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(decode_one_token, fullgraph=True, backend=counter) if mode == "default" else \
         torch.compile(decode_one_token, fullgraph=True, mode=mode)
