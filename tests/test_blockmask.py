@@ -657,6 +657,25 @@ def test_slicing_matches_torch(index):
     assert a.mask_mod(0, 0, 3, 2) and not a.from_mask
 
 
+def test_slices_of_one_row_share_their_lists_not_their_mask():
+    """A decoder slices the row of its position every step: each slice is a block mask of
+    its own (its mask_mod, its walks) over the row's states, lists and walk tables, kept
+    once on the parent (an int and a tensor index name the same row)."""
+    def causal_fn(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    full = create_block_mask(causal_fn, 1, 1, 1024, 1024)
+    first, second = full[:, :, 3], full[:, :, torch.tensor([3])]
+    assert first is not second and first._states is second._states
+    assert first.kv_block_table(1) is second.kv_block_table(1)     # computed once for the row
+    first.mask_mod = causal_fn
+    with pytest.raises(ValueError, match="sliced"):
+        second.mask_mod                                               # still unset
+    other = full[:, :, 4]
+    assert other._states is not first._states and int(other.kv_num_blocks[0, 0, 0]) == 1
+    assert int(other.full_kv_num_blocks[0, 0, 0]) == 4
+
+
 def test_adjust_matches_torch():
     def causal_fn(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx

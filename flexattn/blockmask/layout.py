@@ -10,6 +10,7 @@ like torch's: the listed blocks in ascending order first, the rest after.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import NamedTuple
 
@@ -199,18 +200,36 @@ class BlockMask:
         if len(index) > 3:
             raise IndexError(f"a block mask is indexed by (batch, head, q block), got {len(index)} indices")
         states = self._host_states()
-        picked = states
+        picks, key = [], []
         for dim, i in enumerate(index):
             if isinstance(i, (int, np.integer)) and not isinstance(i, bool):
                 n = states.shape[dim]
                 if not -n <= int(i) < n:
                     raise IndexError(f"index {int(i)} out of range for dimension {dim} of size {n}")
                 i = slice(int(i) % n, int(i) % n + 1)
+                key.append((i.start,))                # (the row an index array [i] names too)
             elif not isinstance(i, slice):
                 i = np.asarray(to_numpy(i)).astype(np.int64).reshape(-1)
-            picked = picked[(slice(None),) * dim + (i,)]
-        sliced = type(self)(picked, self.seq_lengths, self.BLOCK_SIZE, None)
-        sliced._mask_mod = None   # unset, as torch leaves it (its getter names the fix)
+                key.append(tuple(i.tolist()))
+            else:
+                key.append(("slice", i.start, i.stop, i.step))
+            picks.append(i)
+        # A decoder slices the row of its position every step: the rows' states, lists and
+        # walk tables are kept on this (immutable) mask and shared by its slices alike.
+        shared = self.__dict__.setdefault("_slices", {})
+        template = shared.get(tuple(key))
+        if template is None:   # (never handed out: each slice is a shallow copy of it)
+            picked = states
+            for dim, i in enumerate(picks):
+                picked = picked[(slice(None),) * dim + (i,)]
+            template = type(self)(picked, self.seq_lengths, self.BLOCK_SIZE, None)
+            template._mask_mod = None   # unset, as torch leaves it (its getter names the fix)
+            template._kv_tables = {}    # shared by the copies (it depends on the states alone)
+            if len(shared) >= _SLICES_KEPT:
+                shared.pop(next(iter(shared)))
+            shared[tuple(key)] = template
+        sliced = copy.copy(template)
+        LIVE_OBJECTS[id(sliced)] = sliced
         return sliced
 
     def _adjust(self, new_q_len: int, new_kv_len: int) -> "BlockMask":
@@ -538,6 +557,9 @@ def _block_size(bs):
     if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(positive_int(x) for x in pair)):
         raise ValueError(f"BLOCK_SIZE must be a positive int or a (q_block, kv_block) pair, got {bs!r}")
     return int(pair[0]), int(pair[1])
+
+
+_SLICES_KEPT = 256   # per block mask: rows a decoder visits (one per q block), bounded
 
 
 def _lists(selected: np.ndarray) -> BlockCounts:
