@@ -657,6 +657,26 @@ def test_slicing_matches_torch(index):
     assert a.mask_mod(0, 0, 3, 2) and not a.from_mask
 
 
+def test_conversions_of_equal_small_lists_share_them():
+    """torch's PagedAttention converts a new block mask every step (and a compiled gpt-fast
+    step slices one in its graph): conversions whose lists hold the same values share
+    states, lists and walk tables, each a block mask of its own with its own mask."""
+    from flexattn.blockmask.layout import as_block_mask
+
+    def causal_fn(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    base = torch_create_block_mask(causal_fn, 2, 1, 128, 1024, device="cpu")
+    again = torch_create_block_mask(causal_fn, 2, 1, 128, 1024, device="cpu")
+    shifted = torch_create_block_mask(lambda b, h, q, kv: q + 300 >= kv, 2, 1, 128, 1024, device="cpu")
+    a, b, c = as_block_mask(base), as_block_mask(again), as_block_mask(shifted)
+    assert a is not b and a._states is b._states and a.kv_block_table(2) is b.kv_block_table(2)
+    assert c._states is not a._states
+    assert a.from_mask and b.from_mask and c.from_mask
+    b.mask_mod = lambda bb, h, q_idx, kv_idx: q_idx + 1 >= kv_idx
+    assert a.mask_mod(0, 0, 0, 1) == False and b.mask_mod(0, 0, 0, 1) == True  # noqa: E712
+
+
 def test_slices_of_one_row_share_their_lists_not_their_mask():
     """A decoder slices the row of its position every step: each slice is a block mask of
     its own (its mask_mod, its walks) over the row's states, lists and walk tables, kept

@@ -503,11 +503,8 @@ def as_block_mask(block_mask):
     needed = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "BLOCK_SIZE", "seq_lengths", "mask_mod")
     if not all(hasattr(block_mask, a) for a in needed):
         raise TypeError(f"block_mask must be a BlockMask, got {type(block_mask).__name__}")
-    ours = BlockMask.from_kv_blocks(
-        block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
-        BLOCK_SIZE=tuple(block_mask.BLOCK_SIZE), mask_mod=as_mask(block_mask.mask_mod, "block_mask.mask_mod"),
-        seq_lengths=tuple(block_mask.seq_lengths),
-    )
+    ours = _from_lists(block_mask)
+    ours.mask_mod = as_mask(block_mask.mask_mod, "block_mask.mask_mod")
     ours.from_mask = _tiles_are_the_masks(ours)
     try:
         ref = weakref.ref(block_mask, lambda _, key=id(block_mask): _CONVERTED.pop(key, None))
@@ -515,6 +512,40 @@ def as_block_mask(block_mask):
         return ours
     _CONVERTED[id(block_mask)] = (ref, ours)
     return ours
+
+
+# Small lists (a decoding step's row: torch's PagedAttention converts a new block mask every
+# step, a compiled gpt-fast step slices one in its graph) by their contents: the states,
+# lists and walk tables of lists seen before are shared, each conversion still a block mask
+# of its own (its mask_mod, its walks).
+_SHARED_LISTS_BYTES = 1 << 16
+_LIST_TEMPLATES: dict = {}
+_LIST_TEMPLATES_KEPT = 64
+
+
+def _from_lists(block_mask) -> BlockMask:
+    """Our ``BlockMask`` of a framework block mask's kv-side lists (its mask_mod unset)."""
+    block_size, seq_lengths = tuple(block_mask.BLOCK_SIZE), tuple(block_mask.seq_lengths)
+    lists = [None if x is None else np.asarray(to_numpy(x)) for x in
+             (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+              block_mask.full_kv_indices)]
+    key = None
+    if sum(x.nbytes for x in lists if x is not None) <= _SHARED_LISTS_BYTES:
+        key = (block_size, seq_lengths) + tuple(None if x is None else (x.shape, x.dtype.str, x.tobytes())
+                                                for x in lists)
+        template = _LIST_TEMPLATES.get(key)
+        if template is not None:
+            made = copy.copy(template)
+            LIVE_OBJECTS[id(made)] = made
+            return made
+    made = BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=block_size, seq_lengths=seq_lengths)
+    if key is not None:
+        template = copy.copy(made)            # (never handed out)
+        template._kv_tables = made._kv_tables = {}
+        if len(_LIST_TEMPLATES) >= _LIST_TEMPLATES_KEPT:
+            _LIST_TEMPLATES.pop(next(iter(_LIST_TEMPLATES)))
+        _LIST_TEMPLATES[key] = template
+    return made
 
 
 def _tiles_are_the_masks(block_mask: BlockMask) -> bool:
