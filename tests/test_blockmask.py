@@ -677,6 +677,33 @@ def test_conversions_of_equal_small_lists_share_them():
     assert a.mask_mod(0, 0, 0, 1) == False and b.mask_mod(0, 0, 0, 1) == True  # noqa: E712
 
 
+def test_device_lists_come_to_the_host_in_one_copy():
+    """``arrays.to_numpy_all``: torch tensors of one dtype on one CUDA device (stood in for
+    by a subclass answering ``is_cuda``) are gathered and copied to the host once; each
+    comes back in its shape, None passes, anything else converts one by one."""
+    from flexattn.arrays import to_numpy_all
+
+    class OnTheGPU(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+    copies = []
+    real = torch.Tensor.cpu
+    a = torch.arange(6, dtype=torch.int32).reshape(1, 2, 3).as_subclass(OnTheGPU)
+    b = torch.tensor([[7]], dtype=torch.int32).as_subclass(OnTheGPU)
+    try:
+        torch.Tensor.cpu = lambda self, *args, **kw: (copies.append(tuple(self.shape)), real(self, *args, **kw))[1]
+        got = to_numpy_all([a, None, b])
+    finally:
+        torch.Tensor.cpu = real
+    assert copies and set(copies) == {(7,)}     # only the gathered buffer went to the host
+    np.testing.assert_array_equal(got[0], np.arange(6).reshape(1, 2, 3))
+    assert got[1] is None and got[2].tolist() == [[7]]
+    mixed = to_numpy_all([torch.arange(3), np.ones(2)])
+    assert mixed[0].tolist() == [0, 1, 2] and mixed[1].tolist() == [1.0, 1.0]
+
+
 def test_slices_of_one_row_share_their_lists_not_their_mask():
     """A decoder slices the row of its position every step: each slice is a block mask of
     its own (its mask_mod, its walks) over the row's states, lists and walk tables, kept

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..arrays import to_numpy
+from ..arrays import to_numpy, to_numpy_all
 from ..mods import MaskMod, as_mask, full
 from ..mods.mod import LIVE_OBJECTS
 
@@ -526,9 +526,8 @@ _LIST_TEMPLATES_KEPT = 64
 def _from_lists(block_mask) -> BlockMask:
     """Our ``BlockMask`` of a framework block mask's kv-side lists (its mask_mod unset)."""
     block_size, seq_lengths = tuple(block_mask.BLOCK_SIZE), tuple(block_mask.seq_lengths)
-    lists = [None if x is None else np.asarray(to_numpy(x)) for x in
-             (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
-              block_mask.full_kv_indices)]
+    lists = [None if x is None else np.asarray(x) for x in to_numpy_all(
+        (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices))]
     key = None
     if sum(x.nbytes for x in lists if x is not None) <= _SHARED_LISTS_BYTES:
         key = (block_size, seq_lengths) + tuple(None if x is None else (x.shape, x.dtype.str, x.tobytes())
