@@ -33,7 +33,8 @@
 # at three shapes, issue 24), window-tickets (the band forward's snake against tile tickets
 # beside FA4, three shapes, issue 24), paged (torch's PagedAttention at the door: the short-query
 # GPU tests and the emitter's tiled modes, then bench_paged_door's partial decode rows and
-# prefill chunks).
+# prefill chunks), gptfast (gpt-fast's decoding step, ours compiled and eager beside torch's compiled and SDPA:
+# bench_gpt_fast.py, and the gpt-fast GPU tests; issue 25).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -147,6 +148,9 @@ for step in $steps; do
            tests/gpu/test_mod_emit_gpu.py -k "paged or prefill or tiled"
            (cd benchmarks && run paged_bench 300 python3 bench_paged_door.py --shapes 8x8192 8x32768 1x131072 \
            --blocks partial --prefill 4x8192 2x32768 --out "$out/paged.json") ;;
+    gptfast) run gptfast_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_short_query_gpu.py -k gpt_fast
+           (cd benchmarks && run gptfast_bench 200 python3 bench_gpt_fast.py --shapes 8x8192 1x32768 --modes default \
+           --out "$out/gptfast.json") ;;
     *) echo "unknown step $step" ;;
   esac
 done
