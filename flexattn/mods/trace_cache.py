@@ -52,13 +52,13 @@ class Fingerprint:
     ``shape_key``: the key with each array by its place among ``arrays`` (the arrays the
     function names, in the order the fingerprint met them) instead of its identity."""
 
-    __slots__ = ("key", "watched", "shape_key", "arrays")
+    __slots__ = ("key", "watched", "shape_key", "arrays", "places")
 
     def __init__(self, key, watched):
         self.key, self.watched = key, watched
         self.arrays = [v for v in watched.values() if _is_watched_array(v)]
-        places = {id(a): i for i, a in enumerate(self.arrays)}
-        self.shape_key = _by_place(key, places)
+        self.places = {id(a): i for i, a in enumerate(self.arrays)}   # id -> index in arrays
+        self.shape_key = _by_place(key, self.places)
 
 
 def _is_watched_array(value) -> bool:
@@ -241,10 +241,6 @@ class _Place:
     def __init__(self, index: int):
         self.index = index
 
-    def drop(self):
-        for f in self.finalizers:
-            f.detach()
-
 
 class TraceCache:
     """fingerprint -> traced IR of one kind of mod (``cls``, made by ``trace``); bounded,
@@ -275,18 +271,17 @@ class TraceCache:
             self._entries.move_to_end(key)
             return entry.mod(self.cls, fp.arrays)
         mod = self.trace(fn, name)
-        places = {id(a): i for i, a in enumerate(fp.arrays)}
-        if all(_is_number(c) or id(c) in places for c in mod.captures):
-            self._keep(key, fp, mod, places)
+        if all(_is_number(c) or id(c) in fp.places for c in mod.captures):
+            self._keep(key, fp, mod)
         return mod
 
-    def _keep(self, key, fp, mod, places):
+    def _keep(self, key, fp, mod):
         try:   # an entry leaves when something it names by identity dies (its id could be reused)
             finalizers = [weakref.finalize(obj, self._pop, key) for obj in fp.watched.values()
-                          if not _is_watched_array(obj)]
+                          if id(obj) not in fp.places]
         except TypeError:   # not weakly referenceable after all
             return
-        self._entries[key] = _Entry(mod, places, finalizers)
+        self._entries[key] = _Entry(mod, fp.places, finalizers)
         if len(self._entries) > self.capacity:
             self._pop(next(iter(self._entries)))
 
