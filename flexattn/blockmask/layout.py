@@ -225,12 +225,8 @@ class BlockMask:
             template = type(self)(picked, self.seq_lengths, self.BLOCK_SIZE, None)
             template._mask_mod = None   # unset, as torch leaves it (its getter names the fix)
             template._kv_tables = {}    # shared by the copies (it depends on the states alone)
-            if len(shared) >= _SLICES_KEPT:
-                shared.pop(next(iter(shared)))
-            shared[tuple(key)] = template
-        sliced = copy.copy(template)
-        LIVE_OBJECTS[id(sliced)] = sliced
-        return sliced
+            _keep_template(shared, tuple(key), template, _SLICES_KEPT)
+        return _copy_of(template)
 
     def _adjust(self, new_q_len: int, new_kv_len: int) -> "BlockMask":
         """torch's ``_adjust``: the same mask for new lengths, keeping the tiles of the
@@ -534,17 +530,28 @@ def _from_lists(block_mask) -> BlockMask:
                                                 for x in lists)
         template = _LIST_TEMPLATES.get(key)
         if template is not None:
-            made = copy.copy(template)
-            LIVE_OBJECTS[id(made)] = made
-            return made
+            return _copy_of(template)
     made = BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=block_size, seq_lengths=seq_lengths)
     if key is not None:
         template = copy.copy(made)            # (never handed out)
         template._kv_tables = made._kv_tables = {}
-        if len(_LIST_TEMPLATES) >= _LIST_TEMPLATES_KEPT:
-            _LIST_TEMPLATES.pop(next(iter(_LIST_TEMPLATES)))
-        _LIST_TEMPLATES[key] = template
+        _keep_template(_LIST_TEMPLATES, key, template, _LIST_TEMPLATES_KEPT)
     return made
+
+
+def _copy_of(template: BlockMask) -> BlockMask:
+    """A block mask of its own over a kept template's states, lists and walk tables (a
+    shallow copy; its own mask_mod and per-object caches from here on)."""
+    made = copy.copy(template)
+    LIVE_OBJECTS[id(made)] = made
+    return made
+
+
+def _keep_template(templates: dict, key, template: BlockMask, kept: int) -> None:
+    """``templates[key] = template``, the oldest left out past ``kept``."""
+    if len(templates) >= kept:
+        templates.pop(next(iter(templates)))
+    templates[key] = template
 
 
 def _tiles_are_the_masks(block_mask: BlockMask) -> bool:

@@ -615,9 +615,9 @@ class DecodePlan:
 
         if not mods.listed_walk or mods.true_positions:
             raise ValueError("rebind serves list walks at flex_attention's positions")
+        base = None if mods.mask is None else as_mask(mods.mask, "mask")   # (as __init__ takes them)
         hook = IRModHook(None if mods.score_mod is None else as_score(mods.score_mod, "score_mod"),
-                         None if mods.mask is None or _is_full(as_mask(mods.mask, "mask"))
-                         else as_mask(mods.mask, "mask"))
+                         None if _is_full(base) else base)
         captures = hook.captures()
         if len(captures) == len(self._captures) and all(a is b for a, b in zip(captures, self._captures)):
             return
