@@ -19,34 +19,26 @@ max_len keys):
   flexattn/eager    ours, not compiled (the door, with the slice each call)
   sdpa              SDPA over the cache's prefix up to input_pos (the bytes the mask keeps)
 
-<mode>: ``default`` (inductor) and ``reduce-overhead`` (inductor + CUDA graphs).
+<mode>: ``default`` (inductor) and ``reduce-overhead`` (inductor + CUDA graphs). The step
+itself: ``tests/compat_cases.gpt_fast_decode_step``.
 
     python3 benchmarks/bench_gpt_fast.py [--shapes 8x8192 1x32768] [--out gptfast.json]
 """
 
 import argparse
 import datetime
+import os
+import sys
 
 import torch
 
 from common import bench_ms, device_name, rel_diff, report
 
+# gpt-fast's step is written once, in the torch-compatibility cases the tests compile too.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from compat_cases import gpt_fast_decode_step as decode_step  # noqa: E402
+
 HQ, HKV, D = 32, 8, 128
-
-
-def decode_step(lib, k_cache, v_cache, max_len: int):
-    """gpt-fast's decode_one_token over ``lib``'s flex_attention (as gpt-fast writes it)."""
-    def at_position(mask_mod, offset):
-        def moved(b, h, q, kv):
-            return mask_mod(b, h, q + offset, kv)
-        return moved
-
-    def decode_one_token(q, input_pos, block_mask):
-        mask = block_mask[:, :, input_pos // block_mask.BLOCK_SIZE[0]]
-        mask.mask_mod = at_position(block_mask.mask_mod, input_pos[0])
-        mask.seq_lengths = (1, max_len)
-        return lib.flex_attention(q, k_cache, v_cache, block_mask=mask, enable_gqa=True)
-    return decode_one_token
 
 
 def main():
