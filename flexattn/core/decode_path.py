@@ -659,6 +659,12 @@ class DecodePlan:
             # cost ~2-3 µs of the stream per step at B 1, L 128k).
             self._put(values)
             self._uploaded = values
+        return self._launch_parts(longest, num_sms, num_splits)
+
+    def _launch_parts(self, longest: int, num_sms: int, num_splits: int | None):
+        """The launch for sequences of at most ``longest`` keys -> ((tuning, splits,
+        cluster), o_part, lse_part)."""
+        q_len = self.q_len
         if num_splits is None:
             key = (-(-longest // self.tuning.tile_n), num_sms)
             launch = self._launches.get(key)
@@ -688,13 +694,15 @@ class DecodePlan:
             parts = self._parts[splits] = (flat, o_part, lse_part)
         return launch, parts[1], parts[2]
 
-    def _launcher(self, kernel, q, k, v, table, out, lse, o_part, lse_part) -> Callable:
+    def _launcher(self, kernel, q, k, v, table, out, lse, o_part, lse_part, seq_lens=None, args=None) -> Callable:
         """The launch of `kernel` (tuning, cluster) with these arguments (compiling on its
-        first call)."""
-        args = self._args.current()
+        first call); ``seq_lens``: the plan's own uploaded lengths, ``args``: its captures
+        converted, unless given."""
+        args = self._args.current() if args is None else args
         runner = self._kernel(kernel)[1]
+        seq_lens = self.seq_lens if seq_lens is None else seq_lens
         if self.ffi:
-            seq_lens, tickets, scale = self.seq_lens, self._tickets, self.scale
+            tickets, scale = self._tickets, self.scale
 
             def launch():
                 fn = self._fns.get(kernel)
@@ -703,7 +711,7 @@ class DecodePlan:
                 fn(q, k, v, table, seq_lens, out, lse, o_part, lse_part, tickets, scale, args)
 
             return launch
-        run, seq_lens, tickets, scale, stream = runner.run, self.seq_lens, self._tickets, self.scale, self.stream
+        run, tickets, scale, stream = runner.run, self._tickets, self.scale, self.stream
         return lambda: run(q, k, v, table, seq_lens, out, lse, o_part, lse_part, tickets, scale, args, stream)
 
     def run(self, q, k, v, table, out, lse, lengths: list, num_sms: int) -> int:
@@ -721,6 +729,41 @@ class DecodePlan:
             else:
                 self._launcher((tuning, cluster), q, k, v, table, out, lse, o_part, lse_part)()
         return splits
+
+    def run_device_lengths(self, q, k, v, table, out, lse, seq_lens, longest: int, num_sms: int,
+                           captures: tuple | None = None) -> int:
+        """``run`` for lengths already on the device (``seq_lens``: int32 [B], written in the
+        stream's order by the caller; a graph's own values): no upload, the split count
+        chosen for ``longest``, the most keys any sequence may hold (each sequence's splits
+        divide its own length; a shorter one leaves splits empty, which the merge weighs
+        zero). The positions buffer is not read: only walks at flex_attention's positions
+        (``DecodeMods.true_positions`` False) run this way. ``captures``: this call's values
+        for the mods' captures, in the hook's order, where they differ from the plan's (a
+        repeated call of one structure, ``short_query.PreparedDeviceWalk``): converted for
+        this launch alone, the plan left bound to its own."""
+        if self._first_query is None:
+            raise ValueError("device lengths serve queries at flex_attention's positions")
+        if longest > self.capacity:
+            raise ValueError(f"{longest} keys exceed the cache's capacity ({self.capacity} tokens)")
+        with self.lock:
+            (tuning, splits, cluster), o_part, lse_part = self._launch_parts(longest, num_sms, None)
+            args = None if captures is None else self._args_of(captures)
+            fn = self._fns.get((tuning, cluster))
+            if fn is not None:
+                fn(q, k, v, table, seq_lens, out, lse, o_part, lse_part, self._tickets, self.scale,
+                   self._args.current() if args is None else args)
+            else:
+                self._launcher((tuning, cluster), q, k, v, table, out, lse, o_part, lse_part, seq_lens, args)()
+        return splits
+
+    def _args_of(self, captures: tuple):
+        """``captures`` as this plan's TVM-FFI launch takes them (only TVM-FFI launches take
+        captures per call)."""
+        if not self.ffi:
+            raise ValueError("captures given per launch need TVM-FFI launches")
+        from ..kernels.launch.arguments import ffi_args
+
+        return ffi_args(self._kinds, captures, self._to_device) or None
 
     def step(self, q, k, v, table, out, lse, lengths: list, num_sms: int,
              num_splits: int | None = None) -> DecodeLaunch:

@@ -27,14 +27,16 @@ runs unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..mods.positions import batch_in_heads, block_table_keys
+from ..arrays import dtype_name
 from ..problem.spec import AttentionSpec
 from ..problem.validate import AttentionShape
-from .kernel_path import DECODE_HEAD_DIMS, KERNEL_DTYPES
+from .kernel_path import DECODE_HEAD_DIMS, KERNEL_DTYPES, use_tvm_ffi
 from .decode_path import DECODE_MAX_Q_LEN, PAGE_TILE, DecodeMods, DecodeSite, attention_into, attention_plan, mod_key
 
 # Query tokens up to which the decode kernel serves a forward call. Measured on the H100
@@ -137,16 +139,20 @@ def _walk(shape: AttentionShape, spec: AttentionSpec, folded: bool = False) -> L
 
 
 def _pages(spec: AttentionSpec, k, v, device):
-    """``(folded, k pages, v pages)`` of a walk over this K / V: page views where every
-    sequence reads the same K / V (batch 1, or a key / value batch of 1 broadcast:
-    ``Device.page_view``); else, where the walk may fold the batch into the heads and the
-    block mask treats every sequence alike (its batch dim 1, as gpt-fast slices one per
-    step), pages of B x Hkv heads; else None."""
-    block = int(spec.block_mask.BLOCK_SIZE[1])
+    """``_pages_of`` for the block mask of ``spec``."""
+    return _pages_of(int(spec.block_mask.BLOCK_SIZE[1]), spec.block_mask.shape[0], k, v, device)
+
+
+def _pages_of(block: int, mask_batch: int, k, v, device):
+    """``(folded, k pages, v pages)`` of a walk over this K / V in blocks of ``block`` keys:
+    page views where every sequence reads the same K / V (batch 1, or a key / value batch
+    of 1 broadcast: ``Device.page_view``); else, where the walk may fold the batch into the
+    heads and the block mask treats every sequence alike (``mask_batch`` 1, as gpt-fast
+    slices one per step), pages of B x Hkv heads; else None."""
     k_pages, v_pages = device.page_view(k, block), device.page_view(v, block)
     if k_pages is not None and v_pages is not None:
         return False, k_pages, v_pages
-    if device.heads_view is None or spec.block_mask.shape[0] != 1:
+    if device.heads_view is None or mask_batch != 1:
         return None
     k_pages, v_pages = device.page_view(k, block, True), device.page_view(v, block, True)
     if k_pages is None or v_pages is None:
@@ -159,9 +165,16 @@ _TABLE_REWRITES_CAPACITY = 64
 
 
 def _through_table(mod, table, block: int, heads: int | None):
-    """``block_table_keys(mod, table, block)`` (with ``heads``, of the mod folded first:
-    ``batch_in_heads``; the table's one row then read at the kernel's b, always 0), traced
-    once per mod structure: a block mask converted anew each step (torch's PagedAttention
+    """``_through_table_origins``' rewrite of ``mod`` with its captures and ``table`` put in."""
+    template, origins = _through_table_origins(mod, block, heads)
+    return template.with_captures(_from_origins(origins, mod.captures, table))
+
+
+def _through_table_origins(mod, block: int, heads: int | None):
+    """``(template, origins)``: ``block_table_keys(mod, table, block)`` (with ``heads``, of
+    the mod folded first: ``batch_in_heads``; the table's one row then read at the kernel's
+    b, always 0) over a stand-in table, and for each of its captures the index of ``mod``'s
+    capture it is (None: the table). Traced once per mod structure: a block mask converted anew each step (torch's PagedAttention
     in a serving loop: a fresh mask_mod closure, traced anew, same structure) reuses the
     rewrite with this mod's captures and this table put in — the same IR, so the decode
     kernel's config is found again (tracing the rewrite cost ~0.5 ms)."""
@@ -175,8 +188,7 @@ def _through_table(mod, table, block: int, heads: int | None):
         if len(_TABLE_REWRITES) >= _TABLE_REWRITES_CAPACITY:
             _TABLE_REWRITES.pop(next(iter(_TABLE_REWRITES)))
         hit = _TABLE_REWRITES[key] = (template, origins)
-    template, origins = hit
-    return template.with_captures(tuple(table if o is None else mod.captures[o] for o in origins))
+    return hit
 
 
 def list_walk_route(shape: AttentionShape, spec: AttentionSpec, q_dtype: str, k, v, device) -> tuple | None:
@@ -254,6 +266,128 @@ def prepared_list_walk(shape: AttentionShape, spec: AttentionSpec, q_dtype: str,
     return PreparedListWalk(shape, spec, device)
 
 
+@dataclass(frozen=True)
+class DeviceLists:
+    """A short query's block mask given as a walk already on the device (torch.compile: a
+    block mask sliced or built in the graph, whose lists the graph turns into these with its
+    own ops, ``flexattn/torch/graph_walk.py``; nothing reads them on the host): ``table``
+    int32 [1 or B, width] each sequence's kv blocks, full ones first; ``lengths`` int32
+    [1 or B] its listed blocks x ``block``; ``q_block`` the mask's query block. Every tile
+    is masked (how many of the listed blocks are full is not known on the host)."""
+
+    table: object
+    lengths: object
+    block: int
+    q_block: int
+
+
+def device_walk_into(q, k, v, out, lse, shape: AttentionShape, spec: AttentionSpec, lists: DeviceLists,
+                     device) -> "PreparedDeviceWalk | bool | None":
+    """Run a short query over ``lists`` with the decode kernel (``spec.mask``: the block
+    mask's mask_mod, read through the table as ``list_walk_route``'s walk reads it) and
+    return its ``PreparedDeviceWalk`` for calls like it (False: launched, nothing to keep);
+    None where the kernel or the K / V layout cannot take it (nothing launched: the caller
+    converts the lists on the host)."""
+    block, batch = lists.block, int(lists.table.shape[0])
+    if (device.page_view is None or device.decode_resources is None or shape.q_len > lists.q_block
+            or shape.kv_len % block or batch not in (1, shape.batch)
+            or not _decode_kernel_takes(shape, dtype_name(q))):
+        return None
+    from ..kernels.decode.sm90 import check_page_size
+
+    try:
+        check_page_size(block, PAGE_TILE)
+    except ValueError:
+        return None
+    pages = _pages_of(block, batch, k, v, device)
+    if pages is None:
+        return None
+    folded, k_pages, v_pages = pages
+    table, lengths = lists.table, lists.lengths
+    if not folded and batch != shape.batch:
+        return None   # (one row for every sequence of a shared K / V: the adapter broadcasts it)
+    heads = shape.q_heads if folded else None
+    mask = spec.mask
+    if mask is not None and mask.expr.op == "const" and mask.expr.attr is True:
+        mask = None
+    walked = [None if m is None else _through_table_origins(m, block, heads) for m in (spec.score, mask)]
+    mods = DecodeMods(*(None if w is None else w[0].with_captures(_from_origins(w[1], m.captures, table))
+                        for w, m in zip(walked, (spec.score, mask))),
+                      spec.resolved_scale(shape.head_dim), true_positions=False, listed_walk=True)
+    walk = ListWalk(mods, table, [], block, folded)
+    q, out, lse = _folded(walk, q, out, lse, device)
+    site = _site(device)
+    longest = int(table.shape[1]) * block
+    if not use_tvm_ffi(device):
+        plan = attention_plan(q, k_pages, v_pages, out, lse, site, mods, table, block)
+        plan.run_device_lengths(q, k_pages, v_pages, table, out, lse, lengths, longest, site.num_sms)
+        return False   # (launched; repeats take this path again: only TVM-FFI launches take captures per call)
+    # The plan is made over stand-ins of the call's arrays and every launch passes its own:
+    # a kept plan holding a graph's tensors would keep them alive (CUDA graph trees refuse
+    # memory of their pool that the graph's outputs do not account for).
+    captures = tuple(c for m in (mods.score_mod, mods.mask) if m is not None for c in m.captures)
+    plan = attention_plan(q, k_pages, v_pages, out, lse, site, _with_stand_ins(mods), _stand_in(table), block)
+    plan.run_device_lengths(q, k_pages, v_pages, table, out, lse, lengths, longest, site.num_sms, captures)
+    origins = tuple(("score", o) for o in (walked[0][1] if walked[0] else ())) + \
+        tuple(("mask", o) for o in (walked[1][1] if walked[1] else ()))
+    return PreparedDeviceWalk(plan, device, folded, block, batch, origins, longest, site.num_sms)
+
+
+def _stand_in(x):
+    """A host array of ``x``'s shape and dtype (one element seen everywhere, writeable: the
+    plan would copy a read-only one to the device) standing for ``x`` in a kept plan;
+    numbers pass."""
+    if isinstance(x, (int, float)):
+        return x
+    try:
+        dtype = np.dtype(dtype_name(x))
+    except TypeError:
+        dtype = np.dtype(np.float32)   # (bfloat16 and friends: never read)
+    shape = tuple(int(n) for n in x.shape)
+    return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape, (0,) * len(shape))
+
+
+def _with_stand_ins(mods: DecodeMods) -> DecodeMods:
+    return dataclasses.replace(mods, **{name: None if m is None else m.with_captures(tuple(map(_stand_in, m.captures)))
+                                        for name, m in (("score_mod", mods.score_mod), ("mask", mods.mask))})
+
+
+def _from_origins(origins: tuple, captures: tuple, table) -> tuple:
+    return tuple(table if o is None else captures[o] for o in origins)
+
+
+class PreparedDeviceWalk:
+    """``device_walk_into``'s call made again (the adapter keeps it per op call shape: a
+    compiled graph repeats its calls): the plan, the fold and where each of the kernel's
+    captures comes from (the call's score or mask captures, or its table) are kept, so a
+    call costs its views, its captures' conversion and the launch — no rewrite of the
+    mods, no plan lookup or rebinding (~60 µs of host time per call on a CPU box).
+    ``launch`` returns False where this call's K / V cannot take the same walk (the
+    adapter then takes the full path)."""
+
+    __slots__ = ("_plan", "_device", "_folded", "_block", "_batch", "_origins", "_longest", "_num_sms")
+
+    def __init__(self, plan, device, folded: bool, block: int, batch: int, origins: tuple, longest: int,
+                 num_sms: int):
+        self._plan, self._device, self._folded, self._block, self._batch = plan, device, folded, block, batch
+        self._origins, self._longest, self._num_sms = origins, longest, num_sms
+
+    def launch(self, q, k, v, out, lse, spec: AttentionSpec, table, lengths) -> bool:
+        device = self._device
+        pages = _pages_of(self._block, self._batch, k, v, device)
+        if pages is None or pages[0] != self._folded:
+            return False
+        _, k_pages, v_pages = pages
+        if self._folded:
+            q, out, lse = device.heads_view(q, True), device.heads_view(out, False), device.heads_view(lse, False)
+        sources = {"score": spec.score.captures if spec.score is not None else (),
+                   "mask": spec.mask.captures if spec.mask is not None else ()}
+        captures = tuple(table if o is None else sources[kind][o] for kind, o in self._origins)
+        self._plan.run_device_lengths(q, k_pages, v_pages, table, out, lse, lengths, self._longest, self._num_sms,
+                                      captures)
+        return True
+
+
 def _site(device) -> DecodeSite:
     num_sms, workspace = device.decode_resources()
     return DecodeSite(device, num_sms, workspace)
@@ -286,5 +420,5 @@ class PreparedShortQuery:
         return True
 
 
-__all__ = ["SHORT_QUERY_MAX", "ListWalk", "PreparedListWalk", "PreparedShortQuery", "decode_route", "list_walk_into",
+__all__ = ["SHORT_QUERY_MAX", "DeviceLists", "ListWalk", "PreparedDeviceWalk", "device_walk_into", "PreparedListWalk", "PreparedShortQuery", "decode_route", "list_walk_into",
            "list_walk_possible", "list_walk_route", "prepared_list_walk", "short_query_into"]

@@ -18,8 +18,10 @@ values are read at run time. See docs/ARCHITECTURE.md, "torch.compile".
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextvars
 import dataclasses
+import hashlib
 import inspect
 import types
 
@@ -826,12 +828,34 @@ _DECODE_WORKSPACES: dict = {}
 
 def _decode_workspace(dev, stream):
     """The decode kernel's workspace on ``stream`` of ``dev`` (``core/decode_device.py``):
-    its arrays are torch's, allocated on that stream."""
+    its arrays are torch's, kept across calls, so they are allocated by a thread of ours
+    (``_kept_empty``), never in a CUDA graph's memory pool."""
     def alloc(shape, dtype, zeroed):
-        with torch.cuda.device(dev), torch.cuda.stream(stream):
-            return (torch.zeros if zeroed else torch.empty)(shape, dtype=getattr(torch, dtype), device=dev)
+        x = _kept_empty(shape, getattr(torch, dtype), dev, stream)
+        if zeroed:
+            with torch.cuda.stream(stream):
+                x.zero_()
+        return x
 
     return decode_workspace(dev.index, stream.cuda_stream, alloc)
+
+
+def _kept_empty(shape, dtype, dev, stream) -> torch.Tensor:
+    """An uninitialized tensor that outlives the call, used on ``stream``: allocated by a
+    helper thread, because torch routes every allocation of the thread that warms up or
+    records a CUDA graph to the graph's memory pool, and CUDA graph trees
+    (``mode="reduce-overhead"``) refuse pool memory the graph's outputs do not account
+    for. Marked used by ``stream``, so its memory is reused only after that work."""
+    def make():   # (no deterministic NaN fill: it would run on the helper's stream, unordered with ``stream``)
+        with torch.cuda.device(dev):
+            return _written_empty(*shape, dtype=dtype, device=dev)
+
+    x = _ALLOCATOR.submit(make).result()
+    x.record_stream(stream)
+    return x
+
+
+_ALLOCATOR = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flexattn-alloc")
 
 
 # --- torch.compile ------------------------------------------------------------------------------
@@ -1100,7 +1124,12 @@ def _attention_fwd_impl(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             hit = entry(query, key, value, buffers)
             if hit is not None:
                 return hit
-    spec = _with_graph_block_mask(_REGISTRY.bind_operands(spec_id, buffers), lists, layout)
+    spec = _REGISTRY.bind_operands(spec_id, buffers)
+    if len(lists) > 4 and query.is_cuda and not bounds.enabled():
+        walked = _graph_walk_forward(spec_id, spec, query, key, value, lists[4], lists[5], layout)
+        if walked is not None:
+            return walked
+    spec = _with_graph_block_mask(spec, lists, layout)
     if query.is_cuda:
         shape = check_inputs(query, key, value, spec)
         result = _kernel_forward(spec, shape, query, key, value)
@@ -1111,45 +1140,82 @@ def _attention_fwd_impl(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return _like(out, query), _like(lse, query, getattr(torch, lse_dtype(query)))
 
 
+def _graph_walk_forward(spec_id: int, spec: AttentionSpec, query, key, value, table, lengths, layout):
+    """(out, lse) of a short query whose graph walked its block mask's lists
+    (``graph_walk``): the decode kernel reads the table and lengths where they are; None
+    where it cannot take the call (the caller converts the lists). A repeated call (a
+    graph's, every step) launches its ``PreparedDeviceWalk``."""
+    from ..core.short_query import DeviceLists, device_walk_into
+
+    dev = query.device
+    if dev.index != torch.cuda.current_device():
+        with torch.cuda.device(dev):
+            return _graph_walk_forward(spec_id, spec, query, key, value, table, lengths, layout)
+    op_key = ("walk", torch.cuda.current_stream(dev).cuda_stream, tuple(table.shape), tuple(lengths.shape),
+              tuple(layout), *_op_key(spec_id, query, key, value))
+    entry = _OP_PREPARED.get(op_key)
+    if entry is not None:
+        shape, prepared = entry
+        out, lse = _walk_outputs(shape, query)
+        if prepared.launch(query, key, value, out, lse, spec, table, lengths):
+            return out, lse
+    shape = check_inputs(query, key, value, spec)
+    out, lse = _walk_outputs(shape, query)
+    prepared = device_walk_into(query, key, value, out, lse, shape, spec,
+                                DeviceLists(table, lengths, int(layout[1]), int(layout[0])), _forward_device(dev))
+    if prepared is None:
+        return None
+    if prepared is not False:
+        _op_remember(op_key, (shape, prepared))
+    return out, lse
+
+
+def _walk_outputs(shape, query):
+    out = _written_empty(shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim, dtype=query.dtype,
+                         device=query.device)
+    return out, _written_empty(shape.batch, shape.q_heads, shape.q_len, dtype=torch.float32, device=query.device)
+
+
 def _with_graph_block_mask(spec: AttentionSpec, lists, layout) -> AttentionSpec:
     """``spec`` with the block mask of a call whose torch ``BlockMask`` was built inside the
     compiled code (``torch/nested.py``): its kv-side lists arrive as op inputs (partial
-    then full, torch's order), ``layout`` = (q block, kv block, Q_LEN, KV_LEN), and the
-    spec's mask is its ``mask_mod``. Converted once per list and capture contents
-    (``_GRAPH_BLOCK_MASKS``), as eager calls convert a torch block mask once per object."""
+    then full, torch's order; a short query's walk of them may follow, ``graph_walk``),
+    ``layout`` = (q block, kv block, Q_LEN, KV_LEN), and the spec's mask is its
+    ``mask_mod``. The lists come to the host in one copy; conversions are kept by what the
+    lists hold (``_GRAPH_BLOCK_MASKS``) — never by where they are: a graph's lists are new
+    tensors each call, often at the addresses of the last call's, whatever they hold."""
     if layout is None:
         return spec
     from types import SimpleNamespace
 
+    from ..arrays import to_numpy_all
+    from ..blockmask.layout import _copy_of, _tiles_are_the_masks
+
     layout = tuple(int(x) for x in layout)
-    key = (layout, tuple(_contents_key(t) for t in lists), spec.mask.structure_key,
-           tuple(_contents_key(c) if isinstance(c, torch.Tensor) else (type(c).__name__, c) for c in spec.mask.captures))
-    block_mask = _GRAPH_BLOCK_MASKS.get(key)
-    if block_mask is None:
+    host = [None if x is None else np.ascontiguousarray(x) for x in to_numpy_all(lists[:4])]
+    mask = spec.mask
+    numbers = tuple(c if isinstance(c, (int, float)) else None for c in mask.captures)
+    key = (layout, mask.structure_key, numbers) + tuple(
+        None if x is None else (x.shape, x.dtype.str, hashlib.blake2b(x.data, digest_size=16).digest()) for x in host)
+    template = _GRAPH_BLOCK_MASKS.get(key)
+    if template is None:
         q_block, kv_block, q_len, kv_len = layout
-        torch_like = SimpleNamespace(kv_num_blocks=lists[0], kv_indices=lists[1], full_kv_num_blocks=lists[2],
-                                     full_kv_indices=lists[3], BLOCK_SIZE=(q_block, kv_block),
-                                     seq_lengths=(q_len, kv_len), mask_mod=spec.mask)
+        torch_like = SimpleNamespace(kv_num_blocks=host[0], kv_indices=host[1], full_kv_num_blocks=host[2],
+                                     full_kv_indices=host[3], BLOCK_SIZE=(q_block, kv_block),
+                                     seq_lengths=(q_len, kv_len), mask_mod=mask)
         block_mask = as_block_mask(torch_like)
         _keep_bounded(_GRAPH_BLOCK_MASKS, key, block_mask, 16)
+    else:
+        block_mask = _copy_of(template)
+        block_mask.mask_mod = mask        # this call's captures
+        if template.from_mask and None in numbers:   # (tensor captures: their values may differ)
+            block_mask.from_mask = _tiles_are_the_masks(block_mask)
     return dataclasses.replace(spec, block_mask=block_mask, mask=None)
 
 
-# Converted graph block masks by list contents (``_contents_key``: a training loop's block
-# mask built outside the graph converts once; one rebuilt per step converts per step).
+# Converted graph block masks by list contents and mask structure (a training loop's block
+# mask built in the graph converts once; one rebuilt per step with new lists, per step).
 _GRAPH_BLOCK_MASKS: dict = {}
-
-
-def _contents_key(t):
-    """What identifies a tensor's current contents: storage, in-place version, shape (an
-    inference-mode tensor has no version: a key that never repeats)."""
-    if t is None:
-        return None
-    try:
-        version = t._version
-    except RuntimeError:
-        version = object()
-    return (t.device, t.data_ptr(), version, tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 _attention_fwd = torch.library.custom_op("flexattn::attention_fwd", mutates_args=())(_attention_fwd_impl)

@@ -311,6 +311,11 @@ def rewrite_marked_calls(graph: torch.fx.Graph) -> None:
         # its outputs' example values say so) takes the op without an autograd layer
         records = example is None or any(getattr(x, "requires_grad", True) for x in tuple(example)[:outputs])
         with graph.inserting_before(node):
+            if layout is not None and not records and not want_max:
+                # an inference short query over one row of q blocks: the graph walks its lists
+                from .graph_walk import walk_nodes
+
+                lists += walk_nodes(graph, query, lists, layout)
             target = (torch.ops.flexattn.attention_fwd_max if want_max else
                       torch.ops.flexattn.attention_fwd if records else torch.ops.flexattn.attention_fwd_inference)
             op = graph.call_function(target.default, (query, key, value, buffers, spec_id, lists, layout))

@@ -373,16 +373,14 @@ def test_gpt_fast_batched_decoding_folds_into_heads(monkeypatch):
     assert walks and all(shape == (1, B * Hq, 1, D) for shape in walks), walks
 
 
-@pytest.mark.parametrize("mode", ["default", pytest.param("reduce-overhead", marks=pytest.mark.xfail(
-    strict=True, reason="known gap (2026-11-30): a block mask sliced in the graph reaches our op as graph lists, which"
-    " it converts on the host per call (nested.py, _with_graph_block_mask); CUDA graph trees refuse the copies it"
-    " keeps (cudagraph pool), and a replay could not redo that conversion"))])
-def test_gpt_fast_step_compiled_with_our_imports(mode):
+@pytest.mark.parametrize("mode,window", [("default", None), ("default", 300), ("reduce-overhead", None)])
+def test_gpt_fast_step_compiled_with_our_imports(mode, window, monkeypatch):
     """gpt-fast's decoding step with flexattn.torch's create_block_mask and flex_attention,
     compiled as gpt-fast compiles it (fullgraph; inductor, and inductor with CUDA graphs):
     our block mask sliced by ``input_pos // BLOCK_SIZE`` in the graph, its mask_mod moved to
-    ``input_pos[0]`` by a closure. Positions change every step (new tensor values, no
-    recompile); each step agrees with the float64 reference over the cache's prefix."""
+    ``input_pos[0]`` by a closure; the graph walks the row's lists on the device
+    (``graph_walk``; a window: two partial blocks a row). Positions change every step (new
+    tensor values, no recompile); each step agrees with the float64 reference."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     import compat_cases
@@ -391,18 +389,27 @@ def test_gpt_fast_step_compiled_with_our_imports(mode):
     torch._dynamo.reset()
     B, Hq, Hkv, D, L = 4, 32, 8, 128, 2048
     k_cache, v_cache = (torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    block_mask = fa.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, L, L, device="cuda")
-
+    if window is None:
+        block_mask = fa.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, L, L, device="cuda")
+    else:
+        block_mask = fa.create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv <= window), 1, 1, L, L,
+                                          device="cuda")
+    walks = []
+    real = short_query.device_walk_into
+    monkeypatch.setattr(short_query, "device_walk_into", lambda *a: (walks.append(1), real(*a))[1])
     decode_one_token = compat_cases.gpt_fast_decode_step(fa, k_cache, v_cache, L)
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(decode_one_token, fullgraph=True, backend=counter) if mode == "default" else \
         torch.compile(decode_one_token, fullgraph=True, mode=mode)
-    for pos in (700, 701, 1500, 1501, 2047):
-        q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
-        out = compiled(q, torch.tensor([pos], device="cuda"), block_mask).clone()
-        prefix = slice(0, pos + 1)
-        want, _ = reference.forward(q.cpu(), k_cache[:, :, prefix].cpu(), v_cache[:, :, prefix].cpu(),
-                                    AttentionSpec.from_args(enable_gqa=True))
-        assert np.abs(out.double().cpu().numpy() - want).max() < TOL, pos
+    with torch.no_grad():
+        for pos in (700, 701, 1500, 1501, 2047, 1500):
+            q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+            out = compiled(q, torch.tensor([pos], device="cuda"), block_mask).clone()
+            lo = 0 if window is None else max(0, pos - window)
+            keys = slice(lo, pos + 1)
+            want, _ = reference.forward(q.cpu(), k_cache[:, :, keys].cpu(), v_cache[:, :, keys].cpu(),
+                                        AttentionSpec.from_args(enable_gqa=True))
+            assert np.abs(out.double().cpu().numpy() - want).max() < TOL, pos
+    assert walks, "the compiled step did not walk the graph's lists on the device"
     if mode == "default":
         assert counter.frame_count == 1

@@ -1,0 +1,87 @@
+"""torch.compile: a short query whose block mask is a value of the graph walks its lists on
+the device.
+
+gpt-fast decodes with ``block_mask[:, :, input_pos // 128]`` inside the compiled step: the
+sliced lists are tensors the graph computes. Converting them on the host (our block mask
+format) would wait for the GPU in every step and every layer. Instead, where a marked call
+(``nested.rewrite_marked_calls``) is a short query over one row of q blocks of one head,
+the graph itself turns the lists into the decode kernel's walk (``walk_lists``: a table of
+each sequence's kv blocks, full ones first, and its length in keys) — torch ops that
+Inductor fuses, captured by CUDA graphs like the rest — and passes both to our op after the
+four lists. The op then runs the decode kernel on them (``core.short_query.device_walk_into``)
+with lengths read on the device; where the kernel or the K / V layout cannot take the call,
+it converts the four lists as before.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ..core.short_query import SHORT_QUERY_MAX
+
+
+def walk_lists(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, kv_block: int, kv_blocks: int):
+    """``(table, lengths)`` of torch block-mask lists with one row of q blocks and one head
+    ([B, 1, 1] counts, [B, 1, 1, n] indices; the full ones may be None): ``table`` int32
+    [B, listed width] each sequence's full blocks then its partial ones (entries past its
+    count are any block in range), ``lengths`` int32 [B] its listed blocks x ``kv_block``.
+    Counts are clamped to their lists and indices to ``kv_blocks``: lists made by hand
+    that break those bounds read wrong blocks, never outside K / V."""
+    batch = kv_num_blocks.shape[0]
+    indices = kv_indices.reshape(batch, -1)
+    count = kv_num_blocks.reshape(batch, 1).clamp(0, indices.shape[1])
+    if full_kv_num_blocks is None or full_kv_indices is None:
+        table = indices
+    else:
+        full = full_kv_indices.reshape(batch, -1)
+        full_count = full_kv_num_blocks.reshape(batch, 1).clamp(0, full.shape[1])
+        both = torch.cat([full, indices], 1)
+        slot = torch.arange(both.shape[1], device=both.device).unsqueeze(0)
+        # slot j < full count: the full list's j-th; after: the partial list's (j - full count)-th
+        source = torch.where(slot < full_count, slot, slot - full_count + full.shape[1])
+        table = both.gather(1, source.clamp(max=both.shape[1] - 1))
+        count = count + full_count
+    # (at most every block once: wider tables would only size the launch for keys never read)
+    table = table[:, :kv_blocks].clamp(0, kv_blocks - 1).to(torch.int32)
+    lengths = (count.reshape(batch).clamp(max=kv_blocks) * kv_block).to(torch.int32)
+    return table, lengths
+
+
+def _value(node):
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else node
+
+
+def walk_nodes(graph: torch.fx.Graph, query, lists: list, layout: list) -> list:
+    """``[table, lengths]`` nodes (``walk_lists``) inserted at the graph's insertion point for
+    a marked call's block mask where the call is a short query over one row of q blocks of
+    one head with static sizes; else ``[]``."""
+    q, kv_num = _value(query), _value(lists[0])
+    if not isinstance(q, torch.Tensor) or not isinstance(kv_num, torch.Tensor):
+        return []
+    if not all(isinstance(x, int) for x in layout) or q.dim() != 4 or kv_num.dim() != 3:
+        return []
+    sizes = (q.shape[2], *kv_num.shape)
+    if not all(isinstance(n, int) for n in sizes):   # (dynamic shapes: left to the conversion)
+        return []
+    q_block, kv_block, q_len, kv_len = layout
+    if q.shape[2] > min(SHORT_QUERY_MAX, q_block) or kv_num.shape[1:] != (1, 1) or kv_len % kv_block:
+        return []
+    args = (*lists, kv_block, kv_len // kv_block)
+    examples = [_value(x) for x in lists]
+    node = graph.call_function(walk_lists, args)
+    fake_mode = getattr(kv_num, "fake_mode", None)   # (the examples' own: the pass runs outside it)
+    if fake_mode is not None:
+        with fake_mode:
+            node.meta["example_value"] = walk_lists(*examples, kv_block, kv_len // kv_block)
+    outputs = []
+    for i in range(2):
+        item = graph.call_function(operator.getitem, (node, i))
+        if "example_value" in node.meta:
+            item.meta["example_value"] = node.meta["example_value"][i]
+        outputs.append(item)
+    return outputs
+
+
+__all__ = ["walk_lists", "walk_nodes"]

@@ -1,0 +1,198 @@
+"""torch.compile: a short query whose block mask the graph sliced walks its lists on the
+device (flexattn/torch/graph_walk.py, core.short_query.device_walk_into) — the table the
+graph builds, the compiled graph's op inputs, and the decode kernel's reading of them,
+emulated on the host against the float64 reference."""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flexattn.torch as fa  # noqa: E402
+from flexattn import mods, reference  # noqa: E402
+from flexattn.core import AttentionSpec, kernel_path, short_query  # noqa: E402
+from flexattn.problem.validate import AttentionShape  # noqa: E402
+from flexattn.torch.graph_walk import walk_lists  # noqa: E402
+from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def _masks(L):
+    return {
+        "causal": lambda b, h, q, kv: q >= kv,
+        "window": lambda b, h, q, kv: (q >= kv) & (q - kv <= 200),   # two partial blocks a row
+        "dilated": lambda b, h, q, kv: (q >= kv) & ((q - kv) % 3 != 1),  # every block partial
+        "per_batch": lambda b, h, q, kv: kv <= (b + 1) * L // 4,
+    }
+
+
+@pytest.mark.parametrize("name", list(_masks(512)))
+@pytest.mark.parametrize("separate_full", [True, False])
+def test_walk_lists_matches_the_host_walk_table(name, separate_full):
+    """The graph's table and lengths equal our host walk of the same lists (full blocks
+    first, ascending, then partial ones) for every row, with and without full lists."""
+    L, block = 512, 64
+    B = 3 if name == "per_batch" else 1
+    tbm = torch_create_block_mask(_masks(L)[name], B, 1, L, L, device="cpu", BLOCK_SIZE=block)
+    for row in range(L // block):
+        sliced = tbm[:, :, row]
+        full_num, full_idx = (sliced.full_kv_num_blocks, sliced.full_kv_indices) if separate_full else (None, None)
+        if not separate_full:   # one list of every visited block, as partial
+            dense = sliced.to_dense()[:, :, 0]           # [B, 1, kv blocks]
+            num = dense.sum(-1, keepdim=True).to(torch.int32)
+            idx = torch.argsort(-dense.int(), dim=-1, stable=True).to(torch.int32)[:, :, None]
+            lists = (num, idx, None, None)
+        else:
+            lists = (sliced.kv_num_blocks, sliced.kv_indices, full_num, full_idx)
+        table, lengths = walk_lists(*lists, block, L // block)
+        ours = fa.BlockMask.from_kv_blocks(*[None if x is None else x.numpy() for x in lists],
+                                           BLOCK_SIZE=(block, block), seq_lengths=(1, L))
+        want_table, counts, _ = ours.kv_block_table(B)
+        assert table.dtype == torch.int32 and lengths.dtype == torch.int32
+        np.testing.assert_array_equal(lengths.numpy(), counts * block)
+        for b in range(B):
+            np.testing.assert_array_equal(table[b, :counts[b]].numpy(), want_table[b, :counts[b]])
+        assert int(table.min()) >= 0 and int(table.max()) < L // block
+
+
+def test_walk_lists_clamps_lists_made_by_hand():
+    """Counts past their lists and indices past the keys stay inside K / V."""
+    num = torch.tensor([[[9]]], dtype=torch.int32)
+    idx = torch.tensor([[[[0, 7, 99]]]], dtype=torch.int32)
+    full_num = torch.tensor([[[5]]], dtype=torch.int32)
+    full_idx = torch.tensor([[[[1, 2, 3, 4]]]], dtype=torch.int32)
+    table, lengths = walk_lists(num, idx, full_num, full_idx, 16, 8)
+    assert int(lengths[0]) == 7 * 16          # 4 + 3 listed, within the 8 blocks
+    assert table.shape == (1, 7) and int(table.max()) <= 7 and int(table.min()) >= 0
+
+
+def test_compiled_gpt_fast_step_passes_the_graph_walk_to_the_op(monkeypatch):
+    """Inductor (CPU) compiles gpt-fast's step with the walk in the graph: the inference op
+    gets the table and lengths after the four lists, equal to the host walk of the row,
+    every step one frame; outputs equal the reference."""
+    import compat_cases
+
+    torch._dynamo.reset()
+    B, Hq, Hkv, D, L = 2, 4, 1, 32, 512
+    g = torch.Generator().manual_seed(3)
+    k_cache, v_cache = (torch.randn(B, Hkv, L, D, generator=g) for _ in range(2))
+    block_mask = fa.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, L, L)
+    seen = []
+    real = fa._with_graph_block_mask
+    monkeypatch.setattr(fa, "_with_graph_block_mask",
+                        lambda spec, lists, layout: (seen.append([None if t is None else t.clone() for t in lists]),
+                                                     real(spec, lists, layout))[1])
+    step = torch.compile(compat_cases.gpt_fast_decode_step(fa, k_cache, v_cache, L), fullgraph=True)
+    with torch.no_grad():
+        for pos in (100, 101, 300, 511):
+            q = torch.randn(B, Hq, 1, D, generator=g)
+            out = step(q, torch.tensor([pos]), block_mask)
+            want, _ = reference.forward(q, k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1],
+                                        AttentionSpec.from_args(enable_gqa=True))
+            np.testing.assert_allclose(out.numpy(), want, atol=1e-5)
+            lists = seen[-1]
+            assert len(lists) == 6, "the graph did not walk the lists"
+            blocks = pos // 128 + 1
+            np.testing.assert_array_equal(lists[4][0, :blocks].numpy(), np.arange(blocks))
+            assert lists[5].tolist() == [blocks * 128]
+
+
+def test_device_walk_reads_the_graph_table_as_the_kernel_does(monkeypatch):
+    """``device_walk_into`` on gpt-fast's folded walk: the plan it runs gets the graph's
+    table and lengths (the launch sized for the whole cache), and the kernel's reading of
+    them — every tile masked, keys through the table — emulated on the host equals the
+    reference."""
+    from flexattn.mods.evaluate import evaluate
+
+    B, Hq, Hkv, D, S, block = 3, 8, 2, 32, 96, 16
+    g = torch.Generator().manual_seed(8)
+    cache_k, cache_v = (torch.randn(B, Hkv, 128, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = cache_k[:, :, :S], cache_v[:, :, :S]
+    q = torch.randn(B, Hq, 1, D, generator=g, dtype=torch.float64)
+    position = 70
+    full = fa.create_block_mask(lambda b, h, qi, ki: qi >= ki, 1, 1, S, S, BLOCK_SIZE=block)
+    row = full[:, :, position // block]
+    offset = torch.tensor(position)
+    mask = mods.mask_mod(lambda b, h, qi, ki: qi + offset >= ki)
+    score = lambda s, b, h, qi, ki: s + 0.1 * b * (ki % 7) - 0.05 * h * (ki % 5)   # noqa: E731
+    spec = AttentionSpec.from_args(score_mod=score, mask=mask, enable_gqa=True)
+    torch_lists = [torch.as_tensor(np.asarray(x)) for x in (row.kv_num_blocks, row.kv_indices,
+                                                              row.full_kv_num_blocks, row.full_kv_indices)]
+    table, lengths = walk_lists(*torch_lists, block, S // block)
+    runs = []
+
+    class Plan:
+        ffi = True
+
+        def run_device_lengths(self, *args):
+            runs.append(args)
+
+    monkeypatch.setattr(short_query, "attention_plan", lambda *a: (runs.append(a), Plan())[1])
+    monkeypatch.setattr(short_query, "use_tvm_ffi", lambda device: True)
+    real_takes = short_query._decode_kernel_takes   # (float64 here stands in for bfloat16)
+    monkeypatch.setattr(short_query, "_decode_kernel_takes", lambda shape, dtype: real_takes(shape, "bfloat16"))
+    shape = AttentionShape(B, Hq, Hkv, 1, S, D, D)
+    device = kernel_path.Device(0, lambda x: x, decode_resources=lambda: (132, None), page_view=fa._page_view,
+                                heads_view=fa._heads_view)
+    walk = short_query.DeviceLists(table, lengths, block, block)
+    out = torch.empty(B, Hq, 1, D, dtype=torch.float64)
+    lse = torch.empty(B, Hq, 1, dtype=torch.float64)
+    assert not short_query.device_walk_into(q, k, v, out, lse, shape, spec, walk,
+                                            dataclasses.replace(device, heads_view=None))
+    assert not short_query.device_walk_into(q, k, v, out, lse, shape._replace(q_len=17), spec, walk, device)
+    prepared = short_query.device_walk_into(q, k, v, out, lse, shape, spec, walk, device)
+    assert isinstance(prepared, short_query.PreparedDeviceWalk)
+    plan_args, run_args = runs
+    # The plan is made over host stand-ins (it keeps no tensor of the call); the launch
+    # passes the call's captures: score's, then the mask's, the table among them.
+    planned = plan_args[6]
+    assert planned.listed_walk and not planned.full_but_last and not planned.true_positions
+    assert not any(isinstance(c, torch.Tensor) for m in (planned.score_mod, planned.mask) for c in m.captures)
+    assert isinstance(plan_args[7], np.ndarray) and plan_args[7].shape == tuple(table.shape)
+    q_folded, k_pages, v_pages, run_table, _, _, run_lengths, longest, _, captures = run_args
+    assert run_table is table and run_lengths is lengths and longest == S
+    n_score = len(planned.score_mod.captures)
+    mods_ = dataclasses.replace(planned, score_mod=planned.score_mod.with_captures(captures[:n_score]),
+                                mask=planned.mask.with_captures(captures[n_score:]))
+    assert any(c is table for c in captures) and any(c is offset for c in captures)
+    assert tuple(q_folded.shape) == (1, B * Hq, 1, D) and tuple(k_pages.shape) == (S // block, block, B * Hkv, D)
+
+    want, _ = reference.forward(q, k[:, :, :position + 1], v[:, :, :position + 1],
+                                AttentionSpec.from_args(score_mod=score, enable_gqa=True))
+    keys = np.arange(int(lengths[0]))
+    pages = table[0].numpy()[keys // block]
+    for f in range(B * Hq):
+        kb = k_pages.numpy()[pages, keys % block, f // (Hq // Hkv)]
+        vb = v_pages.numpy()[pages, keys % block, f // (Hq // Hkv)]
+        env = {"b": np.int64(0), "h": np.int64(f), "q": np.int64(0), "kv": keys}
+        s = q_folded[0, f, 0].numpy() @ kb.T * mods_.scale
+        s = evaluate(mods_.score_mod.expr, dict(env, score=s), mods_.score_mod.captures)
+        keep = evaluate(mods_.mask.expr, env, mods_.mask.captures)
+        p = np.where(keep, np.exp(s - s[keep].max()), 0.0)
+        np.testing.assert_allclose(p @ vb / p.sum(), want[f // Hq, f % Hq, 0], rtol=1e-10, atol=1e-12)
+
+    # The repeat: the same plan, this call's captures (a new offset tensor, a new table) in
+    # the hook's order — score captures, then the mask's — read through the kept origins.
+    offset2, table2 = torch.tensor(position + 1), table.clone()
+    spec2 = AttentionSpec.from_args(score_mod=score, mask=mods.mask_mod(lambda b, h, qi, ki: qi + offset2 >= ki),
+                                    enable_gqa=True)
+    assert prepared.launch(q, k, v, out, lse, spec2, table2, lengths)
+    again = runs[-1]
+    captures = again[-1]
+    want_captures = mods_.score_mod.captures + mods_.mask.captures
+    assert len(captures) == len(want_captures)
+    for got, was in zip(captures, want_captures):
+        if was is table:
+            assert got is table2
+        elif was is offset:
+            assert got is offset2
+        else:
+            assert type(got) is type(was) and got == was
+    assert again[3] is table2 and again[7] == S
+    assert not prepared.launch(q, k.contiguous().expand(B, Hkv, S, D)[:1].expand(B, Hkv, S, D), v, out, lse, spec2,
+                               table2, lengths)
