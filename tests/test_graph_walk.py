@@ -196,3 +196,26 @@ def test_device_walk_reads_the_graph_table_as_the_kernel_does(monkeypatch):
     assert again[3] is table2 and again[7] == S
     assert not prepared.launch(q, k.contiguous().expand(B, Hkv, S, D)[:1].expand(B, Hkv, S, D), v, out, lse, spec2,
                                table2, lengths)
+
+
+def test_graph_block_mask_conversions_follow_the_lists_contents():
+    """A graph's lists are new tensors each call, often at the last call's address and
+    version: the op's conversion is found by what the lists hold, never by where they are
+    (here one tensor rewritten behind autograd's version counter, through numpy)."""
+    L, block = 256, 64
+    row = torch_create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, L, L, device="cpu", BLOCK_SIZE=block)
+    lists = [row.kv_num_blocks[:, :, 1:2].clone(), row.kv_indices[:, :, 1:2].clone(),
+             row.full_kv_num_blocks[:, :, 1:2].clone(), row.full_kv_indices[:, :, 1:2].clone()]
+    spec = AttentionSpec.from_args(mask=lambda b, h, q, kv: q + 64 >= kv)
+    layout = [block, block, 1, L]
+    first = fa._with_graph_block_mask(spec, lists, layout).block_mask
+    versions = [t._version for t in lists]
+    row3 = [row.kv_num_blocks[:, :, 3:4], row.kv_indices[:, :, 3:4], row.full_kv_num_blocks[:, :, 3:4],
+            row.full_kv_indices[:, :, 3:4]]
+    for t, new in zip(lists, row3):
+        t.numpy()[...] = new.numpy()          # same storage, same version, other contents
+    assert [t._version for t in lists] == versions
+    second = fa._with_graph_block_mask(spec, lists, layout).block_mask
+    assert first.to_dense().sum() == 2 and second.to_dense().sum() == 4
+    again = fa._with_graph_block_mask(spec, lists, layout).block_mask
+    assert again is not second and again._states is second._states   # the same contents: the conversion kept
