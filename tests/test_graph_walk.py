@@ -219,3 +219,45 @@ def test_graph_block_mask_conversions_follow_the_lists_contents():
     assert first.to_dense().sum() == 2 and second.to_dense().sum() == 4
     again = fa._with_graph_block_mask(spec, lists, layout).block_mask
     assert again is not second and again._states is second._states   # the same contents: the conversion kept
+
+
+def test_pagedattention_converted_in_the_graph_walks_on_the_device(monkeypatch):
+    """torch's PagedAttention step converting its block mask inside the compiled step
+    (Inductor): a batch of rows over one physical cache — the op gets the walk of each
+    sequence's pages (the host walk of the converted mask), and the eager answer."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+
+    torch._dynamo.reset()
+    B, H, Hkv, D, page, n_pages, L = 3, 4, 2, 16, 16, 14, 64
+    g = torch.Generator().manual_seed(33)
+    paged = PagedAttention(n_pages, page, B, device="cpu")
+    for b in reversed(range(B)):
+        paged.reserve(torch.tensor(b), torch.tensor(L))
+    k_cache, v_cache = (torch.zeros(1, Hkv, n_pages * page, D) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, L, D, generator=g) for _ in range(2))
+    paged.assign(torch.arange(B), torch.arange(L)[None].expand(B, L), k, v, k_cache, v_cache)
+    lens = torch.tensor([40, 64, 17])
+    logical = torch_create_block_mask(lambda b, h, qi, ki: ki < lens[b], B, None, 1, L, device="cpu", BLOCK_SIZE=page)
+    q = torch.randn(B, H, 1, D, generator=g)
+    want = fa.flex_attention(q, k, v, block_mask=logical, enable_gqa=True)
+    seen = []
+    real = fa._with_graph_block_mask
+    monkeypatch.setattr(fa, "_with_graph_block_mask",
+                        lambda spec, lists, layout: (seen.append([None if t is None else t.clone() for t in lists]),
+                                                     real(spec, lists, layout))[1])
+
+    def step(q, k_cache, v_cache):
+        return fa.flex_attention(q, k_cache, v_cache, block_mask=paged.convert_logical_block_mask(logical),
+                                 enable_gqa=True)
+
+    with torch.no_grad():
+        got = torch.compile(step, fullgraph=True)(q, k_cache, v_cache)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    lists = seen[-1]
+    assert len(lists) == 6, "the graph did not walk the lists"
+    converted = fa.BlockMask.from_kv_blocks(*[None if x is None else x.numpy() for x in lists[:4]],
+                                            BLOCK_SIZE=(page, page), seq_lengths=(1, n_pages * page))
+    want_table, counts, _ = converted.kv_block_table(B)
+    np.testing.assert_array_equal(lists[5].numpy(), counts * page)
+    for b in range(B):   # (torch's PagedAttention lists pages in its own order: the same pages)
+        np.testing.assert_array_equal(np.sort(lists[4][b, :counts[b]].numpy()), want_table[b, :counts[b]])

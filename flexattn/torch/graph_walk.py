@@ -25,10 +25,12 @@ from ..core.short_query import SHORT_QUERY_MAX
 def walk_lists(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, kv_block: int, kv_blocks: int):
     """``(table, lengths)`` of torch block-mask lists with one row of q blocks and one head
     ([B, 1, 1] counts, [B, 1, 1, n] indices; the full ones may be None): ``table`` int32
-    [B, listed width] each sequence's full blocks then its partial ones (entries past its
-    count are any block in range), ``lengths`` int32 [B] its listed blocks x ``kv_block``.
-    Counts are clamped to their lists and indices to ``kv_blocks``: lists made by hand
-    that break those bounds read wrong blocks, never outside K / V."""
+    [B, at most ``kv_blocks``] each sequence's full blocks then its partial ones, in the
+    lists' order (any order serves: the walk masks every tile and the softmax sums; entries
+    past its count are any block in range), ``lengths`` int32 [B] its listed blocks x
+    ``kv_block``. Counts are clamped to their lists and to ``kv_blocks``, indices to
+    ``kv_blocks``: lists made by hand that break those bounds read wrong blocks, never
+    outside K / V."""
     batch = kv_num_blocks.shape[0]
     indices = kv_indices.reshape(batch, -1)
     count = kv_num_blocks.reshape(batch, 1).clamp(0, indices.shape[1])
