@@ -12,6 +12,9 @@ sequence's pages, its mask_mod maps physical keys back through the page map). Pa
                 broadcasts, and the short-query route walks each sequence's listed pages
                 with the decode kernel (core/short_query.py: list_walk_route)
   flexattn-fwd  the same call with that walk turned off: the forward kernel reads the lists
+  flexattn-compiled  a serving step compiled with our imports (fullgraph, inductor) that
+                converts the logical block mask inside the graph: the graph walks the
+                converted lists on the device (flexattn/torch/graph_walk.py)
   flexattn-decode  flexattn.torch.decode over a PagedKVCache of the same pages (views of the
                 physical cache, torch's page table, no mask): our paged step's own speed
   flex          torch's flex_attention compiled, same arguments (flex decoding)
@@ -72,7 +75,7 @@ def paged_step(batch: int, length: int, full_blocks: bool):
                                 device="cuda", BLOCK_SIZE=PAGE)
     logical.seq_lengths = (1, length)
     q = torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
-    return q, k_cache, v_cache, paged.convert_logical_block_mask(logical), k, v, paged.page_table
+    return q, k_cache, v_cache, paged.convert_logical_block_mask(logical), k, v, paged.page_table, (paged, logical)
 
 
 def paged_prefill(batch: int, length: int, chunk: int):
@@ -187,7 +190,8 @@ def main():
             k_cache, v_cache = k, v
             cache = fa.KVCache(k, v, torch.full((batch,), length, dtype=torch.int32))
         else:
-            q, k_cache, v_cache, block_mask, k, v, page_table = paged_step(batch, length, blocks == "full")
+            q, k_cache, v_cache, block_mask, k, v, page_table, (paged, logical) = paged_step(batch, length,
+                                                                                              blocks == "full")
             torch_mask = block_mask
             pages = [fa._page_view(x, PAGE) for x in (k_cache, v_cache)]
             cache = fa.PagedKVCache(*pages, page_table[:, :length // PAGE].to(torch.int32).contiguous(),
@@ -200,6 +204,14 @@ def main():
             "flexattn-decode": lambda: fa.decode(q, cache),
             "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
         }
+        if blocks != "gptfast":
+            # a serving step compiled with our imports, converting its block mask in the graph
+            # (the graph walks the converted lists on the device: flexattn/torch/graph_walk.py)
+            def serving_step(q, k_cache, v_cache, paged=paged, logical=logical):
+                return fa.flex_attention(q, k_cache, v_cache, block_mask=paged.convert_logical_block_mask(logical),
+                                         enable_gqa=True)
+            compiled_step = torch.compile(serving_step, fullgraph=True)
+            impls["flexattn-compiled"] = lambda: compiled_step(q, k_cache, v_cache)
         if not args.no_flex:
             impls["flex"] = lambda: compiled_flex(q, k_cache, v_cache, block_mask=torch_mask, enable_gqa=True)
         row = {"shape": spec, "blocks": blocks, "tbps": {}, "us": {}, "diff": {}}
@@ -218,7 +230,8 @@ def main():
             row["us"][name], row["tbps"][name] = ms * 1e3, nbytes / ms / 1e9
         rows.append(row)
 
-    names = ["flexattn", "flexattn-fwd", "flexattn-decode", "sdpa"] + ([] if args.no_flex else ["flex"])
+    names = ["flexattn", "flexattn-fwd", "flexattn-compiled", "flexattn-decode", "sdpa"] + \
+        ([] if args.no_flex else ["flex"])
     md = (f"{device_name()}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC: torch PagedAttention"
           f" step, Hq {HQ} Hkv {HKV} D {D} bf16, pages of {PAGE}; TB/s (µs)\n\n"
           "| B x L | blocks | " + " | ".join(names) + " | flexattn / flex | flexattn / sdpa | rel diff vs sdpa |\n"
