@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..mods.positions import batch_in_heads, block_table_keys
 from ..arrays import dtype_name
+from ..mods.positions import batch_in_heads, block_table_keys
 from ..problem.spec import AttentionSpec
 from ..problem.validate import AttentionShape
 from .kernel_path import DECODE_HEAD_DIMS, KERNEL_DTYPES, use_tvm_ffi
@@ -174,10 +174,11 @@ def _through_table_origins(mod, block: int, heads: int | None):
     """``(template, origins)``: ``block_table_keys(mod, table, block)`` (with ``heads``, of
     the mod folded first: ``batch_in_heads``; the table's one row then read at the kernel's
     b, always 0) over a stand-in table, and for each of its captures the index of ``mod``'s
-    capture it is (None: the table). Traced once per mod structure: a block mask converted anew each step (torch's PagedAttention
-    in a serving loop: a fresh mask_mod closure, traced anew, same structure) reuses the
-    rewrite with this mod's captures and this table put in — the same IR, so the decode
-    kernel's config is found again (tracing the rewrite cost ~0.5 ms)."""
+    capture it is (None: the table). Traced once per mod structure: a block mask converted
+    anew each step (torch's PagedAttention in a serving loop: a fresh mask_mod closure,
+    traced anew, same structure) reuses the rewrite with this mod's captures and this table
+    put in — the same IR, so the decode kernel's config is found again (tracing the rewrite
+    cost ~0.5 ms)."""
     key = (mod.structure_key, block, heads)
     hit = _TABLE_REWRITES.get(key)
     if hit is None:
@@ -420,5 +421,6 @@ class PreparedShortQuery:
         return True
 
 
-__all__ = ["SHORT_QUERY_MAX", "DeviceLists", "ListWalk", "PreparedDeviceWalk", "device_walk_into", "PreparedListWalk", "PreparedShortQuery", "decode_route", "list_walk_into",
-           "list_walk_possible", "list_walk_route", "prepared_list_walk", "short_query_into"]
+__all__ = ["DeviceLists", "ListWalk", "PreparedDeviceWalk", "PreparedListWalk", "PreparedShortQuery",
+           "SHORT_QUERY_MAX", "decode_route", "device_walk_into", "list_walk_into", "list_walk_possible",
+           "list_walk_route", "prepared_list_walk", "short_query_into"]
