@@ -71,6 +71,16 @@ def test_walk_lists_clamps_lists_made_by_hand():
     assert table.shape == (1, 7) and int(table.max()) <= 7 and int(table.min()) >= 0
 
 
+def _record_op_lists(monkeypatch) -> list:
+    """The lists each graph-list op call receives (copies), in call order."""
+    seen = []
+    real = fa._with_graph_block_mask
+    monkeypatch.setattr(fa, "_with_graph_block_mask",
+                        lambda spec, lists, layout: (seen.append([None if t is None else t.clone() for t in lists]),
+                                                     real(spec, lists, layout))[1])
+    return seen
+
+
 def test_compiled_gpt_fast_step_passes_the_graph_walk_to_the_op(monkeypatch):
     """Inductor (CPU) compiles gpt-fast's step with the walk in the graph: the inference op
     gets the table and lengths after the four lists, equal to the host walk of the row,
@@ -82,11 +92,7 @@ def test_compiled_gpt_fast_step_passes_the_graph_walk_to_the_op(monkeypatch):
     g = torch.Generator().manual_seed(3)
     k_cache, v_cache = (torch.randn(B, Hkv, L, D, generator=g) for _ in range(2))
     block_mask = fa.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, L, L)
-    seen = []
-    real = fa._with_graph_block_mask
-    monkeypatch.setattr(fa, "_with_graph_block_mask",
-                        lambda spec, lists, layout: (seen.append([None if t is None else t.clone() for t in lists]),
-                                                     real(spec, lists, layout))[1])
+    seen = _record_op_lists(monkeypatch)
     step = torch.compile(compat_cases.gpt_fast_decode_step(fa, k_cache, v_cache, L), fullgraph=True)
     with torch.no_grad():
         for pos in (100, 101, 300, 511):
@@ -240,11 +246,7 @@ def test_pagedattention_converted_in_the_graph_walks_on_the_device(monkeypatch):
     logical = torch_create_block_mask(lambda b, h, qi, ki: ki < lens[b], B, None, 1, L, device="cpu", BLOCK_SIZE=page)
     q = torch.randn(B, H, 1, D, generator=g)
     want = fa.flex_attention(q, k, v, block_mask=logical, enable_gqa=True)
-    seen = []
-    real = fa._with_graph_block_mask
-    monkeypatch.setattr(fa, "_with_graph_block_mask",
-                        lambda spec, lists, layout: (seen.append([None if t is None else t.clone() for t in lists]),
-                                                     real(spec, lists, layout))[1])
+    seen = _record_op_lists(monkeypatch)
 
     def step(q, k_cache, v_cache):
         return fa.flex_attention(q, k_cache, v_cache, block_mask=paged.convert_logical_block_mask(logical),

@@ -722,12 +722,8 @@ class DecodePlan:
         the caller's key says so). Returns the split count."""
         with self.lock:
             (tuning, splits, cluster), o_part, lse_part = self._stage(lengths, num_sms, None)
-            fn = self._fns.get((tuning, cluster))
-            if fn is not None:
-                fn(q, k, v, table, self.seq_lens, out, lse, o_part, lse_part, self._tickets, self.scale,
-                   self._args.current())
-            else:
-                self._launcher((tuning, cluster), q, k, v, table, out, lse, o_part, lse_part)()
+            self._launch_now((tuning, cluster), q, k, v, table, out, lse, o_part, lse_part, self.seq_lens,
+                             self._args.current())
         return splits
 
     def run_device_lengths(self, q, k, v, table, out, lse, seq_lens, longest: int, num_sms: int,
@@ -747,14 +743,18 @@ class DecodePlan:
             raise ValueError(f"{longest} keys exceed the cache's capacity ({self.capacity} tokens)")
         with self.lock:
             (tuning, splits, cluster), o_part, lse_part = self._launch_parts(longest, num_sms, None)
-            args = None if captures is None else self._args_of(captures)
-            fn = self._fns.get((tuning, cluster))
-            if fn is not None:
-                fn(q, k, v, table, seq_lens, out, lse, o_part, lse_part, self._tickets, self.scale,
-                   self._args.current() if args is None else args)
-            else:
-                self._launcher((tuning, cluster), q, k, v, table, out, lse, o_part, lse_part, seq_lens, args)()
+            self._launch_now((tuning, cluster), q, k, v, table, out, lse, o_part, lse_part, seq_lens,
+                             self._args.current() if captures is None else self._args_of(captures))
         return splits
+
+    def _launch_now(self, kernel, q, k, v, table, out, lse, o_part, lse_part, seq_lens, args) -> None:
+        """Launch ``kernel`` (tuning, cluster): its TVM-FFI function once compiled (the
+        repeated steps' path), else through ``_launcher`` (compiling first)."""
+        fn = self._fns.get(kernel)
+        if fn is not None:
+            fn(q, k, v, table, seq_lens, out, lse, o_part, lse_part, self._tickets, self.scale, args)
+        else:
+            self._launcher(kernel, q, k, v, table, out, lse, o_part, lse_part, seq_lens, args)()
 
     def _args_of(self, captures: tuple):
         """``captures`` as this plan's TVM-FFI launch takes them (only TVM-FFI launches take

@@ -205,10 +205,10 @@ def list_walk_route(shape: AttentionShape, spec: AttentionSpec, q_dtype: str, k,
     return _walk(shape, spec, folded), k_pages, v_pages
 
 
-def _folded(walk: ListWalk, q, out, lse, device) -> tuple:
-    """``(q, out, lse)`` as the walk's kernel sees them: [1, B x Hq, ...] views where it is
-    folded (q copied if its strides do not merge; the outputs are the adapter's, contiguous)."""
-    if not walk.folded:
+def _folded(folded: bool, q, out, lse, device) -> tuple:
+    """``(q, out, lse)`` as a walk's kernel sees them: [1, B x Hq, ...] views where it is
+    ``folded`` (q copied if its strides do not merge; the outputs are the adapter's, contiguous)."""
+    if not folded:
         return q, out, lse
     views = device.heads_view(q, True), device.heads_view(out, False), device.heads_view(lse, False)
     if views[1] is None or views[2] is None:
@@ -227,7 +227,7 @@ def _walk_plan(walk: ListWalk, q, k_pages, v_pages, out, lse, device) -> tuple:
 def list_walk_into(q, out, lse, route: tuple, device) -> None:
     """Run a ``list_walk_route`` call with the decode kernel on ``device``'s stream."""
     walk, k_pages, v_pages = route
-    q, out, lse = _folded(walk, q, out, lse, device)
+    q, out, lse = _folded(walk.folded, q, out, lse, device)
     plan, table, num_sms = _walk_plan(walk, q, k_pages, v_pages, out, lse, device)
     plan.run(q, k_pages, v_pages, table, out, lse, walk.lengths, num_sms)
 
@@ -252,7 +252,7 @@ class PreparedListWalk:
         folded, k_pages, v_pages = pages
         ready = self._ready.get(folded)
         walk = ready[0] if ready is not None else _walk(self._shape, self._spec, folded)
-        q, out, lse = _folded(walk, q, out, lse, device)
+        q, out, lse = _folded(walk.folded, q, out, lse, device)
         if ready is None:
             ready = self._ready[folded] = (walk, *_walk_plan(walk, q, k_pages, v_pages, out, lse, device))
         _, plan, table, num_sms = ready
@@ -315,23 +315,23 @@ def device_walk_into(q, k, v, out, lse, shape: AttentionShape, spec: AttentionSp
     mods = DecodeMods(*(None if w is None else w[0].with_captures(_from_origins(w[1], m.captures, table))
                         for w, m in zip(walked, (spec.score, mask))),
                       spec.resolved_scale(shape.head_dim), true_positions=False, listed_walk=True)
-    walk = ListWalk(mods, table, [], block, folded)
-    q, out, lse = _folded(walk, q, out, lse, device)
+    q_seen, out_seen, lse_seen = _folded(folded, q, out, lse, device)
     site = _site(device)
     longest = int(table.shape[1]) * block
     if not use_tvm_ffi(device):
-        plan = attention_plan(q, k_pages, v_pages, out, lse, site, mods, table, block)
-        plan.run_device_lengths(q, k_pages, v_pages, table, out, lse, lengths, longest, site.num_sms)
+        plan = attention_plan(q_seen, k_pages, v_pages, out_seen, lse_seen, site, mods, table, block)
+        plan.run_device_lengths(q_seen, k_pages, v_pages, table, out_seen, lse_seen, lengths, longest, site.num_sms)
         return False   # (launched; repeats take this path again: only TVM-FFI launches take captures per call)
     # The plan is made over stand-ins of the call's arrays and every launch passes its own:
     # a kept plan holding a graph's tensors would keep them alive (CUDA graph trees refuse
     # memory of their pool that the graph's outputs do not account for).
-    captures = tuple(c for m in (mods.score_mod, mods.mask) if m is not None for c in m.captures)
-    plan = attention_plan(q, k_pages, v_pages, out, lse, site, _with_stand_ins(mods), _stand_in(table), block)
-    plan.run_device_lengths(q, k_pages, v_pages, table, out, lse, lengths, longest, site.num_sms, captures)
+    plan = attention_plan(q_seen, k_pages, v_pages, out_seen, lse_seen, site, _with_stand_ins(mods),
+                          _stand_in(table), block)
     origins = tuple(("score", o) for o in (walked[0][1] if walked[0] else ())) + \
         tuple(("mask", o) for o in (walked[1][1] if walked[1] else ()))
-    return PreparedDeviceWalk(plan, device, folded, block, batch, origins, longest, site.num_sms)
+    prepared = PreparedDeviceWalk(plan, device, folded, block, batch, origins, longest, site.num_sms)
+    prepared.launch(q, k, v, out, lse, spec, table, lengths)
+    return prepared
 
 
 def _stand_in(x):
@@ -379,8 +379,7 @@ class PreparedDeviceWalk:
         if pages is None or pages[0] != self._folded:
             return False
         _, k_pages, v_pages = pages
-        if self._folded:
-            q, out, lse = device.heads_view(q, True), device.heads_view(out, False), device.heads_view(lse, False)
+        q, out, lse = _folded(self._folded, q, out, lse, device)
         sources = {"score": spec.score.captures if spec.score is not None else (),
                    "mask": spec.mask.captures if spec.mask is not None else ()}
         captures = tuple(table if o is None else sources[kind][o] for kind, o in self._origins)

@@ -1156,11 +1156,11 @@ def _graph_walk_forward(spec_id: int, spec: AttentionSpec, query, key, value, ta
     entry = _OP_PREPARED.get(op_key)
     if entry is not None:
         shape, prepared = entry
-        out, lse = _walk_outputs(shape, query)
+        out, lse = _forward_outputs(shape, query)
         if prepared.launch(query, key, value, out, lse, spec, table, lengths):
             return out, lse
     shape = check_inputs(query, key, value, spec)
-    out, lse = _walk_outputs(shape, query)
+    out, lse = _forward_outputs(shape, query)
     prepared = device_walk_into(query, key, value, out, lse, shape, spec,
                                 DeviceLists(table, lengths, int(layout[1]), int(layout[0])), _forward_device(dev))
     if prepared is None:
@@ -1170,7 +1170,8 @@ def _graph_walk_forward(spec_id: int, spec: AttentionSpec, query, key, value, ta
     return out, lse
 
 
-def _walk_outputs(shape, query):
+def _forward_outputs(shape, query) -> tuple:
+    """(out, lse) for a forward kernel to write in full: query's dtype and float32."""
     out = _written_empty(shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim, dtype=query.dtype,
                          device=query.device)
     return out, _written_empty(shape.batch, shape.q_heads, shape.q_len, dtype=torch.float32, device=query.device)
@@ -1496,9 +1497,7 @@ def _kernel_forward(spec, shape, query, key, value, want_max: bool = False, into
     ``into``: None, or (out, lse) tensors to write (views: rows of larger arrays; the
     call's shapes and dtypes, last dim contiguous)."""
     if into is None:
-        out = _written_empty(shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim, dtype=query.dtype,
-                             device=query.device)
-        lse = _written_empty(shape.batch, shape.q_heads, shape.q_len, dtype=torch.float32, device=query.device)
+        out, lse = _forward_outputs(shape, query)
     else:
         out = _write_target("out", into[0], (shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim),
                             query.dtype, query.device)

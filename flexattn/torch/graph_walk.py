@@ -70,13 +70,12 @@ def walk_nodes(graph: torch.fx.Graph, query, lists: list, layout: list) -> list:
     q_block, kv_block, q_len, kv_len = layout
     if q.shape[2] > min(SHORT_QUERY_MAX, q_block) or kv_num.shape[1:] != (1, 1) or kv_len % kv_block:
         return []
-    args = (*lists, kv_block, kv_len // kv_block)
-    examples = [_value(x) for x in lists]
-    node = graph.call_function(walk_lists, args)
+    sizes = (kv_block, kv_len // kv_block)
+    node = graph.call_function(walk_lists, (*lists, *sizes))
     fake_mode = getattr(kv_num, "fake_mode", None)   # (the examples' own: the pass runs outside it)
     if fake_mode is not None:
         with fake_mode:
-            node.meta["example_value"] = walk_lists(*examples, kv_block, kv_len // kv_block)
+            node.meta["example_value"] = walk_lists(*(_value(x) for x in lists), *sizes)
     outputs = []
     for i in range(2):
         item = graph.call_function(operator.getitem, (node, i))
