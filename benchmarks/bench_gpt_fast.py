@@ -22,7 +22,7 @@ max_len keys):
 <mode>: ``default`` (inductor) and ``reduce-overhead`` (inductor + CUDA graphs). The step
 itself: ``tests/compat_cases.gpt_fast_decode_step``.
 
-    python3 benchmarks/bench_gpt_fast.py [--shapes 8x8192 1x32768] [--out gptfast.json]
+    python3 benchmarks/bench_gpt_fast.py [--shapes 8x8192 1x32768] [--skip flexattn/eager] [--out gptfast.json]
 """
 
 import argparse
@@ -45,6 +45,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["8x8192", "1x32768"], help="B x max_len")
     ap.add_argument("--modes", nargs="+", default=["default", "reduce-overhead"])
+    ap.add_argument("--skip", nargs="*", default=[], help="columns to leave out (e.g. flexattn/eager)")
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -76,6 +77,7 @@ def main():
                 step = torch.compile(decode_step(lib, k_cache, v_cache, max_len), fullgraph=True,
                                      mode=None if mode == "default" else mode)
                 impls[f"{name}/{mode}"] = (lambda step=step, mask=mask: step(q, input_pos, mask))
+        impls = {name: fn for name, fn in impls.items() if name not in args.skip}
         row = {"shape": spec, "us": {}, "tbps": {}, "diff": {}}
         nbytes = 2 * batch * HKV * (pos + 1) * D * 2
         for name, fn in impls.items():

@@ -34,7 +34,8 @@
 # beside FA4, three shapes, issue 24), paged (torch's PagedAttention at the door: the short-query
 # GPU tests and the emitter's tiled modes, then bench_paged_door's partial decode rows and
 # prefill chunks), gptfast (gpt-fast's decoding step, ours compiled and eager beside torch's compiled and SDPA:
-# bench_gpt_fast.py, and the gpt-fast GPU tests; issue 25).
+# bench_gpt_fast.py, and the gpt-fast GPU tests; issue 25), gptfast-profile (where the host time of
+# gpt-fast's step goes, eager and compiled: cProfile and host µs, profile_gpt_fast.py).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -151,6 +152,7 @@ for step in $steps; do
     gptfast) run gptfast_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_short_query_gpu.py -k gpt_fast
            (cd benchmarks && run gptfast_bench 200 python3 bench_gpt_fast.py --shapes 8x8192 1x32768 --modes default reduce-overhead \
            --out "$out/gptfast.json") ;;
+    gptfast-profile) (cd benchmarks && run gptfast_profile 200 python3 profile_gpt_fast.py --shape 8x8192 --steps 300) ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -50,6 +50,9 @@ def _balance(counts) -> float | None:
 class BlockMask:
     """Which tiles of the [Q_LEN, KV_LEN] score matrix to compute, with which mask."""
 
+    # A slice by a device index (``_device_rows``): (the sliced mask, its picks); else None.
+    _row_source = None
+
     def __init__(self, states: np.ndarray, seq_lengths, block_size, mask_mod: MaskMod | None, num_allowed=None):
         LIVE_OBJECTS[id(self)] = self  # see mods.mod.LIVE_OBJECTS
         states = np.asarray(states, dtype=np.int8)
@@ -199,6 +202,10 @@ class BlockMask:
         index = index if isinstance(index, tuple) else (index,)
         if len(index) > 3:
             raise IndexError(f"a block mask is indexed by (batch, head, q block), got {len(index)} indices")
+        if any(_device_index(i) is not None for i in index):
+            sliced = self._device_rows(index)
+            if sliced is not None:
+                return sliced
         states = self._host_states()
         picks, key = [], []
         for dim, i in enumerate(index):
@@ -227,6 +234,66 @@ class BlockMask:
             template._kv_tables = {}    # shared by the copies (it depends on the states alone)
             _keep_template(shared, tuple(key), template, _SLICES_KEPT)
         return _copy_of(template)
+
+    def _device_rows(self, index: tuple) -> "BlockMask | None":
+        """``self[index]`` where one index is an integer array on a GPU (gpt-fast's
+        ``block_mask[:, :, input_pos // 128]``, its position on the device): the states are
+        indexed there and the lists compacted there when first read (``GpuBuilder.compact``),
+        so slicing neither copies the index to the host nor waits for the GPU. The slice
+        keeps ``_row_source = (self, picks)`` (``picks``: per dim a slice or the device
+        index) for adapters that walk the parent's rows on the device. None where no GPU
+        builder serves the index's device, or for several array indices (their host path
+        slices dim by dim)."""
+        picks, where = [], None
+        for dim, i in enumerate(index):
+            device = _device_index(i)
+            if device is not None:
+                if where is not None:
+                    return None
+                where, i = device, i.reshape(-1)
+            elif isinstance(i, (int, np.integer)) and not isinstance(i, bool):
+                n = self._batch_heads[dim] if dim < 2 else self.num_blocks[0]
+                if not -n <= int(i) < n:
+                    raise IndexError(f"index {int(i)} out of range for dimension {dim} of size {n}")
+                i = slice(int(i) % n, int(i) % n + 1)
+            elif not isinstance(i, slice):
+                return None
+            picks.append(i)
+        device = self.device if self.__dict__.get("_device_states") is not None else where
+        states = self._states_on_device(device)
+        if states is None:
+            return None
+        for dim, i in enumerate(picks):   # (one array index: dim by dim is numpy's meaning)
+            if not (isinstance(i, slice) and i == slice(None)):
+                states = states[(slice(None),) * dim + (i,)]
+        if hasattr(states, "contiguous"):   # (torch: the compactor reads dense states)
+            states = states.contiguous()
+        templates = self.__dict__.setdefault("_device_row_templates", {})
+        template = templates.get(device)
+        if template is None:   # (never handed out: each slice is a shallow copy of it)
+            template = templates[device] = type(self)._on_device(
+                {"states": states, **dict.fromkeys(_LIST_NAMES)}, self.seq_lengths, self.BLOCK_SIZE, None, device)
+            template._mask_mod = None   # unset, as torch leaves it (its getter names the fix)
+        made = _copy_of(template)
+        made._device_states, made._batch_heads = states, tuple(int(n) for n in states.shape[:2])
+        made._lists = _CompactedOnRead(lambda: _compacted(states, device))
+        made._row_source = (self, tuple(picks))
+        return made
+
+    def _states_on_device(self, device: str):
+        """The tile states as an array on ``device``: a GPU-built mask's own, a host-built
+        one's copied there once; None where no adapter serves ``device``."""
+        if self.__dict__.get("_device_states") is not None:
+            return self._device_states
+        copies = self.__dict__.setdefault("_device_copies", {})
+        if device not in copies:
+            from .device import gpu_builder
+
+            builder, arrays = gpu_builder(device)
+            if builder is None:
+                return None
+            copies[device] = arrays.to_device(self._states)
+        return copies[device]
 
     def _adjust(self, new_q_len: int, new_kv_len: int) -> "BlockMask":
         """torch's ``_adjust``: the same mask for new lengths, keeping the tiles of the
@@ -537,6 +604,36 @@ def _from_lists(block_mask) -> BlockMask:
         template._kv_tables = made._kv_tables = {}
         _keep_template(_LIST_TEMPLATES, key, template, _LIST_TEMPLATES_KEPT)
     return made
+
+
+def _device_index(i):
+    """``"cuda:N"`` for an integer array on a CUDA device (by DLPack), else None."""
+    if isinstance(i, (int, slice, np.ndarray, np.integer)) or not hasattr(i, "__dlpack_device__"):
+        return None
+    kind, number = i.__dlpack_device__()
+    if int(kind) != 2 or "int" not in str(getattr(i, "dtype", "")):   # (DLPack's kDLCUDA)
+        return None
+    return f"cuda:{int(number)}"
+
+
+def _compacted(states, device: str) -> dict:
+    """The eight lists of device ``states``, compacted on ``device`` (``GpuBuilder.compact``)."""
+    from .device import gpu_builder
+
+    builder, arrays = gpu_builder(device)
+    return builder.compact(states, arrays)
+
+
+class _CompactedOnRead(dict):
+    """A device slice's eight lists, compacted on the device when one is first read."""
+
+    def __init__(self, compact):
+        super().__init__()
+        self._compact = compact
+
+    def __missing__(self, name):
+        self.update(self._compact())
+        return dict.__getitem__(self, name)
 
 
 def _copy_of(template: BlockMask) -> BlockMask:

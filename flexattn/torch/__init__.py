@@ -43,6 +43,7 @@ from ..core.kernel_path import (Device, PreparedForward, backward_unsupported, b
                                kernel_unsupported, prepare_forward)
 from ..core.prepared import HostCopies, PreparedCalls, PreparedEntry, call_key
 from ..core.registry import SpecRegistry, by_id, compiled_spec, from_id, operand_grad_slots
+from ..core.short_query import SHORT_QUERY_MAX
 from ..problem.kvcache import KVCache, PagedKVCache
 from ..problem.spec import OPERAND, AttentionSpec, lse_dtype
 from ..problem.validate import check_inputs
@@ -330,6 +331,10 @@ def flex_attention(
             " sequences into one [1, H, total, D] tensor and mask across them with"
             " flexattn.mods.document_from_offsets(offsets) (or flexattn.blockmask.varlen_block_mask(offsets) for the block mask)")
     call = (score_mod, block_mask, scale, enable_gqa, mask, score)
+    if getattr(block_mask, "_row_source", None) is not None and isinstance(query, torch.Tensor) and query.is_cuda:
+        walked = _row_walk_call(query, key, value, call)
+        if walked is not None:
+            return walked if return_lse else walked[0]
     prepared_key = _call_key(query, key, value, call)
     repeated = _PREPARED.run(prepared_key, query, key, value, return_lse, call)
     if repeated is not None:  # a call like an earlier one: checks and plan already done
@@ -1151,7 +1156,7 @@ def _graph_walk_forward(spec_id: int, spec: AttentionSpec, query, key, value, ta
     if dev.index != torch.cuda.current_device():
         with torch.cuda.device(dev):
             return _graph_walk_forward(spec_id, spec, query, key, value, table, lengths, layout)
-    op_key = ("walk", torch.cuda.current_stream(dev).cuda_stream, tuple(table.shape), tuple(lengths.shape),
+    op_key = ("walk", _current_raw_stream(dev.index), tuple(table.shape), tuple(lengths.shape),
               tuple(layout), *_op_key(spec_id, query, key, value))
     entry = _OP_PREPARED.get(op_key)
     if entry is not None:
@@ -1168,6 +1173,55 @@ def _graph_walk_forward(spec_id: int, spec: AttentionSpec, query, key, value, ta
     if prepared is not False:
         _op_remember(op_key, (shape, prepared))
     return out, lse
+
+
+def _row_walk_call(query, key, value, call):
+    """(out, lse) of an eager short query whose block mask is one row sliced by a device
+    index (gpt-fast's eager step: ``block_mask[:, :, input_pos // 128]``, ``BlockMask._device_rows``):
+    every row of the sliced mask is walked once on the device (``_row_walks``), the row's
+    table and length are picked there by the same index, and the decode kernel reads them
+    as it reads a compiled graph's walk (``_graph_walk_forward``) — no host copy of the
+    position, no wait for the GPU. None where this route does not apply (the full path
+    runs: it copies the index to the host)."""
+    score_mod, block_mask, scale, enable_gqa, mask, score = call
+    parent, picks = block_mask._row_source
+    mod, states = block_mask._mask_mod, block_mask._device_states
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    q_len, kv_len = block_mask.seq_lengths
+    if (mod is None or mask is not None or bounds.enabled() or len(picks) != 3 or isinstance(picks[2], slice)
+            or tuple(states.shape[1:3]) != (1, 1) or not isinstance(key, torch.Tensor) or query.dim() != 4
+            or query.shape[2] > min(SHORT_QUERY_MAX, q_block) or kv_len % kv_block
+            or kv_len // kv_block != parent.num_blocks[1] or query.is_nested):
+        return None
+    spec = AttentionSpec.from_args(score_mod, None, scale, enable_gqa, mod, score)
+    if _records_grad(query, key, value, *_score_tensors(spec.score)):
+        return None
+    if query.requires_grad or key.requires_grad or value.requires_grad:   # (no_grad around leaves that want it)
+        query, key, value = query.detach(), key.detach(), value.detach()
+    tables, lengths = _row_walks(parent, query.device)
+    rows = picks[2]
+    table = tables[picks[0], picks[1], rows]
+    lengths = lengths[picks[0], picks[1], rows].reshape(-1)
+    return _graph_walk_forward(_REGISTRY.register(spec, masks=True), spec, query, key, value,
+                               table.reshape(table.shape[0], -1), lengths, (q_block, kv_block, q_len, kv_len))
+
+
+def _row_walks(block_mask, device) -> tuple:
+    """``(tables, lengths)`` [B, H, Q_BLOCKS, W] / [B, H, Q_BLOCKS] int32 on ``device``: each
+    row of ``block_mask`` walked as ``graph_walk.walk_lists`` walks one (its full blocks,
+    then its partial ones), once per mask and device: its lists never change."""
+    walks = block_mask.__dict__.setdefault("_row_walks", {})
+    found = walks.get(device)
+    if found is None:
+        from .graph_walk import walk_lists
+
+        lists = [block_mask._present(name) for name in _LIST_NAMES[:4]]
+        lists = [None if x is None else torch.as_tensor(x).to(device) for x in lists]
+        b, h, rows = (int(n) for n in lists[0].shape)
+        flat = [None if x is None else x.reshape(b * h * rows, 1, 1, *x.shape[3:]) for x in lists]
+        table, lengths = walk_lists(*flat, block_mask.BLOCK_SIZE[1], block_mask.num_blocks[1])
+        found = walks[device] = (table.reshape(b, h, rows, -1), lengths.reshape(b, h, rows))
+    return found
 
 
 def _forward_outputs(shape, query) -> tuple:

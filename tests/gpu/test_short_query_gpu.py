@@ -373,6 +373,46 @@ def test_gpt_fast_batched_decoding_folds_into_heads(monkeypatch):
     assert walks and all(shape == (1, B * Hq, 1, D) for shape in walks), walks
 
 
+@pytest.mark.parametrize("on_gpu,window", [(True, None), (True, 300), (False, None)])
+def test_gpt_fast_step_eager_never_waits_for_the_gpu(on_gpu, window, monkeypatch):
+    """gpt-fast's decoding step run eagerly with our imports: ``block_mask[:, :, input_pos //
+    128]`` slices by a device index (``BlockMask._device_rows``) and the call walks the
+    parent's rows on the device (``_row_walk_call``), so after the first step nothing waits
+    for the GPU (torch's sync debug mode raises on any wait); a GPU-built and a host-built
+    mask, causal and a window (two partial blocks a row); every step agrees with the float64
+    reference."""
+    import compat_cases
+
+    torch.manual_seed(73)
+    B, Hq, Hkv, D, L = 4, 32, 8, 128, 2048
+    k_cache, v_cache = (torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lo = (lambda pos: 0) if window is None else (lambda pos: max(0, pos - window))
+    fn = (lambda b, h, q, kv: q >= kv) if window is None else (lambda b, h, q, kv: (q >= kv) & (q - kv <= window))
+    block_mask = fa.create_block_mask(fn, 1, 1, L, L, device="cuda" if on_gpu else None)
+    walks = []
+    real = fa._graph_walk_forward
+    monkeypatch.setattr(fa, "_graph_walk_forward", lambda *a: (lambda r: (walks.append(r is not None), r)[1])(real(*a)))
+    step = compat_cases.gpt_fast_decode_step(fa, k_cache, v_cache, L)
+    positions = (700, 701, 1500, 2047, 0, 1500)
+    qs = [torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16) for _ in positions]
+    where = [torch.tensor([pos], device="cuda") for pos in positions]
+    outs = []
+    with torch.no_grad():
+        outs.append(step(qs[0], where[0], block_mask))   # (first: plans, compiles, walks the rows)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            outs += [step(q, pos, block_mask) for q, pos in zip(qs[1:], where[1:])]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert len(walks) == len(positions) and all(walks), "a step did not take the device walk"
+    for q, pos, out in zip(qs, positions, outs):
+        keys = slice(lo(pos), pos + 1)
+        want, _ = reference.forward(q.cpu(), k_cache[:, :, keys].cpu(), v_cache[:, :, keys].cpu(),
+                                    AttentionSpec.from_args(enable_gqa=True))
+        assert np.abs(out.double().cpu().numpy() - want).max() < TOL, pos
+
+
 @pytest.mark.parametrize("mode,window", [("default", None), ("default", 300), ("reduce-overhead", None)])
 def test_gpt_fast_step_compiled_with_our_imports(mode, window, monkeypatch):
     """gpt-fast's decoding step with flexattn.torch's create_block_mask and flex_attention,
@@ -394,9 +434,9 @@ def test_gpt_fast_step_compiled_with_our_imports(mode, window, monkeypatch):
     else:
         block_mask = fa.create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv <= window), 1, 1, L, L,
                                           device="cuda")
-    walks = []
-    real = short_query.device_walk_into
-    monkeypatch.setattr(short_query, "device_walk_into", lambda *a: (walks.append(1), real(*a))[1])
+    walks = []   # (the first walk may be an eager test's PreparedDeviceWalk of the same call: count launches)
+    real = fa._graph_walk_forward
+    monkeypatch.setattr(fa, "_graph_walk_forward", lambda *a: (lambda r: (walks.append(r is not None), r)[1])(real(*a)))
     decode_one_token = compat_cases.gpt_fast_decode_step(fa, k_cache, v_cache, L)
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(decode_one_token, fullgraph=True, backend=counter) if mode == "default" else \
@@ -410,6 +450,6 @@ def test_gpt_fast_step_compiled_with_our_imports(mode, window, monkeypatch):
             want, _ = reference.forward(q.cpu(), k_cache[:, :, keys].cpu(), v_cache[:, :, keys].cpu(),
                                         AttentionSpec.from_args(enable_gqa=True))
             assert np.abs(out.double().cpu().numpy() - want).max() < TOL, pos
-    assert walks, "the compiled step did not walk the graph's lists on the device"
+    assert walks and all(walks), "the compiled step did not walk the graph's lists on the device"
     if mode == "default":
         assert counter.frame_count == 1

@@ -1,0 +1,84 @@
+"""Where the host time of gpt-fast's decoding step goes with our imports: a cProfile of N
+steady-state steps, eager and compiled (default mode), top entries by internal and by
+cumulative time, then each step's host µs (a submit-only loop, no sync) beside its
+µs per step with the GPU (do_bench).
+
+    python3 benchmarks/profile_gpt_fast.py [--shape 8x8192] [--steps 300] [--top 30]
+
+The step is ``tests/compat_cases.gpt_fast_decode_step`` (bench_gpt_fast.py's).
+"""
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+from common import bench_ms
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from compat_cases import gpt_fast_decode_step as decode_step  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+
+
+def host_us(fn, calls):
+    """Host µs per call of a loop that only submits (best of 5 rounds)."""
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t) / calls * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="8x8192")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--top", type=int, default=30)
+    args = ap.parse_args()
+    import flexattn.torch as fa
+
+    def causal(b, h, q, kv):
+        return q >= kv
+
+    batch, max_len = (int(x) for x in args.shape.split("x"))
+    k_cache, v_cache = (torch.randn(batch, HKV, max_len, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+    input_pos = torch.tensor([max_len - 1 - 37], device="cuda")
+    mask = fa.create_block_mask(causal, 1, 1, max_len, max_len, device="cuda")
+    steps = {"eager": decode_step(fa, k_cache, v_cache, max_len)}
+    steps["default"] = torch.compile(decode_step(fa, k_cache, v_cache, max_len), fullgraph=True)
+    table = []
+    with torch.no_grad():
+        for name, step in steps.items():
+            fn = lambda step=step: step(q, input_pos, mask)  # noqa: E731
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.steps):
+                fn()
+            prof.disable()
+            torch.cuda.synchronize()
+            print(f"\n==== {name}: cProfile of {args.steps} steps, by internal time")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+            print(f"==== {name}: by cumulative time")
+            pstats.Stats(prof).sort_stats("cumtime").print_stats(args.top)
+            table.append((name, host_us(fn, args.steps), bench_ms(fn) * 1e3))
+    print(f"\ngpt-fast step, B x max_len {args.shape}, Hq {HQ} Hkv {HKV} D {D} bf16, {torch.cuda.get_device_name()}\n")
+    print("| step | host µs (submit only) | µs per step (do_bench) |\n|---|---|---|")
+    for name, host, step_us in table:
+        print(f"| {name} | {host:.1f} | {step_us:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
