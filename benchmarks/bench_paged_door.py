@@ -18,6 +18,8 @@ sequence's pages, its mask_mod maps physical keys back through the page map). Pa
   flexattn-decode  flexattn.torch.decode over a PagedKVCache of the same pages (views of the
                 physical cache, torch's page table, no mask): our paged step's own speed
   flex          torch's flex_attention compiled, same arguments (flex decoding)
+  flex-step     torch's flex_attention in the same compiled serving step as flexattn-compiled
+                (the conversion in the graph)
   sdpa          SDPA over the logical cache [B, Hkv, L, D] (contiguous, enable_gqa): the
                 speed of the same bytes without pages
 
@@ -173,6 +175,8 @@ def main():
     ap.add_argument("--prefill", nargs="*", metavar="BxL",
                     help="also a prefill chunk through the door at these shapes (default 4x8192), see prefill_table")
     ap.add_argument("--chunk", type=int, default=512, help="the prefill chunk's queries")
+    ap.add_argument("--profile", action="store_true",
+                    help="also a cProfile of 200 flexattn-compiled steps per shape (top entries by cumulative time)")
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -212,6 +216,12 @@ def main():
                                          enable_gqa=True)
             compiled_step = torch.compile(serving_step, fullgraph=True)
             impls["flexattn-compiled"] = lambda: compiled_step(q, k_cache, v_cache)
+            if not args.no_flex:
+                def torch_step(q, k_cache, v_cache, paged=paged, logical=logical):
+                    return torch_flex(q, k_cache, v_cache, block_mask=paged.convert_logical_block_mask(logical),
+                                      enable_gqa=True)
+                compiled_torch_step = torch.compile(torch_step, fullgraph=True)
+                impls["flex-step"] = lambda: compiled_torch_step(q, k_cache, v_cache)
         if not args.no_flex:
             impls["flex"] = lambda: compiled_flex(q, k_cache, v_cache, block_mask=torch_mask, enable_gqa=True)
         row = {"shape": spec, "blocks": blocks, "tbps": {}, "us": {}, "diff": {}}
@@ -228,10 +238,22 @@ def main():
             finally:
                 short_query.list_walk_route, short_query.prepared_list_walk = real_walk
             row["us"][name], row["tbps"][name] = ms * 1e3, nbytes / ms / 1e9
+        if args.profile and "flexattn-compiled" in impls:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(200):
+                impls["flexattn-compiled"]()
+            prof.disable()
+            torch.cuda.synchronize()
+            print(f"==== {spec} {blocks}: flexattn-compiled, cProfile of 200 steps")
+            pstats.Stats(prof).sort_stats("cumtime").print_stats(30)
         rows.append(row)
 
     names = ["flexattn", "flexattn-fwd", "flexattn-compiled", "flexattn-decode", "sdpa"] + \
-        ([] if args.no_flex else ["flex"])
+        ([] if args.no_flex else ["flex", "flex-step"])
     md = (f"{device_name()}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC: torch PagedAttention"
           f" step, Hq {HQ} Hkv {HKV} D {D} bf16, pages of {PAGE}; TB/s (µs)\n\n"
           "| B x L | blocks | " + " | ".join(names) + " | flexattn / flex | flexattn / sdpa | rel diff vs sdpa |\n"

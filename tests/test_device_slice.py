@@ -115,7 +115,8 @@ def test_device_slice_with_ints_and_head_slices(fake_cuda):
 
 def test_device_slice_falls_back_to_the_host(fake_cuda):
     """Two device indices (their host meaning is dim by dim), an index on a device no
-    builder serves, or a float index array: the host path, as before."""
+    builder serves, or of another framework than the builder's arrays: the host path, as
+    before."""
     parent = create_block_mask(mods.causal(), 2, 1, 512, 512, BLOCK_SIZE=128)
     both = parent[OnCuda(np.array([1])), :, OnCuda(np.array([2]))]
     assert both._row_source is None and OnCuda.host_copies == 2
@@ -127,6 +128,14 @@ def test_device_slice_falls_back_to_the_host(fake_cuda):
 
     other = parent[:, :, OtherGpu(np.array([3]))]
     assert other._row_source is None and OnCuda.host_copies == 3
+
+    class OtherFramework(OnCuda):   # (a CuPy index while torch's adapter serves the device)
+        pass
+
+    OtherFramework.__module__ = "cupy"
+    foreign = parent[:, :, OtherFramework(np.array([1]))]
+    assert foreign._row_source is None and OnCuda.host_copies == 4
+    np.testing.assert_array_equal(foreign.block_states(), parent[:, :, [1]].block_states())
 
 
 def test_gpu_built_parent_slices_its_own_device_states(fake_cuda):

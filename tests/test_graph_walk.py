@@ -263,3 +263,44 @@ def test_pagedattention_converted_in_the_graph_walks_on_the_device(monkeypatch):
     np.testing.assert_array_equal(lists[5].numpy(), counts * page)
     for b in range(B):   # (torch's PagedAttention lists pages in its own order: the same pages)
         np.testing.assert_array_equal(np.sort(lists[4][b, :counts[b]].numpy()), want_table[b, :counts[b]])
+
+
+def test_pagedattention_walks_with_a_symbolic_cache_length(monkeypatch):
+    """A serving step compiled again for a physical cache of another size (dynamo's automatic
+    dynamic shapes: KV_LEN becomes symbolic, as it did for bench_paged_door's second shape)
+    still walks the converted lists on the device: the table's width is a node of the
+    graph; outputs equal the eager call's."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+
+    torch._dynamo.reset()
+    page, H, Hkv, D = 16, 4, 2, 16
+    g = torch.Generator().manual_seed(35)
+    seen = _record_op_lists(monkeypatch)
+    layouts = []
+    real = fa._with_graph_block_mask
+    monkeypatch.setattr(fa, "_with_graph_block_mask",
+                        lambda spec, lists, layout: (layouts.append(layout), real(spec, lists, layout))[1])
+    with torch.no_grad():
+        for B, L in ((4, 64), (1, 512), (2, 256)):   # caches of 18, 34 and 34 pages
+            n_pages = B * L // page + 2
+            paged = PagedAttention(n_pages, page, B, device="cpu")
+            for b in reversed(range(B)):
+                paged.reserve(torch.tensor(b), torch.tensor(L))
+            k_cache, v_cache = (torch.zeros(1, Hkv, n_pages * page, D) for _ in range(2))
+            k, v = (torch.randn(B, Hkv, L, D, generator=g) for _ in range(2))
+            paged.assign(torch.arange(B), torch.arange(L)[None].expand(B, L), k, v, k_cache, v_cache)
+            lens = torch.randint(1, L + 1, (B,), generator=g)
+            logical = torch_create_block_mask(lambda b, h, qi, ki: ki < lens[b], B, None, 1, L, device="cpu",
+                                              BLOCK_SIZE=page)
+            q = torch.randn(B, H, 1, D, generator=g)
+            want = fa.flex_attention(q, k, v, block_mask=logical, enable_gqa=True)
+
+            def serving_step(q, k_cache, v_cache, paged=paged, logical=logical):   # (as bench_paged_door's)
+                return fa.flex_attention(q, k_cache, v_cache, block_mask=paged.convert_logical_block_mask(logical),
+                                         enable_gqa=True)
+
+            got = torch.compile(serving_step, fullgraph=True)(q, k_cache, v_cache)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            assert len(seen[-1]) == 6, f"B{B} L{L}: the graph did not walk the lists"
+            assert layouts[-1][3] == n_pages * page and seen[-1][5].tolist() == [
+                -(-int(n) // page) * page for n in lens]

@@ -250,7 +250,7 @@ class BlockMask:
             if device is not None:
                 if where is not None:
                     return None
-                where, i = device, i.reshape(-1)
+                where, where_index, i = device, i, i.reshape(-1)
             elif isinstance(i, (int, np.integer)) and not isinstance(i, bool):
                 n = self._batch_heads[dim] if dim < 2 else self.num_blocks[0]
                 if not -n <= int(i) < n:
@@ -261,8 +261,8 @@ class BlockMask:
             picks.append(i)
         device = self.device if self.__dict__.get("_device_states") is not None else where
         states = self._states_on_device(device)
-        if states is None:
-            return None
+        if states is None or _framework(states) != _framework(where_index):
+            return None   # (no adapter there, or a CuPy index into torch's states: the host path)
         for dim, i in enumerate(picks):   # (one array index: dim by dim is numpy's meaning)
             if not (isinstance(i, slice) and i == slice(None)):
                 states = states[(slice(None),) * dim + (i,)]
@@ -614,6 +614,11 @@ def _device_index(i):
     if int(kind) != 2 or "int" not in str(getattr(i, "dtype", "")):   # (DLPack's kDLCUDA)
         return None
     return f"cuda:{int(number)}"
+
+
+def _framework(array) -> str:
+    """The top-level module of an array's type (torch, cupy, ...)."""
+    return type(array).__module__.split(".")[0]
 
 
 def _compacted(states, device: str) -> dict:

@@ -58,24 +58,31 @@ def _value(node):
 def walk_nodes(graph: torch.fx.Graph, query, lists: list, layout: list) -> list:
     """``[table, lengths]`` nodes (``walk_lists``) inserted at the graph's insertion point for
     a marked call's block mask where the call is a short query over one row of q blocks of
-    one head with static sizes; else ``[]``."""
+    one head; else ``[]``. The batch and KV_LEN may be symbolic (a serving loop's batch
+    changes, and dynamo then compiles them dynamic): the table's width is then a node of the
+    graph, and a KV_LEN off the kv blocks is found by the op (it converts the lists)."""
     q, kv_num = _value(query), _value(lists[0])
-    if not isinstance(q, torch.Tensor) or not isinstance(kv_num, torch.Tensor):
+    if not isinstance(q, torch.Tensor) or not isinstance(kv_num, torch.Tensor) or q.dim() != 4 or kv_num.dim() != 3:
         return []
-    if not all(isinstance(x, int) for x in layout) or q.dim() != 4 or kv_num.dim() != 3:
+    q_block, kv_block, _, kv_len = layout
+    q_len, heads, rows = q.shape[2], kv_num.shape[1], kv_num.shape[2]
+    if not all(type(x) is int for x in (q_block, kv_block, q_len, heads, rows)):   # (symbolic: not a decode row)
         return []
-    sizes = (q.shape[2], *kv_num.shape)
-    if not all(isinstance(n, int) for n in sizes):   # (dynamic shapes: left to the conversion)
+    if q_len > min(SHORT_QUERY_MAX, q_block) or (heads, rows) != (1, 1):
         return []
-    q_block, kv_block, q_len, kv_len = layout
-    if q.shape[2] > min(SHORT_QUERY_MAX, q_block) or kv_num.shape[1:] != (1, 1) or kv_len % kv_block:
+    if isinstance(kv_len, torch.fx.Node):
+        kv_blocks = graph.call_function(operator.floordiv, (kv_len, kv_block))
+        if _value(kv_len) is not None:
+            kv_blocks.meta["example_value"] = _value(kv_len) // kv_block
+    elif type(kv_len) is int and kv_len % kv_block == 0:
+        kv_blocks = kv_len // kv_block
+    else:
         return []
-    sizes = (kv_block, kv_len // kv_block)
-    node = graph.call_function(walk_lists, (*lists, *sizes))
+    node = graph.call_function(walk_lists, (*lists, kv_block, kv_blocks))
     fake_mode = getattr(kv_num, "fake_mode", None)   # (the examples' own: the pass runs outside it)
     if fake_mode is not None:
         with fake_mode:
-            node.meta["example_value"] = walk_lists(*(_value(x) for x in lists), *sizes)
+            node.meta["example_value"] = walk_lists(*(_value(x) for x in lists), kv_block, _value(kv_blocks))
     outputs = []
     for i in range(2):
         item = graph.call_function(operator.getitem, (node, i))

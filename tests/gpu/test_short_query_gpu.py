@@ -413,6 +413,32 @@ def test_gpt_fast_step_eager_never_waits_for_the_gpu(on_gpu, window, monkeypatch
         assert np.abs(out.double().cpu().numpy() - want).max() < TOL, pos
 
 
+@pytest.mark.parametrize("on_gpu", [True, False])
+def test_rows_sliced_by_a_device_index_serve_any_call(on_gpu):
+    """A block mask sliced by a device index (``BlockMask._device_rows``) where the device
+    walk does not apply — two rows under a chunk of 256 queries, one row under 128 — runs
+    the forward kernel over the slice's lists, compacted on the device when read; it
+    agrees with the same slice by host indices."""
+    torch.manual_seed(79)
+    H, D, L = 4, 128, 2048
+    fn = lambda b, h, q, kv: (q >= kv) & (q - kv <= 700)   # noqa: E731
+    block_mask = fa.create_block_mask(fn, 1, 1, L, L, device="cuda" if on_gpu else None)
+    k, v = (torch.randn(2, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for rows, q_len in (([6, 7], 256), ([11], 128)):
+        sliced = block_mask[:, :, torch.tensor(rows, device="cuda")]
+        assert sliced._row_source is not None
+        host = block_mask[:, :, rows]
+        q = torch.randn(2, H, q_len, D, device="cuda", dtype=torch.bfloat16)
+        offset = rows[0] * 128
+        for m in (sliced, host):
+            m.mask_mod = lambda b, h, qi, kv: fn(b, h, qi + offset, kv)
+            m.seq_lengths = (q_len, L)
+        got = fa.flex_attention(q, k, v, block_mask=sliced)
+        want = fa.flex_attention(q, k, v, block_mask=host)
+        assert (got.float() - want.float()).abs().max().item() < TOL, rows
+        np.testing.assert_array_equal(sliced.block_states(), host.block_states())
+
+
 @pytest.mark.parametrize("mode,window", [("default", None), ("default", 300), ("reduce-overhead", None)])
 def test_gpt_fast_step_compiled_with_our_imports(mode, window, monkeypatch):
     """gpt-fast's decoding step with flexattn.torch's create_block_mask and flex_attention,
