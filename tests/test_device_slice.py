@@ -115,8 +115,8 @@ def test_device_slice_with_ints_and_head_slices(fake_cuda):
 
 def test_device_slice_falls_back_to_the_host(fake_cuda):
     """Two device indices (their host meaning is dim by dim), an index on a device no
-    builder serves, or of another framework than the builder's arrays: the host path, as
-    before."""
+    builder serves, of another framework than the builder's arrays, or unsigned: the host
+    path, as before."""
     parent = create_block_mask(mods.causal(), 2, 1, 512, 512, BLOCK_SIZE=128)
     both = parent[OnCuda(np.array([1])), :, OnCuda(np.array([2]))]
     assert both._row_source is None and OnCuda.host_copies == 2
@@ -136,6 +136,9 @@ def test_device_slice_falls_back_to_the_host(fake_cuda):
     foreign = parent[:, :, OtherFramework(np.array([1]))]
     assert foreign._row_source is None and OnCuda.host_copies == 4
     np.testing.assert_array_equal(foreign.block_states(), parent[:, :, [1]].block_states())
+    # an unsigned index array (torch reads uint8 ones as masks): not a device row index
+    unsigned = parent[:, :, OnCuda(np.array([2], np.uint8))]
+    assert unsigned._row_source is None and OnCuda.host_copies == 5
 
 
 def test_gpu_built_parent_slices_its_own_device_states(fake_cuda):

@@ -611,7 +611,8 @@ def _device_index(i):
     if isinstance(i, (int, slice, np.ndarray, np.integer)) or not hasattr(i, "__dlpack_device__"):
         return None
     kind, number = i.__dlpack_device__()
-    if int(kind) != 2 or "int" not in str(getattr(i, "dtype", "")):   # (DLPack's kDLCUDA)
+    # (DLPack's kDLCUDA; signed integers only: torch reads a uint8 / bool index as a mask)
+    if int(kind) != 2 or str(getattr(i, "dtype", "")).rsplit(".", 1)[-1] not in ("int64", "int32", "int16", "int8"):
         return None
     return f"cuda:{int(number)}"
 

@@ -331,7 +331,8 @@ def flex_attention(
             " sequences into one [1, H, total, D] tensor and mask across them with"
             " flexattn.mods.document_from_offsets(offsets) (or flexattn.blockmask.varlen_block_mask(offsets) for the block mask)")
     call = (score_mod, block_mask, scale, enable_gqa, mask, score)
-    if getattr(block_mask, "_row_source", None) is not None and isinstance(query, torch.Tensor) and query.is_cuda:
+    if (getattr(block_mask, "_row_source", None) is not None and isinstance(query, torch.Tensor) and query.is_cuda
+            and (kernel_options is None or isinstance(kernel_options, dict))):
         walked = _row_walk_call(query, key, value, call)
         if walked is not None:
             return walked if return_lse else walked[0]
