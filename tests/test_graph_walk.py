@@ -304,3 +304,47 @@ def test_pagedattention_walks_with_a_symbolic_cache_length(monkeypatch):
             assert len(seen[-1]) == 6, f"B{B} L{L}: the graph did not walk the lists"
             assert layouts[-1][3] == n_pages * page and seen[-1][5].tolist() == [
                 -(-int(n) // page) * page for n in lens]
+
+
+def test_host_built_mask_in_compiled_code_has_no_side_effects():
+    """A host-built block mask first touched inside compiled code: its list tensors are
+    copies in the graph, never kept on the mask there (a kept one is a side effect dynamo
+    replays after every call: the graph returned the eight lists too). Sliced by an index
+    on another device (a CUDA position; meta here) the lists go there in the graph, with a
+    warning at compile time; on the index's own device they are sliced in place."""
+    import warnings
+
+    import compat_cases
+
+    torch._dynamo.reset()
+    B, Hq, Hkv, D, L = 2, 4, 1, 32, 512
+    g = torch.Generator().manual_seed(5)
+    k_cache, v_cache = (torch.randn(B, Hkv, L, D, generator=g) for _ in range(2))
+    block_mask = fa.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, L, L)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    step = torch.compile(compat_cases.gpt_fast_decode_step(fa, k_cache, v_cache, L), fullgraph=True, backend=backend)
+    with torch.no_grad():
+        q = torch.randn(B, Hq, 1, D, generator=g)
+        out = step(q, torch.tensor([300]), block_mask)
+    want, _ = reference.forward(q, k_cache[:, :, :301], v_cache[:, :, :301], AttentionSpec.from_args(enable_gqa=True))
+    np.testing.assert_allclose(out.numpy(), want, atol=1e-5)
+    (output,) = [n for n in graphs[-1].graph.nodes if n.op == "output"]
+    assert len(output.args[0]) == 1, "the graph returns more than the attention (side effects replayed per call)"
+    assert "_tensors" not in block_mask.__dict__
+
+    def row_lists(bm, idx):
+        return bm[:, :, idx].kv_indices
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        moved = torch.compile(row_lists, fullgraph=True, backend="eager")(block_mask, torch.tensor([2], device="meta"))
+        in_place = torch.compile(row_lists, fullgraph=True, backend="eager")(block_mask, torch.tensor([2]))
+    assert moved.device.type == "meta" and tuple(moved.shape) == (1, 1, 1, 4)
+    assert [str(w.message) for w in caught if "copied to meta" in str(w.message)], "no warning"
+    fresh = fa.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, L, L)
+    assert in_place.tolist() == fresh[:, :, [2]].kv_indices.tolist()

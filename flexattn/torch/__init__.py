@@ -92,6 +92,11 @@ class BlockMask(_CoreBlockMask):
         array = self._lists[name]
         if not isinstance(array, np.ndarray):
             return array
+        if torch.compiler.is_dynamo_compiling():
+            # (in traced code: a copy in the graph, none kept — keeping it would be a side
+            # effect that dynamo replays after every call of the compiled function)
+            t = self.__dict__.get("_tensors", {}).get(name)
+            return torch.from_numpy(np.array(array)) if t is None else t
         tensors = self.__dict__.setdefault("_tensors", {})
         t = tensors.get(name)
         if t is None:   # a copy: the host lists are read-only, and stay the kernels'
@@ -105,7 +110,9 @@ class BlockMask(_CoreBlockMask):
         ``BlockMask`` with this one's lists and ``mask_mod`` (our mods evaluate on tensors:
         ``tensor_eval``), which ``flex_attention`` takes as it takes torch's."""
         if torch.compiler.is_dynamo_compiling():
-            return self._as_torch()[index]
+            where = next((i.device for i in (index if isinstance(index, tuple) else (index,))
+                          if isinstance(i, torch.Tensor)), None)
+            return self._as_torch(where)[index]
         return super().__getitem__(index)
 
     @property
@@ -123,10 +130,27 @@ class BlockMask(_CoreBlockMask):
     def mask_mod(self, value):
         _CoreBlockMask.mask_mod.__set__(self, value)
 
-    def _as_torch(self) -> _TorchBlockMask:
-        """This block mask as torch's ``BlockMask``: the same list tensors and mask."""
-        return _TorchBlockMask(self.seq_lengths, *(self._present(name) for name in _LIST_NAMES),
-                               BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod)
+    def _as_torch(self, device=None) -> _TorchBlockMask:
+        """This block mask as torch's ``BlockMask``: the same list tensors and mask; with
+        ``device`` (a slice's index tensor's, in traced code), lists elsewhere (a host-built
+        mask's, sliced by a CUDA index) copied there in the graph, as torch's slicing needs."""
+        lists = [self._present(name) for name in _LIST_NAMES]
+        if device is not None and any(t.device != device for t in lists):
+            _warn_lists_copied(str(device))
+            lists = [t.to(device) for t in lists]
+        return _TorchBlockMask(self.seq_lengths, *lists, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod)
+
+
+@torch._dynamo.assume_constant_result
+def _warn_lists_copied(device: str) -> bool:
+    """(at compile time) A host-built block mask sliced by an index on ``device`` in compiled
+    code: its lists go there in every call."""
+    import warnings
+
+    warnings.warn(f"flexattn: a block mask built on the host is sliced by a {device} index inside compiled code: its"
+                  f" lists are copied to {device} in every call; build it there (create_block_mask(...,"
+                  f" device={device!r}), torch's default) to slice it in place", stacklevel=2)
+    return True
 
 
 def _mask_function(expr, captures):

@@ -439,14 +439,16 @@ def test_rows_sliced_by_a_device_index_serve_any_call(on_gpu):
         np.testing.assert_array_equal(sliced.block_states(), host.block_states())
 
 
-@pytest.mark.parametrize("mode,window", [("default", None), ("default", 300), ("reduce-overhead", None)])
-def test_gpt_fast_step_compiled_with_our_imports(mode, window, monkeypatch):
+@pytest.mark.parametrize("mode,window,on_gpu", [("default", None, True), ("default", 300, True),
+                                                ("reduce-overhead", None, True), ("default", None, False)])
+def test_gpt_fast_step_compiled_with_our_imports(mode, window, on_gpu, monkeypatch):
     """gpt-fast's decoding step with flexattn.torch's create_block_mask and flex_attention,
     compiled as gpt-fast compiles it (fullgraph; inductor, and inductor with CUDA graphs):
     our block mask sliced by ``input_pos // BLOCK_SIZE`` in the graph, its mask_mod moved to
     ``input_pos[0]`` by a closure; the graph walks the row's lists on the device
     (``graph_walk``; a window: two partial blocks a row). Positions change every step (new
-    tensor values, no recompile); each step agrees with the float64 reference."""
+    tensor values, no recompile); each step agrees with the float64 reference. A mask built
+    on the host (no ``device=``) has its lists copied to the GPU in the graph (with a warning)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     import compat_cases
@@ -456,7 +458,7 @@ def test_gpt_fast_step_compiled_with_our_imports(mode, window, monkeypatch):
     B, Hq, Hkv, D, L = 4, 32, 8, 128, 2048
     k_cache, v_cache = (torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     if window is None:
-        block_mask = fa.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, L, L, device="cuda")
+        block_mask = fa.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, L, L, device="cuda" if on_gpu else None)
     else:
         block_mask = fa.create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv <= window), 1, 1, L, L,
                                           device="cuda")
