@@ -174,3 +174,13 @@ def test_row_walks_of_every_row(separate_full):
                     assert tables[b, 0, row, :n].tolist() == table[0, :n].tolist()
                 else:
                     assert sorted(tables[b, 0, row, :n].tolist()) == sorted(table[0, :n].tolist())
+    # Per-head rows: the walks of the picked head only (memory bounded by the slice, not the mask)
+    heads = fa.create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv <= 100 + 300 * h), 1, 2, L, L,
+                                 BLOCK_SIZE=block, separate_full_blocks=separate_full)
+    tables, lengths = fa._row_walks(heads, torch.device("cpu"), (slice(None), slice(1, 2)))
+    assert tuple(tables.shape[:3]) == (1, 1, L // block)
+    for row in range(L // block):
+        table, counts, _ = heads[:, 1, row].kv_block_table(1)
+        n = int(counts[0])
+        assert int(lengths[0, 0, row]) == n * block
+        assert sorted(tables[0, 0, row, :n].tolist()) == sorted(table[0, :n].tolist())

@@ -1223,29 +1223,29 @@ def _row_walk_call(query, key, value, call):
         return None
     if query.requires_grad or key.requires_grad or value.requires_grad:   # (no_grad around leaves that want it)
         query, key, value = query.detach(), key.detach(), value.detach()
-    tables, lengths = _row_walks(parent, query.device)
-    rows = picks[2]
-    table = tables[picks[0], picks[1], rows]
-    lengths = lengths[picks[0], picks[1], rows].reshape(-1)
+    tables, lengths = _row_walks(parent, query.device, picks[:2])
+    table, lengths = tables[:, :, picks[2]], lengths[:, :, picks[2]].reshape(-1)
     return _graph_walk_forward(_REGISTRY.register(spec, masks=True), spec, query, key, value,
                                table.reshape(table.shape[0], -1), lengths, (q_block, kv_block, q_len, kv_len))
 
 
-def _row_walks(block_mask, device) -> tuple:
+def _row_walks(block_mask, device, picks: tuple = (slice(None), slice(None))) -> tuple:
     """``(tables, lengths)`` [B, H, Q_BLOCKS, W] / [B, H, Q_BLOCKS] int32 on ``device``: each
-    row of ``block_mask`` walked as ``graph_walk.walk_lists`` walks one (its full blocks,
-    then its partial ones), once per mask and device: its lists never change."""
+    row of ``block_mask[picks]`` (slices of its batch and head dims) walked as
+    ``graph_walk.walk_lists`` walks one (its full blocks, then its partial ones), once per
+    mask, picks and device: its lists never change."""
     walks = block_mask.__dict__.setdefault("_row_walks", {})
-    found = walks.get(device)
+    key = (str(device), *((p.start, p.stop, p.step) for p in picks))
+    found = walks.get(key)
     if found is None:
         from .graph_walk import walk_lists
 
         lists = [block_mask._present(name) for name in _LIST_NAMES[:4]]
-        lists = [None if x is None else torch.as_tensor(x).to(device) for x in lists]
+        lists = [None if x is None else torch.as_tensor(x)[picks].to(device) for x in lists]
         b, h, rows = (int(n) for n in lists[0].shape)
         flat = [None if x is None else x.reshape(b * h * rows, 1, 1, *x.shape[3:]) for x in lists]
         table, lengths = walk_lists(*flat, block_mask.BLOCK_SIZE[1], block_mask.num_blocks[1])
-        found = walks[device] = (table.reshape(b, h, rows, -1), lengths.reshape(b, h, rows))
+        found = walks[key] = (table.reshape(b, h, rows, -1), lengths.reshape(b, h, rows))
     return found
 
 
