@@ -16,7 +16,7 @@ import flexattn.torch as fa  # noqa: E402
 from flexattn import mods, reference  # noqa: E402
 from flexattn.core import AttentionSpec, kernel_path, short_query  # noqa: E402
 from flexattn.problem.validate import AttentionShape  # noqa: E402
-from flexattn.torch.graph_walk import walk_lists  # noqa: E402
+from flexattn.torch.graph_walk import lists_of_walk, walk_lists  # noqa: E402
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -49,15 +49,22 @@ def test_walk_lists_matches_the_host_walk_table(name, separate_full):
             lists = (num, idx, None, None)
         else:
             lists = (sliced.kv_num_blocks, sliced.kv_indices, full_num, full_idx)
-        table, lengths = walk_lists(*lists, block, L // block)
+        table, lengths, full = walk_lists(*lists, block, L // block)
         ours = fa.BlockMask.from_kv_blocks(*[None if x is None else x.numpy() for x in lists],
                                            BLOCK_SIZE=(block, block), seq_lengths=(1, L))
         want_table, counts, _ = ours.kv_block_table(B)
-        assert table.dtype == torch.int32 and lengths.dtype == torch.int32
+        assert table.dtype == torch.int32 and lengths.dtype == torch.int32 and full.dtype == torch.int32
         np.testing.assert_array_equal(lengths.numpy(), counts * block)
+        np.testing.assert_array_equal(full.numpy(), (ours.block_states()[:, 0, 0] == 2).sum(-1))
         for b in range(B):
             np.testing.assert_array_equal(table[b, :counts[b]].numpy(), want_table[b, :counts[b]])
         assert int(table.min()) >= 0 and int(table.max()) < L // block
+        # The lists rebuilt from the walk (what the op converts where it cannot take the walk)
+        # give the same block mask
+        rebuilt = lists_of_walk(table, lengths, full, block)
+        again = fa.BlockMask.from_kv_blocks(*[x.numpy() for x in rebuilt], BLOCK_SIZE=(block, block),
+                                            seq_lengths=(1, L))
+        np.testing.assert_array_equal(again.block_states(), ours.block_states())
 
 
 def test_walk_lists_clamps_lists_made_by_hand():
@@ -66,8 +73,9 @@ def test_walk_lists_clamps_lists_made_by_hand():
     idx = torch.tensor([[[[0, 7, 99]]]], dtype=torch.int32)
     full_num = torch.tensor([[[5]]], dtype=torch.int32)
     full_idx = torch.tensor([[[[1, 2, 3, 4]]]], dtype=torch.int32)
-    table, lengths = walk_lists(num, idx, full_num, full_idx, 16, 8)
+    table, lengths, full = walk_lists(num, idx, full_num, full_idx, 16, 8)
     assert int(lengths[0]) == 7 * 16          # 4 + 3 listed, within the 8 blocks
+    assert int(full[0]) == 4
     assert table.shape == (1, 7) and int(table.max()) <= 7 and int(table.min()) >= 0
 
 
@@ -102,10 +110,10 @@ def test_compiled_gpt_fast_step_passes_the_graph_walk_to_the_op(monkeypatch):
                                         AttentionSpec.from_args(enable_gqa=True))
             np.testing.assert_allclose(out.numpy(), want, atol=1e-5)
             lists = seen[-1]
-            assert len(lists) == 6, "the graph did not walk the lists"
+            assert len(lists) == 7 and lists[:4] == [None] * 4, "the op did not get the walk in place of the lists"
             blocks = pos // 128 + 1
             np.testing.assert_array_equal(lists[4][0, :blocks].numpy(), np.arange(blocks))
-            assert lists[5].tolist() == [blocks * 128]
+            assert lists[5].tolist() == [blocks * 128] and lists[6].tolist() == [blocks - 1]
 
 
 def test_device_walk_reads_the_graph_table_as_the_kernel_does(monkeypatch):
@@ -129,7 +137,7 @@ def test_device_walk_reads_the_graph_table_as_the_kernel_does(monkeypatch):
     spec = AttentionSpec.from_args(score_mod=score, mask=mask, enable_gqa=True)
     torch_lists = [torch.as_tensor(np.asarray(x)) for x in (row.kv_num_blocks, row.kv_indices,
                                                               row.full_kv_num_blocks, row.full_kv_indices)]
-    table, lengths = walk_lists(*torch_lists, block, S // block)
+    table, lengths, _ = walk_lists(*torch_lists, block, S // block)
     runs = []
 
     class Plan:
@@ -256,9 +264,11 @@ def test_pagedattention_converted_in_the_graph_walks_on_the_device(monkeypatch):
         got = torch.compile(step, fullgraph=True)(q, k_cache, v_cache)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     lists = seen[-1]
-    assert len(lists) == 6, "the graph did not walk the lists"
-    converted = fa.BlockMask.from_kv_blocks(*[None if x is None else x.numpy() for x in lists[:4]],
-                                            BLOCK_SIZE=(page, page), seq_lengths=(1, n_pages * page))
+    assert len(lists) == 7 and lists[:4] == [None] * 4, "the op did not get the walk in place of the lists"
+    eager = paged.convert_logical_block_mask(logical)
+    converted = fa.BlockMask.from_kv_blocks(eager.kv_num_blocks, eager.kv_indices, eager.full_kv_num_blocks,
+                                            eager.full_kv_indices, BLOCK_SIZE=(page, page),
+                                            seq_lengths=(1, n_pages * page))
     want_table, counts, _ = converted.kv_block_table(B)
     np.testing.assert_array_equal(lists[5].numpy(), counts * page)
     for b in range(B):   # (torch's PagedAttention lists pages in its own order: the same pages)
@@ -301,7 +311,7 @@ def test_pagedattention_walks_with_a_symbolic_cache_length(monkeypatch):
 
             got = torch.compile(serving_step, fullgraph=True)(q, k_cache, v_cache)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-            assert len(seen[-1]) == 6, f"B{B} L{L}: the graph did not walk the lists"
+            assert len(seen[-1]) == 7, f"B{B} L{L}: the graph did not walk the lists"
             assert layouts[-1][3] == n_pages * page and seen[-1][5].tolist() == [
                 -(-int(n) // page) * page for n in lens]
 

@@ -1244,7 +1244,7 @@ def _row_walks(block_mask, device, picks: tuple = (slice(None), slice(None))) ->
         lists = [None if x is None else torch.as_tensor(x)[picks].to(device) for x in lists]
         b, h, rows = (int(n) for n in lists[0].shape)
         flat = [None if x is None else x.reshape(b * h * rows, 1, 1, *x.shape[3:]) for x in lists]
-        table, lengths = walk_lists(*flat, block_mask.BLOCK_SIZE[1], block_mask.num_blocks[1])
+        table, lengths, _ = walk_lists(*flat, block_mask.BLOCK_SIZE[1], block_mask.num_blocks[1])
         found = walks[key] = (table.reshape(b, h, rows, -1), lengths.reshape(b, h, rows))
     return found
 
@@ -1259,7 +1259,8 @@ def _forward_outputs(shape, query) -> tuple:
 def _with_graph_block_mask(spec: AttentionSpec, lists, layout) -> AttentionSpec:
     """``spec`` with the block mask of a call whose torch ``BlockMask`` was built inside the
     compiled code (``torch/nested.py``): its kv-side lists arrive as op inputs (partial
-    then full, torch's order; a short query's walk of them may follow, ``graph_walk``),
+    then full, torch's order; for a short query the graph walked, four Nones and the walk,
+    from which they are rebuilt: ``graph_walk.lists_of_walk``),
     ``layout`` = (q block, kv block, Q_LEN, KV_LEN), and the spec's mask is its
     ``mask_mod``. The lists come to the host in one copy; conversions are kept by what the
     lists hold (``_GRAPH_BLOCK_MASKS``) — never by where they are: a graph's lists are new
@@ -1272,6 +1273,10 @@ def _with_graph_block_mask(spec: AttentionSpec, lists, layout) -> AttentionSpec:
     from ..blockmask.layout import _copy_of, _tiles_are_the_masks
 
     layout = tuple(int(x) for x in layout)
+    if len(lists) > 4 and lists[0] is None:   # (the graph passed its walk alone: graph_walk)
+        from .graph_walk import lists_of_walk
+
+        lists = lists_of_walk(*lists[4:7], layout[1])
     host = [None if x is None else np.ascontiguousarray(x) for x in to_numpy_all(lists[:4])]
     mask = spec.mask
     numbers = tuple(c if isinstance(c, (int, float)) else None for c in mask.captures)

@@ -315,7 +315,9 @@ def rewrite_marked_calls(graph: torch.fx.Graph) -> None:
                 # an inference short query over one row of q blocks: the graph walks its lists
                 from .graph_walk import walk_nodes
 
-                lists += walk_nodes(graph, query, lists, layout)
+                walk = walk_nodes(graph, query, lists, layout)
+                if walk:   # (the walk in place of the lists: Inductor fuses the slice into it)
+                    lists = [None] * 4 + walk
             target = (torch.ops.flexattn.attention_fwd_max if want_max else
                       torch.ops.flexattn.attention_fwd if records else torch.ops.flexattn.attention_fwd_inference)
             op = graph.call_function(target.default, (query, key, value, buffers, spec_id, lists, layout))
