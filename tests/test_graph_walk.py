@@ -16,6 +16,7 @@ import flexattn.torch as fa  # noqa: E402
 from flexattn import mods, reference  # noqa: E402
 from flexattn.core import AttentionSpec, kernel_path, short_query  # noqa: E402
 from flexattn.problem.validate import AttentionShape  # noqa: E402
+from flexattn.problem.spec import OPERAND  # noqa: E402
 from flexattn.torch.graph_walk import lists_of_walk, walk_lists  # noqa: E402
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask  # noqa: E402
 
@@ -195,7 +196,7 @@ def test_device_walk_reads_the_graph_table_as_the_kernel_does(monkeypatch):
     offset2, table2 = torch.tensor(position + 1), table.clone()
     spec2 = AttentionSpec.from_args(score_mod=score, mask=mods.mask_mod(lambda b, h, qi, ki: qi + offset2 >= ki),
                                     enable_gqa=True)
-    assert prepared.launch(q, k, v, out, lse, spec2, table2, lengths)
+    assert prepared.launch(q, k, v, out, lse, short_query.mod_captures(spec2), table2, lengths)
     again = runs[-1]
     captures = again[-1]
     want_captures = mods_.score_mod.captures + mods_.mask.captures
@@ -208,8 +209,8 @@ def test_device_walk_reads_the_graph_table_as_the_kernel_does(monkeypatch):
         else:
             assert type(got) is type(was) and got == was
     assert again[3] is table2 and again[7] == S
-    assert not prepared.launch(q, k.contiguous().expand(B, Hkv, S, D)[:1].expand(B, Hkv, S, D), v, out, lse, spec2,
-                               table2, lengths)
+    assert not prepared.launch(q, k.contiguous().expand(B, Hkv, S, D)[:1].expand(B, Hkv, S, D), v, out, lse,
+                               short_query.mod_captures(spec2), table2, lengths)
 
 
 def test_graph_block_mask_conversions_follow_the_lists_contents():
@@ -358,3 +359,28 @@ def test_host_built_mask_in_compiled_code_has_no_side_effects():
     assert [str(w.message) for w in caught if "copied to meta" in str(w.message)], "no warning"
     fresh = fa.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, L, L)
     assert in_place.tolist() == fresh[:, :, [2]].kv_indices.tolist()
+
+
+@pytest.mark.parametrize("masks", [True, False])
+def test_template_captures_are_the_bound_specs(masks):
+    """A repeated op call's walk takes its captures from the registered template and the
+    op's buffers by slot (``_template_captures``, no bound spec made): the same values, in
+    the same places, as the bound spec's (``bind_operands``), numbers and tensors alike."""
+    bias, slopes, offset = torch.randn(8), torch.randn(4), torch.tensor(70)
+    score = mods.score_mod(lambda s, b, h, qi, ki: s + bias[ki % 8] * 0.5 + slopes[h] * (ki - qi))
+    mask = mods.mask_mod(lambda b, h, qi, ki: (qi + offset >= ki) & (ki > 3))
+    spec = AttentionSpec.from_args(score_mod=score, mask=mask)
+    spec_id = fa._REGISTRY.register(spec, masks=masks)
+    template = fa._REGISTRY.get(spec_id)
+    buffers = [c for c in score.captures if isinstance(c, torch.Tensor)]
+    if masks:
+        buffers += [c for c in mask.captures if isinstance(c, torch.Tensor)]
+    got = fa._template_captures(spec_id, buffers)
+    want = short_query.mod_captures(fa._REGISTRY.bind_operands(spec_id, buffers))
+    assert got.keys() == want.keys()
+    for kind in got:
+        assert len(got[kind]) == len(want[kind]) > 0
+        for a, b in zip(got[kind], want[kind]):
+            assert a is b or (not isinstance(a, torch.Tensor) and np.array_equal(np.asarray(a), np.asarray(b)))
+    assert any(c is offset for c in got["mask"]) and any(c is bias for c in got["score"])
+    assert any(c is OPERAND for c in template.score.captures)

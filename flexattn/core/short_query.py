@@ -330,8 +330,14 @@ def device_walk_into(q, k, v, out, lse, shape: AttentionShape, spec: AttentionSp
     origins = tuple(("score", o) for o in (walked[0][1] if walked[0] else ())) + \
         tuple(("mask", o) for o in (walked[1][1] if walked[1] else ()))
     prepared = PreparedDeviceWalk(plan, device, folded, block, batch, origins, longest, site.num_sms)
-    prepared.launch(q, k, v, out, lse, spec, table, lengths)
+    prepared.launch(q, k, v, out, lse, mod_captures(spec), table, lengths)
     return prepared
+
+
+def mod_captures(spec: AttentionSpec) -> dict:
+    """``{"score": captures, "mask": captures}`` of a spec's mods (``PreparedDeviceWalk.launch``)."""
+    return {"score": spec.score.captures if spec.score is not None else (),
+            "mask": spec.mask.captures if spec.mask is not None else ()}
 
 
 def _stand_in(x):
@@ -373,16 +379,16 @@ class PreparedDeviceWalk:
         self._plan, self._device, self._folded, self._block, self._batch = plan, device, folded, block, batch
         self._origins, self._longest, self._num_sms = origins, longest, num_sms
 
-    def launch(self, q, k, v, out, lse, spec: AttentionSpec, table, lengths) -> bool:
+    def launch(self, q, k, v, out, lse, captures: dict, table, lengths) -> bool:
+        """Launch this call's walk; ``captures``: its mods' captures by kind, ``{"score":
+        (...), "mask": (...)}`` (``mod_captures``)."""
         device = self._device
         pages = _pages_of(self._block, self._batch, k, v, device)
         if pages is None or pages[0] != self._folded:
             return False
         _, k_pages, v_pages = pages
         q, out, lse = _folded(self._folded, q, out, lse, device)
-        sources = {"score": spec.score.captures if spec.score is not None else (),
-                   "mask": spec.mask.captures if spec.mask is not None else ()}
-        captures = tuple(table if o is None else sources[kind][o] for kind, o in self._origins)
+        captures = tuple(table if o is None else captures[kind][o] for kind, o in self._origins)
         self._plan.run_device_lengths(q, k_pages, v_pages, table, out, lse, lengths, self._longest, self._num_sms,
                                       captures)
         return True
@@ -421,5 +427,5 @@ class PreparedShortQuery:
 
 
 __all__ = ["DeviceLists", "ListWalk", "PreparedDeviceWalk", "PreparedListWalk", "PreparedShortQuery",
-           "SHORT_QUERY_MAX", "decode_route", "device_walk_into", "list_walk_into", "list_walk_possible",
+           "SHORT_QUERY_MAX", "decode_route", "device_walk_into", "list_walk_into", "list_walk_possible", "mod_captures",
            "list_walk_route", "prepared_list_walk", "short_query_into"]

@@ -1154,12 +1154,11 @@ def _attention_fwd_impl(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             hit = entry(query, key, value, buffers)
             if hit is not None:
                 return hit
-    spec = _REGISTRY.bind_operands(spec_id, buffers)
     if len(lists) > 4 and query.is_cuda and not bounds.enabled():
-        walked = _graph_walk_forward(spec_id, spec, query, key, value, lists[4], lists[5], layout)
+        walked = _graph_walk_forward(spec_id, query, key, value, lists[4], lists[5], layout, buffers=buffers)
         if walked is not None:
             return walked
-    spec = _with_graph_block_mask(spec, lists, layout)
+    spec = _with_graph_block_mask(_REGISTRY.bind_operands(spec_id, buffers), lists, layout)
     if query.is_cuda:
         shape = check_inputs(query, key, value, spec)
         result = _kernel_forward(spec, shape, query, key, value)
@@ -1170,25 +1169,31 @@ def _attention_fwd_impl(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return _like(out, query), _like(lse, query, getattr(torch, lse_dtype(query)))
 
 
-def _graph_walk_forward(spec_id: int, spec: AttentionSpec, query, key, value, table, lengths, layout):
+def _graph_walk_forward(spec_id: int, query, key, value, table, lengths, layout, spec: AttentionSpec | None = None,
+                        buffers=()):
     """(out, lse) of a short query whose graph walked its block mask's lists
     (``graph_walk``): the decode kernel reads the table and lengths where they are; None
     where it cannot take the call (the caller converts the lists). A repeated call (a
-    graph's, every step) launches its ``PreparedDeviceWalk``."""
-    from ..core.short_query import DeviceLists, device_walk_into
+    graph's, every step) launches its ``PreparedDeviceWalk``. ``spec``: the call's, with
+    its captures (eager); None for an op call, whose ``buffers`` go into the registered
+    template (put in place by slot on a repeat: no spec is bound)."""
+    from ..core.short_query import DeviceLists, device_walk_into, mod_captures
 
     dev = query.device
     if dev.index != torch.cuda.current_device():
         with torch.cuda.device(dev):
-            return _graph_walk_forward(spec_id, spec, query, key, value, table, lengths, layout)
+            return _graph_walk_forward(spec_id, query, key, value, table, lengths, layout, spec, buffers)
     op_key = ("walk", _current_raw_stream(dev.index), tuple(table.shape), tuple(lengths.shape),
               tuple(layout), *_op_key(spec_id, query, key, value))
     entry = _OP_PREPARED.get(op_key)
     if entry is not None:
         shape, prepared = entry
         out, lse = _forward_outputs(shape, query)
-        if prepared.launch(query, key, value, out, lse, spec, table, lengths):
+        captures = mod_captures(spec) if spec is not None else _template_captures(spec_id, buffers)
+        if prepared.launch(query, key, value, out, lse, captures, table, lengths):
             return out, lse
+    if spec is None:
+        spec = _REGISTRY.bind_operands(spec_id, buffers)
     shape = check_inputs(query, key, value, spec)
     out, lse = _forward_outputs(shape, query)
     prepared = device_walk_into(query, key, value, out, lse, shape, spec,
@@ -1198,6 +1203,15 @@ def _graph_walk_forward(spec_id: int, spec: AttentionSpec, query, key, value, ta
     if prepared is not False:
         _op_remember(op_key, (shape, prepared))
     return out, lse
+
+
+def _template_captures(spec_id: int, buffers) -> dict:
+    """``short_query.mod_captures`` of registry entry ``spec_id`` bound to an op call's
+    ``buffers`` (the score's operands first, then the mask's, as ``bind_operands`` puts
+    them), without making the bound mods."""
+    template, operands = _REGISTRY.get(spec_id), iter(buffers)
+    return {kind: () if mod is None else tuple(next(operands) if c is OPERAND else c for c in mod.captures)
+            for kind, mod in (("score", template.score), ("mask", template.element_mask))}
 
 
 def _row_walk_call(query, key, value, call):
@@ -1225,8 +1239,8 @@ def _row_walk_call(query, key, value, call):
         query, key, value = query.detach(), key.detach(), value.detach()
     tables, lengths = _row_walks(parent, query.device, picks[:2])
     table, lengths = tables[:, :, picks[2]], lengths[:, :, picks[2]].reshape(-1)
-    return _graph_walk_forward(_REGISTRY.register(spec, masks=True), spec, query, key, value,
-                               table.reshape(table.shape[0], -1), lengths, (q_block, kv_block, q_len, kv_len))
+    return _graph_walk_forward(_REGISTRY.register(spec, masks=True), query, key, value, table.reshape(table.shape[0], -1),
+                               lengths, (q_block, kv_block, q_len, kv_len), spec=spec)
 
 
 def _row_walks(block_mask, device, picks: tuple = (slice(None), slice(None))) -> tuple:

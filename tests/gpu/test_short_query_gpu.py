@@ -391,7 +391,8 @@ def test_gpt_fast_step_eager_never_waits_for_the_gpu(on_gpu, window, monkeypatch
     block_mask = fa.create_block_mask(fn, 1, 1, L, L, device="cuda" if on_gpu else None)
     walks = []
     real = fa._graph_walk_forward
-    monkeypatch.setattr(fa, "_graph_walk_forward", lambda *a: (lambda r: (walks.append(r is not None), r)[1])(real(*a)))
+    monkeypatch.setattr(fa, "_graph_walk_forward",
+                        lambda *a, **kw: (lambda r: (walks.append(r is not None), r)[1])(real(*a, **kw)))
     step = compat_cases.gpt_fast_decode_step(fa, k_cache, v_cache, L)
     positions = (700, 701, 1500, 2047, 0, 1500)
     qs = [torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16) for _ in positions]
@@ -464,7 +465,8 @@ def test_gpt_fast_step_compiled_with_our_imports(mode, window, on_gpu, monkeypat
                                           device="cuda")
     walks = []   # (the first walk may be an eager test's PreparedDeviceWalk of the same call: count launches)
     real = fa._graph_walk_forward
-    monkeypatch.setattr(fa, "_graph_walk_forward", lambda *a: (lambda r: (walks.append(r is not None), r)[1])(real(*a)))
+    monkeypatch.setattr(fa, "_graph_walk_forward",
+                        lambda *a, **kw: (lambda r: (walks.append(r is not None), r)[1])(real(*a, **kw)))
     decode_one_token = compat_cases.gpt_fast_decode_step(fa, k_cache, v_cache, L)
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(decode_one_token, fullgraph=True, backend=counter) if mode == "default" else \
