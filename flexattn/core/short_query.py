@@ -427,5 +427,5 @@ class PreparedShortQuery:
 
 
 __all__ = ["DeviceLists", "ListWalk", "PreparedDeviceWalk", "PreparedListWalk", "PreparedShortQuery",
-           "SHORT_QUERY_MAX", "decode_route", "device_walk_into", "list_walk_into", "list_walk_possible", "mod_captures",
-           "list_walk_route", "prepared_list_walk", "short_query_into"]
+           "SHORT_QUERY_MAX", "decode_route", "device_walk_into", "list_walk_into", "list_walk_possible",
+           "list_walk_route", "mod_captures", "prepared_list_walk", "short_query_into"]

@@ -1239,8 +1239,9 @@ def _row_walk_call(query, key, value, call):
         query, key, value = query.detach(), key.detach(), value.detach()
     tables, lengths = _row_walks(parent, query.device, picks[:2])
     table, lengths = tables[:, :, picks[2]], lengths[:, :, picks[2]].reshape(-1)
-    return _graph_walk_forward(_REGISTRY.register(spec, masks=True), query, key, value, table.reshape(table.shape[0], -1),
-                               lengths, (q_block, kv_block, q_len, kv_len), spec=spec)
+    table = table.reshape(table.shape[0], -1)
+    return _graph_walk_forward(_REGISTRY.register(spec, masks=True), query, key, value, table, lengths,
+                               (q_block, kv_block, q_len, kv_len), spec=spec)
 
 
 def _row_walks(block_mask, device, picks: tuple = (slice(None), slice(None))) -> tuple:
