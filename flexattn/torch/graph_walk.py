@@ -62,7 +62,7 @@ def lists_of_walk(table, lengths, full, kv_block: int) -> list:
     count = lengths.to(torch.int64) // kv_block
     full = full.to(torch.int64)
     slot = torch.arange(width, device=table.device).unsqueeze(0)
-    partial = table.gather(1, (slot + full.unsqueeze(1)).clamp(max=max(width - 1, 0)))   # (shifted past the full ones)
+    partial = table.gather(1, (slot + full.unsqueeze(1)).clamp(max=max(width - 1, 0)))   # (past the full ones)
     return [(count - full).to(torch.int32).reshape(batch, 1, 1), partial.reshape(batch, 1, 1, width),
             full.to(torch.int32).reshape(batch, 1, 1), table.reshape(batch, 1, 1, width)]
 
@@ -87,9 +87,10 @@ def walk_nodes(graph: torch.fx.Graph, query, lists: list, layout: list) -> list:
     if q_len > min(SHORT_QUERY_MAX, q_block) or (heads, rows) != (1, 1):
         return []
     if isinstance(kv_len, torch.fx.Node):
+        if _value(kv_len) is None:   # (no example of the size: left to the conversion)
+            return []
         kv_blocks = graph.call_function(operator.floordiv, (kv_len, kv_block))
-        if _value(kv_len) is not None:
-            kv_blocks.meta["example_value"] = _value(kv_len) // kv_block
+        kv_blocks.meta["example_value"] = _value(kv_len) // kv_block
     elif type(kv_len) is int and kv_len % kv_block == 0:
         kv_blocks = kv_len // kv_block
     else:
