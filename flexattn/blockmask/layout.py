@@ -202,8 +202,9 @@ class BlockMask:
         index = index if isinstance(index, tuple) else (index,)
         if len(index) > 3:
             raise IndexError(f"a block mask is indexed by (batch, head, q block), got {len(index)} indices")
-        if any(_device_index(i) is not None for i in index):
-            sliced = self._device_rows(index)
+        devices = [_device_index(i) for i in index]
+        if any(d is not None for d in devices):
+            sliced = self._device_rows(index, devices)
             if sliced is not None:
                 return sliced
         states = self._host_states()
@@ -232,10 +233,10 @@ class BlockMask:
             template = type(self)(picked, self.seq_lengths, self.BLOCK_SIZE, None)
             template._mask_mod = None   # unset, as torch leaves it (its getter names the fix)
             template._kv_tables = {}    # shared by the copies (it depends on the states alone)
-            _keep_template(shared, tuple(key), template, _SLICES_KEPT)
+            _keep_bounded(shared, tuple(key), template, _SLICES_KEPT)
         return _copy_of(template)
 
-    def _device_rows(self, index: tuple) -> "BlockMask | None":
+    def _device_rows(self, index: tuple, devices: list) -> "BlockMask | None":
         """``self[index]`` where one index is an integer array on a GPU (gpt-fast's
         ``block_mask[:, :, input_pos // 128]``, its position on the device): the states are
         indexed there and the lists compacted there when first read (``GpuBuilder.compact``),
@@ -243,10 +244,9 @@ class BlockMask:
         keeps ``_row_source = (self, picks)`` (``picks``: per dim a slice or the device
         index) for adapters that walk the parent's rows on the device. None where no GPU
         builder serves the index's device, or for several array indices (their host path
-        slices dim by dim)."""
+        slices dim by dim). ``devices``: ``_device_index`` of each index."""
         picks, where = [], None
-        for dim, i in enumerate(index):
-            device = _device_index(i)
+        for dim, (i, device) in enumerate(zip(index, devices)):
             if device is not None:
                 if where is not None:
                     return None
@@ -259,10 +259,10 @@ class BlockMask:
             elif not isinstance(i, slice):
                 return None
             picks.append(i)
-        device = self.device if self.__dict__.get("_device_states") is not None else where
-        states = self._states_on_device(device)
-        if states is None or _framework(states) != _framework(where_index):
+        found = self._states_on_device(where)
+        if found is None or _framework(found[1]) != _framework(where_index):
             return None   # (no adapter there, or a CuPy index into torch's states: the host path)
+        device, states = found
         for dim, i in enumerate(picks):   # (one array index: dim by dim is numpy's meaning)
             if not (isinstance(i, slice) and i == slice(None)):
                 states = states[(slice(None),) * dim + (i,)]
@@ -281,10 +281,11 @@ class BlockMask:
         return made
 
     def _states_on_device(self, device: str):
-        """The tile states as an array on ``device``: a GPU-built mask's own, a host-built
-        one's copied there once; None where no adapter serves ``device``."""
+        """``(device, states)``: the tile states as a device array — a GPU-built mask's own
+        (on its device), a host-built one's copied to ``device`` once; None where no
+        adapter serves ``device``."""
         if self.__dict__.get("_device_states") is not None:
-            return self._device_states
+            return self.device, self._device_states
         copies = self.__dict__.setdefault("_device_copies", {})
         if device not in copies:
             from .device import gpu_builder
@@ -293,7 +294,7 @@ class BlockMask:
             if builder is None:
                 return None
             copies[device] = arrays.to_device(self._states)
-        return copies[device]
+        return device, copies[device]
 
     def _adjust(self, new_q_len: int, new_kv_len: int) -> "BlockMask":
         """torch's ``_adjust``: the same mask for new lengths, keeping the tiles of the
@@ -602,7 +603,7 @@ def _from_lists(block_mask) -> BlockMask:
     if key is not None:
         template = copy.copy(made)            # (never handed out)
         template._kv_tables = made._kv_tables = {}
-        _keep_template(_LIST_TEMPLATES, key, template, _LIST_TEMPLATES_KEPT)
+        _keep_bounded(_LIST_TEMPLATES, key, template, _LIST_TEMPLATES_KEPT)
     return made
 
 
@@ -650,11 +651,12 @@ def _copy_of(template: BlockMask) -> BlockMask:
     return made
 
 
-def _keep_template(templates: dict, key, template: BlockMask, kept: int) -> None:
-    """``templates[key] = template``, the oldest left out past ``kept``."""
-    if len(templates) >= kept:
-        templates.pop(next(iter(templates)))
-    templates[key] = template
+def _keep_bounded(table: dict, key, value, capacity: int) -> None:
+    """``table[key] = value``, the oldest entry leaving at ``capacity`` (the templates here;
+    the torch adapter's kept conversions and prepared op calls)."""
+    if len(table) >= capacity:
+        table.pop(next(iter(table)))
+    table[key] = value
 
 
 def _tiles_are_the_masks(block_mask: BlockMask) -> bool:

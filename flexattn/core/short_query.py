@@ -37,7 +37,8 @@ from ..mods.positions import batch_in_heads, block_table_keys
 from ..problem.spec import AttentionSpec
 from ..problem.validate import AttentionShape
 from .kernel_path import DECODE_HEAD_DIMS, KERNEL_DTYPES, use_tvm_ffi
-from .decode_path import DECODE_MAX_Q_LEN, PAGE_TILE, DecodeMods, DecodeSite, attention_into, attention_plan, mod_key
+from .decode_path import (DECODE_MAX_Q_LEN, PAGE_TILE, DecodeMods, DecodeSite, _is_full, attention_into, attention_plan,
+                          mod_key)
 
 # Query tokens up to which the decode kernel serves a forward call. Measured on the H100
 # (bench_decode.py --flex, 2026-11-26): see benchmarks/RESULTS.md, "Decode".
@@ -64,9 +65,8 @@ def decode_route(shape: AttentionShape, spec: AttentionSpec, q_dtype: str) -> De
         if not block_mask.from_mask:
             return None
         mask = block_mask.mask_mod
-    if mask is not None and mask.expr.op == "const" and mask.expr.attr is True:
-        mask = None
-    return DecodeMods(spec.score, mask, spec.resolved_scale(shape.head_dim), true_positions=False)
+    return DecodeMods(spec.score, None if _is_full(mask) else mask, spec.resolved_scale(shape.head_dim),
+                      true_positions=False)
 
 
 @dataclass(frozen=True)
@@ -308,9 +308,7 @@ def device_walk_into(q, k, v, out, lse, shape: AttentionShape, spec: AttentionSp
     if not folded and batch != shape.batch:
         return None   # (one row for every sequence of a shared K / V: the adapter broadcasts it)
     heads = shape.q_heads if folded else None
-    mask = spec.mask
-    if mask is not None and mask.expr.op == "const" and mask.expr.attr is True:
-        mask = None
+    mask = None if _is_full(spec.mask) else spec.mask
     walked = [None if m is None else _through_table_origins(m, block, heads) for m in (spec.score, mask)]
     mods = DecodeMods(*(None if w is None else w[0].with_captures(_from_origins(w[1], m.captures, table))
                         for w, m in zip(walked, (spec.score, mask))),

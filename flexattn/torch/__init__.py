@@ -33,7 +33,7 @@ import torch
 from .. import reference
 from . import tensor_eval
 from ..blockmask import BlockMask as _CoreBlockMask, create_block_mask as _create_block_mask
-from ..blockmask.layout import _LIST_NAMES, as_block_mask, as_class
+from ..blockmask.layout import _LIST_NAMES, _keep_bounded, as_block_mask, as_class
 from ..blockmask import DeviceArrays as BlockMaskArrays, register_device as register_block_mask_device
 from ..problem import bounds
 from ..problem.decode import decode_problem, decode_spec
@@ -1424,13 +1424,6 @@ _OP_PREPARED_CAPACITY = 64
 
 def _op_remember(op_key, entry) -> None:
     _keep_bounded(_OP_PREPARED, op_key, entry, _OP_PREPARED_CAPACITY)
-
-
-def _keep_bounded(table: dict, key, value, capacity: int) -> None:
-    """Keep ``value`` for ``key`` in ``table``, the oldest entry leaving at capacity."""
-    if len(table) >= capacity:
-        table.pop(next(iter(table)))
-    table[key] = value
 
 
 @torch.library.custom_op("flexattn::attention_fwd_max", mutates_args=())
