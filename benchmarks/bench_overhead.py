@@ -66,6 +66,12 @@ def best_of_interleaved(fns: dict, calls: int, rounds: int) -> dict:
     return best
 
 
+def host_us(fn, calls: int, rounds: int = 5) -> float:
+    """Best-of-rounds wall µs per call of a submit-only loop of ``fn`` alone (profile_host.py,
+    profile_gpt_fast.py)."""
+    return best_of_interleaved({"fn": fn}, calls, rounds)["fn"][0]
+
+
 def our_kwargs(variant, H, S):
     """flexattn's arguments for a variant (the same mod and block-mask objects every call,
     as a steady-state caller would pass them)."""

@@ -13,29 +13,16 @@ import cProfile
 import os
 import pstats
 import sys
-import time
 
 import torch
 
+from bench_overhead import host_us
 from common import bench_ms
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from compat_cases import gpt_fast_decode_step as decode_step  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
-
-
-def host_us(fn, calls):
-    """Host µs per call of a loop that only submits (best of 5 rounds)."""
-    best = float("inf")
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t) / calls * 1e6)
-        torch.cuda.synchronize()
-    return best
 
 
 def main():

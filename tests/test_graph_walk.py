@@ -80,14 +80,35 @@ def test_walk_lists_clamps_lists_made_by_hand():
     assert table.shape == (1, 7) and int(table.max()) <= 7 and int(table.min()) >= 0
 
 
-def _record_op_lists(monkeypatch) -> list:
-    """The lists each graph-list op call receives (copies), in call order."""
+def _record_op_lists(monkeypatch, layouts: list | None = None) -> list:
+    """The lists each graph-list op call receives (copies), in call order (and its layout
+    into ``layouts``, if given)."""
     seen = []
     real = fa._with_graph_block_mask
-    monkeypatch.setattr(fa, "_with_graph_block_mask",
-                        lambda spec, lists, layout: (seen.append([None if t is None else t.clone() for t in lists]),
-                                                     real(spec, lists, layout))[1])
+
+    def recording(spec, lists, layout):
+        seen.append([None if t is None else t.clone() for t in lists])
+        if layouts is not None:
+            layouts.append(layout)
+        return real(spec, lists, layout)
+
+    monkeypatch.setattr(fa, "_with_graph_block_mask", recording)
     return seen
+
+
+def _paged_caches(B: int, L: int, n_pages: int, page: int, Hkv: int, D: int, g):
+    """(torch's PagedAttention, physical k / v caches [1, Hkv, pages x page, D], the logical
+    k / v [B, Hkv, L, D] it holds): L keys of each sequence assigned, pages reserved last
+    sequence first."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+
+    paged = PagedAttention(n_pages, page, B, device="cpu")
+    for b in reversed(range(B)):
+        paged.reserve(torch.tensor(b), torch.tensor(L))
+    k_cache, v_cache = (torch.zeros(1, Hkv, n_pages * page, D) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, L, D, generator=g) for _ in range(2))
+    paged.assign(torch.arange(B), torch.arange(L)[None].expand(B, L), k, v, k_cache, v_cache)
+    return paged, k_cache, v_cache, k, v
 
 
 @pytest.mark.parametrize("with_lists", [False, True])
@@ -245,17 +266,10 @@ def test_pagedattention_converted_in_the_graph_walks_on_the_device(monkeypatch):
     """torch's PagedAttention step converting its block mask inside the compiled step
     (Inductor): a batch of rows over one physical cache — the op gets the walk of each
     sequence's pages (the host walk of the converted mask), and the eager answer."""
-    from torch.nn.attention.experimental._paged_attention import PagedAttention
-
     torch._dynamo.reset()
     B, H, Hkv, D, page, n_pages, L = 3, 4, 2, 16, 16, 14, 64
     g = torch.Generator().manual_seed(33)
-    paged = PagedAttention(n_pages, page, B, device="cpu")
-    for b in reversed(range(B)):
-        paged.reserve(torch.tensor(b), torch.tensor(L))
-    k_cache, v_cache = (torch.zeros(1, Hkv, n_pages * page, D) for _ in range(2))
-    k, v = (torch.randn(B, Hkv, L, D, generator=g) for _ in range(2))
-    paged.assign(torch.arange(B), torch.arange(L)[None].expand(B, L), k, v, k_cache, v_cache)
+    paged, k_cache, v_cache, k, v = _paged_caches(B, L, n_pages, page, Hkv, D, g)
     lens = torch.tensor([40, 64, 17])
     logical = torch_create_block_mask(lambda b, h, qi, ki: ki < lens[b], B, None, 1, L, device="cpu", BLOCK_SIZE=page)
     q = torch.randn(B, H, 1, D, generator=g)
@@ -286,25 +300,15 @@ def test_pagedattention_walks_with_a_symbolic_cache_length(monkeypatch):
     dynamic shapes: KV_LEN becomes symbolic, as it did for bench_paged_door's second shape)
     still walks the converted lists on the device: the table's width is a node of the
     graph; outputs equal the eager call's."""
-    from torch.nn.attention.experimental._paged_attention import PagedAttention
-
     torch._dynamo.reset()
     page, H, Hkv, D = 16, 4, 2, 16
     g = torch.Generator().manual_seed(35)
-    seen = _record_op_lists(monkeypatch)
     layouts = []
-    real = fa._with_graph_block_mask
-    monkeypatch.setattr(fa, "_with_graph_block_mask",
-                        lambda spec, lists, layout: (layouts.append(layout), real(spec, lists, layout))[1])
+    seen = _record_op_lists(monkeypatch, layouts)
     with torch.no_grad():
         for B, L in ((4, 64), (1, 512), (2, 256)):   # caches of 18, 34 and 34 pages
             n_pages = B * L // page + 2
-            paged = PagedAttention(n_pages, page, B, device="cpu")
-            for b in reversed(range(B)):
-                paged.reserve(torch.tensor(b), torch.tensor(L))
-            k_cache, v_cache = (torch.zeros(1, Hkv, n_pages * page, D) for _ in range(2))
-            k, v = (torch.randn(B, Hkv, L, D, generator=g) for _ in range(2))
-            paged.assign(torch.arange(B), torch.arange(L)[None].expand(B, L), k, v, k_cache, v_cache)
+            paged, k_cache, v_cache, k, v = _paged_caches(B, L, n_pages, page, Hkv, D, g)
             lens = torch.randint(1, L + 1, (B,), generator=g)
             logical = torch_create_block_mask(lambda b, h, qi, ki: ki < lens[b], B, None, 1, L, device="cpu",
                                               BLOCK_SIZE=page)
