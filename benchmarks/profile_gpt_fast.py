@@ -1,7 +1,8 @@
 """Where the host time of gpt-fast's decoding step goes with our imports: a cProfile of N
 steady-state steps, eager and compiled (default mode), top entries by internal and by
-cumulative time, then each step's host µs (a submit-only loop, no sync) beside its
-µs per step with the GPU (do_bench).
+cumulative time, the kernels one step launches (torch.profiler: names, count, device µs),
+then each step's host µs (a submit-only loop, no sync) beside its µs per step with the GPU
+(do_bench).
 
     python3 benchmarks/profile_gpt_fast.py [--shape 8x8192] [--steps 300] [--top 30]
 
@@ -60,11 +61,31 @@ def main():
             pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
             print(f"==== {name}: by cumulative time")
             pstats.Stats(prof).sort_stats("cumtime").print_stats(args.top)
-            table.append((name, host_us(fn, args.steps), bench_ms(fn) * 1e3))
+            kernels = kernels_per_step(fn)
+            print(f"==== {name}: kernels per step ({sum(n for n, _ in kernels.values()):.1f})")
+            for kernel, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
+                print(f"  {n:5.1f} x {us:8.2f} µs  {kernel[:110]}")
+            table.append((name, host_us(fn, args.steps), bench_ms(fn) * 1e3, sum(n for n, _ in kernels.values())))
     print(f"\ngpt-fast step, B x max_len {args.shape}, Hq {HQ} Hkv {HKV} D {D} bf16, {torch.cuda.get_device_name()}\n")
-    print("| step | host µs (submit only) | µs per step (do_bench) |\n|---|---|---|")
-    for name, host, step_us in table:
-        print(f"| {name} | {host:.1f} | {step_us:.1f} |")
+    print("| step | host µs (submit only) | µs per step (do_bench) | kernels per step |\n|---|---|---|---|")
+    for name, host, step_us, count in table:
+        print(f"| {name} | {host:.1f} | {step_us:.1f} | {count:.1f} |")
+
+
+def kernels_per_step(fn, steps: int = 20) -> dict:
+    """{kernel name: (launches per step, device µs per launch)} over ``steps`` steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    found = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            n, us = found.get(event.name, (0, 0.0))
+            found[event.name] = (n + 1, us + event.device_time)
+    return {name: (n / steps, us / n) for name, (n, us) in found.items()}
 
 
 if __name__ == "__main__":
