@@ -535,6 +535,22 @@ def test_create_block_mask_keyword_arguments_as_torch():
     torch.testing.assert_close(fa.flex_attention(q, k, v, block_mask=ours), fa.flex_attention(q, k, v, block_mask=separate))
 
 
+def test_mask_device_defaults_as_torch(monkeypatch):
+    """``device=None`` in create_block_mask / create_mask is torch's default: the current
+    accelerator (the mask is built and kept there), the host on a machine without one."""
+    built = []
+    monkeypatch.setattr(fa, "_create_block_mask", lambda mask, B, H, Q, KV, device, *rest: built.append(device) or
+                        __import__("flexattn").create_block_mask(mask, B, H, Q, KV))
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: None)
+    fa.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 64, 64)
+    assert fa.create_mask(lambda b, h, q, kv: q >= kv, None, None, 4, 4).device.type == "cpu"
+    monkeypatch.setattr(torch.accelerator, "current_accelerator",
+                        lambda check_available=False: torch.device("cuda"))
+    fa.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 64, 64)
+    fa.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 64, 64, device="cpu")
+    assert built == [None, "cuda", "cpu"]
+
+
 def _paged_decode_problem(B=3, Hq=4, Hkv=2, D=16, page=16, n_pages=14, L=64, lengths=(40, 64, 17)):
     """torch's PagedAttention as its users decode: one physical cache of batch 1 holding
     every sequence's pages (shuffled by reservation order), a q_len-1 query per sequence,

@@ -172,7 +172,11 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, BLOCK_SIZE=128
     A mask function that reads tensors (they could change between calls) is built by
     torch's ``create_block_mask`` there instead, its lists values of the graph computed
     each call (``flex_attention`` takes such a block mask through torch's HOP, nested.py);
-    a mod value reading tensors is refused: build it outside the compiled function."""
+    a mod value reading tensors is refused: build it outside the compiled function.
+
+    ``device=None`` is torch's default: the current accelerator (CUDA: the lists are built
+    and kept there, as torch's are), the host where there is none."""
+    device = _default_device(device)
     if torch.compiler.is_compiling():
         if inspect.isfunction(mask_mod) and (captures_graph_values(mask_mod) or _reads_tensors(by_id(mask_mod))):
             return _torch_create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device="cpu" if device is None else device,
@@ -287,8 +291,17 @@ def _block_mask_while_compiling(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZ
 def create_mask(mod_fn, B, H, Q_LEN, KV_LEN, device=None) -> torch.Tensor:
     """torch's ``create_mask``: the dense bool mask [B, H, Q_LEN, KV_LEN] of a mask mod, or
     where a score mod (given a zero score) is not -inf; computed on the host, put on
-    ``device`` (default: the CPU)."""
-    return torch.from_numpy(dense_mask(mod_fn, B, H, Q_LEN, KV_LEN)).to(device or "cpu")
+    ``device`` (default, as torch's: the current accelerator, else the CPU)."""
+    return torch.from_numpy(dense_mask(mod_fn, B, H, Q_LEN, KV_LEN)).to(_default_device(device) or "cpu")
+
+
+def _default_device(device):
+    """torch's default for a mask's ``device=None``: the current accelerator
+    (``torch.accelerator``), None (the host) on a machine without one."""
+    if device is not None:
+        return device
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    return None if accelerator is None else str(accelerator)
 
 
 def flex_attention(

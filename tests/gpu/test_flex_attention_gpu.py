@@ -463,12 +463,31 @@ def test_torch_block_masks_convert_once_and_run_their_structure():
         assert np.abs(out.double().cpu().numpy() - want).max() < TOL[torch.bfloat16]
 
 
+def test_block_mask_built_on_the_gpu_by_default():
+    """``create_block_mask`` without ``device=`` builds where torch's does (the current
+    accelerator): CUDA lists, the host-built mask's values, the same attention."""
+    torch.manual_seed(12)
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 200)
+
+    default = fa.create_block_mask(window, None, None, 700, 700)
+    host = fa.create_block_mask(window, None, None, 700, 700, device="cpu")
+    assert default.kv_indices.is_cuda and default.kv_num_blocks.is_cuda and not host.kv_indices.is_cuda
+    for name in ("kv_num_blocks", "full_kv_num_blocks"):
+        assert torch.equal(getattr(default, name).cpu(), getattr(host, name))
+    q, k, v = (torch.randn(1, 2, 700, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    torch.testing.assert_close(fa.flex_attention(q, k, v, block_mask=default),
+                               fa.flex_attention(q, k, v, block_mask=host))
+    assert fa.create_mask(window, None, None, 8, 8).is_cuda
+
+
 def test_block_mask_to_device_and_back():
     """``BlockMask.to("cuda")`` puts the lists on the GPU as torch tensors (mask and
     from_mask kept); ``.to("cpu")`` brings them back as CPU tensors; both run the same attention."""
     torch.manual_seed(11)
     q, k, v = (torch.randn(1, 2, 300, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    host = fa.create_block_mask(mods.sliding_window(64), None, None, 300, 300)
+    host = fa.create_block_mask(mods.sliding_window(64), None, None, 300, 300, device="cpu")
     on_gpu = host.to("cuda")
     assert isinstance(on_gpu.kv_indices, torch.Tensor) and on_gpu.kv_indices.is_cuda
     assert on_gpu.mask_mod is host.mask_mod and on_gpu.from_mask == host.from_mask

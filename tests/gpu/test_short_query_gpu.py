@@ -388,7 +388,7 @@ def test_gpt_fast_step_eager_never_waits_for_the_gpu(on_gpu, window, monkeypatch
     k_cache, v_cache = (torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     lo = (lambda pos: 0) if window is None else (lambda pos: max(0, pos - window))
     fn = (lambda b, h, q, kv: q >= kv) if window is None else (lambda b, h, q, kv: (q >= kv) & (q - kv <= window))
-    block_mask = fa.create_block_mask(fn, 1, 1, L, L, device="cuda" if on_gpu else None)
+    block_mask = fa.create_block_mask(fn, 1, 1, L, L, device="cuda" if on_gpu else "cpu")
     walks = []
     real = fa._graph_walk_forward
     monkeypatch.setattr(fa, "_graph_walk_forward",
@@ -423,7 +423,7 @@ def test_rows_sliced_by_a_device_index_serve_any_call(on_gpu):
     torch.manual_seed(79)
     H, D, L = 4, 128, 2048
     fn = lambda b, h, q, kv: (q >= kv) & (q - kv <= 700)   # noqa: E731
-    block_mask = fa.create_block_mask(fn, 1, 1, L, L, device="cuda" if on_gpu else None)
+    block_mask = fa.create_block_mask(fn, 1, 1, L, L, device="cuda" if on_gpu else "cpu")
     k, v = (torch.randn(2, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     for rows, q_len in (([6, 7], 256), ([11], 128)):
         sliced = block_mask[:, :, torch.tensor(rows, device="cuda")]
@@ -459,7 +459,7 @@ def test_gpt_fast_step_compiled_with_our_imports(mode, window, on_gpu, monkeypat
     B, Hq, Hkv, D, L = 4, 32, 8, 128, 2048
     k_cache, v_cache = (torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     if window is None:
-        block_mask = fa.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, L, L, device="cuda" if on_gpu else None)
+        block_mask = fa.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, L, L, device="cuda" if on_gpu else "cpu")
     else:
         block_mask = fa.create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv <= window), 1, 1, L, L,
                                           device="cuda")
