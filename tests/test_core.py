@@ -61,3 +61,14 @@ def test_invalid_arrays_rejected_before_work():
         flexattn.flex_attention([[1.0]], x, x)
     with pytest.raises(ValueError, match="empty dimension"):
         flexattn.flex_attention(np.zeros((1, 1, 0, 4)), x, x)
+
+
+def test_keep_bounded_evicts_the_oldest_and_replaces_in_place():
+    from flexattn.bounded import keep_bounded
+
+    table = {}
+    for i in range(5):
+        assert keep_bounded(table, i, str(i), 3) == str(i)
+    assert list(table) == [2, 3, 4]
+    keep_bounded(table, 3, "again", 3)          # a key already held: replaced, nothing evicted
+    assert table == {2: "2", 3: "again", 4: "4"}

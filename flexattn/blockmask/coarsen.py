@@ -119,7 +119,7 @@ def _tile_mask(states: np.ndarray, fine: tuple, fine_mask):
     table.flags.writeable = False      # read-only: a captured constant the GPU path copies once
     q_block, kv_block = fine
     one_batch, one_head = table.shape[0] == 1, table.shape[1] == 1   # (broadcast over b / h)
-    everywhere = fine_mask.expr.op == "const" and fine_mask.expr.attr is True
+    everywhere = fine_mask.attends_everywhere
 
     def listed(b, h, q_idx, kv_idx):
         state = table[0 if one_batch else b, 0 if one_head else h, q_idx // q_block, kv_idx // kv_block]

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..arrays import to_numpy, to_numpy_all
+from ..bounded import keep_bounded
 from ..mods import MaskMod, as_mask, full
 from ..mods.mod import LIVE_OBJECTS
 
@@ -233,7 +234,7 @@ class BlockMask:
             template = type(self)(picked, self.seq_lengths, self.BLOCK_SIZE, None)
             template._mask_mod = None   # unset, as torch leaves it (its getter names the fix)
             template._kv_tables = {}    # shared by the copies (it depends on the states alone)
-            _keep_bounded(shared, tuple(key), template, _SLICES_KEPT)
+            keep_bounded(shared, tuple(key), template, _SLICES_KEPT)
         return _copy_of(template)
 
     def _device_rows(self, index: tuple, devices: list) -> "BlockMask | None":
@@ -603,7 +604,7 @@ def _from_lists(block_mask) -> BlockMask:
     if key is not None:
         template = copy.copy(made)            # (never handed out)
         template._kv_tables = made._kv_tables = {}
-        _keep_bounded(_LIST_TEMPLATES, key, template, _LIST_TEMPLATES_KEPT)
+        keep_bounded(_LIST_TEMPLATES, key, template, _LIST_TEMPLATES_KEPT)
     return made
 
 
@@ -649,14 +650,6 @@ def _copy_of(template: BlockMask) -> BlockMask:
     made = copy.copy(template)
     LIVE_OBJECTS[id(made)] = made
     return made
-
-
-def _keep_bounded(table: dict, key, value, capacity: int) -> None:
-    """``table[key] = value``, the oldest entry leaving at ``capacity`` (the templates here;
-    the torch adapter's kept conversions and prepared op calls)."""
-    if len(table) >= capacity:
-        table.pop(next(iter(table)))
-    table[key] = value
 
 
 def _tiles_are_the_masks(block_mask: BlockMask) -> bool:

@@ -54,9 +54,10 @@ from typing import Callable
 import numpy as np
 
 from ..arrays import dtype_name
+from ..bounded import keep_bounded
 from ..mods import as_mask, as_score
 from ..mods.positions import shift_queries
-from .kernel_path import DECODE_HEAD_DIMS, KERNEL_DTYPES, CaptureArgs, Device, ffi_tensors, use_tvm_ffi
+from .kernel_path import DECODE_HEAD_DIMS, KERNEL_DTYPES, CaptureArgs, Device, _is_full, ffi_tensors, use_tvm_ffi
 from .prepared import PreparedCalls, call_identity
 
 DECODE_MAX_Q_LEN = 16      # longer query blocks take the ordinary forward kernel
@@ -221,19 +222,13 @@ def _at_true_positions(mod, q_offset):
         template = shift_queries(mod, placeholder)
         # None: the mod never reads the query position (softcap...), the rewrite keeps no offset
         slot = next((i for i, c in enumerate(template.captures) if c is placeholder), None)
-        if len(_SHIFTED) >= _SHIFTED_CAPACITY:
-            _SHIFTED.pop(next(iter(_SHIFTED)))
-        hit = _SHIFTED[key] = (mod, template, slot)  # the mod keeps the ids in the key its own
+        hit = keep_bounded(_SHIFTED, key, (mod, template, slot), _SHIFTED_CAPACITY)  # the mod keeps the key's ids its own
     _, template, slot = hit
     if slot is None:
         return template
     captures = list(template.captures)
     captures[slot] = q_offset
     return template.with_captures(tuple(captures))
-
-
-def _is_full(mask) -> bool:
-    return mask is None or (mask.expr.op == "const" and mask.expr.attr is True)
 
 
 def decode_unsupported(q, k, v, page_size: int) -> str | None:
@@ -506,9 +501,7 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
                               prefetch_tile_reads=_prefetch_pays(template, tuning.tile_n, mask_last_page_only),
                               mods=template)
         entry = (config, capture_kinds(template))
-        if len(_CONFIGS) >= _CONFIGS_CAPACITY:
-            _CONFIGS.pop(next(iter(_CONFIGS)))
-        _CONFIGS[key] = entry
+        keep_bounded(_CONFIGS, key, entry, _CONFIGS_CAPACITY)
     hook.capture_kinds = entry[1]
     return entry[0].with_mods(hook)
 
@@ -883,9 +876,7 @@ def attention_plan(q, k, v, out, lse, site: DecodeSite, mods: DecodeMods, table=
     if plan is None or plan.workspace is not site.workspace:
         _check_step(q, k, v, table, page_size, out, lse)
         plan = DecodePlan(q, k, table, out, page_size, DEFAULT_TUNING, site, mods)
-        if len(_ATTENTION_PLANS) >= _ATTENTION_PLANS_CAPACITY:
-            _ATTENTION_PLANS.pop(next(iter(_ATTENTION_PLANS)))
-        _ATTENTION_PLANS[key] = plan
+        keep_bounded(_ATTENTION_PLANS, key, plan, _ATTENTION_PLANS_CAPACITY)
     elif mod_part is structure_key:
         plan.rebind(mods)
     return plan

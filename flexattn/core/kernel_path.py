@@ -35,6 +35,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from ..arrays import dtype_name
+from ..bounded import keep_bounded
 from ..blockmask import _LIST_NAMES, BlockMask, create_block_mask
 from ..blockmask.coarsen import at_block_size
 from ..kernels.hopper.device_facts import persistent_ctas
@@ -195,7 +196,8 @@ def _fp32_tiles(shape: AttentionShape, parts: int, lists: bool) -> tuple:
 
 
 def _is_full(mask) -> bool:
-    return mask is None or (mask.expr.op == "const" and mask.expr.attr is True)
+    """No mask, or one that attends everywhere."""
+    return mask is None or mask.attends_everywhere
 
 
 _BUILT: dict = {}  # block masks built for ``mask=`` calls, see _block_mask_for
@@ -216,9 +218,7 @@ def _block_mask_for(mask, shape: AttentionShape) -> BlockMask:
         return _BUILT[key]
     block_mask = create_block_mask(mask, *dims, BLOCK_SIZE=(128, TILE_N))
     if immutable:
-        if len(_BUILT) >= _BUILT_CAPACITY:
-            _BUILT.pop(next(iter(_BUILT)))
-        _BUILT[key] = block_mask  # holds the captures alive, so their ids stay theirs
+        keep_bounded(_BUILT, key, block_mask, _BUILT_CAPACITY)  # holds the captures alive, so their ids stay theirs
     return block_mask
 
 
@@ -510,9 +510,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
         # the TVM-FFI launch does not check again: the two counts must agree.
         assert config.cluster_fits(shape.q_len), (config.tile_m, cluster_m, shape.q_len)
         entry = _PlanEntry(config, capture_kinds(template))
-        if len(_PLANS) >= _PLANS_CAPACITY:
-            _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = entry
+        keep_bounded(_PLANS, key, entry, _PLANS_CAPACITY)
     hook.capture_kinds = entry.kinds
     hook.derivative_box = entry.config.mods.derivative_box  # the same IR: one derivative
     return KernelPlan(entry.config.with_mods(hook), block_mask, entry,

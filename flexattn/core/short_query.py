@@ -33,11 +33,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..arrays import dtype_name
+from ..bounded import keep_bounded
 from ..mods.positions import batch_in_heads, block_table_keys
 from ..problem.spec import AttentionSpec
 from ..problem.validate import AttentionShape
-from .kernel_path import DECODE_HEAD_DIMS, KERNEL_DTYPES, use_tvm_ffi
-from .decode_path import (DECODE_MAX_Q_LEN, PAGE_TILE, DecodeMods, DecodeSite, _is_full, attention_into, attention_plan,
+from .kernel_path import DECODE_HEAD_DIMS, KERNEL_DTYPES, _is_full, use_tvm_ffi
+from .decode_path import (DECODE_MAX_Q_LEN, PAGE_TILE, DecodeMods, DecodeSite, attention_into, attention_plan,
                           mod_key)
 
 # Query tokens up to which the decode kernel serves a forward call. Measured on the H100
@@ -131,10 +132,9 @@ def _walk(shape: AttentionShape, spec: AttentionSpec, folded: bool = False) -> L
         mods = DecodeMods(None if score is None else _through_table(score, table, block, heads),
                           _through_table(block_mask.mask_mod, table, block, heads), scale, true_positions=False,
                           full_but_last=full_but_last, listed_walk=True)
-        if len(walks) >= _WALKS_PER_MASK:
-            walks.pop(next(iter(walks)))
         # (the score kept too: the ids in the key stay its own)
-        hit = walks[key] = (ListWalk(mods, table, [int(n) * block for n in counts], block, folded), score)
+        hit = keep_bounded(walks, key, (ListWalk(mods, table, [int(n) * block for n in counts], block, folded), score),
+                           _WALKS_PER_MASK)
     return hit[0]
 
 
@@ -186,9 +186,7 @@ def _through_table_origins(mod, block: int, heads: int | None):
         template = block_table_keys(batch_in_heads(mod, heads) if heads else mod, stand_in, block)
         slots = {id(c): i for i, c in enumerate(mod.captures)}
         origins = tuple(None if c is stand_in else slots[id(c)] for c in template.captures)
-        if len(_TABLE_REWRITES) >= _TABLE_REWRITES_CAPACITY:
-            _TABLE_REWRITES.pop(next(iter(_TABLE_REWRITES)))
-        hit = _TABLE_REWRITES[key] = (template, origins)
+        hit = keep_bounded(_TABLE_REWRITES, key, (template, origins), _TABLE_REWRITES_CAPACITY)
     return hit
 
 

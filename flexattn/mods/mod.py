@@ -197,6 +197,11 @@ class MaskMod(Mod):
     def __rxor__(self, other):
         return as_mask(other, "left operand of ^") ^ self
 
+    @property
+    def attends_everywhere(self) -> bool:
+        """Whether the mask is the constant True (``mods.full()``): nothing to apply."""
+        return self.expr.op == "const" and self.expr.attr is True
+
     @_handed_over("op")
     def __invert__(self):
         return _combine(MaskMod, (self,), lambda a: ir.unary("not", a), f"~{self.name}" if self.name else None)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..bounded import keep_bounded
 from . import ir
 
 _OPTIMIZED: dict = {}   # expr -> optimized expr (structural keys)
@@ -62,10 +63,7 @@ def optimize(expr: ir.Node) -> ir.Node:
         new = _rewrite(new)
         done[id(n)] = memo.setdefault(new, new)
     out = done[id(expr)]
-    if len(_OPTIMIZED) >= _CAPACITY:
-        _OPTIMIZED.pop(next(iter(_OPTIMIZED)))
-    _OPTIMIZED[expr] = out
-    return out
+    return keep_bounded(_OPTIMIZED, expr, out, _CAPACITY)
 
 
 def _rewrite(n: ir.Node) -> ir.Node:

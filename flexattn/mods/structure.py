@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ..bounded import keep_bounded
 from . import ir
 
 
@@ -62,10 +63,7 @@ def diagonal_band(expr: ir.Node) -> Band | None:
     if hit is not _NOT_A_BAND:
         return hit
     band = _band(expr)
-    if len(_BANDS) >= _BANDS_CAPACITY:
-        _BANDS.pop(next(iter(_BANDS)))
-    _BANDS[expr] = band
-    return band
+    return keep_bounded(_BANDS, expr, band, _BANDS_CAPACITY)
 
 
 def is_causal(mask) -> bool:

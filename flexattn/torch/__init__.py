@@ -33,7 +33,8 @@ import torch
 from .. import reference
 from . import tensor_eval
 from ..blockmask import BlockMask as _CoreBlockMask, create_block_mask as _create_block_mask
-from ..blockmask.layout import _LIST_NAMES, _keep_bounded, as_block_mask, as_class
+from ..blockmask.layout import _LIST_NAMES, as_block_mask, as_class
+from ..bounded import keep_bounded
 from ..blockmask import DeviceArrays as BlockMaskArrays, register_device as register_block_mask_device
 from ..problem import bounds
 from ..problem.decode import decode_problem, decode_spec
@@ -695,7 +696,7 @@ def _decode_paged_impl(query, k_pages, v_pages, page_table, lengths, buffers, sp
     hit = _PAGED_BINDINGS.get(key)
     if hit is None:
         hit = (_REGISTRY.bind_operands(spec_id, buffers), tuple(buffers))   # (the buffers kept: their ids stay)
-        _keep_bounded(_PAGED_BINDINGS, key, hit, 16)
+        keep_bounded(_PAGED_BINDINGS, key, hit, 16)
     spec = hit[0]
     cache = PagedKVCache(k_pages, v_pages, page_table, lengths)
     return decode(query, cache, score_mod=spec.score, mask=spec.mask, scale=spec.scale, return_lse=True)
@@ -1317,7 +1318,7 @@ def _with_graph_block_mask(spec: AttentionSpec, lists, layout) -> AttentionSpec:
                                      full_kv_indices=host[3], BLOCK_SIZE=(q_block, kv_block),
                                      seq_lengths=(q_len, kv_len), mask_mod=mask)
         block_mask = as_block_mask(torch_like)
-        _keep_bounded(_GRAPH_BLOCK_MASKS, key, block_mask, 16)
+        keep_bounded(_GRAPH_BLOCK_MASKS, key, block_mask, 16)
     else:
         block_mask = _copy_of(template)
         block_mask.mask_mod = mask        # this call's captures
@@ -1436,7 +1437,7 @@ _OP_PREPARED_CAPACITY = 64
 
 
 def _op_remember(op_key, entry) -> None:
-    _keep_bounded(_OP_PREPARED, op_key, entry, _OP_PREPARED_CAPACITY)
+    keep_bounded(_OP_PREPARED, op_key, entry, _OP_PREPARED_CAPACITY)
 
 
 @torch.library.custom_op("flexattn::attention_fwd_max", mutates_args=())

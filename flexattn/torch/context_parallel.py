@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from .. import reference
+from ..bounded import keep_bounded
 from ..blockmask.layout import as_block_mask
 from ..core.context_parallel import (ContextParallelPlan, LoopbackWorld, ShardLayout, choose_layout, direct_backward,
                                      direct_forward, gathered_backward, gathered_forward, head_tail, imbalance,
@@ -319,10 +320,7 @@ def _plan(spec, layout, rank, query) -> ContextParallelPlan:
         return hit
     plan = ContextParallelPlan(spec, layout, rank, query.shape[0], query.shape[1],
                                block_mask_builder=_device_block_masks(query))
-    if len(_PLANS) >= _PLANS_CAPACITY:
-        _PLANS.pop(next(iter(_PLANS)))
-    _PLANS[key] = plan     # (holds the call's captures, so their ids stay theirs while cached)
-    return plan
+    return keep_bounded(_PLANS, key, plan, _PLANS_CAPACITY)   # (holds the call's captures: their ids stay theirs)
 
 
 def _version(t):
