@@ -35,8 +35,7 @@
 # GPU tests and the emitter's tiled modes, then bench_paged_door's partial decode rows and
 # prefill chunks), gptfast (gpt-fast's decoding step, ours compiled and eager beside torch's compiled and SDPA:
 # bench_gpt_fast.py, and the gpt-fast GPU tests; issue 25), gptfast-profile (where the host time of
-# gpt-fast's step goes, eager and compiled: cProfile and host µs, profile_gpt_fast.py), gptfast-ab (the
-# compiled step with the walk in place of the lists against after them, FLEXATTN_WALK_WITH_LISTS=1).
+# gpt-fast's step goes, eager and compiled: cProfile, the kernels a step launches, host µs; profile_gpt_fast.py).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -157,16 +156,6 @@ for step in $steps; do
               --modes default reduce-overhead --out "$out/gptfast_$shape.json")
            done ;;
     gptfast-profile) (cd benchmarks && run gptfast_profile 200 python3 profile_gpt_fast.py --shape 8x8192 --steps 300) ;;
-    gptfast-ab) # the compiled step's op given the walk in place of the lists (default) against the walk after
-                # them (FLEXATTN_WALK_WITH_LISTS=1, session 50's layout): two rounds, one process per run
-      for round in 1 2; do
-        for with_lists in 0 1; do
-          for shape in 8x8192 1x32768; do
-            (cd benchmarks && run gptfast_ab_${round}_${with_lists}_$shape 100 env FLEXATTN_WALK_WITH_LISTS=$with_lists \
-             python3 bench_gpt_fast.py --shapes $shape --modes default reduce-overhead --skip flexattn/eager)
-          done
-        done
-      done ;;
     *) echo "unknown step $step" ;;
   esac
 done

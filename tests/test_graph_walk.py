@@ -111,16 +111,12 @@ def _paged_caches(B: int, L: int, n_pages: int, page: int, Hkv: int, D: int, g):
     return paged, k_cache, v_cache, k, v
 
 
-@pytest.mark.parametrize("with_lists", [False, True])
-def test_compiled_gpt_fast_step_passes_the_graph_walk_to_the_op(monkeypatch, with_lists):
+def test_compiled_gpt_fast_step_passes_the_graph_walk_to_the_op(monkeypatch):
     """Inductor (CPU) compiles gpt-fast's step with the walk in the graph: the inference op
-    gets the table, lengths and full counts in place of the four lists (with
-    ``FLEXATTN_WALK_WITH_LISTS=1``, for A/B runs: after them), equal to the host walk of the
-    row, every step one frame; outputs equal the reference."""
+    gets the table, lengths and full counts in place of the four lists, equal to the host
+    walk of the row, every step one frame; outputs equal the reference."""
     import compat_cases
 
-    if with_lists:
-        monkeypatch.setenv("FLEXATTN_WALK_WITH_LISTS", "1")
     torch._dynamo.reset()
     B, Hq, Hkv, D, L = 2, 4, 1, 32, 512
     g = torch.Generator().manual_seed(3)
@@ -137,7 +133,7 @@ def test_compiled_gpt_fast_step_passes_the_graph_walk_to_the_op(monkeypatch, wit
             np.testing.assert_allclose(out.numpy(), want, atol=1e-5)
             lists = seen[-1]
             assert len(lists) == 7, "the op did not get the walk"
-            assert all(x is not None for x in lists[:4]) if with_lists else lists[:4] == [None] * 4
+            assert lists[:4] == [None] * 4
             blocks = pos // 128 + 1
             np.testing.assert_array_equal(lists[4][0, :blocks].numpy(), np.arange(blocks))
             assert lists[5].tolist() == [blocks * 128] and lists[6].tolist() == [blocks - 1]

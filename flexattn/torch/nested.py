@@ -38,7 +38,6 @@ import functools
 import inspect
 import math
 import operator
-import os
 import threading
 import types
 
@@ -317,9 +316,7 @@ def rewrite_marked_calls(graph: torch.fx.Graph) -> None:
                 from .graph_walk import walk_nodes
 
                 walk = walk_nodes(graph, query, lists, layout)
-                if walk and os.environ.get("FLEXATTN_WALK_WITH_LISTS") == "1":
-                    lists = lists + walk   # (the lists as well: for A/B runs, session 50's layout)
-                elif walk:   # (the walk in place of the lists: Inductor fuses the slice into it)
+                if walk:   # in place of the lists: Inductor fuses the slice into the walk (4 kernels a step, not 6)
                     lists = [None] * 4 + walk
             target = (torch.ops.flexattn.attention_fwd_max if want_max else
                       torch.ops.flexattn.attention_fwd if records else torch.ops.flexattn.attention_fwd_inference)
