@@ -145,8 +145,8 @@ def test_block_masks_at_any_block_size(kind, block_size):
     if kind == "lists of their own":   # the same lists, given as lists (not from the mask alone)
         g = torch.Generator().manual_seed(1)
         drop = torch.rand(bm.kv_num_blocks.shape, generator=g) < 0.3   # some rows attend fewer tiles
-        counts = torch.where(drop, torch.clamp(torch.as_tensor(bm.kv_num_blocks) - 1, min=0),
-                             torch.as_tensor(bm.kv_num_blocks)).to(torch.int32)
+        num = torch.as_tensor(bm.kv_num_blocks).cpu()   # (built on the GPU: torch's default device)
+        counts = torch.where(drop, torch.clamp(num - 1, min=0), num).to(torch.int32)
         bm = fa.BlockMask.from_kv_blocks(counts, torch.as_tensor(bm.kv_indices), torch.as_tensor(bm.full_kv_num_blocks),
                                          torch.as_tensor(bm.full_kv_indices), BLOCK_SIZE=bm.BLOCK_SIZE,
                                          mask_mod=bm.mask_mod, seq_lengths=(Q, Q))
