@@ -147,8 +147,9 @@ def test_block_masks_at_any_block_size(kind, block_size):
         drop = torch.rand(bm.kv_num_blocks.shape, generator=g) < 0.3   # some rows attend fewer tiles
         num = torch.as_tensor(bm.kv_num_blocks).cpu()   # (built on the GPU: torch's default device)
         counts = torch.where(drop, torch.clamp(num - 1, min=0), num).to(torch.int32)
-        bm = fa.BlockMask.from_kv_blocks(counts, torch.as_tensor(bm.kv_indices), torch.as_tensor(bm.full_kv_num_blocks),
-                                         torch.as_tensor(bm.full_kv_indices), BLOCK_SIZE=bm.BLOCK_SIZE,
+        bm = fa.BlockMask.from_kv_blocks(counts, *(torch.as_tensor(x).cpu() for x in (bm.kv_indices, bm.full_kv_num_blocks,
+                                                                                    bm.full_kv_indices)),
+                                         BLOCK_SIZE=bm.BLOCK_SIZE,
                                          mask_mod=bm.mask_mod, seq_lengths=(Q, Q))
     q, k, v, d_out = (torch.randn(B, H, Q, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     spec = AttentionSpec.from_args(block_mask=bm)
