@@ -16,7 +16,7 @@ PACKAGE = os.path.dirname(flexattn.__file__)
 # Bottom to top. A module may import its own component and anything in a lower layer;
 # components sharing a layer (the two backends, the adapters) never import each other.
 LAYERS = [
-    ["flexattn.arrays"],
+    ["flexattn.arrays", "flexattn.bounded"],   # helpers (import nothing of ours)
     ["flexattn.mods"],
     ["flexattn.blockmask"],
     ["flexattn.problem"],
