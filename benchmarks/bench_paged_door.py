@@ -181,6 +181,7 @@ def main():
     args = ap.parse_args()
 
     import flexattn.torch as fa
+    import flexattn.torch.devices as fa_devices
     from flexattn.core import short_query
     from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
@@ -197,7 +198,7 @@ def main():
             q, k_cache, v_cache, block_mask, k, v, page_table, (paged, logical) = paged_step(batch, length,
                                                                                               blocks == "full")
             torch_mask = block_mask
-            pages = [fa._page_view(x, PAGE) for x in (k_cache, v_cache)]
+            pages = [fa_devices._page_view(x, PAGE) for x in (k_cache, v_cache)]
             cache = fa.PagedKVCache(*pages, page_table[:, :length // PAGE].to(torch.int32).contiguous(),
                                     torch.full((batch,), length, dtype=torch.int32))
         nbytes = 2 * batch * HKV * length * D * 2

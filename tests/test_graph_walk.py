@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import flexattn.torch as fa  # noqa: E402
+import flexattn.torch.devices as fa_devices  # noqa: E402
 from flexattn import mods, reference  # noqa: E402
 from flexattn.core import AttentionSpec, kernel_path, short_query  # noqa: E402
 from flexattn.problem.validate import AttentionShape  # noqa: E402
@@ -174,8 +175,8 @@ def test_device_walk_reads_the_graph_table_as_the_kernel_does(monkeypatch):
     real_takes = short_query._decode_kernel_takes   # (float64 here stands in for bfloat16)
     monkeypatch.setattr(short_query, "_decode_kernel_takes", lambda shape, dtype: real_takes(shape, "bfloat16"))
     shape = AttentionShape(B, Hq, Hkv, 1, S, D, D)
-    device = kernel_path.Device(0, lambda x: x, decode_resources=lambda: (132, None), page_view=fa._page_view,
-                                heads_view=fa._heads_view)
+    device = kernel_path.Device(0, lambda x: x, decode_resources=lambda: (132, None), page_view=fa_devices._page_view,
+                                heads_view=fa_devices._heads_view)
     walk = short_query.DeviceLists(table, lengths, block, block)
     out = torch.empty(B, Hq, 1, D, dtype=torch.float64)
     lse = torch.empty(B, Hq, 1, dtype=torch.float64)

@@ -106,7 +106,7 @@ def test_listed_kv_blocks_of_a_shared_cache_walk_as_pages(full_blocks):
     (the mask where the kernel evaluates it) — it equals the reference of the physical
     call; per-head lists, a batched K / V or more than one row of q blocks keep the forward
     kernel."""
-    import flexattn.torch as fa
+    import flexattn.torch.devices as fa_devices
     from flexattn import reference
     from flexattn.blockmask.layout import as_block_mask
     from flexattn.core import kernel_path
@@ -118,7 +118,7 @@ def test_listed_kv_blocks_of_a_shared_cache_walk_as_pages(full_blocks):
                                    enable_gqa=True)
     B, Hq, _, D = q.shape
     shape = AttentionShape(B, Hq, k.shape[1], 1, k.shape[2], D, D)
-    device = kernel_path.Device(0, lambda x: x, decode_resources=lambda: (132, None), page_view=fa._page_view)
+    device = kernel_path.Device(0, lambda x: x, decode_resources=lambda: (132, None), page_view=fa_devices._page_view)
     route = list_walk_route(shape, spec, "bfloat16", k, v, device)
     assert route is not None
     walk, k_pages, v_pages = route
@@ -181,6 +181,7 @@ def test_batched_caches_fold_into_heads_for_a_shared_block_mask():
     sequence) and an adapter without head views keep the forward kernel."""
     torch = pytest.importorskip("torch")
     import flexattn.torch as fa
+    import flexattn.torch.devices as fa_devices
     from flexattn import reference
     from flexattn.core import kernel_path
     from flexattn.core.short_query import list_walk_route
@@ -199,8 +200,8 @@ def test_batched_caches_fold_into_heads_for_a_shared_block_mask():
     score = lambda s, b, h, qi, ki: s + 0.1 * b * (ki % 7) - 0.05 * h * (ki % 5)   # noqa: E731  (folded b, h)
     spec = AttentionSpec.from_args(score_mod=score, block_mask=step, enable_gqa=True)
     shape = AttentionShape(B, Hq, Hkv, 1, S, D, D)
-    device = kernel_path.Device(0, lambda x: x, decode_resources=lambda: (132, None), page_view=fa._page_view,
-                                heads_view=fa._heads_view)
+    device = kernel_path.Device(0, lambda x: x, decode_resources=lambda: (132, None), page_view=fa_devices._page_view,
+                                heads_view=fa_devices._heads_view)
     no_heads = dataclasses.replace(device, heads_view=None)
     assert list_walk_route(shape, spec, "bfloat16", k, v, no_heads) is None
     batched = fa.create_block_mask(lambda b, h, qi, ki: qi >= ki, B, 1, S, S, BLOCK_SIZE=block)[:, :, 90 // block]
@@ -209,7 +210,7 @@ def test_batched_caches_fold_into_heads_for_a_shared_block_mask():
     assert list_walk_route(shape, per_sequence, "bfloat16", k, v, device) is None
     walk, k_pages, v_pages = list_walk_route(shape, spec, "bfloat16", k, v, device)
     assert walk.folded and walk.mods.full_but_last and walk.table.shape[0] == 1 and tuple(k_pages.shape) == (S // block, block, B * Hkv, D)
-    q_folded = fa._heads_view(q, True)
+    q_folded = fa_devices._heads_view(q, True)
     assert tuple(q_folded.shape) == (1, B * Hq, 1, D)
 
     want, _ = reference.forward(q, k, v, spec)

@@ -23,6 +23,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("cutlass")
 
 import flexattn.torch as fa  # noqa: E402
+import flexattn.torch.devices as fa_devices  # noqa: E402
 from flexattn import mods  # noqa: E402
 from flexattn.core import decode_path  # noqa: E402
 from flexattn.core.kernel_path import Device  # noqa: E402
@@ -113,7 +114,7 @@ def workspace():
     stream = torch.cuda.current_stream()
     hit = _WORKSPACES.get(stream.cuda_stream)
     if hit is None:
-        ws = fa._decode_workspace(torch.device(DEV, torch.cuda.current_device()), stream)
+        ws = fa_devices._decode_workspace(torch.device(DEV, torch.cuda.current_device()), stream)
         scratch = [torch.empty(0, device=DEV)]
 
         def alloc(shape, dtype):

@@ -564,6 +564,7 @@ def test_walks_plan_their_last_page_mask(listed):
     any prefix)."""
     torch = pytest.importorskip("torch")
     import flexattn.torch as fa
+    import flexattn.torch.devices as fa_devices
     from flexattn.core import AttentionSpec, short_query
     from flexattn.problem.validate import AttentionShape
 
@@ -578,8 +579,8 @@ def test_walks_plan_their_last_page_mask(listed):
     ws = decode_path.DecodeWorkspace(alloc=lambda shape, dt: torch.empty(shape, dtype=getattr(torch, dt)),
                                      tickets=lambda n: torch.zeros(max(n, 16), dtype=torch.int32),
                                      scratch=lambda n: torch.empty(n), uploader=lambda into: (lambda values: None))
-    device = Device(0, fa._DeviceCopies(torch.device("cpu")), decode_resources=lambda: (132, ws),
-                    page_view=fa._page_view, heads_view=fa._heads_view)
+    device = Device(0, fa_devices._DeviceCopies(torch.device("cpu")), decode_resources=lambda: (132, ws),
+                    page_view=fa_devices._page_view, heads_view=fa_devices._heads_view)
     k = torch.zeros(1, Hkv, L, D, dtype=torch.bfloat16).expand(B, -1, -1, -1)
     q = torch.zeros(B, Hq, 1, D, dtype=torch.bfloat16)
     out, lse = torch.empty_like(q), torch.empty(B, Hq, 1)
