@@ -36,12 +36,11 @@ from ..blockmask.layout import _LIST_NAMES, as_block_mask, as_class
 from ..bounded import keep_bounded
 from ..problem import bounds
 from ..problem.decode import decode_problem, decode_spec
-from ..core.backward_path import BackwardArrays, backward_into, prepare_backward
+from ..core.backward_path import prepare_backward
 from ..core.decode_device import cache_arrays, check_cache_layout, decode_key, kernel_step, tma_ready
-from ..core.kernel_path import (Device, PreparedForward, backward_unsupported, block_lists_to_device, forward_into,
-                               kernel_unsupported, prepare_forward)
+from ..core.kernel_path import Device, PreparedForward, backward_unsupported, kernel_unsupported, prepare_forward
 from ..core.prepared import PreparedCalls, PreparedEntry, call_key
-from ..core.registry import SpecRegistry, by_id, compiled_spec, from_id, operand_grad_slots
+from ..core.registry import SpecRegistry, by_id, compiled_spec, from_id
 from ..core.short_query import SHORT_QUERY_MAX
 from ..problem.kvcache import KVCache, PagedKVCache
 from ..problem.spec import OPERAND, AttentionSpec, lse_dtype
@@ -50,7 +49,9 @@ from .. import mods as _mods
 from ..blockmask.build import dense_mask
 from ..mods import MaskMod, Mod, ScoreMod, mask_mod
 from .devices import (_DeviceCopies, _backward_alloc, _current_raw_stream, _decode_workspace, _forward_device, _like,
-                      _sm_count, _write_target, _written_empty)
+                      _sm_count, _written_empty)
+from .launches import (_backward_arrays, _block_lists_to_device, _buffer_grads, _forward_outputs, _grad_captures,
+                       _grad_mask, _is_tensor, _kernel_backward, _kernel_forward, _tensor_slots)
 from .nested import (captures_graph_values, compiling_for_inductor, flex_attention_route, made_in_traced_code,
                      object_token, stashed, torch_flex_call)
 
@@ -1089,10 +1090,6 @@ def _score_tensors(score) -> list:
     return [c for c in score.captures if isinstance(c, torch.Tensor)]
 
 
-def _is_tensor(x) -> bool:   # a score-mod tensor capture: an input of each op call
-    return isinstance(x, torch.Tensor)
-
-
 _REGISTRY = SpecRegistry(_is_tensor)   # the non-tensor half of each op call (core/registry.py)
 # The ContextParallel that flex_attention calls run under, set around the forward of a
 # module parallelized with context_parallel.ContextParallelStyle (None: one device).
@@ -1224,13 +1221,6 @@ def _row_walks(block_mask, device, picks: tuple = (slice(None), slice(None))) ->
         table, lengths, _ = walk_lists(*flat, block_mask.BLOCK_SIZE[1], block_mask.num_blocks[1])
         found = walks[key] = (table.reshape(b, h, rows, -1), lengths.reshape(b, h, rows))
     return found
-
-
-def _forward_outputs(shape, query) -> tuple:
-    """(out, lse) for a forward kernel to write in full: query's dtype and float32."""
-    out = _written_empty(shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim, dtype=query.dtype,
-                         device=query.device)
-    return out, _written_empty(shape.batch, shape.q_heads, shape.q_len, dtype=torch.float32, device=query.device)
 
 
 def _with_graph_block_mask(spec: AttentionSpec, lists, layout) -> AttentionSpec:
@@ -1441,47 +1431,12 @@ def _attention_bwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             _buffer_grads(_tensor_slots(spec), grads.d_captures, buffers))
 
 
-def _grad_mask(buffers) -> int:
-    """Bit n set iff op buffer n requires grad (read back by ``_grad_captures``)."""
-    return sum(1 << n for n, b in enumerate(buffers) if b.requires_grad)
-
-
-def _grad_captures(spec: AttentionSpec, grad_mask: int) -> tuple:
-    """Score-capture slots of the op buffers whose bit is set in ``grad_mask``."""
-    return operand_grad_slots(spec, _is_tensor, grad_mask)
-
-
 @_attention_bwd.register_fake
 def _(query, key, value, out, lse, d_out, d_lse, buffers, spec_id, grad_mask, lists, layout):
     def new(x):
         return x.new_empty(x.shape)  # contiguous, as the real outputs
 
     return new(query), new(key), new(value), [new(b) for b in buffers]
-
-
-def _tensor_slots(spec: AttentionSpec) -> tuple:
-    """The score-capture slots of the op buffers (the score mod's tensor captures)."""
-    if spec.score is None:
-        return ()
-    return tuple(i for i, c in enumerate(spec.score.captures) if isinstance(c, torch.Tensor))
-
-
-def _buffer_grads(tensor_slots: tuple, capture_grads, buffers) -> list:
-    """Per op buffer (the score mod's tensor captures, at ``tensor_slots``): its gradient as
-    a tensor like it (device, dtype, shape; contiguous), zeros where there is none.
-    ``capture_grads`` is indexed by score-mod capture (numpy from the reference, fp32 CUDA
-    tensors from the kernel)."""
-    # (buffers past the score's: a compiled call's mask tensors, never differentiated)
-    by_buffer = [capture_grads[i] for i in tensor_slots] + [None] * (len(buffers) - len(tensor_slots))
-    out = []
-    for b, g in zip(buffers, by_buffer):
-        if g is None:
-            out.append(b.new_zeros(b.shape))
-        elif isinstance(g, torch.Tensor):
-            out.append(g.reshape(b.shape).to(device=b.device, dtype=b.dtype).contiguous())
-        else:
-            out.append(_like(np.reshape(g, tuple(b.shape)), b))
-    return out
 
 
 def _setup_context(ctx, inputs, output):
@@ -1530,28 +1485,6 @@ _attention_fwd_max.register_autograd(_backward_max, setup_context=_setup_context
 
 
 # --- the CUDA forward ---------------------------------------------------------------------------
-
-def _kernel_forward(spec, shape, query, key, value, want_max: bool = False, into=None):
-    """(out, lse), or with ``want_max`` (out, lse, max_scores), from the forward kernel.
-    ``into``: None, or (out, lse) tensors to write (views: rows of larger arrays; the
-    call's shapes and dtypes, last dim contiguous)."""
-    if into is None:
-        out, lse = _forward_outputs(shape, query)
-    else:
-        out = _write_target("out", into[0], (shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim),
-                            query.dtype, query.device)
-        lse = _write_target("lse", into[1], (shape.batch, shape.q_heads, shape.q_len), torch.float32, query.device)
-    max_scores = torch.empty_like(lse) if want_max else None
-    device = _forward_device(query.device)
-    # DLPack refuses tensors that require grad; the kernel only reads them
-    if query.requires_grad or key.requires_grad or value.requires_grad:
-        query, key, value = query.detach(), key.detach(), value.detach()
-    if query.device.index == torch.cuda.current_device():
-        forward_into(query, key, value, out, lse, shape, spec, device, max_scores)
-    else:
-        with torch.cuda.device(query.device):  # the launch goes to the inputs' GPU
-            forward_into(query, key, value, out, lse, shape, spec, device, max_scores)
-    return (out, lse, max_scores) if want_max else (out, lse)
 
 
 def _call_key(q, k, v, call):
@@ -1620,84 +1553,6 @@ class _PreparedCall(PreparedEntry):
 
 
 _PREPARED = PreparedCalls()   # key -> _PreparedCall
-
-
-def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buffers, grad_mask, into=None):
-    """The backward kernels on the current stream -> (dq, dk, dv, gradient per op buffer:
-    ``_buffer_grads``), the buffers' whose bit is set in ``grad_mask``. ``into``: None, or
-    (dq, dk, dv), each None or a tensor (a view: rows of a larger gradient) the kernels
-    write that gradient into (the inputs' shape and dtype, last dim contiguous)."""
-    grad_captures = _grad_captures(spec, grad_mask)
-    dev = query.device
-    arrays = _backward_arrays(query, key, value, out, lse, d_out, d_lse, into)
-    device = _forward_device(dev)  # TVM-FFI launches read torch's current stream (the autograd thread's)
-    # torch's switch for bitwise-repeatable algorithms selects the deterministic backward
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    alloc = device.alloc
-    if dev.index == torch.cuda.current_device():
-        result = backward_into(arrays, shape, spec, device, alloc, deterministic=deterministic,
-                               grad_captures=grad_captures)
-    else:
-        with torch.cuda.device(dev):  # the launches go to the inputs' GPU
-            result = backward_into(arrays, shape, spec, device, alloc, deterministic=deterministic,
-                                   grad_captures=grad_captures)
-    return arrays.dq, arrays.dk, arrays.dv, _buffer_grads(_tensor_slots(spec), result.capture_grads, buffers)
-
-
-def _backward_arrays(query, key, value, out, lse, d_out, d_lse, into=None, outputs_later=False) -> BackwardArrays:
-    """The backward kernels' operands (detached; dO in the inputs' dtype, dO and the LSEs
-    as they are where the kernels read them so, `_kernel_reads_as_is`, else contiguous
-    copies) and their dq, dk, dv: freshly allocated, or the views ``into`` gives, or None
-    (``outputs_later``: the launch allocates them)."""
-    def operand(x, dtype):  # DLPack refuses tensors that require grad
-        x = x.detach() if x.dtype == dtype else x.detach().to(dtype)
-        return x if _kernel_reads_as_is(x) else x.clone(memory_format=torch.contiguous_format)   # (fresh: aligned)
-
-    def output(name, like, view):
-        if view is None:
-            return _written_empty(like.shape, dtype=like.dtype, device=like.device)
-        return _write_target(name, view, tuple(like.shape), like.dtype, like.device)
-
-    into = into or (None, None, None)
-    grads = (None, None, None) if outputs_later else (
-        output("dq", query, into[0]), output("dk", key, into[1]), output("dv", value, into[2]))
-    return BackwardArrays(
-        q=query.detach(), k=key.detach(), v=value.detach(), out=out.detach(), lse=operand(lse, torch.float32),
-        d_out=operand(d_out, query.dtype), d_lse=None if d_lse is None else operand(d_lse, torch.float32),
-        dq=grads[0], dk=grads[1], dv=grads[2],
-    )
-
-
-def _kernel_reads_as_is(x) -> bool:
-    """Whether the backward kernels read ``x`` (dO [B, H, S, Dv] by TMA, or an fp32 LSE
-    [B, H, S] row statistic) without a copy: the last dim contiguous, the others' strides
-    nonzero, and for 16-bit dO 16-byte aligned rows (strides multiples of 8 elements, the
-    base aligned) — as autograd hands over the gradient of a transposed output, or context
-    parallelism's rows of one. Else a fresh contiguous copy (e.g. an expanded gradient)."""
-    strides = x.stride()
-    if (x.shape[-1] != 1 and strides[-1] != 1) or any(st == 0 for n, st in zip(x.shape, strides) if n != 1):
-        return False
-    if x.dtype == torch.float32 and x.dim() == 3:
-        return True
-    return tma_ready(strides) and x.data_ptr() % 16 == 0
-
-
-def _block_lists_to_device(spec: AttentionSpec, shape, device) -> None:
-    """While torch.compile traces the op: copy the kernels' host block-mask lists to the
-    GPU now (``_DeviceCopies`` keeps them). Made lazily at the first real call instead,
-    they would be allocated from the memory pool of a CUDA graph being warmed up or
-    recorded (``mode="reduce-overhead"``), which must hold nothing but the graph's own
-    tensors; and a pageable copy cannot be captured at all. Static shapes only (with
-    symbolic sizes the lists are not known yet: the first real call copies them)."""
-    if device.type != "cuda" or not all(isinstance(n, int) for n in shape):
-        return
-    mask = spec.element_mask
-    if mask is not None and any(c is OPERAND for c in mask.captures):
-        return   # the mask reads op operands (graph values): its lists follow them, built at the real call
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():
-        block_lists_to_device(spec, shape, _DeviceCopies(device))
 
 
 # --- block masks built on the GPU ----------------------------------------------------------------

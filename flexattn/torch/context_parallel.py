@@ -42,9 +42,9 @@ from ..problem.spec import AttentionSpec, lse_dtype
 from ..problem.validate import check_inputs
 from ..core.kernel_path import prepare_forward
 from ..problem import bounds
-from . import (_PreparedBackward, _backward_arrays, _buffer_grads, _grad_mask, _kernel_backward, _kernel_forward,
-               _records_grad, _score_tensors, backward_unsupported, create_block_mask, kernel_unsupported)
+from . import _PreparedBackward, _records_grad, _score_tensors, backward_unsupported, create_block_mask, kernel_unsupported
 from .devices import _backward_alloc, _forward_device, _like, _write_target, _written_empty
+from .launches import _backward_arrays, _buffer_grads, _grad_mask, _kernel_backward, _kernel_forward
 
 SCHEDULES = ("ring", "direct", "all_gather")
 
