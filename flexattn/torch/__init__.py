@@ -36,7 +36,6 @@ from ..blockmask.layout import _LIST_NAMES, as_block_mask, as_class
 from ..bounded import keep_bounded
 from ..problem import bounds
 from ..problem.decode import decode_problem, decode_spec
-from ..core.backward_path import prepare_backward
 from ..core.decode_device import cache_arrays, check_cache_layout, decode_key, kernel_step, tma_ready
 from ..core.kernel_path import Device, PreparedForward, backward_unsupported, kernel_unsupported, prepare_forward
 from ..core.prepared import PreparedCalls, PreparedEntry, call_key
@@ -50,7 +49,7 @@ from ..blockmask.build import dense_mask
 from ..mods import MaskMod, Mod, ScoreMod, mask_mod
 from .devices import (_DeviceCopies, _backward_alloc, _current_raw_stream, _decode_workspace, _forward_device, _like,
                       _sm_count, _written_empty)
-from .launches import (_backward_arrays, _block_lists_to_device, _buffer_grads, _forward_outputs, _grad_captures,
+from .launches import (_PreparedBackward, _backward_arrays, _block_lists_to_device, _buffer_grads, _forward_outputs,
                        _grad_mask, _is_tensor, _kernel_backward, _kernel_forward, _tensor_slots)
 from .nested import (captures_graph_values, compiling_for_inductor, flex_attention_route, made_in_traced_code,
                      object_token, stashed, torch_flex_call)
@@ -553,26 +552,6 @@ class _PreparedStep:
         grads = _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buffers, grad_mask)
         self.entry.backward = _PreparedBackward.make(spec, shape, query, deterministic, grad_mask)
         return grads
-
-
-class _PreparedBackward:
-    """A ``core.backward_path.PreparedBackward`` (``kernels``: it knows its deterministic
-    setting) with what the torch side reads: the buffer-gradient mask it was made for and
-    the score-capture slots of the op buffers (``_buffer_grads``)."""
-
-    __slots__ = ("kernels", "grad_mask", "tensor_slots")
-
-    @classmethod
-    def make(cls, spec, shape, query, deterministic: bool, grad_mask: int):
-        if query.device.index != torch.cuda.current_device():
-            return None
-        prepared = prepare_backward(query, shape, spec, _forward_device(query.device), deterministic,
-                                    _grad_captures(spec, grad_mask))
-        if prepared is None:
-            return None
-        self = cls()
-        self.kernels, self.grad_mask, self.tensor_slots = prepared, grad_mask, _tensor_slots(spec)
-        return self
 
 
 def _records_grad(*tensors) -> bool:

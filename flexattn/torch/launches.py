@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..core.backward_path import BackwardArrays, backward_into
+from ..core.backward_path import BackwardArrays, backward_into, prepare_backward
 from ..core.decode_device import tma_ready
 from ..core.kernel_path import block_lists_to_device, forward_into
 from ..core.registry import operand_grad_slots
@@ -164,3 +164,23 @@ def _block_lists_to_device(spec: AttentionSpec, shape, device) -> None:
 
     with unset_fake_temporarily():
         block_lists_to_device(spec, shape, _DeviceCopies(device))
+
+
+class _PreparedBackward:
+    """A ``core.backward_path.PreparedBackward`` (``kernels``: it knows its deterministic
+    setting) with what the torch side reads: the buffer-gradient mask it was made for and
+    the score-capture slots of the op buffers (``_buffer_grads``)."""
+
+    __slots__ = ("kernels", "grad_mask", "tensor_slots")
+
+    @classmethod
+    def make(cls, spec, shape, query, deterministic: bool, grad_mask: int):
+        if query.device.index != torch.cuda.current_device():
+            return None
+        prepared = prepare_backward(query, shape, spec, _forward_device(query.device), deterministic,
+                                    _grad_captures(spec, grad_mask))
+        if prepared is None:
+            return None
+        self = cls()
+        self.kernels, self.grad_mask, self.tensor_slots = prepared, grad_mask, _tensor_slots(spec)
+        return self

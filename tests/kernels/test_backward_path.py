@@ -252,15 +252,15 @@ def test_grad_captures_limit_the_buffer_gradients(runners):
 
 
 def test_torch_maps_the_grad_mask_onto_capture_slots():
-    import flexattn.torch as fa
+    import flexattn.torch.launches as fa_launches
 
     slopes, bias = torch.rand(Hq), torch.rand(Hq, Q, KV)
     score = mods.alibi(slopes) >> mods.bias(bias)
     spec = AttentionSpec.from_args(score=score)
     tensor_slots = [i for i, c in enumerate(score.captures) if isinstance(c, torch.Tensor)]
-    assert fa._grad_captures(spec, 0b11) == tuple(tensor_slots)
-    assert fa._grad_captures(spec, 0b10) == (tensor_slots[1],)
-    assert fa._grad_captures(spec, 0) == ()
+    assert fa_launches._grad_captures(spec, 0b11) == tuple(tensor_slots)
+    assert fa_launches._grad_captures(spec, 0b10) == (tensor_slots[1],)
+    assert fa_launches._grad_captures(spec, 0) == ()
 
 
 def test_tvm_ffi_call_passes_framework_tensors_and_compiles(runners, monkeypatch):
