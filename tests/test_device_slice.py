@@ -158,13 +158,14 @@ def test_row_walks_of_every_row(separate_full):
     first, then partial) with the same lengths."""
     torch = pytest.importorskip("torch")
     import flexattn.torch as fa
+    import flexattn.torch.ops as fa_ops
 
     L, block = 1024, 128
     docs = np.repeat([[0, 1, 1, 2], [0, 0, 1, 1]], L // 4, 1)
     for mask, batch in ((mods.causal(), 1), (mods.sliding_window(200), 1), (mods.causal() & mods.document(docs), 2)):
         parent = fa.create_block_mask(mask, batch, None, L, L, BLOCK_SIZE=block, separate_full_blocks=separate_full)
-        tables, lengths = fa._row_walks(parent, torch.device("cpu"))
-        assert fa._row_walks(parent, torch.device("cpu"))[0] is tables   # once per mask and device
+        tables, lengths = fa_ops._row_walks(parent, torch.device("cpu"))
+        assert fa_ops._row_walks(parent, torch.device("cpu"))[0] is tables   # once per mask and device
         for b in range(batch):
             for row in range(L // block):
                 table, counts, _ = parent[b, :, row].kv_block_table(1)
@@ -177,7 +178,7 @@ def test_row_walks_of_every_row(separate_full):
     # Per-head rows: the walks of the picked head only (memory bounded by the slice, not the mask)
     heads = fa.create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv <= 100 + 300 * h), 1, 2, L, L,
                                  BLOCK_SIZE=block, separate_full_blocks=separate_full)
-    tables, lengths = fa._row_walks(heads, torch.device("cpu"), (slice(None), slice(1, 2)))
+    tables, lengths = fa_ops._row_walks(heads, torch.device("cpu"), (slice(None), slice(1, 2)))
     assert tuple(tables.shape[:3]) == (1, 1, L // block)
     for row in range(L // block):
         table, counts, _ = heads[:, 1, row].kv_block_table(1)

@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 import flexattn.torch as fa  # noqa: E402
 import flexattn.torch.devices as fa_devices  # noqa: E402
+import flexattn.torch.ops as fa_ops  # noqa: E402
 from flexattn import mods, reference  # noqa: E402
 from flexattn.core import AttentionSpec, kernel_path, short_query  # noqa: E402
 from flexattn.problem.validate import AttentionShape  # noqa: E402
@@ -85,7 +86,7 @@ def _record_op_lists(monkeypatch, layouts: list | None = None) -> list:
     """The lists each graph-list op call receives (copies), in call order (and its layout
     into ``layouts``, if given)."""
     seen = []
-    real = fa._with_graph_block_mask
+    real = fa_ops._with_graph_block_mask
 
     def recording(spec, lists, layout):
         seen.append([None if t is None else t.clone() for t in lists])
@@ -93,7 +94,7 @@ def _record_op_lists(monkeypatch, layouts: list | None = None) -> list:
             layouts.append(layout)
         return real(spec, lists, layout)
 
-    monkeypatch.setattr(fa, "_with_graph_block_mask", recording)
+    monkeypatch.setattr(fa_ops, "_with_graph_block_mask", recording)
     return seen
 
 
@@ -246,16 +247,16 @@ def test_graph_block_mask_conversions_follow_the_lists_contents():
              row.full_kv_num_blocks[:, :, 1:2].clone(), row.full_kv_indices[:, :, 1:2].clone()]
     spec = AttentionSpec.from_args(mask=lambda b, h, q, kv: q + 64 >= kv)
     layout = [block, block, 1, L]
-    first = fa._with_graph_block_mask(spec, lists, layout).block_mask
+    first = fa_ops._with_graph_block_mask(spec, lists, layout).block_mask
     versions = [t._version for t in lists]
     row3 = [row.kv_num_blocks[:, :, 3:4], row.kv_indices[:, :, 3:4], row.full_kv_num_blocks[:, :, 3:4],
             row.full_kv_indices[:, :, 3:4]]
     for t, new in zip(lists, row3):
         t.numpy()[...] = new.numpy()          # same storage, same version, other contents
     assert [t._version for t in lists] == versions
-    second = fa._with_graph_block_mask(spec, lists, layout).block_mask
+    second = fa_ops._with_graph_block_mask(spec, lists, layout).block_mask
     assert first.to_dense().sum() == 2 and second.to_dense().sum() == 4
-    again = fa._with_graph_block_mask(spec, lists, layout).block_mask
+    again = fa_ops._with_graph_block_mask(spec, lists, layout).block_mask
     assert again is not second and again._states is second._states   # the same contents: the conversion kept
 
 
@@ -376,13 +377,13 @@ def test_template_captures_are_the_bound_specs(masks):
     score = mods.score_mod(lambda s, b, h, qi, ki: s + bias[ki % 8] * 0.5 + slopes[h] * (ki - qi))
     mask = mods.mask_mod(lambda b, h, qi, ki: (qi + offset >= ki) & (ki > 3))
     spec = AttentionSpec.from_args(score_mod=score, mask=mask)
-    spec_id = fa._REGISTRY.register(spec, masks=masks)
-    template = fa._REGISTRY.get(spec_id)
+    spec_id = fa_ops._REGISTRY.register(spec, masks=masks)
+    template = fa_ops._REGISTRY.get(spec_id)
     buffers = [c for c in score.captures if isinstance(c, torch.Tensor)]
     if masks:
         buffers += [c for c in mask.captures if isinstance(c, torch.Tensor)]
-    got = fa._template_captures(spec_id, buffers)
-    want = short_query.mod_captures(fa._REGISTRY.bind_operands(spec_id, buffers))
+    got = fa_ops._template_captures(spec_id, buffers)
+    want = short_query.mod_captures(fa_ops._REGISTRY.bind_operands(spec_id, buffers))
     assert got.keys() == want.keys()
     for kind in got:
         assert len(got[kind]) == len(want[kind]) > 0

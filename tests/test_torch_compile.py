@@ -11,6 +11,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import flexattn
 import flexattn.torch as fa
+import flexattn.torch.ops as fa_ops
 from flexattn import mods
 from flexattn.core.registry import SpecRegistry
 
@@ -287,7 +288,7 @@ def test_dynamic_sequence_lengths():
 def test_opcheck_custom_op():
     slopes = torch.rand(H, dtype=torch.float64, requires_grad=True)
     spec = flexattn.AttentionSpec.from_args(score=mods.alibi(slopes), mask=mods.causal())
-    spec_id = fa._REGISTRY.register(spec)
+    spec_id = fa_ops._REGISTRY.register(spec)
     q, k, v = _qkv(4)
     torch.library.opcheck(torch.ops.flexattn.attention_fwd.default, (q, k, v, [slopes], spec_id, [], None))
 
@@ -298,7 +299,7 @@ def test_opcheck_backward_op():
     slopes = torch.rand(H, dtype=torch.float64)
     ids = torch.zeros(S, dtype=torch.int64)
     score = mods.score_mod(lambda s, b, h, q, kv: s + slopes[h] * (kv - q) + ids[q])
-    spec_id = fa._REGISTRY.register(flexattn.AttentionSpec.from_args(score=score, mask=mods.causal()))
+    spec_id = fa_ops._REGISTRY.register(flexattn.AttentionSpec.from_args(score=score, mask=mods.causal()))
     q, k, v = _qkv(6, grad=False)
     q = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, S, H, D] storage
     out, lse = torch.ops.flexattn.attention_fwd(q, k, v, [slopes, ids], spec_id, [], None)
@@ -310,11 +311,11 @@ def test_opcheck_backward_op():
 
 def test_registry_reuses_entries_and_stays_bounded():
     q, k, v = _qkv(5, grad=False)
-    before = len(fa._REGISTRY)
+    before = len(fa_ops._REGISTRY)
     for w in (3, 4, 5):  # equal structure, numbers by value: one entry per distinct window
         for _ in range(3):
             fa.flex_attention(q, k, v, mask=mods.sliding_window(w), score_mod=mods.alibi(torch.rand(H, dtype=torch.float64)))
-    assert len(fa._REGISTRY) - before <= 3
+    assert len(fa_ops._REGISTRY) - before <= 3
     registry = SpecRegistry(fa._is_tensor, capacity=4)
     ids = [registry.register(flexattn.AttentionSpec.from_args(mask=mods.document(np.zeros(S, np.int32))))
            for _ in range(10)]  # fresh arrays: new entries, oldest evicted
@@ -384,7 +385,7 @@ def _assert_max_scores_step_compiles(step, backend, qkv, *rest):
 
 
 def test_opcheck_max_scores_op():
-    spec_id = fa._REGISTRY.register(flexattn.AttentionSpec.from_args(score=mods.softcap(3.0), mask=mods.causal()))
+    spec_id = fa_ops._REGISTRY.register(flexattn.AttentionSpec.from_args(score=mods.softcap(3.0), mask=mods.causal()))
     q, k, v = _qkv(8)
     torch.library.opcheck(torch.ops.flexattn.attention_fwd_max.default, (q, k, v, [], spec_id, [], None))
 

@@ -40,11 +40,12 @@ from ..core.context_parallel import (ContextParallelPlan, LoopbackWorld, ShardLa
 from ..core.context_parallel.host_ops import merge_rows, written_into
 from ..problem.spec import AttentionSpec, lse_dtype
 from ..problem.validate import check_inputs
-from ..core.kernel_path import prepare_forward
+from ..core.kernel_path import backward_unsupported, kernel_unsupported, prepare_forward
 from ..problem import bounds
-from . import _PreparedBackward, _records_grad, _score_tensors, backward_unsupported, create_block_mask, kernel_unsupported
+from . import create_block_mask
 from .devices import _backward_alloc, _forward_device, _like, _write_target, _written_empty
-from .launches import _backward_arrays, _buffer_grads, _grad_mask, _kernel_backward, _kernel_forward
+from .launches import _PreparedBackward, _backward_arrays, _buffer_grads, _grad_mask, _kernel_backward, _kernel_forward
+from .ops import _records_grad, _score_tensors
 
 SCHEDULES = ("ring", "direct", "all_gather")
 

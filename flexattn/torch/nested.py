@@ -88,7 +88,8 @@ def _takes_the_hop(var) -> bool:
     code, f_globals = getattr(var, "code", None), getattr(var, "f_globals", None)
     if code is None or not isinstance(f_globals, dict):
         return False     # a function made outside the traced code: dynamo reads its globals
-    from . import _is_tensor, _reachable_values
+    from . import _reachable_values
+    from .launches import _is_tensor
 
     code = code.as_python_constant()
     fn = types.FunctionType(code, f_globals, code.co_name, None,
@@ -269,7 +270,7 @@ def _install_pass() -> bool:
 def rewrite_marked_calls(graph: torch.fx.Graph) -> None:
     """Each marked ``flex_attention`` HOP node of ``graph`` -> ``flexattn::attention_fwd``
     (``attention_fwd_inference`` where autograd does not record the call)."""
-    from . import _REGISTRY
+    from .ops import _REGISTRY
 
     hop = torch.ops.higher_order.flex_attention
     for node in list(graph.nodes):

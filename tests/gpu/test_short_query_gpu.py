@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("cutlass")
 
 import flexattn.torch as fa  # noqa: E402
+import flexattn.torch.ops as fa_ops  # noqa: E402
 from flexattn import reference  # noqa: E402
 from flexattn.core import AttentionSpec, short_query  # noqa: E402
 
@@ -390,8 +391,8 @@ def test_gpt_fast_step_eager_never_waits_for_the_gpu(on_gpu, window, monkeypatch
     fn = (lambda b, h, q, kv: q >= kv) if window is None else (lambda b, h, q, kv: (q >= kv) & (q - kv <= window))
     block_mask = fa.create_block_mask(fn, 1, 1, L, L, device="cuda" if on_gpu else "cpu")
     walks = []
-    real = fa._graph_walk_forward
-    monkeypatch.setattr(fa, "_graph_walk_forward",
+    real = fa_ops._graph_walk_forward
+    monkeypatch.setattr(fa_ops, "_graph_walk_forward",
                         lambda *a, **kw: (lambda r: (walks.append(r is not None), r)[1])(real(*a, **kw)))
     step = compat_cases.gpt_fast_decode_step(fa, k_cache, v_cache, L)
     positions = (700, 701, 1500, 2047, 0, 1500)
@@ -464,8 +465,8 @@ def test_gpt_fast_step_compiled_with_our_imports(mode, window, on_gpu, monkeypat
         block_mask = fa.create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv <= window), 1, 1, L, L,
                                           device="cuda")
     walks = []   # (the first walk may be an eager test's PreparedDeviceWalk of the same call: count launches)
-    real = fa._graph_walk_forward
-    monkeypatch.setattr(fa, "_graph_walk_forward",
+    real = fa_ops._graph_walk_forward
+    monkeypatch.setattr(fa_ops, "_graph_walk_forward",
                         lambda *a, **kw: (lambda r: (walks.append(r is not None), r)[1])(real(*a, **kw)))
     decode_one_token = compat_cases.gpt_fast_decode_step(fa, k_cache, v_cache, L)
     counter = CompileCounterWithBackend("inductor")
