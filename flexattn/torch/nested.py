@@ -88,7 +88,7 @@ def _takes_the_hop(var) -> bool:
     code, f_globals = getattr(var, "code", None), getattr(var, "f_globals", None)
     if code is None or not isinstance(f_globals, dict):
         return False     # a function made outside the traced code: dynamo reads its globals
-    from . import _reachable_values
+    from .compiled import _reachable_values
     from .launches import _is_tensor
 
     code = code.as_python_constant()
