@@ -39,6 +39,7 @@ def main():
     names = {n for setting in settings for n, _ in setting}
     setup_dynamo()
     import flexattn.torch as fa
+    import flexattn.torch.attention as fa_attention
 
     cols = " | ".join(f"{s} ms | / unset" for s in [args.env] + args.also)
     print(f"| shape | variant | unset ms | {cols} |\n|---|---|---|" + "---|---|" * (len(settings) - 1))
@@ -61,7 +62,7 @@ def main():
                     for n in names:
                         os.environ.pop(n, None)
                     os.environ.update(dict(setting))
-                    fa._PREPARED.clear()
+                    fa_attention._PREPARED.clear()
                     step()
                     torch.cuda.synchronize()
                     times[i].append(bench_ms(step, warmup_ms=25, rep_ms=150))

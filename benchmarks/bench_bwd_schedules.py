@@ -38,7 +38,7 @@ def ours(qh, kh, vh, doh, causal, scale, overrides):
     from flexattn.kernels.bwd.plan import config_from_forward, workspace_dtypes, workspace_shapes
     from flexattn.kernels.launch.backward import BackwardRunner
     from flexattn.kernels.launch.operands import BackwardArrays
-    from flexattn.torch import _backward_alloc, _DeviceCopies
+    from flexattn.torch.devices import _backward_alloc, _DeviceCopies
 
     spec = AttentionSpec.from_args(mask=mods.causal() if causal else None, scale=scale)
     shape = check_inputs(qh, kh, vh, spec)

@@ -135,7 +135,7 @@ def plan_step(q, cache, score, mask, tuning=None, num_splits=None):
     shape and split count: the core planner with the torch adapter's device glue."""
     from flexattn.core import decode_path
     from flexattn.core.kernel_path import Device
-    from flexattn.torch import _decode_workspace, _DeviceCopies
+    from flexattn.torch.devices import _decode_workspace, _DeviceCopies
 
     B, Hq, n, _ = q.shape
     out = torch.empty_like(q)
@@ -235,7 +235,7 @@ def door(name, q, k, v, L, scale):
 
 def run_shape(B, L, rows, fa4=True, flex=True, variants=VARIANTS, layouts=LAYOUTS):
     import flexattn.torch as fa
-    from flexattn.torch import _kernel_decode
+    from flexattn.torch.decoding import _kernel_decode
 
     scale = 1 / math.sqrt(D)
     for layout in layouts:
@@ -411,7 +411,7 @@ def host_breakdown(B, L, calls=2000, burst=32):
     neither the launch queue nor the staging ring (the host may run 48 steps ahead)."""
     import flexattn.torch as fa
     from flexattn.core.decode_device import decode_key
-    from flexattn.torch import _DECODES, _step_facts
+    from flexattn.torch.decoding import _DECODES, _step_facts
 
     cache, q, mask, score = _steady_alibi_step(B, L, warmup=5)
     call = (score, None, None, True, mask, None)

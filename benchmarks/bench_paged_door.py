@@ -181,6 +181,7 @@ def main():
     args = ap.parse_args()
 
     import flexattn.torch as fa
+    import flexattn.torch.attention as fa_attention
     import flexattn.torch.devices as fa_devices
     from flexattn.core import short_query
     from torch.nn.attention.flex_attention import flex_attention as torch_flex
@@ -227,7 +228,7 @@ def main():
             impls["flex"] = lambda: compiled_flex(q, k_cache, v_cache, block_mask=torch_mask, enable_gqa=True)
         row = {"shape": spec, "blocks": blocks, "tbps": {}, "us": {}, "diff": {}}
         for name, fn in impls.items():
-            fa._PREPARED.clear()     # the door's prepared calls: made afresh under each column's route
+            fa_attention._PREPARED.clear()     # the door's prepared calls: made afresh under each column's route
             if name == "flexattn-fwd":
                 short_query.list_walk_route = short_query.prepared_list_walk = lambda *a, **kw: None
             try:

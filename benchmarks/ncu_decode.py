@@ -21,7 +21,7 @@ def main():
     ap.add_argument("--variants", nargs="*", default=["none", "alibi"])
     ap.add_argument("--layouts", nargs="*", default=["contiguous", "paged64"])
     args = ap.parse_args()
-    from flexattn.torch import _kernel_decode
+    from flexattn.torch.decoding import _kernel_decode
 
     B, L = map(int, args.shape.split("x"))
     flush = torch.ones(64 << 20, dtype=torch.int32, device="cuda")

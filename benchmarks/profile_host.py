@@ -28,19 +28,20 @@ def _call(kw):
 
 def torch_parts(qh, kh, vh, kw, calls):
     import flexattn.torch as fa
+    import flexattn.torch.attention as fa_attention
 
     fn = lambda: fa.flex_attention(qh, kh, vh, **kw)  # noqa: E731
     warm_up(fn)
     call = _call(kw)
-    key = fa._call_key(qh, kh, vh, call)
-    entry = fa._PREPARED.get(key)
+    key = fa_attention._call_key(qh, kh, vh, call)
+    entry = fa_attention._PREPARED.get(key)
     assert entry is not None, "the call did not reach the prepared path"
     out, lse = torch.empty_like(qh), entry.lse_sink
     shape, dtype, dev = entry.out_shape, entry.dtype, entry.device
     return fn, {
         "whole call": host_us(fn, calls),
-        "key": host_us(lambda: fa._call_key(qh, kh, vh, call), calls),
-        "lookup": host_us(lambda: fa._PREPARED.get(key), calls),
+        "key": host_us(lambda: fa_attention._call_key(qh, kh, vh, call), calls),
+        "lookup": host_us(lambda: fa_attention._PREPARED.get(key), calls),
         "torch.empty (out)": host_us(lambda: torch.empty(shape, dtype=dtype, device=dev), calls),
         "q.new_empty (out)": host_us(lambda: qh.new_empty(shape), calls),
         "torch.cuda.current_device()": host_us(torch.cuda.current_device, calls),

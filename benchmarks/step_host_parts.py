@@ -69,10 +69,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
     import flexattn.torch as fa
+    import flexattn.torch.attention as fa_attention
     from flexattn.core import backward_path
 
-    accumulate_time(fa._PreparedStep, "forward", _PARTS, "forward step (outputs, launch)")
-    accumulate_time(fa._PreparedStep, "backward", _PARTS, "backward (ours, all)")
+    accumulate_time(fa_attention._PreparedStep, "forward", _PARTS, "forward step (outputs, launch)")
+    accumulate_time(fa_attention._PreparedStep, "backward", _PARTS, "backward (ours, all)")
     accumulate_time(fa, "_backward_arrays", _PARTS, "  operands, dq dk dv")
     accumulate_time(backward_path.PreparedBackward, "launch", _PARTS, "  workspace, 3 launches")
 

@@ -982,6 +982,7 @@ def _style_worker(rank, world, port, tensors, results):
     from torch.distributed.tensor.parallel import parallelize_module
 
     import flexattn.torch as fa
+    import flexattn.torch.attention as fa_attention
     from flexattn.torch import context_parallel as tcp
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -1010,7 +1011,7 @@ def _style_worker(rank, world, port, tensors, results):
         leaves = [x.detach().requires_grad_(True) for x in shards[:3]]
         out = attention(*leaves, block_mask=block_mask)
         (out * shards[3]).sum().backward()
-        outside = fa.CONTEXT_PARALLEL.get()    # the style's scope ends with the forward
+        outside = fa_attention.CONTEXT_PARALLEL.get()    # the style's scope ends with the forward
         whole = [tcp.unshard(x, layout).numpy() for x in (out.detach(), *(x.grad for x in leaves))]
         results.put((rank, (same_order, outside, whole, trained.grad.numpy())))
     finally:

@@ -3,7 +3,7 @@
 on the device and the lists compacted there when read — the index never comes to the
 host. Emulated here with arrays that say they live on CUDA (DLPack) and count every copy
 to the host, and a GPU builder that compacts on the host; the torch route over such a
-slice (``flexattn.torch._row_walk_call``) runs in tests/gpu/test_short_query_gpu.py."""
+slice (``flexattn.torch.ops._row_walk_call``) runs in tests/gpu/test_short_query_gpu.py."""
 
 import numpy as np
 import pytest
@@ -153,7 +153,7 @@ def test_gpu_built_parent_slices_its_own_device_states(fake_cuda):
 
 @pytest.mark.parametrize("separate_full", [True, False])
 def test_row_walks_of_every_row(separate_full):
-    """``flexattn.torch._row_walks``: every row of a mask walked at once (what the eager
+    """``flexattn.torch.ops._row_walks``: every row of a mask walked at once (what the eager
     device-row route indexes) lists, per row, the blocks the host walk table lists (full
     first, then partial) with the same lengths."""
     torch = pytest.importorskip("torch")

@@ -8,6 +8,7 @@ import torch
 
 import flexattn
 import flexattn.torch as fa
+import flexattn.torch.attention as fa_attention
 from flexattn import mods
 
 import naive_attention as naive
@@ -180,7 +181,7 @@ def test_bad_input_gives_clear_error(call, err, words):
 def test_device_copies_of_read_only_arrays_warn_nothing():
     import warnings
 
-    from flexattn.torch import _DeviceCopies
+    from flexattn.torch.devices import _DeviceCopies
 
     x = np.arange(6, dtype=np.int32)
     x.flags.writeable = False
@@ -201,7 +202,7 @@ def test_prepared_entry_takes_inference_calls_and_leaves_recorded_ones(monkeypat
     from flexattn.problem.validate import check_inputs
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)   # CPU tensors: get_device() == -1
-    monkeypatch.setattr(fa, "_current_raw_stream", lambda index: 0)
+    monkeypatch.setattr(fa_attention, "_current_raw_stream", lambda index: 0)
     launched = []
 
     class FakePrepared:
@@ -216,10 +217,10 @@ def test_prepared_entry_takes_inference_calls_and_leaves_recorded_ones(monkeypat
     shape = check_inputs(q, k, v, spec)
     cache = PreparedCalls()
     for _ in range(2):    # prepared on the second sighting
-        cache.add(fa._call_key(q, k, v, call), call, lambda: fa._PreparedCall(spec, shape, q, FakePrepared()))
+        cache.add(fa_attention._call_key(q, k, v, call), call, lambda: fa_attention._PreparedCall(spec, shape, q, FakePrepared()))
 
     def run(q, k, v, call, return_lse):   # as flex_attention's repeated-call path
-        return cache.run(fa._call_key(q, k, v, call), q, k, v, return_lse)
+        return cache.run(fa_attention._call_key(q, k, v, call), q, k, v, return_lse)
 
     out, lse = run(q, k, v, call, return_lse=False)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (1, 4, 8)
@@ -252,7 +253,7 @@ def test_eager_autograd_path_only_for_plain_tensors():
     dispatch modes and functorch transforms; fake tensors and torch.func keep the ops."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from flexattn.torch import _plain_eager
+    from flexattn.torch.attention import _plain_eager
 
     x = torch.zeros(2, 3)
     assert _plain_eager(x, x.requires_grad_())
@@ -273,7 +274,7 @@ def test_written_empty_skips_the_deterministic_fill_and_restores_it():
     """Under torch.use_deterministic_algorithms torch fills every new tensor with NaN
     (an extra kernel each); arrays the kernels write in full skip it, and the global
     switch is back afterwards, also when the allocation fails."""
-    from flexattn.torch import _written_empty
+    from flexattn.torch.devices import _written_empty
 
     fill = torch.utils.deterministic
     assert fill.fill_uninitialized_memory
@@ -306,7 +307,7 @@ def test_backward_operands_are_read_in_place_where_the_kernels_can():
     they are: the gradient of a transposed output ([B, S, H, D] storage), context
     parallelism's row slices of dO and LSE; a copy where it cannot: an expanded gradient
     (zero strides), strides off 16 bytes, a base off 16 bytes, a non-contiguous head dim."""
-    from flexattn.torch import _backward_arrays
+    from flexattn.torch.launches import _backward_arrays
 
     B, H, S, D = 2, 4, 40, 64
     q = torch.randn(B, H, S, D, dtype=torch.bfloat16)
@@ -606,7 +607,7 @@ def test_device_copies_key_tensors_read_in_place():
     the kernel as a view of itself, so it is keyed by its data pointer, dtype and shape (an
     update in place keeps the key; a rebound storage changes it); strided tensors and
     tensors on another device are copied at every launch (no key)."""
-    from flexattn.torch import _DeviceCopies
+    from flexattn.torch.devices import _DeviceCopies
 
     copies = _DeviceCopies(torch.device("cpu"))
     table = torch.arange(12.0).reshape(3, 4)

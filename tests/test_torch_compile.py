@@ -1091,7 +1091,7 @@ def test_mods_of_tensors_made_inside_the_compiled_code_are_refused_clearly(make,
                                              fullgraph=True)(q, k, v), fa.flex_attention(q, k, v, **made))
 
 
-# --- decode steps under torch.compile (flexattn.torch._decode_in_graph) -------------------------
+# --- decode steps under torch.compile (flexattn.torch.decoding._decode_in_graph) -------------------------
 
 def _decode_cache(lengths):
     g = torch.Generator().manual_seed(21)

@@ -94,7 +94,7 @@ class ContextParallelStyle(ParallelStyle):
         self.layout, self.schedule = layout, schedule
 
     def _apply(self, module, device_mesh):
-        from . import CONTEXT_PARALLEL
+        from .attention import CONTEXT_PARALLEL
 
         parallel = ContextParallel(self.layout, device_mesh, self.schedule)
         inner = module.forward

@@ -3,7 +3,7 @@
 A ``score_mod`` or ``mask=`` function defined in the compiled code and closing over
 tensors (in a model's ``forward``: ``def score_mod(s, b, h, q, kv): return s + bias[h]``)
 is not a Python object while dynamo traces, so it cannot reach the compile-time
-preparation that traces other functions into our IR (``flexattn.torch._prepare_for_compile``;
+preparation that traces other functions into our IR (``flexattn.torch.compiled._prepare_for_compile``;
 ``captures_graph_values`` tells these apart). Nor can the lists of a torch ``BlockMask``
 built there (``made_in_traced_code``): they are values of the graph. torch's own
 ``flex_attention`` higher-order op takes both: dynamo *speculates* its score and mask

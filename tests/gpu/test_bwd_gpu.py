@@ -44,7 +44,7 @@ _RUNNERS = {}
 
 
 def _device(tf32_passes=3):
-    from flexattn.torch import _backward_alloc, _DeviceCopies
+    from flexattn.torch.devices import _backward_alloc, _DeviceCopies
 
     dev = torch.device("cuda")   # alloc: float32's forward operands
     return Device(torch.cuda.current_stream().cuda_stream, _DeviceCopies(dev), alloc=_backward_alloc(dev),

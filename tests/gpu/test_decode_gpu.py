@@ -143,7 +143,7 @@ def run_kernel(q, cache, mask, score, num_sms, tuning=None, num_splits=None, syn
     out = torch.full((B, Hq, n, D), float("nan"), device=DEV, dtype=q.dtype)
     lse = torch.full((B, Hq, n), float("nan"), device=DEV)
 
-    from flexattn.torch import _DeviceCopies
+    from flexattn.torch.devices import _DeviceCopies
 
     device = Device(torch.cuda.current_stream().cuda_stream, _DeviceCopies(torch.device(DEV)), tvm_ffi_stream=True)
     step = decode_path.decode_into(q, cache, out, lse, decode_path.DecodeSite(device, num_sms, workspace()),

@@ -20,6 +20,7 @@ pytest.importorskip("cutlass")
 
 import flexattn  # noqa: E402
 import flexattn.torch as fa  # noqa: E402
+import flexattn.torch.attention as fa_attention  # noqa: E402
 from flexattn import mods, reference  # noqa: E402
 from flexattn.core import AttentionSpec, check_inputs  # noqa: E402
 from flexattn.core.kernel_path import Device, forward_into  # noqa: E402
@@ -33,7 +34,7 @@ CASES_PER_MOD = 16
 
 
 def _device():
-    from flexattn.torch import _DeviceCopies
+    from flexattn.torch.devices import _DeviceCopies
 
     return Device(torch.cuda.current_stream().cuda_stream, _DeviceCopies(torch.device("cuda")))
 
@@ -198,9 +199,9 @@ def _torch_ref(q, k, v, **kw):
 
 def test_repeated_calls_take_the_prepared_path_and_stay_right():
     """From the second sighting on, a repeated inference call skips checks and planning
-    (fa._PREPARED); fresh inputs every call, results against the reference each time."""
+    (fa_attention._PREPARED); fresh inputs every call, results against the reference each time."""
     pytest.importorskip("tvm_ffi")
-    fa._PREPARED.clear()
+    fa_attention._PREPARED.clear()
     slopes = torch.rand(4, device="cuda")
     score = mods.alibi(slopes)
     bm = fa.create_block_mask(mods.causal() & mods.sliding_window(70), None, None, 300, 300)
@@ -211,18 +212,18 @@ def test_repeated_calls_take_the_prepared_path_and_stay_right():
         want, want_lse = _torch_ref(q, k, v, score_mod=mods.alibi(slopes.cpu()), block_mask=bm, return_lse=True)
         assert (out.double().cpu() - want).abs().max() < 5e-3, i
         assert (lse.double().cpu() - want_lse).abs().max() < 2e-3, i
-        assert len(fa._PREPARED._entries) == (1 if i >= 1 else 0)
+        assert len(fa_attention._PREPARED._entries) == (1 if i >= 1 else 0)
     # another layout (strides) or dtype is another entry, not a wrong hit
     qt = torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.float16).transpose(1, 2)
     for _ in range(2):
         out = fa.flex_attention(qt, k, v, score_mod=score, block_mask=bm)
     assert (out.double().cpu() - _torch_ref(qt, k, v, score_mod=mods.alibi(slopes.cpu()), block_mask=bm)).abs().max() < 5e-3
-    assert len(fa._PREPARED._entries) == 2
+    assert len(fa_attention._PREPARED._entries) == 2
     # entries die with the mod objects they were keyed by (and release their captures)
     del score
     import gc
     gc.collect()
-    assert len(fa._PREPARED._entries) == 0
+    assert len(fa_attention._PREPARED._entries) == 0
 
 
 def test_prepared_path_leaves_recorded_calls_to_autograd():
@@ -248,7 +249,7 @@ def test_repeated_training_steps_take_the_prepared_path(kind, monkeypatch):
     which captures need gradients goes back through the full path once, then is prepared
     again; entries still die with their mods."""
     pytest.importorskip("tvm_ffi")
-    fa._PREPARED.clear()
+    fa_attention._PREPARED.clear()
     full = {"check": 0, "backward": 0}
     for name, key in (("_checked_call", "check"), ("_kernel_backward", "backward")):
         def counted(*a, _f=getattr(fa, name), _k=key, **kw):
@@ -297,7 +298,7 @@ def test_repeated_training_steps_take_the_prepared_path(kind, monkeypatch):
     del score, call, spec, out   # (the last step's graph holds its call)
     import gc
     gc.collect()
-    assert len(fa._PREPARED._entries) == 0
+    assert len(fa_attention._PREPARED._entries) == 0
 
 
 def test_bounds_checked_debug_mode_on_the_gpu():
@@ -405,11 +406,11 @@ def test_document_block_mask_runs_clusters_where_row_pairs_match(bounds, cluster
     assert cfg.block_sparse and cfg.cluster_m == (2 if clusters else 1)
     monkeypatch.setenv("FLEXATTN_LIST_CLUSTERS", "0")
     assert plan_forward(q, check_inputs(q, k, v, spec), spec).config.cluster_m == 1
-    fa._PREPARED.clear()
+    fa_attention._PREPARED.clear()
     with torch.no_grad():
         one_cta = fa.flex_attention(q, k, v, block_mask=bm)
         monkeypatch.delenv("FLEXATTN_LIST_CLUSTERS")
-        fa._PREPARED.clear()
+        fa_attention._PREPARED.clear()
         outs = [fa.flex_attention(q, k, v, block_mask=bm) for _ in range(3)]   # full path, then prepared
     torch.cuda.synchronize()
     want = _torch_ref(q, k, v, block_mask=fa.create_block_mask(
@@ -577,7 +578,7 @@ def test_compiled_graphs_repeat_through_prepared_op_launches(monkeypatch):
     updated in place and a closure rebound to new tensors are both seen, equal to the eager
     call and to the float64 reference."""
     from flexattn.core.kernel_path import PreparedForward
-    import flexattn.torch as fat
+    import flexattn.torch.ops as fat
 
     launches = []
     real = PreparedForward.launch_operands
@@ -617,7 +618,7 @@ def test_compiled_training_repeats_through_prepared_op_launches(monkeypatch):
     q, k, v and of the closed-over bias table equal the eager ones at every step, also after
     the table is updated in place."""
     from flexattn.core.backward_path import PreparedBackward
-    import flexattn.torch as fat
+    import flexattn.torch.ops as fat
 
     launches = []
     real = PreparedBackward.launch
@@ -653,7 +654,7 @@ def test_compiled_score_functions_defined_inside_forward_train_on_the_kernels():
     v and the table equal the eager call's at every step, also after in-place updates, with
     one compilation."""
     from torch._dynamo.testing import CompileCounterWithBackend
-    import flexattn.torch as fat
+    import flexattn.torch.ops as fat
 
     calls = []
     real = fat._kernel_forward
@@ -764,7 +765,7 @@ def test_compiled_functions_defined_inside_under_each_backend():
     ``nested.compiling_for_inductor``) runs our kernels; aot_eager runs torch's own
     implementation of the whole call (before, it silently left the mask out). Both match
     a float64 reference, gradients too."""
-    import flexattn.torch as fat
+    import flexattn.torch.ops as fat
 
     H, S = 4, 384
     bias = torch.randn(H, device="cuda")

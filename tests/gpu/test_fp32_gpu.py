@@ -22,7 +22,7 @@ from flexattn import mods, reference  # noqa: E402
 from flexattn.core import AttentionSpec, check_inputs  # noqa: E402
 from flexattn.core.kernel_path import forward_into, plan_forward  # noqa: E402
 from flexattn.kernels.fwd.fp32_operands import key_order  # noqa: E402
-from flexattn.torch import _forward_device  # noqa: E402
+from flexattn.torch.devices import _forward_device  # noqa: E402
 from mod_cases import STRUCTURES, structure_mods  # noqa: E402
 
 # Max |out - float64| bounds for N(0, 1) inputs: 3xTF32 is within a few float32 ulps of the
@@ -115,7 +115,7 @@ def test_operand_kernel(passes):
     the batch dim) and Q's parts, against a host emulation of the rounding."""
     from flexattn.kernels.fwd.sm90 import FwdConfig
     from flexattn.kernels.launch.fp32 import fp32_operands
-    from flexattn.torch import _backward_alloc
+    from flexattn.torch.devices import _backward_alloc
 
     torch.manual_seed(passes)
     B, H, S, D = 2, 3, 77, 80

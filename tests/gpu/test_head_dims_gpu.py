@@ -30,7 +30,7 @@ PAIRS = [(32, 32), (80, 80), (96, 96), (192, 192), (256, 256), (192, 128), (128,
 
 
 def _device():
-    from flexattn.torch import _DeviceCopies
+    from flexattn.torch.devices import _DeviceCopies
 
     return Device(torch.cuda.current_stream().cuda_stream, _DeviceCopies(torch.device("cuda")))
 

@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("cutlass")
 
 import flexattn.torch as fa  # noqa: E402
+import flexattn.torch.attention as fa_attention  # noqa: E402
 import flexattn.torch.ops as fa_ops  # noqa: E402
 from flexattn import reference  # noqa: E402
 from flexattn.core import AttentionSpec, short_query  # noqa: E402
@@ -182,7 +183,7 @@ def test_repeated_calls_take_the_prepared_route_and_follow_streams(routed):
     k, v = (torch.randn(2, 2, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     window = fa.create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx >= 700, None, None, 1, 1000, device="cuda")
     outs = [fa.flex_attention(q, k, v, block_mask=window, enable_gqa=True) for _ in range(4)]
-    entries = [e for _, e in fa._PREPARED._entries.values()]
+    entries = [e for _, e in fa_attention._PREPARED._entries.values()]
     assert any(isinstance(getattr(e.launch, "__self__", None), PreparedShortQuery) for e in entries)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
