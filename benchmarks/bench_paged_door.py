@@ -104,6 +104,7 @@ def prefill_table(shapes, chunk: int, compiled_flex) -> str:
     with the logical block mask (``flexattn-logical``: the cost of the pages), and SDPA with
     the chunk's boolean mask over the logical caches."""
     import flexattn.torch as fa
+    from flexattn.blockmask.layout import as_block_mask
 
     names = ["flexattn", "flexattn-logical", "sdpa", "flex"]
     md = (f"Prefill chunks of {chunk} queries (causal at the sequence's end), TFLOP/s (µs)\n\n"
@@ -115,7 +116,7 @@ def prefill_table(shapes, chunk: int, compiled_flex) -> str:
         start = length - chunk
         flops = 4 * batch * HQ * D * sum(start + i + 1 for i in range(chunk))
         sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
-        ours = fa.as_block_mask(logical)
+        ours = as_block_mask(logical)
         impls = {
             "flexattn": lambda: fa.flex_attention(q, k_cache, v_cache, block_mask=physical, enable_gqa=True),
             "flexattn-logical": lambda: fa.flex_attention(q, k, v, block_mask=ours, enable_gqa=True),

@@ -14,6 +14,7 @@ import flexattn.torch as fa  # noqa: E402
 import flexattn.torch.attention as fa_attention  # noqa: E402
 import flexattn.torch.ops as fa_ops  # noqa: E402
 from flexattn import reference  # noqa: E402
+from flexattn.blockmask.layout import as_block_mask  # noqa: E402
 from flexattn.core import AttentionSpec, short_query  # noqa: E402
 
 TOL = 2.5e-2
@@ -268,7 +269,7 @@ def test_torchs_paged_attention_block_mask_converted_every_step():
                                           BLOCK_SIZE=page)
         logical.seq_lengths = (1, L)
         physical = paged.convert_logical_block_mask(logical)
-        masks.append(fa.as_block_mask(physical).mask_mod)
+        masks.append(as_block_mask(physical).mask_mod)
         q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
         out = fa.flex_attention(q, k_cache, v_cache, block_mask=physical, enable_gqa=True)
         host_lens = lens.cpu()

@@ -563,7 +563,7 @@ def test_walks_plan_their_last_page_mask(listed):
     reads issued a step ahead. Neither runs the masked-prefix analysis (the table hides
     any prefix)."""
     torch = pytest.importorskip("torch")
-    import flexattn.torch as fa
+    from flexattn.blockmask.layout import as_block_mask
     import flexattn.torch.devices as fa_devices
     from flexattn.core import AttentionSpec, short_query
     from flexattn.problem.validate import AttentionShape
@@ -584,7 +584,7 @@ def test_walks_plan_their_last_page_mask(listed):
     k = torch.zeros(1, Hkv, L, D, dtype=torch.bfloat16).expand(B, -1, -1, -1)
     q = torch.zeros(B, Hq, 1, D, dtype=torch.bfloat16)
     out, lse = torch.empty_like(q), torch.empty(B, Hq, 1)
-    spec = AttentionSpec.from_args(block_mask=fa.as_block_mask(step), enable_gqa=True)
+    spec = AttentionSpec.from_args(block_mask=as_block_mask(step), enable_gqa=True)
     walk, k_pages, v_pages = short_query.list_walk_route(AttentionShape(B, Hq, Hkv, 1, L, D, D), spec, "bfloat16",
                                                          k, k, device)
     plan, _, _ = short_query._walk_plan(walk, q, k_pages, v_pages, out, lse, device)
@@ -599,7 +599,7 @@ def test_walks_plan_their_last_page_mask(listed):
     step2 = torch_create_block_mask(lambda b, h, q, kv: kv < lens2[b], B, None, rows, L, device="cpu",
                                     BLOCK_SIZE=block)
     step2.seq_lengths = (1, L)
-    spec2 = AttentionSpec.from_args(block_mask=fa.as_block_mask(step2), enable_gqa=True)
+    spec2 = AttentionSpec.from_args(block_mask=as_block_mask(step2), enable_gqa=True)
     walk2 = short_query.list_walk_route(AttentionShape(B, Hq, Hkv, 1, L, D, D), spec2, "bfloat16", k, k, device)[0]
     assert walk2.mods.mask.expr is walk.mods.mask.expr and walk2.table is not walk.table
     again = short_query._walk_plan(walk2, q, k_pages, v_pages, out, lse, device)[0]
