@@ -2,7 +2,8 @@
 steady-state steps, eager and compiled (default mode), top entries by internal and by
 cumulative time, the kernels one step launches (torch.profiler: names, count, device µs),
 then each step's host µs (a submit-only loop, no sync) beside its µs per step with the GPU
-(do_bench).
+(do_bench). torch's own compiled step (the same code with torch's imports) runs beside ours
+unless ``--no-torch``: its host time is torch.compile's floor on the same host.
 
     python3 benchmarks/profile_gpt_fast.py [--shape 8x8192] [--steps 300] [--top 30]
 
@@ -31,6 +32,7 @@ def main():
     ap.add_argument("--shape", default="8x8192")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--no-torch", action="store_true", help="leave out torch's own compiled step")
     args = ap.parse_args()
     import flexattn.torch as fa
 
@@ -41,13 +43,21 @@ def main():
     k_cache, v_cache = (torch.randn(batch, HKV, max_len, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     q = torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
     input_pos = torch.tensor([max_len - 1 - 37], device="cuda")
+    import torch.nn.attention.flex_attention as torch_flex
+
     mask = fa.create_block_mask(causal, 1, 1, max_len, max_len, device="cuda")
-    steps = {"eager": decode_step(fa, k_cache, v_cache, max_len)}
-    steps["default"] = torch.compile(decode_step(fa, k_cache, v_cache, max_len), fullgraph=True)
+    torch_mask = torch_flex.create_block_mask(causal, 1, 1, max_len, max_len, device="cuda")
+    # (step, its block mask): ours eager and compiled, and torch's own compiled step beside
+    # them (the same code with torch's imports), whose host time is torch.compile's floor here
+    steps = {"eager": (decode_step(fa, k_cache, v_cache, max_len), mask),
+             "default": (torch.compile(decode_step(fa, k_cache, v_cache, max_len), fullgraph=True), mask)}
+    if not args.no_torch:
+        steps["torch-default"] = (torch.compile(decode_step(torch_flex, k_cache, v_cache, max_len), fullgraph=True),
+                                  torch_mask)
     table = []
     with torch.no_grad():
-        for name, step in steps.items():
-            fn = lambda step=step: step(q, input_pos, mask)  # noqa: E731
+        for name, (step, step_mask) in steps.items():
+            fn = lambda step=step, step_mask=step_mask: step(q, input_pos, step_mask)  # noqa: E731
             for _ in range(5):
                 fn()
             torch.cuda.synchronize()
