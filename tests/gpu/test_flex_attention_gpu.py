@@ -482,6 +482,12 @@ def test_block_mask_built_on_the_gpu_by_default():
     torch.testing.assert_close(fa.flex_attention(q, k, v, block_mask=default),
                                fa.flex_attention(q, k, v, block_mask=host))
     assert fa.create_mask(window, None, None, 8, 8).is_cuda
+    # CPU tensors (the README's example, run on a GPU machine) take the reference with either mask
+    qc, kc, vc = (x[:, :, :300].float().cpu() for x in (q, k, v))
+    small = fa.create_block_mask(window, None, None, 300, 300)
+    assert small.kv_indices.is_cuda
+    torch.testing.assert_close(fa.flex_attention(qc, kc, vc, block_mask=small),
+                               fa.flex_attention(qc, kc, vc, block_mask=small.to("cpu")))
 
 
 def test_block_mask_to_device_and_back():
