@@ -98,7 +98,7 @@ def test_no_import_reaches_up_or_sideways():
 def test_adapters_reach_kernels_only_through_the_core():
     bad = []
     for module, path, is_package in _modules():
-        if module not in ADAPTERS:
+        if not any(module == a or module.startswith(a + ".") for a in ADAPTERS):
             continue
         for line, target in _imports(module, path, is_package):
             if target.startswith("flexattn.kernels"):
@@ -113,3 +113,46 @@ def test_the_checker_sees_a_violation(tmp_path):
     found = list(_imports("flexattn.mods.x", str(path), False))
     assert found == [(1, "flexattn.core.kernel_path"), (4, "flexattn.torch.flex_attention")]
     assert all(_component(t)[0] > _component("flexattn.mods.x")[0] for _, t in found)
+
+
+# Inside the torch adapter, bottom to top: a module imports only modules of lower rows
+# (lazy imports too), so its concepts stay layered as docs/ARCHITECTURE.md lists them.
+TORCH_ADAPTER = [
+    ["flexattn.torch.devices", "flexattn.torch.graph_walk", "flexattn.torch.tensor_eval"],
+    ["flexattn.torch.launches"],
+    ["flexattn.torch.ops"],
+    ["flexattn.torch.nested"],
+    ["flexattn.torch.compiled"],
+    ["flexattn.torch.attention"],
+    ["flexattn.torch.decoding"],
+    ["flexattn.torch"],
+    ["flexattn.torch.context_parallel"],
+]
+
+
+def _adapter_row(module: str):
+    """The row of ``module`` (or of the adapter module a name is imported from) in
+    ``TORCH_ADAPTER``; None outside the torch adapter."""
+    best = None
+    for i, row in enumerate(TORCH_ADAPTER):
+        for name in row:
+            if (module == name or module.startswith(name + ".")) and (best is None or len(name) > len(best[1])):
+                best = (i, name)
+    return best
+
+
+def test_the_torch_adapter_is_layered():
+    placed = {name for row in TORCH_ADAPTER for name in row}
+    bad = []
+    for module, path, is_package in _modules():
+        if not (module == "flexattn.torch" or module.startswith("flexattn.torch.")):
+            continue
+        if module not in placed:
+            bad.append(f"{module}: in no row of TORCH_ADAPTER")
+            continue
+        row = _adapter_row(module)[0]
+        for line, target in _imports(module, path, is_package):
+            found = _adapter_row(target)
+            if found is not None and found[1] != module and found[0] >= row:
+                bad.append(f"{os.path.relpath(path, PACKAGE)}:{line} imports {target} (row {found[0]} >= {row})")
+    assert not bad, "the torch adapter's modules against their order:\n" + "\n".join(bad)

@@ -84,14 +84,12 @@ def flex_attention(
     """
     key, value = _broadcast_kv_batch(query, key, value)
     # (eager only: dynamo cannot trace a ContextVar, and context parallelism runs eagerly)
-    parallel = None if torch.compiler.is_compiling() else CONTEXT_PARALLEL.get()
-    if parallel is not None:   # inside a module parallelized with context_parallel.ContextParallelStyle
-        from .context_parallel import flex_attention as parallel_attention
-
+    parallel_attention = None if torch.compiler.is_compiling() else CONTEXT_PARALLEL.get()
+    if parallel_attention is not None:   # inside a module parallelized with context_parallel.ContextParallelStyle
         if return_aux is not None:
             raise ValueError("return_aux is not supported under context parallelism: use return_lse=True")
         return parallel_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
-                                  parallel=parallel, mask=mask, score=score)
+                                  mask=mask, score=score)
     if return_aux is not None:
         if return_lse:
             raise ValueError("Cannot specify both return_lse and return_aux: use return_aux=AuxRequest(lse=True)")
@@ -295,8 +293,10 @@ class _PreparedStep:
         return grads
 
 
-# The ContextParallel that flex_attention calls run under, set around the forward of a
-# module parallelized with context_parallel.ContextParallelStyle (None: one device).
+# What flex_attention calls run as inside the forward of a module parallelized with
+# context_parallel.ContextParallelStyle, which sets it there: its attention over this rank's
+# shards, a function of flex_attention's arguments (None: one device). (The style hands the
+# function down, so this module never imports context_parallel, which sits above it.)
 CONTEXT_PARALLEL: contextvars.ContextVar = contextvars.ContextVar("flexattn_context_parallel", default=None)
 
 

@@ -19,8 +19,8 @@ from ..blockmask.layout import as_block_mask
 from ..core.registry import by_id, compiled_spec, from_id
 from ..mods import Mod
 from .launches import _is_tensor
-from .nested import (captures_graph_values, compiling_for_inductor, flex_attention_route, made_in_traced_code,
-                     object_token, stashed, torch_flex_call)
+from .nested import (_reachable_values, captures_graph_values, compiling_for_inductor, flex_attention_route,
+                     made_in_traced_code, object_token, stashed, torch_flex_call)
 from .ops import _REGISTRY, _records_grad, _score_tensors
 
 def _compiled_call(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, mask, score):
@@ -159,25 +159,6 @@ def _tensor_sources(fn, mod, role: str = "score_mod") -> tuple:
                             f" mod value outside the compiled function (flexattn.{maker}(fn), e.g. in __init__)")
         sources.append(path)
     return tuple(sources)
-
-
-def _reachable_values(fn, path=(), depth=0) -> list:
-    """[(path, value)] of what ``fn`` can read: its closure cells, named globals and
-    defaults, and (recursively, a few levels) those of the functions found there."""
-    items = []
-    for i, cell in enumerate(fn.__closure__ or ()):
-        try:
-            items.append((("cell", i), cell.cell_contents))
-        except ValueError:   # an empty cell
-            pass
-    items += [(("global", n), fn.__globals__[n]) for n in fn.__code__.co_names if n in fn.__globals__]
-    items += [(("default", i), d) for i, d in enumerate(fn.__defaults__ or ())]
-    out = []
-    for step, value in items:
-        out.append((path + (step,), value))
-        if depth < 3 and inspect.isfunction(value) and value is not fn:
-            out += _reachable_values(value, path + (step,), depth + 1)
-    return out
 
 
 @torch._dynamo.assume_constant_result

@@ -97,11 +97,12 @@ class ContextParallelStyle(ParallelStyle):
         from .attention import CONTEXT_PARALLEL
 
         parallel = ContextParallel(self.layout, device_mesh, self.schedule)
+        attention = functools.partial(flex_attention, parallel=parallel)
         inner = module.forward
 
         @functools.wraps(inner)
         def forward(*args, **kwargs):
-            token = CONTEXT_PARALLEL.set(parallel)
+            token = CONTEXT_PARALLEL.set(attention)
             try:
                 return inner(*args, **kwargs)
             finally:
@@ -688,11 +689,9 @@ def _kernel_merges(acc, out_j, lse_j) -> bool:
 def _merge_kernel(acc, lse, out_j, lse_j) -> None:
     """The merge on the GPU in one pass over the attended rows only
     (``kernels.merge.partial``), on the current stream."""
-    from ..core.kernel_path import use_tvm_ffi
-    from ..kernels.launch.merge import merge_partial
+    from ..core.merge import merge_partial_into
 
-    merge_partial(acc, lse, out_j, lse_j, tvm_ffi=use_tvm_ffi(),
-                  stream=torch.cuda.current_stream(acc.device).cuda_stream)
+    merge_partial_into(acc, lse, out_j, lse_j, torch.cuda.current_stream(acc.device).cuda_stream)
 
 
 def _merge_rows(acc, lse, out_j, lse_j) -> None:

@@ -77,6 +77,25 @@ def captures_graph_values(fn) -> bool:
     return _probed()
 
 
+def _reachable_values(fn, path=(), depth=0) -> list:
+    """[(path, value)] of what ``fn`` can read: its closure cells, named globals and
+    defaults, and (recursively, a few levels) those of the functions found there."""
+    items = []
+    for i, cell in enumerate(fn.__closure__ or ()):
+        try:
+            items.append((("cell", i), cell.cell_contents))
+        except ValueError:   # an empty cell
+            pass
+    items += [(("global", n), fn.__globals__[n]) for n in fn.__code__.co_names if n in fn.__globals__]
+    items += [(("default", i), d) for i, d in enumerate(fn.__defaults__ or ())]
+    out = []
+    for step, value in items:
+        out.append((path + (step,), value))
+        if depth < 3 and inspect.isfunction(value) and value is not fn:
+            out += _reachable_values(value, path + (step,), depth + 1)
+    return out
+
+
 def _takes_the_hop(var) -> bool:
     """dynamo's verdict on a mod function it traces: not a Python constant (a closure over
     graph values), or defined in the traced code and reading tensors through its globals
@@ -88,7 +107,6 @@ def _takes_the_hop(var) -> bool:
     code, f_globals = getattr(var, "code", None), getattr(var, "f_globals", None)
     if code is None or not isinstance(f_globals, dict):
         return False     # a function made outside the traced code: dynamo reads its globals
-    from .compiled import _reachable_values
     from .launches import _is_tensor
 
     code = code.as_python_constant()
