@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..arrays import to_numpy, to_numpy_all
+from ..arrays import dtype_name, to_numpy, to_numpy_all
 from ..bounded import keep_bounded
 from ..mods import MaskMod, as_mask, full
 from ..mods.mod import LIVE_OBJECTS
@@ -614,7 +614,7 @@ def _device_index(i):
         return None
     kind, number = i.__dlpack_device__()
     # (DLPack's kDLCUDA; signed integers only: torch reads a uint8 / bool index as a mask)
-    if int(kind) != 2 or str(getattr(i, "dtype", "")).rsplit(".", 1)[-1] not in ("int64", "int32", "int16", "int8"):
+    if int(kind) != 2 or getattr(i, "dtype", None) is None or dtype_name(i) not in ("int64", "int32", "int16", "int8"):
         return None
     return f"cuda:{int(number)}"
 
