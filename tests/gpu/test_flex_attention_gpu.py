@@ -252,11 +252,11 @@ def test_repeated_training_steps_take_the_prepared_path(kind, monkeypatch):
     fa_attention._PREPARED.clear()
     full = {"check": 0, "backward": 0}
     for name, key in (("_checked_call", "check"), ("_kernel_backward", "backward")):
-        def counted(*a, _f=getattr(fa, name), _k=key, **kw):
+        def counted(*a, _f=getattr(fa_attention, name), _k=key, **kw):
             # (the CPU reference takes _checked_call too; _kernel_backward is CUDA's alone)
             full[_k] += 1 if _k == "backward" else a[0].is_cuda
             return _f(*a, **kw)
-        monkeypatch.setattr(fa, name, counted)
+        monkeypatch.setattr(fa_attention, name, counted)
     slopes = torch.rand(4, device="cuda", requires_grad=True)
     score = mods.alibi(slopes)
     S = 333
