@@ -79,6 +79,31 @@ def test_fp32_kernels_compile(dims, passes, kind):
         assert usage.spill_store_bytes <= 128, usage
 
 
+@pytest.mark.parametrize("dims,fold", [((128, 128), 8), ((64, 64), 16)], ids=str)
+def test_finer_pv_folds_compile(dims, fold):
+    """FwdConfig.pv_fold_keys: each group of `fold` keys' P V gets a fresh accumulator and
+    its own wait (one more wgmma group per group), and O stays free of spills."""
+    d, dv = dims
+    tile_m, tile_n, stages = _fp32_tiles(_dims(d, dv), 2, True)
+    hook = IRModHook(None, None, False)
+    base = dict(dtype="fp32", tf32_passes=3, head_dim=d, head_dim_v=dv, tile_m=tile_m, tile_n=tile_n,
+                num_stages=stages, causal=True, mods=hook, pingpong=True)
+    groups = {}
+    for keys in (None, fold):
+        ptx = compile_forward(FwdConfig(**base, pv_fold_keys=keys), fake_args(hook), keep_ptx=True).__ptx__
+        groups[keys] = ptx.count("wgmma.commit_group")
+        usage = resource_usage_from_ptx(ptx)
+        if usage is not None:
+            assert usage.spill_store_bytes == 0 and usage.stack_bytes == 0, usage
+    # Every P V issue (main loop and last block) gains tile_n / fold - 1 groups.
+    assert groups[fold] > groups[None], groups
+    for bad in (12, tile_n * 2):
+        with pytest.raises(ValueError, match="pv_fold_keys"):
+            FwdConfig(**base, pv_fold_keys=bad)
+    with pytest.raises(ValueError, match="pv_fold_keys"):
+        FwdConfig(**{**base, "tf32_passes": 1}, pv_fold_keys=fold)
+
+
 @pytest.mark.parametrize("cfg", [OperandsConfig(128, True, 1), OperandsConfig(80, True, 2), OperandsConfig(64, False, 2)],
                          ids=str)
 def test_operand_kernels_compile(cfg):

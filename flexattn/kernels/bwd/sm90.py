@@ -190,6 +190,10 @@ class BwdConfig(KernelConfig):
     dq_finish: bool = False
     # fp32: tf32 MMAs per product, 1 or 3 (3xTF32: torch's "highest" float32 precision)
     tf32_passes: int = 1
+    # fp32, 3xTF32: S^T's and dP^T's chains over the head dim summed in a fresh accumulator
+    # every this many k-blocks, then added with fp32 adds (0: one accumulator; tf32_sync's
+    # promote). For A/B runs of dS = P (dP - D)'s cancellation (FLEXATTN_BWD_CHAIN_PROMOTE).
+    chain_promote: int = 0
     # Programmatic dependent launch (PDL): the main kernel and the postprocess are launched
     # as dependents of the kernel before them, whose CTAs all signal
     # `griddepcontrol.launch_dependents` as they start: a dependent's CTAs take SMs as its
@@ -274,6 +278,8 @@ class BwdConfig(KernelConfig):
                 raise ValueError(f"{name} must be a multiple of 16 from 32 to 256, got {d}")
         if self.tf32_passes not in (1, 3) or (self.tf32_passes == 3 and self.dtype != "fp32"):
             raise ValueError(f"tf32_passes must be 1, or 3 with dtype 'fp32', got {self.tf32_passes}")
+        if self.chain_promote and (self.tf32_passes != 3 or self.chain_promote < 0):
+            raise ValueError(f"chain_promote is 3xTF32's (tf32_passes=3), got {self.chain_promote}")
         if self.dtype == "fp32":
             self._check_fp32()
         else:

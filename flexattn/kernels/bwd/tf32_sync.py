@@ -225,11 +225,11 @@ class FlashBwdTf32(BwdPointwise, BwdWalks):
         pieces of 4 k-blocks. S^T and dP^T (chains over the head dim) keep one accumulator,
         as the forward's S does; one tf32 pass rounds its operands far above either. Head
         dims beyond 128 keep one accumulator everywhere: a second one spills there (ptxas,
-        256/256: 632 bytes)."""
+        256/256: 632 bytes). `BwdConfig.chain_promote` sets S^T's and dP^T's (A/B runs)."""
         cfg = self.cfg
         if cfg.tf32_passes != 3 or max(cfg.head_dim, cfg.head_dim_v) > 128:
-            return 0, 0, 0
-        return 0, cfg.tile_m // 8, 4
+            return cfg.chain_promote, 0, 0
+        return cfg.chain_promote, cfg.tile_m // 8, 4
 
     @property
     def stats_in_registers(self) -> bool:

@@ -110,6 +110,10 @@ class FwdConfig(KernelConfig):
     # bits at every add, which over a long row's thousands of adds outweighs 3xTF32's own
     # error (DeepGEMM promotes its FP8 sums the same way). None: on for 3xTF32.
     promote_pv: bool | None = None
+    # With promote_pv: the keys summed into one fresh P V accumulator before it is added
+    # to O (a multiple of 8 that divides tile_n; None: the whole block). Finer folds
+    # shorten the tensor cores' truncating chains at the price of a wait per fold.
+    pv_fold_keys: int | None = None
     head_dim: int = 128            # of Q and K: a multiple of 16 in [16, 256]
     head_dim_v: int | None = None  # of V and O (None: head_dim); a multiple of 16 in [16, 256]
     tile_m: int | None = None      # Q rows per CTA, 64 per consumer warpgroup (None: 192
@@ -241,6 +245,10 @@ class FwdConfig(KernelConfig):
                                and self.head_dim_v <= 128)
         if self.promote_pv and not self.intra_wg_overlap:
             raise ValueError("promote_pv needs the overlapped schedule (intra_wg_overlap)")
+        if self.pv_fold_keys is not None and (not self.promote_pv or self.pv_fold_keys % 8
+                                              or self.tile_n % self.pv_fold_keys):
+            raise ValueError(f"pv_fold_keys must divide tile_n {self.tile_n} by multiples of 8, with"
+                             f" promote_pv; got {self.pv_fold_keys}")
         if self.rescale_o_early and (self.promote_pv or not self.intra_wg_overlap):
             raise ValueError("rescale_o_early needs the overlapped schedule without promote_pv")
         if self.tf32_passes not in (1, 3) or (self.tf32_passes == 3 and self.dtype != "fp32"):
@@ -1125,9 +1133,18 @@ class FlashFwdSm90(WarpSpecialized):
         return kv_state, v_state
 
     def _pv_gemm(self, tiled_mma_pv, acc_O, tOrP, tOrVt, wait: int):
-        """O += P V, or with ``promote_pv`` this block's P V alone (folded in by ``_fold_o``)."""
+        """O += P V, or with ``promote_pv`` this block's P V alone (folded in by ``_fold_o``;
+        with ``pv_fold_keys`` the block's earlier key groups are added to O here, each
+        waited for: groups retire in order, so that also waits for an S in flight)."""
         if const_expr(self.cfg.promote_pv):
-            mma.gemm(tiled_mma_pv, acc_O[1], tOrP, tOrVt, zero_init=True, wait=wait)
+            steps = mma._k_range(tOrP, None)[1]           # the block's k-blocks (tf32: 8 keys each)
+            per_fold = steps * (self.cfg.pv_fold_keys or self.cfg.tile_n) // self.cfg.tile_n
+            for c in range(steps // per_fold - 1):   # (not a jit function: a Python unroll)
+                mma.gemm(tiled_mma_pv, acc_O[1], tOrP, tOrVt, zero_init=True, wait=0,
+                         k_blocks=(c * per_fold, (c + 1) * per_fold))
+                acc_O[0].store(acc_O[0].load() + acc_O[1].load())
+            mma.gemm(tiled_mma_pv, acc_O[1], tOrP, tOrVt, zero_init=True, wait=wait,
+                     k_blocks=(steps - per_fold, steps))
         else:
             mma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt, zero_init=False, wait=wait)
 

@@ -101,23 +101,32 @@ def make_pv_mma(dtype, tile_m: int, head_dim: int):
 SPLIT_PASSES = ((1, 0), (0, 1), (0, 0))
 
 
+def _k_range(tCrA, k_blocks) -> tuple:
+    """(start, stop) of a GEMM's k-blocks: ``k_blocks``, or all of A's (a tuple: of its parts)."""
+    if k_blocks is not None:
+        return k_blocks
+    return 0, cute.size((tCrA[0] if isinstance(tCrA, tuple) else tCrA).shape[2])
+
+
 @cute.jit
 def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA, tCrB,
-         zero_init: cutlass.Constexpr[bool], wait: cutlass.Constexpr[int] = 0):
-    """acc (+)= A B over all k-blocks as one committed wgmma group; `wait` >= 0 waits until
-    at most that many groups are in flight, -1 returns with the group in flight. A and B
-    given as (hi, lo) pairs of tf32 parts: the three passes of ``SPLIT_PASSES``."""
+         zero_init: cutlass.Constexpr[bool], wait: cutlass.Constexpr[int] = 0, k_blocks: cutlass.Constexpr = None):
+    """acc (+)= A B over all k-blocks (or the range ``k_blocks`` = (start, stop)) as one
+    committed wgmma group; `wait` >= 0 waits until at most that many groups are in flight,
+    -1 returns with the group in flight. A and B given as (hi, lo) pairs of tf32 parts:
+    the three passes of ``SPLIT_PASSES``."""
     warpgroup.fence()
     # A fresh atom per call: its ACCUMULATE field is mutated below.
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    first, stop = _k_range(tCrA, k_blocks)
     if const_expr(isinstance(tCrA, tuple)):
         for ia, ib in SPLIT_PASSES:
-            for k in cutlass.range_constexpr(cute.size(tCrA[0].shape[2])):
+            for k in cutlass.range_constexpr(first, stop):
                 cute.gemm(atom, acc, tCrA[ia][None, None, k], tCrB[ib][None, None, k], acc)
                 atom.set(warpgroup.Field.ACCUMULATE, True)
     else:
-        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        for k in cutlass.range_constexpr(first, stop):
             cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
             atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()

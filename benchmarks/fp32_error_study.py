@@ -1,0 +1,170 @@
+"""Where the float32 "highest" forward's error lives, beside torch flex and SDPA (issue 25,
+item 1: errors against float64 no worse than torch flex's under the same setting).
+
+Causal attention of float32 randn inputs under ``torch.set_float32_matmul_precision
+("highest")``, several seeds, a float64 reference over every head. Ours runs 3xTF32 with
+each block's P V in a fresh accumulator added to O in registers (``FwdConfig.promote_pv``);
+``--folds`` also runs finer folds (``FLEXATTN_PV_FOLD_KEYS``: every that many keys, 0 = the
+planner's whole block). Per implementation: the max |out - float64|, that max over the
+first 128 rows (few keys: the chains are short, the values large), the mean, and the
+forward's time.
+
+``--backward``: the gradients instead (dQ, dK, dV: max |grad - float64| relative to the
+largest reference gradient of each), ours with S^T's and dP^T's head-dim chains summed in
+pieces of ``--chains`` k-blocks (``FLEXATTN_BWD_CHAIN_PROMOTE``; 0 = one accumulator):
+dS = P (dP - D) cancels in rows that see few keys, where flex's IEEE products keep dP = D.
+
+    python3 benchmarks/fp32_error_study.py [--shapes 1x4096x8x128 1x4096x8x64] [--seeds 3] [--folds 0 16 8]
+    python3 benchmarks/fp32_error_study.py --backward [--shapes 1x1025x4x128] [--chains 0 4 2]
+"""
+
+import argparse
+import math
+import os
+import statistics
+
+import torch
+
+from bench_fwd import setup_dynamo
+from common import bench_ms, device_name
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def reference(q, k, v, scale):
+    qd, kd, vd = (t.double() for t in (q, k, v))
+    S = q.shape[2]
+    s = (qd @ kd.transpose(-1, -2)) * scale
+    s = s.masked_fill(~torch.ones(S, S, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    return torch.softmax(s, -1) @ vd
+
+
+def errors(out, want) -> dict:
+    err = (out.double() - want).abs()
+    return {"max": err.max().item(), "first128": err[:, :, :128].max().item(), "mean": err.mean().item()}
+
+
+def grad_errors(q, k, v, do, scale, fn) -> dict:
+    """dQ, dK, dV of ``fn`` against float64: max error relative to each largest gradient."""
+    for t in (q, k, v):
+        t.grad = None
+    fn().backward(do)
+    got = [t.grad.double() for t in (q, k, v)]
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    reference(qd, kd, vd, scale).backward(do.double())
+    return {name: ((g - w.grad).abs().max() / w.grad.abs().max()).item()
+            for name, g, w in zip(("dq", "dk", "dv"), got, (qd, kd, vd))}
+
+
+def backward_study(args, fa, flex, create_block_mask):
+    rows = []
+    for spec in args.shapes:
+        B, S, H, D = map(int, spec.split("x"))
+        scale = 1.0 / math.sqrt(D)
+        door_bm = fa.create_block_mask(causal, None, None, S, S, device="cuda")
+        torch_bm = create_block_mask(causal, None, None, S, S, device="cuda")
+        for seed in range(args.seeds):
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            q, k, v, do = (torch.randn(B, H, S, D, device="cuda", generator=g) for _ in range(4))
+            for t in (q, k, v):
+                t.requires_grad_()
+            impls = {"flex": lambda: flex(q, k, v, block_mask=torch_bm)}
+            for chain in args.chains:
+                def ours(chain=chain):
+                    os.environ["FLEXATTN_BWD_CHAIN_PROMOTE"] = str(chain)
+                    return fa.flex_attention(q, k, v, block_mask=door_bm)
+                impls[f"ours chain {chain or 'whole'}"] = ours
+            for name, fn in impls.items():
+                if name.startswith("ours"):
+                    forget_prepared_calls()
+                rows.append((spec, name, seed, grad_errors(q, k, v, do, scale, fn)))
+                print(rows[-1], flush=True)
+    os.environ.pop("FLEXATTN_BWD_CHAIN_PROMOTE", None)
+    print(f"\nfloat32 'highest', causal fwd+bwd, {device_name()}, seeds 0-{args.seeds - 1}: max |grad - float64| "
+          "/ max |float64 grad| (worst seed; in brackets ours / flex per seed)\n")
+    print("| shape | impl | dQ | dK | dV |\n|---|---|---|---|---|")
+    for spec in args.shapes:
+        runs = {}
+        for s, name, seed, e in rows:
+            if s == spec:
+                runs.setdefault(name, []).append(e)
+        for name, es in runs.items():
+            cells = []
+            for g in ("dq", "dk", "dv"):
+                ratios = "/".join(f"{e[g] / f[g]:.2f}" for e, f in zip(es, runs["flex"]))
+                cells.append(f"{max(e[g] for e in es):.2e} ({ratios})")
+            print(f"| {spec} | {name} | " + " | ".join(cells) + " |")
+
+
+def forget_prepared_calls():
+    """The torch door's repeat-call caches hold a plan; a new fold must plan anew."""
+    from flexattn.torch import attention, ops
+    attention._PREPARED.clear()
+    ops._OP_PREPARED.clear()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="*", default=None, help="BxSxHxD")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--folds", nargs="*", type=int, default=[0, 16, 8])
+    ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--chains", nargs="*", type=int, default=[0, 4, 2])
+    args = ap.parse_args()
+    setup_dynamo()
+    import flexattn.torch as fa
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch.set_float32_matmul_precision("highest")
+    flex = torch.compile(flex_attention, dynamic=False)
+    args.shapes = args.shapes or (["1x1025x4x128", "1x4096x4x128"] if args.backward else ["1x4096x8x128", "1x4096x8x64"])
+    if args.backward:
+        return backward_study(args, fa, flex, create_block_mask)
+    rows = []   # (shape, impl, seed, errors, ms)
+    for spec in args.shapes:
+        B, S, H, D = map(int, spec.split("x"))
+        scale = 1.0 / math.sqrt(D)
+        door_bm = fa.create_block_mask(causal, None, None, S, S, device="cuda")
+        torch_bm = create_block_mask(causal, None, None, S, S, device="cuda")
+        for seed in range(args.seeds):
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            q, k, v = (torch.randn(B, H, S, D, device="cuda", generator=g) for _ in range(3))
+            want = reference(q, k, v, scale)
+            impls = {"flex": lambda: flex(q, k, v, block_mask=torch_bm),
+                     "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)}
+            for fold in args.folds:
+                def ours(fold=fold):
+                    os.environ["FLEXATTN_PV_FOLD_KEYS"] = str(fold)
+                    return fa.flex_attention(q, k, v, block_mask=door_bm)
+                impls[f"ours fold {fold or 'block'}"] = ours
+            for name, fn in impls.items():
+                if name.startswith("ours"):
+                    forget_prepared_calls()
+                out = fn()
+                ms = bench_ms(fn) if seed == 0 else float("nan")
+                rows.append((spec, name, seed, errors(out, want), ms))
+                print(rows[-1], flush=True)
+                del out
+            del want
+    os.environ.pop("FLEXATTN_PV_FOLD_KEYS", None)
+
+    print(f"\nfloat32 'highest', causal, {device_name()}, seeds 0-{args.seeds - 1}: max |out - float64| "
+          "(worst seed), its max over the first 128 rows, the mean (average of seeds), ms (seed 0)\n")
+    print("| shape | impl | max | ratio to flex (per seed) | first 128 rows | mean | ms |\n|---|---|---|---|---|---|---|")
+    for spec in args.shapes:
+        by_impl = {}
+        for s, name, seed, e, ms in rows:
+            if s == spec:
+                by_impl.setdefault(name, []).append((e, ms))
+        flex_max = [e["max"] for e, _ in by_impl["flex"]]
+        for name, runs in by_impl.items():
+            ratios = " / ".join(f"{e['max'] / f:.2f}" for (e, _), f in zip(runs, flex_max))
+            print(f"| {spec} | {name} | {max(e['max'] for e, _ in runs):.2e} | {ratios} | "
+                  f"{max(e['first128'] for e, _ in runs):.2e} | {statistics.mean(e['mean'] for e, _ in runs):.2e} | "
+                  f"{runs[0][1]:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
