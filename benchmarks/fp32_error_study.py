@@ -3,19 +3,23 @@ item 1: errors against float64 no worse than torch flex's under the same setting
 
 Causal attention of float32 randn inputs under ``torch.set_float32_matmul_precision
 ("highest")``, several seeds, a float64 reference over every head. Ours runs 3xTF32 with
-each block's P V in a fresh accumulator added to O in registers (``FwdConfig.promote_pv``);
-``--folds`` also runs finer folds (``FLEXATTN_PV_FOLD_KEYS``: every that many keys, 0 = the
-planner's whole block). Per implementation: the max |out - float64|, that max over the
-first 128 rows (few keys: the chains are short, the values large), the mean, and the
+each block's P V in a fresh accumulator added to O in registers (``FwdConfig.promote_pv``).
+``--ours`` runs A/B settings beside the planned kernel, each "NAME=value[,NAME=value]" of
+the planner's variables: finer folds (``FLEXATTN_PV_FOLD_KEYS``, every that many keys),
+P_lo V_lo as a fourth pass (``FLEXATTN_PV_LO_LO=1``), the approximate O / l
+(``FLEXATTN_FP32_EXACT_NORM=0``). Per implementation: the max |out - float64|, that max
+over the first 128 rows (few keys: short chains, large values), the mean, and the
 forward's time.
 
 ``--backward``: the gradients instead (dQ, dK, dV: max |grad - float64| relative to the
 largest reference gradient of each), ours with S^T's and dP^T's head-dim chains summed in
-pieces of ``--chains`` k-blocks (``FLEXATTN_BWD_CHAIN_PROMOTE``; 0 = one accumulator):
+pieces of k-blocks (``BwdConfig.chain_promote``; ``--ours FLEXATTN_BWD_CHAIN_PROMOTE=0``: one accumulator):
 dS = P (dP - D) cancels in rows that see few keys, where flex's IEEE products keep dP = D.
 
-    python3 benchmarks/fp32_error_study.py [--shapes 1x4096x8x128 1x4096x8x64] [--seeds 3] [--folds 0 16 8]
-    python3 benchmarks/fp32_error_study.py --backward [--shapes 1x1025x4x128] [--chains 0 4 2]
+    python3 benchmarks/fp32_error_study.py [--shapes 1x4096x8x128 1x4096x8x64] [--seeds 3] \
+        [--ours "" FLEXATTN_PV_FOLD_KEYS=16 FLEXATTN_PV_FOLD_KEYS=8]
+    python3 benchmarks/fp32_error_study.py --backward [--shapes 1x1025x4x128] \
+        [--ours "" FLEXATTN_BWD_CHAIN_PROMOTE=0 FLEXATTN_BWD_DQ_PROMOTE=2]
 """
 
 import argparse
@@ -71,20 +75,27 @@ def backward_study(args, fa, flex, create_block_mask):
             for t in (q, k, v):
                 t.requires_grad_()
             impls = {"flex": lambda: flex(q, k, v, block_mask=torch_bm)}
-            for chain in args.chains:
-                def ours(chain=chain):
-                    os.environ["FLEXATTN_BWD_CHAIN_PROMOTE"] = str(chain)
+            for setting in args.ours:
+                def ours(setting=setting):
+                    with_env(setting)
                     return fa.flex_attention(q, k, v, block_mask=door_bm)
-                impls[f"ours chain {chain or 'whole'}"] = ours
+                impls[f"ours {setting or 'planned'}"] = ours
             for name, fn in impls.items():
                 if name.startswith("ours"):
                     forget_prepared_calls()
-                rows.append((spec, name, seed, grad_errors(q, k, v, do, scale, fn)))
+                errs = grad_errors(q, k, v, do, scale, fn)
+                if seed == 0:
+                    def step(fn=fn):
+                        for t in (q, k, v):
+                            t.grad = None
+                        fn().backward(do)
+                    errs["ms"] = bench_ms(step)
+                rows.append((spec, name, seed, errs))
                 print(rows[-1], flush=True)
-    os.environ.pop("FLEXATTN_BWD_CHAIN_PROMOTE", None)
+    with_env("")
     print(f"\nfloat32 'highest', causal fwd+bwd, {device_name()}, seeds 0-{args.seeds - 1}: max |grad - float64| "
           "/ max |float64 grad| (worst seed; in brackets ours / flex per seed)\n")
-    print("| shape | impl | dQ | dK | dV |\n|---|---|---|---|---|")
+    print("| shape | impl | dQ | dK | dV | fwd+bwd ms (seed 0) |\n|---|---|---|---|---|---|")
     for spec in args.shapes:
         runs = {}
         for s, name, seed, e in rows:
@@ -95,11 +106,26 @@ def backward_study(args, fa, flex, create_block_mask):
             for g in ("dq", "dk", "dv"):
                 ratios = "/".join(f"{e[g] / f[g]:.2f}" for e, f in zip(es, runs["flex"]))
                 cells.append(f"{max(e[g] for e in es):.2e} ({ratios})")
-            print(f"| {spec} | {name} | " + " | ".join(cells) + " |")
+            print(f"| {spec} | {name} | " + " | ".join(cells) + f" | {es[0].get('ms', float('nan')):.3f} |")
+
+
+_SET: list = []   # the variables the last with_env set
+
+
+def with_env(setting: str):
+    """Set the A/B variables of ``setting`` ("NAME=value,NAME=value"; "" = the planner's
+    defaults), clearing those a previous setting left."""
+    for name in _SET:
+        os.environ.pop(name, None)
+    _SET.clear()
+    for item in filter(None, setting.split(",")):
+        name, value = item.split("=")
+        os.environ[name] = value
+        _SET.append(name)
 
 
 def forget_prepared_calls():
-    """The torch door's repeat-call caches hold a plan; a new fold must plan anew."""
+    """The torch door's repeat-call caches hold a plan; a new A/B setting must plan anew."""
     from flexattn.torch import attention, ops
     attention._PREPARED.clear()
     ops._OP_PREPARED.clear()
@@ -109,9 +135,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=None, help="BxSxHxD")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--folds", nargs="*", type=int, default=[0, 16, 8])
+    ap.add_argument("--ours", nargs="*", default=["", "FLEXATTN_PV_FOLD_KEYS=8"],
+                    help="A/B settings of ours, each NAME=value[,NAME=value] ('' = planned)")
     ap.add_argument("--backward", action="store_true")
-    ap.add_argument("--chains", nargs="*", type=int, default=[0, 4, 2])
     args = ap.parse_args()
     setup_dynamo()
     import flexattn.torch as fa
@@ -134,11 +160,11 @@ def main():
             want = reference(q, k, v, scale)
             impls = {"flex": lambda: flex(q, k, v, block_mask=torch_bm),
                      "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)}
-            for fold in args.folds:
-                def ours(fold=fold):
-                    os.environ["FLEXATTN_PV_FOLD_KEYS"] = str(fold)
+            for setting in args.ours:
+                def ours(setting=setting):
+                    with_env(setting)
                     return fa.flex_attention(q, k, v, block_mask=door_bm)
-                impls[f"ours fold {fold or 'block'}"] = ours
+                impls[f"ours {setting or 'planned'}"] = ours
             for name, fn in impls.items():
                 if name.startswith("ours"):
                     forget_prepared_calls()
@@ -148,7 +174,7 @@ def main():
                 print(rows[-1], flush=True)
                 del out
             del want
-    os.environ.pop("FLEXATTN_PV_FOLD_KEYS", None)
+    with_env("")
 
     print(f"\nfloat32 'highest', causal, {device_name()}, seeds 0-{args.seeds - 1}: max |out - float64| "
           "(worst seed), its max over the first 128 rows, the mean (average of seeds), ms (seed 0)\n")

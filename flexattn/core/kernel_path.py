@@ -464,8 +464,12 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     tickets = _tickets_pay(shape, band, max_ctas, cluster_m, causal_tickets, tickets_flag)
     rescale_early = _rescale_o_early(shape, tf32_passes)
     # A/B runs only: 3xTF32's P V folded into O every this many keys (FwdConfig.pv_fold_keys).
-    pv_fold = int(os.environ.get("FLEXATTN_PV_FOLD_KEYS", "0")) if tf32_passes == 3 else 0
-    key = (dtype, tf32_passes, pv_fold, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
+    promoted = tf32_passes == 3 and shape.v_head_dim <= 128     # (FwdConfig.promote_pv's default)
+    pv_fold = int(os.environ.get("FLEXATTN_PV_FOLD_KEYS", "0")) if promoted else 0
+    # Likewise P_lo V_lo as a fourth pass (FwdConfig.pv_lo_lo) and the exact O / l off.
+    pv_lo_lo = promoted and os.environ.get("FLEXATTN_PV_LO_LO") == "1"
+    exact_norm = tf32_passes == 3 and os.environ.get("FLEXATTN_FP32_EXACT_NORM") != "0"
+    key = (dtype, tf32_passes, pv_fold, pv_lo_lo, exact_norm, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
            cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
@@ -503,7 +507,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
             # (keyed above by KV_LEN % 128: a tile_n that divides 128 then divides KV_LEN)
             kv_aligned=shape.kv_len % 128 == 0 and 128 % tile_n == 0,
             rescale_o_early=rescale_early,
-            pv_fold_keys=min(pv_fold, tile_n) or None,
+            pv_fold_keys=min(pv_fold, tile_n) or None, pv_lo_lo=pv_lo_lo, exact_normalize=exact_norm,
             # The mods' reads constant over a tile (a converted PagedAttention mask's page
             # map at kv // 128) once per tile and row: H200, 2026-11-30, a prefill chunk
             # 627 -> 633 TFLOP/s, no spill (36 B before); other kernels unchanged.

@@ -70,10 +70,12 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
         # (H200, 2026-11-29), so only for A/B runs; 64-row visits only (at 128 rows, D64,
         # P^T's early conversion spills 48 B and the kernel reads 1.1x slower).
         cfg = dataclasses.replace(cfg, dv_before_ds=True)
-    chain = int(os.environ.get("FLEXATTN_BWD_CHAIN_PROMOTE", "0"))
+    chain, dq_chain = (os.environ.get(f"FLEXATTN_BWD_{name}_PROMOTE") for name in ("CHAIN", "DQ"))
     if "chain_promote" not in overrides and cfg.tf32_passes == 3 and chain:
-        # 3xTF32's S^T / dP^T chains in pieces (BwdConfig.chain_promote): for A/B runs.
-        cfg = dataclasses.replace(cfg, chain_promote=chain)
+        # 3xTF32's S^T / dP^T chains in other pieces (BwdConfig.chain_promote): A/B runs.
+        cfg = dataclasses.replace(cfg, chain_promote=int(chain))
+    if "dq_promote" not in overrides and cfg.tf32_passes == 3 and dq_chain:
+        cfg = dataclasses.replace(cfg, dq_promote=int(dq_chain))   # likewise dQ's pieces
     if "pdl" not in overrides and cfg.dtype != "fp32" and os.environ.get("FLEXATTN_BWD_PDL") == "1":
         # The main kernel and the postprocess as programmatic dependents (BwdConfig.pdl):
         # measured neutral (docs/experiments.md, session 30), so only for A/B runs.

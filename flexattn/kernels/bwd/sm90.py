@@ -192,8 +192,13 @@ class BwdConfig(KernelConfig):
     tf32_passes: int = 1
     # fp32, 3xTF32: S^T's and dP^T's chains over the head dim summed in a fresh accumulator
     # every this many k-blocks, then added with fp32 adds (0: one accumulator; tf32_sync's
-    # promote). For A/B runs of dS = P (dP - D)'s cancellation (FLEXATTN_BWD_CHAIN_PROMOTE).
-    chain_promote: int = 0
+    # promote; None: 2 for 3xTF32 up to head dim 128). dS = P (dP - D) cancels in rows that
+    # see few keys, where one accumulator's truncating adds over the head dim left dQ 4x
+    # further from float64 than torch flex's; in pieces of 2 it is at flex's (H200,
+    # 2026-11-30, docs/experiments.md). FLEXATTN_BWD_CHAIN_PROMOTE=N overrides, for A/B runs.
+    chain_promote: int | None = None
+    # fp32, 3xTF32, head dims <= 128: dQ's key chain summed in pieces of this many k-blocks.
+    dq_promote: int = 4
     # Programmatic dependent launch (PDL): the main kernel and the postprocess are launched
     # as dependents of the kernel before them, whose CTAs all signal
     # `griddepcontrol.launch_dependents` as they start: a dependent's CTAs take SMs as its
@@ -278,6 +283,9 @@ class BwdConfig(KernelConfig):
                 raise ValueError(f"{name} must be a multiple of 16 from 32 to 256, got {d}")
         if self.tf32_passes not in (1, 3) or (self.tf32_passes == 3 and self.dtype != "fp32"):
             raise ValueError(f"tf32_passes must be 1, or 3 with dtype 'fp32', got {self.tf32_passes}")
+        if self.chain_promote is None:
+            object.__setattr__(self, "chain_promote", 2 if self.tf32_passes == 3 and max(
+                self.head_dim, self.head_dim_v) <= 128 else 0)
         if self.chain_promote and (self.tf32_passes != 3 or self.chain_promote < 0):
             raise ValueError(f"chain_promote is 3xTF32's (tf32_passes=3), got {self.chain_promote}")
         if self.dtype == "fp32":

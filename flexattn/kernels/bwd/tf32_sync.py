@@ -229,7 +229,7 @@ class FlashBwdTf32(BwdPointwise, BwdWalks):
         cfg = self.cfg
         if cfg.tf32_passes != 3 or max(cfg.head_dim, cfg.head_dim_v) > 128:
             return cfg.chain_promote, 0, 0
-        return cfg.chain_promote, cfg.tile_m // 8, 4
+        return cfg.chain_promote, cfg.tile_m // 8, cfg.dq_promote
 
     @property
     def stats_in_registers(self) -> bool:

@@ -59,7 +59,7 @@ from flexattn.kernels.hopper import mma
 from flexattn.kernels.blockmask.visit import BandBlocks, DenseBlocks, SparseBlocks, band_bounds, band_of
 from flexattn.kernels.emit.mod_hook import (NO_MODS, FragmentCoords, ModHook, apply_mods, masked_if,
                                             masked_where)
-from flexattn.kernels.hopper.softmax import OnlineSoftmax, rescale_rows
+from flexattn.kernels.hopper.softmax import OnlineSoftmax, divide_rows, rescale_rows
 from flexattn.kernels.hopper.tile_scheduler import ByHead, LongestFirst, TileSpace, TileTickets, grid_size
 from flexattn.kernels.hopper.tma_pipeline import multicast_slice, tma_ring
 from flexattn.kernels.hopper.warp_specialized import (DTYPES, KernelConfig, NamedBarriers, WarpSpecialized,
@@ -114,6 +114,11 @@ class FwdConfig(KernelConfig):
     # to O (a multiple of 8 that divides tile_n; None: the whole block). Finer folds
     # shorten the tensor cores' truncating chains at the price of a wait per fold.
     pv_fold_keys: int | None = None
+    # 3xTF32's P V with the fourth product, P_lo V_lo (2^-22 of P V), first: for A/B runs.
+    pv_lo_lo: bool = False
+    # O / l by IEEE division and the LSE by the precise log2 (None: for 3xTF32), instead of
+    # an approximate reciprocal's multiply (~1.5 ulp of O, beside float32's 0.5).
+    exact_normalize: bool | None = None
     head_dim: int = 128            # of Q and K: a multiple of 16 in [16, 256]
     head_dim_v: int | None = None  # of V and O (None: head_dim); a multiple of 16 in [16, 256]
     tile_m: int | None = None      # Q rows per CTA, 64 per consumer warpgroup (None: 192
@@ -245,6 +250,10 @@ class FwdConfig(KernelConfig):
                                and self.head_dim_v <= 128)
         if self.promote_pv and not self.intra_wg_overlap:
             raise ValueError("promote_pv needs the overlapped schedule (intra_wg_overlap)")
+        if self.exact_normalize is None:
+            object.__setattr__(self, "exact_normalize", self.tf32_passes == 3)
+        if self.pv_lo_lo and not self.promote_pv:
+            raise ValueError("pv_lo_lo is 3xTF32's, with promote_pv")
         if self.pv_fold_keys is not None and (not self.promote_pv or self.pv_fold_keys % 8
                                               or self.tile_n % self.pv_fold_keys):
             raise ValueError(f"pv_fold_keys must divide tile_n {self.tile_n} by multiples of 8, with"
@@ -1139,12 +1148,13 @@ class FlashFwdSm90(WarpSpecialized):
         if const_expr(self.cfg.promote_pv):
             steps = mma._k_range(tOrP, None)[1]           # the block's k-blocks (tf32: 8 keys each)
             per_fold = steps * (self.cfg.pv_fold_keys or self.cfg.tile_n) // self.cfg.tile_n
+            passes = ((1, 1), *mma.SPLIT_PASSES) if const_expr(self.cfg.pv_lo_lo) else mma.SPLIT_PASSES
             for c in range(steps // per_fold - 1):   # (not a jit function: a Python unroll)
                 mma.gemm(tiled_mma_pv, acc_O[1], tOrP, tOrVt, zero_init=True, wait=0,
-                         k_blocks=(c * per_fold, (c + 1) * per_fold))
+                         k_blocks=(c * per_fold, (c + 1) * per_fold), passes=passes)
                 acc_O[0].store(acc_O[0].load() + acc_O[1].load())
             mma.gemm(tiled_mma_pv, acc_O[1], tOrP, tOrVt, zero_init=True, wait=wait,
-                     k_blocks=(steps - per_fold, steps))
+                     k_blocks=(steps - per_fold, steps), passes=passes)
         else:
             mma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt, zero_init=False, wait=wait)
 
@@ -1199,8 +1209,11 @@ class FlashFwdSm90(WarpSpecialized):
         """O / l -> sO (stmatrix) -> TMA store; LSE (and the max score) straight to global
         memory."""
         cfg = self.cfg
-        inv_sum, lse = softmax.finalize()
-        rescale_rows(acc_O, inv_sum)
+        inv_sum, lse = softmax.finalize(cfg.exact_normalize)
+        if const_expr(cfg.exact_normalize):
+            divide_rows(acc_O, inv_sum)       # (inv_sum holds l itself here)
+        else:
+            rescale_rows(acc_O, inv_sum)
         if const_expr(not self.fp32):
             rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
             rO.store(acc_O.load().to(self.dtype))

@@ -72,19 +72,24 @@ class OnlineSoftmax:
         return row_scale
 
     @cute.jit
-    def finalize(self) -> tuple:
+    def finalize(self, exact: cutlass.Constexpr[bool] = False) -> tuple:
         """Return (per-row 1/l, or 0 for empty rows; per-row natural-log LSE, -inf for
-        empty rows)."""
+        empty rows). `exact` (float32 "highest"): the first is l itself (1 for empty rows,
+        whose O is 0) for `divide_rows`' IEEE division, and the LSE's log2 is the precise
+        one: an approximate reciprocal and its multiply cost O up to ~1.5 ulp."""
         inv_sum = cute.make_rmem_tensor_like(self.row_sum, Float32)
         lse = cute.make_rmem_tensor_like(self.row_sum, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_sum)):
             l = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
             empty = l == Float32(0.0) or l != l
-            inv_sum[r] = Float32(0.0) if empty else cute.arch.rcp_approx(l)
+            if const_expr(exact):
+                inv_sum[r] = Float32(1.0) if empty else l
+            else:
+                inv_sum[r] = Float32(0.0) if empty else cute.arch.rcp_approx(l)
             m_scaled = self.row_max[r] * self.scale_log2
             lse[r] = (
                 -Float32.inf if empty
-                else (m_scaled + cute.math.log2(l, fastmath=True)) * Float32(LN2)
+                else (m_scaled + cute.math.log2(l, fastmath=not exact)) * Float32(LN2)
             )
         return inv_sum, lse
 
@@ -120,6 +125,15 @@ def rescale_rows(acc: cute.Tensor, row_scale: cute.Tensor):
     acc_mn = acc_mn_view(acc)
     for r in cutlass.range_constexpr(cute.size(row_scale)):
         acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])
+
+
+@cute.jit
+def divide_rows(acc: cute.Tensor, row_div: cute.Tensor):
+    """acc[r, :] /= row_div[r] (IEEE division, correctly rounded) for an sm90 accumulator
+    fragment."""
+    acc_mn = acc_mn_view(acc)
+    for r in cutlass.range_constexpr(cute.size(row_div)):
+        acc_mn[r, None].store(acc_mn[r, None].load() / row_div[r])
 
 
 def _elements(row: cute.TensorSSA) -> list:
