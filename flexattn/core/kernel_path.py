@@ -469,7 +469,8 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     # Likewise P_lo V_lo as a fourth pass (FwdConfig.pv_lo_lo) and the exact O / l off.
     pv_lo_lo = promoted and os.environ.get("FLEXATTN_PV_LO_LO") == "1"
     exact_norm = tf32_passes == 3 and os.environ.get("FLEXATTN_FP32_EXACT_NORM") != "0"
-    key = (dtype, tf32_passes, pv_fold, pv_lo_lo, exact_norm, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
+    s_promote = int(os.environ.get("FLEXATTN_FWD_S_PROMOTE", "0")) if tf32_passes == 3 else 0
+    key = (dtype, tf32_passes, pv_fold, pv_lo_lo, exact_norm, s_promote, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
            cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
@@ -508,6 +509,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
             kv_aligned=shape.kv_len % 128 == 0 and 128 % tile_n == 0,
             rescale_o_early=rescale_early,
             pv_fold_keys=min(pv_fold, tile_n) or None, pv_lo_lo=pv_lo_lo, exact_normalize=exact_norm,
+            s_promote=s_promote,
             # The mods' reads constant over a tile (a converted PagedAttention mask's page
             # map at kv // 128) once per tile and row: H200, 2026-11-30, a prefill chunk
             # 627 -> 633 TFLOP/s, no spill (36 B before); other kernels unchanged.

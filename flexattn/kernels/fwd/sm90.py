@@ -114,6 +114,10 @@ class FwdConfig(KernelConfig):
     # to O (a multiple of 8 that divides tile_n; None: the whole block). Finer folds
     # shorten the tensor cores' truncating chains at the price of a wait per fold.
     pv_fold_keys: int | None = None
+    # 3xTF32: S = Q K^T's chain over the head dim summed in pieces of this many k-blocks,
+    # each waited for and added to S in registers (0: one accumulator). For A/B runs
+    # (FLEXATTN_FWD_S_PROMOTE): the backward's S^T / dP^T pieces halved its errors.
+    s_promote: int = 0
     # 3xTF32's P V with the fourth product, P_lo V_lo (2^-22 of P V), first: for A/B runs.
     pv_lo_lo: bool = False
     # O / l by IEEE division and the LSE by the precise log2 (None: for 3xTF32), instead of
@@ -252,6 +256,8 @@ class FwdConfig(KernelConfig):
             raise ValueError("promote_pv needs the overlapped schedule (intra_wg_overlap)")
         if self.exact_normalize is None:
             object.__setattr__(self, "exact_normalize", self.tf32_passes == 3)
+        if self.s_promote and (self.tf32_passes != 3 or self.s_promote < 0):
+            raise ValueError(f"s_promote is 3xTF32's (tf32_passes=3), got {self.s_promote}")
         if self.pv_lo_lo and not self.promote_pv:
             raise ValueError("pv_lo_lo is 3xTF32's, with promote_pv")
         if self.pv_fold_keys is not None and (not self.promote_pv or self.pv_fold_keys % 8
@@ -1058,8 +1064,7 @@ class FlashFwdSm90(WarpSpecialized):
 
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         pipe_k.consumer_wait(kv_state)
-        mma.gemm(tiled_mma_qk, acc_S, tSrQ, self._kv_operand(tSrK, kv_state),
-                      zero_init=True, wait=-1)
+        self._qk_gemm(tiled_mma_qk, acc_S, tSrQ, self._kv_operand(tSrK, kv_state), wait=-1)
         self._turn_pass(wg)
         warpgroup.wait_group(0)
         pipe_k.consumer_release(kv_state)
@@ -1086,8 +1091,7 @@ class FlashFwdSm90(WarpSpecialized):
         acc_shape_S, softmax, pipe_k = ctx.acc_shape_S, ctx.softmax, ctx.pipe_k
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         pipe_k.consumer_wait(kv_state)
-        mma.gemm(tiled_mma_qk, acc_S, tSrQ, self._kv_operand(tSrK, kv_state),
-                      zero_init=True, wait=0)
+        self._qk_gemm(tiled_mma_qk, acc_S, tSrQ, self._kv_operand(tSrK, kv_state), wait=0)
         pipe_k.consumer_release(kv_state)
         self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
         softmax.step(acc_S, is_first=True)
@@ -1114,8 +1118,7 @@ class FlashFwdSm90(WarpSpecialized):
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         pipe_k.consumer_wait(kv_state)
         self._turn_wait(wg)
-        mma.gemm(tiled_mma_qk, acc_S, tSrQ, self._kv_operand(tSrK, kv_state),
-                      zero_init=True, wait=-1)
+        self._qk_gemm(tiled_mma_qk, acc_S, tSrQ, self._kv_operand(tSrK, kv_state), wait=-1)
         if const_expr(self.cfg.rescale_o_early):
             rescale_rows(acc_O, softmax.o_scale)   # block j-1's scale, while Q K_j^T runs
         if has_prev:
@@ -1140,6 +1143,23 @@ class FlashFwdSm90(WarpSpecialized):
         v_state = kv_state.clone()
         kv_state.advance()
         return kv_state, v_state
+
+    def _qk_gemm(self, tiled_mma_qk, acc_S, tSrQ, tSrK, wait: int):
+        """S = Q K^T as one wgmma group (`wait` as `mma.gemm`'s), or with ``s_promote`` in
+        pieces over the head dim: the first into S, each later one into a fresh
+        accumulator added to S, every piece waited for (S is complete on return; a later
+        wait for it returns at once)."""
+        pieces = self.cfg.s_promote
+        if const_expr(not pieces):
+            mma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK, zero_init=True, wait=wait)
+        else:
+            steps = mma._k_range(tSrQ, None)[1]
+            mma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK, zero_init=True, wait=0, k_blocks=(0, min(pieces, steps)))
+            part = cute.make_rmem_tensor_like(acc_S, Float32)
+            for k0 in range(pieces, steps, pieces):   # (not a jit function: a Python unroll)
+                mma.gemm(tiled_mma_qk, part, tSrQ, tSrK, zero_init=True, wait=0,
+                         k_blocks=(k0, min(k0 + pieces, steps)))
+                acc_S.store(acc_S.load() + part.load())
 
     def _pv_gemm(self, tiled_mma_pv, acc_O, tOrP, tOrVt, wait: int):
         """O += P V, or with ``promote_pv`` this block's P V alone (folded in by ``_fold_o``;
