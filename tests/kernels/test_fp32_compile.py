@@ -92,11 +92,18 @@ def test_finer_pv_folds_compile(dims, fold):
     for keys in (None, fold):
         ptx = compile_forward(FwdConfig(**base, pv_fold_keys=keys), fake_args(hook), keep_ptx=True).__ptx__
         groups[keys] = ptx.count("wgmma.commit_group")
+        if keys is None:      # O / l by IEEE division for 3xTF32 (FwdConfig.exact_normalize)
+            assert "div.rn.f32" in ptx and "rcp.approx" not in ptx
         usage = resource_usage_from_ptx(ptx)
         if usage is not None:
             assert usage.spill_store_bytes == 0 and usage.stack_bytes == 0, usage
     # Every P V issue (main loop and last block) gains tile_n / fold - 1 groups.
     assert groups[fold] > groups[None], groups
+    # S's head-dim chain in pieces of 4 k-blocks (FwdConfig.s_promote): a group per piece
+    # at each of the step bodies' Q K^T issues.
+    ptx = compile_forward(FwdConfig(**base, s_promote=4), fake_args(hook), keep_ptx=True).__ptx__
+    qk_issues = groups[None] // 2          # (every body issues Q K^T and P V once)
+    assert ptx.count("wgmma.commit_group") == groups[None] + qk_issues * (d // 8 // 4 - 1)
     for bad in (12, tile_n * 2):
         with pytest.raises(ValueError, match="pv_fold_keys"):
             FwdConfig(**base, pv_fold_keys=bad)
