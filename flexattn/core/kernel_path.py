@@ -469,7 +469,8 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     # Likewise P_lo V_lo as a fourth pass (FwdConfig.pv_lo_lo) and the exact O / l off.
     pv_lo_lo = promoted and os.environ.get("FLEXATTN_PV_LO_LO") == "1"
     exact_norm = tf32_passes == 3 and os.environ.get("FLEXATTN_FP32_EXACT_NORM") != "0"
-    s_promote = int(os.environ.get("FLEXATTN_FWD_S_PROMOTE", "0")) if tf32_passes == 3 else 0
+    s_promote = os.environ.get("FLEXATTN_FWD_S_PROMOTE") if tf32_passes == 3 else None
+    s_promote = None if s_promote is None else int(s_promote)   # None: FwdConfig's default
     key = (dtype, tf32_passes, pv_fold, pv_lo_lo, exact_norm, s_promote, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
            cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))

@@ -88,7 +88,9 @@ def test_fp32_against_reference(pair, kind, precision):
 def test_as_accurate_as_torch_flex(precision):
     """The torch door (a torch-style causal function through create_block_mask) against
     torch flex_attention (compiled, float32) on the same inputs: max error against float64
-    no worse than flex's (with 20% slack for the rounding lottery)."""
+    no worse than flex's — under "highest" without slack (S's head-dim chain in pieces,
+    FwdConfig.s_promote: 0.48-0.77x flex's over six seeds and shapes, H200 2026-11-30),
+    under "high" (one tf32 pass each) with 20% for the rounding lottery."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     torch.manual_seed(5)
@@ -106,7 +108,8 @@ def test_as_accurate_as_torch_flex(precision):
     s = s.masked_fill(~torch.ones(S, S, dtype=torch.bool, device="cuda").tril(), float("-inf"))
     want = torch.softmax(s, -1) @ vd
     err_ours, err_flex = ((x.double() - want).abs().max().item() for x in (ours, theirs))
-    assert err_ours <= 1.2 * err_flex, f"{precision}: ours {err_ours:.3g} vs flex {err_flex:.3g}"
+    slack = 1.0 if precision == "highest" else 1.2
+    assert err_ours <= slack * err_flex, f"{precision}: ours {err_ours:.3g} vs flex {err_flex:.3g}"
 
 
 @pytest.mark.parametrize("passes", [1, 3])

@@ -87,7 +87,7 @@ def test_finer_pv_folds_compile(dims, fold):
     tile_m, tile_n, stages = _fp32_tiles(_dims(d, dv), 2, True)
     hook = IRModHook(None, None, False)
     base = dict(dtype="fp32", tf32_passes=3, head_dim=d, head_dim_v=dv, tile_m=tile_m, tile_n=tile_n,
-                num_stages=stages, causal=True, mods=hook, pingpong=True)
+                num_stages=stages, causal=True, mods=hook, pingpong=True, s_promote=0)
     groups = {}
     for keys in (None, fold):
         ptx = compile_forward(FwdConfig(**base, pv_fold_keys=keys), fake_args(hook), keep_ptx=True).__ptx__
@@ -99,9 +99,11 @@ def test_finer_pv_folds_compile(dims, fold):
             assert usage.spill_store_bytes == 0 and usage.stack_bytes == 0, usage
     # Every P V issue (main loop and last block) gains tile_n / fold - 1 groups.
     assert groups[fold] > groups[None], groups
-    # S's head-dim chain in pieces of 4 k-blocks (FwdConfig.s_promote): a group per piece
-    # at each of the step bodies' Q K^T issues.
-    ptx = compile_forward(FwdConfig(**base, s_promote=4), fake_args(hook), keep_ptx=True).__ptx__
+    # S's head-dim chain in pieces of 4 k-blocks (FwdConfig.s_promote, planned here): a
+    # group per piece at each of the step bodies' Q K^T issues.
+    planned = FwdConfig(**{**base, "s_promote": None})
+    assert planned.s_promote == 4
+    ptx = compile_forward(planned, fake_args(hook), keep_ptx=True).__ptx__
     qk_issues = groups[None] // 2          # (every body issues Q K^T and P V once)
     assert ptx.count("wgmma.commit_group") == groups[None] + qk_issues * (d // 8 // 4 - 1)
     for bad in (12, tile_n * 2):

@@ -115,9 +115,12 @@ class FwdConfig(KernelConfig):
     # shorten the tensor cores' truncating chains at the price of a wait per fold.
     pv_fold_keys: int | None = None
     # 3xTF32: S = Q K^T's chain over the head dim summed in pieces of this many k-blocks,
-    # each waited for and added to S in registers (0: one accumulator). For A/B runs
-    # (FLEXATTN_FWD_S_PROMOTE): the backward's S^T / dP^T pieces halved its errors.
-    s_promote: int = 0
+    # each waited for and added to S in registers (0: one accumulator; None: 4 for
+    # 3xTF32 where it fits in registers). In one accumulator the truncating adds of 3 x D/8 MMAs put S off by a few
+    # ulps, which rows with few keys carry into O: max error 1.0-1.6x torch flex's; in
+    # pieces of 4, 0.48-0.77x flex's, mean error halved, 4-11% slower (H200, 2026-11-30,
+    # docs/experiments.md). FLEXATTN_FWD_S_PROMOTE=N overrides, for A/B runs.
+    s_promote: int | None = None
     # 3xTF32's P V with the fourth product, P_lo V_lo (2^-22 of P V), first: for A/B runs.
     pv_lo_lo: bool = False
     # O / l by IEEE division and the LSE by the precise log2 (None: for 3xTF32), instead of
@@ -256,6 +259,11 @@ class FwdConfig(KernelConfig):
             raise ValueError("promote_pv needs the overlapped schedule (intra_wg_overlap)")
         if self.exact_normalize is None:
             object.__setattr__(self, "exact_normalize", self.tf32_passes == 3)
+        if self.s_promote is None:
+            # Where S's second accumulator fits (ptxas, planned tiles: 64-row tiles, or up
+            # to 64 keys with Dv <= D; 80/80 at 96 keys and 64/128 spill 368-672 bytes).
+            fits = self.tile_m == 64 or (self.tile_n <= 64 and self.head_dim_v <= self.head_dim)
+            object.__setattr__(self, "s_promote", 4 if self.tf32_passes == 3 and fits else 0)
         if self.s_promote and (self.tf32_passes != 3 or self.s_promote < 0):
             raise ValueError(f"s_promote is 3xTF32's (tf32_passes=3), got {self.s_promote}")
         if self.pv_lo_lo and not self.promote_pv:
