@@ -118,7 +118,8 @@ def test_the_checker_sees_a_violation(tmp_path):
 # Inside the torch adapter, bottom to top: a module imports only modules of lower rows
 # (lazy imports too), so its concepts stay layered as docs/ARCHITECTURE.md lists them.
 TORCH_ADAPTER = [
-    ["flexattn.torch.devices", "flexattn.torch.graph_walk", "flexattn.torch.tensor_eval"],
+    ["flexattn.torch.devices", "flexattn.torch.graph_walk", "flexattn.torch.tensor_eval",
+     "flexattn.torch.dynamo_marks"],
     ["flexattn.torch.launches"],
     ["flexattn.torch.ops"],
     ["flexattn.torch.nested"],

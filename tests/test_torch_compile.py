@@ -1296,3 +1296,30 @@ def test_gpt_fast_decoding_step_compiles(backend):
             q, k_cache[:, :, prefix].repeat_interleave(Hq // Hkv, 1), v_cache[:, :, prefix].repeat_interleave(Hq // Hkv, 1))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert counter.frame_count == 1
+
+
+def test_dynamo_marks_match_dynamos_own():
+    """flexattn.torch marks its trace-time functions without importing torch._dynamo
+    (dynamo_marks.py, ~1 s of import): the mark must be the one dynamo's decorator sets."""
+    from flexattn.torch.dynamo_marks import assume_constant_result
+
+    def ours():
+        return 1
+
+    def theirs():
+        return 1
+
+    assume_constant_result(ours)
+    torch._dynamo.assume_constant_result(theirs)
+    assert vars(ours) == vars(theirs) and vars(ours)
+
+
+def test_importing_the_adapter_leaves_dynamo_unimported():
+    """An eager user never pays torch._dynamo's import (its trace-time hooks load it when
+    torch.compile runs, which has imported it already)."""
+    import subprocess
+    import sys
+
+    code = "import sys, flexattn.torch; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]

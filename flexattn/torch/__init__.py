@@ -43,6 +43,7 @@ from ..problem.kvcache import KVCache, PagedKVCache
 from .attention import AuxOutput, AuxRequest, FlexKernelOptions, flex_attention
 from .compiled import _guard_numbers
 from .decoding import decode
+from .dynamo_marks import assume_constant_result
 from .launches import _is_tensor
 from .nested import captures_graph_values
 
@@ -116,7 +117,7 @@ class BlockMask(_CoreBlockMask):
         return _TorchBlockMask(self.seq_lengths, *lists, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod)
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _warn_lists_copied(device: str) -> bool:
     """(at compile time) A host-built block mask sliced by an index on ``device`` in compiled
     code: its lists go there in every call."""
@@ -198,7 +199,7 @@ def _flat(values):
             yield v
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _mod_from_recipe(kind, name, args, kwargs) -> str:
     """The attribute of ``_MADE_WHILE_TRACED`` holding the mod of this recipe, made now (plain
     Python, at compile time) if it is new."""
@@ -225,7 +226,7 @@ def _hashable(value):
     return value
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _refuse_mods_made_in_traced_code(what: str):
     raise TypeError(f"flexattn: {what} made inside a torch.compile'd function is not supported: make the mod"
                     " outside it (at module level or in __init__: mods are immutable values, their tensors read"
@@ -238,7 +239,7 @@ _mods.mod.MADE_ELSEWHERE = _made_while_traced
 _mods.mod.ARRAY_EVALUATORS.append((tensor_eval.is_tensor, tensor_eval.evaluate))   # mods called on tensors
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _reads_tensors(mask_mod) -> bool:
     """Whether a mask function (``by_id`` handle) reads tensors, found by tracing it at
     compile time (plain Python)."""
@@ -246,7 +247,7 @@ def _reads_tensors(mask_mod) -> bool:
     return any(_is_tensor(c) for c in mask.captures)
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _block_mask_while_compiling(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, separate_full_blocks):
     """``create_block_mask`` at compile time (plain Python: dynamo runs it on the real
     arguments and bakes in its result): the mask's handle, ``("id", id(block_mask))`` as

@@ -18,6 +18,7 @@ from ..blockmask import BlockMask as _CoreBlockMask
 from ..blockmask.layout import as_block_mask
 from ..core.registry import by_id, compiled_spec, from_id
 from ..mods import Mod
+from .dynamo_marks import assume_constant_result
 from .launches import _is_tensor
 from .nested import (_reachable_values, captures_graph_values, compiling_for_inductor, flex_attention_route,
                      made_in_traced_code, object_token, stashed, torch_flex_call)
@@ -161,7 +162,7 @@ def _tensor_sources(fn, mod, role: str = "score_mod") -> tuple:
     return tuple(sources)
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _numbers_seen(fn) -> tuple:
     """(path, value) of the global numbers a plain mod function can read (``_follow``
     paths), as they are while compiling."""
@@ -186,7 +187,7 @@ def _guard_numbers(*fns) -> None:
                 raise RuntimeError("flexattn: a mod's number changed during a compiled call")
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _prepare_for_compile(score_mod, block_mask, scale, enable_gqa, mask, score) -> tuple:
     """Trace/normalize the non-tensor arguments into a pinned registry entry (plain Python:
     dynamo calls this on the real objects at compile time and bakes in the result):

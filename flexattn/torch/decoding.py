@@ -19,6 +19,7 @@ from ..problem import bounds
 from ..problem.decode import decode_problem, decode_spec
 from ..problem.kvcache import KVCache, PagedKVCache
 from ..problem.spec import lse_dtype
+from .dynamo_marks import assume_constant_result
 from ..problem.validate import check_inputs
 from .attention import flex_attention
 from .compiled import _compiled_op_inputs
@@ -175,7 +176,7 @@ def _decode_mods_in_graph(query, cache, score_mod, mask, scale, return_lse):
     return (out, lse) if return_lse else out
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _prepare_decode_for_compile(score_mod, mask, scale, lengths_dtype: str) -> tuple:
     """``(spec id, buffer origins)`` of a compiled decode step over mod values (plain Python
     at compile time, as ``_prepare_for_compile``): ``decode_spec`` with stand-in tensors for

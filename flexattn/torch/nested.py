@@ -42,7 +42,8 @@ import threading
 import types
 
 import torch
-from torch._dynamo.comptime import comptime
+
+from .dynamo_marks import assume_constant_result, comptime
 
 MARKER = "FLEXATTN_SPEC"   # kernel_options key: the registry id of the call's other parts
 SCORE_KEY = "FLEXATTN_SCORE"   # kernel_options key: the HOP's score function is the call's
@@ -54,14 +55,15 @@ MAX_KEY = "FLEXATTN_MAX"       # kernel_options key: the call wants the row maxi
 _PROBE = threading.local()   # a comptime hook's answer, read back by _probed
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _probed():
     return _PROBE.value
 
 
 def _variable(ctx, name: str):
-    """Dynamo's variable of the traced local ``name`` (its internal API: one place)."""
-    return ctx.get_local(name)._i_will_not_complain_if_bc_breaks_VariableTracker()
+    """Dynamo's variable of the traced local ``name`` of the function that called
+    ``comptime`` (its internal API: one place)."""
+    return ctx.get_local(name, stacklevel=1)._i_will_not_complain_if_bc_breaks_VariableTracker()
 
 
 def captures_graph_values(fn) -> bool:
@@ -115,7 +117,7 @@ def _takes_the_hop(var) -> bool:
     return any(path[0][0] == "global" and _is_tensor(value) for path, value in _reachable_values(fn))
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def compiling_for_inductor() -> bool:
     """Called in code dynamo traces: whether the graph goes to Inductor, whose pre-grad
     pass (``rewrite_marked_calls``) puts our op in the HOP's place. Other backends
@@ -267,7 +269,7 @@ class _RewriteMarkedCalls:
             self.flexattn_then(graph)
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _install_pass() -> bool:
     """Put ``rewrite_marked_calls`` first in Inductor's pre-grad custom pass (chained with
     one already set). Runs at trace time, before Inductor compiles the graph."""
