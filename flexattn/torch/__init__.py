@@ -21,7 +21,8 @@ the eager autograd layer, prepared repeat calls) and ``decoding.py`` (``decode``
 ``compiled.py`` (torch.compile's route into the custom ops); ``ops.py`` (the custom ops);
 ``launches.py`` (the kernels on torch tensors); ``devices.py`` (the CUDA device facts every
 route shares). ``nested.py`` / ``graph_walk.py`` / ``tensor_eval.py``: torch.compile's
-traced code; ``context_parallel.py``: several GPUs.
+traced code (``dynamo_marks.py``: its marks, without importing dynamo);
+``context_parallel.py``: several GPUs.
 """
 
 from __future__ import annotations
