@@ -62,24 +62,33 @@ def grad_errors(q, k, v, do, scale, fn) -> dict:
             for name, g, w in zip(("dq", "dk", "dv"), got, (qd, kd, vd))}
 
 
+def shape_and_masks(spec: str, fa, create_block_mask):
+    """(B, S, H, D, softmax scale, our causal block mask, torch's) for "BxSxHxD"."""
+    B, S, H, D = map(int, spec.split("x"))
+    return (B, S, H, D, 1.0 / math.sqrt(D), fa.create_block_mask(causal, None, None, S, S, device="cuda"),
+            create_block_mask(causal, None, None, S, S, device="cuda"))
+
+
+def with_ours(impls: dict, settings, fa, q, k, v, block_mask) -> dict:
+    """``impls`` plus ours under each A/B setting (``with_env``), named by it."""
+    for setting in settings:
+        def ours(setting=setting):
+            with_env(setting)
+            return fa.flex_attention(q, k, v, block_mask=block_mask)
+        impls[f"ours {setting or 'planned'}"] = ours
+    return impls
+
+
 def backward_study(args, fa, flex, create_block_mask):
     rows = []
     for spec in args.shapes:
-        B, S, H, D = map(int, spec.split("x"))
-        scale = 1.0 / math.sqrt(D)
-        door_bm = fa.create_block_mask(causal, None, None, S, S, device="cuda")
-        torch_bm = create_block_mask(causal, None, None, S, S, device="cuda")
+        B, S, H, D, scale, door_bm, torch_bm = shape_and_masks(spec, fa, create_block_mask)
         for seed in range(args.seeds):
             g = torch.Generator(device="cuda").manual_seed(seed)
             q, k, v, do = (torch.randn(B, H, S, D, device="cuda", generator=g) for _ in range(4))
             for t in (q, k, v):
                 t.requires_grad_()
-            impls = {"flex": lambda: flex(q, k, v, block_mask=torch_bm)}
-            for setting in args.ours:
-                def ours(setting=setting):
-                    with_env(setting)
-                    return fa.flex_attention(q, k, v, block_mask=door_bm)
-                impls[f"ours {setting or 'planned'}"] = ours
+            impls = with_ours({"flex": lambda: flex(q, k, v, block_mask=torch_bm)}, args.ours, fa, q, k, v, door_bm)
             for name, fn in impls.items():
                 if name.startswith("ours"):
                     forget_prepared_calls()
@@ -93,20 +102,36 @@ def backward_study(args, fa, flex, create_block_mask):
                 rows.append((spec, name, seed, errs))
                 print(rows[-1], flush=True)
     with_env("")
-    print(f"\nfloat32 'highest', causal fwd+bwd, {device_name()}, seeds 0-{args.seeds - 1}: max |grad - float64| "
-          "/ max |float64 grad| (worst seed; in brackets ours / flex per seed)\n")
-    print("| shape | impl | dQ | dK | dV | fwd+bwd ms (seed 0) |\n|---|---|---|---|---|---|")
-    for spec in args.shapes:
-        runs = {}
-        for s, name, seed, e in rows:
-            if s == spec:
-                runs.setdefault(name, []).append(e)
+
+    def cells(es, flex_es):
+        out = []
+        for g in ("dq", "dk", "dv"):
+            ratios = "/".join(f"{e[g] / f[g]:.2f}" for e, f in zip(es, flex_es))
+            out.append(f"{max(e[g] for e in es):.2e} ({ratios})")
+        return out + [f"{es[0]['ms']:.3f}"]
+
+    print_table(f"causal fwd+bwd, {device_name()}, seeds 0-{args.seeds - 1}: max |grad - float64| / max |float64 grad|"
+                " (worst seed; in brackets ours / flex per seed)", ["dQ", "dK", "dV", "fwd+bwd ms (seed 0)"],
+                rows, args.shapes, cells)
+
+
+def print_table(title: str, columns, rows, shapes, cells):
+    """A markdown table: per shape and implementation, ``cells(its results by seed, flex's)``."""
+    print(f"\nfloat32 'highest', {title}\n")
+    print("| shape | impl | " + " | ".join(columns) + " |\n" + "|---" * (len(columns) + 2) + "|")
+    for spec in shapes:
+        runs = grouped(rows, spec)
         for name, es in runs.items():
-            cells = []
-            for g in ("dq", "dk", "dv"):
-                ratios = "/".join(f"{e[g] / f[g]:.2f}" for e, f in zip(es, runs["flex"]))
-                cells.append(f"{max(e[g] for e in es):.2e} ({ratios})")
-            print(f"| {spec} | {name} | " + " | ".join(cells) + f" | {es[0].get('ms', float('nan')):.3f} |")
+            print(f"| {spec} | {name} | " + " | ".join(cells(es, runs["flex"])) + " |")
+
+
+def grouped(rows, spec) -> dict:
+    """impl -> its rows' results at shape ``spec``, in seed order."""
+    out = {}
+    for s, name, seed, result in rows:
+        if s == spec:
+            out.setdefault(name, []).append(result)
+    return out
 
 
 _SET: list = []   # the variables the last with_env set
@@ -148,48 +173,34 @@ def main():
     args.shapes = args.shapes or (["1x1025x4x128", "1x4096x4x128"] if args.backward else ["1x4096x8x128", "1x4096x8x64"])
     if args.backward:
         return backward_study(args, fa, flex, create_block_mask)
-    rows = []   # (shape, impl, seed, errors, ms)
+    rows = []   # (shape, impl, seed, errors and ms)
     for spec in args.shapes:
-        B, S, H, D = map(int, spec.split("x"))
-        scale = 1.0 / math.sqrt(D)
-        door_bm = fa.create_block_mask(causal, None, None, S, S, device="cuda")
-        torch_bm = create_block_mask(causal, None, None, S, S, device="cuda")
+        B, S, H, D, scale, door_bm, torch_bm = shape_and_masks(spec, fa, create_block_mask)
         for seed in range(args.seeds):
             g = torch.Generator(device="cuda").manual_seed(seed)
             q, k, v = (torch.randn(B, H, S, D, device="cuda", generator=g) for _ in range(3))
             want = reference(q, k, v, scale)
-            impls = {"flex": lambda: flex(q, k, v, block_mask=torch_bm),
-                     "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)}
-            for setting in args.ours:
-                def ours(setting=setting):
-                    with_env(setting)
-                    return fa.flex_attention(q, k, v, block_mask=door_bm)
-                impls[f"ours {setting or 'planned'}"] = ours
+            impls = with_ours({"flex": lambda: flex(q, k, v, block_mask=torch_bm),
+                               "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)},
+                              args.ours, fa, q, k, v, door_bm)
             for name, fn in impls.items():
                 if name.startswith("ours"):
                     forget_prepared_calls()
                 out = fn()
-                ms = bench_ms(fn) if seed == 0 else float("nan")
-                rows.append((spec, name, seed, errors(out, want), ms))
+                rows.append((spec, name, seed, {**errors(out, want), "ms": bench_ms(fn) if seed == 0 else float("nan")}))
                 print(rows[-1], flush=True)
                 del out
             del want
     with_env("")
 
-    print(f"\nfloat32 'highest', causal, {device_name()}, seeds 0-{args.seeds - 1}: max |out - float64| "
-          "(worst seed), its max over the first 128 rows, the mean (average of seeds), ms (seed 0)\n")
-    print("| shape | impl | max | ratio to flex (per seed) | first 128 rows | mean | ms |\n|---|---|---|---|---|---|---|")
-    for spec in args.shapes:
-        by_impl = {}
-        for s, name, seed, e, ms in rows:
-            if s == spec:
-                by_impl.setdefault(name, []).append((e, ms))
-        flex_max = [e["max"] for e, _ in by_impl["flex"]]
-        for name, runs in by_impl.items():
-            ratios = " / ".join(f"{e['max'] / f:.2f}" for (e, _), f in zip(runs, flex_max))
-            print(f"| {spec} | {name} | {max(e['max'] for e, _ in runs):.2e} | {ratios} | "
-                  f"{max(e['first128'] for e, _ in runs):.2e} | {statistics.mean(e['mean'] for e, _ in runs):.2e} | "
-                  f"{runs[0][1]:.3f} |")
+    def cells(es, flex_es):
+        return [f"{max(e['max'] for e in es):.2e}", " / ".join(f"{e['max'] / f['max']:.2f}" for e, f in zip(es, flex_es)),
+                f"{max(e['first128'] for e in es):.2e}", f"{statistics.mean(e['mean'] for e in es):.2e}",
+                f"{es[0]['ms']:.3f}"]
+
+    print_table(f"causal, {device_name()}, seeds 0-{args.seeds - 1}: max |out - float64| (worst seed), its max over"
+                " the first 128 rows, the mean (average of seeds), ms (seed 0)",
+                ["max", "ratio to flex (per seed)", "first 128 rows", "mean", "ms"], rows, args.shapes, cells)
 
 
 if __name__ == "__main__":
