@@ -419,6 +419,27 @@ def block_lists_to_device(spec: AttentionSpec, shape: AttentionShape, to_device:
             to_device(block_mask.list_array(name))
 
 
+def _fp32_ab_overrides(shape: AttentionShape, tf32_passes: int) -> tuple:
+    """3xTF32's A/B variables as (FwdConfig field, value) pairs, for error studies
+    (benchmarks/fp32_error_study.py); () without them or below 3 passes:
+    FLEXATTN_PV_FOLD_KEYS=N (``pv_fold_keys``), FLEXATTN_PV_LO_LO=1 (``pv_lo_lo``; both where
+    ``promote_pv`` is on by default: value head dims up to 128), FLEXATTN_FP32_EXACT_NORM=0
+    (``exact_normalize`` off), FLEXATTN_FWD_S_PROMOTE=N (``s_promote``)."""
+    if tf32_passes != 3:
+        return ()
+    env, out = os.environ, []
+    if shape.v_head_dim <= 128:
+        if env.get("FLEXATTN_PV_FOLD_KEYS", "0") != "0":
+            out.append(("pv_fold_keys", int(env["FLEXATTN_PV_FOLD_KEYS"])))
+        if env.get("FLEXATTN_PV_LO_LO") == "1":
+            out.append(("pv_lo_lo", True))
+    if env.get("FLEXATTN_FP32_EXACT_NORM") == "0":
+        out.append(("exact_normalize", False))
+    if env.get("FLEXATTN_FWD_S_PROMOTE") is not None:
+        out.append(("s_promote", int(env["FLEXATTN_FWD_S_PROMOTE"])))
+    return tuple(out)
+
+
 def _rescale_o_early(shape: AttentionShape, tf32_passes: int) -> bool:
     """Whether the forward shrinks O while Q K^T runs (`FwdConfig.rescale_o_early`): beyond
     192 value columns (FA4 does it beyond 128). H200, B4 S4096 H16, door A/B in one process,
@@ -463,15 +484,8 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     max_ctas = persistent_ctas(q, cluster_m) if persistent_pays else 0
     tickets = _tickets_pay(shape, band, max_ctas, cluster_m, causal_tickets, tickets_flag)
     rescale_early = _rescale_o_early(shape, tf32_passes)
-    # A/B runs only: 3xTF32's P V folded into O every this many keys (FwdConfig.pv_fold_keys).
-    promoted = tf32_passes == 3 and shape.v_head_dim <= 128     # (FwdConfig.promote_pv's default)
-    pv_fold = int(os.environ.get("FLEXATTN_PV_FOLD_KEYS", "0")) if promoted else 0
-    # Likewise P_lo V_lo as a fourth pass (FwdConfig.pv_lo_lo) and the exact O / l off.
-    pv_lo_lo = promoted and os.environ.get("FLEXATTN_PV_LO_LO") == "1"
-    exact_norm = tf32_passes == 3 and os.environ.get("FLEXATTN_FP32_EXACT_NORM") != "0"
-    s_promote = os.environ.get("FLEXATTN_FWD_S_PROMOTE") if tf32_passes == 3 else None
-    s_promote = None if s_promote is None else int(s_promote)   # None: FwdConfig's default
-    key = (dtype, tf32_passes, pv_fold, pv_lo_lo, exact_norm, s_promote, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
+    ab_fp32 = _fp32_ab_overrides(shape, tf32_passes)
+    key = (dtype, tf32_passes, ab_fp32, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
            cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
@@ -509,8 +523,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
             # (keyed above by KV_LEN % 128: a tile_n that divides 128 then divides KV_LEN)
             kv_aligned=shape.kv_len % 128 == 0 and 128 % tile_n == 0,
             rescale_o_early=rescale_early,
-            pv_fold_keys=min(pv_fold, tile_n) or None, pv_lo_lo=pv_lo_lo, exact_normalize=exact_norm,
-            s_promote=s_promote,
+            **{name: min(value, tile_n) if name == "pv_fold_keys" else value for name, value in ab_fp32},
             # The mods' reads constant over a tile (a converted PagedAttention mask's page
             # map at kv // 128) once per tile and row: H200, 2026-11-30, a prefill chunk
             # 627 -> 633 TFLOP/s, no spill (36 B before); other kernels unchanged.

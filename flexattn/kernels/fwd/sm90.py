@@ -116,10 +116,11 @@ class FwdConfig(KernelConfig):
     pv_fold_keys: int | None = None
     # 3xTF32: S = Q K^T's chain over the head dim summed in pieces of this many k-blocks,
     # each waited for and added to S in registers (0: one accumulator; None: 4 for
-    # 3xTF32 where it fits in registers). In one accumulator the truncating adds of 3 x D/8 MMAs put S off by a few
-    # ulps, which rows with few keys carry into O: max error 1.0-1.6x torch flex's; in
-    # pieces of 4, 0.48-0.77x flex's, mean error halved, 4-11% slower (H200, 2026-11-30,
-    # docs/experiments.md). FLEXATTN_FWD_S_PROMOTE=N overrides, for A/B runs.
+    # 3xTF32 where it fits in registers). In one accumulator the truncating adds of
+    # 3 x D/8 MMAs put S off by a few ulps, which rows with few keys carry into O: max
+    # error 1.0-1.6x torch flex's; in pieces of 4, 0.48-0.77x flex's, mean error halved,
+    # 4-11% slower (H200, 2026-11-30, docs/experiments.md). FLEXATTN_FWD_S_PROMOTE=N
+    # overrides, for A/B runs.
     s_promote: int | None = None
     # 3xTF32's P V with the fourth product, P_lo V_lo (2^-22 of P V), first: for A/B runs.
     pv_lo_lo: bool = False
@@ -1161,7 +1162,7 @@ class FlashFwdSm90(WarpSpecialized):
         if const_expr(not pieces):
             mma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK, zero_init=True, wait=wait)
         else:
-            steps = mma._k_range(tSrQ, None)[1]
+            steps = mma.k_range(tSrQ, None)[1]
             mma.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK, zero_init=True, wait=0, k_blocks=(0, min(pieces, steps)))
             part = cute.make_rmem_tensor_like(acc_S, Float32)
             for k0 in range(pieces, steps, pieces):   # (not a jit function: a Python unroll)
@@ -1174,7 +1175,7 @@ class FlashFwdSm90(WarpSpecialized):
         with ``pv_fold_keys`` the block's earlier key groups are added to O here, each
         waited for: groups retire in order, so that also waits for an S in flight)."""
         if const_expr(self.cfg.promote_pv):
-            steps = mma._k_range(tOrP, None)[1]           # the block's k-blocks (tf32: 8 keys each)
+            steps = mma.k_range(tOrP, None)[1]           # the block's k-blocks (tf32: 8 keys each)
             per_fold = steps * (self.cfg.pv_fold_keys or self.cfg.tile_n) // self.cfg.tile_n
             passes = ((1, 1), *mma.SPLIT_PASSES) if const_expr(self.cfg.pv_lo_lo) else mma.SPLIT_PASSES
             for c in range(steps // per_fold - 1):   # (not a jit function: a Python unroll)

@@ -101,7 +101,7 @@ def make_pv_mma(dtype, tile_m: int, head_dim: int):
 SPLIT_PASSES = ((1, 0), (0, 1), (0, 0))
 
 
-def _k_range(tCrA, k_blocks) -> tuple:
+def k_range(tCrA, k_blocks=None) -> tuple:
     """(start, stop) of a GEMM's k-blocks: ``k_blocks``, or all of A's (a tuple: of its parts)."""
     if k_blocks is not None:
         return k_blocks
@@ -120,7 +120,7 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA, tCrB,
     # A fresh atom per call: its ACCUMULATE field is mutated below.
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    first, stop = _k_range(tCrA, k_blocks)
+    first, stop = k_range(tCrA, k_blocks)
     if const_expr(isinstance(tCrA, tuple)):
         for ia, ib in passes:
             for k in cutlass.range_constexpr(first, stop):
