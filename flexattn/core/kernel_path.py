@@ -188,6 +188,11 @@ def _fp32_tiles(shape: AttentionShape, parts: int, lists: bool) -> tuple:
 
     d, dv = shape.head_dim, shape.v_head_dim
     choices = [t for t in _FP32_TILE_N if not lists or TILE_N % t == 0]
+    if parts == 2 and 32 < d and dv <= d:
+        # 3xTF32 sums S over the head dim in pieces (FwdConfig.s_promote), whose second S
+        # accumulator fits beside 128-row tiles up to 64 keys (80/80's one 96-key stage
+        # spilled 544-672 bytes with it; D 32 has a single piece).
+        choices = [t for t in choices if t <= 64]
     for tile_m in (128, 64):
         for tile_n, stages in [(t, 2) for t in choices if t >= 64] + [(t, 1) for t in choices]:
             if shared_bytes(tile_m, tile_n, stages, d, dv, dv > d, elem_bytes=4, parts=parts) <= SMEM_CAPACITY:
