@@ -260,6 +260,11 @@ def test_from_kv_blocks_takes_torch_shapes():
         again = BlockMask.from_kv_blocks(*lists, mask_mod=causal(), compute_q_blocks=False)
         assert again.shape == (1, 1, 512, 512)
         np.testing.assert_array_equal(again.block_states(), bm.block_states())
+        # torch's q-side attributes are None then; ours too, while the kernels keep theirs
+        assert again.q_num_blocks is None and again.full_q_indices is None and again.as_tuple()[6] is None
+        assert again.kv_indices is not None and again.list_array("q_indices") is not None
+        with_q = BlockMask.from_kv_blocks(*lists, mask_mod=causal())
+        np.testing.assert_array_equal(with_q.q_indices, bm.q_indices)
 
 
 def test_to_keeps_the_mask_on_the_host():

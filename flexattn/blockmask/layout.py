@@ -85,9 +85,11 @@ class BlockMask:
     @classmethod
     def from_kv_blocks(cls, kv_num_blocks, kv_indices, full_kv_num_blocks=None, full_kv_indices=None,
                        BLOCK_SIZE=128, mask_mod=None, seq_lengths=None, compute_q_blocks=True):
-        """From kv-side lists (e.g. computed elsewhere); the q-side lists are derived (always:
-        ``compute_q_blocks`` is accepted for torch's signature). Lists may leave out leading
-        dims as torch's do: [Q_BLOCKS, KV_BLOCKS] or [H, Q_BLOCKS, KV_BLOCKS] indices."""
+        """From kv-side lists (e.g. computed elsewhere). Lists may leave out leading dims as
+        torch's do: [Q_BLOCKS, KV_BLOCKS] or [H, Q_BLOCKS, KV_BLOCKS] indices.
+        ``compute_q_blocks=False``: the q-side attributes read None, as torch's do; the
+        kernels still derive the q-side lists from the block states, so the backward runs
+        (torch's would need them)."""
         qb, kvb = _block_size(BLOCK_SIZE)
         kv_num = np.asarray(to_numpy(kv_num_blocks), dtype=np.int64)
         kv_idx = np.asarray(to_numpy(kv_indices), dtype=np.int64)
@@ -110,7 +112,9 @@ class BlockMask:
                      np.asarray(to_numpy(full_kv_indices), dtype=np.int64), FULL, "full_kv_indices")
         if seq_lengths is None:
             seq_lengths = (states.shape[2] * qb, states.shape[3] * kvb)
-        return cls(states, seq_lengths, (qb, kvb), as_mask(mask_mod) if mask_mod is not None else None)
+        made = cls(states, seq_lengths, (qb, kvb), as_mask(mask_mod) if mask_mod is not None else None)
+        made._q_lists_unset = not compute_q_blocks
+        return made
 
     @classmethod
     def _on_device(cls, arrays: dict, seq_lengths, block_size, mask_mod, device, count_allowed=None):
@@ -545,7 +549,11 @@ def as_class(block_mask: BlockMask, cls: type) -> BlockMask:
 
 
 def _list_property(name: str) -> property:
-    return property(lambda self: self._present(name), doc=f"torch's ``{name}`` (see ``BlockMask._present``).")
+    def present(self):
+        if "q_" in name and self.__dict__.get("_q_lists_unset"):
+            return None      # from_kv_blocks(compute_q_blocks=False), as torch's
+        return self._present(name)
+    return property(present, doc=f"torch's ``{name}`` (see ``BlockMask._present``).")
 
 
 for _name in _LIST_NAMES:
