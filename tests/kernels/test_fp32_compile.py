@@ -131,4 +131,9 @@ def test_planner_takes_float32_with_the_devices_passes():
         cfg = plan_forward(q, shape, spec, tf32_passes=passes).config
         assert (cfg.dtype, cfg.tf32_passes, cfg.cluster_m, cfg.max_ctas, cfg.causal) == ("fp32", passes, 1, 0, True)
         assert cfg.mods.fast_math == (passes == 1)
+        # 3xTF32's error fixes planned (the chains in pieces, the exact O / l); the float32
+        # backward's S^T / dP^T chains in pieces likewise
+        from flexattn.kernels.bwd.plan import config_from_forward
+        assert (cfg.s_promote, cfg.exact_normalize) == ((4, True) if passes == 3 else (0, False))
+        assert config_from_forward(cfg).chain_promote == (2 if passes == 3 else 0)
     assert "float64" in kernel_unsupported(q.astype(np.float64), shape)
