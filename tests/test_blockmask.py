@@ -263,7 +263,7 @@ def test_from_kv_blocks_takes_torch_shapes():
         # torch's q-side attributes are None then; ours too, while the kernels keep theirs
         assert again.q_num_blocks is None and again.full_q_indices is None and again.as_tuple()[6] is None
         assert again.kv_indices is not None and again.list_array("q_indices") is not None
-        with_q = BlockMask.from_kv_blocks(*lists, mask_mod=causal())
+        with_q = BlockMask.from_kv_blocks(*lists, mask_mod=causal(), dq_write_order=None, dq_kv_order=True)
         np.testing.assert_array_equal(with_q.q_indices, bm.q_indices)
 
 

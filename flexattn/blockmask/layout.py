@@ -84,12 +84,15 @@ class BlockMask:
     # -- construction -----------------------------------------------------------------------
     @classmethod
     def from_kv_blocks(cls, kv_num_blocks, kv_indices, full_kv_num_blocks=None, full_kv_indices=None,
-                       BLOCK_SIZE=128, mask_mod=None, seq_lengths=None, compute_q_blocks=True):
+                       BLOCK_SIZE=128, mask_mod=None, seq_lengths=None, compute_q_blocks=True, *,
+                       dq_write_order=None, dq_write_order_full=None, dq_kv_order=None):
         """From kv-side lists (e.g. computed elsewhere). Lists may leave out leading dims as
         torch's do: [Q_BLOCKS, KV_BLOCKS] or [H, Q_BLOCKS, KV_BLOCKS] indices.
         ``compute_q_blocks=False``: the q-side attributes read None, as torch's do; the
         kernels still derive the q-side lists from the block states, so the backward runs
-        (torch's would need them)."""
+        (torch's would need them). ``dq_write_order``, ``dq_write_order_full`` and
+        ``dq_kv_order`` (torch 2.13's hints for its backward's dQ writes) are accepted and
+        unused: our backward plans its own order from the lists."""
         qb, kvb = _block_size(BLOCK_SIZE)
         kv_num = np.asarray(to_numpy(kv_num_blocks), dtype=np.int64)
         kv_idx = np.asarray(to_numpy(kv_indices), dtype=np.int64)
