@@ -220,12 +220,14 @@ class FlashBwdTf32(BwdPointwise, BwdWalks):
 
     @property
     def promote(self) -> tuple:
-        """`tf32_gemm`'s promote for (S^T and dP^T, dK and dV, dQ) under 3xTF32: dK / dV
-        once per visit (their sum over every q row is the long chain) and dQ's key chain in
-        pieces of 4 k-blocks. S^T and dP^T (chains over the head dim) keep one accumulator,
-        as the forward's S does; one tf32 pass rounds its operands far above either. Head
-        dims beyond 128 keep one accumulator everywhere: a second one spills there (ptxas,
-        256/256: 632 bytes). `BwdConfig.chain_promote` sets S^T's and dP^T's (A/B runs)."""
+        """`tf32_gemm`'s promote for (S^T and dP^T, dK and dV, dQ) under 3xTF32: S^T's and
+        dP^T's chains over the head dim in pieces of `BwdConfig.chain_promote` k-blocks (2
+        up to head dim 128: dS = P (dP - D) cancels in rows with few keys, where one
+        accumulator's truncation put dQ 4x further from float64 than flex's), dK / dV once
+        per visit (their sum over every q row is the long chain) and dQ's key chain in
+        pieces of `BwdConfig.dq_promote` (4). One tf32 pass rounds its operands far above
+        any of these. Head dims beyond 128 keep one accumulator everywhere: a second one
+        spills there (ptxas, 256/256: 632 bytes for dK / dV; 24-56 bytes for S^T / dP^T)."""
         cfg = self.cfg
         if cfg.tf32_passes != 3 or max(cfg.head_dim, cfg.head_dim_v) > 128:
             return cfg.chain_promote, 0, 0
