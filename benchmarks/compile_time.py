@@ -180,6 +180,14 @@ def _neighborhood():       # bench_fwd's neighborhood2d: // and % by the image w
                          & (((q % 64) - (kv % 64)).abs() <= 8))
 
 
+def _bits():               # any mask over (q, kv) as its packed rows (bits_mask_tier.py): one IR for all
+    import numpy as np
+
+    from flexattn import mods
+    words = np.zeros((4096, 4096 // 32), np.int32)
+    return mods.mask_mod(lambda b, h, q, kv: ((words[q, kv >> 5] >> (kv & 31)) & 1) == 1)
+
+
 # The benchmark's configurations (kernel_path.plan_forward: tile 128x128, persistent
 # dense with 132 CTAs on the H100), then others covering the code paths.
 KERNELS = {
@@ -209,6 +217,7 @@ KERNELS = {
     "sparse-nomask": _fwd(head_dim=128, tile_m=128, block_sparse=True),   # the base of the two below
     "dilated": _fwd(head_dim=128, tile_m=128, block_sparse=True, mask=_dilated),
     "neighborhood": _fwd(head_dim=128, tile_m=128, block_sparse=True, mask=_neighborhood),
+    "bits": _fwd(head_dim=128, tile_m=128, block_sparse=True, mask=_bits),
     "decode-window": _decode(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, mask=lambda: _window_4k()),
     "decode-window-alibi": _decode(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2,
                                    score=_alibi, mask=lambda: _window_4k()),
