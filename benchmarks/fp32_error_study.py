@@ -5,9 +5,10 @@ Causal attention of float32 randn inputs under ``torch.set_float32_matmul_precis
 ("highest")``, several seeds, a float64 reference over every head. Ours runs 3xTF32 with
 each block's P V in a fresh accumulator added to O in registers (``FwdConfig.promote_pv``).
 ``--ours`` runs A/B settings beside the planned kernel, each "NAME=value[,NAME=value]" of
-the planner's variables: finer folds (``FLEXATTN_PV_FOLD_KEYS``, every that many keys),
-P_lo V_lo as a fourth pass (``FLEXATTN_PV_LO_LO=1``), the approximate O / l
-(``FLEXATTN_FP32_EXACT_NORM=0``). Per implementation: the max |out - float64|, that max
+the planner's variables: S over the head dim in other pieces (``FLEXATTN_FWD_S_PROMOTE=N``,
+0 = one accumulator), the approximate O / l (``FLEXATTN_FP32_EXACT_NORM=0``). (Finer P V
+folds and P_lo V_lo as a fourth pass were measured on 2026-11-30 and removed: neither
+moved the max error.) Per implementation: the max |out - float64|, that max
 over the first 128 rows (few keys: short chains, large values), the mean, and the
 forward's time.
 
@@ -17,7 +18,7 @@ pieces of k-blocks (``BwdConfig.chain_promote``; ``--ours FLEXATTN_BWD_CHAIN_PRO
 dS = P (dP - D) cancels in rows that see few keys, where flex's IEEE products keep dP = D.
 
     python3 benchmarks/fp32_error_study.py [--shapes 1x4096x8x128 1x4096x8x64] [--seeds 3] \
-        [--ours "" FLEXATTN_PV_FOLD_KEYS=16 FLEXATTN_PV_FOLD_KEYS=8]
+        [--ours "" FLEXATTN_FWD_S_PROMOTE=0 FLEXATTN_FWD_S_PROMOTE=2]
     python3 benchmarks/fp32_error_study.py --backward [--shapes 1x1025x4x128] \
         [--ours "" FLEXATTN_BWD_CHAIN_PROMOTE=0 FLEXATTN_BWD_DQ_PROMOTE=2]
 """
@@ -160,7 +161,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=None, help="BxSxHxD")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--ours", nargs="*", default=["", "FLEXATTN_PV_FOLD_KEYS=8"],
+    ap.add_argument("--ours", nargs="*", default=["", "FLEXATTN_FWD_S_PROMOTE=0"],
                     help="A/B settings of ours, each NAME=value[,NAME=value] ('' = planned)")
     ap.add_argument("--backward", action="store_true")
     args = ap.parse_args()

@@ -427,17 +427,11 @@ def block_lists_to_device(spec: AttentionSpec, shape: AttentionShape, to_device:
 def _fp32_ab_overrides(shape: AttentionShape, tf32_passes: int) -> tuple:
     """3xTF32's A/B variables as (FwdConfig field, value) pairs, for error studies
     (benchmarks/fp32_error_study.py); () without them or below 3 passes:
-    FLEXATTN_PV_FOLD_KEYS=N (``pv_fold_keys``), FLEXATTN_PV_LO_LO=1 (``pv_lo_lo``; both where
-    ``promote_pv`` is on by default: value head dims up to 128), FLEXATTN_FP32_EXACT_NORM=0
-    (``exact_normalize`` off), FLEXATTN_FWD_S_PROMOTE=N (``s_promote``)."""
+    FLEXATTN_FP32_EXACT_NORM=0 (``exact_normalize`` off), FLEXATTN_FWD_S_PROMOTE=N
+    (``s_promote``)."""
     if tf32_passes != 3:
         return ()
     env, out = os.environ, []
-    if shape.v_head_dim <= 128:
-        if env.get("FLEXATTN_PV_FOLD_KEYS", "0") != "0":
-            out.append(("pv_fold_keys", int(env["FLEXATTN_PV_FOLD_KEYS"])))
-        if env.get("FLEXATTN_PV_LO_LO") == "1":
-            out.append(("pv_lo_lo", True))
     if env.get("FLEXATTN_FP32_EXACT_NORM") == "0":
         out.append(("exact_normalize", False))
     if env.get("FLEXATTN_FWD_S_PROMOTE") is not None:
@@ -528,7 +522,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
             # (keyed above by KV_LEN % 128: a tile_n that divides 128 then divides KV_LEN)
             kv_aligned=shape.kv_len % 128 == 0 and 128 % tile_n == 0,
             rescale_o_early=rescale_early,
-            **{name: min(value, tile_n) if name == "pv_fold_keys" else value for name, value in ab_fp32},
+            **dict(ab_fp32),
             # The mods' reads constant over a tile (a converted PagedAttention mask's page
             # map at kv // 128) once per tile and row: H200, 2026-11-30, a prefill chunk
             # 627 -> 633 TFLOP/s, no spill (36 B before); other kernels unchanged.

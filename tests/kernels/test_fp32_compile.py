@@ -79,38 +79,31 @@ def test_fp32_kernels_compile(dims, passes, kind):
         assert usage.spill_store_bytes <= 128, usage
 
 
-@pytest.mark.parametrize("dims,fold", [((128, 128), 8), ((64, 64), 16)], ids=str)
-def test_finer_pv_folds_compile(dims, fold):
-    """FwdConfig.pv_fold_keys: each group of `fold` keys' P V gets a fresh accumulator and
-    its own wait (one more wgmma group per group), and O stays free of spills."""
+@pytest.mark.parametrize("dims", [(128, 128), (64, 64), (80, 80)], ids=str)
+def test_3xtf32_error_fixes_compile(dims):
+    """3xTF32's planned accuracy fixes: S = Q K^T over the head dim in pieces of 4 k-blocks
+    (FwdConfig.s_promote; a wgmma group per piece at each step body's Q K^T issue) and O / l
+    by IEEE division (exact_normalize), without spills at the planned tiles."""
     d, dv = dims
-    tile_m, tile_n, stages = _fp32_tiles(_dims(d, dv), 2, True)
+    tile_m, tile_n, stages = _fp32_tiles(_dims(d, dv), 2, False)
     hook = IRModHook(None, None, False)
     base = dict(dtype="fp32", tf32_passes=3, head_dim=d, head_dim_v=dv, tile_m=tile_m, tile_n=tile_n,
-                num_stages=stages, causal=True, mods=hook, pingpong=True, s_promote=0)
-    groups = {}
-    for keys in (None, fold):
-        ptx = compile_forward(FwdConfig(**base, pv_fold_keys=keys), fake_args(hook), keep_ptx=True).__ptx__
-        groups[keys] = ptx.count("wgmma.commit_group")
-        if keys is None:      # O / l by IEEE division for 3xTF32 (FwdConfig.exact_normalize)
-            assert "div.rn.f32" in ptx and "rcp.approx" not in ptx
-        usage = resource_usage_from_ptx(ptx)
-        if usage is not None:
-            assert usage.spill_store_bytes == 0 and usage.stack_bytes == 0, usage
-    # Every P V issue (main loop and last block) gains tile_n / fold - 1 groups.
-    assert groups[fold] > groups[None], groups
-    # S's head-dim chain in pieces of 4 k-blocks (FwdConfig.s_promote, planned here): a
-    # group per piece at each of the step bodies' Q K^T issues.
-    planned = FwdConfig(**{**base, "s_promote": None})
-    assert planned.s_promote == 4
+                num_stages=stages, causal=True, mods=hook, pingpong=True)
+    planned = FwdConfig(**base)
+    assert (planned.s_promote, planned.exact_normalize) == (4, True)
+    one = compile_forward(FwdConfig(**base, s_promote=0, exact_normalize=False), fake_args(hook), keep_ptx=True).__ptx__
     ptx = compile_forward(planned, fake_args(hook), keep_ptx=True).__ptx__
-    qk_issues = groups[None] // 2          # (every body issues Q K^T and P V once)
-    assert ptx.count("wgmma.commit_group") == groups[None] + qk_issues * (d // 8 // 4 - 1)
-    for bad in (12, tile_n * 2):
-        with pytest.raises(ValueError, match="pv_fold_keys"):
-            FwdConfig(**base, pv_fold_keys=bad)
-    with pytest.raises(ValueError, match="pv_fold_keys"):
-        FwdConfig(**{**base, "tf32_passes": 1}, pv_fold_keys=fold)
+    assert "div.rn.f32" in ptx and "rcp.approx" not in ptx
+    assert "div.rn.f32" not in one and "rcp.approx" in one
+    groups = one.count("wgmma.commit_group")
+    qk_issues = groups // 2          # (every body issues Q K^T and P V once)
+    pieces = -(-d // 8 // 4)
+    assert ptx.count("wgmma.commit_group") == groups + qk_issues * (pieces - 1)
+    usage = resource_usage_from_ptx(ptx)
+    if usage is not None:
+        assert usage.spill_store_bytes == 0 and usage.stack_bytes == 0, usage
+    with pytest.raises(ValueError, match="s_promote"):
+        FwdConfig(**{**base, "tf32_passes": 1, "dtype": "fp32"}, s_promote=4)
 
 
 @pytest.mark.parametrize("cfg", [OperandsConfig(128, True, 1), OperandsConfig(80, True, 2), OperandsConfig(64, False, 2)],

@@ -110,10 +110,6 @@ class FwdConfig(KernelConfig):
     # bits at every add, which over a long row's thousands of adds outweighs 3xTF32's own
     # error (DeepGEMM promotes its FP8 sums the same way). None: on for 3xTF32.
     promote_pv: bool | None = None
-    # With promote_pv: the keys summed into one fresh P V accumulator before it is added
-    # to O (a multiple of 8 that divides tile_n; None: the whole block). Finer folds
-    # shorten the tensor cores' truncating chains at the price of a wait per fold.
-    pv_fold_keys: int | None = None
     # 3xTF32: S = Q K^T's chain over the head dim summed in pieces of this many k-blocks,
     # each waited for and added to S in registers (0: one accumulator; None: 4 for
     # 3xTF32 where it fits in registers). In one accumulator the truncating adds of
@@ -122,8 +118,6 @@ class FwdConfig(KernelConfig):
     # 4-11% slower (H200, 2026-11-30, docs/experiments.md). FLEXATTN_FWD_S_PROMOTE=N
     # overrides, for A/B runs.
     s_promote: int | None = None
-    # 3xTF32's P V with the fourth product, P_lo V_lo (2^-22 of P V), first: for A/B runs.
-    pv_lo_lo: bool = False
     # O / l by IEEE division and the LSE by the precise log2 (None: for 3xTF32), instead of
     # an approximate reciprocal's multiply (~1.5 ulp of O, beside float32's 0.5).
     exact_normalize: bool | None = None
@@ -267,12 +261,6 @@ class FwdConfig(KernelConfig):
             object.__setattr__(self, "s_promote", 4 if self.tf32_passes == 3 and fits else 0)
         if self.s_promote and (self.tf32_passes != 3 or self.s_promote < 0):
             raise ValueError(f"s_promote is 3xTF32's (tf32_passes=3), got {self.s_promote}")
-        if self.pv_lo_lo and not self.promote_pv:
-            raise ValueError("pv_lo_lo is 3xTF32's, with promote_pv")
-        if self.pv_fold_keys is not None and (not self.promote_pv or self.pv_fold_keys % 8
-                                              or self.tile_n % self.pv_fold_keys):
-            raise ValueError(f"pv_fold_keys must divide tile_n {self.tile_n} by multiples of 8, with"
-                             f" promote_pv; got {self.pv_fold_keys}")
         if self.rescale_o_early and (self.promote_pv or not self.intra_wg_overlap):
             raise ValueError("rescale_o_early needs the overlapped schedule without promote_pv")
         if self.tf32_passes not in (1, 3) or (self.tf32_passes == 3 and self.dtype != "fp32"):
@@ -1171,19 +1159,11 @@ class FlashFwdSm90(WarpSpecialized):
                 acc_S.store(acc_S.load() + part.load())
 
     def _pv_gemm(self, tiled_mma_pv, acc_O, tOrP, tOrVt, wait: int):
-        """O += P V, or with ``promote_pv`` this block's P V alone (folded in by ``_fold_o``;
-        with ``pv_fold_keys`` the block's earlier key groups are added to O here, each
-        waited for: groups retire in order, so that also waits for an S in flight)."""
+        """O += P V, or with ``promote_pv`` this block's P V alone (folded in by ``_fold_o``).
+        (Finer folds, and P_lo V_lo as a fourth pass, were measured: neither moved 3xTF32's
+        max error, docs/experiments.md, 2026-11-30.)"""
         if const_expr(self.cfg.promote_pv):
-            steps = mma.k_range(tOrP, None)[1]           # the block's k-blocks (tf32: 8 keys each)
-            per_fold = steps * (self.cfg.pv_fold_keys or self.cfg.tile_n) // self.cfg.tile_n
-            passes = ((1, 1), *mma.SPLIT_PASSES) if const_expr(self.cfg.pv_lo_lo) else mma.SPLIT_PASSES
-            for c in range(steps // per_fold - 1):   # (not a jit function: a Python unroll)
-                mma.gemm(tiled_mma_pv, acc_O[1], tOrP, tOrVt, zero_init=True, wait=0,
-                         k_blocks=(c * per_fold, (c + 1) * per_fold), passes=passes)
-                acc_O[0].store(acc_O[0].load() + acc_O[1].load())
-            mma.gemm(tiled_mma_pv, acc_O[1], tOrP, tOrVt, zero_init=True, wait=wait,
-                     k_blocks=(steps - per_fold, steps), passes=passes)
+            mma.gemm(tiled_mma_pv, acc_O[1], tOrP, tOrVt, zero_init=True, wait=wait)
         else:
             mma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt, zero_init=False, wait=wait)
 

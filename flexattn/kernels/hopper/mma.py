@@ -110,19 +110,18 @@ def k_range(tCrA, k_blocks=None) -> tuple:
 
 @cute.jit
 def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA, tCrB,
-         zero_init: cutlass.Constexpr[bool], wait: cutlass.Constexpr[int] = 0, k_blocks: cutlass.Constexpr = None,
-         passes: cutlass.Constexpr = SPLIT_PASSES):
+         zero_init: cutlass.Constexpr[bool], wait: cutlass.Constexpr[int] = 0, k_blocks: cutlass.Constexpr = None):
     """acc (+)= A B over all k-blocks (or the range ``k_blocks`` = (start, stop)) as one
     committed wgmma group; `wait` >= 0 waits until at most that many groups are in flight,
     -1 returns with the group in flight. A and B given as (hi, lo) pairs of tf32 parts:
-    the (part of A, part of B) products of ``passes`` (3xTF32's ``SPLIT_PASSES``)."""
+    the three passes of ``SPLIT_PASSES``."""
     warpgroup.fence()
     # A fresh atom per call: its ACCUMULATE field is mutated below.
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
     first, stop = k_range(tCrA, k_blocks)
     if const_expr(isinstance(tCrA, tuple)):
-        for ia, ib in passes:
+        for ia, ib in SPLIT_PASSES:
             for k in cutlass.range_constexpr(first, stop):
                 cute.gemm(atom, acc, tCrA[ia][None, None, k], tCrB[ib][None, None, k], acc)
                 atom.set(warpgroup.Field.ACCUMULATE, True)
