@@ -35,7 +35,10 @@
 # GPU tests and the emitter's tiled modes, then bench_paged_door's partial decode rows and
 # prefill chunks), gptfast (gpt-fast's decoding step, ours compiled and eager beside torch's compiled and SDPA:
 # bench_gpt_fast.py, and the gpt-fast GPU tests; issue 25), gptfast-profile (where the host time of
-# gpt-fast's step goes, eager and compiled: cProfile, the kernels a step launches, host µs; profile_gpt_fast.py).
+# gpt-fast's step goes, eager and compiled: cProfile, the kernels a step launches, host µs; profile_gpt_fast.py),
+# fp32-errors (float32 "highest" errors beside torch flex at head dims 80 / 96 / 192 / 64, the planned
+# kernel and one S accumulator: fp32_error_study.py, issue 25), bits-tier (a mask's own kernel against the
+# shared packed-bits kernel: forward ms and first calls, bits_mask_tier.py, issue 24).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -156,6 +159,10 @@ for step in $steps; do
               --modes default reduce-overhead --out "$out/gptfast_$shape.json")
            done ;;
     gptfast-profile) (cd benchmarks && run gptfast_profile 200 python3 profile_gpt_fast.py --shape 8x8192 --steps 300) ;;
+    fp32-errors) (cd benchmarks && run fp32_errors 240 python3 fp32_error_study.py --seeds 3 \
+                    --shapes 1x4096x8x80 1x4096x8x96 1x4096x8x192 1x4096x8x64 \
+                    --ours "" FLEXATTN_FWD_S_PROMOTE=0) ;;
+    bits-tier) (cd benchmarks && run bits_tier 240 python3 bits_mask_tier.py) ;;
     *) echo "unknown step $step" ;;
   esac
 done
