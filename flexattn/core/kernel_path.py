@@ -424,7 +424,7 @@ def block_lists_to_device(spec: AttentionSpec, shape: AttentionShape, to_device:
             to_device(block_mask.list_array(name))
 
 
-def _fp32_ab_overrides(shape: AttentionShape, tf32_passes: int) -> tuple:
+def _fp32_ab_overrides(tf32_passes: int) -> tuple:
     """3xTF32's A/B variables as (FwdConfig field, value) pairs, for error studies
     (benchmarks/fp32_error_study.py); () without them or below 3 passes:
     FLEXATTN_FP32_EXACT_NORM=0 (``exact_normalize`` off), FLEXATTN_FWD_S_PROMOTE=N
@@ -483,7 +483,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     max_ctas = persistent_ctas(q, cluster_m) if persistent_pays else 0
     tickets = _tickets_pay(shape, band, max_ctas, cluster_m, causal_tickets, tickets_flag)
     rescale_early = _rescale_o_early(shape, tf32_passes)
-    ab_fp32 = _fp32_ab_overrides(shape, tf32_passes)
+    ab_fp32 = _fp32_ab_overrides(tf32_passes)
     key = (dtype, tf32_passes, ab_fp32, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
            cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))

@@ -1218,11 +1218,11 @@ class FlashFwdSm90(WarpSpecialized):
         """O / l -> sO (stmatrix) -> TMA store; LSE (and the max score) straight to global
         memory."""
         cfg = self.cfg
-        inv_sum, lse = softmax.finalize(cfg.exact_normalize)
+        norm, lse = softmax.finalize(cfg.exact_normalize)   # per row: l (exact) or 1 / l
         if const_expr(cfg.exact_normalize):
-            divide_rows(acc_O, inv_sum)       # (inv_sum holds l itself here)
+            divide_rows(acc_O, norm)
         else:
-            rescale_rows(acc_O, inv_sum)
+            rescale_rows(acc_O, norm)
         if const_expr(not self.fp32):
             rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
             rO.store(acc_O.load().to(self.dtype))
