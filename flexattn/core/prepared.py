@@ -24,6 +24,7 @@ import weakref
 import numpy as np
 
 from ..blockmask import BlockMask
+from ..bounded import keep_bounded
 from ..mods import Mod
 from ..mods.trace import is_array
 from ..mods.trace_cache import fingerprint
@@ -134,19 +135,15 @@ class PreparedCalls:
         if key in self._entries:
             return
         if self._seen.pop(key, None) is None:
-            if len(self._seen) >= self.capacity:
-                self._seen.pop(next(iter(self._seen)))
-            self._seen[key] = True
+            keep_bounded(self._seen, key, True, self.capacity)
             return
         entry = make()
         if entry is None:
             return
-        if len(self._entries) >= self.capacity:
-            self._entries.pop(next(iter(self._entries)))
         entries = self._entries
         on_death = lambda _, key=key: entries.pop(key, None)  # noqa: E731
         refs = tuple(None if o is None else weakref.ref(o, on_death) for o in _objects(call))
-        self._entries[key] = (refs, entry)
+        keep_bounded(entries, key, (refs, entry), self.capacity)
 
 
 class PreparedEntry:

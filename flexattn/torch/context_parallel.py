@@ -544,9 +544,8 @@ def _remember(table: dict, key, spec, *value) -> None:
     """``table[key] = (weak reference to spec, *value)``: the entry leaves with its spec
     (the plan's lifetime bounds what a prepared launch holds); the oldest entry gives way
     at capacity."""
-    if len(table) >= _PAIR_LAUNCHES_CAPACITY:
-        table.pop(next(iter(table)), None)
-    table[key] = (weakref.ref(spec, lambda _, key=key: table.pop(key, None)), *value)
+    keep_bounded(table, key, (weakref.ref(spec, lambda _, key=key: table.pop(key, None)), *value),
+                 _PAIR_LAUNCHES_CAPACITY)
 
 
 def _pair_forward(spec, q, k, v, into):
