@@ -188,10 +188,10 @@ def _fp32_tiles(shape: AttentionShape, parts: int, lists: bool) -> tuple:
 
     d, dv = shape.head_dim, shape.v_head_dim
     choices = [t for t in _FP32_TILE_N if not lists or TILE_N % t == 0]
-    if parts == 2 and 32 < d and dv <= d:
+    if parts == 2 and dv <= d:
         # 3xTF32 sums S over the head dim in pieces (FwdConfig.s_promote), whose second S
         # accumulator fits beside 128-row tiles up to 64 keys (80/80's one 96-key stage
-        # spilled 544-672 bytes with it; D 32 has a single piece).
+        # spilled 544-672 bytes with it, 32/32's 128-key stages 644).
         choices = [t for t in choices if t <= 64]
     for tile_m in (128, 64):
         for tile_n, stages in [(t, 2) for t in choices if t >= 64] + [(t, 1) for t in choices]:
@@ -428,7 +428,8 @@ def _fp32_ab_overrides(tf32_passes: int) -> tuple:
     """3xTF32's A/B variables as (FwdConfig field, value) pairs, for error studies
     (benchmarks/fp32_error_study.py); () without them or below 3 passes:
     FLEXATTN_FP32_EXACT_NORM=0 (``exact_normalize`` off), FLEXATTN_FWD_S_PROMOTE=N
-    (``s_promote``)."""
+    (``s_promote``), FLEXATTN_FWD_PV_PIECES=N (``promote_pv_pieces``; 0: ``promote_pv``
+    off)."""
     if tf32_passes != 3:
         return ()
     env, out = os.environ, []
@@ -436,6 +437,9 @@ def _fp32_ab_overrides(tf32_passes: int) -> tuple:
         out.append(("exact_normalize", False))
     if env.get("FLEXATTN_FWD_S_PROMOTE") is not None:
         out.append(("s_promote", int(env["FLEXATTN_FWD_S_PROMOTE"])))
+    pieces = env.get("FLEXATTN_FWD_PV_PIECES")
+    if pieces is not None:
+        out += [("promote_pv", False)] if pieces == "0" else [("promote_pv_pieces", int(pieces))]
     return tuple(out)
 
 
@@ -444,9 +448,9 @@ def _rescale_o_early(shape: AttentionShape, tf32_passes: int) -> bool:
     192 value columns (FA4 does it beyond 128). H200, B4 S4096 H16, door A/B in one process,
     ms early / late: 256/256 causal 0.8816 / 0.8917, dense 1.6007 / 1.6324; 192/192 causal
     0.7020 / 0.6855, dense 1.2511 / 1.2178; 128/128 causal 0.4925 / 0.4664 (issue 25,
-    docs/experiments.md). Not with 3xTF32's promoted P V (its own fold).
+    docs/experiments.md). Not with 3xTF32's promoted P V (its own fold, at every head dim).
     ``FLEXATTN_RESCALE_O_EARLY=0`` / ``1`` overrides, for A/B runs."""
-    if tf32_passes == 3 and shape.v_head_dim <= 128:
+    if tf32_passes == 3:
         return False
     flag = os.environ.get("FLEXATTN_RESCALE_O_EARLY", "auto")
     if flag in ("0", "1"):

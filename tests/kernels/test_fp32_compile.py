@@ -67,7 +67,8 @@ def test_fp32_kernels_compile(dims, passes, kind):
     assert shapes and all(s.endswith("f32.tf32.tf32") for s in shapes), shapes
     # P to tf32: rounded (3xTF32: its hi and lo parts) for every block's S fragment.
     assert "cvt.rna.tf32.f32" in ptx
-    assert cfg.promote_pv == (passes == 3 and dv <= 128)
+    assert cfg.promote_pv == (passes == 3)
+    assert cfg.promote_pv_pieces == (1 if dv <= 128 else 2)
     if "softcap" in kind:
         assert "tanh.approx" not in ptx          # 3xTF32 keeps the mods exact
     usage = resource_usage_from_ptx(ptx)
@@ -79,31 +80,59 @@ def test_fp32_kernels_compile(dims, passes, kind):
         assert usage.spill_store_bytes <= 128, usage
 
 
-@pytest.mark.parametrize("dims", [(128, 128), (64, 64), (80, 80)], ids=str)
+@pytest.mark.parametrize("dims", [(128, 128), (64, 64), (80, 80), (32, 32)], ids=str)
 def test_3xtf32_error_fixes_compile(dims):
     """3xTF32's planned accuracy fixes: S = Q K^T over the head dim in pieces of 4 k-blocks
-    (FwdConfig.s_promote; a wgmma group per piece at each step body's Q K^T issue) and O / l
-    by IEEE division (exact_normalize), without spills at the planned tiles."""
+    (2 at head dim 32; FwdConfig.s_promote; a wgmma group per piece at each step body's Q
+    K^T issue) and O / l by IEEE division (exact_normalize), without spills at the planned
+    tiles."""
     d, dv = dims
     tile_m, tile_n, stages = _fp32_tiles(_dims(d, dv), 2, False)
     hook = IRModHook(None, None, False)
     base = dict(dtype="fp32", tf32_passes=3, head_dim=d, head_dim_v=dv, tile_m=tile_m, tile_n=tile_n,
                 num_stages=stages, causal=True, mods=hook, pingpong=True)
     planned = FwdConfig(**base)
-    assert (planned.s_promote, planned.exact_normalize) == (4, True)
+    piece = 4 if d > 32 else 2
+    assert (planned.s_promote, planned.exact_normalize) == (piece, True)
     one = compile_forward(FwdConfig(**base, s_promote=0, exact_normalize=False), fake_args(hook), keep_ptx=True).__ptx__
     ptx = compile_forward(planned, fake_args(hook), keep_ptx=True).__ptx__
     assert "div.rn.f32" in ptx and "rcp.approx" not in ptx
     assert "div.rn.f32" not in one and "rcp.approx" in one
     groups = one.count("wgmma.commit_group")
     qk_issues = groups // 2          # (every body issues Q K^T and P V once)
-    pieces = -(-d // 8 // 4)
+    pieces = -(-d // 8 // piece)
     assert ptx.count("wgmma.commit_group") == groups + qk_issues * (pieces - 1)
     usage = resource_usage_from_ptx(ptx)
     if usage is not None:
         assert usage.spill_store_bytes == 0 and usage.stack_bytes == 0, usage
     with pytest.raises(ValueError, match="s_promote"):
         FwdConfig(**{**base, "tf32_passes": 1, "dtype": "fp32"}, s_promote=4)
+
+
+@pytest.mark.parametrize("dims", [(192, 192), (256, 256)], ids=str)
+def test_3xtf32_wide_value_dims_promote_pv_in_column_pieces(dims):
+    """Beyond 128 value columns 3xTF32 still sums each block's P V apart from O
+    (``promote_pv``), in two column pieces (``promote_pv_pieces``): one O-sized second
+    accumulator spilled there, which had left O's long chain in the tensor cores' adds.
+    Each piece is its own wgmma group over half of V^T's rows (m64n<Dv/2>), and ptxas spills
+    at most a few words at 192 (none before: the accumulator was O itself)."""
+    d, dv = dims
+    tile_m, tile_n, stages = _fp32_tiles(_dims(d, dv), 2, False)
+    hook = IRModHook(None, None, False)
+    base = dict(dtype="fp32", tf32_passes=3, head_dim=d, head_dim_v=dv, tile_m=tile_m, tile_n=tile_n,
+                num_stages=stages, causal=True, mods=hook, pingpong=tile_m > 64)
+    planned = FwdConfig(**base)
+    assert (planned.promote_pv, planned.promote_pv_pieces, planned.rescale_o_early) == (True, 2, False)
+    ptx = compile_forward(planned, fake_args(hook), keep_ptx=True).__ptx__
+    pv_shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k8\.f32\.tf32\.tf32\s+\{", ptx))
+    assert str(dv // 2) in pv_shapes and str(dv) not in pv_shapes, pv_shapes
+    usage = resource_usage_from_ptx(ptx)
+    if usage is not None and dv == 192:
+        assert usage.spill_store_bytes <= 64, usage
+    with pytest.raises(ValueError, match="promote_pv_pieces"):
+        FwdConfig(**base, promote_pv_pieces=5)          # Dv / 5: not whole column groups
+    with pytest.raises(ValueError, match="promote_pv_pieces"):
+        FwdConfig(**base, promote_pv=False, promote_pv_pieces=2)
 
 
 @pytest.mark.parametrize("cfg", [OperandsConfig(128, True, 1), OperandsConfig(80, True, 2), OperandsConfig(64, False, 2)],

@@ -89,6 +89,17 @@ class _Consumer(NamedTuple):
     pipe_v: object
 
 
+class _PvPieces(NamedTuple):
+    """``promote_pv`` in column pieces (``FwdConfig.promote_pv_pieces`` > 1): the P V MMA
+    over one piece's Dv / pieces columns, V^T's fragments of each piece's rows, and the
+    fresh accumulator the pieces take turns in. Piece p's accumulator is O's registers
+    [p * n, (p + 1) * n) (n its size): both fragments are ((2, 2, columns / 8), 1, 1),
+    compact, so their column groups follow each other."""
+    tiled_mma: object
+    tOrVt: tuple
+    acc: object
+
+
 # What a main-loop step reads: the `_Consumer` parts, then this tile's position, the call's
 # run-time sizes, scale and mod arguments, and the warpgroup's index.
 _Step = NamedTuple("_Step", [*_Consumer.__annotations__.items(), *(
@@ -110,6 +121,11 @@ class FwdConfig(KernelConfig):
     # bits at every add, which over a long row's thousands of adds outweighs 3xTF32's own
     # error (DeepGEMM promotes its FP8 sums the same way). None: on for 3xTF32.
     promote_pv: bool | None = None
+    # promote_pv's fresh accumulator covers Dv / promote_pv_pieces value columns; the pieces
+    # run one after another (the first overlapped as the whole one is, the others at the
+    # fold). None: 1 up to 128 value columns, 2 beyond, where an O-sized second accumulator
+    # spills (ptxas, 192/192: 180 bytes) and one of half the columns does not.
+    promote_pv_pieces: int | None = None
     # 3xTF32: S = Q K^T's chain over the head dim summed in pieces of this many k-blocks,
     # each waited for and added to S in registers (0: one accumulator; None: 4 for
     # 3xTF32 where it fits in registers). In one accumulator the truncating adds of
@@ -247,18 +263,25 @@ class FwdConfig(KernelConfig):
         if self.pingpong and self.tile_m == 64:
             raise ValueError("pingpong needs 2 or 3 consumer warpgroups (tile_m 128 or 192)")
         if self.promote_pv is None:
-            # Not beyond 128 value columns: a second O-sized accumulator would spill there.
-            object.__setattr__(self, "promote_pv", self.tf32_passes == 3 and self.intra_wg_overlap
-                               and self.head_dim_v <= 128)
+            object.__setattr__(self, "promote_pv", self.tf32_passes == 3 and self.intra_wg_overlap)
         if self.promote_pv and not self.intra_wg_overlap:
             raise ValueError("promote_pv needs the overlapped schedule (intra_wg_overlap)")
+        if self.promote_pv_pieces is None:
+            object.__setattr__(self, "promote_pv_pieces", 2 if self.promote_pv and self.head_dim_v > 128 else 1)
+        pieces = self.promote_pv_pieces
+        if pieces < 1 or self.head_dim_v % (8 * pieces) or (pieces > 1 and not self.promote_pv):
+            raise ValueError(f"promote_pv_pieces must divide the value head dim into multiples of 8 columns"
+                             f" (and needs promote_pv), got {pieces} at {self.head_dim_v}")
         if self.exact_normalize is None:
             object.__setattr__(self, "exact_normalize", self.tf32_passes == 3)
         if self.s_promote is None:
             # Where S's second accumulator fits (ptxas, planned tiles: 64-row tiles, or up
             # to 64 keys with Dv <= D; 80/80 at 96 keys and 64/128 spill 368-672 bytes).
+            # Pieces of 4 k-blocks (8 head-dim columns each); of 2 at head dim 32, where 4
+            # would be the whole chain.
             fits = self.tile_m == 64 or (self.tile_n <= 64 and self.head_dim_v <= self.head_dim)
-            object.__setattr__(self, "s_promote", 4 if self.tf32_passes == 3 and fits else 0)
+            pieces = 4 if self.head_dim > 32 else 2
+            object.__setattr__(self, "s_promote", pieces if self.tf32_passes == 3 and fits else 0)
         if self.s_promote and (self.tf32_passes != 3 or self.s_promote < 0):
             raise ValueError(f"s_promote is 3xTF32's (tf32_passes=3), got {self.s_promote}")
         if self.rescale_o_early and (self.promote_pv or not self.intra_wg_overlap):
@@ -693,7 +716,10 @@ class FlashFwdSm90(WarpSpecialized):
         softmax = OnlineSoftmax(scale_log2, cute.size(mma.acc_mn_view(acc_O).shape[0]),
                                 defer_o_scale=cfg.rescale_o_early)
         if const_expr(cfg.promote_pv):   # (O, this block's P V): see FwdConfig.promote_pv
-            acc_O = (acc_O, cute.make_rmem_tensor_like(acc_O))
+            if const_expr(cfg.promote_pv_pieces == 1):
+                acc_O = (acc_O, cute.make_rmem_tensor_like(acc_O))
+            else:
+                acc_O = (acc_O, self._pv_pieces(sV, wg_first_thread, acc_O))
 
         coords = FragmentCoords(thr_qk, cfg.tile_m, cfg.tile_n, mma.acc_mn_view)
 
@@ -747,7 +773,8 @@ class FlashFwdSm90(WarpSpecialized):
         ctx = _Step(*fixed, m_block, head, batch, seqlen_q, seqlen_k, softmax_scale, mod_args, wg)
         acc_O, softmax = fixed.acc_O, fixed.softmax
         if const_expr(cfg.promote_pv):   # P V stays 0 until the first block's lands
-            acc_O[1].fill(0.0)
+            if const_expr(cfg.promote_pv_pieces == 1):
+                acc_O[1].fill(0.0)
             acc_O = acc_O[0]
         acc_O.fill(0.0)
         if const_expr(self._pairs_rows()):
@@ -1120,7 +1147,7 @@ class FlashFwdSm90(WarpSpecialized):
             rescale_rows(acc_O, softmax.o_scale)   # block j-1's scale, while Q K_j^T runs
         if has_prev:
             pipe_v.consumer_wait(v_state)
-            self._pv_gemm(tiled_mma_pv, acc_O, tOrP, self._kv_operand(tOrVt, v_state), wait=-1)
+            self._pv_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt, v_state, wait=-1)
         else:
             warpgroup.commit_group()       # an empty group: one wait below serves both cases
         self._turn_pass(wg)
@@ -1131,6 +1158,7 @@ class FlashFwdSm90(WarpSpecialized):
         row_scale = softmax.step(acc_S, is_first=False)
         warpgroup.wait_group(0)            # P_{j-1} V_{j-1} done: O and P registers free
         if has_prev:
+            self._pv_later_pieces(acc_O, tOrP, v_state)
             pipe_v.consumer_release(v_state)
         self._to_p(tOrP, acc_S)
         if const_expr(self.cfg.rescale_o_early):
@@ -1158,23 +1186,62 @@ class FlashFwdSm90(WarpSpecialized):
                          k_blocks=(k0, min(k0 + pieces, steps)))
                 acc_S.store(acc_S.load() + part.load())
 
-    def _pv_gemm(self, tiled_mma_pv, acc_O, tOrP, tOrVt, wait: int):
-        """O += P V, or with ``promote_pv`` this block's P V alone (folded in by ``_fold_o``).
-        (Finer folds, and P_lo V_lo as a fourth pass, were measured: neither moved 3xTF32's
-        max error, docs/experiments.md, 2026-11-30.)"""
-        if const_expr(self.cfg.promote_pv):
-            mma.gemm(tiled_mma_pv, acc_O[1], tOrP, tOrVt, zero_init=True, wait=wait)
+    def _pv_gemm(self, tiled_mma_pv, acc_O, tOrP, tOrVt, state, wait: int):
+        """O += P V with V at ring stage `state`, or with ``promote_pv`` this block's P V
+        alone (folded in by ``_fold_o``; in column pieces, the first piece alone: the
+        others follow in ``_pv_later_pieces``). (Finer folds, and P_lo V_lo as a fourth
+        pass, were measured: neither moved 3xTF32's max error, docs/experiments.md,
+        2026-11-30.)"""
+        cfg = self.cfg
+        if const_expr(cfg.promote_pv and cfg.promote_pv_pieces > 1):
+            pieces = acc_O[1]
+            mma.gemm(pieces.tiled_mma, pieces.acc, tOrP, self._kv_operand(pieces.tOrVt[0], state),
+                     zero_init=True, wait=wait)
+        elif const_expr(cfg.promote_pv):
+            mma.gemm(tiled_mma_pv, acc_O[1], tOrP, self._kv_operand(tOrVt, state), zero_init=True, wait=wait)
         else:
-            mma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt, zero_init=False, wait=wait)
+            mma.gemm(tiled_mma_pv, acc_O, tOrP, self._kv_operand(tOrVt, state), zero_init=False, wait=wait)
+
+    def _pv_later_pieces(self, acc_O, tOrP, state):
+        """Column pieces (``promote_pv_pieces`` > 1), once the first piece's P V is done
+        and while P and V (at `state`) are still held: add it to O's columns, then each
+        later piece's P V in turn, each added to its columns. Nothing otherwise."""
+        cfg = self.cfg
+        if const_expr(cfg.promote_pv and cfg.promote_pv_pieces > 1):
+            o, pieces = acc_O
+            n = cute.size(pieces.acc)
+            for p in range(cfg.promote_pv_pieces):   # (a Python unroll)
+                if const_expr(p > 0):
+                    mma.gemm(pieces.tiled_mma, pieces.acc, tOrP, self._kv_operand(pieces.tOrVt[p], state),
+                             zero_init=True, wait=0)
+                for i in range(n):
+                    o[p * n + i] = o[p * n + i] + pieces.acc[i]
 
     def _fold_o(self, acc_O, row_scale):
-        """O = (O + the last block's P V if promoted) * row_scale, once that P V is done."""
-        if const_expr(self.cfg.promote_pv):
+        """O = (O + the last block's P V if promoted whole) * row_scale, once that P V is
+        done (promoted in pieces: already added by ``_pv_later_pieces``)."""
+        cfg = self.cfg
+        if const_expr(cfg.promote_pv and cfg.promote_pv_pieces > 1):
+            rescale_rows(acc_O[0], row_scale)
+        elif const_expr(cfg.promote_pv):
             o, pv = acc_O
             o.store(o.load() + pv.load())
             rescale_rows(o, row_scale)
         else:
             rescale_rows(acc_O, row_scale)
+
+    def _pv_pieces(self, sV, wg_first_thread, acc_O) -> _PvPieces:
+        """The parts of ``promote_pv`` in column pieces (see `_PvPieces`): fp32's sV holds
+        V^T tiles (Dv rows, K-major), so piece p's B operand is the rows [p w, (p + 1) w)."""
+        cfg = self.cfg
+        width = cfg.head_dim_v // cfg.promote_pv_pieces
+        tiled_mma = mma.make_pv_mma(self.dtype, cfg.tile_m, width)
+        wg = tiled_mma.get_slice(wg_first_thread)
+        tOrVt = tuple(wg.make_fragment_B(wg.partition_B(cute.local_tile(sV, (width, cfg.tile_n), (p, 0, None))))
+                      for p in range(cfg.promote_pv_pieces))
+        acc = cute.make_rmem_tensor(wg.partition_shape_C((cfg.tile_m, width)), Float32)
+        assert cute.size(acc) * cfg.promote_pv_pieces == cute.size(acc_O), (acc.layout, acc_O.layout)
+        return _PvPieces(tiled_mma, tOrVt, acc)
 
     def _kv_operand(self, frag, state):
         """The MMA operand of a K or V fragment at a ring stage: (hi, lo) for 3xTF32."""
@@ -1204,9 +1271,10 @@ class FlashFwdSm90(WarpSpecialized):
         if const_expr(self.cfg.rescale_o_early):
             rescale_rows(acc_O, softmax.o_scale)
         pipe_v.consumer_wait(kv_state)
-        self._pv_gemm(tiled_mma_pv, acc_O, tOrP, self._kv_operand(tOrVt, kv_state), wait=0)
+        self._pv_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt, kv_state, wait=0)
+        self._pv_later_pieces(acc_O, tOrP, kv_state)
         pipe_v.consumer_release(kv_state)
-        if const_expr(self.cfg.promote_pv):
+        if const_expr(self.cfg.promote_pv and self.cfg.promote_pv_pieces == 1):
             acc_O[0].store(acc_O[0].load() + acc_O[1].load())
         if const_expr(advance):
             kv_state.advance()
