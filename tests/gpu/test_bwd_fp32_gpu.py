@@ -34,6 +34,7 @@ FP32 = [
     ("bias", "fp32", 32, 1, 2, 2, 130, 140, "bhsd"),           # dense bias gradient
     ("window_document_alibi_softcap", "fp32", 256, 1, 4, 2, 300, 300, "bhsd"),
     ("causal_softcap", "tf32", 192, 1, 2, 2, 400, 400, "bhsd"),
+    ("causal", "fp32", 192, 1, 2, 2, 400, 400, "bhsd"),        # dK / dV in column pieces
     ("prefix_lm", "fp32", 96, 2, 2, 1, 200, 260, "bhsd"),
     ("none", "fp32", 64, 1, 1, 1, 1, 1, "bhsd"),               # one element
 ]

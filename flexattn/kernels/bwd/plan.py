@@ -76,6 +76,9 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
         cfg = dataclasses.replace(cfg, chain_promote=int(chain))
     if "dq_promote" not in overrides and cfg.tf32_passes == 3 and dq_chain:
         cfg = dataclasses.replace(cfg, dq_promote=int(dq_chain))   # likewise dQ's pieces
+    dkv = os.environ.get("FLEXATTN_BWD_DKV_PIECES")
+    if "dkv_pieces" not in overrides and cfg.tf32_passes == 3 and dkv:
+        cfg = dataclasses.replace(cfg, dkv_pieces=int(dkv))        # dK / dV's column pieces
     if "pdl" not in overrides and cfg.dtype != "fp32" and os.environ.get("FLEXATTN_BWD_PDL") == "1":
         # The main kernel and the postprocess as programmatic dependents (BwdConfig.pdl):
         # measured neutral (docs/experiments.md, session 30), so only for A/B runs.

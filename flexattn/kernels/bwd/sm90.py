@@ -192,13 +192,21 @@ class BwdConfig(KernelConfig):
     tf32_passes: int = 1
     # fp32, 3xTF32: S^T's and dP^T's chains over the head dim summed in a fresh accumulator
     # every this many k-blocks, then added with fp32 adds (0: one accumulator; tf32_sync's
-    # promote; None: 2 for 3xTF32 up to head dim 128). dS = P (dP - D) cancels in rows that
+    # promote; None: 2 for 3xTF32; beyond head dim 128 ptxas spills 8-64 bytes with it,
+    # where without it dQ was 4-9x flex's error). dS = P (dP - D) cancels in rows that
     # see few keys, where one accumulator's truncating adds over the head dim left dQ 4x
     # further from float64 than torch flex's; in pieces of 2 it is at flex's (H200,
     # 2026-11-30, docs/experiments.md). FLEXATTN_BWD_CHAIN_PROMOTE=N overrides, for A/B runs.
     chain_promote: int | None = None
     # fp32, 3xTF32, head dims <= 128: dQ's key chain summed in pieces of this many k-blocks.
     dq_promote: int = 4
+    # fp32, 3xTF32: dK / dV's per-visit fresh accumulator (their long chain over the q rows)
+    # covers 1 / dkv_pieces of their columns, the pieces one after another (0: none, one
+    # accumulator). None: 1 up to head dim 128; beyond, where an accumulator of the whole
+    # size spills, 2 up to 192 and 8 at 256 (ptxas: 28 / 52 bytes of spills against 124 /
+    # 884). Without it dK / dV at 192 were 10x further from float64 than at 128 (H200,
+    # 2026-11-30). FLEXATTN_BWD_DKV_PIECES=N overrides, for A/B runs.
+    dkv_pieces: int | None = None
     # Programmatic dependent launch (PDL): the main kernel and the postprocess are launched
     # as dependents of the kernel before them, whose CTAs all signal
     # `griddepcontrol.launch_dependents` as they start: a dependent's CTAs take SMs as its
@@ -284,10 +292,15 @@ class BwdConfig(KernelConfig):
         if self.tf32_passes not in (1, 3) or (self.tf32_passes == 3 and self.dtype != "fp32"):
             raise ValueError(f"tf32_passes must be 1, or 3 with dtype 'fp32', got {self.tf32_passes}")
         if self.chain_promote is None:
-            object.__setattr__(self, "chain_promote", 2 if self.tf32_passes == 3 and max(
-                self.head_dim, self.head_dim_v) <= 128 else 0)
+            object.__setattr__(self, "chain_promote", 2 if self.tf32_passes == 3 else 0)
         if self.chain_promote and (self.tf32_passes != 3 or self.chain_promote < 0):
             raise ValueError(f"chain_promote is 3xTF32's (tf32_passes=3), got {self.chain_promote}")
+        if self.dkv_pieces is None:
+            widest = max(self.head_dim, self.head_dim_v)
+            object.__setattr__(self, "dkv_pieces", 0 if self.tf32_passes != 3 else
+                               1 if widest <= 128 else 2 if widest <= 192 else 8)
+        if self.dkv_pieces and (self.tf32_passes != 3 or self.dkv_pieces < 0):
+            raise ValueError(f"dkv_pieces is 3xTF32's (tf32_passes=3), got {self.dkv_pieces}")
         if self.dtype == "fp32":
             self._check_fp32()
         else:

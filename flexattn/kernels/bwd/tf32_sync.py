@@ -139,7 +139,8 @@ def split_pairs(passes: int) -> tuple:
 
 @cute.jit
 def tf32_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
-              passes: cutlass.Constexpr[int], promote: cutlass.Constexpr[int] = 0):
+              passes: cutlass.Constexpr[int], promote: cutlass.Constexpr[int] = 0,
+              pieces: cutlass.Constexpr[int] = 1):
     """acc += A B over K, warp-level tf32 MMAs. tA (V, M, K) and tB (V, N, K): this thread's
     partitions of fp32 shared-memory operands, loaded one k-block at a time and split into
     tf32 parts in registers (`split_pairs` says which products are summed).
@@ -148,24 +149,47 @@ def tf32_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: c
     added into `acc` with fp32 adds. The tensor cores' own accumulation loses more than IEEE
     adds over long chains (the forward's `promote_pv`): 3xTF32's dK / dV summed over all
     the q rows in one accumulator were 20x further from float64 than torch flex's float32
-    (B4 S4096, H100), which makes the "highest" precision's error no worse than flex's."""
+    (B4 S4096, H100), which makes the "highest" precision's error no worse than flex's.
+
+    `pieces` > 1 (with `promote`): the fresh accumulator covers 1 / pieces of acc's N
+    tiles (the most up to `pieces` that divide the N tiles), the pieces one after
+    another, each reloading A: beyond head dim 128 an acc-sized second accumulator spills
+    (dK / dV at 192/192: 124 bytes)."""
     pairs = split_pairs(passes)
     n_parts = 1 if const_expr(passes == 1) else 2
     n_k = cute.size(tA.shape[2])
     chunk = promote if const_expr(promote > 0) else n_k
-    for k0 in cutlass.range_constexpr(0, n_k, chunk):
-        dst = acc
-        if const_expr(promote > 0):
-            dst = cute.make_rmem_tensor(acc.layout, Float32)
-            dst.fill(0.0)
-        for k in cutlass.range_constexpr(k0, min(k0 + chunk, n_k)):
-            a = _tf32_parts(tA[None, None, k], n_parts)
-            b = _tf32_parts(tB[None, None, k], n_parts)
-            for ia, ib in pairs:
-                cute.gemm(tiled_mma, dst, a[ia], b[ib], dst)
-        if const_expr(promote > 0):
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                acc[i] = acc[i] + dst[i]
+    n_tiles = cute.size(tB.shape[1])
+    pieces = max(p for p in range(1, pieces + 1) if n_tiles % p == 0)   # (whole N tiles per piece)
+    width = n_tiles // pieces
+    assert pieces == 1 or promote > 0, (pieces, promote)
+    for j in cutlass.range_constexpr(pieces):
+        tBj = tB
+        if const_expr(pieces > 1):
+            tBj = _n_tiles(tB, j * width, width)
+        for k0 in cutlass.range_constexpr(0, n_k, chunk):
+            dst = acc
+            if const_expr(promote > 0):
+                dst = cute.make_rmem_tensor(cute.make_layout((acc.shape[0], acc.shape[1], width)), Float32)
+                dst.fill(0.0)
+            for k in cutlass.range_constexpr(k0, min(k0 + chunk, n_k)):
+                a = _tf32_parts(tA[None, None, k], n_parts)
+                b = _tf32_parts(tBj[None, None, k], n_parts)
+                for ia, ib in pairs:
+                    cute.gemm(tiled_mma, dst, a[ia], b[ib], dst)
+            if const_expr(promote > 0):
+                # acc is compact with N outermost: piece j is its registers [j n, (j + 1) n)
+                n = cute.size(dst)
+                for i in cutlass.range_constexpr(n):
+                    acc[j * n + i] = acc[j * n + i] + dst[i]
+
+
+def _n_tiles(t: cute.Tensor, first: int, count: int) -> cute.Tensor:
+    """The (V, count, K) slice of a (V, N, K) operand partition from N tile `first` on."""
+    shape, stride = t.layout.shape, t.layout.stride
+    assert isinstance(shape[1], int), shape   # (a flat N mode: one stride)
+    return cute.make_tensor(t.iterator + first * stride[1],
+                            cute.make_layout((shape[0], count, shape[2]), stride=(stride[0], stride[1], stride[2])))
 
 
 def _aligned16(t: cute.Tensor) -> cute.Tensor:
@@ -226,12 +250,22 @@ class FlashBwdTf32(BwdPointwise, BwdWalks):
         accumulator's truncation put dQ 4x further from float64 than flex's), dK / dV once
         per visit (their sum over every q row is the long chain) and dQ's key chain in
         pieces of `BwdConfig.dq_promote` (4). One tf32 pass rounds its operands far above
-        any of these. Head dims beyond 128 keep one accumulator everywhere: a second one
-        spills there (ptxas, 256/256: 632 bytes for dK / dV; 24-56 bytes for S^T / dP^T)."""
+        any of these. Beyond head dim 128, dK / dV per visit in column pieces
+        (`BwdConfig.dkv_pieces`), S^T / dP^T as below, and dQ's chain in one accumulator:
+        second accumulators of the whole size spill there (ptxas, 256/256: 884 bytes for
+        dK / dV; dQ's pieces on top of the others 164-276)."""
         cfg = self.cfg
-        if cfg.tf32_passes != 3 or max(cfg.head_dim, cfg.head_dim_v) > 128:
+        if cfg.tf32_passes != 3:
             return cfg.chain_promote, 0, 0
-        return cfg.chain_promote, cfg.tile_m // 8, cfg.dq_promote
+        per_visit = cfg.tile_m // 8 if cfg.dkv_pieces else 0
+        if max(cfg.head_dim, cfg.head_dim_v) > 128:
+            return cfg.chain_promote, per_visit, 0
+        return cfg.chain_promote, per_visit, cfg.dq_promote
+
+    @property
+    def dkv_pieces(self) -> int:
+        """`tf32_gemm`'s pieces for dK / dV (`BwdConfig.dkv_pieces`; 1 where unpromoted)."""
+        return max(self.cfg.dkv_pieces, 1)
 
     @property
     def stats_in_registers(self) -> bool:
@@ -471,9 +505,11 @@ class FlashBwdTf32(BwdPointwise, BwdWalks):
         # dV += P^T dO, dK += dS^T Q (K = the q rows, permuted alike in both operands)
         rows_p, rows_q, rows_do = tm + PAD, D + PAD, Dv + PAD
         tf32_gemm(mma_nd, acc_dV, thr_nd.partition_A(k_permuted_view(sP.iterator, tn, tm, rows_p)),
-                  thr_nd.partition_B(transposed_view(sdOs.iterator, tm, Dv, rows_do)), passes, per_visit)
+                  thr_nd.partition_B(transposed_view(sdOs.iterator, tm, Dv, rows_do)), passes, per_visit,
+                  self.dkv_pieces)
         tf32_gemm(mma_nd, acc_dK, thr_nd.partition_A(k_permuted_view(sdS.iterator, tn, tm, rows_p)),
-                  thr_nd.partition_B(transposed_view(sQs.iterator, tm, D, rows_q)), passes, per_visit)
+                  thr_nd.partition_B(transposed_view(sQs.iterator, tm, D, rows_q)), passes, per_visit,
+                  self.dkv_pieces)
 
         # dQ tile = dS K (K = the keys, permuted alike), added into dq_accum
         acc_dQ = cute.make_rmem_tensor(thr_md.partition_shape_C((tm, D)), Float32)
