@@ -19,6 +19,9 @@ kept the generated code (``--compare DIR_A DIR_B`` does it).
     python3 benchmarks/compile_time.py --sass /tmp/sass-before --kernels all
     python3 benchmarks/compile_time.py --compare /tmp/sass-before /tmp/sass-after
 
+``--usage`` prints ptxas's registers, spills and wgmma serialization (C7510-C7515) of each
+kernel instead (exit status 1 if any was serialized).
+
 ``--warm NAME`` compiles NAME first, untimed, so the timed kernels are "the first call of
 a new mod" in a process that has already compiled a kernel (as in bench_fwd.py, where
 only the first variant pays CuTeDSL's one-time start-up). torch is imported first (as in
@@ -506,6 +509,23 @@ def write_sass(args):
               + " ".join(f"{k}={ops.get(k, 0)}" for k in ("HGMMA", "MUFU", "FFMA", "FMNMX")), flush=True)
 
 
+def print_usage(args) -> int:
+    """ptxas -v on each kernel's PTX: registers, spill bytes, and whether ptxas serialized its
+    wgmmas (C7510-C7515: every wgmma waits for the one before). Returns how many were serialized."""
+    __import__("torch")
+    from flexattn.kernels.launch.compile import resource_usage_from_ptx
+
+    serialized = 0
+    for name in args.kernels:
+        usage = resource_usage_from_ptx(compile_one(name, keep=True).__ptx__)
+        if usage is None:
+            raise SystemExit("no ptxas on PATH")
+        serialized += usage.wgmma_serialized is not None
+        print(f"{name:32s} registers {usage.registers:3d}  spills {usage.spill_store_bytes:4d} B  "
+              f"{usage.wgmma_serialized or 'wgmma pipelined'}", flush=True)
+    return serialized
+
+
 _INSN = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
 
 
@@ -562,6 +582,8 @@ def main():
     ap.add_argument("--passes", action="store_true", help="print the last MLIR pass timing report")
     ap.add_argument("--sass", help="write SASS + summaries to this directory instead of timing")
     ap.add_argument("--compare", nargs=2, metavar=("DIR_A", "DIR_B"))
+    ap.add_argument("--usage", action="store_true",
+                    help="instead: ptxas's registers, spills and wgmma serialization of each kernel")
     args = ap.parse_args()
     if args.kernels == ["all"]:
         args.kernels = list(KERNELS)
@@ -569,6 +591,8 @@ def main():
         sys.exit(1 if compare(*args.compare) else 0)
     if args.sass:
         write_sass(args)
+    elif args.usage:
+        sys.exit(1 if print_usage(args) else 0)
     else:
         run_timings(args)
 

@@ -74,6 +74,7 @@ def test_fp32_kernels_compile(dims, passes, kind):
     usage = resource_usage_from_ptx(ptx)
     if usage is None:
         pytest.skip("no ptxas on PATH")
+    assert usage.wgmma_serialized is None, usage
     if kind != "sparse_softcap":
         assert usage.spill_store_bytes == 0 and usage.stack_bytes == 0, usage
     else:   # 3xTF32 with a score mod and 32-key block-sparse tiles: a few bytes
@@ -105,6 +106,7 @@ def test_3xtf32_error_fixes_compile(dims):
     usage = resource_usage_from_ptx(ptx)
     if usage is not None:
         assert usage.spill_store_bytes == 0 and usage.stack_bytes == 0, usage
+        assert usage.wgmma_serialized is None, usage
     with pytest.raises(ValueError, match="s_promote"):
         FwdConfig(**{**base, "tf32_passes": 1, "dtype": "fp32"}, s_promote=4)
 
@@ -115,7 +117,8 @@ def test_3xtf32_wide_value_dims_promote_pv_in_column_pieces(dims):
     (``promote_pv``), in two column pieces (``promote_pv_pieces``): one O-sized second
     accumulator spilled there, which had left O's long chain in the tensor cores' adds.
     Each piece is its own wgmma group over half of V^T's rows (m64n<Dv/2>), and ptxas spills
-    at most a few words at 192 (none before: the accumulator was O itself)."""
+    at most a few words at 192 (none before: the accumulator was O itself). (ptxas also
+    serializes these kernels' wgmmas, C7511: registers; docs/KERNELS.md.)"""
     d, dv = dims
     tile_m, tile_n, stages = _fp32_tiles(_dims(d, dv), 2, False)
     hook = IRModHook(None, None, False)

@@ -320,6 +320,9 @@ class ResourceUsage:
     spill_store_bytes: int
     spill_load_bytes: int
     smem_bytes: int
+    # ptxas's "wgmma.mma_async instructions are serialized" (C7510-C7515, with its reason):
+    # every wgmma then waits for the one before, whatever the kernel's commit groups say.
+    wgmma_serialized: str | None = None
 
 
 def resource_usage_from_ptx(ptx: str, arch: str = ARCH) -> ResourceUsage | None:
@@ -348,4 +351,6 @@ def resource_usage_from_ptx(ptx: str, arch: str = ARCH) -> ResourceUsage | None:
         spill_store_bytes=grab(r"(\d+) bytes spill stores"),
         spill_load_bytes=grab(r"(\d+) bytes spill loads"),
         smem_bytes=grab(r"(\d+) bytes smem"),
+        wgmma_serialized=(m.group(1) if (m := re.search(r"(\(C75\d\d\)[^\n]*wgmma[^\n]*serialized[^\n']*)", text))
+                          else None),
     )
