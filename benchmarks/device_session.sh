@@ -38,9 +38,9 @@
 # gpt-fast's step goes, eager and compiled: cProfile, the kernels a step launches, host µs; profile_gpt_fast.py),
 # fp32-errors (float32 "highest" errors beside torch flex at head dims 80 / 96 / 192 / 64, the planned
 # kernel and one S accumulator: fp32_error_study.py, issue 25), bits-tier (a mask's own kernel against the
-# shared packed-bits kernel: forward ms and first calls, bits_mask_tier.py, issue 24), fp32-next (3xTF32's
-# open A/Bs: 192 / 256 with an O-sized second accumulator, which ptxas does not serialize, and D96 / D64's dQ
-# chains in finer pieces; issue 25).
+# shared packed-bits kernel: forward ms and first calls, bits_mask_tier.py, issue 24), fp32-next (3xTF32 at
+# 192 / 256: the wide tests on the unserialized pieces (session 53, not GPU-run), their errors and ms beside an
+# O-sized second accumulator; D96 / D64's dQ chains in finer pieces; issue 25).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -165,7 +165,9 @@ for step in $steps; do
                     --shapes 1x4096x8x80 1x4096x8x96 1x4096x8x192 1x4096x8x64 \
                     --ours "" FLEXATTN_FWD_S_PROMOTE=0) ;;
     bits-tier) (cd benchmarks && run bits_tier 240 python3 bits_mask_tier.py) ;;
-    fp32-next) (cd benchmarks && run fp32_wide_fwd 240 python3 fp32_error_study.py --seeds 2 \
+    fp32-next) run fp32_wide_tests 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp32_gpu.py \
+                 tests/gpu/test_bwd_fp32_gpu.py -k "d192-192 or d256-256 or 192 or 256"
+               (cd benchmarks && run fp32_wide_fwd 240 python3 fp32_error_study.py --seeds 2 \
                     --shapes 1x4096x8x192 1x4096x8x256 --ours "" FLEXATTN_FWD_PV_PIECES=1 \
                     FLEXATTN_FWD_PV_PIECES=1,FLEXATTN_FWD_S_PROMOTE=0
                   run fp32_dq 240 python3 fp32_error_study.py --backward --seeds 3 \

@@ -237,6 +237,7 @@ def test_decode_no_spills(compiled, name):
     if usage is None:
         pytest.skip("no ptxas on PATH")
     assert usage.spill_store_bytes == 0 and usage.spill_load_bytes == 0 and usage.stack_bytes == 0, usage
+    assert usage.wgmma_serialized is None, usage
     cfg = DecodeConfig(**CASES[name][0])
     threads = 128 * (1 + cfg.num_mma_wg)
     assert usage.registers * threads * cfg.ctas_per_sm <= 65536, usage   # the CTAs fit one SM

@@ -115,6 +115,7 @@ def test_no_spills(compiled, name):
         pytest.skip("no ptxas on PATH")
     assert usage.spill_store_bytes == 0 and usage.spill_load_bytes == 0, usage
     assert usage.stack_bytes == 0, usage
+    assert usage.wgmma_serialized is None, usage      # (ptxas would make every wgmma wait)
 
 
 def test_softcap_value_is_not_baked_in(compiled):

@@ -32,6 +32,7 @@ def test_ir_forward_compiles_without_spills(name):
     if usage is None:
         pytest.skip("no ptxas on PATH to report resource usage")
     assert usage.spill_store_bytes == 0 and usage.spill_load_bytes == 0 and usage.stack_bytes == 0, usage
+    assert usage.wgmma_serialized is None, usage
 
 
 def test_alibi_converts_positions_once_per_row():
