@@ -79,6 +79,9 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
     dkv = os.environ.get("FLEXATTN_BWD_DKV_PIECES")
     if "dkv_pieces" not in overrides and cfg.tf32_passes == 3 and dkv:
         cfg = dataclasses.replace(cfg, dkv_pieces=int(dkv))        # dK / dV's column pieces
+    if ("promote_vector_add" not in overrides and cfg.tf32_passes == 3
+            and os.environ.get("FLEXATTN_BWD_VECTOR_ADD") == "1"):
+        cfg = dataclasses.replace(cfg, promote_vector_add=True)     # the chains' adds as vectors
     if "pdl" not in overrides and cfg.dtype != "fp32" and os.environ.get("FLEXATTN_BWD_PDL") == "1":
         # The main kernel and the postprocess as programmatic dependents (BwdConfig.pdl):
         # measured neutral (docs/experiments.md, session 30), so only for A/B runs.

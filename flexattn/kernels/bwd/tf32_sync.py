@@ -140,7 +140,7 @@ def split_pairs(passes: int) -> tuple:
 @cute.jit
 def tf32_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
               passes: cutlass.Constexpr[int], promote: cutlass.Constexpr[int] = 0,
-              pieces: cutlass.Constexpr[int] = 1):
+              pieces: cutlass.Constexpr[int] = 1, vector_add: cutlass.Constexpr[bool] = False):
     """acc += A B over K, warp-level tf32 MMAs. tA (V, M, K) and tB (V, N, K): this thread's
     partitions of fp32 shared-memory operands, loaded one k-block at a time and split into
     tf32 parts in registers (`split_pairs` says which products are summed).
@@ -154,7 +154,12 @@ def tf32_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: c
     `pieces` > 1 (with `promote`): the fresh accumulator covers 1 / pieces of acc's N
     tiles (the most up to `pieces` that divide the N tiles), the pieces one after
     another, each reloading A: beyond head dim 128 an acc-sized second accumulator spills
-    (dK / dV at 192/192: 124 bytes)."""
+    (dK / dV at 192/192: 124 bytes).
+
+    `vector_add`: each fresh sum is added into acc as one vector over a view of acc's
+    registers instead of element by element (``BwdConfig.promote_vector_add``, an A/B: in
+    the forward's P V pieces the element-wise adds made ptxas serialize every wgmma; here
+    they change the kernel's registers, e.g. D128 255 -> 183, D64 causal 128 -> 180)."""
     pairs = split_pairs(passes)
     n_parts = 1 if const_expr(passes == 1) else 2
     n_k = cute.size(tA.shape[2])
@@ -180,8 +185,12 @@ def tf32_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: c
             if const_expr(promote > 0):
                 # acc is compact with N outermost: piece j is its registers [j n, (j + 1) n)
                 n = cute.size(dst)
-                for i in cutlass.range_constexpr(n):
-                    acc[j * n + i] = acc[j * n + i] + dst[i]
+                if const_expr(vector_add):
+                    acc_j = cute.make_tensor(acc.iterator + j * n, dst.layout)
+                    acc_j.store(acc_j.load() + dst.load())
+                else:
+                    for i in cutlass.range_constexpr(n):
+                        acc[j * n + i] = acc[j * n + i] + dst[i]
 
 
 def _n_tiles(t: cute.Tensor, first: int, count: int) -> cute.Tensor:
@@ -485,8 +494,9 @@ class FlashBwdTf32(BwdPointwise, BwdWalks):
         acc_S.fill(0.0)
         acc_dP.fill(0.0)
         chain, per_visit, chain_dq = self.promote
-        tf32_gemm(mma_nm, acc_S, thr_nm.partition_A(sK), thr_nm.partition_B(sQs), passes, chain)
-        tf32_gemm(mma_nm, acc_dP, thr_nm.partition_A(sV), thr_nm.partition_B(sdOs), passes, chain)
+        vec = cfg.promote_vector_add
+        tf32_gemm(mma_nm, acc_S, thr_nm.partition_A(sK), thr_nm.partition_B(sQs), passes, chain, 1, vec)
+        tf32_gemm(mma_nm, acc_dP, thr_nm.partition_A(sV), thr_nm.partition_B(sdOs), passes, chain, 1, vec)
 
         # P^T, dS^T (unscaled: dK and dQ take the scale at the end)
         lse, delta = sLSE[None, stage], sDelta[None, stage]
@@ -506,16 +516,16 @@ class FlashBwdTf32(BwdPointwise, BwdWalks):
         rows_p, rows_q, rows_do = tm + PAD, D + PAD, Dv + PAD
         tf32_gemm(mma_nd, acc_dV, thr_nd.partition_A(k_permuted_view(sP.iterator, tn, tm, rows_p)),
                   thr_nd.partition_B(transposed_view(sdOs.iterator, tm, Dv, rows_do)), passes, per_visit,
-                  self.dkv_pieces)
+                  self.dkv_pieces, vec)
         tf32_gemm(mma_nd, acc_dK, thr_nd.partition_A(k_permuted_view(sdS.iterator, tn, tm, rows_p)),
                   thr_nd.partition_B(transposed_view(sQs.iterator, tm, D, rows_q)), passes, per_visit,
-                  self.dkv_pieces)
+                  self.dkv_pieces, vec)
 
         # dQ tile = dS K (K = the keys, permuted alike), added into dq_accum
         acc_dQ = cute.make_rmem_tensor(thr_md.partition_shape_C((tm, D)), Float32)
         acc_dQ.fill(0.0)
         tf32_gemm(mma_md, acc_dQ, thr_md.partition_A(transposed_view(sdS.iterator, tn, tm, rows_p)),
-                  thr_md.partition_B(transposed_view(sK.iterator, tn, D, rows_q)), passes, chain_dq)
+                  thr_md.partition_B(transposed_view(sK.iterator, tn, D, rows_q)), passes, chain_dq, 1, vec)
         gdQ = cute.local_tile(mdQacc[batch, head, None, None], (tm, D), (m_block, 0))
         tdQ = thr_md.partition_C(gdQ)
         # Value pairs (mode 0's first level) are adjacent columns: one 8-byte reduction each.
