@@ -128,6 +128,13 @@ def test_3xtf32_promotes_every_chain_at_wide_head_dims():
     for d, dv, pieces in [(128, 128, 1), (192, 128, 2), (192, 192, 2), (256, 256, 8), (128, 256, 8)]:
         cfg = _planned(d, dv)
         assert (cfg.dkv_pieces, cfg.chain_promote) == (pieces, 2), (d, dv)
+    # head dims whose N tiles the pieces must divide otherwise (224: 7 tiles of 32 columns,
+    # 176: 11 of 16) compile with a few words of spills
+    for d in (224, 176):
+        cfg = _planned(d)
+        usage = resource_usage_from_ptx(compile_backward(cfg, fake_args(cfg.mods), keep_ptx=True).__ptx__)
+        if usage is not None:
+            assert usage.spill_store_bytes <= 128 and usage.wgmma_serialized is None, (d, usage)
     one = _planned(256, passes=1)
     assert (one.dkv_pieces, one.chain_promote) == (0, 0)
     with pytest.raises(ValueError, match="dkv_pieces"):
