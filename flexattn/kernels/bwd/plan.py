@@ -82,6 +82,8 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
     if ("promote_vector_add" not in overrides and cfg.tf32_passes == 3
             and os.environ.get("FLEXATTN_BWD_VECTOR_ADD") == "1"):
         cfg = dataclasses.replace(cfg, promote_vector_add=True)     # the chains' adds as vectors
+    if "dp_lo_lo" not in overrides and cfg.tf32_passes == 3 and os.environ.get("FLEXATTN_BWD_DP_LO_LO") == "1":
+        cfg = dataclasses.replace(cfg, dp_lo_lo=True)               # dP^T's fourth product
     if "pdl" not in overrides and cfg.dtype != "fp32" and os.environ.get("FLEXATTN_BWD_PDL") == "1":
         # The main kernel and the postprocess as programmatic dependents (BwdConfig.pdl):
         # measured neutral (docs/experiments.md, session 30), so only for A/B runs.

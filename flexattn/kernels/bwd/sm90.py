@@ -213,6 +213,13 @@ class BwdConfig(KernelConfig):
     # D96 255 -> 217; in the forward's P V pieces the element-wise form made it serialize every
     # wgmma). Not measured: FLEXATTN_BWD_VECTOR_ADD=1 plans it, for A/B runs.
     promote_vector_add: bool = False
+    # fp32, 3xTF32: dP^T = V dO^T with the fourth product V_lo dO_lo as well (every bit of
+    # the two tf32 parts): dS = P (dP - D) cancels in rows that see few keys, where dP's
+    # operand split (hi + lo hold 22 of fp32's 24 bits) may be what keeps dQ at 1.35-1.45x
+    # torch flex's error at D64 / D96 now that the chains are promoted (session 24 tried a
+    # third dO part before the chains were: no change then). Not measured:
+    # FLEXATTN_BWD_DP_LO_LO=1 plans it, for A/B runs.
+    dp_lo_lo: bool = False
     # Programmatic dependent launch (PDL): the main kernel and the postprocess are launched
     # as dependents of the kernel before them, whose CTAs all signal
     # `griddepcontrol.launch_dependents` as they start: a dependent's CTAs take SMs as its
@@ -307,8 +314,8 @@ class BwdConfig(KernelConfig):
                                1 if widest <= 128 else 2 if widest <= 192 else 8)
         if self.dkv_pieces and (self.tf32_passes != 3 or self.dkv_pieces < 0):
             raise ValueError(f"dkv_pieces is 3xTF32's (tf32_passes=3), got {self.dkv_pieces}")
-        if self.promote_vector_add and self.tf32_passes != 3:
-            raise ValueError("promote_vector_add is 3xTF32's (tf32_passes=3)")
+        if (self.promote_vector_add or self.dp_lo_lo) and self.tf32_passes != 3:
+            raise ValueError("promote_vector_add and dp_lo_lo are 3xTF32's (tf32_passes=3)")
         if self.dtype == "fp32":
             self._check_fp32()
         else:

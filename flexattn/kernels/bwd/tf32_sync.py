@@ -131,9 +131,12 @@ def _tf32_parts(src: cute.Tensor, n: cutlass.Constexpr[int]):
 
 def split_pairs(passes: int) -> tuple:
     """The (A part, B part) products a GEMM sums, small ones first: one pass (0, 0);
-    3xTF32 `mma.SPLIT_PASSES`."""
+    3xTF32 `mma.SPLIT_PASSES`; 4: those and lo lo first (every product of the two parts,
+    `BwdConfig.dp_lo_lo`)."""
     if passes == 1:
         return ((0, 0),)
+    if passes == 4:
+        return ((1, 1),) + mma.SPLIT_PASSES
     return mma.SPLIT_PASSES
 
 
@@ -496,7 +499,8 @@ class FlashBwdTf32(BwdPointwise, BwdWalks):
         chain, per_visit, chain_dq = self.promote
         vec = cfg.promote_vector_add
         tf32_gemm(mma_nm, acc_S, thr_nm.partition_A(sK), thr_nm.partition_B(sQs), passes, chain, 1, vec)
-        tf32_gemm(mma_nm, acc_dP, thr_nm.partition_A(sV), thr_nm.partition_B(sdOs), passes, chain, 1, vec)
+        dp_passes = 4 if const_expr(cfg.dp_lo_lo) else passes
+        tf32_gemm(mma_nm, acc_dP, thr_nm.partition_A(sV), thr_nm.partition_B(sdOs), dp_passes, chain, 1, vec)
 
         # P^T, dS^T (unscaled: dK and dQ take the scale at the end)
         lse, delta = sLSE[None, stage], sDelta[None, stage]
