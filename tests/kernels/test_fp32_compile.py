@@ -47,8 +47,7 @@ def test_planned_tiles_fit(d, dv, parts, lists):
 
 
 # (head dims, passes, structure): the planner's tiles, compiled; no spills where the value
-# head dim is at most 128 (3xTF32 at 256 runs one 64-row warpgroup with two O-sized
-# accumulators' worth of registers: a known spill, see docs/KERNELS.md).
+# head dim is at most 128 (beyond it, test_3xtf32_wide_value_dims_promote_pv_in_column_pieces).
 CASES = [((64, 64), 1, "dense"), ((128, 128), 1, "causal"), ((80, 80), 3, "dense"), ((128, 128), 3, "causal"),
          ((192, 128), 3, "dense"), ((128, 128), 3, "sparse_softcap")]
 
