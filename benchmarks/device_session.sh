@@ -167,7 +167,7 @@ for step in $steps; do
                     --ours "" FLEXATTN_FWD_S_PROMOTE=0) ;;
     bits-tier) (cd benchmarks && run bits_tier 240 python3 bits_mask_tier.py) ;;
     fp32-next) run fp32_wide_tests 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp32_gpu.py \
-                 tests/gpu/test_bwd_fp32_gpu.py -k "d192-192 or d256-256 or 192 or 256"
+                 tests/gpu/test_bwd_fp32_gpu.py -k "d192-192 or d256-256 or d144-144 or 192 or 256"
                (cd benchmarks && run fp32_wide_fwd 240 python3 fp32_error_study.py --seeds 2 \
                     --shapes 1x4096x8x192 1x4096x8x256 --ours "" FLEXATTN_FWD_PV_PIECES=1 \
                     FLEXATTN_FWD_PV_PIECES=1,FLEXATTN_FWD_S_PROMOTE=0

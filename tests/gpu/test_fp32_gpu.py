@@ -44,7 +44,7 @@ def _round_tf32(x: torch.Tensor) -> torch.Tensor:
     return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
 
 
-PAIRS = [(64, 64), (128, 128), (32, 32), (80, 80), (256, 256), (192, 128), (192, 192), (64, 128)]
+PAIRS = [(64, 64), (128, 128), (32, 32), (80, 80), (256, 256), (192, 128), (192, 192), (144, 144), (64, 128)]
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"d{p[0]}-{p[1]}")

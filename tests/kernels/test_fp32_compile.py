@@ -110,7 +110,7 @@ def test_3xtf32_error_fixes_compile(dims):
         FwdConfig(**{**base, "tf32_passes": 1, "dtype": "fp32"}, s_promote=4)
 
 
-@pytest.mark.parametrize("dims", [(192, 192), (256, 256)], ids=str)
+@pytest.mark.parametrize("dims", [(192, 192), (256, 256), (144, 144)], ids=str)   # (144: two warpgroups)
 def test_3xtf32_wide_value_dims_promote_pv_in_column_pieces(dims):
     """Beyond 128 value columns 3xTF32 still sums each block's P V apart from O
     (``promote_pv``), in two column pieces (``promote_pv_pieces``): one O-sized second
