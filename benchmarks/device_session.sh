@@ -40,7 +40,7 @@
 # kernel and one S accumulator: fp32_error_study.py, issue 25), bits-tier (a mask's own kernel against the
 # shared packed-bits kernel: forward ms and first calls, bits_mask_tier.py, issue 24), fp32-next (3xTF32 at
 # 144 / 192 / 256: the wide tests on the unserialized pieces (session 53, not GPU-run), their errors and ms beside
-# an O-sized second accumulator; issue 25), fp32-dq (D96 / D64 / D128's dQ: chains in finer pieces, dP^T's fourth
+# an O-sized second accumulator; the rows where D32 / D80's max errors lie; issue 25), fp32-dq (D96 / D64 / D128's dQ: chains in finer pieces, dP^T's fourth
 # product, the backward's promoted adds as vectors; errors and ms; a device call of its own; issue 25).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
@@ -170,7 +170,9 @@ for step in $steps; do
                  tests/gpu/test_bwd_fp32_gpu.py -k "d192-192 or d256-256 or d144-144 or 192 or 256"
                (cd benchmarks && run fp32_wide_fwd 240 python3 fp32_error_study.py --seeds 2 \
                     --shapes 1x4096x8x192 1x4096x8x256 --ours "" FLEXATTN_FWD_PV_PIECES=1 \
-                    FLEXATTN_FWD_PV_PIECES=1,FLEXATTN_FWD_S_PROMOTE=0) ;;
+                    FLEXATTN_FWD_PV_PIECES=1,FLEXATTN_FWD_S_PROMOTE=0
+                  run fp32_short_dims 150 python3 fp32_error_study.py --seeds 3 --shapes 1x4096x8x32 1x4096x8x80 \
+                    --ours "") ;;
     fp32-dq) (cd benchmarks && run fp32_dq 420 python3 fp32_error_study.py --backward --seeds 2 \
                     --shapes 1x1025x4x96 1x1025x4x64 1x4096x4x128 --ours "" FLEXATTN_BWD_CHAIN_PROMOTE=1 \
                     FLEXATTN_BWD_DQ_PROMOTE=2 FLEXATTN_BWD_VECTOR_ADD=1 FLEXATTN_BWD_DP_LO_LO=1) ;;

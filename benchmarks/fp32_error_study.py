@@ -8,8 +8,8 @@ each block's P V in a fresh accumulator added to O in registers (``FwdConfig.pro
 the planner's variables: S over the head dim in other pieces (``FLEXATTN_FWD_S_PROMOTE=N``,
 0 = one accumulator), the approximate O / l (``FLEXATTN_FP32_EXACT_NORM=0``). (Finer P V
 folds and P_lo V_lo as a fourth pass were measured on 2026-11-30 and removed: neither
-moved the max error.) Per implementation: the max |out - float64|, that max
-over the first 128 rows (few keys: short chains, large values), the mean, and the
+moved the max error.) Per implementation: the max |out - float64| and the row where it
+lies, that max over the first 128 rows (few keys: short chains, large values), the mean, and the
 forward's time.
 
 ``--backward``: the gradients instead (dQ, dK, dV: max |grad - float64| relative to the
@@ -47,8 +47,12 @@ def reference(q, k, v, scale):
 
 
 def errors(out, want) -> dict:
+    """max / first 128 rows' max / mean |out - want|, and the row of the max (causal: that
+    row sees row + 1 keys; short rows err by the operand split, long ones by the sums)."""
     err = (out.double() - want).abs()
-    return {"max": err.max().item(), "first128": err[:, :, :128].max().item(), "mean": err.mean().item()}
+    row = int(err.flatten().argmax().item()) // err.shape[-1] % err.shape[-2]
+    return {"max": err.max().item(), "first128": err[:, :, :128].max().item(), "mean": err.mean().item(),
+            "row": row}
 
 
 def grad_errors(q, k, v, do, scale, fn) -> dict:
@@ -206,13 +210,14 @@ def main():
 
     def cells(es, flex_es):
         ratios = " / ".join(f"{e['max'] / f['max']:.2f}" for e, f in zip(es, flex_es)) or "—"
-        return [f"{max(e['max'] for e in es):.2e}", ratios,
+        return [f"{max(e['max'] for e in es):.2e}", ratios, " / ".join(str(e["row"]) for e in es),
                 f"{max(e['first128'] for e in es):.2e}", f"{statistics.mean(e['mean'] for e in es):.2e}",
                 f"{es[0]['ms']:.3f}"]
 
-    print_table(f"causal, {device_name()}, seeds 0-{args.seeds - 1}: max |out - float64| (worst seed), its max over"
-                " the first 128 rows, the mean (average of seeds), ms (seed 0)",
-                ["max", "ratio to flex (per seed)", "first 128 rows", "mean", "ms"], rows, args.shapes, cells)
+    print_table(f"causal, {device_name()}, seeds 0-{args.seeds - 1}: max |out - float64| (worst seed), the row of"
+                " each seed's max, the max over the first 128 rows, the mean (average of seeds), ms (seed 0)",
+                ["max", "ratio to flex (per seed)", "row of the max (per seed)", "first 128 rows", "mean", "ms"],
+                rows, args.shapes, cells)
 
 
 if __name__ == "__main__":
