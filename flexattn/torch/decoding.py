@@ -19,11 +19,11 @@ from ..problem import bounds
 from ..problem.decode import decode_problem, decode_spec
 from ..problem.kvcache import KVCache, PagedKVCache
 from ..problem.spec import lse_dtype
-from .dynamo_marks import assume_constant_result
 from ..problem.validate import check_inputs
 from .attention import flex_attention
 from .compiled import _compiled_op_inputs
 from .devices import _DeviceCopies, _current_raw_stream, _decode_workspace, _sm_count
+from .dynamo_marks import assume_constant_result
 from .launches import _is_tensor
 from .nested import captures_graph_values
 from .ops import _INFERENCE_OPS, _REGISTRY, _records_grad

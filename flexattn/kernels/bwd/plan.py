@@ -12,6 +12,17 @@ from flexattn.kernels.bwd.sm90 import (FP32_TILE_M, BwdConfig, dkv_swap_allowed,
 from flexattn.kernels.hopper.atomics import FIXED_WORDS
 
 
+# 3xTF32's A/B variables (error studies, benchmarks/fp32_error_study.py): BwdConfig field,
+# environment variable, the field's value from the variable's text.
+_FP32_AB = (
+    ("chain_promote", "FLEXATTN_BWD_CHAIN_PROMOTE", int),     # S^T / dP^T's chains in other pieces
+    ("dq_promote", "FLEXATTN_BWD_DQ_PROMOTE", int),           # likewise dQ's
+    ("dkv_pieces", "FLEXATTN_BWD_DKV_PIECES", int),           # dK / dV's column pieces
+    ("promote_vector_add", "FLEXATTN_BWD_VECTOR_ADD", lambda text: text == "1"),   # the chains' adds as vectors
+    ("dp_lo_lo", "FLEXATTN_BWD_DP_LO_LO", lambda text: text == "1"),               # dP^T's fourth product
+)
+
+
 def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
     """The backward config for a forward config (same dtype, head dim, block structure and
     mods): what `kernel_path.plan_forward` chose for the forward applies to the backward.
@@ -70,20 +81,11 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
         # (H200, 2026-11-29), so only for A/B runs; 64-row visits only (at 128 rows, D64,
         # P^T's early conversion spills 48 B and the kernel reads 1.1x slower).
         cfg = dataclasses.replace(cfg, dv_before_ds=True)
-    chain, dq_chain = (os.environ.get(f"FLEXATTN_BWD_{name}_PROMOTE") for name in ("CHAIN", "DQ"))
-    if "chain_promote" not in overrides and cfg.tf32_passes == 3 and chain:
-        # 3xTF32's S^T / dP^T chains in other pieces (BwdConfig.chain_promote): A/B runs.
-        cfg = dataclasses.replace(cfg, chain_promote=int(chain))
-    if "dq_promote" not in overrides and cfg.tf32_passes == 3 and dq_chain:
-        cfg = dataclasses.replace(cfg, dq_promote=int(dq_chain))   # likewise dQ's pieces
-    dkv = os.environ.get("FLEXATTN_BWD_DKV_PIECES")
-    if "dkv_pieces" not in overrides and cfg.tf32_passes == 3 and dkv:
-        cfg = dataclasses.replace(cfg, dkv_pieces=int(dkv))        # dK / dV's column pieces
-    if ("promote_vector_add" not in overrides and cfg.tf32_passes == 3
-            and os.environ.get("FLEXATTN_BWD_VECTOR_ADD") == "1"):
-        cfg = dataclasses.replace(cfg, promote_vector_add=True)     # the chains' adds as vectors
-    if "dp_lo_lo" not in overrides and cfg.tf32_passes == 3 and os.environ.get("FLEXATTN_BWD_DP_LO_LO") == "1":
-        cfg = dataclasses.replace(cfg, dp_lo_lo=True)               # dP^T's fourth product
+    if cfg.tf32_passes == 3:
+        for field, variable, value in _FP32_AB:
+            text = os.environ.get(variable)
+            if field not in overrides and text:
+                cfg = dataclasses.replace(cfg, **{field: value(text)})
     if "pdl" not in overrides and cfg.dtype != "fp32" and os.environ.get("FLEXATTN_BWD_PDL") == "1":
         # The main kernel and the postprocess as programmatic dependents (BwdConfig.pdl):
         # measured neutral (docs/experiments.md, session 30), so only for A/B runs.

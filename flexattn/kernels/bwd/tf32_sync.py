@@ -189,8 +189,7 @@ def tf32_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: c
                 # acc is compact with N outermost: piece j is its registers [j n, (j + 1) n)
                 n = cute.size(dst)
                 if const_expr(vector_add):
-                    acc_j = cute.make_tensor(acc.iterator + j * n, dst.layout)
-                    acc_j.store(acc_j.load() + dst.load())
+                    mma.add_into(acc, j * n, dst)
                 else:
                     for i in cutlass.range_constexpr(n):
                         acc[j * n + i] = acc[j * n + i] + dst[i]
@@ -270,9 +269,8 @@ class FlashBwdTf32(BwdPointwise, BwdWalks):
         if cfg.tf32_passes != 3:
             return cfg.chain_promote, 0, 0
         per_visit = cfg.tile_m // 8 if cfg.dkv_pieces else 0
-        if max(cfg.head_dim, cfg.head_dim_v) > 128:
-            return cfg.chain_promote, per_visit, 0
-        return cfg.chain_promote, per_visit, cfg.dq_promote
+        dq = cfg.dq_promote if max(cfg.head_dim, cfg.head_dim_v) <= 128 else 0
+        return cfg.chain_promote, per_visit, dq
 
     @property
     def dkv_pieces(self) -> int:

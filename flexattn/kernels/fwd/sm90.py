@@ -1214,10 +1214,7 @@ class FlashFwdSm90(WarpSpecialized):
                 if const_expr(p > 0):
                     mma.gemm(pieces.tiled_mma, pieces.acc, tOrP, self._kv_operand(pieces.tOrVt[p], state),
                              zero_init=True, wait=0)
-                # (one vector add: element by element, ptxas moved O's registers around
-                # and then serialized every wgmma of the kernel for want of registers)
-                o_piece = cute.make_tensor(o.iterator + p * n, pieces.acc.layout)
-                o_piece.store(o_piece.load() + pieces.acc.load())
+                mma.add_into(o, p * n, pieces.acc)
 
     def _fold_o(self, acc_O, row_scale):
         """O = (O + the last block's P V if promoted whole) * row_scale, once that P V is

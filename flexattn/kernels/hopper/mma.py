@@ -134,6 +134,15 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA, tCrB,
         warpgroup.wait_group(wait)
 
 
+def add_into(acc: cute.Tensor, first: int, part: cute.Tensor):
+    """acc's registers [first, first + size(part)) += part (both compact fragments), as one
+    vector add over a view of acc: written element by element, ptxas moved acc's registers
+    around, and in the forward's 3xTF32 P V pieces then serialized every wgmma of the kernel
+    for want of registers (C7511)."""
+    view = cute.make_tensor(acc.iterator + first, part.layout)
+    view.store(view.load() + part.load())
+
+
 def stmatrix_copy(tiled_mma: cute.TiledMma, dtype, tidx, transpose: bool = False, wg_cols: int = 16):
     """Thread `tidx`'s slice of the stmatrix copy that writes a 16-bit fragment shaped like
     `tiled_mma`'s accumulator to shared memory (`cute.copy(r2s, r2s.retile(frag),
