@@ -123,11 +123,14 @@ def test_fp32_backward_kernels_compile(dims, passes, score, mask):
 def test_3xtf32_promotes_every_chain_at_wide_head_dims():
     """3xTF32 sums dK / dV per visit in column pieces beyond head dim 128 (a fresh
     accumulator of their whole size spilled 124-884 bytes there, and without one they
-    were 4-16x torch flex's error), and S^T / dP^T over the head dim in pieces of 2 at
-    every head dim; one tf32 pass promotes nothing."""
-    for d, dv, pieces in [(128, 128, 1), (192, 128, 2), (192, 192, 2), (256, 256, 8), (128, 256, 8)]:
+    were 4-16x torch flex's error), and S^T / dP^T over the head dim in pieces of 1
+    k-block on 32-row visits of head dims 64-128 with Dv <= D, of 2 elsewhere; one tf32 pass
+    promotes nothing."""
+    for d, dv, pieces, chain in [(128, 128, 1, 1), (64, 64, 1, 1), (96, 96, 1, 1), (192, 128, 2, 2),
+                                 (192, 192, 2, 2), (256, 256, 8, 2), (128, 256, 8, 2), (64, 128, 1, 2),
+                                 (32, 32, 1, 2), (80, 80, 1, 2)]:
         cfg = _planned(d, dv)
-        assert (cfg.dkv_pieces, cfg.chain_promote) == (pieces, 2), (d, dv)
+        assert (cfg.dkv_pieces, cfg.chain_promote) == (pieces, chain), (d, dv)
     # head dims whose N tiles the pieces must divide otherwise (224: 7 tiles of 32 columns,
     # 176: 11 of 16) compile with a few words of spills
     for d in (224, 176):

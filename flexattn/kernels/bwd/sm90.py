@@ -192,11 +192,11 @@ class BwdConfig(KernelConfig):
     tf32_passes: int = 1
     # fp32, 3xTF32: S^T's and dP^T's chains over the head dim summed in a fresh accumulator
     # every this many k-blocks, then added with fp32 adds (0: one accumulator; tf32_sync's
-    # promote; None: 2 for 3xTF32; beyond head dim 128 ptxas spills 8-64 bytes with it,
-    # where without it dQ was 4-9x flex's error). dS = P (dP - D) cancels in rows that
-    # see few keys, where one accumulator's truncating adds over the head dim left dQ 4x
-    # further from float64 than torch flex's; in pieces of 2 it is at flex's (H200,
-    # 2026-11-30, docs/experiments.md). FLEXATTN_BWD_CHAIN_PROMOTE=N overrides, for A/B runs.
+    # promote). dS = P (dP - D) cancels in rows that see few keys, where one accumulator's
+    # truncating adds over the head dim left dQ 4x further from float64 than torch flex's;
+    # in pieces of 2 it is at flex's, in pieces of 1 below it at D64 / D128 (H200,
+    # 2026-11-30, docs/experiments.md). None: `default_chain_promote`.
+    # FLEXATTN_BWD_CHAIN_PROMOTE=N overrides, for A/B runs.
     chain_promote: int | None = None
     # fp32, 3xTF32, head dims <= 128: dQ's key chain summed in pieces of this many k-blocks.
     dq_promote: int = 4
@@ -305,7 +305,7 @@ class BwdConfig(KernelConfig):
         if self.tf32_passes not in (1, 3) or (self.tf32_passes == 3 and self.dtype != "fp32"):
             raise ValueError(f"tf32_passes must be 1, or 3 with dtype 'fp32', got {self.tf32_passes}")
         if self.chain_promote is None:
-            object.__setattr__(self, "chain_promote", 2 if self.tf32_passes == 3 else 0)
+            object.__setattr__(self, "chain_promote", self.default_chain_promote())
         if self.chain_promote and (self.tf32_passes != 3 or self.chain_promote < 0):
             raise ValueError(f"chain_promote is 3xTF32's (tf32_passes=3), got {self.chain_promote}")
         if self.dkv_pieces is None:
@@ -438,6 +438,20 @@ class BwdConfig(KernelConfig):
             raise ValueError("the float32 backward finishes dQ in its postprocess (dq_finish=False)")
         if self.pdl:
             raise ValueError("the float32 backward launches its kernels in plain stream order (pdl=False)")
+
+    def default_chain_promote(self) -> int:
+        """`chain_promote` unless given: 0 without 3xTF32. With it, every k-block (1) on the
+        32-row visits of head dims 64-128 with Dv <= D, 2 elsewhere. Pieces of 1 against 2
+        (H200, 2026-11-30, B1 H4 S1025 / S4096 causal, 2 seeds, ours / flex's max error): dQ
+        at D64 0.77 / 1.35 -> 0.57 / 1.19, D128 1.28 / 0.75 -> 0.68 / 0.71, D96 1.40 / 1.45
+        -> 0.84 / 1.45, dK and dV within 0.1 of where they were, the step not slower. ptxas:
+        0-12 more bytes of spills in the causal kernels there; at D32, D80 (64-row visits)
+        and 64/128 pieces of 1 put 4 bytes of spills into dense kernels that have none. At
+        192/192 (one seed) dQ / dV read 10% worse with them: not planned beyond 128."""
+        if self.tf32_passes != 3:
+            return 0
+        fine = self.tile_m == 32 and 64 <= self.head_dim <= 128 and self.head_dim_v <= self.head_dim
+        return 1 if fine else 2
 
     @property
     def split_head_dim(self) -> bool:
