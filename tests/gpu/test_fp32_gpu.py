@@ -179,7 +179,8 @@ def test_fp32_training_as_accurate_as_torch_flex(precision):
     D exactly, which flex's IEEE products keep). With S^T's and dP^T's head-dim chains in
     one tensor-core accumulator ours was 4x flex's here (1.5e-6 against 4.4e-7, H100
     2026-11-27); summed in pieces of 2 k-blocks (BwdConfig.chain_promote) it is within
-    the same 20% (the H200 study of 2026-11-30: 0.94-1.10x flex's)."""
+    the same 20% (the H200 study of 2026-11-30: 0.94-1.10x flex's), in pieces of 1 (planned
+    at D128 since) 0.68-0.71x at S 4096."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     torch.manual_seed(6)
