@@ -440,6 +440,25 @@ class BlockMask:
             self._row_pairs = bool(rows % 2 == 0 and np.array_equal(states[:, :, 0::2], states[:, :, 1::2]))
         return self._row_pairs
 
+    def has_partial_tiles(self) -> bool | None:
+        """Whether any tile is partial, i.e. whether a kernel ever evaluates ``mask_mod``
+        (full tiles skip it, as in torch). From the host states; for a GPU-built mask from
+        its states' or per-row counts' asynchronous host copy (None until landed, or when
+        the builder kept neither). Kept once known."""
+        known = self.__dict__.get("_has_partial", _NOT_COMPUTED)
+        if known is _NOT_COMPUTED:
+            states = self._landed_states()
+            if states is not None:
+                known = bool((states == PARTIAL).any())
+            else:
+                polls = self._row_counts   # (partial, full) tiles per row
+                partial = None if polls is None else polls[0]()
+                if partial is None:
+                    return None   # not known yet: ask again next call
+                known = bool(np.any(np.asarray(partial) > 0))
+            self._has_partial = known
+        return known
+
     def _landed_states(self):
         """The tile states on the host without waiting for the GPU: kept (host-built, or
         copied by ``_host_states``), or a GPU-built mask's asynchronous copy once landed;

@@ -288,6 +288,13 @@ class BlockStructure(NamedTuple):
     block_mask: object   # BlockMask | None: the lists the (backward) kernels read
 
 
+def full_tiles_only(block_mask: BlockMask) -> bool:
+    """Whether ``block_mask`` is known to hold no partial tile (``has_partial_tiles``): its
+    kernels then leave the mask and the partial-tile walk out. ``FLEXATTN_FULL_ONLY=0``
+    says no, for A/B runs."""
+    return os.environ.get("FLEXATTN_FULL_ONLY") != "0" and block_mask.has_partial_tiles() is False
+
+
 def _block_structure(spec: AttentionSpec, shape: AttentionShape) -> BlockStructure:
     """The ``BlockStructure`` of a call.
 
@@ -314,6 +321,12 @@ def _block_structure(spec: AttentionSpec, shape: AttentionShape) -> BlockStructu
         block_mask = _block_mask_for(mask, shape)
     if block_mask is not None:
         mask = None if _is_full(block_mask.mask_mod) else block_mask.mask_mod
+        if mask is not None and full_tiles_only(block_mask):
+            # No partial tile: the mask is never evaluated (full tiles skip it, as in
+            # torch), so the kernel leaves it out (and plan_forward the partial-tile walk).
+            # Not known yet (a GPU-built mask's host copy in flight): planned with the
+            # mask, the same results.
+            mask = None
     band = None
     if mask is not None:
         # Every spelling of a band evaluates one IR on partial tiles: one kernel for them all.
@@ -488,8 +501,12 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     tickets = _tickets_pay(shape, band, max_ctas, cluster_m, causal_tickets, tickets_flag)
     rescale_early = _rescale_o_early(shape, tf32_passes)
     ab_fp32 = _fp32_ab_overrides(tf32_passes)
+    # Lists without a partial block (documents on tile boundaries): the full list alone is
+    # walked, one copy of the step fewer. Not known yet (a GPU-built mask's host copy in
+    # flight): both lists, the same results.
+    partial_blocks = block_mask is None or band or not full_tiles_only(block_mask)
     key = (dtype, tf32_passes, ab_fp32, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
-           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early,
+           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, partial_blocks,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     # 3xTF32 keeps float32's accuracy: the mods' tanh / sigmoid exact, not tanh.approx.
@@ -515,6 +532,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
         config = FwdConfig(
             dtype=dtype, tf32_passes=tf32_passes, head_dim=shape.head_dim, head_dim_v=shape.v_head_dim,
             tile_m=tile_m, tile_n=tile_n, num_stages=stages, causal=causal, block_sparse=lists, band=band,
+            partial_blocks=partial_blocks or not lists,
             mods=template, max_ctas=max_ctas if persistent else 0, cluster_m=cluster_m, max_scores=max_scores,
             pingpong=tile_m > 64, sparse_block_m=128 if lists else None,   # lists: 128-row q blocks
             # Bands: persistent CTAs take tiles by tickets (_tickets_pay), else in a snake

@@ -382,12 +382,16 @@ def test_band_tile_tickets_at_the_door():
         assert torch.equal(out, outs[0])
 
 
-@pytest.mark.parametrize("bounds, clusters", [((512, 768, 1536), True), ((512, 640, 1536), False)])
-def test_document_block_mask_runs_clusters_where_row_pairs_match(bounds, clusters, monkeypatch):
+@pytest.mark.parametrize("bounds, clusters, partial", [((512, 768, 1536), True, False),
+                                                       ((512, 640, 1536), False, False),
+                                                       ((512, 700, 1536), False, True)])
+def test_document_block_mask_runs_clusters_where_row_pairs_match(bounds, clusters, partial, monkeypatch):
     """Documents on 256-token boundaries: once the GPU-built mask's states reached the host,
     the two CTAs of a cluster walk identical lists and share K/V loads (cluster_m 2), with
     results bitwise equal to the one-CTA walk; a boundary inside a pair of q blocks keeps
-    one CTA per tile."""
+    one CTA per tile. Boundaries on 128-token tiles leave no partial tile: the kernel walks
+    the full list alone, without the mask (FwdConfig.partial_blocks); one inside a tile
+    keeps both."""
     from flexattn.core.kernel_path import plan_forward
 
     torch.manual_seed(len(bounds) + bounds[1])
@@ -404,6 +408,7 @@ def test_document_block_mask_runs_clusters_where_row_pairs_match(bounds, cluster
     spec = AttentionSpec.from_args(block_mask=bm)
     cfg = plan_forward(q, check_inputs(q, k, v, spec), spec).config
     assert cfg.block_sparse and cfg.cluster_m == (2 if clusters else 1)
+    assert cfg.partial_blocks == cfg.mods.has_mask == partial
     monkeypatch.setenv("FLEXATTN_LIST_CLUSTERS", "0")
     assert plan_forward(q, check_inputs(q, k, v, spec), spec).config.cluster_m == 1
     fa_attention._PREPARED.clear()

@@ -67,6 +67,12 @@ CASES = {
     "hd64-128": (FwdConfig(head_dim=64, head_dim_v=128), lambda: ()),
     "hd64-sparse-plain": (FwdConfig(head_dim=64, block_sparse=True, intra_wg_overlap=False,
                                     mods=hooks.CausalHook()), lambda: ()),
+    # lists known to hold no partial block (documents on tile boundaries), as planned:
+    # the full list alone, in clusters of 2 over 120 persistent CTAs
+    "hd128-sparse-full-only": (FwdConfig(head_dim=128, block_sparse=True, partial_blocks=False, max_ctas=120,
+                                         cluster_m=2, kv_aligned=True), lambda: ()),
+    "hd64-sparse-full-only-plain": (FwdConfig(head_dim=64, block_sparse=True, partial_blocks=False,
+                                              intra_wg_overlap=False), lambda: ()),
     # step (a) schedule: no intra-warpgroup overlap, no ping-pong
     "hd128-causal-plain": (FwdConfig(head_dim=128, causal=True, intra_wg_overlap=False,
                                      pingpong=False), lambda: ()),
@@ -173,6 +179,13 @@ def test_block_sparse_structure(compiled):
         cfg.head_dim // 16 + cfg.tile_n // 16)
     # The band walks the same partial-then-full steps, its blocks by arithmetic.
     assert compiled["hd128-band-window"].count("wgmma.mma_async") == 2 * (qk + pv) + pv
+    # Lists without partial blocks: the full step alone (and the final P V), and no read
+    # of the partial count (the kernel's parameters still take all four lists).
+    assert compiled["hd128-sparse-full-only"].count("wgmma.mma_async") == (qk + pv) + pv
+    cfg = CASES["hd64-sparse-full-only-plain"][0]
+    assert compiled["hd64-sparse-full-only-plain"].count("wgmma.mma_async") == cfg.head_dim // 16 + cfg.tile_n // 16
+    with pytest.raises(ValueError, match="partial_blocks"):
+        FwdConfig(causal=True, partial_blocks=False)
     with pytest.raises(ValueError):
         FwdConfig(block_sparse=True, causal=True)
     with pytest.raises(ValueError, match="band"):

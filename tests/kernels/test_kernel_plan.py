@@ -275,7 +275,8 @@ def test_tvm_ffi_forward_compiles_with_the_planned_signature():
     from flexattn.kernels.launch.arguments import ffi_mod_args
     from flexattn.kernels.launch.forward import FfiForwardRunner
 
-    p = _plan(mask=mods.document(np.zeros(300, np.int32)), score=mods.softcap(30.0))
+    # (two documents split inside a tile: a mask with no partial tile is left out of the kernel)
+    p = _plan(mask=mods.document((np.arange(300) >= 100).astype(np.int32)), score=mods.softcap(30.0))
     runner = FfiForwardRunner(p.config)
     q = torch.zeros(2, 4, 300, 128, dtype=torch.bfloat16)
     lse = torch.zeros(2, 4, 300)
@@ -306,6 +307,36 @@ def test_block_list_validation_shared_by_both_runners():
         check_block_lists(tuple(x.long() for x in lists(3)), True, 2, 4, 3, "kv", "q-blocks")
     with pytest.raises(ValueError, match="full_q_indices"):
         check_block_lists(lists(3)[:3], True, 2, 4, 3, "q", "kv blocks")
+
+
+def test_a_mask_without_partial_tiles_is_left_out_of_the_kernel():
+    """Full tiles skip the mask (torch's rule too): a block mask with no partial tile plans
+    its lists without the mask, so its kernel has no partial-tile walk (a faster first
+    compile), and with the same results. Documents split inside a tile keep it; so does a
+    GPU-built mask whose host copy has not landed (unknown: planned with the mask)."""
+    on_tiles = mods.document(np.arange(512) // 256)       # boundaries on 128-token tiles
+    inside = mods.document(np.arange(512) // 200)
+    for mask, partial in ((on_tiles, False), (inside, True)):
+        bm = create_block_mask(mask, 1, 1, 512, 512)
+        assert bm.has_partial_tiles() is partial
+        for p in (_plan(block_mask=bm, Q=512, KV=512), _plan(mask=mask, Q=512, KV=512)):
+            assert p.config.block_sparse and p.config.mods.has_mask is partial
+    # torch-style lists whose mask_mod is never evaluated: the same kernel as no mask_mod
+    bm = create_block_mask(on_tiles, 1, 1, 512, 512)
+    plain = BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+    assert _plan(block_mask=bm, Q=512, KV=512).config == _plan(block_mask=plain, Q=512, KV=512).config
+    # not known yet (a GPU-built mask's copies in flight): the mask stays
+    pending = create_block_mask(on_tiles, 1, 1, 512, 512)
+    pending._device_states = pending._states
+    pending._states, pending._states_copy, pending._row_counts = None, (lambda: None), None
+    assert pending.has_partial_tiles() is None
+    assert _plan(block_mask=pending, Q=512, KV=512).config.mods.has_mask
+    # known from the per-row counts' copies (partial, full) of a mask too big to copy whole
+    counted = create_block_mask(inside, 1, 1, 512, 512)
+    counted._device_states = counted._states
+    counted._states, counted._states_copy = None, None
+    counted._row_counts = (lambda: np.zeros((1, 1, 4), np.int32), lambda: np.ones((1, 1, 4), np.int32))
+    assert counted.has_partial_tiles() is False
 
 
 def test_block_masks_built_for_immutable_masks_are_reused():

@@ -61,12 +61,15 @@ class DenseBlocks(_Staged):
 class SparseBlocks(_Staged):
     _fields = ("n_partial", "n_full", "count", "partial", "full")
 
-    def __init__(self, tensors, batch, head, m_block, factor: int = 1):
+    def __init__(self, tensors, batch, head, m_block, factor: int = 1, with_partial: bool = True):
         kv_num, kv_idx, full_num, full_idx = tensors
         b = batch % kv_num.shape[0]
         h = head % kv_num.shape[1]
         self.factor = factor
-        self.n_partial = Int32(kv_num[b, h, m_block]) * factor
+        # with_partial=False: the lists hold no partial block (the planner knows it), so
+        # the partial count is not read and every visit is a full one.
+        self.with_partial = with_partial
+        self.n_partial = Int32(kv_num[b, h, m_block]) * factor if with_partial else Int32(0)
         self.n_full = Int32(full_num[b, h, m_block]) * factor
         self.count = self.n_partial + self.n_full
         self.partial = kv_idx[b, h, m_block, None]
@@ -86,6 +89,8 @@ class SparseBlocks(_Staged):
 
     @cute.jit
     def at(self, i):
+        if cutlass.const_expr(not self.with_partial):
+            return self.full_at(i)
         # Both reads stay in bounds (clamped); the select picks the list i falls in.
         ip = cutlass.max(cutlass.min(i, self.n_partial - 1), 0)
         jf = cutlass.max(i - self.n_partial, 0)

@@ -147,6 +147,10 @@ class FwdConfig(KernelConfig):
     causal: bool = False           # block structure: skip blocks above the diagonal
     block_sparse: bool = False     # block structure from BlockMask lists (runtime tensors)
     sparse_block_n: int = 128      # keys of one listed block (a multiple of tile_n)
+    partial_blocks: bool = True    # block_sparse: the lists may hold partial blocks. False
+                                   # (planned where a block mask has none): the full list
+                                   # alone is walked, one copy of the step fewer (a faster
+                                   # compile); partial lists are not read
     sparse_block_m: int | None = None  # query rows of one listed block (None: tile_m; else a
                                        # multiple of it: 64-row fp32 tiles read 128-row lists)
     band: bool = False             # block structure of the mask's band of diagonals (the
@@ -249,6 +253,8 @@ class FwdConfig(KernelConfig):
             raise ValueError(f"sparse_block_n {self.sparse_block_n} must be a multiple of tile_n {self.tile_n}")
         if self.block_sparse + self.causal + self.band > 1:
             raise ValueError("causal, block_sparse and band are block structures: pick one")
+        if not self.partial_blocks and not self.block_sparse:
+            raise ValueError("partial_blocks=False is a choice of block_sparse lists")
         if self.band and band_of(self.mods) is None:
             raise ValueError("band=True needs a mask hook whose mask is a band of diagonals")
         if self.max_ctas < 0:
@@ -532,7 +538,8 @@ class FlashFwdSm90(WarpSpecialized):
         if const_expr(self.cfg.block_sparse):
             rows_per_block = self.cfg.sparse_block_m // self.cfg.tile_m
             row = m_block // rows_per_block if const_expr(rows_per_block > 1) else m_block
-            blocks = SparseBlocks(block_sparse, batch, head, row, self.cfg.sparse_block_n // self.cfg.tile_n)
+            blocks = SparseBlocks(block_sparse, batch, head, row, self.cfg.sparse_block_n // self.cfg.tile_n,
+                                  with_partial=self.cfg.partial_blocks)
         elif const_expr(self.cfg.band):   # `block_sparse` holds the band's bounds
             blocks = BandBlocks(block_sparse, m_block, self.cfg.tile_m, self.cfg.tile_n, seqlen_k)
         else:
@@ -898,10 +905,12 @@ class FlashFwdSm90(WarpSpecialized):
         has_mask = self.mods.has_mask
         softmax.reset()       # the first visit may be any block, or there may be none
         n_p, n_f = blocks.n_partial, blocks.n_full
+        partial = self.cfg.partial_blocks   # (False: no partial list, no step for it)
         if const_expr(not self.cfg.intra_wg_overlap):
-            for i in cutlass.range(n_p, unroll=1):
-                kv_state = self._step(ctx, kv_state, blocks.partial_at(i), is_first=False,
-                                      mask=has_mask, causal=False, kv_bound=True)
+            if const_expr(partial):
+                for i in cutlass.range(n_p, unroll=1):
+                    kv_state = self._step(ctx, kv_state, blocks.partial_at(i), is_first=False,
+                                          mask=has_mask, causal=False, kv_bound=True)
             for i in cutlass.range(n_f, unroll=1):
                 kv_state = self._step(ctx, kv_state, blocks.full_at(i), is_first=False,
                                       mask=False, causal=False, kv_bound="tail")
@@ -913,9 +922,10 @@ class FlashFwdSm90(WarpSpecialized):
             # with a run-time `partial` branched around the mask, read both lists per
             # block, and kept the softmax from starting before the branch ended.
             v_state = kv_state.clone()
-            for i in cutlass.range(n_p, unroll=1):
-                kv_state, v_state = self._visit_step(ctx, kv_state, v_state, blocks.partial_at(i), i > 0,
-                                                      mask=has_mask, partial=True)
+            if const_expr(partial):
+                for i in cutlass.range(n_p, unroll=1):
+                    kv_state, v_state = self._visit_step(ctx, kv_state, v_state, blocks.partial_at(i), i > 0,
+                                                          mask=has_mask, partial=True)
             for i in cutlass.range(n_f, unroll=1):
                 kv_state, v_state = self._visit_step(ctx, kv_state, v_state, blocks.full_at(i), n_p + i > 0,
                                                       mask=has_mask, partial=False)
