@@ -121,6 +121,10 @@ def _config(name):
     if name.endswith("-80"):
         cfg, hook = _config(name[:-3])
         return dataclasses.replace(cfg, tile_m=80), hook
+    if name.endswith("-fullonly"):            # lists without partial blocks (BwdConfig.partial_blocks)
+        cfg, _ = _config(name[:-9])
+        hook = IRModHook()                    # (no partial tile: the planner drops the mask)
+        return dataclasses.replace(cfg, partial_blocks=False, mods=hook), hook
     if name.endswith("-persist"):             # persistent CTAs (BwdConfig.max_ctas)
         cfg, hook = _config(name[:-8])
         return dataclasses.replace(cfg, max_ctas=132), hook
@@ -180,8 +184,10 @@ V_WITH_DO = ["d64-causal-128-vdo", "d64-sparse-document-vdo"]
 # dV's GEMM issued before the dS pass (not planned until measured; FLEXATTN_BWD_DV_EARLY=1 plans it), beside
 # d128-causal (IDLE) and d128-dense (DEFAULT)
 DV_EARLY = ["d128-causal-dvearly", "d128-dense-dvearly"]
+# the full q-block list alone (not planned until measured; FLEXATTN_BWD_FULL_ONLY=1 plans it where the forward does)
+FULL_ONLY = ["d128-sparse-document-persist-fullonly", "d64-sparse-document-fullonly"]
 NAMES = (DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + SWAPPED + TILE128 + PERSISTENT + FINISH + PDL
-         + WIDE256 + P_EARLY + IDLE + V_WITH_DO + DV_EARLY)
+         + WIDE256 + P_EARLY + IDLE + V_WITH_DO + DV_EARLY + FULL_ONLY)
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +244,12 @@ def test_block_structures(compiled):
     # The band: the same partial and full steps as the lists.
     cfg, ptx = compiled["d128-band-window"]
     assert _steps(ptx, cfg) == 2
+    # Lists without partial blocks (BwdConfig.partial_blocks=False): the full step alone.
+    for name in FULL_ONLY:
+        cfg, ptx = compiled[name]
+        assert _steps(ptx, cfg) == 1, name
+    with pytest.raises(ValueError, match="partial_blocks"):
+        BwdConfig(head_dim=128, causal=True, partial_blocks=False)
 
 
 def test_idle_masked_keys(compiled):

@@ -309,7 +309,7 @@ def test_block_list_validation_shared_by_both_runners():
         check_block_lists(lists(3)[:3], True, 2, 4, 3, "q", "kv blocks")
 
 
-def test_a_mask_without_partial_tiles_is_left_out_of_the_kernel():
+def test_a_mask_without_partial_tiles_is_left_out_of_the_kernel(monkeypatch):
     """Full tiles skip the mask (torch's rule too): a block mask with no partial tile plans
     its lists without the mask, so its kernel has no partial-tile walk (a faster first
     compile), and with the same results. Documents split inside a tile keep it; so does a
@@ -337,6 +337,16 @@ def test_a_mask_without_partial_tiles_is_left_out_of_the_kernel():
     counted._states, counted._states_copy = None, None
     counted._row_counts = (lambda: np.zeros((1, 1, 4), np.int32), lambda: np.ones((1, 1, 4), np.int32))
     assert counted.has_partial_tiles() is False
+    # the backward walks the full list alone only under FLEXATTN_BWD_FULL_ONLY=1 (an A/B);
+    # FLEXATTN_FULL_ONLY=0 plans both lists and the mask again
+    from flexattn.kernels.bwd.plan import config_from_forward
+    full_only = _plan(block_mask=create_block_mask(on_tiles, 1, 1, 512, 512), Q=512, KV=512).config
+    assert not full_only.partial_blocks and config_from_forward(full_only).partial_blocks
+    monkeypatch.setenv("FLEXATTN_BWD_FULL_ONLY", "1")
+    assert not config_from_forward(full_only).partial_blocks
+    monkeypatch.setenv("FLEXATTN_FULL_ONLY", "0")
+    again = _plan(block_mask=create_block_mask(on_tiles, 1, 1, 512, 512), Q=512, KV=512).config
+    assert again.partial_blocks and again.mods.has_mask and config_from_forward(again).partial_blocks
 
 
 def test_block_masks_built_for_immutable_masks_are_reused():

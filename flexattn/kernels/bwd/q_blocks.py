@@ -69,8 +69,8 @@ class SparseQBlocks(SparseBlocks):
 
     _fields = SparseBlocks._fields + ("rot",)
 
-    def __init__(self, tensors, batch, head, n_block, factor: int, rot=0):
-        super().__init__(tensors, batch, head, n_block, factor)
+    def __init__(self, tensors, batch, head, n_block, factor: int, rot=0, with_partial: bool = True):
+        super().__init__(tensors, batch, head, n_block, factor, with_partial)
         self.rot = Int32(rot)
 
     def partial_at(self, i):
@@ -230,7 +230,8 @@ class BwdWalks:
         cfg = self.cfg
         kv_block = n_block if const_expr(cfg.sparse_block_n == cfg.tile_n) else n_block // (cfg.sparse_block_n // cfg.tile_n)
         return SparseQBlocks(block_sparse[:4], batch, head, kv_block,
-                             cfg.sparse_block_m // cfg.tile_m, self._rotation(n_block))
+                             cfg.sparse_block_m // cfg.tile_m, self._rotation(n_block),
+                             with_partial=cfg.partial_blocks)
 
     def _q_blocks(self, block_sparse, batch, head, n_block, seqlen_q):
         """The q blocks kv block `n_block` visits for q head `head`, by block structure

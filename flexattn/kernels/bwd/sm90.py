@@ -142,6 +142,9 @@ class BwdConfig(KernelConfig):
     ds_buffers: int | None = None
     causal: bool = False          # block structure: skip q blocks above the diagonal
     block_sparse: bool = False    # block structure from the BlockMask's q-side lists
+    partial_blocks: bool = True   # block_sparse: the lists may hold partial blocks. False:
+                                  # the full list alone is walked (FwdConfig.partial_blocks;
+                                  # planned only under FLEXATTN_BWD_FULL_ONLY=1, for A/B runs)
     band: bool = False            # block structure of the mask's band of diagonals, by
                                   # arithmetic (as the forward's; not deterministic)
     sparse_block_m: int = 128     # q rows of one BlockMask block (a multiple of tile_m)
@@ -364,6 +367,8 @@ class BwdConfig(KernelConfig):
         if self.idle_masked_keys and not idle_keys_allowed(self):
             raise ValueError("idle_masked_keys needs the causal or band walk of 128-key CTAs without split head"
                              " dims or swapped dK / dV, and no per-diagonal buffer-gradient sums")
+        if not self.partial_blocks and not self.block_sparse:
+            raise ValueError("partial_blocks=False is a choice of block_sparse lists")
         if self.dq_first_store and (self.deterministic or self.dq_finish):
             raise ValueError("dq_first_store is for the unordered dQ adds (not deterministic, not dq_finish)")
         if self.dq_ticket_on_data and not self.dq_first_store:
@@ -1456,10 +1461,11 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                         state = self._step(ctx, state, m_block, mask=False, causal=False)
             elif const_expr(cfg.block_sparse or cfg.band):
                 blocks = self._q_blocks(block_sparse, batch, head, n_block, seqlen_q)
-                for i in cutlass.range(blocks.n_partial, unroll=1):
-                    # (under a band, `block_sparse` holds its (lo, hi): see _q_blocks)
-                    state = self._partial_step(ctx, state, blocks.partial_at(i), block_sparse,
-                                               mask=mods.has_mask, causal=False)
+                if const_expr(cfg.partial_blocks):   # (False: no partial list, no step for it)
+                    for i in cutlass.range(blocks.n_partial, unroll=1):
+                        # (under a band, `block_sparse` holds its (lo, hi): see _q_blocks)
+                        state = self._partial_step(ctx, state, blocks.partial_at(i), block_sparse,
+                                                   mask=mods.has_mask, causal=False)
                 for i in cutlass.range(blocks.n_full, unroll=1):
                     state = self._step(ctx, state, blocks.full_at(i), mask=False, causal=False)
             else:
