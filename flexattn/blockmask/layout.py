@@ -441,10 +441,12 @@ class BlockMask:
         return self._row_pairs
 
     def has_partial_tiles(self) -> bool | None:
-        """Whether any tile is partial, i.e. whether a kernel ever evaluates ``mask_mod``
-        (full tiles skip it, as in torch). From the host states; for a GPU-built mask from
-        its states' or per-row counts' asynchronous host copy (None until landed, or when
-        the builder kept neither). Kept once known."""
+        """Whether any tile is listed partial, i.e. whether a kernel ever evaluates
+        ``mask_mod`` (full tiles skip it, as in torch). From the host states; for a
+        GPU-built mask from its states' or per-row counts' asynchronous host copy (None
+        until landed, or when the builder kept neither). Kept once known; set up front
+        where the lists and the states disagree (a GPU build with
+        ``separate_full_blocks=False`` lists full tiles as partial)."""
         known = self.__dict__.get("_has_partial", _NOT_COMPUTED)
         if known is _NOT_COMPUTED:
             states = self._landed_states()
@@ -541,6 +543,8 @@ class BlockMask:
             listed["states"] = arrays.to_device(np.ascontiguousarray(self._host_states()))
             out = type(self)._on_device(listed, self.seq_lengths, self.BLOCK_SIZE, None, arrays.device)
             out._states = self._host_states()
+            if "_has_partial" in self.__dict__:   # (the lists' own answer, where states say otherwise)
+                out._has_partial = self._has_partial
         out._mask_mod, out.from_mask = self._mask_mod, self.from_mask
         out._num_allowed = self._num_allowed
         return out

@@ -47,6 +47,10 @@ class KernelBlockMaskBuilder(GpuBuilder):
             return np.asarray(to_numpy(per_tile), dtype=np.int64).sum(axis=-1)
 
         block_mask = BlockMask._on_device(built, (Q_LEN, KV_LEN), (qb, kvb), mask, arrays.device, count_allowed)
+        if not separate_full_blocks:
+            # Full tiles are listed as partial while the states still say full: the kernels
+            # must walk the partial lists (BlockMask.has_partial_tiles reads the states).
+            block_mask._has_partial = True
         if arrays.download is not None:
             states = built["states"]
             if _nbytes(states) <= STATES_COPY_BYTES:   # the tile states: tile_balance(), row_pairs_match()

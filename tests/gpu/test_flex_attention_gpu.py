@@ -424,6 +424,34 @@ def test_document_block_mask_runs_clusters_where_row_pairs_match(bounds, cluster
     assert all(torch.equal(o, one_cta) for o in outs)
 
 
+def test_full_tiles_listed_as_partial_keep_the_partial_walk():
+    """create_block_mask(separate_full_blocks=False) on the GPU lists every visited tile as
+    partial while its tile states still say full: with documents on tile boundaries (no
+    partial state) the planner must still walk the partial lists (and evaluate the mask),
+    not plan the full-only walk over empty full lists."""
+    from flexattn.core.kernel_path import plan_forward
+
+    torch.manual_seed(3)
+    S = 1024
+    q, k, v = (torch.randn(1, 2, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    doc = (torch.arange(S) // 256).cuda()
+
+    def document(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    bm = fa.create_block_mask(document, None, None, S, S, device="cuda", separate_full_blocks=False)
+    torch.cuda.synchronize()   # the states' host copy has landed
+    assert bm.has_partial_tiles() is True
+    spec = AttentionSpec.from_args(block_mask=bm)
+    cfg = plan_forward(q, check_inputs(q, k, v, spec), spec).config
+    assert cfg.partial_blocks and cfg.mods.has_mask
+    with torch.no_grad():
+        out = fa.flex_attention(q, k, v, block_mask=bm)
+        want = fa.flex_attention(q, k, v, block_mask=fa.create_block_mask(document, None, None, S, S, device="cuda"))
+    torch.cuda.synchronize()
+    assert (out.float() - want.float()).abs().max() < 2e-2
+
+
 @pytest.mark.parametrize("Q, KV", [(300, 300), (300, 517), (517, 300), (1, 129)])
 def test_torch_style_causal_block_mask_runs_the_causal_structure(Q, KV):
     """A torch user's causal lambda through create_block_mask(..., device='cuda') and

@@ -321,6 +321,10 @@ def test_a_mask_without_partial_tiles_is_left_out_of_the_kernel(monkeypatch):
         assert bm.has_partial_tiles() is partial
         for p in (_plan(block_mask=bm, Q=512, KV=512), _plan(mask=mask, Q=512, KV=512)):
             assert p.config.block_sparse and p.config.mods.has_mask is partial
+    # every visited tile listed partial (torch's separate_full_blocks=False): the mask stays
+    listed = create_block_mask(on_tiles, 1, 1, 512, 512, separate_full_blocks=False)
+    assert listed.has_partial_tiles() is True
+    assert _plan(block_mask=listed, Q=512, KV=512).config.partial_blocks
     # torch-style lists whose mask_mod is never evaluated: the same kernel as no mask_mod
     bm = create_block_mask(on_tiles, 1, 1, 512, 512)
     plain = BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
