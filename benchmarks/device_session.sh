@@ -179,7 +179,7 @@ for step in $steps; do
                     --shapes 1x1025x4x96 1x1025x4x64 1x4096x4x128 --ours "" FLEXATTN_BWD_CHAIN_PROMOTE=1 \
                     FLEXATTN_BWD_DQ_PROMOTE=2 FLEXATTN_BWD_VECTOR_ADD=1 FLEXATTN_BWD_DP_LO_LO=1) ;;
     full-only) run full_only_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flex_attention_gpu.py \
-                 tests/gpu/test_bwd_gpu.py -k "row_pairs_match or document"
+                 tests/gpu/test_bwd_gpu.py -k "row_pairs_match or document or listed_as_partial"
                (cd benchmarks && FLEXATTN_BWD_FULL_ONLY=1 run full_only_bwd_tests 150 python3 -m pytest -q \
                     -p no:cacheprovider ../tests/gpu/test_flex_attention_gpu.py -k row_pairs_match
                   run full_only_ab 150 python3 ab_env.py --env FLEXATTN_FULL_ONLY=0 --also FLEXATTN_BWD_FULL_ONLY=1 \
