@@ -184,6 +184,8 @@ for step in $steps; do
                     -p no:cacheprovider ../tests/gpu/test_flex_attention_gpu.py -k row_pairs_match
                   run full_only_ab 150 python3 ab_env.py --env FLEXATTN_FULL_ONLY=0 --also FLEXATTN_BWD_FULL_ONLY=1 \
                     --variants document4 --shapes 8x2048x16x128 4x4096x16x128 --rounds 5 --backward
+                  run full_only_ab_fwd 90 python3 ab_env.py --env FLEXATTN_FULL_ONLY=0 --variants document4 \
+                    --shapes 8x2048x16x128 4x4096x16x128 2x8192x16x128 --rounds 5
                   run full_only_bench 240 python3 bench_bwd.py --variants document4 --shapes 8x2048x16x128 4x4096x16x128) ;;
     *) echo "unknown step $step" ;;
   esac
