@@ -43,7 +43,7 @@
 # an O-sized second accumulator; the rows where D32 / D80's max errors lie; issue 25), fp32-dq (D96 / D64 / D128's dQ: chains in finer pieces, dP^T's fourth
 # product, the backward's promoted adds as vectors; errors and ms; a device call of its own; issue 25), full-only
 # (block masks without partial tiles: the document GPU tests, the backward's FLEXATTN_BWD_FULL_ONLY=1, their door
-# A/B and bench_bwd's document4 beside flex; session 54, issue 24).
+# A/B; session 54, issue 24), full-only-bench (the forward's A/B and bench_bwd's document4 beside flex).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -180,13 +180,13 @@ for step in $steps; do
                     FLEXATTN_BWD_DQ_PROMOTE=2 FLEXATTN_BWD_VECTOR_ADD=1 FLEXATTN_BWD_DP_LO_LO=1) ;;
     full-only) run full_only_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flex_attention_gpu.py \
                  tests/gpu/test_bwd_gpu.py -k "row_pairs_match or document or listed_as_partial"
-               (cd benchmarks && FLEXATTN_BWD_FULL_ONLY=1 run full_only_bwd_tests 150 python3 -m pytest -q \
+               (cd benchmarks && FLEXATTN_BWD_FULL_ONLY=1 run full_only_bwd_tests 120 python3 -m pytest -q \
                     -p no:cacheprovider ../tests/gpu/test_flex_attention_gpu.py -k row_pairs_match
                   run full_only_ab 150 python3 ab_env.py --env FLEXATTN_FULL_ONLY=0 --also FLEXATTN_BWD_FULL_ONLY=1 \
-                    --variants document4 --shapes 8x2048x16x128 4x4096x16x128 --rounds 5 --backward
-                  run full_only_ab_fwd 90 python3 ab_env.py --env FLEXATTN_FULL_ONLY=0 --variants document4 \
-                    --shapes 8x2048x16x128 4x4096x16x128 2x8192x16x128 --rounds 5
-                  run full_only_bench 240 python3 bench_bwd.py --variants document4 --shapes 8x2048x16x128 4x4096x16x128) ;;
+                    --variants document4 --shapes 8x2048x16x128 4x4096x16x128 --rounds 5 --backward) ;;
+    full-only-bench) (cd benchmarks && run full_only_ab_fwd 90 python3 ab_env.py --env FLEXATTN_FULL_ONLY=0 \
+                    --variants document4 --shapes 8x2048x16x128 4x4096x16x128 2x8192x16x128 --rounds 5
+                  run full_only_bench 300 python3 bench_bwd.py --variants document4 --shapes 8x2048x16x128 4x4096x16x128) ;;
     *) echo "unknown step $step" ;;
   esac
 done
