@@ -142,39 +142,6 @@ def test_3xtf32_promotes_every_chain_at_wide_head_dims():
     assert (one.dkv_pieces, one.chain_promote) == (0, 0)
     with pytest.raises(ValueError, match="dkv_pieces"):
         BwdConfig(dtype="fp32", head_dim=128, tile_m=32, dkv_pieces=2)     # one tf32 pass
-    with pytest.raises(ValueError, match="promote_vector_add"):
-        BwdConfig(dtype="fp32", head_dim=128, tile_m=32, promote_vector_add=True)
-
-
-def test_dp_lo_lo_adds_the_fourth_product_to_dp_only():
-    """BwdConfig.dp_lo_lo (an A/B, not planned): dP^T = V dO^T also sums V_lo dO_lo, one
-    more MMA per dP^T k-block; every other GEMM keeps 3xTF32's three."""
-    import dataclasses
-    base = _planned(128)
-    lolo = dataclasses.replace(base, dp_lo_lo=True)
-    count = {c.dp_lo_lo: len(re.findall(r"mma\.sync\.aligned\.m16n8k8", compile_backward(
-        c, fake_args(c.mods), keep_ptx=True).__ptx__)) for c in (base, lolo)}
-    (nm_m, nm_n), _, _ = warp_layouts(base)
-    dp_per_pass = (base.tile_n // (16 * nm_m)) * (base.tile_m // (8 * nm_n)) * (base.head_dim_v // 8)
-    assert count[True] - count[False] == dp_per_pass, count
-    with pytest.raises(ValueError, match="dp_lo_lo"):
-        BwdConfig(dtype="fp32", head_dim=128, tile_m=32, dp_lo_lo=True)   # one tf32 pass
-
-
-def test_promoted_adds_as_vectors_keep_the_arithmetic():
-    """BwdConfig.promote_vector_add (an A/B, not planned) writes the promoted chains' adds
-    into their accumulators as vectors: the PTX holds the same adds and MMAs in another
-    order, and ptxas neither spills nor serializes at D 128."""
-    import dataclasses
-    base = _planned(128)
-    vec = dataclasses.replace(base, promote_vector_add=True)
-    ptx = {c.promote_vector_add: compile_backward(c, fake_args(c.mods), keep_ptx=True).__ptx__ for c in (base, vec)}
-    for op in ("add.f32", "mma.sync.aligned", "red.global.add"):
-        assert ptx[True].count(op) == ptx[False].count(op), op
-    assert ptx[True] != ptx[False]
-    usage = resource_usage_from_ptx(ptx[True])
-    if usage is not None:
-        assert usage.spill_store_bytes == 0 and usage.wgmma_serialized is None, usage
 
 
 @pytest.mark.parametrize("d,tile_m", [(128, 32), (80, 64)])

@@ -18,8 +18,6 @@ _FP32_AB = (
     ("chain_promote", "FLEXATTN_BWD_CHAIN_PROMOTE", int),     # S^T / dP^T's chains in other pieces
     ("dq_promote", "FLEXATTN_BWD_DQ_PROMOTE", int),           # likewise dQ's
     ("dkv_pieces", "FLEXATTN_BWD_DKV_PIECES", int),           # dK / dV's column pieces
-    ("promote_vector_add", "FLEXATTN_BWD_VECTOR_ADD", lambda text: text == "1"),   # the chains' adds as vectors
-    ("dp_lo_lo", "FLEXATTN_BWD_DP_LO_LO", lambda text: text == "1"),               # dP^T's fourth product
 )
 
 

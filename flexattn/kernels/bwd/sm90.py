@@ -210,19 +210,6 @@ class BwdConfig(KernelConfig):
     # 884). Without it dK / dV at 192 were 10x further from float64 than at 128 (H200,
     # 2026-11-30). FLEXATTN_BWD_DKV_PIECES=N overrides, for A/B runs.
     dkv_pieces: int | None = None
-    # fp32, 3xTF32: the promoted chains' fresh sums added into their accumulators as one
-    # vector each instead of element by element (tf32_sync.tf32_gemm's vector_add). The same
-    # PTX adds; ptxas allocates registers differently (D128 255 -> 183, D64 causal 128 -> 180,
-    # D96 255 -> 217; in the forward's P V pieces the element-wise form made it serialize every
-    # wgmma). Not measured: FLEXATTN_BWD_VECTOR_ADD=1 plans it, for A/B runs.
-    promote_vector_add: bool = False
-    # fp32, 3xTF32: dP^T = V dO^T with the fourth product V_lo dO_lo as well (every bit of
-    # the two tf32 parts): dS = P (dP - D) cancels in rows that see few keys, where dP's
-    # operand split (hi + lo hold 22 of fp32's 24 bits) may be what keeps dQ at 1.35-1.45x
-    # torch flex's error at D64 / D96 now that the chains are promoted (session 24 tried a
-    # third dO part before the chains were: no change then). Not measured:
-    # FLEXATTN_BWD_DP_LO_LO=1 plans it, for A/B runs.
-    dp_lo_lo: bool = False
     # Programmatic dependent launch (PDL): the main kernel and the postprocess are launched
     # as dependents of the kernel before them, whose CTAs all signal
     # `griddepcontrol.launch_dependents` as they start: a dependent's CTAs take SMs as its
@@ -317,8 +304,6 @@ class BwdConfig(KernelConfig):
                                1 if widest <= 128 else 2 if widest <= 192 else 8)
         if self.dkv_pieces and (self.tf32_passes != 3 or self.dkv_pieces < 0):
             raise ValueError(f"dkv_pieces is 3xTF32's (tf32_passes=3), got {self.dkv_pieces}")
-        if (self.promote_vector_add or self.dp_lo_lo) and self.tf32_passes != 3:
-            raise ValueError("promote_vector_add and dp_lo_lo are 3xTF32's (tf32_passes=3)")
         if self.dtype == "fp32":
             self._check_fp32()
         else:

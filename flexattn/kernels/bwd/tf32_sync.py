@@ -131,19 +131,16 @@ def _tf32_parts(src: cute.Tensor, n: cutlass.Constexpr[int]):
 
 def split_pairs(passes: int) -> tuple:
     """The (A part, B part) products a GEMM sums, small ones first: one pass (0, 0);
-    3xTF32 `mma.SPLIT_PASSES`; 4: those and lo lo first (every product of the two parts,
-    `BwdConfig.dp_lo_lo`)."""
+    3xTF32 `mma.SPLIT_PASSES`."""
     if passes == 1:
         return ((0, 0),)
-    if passes == 4:
-        return ((1, 1),) + mma.SPLIT_PASSES
     return mma.SPLIT_PASSES
 
 
 @cute.jit
 def tf32_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
               passes: cutlass.Constexpr[int], promote: cutlass.Constexpr[int] = 0,
-              pieces: cutlass.Constexpr[int] = 1, vector_add: cutlass.Constexpr[bool] = False):
+              pieces: cutlass.Constexpr[int] = 1):
     """acc += A B over K, warp-level tf32 MMAs. tA (V, M, K) and tB (V, N, K): this thread's
     partitions of fp32 shared-memory operands, loaded one k-block at a time and split into
     tf32 parts in registers (`split_pairs` says which products are summed).
@@ -159,10 +156,9 @@ def tf32_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: c
     another, each reloading A: beyond head dim 128 an acc-sized second accumulator spills
     (dK / dV at 192/192: 124 bytes).
 
-    `vector_add`: each fresh sum is added into acc as one vector over a view of acc's
-    registers instead of element by element (``BwdConfig.promote_vector_add``, an A/B: in
-    the forward's P V pieces the element-wise adds made ptxas serialize every wgmma; here
-    they change the kernel's registers, e.g. D128 255 -> 183, D64 causal 128 -> 180)."""
+    The fresh sums are added element by element: as one vector add (`mma.add_into`, which
+    the forward's P V pieces need) ptxas allocated other registers here and neither the
+    error nor the step's time moved (H200, 2026-11-30, docs/experiments.md)."""
     pairs = split_pairs(passes)
     n_parts = 1 if const_expr(passes == 1) else 2
     n_k = cute.size(tA.shape[2])
@@ -188,11 +184,8 @@ def tf32_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: c
             if const_expr(promote > 0):
                 # acc is compact with N outermost: piece j is its registers [j n, (j + 1) n)
                 n = cute.size(dst)
-                if const_expr(vector_add):
-                    mma.add_into(acc, j * n, dst)
-                else:
-                    for i in cutlass.range_constexpr(n):
-                        acc[j * n + i] = acc[j * n + i] + dst[i]
+                for i in cutlass.range_constexpr(n):
+                    acc[j * n + i] = acc[j * n + i] + dst[i]
 
 
 def _n_tiles(t: cute.Tensor, first: int, count: int) -> cute.Tensor:
@@ -495,10 +488,8 @@ class FlashBwdTf32(BwdPointwise, BwdWalks):
         acc_S.fill(0.0)
         acc_dP.fill(0.0)
         chain, per_visit, chain_dq = self.promote
-        vec = cfg.promote_vector_add
-        tf32_gemm(mma_nm, acc_S, thr_nm.partition_A(sK), thr_nm.partition_B(sQs), passes, chain, 1, vec)
-        dp_passes = 4 if const_expr(cfg.dp_lo_lo) else passes
-        tf32_gemm(mma_nm, acc_dP, thr_nm.partition_A(sV), thr_nm.partition_B(sdOs), dp_passes, chain, 1, vec)
+        tf32_gemm(mma_nm, acc_S, thr_nm.partition_A(sK), thr_nm.partition_B(sQs), passes, chain)
+        tf32_gemm(mma_nm, acc_dP, thr_nm.partition_A(sV), thr_nm.partition_B(sdOs), passes, chain)
 
         # P^T, dS^T (unscaled: dK and dQ take the scale at the end)
         lse, delta = sLSE[None, stage], sDelta[None, stage]
@@ -518,16 +509,16 @@ class FlashBwdTf32(BwdPointwise, BwdWalks):
         rows_p, rows_q, rows_do = tm + PAD, D + PAD, Dv + PAD
         tf32_gemm(mma_nd, acc_dV, thr_nd.partition_A(k_permuted_view(sP.iterator, tn, tm, rows_p)),
                   thr_nd.partition_B(transposed_view(sdOs.iterator, tm, Dv, rows_do)), passes, per_visit,
-                  self.dkv_pieces, vec)
+                  self.dkv_pieces)
         tf32_gemm(mma_nd, acc_dK, thr_nd.partition_A(k_permuted_view(sdS.iterator, tn, tm, rows_p)),
                   thr_nd.partition_B(transposed_view(sQs.iterator, tm, D, rows_q)), passes, per_visit,
-                  self.dkv_pieces, vec)
+                  self.dkv_pieces)
 
         # dQ tile = dS K (K = the keys, permuted alike), added into dq_accum
         acc_dQ = cute.make_rmem_tensor(thr_md.partition_shape_C((tm, D)), Float32)
         acc_dQ.fill(0.0)
         tf32_gemm(mma_md, acc_dQ, thr_md.partition_A(transposed_view(sdS.iterator, tn, tm, rows_p)),
-                  thr_md.partition_B(transposed_view(sK.iterator, tn, D, rows_q)), passes, chain_dq, 1, vec)
+                  thr_md.partition_B(transposed_view(sK.iterator, tn, D, rows_q)), passes, chain_dq)
         gdQ = cute.local_tile(mdQacc[batch, head, None, None], (tm, D), (m_block, 0))
         tdQ = thr_md.partition_C(gdQ)
         # Value pairs (mode 0's first level) are adjacent columns: one 8-byte reduction each.
