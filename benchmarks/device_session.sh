@@ -41,7 +41,8 @@
 # shared packed-bits kernel: forward ms and first calls, bits_mask_tier.py, issue 24), fp32-next (3xTF32 at
 # 144 / 192 / 256: the wide tests on the unserialized pieces, their errors and ms beside an O-sized second
 # accumulator; the rows where D32 / D80's max errors lie; issue 25), fp32-dq (D96 / D64 / D128's dQ: the chains
-# planned beside pieces of 2 and dQ's own in pieces of 2; errors and ms; a device call of its own; issue 25), full-only
+# planned beside pieces of 2 and dQ's own in pieces of 2, and our backward kernels on float64 O / LSE: does D96's
+# dQ error come from the forward?; errors and ms; a device call of its own; issue 25), full-only
 # (block masks without partial tiles: the document GPU tests, the backward's FLEXATTN_BWD_FULL_ONLY=1, their door
 # A/B; session 54, issue 24), full-only-bench (the forward's A/B and bench_bwd's document4 beside flex).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
@@ -177,7 +178,7 @@ for step in $steps; do
                     --ours "") ;;
     fp32-dq) (cd benchmarks && run fp32_dq 420 python3 fp32_error_study.py --backward --seeds 2 \
                     --shapes 1x1025x4x96 1x1025x4x64 1x4096x4x128 --ours "" FLEXATTN_BWD_CHAIN_PROMOTE=2 \
-                    FLEXATTN_BWD_DQ_PROMOTE=2) ;;
+                    FLEXATTN_BWD_DQ_PROMOTE=2 --exact-forward) ;;
     full-only) run full_only_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flex_attention_gpu.py \
                  tests/gpu/test_bwd_gpu.py -k "row_pairs_match or document or listed_as_partial"
                (cd benchmarks && FLEXATTN_BWD_FULL_ONLY=1 run full_only_bwd_tests 120 python3 -m pytest -q \

@@ -16,11 +16,15 @@ forward's time.
 largest reference gradient of each), ours with S^T's and dP^T's head-dim chains summed in
 pieces of k-blocks (``BwdConfig.chain_promote``; ``--ours FLEXATTN_BWD_CHAIN_PROMOTE=0``: one accumulator):
 dS = P (dP - D) cancels in rows that see few keys, where flex's IEEE products keep dP = D.
+``--exact-forward`` adds our backward kernels run on the float64 reference's O and LSE
+(rounded to float32) and on our own forward's (the same kernels through the same call):
+whether a gradient's error comes from the forward's O / LSE (and D = rowsum(dO O) made of
+them) or from the backward's own sums.
 
     python3 benchmarks/fp32_error_study.py [--shapes 1x4096x8x128 1x4096x8x64] [--seeds 3] \
         [--ours "" FLEXATTN_FWD_S_PROMOTE=0 FLEXATTN_FWD_S_PROMOTE=2]
     python3 benchmarks/fp32_error_study.py --backward [--shapes 1x1025x4x128] \
-        [--ours "" FLEXATTN_BWD_CHAIN_PROMOTE=0 FLEXATTN_BWD_DQ_PROMOTE=2]
+        [--ours "" FLEXATTN_BWD_CHAIN_PROMOTE=0 FLEXATTN_BWD_DQ_PROMOTE=2] [--exact-forward]
 """
 
 import argparse
@@ -67,6 +71,31 @@ def grad_errors(q, k, v, do, scale, fn) -> dict:
             for name, g, w in zip(("dq", "dk", "dv"), got, (qd, kd, vd))}
 
 
+def kernel_grad_errors(q, k, v, do, scale, block_mask, exact: bool) -> dict:
+    """``grad_errors`` of our backward kernels alone, given the forward's O and LSE: the
+    float64 reference's rounded to float32 (``exact``), or our forward kernel's."""
+    from flexattn.blockmask.layout import as_block_mask
+    from flexattn.problem.spec import AttentionSpec
+    from flexattn.problem.validate import check_inputs
+    from flexattn.torch.launches import _kernel_backward, _kernel_forward
+
+    q, k, v = (t.detach() for t in (q, k, v))
+    spec = AttentionSpec.from_args(block_mask=as_block_mask(block_mask))
+    shape = check_inputs(q, k, v, spec)
+    if exact:
+        qd, kd, vd = (t.double() for t in (q, k, v))
+        s = (qd @ kd.transpose(-1, -2)) * scale
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device).tril(), float("-inf"))
+        out, lse = (torch.softmax(s, -1) @ vd).float(), torch.logsumexp(s, -1).float()
+    else:
+        out, lse = _kernel_forward(spec, shape, q, k, v)
+    dq, dk, dv, _ = _kernel_backward(spec, shape, q, k, v, out, lse, do, None, (), 0)
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    reference(qd, kd, vd, scale).backward(do.double())
+    return {name: ((g.double() - w.grad).abs().max() / w.grad.abs().max()).item()
+            for name, g, w in zip(("dq", "dk", "dv"), (dq, dk, dv), (qd, kd, vd))}
+
+
 def shape_and_masks(spec: str, fa, create_block_mask):
     """(B, S, H, D, softmax scale, our causal block mask, torch's) for "BxSxHxD"."""
     B, S, H, D = map(int, spec.split("x"))
@@ -110,6 +139,14 @@ def backward_study(args, fa, flex, create_block_mask):
                     errs["ms"] = bench_ms(step)
                 rows.append((spec, name, seed, errs))
                 print(rows[-1], flush=True)
+            if args.exact_forward:
+                with_env("")
+                forget_prepared_calls()
+                for name, exact in (("ours kernels, own O / LSE", False), ("ours kernels, float64 O / LSE", True)):
+                    errs = kernel_grad_errors(q, k, v, do, scale, door_bm, exact)
+                    errs["ms"] = float("nan")
+                    rows.append((spec, name, seed, errs))
+                    print(rows[-1], flush=True)
     with_env("")
 
     def cells(es, flex_es):
@@ -172,6 +209,8 @@ def main():
     ap.add_argument("--ours", nargs="*", default=["", "FLEXATTN_FWD_S_PROMOTE=0"],
                     help="A/B settings of ours, each NAME=value[,NAME=value] ('' = planned)")
     ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--exact-forward", action="store_true",
+                    help="--backward: also our backward kernels on float64 O / LSE and on our own")
     args = ap.parse_args()
     setup_dynamo()
     import flexattn.torch as fa
