@@ -44,7 +44,8 @@
 # planned beside pieces of 2 and dQ's own in pieces of 2, and our backward kernels on float64 O / LSE: does D96's
 # dQ error come from the forward?; errors and ms; a device call of its own; issue 25), full-only
 # (block masks without partial tiles: the document GPU tests, the backward's FLEXATTN_BWD_FULL_ONLY=1, their door
-# A/B; session 54, issue 24), full-only-bench (the forward's A/B and bench_bwd's document4 beside flex).
+# A/B; session 54, issue 24), full-only-bench (the forward's A/B, bench_bwd's document4 beside flex, and the
+# B8 S2048 step's host time with and without the full-only plan).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -187,7 +188,10 @@ for step in $steps; do
                     --variants document4 --shapes 8x2048x16x128 4x4096x16x128 --rounds 5 --backward) ;;
     full-only-bench) (cd benchmarks && run full_only_ab_fwd 90 python3 ab_env.py --env FLEXATTN_FULL_ONLY=0 \
                     --variants document4 --shapes 8x2048x16x128 4x4096x16x128 2x8192x16x128 --rounds 5
-                  run full_only_bench 300 python3 bench_bwd.py --variants document4 --shapes 8x2048x16x128 4x4096x16x128) ;;
+                  run full_only_bench 300 python3 bench_bwd.py --variants document4 --shapes 8x2048x16x128 4x4096x16x128
+                  run full_only_host 60 python3 step_host_parts.py --variants document4 --rounds 5
+                  FLEXATTN_FULL_ONLY=0 run full_only_host_old 60 python3 step_host_parts.py --variants document4 \
+                    --rounds 5) ;;
     *) echo "unknown step $step" ;;
   esac
 done
