@@ -286,6 +286,7 @@ class BlockStructure(NamedTuple):
     band: bool
     mask: object         # the element mask partial tiles evaluate, or None
     block_mask: object   # BlockMask | None: the lists the (backward) kernels read
+    full_only: bool      # block_mask is known to list no partial tile (`full_tiles_only`)
 
 
 def full_tiles_only(block_mask: BlockMask) -> bool:
@@ -319,20 +320,22 @@ def _block_structure(spec: AttentionSpec, shape: AttentionShape) -> BlockStructu
         causal, mask = True, None  # the kernel's own diagonal mask
     elif block_mask is None and not _is_full(mask):
         block_mask = _block_mask_for(mask, shape)
+    full_only = False
     if block_mask is not None:
         mask = None if _is_full(block_mask.mask_mod) else block_mask.mask_mod
-        if mask is not None and full_tiles_only(block_mask):
-            # No partial tile: the mask is never evaluated (full tiles skip it, as in
-            # torch), so the kernel leaves it out (and plan_forward the partial-tile walk).
-            # Not known yet (a GPU-built mask's host copy in flight): planned with the
-            # mask, the same results.
+        # No partial tile: the mask is never evaluated (full tiles skip it, as in torch),
+        # so the kernel leaves it out (and plan_forward the partial-tile walk). Not known
+        # yet (a GPU-built mask's host copy in flight): planned with the mask, the same
+        # results.
+        full_only = full_tiles_only(block_mask)
+        if full_only:
             mask = None
     band = None
     if mask is not None:
         # Every spelling of a band evaluates one IR on partial tiles: one kernel for them all.
         band = canonical_band(mask)
         mask = mask if band is None else band
-    return BlockStructure(causal, band is not None and mask_alone, mask, block_mask)
+    return BlockStructure(causal, band is not None and mask_alone, mask, block_mask, full_only)
 
 
 # Block-sparse rows whose tile counts stay within this factor of the mean run persistent
@@ -484,7 +487,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     reason = kernel_unsupported(q, shape)
     if reason:
         raise ValueError(reason)
-    causal, band, mask, block_mask = _block_structure(spec, shape)
+    causal, band, mask, block_mask, full_only = _block_structure(spec, shape)
     score = spec.score
     dtype = FORWARD_DTYPES[dtype_name(q)]
     fp32 = dtype == "fp32"
@@ -501,12 +504,8 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     tickets = _tickets_pay(shape, band, max_ctas, cluster_m, causal_tickets, tickets_flag)
     rescale_early = _rescale_o_early(shape, tf32_passes)
     ab_fp32 = _fp32_ab_overrides(tf32_passes)
-    # Lists without a partial block (documents on tile boundaries): the full list alone is
-    # walked, one copy of the step fewer. Not known yet (a GPU-built mask's host copy in
-    # flight): both lists, the same results.
-    partial_blocks = block_mask is None or band or not full_tiles_only(block_mask)
     key = (dtype, tf32_passes, ab_fp32, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
-           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, partial_blocks,
+           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, full_only,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     # 3xTF32 keeps float32's accuracy: the mods' tanh / sigmoid exact, not tanh.approx.
@@ -532,7 +531,9 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
         config = FwdConfig(
             dtype=dtype, tf32_passes=tf32_passes, head_dim=shape.head_dim, head_dim_v=shape.v_head_dim,
             tile_m=tile_m, tile_n=tile_n, num_stages=stages, causal=causal, block_sparse=lists, band=band,
-            partial_blocks=partial_blocks or not lists,
+            # lists without a partial block (documents on tile boundaries): the full list
+            # alone, one copy of the step fewer
+            partial_blocks=not (lists and full_only),
             mods=template, max_ctas=max_ctas if persistent else 0, cluster_m=cluster_m, max_scores=max_scores,
             pingpong=tile_m > 64, sparse_block_m=128 if lists else None,   # lists: 128-row q blocks
             # Bands: persistent CTAs take tiles by tickets (_tickets_pay), else in a snake
