@@ -42,12 +42,15 @@ def causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-def reference(q, k, v, scale):
-    qd, kd, vd = (t.double() for t in (q, k, v))
+def causal_scores(q, k, scale):
+    """float64 scaled scores, -inf above the diagonal."""
     S = q.shape[2]
-    s = (qd @ kd.transpose(-1, -2)) * scale
-    s = s.masked_fill(~torch.ones(S, S, dtype=torch.bool, device=q.device).tril(), float("-inf"))
-    return torch.softmax(s, -1) @ vd
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    return s.masked_fill(~torch.ones(S, S, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+
+
+def reference(q, k, v, scale):
+    return torch.softmax(causal_scores(q, k, scale), -1) @ v.double()
 
 
 def errors(out, want) -> dict:
@@ -83,10 +86,8 @@ def kernel_grad_errors(q, k, v, do, scale, block_mask, exact: bool) -> dict:
     spec = AttentionSpec.from_args(block_mask=as_block_mask(block_mask))
     shape = check_inputs(q, k, v, spec)
     if exact:
-        qd, kd, vd = (t.double() for t in (q, k, v))
-        s = (qd @ kd.transpose(-1, -2)) * scale
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device).tril(), float("-inf"))
-        out, lse = (torch.softmax(s, -1) @ vd).float(), torch.logsumexp(s, -1).float()
+        s = causal_scores(q, k, scale)
+        out, lse = (torch.softmax(s, -1) @ v.double()).float(), torch.logsumexp(s, -1).float()
     else:
         out, lse = _kernel_forward(spec, shape, q, k, v)
     dq, dk, dv, _ = _kernel_backward(spec, shape, q, k, v, out, lse, do, None, (), 0)
