@@ -74,7 +74,7 @@ def main():
 
     accumulate_time(fa_attention._PreparedStep, "forward", _PARTS, "forward step (outputs, launch)")
     accumulate_time(fa_attention._PreparedStep, "backward", _PARTS, "backward (ours, all)")
-    accumulate_time(fa, "_backward_arrays", _PARTS, "  operands, dq dk dv")
+    accumulate_time(fa_attention, "_backward_arrays", _PARTS, "  operands, dq dk dv")
     accumulate_time(backward_path.PreparedBackward, "launch", _PARTS, "  workspace, 3 launches")
 
     B, S, H, D = map(int, args.shape.split("x"))

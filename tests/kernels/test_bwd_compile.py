@@ -184,7 +184,7 @@ V_WITH_DO = ["d64-causal-128-vdo", "d64-sparse-document-vdo"]
 # dV's GEMM issued before the dS pass (not planned until measured; FLEXATTN_BWD_DV_EARLY=1 plans it), beside
 # d128-causal (IDLE) and d128-dense (DEFAULT)
 DV_EARLY = ["d128-causal-dvearly", "d128-dense-dvearly"]
-# the full q-block list alone (not planned until measured; FLEXATTN_BWD_FULL_ONLY=1 plans it where the forward does)
+# the full q-block list alone (planned where the forward walks full blocks alone)
 FULL_ONLY = ["d128-sparse-document-persist-fullonly", "d64-sparse-document-fullonly"]
 NAMES = (DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + SWAPPED + TILE128 + PERSISTENT + FINISH + PDL
          + WIDE256 + P_EARLY + IDLE + V_WITH_DO + DV_EARLY + FULL_ONLY)

@@ -341,13 +341,15 @@ def test_a_mask_without_partial_tiles_is_left_out_of_the_kernel(monkeypatch):
     counted._states, counted._states_copy = None, None
     counted._row_counts = (lambda: np.zeros((1, 1, 4), np.int32), lambda: np.ones((1, 1, 4), np.int32))
     assert counted.has_partial_tiles() is False
-    # the backward walks the full list alone only under FLEXATTN_BWD_FULL_ONLY=1 (an A/B);
+    # the backward walks the full list alone too (FLEXATTN_BWD_FULL_ONLY=0: both, an A/B);
     # FLEXATTN_FULL_ONLY=0 plans both lists and the mask again
     from flexattn.kernels.bwd.plan import config_from_forward
     full_only = _plan(block_mask=create_block_mask(on_tiles, 1, 1, 512, 512), Q=512, KV=512).config
-    assert not full_only.partial_blocks and config_from_forward(full_only).partial_blocks
-    monkeypatch.setenv("FLEXATTN_BWD_FULL_ONLY", "1")
-    assert not config_from_forward(full_only).partial_blocks
+    assert not full_only.partial_blocks and not config_from_forward(full_only).partial_blocks
+    assert config_from_forward(_plan(block_mask=listed, Q=512, KV=512).config).partial_blocks
+    monkeypatch.setenv("FLEXATTN_BWD_FULL_ONLY", "0")
+    assert config_from_forward(full_only).partial_blocks
+    monkeypatch.delenv("FLEXATTN_BWD_FULL_ONLY")
     monkeypatch.setenv("FLEXATTN_FULL_ONLY", "0")
     again = _plan(block_mask=create_block_mask(on_tiles, 1, 1, 512, 512), Q=512, KV=512).config
     assert again.partial_blocks and again.mods.has_mask and config_from_forward(again).partial_blocks

@@ -31,8 +31,8 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
     slower); pdl, unless given, off (FLEXATTN_BWD_PDL=1, 16-bit dtypes, for A/B runs;
     measured neutral); v_with_first_do likewise (FLEXATTN_BWD_V_WITH_DO=1); dq_first_store
     likewise (FLEXATTN_DQ_FIRST_STORE=1, or =data for dq_ticket_on_data; not deterministic);
-    dv_before_ds likewise (FLEXATTN_BWD_DV_EARLY=1); partial_blocks, where the forward
-    walks full blocks alone, likewise (FLEXATTN_BWD_FULL_ONLY=1)."""
+    dv_before_ds likewise (FLEXATTN_BWD_DV_EARLY=1); partial_blocks off where the forward
+    walks full blocks alone (FLEXATTN_BWD_FULL_ONLY=0: both walks, for A/B runs)."""
     kw = dict(dtype=fwd_cfg.dtype, head_dim=fwd_cfg.head_dim, head_dim_v=fwd_cfg.head_dim_v,
               causal=fwd_cfg.causal, block_sparse=fwd_cfg.block_sparse, band=fwd_cfg.band, mods=fwd_cfg.mods,
               tf32_passes=getattr(fwd_cfg, "tf32_passes", 1))   # (a 16-bit config stand-in may lack it)
@@ -75,10 +75,10 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
         # document4 read 0.994), "data" 1.00-1.04 in 4 rounds; so only for A/B runs.
         cfg = dataclasses.replace(cfg, dq_first_store=True, dq_ticket_on_data=first_store == "data")
     if ("partial_blocks" not in overrides and not getattr(fwd_cfg, "partial_blocks", True)
-            and cfg.block_sparse and os.environ.get("FLEXATTN_BWD_FULL_ONLY") == "1"):
+            and cfg.block_sparse and os.environ.get("FLEXATTN_BWD_FULL_ONLY") != "0"):
         # Lists known to hold no partial block (the forward's FwdConfig.partial_blocks): the
-        # full q-block list alone, one copy of the step fewer (a faster compile). CPU-compiled
-        # only (session 54), so only for A/B runs until measured.
+        # full q-block list alone, one copy of the step fewer: ~1 s less compile, the step
+        # 0.98-1.005x (H200, session 55). FLEXATTN_BWD_FULL_ONLY=0 keeps both walks, for A/B runs.
         cfg = dataclasses.replace(cfg, partial_blocks=False)
     if ("dv_before_ds" not in overrides and cfg.dtype != "fp32" and cfg.tile_m == 64
             and not cfg.split_head_dim and os.environ.get("FLEXATTN_BWD_DV_EARLY") == "1"):
