@@ -1,18 +1,21 @@
-"""Ours against FA4 in alternating rounds: the same variant, one library then the other,
-N times, so both sample the GPU's clock / power ramp alike.
+"""Two implementations of one variant in alternating rounds (by default our door against
+FA4), so both sample the GPU's clock / power ramp alike.
 
-bench_fwd.py measures each library once, in a fixed order (ours first), and the H100
+bench_fwd.py measures each implementation once, in a fixed order (ours first), and the H100
 drops from 1980 to ~1600 MHz within a second of sustained load (sustained_clocks.py): a
-single measurement's ratio depends on where in that ramp each library fell (bench_fwd's
-full and causal ratios moved by +-3% between runs of the same code). Here every round
-times ours then FA4 (even rounds) or FA4 then ours (odd rounds); the table gives the
-median ms of each and the median of the per-round ratios.
+single measurement's ratio depends on where in that ramp each fell (bench_fwd's full and
+causal ratios moved by +-3% between runs of the same code; its door / built-in column read
+0.97-1.05 on one kernel in session 55). Here every round times A then B (even rounds) or B
+then A (odd rounds); the table gives the median ms of each and the median of the per-round
+ratios A / B in speed.
 
-`--mode fwdbwd`: the training step of bench_bwd.py instead (forward + the gradients of q,
-k, v; TFLOP/s count 3.5x the forward's work).
+`--pair A B`: two of door (torch-style functions through flexattn.torch, bench_fwd's
+headline), builtin (our built-in mods), fa4, flex (torch flex, Triton), flex-fa (its FLASH
+backend). `--mode fwdbwd`: the training step of bench_bwd.py instead (forward + the
+gradients of q, k, v; TFLOP/s count 3.5x the forward's work).
 
     python3 benchmarks/ab_interleaved.py [--shapes 4x4096x16x128] [--variants full causal] [--rounds 10]
-        [--mode fwd|fwdbwd]
+        [--mode fwd|fwdbwd] [--pair door builtin]
 """
 
 import argparse
@@ -23,8 +26,24 @@ import statistics
 import torch
 
 from bench_bwd import BWD_FLOPS, fwd_bwd
-from bench_fwd import Variant, baselines, ours_mask_args, setup_dynamo
+from bench_fwd import Variant, baselines, door_call, ours_mask_args, setup_dynamo
 from common import bench_ms
+
+IMPLS = ("door", "builtin", "fa4", "flex", "flex-fa")
+
+
+def make_call(impl, var, q, k, v, scale, S):
+    """The forward call of ``impl`` (None where it lacks the variant). q, k, v: [B, S, H, D]."""
+    import flexattn.torch as fa
+
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    if impl == "door":
+        return door_call(var, qh, kh, vh, scale, S)[1]
+    if impl == "builtin":
+        _, kw = ours_mask_args(var, S)
+        return lambda: fa.flex_attention(qh, kh, vh, score_mod=var.score, scale=scale, **kw)
+    made = dict(baselines(q, k, v, scale, var, S)).get(impl)
+    return made() if made is not None else None
 
 
 def main():
@@ -33,9 +52,10 @@ def main():
     ap.add_argument("--variants", nargs="*", default=["full", "causal"])
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwd")
+    ap.add_argument("--pair", nargs=2, default=["door", "fa4"], choices=IMPLS, metavar="IMPL")
     args = ap.parse_args()
     setup_dynamo()
-    import flexattn.torch as fa
+    a, b = args.pair
 
     lines = []
     for shape in args.shapes:
@@ -44,35 +64,38 @@ def main():
         train = args.mode == "fwdbwd"
         q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(train)
                    for _ in range(3))
-        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
         scale = 1.0 / math.sqrt(D)
+        grad = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) if train else None
         for name in args.variants:
             var = Variant(name, B, S, H)
-            density, kw = ours_mask_args(var, S)
+            density, _ = ours_mask_args(var, S)
             work = (BWD_FLOPS if train else 1.0) * 4.0 * B * H * S * S * D * density
-            ours = lambda: fa.flex_attention(qh, kh, vh, score_mod=var.score, scale=scale, **kw)  # noqa: E731
-            fa4 = dict(baselines(q, k, v, scale, var, S))["fa4"]()
+            calls = {impl: make_call(impl, var, q, k, v, scale, S) for impl in (a, b)}
+            missing = [impl for impl, call in calls.items() if call is None]
+            if missing:
+                print(f"| B{B} S{S} H{H} D{D} | {name} | {', '.join(missing)} lacks this variant |", flush=True)
+                continue
             if train:
-                grad = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
-                ours = fwd_bwd(ours, (q, k, v), grad.transpose(1, 2).contiguous())
-                fa4 = fwd_bwd(fa4, (q, k, v), grad)
-            ours(), fa4()
+                # FA4 takes and returns [B, S, H, D]; the others [B, H, S, D]
+                calls = {impl: fwd_bwd(call, (q, k, v), grad if impl == "fa4" else grad.transpose(1, 2).contiguous())
+                         for impl, call in calls.items()}
+            for call in calls.values():
+                call()
             torch.cuda.synchronize()
-            times = {"ours": [], "fa4": []}
+            times = {a: [], b: []}
             for r in range(args.rounds):
-                order = ("ours", "fa4") if r % 2 == 0 else ("fa4", "ours")
-                for impl in order:
-                    times[impl].append(bench_ms(ours if impl == "ours" else fa4, warmup_ms=25, rep_ms=200))
-            ratios = [f / o for o, f in zip(times["ours"], times["fa4"])]
-            mo, mf = statistics.median(times["ours"]), statistics.median(times["fa4"])
-            line = (f"| B{B} S{S} H{H} D{D} | {name} | {work / mo / 1e9:.1f} | {work / mf / 1e9:.1f} | "
+                for impl in ((a, b) if r % 2 == 0 else (b, a)):
+                    times[impl].append(bench_ms(calls[impl], warmup_ms=25, rep_ms=200))
+            ratios = [tb / ta for ta, tb in zip(times[a], times[b])]
+            ma, mb = statistics.median(times[a]), statistics.median(times[b])
+            line = (f"| B{B} S{S} H{H} D{D} | {name} | {work / ma / 1e9:.1f} | {work / mb / 1e9:.1f} | "
                     f"{statistics.median(ratios):.3f} | {min(ratios):.3f}–{max(ratios):.3f} |")
             print(line, flush=True)
             lines.append(line)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"\n== ours vs FA4, {args.mode}, {args.rounds} alternating rounds, {torch.cuda.get_device_name()}, "
+    print(f"\n== {a} vs {b}, {args.mode}, {args.rounds} alternating rounds, {torch.cuda.get_device_name()}, "
           f"{stamp} ==")
-    print("| shape | variant | ours TFLOP/s (median) | fa4 TFLOP/s (median) | ours/fa4 (median of rounds) | range |")
+    print(f"| shape | variant | {a} TFLOP/s (median) | {b} TFLOP/s (median) | {a}/{b} (median of rounds) | range |")
     print("|---|---|---|---|---|---|")
     print("\n".join(lines))
 

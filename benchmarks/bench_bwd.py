@@ -28,7 +28,8 @@ import traceback
 import numpy as np
 import torch
 
-from bench_fwd import OPTIONAL_VARIANTS, VARIANTS as FWD_VARIANTS, Variant, beside_the_door, setup_dynamo, table
+from bench_fwd import (OPTIONAL_VARIANTS, VARIANTS as FWD_VARIANTS, Variant, beside_the_door, door_call, setup_dynamo,
+                       table)
 from common import bench_ms, device_name, rel_diff, report
 from results_log import RECORD_HELP, append_rows, tflops_rows
 
@@ -46,8 +47,6 @@ def fwd_bwd(call, inputs, grad):
 
 
 def run_shape(B, S, H, D, variants, rows, deterministic=()):
-    import flexattn.torch as fa
-
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
                for _ in range(3))
@@ -58,13 +57,10 @@ def run_shape(B, S, H, D, variants, rows, deterministic=()):
     for name in variants:
         var = Variant(name, B, S, H)
         inputs = (q, k, v) + tuple(var.trainable)
-        # The user's door (headline): torch-style functions, a block mask built as a torch
-        # user builds it; our built-in mods are the second column (where they exist).
-        door_bm = fa.create_block_mask(var.mask_fn, None, None, S, S, device="cuda") if var.mask_fn else None
-        density = door_bm.density() if door_bm is not None else 1.0
+        # The user's door (headline); our built-in mods are the second column (where they exist).
+        density, door = door_call(var, qh, kh, vh, scale, S)
         work = BWD_FLOPS * 4.0 * B * H * S * S * D * density
-        ours = fwd_bwd(lambda: fa.flex_attention(qh, kh, vh, score_mod=var.score_fn, block_mask=door_bm, scale=scale),
-                       inputs, grad_bhsd)
+        ours = fwd_bwd(door, inputs, grad_bhsd)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         try:

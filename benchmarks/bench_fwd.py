@@ -109,19 +109,14 @@ class Variant:
 
 
 def run_shape(B, S, H, D, variants, rows):
-    import flexattn.torch as fa
-
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     scale = 1.0 / math.sqrt(D)
     for name in variants:
         var = Variant(name, B, S, H)
-        # The user's door: torch-style functions, a block mask built as a torch user builds it.
-        door_bm = fa.create_block_mask(var.mask_fn, None, None, S, S, device="cuda") if var.mask_fn else None
-        density = door_bm.density() if door_bm is not None else 1.0
+        density, ours = door_call(var, qh, kh, vh, scale, S)
         work = 4.0 * B * H * S * S * D * density
-        ours = lambda: fa.flex_attention(qh, kh, vh, score_mod=var.score_fn, block_mask=door_bm, scale=scale)  # noqa: E731
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         ref = ours()
@@ -152,6 +147,17 @@ def run_shape(B, S, H, D, variants, rows):
         rows.append(row)
         print(f"{tag} {name:18s} " + "  ".join(f"{i}={row['tflops'][i]:.1f}" for i in res)
               + f"  first call {first_call:.2f}s  host {host_us:.0f}us  diffs {({i: f'{d:.1e}' for i, d in diff.items()})}", flush=True)
+
+
+def door_call(var, qh, kh, vh, scale, S):
+    """(density, call) of the user's door, the headline column: torch-style functions, a
+    block mask built as a torch user builds it (``create_block_mask(fn, ..., device="cuda")``),
+    ``flexattn.torch.flex_attention`` called with torch's arguments. qh, kh, vh: [B, H, S, D]."""
+    import flexattn.torch as fa
+
+    door_bm = fa.create_block_mask(var.mask_fn, None, None, S, S, device="cuda") if var.mask_fn else None
+    density = door_bm.density() if door_bm is not None else 1.0
+    return density, lambda: fa.flex_attention(qh, kh, vh, score_mod=var.score_fn, block_mask=door_bm, scale=scale)
 
 
 def ours_mask_args(var, S):

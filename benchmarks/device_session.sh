@@ -47,7 +47,8 @@
 # A/B; session 54, issue 24), full-only-bench (the forward's A/B, bench_bwd's document4 beside flex, and the
 # B8 S2048 step's host time with and without the full-only plan), scoreboard (the document / full-only GPU tests
 # with the backward's full-only walk planned, then bench_fwd / bench_bwd's every variant at B4 S4096, recorded;
-# session 55), scoreboard-shapes (full, causal, window1024, document4 at B8 S2048 and B2 S8192, recorded).
+# session 55), scoreboard-shapes (full, causal, window1024, document4 at B8 S2048 and B2 S8192, recorded),
+# door-builtin (the door against our built-in spelling in alternating rounds, fwd and fwd+bwd: issue 24's 2%).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -203,6 +204,8 @@ for step in $steps; do
                  --shapes 8x2048x16x128 2x8192x16x128 --variants full causal window1024 document4 \
                  $([ $m = bwd ] && echo --deterministic); done
                 cp benchmarks/results/*.jsonl "$out/" ;;
+    door-builtin) for m in fwd fwdbwd; do run door_builtin_$m 270 python3 benchmarks/ab_interleaved.py --pair door builtin \
+                    --mode $m --variants full causal window1024 document4 --rounds 6; done ;;
     *) echo "unknown step $step" ;;
   esac
 done
