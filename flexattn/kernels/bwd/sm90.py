@@ -143,8 +143,8 @@ class BwdConfig(KernelConfig):
     causal: bool = False          # block structure: skip q blocks above the diagonal
     block_sparse: bool = False    # block structure from the BlockMask's q-side lists
     partial_blocks: bool = True   # block_sparse: the lists may hold partial blocks. False:
-                                  # the full list alone is walked (FwdConfig.partial_blocks;
-                                  # planned only under FLEXATTN_BWD_FULL_ONLY=1, for A/B runs)
+                                  # the full list alone is walked (planned with the forward's
+                                  # FwdConfig.partial_blocks; FLEXATTN_BWD_FULL_ONLY=0: both walks)
     band: bool = False            # block structure of the mask's band of diagonals, by
                                   # arithmetic (as the forward's; not deterministic)
     sparse_block_m: int = 128     # q rows of one BlockMask block (a multiple of tile_m)
