@@ -105,6 +105,46 @@ def test_windows_through_every_door_plan_the_same_kernel(door):
     assert p.block_mask is not None and p.block_mask.BLOCK_SIZE == (128, 128)
 
 
+@pytest.mark.parametrize("door", ["builtin mask=", "builtin block_mask=", "lambda mask=", "lambda block_mask=",
+                                  "torch and_masks block_mask="])
+def test_documents_through_every_door_plan_the_same_kernel(door):
+    """Documents as torch users write them (``doc[q_idx] == doc[kv_idx]`` over a captured
+    tensor, through ``create_block_mask``) and as our built-in: one forward and one backward
+    configuration (bench_fwd's door and built-in columns, document4)."""
+    from flexattn.kernels.bwd.plan import config_from_forward
+
+    doc = torch.arange(512) * 4 // 512          # four documents on 128-token tiles
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    kw = {
+        "builtin mask=": dict(mask=mods.document(doc)),
+        "builtin block_mask=": dict(block_mask=create_block_mask(mods.document(doc), None, None, 512, 512)),
+        "lambda mask=": dict(mask=same_doc),
+        "lambda block_mask=": dict(block_mask=create_block_mask(same_doc, None, None, 512, 512)),
+        "torch and_masks block_mask=": dict(block_mask=create_block_mask(and_masks(same_doc, noop_mask),
+                                                                         None, None, 512, 512)),
+    }[door]
+    p = _plan(Q=512, KV=512, **kw)
+    reference = _plan(Q=512, KV=512, mask=mods.document(doc))
+    assert p.config.key() == reference.config.key()
+    assert config_from_forward(p.config).key() == config_from_forward(reference.config).key()
+    assert p.config.block_sparse and not p.config.partial_blocks and not p.config.mods.has_mask
+
+
+def test_alibi_as_torch_users_write_it_plans_the_builtins_kernel():
+    """``score + slopes[h] * (kv_idx - q_idx)`` under a causal function: the built-in ALiBi's
+    configuration (a captured slope tensor read once per row), forward and backward."""
+    from flexattn.kernels.bwd.plan import config_from_forward
+
+    slopes = torch.from_numpy(mods.alibi_slopes(4))
+    door = _plan(mask=_causal_lambda, score=lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (kv_idx - q_idx))
+    builtin = _plan(mask=mods.causal(), score=mods.alibi(slopes))
+    assert door.config.key() == builtin.config.key()
+    assert config_from_forward(door.config).key() == config_from_forward(builtin.config).key()
+
+
 def test_block_masks_not_built_from_their_mask_keep_their_lists():
     """A block mask whose lists were given (from_kv_blocks) may leave out tiles its mask
     allows: it keeps the block-sparse structure even with a causal mask_mod."""
