@@ -1,8 +1,8 @@
 """Run by tests/test_jax_context_parallel.py in a fresh process with N CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=N`` must precede importing jax):
 flexattn.jax.context_parallel under shard_map against one flexattn.jax call, forward and
-gradients (q, k, v, a trainable relative bias), for each mask; prints the largest error of
-each as JSON."""
+gradients (q, k, v, a trainable relative bias), for each mask, under jax.jit (and the causal
+case eagerly too on 2 devices); prints the largest error of each as JSON."""
 
 import json
 import sys
@@ -61,15 +61,19 @@ def main(world: int):
             return sharded_loss(*(jax.reshard(cp.shard(x, layout), on_mesh) for x in (q, k, v, d_out)), bias)
 
         (_, (out, lse)), grads = jax.value_and_grad(whole, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, bias)
-        with jax.set_mesh(mesh):
-            (_, (s_out, s_lse)), s_grads = jax.value_and_grad(sharded, argnums=(0, 1, 2, 3), has_aux=True)(
-                q, k, v, bias)
-        back = np.argsort(layout.order())     # (the outputs are sharded over the mesh: back to one host array)
-        got = [np.take(np.asarray(s_out), back, axis=2), np.take(np.asarray(s_lse), back, axis=2)] + [
-            np.asarray(g) for g in s_grads]
-        want = [out, lse] + list(grads)
-        errors[name] = [float(np.max(np.abs(a - np.asarray(b))) / (np.max(np.abs(np.asarray(b))) + 1e-6))
-                        for a, b in zip(got, want)]
+        step = jax.value_and_grad(sharded, argnums=(0, 1, 2, 3), has_aux=True)
+        # Under jit, as models run it (eager shard_map dispatches the ring op by op: ~20x slower
+        # on CPU); one case also eagerly, on 2 devices.
+        runs = {name: jax.jit(step)} | ({name + "/eager": step} if world == 2 and name == "causal" else {})
+        for run_name, run in runs.items():
+            with jax.set_mesh(mesh):
+                (_, (s_out, s_lse)), s_grads = run(q, k, v, bias)
+            back = np.argsort(layout.order())     # (the outputs are sharded over the mesh: back to one host array)
+            got = [np.take(np.asarray(s_out), back, axis=2), np.take(np.asarray(s_lse), back, axis=2)] + [
+                np.asarray(g) for g in s_grads]
+            want = [out, lse] + list(grads)
+            errors[run_name] = [float(np.max(np.abs(a - np.asarray(b))) / (np.max(np.abs(np.asarray(b))) + 1e-6))
+                                for a, b in zip(got, want)]
     print(json.dumps(errors))
 
 

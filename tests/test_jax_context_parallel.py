@@ -22,7 +22,8 @@ def test_shard_map_ring_matches_one_call(world):
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     errors = json.loads(run.stdout.strip().splitlines()[-1])
-    assert set(errors) == {"causal", "documents", "window", "alibi+causal", "bias+causal"}
+    assert set(errors) == {"causal", "documents", "window", "alibi+causal", "bias+causal"} | (
+        {"causal/eager"} if world == 2 else set())
     for case, errs in errors.items():
         for what, err in zip(("out", "lse", "dq", "dk", "dv", "d_bias"), errs):
             assert err < 2e-5, f"{case} {what}: relative error {err:.3g}"
