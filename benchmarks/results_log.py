@@ -12,6 +12,7 @@ Nothing here imports torch; the converters take the row dicts the scripts alread
 
 import datetime
 import json
+import os
 import pathlib
 import subprocess
 
@@ -22,7 +23,11 @@ RECORD_HELP = "append this run's rows to benchmarks/results/<area>.jsonl (see be
 
 
 def git_commit() -> str:
-    """``git rev-parse --short HEAD`` of the checkout holding this file; 'unknown' without git."""
+    """``git rev-parse --short HEAD`` of the checkout holding this file; 'unknown' without git.
+    ``FLEXATTN_COMMIT`` overrides it: the device machine's copy of the tree may carry an older
+    HEAD than its files (session 55), so a device command can pass the local commit in."""
+    if os.environ.get("FLEXATTN_COMMIT"):
+        return os.environ["FLEXATTN_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=RESULTS_DIR.parent, capture_output=True,
                              text=True, timeout=10)
