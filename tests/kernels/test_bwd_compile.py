@@ -24,6 +24,7 @@ from flexattn.kernels.bwd.sm90 import BwdConfig  # noqa: E402
 from flexattn.kernels.launch.compile import resource_usage_from_ptx  # noqa: E402
 from flexattn.kernels.emit.mod_emit import IRModHook, capture_kinds, fake_args  # noqa: E402
 import ptx_order  # noqa: E402
+from compile_pool import compile_all  # noqa: E402
 
 
 def _config(name):
@@ -190,14 +191,16 @@ NAMES = (DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + SWAPPED + 
          + WIDE256 + P_EARLY + IDLE + V_WITH_DO + DV_EARLY + FULL_ONLY)
 
 
+def _ptx(name):
+    cfg, hook = _config(name)
+    return compile_backward(cfg, fake_args(hook), keep_ptx=True).__ptx__
+
+
 @pytest.fixture(scope="module")
 def compiled():
-    """Compile each config once (3-6 s each) and keep its PTX."""
-    out = {}
-    for name in NAMES:
-        cfg, hook = _config(name)
-        out[name] = (cfg, compile_backward(cfg, fake_args(hook), keep_ptx=True).__ptx__)
-    return out
+    """Compile each config once (3-6 s each, in parallel processes) and keep its PTX."""
+    ptx = compile_all(_ptx, NAMES)
+    return {name: (_config(name)[0], ptx[name]) for name in NAMES}
 
 
 def _steps(ptx: str, cfg: BwdConfig) -> float:

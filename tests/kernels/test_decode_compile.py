@@ -23,6 +23,7 @@ from flexattn.kernels.decode.combine import lane_columns  # noqa: E402
 from flexattn.kernels.decode.sm90 import DecodeConfig  # noqa: E402
 from flexattn.kernels.emit.mod_emit import IRModHook, fake_args  # noqa: E402
 from flexattn.mods.positions import shift_queries  # noqa: E402
+from compile_pool import compile_all  # noqa: E402
 
 OFFSETS = np.zeros(4, np.int32)
 
@@ -104,14 +105,16 @@ CASES = {
 }
 
 
+def _ptx(name):
+    kw, score, mask, ffi, _ = CASES[name]
+    hook = _hook(score, mask)
+    return compile_decode(DecodeConfig(mods=hook, **kw), fake_args(hook), keep_ptx=True, tvm_ffi=ffi).__ptx__
+
+
 @pytest.fixture(scope="module")
 def compiled():
-    out = {}
-    for name, (kw, score, mask, ffi, _) in CASES.items():
-        hook = _hook(score, mask)
-        out[name] = compile_decode(DecodeConfig(mods=hook, **kw), fake_args(hook), keep_ptx=True,
-                                   tvm_ffi=ffi).__ptx__
-    return out
+    """Compile each case once (in parallel processes) and keep its PTX."""
+    return compile_all(_ptx, CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES))

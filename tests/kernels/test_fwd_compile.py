@@ -17,6 +17,7 @@ from flexattn import mods  # noqa: E402
 from flexattn.kernels.emit.mod_emit import IRModHook  # noqa: E402
 from flexattn.mods.structure import canonical_band  # noqa: E402
 import ptx_order  # noqa: E402
+from compile_pool import compile_all  # noqa: E402
 
 
 def _doc_bias_args():
@@ -94,14 +95,15 @@ CASES = {
 }
 
 
+def _ptx(name):
+    cfg, make_args = CASES[name]
+    return compile_forward(cfg, make_args(), keep_ptx=True).__ptx__
+
+
 @pytest.fixture(scope="module")
 def compiled():
-    """Compile each case once (a few seconds each) and keep its PTX."""
-    out = {}
-    for name, (cfg, make_args) in CASES.items():
-        fn = compile_forward(cfg, make_args(), keep_ptx=True)
-        out[name] = fn.__ptx__
-    return out
+    """Compile each case once (a few seconds each, in parallel processes) and keep its PTX."""
+    return compile_all(_ptx, CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES))
