@@ -61,7 +61,6 @@ LAYOUTS = {
                                         p_early=True),
     "idle": dict(idle_masked_keys=True),   # idle warpgroups on visits masking all their keys (128/128)
     "no_idle": dict(idle_masked_keys=False),
-    "dv_early": dict(dv_before_ds=True),   # dV's GEMM under the dS pass (BwdConfig.dv_before_ds)
     "by_head": dict(tile_order="by_head"),
     "longest": dict(tile_order="longest_first"),
 }

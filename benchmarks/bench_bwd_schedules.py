@@ -26,7 +26,6 @@ VARIANTS = {  # BwdConfig overrides on top of the planner's config (config_from_
     "sections2": dict(tile_order="longest_first", l2_section_bytes=5 << 20),
     "sections4": dict(tile_order="longest_first", l2_section_bytes=10 << 20),
     "sections8": dict(tile_order="longest_first", l2_section_bytes=20 << 20),
-    "v_with_do": dict(v_with_first_do=True),
 }
 
 

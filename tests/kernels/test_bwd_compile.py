@@ -132,12 +132,6 @@ def _config(name):
     if name.endswith("-pdl"):                 # programmatic dependent launches (BwdConfig.pdl)
         cfg, hook = _config(name[:-4])
         return dataclasses.replace(cfg, pdl=True), hook
-    if name.endswith("-vdo"):                 # V on the first visit's dO barrier (BwdConfig.v_with_first_do)
-        cfg, hook = _config(name[:-4])
-        return dataclasses.replace(cfg, v_with_first_do=True), hook
-    if name.endswith("-dvearly"):             # dV's GEMM under the dS pass (BwdConfig.dv_before_ds)
-        cfg, hook = _config(name[:-8])
-        return dataclasses.replace(cfg, dv_before_ds=True), hook
     if name.endswith("-finish"):              # dQ stored by the main kernel (BwdConfig.dq_finish)
         cfg, hook = _config(name[:-7])
         return dataclasses.replace(cfg, dq_finish=True), hook
@@ -180,15 +174,10 @@ WIDE256 = ["d256-128-causal-split-q2do1", "d256-causal-split-dvfirst", "d256-cau
 IDLE = ["d128-causal-idle", "d128-band-window-idle", "d128-causal-softcap-idle", "d128-causal"]
 # 192/192's layout (planned since session 38: bwd.plan.SWAP_PLANNED) with and without BwdConfig.p_early
 P_EARLY = ["d192-causal-swap96-dvfirst", "d192-causal-swap96-dvfirst-pearly"]
-# V's load on the first visit's dO barrier (not planned: measured neutral; FLEXATTN_BWD_V_WITH_DO=1 plans it)
-V_WITH_DO = ["d64-causal-128-vdo", "d64-sparse-document-vdo"]
-# dV's GEMM issued before the dS pass (not planned until measured; FLEXATTN_BWD_DV_EARLY=1 plans it), beside
-# d128-causal (IDLE) and d128-dense (DEFAULT)
-DV_EARLY = ["d128-causal-dvearly", "d128-dense-dvearly"]
 # the full q-block list alone (planned where the forward walks full blocks alone)
 FULL_ONLY = ["d128-sparse-document-persist-fullonly", "d64-sparse-document-fullonly"]
 NAMES = (DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + SWAPPED + TILE128 + PERSISTENT + FINISH + PDL
-         + WIDE256 + P_EARLY + IDLE + V_WITH_DO + DV_EARLY + FULL_ONLY)
+         + WIDE256 + P_EARLY + IDLE + FULL_ONLY)
 
 
 def _ptx(name):
@@ -368,31 +357,6 @@ def test_pdl(compiled, name, monkeypatch):
         assert not config_from_forward(dataclasses.replace(fwd, dtype="fp32")).pdl
 
 
-@pytest.mark.parametrize("name", V_WITH_DO)
-def test_v_with_first_do(compiled, name, monkeypatch):
-    """V's bytes counted on the first visit's dO barrier (one expect_tx without an arrive,
-    none otherwise), the same TMA loads and steps; persistent CTAs ignore the field (one
-    kernel key). Planned only under FLEXATTN_BWD_V_WITH_DO=1, never persistent or fp32."""
-    cfg, ptx = compiled[name]
-    plain_cfg, plain = compiled[name[:-4]]
-    assert _steps(ptx, cfg) == _steps(plain, plain_cfg)
-    assert ptx.count("cp.async.bulk.tensor") == plain.count("cp.async.bulk.tensor")
-    assert len(re.findall(r"mbarrier\.expect_tx", ptx)) == 1 and not re.findall(r"mbarrier\.expect_tx", plain)
-    assert (dataclasses.replace(cfg, max_ctas=132).key()
-            == dataclasses.replace(cfg, max_ctas=132, v_with_first_do=False).key())
-    assert cfg.key() != plain_cfg.key()
-    from flexattn.kernels.bwd.plan import config_from_forward
-    from flexattn.kernels.fwd.sm90 import FwdConfig
-
-    fwd = FwdConfig(head_dim=64, causal=True)
-    monkeypatch.delenv("FLEXATTN_BWD_V_WITH_DO", raising=False)
-    assert not config_from_forward(fwd).v_with_first_do
-    monkeypatch.setenv("FLEXATTN_BWD_V_WITH_DO", "1")
-    assert config_from_forward(fwd).v_with_first_do
-    assert not config_from_forward(fwd, max_ctas=132).v_with_first_do
-    assert not config_from_forward(dataclasses.replace(fwd, dtype="fp32")).v_with_first_do
-
-
 @pytest.mark.parametrize("name", FINISH)
 def test_dq_finish(compiled, name):
     """dq_finish: the same steps; the dQ writer counts each visit's landed adds with one
@@ -529,18 +493,15 @@ def test_p_early_stores_p_while_dp_runs(compiled):
         BwdConfig(head_dim=256, tile_n=48, num_stages=2, do_stages=1, ds_buffers=1, dkv_rows=True, p_early=True)
 
 
-@pytest.mark.parametrize("name", DV_EARLY)
-def test_dv_before_ds_issues_dv_under_the_ds_pass(compiled, name):
-    """BwdConfig.dv_before_ds: dV's GEMM (m64n<D>, A = P^T from registers) is issued right
-    after S^T's wait and before dP^T's, which then waits for 1 (dV still in flight); by
-    default it follows dS^T's stmatrix stores, after dP^T's wait for 0."""
+@pytest.mark.parametrize("name", ["d128-causal", "d128-dense"])
+def test_dv_follows_the_ds_stores(compiled, name):
+    """dV's GEMM (m64n<D>, A = P^T from registers) is issued after dP^T's wait for 0 and
+    dS^T's stmatrix stores, before the DS_FULL barrier (FA3 / FA4's order; issuing it under
+    the dS pass instead measured neutral, docs/experiments.md, session 45)."""
     tokens = (ptx_order.WGMMA, ptx_order.COMMIT, ptx_order.WAIT, ptx_order.STMATRIX, ptx_order.BARRIER)
-    late = ptx_order.runs(compiled[name[:-len("-dvearly")]][1], *tokens)
-    early = ptx_order.runs(compiled[name][1], *tokens)
+    runs = ptx_order.runs(compiled[name][1], *tokens)
     steps = 2 if compiled[name][0].causal else 1
-    default, moved = "wait1x1 wait0x1 stmx4 W128x4 Cx1 barx1", "wait1x1 W128x4 Cx1 wait1x1 stmx4 barx1"
-    assert late.count(default) == steps and moved not in late, late
-    assert early.count(moved) == steps and default not in early, early
+    assert runs.count("wait1x1 wait0x1 stmx4 W128x4 Cx1 barx1") == steps, runs
 
 
 def test_head_dim_256_candidates_are_validated():

@@ -29,9 +29,8 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
     (FLEXATTN_BWD_IDLE_KEYS=0: off, for A/B runs); dq_finish, unless given, off
     (FLEXATTN_DQ_FINISH=1: wherever it applies, `finish_allowed`, for A/B runs; measured
     slower); pdl, unless given, off (FLEXATTN_BWD_PDL=1, 16-bit dtypes, for A/B runs;
-    measured neutral); v_with_first_do likewise (FLEXATTN_BWD_V_WITH_DO=1); dq_first_store
-    likewise (FLEXATTN_DQ_FIRST_STORE=1, or =data for dq_ticket_on_data; not deterministic);
-    dv_before_ds likewise (FLEXATTN_BWD_DV_EARLY=1); partial_blocks off where the forward
+    measured neutral); dq_first_store likewise (FLEXATTN_DQ_FIRST_STORE=1, or =data for
+    dq_ticket_on_data; not deterministic); partial_blocks off where the forward
     walks full blocks alone (FLEXATTN_BWD_FULL_ONLY=0: both walks, for A/B runs)."""
     kw = dict(dtype=fwd_cfg.dtype, head_dim=fwd_cfg.head_dim, head_dim_v=fwd_cfg.head_dim_v,
               causal=fwd_cfg.causal, block_sparse=fwd_cfg.block_sparse, band=fwd_cfg.band, mods=fwd_cfg.mods,
@@ -59,11 +58,6 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
         # window1024 / causal fwd+bwd kernels 1-2% faster at D128 and D96 (H200, session 39,
         # docs/experiments.md). FLEXATTN_BWD_IDLE_KEYS=0 leaves it off, for A/B runs.
         cfg = dataclasses.replace(cfg, idle_masked_keys=True)
-    if ("v_with_first_do" not in overrides and cfg.dtype != "fp32" and not cfg.max_ctas
-            and os.environ.get("FLEXATTN_BWD_V_WITH_DO") == "1"):
-        # V loaded on the first visit's dO barrier (BwdConfig.v_with_first_do): measured
-        # neutral (H200, fwd+bwd 0.996-1.006x, session 40), so only for A/B runs.
-        cfg = dataclasses.replace(cfg, v_with_first_do=True)
     first_store = os.environ.get("FLEXATTN_DQ_FIRST_STORE")
     if ("dq_first_store" not in overrides and cfg.dtype != "fp32" and not (cfg.deterministic or cfg.dq_finish)
             and first_store in ("1", "data")):
@@ -80,12 +74,6 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
         # full q-block list alone, one copy of the step fewer: ~1 s less compile, the step
         # 0.98-1.005x (H200, session 55). FLEXATTN_BWD_FULL_ONLY=0 keeps both walks, for A/B runs.
         cfg = dataclasses.replace(cfg, partial_blocks=False)
-    if ("dv_before_ds" not in overrides and cfg.dtype != "fp32" and cfg.tile_m == 64
-            and not cfg.split_head_dim and os.environ.get("FLEXATTN_BWD_DV_EARLY") == "1"):
-        # dV's GEMM issued before the dS pass (BwdConfig.dv_before_ds): measured neutral
-        # (H200, 2026-11-29), so only for A/B runs; 64-row visits only (at 128 rows, D64,
-        # P^T's early conversion spills 48 B and the kernel reads 1.1x slower).
-        cfg = dataclasses.replace(cfg, dv_before_ds=True)
     if cfg.tf32_passes == 3:
         for field, variable, value in _FP32_AB:
             text = os.environ.get(variable)

@@ -247,13 +247,6 @@ class BwdConfig(KernelConfig):
     # layout, causal or band walks, without per-diagonal buffer-gradient sums. Planned there
     # (bwd/plan.py): fwd+bwd kernels 0.5-2% faster on window1024 / causal (H200, 2026-11-29).
     idle_masked_keys: bool = False
-    # v_with_first_do: one CTA per kv tile (not persistent): V's bytes ride on the first
-    # visit's dO barrier (issued after K and that visit's Q), so the first S^T GEMM waits for
-    # K + Q only and V lands under it, as FA4 loads them; off: K and V share one barrier the
-    # consumers wait on before the first visit. Measured neutral (H200, fwd+bwd at the door
-    # 0.996-1.006x: D64 causal / full, D128 document4 / window1024 / causal, 2026-11-29),
-    # so not planned: FLEXATTN_BWD_V_WITH_DO=1 plans it (bwd/plan.py).
-    v_with_first_do: bool = False
     # dq_first_store: the first visit to land on a dQ tile stores it (a bulk copy) instead of
     # adding into zeros, so the preprocess zeroes only the rows no CTA visits (LSE -inf)
     # and the tiles' tickets, not the whole dq_accum (2 x dQ's bytes of DRAM writes), and
@@ -268,17 +261,6 @@ class BwdConfig(KernelConfig):
     # half is staged (after DQ_FULL) instead of at the visit's start, so the first visitor is
     # the one whose data is ready first (fewer waits, one atomic's latency on the path).
     dq_ticket_on_data: bool = False
-    # dv_before_ds: without a score mod, in the layout that keeps P^T in registers (no
-    # split head dim), dV += P^T dO is issued as soon as P^T is converted, before the wait
-    # for dP^T, so the tensor pipe runs it under the dS pass (dS = P (dP - D), its
-    # conversion, its store to shared memory and the DS_FULL barrier), where FA3 / FA4
-    # issue it after dS and the pass runs beside nothing. The wgmma groups then retire S^T,
-    # dP^T, dV, dQ, dK in issue order, so dQ's wait=1 still releases dO after dV. Measured
-    # neutral at 64-row visits (H200, 2026-11-29: door fwd+bwd 1.001-1.012x of the default
-    # over document4 / causal / window1024 / full at B8 S2048 and B4 S4096; kernels alone
-    # within noise) and slower at D64's 128-row visits (P^T's early conversion spills, 48 B),
-    # so not planned: FLEXATTN_BWD_DV_EARLY=1 plans it where visits are 64 rows (bwd/plan.py).
-    dv_before_ds: bool = False
     # l2_section_bytes: the longest-first order's L2 budget (0: hopper.tile_scheduler's
     # L2_BYTES_FOR_KV): a section holds the most (kv head, batch) pairs, a power of two,
     # whose Q, dO, LSE, D and dq_accum rows fit in it.
@@ -531,7 +513,6 @@ class BwdConfig(KernelConfig):
         values = dict(zip((f.name for f in dataclasses.fields(self) if f.name != "mods"), super().key_values()))
         values["tile_order"] = self.order
         values["dq_turn_pass"] = self.turn_pass if self.deterministic else None
-        values["v_with_first_do"] = self.v_with_first_do and not self.max_ctas   # (persistent: ignored)
         values["l2_section_bytes"] = self.l2_section_bytes if self.order == "longest_first" else 0
         return tuple(values.values())
 
@@ -1023,8 +1004,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
 
         storage = self.allocate(SharedStorage)
         n = self.num_mma_threads
-        pipe_kv = tma_ring(storage.mbar_kv.data_ptr(), 1, n,
-                           self.bytes_kd + (0 if self.v_with_first_do else self.bytes_kv))
+        pipe_kv = tma_ring(storage.mbar_kv.data_ptr(), 1, n, self.bytes_kd + self.bytes_kv)
         pipe_q = tma_ring(storage.mbar_q.data_ptr(), cfg.num_stages, n,
                           self.bytes_qd + self.bytes_stat, cfg.cluster_n)
         pipe_do = tma_ring(storage.mbar_do.data_ptr(), cfg.do_ring, n,
@@ -1185,17 +1165,10 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
             pipe_q.producer_tail(state.clone())
             pipe_do.producer_tail(state.clone())
 
-    @property
-    def v_with_first_do(self) -> bool:
-        """V's load on the first visit's dO barrier (BwdConfig.v_with_first_do): one CTA
-        per kv tile only (a persistent CTA's next K / V wait for this tile's epilogue)."""
-        return self.cfg.v_with_first_do and not self.cfg.max_ctas
-
     @cute.jit
     def _load_kv(self, kv_operands, kv_state, n_block, head_kv, batch):
-        """Issue one tile's K and V (one barrier; K alone where V rides on the first
-        visit's dO barrier, `_load_v`), once the consumers have released the previous
-        tile's (persistent: after its dK / dV left through sK / sV)."""
+        """Issue one tile's K and V (one barrier), once the consumers have released the
+        previous tile's (persistent: after its dK / dV left through sK / sV)."""
         cfg = self.cfg
         mK, mV, sK, sV, tma_atom_K, tma_atom_V, pipe_kv = kv_operands
         one = cute.make_layout(1)
@@ -1205,17 +1178,9 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         pipe_kv.producer_acquire(kv_state)
         bar = pipe_kv.producer_get_barrier(kv_state)
         cute.copy(tma_atom_K, tKgK, tKsK[None, 0], tma_bar_ptr=bar)
-        if const_expr(not self.v_with_first_do):
-            self._load_v(kv_operands, bar, n_block, head_kv, batch)
-
-    @cute.jit
-    def _load_v(self, kv_operands, bar, n_block, head_kv, batch):
-        """Issue one tile's V on `bar` (whose expected bytes count it)."""
-        cfg = self.cfg
-        mK, mV, sK, sV, tma_atom_K, tma_atom_V, pipe_kv = kv_operands
         gV = cute.local_tile(mV[None, None, head_kv, batch], (cfg.tile_n, cfg.head_dim_v), (n_block, 0))
         tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+            tma_atom_V, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
         cute.copy(tma_atom_V, tVgV, tVsV[None, 0], tma_bar_ptr=bar)
 
     @cute.jit
@@ -1230,7 +1195,6 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         kv_operands = (mK, mV, sK, sV, tma_atom_K, tma_atom_V, pipe_kv)
         one = cute.make_layout(1)
         kv_due = Int32(1)
-        v_due = Int32(1)                      # (v_with_first_do: until the first visit's dO)
         if const_expr(not cfg.max_ctas):
             self._load_kv(kv_operands, kv_state, n_block, head_kv, batch)
             kv_due = Int32(0)
@@ -1266,14 +1230,6 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                 do_state = lockstep_state(state, cfg.do_ring, producer=True)
                 pipe_do.producer_acquire(do_state)
                 bar = pipe_do.producer_get_barrier(do_state)
-                if const_expr(self.v_with_first_do):
-                    if v_due != 0:
-                        # The slot's phase cannot complete before its dO lands: counting
-                        # V's bytes on it now is in time.
-                        with cute.arch.elect_one():
-                            cute.arch.mbarrier_expect_tx(bar, self.bytes_kv)
-                        self._load_v(kv_operands, bar, n_block, head_kv, batch)
-                        v_due = Int32(0)
                 cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, do_state.index],
                           tma_bar_ptr=bar, **mcast)
                 cute.copy(tma_atom_Delta, tDgD[None, m_block], tDsD[None, do_state.index],
@@ -1572,7 +1528,6 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
         do_state = lockstep_state(state, self.cfg.do_ring, producer=False)   # (state itself unless shallower)
         do_stage = do_state.index
         split = self.cfg.split_head_dim
-        dv_early = self.cfg.dv_before_ds and not split and not mods.has_score
         rP = None
 
         # S^T = K Q^T and dP^T = V dO^T, both in flight at once.
@@ -1619,12 +1574,9 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                     cute.copy(r2s_dS, r2s_dS.retile(rP), tdSsdS[1][None, None, None, 0])
             else:
                 mma.convert_into(tVrP, mma.acc_as_a_view(acc_S))
-                if const_expr(dv_early):             # under the dS pass (BwdConfig.dv_before_ds)
-                    mma.gemm(tiled_mma_nv, acc_dV, tVrP, tVrdOt[None, None, None, do_stage],
-                             zero_init=False, wait=-1)
             if const_expr(self.stats_in_registers):
                 delta = self._column_values(delta, coords)
-            warpgroup.wait_group(1 if dv_early else 0)   # dP^T ready (dv_early: dV may still run)
+            warpgroup.wait_group(0)                  # dP^T ready
             self._ds_from_p(acc_S, acc_dP, delta, coords)
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         mma.convert_into(rdS, acc_dP)
@@ -1634,9 +1586,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
 
         # dS^T -> sdS[stage] (no wait: see sdS_layout), then dV += P^T dO (A from registers).
         cute.copy(r2s_dS, r2s_dS.retile(rdS), tdSsdS[None, None, None, stage])
-        if const_expr(not dv_early):
-            mma.gemm(tiled_mma_nv, acc_dV, tVrP, tVrdOt[None, None, None, do_stage],
-                     zero_init=False, wait=-1)
+        mma.gemm(tiled_mma_nv, acc_dV, tVrP, tVrdOt[None, None, None, do_stage], zero_init=False, wait=-1)
         cute.arch.fence_view_async_shared()          # generic-proxy writes -> wgmma reads
         BwdBarrier.DS_FULL.sync(self.num_mma_threads)
         acc_dQ = self._dq_gemm(tiled_mma_md, acc_shape_md, tQrdS, tQrKt, stage, wait=1)
