@@ -22,6 +22,7 @@ from flexattn.kernels.emit.mod_emit import IRModHook, fake_args  # noqa: E402
 from flexattn.kernels.hopper.mma import SMEM_CAPACITY  # noqa: E402
 from flexattn.kernels.launch.compile import (compile_backward, compile_postprocess, compile_preprocess,  # noqa: E402
                                              resource_usage_from_ptx)
+from compile_pool import compile_all  # noqa: E402
 
 
 def _planned(d, dv=None, passes=3, score=None, mask=None, S=300):
@@ -89,15 +90,39 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("dims,passes,score,mask", CASES, ids=str)
-def test_fp32_backward_kernels_compile(dims, passes, score, mask):
-    d, dv = dims
+# head dims whose N tiles the dK / dV pieces must divide otherwise (224: 7 tiles of 32
+# columns, 176: 11 of 16): test_3xtf32_promotes_every_chain_at_wide_head_dims
+ODD_WIDE = [((224, 224), 3, None, None), ((176, 176), 3, None, None)]
+
+
+def _case_config(case):
+    (d, dv), passes, score, mask = case
     score_mod = {"softcap": mods.softcap(20.0), "alibi": mods.alibi(num_heads=2), None: None}[score]
     mask_mod = {"causal": mods.causal(), "window": mods.sliding_window(100), None: None}[mask]
-    cfg = _planned(d, dv, passes, score_mod, mask_mod)
-    assert (cfg.dtype, cfg.tf32_passes) == ("fp32", passes)
+    return _planned(d, dv, passes, score_mod, mask_mod)
+
+
+def _case_ptx(i):
+    """(PTX, ptxas's resource usage or None) of case i of CASES + ODD_WIDE."""
+    cfg = _case_config((CASES + ODD_WIDE)[i])
     hook = cfg.mods
     ptx = compile_backward(cfg, fake_args(hook) if isinstance(hook, IRModHook) else (), keep_ptx=True).__ptx__
+    return ptx, resource_usage_from_ptx(ptx)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """(PTX, resource usage) of each case of CASES + ODD_WIDE, by index (compiled and
+    assembled in parallel processes, 12-36 s each)."""
+    return compile_all(_case_ptx, range(len(CASES + ODD_WIDE)))
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=lambda i: str(CASES[i]))
+def test_fp32_backward_kernels_compile(compiled, case):
+    (d, dv), passes, score, mask = CASES[case]
+    cfg = _case_config(CASES[case])
+    assert (cfg.dtype, cfg.tf32_passes) == ("fp32", passes)
+    ptx, usage = compiled[case]
     mma = re.findall(r"mma\.sync\.aligned\.(m16n8k8\.row\.col\.f32\.tf32\.tf32\.f32)", ptx)
     # Per visit, per warp: S^T and dP^T (16 keys x tile_m / 2 q), dV and dK, the dQ tile;
     # each k-block once per pass.
@@ -111,7 +136,6 @@ def test_fp32_backward_kernels_compile(dims, passes, score, mask):
     assert "red.global.add.v2.f32" in ptx and "cvt.rna.tf32.f32" in ptx
     if score == "softcap" and passes == 3:
         assert "tanh.approx" not in ptx            # 3xTF32 keeps the mods exact
-    usage = resource_usage_from_ptx(ptx)
     if usage is None:
         pytest.skip("no ptxas on PATH")
     if mask != "causal" and (passes == 1 or max(d, dv) <= 128):
@@ -120,7 +144,7 @@ def test_fp32_backward_kernels_compile(dims, passes, score, mask):
         assert usage.spill_store_bytes <= 64, usage   # (a few bytes: docs/KERNELS.md)
 
 
-def test_3xtf32_promotes_every_chain_at_wide_head_dims():
+def test_3xtf32_promotes_every_chain_at_wide_head_dims(compiled):
     """3xTF32 sums dK / dV per visit in column pieces beyond head dim 128 (a fresh
     accumulator of their whole size spilled 124-884 bytes there, and without one they
     were 4-16x torch flex's error), and S^T / dP^T over the head dim in pieces of 1
@@ -131,13 +155,12 @@ def test_3xtf32_promotes_every_chain_at_wide_head_dims():
                                  (32, 32, 1, 2), (80, 80, 1, 2)]:
         cfg = _planned(d, dv)
         assert (cfg.dkv_pieces, cfg.chain_promote) == (pieces, chain), (d, dv)
-    # head dims whose N tiles the pieces must divide otherwise (224: 7 tiles of 32 columns,
-    # 176: 11 of 16) compile with a few words of spills
-    for d in (224, 176):
-        cfg = _planned(d)
-        usage = resource_usage_from_ptx(compile_backward(cfg, fake_args(cfg.mods), keep_ptx=True).__ptx__)
+    # head dims whose N tiles the pieces must divide otherwise (ODD_WIDE) compile with a few
+    # words of spills
+    for i, case in enumerate(ODD_WIDE, start=len(CASES)):
+        usage = compiled[i][1]
         if usage is not None:
-            assert usage.spill_store_bytes <= 128 and usage.wgmma_serialized is None, (d, usage)
+            assert usage.spill_store_bytes <= 128 and usage.wgmma_serialized is None, (case, usage)
     one = _planned(256, passes=1)
     assert (one.dkv_pieces, one.chain_promote) == (0, 0)
     with pytest.raises(ValueError, match="dkv_pieces"):
