@@ -26,23 +26,19 @@ import statistics
 import torch
 
 from bench_bwd import BWD_FLOPS, fwd_bwd
-from bench_fwd import Variant, baselines, door_call, ours_mask_args, setup_dynamo
+from bench_fwd import Variant, beside_the_door, door_call, ours_mask_args, setup_dynamo
 from common import bench_ms
 
 IMPLS = ("door", "builtin", "fa4", "flex", "flex-fa")
 
 
 def make_call(impl, var, q, k, v, scale, S):
-    """The forward call of ``impl`` (None where it lacks the variant). q, k, v: [B, S, H, D]."""
-    import flexattn.torch as fa
-
-    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    """The forward call of ``impl`` (None where it lacks the variant): bench_fwd's door,
+    or one of its columns beside it. q, k, v: [B, S, H, D]."""
     if impl == "door":
+        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
         return door_call(var, qh, kh, vh, scale, S)[1]
-    if impl == "builtin":
-        _, kw = ours_mask_args(var, S)
-        return lambda: fa.flex_attention(qh, kh, vh, score_mod=var.score, scale=scale, **kw)
-    made = dict(baselines(q, k, v, scale, var, S)).get(impl)
+    made = dict(beside_the_door(q, k, v, scale, var, S)).get("flexattn-builtin" if impl == "builtin" else impl)
     return made() if made is not None else None
 
 

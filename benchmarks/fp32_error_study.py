@@ -67,10 +67,14 @@ def grad_errors(q, k, v, do, scale, fn) -> dict:
     for t in (q, k, v):
         t.grad = None
     fn().backward(do)
-    got = [t.grad.double() for t in (q, k, v)]
+    return reference_grad_errors((q.grad, k.grad, v.grad), q, k, v, do, scale)
+
+
+def reference_grad_errors(got, q, k, v, do, scale) -> dict:
+    """Gradients ``got`` (dQ, dK, dV) against float64's: max error relative to each largest."""
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     reference(qd, kd, vd, scale).backward(do.double())
-    return {name: ((g - w.grad).abs().max() / w.grad.abs().max()).item()
+    return {name: ((g.double() - w.grad).abs().max() / w.grad.abs().max()).item()
             for name, g, w in zip(("dq", "dk", "dv"), got, (qd, kd, vd))}
 
 
@@ -91,10 +95,7 @@ def kernel_grad_errors(q, k, v, do, scale, block_mask, exact: bool) -> dict:
     else:
         out, lse = _kernel_forward(spec, shape, q, k, v)
     dq, dk, dv, _ = _kernel_backward(spec, shape, q, k, v, out, lse, do, None, (), 0)
-    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
-    reference(qd, kd, vd, scale).backward(do.double())
-    return {name: ((g.double() - w.grad).abs().max() / w.grad.abs().max()).item()
-            for name, g, w in zip(("dq", "dk", "dv"), (dq, dk, dv), (qd, kd, vd))}
+    return reference_grad_errors((dq, dk, dv), q, k, v, do, scale)
 
 
 def shape_and_masks(spec: str, fa, create_block_mask):

@@ -65,13 +65,13 @@ def main(world: int):
         # Under jit, as models run it (eager shard_map dispatches the ring op by op: ~20x slower
         # on CPU); one case also eagerly, on 2 devices.
         runs = {name: jax.jit(step)} | ({name + "/eager": step} if world == 2 and name == "causal" else {})
+        back = np.argsort(layout.order())     # (the outputs are sharded over the mesh: back to one host array)
+        want = [out, lse] + list(grads)
         for run_name, run in runs.items():
             with jax.set_mesh(mesh):
                 (_, (s_out, s_lse)), s_grads = run(q, k, v, bias)
-            back = np.argsort(layout.order())     # (the outputs are sharded over the mesh: back to one host array)
             got = [np.take(np.asarray(s_out), back, axis=2), np.take(np.asarray(s_lse), back, axis=2)] + [
                 np.asarray(g) for g in s_grads]
-            want = [out, lse] + list(grads)
             errors[run_name] = [float(np.max(np.abs(a - np.asarray(b))) / (np.max(np.abs(np.asarray(b))) + 1e-6))
                                 for a, b in zip(got, want)]
     print(json.dumps(errors))
