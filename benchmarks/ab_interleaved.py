@@ -12,7 +12,9 @@ ratios A / B in speed.
 `--pair A B`: two of door (torch-style functions through flexattn.torch, bench_fwd's
 headline), builtin (our built-in mods), fa4, flex (torch flex, Triton), flex-fa (its FLASH
 backend). `--mode fwdbwd`: the training step of bench_bwd.py instead (forward + the
-gradients of q, k, v; TFLOP/s count 3.5x the forward's work).
+gradients of q, k, v; TFLOP/s count 3.5x the forward's work). `--pair door door` (one
+implementation twice, two closures) is the control: how far from 1.000 this method reads
+two identical calls.
 
     python3 benchmarks/ab_interleaved.py [--shapes 4x4096x16x128] [--variants full causal] [--rounds 10]
         [--mode fwd|fwdbwd] [--pair door builtin]
@@ -66,24 +68,25 @@ def main():
             var = Variant(name, B, S, H)
             density, _ = ours_mask_args(var, S)
             work = (BWD_FLOPS if train else 1.0) * 4.0 * B * H * S * S * D * density
-            calls = {impl: make_call(impl, var, q, k, v, scale, S) for impl in (a, b)}
-            missing = [impl for impl, call in calls.items() if call is None]
+            # keyed by slot, so that one implementation can face itself (the control)
+            calls = [make_call(impl, var, q, k, v, scale, S) for impl in (a, b)]
+            missing = [impl for impl, call in zip((a, b), calls) if call is None]
             if missing:
                 print(f"| B{B} S{S} H{H} D{D} | {name} | {', '.join(missing)} lacks this variant |", flush=True)
                 continue
             if train:
                 # FA4 takes and returns [B, S, H, D]; the others [B, H, S, D]
-                calls = {impl: fwd_bwd(call, (q, k, v), grad if impl == "fa4" else grad.transpose(1, 2).contiguous())
-                         for impl, call in calls.items()}
-            for call in calls.values():
+                calls = [fwd_bwd(call, (q, k, v), grad if impl == "fa4" else grad.transpose(1, 2).contiguous())
+                         for impl, call in zip((a, b), calls)]
+            for call in calls:
                 call()
             torch.cuda.synchronize()
-            times = {a: [], b: []}
+            times = ([], [])
             for r in range(args.rounds):
-                for impl in ((a, b) if r % 2 == 0 else (b, a)):
-                    times[impl].append(bench_ms(calls[impl], warmup_ms=25, rep_ms=200))
-            ratios = [tb / ta for ta, tb in zip(times[a], times[b])]
-            ma, mb = statistics.median(times[a]), statistics.median(times[b])
+                for slot in ((0, 1) if r % 2 == 0 else (1, 0)):
+                    times[slot].append(bench_ms(calls[slot], warmup_ms=25, rep_ms=200))
+            ratios = [tb / ta for ta, tb in zip(*times)]
+            ma, mb = statistics.median(times[0]), statistics.median(times[1])
             line = (f"| B{B} S{S} H{H} D{D} | {name} | {work / ma / 1e9:.1f} | {work / mb / 1e9:.1f} | "
                     f"{statistics.median(ratios):.3f} | {min(ratios):.3f}–{max(ratios):.3f} |")
             print(line, flush=True)

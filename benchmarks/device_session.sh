@@ -48,7 +48,9 @@
 # B8 S2048 step's host time with and without the full-only plan), scoreboard (the document / full-only GPU tests
 # with the backward's full-only walk planned, then bench_fwd / bench_bwd's every variant at B4 S4096, recorded;
 # session 55), scoreboard-shapes (full, causal, window1024, document4 at B8 S2048 and B2 S8192, recorded),
-# door-builtin (the door against our built-in spelling in alternating rounds, fwd and fwd+bwd: issue 24's 2%).
+# door-builtin (the door against our built-in spelling in alternating rounds, fwd and fwd+bwd: issue 24's 2%),
+# door-builtin-wide (the same at the three scoreboard shapes with softcap and ALiBi, 12 rounds, after the
+# control: the door against itself, which says how far from 1.000 two identical calls read; session 56).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -206,6 +208,13 @@ for step in $steps; do
                 cp benchmarks/results/*.jsonl "$out/" ;;
     door-builtin) for m in fwd fwdbwd; do run door_builtin_$m 270 python3 benchmarks/ab_interleaved.py --pair door builtin \
                     --mode $m --variants full causal window1024 document4 --rounds 6; done ;;
+    door-builtin-wide)
+                  shapes="4x4096x16x128 8x2048x16x128 2x8192x16x128"
+                  run door_door_fwdbwd 150 python3 benchmarks/ab_interleaved.py --pair door door --mode fwdbwd \
+                    --variants full causal document4 --shapes $shapes --rounds 12
+                  for m in fwd fwdbwd; do run door_builtin_wide_$m 200 python3 benchmarks/ab_interleaved.py \
+                    --pair door builtin --mode $m --shapes $shapes --rounds 12 \
+                    --variants full causal window1024 document4 causal+softcap30 causal+alibi; done ;;
     *) echo "unknown step $step" ;;
   esac
 done
