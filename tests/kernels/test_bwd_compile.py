@@ -116,6 +116,20 @@ def _config(name):
     if name == "d64-causal":
         hook = IRModHook(None, mods.causal())
         return BwdConfig(head_dim=64, causal=True, mods=hook), hook
+    # buffer gradients by read pattern (test_buffer_gradients_are_summed_per_diagonal_before_the_atomics)
+    if name == "d128-alibi-slopes":            # read free of q and kv: one reduction per warp
+        hook = IRModHook(mods.alibi(np.ones(4, np.float32)), None)
+        return BwdConfig(head_dim=128, mods=hook), hook
+    if name == "d128-table-2d":                # read by q and kv otherwise: one per element
+        hook = IRModHook(mods.score_mod(lambda s, b, h, q, kv: s + _TABLE_2D[h, q % 9, kv % 9]), None)
+        return BwdConfig(head_dim=128, mods=hook), hook
+    if name in ("d128-causal-alibi", "d128-causal-alibi-fixed"):   # slopes trained / fixed
+        hook = IRModHook(mods.alibi(np.ones(4, np.float32)), None)
+        hook = hook.with_grad_filter(()) if name.endswith("fixed") else hook
+        return BwdConfig(head_dim=128, causal=True, mods=hook), hook
+    if name == "d128-causal-alibi8-fixed":     # the built-in's own slopes (positions once per row)
+        hook = IRModHook(mods.alibi(num_heads=8)).with_grad_filter(())
+        return BwdConfig(head_dim=128, causal=True, mods=hook), hook
     if name.endswith("-128"):
         cfg, hook = _config(name[:-4])
         return dataclasses.replace(cfg, tile_m=128), hook
@@ -132,6 +146,12 @@ def _config(name):
     if name.endswith("-pdl"):                 # programmatic dependent launches (BwdConfig.pdl)
         cfg, hook = _config(name[:-4])
         return dataclasses.replace(cfg, pdl=True), hook
+    if name.endswith("-firststore-data"):     # the ticket drawn once the data is staged
+        cfg, hook = _config(name[:-5])
+        return dataclasses.replace(cfg, dq_ticket_on_data=True), hook
+    if name.endswith("-firststore"):          # each dQ tile's first visit stores (BwdConfig.dq_first_store)
+        cfg, hook = _config(name[:-11])
+        return dataclasses.replace(cfg, dq_first_store=True), hook
     if name.endswith("-finish"):              # dQ stored by the main kernel (BwdConfig.dq_finish)
         cfg, hook = _config(name[:-7])
         return dataclasses.replace(cfg, dq_finish=True), hook
@@ -178,6 +198,12 @@ P_EARLY = ["d192-causal-swap96-dvfirst", "d192-causal-swap96-dvfirst-pearly"]
 FULL_ONLY = ["d128-sparse-document-persist-fullonly", "d64-sparse-document-fullonly"]
 NAMES = (DEFAULT + list(DETERMINISTIC) + TILE80 + VALUE_DIMS + WIDE + SWAPPED + TILE128 + PERSISTENT + FINISH + PDL
          + WIDE256 + P_EARLY + IDLE + FULL_ONLY)
+# compiled with NAMES for the tests that name them, outside the instruction / spill checks
+BUFFER_READS = ["d128-alibi-slopes", "d128-table-2d"]
+ALIBI = ["d128-causal-alibi", "d128-causal-alibi-fixed", "d128-causal-alibi8-fixed"]
+FIRST_STORE = ["d128-causal-firststore", "d128-sparse-document-persist-firststore", "d128-causal-firststore-data"]
+EXTRA = BUFFER_READS + ALIBI + FIRST_STORE
+_TABLE_2D = np.zeros((4, 9, 9), np.float32)
 
 
 def _ptx(name):
@@ -188,8 +214,8 @@ def _ptx(name):
 @pytest.fixture(scope="module")
 def compiled():
     """Compile each config once (3-6 s each, in parallel processes) and keep its PTX."""
-    ptx = compile_all(_ptx, NAMES)
-    return {name: (_config(name)[0], ptx[name]) for name in NAMES}
+    ptx = compile_all(_ptx, NAMES + EXTRA)
+    return {name: (_config(name)[0], ptx[name]) for name in NAMES + EXTRA}
 
 
 def _steps(ptx: str, cfg: BwdConfig) -> float:
@@ -939,26 +965,23 @@ def test_deterministic_runner_on_cpu_tensors():
     assert runner.num_compiled == 3                   # pre, main, post
 
 
-def test_buffer_gradients_are_summed_per_diagonal_before_the_atomics():
+def test_buffer_gradients_are_summed_per_diagonal_before_the_atomics(compiled):
     """Reads indexed by q - kv only (relative bias) are summed per diagonal of a thread's
     fragment, then per diagonal of the warpgroup's tile in shared memory, which one
     global reduction (the flush) sends; reads free of q and kv (per-head slopes) cost one
     per warp (a shuffle tree); a read that depends on q and kv otherwise keeps one per
     element (one ex2 per element)."""
-    tab = np.zeros((4, 9, 9), np.float32)
-    cases = {
-        "relative": (mods.relative_bias(np.zeros((4, 15), np.float32)), (True, False)),
-        "slopes": (mods.alibi(np.ones(4, np.float32)), (True, True)),
-        "2-d table": (mods.score_mod(lambda s, b, h, q, kv: s + tab[h, q % 9, kv % 9]), (False, False)),
-    }
+    cases = {"relative": ("d128-relative-bias", (True, False)), "slopes": ("d128-alibi-slopes", (True, True)),
+             "2-d table": ("d128-table-2d", (False, False))}
     counts = {}
-    for name, (score, flags) in cases.items():
-        hook = IRModHook(score, None)
+    for name, (config, flags) in cases.items():
+        hook = _config(config)[1]
         assert (hook.grad_reads_diagonal, hook.grad_reads_uniform) == flags, name
-        ptx = compile_backward(BwdConfig(head_dim=128, mods=hook), fake_args(hook), keep_ptx=True).__ptx__
+        ptx = compiled[config][1]
         counts[name] = (ptx.count("ex2.approx"), ptx.count("red.global.add.f32"),
                         ptx.count("st.shared.f32"), ptx.count("shfl.sync.bfly"))
-        assert resource_usage_from_ptx(ptx) is None or resource_usage_from_ptx(ptx).spill_store_bytes == 0
+        usage = resource_usage_from_ptx(ptx)
+        assert usage is None or usage.spill_store_bytes == 0
     elements = counts["2-d table"][0]
     assert counts["2-d table"][1] == elements
     # 32 elements per thread and step lie on 18 diagonals (2 rows x 16 columns): 18
@@ -971,7 +994,7 @@ def test_buffer_gradients_are_summed_per_diagonal_before_the_atomics():
     assert counts["2-d table"][2] == 0
 
 
-def test_additive_mods_with_fixed_captures_skip_the_masked_element_guard():
+def test_additive_mods_with_fixed_captures_skip_the_masked_element_guard(compiled):
     """ALiBi with slopes that need no gradient (the door's causal+alibi): ds'/ds is the
     constant 1, so dS' needs no per-element derivative and no `P == 0` select, and the
     KV_LEN test runs only in the CTA whose keys straddle it (two copies of the pointwise
@@ -979,10 +1002,8 @@ def test_additive_mods_with_fixed_captures_skip_the_masked_element_guard():
     alibi = IRModHook(mods.alibi(np.ones(4, np.float32)), None)
     assert alibi.constant_score_grad == 1.0
     assert IRModHook(mods.softcap(30.0), None).constant_score_grad is None
-    ptx = {}
-    for name, hook in (("fixed", alibi.with_grad_filter(())), ("trained", alibi)):
-        ptx[name] = compile_backward(BwdConfig(head_dim=128, causal=True, mods=hook), fake_args(hook),
-                                     keep_ptx=True).__ptx__
+    ptx = {"fixed": compiled["d128-causal-alibi-fixed"][1], "trained": compiled["d128-causal-alibi"][1]}
+    for name in ptx:
         usage = resource_usage_from_ptx(ptx[name])
         assert usage is None or usage.spill_store_bytes == 0, name
     ex2 = {name: p.count("ex2.approx") for name, p in ptx.items()}
@@ -1047,40 +1068,45 @@ def test_pre_and_postprocess_at_other_head_dims(head_dim):
     assert compile_postprocess("bf16", head_dim) is not None
 
 
-def test_alibi_backward_converts_positions_once_per_row():
+def test_alibi_backward_converts_positions_once_per_row(compiled):
     """The backward passes q (its fragment columns) as a base plus offsets, clamped to
     Q_LEN - 1 as the hooks see it: float(kv - q) is one conversion per row and bound, a
     float add and a min / max per element (emit/affine_index.py); 128 conversions per
     tile and thread before (two copies of the pointwise pass)."""
-    hook = IRModHook(mods.alibi(num_heads=8)).with_grad_filter(())
-    ptx = compile_backward(BwdConfig(head_dim=128, causal=True, mods=hook), fake_args(hook),
-                           keep_ptx=True).__ptx__
+    ptx = compiled["d128-causal-alibi8-fixed"][1]
     assert 0 < ptx.count("cvt.rn.f32.s32") <= 32, ptx.count("cvt.rn.f32.s32")
     assert "max.f32" in ptx   # the clamp of q, on the converted value
 
 
 @pytest.mark.parametrize("persistent,on_data", [(False, False), (True, False), (False, True)])
-def test_dq_first_store(persistent, on_data, monkeypatch):
+def test_dq_first_store(compiled, persistent, on_data, monkeypatch):
     """dq_first_store: the dQ writer draws a ticket per visit (a relaxed atomic), stores the
     tile on the first (a bulk copy, beside the bulk adds of the others), publishes it with a
     release and waits for it with acquires; the preprocess then zeroes dq_accum only where
     LSE is -inf (a branch around the zero stores). Planned only under
     FLEXATTN_DQ_FIRST_STORE=1, never deterministic or fp32; the flags workspace comes with it."""
-    from flexattn.kernels.bwd.plan import config_from_forward, workspace_shapes
-    from flexattn.kernels.fwd.sm90 import FwdConfig
+    from flexattn.kernels.bwd.plan import workspace_shapes
 
-    hook = IRModHook(None, mods.document(np.zeros(8, np.int32)))
-    kw = dict(head_dim=128, block_sparse=True, mods=hook, max_ctas=132) if persistent else dict(head_dim=128, causal=True)
-    cfg = BwdConfig(dq_first_store=True, dq_ticket_on_data=on_data, **kw)
-    ptx = compile_backward(cfg, fake_args(hook) if persistent else (), keep_ptx=True).__ptx__
-    plain = compile_backward(BwdConfig(**kw), fake_args(hook) if persistent else (), keep_ptx=True).__ptx__
+    base = "d128-sparse-document-persist" if persistent else "d128-causal"
+    name = base + "-firststore" + ("-data" if on_data else "")
+    cfg, ptx = compiled[name]
+    assert (cfg.dq_first_store, cfg.dq_ticket_on_data) == (True, on_data)
+    plain_cfg, plain = compiled[base]
     store = "cp.async.bulk.global.shared::cta.bulk_group"
     assert ptx.count(store) >= 1 and plain.count(store) == 0
     assert "atom.relaxed.gpu.global.add.s32" in ptx and "red.release.gpu.global.add.s32" in ptx
     assert "ld.acquire.gpu.global.b32" in ptx
     assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") >= 1
     assert "dq_semaphore" in workspace_shapes(cfg, 2, 4, 300) and "dq_semaphore" not in workspace_shapes(
-        BwdConfig(**kw), 2, 4, 300)
+        plain_cfg, 2, 4, 300)
+
+
+def test_dq_first_store_preprocess_and_plan(monkeypatch):
+    """With dq_first_store the preprocess zeroes only the rows no CTA visits; the planner
+    plans it only under FLEXATTN_DQ_FIRST_STORE, never for the deterministic backward."""
+    from flexattn.kernels.bwd.plan import config_from_forward
+    from flexattn.kernels.fwd.sm90 import FwdConfig
+
     pre = compile_preprocess("bf16", 128, dq_first_store=True, keep_ptx=True).__ptx__
     zeroing = compile_preprocess("bf16", 128, keep_ptx=True).__ptx__
     assert pre.count("st.global") < zeroing.count("st.global") + 2   # (the flag word's store)
