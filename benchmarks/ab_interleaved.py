@@ -51,6 +51,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwd")
     ap.add_argument("--pair", nargs=2, default=["door", "fa4"], choices=IMPLS, metavar="IMPL")
+    ap.add_argument("--shared-grad", action="store_true",
+                    help="fwdbwd: one [B, H, S, D] dO copy for both slots (default: one each, made in slot order)")
+    ap.add_argument("--order", choices=("ab", "ba"), default="ab",
+                    help="which slot's call is made (and first run) first")
     args = ap.parse_args()
     setup_dynamo()
     a, b = args.pair
@@ -69,17 +73,24 @@ def main():
             density, _ = ours_mask_args(var, S)
             work = (BWD_FLOPS if train else 1.0) * 4.0 * B * H * S * S * D * density
             # keyed by slot, so that one implementation can face itself (the control)
-            calls = [make_call(impl, var, q, k, v, scale, S) for impl in (a, b)]
+            slots = (0, 1) if args.order == "ab" else (1, 0)
+            calls = [None, None]
+            for slot in slots:
+                calls[slot] = make_call((a, b)[slot], var, q, k, v, scale, S)
             missing = [impl for impl, call in zip((a, b), calls) if call is None]
             if missing:
                 print(f"| B{B} S{S} H{H} D{D} | {name} | {', '.join(missing)} lacks this variant |", flush=True)
                 continue
             if train:
                 # FA4 takes and returns [B, S, H, D]; the others [B, H, S, D]
-                calls = [fwd_bwd(call, (q, k, v), grad if impl == "fa4" else grad.transpose(1, 2).contiguous())
-                         for impl, call in zip((a, b), calls)]
-            for call in calls:
-                call()
+                grad_bhsd = grad.transpose(1, 2).contiguous() if args.shared_grad else None
+                for slot in slots:
+                    impl = (a, b)[slot]
+                    dout = grad if impl == "fa4" else (grad_bhsd if grad_bhsd is not None
+                                                       else grad.transpose(1, 2).contiguous())
+                    calls[slot] = fwd_bwd(calls[slot], (q, k, v), dout)
+            for slot in slots:
+                calls[slot]()
             torch.cuda.synchronize()
             times = ([], [])
             for r in range(args.rounds):
