@@ -50,7 +50,9 @@
 # session 55), scoreboard-shapes (full, causal, window1024, document4 at B8 S2048 and B2 S8192, recorded),
 # door-builtin (the door against our built-in spelling in alternating rounds, fwd and fwd+bwd: issue 24's 2%),
 # door-builtin-wide (the same at the three scoreboard shapes with softcap and ALiBi, 12 rounds, after the
-# control: the door against itself, which says how far from 1.000 two identical calls read; session 56).
+# control: the door against itself, which says how far from 1.000 two identical calls read; session 56),
+# dq-bytes (the backward's kernels one by one, with and without dq_first_store, at the two rows short of 1.5x flex
+# Triton: where the preprocess's saved bytes went; session 56's question for KERNELS.md's "D in the main kernel").
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -215,6 +217,13 @@ for step in $steps; do
                   for m in fwd fwdbwd; do run door_builtin_wide_$m 200 python3 benchmarks/ab_interleaved.py \
                     --pair door builtin --mode $m --shapes $shapes --rounds 12 \
                     --variants full causal window1024 document4 causal+softcap30 causal+alibi; done ;;
+    dq-bytes)   for fs in 0 1; do
+                  run dq_bytes_first_store$fs 150 env FLEXATTN_DQ_FIRST_STORE=$([ $fs = 1 ] && echo 1 || echo "") \
+                    python3 benchmarks/profile_kernels.py --impls flexattn --mode fwdbwd --steps 30 \
+                    --shapes 8x2048x16x128 --variants document4
+                  run dq_bytes_window_first_store$fs 150 env FLEXATTN_DQ_FIRST_STORE=$([ $fs = 1 ] && echo 1 || echo "") \
+                    python3 benchmarks/profile_kernels.py --impls flexattn --mode fwdbwd --steps 30 \
+                    --shapes 2x8192x16x128 --variants window1024; done ;;
     *) echo "unknown step $step" ;;
   esac
 done
