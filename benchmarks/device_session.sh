@@ -51,7 +51,8 @@
 # door-builtin (the door against our built-in spelling in alternating rounds, fwd and fwd+bwd: issue 24's 2%),
 # door-builtin-wide (the same at the three scoreboard shapes with softcap and ALiBi, 12 rounds, after the
 # control: the door against itself, which says how far from 1.000 two identical calls read; session 56),
-# dq-bytes (the backward's kernels one by one, with and without dq_first_store, at the two rows short of 1.5x flex
+# fp32-tail (the float32 rows whose one-seed max exceeded flex's: D32 / D80 forward, D64 / D96 dQ, more seeds,
+# with the 0.9999 quantile's ratio beside the max's; session 56), dq-bytes (the backward's kernels one by one, with and without dq_first_store, at the two rows short of 1.5x flex
 # Triton: where the preprocess's saved bytes went; session 56's question for KERNELS.md's "D in the main kernel").
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
@@ -184,6 +185,10 @@ for step in $steps; do
                     FLEXATTN_FWD_PV_PIECES=1,FLEXATTN_FWD_S_PROMOTE=0
                   run fp32_short_dims 150 python3 fp32_error_study.py --seeds 3 --shapes 1x4096x8x32 1x4096x8x80 \
                     --ours "") ;;
+    fp32-tail) (cd benchmarks && run fp32_tail_fwd 200 python3 fp32_error_study.py --seeds 5 \
+                    --shapes 1x4096x8x32 1x4096x8x80 --ours ""
+                  run fp32_tail_bwd 300 python3 fp32_error_study.py --backward --seeds 4 \
+                    --shapes 1x1025x4x96 1x1025x4x64 --ours "") ;;
     fp32-dq) (cd benchmarks && run fp32_dq 420 python3 fp32_error_study.py --backward --seeds 2 \
                     --shapes 1x1025x4x96 1x1025x4x64 1x4096x4x128 --ours "" FLEXATTN_BWD_CHAIN_PROMOTE=2 \
                     FLEXATTN_BWD_DQ_PROMOTE=2 --exact-forward) ;;
