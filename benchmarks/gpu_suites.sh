@@ -14,7 +14,7 @@ shift $(( $# > 0 ? 1 : 0 ))
 # 43-45), which spreads the groups over several GPUs (below).
 all_groups=(
   "fwd:200:tests/gpu/test_fwd_gpu.py tests/gpu/test_mod_emit_gpu.py"
-  "public:310:tests/gpu/test_flex_attention_gpu.py tests/gpu/test_dlpack_gpu.py"
+  "public:330:tests/gpu/test_flex_attention_gpu.py tests/gpu/test_dlpack_gpu.py"
   "bwd:300:tests/gpu/test_bwd_gpu.py -k '(test_fixed or test_random or from_dlpack) and not deterministic'"
   "bwdwide:420:tests/gpu/test_bwd_gpu.py -k 'not (deterministic or test_fixed or test_random or from_dlpack)'"
   "bwddet:100:tests/gpu/test_bwd_gpu.py -k deterministic"
