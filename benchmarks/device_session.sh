@@ -222,13 +222,10 @@ for step in $steps; do
                   for m in fwd fwdbwd; do run door_builtin_wide_$m 200 python3 benchmarks/ab_interleaved.py \
                     --pair door builtin --mode $m --shapes $shapes --rounds 12 \
                     --variants full causal window1024 document4 causal+softcap30 causal+alibi; done ;;
-    dq-bytes)   for fs in 0 1; do
-                  run dq_bytes_first_store$fs 150 env FLEXATTN_DQ_FIRST_STORE=$([ $fs = 1 ] && echo 1 || echo "") \
+    dq-bytes)   for fs in "" 1; do for row in 8x2048x16x128:document4 2x8192x16x128:window1024; do
+                  run dq_bytes_${row#*:}_first_store${fs:-0} 150 env FLEXATTN_DQ_FIRST_STORE=$fs \
                     python3 benchmarks/profile_kernels.py --impls flexattn --mode fwdbwd --steps 30 \
-                    --shapes 8x2048x16x128 --variants document4
-                  run dq_bytes_window_first_store$fs 150 env FLEXATTN_DQ_FIRST_STORE=$([ $fs = 1 ] && echo 1 || echo "") \
-                    python3 benchmarks/profile_kernels.py --impls flexattn --mode fwdbwd --steps 30 \
-                    --shapes 2x8192x16x128 --variants window1024; done ;;
+                    --shapes ${row%:*} --variants ${row#*:}; done; done ;;
     *) echo "unknown step $step" ;;
   esac
 done

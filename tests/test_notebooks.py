@@ -2,12 +2,13 @@
 outputs, is small, and uses only the public API (so it runs unchanged on a GPU)."""
 
 import json
-import os
 import pathlib
 import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
+from compile_pool import workers
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -47,9 +48,9 @@ def _execute_or_error(path):
 @pytest.fixture(scope="module")
 def executed():
     """Every notebook executed once, side by side: each runs in its own kernel process, so
-    threads here only wait on them (CI's two cores: ~65 s one after another, ~37 s)."""
-    workers = max(1, min(len(os.sched_getaffinity(0)), 4))
-    with ThreadPoolExecutor(workers) as pool:
+    threads here only wait on them (CI's two cores: ~65 s one after another, ~37 s). As
+    many at once as the compile pool runs (FLEXATTN_TEST_COMPILE_WORKERS=1: one by one)."""
+    with ThreadPoolExecutor(workers()) as pool:
         return dict(zip(NOTEBOOKS, pool.map(_execute_or_error, NOTEBOOKS)))
 
 
