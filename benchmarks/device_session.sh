@@ -53,7 +53,10 @@
 # control: the door against itself, which says how far from 1.000 two identical calls read; session 56),
 # fp32-tail (the float32 rows whose one-seed max exceeded flex's: D32 / D80 forward, D64 / D96 dQ, more seeds,
 # with the 0.9999 quantile's ratio beside the max's; session 56), dq-bytes (the backward's kernels one by one, with and without dq_first_store, at the two rows short of 1.5x flex
-# Triton: where the preprocess's saved bytes went; session 56's question for KERNELS.md's "D in the main kernel").
+# Triton: where the preprocess's saved bytes went; session 56's question for KERNELS.md's "D in the main kernel"),
+# first-store (dq_first_store with the acquiring ticket that skips the spin: the 16-bit backward tests with it planned,
+# the kernels one by one with and without it at document4 B8 S2048 / B4 S4096 and window1024 B2 S8192, then the
+# door's fwd+bwd A/B at document4's three shapes; session 57).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -69,6 +72,10 @@ run() {  # run NAME SECONDS CMD...: log to $out/NAME.log, print its tail
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   echo "rc=$?"
   grep -E "passed|failed|error|^\|" "$out/$name.log" | tail -25
+}
+
+save_records() {  # the device tool returns at most 8 files: the records travel as one archive
+  tar czf "$out/records.tgz" -C benchmarks/results $(cd benchmarks/results && ls *.jsonl)
 }
 
 for step in $steps; do
@@ -208,11 +215,11 @@ for step in $steps; do
                  tests/gpu/test_bwd_gpu.py -k "row_pairs_match or document or listed_as_partial"
                 run scoreboard_fwd 180 python3 benchmarks/bench_fwd.py --record
                 run scoreboard_bwd 230 python3 benchmarks/bench_bwd.py --deterministic --record
-                cp benchmarks/results/*.jsonl "$out/" ;;
+                save_records ;;
     scoreboard-shapes) for m in fwd bwd; do run scoreboard_shapes_$m 260 python3 benchmarks/bench_$m.py --record \
                  --shapes 8x2048x16x128 2x8192x16x128 --variants full causal window1024 document4 \
                  $([ $m = bwd ] && echo --deterministic); done
-                cp benchmarks/results/*.jsonl "$out/" ;;
+                save_records ;;
     door-builtin) for m in fwd fwdbwd; do run door_builtin_$m 270 python3 benchmarks/ab_interleaved.py --pair door builtin \
                     --mode $m --variants full causal window1024 document4 --rounds 6; done ;;
     door-builtin-wide)
@@ -226,6 +233,14 @@ for step in $steps; do
                   run dq_bytes_${row#*:}_first_store${fs:-0} 150 env FLEXATTN_DQ_FIRST_STORE=$fs \
                     python3 benchmarks/profile_kernels.py --impls flexattn --mode fwdbwd --steps 30 \
                     --shapes ${row%:*} --variants ${row#*:}; done; done ;;
+    first-store) run first_store_tests 280 env FLEXATTN_DQ_FIRST_STORE=1 python3 -m pytest -q -x -p no:cacheprovider \
+                   tests/gpu/test_bwd_gpu.py -k "(test_fixed or test_random or test_persistent) and not deterministic"
+                 for fs in "" 1; do for row in 8x2048x16x128:document4 4x4096x16x128:document4 2x8192x16x128:window1024; do
+                   run fs_${row%%x*}_${row#*:}_${fs:-0} 60 env FLEXATTN_DQ_FIRST_STORE=$fs python3 benchmarks/profile_kernels.py \
+                     --impls flexattn --mode fwdbwd --steps 30 --shapes ${row%:*} --variants ${row#*:}
+                   grep -E "wall|µs  x1" "$out/fs_${row%%x*}_${row#*:}_${fs:-0}.log"; done; done
+                 run first_store_ab 200 python3 benchmarks/ab_env.py --backward --env FLEXATTN_DQ_FIRST_STORE=1 --rounds 11 \
+                   --shapes 8x2048x16x128 4x4096x16x128 2x8192x16x128 --variants document4 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -1080,9 +1080,10 @@ def test_alibi_backward_converts_positions_once_per_row(compiled):
 
 @pytest.mark.parametrize("persistent,on_data", [(False, False), (True, False), (False, True)])
 def test_dq_first_store(compiled, persistent, on_data, monkeypatch):
-    """dq_first_store: the dQ writer draws a ticket per visit (a relaxed atomic), stores the
-    tile on the first (a bulk copy, beside the bulk adds of the others), publishes it with a
-    release and waits for it with acquires; the preprocess then zeroes dq_accum only where
+    """dq_first_store: the dQ writer draws a ticket per visit (an acquiring atomic: a ticket
+    that saw the first store published skips the spin), stores the tile on the first (a bulk
+    copy, beside the bulk adds of the others), publishes it with a release and otherwise
+    waits for it with acquiring reads; the preprocess then zeroes dq_accum only where
     LSE is -inf (a branch around the zero stores). Planned only under
     FLEXATTN_DQ_FIRST_STORE=1, never deterministic or fp32; the flags workspace comes with it."""
     from flexattn.kernels.bwd.plan import workspace_shapes
@@ -1094,7 +1095,8 @@ def test_dq_first_store(compiled, persistent, on_data, monkeypatch):
     plain_cfg, plain = compiled[base]
     store = "cp.async.bulk.global.shared::cta.bulk_group"
     assert ptx.count(store) >= 1 and plain.count(store) == 0
-    assert "atom.relaxed.gpu.global.add.s32" in ptx and "red.release.gpu.global.add.s32" in ptx
+    assert "atom.acquire.gpu.global.add.s32" in ptx and "red.release.gpu.global.add.s32" in ptx
+    assert "atom.relaxed" not in ptx
     assert "ld.acquire.gpu.global.b32" in ptx
     assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") >= 1
     assert "dq_semaphore" in workspace_shapes(cfg, 2, 4, 300) and "dq_semaphore" not in workspace_shapes(

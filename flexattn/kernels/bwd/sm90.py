@@ -84,7 +84,7 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from flexattn.kernels.hopper import mma
-from flexattn.kernels.hopper.atomics import (atom_add_relaxed_s32, atom_add_release_s32, bulk_add_f32, bulk_load,
+from flexattn.kernels.hopper.atomics import (atom_add_acquire_s32, atom_add_release_s32, bulk_add_f32, bulk_load,
                                              bulk_store, ld_acquire_s32, red_release_add_s32, trap)
 from flexattn.kernels.blockmask.visit import _kernel_ops, band_bounds, band_of
 from flexattn.kernels.bwd.pointwise import BwdPointwise, _diagonal_flushes, _element_order
@@ -1768,18 +1768,18 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                 if const_expr(cfg.dq_finish):
                     # The previous visit's adds, counted before this visit's are issued.
                     count = self._count_landed(sems, held, batch, seqlen_k, block_sparse, lane)
-                first = flag = None
+                ticket = flag = None
                 if const_expr(cfg.dq_first_store):
                     # The previous visit's store published (issued a visit ago: landed by
                     # now), then this visit's ticket (or once its data is staged).
                     held = self._publish_stored(sems, held, lane)
                     flag = sems[head, None].iterator + m_block
                     if const_expr(not cfg.dq_ticket_on_data):
-                        first = self._draw_ticket(flag, lane)
+                        ticket = self._draw_ticket(flag, lane)
                 for w in cutlass.range_constexpr(n_wg):
                     BwdBarrier.DQ_FULL.sync(self.dq_pair_threads, w)
                     if const_expr(cfg.dq_ticket_on_data and w == 0):
-                        first = self._draw_ticket(flag, lane)
+                        ticket = self._draw_ticket(flag, lane)
                     if const_expr(cfg.deterministic and w == 0 and cfg.turn_pass == "next_visit"):
                         if held >= 0:
                             self._dq_pass_turn(sems.iterator + held, lane)
@@ -1787,12 +1787,15 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                         self._dq_wait_turn(sems[head, None].iterator + m_block,
                                            visitors.after(m_block, n_block), lane)
                     if const_expr(cfg.dq_first_store):
-                        if first:
+                        if ticket == 0:
                             if lane == 0:
                                 bulk_store(dst + w * chunk, sdQ[None, w].iterator, chunk * 4)
                         else:
                             if const_expr(w == 0):
-                                self._wait_stored(flag, lane)
+                                # The ticket saw the first store published (acquired):
+                                # no spin, no second round trip.
+                                if ticket & DQ_STORED == 0:
+                                    self._wait_stored(flag, lane)
                             if lane == 0:
                                 bulk_add_f32(dst + w * chunk, sdQ[None, w].iterator, chunk * 4)
                     elif lane == 0:
@@ -1800,7 +1803,7 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
                     cute.arch.cp_async_bulk_commit_group()
                 if const_expr(cfg.dq_first_store):
                     held = Int32(-1)
-                    if first:
+                    if ticket == 0:
                         held = Int32(cute.crd2idx((head, m_block), sems.layout))
                 if const_expr(cfg.deterministic and cfg.turn_pass == "after_adds"):
                     self._dq_pass_turn(sems[head, None].iterator + m_block, lane)
@@ -1815,12 +1818,13 @@ class FlashBwdSm90(BwdPointwise, BwdWalks, WarpSpecialized):
 
     @cute.jit
     def _draw_ticket(self, flag, lane):
-        """dq_first_store: whether this visit is the first of its dQ tile (lane 0 draws the
-        tile's next ticket; relaxed: it must not wait for this warp's copies in flight)."""
+        """dq_first_store: the tile's flag before this visit's ticket, in every lane (lane 0
+        draws it): 0 for the tile's first visit; with DQ_STORED set, the first store has
+        landed and is acquired (a later visit need not spin)."""
         old = Int32(0)
         if lane == 0:
-            old = atom_add_relaxed_s32(flag, 1)
-        return cute.arch.shuffle_sync(old, 0) == 0
+            old = atom_add_acquire_s32(flag, 1)
+        return cute.arch.shuffle_sync(old, 0)
 
     @cute.jit
     def _publish_stored(self, sems, held, lane):

@@ -8,7 +8,8 @@
   by the TMA engine (`cp.reduce.async.bulk`), for the backward's dQ tiles.
 * `bulk_load`: a contiguous run from global into shared memory by the TMA engine,
   completing on an mbarrier (the fused dQ finish reads a q tile back).
-* The fused dQ finish's tile counts: `atom_add_release_s32` (returns the old count).
+* The fused dQ finish's tile counts: `atom_add_release_s32` (returns the old count);
+  `dq_first_store`'s tickets: `atom_add_acquire_s32`.
 * The deterministic mode's dQ turn flags: `ld_acquire_s32` (spin reads) and
   `red_release_add_s32` (hand the turn on), the acquire / release pair of
   `cutlass::GenericBarrier` (wait_eq / arrive_inc).
@@ -131,10 +132,12 @@ def atom_add_release_s32(ptr, value, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def atom_add_relaxed_s32(ptr, value, *, loc=None, ip=None) -> Int32:
-    """old = *ptr; *ptr += value (global int32), relaxed at GPU scope: a ticket (it orders
-    nothing, so it does not wait for this thread's bulk copies in flight)."""
-    return _s32_at("atom.relaxed.gpu.global.add.s32 $0, [$1], $2;", ptr, value, True, loc, ip)
+def atom_add_acquire_s32(ptr, value, *, loc=None, ip=None) -> Int32:
+    """old = *ptr; *ptr += value (global int32), acquire at GPU scope: a ticket that also
+    reads the flag's published bits (what follows it is ordered after the writes released
+    with the value it saw). Acquire orders only what comes after, so it does not wait for
+    this thread's bulk copies in flight (a release would)."""
+    return _s32_at("atom.acquire.gpu.global.add.s32 $0, [$1], $2;", ptr, value, True, loc, ip)
 
 
 @dsl_user_op
