@@ -1105,7 +1105,8 @@ def test_dq_first_store(compiled, persistent, on_data, monkeypatch):
 
 def test_dq_first_store_preprocess_and_plan(monkeypatch):
     """With dq_first_store the preprocess zeroes only the rows no CTA visits; the planner
-    plans it only under FLEXATTN_DQ_FIRST_STORE, never for the deterministic backward."""
+    plans it for the unordered adds unless FLEXATTN_DQ_FIRST_STORE=0, never for the
+    deterministic backward."""
     from flexattn.kernels.bwd.plan import config_from_forward
     from flexattn.kernels.fwd.sm90 import FwdConfig
 
@@ -1115,10 +1116,11 @@ def test_dq_first_store_preprocess_and_plan(monkeypatch):
     with pytest.raises(ValueError, match="dq_first_store"):
         BwdConfig(dq_first_store=True, deterministic=True, head_dim=128, causal=True)
     fwd = FwdConfig(head_dim=128, causal=True)
-    monkeypatch.delenv("FLEXATTN_DQ_FIRST_STORE", raising=False)
+    monkeypatch.setenv("FLEXATTN_DQ_FIRST_STORE", "0")
     assert not config_from_forward(fwd).dq_first_store
-    monkeypatch.setenv("FLEXATTN_DQ_FIRST_STORE", "1")
+    monkeypatch.delenv("FLEXATTN_DQ_FIRST_STORE", raising=False)
     assert config_from_forward(fwd).dq_first_store and not config_from_forward(fwd).dq_ticket_on_data
+    assert not config_from_forward(fwd, dq_finish=True).dq_first_store
     assert not config_from_forward(fwd, deterministic=True).dq_first_store
     monkeypatch.setenv("FLEXATTN_DQ_FIRST_STORE", "data")
     assert config_from_forward(fwd).dq_ticket_on_data
