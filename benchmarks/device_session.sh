@@ -56,7 +56,8 @@
 # Triton: where the preprocess's saved bytes went; session 56's question for KERNELS.md's "D in the main kernel"),
 # first-store (dq_first_store with the acquiring ticket that skips the spin: the 16-bit backward tests with it planned,
 # the kernels one by one with and without it at document4 B8 S2048 / B4 S4096 and window1024 B2 S8192, then the
-# door's fwd+bwd A/B at document4's three shapes; session 57).
+# door's fwd+bwd A/B at document4's three shapes; session 57), first-store-wide (dq_first_store planned: the door's
+# fwd+bwd against FLEXATTN_DQ_FIRST_STORE=0 on six variants at three shapes, then the bwdwide and autograd suites).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -241,6 +242,10 @@ for step in $steps; do
                    grep -E "wall|µs  x1" "$out/fs_${row%%x*}_${row#*:}_${fs:-0}.log"; done; done
                  run first_store_ab 200 python3 benchmarks/ab_env.py --backward --env FLEXATTN_DQ_FIRST_STORE=1 --rounds 11 \
                    --shapes 8x2048x16x128 4x4096x16x128 2x8192x16x128 --variants document4 ;;
+    first-store-wide) run first_store_wide 250 python3 benchmarks/ab_env.py --backward --env FLEXATTN_DQ_FIRST_STORE=0 \
+                        --rounds 9 --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128 \
+                        --variants full causal window1024 document4 causal+softcap30 causal+alibi
+                      bash benchmarks/gpu_suites.sh 320 bwdwide autograd ;;
     *) echo "unknown step $step" ;;
   esac
 done
