@@ -57,7 +57,9 @@
 # first-store (dq_first_store with the acquiring ticket that skips the spin: the 16-bit backward tests with it planned,
 # the kernels one by one with and without it at document4 B8 S2048 / B4 S4096 and window1024 B2 S8192, then the
 # door's fwd+bwd A/B at document4's three shapes; session 57), first-store-wide (dq_first_store planned: the door's
-# fwd+bwd against FLEXATTN_DQ_FIRST_STORE=0 on six variants at three shapes, then the bwdwide and autograd suites).
+# fwd+bwd against FLEXATTN_DQ_FIRST_STORE=0 on six variants at three shapes, then the bwdwide and autograd suites),
+# scoreboard-bwd (bench_bwd's every variant at B4 S4096 and four at B8 S2048 / B2 S8192, recorded, then the
+# scoreboard's document GPU tests: the backward's rows after a backward-only change).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -246,6 +248,12 @@ for step in $steps; do
                         --rounds 9 --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128 \
                         --variants full causal window1024 document4 causal+softcap30 causal+alibi
                       bash benchmarks/gpu_suites.sh 320 bwdwide autograd ;;
+    scoreboard-bwd) run scoreboard_bwd 240 python3 benchmarks/bench_bwd.py --deterministic --record
+                    run scoreboard_shapes_bwd 170 python3 benchmarks/bench_bwd.py --record --deterministic \
+                      --shapes 8x2048x16x128 2x8192x16x128 --variants full causal window1024 document4
+                    save_records
+                    run scoreboard_tests 170 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flex_attention_gpu.py \
+                      tests/gpu/test_bwd_gpu.py -k "row_pairs_match or document or listed_as_partial" ;;
     *) echo "unknown step $step" ;;
   esac
 done
