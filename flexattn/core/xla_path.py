@@ -18,7 +18,8 @@ from .kernel_path import plan_forward
 
 KV_LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
 Q_LISTS = ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
-WORKSPACE = ("lse_log2", "delta", "dq_accum")   # the backward's scratch results, in entry order
+# The backward's scratch results (``XlaPlan.backward_workspace``: the config's, in entry order)
+WORKSPACE = ("lse_log2", "delta", "dq_accum", "dq_semaphore")
 FP32_SCRATCH = ("fp32_v", "fp32_q", "fp32_k")   # the fp32 forward's operands (``XlaPlan.fp32_scratch``)
 
 
@@ -126,10 +127,12 @@ class XlaPlan:
         return backward_config(self.config, False, grad_captures, self.plan.backward_ctas, dq_finish=False)
 
     def backward_workspace(self, cfg) -> list:
-        """[(name, shape, dtype name, divisibility of the last dims)] of the workspace results."""
+        """[(name, shape, dtype name, divisibility of the last dims)] of the workspace results,
+        in entry order: lse_log2, delta (rows padded to q_pad), dq_accum, and dq_first_store's
+        tickets (one per q tile: no divisibility) where the config has them."""
         head_dim, pad = self.shape.head_dim, cfg.q_pad
-        return [(name, s, dtype, (head_dim, pad) if len(s) == 4 else (pad,))
-                for name, s, dtype in backward_workspace(cfg, self.shape)]
+        last = {"dq_accum": (head_dim, pad), "dq_semaphore": (1,)}
+        return [(name, s, dtype, last.get(name, (pad,))) for name, s, dtype in backward_workspace(cfg, self.shape)]
 
     def backward_launch(self, cfg, main: tuple, workspace: tuple, args: tuple, grads: tuple, lists, fills: tuple):
         """``xla_entry.BackwardLaunch``: ``main`` the positions of q, k, v, out, d_out, lse,

@@ -445,7 +445,6 @@ class _KernelBackend:
             allow_cuda_graph=os.environ.get("FLEXATTN_JAX_CUDA_GRAPH", "1") == "1")
         return dict(zip((name for name, _, _ in results), _sequential_vmap(call)(*ops.arrays)))
 
-    _scratch = xla_path.WORKSPACE  # the backward's workspace results, in entry order
     _unpoisoned = xla_path.WORKSPACE + xla_path.FP32_SCRATCH  # scratch: the kernels fill it
 
     def forward(self, q, k, v, score_bufs, mask_bufs):
@@ -518,7 +517,8 @@ class _KernelBackend:
         args = self._hook_args(ops, score_bufs, mask_bufs)
         lists = self._lists(ops, xla_path.Q_LISTS) if cfg.block_sparse else None
         results = [(n, jax.ShapeDtypeStruct(x.shape, x.dtype), _bhsd_spec(x)) for n, x in (("dq", q), ("dk", k), ("dv", v))]
-        for name, s, dtype, last_dims in self.plan.backward_workspace(cfg):
+        workspace = self.plan.backward_workspace(cfg)
+        for name, s, dtype, last_dims in workspace:
             results.append((name, jax.ShapeDtypeStruct(s, jnp.dtype(dtype)), _tensor_spec(len(s), 16, *last_dims)))
         # Buffer gradients are accumulated (fp32 atomics): the launch zero-fills them first.
         by_slot = dict(zip(slots, score_bufs))
@@ -527,7 +527,7 @@ class _KernelBackend:
 
         def launch(pos, fills):
             return self.plan.backward_launch(cfg, tuple(main) + tuple(pos[n] for n in ("dq", "dk", "dv")),
-                                             tuple(pos[n] for n in self._scratch), args,
+                                             tuple(pos[n] for n, _, _, _ in workspace), args,
                                              tuple(pos[n] for n, _ in grads), lists, fills)
 
         r = self._call(xla_path.backward_entry(), launch, ops, results, zeroed={n for n, _ in grads})

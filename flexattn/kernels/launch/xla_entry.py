@@ -131,7 +131,8 @@ def _fp32_operands(config, q, k, v, scratch, stream):
 class BackwardLaunch(_Launch):
     """``config``: a ``BwdConfig`` (not deterministic); ``main``: the positions of q, k, v,
     out, d_out, lse, d_lse (None: absent), dq, dk, dv; ``workspace``: of (lse_log2, delta,
-    dq_accum) (``bwd.plan.workspace_shapes``); ``args``: hook-arg sources; ``grads``:
+    dq_accum and, under dq_first_store, dq_semaphore) (``bwd.plan.workspace_shapes``);
+    ``args``: hook-arg sources; ``grads``:
     positions of the fp32 gradients of ``config.mods.grad_slots`` (zero-filled here before
     the kernels); ``lists``: of the q-side block lists iff ``config.block_sparse``;
     ``fills``: other results filled first (the GPU tests' NaN)."""
@@ -142,6 +143,9 @@ class BackwardLaunch(_Launch):
                  lists: tuple | None, fills: tuple = ()):
         if config.deterministic or config.dq_finish:
             raise ValueError("the XLA entry runs the default (non-deterministic) backward, dQ by the postprocess")
+        if len(workspace) != 3 + config.dq_flags:
+            raise ValueError(f"{len(workspace)} workspace positions for a config with"
+                             f"{'' if config.dq_flags else 'out'} dQ tickets")
         self.config, self.scale, self.main, self.workspace = config, float(scale), main, workspace
         self.args, self.grads, self.lists = args, grads, lists
         self.fills = tuple(fills) + tuple((i, "zero") for i in grads)
@@ -154,13 +158,15 @@ class BackwardLaunch(_Launch):
 
         cfg = self.config
         q, k, v, o, do, lse, dlse, dq, dk, dv = (None if i is None else arrays[i] for i in self.main)
-        lse2, delta, dqacc = (arrays[i] for i in self.workspace)
+        lse2, delta, dqacc = (arrays[i] for i in self.workspace[:3])
+        # dq_first_store's tickets (the preprocess zeroes them), or None
+        dqsem = arrays[self.workspace[3]] if cfg.dq_flags else None
         grads = tuple(arrays[i] for i in self.grads) or None
         lists = None if self.lists is None else tuple(arrays[i] for i in self.lists)
         scale = cutlass.Float32(self.scale)
         _fill(self.fills, arrays, stream)
-        BwdPreprocess(cfg)(o, do, lse, dlse, lse2, delta, dqacc, None, None, None, stream)
-        backward_kernel(cfg)(q, k, v, do, lse2, delta, dqacc, None, None, dk, dv, scale, _mod_args(self.args, arrays),
+        BwdPreprocess(cfg)(o, do, lse, dlse, lse2, delta, dqacc, dqsem, None, None, stream)
+        backward_kernel(cfg)(q, k, v, do, lse2, delta, dqacc, dqsem, None, dk, dv, scale, _mod_args(self.args, arrays),
                              grads, None, lists, stream)
         postprocess_kernel(cfg)(dqacc, dq, scale, None, None, stream)
 
