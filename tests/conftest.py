@@ -1,4 +1,5 @@
-"""Shared test helpers (naive_attention, mod_cases, mod_zoo) importable from subfolders.
+"""Shared test helpers (naive_attention, mod_cases, mod_zoo) importable from subfolders; the
+kernel modules' compiles started ahead (compile_pool.py: the hooks at the end).
 
 CuTeDSL reads its target architecture once, when cutlass is first imported; whichever
 test imports it first must find sm_90a set (as ``flexattn.kernels`` sets it), or kernels
@@ -21,3 +22,29 @@ if not os.environ.get("FLEXATTN_CACHE_DIR"):
     os.environ["FLEXATTN_CACHE_DIR"] = _cache_dir
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import compile_pool  # noqa: E402  (after the path: tests/ holds it)
+
+
+def _module_name(item):
+    module = getattr(item, "module", None)
+    return module.__name__ if module is not None else ""
+
+
+def pytest_collection_modifyitems(session, config, items):
+    # Modules whose kernels compile ahead (compile_pool.prefetch) run after the rest, so
+    # their compiles overlap the single-threaded tests instead of following them.
+    items.sort(key=lambda item: compile_pool.declared(_module_name(item)))
+
+
+def pytest_collection_finish(session):
+    order = []
+    for item in session.items:
+        name = _module_name(item)
+        if "compiled" in getattr(item, "fixturenames", ()) and name not in order:
+            order.append(name)
+    compile_pool.start_prefetch(order)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    compile_pool.stop_prefetch()

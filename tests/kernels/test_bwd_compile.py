@@ -24,7 +24,7 @@ from flexattn.kernels.bwd.sm90 import BwdConfig  # noqa: E402
 from flexattn.kernels.launch.compile import resource_usage_from_ptx  # noqa: E402
 from flexattn.kernels.emit.mod_emit import IRModHook, capture_kinds, fake_args  # noqa: E402
 import ptx_order  # noqa: E402
-from compile_pool import compile_all  # noqa: E402
+from compile_pool import compile_all, prefetch  # noqa: E402
 
 
 def _config(name):
@@ -216,6 +216,9 @@ def compiled():
     """Compile each config once (3-6 s each, in parallel processes) and keep its PTX."""
     ptx = compile_all(_ptx, NAMES + EXTRA)
     return {name: (_config(name)[0], ptx[name]) for name in NAMES + EXTRA}
+
+
+prefetch(_ptx, NAMES + EXTRA)   # the fixture's jobs, started ahead (compile_pool.py)
 
 
 def _steps(ptx: str, cfg: BwdConfig) -> float:

@@ -23,7 +23,7 @@ from flexattn.kernels.decode.combine import lane_columns  # noqa: E402
 from flexattn.kernels.decode.sm90 import DecodeConfig  # noqa: E402
 from flexattn.kernels.emit.mod_emit import IRModHook, fake_args  # noqa: E402
 from flexattn.mods.positions import shift_queries  # noqa: E402
-from compile_pool import compile_all  # noqa: E402
+from compile_pool import compile_all, prefetch  # noqa: E402
 
 OFFSETS = np.zeros(4, np.int32)
 
@@ -115,6 +115,9 @@ def _ptx(name):
 def compiled():
     """Compile each case once (in parallel processes) and keep its PTX."""
     return compile_all(_ptx, CASES)
+
+
+prefetch(_ptx, CASES)   # the fixture's jobs, started ahead (compile_pool.py)
 
 
 @pytest.mark.parametrize("name", list(CASES))

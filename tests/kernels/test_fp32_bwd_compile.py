@@ -22,7 +22,7 @@ from flexattn.kernels.emit.mod_emit import IRModHook, fake_args  # noqa: E402
 from flexattn.kernels.hopper.mma import SMEM_CAPACITY  # noqa: E402
 from flexattn.kernels.launch.compile import (compile_backward, compile_postprocess, compile_preprocess,  # noqa: E402
                                              resource_usage_from_ptx)
-from compile_pool import compile_all  # noqa: E402
+from compile_pool import compile_all, prefetch  # noqa: E402
 
 
 def _planned(d, dv=None, passes=3, score=None, mask=None, S=300):
@@ -115,6 +115,9 @@ def compiled():
     """(PTX, resource usage) of each case of CASES + ODD_WIDE, by index (compiled and
     assembled in parallel processes, 12-36 s each)."""
     return compile_all(_case_ptx, range(len(CASES + ODD_WIDE)))
+
+
+prefetch(_case_ptx, range(len(CASES + ODD_WIDE)))   # the fixture's jobs, started ahead (compile_pool.py)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=lambda i: str(CASES[i]))

@@ -19,7 +19,7 @@ from flexattn.kernels.fwd.fp32_operands import OperandsConfig, key_order  # noqa
 from flexattn.kernels.fwd.sm90 import FwdConfig, shared_bytes  # noqa: E402
 from flexattn.kernels.hopper.mma import SMEM_CAPACITY  # noqa: E402
 from flexattn.kernels.launch.compile import compile_forward, compile_fp32_operands, resource_usage_from_ptx  # noqa: E402
-from compile_pool import compile_all  # noqa: E402
+from compile_pool import compile_all, prefetch  # noqa: E402
 
 
 def _dims(d, dv=None):
@@ -107,6 +107,9 @@ JOBS = ([("case", i) for i in range(len(CASES))]
 def compiled():
     """(PTX, usage) of every job, compiled and assembled in parallel processes."""
     return compile_all(_compile_job, JOBS)
+
+
+prefetch(_compile_job, JOBS)   # the fixture's jobs, started ahead (compile_pool.py)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=lambda i: str(CASES[i]))

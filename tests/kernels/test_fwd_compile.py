@@ -17,7 +17,7 @@ from flexattn import mods  # noqa: E402
 from flexattn.kernels.emit.mod_emit import IRModHook  # noqa: E402
 from flexattn.mods.structure import canonical_band  # noqa: E402
 import ptx_order  # noqa: E402
-from compile_pool import compile_all  # noqa: E402
+from compile_pool import compile_all, prefetch  # noqa: E402
 
 
 def _doc_bias_args():
@@ -104,6 +104,9 @@ def _ptx(name):
 def compiled():
     """Compile each case once (a few seconds each, in parallel processes) and keep its PTX."""
     return compile_all(_ptx, CASES)
+
+
+prefetch(_ptx, CASES)   # the fixture's jobs, started ahead (compile_pool.py)
 
 
 @pytest.mark.parametrize("name", list(CASES))
