@@ -271,7 +271,8 @@ KERNELS = {
     "bwd-window-band-80": _bwd(head_dim=128, band=True, mask=_window, tile_m=80),
     "bwd-window-band-persist": _bwd(head_dim=128, band=True, mask=_window, max_ctas=132),
     "bwd-doc-persist": _bwd(head_dim=128, block_sparse=True, mask=_document, max_ctas=132),
-    # dq_first_store (unplanned, FLEXATTN_DQ_FIRST_STORE=1): the first visit stores each dQ tile
+    # dq_first_store (planned unless FLEXATTN_DQ_FIRST_STORE=0; set explicitly here, as these
+    # configs bypass the planner): the first visit stores each dQ tile
     "bwd-causal-first": _bwd(head_dim=128, causal=True, dq_first_store=True),
     "bwd-causal-first-data": _bwd(head_dim=128, causal=True, dq_first_store=True, dq_ticket_on_data=True),
     "bwd-doc-persist-first": _bwd(head_dim=128, block_sparse=True, mask=_document, max_ctas=132,

@@ -1087,8 +1087,8 @@ def test_dq_first_store(compiled, persistent, on_data, monkeypatch):
     that saw the first store published skips the spin), stores the tile on the first (a bulk
     copy, beside the bulk adds of the others), publishes it with a release and otherwise
     waits for it with acquiring reads; the preprocess then zeroes dq_accum only where
-    LSE is -inf (a branch around the zero stores). Planned only under
-    FLEXATTN_DQ_FIRST_STORE=1, never deterministic or fp32; the flags workspace comes with it."""
+    LSE is -inf (a branch around the zero stores). Planned unless FLEXATTN_DQ_FIRST_STORE=0,
+    never deterministic or fp32; the flags workspace comes with it."""
     from flexattn.kernels.bwd.plan import workspace_shapes
 
     base = "d128-sparse-document-persist" if persistent else "d128-causal"
