@@ -6,8 +6,8 @@ processes: ``fn`` must be a module-level function of an importable module, takin
 and returning something picklable (a PTX string). A worker's exception re-raises here.
 ``FLEXATTN_TEST_COMPILE_WORKERS=1`` compiles in this process instead (for debugging).
 
-Compiling ahead: a module that declares its jobs at import (``prefetch(fn, names)``, beside
-the ``compiled`` fixture that calls ``compile_all(fn, names)``) has them started when
+Compiling ahead: a module that declares its jobs at import (``prefetch(fn, names)``, before
+the ``compiled`` fixture that calls ``compile_all(fn)``) has them started when
 collection ends (conftest.py), in worker processes of lower priority, and its tests run
 after the others: the suite's single-threaded tests leave a core idle, and the compiles
 fill it instead of running one module after another at the end. ``compile_all`` then
@@ -40,8 +40,9 @@ def _key(fn, name):
     return fn.__module__, fn.__name__, name
 
 
-def compile_all(fn, names) -> dict:
-    names = list(names)
+def compile_all(fn, names=None) -> dict:
+    """``{name: fn(name)}``; ``names`` None: those ``prefetch`` declared for ``fn``."""
+    names = list(_declared_names(fn) if names is None else names)
     ahead = {name: _ahead.pop(_key(fn, name)) for name in names if _key(fn, name) in _ahead}
     rest = [name for name in names if name not in ahead]
     n = min(workers(), len(rest))
@@ -55,8 +56,16 @@ def compile_all(fn, names) -> dict:
 
 
 def prefetch(fn, names) -> None:
-    """Declare (at a test module's import) the jobs its ``compiled`` fixture will ask for."""
+    """Declare (at a test module's import) the jobs its ``compiled`` fixture will ask for
+    (``compile_all(fn)``)."""
     _declared[fn.__module__] = (fn, list(names))
+
+
+def _declared_names(fn) -> list:
+    declared_fn, names = _declared[fn.__module__]
+    if declared_fn is not fn:
+        raise ValueError(f"{fn.__module__} declared its jobs for {declared_fn.__name__}, not {fn.__name__}")
+    return names
 
 
 def declared(module_name: str) -> bool:

@@ -211,14 +211,14 @@ def _ptx(name):
     return compile_backward(cfg, fake_args(hook), keep_ptx=True).__ptx__
 
 
+prefetch(_ptx, NAMES + EXTRA)   # the fixture's jobs, started ahead (compile_pool.py)
+
+
 @pytest.fixture(scope="module")
 def compiled():
     """Compile each config once (3-6 s each, in parallel processes) and keep its PTX."""
-    ptx = compile_all(_ptx, NAMES + EXTRA)
-    return {name: (_config(name)[0], ptx[name]) for name in NAMES + EXTRA}
-
-
-prefetch(_ptx, NAMES + EXTRA)   # the fixture's jobs, started ahead (compile_pool.py)
+    ptx = compile_all(_ptx)
+    return {name: (_config(name)[0], text) for name, text in ptx.items()}
 
 
 def _steps(ptx: str, cfg: BwdConfig) -> float:

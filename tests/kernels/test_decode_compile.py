@@ -111,13 +111,13 @@ def _ptx(name):
     return compile_decode(DecodeConfig(mods=hook, **kw), fake_args(hook), keep_ptx=True, tvm_ffi=ffi).__ptx__
 
 
+prefetch(_ptx, CASES)   # the fixture's jobs, started ahead (compile_pool.py)
+
+
 @pytest.fixture(scope="module")
 def compiled():
     """Compile each case once (in parallel processes) and keep its PTX."""
-    return compile_all(_ptx, CASES)
-
-
-prefetch(_ptx, CASES)   # the fixture's jobs, started ahead (compile_pool.py)
+    return compile_all(_ptx)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -110,14 +110,14 @@ def _case_ptx(i):
     return ptx, resource_usage_from_ptx(ptx)
 
 
+prefetch(_case_ptx, range(len(CASES + ODD_WIDE)))   # the fixture's jobs, started ahead (compile_pool.py)
+
+
 @pytest.fixture(scope="module")
 def compiled():
     """(PTX, resource usage) of each case of CASES + ODD_WIDE, by index (compiled and
     assembled in parallel processes, 12-36 s each)."""
-    return compile_all(_case_ptx, range(len(CASES + ODD_WIDE)))
-
-
-prefetch(_case_ptx, range(len(CASES + ODD_WIDE)))   # the fixture's jobs, started ahead (compile_pool.py)
+    return compile_all(_case_ptx)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=lambda i: str(CASES[i]))

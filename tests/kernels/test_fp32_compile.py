@@ -103,13 +103,13 @@ JOBS = ([("case", i) for i in range(len(CASES))]
         + [("operands", i) for i in range(len(OPERAND_CONFIGS))])
 
 
+prefetch(_compile_job, JOBS)   # the fixture's jobs, started ahead (compile_pool.py)
+
+
 @pytest.fixture(scope="module")
 def compiled():
     """(PTX, usage) of every job, compiled and assembled in parallel processes."""
-    return compile_all(_compile_job, JOBS)
-
-
-prefetch(_compile_job, JOBS)   # the fixture's jobs, started ahead (compile_pool.py)
+    return compile_all(_compile_job)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=lambda i: str(CASES[i]))

@@ -100,13 +100,13 @@ def _ptx(name):
     return compile_forward(cfg, make_args(), keep_ptx=True).__ptx__
 
 
+prefetch(_ptx, CASES)   # the fixture's jobs, started ahead (compile_pool.py)
+
+
 @pytest.fixture(scope="module")
 def compiled():
     """Compile each case once (a few seconds each, in parallel processes) and keep its PTX."""
-    return compile_all(_ptx, CASES)
-
-
-prefetch(_ptx, CASES)   # the fixture's jobs, started ahead (compile_pool.py)
+    return compile_all(_ptx)
 
 
 @pytest.mark.parametrize("name", list(CASES))

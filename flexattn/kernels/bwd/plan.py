@@ -30,8 +30,8 @@ def config_from_forward(fwd_cfg, **overrides) -> BwdConfig:
     (FLEXATTN_DQ_FINISH=1: wherever it applies, `finish_allowed`, for A/B runs; measured
     slower); pdl, unless given, off (FLEXATTN_BWD_PDL=1, 16-bit dtypes, for A/B runs;
     measured neutral); dq_first_store, unless given, on for the unordered 16-bit dQ adds
-    (FLEXATTN_DQ_FIRST_STORE=0: off, =data: dq_ticket_on_data, for A/B runs); partial_blocks off where the forward
-    walks full blocks alone (FLEXATTN_BWD_FULL_ONLY=0: both walks, for A/B runs)."""
+    (FLEXATTN_DQ_FIRST_STORE=0: off, =data: dq_ticket_on_data, for A/B runs);
+    partial_blocks off where the forward walks full blocks alone (FLEXATTN_BWD_FULL_ONLY=0: both walks, for A/B runs)."""
     kw = dict(dtype=fwd_cfg.dtype, head_dim=fwd_cfg.head_dim, head_dim_v=fwd_cfg.head_dim_v,
               causal=fwd_cfg.causal, block_sparse=fwd_cfg.block_sparse, band=fwd_cfg.band, mods=fwd_cfg.mods,
               tf32_passes=getattr(fwd_cfg, "tf32_passes", 1))   # (a 16-bit config stand-in may lack it)
