@@ -234,6 +234,8 @@ KERNELS = {
     "causal-d64-m128n192": _fwd(head_dim=64, tile_m=128, tile_n=192, causal=True),
     "causal-d64-m128n256": _fwd(head_dim=64, tile_m=128, tile_n=256, causal=True),
     "causal-d64-m192n160": _fwd(head_dim=64, tile_m=192, tile_n=160, causal=True),
+    "causal-d32-planned": _fwd(head_dim=32, tile_m=192, causal=True, max_ctas=132, tile_tickets=True),
+    "causal-d64-planned": _fwd(head_dim=64, tile_m=192, causal=True, max_ctas=132, tile_tickets=True),
     "causal-d32-m128n256": _fwd(head_dim=32, tile_m=128, tile_n=256, causal=True),
     "causal-d32-m192n192": _fwd(head_dim=32, tile_m=192, tile_n=192, causal=True),
     "causal-d32-m192n256": _fwd(head_dim=32, tile_m=192, tile_n=256, causal=True),

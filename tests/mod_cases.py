@@ -171,11 +171,14 @@ def case_torch_style_causal_softcap(rng, B, H, Q, KV):
 
 def case_integer_division(rng, B, H, Q, KV):
     """Mostly partial tiles with integer // and % by constants (powers of two and not) on
-    dividends of both signs: a dilated band and a 2-D neighbourhood on a 12-wide image."""
+    dividends of both signs: a dilated band and a 2-D neighbourhood on a 12-wide image,
+    and a band of every fourth key far from the diagonal (compares of q - kv, its abs and
+    its residues with constants: the kernels' AffineIndex route)."""
     def mask(b, h, q, kv):
         dilated = ((q - kv).abs() <= 40) & ((q - kv) % 2 == 0)
         near = (((q // 12) - (kv // 12)).abs() <= 2) & (((q % 12) - (kv % 12)).abs() <= 2)
-        return dilated | near | ((q - kv) // 16 == -1)
+        far = ((kv - q) % 4 == 3) & ((q - kv).abs() > 100) & (kv - q < 140)
+        return dilated | near | ((q - kv) // 16 == -1) | far
 
     def score(s, b, h, q, kv):
         return s + ((q - kv) // 8).to(s.dtype) * 0.05 - ((kv % 6) == 1).to(s.dtype) * 0.5

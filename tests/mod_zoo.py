@@ -76,6 +76,23 @@ def _vector_reductions(emb):
     return fn
 
 
+def _affine_compares(b, h, q, kv):
+    """Each compare form of an index kept as base + offset (affine_index.py), combined by
+    xor so that every one of them shows in the result: |x| against a constant each way,
+    residues modulo 2, 4 and 8 (as % and as &) with constants inside and outside [0, m),
+    plain compares with the constant on either side."""
+    d = q - kv
+    return ((d.abs() <= 12) & (d % 2 == 0)) ^ ((kv - q).abs() < 7) ^ (d.abs() >= 20) ^ (d.abs() > 25) \
+        ^ (d % 4 == 1) ^ ((kv - q) & 7 != 3) ^ (d % 2 == 5) ^ (d % 8 != -1) ^ (kv - q >= -9) \
+        ^ (30 > d) ^ (kv + 3 - q == 4) ^ (d.abs() <= -1)
+
+
+def _affine_extremes(b, h, q, kv):
+    """Constants whose shifted value leaves int32 (the plain form is kept) and the edges."""
+    d = q - kv
+    return (d <= 2147483647) ^ (kv - q > -2147483648) ^ (d.abs() < 2147483647) ^ (kv - 2147483647 < q)
+
+
 def zoo(rng, S):
     ids = np.sort(rng.integers(0, 4, size=S)).astype(np.int64)
     table = torch.from_numpy(rng.standard_normal((4, 2 * 5 + 1)).astype(np.float32))
@@ -104,6 +121,9 @@ def zoo(rng, S):
         "composed_torch_functions": (mods.score_mod(_composed_torch_functions), None),
         "vector_reductions": (mods.score_mod(_vector_reductions(
             torch.from_numpy(rng.standard_normal((4, 4, 3)).astype(np.float32)))), None),
+        # an index compared with constants (affine_index's compares: base against immediates)
+        "affine_compares": (None, mods.mask_mod(_affine_compares)),
+        "affine_extremes": (None, mods.mask_mod(_affine_extremes)),
         "combo": (mods.alibi(slopes) >> mods.softcap(20.0),
                   (mods.causal() & mods.sliding_window(S // 3)) | ~mods.document(ids)),
     }

@@ -265,6 +265,20 @@ def _check_listed(case, cases, **overrides):
                seed=cases.index(case), **overrides)
 
 
+# Masks that compare q - kv, its abs and its residues with constants: the backward's mask
+# takes q unclamped as an AffineIndex (bwd/pointwise.py), rows past Q_LEN included.
+CONSTANT_COMPARES = [
+    ("integer_division", "bf16", 128, 2, 4, 2, 700, 700, "bhsd"),
+    ("integer_division", "fp16", 64, 1, 4, 4, 333, 517, "bshd"),   # Q < KV, ragged q tile
+    ("integer_division", "bf16", 128, 1, 2, 1, 901, 300, "bhsd"),  # Q > KV
+]
+
+
+@pytest.mark.parametrize("case", CONSTANT_COMPARES, ids=lambda c: "-".join(map(str, c)))
+def test_masks_compared_with_constants(case):
+    _check_listed(case, CONSTANT_COMPARES)
+
+
 @pytest.mark.parametrize("case", TILE80, ids=lambda c: "-".join(map(str, c)))
 def test_tile_m_80(case):
     _check_listed(case, TILE80, tile_m=80)

@@ -23,7 +23,7 @@ def _dev(x):
     return (x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))).cuda().contiguous()
 
 
-@pytest.mark.parametrize("mode", ["elements", "rows", "hoisted", "tiled", "tiled-rows"])
+@pytest.mark.parametrize("mode", ["elements", "elements-q", "rows", "hoisted", "tiled", "tiled-rows"])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("S", [37, 130])
 def test_emitted_mods_match_numpy(seed, S, mode):
@@ -31,7 +31,9 @@ def test_emitted_mods_match_numpy(seed, S, mode):
     uses it on fragment rows), per-element emission with the buffer reads that do not
     depend on kv hoisted per query row (as the decode kernel emits them), and both with the
     reads at kv // page hoisted per tile of 32 keys (``tiled``: as the decode kernel and
-    the forward's ``hoist_tile_reads`` emit them; written in session 47, first run next)."""
+    the forward's ``hoist_tile_reads`` emit them; written in session 47, first run next).
+    ``elements-q``: per element with q (not kv) as the AffineIndex where the hooks ask, as
+    the backward passes it (compares of q - kv with constants then take q's route)."""
     rng = np.random.default_rng(seed)
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     failures = []
@@ -39,7 +41,8 @@ def test_emitted_mods_match_numpy(seed, S, mode):
     cases = dict(mod_zoo.zoo(rng, S), **mod_zoo.paged_zoo(rng, S))
     for name, (score, mask) in cases.items():
         hook = IRModHook(score, mask, fast_math=False)  # exact comparison with the oracle
-        kernel = compile_mod_eval(hook, rows=mode in ("rows", "tiled-rows"), hoisted=mode == "hoisted", tiled=tiled)
+        kernel = compile_mod_eval(hook, rows=mode in ("rows", "tiled-rows"), hoisted=mode == "hoisted", tiled=tiled,
+                                  affine="q" if mode == "elements-q" else "kv")
         scores = torch.from_numpy(rng.standard_normal((S, S)).astype(np.float32) * 4).cuda()
         out_s = torch.full_like(scores, float("nan"))
         out_m = torch.full((S, S), 7, dtype=torch.int8, device="cuda")

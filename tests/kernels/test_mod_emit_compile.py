@@ -32,6 +32,13 @@ def test_capture_kinds_follow_structure_not_values():
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
+def test_mod_q_affine_compiles_for_sm90(name):
+    """Per element with q as the AffineIndex (as the backward passes it)."""
+    score, mask = ZOO[name]
+    assert compile_mod_eval(IRModHook(score, mask), affine="q") is not None
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
 def test_mod_rows_compile_for_sm90(name):
     """Row emission (the forward's apply_mods on fragment rows) of every zoo mod."""
     score, mask = ZOO[name]
@@ -179,3 +186,35 @@ def test_affine_index_casts_found_on_the_ir():
     assert not casts_index_affinely(mods.sliding_window(8).expr, "kv")        # compares, no cast
     hook = IRModHook(mods.alibi(num_heads=4), mods.sliding_window(8))
     assert hook.affine_index("kv", True, True) and not hook.affine_index("kv", False, True)
+
+
+def test_affine_index_compares_found_on_the_ir():
+    """Masks that compare such an index (or its abs, or its residue modulo a power of two)
+    with a constant take it as an AffineIndex too; compares with runtime values do not."""
+    from flexattn.kernels.emit.affine_index import casts_index_affinely
+
+    dilated = mods.mask_mod(lambda b, h, q, kv: ((q - kv).abs() <= 512) & ((q - kv) % 2 == 0)).expr
+    assert casts_index_affinely(dilated, "kv") and casts_index_affinely(dilated, "q")
+    assert casts_index_affinely(mods.mask_mod(lambda b, h, q, kv: 5 >= kv - q).expr, "kv")
+    assert casts_index_affinely(mods.mask_mod(lambda b, h, q, kv: ((kv + 1) & 3) == 1).expr, "kv")
+    assert not casts_index_affinely(mods.mask_mod(lambda b, h, q, kv: (kv % 3) == 1).expr, "kv")  # not 2**k
+    assert not casts_index_affinely(mods.mask_mod(lambda b, h, q, kv: (kv * 2).abs() <= 3).expr, "kv")
+    assert not casts_index_affinely(mods.mask_mod(lambda b, h, q, kv: kv <= q).expr, "kv")    # no constant
+    assert not casts_index_affinely(mods.sliding_window(8).expr, "kv")       # a captured (runtime) width
+
+
+def test_affine_compares_lower_without_abs_or_residues_per_element():
+    """The dilated window ``abs(q - kv) <= 512 & (q - kv) % 2 == 0`` in the forward: no
+    absolute value and no residue per score (the index's base compared with immediates,
+    its parity once per row), where each score took an add, an abs, an and and compares."""
+    from flexattn.kernels.emit.mod_emit import fake_args
+    from flexattn.kernels.fwd.sm90 import FwdConfig
+    from flexattn.kernels.launch.compile import compile_forward
+
+    hook = IRModHook(None, mods.mask_mod(lambda b, h, q, kv: ((q - kv).abs() <= 512) & ((q - kv) % 2 == 0)))
+    cfg = FwdConfig(head_dim=128, block_sparse=True, mods=hook)
+    ptx = compile_forward(cfg, fake_args(hook), keep_ptx=True).__ptx__
+    assert "abs.s32" not in ptx
+    # residues: one per row (two rows of a 128-key tile per thread), in the step's one copy
+    # that applies the mask; none per score
+    assert ptx.count("and.b32") < 32, ptx.count("and.b32")

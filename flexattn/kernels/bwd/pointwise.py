@@ -121,14 +121,21 @@ class BwdPointwise:
         # Mods that convert kv - q to float (ALiBi) take q (the columns here) as base plus
         # offset: one conversion per row instead of one per element (affine_index).
         affine_q = "q" in hook_vars and mods.affine_index("q", mods.has_score, mask and not band)
+        # The mask sees q unclamped where it reads no buffer at q: rows past Q_LEN have P = 0
+        # whatever it keeps (their lse_log2 is +inf, and the mask only selects), and compares
+        # of an unclamped AffineIndex with constants take one instruction per element
+        # (``abs(q - kv) <= 512``: two compares of a base, no add; affine_index.py).
+        mask_affine_q = (mask and not band and "q" in mods.index_vars(False, True)
+                         and "q" not in mods.load_index_vars(False, True) and mods.affine_index("q", False, True))
         for i in cutlass.range_constexpr(len(order)):
             r, c = order[i]
-            q = q_hook = kv = kv_hook = None
+            q = q_hook = q_mask = kv = kv_hook = None
             if const_expr(need_q):
                 q = q_first + coords.col0(c)
                 q_hook = cutlass.min(q, seqlen_q - 1)
                 if const_expr(affine_q):
                     q_hook = AffineIndex(q_first, coords.col0(c), hi=seqlen_q - 1)
+                q_mask = AffineIndex(q_first, coords.col0(c)) if const_expr(mask_affine_q) else q_hook
             if const_expr(rows_outer or r == 0):
                 lse = self._column(sLSE, c, col_local0, coords)
                 if const_expr(fused):
@@ -150,7 +157,7 @@ class BwdPointwise:
                 x = kept_if(diag <= band_hi, x)
                 x = kept_if(diag >= band_lo, x)
             elif const_expr(mask):
-                keep = mods.mask(batch, head, q_hook, kv_hook, mod_args)
+                keep = mods.mask(batch, head, q_mask, kv_hook, mod_args)
                 x = kept_if(keep, x)
             if const_expr(causal):
                 x = kept_if(q >= kv, x)

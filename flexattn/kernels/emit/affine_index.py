@@ -20,6 +20,17 @@ of the converted values. Kernels ask the hook first (``ModHook.affine_index``): 
 that convert such an index to float take this form, so every other kernel's code is
 unchanged (SASS-identical, benchmarks/compile_time.py --compare).
 
+Masks compare such an index with constants (``abs(q - kv) <= 512``, ``(q - kv) % 2 == 0``,
+``kv < 1000``): ``base + offset <= c`` is ``base <= c - offset``, one compare of the base
+with an immediate per element instead of an add and a compare; ``|base + offset| <= c`` is
+two such compares (no add, no absolute value); ``(base + offset) mod 2**k == r`` is
+``base mod 2**k == (r - offset) mod 2**k``: the base's residue once per row, one compare per
+element, and at 2**k = 2 two predicates per row in all. ``IndexMagnitude`` and
+``IndexResidue`` carry ``abs`` and ``mod`` to the compare; anything else takes the plain
+value, emitted as without this. Exact while ``base + offset`` and ``c - offset`` stay in
+int32 (offsets are within a tile; constants whose shifted value would leave int32 keep the
+plain form).
+
 Rounding: the plain conversion rounds ``kv - q`` once; this one converts ``base - q``
 (exact while ``|base - q| < 2**24``, and ``|base - q| <= |kv - q| + tile width``) and adds
 the offset (exact while the sum stays below ``2**24``); a bound converts exactly below
@@ -33,13 +44,38 @@ import array
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 from cutlass._mlir_helpers import arith as cutlass_arith
 
 from flexattn.mods import ir
 
 
-class AffineIndex:
+_INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+
+# compare op with its operands swapped: c OP x is x FLIPPED[OP] c
+FLIPPED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
+_NEGATED = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt", "eq": "ne", "ne": "eq"}
+
+
+_CMP = {
+    "lt": lambda x, y: x < y, "le": lambda x, y: x <= y, "gt": lambda x, y: x > y,
+    "ge": lambda x, y: x >= y, "eq": lambda x, y: x == y, "ne": lambda x, y: x != y,
+}
+
+
+class IndexForm:
+    """An integer kept in a cheaper form while a mod is emitted; ``value()`` is the plain
+    integer, emitted at most once."""
+
+    def value(self):
+        raise NotImplementedError
+
+    def compare(self, op: str, c: int):
+        """``self OP c`` for a Python int ``c`` in this form's cheap route, or None."""
+        return None
+
+
+class AffineIndex(IndexForm):
     """``clamp(base + offsets, lo, hi)``: ``base`` an Int32 (runtime), ``offsets`` a Python
     int (one element) or a tuple of them with the row's ``shape`` (a fragment row: a
     vector), ``lo`` / ``hi`` None or Int32 bounds constant along the row (the backward's
@@ -85,6 +121,20 @@ class AffineIndex:
             return None if x is None else -x
         return AffineIndex(-self.base, _negated(self.offsets), self.shape, flip(self.hi), flip(self.lo))
 
+    @property
+    def plain_compares(self) -> bool:
+        """Whether compares take the cheap route: one element (a compile-time offset), no
+        clamp (a clamp would need its bound's compare too)."""
+        return not self.is_row and self.lo is None and self.hi is None
+
+    def compare(self, op: str, c: int):
+        """``base + offset OP c`` as ``base OP c - offset``: the shifted constant an
+        immediate."""
+        t = c - self.offsets if self.plain_compares else None
+        if t is None or not _INT32_MIN <= t <= _INT32_MAX:
+            return None
+        return _CMP[op](self.base, Int32(t))
+
     def to_float(self):
         """``float(clamp(base + offsets, lo, hi))``: one conversion of the base (and of each
         bound) per row, a float add (and min / max) per element."""
@@ -99,6 +149,55 @@ class AffineIndex:
             x = x if lo is None else cute.arch.fmax(x, lo)
             return x if hi is None else cute.arch.fmin(x, hi)
         return _clamped(x, lo, hi, True)
+
+
+class IndexMagnitude(IndexForm):
+    """``abs(index)``, ``index`` an ``AffineIndex`` that compares cheaply: against a
+    constant, two compares of its base (``|x| <= c``: ``-c <= x`` and ``x <= c``)."""
+
+    __slots__ = ("index", "_emit_plain", "_plain")
+
+    def __init__(self, index: AffineIndex, emit_plain):
+        self.index, self._emit_plain, self._plain = index, emit_plain, None
+
+    def value(self):
+        if self._plain is None:
+            self._plain = self._emit_plain()
+        return self._plain
+
+    def compare(self, op: str, c: int):
+        if op in ("eq", "ne"):
+            return None
+        if op in ("ge", "gt"):   # |x| >= c is not |x| < c
+            inside = self.compare(_NEGATED[op], c)
+            return None if inside is None else inside == cutlass.Boolean(False)
+        low = self.index.compare("ge" if op == "le" else "gt", -c)
+        high = self.index.compare(op, c)
+        return None if low is None or high is None else low & high
+
+
+class IndexResidue(IndexForm):
+    """``index mod 2**k`` (floor: in [0, 2**k) for any sign, as ``& (2**k - 1)``), ``index``
+    an ``AffineIndex`` that compares cheaply: ``== r`` compares the base's residue (the
+    same value for the whole row, so emitted once) with ``(r - offset) mod 2**k``."""
+
+    __slots__ = ("index", "modulus", "_emit_plain", "_plain")
+
+    def __init__(self, index: AffineIndex, modulus: int, emit_plain):
+        self.index, self.modulus, self._emit_plain, self._plain = index, modulus, emit_plain, None
+
+    def value(self):
+        if self._plain is None:
+            self._plain = self._emit_plain()
+        return self._plain
+
+    def compare(self, op: str, c: int):
+        if op not in ("eq", "ne"):
+            return None
+        if not 0 <= c < self.modulus:   # a residue never equals it
+            return cutlass.Boolean(op == "ne")
+        residue = self.index.base & Int32(self.modulus - 1)
+        return _CMP[op](residue, Int32((c - self.index.offsets) % self.modulus))
 
 
 def _clamped(x, lo, hi, vector: bool):
@@ -136,41 +235,73 @@ def _row_constant(x) -> bool:
     return not isinstance(x, (AffineIndex, cute.TensorSSA))
 
 
-def emit_affine(n: ir.Node, a: list):
-    """Node ``n``'s value when an operand is an ``AffineIndex`` and the form survives it
-    (the result may be another ``AffineIndex``, or the float of one); None otherwise (the
-    caller then uses every operand's ``value()``)."""
+def emit_affine(n: ir.Node, a: list, emit_plain):
+    """Node ``n``'s value when an operand is an ``IndexForm`` and a form survives it (the
+    result may be another ``AffineIndex``, ``IndexMagnitude`` or ``IndexResidue``, the
+    float of one, or a compare's Boolean); None otherwise (the caller then uses every
+    operand's ``value()``). ``emit_plain()``: ``n`` emitted on the plain operands (what a
+    form's ``value()`` stands for)."""
     op = n.op
-    if op == "cast" and n.dtype == ir.FLOAT:
-        return a[0].to_float()
-    if op == "neg":
-        return a[0].negated()
+    x = a[0]
     if op in ("add", "sub") and n.dtype == ir.INT:
-        x, y = a
+        y = a[1]
         if isinstance(x, AffineIndex) and _row_constant(y):
             return x.plus(y, 1 if op == "add" else -1)
         if isinstance(y, AffineIndex) and _row_constant(x):
             return y.plus(x) if op == "add" else y.subtracted_from(x)
+        return None
+    if isinstance(x, AffineIndex):
+        if op == "cast" and n.dtype == ir.FLOAT:
+            return x.to_float()
+        if op == "neg":
+            return x.negated()
+        if op == "abs" and n.dtype == ir.INT and x.plain_compares:
+            return IndexMagnitude(x, emit_plain)
+        if _power_of_two_modulus(n) is not None and x.plain_compares:
+            return IndexResidue(x, _power_of_two_modulus(n), emit_plain)
+    if op in _CMP:
+        for form, other, form_op in ((a[0], n.args[1], op), (a[1], n.args[0], FLIPPED[op])):
+            if isinstance(form, IndexForm) and other.op == "const" and other.dtype == ir.INT:
+                return form.compare(form_op, int(other.attr))
     return None
 
 
+def _power_of_two_modulus(n: ir.Node) -> int | None:
+    """``m`` where ``n`` is ``x % m`` or ``x & (m - 1)`` on integers, ``m`` a constant power of two."""
+    if n.dtype != ir.INT or n.op not in ("mod", "and") or n.args[1].op != "const":
+        return None
+    m = int(n.args[1].attr) + (1 if n.op == "and" else 0)
+    return m if m > 0 and m & (m - 1) == 0 else None
+
+
 def plain_value(x):
-    """``x``, or its plain integer if it is an ``AffineIndex``."""
-    return x.value() if isinstance(x, AffineIndex) else x
+    """``x``, or its plain integer if it is an ``IndexForm``."""
+    return x.value() if isinstance(x, IndexForm) else x
 
 
 def plain(values: list) -> list:
-    """``values`` with every ``AffineIndex`` as its plain integer."""
+    """``values`` with every ``IndexForm`` as its plain integer."""
     return [plain_value(x) for x in values]
 
 
 def casts_index_affinely(expr: ir.Node, var: str = "kv") -> bool:
     """Whether ``expr`` converts to float an integer built from ``var`` by ``+`` / ``-``
-    with terms that do not read ``var`` (``float(kv - q)``): where an ``AffineIndex`` pays."""
+    with terms that do not read ``var`` (``float(kv - q)``), or compares such an integer
+    (or its ``abs``, or its residue modulo a power of two) with a constant: where an
+    ``AffineIndex`` pays."""
     for n in expr.walk():
         if n.op == "cast" and n.dtype == ir.FLOAT and _affine_in(n.args[0], var):
             return True
+        if n.op in _CMP and any(_compared_affinely(x, var) and y.op == "const" and y.dtype == ir.INT
+                                for x, y in (n.args, n.args[::-1])):
+            return True
     return False
+
+
+def _compared_affinely(n: ir.Node, var: str) -> bool:
+    if n.op == "abs" or _power_of_two_modulus(n) is not None:
+        n = n.args[0]
+    return n.dtype == ir.INT and _affine_in(n, var)
 
 
 def _affine_in(n: ir.Node, var: str) -> bool:

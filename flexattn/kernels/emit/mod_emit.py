@@ -28,7 +28,7 @@ from cutlass import Boolean, Float32, Int32
 
 from flexattn.mods import MaskMod, ScoreMod, ir
 from flexattn.mods.optimize import divisor_shift, nonnegative, optimize, positive_constant
-from flexattn.kernels.emit.affine_index import (AffineIndex, casts_index_affinely, emit_affine, plain,
+from flexattn.kernels.emit.affine_index import (AffineIndex, IndexForm, casts_index_affinely, emit_affine, plain,
                                                  plain_value)
 from flexattn.kernels.emit.mod_hook import ModHook
 
@@ -156,8 +156,8 @@ def _emit_node_affine(n: ir.Node, a: list, env: dict, args, fast_math: bool, emi
     in its form where that pays (``affine_index``); elsewhere it is the plain integer."""
     if n.op == "var" and isinstance(env.get(n.attr), AffineIndex):
         return env[n.attr]
-    if any(isinstance(x, AffineIndex) for x in a):
-        value = emit_affine(n, a)
+    if any(isinstance(x, IndexForm) for x in a):
+        value = emit_affine(n, a, lambda: emit_node(n, plain(a), env, args, fast_math))
         if value is not None:
             return value
         a = plain(a)

@@ -31,15 +31,23 @@ class ModEvalKernel:
     and passed back as ``row=`` (as the decode kernel hoists them out of its kv loop).
     `tiled` (a tile size, 0: off): the hook's ``tile_invariants`` at each aligned tile of
     that many keys emitted first and passed back as ``tile=`` (as the decode kernel and,
-    with ``hoist_tile_reads``, the forward emit them), per element or per row."""
+    with ``hoist_tile_reads``, the forward emit them), per element or per row.
+    `affine` ("kv" or "q"): per element, the index the hooks take as an ``AffineIndex``
+    where they ask for it, as the kernels pass it: "kv" as the forward does (unclamped),
+    "q" as the backward does (clamped to Q_LEN - 1 for the score; unclamped for a mask
+    that reads no buffer at q)."""
 
-    def __init__(self, hook: IRModHook, rows: bool = False, hoisted: bool = False, tiled: int = 0):
+    def __init__(self, hook: IRModHook, rows: bool = False, hoisted: bool = False, tiled: int = 0,
+                 affine: str = "kv"):
         if tiled and (tiled % ROW or tiled < ROW):
             raise ValueError(f"tiled must be a multiple of the row of {ROW} keys, got {tiled}")
+        if affine not in ("kv", "q"):
+            raise ValueError(f"affine must be 'kv' or 'q', got {affine!r}")
         self.hook = hook
         self.rows = rows
         self.hoisted = hoisted
         self.tiled = tiled
+        self.affine = affine
 
     def _tile(self, b, h, q, kv, args) -> dict:
         """``tile=`` for the tile holding key ``kv`` (``tiled``), or nothing."""
@@ -50,7 +58,12 @@ class ModEvalKernel:
 
     def _affine(self, var: str) -> bool:
         hook = self.hook
-        return hook.affine_index(var, hook.has_score, hook.has_mask)
+        return var == self.affine and hook.affine_index(var, hook.has_score, hook.has_mask)
+
+    def _mask_takes_unclamped_q(self) -> bool:
+        hook = self.hook
+        return (self.affine == "q" and hook.has_mask and "q" not in hook.load_index_vars(False, True)
+                and hook.affine_index("q", False, True))
 
     @cute.jit
     def __call__(self, scores: cute.Tensor, out_score: cute.Tensor, out_mask: cute.Tensor,
@@ -125,18 +138,19 @@ class ModEvalKernel:
                 kv_hook = AffineIndex(kv - 5, 5)
             if cutlass.const_expr(self._affine("q")):
                 q_hook = AffineIndex(q - 3, 3, hi=scores.shape[0] - 1)
+            q_mask = AffineIndex(q - 3, 3) if cutlass.const_expr(self._mask_takes_unclamped_q()) else q_hook
             if cutlass.const_expr(self.hook.has_score):
                 out_score[q, kv] = self.hook.score(scores[q, kv], b, h, q_hook, kv_hook, args, **row)
             if cutlass.const_expr(self.hook.has_mask):
-                keep = self.hook.mask(b, h, q_hook, kv_hook, args, **row)
+                keep = self.hook.mask(b, h, q_mask, kv_hook, args, **row)
                 out_mask[q, kv] = cutlass.Int8(cutlass.select_(keep, cutlass.Int8(1), cutlass.Int8(0)))
 
 
 def compile_mod_eval(hook: IRModHook, options: str = "--gpu-arch=sm_90a", rows: bool = False,
-                     hoisted: bool = False, tiled: int = 0):
+                     hoisted: bool = False, tiled: int = 0, affine: str = "kv"):
     """Compile for sm_90a on fake tensors (no GPU needed). The runtime grids must be
     [Q, KV] with a contiguous last dim, passed through ``grid_arg``; args through
-    ``mod_emit.runtime_args``. `rows`, `hoisted`, `tiled`: see ``ModEvalKernel``."""
+    ``mod_emit.runtime_args``. `rows`, `hoisted`, `tiled`, `affine`: see ``ModEvalKernel``."""
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
     q, kv = cute.sym_int(), cute.sym_int()
@@ -145,7 +159,8 @@ def compile_mod_eval(hook: IRModHook, options: str = "--gpu-arch=sm_90a", rows: 
 
     args = fake_args(hook) or None
     with COMPILING:
-        return cute.compile(ModEvalKernel(hook, rows, hoisted, tiled), grid(Float32), grid(Float32), grid(cutlass.Int8),
+        return cute.compile(ModEvalKernel(hook, rows, hoisted, tiled, affine), grid(Float32), grid(Float32),
+                            grid(cutlass.Int8),
                             Int32(0), Int32(0), args, make_fake_stream(), options=options)
 
 
