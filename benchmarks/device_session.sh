@@ -59,9 +59,10 @@
 # door's fwd+bwd A/B at document4's three shapes; session 57), first-store-wide (dq_first_store planned: the door's
 # fwd+bwd against FLEXATTN_DQ_FIRST_STORE=0 on six variants at three shapes, then the bwdwide and autograd suites),
 # scoreboard-bwd (bench_bwd's every variant at B4 S4096 and four at B8 S2048 / B2 S8192, recorded, then the
-# scoreboard's document GPU tests: the backward's rows after a backward-only change), small-d-early (D32 / D64's
-# causal forward with O rescaled early, which moves the P V wait after some of the exponentials in SASS, against
-# the planned one, 5 rounds; session 58's lead for issue 25's 1.5x flex Triton).
+# scoreboard's document GPU tests: the backward's rows after a backward-only change), small-d-early (the causal
+# forward at D32 / D64 / D128 with the P V wait after the softmax (FwdConfig.pv_wait_after_softmax, in SASS after
+# all the exponentials) and / or O rescaled early, against the planned one, 5 rounds; then the knob's GPU tests;
+# session 58's lead for issue 25's 1.5x flex Triton).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -257,10 +258,14 @@ for step in $steps; do
                     run scoreboard_tests 170 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flex_attention_gpu.py \
                       tests/gpu/test_bwd_gpu.py -k "row_pairs_match or document or listed_as_partial" ;;
     small-d-early) for d in 32 64; do
+                     c="tile_m=192,max_ctas=-1,tile_tickets=1"
                      (cd benchmarks && run small_d_early_$d 200 python3 sweep_fwd_configs.py --dims $d/$d --rounds 5 \
-                        --anchors fa4 flex --configs "tile_m=192,max_ctas=-1,tile_tickets=1" \
-                        "tile_m=192,max_ctas=-1,tile_tickets=1,rescale_o_early=True")
-                   done ;;
+                        --anchors fa4 flex --configs "$c" "$c,rescale_o_early=True" "$c,pv_wait_after_softmax=True" \
+                        "$c,pv_wait_after_softmax=True,rescale_o_early=True")
+                   done
+                   (cd benchmarks && run pv_branch_128 200 python3 sweep_fwd_configs.py --dims 128/128 --rounds 5 \
+                      --anchors fa4 flex --configs "tile_m=128" "tile_m=128,pv_wait_after_softmax=True")
+                   run pv_branch_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py -k pv-branch ;;
     *) echo "unknown step $step" ;;
   esac
 done

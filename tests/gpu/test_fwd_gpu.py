@@ -129,6 +129,9 @@ SHAPED_SCHEDULES = {
     # KV_LEN a multiple of tile_n: full blocks skip the straddle test (kv_aligned)
     "aligned": dict(kv_aligned=True),
     "aligned+tickets": dict(max_ctas=7, tile_tickets=True, kv_aligned=True),
+    # the P V wait after the softmax in a branch of its own (an A/B knob), with the early O rescale too
+    "pv-branch": dict(pv_wait_after_softmax=True),
+    "pv-branch+early+tickets": dict(pv_wait_after_softmax=True, rescale_o_early=True, max_ctas=7, tile_tickets=True),
 }
 ALL_SCHEDULES = {**SCHEDULES, **SHAPED_SCHEDULES}
 
@@ -232,6 +235,12 @@ FIXED = [
     ("bf16", 128, 2, 4, 1, 256, 1000, "causal_builtin", "bhsd", "cluster"),    # Sq < Skv, MQA
     ("bf16", 128, 2, 4, 2, 700, 701, "causal", "bhsd", "cluster"),             # + mask hook
     ("bf16", 128, 2, 4, 2, 511, 511, "causal_builtin", "bhsd", "cluster+plain"),
+    # the P V wait after the softmax: the dense / causal walk, the one-step walk with hooks, lists
+    ("bf16", 64, 3, 8, 2, 1000, 1000, "causal_builtin", "bhsd", "pv-branch+early+tickets"),
+    ("fp16", 64, 2, 4, 2, 450, 450, "lag", "bshd", "pv-branch"),
+    ("bf16", 128, 2, 4, 2, 511, 257, "softcap", "bshd", "pv-branch"),
+    ("bf16", 128, 2, 4, 4, 384, 384, "doc", "bhsd", "pv-branch"),
+    ("fp16", 128, 2, 4, 1, 129, 513, "none", "bhsd", "pv-branch"),
 ]
 
 

@@ -92,6 +92,9 @@ CASES = {
                                             mods=IRModHook(None, canonical_band(mods.sliding_window(1024)))),
                                   lambda: (cutlass.Int32(0), cutlass.Int32(1024))),
     "hd64-causal-tickets": (FwdConfig(head_dim=64, causal=True, max_ctas=132, tile_tickets=True), lambda: ()),
+    # the P V wait after the softmax, in a branch (FwdConfig.pv_wait_after_softmax: an A/B knob)
+    "hd64-causal-tickets-pv-branch": (FwdConfig(head_dim=64, causal=True, max_ctas=132, tile_tickets=True,
+                                                pv_wait_after_softmax=True), lambda: ()),
 }
 
 
@@ -149,6 +152,15 @@ def test_causal_skips_mask_on_interior_blocks(compiled):
     assert compiled["hd128-causal"].count("wgmma.mma_async") == 2 * per_step
     # Without overlap the count is the same (the overlap moves P V by one block).
     assert compiled["hd128-causal-plain"].count("wgmma.mma_async") == 2 * per_step
+
+
+def test_pv_wait_after_softmax_branches_around_the_wait(compiled):
+    """pv_wait_after_softmax: each overlapped step's P V wait sits in a block of its own (a
+    branch on seqlen_k > 0 around it), the same wgmmas and waits otherwise."""
+    base, knob = compiled["hd64-causal-tickets"], compiled["hd64-causal-tickets-pv-branch"]
+    assert knob.count("wgmma.mma_async") == base.count("wgmma.mma_async")
+    assert knob.count("wgmma.wait_group.sync.aligned 0") == base.count("wgmma.wait_group.sync.aligned 0")
+    assert knob.count("bra") > base.count("bra")
 
 
 def test_hooks_walk_blocks_in_one_step(compiled):

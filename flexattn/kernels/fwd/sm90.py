@@ -206,6 +206,14 @@ class FwdConfig(KernelConfig):
     # was a branch in the middle of the step, and ptxas then started the softmax only after
     # the P V wait (documents B2 S8192, H100: see docs/experiments.md, session 27).
     kv_aligned: bool = False
+    # Overlapped schedule: the P V wait, P's conversion and O's fold in a branch on
+    # `seqlen_k > 0` (true wherever a step runs, not known to the compiler), so ptxas keeps
+    # the wait after the softmax's exponentials. Without it ptxas waits before the first
+    # conversion into P's registers, which it interleaves with the exponentials: at D32 /
+    # D64 before the first of them, so a warpgroup's exponentials never overlap its own P V
+    # (SASS, session 58; with the branch, after all 66, no spills). An A/B knob until the
+    # GPU has measured it (`device_session.sh small-d-early`).
+    pv_wait_after_softmax: bool = False
 
     def __post_init__(self):
         # Resolve the defaults that depend on other fields (frozen: via object.__setattr__).
@@ -1166,18 +1174,30 @@ class FlashFwdSm90(WarpSpecialized):
 
         self._scores(ctx, acc_S, n_block, mask, causal, kv_bound, partial)
         row_scale = softmax.step(acc_S, is_first=False)
+        if const_expr(self.cfg.pv_wait_after_softmax):
+            o_scale = softmax.o_scale      # (the branch carries tensors, not the softmax object)
+            if ctx.seqlen_k > 0:           # always: see FwdConfig.pv_wait_after_softmax
+                self._visit_tail(acc_O, tOrP, acc_S, v_state, has_prev, row_scale, o_scale, pipe_v)
+        else:
+            self._visit_tail(acc_O, tOrP, acc_S, v_state, has_prev, row_scale, softmax.o_scale, pipe_v)
+        v_state = kv_state.clone()
+        kv_state.advance()
+        return kv_state, v_state
+
+    @cute.jit
+    def _visit_tail(self, acc_O, tOrP, acc_S, v_state, has_prev, row_scale, o_scale, pipe_v):
+        """`_visit_step` after the softmax: wait for P_{j-1} V_{j-1}, release V_{j-1}, P_j
+        into P's registers, then O's fold (or the scale kept for the next step's early
+        rescale, `o_scale`)."""
         warpgroup.wait_group(0)            # P_{j-1} V_{j-1} done: O and P registers free
         if has_prev:
             self._pv_later_pieces(acc_O, tOrP, v_state)
             pipe_v.consumer_release(v_state)
         self._to_p(tOrP, acc_S)
         if const_expr(self.cfg.rescale_o_early):
-            softmax.o_scale.store(row_scale.load())
+            o_scale.store(row_scale.load())
         else:
             self._fold_o(acc_O, row_scale)
-        v_state = kv_state.clone()
-        kv_state.advance()
-        return kv_state, v_state
 
     def _qk_gemm(self, tiled_mma_qk, acc_S, tSrQ, tSrK, wait: int):
         """S = Q K^T as one wgmma group (`wait` as `mma.gemm`'s), or with ``s_promote`` in
