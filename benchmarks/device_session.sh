@@ -61,8 +61,9 @@
 # scoreboard-bwd (bench_bwd's every variant at B4 S4096 and four at B8 S2048 / B2 S8192, recorded, then the
 # scoreboard's document GPU tests: the backward's rows after a backward-only change), small-d-early (the causal
 # forward at D32 / D64 / D128 with the P V wait after the softmax (FwdConfig.pv_wait_after_softmax, in SASS after
-# all the exponentials) and / or O rescaled early, against the planned one, 5 rounds; then the knob's GPU tests;
-# session 58's lead for issue 25's 1.5x flex Triton).
+# all the exponentials) and / or O rescaled early, against the planned one, 5 rounds; then the knob's GPU tests and
+# the door's forward A/B with FLEXATTN_FWD_PV_BRANCH=1 on six variants; session 58's lead for issue 25's 1.5x flex
+# Triton).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -265,7 +266,9 @@ for step in $steps; do
                    done
                    (cd benchmarks && run pv_branch_128 200 python3 sweep_fwd_configs.py --dims 128/128 --rounds 5 \
                       --anchors fa4 flex --configs "tile_m=128" "tile_m=128,pv_wait_after_softmax=True")
-                   run pv_branch_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py -k pv-branch ;;
+                   run pv_branch_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py -k pv-branch
+                   run pv_branch_door 300 python3 benchmarks/ab_env.py --env FLEXATTN_FWD_PV_BRANCH=1 --rounds 7 \
+                     --variants full causal window1024 document4 causal+softcap30 causal+alibi ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -504,8 +504,10 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     tickets = _tickets_pay(shape, band, max_ctas, cluster_m, causal_tickets, tickets_flag)
     rescale_early = _rescale_o_early(shape, tf32_passes)
     ab_fp32 = _fp32_ab_overrides(tf32_passes)
+    # FwdConfig.pv_wait_after_softmax, an A/B knob until measured (session 58's lead)
+    pv_branch = os.environ.get("FLEXATTN_FWD_PV_BRANCH") == "1"
     key = (dtype, tf32_passes, ab_fp32, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
-           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, full_only,
+           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, pv_branch, full_only,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     # 3xTF32 keeps float32's accuracy: the mods' tanh / sigmoid exact, not tanh.approx.
@@ -545,6 +547,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
             # (keyed above by KV_LEN % 128: a tile_n that divides 128 then divides KV_LEN)
             kv_aligned=shape.kv_len % 128 == 0 and 128 % tile_n == 0,
             rescale_o_early=rescale_early,
+            pv_wait_after_softmax=pv_branch,
             **dict(ab_fp32),
             # The mods' reads constant over a tile (a converted PagedAttention mask's page
             # map at kv // 128) once per tile and row: H200, 2026-11-30, a prefill chunk

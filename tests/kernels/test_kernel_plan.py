@@ -691,3 +691,13 @@ def test_forward_plans_hoisted_tile_reads():
     paged = mods.mask_mod(lambda b, h, q, kv: page_map[b, kv // 128] * 128 + kv % 128 <= q)
     assert _plan(Q=1024, KV=1024, block_mask=create_block_mask(paged, 2, 1, 1024, 1024)).config.hoist_tile_reads
     assert not _plan(Q=1024, KV=1024, block_mask=create_block_mask(mods.causal(), 2, 1, 1024, 1024)).config.hoist_tile_reads
+
+
+def test_pv_wait_after_softmax_only_where_asked(on_gpu, monkeypatch):
+    """FwdConfig.pv_wait_after_softmax is an A/B knob: off in every plan, on under
+    FLEXATTN_FWD_PV_BRANCH=1 (a plan of its own, not the cached one)."""
+    q = torch.empty(4, 16, 4096, 64, dtype=torch.bfloat16).as_subclass(_OnGpu)
+    spec = AttentionSpec.from_args(mask=mods.causal())
+    assert not plan_forward(q, check_inputs(q, q, q, spec), spec).config.pv_wait_after_softmax
+    monkeypatch.setenv("FLEXATTN_FWD_PV_BRANCH", "1")
+    assert plan_forward(q, check_inputs(q, q, q, spec), spec).config.pv_wait_after_softmax
