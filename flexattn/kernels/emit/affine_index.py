@@ -52,11 +52,9 @@ from flexattn.mods import ir
 
 _INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 
-# compare op with its operands swapped: c OP x is x FLIPPED[OP] c
-FLIPPED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
+# a compare with its operands swapped (c OP x is x _FLIPPED[OP] c), and its negation
+_FLIPPED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
 _NEGATED = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt", "eq": "ne", "ne": "eq"}
-
-
 _CMP = {
     "lt": lambda x, y: x < y, "le": lambda x, y: x <= y, "gt": lambda x, y: x > y,
     "ge": lambda x, y: x >= y, "eq": lambda x, y: x == y, "ne": lambda x, y: x != y,
@@ -66,6 +64,8 @@ _CMP = {
 class IndexForm:
     """An integer kept in a cheaper form while a mod is emitted; ``value()`` is the plain
     integer, emitted at most once."""
+
+    __slots__ = ()
 
     def value(self):
         raise NotImplementedError
@@ -151,9 +151,9 @@ class AffineIndex(IndexForm):
         return _clamped(x, lo, hi, True)
 
 
-class IndexMagnitude(IndexForm):
-    """``abs(index)``, ``index`` an ``AffineIndex`` that compares cheaply: against a
-    constant, two compares of its base (``|x| <= c``: ``-c <= x`` and ``x <= c``)."""
+class _OfAffineIndex(IndexForm):
+    """A form of an ``AffineIndex`` that compares cheaply; its plain value is the node
+    emitted on the plain operands (``emit_plain()``), when something else asks for it."""
 
     __slots__ = ("index", "_emit_plain", "_plain")
 
@@ -164,6 +164,13 @@ class IndexMagnitude(IndexForm):
         if self._plain is None:
             self._plain = self._emit_plain()
         return self._plain
+
+
+class IndexMagnitude(_OfAffineIndex):
+    """``abs(index)``: against a constant, two compares of the index's base (``|x| <= c``:
+    ``-c <= x`` and ``x <= c``)."""
+
+    __slots__ = ()
 
     def compare(self, op: str, c: int):
         if op in ("eq", "ne"):
@@ -176,20 +183,16 @@ class IndexMagnitude(IndexForm):
         return None if low is None or high is None else low & high
 
 
-class IndexResidue(IndexForm):
-    """``index mod 2**k`` (floor: in [0, 2**k) for any sign, as ``& (2**k - 1)``), ``index``
-    an ``AffineIndex`` that compares cheaply: ``== r`` compares the base's residue (the
-    same value for the whole row, so emitted once) with ``(r - offset) mod 2**k``."""
+class IndexResidue(_OfAffineIndex):
+    """``index mod 2**k`` (floor: in [0, 2**k) for any sign, as ``& (2**k - 1)``): ``== r``
+    compares the base's residue (the same value for the whole row, so emitted once) with
+    ``(r - offset) mod 2**k``."""
 
-    __slots__ = ("index", "modulus", "_emit_plain", "_plain")
+    __slots__ = ("modulus",)
 
     def __init__(self, index: AffineIndex, modulus: int, emit_plain):
-        self.index, self.modulus, self._emit_plain, self._plain = index, modulus, emit_plain, None
-
-    def value(self):
-        if self._plain is None:
-            self._plain = self._emit_plain()
-        return self._plain
+        super().__init__(index, emit_plain)
+        self.modulus = modulus
 
     def compare(self, op: str, c: int):
         if op not in ("eq", "ne"):
@@ -260,7 +263,7 @@ def emit_affine(n: ir.Node, a: list, emit_plain):
         if _power_of_two_modulus(n) is not None and x.plain_compares:
             return IndexResidue(x, _power_of_two_modulus(n), emit_plain)
     if op in _CMP:
-        for form, other, form_op in ((a[0], n.args[1], op), (a[1], n.args[0], FLIPPED[op])):
+        for form, other, form_op in ((a[0], n.args[1], op), (a[1], n.args[0], _FLIPPED[op])):
             if isinstance(form, IndexForm) and other.op == "const" and other.dtype == ir.INT:
                 return form.compare(form_op, int(other.attr))
     return None
