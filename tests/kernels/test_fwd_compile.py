@@ -2,6 +2,8 @@
 uses the Hopper paths (wgmma, TMA, setmaxnreg), nothing spills, and hook arguments stay
 runtime arguments. No GPU or driver needed."""
 
+import re
+
 import pytest
 
 pytest.importorskip("cutlass")
@@ -158,8 +160,9 @@ def test_pv_wait_after_softmax_branches_around_the_wait(compiled):
     """pv_wait_after_softmax: each overlapped step's P V wait sits in a block of its own (a
     branch on seqlen_k > 0 around it), the same wgmmas and waits otherwise."""
     base, knob = compiled["hd64-causal-tickets"], compiled["hd64-causal-tickets-pv-branch"]
+    full_waits = re.compile(r"wgmma\.wait_group\.sync\.aligned\s+0;")
     assert knob.count("wgmma.mma_async") == base.count("wgmma.mma_async")
-    assert knob.count("wgmma.wait_group.sync.aligned 0") == base.count("wgmma.wait_group.sync.aligned 0")
+    assert len(full_waits.findall(knob)) == len(full_waits.findall(base)) > 0
     assert knob.count("bra") > base.count("bra")
 
 
