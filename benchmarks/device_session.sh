@@ -62,8 +62,8 @@
 # scoreboard's document GPU tests: the backward's rows after a backward-only change), small-d-early (the causal
 # forward at D32 / D64 / D128 with the P V wait after the softmax (FwdConfig.pv_wait_after_softmax, in SASS after
 # all the exponentials) and / or O rescaled early, against the planned one, 5 rounds; then the knob's GPU tests and
-# the door's forward A/B with FLEXATTN_FWD_PV_BRANCH=1 on six variants; session 58's lead for issue 25's 1.5x flex
-# Triton).
+# the door's forward A/B with FLEXATTN_FWD_PV_BRANCH=1, full and causal at three shapes (the knob is for the dense /
+# causal walk without mods); session 58's lead for issue 25's 1.5x flex Triton).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -268,7 +268,7 @@ for step in $steps; do
                       --anchors fa4 flex --configs "tile_m=128" "tile_m=128,pv_wait_after_softmax=True")
                    run pv_branch_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py -k pv-branch
                    run pv_branch_door 300 python3 benchmarks/ab_env.py --env FLEXATTN_FWD_PV_BRANCH=1 --rounds 7 \
-                     --variants full causal window1024 document4 causal+softcap30 causal+alibi ;;
+                     --variants full causal --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128 ;;
     *) echo "unknown step $step" ;;
   esac
 done

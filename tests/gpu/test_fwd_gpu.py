@@ -132,6 +132,7 @@ SHAPED_SCHEDULES = {
     # the P V wait after the softmax in a branch of its own (an A/B knob), with the early O rescale too
     "pv-branch": dict(pv_wait_after_softmax=True),
     "pv-branch+early+tickets": dict(pv_wait_after_softmax=True, rescale_o_early=True, max_ctas=7, tile_tickets=True),
+    "pv-branch+cluster": dict(pv_wait_after_softmax=True, cluster_m=2),
 }
 ALL_SCHEDULES = {**SCHEDULES, **SHAPED_SCHEDULES}
 
@@ -235,12 +236,13 @@ FIXED = [
     ("bf16", 128, 2, 4, 1, 256, 1000, "causal_builtin", "bhsd", "cluster"),    # Sq < Skv, MQA
     ("bf16", 128, 2, 4, 2, 700, 701, "causal", "bhsd", "cluster"),             # + mask hook
     ("bf16", 128, 2, 4, 2, 511, 511, "causal_builtin", "bhsd", "cluster+plain"),
-    # the P V wait after the softmax: the dense / causal walk, the one-step walk with hooks, lists
+    # the P V wait after the softmax (the dense / causal walk without mods): 192- and 128-row
+    # tiles, persistent with tickets, clusters, odd lengths, MQA, Sq < Skv and Sq > Skv
     ("bf16", 64, 3, 8, 2, 1000, 1000, "causal_builtin", "bhsd", "pv-branch+early+tickets"),
-    ("fp16", 64, 2, 4, 2, 450, 450, "lag", "bshd", "pv-branch"),
-    ("bf16", 128, 2, 4, 2, 511, 257, "softcap", "bshd", "pv-branch"),
-    ("bf16", 128, 2, 4, 4, 384, 384, "doc", "bhsd", "pv-branch"),
-    ("fp16", 128, 2, 4, 1, 129, 513, "none", "bhsd", "pv-branch"),
+    ("fp16", 64, 2, 4, 2, 450, 451, "none", "bshd", "pv-branch"),
+    ("bf16", 128, 2, 4, 2, 511, 257, "causal_builtin", "bshd", "pv-branch"),
+    ("bf16", 128, 2, 4, 4, 500, 500, "none", "bhsd", "pv-branch+cluster"),   # 4 q tiles a head
+    ("fp16", 128, 2, 4, 1, 129, 513, "causal_builtin", "bhsd", "pv-branch"),
 ]
 
 

@@ -164,6 +164,9 @@ def test_pv_wait_after_softmax_branches_around_the_wait(compiled):
     assert knob.count("wgmma.mma_async") == base.count("wgmma.mma_async")
     assert len(full_waits.findall(knob)) == len(full_waits.findall(base)) > 0
     assert knob.count("bra") > base.count("bra")
+    for other in (dict(causal=True, mods=hooks.CausalHook()), dict(block_sparse=True), dict(intra_wg_overlap=False)):
+        with pytest.raises(ValueError, match="pv_wait_after_softmax"):
+            FwdConfig(head_dim=64, pv_wait_after_softmax=True, **other)
 
 
 def test_hooks_walk_blocks_in_one_step(compiled):

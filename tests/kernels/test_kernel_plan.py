@@ -695,9 +695,16 @@ def test_forward_plans_hoisted_tile_reads():
 
 def test_pv_wait_after_softmax_only_where_asked(on_gpu, monkeypatch):
     """FwdConfig.pv_wait_after_softmax is an A/B knob: off in every plan, on under
-    FLEXATTN_FWD_PV_BRANCH=1 (a plan of its own, not the cached one)."""
+    FLEXATTN_FWD_PV_BRANCH=1 (a plan of its own, not the cached one) for the dense / causal
+    walk without mods."""
     q = torch.empty(4, 16, 4096, 64, dtype=torch.bfloat16).as_subclass(_OnGpu)
     spec = AttentionSpec.from_args(mask=mods.causal())
     assert not plan_forward(q, check_inputs(q, q, q, spec), spec).config.pv_wait_after_softmax
     monkeypatch.setenv("FLEXATTN_FWD_PV_BRANCH", "1")
     assert plan_forward(q, check_inputs(q, q, q, spec), spec).config.pv_wait_after_softmax
+    # ... where the walk is dense or causal without mods: not with a score mod or lists
+    softcap = AttentionSpec.from_args(mask=mods.causal(), score=mods.softcap(20.0))
+    assert not plan_forward(q, check_inputs(q, q, q, softcap), softcap).config.pv_wait_after_softmax
+    window = AttentionSpec.from_args(block_mask=create_block_mask(mods.document(np.arange(4096) // 1000),
+                                                                  None, None, 4096, 4096))
+    assert not plan_forward(q, check_inputs(q, q, q, window), window).config.pv_wait_after_softmax

@@ -211,8 +211,10 @@ class FwdConfig(KernelConfig):
     # the wait after the softmax's exponentials. Without it ptxas waits before the first
     # conversion into P's registers, which it interleaves with the exponentials: at D32 /
     # D64 before the first of them, so a warpgroup's exponentials never overlap its own P V
-    # (SASS, session 58; with the branch, after all 66, no spills). An A/B knob until the
-    # GPU has measured it (`device_session.sh small-d-early`).
+    # (SASS, session 58; with the branch, after all 66, no spills). The dense / causal walk
+    # without mods only: in the list, band and one-step walks ptxas answers the branch with
+    # more waits of its own, some before the exponentials. An A/B knob until the GPU has
+    # measured it (`device_session.sh small-d-early`).
     pv_wait_after_softmax: bool = False
 
     def __post_init__(self):
@@ -302,6 +304,9 @@ class FwdConfig(KernelConfig):
             raise ValueError("rescale_o_early needs the overlapped schedule without promote_pv")
         if self.tf32_passes not in (1, 3) or (self.tf32_passes == 3 and self.dtype != "fp32"):
             raise ValueError(f"tf32_passes must be 1, or 3 with dtype 'fp32', got {self.tf32_passes}")
+        if self.pv_wait_after_softmax and (self.walks_partial_then_full or self.mods.has_score
+                                           or self.mods.has_mask or not self.intra_wg_overlap):
+            raise ValueError("pv_wait_after_softmax is for the overlapped dense / causal walk without mods")
         if self.dtype == "fp32" and (self.cluster_m > 1 or self.tile_n % 8):
             raise ValueError("fp32 needs cluster_m=1 and tile_n a multiple of 8 (V's key groups)")
 
