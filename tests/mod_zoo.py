@@ -80,11 +80,12 @@ def _affine_compares(b, h, q, kv):
     """Each compare form of an index kept as base + offset (affine_index.py), combined by
     xor so that every one of them shows in the result: |x| against a constant each way,
     residues modulo 2, 4 and 8 (as % and as &) with constants inside and outside [0, m),
-    plain compares with the constant on either side."""
+    plain compares with the constant on either side, and a form inside a sum (its plain
+    value: it is no row constant)."""
     d = q - kv
     return ((d.abs() <= 12) & (d % 2 == 0)) ^ ((kv - q).abs() < 7) ^ (d.abs() >= 20) ^ (d.abs() > 25) \
         ^ (d % 4 == 1) ^ ((kv - q) & 7 != 3) ^ (d % 2 == 5) ^ (d % 8 != -1) ^ (kv - q >= -9) \
-        ^ (30 > d) ^ (kv + 3 - q == 4) ^ (d.abs() <= -1)
+        ^ (30 > d) ^ (kv + 3 - q == 4) ^ (d.abs() <= -1) ^ (kv + d.abs() <= 60)
 
 
 def _affine_extremes(b, h, q, kv):

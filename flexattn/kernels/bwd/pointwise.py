@@ -125,8 +125,7 @@ class BwdPointwise:
         # whatever it keeps (their lse_log2 is +inf, and the mask only selects), and compares
         # of an unclamped AffineIndex with constants take one instruction per element
         # (``abs(q - kv) <= 512``: two compares of a base, no add; affine_index.py).
-        mask_affine_q = (mask and not band and "q" in mods.index_vars(False, True)
-                         and "q" not in mods.load_index_vars(False, True) and mods.affine_index("q", False, True))
+        mask_affine_q = mask and not band and mods.mask_takes_unclamped("q")
         for i in cutlass.range_constexpr(len(order)):
             r, c = order[i]
             q = q_hook = q_mask = kv = kv_hook = None

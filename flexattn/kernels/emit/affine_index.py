@@ -234,8 +234,9 @@ def _float32_vector(values, shape) -> cute.TensorSSA:
 
 
 def _row_constant(x) -> bool:
-    """An integer operand that does not vary along the row: not a vector, not an index."""
-    return not isinstance(x, (AffineIndex, cute.TensorSSA))
+    """An integer operand that does not vary along the row: not a vector, not an index
+    (nor a form of one: its element's offset varies)."""
+    return not isinstance(x, (IndexForm, cute.TensorSSA))
 
 
 def emit_affine(n: ir.Node, a: list, emit_plain):
@@ -258,10 +259,11 @@ def emit_affine(n: ir.Node, a: list, emit_plain):
             return x.to_float()
         if op == "neg":
             return x.negated()
+        modulus = _power_of_two_modulus(n)
         if op == "abs" and n.dtype == ir.INT and x.plain_compares:
             return IndexMagnitude(x, emit_plain)
-        if _power_of_two_modulus(n) is not None and x.plain_compares:
-            return IndexResidue(x, _power_of_two_modulus(n), emit_plain)
+        if modulus is not None and x.plain_compares:
+            return IndexResidue(x, modulus, emit_plain)
     if op in _CMP:
         for form, other, form_op in ((a[0], n.args[1], op), (a[1], n.args[0], _FLIPPED[op])):
             if isinstance(form, IndexForm) and other.op == "const" and other.dtype == ir.INT:

@@ -60,10 +60,6 @@ class ModEvalKernel:
         hook = self.hook
         return var == self.affine and hook.affine_index(var, hook.has_score, hook.has_mask)
 
-    def _mask_takes_unclamped_q(self) -> bool:
-        hook = self.hook
-        return (self.affine == "q" and hook.has_mask and "q" not in hook.load_index_vars(False, True)
-                and hook.affine_index("q", False, True))
 
     @cute.jit
     def __call__(self, scores: cute.Tensor, out_score: cute.Tensor, out_mask: cute.Tensor,
@@ -138,7 +134,8 @@ class ModEvalKernel:
                 kv_hook = AffineIndex(kv - 5, 5)
             if cutlass.const_expr(self._affine("q")):
                 q_hook = AffineIndex(q - 3, 3, hi=scores.shape[0] - 1)
-            q_mask = AffineIndex(q - 3, 3) if cutlass.const_expr(self._mask_takes_unclamped_q()) else q_hook
+            unclamped = self.affine == "q" and self.hook.mask_takes_unclamped("q")   # as the backward
+            q_mask = AffineIndex(q - 3, 3) if cutlass.const_expr(unclamped) else q_hook
             if cutlass.const_expr(self.hook.has_score):
                 out_score[q, kv] = self.hook.score(scores[q, kv], b, h, q_hook, kv_hook, args, **row)
             if cutlass.const_expr(self.hook.has_mask):

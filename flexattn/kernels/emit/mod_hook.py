@@ -109,6 +109,14 @@ class ModHook:
             return frozenset(("b", "h", "q", "kv"))
         return frozenset()
 
+    def mask_takes_unclamped(self, var: str) -> bool:
+        """Whether the mask takes index `var` unclamped, as an `AffineIndex`: it asks for
+        the form (`affine_index`) and reads no buffer at `var`. Past the sequence end the
+        mask then only selects among elements the kernel discards (the backward's rows past
+        Q_LEN have P = 0 whatever it keeps)."""
+        return (self.has_mask and var in self.index_vars(False, True)
+                and var not in self.load_index_vars(False, True) and self.affine_index(var, False, True))
+
     # ---- backward (bwd/sm90.py): derivatives of the score mod -------------------------
     # Hooks without a score mod need nothing. A hand-written hook with a score mod must
     # override `score_and_grad` to be usable in the backward (IRModHook derives it).
