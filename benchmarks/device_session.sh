@@ -59,11 +59,10 @@
 # door's fwd+bwd A/B at document4's three shapes; session 57), first-store-wide (dq_first_store planned: the door's
 # fwd+bwd against FLEXATTN_DQ_FIRST_STORE=0 on six variants at three shapes, then the bwdwide and autograd suites),
 # scoreboard-bwd (bench_bwd's every variant at B4 S4096 and four at B8 S2048 / B2 S8192, recorded, then the
-# scoreboard's document GPU tests: the backward's rows after a backward-only change), small-d-early (the causal
-# forward at D32 / D64 / D128 with the P V wait after the softmax (FwdConfig.pv_wait_after_softmax, in SASS after
-# all the exponentials) and / or O rescaled early, against the planned one, 5 rounds; then the knob's GPU tests and
-# the door's forward A/B with FLEXATTN_FWD_PV_BRANCH=1, full and causal at three shapes (the knob is for the dense /
-# causal walk without mods); session 58's lead for issue 25's 1.5x flex Triton).
+# scoreboard's document GPU tests: the backward's rows after a backward-only change), lazy-rescale (FwdConfig.rescale_threshold = 8, O rescaled only when a warp's max outgrew
+# its reference by 2^8: the causal forward at D32 / D64 / D128 and dense D128 against the planned one, 5 rounds, then
+# the door's forward A/B with FLEXATTN_RESCALE_THRESHOLD=8 on six variants), lazy-rescale-tests (its GPU cases, then the
+# public suite and the head-dim forward cases with it planned; run beside lazy-rescale on a second GPU).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -258,17 +257,24 @@ for step in $steps; do
                     save_records
                     run scoreboard_tests 170 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flex_attention_gpu.py \
                       tests/gpu/test_bwd_gpu.py -k "row_pairs_match or document or listed_as_partial" ;;
-    small-d-early) for d in 32 64; do
-                     c="tile_m=192,max_ctas=-1,tile_tickets=1"
-                     (cd benchmarks && run small_d_early_$d 200 python3 sweep_fwd_configs.py --dims $d/$d --rounds 5 \
-                        --anchors fa4 flex --configs "$c" "$c,rescale_o_early=True" "$c,pv_wait_after_softmax=True" \
-                        "$c,pv_wait_after_softmax=True,rescale_o_early=True")
+    lazy-rescale) c="tile_m=192,max_ctas=-1,tile_tickets=1"   # (GPU 0 of two: the sweeps and the A/B)
+                  (cd benchmarks
+                   for d in 32 64; do
+                     run lazy_$d 150 python3 sweep_fwd_configs.py --dims $d/$d --rounds 5 --anchors fa4 flex \
+                       --configs "$c" "$c,rescale_threshold=8.0"
                    done
-                   (cd benchmarks && run pv_branch_128 200 python3 sweep_fwd_configs.py --dims 128/128 --rounds 5 \
-                      --anchors fa4 flex --configs "tile_m=128" "tile_m=128,pv_wait_after_softmax=True")
-                   run pv_branch_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py -k pv-branch
-                   run pv_branch_door 300 python3 benchmarks/ab_env.py --env FLEXATTN_FWD_PV_BRANCH=1 --rounds 7 \
-                     --variants full causal --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128 ;;
+                   run lazy_128 150 python3 sweep_fwd_configs.py --dims 128/128 --rounds 5 --anchors fa4 flex \
+                     --configs "tile_m=128" "tile_m=128,rescale_threshold=8.0"
+                   run lazy_128_dense 150 python3 sweep_fwd_configs.py --dims 128/128 --dense --rounds 5 --anchors fa4 \
+                     --configs "tile_m=128,max_ctas=-1" "tile_m=128,max_ctas=-1,rescale_threshold=8.0")
+                  run lazy_door 300 python3 benchmarks/ab_env.py --env FLEXATTN_RESCALE_THRESHOLD=8 --rounds 5 \
+                    --variants full causal window1024 document4 causal+softcap30 causal+alibi --shapes 4x4096x16x128 ;;
+    lazy-rescale-tests)   # (GPU 1 of two: the threshold's own cases, then the door suites with it planned)
+                  run lazy_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py -k rescale_threshold
+                  FLEXATTN_RESCALE_THRESHOLD=8 run lazy_public 330 python3 -m pytest -q -p no:cacheprovider \
+                    tests/gpu/test_flex_attention_gpu.py
+                  FLEXATTN_RESCALE_THRESHOLD=8 run lazy_heads 200 python3 -m pytest -q -p no:cacheprovider \
+                    tests/gpu/test_head_dims_gpu.py -k "test_head_dims_against_reference" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -34,7 +34,10 @@ def parse_overrides(text: str) -> dict:
         elif value.lstrip("-").isdigit():
             out[key] = int(value)
         else:
-            out[key] = value
+            try:
+                out[key] = float(value)   # (rescale_threshold=8.0)
+            except ValueError:
+                out[key] = value
     return out
 
 

@@ -474,6 +474,23 @@ def _rescale_o_early(shape: AttentionShape, tf32_passes: int) -> bool:
     return shape.v_head_dim > 192
 
 
+def _rescale_threshold(shape: AttentionShape, has_score: bool, fp32: bool) -> float:
+    """`FwdConfig.rescale_threshold`: O rescaled only when a warp's max outgrew the
+    exponents' reference by 2^8 (FA4's Blackwell value), from 128 value columns (an O
+    fragment of 64+ registers a thread) without a score mod. H200, 2026-12-01, the door's
+    forward A/B in alternating rounds (9), ms with / without: D128 full, causal, window1024
+    and document4 at B4 S4096, B2 S8192, B8 S2048 0.973-0.997 (12 of 12 faster); D128
+    ALiBi 0.999-1.021; D64 full / causal 1.008 / 0.996, D32 1.019 / 1.009 (docs/experiments.md,
+    issue 25). Off for float32 (its error studies were measured with every block
+    rescaled). ``FLEXATTN_RESCALE_THRESHOLD=t`` overrides (0: off), for A/B runs."""
+    if fp32:
+        return 0.0
+    flag = os.environ.get("FLEXATTN_RESCALE_THRESHOLD")
+    if flag is not None:
+        return float(flag)
+    return 8.0 if shape.v_head_dim >= 128 and not has_score else 0.0
+
+
 def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool = False,
                  tf32_passes: int = 3) -> KernelPlan:
     """Pick the kernel configuration (compile-time) for this call.
@@ -504,10 +521,9 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     tickets = _tickets_pay(shape, band, max_ctas, cluster_m, causal_tickets, tickets_flag)
     rescale_early = _rescale_o_early(shape, tf32_passes)
     ab_fp32 = _fp32_ab_overrides(tf32_passes)
-    # FwdConfig.pv_wait_after_softmax, an A/B knob until measured (session 58's lead)
-    pv_branch = os.environ.get("FLEXATTN_FWD_PV_BRANCH") == "1"
+    threshold = _rescale_threshold(shape, score is not None, fp32)
     key = (dtype, tf32_passes, ab_fp32, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
-           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, pv_branch, full_only,
+           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, threshold, full_only,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     # 3xTF32 keeps float32's accuracy: the mods' tanh / sigmoid exact, not tanh.approx.
@@ -547,7 +563,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
             # (keyed above by KV_LEN % 128: a tile_n that divides 128 then divides KV_LEN)
             kv_aligned=shape.kv_len % 128 == 0 and 128 % tile_n == 0,
             rescale_o_early=rescale_early,
-            pv_wait_after_softmax=pv_branch and not (lists or band or template.has_score or template.has_mask),
+            rescale_threshold=threshold,
             **dict(ab_fp32),
             # The mods' reads constant over a tile (a converted PagedAttention mask's page
             # map at kv // 128) once per tile and row: H200, 2026-11-30, a prefill chunk

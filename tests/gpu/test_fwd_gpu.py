@@ -129,20 +129,41 @@ SHAPED_SCHEDULES = {
     # KV_LEN a multiple of tile_n: full blocks skip the straddle test (kv_aligned)
     "aligned": dict(kv_aligned=True),
     "aligned+tickets": dict(max_ctas=7, tile_tickets=True, kv_aligned=True),
-    # the P V wait after the softmax in a branch of its own (an A/B knob), with the early O rescale too
-    "pv-branch": dict(pv_wait_after_softmax=True),
-    "pv-branch+early+tickets": dict(pv_wait_after_softmax=True, rescale_o_early=True, max_ctas=7, tile_tickets=True),
-    "pv-branch+cluster": dict(pv_wait_after_softmax=True, cluster_m=2),
 }
-ALL_SCHEDULES = {**SCHEDULES, **SHAPED_SCHEDULES}
+# O's rescale skipped while a warp's max stays within 2^8 of the reference (rescale_threshold)
+LAZY_SCHEDULES = {
+    "lazy": dict(rescale_threshold=8.0),
+    "lazy+plain": dict(rescale_threshold=8.0, intra_wg_overlap=False, pingpong=False),
+    "lazy+early": dict(rescale_threshold=8.0, rescale_o_early=True, tile_n=64),   # (D256 fits 64 keys)
+    "lazy+early+tickets": dict(rescale_threshold=8.0, rescale_o_early=True, max_ctas=7, tile_tickets=True),
+    "lazy+persist": dict(rescale_threshold=8.0, max_ctas=7),
+    "lazy+cluster": dict(rescale_threshold=8.0, cluster_m=2),
+    "lazy+t2": dict(rescale_threshold=2.0),   # a low threshold: rescales and skips alternate more
+}
+ALL_SCHEDULES = {**SCHEDULES, **SHAPED_SCHEDULES, **LAZY_SCHEDULES}
 
 
-def run_case(dtype_name, D, B, Hq, Hkv, Sq, Skv, kind, layout="bhsd", sched="ov+pp", seed=0):
+def spiky_gains(q, k, block=64):
+    """Scale keys by a gain drawn per block of keys (0.25 to 8) and queries by one per row
+    (0.3 to 3): a row's max then jumps by far more than 2^8 between some kv blocks and
+    not between others, differently from warp to warp (rescale_threshold's two branches)."""
+    S = k.shape[2]
+    gains = torch.tensor([0.25, 1.0, 2.0, 4.0, 8.0], device=k.device)
+    per_block = gains[torch.randint(0, len(gains), ((S + block - 1) // block,), device=k.device)]
+    k = (k.float() * per_block.repeat_interleave(block)[:S].view(1, 1, S, 1)).to(k.dtype)
+    rows = torch.tensor([0.3, 1.0, 3.0], device=q.device)[torch.randint(0, 3, (q.shape[2],), device=q.device)]
+    q = (q.float() * rows.view(1, 1, -1, 1)).to(q.dtype)
+    return q, k
+
+
+def run_case(dtype_name, D, B, Hq, Hkv, Sq, Skv, kind, layout="bhsd", sched="ov+pp", seed=0, spiky=False):
     random.seed(seed)
     torch.manual_seed(seed)
     dev = "cuda"
     dtype = DTYPES[dtype_name]
     q, k, v = make_qkv(B, Hq, Hkv, Sq, Skv, D, dtype, layout, dev)
+    if spiky:
+        q, k = spiky_gains(q, k)
     cfg_kw, args, score_fn, mask_fn = mod_setup(kind, B, Hq, Sq, Skv, dev)
     cfg = FwdConfig(dtype=dtype_name, head_dim=D, **cfg_kw, **ALL_SCHEDULES[sched])
     scale = 1.0 / math.sqrt(D)
@@ -236,19 +257,41 @@ FIXED = [
     ("bf16", 128, 2, 4, 1, 256, 1000, "causal_builtin", "bhsd", "cluster"),    # Sq < Skv, MQA
     ("bf16", 128, 2, 4, 2, 700, 701, "causal", "bhsd", "cluster"),             # + mask hook
     ("bf16", 128, 2, 4, 2, 511, 511, "causal_builtin", "bhsd", "cluster+plain"),
-    # the P V wait after the softmax (the dense / causal walk without mods): 192- and 128-row
-    # tiles, persistent with tickets, clusters, odd lengths, MQA, Sq < Skv and Sq > Skv
-    ("bf16", 64, 3, 8, 2, 1000, 1000, "causal_builtin", "bhsd", "pv-branch+early+tickets"),
-    ("fp16", 64, 2, 4, 2, 450, 451, "none", "bshd", "pv-branch"),
-    ("bf16", 128, 2, 4, 2, 511, 257, "causal_builtin", "bshd", "pv-branch"),
-    ("bf16", 128, 2, 4, 4, 500, 500, "none", "bhsd", "pv-branch+cluster"),   # 4 q tiles a head
-    ("fp16", 128, 2, 4, 1, 129, 513, "causal_builtin", "bhsd", "pv-branch"),
 ]
 
 
 @pytest.mark.parametrize("case", FIXED, ids=lambda c: "-".join(map(str, c)))
 def test_fixed(case):
     run_case(*case)
+
+
+# rescale_threshold over every walk (dense, causal peeled and in one step, lists, band, no
+# overlap, early rescale, clusters, persistent CTAs), empty rows, D32 to D256; spiky inputs
+# (spiky_gains) take both branches of the vote, plain ones mostly the skip.
+LAZY = [
+    ("bf16", 64, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "lazy+early+tickets", True),   # 192-row tiles
+    ("bf16", 32, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "lazy", True),
+    ("fp16", 128, 2, 4, 2, 700, 900, "none", "bshd", "lazy", True),
+    ("bf16", 128, 2, 8, 2, 1000, 1000, "causal", "bhsd", "lazy", True),          # hooks: one-step walk
+    ("bf16", 128, 2, 4, 2, 511, 257, "softcap", "bshd", "lazy", True),
+    ("bf16", 64, 2, 2, 1, 200, 200, "lag", "bhsd", "lazy", True),                # empty rows
+    ("fp16", 128, 1, 2, 2, 130, 257, "lag", "bhsd", "lazy+plain", True),
+    ("bf16", 128, 3, 4, 4, 700, 333, "doc", "bhsd", "lazy+persist", True),       # lists
+    ("bf16", 128, 3, 4, 2, 1000, 1000, "window", "bhsd", "lazy+persist", True),  # band
+    ("fp16", 128, 2, 4, 2, 511, 300, "none", "bhsd", "lazy+plain", True),
+    ("bf16", 128, 3, 8, 2, 1000, 999, "none", "bshd", "lazy+cluster", True),
+    ("fp16", 256, 1, 4, 2, 600, 600, "causal_builtin", "bhsd", "lazy+early", True),
+    ("bf16", 96, 2, 6, 3, 777, 777, "causal_builtin", "bshd", "lazy+t2", True),
+    ("bf16", 128, 2, 8, 2, 1000, 1000, "causal_builtin", "bhsd", "lazy+t2", False),
+    ("bf16", 64, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "lazy+early+tickets", False),
+    ("fp16", 64, 1, 2, 2, 64, 1, "softcap", "bhsd", "lazy", False),              # one key
+]
+
+
+@pytest.mark.parametrize("case", LAZY, ids=lambda c: "-".join(map(str, c)))
+def test_rescale_threshold(case):
+    *args, spiky = case
+    run_case(*args, spiky=spiky)
 
 
 def _random_cases(n, seed=1234):

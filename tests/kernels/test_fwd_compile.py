@@ -94,9 +94,11 @@ CASES = {
                                             mods=IRModHook(None, canonical_band(mods.sliding_window(1024)))),
                                   lambda: (cutlass.Int32(0), cutlass.Int32(1024))),
     "hd64-causal-tickets": (FwdConfig(head_dim=64, causal=True, max_ctas=132, tile_tickets=True), lambda: ()),
-    # the P V wait after the softmax, in a branch (FwdConfig.pv_wait_after_softmax: an A/B knob)
-    "hd64-causal-tickets-pv-branch": (FwdConfig(head_dim=64, causal=True, max_ctas=132, tile_tickets=True,
-                                                pv_wait_after_softmax=True), lambda: ()),
+    # O's rescale behind a vote of the warp (FwdConfig.rescale_threshold), with and without the early rescale
+    "hd64-causal-tickets-lazy": (FwdConfig(head_dim=64, causal=True, max_ctas=132, tile_tickets=True,
+                                           rescale_threshold=8.0), lambda: ()),
+    "hd256-causal-early-lazy": (FwdConfig(head_dim=256, causal=True, rescale_o_early=True, tile_n=64,
+                                          rescale_threshold=8.0), lambda: ()),
 }
 
 
@@ -156,17 +158,18 @@ def test_causal_skips_mask_on_interior_blocks(compiled):
     assert compiled["hd128-causal-plain"].count("wgmma.mma_async") == 2 * per_step
 
 
-def test_pv_wait_after_softmax_branches_around_the_wait(compiled):
-    """pv_wait_after_softmax: each overlapped step's P V wait sits in a block of its own (a
-    branch on seqlen_k > 0 around it), the same wgmmas and waits otherwise."""
-    base, knob = compiled["hd64-causal-tickets"], compiled["hd64-causal-tickets-pv-branch"]
-    full_waits = re.compile(r"wgmma\.wait_group\.sync\.aligned\s+0;")
-    assert knob.count("wgmma.mma_async") == base.count("wgmma.mma_async")
-    assert len(full_waits.findall(knob)) == len(full_waits.findall(base)) > 0
-    assert knob.count("bra") > base.count("bra")
-    for other in (dict(causal=True, mods=hooks.CausalHook()), dict(block_sparse=True), dict(intra_wg_overlap=False)):
-        with pytest.raises(ValueError, match="pv_wait_after_softmax"):
-            FwdConfig(head_dim=64, pv_wait_after_softmax=True, **other)
+def test_rescale_threshold_votes_once_per_step(compiled):
+    """rescale_threshold: each step after the first asks its warp once (vote.any) whether
+    the reference max moves; the same wgmmas otherwise, and no vote without it."""
+    base, lazy = compiled["hd64-causal-tickets"], compiled["hd64-causal-tickets-lazy"]
+    assert lazy.count("wgmma.mma_async") == base.count("wgmma.mma_async")
+    assert "vote.sync.any.pred" not in base
+    # the peeled first block has no vote; the diagonal loop and the full-block loop one each
+    assert lazy.count("vote.sync.any.pred") == 2
+    assert compiled["hd256-causal-early-lazy"].count("vote.sync.any.pred") >= 1
+    for bad in (-1.0, 17.0):
+        with pytest.raises(ValueError, match="rescale_threshold"):
+            FwdConfig(head_dim=64, rescale_threshold=bad)
 
 
 def test_hooks_walk_blocks_in_one_step(compiled):

@@ -296,6 +296,32 @@ def test_head_dims_plan_tiles_that_fit_shared_memory(on_gpu):
     assert sparse.rescale_o_early and band.rescale_o_early
 
 
+def test_rescale_threshold_from_128_value_columns_without_score_mod(on_gpu, monkeypatch):
+    """O's rescale behind a vote (rescale_threshold 8) from 128 value columns, where the
+    door A/B measured it faster, and for every block structure; off below 128, with a
+    score mod and for float32; FLEXATTN_RESCALE_THRESHOLD overrides (a plan of its own)."""
+    monkeypatch.delenv("FLEXATTN_RESCALE_THRESHOLD", raising=False)
+
+    def threshold(D, Dv=None, dtype=torch.bfloat16, **kw):
+        q = torch.empty(2, 4, 1024, D, dtype=dtype).as_subclass(_OnGpu)
+        v = torch.empty(2, 4, 1024, Dv or D, dtype=dtype).as_subclass(_OnGpu)
+        spec = AttentionSpec.from_args(**kw)
+        return plan_forward(q, check_inputs(q, q, v, spec), spec).config.rescale_threshold
+
+    assert threshold(128) == threshold(256) == threshold(192, 128) == 8.0
+    assert threshold(128, mask=mods.causal()) == threshold(256, mask=mods.causal()) == 8.0
+    assert threshold(128, mask=mods.sliding_window(100)) == 8.0
+    assert threshold(128, mask=mods.document(np.arange(1024) // 300)) == 8.0
+    assert threshold(128, dtype=torch.float16) == 8.0
+    assert threshold(64) == threshold(32) == threshold(96) == threshold(128, 64) == 0.0
+    assert threshold(128, mask=mods.causal(), score=mods.softcap(20.0)) == 0.0
+    assert threshold(128, dtype=torch.float32) == 0.0
+    monkeypatch.setenv("FLEXATTN_RESCALE_THRESHOLD", "0")
+    assert threshold(128) == 0.0
+    monkeypatch.setenv("FLEXATTN_RESCALE_THRESHOLD", "4")
+    assert threshold(64) == 4.0
+
+
 def test_early_o_rescale_needs_the_overlapped_schedule_without_promoted_pv():
     """`rescale_o_early` shrinks O between two GEMMs of the overlapped step; 3xTF32's
     promoted P V folds O its own way: both combinations are refused at construction."""
@@ -691,20 +717,3 @@ def test_forward_plans_hoisted_tile_reads():
     paged = mods.mask_mod(lambda b, h, q, kv: page_map[b, kv // 128] * 128 + kv % 128 <= q)
     assert _plan(Q=1024, KV=1024, block_mask=create_block_mask(paged, 2, 1, 1024, 1024)).config.hoist_tile_reads
     assert not _plan(Q=1024, KV=1024, block_mask=create_block_mask(mods.causal(), 2, 1, 1024, 1024)).config.hoist_tile_reads
-
-
-def test_pv_wait_after_softmax_only_where_asked(on_gpu, monkeypatch):
-    """FwdConfig.pv_wait_after_softmax is an A/B knob: off in every plan, on under
-    FLEXATTN_FWD_PV_BRANCH=1 (a plan of its own, not the cached one) for the dense / causal
-    walk without mods."""
-    q = torch.empty(4, 16, 4096, 64, dtype=torch.bfloat16).as_subclass(_OnGpu)
-    spec = AttentionSpec.from_args(mask=mods.causal())
-    assert not plan_forward(q, check_inputs(q, q, q, spec), spec).config.pv_wait_after_softmax
-    monkeypatch.setenv("FLEXATTN_FWD_PV_BRANCH", "1")
-    assert plan_forward(q, check_inputs(q, q, q, spec), spec).config.pv_wait_after_softmax
-    # ... where the walk is dense or causal without mods: not with a score mod or lists
-    softcap = AttentionSpec.from_args(mask=mods.causal(), score=mods.softcap(20.0))
-    assert not plan_forward(q, check_inputs(q, q, q, softcap), softcap).config.pv_wait_after_softmax
-    window = AttentionSpec.from_args(block_mask=create_block_mask(mods.document(np.arange(4096) // 1000),
-                                                                  None, None, 4096, 4096))
-    assert not plan_forward(q, check_inputs(q, q, q, window), window).config.pv_wait_after_softmax

@@ -172,6 +172,11 @@ class FwdConfig(KernelConfig):
     # the same order (results bitwise equal: sweep_fwd_configs' diff 0); only when the
     # multiply issues moves. Planned beyond 192 (kernel_path._rescale_o_early); FA4: beyond 128.
     rescale_o_early: bool = False
+    # O's rescale skipped while no row of a warp has outgrown the exponents' reference max
+    # by more than 2^rescale_threshold (OnlineSoftmax: P then runs up to that factor; one
+    # vote per warp and block decides, and the FMULs sit in a branch). 0: every block
+    # rescales. FA4 does this on Blackwell (8.0).
+    rescale_threshold: float = 0.0
     # Which tiles each CTA takes (hopper/tile_scheduler.py): "by_head" or "longest_first"
     # (None: longest_first under causal, where tiles differ in work; by_head otherwise).
     tile_order: str | None = None
@@ -206,16 +211,6 @@ class FwdConfig(KernelConfig):
     # was a branch in the middle of the step, and ptxas then started the softmax only after
     # the P V wait (documents B2 S8192, H100: see docs/experiments.md, session 27).
     kv_aligned: bool = False
-    # Overlapped schedule: the P V wait, P's conversion and O's fold in a branch on
-    # `seqlen_k > 0` (true wherever a step runs, not known to the compiler), so ptxas keeps
-    # the wait after the softmax's exponentials. Without it ptxas waits before the first
-    # conversion into P's registers, which it interleaves with the exponentials: at D32 /
-    # D64 before the first of them, so a warpgroup's exponentials never overlap its own P V
-    # (SASS, session 58; with the branch, after all 66, no spills). The dense / causal walk
-    # without mods only: in the list, band and one-step walks ptxas answers the branch with
-    # more waits of its own, some before the exponentials. An A/B knob until the GPU has
-    # measured it (`device_session.sh small-d-early`).
-    pv_wait_after_softmax: bool = False
 
     def __post_init__(self):
         # Resolve the defaults that depend on other fields (frozen: via object.__setattr__).
@@ -304,9 +299,9 @@ class FwdConfig(KernelConfig):
             raise ValueError("rescale_o_early needs the overlapped schedule without promote_pv")
         if self.tf32_passes not in (1, 3) or (self.tf32_passes == 3 and self.dtype != "fp32"):
             raise ValueError(f"tf32_passes must be 1, or 3 with dtype 'fp32', got {self.tf32_passes}")
-        if self.pv_wait_after_softmax and (self.walks_partial_then_full or self.mods.has_score
-                                           or self.mods.has_mask or not self.intra_wg_overlap):
-            raise ValueError("pv_wait_after_softmax is for the overlapped dense / causal walk without mods")
+        if not 0.0 <= self.rescale_threshold <= 16.0:
+            # (P up to 2^16 stays finite in fp16 and keeps float32's relative precision)
+            raise ValueError(f"rescale_threshold must be in [0, 16], got {self.rescale_threshold}")
         if self.dtype == "fp32" and (self.cluster_m > 1 or self.tile_n % 8):
             raise ValueError("fp32 needs cluster_m=1 and tile_n a multiple of 8 (V's key groups)")
 
@@ -734,7 +729,8 @@ class FlashFwdSm90(WarpSpecialized):
         acc_shape_S = wg_qk.partition_shape_C((cfg.tile_m, cfg.tile_n))
         acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((cfg.tile_m, cfg.head_dim_v)), Float32)
         softmax = OnlineSoftmax(scale_log2, cute.size(mma.acc_mn_view(acc_O).shape[0]),
-                                defer_o_scale=cfg.rescale_o_early)
+                                defer_o_scale=cfg.rescale_o_early, rescale_threshold=cfg.rescale_threshold,
+                                track_max=cfg.max_scores)
         if const_expr(cfg.promote_pv):   # (O, this block's P V): see FwdConfig.promote_pv
             if const_expr(cfg.promote_pv_pieces == 1):
                 acc_O = (acc_O, cute.make_rmem_tensor_like(acc_O))
@@ -1117,9 +1113,9 @@ class FlashFwdSm90(WarpSpecialized):
         pipe_k.consumer_release(kv_state)
 
         self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
-        row_scale = softmax.step(acc_S, is_first=is_first)
+        row_scale, rescale = softmax.step(acc_S, is_first=is_first)
         if const_expr(not is_first):
-            rescale_rows(acc_O, row_scale)
+            rescale_rows(acc_O, row_scale, rescale)
         self._to_p(tOrP, acc_S)
 
         pipe_v.consumer_wait(kv_state)
@@ -1144,6 +1140,8 @@ class FlashFwdSm90(WarpSpecialized):
         softmax.step(acc_S, is_first=True)
         if const_expr(self.cfg.rescale_o_early):
             softmax.o_scale.fill(1.0)
+            if const_expr(softmax.o_pending is not None):
+                softmax.o_pending.fill(0)
         self._to_p(tOrP, acc_S)
         return kv_state
 
@@ -1167,7 +1165,7 @@ class FlashFwdSm90(WarpSpecialized):
         self._turn_wait(wg)
         self._qk_gemm(tiled_mma_qk, acc_S, tSrQ, self._kv_operand(tSrK, kv_state), wait=-1)
         if const_expr(self.cfg.rescale_o_early):
-            rescale_rows(acc_O, softmax.o_scale)   # block j-1's scale, while Q K_j^T runs
+            rescale_rows(acc_O, softmax.o_scale, _o_pending(softmax))   # block j-1's scale, while Q K_j^T runs
         if has_prev:
             pipe_v.consumer_wait(v_state)
             self._pv_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt, v_state, wait=-1)
@@ -1178,31 +1176,28 @@ class FlashFwdSm90(WarpSpecialized):
         pipe_k.consumer_release(kv_state)
 
         self._scores(ctx, acc_S, n_block, mask, causal, kv_bound, partial)
-        row_scale = softmax.step(acc_S, is_first=False)
-        if const_expr(self.cfg.pv_wait_after_softmax):
-            o_scale = softmax.o_scale      # (the branch carries tensors, not the softmax object)
-            if ctx.seqlen_k > 0:           # always: see FwdConfig.pv_wait_after_softmax
-                self._visit_tail(acc_O, tOrP, acc_S, v_state, has_prev, row_scale, o_scale, pipe_v)
-        else:
-            self._visit_tail(acc_O, tOrP, acc_S, v_state, has_prev, row_scale, softmax.o_scale, pipe_v)
+        row_scale, rescale = softmax.step(acc_S, is_first=False)
+        self._visit_tail(acc_O, tOrP, acc_S, v_state, has_prev, row_scale, rescale, softmax, pipe_v)
         v_state = kv_state.clone()
         kv_state.advance()
         return kv_state, v_state
 
     @cute.jit
-    def _visit_tail(self, acc_O, tOrP, acc_S, v_state, has_prev, row_scale, o_scale, pipe_v):
+    def _visit_tail(self, acc_O, tOrP, acc_S, v_state, has_prev, row_scale, rescale, softmax, pipe_v):
         """`_visit_step` after the softmax: wait for P_{j-1} V_{j-1}, release V_{j-1}, P_j
-        into P's registers, then O's fold (or the scale kept for the next step's early
-        rescale, `o_scale`)."""
+        into P's registers, then O's fold (or the scale, and whether it is due, kept for
+        the next step's early rescale: `softmax.o_scale`, `o_pending`)."""
         warpgroup.wait_group(0)            # P_{j-1} V_{j-1} done: O and P registers free
         if has_prev:
             self._pv_later_pieces(acc_O, tOrP, v_state)
             pipe_v.consumer_release(v_state)
         self._to_p(tOrP, acc_S)
         if const_expr(self.cfg.rescale_o_early):
-            o_scale.store(row_scale.load())
+            softmax.o_scale.store(row_scale.load())
+            if const_expr(rescale is not None):
+                softmax.o_pending[0] = Int32(1) if rescale else Int32(0)
         else:
-            self._fold_o(acc_O, row_scale)
+            self._fold_o(acc_O, row_scale, rescale)
 
     def _qk_gemm(self, tiled_mma_qk, acc_S, tSrQ, tSrK, wait: int):
         """S = Q K^T as one wgmma group (`wait` as `mma.gemm`'s), or with ``s_promote`` in
@@ -1251,18 +1246,19 @@ class FlashFwdSm90(WarpSpecialized):
                              zero_init=True, wait=0)
                 mma.add_into(o, p * n, pieces.acc)
 
-    def _fold_o(self, acc_O, row_scale):
+    def _fold_o(self, acc_O, row_scale, rescale):
         """O = (O + the last block's P V if promoted whole) * row_scale, once that P V is
-        done (promoted in pieces: already added by ``_pv_later_pieces``)."""
+        done (promoted in pieces: already added by ``_pv_later_pieces``); the multiply
+        only where `rescale` (None: always)."""
         cfg = self.cfg
         if const_expr(cfg.promote_pv and cfg.promote_pv_pieces > 1):
-            rescale_rows(acc_O[0], row_scale)
+            rescale_rows(acc_O[0], row_scale, rescale)
         elif const_expr(cfg.promote_pv):
             o, pv = acc_O
             o.store(o.load() + pv.load())
-            rescale_rows(o, row_scale)
+            rescale_rows(o, row_scale, rescale)
         else:
-            rescale_rows(acc_O, row_scale)
+            rescale_rows(acc_O, row_scale, rescale)
 
     def _pv_pieces(self, sV, wg_first_thread, acc_O) -> _PvPieces:
         """The parts of ``promote_pv`` in column pieces (see `_PvPieces`): fp32's sV holds
@@ -1303,7 +1299,7 @@ class FlashFwdSm90(WarpSpecialized):
         tiled_mma_pv, tOrVt, tOrP = ctx.tiled_mma_pv, ctx.tOrVt, ctx.tOrP
         acc_O, softmax, pipe_v = ctx.acc_O, ctx.softmax, ctx.pipe_v
         if const_expr(self.cfg.rescale_o_early):
-            rescale_rows(acc_O, softmax.o_scale)
+            rescale_rows(acc_O, softmax.o_scale, _o_pending(softmax))
         pipe_v.consumer_wait(kv_state)
         self._pv_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt, kv_state, wait=0)
         self._pv_later_pieces(acc_O, tOrP, kv_state)
@@ -1360,3 +1356,11 @@ class FlashFwdSm90(WarpSpecialized):
             return [(tma_atom_O, sO, gO)]
 
         store_staged(o_store, tidx, FwdBarrier.EPILOGUE, self.num_mma_threads)
+
+
+def _o_pending(softmax: OnlineSoftmax):
+    """Whether the deferred row scale (`rescale_o_early`) is due: None (always) without a
+    rescale threshold, else the flag the last step stored (warp-uniform: from one vote)."""
+    if softmax.o_pending is None:
+        return None
+    return softmax.o_pending[0] != Int32(0)

@@ -7,13 +7,20 @@ reduced across the quad each step, the sum only once at the end.
 A row that has seen only -inf keeps m = -inf; the exponent then uses 0 in place of m so
 that exp2(-inf) = 0 and no inf - inf appears. At the end such a row has l = 0: its output
 is 0 and its LSE -inf.
+
+With a rescale threshold t (FA4's trick on Blackwell), the exponents' reference m moves
+only when some row of the warp has outgrown it by more than 2^t in exp2 units; otherwise
+the probabilities run up to 2^t (256 at t = 8: exact in fp32, bf16 and fp16 alike) and
+the output and the sums keep their scale, so the caller skips O's rescale (one multiply
+per O register) on that branch. m stays at most t above the reference by construction,
+and l and O share the reference, so O / l and the LSE (m + log2 l) are unchanged.
 """
 
 import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Boolean, Float32, Int32, const_expr
 
 from flexattn.kernels.hopper.mma import acc_mn_view
 
@@ -23,13 +30,28 @@ LN2 = math.log(2.0)
 class OnlineSoftmax:
     """Row statistics of one thread; `scale_log2` multiplies scores inside exp2."""
 
-    def __init__(self, scale_log2: Float32, num_rows: int, defer_o_scale: bool = False):
+    def __init__(self, scale_log2: Float32, num_rows: int, defer_o_scale: bool = False,
+                 rescale_threshold: float = 0.0, track_max: bool = False):
         self.scale_log2 = scale_log2
+        # With a threshold: the exponents' reference (module docstring); else the max.
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
         # `defer_o_scale`: the last step's row scale, held until the caller applies it to
-        # O (FwdConfig.rescale_o_early); 1 where nothing is pending.
+        # O (FwdConfig.rescale_o_early); 1 where nothing is pending. With a threshold,
+        # `o_pending` holds whether it is to be applied (1) or is all ones (0).
         self.o_scale = cute.make_rmem_tensor(num_rows, Float32) if defer_o_scale else None
+        self.threshold = float(rescale_threshold)
+        self.o_pending = None
+        self.true_max = None
+        if const_expr(self.threshold > 0.0):
+            # The reference moves when a row's max exceeds it by this much in score units
+            # (scale_log2 = 0 gives inf: clamped, so a reference of -inf still moves).
+            self.threshold_scores = cute.arch.fmin(Float32(self.threshold) / scale_log2, Float32(3.0e38))
+            if const_expr(defer_o_scale):
+                self.o_pending = cute.make_rmem_tensor(1, Int32)
+            # `track_max`: the true running max, for `max_scores` (the reference lags it).
+            if const_expr(track_max):
+                self.true_max = cute.make_rmem_tensor(num_rows, Float32)
 
     def reset(self):
         """State before any block: max -inf, sum 0 (needed when the first visited block
@@ -38,11 +60,19 @@ class OnlineSoftmax:
         self.row_sum.fill(0.0)
         if const_expr(self.o_scale is not None):
             self.o_scale.fill(1.0)
+        if const_expr(self.o_pending is not None):
+            self.o_pending.fill(0)
+        if const_expr(self.true_max is not None):
+            self.true_max.fill(-Float32.inf)
 
     @cute.jit
-    def step(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
+    def step(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]):
         """Turn the scores in `acc_S` into unnormalised probabilities (in place) and
-        return, per row, the factor by which the output accumulated so far must shrink."""
+        return (per row, the factor by which the output accumulated so far must shrink;
+        whether it must: a warp-uniform Boolean with a rescale threshold, else None for
+        always). The first block's factors are 1."""
+        if const_expr(self.threshold > 0.0 and not is_first):
+            return self._step_lazy(acc_S)
         s_mn = acc_mn_view(acc_S)
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
@@ -69,7 +99,41 @@ class OnlineSoftmax:
             p = cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True)
             s_mn[r, None].store(p)
             self.row_sum[r] = p.reduce(cute.ReductionOp.ADD, sum_init, 0)
-        return row_scale
+        if const_expr(self.true_max is not None):
+            for r in cutlass.range_constexpr(cute.size(self.row_max)):
+                self.true_max[r] = self.row_max[r]
+        return row_scale, None
+
+    @cute.jit
+    def _step_lazy(self, acc_S: cute.Tensor):
+        """`step` after the first block with a rescale threshold: the maxima first, then
+        one vote of the warp on whether the reference moves (its rows' rescales, and O's,
+        are then one branch for all 32 lanes), then the exponentials."""
+        s_mn = acc_mn_view(acc_S)
+        n = cute.size(self.row_max)
+        row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
+        m_new = cute.make_rmem_tensor_like(self.row_max, Float32)
+        grows = Boolean(False)
+        for r in cutlass.range_constexpr(n):
+            m_cur = cute.arch.fmax(_row_max(s_mn[r, None].load()), self.row_max[r])
+            m_cur = cute.arch.warp_reduction_max(m_cur, threads_in_group=4)
+            m_new[r] = m_cur
+            # (a reference of -inf: -inf + the finite threshold, so any finite max moves it)
+            grows = grows | (m_cur > self.row_max[r] + self.threshold_scores)
+            if const_expr(self.true_max is not None):
+                self.true_max[r] = cute.arch.fmax(self.true_max[r], m_cur)
+        rescale = cute.arch.vote_any_sync(grows)
+        for r in cutlass.range_constexpr(n):
+            m_prev = self.row_max[r]
+            m_ref = m_new[r] if rescale else m_prev
+            self.row_max[r] = m_ref
+            m_safe = Float32(0.0) if m_ref == -Float32.inf else m_ref
+            # 1 where the reference stays (0 for a row with nothing yet: its sum is 0)
+            row_scale[r] = cute.math.exp2((m_prev - m_safe) * self.scale_log2, fastmath=True)
+            p = cute.math.exp2(s_mn[r, None].load() * self.scale_log2 - m_safe * self.scale_log2, fastmath=True)
+            s_mn[r, None].store(p)
+            self.row_sum[r] = p.reduce(cute.ReductionOp.ADD, self.row_sum[r] * row_scale[r], 0)
+        return row_scale, rescale
 
     @cute.jit
     def finalize(self, exact: cutlass.Constexpr[bool] = False) -> tuple:
@@ -97,10 +161,12 @@ class OnlineSoftmax:
     def max_scores(self) -> cute.Tensor:
         """Per row, the max score in natural units of the softmax's input (the scaled,
         modded scores): the running max times scale_log2 · ln 2; -inf for a row that saw
-        nothing."""
+        nothing. (With a rescale threshold: the instance must track it, `track_max`.)"""
+        assert self.threshold == 0.0 or self.true_max is not None, "OnlineSoftmax(track_max=True)"
+        running = self.row_max if const_expr(self.true_max is None) else self.true_max
         out = cute.make_rmem_tensor_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
-            out[r] = self.row_max[r] * (self.scale_log2 * Float32(LN2))
+            out[r] = running[r] * (self.scale_log2 * Float32(LN2))
         return out
 
 
@@ -120,8 +186,18 @@ def _row_max(row: cute.TensorSSA) -> Float32:
 
 
 @cute.jit
-def rescale_rows(acc: cute.Tensor, row_scale: cute.Tensor):
-    """acc[r, :] *= row_scale[r] for an sm90 accumulator fragment."""
+def rescale_rows(acc: cute.Tensor, row_scale: cute.Tensor, needed=None):
+    """acc[r, :] *= row_scale[r] for an sm90 accumulator fragment; with `needed` (a
+    warp-uniform Boolean from `OnlineSoftmax.step`) only where it is true."""
+    if const_expr(needed is None):
+        _scale_rows(acc, row_scale)
+    else:
+        if needed:
+            _scale_rows(acc, row_scale)
+
+
+@cute.jit
+def _scale_rows(acc: cute.Tensor, row_scale: cute.Tensor):
     acc_mn = acc_mn_view(acc)
     for r in cutlass.range_constexpr(cute.size(row_scale)):
         acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])
