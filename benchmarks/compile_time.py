@@ -242,6 +242,15 @@ KERNELS = {
     "causal-d64-lazy": _fwd(head_dim=64, tile_m=192, causal=True, max_ctas=132, tile_tickets=True,
                             rescale_threshold=8.0),
     "causal-lazy": _fwd(head_dim=128, tile_m=128, causal=True, rescale_threshold=8.0),
+    # four consumer warpgroups (256-row tiles, 120 registers each): a fourth warp per scheduler to hide the
+    # exponentials' latency
+    "causal-d32-m256n64": _fwd(head_dim=32, tile_m=256, tile_n=64, causal=True, max_ctas=132, tile_tickets=True),
+    "causal-d32-m256n128": _fwd(head_dim=32, tile_m=256, tile_n=128, causal=True, max_ctas=132, tile_tickets=True),
+    "causal-d64-m256n64": _fwd(head_dim=64, tile_m=256, tile_n=64, causal=True, max_ctas=132, tile_tickets=True),
+    "causal-d32-m256n80": _fwd(head_dim=32, tile_m=256, tile_n=80, causal=True, max_ctas=132, tile_tickets=True),
+    "causal-d32-m256n96": _fwd(head_dim=32, tile_m=256, tile_n=96, causal=True, max_ctas=132, tile_tickets=True),
+    "causal-d64-m256n80": _fwd(head_dim=64, tile_m=256, tile_n=80, causal=True, max_ctas=132, tile_tickets=True),
+    "causal-d64-m256n96": _fwd(head_dim=64, tile_m=256, tile_n=96, causal=True, max_ctas=132, tile_tickets=True),
     "causal-d32-early": _fwd(head_dim=32, tile_m=192, causal=True, max_ctas=132, tile_tickets=True,
                              rescale_o_early=True),
     "causal-d64-early": _fwd(head_dim=64, tile_m=192, causal=True, max_ctas=132, tile_tickets=True,

@@ -63,6 +63,9 @@
 # its reference by 2^8: the causal forward at D32 / D64 / D128 and dense D128 against the planned one, 5 rounds, then
 # the door's forward A/B with FLEXATTN_RESCALE_THRESHOLD=8 on six variants), lazy-rescale-tests (its GPU cases, then the
 # public suite and the head-dim forward cases with it planned; run beside lazy-rescale on a second GPU).
+# m256 (four consumer warpgroups, 256-row tiles with 64 / 80 / 96 keys, where nothing spills at D32 / D64: their GPU
+# cases, then the causal D32 / D64 and dense D64 forward against the planned 192 x 128, 5 rounds; issue 25's
+# 1.5x flex Triton, a fourth warp per scheduler to keep the exponentials' pipe fed).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -257,6 +260,15 @@ for step in $steps; do
                     save_records
                     run scoreboard_tests 170 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flex_attention_gpu.py \
                       tests/gpu/test_bwd_gpu.py -k "row_pairs_match or document or listed_as_partial" ;;
+    m256) run m256_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py -k 256_row_tiles
+          c="max_ctas=-1,tile_tickets=1"
+          (cd benchmarks
+           run m256_32 170 python3 sweep_fwd_configs.py --dims 32/32 --rounds 5 --anchors fa4 flex --configs \
+             "tile_m=192,$c" "tile_m=256,tile_n=64,$c" "tile_m=256,tile_n=80,$c" "tile_m=256,tile_n=96,$c"
+           run m256_64 150 python3 sweep_fwd_configs.py --dims 64/64 --rounds 5 --anchors fa4 flex --configs \
+             "tile_m=192,$c" "tile_m=256,tile_n=64,$c" "tile_m=256,tile_n=80,$c"
+           run m256_64_dense 150 python3 sweep_fwd_configs.py --dims 64/64 --dense --rounds 5 --anchors fa4 flex \
+             --configs "tile_m=192,max_ctas=-1" "tile_m=256,tile_n=64,max_ctas=-1" "tile_m=256,tile_n=80,max_ctas=-1") ;;
     lazy-rescale) c="tile_m=192,max_ctas=-1,tile_tickets=1"   # (GPU 0 of two: the sweeps and the A/B)
                   (cd benchmarks
                    for d in 32 64; do

@@ -130,6 +130,13 @@ SHAPED_SCHEDULES = {
     "aligned": dict(kv_aligned=True),
     "aligned+tickets": dict(max_ctas=7, tile_tickets=True, kv_aligned=True),
 }
+# four consumer warpgroups (256-row tiles; head dims <= 64, kv tiles <= 96 where nothing spills)
+M256_SCHEDULES = {
+    "m256n64": dict(tile_m=256, tile_n=64),
+    "m256n80+tickets": dict(tile_m=256, tile_n=80, max_ctas=7, tile_tickets=True),
+    "m256n96+persist": dict(tile_m=256, tile_n=96, max_ctas=5),
+    "m256n64+plain": dict(tile_m=256, tile_n=64, intra_wg_overlap=False),
+}
 # O's rescale skipped while a warp's max stays within 2^8 of the reference (rescale_threshold)
 LAZY_SCHEDULES = {
     "lazy": dict(rescale_threshold=8.0),
@@ -140,7 +147,7 @@ LAZY_SCHEDULES = {
     "lazy+cluster": dict(rescale_threshold=8.0, cluster_m=2),
     "lazy+t2": dict(rescale_threshold=2.0),   # a low threshold: rescales and skips alternate more
 }
-ALL_SCHEDULES = {**SCHEDULES, **SHAPED_SCHEDULES, **LAZY_SCHEDULES}
+ALL_SCHEDULES = {**SCHEDULES, **SHAPED_SCHEDULES, **M256_SCHEDULES, **LAZY_SCHEDULES}
 
 
 def spiky_gains(q, k, block=64):
@@ -262,6 +269,25 @@ FIXED = [
 
 @pytest.mark.parametrize("case", FIXED, ids=lambda c: "-".join(map(str, c)))
 def test_fixed(case):
+    run_case(*case)
+
+
+# 256-row tiles: the four-way ping-pong, causal diagonals crossing several kv tiles, odd lengths,
+# GQA, empty rows, the hooks' one-step walk, persistent CTAs with tickets, no overlap
+M256 = [
+    ("bf16", 32, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "m256n64"),
+    ("bf16", 64, 3, 8, 2, 1000, 1000, "causal_builtin", "bhsd", "m256n80+tickets"),
+    ("fp16", 32, 2, 6, 3, 777, 777, "causal_builtin", "bshd", "m256n96+persist"),
+    ("bf16", 64, 2, 4, 4, 513, 700, "none", "bhsd", "m256n64"),
+    ("fp16", 64, 1, 6, 3, 333, 129, "causal", "bshd", "m256n64"),          # mask hook, Sq > Skv
+    ("bf16", 32, 2, 2, 1, 300, 300, "lag", "bhsd", "m256n80+tickets"),     # empty rows
+    ("bf16", 64, 2, 4, 2, 1000, 999, "none", "bhsd", "m256n64+plain"),
+    ("fp16", 32, 1, 2, 2, 64, 1, "none", "bhsd", "m256n64"),               # one key
+]
+
+
+@pytest.mark.parametrize("case", M256, ids=lambda c: "-".join(map(str, c)))
+def test_256_row_tiles(case):
     run_case(*case)
 
 

@@ -3,6 +3,8 @@ uses the Hopper paths (wgmma, TMA, setmaxnreg), nothing spills, and hook argumen
 runtime arguments. No GPU or driver needed."""
 
 
+import re
+
 import pytest
 
 pytest.importorskip("cutlass")
@@ -93,6 +95,9 @@ CASES = {
                                             mods=IRModHook(None, canonical_band(mods.sliding_window(1024)))),
                                   lambda: (cutlass.Int32(0), cutlass.Int32(1024))),
     "hd64-causal-tickets": (FwdConfig(head_dim=64, causal=True, max_ctas=132, tile_tickets=True), lambda: ()),
+    # four consumer warpgroups: 256-row tiles with a four-way ping-pong
+    "hd32-causal-m256": (FwdConfig(head_dim=32, causal=True, tile_m=256, tile_n=80, max_ctas=132,
+                                   tile_tickets=True), lambda: ()),
     # O's rescale behind a vote of the warp (FwdConfig.rescale_threshold), with and without the early rescale
     "hd64-causal-tickets-lazy": (FwdConfig(head_dim=64, causal=True, max_ctas=132, tile_tickets=True,
                                            rescale_threshold=8.0), lambda: ()),
@@ -155,6 +160,21 @@ def test_causal_skips_mask_on_interior_blocks(compiled):
     assert compiled["hd128-causal"].count("wgmma.mma_async") == 2 * per_step
     # Without overlap the count is the same (the overlap moves P V by one block).
     assert compiled["hd128-causal-plain"].count("wgmma.mma_async") == 2 * per_step
+
+
+def test_256_row_tiles_run_four_warpgroups_at_120_registers(compiled):
+    """tile_m=256: four consumer warpgroups (640 threads) at 120 registers, passing the
+    ping-pong turn around; refused above head dim 64 (they would spill)."""
+    ptx = compiled["hd32-causal-m256"]
+    assert ".reqntid 640" in ptx or ".maxntid 640" in ptx
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+120;", ptx)
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)
+    # the first turn (warpgroup 0's barrier, id 2); the others' ids are computed per warpgroup
+    assert re.search(r"bar\.arrive\s+2,\s*256;", ptx)
+    with pytest.raises(ValueError, match="tile_m=256"):
+        FwdConfig(head_dim=96, tile_m=256)
+    with pytest.raises(ValueError, match="tile_m must be"):
+        FwdConfig(head_dim=64, tile_m=320)
 
 
 def test_rescale_threshold_votes_once_per_step(compiled):

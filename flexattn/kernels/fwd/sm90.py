@@ -224,7 +224,7 @@ class FwdConfig(KernelConfig):
             big = max(self.head_dim, self.head_dim_v) <= 64 and not self.mods.has_score
             object.__setattr__(self, "tile_m", 192 if big else 128)
         wgs = self.tile_m // 64
-        regs = register_split(wgs, {1: 56, 3: 32}.get(wgs, 24)) if wgs in (1, 2, 3) else (24, 240)
+        regs = register_split(wgs, {1: 56, 3: 32}.get(wgs, 24)) if wgs in (1, 2, 3, 4) else (24, 240)
         if self.tile_order is None:
             object.__setattr__(self, "tile_order", "longest_first" if self.causal else "by_head")
         if self.tile_order not in ("by_head", "longest_first"):
@@ -242,8 +242,10 @@ class FwdConfig(KernelConfig):
             d = getattr(self, name)
             if d % 16 or not 16 <= d <= 256:
                 raise ValueError(f"{name} must be a multiple of 16 in [16, 256], got {d}")
-        if self.tile_m not in (64, 128, 192):
-            raise ValueError(f"tile_m must be 64, 128 or 192, got {self.tile_m}")
+        if self.tile_m not in (64, 128, 192, 256):
+            raise ValueError(f"tile_m must be 64, 128, 192 or 256, got {self.tile_m}")
+        if self.tile_m == 256 and max(self.head_dim, self.head_dim_v) > 64:
+            raise ValueError("tile_m=256 (4 consumer warpgroups at 120 regs) only fits head dims <= 64")
         if self.tile_m == 192 and max(self.head_dim, self.head_dim_v) > 96:
             raise ValueError("tile_m=192 (160 regs per warpgroup) only fits head dims <= 96")
         if self.tile_n % 16 != 0 or not 16 <= self.tile_n <= 256:
@@ -272,7 +274,7 @@ class FwdConfig(KernelConfig):
         if self.cluster_m > 1 and self.causal and self.tile_m != self.tile_n:
             raise ValueError("cluster_m=2 under causal needs tile_m == tile_n")
         if self.pingpong and self.tile_m == 64:
-            raise ValueError("pingpong needs 2 or 3 consumer warpgroups (tile_m 128 or 192)")
+            raise ValueError("pingpong needs 2 to 4 consumer warpgroups (tile_m 128, 192 or 256)")
         if self.promote_pv is None:
             object.__setattr__(self, "promote_pv", self.tf32_passes == 3 and self.intra_wg_overlap)
         if self.promote_pv and not self.intra_wg_overlap:
@@ -839,8 +841,8 @@ class FlashFwdSm90(WarpSpecialized):
     def _turn_pass(self, wg):
         if const_expr(self.cfg.pingpong):
             nxt = 1 - wg
-            if const_expr(self.num_mma_wg == 3):
-                nxt = (wg + 1) % 3
+            if const_expr(self.num_mma_wg > 2):
+                nxt = (wg + 1) % self.num_mma_wg
             FwdBarrier.TURN.arrive(256, nxt)
 
     @cute.jit
