@@ -63,9 +63,10 @@
 # its reference by 2^8: the causal forward at D32 / D64 / D128 and dense D128 against the planned one, 5 rounds, then
 # the door's forward A/B with FLEXATTN_RESCALE_THRESHOLD=8 on six variants), lazy-rescale-tests (its GPU cases, then the
 # public suite and the head-dim forward cases with it planned; run beside lazy-rescale on a second GPU).
-# m256 (four consumer warpgroups, 256-row tiles with 64 / 80 / 96 keys, where nothing spills at D32 / D64: their GPU
-# cases, then the causal D32 / D64 and dense D64 forward against the planned 192 x 128, 5 rounds; issue 25's
-# 1.5x flex Triton, a fourth warp per scheduler to keep the exponentials' pipe fed).
+# small-d (issue 25's D32 / D64 forward, two candidates built in session 59: four consumer warpgroups, 256-row
+# tiles with 64 / 80 / 96 keys, and speculative_softmax, the exponentials before the maxima on 128-row tiles: the
+# causal D32 / D64 sweeps against the planned 192 x 128, 5 rounds, and D128 with / without speculation, ~500 s),
+# small-d-tests (their GPU cases, ~200 s; on a second GPU beside small-d, or first).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -260,15 +261,18 @@ for step in $steps; do
                     save_records
                     run scoreboard_tests 170 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flex_attention_gpu.py \
                       tests/gpu/test_bwd_gpu.py -k "row_pairs_match or document or listed_as_partial" ;;
-    m256) run m256_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py -k 256_row_tiles
-          c="max_ctas=-1,tile_tickets=1"
-          (cd benchmarks
-           run m256_32 170 python3 sweep_fwd_configs.py --dims 32/32 --rounds 5 --anchors fa4 flex --configs \
-             "tile_m=192,$c" "tile_m=256,tile_n=64,$c" "tile_m=256,tile_n=80,$c" "tile_m=256,tile_n=96,$c"
-           run m256_64 150 python3 sweep_fwd_configs.py --dims 64/64 --rounds 5 --anchors fa4 flex --configs \
-             "tile_m=192,$c" "tile_m=256,tile_n=64,$c" "tile_m=256,tile_n=80,$c"
-           run m256_64_dense 150 python3 sweep_fwd_configs.py --dims 64/64 --dense --rounds 5 --anchors fa4 flex \
-             --configs "tile_m=192,max_ctas=-1" "tile_m=256,tile_n=64,max_ctas=-1" "tile_m=256,tile_n=80,max_ctas=-1") ;;
+    small-d-tests) run small_d_tests 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py \
+               -k "256_row_tiles or rescale_threshold" ;;
+    small-d) c="max_ctas=-1,tile_tickets=1"; spec="rescale_threshold=8.0,speculative_softmax=True"
+             (cd benchmarks
+              run small_d_32 200 python3 sweep_fwd_configs.py --dims 32/32 --rounds 5 --anchors fa4 flex --configs \
+                "tile_m=192,$c" "tile_m=256,tile_n=64,$c" "tile_m=256,tile_n=80,$c" "tile_m=256,tile_n=96,$c" \
+                "tile_m=128,$c" "tile_m=128,$c,$spec"
+              run small_d_64 180 python3 sweep_fwd_configs.py --dims 64/64 --rounds 5 --anchors fa4 flex --configs \
+                "tile_m=192,$c" "tile_m=256,tile_n=64,$c" "tile_m=256,tile_n=80,$c" "tile_m=128,$c" \
+                "tile_m=128,$c,$spec"
+              run small_d_128 120 python3 sweep_fwd_configs.py --dims 128/128 --rounds 5 --anchors fa4 --configs \
+                "tile_m=128,rescale_threshold=8.0" "tile_m=128,$spec") ;;
     lazy-rescale) c="tile_m=192,max_ctas=-1,tile_tickets=1"   # (GPU 0 of two: the sweeps and the A/B)
                   (cd benchmarks
                    for d in 32 64; do

@@ -146,6 +146,12 @@ LAZY_SCHEDULES = {
     "lazy+persist": dict(rescale_threshold=8.0, max_ctas=7),
     "lazy+cluster": dict(rescale_threshold=8.0, cluster_m=2),
     "lazy+t2": dict(rescale_threshold=2.0),   # a low threshold: rescales and skips alternate more
+    # the exponentials before the maxima, redone where a warp's max outgrew the reference
+    "spec": dict(rescale_threshold=8.0, speculative_softmax=True, tile_m=128),
+    "spec+plain": dict(rescale_threshold=8.0, speculative_softmax=True, tile_m=128, intra_wg_overlap=False),
+    "spec+early": dict(rescale_threshold=8.0, speculative_softmax=True, rescale_o_early=True, tile_n=64),
+    "spec+tickets": dict(rescale_threshold=8.0, speculative_softmax=True, tile_m=128, max_ctas=7, tile_tickets=True),
+    "spec+t2": dict(rescale_threshold=2.0, speculative_softmax=True, tile_m=128),
 }
 ALL_SCHEDULES = {**SCHEDULES, **SHAPED_SCHEDULES, **M256_SCHEDULES, **LAZY_SCHEDULES}
 
@@ -311,6 +317,20 @@ LAZY = [
     ("bf16", 128, 2, 8, 2, 1000, 1000, "causal_builtin", "bhsd", "lazy+t2", False),
     ("bf16", 64, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "lazy+early+tickets", False),
     ("fp16", 64, 1, 2, 2, 64, 1, "softcap", "bhsd", "lazy", False),              # one key
+    # speculative_softmax over the same walks (128-row tiles)
+    ("bf16", 32, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "spec+tickets", True),
+    ("bf16", 64, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "spec", True),
+    ("fp16", 128, 2, 4, 2, 700, 900, "none", "bshd", "spec", True),
+    ("bf16", 128, 2, 8, 2, 1000, 1000, "causal", "bhsd", "spec", True),          # hooks: one-step walk
+    ("bf16", 128, 2, 4, 2, 511, 257, "softcap", "bshd", "spec", True),
+    ("bf16", 64, 2, 2, 1, 200, 200, "lag", "bhsd", "spec", True),                # empty rows
+    ("fp16", 128, 1, 2, 2, 130, 257, "lag", "bhsd", "spec+plain", True),
+    ("bf16", 128, 3, 4, 4, 700, 333, "doc", "bhsd", "spec", True),               # lists
+    ("bf16", 128, 3, 4, 2, 1000, 1000, "window", "bhsd", "spec+tickets", True),  # band
+    ("fp16", 256, 1, 4, 2, 600, 600, "causal_builtin", "bhsd", "spec+early", True),
+    ("bf16", 96, 2, 6, 3, 777, 777, "causal_builtin", "bshd", "spec+t2", True),
+    ("bf16", 64, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "spec", False),
+    ("fp16", 64, 1, 2, 2, 64, 1, "softcap", "bhsd", "spec", False),              # one key
 ]
 
 

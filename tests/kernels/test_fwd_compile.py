@@ -101,6 +101,8 @@ CASES = {
     # O's rescale behind a vote of the warp (FwdConfig.rescale_threshold), with and without the early rescale
     "hd64-causal-tickets-lazy": (FwdConfig(head_dim=64, causal=True, max_ctas=132, tile_tickets=True,
                                            rescale_threshold=8.0), lambda: ()),
+    "hd64-causal-spec": (FwdConfig(head_dim=64, tile_m=128, causal=True, max_ctas=132, tile_tickets=True,
+                                   rescale_threshold=8.0, speculative_softmax=True), lambda: ()),
     "hd256-causal-early-lazy": (FwdConfig(head_dim=256, causal=True, rescale_o_early=True, tile_n=64,
                                           rescale_threshold=8.0), lambda: ()),
 }
@@ -189,6 +191,14 @@ def test_rescale_threshold_votes_once_per_step(compiled):
     for bad in (-1.0, 17.0):
         with pytest.raises(ValueError, match="rescale_threshold"):
             FwdConfig(head_dim=64, rescale_threshold=bad)
+    # speculative_softmax: the same vote, plus the second pass's exponentials behind it
+    spec = compiled["hd64-causal-spec"]
+    assert spec.count("vote.sync.any.pred") == 1     # (128 x 128 tiles: no diagonal loop)
+    assert spec.count("ex2.approx") > lazy.count("ex2.approx")
+    with pytest.raises(ValueError, match="speculative_softmax"):
+        FwdConfig(head_dim=64, tile_m=128, speculative_softmax=True)
+    with pytest.raises(ValueError, match="speculative_softmax"):
+        FwdConfig(head_dim=64, tile_m=192, rescale_threshold=8.0, speculative_softmax=True)
 
 
 def test_hooks_walk_blocks_in_one_step(compiled):

@@ -177,6 +177,12 @@ class FwdConfig(KernelConfig):
     # vote per warp and block decides, and the FMULs sit in a branch). 0: every block
     # rescales. FA4 does this on Blackwell (8.0).
     rescale_threshold: float = 0.0
+    # With a rescale threshold: the exponentials first, against the current reference max,
+    # straight into P's registers (after the P V wait), the block's maxima beside them; a
+    # warp whose max outgrew the reference computes them again from S
+    # (`OnlineSoftmax.step_speculative`). Takes the row maxima off the path from S to
+    # the exponentials, which is where the exponentials' pipe idles at D32 / D64.
+    speculative_softmax: bool = False
     # Which tiles each CTA takes (hopper/tile_scheduler.py): "by_head" or "longest_first"
     # (None: longest_first under causal, where tiles differ in work; by_head otherwise).
     tile_order: str | None = None
@@ -301,6 +307,12 @@ class FwdConfig(KernelConfig):
             raise ValueError("rescale_o_early needs the overlapped schedule without promote_pv")
         if self.tf32_passes not in (1, 3) or (self.tf32_passes == 3 and self.dtype != "fp32"):
             raise ValueError(f"tf32_passes must be 1, or 3 with dtype 'fp32', got {self.tf32_passes}")
+        if self.speculative_softmax and (self.rescale_threshold <= 0.0 or self.promote_pv):
+            raise ValueError("speculative_softmax needs a rescale_threshold > 0 and no promote_pv")
+        if self.speculative_softmax and self.tile_m > 128:
+            # S stays beside P's fp32 values until the vote: at 160 or 120 registers a thread
+            # that spills (ptxas, D32 / D64 x 192 rows: 224 / 360 bytes of stack)
+            raise ValueError("speculative_softmax holds S and P together: tile_m 64 or 128")
         if not 0.0 <= self.rescale_threshold <= 16.0:
             # (P up to 2^16 stays finite in fp16 and keeps float32's relative precision)
             raise ValueError(f"rescale_threshold must be in [0, 16], got {self.rescale_threshold}")
@@ -1115,10 +1127,14 @@ class FlashFwdSm90(WarpSpecialized):
         pipe_k.consumer_release(kv_state)
 
         self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
-        row_scale, rescale = softmax.step(acc_S, is_first=is_first)
-        if const_expr(not is_first):
+        if const_expr(self.cfg.speculative_softmax and not is_first):
+            row_scale, rescale = softmax.step_speculative(acc_S, tOrP, self._to_p)
             rescale_rows(acc_O, row_scale, rescale)
-        self._to_p(tOrP, acc_S)
+        else:
+            row_scale, rescale = softmax.step(acc_S, is_first=is_first)
+            if const_expr(not is_first):
+                rescale_rows(acc_O, row_scale, rescale)
+            self._to_p(tOrP, acc_S)
 
         pipe_v.consumer_wait(kv_state)
         self._turn_wait(wg)
@@ -1178,8 +1194,14 @@ class FlashFwdSm90(WarpSpecialized):
         pipe_k.consumer_release(kv_state)
 
         self._scores(ctx, acc_S, n_block, mask, causal, kv_bound, partial)
-        row_scale, rescale = softmax.step(acc_S, is_first=False)
-        self._visit_tail(acc_O, tOrP, acc_S, v_state, has_prev, row_scale, rescale, softmax, pipe_v)
+        if const_expr(self.cfg.speculative_softmax):
+            # P's registers first (the exponentials write them), then the softmax
+            self._release_pv(acc_O, tOrP, v_state, has_prev, pipe_v)
+            row_scale, rescale = softmax.step_speculative(acc_S, tOrP, self._to_p)
+            self._keep_or_fold(acc_O, row_scale, rescale, softmax)
+        else:
+            row_scale, rescale = softmax.step(acc_S, is_first=False)
+            self._visit_tail(acc_O, tOrP, acc_S, v_state, has_prev, row_scale, rescale, softmax, pipe_v)
         v_state = kv_state.clone()
         kv_state.advance()
         return kv_state, v_state
@@ -1189,11 +1211,23 @@ class FlashFwdSm90(WarpSpecialized):
         """`_visit_step` after the softmax: wait for P_{j-1} V_{j-1}, release V_{j-1}, P_j
         into P's registers, then O's fold (or the scale, and whether it is due, kept for
         the next step's early rescale: `softmax.o_scale`, `o_pending`)."""
-        warpgroup.wait_group(0)            # P_{j-1} V_{j-1} done: O and P registers free
+        self._release_pv(acc_O, tOrP, v_state, has_prev, pipe_v)
+        self._to_p(tOrP, acc_S)
+        self._keep_or_fold(acc_O, row_scale, rescale, softmax)
+
+    @cute.jit
+    def _release_pv(self, acc_O, tOrP, v_state, has_prev, pipe_v):
+        """Wait for P_{j-1} V_{j-1} (O and P's registers free), add its later pieces, and
+        release V_{j-1}."""
+        warpgroup.wait_group(0)
         if has_prev:
             self._pv_later_pieces(acc_O, tOrP, v_state)
             pipe_v.consumer_release(v_state)
-        self._to_p(tOrP, acc_S)
+
+    @cute.jit
+    def _keep_or_fold(self, acc_O, row_scale, rescale, softmax):
+        """O's fold by this block's row scale (where `rescale`, None: always), or the scale
+        and the vote kept for the next step's early rescale."""
         if const_expr(self.cfg.rescale_o_early):
             softmax.o_scale.store(row_scale.load())
             if const_expr(rescale is not None):

@@ -136,6 +136,56 @@ class OnlineSoftmax:
         return row_scale, rescale
 
     @cute.jit
+    def step_speculative(self, acc_S: cute.Tensor, tOrP: cute.Tensor, to_p):
+        """`step` after the first block with a rescale threshold, the exponentials first:
+        they use the current references (no wait for the block's maxima, which the ALU
+        computes beside them), their probabilities go straight into P's registers
+        (`to_p(tOrP, fp32 fragment)`: P V's operand must be free), and S stays intact. Then
+        one vote of the warp: where some row outgrew its reference by more than the
+        threshold (a reference of -inf always has), the references move to the maxima and
+        the warp computes its exponentials and P again from S. Returns (row scales,
+        whether to apply them: the vote)."""
+        s_mn = acc_mn_view(acc_S)
+        n = cute.size(self.row_max)
+        probs = cute.make_rmem_tensor_like(acc_S, Float32)
+        p_mn = acc_mn_view(probs)
+        row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
+        m_new = cute.make_rmem_tensor_like(self.row_max, Float32)
+        added = cute.make_rmem_tensor_like(self.row_max, Float32)
+        grows = Boolean(False)
+        for r in cutlass.range_constexpr(n):
+            row = s_mn[r, None].load()
+            m_ref = self.row_max[r]
+            m_safe = Float32(0.0) if m_ref == -Float32.inf else m_ref
+            p = cute.math.exp2(row * self.scale_log2 - m_safe * self.scale_log2, fastmath=True)
+            p_mn[r, None].store(p)
+            added[r] = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            m_cur = cute.arch.warp_reduction_max(cute.arch.fmax(_row_max(row), m_ref), threads_in_group=4)
+            m_new[r] = m_cur
+            grows = grows | (m_cur > m_ref + self.threshold_scores)
+            if const_expr(self.true_max is not None):
+                self.true_max[r] = cute.arch.fmax(self.true_max[r], m_cur)
+            row_scale[r] = Float32(1.0)
+        to_p(tOrP, probs)
+        rescale = cute.arch.vote_any_sync(grows)
+        # (the branches carry tensors and scalars, not this object)
+        row_max, row_sum, scale_log2 = self.row_max, self.row_sum, self.scale_log2
+        if rescale:
+            for r in cutlass.range_constexpr(n):
+                m_prev = row_max[r]
+                row_max[r] = m_new[r]
+                ref = Float32(0.0) if m_new[r] == -Float32.inf else m_new[r]
+                row_scale[r] = cute.math.exp2((m_prev - ref) * scale_log2, fastmath=True)
+                q = cute.math.exp2(s_mn[r, None].load() * scale_log2 - ref * scale_log2, fastmath=True)
+                p_mn[r, None].store(q)
+                row_sum[r] = q.reduce(cute.ReductionOp.ADD, row_sum[r] * row_scale[r], 0)
+            to_p(tOrP, probs)
+        else:
+            for r in cutlass.range_constexpr(n):
+                row_sum[r] = row_sum[r] + added[r]
+        return row_scale, rescale
+
+    @cute.jit
     def finalize(self, exact: cutlass.Constexpr[bool] = False) -> tuple:
         """Return (per-row 1/l, or 0 for empty rows; per-row natural-log LSE, -inf for
         empty rows). `exact` (float32 "highest"): the first is l itself (1 for empty rows,
