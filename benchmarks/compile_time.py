@@ -244,6 +244,10 @@ KERNELS = {
     "causal-lazy": _fwd(head_dim=128, tile_m=128, causal=True, rescale_threshold=8.0),
     # ... and the exponentials before the maxima, redone where a warp's max outgrew the reference (128-row
     # tiles: at 192 S and P's fp32 values together spill)
+    "causal-d32-spec": _fwd(head_dim=32, tile_m=192, causal=True, max_ctas=132, tile_tickets=True,
+                            rescale_threshold=8.0, speculative_softmax=True),
+    "causal-d64-spec": _fwd(head_dim=64, tile_m=192, causal=True, max_ctas=132, tile_tickets=True,
+                            rescale_threshold=8.0, speculative_softmax=True),
     "causal-d32-m128-spec": _fwd(head_dim=32, tile_m=128, causal=True, max_ctas=132, tile_tickets=True,
                                  rescale_threshold=8.0, speculative_softmax=True),
     "causal-d64-m128-spec": _fwd(head_dim=64, tile_m=128, causal=True, max_ctas=132, tile_tickets=True,

@@ -267,10 +267,10 @@ for step in $steps; do
              (cd benchmarks
               run small_d_32 200 python3 sweep_fwd_configs.py --dims 32/32 --rounds 5 --anchors fa4 flex --configs \
                 "tile_m=192,$c" "tile_m=256,tile_n=64,$c" "tile_m=256,tile_n=80,$c" "tile_m=256,tile_n=96,$c" \
-                "tile_m=128,$c" "tile_m=128,$c,$spec"
+                "tile_m=128,$c" "tile_m=128,$c,$spec" "tile_m=192,$c,$spec"
               run small_d_64 180 python3 sweep_fwd_configs.py --dims 64/64 --rounds 5 --anchors fa4 flex --configs \
                 "tile_m=192,$c" "tile_m=256,tile_n=64,$c" "tile_m=256,tile_n=80,$c" "tile_m=128,$c" \
-                "tile_m=128,$c,$spec"
+                "tile_m=128,$c,$spec" "tile_m=192,$c,$spec"
               run small_d_128 120 python3 sweep_fwd_configs.py --dims 128/128 --rounds 5 --anchors fa4 --configs \
                 "tile_m=128,rescale_threshold=8.0" "tile_m=128,$spec") ;;
     lazy-rescale) c="tile_m=192,max_ctas=-1,tile_tickets=1"   # (GPU 0 of two: the sweeps and the A/B)

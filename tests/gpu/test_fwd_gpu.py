@@ -152,6 +152,7 @@ LAZY_SCHEDULES = {
     "spec+early": dict(rescale_threshold=8.0, speculative_softmax=True, rescale_o_early=True, tile_n=64),
     "spec+tickets": dict(rescale_threshold=8.0, speculative_softmax=True, tile_m=128, max_ctas=7, tile_tickets=True),
     "spec+t2": dict(rescale_threshold=2.0, speculative_softmax=True, tile_m=128),
+    "spec192+tickets": dict(rescale_threshold=8.0, speculative_softmax=True, tile_m=192, max_ctas=7, tile_tickets=True),
 }
 ALL_SCHEDULES = {**SCHEDULES, **SHAPED_SCHEDULES, **M256_SCHEDULES, **LAZY_SCHEDULES}
 
@@ -331,6 +332,9 @@ LAZY = [
     ("bf16", 96, 2, 6, 3, 777, 777, "causal_builtin", "bshd", "spec+t2", True),
     ("bf16", 64, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "spec", False),
     ("fp16", 64, 1, 2, 2, 64, 1, "softcap", "bhsd", "spec", False),              # one key
+    ("bf16", 32, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "spec192+tickets", True),   # 3 warpgroups
+    ("fp16", 64, 2, 6, 3, 777, 700, "none", "bshd", "spec192+tickets", True),
+    ("bf16", 64, 2, 2, 1, 450, 450, "lag", "bhsd", "spec192+tickets", False),
 ]
 
 

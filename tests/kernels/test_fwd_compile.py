@@ -194,11 +194,12 @@ def test_rescale_threshold_votes_once_per_step(compiled):
     # speculative_softmax: the same vote, plus the second pass's exponentials behind it
     spec = compiled["hd64-causal-spec"]
     assert spec.count("vote.sync.any.pred") == 1     # (128 x 128 tiles: no diagonal loop)
-    assert spec.count("ex2.approx") > lazy.count("ex2.approx")
+    # a thread's 64 exponentials a block: the first block's, then a step's first pass and its second
+    assert spec.count("ex2.approx") >= 3 * 64
     with pytest.raises(ValueError, match="speculative_softmax"):
         FwdConfig(head_dim=64, tile_m=128, speculative_softmax=True)
     with pytest.raises(ValueError, match="speculative_softmax"):
-        FwdConfig(head_dim=64, tile_m=192, rescale_threshold=8.0, speculative_softmax=True)
+        FwdConfig(dtype="fp32", head_dim=64, tile_m=128, tile_n=64, rescale_threshold=8.0, speculative_softmax=True)
 
 
 def test_hooks_walk_blocks_in_one_step(compiled):

@@ -181,7 +181,9 @@ class FwdConfig(KernelConfig):
     # straight into P's registers (after the P V wait), the block's maxima beside them; a
     # warp whose max outgrew the reference computes them again from S
     # (`OnlineSoftmax.step_speculative`). Takes the row maxima off the path from S to
-    # the exponentials, which is where the exponentials' pipe idles at D32 / D64.
+    # the exponentials, which is where the exponentials' pipe idles at D32 / D64. (S and P
+    # live together: at 192-row tiles ptxas parks 2-6 tile-level values in local memory,
+    # none in the full-block loop; at 128 rows nothing.)
     speculative_softmax: bool = False
     # Which tiles each CTA takes (hopper/tile_scheduler.py): "by_head" or "longest_first"
     # (None: longest_first under causal, where tiles differ in work; by_head otherwise).
@@ -307,12 +309,8 @@ class FwdConfig(KernelConfig):
             raise ValueError("rescale_o_early needs the overlapped schedule without promote_pv")
         if self.tf32_passes not in (1, 3) or (self.tf32_passes == 3 and self.dtype != "fp32"):
             raise ValueError(f"tf32_passes must be 1, or 3 with dtype 'fp32', got {self.tf32_passes}")
-        if self.speculative_softmax and (self.rescale_threshold <= 0.0 or self.promote_pv):
-            raise ValueError("speculative_softmax needs a rescale_threshold > 0 and no promote_pv")
-        if self.speculative_softmax and self.tile_m > 128:
-            # S stays beside P's fp32 values until the vote: at 160 or 120 registers a thread
-            # that spills (ptxas, D32 / D64 x 192 rows: 224 / 360 bytes of stack)
-            raise ValueError("speculative_softmax holds S and P together: tile_m 64 or 128")
+        if self.speculative_softmax and (self.rescale_threshold <= 0.0 or self.dtype == "fp32"):
+            raise ValueError("speculative_softmax needs a rescale_threshold > 0 and 16-bit inputs")
         if not 0.0 <= self.rescale_threshold <= 16.0:
             # (P up to 2^16 stays finite in fp16 and keeps float32's relative precision)
             raise ValueError(f"rescale_threshold must be in [0, 16], got {self.rescale_threshold}")
@@ -1128,7 +1126,7 @@ class FlashFwdSm90(WarpSpecialized):
 
         self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
         if const_expr(self.cfg.speculative_softmax and not is_first):
-            row_scale, rescale = softmax.step_speculative(acc_S, tOrP, self._to_p)
+            row_scale, rescale = softmax.step_speculative(acc_S, tOrP)
             rescale_rows(acc_O, row_scale, rescale)
         else:
             row_scale, rescale = softmax.step(acc_S, is_first=is_first)
@@ -1197,7 +1195,7 @@ class FlashFwdSm90(WarpSpecialized):
         if const_expr(self.cfg.speculative_softmax):
             # P's registers first (the exponentials write them), then the softmax
             self._release_pv(acc_O, tOrP, v_state, has_prev, pipe_v)
-            row_scale, rescale = softmax.step_speculative(acc_S, tOrP, self._to_p)
+            row_scale, rescale = softmax.step_speculative(acc_S, tOrP)
             self._keep_or_fold(acc_O, row_scale, rescale, softmax)
         else:
             row_scale, rescale = softmax.step(acc_S, is_first=False)

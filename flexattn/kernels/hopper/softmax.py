@@ -22,7 +22,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, const_expr
 
-from flexattn.kernels.hopper.mma import acc_mn_view
+from flexattn.kernels.hopper.mma import acc_as_a_view, acc_mn_view, pack_pair_into
 
 LN2 = math.log(2.0)
 
@@ -136,37 +136,34 @@ class OnlineSoftmax:
         return row_scale, rescale
 
     @cute.jit
-    def step_speculative(self, acc_S: cute.Tensor, tOrP: cute.Tensor, to_p):
+    def step_speculative(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
         """`step` after the first block with a rescale threshold, the exponentials first:
         they use the current references (no wait for the block's maxima, which the ALU
-        computes beside them), their probabilities go straight into P's registers
-        (`to_p(tOrP, fp32 fragment)`: P V's operand must be free), and S stays intact. Then
-        one vote of the warp: where some row outgrew its reference by more than the
-        threshold (a reference of -inf always has), the references move to the maxima and
-        the warp computes its exponentials and P again from S. Returns (row scales,
-        whether to apply them: the vote)."""
+        computes beside them) and go pair by pair into P's 16-bit registers (P V's operand
+        must be free), so S stays intact beside P and no fp32 copy of P is held. Then one
+        vote of the warp: where some row outgrew its reference by more than the threshold
+        (a reference of -inf always has; an exponential that overflowed is discarded),
+        the references move to the maxima and the warp computes its exponentials and P
+        again from S. Returns (row scales, whether to apply them: the vote)."""
         s_mn = acc_mn_view(acc_S)
         n = cute.size(self.row_max)
-        probs = cute.make_rmem_tensor_like(acc_S, Float32)
-        p_mn = acc_mn_view(probs)
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
         m_new = cute.make_rmem_tensor_like(self.row_max, Float32)
-        added = cute.make_rmem_tensor_like(self.row_max, Float32)
+        refs = cute.make_rmem_tensor_like(self.row_max, Float32)
+        for r in cutlass.range_constexpr(n):
+            m_ref = self.row_max[r]
+            refs[r] = (Float32(0.0) if m_ref == -Float32.inf else m_ref) * self.scale_log2
+            row_scale[r] = Float32(1.0)
+        added = _exp2_into_p(acc_S, tOrP, refs, self.scale_log2)
         grows = Boolean(False)
         for r in cutlass.range_constexpr(n):
-            row = s_mn[r, None].load()
             m_ref = self.row_max[r]
-            m_safe = Float32(0.0) if m_ref == -Float32.inf else m_ref
-            p = cute.math.exp2(row * self.scale_log2 - m_safe * self.scale_log2, fastmath=True)
-            p_mn[r, None].store(p)
-            added[r] = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            m_cur = cute.arch.warp_reduction_max(cute.arch.fmax(_row_max(row), m_ref), threads_in_group=4)
+            m_cur = cute.arch.warp_reduction_max(cute.arch.fmax(_row_max(s_mn[r, None].load()), m_ref),
+                                                 threads_in_group=4)
             m_new[r] = m_cur
             grows = grows | (m_cur > m_ref + self.threshold_scores)
             if const_expr(self.true_max is not None):
                 self.true_max[r] = cute.arch.fmax(self.true_max[r], m_cur)
-            row_scale[r] = Float32(1.0)
-        to_p(tOrP, probs)
         rescale = cute.arch.vote_any_sync(grows)
         # (the branches carry tensors and scalars, not this object)
         row_max, row_sum, scale_log2 = self.row_max, self.row_sum, self.scale_log2
@@ -176,10 +173,10 @@ class OnlineSoftmax:
                 row_max[r] = m_new[r]
                 ref = Float32(0.0) if m_new[r] == -Float32.inf else m_new[r]
                 row_scale[r] = cute.math.exp2((m_prev - ref) * scale_log2, fastmath=True)
-                q = cute.math.exp2(s_mn[r, None].load() * scale_log2 - ref * scale_log2, fastmath=True)
-                p_mn[r, None].store(q)
-                row_sum[r] = q.reduce(cute.ReductionOp.ADD, row_sum[r] * row_scale[r], 0)
-            to_p(tOrP, probs)
+                refs[r] = ref * scale_log2
+            again = _exp2_into_p(acc_S, tOrP, refs, scale_log2)
+            for r in cutlass.range_constexpr(n):
+                row_sum[r] = row_sum[r] * row_scale[r] + again[r]
         else:
             for r in cutlass.range_constexpr(n):
                 row_sum[r] = row_sum[r] + added[r]
@@ -218,6 +215,33 @@ class OnlineSoftmax:
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             out[r] = running[r] * (self.scale_log2 * Float32(LN2))
         return out
+
+
+def _exp2_into_p(acc_S: cute.Tensor, tOrP: cute.Tensor, refs: cute.Tensor, scale_log2: Float32) -> cute.Tensor:
+    """P = exp2(S * scale_log2 - refs[row]) written two at a time into the 16-bit A
+    fragment `tOrP` (`mma.pack_pair_into`'s order: pairs of adjacent columns, alternating
+    between the thread's two rows); returns each row's sum of the fp32 values, added in
+    four chains a row (a short dependence path, no values held for a tree). Plain Python:
+    unrolled while tracing."""
+    src = acc_as_a_view(acc_S)
+    n = cute.size(refs)
+    chains = 2
+    parts = [[None] * chains for _ in range(n)]
+    for i in range(cute.size(src) // 2):
+        r = i % n
+        p0 = cute.math.exp2(src[2 * i] * scale_log2 - refs[r], fastmath=True)
+        p1 = cute.math.exp2(src[2 * i + 1] * scale_log2 - refs[r], fastmath=True)
+        pack_pair_into(tOrP, i, p0, p1)
+        k = (i // n) % chains
+        pair = p0 + p1
+        parts[r][k] = pair if parts[r][k] is None else parts[r][k] + pair
+    sums = cute.make_rmem_tensor_like(refs, Float32)
+    for r in range(n):
+        vals = [v for v in parts[r] if v is not None]
+        while len(vals) > 1:
+            vals = [vals[t] + vals[t + 1] if t + 1 < len(vals) else vals[t] for t in range(0, len(vals), 2)]
+        sums[r] = vals[0]
+    return sums
 
 
 def _row_max(row: cute.TensorSSA) -> Float32:
