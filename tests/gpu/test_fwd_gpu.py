@@ -318,24 +318,15 @@ LAZY = [
     ("bf16", 128, 2, 8, 2, 1000, 1000, "causal_builtin", "bhsd", "lazy+t2", False),
     ("bf16", 64, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "lazy+early+tickets", False),
     ("fp16", 64, 1, 2, 2, 64, 1, "softcap", "bhsd", "lazy", False),              # one key
-    # speculative_softmax over the same walks (128-row tiles)
-    ("bf16", 32, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "spec+tickets", True),
-    ("bf16", 64, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "spec", True),
-    ("fp16", 128, 2, 4, 2, 700, 900, "none", "bshd", "spec", True),
-    ("bf16", 128, 2, 8, 2, 1000, 1000, "causal", "bhsd", "spec", True),          # hooks: one-step walk
-    ("bf16", 128, 2, 4, 2, 511, 257, "softcap", "bshd", "spec", True),
-    ("bf16", 64, 2, 2, 1, 200, 200, "lag", "bhsd", "spec", True),                # empty rows
-    ("fp16", 128, 1, 2, 2, 130, 257, "lag", "bhsd", "spec+plain", True),
-    ("bf16", 128, 3, 4, 4, 700, 333, "doc", "bhsd", "spec", True),               # lists
-    ("bf16", 128, 3, 4, 2, 1000, 1000, "window", "bhsd", "spec+tickets", True),  # band
-    ("fp16", 256, 1, 4, 2, 600, 600, "causal_builtin", "bhsd", "spec+early", True),
-    ("bf16", 96, 2, 6, 3, 777, 777, "causal_builtin", "bshd", "spec+t2", True),
-    ("bf16", 64, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "spec", False),
-    ("fp16", 64, 1, 2, 2, 64, 1, "softcap", "bhsd", "spec", False),              # one key
-    ("bf16", 32, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "spec192+tickets", True),   # 3 warpgroups
+    # speculative_softmax at 192-row tiles (three warpgroups)
+    ("bf16", 32, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "spec192+tickets", True),
     ("fp16", 64, 2, 6, 3, 777, 700, "none", "bshd", "spec192+tickets", True),
     ("bf16", 64, 2, 2, 1, 450, 450, "lag", "bhsd", "spec192+tickets", False),
 ]
+# ... and over the same walks as the threshold alone: each case's schedule with the exponentials first
+SPEC_OF = {"lazy": "spec", "lazy+plain": "spec+plain", "lazy+early": "spec+early", "lazy+t2": "spec+t2",
+           "lazy+early+tickets": "spec+tickets", "lazy+persist": "spec+tickets"}
+LAZY += [case[:9] + (SPEC_OF[case[9]], case[10]) for case in LAZY if case[9] in SPEC_OF]
 
 
 @pytest.mark.parametrize("case", LAZY, ids=lambda c: "-".join(map(str, c)))
