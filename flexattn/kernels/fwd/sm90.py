@@ -182,8 +182,7 @@ class FwdConfig(KernelConfig):
     # warp whose max outgrew the reference computes them again from S
     # (`OnlineSoftmax.step_speculative`). Takes the row maxima off the path from S to
     # the exponentials, which is where the exponentials' pipe idles at D32 / D64. (S and P
-    # live together: at 192-row tiles ptxas parks 2-6 tile-level values in local memory,
-    # none in the full-block loop; at 128 rows nothing.)
+    # live together, P as 16-bit pairs: no spill at 192-row tiles.)
     speculative_softmax: bool = False
     # Which tiles each CTA takes (hopper/tile_scheduler.py): "by_head" or "longest_first"
     # (None: longest_first under causal, where tiles differ in work; by_head otherwise).

@@ -145,7 +145,6 @@ class OnlineSoftmax:
         (a reference of -inf always has; an exponential that overflowed is discarded),
         the references move to the maxima and the warp computes its exponentials and P
         again from S. Returns (row scales, whether to apply them: the vote)."""
-        s_mn = acc_mn_view(acc_S)
         n = cute.size(self.row_max)
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
         m_new = cute.make_rmem_tensor_like(self.row_max, Float32)
@@ -154,12 +153,11 @@ class OnlineSoftmax:
             m_ref = self.row_max[r]
             refs[r] = (Float32(0.0) if m_ref == -Float32.inf else m_ref) * self.scale_log2
             row_scale[r] = Float32(1.0)
-        added = _exp2_into_p(acc_S, tOrP, refs, self.scale_log2)
+        added, block_max = _exp2_into_p(acc_S, tOrP, refs, self.scale_log2, with_max=True)
         grows = Boolean(False)
         for r in cutlass.range_constexpr(n):
             m_ref = self.row_max[r]
-            m_cur = cute.arch.warp_reduction_max(cute.arch.fmax(_row_max(s_mn[r, None].load()), m_ref),
-                                                 threads_in_group=4)
+            m_cur = cute.arch.warp_reduction_max(cute.arch.fmax(block_max[r], m_ref), threads_in_group=4)
             m_new[r] = m_cur
             grows = grows | (m_cur > m_ref + self.threshold_scores)
             if const_expr(self.true_max is not None):
@@ -174,7 +172,7 @@ class OnlineSoftmax:
                 ref = Float32(0.0) if m_new[r] == -Float32.inf else m_new[r]
                 row_scale[r] = cute.math.exp2((m_prev - ref) * scale_log2, fastmath=True)
                 refs[r] = ref * scale_log2
-            again = _exp2_into_p(acc_S, tOrP, refs, scale_log2)
+            again, _ = _exp2_into_p(acc_S, tOrP, refs, scale_log2)
             for r in cutlass.range_constexpr(n):
                 row_sum[r] = row_sum[r] * row_scale[r] + again[r]
         else:
@@ -217,31 +215,45 @@ class OnlineSoftmax:
         return out
 
 
-def _exp2_into_p(acc_S: cute.Tensor, tOrP: cute.Tensor, refs: cute.Tensor, scale_log2: Float32) -> cute.Tensor:
+def _exp2_into_p(acc_S: cute.Tensor, tOrP: cute.Tensor, refs: cute.Tensor, scale_log2: Float32,
+                 with_max: bool = False) -> tuple:
     """P = exp2(S * scale_log2 - refs[row]) written two at a time into the 16-bit A
     fragment `tOrP` (`mma.pack_pair_into`'s order: pairs of adjacent columns, alternating
-    between the thread's two rows); returns each row's sum of the fp32 values, added in
-    four chains a row (a short dependence path, no values held for a tree). Plain Python:
-    unrolled while tracing."""
+    between the thread's two rows). Returns each row's sum of the fp32 values and, with
+    `with_max`, each row's max of S over this thread's columns (None otherwise), both in
+    two chains a row: short dependence paths, no values held for a tree, and the max's
+    FMNMXs in the same stream as the MUFUs (computed apart, ptxas put all of them after
+    the exponentials at 192-row tiles). Plain Python: unrolled while tracing."""
     src = acc_as_a_view(acc_S)
     n = cute.size(refs)
     chains = 2
-    parts = [[None] * chains for _ in range(n)]
+    sum_parts = [[None] * chains for _ in range(n)]
+    max_parts = [[None] * chains for _ in range(n)]
     for i in range(cute.size(src) // 2):
-        r = i % n
-        p0 = cute.math.exp2(src[2 * i] * scale_log2 - refs[r], fastmath=True)
-        p1 = cute.math.exp2(src[2 * i + 1] * scale_log2 - refs[r], fastmath=True)
+        r, k = i % n, (i // n) % chains
+        s0, s1 = src[2 * i], src[2 * i + 1]
+        p0 = cute.math.exp2(s0 * scale_log2 - refs[r], fastmath=True)
+        p1 = cute.math.exp2(s1 * scale_log2 - refs[r], fastmath=True)
         pack_pair_into(tOrP, i, p0, p1)
-        k = (i // n) % chains
         pair = p0 + p1
-        parts[r][k] = pair if parts[r][k] is None else parts[r][k] + pair
+        sum_parts[r][k] = pair if sum_parts[r][k] is None else sum_parts[r][k] + pair
+        if with_max:
+            m = cute.arch.fmax(s0, s1)
+            max_parts[r][k] = m if max_parts[r][k] is None else cute.arch.fmax(max_parts[r][k], m)
     sums = cute.make_rmem_tensor_like(refs, Float32)
+    maxes = cute.make_rmem_tensor_like(refs, Float32) if with_max else None
     for r in range(n):
-        vals = [v for v in parts[r] if v is not None]
-        while len(vals) > 1:
-            vals = [vals[t] + vals[t + 1] if t + 1 < len(vals) else vals[t] for t in range(0, len(vals), 2)]
-        sums[r] = vals[0]
-    return sums
+        sums[r] = _fold([v for v in sum_parts[r] if v is not None], lambda a, b: a + b)
+        if with_max:
+            maxes[r] = _fold([v for v in max_parts[r] if v is not None], cute.arch.fmax)
+    return sums, maxes
+
+
+def _fold(vals: list, op):
+    """op over `vals` as a pairwise tree (plain Python, unrolled while tracing)."""
+    while len(vals) > 1:
+        vals = [op(vals[t], vals[t + 1]) if t + 1 < len(vals) else vals[t] for t in range(0, len(vals), 2)]
+    return vals[0]
 
 
 def _row_max(row: cute.TensorSSA) -> Float32:
