@@ -66,7 +66,8 @@
 # small-d (issue 25's D32 / D64 forward, two candidates built in session 59: four consumer warpgroups, 256-row
 # tiles with 64 / 80 / 96 keys, and speculative_softmax, the exponentials before the maxima on 128-row tiles: the
 # causal D32 / D64 sweeps against the planned 192 x 128, 5 rounds, and D128 with / without speculation, ~500 s),
-# small-d-tests (their GPU cases, ~200 s; on a second GPU beside small-d, or first).
+# small-d-tests (their GPU cases, ~200 s; on a second GPU beside small-d, or first), small-d-door (the door's forward
+# with FLEXATTN_SPECULATIVE_SOFTMAX=1 against the plan, alternating rounds, D32 / D64 / D128).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -273,6 +274,8 @@ for step in $steps; do
                 "tile_m=128,$c,$spec" "tile_m=192,$c,$spec"
               run small_d_128 120 python3 sweep_fwd_configs.py --dims 128/128 --rounds 5 --anchors fa4 --configs \
                 "tile_m=128,rescale_threshold=8.0" "tile_m=128,$spec") ;;
+    small-d-door) run small_d_door 300 python3 benchmarks/ab_env.py --env FLEXATTN_SPECULATIVE_SOFTMAX=1 --rounds 7 \
+                    --variants full causal --shapes 4x4096x16x32 4x4096x16x64 4x4096x16x128 2x8192x16x128 ;;
     lazy-rescale) c="tile_m=192,max_ctas=-1,tile_tickets=1"   # (GPU 0 of two: the sweeps and the A/B)
                   (cd benchmarks
                    for d in 32 64; do

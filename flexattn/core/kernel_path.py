@@ -491,6 +491,14 @@ def _rescale_threshold(shape: AttentionShape, has_score: bool, fp32: bool) -> fl
     return 8.0 if shape.v_head_dim >= 128 and not has_score else 0.0
 
 
+def _speculative_softmax(fp32: bool) -> bool:
+    """`FwdConfig.speculative_softmax` (the exponentials before the block's maxima; with a
+    rescale threshold): not planned, built in session 59 for D32 / D64 and not yet
+    measured. ``FLEXATTN_SPECULATIVE_SOFTMAX=1`` plans it (with a threshold of 8 where
+    none is planned), for A/B runs at the door."""
+    return not fp32 and os.environ.get("FLEXATTN_SPECULATIVE_SOFTMAX") == "1"
+
+
 def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool = False,
                  tf32_passes: int = 3) -> KernelPlan:
     """Pick the kernel configuration (compile-time) for this call.
@@ -522,8 +530,11 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     rescale_early = _rescale_o_early(shape, tf32_passes)
     ab_fp32 = _fp32_ab_overrides(tf32_passes)
     threshold = _rescale_threshold(shape, score is not None, fp32)
+    speculative = _speculative_softmax(fp32)
+    if speculative and not threshold:
+        threshold = 8.0
     key = (dtype, tf32_passes, ab_fp32, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
-           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, threshold, full_only,
+           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, threshold, speculative, full_only,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     # 3xTF32 keeps float32's accuracy: the mods' tanh / sigmoid exact, not tanh.approx.
@@ -564,6 +575,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
             kv_aligned=shape.kv_len % 128 == 0 and 128 % tile_n == 0,
             rescale_o_early=rescale_early,
             rescale_threshold=threshold,
+            speculative_softmax=speculative,
             **dict(ab_fp32),
             # The mods' reads constant over a tile (a converted PagedAttention mask's page
             # map at kv // 128) once per tile and row: H200, 2026-11-30, a prefill chunk

@@ -320,6 +320,25 @@ def test_rescale_threshold_from_128_value_columns_without_score_mod(on_gpu, monk
     assert threshold(128) == 0.0
     monkeypatch.setenv("FLEXATTN_RESCALE_THRESHOLD", "4")
     assert threshold(64) == 4.0
+    monkeypatch.delenv("FLEXATTN_RESCALE_THRESHOLD")
+
+
+def test_speculative_softmax_only_where_asked(on_gpu, monkeypatch):
+    """speculative_softmax is unplanned; FLEXATTN_SPECULATIVE_SOFTMAX=1 plans it for 16-bit
+    inputs, with the threshold 8 where none is planned (a plan of its own)."""
+    monkeypatch.delenv("FLEXATTN_RESCALE_THRESHOLD", raising=False)
+    monkeypatch.delenv("FLEXATTN_SPECULATIVE_SOFTMAX", raising=False)
+
+    def config(D, dtype=torch.bfloat16):
+        q = torch.empty(2, 4, 1024, D, dtype=dtype).as_subclass(_OnGpu)
+        spec = AttentionSpec.from_args(mask=mods.causal())
+        return plan_forward(q, check_inputs(q, q, q, spec), spec).config
+
+    assert not config(64).speculative_softmax and not config(128).speculative_softmax
+    monkeypatch.setenv("FLEXATTN_SPECULATIVE_SOFTMAX", "1")
+    for D in (32, 64, 128):
+        assert config(D).speculative_softmax and config(D).rescale_threshold == 8.0
+    assert not config(64, torch.float32).speculative_softmax
 
 
 def test_early_o_rescale_needs_the_overlapped_schedule_without_promoted_pv():
