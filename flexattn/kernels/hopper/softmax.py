@@ -112,17 +112,10 @@ class OnlineSoftmax:
         s_mn = acc_mn_view(acc_S)
         n = cute.size(self.row_max)
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
-        m_new = cute.make_rmem_tensor_like(self.row_max, Float32)
-        grows = Boolean(False)
+        block_max = cute.make_rmem_tensor_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(n):
-            m_cur = cute.arch.fmax(_row_max(s_mn[r, None].load()), self.row_max[r])
-            m_cur = cute.arch.warp_reduction_max(m_cur, threads_in_group=4)
-            m_new[r] = m_cur
-            # (a reference of -inf: -inf + the finite threshold, so any finite max moves it)
-            grows = grows | (m_cur > self.row_max[r] + self.threshold_scores)
-            if const_expr(self.true_max is not None):
-                self.true_max[r] = cute.arch.fmax(self.true_max[r], m_cur)
-        rescale = cute.arch.vote_any_sync(grows)
+            block_max[r] = _row_max(s_mn[r, None].load())
+        m_new, rescale = self._vote_on_references(block_max)
         for r in cutlass.range_constexpr(n):
             m_prev = self.row_max[r]
             m_ref = m_new[r] if rescale else m_prev
@@ -136,6 +129,22 @@ class OnlineSoftmax:
         return row_scale, rescale
 
     @cute.jit
+    def _vote_on_references(self, block_max: cute.Tensor):
+        """Per row, the running max with this block's (`block_max`: over this thread's
+        columns; reduced over the row's quad here), and one vote of the warp: whether some
+        row outgrew its reference by more than the threshold (a reference of -inf:
+        -inf + the finite threshold, so any finite max moves it). Keeps the true max."""
+        m_new = cute.make_rmem_tensor_like(self.row_max, Float32)
+        grows = Boolean(False)
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            m_cur = cute.arch.warp_reduction_max(cute.arch.fmax(block_max[r], self.row_max[r]), threads_in_group=4)
+            m_new[r] = m_cur
+            grows = grows | (m_cur > self.row_max[r] + self.threshold_scores)
+            if const_expr(self.true_max is not None):
+                self.true_max[r] = cute.arch.fmax(self.true_max[r], m_cur)
+        return m_new, cute.arch.vote_any_sync(grows)
+
+    @cute.jit
     def step_speculative(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
         """`step` after the first block with a rescale threshold, the exponentials first:
         they use the current references (no wait for the block's maxima, which the ALU
@@ -147,22 +156,13 @@ class OnlineSoftmax:
         again from S. Returns (row scales, whether to apply them: the vote)."""
         n = cute.size(self.row_max)
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
-        m_new = cute.make_rmem_tensor_like(self.row_max, Float32)
         refs = cute.make_rmem_tensor_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(n):
             m_ref = self.row_max[r]
             refs[r] = (Float32(0.0) if m_ref == -Float32.inf else m_ref) * self.scale_log2
             row_scale[r] = Float32(1.0)
         added, block_max = _exp2_into_p(acc_S, tOrP, refs, self.scale_log2, with_max=True)
-        grows = Boolean(False)
-        for r in cutlass.range_constexpr(n):
-            m_ref = self.row_max[r]
-            m_cur = cute.arch.warp_reduction_max(cute.arch.fmax(block_max[r], m_ref), threads_in_group=4)
-            m_new[r] = m_cur
-            grows = grows | (m_cur > m_ref + self.threshold_scores)
-            if const_expr(self.true_max is not None):
-                self.true_max[r] = cute.arch.fmax(self.true_max[r], m_cur)
-        rescale = cute.arch.vote_any_sync(grows)
+        m_new, rescale = self._vote_on_references(block_max)
         # (the branches carry tensors and scalars, not this object)
         row_max, row_sum, scale_log2 = self.row_max, self.row_sum, self.scale_log2
         if rescale:
