@@ -60,7 +60,6 @@ class ModEvalKernel:
         hook = self.hook
         return var == self.affine and hook.affine_index(var, hook.has_score, hook.has_mask)
 
-
     @cute.jit
     def __call__(self, scores: cute.Tensor, out_score: cute.Tensor, out_mask: cute.Tensor,
                  b: Int32, h: Int32, args, stream):

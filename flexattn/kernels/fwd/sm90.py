@@ -1180,7 +1180,7 @@ class FlashFwdSm90(WarpSpecialized):
         self._turn_wait(wg)
         self._qk_gemm(tiled_mma_qk, acc_S, tSrQ, self._kv_operand(tSrK, kv_state), wait=-1)
         if const_expr(self.cfg.rescale_o_early):
-            rescale_rows(acc_O, softmax.o_scale, _o_pending(softmax))   # block j-1's scale, while Q K_j^T runs
+            rescale_rows(acc_O, softmax.o_scale, softmax.o_scale_due())   # block j-1's scale, while Q K_j^T runs
         if has_prev:
             pipe_v.consumer_wait(v_state)
             self._pv_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt, v_state, wait=-1)
@@ -1198,19 +1198,12 @@ class FlashFwdSm90(WarpSpecialized):
             self._keep_or_fold(acc_O, row_scale, rescale, softmax)
         else:
             row_scale, rescale = softmax.step(acc_S, is_first=False)
-            self._visit_tail(acc_O, tOrP, acc_S, v_state, has_prev, row_scale, rescale, softmax, pipe_v)
+            self._release_pv(acc_O, tOrP, v_state, has_prev, pipe_v)
+            self._to_p(tOrP, acc_S)
+            self._keep_or_fold(acc_O, row_scale, rescale, softmax)
         v_state = kv_state.clone()
         kv_state.advance()
         return kv_state, v_state
-
-    @cute.jit
-    def _visit_tail(self, acc_O, tOrP, acc_S, v_state, has_prev, row_scale, rescale, softmax, pipe_v):
-        """`_visit_step` after the softmax: wait for P_{j-1} V_{j-1}, release V_{j-1}, P_j
-        into P's registers, then O's fold (or the scale, and whether it is due, kept for
-        the next step's early rescale: `softmax.o_scale`, `o_pending`)."""
-        self._release_pv(acc_O, tOrP, v_state, has_prev, pipe_v)
-        self._to_p(tOrP, acc_S)
-        self._keep_or_fold(acc_O, row_scale, rescale, softmax)
 
     @cute.jit
     def _release_pv(self, acc_O, tOrP, v_state, has_prev, pipe_v):
@@ -1332,7 +1325,7 @@ class FlashFwdSm90(WarpSpecialized):
         tiled_mma_pv, tOrVt, tOrP = ctx.tiled_mma_pv, ctx.tOrVt, ctx.tOrP
         acc_O, softmax, pipe_v = ctx.acc_O, ctx.softmax, ctx.pipe_v
         if const_expr(self.cfg.rescale_o_early):
-            rescale_rows(acc_O, softmax.o_scale, _o_pending(softmax))
+            rescale_rows(acc_O, softmax.o_scale, softmax.o_scale_due())
         pipe_v.consumer_wait(kv_state)
         self._pv_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt, kv_state, wait=0)
         self._pv_later_pieces(acc_O, tOrP, kv_state)
@@ -1389,11 +1382,3 @@ class FlashFwdSm90(WarpSpecialized):
             return [(tma_atom_O, sO, gO)]
 
         store_staged(o_store, tidx, FwdBarrier.EPILOGUE, self.num_mma_threads)
-
-
-def _o_pending(softmax: OnlineSoftmax):
-    """Whether the deferred row scale (`rescale_o_early`) is due: None (always) without a
-    rescale threshold, else the flag the last step stored (warp-uniform: from one vote)."""
-    if softmax.o_pending is None:
-        return None
-    return softmax.o_pending[0] != Int32(0)

@@ -53,6 +53,13 @@ class OnlineSoftmax:
             if const_expr(track_max):
                 self.true_max = cute.make_rmem_tensor(num_rows, Float32)
 
+    def o_scale_due(self):
+        """Whether the deferred row scale (`o_scale`) is due: None (always) without a
+        rescale threshold, else the flag the last step stored (warp-uniform: one vote)."""
+        if self.o_pending is None:
+            return None
+        return self.o_pending[0] != Int32(0)
+
     def reset(self):
         """State before any block: max -inf, sum 0 (needed when the first visited block
         is not known at compile time)."""
@@ -84,7 +91,7 @@ class OnlineSoftmax:
             m_prev = self.row_max[r]
             self.row_max[r] = m_cur
             # Safe max for exponents: a row with nothing but -inf so far uses 0.
-            m_safe = Float32(0.0) if m_cur == -Float32.inf else m_cur
+            m_safe = _exponent_base(m_cur)
             m_scaled = m_safe * self.scale_log2
             # The sum starts from the rescaled old sum: the row's O factor is then needed
             # (and computed) before its exponentials, and ptxas interleaves the O rescale
@@ -120,7 +127,7 @@ class OnlineSoftmax:
             m_prev = self.row_max[r]
             m_ref = m_new[r] if rescale else m_prev
             self.row_max[r] = m_ref
-            m_safe = Float32(0.0) if m_ref == -Float32.inf else m_ref
+            m_safe = _exponent_base(m_ref)
             # 1 where the reference stays (0 for a row with nothing yet: its sum is 0)
             row_scale[r] = cute.math.exp2((m_prev - m_safe) * self.scale_log2, fastmath=True)
             p = cute.math.exp2(s_mn[r, None].load() * self.scale_log2 - m_safe * self.scale_log2, fastmath=True)
@@ -159,7 +166,7 @@ class OnlineSoftmax:
         refs = cute.make_rmem_tensor_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(n):
             m_ref = self.row_max[r]
-            refs[r] = (Float32(0.0) if m_ref == -Float32.inf else m_ref) * self.scale_log2
+            refs[r] = _exponent_base(m_ref) * self.scale_log2
             row_scale[r] = Float32(1.0)
         added, block_max = _exp2_into_p(acc_S, tOrP, refs, self.scale_log2, with_max=True)
         m_new, rescale = self._vote_on_references(block_max)
@@ -169,7 +176,7 @@ class OnlineSoftmax:
             for r in cutlass.range_constexpr(n):
                 m_prev = row_max[r]
                 row_max[r] = m_new[r]
-                ref = Float32(0.0) if m_new[r] == -Float32.inf else m_new[r]
+                ref = _exponent_base(m_new[r])
                 row_scale[r] = cute.math.exp2((m_prev - ref) * scale_log2, fastmath=True)
                 refs[r] = ref * scale_log2
             again, _ = _exp2_into_p(acc_S, tOrP, refs, scale_log2)
@@ -256,19 +263,20 @@ def _fold(vals: list, op):
     return vals[0]
 
 
+@cute.jit
+def _exponent_base(m: Float32) -> Float32:
+    """The max an exponent subtracts: `m`, or 0 for a row with nothing but -inf so far
+    (exp2(-inf - 0) = 0, no inf - inf)."""
+    return Float32(0.0) if m == -Float32.inf else m
+
+
 def _row_max(row: cute.TensorSSA) -> Float32:
     """Max over a row of this thread's fragment (loaded as a vector): a pairwise tree
     (depth log2(cols)) of `max.f32`. A generic MAX reduce emits `max.NaN.f32`, with which
     ptxas left half of the O rescale after the exp2s (SASS). Plain Python: unrolled while
     tracing; the elements are read from the vector (one op each, where indexing the
     fragment costs several)."""
-    vals = _elements(row)
-    while len(vals) > 1:
-        nxt = [cute.arch.fmax(vals[i], vals[i + 1]) for i in range(0, len(vals) - 1, 2)]
-        if len(vals) % 2:
-            nxt.append(vals[-1])
-        vals = nxt
-    return vals[0]
+    return _fold(_elements(row), cute.arch.fmax)
 
 
 @cute.jit
