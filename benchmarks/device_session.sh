@@ -264,14 +264,18 @@ for step in $steps; do
                       tests/gpu/test_bwd_gpu.py -k "row_pairs_match or document or listed_as_partial" ;;
     small-d-tests) run small_d_tests 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py \
                -k "256_row_tiles or rescale_threshold" ;;
-    small-d) c="max_ctas=-1,tile_tickets=1"; spec="rescale_threshold=8.0,speculative_softmax=True"
+    small-d|small-d-32|small-d-64|small-d-128)   # (small-d: all three head dims; small-d-N: one, for a short call)
+             c="max_ctas=-1,tile_tickets=1"; spec="rescale_threshold=8.0,speculative_softmax=True"
              (cd benchmarks
+              [[ $step == small-d || $step == small-d-32 ]] &&
               run small_d_32 200 python3 sweep_fwd_configs.py --dims 32/32 --rounds 5 --anchors fa4 flex --configs \
-                "tile_m=192,$c" "tile_m=256,tile_n=64,$c" "tile_m=256,tile_n=80,$c" "tile_m=256,tile_n=96,$c" \
+                "tile_m=192,$c" "tile_m=256,tile_n=64,$c" "tile_m=256,tile_n=80,$c" \
                 "tile_m=128,$c" "tile_m=128,$c,$spec" "tile_m=192,$c,$spec"
+              [[ $step == small-d || $step == small-d-64 ]] &&
               run small_d_64 180 python3 sweep_fwd_configs.py --dims 64/64 --rounds 5 --anchors fa4 flex --configs \
-                "tile_m=192,$c" "tile_m=256,tile_n=64,$c" "tile_m=256,tile_n=80,$c" "tile_m=128,$c" \
+                "tile_m=192,$c" "tile_m=256,tile_n=64,$c" "tile_m=128,$c" \
                 "tile_m=128,$c,$spec" "tile_m=192,$c,$spec"
+              [[ $step == small-d || $step == small-d-128 ]] &&
               run small_d_128 120 python3 sweep_fwd_configs.py --dims 128/128 --rounds 5 --anchors fa4 --configs \
                 "tile_m=128,rescale_threshold=8.0" "tile_m=128,$spec") ;;
     small-d-door) run small_d_door 300 python3 benchmarks/ab_env.py --env FLEXATTN_SPECULATIVE_SOFTMAX=1 --rounds 7 \

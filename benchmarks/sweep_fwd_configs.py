@@ -116,6 +116,7 @@ def main():
             impls[text] = fn
             notes[text] = (f"m{cfg.tile_m} n{cfg.tile_n} s{cfg.num_stages} c{cfg.cluster_m} "
                            f"ctas{cfg.max_ctas} diff {rel_diff(out, ref):.1e}")
+            print(f"[{text}] compiled: {notes[text]}", flush=True)   # (a hang below names its kernel)
         except Exception as e:
             traceback.print_exc()
             print(f"[{text}] failed: {type(e).__name__}: {str(e)[:200]}")

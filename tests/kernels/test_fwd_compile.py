@@ -16,6 +16,7 @@ from cutlass.cute.runtime import make_fake_tensor  # noqa: E402
 from flexattn.kernels.emit import example_hooks as hooks  # noqa: E402
 from flexattn.kernels.launch.compile import compile_forward, resource_usage_from_ptx  # noqa: E402
 from flexattn.kernels.fwd.sm90 import FwdConfig  # noqa: E402
+from flexattn.kernels.hopper.warp_specialized import register_split  # noqa: E402
 from flexattn import mods  # noqa: E402
 from flexattn.kernels.emit.mod_emit import IRModHook  # noqa: E402
 from flexattn.mods.structure import canonical_band  # noqa: E402
@@ -289,6 +290,21 @@ def test_config_keys():
     assert FwdConfig(head_dim=64, mods=hooks.SoftcapHook()).tile_m == 128
     assert FwdConfig(head_dim=64).consumer_regs == 160
     assert FwdConfig(head_dim=128).consumer_regs == 240
+    assert FwdConfig(head_dim=32, tile_m=256, tile_n=64).consumer_regs == 112   # 640 threads launch at 96
+
+
+@pytest.mark.parametrize("ctas_per_sm", [1, 2])
+@pytest.mark.parametrize("consumer_wgs", [1, 2, 3, 4])
+def test_register_budgets_fit_the_launch_pool(consumer_wgs, ctas_per_sm):
+    """setmaxnreg.inc spins until the CTA's pool has the registers: budgets must fit what
+    the launch grants (every thread the same multiple of 8), not the register file: 4
+    consumer WGs at 120 hung the GPU (640 threads launch at 96: a pool of 61440)."""
+    producer, consumer = register_split(consumer_wgs, 24, ctas_per_sm)
+    threads = 128 * (consumer_wgs + 1)
+    launch = min(256, 65536 // ctas_per_sm // threads // 8 * 8)
+    assert consumer % 8 == 0 and producer % 8 == 0
+    assert 128 * (producer + consumer_wgs * consumer) <= launch * threads
+    assert 128 * (producer + consumer_wgs * (consumer + 8)) > launch * threads or consumer == 256
 
 
 def test_snake_order_is_a_permutation_that_alternates():

@@ -37,12 +37,19 @@ DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}   # Q, K, V, O and 
 def register_split(consumer_wgs: int, producer_regs: int, ctas_per_sm: int = 1,
                    max_consumer_regs: int = MAX_REGS_PER_THREAD) -> tuple:
     """(producer, consumer) setmaxnreg budgets: the producer warpgroup keeps
-    ``producer_regs`` per thread, the consumer warpgroups share the rest of the CTA's part
-    of the register file (its 1 / ``ctas_per_sm``), each a multiple of 8 and at most
-    ``max_consumer_regs``. E.g. forward 2 WGs: 24 / 240; 3 WGs: 32 / 160; decode two CTAs
-    per SM: 40 / 216."""
-    per_lane = REGISTER_FILE // ctas_per_sm // THREADS_PER_WARPGROUP   # every warpgroup's lane
-    consumer = (per_lane - producer_regs) // consumer_wgs
+    ``producer_regs`` per thread, the consumer warpgroups share the rest of the registers
+    the CTA launched with, each a multiple of 8 and at most ``max_consumer_regs``. E.g.
+    forward 2 WGs: 24 / 240; 3 WGs: 32 / 160; 4 WGs: 24 / 112; decode two CTAs per SM:
+    40 / 216.
+
+    The pool is what the launch grants, not the register file: every thread launches with
+    the same count, a multiple of 8 that fits the CTA's share (640 threads: 96, so 4 WGs
+    pool 61440 of the 65536). setmaxnreg.inc waits for registers the CTA does not hold
+    forever: budgets over the pool hang the kernel."""
+    warpgroups = consumer_wgs + 1
+    launch = REGISTER_FILE // ctas_per_sm // (THREADS_PER_WARPGROUP * warpgroups)
+    launch = min(MAX_REGS_PER_THREAD, launch - launch % 8)
+    consumer = (launch * warpgroups - producer_regs) // consumer_wgs
     return producer_regs, min(max_consumer_regs, consumer - consumer % 8)
 
 
