@@ -156,13 +156,10 @@ def _forward_tiles(shape: AttentionShape, tile_m: int, lists: bool, persistent: 
     to divide their 128-key blocks: 128, or 64 where less than 128 fits (wide heads; the
     kernel expands each listed block into two tiles); persistent CTAs (a separate O
     buffer) only where that fits too."""
-    from ..kernels.fwd.sm90 import shared_bytes
-    from ..kernels.hopper.mma import SMEM_CAPACITY
-
     d, dv = shape.head_dim, shape.v_head_dim
 
     def fits(tile_n, stages, separate_o):
-        return shared_bytes(tile_m, tile_n, stages, d, dv, separate_o or dv > d) <= SMEM_CAPACITY
+        return _shared_fits(shape, tile_m, tile_n, stages, separate_o)
 
     # 192-row tiles beyond head dim 64: at most 112 keys, or the S fragment spills at 160
     # registers (128 keys: 240 B at D 96).
@@ -171,6 +168,16 @@ def _forward_tiles(shape: AttentionShape, tile_m: int, lists: bool, persistent: 
     if lists and tile_n != TILE_N:
         tile_n = TILE_N // 2
     return tile_n, 2, persistent and fits(tile_n, 2, True)
+
+
+def _shared_fits(shape: AttentionShape, tile_m: int, tile_n: int, stages: int, separate_o: bool) -> bool:
+    """Whether the 16-bit forward's shared memory fits (O apart from Q: persistent CTAs,
+    or value heads wider than the keys')."""
+    from ..kernels.fwd.sm90 import shared_bytes
+    from ..kernels.hopper.mma import SMEM_CAPACITY
+
+    d, dv = shape.head_dim, shape.v_head_dim
+    return shared_bytes(tile_m, tile_n, stages, d, dv, separate_o or dv > d) <= SMEM_CAPACITY
 
 
 # fp32's K/V tiles (`_fp32_tiles`): multiples of 8 keys (V^T's key groups).
@@ -499,6 +506,17 @@ def _speculative_softmax(fp32: bool) -> bool:
     return not fp32 and os.environ.get("FLEXATTN_SPECULATIVE_SOFTMAX") == "1"
 
 
+def _tile_override(score, block_mask, fp32: bool) -> tuple | None:
+    """``FLEXATTN_FWD_TILES=MxN`` (e.g. 256x80: four consumer warpgroups) replaces the
+    planned (tile_m, tile_n) of 16-bit calls without a score mod or a block mask (those
+    the planner gives 192-row tiles up to head dim 96), for A/B runs at the door."""
+    flag = os.environ.get("FLEXATTN_FWD_TILES")
+    if not flag or fp32 or score is not None or block_mask is not None:
+        return None
+    tile_m, tile_n = (int(v) for v in flag.lower().split("x"))
+    return tile_m, tile_n
+
+
 def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool = False,
                  tf32_passes: int = 3) -> KernelPlan:
     """Pick the kernel configuration (compile-time) for this call.
@@ -533,8 +551,9 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     speculative = _speculative_softmax(fp32)
     if speculative and not threshold:
         threshold = 8.0
+    tiles = _tile_override(score, block_mask, fp32)
     key = (dtype, tf32_passes, ab_fp32, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
-           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, threshold, speculative, full_only,
+           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, threshold, speculative, tiles, full_only,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     # 3xTF32 keeps float32's accuracy: the mods' tanh / sigmoid exact, not tanh.approx.
@@ -556,6 +575,9 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
         else:
             tile_m = 192 if small and score is None and block_mask is None else 128
             tile_n, stages, persistent = _forward_tiles(shape, tile_m, lists, max_ctas > 0)
+            if tiles:
+                tile_m, tile_n = tiles
+                persistent = persistent and _shared_fits(shape, tile_m, tile_n, stages, True)
         template = IRModHook(_structure_only(score), _structure_only(mask), fast_math)
         config = FwdConfig(
             dtype=dtype, tf32_passes=tf32_passes, head_dim=shape.head_dim, head_dim_v=shape.v_head_dim,
