@@ -242,23 +242,14 @@ KERNELS = {
     "causal-d64-lazy": _fwd(head_dim=64, tile_m=192, causal=True, max_ctas=132, tile_tickets=True,
                             rescale_threshold=8.0),
     "causal-lazy": _fwd(head_dim=128, tile_m=128, causal=True, rescale_threshold=8.0),
-    # ... and the exponentials before the maxima, redone where a warp's max outgrew the reference (128-row
-    # tiles: at 192 S and P's fp32 values together spill)
-    "causal-d32-spec": _fwd(head_dim=32, tile_m=192, causal=True, max_ctas=132, tile_tickets=True,
-                            rescale_threshold=8.0, speculative_softmax=True),
-    "causal-d64-spec": _fwd(head_dim=64, tile_m=192, causal=True, max_ctas=132, tile_tickets=True,
-                            rescale_threshold=8.0, speculative_softmax=True),
-    "causal-d32-m128-spec": _fwd(head_dim=32, tile_m=128, causal=True, max_ctas=132, tile_tickets=True,
-                                 rescale_threshold=8.0, speculative_softmax=True),
-    "causal-d64-m128-spec": _fwd(head_dim=64, tile_m=128, causal=True, max_ctas=132, tile_tickets=True,
-                                 rescale_threshold=8.0, speculative_softmax=True),
-    "causal-spec": _fwd(head_dim=128, tile_m=128, causal=True, rescale_threshold=8.0, speculative_softmax=True),
-    # four consumer warpgroups (256-row tiles, 120 registers each): a fourth warp per scheduler to hide the
-    # exponentials' latency
+    # four consumer warpgroups (256-row tiles, 112 registers each: the 640-thread launch's pool): a fourth
+    # warp per scheduler to hide the exponentials' latency (planned up to D32 at 80 keys)
     "causal-d32-m256n64": _fwd(head_dim=32, tile_m=256, tile_n=64, causal=True, max_ctas=132, tile_tickets=True),
     "causal-d32-m256n128": _fwd(head_dim=32, tile_m=256, tile_n=128, causal=True, max_ctas=132, tile_tickets=True),
     "causal-d64-m256n64": _fwd(head_dim=64, tile_m=256, tile_n=64, causal=True, max_ctas=132, tile_tickets=True),
     "causal-d32-m256n80": _fwd(head_dim=32, tile_m=256, tile_n=80, causal=True, max_ctas=132, tile_tickets=True),
+    "full-d32-m256n80": _fwd(head_dim=32, tile_m=256, tile_n=80, max_ctas=132),
+    "causal-d16-m256n80": _fwd(head_dim=16, tile_m=256, tile_n=80, causal=True, max_ctas=132, tile_tickets=True),
     "causal-d32-m256n96": _fwd(head_dim=32, tile_m=256, tile_n=96, causal=True, max_ctas=132, tile_tickets=True),
     "causal-d64-m256n80": _fwd(head_dim=64, tile_m=256, tile_n=80, causal=True, max_ctas=132, tile_tickets=True),
     "causal-d64-m256n96": _fwd(head_dim=64, tile_m=256, tile_n=96, causal=True, max_ctas=132, tile_tickets=True),

@@ -63,12 +63,10 @@
 # its reference by 2^8: the causal forward at D32 / D64 / D128 and dense D128 against the planned one, 5 rounds, then
 # the door's forward A/B with FLEXATTN_RESCALE_THRESHOLD=8 on six variants), lazy-rescale-tests (its GPU cases, then the
 # public suite and the head-dim forward cases with it planned; run beside lazy-rescale on a second GPU).
-# small-d (issue 25's D32 / D64 forward, two candidates built in session 59: four consumer warpgroups, 256-row
-# tiles with 64 / 80 / 96 keys, and speculative_softmax, the exponentials before the maxima on 128-row tiles: the
-# causal D32 / D64 sweeps against the planned 192 x 128, 5 rounds, and D128 with / without speculation, ~500 s),
-# small-d-tests (their GPU cases, ~60 s), small-d-32 / -64 / -128 (one head dim of small-d each), small-d-door (the
-# door's forward A/B: FLEXATTN_FWD_TILES=256x80 / 256x64 full and causal at D32 / D64, then
-# FLEXATTN_SPECULATIVE_SOFTMAX=1 on the 128-row plans: document4, softcap, ALiBi at D32 / D64, ~400 s).
+# small-d (issue 25's D32 / D64 forward: the causal sweeps of the planned tiles against four consumer
+# warpgroups, 256-row tiles with 64 / 80 keys, 5 rounds; small-d-32 / small-d-64: one head dim each),
+# small-d-tests (the 256-row tiles' GPU cases and the rescale threshold's, ~60 s), small-d-door (the door's
+# forward A/B, FLEXATTN_FWD_TILES=192x128 / 256x64 against the plan, full and causal at D32 / D64, ~60 s).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -265,27 +263,18 @@ for step in $steps; do
                       tests/gpu/test_bwd_gpu.py -k "row_pairs_match or document or listed_as_partial" ;;
     small-d-tests) run small_d_tests 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py \
                -k "256_row_tiles or rescale_threshold" ;;
-    small-d|small-d-32|small-d-64|small-d-128)   # (small-d: all three head dims; small-d-N: one, for a short call)
-             c="max_ctas=-1,tile_tickets=1"; spec="rescale_threshold=8.0,speculative_softmax=True"
+    small-d|small-d-32|small-d-64)   # (small-d: both head dims; small-d-N: one, for a short call)
+             c="max_ctas=-1,tile_tickets=1"
              (cd benchmarks
               [[ $step == small-d || $step == small-d-32 ]] &&
               run small_d_32 200 python3 sweep_fwd_configs.py --dims 32/32 --rounds 5 --anchors fa4 flex --configs \
-                "tile_m=192,$c" "tile_m=256,tile_n=64,$c" "tile_m=256,tile_n=80,$c" \
-                "tile_m=128,$c" "tile_m=128,$c,$spec" "tile_m=192,$c,$spec"
+                "tile_m=192,$c" "tile_m=256,tile_n=64,$c" "tile_m=256,tile_n=80,$c" "tile_m=128,$c"
               [[ $step == small-d || $step == small-d-64 ]] &&
               run small_d_64 180 python3 sweep_fwd_configs.py --dims 64/64 --rounds 5 --anchors fa4 flex --configs \
-                "tile_m=192,$c" "tile_m=256,tile_n=64,$c" "tile_m=128,$c" \
-                "tile_m=128,$c,$spec" "tile_m=192,$c,$spec"
-              [[ $step == small-d || $step == small-d-128 ]] &&
-              run small_d_128 120 python3 sweep_fwd_configs.py --dims 128/128 --rounds 5 --anchors fa4 --configs \
-                "tile_m=128,rescale_threshold=8.0" "tile_m=128,$spec") ;;
-    small-d-door)   # session 60's sweeps: 256 x 80 tiles led at D32 causal (+3.4%), speculation led only on
-                    # 128-row tiles (D32 +7.5%, D64 +2.1%): the plans that run 128 rows at small D are lists and score mods
-                    run small_d_tiles 300 python3 benchmarks/ab_env.py --env FLEXATTN_FWD_TILES=256x80 \
-                      --also FLEXATTN_FWD_TILES=256x64 --rounds 7 --variants full causal \
-                      --shapes 4x4096x16x32 8x2048x16x32 2x8192x16x32 4x4096x16x64
-                    run small_d_spec 240 python3 benchmarks/ab_env.py --env FLEXATTN_SPECULATIVE_SOFTMAX=1 --rounds 7 \
-                      --variants document4 causal+softcap30 causal+alibi --shapes 4x4096x16x32 4x4096x16x64 ;;
+                "tile_m=192,$c" "tile_m=256,tile_n=64,$c" "tile_m=128,$c") ;;
+    small-d-door) run small_d_tiles 300 python3 benchmarks/ab_env.py --env FLEXATTN_FWD_TILES=192x128 \
+                    --also FLEXATTN_FWD_TILES=256x64 --rounds 7 --variants full causal \
+                    --shapes 4x4096x16x32 8x2048x16x32 2x8192x16x32 4x4096x16x64 ;;
     lazy-rescale) c="tile_m=192,max_ctas=-1,tile_tickets=1"   # (GPU 0 of two: the sweeps and the A/B)
                   (cd benchmarks
                    for d in 32 64; do

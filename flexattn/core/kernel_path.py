@@ -498,23 +498,21 @@ def _rescale_threshold(shape: AttentionShape, has_score: bool, fp32: bool) -> fl
     return 8.0 if shape.v_head_dim >= 128 and not has_score else 0.0
 
 
-def _speculative_softmax(fp32: bool) -> bool:
-    """`FwdConfig.speculative_softmax` (the exponentials before the block's maxima; with a
-    rescale threshold): not planned, built in session 59 for D32 / D64 and not yet
-    measured. ``FLEXATTN_SPECULATIVE_SOFTMAX=1`` plans it (with a threshold of 8 where
-    none is planned), for A/B runs at the door."""
-    return not fp32 and os.environ.get("FLEXATTN_SPECULATIVE_SOFTMAX") == "1"
-
-
-def _tile_override(score, block_mask, fp32: bool) -> tuple | None:
-    """``FLEXATTN_FWD_TILES=MxN`` (e.g. 256x80: four consumer warpgroups) replaces the
-    planned (tile_m, tile_n) of 16-bit calls without a score mod or a block mask (those
-    the planner gives 192-row tiles up to head dim 96), for A/B runs at the door."""
-    flag = os.environ.get("FLEXATTN_FWD_TILES")
-    if not flag or fp32 or score is not None or block_mask is not None:
+def _four_warpgroup_tiles(shape: AttentionShape, score, block_mask, fp32: bool) -> tuple | None:
+    """(tile_m, tile_n) in place of the 192 x 128 tiles of 16-bit calls without a score mod
+    or a block mask: 256 x 80 (four consumer warpgroups at 112 registers) up to head dim
+    32. H200, 2026-12-01, the door's forward A/B in alternating rounds (7), ms 256 x 80 /
+    192 x 128, D32 H16: causal B4 S4096 0.967, B8 S2048 0.976, B2 S8192 1.002; full 0.993 /
+    0.984 / 1.000. 256 x 64: 0.984-1.070. D64: 256 x 80 spills (1.63), 256 x 64 1.007 /
+    1.008 (docs/experiments.md, issue 25). ``FLEXATTN_FWD_TILES=MxN`` overrides (192x128:
+    the plan before), for A/B runs."""
+    if fp32 or score is not None or block_mask is not None:
         return None
-    tile_m, tile_n = (int(v) for v in flag.lower().split("x"))
-    return tile_m, tile_n
+    flag = os.environ.get("FLEXATTN_FWD_TILES")
+    if flag:
+        tile_m, tile_n = (int(v) for v in flag.lower().split("x"))
+        return tile_m, tile_n
+    return (256, 80) if max(shape.head_dim, shape.v_head_dim) <= 32 else None
 
 
 def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool = False,
@@ -548,12 +546,9 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     rescale_early = _rescale_o_early(shape, tf32_passes)
     ab_fp32 = _fp32_ab_overrides(tf32_passes)
     threshold = _rescale_threshold(shape, score is not None, fp32)
-    speculative = _speculative_softmax(fp32)
-    if speculative and not threshold:
-        threshold = 8.0
-    tiles = _tile_override(score, block_mask, fp32)
+    tiles = _four_warpgroup_tiles(shape, score, block_mask, fp32)
     key = (dtype, tf32_passes, ab_fp32, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
-           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, threshold, speculative, tiles, full_only,
+           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, threshold, tiles, full_only,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     # 3xTF32 keeps float32's accuracy: the mods' tanh / sigmoid exact, not tanh.approx.
@@ -566,7 +561,8 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
         # Three consumer warpgroups (tile_m 192) pay off up to head dim 96 (H100, B4 S4096
         # H16, 2026-11-27: D96 causal 477 -> 511 TFLOP/s, dense 526 -> 581; D80 causal
         # 390 -> 444, dense 465 -> 534), but only without a score mod (register pressure)
-        # and outside block-sparse mode (128-row tiles).
+        # and outside block-sparse mode (128-row tiles); four (256 x 80) up to head dim 32
+        # (_four_warpgroup_tiles).
         lists = block_mask is not None and not band
         small = max(shape.head_dim, shape.v_head_dim) <= 96
         if fp32:
@@ -575,7 +571,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
         else:
             tile_m = 192 if small and score is None and block_mask is None else 128
             tile_n, stages, persistent = _forward_tiles(shape, tile_m, lists, max_ctas > 0)
-            if tiles:
+            if tiles:   # (same stages; persistent where O apart still fits)
                 tile_m, tile_n = tiles
                 persistent = persistent and _shared_fits(shape, tile_m, tile_n, stages, True)
         template = IRModHook(_structure_only(score), _structure_only(mask), fast_math)
@@ -597,7 +593,6 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
             kv_aligned=shape.kv_len % 128 == 0 and 128 % tile_n == 0,
             rescale_o_early=rescale_early,
             rescale_threshold=threshold,
-            speculative_softmax=speculative,
             **dict(ab_fp32),
             # The mods' reads constant over a tile (a converted PagedAttention mask's page
             # map at kv // 128) once per tile and row: H200, 2026-11-30, a prefill chunk

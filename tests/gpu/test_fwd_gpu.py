@@ -146,13 +146,6 @@ LAZY_SCHEDULES = {
     "lazy+persist": dict(rescale_threshold=8.0, max_ctas=7),
     "lazy+cluster": dict(rescale_threshold=8.0, cluster_m=2),
     "lazy+t2": dict(rescale_threshold=2.0),   # a low threshold: rescales and skips alternate more
-    # the exponentials before the maxima, redone where a warp's max outgrew the reference
-    "spec": dict(rescale_threshold=8.0, speculative_softmax=True, tile_m=128),
-    "spec+plain": dict(rescale_threshold=8.0, speculative_softmax=True, tile_m=128, intra_wg_overlap=False),
-    "spec+early": dict(rescale_threshold=8.0, speculative_softmax=True, rescale_o_early=True, tile_n=64),
-    "spec+tickets": dict(rescale_threshold=8.0, speculative_softmax=True, tile_m=128, max_ctas=7, tile_tickets=True),
-    "spec+t2": dict(rescale_threshold=2.0, speculative_softmax=True, tile_m=128),
-    "spec192+tickets": dict(rescale_threshold=8.0, speculative_softmax=True, tile_m=192, max_ctas=7, tile_tickets=True),
 }
 ALL_SCHEDULES = {**SCHEDULES, **SHAPED_SCHEDULES, **M256_SCHEDULES, **LAZY_SCHEDULES}
 
@@ -318,15 +311,7 @@ LAZY = [
     ("bf16", 128, 2, 8, 2, 1000, 1000, "causal_builtin", "bhsd", "lazy+t2", False),
     ("bf16", 64, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "lazy+early+tickets", False),
     ("fp16", 64, 1, 2, 2, 64, 1, "softcap", "bhsd", "lazy", False),              # one key
-    # speculative_softmax at 192-row tiles (three warpgroups)
-    ("bf16", 32, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "spec192+tickets", True),
-    ("fp16", 64, 2, 6, 3, 777, 700, "none", "bshd", "spec192+tickets", True),
-    ("bf16", 64, 2, 2, 1, 450, 450, "lag", "bhsd", "spec192+tickets", False),
 ]
-# ... and over the same walks as the threshold alone: each case's schedule with the exponentials first
-SPEC_OF = {"lazy": "spec", "lazy+plain": "spec+plain", "lazy+early": "spec+early", "lazy+t2": "spec+t2",
-           "lazy+early+tickets": "spec+tickets", "lazy+persist": "spec+tickets"}
-LAZY += [case[:9] + (SPEC_OF[case[9]], case[10]) for case in LAZY if case[9] in SPEC_OF]
 
 
 @pytest.mark.parametrize("case", LAZY, ids=lambda c: "-".join(map(str, c)))

@@ -263,7 +263,7 @@ def test_block_masks_at_other_block_sizes_run_on_the_kernels_tiles():
 def test_head_dims_plan_tiles_that_fit_shared_memory(on_gpu):
     """Every head dim (and value head dim) the forward takes gets two K/V stages of the
     widest tile that fits (FA3's 112 / 80 at 192 / 256), 192-row tiles up to 96 (at most 112
-    keys beyond 64: the S fragment's registers), persistent
+    keys beyond 64: the S fragment's registers; 256 x 80 up to 32), persistent
     CTAs only where their separate O buffer fits too; block-sparse lists take 64-key tiles
     where 128 do not fit (two per listed block); clusters only at 128/128 and 192/128. The backward takes
     every one of them (``backward_unsupported``)."""
@@ -278,7 +278,7 @@ def test_head_dims_plan_tiles_that_fit_shared_memory(on_gpu):
         shape = check_inputs(q, q, v, spec)
         return plan_forward(q, shape, spec).config, shape
 
-    want = {(32, 32): (192, 128, 132), (80, 80): (192, 112, 132), (96, 96): (192, 112, 132),
+    want = {(32, 32): (256, 80, 132), (64, 64): (192, 128, 132), (80, 80): (192, 112, 132), (96, 96): (192, 112, 132),
             (128, 64): (128, 128, 132), (192, 128): (128, 128, 0), (192, 192): (128, 112, 0),
             (256, 128): (128, 96, 0), (256, 256): (128, 80, 0)}
     for (D, Dv), (tile_m, tile_n, ctas) in want.items():
@@ -323,22 +323,28 @@ def test_rescale_threshold_from_128_value_columns_without_score_mod(on_gpu, monk
     monkeypatch.delenv("FLEXATTN_RESCALE_THRESHOLD")
 
 
-def test_speculative_softmax_only_where_asked(on_gpu, monkeypatch):
-    """speculative_softmax is unplanned; FLEXATTN_SPECULATIVE_SOFTMAX=1 plans it for 16-bit
-    inputs, with the threshold 8 where none is planned (a plan of its own)."""
-    monkeypatch.delenv("FLEXATTN_RESCALE_THRESHOLD", raising=False)
-    monkeypatch.delenv("FLEXATTN_SPECULATIVE_SOFTMAX", raising=False)
+def test_four_warpgroups_up_to_head_dim_32(on_gpu, monkeypatch):
+    """256 x 80 tiles (four consumer warpgroups) for 16-bit calls up to head dim 32
+    without a score mod or a block mask; 192 x 128 beyond, 128-row tiles with a score mod
+    or lists, fp32 its own; FLEXATTN_FWD_TILES overrides where the 192 plan would be."""
+    monkeypatch.delenv("FLEXATTN_FWD_TILES", raising=False)
 
-    def config(D, dtype=torch.bfloat16):
+    def tiles(D, dtype=torch.bfloat16, Dv=None, **kw):
         q = torch.empty(2, 4, 1024, D, dtype=dtype).as_subclass(_OnGpu)
-        spec = AttentionSpec.from_args(mask=mods.causal())
-        return plan_forward(q, check_inputs(q, q, q, spec), spec).config
+        v = torch.empty(2, 4, 1024, Dv or D, dtype=dtype).as_subclass(_OnGpu)
+        spec = AttentionSpec.from_args(**kw)
+        c = plan_forward(q, check_inputs(q, q, v, spec), spec).config
+        return c.tile_m, c.tile_n
 
-    assert not config(64).speculative_softmax and not config(128).speculative_softmax
-    monkeypatch.setenv("FLEXATTN_SPECULATIVE_SOFTMAX", "1")
-    for D in (32, 64, 128):
-        assert config(D).speculative_softmax and config(D).rescale_threshold == 8.0
-    assert not config(64, torch.float32).speculative_softmax
+    for D in (16, 32):
+        assert tiles(D) == tiles(D, mask=mods.causal()) == tiles(D, torch.float16) == (256, 80)
+    assert tiles(32, Dv=64) == tiles(64) == (192, 128)
+    assert tiles(32, mask=mods.causal(), score=mods.softcap(20.0))[0] == 128
+    assert tiles(32, torch.float32)[0] != 256
+    monkeypatch.setenv("FLEXATTN_FWD_TILES", "192x128")
+    assert tiles(32, mask=mods.causal()) == (192, 128)
+    monkeypatch.setenv("FLEXATTN_FWD_TILES", "256x64")
+    assert tiles(64) == (256, 64)
 
 
 def test_early_o_rescale_needs_the_overlapped_schedule_without_promoted_pv():

@@ -177,13 +177,6 @@ class FwdConfig(KernelConfig):
     # vote per warp and block decides, and the FMULs sit in a branch). 0: every block
     # rescales. FA4 does this on Blackwell (8.0).
     rescale_threshold: float = 0.0
-    # With a rescale threshold: the exponentials first, against the current reference max,
-    # straight into P's registers (after the P V wait), the block's maxima beside them; a
-    # warp whose max outgrew the reference computes them again from S
-    # (`OnlineSoftmax.step_speculative`). Takes the row maxima off the path from S to
-    # the exponentials, which is where the exponentials' pipe idles at D32 / D64. (S and P
-    # live together, P as 16-bit pairs: no spill at 192-row tiles.)
-    speculative_softmax: bool = False
     # Which tiles each CTA takes (hopper/tile_scheduler.py): "by_head" or "longest_first"
     # (None: longest_first under causal, where tiles differ in work; by_head otherwise).
     tile_order: str | None = None
@@ -308,8 +301,6 @@ class FwdConfig(KernelConfig):
             raise ValueError("rescale_o_early needs the overlapped schedule without promote_pv")
         if self.tf32_passes not in (1, 3) or (self.tf32_passes == 3 and self.dtype != "fp32"):
             raise ValueError(f"tf32_passes must be 1, or 3 with dtype 'fp32', got {self.tf32_passes}")
-        if self.speculative_softmax and (self.rescale_threshold <= 0.0 or self.dtype == "fp32"):
-            raise ValueError("speculative_softmax needs a rescale_threshold > 0 and 16-bit inputs")
         if not 0.0 <= self.rescale_threshold <= 16.0:
             # (P up to 2^16 stays finite in fp16 and keeps float32's relative precision)
             raise ValueError(f"rescale_threshold must be in [0, 16], got {self.rescale_threshold}")
@@ -1124,14 +1115,10 @@ class FlashFwdSm90(WarpSpecialized):
         pipe_k.consumer_release(kv_state)
 
         self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
-        if const_expr(self.cfg.speculative_softmax and not is_first):
-            row_scale, rescale = softmax.step_speculative(acc_S, tOrP)
+        row_scale, rescale = softmax.step(acc_S, is_first=is_first)
+        if const_expr(not is_first):
             rescale_rows(acc_O, row_scale, rescale)
-        else:
-            row_scale, rescale = softmax.step(acc_S, is_first=is_first)
-            if const_expr(not is_first):
-                rescale_rows(acc_O, row_scale, rescale)
-            self._to_p(tOrP, acc_S)
+        self._to_p(tOrP, acc_S)
 
         pipe_v.consumer_wait(kv_state)
         self._turn_wait(wg)
@@ -1191,16 +1178,10 @@ class FlashFwdSm90(WarpSpecialized):
         pipe_k.consumer_release(kv_state)
 
         self._scores(ctx, acc_S, n_block, mask, causal, kv_bound, partial)
-        if const_expr(self.cfg.speculative_softmax):
-            # P's registers first (the exponentials write them), then the softmax
-            self._release_pv(acc_O, tOrP, v_state, has_prev, pipe_v)
-            row_scale, rescale = softmax.step_speculative(acc_S, tOrP)
-            self._keep_or_fold(acc_O, row_scale, rescale, softmax)
-        else:
-            row_scale, rescale = softmax.step(acc_S, is_first=False)
-            self._release_pv(acc_O, tOrP, v_state, has_prev, pipe_v)
-            self._to_p(tOrP, acc_S)
-            self._keep_or_fold(acc_O, row_scale, rescale, softmax)
+        row_scale, rescale = softmax.step(acc_S, is_first=False)
+        self._release_pv(acc_O, tOrP, v_state, has_prev, pipe_v)
+        self._to_p(tOrP, acc_S)
+        self._keep_or_fold(acc_O, row_scale, rescale, softmax)
         v_state = kv_state.clone()
         kv_state.advance()
         return kv_state, v_state

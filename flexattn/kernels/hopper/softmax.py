@@ -22,7 +22,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, const_expr
 
-from flexattn.kernels.hopper.mma import acc_as_a_view, acc_mn_view, pack_pair_into
+from flexattn.kernels.hopper.mma import acc_mn_view
 
 LN2 = math.log(2.0)
 
@@ -152,42 +152,6 @@ class OnlineSoftmax:
         return m_new, cute.arch.vote_any_sync(grows)
 
     @cute.jit
-    def step_speculative(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
-        """`step` after the first block with a rescale threshold, the exponentials first:
-        they use the current references (no wait for the block's maxima, which the ALU
-        computes beside them) and go pair by pair into P's 16-bit registers (P V's operand
-        must be free), so S stays intact beside P and no fp32 copy of P is held. Then one
-        vote of the warp: where some row outgrew its reference by more than the threshold
-        (a reference of -inf always has; an exponential that overflowed is discarded),
-        the references move to the maxima and the warp computes its exponentials and P
-        again from S. Returns (row scales, whether to apply them: the vote)."""
-        n = cute.size(self.row_max)
-        row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
-        refs = cute.make_rmem_tensor_like(self.row_max, Float32)
-        for r in cutlass.range_constexpr(n):
-            m_ref = self.row_max[r]
-            refs[r] = _exponent_base(m_ref) * self.scale_log2
-            row_scale[r] = Float32(1.0)
-        added, block_max = _exp2_into_p(acc_S, tOrP, refs, self.scale_log2, with_max=True)
-        m_new, rescale = self._vote_on_references(block_max)
-        # (the branches carry tensors and scalars, not this object)
-        row_max, row_sum, scale_log2 = self.row_max, self.row_sum, self.scale_log2
-        if rescale:
-            for r in cutlass.range_constexpr(n):
-                m_prev = row_max[r]
-                row_max[r] = m_new[r]
-                ref = _exponent_base(m_new[r])
-                row_scale[r] = cute.math.exp2((m_prev - ref) * scale_log2, fastmath=True)
-                refs[r] = ref * scale_log2
-            again, _ = _exp2_into_p(acc_S, tOrP, refs, scale_log2)
-            for r in cutlass.range_constexpr(n):
-                row_sum[r] = row_sum[r] * row_scale[r] + again[r]
-        else:
-            for r in cutlass.range_constexpr(n):
-                row_sum[r] = row_sum[r] + added[r]
-        return row_scale, rescale
-
-    @cute.jit
     def finalize(self, exact: cutlass.Constexpr[bool] = False) -> tuple:
         """Return (per-row 1/l, or 0 for empty rows; per-row natural-log LSE, -inf for
         empty rows). `exact` (float32 "highest"): the first is l itself (1 for empty rows,
@@ -220,40 +184,6 @@ class OnlineSoftmax:
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             out[r] = running[r] * (self.scale_log2 * Float32(LN2))
         return out
-
-
-def _exp2_into_p(acc_S: cute.Tensor, tOrP: cute.Tensor, refs: cute.Tensor, scale_log2: Float32,
-                 with_max: bool = False) -> tuple:
-    """P = exp2(S * scale_log2 - refs[row]) written two at a time into the 16-bit A
-    fragment `tOrP` (`mma.pack_pair_into`'s order: pairs of adjacent columns, alternating
-    between the thread's two rows). Returns each row's sum of the fp32 values and, with
-    `with_max`, each row's max of S over this thread's columns (None otherwise), both in
-    two chains a row: short dependence paths, no values held for a tree, and the max's
-    FMNMXs in the same stream as the MUFUs (computed apart, ptxas put all of them after
-    the exponentials at 192-row tiles). Plain Python: unrolled while tracing."""
-    src = acc_as_a_view(acc_S)
-    n = cute.size(refs)
-    chains = 2
-    sum_parts = [[None] * chains for _ in range(n)]
-    max_parts = [[None] * chains for _ in range(n)]
-    for i in range(cute.size(src) // 2):
-        r, k = i % n, (i // n) % chains
-        s0, s1 = src[2 * i], src[2 * i + 1]
-        p0 = cute.math.exp2(s0 * scale_log2 - refs[r], fastmath=True)
-        p1 = cute.math.exp2(s1 * scale_log2 - refs[r], fastmath=True)
-        pack_pair_into(tOrP, i, p0, p1)
-        pair = p0 + p1
-        sum_parts[r][k] = pair if sum_parts[r][k] is None else sum_parts[r][k] + pair
-        if with_max:
-            m = cute.arch.fmax(s0, s1)
-            max_parts[r][k] = m if max_parts[r][k] is None else cute.arch.fmax(max_parts[r][k], m)
-    sums = cute.make_rmem_tensor_like(refs, Float32)
-    maxes = cute.make_rmem_tensor_like(refs, Float32) if with_max else None
-    for r in range(n):
-        sums[r] = _fold([v for v in sum_parts[r] if v is not None], lambda a, b: a + b)
-        if with_max:
-            maxes[r] = _fold([v for v in max_parts[r] if v is not None], cute.arch.fmax)
-    return sums, maxes
 
 
 def _fold(vals: list, op):
