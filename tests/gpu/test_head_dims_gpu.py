@@ -1,5 +1,6 @@
-"""GPU: the forward kernel at every head dim it takes beyond 64 / 128, and value head dims
-that differ from the query's (issue 25, item 1), against the float64 reference.
+"""GPU: the forward kernel at every head dim it takes beyond 64 / 128 and below 64 (16 and 32 run
+four consumer warpgroups), and value head dims that differ from the query's (issue 25, item 1), against
+the float64 reference.
 
 Random shapes (odd lengths, Q != KV, GQA), NaN-poisoned outputs, LSE checked, each head-dim
 pair under a dense, causal, band (sliding window as a lambda), block-sparse (documents) and
@@ -26,7 +27,7 @@ from flexattn.core import AttentionSpec, check_inputs  # noqa: E402
 from flexattn.core.kernel_path import Device, forward_into, plan_forward  # noqa: E402
 from mod_cases import STRUCTURES, structure_mods  # noqa: E402
 
-PAIRS = [(32, 32), (80, 80), (96, 96), (192, 192), (256, 256), (192, 128), (128, 64), (64, 128), (256, 128)]
+PAIRS = [(16, 16), (16, 32), (32, 32), (80, 80), (96, 96), (192, 192), (256, 256), (192, 128), (128, 64), (64, 128), (256, 128)]
 
 
 def _device():
