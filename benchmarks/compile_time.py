@@ -242,6 +242,15 @@ KERNELS = {
     "causal-d64-lazy": _fwd(head_dim=64, tile_m=192, causal=True, max_ctas=132, tile_tickets=True,
                             rescale_threshold=8.0),
     "causal-lazy": _fwd(head_dim=128, tile_m=128, causal=True, rescale_threshold=8.0),
+    # ... and no row maxima on the fast path (FwdConfig.maxima_on_demand)
+    "causal-d32-ondemand": _fwd(head_dim=32, tile_m=192, causal=True, max_ctas=132, tile_tickets=True,
+                                rescale_threshold=8.0, maxima_on_demand=True),
+    "causal-d64-ondemand": _fwd(head_dim=64, tile_m=192, causal=True, max_ctas=132, tile_tickets=True,
+                                rescale_threshold=8.0, maxima_on_demand=True),
+    "causal-d32-m256n80-ondemand": _fwd(head_dim=32, tile_m=256, tile_n=80, causal=True, max_ctas=132,
+                                        tile_tickets=True, rescale_threshold=8.0, maxima_on_demand=True),
+    "causal-ondemand": _fwd(head_dim=128, tile_m=128, causal=True, rescale_threshold=8.0, maxima_on_demand=True),
+    "full-d64-ondemand": _fwd(head_dim=64, tile_m=192, max_ctas=132, rescale_threshold=8.0, maxima_on_demand=True),
     # four consumer warpgroups (256-row tiles, 112 registers each: the 640-thread launch's pool): a fourth
     # warp per scheduler to hide the exponentials' latency (planned up to D32 at 80 keys)
     "causal-d32-m256n64": _fwd(head_dim=32, tile_m=256, tile_n=64, causal=True, max_ctas=132, tile_tickets=True),

@@ -65,10 +65,12 @@ def mod_setup(kind, B, Hq, Sq, Skv, dev):
         lag = random.randint(1, 70)
         return ({"mods": hooks.LaggedCausalHook()}, (cutlass.Int32(lag),), None,
                 lambda b, h, q, k: k + lag <= q)
-    if kind == "doc":
+    if kind in ("doc", "doc_far"):
         S = max(Sq, Skv)
         doc = torch.sort(torch.randint(0, 4, (B, S), device=dev), dim=1).values.int()
         bias = torch.randn(Hq, device=dev, dtype=torch.float32)
+        if kind == "doc_far":   # every score far below 0: exp2 against 0 underflows
+            bias = bias - 400.0
         args = (ForwardRunner.hook_tensor(doc), ForwardRunner.hook_tensor(bias))
         d64 = doc.long()
         return ({"mods": hooks.DocumentBiasHook()}, args,
@@ -146,6 +148,18 @@ LAZY_SCHEDULES = {
     "lazy+persist": dict(rescale_threshold=8.0, max_ctas=7),
     "lazy+cluster": dict(rescale_threshold=8.0, cluster_m=2),
     "lazy+t2": dict(rescale_threshold=2.0),   # a low threshold: rescales and skips alternate more
+    # no row maxima on the fast path (maxima_on_demand): the exponentials first, redone
+    # where a sum passed 2^t or a row had no reference yet
+    "od": dict(rescale_threshold=8.0, maxima_on_demand=True),
+    "od+plain": dict(rescale_threshold=8.0, maxima_on_demand=True, intra_wg_overlap=False, pingpong=False),
+    "od+early": dict(rescale_threshold=8.0, maxima_on_demand=True, rescale_o_early=True, tile_n=64),
+    "od+tickets": dict(rescale_threshold=8.0, maxima_on_demand=True, rescale_o_early=True, max_ctas=7,
+                       tile_tickets=True),
+    "od+persist": dict(rescale_threshold=8.0, maxima_on_demand=True, max_ctas=7),
+    "od+cluster": dict(rescale_threshold=8.0, maxima_on_demand=True, cluster_m=2),
+    "od+t2": dict(rescale_threshold=2.0, maxima_on_demand=True),
+    "od+m256": dict(rescale_threshold=8.0, maxima_on_demand=True, tile_m=256, tile_n=80, max_ctas=7,
+                    tile_tickets=True),
 }
 ALL_SCHEDULES = {**SCHEDULES, **SHAPED_SCHEDULES, **M256_SCHEDULES, **LAZY_SCHEDULES}
 
@@ -311,6 +325,19 @@ LAZY = [
     ("bf16", 128, 2, 8, 2, 1000, 1000, "causal_builtin", "bhsd", "lazy+t2", False),
     ("bf16", 64, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "lazy+early+tickets", False),
     ("fp16", 64, 1, 2, 2, 64, 1, "softcap", "bhsd", "lazy", False),              # one key
+]
+# ... and maxima_on_demand over the same walks, plus rows whose every exponential against
+# 0 underflows (their first visited blocks masked: the slow path must set a reference),
+# and four consumer warpgroups
+ON_DEMAND_OF = {"lazy": "od", "lazy+plain": "od+plain", "lazy+early": "od+early", "lazy+t2": "od+t2",
+                "lazy+early+tickets": "od+tickets", "lazy+persist": "od+persist", "lazy+cluster": "od+cluster"}
+LAZY += [case[:9] + (ON_DEMAND_OF[case[9]], case[10]) for case in LAZY if case[9] in ON_DEMAND_OF]
+LAZY += [
+    ("bf16", 64, 2, 4, 2, 700, 800, "doc_far", "bhsd", "od", False),
+    ("fp16", 128, 2, 4, 2, 511, 333, "doc_far", "bshd", "od+persist", True),
+    ("bf16", 32, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "od+m256", True),
+    ("fp16", 32, 1, 6, 3, 777, 777, "none", "bshd", "od+m256", False),
+    ("bf16", 64, 2, 2, 1, 300, 300, "lag", "bhsd", "od+m256", True),
 ]
 
 

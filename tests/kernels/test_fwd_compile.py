@@ -102,6 +102,8 @@ CASES = {
     # O's rescale behind a vote of the warp (FwdConfig.rescale_threshold), with and without the early rescale
     "hd64-causal-tickets-lazy": (FwdConfig(head_dim=64, causal=True, max_ctas=132, tile_tickets=True,
                                            rescale_threshold=8.0), lambda: ()),
+    "hd64-causal-tickets-od": (FwdConfig(head_dim=64, causal=True, max_ctas=132, tile_tickets=True,
+                                         rescale_threshold=8.0, maxima_on_demand=True), lambda: ()),
     "hd256-causal-early-lazy": (FwdConfig(head_dim=256, causal=True, rescale_o_early=True, tile_n=64,
                                           rescale_threshold=8.0), lambda: ()),
 }
@@ -191,6 +193,16 @@ def test_rescale_threshold_votes_once_per_step(compiled):
     for bad in (-1.0, 17.0):
         with pytest.raises(ValueError, match="rescale_threshold"):
             FwdConfig(head_dim=64, rescale_threshold=bad)
+    # maxima_on_demand: the same votes, with the second pass's exponentials behind them
+    od = compiled["hd64-causal-tickets-od"]
+    assert od.count("vote.sync.any.pred") == 2
+    # a thread's 64 exponentials a block (192 x 128): the peeled first block's, then each
+    # loop's first pass and its second (diagonal loop and full-block loop); lazy: 3 x 64
+    assert od.count("ex2.approx") >= 5 * 64 > lazy.count("ex2.approx")
+    for bad in (dict(), dict(rescale_threshold=8.0, dtype="fp32", tile_n=64),
+                dict(rescale_threshold=8.0, max_scores=True)):
+        with pytest.raises(ValueError, match="maxima_on_demand"):
+            FwdConfig(head_dim=64, tile_m=128, maxima_on_demand=True, **bad)
 
 
 def test_hooks_walk_blocks_in_one_step(compiled):

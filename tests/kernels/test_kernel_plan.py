@@ -347,6 +347,25 @@ def test_four_warpgroups_up_to_head_dim_32(on_gpu, monkeypatch):
     assert tiles(64) == (256, 64)
 
 
+def test_maxima_on_demand_only_where_asked(on_gpu, monkeypatch):
+    """maxima_on_demand is unplanned; FLEXATTN_MAXIMA_ON_DEMAND=1 plans it for 16-bit
+    calls without max_scores, with the threshold 8 where none is planned."""
+    monkeypatch.delenv("FLEXATTN_RESCALE_THRESHOLD", raising=False)
+    monkeypatch.delenv("FLEXATTN_MAXIMA_ON_DEMAND", raising=False)
+
+    def config(D, dtype=torch.bfloat16, max_scores=False):
+        q = torch.empty(2, 4, 1024, D, dtype=dtype).as_subclass(_OnGpu)
+        spec = AttentionSpec.from_args(mask=mods.causal())
+        return plan_forward(q, check_inputs(q, q, q, spec), spec, max_scores=max_scores).config
+
+    assert not config(64).maxima_on_demand and not config(128).maxima_on_demand
+    monkeypatch.setenv("FLEXATTN_MAXIMA_ON_DEMAND", "1")
+    for D in (32, 64, 128):
+        assert config(D).maxima_on_demand and config(D).rescale_threshold == 8.0
+    assert not config(64, torch.float32).maxima_on_demand
+    assert not config(128, max_scores=True).maxima_on_demand
+
+
 def test_early_o_rescale_needs_the_overlapped_schedule_without_promoted_pv():
     """`rescale_o_early` shrinks O between two GEMMs of the overlapped step; 3xTF32's
     promoted P V folds O its own way: both combinations are refused at construction."""

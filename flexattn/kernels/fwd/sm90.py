@@ -177,6 +177,13 @@ class FwdConfig(KernelConfig):
     # vote per warp and block decides, and the FMULs sit in a branch). 0: every block
     # rescales. FA4 does this on Blackwell (8.0).
     rescale_threshold: float = 0.0
+    # With a rescale threshold: no row maxima on the fast path. The exponentials go against
+    # the current references straight into P's 16-bit registers (after the P V wait); row
+    # sums within 2^t prove every exponential is (`OnlineSoftmax.step_on_demand`), else the
+    # warp takes the maxima and computes them again from S. Drops an FMNMX a score, the
+    # maxima's shuffles and the max's latency before the first exponential; 16-bit inputs,
+    # not with max_scores (no max is tracked).
+    maxima_on_demand: bool = False
     # Which tiles each CTA takes (hopper/tile_scheduler.py): "by_head" or "longest_first"
     # (None: longest_first under causal, where tiles differ in work; by_head otherwise).
     tile_order: str | None = None
@@ -301,6 +308,8 @@ class FwdConfig(KernelConfig):
             raise ValueError("rescale_o_early needs the overlapped schedule without promote_pv")
         if self.tf32_passes not in (1, 3) or (self.tf32_passes == 3 and self.dtype != "fp32"):
             raise ValueError(f"tf32_passes must be 1, or 3 with dtype 'fp32', got {self.tf32_passes}")
+        if self.maxima_on_demand and (self.rescale_threshold <= 0.0 or self.dtype == "fp32" or self.max_scores):
+            raise ValueError("maxima_on_demand needs a rescale_threshold > 0, 16-bit inputs and no max_scores")
         if not 0.0 <= self.rescale_threshold <= 16.0:
             # (P up to 2^16 stays finite in fp16 and keeps float32's relative precision)
             raise ValueError(f"rescale_threshold must be in [0, 16], got {self.rescale_threshold}")
@@ -1115,10 +1124,14 @@ class FlashFwdSm90(WarpSpecialized):
         pipe_k.consumer_release(kv_state)
 
         self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
-        row_scale, rescale = softmax.step(acc_S, is_first=is_first)
-        if const_expr(not is_first):
+        if const_expr(self.cfg.maxima_on_demand and not is_first):
+            row_scale, rescale = softmax.step_on_demand(acc_S, tOrP)
             rescale_rows(acc_O, row_scale, rescale)
-        self._to_p(tOrP, acc_S)
+        else:
+            row_scale, rescale = softmax.step(acc_S, is_first=is_first)
+            if const_expr(not is_first):
+                rescale_rows(acc_O, row_scale, rescale)
+            self._to_p(tOrP, acc_S)
 
         pipe_v.consumer_wait(kv_state)
         self._turn_wait(wg)
@@ -1178,9 +1191,14 @@ class FlashFwdSm90(WarpSpecialized):
         pipe_k.consumer_release(kv_state)
 
         self._scores(ctx, acc_S, n_block, mask, causal, kv_bound, partial)
-        row_scale, rescale = softmax.step(acc_S, is_first=False)
-        self._release_pv(acc_O, tOrP, v_state, has_prev, pipe_v)
-        self._to_p(tOrP, acc_S)
+        if const_expr(self.cfg.maxima_on_demand):
+            # P's registers first (the exponentials write them), then the softmax
+            self._release_pv(acc_O, tOrP, v_state, has_prev, pipe_v)
+            row_scale, rescale = softmax.step_on_demand(acc_S, tOrP)
+        else:
+            row_scale, rescale = softmax.step(acc_S, is_first=False)
+            self._release_pv(acc_O, tOrP, v_state, has_prev, pipe_v)
+            self._to_p(tOrP, acc_S)
         self._keep_or_fold(acc_O, row_scale, rescale, softmax)
         v_state = kv_state.clone()
         kv_state.advance()

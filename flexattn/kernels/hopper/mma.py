@@ -252,6 +252,12 @@ def split_tf32_into(hi: cute.Tensor, src: cute.Tensor, lo):
             lo[i] = round_tf32(src[i] - h)   # rounded: the MMA would truncate it
 
 
+def pack_pair_into(dst: cute.Tensor, i: int, lo, hi):
+    """Pair `i` of a 16-bit register fragment (its elements 2i and 2i + 1, as
+    `convert_into` pairs them) from two fp32 values."""
+    cute.recast_tensor(dst, Int32)[i] = _pack_pair(lo, hi, dst.element_type)
+
+
 @dsl_user_op
 def _pack_pair(lo, hi, dtype, *, loc=None, ip=None) -> Int32:
     # cvt.rn.{bf16x2,f16x2}.f32 d, a, b puts a in the upper half and b in the lower one.

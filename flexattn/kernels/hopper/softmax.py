@@ -14,6 +14,11 @@ the probabilities run up to 2^t (256 at t = 8: exact in fp32, bf16 and fp16 alik
 the output and the sums keep their scale, so the caller skips O's rescale (one multiply
 per O register) on that branch. m stays at most t above the reference by construction,
 and l and O share the reference, so O / l and the LSE (m + log2 l) are unchanged.
+
+`step_on_demand` keeps that invariant without the block's maxima: the exponentials go
+against the current reference, and since each is at most its row's sum, row sums within
+2^t prove every probability is; only a warp where some sum is not (or a row has no
+reference yet) computes the maxima and its exponentials again.
 """
 
 import math
@@ -22,7 +27,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, const_expr
 
-from flexattn.kernels.hopper.mma import acc_mn_view
+from flexattn.kernels.hopper.mma import acc_as_a_view, acc_mn_view, pack_pair_into
 
 LN2 = math.log(2.0)
 
@@ -152,6 +157,53 @@ class OnlineSoftmax:
         return m_new, cute.arch.vote_any_sync(grows)
 
     @cute.jit
+    def step_on_demand(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
+        """`step` after the first block with a rescale threshold, its maxima only where
+        needed: the exponentials against the current references, pair by pair into P's
+        16-bit registers (P V's operand must be free; S stays intact beside P), and one
+        vote of the warp on whether some row's sum over this thread's columns passed 2^t
+        (each exponential is at most that sum, so otherwise all are within 2^t: the
+        references stand, nothing rescales), passed it by overflowing, or a row has no
+        reference yet (-inf: nothing but masked scores so far). On that vote the warp takes the block's maxima, moves
+        its references as `_step_lazy` does and computes the exponentials and P again
+        from S. Returns (row scales, whether to apply them: the vote). Not with
+        `track_max` (there is no max to track on the fast path)."""
+        assert self.true_max is None, "step_on_demand keeps no true max"
+        n = cute.size(self.row_max)
+        row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
+        refs = cute.make_rmem_tensor_like(self.row_max, Float32)
+        for r in cutlass.range_constexpr(n):
+            refs[r] = _exponent_base(self.row_max[r]) * self.scale_log2
+            row_scale[r] = Float32(1.0)
+        added = _exp2_into_p(acc_S, tOrP, refs, self.scale_log2)
+        bound = Float32(2.0 ** self.threshold)
+        outgrown = Boolean(False)
+        for r in cutlass.range_constexpr(n):
+            # (an overflowed sum is inf: it votes too. A row with no reference yet always
+            # does: its exponentials against 0 may all have underflowed to a sum of 0)
+            outgrown = outgrown | (added[r] > bound) | (self.row_max[r] == -Float32.inf)
+        rescale = cute.arch.vote_any_sync(outgrown)
+        # (the branches carry tensors and scalars, not this object)
+        row_max, row_sum, scale_log2 = self.row_max, self.row_sum, self.scale_log2
+        if rescale:
+            s_mn = acc_mn_view(acc_S)
+            for r in cutlass.range_constexpr(n):
+                m_prev = row_max[r]
+                m_new = cute.arch.warp_reduction_max(
+                    cute.arch.fmax(_row_max(s_mn[r, None].load()), m_prev), threads_in_group=4)
+                row_max[r] = m_new
+                ref = _exponent_base(m_new)
+                row_scale[r] = cute.math.exp2((m_prev - ref) * scale_log2, fastmath=True)
+                refs[r] = ref * scale_log2
+            again = _exp2_into_p(acc_S, tOrP, refs, scale_log2)
+            for r in cutlass.range_constexpr(n):
+                row_sum[r] = row_sum[r] * row_scale[r] + again[r]
+        else:
+            for r in cutlass.range_constexpr(n):
+                row_sum[r] = row_sum[r] + added[r]
+        return row_scale, rescale
+
+    @cute.jit
     def finalize(self, exact: cutlass.Constexpr[bool] = False) -> tuple:
         """Return (per-row 1/l, or 0 for empty rows; per-row natural-log LSE, -inf for
         empty rows). `exact` (float32 "highest"): the first is l itself (1 for empty rows,
@@ -184,6 +236,29 @@ class OnlineSoftmax:
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             out[r] = running[r] * (self.scale_log2 * Float32(LN2))
         return out
+
+
+def _exp2_into_p(acc_S: cute.Tensor, tOrP: cute.Tensor, refs: cute.Tensor, scale_log2: Float32) -> cute.Tensor:
+    """P = exp2(S * scale_log2 - refs[row]) written two at a time into the 16-bit A
+    fragment `tOrP` (`mma.pack_pair_into`'s order: pairs of adjacent columns, alternating
+    between the thread's two rows), so no fp32 copy of P is held beside S. Returns each
+    row's sum of the fp32 values, in two chains a row (short dependence paths, nothing
+    held for a tree). Plain Python: unrolled while tracing."""
+    src = acc_as_a_view(acc_S)
+    n = cute.size(refs)
+    chains = 2
+    parts = [[None] * chains for _ in range(n)]
+    for i in range(cute.size(src) // 2):
+        r, k = i % n, (i // n) % chains
+        p0 = cute.math.exp2(src[2 * i] * scale_log2 - refs[r], fastmath=True)
+        p1 = cute.math.exp2(src[2 * i + 1] * scale_log2 - refs[r], fastmath=True)
+        pack_pair_into(tOrP, i, p0, p1)
+        pair = p0 + p1
+        parts[r][k] = pair if parts[r][k] is None else parts[r][k] + pair
+    sums = cute.make_rmem_tensor_like(refs, Float32)
+    for r in range(n):
+        sums[r] = _fold([v for v in parts[r] if v is not None], lambda a, b: a + b)
+    return sums
 
 
 def _fold(vals: list, op):
