@@ -68,8 +68,8 @@
 # small-d-tests (the 256-row tiles' GPU cases and the rescale threshold's, ~60 s), small-d-door (the door's
 # forward A/B, FLEXATTN_FWD_TILES=192x128 / 256x64 against the plan, full and causal at D32 / D64, ~60 s).
 # on-demand (FwdConfig.maxima_on_demand, built in session 60: no row maxima on the softmax's fast path, ~23% fewer
-# instructions in the D32 / D64 full-block loops: its GPU cases first (-k rescale_threshold, ~60 s), then the causal
-# sweeps at D32 / D64 / D128 with and without it, 5 rounds, then the door's forward A/B with
+# instructions in the D32 / D64 full-block loops, and with exp2_fma_every = 4 / 6 / 8: its GPU cases first (-k
+# rescale_threshold, ~60 s), then the causal sweeps at D32 / D64 / D128 with and without, 5 rounds, then the door's A/B with
 # FLEXATTN_MAXIMA_ON_DEMAND=1 on six variants at D32 / D64 / D128, ~450 s in all).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
@@ -282,10 +282,13 @@ for step in $steps; do
     on-demand) c="max_ctas=-1,tile_tickets=1"; od="rescale_threshold=8.0,maxima_on_demand=True"
                run od_tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py -k rescale_threshold
                (cd benchmarks
-                run od_32 120 python3 sweep_fwd_configs.py --dims 32/32 --rounds 5 --anchors fa4 flex --configs \
-                  "tile_m=256,tile_n=80,$c" "tile_m=256,tile_n=80,$c,$od" "tile_m=192,$c" "tile_m=192,$c,$od"
-                run od_64 120 python3 sweep_fwd_configs.py --dims 64/64 --rounds 5 --anchors fa4 flex --configs \
-                  "tile_m=192,$c" "tile_m=192,$c,$od" "tile_m=256,tile_n=64,$c,$od"
+                run od_32 150 python3 sweep_fwd_configs.py --dims 32/32 --rounds 5 --anchors fa4 flex --configs \
+                  "tile_m=256,tile_n=80,$c" "tile_m=256,tile_n=80,$c,$od" "tile_m=192,$c" "tile_m=192,$c,$od" \
+                  "tile_m=192,$c,$od,exp2_fma_every=4" "tile_m=192,$c,$od,exp2_fma_every=6" \
+                  "tile_m=256,tile_n=80,$c,$od,exp2_fma_every=4" "tile_m=256,tile_n=80,$c,$od,exp2_fma_every=6"
+                run od_64 150 python3 sweep_fwd_configs.py --dims 64/64 --rounds 5 --anchors fa4 flex --configs \
+                  "tile_m=192,$c" "tile_m=192,$c,$od" "tile_m=256,tile_n=64,$c,$od" \
+                  "tile_m=192,$c,$od,exp2_fma_every=4" "tile_m=192,$c,$od,exp2_fma_every=8"
                 run od_128 90 python3 sweep_fwd_configs.py --dims 128/128 --rounds 5 --anchors fa4 --configs \
                   "tile_m=128,rescale_threshold=8.0" "tile_m=128,$od")
                run od_door 240 python3 benchmarks/ab_env.py --env FLEXATTN_MAXIMA_ON_DEMAND=1 --rounds 7 \

@@ -506,6 +506,13 @@ def _maxima_on_demand(fp32: bool, max_scores: bool) -> bool:
     return not fp32 and not max_scores and os.environ.get("FLEXATTN_MAXIMA_ON_DEMAND") == "1"
 
 
+def _exp2_fma_every(on_demand: bool) -> int:
+    """`FwdConfig.exp2_fma_every` (every k-th exponential of the on-demand fast path on the
+    FMA pipes): not planned; ``FLEXATTN_EXP2_FMA_EVERY=k`` plans it where maxima_on_demand
+    is, for A/B runs."""
+    return int(os.environ.get("FLEXATTN_EXP2_FMA_EVERY", "0")) if on_demand else 0
+
+
 def _four_warpgroup_tiles(shape: AttentionShape, score, block_mask, fp32: bool) -> tuple | None:
     """(tile_m, tile_n) in place of the 192 x 128 tiles of 16-bit calls without a score mod
     or a block mask: 256 x 80 (four consumer warpgroups at 112 registers) up to head dim
@@ -555,11 +562,12 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     ab_fp32 = _fp32_ab_overrides(tf32_passes)
     threshold = _rescale_threshold(shape, score is not None, fp32)
     on_demand = _maxima_on_demand(fp32, max_scores)
+    fma_every = _exp2_fma_every(on_demand)
     if on_demand and not threshold:
         threshold = 8.0
     tiles = _four_warpgroup_tiles(shape, score, block_mask, fp32)
     key = (dtype, tf32_passes, ab_fp32, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
-           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, threshold, on_demand, tiles, full_only,
+           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, threshold, on_demand, fma_every, tiles, full_only,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     # 3xTF32 keeps float32's accuracy: the mods' tanh / sigmoid exact, not tanh.approx.
@@ -605,6 +613,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
             rescale_o_early=rescale_early,
             rescale_threshold=threshold,
             maxima_on_demand=on_demand,
+            exp2_fma_every=fma_every,
             **dict(ab_fp32),
             # The mods' reads constant over a tile (a converted PagedAttention mask's page
             # map at kv // 128) once per tile and row: H200, 2026-11-30, a prefill chunk

@@ -160,6 +160,11 @@ LAZY_SCHEDULES = {
     "od+t2": dict(rescale_threshold=2.0, maxima_on_demand=True),
     "od+m256": dict(rescale_threshold=8.0, maxima_on_demand=True, tile_m=256, tile_n=80, max_ctas=7,
                     tile_tickets=True),
+    # ... with every k-th exponential on the FMA pipes (exp2_fma_every)
+    "od+fma2": dict(rescale_threshold=8.0, maxima_on_demand=True, exp2_fma_every=2),
+    "od+fma3": dict(rescale_threshold=8.0, maxima_on_demand=True, exp2_fma_every=3),
+    "od+fma4": dict(rescale_threshold=8.0, maxima_on_demand=True, exp2_fma_every=4, max_ctas=7, tile_tickets=True),
+    "od+m256+fma6": dict(rescale_threshold=8.0, maxima_on_demand=True, exp2_fma_every=6, tile_m=256, tile_n=80),
 }
 ALL_SCHEDULES = {**SCHEDULES, **SHAPED_SCHEDULES, **M256_SCHEDULES, **LAZY_SCHEDULES}
 
@@ -338,6 +343,11 @@ LAZY += [
     ("bf16", 32, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "od+m256", True),
     ("fp16", 32, 1, 6, 3, 777, 777, "none", "bshd", "od+m256", False),
     ("bf16", 64, 2, 2, 1, 300, 300, "lag", "bhsd", "od+m256", True),
+    ("bf16", 32, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "od+fma4", True),
+    ("fp16", 64, 2, 4, 2, 700, 800, "doc_far", "bhsd", "od+fma3", False),
+    ("bf16", 32, 2, 4, 2, 1000, 999, "none", "bshd", "od+m256+fma6", True),
+    ("fp16", 128, 1, 2, 2, 130, 257, "lag", "bhsd", "od+fma2", True),            # empty rows
+    ("bf16", 64, 1, 2, 2, 64, 1, "softcap", "bhsd", "od+fma3", False),           # one key
 ]
 
 

@@ -364,6 +364,11 @@ def test_maxima_on_demand_only_where_asked(on_gpu, monkeypatch):
         assert config(D).maxima_on_demand and config(D).rescale_threshold == 8.0
     assert not config(64, torch.float32).maxima_on_demand
     assert not config(128, max_scores=True).maxima_on_demand
+    assert config(32).exp2_fma_every == 0
+    monkeypatch.setenv("FLEXATTN_EXP2_FMA_EVERY", "6")
+    assert config(32).exp2_fma_every == 6
+    monkeypatch.delenv("FLEXATTN_MAXIMA_ON_DEMAND")
+    assert config(32).exp2_fma_every == 0      # only with the maxima on demand
 
 
 def test_early_o_rescale_needs_the_overlapped_schedule_without_promoted_pv():

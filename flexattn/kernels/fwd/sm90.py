@@ -184,6 +184,11 @@ class FwdConfig(KernelConfig):
     # maxima's shuffles and the max's latency before the first exponential; 16-bit inputs,
     # not with max_scores (no max is tracked).
     maxima_on_demand: bool = False
+    # With maxima_on_demand: every k-th exponential of its fast path on the FMA and integer
+    # pipes (`softmax.exp2_fma`, nine instructions) instead of the MUFU, whose 16 a clock
+    # per SM bound the small head dims' steps (0: none). FA4 does this on Blackwell; alone it
+    # lost at D32 / D64 (session 38: the issue slots); with the maxima gone they may pay.
+    exp2_fma_every: int = 0
     # Which tiles each CTA takes (hopper/tile_scheduler.py): "by_head" or "longest_first"
     # (None: longest_first under causal, where tiles differ in work; by_head otherwise).
     tile_order: str | None = None
@@ -310,6 +315,8 @@ class FwdConfig(KernelConfig):
             raise ValueError(f"tf32_passes must be 1, or 3 with dtype 'fp32', got {self.tf32_passes}")
         if self.maxima_on_demand and (self.rescale_threshold <= 0.0 or self.dtype == "fp32" or self.max_scores):
             raise ValueError("maxima_on_demand needs a rescale_threshold > 0, 16-bit inputs and no max_scores")
+        if self.exp2_fma_every and (not self.maxima_on_demand or self.exp2_fma_every < 2):
+            raise ValueError(f"exp2_fma_every must be 0, or >= 2 with maxima_on_demand, got {self.exp2_fma_every}")
         if not 0.0 <= self.rescale_threshold <= 16.0:
             # (P up to 2^16 stays finite in fp16 and keeps float32's relative precision)
             raise ValueError(f"rescale_threshold must be in [0, 16], got {self.rescale_threshold}")
@@ -1125,7 +1132,7 @@ class FlashFwdSm90(WarpSpecialized):
 
         self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
         if const_expr(self.cfg.maxima_on_demand and not is_first):
-            row_scale, rescale = softmax.step_on_demand(acc_S, tOrP)
+            row_scale, rescale = softmax.step_on_demand(acc_S, tOrP, self.cfg.exp2_fma_every)
             rescale_rows(acc_O, row_scale, rescale)
         else:
             row_scale, rescale = softmax.step(acc_S, is_first=is_first)
@@ -1194,7 +1201,7 @@ class FlashFwdSm90(WarpSpecialized):
         if const_expr(self.cfg.maxima_on_demand):
             # P's registers first (the exponentials write them), then the softmax
             self._release_pv(acc_O, tOrP, v_state, has_prev, pipe_v)
-            row_scale, rescale = softmax.step_on_demand(acc_S, tOrP)
+            row_scale, rescale = softmax.step_on_demand(acc_S, tOrP, self.cfg.exp2_fma_every)
         else:
             row_scale, rescale = softmax.step(acc_S, is_first=False)
             self._release_pv(acc_O, tOrP, v_state, has_prev, pipe_v)

@@ -22,10 +22,13 @@ reference yet) computes the maxima and its exponentials again.
 """
 
 import math
+import struct
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from flexattn.kernels.hopper.mma import acc_as_a_view, acc_mn_view, pack_pair_into
 
@@ -157,7 +160,7 @@ class OnlineSoftmax:
         return m_new, cute.arch.vote_any_sync(grows)
 
     @cute.jit
-    def step_on_demand(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
+    def step_on_demand(self, acc_S: cute.Tensor, tOrP: cute.Tensor, fma_every: cutlass.Constexpr[int] = 0):
         """`step` after the first block with a rescale threshold, its maxima only where
         needed: the exponentials against the current references, pair by pair into P's
         16-bit registers (P V's operand must be free; S stays intact beside P), and one
@@ -167,7 +170,8 @@ class OnlineSoftmax:
         reference yet (-inf: nothing but masked scores so far). On that vote the warp takes the block's maxima, moves
         its references as `_step_lazy` does and computes the exponentials and P again
         from S. Returns (row scales, whether to apply them: the vote). Not with
-        `track_max` (there is no max to track on the fast path)."""
+        `track_max` (there is no max to track on the fast path). `fma_every` = k: every
+        k-th exponential of the fast path by `exp2_fma` (the FMA pipes), not the MUFU."""
         assert self.true_max is None, "step_on_demand keeps no true max"
         n = cute.size(self.row_max)
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
@@ -175,7 +179,7 @@ class OnlineSoftmax:
         for r in cutlass.range_constexpr(n):
             refs[r] = _exponent_base(self.row_max[r]) * self.scale_log2
             row_scale[r] = Float32(1.0)
-        added = _exp2_into_p(acc_S, tOrP, refs, self.scale_log2)
+        added = _exp2_into_p(acc_S, tOrP, refs, self.scale_log2, fma_every)
         bound = Float32(2.0 ** self.threshold)
         outgrown = Boolean(False)
         for r in cutlass.range_constexpr(n):
@@ -238,20 +242,28 @@ class OnlineSoftmax:
         return out
 
 
-def _exp2_into_p(acc_S: cute.Tensor, tOrP: cute.Tensor, refs: cute.Tensor, scale_log2: Float32) -> cute.Tensor:
+def _exp2_into_p(acc_S: cute.Tensor, tOrP: cute.Tensor, refs: cute.Tensor, scale_log2: Float32,
+                 fma_every: int = 0) -> cute.Tensor:
     """P = exp2(S * scale_log2 - refs[row]) written two at a time into the 16-bit A
     fragment `tOrP` (`mma.pack_pair_into`'s order: pairs of adjacent columns, alternating
     between the thread's two rows), so no fp32 copy of P is held beside S. Returns each
     row's sum of the fp32 values, in two chains a row (short dependence paths, nothing
-    held for a tree). Plain Python: unrolled while tracing."""
+    held for a tree). `fma_every` = k: every k-th value by `exp2_fma`. Plain Python:
+    unrolled while tracing."""
     src = acc_as_a_view(acc_S)
     n = cute.size(refs)
     chains = 2
+
+    def exp2(j, r):
+        x = src[j] * scale_log2 - refs[r]
+        if fma_every and j % fma_every == fma_every - 1:
+            return exp2_fma(x)
+        return cute.math.exp2(x, fastmath=True)
+
     parts = [[None] * chains for _ in range(n)]
     for i in range(cute.size(src) // 2):
         r, k = i % n, (i // n) % chains
-        p0 = cute.math.exp2(src[2 * i] * scale_log2 - refs[r], fastmath=True)
-        p1 = cute.math.exp2(src[2 * i + 1] * scale_log2 - refs[r], fastmath=True)
+        p0, p1 = exp2(2 * i, r), exp2(2 * i + 1, r)
         pack_pair_into(tOrP, i, p0, p1)
         pair = p0 + p1
         parts[r][k] = pair if parts[r][k] is None else parts[r][k] + pair
@@ -259,6 +271,46 @@ def _exp2_into_p(acc_S: cute.Tensor, tOrP: cute.Tensor, refs: cute.Tensor, scale
     for r in range(n):
         sums[r] = _fold([v for v in parts[r] if v is not None], lambda a, b: a + b)
     return sums
+
+
+# 2^f on [0, 1): 1 + f (C1 + f (C2 + f C3)), minimax relative error 9.5e-5 (p(0) = 1
+# exactly; coefficients rounded to fp32 and re-checked): below bf16's and fp16's rounding
+# of P (2^-9, 2^-12).
+EXP2_POLY = (0.6950706243515015, 0.22765065729618073, 0.07714355736970901)
+# 1.5 * 2^23: added with rounding down, x's floor lands in the sum's low mantissa bits.
+_FLOOR_MAGIC = 12582912.0
+
+
+def _f32_hex(x: float) -> str:
+    return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+@dsl_user_op
+def exp2_fma(x, *, loc=None, ip=None) -> Float32:
+    """2^x without the MUFU (FA4's trick on Blackwell): x clamped to [-127, 127] (-inf
+    gives exactly 0; anything at or past 2^127 stays huge, so a sum over it still reads
+    as too large), split into its floor n and fraction f by the magic-number sum, 2^f by
+    `EXP2_POLY` (three FFMA), n added into the exponent bits (shift, integer add): nine
+    instructions on the FMA and integer pipes. Relative error 9.5e-5; results below
+    2^-126 come out denormal or 0."""
+    c1, c2, c3 = (_f32_hex(c) for c in EXP2_POLY)
+    magic = _f32_hex(_FLOOR_MAGIC)
+    asm = ("{\n\t.reg .f32 c, r, n, f, p;\n\t.reg .b32 ri, pi;\n\t"
+           "max.ftz.f32 c, $1, 0fC2FE0000;\n\t"            # clamp at -127 (and -inf)
+           "min.ftz.f32 c, c, 0f42FE0000;\n\t"             # ... and at 127
+           f"add.rm.ftz.f32 r, c, {magic};\n\t"           # floor(c) in r's low bits
+           f"sub.ftz.f32 n, r, {magic};\n\t"
+           "sub.ftz.f32 f, c, n;\n\t"                       # f in [0, 1)
+           f"fma.rn.ftz.f32 p, f, {c3}, {c2};\n\t"
+           f"fma.rn.ftz.f32 p, p, f, {c1};\n\t"
+           "fma.rn.ftz.f32 p, p, f, 0f3F800000;\n\t"
+           "mov.b32 ri, r;\n\tmov.b32 pi, p;\n\t"
+           "shl.b32 ri, ri, 23;\n\t"                        # floor(c) << 23 (the magic's bits shift out)
+           "add.s32 pi, pi, ri;\n\t"
+           "mov.b32 $0, pi;\n\t}")
+    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], asm, "=f,f",
+                                   has_side_effects=False, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 def _fold(vals: list, op):
