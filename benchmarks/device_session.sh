@@ -70,7 +70,7 @@
 # on-demand (FwdConfig.maxima_on_demand, built in session 60: no row maxima on the softmax's fast path, ~23% fewer
 # instructions in the D32 / D64 full-block loops, and with exp2_fma_every = 4 / 6 / 8: its GPU cases first (-k
 # rescale_threshold, ~60 s), then the causal sweeps at D32 / D64 / D128 with and without, 5 rounds, then the door's A/B with
-# FLEXATTN_MAXIMA_ON_DEMAND=1 on six variants at D32 / D64 / D128, ~450 s in all).
+# FLEXATTN_MAXIMA_ON_DEMAND=1, and with FLEXATTN_EXP2_FMA_EVERY=6, on six variants at D32 / D64 / D128, ~450 s).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -292,6 +292,7 @@ for step in $steps; do
                 run od_128 90 python3 sweep_fwd_configs.py --dims 128/128 --rounds 5 --anchors fa4 --configs \
                   "tile_m=128,rescale_threshold=8.0" "tile_m=128,$od")
                run od_door 240 python3 benchmarks/ab_env.py --env FLEXATTN_MAXIMA_ON_DEMAND=1 --rounds 7 \
+                 --also FLEXATTN_MAXIMA_ON_DEMAND=1+FLEXATTN_EXP2_FMA_EVERY=6 \
                  --variants full causal window1024 document4 causal+softcap30 causal+alibi \
                  --shapes 4x4096x16x32 4x4096x16x64 4x4096x16x128 ;;
     lazy-rescale) c="tile_m=192,max_ctas=-1,tile_tickets=1"   # (GPU 0 of two: the sweeps and the A/B)
