@@ -567,8 +567,8 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
         threshold = 8.0
     tiles = _four_warpgroup_tiles(shape, score, block_mask, fp32)
     key = (dtype, tf32_passes, ab_fp32, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
-           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, threshold, on_demand, fma_every, tiles, full_only,
-           None if score is None else id(score.expr), None if mask is None else id(mask.expr))
+           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, threshold, on_demand, fma_every,
+           tiles, full_only, None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     # 3xTF32 keeps float32's accuracy: the mods' tanh / sigmoid exact, not tanh.approx.
     fast_math = tf32_passes != 3

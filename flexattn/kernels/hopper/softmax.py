@@ -167,9 +167,9 @@ class OnlineSoftmax:
         vote of the warp on whether some row's sum over this thread's columns passed 2^t
         (each exponential is at most that sum, so otherwise all are within 2^t: the
         references stand, nothing rescales), passed it by overflowing, or a row has no
-        reference yet (-inf: nothing but masked scores so far). On that vote the warp takes the block's maxima, moves
-        its references as `_step_lazy` does and computes the exponentials and P again
-        from S. Returns (row scales, whether to apply them: the vote). Not with
+        reference yet (-inf: nothing but masked scores so far). On that vote the warp
+        takes the block's maxima, moves its references as `_step_lazy` does and computes
+        the exponentials and P again from S. Returns (row scales, whether to apply them: the vote). Not with
         `track_max` (there is no max to track on the fast path). `fma_every` = k: every
         k-th exponential of the fast path by `exp2_fma` (the FMA pipes), not the MUFU."""
         assert self.true_max is None, "step_on_demand keeps no true max"
