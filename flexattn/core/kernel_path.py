@@ -510,7 +510,10 @@ def _exp2_fma_every(on_demand: bool) -> int:
     """`FwdConfig.exp2_fma_every` (every k-th exponential of the on-demand fast path on the
     FMA pipes): not planned; ``FLEXATTN_EXP2_FMA_EVERY=k`` plans it where maxima_on_demand
     is, for A/B runs."""
-    return int(os.environ.get("FLEXATTN_EXP2_FMA_EVERY", "0")) if on_demand else 0
+    flag = os.environ.get("FLEXATTN_EXP2_FMA_EVERY", "0")
+    if not flag.strip().isdigit():
+        raise ValueError(f"FLEXATTN_EXP2_FMA_EVERY must be a whole number (0: off), got {flag!r}")
+    return int(flag) if on_demand else 0
 
 
 def _four_warpgroup_tiles(shape: AttentionShape, score, block_mask, fp32: bool) -> tuple | None:
@@ -525,8 +528,10 @@ def _four_warpgroup_tiles(shape: AttentionShape, score, block_mask, fp32: bool) 
         return None
     flag = os.environ.get("FLEXATTN_FWD_TILES")
     if flag:
-        tile_m, tile_n = (int(v) for v in flag.lower().split("x"))
-        return tile_m, tile_n
+        parts = flag.lower().split("x")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"FLEXATTN_FWD_TILES must be MxN (e.g. 256x80), got {flag!r}")
+        return int(parts[0]), int(parts[1])
     return (256, 80) if max(shape.head_dim, shape.v_head_dim) <= 32 else None
 
 

@@ -345,6 +345,9 @@ def test_four_warpgroups_up_to_head_dim_32(on_gpu, monkeypatch):
     assert tiles(32, mask=mods.causal()) == (192, 128)
     monkeypatch.setenv("FLEXATTN_FWD_TILES", "256x64")
     assert tiles(64) == (256, 64)
+    monkeypatch.setenv("FLEXATTN_FWD_TILES", "256")
+    with pytest.raises(ValueError, match="FLEXATTN_FWD_TILES must be MxN"):
+        tiles(32)
 
 
 def test_maxima_on_demand_only_where_asked(on_gpu, monkeypatch):
@@ -367,6 +370,10 @@ def test_maxima_on_demand_only_where_asked(on_gpu, monkeypatch):
     assert config(32).exp2_fma_every == 0
     monkeypatch.setenv("FLEXATTN_EXP2_FMA_EVERY", "6")
     assert config(32).exp2_fma_every == 6
+    monkeypatch.setenv("FLEXATTN_EXP2_FMA_EVERY", "six")
+    with pytest.raises(ValueError, match="FLEXATTN_EXP2_FMA_EVERY must be"):
+        config(32)
+    monkeypatch.setenv("FLEXATTN_EXP2_FMA_EVERY", "6")
     monkeypatch.delenv("FLEXATTN_MAXIMA_ON_DEMAND")
     assert config(32).exp2_fma_every == 0      # only with the maxima on demand
 
