@@ -257,7 +257,7 @@ class FwdConfig(KernelConfig):
         if self.tile_m not in (64, 128, 192, 256):
             raise ValueError(f"tile_m must be 64, 128, 192 or 256, got {self.tile_m}")
         if self.tile_m == 256 and max(self.head_dim, self.head_dim_v) > 64:
-            raise ValueError("tile_m=256 (4 consumer warpgroups at 120 regs) only fits head dims <= 64")
+            raise ValueError("tile_m=256 (4 consumer warpgroups at 112 regs) only fits head dims <= 64")
         if self.tile_m == 192 and max(self.head_dim, self.head_dim_v) > 96:
             raise ValueError("tile_m=192 (160 regs per warpgroup) only fits head dims <= 96")
         if self.tile_n % 16 != 0 or not 16 <= self.tile_n <= 256:
