@@ -254,6 +254,12 @@ KERNELS = {
     "causal-d32-m256n80-ondemand-fma6": _fwd(head_dim=32, tile_m=256, tile_n=80, causal=True, max_ctas=132,
                                              tile_tickets=True, rescale_threshold=8.0, maxima_on_demand=True,
                                              exp2_fma_every=6),
+    "causal-d32-ondemand-fma4": _fwd(head_dim=32, tile_m=192, causal=True, max_ctas=132, tile_tickets=True,
+                                     rescale_threshold=8.0, maxima_on_demand=True, exp2_fma_every=4),
+    "causal-d64-ondemand-fma8": _fwd(head_dim=64, tile_m=192, causal=True, max_ctas=132, tile_tickets=True,
+                                     rescale_threshold=8.0, maxima_on_demand=True, exp2_fma_every=8),
+    "causal-d64-m256n64-ondemand": _fwd(head_dim=64, tile_m=256, tile_n=64, causal=True, max_ctas=132,
+                                        tile_tickets=True, rescale_threshold=8.0, maxima_on_demand=True),
     "causal-ondemand": _fwd(head_dim=128, tile_m=128, causal=True, rescale_threshold=8.0, maxima_on_demand=True),
     "full-d64-ondemand": _fwd(head_dim=64, tile_m=192, max_ctas=132, rescale_threshold=8.0, maxima_on_demand=True),
     # four consumer warpgroups (256-row tiles, 112 registers each: the 640-thread launch's pool): a fourth
