@@ -69,8 +69,9 @@
 # forward A/B, FLEXATTN_FWD_TILES=192x128 / 256x64 against the plan, full and causal at D32 / D64, ~60 s).
 # on-demand (FwdConfig.maxima_on_demand, built in session 60: no row maxima on the softmax's fast path, ~23% fewer
 # instructions in the D32 / D64 full-block loops, and with exp2_fma_every = 4 / 6 / 8: its GPU cases first (-k
-# rescale_threshold, ~60 s), then the causal sweeps at D32 / D64 / D128 with and without, 5 rounds, then the door's A/B with
-# FLEXATTN_MAXIMA_ON_DEMAND=1, and with FLEXATTN_EXP2_FMA_EVERY=6, on six variants at D32 / D64 / D128, ~450 s).
+# rescale_threshold, ~60 s), then the causal sweeps at D32 / D64 / D128 with and without, 5 rounds, ~250 s),
+# on-demand-door (the door's A/B with FLEXATTN_MAXIMA_ON_DEMAND=1, and with FLEXATTN_EXP2_FMA_EVERY=6, on six
+# variants at D32 / D64 / D128: 54 kernels to compile, ~300 s; a call of its own).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -290,8 +291,8 @@ for step in $steps; do
                   "tile_m=192,$c" "tile_m=192,$c,$od" "tile_m=256,tile_n=64,$c,$od" \
                   "tile_m=192,$c,$od,exp2_fma_every=4" "tile_m=192,$c,$od,exp2_fma_every=8"
                 run od_128 90 python3 sweep_fwd_configs.py --dims 128/128 --rounds 5 --anchors fa4 --configs \
-                  "tile_m=128,rescale_threshold=8.0" "tile_m=128,$od")
-               run od_door 240 python3 benchmarks/ab_env.py --env FLEXATTN_MAXIMA_ON_DEMAND=1 --rounds 7 \
+                  "tile_m=128,rescale_threshold=8.0" "tile_m=128,$od") ;;
+    on-demand-door) run od_door 420 python3 benchmarks/ab_env.py --env FLEXATTN_MAXIMA_ON_DEMAND=1 --rounds 7 \
                  --also FLEXATTN_MAXIMA_ON_DEMAND=1+FLEXATTN_EXP2_FMA_EVERY=6 \
                  --variants full causal window1024 document4 causal+softcap30 causal+alibi \
                  --shapes 4x4096x16x32 4x4096x16x64 4x4096x16x128 ;;
