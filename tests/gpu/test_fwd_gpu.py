@@ -446,6 +446,12 @@ BLOCK_SPARSE = [  # (dtype, D, B, Hq, Hkv, Hmask, Sq, Skv, mod, schedule)
     ("bf16", 128, 2, 4, 2, 4, 700, 640, "lag", "aligned"),
     ("fp16", 64, 2, 2, 1, 1, 513, 256, "doc", "aligned"),
     ("bf16", 128, 2, 4, 2, 4, 512, 1024, "softcap", "aligned"),
+    # the list walks with no row maxima on the fast path (maxima_on_demand): empty rows,
+    # rows whose exponentials against 0 underflow, clusters, the FMA exponentials
+    ("bf16", 128, 2, 4, 2, 4, 700, 650, "lag", "od"),
+    ("fp16", 64, 2, 2, 1, 1, 513, 257, "doc_far", "od+persist"),
+    ("bf16", 128, 2, 4, 2, 4, 700, 650, "lag", "od+cluster"),
+    ("bf16", 64, 2, 2, 1, 1, 513, 257, "doc", "od+fma3"),
 ]
 
 
