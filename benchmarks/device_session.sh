@@ -281,7 +281,7 @@ for step in $steps; do
                     --also FLEXATTN_FWD_TILES=256x64 --rounds 7 --variants full causal \
                     --shapes 4x4096x16x32 8x2048x16x32 2x8192x16x32 4x4096x16x64 ;;
     on-demand) c="max_ctas=-1,tile_tickets=1"; od="rescale_threshold=8.0,maxima_on_demand=True"
-               run od_tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py -k rescale_threshold
+               run od_tests 180 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py -k "rescale_threshold or block_sparse"
                (cd benchmarks
                 run od_32 150 python3 sweep_fwd_configs.py --dims 32/32 --rounds 5 --anchors fa4 flex --configs \
                   "tile_m=256,tile_n=80,$c" "tile_m=256,tile_n=80,$c,$od" "tile_m=192,$c" "tile_m=192,$c,$od" \
