@@ -236,7 +236,7 @@ class FwdConfig(KernelConfig):
             big = max(self.head_dim, self.head_dim_v) <= 64 and not self.mods.has_score
             object.__setattr__(self, "tile_m", 192 if big else 128)
         wgs = self.tile_m // 64
-        regs = register_split(wgs, {1: 56, 3: 32}.get(wgs, 24)) if wgs in (1, 2, 3, 4) else (24, 240)
+        regs = register_split(wgs, {1: 56, 3: 32}.get(wgs, 24))   # (tile_m: 64 to 256, checked below)
         if self.tile_order is None:
             object.__setattr__(self, "tile_order", "longest_first" if self.causal else "by_head")
         if self.tile_order not in ("by_head", "longest_first"):

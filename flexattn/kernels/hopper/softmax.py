@@ -149,15 +149,22 @@ class OnlineSoftmax:
         columns; reduced over the row's quad here), and one vote of the warp: whether some
         row outgrew its reference by more than the threshold (a reference of -inf:
         -inf + the finite threshold, so any finite max moves it). Keeps the true max."""
-        m_new = cute.make_rmem_tensor_like(self.row_max, Float32)
+        m_new = self._running_maxima(block_max)
         grows = Boolean(False)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
-            m_cur = cute.arch.warp_reduction_max(cute.arch.fmax(block_max[r], self.row_max[r]), threads_in_group=4)
-            m_new[r] = m_cur
-            grows = grows | (m_cur > self.row_max[r] + self.threshold_scores)
+            grows = grows | (m_new[r] > self.row_max[r] + self.threshold_scores)
             if const_expr(self.true_max is not None):
-                self.true_max[r] = cute.arch.fmax(self.true_max[r], m_cur)
+                self.true_max[r] = cute.arch.fmax(self.true_max[r], m_new[r])
         return m_new, cute.arch.vote_any_sync(grows)
+
+    @cute.jit
+    def _running_maxima(self, block_max: cute.Tensor) -> cute.Tensor:
+        """Per row, the running max with this block's (`block_max`: over this thread's
+        columns), reduced over the row's quad."""
+        m_new = cute.make_rmem_tensor_like(self.row_max, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            m_new[r] = cute.arch.warp_reduction_max(cute.arch.fmax(block_max[r], self.row_max[r]), threads_in_group=4)
+        return m_new
 
     @cute.jit
     def step_on_demand(self, acc_S: cute.Tensor, tOrP: cute.Tensor, fma_every: cutlass.Constexpr[int] = 0):
@@ -169,9 +176,10 @@ class OnlineSoftmax:
         references stand, nothing rescales), passed it by overflowing, or a row has no
         reference yet (-inf: nothing but masked scores so far). On that vote the warp
         takes the block's maxima, moves its references as `_step_lazy` does and computes
-        the exponentials and P again from S. Returns (row scales, whether to apply them: the vote). Not with
-        `track_max` (there is no max to track on the fast path). `fma_every` = k: every
-        k-th exponential of the fast path by `exp2_fma` (the FMA pipes), not the MUFU."""
+        the exponentials and P again from S. Returns (row scales, whether to apply them:
+        the vote). Not with `track_max` (there is no max to track on the fast path).
+        `fma_every` = k: every k-th exponential of the fast path by `exp2_fma` (the FMA
+        pipes), not the MUFU."""
         assert self.true_max is None, "step_on_demand keeps no true max"
         n = cute.size(self.row_max)
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
@@ -191,12 +199,14 @@ class OnlineSoftmax:
         row_max, row_sum, scale_log2 = self.row_max, self.row_sum, self.scale_log2
         if rescale:
             s_mn = acc_mn_view(acc_S)
+            block_max = cute.make_rmem_tensor_like(row_max, Float32)
+            for r in cutlass.range_constexpr(n):
+                block_max[r] = _row_max(s_mn[r, None].load())
+            m_new = self._running_maxima(block_max)
             for r in cutlass.range_constexpr(n):
                 m_prev = row_max[r]
-                m_new = cute.arch.warp_reduction_max(
-                    cute.arch.fmax(_row_max(s_mn[r, None].load()), m_prev), threads_in_group=4)
-                row_max[r] = m_new
-                ref = _exponent_base(m_new)
+                row_max[r] = m_new[r]
+                ref = _exponent_base(m_new[r])
                 row_scale[r] = cute.math.exp2((m_prev - ref) * scale_log2, fastmath=True)
                 refs[r] = ref * scale_log2
             again = _exp2_into_p(acc_S, tOrP, refs, scale_log2)
