@@ -2,7 +2,6 @@
 uses the Hopper paths (wgmma, TMA, setmaxnreg), nothing spills, and hook arguments stay
 runtime arguments. No GPU or driver needed."""
 
-
 import re
 
 import numpy as np
