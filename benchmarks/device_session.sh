@@ -70,8 +70,12 @@
 # on-demand (FwdConfig.maxima_on_demand, built in session 60: no row maxima on the softmax's fast path, ~23% fewer
 # instructions in the D32 / D64 full-block loops, and with exp2_fma_every = 4 / 6 / 8: its GPU cases first (-k
 # rescale_threshold, ~60 s), then the causal sweeps at D32 / D64 / D128 with and without, 5 rounds, ~250 s),
-# on-demand-door (the door's A/B with FLEXATTN_MAXIMA_ON_DEMAND=1, and with FLEXATTN_EXP2_FMA_EVERY=6, on six
-# variants at D32 / D64 / D128: 54 kernels to compile, ~300 s; a call of its own).
+# on-demand-door (the door's A/B with FLEXATTN_MAXIMA_ON_DEMAND=1 on six variants at D32 / D64 / D128, and at
+# D64 with FLEXATTN_FWD_TILES=256x64 too: ~42 kernels to compile, a call of its own), on-demand-wide (with it
+# planned: the max_scores tests, the door's A/B against FLEXATTN_MAXIMA_ON_DEMAND=0 at D80 / D96 / D192 / D256 and
+# at D32 / D64's other two shapes, then bench_head_dims' causal forward at every head dim), on-demand-first (a first
+# visit's vote before the exponentials, in the block lists' and the one-step walks: the on-demand GPU cases, then
+# the door's A/B against FLEXATTN_MAXIMA_ON_DEMAND=0 on document4, softcap and window1024 at D32 / D64).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -292,10 +296,27 @@ for step in $steps; do
                   "tile_m=192,$c,$od,exp2_fma_every=4" "tile_m=192,$c,$od,exp2_fma_every=8"
                 run od_128 90 python3 sweep_fwd_configs.py --dims 128/128 --rounds 5 --anchors fa4 --configs \
                   "tile_m=128,rescale_threshold=8.0" "tile_m=128,$od") ;;
-    on-demand-door) run od_door 420 python3 benchmarks/ab_env.py --env FLEXATTN_MAXIMA_ON_DEMAND=1 --rounds 7 \
-                 --also FLEXATTN_MAXIMA_ON_DEMAND=1+FLEXATTN_EXP2_FMA_EVERY=6 \
-                 --variants full causal window1024 document4 causal+softcap30 causal+alibi \
-                 --shapes 4x4096x16x32 4x4096x16x64 4x4096x16x128 ;;
+    on-demand-door) v="full causal window1024 document4 causal+softcap30 causal+alibi"
+                 run od_door_32 200 python3 benchmarks/ab_env.py --env FLEXATTN_MAXIMA_ON_DEMAND=1 --rounds 7 \
+                   --variants $v --shapes 4x4096x16x32
+                 run od_door_64 240 python3 benchmarks/ab_env.py --env FLEXATTN_MAXIMA_ON_DEMAND=1 --rounds 7 \
+                   --also FLEXATTN_MAXIMA_ON_DEMAND=1+FLEXATTN_FWD_TILES=256x64 --variants $v --shapes 4x4096x16x64
+                 run od_door_128 150 python3 benchmarks/ab_env.py --env FLEXATTN_MAXIMA_ON_DEMAND=1 --rounds 7 \
+                   --variants $v --shapes 4x4096x16x128 ;;
+    on-demand-wide) v="full causal window1024 document4 causal+softcap30 causal+alibi"
+                 run od_max_scores 80 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_flex_attention_gpu.py -k max_scores
+                 run od_wide_dims 170 python3 benchmarks/ab_env.py --env FLEXATTN_MAXIMA_ON_DEMAND=0 --rounds 7 \
+                   --variants $v --shapes 4x4096x16x80 4x4096x16x96 4x4096x16x192 4x4096x16x256
+                 run od_wide_shapes 110 python3 benchmarks/ab_env.py --env FLEXATTN_MAXIMA_ON_DEMAND=0 --rounds 7 \
+                   --variants full causal document4 causal+softcap30 \
+                   --shapes 8x2048x16x32 2x8192x16x32 8x2048x16x64 2x8192x16x64
+                 run od_head_dims 190 python3 benchmarks/bench_head_dims.py --dims 32/32 64/64 80/80 96/96 128/128 256/256 \
+                   --out "$out/head_dims.json" ;;
+    on-demand-first) run od_first_tests 170 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py \
+                   -k "rescale_threshold or block_sparse"
+                 run od_first_door 150 python3 benchmarks/ab_env.py --env FLEXATTN_MAXIMA_ON_DEMAND=0 --rounds 7 \
+                   --variants document4 causal+softcap30 window1024 \
+                   --shapes 8x2048x16x32 4x4096x16x32 8x2048x16x64 4x4096x16x64 ;;
     lazy-rescale) c="tile_m=192,max_ctas=-1,tile_tickets=1"   # (GPU 0 of two: the sweeps and the A/B)
                   (cd benchmarks
                    for d in 32 64; do

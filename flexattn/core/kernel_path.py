@@ -481,49 +481,45 @@ def _rescale_o_early(shape: AttentionShape, tf32_passes: int) -> bool:
     return shape.v_head_dim > 192
 
 
-def _rescale_threshold(shape: AttentionShape, has_score: bool, fp32: bool) -> float:
+def _rescale_threshold(shape: AttentionShape, has_score: bool, fp32: bool, on_demand: bool) -> float:
     """`FwdConfig.rescale_threshold`: O rescaled only when a warp's max outgrew the
     exponents' reference by 2^8 (FA4's Blackwell value), from 128 value columns (an O
-    fragment of 64+ registers a thread) without a score mod. H200, 2026-12-01, the door's
-    forward A/B in alternating rounds (9), ms with / without: D128 full, causal, window1024
-    and document4 at B4 S4096, B2 S8192, B8 S2048 0.973-0.997 (12 of 12 faster); D128
-    ALiBi 0.999-1.021; D64 full / causal 1.008 / 0.996, D32 1.019 / 1.009 (docs/experiments.md,
-    issue 25). Off for float32 (its error studies were measured with every block
-    rescaled). ``FLEXATTN_RESCALE_THRESHOLD=t`` overrides (0: off), for A/B runs."""
+    fragment of 64+ registers a thread) without a score mod, and wherever maxima_on_demand
+    is planned (it needs one). H200, 2026-12-01, the door's forward A/B in alternating
+    rounds (9), ms with / without: D128 full, causal, window1024 and document4 at B4 S4096,
+    B2 S8192, B8 S2048 0.973-0.997 (12 of 12 faster); D128 ALiBi 0.999-1.021; D64 full /
+    causal 1.008 / 0.996, D32 1.019 / 1.009 (docs/experiments.md, issue 25). Off for
+    float32 (its error studies were measured with every block rescaled).
+    ``FLEXATTN_RESCALE_THRESHOLD=t`` overrides (0: off, and the maxima on demand with it),
+    for A/B runs."""
     if fp32:
         return 0.0
     flag = os.environ.get("FLEXATTN_RESCALE_THRESHOLD")
     if flag is not None:
         return float(flag)
-    return 8.0 if shape.v_head_dim >= 128 and not has_score else 0.0
+    return 8.0 if on_demand or (shape.v_head_dim >= 128 and not has_score) else 0.0
 
 
 def _maxima_on_demand(fp32: bool, max_scores: bool) -> bool:
-    """`FwdConfig.maxima_on_demand` (no row maxima on the softmax's fast path; with a
-    rescale threshold): built in session 60, not yet measured, so not planned.
-    ``FLEXATTN_MAXIMA_ON_DEMAND=1`` plans it for 16-bit calls without max_scores (with a
-    threshold of 8 where none is planned), for A/B runs at the door."""
-    return not fp32 and not max_scores and os.environ.get("FLEXATTN_MAXIMA_ON_DEMAND") == "1"
+    """`FwdConfig.maxima_on_demand`: no row maxima on the softmax's fast path (with a
+    rescale threshold of 8 where none is planned), for 16-bit calls without max_scores.
+    H200, 2026-12-01, the door's forward A/B in alternating rounds (7), B4 S4096 H16, ms
+    with / without: D32 full 0.936, causal 0.991, window1024 0.931, softcap 0.965, ALiBi
+    1.001, document4 1.022; D64 0.913 / 0.945 / 0.954 / 0.976 / 0.977 / 0.991; D128 0.956 /
+    0.966 / 0.982 / 0.999 / 0.950 / 0.988 (docs/experiments.md, issue 25).
+    ``FLEXATTN_MAXIMA_ON_DEMAND=0`` turns it off, for A/B runs."""
+    return not fp32 and not max_scores and os.environ.get("FLEXATTN_MAXIMA_ON_DEMAND", "1") != "0"
 
 
-def _exp2_fma_every(on_demand: bool) -> int:
-    """`FwdConfig.exp2_fma_every` (every k-th exponential of the on-demand fast path on the
-    FMA pipes): not planned; ``FLEXATTN_EXP2_FMA_EVERY=k`` plans it where maxima_on_demand
-    is, for A/B runs."""
-    flag = os.environ.get("FLEXATTN_EXP2_FMA_EVERY", "0")
-    if not flag.strip().isdigit():
-        raise ValueError(f"FLEXATTN_EXP2_FMA_EVERY must be a whole number (0: off), got {flag!r}")
-    return int(flag) if on_demand else 0
-
-
-def _four_warpgroup_tiles(shape: AttentionShape, score, block_mask, fp32: bool) -> tuple | None:
+def _four_warpgroup_tiles(shape: AttentionShape, score, block_mask, fp32: bool, on_demand: bool) -> tuple | None:
     """(tile_m, tile_n) in place of the 192 x 128 tiles of 16-bit calls without a score mod
-    or a block mask: 256 x 80 (four consumer warpgroups at 112 registers) up to head dim
-    32. H200, 2026-12-01, the door's forward A/B in alternating rounds (7), ms 256 x 80 /
-    192 x 128, D32 H16: causal B4 S4096 0.967, B8 S2048 0.976, B2 S8192 1.002; full 0.993 /
-    0.984 / 1.000. 256 x 64: 0.984-1.070. D64: 256 x 80 spills (1.63), 256 x 64 1.007 /
-    1.008 (docs/experiments.md, issue 25). ``FLEXATTN_FWD_TILES=MxN`` overrides (192x128:
-    the plan before), for A/B runs."""
+    or a block mask: four consumer warpgroups at 112 registers. 256 x 80 up to head dim 32:
+    H200, 2026-12-01, the door's forward A/B in alternating rounds (7), ms 256 x 80 / 192 x
+    128, D32 H16: causal B4 S4096 0.967, B8 S2048 0.976, B2 S8192 1.002; full 0.993 / 0.984
+    / 1.000. 256 x 64 up to head dim 64 with maxima_on_demand (fewer live registers on its
+    fast path): D64 B4 S4096 causal 0.911 / full 0.917 against 0.945 / 0.913 for 192 x 128,
+    both on demand (without it: 1.007 / 1.008; 256 x 80 spills at D64). Docs/experiments.md,
+    issue 25. ``FLEXATTN_FWD_TILES=MxN`` overrides (192x128: the plan before), for A/B runs."""
     if fp32 or score is not None or block_mask is not None:
         return None
     flag = os.environ.get("FLEXATTN_FWD_TILES")
@@ -532,7 +528,10 @@ def _four_warpgroup_tiles(shape: AttentionShape, score, block_mask, fp32: bool) 
         if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
             raise ValueError(f"FLEXATTN_FWD_TILES must be MxN (e.g. 256x80), got {flag!r}")
         return int(parts[0]), int(parts[1])
-    return (256, 80) if max(shape.head_dim, shape.v_head_dim) <= 32 else None
+    widest = max(shape.head_dim, shape.v_head_dim)
+    if widest <= 32:
+        return 256, 80
+    return (256, 64) if widest <= 64 and on_demand else None
 
 
 def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool = False,
@@ -565,14 +564,12 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     tickets = _tickets_pay(shape, band, max_ctas, cluster_m, causal_tickets, tickets_flag)
     rescale_early = _rescale_o_early(shape, tf32_passes)
     ab_fp32 = _fp32_ab_overrides(tf32_passes)
-    threshold = _rescale_threshold(shape, score is not None, fp32)
     on_demand = _maxima_on_demand(fp32, max_scores)
-    fma_every = _exp2_fma_every(on_demand)
-    if on_demand and not threshold:
-        threshold = 8.0
-    tiles = _four_warpgroup_tiles(shape, score, block_mask, fp32)
+    threshold = _rescale_threshold(shape, score is not None, fp32, on_demand)
+    on_demand = on_demand and threshold > 0
+    tiles = _four_warpgroup_tiles(shape, score, block_mask, fp32, on_demand)
     key = (dtype, tf32_passes, ab_fp32, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
-           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, threshold, on_demand, fma_every,
+           cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, threshold, on_demand,
            tiles, full_only, None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     # 3xTF32 keeps float32's accuracy: the mods' tanh / sigmoid exact, not tanh.approx.
@@ -618,7 +615,6 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
             rescale_o_early=rescale_early,
             rescale_threshold=threshold,
             maxima_on_demand=on_demand,
-            exp2_fma_every=fma_every,
             **dict(ab_fp32),
             # The mods' reads constant over a tile (a converted PagedAttention mask's page
             # map at kv // 128) once per tile and row: H200, 2026-11-30, a prefill chunk

@@ -544,7 +544,8 @@ def test_block_mask_to_device_and_back():
 def test_max_scores_against_reference(case):
     """``return_aux=AuxRequest(lse=True, max_scores=True)``: the forward kernel's row maxima
     (NaN-poisoned before the launch) against the float64 reference, inference and through
-    autograd (then the gradients equal the plain call's); lse as always."""
+    autograd (then the gradients match the plain call's, whose kernel takes no maxima on its
+    fast path: its P rounds against other references, so to bf16's rounding); lse as always."""
     rng = np.random.default_rng(zlib.crc32(case.encode()))
     for i in range(3):
         B, Hq, Q, KV, q, k, v = _random_problem(rng, torch.bfloat16, 128)
@@ -561,7 +562,7 @@ def test_max_scores_against_reference(case):
         live = ~np.isneginf(want_max)
         err = np.abs(got_max[live] - want_max[live]).max() if live.any() else 0.0
         assert err < 2e-2 * max(1.0, np.abs(want_max[live]).max()), f"{case}#{i}: max error {err:.3g}"
-    # Through the torch door, with autograd: same values, out's gradients unchanged.
+    # Through the torch door, with autograd: the same maxima, out's gradients as the plain call's.
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     o1, aux = fa.flex_attention(qg, kg, vg, score_mod=score, enable_gqa=True, mask=mask,
                                 return_aux=fa.AuxRequest(lse=True, max_scores=True))
@@ -574,7 +575,7 @@ def test_max_scores_against_reference(case):
     o2 = fa.flex_attention(qg, kg, vg, score_mod=score, enable_gqa=True, mask=mask)
     o2.float().square().sum().backward()
     for a, t in zip(grads, (qg, kg, vg)):
-        torch.testing.assert_close(a, t.grad)
+        torch.testing.assert_close(a, t.grad, rtol=0, atol=2e-2 * t.grad.abs().max().item())
 
 
 def test_vector_read_bias_trains_against_reference():

@@ -160,11 +160,8 @@ LAZY_SCHEDULES = {
     "od+t2": dict(rescale_threshold=2.0, maxima_on_demand=True),
     "od+m256": dict(rescale_threshold=8.0, maxima_on_demand=True, tile_m=256, tile_n=80, max_ctas=7,
                     tile_tickets=True),
-    # ... with every k-th exponential on the FMA pipes (exp2_fma_every)
-    "od+fma2": dict(rescale_threshold=8.0, maxima_on_demand=True, exp2_fma_every=2),
-    "od+fma3": dict(rescale_threshold=8.0, maxima_on_demand=True, exp2_fma_every=3),
-    "od+fma4": dict(rescale_threshold=8.0, maxima_on_demand=True, exp2_fma_every=4, max_ctas=7, tile_tickets=True),
-    "od+m256+fma6": dict(rescale_threshold=8.0, maxima_on_demand=True, exp2_fma_every=6, tile_m=256, tile_n=80),
+    "od+m256n64": dict(rescale_threshold=8.0, maxima_on_demand=True, tile_m=256, tile_n=64, max_ctas=7,
+                       tile_tickets=True),
 }
 ALL_SCHEDULES = {**SCHEDULES, **SHAPED_SCHEDULES, **M256_SCHEDULES, **LAZY_SCHEDULES}
 
@@ -343,11 +340,11 @@ LAZY += [
     ("bf16", 32, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "od+m256", True),
     ("fp16", 32, 1, 6, 3, 777, 777, "none", "bshd", "od+m256", False),
     ("bf16", 64, 2, 2, 1, 300, 300, "lag", "bhsd", "od+m256", True),
-    ("bf16", 32, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "od+fma4", True),
-    ("fp16", 64, 2, 4, 2, 700, 800, "doc_far", "bhsd", "od+fma3", False),
-    ("bf16", 32, 2, 4, 2, 1000, 999, "none", "bshd", "od+m256+fma6", True),
-    ("fp16", 128, 1, 2, 2, 130, 257, "lag", "bhsd", "od+fma2", True),            # empty rows
-    ("bf16", 64, 1, 2, 2, 64, 1, "softcap", "bhsd", "od+fma3", False),           # one key
+    ("bf16", 64, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "od+m256n64", True),   # D64's plan
+    ("fp16", 64, 2, 4, 2, 700, 800, "doc_far", "bhsd", "od+m256n64", False),
+    ("bf16", 64, 2, 4, 2, 1000, 999, "none", "bshd", "od+m256n64", True),
+    ("fp16", 128, 1, 2, 2, 130, 257, "lag", "bhsd", "od", True),                 # empty rows
+    ("bf16", 64, 1, 2, 2, 64, 1, "softcap", "bhsd", "od", False),                # one key
 ]
 
 
@@ -447,11 +444,11 @@ BLOCK_SPARSE = [  # (dtype, D, B, Hq, Hkv, Hmask, Sq, Skv, mod, schedule)
     ("fp16", 64, 2, 2, 1, 1, 513, 256, "doc", "aligned"),
     ("bf16", 128, 2, 4, 2, 4, 512, 1024, "softcap", "aligned"),
     # the list walks with no row maxima on the fast path (maxima_on_demand): empty rows,
-    # rows whose exponentials against 0 underflow, clusters, the FMA exponentials
+    # rows whose exponentials against 0 underflow, clusters
     ("bf16", 128, 2, 4, 2, 4, 700, 650, "lag", "od"),
     ("fp16", 64, 2, 2, 1, 1, 513, 257, "doc_far", "od+persist"),
     ("bf16", 128, 2, 4, 2, 4, 700, 650, "lag", "od+cluster"),
-    ("bf16", 64, 2, 2, 1, 1, 513, 257, "doc", "od+fma3"),
+    ("bf16", 64, 2, 2, 1, 1, 513, 257, "doc", "od+t2"),
 ]
 
 

@@ -4,7 +4,6 @@ runtime arguments. No GPU or driver needed."""
 
 import re
 
-import numpy as np
 import pytest
 
 pytest.importorskip("cutlass")
@@ -104,9 +103,13 @@ CASES = {
                                            rescale_threshold=8.0), lambda: ()),
     "hd64-causal-tickets-od": (FwdConfig(head_dim=64, causal=True, max_ctas=132, tile_tickets=True,
                                          rescale_threshold=8.0, maxima_on_demand=True), lambda: ()),
-    "hd32-causal-od-fma4": (FwdConfig(head_dim=32, causal=True, max_ctas=132, tile_tickets=True,
-                                      rescale_threshold=8.0, maxima_on_demand=True, exp2_fma_every=4),
-                            lambda: ()),
+    # ... over block lists: a row's first visit votes before its exponentials (partial loop; the
+    # full loop too where there is no partial list)
+    "hd128-sparse-lag-od": (FwdConfig(head_dim=128, block_sparse=True, mods=hooks.LaggedCausalHook(),
+                                      rescale_threshold=8.0, maxima_on_demand=True), lambda: (cutlass.Int32(3),)),
+    "hd64-sparse-full-only-od": (FwdConfig(head_dim=64, block_sparse=True, partial_blocks=False,
+                                           mods=hooks.LaggedCausalHook(), rescale_threshold=8.0,
+                                           maxima_on_demand=True), lambda: (cutlass.Int32(3),)),
     "hd256-causal-early-lazy": (FwdConfig(head_dim=256, causal=True, rescale_o_early=True, tile_n=64,
                                           rescale_threshold=8.0), lambda: ()),
 }
@@ -199,6 +202,9 @@ def test_rescale_threshold_votes_once_per_step(compiled):
     # maxima_on_demand: the same votes, with the second pass's exponentials behind them
     od = compiled["hd64-causal-tickets-od"]
     assert od.count("vote.sync.any.pred") == 2
+    # over lists, the first visit's vote: in the partial loop (and the full loop without one)
+    assert compiled["hd128-sparse-lag-od"].count("vote.sync.any.pred") == 2 + 1
+    assert compiled["hd64-sparse-full-only-od"].count("vote.sync.any.pred") == 2
     # a thread's 64 exponentials a block (192 x 128): the peeled first block's, then each
     # loop's first pass and its second (diagonal loop and full-block loop); lazy: 3 x 64
     assert od.count("ex2.approx") >= 5 * 64 > lazy.count("ex2.approx")
@@ -206,38 +212,6 @@ def test_rescale_threshold_votes_once_per_step(compiled):
                 dict(rescale_threshold=8.0, max_scores=True)):
         with pytest.raises(ValueError, match="maxima_on_demand"):
             FwdConfig(head_dim=64, tile_m=128, maxima_on_demand=True, **bad)
-    # exp2_fma_every=4: a quarter of each fast path's 64 exponentials on the FMA pipes
-    # (one add.rm each); the peeled block and the slow paths keep the MUFU
-    fma = compiled["hd32-causal-od-fma4"]
-    assert fma.count("add.rm.ftz.f32") == 2 * 64 // 4
-    assert fma.count("ex2.approx") == od.count("ex2.approx") - 2 * 64 // 4
-    for bad in (dict(exp2_fma_every=4), dict(exp2_fma_every=1, rescale_threshold=8.0, maxima_on_demand=True)):
-        with pytest.raises(ValueError, match="exp2_fma_every"):
-            FwdConfig(head_dim=64, tile_m=128, **bad)
-
-
-def test_exp2_fma_model():
-    """`softmax.exp2_fma`'s steps in numpy (float32, the same constants): the clamp to
-    [-127, 127], the floor by a rounding-down add of 1.5 * 2^23, the polynomial on the
-    fraction, the floor added into the exponent bits. Relative error below 1e-4 over
-    [-126, 127], exactly 0 at -inf, huge and finite from 127 up."""
-    from flexattn.kernels.hopper.softmax import EXP2_POLY, _FLOOR_MAGIC
-
-    f32 = np.float32
-    x = np.concatenate([np.linspace(-140.0, 140.0, 280001), [-np.inf, np.inf, 0.0, 127.0, 8.0, -1e-7]]).astype(f32)
-    c = np.minimum(np.maximum(x, f32(-127.0)), f32(127.0))
-    r = (f32(_FLOOR_MAGIC) + np.floor(c)).astype(f32)     # add.rm: exact for |c| < 2^22
-    n = r - f32(_FLOOR_MAGIC)
-    f = c - n
-    c1, c2, c3 = (f32(v) for v in EXP2_POLY)
-    p = ((f * c3 + c2) * f + c1) * f + f32(1.0)
-    bits = (p.view(np.uint32).astype(np.uint64) + (r.view(np.uint32).astype(np.uint64) << 23)) & 0xFFFFFFFF
-    got = bits.astype(np.uint32).view(f32).astype(np.float64)
-    want = np.exp2(np.clip(x.astype(np.float64), -1e9, 127.0))
-    normal = (x >= -126.0) & (x <= 127.0)
-    assert (np.abs(got[normal] / want[normal] - 1.0) < 1e-4).all()
-    assert got[x == -np.inf][0] == 0.0 and (got[x < -126.0] <= 2.0 ** -126).all()
-    assert np.isfinite(got).all() and (got[x >= 127.0] == 2.0 ** 127).all()
 
 
 def test_hooks_walk_blocks_in_one_step(compiled):

@@ -210,9 +210,9 @@ def test_full_block_mask_needs_no_mask_hook():
     assert p.config.block_sparse and not p.config.mods.has_mask
 
 
-def test_tile_m_192_only_for_d64_without_score_or_lists():
-    assert _plan(D=64).config.tile_m == 192
-    assert _plan(D=64, mask=mods.causal()).config.tile_m == 192
+def test_tile_m_above_128_only_for_d96_without_score_or_lists():
+    assert _plan(D=96).config.tile_m == _plan(D=96, mask=mods.causal()).config.tile_m == 192
+    assert _plan(D=64).config.tile_m == _plan(D=64, mask=mods.causal()).config.tile_m == 256   # (on demand)
     assert _plan(D=64, score=mods.softcap(5.0)).config.tile_m == 128
     assert _plan(D=64, mask=mods.sliding_window(8)).config.tile_m == 128
     assert _plan(D=128).config.tile_m == 128
@@ -263,7 +263,7 @@ def test_block_masks_at_other_block_sizes_run_on_the_kernels_tiles():
 def test_head_dims_plan_tiles_that_fit_shared_memory(on_gpu):
     """Every head dim (and value head dim) the forward takes gets two K/V stages of the
     widest tile that fits (FA3's 112 / 80 at 192 / 256), 192-row tiles up to 96 (at most 112
-    keys beyond 64: the S fragment's registers; 256 x 80 up to 32), persistent
+    keys beyond 64: the S fragment's registers; 256 x 80 up to 32, 256 x 64 up to 64), persistent
     CTAs only where their separate O buffer fits too; block-sparse lists take 64-key tiles
     where 128 do not fit (two per listed block); clusters only at 128/128 and 192/128. The backward takes
     every one of them (``backward_unsupported``)."""
@@ -278,7 +278,7 @@ def test_head_dims_plan_tiles_that_fit_shared_memory(on_gpu):
         shape = check_inputs(q, q, v, spec)
         return plan_forward(q, shape, spec).config, shape
 
-    want = {(32, 32): (256, 80, 132), (64, 64): (192, 128, 132), (80, 80): (192, 112, 132), (96, 96): (192, 112, 132),
+    want = {(32, 32): (256, 80, 132), (64, 64): (256, 64, 132), (80, 80): (192, 112, 132), (96, 96): (192, 112, 132),
             (128, 64): (128, 128, 132), (192, 128): (128, 128, 0), (192, 192): (128, 112, 0),
             (256, 128): (128, 96, 0), (256, 256): (128, 80, 0)}
     for (D, Dv), (tile_m, tile_n, ctas) in want.items():
@@ -301,6 +301,7 @@ def test_rescale_threshold_from_128_value_columns_without_score_mod(on_gpu, monk
     door A/B measured it faster, and for every block structure; off below 128, with a
     score mod and for float32; FLEXATTN_RESCALE_THRESHOLD overrides (a plan of its own)."""
     monkeypatch.delenv("FLEXATTN_RESCALE_THRESHOLD", raising=False)
+    monkeypatch.setenv("FLEXATTN_MAXIMA_ON_DEMAND", "0")   # (which plans a threshold everywhere)
 
     def threshold(D, Dv=None, dtype=torch.bfloat16, **kw):
         q = torch.empty(2, 4, 1024, D, dtype=dtype).as_subclass(_OnGpu)
@@ -338,7 +339,11 @@ def test_four_warpgroups_up_to_head_dim_32(on_gpu, monkeypatch):
 
     for D in (16, 32):
         assert tiles(D) == tiles(D, mask=mods.causal()) == tiles(D, torch.float16) == (256, 80)
-    assert tiles(32, Dv=64) == tiles(64) == (192, 128)
+    assert tiles(32, Dv=64) == tiles(64) == tiles(64, mask=mods.causal()) == (256, 64)   # (on demand)
+    assert tiles(80) == (192, 112) and tiles(64, mask=mods.causal(), score=mods.softcap(20.0))[0] == 128
+    monkeypatch.setenv("FLEXATTN_MAXIMA_ON_DEMAND", "0")   # 256 x 64 needs the maxima on demand
+    assert tiles(64) == (192, 128) and tiles(32) == (256, 80)
+    monkeypatch.delenv("FLEXATTN_MAXIMA_ON_DEMAND")
     assert tiles(32, mask=mods.causal(), score=mods.softcap(20.0))[0] == 128
     assert tiles(32, torch.float32)[0] != 256
     monkeypatch.setenv("FLEXATTN_FWD_TILES", "192x128")
@@ -350,32 +355,32 @@ def test_four_warpgroups_up_to_head_dim_32(on_gpu, monkeypatch):
         tiles(32)
 
 
-def test_maxima_on_demand_only_where_asked(on_gpu, monkeypatch):
-    """maxima_on_demand is unplanned; FLEXATTN_MAXIMA_ON_DEMAND=1 plans it for 16-bit
-    calls without max_scores, with the threshold 8 where none is planned."""
+def test_maxima_on_demand_for_16_bit_calls_without_max_scores(on_gpu, monkeypatch):
+    """maxima_on_demand is planned for 16-bit calls without max_scores, at every head dim and
+    block structure and with score mods, with the threshold 8 it needs; not for float32 or
+    max_scores; FLEXATTN_MAXIMA_ON_DEMAND=0 turns it off, FLEXATTN_RESCALE_THRESHOLD=0 too."""
     monkeypatch.delenv("FLEXATTN_RESCALE_THRESHOLD", raising=False)
     monkeypatch.delenv("FLEXATTN_MAXIMA_ON_DEMAND", raising=False)
 
-    def config(D, dtype=torch.bfloat16, max_scores=False):
+    def config(D, dtype=torch.bfloat16, max_scores=False, **kw):
         q = torch.empty(2, 4, 1024, D, dtype=dtype).as_subclass(_OnGpu)
-        spec = AttentionSpec.from_args(mask=mods.causal())
+        spec = AttentionSpec.from_args(**(kw or dict(mask=mods.causal())))
         return plan_forward(q, check_inputs(q, q, q, spec), spec, max_scores=max_scores).config
 
-    assert not config(64).maxima_on_demand and not config(128).maxima_on_demand
-    monkeypatch.setenv("FLEXATTN_MAXIMA_ON_DEMAND", "1")
-    for D in (32, 64, 128):
-        assert config(D).maxima_on_demand and config(D).rescale_threshold == 8.0
+    for D in (16, 32, 64, 96, 128, 192, 256):
+        assert config(D).maxima_on_demand and config(D).rescale_threshold == 8.0, D
+        assert config(D, torch.float16).maxima_on_demand
+    for kw in (dict(), dict(mask=mods.sliding_window(100)), dict(mask=mods.document(np.arange(1024) // 300)),
+               dict(mask=mods.causal(), score=mods.softcap(20.0))):
+        assert config(64, **kw).maxima_on_demand and config(64, **kw).rescale_threshold == 8.0
     assert not config(64, torch.float32).maxima_on_demand
     assert not config(128, max_scores=True).maxima_on_demand
-    assert config(32).exp2_fma_every == 0
-    monkeypatch.setenv("FLEXATTN_EXP2_FMA_EVERY", "6")
-    assert config(32).exp2_fma_every == 6
-    monkeypatch.setenv("FLEXATTN_EXP2_FMA_EVERY", "six")
-    with pytest.raises(ValueError, match="FLEXATTN_EXP2_FMA_EVERY must be"):
-        config(32)
-    monkeypatch.setenv("FLEXATTN_EXP2_FMA_EVERY", "6")
+    assert config(64, max_scores=True).rescale_threshold == 0.0     # (64 columns: no lazy rescale)
+    monkeypatch.setenv("FLEXATTN_MAXIMA_ON_DEMAND", "0")
+    assert not config(64).maxima_on_demand and config(64).rescale_threshold == 0.0
     monkeypatch.delenv("FLEXATTN_MAXIMA_ON_DEMAND")
-    assert config(32).exp2_fma_every == 0      # only with the maxima on demand
+    monkeypatch.setenv("FLEXATTN_RESCALE_THRESHOLD", "0")
+    assert not config(128).maxima_on_demand and config(128).rescale_threshold == 0.0
 
 
 def test_early_o_rescale_needs_the_overlapped_schedule_without_promoted_pv():

@@ -184,11 +184,6 @@ class FwdConfig(KernelConfig):
     # maxima's shuffles and the max's latency before the first exponential; 16-bit inputs,
     # not with max_scores (no max is tracked).
     maxima_on_demand: bool = False
-    # With maxima_on_demand: every k-th exponential of its fast path on the FMA and integer
-    # pipes (`softmax.exp2_fma`, nine instructions) instead of the MUFU, whose 16 a clock
-    # per SM bound the small head dims' steps (0: none). FA4 does this on Blackwell; alone it
-    # lost at D32 / D64 (session 38: the issue slots); with the maxima gone they may pay.
-    exp2_fma_every: int = 0
     # Which tiles each CTA takes (hopper/tile_scheduler.py): "by_head" or "longest_first"
     # (None: longest_first under causal, where tiles differ in work; by_head otherwise).
     tile_order: str | None = None
@@ -315,8 +310,6 @@ class FwdConfig(KernelConfig):
             raise ValueError(f"tf32_passes must be 1, or 3 with dtype 'fp32', got {self.tf32_passes}")
         if self.maxima_on_demand and (self.rescale_threshold <= 0.0 or self.dtype == "fp32" or self.max_scores):
             raise ValueError("maxima_on_demand needs a rescale_threshold > 0, 16-bit inputs and no max_scores")
-        if self.exp2_fma_every and (not self.maxima_on_demand or self.exp2_fma_every < 2):
-            raise ValueError(f"exp2_fma_every must be 0, or >= 2 with maxima_on_demand, got {self.exp2_fma_every}")
         if not 0.0 <= self.rescale_threshold <= 16.0:
             # (P up to 2^16 stays finite in fp16 and keeps float32's relative precision)
             raise ValueError(f"rescale_threshold must be in [0, 16], got {self.rescale_threshold}")
@@ -937,10 +930,10 @@ class FlashFwdSm90(WarpSpecialized):
             if const_expr(partial):
                 for i in cutlass.range(n_p, unroll=1):
                     kv_state = self._step(ctx, kv_state, blocks.partial_at(i), is_first=False,
-                                          mask=has_mask, causal=False, kv_bound=True)
+                                          mask=has_mask, causal=False, kv_bound=True, may_be_first=True)
             for i in cutlass.range(n_f, unroll=1):
                 kv_state = self._step(ctx, kv_state, blocks.full_at(i), is_first=False,
-                                      mask=False, causal=False, kv_bound="tail")
+                                      mask=False, causal=False, kv_bound="tail", may_be_first=not partial)
         else:
             # One step per kind of block, each serving every visit of its kind, the first
             # included (it skips the P V of a previous block at run time): a peeled first
@@ -948,6 +941,10 @@ class FlashFwdSm90(WarpSpecialized):
             # Partial blocks, then full ones, in loops of their own: one step for both
             # with a run-time `partial` branched around the mask, read both lists per
             # block, and kept the softmax from starting before the branch ended.
+            # With the maxima on demand, a row's first visit votes first (no wasted pass of
+            # exponentials against -inf) in the partial loop, and in the full loop only
+            # where there is no partial list: elsewhere a tile rarely starts with a full
+            # block, and the full loop (a band's bulk) keeps the step without that vote.
             v_state = kv_state.clone()
             if const_expr(partial):
                 for i in cutlass.range(n_p, unroll=1):
@@ -955,7 +952,7 @@ class FlashFwdSm90(WarpSpecialized):
                                                           mask=has_mask, partial=True)
             for i in cutlass.range(n_f, unroll=1):
                 kv_state, v_state = self._visit_step(ctx, kv_state, v_state, blocks.full_at(i), n_p + i > 0,
-                                                      mask=has_mask, partial=False)
+                                                      mask=has_mask, partial=False, may_be_first=not partial)
             if n_p + n_f > 0:
                 self._last_pv(ctx, v_state, advance=False)
         return kv_state
@@ -973,7 +970,8 @@ class FlashFwdSm90(WarpSpecialized):
             # Block j's stage follows block j-1's (`kv_state`); the step hands back both.
             this = kv_state.clone()
             this.advance()
-            _, kv_state = self._visit_step(ctx, this, kv_state, n_block, True, partial=None, **flags)
+            _, kv_state = self._visit_step(ctx, this, kv_state, n_block, True, partial=None, may_be_first=False,
+                                           **flags)
             return kv_state
 
     @cute.jit
@@ -1115,9 +1113,11 @@ class FlashFwdSm90(WarpSpecialized):
     @cute.jit
     def _step(self, ctx, kv_state, n_block, is_first: cutlass.Constexpr[bool],
               mask: cutlass.Constexpr[bool], causal: cutlass.Constexpr[bool],
-              kv_bound: cutlass.Constexpr):
+              kv_bound: cutlass.Constexpr, may_be_first: cutlass.Constexpr[bool] = False):
         """One kv block, no overlap: S = Q K^T, mods, softmax, O = O * scale + P V.
-        (Ping-pong turn: held from before P V until Q K^T of the next block is issued.)"""
+        `may_be_first`: a block list's step, whose visit may be the row's first (with
+        is_first false: the softmax state starts reset). (Ping-pong turn: held from before
+        P V until Q K^T of the next block is issued.)"""
         tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP = (
             ctx.tiled_mma_qk, ctx.tiled_mma_pv, ctx.tSrQ, ctx.tSrK, ctx.tOrVt, ctx.tOrP)
         acc_shape_S, acc_O, softmax = ctx.acc_shape_S, ctx.acc_O, ctx.softmax
@@ -1132,7 +1132,7 @@ class FlashFwdSm90(WarpSpecialized):
 
         self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
         if const_expr(self.cfg.maxima_on_demand and not is_first):
-            row_scale, rescale = softmax.step_on_demand(acc_S, tOrP, self.cfg.exp2_fma_every)
+            row_scale, rescale = softmax.step_on_demand(acc_S, tOrP, may_be_first)
             rescale_rows(acc_O, row_scale, rescale)
         else:
             row_scale, rescale = softmax.step(acc_S, is_first=is_first)
@@ -1169,14 +1169,15 @@ class FlashFwdSm90(WarpSpecialized):
 
     @cute.jit
     def _visit_step(self, ctx, kv_state, v_state, n_block, has_prev, mask: cutlass.Constexpr[bool], partial,
-                    kv_bound: cutlass.Constexpr = "sparse", causal: cutlass.Constexpr[bool] = False):
+                    kv_bound: cutlass.Constexpr = "sparse", causal: cutlass.Constexpr[bool] = False,
+                    may_be_first: cutlass.Constexpr[bool] = True):
         """Overlapped schedule, block j: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}, then
         do mods + softmax of S_j while the P V GEMM is still running (O shrinks by S_j's
         row scale once P V is done, or with ``rescale_o_early`` by S_{j-1}'s before P V). `kv_state`: block
         j's stage; `v_state`: block j-1's, whose P V is issued here unless `has_prev` is
         false (a run-time value where one step serves every visit, the first included:
-        the softmax state then starts reset, so the first visit's rescale is a no-op).
-        Masks per `kv_bound`, `causal` and `partial` (see `_scores`). Returns the stages
+        the softmax state then starts reset, so the first visit's rescale is a no-op;
+        `may_be_first` false where a peeled first block came before). Masks per `kv_bound`, `causal` and `partial` (see `_scores`). Returns the stages
         of block j+1 and of block j."""
         tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP = (
             ctx.tiled_mma_qk, ctx.tiled_mma_pv, ctx.tSrQ, ctx.tSrK, ctx.tOrVt, ctx.tOrP)
@@ -1201,7 +1202,7 @@ class FlashFwdSm90(WarpSpecialized):
         if const_expr(self.cfg.maxima_on_demand):
             # P's registers first (the exponentials write them), then the softmax
             self._release_pv(acc_O, tOrP, v_state, has_prev, pipe_v)
-            row_scale, rescale = softmax.step_on_demand(acc_S, tOrP, self.cfg.exp2_fma_every)
+            row_scale, rescale = softmax.step_on_demand(acc_S, tOrP, may_be_first)
         else:
             row_scale, rescale = softmax.step(acc_S, is_first=False)
             self._release_pv(acc_O, tOrP, v_state, has_prev, pipe_v)

@@ -22,13 +22,10 @@ reference yet) computes the maxima and its exponentials again.
 """
 
 import math
-import struct
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, const_expr
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from flexattn.kernels.hopper.mma import acc_as_a_view, acc_mn_view, pack_pair_into
 
@@ -167,36 +164,41 @@ class OnlineSoftmax:
         return m_new
 
     @cute.jit
-    def step_on_demand(self, acc_S: cute.Tensor, tOrP: cute.Tensor, fma_every: cutlass.Constexpr[int] = 0):
+    def step_on_demand(self, acc_S: cute.Tensor, tOrP: cute.Tensor, may_be_first: cutlass.Constexpr[bool]):
         """`step` after the first block with a rescale threshold, its maxima only where
         needed: the exponentials against the current references, pair by pair into P's
         16-bit registers (P V's operand must be free; S stays intact beside P), and one
         vote of the warp on whether some row's sum over this thread's columns passed 2^t
         (each exponential is at most that sum, so otherwise all are within 2^t: the
         references stand, nothing rescales), passed it by overflowing, or a row has no
-        reference yet (-inf: nothing but masked scores so far). On that vote the warp
-        takes the block's maxima, moves its references as `_step_lazy` does and computes
-        the exponentials and P again from S. Returns (row scales, whether to apply them:
-        the vote). Not with `track_max` (there is no max to track on the fast path).
-        `fma_every` = k: every k-th exponential of the fast path by `exp2_fma` (the FMA
-        pipes), not the MUFU."""
+        reference yet (-inf: nothing but masked scores so far; its exponentials against 0
+        may all have underflowed to a sum of 0). On that vote the warp takes the block's
+        maxima, moves its references as `_step_lazy` does and computes the exponentials
+        and P again from S. `may_be_first`: this step may be a row's first visit (a block
+        list's, or one step serving every block): a vote before the exponentials sends a
+        warp with a row at -inf to the slow path at once, without a wasted pass. Returns
+        (row scales, whether to apply them: the vote). Not with `track_max` (there is no
+        max to track on the fast path)."""
         assert self.true_max is None, "step_on_demand keeps no true max"
         n = cute.size(self.row_max)
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
         refs = cute.make_rmem_tensor_like(self.row_max, Float32)
+        added = cute.make_rmem_tensor_like(self.row_max, Float32)
+        fresh = Boolean(False)
         for r in cutlass.range_constexpr(n):
             refs[r] = _exponent_base(self.row_max[r]) * self.scale_log2
             row_scale[r] = Float32(1.0)
-        added = _exp2_into_p(acc_S, tOrP, refs, self.scale_log2, fma_every)
-        bound = Float32(2.0 ** self.threshold)
-        outgrown = Boolean(False)
-        for r in cutlass.range_constexpr(n):
-            # (an overflowed sum is inf: it votes too. A row with no reference yet always
-            # does: its exponentials against 0 may all have underflowed to a sum of 0)
-            outgrown = outgrown | (added[r] > bound) | (self.row_max[r] == -Float32.inf)
-        rescale = cute.arch.vote_any_sync(outgrown)
+            fresh = fresh | (self.row_max[r] == -Float32.inf)
         # (the branches carry tensors and scalars, not this object)
         row_max, row_sum, scale_log2 = self.row_max, self.row_sum, self.scale_log2
+        bound = Float32(2.0 ** self.threshold)
+        if const_expr(may_be_first):
+            rescale = cute.arch.vote_any_sync(fresh)
+            if not rescale:
+                rescale = cute.arch.vote_any_sync(_exp2_sums_outgrow(acc_S, tOrP, refs, scale_log2, added, bound))
+        else:
+            outgrown = _exp2_sums_outgrow(acc_S, tOrP, refs, scale_log2, added, bound)
+            rescale = cute.arch.vote_any_sync(outgrown | fresh)
         if rescale:
             s_mn = acc_mn_view(acc_S)
             block_max = cute.make_rmem_tensor_like(row_max, Float32)
@@ -252,23 +254,18 @@ class OnlineSoftmax:
         return out
 
 
-def _exp2_into_p(acc_S: cute.Tensor, tOrP: cute.Tensor, refs: cute.Tensor, scale_log2: Float32,
-                 fma_every: int = 0) -> cute.Tensor:
+def _exp2_into_p(acc_S: cute.Tensor, tOrP: cute.Tensor, refs: cute.Tensor, scale_log2: Float32) -> cute.Tensor:
     """P = exp2(S * scale_log2 - refs[row]) written two at a time into the 16-bit A
     fragment `tOrP` (`mma.pack_pair_into`'s order: pairs of adjacent columns, alternating
     between the thread's two rows), so no fp32 copy of P is held beside S. Returns each
     row's sum of the fp32 values, in two chains a row (short dependence paths, nothing
-    held for a tree). `fma_every` = k: every k-th value by `exp2_fma`. Plain Python:
-    unrolled while tracing."""
+    held for a tree). Plain Python: unrolled while tracing."""
     src = acc_as_a_view(acc_S)
     n = cute.size(refs)
     chains = 2
 
     def exp2(j, r):
-        x = src[j] * scale_log2 - refs[r]
-        if fma_every and j % fma_every == fma_every - 1:
-            return exp2_fma(x)
-        return cute.math.exp2(x, fastmath=True)
+        return cute.math.exp2(src[j] * scale_log2 - refs[r], fastmath=True)
 
     parts = [[None] * chains for _ in range(n)]
     for i in range(cute.size(src) // 2):
@@ -283,44 +280,18 @@ def _exp2_into_p(acc_S: cute.Tensor, tOrP: cute.Tensor, refs: cute.Tensor, scale
     return sums
 
 
-# 2^f on [0, 1): 1 + f (C1 + f (C2 + f C3)), minimax relative error 9.5e-5 (p(0) = 1
-# exactly; coefficients rounded to fp32 and re-checked): below bf16's and fp16's rounding
-# of P (2^-9, 2^-12).
-EXP2_POLY = (0.6950706243515015, 0.22765065729618073, 0.07714355736970901)
-# 1.5 * 2^23: added with rounding down, x's floor lands in the sum's low mantissa bits.
-_FLOOR_MAGIC = 12582912.0
-
-
-def _f32_hex(x: float) -> str:
-    return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
-
-
-@dsl_user_op
-def exp2_fma(x, *, loc=None, ip=None) -> Float32:
-    """2^x without the MUFU (FA4's trick on Blackwell): x clamped to [-127, 127] (-inf
-    gives exactly 0; anything at or past 2^127 stays huge, so a sum over it still reads
-    as too large), split into its floor n and fraction f by the magic-number sum, 2^f by
-    `EXP2_POLY` (three FFMA), n added into the exponent bits (shift, integer add): nine
-    instructions on the FMA and integer pipes. Relative error 9.5e-5; results below
-    2^-126 come out denormal or 0."""
-    c1, c2, c3 = (_f32_hex(c) for c in EXP2_POLY)
-    magic = _f32_hex(_FLOOR_MAGIC)
-    asm = ("{\n\t.reg .f32 c, r, n, f, p;\n\t.reg .b32 ri, pi;\n\t"
-           "max.ftz.f32 c, $1, 0fC2FE0000;\n\t"            # clamp at -127 (and -inf)
-           "min.ftz.f32 c, c, 0f42FE0000;\n\t"             # ... and at 127
-           f"add.rm.ftz.f32 r, c, {magic};\n\t"           # floor(c) in r's low bits
-           f"sub.ftz.f32 n, r, {magic};\n\t"
-           "sub.ftz.f32 f, c, n;\n\t"                       # f in [0, 1)
-           f"fma.rn.ftz.f32 p, f, {c3}, {c2};\n\t"
-           f"fma.rn.ftz.f32 p, p, f, {c1};\n\t"
-           "fma.rn.ftz.f32 p, p, f, 0f3F800000;\n\t"
-           "mov.b32 ri, r;\n\tmov.b32 pi, p;\n\t"
-           "shl.b32 ri, ri, 23;\n\t"                        # floor(c) << 23 (the magic's bits shift out)
-           "add.s32 pi, pi, ri;\n\t"
-           "mov.b32 $0, pi;\n\t}")
-    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], asm, "=f,f",
-                                   has_side_effects=False, is_align_stack=False,
-                                   asm_dialect=llvm.AsmDialect.AD_ATT))
+@cute.jit
+def _exp2_sums_outgrow(acc_S: cute.Tensor, tOrP: cute.Tensor, refs: cute.Tensor, scale_log2: Float32,
+                       sums: cute.Tensor, bound: Float32) -> Boolean:
+    """`step_on_demand`'s fast path: the exponentials into P (`_exp2_into_p`), each row's
+    sum over this thread's columns into `sums`; whether one of them passed `bound` (an
+    overflowed sum is inf: it does too)."""
+    added = _exp2_into_p(acc_S, tOrP, refs, scale_log2)
+    outgrown = Boolean(False)
+    for r in cutlass.range_constexpr(cute.size(refs)):
+        sums[r] = added[r]
+        outgrown = outgrown | (added[r] > bound)
+    return outgrown
 
 
 def _fold(vals: list, op):
