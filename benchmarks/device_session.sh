@@ -75,7 +75,9 @@
 # planned: the max_scores tests, the door's A/B against FLEXATTN_MAXIMA_ON_DEMAND=0 at D80 / D96 / D192 / D256 and
 # at D32 / D64's other two shapes, then bench_head_dims' causal forward at every head dim), on-demand-first (a first
 # visit's vote before the exponentials, in the block lists' and the one-step walks: the on-demand GPU cases, then
-# the door's A/B against FLEXATTN_MAXIMA_ON_DEMAND=0 on document4, softcap and window1024 at D32 / D64).
+# the door's A/B against FLEXATTN_MAXIMA_ON_DEMAND=0 on document4, softcap and window1024 at D32 / D64),
+# small-d-stages (issue 25's last 1-3% at D32 / D64: the planned 256-row tiles on demand with 3 / 4 K/V stages,
+# the producer further ahead of blocks this short; D32 with 64 keys; causal sweeps, 5 rounds).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -317,6 +319,13 @@ for step in $steps; do
                  run od_first_door 150 python3 benchmarks/ab_env.py --env FLEXATTN_MAXIMA_ON_DEMAND=0 --rounds 7 \
                    --variants document4 causal+softcap30 window1024 \
                    --shapes 8x2048x16x32 4x4096x16x32 8x2048x16x64 4x4096x16x64 ;;
+    small-d-stages) c="max_ctas=-1,tile_tickets=1,rescale_threshold=8.0,maxima_on_demand=True"
+                 (cd benchmarks
+                  run stages_64 150 python3 sweep_fwd_configs.py --dims 64/64 --rounds 5 --anchors fa4 flex --configs \
+                    "tile_m=256,tile_n=64,$c" "tile_m=256,tile_n=64,num_stages=3,$c" "tile_m=256,tile_n=64,num_stages=4,$c"
+                  run stages_32 150 python3 sweep_fwd_configs.py --dims 32/32 --rounds 5 --anchors fa4 flex --configs \
+                    "tile_m=256,tile_n=80,$c" "tile_m=256,tile_n=64,$c" "tile_m=256,tile_n=80,num_stages=3,$c" \
+                    "tile_m=256,tile_n=64,num_stages=4,$c") ;;
     lazy-rescale) c="tile_m=192,max_ctas=-1,tile_tickets=1"   # (GPU 0 of two: the sweeps and the A/B)
                   (cd benchmarks
                    for d in 32 64; do
