@@ -162,6 +162,13 @@ LAZY_SCHEDULES = {
                     tile_tickets=True),
     "od+m256n64": dict(rescale_threshold=8.0, maxima_on_demand=True, tile_m=256, tile_n=64, max_ctas=7,
                        tile_tickets=True),
+    # ... its two passes as one copy of the exponentials in a loop (on_demand_loop)
+    "odl": dict(rescale_threshold=8.0, maxima_on_demand=True, on_demand_loop=True),
+    "odl+plain": dict(rescale_threshold=8.0, maxima_on_demand=True, on_demand_loop=True, intra_wg_overlap=False,
+                      pingpong=False),
+    "odl+t2": dict(rescale_threshold=2.0, maxima_on_demand=True, on_demand_loop=True),
+    "odl+m256n64": dict(rescale_threshold=8.0, maxima_on_demand=True, on_demand_loop=True, tile_m=256, tile_n=64,
+                        max_ctas=7, tile_tickets=True),
 }
 ALL_SCHEDULES = {**SCHEDULES, **SHAPED_SCHEDULES, **M256_SCHEDULES, **LAZY_SCHEDULES}
 
@@ -345,6 +352,13 @@ LAZY += [
     ("bf16", 64, 2, 4, 2, 1000, 999, "none", "bshd", "od+m256n64", True),
     ("fp16", 128, 1, 2, 2, 130, 257, "lag", "bhsd", "od", True),                 # empty rows
     ("bf16", 64, 1, 2, 2, 64, 1, "softcap", "bhsd", "od", False),                # one key
+    ("bf16", 64, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "odl+m256n64", True),
+    ("fp16", 32, 1, 6, 3, 777, 777, "none", "bshd", "odl+m256n64", False),
+    ("bf16", 64, 2, 4, 2, 700, 800, "doc_far", "bhsd", "odl", False),
+    ("fp16", 128, 1, 2, 2, 130, 257, "lag", "bhsd", "odl", True),                # empty rows
+    ("bf16", 96, 2, 6, 3, 777, 777, "causal_builtin", "bshd", "odl+t2", True),
+    ("fp16", 128, 2, 4, 2, 511, 300, "none", "bhsd", "odl+plain", True),
+    ("bf16", 64, 1, 2, 2, 64, 1, "softcap", "bhsd", "odl", False),               # one key
 ]
 
 
@@ -449,6 +463,8 @@ BLOCK_SPARSE = [  # (dtype, D, B, Hq, Hkv, Hmask, Sq, Skv, mod, schedule)
     ("fp16", 64, 2, 2, 1, 1, 513, 257, "doc_far", "od+persist"),
     ("bf16", 128, 2, 4, 2, 4, 700, 650, "lag", "od+cluster"),
     ("bf16", 64, 2, 2, 1, 1, 513, 257, "doc", "od+t2"),
+    ("bf16", 128, 2, 4, 2, 4, 700, 650, "lag", "odl"),
+    ("fp16", 64, 2, 2, 1, 1, 513, 257, "doc_far", "odl+plain"),
 ]
 
 

@@ -110,6 +110,13 @@ CASES = {
     "hd64-sparse-full-only-od": (FwdConfig(head_dim=64, block_sparse=True, partial_blocks=False,
                                            mods=hooks.LaggedCausalHook(), rescale_threshold=8.0,
                                            maxima_on_demand=True), lambda: (cutlass.Int32(3),)),
+    # ... with the two passes as one copy of the exponentials in a loop (on_demand_loop)
+    "hd64-causal-tickets-od-loop": (FwdConfig(head_dim=64, causal=True, max_ctas=132, tile_tickets=True,
+                                              rescale_threshold=8.0, maxima_on_demand=True, on_demand_loop=True),
+                                    lambda: ()),
+    "hd128-sparse-lag-od-loop": (FwdConfig(head_dim=128, block_sparse=True, mods=hooks.LaggedCausalHook(),
+                                           rescale_threshold=8.0, maxima_on_demand=True, on_demand_loop=True),
+                                 lambda: (cutlass.Int32(3),)),
     "hd256-causal-early-lazy": (FwdConfig(head_dim=256, causal=True, rescale_o_early=True, tile_n=64,
                                           rescale_threshold=8.0), lambda: ()),
 }
@@ -205,6 +212,14 @@ def test_rescale_threshold_votes_once_per_step(compiled):
     # over lists, the first visit's vote: in the partial loop (and the full loop without one)
     assert compiled["hd128-sparse-lag-od"].count("vote.sync.any.pred") == 2 + 1
     assert compiled["hd64-sparse-full-only-od"].count("vote.sync.any.pred") == 2
+    # on_demand_loop: one pass of exponentials in the loops (the peeled block's apart), the
+    # same votes
+    loop = compiled["hd64-causal-tickets-od-loop"]
+    assert loop.count("ex2.approx") == od.count("ex2.approx") - 2 * 64
+    assert loop.count("vote.sync.any.pred") == 2
+    assert compiled["hd128-sparse-lag-od-loop"].count("vote.sync.any.pred") == 2 + 1
+    with pytest.raises(ValueError, match="on_demand_loop needs maxima_on_demand"):
+        FwdConfig(head_dim=64, rescale_threshold=8.0, on_demand_loop=True)
     # a thread's 64 exponentials a block (192 x 128): the peeled first block's, then each
     # loop's first pass and its second (diagonal loop and full-block loop); lazy: 3 x 64
     assert od.count("ex2.approx") >= 5 * 64 > lazy.count("ex2.approx")

@@ -361,6 +361,7 @@ def test_maxima_on_demand_for_16_bit_calls_without_max_scores(on_gpu, monkeypatc
     max_scores; FLEXATTN_MAXIMA_ON_DEMAND=0 turns it off, FLEXATTN_RESCALE_THRESHOLD=0 too."""
     monkeypatch.delenv("FLEXATTN_RESCALE_THRESHOLD", raising=False)
     monkeypatch.delenv("FLEXATTN_MAXIMA_ON_DEMAND", raising=False)
+    monkeypatch.delenv("FLEXATTN_ON_DEMAND_LOOP", raising=False)
 
     def config(D, dtype=torch.bfloat16, max_scores=False, **kw):
         q = torch.empty(2, 4, 1024, D, dtype=dtype).as_subclass(_OnGpu)
@@ -381,6 +382,10 @@ def test_maxima_on_demand_for_16_bit_calls_without_max_scores(on_gpu, monkeypatc
     monkeypatch.delenv("FLEXATTN_MAXIMA_ON_DEMAND")
     monkeypatch.setenv("FLEXATTN_RESCALE_THRESHOLD", "0")
     assert not config(128).maxima_on_demand and config(128).rescale_threshold == 0.0
+    monkeypatch.delenv("FLEXATTN_RESCALE_THRESHOLD")
+    assert not config(64).on_demand_loop          # (unmeasured: only where asked)
+    monkeypatch.setenv("FLEXATTN_ON_DEMAND_LOOP", "1")
+    assert config(64).on_demand_loop and not config(64, torch.float32).on_demand_loop
 
 
 def test_early_o_rescale_needs_the_overlapped_schedule_without_promoted_pv():
