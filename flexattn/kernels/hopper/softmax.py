@@ -185,18 +185,17 @@ class OnlineSoftmax:
         n = cute.size(self.row_max)
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
         refs = cute.make_rmem_tensor_like(self.row_max, Float32)
-        added = cute.make_rmem_tensor_like(self.row_max, Float32)
         fresh = Boolean(False)
         for r in cutlass.range_constexpr(n):
             refs[r] = _exponent_base(self.row_max[r]) * self.scale_log2
             row_scale[r] = Float32(1.0)
             fresh = fresh | (self.row_max[r] == -Float32.inf)
-        # (the branches carry tensors and scalars, not this object)
-        row_max, row_sum, scale_log2 = self.row_max, self.row_sum, self.scale_log2
-        bound = Float32(2.0 ** self.threshold)
         if const_expr(in_loop):
-            rescale = self._on_demand_in_loop(acc_S, tOrP, refs, row_scale, fresh, may_be_first)
-            return row_scale, rescale
+            return row_scale, self._on_demand_in_loop(acc_S, tOrP, refs, row_scale, fresh, may_be_first)
+        # (the branches carry tensors and scalars, not this object)
+        row_sum, scale_log2 = self.row_sum, self.scale_log2
+        added = cute.make_rmem_tensor_like(row_sum, Float32)
+        bound = Float32(2.0 ** self.threshold)
         if const_expr(may_be_first):
             rescale = cute.arch.vote_any_sync(fresh)
             if not rescale:
@@ -205,17 +204,7 @@ class OnlineSoftmax:
             outgrown = _exp2_sums_outgrow(acc_S, tOrP, refs, scale_log2, added, bound)
             rescale = cute.arch.vote_any_sync(outgrown | fresh)
         if rescale:
-            s_mn = acc_mn_view(acc_S)
-            block_max = cute.make_rmem_tensor_like(row_max, Float32)
-            for r in cutlass.range_constexpr(n):
-                block_max[r] = _row_max(s_mn[r, None].load())
-            m_new = self._running_maxima(block_max)
-            for r in cutlass.range_constexpr(n):
-                m_prev = row_max[r]
-                row_max[r] = m_new[r]
-                ref = _exponent_base(m_new[r])
-                row_scale[r] = cute.math.exp2((m_prev - ref) * scale_log2, fastmath=True)
-                refs[r] = ref * scale_log2
+            self._move_references(acc_S, refs, row_scale)
             again = _exp2_into_p(acc_S, tOrP, refs, scale_log2)
             for r in cutlass.range_constexpr(n):
                 row_sum[r] = row_sum[r] * row_scale[r] + again[r]
@@ -223,6 +212,24 @@ class OnlineSoftmax:
             for r in cutlass.range_constexpr(n):
                 row_sum[r] = row_sum[r] + added[r]
         return row_scale, rescale
+
+    @cute.jit
+    def _move_references(self, acc_S: cute.Tensor, refs: cute.Tensor, row_scale: cute.Tensor):
+        """The on-demand slow path's first half: the block's maxima, the running maxima
+        moved to them (as `_step_lazy` does), each row's scale from the old reference to
+        the new and the new exponent offsets into `refs`."""
+        s_mn = acc_mn_view(acc_S)
+        n = cute.size(self.row_max)
+        block_max = cute.make_rmem_tensor_like(self.row_max, Float32)
+        for r in cutlass.range_constexpr(n):
+            block_max[r] = _row_max(s_mn[r, None].load())
+        m_new = self._running_maxima(block_max)
+        for r in cutlass.range_constexpr(n):
+            m_prev = self.row_max[r]
+            self.row_max[r] = m_new[r]
+            ref = _exponent_base(m_new[r])
+            row_scale[r] = cute.math.exp2((m_prev - ref) * self.scale_log2, fastmath=True)
+            refs[r] = ref * self.scale_log2
 
     @cute.jit
     def _on_demand_in_loop(self, acc_S: cute.Tensor, tOrP: cute.Tensor, refs: cute.Tensor, row_scale: cute.Tensor,
@@ -242,17 +249,7 @@ class OnlineSoftmax:
         for attempt in cutlass.range(2, unroll=1):
             if (attempt == 0) | move:
                 if move:
-                    s_mn = acc_mn_view(acc_S)
-                    block_max = cute.make_rmem_tensor_like(row_max, Float32)
-                    for r in cutlass.range_constexpr(n):
-                        block_max[r] = _row_max(s_mn[r, None].load())
-                    m_new = self._running_maxima(block_max)
-                    for r in cutlass.range_constexpr(n):
-                        m_prev = row_max[r]
-                        row_max[r] = m_new[r]
-                        ref = _exponent_base(m_new[r])
-                        row_scale[r] = cute.math.exp2((m_prev - ref) * scale_log2, fastmath=True)
-                        refs[r] = ref * scale_log2
+                    self._move_references(acc_S, refs, row_scale)
                     moved = Boolean(True)
                 outgrown = _exp2_sums_outgrow(acc_S, tOrP, refs, scale_log2, added, bound)
                 move = Boolean(False)
