@@ -94,6 +94,12 @@ CASES = {
     "hd128-band-window-tickets": (FwdConfig(head_dim=128, band=True, max_ctas=132, tile_tickets=True,
                                             mods=IRModHook(None, canonical_band(mods.sliding_window(1024)))),
                                   lambda: (cutlass.Int32(0), cutlass.Int32(1024))),
+    # the planned D256 window: O's early rescale behind the vote, then a P V that the first visit
+    # skips (the rescale sat before that branch and ptxas serialized every wgmma: C7515)
+    "hd256-band-window-early-od": (FwdConfig(head_dim=256, band=True, tile_n=80, rescale_o_early=True,
+                                             rescale_threshold=8.0, maxima_on_demand=True,
+                                             mods=IRModHook(None, canonical_band(mods.sliding_window(1024)))),
+                                   lambda: (cutlass.Int32(0), cutlass.Int32(1024))),
     "hd64-causal-tickets": (FwdConfig(head_dim=64, causal=True, max_ctas=132, tile_tickets=True), lambda: ()),
     # four consumer warpgroups: 256-row tiles with a four-way ping-pong
     "hd32-causal-m256": (FwdConfig(head_dim=32, causal=True, tile_m=256, tile_n=80, max_ctas=132,

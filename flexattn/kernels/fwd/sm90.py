@@ -1193,9 +1193,10 @@ class FlashFwdSm90(WarpSpecialized):
         pipe_k.consumer_wait(kv_state)
         self._turn_wait(wg)
         self._qk_gemm(tiled_mma_qk, acc_S, tSrQ, self._kv_operand(tSrK, kv_state), wait=-1)
-        if const_expr(self.cfg.rescale_o_early):
-            rescale_rows(acc_O, softmax.o_scale, softmax.o_scale_due())   # block j-1's scale, while Q K_j^T runs
+        o_scale, o_due = softmax.o_scale, softmax.o_scale_due()   # (the branch carries no softmax object)
         if has_prev:
+            if const_expr(self.cfg.rescale_o_early):
+                rescale_rows(acc_O, o_scale, o_due)   # block j-1's scale, while Q K_j^T runs
             pipe_v.consumer_wait(v_state)
             self._pv_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt, v_state, wait=-1)
         else:
