@@ -27,7 +27,8 @@ from flexattn.core import AttentionSpec, check_inputs  # noqa: E402
 from flexattn.core.kernel_path import Device, forward_into, plan_forward  # noqa: E402
 from mod_cases import STRUCTURES, structure_mods  # noqa: E402
 
-PAIRS = [(16, 16), (16, 32), (32, 32), (80, 80), (96, 96), (192, 192), (256, 256), (192, 128), (128, 64), (64, 128), (256, 128)]
+PAIRS = [(16, 16), (16, 32), (32, 32), (80, 80), (96, 96), (192, 192), (256, 256), (192, 128), (128, 64), (64, 128),
+         (256, 128)]
 
 
 def _device():

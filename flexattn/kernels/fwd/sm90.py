@@ -1183,8 +1183,9 @@ class FlashFwdSm90(WarpSpecialized):
         j's stage; `v_state`: block j-1's, whose P V is issued here unless `has_prev` is
         false (a run-time value where one step serves every visit, the first included:
         the softmax state then starts reset, so the first visit's rescale is a no-op;
-        `may_be_first` false where a peeled first block came before). Masks per `kv_bound`, `causal` and `partial` (see `_scores`). Returns the stages
-        of block j+1 and of block j."""
+        `may_be_first` false where a peeled first block came before). Masks per
+        `kv_bound`, `causal` and `partial` (see `_scores`). Returns the stages of block
+        j+1 and of block j."""
         tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP = (
             ctx.tiled_mma_qk, ctx.tiled_mma_pv, ctx.tSrQ, ctx.tSrK, ctx.tOrVt, ctx.tOrP)
         acc_shape_S, acc_O, softmax = ctx.acc_shape_S, ctx.acc_O, ctx.softmax
