@@ -578,9 +578,11 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     on_demand = on_demand and threshold > 0
     on_demand_loop = _on_demand_loop(on_demand)
     tiles = _four_warpgroup_tiles(shape, score, block_mask, fp32, on_demand)
+    # (FwdConfig.own_diagonal is planned; FLEXATTN_OWN_DIAGONAL=0 walks whole tiles, for A/B runs)
+    own_diagonal = os.environ.get("FLEXATTN_OWN_DIAGONAL") != "0"
     key = (dtype, tf32_passes, ab_fp32, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
            cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, threshold, on_demand,
-           on_demand_loop, tiles, full_only, None if score is None else id(score.expr),
+           on_demand_loop, tiles, own_diagonal, full_only, None if score is None else id(score.expr),
            None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     # 3xTF32 keeps float32's accuracy: the mods' tanh / sigmoid exact, not tanh.approx.
@@ -627,6 +629,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
             rescale_threshold=threshold,
             maxima_on_demand=on_demand,
             on_demand_loop=on_demand_loop,
+            own_diagonal=own_diagonal,
             **dict(ab_fp32),
             # The mods' reads constant over a tile (a converted PagedAttention mask's page
             # map at kv // 128) once per tile and row: H200, 2026-11-30, a prefill chunk

@@ -188,6 +188,14 @@ class FwdConfig(KernelConfig):
     # two trips instead of a second copy in the slow path's branch: a step's code ~15%
     # smaller (PTX), a faster first compile, a few loop instructions more on the fast path.
     on_demand_loop: bool = False
+    # Causal, several consumer warpgroups: each ends its walk at its own 64 rows' diagonal
+    # (`FlashFwdSm90._own_diagonal`). The tile's leading blocks that lie wholly right of a
+    # warpgroup's last row are released unread (it still takes their ping-pong turns,
+    # without GEMMs), and only the blocks crossing its own diagonal are masked. 256 x 80
+    # tiles at S 4096: 4.4% of the warpgroups' block visits skipped, masked visits 14.5% ->
+    # 5.8%. Only changes which blocks a warpgroup computes where they are wholly masked:
+    # results bitwise equal.
+    own_diagonal: bool = True
     # Which tiles each CTA takes (hopper/tile_scheduler.py): "by_head" or "longest_first"
     # (None: longest_first under causal, where tiles differ in work; by_head otherwise).
     tile_order: str | None = None
@@ -834,11 +842,16 @@ class FlashFwdSm90(WarpSpecialized):
         return q_state, kv_state
 
     @cute.jit
-    def _skip_blocks(self, ctx, kv_state, count: Int32):
-        """Release `count` K/V stages unread (blocks loaded only for the cluster peer)."""
+    def _skip_blocks(self, ctx, kv_state, count: Int32, turns: cutlass.Constexpr[bool] = False):
+        """Release `count` K/V stages unread (blocks loaded only for the cluster peer, or
+        wholly right of this warpgroup's rows: `turns`, their ping-pong turns taken without
+        GEMMs, so every warpgroup passes the same number per tile)."""
         pipe_k, pipe_v = ctx.pipe_k, ctx.pipe_v
         for _ in cutlass.range(count, unroll=1):
             pipe_k.consumer_wait(kv_state)
+            if const_expr(turns):
+                self._turn_wait(ctx.wg)
+                self._turn_pass(ctx.wg)
             pipe_k.consumer_release(kv_state)
             pipe_v.consumer_wait(kv_state)
             pipe_v.consumer_release(kv_state)
@@ -860,12 +873,34 @@ class FlashFwdSm90(WarpSpecialized):
                 nxt = (wg + 1) % self.num_mma_wg
             FwdBarrier.TURN.arrive(256, nxt)
 
+    def _own_diagonal(self) -> bool:
+        """Whether each consumer warpgroup walks a causal tile to its own rows' diagonal
+        (`FwdConfig.own_diagonal`): where a block can lie wholly right of one warpgroup's
+        rows (tile_n not a multiple of tile_m), with the overlapped schedule."""
+        cfg = self.cfg
+        return (cfg.own_diagonal and cfg.causal and self.num_mma_wg > 1 and cfg.intra_wg_overlap
+                and cfg.tile_n % cfg.tile_m != 0)
+
+    @cute.jit
+    def _own_blocks(self, ctx, kv_state, m_block, n_block_max):
+        """This warpgroup's part of a causal tile's walk (`_own_diagonal`): the leading
+        blocks wholly right of its last row released unread. Returns the stage of its first
+        block, its block count and its first row (top-left aligned: kv <= q)."""
+        cfg = self.cfg
+        first_row = m_block * cfg.tile_m + ctx.wg * 64
+        own_max = cutlass.min(n_block_max, (first_row + 64 + cfg.tile_n - 1) // cfg.tile_n)
+        kv_state = self._skip_blocks(ctx, kv_state, n_block_max - own_max, turns=True)
+        return kv_state, own_max, first_row
+
     @cute.jit
     def _visit_blocks(self, ctx, kv_state, m_block, n_block_max):
         """Enumerate kv blocks (last first) and pick, per block, which masks to evaluate.
         The producer's `load` visits the same blocks in the same order."""
         cfg = self.cfg
         mods = self.mods
+        first_row = m_block * cfg.tile_m
+        if const_expr(self._own_diagonal()):
+            kv_state, n_block_max, first_row = self._own_blocks(ctx, kv_state, m_block, n_block_max)
         # First block: masks always evaluated (it may cross the diagonal); the KV_LEN
         # bound only if it straddles KV_LEN, checked at run time.
         kv_state = self._block(ctx, kv_state, n_block_max - 1, is_first=True,
@@ -873,10 +908,11 @@ class FlashFwdSm90(WarpSpecialized):
                                kv_bound="first")
         n_rest = n_block_max - 1
         if const_expr(cfg.causal and cfg.tile_n % cfg.tile_m != 0):
-            # Blocks >= n_diag contain some kv > the tile's first q: mask needed. When
+            # Blocks >= n_diag contain some kv > the first row's q (the tile's, or this
+            # warpgroup's under _own_diagonal): mask needed. When
             # tile_n is a multiple of tile_m (128 x 128) only the first block can: every
             # later one ends before the tile's first row, and this loop would never run.
-            n_diag = (m_block * cfg.tile_m + 1) // cfg.tile_n
+            n_diag = (first_row + 1) // cfg.tile_n
             for i in cutlass.range(n_block_max - 1 - n_diag, unroll=1):
                 kv_state = self._block(ctx, kv_state, n_block_max - 2 - i, is_first=False,
                                        mask=mods.has_mask, causal=not mods.has_mask,
@@ -908,9 +944,12 @@ class FlashFwdSm90(WarpSpecialized):
         cfg = self.cfg
         softmax = ctx.softmax
         softmax.reset()
+        first_row = m_block * cfg.tile_m
+        if const_expr(self._own_diagonal()):
+            kv_state, n_block_max, first_row = self._own_blocks(ctx, kv_state, m_block, n_block_max)
         n_diag = n_block_max - 1     # blocks >= n_diag cross the diagonal (causal)
         if const_expr(cfg.causal):
-            n_diag = cutlass.min(n_diag, (m_block * cfg.tile_m + 1) // cfg.tile_n)
+            n_diag = cutlass.min(n_diag, (first_row + 1) // cfg.tile_n)
         v_state = kv_state.clone()
         for i in cutlass.range(n_block_max, unroll=1):
             n_block = n_block_max - 1 - i
