@@ -80,7 +80,10 @@
 # the producer further ahead of blocks this short; D32 with 64 keys; causal sweeps, 5 rounds), on-demand-loop
 # (FwdConfig.on_demand_loop, session 61: the on-demand step's two passes as one copy of the exponentials in a loop;
 # its GPU cases, the door's A/B with FLEXATTN_ON_DEMAND_LOOP=1 on six variants at D32 / D64 / D128, then
-# first_call.py with the planned branch and with the loop: issue 24's 2 s first call).
+# first_call.py with the planned branch and with the loop: issue 24's 2 s first call), own-diagonal
+# (FwdConfig.own_diagonal, session 62: each consumer warpgroup's causal walk ends at its own rows' diagonal;
+# its GPU cases and the 256-row tiles', the causal sweeps at D32 / D64 with and without, 5 rounds, then
+# the door's causal A/B against FLEXATTN_OWN_DIAGONAL=0 at D32 / D64 / D96 / D256: issue 25's 1.5x).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -335,6 +338,17 @@ for step in $steps; do
                    --shapes 4x4096x16x32 4x4096x16x64 4x4096x16x128
                  run odl_first_branch 100 python3 benchmarks/first_call.py --reps 3
                  FLEXATTN_ON_DEMAND_LOOP=1 run odl_first_loop 100 python3 benchmarks/first_call.py --reps 3 ;;
+    own-diagonal) c="max_ctas=-1,tile_tickets=1,rescale_threshold=8.0,maxima_on_demand=True"
+                 run own_tests 130 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py \
+                   -k "own_diagonal or 256_row_tiles"
+                 (cd benchmarks
+                  run own_32 70 python3 sweep_fwd_configs.py --dims 32/32 --rounds 5 --anchors fa4 flex --configs \
+                    "tile_m=256,tile_n=80,$c,own_diagonal=False" "tile_m=256,tile_n=80,$c"
+                  run own_64 70 python3 sweep_fwd_configs.py --dims 64/64 --rounds 5 --anchors fa4 flex --configs \
+                    "tile_m=256,tile_n=64,$c,own_diagonal=False" "tile_m=256,tile_n=64,$c")
+                 run own_door 100 python3 benchmarks/ab_env.py --env FLEXATTN_OWN_DIAGONAL=0 --rounds 7 \
+                   --variants causal --shapes 4x4096x16x32 8x2048x16x32 4x4096x16x64 8x2048x16x64 4x4096x16x96 \
+                   4x4096x16x256 ;;
     lazy-rescale) c="tile_m=192,max_ctas=-1,tile_tickets=1"   # (GPU 0 of two: the sweeps and the A/B)
                   (cd benchmarks
                    for d in 32 64; do
