@@ -77,10 +77,7 @@
 # visit's vote before the exponentials, in the block lists' and the one-step walks: the on-demand GPU cases, then
 # the door's A/B against FLEXATTN_MAXIMA_ON_DEMAND=0 on document4, softcap and window1024 at D32 / D64),
 # small-d-stages (issue 25's last 1-3% at D32 / D64: the planned 256-row tiles on demand with 3 / 4 K/V stages,
-# the producer further ahead of blocks this short; D32 with 64 keys; causal sweeps, 5 rounds), on-demand-loop
-# (FwdConfig.on_demand_loop, session 61: the on-demand step's two passes as one copy of the exponentials in a loop;
-# its GPU cases, the door's A/B with FLEXATTN_ON_DEMAND_LOOP=1 on six variants at D32 / D64 / D128, then
-# first_call.py with the planned branch and with the loop: issue 24's 2 s first call), own-diagonal
+# the producer further ahead of blocks this short; D32 with 64 keys; causal sweeps, 5 rounds), own-diagonal
 # (FwdConfig.own_diagonal, session 62: each consumer warpgroup's causal walk ends at its own rows' diagonal;
 # its GPU cases and the 256-row tiles', the causal sweeps at D32 / D64 with and without, 5 rounds, then
 # the door's causal A/B against FLEXATTN_OWN_DIAGONAL=0 at D32 / D64 / D96 / D256: issue 25's 1.5x).
@@ -332,12 +329,6 @@ for step in $steps; do
                   run stages_32 150 python3 sweep_fwd_configs.py --dims 32/32 --rounds 5 --anchors fa4 flex --configs \
                     "tile_m=256,tile_n=80,$c" "tile_m=256,tile_n=64,$c" "tile_m=256,tile_n=80,num_stages=3,$c" \
                     "tile_m=256,tile_n=64,num_stages=4,$c") ;;
-    on-demand-loop) run odl_tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py -k "odl"
-                 run odl_door 240 python3 benchmarks/ab_env.py --env FLEXATTN_ON_DEMAND_LOOP=1 --rounds 7 \
-                   --variants full causal window1024 document4 causal+softcap30 causal+alibi \
-                   --shapes 4x4096x16x32 4x4096x16x64 4x4096x16x128
-                 run odl_first_branch 100 python3 benchmarks/first_call.py --reps 3
-                 FLEXATTN_ON_DEMAND_LOOP=1 run odl_first_loop 100 python3 benchmarks/first_call.py --reps 3 ;;
     own-diagonal) c="max_ctas=-1,tile_tickets=1,rescale_threshold=8.0,maxima_on_demand=True"
                  run own_tests 130 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py \
                    -k "own_diagonal or 256_row_tiles"

@@ -511,15 +511,6 @@ def _maxima_on_demand(fp32: bool, max_scores: bool) -> bool:
     return not fp32 and not max_scores and os.environ.get("FLEXATTN_MAXIMA_ON_DEMAND", "1") != "0"
 
 
-def _on_demand_loop(on_demand: bool) -> bool:
-    """`FwdConfig.on_demand_loop` (the on-demand step's two passes as one copy of the
-    exponentials in a loop: PTX ~15% smaller, a faster first compile, a few more
-    instructions on the fast path): built in session 61, not yet measured on the GPU, so
-    not planned; ``FLEXATTN_ON_DEMAND_LOOP=1`` plans it where maxima_on_demand is, for A/B
-    runs (speed, and first calls against issue 24's 2 s)."""
-    return on_demand and os.environ.get("FLEXATTN_ON_DEMAND_LOOP") == "1"
-
-
 def _four_warpgroup_tiles(shape: AttentionShape, score, block_mask, fp32: bool, on_demand: bool) -> tuple | None:
     """(tile_m, tile_n) in place of the 192 x 128 tiles of 16-bit calls without a score mod
     or a block mask: four consumer warpgroups at 112 registers. 256 x 80 up to head dim 32:
@@ -576,13 +567,12 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     on_demand = _maxima_on_demand(fp32, max_scores)
     threshold = _rescale_threshold(shape, score is not None, fp32, on_demand)
     on_demand = on_demand and threshold > 0
-    on_demand_loop = _on_demand_loop(on_demand)
     tiles = _four_warpgroup_tiles(shape, score, block_mask, fp32, on_demand)
     # (FwdConfig.own_diagonal is planned; FLEXATTN_OWN_DIAGONAL=0 walks whole tiles, for A/B runs)
     own_diagonal = os.environ.get("FLEXATTN_OWN_DIAGONAL") != "0"
     key = (dtype, tf32_passes, ab_fp32, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
            cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, threshold, on_demand,
-           on_demand_loop, tiles, own_diagonal, full_only, None if score is None else id(score.expr),
+           tiles, own_diagonal, full_only, None if score is None else id(score.expr),
            None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     # 3xTF32 keeps float32's accuracy: the mods' tanh / sigmoid exact, not tanh.approx.
@@ -628,7 +618,6 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
             rescale_o_early=rescale_early,
             rescale_threshold=threshold,
             maxima_on_demand=on_demand,
-            on_demand_loop=on_demand_loop,
             own_diagonal=own_diagonal,
             **dict(ab_fp32),
             # The mods' reads constant over a tile (a converted PagedAttention mask's page

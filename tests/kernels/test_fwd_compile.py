@@ -104,6 +104,14 @@ CASES = {
     # four consumer warpgroups: 256-row tiles with a four-way ping-pong
     "hd32-causal-m256": (FwdConfig(head_dim=32, causal=True, tile_m=256, tile_n=80, max_ctas=132,
                                    tile_tickets=True), lambda: ()),
+    # ... each warpgroup's causal walk to its own rows' diagonal (own_diagonal, planned) against whole tiles,
+    # the peeled walk and the hooks' one-step walk
+    "hd32-causal-m256-whole": (FwdConfig(head_dim=32, causal=True, tile_m=256, tile_n=80, max_ctas=132,
+                                         tile_tickets=True, own_diagonal=False), lambda: ()),
+    "hd32-causal-hook-m256": (FwdConfig(head_dim=32, causal=True, tile_m=256, tile_n=80, mods=hooks.CausalHook()),
+                              lambda: ()),
+    "hd32-causal-hook-m256-whole": (FwdConfig(head_dim=32, causal=True, tile_m=256, tile_n=80,
+                                              mods=hooks.CausalHook(), own_diagonal=False), lambda: ()),
     # O's rescale behind a vote of the warp (FwdConfig.rescale_threshold), with and without the early rescale
     "hd64-causal-tickets-lazy": (FwdConfig(head_dim=64, causal=True, max_ctas=132, tile_tickets=True,
                                            rescale_threshold=8.0), lambda: ()),
@@ -116,13 +124,6 @@ CASES = {
     "hd64-sparse-full-only-od": (FwdConfig(head_dim=64, block_sparse=True, partial_blocks=False,
                                            mods=hooks.LaggedCausalHook(), rescale_threshold=8.0,
                                            maxima_on_demand=True), lambda: (cutlass.Int32(3),)),
-    # ... with the two passes as one copy of the exponentials in a loop (on_demand_loop)
-    "hd64-causal-tickets-od-loop": (FwdConfig(head_dim=64, causal=True, max_ctas=132, tile_tickets=True,
-                                              rescale_threshold=8.0, maxima_on_demand=True, on_demand_loop=True),
-                                    lambda: ()),
-    "hd128-sparse-lag-od-loop": (FwdConfig(head_dim=128, block_sparse=True, mods=hooks.LaggedCausalHook(),
-                                           rescale_threshold=8.0, maxima_on_demand=True, on_demand_loop=True),
-                                 lambda: (cutlass.Int32(3),)),
     "hd256-causal-early-lazy": (FwdConfig(head_dim=256, causal=True, rescale_o_early=True, tile_n=64,
                                           rescale_threshold=8.0), lambda: ()),
 }
@@ -200,6 +201,23 @@ def test_256_row_tiles_run_four_warpgroups_at_112_registers(compiled):
         FwdConfig(head_dim=64, tile_m=320)
 
 
+def test_own_diagonal_releases_a_warpgroups_leading_blocks_with_their_turns(compiled):
+    """own_diagonal: each walk (peeled, one step) gains one loop that waits for a block's K
+    and V and passes the ping-pong turn (one more turn wait and pass) without a GEMM; the
+    GEMMs are the same. Where no block can lie wholly right of a warpgroup's rows (128 x
+    128) the kernel is the whole-tile one."""
+    for own, whole in (("hd32-causal-m256", "hd32-causal-m256-whole"),
+                       ("hd32-causal-hook-m256", "hd32-causal-hook-m256-whole")):
+        a, b = compiled[own], compiled[whole]
+        assert a.count("wgmma.mma_async") == b.count("wgmma.mma_async")
+        assert len(re.findall(r"bar\.arrive", a)) == len(re.findall(r"bar\.arrive", b)) + 1
+        assert len(re.findall(r"bar\.sync", a)) == len(re.findall(r"bar\.sync", b)) + 1
+        assert a.count("mbarrier.try_wait") == b.count("mbarrier.try_wait") + 2     # K and V
+    assert CASES["hd128-causal"][0].own_diagonal
+    assert compile_forward(FwdConfig(head_dim=128, causal=True, own_diagonal=False), (),
+                           keep_ptx=True).__ptx__.count("\n") == compiled["hd128-causal"].count("\n")
+
+
 def test_rescale_threshold_votes_once_per_step(compiled):
     """rescale_threshold: each step after the first asks its warp once (vote.any) whether
     the reference max moves; the same wgmmas otherwise, and no vote without it."""
@@ -218,14 +236,6 @@ def test_rescale_threshold_votes_once_per_step(compiled):
     # over lists, the first visit's vote: in the partial loop (and the full loop without one)
     assert compiled["hd128-sparse-lag-od"].count("vote.sync.any.pred") == 2 + 1
     assert compiled["hd64-sparse-full-only-od"].count("vote.sync.any.pred") == 2
-    # on_demand_loop: one pass of exponentials in the loops (the peeled block's apart), the
-    # same votes
-    loop = compiled["hd64-causal-tickets-od-loop"]
-    assert loop.count("ex2.approx") == od.count("ex2.approx") - 2 * 64
-    assert loop.count("vote.sync.any.pred") == 2
-    assert compiled["hd128-sparse-lag-od-loop"].count("vote.sync.any.pred") == 2 + 1
-    with pytest.raises(ValueError, match="on_demand_loop needs maxima_on_demand"):
-        FwdConfig(head_dim=64, rescale_threshold=8.0, on_demand_loop=True)
     # a thread's 64 exponentials a block (192 x 128): the peeled first block's, then each
     # loop's first pass and its second (diagonal loop and full-block loop); lazy: 3 x 64
     assert od.count("ex2.approx") >= 5 * 64 > lazy.count("ex2.approx")

@@ -355,13 +355,27 @@ def test_four_warpgroups_up_to_head_dim_32(on_gpu, monkeypatch):
         tiles(32)
 
 
+def test_own_diagonal_is_planned(on_gpu, monkeypatch):
+    """Every forward plans own_diagonal (the kernel applies it where a causal tile's blocks
+    can lie wholly right of a warpgroup's rows); FLEXATTN_OWN_DIAGONAL=0 walks whole tiles."""
+    monkeypatch.delenv("FLEXATTN_OWN_DIAGONAL", raising=False)
+
+    def config(D):
+        q = torch.empty(2, 4, 1024, D, dtype=torch.bfloat16).as_subclass(_OnGpu)
+        spec = AttentionSpec.from_args(mask=mods.causal())
+        return plan_forward(q, check_inputs(q, q, q, spec), spec).config
+
+    assert config(32).own_diagonal and (config(32).tile_m, config(32).tile_n) == (256, 80)
+    monkeypatch.setenv("FLEXATTN_OWN_DIAGONAL", "0")
+    assert not config(32).own_diagonal and not config(128).own_diagonal
+
+
 def test_maxima_on_demand_for_16_bit_calls_without_max_scores(on_gpu, monkeypatch):
     """maxima_on_demand is planned for 16-bit calls without max_scores, at every head dim and
     block structure and with score mods, with the threshold 8 it needs; not for float32 or
     max_scores; FLEXATTN_MAXIMA_ON_DEMAND=0 turns it off, FLEXATTN_RESCALE_THRESHOLD=0 too."""
     monkeypatch.delenv("FLEXATTN_RESCALE_THRESHOLD", raising=False)
     monkeypatch.delenv("FLEXATTN_MAXIMA_ON_DEMAND", raising=False)
-    monkeypatch.delenv("FLEXATTN_ON_DEMAND_LOOP", raising=False)
 
     def config(D, dtype=torch.bfloat16, max_scores=False, **kw):
         q = torch.empty(2, 4, 1024, D, dtype=dtype).as_subclass(_OnGpu)
@@ -382,10 +396,6 @@ def test_maxima_on_demand_for_16_bit_calls_without_max_scores(on_gpu, monkeypatc
     monkeypatch.delenv("FLEXATTN_MAXIMA_ON_DEMAND")
     monkeypatch.setenv("FLEXATTN_RESCALE_THRESHOLD", "0")
     assert not config(128).maxima_on_demand and config(128).rescale_threshold == 0.0
-    monkeypatch.delenv("FLEXATTN_RESCALE_THRESHOLD")
-    assert not config(64).on_demand_loop          # (unmeasured: only where asked)
-    monkeypatch.setenv("FLEXATTN_ON_DEMAND_LOOP", "1")
-    assert config(64).on_demand_loop and not config(64, torch.float32).on_demand_loop
 
 
 def test_early_o_rescale_needs_the_overlapped_schedule_without_promoted_pv():

@@ -164,8 +164,7 @@ class OnlineSoftmax:
         return m_new
 
     @cute.jit
-    def step_on_demand(self, acc_S: cute.Tensor, tOrP: cute.Tensor, may_be_first: cutlass.Constexpr[bool],
-                       in_loop: cutlass.Constexpr[bool] = False):
+    def step_on_demand(self, acc_S: cute.Tensor, tOrP: cute.Tensor, may_be_first: cutlass.Constexpr[bool]):
         """`step` after the first block with a rescale threshold, its maxima only where
         needed: the exponentials against the current references, pair by pair into P's
         16-bit registers (P V's operand must be free; S stays intact beside P), and one
@@ -177,8 +176,7 @@ class OnlineSoftmax:
         maxima, moves its references as `_step_lazy` does and computes the exponentials
         and P again from S. `may_be_first`: this step may be a row's first visit (a block
         list's, or one step serving every block): a vote before the exponentials sends a
-        warp with a row at -inf to the slow path at once, without a wasted pass. `in_loop`:
-        the two passes as one copy of the exponentials (`_on_demand_in_loop`). Returns
+        warp with a row at -inf to the slow path at once, without a wasted pass. Returns
         (row scales, whether to apply them: the vote). Not with `track_max` (there is no
         max to track on the fast path)."""
         assert self.true_max is None, "step_on_demand keeps no true max"
@@ -190,8 +188,6 @@ class OnlineSoftmax:
             refs[r] = _exponent_base(self.row_max[r]) * self.scale_log2
             row_scale[r] = Float32(1.0)
             fresh = fresh | (self.row_max[r] == -Float32.inf)
-        if const_expr(in_loop):
-            return row_scale, self._on_demand_in_loop(acc_S, tOrP, refs, row_scale, fresh, may_be_first)
         # (the branches carry tensors and scalars, not this object)
         row_sum, scale_log2 = self.row_sum, self.scale_log2
         added = cute.make_rmem_tensor_like(row_sum, Float32)
@@ -230,34 +226,6 @@ class OnlineSoftmax:
             ref = _exponent_base(m_new[r])
             row_scale[r] = cute.math.exp2((m_prev - ref) * self.scale_log2, fastmath=True)
             refs[r] = ref * self.scale_log2
-
-    @cute.jit
-    def _on_demand_in_loop(self, acc_S: cute.Tensor, tOrP: cute.Tensor, refs: cute.Tensor, row_scale: cute.Tensor,
-                           fresh: Boolean, may_be_first: cutlass.Constexpr[bool]) -> Boolean:
-        """`step_on_demand`'s passes with one copy of the exponentials, in a loop of at most
-        two trips: a pass against `refs`; where the warp votes so (or, `may_be_first`, a
-        row has no reference yet: before any pass), the maxima move the references and
-        one more pass follows. Never a third: after a move every exponential is at most 1,
-        and a sum past a low threshold (t < 5) then stands. Updates the sums and maxima,
-        `row_scale` (1 where nothing moved); returns whether the references moved."""
-        n = cute.size(self.row_max)
-        row_max, row_sum, scale_log2 = self.row_max, self.row_sum, self.scale_log2
-        bound = Float32(2.0 ** self.threshold)
-        added = cute.make_rmem_tensor_like(row_max, Float32)
-        move = cute.arch.vote_any_sync(fresh) if const_expr(may_be_first) else Boolean(False)
-        moved = Boolean(False)
-        for attempt in cutlass.range(2, unroll=1):
-            if (attempt == 0) | move:
-                if move:
-                    self._move_references(acc_S, refs, row_scale)
-                    moved = Boolean(True)
-                outgrown = _exp2_sums_outgrow(acc_S, tOrP, refs, scale_log2, added, bound)
-                move = Boolean(False)
-                if not moved:
-                    move = cute.arch.vote_any_sync(outgrown | fresh)
-        for r in cutlass.range_constexpr(n):
-            row_sum[r] = row_sum[r] * row_scale[r] + added[r]
-        return moved
 
     @cute.jit
     def finalize(self, exact: cutlass.Constexpr[bool] = False) -> tuple:
