@@ -268,7 +268,7 @@ for step in $steps; do
     first-store-wide) run first_store_wide 250 python3 benchmarks/ab_env.py --backward --env FLEXATTN_DQ_FIRST_STORE=0 \
                         --rounds 9 --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128 \
                         --variants full causal window1024 document4 causal+softcap30 causal+alibi
-                      bash benchmarks/gpu_suites.sh 320 bwdwide autograd ;;
+                      bash benchmarks/gpu_suites.sh 320 bwdwide bwdwide2 autograd ;;
     scoreboard-bwd) run scoreboard_bwd 240 python3 benchmarks/bench_bwd.py --deterministic --record
                     run scoreboard_shapes_bwd 170 python3 benchmarks/bench_bwd.py --record --deterministic \
                       --shapes 8x2048x16x128 2x8192x16x128 --variants full causal window1024 document4
