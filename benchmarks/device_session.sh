@@ -80,7 +80,8 @@
 # the producer further ahead of blocks this short; D32 with 64 keys; causal sweeps, 5 rounds), own-diagonal
 # (FwdConfig.own_diagonal, session 62: each consumer warpgroup's causal walk ends at its own rows' diagonal;
 # its GPU cases and the 256-row tiles', the causal sweeps at D32 / D64 with and without, 5 rounds, then
-# the door's causal A/B against FLEXATTN_OWN_DIAGONAL=0 at D32 / D64 / D96 / D256: issue 25's 1.5x).
+# the door's causal A/B against FLEXATTN_OWN_DIAGONAL=0 at D32 / D64 / D96 / D256: issue 25's 1.5x), head-dims
+# (bench_head_dims' causal forward at issue 25's head dims and its forward + backward at 32 / 64 / 80 / 96).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -329,6 +330,10 @@ for step in $steps; do
                   run stages_32 150 python3 sweep_fwd_configs.py --dims 32/32 --rounds 5 --anchors fa4 flex --configs \
                     "tile_m=256,tile_n=80,$c" "tile_m=256,tile_n=64,$c" "tile_m=256,tile_n=80,num_stages=3,$c" \
                     "tile_m=256,tile_n=64,num_stages=4,$c") ;;
+    head-dims) run head_dims_fwd 200 python3 benchmarks/bench_head_dims.py \
+                 --dims 32/32 64/64 80/80 96/96 128/128 192/128 256/256 --out "$out/head_dims.json"
+               run head_dims_bwd 200 python3 benchmarks/bench_head_dims.py --backward \
+                 --dims 32/32 64/64 80/80 96/96 --out "$out/head_dims_bwd.json" ;;
     own-diagonal) c="max_ctas=-1,tile_tickets=1,rescale_threshold=8.0,maxima_on_demand=True"
                  run own_tests 130 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py \
                    -k "own_diagonal or 256_row_tiles"
