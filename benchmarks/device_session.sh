@@ -339,7 +339,7 @@ for step in $steps; do
                    -k "own_diagonal or 256_row_tiles"
                  (cd benchmarks
                   run own_32 70 python3 sweep_fwd_configs.py --dims 32/32 --rounds 5 --anchors fa4 flex --configs \
-                    "tile_m=256,tile_n=80,$c,own_diagonal=False" "tile_m=256,tile_n=80,$c"
+                    "tile_m=256,tile_n=80,$c,own_diagonal=False" "tile_m=256,tile_n=80,$c" "tile_m=256,tile_n=64,$c"
                   run own_64 70 python3 sweep_fwd_configs.py --dims 64/64 --rounds 5 --anchors fa4 flex --configs \
                     "tile_m=256,tile_n=64,$c,own_diagonal=False" "tile_m=256,tile_n=64,$c")
                  run own_door 100 python3 benchmarks/ab_env.py --env FLEXATTN_OWN_DIAGONAL=0 --rounds 7 \
