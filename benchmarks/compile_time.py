@@ -209,6 +209,9 @@ KERNELS = {
     "window-band": _fwd(head_dim=128, tile_m=128, band=True, max_ctas=132, mask=_window),
     "window-band-snake": _fwd(head_dim=128, tile_m=128, band=True, max_ctas=132, snake=True, mask=_window),
     "window-band-tickets": _fwd(head_dim=128, tile_m=128, band=True, max_ctas=132, tile_tickets=True, mask=_window),
+    # the door's planned window1024 (issue 24's first call): tickets, maxima on demand
+    "window-band-tickets-ondemand": _fwd(head_dim=128, tile_m=128, band=True, max_ctas=132, tile_tickets=True,
+                                         mask=_window, rescale_threshold=8.0, maxima_on_demand=True),
     "window-band-softcap": _fwd(head_dim=128, tile_m=128, band=True, max_ctas=132, score=_softcap, mask=_window),
     "doc+softcap-d64": _fwd(head_dim=64, block_sparse=True, score=_softcap, mask=_document),
     "causal-d64-192": _fwd(head_dim=64, tile_m=192, causal=True),
