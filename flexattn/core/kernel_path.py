@@ -519,8 +519,11 @@ def _four_warpgroup_tiles(shape: AttentionShape, score, block_mask, fp32: bool, 
     / 1.000. 256 x 64 up to head dim 64 with maxima_on_demand (fewer live registers on its
     fast path): D64 B4 S4096 causal 0.911 / full 0.917 against 0.945 / 0.913 for 192 x 128,
     both on demand (without it: 1.007 / 1.008; 256 x 80 spills at D64). Docs/experiments.md,
-    issue 25. ``FLEXATTN_FWD_TILES=MxN`` overrides (192x128: the plan before), for A/B runs."""
-    if fp32 or score is not None or block_mask is not None:
+    issue 25. ``FLEXATTN_FWD_TILES=MxN`` overrides (192x128: the plan before), for A/B runs,
+    also for calls with a score mod (which keep 128 x 128 tiles otherwise; at D32 / D64
+    softcap and ALiBi compile without spills at 192 x 112 and 256 x 80 / 64 with maxima on
+    demand, ptxas, session 62: unmeasured)."""
+    if fp32 or block_mask is not None:
         return None
     flag = os.environ.get("FLEXATTN_FWD_TILES")
     if flag:
@@ -528,6 +531,8 @@ def _four_warpgroup_tiles(shape: AttentionShape, score, block_mask, fp32: bool, 
         if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
             raise ValueError(f"FLEXATTN_FWD_TILES must be MxN (e.g. 256x80), got {flag!r}")
         return int(parts[0]), int(parts[1])
+    if score is not None:
+        return None
     widest = max(shape.head_dim, shape.v_head_dim)
     if widest <= 32:
         return 256, 80

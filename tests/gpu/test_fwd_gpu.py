@@ -309,6 +309,10 @@ M256 = [
     ("bf16", 32, 2, 2, 1, 300, 300, "lag", "bhsd", "m256n80+tickets"),     # empty rows
     ("bf16", 64, 2, 4, 2, 1000, 999, "none", "bhsd", "m256n64+plain"),
     ("fp16", 32, 1, 2, 2, 64, 1, "none", "bhsd", "m256n64"),               # one key
+    # score mods on tall tiles (planned 128 x 128; FLEXATTN_FWD_TILES A/B runs take these)
+    ("bf16", 32, 2, 4, 2, 511, 257, "softcap", "bshd", "od+m256"),
+    ("fp16", 64, 1, 4, 2, 700, 700, "softcap", "bhsd", "od+m256n64"),
+    ("bf16", 64, 2, 4, 2, 333, 700, "softcap", "bhsd", "m192n112+tickets"),
 ]
 
 
