@@ -82,8 +82,8 @@
 # its GPU cases and the 256-row tiles', the causal sweeps at D32 / D64 with and without, 5 rounds, then
 # the door's causal A/B against FLEXATTN_OWN_DIAGONAL=0 at D32 / D64 / D96 / D256: issue 25's 1.5x), head-dims
 # (bench_head_dims' causal forward at issue 25's head dims and its forward + backward at 32 / 64 / 80 / 96),
-# scored-tiles (score mods on tall tiles at D32 / D64: softcap and ALiBi, planned 128 x 128, against 256-row and
-# 192 x 112 tiles by FLEXATTN_FWD_TILES, which own_diagonal makes cheaper under causal; their GPU cases first).
+# scored-tiles (score mods and bands on tall tiles at D32 / D64: softcap, ALiBi and window1024, planned 128 x 128,
+# against 256-row and 192 x 112 tiles by FLEXATTN_FWD_TILES; their GPU cases first).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -337,12 +337,12 @@ for step in $steps; do
                run head_dims_bwd 200 python3 benchmarks/bench_head_dims.py --backward \
                  --dims 32/32 64/64 80/80 96/96 --out "$out/head_dims_bwd.json" ;;
     scored-tiles) run scored_tiles_tests 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py \
-                    -k "256_row_tiles and softcap"
+                    -k "256_row_tiles and (softcap or window)"
                   run scored_tiles_32 150 python3 benchmarks/ab_env.py --env FLEXATTN_FWD_TILES=256x80 \
-                    --also FLEXATTN_FWD_TILES=192x112 --rounds 7 --variants causal+softcap30 causal+alibi \
+                    --also FLEXATTN_FWD_TILES=192x112 --rounds 7 --variants causal+softcap30 causal+alibi window1024 \
                     --shapes 4x4096x16x32 8x2048x16x32
                   run scored_tiles_64 150 python3 benchmarks/ab_env.py --env FLEXATTN_FWD_TILES=256x64 \
-                    --also FLEXATTN_FWD_TILES=192x112 --rounds 7 --variants causal+softcap30 causal+alibi \
+                    --also FLEXATTN_FWD_TILES=192x112 --rounds 7 --variants causal+softcap30 causal+alibi window1024 \
                     --shapes 4x4096x16x64 8x2048x16x64 ;;
     own-diagonal) c="max_ctas=-1,tile_tickets=1,rescale_threshold=8.0,maxima_on_demand=True"
                  run own_tests 130 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py \

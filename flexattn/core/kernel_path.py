@@ -511,7 +511,8 @@ def _maxima_on_demand(fp32: bool, max_scores: bool) -> bool:
     return not fp32 and not max_scores and os.environ.get("FLEXATTN_MAXIMA_ON_DEMAND", "1") != "0"
 
 
-def _four_warpgroup_tiles(shape: AttentionShape, score, block_mask, fp32: bool, on_demand: bool) -> tuple | None:
+def _four_warpgroup_tiles(shape: AttentionShape, score, block_mask, fp32: bool, on_demand: bool,
+                          band: bool = False) -> tuple | None:
     """(tile_m, tile_n) in place of the 192 x 128 tiles of 16-bit calls without a score mod
     or a block mask: four consumer warpgroups at 112 registers. 256 x 80 up to head dim 32:
     H200, 2026-12-01, the door's forward A/B in alternating rounds (7), ms 256 x 80 / 192 x
@@ -520,10 +521,10 @@ def _four_warpgroup_tiles(shape: AttentionShape, score, block_mask, fp32: bool, 
     fast path): D64 B4 S4096 causal 0.911 / full 0.917 against 0.945 / 0.913 for 192 x 128,
     both on demand (without it: 1.007 / 1.008; 256 x 80 spills at D64). Docs/experiments.md,
     issue 25. ``FLEXATTN_FWD_TILES=MxN`` overrides (192x128: the plan before), for A/B runs,
-    also for calls with a score mod (which keep 128 x 128 tiles otherwise; at D32 / D64
-    softcap and ALiBi compile without spills at 192 x 112 and 256 x 80 / 64 with maxima on
-    demand, ptxas, session 62: unmeasured)."""
-    if fp32 or block_mask is not None:
+    also for calls with a score mod or a band (sliding windows), which keep 128 x 128 tiles
+    otherwise (at D32 / D64, softcap and ALiBi compile without spills at 192 x 112 and 256 x
+    80 / 64 with maxima on demand, and so does window1024; ptxas, session 62: unmeasured)."""
+    if fp32 or (block_mask is not None and not band):
         return None
     flag = os.environ.get("FLEXATTN_FWD_TILES")
     if flag:
@@ -531,7 +532,7 @@ def _four_warpgroup_tiles(shape: AttentionShape, score, block_mask, fp32: bool, 
         if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
             raise ValueError(f"FLEXATTN_FWD_TILES must be MxN (e.g. 256x80), got {flag!r}")
         return int(parts[0]), int(parts[1])
-    if score is not None:
+    if score is not None or block_mask is not None:
         return None
     widest = max(shape.head_dim, shape.v_head_dim)
     if widest <= 32:
@@ -572,7 +573,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     on_demand = _maxima_on_demand(fp32, max_scores)
     threshold = _rescale_threshold(shape, score is not None, fp32, on_demand)
     on_demand = on_demand and threshold > 0
-    tiles = _four_warpgroup_tiles(shape, score, block_mask, fp32, on_demand)
+    tiles = _four_warpgroup_tiles(shape, score, block_mask, fp32, on_demand, band)
     # (FwdConfig.own_diagonal is planned; FLEXATTN_OWN_DIAGONAL=0 walks whole tiles, for A/B runs)
     own_diagonal = os.environ.get("FLEXATTN_OWN_DIAGONAL") != "0"
     key = (dtype, tf32_passes, ab_fp32, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,

@@ -313,6 +313,9 @@ M256 = [
     ("bf16", 32, 2, 4, 2, 511, 257, "softcap", "bshd", "od+m256"),
     ("fp16", 64, 1, 4, 2, 700, 700, "softcap", "bhsd", "od+m256n64"),
     ("bf16", 64, 2, 4, 2, 333, 700, "softcap", "bhsd", "m192n112+tickets"),
+    # ... and bands (sliding windows; the same A/B runs)
+    ("bf16", 32, 3, 4, 2, 1000, 1000, "window", "bhsd", "od+m256"),
+    ("fp16", 64, 2, 6, 3, 700, 900, "window", "bshd", "od+m256n64"),
 ]
 
 

@@ -328,7 +328,7 @@ def test_four_warpgroups_up_to_head_dim_32(on_gpu, monkeypatch):
     """256 x 80 tiles (four consumer warpgroups) for 16-bit calls up to head dim 32
     without a score mod or a block mask; 192 x 128 beyond, 128-row tiles with a score mod
     or lists, fp32 its own; FLEXATTN_FWD_TILES overrides where the 192 plan would be, and
-    with a score mod."""
+    with a score mod or a band."""
     monkeypatch.delenv("FLEXATTN_FWD_TILES", raising=False)
 
     def tiles(D, dtype=torch.bfloat16, Dv=None, **kw):
@@ -353,6 +353,7 @@ def test_four_warpgroups_up_to_head_dim_32(on_gpu, monkeypatch):
     assert tiles(64) == (256, 64)
     # (with a score mod too, for A/B runs; block lists keep their 128-row tiles)
     assert tiles(64, mask=mods.causal(), score=mods.softcap(20.0)) == (256, 64)
+    assert tiles(64, mask=mods.sliding_window(100)) == (256, 64)
     assert tiles(64, mask=mods.document(np.arange(1024) // 300))[0] == 128
     monkeypatch.setenv("FLEXATTN_FWD_TILES", "256")
     with pytest.raises(ValueError, match="FLEXATTN_FWD_TILES must be MxN"):
