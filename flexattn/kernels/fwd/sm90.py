@@ -878,14 +878,18 @@ class FlashFwdSm90(WarpSpecialized):
 
     @cute.jit
     def _own_blocks(self, ctx, kv_state, m_block, n_block_max):
-        """This warpgroup's part of a causal tile's walk (`_own_diagonal`): the leading
+        """This warpgroup's part of a tile's walk: under `_own_diagonal`, the leading
         blocks wholly right of its last row released unread. Returns the stage of its first
-        block, its block count and its first row (top-left aligned: kv <= q)."""
+        block, its block count and the first row whose diagonal bounds its masked blocks
+        (top-left aligned: kv <= q); else the tile's own (nothing released)."""
         cfg = self.cfg
-        first_row = m_block * cfg.tile_m + ctx.wg * 64
-        own_max = cutlass.min(n_block_max, (first_row + 64 + cfg.tile_n - 1) // cfg.tile_n)
-        kv_state = self._skip_blocks(ctx, kv_state, n_block_max - own_max, turns=True)
-        return kv_state, own_max, first_row
+        first_row = m_block * cfg.tile_m
+        if const_expr(self._own_diagonal()):
+            first_row = first_row + ctx.wg * 64
+            own_max = cutlass.min(n_block_max, (first_row + 64 + cfg.tile_n - 1) // cfg.tile_n)
+            kv_state = self._skip_blocks(ctx, kv_state, n_block_max - own_max, turns=True)
+            n_block_max = own_max
+        return kv_state, n_block_max, first_row
 
     @cute.jit
     def _visit_blocks(self, ctx, kv_state, m_block, n_block_max):
@@ -893,9 +897,7 @@ class FlashFwdSm90(WarpSpecialized):
         The producer's `load` visits the same blocks in the same order."""
         cfg = self.cfg
         mods = self.mods
-        first_row = m_block * cfg.tile_m
-        if const_expr(self._own_diagonal()):
-            kv_state, n_block_max, first_row = self._own_blocks(ctx, kv_state, m_block, n_block_max)
+        kv_state, n_block_max, first_row = self._own_blocks(ctx, kv_state, m_block, n_block_max)
         # First block: masks always evaluated (it may cross the diagonal); the KV_LEN
         # bound only if it straddles KV_LEN, checked at run time.
         kv_state = self._block(ctx, kv_state, n_block_max - 1, is_first=True,
@@ -939,9 +941,7 @@ class FlashFwdSm90(WarpSpecialized):
         cfg = self.cfg
         softmax = ctx.softmax
         softmax.reset()
-        first_row = m_block * cfg.tile_m
-        if const_expr(self._own_diagonal()):
-            kv_state, n_block_max, first_row = self._own_blocks(ctx, kv_state, m_block, n_block_max)
+        kv_state, n_block_max, first_row = self._own_blocks(ctx, kv_state, m_block, n_block_max)
         n_diag = n_block_max - 1     # blocks >= n_diag cross the diagonal (causal)
         if const_expr(cfg.causal):
             n_diag = cutlass.min(n_diag, (first_row + 1) // cfg.tile_n)
