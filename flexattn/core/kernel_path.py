@@ -511,6 +511,22 @@ def _maxima_on_demand(fp32: bool, max_scores: bool) -> bool:
     return not fp32 and not max_scores and os.environ.get("FLEXATTN_MAXIMA_ON_DEMAND", "1") != "0"
 
 
+# A score mod's per-element work that still fits four consumer warpgroups' 112 registers
+# at 256 x 80 (D32) and 256 x 64 (D64): ptxas, 2026-12-01, causal and dense alike, no spill
+# up to 13 operations without gathers (softcap 3, ALiBi 4, both 7); 18 operations (a
+# modulo, an exp and a tanh) spill 20-28 B, 23 spill 156-220 B; a relative-bias table
+# read (4 operations, one gather) spills 192-252 B.
+TALL_TILE_SCORE_OPS = 8
+
+
+def _tall_tile_score(score) -> bool:
+    """Whether a score mod is light enough for the four-warpgroup tiles (above)."""
+    from ..kernels.emit.mod_emit import element_cost
+
+    cost = element_cost(score)
+    return cost.gathers == 0 and cost.ops <= TALL_TILE_SCORE_OPS
+
+
 def _four_warpgroup_tiles(shape: AttentionShape, score, block_mask, fp32: bool, on_demand: bool,
                           band: bool = False) -> tuple | None:
     """(tile_m, tile_n) in place of the 192 x 128 tiles of 16-bit calls without a score mod
@@ -520,10 +536,12 @@ def _four_warpgroup_tiles(shape: AttentionShape, score, block_mask, fp32: bool, 
     / 1.000. 256 x 64 up to head dim 64 with maxima_on_demand (fewer live registers on its
     fast path): D64 B4 S4096 causal 0.911 / full 0.917 against 0.945 / 0.913 for 192 x 128,
     both on demand (without it: 1.007 / 1.008; 256 x 80 spills at D64). Docs/experiments.md,
-    issue 25. ``FLEXATTN_FWD_TILES=MxN`` overrides (192x128: the plan before), for A/B runs,
-    also for calls with a score mod or a band (sliding windows), which keep 128 x 128 tiles
-    otherwise (at D32 / D64, softcap and ALiBi compile without spills at 192 x 112 and 256 x
-    80 / 64 with maxima on demand, and so does window1024; ptxas, session 62: unmeasured)."""
+    issue 25. Score mods light enough for 112 registers (``_tall_tile_score``) take the
+    same tiles: H200, 2026-12-01, the door's forward A/B in alternating rounds (7), ms 256-row
+    / 128 x 128, causal B4 S4096 / B8 S2048: softcap 0.856 / 0.845 (D32), 0.876 / 0.855 (D64);
+    ALiBi 0.834 / 0.832, 0.871 / 0.851. Bands keep 128 x 128 (window1024 1.086 / 1.098 at D32,
+    1.056 / 1.057 at D64), and so do block lists (128-row q blocks). ``FLEXATTN_FWD_TILES=MxN``
+    overrides (192x128: the plan before), for A/B runs, also for any score mod or a band."""
     if fp32 or (block_mask is not None and not band):
         return None
     flag = os.environ.get("FLEXATTN_FWD_TILES")
@@ -532,7 +550,7 @@ def _four_warpgroup_tiles(shape: AttentionShape, score, block_mask, fp32: bool, 
         if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
             raise ValueError(f"FLEXATTN_FWD_TILES must be MxN (e.g. 256x80), got {flag!r}")
         return int(parts[0]), int(parts[1])
-    if score is not None or block_mask is not None:
+    if block_mask is not None or (score is not None and not _tall_tile_score(score)):
         return None
     widest = max(shape.head_dim, shape.v_head_dim)
     if widest <= 32:

@@ -37,6 +37,25 @@ def _device():
     return Device(torch.cuda.current_stream().cuda_stream, _DeviceCopies(torch.device("cuda")))
 
 
+def _check_against_reference(q, k, v, shape, spec, name):
+    """The door's forward into NaN-poisoned O and LSE, against the float64 reference."""
+    B, Hq, Q, Dv = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
+    out = torch.full((B, Hq, Q, Dv), float("nan"), dtype=q.dtype, device="cuda")
+    lse = torch.full((B, Hq, Q), float("nan"), device="cuda")
+    forward_into(q, k, v, out, lse, shape, spec, _device())
+    torch.cuda.synchronize()
+    want_o, want_lse = reference.forward(q.cpu(), k.cpu(), v.cpu(), spec)
+    got_o, got_lse = out.double().cpu().numpy(), lse.double().cpu().numpy()
+    assert not np.isnan(got_o).any() and not np.isnan(got_lse).any(), f"{name}: NaN left"
+    dead = np.isneginf(want_lse)
+    assert np.array_equal(np.isneginf(got_lse), dead), f"{name}: empty rows differ"
+    err = np.abs(got_o - want_o).max()
+    assert err < (2.5e-2 if q.dtype == torch.bfloat16 else 5e-3), f"{name}: out error {err:.3g}"
+    live = ~dead
+    if live.any():
+        assert np.abs(got_lse[live] - want_lse[live]).max() < 5e-3 * max(1.0, np.abs(want_lse[live]).max() / 50), name
+
+
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"d{p[0]}-{p[1]}")
 @pytest.mark.parametrize("kind", STRUCTURES)
 def test_head_dims_against_reference(pair, kind):
@@ -54,24 +73,52 @@ def test_head_dims_against_reference(pair, kind):
     score, mask = structure_mods(kind, rng, Hq, max(Q, KV))
     spec = AttentionSpec.from_args(score=score, mask=mask, enable_gqa=True)
     shape = check_inputs(q, k, v, spec)
-    out = torch.full((B, Hq, Q, Dv), float("nan"), dtype=dtype, device="cuda")
-    lse = torch.full((B, Hq, Q), float("nan"), device="cuda")
-    forward_into(q, k, v, out, lse, shape, spec, _device())
-    torch.cuda.synchronize()
-    want_o, want_lse = reference.forward(q.cpu(), k.cpu(), v.cpu(), spec)
-    got_o, got_lse = out.double().cpu().numpy(), lse.double().cpu().numpy()
-    name = f"D{D}/{Dv} {kind} B{B} Hq{Hq} Hkv{Hkv} Q{Q} KV{KV} {dtype}"
-    assert not np.isnan(got_o).any() and not np.isnan(got_lse).any(), f"{name}: NaN left"
-    dead = np.isneginf(want_lse)
-    assert np.array_equal(np.isneginf(got_lse), dead), f"{name}: empty rows differ"
-    err = np.abs(got_o - want_o).max()
-    assert err < (2.5e-2 if dtype == torch.bfloat16 else 5e-3), f"{name}: out error {err:.3g}"
-    live = ~dead
-    if live.any():
-        assert np.abs(got_lse[live] - want_lse[live]).max() < 5e-3 * max(1.0, np.abs(want_lse[live]).max() / 50), name
+    _check_against_reference(q, k, v, shape, spec, f"D{D}/{Dv} {kind} B{B} Hq{Hq} Hkv{Hkv} Q{Q} KV{KV} {dtype}")
     # The planned tiles are the ones the planner tests expect to fit (no launch failure above).
     plan = plan_forward(q, shape, spec)
     assert (plan.config.head_dim, plan.config.head_dim_v) == (D, Dv)
+
+
+# Light score mods take the four consumer warpgroups' 256-row tiles at D <= 64 (kernel_path.
+# _tall_tile_score): torch-style functions (a division by a constant included), built-ins and
+# their chain, causal or not, with odd lengths and GQA.
+LIGHT_SCORES = ["softcap_division", "alibi_torch", "alibi_softcap", "shifted"]
+
+
+def _light_score(name, Hq, dev):
+    from flexattn import mods
+
+    slopes = torch.exp2(-8.0 * torch.arange(1, Hq + 1, device=dev) / Hq)
+    if name == "softcap_division":
+        return lambda s, b, h, q, kv: 30 * torch.tanh(s / 30)
+    if name == "alibi_torch":
+        return lambda s, b, h, q, kv: s + slopes[h] * (kv - q)
+    if name == "alibi_softcap":
+        return mods.alibi(slopes) >> mods.softcap(7.0)
+    return lambda s, b, h, q, kv: 20 * torch.tanh((s + slopes[h] * (kv - q)) / 20) - 0.25
+
+
+@pytest.mark.parametrize("D", [32, 64])
+@pytest.mark.parametrize("name", LIGHT_SCORES)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "dense"])
+def test_light_score_mods_on_four_warpgroup_tiles(D, name, causal):
+    from flexattn import mods
+
+    rng = np.random.default_rng(zlib.crc32(repr((D, name, causal)).encode()))
+    torch.manual_seed(int(rng.integers(0, 2**31)))
+    B, Hkv = int(rng.integers(1, 3)), int(rng.choice([1, 2]))
+    Hq = Hkv * int(rng.choice([1, 2, 4]))
+    Q = int(rng.integers(300, 1100))
+    KV = Q if causal and rng.random() < 0.5 else int(rng.integers(1, 1100))
+    dtype = torch.bfloat16 if rng.random() < 0.7 else torch.float16
+    q = torch.randn(B, Hq, Q, D, device="cuda", dtype=dtype)
+    k = torch.randn(B, Hkv, KV, D, device="cuda", dtype=dtype)
+    v = torch.randn(B, Hkv, KV, D, device="cuda", dtype=dtype)
+    spec = AttentionSpec.from_args(score_mod=_light_score(name, Hq, "cuda"), mask=mods.causal() if causal else None,
+                                   enable_gqa=True)
+    shape = check_inputs(q, k, v, spec)
+    assert plan_forward(q, shape, spec).config.tile_m == 256
+    _check_against_reference(q, k, v, shape, spec, f"D{D} {name} causal={causal} B{B} Hq{Hq} Hkv{Hkv} Q{Q} KV{KV} {dtype}")
 
 
 def test_torch_door_inference_and_a_clear_error_for_gradients():

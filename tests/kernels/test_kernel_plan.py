@@ -210,10 +210,11 @@ def test_full_block_mask_needs_no_mask_hook():
     assert p.config.block_sparse and not p.config.mods.has_mask
 
 
-def test_tile_m_above_128_only_for_d96_without_score_or_lists():
+def test_tile_m_above_128_only_up_to_d96_without_heavy_score_or_lists():
     assert _plan(D=96).config.tile_m == _plan(D=96, mask=mods.causal()).config.tile_m == 192
     assert _plan(D=64).config.tile_m == _plan(D=64, mask=mods.causal()).config.tile_m == 256   # (on demand)
-    assert _plan(D=64, score=mods.softcap(5.0)).config.tile_m == 128
+    assert _plan(D=96, score=mods.softcap(5.0)).config.tile_m == 128
+    assert _plan(D=64, score=mods.softcap(5.0)).config.tile_m == 256   # (a light score mod)
     assert _plan(D=64, mask=mods.sliding_window(8)).config.tile_m == 128
     assert _plan(D=128).config.tile_m == 128
 
@@ -326,9 +327,10 @@ def test_rescale_threshold_from_128_value_columns_without_score_mod(on_gpu, monk
 
 def test_four_warpgroups_up_to_head_dim_32(on_gpu, monkeypatch):
     """256 x 80 tiles (four consumer warpgroups) for 16-bit calls up to head dim 32
-    without a score mod or a block mask; 192 x 128 beyond, 128-row tiles with a score mod
-    or lists, fp32 its own; FLEXATTN_FWD_TILES overrides where the 192 plan would be, and
-    with a score mod or a band."""
+    without a block mask, and with a score mod only if it is light (TALL_TILE_SCORE_OPS, no
+    gathers); 192 x 128 beyond, 128-row tiles with a heavier score mod, a band or lists,
+    fp32 its own; FLEXATTN_FWD_TILES overrides where the 192 plan would be, and with any
+    score mod or a band."""
     monkeypatch.delenv("FLEXATTN_FWD_TILES", raising=False)
 
     def tiles(D, dtype=torch.bfloat16, Dv=None, **kw):
@@ -341,11 +343,28 @@ def test_four_warpgroups_up_to_head_dim_32(on_gpu, monkeypatch):
     for D in (16, 32):
         assert tiles(D) == tiles(D, mask=mods.causal()) == tiles(D, torch.float16) == (256, 80)
     assert tiles(32, Dv=64) == tiles(64) == tiles(64, mask=mods.causal()) == (256, 64)   # (on demand)
-    assert tiles(80) == (192, 112) and tiles(64, mask=mods.causal(), score=mods.softcap(20.0))[0] == 128
+    assert tiles(80) == (192, 112)
+    # light score mods (softcap, ALiBi, both; built-in or torch-style, a division by a
+    # constant included) take the same tiles, causal or not ...
+    slopes = torch.rand(4)
+    light = [mods.softcap(20.0), mods.alibi(slopes), mods.alibi(slopes) >> mods.softcap(20.0)]
+    for D, want in ((32, (256, 80)), (64, (256, 64))):
+        for score in light:
+            assert tiles(D, mask=mods.causal(), score=score) == tiles(D, score=score) == want, (D, score)
+        assert tiles(D, mask=mods.causal(), score_mod=lambda s, b, h, q, kv: 30 * torch.tanh(s / 30)) == want
+        assert tiles(D, score_mod=lambda s, b, h, q, kv: s + slopes[h] * (kv - q)) == want
+    # ... heavier ones (a gather per element, or more operations) keep 128-row tiles, as
+    # do bands and lists
+    table = torch.randn(4, 2048)
+    assert tiles(32, mask=mods.causal(), score_mod=lambda s, b, h, q, kv: s + table[h, kv - q + 1024])[0] == 128
+    heavy = lambda s, b, h, q, kv: 30 * torch.tanh((s * slopes[h] + (kv - q) * 0.01 + ((kv * 3 + q) % 7) * 0.1) / 30) \
+        + torch.exp((kv - q).abs() * 0.001)   # noqa: E731
+    assert tiles(64, mask=mods.causal(), score_mod=heavy)[0] == 128
+    assert tiles(32, mask=mods.sliding_window(100))[0] == tiles(32, mask=mods.sliding_window(100), score=light[0])[0] == 128
+    assert tiles(32, mask=mods.document(np.arange(1024) // 300), score=light[0])[0] == 128
     monkeypatch.setenv("FLEXATTN_MAXIMA_ON_DEMAND", "0")   # 256 x 64 needs the maxima on demand
     assert tiles(64) == (192, 128) and tiles(32) == (256, 80)
     monkeypatch.delenv("FLEXATTN_MAXIMA_ON_DEMAND")
-    assert tiles(32, mask=mods.causal(), score=mods.softcap(20.0))[0] == 128
     assert tiles(32, torch.float32)[0] != 256
     monkeypatch.setenv("FLEXATTN_FWD_TILES", "192x128")
     assert tiles(32, mask=mods.causal()) == (192, 128)
@@ -358,6 +377,29 @@ def test_four_warpgroups_up_to_head_dim_32(on_gpu, monkeypatch):
     monkeypatch.setenv("FLEXATTN_FWD_TILES", "256")
     with pytest.raises(ValueError, match="FLEXATTN_FWD_TILES must be MxN"):
         tiles(32)
+
+
+def test_the_heaviest_light_score_mod_fits_four_warpgroups(on_gpu, monkeypatch):
+    """A score mod of TALL_TILE_SCORE_OPS operations per element (ALiBi, softcap and a
+    shift), as the door plans it at D32 causal (256 x 80) and D64 dense (256 x 64),
+    compiles without a spill at the four consumer warpgroups' 112 registers."""
+    from flexattn.core.kernel_path import TALL_TILE_SCORE_OPS
+    from flexattn.kernels.emit.mod_emit import element_cost, fake_args
+    from flexattn.kernels.launch.compile import compile_forward, resource_usage_from_ptx
+
+    monkeypatch.delenv("FLEXATTN_FWD_TILES", raising=False)
+    slopes = torch.rand(4)
+    score = mods.score_mod(lambda s, b, h, q, kv: 20 * torch.tanh((s + slopes[h] * (kv - q)) / 20) - 0.25)
+    assert element_cost(score).ops == TALL_TILE_SCORE_OPS
+    for D, mask, tiles in ((32, mods.causal(), (256, 80)), (64, None, (256, 64))):
+        q = torch.empty(2, 4, 1024, D, dtype=torch.bfloat16).as_subclass(_OnGpu)
+        spec = AttentionSpec.from_args(score=score, mask=mask)
+        cfg = plan_forward(q, check_inputs(q, q, q, spec), spec).config
+        assert (cfg.tile_m, cfg.tile_n) == tiles
+        usage = resource_usage_from_ptx(compile_forward(cfg, fake_args(cfg.mods), keep_ptx=True).__ptx__)
+        if usage is None:
+            pytest.skip("no ptxas on PATH")
+        assert usage.spill_store_bytes == 0 and usage.spill_load_bytes == 0 and usage.stack_bytes == 0, (D, usage)
 
 
 def test_own_diagonal_is_planned(on_gpu, monkeypatch):

@@ -500,6 +500,25 @@ def emit_row(node: ir.Node, env: dict, element_env, args, fast_math: bool = Fals
     return _vtyped(plain_value(values[id(node)]), node.dtype)
 
 
+class ElementCost(NamedTuple):
+    """What a mod costs per score element, from its optimized IR: the operations that
+    depend on kv or the score (variables and constants not counted), and of those, the
+    buffer reads (gathers: a load per element, and a row of loaded values live at once
+    when a row is emitted together)."""
+
+    ops: int
+    gathers: int
+
+
+def element_cost(mod) -> ElementCost:
+    """``ElementCost`` of ``mod`` (a score or mask mod), after ``mods.optimize``: softcap
+    3 ops, ALiBi 4, both 7, a relative-bias table read 4 with one gather."""
+    expr = _optimized(mod).expr
+    varying = _varying_nodes(expr)
+    ops = [n for n in expr.walk() if id(n) in varying and n.op not in ("var", "const")]
+    return ElementCost(len(ops), sum(1 for n in ops if n.op == "load"))
+
+
 def _varying_nodes(expr: ir.Node) -> set:
     """ids of the nodes of ``expr`` that depend on kv or the score."""
     varying = set()
