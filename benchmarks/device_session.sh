@@ -83,7 +83,9 @@
 # the door's causal A/B against FLEXATTN_OWN_DIAGONAL=0 at D32 / D64 / D96 / D256: issue 25's 1.5x), head-dims
 # (bench_head_dims' causal forward at issue 25's head dims and its forward + backward at 32 / 64 / 80 / 96),
 # scored-tiles (score mods and bands on tall tiles at D32 / D64: softcap, ALiBi and window1024, planned 128 x 128,
-# against 256-row and 192 x 112 tiles by FLEXATTN_FWD_TILES; their GPU cases first).
+# against 256-row and 192 x 112 tiles by FLEXATTN_FWD_TILES; their GPU cases first),
+# wide-bwd (bench_head_dims' forward + backward at 192/128, 192/192, 256/128 and 256/256: issue 25's cells last read
+# in sessions 34 / 38).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -336,6 +338,8 @@ for step in $steps; do
                  --dims 32/32 64/64 80/80 96/96 128/128 192/128 256/256 --out "$out/head_dims.json"
                run head_dims_bwd 200 python3 benchmarks/bench_head_dims.py --backward \
                  --dims 32/32 64/64 80/80 96/96 --out "$out/head_dims_bwd.json" ;;
+    wide-bwd) run head_dims_wide_bwd 300 python3 benchmarks/bench_head_dims.py --backward \
+                --dims 192/128 192/192 256/128 256/256 --out "$out/head_dims_wide_bwd.json" ;;
     scored-tiles) run scored_tiles_tests 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py \
                     -k "256_row_tiles and (softcap or window)"
                   run scored_tiles_32 150 python3 benchmarks/ab_env.py --env FLEXATTN_FWD_TILES=256x80 \
