@@ -513,10 +513,14 @@ def _maxima_on_demand(fp32: bool, max_scores: bool) -> bool:
 
 # A score mod's per-element work that still fits four consumer warpgroups' 112 registers
 # at 256 x 80 (D32) and 256 x 64 (D64): ptxas, 2026-12-01, causal and dense alike, no spill
-# up to 13 operations without gathers (softcap 3, ALiBi 4, both 7); 18 operations (a
-# modulo, an exp and a tanh) spill 20-28 B, 23 spill 156-220 B; a relative-bias table
-# read (4 operations, one gather) spills 192-252 B.
+# up to 13 operations without gathers (softcap 3, ALiBi 4, both 7; gelu's erf, atan,
+# sigmoid, exp, log, rsqrt, a division by a captured number); 18 operations (a modulo, an
+# exp and a tanh) spill 20-28 B, 23 spill 156-220 B; a relative-bias table read (4
+# operations, one gather) spills 192-252 B; one sin, cos or sqrt (libdevice's slow paths)
+# spills 20-36 B in a mod of 3-5 operations, and // or % by 7 (a multiply-high sequence,
+# ElementCost.divisions; powers of two are a shift or a mask) 4-8 B at D32.
 TALL_TILE_SCORE_OPS = 8
+TALL_TILE_HEAVY_OPS = frozenset(("sin", "cos", "sqrt"))
 
 
 def _tall_tile_score(score) -> bool:
@@ -524,7 +528,8 @@ def _tall_tile_score(score) -> bool:
     from ..kernels.emit.mod_emit import element_cost
 
     cost = element_cost(score)
-    return cost.gathers == 0 and cost.ops <= TALL_TILE_SCORE_OPS
+    return (cost.gathers == 0 and cost.divisions == 0 and cost.ops <= TALL_TILE_SCORE_OPS
+            and not cost.kinds & TALL_TILE_HEAVY_OPS)
 
 
 def _four_warpgroup_tiles(shape: AttentionShape, score, block_mask, fp32: bool, on_demand: bool,

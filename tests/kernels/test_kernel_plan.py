@@ -360,6 +360,14 @@ def test_four_warpgroups_up_to_head_dim_32(on_gpu, monkeypatch):
     heavy = lambda s, b, h, q, kv: 30 * torch.tanh((s * slopes[h] + (kv - q) * 0.01 + ((kv * 3 + q) % 7) * 0.1) / 30) \
         + torch.exp((kv - q).abs() * 0.001)   # noqa: E731
     assert tiles(64, mask=mods.causal(), score_mod=heavy)[0] == 128
+    # ... and so do mods with libdevice's slow paths (sin, cos, sqrt spill there in 3 operations)
+    for fn in (torch.sin, torch.cos, torch.sqrt):
+        assert tiles(64, score_mod=lambda s, b, h, q, kv, fn=fn: s + 0.5 * fn(s.abs()))[0] == 128, fn
+    assert tiles(64, score_mod=lambda s, b, h, q, kv: s * torch.rsqrt(s.abs() + 1)) == (256, 64)   # (MUFU)
+    # (integer // and % by other than powers of two: a multiply-high sequence per element)
+    assert tiles(32, score_mod=lambda s, b, h, q, kv: s + ((kv - q) % 7) * 0.1)[0] == 128
+    assert tiles(32, score_mod=lambda s, b, h, q, kv: s + ((kv - q) // 7) * 0.1)[0] == 128
+    assert tiles(32, score_mod=lambda s, b, h, q, kv: s + ((kv - q) % 8) * 0.1) == (256, 80)    # (a mask)
     assert tiles(32, mask=mods.sliding_window(100))[0] == tiles(32, mask=mods.sliding_window(100), score=light[0])[0] == 128
     assert tiles(32, mask=mods.document(np.arange(1024) // 300), score=light[0])[0] == 128
     monkeypatch.setenv("FLEXATTN_MAXIMA_ON_DEMAND", "0")   # 256 x 64 needs the maxima on demand

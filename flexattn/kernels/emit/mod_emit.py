@@ -502,12 +502,16 @@ def emit_row(node: ir.Node, env: dict, element_env, args, fast_math: bool = Fals
 
 class ElementCost(NamedTuple):
     """What a mod costs per score element, from its optimized IR: the operations that
-    depend on kv or the score (variables and constants not counted), and of those, the
-    buffer reads (gathers: a load per element, and a row of loaded values live at once
-    when a row is emitted together)."""
+    depend on kv or the score (variables and constants not counted), of those the buffer
+    reads (gathers: a load per element, and a row of loaded values live at once when a
+    row is emitted together), the integer ``//`` and ``%`` by other than a power of two
+    (divisions: a multiply-high or a sign-corrected division sequence each, where powers
+    of two are a shift or a mask, ``_constant_divmod``), and their kinds (``op`` names)."""
 
     ops: int
     gathers: int
+    divisions: int
+    kinds: frozenset
 
 
 def element_cost(mod) -> ElementCost:
@@ -516,7 +520,9 @@ def element_cost(mod) -> ElementCost:
     expr = _optimized(mod).expr
     varying = _varying_nodes(expr)
     ops = [n for n in expr.walk() if id(n) in varying and n.op not in ("var", "const")]
-    return ElementCost(len(ops), sum(1 for n in ops if n.op == "load"))
+    divisions = sum(1 for n in ops if n.op in ("floordiv", "mod") and n.dtype == ir.INT
+                    and divisor_shift(n.args[1]) is None)
+    return ElementCost(len(ops), sum(1 for n in ops if n.op == "load"), divisions, frozenset(n.op for n in ops))
 
 
 def _varying_nodes(expr: ir.Node) -> set:
