@@ -555,12 +555,12 @@ def _four_warpgroup_tiles(shape: AttentionShape, score, block_mask, fp32: bool, 
         if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
             raise ValueError(f"FLEXATTN_FWD_TILES must be MxN (e.g. 256x80), got {flag!r}")
         return int(parts[0]), int(parts[1])
-    if block_mask is not None or (score is not None and not _tall_tile_score(score)):
-        return None
     widest = max(shape.head_dim, shape.v_head_dim)
-    if widest <= 32:
-        return 256, 80
-    return (256, 64) if widest <= 64 and on_demand else None
+    if block_mask is not None or widest > 64 or (widest > 32 and not on_demand):
+        return None
+    if score is not None and not _tall_tile_score(score):
+        return None
+    return (256, 80) if widest <= 32 else (256, 64)
 
 
 def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool = False,

@@ -399,6 +399,8 @@ def test_the_heaviest_light_score_mod_fits_four_warpgroups(on_gpu, monkeypatch):
     slopes = torch.rand(4)
     score = mods.score_mod(lambda s, b, h, q, kv: 20 * torch.tanh((s + slopes[h] * (kv - q)) / 20) - 0.25)
     assert element_cost(score).ops == TALL_TILE_SCORE_OPS
+    # (cached by the IR object: the planner asks on every call)
+    assert element_cost(score) is element_cost(score.with_captures(score.captures))
     for D, mask, tiles in ((32, mods.causal(), (256, 80)), (64, None, (256, 64))):
         q = torch.empty(2, 4, 1024, D, dtype=torch.bfloat16).as_subclass(_OnGpu)
         spec = AttentionSpec.from_args(score=score, mask=mask)

@@ -26,6 +26,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32
 
+from flexattn.bounded import keep_bounded
 from flexattn.mods import MaskMod, ScoreMod, ir
 from flexattn.mods.optimize import divisor_shift, nonnegative, optimize, positive_constant
 from flexattn.kernels.emit.affine_index import (AffineIndex, IndexForm, casts_index_affinely, emit_affine, plain,
@@ -514,10 +515,22 @@ class ElementCost(NamedTuple):
     kinds: frozenset
 
 
+_ELEMENT_COSTS: dict = {}   # id(mod.expr) -> (that expr, its ElementCost): planners ask per call
+
+
 def element_cost(mod) -> ElementCost:
     """``ElementCost`` of ``mod`` (a score or mask mod), after ``mods.optimize``: softcap
-    3 ops, ALiBi 4, both 7, a relative-bias table read 4 with one gather."""
-    expr = _optimized(mod).expr
+    3 ops, ALiBi 4, both 7, a relative-bias table read 4 with one gather. Cached by the
+    IR object (shared by every ``with_captures`` copy of a mod): a hit is a dict lookup."""
+    hit = _ELEMENT_COSTS.get(id(mod.expr))
+    if hit is not None and hit[0] is mod.expr:
+        return hit[1]
+    cost = _element_cost(optimize(mod.expr))
+    keep_bounded(_ELEMENT_COSTS, id(mod.expr), (mod.expr, cost), 1024)
+    return cost
+
+
+def _element_cost(expr: ir.Node) -> ElementCost:
     varying = _varying_nodes(expr)
     ops = [n for n in expr.walk() if id(n) in varying and n.op not in ("var", "const")]
     divisions = sum(1 for n in ops if n.op in ("floordiv", "mod") and n.dtype == ir.INT
