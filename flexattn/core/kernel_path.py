@@ -599,14 +599,17 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     tiles = _four_warpgroup_tiles(shape, score, block_mask, fp32, on_demand, band)
     # (FwdConfig.own_diagonal is planned; FLEXATTN_OWN_DIAGONAL=0 walks whole tiles, for A/B runs)
     own_diagonal = os.environ.get("FLEXATTN_OWN_DIAGONAL") != "0"
+    # (A/B option, not planned: a float index's product with a row constant as one FFMA per
+    # element, ALiBi's slope * (kv - q); affine_index.FloatAffine)
+    scaled_indices = os.environ.get("FLEXATTN_SCALED_INDICES") == "1"
     key = (dtype, tf32_passes, ab_fp32, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
            cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, threshold, on_demand,
-           tiles, own_diagonal, full_only, None if score is None else id(score.expr),
+           tiles, own_diagonal, scaled_indices, full_only, None if score is None else id(score.expr),
            None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     # 3xTF32 keeps float32's accuracy: the mods' tanh / sigmoid exact, not tanh.approx.
     fast_math = tf32_passes != 3
-    hook = IRModHook(score, mask, fast_math)
+    hook = IRModHook(score, mask, fast_math, scaled_indices)
     if entry is None:
         from ..kernels.fwd.sm90 import FwdConfig
         from ..kernels.emit.mod_emit import capture_kinds
@@ -627,7 +630,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
             if tiles:   # (same stages; persistent where O apart still fits)
                 tile_m, tile_n = tiles
                 persistent = persistent and _shared_fits(shape, tile_m, tile_n, stages, True)
-        template = IRModHook(_structure_only(score), _structure_only(mask), fast_math)
+        template = IRModHook(_structure_only(score), _structure_only(mask), fast_math, scaled_indices)
         config = FwdConfig(
             dtype=dtype, tf32_passes=tf32_passes, head_dim=shape.head_dim, head_dim_v=shape.v_head_dim,
             tile_m=tile_m, tile_n=tile_n, num_stages=stages, causal=causal, block_sparse=lists, band=band,

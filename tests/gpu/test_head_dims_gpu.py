@@ -121,6 +121,42 @@ def test_light_score_mods_on_four_warpgroup_tiles(D, name, causal):
     _check_against_reference(q, k, v, shape, spec, f"D{D} {name} causal={causal} B{B} Hq{Hq} Hkv{Hkv} Q{Q} KV{KV} {dtype}")
 
 
+# FLEXATTN_SCALED_INDICES=1 (A/B option, not planned): a float index's product with a row
+# constant as one FFMA per element (affine_index.FloatAffine): ALiBi, a product of two
+# factors, a constant slope, a negated index.
+SCALED = {
+    "alibi": lambda slopes: lambda s, b, h, q, kv: s + slopes[h] * (kv - q),
+    "two_factors": lambda slopes: lambda s, b, h, q, kv: s + 0.5 * (slopes[h] * (kv - q)),
+    "constant": lambda slopes: lambda s, b, h, q, kv: s + (kv - q) * 0.01,
+    "negated": lambda slopes: lambda s, b, h, q, kv: s + slopes[h] * (q - kv),
+}
+
+
+@pytest.mark.parametrize("D", [32, 128])
+@pytest.mark.parametrize("name", sorted(SCALED))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "dense"])
+def test_scaled_indices_against_reference(D, name, causal, monkeypatch):
+    from flexattn import mods
+
+    monkeypatch.setenv("FLEXATTN_SCALED_INDICES", "1")
+    rng = np.random.default_rng(zlib.crc32(repr(("scaled", D, name, causal)).encode()))
+    torch.manual_seed(int(rng.integers(0, 2**31)))
+    B, Hkv = int(rng.integers(1, 3)), int(rng.choice([1, 2]))
+    Hq = Hkv * int(rng.choice([1, 2, 4]))
+    Q = int(rng.integers(300, 1100))
+    KV = Q if causal and rng.random() < 0.5 else int(rng.integers(1, 1100))
+    dtype = torch.bfloat16 if rng.random() < 0.7 else torch.float16
+    q = torch.randn(B, Hq, Q, D, device="cuda", dtype=dtype)
+    k = torch.randn(B, Hkv, KV, D, device="cuda", dtype=dtype)
+    v = torch.randn(B, Hkv, KV, D, device="cuda", dtype=dtype)
+    slopes = torch.exp2(-8.0 * torch.arange(1, Hq + 1, device="cuda") / Hq)
+    spec = AttentionSpec.from_args(score_mod=SCALED[name](slopes), mask=mods.causal() if causal else None,
+                                   enable_gqa=True)
+    shape = check_inputs(q, k, v, spec)
+    assert plan_forward(q, shape, spec).config.mods.scaled_indices
+    _check_against_reference(q, k, v, shape, spec, f"D{D} {name} causal={causal} B{B} Hq{Hq} Q{Q} KV{KV} {dtype}")
+
+
 def test_torch_door_inference_and_a_clear_error_for_gradients():
     q = torch.randn(2, 4, 300, 16, device="cuda", dtype=torch.bfloat16)
     k, v = torch.randn_like(q), torch.randn_like(q)

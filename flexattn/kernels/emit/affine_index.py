@@ -31,6 +31,15 @@ value, emitted as without this. Exact while ``base + offset`` and ``c - offset``
 int32 (offsets are within a tile; constants whose shifted value would leave int32 keep the
 plain form).
 
+A float index times a row constant (ALiBi's ``slope[h] * float(kv - q)``) can go one step
+further (``AffineIndex(..., scaled=True)``, `IRModHook`'s ``scaled_indices``; an A/B option,
+not planned): ``float(base) + offset`` is kept as a ``FloatAffine``, and its product with a
+row constant ``x`` is ``offset * x + base * x``, ``base * x`` once per row, then one FFMA
+with an immediate per element instead of a FADD and a FMUL. Rounding: ``x * (base +
+offset)`` rounds once; ``fma(offset, x, fl(base * x))`` rounds ``base * x`` and then the
+sum: within 1 ulp of the product's magnitude (a relative 2^-23 of the bias, where the
+score's bf16 inputs carry 2^-8).
+
 Rounding: the plain conversion rounds ``kv - q`` once; this one converts ``base - q``
 (exact while ``|base - q| < 2**24``, and ``|base - q| <= |kv - q| + tile width``) and adds
 the offset (exact while the sum stays below ``2**24``); a bound converts exactly below
@@ -82,10 +91,11 @@ class AffineIndex(IndexForm):
     hooks see q clamped to Q_LEN - 1). A clamp commutes with the conversion (both are
     monotone and exact below 2**24), so it stays one float min / max per element."""
 
-    __slots__ = ("base", "offsets", "shape", "lo", "hi", "_plain")
+    __slots__ = ("base", "offsets", "shape", "lo", "hi", "scaled", "_plain")
 
-    def __init__(self, base, offsets, shape=None, lo=None, hi=None):
+    def __init__(self, base, offsets, shape=None, lo=None, hi=None, scaled: bool = False):
         self.base, self.offsets, self.shape, self.lo, self.hi = base, offsets, shape, lo, hi
+        self.scaled = scaled   # to_float keeps a FloatAffine (a product with a row constant folds)
         self._plain = None
 
     @property
@@ -108,18 +118,19 @@ class AffineIndex(IndexForm):
         the row."""
         def shift(x):
             return None if x is None else (x + other if sign > 0 else x - other)
-        return AffineIndex(shift(self.base), self.offsets, self.shape, shift(self.lo), shift(self.hi))
+        return AffineIndex(shift(self.base), self.offsets, self.shape, shift(self.lo), shift(self.hi), self.scaled)
 
     def subtracted_from(self, other) -> "AffineIndex":
         """``other - self`` (a clamp from above becomes one from below)."""
         def flip(x):
             return None if x is None else other - x
-        return AffineIndex(other - self.base, _negated(self.offsets), self.shape, flip(self.hi), flip(self.lo))
+        return AffineIndex(other - self.base, _negated(self.offsets), self.shape, flip(self.hi), flip(self.lo),
+                           self.scaled)
 
     def negated(self) -> "AffineIndex":
         def flip(x):
             return None if x is None else -x
-        return AffineIndex(-self.base, _negated(self.offsets), self.shape, flip(self.hi), flip(self.lo))
+        return AffineIndex(-self.base, _negated(self.offsets), self.shape, flip(self.hi), flip(self.lo), self.scaled)
 
     @property
     def plain_compares(self) -> bool:
@@ -137,8 +148,11 @@ class AffineIndex(IndexForm):
 
     def to_float(self):
         """``float(clamp(base + offsets, lo, hi))``: one conversion of the base (and of each
-        bound) per row, a float add (and min / max) per element."""
+        bound) per row, a float add (and min / max) per element; unclamped and ``scaled``,
+        a ``FloatAffine`` (the add left for its ``value()``)."""
         base = Float32(self.base)
+        if self.scaled and self.lo is None and self.hi is None:
+            return FloatAffine(base, self.offsets, self.shape)
         if self.is_row:
             x = _float32_vector(self.offsets, self.shape) + base
         else:
@@ -149,6 +163,37 @@ class AffineIndex(IndexForm):
             x = x if lo is None else cute.arch.fmax(x, lo)
             return x if hi is None else cute.arch.fmin(x, hi)
         return _clamped(x, lo, hi, True)
+
+
+class FloatAffine(IndexForm):
+    """``(base + offsets) * scale`` in float (``scale`` None: 1), kept as ``base`` (Float32,
+    the product ``base * scale`` once per row) and the compile-time ``offsets``: its value
+    is ``offsets * scale + base``, one FFMA with an immediate per element (a FADD where
+    nothing scaled it). A product with a row constant or a negation stays in the form."""
+
+    __slots__ = ("base", "offsets", "shape", "scale", "_plain")
+
+    def __init__(self, base, offsets, shape=None, scale=None):
+        self.base, self.offsets, self.shape, self.scale = base, offsets, shape, scale
+        self._plain = None
+
+    def value(self):
+        if self._plain is None:
+            if self.shape is not None:
+                offsets = _float32_vector(self.offsets, self.shape)
+            else:
+                offsets = Float32(float(self.offsets))
+            self._plain = offsets + self.base if self.scale is None else offsets * self.scale + self.base
+        return self._plain
+
+    def times(self, x) -> "FloatAffine":
+        """``self * x``, ``x`` a float constant along the row."""
+        return FloatAffine(self.base * x, self.offsets, self.shape, x if self.scale is None else self.scale * x)
+
+    def negated(self) -> "FloatAffine":
+        if self.scale is None:
+            return FloatAffine(-self.base, _negated(self.offsets), self.shape)
+        return FloatAffine(-self.base, self.offsets, self.shape, -self.scale)
 
 
 class _OfAffineIndex(IndexForm):
@@ -247,6 +292,14 @@ def emit_affine(n: ir.Node, a: list, emit_plain):
     form's ``value()`` stands for)."""
     op = n.op
     x = a[0]
+    if n.dtype == ir.FLOAT and any(isinstance(v, FloatAffine) for v in a):
+        if op == "neg":
+            return x.negated()
+        if op == "mul":
+            form, other = (x, a[1]) if isinstance(x, FloatAffine) else (a[1], x)
+            if _row_constant(other):
+                return form.times(other)
+        return None
     if op in ("add", "sub") and n.dtype == ir.INT:
         y = a[1]
         if isinstance(x, AffineIndex) and _row_constant(y):

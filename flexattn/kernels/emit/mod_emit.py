@@ -619,8 +619,10 @@ class IRModHook(ModHook):
     FlashAttention-4 does for softcap; ``False`` gives the precise libdevice version.
     """
 
-    def __init__(self, score: ScoreMod | None = None, mask: MaskMod | None = None, fast_math: bool = True):
+    def __init__(self, score: ScoreMod | None = None, mask: MaskMod | None = None, fast_math: bool = True,
+                 scaled_indices: bool = False):
         self.fast_math = fast_math
+        self.scaled_indices = scaled_indices   # (ModHook.scaled_indices: FloatAffine products)
         # The IR objects as given: planners key their caches by these objects' ids and rely
         # on the cached configs' hooks to keep them alive (the optimized ones may be others).
         self._sources = tuple(m.expr for m in (score, mask) if m is not None)
@@ -643,7 +645,8 @@ class IRModHook(ModHook):
             self.fast_math,
             self._score.structure_key if self._score is not None else None,
             self._mask.structure_key if self._mask is not None else None,
-        ) + (() if self.grad_filter is None else (("grads", self.grad_filter),))
+        ) + (() if self.grad_filter is None else (("grads", self.grad_filter),)) \
+            + ((("scaled_indices",),) if self.scaled_indices else ())
 
     def with_grad_filter(self, slots) -> "IRModHook":
         """This hook, differentiating only the float buffers at capture ``slots`` (e.g. the

@@ -54,6 +54,10 @@ class ModHook:
         and compile than once per element, same results)."""
         return False
 
+    # Whether an AffineIndex's float keeps its product with a row constant as one FFMA per
+    # element (affine_index.FloatAffine): IRModHook's A/B option.
+    scaled_indices = False
+
     def affine_index(self, var: str, score: bool, mask: bool) -> bool:
         """Whether `score` / `mask` take index `var` ("q", "kv") as an
         `affine_index.AffineIndex` (a base plus compile-time offsets: a conversion of
@@ -280,7 +284,7 @@ def apply_mods(
             if const_expr(hook_kv and clamp):
                 kv_hook = cutlass.min(kv, kv_last)
             elif const_expr(hook_kv and affine):
-                kv_hook = AffineIndex(kv_base, coords.col0(c))
+                kv_hook = AffineIndex(kv_base, coords.col0(c), scaled=mods.scaled_indices)
             s = s_mn[r, c]
             if const_expr(apply_score):
                 s = mods.score(s * softmax_scale, batch, head, q_hook, kv_hook, args, **hoisted)
@@ -337,7 +341,7 @@ def _apply_mods_rows(s_mn, coords, mods, tile: _TileIndices, softmax_scale, args
             kv_hook = kv.apply_op(cutlass_arith._min, tile.kv_last)
         elif parts.affine:
             offsets = tuple(coords.col0(c) for c in range(cute.size(s.shape)))
-            kv_hook = AffineIndex(tile.kv_base, offsets, s.shape)
+            kv_hook = AffineIndex(tile.kv_base, offsets, s.shape, scaled=mods.scaled_indices)
 
         def kv_at(c):   # element c's kv as per-element emission computes it
             kv_c = tile.kv_base + coords.col0(c)
