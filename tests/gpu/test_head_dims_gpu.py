@@ -79,32 +79,13 @@ def test_head_dims_against_reference(pair, kind):
     assert (plan.config.head_dim, plan.config.head_dim_v) == (D, Dv)
 
 
-# Light score mods take the four consumer warpgroups' 256-row tiles at D <= 64 (kernel_path.
-# _tall_tile_score): torch-style functions (a division by a constant included), built-ins and
-# their chain, causal or not, with odd lengths and GQA.
-LIGHT_SCORES = ["softcap_division", "alibi_torch", "alibi_softcap", "shifted"]
-
-
-def _light_score(name, Hq, dev):
+def _scored_call(seed_key, D, causal, make_score):
+    """A door call with the score ``make_score(slopes)`` (ALiBi's slopes for its heads),
+    causal or not, on fresh random inputs drawn from ``seed_key``: odd lengths, GQA, bf16 or
+    fp16. Returns (q, k, v, shape, spec, name)."""
     from flexattn import mods
 
-    slopes = torch.exp2(-8.0 * torch.arange(1, Hq + 1, device=dev) / Hq)
-    if name == "softcap_division":
-        return lambda s, b, h, q, kv: 30 * torch.tanh(s / 30)
-    if name == "alibi_torch":
-        return lambda s, b, h, q, kv: s + slopes[h] * (kv - q)
-    if name == "alibi_softcap":
-        return mods.alibi(slopes) >> mods.softcap(7.0)
-    return lambda s, b, h, q, kv: 20 * torch.tanh((s + slopes[h] * (kv - q)) / 20) - 0.25
-
-
-@pytest.mark.parametrize("D", [32, 64])
-@pytest.mark.parametrize("name", LIGHT_SCORES)
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "dense"])
-def test_light_score_mods_on_four_warpgroup_tiles(D, name, causal):
-    from flexattn import mods
-
-    rng = np.random.default_rng(zlib.crc32(repr((D, name, causal)).encode()))
+    rng = np.random.default_rng(zlib.crc32(repr(seed_key).encode()))
     torch.manual_seed(int(rng.integers(0, 2**31)))
     B, Hkv = int(rng.integers(1, 3)), int(rng.choice([1, 2]))
     Hq = Hkv * int(rng.choice([1, 2, 4]))
@@ -114,11 +95,37 @@ def test_light_score_mods_on_four_warpgroup_tiles(D, name, causal):
     q = torch.randn(B, Hq, Q, D, device="cuda", dtype=dtype)
     k = torch.randn(B, Hkv, KV, D, device="cuda", dtype=dtype)
     v = torch.randn(B, Hkv, KV, D, device="cuda", dtype=dtype)
-    spec = AttentionSpec.from_args(score_mod=_light_score(name, Hq, "cuda"), mask=mods.causal() if causal else None,
+    slopes = torch.exp2(-8.0 * torch.arange(1, Hq + 1, device="cuda") / Hq)
+    spec = AttentionSpec.from_args(score_mod=make_score(slopes), mask=mods.causal() if causal else None,
                                    enable_gqa=True)
-    shape = check_inputs(q, k, v, spec)
+    name = f"D{D} causal={causal} B{B} Hq{Hq} Hkv{Hkv} Q{Q} KV{KV} {dtype}"
+    return q, k, v, check_inputs(q, k, v, spec), spec, name
+
+
+# Light score mods take the four consumer warpgroups' 256-row tiles at D <= 64 (kernel_path.
+# _tall_tile_score): torch-style functions (a division by a constant included), built-ins and
+# their chain, causal or not, with odd lengths and GQA.
+def _alibi_softcap(slopes):
+    from flexattn import mods
+
+    return mods.alibi(slopes) >> mods.softcap(7.0)
+
+
+LIGHT_SCORES = {
+    "softcap_division": lambda slopes: lambda s, b, h, q, kv: 30 * torch.tanh(s / 30),
+    "alibi_torch": lambda slopes: lambda s, b, h, q, kv: s + slopes[h] * (kv - q),
+    "alibi_softcap": _alibi_softcap,
+    "shifted": lambda slopes: lambda s, b, h, q, kv: 20 * torch.tanh((s + slopes[h] * (kv - q)) / 20) - 0.25,
+}
+
+
+@pytest.mark.parametrize("D", [32, 64])
+@pytest.mark.parametrize("name", list(LIGHT_SCORES))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "dense"])
+def test_light_score_mods_on_four_warpgroup_tiles(D, name, causal):
+    q, k, v, shape, spec, desc = _scored_call((D, name, causal), D, causal, LIGHT_SCORES[name])
     assert plan_forward(q, shape, spec).config.tile_m == 256
-    _check_against_reference(q, k, v, shape, spec, f"D{D} {name} causal={causal} B{B} Hq{Hq} Hkv{Hkv} Q{Q} KV{KV} {dtype}")
+    _check_against_reference(q, k, v, shape, spec, f"{name} {desc}")
 
 
 # FLEXATTN_SCALED_INDICES=1 (A/B option, not planned): a float index's product with a row
@@ -136,25 +143,10 @@ SCALED = {
 @pytest.mark.parametrize("name", sorted(SCALED))
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "dense"])
 def test_scaled_indices_against_reference(D, name, causal, monkeypatch):
-    from flexattn import mods
-
     monkeypatch.setenv("FLEXATTN_SCALED_INDICES", "1")
-    rng = np.random.default_rng(zlib.crc32(repr(("scaled", D, name, causal)).encode()))
-    torch.manual_seed(int(rng.integers(0, 2**31)))
-    B, Hkv = int(rng.integers(1, 3)), int(rng.choice([1, 2]))
-    Hq = Hkv * int(rng.choice([1, 2, 4]))
-    Q = int(rng.integers(300, 1100))
-    KV = Q if causal and rng.random() < 0.5 else int(rng.integers(1, 1100))
-    dtype = torch.bfloat16 if rng.random() < 0.7 else torch.float16
-    q = torch.randn(B, Hq, Q, D, device="cuda", dtype=dtype)
-    k = torch.randn(B, Hkv, KV, D, device="cuda", dtype=dtype)
-    v = torch.randn(B, Hkv, KV, D, device="cuda", dtype=dtype)
-    slopes = torch.exp2(-8.0 * torch.arange(1, Hq + 1, device="cuda") / Hq)
-    spec = AttentionSpec.from_args(score_mod=SCALED[name](slopes), mask=mods.causal() if causal else None,
-                                   enable_gqa=True)
-    shape = check_inputs(q, k, v, spec)
+    q, k, v, shape, spec, desc = _scored_call(("scaled", D, name, causal), D, causal, SCALED[name])
     assert plan_forward(q, shape, spec).config.mods.scaled_indices
-    _check_against_reference(q, k, v, shape, spec, f"D{D} {name} causal={causal} B{B} Hq{Hq} Q{Q} KV{KV} {dtype}")
+    _check_against_reference(q, k, v, shape, spec, f"{name} {desc}")
 
 
 def test_torch_door_inference_and_a_clear_error_for_gradients():
