@@ -150,13 +150,10 @@ class AffineIndex(IndexForm):
         """``float(clamp(base + offsets, lo, hi))``: one conversion of the base (and of each
         bound) per row, a float add (and min / max) per element; unclamped and ``scaled``,
         a ``FloatAffine`` (the add left for its ``value()``)."""
-        base = Float32(self.base)
+        form = FloatAffine(Float32(self.base), self.offsets, self.shape)
         if self.scaled and self.lo is None and self.hi is None:
-            return FloatAffine(base, self.offsets, self.shape)
-        if self.is_row:
-            x = _float32_vector(self.offsets, self.shape) + base
-        else:
-            x = base + Float32(float(self.offsets))
+            return form
+        x = form.value()
         lo = None if self.lo is None else Float32(self.lo)
         hi = None if self.hi is None else Float32(self.hi)
         if not self.is_row:   # one FMNMX each (a compare and a select through cutlass.max)
@@ -179,11 +176,12 @@ class FloatAffine(IndexForm):
 
     def value(self):
         if self._plain is None:
-            if self.shape is not None:
-                offsets = _float32_vector(self.offsets, self.shape)
+            if self.shape is None:   # one element
+                offset = Float32(float(self.offsets))
+                self._plain = self.base + offset if self.scale is None else offset * self.scale + self.base
             else:
-                offsets = Float32(float(self.offsets))
-            self._plain = offsets + self.base if self.scale is None else offsets * self.scale + self.base
+                offsets = _float32_vector(self.offsets, self.shape)
+                self._plain = offsets + self.base if self.scale is None else offsets * self.scale + self.base
         return self._plain
 
     def times(self, x) -> "FloatAffine":
