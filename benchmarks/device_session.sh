@@ -85,8 +85,8 @@
 # scored-tiles (score mods and bands on tall tiles at D32 / D64: softcap, ALiBi and window1024, planned 128 x 128,
 # against 256-row and 192 x 112 tiles by FLEXATTN_FWD_TILES; their GPU cases first),
 # wide-bwd (bench_head_dims' forward + backward at 192/128, 192/192, 256/128 and 256/256: issue 25's cells last read
-# in sessions 34 / 38), scaled-indices (FLEXATTN_SCALED_INDICES=1, ALiBi's slope folded into one FFMA per element:
-# its GPU cases, then the door's A/B on ALiBi at D32 / D64 / D128, forward and at D128 forward + backward).
+# in sessions 34 / 38), scaled-indices (planned since session 64: its GPU cases, then the door's A/B on ALiBi with
+# FLEXATTN_SCALED_INDICES=0, the plain product, at D32 / D64 / D128, forward and at D128 forward + backward).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -341,9 +341,9 @@ for step in $steps; do
                  --dims 32/32 64/64 80/80 96/96 --out "$out/head_dims_bwd.json" ;;
     scaled-indices) run scaled_tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_head_dims_gpu.py \
                       -k "scaled_indices"
-                    run scaled_door 200 python3 benchmarks/ab_env.py --env FLEXATTN_SCALED_INDICES=1 --rounds 7 \
+                    run scaled_door 200 python3 benchmarks/ab_env.py --env FLEXATTN_SCALED_INDICES=0 --rounds 7 \
                       --variants causal+alibi --shapes 4x4096x16x32 4x4096x16x64 4x4096x16x128 8x2048x16x128
-                    run scaled_door_bwd 150 python3 benchmarks/ab_env.py --env FLEXATTN_SCALED_INDICES=1 --rounds 5 \
+                    run scaled_door_bwd 150 python3 benchmarks/ab_env.py --env FLEXATTN_SCALED_INDICES=0 --rounds 5 \
                       --backward --variants causal+alibi --shapes 4x4096x16x128 ;;
     wide-bwd) run head_dims_wide_bwd 300 python3 benchmarks/bench_head_dims.py --backward \
                 --dims 192/128 192/192 256/128 256/256 --out "$out/head_dims_wide_bwd.json" ;;

@@ -128,9 +128,9 @@ def test_light_score_mods_on_four_warpgroup_tiles(D, name, causal):
     _check_against_reference(q, k, v, shape, spec, f"{name} {desc}")
 
 
-# FLEXATTN_SCALED_INDICES=1 (A/B option, not planned): a float index's product with a row
-# constant as one FFMA per element (affine_index.FloatAffine): ALiBi, a product of two
-# factors, a constant slope, a negated index.
+# Scaled indices (planned; FLEXATTN_SCALED_INDICES=0 turns them off): a float index's product
+# with a row constant as one FFMA per element (affine_index.FloatAffine): ALiBi, a product of
+# two factors, a constant slope, a negated index.
 SCALED = {
     "alibi": lambda slopes: lambda s, b, h, q, kv: s + slopes[h] * (kv - q),
     "two_factors": lambda slopes: lambda s, b, h, q, kv: s + 0.5 * (slopes[h] * (kv - q)),
@@ -143,7 +143,7 @@ SCALED = {
 @pytest.mark.parametrize("name", sorted(SCALED))
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "dense"])
 def test_scaled_indices_against_reference(D, name, causal, monkeypatch):
-    monkeypatch.setenv("FLEXATTN_SCALED_INDICES", "1")
+    monkeypatch.delenv("FLEXATTN_SCALED_INDICES", raising=False)
     q, k, v, shape, spec, desc = _scored_call(("scaled", D, name, causal), D, causal, SCALED[name])
     assert plan_forward(q, shape, spec).config.mods.scaled_indices
     _check_against_reference(q, k, v, shape, spec, f"{name} {desc}")

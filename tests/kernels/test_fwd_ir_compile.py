@@ -45,7 +45,7 @@ def test_alibi_converts_positions_once_per_row():
 
 
 def test_scaled_indices_fold_alibis_slope_into_one_fma_per_element():
-    """``IRModHook(scaled_indices=True)`` (A/B option, FLEXATTN_SCALED_INDICES=1): ALiBi's
+    """``IRModHook(scaled_indices=True)`` (planned; FLEXATTN_SCALED_INDICES=0 turns it off): ALiBi's
     ``slope[h] * float(kv - q)`` as ``offset * slope + base * slope`` (affine_index.FloatAffine),
     one FFMA with an immediate per element where the plain form has a FADD and a FMUL: at
     128 x 128 (64 scores per thread and tile) ~62 more fma, 62 fewer mul and add, no spill;

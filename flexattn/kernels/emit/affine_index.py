@@ -32,8 +32,8 @@ int32 (offsets are within a tile; constants whose shifted value would leave int3
 plain form).
 
 A float index times a row constant (ALiBi's ``slope[h] * float(kv - q)``) can go one step
-further (``AffineIndex(..., scaled=True)``, `IRModHook`'s ``scaled_indices``; an A/B option,
-not planned): ``float(base) + offset`` is kept as a ``FloatAffine``, and its product with a
+further (``AffineIndex(..., scaled=True)``, `IRModHook`'s ``scaled_indices``; planned for the
+forward and backward, ``FLEXATTN_SCALED_INDICES=0`` turns it off): ``float(base) + offset`` is kept as a ``FloatAffine``, and its product with a
 row constant ``x`` is ``offset * x + base * x``, ``base * x`` once per row, then one FFMA
 with an immediate per element instead of a FADD and a FMUL. Rounding: ``x * (base +
 offset)`` rounds once; ``fma(offset, x, fl(base * x))`` rounds ``base * x`` and then the
