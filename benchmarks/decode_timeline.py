@@ -22,14 +22,17 @@ launch follows a read-only L2 flush, as ``clean_ms``. Per row (medians over laun
   steady       K+V bytes / (median stream end - median first block), TB/s
   tick         the smallest step between two stamps (ns): the timer's resolution
 
-Each row twice with ``--merges cluster tickets`` (the default): the planner's cluster merge
-where it applies (2, 4 or 8 splits) and the arrival-ticket merge, same split count.
+Each row three times with ``--merges cluster tickets polled`` (the default): the planner's
+cluster merge where it applies (2, 4 or 8 splits), the arrival-ticket merge and the polled
+merge (``decode/polled_merge.py``; its "ticket" stamp is the partial's stores done, its
+merge from there), same split count.
 
     python3 benchmarks/decode_timeline.py [--shapes 8x8192 1x131072] [--variants none alibi]
 """
 
 import argparse
 import dataclasses
+import os
 
 import numpy as np
 import torch
@@ -56,8 +59,9 @@ def probed_launch(step, q, cache):
     tickets = torch.zeros(groups + ctas * TIMELINE_STAMPS, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
-    o_part = torch.empty((splits,) + plan.part_shapes[0], dtype=torch.float32, device="cuda")
-    lse_part = torch.empty((splits,) + plan.part_shapes[1], dtype=torch.float32, device="cuda")
+    # (zeroed: the polled merge reads a slot as written once its bits are not zero)
+    o_part = torch.zeros((splits,) + plan.part_shapes[0], dtype=torch.float32, device="cuda")
+    lse_part = torch.zeros((splits,) + plan.part_shapes[1], dtype=torch.float32, device="cuda")
     args = runtime_args(cfg.mods, plan._to_device)
     stream = torch.cuda.current_stream().cuda_stream
 
@@ -124,7 +128,7 @@ def main():
     ap.add_argument("--variants", nargs="*", default=["none", "alibi"])
     ap.add_argument("--layouts", nargs="*", default=["contiguous", "paged64"])
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--merges", nargs="*", default=["cluster", "tickets"])
+    ap.add_argument("--merges", nargs="*", default=["cluster", "tickets", "polled"])
     ap.add_argument("--tuning", default=None, help="tile_n x stages x CTAs/SM, e.g. 64x6x1 (default: the planner's)")
     ap.add_argument("--splits", type=int, default=None, help="split count (default: the planner's)")
     ap.add_argument("--by-sm", action="store_true", help="also print each row's stream end per SM (3 launches)")
@@ -148,8 +152,10 @@ def main():
                     tile_n, stages, per_sm = map(int, args.tuning.split("x"))
                     base = DecodeTuning(tile_n=tile_n, num_stages=stages, ctas_per_sm=per_sm)
                 tuning = dataclasses.replace(base, cluster_merge=merge == "cluster")
+                os.environ["FLEXATTN_DECODE_MERGE"] = "tickets" if merge == "tickets" else "auto"
                 step, _ = plan_step(q, cache, score, mask, tuning, args.splits)
-                merge = "cluster" if step.config.cluster_splits > 1 else "tickets"
+                merge = ("cluster" if step.config.cluster_splits > 1 else "polled" if step.config.polled_merge
+                         else "tickets")
                 plain_ms = clean_ms(step.launch)
                 launch, stamps, splits = probed_launch(step, q, cache)
                 kernel_ms = clean_ms(launch, reps=args.reps)   # compiles on its warmup calls

@@ -339,6 +339,16 @@ for step in $steps; do
                  --dims 32/32 64/64 80/80 96/96 128/128 192/128 256/256 --out "$out/head_dims.json"
                run head_dims_bwd 200 python3 benchmarks/bench_head_dims.py --backward \
                  --dims 32/32 64/64 80/80 96/96 --out "$out/head_dims_bwd.json" ;;
+    polled-merge) run polled_tests 250 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
+                    tests/gpu/test_short_query_gpu.py
+                  for m in tickets auto; do
+                    FLEXATTN_DECODE_MERGE=$m run polled_floor_$m 70 python3 benchmarks/decode_floor.py \
+                      --rows 1x131072:window4096 1x131072:none 1x8192:none 8x65536:window4096
+                  done
+                  (cd benchmarks && run polled_timeline 90 python3 decode_timeline.py --shapes 1x131072 \
+                    --variants window4096 none --layouts contiguous --merges tickets polled --reps 5)
+                  run polled_bench 110 python3 benchmarks/bench_decode.py --shapes 1x131072 8x8192 \
+                    --variants none window4096 --layouts contiguous --out "$out/bench_decode_polled.json" ;;
     scaled-indices) run scaled_tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_head_dims_gpu.py \
                       -k "scaled_indices"
                     run scaled_door 200 python3 benchmarks/ab_env.py --env FLEXATTN_SCALED_INDICES=0 --rounds 7 \

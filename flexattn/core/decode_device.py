@@ -23,7 +23,8 @@ _WORKSPACES: dict = {}
 def decode_workspace(index: int, stream: int, alloc: Callable) -> DecodeWorkspace:
     """The decode kernel's workspace on ``stream`` of device ``index`` (one per stream,
     kept): plan buffers from the adapter's allocator; the splits' partials in one float32
-    scratch array, grown when a step needs more (used in the stream's order); arrival
+    scratch array, grown when a step needs more (used in the stream's order), and a second
+    one allocated zeroed for the polled merge (its merges leave it zero); arrival
     tickets zeroed once, grown likewise (the kernel leaves them zero); lengths/offsets
     copied from a ``StagingRing`` of pinned slots (one ``cuMemcpyHtoDAsync`` per step,
     fences every 16 steps: the host never waits for the GPU in a steady state and never
@@ -40,13 +41,16 @@ def decode_workspace(index: int, stream: int, alloc: Callable) -> DecodeWorkspac
             tickets[0] = alloc((max(n, 2 * tickets[0].shape[0], 1024),), "int32", True)
         return tickets[0]
 
-    def get_scratch(n):
-        if scratch[0].shape[0] < n:
-            scratch[0] = alloc((max(n, 2 * scratch[0].shape[0], 1 << 16),), "float32", False)
-        return scratch[0]
+    def grown(held, zeroed):
+        def get(n):
+            if held[0].shape[0] < n:
+                held[0] = alloc((max(n, 2 * held[0].shape[0], 1 << 16),), "float32", zeroed)
+            return held[0]
+        return get
 
     ws = _WORKSPACES[key] = DecodeWorkspace(lambda shape, dtype: alloc(shape, dtype, False), get_tickets,
-                                            get_scratch, driver_uploader(index, stream))
+                                            grown(scratch, False), driver_uploader(index, stream),
+                                            marked_scratch=grown([alloc((0,), "float32", True)], True))
     return ws
 
 

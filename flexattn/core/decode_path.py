@@ -280,6 +280,10 @@ class DecodeWorkspace:
     scratch: Callable
     uploader: Callable
     lock: object = field(default_factory=threading.Lock, compare=False, repr=False)
+    # ``marked_scratch(n)``: like ``scratch``, but all zero between steps (allocated zeroed;
+    # the polled merge zeroes every slot it read: ``decode/polled_merge.py``). None: the
+    # adapter keeps no such memory (XLA's scratch lives one call), so steps merge by tickets.
+    marked_scratch: Callable | None = None
 
 
 class StagingRing:
@@ -455,12 +459,25 @@ def fit_head_dim(tuning: DecodeTuning, head_dim: int, num_mma_wg: int = 1) -> De
                                cluster_merge=tuning.cluster_merge and stages * tuning.tile_n >= 2 * tile_m)
 
 
-def _with_launch(config, tuning: DecodeTuning, cluster: int):
-    """``config`` for another kernel shape (``choose_launch``'s tuning) and merging cluster."""
+def _with_launch(config, tuning: DecodeTuning, cluster: int, polled: bool = False):
+    """``config`` for another kernel shape (``choose_launch``'s tuning), merging cluster and
+    merge (``polled_merge_pays``)."""
     return dataclasses.replace(config, tile_n=tuning.tile_n, num_stages=tuning.num_stages,
-                               ctas_per_sm=tuning.ctas_per_sm, cluster_splits=cluster,
+                               ctas_per_sm=tuning.ctas_per_sm, cluster_splits=cluster, polled_merge=polled,
                                prefetch_tile_reads=config.prefetch_tile_reads
                                and _prefetch_pays(config.mods, tuning.tile_n, config.mask_last_page_only))
+
+
+def polled_merge_pays(splits: int, cluster: int, head_dim: int) -> bool:
+    """Whether a step's splits merge by polling their partials' slots (``DecodeConfig.
+    polled_merge``) instead of tickets: wherever no cluster merges them, up to 32 splits
+    (one LSE per lane) and head dims that are multiples of 32, on workspaces that keep the
+    slots zeroed (``DecodeWorkspace.marked_scratch``; the caller checks).
+    ``FLEXATTN_DECODE_MERGE=tickets`` keeps the tickets, for A/B runs."""
+    from ..kernels.decode.polled_merge import MAX_SPLITS
+
+    return (cluster == 1 and 1 < splits <= MAX_SPLITS and head_dim % 32 == 0
+            and os.environ.get("FLEXATTN_DECODE_MERGE", "auto") != "tickets")
 
 
 def _prefetch_pays(mods, tile_n: int, mask_last_page_only: bool) -> bool:
@@ -577,17 +594,18 @@ class DecodePlan:
         from ..kernels.emit.mod_emit import capture_kinds
 
         self.ffi = use_tvm_ffi(device)
-        self._kernels: dict = {}     # (tuning, cluster size) -> (config, runner)
-        self._fns: dict = {}         # (tuning, cluster size) -> the compiled TVM-FFI function, once launched
+        self._kernels: dict = {}     # (tuning, cluster size, polled) -> (config, runner)
+        self._fns: dict = {}         # (tuning, cluster size, polled) -> the compiled TVM-FFI function, once launched
         self.stream = device.stream
         self._kinds, self._captures = capture_kinds(self.config.mods), self.config.mods.captures()
         self._to_device = device.to_device
         # One arrival counter per CTA group (grid dims 1 and 2), all zero between launches.
         self._tickets = workspace.tickets(self.batch * self.kv_heads * self.m_blocks)
         self._scratch = workspace.scratch
+        self._marked = workspace.marked_scratch
         self._launches: dict = {}    # (kv blocks, SM count) -> choose_launch's (tuning, splits, cluster)
         self.q_heads = Hq
-        self._parts: dict = {}       # split count -> (scratch array, o_part, lse_part)
+        self._parts: dict = {}       # (split count, polled) -> (scratch array, o_part, lse_part)
         # Numbers, read-only arrays and our positions buffer cannot change under the plan:
         # converted once; tensors read in place, once per data pointer; anything else
         # (writeable host arrays, strided tensors) per step (CaptureArgs).
@@ -620,21 +638,21 @@ class DecodePlan:
         self._args = self._capture_args()
 
     def _kernel(self, kernel: tuple) -> tuple:
-        """(config, runner) of `kernel` = (tuning, CTAs per merging cluster)."""
+        """(config, runner) of `kernel` = (tuning, CTAs per merging cluster, polled merge)."""
         hit = self._kernels.get(kernel)
         if hit is None:
             from ..kernels.launch.cache import decode_runner
 
-            tuning, cluster = kernel
+            tuning, cluster, polled = kernel
             config = self.config
-            if kernel != (self.tuning, 1):
-                config = _with_launch(config, tuning, cluster)
+            if kernel != (self.tuning, 1, False):
+                config = _with_launch(config, tuning, cluster, polled)
             hit = self._kernels[kernel] = (config, decode_runner(config, self.ffi))
         return hit
 
     def _stage(self, lengths: list, num_sms: int, num_splits: int | None):
         """Check this step's lengths (ints, one per sequence), upload them with the query
-        offsets, pick the launch -> ((tuning, splits, cluster), o_part, lse_part)."""
+        offsets, pick the launch -> (kernel, splits, o_part, lse_part) (``_launch_parts``)."""
         if len(lengths) != self.batch:
             raise ValueError(f"query batch {self.batch} does not match the cache's {len(lengths)}")
         q_len = self.q_len
@@ -655,8 +673,8 @@ class DecodePlan:
         return self._launch_parts(longest, num_sms, num_splits)
 
     def _launch_parts(self, longest: int, num_sms: int, num_splits: int | None):
-        """The launch for sequences of at most ``longest`` keys -> ((tuning, splits,
-        cluster), o_part, lse_part)."""
+        """The launch for sequences of at most ``longest`` keys -> (kernel = (tuning,
+        cluster, polled merge), splits, o_part, lse_part)."""
         q_len = self.q_len
         if num_splits is None:
             key = (-(-longest // self.tuning.tile_n), num_sms)
@@ -676,19 +694,20 @@ class DecodePlan:
 
             clustered = self.tuning.cluster_merge and num_splits > 1 and num_splits in CLUSTER_SPLITS
             launch = (self.tuning, int(num_splits), int(num_splits) if clustered else 1)
-        splits = launch[1]
+        tuning, splits, cluster = launch
+        polled = self._marked is not None and polled_merge_pays(splits, cluster, self.config.head_dim)
         o_size, lse_size = self._part_sizes
-        flat = self._scratch(splits * (o_size + lse_size))
-        parts = self._parts.get(splits)
+        flat = (self._marked if polled else self._scratch)(splits * (o_size + lse_size))
+        parts = self._parts.get((splits, polled))
         if parts is None or parts[0] is not flat:
             o_shape, lse_shape = self.part_shapes
             o_part = flat[:splits * o_size].reshape((splits,) + o_shape)
             lse_part = flat[splits * o_size:splits * (o_size + lse_size)].reshape((splits,) + lse_shape)
-            parts = self._parts[splits] = (flat, o_part, lse_part)
-        return launch, parts[1], parts[2]
+            parts = self._parts[(splits, polled)] = (flat, o_part, lse_part)
+        return (tuning, cluster, polled), splits, parts[1], parts[2]
 
     def _launcher(self, kernel, q, k, v, table, out, lse, o_part, lse_part, seq_lens=None, args=None) -> Callable:
-        """The launch of `kernel` (tuning, cluster) with these arguments (compiling on its
+        """The launch of `kernel` (tuning, cluster, polled) with these arguments (compiling on its
         first call); ``seq_lens``: the plan's own uploaded lengths, ``args``: its captures
         converted, unless given."""
         args = self._args.current() if args is None else args
@@ -714,9 +733,8 @@ class DecodePlan:
         arrays must be those the plan was made for (shapes, dtypes, strides, device:
         the caller's key says so). Returns the split count."""
         with self.lock:
-            (tuning, splits, cluster), o_part, lse_part = self._stage(lengths, num_sms, None)
-            self._launch_now((tuning, cluster), q, k, v, table, out, lse, o_part, lse_part, self.seq_lens,
-                             self._args.current())
+            kernel, splits, o_part, lse_part = self._stage(lengths, num_sms, None)
+            self._launch_now(kernel, q, k, v, table, out, lse, o_part, lse_part, self.seq_lens, self._args.current())
         return splits
 
     def run_device_lengths(self, q, k, v, table, out, lse, seq_lens, longest: int, num_sms: int,
@@ -735,13 +753,13 @@ class DecodePlan:
         if longest > self.capacity:
             raise ValueError(f"{longest} keys exceed the cache's capacity ({self.capacity} tokens)")
         with self.lock:
-            (tuning, splits, cluster), o_part, lse_part = self._launch_parts(longest, num_sms, None)
-            self._launch_now((tuning, cluster), q, k, v, table, out, lse, o_part, lse_part, seq_lens,
+            kernel, splits, o_part, lse_part = self._launch_parts(longest, num_sms, None)
+            self._launch_now(kernel, q, k, v, table, out, lse, o_part, lse_part, seq_lens,
                              self._args.current() if captures is None else self._args_of(captures))
         return splits
 
     def _launch_now(self, kernel, q, k, v, table, out, lse, o_part, lse_part, seq_lens, args) -> None:
-        """Launch ``kernel`` (tuning, cluster): its TVM-FFI function once compiled (the
+        """Launch ``kernel`` (tuning, cluster, polled): its TVM-FFI function once compiled (the
         repeated steps' path), else through ``_launcher`` (compiling first)."""
         fn = self._fns.get(kernel)
         if fn is not None:
@@ -762,8 +780,7 @@ class DecodePlan:
              num_splits: int | None = None) -> DecodeLaunch:
         """This step's launch: its lengths uploaded, its split count and partials. Not
         locked: ``decode_into`` holds the lock around this and the launch."""
-        (tuning, splits, cluster), o_part, lse_part = self._stage(lengths, num_sms, num_splits)
-        kernel = (tuning, cluster)
+        kernel, splits, o_part, lse_part = self._stage(lengths, num_sms, num_splits)
         return DecodeLaunch(self._kernel(kernel)[0], splits,
                             self._launcher(kernel, q, k, v, table, out, lse, o_part, lse_part), self)
 

@@ -8,7 +8,9 @@ Whole steps through the adapter: queued without a sync (more steps than the pinn
 staging ring has slots, plans alternating), from several threads and streams, and on
 the repeated-step path (no planning).
 The splits are merged inside the decode kernel (the last split CTA of each group, counted
-by tickets): the tickets must be zero again after every launch. Skipped without CUDA.
+by tickets; or, polled, the last to start, reading slots that mark themselves written):
+the tickets must be zero again after every launch, and the polled merge's partials too
+(those are "poisoned" by being zero: unwritten). Skipped without CUDA.
 """
 
 import math
@@ -126,9 +128,22 @@ def workspace():
                 scratch[0] = torch.empty(n, device=DEV)
             return scratch[0].fill_(float("nan"))     # in stream order, before the step's kernel
 
-        hit = _WORKSPACES[stream.cuda_stream] = decode_path.DecodeWorkspace(alloc, ws.tickets, poisoned_scratch,
-                                                                            ws.uploader)
+        hit = _WORKSPACES[stream.cuda_stream] = decode_path.DecodeWorkspace(
+            alloc, ws.tickets, poisoned_scratch, ws.uploader, marked_scratch=ws.marked_scratch)
     return hit
+
+
+def assert_marked_zero():
+    """Every polled merge leaves the partials' slots it read as it found them: zero."""
+    marked = workspace().marked_scratch(1)
+    assert int(marked.count_nonzero()) == 0, marked.nonzero().flatten()[:16].tolist()
+
+
+@pytest.fixture(params=["tickets", "polled"])
+def merge(request, monkeypatch):
+    """Both merges of split CTAs without a cluster (``decode_path.polled_merge_pays``)."""
+    monkeypatch.setenv("FLEXATTN_DECODE_MERGE", "tickets" if request.param == "tickets" else "auto")
+    return request.param
 
 
 def assert_tickets_zero():
@@ -225,6 +240,34 @@ def test_decode_head_dims_against_reference(D, kind, page_size, group, q_len, nu
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
     assert_tickets_zero()
+
+
+@pytest.mark.parametrize("D", [32, 64, 96, 128, 256])
+def test_polled_merge_planned_for_a_long_window_step(D):
+    """The planner's B 1 sliding-window step (many splits, no cluster) merges polled: the
+    split that started last polls the others' partial slots. Three steps queued back to
+    back with new queries (each finds the slots the one before emptied), each against the
+    float64 reference; tickets and slots zero afterwards."""
+    torch.manual_seed(D)
+    B, Hkv, group, cap = 1, 8, 4, 16384
+    Hq = Hkv * group
+    lengths = [cap - 389]
+    cache, k, v = make_cache(B, Hkv, cap, D, lengths, torch.bfloat16, 0)
+    mask, score, mask_fn, score_fn = variant("window", Hq, window=4096)
+    steps = []
+    for _ in range(3):
+        q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
+        out, lse, step = run_kernel(q, cache, mask, score, 132, sync=False)
+        steps.append((q, out, lse))
+    torch.cuda.synchronize()
+    assert step.config.polled_merge and step.config.cluster_splits == 1 and step.num_splits > 2, step
+    assert_tickets_zero()
+    assert_marked_zero()
+    for q, out, lse in steps:
+        want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), score_fn, mask_fn)
+        assert not out.isnan().any() and not lse.isnan().any()
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
 
 
 def window_head_poisoned(B, Hq, Hkv, n, D, cap, lengths, w, block, score_fn=None):
@@ -408,9 +451,9 @@ FUSED_CASES = [
 
 @pytest.mark.parametrize("group,Hkv,q_len,page_size,kind,num_splits", FUSED_CASES,
                          ids=lambda v: str(v))
-def test_fused_merge_matches_reference(group, Hkv, q_len, page_size, kind, num_splits):
+def test_fused_merge_matches_reference(group, Hkv, q_len, page_size, kind, num_splits, merge):
     """In-kernel merge vs the float64 reference; poisoned outputs and partials; tickets
-    zero afterwards."""
+    (and the polled merge's slots) zero afterwards."""
     random.seed(11)
     torch.manual_seed(11)
     B, D, cap = 3, 128, 2048
@@ -422,7 +465,9 @@ def test_fused_merge_matches_reference(group, Hkv, q_len, page_size, kind, num_s
     out, lse, step = run_kernel(q, cache, mask, score, 132, num_splits=num_splits)
     assert step.num_splits == num_splits
     assert step.config.cluster_splits == (num_splits if num_splits in (2, 4, 8) else 1)
+    assert step.config.polled_merge == (merge == "polled" and step.config.cluster_splits == 1 and 1 < num_splits <= 32)
     assert_tickets_zero()
+    assert_marked_zero()
     want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), score_fn, mask_fn)
     assert not out.isnan().any() and not lse.isnan().any()
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
@@ -451,11 +496,13 @@ def test_planned_pair_clusters(page_size, kind):
     assert_tickets_zero()
 
 
-def test_fused_tickets_survive_repeats_and_shape_changes():
+def test_fused_tickets_survive_repeats_and_shape_changes(merge):
     """One ticket buffer across steps queued without a sync in between: the same shape with
     other split counts, then another shape (other groups, GQA, q_len), then the first
     again — a counter left non-zero by any launch would make a later group merge early
-    (NaN from the poisoned partials) or never (NaN outputs)."""
+    (NaN from the poisoned partials) or never (NaN outputs). Polled: one zeroed partials'
+    buffer across the same steps — a slot left written would be merged as the next step's
+    (a wrong output, not NaN), a slot never written would trap."""
     torch.manual_seed(12)
     shapes = [dict(B=3, Hkv=2, group=4, q_len=1, lengths=[1500, 900, 130], page=0),
               dict(B=2, Hkv=4, group=1, q_len=3, lengths=[2000, 64], page=64)]
@@ -473,6 +520,7 @@ def test_fused_tickets_survive_repeats_and_shape_changes():
         pending.append((sh, k, v, q, out, lse))
     torch.cuda.synchronize()
     assert_tickets_zero()
+    assert_marked_zero()
     for sh, k, v, q, out, lse in pending:
         slopes = torch.from_numpy(mods.alibi_slopes(q.shape[1])).to(DEV).double()
         want, want_lse = reference(q, k, v, sh["lengths"], 1 / math.sqrt(128),

@@ -20,6 +20,7 @@ from flexattn.core.kernel_path import Device  # noqa: E402
 from flexattn.kernels.launch.compile import resource_usage_from_ptx  # noqa: E402
 from flexattn.kernels.launch.compile import compile_decode  # noqa: E402
 from flexattn.kernels.decode.combine import lane_columns  # noqa: E402
+from flexattn.kernels.decode.polled_merge import chunk_splits  # noqa: E402
 from flexattn.kernels.decode.sm90 import DecodeConfig  # noqa: E402
 from flexattn.kernels.emit.mod_emit import IRModHook, fake_args  # noqa: E402
 from flexattn.mods.positions import shift_queries  # noqa: E402
@@ -98,6 +99,16 @@ CASES = {
                              *_paged_attention_mods(), True, 4),
     "paged128-block-table-every-block": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, page_size=128,
                                               skip_masked_prefix=False), *_paged_attention_mods(), True, 4),
+    # the polled merge (decode/polled_merge.py): the planner's B 1 window kernel; D 96 (three
+    # scalar columns per lane), D 256 (eight: two v4, 8 splits per round) with the timeline
+    # probe, D 32 with two consumer warpgroups (rows over eight warps)
+    "polled-2cta-window-alibi": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, polled_merge=True),
+                                 mods.alibi(num_heads=32), mods.sliding_window(4096), True, 4),
+    "polled-hd96-deep": (dict(head_dim=96, tile_n=64, num_stages=6, polled_merge=True), None, mods.causal(), True, 6),
+    "polled-hd256-timeline": (dict(head_dim=256, tile_n=64, num_stages=3, polled_merge=True, timeline=True),
+                              None, mods.sliding_window(4096), True, 8),
+    "polled-hd32-2wg": (dict(head_dim=32, tile_n=64, num_stages=6, num_mma_wg=2, polled_merge=True), None, None,
+                        False, 2),
     # ... with the next tile's table and page-map reads issued a step ahead
     "paged128-block-table-prefetched": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, page_size=128,
                                              skip_masked_prefix=False, prefetch_tile_reads=True),
@@ -143,7 +154,28 @@ def test_decode_ptx(compiled, name):
     assert (f64 > 0) == analysed, f64
     assert ("vote.sync.ballot" in ptx) == analysed
     assert re.search(rf"\.minnctapersm\s+{cfg.ctas_per_sm}\b", ptx)
-    if cfg.cluster_splits == 1:
+    if cfg.polled_merge:
+        # The polled merge: one relaxed start ticket (no acq_rel atomic, no fence) and its
+        # reset by the producer's idle warp, the merger flag handed on by barrier 3; every
+        # partial value a relaxed store of its own (+0.0 as -0.0: D/2 O values and 2 LSEs
+        # per thread); the merger's polling loads, the first round with the LSE, a trap
+        # past the poll limit in both loops.
+        assert len(re.findall(r"atom\.global(?:\.relaxed)?(?:\.gpu)?\.add", ptx)) == 1 and "acq_rel" not in ptx
+        assert ptx.count("atom.global.exch") == 1 and not re.search(r"membar\.gl|fence\.(sc|acq_rel)\.gpu", ptx)
+        assert re.search(r"bar\.arrive\s+3,", ptx) and re.search(r"bar\.sync\s+3,", ptx)
+        assert not re.search(r"bar\.sync\s+2,", ptx)
+        assert ptx.count("st.relaxed.gpu.global.b32") == cfg.head_dim // 2 + 2
+        assert ptx.count("0x80000000; st.relaxed") == cfg.head_dim // 2 + 2
+        per_lane = cfg.head_dim // 32
+        width = 4 if per_lane % 4 == 0 else 2 if per_lane % 2 == 0 else 1
+        chunk = chunk_splits(cfg.head_dim)
+        vector = {4: ".v4", 2: ".v2", 1: ""}[width]
+        assert ptx.count(f"ld.relaxed.gpu.global{vector}.b32") == 2 * chunk * per_lane // width + (width == 1)
+        if width > 1:
+            assert ptx.count("ld.relaxed.gpu.global.b32") == 1   # the LSE
+        assert ptx.count("trap;") == 2
+        assert "barrier.cluster" not in ptx and "mapa" not in ptx
+    elif cfg.cluster_splits == 1:
         # The in-kernel merge: one acq_rel arrival ticket per split CTA (atom's default scope
         # is the GPU), the last arrival's reset, the arrival barrier, vectorized partial reads.
         assert len(re.findall(r"atom\.global\.acq_rel(?:\.gpu)?\.add", ptx)) == 1
@@ -259,7 +291,8 @@ def test_config_validation():
         with pytest.raises(ValueError):
             DecodeConfig(**bad)
     # cluster sizes 1/2/4/8/16; the fp32 O tile must fit the K ring (num_stages x tile_n >= 2 x tile_m)
-    for bad in (dict(cluster_splits=3), dict(cluster_splits=32), dict(tile_n=64, num_stages=1, cluster_splits=2)):
+    for bad in (dict(cluster_splits=3), dict(cluster_splits=32), dict(tile_n=64, num_stages=1, cluster_splits=2),
+                dict(cluster_splits=2, polled_merge=True), dict(head_dim=80, polled_merge=True)):
         with pytest.raises(ValueError):
             DecodeConfig(**bad)
     DecodeConfig(tile_n=64, num_stages=2, ctas_per_sm=2, cluster_splits=8)
@@ -476,7 +509,7 @@ def test_plan_run_repeated_steps():
                                       decode_path.DecodeMods(mods.alibi(num_heads=Hq), mods.causal()),
                                       overrides=decode_path.DecodeOverrides(tuning=tickets_only)).plan
     launches = []
-    plan._fns[(plan.tuning, 1)] = lambda *args: launches.append(args)   # splits 1 and 13: the ticket merge
+    plan._fns[(plan.tuning, 1, False)] = lambda *args: launches.append(args)   # splits 1 and 13: the ticket merge
     assert plan.run(q, k, k, None, out, lse, [100, 37], 132) == 1            # 2 blocks: one split
     assert plan.run(q, k, k, None, out, lse, [4000, 37], 132) == 13          # 63 blocks: 13 of >= 256 keys
     assert plan.run(q, k, k, None, out, lse, [4001, 38], 132) == 13
@@ -493,6 +526,14 @@ def test_plan_run_repeated_steps():
         with pytest.raises(ValueError, match=match):
             plan.run(q, k, k, None, out, lse, bad, 132)
     assert len(uploads) == n and len(launches) == 4          # refused before any upload or launch
+    # A workspace with zeroed slots (the adapters'): 13 splits merge polled, their partials
+    # in the marked scratch; one split stays as it was.
+    marked = torch.zeros(1 << 20)
+    plan._marked = lambda n: marked
+    plan._fns[(plan.tuning, 1, True)] = lambda *args: launches.append(("polled",) + args)
+    assert plan.run(q, k, k, None, out, lse, [4001, 38], 132) == 13
+    assert launches[-1][0] == "polled" and launches[-1][8].data_ptr() == marked.data_ptr()
+    assert plan.run(q, k, k, None, out, lse, [100, 37], 132) == 1 and launches[-1][0] != "polled"
 
 
 def test_choose_launch_short_ranges():

@@ -22,6 +22,11 @@ One CTA handles one (kv split) x (kv head, packed-row block) x (batch) work item
   CTA barrier, then one acq_rel atomic at GPU scope (release is cumulative over the
   barrier; the last arrival's acquire covers every split's stores) — the pattern of
   cutlass::GenericBarrier. No thread ever waits on another CTA: nothing can deadlock.
+* Polled merge (`polled_merge`, `decode/polled_merge.py`): the partial slots say whether
+  they are written (zero bits until then; splits store relaxed, +0.0 as -0.0), and the
+  split that *started* last in its group (a relaxed ticket taken by an idle producer warp
+  at the CTA's start) polls them and merges: no fence, no ticket after the stream. The
+  merger waits only for splits that have started, which never wait: it cannot deadlock.
 * Cluster merge (`cluster_splits` > 1: the launch's splits are one cluster per group):
   each CTA keeps its partial in its own shared memory (fp32 O rows over the K ring, LSEs
   over the V ring), a cluster barrier publishes them, CTA `rank` merges rows r = rank
@@ -75,6 +80,7 @@ from cutlass.cute.nvgpu import cpasync
 from flexattn.kernels.emit import interval_emit
 from flexattn.kernels.hopper import dsmem, mma
 from flexattn.kernels.decode.combine import inverse_and_lse, lane_columns, log2_shift, merge_splits
+from flexattn.kernels.decode.polled_merge import merge_polled_splits, store_marked_f32
 from flexattn.kernels.emit.mod_hook import NO_MODS, FragmentCoords, ModHook, kept_if
 from flexattn.kernels.hopper.softmax import OnlineSoftmax, rescale_rows
 from flexattn.kernels.hopper.tma_pipeline import tma_ring
@@ -106,6 +112,9 @@ class DecodeConfig(KernelConfig):
     page_size: int = 0           # 0: contiguous cache; else the paged cache's page size
     cluster_splits: int = 1      # > 1: the launch has exactly this many splits, one cluster
                                  # per group, merged through distributed shared memory
+    polled_merge: bool = False   # splits > 1 without a cluster: the last split to start polls
+                                 # the partials' slots (zero until written; the workspace
+                                 # zeroed between steps) instead of a ticket after the stream
     timeline: bool = False       # probe for benchmarks/decode_timeline.py: every CTA writes
                                  # globaltimer stamps past the tickets (never planned)
     skip_masked_prefix: bool = True  # the masked-prefix analysis before the stream (masks
@@ -143,6 +152,9 @@ class DecodeConfig(KernelConfig):
         if self.cluster_splits > 1 and 2 * self.tile_m > self.num_stages * self.tile_n:
             raise ValueError("the cluster merge keeps a split's fp32 O tile in the K ring: it needs "
                              f"num_stages * tile_n >= 2 * tile_m, got {self.num_stages} x {self.tile_n}")
+        if self.polled_merge and (self.cluster_splits > 1 or self.head_dim % 32):
+            raise ValueError("polled_merge needs cluster_splits 1 and a head dim that is a multiple of 32, got "
+                             f"{self.cluster_splits} and {self.head_dim}")
         if self.smem_bytes > self.smem_limit:
             raise ValueError(f"{self.smem_bytes} bytes of shared memory per CTA exceed {self.smem_limit} for "
                              f"{self.ctas_per_sm} CTA(s) per SM: fewer stages or a smaller tile_n")
@@ -213,6 +225,7 @@ def check_page_size(page_size: int, tile_n: int) -> None:
 class DecodeBarrier(NamedBarriers):
     Q_READY = 1     # the consumers' packed Q rows are in shared memory
     ARRIVAL = 2     # the consumers around a split's partial stores and the merge
+    MERGER = 3      # polled merge: the producer's ticket warp publishes whether this CTA merges
 
 
 class DecodeSm90(WarpSpecialized):
@@ -242,6 +255,7 @@ class DecodeSm90(WarpSpecialized):
         mOPart: cute.Tensor,      # [splits, B, Hq, q_len, D] float32 (num_splits > 1)
         mLSEPart: cute.Tensor,    # [splits, B, Hq, q_len] float32
         mTickets: cute.Tensor,    # [>= B * Hkv * m_blocks] int32, zero between launches
+                                  # (polled_merge: mOPart / mLSEPart zero between launches too)
         softmax_scale: Float32,
         mod_args,
         stream: cuda.CUstream,
@@ -383,6 +397,11 @@ class DecodeSm90(WarpSpecialized):
                 self._stamp(stamps, 1, True)
                 self.load(mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, pipe_k, pipe_v,
                           head_kv, batch, first, count)
+            if const_expr(cfg.polled_merge):
+                if warp_idx == 1:
+                    if num_splits > 1:
+                        self._take_start_ticket(mTickets.iterator + (batch * head_blocks + head_block), num_splits,
+                                                storage.last_arrival.get_tensor(cute.make_layout(2)))
             if const_expr(cfg.cluster_splits > 1):
                 # The cluster barriers count every thread: the producer's pass both.
                 for _ in cutlass.range_constexpr(2):
@@ -393,7 +412,15 @@ class DecodeSm90(WarpSpecialized):
             self.consume(mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
                          pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block,
                          batch, seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps, sPart, sLSE)
-            if const_expr(cfg.cluster_splits == 1):
+            if const_expr(cfg.polled_merge):
+                if num_splits > 1:
+                    self._stamp(stamps, 5, warp_idx == 4)
+                    DecodeBarrier.MERGER.sync(self.num_mma_threads + 32)
+                    if storage.last_arrival.get_tensor(cute.make_layout(2))[0] != 0:
+                        self._merge_group(mO, mLSE, mOPart, mLSEPart, cute.arch.thread_idx()[0] - 128, head_kv,
+                                          group, q_len, rows, m_block, batch)
+                        self._stamp(stamps, 6, warp_idx == 4)
+            elif const_expr(cfg.cluster_splits == 1):
                 if num_splits > 1:
                     tidx = cute.arch.thread_idx()[0] - 128
                     ticket = mTickets.iterator + (batch * head_blocks + head_block)
@@ -729,6 +756,13 @@ class DecodeSm90(WarpSpecialized):
                         gO[tOcO[r, c][1]] = o_mn[r, c].to(self.dtype)
                     if tOcO[r, 0][1] == 0:
                         mLSE[batch, head, qi] = lse[r]
+                elif const_expr(cfg.polled_merge):   # slots that mark themselves written
+                    gO = mOPart[split, batch, head, qi, None]
+                    for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
+                        store_marked_f32(gO.iterator + tOcO[r, c][1], o_mn[r, c])
+                    if tOcO[r, 0][1] == 0:
+                        store_marked_f32(mLSEPart.iterator + cute.crd2idx((split, batch, head, qi), mLSEPart.layout),
+                                         lse[r])
                 else:
                     gO = mOPart[split, batch, head, qi, None]
                     for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
@@ -824,10 +858,28 @@ class DecodeSm90(WarpSpecialized):
         return sFlag[0] != 0
 
     @cute.jit
+    def _take_start_ticket(self, ticket, num_splits, sFlag):
+        """Polled merge, by the producer warpgroup's idle warp 1 at the CTA's start: count
+        this CTA's start in its group's ticket; the last to start merges (``sFlag[0]``, to
+        the consumers through ``DecodeBarrier.MERGER``) and resets the ticket (every split
+        of this launch has counted)."""
+        if cute.arch.lane_idx() == 0:
+            started = cute.arch.atomic_add(ticket, Int32(1), sem="relaxed", scope="gpu")
+            last = Int32(0)
+            if started == num_splits - 1:
+                last = Int32(1)
+                cute.arch.atomic_exch(ticket, Int32(0), sem="relaxed", scope="gpu")
+            sFlag[0] = last
+        cute.arch.sync_warp()
+        DecodeBarrier.MERGER.arrive(self.num_mma_threads + 32)
+
+    @cute.jit
     def _merge_group(self, mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block, batch):
-        """The last split CTA of a group: merge every split's partial of the tile's rows
-        into O (input dtype) and LSE, one consumer warp per row (rows strided over warps)."""
+        """The merging split CTA of a group (tickets: the last to arrive; polled: the last to
+        start): merge every split's partial of the tile's rows into O (input dtype) and LSE,
+        one consumer warp per row (rows strided over warps)."""
         cfg = self.cfg
+        merge = merge_polled_splits if const_expr(cfg.polled_merge) else merge_splits
         warp = tidx // 32
         lane = tidx % 32
         p_lo = m_block * cfg.tile_m
@@ -835,8 +887,8 @@ class DecodeSm90(WarpSpecialized):
         for r in cutlass.range(warp, tile_rows, self.num_mma_threads // 32, unroll=1):
             p = p_lo + r
             head, qi = packed_row(p, head_kv, group, q_len)
-            lse = merge_splits(mLSEPart[None, batch, head, qi], mOPart[None, batch, head, qi, None],
-                               mO[batch, head, qi, None], lane, cfg.head_dim)
+            lse = merge(mLSEPart[None, batch, head, qi], mOPart[None, batch, head, qi, None],
+                        mO[batch, head, qi, None], lane, cfg.head_dim)
             if lane == 0:
                 mLSE[batch, head, qi] = lse
 
