@@ -18,9 +18,6 @@ slots themselves say whether they are written, so nothing waits for a fence or a
   no ordering between slots is needed, and the last partial costs about one L2 round trip
   after its stores land. A poll that has not seen every slot after ``POLL_LIMIT`` rounds
   (seconds) traps: a bug, not a hang.
-* The merger's own partial stays in its shared memory where the K ring holds it
-  (``DecodeConfig.merger_keeps_own``): the last to start is often the last to finish, and
-  its own stores' trip to L2 and back would be the step's last wait.
 
 Each lane of a merging warp owns D/32 contiguous columns of a row (``lane_columns``), lane
 s the LSE of split s (so at most 32 splits: ``MAX_SPLITS``); the arithmetic is
@@ -106,25 +103,19 @@ def chunk_splits(head_dim: int) -> int:
 
 @cute.jit
 def _load_chunk(vals: cute.Tensor, o_parts: cute.Tensor, s0, num_splits, lane: Int32,
-                head_dim: cutlass.Constexpr[int], own, own_vals) -> Int32:
+                head_dim: cutlass.Constexpr[int]) -> Int32:
     """This lane's columns of splits s0 .. s0 + chunk - 1 (clamped to the last split) into
-    ``vals`` (chunk x per_lane, flat) -> 1 if every slot read was written, else 0. Split
-    ``own`` (None: none) is the merging CTA's, whose columns ``own_vals`` already holds."""
+    ``vals`` (chunk x per_lane, flat) -> 1 if every slot read was written, else 0."""
     per_lane = head_dim // 32
     width = _vector_width(per_lane)
     ok = Int32(1)
     for j in cutlass.range_constexpr(chunk_splits(head_dim)):
-        s = cutlass.min(s0 + j, num_splits - 1)
-        cols = cute.local_tile(o_parts[s, None], (per_lane,), (lane,))
+        row = o_parts[cutlass.min(s0 + j, num_splits - 1), None]
+        cols = cute.local_tile(row, (per_lane,), (lane,))
         for v in cutlass.range_constexpr(per_lane // width):
             xs, written = load_marked_f32s(cols.iterator + v * width, width)
             for i in cutlass.range_constexpr(width):
-                x = xs[i]
-                if const_expr(own is not None):
-                    x = cutlass.select_(s == own, own_vals[v * width + i], x)
-                vals[j * per_lane + v * width + i] = x
-            if const_expr(own is not None):
-                written = cutlass.select_(s == own, Int32(1), written)
+                vals[j * per_lane + v * width + i] = xs[i]
             ok = ok & written
     return ok
 
@@ -139,14 +130,12 @@ def _count_round(rounds: Int32) -> Int32:
 
 @cute.jit
 def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: cute.Tensor, lane: Int32,
-                        head_dim: cutlass.Constexpr[int], own=None, own_row=None, own_lse=None) -> Float32:
+                        head_dim: cutlass.Constexpr[int]) -> Float32:
     """One warp merges one row once every split has written it: ``lse_parts`` [splits]
     and ``o_parts`` [splits, D] (fp32 slots, ``EMPTY`` until written) into ``out_row`` [D]
     (each lane its D/32 columns, in out_row's dtype), then empties the slots it read;
     returns the row's natural-log LSE (-inf: no split saw a key). D a multiple of 32, at
-    most ``MAX_SPLITS`` splits. ``own`` (optional): the merging CTA's split, whose row
-    (``own_row`` [D], fp32 in shared memory) and LSE (``own_lse``) never go through its slots
-    (which stay empty): the last partial to land is then the others', not its own.
+    most ``MAX_SPLITS`` splits.
 
     The first round's loads (every LSE, the first chunk of partials) are in flight
     together: where every split has written, the merge costs one L2 round trip."""
@@ -154,21 +143,14 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
     chunk = chunk_splits(head_dim)
     num_splits = cute.size(lse_parts.shape)
     vals = cute.make_rmem_tensor(chunk * per_lane, Float32)
-    own_vals = None
-    if const_expr(own is not None):
-        own_vals = cute.make_rmem_tensor(per_lane, Float32)
-        own_vals.store(cute.local_tile(own_row, (per_lane,), (lane,)).load())
     lse_s = -Float32.inf     # lane s: split s's LSE
     ready = Int32(0)
     rounds = Int32(0)
     while ready == 0:
-        ok = _load_chunk(vals, o_parts, Int32(0), num_splits, lane, head_dim, own, own_vals)
+        ok = _load_chunk(vals, o_parts, Int32(0), num_splits, lane, head_dim)
         if lane < num_splits:
             xs, written = load_marked_f32s(lse_parts.iterator + cute.crd2idx(lane, lse_parts.layout), 1)
             lse_s = xs[0]
-            if const_expr(own is not None):
-                lse_s = cutlass.select_(lane == own, own_lse, lse_s)
-                written = cutlass.select_(lane == own, Int32(1), written)
             ok = ok & written
         ready = ok
         rounds = _count_round(rounds)
@@ -186,7 +168,7 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
     for s0 in cutlass.range(chunk, num_splits, chunk, unroll=1):
         ready = Int32(0)
         while ready == 0:
-            ready = _load_chunk(vals, o_parts, s0, num_splits, lane, head_dim, own, own_vals)
+            ready = _load_chunk(vals, o_parts, s0, num_splits, lane, head_dim)
             rounds = _count_round(rounds)
         for j in cutlass.range_constexpr(chunk):
             s = s0 + j

@@ -27,7 +27,6 @@ One CTA handles one (kv split) x (kv head, packed-row block) x (batch) work item
   split that *started* last in its group (a relaxed ticket taken by an idle producer warp
   at the CTA's start) polls them and merges: no fence, no ticket after the stream. The
   merger waits only for splits that have started, which never wait: it cannot deadlock.
-  Its own partial stays in its shared memory (over the K ring, as the cluster merge's).
 * Cluster merge (`cluster_splits` > 1: the launch's splits are one cluster per group):
   each CTA keeps its partial in its own shared memory (fp32 O rows over the K ring, LSEs
   over the V ring), a cluster barrier publishes them, CTA `rank` merges rows r = rank
@@ -163,12 +162,6 @@ class DecodeConfig(KernelConfig):
     @property
     def tile_m(self) -> int:
         return 64 * self.num_mma_wg
-
-    @property
-    def merger_keeps_own(self) -> bool:
-        """Polled merge: the merging CTA keeps its own partial in shared memory (fp32 O rows
-        over the K ring, as the cluster merge) instead of its slots, where the ring holds it."""
-        return self.polled_merge and self.num_stages * self.tile_n >= 2 * self.tile_m
 
     @property
     def paged(self) -> bool:
@@ -391,8 +384,7 @@ class DecodeSm90(WarpSpecialized):
         # The cluster merge's view of a split's partial: fp32 O rows over the K ring, LSEs
         # over the V ring (both free once the stream has ended).
         sPart = sLSE = None
-        sFlag = storage.last_arrival.get_tensor(cute.make_layout(2))
-        if const_expr(cfg.cluster_splits > 1 or cfg.merger_keeps_own):
+        if const_expr(cfg.cluster_splits > 1):
             sPart = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), dtype=Float32),
                                      cute.make_layout((cfg.tile_m, cfg.head_dim), stride=(cfg.head_dim, 1)))
             sLSE = cute.make_tensor(cute.recast_ptr(storage.sV.data_ptr(), dtype=Float32), cute.make_layout(cfg.tile_m))
@@ -409,7 +401,7 @@ class DecodeSm90(WarpSpecialized):
                 if warp_idx == 1:
                     if num_splits > 1:
                         self._take_start_ticket(mTickets.iterator + (batch * head_blocks + head_block), num_splits,
-                                                sFlag)
+                                                storage.last_arrival.get_tensor(cute.make_layout(2)))
             if const_expr(cfg.cluster_splits > 1):
                 # The cluster barriers count every thread: the producer's pass both.
                 for _ in cutlass.range_constexpr(2):
@@ -419,18 +411,14 @@ class DecodeSm90(WarpSpecialized):
             self.enter_consumer(cfg.regs)
             self.consume(mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
                          pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block,
-                         batch, seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps, sPart, sLSE,
-                         sFlag)
+                         batch, seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps, sPart, sLSE)
             if const_expr(cfg.polled_merge):
-                if num_splits > 1:   # (consume passed DecodeBarrier.MERGER: sFlag says who merges)
+                if num_splits > 1:
                     self._stamp(stamps, 5, warp_idx == 4)
-                    if sFlag[0] != 0:
-                        own = None
-                        if const_expr(cfg.merger_keeps_own):
-                            DecodeBarrier.ARRIVAL.sync(self.num_mma_threads)   # every thread's rows in sPart
-                            own = split
+                    DecodeBarrier.MERGER.sync(self.num_mma_threads + 32)
+                    if storage.last_arrival.get_tensor(cute.make_layout(2))[0] != 0:
                         self._merge_group(mO, mLSE, mOPart, mLSEPart, cute.arch.thread_idx()[0] - 128, head_kv,
-                                          group, q_len, rows, m_block, batch, own, sPart, sLSE)
+                                          group, q_len, rows, m_block, batch)
                         self._stamp(stamps, 6, warp_idx == 4)
             elif const_expr(cfg.cluster_splits == 1):
                 if num_splits > 1:
@@ -609,8 +597,7 @@ class DecodeSm90(WarpSpecialized):
     @cute.jit
     def consume(self, mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
                 pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block, batch,
-                seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps=None, sPart=None, sLSE=None,
-                sFlag=None):
+                seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps=None, sPart=None, sLSE=None):
         cfg = self.cfg
         if const_expr(mod_args is None):
             mod_args = ()
@@ -698,17 +685,7 @@ class DecodeSm90(WarpSpecialized):
         rescale_rows(acc_O, inv_sum)
         if const_expr(cfg.cluster_splits > 1):
             self._partial_to_smem(acc_O, lse, sPart, sLSE, thr_pv, rows, m_block)
-        elif const_expr(cfg.merger_keeps_own):
-            # Who merges is known since the CTA's start (_take_start_ticket): the merger keeps
-            # its own partial in shared memory, the others write their slots.
-            if self._learn_merger(num_splits, sFlag):
-                self._partial_to_smem(acc_O, lse, sPart, sLSE, thr_pv, rows, m_block)
-            else:
-                self.epilogue(acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, split, num_splits,
-                              head_kv, group, q_len, rows, m_block, batch)
         else:
-            if const_expr(cfg.polled_merge):
-                self._learn_merger(num_splits, sFlag)
             self.epilogue(acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, split, num_splits,
                           head_kv, group, q_len, rows, m_block, batch)
 
@@ -881,16 +858,6 @@ class DecodeSm90(WarpSpecialized):
         return sFlag[0] != 0
 
     @cute.jit
-    def _learn_merger(self, num_splits, sFlag) -> cutlass.Boolean:
-        """Polled merge, every consumer thread: whether this CTA merges its group (the
-        producer's ticket warp has published it by ``DecodeBarrier.MERGER``; one split: no)."""
-        merges = cutlass.Boolean(False)
-        if num_splits > 1:
-            DecodeBarrier.MERGER.sync(self.num_mma_threads + 32)
-            merges = sFlag[0] != 0
-        return merges
-
-    @cute.jit
     def _take_start_ticket(self, ticket, num_splits, sFlag):
         """Polled merge, by the producer warpgroup's idle warp 1 at the CTA's start: count
         this CTA's start in its group's ticket; the last to start merges (``sFlag[0]``, to
@@ -907,8 +874,7 @@ class DecodeSm90(WarpSpecialized):
         DecodeBarrier.MERGER.arrive(self.num_mma_threads + 32)
 
     @cute.jit
-    def _merge_group(self, mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block, batch,
-                     own=None, sPart=None, sLSE=None):
+    def _merge_group(self, mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block, batch):
         """The merging split CTA of a group (tickets: the last to arrive; polled: the last to
         start): merge every split's partial of the tile's rows into O (input dtype) and LSE,
         one consumer warp per row (rows strided over warps)."""
@@ -921,12 +887,8 @@ class DecodeSm90(WarpSpecialized):
         for r in cutlass.range(warp, tile_rows, self.num_mma_threads // 32, unroll=1):
             p = p_lo + r
             head, qi = packed_row(p, head_kv, group, q_len)
-            if const_expr(own is None):
-                lse = merge(mLSEPart[None, batch, head, qi], mOPart[None, batch, head, qi, None],
-                            mO[batch, head, qi, None], lane, cfg.head_dim)
-            else:   # (polled, merger_keeps_own: this CTA's split from its shared memory)
-                lse = merge(mLSEPart[None, batch, head, qi], mOPart[None, batch, head, qi, None],
-                            mO[batch, head, qi, None], lane, cfg.head_dim, own, sPart[r, None], Float32(sLSE[r]))
+            lse = merge(mLSEPart[None, batch, head, qi], mOPart[None, batch, head, qi, None],
+                        mO[batch, head, qi, None], lane, cfg.head_dim)
             if lane == 0:
                 mLSE[batch, head, qi] = lse
 
