@@ -846,16 +846,22 @@ class DecodeSm90(WarpSpecialized):
         arrival completes its group's count (it then owns the merge; the count is reset)."""
         DecodeBarrier.ARRIVAL.sync(self.num_mma_threads)
         if tidx == 0:
-            arrived = cute.arch.atomic_add(ticket, Int32(1), sem="acq_rel", scope="gpu")
-            last = Int32(0)
-            if arrived == num_splits - 1:
-                last = Int32(1)
-                # Every split of this launch has arrived: none touches the counter again, and
-                # the next launch (stream order) finds it zero.
-                cute.arch.atomic_exch(ticket, Int32(0), sem="relaxed", scope="gpu")
-            sFlag[0] = last
+            self._count_in(ticket, num_splits, sFlag, "acq_rel")
         DecodeBarrier.ARRIVAL.sync(self.num_mma_threads)
         return sFlag[0] != 0
+
+    @cute.jit
+    def _count_in(self, ticket, num_splits, sFlag, sem: cutlass.Constexpr[str]):
+        """One thread: this CTA counted in its group's ticket (an atomic of ordering
+        ``sem``); ``sFlag[0]`` = 1 in the CTA that completes the count, which resets it —
+        every split of this launch has counted, so none touches it again, and the next
+        launch (stream order) finds it zero."""
+        counted = cute.arch.atomic_add(ticket, Int32(1), sem=sem, scope="gpu")
+        last = Int32(0)
+        if counted == num_splits - 1:
+            last = Int32(1)
+            cute.arch.atomic_exch(ticket, Int32(0), sem="relaxed", scope="gpu")
+        sFlag[0] = last
 
     @cute.jit
     def _take_start_ticket(self, ticket, num_splits, sFlag):
@@ -864,12 +870,7 @@ class DecodeSm90(WarpSpecialized):
         the consumers through ``DecodeBarrier.MERGER``) and resets the ticket (every split
         of this launch has counted)."""
         if cute.arch.lane_idx() == 0:
-            started = cute.arch.atomic_add(ticket, Int32(1), sem="relaxed", scope="gpu")
-            last = Int32(0)
-            if started == num_splits - 1:
-                last = Int32(1)
-                cute.arch.atomic_exch(ticket, Int32(0), sem="relaxed", scope="gpu")
-            sFlag[0] = last
+            self._count_in(ticket, num_splits, sFlag, "relaxed")
         cute.arch.sync_warp()
         DecodeBarrier.MERGER.arrive(self.num_mma_threads + 32)
 
