@@ -86,7 +86,10 @@
 # against 256-row and 192 x 112 tiles by FLEXATTN_FWD_TILES; their GPU cases first),
 # wide-bwd (bench_head_dims' forward + backward at 192/128, 192/192, 256/128 and 256/256: issue 25's cells last read
 # in sessions 34 / 38), scaled-indices (planned since session 64: its GPU cases, then the door's A/B on ALiBi with
-# FLEXATTN_SCALED_INDICES=0, the plain product, at D32 / D64 / D128, forward and at D128 forward + backward).
+# FLEXATTN_SCALED_INDICES=0, the plain product, at D32 / D64 / D128, forward and at D128 forward + backward),
+# polled-merge (the decode GPU suite with the polled merge planned, decode_floor by FLEXATTN_DECODE_MERGE=tickets / auto,
+# the merge's timeline, bench_decode's B1 L128k and B8 L8k rows), band-prefix (a window's masked prefix by arithmetic,
+# FLEXATTN_DECODE_BAND_PREFIX=1, not yet planned: its GPU cases, decode_floor's window rows off / on twice, a timeline).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -349,6 +352,14 @@ for step in $steps; do
                     --variants window4096 none --layouts contiguous --merges tickets polled --reps 5)
                   run polled_bench 110 python3 benchmarks/bench_decode.py --shapes 1x131072 8x8192 \
                     --variants none window4096 --layouts contiguous --out "$out/bench_decode_polled.json" ;;
+    band-prefix) run band_prefix_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
+                   -k "polled_merge_planned or window_skips"
+                 for v in 0 1 0 1; do
+                   FLEXATTN_DECODE_BAND_PREFIX=$v run band_prefix_floor_$v 50 python3 benchmarks/decode_floor.py \
+                     --rows 1x131072:window4096 8x8192:window4096 8x65536:window4096
+                 done
+                 (cd benchmarks && FLEXATTN_DECODE_BAND_PREFIX=1 run band_prefix_timeline 70 python3 decode_timeline.py \
+                   --shapes 1x131072 --variants window4096 --layouts contiguous --merges polled --reps 5) ;;
     scaled-indices) run scaled_tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_head_dims_gpu.py \
                       -k "scaled_indices"
                     run scaled_door 200 python3 benchmarks/ab_env.py --env FLEXATTN_SCALED_INDICES=0 --rounds 7 \

@@ -493,9 +493,39 @@ _CONFIGS: dict = {}
 _CONFIGS_CAPACITY = 128
 
 
+def band_prefix(base, mask, queries_at_end: bool):
+    """``DecodeConfig.prefix_band`` for a step whose user mask ``base`` the kernel evaluates
+    as ``mask`` (``base`` itself, or ``base`` at true positions): where ``base`` is a band
+    with an upper bound on q - kv (a sliding window), (that bound with its captured numbers
+    re-indexed to ``mask``'s captures, ``queries_at_end``), else None. Planned only with
+    ``FLEXATTN_DECODE_BAND_PREFIX=1`` (an A/B option until measured: ``_planned_band_prefix``)."""
+    if base is None or mask is None:
+        return None
+    from ..mods.structure import Affine, diagonal_band
+
+    band = diagonal_band(base.expr)
+    if band is None or band.empty or band.hi is None:
+        return None
+    hi = band.hi
+    if isinstance(hi, Affine):
+        terms = []
+        for slot, coef in hi.terms:
+            # (the same objects: shift_queries captures the mod's numbers as they are)
+            at = [j for j, c in enumerate(mask.captures) if c is base.captures[slot]]
+            if not at:
+                return None
+            terms.append((at[0], coef))
+        hi = Affine(hi.const, tuple(sorted(terms)))
+    return (hi, queries_at_end)
+
+
+def _planned_band_prefix(base, mask, queries_at_end: bool):
+    return band_prefix(base, mask, queries_at_end) if os.environ.get("FLEXATTN_DECODE_BAND_PREFIX") == "1" else None
+
+
 def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, score, mask,
                 tuning: DecodeTuning = DEFAULT_TUNING, skip_masked_prefix: bool = True,
-                mask_last_page_only: bool = False):
+                mask_last_page_only: bool = False, prefix_band: tuple | None = None):
     """The step's DecodeConfig; configs are cached by the mods' structure, so a hit only
     wraps these captures in a fresh hook."""
     from ..kernels.decode.sm90 import DecodeConfig
@@ -503,7 +533,7 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
 
     # By IR identity (cached rewrites share it), so a hit hashes no structure; the entry's
     # template holds the IR, so the ids stay its own.
-    key = (dtype, head_dim, num_mma_wg, page_size, tuning, skip_masked_prefix, mask_last_page_only,
+    key = (dtype, head_dim, num_mma_wg, page_size, tuning, skip_masked_prefix, mask_last_page_only, prefix_band,
            os.environ.get("FLEXATTN_DECODE_PREFETCH", "1") != "0",
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     hook = IRModHook(score, mask)
@@ -514,6 +544,7 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
         config = DecodeConfig(dtype=dtype, head_dim=head_dim, num_mma_wg=num_mma_wg, tile_n=tuning.tile_n,
                               num_stages=tuning.num_stages, ctas_per_sm=tuning.ctas_per_sm,
                               page_size=page_size, skip_masked_prefix=skip_masked_prefix,
+                              prefix_band=prefix_band if skip_masked_prefix else None,
                               mask_last_page_only=mask_last_page_only,
                               prefetch_tile_reads=_prefetch_pays(template, tuning.tile_n, mask_last_page_only),
                               mods=template)
@@ -589,7 +620,8 @@ class DecodePlan:
         walk = mods.listed_walk or mods.full_but_last
         self.config = _config_for(KERNEL_DTYPES[dtype_name(q)], D, num_mma_wg, page_size, the_score, the_mask,
                                   tuning, skip_masked_prefix=not walk and not head_always_kept(base, B, Hq),
-                                  mask_last_page_only=mods.full_but_last)
+                                  mask_last_page_only=mods.full_but_last,
+                                  prefix_band=None if walk else _planned_band_prefix(base, the_mask, shift))
 
         from ..kernels.emit.mod_emit import capture_kinds
 
@@ -928,7 +960,8 @@ def fixed_length_launch(q_shape, kv_heads: int, kv_len: int, dtype: str, mods: D
     mask = None if _is_full(base) else base
     score = None if mods.score_mod is None else as_score(mods.score_mod, "score_mod")
     config = _config_for(KERNEL_DTYPES[dtype], D, num_mma_wg, 0, score, mask, tuning,
-                         skip_masked_prefix=not head_always_kept(base, B, Hq))
+                         skip_masked_prefix=not head_always_kept(base, B, Hq),
+                         prefix_band=_planned_band_prefix(base, mask, False))
     live = live_blocks(mask, B, Hq, q_len, kv_len, tuning.tile_n, first_query=0)
     chosen, splits, cluster = choose_launch(B, kv_heads, m_blocks, live, num_sms, tuning)
     if (chosen, cluster) != (tuning, 1):

@@ -139,6 +139,17 @@ def assert_marked_zero():
     assert int(marked.count_nonzero()) == 0, marked.nonzero().flatten()[:16].tolist()
 
 
+@pytest.fixture(params=["analysis", "band"])
+def prefix(request, monkeypatch):
+    """A window's masked prefix by the kernel's interval analysis, or by arithmetic from the
+    band's bound (``decode_path.band_prefix``, FLEXATTN_DECODE_BAND_PREFIX=1); plans made
+    under the other setting dropped."""
+    monkeypatch.setenv("FLEXATTN_DECODE_BAND_PREFIX", "1" if request.param == "band" else "0")
+    decode_path._PREPARED.clear()
+    yield request.param
+    decode_path._PREPARED.clear()
+
+
 @pytest.fixture(params=["tickets", "polled"])
 def merge(request, monkeypatch):
     """Both merges of split CTAs without a cluster (``decode_path.polled_merge_pays``)."""
@@ -243,7 +254,7 @@ def test_decode_head_dims_against_reference(D, kind, page_size, group, q_len, nu
 
 
 @pytest.mark.parametrize("D", [32, 64, 96, 128, 256])
-def test_polled_merge_planned_for_a_long_window_step(D):
+def test_polled_merge_planned_for_a_long_window_step(D, prefix):
     """The planner's B 1 sliding-window step (many splits, no cluster) merges polled: the
     split that started last polls the others' partial slots. Three steps queued back to
     back with new queries (each finds the slots the one before emptied), each against the
@@ -261,6 +272,7 @@ def test_polled_merge_planned_for_a_long_window_step(D):
         steps.append((q, out, lse))
     torch.cuda.synchronize()
     assert step.config.polled_merge and step.config.cluster_splits == 1 and step.num_splits > 2, step
+    assert (step.config.prefix_band is not None) == (prefix == "band")
     assert_tickets_zero()
     assert_marked_zero()
     for q, out, lse in steps:
@@ -285,7 +297,7 @@ def window_head_poisoned(B, Hq, Hkv, n, D, cap, lengths, w, block, score_fn=None
     return k, v, q, want, want_lse
 
 
-def test_window_skips_blocks_and_many_splits():
+def test_window_skips_blocks_and_many_splits(prefix):
     """A long cache with a short window: the kernel skips the cache's head by itself — keys
     before the window's first 128-key block are NaN (any visit would poison O) — and B 1
     splits wide, also with the other tunings. The planner sizes the splits by the ~17
@@ -301,6 +313,7 @@ def test_window_skips_blocks_and_many_splits():
         cache = make_paged(k, v, lengths, page_size) if page_size else fa.KVCache(k, v, torch.tensor(lengths, dtype=torch.int32))
         out, lse, step = run_kernel(q, cache, mods.sliding_window(w), mods.alibi(num_heads=Hq), 132, tuning)
         assert step.num_splits > 1
+        assert (step.config.prefix_band is not None) == (prefix == "band")
         t = tuning or decode_path.DEFAULT_TUNING
         live = decode_path.live_blocks(mods.sliding_window(w), B, Hq, n, lengths[0], t.tile_n)
         assert live == -(-lengths[0] // t.tile_n) - (lengths[0] - n - w) // t.tile_n

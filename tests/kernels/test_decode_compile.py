@@ -109,6 +109,10 @@ CASES = {
                               None, mods.sliding_window(4096), True, 8),
     "polled-hd32-2wg": (dict(head_dim=32, tile_n=64, num_stages=6, num_mma_wg=2, polled_merge=True), None, None,
                         False, 2),
+    # a sliding window's masked prefix by arithmetic (decode_path.band_prefix; an A/B option,
+    # FLEXATTN_DECODE_BAND_PREFIX=1): no Float64 analysis, no ballot
+    "polled-window-band-prefix": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, polled_merge=True),
+                                  mods.alibi(num_heads=32), mods.sliding_window(4096), True, 4),
     # ... with the next tile's table and page-map reads issued a step ahead
     "paged128-block-table-prefetched": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, page_size=128,
                                              skip_masked_prefix=False, prefetch_tile_reads=True),
@@ -116,10 +120,20 @@ CASES = {
 }
 
 
+def _config(name):
+    """(the case's DecodeConfig, its hook); the band-prefix case with the window's bound at
+    true positions, as the planner gives it (``decode_path.band_prefix``)."""
+    kw, score, mask, _, _ = CASES[name]
+    shifted = None if mask is None else shift_queries(mask, OFFSETS)
+    hook = IRModHook(None if score is None else shift_queries(score, OFFSETS), shifted)
+    if name.endswith("band-prefix"):
+        kw = dict(kw, prefix_band=decode_path.band_prefix(mask, shifted, True))
+    return DecodeConfig(mods=hook, **kw), hook
+
+
 def _ptx(name):
-    kw, score, mask, ffi, _ = CASES[name]
-    hook = _hook(score, mask)
-    return compile_decode(DecodeConfig(mods=hook, **kw), fake_args(hook), keep_ptx=True, tvm_ffi=ffi).__ptx__
+    cfg, hook = _config(name)
+    return compile_decode(cfg, fake_args(hook), keep_ptx=True, tvm_ffi=CASES[name][3]).__ptx__
 
 
 prefetch(_ptx, CASES)   # the fixture's jobs, started ahead (compile_pool.py)
@@ -143,14 +157,14 @@ def test_decode_ptx(compiled, name):
     assert ptx.count("cp.async.bulk.tensor") == tma_copies
     # QK^T (D/16 wgmmas) and PV (tile_n/16) for the bounded first block and the rest (the
     # rest twice, masked and not, where the mask applies on the last page alone).
-    cfg = DecodeConfig(**kw)
+    cfg = _config(name)[0]
     steps = 3 if cfg.mask_last_page_only else 2
     assert ptx.count("wgmma.mma_async") == steps * (cfg.head_dim // 16 + cfg.tile_n // 16)
     assert ("tanh.approx" in ptx) == (name == "paged256-hd64-softcap-fp16")
     # The masked-prefix skip: Float64 interval analysis only where a mask is traced, and
     # its search over prefixes, one candidate per lane counted by a ballot.
     f64 = len(re.findall(r"\.f64\b", ptx))
-    analysed = mask is not None and cfg.skip_masked_prefix
+    analysed = mask is not None and cfg.skip_masked_prefix and cfg.prefix_band is None
     assert (f64 > 0) == analysed, f64
     assert ("vote.sync.ballot" in ptx) == analysed
     assert re.search(rf"\.minnctapersm\s+{cfg.ctas_per_sm}\b", ptx)
@@ -276,7 +290,7 @@ def test_decode_no_spills(compiled, name):
         pytest.skip("no ptxas on PATH")
     assert usage.spill_store_bytes == 0 and usage.spill_load_bytes == 0 and usage.stack_bytes == 0, usage
     assert usage.wgmma_serialized is None, usage
-    cfg = DecodeConfig(**CASES[name][0])
+    cfg = _config(name)[0]
     threads = 128 * (1 + cfg.num_mma_wg)
     assert usage.registers * threads * cfg.ctas_per_sm <= 65536, usage   # the CTAs fit one SM
 
@@ -534,6 +548,24 @@ def test_plan_run_repeated_steps():
     assert plan.run(q, k, k, None, out, lse, [4001, 38], 132) == 13
     assert launches[-1][0] == "polled" and launches[-1][8].data_ptr() == marked.data_ptr()
     assert plan.run(q, k, k, None, out, lse, [100, 37], 132) == 1 and launches[-1][0] != "polled"
+
+
+def test_band_prefix():
+    """``decode_path.band_prefix``: a mask that is a band with an upper bound on q - kv gives
+    that bound (captured numbers re-indexed to the kernel mask's captures: at true positions
+    the offsets come first) and where the queries sit; anything else, None."""
+    from flexattn.mods.structure import Affine
+
+    window = mods.sliding_window(4096)
+    shifted = shift_queries(window, OFFSETS)
+    hi, at_end = decode_path.band_prefix(window, shifted, True)
+    assert at_end and isinstance(hi, Affine) and hi.value(shifted.captures) == 4096
+    assert decode_path.band_prefix(window, window, False) == (Affine(0, ((0, 1),)), False)
+    literal = mods.mask_mod(lambda b, h, q, kv: (q - kv <= 1000) & (q >= kv))
+    assert decode_path.band_prefix(literal, shift_queries(literal, OFFSETS), True) == (1000, True)
+    assert decode_path.band_prefix(mods.mask_mod(lambda b, h, q, kv: kv >= q - 7), window, False) == (7, False)
+    for not_one in (mods.causal(), mods.mask_mod(lambda b, h, q, kv: kv % 2 == 0), None):
+        assert decode_path.band_prefix(not_one, window, True) is None
 
 
 def test_choose_launch_short_ranges():

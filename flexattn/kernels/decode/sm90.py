@@ -78,6 +78,7 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync
 
 from flexattn.kernels.emit import interval_emit
+from flexattn.mods.structure import Affine
 from flexattn.kernels.hopper import dsmem, mma
 from flexattn.kernels.decode.combine import inverse_and_lse, lane_columns, log2_shift, merge_splits
 from flexattn.kernels.decode.polled_merge import merge_polled_splits, store_marked_f32
@@ -120,6 +121,11 @@ class DecodeConfig(KernelConfig):
     skip_masked_prefix: bool = True  # the masked-prefix analysis before the stream (masks
                                      # only); off where the planner proves the cache's first
                                      # key always attended (causal...): it would find nothing
+    prefix_band: tuple | None = None  # (hi, queries at the cache's end): the mask is a band
+                                     # with q - kv <= hi (hi an int or a structure.Affine of the
+                                     # mask's captures), so its masked prefix is arithmetic —
+                                     # keys below the first query's position minus hi — instead
+                                     # of the analysis (decode_path.band_prefix)
     mask_last_page_only: bool = False  # paged: the mask evaluated in the tiles that overlap
                                      # a sequence's last page alone (every page before it is
                                      # known full: a short query's walk of listed blocks,
@@ -371,7 +377,9 @@ class DecodeSm90(WarpSpecialized):
         seqlen = Int32(mSeqLens[batch])
         n_hi = (seqlen + cfg.tile_n - 1) // cfg.tile_n
         n_lo = Int32(0)
-        if const_expr(self.mask_expr is not None):
+        if const_expr(self.mask_expr is not None and cfg.prefix_band is not None):
+            n_lo = self._band_prefix_blocks(seqlen, q_len, n_hi, mod_args)
+        elif const_expr(self.mask_expr is not None):
             p_lo = m_block * cfg.tile_m
             p_hi = cutlass.min(p_lo + cfg.tile_m, rows) - 1
             heads = (head_kv * group + p_lo // q_len, head_kv * group + p_hi // q_len)
@@ -482,6 +490,20 @@ class DecodeSm90(WarpSpecialized):
                     hi = cutlass.min(hi, lo + (count + 1) * step - 1)
                     lo = new_lo
         return lo
+
+    @cute.jit
+    def _band_prefix_blocks(self, seqlen, q_len, n_hi, mod_args):
+        """``cfg.prefix_band``: the leading blocks a band ``q - kv <= hi`` masks for every row
+        of the tile — keys below the first query's position (``seqlen - q_len`` at the
+        cache's end, else 0: no row sits lower) minus hi. What the analysis finds, in a few
+        integer instructions instead of its rounds before the first load."""
+        hi, at_end = self.cfg.prefix_band
+        if const_expr(isinstance(hi, Affine)):
+            hi = hi.value(self.cfg.mods.mask_args(mod_args), as_int=Int32)
+        q_first = Int32(0)
+        if const_expr(at_end):
+            q_first = seqlen - q_len
+        return cutlass.min(cutlass.max(q_first - Int32(hi), Int32(0)) // self.cfg.tile_n, n_hi)
 
     def _prefix_masked(self, n, batch, heads, q_len, seqlen, args):
         """Keys [0, n * tile_n) surely masked for the tile's rows (n >= 1)."""
