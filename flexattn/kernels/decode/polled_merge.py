@@ -26,7 +26,7 @@ s the LSE of split s (so at most 32 splits: ``MAX_SPLITS``); the arithmetic is
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
