@@ -342,7 +342,7 @@ for step in $steps; do
                  --dims 32/32 64/64 80/80 96/96 128/128 192/128 256/256 --out "$out/head_dims.json"
                run head_dims_bwd 200 python3 benchmarks/bench_head_dims.py --backward \
                  --dims 32/32 64/64 80/80 96/96 --out "$out/head_dims_bwd.json" ;;
-    polled-merge) run polled_tests 250 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
+    polled-merge) run polled_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
                     tests/gpu/test_short_query_gpu.py
                   for m in tickets auto; do
                     FLEXATTN_DECODE_MERGE=$m run polled_floor_$m 70 python3 benchmarks/decode_floor.py \
