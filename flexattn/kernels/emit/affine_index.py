@@ -32,10 +32,11 @@ int32 (offsets are within a tile; constants whose shifted value would leave int3
 plain form).
 
 A float index times a row constant (ALiBi's ``slope[h] * float(kv - q)``) can go one step
-further (``AffineIndex(..., scaled=True)``, `IRModHook`'s ``scaled_indices``; planned for the
-forward and backward, ``FLEXATTN_SCALED_INDICES=0`` turns it off): ``float(base) + offset`` is kept as a ``FloatAffine``, and its product with a
-row constant ``x`` is ``offset * x + base * x``, ``base * x`` once per row, then one FFMA
-with an immediate per element instead of a FADD and a FMUL. Rounding: ``x * (base +
+further (``AffineIndex(..., scaled=True)``, `IRModHook`'s ``scaled_indices``; planned for
+every forward, ``FLEXATTN_SCALED_INDICES=0`` turns it off; the backward's q is clamped, so
+it keeps the plain form): ``float(base) + offset`` is kept as a ``FloatAffine``, and its
+product with a row constant ``x`` is ``offset * x + base * x``, ``base * x`` once per row,
+then one FFMA with an immediate per element instead of a FADD and a FMUL. Rounding: ``x * (base +
 offset)`` rounds once; ``fma(offset, x, fl(base * x))`` rounds ``base * x`` and then the
 sum: within 1 ulp of the product's magnitude (a relative 2^-23 of the bias, where the
 score's bf16 inputs carry 2^-8).

@@ -55,7 +55,7 @@ class ModHook:
         return False
 
     # Whether an AffineIndex's float keeps its product with a row constant as one FFMA per
-    # element (affine_index.FloatAffine): IRModHook's A/B option.
+    # element (affine_index.FloatAffine): IRModHook's, as the forward planner sets it.
     scaled_indices = False
 
     def affine_index(self, var: str, score: bool, mask: bool) -> bool:
