@@ -388,6 +388,8 @@ class DecodeSm90(WarpSpecialized):
         first = cutlass.min(n_lo + split * per_split, n_hi)
         count = cutlass.min(first + per_split, n_hi) - first
         self._stamp(stamps, 11, warp_idx == 4)
+        # Whether this CTA merges its group (set by whoever counts it in: _count_in).
+        sMerges = storage.last_arrival.get_tensor(cute.make_layout(2))
 
         # The cluster merge's view of a split's partial: fp32 O rows over the K ring, LSEs
         # over the V ring (both free once the stream has ended).
@@ -409,7 +411,7 @@ class DecodeSm90(WarpSpecialized):
                 if warp_idx == 1:
                     if num_splits > 1:
                         self._take_start_ticket(mTickets.iterator + (batch * head_blocks + head_block), num_splits,
-                                                storage.last_arrival.get_tensor(cute.make_layout(2)))
+                                                sMerges)
             if const_expr(cfg.cluster_splits > 1):
                 # The cluster barriers count every thread: the producer's pass both.
                 for _ in cutlass.range_constexpr(2):
@@ -424,7 +426,7 @@ class DecodeSm90(WarpSpecialized):
                 if num_splits > 1:
                     self._stamp(stamps, 5, warp_idx == 4)
                     DecodeBarrier.MERGER.sync(self.num_mma_threads + 32)
-                    if storage.last_arrival.get_tensor(cute.make_layout(2))[0] != 0:
+                    if sMerges[0] != 0:
                         self._merge_group(mO, mLSE, mOPart, mLSEPart, cute.arch.thread_idx()[0] - 128, head_kv,
                                           group, q_len, rows, m_block, batch)
                         self._stamp(stamps, 6, warp_idx == 4)
@@ -432,8 +434,7 @@ class DecodeSm90(WarpSpecialized):
                 if num_splits > 1:
                     tidx = cute.arch.thread_idx()[0] - 128
                     ticket = mTickets.iterator + (batch * head_blocks + head_block)
-                    last = self._arrived_last(ticket, num_splits, storage.last_arrival.get_tensor(cute.make_layout(2)),
-                                              tidx)
+                    last = self._arrived_last(ticket, num_splits, sMerges, tidx)
                     self._stamp(stamps, 5, warp_idx == 4)
                     if last:
                         self._merge_group(mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block,
