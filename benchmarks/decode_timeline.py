@@ -133,6 +133,7 @@ def main():
     ap.add_argument("--splits", type=int, default=None, help="split count (default: the planner's)")
     ap.add_argument("--by-sm", action="store_true", help="also print each row's stream end per SM (3 launches)")
     args = ap.parse_args()
+    from flexattn.core import decode_path
     from flexattn.core.decode_path import DEFAULT_TUNING, DecodeTuning
 
     print(f"# {device_name()}, tuning {args.tuning or 'default'}, splits {args.splits or 'planned'}")
@@ -153,6 +154,7 @@ def main():
                     base = DecodeTuning(tile_n=tile_n, num_stages=stages, ctas_per_sm=per_sm)
                 tuning = dataclasses.replace(base, cluster_merge=merge == "cluster")
                 os.environ["FLEXATTN_DECODE_MERGE"] = "tickets" if merge == "tickets" else "auto"
+                decode_path._PREPARED.clear()   # (a plan reads the merge once)
                 step, _ = plan_step(q, cache, score, mask, tuning, args.splits)
                 merge = ("cluster" if step.config.cluster_splits > 1 else "polled" if step.config.polled_merge
                          else "tickets")

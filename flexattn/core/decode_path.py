@@ -472,12 +472,11 @@ def polled_merge_pays(splits: int, cluster: int, head_dim: int) -> bool:
     """Whether a step's splits merge by polling their partials' slots (``DecodeConfig.
     polled_merge``) instead of tickets: wherever no cluster merges them, up to 32 splits
     (one LSE per lane) and head dims that are multiples of 32, on workspaces that keep the
-    slots zeroed (``DecodeWorkspace.marked_scratch``; the caller checks).
-    ``FLEXATTN_DECODE_MERGE=tickets`` keeps the tickets, for A/B runs."""
+    slots zeroed (``DecodeWorkspace.marked_scratch``; the caller checks, and reads
+    ``FLEXATTN_DECODE_MERGE=tickets``, which keeps the tickets for A/B runs, once per plan)."""
     from ..kernels.decode.polled_merge import MAX_SPLITS
 
-    return (cluster == 1 and 1 < splits <= MAX_SPLITS and head_dim % 32 == 0
-            and os.environ.get("FLEXATTN_DECODE_MERGE", "auto") != "tickets")
+    return cluster == 1 and 1 < splits <= MAX_SPLITS and head_dim % 32 == 0
 
 
 def _prefetch_pays(mods, tile_n: int, mask_last_page_only: bool) -> bool:
@@ -634,8 +633,11 @@ class DecodePlan:
         # One arrival counter per CTA group (grid dims 1 and 2), all zero between launches.
         self._tickets = workspace.tickets(self.batch * self.kv_heads * self.m_blocks)
         self._scratch = workspace.scratch
-        self._marked = workspace.marked_scratch
-        self._launches: dict = {}    # (kv blocks, SM count) -> choose_launch's (tuning, splits, cluster)
+        # Zeroed slots for the polled merge, unless FLEXATTN_DECODE_MERGE=tickets (read once
+        # per plan: a step's host time is tens of µs, an environment read ~1).
+        self._marked = workspace.marked_scratch if os.environ.get("FLEXATTN_DECODE_MERGE", "auto") != "tickets" \
+            else None
+        self._launches: dict = {}    # (kv blocks, SM count) -> choose_launch's (tuning, splits, cluster), polled
         self.q_heads = Hq
         self._parts: dict = {}       # (split count, polled) -> (scratch array, o_part, lse_part)
         # Numbers, read-only arrays and our positions buffer cannot change under the plan:
@@ -716,8 +718,9 @@ class DecodePlan:
                 # (a window's); planned once per block count (every tile_n tokens of decoding).
                 live = live_blocks(self._base_mask, self.batch, self.q_heads, q_len, longest, self.tuning.tile_n,
                                    self._first_query)
-                launch = self._launches[key] = choose_launch(self.batch, self.kv_heads, self.m_blocks, live,
-                                                             num_sms, self.tuning)
+                tuning, splits, cluster = choose_launch(self.batch, self.kv_heads, self.m_blocks, live, num_sms,
+                                                       self.tuning)
+                launch = self._launches[key] = (tuning, splits, cluster, self._polls(splits, cluster))
         else:
             if num_splits < 1:
                 raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -725,9 +728,9 @@ class DecodePlan:
             from ..kernels.decode.sm90 import CLUSTER_SPLITS
 
             clustered = self.tuning.cluster_merge and num_splits > 1 and num_splits in CLUSTER_SPLITS
-            launch = (self.tuning, int(num_splits), int(num_splits) if clustered else 1)
-        tuning, splits, cluster = launch
-        polled = self._marked is not None and polled_merge_pays(splits, cluster, self.config.head_dim)
+            cluster = int(num_splits) if clustered else 1
+            launch = (self.tuning, int(num_splits), cluster, self._polls(int(num_splits), cluster))
+        tuning, splits, cluster, polled = launch
         o_size, lse_size = self._part_sizes
         flat = (self._marked if polled else self._scratch)(splits * (o_size + lse_size))
         parts = self._parts.get((splits, polled))
@@ -737,6 +740,11 @@ class DecodePlan:
             lse_part = flat[splits * o_size:splits * (o_size + lse_size)].reshape((splits,) + lse_shape)
             parts = self._parts[(splits, polled)] = (flat, o_part, lse_part)
         return (tuning, cluster, polled), splits, parts[1], parts[2]
+
+    def _polls(self, splits: int, cluster: int) -> bool:
+        """Whether ``splits`` merge polled (``polled_merge_pays``, where the workspace keeps
+        zeroed slots)."""
+        return self._marked is not None and polled_merge_pays(splits, cluster, self.config.head_dim)
 
     def _launcher(self, kernel, q, k, v, table, out, lse, o_part, lse_part, seq_lens=None, args=None) -> Callable:
         """The launch of `kernel` (tuning, cluster, polled) with these arguments (compiling on its

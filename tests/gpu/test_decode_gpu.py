@@ -152,9 +152,12 @@ def prefix(request, monkeypatch):
 
 @pytest.fixture(params=["tickets", "polled"])
 def merge(request, monkeypatch):
-    """Both merges of split CTAs without a cluster (``decode_path.polled_merge_pays``)."""
+    """Both merges of split CTAs without a cluster (``decode_path.polled_merge_pays``); plans
+    made under the other setting dropped (a plan reads it once)."""
     monkeypatch.setenv("FLEXATTN_DECODE_MERGE", "tickets" if request.param == "tickets" else "auto")
-    return request.param
+    decode_path._PREPARED.clear()
+    yield request.param
+    decode_path._PREPARED.clear()
 
 
 def assert_tickets_zero():
