@@ -13,10 +13,17 @@ launch follows a read-only L2 flush, as ``clean_ms``. Per row (medians over laun
   entry        last CTA's entry (how long the launch takes to place every CTA)
   wave1        CTAs that entered within 5 µs of the first (all of them: one wave)
   range        median CTA: entry -> its kv range known (length read, masked-prefix analysis)
+  prod/issue/q median CTA: entry -> producer warp started / its first K block's TMA issued
+               (the length's load returned) / the packed Q stored to shared memory
   first        median CTA: entry -> first kv block consumed (Q load, first TMA round trip)
   end p0/10/mean/50/100  stream ends over CTAs (the tail's spread; mean: where a
                perfectly balanced stream would end, to first order)
   ticket       median CTA: stream end -> ticket taken (partial stores, fence, atomic)
+  norm         median CTA: stream end -> its partial normalized (finalize; the stores start)
+  seen/rounds  polled merge, median merging CTA: the last split's partial issued (any CTA's
+               "ticket" stamp) -> its first row seen written; the polling rounds it took
+  out          polled merge, median merging CTA: first row seen -> merged row stored (the
+               slots are emptied after it, before "merge" ends)
   merge        median merging CTA: ticket -> merged rows written
   done         last stamp of any CTA
   steady       K+V bytes / (median stream end - median first block), TB/s
@@ -100,7 +107,36 @@ def summarize(stamps: np.ndarray, gbytes: float) -> dict:
         "end mean": ends.mean(), "end p10": np.percentile(ends, 10),
         # entry -> the split's range known (length read, masked-prefix analysis)
         "range": np.median(relative_us(stamps, [11])[:, 0] - rel[:, 0]),
+        # entry -> producer start, Q in shared memory, the first K block's TMA issued
+        "prod": np.median(rel[:, 1] - rel[:, 0]), "q": np.median(rel[:, 2] - rel[:, 0]),
+        "issue": np.median(relative_us(stamps, [12])[:, 0] - rel[:, 0]),
+        # stream end -> the partial normalized (the stores' start; "ticket" ends when issued)
+        "norm": np.median(relative_us(stamps, [15])[:, 0] - rel[:, 4]),
+        # polled mergers: the last split's partial stores issued -> its first row seen
+        # written, and the polling rounds that took
+        "seen": polled_seen(stamps, rel, merged),
+        "rounds": float(np.median(stamps[merged, 14])) if polled_probe(stamps, merged) else 0.0,
+        # polled mergers: first row seen -> merged row stored (before emptying the slots)
+        "out": (float(np.median(relative_us(stamps, [16])[merged, 0] - relative_us(stamps, [13])[merged, 0]))
+                if polled_probe(stamps, merged) else 0.0),
     }
+
+
+def polled_seen(stamps: np.ndarray, rel: np.ndarray, merged: np.ndarray) -> float:
+    """Median over groups (CTAs in runs of the split count, one merger each): the group's
+    last partial issued (its CTAs' latest stamp 5) -> its merger saw the first row written
+    (stamp 13). 0 without the probe."""
+    if not polled_probe(stamps, merged):
+        return 0.0
+    groups = int(merged.sum())
+    last_issued = rel[:, 5].reshape(groups, -1).max(axis=1)
+    seen = relative_us(stamps, [13])[merged, 0]      # mergers in CTA order: one per group, in order
+    return float(np.median(seen - last_issued))
+
+
+def polled_probe(stamps: np.ndarray, merged: np.ndarray) -> bool:
+    """Whether the merging CTAs stamped the polled merge's probe (13: seen, 14: rounds)."""
+    return bool(merged.any() and (stamps[merged, 14] > 0).all())
 
 
 def ends_by_sm(stamps: np.ndarray) -> list:
@@ -137,8 +173,8 @@ def main():
     from flexattn.core.decode_path import DEFAULT_TUNING, DecodeTuning
 
     print(f"# {device_name()}, tuning {args.tuning or 'default'}, splits {args.splits or 'planned'}")
-    cols = ["kernel", "plain", "entry", "wave1", "range", "first", "end p0", "end p10", "end mean", "end p50", "end p100",
-            "ticket", "merge", "done", "steady", "tick"]
+    cols = ["kernel", "plain", "entry", "wave1", "range", "prod", "issue", "q", "first", "end p0", "end p10", "end mean", "end p50", "end p100",
+            "ticket", "norm", "seen", "rounds", "out", "merge", "done", "steady", "tick"]
     print("| B | L | layout | variant | splits | merge | " + " | ".join(cols) + " |")
     print("|" + "---|" * (6 + len(cols)))
     for shape in args.shapes:

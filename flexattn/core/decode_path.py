@@ -496,8 +496,10 @@ def band_prefix(base, mask, queries_at_end: bool):
     """``DecodeConfig.prefix_band`` for a step whose user mask ``base`` the kernel evaluates
     as ``mask`` (``base`` itself, or ``base`` at true positions): where ``base`` is a band
     with an upper bound on q - kv (a sliding window), (that bound with its captured numbers
-    re-indexed to ``mask``'s captures, ``queries_at_end``), else None. Planned only with
-    ``FLEXATTN_DECODE_BAND_PREFIX=1`` (an A/B option until measured: ``_planned_band_prefix``)."""
+    re-indexed to ``mask``'s captures, ``queries_at_end``), else None. Planned by default
+    (``_planned_band_prefix``; ``FLEXATTN_DECODE_BAND_PREFIX=0`` keeps the interval
+    analysis, for A/B): B1 L128k window 4096 on the H200, the split's range known 0.3 µs
+    after entry instead of 0.9, the step 14.0–14.1 µs against 14.2–14.3."""
     if base is None or mask is None:
         return None
     from ..mods.structure import Affine, diagonal_band
@@ -519,7 +521,7 @@ def band_prefix(base, mask, queries_at_end: bool):
 
 
 def _planned_band_prefix(base, mask, queries_at_end: bool):
-    return band_prefix(base, mask, queries_at_end) if os.environ.get("FLEXATTN_DECODE_BAND_PREFIX") == "1" else None
+    return None if os.environ.get("FLEXATTN_DECODE_BAND_PREFIX") == "0" else band_prefix(base, mask, queries_at_end)
 
 
 def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, score, mask,

@@ -109,8 +109,8 @@ CASES = {
                               None, mods.sliding_window(4096), True, 8),
     "polled-hd32-2wg": (dict(head_dim=32, tile_n=64, num_stages=6, num_mma_wg=2, polled_merge=True), None, None,
                         False, 2),
-    # a sliding window's masked prefix by arithmetic (decode_path.band_prefix; an A/B option,
-    # FLEXATTN_DECODE_BAND_PREFIX=1): no Float64 analysis, no ballot
+    # a sliding window's masked prefix by arithmetic (decode_path.band_prefix, planned;
+    # FLEXATTN_DECODE_BAND_PREFIX=0 keeps the analysis): no Float64 analysis, no ballot
     "polled-window-band-prefix": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, polled_merge=True),
                                   mods.alibi(num_heads=32), mods.sliding_window(4096), True, 4),
     # ... with the next tile's table and page-map reads issued a step ahead

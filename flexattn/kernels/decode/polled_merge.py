@@ -26,7 +26,7 @@ s the LSE of split s (so at most 32 splits: ``MAX_SPLITS``); the arithmetic is
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -130,7 +130,7 @@ def _count_round(rounds: Int32) -> Int32:
 
 @cute.jit
 def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: cute.Tensor, lane: Int32,
-                        head_dim: cutlass.Constexpr[int]) -> Float32:
+                        head_dim: cutlass.Constexpr[int], probe=None, probing=None) -> Float32:
     """One warp merges one row once every split has written it: ``lse_parts`` [splits]
     and ``o_parts`` [splits, D] (fp32 slots, ``EMPTY`` until written) into ``out_row`` [D]
     (each lane its D/32 columns, in out_row's dtype), then empties the slots it read;
@@ -138,7 +138,12 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
     most ``MAX_SPLITS`` splits.
 
     The first round's loads (every LSE, the first chunk of partials) are in flight
-    together: where every split has written, the merge costs one L2 round trip."""
+    together: where every split has written, the merge costs one L2 round trip.
+
+    ``probe`` (the decode timeline's, or None): where ``probing`` holds, lane 0 stores at
+    ``probe[0]`` the %globaltimer_lo at which the first chunk was seen written, at
+    ``probe[1]`` the rounds it took, at ``probe[3]`` the time the merged row was stored
+    (before the slots are emptied)."""
     per_lane = head_dim // 32
     chunk = chunk_splits(head_dim)
     num_splits = cute.size(lse_parts.shape)
@@ -154,6 +159,11 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
             ok = ok & written
         ready = ok
         rounds = _count_round(rounds)
+    if const_expr(probe is not None):
+        if probing:
+            if lane == 0:
+                probe.store(Int32(cute.arch.globaltimer_lo()))
+                (probe + 1).store(rounds)
     # (every lane leaves its own loop; the warp's shuffles below wait for all of them)
     m = cute.arch.warp_reduction_max(lse_s)
     m_safe = log2_shift(m)
@@ -179,6 +189,10 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
     inv, lse = inverse_and_lse(m, total)
     out = cute.local_tile(out_row, (per_lane,), (lane,))
     out.store((acc.load() * inv).to(out_row.element_type))
+    if const_expr(probe is not None):
+        if probing:
+            if lane == 0:
+                (probe + 3).store(Int32(cute.arch.globaltimer_lo()))
     # Empty what this lane read, for the next step (stream order publishes it).
     zeros = cute.make_rmem_tensor(per_lane, Float32)
     zeros.fill(0.0)

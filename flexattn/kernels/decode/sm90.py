@@ -88,10 +88,14 @@ from flexattn.kernels.hopper.tma_pipeline import tma_ring
 from flexattn.kernels.hopper.warp_specialized import KernelConfig, NamedBarriers, WarpSpecialized, register_split
 
 LOG2_E = math.log2(math.e)
-TIMELINE_STAMPS = 16    # per CTA: entry, producer start, Q loaded, first block done, stream
+TIMELINE_STAMPS = 20    # per CTA: entry, producer start, Q loaded, first block done, stream
                         # end, ticket taken, merge end (merging CTAs only), the SM's id,
                         # blocks done at 1/4, 1/2, 3/4 of the split (8-10), the split's
-                        # range known (11: length read, masked-prefix analysis done), unused
+                        # range known (11: length read, masked-prefix analysis done), the
+                        # producer's first K block issued (12), the polled merger's first row
+                        # seen written (13) and its polling rounds (14), the consumer's
+                        # partial normalized (15: before its stores), the merger's first row
+                        # written (16: before it empties the slots), unused
 CLUSTER_SPLITS = (1, 2, 4, 8, 16)   # cluster merge sizes; 16 is a non-portable cluster size,
                                     # which CuTeDSL allows on every kernel it builds (H100: 16)
 PREFIX_SCAN_LIMIT = 16  # buffer spans the masked-prefix analysis scans: q rows, not kv ranges
@@ -406,7 +410,7 @@ class DecodeSm90(WarpSpecialized):
             if warp_idx == 0:
                 self._stamp(stamps, 1, True)
                 self.load(mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, pipe_k, pipe_v,
-                          head_kv, batch, first, count)
+                          head_kv, batch, first, count, stamps)
             if const_expr(cfg.polled_merge):
                 if warp_idx == 1:
                     if num_splits > 1:
@@ -428,7 +432,7 @@ class DecodeSm90(WarpSpecialized):
                     DecodeBarrier.MERGER.sync(self.num_mma_threads + 32)
                     if sMerges[0] != 0:
                         self._merge_group(mO, mLSE, mOPart, mLSEPart, cute.arch.thread_idx()[0] - 128, head_kv,
-                                          group, q_len, rows, m_block, batch)
+                                          group, q_len, rows, m_block, batch, stamps)
                         self._stamp(stamps, 6, warp_idx == 4)
             elif const_expr(cfg.cluster_splits == 1):
                 if num_splits > 1:
@@ -516,7 +520,7 @@ class DecodeSm90(WarpSpecialized):
     # ------------------------------------------------------------------ producer
     @cute.jit
     def load(self, mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, pipe_k, pipe_v,
-             head_kv, batch, first, count):
+             head_kv, batch, first, count, stamps=None):
         cfg = self.cfg
         box = (cfg.box_rows, cfg.head_dim)
         one = cute.make_layout(1)
@@ -536,6 +540,9 @@ class DecodeSm90(WarpSpecialized):
             for i in cutlass.range(count, unroll=1):
                 n_block = first + count - 1 - i
                 self._load_block(pipe_k, tma_atom_K, tKgK, tKsK, batch, n_block, state)
+                if const_expr(cfg.timeline):
+                    if i == 0:
+                        self._stamp(stamps, 12, True)
                 self._load_block(pipe_v, tma_atom_V, tVgV, tVsV, batch, n_block, state)
                 state.advance()
         else:
@@ -706,6 +713,7 @@ class DecodeSm90(WarpSpecialized):
 
         inv_sum, lse = softmax.finalize()
         rescale_rows(acc_O, inv_sum)
+        self._stamp(stamps, 15, tidx < 32)
         if const_expr(cfg.cluster_splits > 1):
             self._partial_to_smem(acc_O, lse, sPart, sLSE, thr_pv, rows, m_block)
         else:
@@ -898,7 +906,8 @@ class DecodeSm90(WarpSpecialized):
         DecodeBarrier.MERGER.arrive(self.num_mma_threads + 32)
 
     @cute.jit
-    def _merge_group(self, mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block, batch):
+    def _merge_group(self, mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block, batch,
+                     stamps=None):
         """The merging split CTA of a group (tickets: the last to arrive; polled: the last to
         start): merge every split's partial of the tile's rows into O (input dtype) and LSE,
         one consumer warp per row (rows strided over warps)."""
@@ -911,8 +920,13 @@ class DecodeSm90(WarpSpecialized):
         for r in cutlass.range(warp, tile_rows, self.num_mma_threads // 32, unroll=1):
             p = p_lo + r
             head, qi = packed_row(p, head_kv, group, q_len)
-            lse = merge(mLSEPart[None, batch, head, qi], mOPart[None, batch, head, qi, None],
-                        mO[batch, head, qi, None], lane, cfg.head_dim)
+            if const_expr(cfg.polled_merge and cfg.timeline):
+                # (the probe: the first row's polling, stamps 13-14, by the warp merging it)
+                lse = merge(mLSEPart[None, batch, head, qi], mOPart[None, batch, head, qi, None],
+                            mO[batch, head, qi, None], lane, cfg.head_dim, stamps + 13, r == 0)
+            else:
+                lse = merge(mLSEPart[None, batch, head, qi], mOPart[None, batch, head, qi, None],
+                            mO[batch, head, qi, None], lane, cfg.head_dim)
             if lane == 0:
                 mLSE[batch, head, qi] = lse
 
