@@ -89,7 +89,8 @@
 # FLEXATTN_SCALED_INDICES=0, the plain product, at D32 / D64 / D128, forward and at D128 forward + backward),
 # polled-merge (the decode GPU suite with the polled merge planned, decode_floor by FLEXATTN_DECODE_MERGE=tickets / auto,
 # the merge's timeline, bench_decode's B1 L128k and B8 L8k rows), band-prefix (a window's masked prefix by arithmetic,
-# FLEXATTN_DECODE_BAND_PREFIX=1, not yet planned: its GPU cases, decode_floor's window rows off / on twice, a timeline).
+# planned; FLEXATTN_DECODE_BAND_PREFIX=0 is the analysis: its GPU cases, decode_floor's window rows off / on twice, a
+# timeline).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
