@@ -90,8 +90,7 @@
 # polled-merge (the decode GPU suite with the polled merge planned, decode_floor by FLEXATTN_DECODE_MERGE=tickets / auto,
 # the merge's timeline, bench_decode's B1 L128k and B8 L8k rows), band-prefix (a window's masked prefix by arithmetic,
 # planned; FLEXATTN_DECODE_BAND_PREFIX=0 is the analysis: its GPU cases, decode_floor's window rows off / on twice, a
-# timeline), early-merger (the polled merge's first split to end merging, FLEXATTN_DECODE_EARLY_MERGER=1, not yet
-# planned: the fused-merge GPU cases, decode_floor's window rows off / on three times, a timeline).
+# timeline).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -362,13 +361,6 @@ for step in $steps; do
                  done
                  (cd benchmarks && FLEXATTN_DECODE_BAND_PREFIX=1 run band_prefix_timeline 70 python3 decode_timeline.py \
                    --shapes 1x131072 --variants window4096 --layouts contiguous --merges polled --reps 5) ;;
-    early-merger) run early_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py -k fused
-                  for v in 0 1 0 1 0 1; do
-                    FLEXATTN_DECODE_EARLY_MERGER=$v run early_floor_$v 50 python3 benchmarks/decode_floor.py \
-                      --rows 1x131072:window4096 8x8192:window4096 8x65536:window4096
-                  done
-                  (cd benchmarks && FLEXATTN_DECODE_EARLY_MERGER=1 run early_timeline 70 python3 decode_timeline.py \
-                    --shapes 1x131072 --variants window4096 --layouts contiguous --merges polled --reps 9) ;;
     scaled-indices) run scaled_tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_head_dims_gpu.py \
                       -k "scaled_indices"
                     run scaled_door 200 python3 benchmarks/ab_env.py --env FLEXATTN_SCALED_INDICES=0 --rounds 7 \

@@ -461,13 +461,9 @@ def fit_head_dim(tuning: DecodeTuning, head_dim: int, num_mma_wg: int = 1) -> De
 
 def _with_launch(config, tuning: DecodeTuning, cluster: int, polled: bool = False):
     """``config`` for another kernel shape (``choose_launch``'s tuning), merging cluster and
-    merge (``polled_merge_pays``; the polled merge's first split to end merges with
-    ``FLEXATTN_DECODE_EARLY_MERGER=1``, an A/B option until measured: ``DecodeConfig.
-    early_merger``)."""
-    early = polled and os.environ.get("FLEXATTN_DECODE_EARLY_MERGER") == "1"
+    merge (``polled_merge_pays``)."""
     return dataclasses.replace(config, tile_n=tuning.tile_n, num_stages=tuning.num_stages,
                                ctas_per_sm=tuning.ctas_per_sm, cluster_splits=cluster, polled_merge=polled,
-                               early_merger=early,
                                prefetch_tile_reads=config.prefetch_tile_reads
                                and _prefetch_pays(config.mods, tuning.tile_n, config.mask_last_page_only))
 

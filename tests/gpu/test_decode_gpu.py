@@ -151,14 +151,11 @@ def prefix(request, monkeypatch):
     decode_path._PREPARED.clear()
 
 
-@pytest.fixture(params=["tickets", "polled", "early"])
+@pytest.fixture(params=["tickets", "polled"])
 def merge(request, monkeypatch):
-    """Both merges of split CTAs without a cluster (``decode_path.polled_merge_pays``), the
-    polled one also with the first split to end merging (``DecodeConfig.early_merger``,
-    FLEXATTN_DECODE_EARLY_MERGER=1); plans made under another setting dropped (a plan reads
-    them once)."""
+    """Both merges of split CTAs without a cluster (``decode_path.polled_merge_pays``); plans
+    made under the other setting dropped (a plan reads it once)."""
     monkeypatch.setenv("FLEXATTN_DECODE_MERGE", "tickets" if request.param == "tickets" else "auto")
-    monkeypatch.setenv("FLEXATTN_DECODE_EARLY_MERGER", "1" if request.param == "early" else "0")
     decode_path._PREPARED.clear()
     yield request.param
     decode_path._PREPARED.clear()
@@ -485,8 +482,7 @@ def test_fused_merge_matches_reference(group, Hkv, q_len, page_size, kind, num_s
     out, lse, step = run_kernel(q, cache, mask, score, 132, num_splits=num_splits)
     assert step.num_splits == num_splits
     assert step.config.cluster_splits == (num_splits if num_splits in (2, 4, 8) else 1)
-    assert step.config.polled_merge == (merge != "tickets" and step.config.cluster_splits == 1 and 1 < num_splits <= 32)
-    assert step.config.early_merger == (merge == "early" and step.config.polled_merge)
+    assert step.config.polled_merge == (merge == "polled" and step.config.cluster_splits == 1 and 1 < num_splits <= 32)
     assert_tickets_zero()
     assert_marked_zero()
     want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), score_fn, mask_fn)

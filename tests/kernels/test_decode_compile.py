@@ -104,9 +104,6 @@ CASES = {
     # probe, D 32 with two consumer warpgroups (rows over eight warps)
     "polled-2cta-window-alibi": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, polled_merge=True),
                                  mods.alibi(num_heads=32), mods.sliding_window(4096), True, 4),
-    # ... the first split to end its stream merging (where every split had started)
-    "polled-early-merger": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, polled_merge=True,
-                                 early_merger=True), None, mods.sliding_window(4096), True, 4),
     "polled-hd96-deep": (dict(head_dim=96, tile_n=64, num_stages=6, polled_merge=True), None, mods.causal(), True, 6),
     "polled-hd256-timeline": (dict(head_dim=256, tile_n=64, num_stages=3, polled_merge=True, timeline=True),
                               None, mods.sliding_window(4096), True, 8),
@@ -176,13 +173,11 @@ def test_decode_ptx(compiled, name):
         # reset by the producer's idle warp, the merger flag handed on by barrier 3; every
         # partial value a relaxed store of its own (+0.0 as -0.0: D/2 O values and 2 LSEs
         # per thread); the merger's polling loads, the first round with the LSE, a trap
-        # past the poll limit in both loops. The early merger: a second relaxed count (the
-        # stream's end, by the consumers, then their barrier 2), its reset by the last to end.
-        adds = 2 if cfg.early_merger else 1
-        assert len(re.findall(r"atom\.global(?:\.relaxed)?(?:\.gpu)?\.add", ptx)) == adds and "acq_rel" not in ptx
+        # past the poll limit in both loops.
+        assert len(re.findall(r"atom\.global(?:\.relaxed)?(?:\.gpu)?\.add", ptx)) == 1 and "acq_rel" not in ptx
         assert ptx.count("atom.global.exch") == 1 and not re.search(r"membar\.gl|fence\.(sc|acq_rel)\.gpu", ptx)
         assert re.search(r"bar\.arrive\s+3,", ptx) and re.search(r"bar\.sync\s+3,", ptx)
-        assert len(re.findall(r"bar\.sync\s+2,", ptx)) == (1 if cfg.early_merger else 0)
+        assert not re.search(r"bar\.sync\s+2,", ptx)
         assert ptx.count("st.relaxed.gpu.global.b32") == cfg.head_dim // 2 + 2
         assert ptx.count("0x80000000; st.relaxed") == cfg.head_dim // 2 + 2
         per_lane = cfg.head_dim // 32

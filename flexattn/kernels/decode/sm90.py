@@ -120,11 +120,6 @@ class DecodeConfig(KernelConfig):
     polled_merge: bool = False   # splits > 1 without a cluster: the last split to start polls
                                  # the partials' slots (zero until written; the workspace
                                  # zeroed between steps) instead of a ticket after the stream
-    early_merger: bool = False   # polled: the split that ends its stream first merges where
-                                 # every split had started by then (else the last to start):
-                                 # its polling overlaps the others' streams, instead of
-                                 # following the last starter's, usually the last to end
-                                 # (one group word counts starts and ends; polled only)
     timeline: bool = False       # probe for benchmarks/decode_timeline.py: every CTA writes
                                  # globaltimer stamps past the tickets (never planned)
     skip_masked_prefix: bool = True  # the masked-prefix analysis before the stream (masks
@@ -167,8 +162,6 @@ class DecodeConfig(KernelConfig):
         if self.cluster_splits > 1 and 2 * self.tile_m > self.num_stages * self.tile_n:
             raise ValueError("the cluster merge keeps a split's fp32 O tile in the K ring: it needs "
                              f"num_stages * tile_n >= 2 * tile_m, got {self.num_stages} x {self.tile_n}")
-        if self.early_merger and not self.polled_merge:
-            raise ValueError("early_merger needs polled_merge")
         if self.polled_merge and (self.cluster_splits > 1 or self.head_dim % 32):
             raise ValueError("polled_merge needs cluster_splits 1 and a head dim that is a multiple of 32, got "
                              f"{self.cluster_splits} and {self.head_dim}")
@@ -421,12 +414,8 @@ class DecodeSm90(WarpSpecialized):
             if const_expr(cfg.polled_merge):
                 if warp_idx == 1:
                     if num_splits > 1:
-                        if const_expr(cfg.early_merger):
-                            self._count_start(mTickets.iterator + (batch * head_blocks + head_block), num_splits,
-                                              sMerges)
-                        else:
-                            self._take_start_ticket(mTickets.iterator + (batch * head_blocks + head_block),
-                                                    num_splits, sMerges)
+                        self._take_start_ticket(mTickets.iterator + (batch * head_blocks + head_block), num_splits,
+                                                sMerges)
             if const_expr(cfg.cluster_splits > 1):
                 # The cluster barriers count every thread: the producer's pass both.
                 for _ in cutlass.range_constexpr(2):
@@ -441,9 +430,6 @@ class DecodeSm90(WarpSpecialized):
                 if num_splits > 1:
                     self._stamp(stamps, 5, warp_idx == 4)
                     DecodeBarrier.MERGER.sync(self.num_mma_threads + 32)
-                    if const_expr(cfg.early_merger):
-                        self._count_end(mTickets.iterator + (batch * head_blocks + head_block), num_splits, sMerges,
-                                        cute.arch.thread_idx()[0] - 128)
                     if sMerges[0] != 0:
                         self._merge_group(mO, mLSE, mOPart, mLSEPart, cute.arch.thread_idx()[0] - 128, head_kv,
                                           group, q_len, rows, m_block, batch, stamps)
@@ -918,38 +904,6 @@ class DecodeSm90(WarpSpecialized):
             self._count_in(ticket, num_splits, sFlag, "relaxed")
         cute.arch.sync_warp()
         DecodeBarrier.MERGER.arrive(self.num_mma_threads + 32)
-
-    @cute.jit
-    def _count_start(self, word, num_splits, sFlag):
-        """Early merger, by the producer's idle warp 1 at the CTA's start: count this start in
-        the group's word (low 16 bits: starts, high: stream ends); ``sFlag[0]`` = 1 where this
-        is the last start and some split had already ended — the first to end then saw a
-        start missing and left the merge to the last starter (``_count_end``)."""
-        if cute.arch.lane_idx() == 0:
-            old = cute.arch.atomic_add(word, Int32(1), sem="relaxed", scope="gpu")
-            merges = Int32(0)
-            if (old & 0xFFFF) == num_splits - 1 and (old >> 16) != 0:
-                merges = Int32(1)
-            sFlag[0] = merges
-        cute.arch.sync_warp()
-        DecodeBarrier.MERGER.arrive(self.num_mma_threads + 32)
-
-    @cute.jit
-    def _count_end(self, word, num_splits, sFlag, tidx):
-        """Early merger, by the consumers after the partial's stores and the start's count
-        (``DecodeBarrier.MERGER``: in this CTA, the start is counted first): count this
-        stream's end; the first to end merges where every split had started (``sFlag[0]``),
-        otherwise the last starter does (``_count_start``), so exactly one CTA merges, and it
-        waits only for splits that started. The last to end resets the word: every start and
-        end of this launch is counted, and the next launch (stream order) finds it zero."""
-        if tidx == 0:
-            old = cute.arch.atomic_add(word, Int32(1 << 16), sem="relaxed", scope="gpu")
-            if (old >> 16) == 0:
-                if (old & 0xFFFF) == num_splits:
-                    sFlag[0] = Int32(1)
-            if (old >> 16) == num_splits - 1:
-                cute.arch.atomic_exch(word, Int32(0), sem="relaxed", scope="gpu")
-        DecodeBarrier.ARRIVAL.sync(self.num_mma_threads)
 
     @cute.jit
     def _merge_group(self, mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block, batch,
