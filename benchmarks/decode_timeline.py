@@ -28,6 +28,9 @@ launch follows a read-only L2 flush, as ``clean_ms``. Per row (medians over laun
   done         last stamp of any CTA
   steady       K+V bytes / (median stream end - median first block), TB/s
   tick         the smallest step between two stamps (ns): the timer's resolution
+  lead/trail   with --marks (stream_marks.py): a one-thread kernel's stamp just before the
+               launch -> the first CTA's entry, and the last stamp -> a mark just after:
+               where the event time goes outside the CTAs (launch, completion)
 
 Each row three times with ``--merges cluster tickets polled`` (the default): the planner's
 cluster merge where it applies (2, 4 or 8 splits), the arrival-ticket merge and the polled
@@ -46,6 +49,7 @@ import torch
 
 from bench_decode import D, HQ, clean_ms, make_inputs, plan_step, step_bytes, variant_mods
 from common import device_name
+from stream_marks import mark
 
 
 def probed_launch(step, q, cache):
@@ -139,6 +143,14 @@ def polled_probe(stamps: np.ndarray, merged: np.ndarray) -> bool:
     return bool(merged.any() and (stamps[merged, 14] > 0).all())
 
 
+def lead_and_trail(stamps: np.ndarray, marks: np.ndarray, done: float) -> dict:
+    """``stream_marks``' two stamps around the launch -> lead (mark before -> first CTA
+    entry) and trail (last stamp, ``done`` µs after the first entry -> mark after), µs."""
+    base = stamps[:, 0].astype(np.int64).min()
+    rel = ((marks.astype(np.int64) - base + (1 << 31)) % (1 << 32) - (1 << 31)) / 1e3
+    return {"lead": -rel[0], "trail": rel[1] - done}
+
+
 def ends_by_sm(stamps: np.ndarray) -> list:
     """One launch: stream end (µs from the first entry) per SM id, slowest first — whether
     the tail's spread follows the SMs (their place on the chip) or the CTAs' work — and the
@@ -168,6 +180,8 @@ def main():
     ap.add_argument("--tuning", default=None, help="tile_n x stages x CTAs/SM, e.g. 64x6x1 (default: the planner's)")
     ap.add_argument("--splits", type=int, default=None, help="split count (default: the planner's)")
     ap.add_argument("--by-sm", action="store_true", help="also print each row's stream end per SM (3 launches)")
+    ap.add_argument("--marks", action="store_true",
+                    help="stream marks before and after each probed launch: the lead and trail columns")
     args = ap.parse_args()
     from flexattn.core import decode_path
     from flexattn.core.decode_path import DEFAULT_TUNING, DecodeTuning
@@ -175,6 +189,8 @@ def main():
     print(f"# {device_name()}, tuning {args.tuning or 'default'}, splits {args.splits or 'planned'}")
     cols = ["kernel", "plain", "entry", "wave1", "range", "prod", "issue", "q", "first", "end p0", "end p10", "end mean", "end p50", "end p100",
             "ticket", "norm", "seen", "rounds", "out", "merge", "done", "steady", "tick"]
+    if args.marks:
+        cols += ["lead", "trail"]
     print("| B | L | layout | variant | splits | merge | " + " | ".join(cols) + " |")
     print("|" + "---|" * (6 + len(cols)))
     for shape in args.shapes:
@@ -198,11 +214,21 @@ def main():
                 launch, stamps, splits = probed_launch(step, q, cache)
                 kernel_ms = clean_ms(launch, reps=args.reps)   # compiles on its warmup calls
                 rows, by_sm = [], []
+                marks = torch.zeros(2, dtype=torch.int32, device="cuda")
+                stream = torch.cuda.current_stream().cuda_stream
+
+                def marked():
+                    mark(marks, 0, stream)
+                    launch()
+                    mark(marks, 1, stream)
                 for rep in range(args.reps):
                     stamps.zero_()
-                    clean_ms(launch, reps=1, warmup=0)
+                    clean_ms(marked if args.marks else launch, reps=1, warmup=0)
                     launch_stamps = stamps.cpu().numpy().view(np.uint32)
                     rows.append(summarize(launch_stamps, step_bytes(B, L, name) / 1e9))
+                    if args.marks:
+                        rows[-1].update(lead_and_trail(launch_stamps, marks.cpu().numpy().view(np.uint32),
+                                                       rows[-1]["done"]))
                     if args.by_sm and rep < 3:
                         by_sm += ends_by_sm(launch_stamps)
                 fig = {c: float(np.median([r[c] for r in rows])) for c in rows[0]}
