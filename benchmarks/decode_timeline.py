@@ -218,6 +218,10 @@ def main():
                 stream = torch.cuda.current_stream().cuda_stream
 
                 def marked():
+                    # A spin first (~0.2 ms at H100/H200 clocks): the GPU stays busy while
+                    # the host queues the mark, our launch and the second mark, so no host
+                    # gap lands between them (the probed launch builds its views per call).
+                    torch.cuda._sleep(400_000)
                     mark(marks, 0, stream)
                     launch()
                     mark(marks, 1, stream)

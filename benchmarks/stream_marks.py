@@ -12,7 +12,9 @@ event time grew 0.6 µs. With a mark before and after, a row splits its event ti
   trail  last stamp -> mark after        (our completion, then the next launch's start)
 
 Both marks cost the same in every variant, so differences in lead or trail are the
-kernel's own. The marks run in the caller's stream; they are compiled once per process.
+kernel's own, provided the GPU never waits for the host between them (decode_timeline
+spins the GPU first). The marks run in the caller's stream; they are compiled once per
+process.
 """
 
 import cuda.bindings.driver as cuda
@@ -38,12 +40,15 @@ _COMPILED = {}
 
 
 def mark(buf, index: int, stream: int) -> None:
-    """Launch the mark on ``stream`` (a CUDA stream handle): ``buf`` (a DLPack int32 array
-    on the GPU) gets the timer at its ``index`` when the mark runs."""
+    """Launch the mark on ``stream`` (a CUDA stream handle): ``buf`` (a torch int32 tensor on
+    the GPU) gets the timer at its ``index`` when the mark runs."""
     from flexattn.kernels.launch.arguments import dlpack_view
     from flexattn.kernels.launch.compile import compile_on_views
 
-    view = dlpack_view(buf, 4)
+    key = ("view", buf.data_ptr(), tuple(buf.shape), str(buf.dtype))   # (a torch tensor)
+    view = _COMPILED.get(key)
+    if view is None:
+        view = _COMPILED[key] = dlpack_view(buf, 4)
     args = (view, Int32(index), cuda.CUstream(stream))
     fn = _COMPILED.get("mark")
     if fn is None:
