@@ -1,10 +1,12 @@
 """Causal forward at head dims beyond 64 / 128 and value head dims apart from the query's
-(issue 25, item 1), beside FlashAttention-4 and torch flex_attention (Triton), one process.
+(issue 25, item 1), beside FlashAttention-4, torch flex_attention (Triton, and its FLASH
+backend: ``kernel_options={"BACKEND": "FLASH"}``) and cuDNN SDPA (``is_causal``), one
+process.
 
 The headline is the user's door: ``flexattn.torch.flex_attention`` with a torch-style causal
 function through ``create_block_mask`` (the kernel's causal structure, read from the mask's
 IR). TFLOP/s count 2·B·H·S²·(D + Dv) × the causal density (the two GEMMs' FLOPs), bf16,
-median of triton's do_bench with L2 flushed. FA4 or flex may lack a head dim: then "—".
+median of triton's do_bench with L2 flushed. A library may lack a head dim: then "—".
 
     python3 benchmarks/bench_head_dims.py [--shape 4x4096x16] [--dims 64/64 96/96 192/128 256/256]
         [--backward] [--out results.json]
@@ -66,6 +68,16 @@ def main():
 
         impls["fa4"] = fa4
         impls["flex"] = lambda: flex(qh, kh, vh, block_mask=torch_bm, scale=scale)
+        impls["flex-fa"] = lambda: flex(qh, kh, vh, block_mask=torch_bm, scale=scale,
+                                        kernel_options={"BACKEND": "FLASH"})
+
+        def cudnn():
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, scale=scale, is_causal=True)
+
+        impls["cudnn"] = cudnn
         if train:   # one step each: the gradients of q, k, v (FA4 returns [B, S, H, Dv])
             grad = torch.randn(B, H, S, Dv, device="cuda", dtype=torch.bfloat16, generator=g)
             impls = {name: fwd_bwd(fn, (q, k, v), grad.transpose(1, 2) if name == "fa4" else grad)
@@ -92,6 +104,8 @@ def main():
         print(f"D{D}/{Dv} " + "  ".join(f"{i}={t:.1f}" for i, t in row["tflops"].items())
               + f"  diffs {row['rel_diff_vs_ours']}", flush=True)
 
+    others = ("fa4", "flex", "flex-fa", "cudnn")
+
     def cell(row, impl):
         t = row["tflops"].get(impl)
         return "—" if t is None else f"{t:.1f}"
@@ -99,9 +113,10 @@ def main():
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     what = "Causal forward + backward" if train else "Causal forward"
     md = (f"{what}, bf16, B{B} S{S} H{H}, {device_name()}, {stamp}. TFLOP/s.\n\n"
-          "| D/Dv | flexattn | fa4 | flex | ours/fa4 | ours/flex |\n|---|---|---|---|---|---|\n"
-          + "\n".join(f"| {r['dims']} | {cell(r, 'flexattn')} | {cell(r, 'fa4')} | {cell(r, 'flex')} | "
-                      f"{tflops_ratio(r, 'fa4')} | {tflops_ratio(r, 'flex')} |" for r in rows))
+          "| D/Dv | flexattn | fa4 | flex | flex-fa | cudnn | ours/fa4 | ours/flex | ours/flex-fa | ours/cudnn |\n"
+          "|---|---|---|---|---|---|---|---|---|---|\n"
+          + "\n".join(f"| {r['dims']} | " + " | ".join(cell(r, i) for i in ("flexattn", *others))
+                      + " | " + " | ".join(tflops_ratio(r, i) for i in others) + " |" for r in rows))
     report(md, rows, args.out, stamp)
 
 

@@ -339,9 +339,9 @@ for step in $steps; do
                   run stages_32 150 python3 sweep_fwd_configs.py --dims 32/32 --rounds 5 --anchors fa4 flex --configs \
                     "tile_m=256,tile_n=80,$c" "tile_m=256,tile_n=64,$c" "tile_m=256,tile_n=80,num_stages=3,$c" \
                     "tile_m=256,tile_n=64,num_stages=4,$c") ;;
-    head-dims) run head_dims_fwd 200 python3 benchmarks/bench_head_dims.py \
+    head-dims) run head_dims_fwd 300 python3 benchmarks/bench_head_dims.py \
                  --dims 32/32 64/64 80/80 96/96 128/128 192/128 256/256 --out "$out/head_dims.json"
-               run head_dims_bwd 200 python3 benchmarks/bench_head_dims.py --backward \
+               run head_dims_bwd 300 python3 benchmarks/bench_head_dims.py --backward \
                  --dims 32/32 64/64 80/80 96/96 --out "$out/head_dims_bwd.json" ;;
     polled-merge) run polled_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
                     tests/gpu/test_short_query_gpu.py
@@ -369,7 +369,7 @@ for step in $steps; do
                       --variants causal+alibi --shapes 4x4096x16x32 4x4096x16x64 4x4096x16x128 8x2048x16x128
                     run scaled_door_bwd 150 python3 benchmarks/ab_env.py --env FLEXATTN_SCALED_INDICES=0 --rounds 5 \
                       --backward --variants causal+alibi --shapes 4x4096x16x128 ;;
-    wide-bwd) run head_dims_wide_bwd 300 python3 benchmarks/bench_head_dims.py --backward \
+    wide-bwd) run head_dims_wide_bwd 420 python3 benchmarks/bench_head_dims.py --backward \
                 --dims 192/128 192/192 256/128 256/256 --out "$out/head_dims_wide_bwd.json" ;;
     scored-tiles) run scored_tiles_tests 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py \
                     -k "256_row_tiles and (softcap or window)"
