@@ -86,9 +86,14 @@ def probed_launch(step, q, cache):
 def relative_us(stamps: np.ndarray, cols: list) -> np.ndarray:
     """Stamp columns `cols` (uint32 ns of %globaltimer_lo) as µs from the first CTA's
     entry, safe across the 32-bit wrap."""
-    t = stamps[:, cols].astype(np.int64)
+    return since_first_entry(stamps[:, cols], stamps)
+
+
+def since_first_entry(values: np.ndarray, stamps: np.ndarray) -> np.ndarray:
+    """``%globaltimer_lo`` readings (uint32 ns: stamps, stream marks) as µs from the first
+    CTA's entry in ``stamps``, safe across the 32-bit wrap."""
     base = stamps[:, 0].astype(np.int64).min()
-    return ((t - base + (1 << 31)) % (1 << 32) - (1 << 31)) / 1e3
+    return ((values.astype(np.int64) - base + (1 << 31)) % (1 << 32) - (1 << 31)) / 1e3
 
 
 def summarize(stamps: np.ndarray, gbytes: float) -> dict:
@@ -146,8 +151,7 @@ def polled_probe(stamps: np.ndarray, merged: np.ndarray) -> bool:
 def lead_and_trail(stamps: np.ndarray, marks: np.ndarray, done: float) -> dict:
     """``stream_marks``' two stamps around the launch -> lead (mark before -> first CTA
     entry) and trail (last stamp, ``done`` µs after the first entry -> mark after), µs."""
-    base = stamps[:, 0].astype(np.int64).min()
-    rel = ((marks.astype(np.int64) - base + (1 << 31)) % (1 << 32) - (1 << 31)) / 1e3
+    rel = since_first_entry(marks, stamps)
     return {"lead": -rel[0], "trail": rel[1] - done}
 
 
@@ -187,8 +191,9 @@ def main():
     from flexattn.core.decode_path import DEFAULT_TUNING, DecodeTuning
 
     print(f"# {device_name()}, tuning {args.tuning or 'default'}, splits {args.splits or 'planned'}")
-    cols = ["kernel", "plain", "entry", "wave1", "range", "prod", "issue", "q", "first", "end p0", "end p10", "end mean", "end p50", "end p100",
-            "ticket", "norm", "seen", "rounds", "out", "merge", "done", "steady", "tick"]
+    cols = ["kernel", "plain", "entry", "wave1", "range", "prod", "issue", "q", "first", "end p0", "end p10",
+            "end mean", "end p50", "end p100", "ticket", "norm", "seen", "rounds", "out", "merge", "done", "steady",
+            "tick"]
     if args.marks:
         cols += ["lead", "trail"]
     print("| B | L | layout | variant | splits | merge | " + " | ".join(cols) + " |")

@@ -141,9 +141,8 @@ def assert_marked_zero():
 
 @pytest.fixture(params=["analysis", "band"])
 def prefix(request, monkeypatch):
-    """A window's masked prefix by the kernel's interval analysis, or by arithmetic from the
-    band's bound (``decode_path.band_prefix``, planned; FLEXATTN_DECODE_BAND_PREFIX=0 is the
-    analysis); plans made
+    """A window's masked prefix by the kernel's interval analysis (FLEXATTN_DECODE_BAND_PREFIX=0),
+    or by arithmetic from the band's bound (``decode_path.band_prefix``, planned); plans made
     under the other setting dropped."""
     monkeypatch.setenv("FLEXATTN_DECODE_BAND_PREFIX", "1" if request.param == "band" else "0")
     decode_path._PREPARED.clear()

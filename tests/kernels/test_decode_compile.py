@@ -29,12 +29,6 @@ from compile_pool import compile_all, prefetch  # noqa: E402
 OFFSETS = np.zeros(4, np.int32)
 
 
-def _hook(score, mask):
-    """Mods as the planner makes them: shifted to true positions by a runtime offset."""
-    return IRModHook(None if score is None else shift_queries(score, OFFSETS),
-                     None if mask is None else shift_queries(mask, OFFSETS))
-
-
 def _paged_attention_mods():
     """torch's PagedAttention step as the short-query route hands it to the decode kernel
     (``short_query.list_walk_route``): its converted mask (the page map and lengths read per
@@ -121,8 +115,9 @@ CASES = {
 
 
 def _config(name):
-    """(the case's DecodeConfig, its hook); the band-prefix case with the window's bound at
-    true positions, as the planner gives it (``decode_path.band_prefix``)."""
+    """(the case's DecodeConfig, its hook): mods as the planner makes them, shifted to true
+    positions by a runtime offset; the band-prefix case with the window's bound at those
+    positions, as the planner gives it (``decode_path.band_prefix``)."""
     kw, score, mask, _, _ = CASES[name]
     shifted = None if mask is None else shift_queries(mask, OFFSETS)
     hook = IRModHook(None if score is None else shift_queries(score, OFFSETS), shifted)

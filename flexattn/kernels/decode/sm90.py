@@ -78,7 +78,6 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync
 
 from flexattn.kernels.emit import interval_emit
-from flexattn.mods.structure import Affine
 from flexattn.kernels.hopper import dsmem, mma
 from flexattn.kernels.decode.combine import inverse_and_lse, lane_columns, log2_shift, merge_splits
 from flexattn.kernels.decode.polled_merge import merge_polled_splits, store_marked_f32
@@ -86,6 +85,7 @@ from flexattn.kernels.emit.mod_hook import NO_MODS, FragmentCoords, ModHook, kep
 from flexattn.kernels.hopper.softmax import OnlineSoftmax, rescale_rows
 from flexattn.kernels.hopper.tma_pipeline import tma_ring
 from flexattn.kernels.hopper.warp_specialized import KernelConfig, NamedBarriers, WarpSpecialized, register_split
+from flexattn.mods.structure import Affine
 
 LOG2_E = math.log2(math.e)
 TIMELINE_STAMPS = 20    # per CTA: entry, producer start, Q loaded, first block done, stream
@@ -560,6 +560,9 @@ class DecodeSm90(WarpSpecialized):
                 for r in cutlass.range(cutlass.min(per_batch, count - i0), unroll=1):
                     n_block = first + count - 1 - (i0 + r)
                     self._load_block(pipe_k, tma_atom_K, tKgK, tKsK, batch, n_block, state, entries, r * pages_per_tile)
+                    if const_expr(cfg.timeline):
+                        if i0 + r == 0:
+                            self._stamp(stamps, 12, True)
                     self._load_block(pipe_v, tma_atom_V, tVgV, tVsV, batch, n_block, state, entries, r * pages_per_tile)
                     state.advance()
 
@@ -920,13 +923,10 @@ class DecodeSm90(WarpSpecialized):
         for r in cutlass.range(warp, tile_rows, self.num_mma_threads // 32, unroll=1):
             p = p_lo + r
             head, qi = packed_row(p, head_kv, group, q_len)
-            if const_expr(cfg.polled_merge and cfg.timeline):
-                # (the probe: the first row's polling, stamps 13-14, by the warp merging it)
-                lse = merge(mLSEPart[None, batch, head, qi], mOPart[None, batch, head, qi, None],
-                            mO[batch, head, qi, None], lane, cfg.head_dim, stamps + 13, r == 0)
-            else:
-                lse = merge(mLSEPart[None, batch, head, qi], mOPart[None, batch, head, qi, None],
-                            mO[batch, head, qi, None], lane, cfg.head_dim)
+            # (the timeline's probe: the first row's polling, stamps 13, 14 and 16)
+            probe = (stamps + 13, r == 0) if const_expr(cfg.polled_merge and cfg.timeline) else ()
+            lse = merge(mLSEPart[None, batch, head, qi], mOPart[None, batch, head, qi, None],
+                        mO[batch, head, qi, None], lane, cfg.head_dim, *probe)
             if lane == 0:
                 mLSE[batch, head, qi] = lse
 
