@@ -31,6 +31,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from flexattn.kernels.decode.combine import LOG2_E, inverse_and_lse, log2_shift
+from flexattn.kernels.hopper.atomics import _f32_to_address, trap
 
 EMPTY = 0            # the bits of a slot no split has written since the last merge
 MAX_SPLITS = 32      # one LSE per lane
@@ -42,16 +43,8 @@ CHUNK_FLOATS = 64    # partial values a lane has in flight per round (16 splits 
 def store_marked_f32(ptr, value, *, loc=None, ip=None) -> None:
     """``*ptr = value`` (global fp32) as a relaxed GPU-scope store, +0.0 stored as -0.0: a
     written slot never holds ``EMPTY``'s bits."""
-    llvm.inline_asm(
-        None,
-        [ptr.toint(loc=loc, ip=ip).ir_value(), Float32(value).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b32 t; .reg .pred z; mov.b32 t, $1; setp.eq.b32 z, t, 0; @z mov.b32 t, 0x80000000; "
-        "st.relaxed.gpu.global.b32 [$0], t; }",
-        "l,f",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+    _f32_to_address("{ .reg .b32 t; .reg .pred z; mov.b32 t, $1; setp.eq.b32 z, t, 0; @z mov.b32 t, 0x80000000; "
+                    "st.relaxed.gpu.global.b32 [$0], t; }", "l", ptr, value, loc, ip)
 
 
 @dsl_user_op
@@ -83,13 +76,6 @@ def load_marked_f32s(ptr, n: int, *, loc=None, ip=None):
     )
     values = [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(n)]
     return values, Int32(llvm.extractvalue(T.i32(), res, [n], loc=loc, ip=ip))
-
-
-@dsl_user_op
-def trap(*, loc=None, ip=None) -> None:
-    """Abort the kernel (the launch fails with an error the host sees)."""
-    llvm.inline_asm(None, [], "trap;", "", has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 def _vector_width(per_lane: int) -> int:
