@@ -36,7 +36,7 @@ class StreamMark:
             buf[index] = Int32(cute.arch.globaltimer_lo())
 
 
-_COMPILED = {}
+_KEPT = {}   # the compiled mark and each buffer's view, per process
 
 
 def mark(buf, index: int, stream: int) -> None:
@@ -46,13 +46,13 @@ def mark(buf, index: int, stream: int) -> None:
     from flexattn.kernels.launch.compile import compile_on_views
 
     key = ("view", buf.data_ptr(), tuple(buf.shape), str(buf.dtype))   # (a torch tensor)
-    view = _COMPILED.get(key)
+    view = _KEPT.get(key)
     if view is None:
-        view = _COMPILED[key] = dlpack_view(buf, 4)
+        view = _KEPT[key] = dlpack_view(buf, 4)
     args = (view, Int32(index), cuda.CUstream(stream))
-    fn = _COMPILED.get("mark")
+    fn = _KEPT.get("mark")
     if fn is None:
-        fn = _COMPILED["mark"] = compile_on_views(StreamMark(), args)[0]
+        fn = _KEPT["mark"] = compile_on_views(StreamMark(), args)[0]
     fn(*args)
 
 
