@@ -15,6 +15,7 @@ launch follows a read-only L2 flush, as ``clean_ms``. Per row (medians over laun
   range        median CTA: entry -> its kv range known (length read, masked-prefix analysis)
   prod/issue/q median CTA: entry -> producer warp started / its first K block's TMA issued
                (the length's load returned) / the packed Q stored to shared memory
+  k1/v1        median CTA: entry -> the first block's K / V in shared memory (consumer's waits)
   first        median CTA: entry -> first kv block consumed (Q load, first TMA round trip)
   end p0/10/mean/50/100  stream ends over CTAs (the tail's spread; mean: where a
                perfectly balanced stream would end, to first order)
@@ -31,6 +32,11 @@ launch follows a read-only L2 flush, as ``clean_ms``. Per row (medians over laun
   lead/trail   with --marks (stream_marks.py): a one-thread kernel's stamp just before the
                launch -> the first CTA's entry, and the last stamp -> a mark just after:
                where the event time goes outside the CTAs (launch, completion)
+  m2m          with --marks: mark before -> mark after around the production kernel (no
+               probe); each shape and variant also gets a line with the same span around
+               an empty kernel and around torch's plain reads of the same bytes
+               (decode_floor.py's "read"), so the gap to a plain read splits into lead,
+               body and trail
 
 Each row three times with ``--merges cluster tickets polled`` (the default): the planner's
 cluster merge where it applies (2, 4 or 8 splits), the arrival-ticket merge and the polled
@@ -50,6 +56,35 @@ import torch
 from bench_decode import D, HQ, clean_ms, make_inputs, plan_step, step_bytes, variant_mods
 from common import device_name
 from stream_marks import mark
+
+
+def mark_to_mark_us(fn, reps: int) -> float:
+    """Median µs from a stream mark just before ``fn``'s launches to one just after them,
+    each after a read-only L2 flush and a GPU spin (no host gap between the marks)."""
+    marks = torch.zeros(2, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def marked():
+        torch.cuda._sleep(400_000)
+        mark(marks, 0, stream)
+        fn()
+        mark(marks, 1, stream)
+    spans = []
+    for _ in range(reps + 1):        # the first: the marks' compile and warm-up
+        clean_ms(marked, reps=1, warmup=0)
+        m = marks.cpu().numpy().view(np.uint32).astype(np.int64)
+        spans.append(((m[1] - m[0]) % (1 << 32)) / 1e3)
+    return float(np.median(spans[1:]))
+
+
+def reference_spans(nbytes: int, reps: int) -> str:
+    """Mark-to-mark µs around an empty kernel and torch's plain reads of ``nbytes``."""
+    buf = torch.ones(nbytes // 8, dtype=torch.int64, device="cuda")
+    as_i32 = buf.view(torch.int32)
+    empty = mark_to_mark_us(lambda: torch.cuda._sleep(0), reps)
+    read_sum = mark_to_mark_us(lambda: buf.sum(), reps)
+    read_max = mark_to_mark_us(lambda: as_i32.amax(), reps)
+    return f"empty {empty:.1f}, read int64 sum {read_sum:.1f}, read int32 amax {read_max:.1f}"
 
 
 def probed_launch(step, q, cache):
@@ -119,6 +154,9 @@ def summarize(stamps: np.ndarray, gbytes: float) -> dict:
         # entry -> producer start, Q in shared memory, the first K block's TMA issued
         "prod": np.median(rel[:, 1] - rel[:, 0]), "q": np.median(rel[:, 2] - rel[:, 0]),
         "issue": np.median(relative_us(stamps, [12])[:, 0] - rel[:, 0]),
+        # entry -> the first block's K and V arrived (the consumer's waits done)
+        "k1": np.median(relative_us(stamps, [17])[:, 0] - rel[:, 0]),
+        "v1": np.median(relative_us(stamps, [18])[:, 0] - rel[:, 0]),
         # stream end -> the partial normalized (the stores' start; "ticket" ends when issued)
         "norm": np.median(relative_us(stamps, [15])[:, 0] - rel[:, 4]),
         # polled mergers: the last split's partial stores issued -> its first row seen
@@ -191,11 +229,11 @@ def main():
     from flexattn.core.decode_path import DEFAULT_TUNING, DecodeTuning
 
     print(f"# {device_name()}, tuning {args.tuning or 'default'}, splits {args.splits or 'planned'}")
-    cols = ["kernel", "plain", "entry", "wave1", "range", "prod", "issue", "q", "first", "end p0", "end p10",
+    cols = ["kernel", "plain", "entry", "wave1", "range", "prod", "issue", "q", "k1", "v1", "first", "end p0", "end p10",
             "end mean", "end p50", "end p100", "ticket", "norm", "seen", "rounds", "out", "merge", "done", "steady",
             "tick"]
     if args.marks:
-        cols += ["lead", "trail"]
+        cols += ["lead", "trail", "m2m"]
     print("| B | L | layout | variant | splits | merge | " + " | ".join(cols) + " |")
     print("|" + "---|" * (6 + len(cols)))
     for shape in args.shapes:
@@ -242,11 +280,17 @@ def main():
                         by_sm += ends_by_sm(launch_stamps)
                 fig = {c: float(np.median([r[c] for r in rows])) for c in rows[0]}
                 fig["kernel"], fig["plain"] = kernel_ms * 1e3, plain_ms * 1e3
+                if args.marks:
+                    fig["m2m"] = mark_to_mark_us(step.launch, args.reps)
                 cells = [f"{fig[c]:.2f}" if c == "steady" else f"{fig[c]:.0f}" if c == "wave1" else f"{fig[c]:.1f}"
                          for c in cols]
                 print(f"| {B} | {L} | {layout} | {name} | {splits} | {merge} | " + " | ".join(cells) + " |", flush=True)
                 for line in by_sm:
                     print(f"#   {line}")
+            if args.marks:
+                for name in args.variants:
+                    print(f"# {B}x{L} {name}, mark to mark µs: "
+                          + reference_spans(step_bytes(B, L, name), args.reps), flush=True)
     print("µs from the first CTA's entry (kernel, plain: µs by CUDA events, probed / production kernel); "
           "steady: TB/s")
 
