@@ -89,25 +89,19 @@ def chunk_splits(head_dim: int) -> int:
 
 @cute.jit
 def _load_chunk(vals: cute.Tensor, o_parts: cute.Tensor, s0, num_splits, lane: Int32,
-                head_dim: cutlass.Constexpr[int], own=None, kept=None) -> Int32:
+                head_dim: cutlass.Constexpr[int]) -> Int32:
     """This lane's columns of splits s0 .. s0 + chunk - 1 (clamped to the last split) into
-    ``vals`` (chunk x per_lane, flat) -> 1 if every slot read was written, else 0. ``own``
-    (a split index) with ``kept`` (this lane's columns of it): that split's slot, never
-    written, counts as written and its columns are ``kept``'s — selected, not branched
-    around, so every load of the chunk stays in flight together."""
+    ``vals`` (chunk x per_lane, flat) -> 1 if every slot read was written, else 0."""
     per_lane = head_dim // 32
     width = _vector_width(per_lane)
     ok = Int32(1)
     for j in cutlass.range_constexpr(chunk_splits(head_dim)):
-        s = cutlass.min(s0 + j, num_splits - 1)
-        cols = cute.local_tile(o_parts[s, None], (per_lane,), (lane,))
+        row = o_parts[cutlass.min(s0 + j, num_splits - 1), None]
+        cols = cute.local_tile(row, (per_lane,), (lane,))
         for v in cutlass.range_constexpr(per_lane // width):
             xs, written = load_marked_f32s(cols.iterator + v * width, width)
             for i in cutlass.range_constexpr(width):
-                k = v * width + i
-                vals[j * per_lane + k] = xs[i] if const_expr(own is None) else cutlass.select_(s == own, kept[k], xs[i])
-            if const_expr(own is not None):
-                written = written | Int32(s == own)
+                vals[j * per_lane + v * width + i] = xs[i]
             ok = ok & written
     return ok
 
@@ -122,7 +116,7 @@ def _count_round(rounds: Int32) -> Int32:
 
 @cute.jit
 def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: cute.Tensor, lane: Int32,
-                        head_dim: cutlass.Constexpr[int], probe=None, probing=None, own=None) -> Float32:
+                        head_dim: cutlass.Constexpr[int], probe=None, probing=None) -> Float32:
     """One warp merges one row once every split has written it: ``lse_parts`` [splits]
     and ``o_parts`` [splits, D] (fp32 slots, ``EMPTY`` until written) into ``out_row`` [D]
     (each lane its D/32 columns, in out_row's dtype), then empties the slots it read;
@@ -135,33 +129,19 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
     ``probe`` (the decode timeline's, or None): where ``probing`` holds, lane 0 stores at
     ``probe[0]`` the %globaltimer_lo at which the first chunk was seen written, at
     ``probe[1]`` the rounds it took, at ``probe[3]`` the time the merged row was stored
-    (before the slots are emptied).
-
-    ``own`` (the merging split, its fp32 row [D] in shared memory, its LSE; or None): the
-    merger kept its own partial on chip (``DecodeConfig.merger_keeps_own``). Its slots,
-    never written, are read like the others (one more load in each round's flight) but
-    count as written, and its values come from the row; emptying them leaves them as
-    they were."""
+    (before the slots are emptied)."""
     per_lane = head_dim // 32
     chunk = chunk_splits(head_dim)
     num_splits = cute.size(lse_parts.shape)
     vals = cute.make_rmem_tensor(chunk * per_lane, Float32)
-    own_split = kept = None
-    if const_expr(own is not None):
-        own_split = own[0]
-        kept = cute.make_rmem_tensor(per_lane, Float32)
-        kept.store(cute.local_tile(own[1], (per_lane,), (lane,)).load())
     lse_s = -Float32.inf     # lane s: split s's LSE
     ready = Int32(0)
     rounds = Int32(0)
     while ready == 0:
-        ok = _load_chunk(vals, o_parts, Int32(0), num_splits, lane, head_dim, own_split, kept)
+        ok = _load_chunk(vals, o_parts, Int32(0), num_splits, lane, head_dim)
         if lane < num_splits:
             xs, written = load_marked_f32s(lse_parts.iterator + cute.crd2idx(lane, lse_parts.layout), 1)
             lse_s = xs[0]
-            if const_expr(own is not None):
-                lse_s = cutlass.select_(lane == own_split, own[2], lse_s)
-                written = written | Int32(lane == own_split)
             ok = ok & written
         ready = ok
         rounds = _count_round(rounds)
@@ -184,7 +164,7 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
     for s0 in cutlass.range(chunk, num_splits, chunk, unroll=1):
         ready = Int32(0)
         while ready == 0:
-            ready = _load_chunk(vals, o_parts, s0, num_splits, lane, head_dim, own_split, kept)
+            ready = _load_chunk(vals, o_parts, s0, num_splits, lane, head_dim)
             rounds = _count_round(rounds)
         for j in cutlass.range_constexpr(chunk):
             s = s0 + j
