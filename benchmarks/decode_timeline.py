@@ -44,6 +44,9 @@ merge (``decode/polled_merge.py``; its "ticket" stamp is the partial's stores do
 merge from there), same split count.
 
     python3 benchmarks/decode_timeline.py [--shapes 8x8192 1x131072] [--variants none alibi]
+
+``--dump-ctas G`` also prints the first launch's first G groups CTA by CTA (``cta_lines``):
+which split ends last, and what its merger waits for.
 """
 
 import argparse
@@ -193,6 +196,25 @@ def lead_and_trail(stamps: np.ndarray, marks: np.ndarray, done: float) -> dict:
     return {"lead": -rel[0], "trail": rel[1] - done}
 
 
+def cta_lines(stamps: np.ndarray, splits: int, groups: int) -> list:
+    """One launch's first ``groups`` groups, CTA by CTA (split order; "M": the merging CTA),
+    µs from the first entry: entry, K / V of the first block in, first block consumed,
+    stream end, partial normalized, partial stores issued (or, merging, the merge's start),
+    and merging CTAs' first row seen written, merged row stored, merge end: which split ends
+    last, and what the merger waits for."""
+    cols = [0, 17, 18, 3, 4, 15, 5, 13, 16, 6]
+    names = ["entry", "k1", "v1", "first", "end", "norm", "stored", "seen", "out", "merged"]
+    rel = since_first_entry(stamps[:, cols], stamps)
+    lines = ["group split M " + " ".join(f"{n:>6}" for n in names)]
+    for g in range(min(groups, stamps.shape[0] // splits)):
+        for sp in range(splits):
+            i = g * splits + sp
+            merging = stamps[i, 6] != 0
+            cells = [f"{rel[i, c]:6.2f}" if (c < 7 or merging) else "     -" for c in range(len(cols))]
+            lines.append(f"{g:5d} {sp:5d} {'M' if merging else ' '} " + " ".join(cells))
+    return lines
+
+
 def ends_by_sm(stamps: np.ndarray) -> list:
     """One launch: stream end (µs from the first entry) per SM id, slowest first — whether
     the tail's spread follows the SMs (their place on the chip) or the CTAs' work — and the
@@ -222,6 +244,8 @@ def main():
     ap.add_argument("--tuning", default=None, help="tile_n x stages x CTAs/SM, e.g. 64x6x1 (default: the planner's)")
     ap.add_argument("--splits", type=int, default=None, help="split count (default: the planner's)")
     ap.add_argument("--by-sm", action="store_true", help="also print each row's stream end per SM (3 launches)")
+    ap.add_argument("--dump-ctas", type=int, default=0, metavar="GROUPS",
+                    help="print the first launch's first GROUPS groups CTA by CTA (cta_lines)")
     ap.add_argument("--marks", action="store_true",
                     help="stream marks before and after each probed launch: the lead and trail columns")
     args = ap.parse_args()
@@ -278,6 +302,8 @@ def main():
                                                        rows[-1]["done"]))
                     if args.by_sm and rep < 3:
                         by_sm += ends_by_sm(launch_stamps)
+                    if args.dump_ctas and rep == 0:
+                        by_sm += cta_lines(launch_stamps, splits, args.dump_ctas)
                 fig = {c: float(np.median([r[c] for r in rows])) for c in rows[0]}
                 fig["kernel"], fig["plain"] = kernel_ms * 1e3, plain_ms * 1e3
                 if args.marks:

@@ -90,7 +90,9 @@
 # polled-merge (the decode GPU suite with the polled merge planned, decode_floor by FLEXATTN_DECODE_MERGE=tickets / auto,
 # the merge's timeline, bench_decode's B1 L128k and B8 L8k rows), band-prefix (a window's masked prefix by arithmetic,
 # planned; FLEXATTN_DECODE_BAND_PREFIX=0 is the analysis: its GPU cases, decode_floor's window rows off / on twice, a
-# timeline), marks (the window rows' timeline with stream marks: the event time outside the CTAs, lead and trail).
+# timeline), marks (the window rows' timeline with stream marks: the event time outside the CTAs, lead and trail),
+# window-tail (B1 L128k window: the timeline with marks and three groups CTA by CTA, --dump-ctas: which split ends
+# last and what the merger waits for; session 66).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -361,6 +363,8 @@ for step in $steps; do
                  done
                  (cd benchmarks && FLEXATTN_DECODE_BAND_PREFIX=1 run band_prefix_timeline 70 python3 decode_timeline.py \
                    --shapes 1x131072 --variants window4096 --layouts contiguous --merges polled --reps 5) ;;
+    window-tail) (cd benchmarks && run window_tail 90 python3 decode_timeline.py --shapes 1x131072 \
+                   --variants window4096 --layouts contiguous --merges polled --reps 9 --marks --dump-ctas 3) ;;
     marks) (cd benchmarks && run marks_timeline 120 python3 decode_timeline.py --shapes 1x131072 8x8192 \
              --variants window4096 --layouts contiguous --merges tickets polled --reps 9 --marks) ;;
     scaled-indices) run scaled_tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_head_dims_gpu.py \

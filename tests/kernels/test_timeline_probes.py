@@ -32,3 +32,21 @@ def test_lead_and_trail_across_the_timer_wrap(base):
     as_u32 = (lambda a: (a % (1 << 32)).astype(np.uint32))
     got = decode_timeline.lead_and_trail(as_u32(stamps), as_u32(marks), done=10.0)
     assert got["lead"] == pytest.approx(2.5) and got["trail"] == pytest.approx(2.0)
+
+
+def test_cta_lines_mark_each_groups_merger():
+    """``--dump-ctas``: one line per CTA in group-major, split-minor order (the kernel's CTA
+    index), the merging CTA flagged and alone given merge columns, times from the first entry."""
+    base = 5000
+    stamps = np.zeros((2 * 3, 20), np.int64)
+    stamps[:, 0] = base + 100 * np.arange(6)             # entries: CTA 0 first
+    stamps[:, 4] = base + 7000 + 10 * np.arange(6)       # stream ends
+    stamps[[2, 4], 6] = base + 10_000                    # the mergers: split 2 of group 0, split 1 of group 1
+    stamps[[2, 4], 13] = base + 9000
+    lines = decode_timeline.cta_lines(stamps.astype(np.uint32), splits=3, groups=5)
+    assert len(lines) == 1 + 6                           # header, then every CTA (only 2 groups exist)
+    flagged = [line.split()[:3] for line in lines[1:] if line.split()[2] == "M"]
+    assert flagged == [["0", "2", "M"], ["1", "1", "M"]]
+    first = lines[1].split()
+    assert first[:2] == ["0", "0"] and float(first[2]) == 0.0 and float(first[6]) == 7.0
+    assert lines[1].split()[-1] == "-" and float(lines[3].split()[-1]) == 10.0
