@@ -61,10 +61,10 @@ from common import device_name
 from stream_marks import mark
 
 
-def mark_to_mark_us(fn, reps: int) -> float:
-    """Median µs from a stream mark just before ``fn``'s launches to one just after them,
-    each after a read-only L2 flush and a GPU spin (no host gap between the marks)."""
-    marks = torch.zeros(2, dtype=torch.int32, device="cuda")
+def between_marks(fn, marks):
+    """``fn`` with stream marks 0 and 1 of ``marks`` (int32 [2] on the GPU) around its
+    launches, after a spin (~0.2 ms at H100/H200 clocks): the GPU stays busy while the host
+    queues the mark, the launches and the second mark, so no host gap lands between them."""
     stream = torch.cuda.current_stream().cuda_stream
 
     def marked():
@@ -72,6 +72,14 @@ def mark_to_mark_us(fn, reps: int) -> float:
         mark(marks, 0, stream)
         fn()
         mark(marks, 1, stream)
+    return marked
+
+
+def mark_to_mark_us(fn, reps: int) -> float:
+    """Median µs from a stream mark just before ``fn``'s launches to one just after them,
+    each after a read-only L2 flush (``between_marks``)."""
+    marks = torch.zeros(2, dtype=torch.int32, device="cuda")
+    marked = between_marks(fn, marks)
     spans = []
     for _ in range(reps + 1):        # the first: the marks' compile and warm-up
         clean_ms(marked, reps=1, warmup=0)
@@ -282,16 +290,7 @@ def main():
                 kernel_ms = clean_ms(launch, reps=args.reps)   # compiles on its warmup calls
                 rows, by_sm = [], []
                 marks = torch.zeros(2, dtype=torch.int32, device="cuda")
-                stream = torch.cuda.current_stream().cuda_stream
-
-                def marked():
-                    # A spin first (~0.2 ms at H100/H200 clocks): the GPU stays busy while
-                    # the host queues the mark, our launch and the second mark, so no host
-                    # gap lands between them (the probed launch builds its views per call).
-                    torch.cuda._sleep(400_000)
-                    mark(marks, 0, stream)
-                    launch()
-                    mark(marks, 1, stream)
+                marked = between_marks(launch, marks)   # (the probed launch builds its views per call)
                 for rep in range(args.reps):
                     stamps.zero_()
                     clean_ms(marked if args.marks else launch, reps=1, warmup=0)
