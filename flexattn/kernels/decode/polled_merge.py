@@ -48,18 +48,6 @@ def store_marked_f32(ptr, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def store_marked_f32x2(ptr, x, y, *, loc=None, ip=None) -> None:
-    """``ptr[0], ptr[1] = x, y`` (global fp32, ``ptr`` 8-byte aligned) as one relaxed
-    GPU-scope vector store, each +0.0 stored as -0.0. The memory model makes no pair atomic:
-    a poller checks each value on its own, as with ``store_marked_f32``. One instruction
-    instead of two, and whole sectors instead of halves where the lanes' pairs are adjacent
-    (the wgmma accumulator's columns)."""
-    _f32_to_address("{ .reg .b32 t, u; .reg .pred z; mov.b32 t, $1; mov.b32 u, $2; setp.eq.b32 z, t, 0; "
-                    "@z mov.b32 t, 0x80000000; setp.eq.b32 z, u, 0; @z mov.b32 u, 0x80000000; "
-                    "st.relaxed.gpu.global.v2.b32 [$0], {t, u}; }", "l", ptr, (x, y), loc, ip)
-
-
-@dsl_user_op
 def load_marked_f32s(ptr, n: int, *, loc=None, ip=None):
     """``n`` (1, 2 or 4) consecutive global fp32 at ``ptr`` (aligned to 4n bytes) by one
     relaxed GPU-scope load -> (their values, Int32 1 if none holds ``EMPTY``'s bits else 0)."""
@@ -201,4 +189,4 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
     return lse
 
 
-__all__ = ["EMPTY", "MAX_SPLITS", "store_marked_f32", "store_marked_f32x2", "load_marked_f32s", "merge_polled_splits", "chunk_splits"]
+__all__ = ["EMPTY", "MAX_SPLITS", "store_marked_f32", "load_marked_f32s", "merge_polled_splits", "chunk_splits"]

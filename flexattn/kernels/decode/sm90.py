@@ -80,7 +80,7 @@ from cutlass.cute.nvgpu import cpasync
 from flexattn.kernels.emit import interval_emit
 from flexattn.kernels.hopper import dsmem, mma
 from flexattn.kernels.decode.combine import inverse_and_lse, lane_columns, log2_shift, merge_splits
-from flexattn.kernels.decode.polled_merge import merge_polled_splits, store_marked_f32, store_marked_f32x2
+from flexattn.kernels.decode.polled_merge import merge_polled_splits, store_marked_f32
 from flexattn.kernels.emit.mod_hook import NO_MODS, FragmentCoords, ModHook, kept_if
 from flexattn.kernels.hopper.softmax import OnlineSoftmax, rescale_rows
 from flexattn.kernels.hopper.tma_pipeline import tma_ring
@@ -797,11 +797,9 @@ class DecodeSm90(WarpSpecialized):
                     if tOcO[r, 0][1] == 0:
                         mLSE[batch, head, qi] = lse[r]
                 elif const_expr(cfg.polled_merge):   # slots that mark themselves written
-                    # The accumulator's columns come in adjacent pairs (acc_mn_view's first
-                    # column mode): one vector store per pair.
                     gO = mOPart[split, batch, head, qi, None]
-                    for c in cutlass.range_constexpr(0, cute.size(o_mn.shape[1]), 2):
-                        store_marked_f32x2(gO.iterator + tOcO[r, c][1], o_mn[r, c], o_mn[r, c + 1])
+                    for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
+                        store_marked_f32(gO.iterator + tOcO[r, c][1], o_mn[r, c])
                     if tOcO[r, 0][1] == 0:
                         store_marked_f32(mLSEPart.iterator + cute.crd2idx((split, batch, head, qi), mLSEPart.layout),
                                          lse[r])
