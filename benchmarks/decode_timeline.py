@@ -288,7 +288,7 @@ def main():
                 plain_ms = clean_ms(step.launch)
                 launch, stamps, splits = probed_launch(step, q, cache)
                 kernel_ms = clean_ms(launch, reps=args.reps)   # compiles on its warmup calls
-                rows, by_sm = [], []
+                rows, notes = [], []   # (lines printed under the row: --by-sm, --dump-ctas)
                 marks = torch.zeros(2, dtype=torch.int32, device="cuda")
                 marked = between_marks(launch, marks)   # (the probed launch builds its views per call)
                 for rep in range(args.reps):
@@ -300,9 +300,9 @@ def main():
                         rows[-1].update(lead_and_trail(launch_stamps, marks.cpu().numpy().view(np.uint32),
                                                        rows[-1]["done"]))
                     if args.by_sm and rep < 3:
-                        by_sm += ends_by_sm(launch_stamps)
+                        notes += ends_by_sm(launch_stamps)
                     if args.dump_ctas and rep == 0:
-                        by_sm += cta_lines(launch_stamps, splits, args.dump_ctas)
+                        notes += cta_lines(launch_stamps, splits, args.dump_ctas)
                 fig = {c: float(np.median([r[c] for r in rows])) for c in rows[0]}
                 fig["kernel"], fig["plain"] = kernel_ms * 1e3, plain_ms * 1e3
                 if args.marks:
@@ -310,7 +310,7 @@ def main():
                 cells = [f"{fig[c]:.2f}" if c == "steady" else f"{fig[c]:.0f}" if c == "wave1" else f"{fig[c]:.1f}"
                          for c in cols]
                 print(f"| {B} | {L} | {layout} | {name} | {splits} | {merge} | " + " | ".join(cells) + " |", flush=True)
-                for line in by_sm:
+                for line in notes:
                     print(f"#   {line}")
             if args.marks:
                 for name in args.variants:

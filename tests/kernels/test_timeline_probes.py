@@ -1,6 +1,7 @@
 """CPU (CI): the decode timeline's probes (benchmarks/decode_timeline.py, stream_marks.py)
-— the stream mark compiles for sm_90a to one timer read and one store, and the lead /
-trail arithmetic survives the 32-bit timer's wrap. No GPU needed."""
+— the stream mark compiles for sm_90a to one timer read and one store, the lead / trail
+arithmetic survives the 32-bit timer's wrap, and the CTA dump flags each group's merger.
+No GPU needed."""
 
 import os
 import sys
