@@ -423,7 +423,7 @@ def host_breakdown(B, L, calls=2000, burst=32):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     put = plan._put
     values = [*lengths, *[n - 1 for n in lengths]]
-    kernel, _, parts = plan._stage(lengths, sms, None)
+    kernel, _, o_part, lse_part = plan._stage(lengths, sms, None)
     fn = plan._fns[kernel]   # compiled by the warm-up steps
     args = plan._args if plan._args is not None else plan._convert()
     pieces = {
@@ -434,8 +434,8 @@ def host_breakdown(B, L, calls=2000, burst=32):
         "    plan.run (no allocation)": lambda: plan.run(q, cache.k, cache.v, None, out, lse, lengths, sms),
         "      plan._stage (checks, upload)": lambda: plan._stage(lengths, sms, None),
         "        ring put (pack + HtoD)": lambda: put(values),
-        "      kernel call (TVM-FFI)": lambda: fn(q, cache.k, cache.v, None, plan.seq_lens, out, lse, *parts,
-                                                   plan.scale, args),
+        "      kernel call (TVM-FFI)": lambda: fn(q, cache.k, cache.v, None, plan.seq_lens, out, lse, o_part,
+                                                   lse_part, plan._tickets, plan.scale, args),
         "    torch.empty (out)": lambda: torch.empty(B, HQ, 1, D, dtype=torch.bfloat16, device="cuda"),
         "    lengths.tolist": lambda: cache.lengths.tolist(),
         "    torch.cuda.current_device": lambda: torch.cuda.current_device(),

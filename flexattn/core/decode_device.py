@@ -23,13 +23,12 @@ _WORKSPACES: dict = {}
 def decode_workspace(index: int, stream: int, alloc: Callable) -> DecodeWorkspace:
     """The decode kernel's workspace on ``stream`` of device ``index`` (one per stream,
     kept): plan buffers from the adapter's allocator; the splits' partials in one float32
-    scratch array, grown when a step needs more (used in the stream's order); the polled
-    merge's slots and tickets, one zeroed set per layout (``marked_slots``: each set only
-    ever serves its layout, whose steps leave every slot marked with its ticket's epoch);
-    arrival tickets zeroed once, grown likewise (the kernel leaves them zero);
-    lengths/offsets copied from a ``StagingRing`` of pinned slots (one ``cuMemcpyHtoDAsync``
-    per step, fences every 16 steps: the host never waits for the GPU in a steady state and
-    never rewrites a slot the GPU has yet to copy)."""
+    scratch array, grown when a step needs more (used in the stream's order), and a second
+    one allocated zeroed for the polled merge (its merges leave it zero); arrival
+    tickets zeroed once, grown likewise (the kernel leaves them zero); lengths/offsets
+    copied from a ``StagingRing`` of pinned slots (one ``cuMemcpyHtoDAsync`` per step,
+    fences every 16 steps: the host never waits for the GPU in a steady state and never
+    rewrites a slot the GPU has yet to copy)."""
     key = (index, stream)
     hit = _WORKSPACES.get(key)
     if hit is not None:
@@ -49,21 +48,9 @@ def decode_workspace(index: int, stream: int, alloc: Callable) -> DecodeWorkspac
             return held[0]
         return get
 
-    marked: dict = {}
-
-    def marked_slots(layout, o_size, lse_size, n_tickets):
-        held = marked.get(layout)
-        if held is None or held[0].shape[0] < o_size or held[1].shape[0] < lse_size or held[2].shape[0] < n_tickets:
-            # all three fresh and zero together: a slot's epoch is its ticket's
-            old = (0, 0, 0) if held is None else tuple(a.shape[0] for a in held)
-            sizes = [max(n, 2 * o if n > o else o) for n, o in zip((o_size, lse_size, n_tickets), old)]
-            held = marked[layout] = (alloc((sizes[0],), "float32", True), alloc((sizes[1],), "float32", True),
-                                     alloc((sizes[2],), "int32", True))
-        return held
-
     ws = _WORKSPACES[key] = DecodeWorkspace(lambda shape, dtype: alloc(shape, dtype, False), get_tickets,
                                             grown(scratch, False), driver_uploader(index, stream),
-                                            marked_slots=marked_slots)
+                                            marked_scratch=grown([alloc((0,), "float32", True)], True))
     return ws
 
 

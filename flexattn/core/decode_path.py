@@ -280,13 +280,10 @@ class DecodeWorkspace:
     scratch: Callable
     uploader: Callable
     lock: object = field(default_factory=threading.Lock, compare=False, repr=False)
-    # ``marked_slots(layout, o_size, lse_size, tickets)``: (float32, float32, int32) device
-    # arrays of at least those sizes, all zero when allocated, the same ones for every step
-    # of ``layout`` (a hashable key) until a larger one is asked for (then all three fresh):
-    # the polled merge's partial slots and tickets, whose epochs only that layout's steps
-    # advance (``decode/polled_merge.py``). None: the adapter keeps no such memory (XLA's
-    # scratch lives one call), so steps merge by tickets.
-    marked_slots: Callable | None = None
+    # ``marked_scratch(n)``: like ``scratch``, but all zero between steps (allocated zeroed;
+    # the polled merge zeroes every slot it read: ``decode/polled_merge.py``). None: the
+    # adapter keeps no such memory (XLA's scratch lives one call), so steps merge by tickets.
+    marked_scratch: Callable | None = None
 
 
 class StagingRing:
@@ -475,28 +472,11 @@ def polled_merge_pays(splits: int, cluster: int, head_dim: int) -> bool:
     """Whether a step's splits merge by polling their partials' slots (``DecodeConfig.
     polled_merge``) instead of tickets: wherever no cluster merges them, up to 32 splits
     (one LSE per lane) and head dims that are multiples of 32, on workspaces that keep the
-    slots per layout (``DecodeWorkspace.marked_slots``; the caller checks, and reads
+    slots zeroed (``DecodeWorkspace.marked_scratch``; the caller checks, and reads
     ``FLEXATTN_DECODE_MERGE=tickets``, which keeps the tickets for A/B runs, once per plan)."""
     from ..kernels.decode.polled_merge import MAX_SPLITS
 
     return cluster == 1 and 1 < splits <= MAX_SPLITS and head_dim % 32 == 0
-
-
-def polled_parts(o_slots, lse_slots, splits: int, o_shape: tuple) -> tuple:
-    """(o_part [splits, B, Hq, q_len, D], lse_part [splits, B, Hq, q_len]) as views of flat
-    slot arrays laid out group-major: [B, Hq, q_len, splits, D] and [B, Hq, splits, q_len]
-    (q_len contiguous, as the kernel's LSE view wants). A query head's slots then sit at
-    (b * Hq + head) * ..., a function of its GQA group b * Hkv + head // group alone, so
-    each group's ticket governs the same slots in every step of one layout (splits, group,
-    q_len, D), whatever the batch or head count; and one row's splits are adjacent for the
-    merger's polls. Views, never copies: ``swapaxes`` and ``reshape``, whose only reshapes
-    split an axis."""
-    B, Hq, q_len, D = o_shape
-    o = o_slots[:B * Hq * q_len * splits * D].reshape(B * Hq, q_len, splits, D)
-    o_part = o.swapaxes(1, 2).swapaxes(0, 1).reshape(splits, B, Hq, q_len, D)
-    lse = lse_slots[:B * Hq * splits * q_len].reshape(B * Hq, splits, q_len)
-    lse_part = lse.swapaxes(0, 1).reshape(splits, B, Hq, q_len)
-    return o_part, lse_part
 
 
 def _prefetch_pays(mods, tile_n: int, mask_last_page_only: bool) -> bool:
@@ -655,13 +635,13 @@ class DecodePlan:
         # One arrival counter per CTA group (grid dims 1 and 2), all zero between launches.
         self._tickets = workspace.tickets(self.batch * self.kv_heads * self.m_blocks)
         self._scratch = workspace.scratch
-        # Slots for the polled merge, unless FLEXATTN_DECODE_MERGE=tickets (read once per
-        # plan: a step's host time is tens of µs, an environment read ~1).
-        self._marked = workspace.marked_slots if os.environ.get("FLEXATTN_DECODE_MERGE", "auto") != "tickets" \
+        # Zeroed slots for the polled merge, unless FLEXATTN_DECODE_MERGE=tickets (read once
+        # per plan: a step's host time is tens of µs, an environment read ~1).
+        self._marked = workspace.marked_scratch if os.environ.get("FLEXATTN_DECODE_MERGE", "auto") != "tickets" \
             else None
         self._launches: dict = {}    # (kv blocks, SM count) -> choose_launch's (tuning, splits, cluster), polled
         self.q_heads = Hq
-        self._parts: dict = {}       # (split count, polled) -> (the workspace's arrays, o_part, lse_part, tickets)
+        self._parts: dict = {}       # (split count, polled) -> (scratch array, o_part, lse_part)
         # Numbers, read-only arrays and our positions buffer cannot change under the plan:
         # converted once; tensors read in place, once per data pointer; anything else
         # (writeable host arrays, strided tensors) per step (CaptureArgs).
@@ -708,7 +688,7 @@ class DecodePlan:
 
     def _stage(self, lengths: list, num_sms: int, num_splits: int | None):
         """Check this step's lengths (ints, one per sequence), upload them with the query
-        offsets, pick the launch -> (kernel, splits, parts) (``_launch_parts``)."""
+        offsets, pick the launch -> (kernel, splits, o_part, lse_part) (``_launch_parts``)."""
         if len(lengths) != self.batch:
             raise ValueError(f"query batch {self.batch} does not match the cache's {len(lengths)}")
         q_len = self.q_len
@@ -730,7 +710,7 @@ class DecodePlan:
 
     def _launch_parts(self, longest: int, num_sms: int, num_splits: int | None):
         """The launch for sequences of at most ``longest`` keys -> (kernel = (tuning,
-        cluster, polled merge), splits, parts = (o_part, lse_part, tickets))."""
+        cluster, polled merge), splits, o_part, lse_part)."""
         q_len = self.q_len
         if num_splits is None:
             key = (-(-longest // self.tuning.tile_n), num_sms)
@@ -754,43 +734,29 @@ class DecodePlan:
             launch = (self.tuning, int(num_splits), cluster, self._polls(int(num_splits), cluster))
         tuning, splits, cluster, polled = launch
         o_size, lse_size = self._part_sizes
-        if polled:
-            # Slots laid out group-major (``polled_parts``), so each ticket governs the same
-            # slots in every step of this layout, whatever the batch or head count.
-            D = self.config.head_dim
-            layout = ("polled", splits, self.q_heads // self.kv_heads, self.q_len, D, self.m_blocks)
-            arrays = self._marked(layout, splits * o_size, splits * lse_size, self.batch * self.kv_heads * self.m_blocks)
-        else:
-            arrays = (self._scratch(splits * (o_size + lse_size)),)
+        flat = (self._marked if polled else self._scratch)(splits * (o_size + lse_size))
         parts = self._parts.get((splits, polled))
-        if parts is None or any(a is not b for a, b in zip(parts[0], arrays)):
+        if parts is None or parts[0] is not flat:
             o_shape, lse_shape = self.part_shapes
-            if polled:
-                o_part, lse_part = polled_parts(arrays[0], arrays[1], splits, o_shape)
-                tickets = arrays[2]
-            else:
-                flat = arrays[0]
-                o_part = flat[:splits * o_size].reshape((splits,) + o_shape)
-                lse_part = flat[splits * o_size:splits * (o_size + lse_size)].reshape((splits,) + lse_shape)
-                tickets = self._tickets
-            parts = self._parts[(splits, polled)] = (arrays, o_part, lse_part, tickets)
-        return (tuning, cluster, polled), splits, parts[1:]
+            o_part = flat[:splits * o_size].reshape((splits,) + o_shape)
+            lse_part = flat[splits * o_size:splits * (o_size + lse_size)].reshape((splits,) + lse_shape)
+            parts = self._parts[(splits, polled)] = (flat, o_part, lse_part)
+        return (tuning, cluster, polled), splits, parts[1], parts[2]
 
     def _polls(self, splits: int, cluster: int) -> bool:
         """Whether ``splits`` merge polled (``polled_merge_pays``, where the workspace keeps
-        slots per layout: ``DecodeWorkspace.marked_slots``)."""
+        zeroed slots)."""
         return self._marked is not None and polled_merge_pays(splits, cluster, self.config.head_dim)
 
-    def _launcher(self, kernel, q, k, v, table, out, lse, parts, seq_lens=None, args=None) -> Callable:
+    def _launcher(self, kernel, q, k, v, table, out, lse, o_part, lse_part, seq_lens=None, args=None) -> Callable:
         """The launch of `kernel` (tuning, cluster, polled) with these arguments (compiling on its
         first call); ``seq_lens``: the plan's own uploaded lengths, ``args``: its captures
         converted, unless given."""
         args = self._args.current() if args is None else args
         runner = self._kernel(kernel)[1]
         seq_lens = self.seq_lens if seq_lens is None else seq_lens
-        o_part, lse_part, tickets = parts
         if self.ffi:
-            scale = self.scale
+            tickets, scale = self._tickets, self.scale
 
             def launch():
                 fn = self._fns.get(kernel)
@@ -799,7 +765,7 @@ class DecodePlan:
                 fn(q, k, v, table, seq_lens, out, lse, o_part, lse_part, tickets, scale, args)
 
             return launch
-        run, scale, stream = runner.run, self.scale, self.stream
+        run, tickets, scale, stream = runner.run, self._tickets, self.scale, self.stream
         return lambda: run(q, k, v, table, seq_lens, out, lse, o_part, lse_part, tickets, scale, args, stream)
 
     def run(self, q, k, v, table, out, lse, lengths: list, num_sms: int) -> int:
@@ -809,8 +775,8 @@ class DecodePlan:
         arrays must be those the plan was made for (shapes, dtypes, strides, device:
         the caller's key says so). Returns the split count."""
         with self.lock:
-            kernel, splits, parts = self._stage(lengths, num_sms, None)
-            self._launch_now(kernel, q, k, v, table, out, lse, parts, self.seq_lens, self._args.current())
+            kernel, splits, o_part, lse_part = self._stage(lengths, num_sms, None)
+            self._launch_now(kernel, q, k, v, table, out, lse, o_part, lse_part, self.seq_lens, self._args.current())
         return splits
 
     def run_device_lengths(self, q, k, v, table, out, lse, seq_lens, longest: int, num_sms: int,
@@ -829,19 +795,19 @@ class DecodePlan:
         if longest > self.capacity:
             raise ValueError(f"{longest} keys exceed the cache's capacity ({self.capacity} tokens)")
         with self.lock:
-            kernel, splits, parts = self._launch_parts(longest, num_sms, None)
-            self._launch_now(kernel, q, k, v, table, out, lse, parts, seq_lens,
+            kernel, splits, o_part, lse_part = self._launch_parts(longest, num_sms, None)
+            self._launch_now(kernel, q, k, v, table, out, lse, o_part, lse_part, seq_lens,
                              self._args.current() if captures is None else self._args_of(captures))
         return splits
 
-    def _launch_now(self, kernel, q, k, v, table, out, lse, parts, seq_lens, args) -> None:
+    def _launch_now(self, kernel, q, k, v, table, out, lse, o_part, lse_part, seq_lens, args) -> None:
         """Launch ``kernel`` (tuning, cluster, polled): its TVM-FFI function once compiled (the
         repeated steps' path), else through ``_launcher`` (compiling first)."""
         fn = self._fns.get(kernel)
         if fn is not None:
-            fn(q, k, v, table, seq_lens, out, lse, *parts, self.scale, args)
+            fn(q, k, v, table, seq_lens, out, lse, o_part, lse_part, self._tickets, self.scale, args)
         else:
-            self._launcher(kernel, q, k, v, table, out, lse, parts, seq_lens, args)()
+            self._launcher(kernel, q, k, v, table, out, lse, o_part, lse_part, seq_lens, args)()
 
     def _args_of(self, captures: tuple):
         """``captures`` as this plan's TVM-FFI launch takes them (only TVM-FFI launches take
@@ -856,9 +822,9 @@ class DecodePlan:
              num_splits: int | None = None) -> DecodeLaunch:
         """This step's launch: its lengths uploaded, its split count and partials. Not
         locked: ``decode_into`` holds the lock around this and the launch."""
-        kernel, splits, parts = self._stage(lengths, num_sms, num_splits)
+        kernel, splits, o_part, lse_part = self._stage(lengths, num_sms, num_splits)
         return DecodeLaunch(self._kernel(kernel)[0], splits,
-                            self._launcher(kernel, q, k, v, table, out, lse, parts), self)
+                            self._launcher(kernel, q, k, v, table, out, lse, o_part, lse_part), self)
 
 
 _PREPARED = PreparedCalls(capacity=64)

@@ -6,24 +6,18 @@ acknowledged), the ticket's atomic round trip, then the merging CTA's loads of e
 partial, ~1.2 + 1.9 µs on the H200 (benchmarks/decode_timeline.py). Here the partial
 slots themselves say whether they are written, so nothing waits for a fence or a ticket:
 
-* Each value carries a marker in its lowest mantissa bit (a relaxed GPU-scope store with
-  that bit replaced: at most 1 ulp of fp32, truncated toward zero when read): the launch's
-  marker, from its group's ticket epoch (``epoch_marker``), so a slot written by this
-  launch is told from one left by the last, and nothing is emptied after a merge (the
-  ~28 KB of zeros the merging SM used to store took ~0.5 µs at B 1). This needs every step
-  that uses a group's ticket to write all of that group's slots, and no other step to
-  touch them: the workspace keeps one set of slots and tickets per layout (split count,
-  GQA group, q_len, D), laid out group-major (``decode_path.polled_parts``), allocated
-  zero (lowest bits 0, epoch 0, whose marker is 1).
+* Between steps every slot of the partials' workspace holds the bits 0 (``EMPTY``): the
+  workspace is allocated zeroed, and each merge zeroes the slots it read.
+* A split stores each value with a relaxed GPU-scope store, +0.0 as -0.0 (the same
+  number to every use the merge makes of it), so a written slot is never all-zero bits.
 * One CTA per group merges: the split that started last (a relaxed ticket taken at the
   CTA's start, long before its stream ends, so off the critical path; every other split
   of its group has started, and none of them waits for anything, so the merger's wait
-  ends whatever order the hardware places CTAs in). The last to start also advances the
-  ticket's epoch (``EPOCH_BIT``) and resets its count. The merger polls each slot it
-  needs with relaxed GPU-scope loads until every value carries the marker: every load
-  checks its own values, so no ordering between slots is needed, and the last partial
-  costs about one L2 round trip after its stores land. A poll that has not seen every
-  slot after ``POLL_LIMIT`` rounds (seconds) traps: a bug, not a hang.
+  ends whatever order the hardware places CTAs in). It polls each slot it needs with
+  relaxed GPU-scope loads until none reads ``EMPTY``: every load checks its own value, so
+  no ordering between slots is needed, and the last partial costs about one L2 round trip
+  after its stores land. A poll that has not seen every slot after ``POLL_LIMIT`` rounds
+  (seconds) traps: a bug, not a hang.
 
 Each lane of a merging warp owns D/32 contiguous columns of a row (``lane_columns``), lane
 s the LSE of split s (so at most 32 splits: ``MAX_SPLITS``); the arithmetic is
@@ -37,66 +31,51 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from flexattn.kernels.decode.combine import LOG2_E, inverse_and_lse, log2_shift
-from flexattn.kernels.hopper.atomics import trap
+from flexattn.kernels.hopper.atomics import _f32_to_address, trap
 
-EPOCH_BIT = 1 << 16  # a group's ticket word: EPOCH_BIT * epoch (0 or 1) + the splits counted in
+EMPTY = 0            # the bits of a slot no split has written since the last merge
 MAX_SPLITS = 32      # one LSE per lane
 POLL_LIMIT = 1 << 22  # rounds of loads (each at least an L2 round trip) before a trap
 CHUNK_FLOATS = 64    # partial values a lane has in flight per round (16 splits at D 128)
 
 
 @dsl_user_op
-def store_marked_f32(ptr, value, marker, *, loc=None, ip=None) -> None:
-    """``*ptr = value`` (global fp32) as a relaxed GPU-scope store, its lowest mantissa bit
-    replaced by ``marker`` (Int32 0 or 1: this launch's, ``take_epoch``'s)."""
-    llvm.inline_asm(
-        None,
-        [ptr.toint(loc=loc, ip=ip).ir_value(), Float32(value).ir_value(loc=loc, ip=ip),
-         Int32(marker).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b32 t; mov.b32 t, $1; and.b32 t, t, 0xFFFFFFFE; or.b32 t, t, $2; "
-        "st.relaxed.gpu.global.b32 [$0], t; }",
-        "l,f,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+def store_marked_f32(ptr, value, *, loc=None, ip=None) -> None:
+    """``*ptr = value`` (global fp32) as a relaxed GPU-scope store, +0.0 stored as -0.0: a
+    written slot never holds ``EMPTY``'s bits."""
+    _f32_to_address("{ .reg .b32 t; .reg .pred z; mov.b32 t, $1; setp.eq.b32 z, t, 0; @z mov.b32 t, 0x80000000; "
+                    "st.relaxed.gpu.global.b32 [$0], t; }", "l", ptr, value, loc, ip)
 
 
 @dsl_user_op
-def load_marked_f32s(ptr, n: int, marker, *, loc=None, ip=None):
+def load_marked_f32s(ptr, n: int, *, loc=None, ip=None):
     """``n`` (1, 2 or 4) consecutive global fp32 at ``ptr`` (aligned to 4n bytes) by one
-    relaxed GPU-scope load -> (their values with the lowest mantissa bit cleared, Int32 1 if
-    every value's lowest bit is ``marker``, i.e. written in this launch, else 0)."""
+    relaxed GPU-scope load -> (their values, Int32 1 if none holds ``EMPTY``'s bits else 0)."""
     assert n in (1, 2, 4), n
     regs = [f"t{i}" for i in range(n)]
     width = "" if n == 1 else f".v{n}"
     dest = regs[0] if n == 1 else "{" + ", ".join(regs) + "}"
-    # all lowest bits equal the marker <=> the AND of (value ^ (marker ^ 1)) has its lowest bit set
-    body = [f"ld.relaxed.gpu.global{width}.b32 {dest}, [${n + 1}];", f"xor.b32 f, ${n + 2}, 1;",
-            "xor.b32 m, t0, f;"]
-    body += [f"xor.b32 u, t{i}, f; and.b32 m, m, u;" for i in range(1, n)]
-    body += [f"and.b32 ${i}, t{i}, 0xFFFFFFFE;" for i in range(n)]
-    body.append(f"and.b32 ${n}, m, 1;")
-    asm = "{ .reg .b32 " + ", ".join(regs + ["m", "u", "f"]) + "; " + " ".join(body) + " }"
+    least = "m"
+    body = [f"ld.relaxed.gpu.global{width}.b32 {dest}, [${n + 1}];"]
+    body += [f"mov.b32 ${i}, t{i};" for i in range(n)]
+    if n == 1:
+        least = "t0"
+    else:
+        body.append("min.u32 m, t0, t1;")
+        body += [f"min.u32 m, m, t{i};" for i in range(2, n)]
+    body.append(f"setp.ne.u32 p, {least}, 0; selp.u32 ${n}, 1, 0, p;")
+    asm = "{ .reg .b32 " + ", ".join(regs + ["m"]) + "; .reg .pred p; " + " ".join(body) + " }"
     res = llvm.inline_asm(
         llvm.StructType.get_literal([T.f32()] * n + [T.i32()]),
-        [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(marker).ir_value(loc=loc, ip=ip)],
+        [ptr.toint(loc=loc, ip=ip).ir_value()],
         asm,
-        ",".join(["=f"] * n + ["=r", "l", "r"]),
+        ",".join(["=f"] * n + ["=r", "l"]),
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
     values = [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(n)]
     return values, Int32(llvm.extractvalue(T.i32(), res, [n], loc=loc, ip=ip))
-
-
-@cute.jit
-def epoch_marker(epoch: Int32) -> Int32:
-    """The lowest bit a launch's partial values carry, from its group's ticket epoch (0 or
-    1): 1 in epoch 0, whose slots are the workspace's fresh zeros (lowest bit 0), then
-    alternating, so every slot holds the other marker until this launch writes it."""
-    return Int32(1) - epoch
 
 
 def _vector_width(per_lane: int) -> int:
@@ -109,7 +88,7 @@ def chunk_splits(head_dim: int) -> int:
 
 
 @cute.jit
-def _load_chunk(vals: cute.Tensor, o_parts: cute.Tensor, s0, num_splits, lane: Int32, marker: Int32,
+def _load_chunk(vals: cute.Tensor, o_parts: cute.Tensor, s0, num_splits, lane: Int32,
                 head_dim: cutlass.Constexpr[int]) -> Int32:
     """This lane's columns of splits s0 .. s0 + chunk - 1 (clamped to the last split) into
     ``vals`` (chunk x per_lane, flat) -> 1 if every slot read was written, else 0."""
@@ -120,7 +99,7 @@ def _load_chunk(vals: cute.Tensor, o_parts: cute.Tensor, s0, num_splits, lane: I
         row = o_parts[cutlass.min(s0 + j, num_splits - 1), None]
         cols = cute.local_tile(row, (per_lane,), (lane,))
         for v in cutlass.range_constexpr(per_lane // width):
-            xs, written = load_marked_f32s(cols.iterator + v * width, width, marker)
+            xs, written = load_marked_f32s(cols.iterator + v * width, width)
             for i in cutlass.range_constexpr(width):
                 vals[j * per_lane + v * width + i] = xs[i]
             ok = ok & written
@@ -137,10 +116,10 @@ def _count_round(rounds: Int32) -> Int32:
 
 @cute.jit
 def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: cute.Tensor, lane: Int32,
-                        marker: Int32, head_dim: cutlass.Constexpr[int], probe=None, probing=None) -> Float32:
+                        head_dim: cutlass.Constexpr[int], probe=None, probing=None) -> Float32:
     """One warp merges one row once every split has written it: ``lse_parts`` [splits]
-    and ``o_parts`` [splits, D] (fp32 slots, written once their lowest bits are
-    ``marker``) into ``out_row`` [D] (each lane its D/32 columns, in out_row's dtype);
+    and ``o_parts`` [splits, D] (fp32 slots, ``EMPTY`` until written) into ``out_row`` [D]
+    (each lane its D/32 columns, in out_row's dtype), then empties the slots it read;
     returns the row's natural-log LSE (-inf: no split saw a key). D a multiple of 32, at
     most ``MAX_SPLITS`` splits.
 
@@ -149,7 +128,8 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
 
     ``probe`` (the decode timeline's, or None): where ``probing`` holds, lane 0 stores at
     ``probe[0]`` the %globaltimer_lo at which the first chunk was seen written, at
-    ``probe[1]`` the rounds it took, at ``probe[3]`` the time the merged row was stored."""
+    ``probe[1]`` the rounds it took, at ``probe[3]`` the time the merged row was stored
+    (before the slots are emptied)."""
     per_lane = head_dim // 32
     chunk = chunk_splits(head_dim)
     num_splits = cute.size(lse_parts.shape)
@@ -158,9 +138,9 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
     ready = Int32(0)
     rounds = Int32(0)
     while ready == 0:
-        ok = _load_chunk(vals, o_parts, Int32(0), num_splits, lane, marker, head_dim)
+        ok = _load_chunk(vals, o_parts, Int32(0), num_splits, lane, head_dim)
         if lane < num_splits:
-            xs, written = load_marked_f32s(lse_parts.iterator + cute.crd2idx(lane, lse_parts.layout), 1, marker)
+            xs, written = load_marked_f32s(lse_parts.iterator + cute.crd2idx(lane, lse_parts.layout), 1)
             lse_s = xs[0]
             ok = ok & written
         ready = ok
@@ -184,7 +164,7 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
     for s0 in cutlass.range(chunk, num_splits, chunk, unroll=1):
         ready = Int32(0)
         while ready == 0:
-            ready = _load_chunk(vals, o_parts, s0, num_splits, lane, marker, head_dim)
+            ready = _load_chunk(vals, o_parts, s0, num_splits, lane, head_dim)
             rounds = _count_round(rounds)
         for j in cutlass.range_constexpr(chunk):
             s = s0 + j
@@ -199,8 +179,14 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
         if probing:
             if lane == 0:
                 (probe + 3).store(Int32(cute.arch.globaltimer_lo()))
+    # Empty what this lane read, for the next step (stream order publishes it).
+    zeros = cute.make_rmem_tensor(per_lane, Float32)
+    zeros.fill(0.0)
+    for s in cutlass.range(num_splits, unroll=1):
+        cute.local_tile(o_parts[s, None], (per_lane,), (lane,)).store(zeros.load())
+    if lane < num_splits:
+        lse_parts[lane] = Float32(0.0)
     return lse
 
 
-__all__ = ["EPOCH_BIT", "MAX_SPLITS", "epoch_marker", "store_marked_f32", "load_marked_f32s", "merge_polled_splits",
-           "chunk_splits"]
+__all__ = ["EMPTY", "MAX_SPLITS", "store_marked_f32", "load_marked_f32s", "merge_polled_splits", "chunk_splits"]

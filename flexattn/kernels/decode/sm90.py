@@ -23,10 +23,9 @@ One CTA handles one (kv split) x (kv head, packed-row block) x (batch) work item
   barrier; the last arrival's acquire covers every split's stores) — the pattern of
   cutlass::GenericBarrier. No thread ever waits on another CTA: nothing can deadlock.
 * Polled merge (`polled_merge`, `decode/polled_merge.py`): the partial slots say whether
-  they are written (each value's lowest bit carries the launch's marker, from its
-  group's ticket epoch; splits store relaxed), and the split that *started* last in its
-  group (a relaxed ticket taken by an idle producer warp at the CTA's start) polls them
-  and merges: no fence, no ticket after the stream, no slots emptied after the merge. The
+  they are written (zero bits until then; splits store relaxed, +0.0 as -0.0), and the
+  split that *started* last in its group (a relaxed ticket taken by an idle producer warp
+  at the CTA's start) polls them and merges: no fence, no ticket after the stream. The
   merger waits only for splits that have started, which never wait: it cannot deadlock.
 * Cluster merge (`cluster_splits` > 1: the launch's splits are one cluster per group):
   each CTA keeps its partial in its own shared memory (fp32 O rows over the K ring, LSEs
@@ -81,7 +80,7 @@ from cutlass.cute.nvgpu import cpasync
 from flexattn.kernels.emit import interval_emit
 from flexattn.kernels.hopper import dsmem, mma
 from flexattn.kernels.decode.combine import inverse_and_lse, lane_columns, log2_shift, merge_splits
-from flexattn.kernels.decode.polled_merge import EPOCH_BIT, epoch_marker, merge_polled_splits, store_marked_f32
+from flexattn.kernels.decode.polled_merge import merge_polled_splits, store_marked_f32
 from flexattn.kernels.emit.mod_hook import NO_MODS, FragmentCoords, ModHook, kept_if
 from flexattn.kernels.hopper.softmax import OnlineSoftmax, rescale_rows
 from flexattn.kernels.hopper.tma_pipeline import tma_ring
@@ -96,7 +95,7 @@ TIMELINE_STAMPS = 20    # per CTA: entry, producer start, Q loaded, first block 
                         # producer's first K block issued (12), the polled merger's first row
                         # seen written (13) and its polling rounds (14), the consumer's
                         # partial normalized (15: before its stores), the merger's first row
-                        # written (16), the first block's K
+                        # written (16: before it empties the slots), the first block's K
                         # and V arrived (17, 18: the consumer's waits done), unused
 CLUSTER_SPLITS = (1, 2, 4, 8, 16)   # cluster merge sizes; 16 is a non-portable cluster size,
                                     # which CuTeDSL allows on every kernel it builds (H100: 16)
@@ -120,8 +119,8 @@ class DecodeConfig(KernelConfig):
     cluster_splits: int = 1      # > 1: the launch has exactly this many splits, one cluster
                                  # per group, merged through distributed shared memory
     polled_merge: bool = False   # splits > 1 without a cluster: the last split to start polls
-                                 # the partials' slots (each value marked with the launch's
-                                 # ticket epoch) instead of a ticket after the stream
+                                 # the partials' slots (zero until written; the workspace
+                                 # zeroed between steps) instead of a ticket after the stream
     timeline: bool = False       # probe for benchmarks/decode_timeline.py: every CTA writes
                                  # globaltimer stamps past the tickets (never planned)
     skip_masked_prefix: bool = True  # the masked-prefix analysis before the stream (masks
@@ -267,8 +266,7 @@ class DecodeSm90(WarpSpecialized):
         mOPart: cute.Tensor,      # [splits, B, Hq, q_len, D] float32 (num_splits > 1)
         mLSEPart: cute.Tensor,    # [splits, B, Hq, q_len] float32
         mTickets: cute.Tensor,    # [>= B * Hkv * m_blocks] int32, zero between launches
-                                  # (polled_merge: EPOCH_BIT * epoch, and every slot of mOPart /
-                                  # mLSEPart its group's epoch in its lowest bit; zero at first)
+                                  # (polled_merge: mOPart / mLSEPart zero between launches too)
         softmax_scale: Float32,
         mod_args,
         stream: cuda.CUstream,
@@ -428,15 +426,14 @@ class DecodeSm90(WarpSpecialized):
             self.enter_consumer(cfg.regs)
             self.consume(mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
                          pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block,
-                         batch, seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps, sPart, sLSE,
-                         sMerges)
+                         batch, seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps, sPart, sLSE)
             if const_expr(cfg.polled_merge):
                 if num_splits > 1:
                     self._stamp(stamps, 5, warp_idx == 4)
-                    # (the epilogue synced on DecodeBarrier.MERGER: sMerges holds the ticket's word)
+                    DecodeBarrier.MERGER.sync(self.num_mma_threads + 32)
                     if sMerges[0] != 0:
                         self._merge_group(mO, mLSE, mOPart, mLSEPart, cute.arch.thread_idx()[0] - 128, head_kv,
-                                          group, q_len, rows, m_block, batch, stamps, sMerges[1])
+                                          group, q_len, rows, m_block, batch, stamps)
                         self._stamp(stamps, 6, warp_idx == 4)
             elif const_expr(cfg.cluster_splits == 1):
                 if num_splits > 1:
@@ -634,8 +631,7 @@ class DecodeSm90(WarpSpecialized):
     @cute.jit
     def consume(self, mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
                 pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block, batch,
-                seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps=None, sPart=None, sLSE=None,
-                sMerges=None):
+                seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps=None, sPart=None, sLSE=None):
         cfg = self.cfg
         if const_expr(mod_args is None):
             mod_args = ()
@@ -725,15 +721,8 @@ class DecodeSm90(WarpSpecialized):
         if const_expr(cfg.cluster_splits > 1):
             self._partial_to_smem(acc_O, lse, sPart, sLSE, thr_pv, rows, m_block)
         else:
-            marker = Int32(0)
-            if const_expr(cfg.polled_merge):
-                if num_splits > 1:
-                    # The start ticket (taken ~1 µs after the CTA's start) says whether this CTA
-                    # merges and which marker this launch's partials carry: long since published.
-                    DecodeBarrier.MERGER.sync(self.num_mma_threads + 32)
-                    marker = sMerges[1]
             self.epilogue(acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, split, num_splits,
-                          head_kv, group, q_len, rows, m_block, batch, marker)
+                          head_kv, group, q_len, rows, m_block, batch)
 
     def _tile_values(self, ctx, n_block, apply_mask: bool):
         """The mods' reads that stay constant over block ``n_block`` (a walk's table, a paged
@@ -790,7 +779,7 @@ class DecodeSm90(WarpSpecialized):
 
     @cute.jit
     def epilogue(self, acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, split, num_splits,
-                 head_kv, group, q_len, rows, m_block, batch, marker):
+                 head_kv, group, q_len, rows, m_block, batch):
         """O rows straight from registers to their (q head, query row) in global memory:
         the final O in the input dtype with one split, else this split's fp32 partial."""
         cfg = self.cfg
@@ -810,10 +799,10 @@ class DecodeSm90(WarpSpecialized):
                 elif const_expr(cfg.polled_merge):   # slots that mark themselves written
                     gO = mOPart[split, batch, head, qi, None]
                     for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
-                        store_marked_f32(gO.iterator + tOcO[r, c][1], o_mn[r, c], marker)
+                        store_marked_f32(gO.iterator + tOcO[r, c][1], o_mn[r, c])
                     if tOcO[r, 0][1] == 0:
                         store_marked_f32(mLSEPart.iterator + cute.crd2idx((split, batch, head, qi), mLSEPart.layout),
-                                         lse[r], marker)
+                                         lse[r])
                 else:
                     gO = mOPart[split, batch, head, qi, None]
                     for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
@@ -917,27 +906,17 @@ class DecodeSm90(WarpSpecialized):
     @cute.jit
     def _take_start_ticket(self, ticket, num_splits, sFlag):
         """Polled merge, by the producer warpgroup's idle warp 1 at the CTA's start: count
-        this CTA's start in its group's ticket, whose word is ``EPOCH_BIT`` * epoch + count.
-        ``sFlag[0]`` = 1 in the last to start (it merges), ``sFlag[1]`` = the marker every
-        split of this launch stores in its partials' lowest bits (``polled_merge.epoch_marker``),
-        both to the consumers through ``DecodeBarrier.MERGER``. The last to start sets the
-        word to the next epoch with count 0: every split of this launch has counted, and the
-        next launch (stream order) finds the slots marked with this one's marker — not its own."""
+        this CTA's start in its group's ticket; the last to start merges (``sFlag[0]``, to
+        the consumers through ``DecodeBarrier.MERGER``) and resets the ticket (every split
+        of this launch has counted)."""
         if cute.arch.lane_idx() == 0:
-            word = cute.arch.atomic_add(ticket, Int32(1), sem="relaxed", scope="gpu")
-            epoch = word // EPOCH_BIT
-            last = Int32(0)
-            if word - epoch * EPOCH_BIT == num_splits - 1:
-                last = Int32(1)
-                cute.arch.atomic_exch(ticket, ((epoch + 1) % 2) * EPOCH_BIT, sem="relaxed", scope="gpu")
-            sFlag[0] = last
-            sFlag[1] = epoch_marker(epoch)
+            self._count_in(ticket, num_splits, sFlag, "relaxed")
         cute.arch.sync_warp()
         DecodeBarrier.MERGER.arrive(self.num_mma_threads + 32)
 
     @cute.jit
     def _merge_group(self, mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block, batch,
-                     stamps=None, marker=None):
+                     stamps=None):
         """The merging split CTA of a group (tickets: the last to arrive; polled: the last to
         start): merge every split's partial of the tile's rows into O (input dtype) and LSE,
         one consumer warp per row (rows strided over warps)."""
@@ -952,9 +931,8 @@ class DecodeSm90(WarpSpecialized):
             head, qi = packed_row(p, head_kv, group, q_len)
             # (the timeline's probe: the first row's polling, stamps 13, 14 and 16)
             probe = (stamps + 13, r == 0) if const_expr(cfg.polled_merge and cfg.timeline) else ()
-            polled = (marker,) if const_expr(cfg.polled_merge) else ()
             lse = merge(mLSEPart[None, batch, head, qi], mOPart[None, batch, head, qi, None],
-                        mO[batch, head, qi, None], lane, *polled, cfg.head_dim, *probe)
+                        mO[batch, head, qi, None], lane, cfg.head_dim, *probe)
             if lane == 0:
                 mLSE[batch, head, qi] = lse
 
