@@ -461,23 +461,11 @@ def fit_head_dim(tuning: DecodeTuning, head_dim: int, num_mma_wg: int = 1) -> De
 
 def _with_launch(config, tuning: DecodeTuning, cluster: int, polled: bool = False):
     """``config`` for another kernel shape (``choose_launch``'s tuning), merging cluster and
-    merge (``polled_merge_pays``; the merger keeps its own partial on chip where the ring
-    holds it: ``merger_keeps_own_pays``)."""
+    merge (``polled_merge_pays``)."""
     return dataclasses.replace(config, tile_n=tuning.tile_n, num_stages=tuning.num_stages,
                                ctas_per_sm=tuning.ctas_per_sm, cluster_splits=cluster, polled_merge=polled,
-                               merger_keeps_own=polled and merger_keeps_own_pays(tuning, config.num_mma_wg),
                                prefetch_tile_reads=config.prefetch_tile_reads
                                and _prefetch_pays(config.mods, tuning.tile_n, config.mask_last_page_only))
-
-
-def merger_keeps_own_pays(tuning: DecodeTuning, num_mma_wg: int) -> bool:
-    """Whether a polled merger keeps its own partial on chip (``DecodeConfig.
-    merger_keeps_own``): wherever the K ring holds the fp32 O tile, unless
-    ``FLEXATTN_DECODE_KEEP_OWN=0`` (read per kernel built; for A/B runs). B1 L128k window
-    4096 on the H200: see docs/experiments.md, session 66."""
-    if os.environ.get("FLEXATTN_DECODE_KEEP_OWN") == "0":
-        return False
-    return tuning.num_stages * tuning.tile_n >= 2 * 64 * num_mma_wg
 
 
 def polled_merge_pays(splits: int, cluster: int, head_dim: int) -> bool:

@@ -150,16 +150,6 @@ def prefix(request, monkeypatch):
     decode_path._PREPARED.clear()
 
 
-@pytest.fixture(params=["kept", "stored"])
-def own(request, monkeypatch):
-    """The polled merger's own partial kept on chip (``DecodeConfig.merger_keeps_own``,
-    planned) or stored and polled back like the others' (FLEXATTN_DECODE_KEEP_OWN=0)."""
-    monkeypatch.setenv("FLEXATTN_DECODE_KEEP_OWN", "1" if request.param == "kept" else "0")
-    decode_path._PREPARED.clear()
-    yield request.param
-    decode_path._PREPARED.clear()
-
-
 @pytest.fixture(params=["tickets", "polled"])
 def merge(request, monkeypatch):
     """Both merges of split CTAs without a cluster (``decode_path.polled_merge_pays``); plans
@@ -267,12 +257,11 @@ def test_decode_head_dims_against_reference(D, kind, page_size, group, q_len, nu
 
 
 @pytest.mark.parametrize("D", [32, 64, 96, 128, 256])
-def test_polled_merge_planned_for_a_long_window_step(D, prefix, own):
+def test_polled_merge_planned_for_a_long_window_step(D, prefix):
     """The planner's B 1 sliding-window step (many splits, no cluster) merges polled: the
-    split that started last polls the others' partial slots (its own kept on chip, or
-    stored and polled too). Three steps queued back to back with new queries (each finds
-    the slots the one before emptied), each against the float64 reference; tickets and
-    slots zero afterwards."""
+    split that started last polls the others' partial slots. Three steps queued back to
+    back with new queries (each finds the slots the one before emptied), each against the
+    float64 reference; tickets and slots zero afterwards."""
     torch.manual_seed(D)
     B, Hkv, group, cap = 1, 8, 4, 16384
     Hq = Hkv * group
@@ -287,7 +276,6 @@ def test_polled_merge_planned_for_a_long_window_step(D, prefix, own):
     torch.cuda.synchronize()
     assert step.config.polled_merge and step.config.cluster_splits == 1 and step.num_splits > 2, step
     assert (step.config.prefix_band is not None) == (prefix == "band")
-    assert step.config.merger_keeps_own == (own == "kept")
     assert_tickets_zero()
     assert_marked_zero()
     for q, out, lse in steps:

@@ -107,10 +107,6 @@ CASES = {
     # FLEXATTN_DECODE_BAND_PREFIX=0 keeps the analysis): no Float64 analysis, no ballot
     "polled-window-band-prefix": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, polled_merge=True),
                                   mods.alibi(num_heads=32), mods.sliding_window(4096), True, 4),
-    # ... and the merger's own partial kept on chip (DecodeConfig.merger_keeps_own, planned)
-    "polled-keeps-own-window-band-prefix": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2,
-                                                 polled_merge=True, merger_keeps_own=True),
-                                            mods.alibi(num_heads=32), mods.sliding_window(4096), True, 4),
     # ... with the next tile's table and page-map reads issued a step ahead
     "paged128-block-table-prefetched": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, page_size=128,
                                              skip_masked_prefix=False, prefetch_tile_reads=True),
@@ -176,9 +172,7 @@ def test_decode_ptx(compiled, name):
         assert len(re.findall(r"atom\.global(?:\.relaxed)?(?:\.gpu)?\.add", ptx)) == 1 and "acq_rel" not in ptx
         assert ptx.count("atom.global.exch") == 1 and not re.search(r"membar\.gl|fence\.(sc|acq_rel)\.gpu", ptx)
         assert re.search(r"bar\.arrive\s+3,", ptx) and re.search(r"bar\.sync\s+3,", ptx)
-        # the merger keeping its partial: barrier 2 before its rows overwrite the K ring and
-        # after them (other warps merge them)
-        assert len(re.findall(r"bar\.sync\s+2,", ptx)) == (2 if cfg.merger_keeps_own else 0)
+        assert not re.search(r"bar\.sync\s+2,", ptx)
         assert ptx.count("st.relaxed.gpu.global.b32") == cfg.head_dim // 2 + 2
         assert ptx.count("0x80000000; st.relaxed") == cfg.head_dim // 2 + 2
         per_lane = cfg.head_dim // 32

@@ -48,27 +48,15 @@ def store_marked_f32(ptr, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def load_marked_f32s(ptr, n: int, have=None, *, loc=None, ip=None):
+def load_marked_f32s(ptr, n: int, *, loc=None, ip=None):
     """``n`` (1, 2 or 4) consecutive global fp32 at ``ptr`` (aligned to 4n bytes) by one
-    relaxed GPU-scope load -> (their values, Int32 1 if none holds ``EMPTY``'s bits else 0).
-
-    ``have`` (or None): (Int32 ``got``, the values an earlier round read): where ``got`` is
-    non-zero those were already seen written, the load is predicated off (no bytes move)
-    and they are returned as they are — a later polling round reloads only the slots it
-    still waits for, so a round that failed costs a round trip, not the chunk's bytes again.
-    A predicate, not a branch: the chunk's loads still issue back to back."""
+    relaxed GPU-scope load -> (their values, Int32 1 if none holds ``EMPTY``'s bits else 0)."""
     assert n in (1, 2, 4), n
     regs = [f"t{i}" for i in range(n)]
     width = "" if n == 1 else f".v{n}"
     dest = regs[0] if n == 1 else "{" + ", ".join(regs) + "}"
     least = "m"
-    body = []
-    if have is not None:
-        # operands: $0..$n-1 values, $n written, $n+1 ptr, $n+2 got, $n+3.. the earlier values
-        body += [f"mov.b32 t{i}, ${n + 3 + i};" for i in range(n)]
-        body.append(f"setp.ne.u32 p, ${n + 2}, 0; @!p ld.relaxed.gpu.global{width}.b32 {dest}, [${n + 1}];")
-    else:
-        body.append(f"ld.relaxed.gpu.global{width}.b32 {dest}, [${n + 1}];")
+    body = [f"ld.relaxed.gpu.global{width}.b32 {dest}, [${n + 1}];"]
     body += [f"mov.b32 ${i}, t{i};" for i in range(n)]
     if n == 1:
         least = "t0"
@@ -77,17 +65,11 @@ def load_marked_f32s(ptr, n: int, have=None, *, loc=None, ip=None):
         body += [f"min.u32 m, m, t{i};" for i in range(2, n)]
     body.append(f"setp.ne.u32 p, {least}, 0; selp.u32 ${n}, 1, 0, p;")
     asm = "{ .reg .b32 " + ", ".join(regs + ["m"]) + "; .reg .pred p; " + " ".join(body) + " }"
-    operands = [ptr.toint(loc=loc, ip=ip).ir_value()]
-    constraints = ["=f"] * n + ["=r", "l"]
-    if have is not None:
-        got, earlier = have
-        operands += [Int32(got).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip) for x in earlier]
-        constraints += ["r"] + ["f"] * n
     res = llvm.inline_asm(
         llvm.StructType.get_literal([T.f32()] * n + [T.i32()]),
-        operands,
+        [ptr.toint(loc=loc, ip=ip).ir_value()],
         asm,
-        ",".join(constraints),
+        ",".join(["=f"] * n + ["=r", "l"]),
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
@@ -106,32 +88,20 @@ def chunk_splits(head_dim: int) -> int:
 
 
 @cute.jit
-def _load_chunk(vals: cute.Tensor, got: cute.Tensor, o_parts: cute.Tensor, s0, num_splits, lane: Int32,
-                head_dim: cutlass.Constexpr[int], own=None, kept=None) -> Int32:
+def _load_chunk(vals: cute.Tensor, o_parts: cute.Tensor, s0, num_splits, lane: Int32,
+                head_dim: cutlass.Constexpr[int]) -> Int32:
     """This lane's columns of splits s0 .. s0 + chunk - 1 (clamped to the last split) into
-    ``vals`` (chunk x per_lane, flat), each vector load only where ``got`` (one flag per
-    load, zero at the chunk's first round) says it was not yet seen written -> 1 if every
-    slot is now seen written, else 0. ``own`` (a split index) with ``kept`` (this lane's
-    columns of it): that split's slot, never written, counts as written and its columns
-    are ``kept``'s — selected, not branched around, so every load of the chunk stays in
-    flight together."""
+    ``vals`` (chunk x per_lane, flat) -> 1 if every slot read was written, else 0."""
     per_lane = head_dim // 32
     width = _vector_width(per_lane)
-    loads = per_lane // width
     ok = Int32(1)
     for j in cutlass.range_constexpr(chunk_splits(head_dim)):
-        s = cutlass.min(s0 + j, num_splits - 1)
-        cols = cute.local_tile(o_parts[s, None], (per_lane,), (lane,))
-        for v in cutlass.range_constexpr(loads):
-            base = j * per_lane + v * width
-            xs, written = load_marked_f32s(cols.iterator + v * width, width,
-                                           (got[j * loads + v], [vals[base + i] for i in range(width)]))
+        row = o_parts[cutlass.min(s0 + j, num_splits - 1), None]
+        cols = cute.local_tile(row, (per_lane,), (lane,))
+        for v in cutlass.range_constexpr(per_lane // width):
+            xs, written = load_marked_f32s(cols.iterator + v * width, width)
             for i in cutlass.range_constexpr(width):
-                k = v * width + i
-                vals[base + i] = xs[i] if const_expr(own is None) else cutlass.select_(s == own, kept[k], xs[i])
-            if const_expr(own is not None):
-                written = written | Int32(s == own)
-            got[j * loads + v] = written
+                vals[j * per_lane + v * width + i] = xs[i]
             ok = ok & written
     return ok
 
@@ -146,7 +116,7 @@ def _count_round(rounds: Int32) -> Int32:
 
 @cute.jit
 def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: cute.Tensor, lane: Int32,
-                        head_dim: cutlass.Constexpr[int], probe=None, probing=None, own=None) -> Float32:
+                        head_dim: cutlass.Constexpr[int], probe=None, probing=None) -> Float32:
     """One warp merges one row once every split has written it: ``lse_parts`` [splits]
     and ``o_parts`` [splits, D] (fp32 slots, ``EMPTY`` until written) into ``out_row`` [D]
     (each lane its D/32 columns, in out_row's dtype), then empties the slots it read;
@@ -159,42 +129,20 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
     ``probe`` (the decode timeline's, or None): where ``probing`` holds, lane 0 stores at
     ``probe[0]`` the %globaltimer_lo at which the first chunk was seen written, at
     ``probe[1]`` the rounds it took, at ``probe[3]`` the time the merged row was stored
-    (before the slots are emptied).
-
-    ``own`` (the merging split, its fp32 row [D] in shared memory, its LSE; or None): the
-    merger kept its own partial on chip (``DecodeConfig.merger_keeps_own``). Its slots,
-    never written, are read like the others (one more load in each round's flight) but
-    count as written, and its values come from the row; emptying them leaves them as
-    they were."""
+    (before the slots are emptied)."""
     per_lane = head_dim // 32
     chunk = chunk_splits(head_dim)
     num_splits = cute.size(lse_parts.shape)
     vals = cute.make_rmem_tensor(chunk * per_lane, Float32)
-    got = cute.make_rmem_tensor(chunk * per_lane // _vector_width(per_lane), Int32)   # loads seen written
-    got.fill(0)
-    vals.fill(0.0)
-    own_split = kept = None
-    if const_expr(own is not None):
-        own_split = own[0]
-        kept = cute.make_rmem_tensor(per_lane, Float32)
-        kept.store(cute.local_tile(own[1], (per_lane,), (lane,)).load())
     lse_s = -Float32.inf     # lane s: split s's LSE
-    lse_got = Int32(0)
     ready = Int32(0)
     rounds = Int32(0)
     while ready == 0:
-        ok = _load_chunk(vals, got, o_parts, Int32(0), num_splits, lane, head_dim, own_split, kept)
-        # Lanes past the last split load nothing and keep -inf (written bits): no branch,
-        # so the LSE's load issues with the chunk's.
-        xs, written = load_marked_f32s(
-            lse_parts.iterator + cute.crd2idx(cutlass.min(lane, num_splits - 1), lse_parts.layout), 1,
-            (lse_got | Int32(lane >= num_splits), [lse_s]))
-        lse_s = xs[0]
-        if const_expr(own is not None):
-            lse_s = cutlass.select_(lane == own_split, own[2], lse_s)
-            written = written | Int32(lane == own_split)
-        lse_got = written
-        ok = ok & written
+        ok = _load_chunk(vals, o_parts, Int32(0), num_splits, lane, head_dim)
+        if lane < num_splits:
+            xs, written = load_marked_f32s(lse_parts.iterator + cute.crd2idx(lane, lse_parts.layout), 1)
+            lse_s = xs[0]
+            ok = ok & written
         ready = ok
         rounds = _count_round(rounds)
     if const_expr(probe is not None):
@@ -215,9 +163,8 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
             acc[i] = acc[i] + w_j * vals[j * per_lane + i]
     for s0 in cutlass.range(chunk, num_splits, chunk, unroll=1):
         ready = Int32(0)
-        got.fill(0)
         while ready == 0:
-            ready = _load_chunk(vals, got, o_parts, s0, num_splits, lane, head_dim, own_split, kept)
+            ready = _load_chunk(vals, o_parts, s0, num_splits, lane, head_dim)
             rounds = _count_round(rounds)
         for j in cutlass.range_constexpr(chunk):
             s = s0 + j

@@ -121,10 +121,6 @@ class DecodeConfig(KernelConfig):
     polled_merge: bool = False   # splits > 1 without a cluster: the last split to start polls
                                  # the partials' slots (zero until written; the workspace
                                  # zeroed between steps) instead of a ticket after the stream
-    merger_keeps_own: bool = False  # polled merge: the merging split keeps its own partial
-                                 # on chip (fp32 rows over the K ring, as the cluster merge)
-                                 # instead of storing it and polling it back: its stores and
-                                 # their round trip leave the step's critical path
     timeline: bool = False       # probe for benchmarks/decode_timeline.py: every CTA writes
                                  # globaltimer stamps past the tickets (never planned)
     skip_masked_prefix: bool = True  # the masked-prefix analysis before the stream (masks
@@ -164,15 +160,12 @@ class DecodeConfig(KernelConfig):
             raise ValueError("prefetch_tile_reads serves walks masked on every tile, not mask_last_page_only")
         if self.cluster_splits not in CLUSTER_SPLITS:
             raise ValueError(f"cluster_splits must be one of {CLUSTER_SPLITS}, got {self.cluster_splits}")
-        if self.cluster_splits > 1 and not self.ring_holds_o_tile:
+        if self.cluster_splits > 1 and 2 * self.tile_m > self.num_stages * self.tile_n:
             raise ValueError("the cluster merge keeps a split's fp32 O tile in the K ring: it needs "
                              f"num_stages * tile_n >= 2 * tile_m, got {self.num_stages} x {self.tile_n}")
         if self.polled_merge and (self.cluster_splits > 1 or self.head_dim % 32):
             raise ValueError("polled_merge needs cluster_splits 1 and a head dim that is a multiple of 32, got "
                              f"{self.cluster_splits} and {self.head_dim}")
-        if self.merger_keeps_own and not (self.polled_merge and self.ring_holds_o_tile):
-            raise ValueError("merger_keeps_own needs polled_merge and a ring that holds the fp32 O tile "
-                             f"(num_stages * tile_n >= 2 * tile_m), got {self.num_stages} x {self.tile_n}")
         if self.smem_bytes > self.smem_limit:
             raise ValueError(f"{self.smem_bytes} bytes of shared memory per CTA exceed {self.smem_limit} for "
                              f"{self.ctas_per_sm} CTA(s) per SM: fewer stages or a smaller tile_n")
@@ -180,12 +173,6 @@ class DecodeConfig(KernelConfig):
     @property
     def tile_m(self) -> int:
         return 64 * self.num_mma_wg
-
-    @property
-    def ring_holds_o_tile(self) -> bool:
-        """Whether the K ring holds a split's fp32 O tile (bf16 K: 2 x tile_m rows of keys)
-        once the stream has ended: where the cluster merge and ``merger_keeps_own`` put it."""
-        return self.num_stages * self.tile_n >= 2 * self.tile_m
 
     @property
     def paged(self) -> bool:
@@ -409,11 +396,10 @@ class DecodeSm90(WarpSpecialized):
         # Whether this CTA merges its group (set by whoever counts it in: _count_in).
         sMerges = storage.last_arrival.get_tensor(cute.make_layout(2))
 
-        # The cluster merge's view of a split's partial (and the polled merger's own):
-        # fp32 O rows over the K ring, LSEs over the V ring (both free once the stream has
-        # ended).
+        # The cluster merge's view of a split's partial: fp32 O rows over the K ring, LSEs
+        # over the V ring (both free once the stream has ended).
         sPart = sLSE = None
-        if const_expr(cfg.cluster_splits > 1 or cfg.merger_keeps_own):
+        if const_expr(cfg.cluster_splits > 1):
             sPart = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), dtype=Float32),
                                      cute.make_layout((cfg.tile_m, cfg.head_dim), stride=(cfg.head_dim, 1)))
             sLSE = cute.make_tensor(cute.recast_ptr(storage.sV.data_ptr(), dtype=Float32), cute.make_layout(cfg.tile_m))
@@ -440,17 +426,14 @@ class DecodeSm90(WarpSpecialized):
             self.enter_consumer(cfg.regs)
             self.consume(mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
                          pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block,
-                         batch, seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps, sPart, sLSE,
-                         sMerges)
+                         batch, seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps, sPart, sLSE)
             if const_expr(cfg.polled_merge):
                 if num_splits > 1:
                     self._stamp(stamps, 5, warp_idx == 4)
-                    if const_expr(not cfg.merger_keeps_own):   # (else consume waited, before its epilogue)
-                        DecodeBarrier.MERGER.sync(self.num_mma_threads + 32)
+                    DecodeBarrier.MERGER.sync(self.num_mma_threads + 32)
                     if sMerges[0] != 0:
-                        own = (split, sPart, sLSE) if const_expr(cfg.merger_keeps_own) else None
                         self._merge_group(mO, mLSE, mOPart, mLSEPart, cute.arch.thread_idx()[0] - 128, head_kv,
-                                          group, q_len, rows, m_block, batch, stamps, own)
+                                          group, q_len, rows, m_block, batch, stamps)
                         self._stamp(stamps, 6, warp_idx == 4)
             elif const_expr(cfg.cluster_splits == 1):
                 if num_splits > 1:
@@ -648,8 +631,7 @@ class DecodeSm90(WarpSpecialized):
     @cute.jit
     def consume(self, mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
                 pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block, batch,
-                seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps=None, sPart=None, sLSE=None,
-                sMerges=None):
+                seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps=None, sPart=None, sLSE=None):
         cfg = self.cfg
         if const_expr(mod_args is None):
             mod_args = ()
@@ -738,19 +720,6 @@ class DecodeSm90(WarpSpecialized):
         self._stamp(stamps, 15, tidx < 32)
         if const_expr(cfg.cluster_splits > 1):
             self._partial_to_smem(acc_O, lse, sPart, sLSE, thr_pv, rows, m_block)
-        elif const_expr(cfg.merger_keeps_own):
-            # Whether this CTA merges (its ticket was taken at the start: no wait here):
-            # the merger's partial stays on chip, the others store theirs.
-            merges = Int32(0)
-            if num_splits > 1:
-                DecodeBarrier.MERGER.sync(self.num_mma_threads + 32)
-                merges = Int32(sMerges[0])
-            if merges != 0:
-                self._partial_to_smem(acc_O, lse, sPart, sLSE, thr_pv, rows, m_block)
-                DecodeBarrier.ARRIVAL.sync(self.num_mma_threads)   # rows are merged by other warps
-            else:
-                self.epilogue(acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, split, num_splits,
-                              head_kv, group, q_len, rows, m_block, batch)
         else:
             self.epilogue(acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, split, num_splits,
                           head_kv, group, q_len, rows, m_block, batch)
@@ -947,11 +916,10 @@ class DecodeSm90(WarpSpecialized):
 
     @cute.jit
     def _merge_group(self, mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block, batch,
-                     stamps=None, own=None):
+                     stamps=None):
         """The merging split CTA of a group (tickets: the last to arrive; polled: the last to
         start): merge every split's partial of the tile's rows into O (input dtype) and LSE,
-        one consumer warp per row (rows strided over warps). ``own``: (this split, its fp32
-        O rows and LSEs in shared memory) where the merger kept its partial on chip."""
+        one consumer warp per row (rows strided over warps)."""
         cfg = self.cfg
         merge = merge_polled_splits if const_expr(cfg.polled_merge) else merge_splits
         warp = tidx // 32
@@ -961,15 +929,10 @@ class DecodeSm90(WarpSpecialized):
         for r in cutlass.range(warp, tile_rows, self.num_mma_threads // 32, unroll=1):
             p = p_lo + r
             head, qi = packed_row(p, head_kv, group, q_len)
-            # (polled only: the timeline's probe, stamps 13, 14 and 16 of the first row; the
-            # merger's own row)
-            extra = {}
-            if const_expr(cfg.polled_merge and cfg.timeline):
-                extra.update(probe=stamps + 13, probing=r == 0)
-            if const_expr(own is not None):
-                extra.update(own=(own[0], own[1][r, None], own[2][r]))
+            # (the timeline's probe: the first row's polling, stamps 13, 14 and 16)
+            probe = (stamps + 13, r == 0) if const_expr(cfg.polled_merge and cfg.timeline) else ()
             lse = merge(mLSEPart[None, batch, head, qi], mOPart[None, batch, head, qi, None],
-                        mO[batch, head, qi, None], lane, cfg.head_dim, **extra)
+                        mO[batch, head, qi, None], lane, cfg.head_dim, *probe)
             if lane == 0:
                 mLSE[batch, head, qi] = lse
 
