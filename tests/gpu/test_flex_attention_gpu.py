@@ -23,20 +23,14 @@ import flexattn.torch as fa  # noqa: E402
 import flexattn.torch.attention as fa_attention  # noqa: E402
 from flexattn import mods, reference  # noqa: E402
 from flexattn.core import AttentionSpec, check_inputs  # noqa: E402
-from flexattn.core.kernel_path import Device, forward_into  # noqa: E402
+from flexattn.core.kernel_path import forward_into  # noqa: E402
 from flexattn.kernels.launch import cache  # noqa: E402
 
+from forward_check import TOL, check_forward, torch_device  # noqa: E402
 from mod_cases import CASES  # noqa: E402
 
 CONFIGS = [(torch.bfloat16, 128), (torch.float16, 64)]
-TOL = {torch.bfloat16: 2.5e-2, torch.float16: 5e-3}
 CASES_PER_MOD = 16
-
-
-def _device():
-    from flexattn.torch.devices import _DeviceCopies
-
-    return Device(torch.cuda.current_stream().cuda_stream, _DeviceCopies(torch.device("cuda")))
 
 
 def _random_problem(rng, dtype, D):
@@ -51,24 +45,6 @@ def _random_problem(rng, dtype, D):
     return B, Hq, Q, KV, q, k, v
 
 
-def _check(name, q, k, v, spec, dtype):
-    shape = check_inputs(q, k, v, spec)
-    out = torch.full((shape.batch, shape.q_heads, shape.q_len, shape.v_head_dim), float("nan"), dtype=dtype, device="cuda")
-    lse = torch.full((shape.batch, shape.q_heads, shape.q_len), float("nan"), device="cuda")
-    forward_into(q, k, v, out, lse, shape, spec, _device())
-    torch.cuda.synchronize()
-    want_o, want_lse = reference.forward(q.cpu(), k.cpu(), v.cpu(), spec)
-    got_o, got_lse = out.double().cpu().numpy(), lse.double().cpu().numpy()
-    assert not np.isnan(got_o).any() and not np.isnan(got_lse).any(), f"{name}: NaN left in outputs"
-    dead = np.isneginf(want_lse)
-    assert np.array_equal(np.isneginf(got_lse), dead), f"{name}: fully-masked rows differ"
-    assert np.all(got_o[dead] == 0), f"{name}: fully-masked rows not zero"
-    err_o = np.abs(got_o - want_o).max()
-    err_lse = np.abs(got_lse[~dead] - want_lse[~dead]).max() if (~dead).any() else 0.0
-    assert err_o < TOL[dtype], f"{name}: out error {err_o:.3g}"
-    assert err_lse < 5e-3 * max(1.0, np.abs(want_lse[~dead]).max() / 50), f"{name}: lse error {err_lse:.3g}"
-
-
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{str(c[0])[6:]}-d{c[1]}")
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_randomized_against_reference(case, config):
@@ -80,7 +56,7 @@ def test_randomized_against_reference(case, config):
         mask, score, _, _ = CASES[case](rng, B, Hq, Q, KV)
         scale = float(rng.uniform(0.05, 0.3)) if rng.random() < 0.3 else None
         spec = AttentionSpec.from_args(score=score, mask=mask, scale=scale, enable_gqa=True)
-        _check(f"{case}#{i} B{B} Hq{Hq} Hkv{k.shape[1]} Q{Q} KV{KV}", q, k, v, spec, dtype)
+        check_forward(f"{case}#{i} B{B} Hq{Hq} Hkv{k.shape[1]} Q{Q} KV{KV}", q, k, v, spec)
 
 
 @pytest.mark.parametrize("case", ["causal_softcap", "window_document_alibi_softcap", "document_batched", "custom_function"])
@@ -92,7 +68,7 @@ def test_tvm_ffi_launch_matches_reference(case, monkeypatch):
     for dtype, D in CONFIGS:
         B, Hq, Q, KV, q, k, v = _random_problem(rng, dtype, D)
         mask, score, _, _ = CASES[case](rng, B, Hq, Q, KV)
-        _check(f"ffi {case}", q, k, v, AttentionSpec.from_args(score=score, mask=mask, enable_gqa=True), dtype)
+        check_forward(f"ffi {case}", q, k, v, AttentionSpec.from_args(score=score, mask=mask, enable_gqa=True))
 
 
 def test_new_values_never_recompile():
@@ -106,7 +82,7 @@ def test_new_values_never_recompile():
     ]
     counts = []
     for score, mask in variants:
-        _check("values", q, k, v, AttentionSpec.from_args(score=score, mask=mask), torch.bfloat16)
+        check_forward("values", q, k, v, AttentionSpec.from_args(score=score, mask=mask))
         counts.append(cache.compile_count())
     assert counts[0] == counts[1] == counts[2]
 
@@ -555,7 +531,7 @@ def test_max_scores_against_reference(case):
         out = torch.full((B, Hq, Q, 128), float("nan"), dtype=q.dtype, device="cuda")
         lse = torch.full((B, Hq, Q), float("nan"), device="cuda")
         got_max = torch.full((B, Hq, Q), float("nan"), device="cuda")
-        forward_into(q, k, v, out, lse, shape, spec, _device(), got_max)
+        forward_into(q, k, v, out, lse, shape, spec, torch_device(), got_max)
         _, want_lse, want_max = reference.forward(q.cpu(), k.cpu(), v.cpu(), spec, max_scores=True)
         got_max = got_max.double().cpu().numpy()
         assert np.array_equal(np.isneginf(got_max), np.isneginf(want_max)), f"{case}#{i}: empty rows differ"

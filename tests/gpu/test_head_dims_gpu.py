@@ -24,36 +24,12 @@ pytest.importorskip("cutlass")
 import flexattn.torch as fa  # noqa: E402
 from flexattn import reference  # noqa: E402
 from flexattn.core import AttentionSpec, check_inputs  # noqa: E402
-from flexattn.core.kernel_path import Device, forward_into, plan_forward  # noqa: E402
+from flexattn.core.kernel_path import plan_forward  # noqa: E402
+from forward_check import check_forward  # noqa: E402
 from mod_cases import STRUCTURES, structure_mods  # noqa: E402
 
 PAIRS = [(16, 16), (16, 32), (32, 32), (80, 80), (96, 96), (192, 192), (256, 256), (192, 128), (128, 64), (64, 128),
          (256, 128)]
-
-
-def _device():
-    from flexattn.torch.devices import _DeviceCopies
-
-    return Device(torch.cuda.current_stream().cuda_stream, _DeviceCopies(torch.device("cuda")))
-
-
-def _check_against_reference(q, k, v, shape, spec, name):
-    """The door's forward into NaN-poisoned O and LSE, against the float64 reference."""
-    B, Hq, Q, Dv = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
-    out = torch.full((B, Hq, Q, Dv), float("nan"), dtype=q.dtype, device="cuda")
-    lse = torch.full((B, Hq, Q), float("nan"), device="cuda")
-    forward_into(q, k, v, out, lse, shape, spec, _device())
-    torch.cuda.synchronize()
-    want_o, want_lse = reference.forward(q.cpu(), k.cpu(), v.cpu(), spec)
-    got_o, got_lse = out.double().cpu().numpy(), lse.double().cpu().numpy()
-    assert not np.isnan(got_o).any() and not np.isnan(got_lse).any(), f"{name}: NaN left"
-    dead = np.isneginf(want_lse)
-    assert np.array_equal(np.isneginf(got_lse), dead), f"{name}: empty rows differ"
-    err = np.abs(got_o - want_o).max()
-    assert err < (2.5e-2 if q.dtype == torch.bfloat16 else 5e-3), f"{name}: out error {err:.3g}"
-    live = ~dead
-    if live.any():
-        assert np.abs(got_lse[live] - want_lse[live]).max() < 5e-3 * max(1.0, np.abs(want_lse[live]).max() / 50), name
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"d{p[0]}-{p[1]}")
@@ -73,7 +49,7 @@ def test_head_dims_against_reference(pair, kind):
     score, mask = structure_mods(kind, rng, Hq, max(Q, KV))
     spec = AttentionSpec.from_args(score=score, mask=mask, enable_gqa=True)
     shape = check_inputs(q, k, v, spec)
-    _check_against_reference(q, k, v, shape, spec, f"D{D}/{Dv} {kind} B{B} Hq{Hq} Hkv{Hkv} Q{Q} KV{KV} {dtype}")
+    check_forward(f"D{D}/{Dv} {kind} B{B} Hq{Hq} Hkv{Hkv} Q{Q} KV{KV} {dtype}", q, k, v, spec, shape)
     # The planned tiles are the ones the planner tests expect to fit (no launch failure above).
     plan = plan_forward(q, shape, spec)
     assert (plan.config.head_dim, plan.config.head_dim_v) == (D, Dv)
@@ -125,7 +101,7 @@ LIGHT_SCORES = {
 def test_light_score_mods_on_four_warpgroup_tiles(D, name, causal):
     q, k, v, shape, spec, desc = _scored_call((D, name, causal), D, causal, LIGHT_SCORES[name])
     assert plan_forward(q, shape, spec).config.tile_m == 256
-    _check_against_reference(q, k, v, shape, spec, f"{name} {desc}")
+    check_forward(f"{name} {desc}", q, k, v, spec, shape)
 
 
 # Scaled indices (planned; FLEXATTN_SCALED_INDICES=0 turns them off): a float index's product
@@ -146,7 +122,7 @@ def test_scaled_indices_against_reference(D, name, causal, monkeypatch):
     monkeypatch.delenv("FLEXATTN_SCALED_INDICES", raising=False)
     q, k, v, shape, spec, desc = _scored_call(("scaled", D, name, causal), D, causal, SCALED[name])
     assert plan_forward(q, shape, spec).config.mods.scaled_indices
-    _check_against_reference(q, k, v, shape, spec, f"{name} {desc}")
+    check_forward(f"{name} {desc}", q, k, v, spec, shape)
 
 
 def test_torch_door_inference_and_a_clear_error_for_gradients():
