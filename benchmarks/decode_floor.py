@@ -33,11 +33,17 @@ ROWS = ["8x8192:none", "8x8192:window4096", "8x65536:none", "8x65536:window4096"
         "1x131072:none", "1x131072:window4096", "1x8192:none", "8x1024:none"]
 
 
-def best_read_ms(nbytes, reps):
-    """The fastest plain read-only reduction of `nbytes` (median µs of each, best of them)."""
+def plain_reads(nbytes) -> dict:
+    """torch's plain read-only reductions over a buffer of exactly `nbytes`, by name: the
+    "read" every decode row is judged against (here and in decode_timeline.py's marks)."""
     buf = torch.ones(nbytes // 8, dtype=torch.int64, device="cuda")
     as_i32 = buf.view(torch.int32)
-    return min(clean_ms(lambda: buf.sum(), reps=reps), clean_ms(lambda: as_i32.amax(), reps=reps))
+    return {"int64 sum": lambda: buf.sum(), "int32 amax": lambda: as_i32.amax()}
+
+
+def best_read_ms(nbytes, reps):
+    """The fastest plain read-only reduction of `nbytes` (median µs of each, best of them)."""
+    return min(clean_ms(read, reps=reps) for read in plain_reads(nbytes).values())
 
 
 def main():

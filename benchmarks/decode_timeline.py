@@ -58,6 +58,7 @@ import torch
 
 from bench_decode import D, HQ, clean_ms, make_inputs, plan_step, step_bytes, variant_mods
 from common import device_name
+from decode_floor import plain_reads
 from stream_marks import mark
 
 
@@ -88,14 +89,9 @@ def mark_to_mark_us(fn, reps: int) -> float:
     return float(np.median(spans[1:]))
 
 
-def reference_spans(nbytes: int, reps: int) -> str:
-    """Mark-to-mark µs around an empty kernel and torch's plain reads of ``nbytes``."""
-    buf = torch.ones(nbytes // 8, dtype=torch.int64, device="cuda")
-    as_i32 = buf.view(torch.int32)
-    empty = mark_to_mark_us(lambda: torch.cuda._sleep(0), reps)
-    read_sum = mark_to_mark_us(lambda: buf.sum(), reps)
-    read_max = mark_to_mark_us(lambda: as_i32.amax(), reps)
-    return f"empty {empty:.1f}, read int64 sum {read_sum:.1f}, read int32 amax {read_max:.1f}"
+def read_spans(nbytes: int, reps: int) -> str:
+    """Mark-to-mark µs around torch's plain reads of ``nbytes`` (decode_floor.py's)."""
+    return ", ".join(f"read {name} {mark_to_mark_us(read, reps):.1f}" for name, read in plain_reads(nbytes).items())
 
 
 def probed_launch(step, q, cache):
@@ -266,6 +262,7 @@ def main():
             "tick"]
     if args.marks:
         cols += ["lead", "trail", "m2m"]
+    empty_us = None   # --marks: an empty kernel's mark-to-mark µs, measured once
     print("| B | L | layout | variant | splits | merge | " + " | ".join(cols) + " |")
     print("|" + "---|" * (6 + len(cols)))
     for shape in args.shapes:
@@ -313,9 +310,11 @@ def main():
                 for line in notes:
                     print(f"#   {line}")
             if args.marks:
+                if empty_us is None:   # (launch and completion alone: the same for every row)
+                    empty_us = mark_to_mark_us(lambda: torch.cuda._sleep(0), args.reps)
                 for name in args.variants:
-                    print(f"# {B}x{L} {name}, mark to mark µs: "
-                          + reference_spans(step_bytes(B, L, name), args.reps), flush=True)
+                    print(f"# {B}x{L} {name}, mark to mark µs: empty {empty_us:.1f}, "
+                          + read_spans(step_bytes(B, L, name), args.reps), flush=True)
     print("µs from the first CTA's entry (kernel, plain: µs by CUDA events, probed / production kernel); "
           "steady: TB/s")
 
