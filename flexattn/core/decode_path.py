@@ -593,11 +593,8 @@ class DecodePlan:
         num_mma_wg, self.m_blocks, tuning = _row_blocks(Hq, self.kv_heads, q_len, tuning, D)
         self.tuning = tuning
         self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
-        # EXPERIMENT (spread merge): one LSE copy per 32-column chunk of a row.
-        self._spread = os.environ.get("FLEXATTN_DECODE_SPREAD", "0") == "1" and D % 32 == 0
-        copies = D // 32 if self._spread else 1
-        self.part_shapes = ((B, Hq, q_len, D), (B, Hq, q_len * copies))
-        self._part_sizes = (B * Hq * q_len * D, B * Hq * q_len * copies)
+        self.part_shapes = ((B, Hq, q_len, D), (B, Hq, q_len))
+        self._part_sizes = (B * Hq * q_len * D, B * Hq * q_len)
 
         # Mods at true positions: query row i of sequence b sits at lengths[b] - q_len + i,
         # read from row 1 of the positions buffer (row 0: the lengths the kernel bounds keys by).
@@ -686,8 +683,6 @@ class DecodePlan:
             config = self.config
             if kernel != (self.tuning, 1, False):
                 config = _with_launch(config, tuning, cluster, polled)
-                if polled and self._spread:
-                    config = dataclasses.replace(config, spread_merge=True)
             hit = self._kernels[kernel] = (config, decode_runner(config, self.ffi))
         return hit
 

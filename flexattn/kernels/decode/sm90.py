@@ -121,9 +121,6 @@ class DecodeConfig(KernelConfig):
     polled_merge: bool = False   # splits > 1 without a cluster: the last split to start polls
                                  # the partials' slots (zero until written; the workspace
                                  # zeroed between steps) instead of a ticket after the stream
-    spread_merge: bool = False   # EXPERIMENT (polled only): every split merges its share of
-                                 # the group's (row, 32-column chunk) units; LSEs stored once
-                                 # per chunk (lse_part's last dim q_len * head_dim / 32)
     timeline: bool = False       # probe for benchmarks/decode_timeline.py: every CTA writes
                                  # globaltimer stamps past the tickets (never planned)
     skip_masked_prefix: bool = True  # the masked-prefix analysis before the stream (masks
@@ -434,10 +431,7 @@ class DecodeSm90(WarpSpecialized):
                 if num_splits > 1:
                     self._stamp(stamps, 5, warp_idx == 4)
                     DecodeBarrier.MERGER.sync(self.num_mma_threads + 32)
-                    if const_expr(cfg.spread_merge):
-                        self._merge_units(mO, mLSE, mOPart, mLSEPart, cute.arch.thread_idx()[0] - 128, split,
-                                          num_splits, head_kv, group, q_len, rows, m_block, batch)
-                    elif sMerges[0] != 0:
+                    if sMerges[0] != 0:
                         self._merge_group(mO, mLSE, mOPart, mLSEPart, cute.arch.thread_idx()[0] - 128, head_kv,
                                           group, q_len, rows, m_block, batch, stamps)
                         self._stamp(stamps, 6, warp_idx == 4)
@@ -807,14 +801,8 @@ class DecodeSm90(WarpSpecialized):
                     for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
                         store_marked_f32(gO.iterator + tOcO[r, c][1], o_mn[r, c])
                     if tOcO[r, 0][1] == 0:
-                        if const_expr(cfg.spread_merge):
-                            chunks = cfg.head_dim // 32
-                            for k in cutlass.range_constexpr(chunks):
-                                store_marked_f32(mLSEPart.iterator + cute.crd2idx((split, batch, head, qi * chunks + k),
-                                                                                  mLSEPart.layout), lse[r])
-                        else:
-                            store_marked_f32(mLSEPart.iterator + cute.crd2idx((split, batch, head, qi),
-                                                                              mLSEPart.layout), lse[r])
+                        store_marked_f32(mLSEPart.iterator + cute.crd2idx((split, batch, head, qi), mLSEPart.layout),
+                                         lse[r])
                 else:
                     gO = mOPart[split, batch, head, qi, None]
                     for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
@@ -947,34 +935,6 @@ class DecodeSm90(WarpSpecialized):
                         mO[batch, head, qi, None], lane, cfg.head_dim, *probe)
             if lane == 0:
                 mLSE[batch, head, qi] = lse
-
-
-    @cute.jit
-    def _merge_units(self, mO, mLSE, mOPart, mLSEPart, tidx, split, num_splits, head_kv, group, q_len, rows,
-                     m_block, batch):
-        """Spread merge (EXPERIMENT): the group's units (tile row, 32-column chunk) are shared
-        round-robin among its splits; this CTA's consumer warps merge units split, split +
-        splits, ... (one warp per unit, one column per lane)."""
-        cfg = self.cfg
-        chunks = cfg.head_dim // 32
-        warp = tidx // 32
-        lane = tidx % 32
-        warps = self.num_mma_threads // 32
-        p_lo = m_block * cfg.tile_m
-        tile_rows = cutlass.min(cfg.tile_m, rows - p_lo)
-        for u in cutlass.range(split + num_splits * warp, tile_rows * chunks, num_splits * warps, unroll=1):
-            r = u // chunks
-            k = u - r * chunks
-            head, qi = packed_row(p_lo + r, head_kv, group, q_len)
-            o_row = mOPart[None, batch, head, qi, None]
-            o_cols = cute.make_tensor(o_row.iterator + k * 32,
-                                      cute.make_layout((num_splits, 32), stride=(o_row.layout.stride[0], 1)))
-            out = cute.local_tile(mO[batch, head, qi, None], (32,), (k,))
-            lse_copy = mLSEPart[None, batch, head, qi * chunks + k]
-            lse = merge_polled_splits(lse_copy, o_cols, out, lane, 32)
-            if k == 0:
-                if lane == 0:
-                    mLSE[batch, head, qi] = lse
 
 
 def _leaves(tree) -> list:
