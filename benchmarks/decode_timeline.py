@@ -113,10 +113,7 @@ def probed_launch(step, q, cache):
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
     # (zeroed: the polled merge reads a slot as written once its bits are not zero)
-    o_shape = plan.part_shapes[0]
-    if cfg.packed_partials:   # two input-dtype columns per fp32 slot
-        o_shape = o_shape[:-1] + (o_shape[-1] // 2,)
-    o_part = torch.zeros((splits,) + o_shape, dtype=torch.float32, device="cuda")
+    o_part = torch.zeros((splits,) + plan.part_shapes[0], dtype=torch.float32, device="cuda")
     lse_part = torch.zeros((splits,) + plan.part_shapes[1], dtype=torch.float32, device="cuda")
     args = runtime_args(cfg.mods, plan._to_device)
     stream = torch.cuda.current_stream().cuda_stream

@@ -459,12 +459,11 @@ def fit_head_dim(tuning: DecodeTuning, head_dim: int, num_mma_wg: int = 1) -> De
                                cluster_merge=tuning.cluster_merge and stages * tuning.tile_n >= 2 * tile_m)
 
 
-def _with_launch(config, tuning: DecodeTuning, cluster: int, polled: bool = False, packed: bool = False):
+def _with_launch(config, tuning: DecodeTuning, cluster: int, polled: bool = False):
     """``config`` for another kernel shape (``choose_launch``'s tuning), merging cluster and
-    merge (``polled_merge_pays``; ``packed``: its partials in the input dtype)."""
+    merge (``polled_merge_pays``)."""
     return dataclasses.replace(config, tile_n=tuning.tile_n, num_stages=tuning.num_stages,
                                ctas_per_sm=tuning.ctas_per_sm, cluster_splits=cluster, polled_merge=polled,
-                               packed_partials=packed,
                                prefetch_tile_reads=config.prefetch_tile_reads
                                and _prefetch_pays(config.mods, tuning.tile_n, config.mask_last_page_only))
 
@@ -478,16 +477,6 @@ def polled_merge_pays(splits: int, cluster: int, head_dim: int) -> bool:
     from ..kernels.decode.polled_merge import MAX_SPLITS
 
     return cluster == 1 and 1 < splits <= MAX_SPLITS and head_dim % 32 == 0
-
-
-def packed_partials_pay(head_dim: int) -> bool:
-    """Whether a polled merge's partials travel in the input dtype, two columns per 32-bit
-    slot (``DecodeConfig.packed_partials``): at head dims that are multiples of 64 (every lane
-    of a merging warp then owns whole slots), unless ``FLEXATTN_DECODE_PARTIALS=fp32`` (A/B
-    runs; read once per plan). Half the bytes stored, polled and emptied: B1 L128k window
-    4096's step 0.2-0.3 µs shorter on the H200 (docs/experiments.md, session 68), at the cost
-    of one more rounding of each split's O (see the kernel's docstring)."""
-    return head_dim % 64 == 0 and os.environ.get("FLEXATTN_DECODE_PARTIALS", "auto") != "fp32"
 
 
 def _prefetch_pays(mods, tile_n: int, mask_last_page_only: bool) -> bool:
@@ -650,7 +639,6 @@ class DecodePlan:
         # per plan: a step's host time is tens of µs, an environment read ~1).
         self._marked = workspace.marked_scratch if os.environ.get("FLEXATTN_DECODE_MERGE", "auto") != "tickets" \
             else None
-        self._packed = packed_partials_pay(D)   # (polled merges only)
         self._launches: dict = {}    # (kv blocks, SM count) -> choose_launch's (tuning, splits, cluster), polled
         self.q_heads = Hq
         self._parts: dict = {}       # (split count, polled) -> (scratch array, o_part, lse_part)
@@ -694,7 +682,7 @@ class DecodePlan:
             tuning, cluster, polled = kernel
             config = self.config
             if kernel != (self.tuning, 1, False):
-                config = _with_launch(config, tuning, cluster, polled, polled and self._packed)
+                config = _with_launch(config, tuning, cluster, polled)
             hit = self._kernels[kernel] = (config, decode_runner(config, self.ffi))
         return hit
 
@@ -746,12 +734,10 @@ class DecodePlan:
             launch = (self.tuning, int(num_splits), cluster, self._polls(int(num_splits), cluster))
         tuning, splits, cluster, polled = launch
         o_size, lse_size = self._part_sizes
-        o_shape, lse_shape = self.part_shapes
-        if polled and self._packed:   # two input-dtype columns per fp32 slot
-            o_size, o_shape = o_size // 2, o_shape[:-1] + (o_shape[-1] // 2,)
         flat = (self._marked if polled else self._scratch)(splits * (o_size + lse_size))
         parts = self._parts.get((splits, polled))
         if parts is None or parts[0] is not flat:
+            o_shape, lse_shape = self.part_shapes
             o_part = flat[:splits * o_size].reshape((splits,) + o_shape)
             lse_part = flat[splits * o_size:splits * (o_size + lse_size)].reshape((splits,) + lse_shape)
             parts = self._parts[(splits, polled)] = (flat, o_part, lse_part)

@@ -103,12 +103,6 @@ CASES = {
                               None, mods.sliding_window(4096), True, 8),
     "polled-hd32-2wg": (dict(head_dim=32, tile_n=64, num_stages=6, num_mma_wg=2, polled_merge=True), None, None,
                         False, 2),
-    # partials in the input dtype, two columns per slot (the planned polled merge at head
-    # dims that are multiples of 64): the B 1 window kernel; fp16 at D 256 (two slots a lane)
-    "polled-packed-window": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, polled_merge=True,
-                                  packed_partials=True), None, mods.sliding_window(4096), True, 4),
-    "polled-packed-hd256-fp16": (dict(head_dim=256, tile_n=64, num_stages=3, polled_merge=True, packed_partials=True,
-                                      dtype="fp16"), None, mods.causal(), False, 8),
     # a sliding window's masked prefix by arithmetic (decode_path.band_prefix, planned;
     # FLEXATTN_DECODE_BAND_PREFIX=0 keeps the analysis): no Float64 analysis, no ballot
     "polled-window-band-prefix": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, polled_merge=True),
@@ -179,21 +173,13 @@ def test_decode_ptx(compiled, name):
         assert ptx.count("atom.global.exch") == 1 and not re.search(r"membar\.gl|fence\.(sc|acq_rel)\.gpu", ptx)
         assert re.search(r"bar\.arrive\s+3,", ptx) and re.search(r"bar\.sync\s+3,", ptx)
         assert not re.search(r"bar\.sync\s+2,", ptx)
-        # Packed partials: a thread's D/2 O values are D/4 slots, each rounded as a pair.
-        slots_stored = cfg.head_dim // 4 if cfg.packed_partials else cfg.head_dim // 2
-        assert ptx.count("st.relaxed.gpu.global.b32") == slots_stored + 2
-        assert ptx.count("0x80000000; st.relaxed") == slots_stored + 2
-        pack = {"bf16": "cvt.rn.bf16x2.f32", "fp16": "cvt.rn.f16x2.f32"}[cfg.dtype]
-        assert ptx.count(pack + " w") == (slots_stored if cfg.packed_partials else 0)
-        packed = cfg.dtype if cfg.packed_partials else None
-        slots = cfg.head_dim // 32 // (2 if packed else 1)   # a merging lane's slots of a row
-        width = 4 if slots % 4 == 0 else 2 if slots % 2 == 0 else 1
-        chunk = chunk_splits(cfg.head_dim, packed)
+        assert ptx.count("st.relaxed.gpu.global.b32") == cfg.head_dim // 2 + 2
+        assert ptx.count("0x80000000; st.relaxed") == cfg.head_dim // 2 + 2
+        per_lane = cfg.head_dim // 32
+        width = 4 if per_lane % 4 == 0 else 2 if per_lane % 2 == 0 else 1
+        chunk = chunk_splits(cfg.head_dim)
         vector = {4: ".v4", 2: ".v2", 1: ""}[width]
-        assert ptx.count(f"ld.relaxed.gpu.global{vector}.b32") == 2 * chunk * slots // width + (width == 1)
-        # unpacked at the multiply-add (the round's loads all in flight first), both fold sites
-        unpack = "shl.b32 t, w, 16" if cfg.dtype == "bf16" else "cvt.f32.f16"
-        assert ptx.count(unpack) == (2 * chunk * slots * (1 if cfg.dtype == "bf16" else 2) if packed else 0)
+        assert ptx.count(f"ld.relaxed.gpu.global{vector}.b32") == 2 * chunk * per_lane // width + (width == 1)
         if width > 1:
             assert ptx.count("ld.relaxed.gpu.global.b32") == 1   # the LSE
         assert ptx.count("trap;") == 2
@@ -304,16 +290,6 @@ def test_decode_no_spills(compiled, name):
     assert usage.registers * threads * cfg.ctas_per_sm <= 65536, usage   # the CTAs fit one SM
 
 
-def test_packed_partials_fake_rows():
-    """TVM-FFI kernels check their arguments' static extents: the packed partials' rows are
-    D/2 fp32 slots (the plan's o_part views), the others D."""
-    from flexattn.kernels.launch.fakes import fake_decode_args
-
-    for packed, width in ((True, 64), (False, 128)):
-        cfg = DecodeConfig(head_dim=128, polled_merge=True, packed_partials=packed)
-        assert fake_decode_args(cfg, tvm_ffi=True)[7].shape[4] == width
-
-
 def test_config_validation():
     assert DecodeConfig().key() == DecodeConfig().key()
     assert DecodeConfig().key() != DecodeConfig(page_size=64).key()
@@ -325,8 +301,7 @@ def test_config_validation():
             DecodeConfig(**bad)
     # cluster sizes 1/2/4/8/16; the fp32 O tile must fit the K ring (num_stages x tile_n >= 2 x tile_m)
     for bad in (dict(cluster_splits=3), dict(cluster_splits=32), dict(tile_n=64, num_stages=1, cluster_splits=2),
-                dict(cluster_splits=2, polled_merge=True), dict(head_dim=80, polled_merge=True),
-                dict(packed_partials=True), dict(head_dim=96, polled_merge=True, packed_partials=True)):
+                dict(cluster_splits=2, polled_merge=True), dict(head_dim=80, polled_merge=True)):
         with pytest.raises(ValueError):
             DecodeConfig(**bad)
     DecodeConfig(tile_n=64, num_stages=2, ctas_per_sm=2, cluster_splits=8)
@@ -568,9 +543,6 @@ def test_plan_run_repeated_steps():
     plan._fns[(plan.tuning, 1, True)] = lambda *args: launches.append(("polled",) + args)
     assert plan.run(q, k, k, None, out, lse, [4001, 38], 132) == 13
     assert launches[-1][0] == "polled" and launches[-1][8].data_ptr() == marked.data_ptr()
-    # (D 128: the polled partials in the input dtype, two columns per fp32 slot)
-    assert plan._packed and tuple(launches[-1][8].shape) == (13, B, Hq, 1, 64)
-    assert launches[-1][9].data_ptr() == marked.data_ptr() + 13 * B * Hq * 64 * 4
     assert plan.run(q, k, k, None, out, lse, [100, 37], 132) == 1 and launches[-1][0] != "polled"
 
 

@@ -21,9 +21,7 @@ slots themselves say whether they are written, so nothing waits for a fence or a
 
 Each lane of a merging warp owns D/32 contiguous columns of a row (``lane_columns``), lane
 s the LSE of split s (so at most 32 splits: ``MAX_SPLITS``); the arithmetic is
-``combine.merge_splits``'. Packed partials (``DecodeConfig.packed_partials``, D a multiple
-of 64): a row's O is D/2 slots, each two input-dtype columns, so a lane owns D/64 whole
-slots; LSEs stay one fp32 slot each.
+``combine.merge_splits``'.
 """
 
 import cutlass
@@ -80,85 +78,32 @@ def load_marked_f32s(ptr, n: int, *, loc=None, ip=None):
     return values, Int32(llvm.extractvalue(T.i32(), res, [n], loc=loc, ip=ip))
 
 
-# Partials in the input dtype (``DecodeConfig.packed_partials``): each 32-bit slot holds the
-# columns (2i, 2i + 1) of a row, column 2i in the low half; a half that would be +0.0 is
-# stored as -0.0, so a written slot is never all-zero bits either.
-_PACK = {"bf16": "cvt.rn.bf16x2.f32 w, $2, $1;",
-         "fp16": "cvt.rn.f16x2.f32 w, $2, $1;"}
-
-
-@dsl_user_op
-def store_marked_pair(ptr, lo, hi, dtype: str, *, loc=None, ip=None) -> None:
-    """``*ptr`` = (lo, hi) rounded to ``dtype`` ("bf16" | "fp16") and packed, lo in the
-    low half, as one relaxed GPU-scope 32-bit store; a +0.0 half stored as -0.0."""
-    _f32_to_address("{ .reg .b32 w, h; .reg .pred z; " + _PACK[dtype] +
-                    " and.b32 h, w, 0xffff; setp.eq.u32 z, h, 0; @z or.b32 w, w, 0x8000;"
-                    " and.b32 h, w, 0xffff0000; setp.eq.u32 z, h, 0; @z or.b32 w, w, 0x80000000;"
-                    " st.relaxed.gpu.global.b32 [$0], w; }", "l", ptr, (lo, hi), loc, ip)
-
-
-@dsl_user_op
-def unpack_pair(slot, dtype: str, *, loc=None, ip=None) -> tuple:
-    """The two columns (low half first) of a packed slot (its bits in an fp32 register, as
-    ``load_marked_f32s`` returns them) as fp32."""
-    if dtype == "bf16":
-        asm = "{ .reg .b32 w, t; mov.b32 w, $2; shl.b32 t, w, 16; mov.b32 $0, t; and.b32 t, w, 0xffff0000; mov.b32 $1, t; }"
-    else:
-        asm = "{ .reg .b16 a, b; mov.b32 {a, b}, $2; cvt.f32.f16 $0, a; cvt.f32.f16 $1, b; }"
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32(), T.f32()]),
-        [Float32(slot).ir_value(loc=loc, ip=ip)],
-        asm,
-        "=f,=f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(2))
-
-
 def _vector_width(per_lane: int) -> int:
     return 4 if per_lane % 4 == 0 else 2 if per_lane % 2 == 0 else 1
 
 
-def chunk_splits(head_dim: int, packed: str | None = None) -> int:
-    """Splits whose partial columns a lane loads per polling round (``packed``: the
-    partials' dtype when two columns share a slot, else None)."""
-    slots = head_dim // 32 // (2 if packed else 1)
-    return max(1, min(16, CHUNK_FLOATS // slots))
+def chunk_splits(head_dim: int) -> int:
+    """Splits whose partial columns a lane loads per polling round."""
+    return max(1, min(16, CHUNK_FLOATS // (head_dim // 32)))
 
 
 @cute.jit
-def _load_chunk(vals: cute.Tensor, o_parts: cute.Tensor, s0, num_splits, lane: Int32, slots: cutlass.Constexpr[int],
-                chunk: cutlass.Constexpr[int]) -> Int32:
-    """This lane's ``slots`` slots of splits s0 .. s0 + chunk - 1 (clamped to the last) into
-    ``vals`` (chunk x slots, flat; packed slots stay packed, so that every load of the round
-    is in flight before any result is used) -> 1 if every slot read was written, else 0."""
-    width = _vector_width(slots)
+def _load_chunk(vals: cute.Tensor, o_parts: cute.Tensor, s0, num_splits, lane: Int32,
+                head_dim: cutlass.Constexpr[int]) -> Int32:
+    """This lane's columns of splits s0 .. s0 + chunk - 1 (clamped to the last split) into
+    ``vals`` (chunk x per_lane, flat) -> 1 if every slot read was written, else 0."""
+    per_lane = head_dim // 32
+    width = _vector_width(per_lane)
     ok = Int32(1)
-    for j in cutlass.range_constexpr(chunk):
-        # Past the last split: the last split again (its weight is 0). Predicating those
-        # loads off instead cost the B1 window step 0.15-0.2 µs (session 68).
-        cols = cute.local_tile(o_parts[cutlass.min(s0 + j, num_splits - 1), None], (slots,), (lane,))
-        for v in cutlass.range_constexpr(slots // width):
+    for j in cutlass.range_constexpr(chunk_splits(head_dim)):
+        row = o_parts[cutlass.min(s0 + j, num_splits - 1), None]
+        cols = cute.local_tile(row, (per_lane,), (lane,))
+        for v in cutlass.range_constexpr(per_lane // width):
             xs, written = load_marked_f32s(cols.iterator + v * width, width)
             for i in cutlass.range_constexpr(width):
-                vals[j * slots + v * width + i] = xs[i]
+                vals[j * per_lane + v * width + i] = xs[i]
             ok = ok & written
     return ok
-
-
-@cute.jit
-def _fold(acc: cute.Tensor, vals: cute.Tensor, j: cutlass.Constexpr[int], w_j: Float32, slots: cutlass.Constexpr[int],
-          packed: cutlass.Constexpr = None):
-    """acc += w_j * split j's columns in ``vals`` (unpacked here when ``packed``)."""
-    for i in cutlass.range_constexpr(slots):
-        if const_expr(packed):
-            lo, hi = unpack_pair(vals[j * slots + i], packed)
-            acc[2 * i] = acc[2 * i] + w_j * lo
-            acc[2 * i + 1] = acc[2 * i + 1] + w_j * hi
-        else:
-            acc[i] = acc[i] + w_j * vals[j * slots + i]
 
 
 @cute.jit
@@ -171,14 +116,12 @@ def _count_round(rounds: Int32) -> Int32:
 
 @cute.jit
 def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: cute.Tensor, lane: Int32,
-                        head_dim: cutlass.Constexpr[int], probe=None, probing=None,
-                        packed: cutlass.Constexpr = None) -> Float32:
+                        head_dim: cutlass.Constexpr[int], probe=None, probing=None) -> Float32:
     """One warp merges one row once every split has written it: ``lse_parts`` [splits]
-    and ``o_parts`` [splits, D] (fp32 slots, ``EMPTY`` until written; ``packed``, the input
-    dtype's name: [splits, D / 2] slots of column pairs) into ``out_row`` [D] (each lane its
-    D/32 columns, in out_row's dtype), then empties the slots it read; returns the row's
-    natural-log LSE (-inf: no split saw a key). D a multiple of 32 (64 packed), at most
-    ``MAX_SPLITS`` splits.
+    and ``o_parts`` [splits, D] (fp32 slots, ``EMPTY`` until written) into ``out_row`` [D]
+    (each lane its D/32 columns, in out_row's dtype), then empties the slots it read;
+    returns the row's natural-log LSE (-inf: no split saw a key). D a multiple of 32, at
+    most ``MAX_SPLITS`` splits.
 
     The first round's loads (every LSE, the first chunk of partials) are in flight
     together: where every split has written, the merge costs one L2 round trip.
@@ -188,15 +131,14 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
     ``probe[1]`` the rounds it took, at ``probe[3]`` the time the merged row was stored
     (before the slots are emptied)."""
     per_lane = head_dim // 32
-    slots = per_lane // 2 if const_expr(packed) else per_lane   # o_parts slots per lane
-    chunk = chunk_splits(head_dim, packed)
+    chunk = chunk_splits(head_dim)
     num_splits = cute.size(lse_parts.shape)
-    vals = cute.make_rmem_tensor(chunk * slots, Float32)
+    vals = cute.make_rmem_tensor(chunk * per_lane, Float32)
     lse_s = -Float32.inf     # lane s: split s's LSE
     ready = Int32(0)
     rounds = Int32(0)
     while ready == 0:
-        ok = _load_chunk(vals, o_parts, Int32(0), num_splits, lane, slots, chunk)
+        ok = _load_chunk(vals, o_parts, Int32(0), num_splits, lane, head_dim)
         if lane < num_splits:
             xs, written = load_marked_f32s(lse_parts.iterator + cute.crd2idx(lane, lse_parts.layout), 1)
             lse_s = xs[0]
@@ -217,17 +159,19 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
     acc.fill(0.0)
     for j in cutlass.range_constexpr(chunk):
         w_j = cute.arch.shuffle_sync(w, j)   # clamped duplicates past the last split: lane j's w = 0
-        _fold(acc, vals, j, w_j, slots, packed)
+        for i in cutlass.range_constexpr(per_lane):
+            acc[i] = acc[i] + w_j * vals[j * per_lane + i]
     for s0 in cutlass.range(chunk, num_splits, chunk, unroll=1):
         ready = Int32(0)
         while ready == 0:
-            ready = _load_chunk(vals, o_parts, s0, num_splits, lane, slots, chunk)
+            ready = _load_chunk(vals, o_parts, s0, num_splits, lane, head_dim)
             rounds = _count_round(rounds)
         for j in cutlass.range_constexpr(chunk):
             s = s0 + j
             w_j = cutlass.select_(s < num_splits, cute.arch.shuffle_sync(w, cutlass.min(s, MAX_SPLITS - 1)),
                                   Float32(0.0))
-            _fold(acc, vals, j, w_j, slots, packed)
+            for i in cutlass.range_constexpr(per_lane):
+                acc[i] = acc[i] + w_j * vals[j * per_lane + i]
     inv, lse = inverse_and_lse(m, total)
     out = cute.local_tile(out_row, (per_lane,), (lane,))
     out.store((acc.load() * inv).to(out_row.element_type))
@@ -236,13 +180,13 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
             if lane == 0:
                 (probe + 3).store(Int32(cute.arch.globaltimer_lo()))
     # Empty what this lane read, for the next step (stream order publishes it).
-    zeros = cute.make_rmem_tensor(slots, Float32)
+    zeros = cute.make_rmem_tensor(per_lane, Float32)
     zeros.fill(0.0)
     for s in cutlass.range(num_splits, unroll=1):
-        cute.local_tile(o_parts[s, None], (slots,), (lane,)).store(zeros.load())
+        cute.local_tile(o_parts[s, None], (per_lane,), (lane,)).store(zeros.load())
     if lane < num_splits:
         lse_parts[lane] = Float32(0.0)
     return lse
 
 
-__all__ = ["EMPTY", "MAX_SPLITS", "store_marked_f32", "load_marked_f32s", "store_marked_pair", "unpack_pair", "merge_polled_splits", "chunk_splits"]
+__all__ = ["EMPTY", "MAX_SPLITS", "store_marked_f32", "load_marked_f32s", "merge_polled_splits", "chunk_splits"]

@@ -27,11 +27,6 @@ One CTA handles one (kv split) x (kv head, packed-row block) x (batch) work item
   split that *started* last in its group (a relaxed ticket taken by an idle producer warp
   at the CTA's start) polls them and merges: no fence, no ticket after the stream. The
   merger waits only for splits that have started, which never wait: it cannot deadlock.
-  At head dims that are multiples of 64 the partials travel in the input dtype, two
-  columns per slot (`packed_partials`, as vLLM's paged attention v2 keeps its partial
-  outputs): half the bytes stored, polled and emptied on the step's critical path, for one
-  more rounding of each split's normalized O (relative error <= 2^-8 in bf16, 2^-11 in
-  fp16), the size of the output's own rounding; the LSEs stay fp32.
 * Cluster merge (`cluster_splits` > 1: the launch's splits are one cluster per group):
   each CTA keeps its partial in its own shared memory (fp32 O rows over the K ring, LSEs
   over the V ring), a cluster barrier publishes them, CTA `rank` merges rows r = rank
@@ -85,7 +80,7 @@ from cutlass.cute.nvgpu import cpasync
 from flexattn.kernels.emit import interval_emit
 from flexattn.kernels.hopper import dsmem, mma
 from flexattn.kernels.decode.combine import inverse_and_lse, lane_columns, log2_shift, merge_splits
-from flexattn.kernels.decode.polled_merge import merge_polled_splits, store_marked_f32, store_marked_pair
+from flexattn.kernels.decode.polled_merge import merge_polled_splits, store_marked_f32
 from flexattn.kernels.emit.mod_hook import NO_MODS, FragmentCoords, ModHook, kept_if
 from flexattn.kernels.hopper.softmax import OnlineSoftmax, rescale_rows
 from flexattn.kernels.hopper.tma_pipeline import tma_ring
@@ -126,10 +121,6 @@ class DecodeConfig(KernelConfig):
     polled_merge: bool = False   # splits > 1 without a cluster: the last split to start polls
                                  # the partials' slots (zero until written; the workspace
                                  # zeroed between steps) instead of a ticket after the stream
-    packed_partials: bool = False  # polled merge, head dim a multiple of 64: each split's O
-                                 # partial in the input dtype, two columns per 32-bit slot
-                                 # (mOPart's rows D/2 slots): half the bytes stored, polled
-                                 # and emptied (decode/polled_merge.py)
     timeline: bool = False       # probe for benchmarks/decode_timeline.py: every CTA writes
                                  # globaltimer stamps past the tickets (never planned)
     skip_masked_prefix: bool = True  # the masked-prefix analysis before the stream (masks
@@ -175,9 +166,6 @@ class DecodeConfig(KernelConfig):
         if self.polled_merge and (self.cluster_splits > 1 or self.head_dim % 32):
             raise ValueError("polled_merge needs cluster_splits 1 and a head dim that is a multiple of 32, got "
                              f"{self.cluster_splits} and {self.head_dim}")
-        if self.packed_partials and not (self.polled_merge and self.head_dim % 64 == 0):
-            raise ValueError("packed_partials needs polled_merge and a head dim that is a multiple of 64, got "
-                             f"polled_merge={self.polled_merge} and {self.head_dim}")
         if self.smem_bytes > self.smem_limit:
             raise ValueError(f"{self.smem_bytes} bytes of shared memory per CTA exceed {self.smem_limit} for "
                              f"{self.ctas_per_sm} CTA(s) per SM: fewer stages or a smaller tile_n")
@@ -810,12 +798,8 @@ class DecodeSm90(WarpSpecialized):
                         mLSE[batch, head, qi] = lse[r]
                 elif const_expr(cfg.polled_merge):   # slots that mark themselves written
                     gO = mOPart[split, batch, head, qi, None]
-                    if const_expr(cfg.packed_partials):   # (the fragment holds columns in adjacent pairs)
-                        for c in cutlass.range_constexpr(0, cute.size(o_mn.shape[1]), 2):
-                            store_marked_pair(gO.iterator + tOcO[r, c][1] // 2, o_mn[r, c], o_mn[r, c + 1], cfg.dtype)
-                    else:
-                        for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
-                            store_marked_f32(gO.iterator + tOcO[r, c][1], o_mn[r, c])
+                    for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
+                        store_marked_f32(gO.iterator + tOcO[r, c][1], o_mn[r, c])
                     if tOcO[r, 0][1] == 0:
                         store_marked_f32(mLSEPart.iterator + cute.crd2idx((split, batch, head, qi), mLSEPart.layout),
                                          lse[r])
@@ -947,9 +931,8 @@ class DecodeSm90(WarpSpecialized):
             head, qi = packed_row(p, head_kv, group, q_len)
             # (the timeline's probe: the first row's polling, stamps 13, 14 and 16)
             probe = (stamps + 13, r == 0) if const_expr(cfg.polled_merge and cfg.timeline) else ()
-            packed = {"packed": cfg.dtype} if const_expr(cfg.packed_partials) else {}
             lse = merge(mLSEPart[None, batch, head, qi], mOPart[None, batch, head, qi, None],
-                        mO[batch, head, qi, None], lane, cfg.head_dim, *probe, **packed)
+                        mO[batch, head, qi, None], lane, cfg.head_dim, *probe)
             if lane == 0:
                 mLSE[batch, head, qi] = lse
 

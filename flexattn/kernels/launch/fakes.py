@@ -189,8 +189,7 @@ def fake_decode_args(cfg, mod_args: tuple = (), tvm_ffi: bool = False):
     table = fake_tensor(cutlass.Int32, 2, 4) if cfg.paged else None
     seq_lens = fake_tensor(cutlass.Int32, 1, 4)
     lse = fake_tensor(cutlass.Float32, 3, 4)
-    # (packed partials: two input-dtype columns per fp32 slot, D/2 slots a row)
-    o_part = fake_tensor(cutlass.Float32, 5, 16, cfg.head_dim // 2 if cfg.packed_partials else cfg.head_dim, 4)
+    o_part = fake_tensor(cutlass.Float32, 5, 16, cfg.head_dim, 4)
     lse_part = fake_tensor(cutlass.Float32, 4, 4)
     tickets = fake_tensor(cutlass.Int32, 1, 4)
     return (q, k, v, table, seq_lens, o, lse, o_part, lse_part, tickets, cutlass.Float32(1.0),
