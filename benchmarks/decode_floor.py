@@ -20,6 +20,10 @@ TB/s = bytes / µs. A row whose "bound" stays under a target shows that the targ
 hold there for any kernel timed this way; "read" shows what a plain stream gets.
 
     python3 benchmarks/decode_floor.py [--rows 8x8192:none 1x131072:window4096 ...]
+
+``--zero-slots`` zeroes the polled merge's slots before each timed step (outside the events);
+with ``FLEXATTN_DECODE_SLOTS=caller`` the kernel then skips its own emptying
+(``DecodeConfig.caller_empties_slots``): what the merger's emptying costs, by its absence.
 """
 
 import argparse
@@ -51,6 +55,10 @@ def main():
     ap.add_argument("--rows", nargs="*", default=ROWS)
     ap.add_argument("--layout", default="contiguous")
     ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--zero-slots", action="store_true",
+                    help="zero the polled merge's slots before each timed step (outside the events); "
+                         "with FLEXATTN_DECODE_SLOTS=caller the kernel leaves them written: the "
+                         "merger's emptying measured by its absence")
     args = ap.parse_args()
     empty_us = clean_ms(lambda: torch.cuda._sleep(0), reps=args.reps) * 1e3
     rows = []
@@ -63,7 +71,10 @@ def main():
         q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
         mask, score = variant_mods(variant)
         step, _ = plan_step(q, cache, score, mask)
-        ours_us = clean_ms(step.launch, reps=args.reps) * 1e3
+        before = None
+        if args.zero_slots:   # (the whole buffer as it stands: the first launch may grow it)
+            before = lambda ws=step.plan.workspace: ws.marked_scratch(1).zero_()
+        ours_us = clean_ms(step.launch, reps=args.reps, before=before) * 1e3
         del cache, step
         rows.append((B, L, variant, nbytes, read_us, ours_us))
         print(f"# {row}: read {read_us:.1f} µs, ours {ours_us:.1f} µs", flush=True)

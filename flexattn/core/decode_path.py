@@ -639,6 +639,9 @@ class DecodePlan:
         # per plan: a step's host time is tens of µs, an environment read ~1).
         self._marked = workspace.marked_scratch if os.environ.get("FLEXATTN_DECODE_MERGE", "auto") != "tickets" \
             else None
+        # FLEXATTN_DECODE_SLOTS=caller (benchmarks only: decode_floor.py --zero-slots zeroes
+        # the workspace between timed steps): the polled merge leaves its slots written.
+        self._caller_empties = os.environ.get("FLEXATTN_DECODE_SLOTS", "kernel") == "caller"
         self._launches: dict = {}    # (kv blocks, SM count) -> choose_launch's (tuning, splits, cluster), polled
         self.q_heads = Hq
         self._parts: dict = {}       # (split count, polled) -> (scratch array, o_part, lse_part)
@@ -683,6 +686,8 @@ class DecodePlan:
             config = self.config
             if kernel != (self.tuning, 1, False):
                 config = _with_launch(config, tuning, cluster, polled)
+                if polled and self._caller_empties:
+                    config = dataclasses.replace(config, caller_empties_slots=True)
             hit = self._kernels[kernel] = (config, decode_runner(config, self.ffi))
         return hit
 

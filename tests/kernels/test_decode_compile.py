@@ -290,6 +290,21 @@ def test_decode_no_spills(compiled, name):
     assert usage.registers * threads * cfg.ctas_per_sm <= 65536, usage   # the CTAs fit one SM
 
 
+def test_caller_empties_slots_leaves_the_emptying_out():
+    """The benchmarks' ``caller_empties_slots`` (decode_floor.py --zero-slots with
+    FLEXATTN_DECODE_SLOTS=caller): the same polled kernel without the merger's emptying —
+    its zeroing loop over the splits' slots and the LSE slot's zero are the only stores
+    gone; it needs the polled merge."""
+    cfg, hook = _config("polled-window-band-prefix")
+    ptx = {c: compile_decode(dataclasses.replace(cfg, caller_empties_slots=c), fake_args(hook), keep_ptx=True,
+                             tvm_ffi=True).__ptx__ for c in (False, True)}
+    assert ptx[False].count("st.global.v4.b32") == 1 and ptx[True].count("st.global.v4.b32") == 0
+    assert ptx[False].count("st.global") - ptx[True].count("st.global") == 2
+    assert ptx[False].count("st.relaxed.gpu.global.b32") == ptx[True].count("st.relaxed.gpu.global.b32")
+    with pytest.raises(ValueError, match="caller_empties_slots"):
+        DecodeConfig(caller_empties_slots=True)
+
+
 def test_config_validation():
     assert DecodeConfig().key() == DecodeConfig().key()
     assert DecodeConfig().key() != DecodeConfig(page_size=64).key()

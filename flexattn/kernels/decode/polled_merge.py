@@ -116,7 +116,8 @@ def _count_round(rounds: Int32) -> Int32:
 
 @cute.jit
 def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: cute.Tensor, lane: Int32,
-                        head_dim: cutlass.Constexpr[int], probe=None, probing=None) -> Float32:
+                        head_dim: cutlass.Constexpr[int], probe=None, probing=None,
+                        empty: cutlass.Constexpr[bool] = True) -> Float32:
     """One warp merges one row once every split has written it: ``lse_parts`` [splits]
     and ``o_parts`` [splits, D] (fp32 slots, ``EMPTY`` until written) into ``out_row`` [D]
     (each lane its D/32 columns, in out_row's dtype), then empties the slots it read;
@@ -129,7 +130,8 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
     ``probe`` (the decode timeline's, or None): where ``probing`` holds, lane 0 stores at
     ``probe[0]`` the %globaltimer_lo at which the first chunk was seen written, at
     ``probe[1]`` the rounds it took, at ``probe[3]`` the time the merged row was stored
-    (before the slots are emptied)."""
+    (before the slots are emptied). ``empty`` False (benchmarks: ``DecodeConfig.
+    caller_empties_slots``): the slots are left written, for the caller to zero."""
     per_lane = head_dim // 32
     chunk = chunk_splits(head_dim)
     num_splits = cute.size(lse_parts.shape)
@@ -179,13 +181,14 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
         if probing:
             if lane == 0:
                 (probe + 3).store(Int32(cute.arch.globaltimer_lo()))
-    # Empty what this lane read, for the next step (stream order publishes it).
-    zeros = cute.make_rmem_tensor(per_lane, Float32)
-    zeros.fill(0.0)
-    for s in cutlass.range(num_splits, unroll=1):
-        cute.local_tile(o_parts[s, None], (per_lane,), (lane,)).store(zeros.load())
-    if lane < num_splits:
-        lse_parts[lane] = Float32(0.0)
+    if const_expr(empty):
+        # Empty what this lane read, for the next step (stream order publishes it).
+        zeros = cute.make_rmem_tensor(per_lane, Float32)
+        zeros.fill(0.0)
+        for s in cutlass.range(num_splits, unroll=1):
+            cute.local_tile(o_parts[s, None], (per_lane,), (lane,)).store(zeros.load())
+        if lane < num_splits:
+            lse_parts[lane] = Float32(0.0)
     return lse
 
 

@@ -121,6 +121,10 @@ class DecodeConfig(KernelConfig):
     polled_merge: bool = False   # splits > 1 without a cluster: the last split to start polls
                                  # the partials' slots (zero until written; the workspace
                                  # zeroed between steps) instead of a ticket after the stream
+    caller_empties_slots: bool = False  # benchmarks only (decode_floor.py --zero-slots, never
+                                 # planned): the polled merge leaves the slots it read
+                                 # written, the caller zeroes them between steps — what the
+                                 # merger's emptying costs, measured without it
     timeline: bool = False       # probe for benchmarks/decode_timeline.py: every CTA writes
                                  # globaltimer stamps past the tickets (never planned)
     skip_masked_prefix: bool = True  # the masked-prefix analysis before the stream (masks
@@ -166,6 +170,8 @@ class DecodeConfig(KernelConfig):
         if self.polled_merge and (self.cluster_splits > 1 or self.head_dim % 32):
             raise ValueError("polled_merge needs cluster_splits 1 and a head dim that is a multiple of 32, got "
                              f"{self.cluster_splits} and {self.head_dim}")
+        if self.caller_empties_slots and not self.polled_merge:
+            raise ValueError("caller_empties_slots needs polled_merge")
         if self.smem_bytes > self.smem_limit:
             raise ValueError(f"{self.smem_bytes} bytes of shared memory per CTA exceed {self.smem_limit} for "
                              f"{self.ctas_per_sm} CTA(s) per SM: fewer stages or a smaller tile_n")
@@ -931,8 +937,9 @@ class DecodeSm90(WarpSpecialized):
             head, qi = packed_row(p, head_kv, group, q_len)
             # (the timeline's probe: the first row's polling, stamps 13, 14 and 16)
             probe = (stamps + 13, r == 0) if const_expr(cfg.polled_merge and cfg.timeline) else ()
+            empty = {"empty": False} if const_expr(cfg.caller_empties_slots) else {}
             lse = merge(mLSEPart[None, batch, head, qi], mOPart[None, batch, head, qi, None],
-                        mO[batch, head, qi, None], lane, cfg.head_dim, *probe)
+                        mO[batch, head, qi, None], lane, cfg.head_dim, *probe, **empty)
             if lane == 0:
                 mLSE[batch, head, qi] = lse
 
