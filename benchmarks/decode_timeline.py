@@ -109,19 +109,20 @@ def probed_launch(step, q, cache):
     splits = step.num_splits
     groups = plan.batch * plan.kv_heads * plan.m_blocks
     ctas = groups * splits
-    tickets = torch.zeros(groups + ctas * TIMELINE_STAMPS, dtype=torch.int32, device="cuda")
+    sets = 2 if cfg.parity_slots else 1   # (parity slots: two sets of slots, a phase word per group)
+    tickets = torch.zeros(sets * groups + ctas * TIMELINE_STAMPS, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
     # (zeroed: the polled merge reads a slot as written once its bits are not zero)
-    o_part = torch.zeros((splits,) + plan.part_shapes[0], dtype=torch.float32, device="cuda")
-    lse_part = torch.zeros((splits,) + plan.part_shapes[1], dtype=torch.float32, device="cuda")
+    o_part = torch.zeros((sets * splits,) + plan.part_shapes[0], dtype=torch.float32, device="cuda")
+    lse_part = torch.zeros((sets * splits,) + plan.part_shapes[1], dtype=torch.float32, device="cuda")
     args = runtime_args(cfg.mods, plan._to_device)
     stream = torch.cuda.current_stream().cuda_stream
 
     def launch():
         runner.run(q, k, v, table, plan.seq_lens, out, lse, o_part, lse_part, tickets, plan.scale, args, stream)
 
-    stamps = tickets[groups:].view(ctas, TIMELINE_STAMPS)
+    stamps = tickets[sets * groups:].view(ctas, TIMELINE_STAMPS)
     return launch, stamps, splits
 
 

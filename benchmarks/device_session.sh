@@ -92,7 +92,9 @@
 # planned; FLEXATTN_DECODE_BAND_PREFIX=0 is the analysis: its GPU cases, decode_floor's window rows off / on twice, a
 # timeline), marks (the window rows' timeline with stream marks: the event time outside the CTAs, lead and trail),
 # window-tail (B1 L128k window: the timeline with marks and three groups CTA by CTA, --dump-ctas: which split ends
-# last and what the merger waits for; session 66).
+# last and what the merger waits for; session 66), parity-slots (FLEXATTN_DECODE_SLOTS=parity, not yet planned: its
+# GPU test across split counts, the decode + short-query suites with it, then decode_floor's window rows emptied /
+# parity / caller-zeroed in alternating processes, four rounds; session 68 left it built, CPU-checked, GPU-untested).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -363,6 +365,18 @@ for step in $steps; do
                  done
                  (cd benchmarks && FLEXATTN_DECODE_BAND_PREFIX=1 run band_prefix_timeline 70 python3 decode_timeline.py \
                    --shapes 1x131072 --variants window4096 --layouts contiguous --merges polled --reps 5) ;;
+    parity-slots) FLEXATTN_DECODE_SLOTS=parity run parity_test 120 python3 -m pytest -q -p no:cacheprovider \
+                    tests/gpu/test_decode_gpu.py -k "parity_slots"
+                  FLEXATTN_DECODE_SLOTS=parity run parity_suites 440 python3 -m pytest -q -p no:cacheprovider \
+                    tests/gpu/test_decode_gpu.py tests/gpu/test_short_query_gpu.py
+                  for i in 1 2 3 4; do
+                    for slots in emptied parity caller; do
+                      zero=""; [ "$slots" = caller ] && zero=--zero-slots
+                      FLEXATTN_DECODE_SLOTS=$slots FLEXATTN_CACHE_DIR=/tmp/flexattn-slots-$slots \
+                        run parity_floor_${slots}_$i 40 python3 benchmarks/decode_floor.py \
+                        --rows 1x131072:window4096 8x8192:window4096 $zero
+                    done
+                  done ;;
     window-tail) (cd benchmarks && run window_tail 90 python3 decode_timeline.py --shapes 1x131072 \
                    --variants window4096 --layouts contiguous --merges polled --reps 9 --marks --dump-ctas 3) ;;
     marks) (cd benchmarks && run marks_timeline 120 python3 decode_timeline.py --shapes 1x131072 8x8192 \

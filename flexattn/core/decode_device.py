@@ -50,7 +50,8 @@ def decode_workspace(index: int, stream: int, alloc: Callable) -> DecodeWorkspac
 
     ws = _WORKSPACES[key] = DecodeWorkspace(lambda shape, dtype: alloc(shape, dtype, False), get_tickets,
                                             grown(scratch, False), driver_uploader(index, stream),
-                                            marked_scratch=grown([alloc((0,), "float32", True)], True))
+                                            marked_scratch=grown([alloc((0,), "float32", True)], True),
+                                            zeroed=lambda n, dtype: alloc((n,), dtype, True))
     return ws
 
 

@@ -284,6 +284,9 @@ class DecodeWorkspace:
     # the polled merge zeroes every slot it read: ``decode/polled_merge.py``). None: the
     # adapter keeps no such memory (XLA's scratch lives one call), so steps merge by tickets.
     marked_scratch: Callable | None = None
+    # ``zeroed(n, dtype name)``: a new zeroed device array of n elements, a plan's own
+    # (the parity slots of ``DecodeConfig.parity_slots``). None: the adapter has none.
+    zeroed: Callable | None = None
 
 
 class StagingRing:
@@ -639,9 +642,16 @@ class DecodePlan:
         # per plan: a step's host time is tens of µs, an environment read ~1).
         self._marked = workspace.marked_scratch if os.environ.get("FLEXATTN_DECODE_MERGE", "auto") != "tickets" \
             else None
-        # FLEXATTN_DECODE_SLOTS=caller (benchmarks only: decode_floor.py --zero-slots zeroes
-        # the workspace between timed steps): the polled merge leaves its slots written.
-        self._caller_empties = os.environ.get("FLEXATTN_DECODE_SLOTS", "kernel") == "caller"
+        # How the polled merge's slots return to zero (read once per plan): "emptied" — its
+        # merger zeroes them after the merge; "parity" — two sets in the plan's own memory,
+        # by launch parity, each split zeroing its slots of the other set at its start
+        # (``DecodeConfig.parity_slots``; not yet GPU-verified, so not the default);
+        # "caller" (benchmarks only: decode_floor.py --zero-slots zeroes the workspace
+        # between timed steps) — nobody, the kernel leaves them written.
+        slots = os.environ.get("FLEXATTN_DECODE_SLOTS", "emptied")
+        self._caller_empties = slots == "caller"
+        self._parity = slots == "parity" and workspace.zeroed is not None and self._marked is not None
+        self._parity_parts = None    # (split capacity, o_part, lse_part, tickets + phase words)
         self._launches: dict = {}    # (kv blocks, SM count) -> choose_launch's (tuning, splits, cluster), polled
         self.q_heads = Hq
         self._parts: dict = {}       # (split count, polled) -> (scratch array, o_part, lse_part)
@@ -688,6 +698,8 @@ class DecodePlan:
                 config = _with_launch(config, tuning, cluster, polled)
                 if polled and self._caller_empties:
                     config = dataclasses.replace(config, caller_empties_slots=True)
+                elif polled and self._parity:
+                    config = dataclasses.replace(config, parity_slots=True)
             hit = self._kernels[kernel] = (config, decode_runner(config, self.ffi))
         return hit
 
@@ -738,6 +750,8 @@ class DecodePlan:
             cluster = int(num_splits) if clustered else 1
             launch = (self.tuning, int(num_splits), cluster, self._polls(int(num_splits), cluster))
         tuning, splits, cluster, polled = launch
+        if polled and self._parity:
+            return (tuning, cluster, polled), splits, *self._parity_slots(splits)
         o_size, lse_size = self._part_sizes
         flat = (self._marked if polled else self._scratch)(splits * (o_size + lse_size))
         parts = self._parts.get((splits, polled))
@@ -747,6 +761,30 @@ class DecodePlan:
             lse_part = flat[splits * o_size:splits * (o_size + lse_size)].reshape((splits,) + lse_shape)
             parts = self._parts[(splits, polled)] = (flat, o_part, lse_part)
         return (tuning, cluster, polled), splits, parts[1], parts[2]
+
+    def _parity_slots(self, splits: int) -> tuple:
+        """(o_part, lse_part) of the parity slots: 2 x capacity splits of the plan's own
+        zeroed memory, with its own tickets and phase words (``DecodeConfig.parity_slots``:
+        its state is this layout's, so it cannot share the workspace's). A split count past
+        the capacity allocates anew, everything zero again (the kernel's state with it);
+        steps on the stream keep their order, so the old memory's last launch is done."""
+        parts = self._parity_parts
+        if parts is None or parts[0] < splits:
+            from ..kernels.decode.polled_merge import MAX_SPLITS
+
+            cap = min(MAX_SPLITS, max(splits, 16))
+            (o_size, lse_size), (o_shape, lse_shape) = self._part_sizes, self.part_shapes
+            flat = self.workspace.zeroed(2 * cap * (o_size + lse_size), "float32")
+            o_part = flat[:2 * cap * o_size].reshape((2 * cap,) + o_shape)
+            lse_part = flat[2 * cap * o_size:].reshape((2 * cap,) + lse_shape)
+            words = self.workspace.zeroed(2 * self.batch * self.kv_heads * self.m_blocks, "int32")
+            parts = self._parity_parts = (cap, o_part, lse_part, words)
+        return parts[1], parts[2]
+
+    def _tickets_for(self, kernel: tuple):
+        """The tickets `kernel` (tuning, cluster, polled) takes: the workspace's, or with
+        parity slots the plan's own (tickets, then one phase word per group)."""
+        return self._parity_parts[3] if kernel[2] and self._parity else self._tickets
 
     def _polls(self, splits: int, cluster: int) -> bool:
         """Whether ``splits`` merge polled (``polled_merge_pays``, where the workspace keeps
@@ -761,7 +799,7 @@ class DecodePlan:
         runner = self._kernel(kernel)[1]
         seq_lens = self.seq_lens if seq_lens is None else seq_lens
         if self.ffi:
-            tickets, scale = self._tickets, self.scale
+            tickets, scale = self._tickets_for(kernel), self.scale
 
             def launch():
                 fn = self._fns.get(kernel)
@@ -770,7 +808,7 @@ class DecodePlan:
                 fn(q, k, v, table, seq_lens, out, lse, o_part, lse_part, tickets, scale, args)
 
             return launch
-        run, tickets, scale, stream = runner.run, self._tickets, self.scale, self.stream
+        run, tickets, scale, stream = runner.run, self._tickets_for(kernel), self.scale, self.stream
         return lambda: run(q, k, v, table, seq_lens, out, lse, o_part, lse_part, tickets, scale, args, stream)
 
     def run(self, q, k, v, table, out, lse, lengths: list, num_sms: int) -> int:
@@ -810,7 +848,7 @@ class DecodePlan:
         repeated steps' path), else through ``_launcher`` (compiling first)."""
         fn = self._fns.get(kernel)
         if fn is not None:
-            fn(q, k, v, table, seq_lens, out, lse, o_part, lse_part, self._tickets, self.scale, args)
+            fn(q, k, v, table, seq_lens, out, lse, o_part, lse_part, self._tickets_for(kernel), self.scale, args)
         else:
             self._launcher(kernel, q, k, v, table, out, lse, o_part, lse_part, seq_lens, args)()
 

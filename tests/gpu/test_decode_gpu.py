@@ -256,6 +256,42 @@ def test_decode_head_dims_against_reference(D, kind, page_size, group, q_len, nu
     assert_tickets_zero()
 
 
+def test_parity_slots_across_steps_and_split_counts(monkeypatch):
+    """FLEXATTN_DECODE_SLOTS=parity (``DecodeConfig.parity_slots``): steps queued back to back
+    with new queries and split counts that shrink and grow (each split zeroes its slots of
+    the other set, including those a larger last launch wrote past this launch's count),
+    each against the float64 reference. Afterwards the workspace's shared slots and tickets
+    are untouched (zero), and each group's phase word holds count 0, the parity of the
+    number of steps, and the last step's split count."""
+    monkeypatch.setenv("FLEXATTN_DECODE_SLOTS", "parity")
+    decode_path._PREPARED.clear()
+    torch.manual_seed(3)
+    B, Hkv, group, cap, D = 2, 8, 4, 16384, 128
+    Hq = Hkv * group
+    lengths = [cap - 389, 9000]
+    cache, k, v = make_cache(B, Hkv, cap, D, lengths, torch.bfloat16, 0)
+    mask, score, mask_fn, score_fn = variant("window", Hq, window=4096)
+    counts = [13, 5, 13, 7, 3, 13, 11, 11]
+    steps = []
+    for n in counts:
+        q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
+        out, lse, step = run_kernel(q, cache, mask, score, 132, num_splits=n, sync=False)
+        assert step.num_splits == n and step.config.parity_slots and step.config.polled_merge, step
+        steps.append((q, out, lse))
+    torch.cuda.synchronize()
+    decode_path._PREPARED.clear()
+    assert_tickets_zero()
+    assert_marked_zero()
+    words = step.plan._parity_parts[3][B * Hkv:].long()
+    assert ((words & 0xFFFF) == 0).all() and (((words >> 16) & 1) == len(counts) % 2).all(), words
+    assert ((words >> 24) == counts[-1]).all(), words
+    for q, out, lse in steps:
+        want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), score_fn, mask_fn)
+        assert not out.isnan().any() and not lse.isnan().any()
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+
+
 @pytest.mark.parametrize("D", [32, 64, 96, 128, 256])
 def test_polled_merge_planned_for_a_long_window_step(D, prefix):
     """The planner's B 1 sliding-window step (many splits, no cluster) merges polled: the

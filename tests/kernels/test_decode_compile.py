@@ -103,6 +103,10 @@ CASES = {
                               None, mods.sliding_window(4096), True, 8),
     "polled-hd32-2wg": (dict(head_dim=32, tile_n=64, num_stages=6, num_mma_wg=2, polled_merge=True), None, None,
                         False, 2),
+    # parity slots: two sets by launch parity, each split zeroing its slots of the other set
+    # at its start (not planned yet: FLEXATTN_DECODE_SLOTS=parity)
+    "polled-parity-window": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, polled_merge=True,
+                                  parity_slots=True), None, mods.sliding_window(4096), True, 4),
     # a sliding window's masked prefix by arithmetic (decode_path.band_prefix, planned;
     # FLEXATTN_DECODE_BAND_PREFIX=0 keeps the analysis): no Float64 analysis, no ballot
     "polled-window-band-prefix": (dict(head_dim=128, tile_n=64, num_stages=2, ctas_per_sm=2, polled_merge=True),
@@ -288,6 +292,36 @@ def test_decode_no_spills(compiled, name):
     cfg = _config(name)[0]
     threads = 128 * (1 + cfg.num_mma_wg)
     assert usage.registers * threads * cfg.ctas_per_sm <= 65536, usage   # the CTAs fit one SM
+
+
+def test_parity_slots_zero_the_other_set_before_the_stream():
+    """Parity slots: warp 1 counts the CTA in (one relaxed atomic; the last starter's
+    exchange sets the next launch's word) and zeroes this split's slots of the other set
+    before it releases the consumers (barrier 3); the consumers wait on that barrier before
+    their partial stores (the set is the launch's parity), and after the merger's polls
+    nothing is stored but the merged row (no emptying on the step's tail). The emptied
+    kernel: barrier 3 after the partial stores, the emptying after the polls."""
+    def order(ptx):
+        marks = []
+        for m in re.finditer(r"st\.global\.v4\.b32|bar\.arrive\s+3|bar\.sync\s+3|ld\.relaxed\.gpu\.global\.v4"
+                             r"|atom\.global\.add|atom\.global\.exch|st\.relaxed\.gpu", ptx):
+            mark = re.sub(r"\s+", " ", m.group(0))
+            if not marks or marks[-1] != mark:
+                marks.append(mark)
+        return marks
+
+    cfg, hook = _config("polled-window-band-prefix")
+    ptx = {p: compile_decode(dataclasses.replace(cfg, parity_slots=p), fake_args(hook), keep_ptx=True,
+                             tvm_ffi=True).__ptx__ for p in (False, True)}
+    assert order(ptx[True]) == ["atom.global.add", "atom.global.exch", "st.global.v4.b32", "bar.arrive 3",
+                                "bar.sync 3", "st.relaxed.gpu", "ld.relaxed.gpu.global.v4"]
+    assert order(ptx[False]) == ["atom.global.add", "atom.global.exch", "bar.arrive 3", "st.relaxed.gpu",
+                                 "bar.sync 3", "ld.relaxed.gpu.global.v4", "st.global.v4.b32"]
+    # the phase word: parity bit 16, the split count from bit 24
+    assert re.search(r"shl\.b32\s+%r\d+, %r\d+, 24", ptx[True]) and not re.search(r"shl\.b32\s+%r\d+, %r\d+, 24",
+                                                                                ptx[False])
+    with pytest.raises(ValueError, match="parity_slots"):
+        DecodeConfig(parity_slots=True)
 
 
 def test_caller_empties_slots_leaves_the_emptying_out():
@@ -559,6 +593,52 @@ def test_plan_run_repeated_steps():
     assert plan.run(q, k, k, None, out, lse, [4001, 38], 132) == 13
     assert launches[-1][0] == "polled" and launches[-1][8].data_ptr() == marked.data_ptr()
     assert plan.run(q, k, k, None, out, lse, [100, 37], 132) == 1 and launches[-1][0] != "polled"
+
+
+def test_plan_parity_slots(monkeypatch):
+    """FLEXATTN_DECODE_SLOTS=parity (with a workspace that gives zeroed memory): the polled
+    launches take the plan's own slots, 2 x capacity splits (at least 16), and its own
+    tickets + phase words (two per group), the same every step; a plan without it, or
+    without a workspace's ``zeroed``, keeps the shared zeroed scratch."""
+    import torch
+
+    monkeypatch.setenv("FLEXATTN_DECODE_SLOTS", "parity")
+    B, Hq, cap = 2, 8, 4096
+    k = torch.zeros(B, 2, cap, 128, dtype=torch.bfloat16)
+    cache = KVCache(k, k, torch.tensor([100, 37], dtype=torch.int32))
+    q = torch.zeros(B, Hq, 1, 128, dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(B, Hq, 1)
+    marked, zeroed = torch.zeros(1 << 20), []
+
+    def get_zeroed(n, dt):
+        zeroed.append(torch.zeros(n, dtype=getattr(torch, dt)))
+        return zeroed[-1]
+
+    def plan_with(zero):
+        ws = decode_path.DecodeWorkspace(alloc=lambda shape, dt: torch.empty(shape, dtype=getattr(torch, dt)),
+                                         tickets=lambda n: torch.zeros(max(n, 16), dtype=torch.int32),
+                                         scratch=lambda n: torch.empty(n), uploader=lambda into: lambda values: None,
+                                         marked_scratch=lambda n: marked, zeroed=zero)
+        device = Device(0, lambda x: x if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x)))
+        tuning = dataclasses.replace(decode_path.DEFAULT_TUNING, cluster_merge=False)
+        plan = decode_path.prepare_decode(q, cache, out, lse, decode_path.DecodeSite(device, 132, ws),
+                                          decode_path.DecodeMods(None, mods.causal()),
+                                          overrides=decode_path.DecodeOverrides(tuning=tuning)).plan
+        launches = []
+        plan._fns[(plan.tuning, 1, True)] = lambda *args: launches.append(args)
+        return plan, launches
+
+    plan, launches = plan_with(get_zeroed)
+    for _ in range(2):
+        assert plan.run(q, k, k, None, out, lse, [4001, 38], 132) == 13
+    o_part, lse_part, tickets = launches[-1][7], launches[-1][8], launches[-1][9]
+    assert tuple(o_part.shape) == (32, B, Hq, 1, 128) and tuple(lse_part.shape) == (32, B, Hq, 1)
+    assert o_part.data_ptr() == zeroed[0].data_ptr() and tickets is zeroed[1] and tickets.numel() == 2 * B * 2
+    assert all(a is b for a, b in zip(launches[0][7:10], launches[1][7:10]))     # the same every step
+    assert plan._kernel((plan.tuning, 1, True))[0].parity_slots
+    plan, launches = plan_with(None)                 # no zeroed memory: the shared scratch, emptied
+    assert plan.run(q, k, k, None, out, lse, [4001, 38], 132) == 13
+    assert launches[-1][7].data_ptr() == marked.data_ptr() and not plan._kernel((plan.tuning, 1, True))[0].parity_slots
 
 
 def test_band_prefix():

@@ -27,6 +27,10 @@ One CTA handles one (kv split) x (kv head, packed-row block) x (batch) work item
   split that *started* last in its group (a relaxed ticket taken by an idle producer warp
   at the CTA's start) polls them and merges: no fence, no ticket after the stream. The
   merger waits only for splits that have started, which never wait: it cannot deadlock.
+  The merger then empties the slots it read, ~0.55 us on the step's tail at B1 L128k
+  window 4096 (H200). With `parity_slots` (opt-in, not yet GPU-verified) the slots come in
+  two sets used by launch parity, in the plan's own memory: each split zeroes its slots
+  of the other set at its start, off every path, and no merger empties anything.
 * Cluster merge (`cluster_splits` > 1: the launch's splits are one cluster per group):
   each CTA keeps its partial in its own shared memory (fp32 O rows over the K ring, LSEs
   over the V ring), a cluster barrier publishes them, CTA `rank` merges rows r = rank
@@ -121,6 +125,12 @@ class DecodeConfig(KernelConfig):
     polled_merge: bool = False   # splits > 1 without a cluster: the last split to start polls
                                  # the partials' slots (zero until written; the workspace
                                  # zeroed between steps) instead of a ticket after the stream
+    parity_slots: bool = False   # polled merge: two sets of partial slots, used by launch
+                                 # parity (a phase word per group past the tickets: parity,
+                                 # the last launch's split count); each split zeroes its own
+                                 # slots of the other set at its start (idle warp 1), so no
+                                 # merger empties anything after its merge (mOPart / mLSEPart
+                                 # hold 2 x cap splits, the plan's own zeroed memory)
     caller_empties_slots: bool = False  # benchmarks only (decode_floor.py --zero-slots, never
                                  # planned): the polled merge leaves the slots it read
                                  # written, the caller zeroes them between steps — what the
@@ -170,6 +180,8 @@ class DecodeConfig(KernelConfig):
         if self.polled_merge and (self.cluster_splits > 1 or self.head_dim % 32):
             raise ValueError("polled_merge needs cluster_splits 1 and a head dim that is a multiple of 32, got "
                              f"{self.cluster_splits} and {self.head_dim}")
+        if self.parity_slots and not self.polled_merge:
+            raise ValueError("parity_slots needs polled_merge")
         if self.caller_empties_slots and not self.polled_merge:
             raise ValueError("caller_empties_slots needs polled_merge")
         if self.smem_bytes > self.smem_limit:
@@ -379,7 +391,8 @@ class DecodeSm90(WarpSpecialized):
         stamps = None
         if const_expr(cfg.timeline):
             cta = (batch * head_blocks + head_block) * num_splits + split
-            stamps = mTickets.iterator + (head_blocks * mQ.shape[0] + cta * TIMELINE_STAMPS)
+            words = head_blocks * mQ.shape[0] * (2 if const_expr(cfg.parity_slots) else 1)   # (+ phase words)
+            stamps = mTickets.iterator + (words + cta * TIMELINE_STAMPS)
         self._stamp(stamps, 0, warp_idx == 4)
         self._stamp(stamps, 7, warp_idx == 4, cute.arch.smid)
 
@@ -421,8 +434,14 @@ class DecodeSm90(WarpSpecialized):
             if const_expr(cfg.polled_merge):
                 if warp_idx == 1:
                     if num_splits > 1:
-                        self._take_start_ticket(mTickets.iterator + (batch * head_blocks + head_block), num_splits,
-                                                sMerges)
+                        if const_expr(cfg.parity_slots):
+                            # (the phase words follow the groups' tickets)
+                            self._take_parity_ticket(
+                                mTickets.iterator + ((mQ.shape[0] + batch) * head_blocks + head_block), num_splits,
+                                split, sMerges, mOPart, mLSEPart, head_kv, group, q_len, rows, m_block, batch)
+                        else:
+                            self._take_start_ticket(mTickets.iterator + (batch * head_blocks + head_block),
+                                                    num_splits, sMerges)
             if const_expr(cfg.cluster_splits > 1):
                 # The cluster barriers count every thread: the producer's pass both.
                 for _ in cutlass.range_constexpr(2):
@@ -432,14 +451,16 @@ class DecodeSm90(WarpSpecialized):
             self.enter_consumer(cfg.regs)
             self.consume(mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
                          pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block,
-                         batch, seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps, sPart, sLSE)
+                         batch, seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps, sPart, sLSE,
+                         sMerges)
             if const_expr(cfg.polled_merge):
                 if num_splits > 1:
                     self._stamp(stamps, 5, warp_idx == 4)
-                    DecodeBarrier.MERGER.sync(self.num_mma_threads + 32)
+                    if const_expr(not cfg.parity_slots):   # (parity slots: synced before the stores)
+                        DecodeBarrier.MERGER.sync(self.num_mma_threads + 32)
                     if sMerges[0] != 0:
                         self._merge_group(mO, mLSE, mOPart, mLSEPart, cute.arch.thread_idx()[0] - 128, head_kv,
-                                          group, q_len, rows, m_block, batch, stamps)
+                                          group, q_len, rows, m_block, batch, stamps, num_splits, sMerges)
                         self._stamp(stamps, 6, warp_idx == 4)
             elif const_expr(cfg.cluster_splits == 1):
                 if num_splits > 1:
@@ -637,7 +658,8 @@ class DecodeSm90(WarpSpecialized):
     @cute.jit
     def consume(self, mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
                 pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block, batch,
-                seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps=None, sPart=None, sLSE=None):
+                seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps=None, sPart=None, sLSE=None,
+                sMerges=None):
         cfg = self.cfg
         if const_expr(mod_args is None):
             mod_args = ()
@@ -727,8 +749,13 @@ class DecodeSm90(WarpSpecialized):
         if const_expr(cfg.cluster_splits > 1):
             self._partial_to_smem(acc_O, lse, sPart, sLSE, thr_pv, rows, m_block)
         else:
+            slot_base = Int32(0)   # parity slots: this launch's set's first split slot
+            if const_expr(cfg.parity_slots):
+                if num_splits > 1:
+                    DecodeBarrier.MERGER.sync(self.num_mma_threads + 32)   # warp 1 took the parity
+                    slot_base = sMerges[1] * (mOPart.shape[0] // 2)
             self.epilogue(acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, split, num_splits,
-                          head_kv, group, q_len, rows, m_block, batch)
+                          head_kv, group, q_len, rows, m_block, batch, slot_base)
 
     def _tile_values(self, ctx, n_block, apply_mask: bool):
         """The mods' reads that stay constant over block ``n_block`` (a walk's table, a paged
@@ -785,7 +812,7 @@ class DecodeSm90(WarpSpecialized):
 
     @cute.jit
     def epilogue(self, acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, split, num_splits,
-                 head_kv, group, q_len, rows, m_block, batch):
+                 head_kv, group, q_len, rows, m_block, batch, slot_base=0):
         """O rows straight from registers to their (q head, query row) in global memory:
         the final O in the input dtype with one split, else this split's fp32 partial."""
         cfg = self.cfg
@@ -803,12 +830,12 @@ class DecodeSm90(WarpSpecialized):
                     if tOcO[r, 0][1] == 0:
                         mLSE[batch, head, qi] = lse[r]
                 elif const_expr(cfg.polled_merge):   # slots that mark themselves written
-                    gO = mOPart[split, batch, head, qi, None]
+                    gO = mOPart[split + slot_base, batch, head, qi, None]
                     for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
                         store_marked_f32(gO.iterator + tOcO[r, c][1], o_mn[r, c])
                     if tOcO[r, 0][1] == 0:
-                        store_marked_f32(mLSEPart.iterator + cute.crd2idx((split, batch, head, qi), mLSEPart.layout),
-                                         lse[r])
+                        store_marked_f32(mLSEPart.iterator + cute.crd2idx((split + slot_base, batch, head, qi),
+                                                                          mLSEPart.layout), lse[r])
                 else:
                     gO = mOPart[split, batch, head, qi, None]
                     for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
@@ -921,8 +948,51 @@ class DecodeSm90(WarpSpecialized):
         DecodeBarrier.MERGER.arrive(self.num_mma_threads + 32)
 
     @cute.jit
+    def _take_parity_ticket(self, word, num_splits, split, sFlag, mOPart, mLSEPart, head_kv, group, q_len, rows,
+                            m_block, batch):
+        """Parity slots, by the producer warpgroup's idle warp 1 at the CTA's start. Its
+        group's phase word holds the count of started splits (bits 0-15), the launch's
+        parity (bit 16) and the last launch's split count (bits 24-31). Count this CTA in;
+        the last to start merges (``sFlag[0]``) and sets the word for the next launch
+        (count 0, parity flipped, this launch's split count) — every split of this launch
+        has counted, so none reads it again. ``sFlag[1]``: the parity, for the consumers
+        (``DecodeBarrier.MERGER``). Then zero this split's slots of the other set: the last
+        launch's partials there, read by its merger (stream order), slots j = split + k *
+        splits below the last launch's split count, so a shrinking count leaves none
+        written; no one reads or writes that set in this launch, so no ordering is needed
+        beyond the launches' own."""
+        cfg = self.cfg
+        lane = cute.arch.lane_idx()
+        old = Int32(0)
+        if lane == 0:
+            old = cute.arch.atomic_add(word, Int32(1), sem="relaxed", scope="gpu")
+            parity = (old >> 16) & 1
+            last = Int32(0)
+            if (old & 0xFFFF) == num_splits - 1:
+                last = Int32(1)
+                cute.arch.atomic_exch(word, ((1 - parity) << 16) | (num_splits << 24), sem="relaxed", scope="gpu")
+            sFlag[0] = last
+            sFlag[1] = parity
+        old = cute.arch.shuffle_sync(old, 0)
+        other = (1 - ((old >> 16) & 1)) * (mOPart.shape[0] // 2)
+        prev = (old >> 24) & 0xFF
+        per_lane = cfg.head_dim // 32
+        zeros = cute.make_rmem_tensor(per_lane, Float32)
+        zeros.fill(0.0)
+        p_lo = m_block * cfg.tile_m
+        tile_rows = cutlass.min(cfg.tile_m, rows - p_lo)
+        for j in cutlass.range(split, prev, num_splits, unroll=1):
+            for r in cutlass.range(tile_rows, unroll=1):
+                head, qi = packed_row(p_lo + r, head_kv, group, q_len)
+                cute.local_tile(mOPart[other + j, batch, head, qi, None], (per_lane,), (lane,)).store(zeros.load())
+                if lane == 0:
+                    mLSEPart[other + j, batch, head, qi] = Float32(0.0)
+        cute.arch.sync_warp()
+        DecodeBarrier.MERGER.arrive(self.num_mma_threads + 32)
+
+    @cute.jit
     def _merge_group(self, mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block, batch,
-                     stamps=None):
+                     stamps=None, num_splits=None, sMerges=None):
         """The merging split CTA of a group (tickets: the last to arrive; polled: the last to
         start): merge every split's partial of the tile's rows into O (input dtype) and LSE,
         one consumer warp per row (rows strided over warps)."""
@@ -937,9 +1007,17 @@ class DecodeSm90(WarpSpecialized):
             head, qi = packed_row(p, head_kv, group, q_len)
             # (the timeline's probe: the first row's polling, stamps 13, 14 and 16)
             probe = (stamps + 13, r == 0) if const_expr(cfg.polled_merge and cfg.timeline) else ()
-            empty = {"empty": False} if const_expr(cfg.caller_empties_slots) else {}
-            lse = merge(mLSEPart[None, batch, head, qi], mOPart[None, batch, head, qi, None],
-                        mO[batch, head, qi, None], lane, cfg.head_dim, *probe, **empty)
+            empty = {"empty": False} if const_expr(cfg.caller_empties_slots or cfg.parity_slots) else {}
+            lse_parts = mLSEPart[None, batch, head, qi]
+            o_parts = mOPart[None, batch, head, qi, None]
+            if const_expr(cfg.parity_slots):   # this launch's set: splits [base, base + num_splits)
+                base = sMerges[1] * (mOPart.shape[0] // 2)
+                o_stride, lse_stride = o_parts.layout.stride[0], lse_parts.layout.stride[0]
+                o_parts = cute.make_tensor(o_parts.iterator + base * o_stride,
+                                           cute.make_layout((num_splits, cfg.head_dim), stride=(o_stride, 1)))
+                lse_parts = cute.make_tensor(lse_parts.iterator + base * lse_stride,
+                                             cute.make_layout(num_splits, stride=lse_stride))
+            lse = merge(lse_parts, o_parts, mO[batch, head, qi, None], lane, cfg.head_dim, *probe, **empty)
             if lane == 0:
                 mLSE[batch, head, qi] = lse
 
