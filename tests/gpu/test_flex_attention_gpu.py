@@ -741,7 +741,7 @@ def test_compiled_torch_block_masks_built_inside_train_on_the_kernels():
     assert counter.frame_count == 1
 
 
-_OUTSIDE_BIAS = (torch.randn(512, device="cuda") * 0.5).requires_grad_(True)   # read as a global below
+_OUTSIDE_BIAS = None   # read as a global below; made by the test (no CUDA tensor at import: CPU collection)
 
 
 def test_compiled_block_masks_built_inside_beside_a_score_reading_an_outside_tensor():
@@ -751,8 +751,9 @@ def test_compiled_block_masks_built_inside_beside_a_score_reading_an_outside_ten
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
+    global _OUTSIDE_BIAS
     H, S = 4, 512
-    bias = _OUTSIDE_BIAS
+    bias = _OUTSIDE_BIAS = (torch.randn(512, device="cuda") * 0.5).requires_grad_(True)
 
     def step(q, k, v, docs):
         bm = torch_create_block_mask(lambda b, h, qi, ki: (docs[qi] == docs[ki]) & (qi >= ki), None, None, S, S,
