@@ -995,7 +995,8 @@ class DecodeSm90(WarpSpecialized):
                      stamps=None, num_splits=None, sMerges=None):
         """The merging split CTA of a group (tickets: the last to arrive; polled: the last to
         start): merge every split's partial of the tile's rows into O (input dtype) and LSE,
-        one consumer warp per row (rows strided over warps)."""
+        one consumer warp per row (rows strided over warps). Parity slots: the launch's set
+        (``sMerges[1]``), ``num_splits`` slots from its base; nothing emptied."""
         cfg = self.cfg
         merge = merge_polled_splits if const_expr(cfg.polled_merge) else merge_splits
         warp = tidx // 32
