@@ -636,6 +636,12 @@ def test_plan_parity_slots(monkeypatch):
     assert o_part.data_ptr() == zeroed[0].data_ptr() and tickets is zeroed[1] and tickets.numel() == 2 * B * 2
     assert all(a is b for a, b in zip(launches[0][7:10], launches[1][7:10]))     # the same every step
     assert plan._kernel((plan.tuning, 1, True))[0].parity_slots
+    # more splits than the capacity: new memory (tickets and phase words with it), all zero
+    for n, cap_splits, allocations in ((13, 16, 2), (20, 20, 4), (17, 20, 4), (25, 25, 6)):
+        _, splits, o_part, lse_part = plan._stage([4001, 38], 132, n)
+        assert splits == n and o_part.shape[0] == lse_part.shape[0] == 2 * cap_splits and len(zeroed) == allocations
+        assert plan._tickets_for((plan.tuning, 1, True)) is zeroed[-1] and not zeroed[-1].any()
+    assert plan._tickets_for((plan.tuning, 1, False)) is not zeroed[-1]   # the ticket merge: the workspace's
     plan, launches = plan_with(None)                 # no zeroed memory: the shared scratch, emptied
     assert plan.run(q, k, k, None, out, lse, [4001, 38], 132) == 13
     assert launches[-1][7].data_ptr() == marked.data_ptr() and not plan._kernel((plan.tuning, 1, True))[0].parity_slots
