@@ -93,8 +93,9 @@
 # timeline), marks (the window rows' timeline with stream marks: the event time outside the CTAs, lead and trail),
 # window-tail (B1 L128k window: the timeline with marks and three groups CTA by CTA, --dump-ctas: which split ends
 # last and what the merger waits for; session 66), parity-slots (FLEXATTN_DECODE_SLOTS=parity, not yet planned: its
-# GPU test across split counts, the decode + short-query suites with it, then decode_floor's window rows emptied /
-# parity / caller-zeroed in alternating processes, four rounds; session 68 left it built, CPU-checked, GPU-untested).
+# GPU test across split counts, parity-late's with the polled cases, the decode + short-query suites with parity;
+# ~8 min, a device call of its own), parity-floor (decode_floor's window rows emptied / parity / parity-late /
+# caller-zeroed in alternating processes, four rounds, ~4 min; session 68 left both built, CPU-checked, GPU-untested).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -367,10 +368,12 @@ for step in $steps; do
                    --shapes 1x131072 --variants window4096 --layouts contiguous --merges polled --reps 5) ;;
     parity-slots) FLEXATTN_DECODE_SLOTS=parity run parity_test 120 python3 -m pytest -q -p no:cacheprovider \
                     tests/gpu/test_decode_gpu.py -k "parity_slots"
-                  FLEXATTN_DECODE_SLOTS=parity run parity_suites 440 python3 -m pytest -q -p no:cacheprovider \
-                    tests/gpu/test_decode_gpu.py tests/gpu/test_short_query_gpu.py
-                  for i in 1 2 3 4; do
-                    for slots in emptied parity caller; do
+                  FLEXATTN_DECODE_SLOTS=parity-late run parity_late_test 120 python3 -m pytest -q -p no:cacheprovider \
+                    tests/gpu/test_decode_gpu.py -k "parity_slots or polled_merge_planned or fused_merge"
+                  FLEXATTN_DECODE_SLOTS=parity run parity_suites 400 python3 -m pytest -q -p no:cacheprovider \
+                    tests/gpu/test_decode_gpu.py tests/gpu/test_short_query_gpu.py ;;
+    parity-floor) for i in 1 2 3 4; do
+                    for slots in emptied parity parity-late caller; do
                       zero=""; [ "$slots" = caller ] && zero=--zero-slots
                       FLEXATTN_DECODE_SLOTS=$slots FLEXATTN_CACHE_DIR=/tmp/flexattn-slots-$slots \
                         run parity_floor_${slots}_$i 40 python3 benchmarks/decode_floor.py \

@@ -646,11 +646,14 @@ class DecodePlan:
         # merger zeroes them after the merge; "parity" — two sets in the plan's own memory,
         # by launch parity, each split zeroing its slots of the other set at its start
         # (``DecodeConfig.parity_slots``; not yet GPU-verified, so not the default);
+        # "parity-late" — the same, the splits that do not merge zeroing after their
+        # partial stores instead (``parity_zero_late``: off the ramp, in their slack);
         # "caller" (benchmarks only: decode_floor.py --zero-slots zeroes the workspace
         # between timed steps) — nobody, the kernel leaves them written.
         slots = os.environ.get("FLEXATTN_DECODE_SLOTS", "emptied")
         self._caller_empties = slots == "caller"
-        self._parity = slots == "parity" and workspace.zeroed is not None and self._marked is not None
+        self._parity = slots in ("parity", "parity-late") and workspace.zeroed is not None and self._marked is not None
+        self._parity_late = slots == "parity-late"
         self._parity_parts = None    # (split capacity, o_part, lse_part, tickets + phase words)
         self._launches: dict = {}    # (kv blocks, SM count) -> choose_launch's (tuning, splits, cluster), polled
         self.q_heads = Hq
@@ -699,7 +702,7 @@ class DecodePlan:
                 if polled and self._caller_empties:
                     config = dataclasses.replace(config, caller_empties_slots=True)
                 elif polled and self._parity:
-                    config = dataclasses.replace(config, parity_slots=True)
+                    config = dataclasses.replace(config, parity_slots=True, parity_zero_late=self._parity_late)
             hit = self._kernels[kernel] = (config, decode_runner(config, self.ffi))
         return hit
 

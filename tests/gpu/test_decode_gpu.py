@@ -256,14 +256,16 @@ def test_decode_head_dims_against_reference(D, kind, page_size, group, q_len, nu
     assert_tickets_zero()
 
 
-def test_parity_slots_across_steps_and_split_counts(monkeypatch):
-    """FLEXATTN_DECODE_SLOTS=parity (``DecodeConfig.parity_slots``): steps queued back to back
-    with new queries and split counts that shrink and grow (each split zeroes its slots of
-    the other set, including those a larger last launch wrote past this launch's count),
+@pytest.mark.parametrize("slots", ["parity", "parity-late"])
+def test_parity_slots_across_steps_and_split_counts(slots, monkeypatch):
+    """FLEXATTN_DECODE_SLOTS=parity and parity-late (``DecodeConfig.parity_slots``,
+    ``parity_zero_late``): steps queued back to back with new queries and split counts that
+    shrink and grow (each split zeroes its slots of the other set, including those a larger
+    last launch wrote past this launch's count),
     each against the float64 reference. Afterwards the workspace's shared slots and tickets
     are untouched (zero), and each group's phase word holds count 0, the parity of the
     number of steps, and the last step's split count."""
-    monkeypatch.setenv("FLEXATTN_DECODE_SLOTS", "parity")
+    monkeypatch.setenv("FLEXATTN_DECODE_SLOTS", slots)
     decode_path._PREPARED.clear()
     torch.manual_seed(3)
     B, Hkv, group, cap, D = 2, 8, 4, 16384, 128
@@ -277,6 +279,7 @@ def test_parity_slots_across_steps_and_split_counts(monkeypatch):
         q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
         out, lse, step = run_kernel(q, cache, mask, score, 132, num_splits=n, sync=False)
         assert step.num_splits == n and step.config.parity_slots and step.config.polled_merge, step
+        assert step.config.parity_zero_late == (slots == "parity-late")
         steps.append((q, out, lse))
     torch.cuda.synchronize()
     decode_path._PREPARED.clear()

@@ -317,11 +317,20 @@ def test_parity_slots_zero_the_other_set_before_the_stream():
                                 "bar.sync 3", "st.relaxed.gpu", "ld.relaxed.gpu.global.v4"]
     assert order(ptx[False]) == ["atom.global.add", "atom.global.exch", "bar.arrive 3", "st.relaxed.gpu",
                                  "bar.sync 3", "ld.relaxed.gpu.global.v4", "st.global.v4.b32"]
+    # parity_zero_late: warp 1 zeroes only in the merging split; the others' consumers after
+    # their partial stores, before the merge (which only the merger runs)
+    late = compile_decode(dataclasses.replace(cfg, parity_slots=True, parity_zero_late=True), fake_args(hook),
+                          keep_ptx=True, tvm_ffi=True).__ptx__
+    assert order(late) == ["atom.global.add", "atom.global.exch", "st.global.v4.b32", "bar.arrive 3", "bar.sync 3",
+                           "st.relaxed.gpu", "st.global.v4.b32", "ld.relaxed.gpu.global.v4"]
+    assert resource_usage_from_ptx(late).spill_store_bytes == 0
     # the phase word: parity bit 16, the split count from bit 24
     assert re.search(r"shl\.b32\s+%r\d+, %r\d+, 24", ptx[True]) and not re.search(r"shl\.b32\s+%r\d+, %r\d+, 24",
                                                                                 ptx[False])
     with pytest.raises(ValueError, match="parity_slots"):
         DecodeConfig(parity_slots=True)
+    with pytest.raises(ValueError, match="parity_zero_late"):
+        DecodeConfig(polled_merge=True, parity_zero_late=True)
 
 
 def test_caller_empties_slots_leaves_the_emptying_out():
@@ -636,6 +645,7 @@ def test_plan_parity_slots(monkeypatch):
     assert o_part.data_ptr() == zeroed[0].data_ptr() and tickets is zeroed[1] and tickets.numel() == 2 * B * 2
     assert all(a is b for a, b in zip(launches[0][7:10], launches[1][7:10]))     # the same every step
     assert plan._kernel((plan.tuning, 1, True))[0].parity_slots
+    assert not plan._kernel((plan.tuning, 1, True))[0].parity_zero_late
     # more splits than the capacity: new memory (tickets and phase words with it), all zero
     for n, cap_splits, allocations in ((13, 16, 2), (20, 20, 4), (17, 20, 4), (25, 25, 6)):
         _, splits, o_part, lse_part = plan._stage([4001, 38], 132, n)

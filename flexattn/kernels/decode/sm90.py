@@ -131,6 +131,8 @@ class DecodeConfig(KernelConfig):
                                  # slots of the other set at its start (idle warp 1), so no
                                  # merger empties anything after its merge (mOPart / mLSEPart
                                  # hold 2 x cap splits, the plan's own zeroed memory)
+    parity_zero_late: bool = False  # parity slots: the merging split zeroes at its start, the
+                                 # others after their partial stores (their slack) instead
     caller_empties_slots: bool = False  # benchmarks only (decode_floor.py --zero-slots, never
                                  # planned): the polled merge leaves the slots it read
                                  # written, the caller zeroes them between steps — what the
@@ -182,6 +184,8 @@ class DecodeConfig(KernelConfig):
                              f"{self.cluster_splits} and {self.head_dim}")
         if self.parity_slots and not self.polled_merge:
             raise ValueError("parity_slots needs polled_merge")
+        if self.parity_zero_late and not self.parity_slots:
+            raise ValueError("parity_zero_late needs parity_slots")
         if self.caller_empties_slots and not self.polled_merge:
             raise ValueError("caller_empties_slots needs polled_merge")
         if self.smem_bytes > self.smem_limit:
@@ -323,7 +327,7 @@ class DecodeSm90(WarpSpecialized):
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
-            last_arrival: cute.struct.MemRange[Int32, 2]
+            last_arrival: cute.struct.MemRange[Int32, 4]
 
         scale_log2 = Float32(LOG2_E)
         if const_expr(not self.mods.has_score):
@@ -413,7 +417,7 @@ class DecodeSm90(WarpSpecialized):
         count = cutlass.min(first + per_split, n_hi) - first
         self._stamp(stamps, 11, warp_idx == 4)
         # Whether this CTA merges its group (set by whoever counts it in: _count_in).
-        sMerges = storage.last_arrival.get_tensor(cute.make_layout(2))
+        sMerges = storage.last_arrival.get_tensor(cute.make_layout(4))
 
         # The cluster merge's view of a split's partial: fp32 O rows over the K ring, LSEs
         # over the V ring (both free once the stream has ended).
@@ -458,6 +462,12 @@ class DecodeSm90(WarpSpecialized):
                     self._stamp(stamps, 5, warp_idx == 4)
                     if const_expr(not cfg.parity_slots):   # (parity slots: synced before the stores)
                         DecodeBarrier.MERGER.sync(self.num_mma_threads + 32)
+                    if const_expr(cfg.parity_zero_late):
+                        if sMerges[0] == 0:   # (the merger's warp 1 zeroed its slots at its start)
+                            tidx = cute.arch.thread_idx()[0] - 128
+                            self._zero_other_set(mOPart, mLSEPart, split, num_splits, sMerges[2], sMerges[3], tidx // 32,
+                                                 self.num_mma_threads // 32, tidx % 32, head_kv, group, q_len, rows,
+                                                 m_block, batch)
                     if sMerges[0] != 0:
                         self._merge_group(mO, mLSE, mOPart, mLSEPart, cute.arch.thread_idx()[0] - 128, head_kv,
                                           group, q_len, rows, m_block, batch, stamps, num_splits, sMerges)
@@ -973,22 +983,41 @@ class DecodeSm90(WarpSpecialized):
                 cute.arch.atomic_exch(word, ((1 - parity) << 16) | (num_splits << 24), sem="relaxed", scope="gpu")
             sFlag[0] = last
             sFlag[1] = parity
+            sFlag[2] = (1 - parity) * (mOPart.shape[0] // 2)   # the other set's first slot
+            sFlag[3] = (old >> 24) & 0xFF                      # the last launch's split count
         old = cute.arch.shuffle_sync(old, 0)
         other = (1 - ((old >> 16) & 1)) * (mOPart.shape[0] // 2)
         prev = (old >> 24) & 0xFF
+        # parity_zero_late: only the merger zeroes now (its consumers merge after their
+        # stores); the others' consumers zero after their partial stores.
+        if const_expr(cfg.parity_zero_late):
+            if (old & 0xFFFF) == num_splits - 1:
+                self._zero_other_set(mOPart, mLSEPart, split, num_splits, other, prev, Int32(0), 1, lane, head_kv,
+                                     group, q_len, rows, m_block, batch)
+        else:
+            self._zero_other_set(mOPart, mLSEPart, split, num_splits, other, prev, Int32(0), 1, lane, head_kv, group,
+                                 q_len, rows, m_block, batch)
+        cute.arch.sync_warp()
+        DecodeBarrier.MERGER.arrive(self.num_mma_threads + 32)
+
+    @cute.jit
+    def _zero_other_set(self, mOPart, mLSEPart, split, num_splits, other, prev, warp, warps: cutlass.Constexpr[int],
+                        lane, head_kv, group, q_len, rows, m_block, batch):
+        """Parity slots: zero this split's slots of the other set (first slot ``other``):
+        j = split + k * splits below ``prev``, the last launch's split count; the tile's
+        rows from ``warp`` in steps of ``warps``, each lane D/32 columns."""
+        cfg = self.cfg
         per_lane = cfg.head_dim // 32
         zeros = cute.make_rmem_tensor(per_lane, Float32)
         zeros.fill(0.0)
         p_lo = m_block * cfg.tile_m
         tile_rows = cutlass.min(cfg.tile_m, rows - p_lo)
         for j in cutlass.range(split, prev, num_splits, unroll=1):
-            for r in cutlass.range(tile_rows, unroll=1):
+            for r in cutlass.range(warp, tile_rows, warps, unroll=1):
                 head, qi = packed_row(p_lo + r, head_kv, group, q_len)
                 cute.local_tile(mOPart[other + j, batch, head, qi, None], (per_lane,), (lane,)).store(zeros.load())
                 if lane == 0:
                     mLSEPart[other + j, batch, head, qi] = Float32(0.0)
-        cute.arch.sync_warp()
-        DecodeBarrier.MERGER.arrive(self.num_mma_threads + 32)
 
     @cute.jit
     def _merge_group(self, mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block, batch,
