@@ -103,6 +103,7 @@ TIMELINE_STAMPS = 20    # per CTA: entry, producer start, Q loaded, first block 
                         # and V arrived (17, 18: the consumer's waits done), unused
 CLUSTER_SPLITS = (1, 2, 4, 8, 16)   # cluster merge sizes; 16 is a non-portable cluster size,
                                     # which CuTeDSL allows on every kernel it builds (H100: 16)
+MERGE_FLAGS = {False: 2, True: 4}   # the CTA's merge flags in shared memory (by parity_slots)
 PREFIX_SCAN_LIMIT = 16  # buffer spans the masked-prefix analysis scans: q rows, not kv ranges
 
 
@@ -327,7 +328,7 @@ class DecodeSm90(WarpSpecialized):
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
-            last_arrival: cute.struct.MemRange[Int32, 4]
+            last_arrival: cute.struct.MemRange[Int32, MERGE_FLAGS[cfg.parity_slots]]
 
         scale_log2 = Float32(LOG2_E)
         if const_expr(not self.mods.has_score):
@@ -416,8 +417,10 @@ class DecodeSm90(WarpSpecialized):
         first = cutlass.min(n_lo + split * per_split, n_hi)
         count = cutlass.min(first + per_split, n_hi) - first
         self._stamp(stamps, 11, warp_idx == 4)
-        # Whether this CTA merges its group (set by whoever counts it in: _count_in).
-        sMerges = storage.last_arrival.get_tensor(cute.make_layout(4))
+        # [0]: whether this CTA merges its group (set by whoever counts it in: _count_in);
+        # parity slots: [1] the launch's parity, [2] the other set's first slot, [3] the
+        # last launch's split count
+        sMerges = storage.last_arrival.get_tensor(cute.make_layout(MERGE_FLAGS[cfg.parity_slots]))
 
         # The cluster merge's view of a split's partial: fp32 O rows over the K ring, LSEs
         # over the V ring (both free once the stream has ended).
