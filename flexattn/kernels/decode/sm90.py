@@ -418,8 +418,8 @@ class DecodeSm90(WarpSpecialized):
         count = cutlass.min(first + per_split, n_hi) - first
         self._stamp(stamps, 11, warp_idx == 4)
         # [0]: whether this CTA merges its group (set by whoever counts it in: _count_in);
-        # parity slots: [1] the launch's parity, [2] the other set's first slot, [3] the
-        # last launch's split count
+        # parity slots: [1] this launch's set's first slot, [2] the other set's, [3] the
+        # last launch's split count (_take_parity_ticket)
         sMerges = storage.last_arrival.get_tensor(cute.make_layout(MERGE_FLAGS[cfg.parity_slots]))
 
         # The cluster merge's view of a split's partial: fp32 O rows over the K ring, LSEs
@@ -766,7 +766,7 @@ class DecodeSm90(WarpSpecialized):
             if const_expr(cfg.parity_slots):
                 if num_splits > 1:
                     DecodeBarrier.MERGER.sync(self.num_mma_threads + 32)   # warp 1 took the parity
-                    slot_base = sMerges[1] * (mOPart.shape[0] // 2)
+                    slot_base = sMerges[1]
             self.epilogue(acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, split, num_splits,
                           head_kv, group, q_len, rows, m_block, batch, slot_base)
 
@@ -968,15 +968,15 @@ class DecodeSm90(WarpSpecialized):
         parity (bit 16) and the last launch's split count (bits 24-31). Count this CTA in;
         the last to start merges (``sFlag[0]``) and sets the word for the next launch
         (count 0, parity flipped, this launch's split count) — every split of this launch
-        has counted, so none reads it again. ``sFlag[1]``: the parity, for the consumers
-        (``DecodeBarrier.MERGER``). Then zero this split's slots of the other set: the last
+        has counted, so none reads it again. ``sFlag[1]`` / ``sFlag[2]``: the first slot of
+        this launch's set / of the other, ``sFlag[3]``: the last launch's split count, for
+        the consumers (``DecodeBarrier.MERGER``) and this warp. Then zero this split's slots of the other set: the last
         launch's partials there, read by its merger (stream order), slots j = split + k *
         splits below the last launch's split count, so a shrinking count leaves none
         written; no one reads or writes that set in this launch, so no ordering is needed
         beyond the launches' own."""
         cfg = self.cfg
         lane = cute.arch.lane_idx()
-        old = Int32(0)
         if lane == 0:
             old = cute.arch.atomic_add(word, Int32(1), sem="relaxed", scope="gpu")
             parity = (old >> 16) & 1
@@ -984,22 +984,21 @@ class DecodeSm90(WarpSpecialized):
             if (old & 0xFFFF) == num_splits - 1:
                 last = Int32(1)
                 cute.arch.atomic_exch(word, ((1 - parity) << 16) | (num_splits << 24), sem="relaxed", scope="gpu")
+            cap = mOPart.shape[0] // 2
             sFlag[0] = last
-            sFlag[1] = parity
-            sFlag[2] = (1 - parity) * (mOPart.shape[0] // 2)   # the other set's first slot
-            sFlag[3] = (old >> 24) & 0xFF                      # the last launch's split count
-        old = cute.arch.shuffle_sync(old, 0)
-        other = (1 - ((old >> 16) & 1)) * (mOPart.shape[0] // 2)
-        prev = (old >> 24) & 0xFF
+            sFlag[1] = parity * cap
+            sFlag[2] = (1 - parity) * cap
+            sFlag[3] = (old >> 24) & 0xFF
+        cute.arch.sync_warp()   # (lane 0's flags, to the warp's lanes)
         # parity_zero_late: only the merger zeroes now (its consumers merge after their
         # stores); the others' consumers zero after their partial stores.
         if const_expr(cfg.parity_zero_late):
-            if (old & 0xFFFF) == num_splits - 1:
-                self._zero_other_set(mOPart, mLSEPart, split, num_splits, other, prev, Int32(0), 1, lane, head_kv,
-                                     group, q_len, rows, m_block, batch)
+            if sFlag[0] != 0:
+                self._zero_other_set(mOPart, mLSEPart, split, num_splits, sFlag[2], sFlag[3], Int32(0), 1, lane,
+                                     head_kv, group, q_len, rows, m_block, batch)
         else:
-            self._zero_other_set(mOPart, mLSEPart, split, num_splits, other, prev, Int32(0), 1, lane, head_kv, group,
-                                 q_len, rows, m_block, batch)
+            self._zero_other_set(mOPart, mLSEPart, split, num_splits, sFlag[2], sFlag[3], Int32(0), 1, lane, head_kv,
+                                 group, q_len, rows, m_block, batch)
         cute.arch.sync_warp()
         DecodeBarrier.MERGER.arrive(self.num_mma_threads + 32)
 
@@ -1027,8 +1026,8 @@ class DecodeSm90(WarpSpecialized):
                      stamps=None, num_splits=None, sMerges=None):
         """The merging split CTA of a group (tickets: the last to arrive; polled: the last to
         start): merge every split's partial of the tile's rows into O (input dtype) and LSE,
-        one consumer warp per row (rows strided over warps). Parity slots: the launch's set
-        (``sMerges[1]``), ``num_splits`` slots from its base; nothing emptied."""
+        one consumer warp per row (rows strided over warps). Parity slots: the launch's set,
+        ``num_splits`` slots from ``sMerges[1]``; nothing emptied."""
         cfg = self.cfg
         merge = merge_polled_splits if const_expr(cfg.polled_merge) else merge_splits
         warp = tidx // 32
@@ -1044,7 +1043,7 @@ class DecodeSm90(WarpSpecialized):
             lse_parts = mLSEPart[None, batch, head, qi]
             o_parts = mOPart[None, batch, head, qi, None]
             if const_expr(cfg.parity_slots):   # this launch's set: splits [base, base + num_splits)
-                base = sMerges[1] * (mOPart.shape[0] // 2)
+                base = sMerges[1]
                 o_stride, lse_stride = o_parts.layout.stride[0], lse_parts.layout.stride[0]
                 o_parts = cute.make_tensor(o_parts.iterator + base * o_stride,
                                            cute.make_layout((num_splits, cfg.head_dim), stride=(o_stride, 1)))
