@@ -294,7 +294,7 @@ def test_decode_no_spills(compiled, name):
     assert usage.registers * threads * cfg.ctas_per_sm <= 65536, usage   # the CTAs fit one SM
 
 
-def test_parity_slots_zero_the_other_set_before_the_stream():
+def test_parity_slots_zero_the_other_set_before_the_stream(compiled):
     """Parity slots: warp 1 counts the CTA in (one relaxed atomic; the last starter's
     exchange sets the next launch's word) and zeroes this split's slots of the other set
     before it releases the consumers (barrier 3); the consumers wait on that barrier before
@@ -311,8 +311,9 @@ def test_parity_slots_zero_the_other_set_before_the_stream():
         return marks
 
     cfg, hook = _config("polled-window-band-prefix")
-    ptx = {p: compile_decode(dataclasses.replace(cfg, parity_slots=p), fake_args(hook), keep_ptx=True,
-                             tvm_ffi=True).__ptx__ for p in (False, True)}
+    ptx = {False: compiled["polled-window-band-prefix"],
+           True: compile_decode(dataclasses.replace(cfg, parity_slots=True), fake_args(hook), keep_ptx=True,
+                                tvm_ffi=True).__ptx__}
     assert order(ptx[True]) == ["atom.global.add", "atom.global.exch", "st.global.v4.b32", "bar.arrive 3",
                                 "bar.sync 3", "st.relaxed.gpu", "ld.relaxed.gpu.global.v4"]
     assert order(ptx[False]) == ["atom.global.add", "atom.global.exch", "bar.arrive 3", "st.relaxed.gpu",
@@ -333,14 +334,15 @@ def test_parity_slots_zero_the_other_set_before_the_stream():
         DecodeConfig(polled_merge=True, parity_zero_late=True)
 
 
-def test_caller_empties_slots_leaves_the_emptying_out():
+def test_caller_empties_slots_leaves_the_emptying_out(compiled):
     """The benchmarks' ``caller_empties_slots`` (decode_floor.py --zero-slots with
     FLEXATTN_DECODE_SLOTS=caller): the same polled kernel without the merger's emptying —
     its zeroing loop over the splits' slots and the LSE slot's zero are the only stores
     gone; it needs the polled merge."""
     cfg, hook = _config("polled-window-band-prefix")
-    ptx = {c: compile_decode(dataclasses.replace(cfg, caller_empties_slots=c), fake_args(hook), keep_ptx=True,
-                             tvm_ffi=True).__ptx__ for c in (False, True)}
+    ptx = {False: compiled["polled-window-band-prefix"],
+           True: compile_decode(dataclasses.replace(cfg, caller_empties_slots=True), fake_args(hook), keep_ptx=True,
+                                tvm_ffi=True).__ptx__}
     assert ptx[False].count("st.global.v4.b32") == 1 and ptx[True].count("st.global.v4.b32") == 0
     assert ptx[False].count("st.global") - ptx[True].count("st.global") == 2
     assert ptx[False].count("st.relaxed.gpu.global.b32") == ptx[True].count("st.relaxed.gpu.global.b32")
