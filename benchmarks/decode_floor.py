@@ -23,7 +23,9 @@ hold there for any kernel timed this way; "read" shows what a plain stream gets.
 
 ``--zero-slots`` zeroes the polled merge's slots before each timed step (outside the events);
 with ``FLEXATTN_DECODE_SLOTS=caller`` the kernel then skips its own emptying
-(``DecodeConfig.caller_empties_slots``): what the merger's emptying costs, by its absence.
+(``DecodeConfig.caller_empties_slots``): what the merger's emptying costs, by its absence;
+with ``parity-caller`` the parity-late kernel skips its zeroing (the plan's parity slots,
+both sets, are zeroed instead).
 """
 
 import argparse
@@ -74,6 +76,8 @@ def main():
         before = None
         if args.zero_slots:   # (the whole buffer as it stands: the first launch may grow it)
             before = lambda ws=step.plan.workspace: ws.marked_scratch(1).zero_()
+            if step.plan._parity_parts is not None:   # (parity slots: the plan's own, both sets)
+                before = lambda p=step.plan._parity_parts: (p[1].zero_(), p[2].zero_())
         ours_us = clean_ms(step.launch, reps=args.reps, before=before) * 1e3
         del cache, step
         rows.append((B, L, variant, nbytes, read_us, ours_us))

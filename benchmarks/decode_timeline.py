@@ -113,9 +113,10 @@ def probed_launch(step, q, cache):
     tickets = torch.zeros(sets * groups + ctas * TIMELINE_STAMPS, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
-    # (zeroed: the polled merge reads a slot as written once its bits are not zero)
-    o_part = torch.zeros((sets * splits,) + plan.part_shapes[0], dtype=torch.float32, device="cuda")
-    lse_part = torch.zeros((sets * splits,) + plan.part_shapes[1], dtype=torch.float32, device="cuda")
+    # (zeroed: the polled merge reads a slot as written once its bits are not zero; parity
+    # slots: a split's two slots side by side, as the plan lays them out)
+    o_part = torch.zeros((splits, sets) + plan.part_shapes[0], dtype=torch.float32, device="cuda")[:, 0]
+    lse_part = torch.zeros((splits, sets) + plan.part_shapes[1], dtype=torch.float32, device="cuda")[:, 0]
     args = runtime_args(cfg.mods, plan._to_device)
     stream = torch.cuda.current_stream().cuda_stream
 

@@ -94,8 +94,8 @@
 # window-tail (B1 L128k window: the timeline with marks and three groups CTA by CTA, --dump-ctas: which split ends
 # last and what the merger waits for; session 66), parity-slots (FLEXATTN_DECODE_SLOTS=parity, not yet planned: its
 # GPU test across split counts, parity-late's with the polled cases, the decode + short-query suites with parity;
-# ~8 min, a device call of its own), parity-floor (decode_floor's window rows emptied / parity / parity-late /
-# caller-zeroed in alternating processes, four rounds, ~4 min; session 68 left both built, CPU-checked, GPU-untested).
+# ~8 min, a device call of its own), parity-floor (decode_floor's window rows emptied / parity-late /
+# parity-caller / caller in alternating processes, four rounds, ~4 min; session 69: parity correct, not faster).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -373,8 +373,8 @@ for step in $steps; do
                   FLEXATTN_DECODE_SLOTS=parity run parity_suites 400 python3 -m pytest -q -p no:cacheprovider \
                     tests/gpu/test_decode_gpu.py tests/gpu/test_short_query_gpu.py ;;
     parity-floor) for i in 1 2 3 4; do
-                    for slots in emptied parity parity-late caller; do
-                      zero=""; [ "$slots" = caller ] && zero=--zero-slots
+                    for slots in emptied parity-late parity-caller caller; do
+                      zero=""; [ "${slots#*-}" = caller ] && zero=--zero-slots   # (caller, parity-caller)
                       FLEXATTN_DECODE_SLOTS=$slots FLEXATTN_CACHE_DIR=/tmp/flexattn-slots-$slots \
                         run parity_floor_${slots}_$i 40 python3 benchmarks/decode_floor.py \
                         --rows 1x131072:window4096 8x8192:window4096 $zero

@@ -643,18 +643,21 @@ class DecodePlan:
         self._marked = workspace.marked_scratch if os.environ.get("FLEXATTN_DECODE_MERGE", "auto") != "tickets" \
             else None
         # How the polled merge's slots return to zero (read once per plan): "emptied" — its
-        # merger zeroes them after the merge; "parity" — two sets in the plan's own memory,
-        # by launch parity, each split zeroing its slots of the other set at its start
-        # (``DecodeConfig.parity_slots``; not yet GPU-verified, so not the default);
-        # "parity-late" — the same, the splits that do not merge zeroing after their
-        # partial stores instead (``parity_zero_late``: off the ramp, in their slack);
-        # "caller" (benchmarks only: decode_floor.py --zero-slots zeroes the workspace
-        # between timed steps) — nobody, the kernel leaves them written.
+        # merger zeroes them after the merge (the default: the alternatives below, GPU-verified
+        # on 2026-12-01, were not faster; docs/experiments.md, session 69); "parity" — two sets
+        # in the plan's own memory, by launch parity, each split zeroing its share of the
+        # other set at its start (``DecodeConfig.parity_slots``); "parity-late" — the same,
+        # the splits that do not merge zeroing after their partial stores instead
+        # (``parity_zero_late``); benchmarks only, decode_floor.py --zero-slots zeroing the
+        # slots between timed steps: "caller" — the emptied kernel without its emptying,
+        # "parity-caller" — the parity-late kernel without its zeroing
+        # (``caller_empties_slots``: what the zeroing costs, by its absence).
         slots = os.environ.get("FLEXATTN_DECODE_SLOTS", "emptied")
-        self._caller_empties = slots == "caller"
-        self._parity = slots in ("parity", "parity-late") and workspace.zeroed is not None and self._marked is not None
-        self._parity_late = slots == "parity-late"
-        self._parity_parts = None    # (split capacity, o_part, lse_part, tickets + phase words)
+        self._caller_empties = slots in ("caller", "parity-caller")
+        self._parity = (slots in ("parity", "parity-late", "parity-caller") and workspace.zeroed is not None
+                        and self._marked is not None)
+        self._parity_late = slots in ("parity-late", "parity-caller")
+        self._parity_parts = None    # (split capacity, O slot pairs, LSE slot pairs, tickets + phase words, views)
         self._launches: dict = {}    # (kv blocks, SM count) -> choose_launch's (tuning, splits, cluster), polled
         self.q_heads = Hq
         self._parts: dict = {}       # (split count, polled) -> (scratch array, o_part, lse_part)
@@ -699,10 +702,11 @@ class DecodePlan:
             config = self.config
             if kernel != (self.tuning, 1, False):
                 config = _with_launch(config, tuning, cluster, polled)
-                if polled and self._caller_empties:
+                if polled and self._parity:
+                    config = dataclasses.replace(config, parity_slots=True, parity_zero_late=self._parity_late,
+                                                 caller_empties_slots=self._caller_empties)
+                elif polled and self._caller_empties:
                     config = dataclasses.replace(config, caller_empties_slots=True)
-                elif polled and self._parity:
-                    config = dataclasses.replace(config, parity_slots=True, parity_zero_late=self._parity_late)
             hit = self._kernels[kernel] = (config, decode_runner(config, self.ffi))
         return hit
 
@@ -766,11 +770,15 @@ class DecodePlan:
         return (tuning, cluster, polled), splits, parts[1], parts[2]
 
     def _parity_slots(self, splits: int) -> tuple:
-        """(o_part, lse_part) of the parity slots: 2 x capacity splits of the plan's own
-        zeroed memory, with its own tickets and phase words (``DecodeConfig.parity_slots``:
-        its state is this layout's, so it cannot share the workspace's). A split count past
-        the capacity allocates anew, everything zero again (the kernel's state with it);
-        steps on the stream keep their order, so the old memory's last launch is done."""
+        """(o_part, lse_part) of the parity slots for ``splits`` splits: views of the plan's
+        own zeroed memory for a capacity of splits (at least 16), each split's two slots
+        (one per set) side by side — mode 0 has this launch's split count (the kernel's
+        grid) and a stride of two slots; the kernel finds set 1 half a stride in
+        (``DecodeConfig.parity_slots``), and zeroes slots past the count where it shrank.
+        Its tickets and phase words are the plan's own too (its state is this layout's,
+        so it cannot share the workspace's). A split count past the capacity allocates
+        anew, everything zero again (the kernel's state with it); steps on the stream keep
+        their order, so the old memory's last launch is done."""
         parts = self._parity_parts
         if parts is None or parts[0] < splits:
             from ..kernels.decode.polled_merge import MAX_SPLITS
@@ -778,11 +786,14 @@ class DecodePlan:
             cap = min(MAX_SPLITS, max(splits, 16))
             (o_size, lse_size), (o_shape, lse_shape) = self._part_sizes, self.part_shapes
             flat = self.workspace.zeroed(2 * cap * (o_size + lse_size), "float32")
-            o_part = flat[:2 * cap * o_size].reshape((2 * cap,) + o_shape)
-            lse_part = flat[2 * cap * o_size:].reshape((2 * cap,) + lse_shape)
+            o_pairs = flat[:2 * cap * o_size].reshape((cap, 2) + o_shape)
+            lse_pairs = flat[2 * cap * o_size:].reshape((cap, 2) + lse_shape)
             words = self.workspace.zeroed(2 * self.batch * self.kv_heads * self.m_blocks, "int32")
-            parts = self._parity_parts = (cap, o_part, lse_part, words)
-        return parts[1], parts[2]
+            parts = self._parity_parts = (cap, o_pairs, lse_pairs, words, {})
+        views = parts[4].get(splits)
+        if views is None:    # (made once per split count: a step's host time counts)
+            views = parts[4][splits] = (parts[1][:splits, 0], parts[2][:splits, 0])
+        return views
 
     def _tickets_for(self, kernel: tuple):
         """The tickets `kernel` (tuning, cluster, polled) takes: the workspace's, or with

@@ -129,7 +129,7 @@ def workspace():
             return scratch[0].fill_(float("nan"))     # in stream order, before the step's kernel
 
         hit = _WORKSPACES[stream.cuda_stream] = decode_path.DecodeWorkspace(
-            alloc, ws.tickets, poisoned_scratch, ws.uploader, marked_scratch=ws.marked_scratch)
+            alloc, ws.tickets, poisoned_scratch, ws.uploader, marked_scratch=ws.marked_scratch, zeroed=ws.zeroed)
     return hit
 
 
@@ -274,19 +274,25 @@ def test_parity_slots_across_steps_and_split_counts(slots, monkeypatch):
     cache, k, v = make_cache(B, Hkv, cap, D, lengths, torch.bfloat16, 0)
     mask, score, mask_fn, score_fn = variant("window", Hq, window=4096)
     counts = [13, 5, 13, 7, 3, 13, 11, 11]
-    steps = []
+    steps, plans = [], []
     for n in counts:
         q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
         out, lse, step = run_kernel(q, cache, mask, score, 132, num_splits=n, sync=False)
         assert step.num_splits == n and step.config.parity_slots and step.config.polled_merge, step
         assert step.config.parity_zero_late == (slots == "parity-late")
+        assert tuple(step.plan._parity_slots(n)[0].shape)[0] == n    # (mode 0: the grid's splits)
         steps.append((q, out, lse))
+        plans.append(step.plan)
     torch.cuda.synchronize()
     decode_path._PREPARED.clear()
     assert_tickets_zero()
     assert_marked_zero()
+    # (the prepared-call cache keeps a plan from a call's second sighting: the first step's
+    # plan is another, with its own memory; the last plan served every step from the second)
+    launches = sum(p is plans[-1] for p in plans)
+    assert launches == len(counts) - 1, launches
     words = step.plan._parity_parts[3][B * Hkv:].long()
-    assert ((words & 0xFFFF) == 0).all() and (((words >> 16) & 1) == len(counts) % 2).all(), words
+    assert ((words & 0xFFFF) == 0).all() and (((words >> 16) & 1) == launches % 2).all(), words
     assert ((words >> 24) == counts[-1]).all(), words
     for q, out, lse in steps:
         want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), score_fn, mask_fn)

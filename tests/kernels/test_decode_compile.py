@@ -296,9 +296,10 @@ def test_decode_no_spills(compiled, name):
 
 def test_parity_slots_zero_the_other_set_before_the_stream(compiled):
     """Parity slots: warp 1 counts the CTA in (one relaxed atomic; the last starter's
-    exchange sets the next launch's word) and zeroes this split's slots of the other set
+    exchange sets the next launch's word) and zeroes this split's share of the other set
     before it releases the consumers (barrier 3); the consumers wait on that barrier before
-    their partial stores (the set is the launch's parity), and after the merger's polls
+    their partial stores (the set is the launch's parity, the slot the CTA's start
+    ticket), and after the merger's polls
     nothing is stored but the merged row (no emptying on the step's tail). The emptied
     kernel: barrier 3 after the partial stores, the emptying after the polls."""
     def order(ptx):
@@ -318,11 +319,11 @@ def test_parity_slots_zero_the_other_set_before_the_stream(compiled):
                                 "bar.sync 3", "st.relaxed.gpu", "ld.relaxed.gpu.global.v4"]
     assert order(ptx[False]) == ["atom.global.add", "atom.global.exch", "bar.arrive 3", "st.relaxed.gpu",
                                  "bar.sync 3", "ld.relaxed.gpu.global.v4", "st.global.v4.b32"]
-    # parity_zero_late: warp 1 zeroes only in the merging split; the others' consumers after
-    # their partial stores, before the merge (which only the merger runs)
+    # parity_zero_late: nothing zeroed at the start; the splits that do not merge zero after
+    # their partial stores (the merger's share too), before the merge (which only the merger runs)
     late = compile_decode(dataclasses.replace(cfg, parity_slots=True, parity_zero_late=True), fake_args(hook),
                           keep_ptx=True, tvm_ffi=True).__ptx__
-    assert order(late) == ["atom.global.add", "atom.global.exch", "st.global.v4.b32", "bar.arrive 3", "bar.sync 3",
+    assert order(late) == ["atom.global.add", "atom.global.exch", "bar.arrive 3", "bar.sync 3",
                            "st.relaxed.gpu", "st.global.v4.b32", "ld.relaxed.gpu.global.v4"]
     assert resource_usage_from_ptx(late).spill_store_bytes == 0
     # the phase word: parity bit 16, the split count from bit 24
@@ -338,7 +339,8 @@ def test_caller_empties_slots_leaves_the_emptying_out(compiled):
     """The benchmarks' ``caller_empties_slots`` (decode_floor.py --zero-slots with
     FLEXATTN_DECODE_SLOTS=caller): the same polled kernel without the merger's emptying —
     its zeroing loop over the splits' slots and the LSE slot's zero are the only stores
-    gone; it needs the polled merge."""
+    gone; it needs the polled merge. With parity slots (``parity-caller``) no split zeroes
+    the other set."""
     cfg, hook = _config("polled-window-band-prefix")
     ptx = {False: compiled["polled-window-band-prefix"],
            True: compile_decode(dataclasses.replace(cfg, caller_empties_slots=True), fake_args(hook), keep_ptx=True,
@@ -346,6 +348,11 @@ def test_caller_empties_slots_leaves_the_emptying_out(compiled):
     assert ptx[False].count("st.global.v4.b32") == 1 and ptx[True].count("st.global.v4.b32") == 0
     assert ptx[False].count("st.global") - ptx[True].count("st.global") == 2
     assert ptx[False].count("st.relaxed.gpu.global.b32") == ptx[True].count("st.relaxed.gpu.global.b32")
+    # with parity slots (parity-caller): no split zeroes the other set either
+    parity = dataclasses.replace(cfg, parity_slots=True, parity_zero_late=True)
+    zeroing = {c: compile_decode(dataclasses.replace(parity, caller_empties_slots=c), fake_args(hook), keep_ptx=True,
+                                 tvm_ffi=True).__ptx__.count("st.global.v4.b32") for c in (False, True)}
+    assert zeroing == {False: 1, True: 0}, zeroing
     with pytest.raises(ValueError, match="caller_empties_slots"):
         DecodeConfig(caller_empties_slots=True)
 
@@ -608,8 +615,9 @@ def test_plan_run_repeated_steps():
 
 def test_plan_parity_slots(monkeypatch):
     """FLEXATTN_DECODE_SLOTS=parity (with a workspace that gives zeroed memory): the polled
-    launches take the plan's own slots, 2 x capacity splits (at least 16), and its own
-    tickets + phase words (two per group), the same every step; a plan without it, or
+    launches take views of the plan's own slots, 2 x capacity splits (at least 16), with
+    the launch's split count in mode 0 (the kernel's grid) and a split's two slots side by
+    side, and its own tickets + phase words (two per group), the same every step; a plan without it, or
     without a workspace's ``zeroed``, keeps the shared zeroed scratch."""
     import torch
 
@@ -643,20 +651,31 @@ def test_plan_parity_slots(monkeypatch):
     for _ in range(2):
         assert plan.run(q, k, k, None, out, lse, [4001, 38], 132) == 13
     o_part, lse_part, tickets = launches[-1][7], launches[-1][8], launches[-1][9]
-    assert tuple(o_part.shape) == (32, B, Hq, 1, 128) and tuple(lse_part.shape) == (32, B, Hq, 1)
+    # mode 0: the launch's splits (the kernel's grid), a split's two slots side by side
+    assert tuple(o_part.shape) == (13, B, Hq, 1, 128) and tuple(lse_part.shape) == (13, B, Hq, 1)
+    assert o_part.stride(0) == 2 * B * Hq * 128 and lse_part.stride(0) == 2 * B * Hq
     assert o_part.data_ptr() == zeroed[0].data_ptr() and tickets is zeroed[1] and tickets.numel() == 2 * B * 2
+    assert lse_part.data_ptr() == zeroed[0].data_ptr() + 4 * 2 * 16 * B * Hq * 128   # (capacity 16)
     assert all(a is b for a, b in zip(launches[0][7:10], launches[1][7:10]))     # the same every step
     assert plan._kernel((plan.tuning, 1, True))[0].parity_slots
     assert not plan._kernel((plan.tuning, 1, True))[0].parity_zero_late
     # more splits than the capacity: new memory (tickets and phase words with it), all zero
     for n, cap_splits, allocations in ((13, 16, 2), (20, 20, 4), (17, 20, 4), (25, 25, 6)):
         _, splits, o_part, lse_part = plan._stage([4001, 38], 132, n)
-        assert splits == n and o_part.shape[0] == lse_part.shape[0] == 2 * cap_splits and len(zeroed) == allocations
+        assert splits == n and o_part.shape[0] == lse_part.shape[0] == n and len(zeroed) == allocations
+        assert plan._parity_parts[0] == cap_splits and zeroed[-2].numel() == 2 * cap_splits * B * Hq * 129
         assert plan._tickets_for((plan.tuning, 1, True)) is zeroed[-1] and not zeroed[-1].any()
     assert plan._tickets_for((plan.tuning, 1, False)) is not zeroed[-1]   # the ticket merge: the workspace's
     plan, launches = plan_with(None)                 # no zeroed memory: the shared scratch, emptied
     assert plan.run(q, k, k, None, out, lse, [4001, 38], 132) == 13
     assert launches[-1][7].data_ptr() == marked.data_ptr() and not plan._kernel((plan.tuning, 1, True))[0].parity_slots
+    # the variants' flags (the benchmarks' parity-caller: the parity-late kernel without its zeroing)
+    for slots, flags in (("parity-late", (True, True, False)), ("parity-caller", (True, True, True)),
+                         ("caller", (False, False, True))):
+        monkeypatch.setenv("FLEXATTN_DECODE_SLOTS", slots)
+        decode_path._PREPARED.clear()   # (a plan reads the setting once)
+        config = plan_with(get_zeroed)[0]._kernel((plan.tuning, 1, True))[0]
+        assert (config.parity_slots, config.parity_zero_late, config.caller_empties_slots) == flags, slots
 
 
 def test_band_prefix():

@@ -27,10 +27,14 @@ One CTA handles one (kv split) x (kv head, packed-row block) x (batch) work item
   split that *started* last in its group (a relaxed ticket taken by an idle producer warp
   at the CTA's start) polls them and merges: no fence, no ticket after the stream. The
   merger waits only for splits that have started, which never wait: it cannot deadlock.
-  The merger then empties the slots it read, ~0.55 us on the step's tail at B1 L128k
-  window 4096 (H200). With `parity_slots` (opt-in, not yet GPU-verified) the slots come in
-  two sets used by launch parity, in the plan's own memory: each split zeroes its slots
-  of the other set at its start, off every path, and no merger empties anything.
+  The merger then empties the slots it read. With `parity_slots` (opt-in) the slots come
+  in two sets used by launch parity, in the plan's own memory, a partial in the slot of
+  its CTA's start ticket: each split zeroes its share of the other set (at its start, or
+  with `parity_zero_late` after its partial stores, the merger's share too), and no merger
+  empties anything. Not faster (H200, B1 L128k window 4096, 2026-12-01): 13.8-14.3 us
+  against the emptied 13.8-14.0; the parity kernel with no zeroing at all reads the same,
+  while the emptied kernel without its emptying reads 13.3-13.6 — the parity bookkeeping,
+  not the zero stores, costs what the emptying would save.
 * Cluster merge (`cluster_splits` > 1: the launch's splits are one cluster per group):
   each CTA keeps its partial in its own shared memory (fp32 O rows over the K ring, LSEs
   over the V ring), a cluster barrier publishes them, CTA `rank` merges rows r = rank
@@ -127,17 +131,22 @@ class DecodeConfig(KernelConfig):
                                  # the partials' slots (zero until written; the workspace
                                  # zeroed between steps) instead of a ticket after the stream
     parity_slots: bool = False   # polled merge: two sets of partial slots, used by launch
-                                 # parity (a phase word per group past the tickets: parity,
-                                 # the last launch's split count); each split zeroes its own
-                                 # slots of the other set at its start (idle warp 1), so no
-                                 # merger empties anything after its merge (mOPart / mLSEPart
-                                 # hold 2 x cap splits, the plan's own zeroed memory)
-    parity_zero_late: bool = False  # parity slots: the merging split zeroes at its start, the
-                                 # others after their partial stores (their slack) instead
+                                 # parity (a phase word per group past the tickets: the
+                                 # count started, parity, the last launch's split count);
+                                 # a split's partial goes to the slot of its start ticket,
+                                 # each split zeroes its share of the other set (the last
+                                 # launch's) at its start (idle warp 1), and no merger
+                                 # empties anything (mOPart / mLSEPart: this launch's
+                                 # splits, mode 0's stride spanning a slot in both sets,
+                                 # interleaved: the plan's own zeroed memory)
+    parity_zero_late: bool = False  # parity slots: the splits that do not merge zero the
+                                 # other set (the merger's share too) after their partial
+                                 # stores, in their slack: nothing stored on the ramp
     caller_empties_slots: bool = False  # benchmarks only (decode_floor.py --zero-slots, never
                                  # planned): the polled merge leaves the slots it read
                                  # written, the caller zeroes them between steps — what the
-                                 # merger's emptying costs, measured without it
+                                 # merger's emptying costs, measured without it (with
+                                 # parity_slots: no split zeroes the other set)
     timeline: bool = False       # probe for benchmarks/decode_timeline.py: every CTA writes
                                  # globaltimer stamps past the tickets (never planned)
     skip_masked_prefix: bool = True  # the masked-prefix analysis before the stream (masks
@@ -418,8 +427,8 @@ class DecodeSm90(WarpSpecialized):
         count = cutlass.min(first + per_split, n_hi) - first
         self._stamp(stamps, 11, warp_idx == 4)
         # [0]: whether this CTA merges its group (set by whoever counts it in: _count_in);
-        # parity slots: [1] this launch's set's first slot, [2] the other set's, [3] the
-        # last launch's split count (_take_parity_ticket)
+        # parity slots: [1] this launch's set (0 or 1), [2] the CTA's start ticket (its
+        # partial's slot), [3] the last launch's split count (_take_parity_ticket)
         sMerges = storage.last_arrival.get_tensor(cute.make_layout(MERGE_FLAGS[cfg.parity_slots]))
 
         # The cluster merge's view of a split's partial: fp32 O rows over the K ring, LSEs
@@ -445,7 +454,7 @@ class DecodeSm90(WarpSpecialized):
                             # (the phase words follow the groups' tickets)
                             self._take_parity_ticket(
                                 mTickets.iterator + ((mQ.shape[0] + batch) * head_blocks + head_block), num_splits,
-                                split, sMerges, mOPart, mLSEPart, head_kv, group, q_len, rows, m_block, batch)
+                                sMerges, mOPart, mLSEPart, head_kv, group, q_len, rows, m_block, batch)
                         else:
                             self._take_start_ticket(mTickets.iterator + (batch * head_blocks + head_block),
                                                     num_splits, sMerges)
@@ -465,15 +474,15 @@ class DecodeSm90(WarpSpecialized):
                     self._stamp(stamps, 5, warp_idx == 4)
                     if const_expr(not cfg.parity_slots):   # (parity slots: synced before the stores)
                         DecodeBarrier.MERGER.sync(self.num_mma_threads + 32)
-                    if const_expr(cfg.parity_zero_late):
-                        if sMerges[0] == 0:   # (the merger's warp 1 zeroed its slots at its start)
+                    if const_expr(cfg.parity_zero_late and not cfg.caller_empties_slots):
+                        if sMerges[0] == 0:   # the other splits zero for the merger too: tickets < splits - 1
                             tidx = cute.arch.thread_idx()[0] - 128
-                            self._zero_other_set(mOPart, mLSEPart, split, num_splits, sMerges[2], sMerges[3], tidx // 32,
-                                                 self.num_mma_threads // 32, tidx % 32, head_kv, group, q_len, rows,
-                                                 m_block, batch)
+                            self._zero_other_set(mOPart, mLSEPart, sMerges[2], num_splits - 1, 1 - sMerges[1],
+                                                 sMerges[3], tidx // 32, self.num_mma_threads // 32, tidx % 32,
+                                                 head_kv, group, q_len, rows, m_block, batch)
                     if sMerges[0] != 0:
                         self._merge_group(mO, mLSE, mOPart, mLSEPart, cute.arch.thread_idx()[0] - 128, head_kv,
-                                          group, q_len, rows, m_block, batch, stamps, num_splits, sMerges)
+                                          group, q_len, rows, m_block, batch, stamps, sMerges)
                         self._stamp(stamps, 6, warp_idx == 4)
             elif const_expr(cfg.cluster_splits == 1):
                 if num_splits > 1:
@@ -762,13 +771,25 @@ class DecodeSm90(WarpSpecialized):
         if const_expr(cfg.cluster_splits > 1):
             self._partial_to_smem(acc_O, lse, sPart, sLSE, thr_pv, rows, m_block)
         else:
-            slot_base = Int32(0)   # parity slots: this launch's set's first split slot
+            slot = split   # the partial's slot (parity slots: by the CTA's start ticket)
             if const_expr(cfg.parity_slots):
+                this_set = Int32(0)
                 if num_splits > 1:
-                    DecodeBarrier.MERGER.sync(self.num_mma_threads + 32)   # warp 1 took the parity
-                    slot_base = sMerges[1]
-            self.epilogue(acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, split, num_splits,
-                          head_kv, group, q_len, rows, m_block, batch, slot_base)
+                    DecodeBarrier.MERGER.sync(self.num_mma_threads + 32)   # warp 1 took the ticket
+                    this_set = sMerges[1]
+                    slot = sMerges[2]
+                mOPart, mLSEPart = self._slot_set(mOPart, mLSEPart, this_set)
+            self.epilogue(acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, slot, num_splits,
+                          head_kv, group, q_len, rows, m_block, batch)
+
+    def _slot_set(self, mOPart, mLSEPart, which):
+        """Parity slots: the partials' views of set ``which`` (0 or 1). The plan interleaves
+        the sets split by split (mode 0's stride spans a split's two slots, and mode 0's size
+        is this launch's split count: the grid's), so set 1 starts half a stride in."""
+        o_half = cute.assume(mOPart.layout.stride[0] // 2, divby=4)   # (D a multiple of 32)
+        lse_half = mLSEPart.layout.stride[0] // 2
+        return (cute.make_tensor(mOPart.iterator + which * o_half, mOPart.layout),
+                cute.make_tensor(mLSEPart.iterator + which * lse_half, mLSEPart.layout))
 
     def _tile_values(self, ctx, n_block, apply_mask: bool):
         """The mods' reads that stay constant over block ``n_block`` (a walk's table, a paged
@@ -825,7 +846,7 @@ class DecodeSm90(WarpSpecialized):
 
     @cute.jit
     def epilogue(self, acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, split, num_splits,
-                 head_kv, group, q_len, rows, m_block, batch, slot_base=0):
+                 head_kv, group, q_len, rows, m_block, batch):
         """O rows straight from registers to their (q head, query row) in global memory:
         the final O in the input dtype with one split, else this split's fp32 partial."""
         cfg = self.cfg
@@ -843,12 +864,12 @@ class DecodeSm90(WarpSpecialized):
                     if tOcO[r, 0][1] == 0:
                         mLSE[batch, head, qi] = lse[r]
                 elif const_expr(cfg.polled_merge):   # slots that mark themselves written
-                    gO = mOPart[split + slot_base, batch, head, qi, None]
+                    gO = mOPart[split, batch, head, qi, None]
                     for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
                         store_marked_f32(gO.iterator + tOcO[r, c][1], o_mn[r, c])
                     if tOcO[r, 0][1] == 0:
-                        store_marked_f32(mLSEPart.iterator + cute.crd2idx((split + slot_base, batch, head, qi),
-                                                                          mLSEPart.layout), lse[r])
+                        store_marked_f32(mLSEPart.iterator + cute.crd2idx((split, batch, head, qi), mLSEPart.layout),
+                                         lse[r])
                 else:
                     gO = mOPart[split, batch, head, qi, None]
                     for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
@@ -961,74 +982,76 @@ class DecodeSm90(WarpSpecialized):
         DecodeBarrier.MERGER.arrive(self.num_mma_threads + 32)
 
     @cute.jit
-    def _take_parity_ticket(self, word, num_splits, split, sFlag, mOPart, mLSEPart, head_kv, group, q_len, rows,
+    def _take_parity_ticket(self, word, num_splits, sFlag, mOPart, mLSEPart, head_kv, group, q_len, rows,
                             m_block, batch):
         """Parity slots, by the producer warpgroup's idle warp 1 at the CTA's start. Its
         group's phase word holds the count of started splits (bits 0-15), the launch's
-        parity (bit 16) and the last launch's split count (bits 24-31). Count this CTA in;
-        the last to start merges (``sFlag[0]``) and sets the word for the next launch
-        (count 0, parity flipped, this launch's split count) — every split of this launch
-        has counted, so none reads it again. ``sFlag[1]`` / ``sFlag[2]``: the first slot of
-        this launch's set / of the other, ``sFlag[3]``: the last launch's split count, for
-        the consumers (``DecodeBarrier.MERGER``) and this warp. Then zero this split's slots of the other set: the last
-        launch's partials there, read by its merger (stream order), slots j = split + k *
-        splits below the last launch's split count, so a shrinking count leaves none
-        written; no one reads or writes that set in this launch, so no ordering is needed
-        beyond the launches' own."""
+        parity (bit 16) and the last launch's split count (bits 24-31). Count this CTA in:
+        its ticket (the count before it) is its partial's slot in this launch's set; the
+        last to start merges (``sFlag[0]``) and sets the word for the next launch (count 0,
+        parity flipped, this launch's split count) — every split of this launch has
+        counted, so none reads it again. ``sFlag[1]``: this launch's set (the parity),
+        ``sFlag[2]``: the ticket, ``sFlag[3]``: the last launch's split count, for the
+        consumers (``DecodeBarrier.MERGER``) and this warp.
+
+        The other set holds the last launch's partials (slots below its split count), read
+        by its merger (stream order); no one reads or writes it in this launch, so zeroing
+        it needs no ordering beyond the launches' own. Here (not ``parity_zero_late``) each
+        split zeroes slots ticket + k * splits now; with ``parity_zero_late`` the splits
+        that do not merge zero slots ticket + k * (splits - 1) after their partial stores,
+        so nothing is stored on the ramp or by the merger."""
         cfg = self.cfg
         lane = cute.arch.lane_idx()
         if lane == 0:
             old = cute.arch.atomic_add(word, Int32(1), sem="relaxed", scope="gpu")
+            ticket = old & 0xFFFF
             parity = (old >> 16) & 1
             last = Int32(0)
-            if (old & 0xFFFF) == num_splits - 1:
+            if ticket == num_splits - 1:
                 last = Int32(1)
                 cute.arch.atomic_exch(word, ((1 - parity) << 16) | (num_splits << 24), sem="relaxed", scope="gpu")
-            cap = mOPart.shape[0] // 2
             sFlag[0] = last
-            sFlag[1] = parity * cap
-            sFlag[2] = (1 - parity) * cap
+            sFlag[1] = parity
+            sFlag[2] = ticket
             sFlag[3] = (old >> 24) & 0xFF
         cute.arch.sync_warp()   # (lane 0's flags, to the warp's lanes)
-        # parity_zero_late: only the merger zeroes now (its consumers merge after their
-        # stores); the others' consumers zero after their partial stores.
-        if const_expr(cfg.parity_zero_late):
-            if sFlag[0] != 0:
-                self._zero_other_set(mOPart, mLSEPart, split, num_splits, sFlag[2], sFlag[3], Int32(0), 1, lane,
-                                     head_kv, group, q_len, rows, m_block, batch)
-        else:
-            self._zero_other_set(mOPart, mLSEPart, split, num_splits, sFlag[2], sFlag[3], Int32(0), 1, lane, head_kv,
-                                 group, q_len, rows, m_block, batch)
+        if const_expr(not cfg.parity_zero_late and not cfg.caller_empties_slots):
+            self._zero_other_set(mOPart, mLSEPart, sFlag[2], num_splits, 1 - sFlag[1], sFlag[3], Int32(0), 1, lane,
+                                 head_kv, group, q_len, rows, m_block, batch)
         cute.arch.sync_warp()
         DecodeBarrier.MERGER.arrive(self.num_mma_threads + 32)
 
     @cute.jit
-    def _zero_other_set(self, mOPart, mLSEPart, split, num_splits, other, prev, warp, warps: cutlass.Constexpr[int],
+    def _zero_other_set(self, mOPart, mLSEPart, first, step, other, prev, warp, warps: cutlass.Constexpr[int],
                         lane, head_kv, group, q_len, rows, m_block, batch):
-        """Parity slots: zero this split's slots of the other set (first slot ``other``):
-        j = split + k * splits below ``prev``, the last launch's split count; the tile's
-        rows from ``warp`` in steps of ``warps``, each lane D/32 columns."""
+        """Parity slots: zero slots j = first + k * step of set ``other`` below ``prev``, the
+        last launch's split count (past this launch's count, mode 0's size, where it
+        shrank: the plan's memory holds its capacity); the tile's rows from ``warp`` in
+        steps of ``warps``, each lane D/32 columns."""
         cfg = self.cfg
+        mOPart, mLSEPart = self._slot_set(mOPart, mLSEPart, other)
         per_lane = cfg.head_dim // 32
         zeros = cute.make_rmem_tensor(per_lane, Float32)
         zeros.fill(0.0)
         p_lo = m_block * cfg.tile_m
         tile_rows = cutlass.min(cfg.tile_m, rows - p_lo)
-        for j in cutlass.range(split, prev, num_splits, unroll=1):
+        for j in cutlass.range(first, prev, step, unroll=1):
             for r in cutlass.range(warp, tile_rows, warps, unroll=1):
                 head, qi = packed_row(p_lo + r, head_kv, group, q_len)
-                cute.local_tile(mOPart[other + j, batch, head, qi, None], (per_lane,), (lane,)).store(zeros.load())
+                cute.local_tile(mOPart[j, batch, head, qi, None], (per_lane,), (lane,)).store(zeros.load())
                 if lane == 0:
-                    mLSEPart[other + j, batch, head, qi] = Float32(0.0)
+                    mLSEPart[j, batch, head, qi] = Float32(0.0)
 
     @cute.jit
     def _merge_group(self, mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block, batch,
-                     stamps=None, num_splits=None, sMerges=None):
+                     stamps=None, sMerges=None):
         """The merging split CTA of a group (tickets: the last to arrive; polled: the last to
         start): merge every split's partial of the tile's rows into O (input dtype) and LSE,
-        one consumer warp per row (rows strided over warps). Parity slots: the launch's set,
-        ``num_splits`` slots from ``sMerges[1]``; nothing emptied."""
+        one consumer warp per row (rows strided over warps). Parity slots: the launch's set
+        (``sMerges[1]``); nothing emptied."""
         cfg = self.cfg
+        if const_expr(cfg.parity_slots):
+            mOPart, mLSEPart = self._slot_set(mOPart, mLSEPart, sMerges[1])
         merge = merge_polled_splits if const_expr(cfg.polled_merge) else merge_splits
         warp = tidx // 32
         lane = tidx % 32
@@ -1040,16 +1063,8 @@ class DecodeSm90(WarpSpecialized):
             # (the timeline's probe: the first row's polling, stamps 13, 14 and 16)
             probe = (stamps + 13, r == 0) if const_expr(cfg.polled_merge and cfg.timeline) else ()
             empty = {"empty": False} if const_expr(cfg.caller_empties_slots or cfg.parity_slots) else {}
-            lse_parts = mLSEPart[None, batch, head, qi]
-            o_parts = mOPart[None, batch, head, qi, None]
-            if const_expr(cfg.parity_slots):   # this launch's set: splits [base, base + num_splits)
-                base = sMerges[1]
-                o_stride, lse_stride = o_parts.layout.stride[0], lse_parts.layout.stride[0]
-                o_parts = cute.make_tensor(o_parts.iterator + base * o_stride,
-                                           cute.make_layout((num_splits, cfg.head_dim), stride=(o_stride, 1)))
-                lse_parts = cute.make_tensor(lse_parts.iterator + base * lse_stride,
-                                             cute.make_layout(num_splits, stride=lse_stride))
-            lse = merge(lse_parts, o_parts, mO[batch, head, qi, None], lane, cfg.head_dim, *probe, **empty)
+            lse = merge(mLSEPart[None, batch, head, qi], mOPart[None, batch, head, qi, None], mO[batch, head, qi, None],
+                        lane, cfg.head_dim, *probe, **empty)
             if lane == 0:
                 mLSE[batch, head, qi] = lse
 
