@@ -154,6 +154,17 @@ def plan_step(q, cache, score, mask, tuning=None, num_splits=None):
     return step, out
 
 
+def slots_zeroer(step):
+    """A function that zeroes ``step``'s polled-merge slots as they stand (its plan's parity
+    slots, both sets, or the workspace's whole marked scratch): what a kernel that leaves
+    them written (``DecodeConfig.caller_empties_slots``, FLEXATTN_DECODE_SLOTS=caller /
+    parity-caller) needs between timed steps, outside the events."""
+    parts = step.plan._parity_parts
+    if parts is not None:
+        return lambda: (parts[1].zero_(), parts[2].zero_())
+    return lambda ws=step.plan.workspace: ws.marked_scratch(1).zero_()
+
+
 def variant_mods(name):
     from flexattn import mods
 

@@ -32,7 +32,7 @@ import argparse
 
 import torch
 
-from bench_decode import D, HQ, clean_ms, make_inputs, plan_step, step_bytes, variant_mods
+from bench_decode import D, HQ, clean_ms, make_inputs, plan_step, slots_zeroer, step_bytes, variant_mods
 from common import device_name
 
 ROWS = ["8x8192:none", "8x8192:window4096", "8x65536:none", "8x65536:window4096",
@@ -73,11 +73,7 @@ def main():
         q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
         mask, score = variant_mods(variant)
         step, _ = plan_step(q, cache, score, mask)
-        before = None
-        if args.zero_slots:   # (the whole buffer as it stands: the first launch may grow it)
-            before = lambda ws=step.plan.workspace: ws.marked_scratch(1).zero_()
-            if step.plan._parity_parts is not None:   # (parity slots: the plan's own, both sets)
-                before = lambda p=step.plan._parity_parts: (p[1].zero_(), p[2].zero_())
+        before = slots_zeroer(step) if args.zero_slots else None
         ours_us = clean_ms(step.launch, reps=args.reps, before=before) * 1e3
         del cache, step
         rows.append((B, L, variant, nbytes, read_us, ours_us))

@@ -56,7 +56,7 @@ import os
 import numpy as np
 import torch
 
-from bench_decode import D, HQ, clean_ms, make_inputs, plan_step, step_bytes, variant_mods
+from bench_decode import D, HQ, clean_ms, make_inputs, plan_step, slots_zeroer, step_bytes, variant_mods
 from common import device_name
 from decode_floor import plain_reads
 from stream_marks import mark
@@ -76,14 +76,14 @@ def between_marks(fn, marks):
     return marked
 
 
-def mark_to_mark_us(fn, reps: int) -> float:
+def mark_to_mark_us(fn, reps: int, before=None) -> float:
     """Median µs from a stream mark just before ``fn``'s launches to one just after them,
-    each after a read-only L2 flush (``between_marks``)."""
+    each after a read-only L2 flush (``between_marks``; ``before()`` ahead of the flush)."""
     marks = torch.zeros(2, dtype=torch.int32, device="cuda")
     marked = between_marks(fn, marks)
     spans = []
     for _ in range(reps + 1):        # the first: the marks' compile and warm-up
-        clean_ms(marked, reps=1, warmup=0)
+        clean_ms(marked, reps=1, warmup=0, before=before)
         m = marks.cpu().numpy().view(np.uint32).astype(np.int64)
         spans.append(((m[1] - m[0]) % (1 << 32)) / 1e3)
     return float(np.median(spans[1:]))
@@ -95,7 +95,9 @@ def read_spans(nbytes: int, reps: int) -> str:
 
 
 def probed_launch(step, q, cache):
-    """(launch, stamps tensor, grid size) for `step`'s kernel compiled with the probe."""
+    """(launch, stamps tensor, grid size, zeroer) for `step`'s kernel compiled with the
+    probe; zeroer: None, or where the kernel leaves its slots written (FLEXATTN_DECODE_SLOTS=
+    caller / parity-caller) the function that zeroes them between launches."""
     from flexattn.kernels.launch.decode import DecodeRunner
     from flexattn.kernels.decode.sm90 import TIMELINE_STAMPS
     from flexattn.kernels.emit.mod_emit import runtime_args
@@ -115,8 +117,9 @@ def probed_launch(step, q, cache):
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
     # (zeroed: the polled merge reads a slot as written once its bits are not zero; parity
     # slots: a split's two slots side by side, as the plan lays them out)
-    o_part = torch.zeros((splits, sets) + plan.part_shapes[0], dtype=torch.float32, device="cuda")[:, 0]
-    lse_part = torch.zeros((splits, sets) + plan.part_shapes[1], dtype=torch.float32, device="cuda")[:, 0]
+    o_slots = torch.zeros((splits, sets) + plan.part_shapes[0], dtype=torch.float32, device="cuda")
+    lse_slots = torch.zeros((splits, sets) + plan.part_shapes[1], dtype=torch.float32, device="cuda")
+    o_part, lse_part = o_slots[:, 0], lse_slots[:, 0]
     args = runtime_args(cfg.mods, plan._to_device)
     stream = torch.cuda.current_stream().cuda_stream
 
@@ -124,7 +127,8 @@ def probed_launch(step, q, cache):
         runner.run(q, k, v, table, plan.seq_lens, out, lse, o_part, lse_part, tickets, plan.scale, args, stream)
 
     stamps = tickets[sets * groups:].view(ctas, TIMELINE_STAMPS)
-    return launch, stamps, splits
+    zeroer = (lambda: (o_slots.zero_(), lse_slots.zero_())) if cfg.caller_empties_slots else None
+    return launch, stamps, splits, zeroer
 
 
 def relative_us(stamps: np.ndarray, cols: list) -> np.ndarray:
@@ -284,15 +288,16 @@ def main():
                 step, _ = plan_step(q, cache, score, mask, tuning, args.splits)
                 merge = ("cluster" if step.config.cluster_splits > 1 else "polled" if step.config.polled_merge
                          else "tickets")
-                plain_ms = clean_ms(step.launch)
-                launch, stamps, splits = probed_launch(step, q, cache)
-                kernel_ms = clean_ms(launch, reps=args.reps)   # compiles on its warmup calls
+                plain_zeroer = slots_zeroer(step) if step.config.caller_empties_slots else None
+                plain_ms = clean_ms(step.launch, before=plain_zeroer)
+                launch, stamps, splits, zeroer = probed_launch(step, q, cache)
+                kernel_ms = clean_ms(launch, reps=args.reps, before=zeroer)   # compiles on its warmup calls
                 rows, notes = [], []   # (lines printed under the row: --by-sm, --dump-ctas)
                 marks = torch.zeros(2, dtype=torch.int32, device="cuda")
                 marked = between_marks(launch, marks)   # (the probed launch builds its views per call)
                 for rep in range(args.reps):
                     stamps.zero_()
-                    clean_ms(marked if args.marks else launch, reps=1, warmup=0)
+                    clean_ms(marked if args.marks else launch, reps=1, warmup=0, before=zeroer)
                     launch_stamps = stamps.cpu().numpy().view(np.uint32)
                     rows.append(summarize(launch_stamps, step_bytes(B, L, name) / 1e9))
                     if args.marks:
@@ -305,7 +310,7 @@ def main():
                 fig = {c: float(np.median([r[c] for r in rows])) for c in rows[0]}
                 fig["kernel"], fig["plain"] = kernel_ms * 1e3, plain_ms * 1e3
                 if args.marks:
-                    fig["m2m"] = mark_to_mark_us(step.launch, args.reps)
+                    fig["m2m"] = mark_to_mark_us(step.launch, args.reps, plain_zeroer)
                 cells = [f"{fig[c]:.2f}" if c == "steady" else f"{fig[c]:.0f}" if c == "wave1" else f"{fig[c]:.1f}"
                          for c in cols]
                 print(f"| {B} | {L} | {layout} | {name} | {splits} | {merge} | " + " | ".join(cells) + " |", flush=True)

@@ -95,7 +95,9 @@
 # last and what the merger waits for; session 66), parity-slots (FLEXATTN_DECODE_SLOTS=parity, not yet planned: its
 # GPU test across split counts, parity-late's with the polled cases, the decode + short-query suites with parity;
 # ~8 min, a device call of its own), parity-floor (decode_floor's window rows emptied / parity-late /
-# parity-caller / caller in alternating processes, four rounds, ~4 min; session 69: parity correct, not faster).
+# parity-caller / caller in alternating processes, four rounds, ~4 min; session 69: parity correct, not faster),
+# parity-timeline (the B1 L128k window step's timeline with marks for emptied / caller / parity-late /
+# parity-caller: where the parity kernel's extra ~0.5 µs over the caller kernel lies, stream or tail; ~6 min).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -380,6 +382,11 @@ for step in $steps; do
                         --rows 1x131072:window4096 8x8192:window4096 $zero
                     done
                   done ;;
+    parity-timeline) for slots in emptied caller parity-late parity-caller; do
+                       (cd benchmarks && FLEXATTN_DECODE_SLOTS=$slots FLEXATTN_CACHE_DIR=/tmp/flexattn-slots-$slots \
+                         run timeline_$slots 150 python3 decode_timeline.py --shapes 1x131072 --variants window4096 \
+                         --layouts contiguous --merges polled --reps 9 --marks)
+                     done ;;
     window-tail) (cd benchmarks && run window_tail 90 python3 decode_timeline.py --shapes 1x131072 \
                    --variants window4096 --layouts contiguous --merges polled --reps 9 --marks --dump-ctas 3) ;;
     marks) (cd benchmarks && run marks_timeline 120 python3 decode_timeline.py --shapes 1x131072 8x8192 \
