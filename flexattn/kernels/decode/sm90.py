@@ -845,10 +845,11 @@ class DecodeSm90(WarpSpecialized):
         return kv_state
 
     @cute.jit
-    def epilogue(self, acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, split, num_splits,
+    def epilogue(self, acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, slot, num_splits,
                  head_kv, group, q_len, rows, m_block, batch):
         """O rows straight from registers to their (q head, query row) in global memory:
-        the final O in the input dtype with one split, else this split's fp32 partial."""
+        the final O in the input dtype with one split, else this split's fp32 partial, in slot
+        ``slot`` (its split index; parity slots: its start ticket)."""
         cfg = self.cfg
         cO = cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))
         tOcO = mma.acc_mn_view(thr_pv.partition_C(cO))
@@ -864,18 +865,18 @@ class DecodeSm90(WarpSpecialized):
                     if tOcO[r, 0][1] == 0:
                         mLSE[batch, head, qi] = lse[r]
                 elif const_expr(cfg.polled_merge):   # slots that mark themselves written
-                    gO = mOPart[split, batch, head, qi, None]
+                    gO = mOPart[slot, batch, head, qi, None]
                     for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
                         store_marked_f32(gO.iterator + tOcO[r, c][1], o_mn[r, c])
                     if tOcO[r, 0][1] == 0:
-                        store_marked_f32(mLSEPart.iterator + cute.crd2idx((split, batch, head, qi), mLSEPart.layout),
+                        store_marked_f32(mLSEPart.iterator + cute.crd2idx((slot, batch, head, qi), mLSEPart.layout),
                                          lse[r])
                 else:
-                    gO = mOPart[split, batch, head, qi, None]
+                    gO = mOPart[slot, batch, head, qi, None]
                     for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
                         gO[tOcO[r, c][1]] = o_mn[r, c]
                     if tOcO[r, 0][1] == 0:
-                        mLSEPart[split, batch, head, qi] = lse[r]
+                        mLSEPart[slot, batch, head, qi] = lse[r]
 
 
     @cute.jit
