@@ -260,11 +260,12 @@ def test_decode_head_dims_against_reference(D, kind, page_size, group, q_len, nu
 def test_parity_slots_across_steps_and_split_counts(slots, monkeypatch):
     """FLEXATTN_DECODE_SLOTS=parity and parity-late (``DecodeConfig.parity_slots``,
     ``parity_zero_late``): steps queued back to back with new queries and split counts that
-    shrink and grow (each split zeroes its slots of the other set, including those a larger
-    last launch wrote past this launch's count),
-    each against the float64 reference. Afterwards the workspace's shared slots and tickets
-    are untouched (zero), and each group's phase word holds count 0, the parity of the
-    number of steps, and the last step's split count."""
+    shrink and grow (the splits zero their shares of the other set, including slots a
+    larger last launch wrote past this launch's count), each against the float64
+    reference; the partials' views have the launch's split count in mode 0 (the grid's).
+    Afterwards the workspace's shared slots and tickets are untouched (zero), and each
+    group's phase word holds count 0, the parity of the launches on the plan, and the last
+    step's split count."""
     monkeypatch.setenv("FLEXATTN_DECODE_SLOTS", slots)
     decode_path._PREPARED.clear()
     torch.manual_seed(3)

@@ -183,13 +183,22 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
                 (probe + 3).store(Int32(cute.arch.globaltimer_lo()))
     if const_expr(empty):
         # Empty what this lane read, for the next step (stream order publishes it).
-        zeros = cute.make_rmem_tensor(per_lane, Float32)
-        zeros.fill(0.0)
         for s in cutlass.range(num_splits, unroll=1):
-            cute.local_tile(o_parts[s, None], (per_lane,), (lane,)).store(zeros.load())
+            zero_lane_columns(o_parts[s, None], lane, head_dim)
         if lane < num_splits:
             lse_parts[lane] = Float32(0.0)
     return lse
 
 
-__all__ = ["EMPTY", "MAX_SPLITS", "store_marked_f32", "load_marked_f32s", "merge_polled_splits", "chunk_splits"]
+@cute.jit
+def zero_lane_columns(row: cute.Tensor, lane: Int32, head_dim: cutlass.Constexpr[int]) -> None:
+    """Store zeros (``EMPTY``) over lane ``lane``'s D/32 contiguous columns of a slot's
+    ``row`` [D] (``lane_columns``' split of a row): a slot made empty again."""
+    per_lane = head_dim // 32
+    zeros = cute.make_rmem_tensor(per_lane, Float32)
+    zeros.fill(0.0)
+    cute.local_tile(row, (per_lane,), (lane,)).store(zeros.load())
+
+
+__all__ = ["EMPTY", "MAX_SPLITS", "store_marked_f32", "load_marked_f32s", "merge_polled_splits", "chunk_splits",
+           "zero_lane_columns"]

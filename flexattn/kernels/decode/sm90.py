@@ -88,7 +88,7 @@ from cutlass.cute.nvgpu import cpasync
 from flexattn.kernels.emit import interval_emit
 from flexattn.kernels.hopper import dsmem, mma
 from flexattn.kernels.decode.combine import inverse_and_lse, lane_columns, log2_shift, merge_splits
-from flexattn.kernels.decode.polled_merge import merge_polled_splits, store_marked_f32
+from flexattn.kernels.decode.polled_merge import merge_polled_splits, store_marked_f32, zero_lane_columns
 from flexattn.kernels.emit.mod_hook import NO_MODS, FragmentCoords, ModHook, kept_if
 from flexattn.kernels.hopper.softmax import OnlineSoftmax, rescale_rows
 from flexattn.kernels.hopper.tma_pipeline import tma_ring
@@ -1031,15 +1031,12 @@ class DecodeSm90(WarpSpecialized):
         steps of ``warps``, each lane D/32 columns."""
         cfg = self.cfg
         mOPart, mLSEPart = self._slot_set(mOPart, mLSEPart, other)
-        per_lane = cfg.head_dim // 32
-        zeros = cute.make_rmem_tensor(per_lane, Float32)
-        zeros.fill(0.0)
         p_lo = m_block * cfg.tile_m
         tile_rows = cutlass.min(cfg.tile_m, rows - p_lo)
         for j in cutlass.range(first, prev, step, unroll=1):
             for r in cutlass.range(warp, tile_rows, warps, unroll=1):
                 head, qi = packed_row(p_lo + r, head_kv, group, q_len)
-                cute.local_tile(mOPart[j, batch, head, qi, None], (per_lane,), (lane,)).store(zeros.load())
+                zero_lane_columns(mOPart[j, batch, head, qi, None], lane, cfg.head_dim)
                 if lane == 0:
                     mLSEPart[j, batch, head, qi] = Float32(0.0)
 
