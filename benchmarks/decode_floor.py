@@ -19,16 +19,17 @@ around one launch after a read-only L2 flush):
 TB/s = bytes / µs. A row whose "bound" stays under a target shows that the target cannot
 hold there for any kernel timed this way; "read" shows what a plain stream gets.
 
-    python3 benchmarks/decode_floor.py [--rows 8x8192:none 1x131072:window4096 ...]
+    python3 benchmarks/decode_floor.py [--rows 8x8192:none 1x131072:window4096 ...] [--splits N]
 
 ``--zero-slots`` zeroes the polled merge's slots before each timed step (outside the events);
 with ``FLEXATTN_DECODE_SLOTS=caller`` the kernel then skips its own emptying
 (``DecodeConfig.caller_empties_slots``): what the merger's emptying costs, by its absence;
-with ``parity-caller`` the parity-late kernel skips its zeroing (the plan's parity slots,
+with ``parity-caller`` the parity kernel skips its zeroing (the plan's parity slots,
 both sets, are zeroed instead).
 """
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -61,6 +62,9 @@ def main():
                     help="zero the polled merge's slots before each timed step (outside the events); "
                          "with FLEXATTN_DECODE_SLOTS=caller the kernel leaves them written: the "
                          "merger's emptying measured by its absence")
+    ap.add_argument("--splits", type=int, default=None,
+                    help="our kernel with this many splits (default tuning, merged without a cluster) "
+                         "instead of the planner's")
     args = ap.parse_args()
     empty_us = clean_ms(lambda: torch.cuda._sleep(0), reps=args.reps) * 1e3
     rows = []
@@ -72,7 +76,12 @@ def main():
         cache, _, _ = make_inputs(B, L, args.layout)
         q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
         mask, score = variant_mods(variant)
-        step, _ = plan_step(q, cache, score, mask)
+        tuning = None
+        if args.splits:
+            from flexattn.core import decode_path
+
+            tuning = dataclasses.replace(decode_path.DEFAULT_TUNING, cluster_merge=False)
+        step, _ = plan_step(q, cache, score, mask, tuning=tuning, num_splits=args.splits)
         before = slots_zeroer(step) if args.zero_slots else None
         ours_us = clean_ms(step.launch, reps=args.reps, before=before) * 1e3
         del cache, step

@@ -92,12 +92,14 @@
 # planned; FLEXATTN_DECODE_BAND_PREFIX=0 is the analysis: its GPU cases, decode_floor's window rows off / on twice, a
 # timeline), marks (the window rows' timeline with stream marks: the event time outside the CTAs, lead and trail),
 # window-tail (B1 L128k window: the timeline with marks and three groups CTA by CTA, --dump-ctas: which split ends
-# last and what the merger waits for; session 66), parity-slots (FLEXATTN_DECODE_SLOTS=parity, not yet planned: its
-# GPU test across split counts, parity-late's with the polled cases, the decode + short-query suites with parity;
-# ~8 min, a device call of its own), parity-floor (decode_floor's window rows emptied / parity-late /
-# parity-caller / caller in alternating processes, four rounds, ~4 min; session 69: parity correct, not faster),
-# parity-timeline (the B1 L128k window step's timeline with marks for emptied / caller / parity-late /
-# parity-caller: where the parity kernel's extra ~0.5 µs over the caller kernel lies, stream or tail; ~6 min).
+# last and what the merger waits for; session 66), parity-slots (FLEXATTN_DECODE_SLOTS=parity, opt-in: its GPU
+# test across split counts and slot layouts, the polled and fused-merge cases with parity; ~3 min), parity-suites
+# (the decode + short-query suites with parity; ~6 min), parity-floor (decode_floor's B1 L128k window row emptied /
+# parity / parity-caller / caller in alternating processes, four rounds, ~3 min), parity-timeline (that step's
+# timeline with marks for emptied / caller / parity / parity-caller: stream or tail; ~6 min),
+# split-count (decode_floor's B1 L128k window row: emptied and parity with the planner's 13 splits, parity with 14,
+# 15 and 16 balanced splits; three rounds, ~3 min), slot-layout (the polled slots split-major or group-major, FLEXATTN_DECODE_SLOT_LAYOUT: their GPU tests, then
+# decode_floor's B1 L128k window row for emptied / caller x split / group, alternating, four rounds; ~5 min).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
 source .gpu/activate.sh
@@ -368,25 +370,44 @@ for step in $steps; do
                  done
                  (cd benchmarks && FLEXATTN_DECODE_BAND_PREFIX=1 run band_prefix_timeline 70 python3 decode_timeline.py \
                    --shapes 1x131072 --variants window4096 --layouts contiguous --merges polled --reps 5) ;;
-    parity-slots) FLEXATTN_DECODE_SLOTS=parity run parity_test 120 python3 -m pytest -q -p no:cacheprovider \
-                    tests/gpu/test_decode_gpu.py -k "parity_slots"
-                  FLEXATTN_DECODE_SLOTS=parity-late run parity_late_test 120 python3 -m pytest -q -p no:cacheprovider \
-                    tests/gpu/test_decode_gpu.py -k "parity_slots or polled_merge_planned or fused_merge"
-                  FLEXATTN_DECODE_SLOTS=parity run parity_suites 400 python3 -m pytest -q -p no:cacheprovider \
-                    tests/gpu/test_decode_gpu.py tests/gpu/test_short_query_gpu.py ;;
+    parity-slots) FLEXATTN_DECODE_SLOTS=parity run parity_test 400 python3 -m pytest -q -p no:cacheprovider \
+                    tests/gpu/test_decode_gpu.py -k "parity_slots or polled_merge_planned or fused_merge" ;;
+    parity-suites) FLEXATTN_DECODE_SLOTS=parity run parity_suites 500 python3 -m pytest -q -p no:cacheprovider \
+                     tests/gpu/test_decode_gpu.py tests/gpu/test_short_query_gpu.py ;;
     parity-floor) for i in 1 2 3 4; do
-                    for slots in emptied parity-late parity-caller caller; do
+                    for slots in emptied parity parity-caller caller; do
                       zero=""; [ "${slots#*-}" = caller ] && zero=--zero-slots   # (caller, parity-caller)
                       FLEXATTN_DECODE_SLOTS=$slots FLEXATTN_CACHE_DIR=/tmp/flexattn-slots-$slots \
                         run parity_floor_${slots}_$i 40 python3 benchmarks/decode_floor.py \
-                        --rows 1x131072:window4096 8x8192:window4096 $zero
+                        --rows 1x131072:window4096 $zero
                     done
                   done ;;
-    parity-timeline) for slots in emptied caller parity-late parity-caller; do
+    parity-timeline) for slots in emptied caller parity parity-caller; do
                        (cd benchmarks && FLEXATTN_DECODE_SLOTS=$slots FLEXATTN_CACHE_DIR=/tmp/flexattn-slots-$slots \
                          run timeline_$slots 150 python3 decode_timeline.py --shapes 1x131072 --variants window4096 \
                          --layouts contiguous --merges polled --reps 9 --marks)
                      done ;;
+    split-count) for i in 1 2 3; do
+                   for v in emptied:0 parity:0 parity:14 parity:15 parity:16; do
+                     slots=${v%%:*} n=${v#*:}
+                     splits=""; [ "$n" != 0 ] && splits="--splits $n"
+                     FLEXATTN_DECODE_SLOTS=$slots FLEXATTN_CACHE_DIR=/tmp/flexattn-slots-$slots \
+                       run split_count_${slots}_${n}_$i 40 python3 benchmarks/decode_floor.py \
+                       --rows 1x131072:window4096 $splits
+                   done
+                 done ;;
+    slot-layout) run slot_layout_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
+                   -k "parity_slots or polled_merge_planned"
+                 for i in 1 2 3 4; do
+                   for v in emptied:split emptied:group caller:split caller:group; do
+                     slots=${v%%:*} layout=${v#*:}
+                     zero=""; [ "$slots" = caller ] && zero=--zero-slots
+                     FLEXATTN_DECODE_SLOTS=$slots FLEXATTN_DECODE_SLOT_LAYOUT=$layout \
+                       FLEXATTN_CACHE_DIR=/tmp/flexattn-slots-$slots \
+                       run layout_floor_${slots}_${layout}_$i 40 python3 benchmarks/decode_floor.py \
+                       --rows 1x131072:window4096 $zero
+                   done
+                 done ;;
     window-tail) (cd benchmarks && run window_tail 90 python3 decode_timeline.py --shapes 1x131072 \
                    --variants window4096 --layouts contiguous --merges polled --reps 9 --marks --dump-ctas 3) ;;
     marks) (cd benchmarks && run marks_timeline 120 python3 decode_timeline.py --shapes 1x131072 8x8192 \

@@ -482,6 +482,29 @@ def polled_merge_pays(splits: int, cluster: int, head_dim: int) -> bool:
     return cluster == 1 and 1 < splits <= MAX_SPLITS and head_dim % 32 == 0
 
 
+def slot_views(o_flat, lse_flat, splits: int, sets: int, o_shape: tuple, group_major: bool,
+               capacity: int | None = None) -> tuple:
+    """(o_part [splits, B, Hq, q_len, D], lse_part [splits, B, Hq, q_len]) over flat float32
+    slot arrays, views never copies. ``sets`` 2: each slot has its twin of the other set
+    side by side (parity slots: mode 0's stride spans both, the kernel finds set 1 half a
+    stride in), for ``capacity`` splits (default ``splits``). Split-major: [capacity, sets,
+    B, Hq, q_len, D] and [capacity, sets, B, Hq, q_len]. ``group_major``: a row's splits
+    adjacent — [B, Hq, q_len, capacity, sets, D] and [B, Hq, capacity, sets, q_len] (q_len
+    contiguous, as the kernel's LSE view wants)."""
+    B, Hq, q_len, D = o_shape
+    cap = splits if capacity is None else capacity
+    rows = B * Hq * q_len
+    if not group_major:
+        o = o_flat[:cap * sets * rows * D].reshape((cap, sets) + tuple(o_shape))[:splits, 0]
+        lse = lse_flat[:cap * sets * rows].reshape((cap, sets, B, Hq, q_len))[:splits, 0]
+        return o, lse
+    o = o_flat[:rows * cap * sets * D].reshape(rows, cap, sets, D)[:, :splits, 0]       # [rows, splits, D]
+    o = o.swapaxes(0, 1).reshape(splits, B, Hq, q_len, D)
+    lse = lse_flat[:B * Hq * cap * sets * q_len].reshape(B * Hq, cap, sets, q_len)[:, :splits, 0]
+    lse = lse.swapaxes(0, 1).reshape(splits, B, Hq, q_len)
+    return o, lse
+
+
 def _prefetch_pays(mods, tile_n: int, mask_last_page_only: bool) -> bool:
     """Whether the kernel reads the mods' tile-constant values a step ahead (``DecodeConfig.
     prefetch_tile_reads``): wherever they have such reads (a walk's table, a paged mask's
@@ -642,22 +665,26 @@ class DecodePlan:
         # per plan: a step's host time is tens of µs, an environment read ~1).
         self._marked = workspace.marked_scratch if os.environ.get("FLEXATTN_DECODE_MERGE", "auto") != "tickets" \
             else None
-        # How the polled merge's slots return to zero (read once per plan): "emptied" — its
-        # merger zeroes them after the merge (the default: the alternatives below, GPU-verified
-        # on 2026-12-01, were not faster; docs/experiments.md, session 69); "parity" — two sets
-        # in the plan's own memory, by launch parity, each split zeroing its share of the
-        # other set at its start (``DecodeConfig.parity_slots``); "parity-late" — the same,
-        # the splits that do not merge zeroing after their partial stores instead
-        # (``parity_zero_late``); benchmarks only, decode_floor.py --zero-slots zeroing the
-        # slots between timed steps: "caller" — the emptied kernel without its emptying,
-        # "parity-caller" — the parity-late kernel without its zeroing
+        # How the polled merge's slots return to zero (read once per plan): "parity" (the
+        # default, where the workspace gives zeroed memory) — two sets in the plan's own
+        # memory, by launch parity: the splits that do not merge zero their slots of the
+        # other set after their partial stores, no merger empties anything
+        # (``DecodeConfig.parity_slots``; H200, B1 L128k window 4096: 13.5-13.8 µs against
+        # 13.7-14.0, docs/experiments.md session 70); "emptied" — the merger zeroes the
+        # workspace's shared slots after its merge; benchmarks only, decode_floor.py --zero-slots
+        # zeroing the slots between timed steps: "caller" — the emptied kernel without its
+        # emptying, "parity-caller" — the parity kernel without its zeroing
         # (``caller_empties_slots``: what the zeroing costs, by its absence).
-        slots = os.environ.get("FLEXATTN_DECODE_SLOTS", "emptied")
+        slots = os.environ.get("FLEXATTN_DECODE_SLOTS", "parity")
         self._caller_empties = slots in ("caller", "parity-caller")
-        self._parity = (slots in ("parity", "parity-late", "parity-caller") and workspace.zeroed is not None
+        self._parity = (slots in ("parity", "parity-caller") and workspace.zeroed is not None
                         and self._marked is not None)
-        self._parity_late = slots in ("parity-late", "parity-caller")
-        self._parity_parts = None    # (split capacity, O slot pairs, LSE slot pairs, tickets + phase words, views)
+        # Where a group's polled slots lie (read once per plan): "split" — split-major, each
+        # split's slots of every row together ([splits, B, Hq, q_len, D]); "group" — a row's
+        # splits side by side ([B, Hq, q_len, splits, D], LSEs [B, Hq, splits, q_len]), so a
+        # merger's polls and emptying cover one contiguous span per row (``slot_views``).
+        self._group_major = os.environ.get("FLEXATTN_DECODE_SLOT_LAYOUT", "split") == "group"
+        self._parity_parts = None    # (split capacity, O slots, LSE slots (flat, both sets), tickets + phase words, views)
         self._launches: dict = {}    # (kv blocks, SM count) -> choose_launch's (tuning, splits, cluster), polled
         self.q_heads = Hq
         self._parts: dict = {}       # (split count, polled) -> (scratch array, o_part, lse_part)
@@ -703,7 +730,7 @@ class DecodePlan:
             if kernel != (self.tuning, 1, False):
                 config = _with_launch(config, tuning, cluster, polled)
                 if polled and self._parity:
-                    config = dataclasses.replace(config, parity_slots=True, parity_zero_late=self._parity_late,
+                    config = dataclasses.replace(config, parity_slots=True,
                                                  caller_empties_slots=self._caller_empties)
                 elif polled and self._caller_empties:
                     config = dataclasses.replace(config, caller_empties_slots=True)
@@ -763,9 +790,8 @@ class DecodePlan:
         flat = (self._marked if polled else self._scratch)(splits * (o_size + lse_size))
         parts = self._parts.get((splits, polled))
         if parts is None or parts[0] is not flat:
-            o_shape, lse_shape = self.part_shapes
-            o_part = flat[:splits * o_size].reshape((splits,) + o_shape)
-            lse_part = flat[splits * o_size:splits * (o_size + lse_size)].reshape((splits,) + lse_shape)
+            o_part, lse_part = slot_views(flat[:splits * o_size], flat[splits * o_size:splits * (o_size + lse_size)],
+                                          splits, 1, self.part_shapes[0], polled and self._group_major)
             parts = self._parts[(splits, polled)] = (flat, o_part, lse_part)
         return (tuning, cluster, polled), splits, parts[1], parts[2]
 
@@ -784,15 +810,14 @@ class DecodePlan:
             from ..kernels.decode.polled_merge import MAX_SPLITS
 
             cap = min(MAX_SPLITS, max(splits, 16))
-            (o_size, lse_size), (o_shape, lse_shape) = self._part_sizes, self.part_shapes
+            o_size, lse_size = self._part_sizes
             flat = self.workspace.zeroed(2 * cap * (o_size + lse_size), "float32")
-            o_pairs = flat[:2 * cap * o_size].reshape((cap, 2) + o_shape)
-            lse_pairs = flat[2 * cap * o_size:].reshape((cap, 2) + lse_shape)
             words = self.workspace.zeroed(2 * self.batch * self.kv_heads * self.m_blocks, "int32")
-            parts = self._parity_parts = (cap, o_pairs, lse_pairs, words, {})
+            parts = self._parity_parts = (cap, flat[:2 * cap * o_size], flat[2 * cap * o_size:], words, {})
         views = parts[4].get(splits)
         if views is None:    # (made once per split count: a step's host time counts)
-            views = parts[4][splits] = (parts[1][:splits, 0], parts[2][:splits, 0])
+            views = parts[4][splits] = slot_views(parts[1], parts[2], splits, 2, self.part_shapes[0],
+                                                  self._group_major, capacity=parts[0])
         return views
 
     def _tickets_for(self, kernel: tuple):

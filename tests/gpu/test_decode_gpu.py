@@ -166,6 +166,16 @@ def assert_tickets_zero():
     assert int(tickets.count_nonzero()) == 0, tickets.nonzero().flatten().tolist()
 
 
+@pytest.fixture(params=["split", "group"])
+def slot_layout(request, monkeypatch):
+    """The polled slots split-major or group-major (FLEXATTN_DECODE_SLOT_LAYOUT,
+    ``decode_path.slot_views``); plans made under the other setting dropped."""
+    monkeypatch.setenv("FLEXATTN_DECODE_SLOT_LAYOUT", request.param)
+    decode_path._PREPARED.clear()
+    yield request.param
+    decode_path._PREPARED.clear()
+
+
 def run_kernel(q, cache, mask, score, num_sms, tuning=None, num_splits=None, sync=True):
     """decode_into with poisoned outputs and workspace."""
     B, Hq, n, D = q.shape
@@ -256,16 +266,15 @@ def test_decode_head_dims_against_reference(D, kind, page_size, group, q_len, nu
     assert_tickets_zero()
 
 
-@pytest.mark.parametrize("slots", ["parity", "parity-late"])
-def test_parity_slots_across_steps_and_split_counts(slots, monkeypatch):
-    """FLEXATTN_DECODE_SLOTS=parity and parity-late (``DecodeConfig.parity_slots``,
-    ``parity_zero_late``): steps queued back to back with new queries and split counts that
-    shrink and grow (the splits zero their shares of the other set, including slots a
-    larger last launch wrote past this launch's count), each against the float64
-    reference; the partials' views have the launch's split count in mode 0 (the grid's).
-    Afterwards the workspace's shared slots and tickets are untouched (zero), and each
-    group's phase word holds count 0, the parity of the launches on the plan, and the last
-    step's split count."""
+@pytest.mark.parametrize("slots", ["parity"])
+def test_parity_slots_across_steps_and_split_counts(slots, slot_layout, monkeypatch):
+    """FLEXATTN_DECODE_SLOTS=parity (``DecodeConfig.parity_slots``), split-major and
+    group-major: steps queued back to back with new queries and split counts that shrink
+    and grow (the splits zero their slots of the other set, including slots a larger last
+    launch wrote past this launch's count), each against the float64 reference; the
+    partials' views have the launch's split count in mode 0 (the grid's). Afterwards the
+    workspace's shared slots and tickets are untouched (zero), and each group's phase word
+    holds count 0, the parity of the launches on the plan, and the last step's split count."""
     monkeypatch.setenv("FLEXATTN_DECODE_SLOTS", slots)
     decode_path._PREPARED.clear()
     torch.manual_seed(3)
@@ -280,7 +289,6 @@ def test_parity_slots_across_steps_and_split_counts(slots, monkeypatch):
         q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
         out, lse, step = run_kernel(q, cache, mask, score, 132, num_splits=n, sync=False)
         assert step.num_splits == n and step.config.parity_slots and step.config.polled_merge, step
-        assert step.config.parity_zero_late == (slots == "parity-late")
         assert tuple(step.plan._parity_slots(n)[0].shape)[0] == n    # (mode 0: the grid's splits)
         steps.append((q, out, lse))
         plans.append(step.plan)
@@ -303,7 +311,7 @@ def test_parity_slots_across_steps_and_split_counts(slots, monkeypatch):
 
 
 @pytest.mark.parametrize("D", [32, 64, 96, 128, 256])
-def test_polled_merge_planned_for_a_long_window_step(D, prefix):
+def test_polled_merge_planned_for_a_long_window_step(D, prefix, slot_layout):
     """The planner's B 1 sliding-window step (many splits, no cluster) merges polled: the
     split that started last polls the others' partial slots. Three steps queued back to
     back with new queries (each finds the slots the one before emptied), each against the

@@ -169,15 +169,18 @@ def test_decode_ptx(compiled, name):
     assert re.search(rf"\.minnctapersm\s+{cfg.ctas_per_sm}\b", ptx)
     if cfg.polled_merge:
         # The polled merge: one relaxed start ticket (no acq_rel atomic, no fence) and its
-        # reset by the producer's idle warp, the merger flag handed on by barrier 3; every
+        # reset (parity slots: the phase's exchange by the merger), the merger flag handed on by barrier 3; every
         # partial value a relaxed store of its own (+0.0 as -0.0: D/2 O values and 2 LSEs
         # per thread); the merger's polling loads, the first round with the LSE, a trap
         # past the poll limit in both loops.
         assert len(re.findall(r"atom\.global(?:\.relaxed)?(?:\.gpu)?\.add", ptx)) == 1 and "acq_rel" not in ptx
-        assert ptx.count("atom.global.exch") == 1 and not re.search(r"membar\.gl|fence\.(sc|acq_rel)\.gpu", ptx)
+        # (parity slots: no reset by atomic, the merger stores the next phase)
+        assert ptx.count("atom.global.exch") == (not cfg.parity_slots)
+        assert not re.search(r"membar\.gl|fence\.(sc|acq_rel)\.gpu", ptx)
         assert re.search(r"bar\.arrive\s+3,", ptx) and re.search(r"bar\.sync\s+3,", ptx)
-        assert not re.search(r"bar\.sync\s+2,", ptx)
-        assert ptx.count("st.relaxed.gpu.global.b32") == cfg.head_dim // 2 + 2
+        # (parity slots: the merger's consumers sync once before it sets the next phase)
+        assert bool(re.search(r"bar\.sync\s+2,", ptx)) == cfg.parity_slots
+        assert ptx.count("st.relaxed.gpu.global.b32") == cfg.head_dim // 2 + 2 + cfg.parity_slots   # (+ the phase)
         assert ptx.count("0x80000000; st.relaxed") == cfg.head_dim // 2 + 2
         per_lane = cfg.head_dim // 32
         width = 4 if per_lane % 4 == 0 else 2 if per_lane % 2 == 0 else 1
@@ -185,7 +188,8 @@ def test_decode_ptx(compiled, name):
         vector = {4: ".v4", 2: ".v2", 1: ""}[width]
         assert ptx.count(f"ld.relaxed.gpu.global{vector}.b32") == 2 * chunk * per_lane // width + (width == 1)
         if width > 1:
-            assert ptx.count("ld.relaxed.gpu.global.b32") == 1   # the LSE
+            # the LSE (parity slots: and each consumer thread's read of the phase word)
+            assert ptx.count("ld.relaxed.gpu.global.b32") == 1 + cfg.parity_slots
         assert ptx.count("trap;") == 2
         assert "barrier.cluster" not in ptx and "mapa" not in ptx
     elif cfg.cluster_splits == 1:
@@ -294,17 +298,20 @@ def test_decode_no_spills(compiled, name):
     assert usage.registers * threads * cfg.ctas_per_sm <= 65536, usage   # the CTAs fit one SM
 
 
-def test_parity_slots_zero_the_other_set_before_the_stream(compiled):
-    """Parity slots: warp 1 counts the CTA in (one relaxed atomic; the last starter's
-    exchange sets the next launch's word) and zeroes this split's share of the other set
-    before it releases the consumers (barrier 3); the consumers wait on that barrier before
-    their partial stores (the set is the launch's parity, the slot the CTA's start
-    ticket), and after the merger's polls
-    nothing is stored but the merged row (no emptying on the step's tail). The emptied
-    kernel: barrier 3 after the partial stores, the emptying after the polls."""
+def test_parity_slots_store_without_waiting_and_zero_in_the_slack(compiled):
+    """Parity slots: warp 1 counts the CTA in (one relaxed atomic) and, in the merging
+    CTA, zeroes its own slots of the other set (16-byte stores) before it arrives on
+    barrier 3; each consumer thread reads the phase word itself at its start (before the
+    stream's first wgmma) and stores its partial without waiting on anything; after
+    barrier 3 the splits that do not merge zero the other set where they stored (paired
+    zeros), the merger polls, stores the merged row and, after a consumer barrier, sets
+    the next launch's phase (a relaxed store after everything: an atomic's return would
+    hold the merger's exit, ~0.15 µs on the H200). The emptied kernel: the
+    last starter resets the ticket at the start, the emptying after the polls."""
     def order(ptx):
         marks = []
-        for m in re.finditer(r"st\.global\.v4\.b32|bar\.arrive\s+3|bar\.sync\s+3|ld\.relaxed\.gpu\.global\.v4"
+        for m in re.finditer(r"st\.global\.v4\.b32|st\.global\.v2\.b32|bar\.arrive\s+3|bar\.sync\s+3|bar\.sync\s+2"
+                             r"|ld\.relaxed\.gpu\.global\.v4|ld\.relaxed\.gpu\.global\.b32|wgmma\.mma_async"
                              r"|atom\.global\.add|atom\.global\.exch|st\.relaxed\.gpu", ptx):
             mark = re.sub(r"\s+", " ", m.group(0))
             if not marks or marks[-1] != mark:
@@ -315,24 +322,45 @@ def test_parity_slots_zero_the_other_set_before_the_stream(compiled):
     ptx = {False: compiled["polled-window-band-prefix"],
            True: compile_decode(dataclasses.replace(cfg, parity_slots=True), fake_args(hook), keep_ptx=True,
                                 tvm_ffi=True).__ptx__}
-    assert order(ptx[True]) == ["atom.global.add", "atom.global.exch", "st.global.v4.b32", "bar.arrive 3",
-                                "bar.sync 3", "st.relaxed.gpu", "ld.relaxed.gpu.global.v4"]
-    assert order(ptx[False]) == ["atom.global.add", "atom.global.exch", "bar.arrive 3", "st.relaxed.gpu",
-                                 "bar.sync 3", "ld.relaxed.gpu.global.v4", "st.global.v4.b32"]
-    # parity_zero_late: nothing zeroed at the start; the splits that do not merge zero after
-    # their partial stores (the merger's share too), before the merge (which only the merger runs)
-    late = compile_decode(dataclasses.replace(cfg, parity_slots=True, parity_zero_late=True), fake_args(hook),
-                          keep_ptx=True, tvm_ffi=True).__ptx__
-    assert order(late) == ["atom.global.add", "atom.global.exch", "bar.arrive 3", "bar.sync 3",
-                           "st.relaxed.gpu", "st.global.v4.b32", "ld.relaxed.gpu.global.v4"]
-    assert resource_usage_from_ptx(late).spill_store_bytes == 0
+    polls = ["ld.relaxed.gpu.global.v4", "ld.relaxed.gpu.global.b32", "ld.relaxed.gpu.global.v4"]
+    stream = ["wgmma.mma_async"]
+    assert order(ptx[True]) == ["atom.global.add", "st.global.v4.b32", "bar.arrive 3", "ld.relaxed.gpu.global.b32",
+                                *stream, "st.relaxed.gpu", "bar.sync 3", "st.global.v2.b32", *polls,
+                                "st.global.v2.b32", "bar.sync 2", "st.relaxed.gpu"], order(ptx[True])
+    assert order(ptx[False]) == ["atom.global.add", "atom.global.exch", "bar.arrive 3", *stream, "st.relaxed.gpu",
+                                 "bar.sync 3", *polls, "st.global.v2.b32", "st.global.v4.b32"], order(ptx[False])
+    # the splits that do not merge zero every value they stored (the O values in pairs) and the LSE
+    assert ptx[True].count("st.global.v2.b32") - ptx[False].count("st.global.v2.b32") == 32
+    assert resource_usage_from_ptx(ptx[True]).spill_store_bytes == 0
     # the phase word: parity bit 16, the split count from bit 24
     assert re.search(r"shl\.b32\s+%r\d+, %r\d+, 24", ptx[True]) and not re.search(r"shl\.b32\s+%r\d+, %r\d+, 24",
                                                                                 ptx[False])
     with pytest.raises(ValueError, match="parity_slots"):
         DecodeConfig(parity_slots=True)
-    with pytest.raises(ValueError, match="parity_zero_late"):
-        DecodeConfig(polled_merge=True, parity_zero_late=True)
+
+
+@pytest.mark.parametrize("group_major", [False, True])
+@pytest.mark.parametrize("sets, capacity", [(1, None), (2, 16)])
+def test_slot_views_cover_their_slots_once(group_major, sets, capacity):
+    """``decode_path.slot_views``: views (never copies) [splits, B, Hq, q_len, D] and
+    [splits, B, Hq, q_len] over the flat slot arrays, every (split, row) slot its own
+    memory, the LSE's q_len contiguous; group-major puts a row's splits side by side (mode
+    0's stride: one slot, or two with parity sets), split-major a split's rows."""
+    import torch
+
+    B, Hq, q_len, D, splits = 2, 8, 3, 64, 5
+    cap = capacity or splits
+    o_flat, lse_flat = torch.zeros(cap * sets * B * Hq * q_len * D), torch.zeros(cap * sets * B * Hq * q_len)
+    o, lse = decode_path.slot_views(o_flat, lse_flat, splits, sets, (B, Hq, q_len, D), group_major, capacity)
+    assert tuple(o.shape) == (splits, B, Hq, q_len, D) and tuple(lse.shape) == (splits, B, Hq, q_len)
+    assert o.data_ptr() == o_flat.data_ptr() and lse.data_ptr() == lse_flat.data_ptr()
+    assert o.stride(-1) == 1 and lse.stride(-1) == 1
+    assert o.stride(0) == (sets * D if group_major else sets * B * Hq * q_len * D)
+    o.copy_(torch.arange(o.numel(), dtype=torch.float32).reshape(o.shape) + 1)
+    lse.copy_(torch.arange(lse.numel(), dtype=torch.float32).reshape(lse.shape) + 1)
+    for flat, view in ((o_flat, o), (lse_flat, lse)):
+        written = flat[flat != 0]
+        assert written.numel() == view.numel() and written.unique().numel() == view.numel()
 
 
 def test_caller_empties_slots_leaves_the_emptying_out(compiled):
@@ -349,10 +377,11 @@ def test_caller_empties_slots_leaves_the_emptying_out(compiled):
     assert ptx[False].count("st.global") - ptx[True].count("st.global") == 2
     assert ptx[False].count("st.relaxed.gpu.global.b32") == ptx[True].count("st.relaxed.gpu.global.b32")
     # with parity slots (parity-caller): no split zeroes the other set either
-    parity = dataclasses.replace(cfg, parity_slots=True, parity_zero_late=True)
-    zeroing = {c: compile_decode(dataclasses.replace(parity, caller_empties_slots=c), fake_args(hook), keep_ptx=True,
-                                 tvm_ffi=True).__ptx__.count("st.global.v4.b32") for c in (False, True)}
-    assert zeroing == {False: 1, True: 0}, zeroing
+    parity = dataclasses.replace(cfg, parity_slots=True)
+    zeroing = {c: [compile_decode(dataclasses.replace(parity, caller_empties_slots=c), fake_args(hook), keep_ptx=True,
+                                  tvm_ffi=True).__ptx__.count(f"st.global.{w}.b32") for w in ("v4", "v2")]
+               for c in (False, True)}
+    assert zeroing == {False: [1, 33], True: [0, 1]}, zeroing     # (the merged row: one v2 store)
     with pytest.raises(ValueError, match="caller_empties_slots"):
         DecodeConfig(caller_empties_slots=True)
 
@@ -658,7 +687,6 @@ def test_plan_parity_slots(monkeypatch):
     assert lse_part.data_ptr() == zeroed[0].data_ptr() + 4 * 2 * 16 * B * Hq * 128   # (capacity 16)
     assert all(a is b for a, b in zip(launches[0][7:10], launches[1][7:10]))     # the same every step
     assert plan._kernel((plan.tuning, 1, True))[0].parity_slots
-    assert not plan._kernel((plan.tuning, 1, True))[0].parity_zero_late
     # more splits than the capacity: new memory (tickets and phase words with it), all zero
     for n, cap_splits, allocations in ((13, 16, 2), (20, 20, 4), (17, 20, 4), (25, 25, 6)):
         _, splits, o_part, lse_part = plan._stage([4001, 38], 132, n)
@@ -669,13 +697,12 @@ def test_plan_parity_slots(monkeypatch):
     plan, launches = plan_with(None)                 # no zeroed memory: the shared scratch, emptied
     assert plan.run(q, k, k, None, out, lse, [4001, 38], 132) == 13
     assert launches[-1][7].data_ptr() == marked.data_ptr() and not plan._kernel((plan.tuning, 1, True))[0].parity_slots
-    # the variants' flags (the benchmarks' parity-caller: the parity-late kernel without its zeroing)
-    for slots, flags in (("parity-late", (True, True, False)), ("parity-caller", (True, True, True)),
-                         ("caller", (False, False, True))):
+    # the variants' flags (the benchmarks' parity-caller: the parity kernel without its zeroing)
+    for slots, flags in (("parity-caller", (True, True)), ("caller", (False, True))):
         monkeypatch.setenv("FLEXATTN_DECODE_SLOTS", slots)
         decode_path._PREPARED.clear()   # (a plan reads the setting once)
         config = plan_with(get_zeroed)[0]._kernel((plan.tuning, 1, True))[0]
-        assert (config.parity_slots, config.parity_zero_late, config.caller_empties_slots) == flags, slots
+        assert (config.parity_slots, config.caller_empties_slots) == flags, slots
 
 
 def test_band_prefix():

@@ -6,8 +6,11 @@ acknowledged), the ticket's atomic round trip, then the merging CTA's loads of e
 partial, ~1.2 + 1.9 µs on the H200 (benchmarks/decode_timeline.py). Here the partial
 slots themselves say whether they are written, so nothing waits for a fence or a ticket:
 
-* Between steps every slot of the partials' workspace holds the bits 0 (``EMPTY``): the
-  workspace is allocated zeroed, and each merge zeroes the slots it read.
+* Every slot a launch uses holds the bits 0 (``EMPTY``) when it starts: the memory is
+  allocated zeroed, and either each merge zeroes the slots it read (``empty``, the
+  workspace's shared slots) or, with parity slots (``DecodeConfig.parity_slots``, the
+  default where the plan has memory of its own), the launches alternate between two sets
+  and each zeroes the other set's slots outside the merger's path (decode/sm90.py).
 * A split stores each value with a relaxed GPU-scope store, +0.0 as -0.0 (the same
   number to every use the merge makes of it), so a written slot is never all-zero bits.
 * One CTA per group merges: the split that started last (a relaxed ticket taken at the

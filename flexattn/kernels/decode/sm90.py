@@ -28,13 +28,13 @@ One CTA handles one (kv split) x (kv head, packed-row block) x (batch) work item
   at the CTA's start) polls them and merges: no fence, no ticket after the stream. The
   merger waits only for splits that have started, which never wait: it cannot deadlock.
   The merger then empties the slots it read. With `parity_slots` (opt-in) the slots come
-  in two sets used by launch parity, in the plan's own memory, a partial in the slot of
-  its CTA's start ticket: each split zeroes its share of the other set (at its start, or
-  with `parity_zero_late` after its partial stores, the merger's share too), and no merger
-  empties anything. Not faster (H200, B1 L128k window 4096, 2026-12-01): 13.8-14.3 us
-  against the emptied 13.8-14.0; the parity kernel with no zeroing at all reads the same,
-  while the emptied kernel without its emptying reads 13.3-13.6 — the parity bookkeeping,
-  not the zero stores, costs what the emptying would save.
+  in two sets used by launch parity, in the plan's own memory: each consumer thread reads
+  its group's phase word at its start and stores its partial in the launch's set (no
+  barrier before the stores); the splits that do not merge then zero their slots of the
+  other set (the last launch's) where they stored, in their slack; the merger's warp 1
+  zeroes its own at the CTA's start, and the merger flips the phase after its merge. No
+  merger empties anything. (Session 69's design, partials by start ticket, the consumers
+  waiting for it before their stores, was no faster than the emptying: docs/experiments.md.)
 * Cluster merge (`cluster_splits` > 1: the launch's splits are one cluster per group):
   each CTA keeps its partial in its own shared memory (fp32 O rows over the K ring, LSEs
   over the V ring), a cluster barrier publishes them, CTA `rank` merges rows r = rank
@@ -87,6 +87,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from flexattn.kernels.emit import interval_emit
 from flexattn.kernels.hopper import dsmem, mma
+from flexattn.kernels.hopper.atomics import ld_relaxed_s32, st_relaxed_s32
 from flexattn.kernels.decode.combine import inverse_and_lse, lane_columns, log2_shift, merge_splits
 from flexattn.kernels.decode.polled_merge import merge_polled_splits, store_marked_f32, zero_lane_columns
 from flexattn.kernels.emit.mod_hook import NO_MODS, FragmentCoords, ModHook, kept_if
@@ -107,7 +108,6 @@ TIMELINE_STAMPS = 20    # per CTA: entry, producer start, Q loaded, first block 
                         # and V arrived (17, 18: the consumer's waits done), unused
 CLUSTER_SPLITS = (1, 2, 4, 8, 16)   # cluster merge sizes; 16 is a non-portable cluster size,
                                     # which CuTeDSL allows on every kernel it builds (H100: 16)
-MERGE_FLAGS = {False: 2, True: 4}   # the CTA's merge flags in shared memory (by parity_slots)
 PREFIX_SCAN_LIMIT = 16  # buffer spans the masked-prefix analysis scans: q rows, not kv ranges
 
 
@@ -132,16 +132,14 @@ class DecodeConfig(KernelConfig):
                                  # zeroed between steps) instead of a ticket after the stream
     parity_slots: bool = False   # polled merge: two sets of partial slots, used by launch
                                  # parity (a phase word per group past the tickets: the
-                                 # count started, parity, the last launch's split count);
-                                 # a split's partial goes to the slot of its start ticket,
-                                 # each split zeroes its share of the other set (the last
-                                 # launch's) at its start (idle warp 1), and no merger
-                                 # empties anything (mOPart / mLSEPart: this launch's
-                                 # splits, mode 0's stride spanning a slot in both sets,
-                                 # interleaved: the plan's own zeroed memory)
-    parity_zero_late: bool = False  # parity slots: the splits that do not merge zero the
-                                 # other set (the merger's share too) after their partial
-                                 # stores, in their slack: nothing stored on the ramp
+                                 # count started, parity, the last launch's split count,
+                                 # read by each consumer thread at its start); no merger
+                                 # empties anything: the splits that do not merge zero their
+                                 # slots of the other set (the last launch's) after their
+                                 # partial stores, the merger's warp 1 its own at its start
+                                 # (mOPart / mLSEPart: this launch's splits, mode 0's stride
+                                 # spanning a slot in both sets, interleaved: the plan's own
+                                 # zeroed memory)
     caller_empties_slots: bool = False  # benchmarks only (decode_floor.py --zero-slots, never
                                  # planned): the polled merge leaves the slots it read
                                  # written, the caller zeroes them between steps — what the
@@ -194,8 +192,6 @@ class DecodeConfig(KernelConfig):
                              f"{self.cluster_splits} and {self.head_dim}")
         if self.parity_slots and not self.polled_merge:
             raise ValueError("parity_slots needs polled_merge")
-        if self.parity_zero_late and not self.parity_slots:
-            raise ValueError("parity_zero_late needs parity_slots")
         if self.caller_empties_slots and not self.polled_merge:
             raise ValueError("caller_empties_slots needs polled_merge")
         if self.smem_bytes > self.smem_limit:
@@ -337,7 +333,7 @@ class DecodeSm90(WarpSpecialized):
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
-            last_arrival: cute.struct.MemRange[Int32, MERGE_FLAGS[cfg.parity_slots]]
+            last_arrival: cute.struct.MemRange[Int32, 2]
 
         scale_log2 = Float32(LOG2_E)
         if const_expr(not self.mods.has_score):
@@ -427,9 +423,13 @@ class DecodeSm90(WarpSpecialized):
         count = cutlass.min(first + per_split, n_hi) - first
         self._stamp(stamps, 11, warp_idx == 4)
         # [0]: whether this CTA merges its group (set by whoever counts it in: _count_in);
-        # parity slots: [1] this launch's set (0 or 1), [2] the CTA's start ticket (its
-        # partial's slot), [3] the last launch's split count (_take_parity_ticket)
-        sMerges = storage.last_arrival.get_tensor(cute.make_layout(MERGE_FLAGS[cfg.parity_slots]))
+        # [1]: parity slots, the phase word as the ticket found it (_take_parity_ticket)
+        sMerges = storage.last_arrival.get_tensor(cute.make_layout(2))
+        # Parity slots: the group's phase word, past the groups' tickets (the count started,
+        # the launch's parity, the last launch's split count: _take_parity_ticket)
+        phase_word = None
+        if const_expr(cfg.parity_slots):
+            phase_word = mTickets.iterator + ((mQ.shape[0] + batch) * head_blocks + head_block)
 
         # The cluster merge's view of a split's partial: fp32 O rows over the K ring, LSEs
         # over the V ring (both free once the stream has ended).
@@ -451,10 +451,8 @@ class DecodeSm90(WarpSpecialized):
                 if warp_idx == 1:
                     if num_splits > 1:
                         if const_expr(cfg.parity_slots):
-                            # (the phase words follow the groups' tickets)
-                            self._take_parity_ticket(
-                                mTickets.iterator + ((mQ.shape[0] + batch) * head_blocks + head_block), num_splits,
-                                sMerges, mOPart, mLSEPart, head_kv, group, q_len, rows, m_block, batch)
+                            self._take_parity_ticket(phase_word, num_splits, sMerges, mOPart, mLSEPart, split,
+                                                     head_kv, group, q_len, rows, m_block, batch)
                         else:
                             self._take_start_ticket(mTickets.iterator + (batch * head_blocks + head_block),
                                                     num_splits, sMerges)
@@ -465,24 +463,38 @@ class DecodeSm90(WarpSpecialized):
                     cute.arch.cluster_wait()
         else:
             self.enter_consumer(cfg.regs)
+            # Parity slots: every consumer thread reads its group's phase word itself, at its
+            # start (used only by its partial's stores: no barrier before them). Its parity
+            # and last count hold all launch: only the merger changes the word, after every
+            # split's partial — stored at addresses that depend on this read.
+            phase = Int32(0)
+            if const_expr(cfg.parity_slots):
+                phase = ld_relaxed_s32(phase_word)
             self.consume(mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
                          pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block,
                          batch, seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps, sPart, sLSE,
-                         sMerges)
+                         phase)
             if const_expr(cfg.polled_merge):
                 if num_splits > 1:
+                    tidx = cute.arch.thread_idx()[0] - 128
                     self._stamp(stamps, 5, warp_idx == 4)
-                    if const_expr(not cfg.parity_slots):   # (parity slots: synced before the stores)
-                        DecodeBarrier.MERGER.sync(self.num_mma_threads + 32)
-                    if const_expr(cfg.parity_zero_late and not cfg.caller_empties_slots):
-                        if sMerges[0] == 0:   # the other splits zero for the merger too: tickets < splits - 1
-                            tidx = cute.arch.thread_idx()[0] - 128
-                            self._zero_other_set(mOPart, mLSEPart, sMerges[2], num_splits - 1, 1 - sMerges[1],
-                                                 sMerges[3], tidx // 32, self.num_mma_threads // 32, tidx % 32,
-                                                 head_kv, group, q_len, rows, m_block, batch)
-                    if sMerges[0] != 0:
-                        self._merge_group(mO, mLSE, mOPart, mLSEPart, cute.arch.thread_idx()[0] - 128, head_kv,
-                                          group, q_len, rows, m_block, batch, stamps, sMerges)
+                    DecodeBarrier.MERGER.sync(self.num_mma_threads + 32)
+                    if sMerges[0] == 0:
+                        if const_expr(cfg.parity_slots and not cfg.caller_empties_slots):
+                            # In this split's slack: the last launch's partial, where this thread wrote it.
+                            self._zero_own_positions(mOPart, mLSEPart, phase, split, num_splits,
+                                                     tiled_mma_pv.get_slice(tidx), head_kv, group, q_len, rows,
+                                                     m_block, batch)
+                    else:
+                        self._merge_group(mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block,
+                                          batch, stamps, phase)
+                        if const_expr(cfg.parity_slots):
+                            # Every row merged, so every split's phase reads are done: the next
+                            # launch's phase (count 0, parity flipped, this split count), by a
+                            # store (no atomic: its return would hold the merger's exit).
+                            DecodeBarrier.ARRIVAL.sync(self.num_mma_threads)
+                            if tidx == 0:
+                                st_relaxed_s32(phase_word, ((1 - _parity(phase)) << 16) | (num_splits << 24))
                         self._stamp(stamps, 6, warp_idx == 4)
             elif const_expr(cfg.cluster_splits == 1):
                 if num_splits > 1:
@@ -681,7 +693,7 @@ class DecodeSm90(WarpSpecialized):
     def consume(self, mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
                 pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block, batch,
                 seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps=None, sPart=None, sLSE=None,
-                sMerges=None):
+                phase=None):
         cfg = self.cfg
         if const_expr(mod_args is None):
             mod_args = ()
@@ -771,15 +783,9 @@ class DecodeSm90(WarpSpecialized):
         if const_expr(cfg.cluster_splits > 1):
             self._partial_to_smem(acc_O, lse, sPart, sLSE, thr_pv, rows, m_block)
         else:
-            slot = split   # the partial's slot (parity slots: by the CTA's start ticket)
-            if const_expr(cfg.parity_slots):
-                this_set = Int32(0)
-                if num_splits > 1:
-                    DecodeBarrier.MERGER.sync(self.num_mma_threads + 32)   # warp 1 took the ticket
-                    this_set = sMerges[1]
-                    slot = sMerges[2]
-                mOPart, mLSEPart = self._slot_set(mOPart, mLSEPart, this_set)
-            self.epilogue(acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, slot, num_splits,
+            if const_expr(cfg.parity_slots):   # (this launch's set: the phase's parity)
+                mOPart, mLSEPart = self._slot_set(mOPart, mLSEPart, _parity(phase))
+            self.epilogue(acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, split, num_splits,
                           head_kv, group, q_len, rows, m_block, batch)
 
     def _slot_set(self, mOPart, mLSEPart, which):
@@ -845,11 +851,11 @@ class DecodeSm90(WarpSpecialized):
         return kv_state
 
     @cute.jit
-    def epilogue(self, acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, slot, num_splits,
+    def epilogue(self, acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, split, num_splits,
                  head_kv, group, q_len, rows, m_block, batch):
         """O rows straight from registers to their (q head, query row) in global memory:
-        the final O in the input dtype with one split, else this split's fp32 partial, in slot
-        ``slot`` (its split index; parity slots: its start ticket)."""
+        the final O in the input dtype with one split, else this split's fp32 partial, in its
+        slot (``_zero_own_positions`` mirrors these stores)."""
         cfg = self.cfg
         cO = cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))
         tOcO = mma.acc_mn_view(thr_pv.partition_C(cO))
@@ -865,18 +871,42 @@ class DecodeSm90(WarpSpecialized):
                     if tOcO[r, 0][1] == 0:
                         mLSE[batch, head, qi] = lse[r]
                 elif const_expr(cfg.polled_merge):   # slots that mark themselves written
-                    gO = mOPart[slot, batch, head, qi, None]
+                    gO = mOPart[split, batch, head, qi, None]
                     for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
                         store_marked_f32(gO.iterator + tOcO[r, c][1], o_mn[r, c])
                     if tOcO[r, 0][1] == 0:
-                        store_marked_f32(mLSEPart.iterator + cute.crd2idx((slot, batch, head, qi), mLSEPart.layout),
+                        store_marked_f32(mLSEPart.iterator + cute.crd2idx((split, batch, head, qi), mLSEPart.layout),
                                          lse[r])
                 else:
-                    gO = mOPart[slot, batch, head, qi, None]
+                    gO = mOPart[split, batch, head, qi, None]
                     for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
                         gO[tOcO[r, c][1]] = o_mn[r, c]
                     if tOcO[r, 0][1] == 0:
-                        mLSEPart[slot, batch, head, qi] = lse[r]
+                        mLSEPart[split, batch, head, qi] = lse[r]
+
+    @cute.jit
+    def _zero_own_positions(self, mOPart, mLSEPart, phase, split, num_splits, thr_pv, head_kv, group, q_len, rows,
+                            m_block, batch):
+        """Parity slots, a split that does not merge, after its partial stores: zero the
+        other set's slots split + k * splits below the last launch's split count, each
+        thread where the epilogue stores (the same fragment positions in every slot) — the
+        last launch's partials, read by its merger (stream order). ``phase``: the word this
+        thread read at its start, whose parity addressed its partial's stores, so the read
+        precedes the merger's flip."""
+        cfg = self.cfg
+        mOPart, mLSEPart = self._slot_set(mOPart, mLSEPart, 1 - _parity(phase))
+        cO = cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))
+        tOcO = mma.acc_mn_view(thr_pv.partition_C(cO))
+        for j in cutlass.range(split, _last_count(phase), num_splits, unroll=1):
+            for r in cutlass.range_constexpr(cute.size(tOcO.shape[0])):
+                p = m_block * cfg.tile_m + tOcO[r, 0][0]
+                if p < rows:
+                    head, qi = packed_row(p, head_kv, group, q_len)
+                    gO = mOPart[j, batch, head, qi, None]
+                    for c in cutlass.range_constexpr(cute.size(tOcO.shape[1])):
+                        gO[tOcO[r, c][1]] = Float32(0.0)
+                    if tOcO[r, 0][1] == 0:
+                        mLSEPart[j, batch, head, qi] = Float32(0.0)
 
 
     @cute.jit
@@ -983,58 +1013,51 @@ class DecodeSm90(WarpSpecialized):
         DecodeBarrier.MERGER.arrive(self.num_mma_threads + 32)
 
     @cute.jit
-    def _take_parity_ticket(self, word, num_splits, sFlag, mOPart, mLSEPart, head_kv, group, q_len, rows,
+    def _take_parity_ticket(self, word, num_splits, sFlag, mOPart, mLSEPart, split, head_kv, group, q_len, rows,
                             m_block, batch):
         """Parity slots, by the producer warpgroup's idle warp 1 at the CTA's start. Its
         group's phase word holds the count of started splits (bits 0-15), the launch's
-        parity (bit 16) and the last launch's split count (bits 24-31). Count this CTA in:
-        its ticket (the count before it) is its partial's slot in this launch's set; the
-        last to start merges (``sFlag[0]``) and sets the word for the next launch (count 0,
-        parity flipped, this launch's split count) — every split of this launch has
-        counted, so none reads it again. ``sFlag[1]``: this launch's set (the parity),
-        ``sFlag[2]``: the ticket, ``sFlag[3]``: the last launch's split count, for the
-        consumers (``DecodeBarrier.MERGER``) and this warp.
+        parity (bit 16: the set its partials go to) and the last launch's split count (bits
+        24-31). Count this CTA in; the last to start merges (``sFlag[0]``, to the consumers
+        through ``DecodeBarrier.MERGER``) and, after its merge, sets the word for the next
+        launch (count 0, parity flipped, this split count). ``sFlag[1]``: the word found.
 
         The other set holds the last launch's partials (slots below its split count), read
-        by its merger (stream order); no one reads or writes it in this launch, so zeroing
-        it needs no ordering beyond the launches' own. Here (not ``parity_zero_late``) each
-        split zeroes slots ticket + k * splits now; with ``parity_zero_late`` the splits
-        that do not merge zero slots ticket + k * (splits - 1) after their partial stores,
-        so nothing is stored on the ramp or by the merger."""
+        by its merger (stream order): no one reads or writes it in this launch but the
+        zeroing. A split that does not merge zeroes its slots (split + k * splits) after its
+        partial stores (``_zero_own_positions``); the merger's warp 1 zeroes its own here,
+        as soon as it knows it merges: 2 KB (B1 Hq32 D128) in 1 CTA of 13, off its tail."""
         cfg = self.cfg
         lane = cute.arch.lane_idx()
         if lane == 0:
             old = cute.arch.atomic_add(word, Int32(1), sem="relaxed", scope="gpu")
-            ticket = old & 0xFFFF
-            parity = (old >> 16) & 1
             last = Int32(0)
-            if ticket == num_splits - 1:
+            if (old & 0xFFFF) == num_splits - 1:
                 last = Int32(1)
-                cute.arch.atomic_exch(word, ((1 - parity) << 16) | (num_splits << 24), sem="relaxed", scope="gpu")
             sFlag[0] = last
-            sFlag[1] = parity
-            sFlag[2] = ticket
-            sFlag[3] = (old >> 24) & 0xFF
+            sFlag[1] = old
         cute.arch.sync_warp()   # (lane 0's flags, to the warp's lanes)
-        if const_expr(not cfg.parity_zero_late and not cfg.caller_empties_slots):
-            self._zero_other_set(mOPart, mLSEPart, sFlag[2], num_splits, 1 - sFlag[1], sFlag[3], Int32(0), 1, lane,
-                                 head_kv, group, q_len, rows, m_block, batch)
-        cute.arch.sync_warp()
+        if const_expr(not cfg.caller_empties_slots):
+            if sFlag[0] != 0:
+                found = sFlag[1]
+                self._zero_other_set(mOPart, mLSEPart, split, num_splits, 1 - _parity(found), _last_count(found),
+                                     lane, head_kv, group, q_len, rows, m_block, batch)
+            cute.arch.sync_warp()
         DecodeBarrier.MERGER.arrive(self.num_mma_threads + 32)
 
     @cute.jit
-    def _zero_other_set(self, mOPart, mLSEPart, first, step, other, prev, warp, warps: cutlass.Constexpr[int],
-                        lane, head_kv, group, q_len, rows, m_block, batch):
-        """Parity slots: zero slots j = first + k * step of set ``other`` below ``prev``, the
-        last launch's split count (past this launch's count, mode 0's size, where it
-        shrank: the plan's memory holds its capacity); the tile's rows from ``warp`` in
-        steps of ``warps``, each lane D/32 columns."""
+    def _zero_other_set(self, mOPart, mLSEPart, first, step, other, prev, lane, head_kv, group, q_len, rows,
+                        m_block, batch):
+        """Parity slots, one warp: zero slots j = first + k * step of set ``other`` below
+        ``prev``, the last launch's split count (past this launch's count, mode 0's size,
+        where it shrank: the plan's memory holds its capacity); every row of the tile, each
+        lane D/32 columns."""
         cfg = self.cfg
         mOPart, mLSEPart = self._slot_set(mOPart, mLSEPart, other)
         p_lo = m_block * cfg.tile_m
         tile_rows = cutlass.min(cfg.tile_m, rows - p_lo)
         for j in cutlass.range(first, prev, step, unroll=1):
-            for r in cutlass.range(warp, tile_rows, warps, unroll=1):
+            for r in cutlass.range(tile_rows, unroll=1):
                 head, qi = packed_row(p_lo + r, head_kv, group, q_len)
                 zero_lane_columns(mOPart[j, batch, head, qi, None], lane, cfg.head_dim)
                 if lane == 0:
@@ -1042,14 +1065,14 @@ class DecodeSm90(WarpSpecialized):
 
     @cute.jit
     def _merge_group(self, mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block, batch,
-                     stamps=None, sMerges=None):
+                     stamps=None, phase=None):
         """The merging split CTA of a group (tickets: the last to arrive; polled: the last to
         start): merge every split's partial of the tile's rows into O (input dtype) and LSE,
         one consumer warp per row (rows strided over warps). Parity slots: the launch's set
-        (``sMerges[1]``); nothing emptied."""
+        (``phase``'s parity); nothing emptied."""
         cfg = self.cfg
         if const_expr(cfg.parity_slots):
-            mOPart, mLSEPart = self._slot_set(mOPart, mLSEPart, sMerges[1])
+            mOPart, mLSEPart = self._slot_set(mOPart, mLSEPart, _parity(phase))
         merge = merge_polled_splits if const_expr(cfg.polled_merge) else merge_splits
         warp = tidx // 32
         lane = tidx % 32
@@ -1065,6 +1088,16 @@ class DecodeSm90(WarpSpecialized):
                         lane, cfg.head_dim, *probe, **empty)
             if lane == 0:
                 mLSE[batch, head, qi] = lse
+
+
+def _parity(phase):
+    """A phase word's parity (bit 16): the set of slots this launch's partials go to."""
+    return (phase >> 16) & 1
+
+
+def _last_count(phase):
+    """A phase word's last split count (bits 24-31): the other set's slots still written."""
+    return (phase >> 24) & 0xFF
 
 
 def _leaves(tree) -> list:

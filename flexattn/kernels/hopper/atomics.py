@@ -107,6 +107,28 @@ def ld_acquire_s32(ptr, *, loc=None, ip=None) -> Int32:
     ))
 
 
+@dsl_user_op
+def ld_relaxed_s32(ptr, *, loc=None, ip=None) -> Int32:
+    """*ptr (global int32) by a relaxed GPU-scope load: the value in L2, never a stale L1
+    line; no ordering beyond the data dependencies on it."""
+    return Int32(llvm.inline_asm(
+        T.i32(),
+        [ptr.toint(loc=loc, ip=ip).ir_value()],
+        "ld.relaxed.gpu.global.b32 $0, [$1];",
+        "=r,l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
+
+
+@dsl_user_op
+def st_relaxed_s32(ptr, value, *, loc=None, ip=None) -> None:
+    """*ptr = value (global int32) by a relaxed GPU-scope store: nothing comes back, so the
+    thread need not wait for it (an atomic exchange returns the old value: a round trip)."""
+    _s32_at("st.relaxed.gpu.global.b32 [$0], $1;", ptr, value, False, loc, ip)
+
+
 def _s32_at(asm: str, ptr, value, returns: bool, loc, ip):
     """One int32 atomic `asm` on ptr's address ($0, or $1 after the result) and `value`."""
     operands = [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)]
