@@ -96,30 +96,14 @@ def bulk_store(gmem_ptr, smem_ptr, num_bytes: int, *, loc=None, ip=None) -> None
 def ld_acquire_s32(ptr, *, loc=None, ip=None) -> Int32:
     """*ptr (global int32), with acquire semantics at GPU scope: memory operations after
     it are ordered after the writes released by the `red_release_add_s32` it observes."""
-    return Int32(llvm.inline_asm(
-        T.i32(),
-        [ptr.toint(loc=loc, ip=ip).ir_value()],
-        "ld.acquire.gpu.global.b32 $0, [$1];",
-        "=r,l",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    ))
+    return _load_s32("ld.acquire.gpu.global.b32 $0, [$1];", ptr, loc, ip)
 
 
 @dsl_user_op
 def ld_relaxed_s32(ptr, *, loc=None, ip=None) -> Int32:
     """*ptr (global int32) by a relaxed GPU-scope load: the value in L2, never a stale L1
     line; no ordering beyond the data dependencies on it."""
-    return Int32(llvm.inline_asm(
-        T.i32(),
-        [ptr.toint(loc=loc, ip=ip).ir_value()],
-        "ld.relaxed.gpu.global.b32 $0, [$1];",
-        "=r,l",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    ))
+    return _load_s32("ld.relaxed.gpu.global.b32 $0, [$1];", ptr, loc, ip)
 
 
 @dsl_user_op
@@ -129,8 +113,15 @@ def st_relaxed_s32(ptr, value, *, loc=None, ip=None) -> None:
     _s32_at("st.relaxed.gpu.global.b32 [$0], $1;", ptr, value, False, loc, ip)
 
 
+def _load_s32(asm: str, ptr, loc, ip) -> Int32:
+    """One int32 load `asm` ($0 the value, $1 ptr's address)."""
+    return Int32(llvm.inline_asm(T.i32(), [ptr.toint(loc=loc, ip=ip).ir_value()], asm, "=r,l",
+                                 has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
 def _s32_at(asm: str, ptr, value, returns: bool, loc, ip):
-    """One int32 atomic `asm` on ptr's address ($0, or $1 after the result) and `value`."""
+    """One int32 access `asm` (an atomic, a reduction, a store) on ptr's address ($0, or $1 after the
+    result) and `value`."""
     operands = [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)]
     result = llvm.inline_asm(T.i32() if returns else None, operands, asm, "=r,l,r" if returns else "l,r",
                              has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
