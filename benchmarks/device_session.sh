@@ -97,7 +97,9 @@
 # (the decode + short-query suites with parity; ~6 min), parity-floor (decode_floor's B1 L128k window row emptied /
 # parity / parity-caller / caller in alternating processes, four rounds, ~3 min), parity-timeline (that step's
 # timeline with marks for emptied / caller / parity / parity-caller: stream or tail; ~6 min),
-# split-count (decode_floor's B1 L128k window row: emptied and parity with the planner's 13 splits, parity with 14,
+# balanced (FLEXATTN_DECODE_BALANCED=1, opt-in: balanced split ranges, the planner's counts untrimmed — B1 L128k
+# window 16 splits instead of 13; its GPU tests, then decode_floor's row both ways in alternating processes, five
+# rounds; ~3 min), split-count (decode_floor's B1 L128k window row: emptied and parity with the planner's 13 splits, parity with 14,
 # 15 and 16 balanced splits; three rounds, ~3 min), slot-layout (the polled slots split-major or group-major, FLEXATTN_DECODE_SLOT_LAYOUT: their GPU tests, then
 # decode_floor's B1 L128k window row for emptied / caller x split / group, alternating, four rounds; ~5 min).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
@@ -396,6 +398,14 @@ for step in $steps; do
                        --rows 1x131072:window4096 $splits
                    done
                  done ;;
+    balanced) run balanced_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
+                -k "balanced_splits or parity_slots or polled_merge_planned"
+              for i in 1 2 3 4 5; do
+                for b in 0 1; do
+                  FLEXATTN_DECODE_BALANCED=$b FLEXATTN_CACHE_DIR=/tmp/flexattn-balanced-$b \
+                    run balanced_floor_${b}_$i 40 python3 benchmarks/decode_floor.py --rows 1x131072:window4096
+                done
+              done ;;
     slot-layout) run slot_layout_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
                    -k "parity_slots or polled_merge_planned"
                  for i in 1 2 3 4; do

@@ -91,7 +91,7 @@ ONE_CTA_TUNING = DecodeTuning(tile_n=64, num_stages=6, ctas_per_sm=1)
 
 
 def choose_launch(batch: int, kv_heads: int, m_blocks: int, kv_blocks: int, num_sms: int,
-                  tuning: DecodeTuning = DEFAULT_TUNING) -> tuple:
+                  tuning: DecodeTuning = DEFAULT_TUNING, balanced: bool = False) -> tuple:
     """(tuning, splits, cluster) of a step whose longest sequence visits ``kv_blocks``
     blocks (``live_blocks``): ``choose_splits``, and how the splits merge.
 
@@ -107,11 +107,12 @@ def choose_launch(batch: int, kv_heads: int, m_blocks: int, kv_blocks: int, num_
     a ring three times as deep streams as fast with half as many: fewer partials to merge
     (B 8 L 8k: 2 splits merged in pairs, 93.6 against 95.8 µs with 4 and tickets; a ticket
     merge of 33 splits takes ~4 µs, of 16 ~2 µs: benchmarks/RESULTS.md, sessions 11-12).
-    Explicit tunings are kept."""
-    splits = choose_splits(batch, kv_heads, m_blocks, kv_blocks, num_sms, tuning)
+    Explicit tunings are kept. ``balanced``: the kernel's ranges balanced
+    (``DecodeConfig.balanced_splits``), so the counts are not trimmed."""
+    splits = choose_splits(batch, kv_heads, m_blocks, kv_blocks, num_sms, tuning, balanced)
     if splits >= 4 and tuning == DEFAULT_TUNING:
         deep = dataclasses.replace(ONE_CTA_TUNING, cluster_merge=tuning.cluster_merge)
-        fewer = choose_splits(batch, kv_heads, m_blocks, kv_blocks, num_sms, deep)
+        fewer = choose_splits(batch, kv_heads, m_blocks, kv_blocks, num_sms, deep, balanced)
         if 2 * fewer <= splits + 1:
             tuning, splits = deep, fewer
     if tuning.cluster_merge and splits == 2:
@@ -120,7 +121,7 @@ def choose_launch(batch: int, kv_heads: int, m_blocks: int, kv_blocks: int, num_
 
 
 def choose_splits(batch: int, kv_heads: int, m_blocks: int, kv_blocks: int, num_sms: int,
-                  tuning: DecodeTuning = DEFAULT_TUNING) -> int:
+                  tuning: DecodeTuning = DEFAULT_TUNING, balanced: bool = False) -> int:
     """Number of kv splits per (batch, kv head, row block).
 
     A memory-bound step needs every SM streaming. ``batch * kv_heads * m_blocks`` CTAs
@@ -128,7 +129,8 @@ def choose_splits(batch: int, kv_heads: int, m_blocks: int, kv_blocks: int, num_
     waves`` (the resident CTA slots, times the waves the tuning aims for) — more would only
     add partial results to merge — and no split gets fewer than ``MIN_KEYS_PER_SPLIT``
     keys of the ``kv_blocks`` blocks (those the longest sequence visits). The count is then trimmed
-    so that the longest sequence leaves no split empty.
+    so that the longest sequence leaves no split empty (ceil(blocks / splits) each), unless
+    ``balanced`` (the kernel's ``balanced_splits``: no split is empty while splits <= blocks).
     Examples (132 SMs, Hkv 8, one slot per SM): B 8 → 2 splits (128 CTAs); B 1, 128k keys
     → 16 (128 CTAs); B 64 → 1."""
     ctas = batch * kv_heads * m_blocks
@@ -137,6 +139,8 @@ def choose_splits(batch: int, kv_heads: int, m_blocks: int, kv_blocks: int, num_
     slots = num_sms * tuning.ctas_per_sm * tuning.waves
     min_blocks = max(1, MIN_KEYS_PER_SPLIT // tuning.tile_n)
     splits = max(1, min(slots // ctas, kv_blocks // min_blocks))
+    if balanced:
+        return splits
     per_split = -(-kv_blocks // splits)
     return -(-kv_blocks // per_split)
 
@@ -684,6 +688,10 @@ class DecodePlan:
         # splits side by side ([B, Hq, q_len, splits, D], LSEs [B, Hq, splits, q_len]), so a
         # merger's polls and emptying cover one contiguous span per row (``slot_views``).
         self._group_major = os.environ.get("FLEXATTN_DECODE_SLOT_LAYOUT", "split") == "group"
+        # FLEXATTN_DECODE_BALANCED=1 (opt-in, read once per plan): split ranges balanced, the
+        # planner's counts untrimmed (``DecodeConfig.balanced_splits``; B1 L128k window: 16
+        # splits 13.4-13.7 µs against the planner's 13 at 13.5-13.8, H200, session 70).
+        self._balanced = os.environ.get("FLEXATTN_DECODE_BALANCED", "0") == "1"
         self._parity_parts = None    # (split capacity, O slots, LSE slots (flat, both sets), tickets + phase words, views)
         self._launches: dict = {}    # (kv blocks, SM count) -> choose_launch's (tuning, splits, cluster), polled
         self.q_heads = Hq
@@ -734,6 +742,8 @@ class DecodePlan:
                                                  caller_empties_slots=self._caller_empties)
                 elif polled and self._caller_empties:
                     config = dataclasses.replace(config, caller_empties_slots=True)
+            if self._balanced:
+                config = dataclasses.replace(config, balanced_splits=True)
             hit = self._kernels[kernel] = (config, decode_runner(config, self.ffi))
         return hit
 
@@ -772,7 +782,7 @@ class DecodePlan:
                 live = live_blocks(self._base_mask, self.batch, self.q_heads, q_len, longest, self.tuning.tile_n,
                                    self._first_query)
                 tuning, splits, cluster = choose_launch(self.batch, self.kv_heads, self.m_blocks, live, num_sms,
-                                                       self.tuning)
+                                                       self.tuning, self._balanced)
                 launch = self._launches[key] = (tuning, splits, cluster, self._polls(splits, cluster))
         else:
             if num_splits < 1:

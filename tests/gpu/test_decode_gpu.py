@@ -13,6 +13,7 @@ the tickets must be zero again after every launch, and the polled merge's partia
 (those are "poisoned" by being zero: unwritten). Skipped without CUDA.
 """
 
+import dataclasses
 import math
 import random
 
@@ -303,6 +304,37 @@ def test_parity_slots_across_steps_and_split_counts(slots, slot_layout, monkeypa
     words = step.plan._parity_parts[3][B * Hkv:].long()
     assert ((words & 0xFFFF) == 0).all() and (((words >> 16) & 1) == launches % 2).all(), words
     assert ((words >> 24) == counts[-1]).all(), words
+    for q, out, lse in steps:
+        want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), score_fn, mask_fn)
+        assert not out.isnan().any() and not lse.isnan().any()
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+
+
+def test_balanced_splits_across_uneven_counts(monkeypatch):
+    """FLEXATTN_DECODE_BALANCED=1 (``DecodeConfig.balanced_splits``): split ranges whose
+    sizes differ by at most one, at counts that leave the ceil split short or empty (14,
+    15, 16 of a window's 65 blocks; 5; 3), steps queued back to back, each against the
+    float64 reference; and the planner's count untrimmed (16 for B 1's window)."""
+    monkeypatch.setenv("FLEXATTN_DECODE_BALANCED", "1")
+    decode_path._PREPARED.clear()
+    torch.manual_seed(4)
+    B, Hkv, group, cap, D = 2, 8, 4, 16384, 128
+    Hq = Hkv * group
+    lengths = [cap - 389, 9000]
+    cache, k, v = make_cache(B, Hkv, cap, D, lengths, torch.bfloat16, 0)
+    mask, score, mask_fn, score_fn = variant("window", Hq, window=4096)
+    steps = []
+    tuning = dataclasses.replace(decode_path.DEFAULT_TUNING, cluster_merge=False)
+    for n in [14, 15, 16, 5, 3, None]:
+        q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
+        out, lse, step = run_kernel(q, cache, mask, score, 132, tuning=None if n is None else tuning,
+                                    num_splits=n, sync=False)
+        assert step.config.balanced_splits and (n is None or step.num_splits == n), step
+        steps.append((q, out, lse))
+    torch.cuda.synchronize()
+    decode_path._PREPARED.clear()
+    assert_tickets_zero()
     for q, out, lse in steps:
         want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), score_fn, mask_fn)
         assert not out.isnan().any() and not lse.isnan().any()

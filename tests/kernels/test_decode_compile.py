@@ -363,6 +363,38 @@ def test_slot_views_cover_their_slots_once(group_major, sets, capacity):
         assert written.numel() == view.numel() and written.unique().numel() == view.numel()
 
 
+def test_balanced_splits_compile(compiled, monkeypatch):
+    """``balanced_splits``: the split's range by two divisions of s * total by the split
+    count (one more than the ceil split's one), nothing else changed, no spills; planned
+    on every kernel of a plan with FLEXATTN_DECODE_BALANCED=1."""
+    cfg, hook = _config("polled-window-band-prefix")
+    ptx = {False: compiled["polled-window-band-prefix"],
+           True: compile_decode(dataclasses.replace(cfg, balanced_splits=True), fake_args(hook), keep_ptx=True,
+                                tvm_ffi=True).__ptx__}
+    divisions = {b: len(re.findall(r"\bdiv\.", p)) for b, p in ptx.items()}
+    assert divisions[True] == divisions[False] + 1, divisions
+    usage = resource_usage_from_ptx(ptx[True])
+    assert usage is None or (usage.spill_store_bytes == 0 and usage.stack_bytes == 0), usage
+    import torch
+
+    monkeypatch.setenv("FLEXATTN_DECODE_BALANCED", "1")
+    B, Hq, cap = 1, 32, 131072
+    k = torch.zeros(B, 8, cap, 128, dtype=torch.bfloat16)
+    cache = KVCache(k, k, torch.tensor([cap], dtype=torch.int32))
+    q = torch.zeros(B, Hq, 1, 128, dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(B, Hq, 1)
+    ws = decode_path.DecodeWorkspace(alloc=lambda shape, dt: torch.empty(shape, dtype=getattr(torch, dt)),
+                                     tickets=lambda n: torch.zeros(max(n, 16), dtype=torch.int32),
+                                     scratch=lambda n: torch.empty(n), uploader=lambda into: lambda values: None,
+                                     marked_scratch=lambda n: torch.zeros(max(n, 1)), zeroed=None)
+    device = Device(0, lambda x: x if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x)))
+    plan = decode_path.prepare_decode(q, cache, out, lse, decode_path.DecodeSite(device, 132, ws),
+                                      decode_path.DecodeMods(None, mods.sliding_window(4096)),
+                                      overrides=decode_path.DecodeOverrides()).plan
+    kernel, splits, _, _ = plan._launch_parts(cap, 132, None)
+    assert splits == 16 and plan._kernel(kernel)[0].balanced_splits
+
+
 def test_caller_empties_slots_leaves_the_emptying_out(compiled):
     """The benchmarks' ``caller_empties_slots`` (decode_floor.py --zero-slots with
     FLEXATTN_DECODE_SLOTS=caller): the same polled kernel without the merger's emptying —
@@ -437,6 +469,10 @@ def test_choose_splits():
     assert choose_splits(1, 8, 1, 3, 132, one) == 1           # too short to split (3 blocks, 384 keys)
     assert choose_splits(1, 1, 1, 10, 132, one) == 5          # 2+ blocks (256 keys) per split, none empty
     assert choose_splits(1, 1, 1, 0, 132, one) == 1
+    # balanced ranges (DecodeConfig.balanced_splits): the count is not trimmed — B 1, a
+    # 4096-key window's 65 blocks: 16 splits of 4-5 blocks instead of 13 of 5
+    assert choose_splits(1, 8, 1, 65, 132) == 13 and choose_splits(1, 8, 1, 65, 132, balanced=True) == 16
+    assert choose_splits(1, 1, 1, 10, 132, one, balanced=True) == 5
     for b, h, n in ((1, 1, 37), (3, 2, 1000), (2, 8, 9)):
         s = choose_splits(b, h, 1, n, 132, one)
         per = -(-n // s)

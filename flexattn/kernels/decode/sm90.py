@@ -9,7 +9,8 @@ One CTA handles one (kv split) x (kv head, packed-row block) x (batch) work item
   per q head (Hq=32, Hkv=8, q_len=1: 4 rows of one 64-row tile; m_blocks > 1 only when
   group * q_len exceeds the tile).
 * Split-KV: the kv blocks of sequence b, [n_lo, ceil(len[b] / tile_n)), are cut into
-  num_splits equal ranges; split s writes its normalized partial O (fp32) and
+  num_splits ranges (ceil(blocks / splits) each, or with `balanced_splits` sizes that
+  differ by at most one); split s writes its normalized partial O (fp32) and
   natural-log LSE to a workspace. With one split (decided at run time: grid dim 0 == 1)
   the CTA writes O in the input dtype and the final LSE itself. Blocks at or beyond a
   sequence's length are never loaded: that is where a decode step's bandwidth goes.
@@ -140,6 +141,11 @@ class DecodeConfig(KernelConfig):
                                  # (mOPart / mLSEPart: this launch's splits, mode 0's stride
                                  # spanning a slot in both sets, interleaved: the plan's own
                                  # zeroed memory)
+    balanced_splits: bool = False  # split ranges whose sizes differ by at most one (split s:
+                                 # blocks [s * total // splits, (s + 1) * total // splits)),
+                                 # none empty while splits <= blocks; else ceil(total /
+                                 # splits) each, the last ones short or empty (the planner
+                                 # trims its count so none is: choose_splits)
     caller_empties_slots: bool = False  # benchmarks only (decode_floor.py --zero-slots, never
                                  # planned): the polled merge leaves the slots it read
                                  # written, the caller zeroes them between steps — what the
@@ -418,9 +424,15 @@ class DecodeSm90(WarpSpecialized):
             p_hi = cutlass.min(p_lo + cfg.tile_m, rows) - 1
             heads = (head_kv * group + p_lo // q_len, head_kv * group + p_hi // q_len)
             n_lo = self._masked_prefix_blocks(batch, heads, q_len, seqlen, n_hi, mod_args)
-        per_split = (n_hi - n_lo + num_splits - 1) // num_splits
-        first = cutlass.min(n_lo + split * per_split, n_hi)
-        count = cutlass.min(first + per_split, n_hi) - first
+        if const_expr(cfg.balanced_splits):
+            # split s: blocks [s * total // splits, (s + 1) * total // splits) past n_lo
+            total = n_hi - n_lo
+            first = n_lo + split * total // num_splits
+            count = n_lo + (split + 1) * total // num_splits - first
+        else:
+            per_split = (n_hi - n_lo + num_splits - 1) // num_splits
+            first = cutlass.min(n_lo + split * per_split, n_hi)
+            count = cutlass.min(first + per_split, n_hi) - first
         self._stamp(stamps, 11, warp_idx == 4)
         # [0]: whether this CTA merges its group (set by whoever counts it in: _count_in);
         # [1]: parity slots, the phase word as the ticket found it (_take_parity_ticket)
