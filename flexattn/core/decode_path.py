@@ -690,7 +690,8 @@ class DecodePlan:
         self._group_major = os.environ.get("FLEXATTN_DECODE_SLOT_LAYOUT", "split") == "group"
         # FLEXATTN_DECODE_BALANCED=1 (opt-in, read once per plan): split ranges balanced, the
         # planner's counts untrimmed (``DecodeConfig.balanced_splits``; B1 L128k window: 16
-        # splits 13.4-13.7 µs against the planner's 13 at 13.5-13.8, H200, session 70).
+        # splits 13.4-13.9 µs against the planner's 13 at 13.5-13.8, H200, session 70: no
+        # reliable gain).
         self._balanced = os.environ.get("FLEXATTN_DECODE_BALANCED", "0") == "1"
         self._parity_parts = None    # (split capacity, O slots, LSE slots (flat, both sets), tickets + phase words, views)
         self._launches: dict = {}    # (kv blocks, SM count) -> choose_launch's (tuning, splits, cluster), polled
