@@ -99,8 +99,9 @@
 # timeline with marks for emptied / caller / parity / parity-caller: stream or tail; ~6 min),
 # balanced (FLEXATTN_DECODE_BALANCED=1, opt-in: balanced split ranges, the planner's counts untrimmed — B1 L128k
 # window 16 splits instead of 13; its GPU tests, then decode_floor's row both ways in alternating processes, five
-# rounds; ~3 min), split-count (decode_floor's B1 L128k window row: emptied and parity with the planner's 13 splits, parity with 14,
-# 15 and 16 balanced splits; three rounds, ~3 min), slot-layout (the polled slots split-major or group-major, FLEXATTN_DECODE_SLOT_LAYOUT: their GPU tests, then
+# rounds; ~3 min), split-count (decode_floor's B1 L128k window row: emptied and parity with the planner's 13
+# splits, parity with 14, 15 and 16 balanced splits; three rounds, ~3 min), slot-layout (the polled slots split-major
+# or group-major, FLEXATTN_DECODE_SLOT_LAYOUT: their GPU tests, then
 # decode_floor's B1 L128k window row for emptied / caller x split / group, alternating, four rounds; ~5 min).
 # Each step has its own time limit; logs and JSON land in $OUT (or /tmp/flexattn-out).
 set -u
@@ -392,8 +393,9 @@ for step in $steps; do
     split-count) for i in 1 2 3; do
                    for v in emptied:0 parity:0 parity:14 parity:15 parity:16; do
                      slots=${v%%:*} n=${v#*:}
-                     splits=""; [ "$n" != 0 ] && splits="--splits $n"
-                     FLEXATTN_DECODE_SLOTS=$slots FLEXATTN_CACHE_DIR=/tmp/flexattn-slots-$slots \
+                     splits=""; balanced=0; [ "$n" != 0 ] && splits="--splits $n" && balanced=1
+                     FLEXATTN_DECODE_SLOTS=$slots FLEXATTN_DECODE_BALANCED=$balanced \
+                       FLEXATTN_CACHE_DIR=/tmp/flexattn-slots-$slots-$balanced \
                        run split_count_${slots}_${n}_$i 40 python3 benchmarks/decode_floor.py \
                        --rows 1x131072:window4096 $splits
                    done
