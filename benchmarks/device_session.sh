@@ -97,7 +97,9 @@
 # (the decode + short-query suites with parity; ~6 min), parity-floor (decode_floor's B1 L128k window row emptied /
 # parity / parity-caller / caller in alternating processes, four rounds, ~3 min), parity-timeline (that step's
 # timeline with marks for emptied / caller / parity / parity-caller: stream or tail; ~6 min),
-# balanced (FLEXATTN_DECODE_BALANCED=1, opt-in: balanced split ranges, the planner's counts untrimmed — B1 L128k
+# lane-weights (FLEXATTN_DECODE_MERGE_WEIGHTS=lanes, opt-in: the polled merge's weights in every lane, no warp
+# shuffles on the merger's chain; its GPU tests, then decode_floor's B1 L128k window row both ways, five rounds;
+# ~4 min), balanced (FLEXATTN_DECODE_BALANCED=1, opt-in: balanced split ranges, the planner's counts untrimmed — B1 L128k
 # window 16 splits instead of 13; its GPU tests, then decode_floor's row both ways in alternating processes, five
 # rounds; ~3 min), split-count (decode_floor's B1 L128k window row: emptied and parity with the planner's 13
 # splits, parity with 14, 15 and 16 balanced splits; three rounds, ~3 min), slot-layout (the polled slots split-major
@@ -408,6 +410,14 @@ for step in $steps; do
                     run balanced_floor_${b}_$i 40 python3 benchmarks/decode_floor.py --rows 1x131072:window4096
                 done
               done ;;
+    lane-weights) run lane_weights_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
+                    -k "lane_merge_weights or parity_slots"
+                  for i in 1 2 3 4 5; do
+                    for w in shuffles lanes; do
+                      FLEXATTN_DECODE_MERGE_WEIGHTS=$w FLEXATTN_CACHE_DIR=/tmp/flexattn-weights-$w \
+                        run lane_weights_floor_${w}_$i 40 python3 benchmarks/decode_floor.py --rows 1x131072:window4096
+                    done
+                  done ;;
     slot-layout) run slot_layout_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
                    -k "parity_slots or polled_merge_planned"
                  for i in 1 2 3 4; do

@@ -693,6 +693,9 @@ class DecodePlan:
         # splits 13.4-13.9 µs against the planner's 13 at 13.5-13.8, H200, session 70: no
         # reliable gain).
         self._balanced = os.environ.get("FLEXATTN_DECODE_BALANCED", "0") == "1"
+        # FLEXATTN_DECODE_MERGE_WEIGHTS=lanes (opt-in, read once per plan): the polled merge's
+        # weights computed in every lane (``DecodeConfig.lane_merge_weights``), not yet measured.
+        self._lane_weights = os.environ.get("FLEXATTN_DECODE_MERGE_WEIGHTS", "shuffles") == "lanes"
         self._parity_parts = None    # (split capacity, O slots, LSE slots (flat, both sets), tickets + phase words, views)
         self._launches: dict = {}    # (kv blocks, SM count) -> choose_launch's (tuning, splits, cluster), polled
         self.q_heads = Hq
@@ -743,6 +746,8 @@ class DecodePlan:
                                                  caller_empties_slots=self._caller_empties)
                 elif polled and self._caller_empties:
                     config = dataclasses.replace(config, caller_empties_slots=True)
+                if polled and self._lane_weights:
+                    config = dataclasses.replace(config, lane_merge_weights=True)
             if self._balanced:
                 config = dataclasses.replace(config, balanced_splits=True)
             hit = self._kernels[kernel] = (config, decode_runner(config, self.ffi))

@@ -342,6 +342,38 @@ def test_balanced_splits_across_uneven_counts(monkeypatch):
         torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_lane_merge_weights(D, monkeypatch):
+    """FLEXATTN_DECODE_MERGE_WEIGHTS=lanes (``DecodeConfig.lane_merge_weights``): the polled
+    merge's weights computed in every lane, chunk by chunk with the online rescaling — at
+    D 256 a chunk holds 8 splits, so 13 and 20 splits fold two and three chunks — steps
+    queued back to back, each against the float64 reference."""
+    monkeypatch.setenv("FLEXATTN_DECODE_MERGE_WEIGHTS", "lanes")
+    decode_path._PREPARED.clear()
+    torch.manual_seed(D + 1)
+    B, Hkv, group, cap = 2, 8, 4, 16384
+    Hq = Hkv * group
+    lengths = [cap - 389, 9000]
+    cache, k, v = make_cache(B, Hkv, cap, D, lengths, torch.bfloat16, 0)
+    mask, score, mask_fn, score_fn = variant("window", Hq, window=4096)
+    tuning = decode_path.ONE_CTA_TUNING if D > 128 else decode_path.DEFAULT_TUNING
+    tuning = dataclasses.replace(tuning, cluster_merge=False)
+    steps = []
+    for n in [13, 20, 3, 13]:
+        q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
+        out, lse, step = run_kernel(q, cache, mask, score, 132, tuning=tuning, num_splits=n, sync=False)
+        assert step.config.lane_merge_weights and step.config.polled_merge and step.num_splits == n, step
+        steps.append((q, out, lse))
+    torch.cuda.synchronize()
+    decode_path._PREPARED.clear()
+    assert_tickets_zero()
+    for q, out, lse in steps:
+        want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), score_fn, mask_fn)
+        assert not out.isnan().any() and not lse.isnan().any()
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+
+
 @pytest.mark.parametrize("D", [32, 64, 96, 128, 256])
 def test_polled_merge_planned_for_a_long_window_step(D, prefix, slot_layout):
     """The planner's B 1 sliding-window step (many splits, no cluster) merges polled: the

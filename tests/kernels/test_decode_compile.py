@@ -395,6 +395,26 @@ def test_balanced_splits_compile(compiled, monkeypatch):
     assert splits == 16 and plan._kernel(kernel)[0].balanced_splits
 
 
+def test_lane_merge_weights_leave_no_shuffle_on_the_merge(compiled):
+    """``lane_merge_weights``: every lane loads every split's LSE with its chunk (chunk + 1
+    more scalar relaxed loads than lane s's one) and folds the weights itself — the merge's
+    42 warp shuffles (two reductions, a weight per split) and their dependent chain gone,
+    one exponential per split of the chunk (and the running sums' rescale) instead; no
+    spills; planned on polled kernels with FLEXATTN_DECODE_MERGE_WEIGHTS=lanes."""
+    cfg, hook = _config("polled-window-band-prefix")
+    ptx = {False: compiled["polled-window-band-prefix"],
+           True: compile_decode(dataclasses.replace(cfg, lane_merge_weights=True), fake_args(hook), keep_ptx=True,
+                                tvm_ffi=True).__ptx__}
+    chunk = chunk_splits(cfg.head_dim)
+    assert ptx[False].count("shfl.sync") - ptx[True].count("shfl.sync") == 2 * 5 + 2 * chunk
+    assert ptx[True].count("ld.relaxed.gpu.global.b32") == ptx[False].count("ld.relaxed.gpu.global.b32") + chunk - 1
+    assert ptx[True].count("ex2.approx") - ptx[False].count("ex2.approx") == chunk
+    usage = resource_usage_from_ptx(ptx[True])
+    assert usage is None or (usage.spill_store_bytes == 0 and usage.stack_bytes == 0), usage
+    with pytest.raises(ValueError, match="lane_merge_weights"):
+        DecodeConfig(lane_merge_weights=True)
+
+
 def test_caller_empties_slots_leaves_the_emptying_out(compiled):
     """The benchmarks' ``caller_empties_slots`` (decode_floor.py --zero-slots with
     FLEXATTN_DECODE_SLOTS=caller): the same polled kernel without the merger's emptying —

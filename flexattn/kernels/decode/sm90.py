@@ -90,7 +90,8 @@ from flexattn.kernels.emit import interval_emit
 from flexattn.kernels.hopper import dsmem, mma
 from flexattn.kernels.hopper.atomics import ld_relaxed_s32, st_relaxed_s32
 from flexattn.kernels.decode.combine import inverse_and_lse, lane_columns, log2_shift, merge_splits
-from flexattn.kernels.decode.polled_merge import merge_polled_splits, store_marked_f32, zero_lane_columns
+from flexattn.kernels.decode.polled_merge import (merge_polled_splits, merge_polled_splits_lane_weights,
+                                                  store_marked_f32, zero_lane_columns)
 from flexattn.kernels.emit.mod_hook import NO_MODS, FragmentCoords, ModHook, kept_if
 from flexattn.kernels.hopper.softmax import OnlineSoftmax, rescale_rows
 from flexattn.kernels.hopper.tma_pipeline import tma_ring
@@ -146,6 +147,9 @@ class DecodeConfig(KernelConfig):
                                  # none empty while splits <= blocks; else ceil(total /
                                  # splits) each, the last ones short or empty (the planner
                                  # trims its count so none is: choose_splits)
+    lane_merge_weights: bool = False  # polled merge: every lane loads every split's LSE and
+                                 # computes the weights itself (no warp reductions or
+                                 # shuffles on the merger's chain; opt-in until measured)
     caller_empties_slots: bool = False  # benchmarks only (decode_floor.py --zero-slots, never
                                  # planned): the polled merge leaves the slots it read
                                  # written, the caller zeroes them between steps — what the
@@ -198,6 +202,8 @@ class DecodeConfig(KernelConfig):
                              f"{self.cluster_splits} and {self.head_dim}")
         if self.parity_slots and not self.polled_merge:
             raise ValueError("parity_slots needs polled_merge")
+        if self.lane_merge_weights and not self.polled_merge:
+            raise ValueError("lane_merge_weights needs polled_merge")
         if self.caller_empties_slots and not self.polled_merge:
             raise ValueError("caller_empties_slots needs polled_merge")
         if self.smem_bytes > self.smem_limit:
@@ -1085,7 +1091,9 @@ class DecodeSm90(WarpSpecialized):
         cfg = self.cfg
         if const_expr(cfg.parity_slots):
             mOPart, mLSEPart = self._slot_set(mOPart, mLSEPart, _parity(phase))
-        merge = merge_polled_splits if const_expr(cfg.polled_merge) else merge_splits
+        merge = merge_splits
+        if const_expr(cfg.polled_merge):
+            merge = merge_polled_splits_lane_weights if const_expr(cfg.lane_merge_weights) else merge_polled_splits
         warp = tidx // 32
         lane = tidx % 32
         p_lo = m_block * cfg.tile_m
