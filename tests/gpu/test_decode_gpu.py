@@ -267,6 +267,33 @@ def test_decode_head_dims_against_reference(D, kind, page_size, group, q_len, nu
     assert_tickets_zero()
 
 
+class WindowSteps:
+    """Decode steps of a 4096-key sliding window over caches of ``lengths`` (Hkv 8, GQA
+    group 4, bf16, head dim ``D``), queued back to back with a fresh query each
+    (``run``), then each checked against the float64 reference (``check``)."""
+
+    def __init__(self, lengths: list, D: int, cap: int = 16384):
+        self.lengths, self.D, self.Hq = lengths, D, 32
+        self.cache, self.k, self.v = make_cache(len(lengths), 8, cap, D, lengths, torch.bfloat16, 0)
+        self.mask, self.score, self.mask_fn, self.score_fn = variant("window", self.Hq, window=4096)
+        self.steps = []
+
+    def run(self, **overrides):
+        """One step (``run_kernel``'s tuning / num_splits), not synchronized -> its plan step."""
+        q = torch.randn(len(self.lengths), self.Hq, 1, self.D, device=DEV, dtype=torch.bfloat16)
+        out, lse, step = run_kernel(q, self.cache, self.mask, self.score, 132, sync=False, **overrides)
+        self.steps.append((q, out, lse))
+        return step
+
+    def check(self):
+        for q, out, lse in self.steps:
+            want, want_lse = reference(q, self.k, self.v, self.lengths, 1 / math.sqrt(self.D), self.score_fn,
+                                       self.mask_fn)
+            assert not out.isnan().any() and not lse.isnan().any()
+            torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+
+
 @pytest.mark.parametrize("slots", ["parity"])
 def test_parity_slots_across_steps_and_split_counts(slots, slot_layout, monkeypatch):
     """FLEXATTN_DECODE_SLOTS=parity (``DecodeConfig.parity_slots``), split-major and
@@ -279,19 +306,13 @@ def test_parity_slots_across_steps_and_split_counts(slots, slot_layout, monkeypa
     monkeypatch.setenv("FLEXATTN_DECODE_SLOTS", slots)
     decode_path._PREPARED.clear()
     torch.manual_seed(3)
-    B, Hkv, group, cap, D = 2, 8, 4, 16384, 128
-    Hq = Hkv * group
-    lengths = [cap - 389, 9000]
-    cache, k, v = make_cache(B, Hkv, cap, D, lengths, torch.bfloat16, 0)
-    mask, score, mask_fn, score_fn = variant("window", Hq, window=4096)
+    window = WindowSteps([16384 - 389, 9000], 128)
     counts = [13, 5, 13, 7, 3, 13, 11, 11]
-    steps, plans = [], []
+    plans = []
     for n in counts:
-        q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
-        out, lse, step = run_kernel(q, cache, mask, score, 132, num_splits=n, sync=False)
+        step = window.run(num_splits=n)
         assert step.num_splits == n and step.config.parity_slots and step.config.polled_merge, step
         assert tuple(step.plan._parity_slots(n)[0].shape)[0] == n    # (mode 0: the grid's splits)
-        steps.append((q, out, lse))
         plans.append(step.plan)
     torch.cuda.synchronize()
     decode_path._PREPARED.clear()
@@ -301,14 +322,10 @@ def test_parity_slots_across_steps_and_split_counts(slots, slot_layout, monkeypa
     # plan is another, with its own memory; the last plan served every step from the second)
     launches = sum(p is plans[-1] for p in plans)
     assert launches == len(counts) - 1, launches
-    words = step.plan._parity_parts[3][B * Hkv:].long()
+    words = step.plan._parity_parts[3][2 * 8:].long()     # (past B 2 x Hkv 8 tickets)
     assert ((words & 0xFFFF) == 0).all() and (((words >> 16) & 1) == launches % 2).all(), words
     assert ((words >> 24) == counts[-1]).all(), words
-    for q, out, lse in steps:
-        want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), score_fn, mask_fn)
-        assert not out.isnan().any() and not lse.isnan().any()
-        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+    window.check()
 
 
 def test_balanced_splits_across_uneven_counts(monkeypatch):
@@ -319,27 +336,15 @@ def test_balanced_splits_across_uneven_counts(monkeypatch):
     monkeypatch.setenv("FLEXATTN_DECODE_BALANCED", "1")
     decode_path._PREPARED.clear()
     torch.manual_seed(4)
-    B, Hkv, group, cap, D = 2, 8, 4, 16384, 128
-    Hq = Hkv * group
-    lengths = [cap - 389, 9000]
-    cache, k, v = make_cache(B, Hkv, cap, D, lengths, torch.bfloat16, 0)
-    mask, score, mask_fn, score_fn = variant("window", Hq, window=4096)
-    steps = []
+    window = WindowSteps([16384 - 389, 9000], 128)
     tuning = dataclasses.replace(decode_path.DEFAULT_TUNING, cluster_merge=False)
     for n in [14, 15, 16, 5, 3, None]:
-        q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
-        out, lse, step = run_kernel(q, cache, mask, score, 132, tuning=None if n is None else tuning,
-                                    num_splits=n, sync=False)
+        step = window.run(tuning=None if n is None else tuning, num_splits=n)
         assert step.config.balanced_splits and (n is None or step.num_splits == n), step
-        steps.append((q, out, lse))
     torch.cuda.synchronize()
     decode_path._PREPARED.clear()
     assert_tickets_zero()
-    for q, out, lse in steps:
-        want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), score_fn, mask_fn)
-        assert not out.isnan().any() and not lse.isnan().any()
-        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+    window.check()
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])
@@ -351,26 +356,15 @@ def test_lane_merge_weights(D, monkeypatch):
     monkeypatch.setenv("FLEXATTN_DECODE_MERGE_WEIGHTS", "lanes")
     decode_path._PREPARED.clear()
     torch.manual_seed(D + 1)
-    B, Hkv, group, cap = 2, 8, 4, 16384
-    Hq = Hkv * group
-    lengths = [cap - 389, 9000]
-    cache, k, v = make_cache(B, Hkv, cap, D, lengths, torch.bfloat16, 0)
-    mask, score, mask_fn, score_fn = variant("window", Hq, window=4096)
+    window = WindowSteps([16384 - 389, 9000], D)
     tuning = dataclasses.replace(decode_path.DEFAULT_TUNING, cluster_merge=False)   # (fitted to D by the plan)
-    steps = []
     for n in [13, 20, 3, 13]:
-        q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
-        out, lse, step = run_kernel(q, cache, mask, score, 132, tuning=tuning, num_splits=n, sync=False)
+        step = window.run(tuning=tuning, num_splits=n)
         assert step.config.lane_merge_weights and step.config.polled_merge and step.num_splits == n, step
-        steps.append((q, out, lse))
     torch.cuda.synchronize()
     decode_path._PREPARED.clear()
     assert_tickets_zero()
-    for q, out, lse in steps:
-        want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), score_fn, mask_fn)
-        assert not out.isnan().any() and not lse.isnan().any()
-        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+    window.check()
 
 
 @pytest.mark.parametrize("D", [32, 64, 96, 128, 256])
@@ -380,26 +374,15 @@ def test_polled_merge_planned_for_a_long_window_step(D, prefix, slot_layout):
     back with new queries (each finds the slots the one before emptied), each against the
     float64 reference; tickets and slots zero afterwards."""
     torch.manual_seed(D)
-    B, Hkv, group, cap = 1, 8, 4, 16384
-    Hq = Hkv * group
-    lengths = [cap - 389]
-    cache, k, v = make_cache(B, Hkv, cap, D, lengths, torch.bfloat16, 0)
-    mask, score, mask_fn, score_fn = variant("window", Hq, window=4096)
-    steps = []
+    window = WindowSteps([16384 - 389], D)
     for _ in range(3):
-        q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.bfloat16)
-        out, lse, step = run_kernel(q, cache, mask, score, 132, sync=False)
-        steps.append((q, out, lse))
+        step = window.run()
     torch.cuda.synchronize()
     assert step.config.polled_merge and step.config.cluster_splits == 1 and step.num_splits > 2, step
     assert (step.config.prefix_band is not None) == (prefix == "band")
     assert_tickets_zero()
     assert_marked_zero()
-    for q, out, lse in steps:
-        want, want_lse = reference(q, k, v, lengths, 1 / math.sqrt(D), score_fn, mask_fn)
-        assert not out.isnan().any() and not lse.isnan().any()
-        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+    window.check()
 
 
 def window_head_poisoned(B, Hq, Hkv, n, D, cap, lengths, w, block, score_fn=None):
