@@ -122,6 +122,17 @@ run() {  # run NAME SECONDS CMD...: log to $out/NAME.log, print its tail
   grep -E "passed|failed|error|^\|" "$out/$name.log" | tail -25
 }
 
+floor_ab() {  # floor_ab NAME VAR ROUNDS VALUE...: decode_floor's B1 L128k window row with VAR set to each VALUE
+  local name=$1 var=$2 rounds=$3 i value  # in alternating processes (each value its own disk cache), ROUNDS rounds
+  shift 3
+  for i in $(seq "$rounds"); do
+    for value in "$@"; do
+      (export "$var=$value" FLEXATTN_CACHE_DIR="/tmp/flexattn-$name-$value"
+       run "${name}_floor_${value}_$i" 40 python3 benchmarks/decode_floor.py --rows 1x131072:window4096)
+    done
+  done
+}
+
 save_records() {  # the device tool returns at most 8 files: the records travel as one archive
   tar czf "$out/records.tgz" -C benchmarks/results $(cd benchmarks/results && ls *.jsonl)
 }
@@ -404,20 +415,10 @@ for step in $steps; do
                  done ;;
     balanced) run balanced_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
                 -k "balanced_splits or parity_slots or polled_merge_planned"
-              for i in 1 2 3 4 5; do
-                for b in 0 1; do
-                  FLEXATTN_DECODE_BALANCED=$b FLEXATTN_CACHE_DIR=/tmp/flexattn-balanced-$b \
-                    run balanced_floor_${b}_$i 40 python3 benchmarks/decode_floor.py --rows 1x131072:window4096
-                done
-              done ;;
+              floor_ab balanced FLEXATTN_DECODE_BALANCED 5 0 1 ;;
     lane-weights) run lane_weights_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
                     -k "lane_merge_weights or parity_slots"
-                  for i in 1 2 3 4 5; do
-                    for w in shuffles lanes; do
-                      FLEXATTN_DECODE_MERGE_WEIGHTS=$w FLEXATTN_CACHE_DIR=/tmp/flexattn-weights-$w \
-                        run lane_weights_floor_${w}_$i 40 python3 benchmarks/decode_floor.py --rows 1x131072:window4096
-                    done
-                  done ;;
+                  floor_ab lane_weights FLEXATTN_DECODE_MERGE_WEIGHTS 5 shuffles lanes ;;
     slot-layout) run slot_layout_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
                    -k "parity_slots or polled_merge_planned"
                  for i in 1 2 3 4; do
