@@ -66,6 +66,11 @@ def main():
                     help="our kernel with this many splits (default tuning, merged without a cluster) "
                          "instead of the planner's")
     args = ap.parse_args()
+    tuning = None
+    if args.splits:   # (the default tuning, merged without a cluster)
+        from flexattn.core import decode_path
+
+        tuning = dataclasses.replace(decode_path.DEFAULT_TUNING, cluster_merge=False)
     empty_us = clean_ms(lambda: torch.cuda._sleep(0), reps=args.reps) * 1e3
     rows = []
     for row in args.rows:
@@ -76,11 +81,6 @@ def main():
         cache, _, _ = make_inputs(B, L, args.layout)
         q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
         mask, score = variant_mods(variant)
-        tuning = None
-        if args.splits:
-            from flexattn.core import decode_path
-
-            tuning = dataclasses.replace(decode_path.DEFAULT_TUNING, cluster_merge=False)
         step, _ = plan_step(q, cache, score, mask, tuning=tuning, num_splits=args.splits)
         before = slots_zeroer(step) if args.zero_slots else None
         ours_us = clean_ms(step.launch, reps=args.reps, before=before) * 1e3
