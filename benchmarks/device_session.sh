@@ -97,9 +97,9 @@
 # (the decode + short-query suites with parity; ~6 min), parity-floor (decode_floor's B1 L128k window row emptied /
 # parity / parity-caller / caller in alternating processes, four rounds, ~3 min), parity-timeline (that step's
 # timeline with marks for emptied / caller / parity / parity-caller: stream or tail; ~6 min),
-# lane-weights (FLEXATTN_DECODE_MERGE_WEIGHTS=lanes, opt-in: the polled merge's weights in every lane, no warp
-# shuffles on the merger's chain; its GPU tests, then decode_floor's B1 L128k window row both ways, five rounds;
-# ~4 min), balanced (FLEXATTN_DECODE_BALANCED=1, opt-in: balanced split ranges, the planner's counts untrimmed — B1 L128k
+# merge-chunk (FLEXATTN_DECODE_MERGE_CHUNK=generic / exact: the polled merge's first round clamped to the head
+# dim's chunk, or exactly the launch's split count as planned for windows; its GPU tests, then decode_floor's
+# B1 L128k window row both ways, five rounds; ~4 min), balanced (FLEXATTN_DECODE_BALANCED=1, opt-in: balanced split ranges, the planner's counts untrimmed — B1 L128k
 # window 16 splits instead of 13; its GPU tests, then decode_floor's row both ways in alternating processes, five
 # rounds; ~3 min), split-count (decode_floor's B1 L128k window row: emptied and parity with the planner's 13
 # splits, parity with 14, 15 and 16 balanced splits; three rounds, ~3 min), slot-layout (the polled slots split-major
@@ -416,9 +416,9 @@ for step in $steps; do
     balanced) run balanced_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
                 -k "balanced_splits or parity_slots or polled_merge_planned"
               floor_ab balanced FLEXATTN_DECODE_BALANCED 5 0 1 ;;
-    lane-weights) run lane_weights_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
-                    -k "lane_merge_weights or parity_slots"
-                  floor_ab lane_weights FLEXATTN_DECODE_MERGE_WEIGHTS 5 shuffles lanes ;;
+    merge-chunk) run merge_chunk_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
+                   -k "merge_chunk or parity_slots or polled_merge_planned"
+                 floor_ab merge_chunk FLEXATTN_DECODE_MERGE_CHUNK 5 generic exact ;;
     slot-layout) run slot_layout_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
                    -k "parity_slots or polled_merge_planned"
                  for i in 1 2 3 4; do

@@ -486,6 +486,19 @@ def polled_merge_pays(splits: int, cluster: int, head_dim: int) -> bool:
     return cluster == 1 and 1 < splits <= MAX_SPLITS and head_dim % 32 == 0
 
 
+def stable_merge_chunk(splits: int, config) -> int:
+    """``DecodeConfig.merge_chunk`` for a polled launch of ``splits`` splits: the count
+    itself where it holds across a decoder's steps — a band's (sliding window's) visited
+    blocks stop growing with the cache (``config.prefix_band``), so the planner's count
+    settles and one kernel serves every step — within the head dim's chunk; else 0 (the
+    head dim's chunk, clamped: one kernel for every count, where a growing cache would
+    compile one per count it passes through). The clamped duplicates cost ~0.2 µs of a
+    B1 L128k window step on the H200 (docs/experiments.md, session 71)."""
+    from ..kernels.decode.polled_merge import chunk_splits
+
+    return splits if config.prefix_band is not None and splits <= chunk_splits(config.head_dim) else 0
+
+
 def slot_views(o_flat, lse_flat, splits: int, sets: int, o_shape: tuple, group_major: bool,
                capacity: int | None = None) -> tuple:
     """(o_part [splits, B, Hq, q_len, D], lse_part [splits, B, Hq, q_len]) over flat float32
@@ -657,8 +670,8 @@ class DecodePlan:
         from ..kernels.emit.mod_emit import capture_kinds
 
         self.ffi = use_tvm_ffi(device)
-        self._kernels: dict = {}     # (tuning, cluster size, polled) -> (config, runner)
-        self._fns: dict = {}         # (tuning, cluster size, polled) -> the compiled TVM-FFI function, once launched
+        self._kernels: dict = {}     # (tuning, cluster size, polled, chunk) -> (config, runner)
+        self._fns: dict = {}         # (tuning, cluster size, polled, chunk) -> the compiled TVM-FFI function, once launched
         self.stream = device.stream
         self._kinds, self._captures = capture_kinds(self.config.mods), self.config.mods.captures()
         self._to_device = device.to_device
@@ -693,9 +706,10 @@ class DecodePlan:
         # splits 13.4-13.9 µs against the planner's 13 at 13.5-13.8, H200, session 70: no
         # reliable gain).
         self._balanced = os.environ.get("FLEXATTN_DECODE_BALANCED", "0") == "1"
-        # FLEXATTN_DECODE_MERGE_WEIGHTS=lanes (opt-in, read once per plan): the polled merge's
-        # weights computed in every lane (``DecodeConfig.lane_merge_weights``), not yet measured.
-        self._lane_weights = os.environ.get("FLEXATTN_DECODE_MERGE_WEIGHTS", "shuffles") == "lanes"
+        # Polled merges whose split count holds across steps load exactly that many splits
+        # in their first round (``stable_merge_chunk``); FLEXATTN_DECODE_MERGE_CHUNK=generic
+        # (read once per plan) keeps the head dim's chunk, for A/B runs.
+        self._exact_chunks = os.environ.get("FLEXATTN_DECODE_MERGE_CHUNK", "exact") != "generic"
         self._parity_parts = None    # (split capacity, O slots, LSE slots (flat, both sets), tickets + phase words, views)
         self._launches: dict = {}    # (kv blocks, SM count) -> choose_launch's (tuning, splits, cluster), polled
         self.q_heads = Hq
@@ -732,22 +746,23 @@ class DecodePlan:
         self._args = self._capture_args()
 
     def _kernel(self, kernel: tuple) -> tuple:
-        """(config, runner) of `kernel` = (tuning, CTAs per merging cluster, polled merge)."""
+        """(config, runner) of `kernel` = (tuning, CTAs per merging cluster, polled merge,
+        the polled merge's first chunk: ``DecodeConfig.merge_chunk``)."""
         hit = self._kernels.get(kernel)
         if hit is None:
             from ..kernels.launch.cache import decode_runner
 
-            tuning, cluster, polled = kernel
+            tuning, cluster, polled, chunk = kernel
             config = self.config
-            if kernel != (self.tuning, 1, False):
+            if kernel != (self.tuning, 1, False, 0):
                 config = _with_launch(config, tuning, cluster, polled)
                 if polled and self._parity:
                     config = dataclasses.replace(config, parity_slots=True,
                                                  caller_empties_slots=self._caller_empties)
                 elif polled and self._caller_empties:
                     config = dataclasses.replace(config, caller_empties_slots=True)
-                if polled and self._lane_weights:
-                    config = dataclasses.replace(config, lane_merge_weights=True)
+                if chunk:
+                    config = dataclasses.replace(config, merge_chunk=chunk)
             if self._balanced:
                 config = dataclasses.replace(config, balanced_splits=True)
             hit = self._kernels[kernel] = (config, decode_runner(config, self.ffi))
@@ -800,8 +815,9 @@ class DecodePlan:
             cluster = int(num_splits) if clustered else 1
             launch = (self.tuning, int(num_splits), cluster, self._polls(int(num_splits), cluster))
         tuning, splits, cluster, polled = launch
+        chunk = stable_merge_chunk(splits, self.config) if polled and self._exact_chunks else 0
         if polled and self._parity:
-            return (tuning, cluster, polled), splits, *self._parity_slots(splits)
+            return (tuning, cluster, polled, chunk), splits, *self._parity_slots(splits)
         o_size, lse_size = self._part_sizes
         flat = (self._marked if polled else self._scratch)(splits * (o_size + lse_size))
         parts = self._parts.get((splits, polled))
@@ -809,7 +825,7 @@ class DecodePlan:
             o_part, lse_part = slot_views(flat[:splits * o_size], flat[splits * o_size:splits * (o_size + lse_size)],
                                           splits, 1, self.part_shapes[0], polled and self._group_major)
             parts = self._parts[(splits, polled)] = (flat, o_part, lse_part)
-        return (tuning, cluster, polled), splits, parts[1], parts[2]
+        return (tuning, cluster, polled, chunk), splits, parts[1], parts[2]
 
     def _parity_slots(self, splits: int) -> tuple:
         """(o_part, lse_part) of the parity slots for ``splits`` splits: views of the plan's
@@ -837,7 +853,7 @@ class DecodePlan:
         return views
 
     def _tickets_for(self, kernel: tuple):
-        """The tickets `kernel` (tuning, cluster, polled) takes: the workspace's, or with
+        """The tickets `kernel` (tuning, cluster, polled, chunk) takes: the workspace's, or with
         parity slots the plan's own (tickets, then one phase word per group)."""
         return self._parity_parts[3] if kernel[2] and self._parity else self._tickets
 
@@ -847,7 +863,7 @@ class DecodePlan:
         return self._marked is not None and polled_merge_pays(splits, cluster, self.config.head_dim)
 
     def _launcher(self, kernel, q, k, v, table, out, lse, o_part, lse_part, seq_lens=None, args=None) -> Callable:
-        """The launch of `kernel` (tuning, cluster, polled) with these arguments (compiling on its
+        """The launch of `kernel` (tuning, cluster, polled, chunk) with these arguments (compiling on its
         first call); ``seq_lens``: the plan's own uploaded lengths, ``args``: its captures
         converted, unless given."""
         args = self._args.current() if args is None else args
@@ -899,7 +915,7 @@ class DecodePlan:
         return splits
 
     def _launch_now(self, kernel, q, k, v, table, out, lse, o_part, lse_part, seq_lens, args) -> None:
-        """Launch ``kernel`` (tuning, cluster, polled): its TVM-FFI function once compiled (the
+        """Launch ``kernel`` (tuning, cluster, polled, chunk): its TVM-FFI function once compiled (the
         repeated steps' path), else through ``_launcher`` (compiling first)."""
         fn = self._fns.get(kernel)
         if fn is not None:

@@ -29,6 +29,7 @@ import flexattn.torch as fa  # noqa: E402
 import flexattn.torch.devices as fa_devices  # noqa: E402
 from flexattn import mods  # noqa: E402
 from flexattn.core import decode_path  # noqa: E402
+from flexattn.kernels.decode.polled_merge import chunk_splits  # noqa: E402
 from flexattn.core.kernel_path import Device  # noqa: E402
 from flexattn.kernels.launch import cache as kernel_cache  # noqa: E402
 
@@ -348,22 +349,27 @@ def test_balanced_splits_across_uneven_counts(monkeypatch):
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])
-def test_lane_merge_weights(D, monkeypatch):
-    """FLEXATTN_DECODE_MERGE_WEIGHTS=lanes (``DecodeConfig.lane_merge_weights``): the polled
-    merge's weights computed in every lane, chunk by chunk with the online rescaling — at
-    D 256 a chunk holds 8 splits, so 13 and 20 splits fold two and three chunks — steps
-    queued back to back, each against the float64 reference."""
-    monkeypatch.setenv("FLEXATTN_DECODE_MERGE_WEIGHTS", "lanes")
+@pytest.mark.parametrize("chunks", ["exact", "generic"])
+def test_merge_chunk_across_split_counts(D, chunks, monkeypatch):
+    """``DecodeConfig.merge_chunk``: a window's polled merge loading exactly the launch's
+    split count in its first round (FLEXATTN_DECODE_MERGE_CHUNK=exact, planned), or the head
+    dim's chunk clamped (generic) — counts below, at and past the chunk (D 256: 8, so 13 and
+    20 take later rounds either way), steps queued back to back, each against the float64
+    reference; tickets and slots as they were."""
+    monkeypatch.setenv("FLEXATTN_DECODE_MERGE_CHUNK", chunks)
     decode_path._PREPARED.clear()
     torch.manual_seed(D + 1)
     window = WindowSteps([16384 - 389, 9000], D)
     tuning = dataclasses.replace(decode_path.DEFAULT_TUNING, cluster_merge=False)   # (fitted to D by the plan)
-    for n in [13, 20, 3, 13]:
+    chunk = chunk_splits(D)
+    for n in [13, 20, 3, 13, 2]:
         step = window.run(tuning=tuning, num_splits=n)
-        assert step.config.lane_merge_weights and step.config.polled_merge and step.num_splits == n, step
+        want = n if chunks == "exact" and n <= chunk else 0
+        assert step.config.polled_merge and step.num_splits == n and step.config.merge_chunk == want, step
     torch.cuda.synchronize()
     decode_path._PREPARED.clear()
     assert_tickets_zero()
+    assert_marked_zero()
     window.check()
 
 

@@ -375,9 +375,16 @@ def test_balanced_splits_compile(compiled, monkeypatch):
     assert divisions[True] == divisions[False] + 1, divisions
     usage = resource_usage_from_ptx(ptx[True])
     assert usage is None or (usage.spill_store_bytes == 0 and usage.stack_bytes == 0), usage
+    monkeypatch.setenv("FLEXATTN_DECODE_BALANCED", "1")
+    plan, cap = _b1_plan(mods.sliding_window(4096))
+    kernel, splits, _, _ = plan._launch_parts(cap, 132, None)
+    assert splits == 16 and plan._kernel(kernel)[0].balanced_splits
+
+
+def _b1_plan(mask):
+    """A B1 L128k decode plan (Hq 32, Hkv 8, D 128) on a CPU workspace -> (plan, its length)."""
     import torch
 
-    monkeypatch.setenv("FLEXATTN_DECODE_BALANCED", "1")
     B, Hq, cap = 1, 32, 131072
     k = torch.zeros(B, 8, cap, 128, dtype=torch.bfloat16)
     cache = KVCache(k, k, torch.tensor([cap], dtype=torch.int32))
@@ -389,30 +396,36 @@ def test_balanced_splits_compile(compiled, monkeypatch):
                                      marked_scratch=lambda n: torch.zeros(max(n, 1)), zeroed=None)
     device = Device(0, lambda x: x if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x)))
     plan = decode_path.prepare_decode(q, cache, out, lse, decode_path.DecodeSite(device, 132, ws),
-                                      decode_path.DecodeMods(None, mods.sliding_window(4096)),
-                                      overrides=decode_path.DecodeOverrides()).plan
-    kernel, splits, _, _ = plan._launch_parts(cap, 132, None)
-    assert splits == 16 and plan._kernel(kernel)[0].balanced_splits
+                                      decode_path.DecodeMods(None, mask), overrides=decode_path.DecodeOverrides()).plan
+    return plan, cap
 
 
-def test_lane_merge_weights_leave_no_shuffle_on_the_merge(compiled):
-    """``lane_merge_weights``: every lane loads every split's LSE with its chunk (chunk + 1
-    more scalar relaxed loads than lane s's one) and folds the weights itself — the merge's
-    42 warp shuffles (two reductions, a weight per split) and their dependent chain gone,
-    one exponential per split of the chunk (and the running sums' rescale) instead; no
-    spills; planned on polled kernels with FLEXATTN_DECODE_MERGE_WEIGHTS=lanes."""
+def test_merge_chunk_loads_no_split_twice(compiled, monkeypatch):
+    """``merge_chunk`` n: the polled merge's first round loads exactly n splits' partial
+    columns (the first round's and the later rounds' loads: 2 n ``ld.relaxed`` v4 at D 128,
+    against 2 x 16 with the head dim's chunk, clamped), no spills; planned as the launch's
+    split count where a band bounds the visited blocks (the window step's 13), not for a
+    growing cache's counts, nor past the head dim's chunk, nor with
+    FLEXATTN_DECODE_MERGE_CHUNK=generic."""
     cfg, hook = _config("polled-window-band-prefix")
-    ptx = {False: compiled["polled-window-band-prefix"],
-           True: compile_decode(dataclasses.replace(cfg, lane_merge_weights=True), fake_args(hook), keep_ptx=True,
-                                tvm_ffi=True).__ptx__}
-    chunk = chunk_splits(cfg.head_dim)
-    assert ptx[False].count("shfl.sync") - ptx[True].count("shfl.sync") == 2 * 5 + 2 * chunk
-    assert ptx[True].count("ld.relaxed.gpu.global.b32") == ptx[False].count("ld.relaxed.gpu.global.b32") + chunk - 1
-    assert ptx[True].count("ex2.approx") - ptx[False].count("ex2.approx") == chunk
-    usage = resource_usage_from_ptx(ptx[True])
+    exact = compile_decode(dataclasses.replace(cfg, merge_chunk=13), fake_args(hook), keep_ptx=True,
+                           tvm_ffi=True).__ptx__
+    loads = {name: ptx.count("ld.relaxed.gpu.global.v4")
+             for name, ptx in (("generic", compiled["polled-window-band-prefix"]), ("exact", exact))}
+    assert loads == {"generic": 2 * chunk_splits(128), "exact": 2 * 13}, loads
+    usage = resource_usage_from_ptx(exact)
     assert usage is None or (usage.spill_store_bytes == 0 and usage.stack_bytes == 0), usage
-    with pytest.raises(ValueError, match="lane_merge_weights"):
-        DecodeConfig(lane_merge_weights=True)
+    for bad in (dict(merge_chunk=17, polled_merge=True), dict(merge_chunk=4)):
+        with pytest.raises(ValueError, match="merge_chunk"):
+            DecodeConfig(**bad)
+    plan, cap = _b1_plan(mods.sliding_window(4096))
+    kernel, splits, _, _ = plan._launch_parts(cap, 132, None)
+    assert kernel[2] and kernel[3] == splits == 13 and plan._kernel(kernel)[0].merge_chunk == 13, kernel
+    assert decode_path.stable_merge_chunk(17, plan.config) == 0     # (past the head dim's chunk of 16)
+    assert decode_path.stable_merge_chunk(13, dataclasses.replace(plan.config, prefix_band=None)) == 0
+    monkeypatch.setenv("FLEXATTN_DECODE_MERGE_CHUNK", "generic")
+    plan, cap = _b1_plan(mods.sliding_window(4096))
+    assert plan._launch_parts(cap, 132, None)[0][3] == 0
 
 
 def test_caller_empties_slots_leaves_the_emptying_out(compiled):

@@ -51,11 +51,9 @@ def store_marked_f32(ptr, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def load_marked_f32s(ptr, n: int, least_bits: bool = False, *, loc=None, ip=None):
+def load_marked_f32s(ptr, n: int, *, loc=None, ip=None):
     """``n`` (1, 2 or 4) consecutive global fp32 at ``ptr`` (aligned to 4n bytes) by one
-    relaxed GPU-scope load -> (their values, Int32 1 if none holds ``EMPTY``'s bits else 0);
-    ``least_bits``: the least of their bit patterns (unsigned) instead of the flag, for a
-    caller that combines many loads' by ``umin`` in a tree (0: one was ``EMPTY``)."""
+    relaxed GPU-scope load -> (their values, Int32 1 if none holds ``EMPTY``'s bits else 0)."""
     assert n in (1, 2, 4), n
     regs = [f"t{i}" for i in range(n)]
     width = "" if n == 1 else f".v{n}"
@@ -68,10 +66,7 @@ def load_marked_f32s(ptr, n: int, least_bits: bool = False, *, loc=None, ip=None
     else:
         body.append("min.u32 m, t0, t1;")
         body += [f"min.u32 m, m, t{i};" for i in range(2, n)]
-    if least_bits:
-        body.append(f"mov.b32 ${n}, {least};")
-    else:
-        body.append(f"setp.ne.u32 p, {least}, 0; selp.u32 ${n}, 1, 0, p;")
+    body.append(f"setp.ne.u32 p, {least}, 0; selp.u32 ${n}, 1, 0, p;")
     asm = "{ .reg .b32 " + ", ".join(regs + ["m"]) + "; .reg .pred p; " + " ".join(body) + " }"
     res = llvm.inline_asm(
         llvm.StructType.get_literal([T.f32()] * n + [T.i32()]),
@@ -86,23 +81,6 @@ def load_marked_f32s(ptr, n: int, least_bits: bool = False, *, loc=None, ip=None
     return values, Int32(llvm.extractvalue(T.i32(), res, [n], loc=loc, ip=ip))
 
 
-@dsl_user_op
-def umin(a, b, *, loc=None, ip=None) -> Int32:
-    """The lesser of two 32-bit patterns compared unsigned (``min.u32``)."""
-    return Int32(llvm.inline_asm(T.i32(), [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
-                                 "min.u32 $0, $1, $2;", "=r,r,r", has_side_effects=False, is_align_stack=False,
-                                 asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-def umin_tree(values: list) -> Int32:
-    """The unsigned least of ``values`` by a balanced tree of ``umin`` (log depth: a chain of
-    per-load checks put ~30 dependent predicate ops on the merger's path)."""
-    while len(values) > 1:
-        values = [umin(values[i], values[i + 1]) if i + 1 < len(values) else values[i]
-                  for i in range(0, len(values), 2)]
-    return values[0]
-
-
 def _vector_width(per_lane: int) -> int:
     return 4 if per_lane % 4 == 0 else 2 if per_lane % 2 == 0 else 1
 
@@ -114,13 +92,13 @@ def chunk_splits(head_dim: int) -> int:
 
 @cute.jit
 def _load_chunk(vals: cute.Tensor, o_parts: cute.Tensor, s0, num_splits, lane: Int32,
-                head_dim: cutlass.Constexpr[int]) -> Int32:
+                head_dim: cutlass.Constexpr[int], chunk: cutlass.Constexpr[int]) -> Int32:
     """This lane's columns of splits s0 .. s0 + chunk - 1 (clamped to the last split) into
     ``vals`` (chunk x per_lane, flat) -> 1 if every slot read was written, else 0."""
     per_lane = head_dim // 32
     width = _vector_width(per_lane)
     ok = Int32(1)
-    for j in cutlass.range_constexpr(chunk_splits(head_dim)):
+    for j in cutlass.range_constexpr(chunk):
         row = o_parts[cutlass.min(s0 + j, num_splits - 1), None]
         cols = cute.local_tile(row, (per_lane,), (lane,))
         for v in cutlass.range_constexpr(per_lane // width):
@@ -140,61 +118,10 @@ def _count_round(rounds: Int32) -> Int32:
 
 
 @cute.jit
-def _load_round(vals: cute.Tensor, lses: cute.Tensor, o_parts: cute.Tensor, lse_parts: cute.Tensor, s0,
-                num_splits, lane: Int32, head_dim: cutlass.Constexpr[int]) -> Int32:
-    """Lane weights' polling round: this lane's columns of splits s0 .. s0 + chunk - 1 into
-    ``vals`` and all their LSEs into ``lses`` (both clamped to the last split), every load
-    in flight together -> 1 if every word read was written (one ``umin`` tree), else 0."""
-    per_lane = head_dim // 32
-    width = _vector_width(per_lane)
-    least = []
-    for j in cutlass.range_constexpr(cute.size(lses.shape)):
-        s = cutlass.min(s0 + j, num_splits - 1)
-        cols = cute.local_tile(o_parts[s, None], (per_lane,), (lane,))
-        for v in cutlass.range_constexpr(per_lane // width):
-            xs, bits = load_marked_f32s(cols.iterator + v * width, width, least_bits=True)
-            for i in cutlass.range_constexpr(width):
-                vals[j * per_lane + v * width + i] = xs[i]
-            least.append(bits)
-        xs, bits = load_marked_f32s(lse_parts.iterator + cute.crd2idx(s, lse_parts.layout), 1, least_bits=True)
-        lses[j] = xs[0]
-        least.append(bits)
-    ready = Int32(0)
-    if umin_tree(least) != 0:
-        ready = Int32(1)
-    return ready
-
-
-@cute.jit
-def _fold_chunk(acc: cute.Tensor, vals: cute.Tensor, lses: cute.Tensor, s0, num_splits, m: Float32,
-                total: Float32, per_lane: cutlass.Constexpr[int]):
-    """Lane weights: fold a chunk of splits (their LSEs in every lane) into the running
-    (m, total, acc) — the online softmax's rescaling across chunks, no warp shuffles."""
-    chunk = cute.size(lses.shape)
-    m_new = m
-    for j in cutlass.range_constexpr(chunk):     # (clamped duplicates repeat the last split's)
-        m_new = cute.arch.fmax(m_new, lses[j])
-    shift = log2_shift(m_new)
-    # the running sums' weight: 0 while no split has a key (m = -inf: they are 0)
-    alpha = cutlass.select_(m == -Float32.inf, Float32(0.0),
-                            cute.math.exp2(log2_shift(m) - shift, fastmath=True))
-    total = total * alpha
-    for i in cutlass.range_constexpr(per_lane):
-        acc[i] = acc[i] * alpha
-    for j in cutlass.range_constexpr(chunk):
-        w = cutlass.select_(s0 + j < num_splits,
-                            cute.math.exp2(lses[j] * Float32(LOG2_E) - shift, fastmath=True), Float32(0.0))
-        total = total + w
-        for i in cutlass.range_constexpr(per_lane):
-            acc[i] = acc[i] + w * vals[j * per_lane + i]
-    return m_new, total
-
-
-@cute.jit
 def _store_merged_row(acc: cute.Tensor, m: Float32, total: Float32, lse_parts: cute.Tensor, o_parts: cute.Tensor,
                       out_row: cute.Tensor, lane: Int32, head_dim: cutlass.Constexpr[int], probe, probing,
                       empty: cutlass.Constexpr[bool]) -> Float32:
-    """Both merges' end: this lane's columns of the merged row (``acc`` weighted relative
+    """The merge's end: this lane's columns of the merged row (``acc`` weighted relative
     to ``log2_shift(m)``, summing to ``total``) into ``out_row``, the probe's stamp 3, then
     (``empty``) the slots this lane read emptied -> the row's natural-log LSE."""
     per_lane = head_dim // 32
@@ -218,7 +145,7 @@ def _store_merged_row(acc: cute.Tensor, m: Float32, total: Float32, lse_parts: c
 @cute.jit
 def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: cute.Tensor, lane: Int32,
                         head_dim: cutlass.Constexpr[int], probe=None, probing=None,
-                        empty: cutlass.Constexpr[bool] = True) -> Float32:
+                        empty: cutlass.Constexpr[bool] = True, chunk: cutlass.Constexpr[int] = 0) -> Float32:
     """One warp merges one row once every split has written it: ``lse_parts`` [splits]
     and ``o_parts`` [splits, D] (fp32 slots, ``EMPTY`` until written) into ``out_row`` [D]
     (each lane its D/32 columns, in out_row's dtype), then empties the slots it read;
@@ -227,6 +154,10 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
 
     The first round's loads (every LSE, the first chunk of partials) are in flight
     together: where every split has written, the merge costs one L2 round trip.
+    ``chunk``: the splits of that first chunk (0: ``chunk_splits(head_dim)``, past the
+    split count clamped to the last split). A chunk of exactly the launch's split count
+    loads nothing twice: on the H200 the clamped duplicates of 13 splits in a chunk of 16
+    cost ~0.2 µs of the B1 L128k window step (docs/experiments.md, session 71).
 
     ``probe`` (the decode timeline's, or None): where ``probing`` holds, lane 0 stores at
     ``probe[0]`` the %globaltimer_lo at which the first chunk was seen written, at
@@ -234,14 +165,14 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
     (before the slots are emptied). ``empty`` False (benchmarks: ``DecodeConfig.
     caller_empties_slots``): the slots are left written, for the caller to zero."""
     per_lane = head_dim // 32
-    chunk = chunk_splits(head_dim)
+    chunk = chunk or chunk_splits(head_dim)
     num_splits = cute.size(lse_parts.shape)
     vals = cute.make_rmem_tensor(chunk * per_lane, Float32)
     lse_s = -Float32.inf     # lane s: split s's LSE
     ready = Int32(0)
     rounds = Int32(0)
     while ready == 0:
-        ok = _load_chunk(vals, o_parts, Int32(0), num_splits, lane, head_dim)
+        ok = _load_chunk(vals, o_parts, Int32(0), num_splits, lane, head_dim, chunk)
         if lane < num_splits:
             xs, written = load_marked_f32s(lse_parts.iterator + cute.crd2idx(lane, lse_parts.layout), 1)
             lse_s = xs[0]
@@ -267,7 +198,7 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
     for s0 in cutlass.range(chunk, num_splits, chunk, unroll=1):
         ready = Int32(0)
         while ready == 0:
-            ready = _load_chunk(vals, o_parts, s0, num_splits, lane, head_dim)
+            ready = _load_chunk(vals, o_parts, s0, num_splits, lane, head_dim, chunk)
             rounds = _count_round(rounds)
         for j in cutlass.range_constexpr(chunk):
             s = s0 + j
@@ -275,43 +206,6 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
                                   Float32(0.0))
             for i in cutlass.range_constexpr(per_lane):
                 acc[i] = acc[i] + w_j * vals[j * per_lane + i]
-    return _store_merged_row(acc, m, total, lse_parts, o_parts, out_row, lane, head_dim, probe, probing, empty)
-
-
-@cute.jit
-def merge_polled_splits_lane_weights(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: cute.Tensor,
-                                     lane: Int32, head_dim: cutlass.Constexpr[int], probe=None, probing=None,
-                                     empty: cutlass.Constexpr[bool] = True) -> Float32:
-    """``merge_polled_splits`` with the weights computed in every lane
-    (``DecodeConfig.lane_merge_weights``): each polling round loads a chunk's partial
-    columns and every one of its LSEs in every lane, and ``_fold_chunk`` folds the chunk
-    in — no warp reductions, no shuffle per split (the default path's dependent chain:
-    10 SHFL.BFLY, then 16 SHFL.IDX at D 128)."""
-    per_lane = head_dim // 32
-    chunk = chunk_splits(head_dim)
-    num_splits = cute.size(lse_parts.shape)
-    vals = cute.make_rmem_tensor(chunk * per_lane, Float32)
-    lses = cute.make_rmem_tensor(chunk, Float32)
-    acc = cute.make_rmem_tensor(per_lane, Float32)
-    acc.fill(0.0)
-    m = -Float32.inf
-    total = Float32(0.0)
-    rounds = Int32(0)
-    for s0 in cutlass.range(0, num_splits, chunk, unroll=1):
-        ready = Int32(0)
-        while ready == 0:
-            ready = _load_round(vals, lses, o_parts, lse_parts, s0, num_splits, lane, head_dim)
-            rounds = _count_round(rounds)
-        if const_expr(probe is not None):
-            if probing:
-                if lane == 0:
-                    if s0 == 0:
-                        probe.store(Int32(cute.arch.globaltimer_lo()))
-        m, total = _fold_chunk(acc, vals, lses, s0, num_splits, m, total, per_lane)
-    if const_expr(probe is not None):
-        if probing:
-            if lane == 0:
-                (probe + 1).store(rounds)
     return _store_merged_row(acc, m, total, lse_parts, o_parts, out_row, lane, head_dim, probe, probing, empty)
 
 
@@ -325,5 +219,5 @@ def zero_lane_columns(row: cute.Tensor, lane: Int32, head_dim: cutlass.Constexpr
     cute.local_tile(row, (per_lane,), (lane,)).store(zeros.load())
 
 
-__all__ = ["EMPTY", "MAX_SPLITS", "store_marked_f32", "load_marked_f32s", "merge_polled_splits",
-           "merge_polled_splits_lane_weights", "chunk_splits", "zero_lane_columns"]
+__all__ = ["EMPTY", "MAX_SPLITS", "store_marked_f32", "load_marked_f32s", "merge_polled_splits", "chunk_splits",
+           "zero_lane_columns"]

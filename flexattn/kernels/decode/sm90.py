@@ -90,8 +90,8 @@ from flexattn.kernels.emit import interval_emit
 from flexattn.kernels.hopper import dsmem, mma
 from flexattn.kernels.hopper.atomics import ld_relaxed_s32, st_relaxed_s32
 from flexattn.kernels.decode.combine import inverse_and_lse, lane_columns, log2_shift, merge_splits
-from flexattn.kernels.decode.polled_merge import (merge_polled_splits, merge_polled_splits_lane_weights,
-                                                  store_marked_f32, zero_lane_columns)
+from flexattn.kernels.decode.polled_merge import (chunk_splits, merge_polled_splits, store_marked_f32,
+                                                  zero_lane_columns)
 from flexattn.kernels.emit.mod_hook import NO_MODS, FragmentCoords, ModHook, kept_if
 from flexattn.kernels.hopper.softmax import OnlineSoftmax, rescale_rows
 from flexattn.kernels.hopper.tma_pipeline import tma_ring
@@ -147,9 +147,11 @@ class DecodeConfig(KernelConfig):
                                  # none empty while splits <= blocks; else ceil(total /
                                  # splits) each, the last ones short or empty (the planner
                                  # trims its count so none is: choose_splits)
-    lane_merge_weights: bool = False  # polled merge: every lane loads every split's LSE and
-                                 # computes the weights itself (no warp reductions or
-                                 # shuffles on the merger's chain; opt-in until measured)
+    merge_chunk: int = 0         # polled merge: splits whose partials a lane loads in its
+                                 # first polling round (0: polled_merge.chunk_splits(head_dim),
+                                 # past the launch's count clamped to its last split); the
+                                 # planner sets the launch's count where it holds across steps
+                                 # (decode_path.stable_merge_chunk): no loads past it
     caller_empties_slots: bool = False  # benchmarks only (decode_floor.py --zero-slots, never
                                  # planned): the polled merge leaves the slots it read
                                  # written, the caller zeroes them between steps — what the
@@ -202,8 +204,9 @@ class DecodeConfig(KernelConfig):
                              f"{self.cluster_splits} and {self.head_dim}")
         if self.parity_slots and not self.polled_merge:
             raise ValueError("parity_slots needs polled_merge")
-        if self.lane_merge_weights and not self.polled_merge:
-            raise ValueError("lane_merge_weights needs polled_merge")
+        if self.merge_chunk and not (self.polled_merge and 1 <= self.merge_chunk <= chunk_splits(self.head_dim)):
+            raise ValueError(f"merge_chunk must be 0, or 1 to {chunk_splits(self.head_dim)} with polled_merge at head "
+                             f"dim {self.head_dim}, got {self.merge_chunk}")
         if self.caller_empties_slots and not self.polled_merge:
             raise ValueError("caller_empties_slots needs polled_merge")
         if self.smem_bytes > self.smem_limit:
@@ -1093,7 +1096,7 @@ class DecodeSm90(WarpSpecialized):
             mOPart, mLSEPart = self._slot_set(mOPart, mLSEPart, _parity(phase))
         merge = merge_splits
         if const_expr(cfg.polled_merge):
-            merge = merge_polled_splits_lane_weights if const_expr(cfg.lane_merge_weights) else merge_polled_splits
+            merge = merge_polled_splits
         warp = tidx // 32
         lane = tidx % 32
         p_lo = m_block * cfg.tile_m
@@ -1103,9 +1106,11 @@ class DecodeSm90(WarpSpecialized):
             head, qi = packed_row(p, head_kv, group, q_len)
             # (the timeline's probe: the first row's polling, stamps 13, 14 and 16)
             probe = (stamps + 13, r == 0) if const_expr(cfg.polled_merge and cfg.timeline) else ()
-            empty = {"empty": False} if const_expr(cfg.caller_empties_slots or cfg.parity_slots) else {}
+            kw = {"empty": False} if const_expr(cfg.caller_empties_slots or cfg.parity_slots) else {}
+            if const_expr(cfg.polled_merge):
+                kw["chunk"] = cfg.merge_chunk
             lse = merge(mLSEPart[None, batch, head, qi], mOPart[None, batch, head, qi, None], mO[batch, head, qi, None],
-                        lane, cfg.head_dim, *probe, **empty)
+                        lane, cfg.head_dim, *probe, **kw)
             if lane == 0:
                 mLSE[batch, head, qi] = lse
 
