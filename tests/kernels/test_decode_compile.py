@@ -683,7 +683,7 @@ def test_plan_run_repeated_steps():
                                       decode_path.DecodeMods(mods.alibi(num_heads=Hq), mods.causal()),
                                       overrides=decode_path.DecodeOverrides(tuning=tickets_only)).plan
     launches = []
-    plan._fns[(plan.tuning, 1, False)] = lambda *args: launches.append(args)   # splits 1 and 13: the ticket merge
+    plan._fns[(plan.tuning, 1, False, 0)] = lambda *args: launches.append(args)   # splits 1 and 13: the ticket merge
     assert plan.run(q, k, k, None, out, lse, [100, 37], 132) == 1            # 2 blocks: one split
     assert plan.run(q, k, k, None, out, lse, [4000, 37], 132) == 13          # 63 blocks: 13 of >= 256 keys
     assert plan.run(q, k, k, None, out, lse, [4001, 38], 132) == 13
@@ -705,7 +705,7 @@ def test_plan_run_repeated_steps():
     marked = torch.zeros(1 << 20)
     plan._marked = lambda n: marked
     plan._launches.clear()   # (each block count's launch holds its merge, decided with the workspace)
-    plan._fns[(plan.tuning, 1, True)] = lambda *args: launches.append(("polled",) + args)
+    plan._fns[(plan.tuning, 1, True, 0)] = lambda *args: launches.append(("polled",) + args)
     assert plan.run(q, k, k, None, out, lse, [4001, 38], 132) == 13
     assert launches[-1][0] == "polled" and launches[-1][8].data_ptr() == marked.data_ptr()
     assert plan.run(q, k, k, None, out, lse, [100, 37], 132) == 1 and launches[-1][0] != "polled"
@@ -742,7 +742,7 @@ def test_plan_parity_slots(monkeypatch):
                                           decode_path.DecodeMods(None, mods.causal()),
                                           overrides=decode_path.DecodeOverrides(tuning=tuning)).plan
         launches = []
-        plan._fns[(plan.tuning, 1, True)] = lambda *args: launches.append(args)
+        plan._fns[(plan.tuning, 1, True, 0)] = lambda *args: launches.append(args)
         return plan, launches
 
     plan, launches = plan_with(get_zeroed)
@@ -755,7 +755,7 @@ def test_plan_parity_slots(monkeypatch):
     assert o_part.data_ptr() == zeroed[0].data_ptr() and tickets is zeroed[1] and tickets.numel() == 2 * B * 2
     assert lse_part.data_ptr() == zeroed[0].data_ptr() + 4 * 2 * 16 * B * Hq * 128   # (capacity 16)
     assert all(a is b for a, b in zip(launches[0][7:10], launches[1][7:10]))     # the same every step
-    assert plan._kernel((plan.tuning, 1, True))[0].parity_slots
+    assert plan._kernel((plan.tuning, 1, True, 0))[0].parity_slots
     # more splits than the capacity: new memory (tickets and phase words with it), all zero
     for n, cap_splits, allocations in ((13, 16, 2), (20, 20, 4), (17, 20, 4), (25, 25, 6)):
         _, splits, o_part, lse_part = plan._stage([4001, 38], 132, n)
@@ -765,12 +765,12 @@ def test_plan_parity_slots(monkeypatch):
     assert plan._tickets_for((plan.tuning, 1, False)) is not zeroed[-1]   # the ticket merge: the workspace's
     plan, launches = plan_with(None)                 # no zeroed memory: the shared scratch, emptied
     assert plan.run(q, k, k, None, out, lse, [4001, 38], 132) == 13
-    assert launches[-1][7].data_ptr() == marked.data_ptr() and not plan._kernel((plan.tuning, 1, True))[0].parity_slots
+    assert launches[-1][7].data_ptr() == marked.data_ptr() and not plan._kernel((plan.tuning, 1, True, 0))[0].parity_slots
     # the variants' flags (the benchmarks' parity-caller: the parity kernel without its zeroing)
     for slots, flags in (("parity-caller", (True, True)), ("caller", (False, True))):
         monkeypatch.setenv("FLEXATTN_DECODE_SLOTS", slots)
         decode_path._PREPARED.clear()   # (a plan reads the setting once)
-        config = plan_with(get_zeroed)[0]._kernel((plan.tuning, 1, True))[0]
+        config = plan_with(get_zeroed)[0]._kernel((plan.tuning, 1, True, 0))[0]
         assert (config.parity_slots, config.caller_empties_slots) == flags, slots
 
 
