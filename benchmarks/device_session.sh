@@ -9,7 +9,7 @@
 # (CuPy adapter on the kernels), public (public path + prepared repeat calls), overhead
 # (host µs per call, small shapes), profile (where the host µs of a repeated torch / CuPy
 # call go), kprofile (device µs per kernel of a step, ours beside FA4), detprofile (ours,
-# deterministic beside default), decode / decode-bench (decode tests / TB/s table), jax (JAX adapter on the
+# deterministic beside default), decode / short-query / decode-bench (decode tests, short-query tests / TB/s table), jax (JAX adapter on the
 # kernels), notebooks (every notebook on the GPU), sched (tile order / persistent CTAs ablation),
 # first-call (a new mod's first call alone, fresh processes: issue 3's target), ab (ours
 # against FA4 in alternating rounds, full and causal, three shapes), bwd-sched (backward
@@ -148,7 +148,9 @@ for step in $steps; do
     bench-ffi) run bench_ffi 420 python3 benchmarks/bench_fwd.py --tvm-ffi --out "$out/bench_ffi.json" ;;
     bwd-bench) run bwd_bench 560 python3 benchmarks/bench_bwd.py --variants full causal window1024 document4 \
            --out "$out/bench_bwd.json" ;;
-    decode) run decode 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py ;;
+    decode) run decode 540 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py ;;   # (session 71: 80
+           # of its 117 cases took 210 s on a fresh machine: a kernel per split count where the merge chunk is exact)
+    short-query) run short_query 420 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_short_query_gpu.py ;;
     decode-bench) run decode_bench 420 python3 benchmarks/bench_decode.py --out "$out/bench_decode.json" ;;
     jax) run jax 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_jax_gpu.py ;;
     cupy) run cupy 180 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cupy_gpu.py ;;
