@@ -486,17 +486,34 @@ def polled_merge_pays(splits: int, cluster: int, head_dim: int) -> bool:
     return cluster == 1 and 1 < splits <= MAX_SPLITS and head_dim % 32 == 0
 
 
-def stable_merge_chunk(splits: int, config) -> int:
+def stable_merge_chunk(splits: int, head_dim: int, band_hi: int | None, longest: int, q_len: int) -> int:
     """``DecodeConfig.merge_chunk`` for a polled launch of ``splits`` splits: the count
-    itself where it holds across a decoder's steps — a band's (sliding window's) visited
-    blocks stop growing with the cache (``config.prefix_band``), so the planner's count
-    settles and one kernel serves every step — within the head dim's chunk; else 0 (the
-    head dim's chunk, clamped: one kernel for every count, where a growing cache would
-    compile one per count it passes through). The clamped duplicates cost ~0.2 µs of a
-    B1 L128k window step on the H200 (docs/experiments.md, session 71)."""
+    itself where it holds across a decoder's steps — a band ``q - kv <= band_hi`` (a
+    sliding window, ``host_band_hi``) whose window the longest sequence has filled visits
+    the same blocks at every length (65 or 66 for 4097 keys, by alignment), so the
+    planner's count settles and one kernel (two) serves every step — within the head
+    dim's chunk; else 0 (the head dim's chunk, clamped: one kernel for every count, where
+    a growing cache would compile one per count it passes through). The clamped
+    duplicates cost ~0.2 µs of a B1 L128k window step on the H200 (docs/experiments.md,
+    session 71)."""
     from ..kernels.decode.polled_merge import chunk_splits
 
-    return splits if config.prefix_band is not None and splits <= chunk_splits(config.head_dim) else 0
+    settled = band_hi is not None and longest - q_len > band_hi
+    return splits if settled and splits <= chunk_splits(head_dim) else 0
+
+
+def host_band_hi(prefix_band, mask) -> int | None:
+    """``DecodeConfig.prefix_band``'s bound as a host int: a number, or an ``Affine`` of
+    the mask's captured numbers; None without a band or where it reads an array."""
+    if prefix_band is None:
+        return None
+    hi = prefix_band[0]
+    if isinstance(hi, int):
+        return hi
+    values = [mask.captures[slot] for slot, _ in hi.terms]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return None
+    return int(hi.value(mask.captures))
 
 
 def slot_views(o_flat, lse_flat, splits: int, sets: int, o_shape: tuple, group_major: bool,
@@ -666,6 +683,7 @@ class DecodePlan:
                                   tuning, skip_masked_prefix=not walk and not head_always_kept(base, B, Hq),
                                   mask_last_page_only=mods.full_but_last,
                                   prefix_band=None if walk else _planned_band_prefix(base, the_mask, shift))
+        self._band_hi = host_band_hi(self.config.prefix_band, the_mask)   # (stable_merge_chunk)
 
         from ..kernels.emit.mod_emit import capture_kinds
 
@@ -792,7 +810,7 @@ class DecodePlan:
 
     def _launch_parts(self, longest: int, num_sms: int, num_splits: int | None):
         """The launch for sequences of at most ``longest`` keys -> (kernel = (tuning,
-        cluster, polled merge), splits, o_part, lse_part)."""
+        cluster, polled merge, merge chunk), splits, o_part, lse_part)."""
         q_len = self.q_len
         if num_splits is None:
             key = (-(-longest // self.tuning.tile_n), num_sms)
@@ -815,7 +833,9 @@ class DecodePlan:
             cluster = int(num_splits) if clustered else 1
             launch = (self.tuning, int(num_splits), cluster, self._polls(int(num_splits), cluster))
         tuning, splits, cluster, polled = launch
-        chunk = stable_merge_chunk(splits, self.config) if polled and self._exact_chunks else 0
+        chunk = 0
+        if polled and self._exact_chunks:
+            chunk = stable_merge_chunk(splits, self.config.head_dim, self._band_hi, longest, q_len)
         if polled and self._parity:
             return (tuning, cluster, polled, chunk), splits, *self._parity_slots(splits)
         o_size, lse_size = self._part_sizes

@@ -404,9 +404,9 @@ def test_merge_chunk_loads_no_split_twice(compiled, monkeypatch):
     """``merge_chunk`` n: the polled merge's first round loads exactly n splits' partial
     columns (the first round's and the later rounds' loads: 2 n ``ld.relaxed`` v4 at D 128,
     against 2 x 16 with the head dim's chunk, clamped), no spills; planned as the launch's
-    split count where a band bounds the visited blocks (the window step's 13), not for a
-    growing cache's counts, nor past the head dim's chunk, nor with
-    FLEXATTN_DECODE_MERGE_CHUNK=generic."""
+    split count where a band bounds the visited blocks and the longest sequence has filled
+    it (the window step's 13), not while it fills, nor for a growing cache's counts, nor
+    past the head dim's chunk, nor with FLEXATTN_DECODE_MERGE_CHUNK=generic."""
     cfg, hook = _config("polled-window-band-prefix")
     exact = compile_decode(dataclasses.replace(cfg, merge_chunk=13), fake_args(hook), keep_ptx=True,
                            tvm_ffi=True).__ptx__
@@ -421,8 +421,13 @@ def test_merge_chunk_loads_no_split_twice(compiled, monkeypatch):
     plan, cap = _b1_plan(mods.sliding_window(4096))
     kernel, splits, _, _ = plan._launch_parts(cap, 132, None)
     assert kernel[2] and kernel[3] == splits == 13 and plan._kernel(kernel)[0].merge_chunk == 13, kernel
-    assert decode_path.stable_merge_chunk(17, plan.config) == 0     # (past the head dim's chunk of 16)
-    assert decode_path.stable_merge_chunk(13, dataclasses.replace(plan.config, prefix_band=None)) == 0
+    assert plan._band_hi == 4096
+    filling = plan._launch_parts(3000, 132, None)[0]                  # (the window not yet full: counts still move)
+    assert filling[2] and filling[3] == 0, filling
+    assert decode_path.stable_merge_chunk(13, 128, 4096, 4098, 1) == 13
+    assert decode_path.stable_merge_chunk(13, 128, 4096, 4097, 1) == 0
+    assert decode_path.stable_merge_chunk(17, 128, 4096, cap, 1) == 0   # (past the head dim's chunk of 16)
+    assert decode_path.stable_merge_chunk(13, 128, None, cap, 1) == 0   # (no band: a growing cache)
     monkeypatch.setenv("FLEXATTN_DECODE_MERGE_CHUNK", "generic")
     plan, cap = _b1_plan(mods.sliding_window(4096))
     assert plan._launch_parts(cap, 132, None)[0][3] == 0
