@@ -488,14 +488,14 @@ def polled_merge_pays(splits: int, cluster: int, head_dim: int) -> bool:
 
 def stable_merge_chunk(splits: int, head_dim: int, band_hi: int | None, longest: int, q_len: int) -> int:
     """``DecodeConfig.merge_chunk`` for a polled launch of ``splits`` splits: the count
-    itself where it holds across a decoder's steps — a band ``q - kv <= band_hi`` (a
-    sliding window, ``host_band_hi``) whose window the longest sequence has filled visits
-    the same blocks at every length (65 or 66 for 4097 keys, by alignment), so the
-    planner's count settles and one kernel (two) serves every step — within the head
-    dim's chunk; else 0 (the head dim's chunk, clamped: one kernel for every count, where
-    a growing cache would compile one per count it passes through). The clamped
-    duplicates cost ~0.2 µs of a B1 L128k window step on the H200 (docs/experiments.md,
-    session 71)."""
+    itself where it holds across a decoder's steps — once the longest sequence has filled
+    a band ``q - kv <= band_hi`` (a sliding window, ``host_band_hi``), every step visits
+    the same number of blocks (one of two by alignment; 65 for 4097 keys in 64-key
+    tiles), so the planner's count settles and one kernel serves the steps — within the
+    head dim's chunk; else 0 (the head dim's chunk, clamped: one kernel for every count,
+    where a filling window or a growing cache would compile one per count it passes
+    through). The clamped duplicates cost ~0.2 µs of a B1 L128k window step on the H200
+    (docs/experiments.md, session 71)."""
     from ..kernels.decode.polled_merge import chunk_splits
 
     settled = band_hi is not None and longest - q_len > band_hi
