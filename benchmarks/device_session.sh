@@ -97,7 +97,9 @@
 # (the decode + short-query suites with parity; ~6 min), parity-floor (decode_floor's B1 L128k window row emptied /
 # parity / parity-caller / caller in alternating processes, four rounds, ~3 min), parity-timeline (that step's
 # timeline with marks for emptied / caller / parity / parity-caller: stream or tail; ~6 min),
-# merge-chunk (FLEXATTN_DECODE_MERGE_CHUNK=generic / exact: the polled merge's first round clamped to the head
+# phase-flip (FLEXATTN_DECODE_PHASE_FLIP=end / early, opt-in: the parity merger's next phase stored once its first
+# row has seen every split, not after every row and a barrier; the parity GPU tests both ways, then decode_floor's
+# B1 L128k window row both ways, five rounds; ~3 min), merge-chunk (FLEXATTN_DECODE_MERGE_CHUNK=generic / exact: the polled merge's first round clamped to the head
 # dim's chunk, or exactly the launch's split count as planned for windows; its GPU tests, then decode_floor's
 # B1 L128k window row both ways, five rounds; ~4 min), balanced (FLEXATTN_DECODE_BALANCED=1, opt-in: balanced split ranges, the planner's counts untrimmed — B1 L128k
 # window 16 splits instead of 13; its GPU tests, then decode_floor's row both ways in alternating processes, five
@@ -418,6 +420,9 @@ for step in $steps; do
     balanced) run balanced_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
                 -k "balanced_splits or parity_slots or polled_merge_planned"
               floor_ab balanced FLEXATTN_DECODE_BALANCED 5 0 1 ;;
+    phase-flip) run phase_flip_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
+                  -k "parity_slots"
+                floor_ab phase_flip FLEXATTN_DECODE_PHASE_FLIP 5 end early ;;
     merge-chunk) run merge_chunk_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
                    -k "merge_chunk or parity_slots or polled_merge_planned"
                  floor_ab merge_chunk FLEXATTN_DECODE_MERGE_CHUNK 5 generic exact ;;

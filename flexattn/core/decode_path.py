@@ -714,6 +714,10 @@ class DecodePlan:
         self._caller_empties = slots in ("caller", "parity-caller")
         self._parity = (slots in ("parity", "parity-caller") and workspace.zeroed is not None
                         and self._marked is not None)
+        # FLEXATTN_DECODE_PHASE_FLIP=early (opt-in until measured, read once per plan): the
+        # parity merger stores the next phase as soon as its first row has seen every split
+        # (``DecodeConfig.early_phase_flip``), not after every row and a barrier.
+        self._early_flip = os.environ.get("FLEXATTN_DECODE_PHASE_FLIP", "end") == "early"
         # Where a group's polled slots lie (read once per plan): "split" — split-major, each
         # split's slots of every row together ([splits, B, Hq, q_len, D]); "group" — a row's
         # splits side by side ([B, Hq, q_len, splits, D], LSEs [B, Hq, splits, q_len]), so a
@@ -776,7 +780,8 @@ class DecodePlan:
                 config = _with_launch(config, tuning, cluster, polled)
                 if polled and self._parity:
                     config = dataclasses.replace(config, parity_slots=True,
-                                                 caller_empties_slots=self._caller_empties)
+                                                 caller_empties_slots=self._caller_empties,
+                                                 early_phase_flip=self._early_flip)
                 elif polled and self._caller_empties:
                     config = dataclasses.replace(config, caller_empties_slots=True)
                 if chunk:

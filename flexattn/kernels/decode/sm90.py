@@ -152,6 +152,10 @@ class DecodeConfig(KernelConfig):
                                  # past the launch's count clamped to its last split); the
                                  # planner sets the launch's count where it holds across steps
                                  # (decode_path.stable_merge_chunk): no loads past it
+    early_phase_flip: bool = False  # parity slots: the merger's first row's lane 0 stores the
+                                 # next phase as soon as it has seen every split's partial of
+                                 # that row (before its arithmetic), instead of after every
+                                 # row and a consumer barrier (opt-in until measured)
     caller_empties_slots: bool = False  # benchmarks only (decode_floor.py --zero-slots, never
                                  # planned): the polled merge leaves the slots it read
                                  # written, the caller zeroes them between steps — what the
@@ -207,6 +211,8 @@ class DecodeConfig(KernelConfig):
         if self.merge_chunk and not (self.polled_merge and 1 <= self.merge_chunk <= chunk_splits(self.head_dim)):
             raise ValueError(f"merge_chunk must be 0, or 1 to {chunk_splits(self.head_dim)} with polled_merge at head "
                              f"dim {self.head_dim}, got {self.merge_chunk}")
+        if self.early_phase_flip and not self.parity_slots:
+            raise ValueError("early_phase_flip needs parity_slots")
         if self.caller_empties_slots and not self.polled_merge:
             raise ValueError("caller_empties_slots needs polled_merge")
         if self.smem_bytes > self.smem_limit:
@@ -507,15 +513,18 @@ class DecodeSm90(WarpSpecialized):
                                                      tiled_mma_pv.get_slice(tidx), head_kv, group, q_len, rows,
                                                      m_block, batch)
                     else:
+                        flip = None
+                        if const_expr(cfg.early_phase_flip):
+                            flip = (phase_word, _next_phase(phase, num_splits))
                         self._merge_group(mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block,
-                                          batch, stamps, phase)
-                        if const_expr(cfg.parity_slots):
+                                          batch, stamps, phase, flip)
+                        if const_expr(cfg.parity_slots and not cfg.early_phase_flip):
                             # Every row merged, so every split's phase reads are done: the next
                             # launch's phase (count 0, parity flipped, this split count), by a
                             # store (no atomic: its return would hold the merger's exit).
                             DecodeBarrier.ARRIVAL.sync(self.num_mma_threads)
                             if tidx == 0:
-                                st_relaxed_s32(phase_word, ((1 - _parity(phase)) << 16) | (num_splits << 24))
+                                st_relaxed_s32(phase_word, _next_phase(phase, num_splits))
                         self._stamp(stamps, 6, warp_idx == 4)
             elif const_expr(cfg.cluster_splits == 1):
                 if num_splits > 1:
@@ -1086,11 +1095,12 @@ class DecodeSm90(WarpSpecialized):
 
     @cute.jit
     def _merge_group(self, mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block, batch,
-                     stamps=None, phase=None):
+                     stamps=None, phase=None, flip=None):
         """The merging split CTA of a group (tickets: the last to arrive; polled: the last to
         start): merge every split's partial of the tile's rows into O (input dtype) and LSE,
         one consumer warp per row (rows strided over warps). Parity slots: the launch's set
-        (``phase``'s parity); nothing emptied."""
+        (``phase``'s parity); nothing emptied. ``flip`` (``early_phase_flip``): (the phase
+        word, the next phase), stored by the first row's merge once it has seen every split."""
         cfg = self.cfg
         if const_expr(cfg.parity_slots):
             mOPart, mLSEPart = self._slot_set(mOPart, mLSEPart, _parity(phase))
@@ -1109,6 +1119,8 @@ class DecodeSm90(WarpSpecialized):
             kw = {"empty": False} if const_expr(cfg.caller_empties_slots or cfg.parity_slots) else {}
             if const_expr(cfg.polled_merge):
                 kw["chunk"] = cfg.merge_chunk
+            if const_expr(flip is not None):
+                kw["flip"] = (*flip, r == 0)
             lse = merge(mLSEPart[None, batch, head, qi], mOPart[None, batch, head, qi, None], mO[batch, head, qi, None],
                         lane, cfg.head_dim, *probe, **kw)
             if lane == 0:
@@ -1118,6 +1130,11 @@ class DecodeSm90(WarpSpecialized):
 def _parity(phase):
     """A phase word's parity (bit 16): the set of slots this launch's partials go to."""
     return (phase >> 16) & 1
+
+
+def _next_phase(phase, num_splits):
+    """Parity slots: the next launch's phase word (count 0, parity flipped, this split count)."""
+    return ((1 - _parity(phase)) << 16) | (num_splits << 24)
 
 
 def _last_count(phase):
