@@ -715,8 +715,8 @@ class DecodePlan:
         self._parity = (slots in ("parity", "parity-caller") and workspace.zeroed is not None
                         and self._marked is not None)
         # FLEXATTN_DECODE_PHASE_FLIP=early (opt-in until measured, read once per plan): the
-        # parity merger stores the next phase as soon as its first row has seen every split
-        # (``DecodeConfig.early_phase_flip``), not after every row and a barrier.
+        # parity merger stores the next phase as soon as its warps have seen every split's
+        # partials (``DecodeConfig.early_phase_flip``), not after every row and a barrier.
         self._early_flip = os.environ.get("FLEXATTN_DECODE_PHASE_FLIP", "end") == "early"
         # Where a group's polled slots lie (read once per plan): "split" — split-major, each
         # split's slots of every row together ([splits, B, Hq, q_len, D]); "group" — a row's

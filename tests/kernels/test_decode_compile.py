@@ -434,10 +434,11 @@ def test_merge_chunk_loads_no_split_twice(compiled, monkeypatch):
 
 
 def test_early_phase_flip_stores_the_phase_before_the_merge_arithmetic(compiled):
-    """``early_phase_flip`` (parity slots): the next phase is stored right after the first
-    polling round (before the weights' warp reductions) and, where later chunks exist, after
-    them; the merger's end has no consumer barrier and no store after its rows; no spills;
-    planned with FLEXATTN_DECODE_PHASE_FLIP=early."""
+    """``early_phase_flip`` (parity slots): the last merging warp to have seen every split
+    (a shared acq_rel counter) stores the next phase right after the first polling round
+    (before the weights' warp reductions) and, where later chunks exist, after them; the
+    merger's end has no consumer barrier and no store after its rows; no spills; planned
+    with FLEXATTN_DECODE_PHASE_FLIP=early."""
     cfg, hook = _config("polled-window-band-prefix")
     ptx = {flip: compile_decode(dataclasses.replace(cfg, parity_slots=True, early_phase_flip=flip), fake_args(hook),
                                 keep_ptx=True, tvm_ffi=True).__ptx__ for flip in (False, True)}
@@ -454,6 +455,7 @@ def test_early_phase_flip_stores_the_phase_before_the_merge_arithmetic(compiled)
     polls, store, bfly = "ld.relaxed.gpu.global.v4", "st.relaxed.gpu.global.b32", "shfl.sync.bfly"
     assert tail(ptx[False])[-2:] == ["bar.sync 2", store], tail(ptx[False])
     assert tail(ptx[True])[1:4] == [polls, store, bfly] and "bar.sync 2" not in tail(ptx[True]), tail(ptx[True])
+    assert ptx[True].count("atom.shared.cta.acq_rel.add") == 2 and "atom.shared" not in ptx[False]
     usage = resource_usage_from_ptx(ptx[True])
     assert usage is None or (usage.spill_store_bytes == 0 and usage.stack_bytes == 0), usage
     with pytest.raises(ValueError, match="early_phase_flip"):

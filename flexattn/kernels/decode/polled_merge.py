@@ -144,14 +144,19 @@ def _store_merged_row(acc: cute.Tensor, m: Float32, total: Float32, lse_parts: c
 
 @cute.jit
 def _store_flip(flip, lane: Int32, seen_all) -> None:
-    """``merge_polled_splits``' ``flip`` (word, value, here): lane 0 stores it where
-    ``here`` and ``seen_all`` (every split's partial seen) hold."""
+    """``merge_polled_splits``' ``flip`` (word, value, counter, warps, here): where ``here``
+    (the warp's last row) and ``seen_all`` (every split's partial of it seen) hold, the
+    warp counts itself in ``counter`` (shared, acq_rel) once all its lanes have polled,
+    and the last of ``warps`` stores ``value`` at ``word``: every row's partials seen, so
+    every split's phase reads came first (their stores' addresses depend on them)."""
     if const_expr(flip is not None):
-        word, value, here = flip
+        word, value, counter, warps, here = flip
         if here:
             if seen_all:
+                cute.arch.sync_warp()    # (each lane leaves its polls on its own)
                 if lane == 0:
-                    st_relaxed_s32(word, value)
+                    if cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="cta") == warps - 1:
+                        st_relaxed_s32(word, value)
 
 
 @cute.jit
@@ -171,9 +176,8 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
     split count clamped to the last split). A chunk of exactly the launch's split count
     loads nothing twice: on the H200 the clamped duplicates of 13 splits in a chunk of 16
     cost ~0.2 µs of the B1 L128k window step (docs/experiments.md, session 71).
-    ``flip`` (word, value, here), parity slots' ``early_phase_flip``: where ``here`` holds,
-    lane 0 stores ``value`` at ``word`` once every split's partial has been seen (their
-    phase reads came before their stores), before the merge's arithmetic.
+    ``flip`` (parity slots' ``early_phase_flip``): ``_store_flip``'s, after the polls that
+    see every split, before the merge's arithmetic.
 
     ``probe`` (the decode timeline's, or None): where ``probing`` holds, lane 0 stores at
     ``probe[0]`` the %globaltimer_lo at which the first chunk was seen written, at

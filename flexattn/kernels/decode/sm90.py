@@ -152,9 +152,9 @@ class DecodeConfig(KernelConfig):
                                  # past the launch's count clamped to its last split); the
                                  # planner sets the launch's count where it holds across steps
                                  # (decode_path.stable_merge_chunk): no loads past it
-    early_phase_flip: bool = False  # parity slots: the merger's first row's lane 0 stores the
-                                 # next phase as soon as it has seen every split's partial of
-                                 # that row (before its arithmetic), instead of after every
+    early_phase_flip: bool = False  # parity slots: the last of the merger's warps to have seen
+                                 # every split's partials of its rows (a shared counter) stores
+                                 # the next phase before its arithmetic, instead of after every
                                  # row and a consumer barrier (opt-in until measured)
     caller_empties_slots: bool = False  # benchmarks only (decode_floor.py --zero-slots, never
                                  # planned): the polled merge leaves the slots it read
@@ -354,7 +354,7 @@ class DecodeSm90(WarpSpecialized):
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
-            last_arrival: cute.struct.MemRange[Int32, 2]
+            last_arrival: cute.struct.MemRange[Int32, 3]
 
         scale_log2 = Float32(LOG2_E)
         if const_expr(not self.mods.has_score):
@@ -450,8 +450,9 @@ class DecodeSm90(WarpSpecialized):
             count = cutlass.min(first + per_split, n_hi) - first
         self._stamp(stamps, 11, warp_idx == 4)
         # [0]: whether this CTA merges its group (set by whoever counts it in: _count_in);
-        # [1]: parity slots, the phase word as the ticket found it (_take_parity_ticket)
-        sMerges = storage.last_arrival.get_tensor(cute.make_layout(2))
+        # [1]: parity slots, the phase word as the ticket found it (_take_parity_ticket);
+        # [2]: early_phase_flip, the merger's warps that have seen every split of their rows
+        sMerges = storage.last_arrival.get_tensor(cute.make_layout(3))
         # Parity slots: the group's phase word, past the groups' tickets (the count started,
         # the launch's parity, the last launch's split count: _take_parity_ticket)
         phase_word = None
@@ -515,7 +516,7 @@ class DecodeSm90(WarpSpecialized):
                     else:
                         flip = None
                         if const_expr(cfg.early_phase_flip):
-                            flip = (phase_word, _next_phase(phase, num_splits))
+                            flip = (phase_word, _next_phase(phase, num_splits), sMerges.iterator + 2)
                         self._merge_group(mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block,
                                           batch, stamps, phase, flip)
                         if const_expr(cfg.parity_slots and not cfg.early_phase_flip):
@@ -1066,6 +1067,8 @@ class DecodeSm90(WarpSpecialized):
                 last = Int32(1)
             sFlag[0] = last
             sFlag[1] = old
+            if const_expr(cfg.early_phase_flip):
+                sFlag[2] = Int32(0)
         cute.arch.sync_warp()   # (lane 0's flags, to the warp's lanes)
         if const_expr(not cfg.caller_empties_slots):
             if sFlag[0] != 0:
@@ -1100,7 +1103,8 @@ class DecodeSm90(WarpSpecialized):
         start): merge every split's partial of the tile's rows into O (input dtype) and LSE,
         one consumer warp per row (rows strided over warps). Parity slots: the launch's set
         (``phase``'s parity); nothing emptied. ``flip`` (``early_phase_flip``): (the phase
-        word, the next phase), stored by the first row's merge once it has seen every split."""
+        word, the next phase, a shared counter at 0): stored by the last of the merging warps
+        to have seen every split's partial of its rows, before its last row's arithmetic."""
         cfg = self.cfg
         if const_expr(cfg.parity_slots):
             mOPart, mLSEPart = self._slot_set(mOPart, mLSEPart, _parity(phase))
@@ -1111,7 +1115,8 @@ class DecodeSm90(WarpSpecialized):
         lane = tidx % 32
         p_lo = m_block * cfg.tile_m
         tile_rows = cutlass.min(cfg.tile_m, rows - p_lo)
-        for r in cutlass.range(warp, tile_rows, self.num_mma_threads // 32, unroll=1):
+        warps = self.num_mma_threads // 32
+        for r in cutlass.range(warp, tile_rows, warps, unroll=1):
             p = p_lo + r
             head, qi = packed_row(p, head_kv, group, q_len)
             # (the timeline's probe: the first row's polling, stamps 13, 14 and 16)
@@ -1120,7 +1125,8 @@ class DecodeSm90(WarpSpecialized):
             if const_expr(cfg.polled_merge):
                 kw["chunk"] = cfg.merge_chunk
             if const_expr(flip is not None):
-                kw["flip"] = (*flip, r == 0)
+                # (this warp's last row; the warps that merge a row all count)
+                kw["flip"] = (*flip, cutlass.min(warps, tile_rows), r + warps >= tile_rows)
             lse = merge(mLSEPart[None, batch, head, qi], mOPart[None, batch, head, qi, None], mO[batch, head, qi, None],
                         lane, cfg.head_dim, *probe, **kw)
             if lane == 0:
