@@ -98,6 +98,7 @@ def probed_launch(step, q, cache):
     """(launch, stamps tensor, grid size, zeroer) for `step`'s kernel compiled with the
     probe; zeroer: None, or where the kernel leaves its slots written (FLEXATTN_DECODE_SLOTS=
     caller / parity-caller) the function that zeroes them between launches."""
+    from flexattn.core.decode_path import slot_views
     from flexattn.kernels.launch.decode import DecodeRunner
     from flexattn.kernels.decode.sm90 import TIMELINE_STAMPS
     from flexattn.kernels.emit.mod_emit import runtime_args
@@ -115,11 +116,10 @@ def probed_launch(step, q, cache):
     tickets = torch.zeros(sets * groups + ctas * TIMELINE_STAMPS, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
-    # (zeroed: the polled merge reads a slot as written once its bits are not zero; parity
-    # slots: a split's two slots side by side, as the plan lays them out)
-    o_slots = torch.zeros((splits, sets) + plan.part_shapes[0], dtype=torch.float32, device="cuda")
-    lse_slots = torch.zeros((splits, sets) + plan.part_shapes[1], dtype=torch.float32, device="cuda")
-    o_part, lse_part = o_slots[:, 0], lse_slots[:, 0]
+    # (zeroed: the polled merge reads a slot as written once its bits are not zero; laid out
+    # as the plan lays its own, parity slots a split's two side by side: slot_views)
+    o_slots, lse_slots = (torch.zeros(sets * splits * n, dtype=torch.float32, device="cuda") for n in plan._part_sizes)
+    o_part, lse_part = slot_views(o_slots, lse_slots, splits, sets, plan.part_shapes[0], plan._group_major)
     args = runtime_args(cfg.mods, plan._to_device)
     stream = torch.cuda.current_stream().cuda_stream
 

@@ -486,20 +486,18 @@ def polled_merge_pays(splits: int, cluster: int, head_dim: int) -> bool:
     return cluster == 1 and 1 < splits <= MAX_SPLITS and head_dim % 32 == 0
 
 
-def stable_merge_chunk(splits: int, head_dim: int, band_hi: int | None, longest: int, q_len: int) -> int:
+def stable_merge_chunk(splits: int, max_chunk: int, band_hi: int | None, longest: int, q_len: int) -> int:
     """``DecodeConfig.merge_chunk`` for a polled launch of ``splits`` splits: the count
     itself where it holds across a decoder's steps — once the longest sequence has filled
     a band ``q - kv <= band_hi`` (a sliding window, ``host_band_hi``), every step visits
     the same number of blocks (one of two by alignment; 65 for 4097 keys in 64-key
-    tiles), so the planner's count settles and one kernel serves the steps — within the
-    head dim's chunk; else 0 (the head dim's chunk, clamped: one kernel for every count,
-    where a filling window or a growing cache would compile one per count it passes
-    through). The clamped duplicates cost ~0.2 µs of a B1 L128k window step on the H200
-    (docs/experiments.md, session 71)."""
-    from ..kernels.decode.polled_merge import chunk_splits
-
+    tiles), so the planner's count settles and one kernel serves the steps — within
+    ``max_chunk``, the head dim's chunk (``polled_merge.chunk_splits``); else 0 (that
+    chunk, clamped: one kernel for every count, where a filling window or a growing cache
+    would compile one per count it passes through). The clamped duplicates cost ~0.2 µs
+    of a B1 L128k window step on the H200 (docs/experiments.md, session 71)."""
     settled = band_hi is not None and longest - q_len > band_hi
-    return splits if settled and splits <= chunk_splits(head_dim) else 0
+    return splits if settled and splits <= max_chunk else 0
 
 
 def host_band_hi(prefix_band, mask) -> int | None:
@@ -683,9 +681,16 @@ class DecodePlan:
                                   tuning, skip_masked_prefix=not walk and not head_always_kept(base, B, Hq),
                                   mask_last_page_only=mods.full_but_last,
                                   prefix_band=None if walk else _planned_band_prefix(base, the_mask, shift))
-        self._band_hi = host_band_hi(self.config.prefix_band, the_mask)   # (stable_merge_chunk)
 
+        from ..kernels.decode.polled_merge import chunk_splits
         from ..kernels.emit.mod_emit import capture_kinds
+
+        # Polled merges whose split count holds across steps load exactly that many splits
+        # in their first round (``stable_merge_chunk``: a filled band's); FLEXATTN_DECODE_
+        # MERGE_CHUNK=generic (read once per plan) keeps the head dim's chunk, for A/B runs.
+        exact_chunks = os.environ.get("FLEXATTN_DECODE_MERGE_CHUNK", "exact") != "generic"
+        self._band_hi = host_band_hi(self.config.prefix_band, the_mask) if exact_chunks else None
+        self._max_chunk = chunk_splits(D)
 
         self.ffi = use_tvm_ffi(device)
         self._kernels: dict = {}     # (tuning, cluster size, polled, chunk) -> (config, runner)
@@ -728,10 +733,6 @@ class DecodePlan:
         # splits 13.4-13.9 µs against the planner's 13 at 13.5-13.8, H200, session 70: no
         # reliable gain).
         self._balanced = os.environ.get("FLEXATTN_DECODE_BALANCED", "0") == "1"
-        # Polled merges whose split count holds across steps load exactly that many splits
-        # in their first round (``stable_merge_chunk``); FLEXATTN_DECODE_MERGE_CHUNK=generic
-        # (read once per plan) keeps the head dim's chunk, for A/B runs.
-        self._exact_chunks = os.environ.get("FLEXATTN_DECODE_MERGE_CHUNK", "exact") != "generic"
         self._parity_parts = None    # (split capacity, O slots, LSE slots (flat, both sets), tickets + phase words, views)
         self._launches: dict = {}    # (kv blocks, SM count) -> choose_launch's (tuning, splits, cluster), polled
         self.q_heads = Hq
@@ -838,9 +839,7 @@ class DecodePlan:
             cluster = int(num_splits) if clustered else 1
             launch = (self.tuning, int(num_splits), cluster, self._polls(int(num_splits), cluster))
         tuning, splits, cluster, polled = launch
-        chunk = 0
-        if polled and self._exact_chunks:
-            chunk = stable_merge_chunk(splits, self.config.head_dim, self._band_hi, longest, q_len)
+        chunk = stable_merge_chunk(splits, self._max_chunk, self._band_hi, longest, q_len) if polled else 0
         if polled and self._parity:
             return (tuning, cluster, polled, chunk), splits, *self._parity_slots(splits)
         o_size, lse_size = self._part_sizes

@@ -305,8 +305,8 @@ def test_parity_slots_across_steps_and_split_counts(slots, flip, slot_layout, mo
     partials' views have the launch's split count in mode 0 (the grid's). Afterwards the
     workspace's shared slots and tickets are untouched (zero), and each group's phase word
     holds count 0, the parity of the launches on the plan, and the last step's split count.
-    ``flip`` early (FLEXATTN_DECODE_PHASE_FLIP, ``DecodeConfig.early_phase_flip``): the merger
-    stores the next phase once its first row has seen every split."""
+    ``flip`` early (FLEXATTN_DECODE_PHASE_FLIP, ``DecodeConfig.early_phase_flip``): the last
+    merging warp to have seen every split's partials of its rows stores the next phase."""
     monkeypatch.setenv("FLEXATTN_DECODE_SLOTS", slots)
     monkeypatch.setenv("FLEXATTN_DECODE_PHASE_FLIP", flip)
     decode_path._PREPARED.clear()

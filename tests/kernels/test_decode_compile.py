@@ -424,10 +424,11 @@ def test_merge_chunk_loads_no_split_twice(compiled, monkeypatch):
     assert plan._band_hi == 4096
     filling = plan._launch_parts(3000, 132, None)[0]                  # (the window not yet full: counts still move)
     assert filling[2] and filling[3] == 0, filling
-    assert decode_path.stable_merge_chunk(13, 128, 4096, 4098, 1) == 13
-    assert decode_path.stable_merge_chunk(13, 128, 4096, 4097, 1) == 0
-    assert decode_path.stable_merge_chunk(17, 128, 4096, cap, 1) == 0   # (past the head dim's chunk of 16)
-    assert decode_path.stable_merge_chunk(13, 128, None, cap, 1) == 0   # (no band: a growing cache)
+    chunk = chunk_splits(128)
+    assert decode_path.stable_merge_chunk(13, chunk, 4096, 4098, 1) == 13
+    assert decode_path.stable_merge_chunk(13, chunk, 4096, 4097, 1) == 0
+    assert decode_path.stable_merge_chunk(17, chunk, 4096, cap, 1) == 0   # (past the head dim's chunk of 16)
+    assert decode_path.stable_merge_chunk(13, chunk, None, cap, 1) == 0   # (no band: a growing cache)
     monkeypatch.setenv("FLEXATTN_DECODE_MERGE_CHUNK", "generic")
     plan, cap = _b1_plan(mods.sliding_window(4096))
     assert plan._launch_parts(cap, 132, None)[0][3] == 0

@@ -1108,9 +1108,7 @@ class DecodeSm90(WarpSpecialized):
         cfg = self.cfg
         if const_expr(cfg.parity_slots):
             mOPart, mLSEPart = self._slot_set(mOPart, mLSEPart, _parity(phase))
-        merge = merge_splits
-        if const_expr(cfg.polled_merge):
-            merge = merge_polled_splits
+        merge = merge_polled_splits if const_expr(cfg.polled_merge) else merge_splits
         warp = tidx // 32
         lane = tidx % 32
         p_lo = m_block * cfg.tile_m
