@@ -9,7 +9,8 @@
 # (CuPy adapter on the kernels), public (public path + prepared repeat calls), overhead
 # (host µs per call, small shapes), profile (where the host µs of a repeated torch / CuPy
 # call go), kprofile (device µs per kernel of a step, ours beside FA4), detprofile (ours,
-# deterministic beside default), decode / short-query / decode-bench (decode tests, short-query tests / TB/s table), jax (JAX adapter on the
+# deterministic beside default), decode / short-query / decode-bench (decode tests, short-query tests / TB/s table;
+# decode-suites: both test files in eight concurrent pytest shards, one call), jax (JAX adapter on the
 # kernels), notebooks (every notebook on the GPU), sched (tile order / persistent CTAs ablation),
 # first-call (a new mod's first call alone, fresh processes: issue 3's target), ab (ours
 # against FA4 in alternating rounds, full and causal, three shapes), bwd-sched (backward
@@ -135,6 +136,21 @@ floor_ab() {  # floor_ab NAME VAR ROUNDS VALUE...: decode_floor's B1 L128k windo
   done
 }
 
+run_sharded() {  # run_sharded NAME SECONDS SHARDS TESTS...: one pytest per shard of the collected cases, at once
+  local name=$1 limit=$2 shards=$3 i  # (compiles are CPU-bound and one process uses one core: 16 cores, one GPU)
+  shift 3
+  echo "== $name x$shards ($(date -u +%H:%M:%S))"
+  python3 -m pytest -q --collect-only -p no:cacheprovider "$@" 2>/dev/null | grep "::" > "$out/$name.ids"
+  echo "$(wc -l < "$out/$name.ids") cases"
+  for i in $(seq 0 $((shards - 1))); do
+    awk -v n="$shards" -v i="$i" 'NR % n == i' "$out/$name.ids" | \
+      timeout "$limit" xargs -r -d '\n' python3 -m pytest -q -p no:cacheprovider > "$out/${name}_$i.log" 2>&1 &
+  done
+  wait
+  cat "$out"/${name}_*.log > "$out/$name.log"; rm -f "$out"/${name}_*.log "$out/$name.ids"
+  grep -E "^FAILED|^ERROR|passed|failed" "$out/$name.log" | tail -30
+}
+
 save_records() {  # the device tool returns at most 8 files: the records travel as one archive
   tar czf "$out/records.tgz" -C benchmarks/results $(cd benchmarks/results && ls *.jsonl)
 }
@@ -152,6 +168,7 @@ for step in $steps; do
            --out "$out/bench_bwd.json" ;;
     decode) run decode 540 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py ;;   # (session 71: 80
            # of its 117 cases took 210 s on a fresh machine: a kernel per split count where the merge chunk is exact)
+    decode-suites) run_sharded decode_suites 400 8 tests/gpu/test_decode_gpu.py tests/gpu/test_short_query_gpu.py ;;
     short-query) run short_query 420 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_short_query_gpu.py ;;
     decode-bench) run decode_bench 420 python3 benchmarks/bench_decode.py --out "$out/bench_decode.json" ;;
     jax) run jax 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_jax_gpu.py ;;
