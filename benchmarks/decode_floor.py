@@ -86,18 +86,18 @@ def main():
         ours_us = clean_ms(step.launch, reps=args.reps, before=before) * 1e3
         del cache, step
         rows.append((B, L, variant, nbytes, read_us, ours_us))
-        print(f"# {row}: read {read_us:.1f} µs, ours {ours_us:.1f} µs", flush=True)
+        print(f"# {row}: read {read_us:.2f} µs, ours {ours_us:.2f} µs", flush=True)
     reference = 2 << 30     # a long read: its ramp is a small part of it
     rate = max([reference / (best_read_ms(reference, args.reps) * 1e3)]
                + [nbytes / read_us for *_, nbytes, read_us, _ in rows])   # bytes per µs
     print(f"\n{device_name()}, {args.layout}; empty kernel {empty_us:.1f} µs, fastest read "
           f"{rate / 1e6:.2f} TB/s (CUDA events, clean L2)")
-    print("| B | L | variant | MB | bound TB/s | read µs | read TB/s | ours µs | ours TB/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| B | L | variant | MB | bound TB/s | read µs | read TB/s | ours µs | ours TB/s | ours / read |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for B, L, variant, nbytes, read_us, ours_us in rows:
         bound = nbytes / (empty_us + nbytes / rate) / 1e6
-        print(f"| {B} | {L} | {variant} | {nbytes / 1e6:.1f} | {bound:.2f} | {read_us:.1f} | "
-              f"{nbytes / read_us / 1e6:.2f} | {ours_us:.1f} | {nbytes / ours_us / 1e6:.2f} |")
+        print(f"| {B} | {L} | {variant} | {nbytes / 1e6:.1f} | {bound:.2f} | {read_us:.2f} | "
+              f"{nbytes / read_us / 1e6:.2f} | {ours_us:.2f} | {nbytes / ours_us / 1e6:.2f} | {read_us / ours_us:.1%} |")
 
 if __name__ == "__main__":
     main()

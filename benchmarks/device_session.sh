@@ -136,6 +136,18 @@ floor_ab() {  # floor_ab NAME VAR ROUNDS VALUE...: decode_floor's B1 L128k windo
   done
 }
 
+floor_envs() {  # floor_envs NAME ROUNDS "VAR=V VAR2=W" ...: floor_ab with several variables per variant
+  local name=$1 rounds=$2 i envs label  # (label: the values joined by '-')
+  shift 2
+  for i in $(seq "$rounds"); do
+    for envs in "$@"; do
+      label=$(echo "$envs" | sed 's/[A-Z_]*=//g; s/ /-/g')
+      (export $envs FLEXATTN_CACHE_DIR="/tmp/flexattn-$name-$label"
+       run "${name}_floor_${label}_$i" 40 python3 benchmarks/decode_floor.py --rows 1x131072:window4096)
+    done
+  done
+}
+
 run_sharded() {  # run_sharded NAME SECONDS SHARDS TESTS...: one pytest per shard of the collected cases, at once
   local name=$1 limit=$2 shards=$3 i  # (compiles are CPU-bound and one process uses one core: 16 cores, one GPU)
   shift 3
@@ -440,6 +452,13 @@ for step in $steps; do
     phase-flip) run phase_flip_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
                   -k "parity_slots"
                 floor_ab phase_flip FLEXATTN_DECODE_PHASE_FLIP 5 end early ;;
+    band-tiles) run_sharded decode_suites 300 8 tests/gpu/test_decode_gpu.py tests/gpu/test_short_query_gpu.py
+                floor_envs band_tiles 5 "FLEXATTN_DECODE_BAND_TILES=aligned FLEXATTN_DECODE_WARM_TAIL=0" \
+                  "FLEXATTN_DECODE_BAND_TILES=start FLEXATTN_DECODE_WARM_TAIL=0" \
+                  "FLEXATTN_DECODE_BAND_TILES=start FLEXATTN_DECODE_WARM_TAIL=1" ;;
+    warm-tail) FLEXATTN_DECODE_WARM_TAIL=1 run warm_tail_tests 300 python3 -m pytest -q -p no:cacheprovider \
+                 tests/gpu/test_decode_gpu.py -k "parity_slots or merge_chunk or polled_merge_planned"
+               floor_ab warm_tail FLEXATTN_DECODE_WARM_TAIL 6 0 1 ;;
     merge-chunk) run merge_chunk_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
                    -k "merge_chunk or parity_slots or polled_merge_planned"
                  floor_ab merge_chunk FLEXATTN_DECODE_MERGE_CHUNK 5 generic exact ;;

@@ -592,21 +592,24 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
 
     # By IR identity (cached rewrites share it), so a hit hashes no structure; the entry's
     # template holds the IR, so the ids stay its own.
+    # A band's kv tiles start at its first key (``DecodeConfig.band_start_tiles``) in
+    # contiguous caches; FLEXATTN_DECODE_BAND_TILES=aligned keeps multiples of tile_n (A/B).
+    start_tiles = os.environ.get("FLEXATTN_DECODE_BAND_TILES", "start") != "aligned"
     key = (dtype, head_dim, num_mma_wg, page_size, tuning, skip_masked_prefix, mask_last_page_only, prefix_band,
-           os.environ.get("FLEXATTN_DECODE_PREFETCH", "1") != "0",
+           start_tiles, os.environ.get("FLEXATTN_DECODE_PREFETCH", "1") != "0",
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     hook = IRModHook(score, mask)
     entry = _CONFIGS.get(key)
     if entry is None:
         template = IRModHook(*(None if m is None else m.with_captures((None,) * len(m.captures))
                                for m in (score, mask)))
+        band = prefix_band if skip_masked_prefix else None
+        prefetch = _prefetch_pays(template, tuning.tile_n, mask_last_page_only)
         config = DecodeConfig(dtype=dtype, head_dim=head_dim, num_mma_wg=num_mma_wg, tile_n=tuning.tile_n,
                               num_stages=tuning.num_stages, ctas_per_sm=tuning.ctas_per_sm,
-                              page_size=page_size, skip_masked_prefix=skip_masked_prefix,
-                              prefix_band=prefix_band if skip_masked_prefix else None,
-                              mask_last_page_only=mask_last_page_only,
-                              prefetch_tile_reads=_prefetch_pays(template, tuning.tile_n, mask_last_page_only),
-                              mods=template)
+                              page_size=page_size, skip_masked_prefix=skip_masked_prefix, prefix_band=band,
+                              band_start_tiles=start_tiles and band is not None and not page_size and not prefetch,
+                              mask_last_page_only=mask_last_page_only, prefetch_tile_reads=prefetch, mods=template)
         entry = (config, capture_kinds(template))
         keep_bounded(_CONFIGS, key, entry, _CONFIGS_CAPACITY)
     hook.capture_kinds = entry[1]
@@ -723,6 +726,8 @@ class DecodePlan:
         # parity merger stores the next phase as soon as its warps have seen every split's
         # partials (``DecodeConfig.early_phase_flip``), not after every row and a barrier.
         self._early_flip = os.environ.get("FLEXATTN_DECODE_PHASE_FLIP", "end") == "early"
+        # FLEXATTN_DECODE_WARM_TAIL=1 (opt-in until measured): ``DecodeConfig.warm_tail``.
+        self._warm_tail = os.environ.get("FLEXATTN_DECODE_WARM_TAIL", "0") == "1"
         # Where a group's polled slots lie (read once per plan): "split" — split-major, each
         # split's slots of every row together ([splits, B, Hq, q_len, D]); "group" — a row's
         # splits side by side ([B, Hq, q_len, splits, D], LSEs [B, Hq, splits, q_len]), so a
@@ -782,7 +787,8 @@ class DecodePlan:
                 if polled and self._parity:
                     config = dataclasses.replace(config, parity_slots=True,
                                                  caller_empties_slots=self._caller_empties,
-                                                 early_phase_flip=self._early_flip)
+                                                 early_phase_flip=self._early_flip,
+                                                 warm_tail=self._warm_tail)
                 elif polled and self._caller_empties:
                     config = dataclasses.replace(config, caller_empties_slots=True)
                 if chunk:

@@ -436,6 +436,37 @@ def test_window_skips_blocks_and_many_splits(prefix):
         torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("tiles", ["start", "aligned"])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_band_tiles_start_at_the_first_key(tiles, q_len, monkeypatch):
+    """A window over a cache view that ends at the length (``k[:, :, :L]``). Its kv tiles
+    start at the band's first key (``band_start_tiles``, planned for contiguous caches) and
+    the last overhangs the view's end, where the TMA reads nothing: every key below the first
+    is NaN, so a visit below it would poison O. Aligned tiles (FLEXATTN_DECODE_BAND_TILES=
+    aligned) start at the multiple of the tile below (NaN only under a multiple of 128).
+    Windows whose first key is off a tile, on one and at 0; B 1 and 2, Hq 32 Hkv 8."""
+    monkeypatch.setenv("FLEXATTN_DECODE_BAND_TILES", tiles)
+    decode_path._PREPARED.clear()
+    torch.manual_seed(q_len)
+    Hq, Hkv, D = 32, 8, 128
+    for B, L, w in ((1, 20000, 4096), (2, 4999, 1000), (1, 4097 + q_len - 1, 4096), (1, 3001, 77), (1, 8192 + q_len, 4095)):
+        first = max(L - q_len - w, 0)
+        poisoned = first if tiles == "start" else first // 128 * 128
+        k = torch.randn(B, Hkv, L + 100, D, device=DEV, dtype=torch.bfloat16)[:, :, :L]
+        v = torch.randn(B, Hkv, L + 100, D, device=DEV, dtype=torch.bfloat16)[:, :, :L]
+        k[:, :, :poisoned] = float("nan")
+        v[:, :, :poisoned] = float("nan")
+        q = torch.randn(B, Hq, q_len, D, device=DEV, dtype=torch.bfloat16)
+        lengths = [L] * B
+        want, want_lse = reference(q, k.nan_to_num(0.0), v.nan_to_num(0.0), lengths, 1 / math.sqrt(D), None,
+                                   lambda b, h, q_, k_: (q_ >= k_) & (q_ - k_ <= w))
+        cache = fa.KVCache(k, v, torch.tensor(lengths, dtype=torch.int32))
+        out, lse, step = run_kernel(q, cache, mods.sliding_window(w), None, 132)
+        assert step.config.band_start_tiles == (tiles == "start"), (B, L, w)
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+
+
 @pytest.mark.parametrize("page_size,num_splits", [(0, 16), (64, 16), (16, 8)])
 def test_wide_clusters_merge_window_splits(page_size, num_splits):
     """A cluster of 16 CTAs (a non-portable size) and of 8 merge a window's splits; the

@@ -486,6 +486,27 @@ def test_caller_empties_slots_leaves_the_emptying_out(compiled):
         DecodeConfig(caller_empties_slots=True)
 
 
+def test_band_start_tiles(compiled, monkeypatch):
+    """``band_start_tiles``: a band's kv tiles start at its first key (the TMA's key
+    coordinate offset by it: the same copies, no spills, other PTX), planned for a window
+    over a contiguous cache, not with FLEXATTN_DECODE_BAND_TILES=aligned, not without a
+    band (causal), and refused without one or with pages."""
+    cfg, hook = _config("polled-window-band-prefix")
+    started = compile_decode(dataclasses.replace(cfg, band_start_tiles=True), fake_args(hook), keep_ptx=True,
+                             tvm_ffi=True).__ptx__
+    plain = compiled["polled-window-band-prefix"]
+    assert started != plain and started.count("cp.async.bulk.tensor") == plain.count("cp.async.bulk.tensor") == 4
+    usage = resource_usage_from_ptx(started)
+    assert usage is None or (usage.spill_store_bytes == 0 and usage.stack_bytes == 0), usage
+    for bad in (dict(band_start_tiles=True), dict(band_start_tiles=True, prefix_band=(7, True), page_size=64)):
+        with pytest.raises(ValueError, match="band_start_tiles"):
+            DecodeConfig(**bad)
+    assert _b1_plan(mods.sliding_window(4096))[0].config.band_start_tiles
+    assert not _b1_plan(mods.causal())[0].config.band_start_tiles
+    monkeypatch.setenv("FLEXATTN_DECODE_BAND_TILES", "aligned")
+    assert not _b1_plan(mods.sliding_window(4096))[0].config.band_start_tiles
+
+
 def test_config_validation():
     assert DecodeConfig().key() == DecodeConfig().key()
     assert DecodeConfig().key() != DecodeConfig(page_size=64).key()

@@ -88,7 +88,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from flexattn.kernels.emit import interval_emit
 from flexattn.kernels.hopper import dsmem, mma
-from flexattn.kernels.hopper.atomics import ld_relaxed_s32, st_relaxed_s32
+from flexattn.kernels.hopper.atomics import ld_relaxed_s32, prefetch_l2, st_relaxed_s32
 from flexattn.kernels.decode.combine import inverse_and_lse, lane_columns, log2_shift, merge_splits
 from flexattn.kernels.decode.polled_merge import (chunk_splits, merge_polled_splits, store_marked_f32,
                                                   zero_lane_columns)
@@ -156,6 +156,9 @@ class DecodeConfig(KernelConfig):
                                  # every split's partials of its rows (a shared counter) stores
                                  # the next phase before its arithmetic, instead of after every
                                  # row and a consumer barrier (opt-in until measured)
+    warm_tail: bool = False      # parity slots: the idle producer warp, at the CTA's start,
+                                 # prefetches the lines its tail will touch (its partial's slot,
+                                 # and the merger's output row) so their translations are warm
     caller_empties_slots: bool = False  # benchmarks only (decode_floor.py --zero-slots, never
                                  # planned): the polled merge leaves the slots it read
                                  # written, the caller zeroes them between steps — what the
@@ -171,6 +174,11 @@ class DecodeConfig(KernelConfig):
                                      # mask's captures), so its masked prefix is arithmetic —
                                      # keys below the first query's position minus hi — instead
                                      # of the analysis (decode_path.band_prefix)
+    band_start_tiles: bool = False  # with prefix_band, contiguous caches: kv tiles start at the
+                                     # band's first key instead of at multiples of tile_n, so the
+                                     # last tile overhangs the sequence's end (rows a cache view
+                                     # ending at the length holds none of: TMA reads nothing
+                                     # there) instead of the first reaching below the band
     mask_last_page_only: bool = False  # paged: the mask evaluated in the tiles that overlap
                                      # a sequence's last page alone (every page before it is
                                      # known full: a short query's walk of listed blocks,
@@ -213,6 +221,10 @@ class DecodeConfig(KernelConfig):
                              f"dim {self.head_dim}, got {self.merge_chunk}")
         if self.early_phase_flip and not self.parity_slots:
             raise ValueError("early_phase_flip needs parity_slots")
+        if self.band_start_tiles and (self.prefix_band is None or self.paged or self.prefetch_tile_reads):
+            raise ValueError("band_start_tiles needs prefix_band, a contiguous cache and no prefetch_tile_reads")
+        if self.warm_tail and not self.parity_slots:
+            raise ValueError("warm_tail needs parity_slots")
         if self.caller_empties_slots and not self.polled_merge:
             raise ValueError("caller_empties_slots needs polled_merge")
         if self.smem_bytes > self.smem_limit:
@@ -427,13 +439,18 @@ class DecodeSm90(WarpSpecialized):
         self._stamp(stamps, 0, warp_idx == 4)
         self._stamp(stamps, 7, warp_idx == 4, cute.arch.smid)
 
-        # This split's kv blocks: [first, first + count), visited last first. Every thread
-        # computes the same values (no broadcast needed before the roles split).
+        # This split's kv blocks: [first, first + count), visited last first; block n holds
+        # keys [kv0 + n * tile_n, + tile_n). Every thread computes the same values (no
+        # broadcast needed before the roles split).
         seqlen = Int32(mSeqLens[batch])
         n_hi = (seqlen + cfg.tile_n - 1) // cfg.tile_n
         n_lo = Int32(0)
-        if const_expr(self.mask_expr is not None and cfg.prefix_band is not None):
-            n_lo = self._band_prefix_blocks(seqlen, q_len, n_hi, mod_args)
+        kv0 = Int32(0)
+        if const_expr(cfg.band_start_tiles):
+            kv0 = cutlass.min(self._band_first_key(seqlen, q_len, mod_args), seqlen)
+            n_hi = (seqlen - kv0 + cfg.tile_n - 1) // cfg.tile_n
+        elif const_expr(self.mask_expr is not None and cfg.prefix_band is not None):
+            n_lo = cutlass.min(self._band_first_key(seqlen, q_len, mod_args) // cfg.tile_n, n_hi)
         elif const_expr(self.mask_expr is not None):
             p_lo = m_block * cfg.tile_m
             p_hi = cutlass.min(p_lo + cfg.tile_m, rows) - 1
@@ -474,13 +491,16 @@ class DecodeSm90(WarpSpecialized):
             if warp_idx == 0:
                 self._stamp(stamps, 1, True)
                 self.load(mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, pipe_k, pipe_v,
-                          head_kv, batch, first, count, stamps)
+                          head_kv, batch, first, count, stamps, kv0)
             if const_expr(cfg.polled_merge):
                 if warp_idx == 1:
                     if num_splits > 1:
                         if const_expr(cfg.parity_slots):
                             self._take_parity_ticket(phase_word, num_splits, sMerges, mOPart, mLSEPart, split,
                                                      head_kv, group, q_len, rows, m_block, batch)
+                            if const_expr(cfg.warm_tail):
+                                self._warm_tail(mO, mLSE, mOPart, mLSEPart, sMerges, split, head_kv, group, q_len,
+                                                m_block, batch)
                         else:
                             self._take_start_ticket(mTickets.iterator + (batch * head_blocks + head_block),
                                                     num_splits, sMerges)
@@ -501,7 +521,7 @@ class DecodeSm90(WarpSpecialized):
             self.consume(mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
                          pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block,
                          batch, seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps, sPart, sLSE,
-                         phase)
+                         phase, kv0)
             if const_expr(cfg.polled_merge):
                 if num_splits > 1:
                     tidx = cute.arch.thread_idx()[0] - 128
@@ -590,18 +610,19 @@ class DecodeSm90(WarpSpecialized):
         return lo
 
     @cute.jit
-    def _band_prefix_blocks(self, seqlen, q_len, n_hi, mod_args):
-        """``cfg.prefix_band``: the leading blocks a band ``q - kv <= hi`` masks for every row
-        of the tile — keys below the first query's position (``seqlen - q_len`` at the
-        cache's end, else 0: no row sits lower) minus hi. What the analysis finds, in a few
-        integer instructions instead of its rounds before the first load."""
+    def _band_first_key(self, seqlen, q_len, mod_args):
+        """``cfg.prefix_band``: the first key a band ``q - kv <= hi`` keeps for some row of
+        the tile — the first query's position (``seqlen - q_len`` at the cache's end, else 0:
+        no row sits lower) minus hi, at least 0. The blocks below it are what the masked-
+        prefix analysis finds, in a few integer instructions instead of its rounds before
+        the first load."""
         hi, at_end = self.cfg.prefix_band
         if const_expr(isinstance(hi, Affine)):
             hi = hi.value(self.cfg.mods.mask_args(mod_args), as_int=Int32)
         q_first = Int32(0)
         if const_expr(at_end):
             q_first = seqlen - q_len
-        return cutlass.min(cutlass.max(q_first - Int32(hi), Int32(0)) // self.cfg.tile_n, n_hi)
+        return cutlass.max(q_first - Int32(hi), Int32(0))
 
     def _prefix_masked(self, n, batch, heads, q_len, seqlen, args):
         """Keys [0, n * tile_n) surely masked for the tile's rows (n >= 1)."""
@@ -613,14 +634,18 @@ class DecodeSm90(WarpSpecialized):
     # ------------------------------------------------------------------ producer
     @cute.jit
     def load(self, mK, mV, mPageTable, sK, sV, tma_atom_K, tma_atom_V, pipe_k, pipe_v,
-             head_kv, batch, first, count, stamps=None):
+             head_kv, batch, first, count, stamps=None, kv0=None):
         cfg = self.cfg
         box = (cfg.box_rows, cfg.head_dim)
         one = cute.make_layout(1)
 
         def partition(atom, mX, sX):
             # gmem: (box, boxes along rows, outer); smem: (box, boxes per tile, stage).
-            g = cute.flat_divide(mX[None, None, head_kv, None], box)   # (r, D, nr, 1, outer)
+            # band_start_tiles: boxes from key kv0 (TMA coordinates need no alignment).
+            mX = mX[None, None, head_kv, None]
+            if const_expr(cfg.band_start_tiles):
+                mX = cute.domain_offset((kv0, 0, 0), mX)
+            g = cute.flat_divide(mX, box)   # (r, D, nr, 1, outer)
             s = cute.flat_divide(sX, box)                               # (r, D, nb, 1, stage)
             tXsX, tXgX = cpasync.tma_partition(
                 atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
@@ -724,7 +749,7 @@ class DecodeSm90(WarpSpecialized):
     def consume(self, mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
                 pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block, batch,
                 seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps=None, sPart=None, sLSE=None,
-                phase=None):
+                phase=None, kv0=None):
         cfg = self.cfg
         if const_expr(mod_args is None):
             mod_args = ()
@@ -773,7 +798,7 @@ class DecodeSm90(WarpSpecialized):
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
         ctx = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O, softmax,
-               coords, row_head, row_q, row_values, pipe_k, pipe_v, batch, seqlen, softmax_scale, mod_args)
+               coords, row_head, row_q, row_values, pipe_k, pipe_v, batch, seqlen, softmax_scale, mod_args, kv0)
         if count > 0:
             # The last block (visited first) is the only one that may straddle the length.
             kv_state = self._step(ctx, kv_state, first + count - 1, kv_bound=True, stamps=stamps)
@@ -831,14 +856,14 @@ class DecodeSm90(WarpSpecialized):
     def _tile_values(self, ctx, n_block, apply_mask: bool):
         """The mods' reads that stay constant over block ``n_block`` (a walk's table, a paged
         mask's page map: read at kv // page), one ``TileValues`` per fragment row, or None."""
-        (_, _, _, _, _, _, _, _, _, _, row_head, row_q, row_values, _, _, batch, _, _, mod_args) = ctx
+        (_, _, _, _, _, _, _, _, _, _, row_head, row_q, row_values, _, _, batch, _, _, mod_args, kv0) = ctx
         mods = self.mods
         if not (mods.has_score or apply_mask):
             return None
         values = []
         for r in range(cute.size(row_head.shape)):     # (plain Python: traced inline)
             row = None if row_values is None else row_values[r]
-            values.append(mods.tile_invariants(batch, row_head[r], row_q[r], n_block * self.cfg.tile_n,
+            values.append(mods.tile_invariants(batch, row_head[r], row_q[r], kv0 + n_block * self.cfg.tile_n,
                                                self.cfg.tile_n, mod_args, row=row,
                                                score=mods.has_score, mask=apply_mask))
         return None if values[0] is None else values
@@ -851,7 +876,7 @@ class DecodeSm90(WarpSpecialized):
         ``_tile_values`` read ahead (None: read here). ``stamps``: the timeline probe's
         K and V arrivals (the first block's)."""
         (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O, softmax,
-         coords, row_head, row_q, row_values, pipe_k, pipe_v, batch, seqlen, softmax_scale, mod_args) = ctx
+         coords, row_head, row_q, row_values, pipe_k, pipe_v, batch, seqlen, softmax_scale, mod_args, kv0) = ctx
         mods = self.mods
         apply_mask = mods.has_mask and masked
         # Read here: issued before the wait for K so the loads overlap it.
@@ -867,7 +892,7 @@ class DecodeSm90(WarpSpecialized):
 
         if const_expr(mods.has_score or apply_mask or kv_bound):
             apply_packed_mods(mma.acc_mn_view(acc_S), coords, row_head, row_q, row_values, mods, batch,
-                              n_block, seqlen, softmax_scale, mod_args, kv_bound, apply_mask, tile_values)
+                              kv0 + n_block * self.cfg.tile_n, seqlen, softmax_scale, mod_args, kv_bound, apply_mask, tile_values)
         row_scale, _ = softmax.step(acc_S, is_first=False)   # (no threshold: always)
         rescale_rows(acc_O, row_scale)
         tOrP.store(mma.acc_as_a_view(acc_S).load().to(self.dtype))
@@ -1079,6 +1104,26 @@ class DecodeSm90(WarpSpecialized):
         DecodeBarrier.MERGER.arrive(self.num_mma_threads + 32)
 
     @cute.jit
+    def _warm_tail(self, mO, mLSE, mOPart, mLSEPart, sFlag, split, head_kv, group, q_len, m_block, batch):
+        """``warm_tail``, warp 1 after its parity ticket: prefetch into L2 the first line of
+        this split's partial slot and LSE slot in the launch's set, and where it merges, of
+        its first output row and LSE: the tail's first touches of those pages then find
+        their translations warm."""
+        cfg = self.cfg
+        lane = cute.arch.lane_idx()
+        mOPart, mLSEPart = self._slot_set(mOPart, mLSEPart, _parity(sFlag[1]))
+        head, qi = packed_row(m_block * cfg.tile_m, head_kv, group, q_len)
+        if lane == 0:
+            prefetch_l2(mOPart[split, batch, head, qi, None].iterator)
+        if lane == 1:
+            prefetch_l2(mLSEPart.iterator + cute.crd2idx((split, batch, head, qi), mLSEPart.layout))
+        if sFlag[0] != 0:
+            if lane == 2:
+                prefetch_l2(mO[batch, head, qi, None].iterator)
+            if lane == 3:
+                prefetch_l2(mLSE.iterator + cute.crd2idx((batch, head, qi), mLSE.layout))
+
+    @cute.jit
     def _zero_other_set(self, mOPart, mLSEPart, first, step, other, prev, lane, head_kv, group, q_len, rows,
                         m_block, batch):
         """Parity slots, one warp: zero slots j = first + k * step of set ``other`` below
@@ -1190,7 +1235,7 @@ def packed_row(p, head_kv, group, q_len) -> tuple:
 @cute.jit
 def apply_packed_mods(s_mn: cute.Tensor, coords: FragmentCoords, row_head: cute.Tensor,
                       row_q: cute.Tensor, row_values: cutlass.Constexpr, mods: cutlass.Constexpr,
-                      batch: Int32, n_block: Int32,
+                      batch: Int32, kv_start: Int32,
                       seqlen: Int32, softmax_scale: Float32, args,
                       kv_bound: cutlass.Constexpr[bool], masked: cutlass.Constexpr[bool] = True,
                       tile_values: cutlass.Constexpr = None):
@@ -1200,7 +1245,7 @@ def apply_packed_mods(s_mn: cute.Tensor, coords: FragmentCoords, row_head: cute.
     `row_values[r]`: row r's `mods.row_invariants` (emitted before the kv loop), or None.
     `masked` False: the block is known full, the mask is not evaluated. `tile_values[r]`:
     row r's `mods.tile_invariants` for this block, or None."""
-    kv_base = n_block * coords.tile_n + coords.col_offset()
+    kv_base = kv_start + coords.col_offset()
     kv_last = seqlen - 1
     for r in cutlass.range_constexpr(cute.size(s_mn.shape[0])):
         head = row_head[r]
