@@ -143,7 +143,7 @@ floor_envs() {  # floor_envs NAME ROUNDS "VAR=V VAR2=W" ...: floor_ab with sever
     for envs in "$@"; do
       label=$(echo "$envs" | sed 's/[A-Z_]*=//g; s/ /-/g')
       (export $envs FLEXATTN_CACHE_DIR="/tmp/flexattn-$name-$label"
-       run "${name}_floor_${label}_$i" 40 python3 benchmarks/decode_floor.py --rows 1x131072:window4096)
+       run "${name}_floor_${label}_$i" 60 python3 benchmarks/decode_floor.py --rows ${FLOOR_ROWS:-1x131072:window4096})
     done
   done
 }
@@ -456,6 +456,8 @@ for step in $steps; do
                 floor_envs band_tiles 5 "FLEXATTN_DECODE_BAND_TILES=aligned FLEXATTN_DECODE_WARM_TAIL=0" \
                   "FLEXATTN_DECODE_BAND_TILES=start FLEXATTN_DECODE_WARM_TAIL=0" \
                   "FLEXATTN_DECODE_BAND_TILES=start FLEXATTN_DECODE_WARM_TAIL=1" ;;
+    band-tiles-ab) FLOOR_ROWS="1x131072:window4096 8x8192:window4096" floor_envs band_tiles_ab 8 \
+                     FLEXATTN_DECODE_BAND_TILES=aligned FLEXATTN_DECODE_BAND_TILES=start ;;
     warm-tail) FLEXATTN_DECODE_WARM_TAIL=1 run warm_tail_tests 300 python3 -m pytest -q -p no:cacheprovider \
                  tests/gpu/test_decode_gpu.py -k "parity_slots or merge_chunk or polled_merge_planned"
                floor_ab warm_tail FLEXATTN_DECODE_WARM_TAIL 6 0 1 ;;
