@@ -98,9 +98,9 @@
 # (the decode + short-query suites with parity; ~6 min), parity-floor (decode_floor's B1 L128k window row emptied /
 # parity / parity-caller / caller in alternating processes, four rounds, ~3 min), parity-timeline (that step's
 # timeline with marks for emptied / caller / parity / parity-caller: stream or tail; ~6 min),
-# phase-flip (FLEXATTN_DECODE_PHASE_FLIP=end / early, opt-in: the parity merger's next phase stored once its first
-# row has seen every split, not after every row and a barrier; the parity GPU tests both ways, then decode_floor's
-# B1 L128k window row both ways, five rounds; ~3 min), merge-chunk (FLEXATTN_DECODE_MERGE_CHUNK=generic / exact: the polled merge's first round clamped to the head
+# band-tiles (the decode suites in shards, then decode_floor's B1 L128k window row with a band's kv tiles aligned to
+# tile_n or starting at its first key, FLEXATTN_DECODE_BAND_TILES, five rounds; band-tiles-ab: eight rounds of both
+# with the B8 L8k window row too; session 72), merge-chunk (FLEXATTN_DECODE_MERGE_CHUNK=generic / exact: the polled merge's first round clamped to the head
 # dim's chunk, or exactly the launch's split count as planned for windows; its GPU tests, then decode_floor's
 # B1 L128k window row both ways, five rounds; ~4 min), balanced (FLEXATTN_DECODE_BALANCED=1, opt-in: balanced split ranges, the planner's counts untrimmed — B1 L128k
 # window 16 splits instead of 13; its GPU tests, then decode_floor's row both ways in alternating processes, five
@@ -449,18 +449,10 @@ for step in $steps; do
     balanced) run balanced_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
                 -k "balanced_splits or parity_slots or polled_merge_planned"
               floor_ab balanced FLEXATTN_DECODE_BALANCED 5 0 1 ;;
-    phase-flip) run phase_flip_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
-                  -k "parity_slots"
-                floor_ab phase_flip FLEXATTN_DECODE_PHASE_FLIP 5 end early ;;
     band-tiles) run_sharded decode_suites 300 8 tests/gpu/test_decode_gpu.py tests/gpu/test_short_query_gpu.py
-                floor_envs band_tiles 5 "FLEXATTN_DECODE_BAND_TILES=aligned FLEXATTN_DECODE_WARM_TAIL=0" \
-                  "FLEXATTN_DECODE_BAND_TILES=start FLEXATTN_DECODE_WARM_TAIL=0" \
-                  "FLEXATTN_DECODE_BAND_TILES=start FLEXATTN_DECODE_WARM_TAIL=1" ;;
+                floor_envs band_tiles 5 FLEXATTN_DECODE_BAND_TILES=aligned FLEXATTN_DECODE_BAND_TILES=start ;;
     band-tiles-ab) FLOOR_ROWS="1x131072:window4096 8x8192:window4096" floor_envs band_tiles_ab 8 \
                      FLEXATTN_DECODE_BAND_TILES=aligned FLEXATTN_DECODE_BAND_TILES=start ;;
-    warm-tail) FLEXATTN_DECODE_WARM_TAIL=1 run warm_tail_tests 300 python3 -m pytest -q -p no:cacheprovider \
-                 tests/gpu/test_decode_gpu.py -k "parity_slots or merge_chunk or polled_merge_planned"
-               floor_ab warm_tail FLEXATTN_DECODE_WARM_TAIL 6 0 1 ;;
     merge-chunk) run merge_chunk_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
                    -k "merge_chunk or parity_slots or polled_merge_planned"
                  floor_ab merge_chunk FLEXATTN_DECODE_MERGE_CHUNK 5 generic exact ;;

@@ -722,12 +722,6 @@ class DecodePlan:
         self._caller_empties = slots in ("caller", "parity-caller")
         self._parity = (slots in ("parity", "parity-caller") and workspace.zeroed is not None
                         and self._marked is not None)
-        # FLEXATTN_DECODE_PHASE_FLIP=early (opt-in until measured, read once per plan): the
-        # parity merger stores the next phase as soon as its warps have seen every split's
-        # partials (``DecodeConfig.early_phase_flip``), not after every row and a barrier.
-        self._early_flip = os.environ.get("FLEXATTN_DECODE_PHASE_FLIP", "end") == "early"
-        # FLEXATTN_DECODE_WARM_TAIL=1 (opt-in until measured): ``DecodeConfig.warm_tail``.
-        self._warm_tail = os.environ.get("FLEXATTN_DECODE_WARM_TAIL", "0") == "1"
         # Where a group's polled slots lie (read once per plan): "split" — split-major, each
         # split's slots of every row together ([splits, B, Hq, q_len, D]); "group" — a row's
         # splits side by side ([B, Hq, q_len, splits, D], LSEs [B, Hq, splits, q_len]), so a
@@ -786,9 +780,7 @@ class DecodePlan:
                 config = _with_launch(config, tuning, cluster, polled)
                 if polled and self._parity:
                     config = dataclasses.replace(config, parity_slots=True,
-                                                 caller_empties_slots=self._caller_empties,
-                                                 early_phase_flip=self._early_flip,
-                                                 warm_tail=self._warm_tail)
+                                                 caller_empties_slots=self._caller_empties)
                 elif polled and self._caller_empties:
                     config = dataclasses.replace(config, caller_empties_slots=True)
                 if chunk:

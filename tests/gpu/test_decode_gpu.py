@@ -296,19 +296,15 @@ class WindowSteps:
 
 
 @pytest.mark.parametrize("slots", ["parity"])
-@pytest.mark.parametrize("flip", ["end", "early"])
-def test_parity_slots_across_steps_and_split_counts(slots, flip, slot_layout, monkeypatch):
+def test_parity_slots_across_steps_and_split_counts(slots, slot_layout, monkeypatch):
     """FLEXATTN_DECODE_SLOTS=parity (``DecodeConfig.parity_slots``), split-major and
     group-major: steps queued back to back with new queries and split counts that shrink
     and grow (the splits zero their slots of the other set, including slots a larger last
     launch wrote past this launch's count), each against the float64 reference; the
     partials' views have the launch's split count in mode 0 (the grid's). Afterwards the
     workspace's shared slots and tickets are untouched (zero), and each group's phase word
-    holds count 0, the parity of the launches on the plan, and the last step's split count.
-    ``flip`` early (FLEXATTN_DECODE_PHASE_FLIP, ``DecodeConfig.early_phase_flip``): the last
-    merging warp to have seen every split's partials of its rows stores the next phase."""
+    holds count 0, the parity of the launches on the plan, and the last step's split count."""
     monkeypatch.setenv("FLEXATTN_DECODE_SLOTS", slots)
-    monkeypatch.setenv("FLEXATTN_DECODE_PHASE_FLIP", flip)
     decode_path._PREPARED.clear()
     torch.manual_seed(3)
     window = WindowSteps([16384 - 389, 9000], 128)
@@ -317,7 +313,6 @@ def test_parity_slots_across_steps_and_split_counts(slots, flip, slot_layout, mo
     for n in counts:
         step = window.run(num_splits=n)
         assert step.num_splits == n and step.config.parity_slots and step.config.polled_merge, step
-        assert step.config.early_phase_flip == (flip == "early"), step
         assert tuple(step.plan._parity_slots(n)[0].shape)[0] == n    # (mode 0: the grid's splits)
         plans.append(step.plan)
     torch.cuda.synchronize()

@@ -434,35 +434,6 @@ def test_merge_chunk_loads_no_split_twice(compiled, monkeypatch):
     assert plan._launch_parts(cap, 132, None)[0][3] == 0
 
 
-def test_early_phase_flip_stores_the_phase_before_the_merge_arithmetic(compiled):
-    """``early_phase_flip`` (parity slots): the last merging warp to have seen every split
-    (a shared acq_rel counter) stores the next phase right after the first polling round
-    (before the weights' warp reductions) and, where later chunks exist, after them; the
-    merger's end has no consumer barrier and no store after its rows; no spills; planned
-    with FLEXATTN_DECODE_PHASE_FLIP=early."""
-    cfg, hook = _config("polled-window-band-prefix")
-    ptx = {flip: compile_decode(dataclasses.replace(cfg, parity_slots=True, early_phase_flip=flip), fake_args(hook),
-                                keep_ptx=True, tvm_ffi=True).__ptx__ for flip in (False, True)}
-
-    def tail(text):   # the merge's order: polls, stores, barriers, shuffles, past the partials' barrier 3
-        text = text[re.search(r"bar\.sync\s+3,", text).start():]
-        marks = []
-        for m in re.finditer(r"st\.relaxed\.gpu\.global\.b32|bar\.sync\s+\d+|shfl\.sync\.bfly|ld\.relaxed\.gpu\.global\.v4",
-                             text):
-            mark = re.sub(r"\s+", " ", m.group(0))
-            if not marks or marks[-1] != mark:
-                marks.append(mark)
-        return marks
-    polls, store, bfly = "ld.relaxed.gpu.global.v4", "st.relaxed.gpu.global.b32", "shfl.sync.bfly"
-    assert tail(ptx[False])[-2:] == ["bar.sync 2", store], tail(ptx[False])
-    assert tail(ptx[True])[1:4] == [polls, store, bfly] and "bar.sync 2" not in tail(ptx[True]), tail(ptx[True])
-    assert ptx[True].count("atom.shared.cta.acq_rel.add") == 2 and "atom.shared" not in ptx[False]
-    usage = resource_usage_from_ptx(ptx[True])
-    assert usage is None or (usage.spill_store_bytes == 0 and usage.stack_bytes == 0), usage
-    with pytest.raises(ValueError, match="early_phase_flip"):
-        DecodeConfig(early_phase_flip=True)
-
-
 def test_caller_empties_slots_leaves_the_emptying_out(compiled):
     """The benchmarks' ``caller_empties_slots`` (decode_floor.py --zero-slots with
     FLEXATTN_DECODE_SLOTS=caller): the same polled kernel without the merger's emptying —

@@ -34,7 +34,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from flexattn.kernels.decode.combine import LOG2_E, inverse_and_lse, log2_shift
-from flexattn.kernels.hopper.atomics import _f32_to_address, st_relaxed_s32, trap
+from flexattn.kernels.hopper.atomics import _f32_to_address, trap
 
 EMPTY = 0            # the bits of a slot no split has written since the last merge
 MAX_SPLITS = 32      # one LSE per lane
@@ -143,27 +143,9 @@ def _store_merged_row(acc: cute.Tensor, m: Float32, total: Float32, lse_parts: c
 
 
 @cute.jit
-def _store_flip(flip, lane: Int32, seen_all) -> None:
-    """``merge_polled_splits``' ``flip`` (word, value, counter, warps, here): where ``here``
-    (the warp's last row) and ``seen_all`` (every split's partial of it seen) hold, the
-    warp counts itself in ``counter`` (shared, acq_rel) once all its lanes have polled,
-    and the last of ``warps`` stores ``value`` at ``word``: every row's partials seen, so
-    every split's phase reads came first (their stores' addresses depend on them)."""
-    if const_expr(flip is not None):
-        word, value, counter, warps, here = flip
-        if here:
-            if seen_all:
-                cute.arch.sync_warp()    # (each lane leaves its polls on its own)
-                if lane == 0:
-                    if cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="cta") == warps - 1:
-                        st_relaxed_s32(word, value)
-
-
-@cute.jit
 def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: cute.Tensor, lane: Int32,
                         head_dim: cutlass.Constexpr[int], probe=None, probing=None,
-                        empty: cutlass.Constexpr[bool] = True, chunk: cutlass.Constexpr[int] = 0,
-                        flip=None) -> Float32:
+                        empty: cutlass.Constexpr[bool] = True, chunk: cutlass.Constexpr[int] = 0) -> Float32:
     """One warp merges one row once every split has written it: ``lse_parts`` [splits]
     and ``o_parts`` [splits, D] (fp32 slots, ``EMPTY`` until written) into ``out_row`` [D]
     (each lane its D/32 columns, in out_row's dtype), then empties the slots it read;
@@ -176,8 +158,6 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
     split count clamped to the last split). A chunk of exactly the launch's split count
     loads nothing twice: on the H200 the clamped duplicates of 13 splits in a chunk of 16
     cost ~0.2 µs of the B1 L128k window step (docs/experiments.md, session 71).
-    ``flip`` (parity slots' ``early_phase_flip``): ``_store_flip``'s, after the polls that
-    see every split, before the merge's arithmetic.
 
     ``probe`` (the decode timeline's, or None): where ``probing`` holds, lane 0 stores at
     ``probe[0]`` the %globaltimer_lo at which the first chunk was seen written, at
@@ -199,7 +179,6 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
             ok = ok & written
         ready = ok
         rounds = _count_round(rounds)
-    _store_flip(flip, lane, num_splits <= chunk)  # (the first chunk held every split)
     if const_expr(probe is not None):
         if probing:
             if lane == 0:
@@ -227,7 +206,6 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
                                   Float32(0.0))
             for i in cutlass.range_constexpr(per_lane):
                 acc[i] = acc[i] + w_j * vals[j * per_lane + i]
-    _store_flip(flip, lane, num_splits > chunk)   # (the later chunks seen)
     return _store_merged_row(acc, m, total, lse_parts, o_parts, out_row, lane, head_dim, probe, probing, empty)
 
 

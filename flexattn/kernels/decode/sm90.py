@@ -88,7 +88,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from flexattn.kernels.emit import interval_emit
 from flexattn.kernels.hopper import dsmem, mma
-from flexattn.kernels.hopper.atomics import ld_relaxed_s32, prefetch_l2, st_relaxed_s32
+from flexattn.kernels.hopper.atomics import ld_relaxed_s32, st_relaxed_s32
 from flexattn.kernels.decode.combine import inverse_and_lse, lane_columns, log2_shift, merge_splits
 from flexattn.kernels.decode.polled_merge import (chunk_splits, merge_polled_splits, store_marked_f32,
                                                   zero_lane_columns)
@@ -152,13 +152,6 @@ class DecodeConfig(KernelConfig):
                                  # past the launch's count clamped to its last split); the
                                  # planner sets the launch's count where it holds across steps
                                  # (decode_path.stable_merge_chunk): no loads past it
-    early_phase_flip: bool = False  # parity slots: the last of the merger's warps to have seen
-                                 # every split's partials of its rows (a shared counter) stores
-                                 # the next phase before its arithmetic, instead of after every
-                                 # row and a consumer barrier (opt-in until measured)
-    warm_tail: bool = False      # parity slots: the idle producer warp, at the CTA's start,
-                                 # prefetches the lines its tail will touch (its partial's slot,
-                                 # and the merger's output row) so their translations are warm
     caller_empties_slots: bool = False  # benchmarks only (decode_floor.py --zero-slots, never
                                  # planned): the polled merge leaves the slots it read
                                  # written, the caller zeroes them between steps — what the
@@ -219,12 +212,8 @@ class DecodeConfig(KernelConfig):
         if self.merge_chunk and not (self.polled_merge and 1 <= self.merge_chunk <= chunk_splits(self.head_dim)):
             raise ValueError(f"merge_chunk must be 0, or 1 to {chunk_splits(self.head_dim)} with polled_merge at head "
                              f"dim {self.head_dim}, got {self.merge_chunk}")
-        if self.early_phase_flip and not self.parity_slots:
-            raise ValueError("early_phase_flip needs parity_slots")
         if self.band_start_tiles and (self.prefix_band is None or self.paged or self.prefetch_tile_reads):
             raise ValueError("band_start_tiles needs prefix_band, a contiguous cache and no prefetch_tile_reads")
-        if self.warm_tail and not self.parity_slots:
-            raise ValueError("warm_tail needs parity_slots")
         if self.caller_empties_slots and not self.polled_merge:
             raise ValueError("caller_empties_slots needs polled_merge")
         if self.smem_bytes > self.smem_limit:
@@ -366,7 +355,7 @@ class DecodeSm90(WarpSpecialized):
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * cfg.num_stages]
-            last_arrival: cute.struct.MemRange[Int32, 3]
+            last_arrival: cute.struct.MemRange[Int32, 2]
 
         scale_log2 = Float32(LOG2_E)
         if const_expr(not self.mods.has_score):
@@ -467,9 +456,8 @@ class DecodeSm90(WarpSpecialized):
             count = cutlass.min(first + per_split, n_hi) - first
         self._stamp(stamps, 11, warp_idx == 4)
         # [0]: whether this CTA merges its group (set by whoever counts it in: _count_in);
-        # [1]: parity slots, the phase word as the ticket found it (_take_parity_ticket);
-        # [2]: early_phase_flip, the merger's warps that have seen every split of their rows
-        sMerges = storage.last_arrival.get_tensor(cute.make_layout(3))
+        # [1]: parity slots, the phase word as the ticket found it (_take_parity_ticket)
+        sMerges = storage.last_arrival.get_tensor(cute.make_layout(2))
         # Parity slots: the group's phase word, past the groups' tickets (the count started,
         # the launch's parity, the last launch's split count: _take_parity_ticket)
         phase_word = None
@@ -498,9 +486,6 @@ class DecodeSm90(WarpSpecialized):
                         if const_expr(cfg.parity_slots):
                             self._take_parity_ticket(phase_word, num_splits, sMerges, mOPart, mLSEPart, split,
                                                      head_kv, group, q_len, rows, m_block, batch)
-                            if const_expr(cfg.warm_tail):
-                                self._warm_tail(mO, mLSE, mOPart, mLSEPart, sMerges, split, head_kv, group, q_len,
-                                                m_block, batch)
                         else:
                             self._take_start_ticket(mTickets.iterator + (batch * head_blocks + head_block),
                                                     num_splits, sMerges)
@@ -534,12 +519,9 @@ class DecodeSm90(WarpSpecialized):
                                                      tiled_mma_pv.get_slice(tidx), head_kv, group, q_len, rows,
                                                      m_block, batch)
                     else:
-                        flip = None
-                        if const_expr(cfg.early_phase_flip):
-                            flip = (phase_word, _next_phase(phase, num_splits), sMerges.iterator + 2)
                         self._merge_group(mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block,
-                                          batch, stamps, phase, flip)
-                        if const_expr(cfg.parity_slots and not cfg.early_phase_flip):
+                                          batch, stamps, phase)
+                        if const_expr(cfg.parity_slots):
                             # Every row merged, so every split's phase reads are done: the next
                             # launch's phase (count 0, parity flipped, this split count), by a
                             # store (no atomic: its return would hold the merger's exit).
@@ -1092,8 +1074,6 @@ class DecodeSm90(WarpSpecialized):
                 last = Int32(1)
             sFlag[0] = last
             sFlag[1] = old
-            if const_expr(cfg.early_phase_flip):
-                sFlag[2] = Int32(0)
         cute.arch.sync_warp()   # (lane 0's flags, to the warp's lanes)
         if const_expr(not cfg.caller_empties_slots):
             if sFlag[0] != 0:
@@ -1102,26 +1082,6 @@ class DecodeSm90(WarpSpecialized):
                                      lane, head_kv, group, q_len, rows, m_block, batch)
             cute.arch.sync_warp()
         DecodeBarrier.MERGER.arrive(self.num_mma_threads + 32)
-
-    @cute.jit
-    def _warm_tail(self, mO, mLSE, mOPart, mLSEPart, sFlag, split, head_kv, group, q_len, m_block, batch):
-        """``warm_tail``, warp 1 after its parity ticket: prefetch into L2 the first line of
-        this split's partial slot and LSE slot in the launch's set, and where it merges, of
-        its first output row and LSE: the tail's first touches of those pages then find
-        their translations warm."""
-        cfg = self.cfg
-        lane = cute.arch.lane_idx()
-        mOPart, mLSEPart = self._slot_set(mOPart, mLSEPart, _parity(sFlag[1]))
-        head, qi = packed_row(m_block * cfg.tile_m, head_kv, group, q_len)
-        if lane == 0:
-            prefetch_l2(mOPart[split, batch, head, qi, None].iterator)
-        if lane == 1:
-            prefetch_l2(mLSEPart.iterator + cute.crd2idx((split, batch, head, qi), mLSEPart.layout))
-        if sFlag[0] != 0:
-            if lane == 2:
-                prefetch_l2(mO[batch, head, qi, None].iterator)
-            if lane == 3:
-                prefetch_l2(mLSE.iterator + cute.crd2idx((batch, head, qi), mLSE.layout))
 
     @cute.jit
     def _zero_other_set(self, mOPart, mLSEPart, first, step, other, prev, lane, head_kv, group, q_len, rows,
@@ -1143,13 +1103,11 @@ class DecodeSm90(WarpSpecialized):
 
     @cute.jit
     def _merge_group(self, mO, mLSE, mOPart, mLSEPart, tidx, head_kv, group, q_len, rows, m_block, batch,
-                     stamps=None, phase=None, flip=None):
+                     stamps=None, phase=None):
         """The merging split CTA of a group (tickets: the last to arrive; polled: the last to
         start): merge every split's partial of the tile's rows into O (input dtype) and LSE,
         one consumer warp per row (rows strided over warps). Parity slots: the launch's set
-        (``phase``'s parity); nothing emptied. ``flip`` (``early_phase_flip``): (the phase
-        word, the next phase, a shared counter at 0): stored by the last of the merging warps
-        to have seen every split's partial of its rows, before its last row's arithmetic."""
+        (``phase``'s parity); nothing emptied."""
         cfg = self.cfg
         if const_expr(cfg.parity_slots):
             mOPart, mLSEPart = self._slot_set(mOPart, mLSEPart, _parity(phase))
@@ -1167,9 +1125,6 @@ class DecodeSm90(WarpSpecialized):
             kw = {"empty": False} if const_expr(cfg.caller_empties_slots or cfg.parity_slots) else {}
             if const_expr(cfg.polled_merge):
                 kw["chunk"] = cfg.merge_chunk
-            if const_expr(flip is not None):
-                # (this warp's last row; the warps that merge a row all count)
-                kw["flip"] = (*flip, cutlass.min(warps, tile_rows), r + warps >= tile_rows)
             lse = merge(mLSEPart[None, batch, head, qi], mOPart[None, batch, head, qi, None], mO[batch, head, qi, None],
                         lane, cfg.head_dim, *probe, **kw)
             if lane == 0:

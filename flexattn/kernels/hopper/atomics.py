@@ -113,14 +113,6 @@ def st_relaxed_s32(ptr, value, *, loc=None, ip=None) -> None:
     _s32_at("st.relaxed.gpu.global.b32 [$0], $1;", ptr, value, False, loc, ip)
 
 
-@dsl_user_op
-def prefetch_l2(ptr, *, loc=None, ip=None) -> None:
-    """Bring the line at ptr's global address into L2 (``prefetch.global.L2``): nothing
-    returns, nothing waits; the address is translated on the way."""
-    llvm.inline_asm(None, [ptr.toint(loc=loc, ip=ip).ir_value()], "prefetch.global.L2 [$0];", "l",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
 def _load_s32(asm: str, ptr, loc, ip) -> Int32:
     """One int32 load `asm` ($0 the value, $1 ptr's address)."""
     return Int32(llvm.inline_asm(T.i32(), [ptr.toint(loc=loc, ip=ip).ir_value()], asm, "=r,l",
