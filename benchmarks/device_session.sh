@@ -10,7 +10,8 @@
 # (host µs per call, small shapes), profile (where the host µs of a repeated torch / CuPy
 # call go), kprofile (device µs per kernel of a step, ours beside FA4), detprofile (ours,
 # deterministic beside default), decode / short-query / decode-bench (decode tests, short-query tests / TB/s table;
-# decode-suites: both test files in eight concurrent pytest shards, one call), jax (JAX adapter on the
+# decode-suites: both test files in eight concurrent pytest shards, one call; gpu-all: every GPU test file in twelve
+# shards, JAX without its preallocation), jax (JAX adapter on the
 # kernels), notebooks (every notebook on the GPU), sched (tile order / persistent CTAs ablation),
 # first-call (a new mod's first call alone, fresh processes: issue 3's target), ab (ours
 # against FA4 in alternating rounds, full and causal, three shapes), bwd-sched (backward
@@ -180,6 +181,7 @@ for step in $steps; do
            --out "$out/bench_bwd.json" ;;
     decode) run decode 540 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py ;;   # (session 71: 80
            # of its 117 cases took 210 s on a fresh machine: a kernel per split count where the merge chunk is exact)
+    gpu-all) XLA_PYTHON_CLIENT_PREALLOCATE=false run_sharded gpu_all 540 12 tests/gpu ;;   # (every GPU suite, one call)
     decode-suites) run_sharded decode_suites 400 8 tests/gpu/test_decode_gpu.py tests/gpu/test_short_query_gpu.py ;;
     short-query) run short_query 420 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_short_query_gpu.py ;;
     decode-bench) run decode_bench 420 python3 benchmarks/bench_decode.py --out "$out/bench_decode.json" ;;

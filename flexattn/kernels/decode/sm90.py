@@ -49,7 +49,11 @@ One CTA handles one (kv split) x (kv head, packed-row block) x (batch) work item
   of its tile, by a search over prefixes [0, n * tile_n) (inclusion-isotone bounds: a
   provably empty prefix stays provably empty when shortened), 32 candidates per round, one
   per lane. A sliding window skips the cache's head in 1 + ~log32(blocks) analyses of a
-  few Float64 instructions; one analysis when block 0 may be attended (causal...).
+  few Float64 instructions; one analysis when block 0 may be attended (causal...). A
+  band the planner recognizes (`prefix_band`) gives its first key by arithmetic instead,
+  and in contiguous caches (`band_start_tiles`) the blocks start there: block n holds keys
+  [kv0 + n * tile_n, + tile_n), the last overhanging the length (TMA reads nothing past a
+  cache view's end), so a 4097-key window reads 4097 keys, not 65 aligned tiles' 4160.
 * Warp specialization as in the forward: warp 0 of warpgroup 0 is the TMA producer (K and
   V through separate `num_stages`-deep mbarrier rings); the consumer warpgroup(s) load the
   packed Q tile with ordinary loads (its rows are strided over heads: no TMA box fits),
@@ -628,7 +632,7 @@ class DecodeSm90(WarpSpecialized):
             if const_expr(cfg.band_start_tiles):
                 mX = cute.domain_offset((kv0, 0, 0), mX)
             g = cute.flat_divide(mX, box)   # (r, D, nr, 1, outer)
-            s = cute.flat_divide(sX, box)                               # (r, D, nb, 1, stage)
+            s = cute.flat_divide(sX, box)   # (r, D, nb, 1, stage)
             tXsX, tXgX = cpasync.tma_partition(
                 atom, 0, one, cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
             return tXgX, tXsX
