@@ -11,7 +11,8 @@
 # call go), kprofile (device µs per kernel of a step, ours beside FA4), detprofile (ours,
 # deterministic beside default), decode / short-query / decode-bench (decode tests, short-query tests / TB/s table;
 # decode-suites: both test files in eight concurrent pytest shards, one call; gpu-all: every GPU test file in twelve
-# shards, JAX without its preallocation), jax (JAX adapter on the
+# shards, JAX without its preallocation, failures run again alone; decode-close: bench_decode's table at issue 24's
+# three shapes, recorded, then twelve decode_floor processes of the window rows), jax (JAX adapter on the
 # kernels), notebooks (every notebook on the GPU), sched (tile order / persistent CTAs ablation),
 # first-call (a new mod's first call alone, fresh processes: issue 3's target), ab (ours
 # against FA4 in alternating rounds, full and causal, three shapes), bwd-sched (backward
@@ -155,13 +156,22 @@ run_sharded() {  # run_sharded NAME SECONDS SHARDS TESTS...: one pytest per shar
   echo "== $name x$shards ($(date -u +%H:%M:%S))"
   python3 -m pytest -q --collect-only -p no:cacheprovider "$@" 2>/dev/null | grep "::" > "$out/$name.ids"
   echo "$(wc -l < "$out/$name.ids") cases"
-  for i in $(seq 0 $((shards - 1))); do
+  for i in $(seq 0 $((shards - 1))); do   # (round robin: each shard gets every file's share, in file order)
     awk -v n="$shards" -v i="$i" 'NR % n == i' "$out/$name.ids" | \
       timeout "$limit" xargs -r -d '\n' python3 -m pytest -q -p no:cacheprovider > "$out/${name}_$i.log" 2>&1 &
   done
   wait
   cat "$out"/${name}_*.log > "$out/$name.log"; rm -f "$out"/${name}_*.log "$out/$name.ids"
   grep -E "^FAILED|^ERROR|passed|failed" "$out/$name.log" | tail -30
+  # A case that failed in a shard runs again alone, in one process: a failure of the sharding
+  # (order, a neighbour's load) passes there, a real one fails again.
+  grep -E "^(FAILED|ERROR) " "$out/$name.log" | sed -E 's/^(FAILED|ERROR) //; s/ - .*//' | sort -u > "$out/$name.failed"
+  if [ -s "$out/$name.failed" ]; then
+    echo "== $name: $(wc -l < "$out/$name.failed") failed in shards, again alone ($(date -u +%H:%M:%S))"
+    timeout "${RERUN_SECONDS:-120}" xargs -r -d '\n' python3 -m pytest -q -p no:cacheprovider < "$out/$name.failed" \
+      > "$out/${name}_again.log" 2>&1
+    grep -E "^FAILED|^ERROR|passed|failed" "$out/${name}_again.log" | tail -20
+  fi
 }
 
 save_records() {  # the device tool returns at most 8 files: the records travel as one archive
@@ -181,7 +191,14 @@ for step in $steps; do
            --out "$out/bench_bwd.json" ;;
     decode) run decode 540 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py ;;   # (session 71: 80
            # of its 117 cases took 210 s on a fresh machine: a kernel per split count where the merge chunk is exact)
-    gpu-all) XLA_PYTHON_CLIENT_PREALLOCATE=false run_sharded gpu_all 540 12 tests/gpu ;;   # (every GPU suite, one call)
+    gpu-all) XLA_PYTHON_CLIENT_PREALLOCATE=false RERUN_SECONDS=90 run_sharded gpu_all 450 12 tests/gpu ;;   # (every GPU suite)
+    decode-close) run decode_close_bench 300 python3 benchmarks/bench_decode.py --shapes 1x131072 8x8192 8x65536 \
+                    --variants none window4096 --layouts contiguous --record --out "$out/bench_decode.json"
+                  save_records
+                  for i in $(seq 12); do   # (the window cells against the read: one process each)
+                    run "decode_close_floor_$i" 40 python3 benchmarks/decode_floor.py \
+                      --rows 1x131072:window4096 8x8192:window4096
+                  done ;;
     decode-suites) run_sharded decode_suites 400 8 tests/gpu/test_decode_gpu.py tests/gpu/test_short_query_gpu.py ;;
     short-query) run short_query 420 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_short_query_gpu.py ;;
     decode-bench) run decode_bench 420 python3 benchmarks/bench_decode.py --out "$out/bench_decode.json" ;;
