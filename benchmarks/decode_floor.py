@@ -97,7 +97,8 @@ def main():
     for B, L, variant, nbytes, read_us, ours_us in rows:
         bound = nbytes / (empty_us + nbytes / rate) / 1e6
         print(f"| {B} | {L} | {variant} | {nbytes / 1e6:.1f} | {bound:.2f} | {read_us:.2f} | "
-              f"{nbytes / read_us / 1e6:.2f} | {ours_us:.2f} | {nbytes / ours_us / 1e6:.2f} | {read_us / ours_us:.1%} |")
+              f"{nbytes / read_us / 1e6:.2f} | {ours_us:.2f} | {nbytes / ours_us / 1e6:.2f} | "
+              f"{read_us / ours_us:.1%} |")
 
 if __name__ == "__main__":
     main()

@@ -878,7 +878,8 @@ class DecodeSm90(WarpSpecialized):
 
         if const_expr(mods.has_score or apply_mask or kv_bound):
             apply_packed_mods(mma.acc_mn_view(acc_S), coords, row_head, row_q, row_values, mods, batch,
-                              kv0 + n_block * self.cfg.tile_n, seqlen, softmax_scale, mod_args, kv_bound, apply_mask, tile_values)
+                              kv0 + n_block * self.cfg.tile_n, seqlen, softmax_scale, mod_args, kv_bound, apply_mask,
+                              tile_values)
         row_scale, _ = softmax.step(acc_S, is_first=False)   # (no threshold: always)
         rescale_rows(acc_O, row_scale)
         tOrP.store(mma.acc_as_a_view(acc_S).load().to(self.dtype))
