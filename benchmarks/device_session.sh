@@ -127,25 +127,13 @@ run() {  # run NAME SECONDS CMD...: log to $out/NAME.log, print its tail
   grep -E "passed|failed|error|^\|" "$out/$name.log" | tail -25
 }
 
-floor_ab() {  # floor_ab NAME VAR ROUNDS VALUE...: decode_floor's B1 L128k window row with VAR set to each VALUE
-  local name=$1 var=$2 rounds=$3 i value  # in alternating processes (each value its own disk cache), ROUNDS rounds
-  shift 3
+floor_ab() {  # floor_ab NAME VAR ROUNDS VALUE...: decode_floor's rows ($FLOOR_ROWS, else B1 L128k window) with VAR
+  local name=$1 var=$2 rounds=$3 i value  # set to each VALUE in alternating processes (each value its own disk
+  shift 3                                 # cache), ROUNDS rounds
   for i in $(seq "$rounds"); do
     for value in "$@"; do
       (export "$var=$value" FLEXATTN_CACHE_DIR="/tmp/flexattn-$name-$value"
-       run "${name}_floor_${value}_$i" 40 python3 benchmarks/decode_floor.py --rows 1x131072:window4096)
-    done
-  done
-}
-
-floor_envs() {  # floor_envs NAME ROUNDS "VAR=V VAR2=W" ...: floor_ab with several variables per variant
-  local name=$1 rounds=$2 i envs label  # (label: the values joined by '-')
-  shift 2
-  for i in $(seq "$rounds"); do
-    for envs in "$@"; do
-      label=$(echo "$envs" | sed 's/[A-Z_]*=//g; s/ /-/g')
-      (export $envs FLEXATTN_CACHE_DIR="/tmp/flexattn-$name-$label"
-       run "${name}_floor_${label}_$i" 60 python3 benchmarks/decode_floor.py --rows ${FLOOR_ROWS:-1x131072:window4096})
+       run "${name}_floor_${value}_$i" 60 python3 benchmarks/decode_floor.py --rows ${FLOOR_ROWS:-1x131072:window4096})
     done
   done
 }
@@ -469,9 +457,9 @@ for step in $steps; do
                 -k "balanced_splits or parity_slots or polled_merge_planned"
               floor_ab balanced FLEXATTN_DECODE_BALANCED 5 0 1 ;;
     band-tiles) run_sharded decode_suites 300 8 tests/gpu/test_decode_gpu.py tests/gpu/test_short_query_gpu.py
-                floor_envs band_tiles 5 FLEXATTN_DECODE_BAND_TILES=aligned FLEXATTN_DECODE_BAND_TILES=start ;;
-    band-tiles-ab) FLOOR_ROWS="1x131072:window4096 8x8192:window4096" floor_envs band_tiles_ab 8 \
-                     FLEXATTN_DECODE_BAND_TILES=aligned FLEXATTN_DECODE_BAND_TILES=start ;;
+                floor_ab band_tiles FLEXATTN_DECODE_BAND_TILES 5 aligned start ;;
+    band-tiles-ab) FLOOR_ROWS="1x131072:window4096 8x8192:window4096" floor_ab band_tiles_ab \
+                     FLEXATTN_DECODE_BAND_TILES 8 aligned start ;;
     merge-chunk) run merge_chunk_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
                    -k "merge_chunk or parity_slots or polled_merge_planned"
                  floor_ab merge_chunk FLEXATTN_DECODE_MERGE_CHUNK 5 generic exact ;;

@@ -295,8 +295,7 @@ class WindowSteps:
             torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("slots", ["parity"])
-def test_parity_slots_across_steps_and_split_counts(slots, slot_layout, monkeypatch):
+def test_parity_slots_across_steps_and_split_counts(slot_layout, monkeypatch):
     """FLEXATTN_DECODE_SLOTS=parity (``DecodeConfig.parity_slots``), split-major and
     group-major: steps queued back to back with new queries and split counts that shrink
     and grow (the splits zero their slots of the other set, including slots a larger last
@@ -304,7 +303,7 @@ def test_parity_slots_across_steps_and_split_counts(slots, slot_layout, monkeypa
     partials' views have the launch's split count in mode 0 (the grid's). Afterwards the
     workspace's shared slots and tickets are untouched (zero), and each group's phase word
     holds count 0, the parity of the launches on the plan, and the last step's split count."""
-    monkeypatch.setenv("FLEXATTN_DECODE_SLOTS", slots)
+    monkeypatch.setenv("FLEXATTN_DECODE_SLOTS", "parity")
     decode_path._PREPARED.clear()
     torch.manual_seed(3)
     window = WindowSteps([16384 - 389, 9000], 128)

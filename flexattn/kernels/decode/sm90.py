@@ -28,8 +28,9 @@ One CTA handles one (kv split) x (kv head, packed-row block) x (batch) work item
   split that *started* last in its group (a relaxed ticket taken by an idle producer warp
   at the CTA's start) polls them and merges: no fence, no ticket after the stream. The
   merger waits only for splits that have started, which never wait: it cannot deadlock.
-  The merger then empties the slots it read. With `parity_slots` (opt-in) the slots come
-  in two sets used by launch parity, in the plan's own memory: each consumer thread reads
+  The merger then empties the slots it read. With `parity_slots` (planned where the plan
+  has zeroed memory of its own) the slots come in two sets used by launch parity, in the
+  plan's own memory: each consumer thread reads
   its group's phase word at its start and stores its partial in the launch's set (no
   barrier before the stores); the splits that do not merge then zero their slots of the
   other set (the last launch's) where they stored, in their slack; the merger's warp 1
