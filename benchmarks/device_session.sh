@@ -11,7 +11,8 @@
 # call go), kprofile (device µs per kernel of a step, ours beside FA4), detprofile (ours,
 # deterministic beside default), decode / short-query / decode-bench (decode tests, short-query tests / TB/s table;
 # decode-suites: both test files in eight concurrent pytest shards, one call; gpu-all: every GPU test file in twelve
-# shards, JAX without its preallocation, failures run again alone; decode-close: bench_decode's table at issue 24's
+# shards, JAX without its preallocation, failures run again alone (too many for one call: gpu-bwd, gpu-fwd and
+# gpu-tail split it, with decode-suites); decode-close: bench_decode's table at issue 24's
 # three shapes, recorded, then twelve decode_floor processes of the window rows), jax (JAX adapter on the
 # kernels), notebooks (every notebook on the GPU), sched (tile order / persistent CTAs ablation),
 # first-call (a new mod's first call alone, fresh processes: issue 3's target), ab (ours
@@ -146,20 +147,24 @@ run_sharded() {  # run_sharded NAME SECONDS SHARDS TESTS...: one pytest per shar
   echo "$(wc -l < "$out/$name.ids") cases"
   for i in $(seq 0 $((shards - 1))); do   # (round robin: each shard gets every file's share, in file order)
     awk -v n="$shards" -v i="$i" 'NR % n == i' "$out/$name.ids" | \
-      timeout "$limit" xargs -r -d '\n' python3 -m pytest -q -p no:cacheprovider > "$out/${name}_$i.log" 2>&1 &
+      timeout -s INT -k 20 "$limit" xargs -r -d '\n' python3 -m pytest -v -p no:cacheprovider \
+        > "$out/${name}_$i.log" 2>&1 &   # (-v and SIGINT: a shard cut off by its limit still names its failures)
   done
   wait
-  cat "$out"/${name}_*.log > "$out/$name.log"; rm -f "$out"/${name}_*.log "$out/$name.ids"
-  grep -E "^FAILED|^ERROR|passed|failed" "$out/$name.log" | tail -30
+  cat "$out"/${name}_*.log > "$out/$name.log"; rm -f "$out"/${name}_*.log
+  grep -E "^FAILED|^ERROR|passed|failed|Interrupted" "$out/$name.log" | tail -30
+  echo "$(grep -c " PASSED" "$out/$name.log") passed, $(grep -c " SKIPPED" "$out/$name.log") skipped," \
+       "$(grep -cE " (FAILED|ERROR)( |$)" "$out/$name.log") failed of $(wc -l < "$out/$name.ids") (cut-off shards included)"
   # A case that failed in a shard runs again alone, in one process: a failure of the sharding
   # (order, a neighbour's load) passes there, a real one fails again.
-  grep -E "^(FAILED|ERROR) " "$out/$name.log" | sed -E 's/^(FAILED|ERROR) //; s/ - .*//' | sort -u > "$out/$name.failed"
+  grep -E "::.* (FAILED|ERROR)( |$)" "$out/$name.log" | sed -E 's/ (FAILED|ERROR)( .*|$)//' | sort -u > "$out/$name.failed"
   if [ -s "$out/$name.failed" ]; then
     echo "== $name: $(wc -l < "$out/$name.failed") failed in shards, again alone ($(date -u +%H:%M:%S))"
     timeout "${RERUN_SECONDS:-120}" xargs -r -d '\n' python3 -m pytest -q -p no:cacheprovider < "$out/$name.failed" \
       > "$out/${name}_again.log" 2>&1
     grep -E "^FAILED|^ERROR|passed|failed" "$out/${name}_again.log" | tail -20
   fi
+  rm -f "$out/$name.ids"
 }
 
 save_records() {  # the device tool returns at most 8 files: the records travel as one archive
@@ -179,7 +184,20 @@ for step in $steps; do
            --out "$out/bench_bwd.json" ;;
     decode) run decode 540 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py ;;   # (session 71: 80
            # of its 117 cases took 210 s on a fresh machine: a kernel per split count where the merge chunk is exact)
-    gpu-all) XLA_PYTHON_CLIENT_PREALLOCATE=false RERUN_SECONDS=90 run_sharded gpu_all 450 12 tests/gpu ;;   # (every GPU suite)
+    gpu-all) XLA_PYTHON_CLIENT_PREALLOCATE=false RERUN_SECONDS=90 run_sharded gpu_all 450 12 tests/gpu ;;   # (every GPU suite:
+           # session 73 saw ~430 of its 1138 cases in 450 s, so it needs the parts below, a call each;
+           # GPU_FIRST: files gpu-fwd runs first, SHARD_LIMIT: its seconds)
+    gpu-bwd) RERUN_SECONDS=90 run_sharded gpu_bwd 440 12 tests/gpu/test_autograd_gpu.py tests/gpu/test_blockmask_gpu.py \
+           tests/gpu/test_bwd_fp32_gpu.py tests/gpu/test_bwd_gpu.py tests/gpu/test_context_parallel_gpu.py ;;
+    gpu-fwd) XLA_PYTHON_CLIENT_PREALLOCATE=false RERUN_SECONDS=90 run_sharded gpu_fwd "${SHARD_LIMIT:-440}" 12 \
+           ${GPU_FIRST:-} tests/gpu/test_cupy_gpu.py \
+           tests/gpu/test_dlpack_gpu.py tests/gpu/test_flex_attention_gpu.py tests/gpu/test_fp32_gpu.py \
+           tests/gpu/test_fwd_gpu.py tests/gpu/test_head_dims_gpu.py tests/gpu/test_jax_gpu.py \
+           tests/gpu/test_mod_emit_gpu.py tests/gpu/test_notebooks_gpu.py tests/gpu/test_torch_compat_gpu.py ;;
+    gpu-tail) XLA_PYTHON_CLIENT_PREALLOCATE=false RERUN_SECONDS=90 run_sharded gpu_tail "${SHARD_LIMIT:-440}" 12 \
+           tests/gpu/test_notebooks_gpu.py tests/gpu/test_mod_emit_gpu.py tests/gpu/test_torch_compat_gpu.py \
+           tests/gpu/test_jax_gpu.py tests/gpu/test_cupy_gpu.py tests/gpu/test_head_dims_gpu.py ;;   # (gpu-fwd's
+           # files its 405 s did not reach in session 73, head dims last: 135 of its 141 cases passed there)
     decode-close) run decode_close_bench 300 python3 benchmarks/bench_decode.py --shapes 1x131072 8x8192 8x65536 \
                     --variants none window4096 --layouts contiguous --record --out "$out/bench_decode.json"
                   save_records

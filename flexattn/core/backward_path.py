@@ -44,7 +44,8 @@ Allocator = Callable[[tuple, str, bool], Any]
 
 
 def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: AttentionSpec, device: Device,
-                  alloc: Allocator, deterministic: bool = False, grad_captures=None) -> BackwardResult:
+                  alloc: Allocator, deterministic: bool = False, grad_captures=None,
+                  merged_lse: bool = False) -> BackwardResult:
     """Run the backward kernels, writing ``arrays.dq/dk/dv``; return the buffer gradients.
 
     ``spec`` must be the forward's (same mods, captured values, block mask, scale).
@@ -54,13 +55,15 @@ def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: Attention
     fixed order, buffer gradients in exact fixed point; see kernels/launch/backward.py).
     ``grad_captures``: the score-capture slots whose gradients are wanted (None: all);
     the others get None and cost nothing.
+    ``merged_lse``: ``arrays.lse`` is a merge over more keys than this call's (context
+    parallelism's chunk pairs), see ``pair_config``.
     """
     from ..kernels.launch.cache import backward_runner
     from ..kernels.emit.mod_emit import IRModHook, runtime_args
 
     # raises what the kernel cannot do; float32: the forward's tf32 passes
     plan = plan_forward(arrays.q, shape, spec, tf32_passes=device.tf32_passes)
-    cfg = backward_config(plan.config, deterministic, grad_captures, plan.backward_ctas)
+    cfg = _planned_config(plan, deterministic, grad_captures, merged_lse)
     hook = cfg.mods
     lists = _q_lists(cfg, plan, device)
     workspace = tuple(alloc(s, dtype, False) for _, s, dtype in backward_workspace(cfg, shape))
@@ -81,6 +84,16 @@ def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: Attention
     for s, g in zip(slots, grads):
         by_slot[s] = g
     return BackwardResult(plan, cfg, tuple(by_slot))
+
+
+def _planned_config(plan: KernelPlan, deterministic: bool, grad_captures, merged_lse: bool):
+    """The backward config of a planned forward. Under ``merged_lse`` no dQ tile is stored
+    by its first visit (``BwdConfig.dq_first_store``): that leaves the preprocess zeroing
+    only rows whose LSE is -inf, on the ground that a q tile no CTA visits has only such
+    rows. True of a call's own LSE; a merged LSE is finite in rows this call's mask leaves
+    empty (their keys sit in another chunk), whose accumulator would keep stale values."""
+    overrides = {"dq_first_store": False} if merged_lse else {}
+    return backward_config(plan.config, deterministic, grad_captures, plan.backward_ctas, **overrides)
 
 
 def _q_lists(cfg, plan: KernelPlan, device: Device):
@@ -111,12 +124,12 @@ class PreparedBackward:
                  "_scale", "_kinds", "_captures", "_args", "_to_device", "_lists")
 
     def __init__(self, plan: KernelPlan, spec: AttentionSpec, shape: AttentionShape, device: Device,
-                 deterministic: bool, grad_captures):
+                 deterministic: bool, grad_captures, merged_lse: bool = False):
         from ..kernels.emit.mod_emit import capture_kinds
         from ..kernels.launch.arguments import ffi_args
         from ..kernels.launch.cache import backward_runner
 
-        cfg = backward_config(plan.config, deterministic, grad_captures, plan.backward_ctas)
+        cfg = _planned_config(plan, deterministic, grad_captures, merged_lse)
         self.deterministic = deterministic
         self._runner = backward_runner(cfg, tvm_ffi=True)
         self._runner.kernels(False)   # compiled (or loaded) now, not inside a step
@@ -162,13 +175,13 @@ class PreparedBackward:
 
 
 def prepare_backward(q, shape: AttentionShape, spec: AttentionSpec, device: Device, deterministic: bool = False,
-                     grad_captures=None) -> PreparedBackward | None:
+                     grad_captures=None, merged_lse: bool = False) -> PreparedBackward | None:
     """A ``PreparedBackward`` for calls like this one, or None where launches must go
     through ``backward_into`` (no TVM-FFI, or a stream TVM-FFI does not read itself)."""
     if not (device.tvm_ffi_stream and use_tvm_ffi(device)):
         return None
     return PreparedBackward(plan_forward(q, shape, spec, tf32_passes=device.tf32_passes), spec, shape, device,
-                            deterministic, grad_captures)
+                            deterministic, grad_captures, merged_lse)
 
 
 def backward_config(forward_config, deterministic: bool = False, grad_captures=None, max_ctas: int = 0,

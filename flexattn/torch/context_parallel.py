@@ -590,9 +590,10 @@ def _pair_backward(spec, q, k, v, out, lse, d_out, d_lse, buffers, into):
     debug mode, FLEXATTN_CP_PREPARED=0 and another device than the current take the full
     path (``_kernel_backward``)."""
     grad_mask = _grad_mask(buffers)
+    # lse is the merge over every chunk's keys, not this pair's own (merged_lse)
     if _full_path_only(q):
         return _kernel_backward(spec, check_inputs(q, k, v, spec), q, k, v, out, lse, d_out, d_lse, buffers,
-                                grad_mask, into)
+                                grad_mask, into, merged_lse=True)
     deterministic = torch.are_deterministic_algorithms_enabled()
     key = (id(spec), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
            q.device.index, d_lse is None, deterministic, grad_mask,
@@ -604,9 +605,10 @@ def _pair_backward(spec, q, k, v, out, lse, d_out, d_lse, buffers, into):
         capture_grads = prepared.kernels.launch(arrays, _backward_alloc(q.device))
         return arrays.dq, arrays.dk, arrays.dv, _buffer_grads(prepared.tensor_slots, capture_grads, buffers)
     shape = check_inputs(q, k, v, spec)
-    result = _kernel_backward(spec, shape, q, k, v, out, lse, d_out, d_lse, buffers, grad_mask, into)
+    result = _kernel_backward(spec, shape, q, k, v, out, lse, d_out, d_lse, buffers, grad_mask, into, merged_lse=True)
     if slot is None:
-        _remember(_PAIR_BACKWARDS, key, spec, _PreparedBackward.make(spec, shape, q, deterministic, grad_mask))
+        _remember(_PAIR_BACKWARDS, key, spec,
+                  _PreparedBackward.make(spec, shape, q, deterministic, grad_mask, merged_lse=True))
     return result
 
 

@@ -88,11 +88,13 @@ def _kernel_forward(spec, shape, query, key, value, want_max: bool = False, into
     return (out, lse, max_scores) if want_max else (out, lse)
 
 
-def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buffers, grad_mask, into=None):
+def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buffers, grad_mask, into=None,
+                     merged_lse=False):
     """The backward kernels on the current stream -> (dq, dk, dv, gradient per op buffer:
     ``_buffer_grads``), the buffers' whose bit is set in ``grad_mask``. ``into``: None, or
     (dq, dk, dv), each None or a tensor (a view: rows of a larger gradient) the kernels
-    write that gradient into (the inputs' shape and dtype, last dim contiguous)."""
+    write that gradient into (the inputs' shape and dtype, last dim contiguous).
+    ``merged_lse``: ``lse`` covers more keys than this call's (``backward_into``'s)."""
     grad_captures = _grad_captures(spec, grad_mask)
     dev = query.device
     arrays = _backward_arrays(query, key, value, out, lse, d_out, d_lse, into)
@@ -102,11 +104,11 @@ def _kernel_backward(spec, shape, query, key, value, out, lse, d_out, d_lse, buf
     alloc = device.alloc
     if dev.index == torch.cuda.current_device():
         result = backward_into(arrays, shape, spec, device, alloc, deterministic=deterministic,
-                               grad_captures=grad_captures)
+                               grad_captures=grad_captures, merged_lse=merged_lse)
     else:
         with torch.cuda.device(dev):  # the launches go to the inputs' GPU
             result = backward_into(arrays, shape, spec, device, alloc, deterministic=deterministic,
-                                   grad_captures=grad_captures)
+                                   grad_captures=grad_captures, merged_lse=merged_lse)
     return arrays.dq, arrays.dk, arrays.dv, _buffer_grads(_tensor_slots(spec), result.capture_grads, buffers)
 
 
@@ -174,11 +176,11 @@ class _PreparedBackward:
     __slots__ = ("kernels", "grad_mask", "tensor_slots")
 
     @classmethod
-    def make(cls, spec, shape, query, deterministic: bool, grad_mask: int):
+    def make(cls, spec, shape, query, deterministic: bool, grad_mask: int, merged_lse: bool = False):
         if query.device.index != torch.cuda.current_device():
             return None
         prepared = prepare_backward(query, shape, spec, _forward_device(query.device), deterministic,
-                                    _grad_captures(spec, grad_mask))
+                                    _grad_captures(spec, grad_mask), merged_lse)
         if prepared is None:
             return None
         self = cls()

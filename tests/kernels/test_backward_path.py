@@ -1,6 +1,8 @@
 """CPU: how the core plans and feeds the backward kernels (``core.backward_path``) — the
 runner is replaced by a recorder, so nothing launches; the arguments are checked."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -40,7 +42,7 @@ def runners(monkeypatch):
     return made
 
 
-def _call(spec, dtype=torch.bfloat16, d_lse=False, bshd=False, deterministic=False):
+def _call(spec, dtype=torch.bfloat16, d_lse=False, bshd=False, deterministic=False, merged_lse=False):
     def mk(H, S):
         if bshd:  # [B, S, H, D] storage, as the torch adapter may pass
             return torch.zeros(B, S, H, D, dtype=dtype).transpose(1, 2)
@@ -64,7 +66,7 @@ def _call(spec, dtype=torch.bfloat16, d_lse=False, bshd=False, deterministic=Fal
         return torch.from_numpy(np.array(x)) if not isinstance(x, torch.Tensor) else x
 
     result = backward_into(arrays, check_inputs(q, k, v, spec), spec, Device(1234, to_device), alloc,
-                           deterministic=deterministic)
+                           deterministic=deterministic, merged_lse=merged_lse)
     return arrays, result, allocs, copied
 
 
@@ -122,6 +124,22 @@ def test_causal_and_dense_calls_have_no_lists_and_no_grads(runners):
         assert args[4] is None and args[6] is None and args[0].d_lse is None  # grads, lists, d_lse
         # LSE, delta, dq_accum and dq_first_store's tickets (one int32 per q tile)
         assert [a[1] for a in allocs] == ["float32"] * 3 + ["int32"] and result.capture_grads == ()
+
+
+def test_a_merged_lse_zeroes_every_dq_row(runners, monkeypatch):
+    """Context parallelism's chunk pairs read the LSE merged over every chunk: finite in rows
+    this pair's mask leaves empty, so no first-visit dQ stores (their preprocess zeroes only
+    LSE = -inf rows, and a pair's unvisited tiles kept stale accumulators: sessions 73's
+    dQ errors of 0.2 relative in test_context_parallel_gpu.py). A call's own LSE keeps them."""
+    monkeypatch.delenv("FLEXATTN_DQ_FIRST_STORE", raising=False)
+    docs = np.repeat(np.arange(3), -(-max(Q, KV) // 3))[:max(Q, KV)]
+    for mask in (mods.causal(), mods.sliding_window(100), mods.document(docs) & mods.causal()):
+        spec = AttentionSpec.from_args(mask=mask, enable_gqa=True)
+        (_, own, own_allocs, _), (_, merged, merged_allocs, _) = _call(spec), _call(spec, merged_lse=True)
+        assert own.config.dq_first_store and not merged.config.dq_first_store, mask
+        assert own.config.key() != merged.config.key()
+        assert dataclasses.replace(own.config, dq_first_store=False, dq_ticket_on_data=False) == merged.config
+        assert "int32" in [a[1] for a in own_allocs] and "int32" not in [a[1] for a in merged_allocs]
 
 
 def test_zero_dim_capture_gradient_is_passed_as_one_element(runners):
