@@ -19,7 +19,7 @@ around one launch after a read-only L2 flush):
 TB/s = bytes / µs. A row whose "bound" stays under a target shows that the target cannot
 hold there for any kernel timed this way; "read" shows what a plain stream gets.
 
-    python3 benchmarks/decode_floor.py [--rows 8x8192:none 1x131072:window4096 ...] [--splits N]
+    python3 benchmarks/decode_floor.py [--rows 8x8192:none 1x131072:window4096 ...] [--splits N] [--short-by N]
 
 ``--zero-slots`` zeroes the polled merge's slots before each timed step (outside the events);
 with ``FLEXATTN_DECODE_SLOTS=caller`` the kernel then skips its own emptying
@@ -53,6 +53,16 @@ def best_read_ms(nbytes, reps):
     return min(clean_ms(read, reps=reps) for read in plain_reads(nbytes).values())
 
 
+def _shortened(cache, keys: int):
+    """``cache`` with every sequence ``keys`` shorter, its memory unchanged."""
+    from flexattn import KVCache, PagedKVCache
+
+    lengths = cache.lengths - keys
+    if isinstance(cache, KVCache):
+        return KVCache(cache.k, cache.v, lengths)
+    return PagedKVCache(cache.k_pages, cache.v_pages, cache.page_table, lengths)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", nargs="*", default=ROWS)
@@ -62,6 +72,9 @@ def main():
                     help="zero the polled merge's slots before each timed step (outside the events); "
                          "with FLEXATTN_DECODE_SLOTS=caller the kernel leaves them written: the "
                          "merger's emptying measured by its absence")
+    ap.add_argument("--short-by", type=int, default=0,
+                    help="sequences this many keys below the cache's capacity (a cache preallocated past them: "
+                         "the bound block reads rows past the length; bytes and the read stay the full row's)")
     ap.add_argument("--splits", type=int, default=None,
                     help="our kernel with this many splits (default tuning, merged without a cluster) "
                          "instead of the planner's")
@@ -79,6 +92,8 @@ def main():
         nbytes = step_bytes(B, L, variant)
         read_us = best_read_ms(nbytes, args.reps) * 1e3
         cache, _, _ = make_inputs(B, L, args.layout)
+        if args.short_by:
+            cache = _shortened(cache, args.short_by)
         q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
         mask, score = variant_mods(variant)
         step, _ = plan_step(q, cache, score, mask, tuning=tuning, num_splits=args.splits)

@@ -595,8 +595,12 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
     # A band's kv tiles start at its first key (``DecodeConfig.band_start_tiles``) in
     # contiguous caches; FLEXATTN_DECODE_BAND_TILES=aligned keeps multiples of tile_n (A/B).
     start_tiles = os.environ.get("FLEXATTN_DECODE_BAND_TILES", "start") != "aligned"
+    # FLEXATTN_DECODE_V_OVERHANG=zero: V rows read past the length zeroed before P V
+    # (``DecodeConfig.zero_v_overhang``: NaN bits of a torch.empty cache stay out of O).
+    # Opt-in until its GPU test and cost are measured (built in session 73 without a GPU).
+    zero_overhang = os.environ.get("FLEXATTN_DECODE_V_OVERHANG", "keep") == "zero"
     key = (dtype, head_dim, num_mma_wg, page_size, tuning, skip_masked_prefix, mask_last_page_only, prefix_band,
-           start_tiles, os.environ.get("FLEXATTN_DECODE_PREFETCH", "1") != "0",
+           start_tiles, zero_overhang, os.environ.get("FLEXATTN_DECODE_PREFETCH", "1") != "0",
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     hook = IRModHook(score, mask)
     entry = _CONFIGS.get(key)
@@ -609,7 +613,8 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
                               num_stages=tuning.num_stages, ctas_per_sm=tuning.ctas_per_sm,
                               page_size=page_size, skip_masked_prefix=skip_masked_prefix, prefix_band=band,
                               band_start_tiles=start_tiles and band is not None and not page_size and not prefetch,
-                              mask_last_page_only=mask_last_page_only, prefetch_tile_reads=prefetch, mods=template)
+                              mask_last_page_only=mask_last_page_only, prefetch_tile_reads=prefetch,
+                              zero_v_overhang=zero_overhang, mods=template)
         entry = (config, capture_kinds(template))
         keep_bounded(_CONFIGS, key, entry, _CONFIGS_CAPACITY)
     hook.capture_kinds = entry[1]

@@ -461,6 +461,45 @@ def test_band_tiles_start_at_the_first_key(tiles, q_len, monkeypatch):
         torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("page_size", [0, 16, 64, 256])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_nan_past_the_length_stays_out(page_size, q_len, monkeypatch):
+    """A cache allocated with ``torch.empty`` may hold NaN / Inf bits past each sequence's
+    length; the bound block reads them (a cache longer than the length, a page's tail) and
+    P = 0 times a NaN V row is NaN. With FLEXATTN_DECODE_V_OVERHANG=zero
+    (``DecodeConfig.zero_v_overhang``) those V rows are zeroed before P V: K and V are NaN
+    past every length (lengths off the tile and the page), contiguous and paged, no mask and
+    a window (band-start tiles where contiguous), against the float64 reference; without it
+    (keep) the same contiguous step is NaN, so the test sees the hazard."""
+    torch.manual_seed(100 + page_size + q_len)
+    B, Hq, Hkv, D, cap, w = 3, 16, 4, 128, 2048, 300
+    lengths = [1000 + q_len, 37 + q_len, 2047]
+    k = torch.randn(B, Hkv, cap, D, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    for b, L in enumerate(lengths):
+        k[b, :, L:] = float("nan")
+        v[b, :, L:] = float("inf") if b == 1 else float("nan")
+    q = torch.randn(B, Hq, q_len, D, device=DEV, dtype=torch.bfloat16)
+    cache = make_paged(k, v, lengths, page_size) if page_size else \
+        fa.KVCache(k, v, torch.tensor(lengths, dtype=torch.int32))
+    clean = [t.masked_fill(~torch.isfinite(t), 0.0) for t in (k, v)]
+    for setting in ("zero", "keep"):
+        monkeypatch.setenv("FLEXATTN_DECODE_V_OVERHANG", setting)
+        decode_path._PREPARED.clear()
+        for mask, mask_fn in ((None, None), (mods.sliding_window(w), lambda b, h, q_, k_: (q_ >= k_) & (q_ - k_ <= w))):
+            out, lse, step = run_kernel(q, cache, mask, None, 132)
+            assert step.config.zero_v_overhang == (setting == "zero")
+            if setting == "keep":
+                if not page_size and mask is None:
+                    assert out.isnan().any()   # the hazard the zeroing removes
+                continue
+            want, want_lse = reference(q, *clean, lengths, 1 / math.sqrt(D), None, mask_fn)
+            assert not out.isnan().any() and not lse.isnan().any(), (page_size, mask)
+            torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+    decode_path._PREPARED.clear()
+
+
 @pytest.mark.parametrize("page_size,num_splits", [(0, 16), (64, 16), (16, 8)])
 def test_wide_clusters_merge_window_splits(page_size, num_splits):
     """A cluster of 16 CTAs (a non-portable size) and of 8 merge a window's splits; the

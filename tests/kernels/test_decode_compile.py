@@ -478,6 +478,28 @@ def test_band_start_tiles(compiled, monkeypatch):
     assert not _b1_plan(mods.sliding_window(4096))[0].config.band_start_tiles
 
 
+@pytest.mark.parametrize("name", ["polled-window-band-prefix", "paged128-block-table", "hd192-2wg"])
+def test_zero_v_overhang(compiled, name, monkeypatch):
+    """``zero_v_overhang``: the bound block's V rows past the length zeroed before P V — a
+    loop of 16-byte shared stores behind a branch, one more async-proxy fence and named
+    barrier 4 over the consumer threads, in the bound step only (the wgmmas unchanged), no
+    spills; planned only with FLEXATTN_DECODE_V_OVERHANG=zero (not yet GPU-run)."""
+    cfg, hook = _config(name)
+    zeroing = compile_decode(dataclasses.replace(cfg, zero_v_overhang=True), fake_args(hook), keep_ptx=True,
+                             tvm_ffi=CASES[name][3]).__ptx__
+    plain = compiled[name]
+    assert not re.search(r"bar\.sync\s+4,", plain)
+    assert plain.count("fence.proxy.async") + 1 == zeroing.count("fence.proxy.async")
+    assert len(re.findall(rf"bar\.sync\s+4,\s*{cfg.num_mma_wg * 128};", zeroing)) == 1
+    assert zeroing.count("wgmma.mma_async") == plain.count("wgmma.mma_async")
+    assert zeroing.count("st.shared.v4.b32 \t[") and "{0, 0, 0, 0}" in zeroing and "{0, 0, 0, 0}" not in plain
+    usage = resource_usage_from_ptx(zeroing)
+    assert usage is None or (usage.spill_store_bytes == 0 and usage.stack_bytes == 0), usage
+    assert not _b1_plan(mods.sliding_window(4096))[0].config.zero_v_overhang
+    monkeypatch.setenv("FLEXATTN_DECODE_V_OVERHANG", "zero")
+    assert _b1_plan(mods.sliding_window(4096))[0].config.zero_v_overhang
+
+
 def test_config_validation():
     assert DecodeConfig().key() == DecodeConfig().key()
     assert DecodeConfig().key() != DecodeConfig(page_size=64).key()

@@ -185,6 +185,11 @@ class DecodeConfig(KernelConfig):
                                      # a walk's table, a paged mask's page map) issued one tile
                                      # ahead, so their dependent loads overlap the step before
                                      # (masked steps; not with mask_last_page_only)
+    zero_v_overhang: bool = False    # the bound block's V rows at or past the length zeroed in
+                                     # shared memory before P V, where memory was read there (a
+                                     # cache longer than the length, a page's tail): such rows
+                                     # may hold NaN / Inf bits (torch.empty), and P = 0 times NaN
+                                     # is NaN. Rows past a view's end are TMA zeros already.
     mods: ModHook = field(default=NO_MODS, compare=False)
 
     def __post_init__(self):
@@ -292,6 +297,7 @@ class DecodeBarrier(NamedBarriers):
     Q_READY = 1     # the consumers' packed Q rows are in shared memory
     ARRIVAL = 2     # the consumers around a split's partial stores and the merge
     MERGER = 3      # polled merge: the producer's ticket warp publishes whether this CTA merges
+    V_ZEROED = 4    # zero_v_overhang: the bound block's rows past the length zeroed, before P V
 
 
 class DecodeSm90(WarpSpecialized):
@@ -511,7 +517,7 @@ class DecodeSm90(WarpSpecialized):
             self.consume(mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
                          pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block,
                          batch, seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps, sPart, sLSE,
-                         phase, kv0)
+                         phase, kv0, mV.shape[0])
             if const_expr(cfg.polled_merge):
                 if num_splits > 1:
                     tidx = cute.arch.thread_idx()[0] - 128
@@ -736,7 +742,10 @@ class DecodeSm90(WarpSpecialized):
     def consume(self, mQ, mO, mLSE, mOPart, mLSEPart, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv,
                 pipe_k, pipe_v, split, num_splits, head_kv, group, q_len, rows, m_block, batch,
                 seqlen, first, count, softmax_scale, scale_log2, mod_args, stamps=None, sPart=None, sLSE=None,
-                phase=None, kv0=None):
+                phase=None, kv0=None, kv_rows=None):
+        """The split's stream, consumer side. ``kv_rows``: rows of the K / V view (the cache's
+        capacity, or a page's size): where the length is below it, memory was read past the
+        length (``DecodeConfig.zero_v_overhang``)."""
         cfg = self.cfg
         if const_expr(mod_args is None):
             mod_args = ()
@@ -785,7 +794,8 @@ class DecodeSm90(WarpSpecialized):
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
         ctx = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O, softmax,
-               coords, row_head, row_q, row_values, pipe_k, pipe_v, batch, seqlen, softmax_scale, mod_args, kv0)
+               coords, row_head, row_q, row_values, pipe_k, pipe_v, batch, seqlen, softmax_scale, mod_args, kv0,
+               sV, kv_rows)
         if count > 0:
             # The last block (visited first) is the only one that may straddle the length.
             kv_state = self._step(ctx, kv_state, first + count - 1, kv_bound=True, stamps=stamps)
@@ -843,7 +853,7 @@ class DecodeSm90(WarpSpecialized):
     def _tile_values(self, ctx, n_block, apply_mask: bool):
         """The mods' reads that stay constant over block ``n_block`` (a walk's table, a paged
         mask's page map: read at kv // page), one ``TileValues`` per fragment row, or None."""
-        (_, _, _, _, _, _, _, _, _, _, row_head, row_q, row_values, _, _, batch, _, _, mod_args, kv0) = ctx
+        (_, _, _, _, _, _, _, _, _, _, row_head, row_q, row_values, _, _, batch, _, _, mod_args, kv0, _, _) = ctx
         mods = self.mods
         if not (mods.has_score or apply_mask):
             return None
@@ -863,7 +873,8 @@ class DecodeSm90(WarpSpecialized):
         ``_tile_values`` read ahead (None: read here). ``stamps``: the timeline probe's
         K and V arrivals (the first block's)."""
         (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, tOrP, acc_shape_S, acc_O, softmax,
-         coords, row_head, row_q, row_values, pipe_k, pipe_v, batch, seqlen, softmax_scale, mod_args, kv0) = ctx
+         coords, row_head, row_q, row_values, pipe_k, pipe_v, batch, seqlen, softmax_scale, mod_args, kv0,
+         sV, kv_rows) = ctx
         mods = self.mods
         apply_mask = mods.has_mask and masked
         # Read here: issued before the wait for K so the loads overlap it.
@@ -888,11 +899,36 @@ class DecodeSm90(WarpSpecialized):
         pipe_v.consumer_wait(kv_state)
         if const_expr(stamps is not None):
             self._stamp(stamps, 18, cute.arch.thread_idx()[0] < 128 + 32)
+        if const_expr(kv_bound and self.cfg.zero_v_overhang):
+            self._zero_v_overhang(sV, kv_state.index, seqlen - (kv0 + n_block * self.cfg.tile_n), seqlen, kv_rows)
         mma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index],
                       zero_init=False, wait=0)
         pipe_v.consumer_release(kv_state)
         kv_state.advance()
         return kv_state
+
+    @cute.jit
+    def _zero_v_overhang(self, sV, stage, valid, seqlen, kv_rows):
+        """``zero_v_overhang``: V rows ``valid`` .. tile_n - 1 of ring slot ``stage`` (keys at
+        or past the length) set to zero, by every consumer thread, 16 bytes a store, then
+        published to the P V wgmma (async proxy) — where memory was read there: a paged
+        cache always, a contiguous one where the length is below the view's rows (past
+        them the TMA wrote zeros). The condition is the same for every consumer thread."""
+        cfg = self.cfg
+        read_past = valid < cfg.tile_n
+        if const_expr(not cfg.paged):
+            read_past = read_past & (seqlen < kv_rows)
+        if read_past:
+            tidx = cute.arch.thread_idx()[0] - 128
+            chunks = cfg.head_dim // 8
+            slot = sV[None, None, stage]
+            zeros = cute.make_rmem_tensor(8, self.dtype)
+            zeros.fill(0.0)
+            first = cutlass.max(valid, 0) * chunks
+            for i in cutlass.range(first + tidx, cfg.tile_n * chunks, self.num_mma_threads, unroll=1):
+                cute.local_tile(slot[i // chunks, None], (8,), (i % chunks,)).store(zeros.load())
+            cute.arch.fence_view_async_shared()          # generic-proxy writes -> wgmma reads
+            DecodeBarrier.V_ZEROED.sync(self.num_mma_threads)
 
     @cute.jit
     def epilogue(self, acc_O, lse, mO, mLSE, mOPart, mLSEPart, thr_pv, split, num_splits,
