@@ -104,7 +104,7 @@
 # band-tiles (the decode suites in shards, then decode_floor's B1 L128k window row with a band's kv tiles aligned to
 # tile_n or starting at its first key, FLEXATTN_DECODE_BAND_TILES, five rounds; band-tiles-ab: eight rounds of both
 # with the B8 L8k window row too; session 72), v-overhang (FLEXATTN_DECODE_V_OVERHANG=zero, built in session 73
-# without a GPU: its NaN-past-the-length GPU test with the band and parity tests, then decode_floor's B1 window and
+# without a GPU: its NaN-past-the-length GPU test with the band-tile tests, then decode_floor's B1 window and
 # B8 L8k rows keep / zero, four rounds, where nothing is read past the length, and three with sequences 37 keys
 # short of the cache, where the zeroing runs), merge-chunk (FLEXATTN_DECODE_MERGE_CHUNK=generic / exact: the polled merge's first round clamped to the head
 # dim's chunk, or exactly the launch's split count as planned for windows; its GPU tests, then decode_floor's
@@ -480,7 +480,7 @@ for step in $steps; do
     band-tiles) run_sharded decode_suites 300 8 tests/gpu/test_decode_gpu.py tests/gpu/test_short_query_gpu.py
                 floor_ab band_tiles FLEXATTN_DECODE_BAND_TILES 5 aligned start ;;
     v-overhang) run v_overhang_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
-                  -k "nan_past_the_length or band_tiles or parity_slots"
+                  -k "nan_past_the_length or band_tiles"
                 FLOOR_ROWS="1x131072:window4096 8x8192:none" floor_ab v_overhang FLEXATTN_DECODE_V_OVERHANG 4 keep zero
                 for i in 1 2 3; do for value in keep zero; do   # (the zeroing taken: sequences 37 keys short)
                   (export FLEXATTN_DECODE_V_OVERHANG=$value FLEXATTN_CACHE_DIR="/tmp/flexattn-v_overhang-$value"
