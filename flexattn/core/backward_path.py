@@ -88,11 +88,12 @@ def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: Attention
 
 def _planned_config(plan: KernelPlan, deterministic: bool, grad_captures, merged_lse: bool):
     """The backward config of a planned forward. Under ``merged_lse`` no dQ tile is stored
-    by its first visit (``BwdConfig.dq_first_store``): that leaves the preprocess zeroing
-    only rows whose LSE is -inf, on the ground that a q tile no CTA visits has only such
-    rows. True of a call's own LSE; a merged LSE is finite in rows this call's mask leaves
-    empty (their keys sit in another chunk), whose accumulator would keep stale values."""
-    overrides = {"dq_first_store": False} if merged_lse else {}
+    by its first visit (``BwdConfig.dq_first_store``) nor by the main kernel's finishers
+    (``dq_finish``, an A/B setting): both leave the preprocess zeroing only rows whose LSE
+    is -inf, on the ground that a q tile no CTA visits has only such rows. True of a call's
+    own LSE; a merged LSE is finite in rows this call's mask leaves empty (their keys sit in
+    another chunk), whose dQ would keep stale values."""
+    overrides = {"dq_first_store": False, "dq_finish": False} if merged_lse else {}
     return backward_config(plan.config, deterministic, grad_captures, plan.backward_ctas, **overrides)
 
 

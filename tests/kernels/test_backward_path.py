@@ -42,13 +42,13 @@ def runners(monkeypatch):
     return made
 
 
-def _call(spec, dtype=torch.bfloat16, d_lse=False, bshd=False, deterministic=False, merged_lse=False):
+def _call(spec, dtype=torch.bfloat16, d_lse=False, bshd=False, deterministic=False, merged_lse=False, d=D):
     def mk(H, S):
         if bshd:  # [B, S, H, D] storage, as the torch adapter may pass
-            return torch.zeros(B, S, H, D, dtype=dtype).transpose(1, 2)
-        return torch.zeros(B, H, S, D, dtype=dtype)
+            return torch.zeros(B, S, H, d, dtype=dtype).transpose(1, 2)
+        return torch.zeros(B, H, S, d, dtype=dtype)
 
-    q, d_out, out = mk(Hq, Q), torch.zeros(B, Hq, Q, D, dtype=dtype), torch.zeros(B, Hq, Q, D, dtype=dtype)
+    q, d_out, out = mk(Hq, Q), torch.zeros(B, Hq, Q, d, dtype=dtype), torch.zeros(B, Hq, Q, d, dtype=dtype)
     k, v = mk(Hkv, KV), mk(Hkv, KV)
     lse = torch.zeros(B, Hq, Q)
     arrays = BackwardArrays(q, k, v, out, lse, d_out, torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
@@ -130,7 +130,8 @@ def test_a_merged_lse_zeroes_every_dq_row(runners, monkeypatch):
     """Context parallelism's chunk pairs read the LSE merged over every chunk: finite in rows
     this pair's mask leaves empty, so no first-visit dQ stores (their preprocess zeroes only
     LSE = -inf rows, and a pair's unvisited tiles kept stale accumulators: sessions 73's
-    dQ errors of 0.2 relative in test_context_parallel_gpu.py). A call's own LSE keeps them."""
+    dQ errors of 0.2 relative in test_context_parallel_gpu.py), nor dq_finish's stores. A
+    call's own LSE keeps them."""
     monkeypatch.delenv("FLEXATTN_DQ_FIRST_STORE", raising=False)
     docs = np.repeat(np.arange(3), -(-max(Q, KV) // 3))[:max(Q, KV)]
     for mask in (mods.causal(), mods.sliding_window(100), mods.document(docs) & mods.causal()):
@@ -140,6 +141,11 @@ def test_a_merged_lse_zeroes_every_dq_row(runners, monkeypatch):
         assert own.config.key() != merged.config.key()
         assert dataclasses.replace(own.config, dq_first_store=False, dq_ticket_on_data=False) == merged.config
         assert "int32" in [a[1] for a in own_allocs] and "int32" not in [a[1] for a in merged_allocs]
+    # dq_finish (an A/B setting; 64-row visits: head dim 128) rests on the same ground
+    monkeypatch.setenv("FLEXATTN_DQ_FINISH", "1")
+    spec = AttentionSpec.from_args(mask=mods.causal(), enable_gqa=True)
+    (_, own, _, _), (_, merged, _, _) = _call(spec, d=128), _call(spec, merged_lse=True, d=128)
+    assert own.config.dq_finish and not (merged.config.dq_finish or merged.config.dq_first_store)
 
 
 def test_zero_dim_capture_gradient_is_passed_as_one_element(runners):
