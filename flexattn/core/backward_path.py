@@ -56,7 +56,7 @@ def backward_into(arrays: BackwardArrays, shape: AttentionShape, spec: Attention
     ``grad_captures``: the score-capture slots whose gradients are wanted (None: all);
     the others get None and cost nothing.
     ``merged_lse``: ``arrays.lse`` is a merge over more keys than this call's (context
-    parallelism's chunk pairs), see ``pair_config``.
+    parallelism's chunk pairs): planned without first-visit dQ stores (``_planned_config``).
     """
     from ..kernels.launch.cache import backward_runner
     from ..kernels.emit.mod_emit import IRModHook, runtime_args
