@@ -118,31 +118,6 @@ def _count_round(rounds: Int32) -> Int32:
 
 
 @cute.jit
-def _store_merged_row(acc: cute.Tensor, m: Float32, total: Float32, lse_parts: cute.Tensor, o_parts: cute.Tensor,
-                      out_row: cute.Tensor, lane: Int32, head_dim: cutlass.Constexpr[int], probe, probing,
-                      empty: cutlass.Constexpr[bool]) -> Float32:
-    """The merge's end: this lane's columns of the merged row (``acc`` weighted relative
-    to ``log2_shift(m)``, summing to ``total``) into ``out_row``, the probe's stamp 3, then
-    (``empty``) the slots this lane read emptied -> the row's natural-log LSE."""
-    per_lane = head_dim // 32
-    num_splits = cute.size(lse_parts.shape)
-    inv, lse = inverse_and_lse(m, total)
-    out = cute.local_tile(out_row, (per_lane,), (lane,))
-    out.store((acc.load() * inv).to(out_row.element_type))
-    if const_expr(probe is not None):
-        if probing:
-            if lane == 0:
-                (probe + 3).store(Int32(cute.arch.globaltimer_lo()))
-    if const_expr(empty):
-        # Empty what this lane read, for the next step (stream order publishes it).
-        for s in cutlass.range(num_splits, unroll=1):
-            zero_lane_columns(o_parts[s, None], lane, head_dim)
-        if lane < num_splits:
-            lse_parts[lane] = Float32(0.0)
-    return lse
-
-
-@cute.jit
 def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: cute.Tensor, lane: Int32,
                         head_dim: cutlass.Constexpr[int], probe=None, probing=None,
                         empty: cutlass.Constexpr[bool] = True, chunk: cutlass.Constexpr[int] = 0) -> Float32:
@@ -206,7 +181,20 @@ def merge_polled_splits(lse_parts: cute.Tensor, o_parts: cute.Tensor, out_row: c
                                   Float32(0.0))
             for i in cutlass.range_constexpr(per_lane):
                 acc[i] = acc[i] + w_j * vals[j * per_lane + i]
-    return _store_merged_row(acc, m, total, lse_parts, o_parts, out_row, lane, head_dim, probe, probing, empty)
+    inv, lse = inverse_and_lse(m, total)
+    out = cute.local_tile(out_row, (per_lane,), (lane,))
+    out.store((acc.load() * inv).to(out_row.element_type))
+    if const_expr(probe is not None):
+        if probing:
+            if lane == 0:
+                (probe + 3).store(Int32(cute.arch.globaltimer_lo()))
+    if const_expr(empty):
+        # Empty what this lane read, for the next step (stream order publishes it).
+        for s in cutlass.range(num_splits, unroll=1):
+            zero_lane_columns(o_parts[s, None], lane, head_dim)
+        if lane < num_splits:
+            lse_parts[lane] = Float32(0.0)
+    return lse
 
 
 @cute.jit

@@ -888,10 +888,10 @@ class DecodeSm90(WarpSpecialized):
                       zero_init=True, wait=0)
         pipe_k.consumer_release(kv_state)
 
+        kv_start = kv0 + n_block * self.cfg.tile_n   # the block's first key
         if const_expr(mods.has_score or apply_mask or kv_bound):
             apply_packed_mods(mma.acc_mn_view(acc_S), coords, row_head, row_q, row_values, mods, batch,
-                              kv0 + n_block * self.cfg.tile_n, seqlen, softmax_scale, mod_args, kv_bound, apply_mask,
-                              tile_values)
+                              kv_start, seqlen, softmax_scale, mod_args, kv_bound, apply_mask, tile_values)
         row_scale, _ = softmax.step(acc_S, is_first=False)   # (no threshold: always)
         rescale_rows(acc_O, row_scale)
         tOrP.store(mma.acc_as_a_view(acc_S).load().to(self.dtype))
@@ -900,7 +900,7 @@ class DecodeSm90(WarpSpecialized):
         if const_expr(stamps is not None):
             self._stamp(stamps, 18, cute.arch.thread_idx()[0] < 128 + 32)
         if const_expr(kv_bound and self.cfg.zero_v_overhang):
-            self._zero_v_overhang(sV, kv_state.index, seqlen - (kv0 + n_block * self.cfg.tile_n), seqlen, kv_rows)
+            self._zero_v_overhang(sV, kv_state.index, seqlen - kv_start, seqlen, kv_rows)
         mma.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index],
                       zero_init=False, wait=0)
         pipe_v.consumer_release(kv_state)
