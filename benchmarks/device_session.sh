@@ -131,13 +131,14 @@ run() {  # run NAME SECONDS CMD...: log to $out/NAME.log, print its tail
   grep -E "passed|failed|error|^\|" "$out/$name.log" | tail -25
 }
 
-floor_ab() {  # floor_ab NAME VAR ROUNDS VALUE...: decode_floor's rows ($FLOOR_ROWS, else B1 L128k window) with VAR
-  local name=$1 var=$2 rounds=$3 i value  # set to each VALUE in alternating processes (each value its own disk
-  shift 3                                 # cache), ROUNDS rounds
+floor_ab() {  # floor_ab NAME VAR ROUNDS VALUE...: decode_floor's rows ($FLOOR_ROWS, else B1 L128k window; more
+  local name=$1 var=$2 rounds=$3 i value  # arguments: $FLOOR_ARGS) with VAR set to each VALUE in alternating
+  shift 3                                 # processes (each value its own disk cache), ROUNDS rounds
   for i in $(seq "$rounds"); do
     for value in "$@"; do
       (export "$var=$value" FLEXATTN_CACHE_DIR="/tmp/flexattn-$name-$value"
-       run "${name}_floor_${value}_$i" 60 python3 benchmarks/decode_floor.py --rows ${FLOOR_ROWS:-1x131072:window4096})
+       run "${name}_floor_${value}_$i" 60 python3 benchmarks/decode_floor.py --rows ${FLOOR_ROWS:-1x131072:window4096} \
+         ${FLOOR_ARGS:-})
     done
   done
 }
@@ -482,11 +483,9 @@ for step in $steps; do
     v-overhang) run v_overhang_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
                   -k "nan_past_the_length or band_tiles"
                 FLOOR_ROWS="1x131072:window4096 8x8192:none" floor_ab v_overhang FLEXATTN_DECODE_V_OVERHANG 4 keep zero
-                for i in 1 2 3; do for value in keep zero; do   # (the zeroing taken: sequences 37 keys short)
-                  (export FLEXATTN_DECODE_V_OVERHANG=$value FLEXATTN_CACHE_DIR="/tmp/flexattn-v_overhang-$value"
-                   run "v_overhang_short_${value}_$i" 60 python3 benchmarks/decode_floor.py --short-by 37 \
-                     --rows 1x131072:window4096 8x8192:none)
-                done; done ;;
+                # (the zeroing taken: sequences 37 keys short of the cache)
+                FLOOR_ROWS="1x131072:window4096 8x8192:none" FLOOR_ARGS="--short-by 37" \
+                  floor_ab v_overhang_short FLEXATTN_DECODE_V_OVERHANG 3 keep zero ;;
     band-tiles-ab) FLOOR_ROWS="1x131072:window4096 8x8192:window4096" floor_ab band_tiles_ab \
                      FLEXATTN_DECODE_BAND_TILES 8 aligned start ;;
     merge-chunk) run merge_chunk_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
