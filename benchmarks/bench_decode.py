@@ -93,9 +93,10 @@ def make_inputs(B, L, layout):
 _FLUSH = {}
 
 
-def clean_ms(fn, reps=40, warmup=3, before=None):
+def clean_ms(fn, reps=40, warmup=3, before=None, after_flush=None):
     """Median ms per call, each call after a read-only L2 flush (see the module doc);
-    ``before()``, if given, runs before each flush (outside the timed span)."""
+    ``before()``, if given, runs before each flush, ``after_flush()`` after it (both outside
+    the timed span)."""
     buf = _FLUSH.get("buf")
     if buf is None:
         buf = _FLUSH["buf"] = torch.ones(64 << 20, dtype=torch.int32, device="cuda")   # 256 MB
@@ -104,6 +105,8 @@ def clean_ms(fn, reps=40, warmup=3, before=None):
         if before is not None:
             before()
         buf.sum()                   # reads only: evicts everything, leaves L2 clean
+        if after_flush is not None:
+            after_flush()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

@@ -26,6 +26,12 @@ with ``FLEXATTN_DECODE_SLOTS=caller`` the kernel then skips its own emptying
 (``DecodeConfig.caller_empties_slots``): what the merger's emptying costs, by its absence;
 with ``parity-caller`` the parity kernel skips its zeroing (the plan's parity slots,
 both sets, are zeroed instead).
+
+``--after-flush gemm`` (``gemm-add``: then a tiny elementwise kernel) runs a small bf16 matmul (cuBLAS, 256³: 384 KB touched) between each
+flush and each timed launch, for every kernel timed (empty, read, ours): the flush is a
+reduction with little shared memory, so the kernel timed after it may first change the SMs'
+L1 / shared split; after the matmul (a decoder's steady state: a projection precedes
+attention) the large-shared split is set, and the reads pay the change instead.
 """
 
 import argparse
@@ -33,7 +39,7 @@ import dataclasses
 
 import torch
 
-from bench_decode import D, HQ, clean_ms, make_inputs, plan_step, slots_zeroer, step_bytes, variant_mods
+from bench_decode import D, HQ, baselines, clean_ms, make_inputs, plan_step, slots_zeroer, step_bytes, variant_mods
 from common import device_name
 
 ROWS = ["8x8192:none", "8x8192:window4096", "8x65536:none", "8x65536:window4096",
@@ -48,9 +54,26 @@ def plain_reads(nbytes) -> dict:
     return {"int64 sum": lambda: buf.sum(), "int32 amax": lambda: as_i32.amax()}
 
 
-def best_read_ms(nbytes, reps):
+def best_read_ms(nbytes, reps, after_flush=None):
     """The fastest plain read-only reduction of `nbytes` (median µs of each, best of them)."""
-    return min(clean_ms(read, reps=reps) for read in plain_reads(nbytes).values())
+    return min(clean_ms(read, reps=reps, after_flush=after_flush) for read in plain_reads(nbytes).values())
+
+
+def after_flush_step(kind: str):
+    """What runs between the L2 flush and each timed launch (``--after-flush``): None, or a
+    small cuBLAS matmul (large shared memory; 384 KB touched, a trace of the 50 MB L2)."""
+    if kind == "none":
+        return None
+    a = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    if kind == "gemm":
+        return lambda: a @ a
+    b = torch.zeros(256, device="cuda")
+
+    def gemm_then_add():   # (a decoder's step: the projection, then an elementwise kernel — RoPE, the append)
+        a @ a
+        b.add_(1)
+
+    return gemm_then_add
 
 
 def _shortened(cache, keys: int):
@@ -75,6 +98,9 @@ def main():
     ap.add_argument("--short-by", type=int, default=0,
                     help="sequences this many keys below the cache's capacity (a cache preallocated past them: "
                          "the bound block reads rows past the length; bytes and the read stay the full row's)")
+    ap.add_argument("--after-flush", choices=("none", "gemm", "gemm-add"), default="none",
+                    help="gemm: a small matmul between each flush and each timed launch (module doc)")
+    ap.add_argument("--sdpa", action="store_true", help="also time torch SDPA on the row (its µs on the row's # line)")
     ap.add_argument("--splits", type=int, default=None,
                     help="our kernel with this many splits (default tuning, merged without a cluster) "
                          "instead of the planner's")
@@ -84,28 +110,33 @@ def main():
         from flexattn.core import decode_path
 
         tuning = dataclasses.replace(decode_path.DEFAULT_TUNING, cluster_merge=False)
-    empty_us = clean_ms(lambda: torch.cuda._sleep(0), reps=args.reps) * 1e3
+    after = after_flush_step(args.after_flush)
+    empty_us = clean_ms(lambda: torch.cuda._sleep(0), reps=args.reps, after_flush=after) * 1e3
     rows = []
     for row in args.rows:
         shape, variant = row.split(":")
         B, L = map(int, shape.split("x"))
         nbytes = step_bytes(B, L, variant)
-        read_us = best_read_ms(nbytes, args.reps) * 1e3
-        cache, _, _ = make_inputs(B, L, args.layout)
+        read_us = best_read_ms(nbytes, args.reps, after) * 1e3
+        cache, k, v = make_inputs(B, L, args.layout)
         if args.short_by:
             cache = _shortened(cache, args.short_by)
         q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
         mask, score = variant_mods(variant)
         step, _ = plan_step(q, cache, score, mask, tuning=tuning, num_splits=args.splits)
         before = slots_zeroer(step) if args.zero_slots else None
-        ours_us = clean_ms(step.launch, reps=args.reps, before=before) * 1e3
-        del cache, step
+        ours_us = clean_ms(step.launch, reps=args.reps, before=before, after_flush=after) * 1e3
+        sdpa = ""
+        if args.sdpa and k is not None:
+            fn = baselines(variant, q, k, v, L, 1 / D ** 0.5, fa4=False, flex=False)["sdpa"]
+            sdpa = f", sdpa {clean_ms(fn, reps=args.reps, after_flush=after) * 1e3:.2f} µs"
+        del cache, step, k, v
         rows.append((B, L, variant, nbytes, read_us, ours_us))
-        print(f"# {row}: read {read_us:.2f} µs, ours {ours_us:.2f} µs", flush=True)
+        print(f"# {row}: read {read_us:.2f} µs, ours {ours_us:.2f} µs{sdpa}", flush=True)
     reference = 2 << 30     # a long read: its ramp is a small part of it
-    rate = max([reference / (best_read_ms(reference, args.reps) * 1e3)]
+    rate = max([reference / (best_read_ms(reference, args.reps, after) * 1e3)]
                + [nbytes / read_us for *_, nbytes, read_us, _ in rows])   # bytes per µs
-    print(f"\n{device_name()}, {args.layout}; empty kernel {empty_us:.1f} µs, fastest read "
+    print(f"\n{device_name()}, {args.layout}, after the flush: {args.after_flush}; empty kernel {empty_us:.1f} µs, fastest read "
           f"{rate / 1e6:.2f} TB/s (CUDA events, clean L2)")
     print("| B | L | variant | MB | bound TB/s | read µs | read TB/s | ours µs | ours TB/s | ours / read |")
     print("|---|---|---|---|---|---|---|---|---|---|")

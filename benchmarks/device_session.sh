@@ -106,7 +106,9 @@
 # with the B8 L8k window row too; session 72), v-overhang (FLEXATTN_DECODE_V_OVERHANG=zero, built in session 73
 # without a GPU: its NaN-past-the-length GPU test with the band-tile tests, then decode_floor's B1 window and
 # B8 L8k rows keep / zero, four rounds, where nothing is read past the length, and three with sequences 37 keys
-# short of the cache, where the zeroing runs), merge-chunk (FLEXATTN_DECODE_MERGE_CHUNK=generic / exact: the polled merge's first round clamped to the head
+# short of the cache, where the zeroing runs), after-flush (decode_floor's B1 window and B8 L8k rows with
+# nothing, a small matmul, or the matmul and an elementwise kernel between each L2 flush and each timed launch,
+# SDPA timed beside them: what the kernel before ours costs it; three alternating rounds), merge-chunk (FLEXATTN_DECODE_MERGE_CHUNK=generic / exact: the polled merge's first round clamped to the head
 # dim's chunk, or exactly the launch's split count as planned for windows; its GPU tests, then decode_floor's
 # B1 L128k window row both ways, five rounds; ~4 min), balanced (FLEXATTN_DECODE_BALANCED=1, opt-in: balanced split ranges, the planner's counts untrimmed — B1 L128k
 # window 16 splits instead of 13; its GPU tests, then decode_floor's row both ways in alternating processes, five
@@ -486,6 +488,12 @@ for step in $steps; do
                 # (the zeroing taken: sequences 37 keys short of the cache)
                 FLOOR_ROWS="1x131072:window4096 8x8192:none" FLOOR_ARGS="--short-by 37" \
                   floor_ab v_overhang_short FLEXATTN_DECODE_V_OVERHANG 3 keep zero ;;
+    after-flush) for i in 1 2 3; do   # (what the kernel after the flush pays: none / a small matmul / and an add)
+                   for kind in none gemm gemm-add; do
+                     run "after_flush_${kind}_$i" 60 python3 benchmarks/decode_floor.py \
+                       --rows 1x131072:window4096 8x8192:none --after-flush $kind --sdpa
+                   done
+                 done ;;
     band-tiles-ab) FLOOR_ROWS="1x131072:window4096 8x8192:window4096" floor_ab band_tiles_ab \
                      FLEXATTN_DECODE_BAND_TILES 8 aligned start ;;
     merge-chunk) run merge_chunk_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \

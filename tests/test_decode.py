@@ -244,7 +244,7 @@ def test_a_step_with_the_last_uploaded_lengths_skips_the_upload():
     plan._launches, plan._parts = {}, {}
     plan._part_sizes, plan.part_shapes = (8, 8), ((2, 4, 1, 1), (2, 4, 1))
     plan._scratch = lambda n: np.zeros(n, np.float32)
-    plan._marked = None
+    plan._marked, plan.paged, plan._overhang = None, False, "auto"
     for lengths in ([100, 200], [100, 200], [100, 200], [101, 200], [101, 200], [100, 200]):
         plan._stage(lengths, 132, 2)
     assert uploads == [(100, 200, 99, 199), (101, 200, 100, 199), (100, 200, 99, 199)]

@@ -582,6 +582,24 @@ def _planned_band_prefix(base, mask, queries_at_end: bool):
     return None if os.environ.get("FLEXATTN_DECODE_BAND_PREFIX") == "0" else band_prefix(base, mask, queries_at_end)
 
 
+V_OVERHANG_POLICIES = ("auto", "keep", "zero")
+
+
+def v_overhang_policy() -> str:
+    """FLEXATTN_DECODE_V_OVERHANG (read once per plan): which steps zero the V rows their
+    last block reads past a length before P V (``DecodeConfig.zero_v_overhang``). Such rows
+    — a cache longer than its lengths, a page's tail — may hold NaN / Inf bits (a
+    ``torch.empty`` cache), and P = 0 times NaN is NaN in O (FA2 zero-fills them; FA3 and
+    FA4 do not). "auto" (default): the steps that read there (``DecodePlan.
+    _zeroes_overhang``); "keep": none (A/B); "zero": every step, also where nothing is read
+    there (A/B: the cost of the code where it does not run). H200, 2026-12-02: B1 L128k
+    window 4096 13.39 µs keep / 13.56 zero over four processes each, within their spread."""
+    policy = os.environ.get("FLEXATTN_DECODE_V_OVERHANG", "auto")
+    if policy not in V_OVERHANG_POLICIES:
+        raise ValueError(f"FLEXATTN_DECODE_V_OVERHANG must be one of {V_OVERHANG_POLICIES}, got {policy!r}")
+    return policy
+
+
 def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, score, mask,
                 tuning: DecodeTuning = DEFAULT_TUNING, skip_masked_prefix: bool = True,
                 mask_last_page_only: bool = False, prefix_band: tuple | None = None):
@@ -595,12 +613,8 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
     # A band's kv tiles start at its first key (``DecodeConfig.band_start_tiles``) in
     # contiguous caches; FLEXATTN_DECODE_BAND_TILES=aligned keeps multiples of tile_n (A/B).
     start_tiles = os.environ.get("FLEXATTN_DECODE_BAND_TILES", "start") != "aligned"
-    # FLEXATTN_DECODE_V_OVERHANG=zero: V rows read past the length zeroed before P V
-    # (``DecodeConfig.zero_v_overhang``: NaN bits of a torch.empty cache stay out of O).
-    # Opt-in until its GPU test and cost are measured (built in session 73 without a GPU).
-    zero_overhang = os.environ.get("FLEXATTN_DECODE_V_OVERHANG", "keep") == "zero"
     key = (dtype, head_dim, num_mma_wg, page_size, tuning, skip_masked_prefix, mask_last_page_only, prefix_band,
-           start_tiles, zero_overhang, os.environ.get("FLEXATTN_DECODE_PREFETCH", "1") != "0",
+           start_tiles, os.environ.get("FLEXATTN_DECODE_PREFETCH", "1") != "0",
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     hook = IRModHook(score, mask)
     entry = _CONFIGS.get(key)
@@ -614,7 +628,7 @@ def _config_for(dtype: str, head_dim: int, num_mma_wg: int, page_size: int, scor
                               page_size=page_size, skip_masked_prefix=skip_masked_prefix, prefix_band=band,
                               band_start_tiles=start_tiles and band is not None and not page_size and not prefetch,
                               mask_last_page_only=mask_last_page_only, prefetch_tile_reads=prefetch,
-                              zero_v_overhang=zero_overhang, mods=template)
+                              mods=template)
         entry = (config, capture_kinds(template))
         keep_bounded(_CONFIGS, key, entry, _CONFIGS_CAPACITY)
     hook.capture_kinds = entry[1]
@@ -653,6 +667,7 @@ class DecodePlan:
         self.kv_heads = int(k.shape[2] if paged else k.shape[1])
         # Keys a length may reach: past them the kernel would read outside the cache.
         self.capacity = int(table.shape[1]) * page_size if paged else int(k.shape[2])
+        self.paged = paged
         self.q_len, self.batch = q_len, B
         self.workspace = workspace   # held: its id in the plan's key is never reused meanwhile
         self.lock = workspace.lock
@@ -701,8 +716,8 @@ class DecodePlan:
         self._max_chunk = chunk_splits(D)
 
         self.ffi = use_tvm_ffi(device)
-        self._kernels: dict = {}     # (tuning, cluster size, polled, chunk) -> (config, runner)
-        self._fns: dict = {}         # (tuning, cluster size, polled, chunk) -> the compiled TVM-FFI function, once launched
+        self._kernels: dict = {}     # (tuning, cluster size, polled, chunk, V zeroed) -> (config, runner)
+        self._fns: dict = {}         # (the same key) -> the compiled TVM-FFI function, once launched
         self.stream = device.stream
         self._kinds, self._captures = capture_kinds(self.config.mods), self.config.mods.captures()
         self._to_device = device.to_device
@@ -737,6 +752,7 @@ class DecodePlan:
         # splits 13.4-13.9 µs against the planner's 13 at 13.5-13.8, H200, session 70: no
         # reliable gain).
         self._balanced = os.environ.get("FLEXATTN_DECODE_BALANCED", "0") == "1"
+        self._overhang = v_overhang_policy()
         self._parity_parts = None    # (split capacity, O slots, LSE slots (flat, both sets), tickets + phase words, views)
         self._launches: dict = {}    # (kv blocks, SM count) -> choose_launch's (tuning, splits, cluster), polled
         self.q_heads = Hq
@@ -774,14 +790,15 @@ class DecodePlan:
 
     def _kernel(self, kernel: tuple) -> tuple:
         """(config, runner) of `kernel` = (tuning, CTAs per merging cluster, polled merge,
-        the polled merge's first chunk: ``DecodeConfig.merge_chunk``)."""
+        the polled merge's first chunk: ``DecodeConfig.merge_chunk``, V rows past the length
+        zeroed: ``DecodeConfig.zero_v_overhang``)."""
         hit = self._kernels.get(kernel)
         if hit is None:
             from ..kernels.launch.cache import decode_runner
 
-            tuning, cluster, polled, chunk = kernel
+            tuning, cluster, polled, chunk, zero_v = kernel
             config = self.config
-            if kernel != (self.tuning, 1, False, 0):
+            if kernel[:4] != (self.tuning, 1, False, 0):
                 config = _with_launch(config, tuning, cluster, polled)
                 if polled and self._parity:
                     config = dataclasses.replace(config, parity_slots=True,
@@ -792,6 +809,8 @@ class DecodePlan:
                     config = dataclasses.replace(config, merge_chunk=chunk)
             if self._balanced:
                 config = dataclasses.replace(config, balanced_splits=True)
+            if zero_v:
+                config = dataclasses.replace(config, zero_v_overhang=True)
             hit = self._kernels[kernel] = (config, decode_runner(config, self.ffi))
         return hit
 
@@ -815,11 +834,22 @@ class DecodePlan:
             # cost ~2-3 µs of the stream per step at B 1, L 128k).
             self._put(values)
             self._uploaded = values
-        return self._launch_parts(longest, num_sms, num_splits)
+        return self._launch_parts(longest, num_sms, num_splits, self._zeroes_overhang(min(lengths, default=0)))
 
-    def _launch_parts(self, longest: int, num_sms: int, num_splits: int | None):
+    def _zeroes_overhang(self, shortest: int | None) -> bool:
+        """Whether a step's kernel zeroes the V rows its last block reads past a length
+        (``v_overhang_policy``): under "auto", where memory past a length is read — a paged
+        cache (a page's tail), a sequence shorter than the view (``shortest``; None: the
+        lengths are on the device only). Steps whose every length is the view's rows (the
+        door's ``k_cache[:, :, :L]``) keep the kernel without it: past the view the TMA
+        reads zeros."""
+        if self._overhang != "auto":
+            return self._overhang == "zero"
+        return self.paged or shortest is None or shortest < self.capacity
+
+    def _launch_parts(self, longest: int, num_sms: int, num_splits: int | None, zero_v: bool):
         """The launch for sequences of at most ``longest`` keys -> (kernel = (tuning,
-        cluster, polled merge, merge chunk), splits, o_part, lse_part)."""
+        cluster, polled merge, merge chunk, V overhang zeroed), splits, o_part, lse_part)."""
         q_len = self.q_len
         if num_splits is None:
             key = (-(-longest // self.tuning.tile_n), num_sms)
@@ -843,8 +873,9 @@ class DecodePlan:
             launch = (self.tuning, int(num_splits), cluster, self._polls(int(num_splits), cluster))
         tuning, splits, cluster, polled = launch
         chunk = stable_merge_chunk(splits, self._max_chunk, self._band_hi, longest, q_len) if polled else 0
+        kernel = (tuning, cluster, polled, chunk, zero_v)
         if polled and self._parity:
-            return (tuning, cluster, polled, chunk), splits, *self._parity_slots(splits)
+            return kernel, splits, *self._parity_slots(splits)
         o_size, lse_size = self._part_sizes
         flat = (self._marked if polled else self._scratch)(splits * (o_size + lse_size))
         parts = self._parts.get((splits, polled))
@@ -852,7 +883,7 @@ class DecodePlan:
             o_part, lse_part = slot_views(flat[:splits * o_size], flat[splits * o_size:splits * (o_size + lse_size)],
                                           splits, 1, self.part_shapes[0], polled and self._group_major)
             parts = self._parts[(splits, polled)] = (flat, o_part, lse_part)
-        return (tuning, cluster, polled, chunk), splits, parts[1], parts[2]
+        return kernel, splits, parts[1], parts[2]
 
     def _parity_slots(self, splits: int) -> tuple:
         """(o_part, lse_part) of the parity slots for ``splits`` splits: views of the plan's
@@ -880,7 +911,7 @@ class DecodePlan:
         return views
 
     def _tickets_for(self, kernel: tuple):
-        """The tickets `kernel` (tuning, cluster, polled, chunk) takes: the workspace's, or with
+        """The tickets `kernel` (``_kernel``) takes: the workspace's, or with
         parity slots the plan's own (tickets, then one phase word per group)."""
         return self._parity_parts[3] if kernel[2] and self._parity else self._tickets
 
@@ -890,7 +921,7 @@ class DecodePlan:
         return self._marked is not None and polled_merge_pays(splits, cluster, self.config.head_dim)
 
     def _launcher(self, kernel, q, k, v, table, out, lse, o_part, lse_part, seq_lens=None, args=None) -> Callable:
-        """The launch of `kernel` (tuning, cluster, polled, chunk) with these arguments (compiling on its
+        """The launch of `kernel` (``_kernel``) with these arguments (compiling on its
         first call); ``seq_lens``: the plan's own uploaded lengths, ``args``: its captures
         converted, unless given."""
         args = self._args.current() if args is None else args
@@ -936,13 +967,13 @@ class DecodePlan:
         if longest > self.capacity:
             raise ValueError(f"{longest} keys exceed the cache's capacity ({self.capacity} tokens)")
         with self.lock:
-            kernel, splits, o_part, lse_part = self._launch_parts(longest, num_sms, None)
+            kernel, splits, o_part, lse_part = self._launch_parts(longest, num_sms, None, self._zeroes_overhang(None))
             self._launch_now(kernel, q, k, v, table, out, lse, o_part, lse_part, seq_lens,
                              self._args.current() if captures is None else self._args_of(captures))
         return splits
 
     def _launch_now(self, kernel, q, k, v, table, out, lse, o_part, lse_part, seq_lens, args) -> None:
-        """Launch ``kernel`` (tuning, cluster, polled, chunk): its TVM-FFI function once compiled (the
+        """Launch ``kernel`` (``_kernel``): its TVM-FFI function once compiled (the
         repeated steps' path), else through ``_launcher`` (compiling first)."""
         fn = self._fns.get(kernel)
         if fn is not None:

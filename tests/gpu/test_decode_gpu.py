@@ -466,11 +466,12 @@ def test_band_tiles_start_at_the_first_key(tiles, q_len, monkeypatch):
 def test_nan_past_the_length_stays_out(page_size, q_len, monkeypatch):
     """A cache allocated with ``torch.empty`` may hold NaN / Inf bits past each sequence's
     length; the bound block reads them (a cache longer than the length, a page's tail) and
-    P = 0 times a NaN V row is NaN. With FLEXATTN_DECODE_V_OVERHANG=zero
-    (``DecodeConfig.zero_v_overhang``) those V rows are zeroed before P V: K and V are NaN
-    past every length (lengths off the tile and the page), contiguous and paged, no mask and
-    a window (band-start tiles where contiguous), against the float64 reference; without it
-    (keep) the same contiguous step is NaN, so the test sees the hazard."""
+    P = 0 times a NaN V row is NaN. By default (FLEXATTN_DECODE_V_OVERHANG=auto) such steps
+    take the kernel that zeroes those V rows before P V (``DecodeConfig.zero_v_overhang``),
+    as with "zero": K and V are NaN past every length (lengths off the tile and the page),
+    contiguous and paged, no mask and a window (band-start tiles where contiguous), against
+    the float64 reference; without it ("keep") the same contiguous step is NaN, so the test
+    sees the hazard. A cache whose lengths all reach its rows keeps the kernel without it."""
     torch.manual_seed(100 + page_size + q_len)
     B, Hq, Hkv, D, cap, w = 3, 16, 4, 128, 2048, 300
     lengths = [1000 + q_len, 37 + q_len, 2047]
@@ -483,12 +484,12 @@ def test_nan_past_the_length_stays_out(page_size, q_len, monkeypatch):
     cache = make_paged(k, v, lengths, page_size) if page_size else \
         fa.KVCache(k, v, torch.tensor(lengths, dtype=torch.int32))
     clean = [t.masked_fill(~torch.isfinite(t), 0.0) for t in (k, v)]
-    for setting in ("zero", "keep"):
+    for setting in ("auto", "zero", "keep"):
         monkeypatch.setenv("FLEXATTN_DECODE_V_OVERHANG", setting)
         decode_path._PREPARED.clear()
         for mask, mask_fn in ((None, None), (mods.sliding_window(w), lambda b, h, q_, k_: (q_ >= k_) & (q_ - k_ <= w))):
             out, lse, step = run_kernel(q, cache, mask, None, 132)
-            assert step.config.zero_v_overhang == (setting == "zero")
+            assert step.config.zero_v_overhang == (setting != "keep")
             if setting == "keep":
                 if not page_size and mask is None:
                     assert out.isnan().any()   # the hazard the zeroing removes
@@ -497,6 +498,14 @@ def test_nan_past_the_length_stays_out(page_size, q_len, monkeypatch):
             assert not out.isnan().any() and not lse.isnan().any(), (page_size, mask)
             torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
             torch.testing.assert_close(lse.double(), want_lse, atol=2e-3, rtol=1e-3)
+    monkeypatch.setenv("FLEXATTN_DECODE_V_OVERHANG", "auto")
+    decode_path._PREPARED.clear()
+    if not page_size:   # every length at the cache's rows: nothing read past them
+        full = fa.KVCache(*clean, torch.full((B,), cap, dtype=torch.int32))
+        out, lse, step = run_kernel(q, full, None, None, 132)
+        assert not step.config.zero_v_overhang
+        want, want_lse = reference(q, *clean, [cap] * B, 1 / math.sqrt(D), None, None)
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
     decode_path._PREPARED.clear()
 
 

@@ -376,7 +376,7 @@ def test_balanced_splits_compile(compiled, monkeypatch):
     _assert_no_spills(ptx[True])
     monkeypatch.setenv("FLEXATTN_DECODE_BALANCED", "1")
     plan, cap = _b1_plan(mods.sliding_window(4096))
-    kernel, splits, _, _ = plan._launch_parts(cap, 132, None)
+    kernel, splits, _, _ = plan._launch_parts(cap, 132, None, False)
     assert splits == 16 and plan._kernel(kernel)[0].balanced_splits
 
 
@@ -388,11 +388,17 @@ def _assert_no_spills(ptx):
 
 def _b1_plan(mask):
     """A B1 L128k decode plan (Hq 32, Hkv 8, D 128) on a CPU workspace -> (plan, its length)."""
+    return _b1_launch(mask).plan, 131072
+
+
+def _b1_launch(mask, length: int = 131072):
+    """A decode step's launch (``prepare_decode``) at B1 (Hq 32, Hkv 8, D 128), a cache of
+    128k rows holding ``length`` keys, on a CPU workspace: its plan is made anew."""
     import torch
 
     B, Hq, cap = 1, 32, 131072
     k = torch.zeros(B, 8, cap, 128, dtype=torch.bfloat16)
-    cache = KVCache(k, k, torch.tensor([cap], dtype=torch.int32))
+    cache = KVCache(k, k, torch.tensor([length], dtype=torch.int32))
     q = torch.zeros(B, Hq, 1, 128, dtype=torch.bfloat16)
     out, lse = torch.empty_like(q), torch.empty(B, Hq, 1)
     ws = decode_path.DecodeWorkspace(alloc=lambda shape, dt: torch.empty(shape, dtype=getattr(torch, dt)),
@@ -400,9 +406,8 @@ def _b1_plan(mask):
                                      scratch=lambda n: torch.empty(n), uploader=lambda into: lambda values: None,
                                      marked_scratch=lambda n: torch.zeros(max(n, 1)), zeroed=None)
     device = Device(0, lambda x: x if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x)))
-    plan = decode_path.prepare_decode(q, cache, out, lse, decode_path.DecodeSite(device, 132, ws),
-                                      decode_path.DecodeMods(None, mask), overrides=decode_path.DecodeOverrides()).plan
-    return plan, cap
+    return decode_path.prepare_decode(q, cache, out, lse, decode_path.DecodeSite(device, 132, ws),
+                                      decode_path.DecodeMods(None, mask), overrides=decode_path.DecodeOverrides())
 
 
 def test_merge_chunk_loads_no_split_twice(compiled, monkeypatch):
@@ -423,10 +428,10 @@ def test_merge_chunk_loads_no_split_twice(compiled, monkeypatch):
         with pytest.raises(ValueError, match="merge_chunk"):
             DecodeConfig(**bad)
     plan, cap = _b1_plan(mods.sliding_window(4096))
-    kernel, splits, _, _ = plan._launch_parts(cap, 132, None)
+    kernel, splits, _, _ = plan._launch_parts(cap, 132, None, False)
     assert kernel[2] and kernel[3] == splits == 13 and plan._kernel(kernel)[0].merge_chunk == 13, kernel
     assert plan._band_hi == 4096
-    filling = plan._launch_parts(3000, 132, None)[0]                  # (the window not yet full: counts still move)
+    filling = plan._launch_parts(3000, 132, None, False)[0]                  # (the window not yet full: counts still move)
     assert filling[2] and filling[3] == 0, filling
     chunk = chunk_splits(128)
     assert decode_path.stable_merge_chunk(13, chunk, 4096, 4098, 1) == 13
@@ -435,7 +440,7 @@ def test_merge_chunk_loads_no_split_twice(compiled, monkeypatch):
     assert decode_path.stable_merge_chunk(13, chunk, None, cap, 1) == 0   # (no band: a growing cache)
     monkeypatch.setenv("FLEXATTN_DECODE_MERGE_CHUNK", "generic")
     plan, cap = _b1_plan(mods.sliding_window(4096))
-    assert plan._launch_parts(cap, 132, None)[0][3] == 0
+    assert plan._launch_parts(cap, 132, None, False)[0][3] == 0
 
 
 def test_caller_empties_slots_leaves_the_emptying_out(compiled):
@@ -486,7 +491,9 @@ def test_zero_v_overhang(compiled, name, monkeypatch):
     """``zero_v_overhang``: the bound block's V rows past the length zeroed before P V — a
     loop of 16-byte shared stores behind a branch, one more async-proxy fence and named
     barrier 4 over the consumer threads, in the bound step only (the wgmmas unchanged), no
-    spills; planned only with FLEXATTN_DECODE_V_OVERHANG=zero (not yet GPU-run)."""
+    spills. Planned per step (FLEXATTN_DECODE_V_OVERHANG=auto, the default) where a length
+    falls short of the cache's rows, not where every length is the view's (the kernel
+    without it: byte-identical PTX); "keep" never, "zero" always, anything else refused."""
     cfg, hook = _config(name)
     zeroing = compile_decode(dataclasses.replace(cfg, zero_v_overhang=True), fake_args(hook), keep_ptx=True,
                              tvm_ffi=CASES[name][3]).__ptx__
@@ -497,9 +504,14 @@ def test_zero_v_overhang(compiled, name, monkeypatch):
     assert zeroing.count("wgmma.mma_async") == plain.count("wgmma.mma_async")
     assert zeroing.count("st.shared.v4.b32 \t[") and "{0, 0, 0, 0}" in zeroing and "{0, 0, 0, 0}" not in plain
     _assert_no_spills(zeroing)
-    assert not _b1_plan(mods.sliding_window(4096))[0].config.zero_v_overhang
-    monkeypatch.setenv("FLEXATTN_DECODE_V_OVERHANG", "zero")
-    assert _b1_plan(mods.sliding_window(4096))[0].config.zero_v_overhang
+    window = mods.sliding_window(4096)
+    for policy, planned in (("auto", {131072: False, 131035: True}), ("keep", {131072: False, 131035: False}),
+                            ("zero", {131072: True, 131035: True})):
+        monkeypatch.setenv("FLEXATTN_DECODE_V_OVERHANG", policy)
+        assert {n: _b1_launch(window, n).config.zero_v_overhang for n in planned} == planned, policy
+    monkeypatch.setenv("FLEXATTN_DECODE_V_OVERHANG", "yes")
+    with pytest.raises(ValueError, match="FLEXATTN_DECODE_V_OVERHANG"):
+        _b1_launch(window)
 
 
 def test_config_validation():
@@ -734,7 +746,8 @@ def test_plan_run_repeated_steps():
                                       decode_path.DecodeMods(mods.alibi(num_heads=Hq), mods.causal()),
                                       overrides=decode_path.DecodeOverrides(tuning=tickets_only)).plan
     launches = []
-    plan._fns[(plan.tuning, 1, False, 0)] = lambda *args: launches.append(args)   # splits 1 and 13: the ticket merge
+    # splits 1 and 13: the ticket merge; lengths below the cache's rows: V overhang zeroed
+    plan._fns[(plan.tuning, 1, False, 0, True)] = lambda *args: launches.append(args)
     assert plan.run(q, k, k, None, out, lse, [100, 37], 132) == 1            # 2 blocks: one split
     assert plan.run(q, k, k, None, out, lse, [4000, 37], 132) == 13          # 63 blocks: 13 of >= 256 keys
     assert plan.run(q, k, k, None, out, lse, [4001, 38], 132) == 13
@@ -751,12 +764,15 @@ def test_plan_run_repeated_steps():
         with pytest.raises(ValueError, match=match):
             plan.run(q, k, k, None, out, lse, bad, 132)
     assert len(uploads) == n and len(launches) == 4          # refused before any upload or launch
+    # every length at the cache's rows: the kernel without the V zeroing
+    plan._fns[(plan.tuning, 1, False, 0, False)] = lambda *args: launches.append(("full",) + args)
+    assert plan.run(q, k, k, None, out, lse, [cap, cap], 132) == 16 and launches.pop()[0] == "full"
     # A workspace with zeroed slots (the adapters'): 13 splits merge polled, their partials
     # in the marked scratch; one split stays as it was.
     marked = torch.zeros(1 << 20)
     plan._marked = lambda n: marked
     plan._launches.clear()   # (each block count's launch holds its merge, decided with the workspace)
-    plan._fns[(plan.tuning, 1, True, 0)] = lambda *args: launches.append(("polled",) + args)
+    plan._fns[(plan.tuning, 1, True, 0, True)] = lambda *args: launches.append(("polled",) + args)
     assert plan.run(q, k, k, None, out, lse, [4001, 38], 132) == 13
     assert launches[-1][0] == "polled" and launches[-1][8].data_ptr() == marked.data_ptr()
     assert plan.run(q, k, k, None, out, lse, [100, 37], 132) == 1 and launches[-1][0] != "polled"
@@ -793,7 +809,7 @@ def test_plan_parity_slots(monkeypatch):
                                           decode_path.DecodeMods(None, mods.causal()),
                                           overrides=decode_path.DecodeOverrides(tuning=tuning)).plan
         launches = []
-        plan._fns[(plan.tuning, 1, True, 0)] = lambda *args: launches.append(args)
+        plan._fns[(plan.tuning, 1, True, 0, True)] = lambda *args: launches.append(args)
         return plan, launches
 
     plan, launches = plan_with(get_zeroed)
@@ -806,7 +822,7 @@ def test_plan_parity_slots(monkeypatch):
     assert o_part.data_ptr() == zeroed[0].data_ptr() and tickets is zeroed[1] and tickets.numel() == 2 * B * 2
     assert lse_part.data_ptr() == zeroed[0].data_ptr() + 4 * 2 * 16 * B * Hq * 128   # (capacity 16)
     assert all(a is b for a, b in zip(launches[0][7:10], launches[1][7:10]))     # the same every step
-    assert plan._kernel((plan.tuning, 1, True, 0))[0].parity_slots
+    assert plan._kernel((plan.tuning, 1, True, 0, True))[0].parity_slots
     # more splits than the capacity: new memory (tickets and phase words with it), all zero
     for n, cap_splits, allocations in ((13, 16, 2), (20, 20, 4), (17, 20, 4), (25, 25, 6)):
         _, splits, o_part, lse_part = plan._stage([4001, 38], 132, n)
@@ -816,12 +832,12 @@ def test_plan_parity_slots(monkeypatch):
     assert plan._tickets_for((plan.tuning, 1, False)) is not zeroed[-1]   # the ticket merge: the workspace's
     plan, launches = plan_with(None)                 # no zeroed memory: the shared scratch, emptied
     assert plan.run(q, k, k, None, out, lse, [4001, 38], 132) == 13
-    assert launches[-1][7].data_ptr() == marked.data_ptr() and not plan._kernel((plan.tuning, 1, True, 0))[0].parity_slots
+    assert launches[-1][7].data_ptr() == marked.data_ptr() and not plan._kernel((plan.tuning, 1, True, 0, True))[0].parity_slots
     # the variants' flags (the benchmarks' parity-caller: the parity kernel without its zeroing)
     for slots, flags in (("parity-caller", (True, True)), ("caller", (False, True))):
         monkeypatch.setenv("FLEXATTN_DECODE_SLOTS", slots)
         decode_path._PREPARED.clear()   # (a plan reads the setting once)
-        config = plan_with(get_zeroed)[0]._kernel((plan.tuning, 1, True, 0))[0]
+        config = plan_with(get_zeroed)[0]._kernel((plan.tuning, 1, True, 0, True))[0]
         assert (config.parity_slots, config.caller_empties_slots) == flags, slots
 
 
