@@ -32,6 +32,7 @@ the GPU time per call (events around the loop), "host µs" the host's wall time 
     python3 benchmarks/bench_decode.py --no-flex --no-fa4   # skip the slow baselines
     python3 benchmarks/bench_decode.py --profile 8x8192     # host time of a steady-state call, by function
     python3 benchmarks/bench_decode.py --host 8x8192        # host µs of a steady-state call and its pieces
+    python3 benchmarks/bench_decode.py --profile-door 1x131072:window4096   # the door's host time beside the API's
     python3 benchmarks/bench_decode.py --variants none alibi --layouts contiguous   # fewer rows
 """
 
@@ -421,6 +422,48 @@ def profile_host(B, L, calls=300):
     return f"Host profile, B {B} L {L} causal+alibi, {calls} calls: {host_us:.0f} µs/call (profiled)\n{text}"
 
 
+def profile_door(B, L, variant, calls=300, burst=32):
+    """The door (``door``: flex_attention with the torch-style functions) beside the API
+    (``fa.decode`` on a KVCache) for one variant, contiguous: host µs per steady-state call
+    (bursts of ``burst`` calls after a sync, unprofiled: the GPU never holds the host back),
+    then each one's cProfile, top functions by own time — where the door's extra host time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    import flexattn.torch as fa
+
+    cache, k, v = make_inputs(B, L, "contiguous")
+    q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+    mask, score = variant_mods(variant)
+    calls_of = {"door": door(variant, q, k, v, L, 1 / math.sqrt(D)),
+                "api": lambda: fa.decode(q, cache, score_mod=score, mask=mask)}
+    lines = [f"Host µs per call, B {B} L {L} {variant} (median of bursts of {burst}, unprofiled)"]
+    for name, fn in calls_of.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(calls // burst):
+            t0 = time.perf_counter()
+            for _ in range(burst):
+                fn()
+            times.append((time.perf_counter() - t0) / burst)
+            torch.cuda.synchronize()
+        lines.append(f"  {name}: {np.median(times) * 1e6:.1f}")
+    for name, fn in calls_of.items():
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(22)
+        lines += [f"\n== {name} ({calls} calls, profiled)"] + [ln for ln in out.getvalue().splitlines() if ln.strip()]
+    return "\n".join(lines)
+
+
 def host_breakdown(B, L, calls=2000, burst=32):
     """Host µs per call of a steady-state whole step (contiguous cache, causal + ALiBi) and
     of its pieces, each timed alone without a profiler: bursts of ``burst`` calls after a
@@ -486,12 +529,19 @@ def main():
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS)
     p.add_argument("--profile", default=None, help="BxL: cProfile a steady-state whole call instead")
+    p.add_argument("--profile-door", default=None, metavar="BxL:VARIANT",
+                   help="the door's and the API's host µs per call and their cProfiles instead")
     p.add_argument("--host", default=None, help="BxL: host µs of a steady-state whole call and its pieces instead")
     p.add_argument("--record", action="store_true", help=RECORD_HELP + " (the table, not --sweep)")
     args = p.parse_args()
     if args.profile:
         B, L = (int(x) for x in args.profile.split("x"))
         print(profile_host(B, L))
+        return
+    if args.profile_door:
+        shape, variant = args.profile_door.split(":")
+        B, L = (int(x) for x in shape.split("x"))
+        print(profile_door(B, L, variant))
         return
     if args.host:
         B, L = (int(x) for x in args.host.split("x"))
