@@ -398,28 +398,52 @@ def _steady_alibi_step(B, L, warmup: int):
     return cache, q, mask, score
 
 
-def profile_host(B, L, calls=300):
-    """cProfile of back-to-back whole calls (contiguous cache, causal + ALiBi, the same mod
-    objects: the steady state of a decoder), top functions by own time."""
+def burst_seconds(fn, calls: int, burst: int, warmup: int) -> list:
+    """Host seconds per call of ``fn``, one reading per burst of ``burst`` calls after a
+    sync (``calls // burst`` bursts, after ``warmup`` calls): unprofiled, and the GPU never
+    holds the host back."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(calls // burst):
+        t0 = time.perf_counter()
+        for _ in range(burst):
+            fn()
+        times.append((time.perf_counter() - t0) / burst)
+        torch.cuda.synchronize()
+    return times
+
+
+def cprofile_top(fn, calls: int, limit: int) -> tuple:
+    """(seconds per call with the profiler on, the non-blank lines of cProfile's top
+    ``limit`` functions by own time) over ``calls`` back-to-back calls of ``fn``."""
     import cProfile
     import io
     import pstats
 
-    import flexattn.torch as fa
-
-    cache, q, mask, score = _steady_alibi_step(B, L, warmup=20)
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
     for _ in range(calls):
-        fa.decode(q, cache, score_mod=score, mask=mask)
+        fn()
     prof.disable()
-    host_us = (time.perf_counter() - t0) / calls * 1e6
+    per_call = (time.perf_counter() - t0) / calls
     torch.cuda.synchronize()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
-    text = "\n".join(line for line in out.getvalue().splitlines() if line.strip())
-    return f"Host profile, B {B} L {L} causal+alibi, {calls} calls: {host_us:.0f} µs/call (profiled)\n{text}"
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(limit)
+    return per_call, [line for line in out.getvalue().splitlines() if line.strip()]
+
+
+def profile_host(B, L, calls=300):
+    """cProfile of back-to-back whole calls (contiguous cache, causal + ALiBi, the same mod
+    objects: the steady state of a decoder), top functions by own time."""
+    import flexattn.torch as fa
+
+    cache, q, mask, score = _steady_alibi_step(B, L, warmup=20)
+    per_call, lines = cprofile_top(lambda: fa.decode(q, cache, score_mod=score, mask=mask), calls, 18)
+    text = "\n".join(lines)
+    return f"Host profile, B {B} L {L} causal+alibi, {calls} calls: {per_call * 1e6:.0f} µs/call (profiled)\n{text}"
 
 
 def profile_door(B, L, variant, calls=300, burst=32):
@@ -427,10 +451,6 @@ def profile_door(B, L, variant, calls=300, burst=32):
     (``fa.decode`` on a KVCache) for one variant, contiguous: host µs per steady-state call
     (bursts of ``burst`` calls after a sync, unprofiled: the GPU never holds the host back),
     then each one's cProfile, top functions by own time — where the door's extra host time goes."""
-    import cProfile
-    import io
-    import pstats
-
     import flexattn.torch as fa
 
     cache, k, v = make_inputs(B, L, "contiguous")
@@ -440,27 +460,9 @@ def profile_door(B, L, variant, calls=300, burst=32):
                 "api": lambda: fa.decode(q, cache, score_mod=score, mask=mask)}
     lines = [f"Host µs per call, B {B} L {L} {variant} (median of bursts of {burst}, unprofiled)"]
     for name, fn in calls_of.items():
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(calls // burst):
-            t0 = time.perf_counter()
-            for _ in range(burst):
-                fn()
-            times.append((time.perf_counter() - t0) / burst)
-            torch.cuda.synchronize()
-        lines.append(f"  {name}: {np.median(times) * 1e6:.1f}")
+        lines.append(f"  {name}: {np.median(burst_seconds(fn, calls, burst, warmup=20)) * 1e6:.1f}")
     for name, fn in calls_of.items():
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(calls):
-            fn()
-        prof.disable()
-        torch.cuda.synchronize()
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(22)
-        lines += [f"\n== {name} ({calls} calls, profiled)"] + [ln for ln in out.getvalue().splitlines() if ln.strip()]
+        lines += [f"\n== {name} ({calls} calls, profiled)"] + cprofile_top(fn, calls, 22)[1]
     return "\n".join(lines)
 
 
@@ -502,16 +504,7 @@ def host_breakdown(B, L, calls=2000, burst=32):
     }
     lines = [f"Host µs per call, B {B} L {L} causal+alibi, {calls} calls each in bursts of {burst}, {device_name()}"]
     for name, f in pieces.items():
-        for _ in range(burst):
-            f()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(calls // burst):
-            t0 = time.perf_counter()
-            for _ in range(burst):
-                f()
-            times.append((time.perf_counter() - t0) / burst)
-            torch.cuda.synchronize()
+        times = burst_seconds(f, calls, burst, warmup=burst)
         lines.append(f"  {name:38s} median {np.median(times) * 1e6:6.1f}   mean {np.mean(times) * 1e6:6.1f}")
     return "\n".join(lines)
 

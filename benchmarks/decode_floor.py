@@ -27,11 +27,13 @@ with ``FLEXATTN_DECODE_SLOTS=caller`` the kernel then skips its own emptying
 with ``parity-caller`` the parity kernel skips its zeroing (the plan's parity slots,
 both sets, are zeroed instead).
 
-``--after-flush gemm`` (``gemm-add``: then a tiny elementwise kernel) runs a small bf16 matmul (cuBLAS, 256³: 384 KB touched) between each
-flush and each timed launch, for every kernel timed (empty, read, ours): the flush is a
-reduction with little shared memory, so the kernel timed after it may first change the SMs'
-L1 / shared split; after the matmul (a decoder's steady state: a projection precedes
-attention) the large-shared split is set, and the reads pay the change instead.
+``--after-flush gemm`` runs a small bf16 matmul (cuBLAS, 256³: 384 KB touched) between each
+flush and each timed launch, for every kernel timed (empty, read, ours, SDPA with ``--sdpa``);
+``gemm-add`` then a tiny elementwise kernel too (a decoder's order: the projection, RoPE or
+the append, attention). It asks what the kernel before a step costs the step: the flush is
+a reduction with little shared memory, like the read. H200, session 74 (B1 L128k window):
+after the matmul ours and SDPA took ~0.7 µs longer and the read did not; after the add the
+read was ~0.4 µs faster (docs/experiments.md, Decode, session 74).
 """
 
 import argparse
@@ -99,7 +101,8 @@ def main():
                     help="sequences this many keys below the cache's capacity (a cache preallocated past them: "
                          "the bound block reads rows past the length; bytes and the read stay the full row's)")
     ap.add_argument("--after-flush", choices=("none", "gemm", "gemm-add"), default="none",
-                    help="gemm: a small matmul between each flush and each timed launch (module doc)")
+                    help="gemm: a small matmul between each flush and each timed launch; gemm-add: then an "
+                         "elementwise kernel too (module doc)")
     ap.add_argument("--sdpa", action="store_true", help="also time torch SDPA on the row (its µs on the row's # line)")
     ap.add_argument("--splits", type=int, default=None,
                     help="our kernel with this many splits (default tuning, merged without a cluster) "
@@ -136,8 +139,8 @@ def main():
     reference = 2 << 30     # a long read: its ramp is a small part of it
     rate = max([reference / (best_read_ms(reference, args.reps, after) * 1e3)]
                + [nbytes / read_us for *_, nbytes, read_us, _ in rows])   # bytes per µs
-    print(f"\n{device_name()}, {args.layout}, after the flush: {args.after_flush}; empty kernel {empty_us:.1f} µs, fastest read "
-          f"{rate / 1e6:.2f} TB/s (CUDA events, clean L2)")
+    print(f"\n{device_name()}, {args.layout}, after the flush: {args.after_flush}; empty kernel {empty_us:.1f} µs, "
+          f"fastest read {rate / 1e6:.2f} TB/s (CUDA events, clean L2)")
     print("| B | L | variant | MB | bound TB/s | read µs | read TB/s | ours µs | ours TB/s | ours / read |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for B, L, variant, nbytes, read_us, ours_us in rows:

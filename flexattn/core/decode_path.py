@@ -820,7 +820,8 @@ class DecodePlan:
         if len(lengths) != self.batch:
             raise ValueError(f"query batch {self.batch} does not match the cache's {len(lengths)}")
         q_len = self.q_len
-        if min(lengths, default=q_len) < q_len:
+        shortest = min(lengths, default=q_len)
+        if shortest < q_len:
             raise ValueError(f"every sequence must already hold its {q_len} query tokens (append them first); "
                              f"lengths {list(lengths)}")
         longest = max(lengths, default=0)
@@ -834,7 +835,7 @@ class DecodePlan:
             # cost ~2-3 µs of the stream per step at B 1, L 128k).
             self._put(values)
             self._uploaded = values
-        return self._launch_parts(longest, num_sms, num_splits, self._zeroes_overhang(min(lengths, default=0)))
+        return self._launch_parts(longest, num_sms, num_splits, self._zeroes_overhang(shortest))
 
     def _zeroes_overhang(self, shortest: int | None) -> bool:
         """Whether a step's kernel zeroes the V rows its last block reads past a length
