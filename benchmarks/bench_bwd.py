@@ -30,7 +30,7 @@ import torch
 
 from bench_fwd import (OPTIONAL_VARIANTS, VARIANTS as FWD_VARIANTS, Variant, beside_the_door, door_call, setup_dynamo,
                        table)
-from common import bench_ms, device_name, rel_diff, report
+from common import bench_ms, device_name, measure_until_stopped, rel_diff, report
 from results_log import RECORD_HELP, append_rows, tflops_rows
 
 VARIANTS = FWD_VARIANTS + ("causal+trainable_bias",)
@@ -115,9 +115,12 @@ def main():
     args = ap.parse_args()
     setup_dynamo()
     rows = []
-    for shape in args.shapes:
-        B, S, H, D = map(int, shape.split("x"))
-        run_shape(B, S, H, D, args.variants, rows, args.deterministic)
+
+    def measure():
+        for shape in args.shapes:
+            B, S, H, D = map(int, shape.split("x"))
+            run_shape(B, S, H, D, args.variants, rows, args.deterministic)
+    measure_until_stopped(measure, rows)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     md = table(rows, device_name(), stamp, title="Forward + backward, bf16",
                flops=f"{BWD_FLOPS} × forward masked FLOPs × exact density")

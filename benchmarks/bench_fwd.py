@@ -29,7 +29,7 @@ import traceback
 import numpy as np
 import torch
 
-from common import bench_ms, device_name, rel_diff, report
+from common import bench_ms, device_name, measure_until_stopped, rel_diff, report
 from results_log import RECORD_HELP, append_rows, tflops_rows
 
 VARIANTS = ("full", "causal", "window1024", "document4", "causal+softcap30", "causal+alibi", "dilated1024",
@@ -290,9 +290,12 @@ def main():
         os.environ["FLEXATTN_TVM_FFI"] = "1"
     setup_dynamo()
     rows = []
-    for shape in args.shapes:
-        B, S, H, D = map(int, shape.split("x"))
-        run_shape(B, S, H, D, args.variants, rows)
+
+    def measure():
+        for shape in args.shapes:
+            B, S, H, D = map(int, shape.split("x"))
+            run_shape(B, S, H, D, args.variants, rows)
+    measure_until_stopped(measure, rows)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     md = table(rows, device_name(), stamp)
     report(md, rows, args.out, stamp)

@@ -40,6 +40,23 @@ def accumulate_time(owner, name: str, totals: dict, key: str):
     setattr(owner, name, timed)
 
 
+def measure_until_stopped(measure, rows: list):
+    """Run ``measure()`` (which appends to ``rows``); a SIGTERM (the device script's ``timeout``) ends it
+    early instead of killing the process, so the rows measured so far are still reported and recorded."""
+    import signal
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        measure()
+    except KeyboardInterrupt:
+        print(f"stopped early: reporting the {len(rows)} rows measured", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def device_name():
     return torch.cuda.get_device_name()
 
