@@ -33,6 +33,7 @@ the GPU time per call (events around the loop), "host µs" the host's wall time 
     python3 benchmarks/bench_decode.py --profile 8x8192     # host time of a steady-state call, by function
     python3 benchmarks/bench_decode.py --host 8x8192        # host µs of a steady-state call and its pieces
     python3 benchmarks/bench_decode.py --profile-door 1x131072:window4096   # the door's host time beside the API's
+    python3 benchmarks/bench_decode.py --door-host 1x131072:window4096      # ... and its pieces, each timed alone
     python3 benchmarks/bench_decode.py --variants none alibi --layouts contiguous   # fewer rows
 """
 
@@ -466,6 +467,86 @@ def profile_door(B, L, variant, calls=300, burst=32):
     return "\n".join(lines)
 
 
+def door_breakdown(B, L, variant, calls=2000, burst=32):
+    """Host µs per call of the door (flex_attention, q_len 1, torch-style mods) and of its
+    pieces, each timed alone as ``host_breakdown`` times the API's, with the API's whole
+    call and plan beside them: where the door's extra host time lies."""
+    import flexattn.torch as fa
+    from flexattn.core.decode_device import decode_key
+    from flexattn.torch import attention
+    from flexattn.torch.decoding import _DECODES, _step_facts
+    from flexattn.torch.devices import _current_raw_stream, _written_empty
+
+    cache, k, v = make_inputs(B, L, "contiguous")
+    q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+    mask, score = variant_mods(variant)
+    door_call = door(variant, q, k, v, L, 1 / math.sqrt(D))
+    api_call = lambda: fa.decode(q, cache, score_mod=score, mask=mask)  # noqa: E731
+    for _ in range(5):
+        door_call(), api_call()
+    torch.cuda.synchronize()
+    # The door's call as flex_attention keys it (the closure's arguments).
+    kh, vh = k.transpose(1, 2), v.transpose(1, 2)
+    cells = dict(zip(door_call.__code__.co_freevars, (c.cell_contents for c in door_call.__closure__)))
+    call = (cells["score"], cells["block_mask"], cells["scale"], True, None, None)
+    key = attention._call_key(q, kh, vh, call)
+    entry = attention._PREPARED.get(key)
+    if entry is None:
+        return f"the door's call was not prepared (key {key is not None}): nothing to break down"
+    short = entry.launch.__self__
+    plan = short._run.__self__
+    api_plan = _DECODES.get(decode_key((score, None, None, True, mask, None), q, cache, _step_facts)).run.__self__
+    out, lse = torch.empty_like(q), torch.empty(B, HQ, 1, device="cuda")
+    lengths, sms, stream = short._lengths, short._num_sms, _current_raw_stream(entry.device_index)
+
+    def kernel_call(p, kk, vv):
+        kernel, _, o_part, lse_part = p._stage(lengths, sms, None)
+        return p._launcher(kernel, q, kk, vv, None, out, lse, o_part, lse_part)
+
+    pieces = {
+        "door (whole call)": door_call,
+        "api: fa.decode (whole call)": api_call,
+        "  door: _call_key": lambda: attention._call_key(q, kh, vh, call),
+        "  door: _PREPARED.run (entry)": lambda: attention._PREPARED.run(key, q, kh, vh, False, call),
+        "    torch.cuda.current_device": torch.cuda.current_device,
+        "    _written_empty (out)": lambda: _written_empty(entry.out_shape, dtype=entry.dtype, device=entry.device),
+        "    _current_raw_stream": lambda: _current_raw_stream(entry.device_index),
+        "    PreparedShortQuery.launch": lambda: short.launch(q, kh, vh, out, lse, stream),
+        "      door plan.run": lambda: plan.run(q, kh, vh, None, out, lse, lengths, sms),
+        "      door plan._stage": lambda: plan._stage(lengths, sms, None),
+        "      door kernel call": kernel_call(plan, kh, vh),
+        "  api plan.run": lambda: api_plan.run(q, cache.k, cache.v, None, out, lse, lengths, sms),
+        "  api plan._stage": lambda: api_plan._stage(lengths, sms, None),
+        "  api kernel call": kernel_call(api_plan, cache.k, cache.v),
+    }
+    pieces.update({
+        "  door: _broadcast_kv_batch": lambda: attention._broadcast_kv_batch(q, kh, vh),
+        "  torch.empty (out)": lambda: torch.empty(entry.out_shape, dtype=entry.dtype, device=entry.device),
+        "  an empty lambda": lambda: None,
+    })
+    lines = [f"Host µs per call, B {B} L {L} {variant}, door beside API, {calls} calls each in bursts of {burst}, "
+             f"{device_name()}; door plan is the API's: {plan is api_plan}"]
+
+    def line(name, f):
+        times = burst_seconds(f, calls, burst, warmup=burst)
+        lines.append(f"  {name:38s} median {np.median(times) * 1e6:6.1f}   mean {np.mean(times) * 1e6:6.1f}")
+
+    for name, f in pieces.items():
+        line(name, f)
+    ready = (out, lse)
+
+    class Stubbed:   # the door's wrapper alone: its repeated-call lookup answers at once
+        @staticmethod
+        def run(*_):
+            return ready
+    kept, attention._PREPARED = attention._PREPARED, Stubbed
+    try:
+        line("  door wrapper (entry stubbed)", door_call)
+    finally:
+        attention._PREPARED = kept
+    return "\n".join(lines)
+
+
 def host_breakdown(B, L, calls=2000, burst=32):
     """Host µs per call of a steady-state whole step (contiguous cache, causal + ALiBi) and
     of its pieces, each timed alone without a profiler: bursts of ``burst`` calls after a
@@ -524,6 +605,8 @@ def main():
     p.add_argument("--profile", default=None, help="BxL: cProfile a steady-state whole call instead")
     p.add_argument("--profile-door", default=None, metavar="BxL:VARIANT",
                    help="the door's and the API's host µs per call and their cProfiles instead")
+    p.add_argument("--door-host", default=None, metavar="BxL:VARIANT",
+                   help="host µs of the door's steady-state call and its pieces, beside the API's")
     p.add_argument("--host", default=None, help="BxL: host µs of a steady-state whole call and its pieces instead")
     p.add_argument("--record", action="store_true", help=RECORD_HELP + " (the table, not --sweep)")
     args = p.parse_args()
@@ -535,6 +618,11 @@ def main():
         shape, variant = args.profile_door.split(":")
         B, L = (int(x) for x in shape.split("x"))
         print(profile_door(B, L, variant))
+        return
+    if args.door_host:
+        shape, variant = args.door_host.split(":")
+        B, L = (int(x) for x in shape.split("x"))
+        print(door_breakdown(B, L, variant))
         return
     if args.host:
         B, L = (int(x) for x in args.host.split("x"))
