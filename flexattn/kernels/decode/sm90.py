@@ -935,59 +935,71 @@ class DecodeSm90(WarpSpecialized):
                  head_kv, group, q_len, rows, m_block, batch):
         """O rows straight from registers to their (q head, query row) in global memory:
         the final O in the input dtype with one split, else this split's fp32 partial, in its
-        slot (``_zero_own_positions`` mirrors these stores)."""
+        slot (``_zero_own_positions`` walks the same positions)."""
+        self._for_own_rows(thr_pv, head_kv, group, q_len, rows, m_block, self._store_row,
+                           (mma.acc_mn_view(acc_O), lse, mO, mLSE, mOPart, mLSEPart, split, num_splits, batch))
+
+    @cute.jit
+    def _for_own_rows(self, thr_pv, head_kv, group, q_len, rows, m_block, store_row, args):
+        """The fragment walk of O's stores: ``store_row(r, tOcO, head, qi, *args)`` for each
+        accumulator row ``r`` this thread holds that packs a real (q head, query row) —
+        ``tOcO[r, c]`` is (row, head-dim column) of the row's c-th value. One walk, so the
+        epilogue's stores and the parity slots' zeroing address the same positions."""
         cfg = self.cfg
         cO = cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))
         tOcO = mma.acc_mn_view(thr_pv.partition_C(cO))
-        o_mn = mma.acc_mn_view(acc_O)
-        for r in cutlass.range_constexpr(cute.size(o_mn.shape[0])):
+        for r in cutlass.range_constexpr(cute.size(tOcO.shape[0])):
             p = m_block * cfg.tile_m + tOcO[r, 0][0]
             if p < rows:
                 head, qi = packed_row(p, head_kv, group, q_len)
-                if num_splits == 1:
-                    gO = mO[batch, head, qi, None]
-                    for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
-                        gO[tOcO[r, c][1]] = o_mn[r, c].to(self.dtype)
-                    if tOcO[r, 0][1] == 0:
-                        mLSE[batch, head, qi] = lse[r]
-                elif const_expr(cfg.polled_merge):   # slots that mark themselves written
-                    gO = mOPart[split, batch, head, qi, None]
-                    for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
-                        store_marked_f32(gO.iterator + tOcO[r, c][1], o_mn[r, c])
-                    if tOcO[r, 0][1] == 0:
-                        store_marked_f32(mLSEPart.iterator + cute.crd2idx((split, batch, head, qi), mLSEPart.layout),
-                                         lse[r])
-                else:
-                    gO = mOPart[split, batch, head, qi, None]
-                    for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
-                        gO[tOcO[r, c][1]] = o_mn[r, c]
-                    if tOcO[r, 0][1] == 0:
-                        mLSEPart[split, batch, head, qi] = lse[r]
+                store_row(r, tOcO, head, qi, *args)
+
+    @cute.jit
+    def _store_row(self, r, tOcO, head, qi, o_mn, lse, mO, mLSE, mOPart, mLSEPart, split, num_splits, batch):
+        """One row of the epilogue: the final O and LSE with one split, else this split's
+        partial (marked where the merge polls)."""
+        if num_splits == 1:
+            gO = mO[batch, head, qi, None]
+            for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
+                gO[tOcO[r, c][1]] = o_mn[r, c].to(self.dtype)
+            if tOcO[r, 0][1] == 0:
+                mLSE[batch, head, qi] = lse[r]
+        elif const_expr(self.cfg.polled_merge):   # slots that mark themselves written
+            gO = mOPart[split, batch, head, qi, None]
+            for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
+                store_marked_f32(gO.iterator + tOcO[r, c][1], o_mn[r, c])
+            if tOcO[r, 0][1] == 0:
+                store_marked_f32(mLSEPart.iterator + cute.crd2idx((split, batch, head, qi), mLSEPart.layout),
+                                 lse[r])
+        else:
+            gO = mOPart[split, batch, head, qi, None]
+            for c in cutlass.range_constexpr(cute.size(o_mn.shape[1])):
+                gO[tOcO[r, c][1]] = o_mn[r, c]
+            if tOcO[r, 0][1] == 0:
+                mLSEPart[split, batch, head, qi] = lse[r]
 
     @cute.jit
     def _zero_own_positions(self, mOPart, mLSEPart, phase, split, num_splits, thr_pv, head_kv, group, q_len, rows,
                             m_block, batch):
         """Parity slots, a split that does not merge, after its partial stores: zero the
         other set's slots split + k * splits below the last launch's split count, each
-        thread where the epilogue stores (the same fragment positions in every slot) — the
+        thread where the epilogue stores (the same walk, ``_for_own_rows``) — the
         last launch's partials, read by its merger (stream order). ``phase``: the word this
         thread read at its start, whose parity addressed its partial's stores, so the read
         precedes the merger's flip."""
-        cfg = self.cfg
         mOPart, mLSEPart = self._slot_set(mOPart, mLSEPart, 1 - _parity(phase))
-        cO = cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))
-        tOcO = mma.acc_mn_view(thr_pv.partition_C(cO))
         for j in cutlass.range(split, _last_count(phase), num_splits, unroll=1):
-            for r in cutlass.range_constexpr(cute.size(tOcO.shape[0])):
-                p = m_block * cfg.tile_m + tOcO[r, 0][0]
-                if p < rows:
-                    head, qi = packed_row(p, head_kv, group, q_len)
-                    gO = mOPart[j, batch, head, qi, None]
-                    for c in cutlass.range_constexpr(cute.size(tOcO.shape[1])):
-                        gO[tOcO[r, c][1]] = Float32(0.0)
-                    if tOcO[r, 0][1] == 0:
-                        mLSEPart[j, batch, head, qi] = Float32(0.0)
+            self._for_own_rows(thr_pv, head_kv, group, q_len, rows, m_block, self._zero_row,
+                               (mOPart, mLSEPart, j, batch))
 
+    @cute.jit
+    def _zero_row(self, r, tOcO, head, qi, mOPart, mLSEPart, j, batch):
+        """One row of slot ``j`` zeroed where the epilogue would store it."""
+        gO = mOPart[j, batch, head, qi, None]
+        for c in cutlass.range_constexpr(cute.size(tOcO.shape[1])):
+            gO[tOcO[r, c][1]] = Float32(0.0)
+        if tOcO[r, 0][1] == 0:
+            mLSEPart[j, batch, head, qi] = Float32(0.0)
 
     @cute.jit
     def _partial_to_smem(self, acc_O, lse, sPart, sLSE, thr_pv, rows, m_block):
