@@ -14,7 +14,7 @@ resident CTAs per SM without clusters and the resident clusters (x size = CTAs).
 def main():
     import torch
 
-    from flexattn.kernels.decode.sm90 import DecodeConfig
+    from flexattn.kernels.decode.sm90 import CLUSTER_SPLITS, DecodeConfig
     from flexattn.kernels.hopper.device_facts import max_active_clusters
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -24,7 +24,7 @@ def main():
     shapes = {"64x2x2": dict(tile_n=64, num_stages=2, ctas_per_sm=2),
               "64x6x1 (2 wg)": dict(tile_n=64, num_stages=6, ctas_per_sm=1, num_mma_wg=2)}
     for name, kw in shapes.items():
-        for cluster in (1, 2, 4, 8):
+        for cluster in CLUSTER_SPLITS:
             cfg = DecodeConfig(cluster_splits=cluster, **kw)
             footprint = dict(threads=128 * (1 + cfg.num_mma_wg), smem_bytes=cfg.smem_bytes)
             per_sm = max_active_clusters(0, 1, **footprint) // sms

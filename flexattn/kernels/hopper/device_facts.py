@@ -79,6 +79,8 @@ def max_active_clusters(device_id: int, cluster_size: int, threads: int = 128, s
         else:
             ok(driver.cuFuncSetAttribute(fn, attrs.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100))
         ok(driver.cuFuncSetAttribute(fn, attrs.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem))
+        if cluster_size > 8:   # past the portable size the function must allow it (as CuTeDSL's kernels do)
+            ok(driver.cuFuncSetAttribute(fn, attrs.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))
         config = driver.CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = cluster_size, 1, 1
         config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
