@@ -33,7 +33,10 @@ flush and each timed launch, for every kernel timed (empty, read, ours, SDPA wit
 the append, attention). It asks what the kernel before a step costs the step: the flush is
 a reduction with little shared memory, like the read. H200, session 74 (B1 L128k window):
 after the matmul ours and SDPA took ~0.7 µs longer and the read did not; after the add the
-read was ~0.4 µs faster (docs/experiments.md, Decode, session 74).
+read was ~0.4 µs faster (docs/experiments.md, Decode, session 74). ``smem`` / ``l1`` run an empty
+kernel instead that leaves the SMs' L1 / shared-memory split at all shared memory (carveout 100, 100 KB per
+CTA) / all L1 (carveout 0): whether a kernel's start pays for switching that split (session 75's hypothesis for
+the matmul's +0.7 µs, and for the deeper ring's 0.7 µs later start: its carveout is the driver's choice).
 """
 
 import argparse
@@ -61,11 +64,53 @@ def best_read_ms(nbytes, reps, after_flush=None):
     return min(clean_ms(read, reps=reps, after_flush=after_flush) for read in plain_reads(nbytes).values())
 
 
+def shared_memory_config_step(carveout: int, smem_bytes: int):
+    """A launch of an empty kernel on every SM (two CTAs each) with ``smem_bytes`` of dynamic
+    shared memory and a preferred carveout of ``carveout`` percent: it leaves the SMs' L1 /
+    shared-memory split where that kernel wants it, so the next kernel starts from a known
+    configuration (``--after-flush smem`` / ``l1``: does the timed kernel pay to switch it?)."""
+    from cuda.bindings import driver
+
+    from flexattn.kernels.hopper.device_facts import _EMPTY_PTX   # (an empty sm_90a entry, flexattn_empty)
+
+    def ok(result):
+        err, *rest = result
+        if int(err) != 0:
+            raise RuntimeError(f"CUDA driver: {err}")
+        return rest[0] if rest else None
+
+    torch.cuda.synchronize()   # (torch's CUDA state up; its context is the device's primary one)
+    device = ok(driver.cuDeviceGet(torch.cuda.current_device()))
+    ok(driver.cuCtxSetCurrent(ok(driver.cuDevicePrimaryCtxRetain(device))))
+    module = ok(driver.cuModuleLoadData(_EMPTY_PTX))
+    fn = ok(driver.cuModuleGetFunction(module, b"flexattn_empty"))
+    attrs = driver.CUfunction_attribute
+    ok(driver.cuFuncSetAttribute(fn, attrs.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes))
+    ok(driver.cuFuncSetAttribute(fn, attrs.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, carveout))
+    ctas = 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    _FLOOR_MODULES.append(module)        # (kept loaded for the process)
+
+    def launch():
+        stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+        ok(driver.cuLaunchKernel(fn, ctas, 1, 1, 32, 1, 1, smem_bytes, stream, None, 0))
+
+    return launch
+
+
+_FLOOR_MODULES = []
+
+
 def after_flush_step(kind: str):
-    """What runs between the L2 flush and each timed launch (``--after-flush``): None, or a
-    small cuBLAS matmul (large shared memory; 384 KB touched, a trace of the 50 MB L2)."""
+    """What runs between the L2 flush and each timed launch (``--after-flush``): None, a
+    small cuBLAS matmul (large shared memory; 384 KB touched, a trace of the 50 MB L2), or an
+    empty kernel that sets the SMs' shared-memory split (``smem``: all shared memory, 100 KB
+    per CTA; ``l1``: carveout 0, no shared memory)."""
     if kind == "none":
         return None
+    if kind == "smem":
+        return shared_memory_config_step(100, 100 << 10)
+    if kind == "l1":
+        return shared_memory_config_step(0, 0)
     a = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     if kind == "gemm":
         return lambda: a @ a
@@ -100,9 +145,10 @@ def main():
     ap.add_argument("--short-by", type=int, default=0,
                     help="sequences this many keys below the cache's capacity (a cache preallocated past them: "
                          "the bound block reads rows past the length; bytes and the read stay the full row's)")
-    ap.add_argument("--after-flush", choices=("none", "gemm", "gemm-add"), default="none",
+    ap.add_argument("--after-flush", choices=("none", "gemm", "gemm-add", "smem", "l1"), default="none",
                     help="gemm: a small matmul between each flush and each timed launch; gemm-add: then an "
-                         "elementwise kernel too (module doc)")
+                         "elementwise kernel too; smem / l1: an empty kernel that sets the SMs' shared-memory "
+                         "split to all shared memory / all L1 (module doc)")
     ap.add_argument("--sdpa", action="store_true", help="also time torch SDPA on the row (its µs on the row's # line)")
     ap.add_argument("--splits", type=int, default=None,
                     help="our kernel with this many splits (default tuning, merged without a cluster) "

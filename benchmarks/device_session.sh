@@ -109,7 +109,9 @@
 # B8 L8k rows keep / zero, four rounds, where nothing is read past the length, and three with sequences 37 keys
 # short of the cache, where the zeroing runs), after-flush (decode_floor's B1 window and B8 L8k rows with
 # nothing, a small matmul, or the matmul and an elementwise kernel between each L2 flush and each timed launch,
-# SDPA timed beside them: what the kernel before ours costs it; three alternating rounds), merge-chunk (FLEXATTN_DECODE_MERGE_CHUNK=generic / exact: the polled merge's first round clamped to the head
+# SDPA timed beside them: what the kernel before ours costs it; three alternating rounds), shared-split (the same
+# rows after an empty kernel that leaves the SMs' split at all shared memory / all L1, beside none and the matmul:
+# whether a start pays for switching it; session 75, not yet run), merge-chunk (FLEXATTN_DECODE_MERGE_CHUNK=generic / exact: the polled merge's first round clamped to the head
 # dim's chunk, or exactly the launch's split count as planned for windows; its GPU tests, then decode_floor's
 # B1 L128k window row both ways, five rounds; ~4 min), balanced (FLEXATTN_DECODE_BALANCED=1, opt-in: balanced split ranges, the planner's counts untrimmed — B1 L128k
 # window 16 splits instead of 13; its GPU tests, then decode_floor's row both ways in alternating processes, five
@@ -493,6 +495,12 @@ for step in $steps; do
     after-flush) for i in 1 2 3; do   # (what the kernel after the flush pays: none / a small matmul / and an add)
                    for kind in none gemm gemm-add; do
                      run "after_flush_${kind}_$i" 60 python3 benchmarks/decode_floor.py \
+                       --rows 1x131072:window4096 8x8192:none --after-flush $kind --sdpa
+                   done
+                 done ;;
+    shared-split) for i in 1 2 3; do   # (does a kernel's start pay for switching the SMs' L1 / shared split?)
+                   for kind in none smem l1 gemm; do
+                     run "shared_split_${kind}_$i" 60 python3 benchmarks/decode_floor.py \
                        --rows 1x131072:window4096 8x8192:none --after-flush $kind --sdpa
                    done
                  done ;;
