@@ -416,6 +416,16 @@ def burst_seconds(fn, calls: int, burst: int, warmup: int) -> list:
     return times
 
 
+def piece_lines(pieces: dict, calls: int, burst: int) -> list:
+    """One line per ``name: fn`` of ``pieces``: its host µs per call (``burst_seconds``,
+    warmed up by one burst), median and mean over the bursts."""
+    lines = []
+    for name, fn in pieces.items():
+        times = burst_seconds(fn, calls, burst, warmup=burst)
+        lines.append(f"  {name:38s} median {np.median(times) * 1e6:6.1f}   mean {np.mean(times) * 1e6:6.1f}")
+    return lines
+
+
 def cprofile_top(fn, calls: int, limit: int) -> tuple:
     """(seconds per call with the profiler on, the non-blank lines of cProfile's top
     ``limit`` functions by own time) over ``calls`` back-to-back calls of ``fn``."""
@@ -518,21 +528,13 @@ def door_breakdown(B, L, variant, calls=2000, burst=32):
         "  api plan.run": lambda: api_plan.run(q, cache.k, cache.v, None, out, lse, lengths, sms),
         "  api plan._stage": lambda: api_plan._stage(lengths, sms, None),
         "  api kernel call": kernel_call(api_plan, cache.k, cache.v),
-    }
-    pieces.update({
         "  door: _broadcast_kv_batch": lambda: attention._broadcast_kv_batch(q, kh, vh),
         "  torch.empty (out)": lambda: torch.empty(entry.out_shape, dtype=entry.dtype, device=entry.device),
         "  an empty lambda": lambda: None,
-    })
+    }
     lines = [f"Host µs per call, B {B} L {L} {variant}, door beside API, {calls} calls each in bursts of {burst}, "
              f"{device_name()}; door plan is the API's: {plan is api_plan}"]
-
-    def line(name, f):
-        times = burst_seconds(f, calls, burst, warmup=burst)
-        lines.append(f"  {name:38s} median {np.median(times) * 1e6:6.1f}   mean {np.mean(times) * 1e6:6.1f}")
-
-    for name, f in pieces.items():
-        line(name, f)
+    lines += piece_lines(pieces, calls, burst)
     ready = (out, lse)
 
     class Stubbed:   # the door's wrapper alone: its repeated-call lookup answers at once
@@ -541,7 +543,7 @@ def door_breakdown(B, L, variant, calls=2000, burst=32):
             return ready
     kept, attention._PREPARED = attention._PREPARED, Stubbed
     try:
-        line("  door wrapper (entry stubbed)", door_call)
+        lines += piece_lines({"  door wrapper (entry stubbed)": door_call}, calls, burst)
     finally:
         attention._PREPARED = kept
     return "\n".join(lines)
@@ -584,10 +586,7 @@ def host_breakdown(B, L, calls=2000, burst=32):
         "    torch.cuda.current_device": lambda: torch.cuda.current_device(),
     }
     lines = [f"Host µs per call, B {B} L {L} causal+alibi, {calls} calls each in bursts of {burst}, {device_name()}"]
-    for name, f in pieces.items():
-        times = burst_seconds(f, calls, burst, warmup=burst)
-        lines.append(f"  {name:38s} median {np.median(times) * 1e6:6.1f}   mean {np.mean(times) * 1e6:6.1f}")
-    return "\n".join(lines)
+    return "\n".join(lines + piece_lines(pieces, calls, burst))
 
 
 def main():

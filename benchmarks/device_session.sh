@@ -148,6 +148,17 @@ floor_ab() {  # floor_ab NAME VAR ROUNDS VALUE...: decode_floor's rows ($FLOOR_R
   done
 }
 
+after_flush_rounds() {  # after_flush_rounds NAME KIND...: decode_floor's B1 window and B8 L8k rows, SDPA beside,
+  local name=$1 i kind      # with each --after-flush KIND in alternating processes, three rounds
+  shift
+  for i in 1 2 3; do
+    for kind in "$@"; do
+      run "${name}_${kind}_$i" 60 python3 benchmarks/decode_floor.py \
+        --rows 1x131072:window4096 8x8192:none --after-flush "$kind" --sdpa
+    done
+  done
+}
+
 run_sharded() {  # run_sharded NAME SECONDS SHARDS TESTS...: one pytest per shard of the collected cases, at once
   local name=$1 limit=$2 shards=$3 i  # (compiles are CPU-bound and one process uses one core: 16 cores, one GPU)
   shift 3
@@ -492,18 +503,8 @@ for step in $steps; do
                 # (the zeroing taken: sequences 37 keys short of the cache)
                 FLOOR_ROWS="1x131072:window4096 8x8192:none" FLOOR_ARGS="--short-by 37" \
                   floor_ab v_overhang_short FLEXATTN_DECODE_V_OVERHANG 3 keep zero ;;
-    after-flush) for i in 1 2 3; do   # (what the kernel after the flush pays: none / a small matmul / and an add)
-                   for kind in none gemm gemm-add; do
-                     run "after_flush_${kind}_$i" 60 python3 benchmarks/decode_floor.py \
-                       --rows 1x131072:window4096 8x8192:none --after-flush $kind --sdpa
-                   done
-                 done ;;
-    shared-split) for i in 1 2 3; do   # (does a kernel's start pay for switching the SMs' L1 / shared split?)
-                   for kind in none smem l1 gemm; do
-                     run "shared_split_${kind}_$i" 60 python3 benchmarks/decode_floor.py \
-                       --rows 1x131072:window4096 8x8192:none --after-flush $kind --sdpa
-                   done
-                 done ;;
+    after-flush) after_flush_rounds after_flush none gemm gemm-add ;;   # (a small matmul / and an add before)
+    shared-split) after_flush_rounds shared_split none smem l1 gemm ;;   # (does a start pay to switch the split?)
     band-tiles-ab) FLOOR_ROWS="1x131072:window4096 8x8192:window4096" floor_ab band_tiles_ab \
                      FLEXATTN_DECODE_BAND_TILES 8 aligned start ;;
     merge-chunk) run merge_chunk_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \
