@@ -19,6 +19,9 @@ kept the generated code (``--compare DIR_A DIR_B`` does it).
     python3 benchmarks/compile_time.py --sass /tmp/sass-before --kernels all
     python3 benchmarks/compile_time.py --compare /tmp/sass-before /tmp/sass-after
 
+``--host-loop`` only times a fixed pure-Python workload: run on two hosts, it says how much
+of a first call's difference between them is the host (a compile is mostly single-threaded).
+
 ``--usage`` prints ptxas's registers, spills and wgmma serialization (C7510-C7515) of each
 kernel instead (exit status 1 if any was serialized).
 
@@ -601,6 +604,24 @@ def compare(a: str, b: str) -> int:
     return bad
 
 
+def host_loop_seconds(rounds: int = 5) -> float:
+    """Best of ``rounds`` timings of a fixed pure-Python workload (dict and list churn, as a
+    trace's bookkeeping is): this host's single-thread Python speed, to set a first call's
+    seconds on one machine beside another's (compiles are mostly single-threaded Python
+    and LLVM)."""
+    def work():
+        table = {}
+        for i in range(400_000):
+            table[(i & 1023, i >> 10)] = [i, str(i)]
+        return sum(len(v[1]) for v in table.values())
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernels", nargs="+", default=["full", "softcap", "doc"],
@@ -616,7 +637,12 @@ def main():
     ap.add_argument("--compare", nargs=2, metavar=("DIR_A", "DIR_B"))
     ap.add_argument("--usage", action="store_true",
                     help="instead: ptxas's registers, spills and wgmma serialization of each kernel")
+    ap.add_argument("--host-loop", action="store_true",
+                    help="instead: time a fixed pure-Python workload (this host's speed, host_loop_seconds)")
     args = ap.parse_args()
+    if args.host_loop:
+        print(f"host loop: {host_loop_seconds():.3f} s (best of 5; {os.uname().nodename})")
+        return
     if args.kernels == ["all"]:
         args.kernels = list(KERNELS)
     if args.compare:

@@ -12,6 +12,7 @@ launch follows a read-only L2 flush, as ``clean_ms``. Per row (medians over laun
   kernel       CUDA events around the probed launch (the probe adds a few stores)
   entry        last CTA's entry (how long the launch takes to place every CTA)
   wave1        CTAs that entered within 5 µs of the first (all of them: one wave)
+  shared       SMs holding more than one of the launch's CTAs (the block scheduler's placement)
   range        median CTA: entry -> its kv range known (length read, masked-prefix analysis)
   prod/issue/q median CTA: entry -> producer warp started / its first K block's TMA issued
                (the length's load returned) / the packed Q stored to shared memory
@@ -45,6 +46,9 @@ merge from there), same split count.
 
     python3 benchmarks/decode_timeline.py [--shapes 8x8192 1x131072] [--variants none alibi]
 
+``--after-flush KIND`` runs decode_floor.py's step between each flush and each launch (an
+empty kernel, a matmul): what the kernel before a step changes in the step's timeline.
+
 ``--dump-ctas G`` also prints the first launch's first G groups CTA by CTA (``cta_lines``):
 which split ends last, and what its merger waits for.
 """
@@ -58,7 +62,7 @@ import torch
 
 from bench_decode import D, HQ, clean_ms, make_inputs, plan_step, slots_zeroer, step_bytes, variant_mods
 from common import device_name
-from decode_floor import plain_reads
+from decode_floor import after_flush_step, plain_reads
 from stream_marks import mark
 
 
@@ -154,6 +158,8 @@ def summarize(stamps: np.ndarray, gbytes: float) -> dict:
     steady = gbytes / ((np.median(ends) - np.median(rel[:, 3])) * 1e-6) / 1e3
     return {
         "entry": rel[:, 0].max(), "wave1": float((rel[:, 0] < 5.0).sum()), "first": first,
+        # SMs that hold more than one of the launch's CTAs (the block scheduler's placement)
+        "shared": float((np.bincount(stamps[:, 7].astype(np.int64)) > 1).sum()),
         "end p0": ends.min(), "end p50": np.median(ends), "end p100": ends.max(),
         "ticket": np.median(rel[:, 5] - rel[:, 4]),
         "merge": np.median(rel[merged, 6] - rel[merged, 5]) if merged.any() else 0.0,
@@ -256,14 +262,18 @@ def main():
     ap.add_argument("--by-sm", action="store_true", help="also print each row's stream end per SM (3 launches)")
     ap.add_argument("--dump-ctas", type=int, default=0, metavar="GROUPS",
                     help="print the first launch's first GROUPS groups CTA by CTA (cta_lines)")
+    ap.add_argument("--after-flush", choices=("none", "gemm", "gemm-add", "smem", "l1"), default="none",
+                    help="what runs between each flush and each launch (decode_floor.py's --after-flush)")
     ap.add_argument("--marks", action="store_true",
                     help="stream marks before and after each probed launch: the lead and trail columns")
     args = ap.parse_args()
     from flexattn.core import decode_path
     from flexattn.core.decode_path import DEFAULT_TUNING, DecodeTuning
 
-    print(f"# {device_name()}, tuning {args.tuning or 'default'}, splits {args.splits or 'planned'}")
-    cols = ["kernel", "plain", "entry", "wave1", "range", "prod", "issue", "q", "k1", "v1", "first", "end p0", "end p10",
+    print(f"# {device_name()}, tuning {args.tuning or 'default'}, splits {args.splits or 'planned'}, "
+          f"after the flush: {args.after_flush}")
+    after = after_flush_step(args.after_flush)
+    cols = ["kernel", "plain", "entry", "wave1", "shared", "range", "prod", "issue", "q", "k1", "v1", "first", "end p0", "end p10",
             "end mean", "end p50", "end p100", "ticket", "norm", "seen", "rounds", "out", "merge", "done", "steady",
             "tick"]
     if args.marks:
@@ -289,15 +299,15 @@ def main():
                 merge = ("cluster" if step.config.cluster_splits > 1 else "polled" if step.config.polled_merge
                          else "tickets")
                 plain_zeroer = slots_zeroer(step) if step.config.caller_empties_slots else None
-                plain_ms = clean_ms(step.launch, before=plain_zeroer)
+                plain_ms = clean_ms(step.launch, before=plain_zeroer, after_flush=after)
                 launch, stamps, splits, zeroer = probed_launch(step, q, cache)
-                kernel_ms = clean_ms(launch, reps=args.reps, before=zeroer)   # compiles on its warmup calls
+                kernel_ms = clean_ms(launch, reps=args.reps, before=zeroer, after_flush=after)   # compiles on its warmup calls
                 rows, notes = [], []   # (lines printed under the row: --by-sm, --dump-ctas)
                 marks = torch.zeros(2, dtype=torch.int32, device="cuda")
                 marked = between_marks(launch, marks)   # (the probed launch builds its views per call)
                 for rep in range(args.reps):
                     stamps.zero_()
-                    clean_ms(marked if args.marks else launch, reps=1, warmup=0, before=zeroer)
+                    clean_ms(marked if args.marks else launch, reps=1, warmup=0, before=zeroer, after_flush=after)
                     launch_stamps = stamps.cpu().numpy().view(np.uint32)
                     rows.append(summarize(launch_stamps, step_bytes(B, L, name) / 1e9))
                     if args.marks:
@@ -311,7 +321,7 @@ def main():
                 fig["kernel"], fig["plain"] = kernel_ms * 1e3, plain_ms * 1e3
                 if args.marks:
                     fig["m2m"] = mark_to_mark_us(step.launch, args.reps, plain_zeroer)
-                cells = [f"{fig[c]:.2f}" if c == "steady" else f"{fig[c]:.0f}" if c == "wave1" else f"{fig[c]:.1f}"
+                cells = [f"{fig[c]:.2f}" if c == "steady" else f"{fig[c]:.0f}" if c in ("wave1", "shared") else f"{fig[c]:.1f}"
                          for c in cols]
                 print(f"| {B} | {L} | {layout} | {name} | {splits} | {merge} | " + " | ".join(cells) + " |", flush=True)
                 for line in notes:

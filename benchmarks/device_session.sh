@@ -15,7 +15,10 @@
 # gpu-tail split it, with decode-suites); decode-close: bench_decode's table at issue 24's
 # three shapes, recorded, then twelve decode_floor processes of the window rows), jax (JAX adapter on the
 # kernels), notebooks (every notebook on the GPU), sched (tile order / persistent CTAs ablation),
-# first-call (a new mod's first call alone, fresh processes: issue 3's target), ab (ours
+# first-call (a new mod's first call alone, fresh processes: issue 3's target), first-call-host (the same beside
+# this host's speed: a pure-Python loop and compile_time.py's CPU-only compiles of the same kernels in fresh
+# processes, both also run on the CPU box, and first_call.py's compile phases in the GPU process: a slow host,
+# slower code and the GPU process told apart), ab (ours
 # against FA4 in alternating rounds, full and causal, three shapes), bwd-sched (backward
 # kernel ablation beside FA4's backward), kprofile-shapes (device µs per kernel of a
 # fwd+bwd step, ours beside FA4, at S4096 and S8192: where the backward's per-CTA cost
@@ -111,7 +114,8 @@
 # nothing, a small matmul, or the matmul and an elementwise kernel between each L2 flush and each timed launch,
 # SDPA timed beside them: what the kernel before ours costs it; three alternating rounds), shared-split (the same
 # rows after an empty kernel that leaves the SMs' split at all shared memory / all L1, beside none and the matmul:
-# whether a start pays for switching it; session 75, not yet run), merge-chunk (FLEXATTN_DECODE_MERGE_CHUNK=generic / exact: the polled merge's first round clamped to the head
+# whether a start pays for switching it; session 75), timeline-split (decode_timeline.py's B1 window row after the
+# flush alone / smem / l1, three rounds, the CTAs' SMs: where the empty kernel's gain goes; ~3 min), merge-chunk (FLEXATTN_DECODE_MERGE_CHUNK=generic / exact: the polled merge's first round clamped to the head
 # dim's chunk, or exactly the launch's split count as planned for windows; its GPU tests, then decode_floor's
 # B1 L128k window row both ways, five rounds; ~4 min), balanced (FLEXATTN_DECODE_BALANCED=1, opt-in: balanced split ranges, the planner's counts untrimmed — B1 L128k
 # window 16 splits instead of 13; its GPU tests, then decode_floor's row both ways in alternating processes, five
@@ -242,6 +246,15 @@ for step in $steps; do
     detprofile) run detprofile 300 python3 benchmarks/profile_kernels.py --variants full window1024 document4 \
            --impls flexattn --deterministic --steps 10 ;;
     first-call) run first_call 300 python3 benchmarks/first_call.py --reps 5 --out "$out/first_call.json" ;;
+    first-call-host) run host_loop 30 python3 benchmarks/compile_time.py --host-loop   # (this host's Python speed)
+                     tail -1 "$out/host_loop.log"
+                     run compile_host 250 python3 benchmarks/compile_time.py --warm full --processes 2 \
+                       --kernels door-causal door-window1024 door-document4 door-causal+softcap30 door-causal+alibi
+                     tail -7 "$out/compile_host.log"
+                     run first_call 300 python3 benchmarks/first_call.py --reps 3 --phases --out "$out/first_call.json"
+                     grep PHASES "$out/first_call.log"
+                     run host_loop_after 30 python3 benchmarks/compile_time.py --host-loop
+                     tail -1 "$out/host_loop_after.log" ;;
     kprofile-shapes) run kprofile_shapes 400 python3 benchmarks/profile_kernels.py \
            --shapes 4x4096x16x128 2x8192x16x128 --variants full causal --impls flexattn fa4 ;;
     bwd-fixed) run bwd_fixed 300 python3 benchmarks/bwd_fixed_cost.py ;;
@@ -505,6 +518,12 @@ for step in $steps; do
                   floor_ab v_overhang_short FLEXATTN_DECODE_V_OVERHANG 3 keep zero ;;
     after-flush) after_flush_rounds after_flush none gemm gemm-add ;;   # (a small matmul / and an add before)
     shared-split) after_flush_rounds shared_split none smem l1 gemm ;;   # (does a start pay to switch the split?)
+    timeline-split) for i in 1 2 3; do   # (the shared-split rows' timelines: where an empty kernel's 0.3 µs goes)
+                      for kind in none smem l1; do
+                        (cd benchmarks && run timeline_split_${kind}_$i 90 python3 decode_timeline.py --shapes 1x131072 \
+                          --variants window4096 --layouts contiguous --merges polled --reps 15 --by-sm --after-flush $kind)
+                      done
+                    done ;;
     band-tiles-ab) FLOOR_ROWS="1x131072:window4096 8x8192:window4096" floor_ab band_tiles_ab \
                      FLEXATTN_DECODE_BAND_TILES 8 aligned start ;;
     merge-chunk) run merge_chunk_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_gpu.py \

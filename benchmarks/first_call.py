@@ -14,7 +14,11 @@ seconds the call's new kernel runners spent compiling (trace, MLIR, ptxas, host 
 ``last_compile_seconds``); the rest of the wall time is the door's (planning, loading,
 the launch).
 
-    python3 benchmarks/first_call.py [--reps 3] [--variants causal window1024 ...] [--out first_call.json]
+``--phases`` also splits each first call's compile as compile_time.py does (trace, MLIR
+passes, NVVM + ptxas, host object) inside the GPU process, so a slow first call can be
+set beside compile_time.py's CPU-only compile of the same kernel on the same host.
+
+    python3 benchmarks/first_call.py [--reps 3] [--variants causal window1024 ...] [--out first_call.json] [--phases]
 """
 
 import argparse
@@ -65,6 +69,10 @@ def child(order):
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     fa.flex_attention(q, k, v)  # warm-up: the dense kernel
     torch.cuda.synchronize()
+    timer = None
+    if os.environ.get("FIRST_CALL_PHASES") == "1":   # (--phases: compile_time.py's phase split, here)
+        from compile_time import PhaseTimer
+        timer = PhaseTimer()
     from flexattn.kernels.launch import cache
 
     def compiles():   # runner -> (kernels compiled, seconds of its last compile)
@@ -85,6 +93,8 @@ def child(order):
         kw = variant_kwargs(name)
         torch.cuda.synchronize()
         before = compiles()
+        if timer is not None:
+            timer.t.clear()
         c0, t0 = time.process_time(), time.perf_counter()
         fa.flex_attention(q, k, v, **kw)
         torch.cuda.synchronize()
@@ -95,6 +105,11 @@ def child(order):
                     if before.get(id(r), (0, 0.0))[0] < after[id(r)][0]]
         out[name] = (wall, cpu, sum(s for _, s in compiled))
         print(f"KERNELS {name}: " + "; ".join(f"{described(r)} {s:.2f} s" for r, s in compiled), flush=True)
+        if timer is not None:
+            t, backend = dict(timer.t), timer.backend_seconds()
+            host = t.get("engine", 0) + t.get("lookup", 0) + t.get("ffi", 0)
+            print(f"PHASES {name}: total {wall:.2f}  trace {t.get('trace', 0):.2f}  mlir {t.get('passes', 0) - backend:.2f}"
+                  f"  backend {backend:.2f}  host {host:.2f}", flush=True)
     print("FIRST_CALLS " + json.dumps(out), flush=True)
 
 
@@ -103,11 +118,12 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--phases", action="store_true", help="split each compile into phases (compile_time.py's)")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args.child)
-    env = dict(os.environ, FLEXATTN_DISK_CACHE="0")
+    env = dict(os.environ, FLEXATTN_DISK_CACHE="0", FIRST_CALL_PHASES="1" if args.phases else "0")
     times = {v: [] for v in args.variants}
     for rep in range(args.reps):
         n = rep % len(args.variants)
@@ -116,6 +132,7 @@ def main():
         line = [ln for ln in res.stdout.splitlines() if ln.startswith("FIRST_CALLS ")]
         if rep == 0:   # which kernels each first call compiled (the same in every repetition)
             print("\n".join(ln for ln in res.stdout.splitlines() if ln.startswith("KERNELS ")), flush=True)
+        print("\n".join(ln for ln in res.stdout.splitlines() if ln.startswith("PHASES ")), flush=True)
         if res.returncode != 0 or not line:
             print(res.stdout[-2000:], res.stderr[-4000:])
             raise SystemExit(f"repetition {rep} failed (rc {res.returncode})")

@@ -51,3 +51,16 @@ def test_cta_lines_mark_each_groups_merger():
     first = lines[1].split()
     assert first[:2] == ["0", "0"] and float(first[2]) == 0.0 and float(first[6]) == 7.0
     assert lines[1].split()[-1] == "-" and float(lines[3].split()[-1]) == 10.0
+
+
+def test_summary_counts_shared_sms():
+    """The ``shared`` column: SMs that hold more than one of the launch's CTAs (column 7 is
+    each CTA's SM), the block scheduler's placement beside the timing."""
+    base = 5000
+    stamps = np.zeros((5, 20), np.int64)
+    stamps[:, :7] = base + 100 * np.arange(7)            # entry .. merge, in order
+    stamps[:, 7] = [3, 9, 9, 4, 3]                       # SMs 3 and 9 hold two CTAs each
+    row = decode_timeline.summarize(stamps.astype(np.uint32), gbytes=1.0)
+    assert row["shared"] == 2.0
+    stamps[:, 7] = [0, 1, 2, 3, 4]
+    assert decode_timeline.summarize(stamps.astype(np.uint32), gbytes=1.0)["shared"] == 0.0
