@@ -273,9 +273,9 @@ def main():
     print(f"# {device_name()}, tuning {args.tuning or 'default'}, splits {args.splits or 'planned'}, "
           f"after the flush: {args.after_flush}")
     after = after_flush_step(args.after_flush)
-    cols = ["kernel", "plain", "entry", "wave1", "shared", "range", "prod", "issue", "q", "k1", "v1", "first", "end p0", "end p10",
-            "end mean", "end p50", "end p100", "ticket", "norm", "seen", "rounds", "out", "merge", "done", "steady",
-            "tick"]
+    cols = ["kernel", "plain", "entry", "wave1", "shared", "range", "prod", "issue", "q", "k1", "v1", "first", "end p0",
+            "end p10", "end mean", "end p50", "end p100", "ticket", "norm", "seen", "rounds", "out", "merge", "done",
+            "steady", "tick"]
     if args.marks:
         cols += ["lead", "trail", "m2m"]
     empty_us = None   # --marks: an empty kernel's mark-to-mark µs, measured once
@@ -301,7 +301,8 @@ def main():
                 plain_zeroer = slots_zeroer(step) if step.config.caller_empties_slots else None
                 plain_ms = clean_ms(step.launch, before=plain_zeroer, after_flush=after)
                 launch, stamps, splits, zeroer = probed_launch(step, q, cache)
-                kernel_ms = clean_ms(launch, reps=args.reps, before=zeroer, after_flush=after)   # compiles on its warmup calls
+                # (compiles on its warm-up calls)
+                kernel_ms = clean_ms(launch, reps=args.reps, before=zeroer, after_flush=after)
                 rows, notes = [], []   # (lines printed under the row: --by-sm, --dump-ctas)
                 marks = torch.zeros(2, dtype=torch.int32, device="cuda")
                 marked = between_marks(launch, marks)   # (the probed launch builds its views per call)
@@ -321,8 +322,8 @@ def main():
                 fig["kernel"], fig["plain"] = kernel_ms * 1e3, plain_ms * 1e3
                 if args.marks:
                     fig["m2m"] = mark_to_mark_us(step.launch, args.reps, plain_zeroer)
-                cells = [f"{fig[c]:.2f}" if c == "steady" else f"{fig[c]:.0f}" if c in ("wave1", "shared") else f"{fig[c]:.1f}"
-                         for c in cols]
+                cells = [f"{fig[c]:.2f}" if c == "steady" else f"{fig[c]:.0f}" if c in ("wave1", "shared")
+                         else f"{fig[c]:.1f}" for c in cols]
                 print(f"| {B} | {L} | {layout} | {name} | {splits} | {merge} | " + " | ".join(cells) + " |", flush=True)
                 for line in notes:
                     print(f"#   {line}")

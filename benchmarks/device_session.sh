@@ -115,7 +115,8 @@
 # SDPA timed beside them: what the kernel before ours costs it; three alternating rounds), shared-split (the same
 # rows after an empty kernel that leaves the SMs' split at all shared memory / all L1, beside none and the matmul:
 # whether a start pays for switching it; session 75), timeline-split (decode_timeline.py's B1 window row after the
-# flush alone / smem / l1, three rounds, the CTAs' SMs: where the empty kernel's gain goes; ~3 min), merge-chunk (FLEXATTN_DECODE_MERGE_CHUNK=generic / exact: the polled merge's first round clamped to the head
+# flush alone / smem / l1, three rounds, the CTAs' SMs: where the empty kernel's gain goes; ~3 min),
+# merge-chunk (FLEXATTN_DECODE_MERGE_CHUNK=generic / exact: the polled merge's first round clamped to the head
 # dim's chunk, or exactly the launch's split count as planned for windows; its GPU tests, then decode_floor's
 # B1 L128k window row both ways, five rounds; ~4 min), balanced (FLEXATTN_DECODE_BALANCED=1, opt-in: balanced split ranges, the planner's counts untrimmed — B1 L128k
 # window 16 splits instead of 13; its GPU tests, then decode_floor's row both ways in alternating processes, five
@@ -520,8 +521,9 @@ for step in $steps; do
     shared-split) after_flush_rounds shared_split none smem l1 gemm ;;   # (does a start pay to switch the split?)
     timeline-split) for i in 1 2 3; do   # (the shared-split rows' timelines: where an empty kernel's 0.3 µs goes)
                       for kind in none smem l1; do
-                        (cd benchmarks && run timeline_split_${kind}_$i 90 python3 decode_timeline.py --shapes 1x131072 \
-                          --variants window4096 --layouts contiguous --merges polled --reps 15 --by-sm --after-flush $kind)
+                        (cd benchmarks && run timeline_split_${kind}_$i 90 python3 decode_timeline.py \
+                          --shapes 1x131072 --variants window4096 --layouts contiguous --merges polled --reps 15 \
+                          --by-sm --after-flush $kind)
                       done
                     done ;;
     band-tiles-ab) FLOOR_ROWS="1x131072:window4096 8x8192:window4096" floor_ab band_tiles_ab \

@@ -108,8 +108,8 @@ def child(order):
         if timer is not None:
             t, backend = dict(timer.t), timer.backend_seconds()
             host = t.get("engine", 0) + t.get("lookup", 0) + t.get("ffi", 0)
-            print(f"PHASES {name}: total {wall:.2f}  trace {t.get('trace', 0):.2f}  mlir {t.get('passes', 0) - backend:.2f}"
-                  f"  backend {backend:.2f}  host {host:.2f}", flush=True)
+            print(f"PHASES {name}: total {wall:.2f}  trace {t.get('trace', 0):.2f}"
+                  f"  mlir {t.get('passes', 0) - backend:.2f}  backend {backend:.2f}  host {host:.2f}", flush=True)
     print("FIRST_CALLS " + json.dumps(out), flush=True)
 
 
