@@ -115,7 +115,9 @@
 # SDPA timed beside them: what the kernel before ours costs it; three alternating rounds), shared-split (the same
 # rows after an empty kernel that leaves the SMs' split at all shared memory / all L1, beside none and the matmul:
 # whether a start pays for switching it; session 75), timeline-split (decode_timeline.py's B1 window row after the
-# flush alone / smem / l1, three rounds, the CTAs' SMs: where the empty kernel's gain goes; ~3 min),
+# flush alone / smem / l1, three rounds, the CTAs' SMs: where the empty kernel's gain goes; ~3 min), band-one-step
+# (FwdConfig.band_one_step, session 76: its GPU cases, the door's window1024 forward A/B against the two-step walk at
+# three shapes, then window1024's first call with it; ~4 min),
 # merge-chunk (FLEXATTN_DECODE_MERGE_CHUNK=generic / exact: the polled merge's first round clamped to the head
 # dim's chunk, or exactly the launch's split count as planned for windows; its GPU tests, then decode_floor's
 # B1 L128k window row both ways, five rounds; ~4 min), balanced (FLEXATTN_DECODE_BALANCED=1, opt-in: balanced split ranges, the planner's counts untrimmed — B1 L128k
@@ -519,6 +521,12 @@ for step in $steps; do
                   floor_ab v_overhang_short FLEXATTN_DECODE_V_OVERHANG 3 keep zero ;;
     after-flush) after_flush_rounds after_flush none gemm gemm-add ;;   # (a small matmul / and an add before)
     shared-split) after_flush_rounds shared_split none smem l1 gemm ;;   # (does a start pay to switch the split?)
+    band-one-step) run band_one_step_tests 70 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py \
+                     -k band_one_step
+                   run band_one_step_ab 110 python3 benchmarks/ab_env.py --env FLEXATTN_BAND_ONE_STEP=1 \
+                     --variants window1024 --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128 --rounds 5
+                   FLEXATTN_BAND_ONE_STEP=1 run band_one_step_first_call 45 python3 benchmarks/first_call.py \
+                     --variants window1024 --reps 2 --phases ;;
     timeline-split) for i in 1 2 3; do   # (the shared-split rows' timelines: where an empty kernel's 0.3 µs goes)
                       for kind in none smem l1; do
                         (cd benchmarks && run timeline_split_${kind}_$i 90 python3 decode_timeline.py \

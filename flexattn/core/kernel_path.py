@@ -604,9 +604,13 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     # forward 0.933 / 0.950 / 0.946x the time at D32 / D64 / D128, fwd+bwd D128 0.983x.
     # FLEXATTN_SCALED_INDICES=0 emits the plain product, for A/B runs.
     scaled_indices = os.environ.get("FLEXATTN_SCALED_INDICES") != "0"
+    # A band's partial and full blocks through one step (FwdConfig.band_one_step: one copy of
+    # the step fewer, a faster first call). Built in session 76, not yet measured on the
+    # GPU: FLEXATTN_BAND_ONE_STEP=1 plans it, for A/B runs.
+    band_one_step = bool(band) and os.environ.get("FLEXATTN_BAND_ONE_STEP") == "1"
     key = (dtype, tf32_passes, ab_fp32, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
            cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, threshold, on_demand,
-           tiles, own_diagonal, scaled_indices, full_only, None if score is None else id(score.expr),
+           tiles, own_diagonal, scaled_indices, full_only, band_one_step, None if score is None else id(score.expr),
            None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     # 3xTF32 keeps float32's accuracy: the mods' tanh / sigmoid exact, not tanh.approx.
@@ -653,6 +657,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
             rescale_threshold=threshold,
             maxima_on_demand=on_demand,
             own_diagonal=own_diagonal,
+            band_one_step=band_one_step,
             **dict(ab_fp32),
             # The mods' reads constant over a tile (a converted PagedAttention mask's page
             # map at kv // 128) once per tile and row: H200, 2026-11-30, a prefill chunk

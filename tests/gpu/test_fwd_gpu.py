@@ -324,6 +324,24 @@ def test_256_row_tiles(case):
     run_case(*case)
 
 
+# A band's partial and full blocks through one step (FwdConfig.band_one_step, for A/B runs):
+# windows open on either side, odd lengths, GQA, Sq != Skv, rows with no key, persistent CTAs
+# by tickets, four warpgroups, the maxima on demand and without them, kv-aligned full blocks.
+BAND_ONE_STEP = [
+    ("bf16", 128, 3, 4, 2, 1000, 1000, "window", "bhsd", "od+persist", True),
+    ("fp16", 128, 2, 4, 2, 700, 900, "window", "bshd", "od+tickets", False),
+    ("bf16", 64, 2, 6, 3, 777, 500, "window", "bhsd", "ov+pp", False),
+    ("bf16", 128, 2, 4, 2, 1024, 1024, "window", "bhsd", "aligned+tickets", True),
+    ("bf16", 32, 3, 4, 2, 1000, 1000, "window", "bhsd", "od+m256", True),
+    ("fp16", 128, 1, 2, 2, 130, 257, "window", "bshd", "od", False),
+]
+
+
+@pytest.mark.parametrize("case", BAND_ONE_STEP, ids=lambda c: "-".join(map(str, c)))
+def test_band_one_step(case):
+    run_case(*case[:9], sched=case[9], spiky=case[10], overrides={"band_one_step": True})
+
+
 # rescale_threshold over every walk (dense, causal peeled and in one step, lists, band, no
 # overlap, early rescale, clusters, persistent CTAs), empty rows, D32 to D256; spiky inputs
 # (spiky_gains) take both branches of the vote, plain ones mostly the skip.

@@ -100,6 +100,12 @@ CASES = {
                                              rescale_threshold=8.0, maxima_on_demand=True,
                                              mods=IRModHook(None, canonical_band(mods.sliding_window(1024)))),
                                    lambda: (cutlass.Int32(0), cutlass.Int32(1024))),
+    # ... its partial and full blocks through one step (FwdConfig.band_one_step, A/B: a faster compile)
+    "hd128-band-window-one-step-od": (FwdConfig(head_dim=128, band=True, band_one_step=True, max_ctas=132,
+                                                tile_tickets=True, kv_aligned=True, rescale_threshold=8.0,
+                                                maxima_on_demand=True,
+                                                mods=IRModHook(None, canonical_band(mods.sliding_window(1024)))),
+                                      lambda: (cutlass.Int32(0), cutlass.Int32(1024))),
     "hd64-causal-tickets": (FwdConfig(head_dim=64, causal=True, max_ctas=132, tile_tickets=True), lambda: ()),
     # four consumer warpgroups: 256-row tiles with a four-way ping-pong
     "hd32-causal-m256": (FwdConfig(head_dim=32, causal=True, tile_m=256, tile_n=80, max_ctas=132,
@@ -253,6 +259,18 @@ def test_hooks_walk_blocks_in_one_step(compiled):
         cfg = CASES[name][0]
         qk, pv = cfg.head_dim // 16, cfg.tile_n // 16
         assert compiled[name].count("wgmma.mma_async") == (qk + pv) + pv, name
+
+
+def test_band_walks_in_one_step_when_asked(compiled):
+    # A band walks its partial blocks, then its full ones, each kind with a step of its own
+    # (two copies of the GEMMs); with band_one_step one step serves both (partial decided at
+    # run time), then the final P V.
+    for name, steps in (("hd128-band-window-tickets", 2), ("hd128-band-window-one-step-od", 1)):
+        cfg = CASES[name][0]
+        qk, pv = cfg.head_dim // 16, cfg.tile_n // 16
+        assert compiled[name].count("wgmma.mma_async") == steps * (qk + pv) + pv, name
+    with pytest.raises(ValueError, match="band_one_step"):
+        FwdConfig(head_dim=128, band_one_step=True)
 
 
 def test_early_o_rescale_runs_between_the_two_gemms(compiled):

@@ -427,6 +427,22 @@ def test_own_diagonal_is_planned(on_gpu, monkeypatch):
     assert not config(32).own_diagonal and not config(128).own_diagonal
 
 
+def test_band_one_step_only_when_asked(on_gpu, monkeypatch):
+    """FwdConfig.band_one_step (built in session 76, not yet measured on the GPU) is planned
+    for bands only under FLEXATTN_BAND_ONE_STEP=1, and keys its own plan."""
+    monkeypatch.delenv("FLEXATTN_BAND_ONE_STEP", raising=False)
+
+    def config(mask):
+        q = torch.empty(2, 4, 1024, 128, dtype=torch.bfloat16).as_subclass(_OnGpu)
+        spec = AttentionSpec.from_args(mask=mask)
+        return plan_forward(q, check_inputs(q, q, q, spec), spec).config
+
+    assert config(mods.sliding_window(256)).band and not config(mods.sliding_window(256)).band_one_step
+    monkeypatch.setenv("FLEXATTN_BAND_ONE_STEP", "1")
+    assert config(mods.sliding_window(256)).band_one_step
+    assert not config(mods.causal()).band_one_step
+
+
 def test_maxima_on_demand_for_16_bit_calls_without_max_scores(on_gpu, monkeypatch):
     """maxima_on_demand is planned for 16-bit calls without max_scores, at every head dim and
     block structure and with score mods, with the threshold 8 it needs; not for float32 or

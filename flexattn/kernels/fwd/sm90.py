@@ -155,6 +155,11 @@ class FwdConfig(KernelConfig):
                                        # multiple of it: 64-row fp32 tiles read 128-row lists)
     band: bool = False             # block structure of the mask's band of diagonals (the
                                    # mask hook's IR is one; its bounds are runtime captures)
+    band_one_step: bool = False    # band, overlapped schedule: one step serves partial and
+                                   # full blocks (`partial` decided per block at run time, as
+                                   # the causal walk does), one copy of the mods and the
+                                   # softmax fewer (a faster compile); the blocks and their
+                                   # order are unchanged. Built for A/B (session 76)
     max_scores: bool = False       # also write each row's max score (torch's AuxRequest)
     hoist_tile_reads: bool = False # the mods' reads at kv // P (P a multiple of tile_n: a
                                    # paged mask's page map) once per tile and row, not per
@@ -280,6 +285,9 @@ class FwdConfig(KernelConfig):
             raise ValueError("partial_blocks=False is a choice of block_sparse lists")
         if self.band and band_of(self.mods) is None:
             raise ValueError("band=True needs a mask hook whose mask is a band of diagonals")
+        if self.band_one_step and not (self.band and self.intra_wg_overlap):
+            raise ValueError("band_one_step walks a band's blocks in the overlapped schedule: needs band=True "
+                             "and intra_wg_overlap=True")
         if self.max_ctas < 0:
             raise ValueError(f"max_ctas must be >= 0, got {self.max_ctas}")
         if self.cluster_m not in (1, 2):
@@ -986,13 +994,20 @@ class FlashFwdSm90(WarpSpecialized):
             # where there is no partial list: elsewhere a tile rarely starts with a full
             # block, and the full loop (a band's bulk) keeps the step without that vote.
             v_state = kv_state.clone()
-            if const_expr(partial):
-                for i in cutlass.range(n_p, unroll=1):
-                    kv_state, v_state = self._visit_step(ctx, kv_state, v_state, blocks.partial_at(i), i > 0,
-                                                          mask=has_mask, partial=True)
-            for i in cutlass.range(n_f, unroll=1):
-                kv_state, v_state = self._visit_step(ctx, kv_state, v_state, blocks.full_at(i), n_p + i > 0,
-                                                      mask=has_mask, partial=False, may_be_first=not partial)
+            if const_expr(self.cfg.band_one_step):
+                # A band's blocks by arithmetic (`BandBlocks.at`: no list to read), in the
+                # same order, through one step; whether a block is partial is a run-time value.
+                for i in cutlass.range(blocks.count, unroll=1):
+                    kv_state, v_state = self._visit_step(ctx, kv_state, v_state, blocks.at(i), i > 0,
+                                                          mask=has_mask, partial=i < n_p)
+            else:
+                if const_expr(partial):
+                    for i in cutlass.range(n_p, unroll=1):
+                        kv_state, v_state = self._visit_step(ctx, kv_state, v_state, blocks.partial_at(i), i > 0,
+                                                              mask=has_mask, partial=True)
+                for i in cutlass.range(n_f, unroll=1):
+                    kv_state, v_state = self._visit_step(ctx, kv_state, v_state, blocks.full_at(i), n_p + i > 0,
+                                                          mask=has_mask, partial=False, may_be_first=not partial)
             if n_p + n_f > 0:
                 self._last_pv(ctx, v_state, advance=False)
         return kv_state
