@@ -428,7 +428,7 @@ def test_own_diagonal_is_planned(on_gpu, monkeypatch):
 
 
 def test_band_one_step_only_when_asked(on_gpu, monkeypatch):
-    """FwdConfig.band_one_step (built in session 76, measured once, not yet planned) is planned
+    """FwdConfig.band_one_step (built in session 76, measured once) is planned
     for bands only under FLEXATTN_BAND_ONE_STEP=1, and keys its own plan."""
     monkeypatch.delenv("FLEXATTN_BAND_ONE_STEP", raising=False)
 
