@@ -36,7 +36,8 @@ after the matmul ours and SDPA took ~0.7 µs longer and the read did not; after 
 read was ~0.4 µs faster (docs/experiments.md, Decode, session 74). ``smem`` / ``l1`` run an empty
 kernel instead that leaves the SMs' L1 / shared-memory split at all shared memory (carveout 100, 100 KB per
 CTA) / all L1 (carveout 0): whether a kernel's start pays for switching that split (session 75's hypothesis for
-the matmul's +0.7 µs, and for the deeper ring's 0.7 µs later start: its carveout is the driver's choice).
+the matmul's +0.7 µs). H200, session 76: ours ~0.35 µs faster after either (B1 L128k window), SDPA and an empty
+kernel slower, and the CTAs' own timeline unchanged (decode_timeline.py --after-flush): not a split switch.
 """
 
 import argparse

@@ -47,7 +47,9 @@ merge from there), same split count.
     python3 benchmarks/decode_timeline.py [--shapes 8x8192 1x131072] [--variants none alibi]
 
 ``--after-flush KIND`` runs decode_floor.py's step between each flush and each launch (an
-empty kernel, a matmul): what the kernel before a step changes in the step's timeline.
+empty kernel, a matmul): what the kernel before a step changes in the step's timeline. With
+``--marks`` the probed launches follow the marks' spin instead (``between_marks``), so the
+two are read apart.
 
 ``--dump-ctas G`` also prints the first launch's first G groups CTA by CTA (``cta_lines``):
 which split ends last, and what its merger waits for.
