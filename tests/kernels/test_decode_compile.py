@@ -431,7 +431,7 @@ def test_merge_chunk_loads_no_split_twice(compiled, monkeypatch):
     kernel, splits, _, _ = plan._launch_parts(cap, 132, None, False)
     assert kernel[2] and kernel[3] == splits == 13 and plan._kernel(kernel)[0].merge_chunk == 13, kernel
     assert plan._band_hi == 4096
-    filling = plan._launch_parts(3000, 132, None, False)[0]                  # (the window not yet full: counts still move)
+    filling = plan._launch_parts(3000, 132, None, False)[0]   # (the window not yet full: counts still move)
     assert filling[2] and filling[3] == 0, filling
     chunk = chunk_splits(128)
     assert decode_path.stable_merge_chunk(13, chunk, 4096, 4098, 1) == 13
@@ -832,7 +832,8 @@ def test_plan_parity_slots(monkeypatch):
     assert plan._tickets_for((plan.tuning, 1, False)) is not zeroed[-1]   # the ticket merge: the workspace's
     plan, launches = plan_with(None)                 # no zeroed memory: the shared scratch, emptied
     assert plan.run(q, k, k, None, out, lse, [4001, 38], 132) == 13
-    assert launches[-1][7].data_ptr() == marked.data_ptr() and not plan._kernel((plan.tuning, 1, True, 0, True))[0].parity_slots
+    assert launches[-1][7].data_ptr() == marked.data_ptr()
+    assert not plan._kernel((plan.tuning, 1, True, 0, True))[0].parity_slots
     # the variants' flags (the benchmarks' parity-caller: the parity kernel without its zeroing)
     for slots, flags in (("parity-caller", (True, True)), ("caller", (False, True))):
         monkeypatch.setenv("FLEXATTN_DECODE_SLOTS", slots)
