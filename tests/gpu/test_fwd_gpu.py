@@ -337,9 +337,10 @@ BAND_ONE_STEP = [
 ]
 
 
+@pytest.mark.parametrize("vote", ["before", "after", "first"])
 @pytest.mark.parametrize("case", BAND_ONE_STEP, ids=lambda c: "-".join(map(str, c)))
-def test_band_one_step(case):
-    run_case(*case[:9], sched=case[9], spiky=case[10], overrides={"band_one_step": True})
+def test_band_one_step(case, vote):
+    run_case(*case[:9], sched=case[9], spiky=case[10], overrides={"band_one_step": True, "band_first_vote": vote})
 
 
 # rescale_threshold over every walk (dense, causal peeled and in one step, lists, band, no
