@@ -117,10 +117,9 @@
 # whether a start pays for switching it; session 75), timeline-split (decode_timeline.py's B1 window row after the
 # flush alone / smem / l1, three rounds, the CTAs' SMs: where the empty kernel's gain goes; ~3 min), band-one-step
 # (FwdConfig.band_one_step, session 76: its GPU cases, the door's window1024 forward A/B against the two-step walk at
-# three shapes, then window1024's first call with it; ~4 min), band-vote (band_one_step's three places for the maxima-on-demand vote: its GPU tests, then forward and
-# fwd+bwd A/B of each beside the two-loop walk, 9 rounds, three shapes; ~5 min), band-one-step-ab (what planning it needs beside the
-# GPU suites, which `FLEXATTN_BAND_ONE_STEP=1 ... gpu-fwd` runs: the forward A/B in 11 rounds, forward + backward
-# in 7, and window1024 / causal first calls with and without it in alternating processes; ~6 min),
+# three shapes, then window1024's first call with it; ~4 min), band-one-step-ab (the one-step walk, planned since
+# session 77, against FLEXATTN_BAND_ONE_STEP=0's two loops: the forward A/B in 11 rounds, forward + backward in 7,
+# and window1024 / causal first calls with and without it in alternating processes; ~6 min),
 # merge-chunk (FLEXATTN_DECODE_MERGE_CHUNK=generic / exact: the polled merge's first round clamped to the head
 # dim's chunk, or exactly the launch's split count as planned for windows; its GPU tests, then decode_floor's
 # B1 L128k window row both ways, five rounds; ~4 min), balanced (FLEXATTN_DECODE_BALANCED=1, opt-in: balanced split ranges, the planner's counts untrimmed — B1 L128k
@@ -526,19 +525,13 @@ for step in $steps; do
     shared-split) after_flush_rounds shared_split none smem l1 gemm ;;   # (does a start pay to switch the split?)
     band-one-step) run band_one_step_tests 70 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py \
                      -k band_one_step
-                   run band_one_step_ab 110 python3 benchmarks/ab_env.py --env FLEXATTN_BAND_ONE_STEP=1 \
+                   run band_one_step_ab 110 python3 benchmarks/ab_env.py --env FLEXATTN_BAND_ONE_STEP=0 \
                      --variants window1024 --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128 --rounds 5
-                   FLEXATTN_BAND_ONE_STEP=1 run band_one_step_first_call 45 python3 benchmarks/first_call.py \
+                   run band_one_step_first_call 45 python3 benchmarks/first_call.py \
                      --variants window1024 --reps 2 --phases ;;
-    band-vote) run band_vote_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py -k band_one_step
-               for m in "" --backward; do
-                 run band_vote_ab${m:+_bwd} 200 python3 benchmarks/ab_env.py --env FLEXATTN_BAND_ONE_STEP=1 $m \
-                   --also FLEXATTN_BAND_ONE_STEP=after FLEXATTN_BAND_ONE_STEP=first --variants window1024 \
-                   --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128 --rounds 9
-               done ;;
-    band-one-step-ab) run band_one_step_fwd 200 python3 benchmarks/ab_env.py --env FLEXATTN_BAND_ONE_STEP=1 \
+    band-one-step-ab) run band_one_step_fwd 200 python3 benchmarks/ab_env.py --env FLEXATTN_BAND_ONE_STEP=0 \
                         --variants window1024 --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128 --rounds 11
-                      run band_one_step_bwd 200 python3 benchmarks/ab_env.py --env FLEXATTN_BAND_ONE_STEP=1 \
+                      run band_one_step_bwd 200 python3 benchmarks/ab_env.py --env FLEXATTN_BAND_ONE_STEP=0 \
                         --variants window1024 --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128 --rounds 7 --backward
                       for i in 1 2; do
                         for v in 0 1; do

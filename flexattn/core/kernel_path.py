@@ -606,14 +606,16 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     scaled_indices = os.environ.get("FLEXATTN_SCALED_INDICES") != "0"
     # A band's partial and full blocks through one step (FwdConfig.band_one_step: one copy of
     # the step fewer; window1024 D128 compiles in 1.43 s instead of 2.00 on the CPU box).
-    # H200, session 76, one run: forward 1.004-1.018x the time at the three scoreboard shapes.
-    # FLEXATTN_BAND_ONE_STEP=1 plans it, for A/B runs, until the GPU suites pass with it.
-    one_step_flag = os.environ.get("FLEXATTN_BAND_ONE_STEP", "0")
-    band_one_step = bool(band) and one_step_flag != "0"
-    band_first_vote = one_step_flag if one_step_flag in ("after", "first") else "before"
+    # H200, sessions 76-77, the door's window1024 forward in alternating rounds (5, 11, 9),
+    # time with / without at B4 S4096, B8 S2048, B2 S8192: 1.000-1.018x (mean 1.008);
+    # fwd+bwd 1.002-1.014x; first call (one host, alternating processes) 2.04 / 1.77 s
+    # against 2.84 / 2.01. The vote of the maxima on demand after the exponentials read
+    # 1.014-1.019x, none on block 0 1.002-1.012x: the vote stays before them (may_be_first).
+    # FLEXATTN_BAND_ONE_STEP=0 walks partial and full blocks in loops of their own, for A/B runs.
+    band_one_step = bool(band) and os.environ.get("FLEXATTN_BAND_ONE_STEP") != "0"
     key = (dtype, tf32_passes, ab_fp32, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
            cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, threshold, on_demand,
-           tiles, own_diagonal, scaled_indices, full_only, band_one_step, band_first_vote, None if score is None else id(score.expr),
+           tiles, own_diagonal, scaled_indices, full_only, band_one_step, None if score is None else id(score.expr),
            None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     # 3xTF32 keeps float32's accuracy: the mods' tanh / sigmoid exact, not tanh.approx.
@@ -661,7 +663,6 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
             maxima_on_demand=on_demand,
             own_diagonal=own_diagonal,
             band_one_step=band_one_step,
-            band_first_vote=band_first_vote,
             **dict(ab_fp32),
             # The mods' reads constant over a tile (a converted PagedAttention mask's page
             # map at kv // 128) once per tile and row: H200, 2026-11-30, a prefill chunk

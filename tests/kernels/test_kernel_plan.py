@@ -427,9 +427,9 @@ def test_own_diagonal_is_planned(on_gpu, monkeypatch):
     assert not config(32).own_diagonal and not config(128).own_diagonal
 
 
-def test_band_one_step_only_when_asked(on_gpu, monkeypatch):
-    """FwdConfig.band_one_step (built in session 76, measured once) is planned
-    for bands only under FLEXATTN_BAND_ONE_STEP=1, and keys its own plan."""
+def test_band_one_step_planned_for_bands(on_gpu, monkeypatch):
+    """FwdConfig.band_one_step is planned for bands (not for other structures);
+    FLEXATTN_BAND_ONE_STEP=0 plans the two loops, under a plan key of its own."""
     monkeypatch.delenv("FLEXATTN_BAND_ONE_STEP", raising=False)
 
     def config(mask):
@@ -437,10 +437,12 @@ def test_band_one_step_only_when_asked(on_gpu, monkeypatch):
         spec = AttentionSpec.from_args(mask=mask)
         return plan_forward(q, check_inputs(q, q, q, spec), spec).config
 
-    assert config(mods.sliding_window(256)).band and not config(mods.sliding_window(256)).band_one_step
-    monkeypatch.setenv("FLEXATTN_BAND_ONE_STEP", "1")
-    assert config(mods.sliding_window(256)).band_one_step
+    one_step = config(mods.sliding_window(256))
+    assert one_step.band and one_step.band_one_step
     assert not config(mods.causal()).band_one_step
+    monkeypatch.setenv("FLEXATTN_BAND_ONE_STEP", "0")
+    two_loops = config(mods.sliding_window(256))
+    assert two_loops.band and not two_loops.band_one_step
 
 
 def test_maxima_on_demand_for_16_bit_calls_without_max_scores(on_gpu, monkeypatch):

@@ -159,10 +159,7 @@ class FwdConfig(KernelConfig):
                                    # full blocks (`partial` decided per block at run time, as
                                    # the causal walk does), one copy of the mods and the
                                    # softmax fewer (a faster compile); the blocks and their
-                                   # order are unchanged. Built for A/B (session 76)
-    band_first_vote: str = "before"  # band_one_step with maxima on demand: the vote on a row at
-                                   # -inf before the exponentials on every block ("before"),
-                                   # after them ("after"), or none on block 0 ("first"). A/B
+                                   # order are unchanged. Planned for bands (session 77)
     max_scores: bool = False       # also write each row's max score (torch's AuxRequest)
     hoist_tile_reads: bool = False # the mods' reads at kv // P (P a multiple of tile_n: a
                                    # paged mask's page map) once per tile and row, not per
@@ -1000,11 +997,9 @@ class FlashFwdSm90(WarpSpecialized):
             if const_expr(self.cfg.band_one_step):
                 # A band's blocks by arithmetic (`BandBlocks.at`: no list to read), in the
                 # same order, through one step; whether a block is partial is a run-time value.
-                vote = self.cfg.band_first_vote
                 for i in cutlass.range(blocks.count, unroll=1):
-                    first = (i == 0) if const_expr(vote == "first") else (vote == "before")
                     kv_state, v_state = self._visit_step(ctx, kv_state, v_state, blocks.at(i), i > 0,
-                                                          mask=has_mask, partial=i < n_p, may_be_first=first)
+                                                          mask=has_mask, partial=i < n_p)
             else:
                 if const_expr(partial):
                     for i in cutlass.range(n_p, unroll=1):
@@ -1230,7 +1225,7 @@ class FlashFwdSm90(WarpSpecialized):
     @cute.jit
     def _visit_step(self, ctx, kv_state, v_state, n_block, has_prev, mask: cutlass.Constexpr[bool], partial,
                     kv_bound: cutlass.Constexpr = "sparse", causal: cutlass.Constexpr[bool] = False,
-                    may_be_first=True):
+                    may_be_first: cutlass.Constexpr[bool] = True):
         """Overlapped schedule, block j: issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}, then
         do mods + softmax of S_j while the P V GEMM is still running (O shrinks by S_j's
         row scale once P V is done, or with ``rescale_o_early`` by S_{j-1}'s before P V). `kv_state`: block

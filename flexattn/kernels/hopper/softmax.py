@@ -164,7 +164,7 @@ class OnlineSoftmax:
         return m_new
 
     @cute.jit
-    def step_on_demand(self, acc_S: cute.Tensor, tOrP: cute.Tensor, may_be_first):
+    def step_on_demand(self, acc_S: cute.Tensor, tOrP: cute.Tensor, may_be_first: cutlass.Constexpr[bool]):
         """`step` after the first block with a rescale threshold, its maxima only where
         needed: the exponentials against the current references, pair by pair into P's
         16-bit registers (P V's operand must be free; S stays intact beside P), and one
@@ -192,14 +192,7 @@ class OnlineSoftmax:
         row_sum, scale_log2 = self.row_sum, self.scale_log2
         added = cute.make_rmem_tensor_like(row_sum, Float32)
         bound = Float32(2.0 ** self.threshold)
-        if const_expr(not isinstance(may_be_first, bool)):
-            # A run-time flag, true on the row's first visit: that visit takes the slow path
-            # without a vote; a later one votes after its exponentials.
-            rescale = Boolean(may_be_first)
-            if not rescale:
-                outgrown = _exp2_sums_outgrow(acc_S, tOrP, refs, scale_log2, added, bound)
-                rescale = cute.arch.vote_any_sync(outgrown | fresh)
-        elif const_expr(may_be_first):
+        if const_expr(may_be_first):
             rescale = cute.arch.vote_any_sync(fresh)
             if not rescale:
                 rescale = cute.arch.vote_any_sync(_exp2_sums_outgrow(acc_S, tOrP, refs, scale_log2, added, bound))
