@@ -119,7 +119,10 @@
 # (FwdConfig.band_one_step, session 76: its GPU cases, the door's window1024 forward A/B against the two-step walk at
 # three shapes, then window1024's first call with it; ~4 min), band-one-step-ab (the one-step walk, planned since
 # session 77, against FLEXATTN_BAND_ONE_STEP=0's two loops: the forward A/B in 11 rounds, forward + backward in 7,
-# and window1024 / causal first calls with and without it in alternating processes; ~6 min),
+# and window1024 / causal first calls with and without it in alternating processes; ~6 min), one-step-walk
+# (FwdConfig.one_step_walk, session 77: the dense / causal walk without hooks in one step; its GPU cases, the door's
+# forward A/B of full and causal at D128's three shapes and D64 / D32, fwd+bwd at D128, and causal's first call with
+# and without it in alternating processes; ~7 min),
 # merge-chunk (FLEXATTN_DECODE_MERGE_CHUNK=generic / exact: the polled merge's first round clamped to the head
 # dim's chunk, or exactly the launch's split count as planned for windows; its GPU tests, then decode_floor's
 # B1 L128k window row both ways, five rounds; ~4 min), balanced (FLEXATTN_DECODE_BALANCED=1, opt-in: balanced split ranges, the planner's counts untrimmed — B1 L128k
@@ -529,6 +532,18 @@ for step in $steps; do
                      --variants window1024 --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128 --rounds 5
                    run band_one_step_first_call 45 python3 benchmarks/first_call.py \
                      --variants window1024 --reps 2 --phases ;;
+    one-step-walk) run one_step_walk_tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fwd_gpu.py \
+                     -k one_step_walk
+                   run one_step_walk_fwd 200 python3 benchmarks/ab_env.py --env FLEXATTN_ONE_STEP_WALK=1 --rounds 9 \
+                     --variants full causal --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128 4x4096x16x64 4x4096x16x32
+                   run one_step_walk_bwd 200 python3 benchmarks/ab_env.py --env FLEXATTN_ONE_STEP_WALK=1 --rounds 7 \
+                     --backward --variants full causal --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128
+                   for i in 1 2; do
+                     for v in 0 1; do
+                       FLEXATTN_ONE_STEP_WALK=$v run one_step_first_call_${v}_$i 60 python3 benchmarks/first_call.py \
+                         --variants causal window1024 --reps 2
+                     done
+                   done ;;
     band-one-step-ab) run band_one_step_fwd 200 python3 benchmarks/ab_env.py --env FLEXATTN_BAND_ONE_STEP=0 \
                         --variants window1024 --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128 --rounds 11
                       run band_one_step_bwd 200 python3 benchmarks/ab_env.py --env FLEXATTN_BAND_ONE_STEP=0 \

@@ -343,6 +343,29 @@ def test_band_one_step(case):
     run_case(*case[:9], sched=case[9], spiky=case[10], overrides={"band_one_step": True})
 
 
+# The dense and causal structures without hooks through one step (FwdConfig.one_step_walk,
+# for A/B runs): clusters, tickets, persistent CTAs, tiles whose later blocks cross the
+# diagonal (n80) and a warpgroup's own diagonal (192 and 256 rows), kv-aligned full blocks,
+# the maxima on demand and without them, Sq != Skv, one key.
+ONE_STEP_WALK = [
+    ("bf16", 128, 2, 8, 2, 1000, 1000, "causal_builtin", "bhsd", "od+cluster", True),
+    ("fp16", 128, 2, 4, 2, 700, 900, "causal_builtin", "bshd", "od+tickets", False),
+    ("bf16", 128, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "od+n80", True),
+    ("bf16", 64, 2, 6, 3, 777, 777, "causal_builtin", "bshd", "m192n112+tickets", False),
+    ("bf16", 32, 2, 4, 2, 1000, 1000, "causal_builtin", "bhsd", "od+m256", True),
+    ("bf16", 128, 2, 4, 2, 1024, 1024, "causal_builtin", "bhsd", "aligned+tickets", True),
+    ("bf16", 64, 1, 6, 3, 333, 129, "causal_builtin", "bhsd", "ov+pp", False),
+    ("fp16", 128, 1, 2, 2, 130, 257, "none", "bshd", "od", False),
+    ("bf16", 128, 3, 8, 2, 1000, 999, "none", "bshd", "od+cluster", True),
+    ("fp16", 64, 1, 2, 2, 64, 1, "none", "bhsd", "od", False),
+]
+
+
+@pytest.mark.parametrize("case", ONE_STEP_WALK, ids=lambda c: "-".join(map(str, c)))
+def test_one_step_walk(case):
+    run_case(*case[:9], sched=case[9], spiky=case[10], overrides={"one_step_walk": True})
+
+
 # rescale_threshold over every walk (dense, causal peeled and in one step, lists, band, no
 # overlap, early rescale, clusters, persistent CTAs), empty rows, D32 to D256; spiky inputs
 # (spiky_gains) take both branches of the vote, plain ones mostly the skip.

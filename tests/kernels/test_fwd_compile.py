@@ -89,6 +89,10 @@ CASES = {
     "hd128-cluster-softcap": (FwdConfig(head_dim=128, cluster_m=2, mods=hooks.SoftcapHook()),
                               lambda: (cutlass.Float32(30.0),)),
     "hd128-cluster-causal": (FwdConfig(head_dim=128, causal=True, cluster_m=2), lambda: ()),
+    # ... and the door's causal plan walked in one step without hooks (one_step_walk, A/B: a faster compile)
+    "hd128-cluster-causal-one-step-od": (FwdConfig(head_dim=128, causal=True, cluster_m=2, kv_aligned=True,
+                                                   one_step_walk=True, rescale_threshold=8.0,
+                                                   maxima_on_demand=True), lambda: ()),
     # persistent CTAs taking their later tiles by tickets (FwdConfig.tile_tickets), as
     # planned for bands; and with three consumer warpgroups
     "hd128-band-window-tickets": (FwdConfig(head_dim=128, band=True, max_ctas=132, tile_tickets=True,
@@ -271,6 +275,19 @@ def test_band_walks_in_one_step_when_asked(compiled):
         assert compiled[name].count("wgmma.mma_async") == steps * (qk + pv) + pv, name
     with pytest.raises(ValueError, match="band_one_step"):
         FwdConfig(head_dim=128, band_one_step=True)
+
+
+def test_causal_walks_in_one_step_when_asked(compiled):
+    # Without hooks the causal walk peels its first block (Q K^T alone), then a loop of
+    # overlapped steps, then the final P V; with one_step_walk one step serves every block.
+    for name, qk_copies in (("hd128-cluster-causal", 2), ("hd128-cluster-causal-one-step-od", 1)):
+        cfg = CASES[name][0]
+        qk, pv = cfg.head_dim // 16, cfg.tile_n // 16
+        assert compiled[name].count("wgmma.mma_async") == qk_copies * qk + 2 * pv, name
+    band = dict(band=True, mods=IRModHook(None, canonical_band(mods.sliding_window(64))))
+    for bad in (band, dict(block_sparse=True), dict(intra_wg_overlap=False)):
+        with pytest.raises(ValueError, match="one_step_walk"):
+            FwdConfig(head_dim=128, one_step_walk=True, **bad)
 
 
 def test_early_o_rescale_runs_between_the_two_gemms(compiled):

@@ -445,6 +445,25 @@ def test_band_one_step_planned_for_bands(on_gpu, monkeypatch):
     assert two_loops.band and not two_loops.band_one_step
 
 
+def test_one_step_walk_only_when_asked(on_gpu, monkeypatch):
+    """FwdConfig.one_step_walk (built in session 77, not yet timed on a GPU) is planned for the
+    dense and causal structures of 16-bit calls only under FLEXATTN_ONE_STEP_WALK=1, under a
+    plan key of its own; never for bands, lists or float32."""
+    monkeypatch.delenv("FLEXATTN_ONE_STEP_WALK", raising=False)
+
+    def config(mask, dtype=torch.bfloat16):
+        q = torch.empty(2, 4, 1024, 128, dtype=dtype).as_subclass(_OnGpu)
+        spec = AttentionSpec.from_args(mask=mask)
+        return plan_forward(q, check_inputs(q, q, q, spec), spec).config
+
+    assert not config(mods.causal()).one_step_walk and not config(None).one_step_walk
+    monkeypatch.setenv("FLEXATTN_ONE_STEP_WALK", "1")
+    assert config(mods.causal()).one_step_walk and config(None).one_step_walk
+    assert not config(mods.sliding_window(256)).one_step_walk
+    assert not config(mods.document(torch.zeros(1024, dtype=torch.int32))).one_step_walk
+    assert not config(mods.causal(), torch.float32).one_step_walk
+
+
 def test_maxima_on_demand_for_16_bit_calls_without_max_scores(on_gpu, monkeypatch):
     """maxima_on_demand is planned for 16-bit calls without max_scores, at every head dim and
     block structure and with score mods, with the threshold 8 it needs; not for float32 or

@@ -160,6 +160,10 @@ class FwdConfig(KernelConfig):
                                    # the causal walk does), one copy of the mods and the
                                    # softmax fewer (a faster compile); the blocks and their
                                    # order are unchanged. Planned for bands (session 77)
+    one_step_walk: bool = False    # dense / causal without hooks, overlapped schedule: every
+                                   # block through one step, the first included (hooks always
+                                   # walk so), not a peeled first block: one copy of the step
+                                   # fewer (a faster compile). Built for A/B (session 77)
     max_scores: bool = False       # also write each row's max score (torch's AuxRequest)
     hoist_tile_reads: bool = False # the mods' reads at kv // P (P a multiple of tile_n: a
                                    # paged mask's page map) once per tile and row, not per
@@ -288,6 +292,9 @@ class FwdConfig(KernelConfig):
         if self.band_one_step and not (self.band and self.intra_wg_overlap):
             raise ValueError("band_one_step walks a band's blocks in the overlapped schedule: needs band=True "
                              "and intra_wg_overlap=True")
+        if self.one_step_walk and (self.walks_partial_then_full or not self.intra_wg_overlap):
+            raise ValueError("one_step_walk is a walk of the dense / causal structures in the overlapped schedule: "
+                             "not with block_sparse or band, and needs intra_wg_overlap=True")
         if self.max_ctas < 0:
             raise ValueError(f"max_ctas must be >= 0, got {self.max_ctas}")
         if self.cluster_m not in (1, 2):
@@ -936,9 +943,10 @@ class FlashFwdSm90(WarpSpecialized):
         block (`_visit_blocks_one_step`): with the overlapped schedule, when a hook is
         emitted. A peeled first block would be a second copy of the hooks and the softmax
         (compile time: causal+softcap 2456 -> 1976 SASS instructions); without hooks that
-        copy is small and the kernels keep their peeled first block."""
+        copy is smaller (causal D128 2400 -> 2128) and the kernels keep their peeled first
+        block unless `FwdConfig.one_step_walk` asks."""
         mods = self.mods
-        return self.cfg.intra_wg_overlap and (mods.has_score or mods.has_mask)
+        return self.cfg.intra_wg_overlap and (mods.has_score or mods.has_mask or self.cfg.one_step_walk)
 
     @cute.jit
     def _visit_blocks_one_step(self, ctx, kv_state, m_block, n_block_max):
