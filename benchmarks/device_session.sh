@@ -171,6 +171,16 @@ after_flush_rounds() {  # after_flush_rounds NAME KIND...: decode_floor's B1 win
   done
 }
 
+first_call_ab() {  # first_call_ab NAME VAR VARIANT...: first_call.py with VAR=0 / 1 in alternating processes, twice
+  local name=$1 var=$2 i v
+  shift 2
+  for i in 1 2; do
+    for v in 0 1; do
+      run ${name}_${v}_$i 60 env "$var=$v" python3 benchmarks/first_call.py --variants "$@" --reps 2
+    done
+  done
+}
+
 run_sharded() {  # run_sharded NAME SECONDS SHARDS TESTS...: one pytest per shard of the collected cases, at once
   local name=$1 limit=$2 shards=$3 i  # (compiles are CPU-bound and one process uses one core: 16 cores, one GPU)
   shift 3
@@ -538,22 +548,12 @@ for step in $steps; do
                      --variants full causal --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128 4x4096x16x64 4x4096x16x32
                    run one_step_walk_bwd 200 python3 benchmarks/ab_env.py --env FLEXATTN_ONE_STEP_WALK=1 --rounds 7 \
                      --backward --variants full causal --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128
-                   for i in 1 2; do
-                     for v in 0 1; do
-                       FLEXATTN_ONE_STEP_WALK=$v run one_step_first_call_${v}_$i 60 python3 benchmarks/first_call.py \
-                         --variants causal window1024 --reps 2
-                     done
-                   done ;;
+                   first_call_ab one_step_first_call FLEXATTN_ONE_STEP_WALK causal window1024 ;;
     band-one-step-ab) run band_one_step_fwd 200 python3 benchmarks/ab_env.py --env FLEXATTN_BAND_ONE_STEP=0 \
                         --variants window1024 --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128 --rounds 11
                       run band_one_step_bwd 200 python3 benchmarks/ab_env.py --env FLEXATTN_BAND_ONE_STEP=0 \
                         --variants window1024 --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128 --rounds 7 --backward
-                      for i in 1 2; do
-                        for v in 0 1; do
-                          FLEXATTN_BAND_ONE_STEP=$v run band_first_call_${v}_$i 60 python3 benchmarks/first_call.py \
-                            --variants window1024 causal --reps 2
-                        done
-                      done ;;
+                      first_call_ab band_first_call FLEXATTN_BAND_ONE_STEP window1024 causal ;;
     timeline-split) for i in 1 2 3; do   # (the shared-split rows' timelines: where an empty kernel's 0.3 µs goes)
                       for kind in none smem l1; do
                         (cd benchmarks && run timeline_split_${kind}_$i 90 python3 decode_timeline.py \
