@@ -122,7 +122,10 @@
 # and window1024 / causal first calls with and without it in alternating processes; ~6 min), one-step-walk
 # (FwdConfig.one_step_walk, session 77: the dense / causal walk without hooks in one step; its GPU cases, the door's
 # forward A/B of full and causal at D128's three shapes and D64 / D32, fwd+bwd at D128, and causal's first call with
-# and without it in alternating processes; ~7 min),
+# and without it in alternating processes; ~7 min), exponentials-once (FwdConfig.exponentials_once, session 77: the
+# maxima on demand's two passes from one copy of the exponentials; its GPU cases (every on-demand case, and the
+# one-step walk's), the door's forward A/B of the six variants at B4 S4096 against it, the one-step walk and both,
+# causal / window1024 at the other shapes and D64, and first calls with and without it; ~8 min),
 # merge-chunk (FLEXATTN_DECODE_MERGE_CHUNK=generic / exact: the polled merge's first round clamped to the head
 # dim's chunk, or exactly the launch's split count as planned for windows; its GPU tests, then decode_floor's
 # B1 L128k window row both ways, five rounds; ~4 min), balanced (FLEXATTN_DECODE_BALANCED=1, opt-in: balanced split ranges, the planner's counts untrimmed — B1 L128k
@@ -549,6 +552,16 @@ for step in $steps; do
                    run one_step_walk_bwd 200 python3 benchmarks/ab_env.py --env FLEXATTN_ONE_STEP_WALK=1 --rounds 7 \
                      --backward --variants full causal --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128
                    first_call_ab one_step_first_call FLEXATTN_ONE_STEP_WALK causal window1024 ;;
+    exponentials-once) run exponentials_once_tests 200 python3 -m pytest -q -p no:cacheprovider \
+                         tests/gpu/test_fwd_gpu.py -k exponentials_once
+                       run exponentials_once_fwd 280 python3 benchmarks/ab_env.py --env FLEXATTN_EXPONENTIALS_ONCE=1 \
+                         --also FLEXATTN_ONE_STEP_WALK=1 FLEXATTN_ONE_STEP_WALK=1+FLEXATTN_EXPONENTIALS_ONCE=1 \
+                         --rounds 7 --shapes 4x4096x16x128 --variants full causal window1024 document4 \
+                         causal+softcap30 causal+alibi
+                       run exponentials_once_shapes 200 python3 benchmarks/ab_env.py --env FLEXATTN_EXPONENTIALS_ONCE=1 \
+                         --also FLEXATTN_ONE_STEP_WALK=1+FLEXATTN_EXPONENTIALS_ONCE=1 --rounds 7 \
+                         --shapes 8x2048x16x128 2x8192x16x128 4x4096x16x64 --variants causal window1024
+                       first_call_ab once_first_call FLEXATTN_EXPONENTIALS_ONCE causal window1024 document4 ;;
     band-one-step-ab) run band_one_step_fwd 200 python3 benchmarks/ab_env.py --env FLEXATTN_BAND_ONE_STEP=0 \
                         --variants window1024 --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128 --rounds 11
                       run band_one_step_bwd 200 python3 benchmarks/ab_env.py --env FLEXATTN_BAND_ONE_STEP=0 \

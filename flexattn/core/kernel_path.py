@@ -619,9 +619,13 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     # costs the forward nothing.
     one_step_walk = (not band and block_mask is None and not fp32
                      and os.environ.get("FLEXATTN_ONE_STEP_WALK") == "1")
+    # The maxima on demand's two passes from one copy of the exponentials (FwdConfig.exponentials_once:
+    # window1024 D128 2144 -> 1960 SASS instructions, the door kernels' compiles 5-8% faster on the
+    # CPU box). FLEXATTN_EXPONENTIALS_ONCE=1 plans it, for A/B runs, until a GPU A/B says it costs nothing.
+    exponentials_once = on_demand and os.environ.get("FLEXATTN_EXPONENTIALS_ONCE") == "1"
     key = (dtype, tf32_passes, ab_fp32, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
            cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, threshold, on_demand,
-           tiles, own_diagonal, scaled_indices, full_only, band_one_step, one_step_walk,
+           tiles, own_diagonal, scaled_indices, full_only, band_one_step, one_step_walk, exponentials_once,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     # 3xTF32 keeps float32's accuracy: the mods' tanh / sigmoid exact, not tanh.approx.
@@ -667,6 +671,7 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
             rescale_o_early=rescale_early,
             rescale_threshold=threshold,
             maxima_on_demand=on_demand,
+            exponentials_once=exponentials_once,
             own_diagonal=own_diagonal,
             band_one_step=band_one_step,
             one_step_walk=one_step_walk,

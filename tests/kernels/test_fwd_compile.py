@@ -110,6 +110,12 @@ CASES = {
                                                 maxima_on_demand=True,
                                                 mods=IRModHook(None, canonical_band(mods.sliding_window(1024)))),
                                       lambda: (cutlass.Int32(0), cutlass.Int32(1024))),
+    # ... with the maxima on demand's passes from one copy of the exponentials (exponentials_once, A/B)
+    "hd128-band-window-one-step-od-once": (FwdConfig(head_dim=128, band=True, band_one_step=True, max_ctas=132,
+                                                     tile_tickets=True, kv_aligned=True, rescale_threshold=8.0,
+                                                     maxima_on_demand=True, exponentials_once=True,
+                                                     mods=IRModHook(None, canonical_band(mods.sliding_window(1024)))),
+                                           lambda: (cutlass.Int32(0), cutlass.Int32(1024))),
     "hd64-causal-tickets": (FwdConfig(head_dim=64, causal=True, max_ctas=132, tile_tickets=True), lambda: ()),
     # four consumer warpgroups: 256-row tiles with a four-way ping-pong
     "hd32-causal-m256": (FwdConfig(head_dim=32, causal=True, tile_m=256, tile_n=80, max_ctas=132,
@@ -288,6 +294,17 @@ def test_causal_walks_in_one_step_when_asked(compiled):
     for bad in (band, dict(block_sparse=True), dict(intra_wg_overlap=False)):
         with pytest.raises(ValueError, match="one_step_walk"):
             FwdConfig(head_dim=128, one_step_walk=True, **bad)
+
+
+def test_exponentials_once_emits_one_copy(compiled):
+    # The maxima on demand emit a step's exponentials twice (the fast pass and the slow
+    # path's); with exponentials_once one copy in a loop serves both passes: a tile's
+    # exponentials per thread (64 x 128 / 128) fewer ex2 in the PTX.
+    twice, once = (compiled[n].count("ex2.approx") for n in ("hd128-band-window-one-step-od",
+                                                             "hd128-band-window-one-step-od-once"))
+    assert once <= twice - 64, (twice, once)
+    with pytest.raises(ValueError, match="exponentials_once"):
+        FwdConfig(head_dim=128, exponentials_once=True, rescale_threshold=8.0)
 
 
 def test_early_o_rescale_runs_between_the_two_gemms(compiled):

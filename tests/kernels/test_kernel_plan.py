@@ -464,6 +464,25 @@ def test_one_step_walk_only_when_asked(on_gpu, monkeypatch):
     assert not config(mods.causal(), torch.float32).one_step_walk
 
 
+def test_exponentials_once_only_when_asked(on_gpu, monkeypatch):
+    """FwdConfig.exponentials_once (built in session 77, not yet timed on a GPU) is planned with
+    the maxima on demand only under FLEXATTN_EXPONENTIALS_ONCE=1, under a plan key of its own."""
+    monkeypatch.delenv("FLEXATTN_EXPONENTIALS_ONCE", raising=False)
+    monkeypatch.delenv("FLEXATTN_MAXIMA_ON_DEMAND", raising=False)
+
+    def config(mask, dtype=torch.bfloat16):
+        q = torch.empty(2, 4, 1024, 128, dtype=dtype).as_subclass(_OnGpu)
+        spec = AttentionSpec.from_args(mask=mask)
+        return plan_forward(q, check_inputs(q, q, q, spec), spec).config
+
+    assert not config(mods.causal()).exponentials_once
+    monkeypatch.setenv("FLEXATTN_EXPONENTIALS_ONCE", "1")
+    assert config(mods.causal()).exponentials_once and config(mods.sliding_window(256)).exponentials_once
+    assert not config(mods.causal(), torch.float32).exponentials_once    # (no maxima on demand)
+    monkeypatch.setenv("FLEXATTN_MAXIMA_ON_DEMAND", "0")
+    assert not config(mods.causal()).exponentials_once
+
+
 def test_maxima_on_demand_for_16_bit_calls_without_max_scores(on_gpu, monkeypatch):
     """maxima_on_demand is planned for 16-bit calls without max_scores, at every head dim and
     block structure and with score mods, with the threshold 8 it needs; not for float32 or
