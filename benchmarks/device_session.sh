@@ -561,7 +561,7 @@ for step in $steps; do
                        run exponentials_once_shapes 200 python3 benchmarks/ab_env.py --env FLEXATTN_EXPONENTIALS_ONCE=1 \
                          --also FLEXATTN_ONE_STEP_WALK=1+FLEXATTN_EXPONENTIALS_ONCE=1 --rounds 7 \
                          --shapes 8x2048x16x128 2x8192x16x128 4x4096x16x64 --variants causal window1024
-                       first_call_ab once_first_call FLEXATTN_EXPONENTIALS_ONCE causal window1024 document4 ;;
+                       first_call_ab once_first_call FLEXATTN_EXPONENTIALS_ONCE causal window1024 ;;
     band-one-step-ab) run band_one_step_fwd 200 python3 benchmarks/ab_env.py --env FLEXATTN_BAND_ONE_STEP=0 \
                         --variants window1024 --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128 --rounds 11
                       run band_one_step_bwd 200 python3 benchmarks/ab_env.py --env FLEXATTN_BAND_ONE_STEP=0 \
