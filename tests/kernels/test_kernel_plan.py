@@ -27,6 +27,13 @@ class _OnGpu(torch.Tensor):   # a CPU tensor that reports a CUDA DLPack device
         return (2, 0)
 
 
+def _gpu_config(mask, D=128, dtype=torch.bfloat16):
+    """The planned FwdConfig of a B2 H4 S1024 call with ``mask`` on ``_OnGpu`` tensors."""
+    q = torch.empty(2, 4, 1024, D, dtype=dtype).as_subclass(_OnGpu)
+    spec = AttentionSpec.from_args(mask=mask)
+    return plan_forward(q, check_inputs(q, q, q, spec), spec).config
+
+
 @pytest.fixture
 def on_gpu(monkeypatch):
     """Plans for ``_OnGpu`` tensors see an H100's device facts (132 SMs, 60 clusters of 2)."""
@@ -418,9 +425,7 @@ def test_own_diagonal_is_planned(on_gpu, monkeypatch):
     monkeypatch.delenv("FLEXATTN_OWN_DIAGONAL", raising=False)
 
     def config(D):
-        q = torch.empty(2, 4, 1024, D, dtype=torch.bfloat16).as_subclass(_OnGpu)
-        spec = AttentionSpec.from_args(mask=mods.causal())
-        return plan_forward(q, check_inputs(q, q, q, spec), spec).config
+        return _gpu_config(mods.causal(), D)
 
     assert config(32).own_diagonal and (config(32).tile_m, config(32).tile_n) == (256, 80)
     monkeypatch.setenv("FLEXATTN_OWN_DIAGONAL", "0")
@@ -432,16 +437,11 @@ def test_band_one_step_planned_for_bands(on_gpu, monkeypatch):
     FLEXATTN_BAND_ONE_STEP=0 plans the two loops, under a plan key of its own."""
     monkeypatch.delenv("FLEXATTN_BAND_ONE_STEP", raising=False)
 
-    def config(mask):
-        q = torch.empty(2, 4, 1024, 128, dtype=torch.bfloat16).as_subclass(_OnGpu)
-        spec = AttentionSpec.from_args(mask=mask)
-        return plan_forward(q, check_inputs(q, q, q, spec), spec).config
-
-    one_step = config(mods.sliding_window(256))
+    one_step = _gpu_config(mods.sliding_window(256))
     assert one_step.band and one_step.band_one_step
-    assert not config(mods.causal()).band_one_step
+    assert not _gpu_config(mods.causal()).band_one_step
     monkeypatch.setenv("FLEXATTN_BAND_ONE_STEP", "0")
-    two_loops = config(mods.sliding_window(256))
+    two_loops = _gpu_config(mods.sliding_window(256))
     assert two_loops.band and not two_loops.band_one_step
 
 
@@ -451,17 +451,12 @@ def test_one_step_walk_only_when_asked(on_gpu, monkeypatch):
     plan key of its own; never for bands, lists or float32."""
     monkeypatch.delenv("FLEXATTN_ONE_STEP_WALK", raising=False)
 
-    def config(mask, dtype=torch.bfloat16):
-        q = torch.empty(2, 4, 1024, 128, dtype=dtype).as_subclass(_OnGpu)
-        spec = AttentionSpec.from_args(mask=mask)
-        return plan_forward(q, check_inputs(q, q, q, spec), spec).config
-
-    assert not config(mods.causal()).one_step_walk and not config(None).one_step_walk
+    assert not _gpu_config(mods.causal()).one_step_walk and not _gpu_config(None).one_step_walk
     monkeypatch.setenv("FLEXATTN_ONE_STEP_WALK", "1")
-    assert config(mods.causal()).one_step_walk and config(None).one_step_walk
-    assert not config(mods.sliding_window(256)).one_step_walk
-    assert not config(mods.document(torch.zeros(1024, dtype=torch.int32))).one_step_walk
-    assert not config(mods.causal(), torch.float32).one_step_walk
+    assert _gpu_config(mods.causal()).one_step_walk and _gpu_config(None).one_step_walk
+    assert not _gpu_config(mods.sliding_window(256)).one_step_walk
+    assert not _gpu_config(mods.document(torch.zeros(1024, dtype=torch.int32))).one_step_walk
+    assert not _gpu_config(mods.causal(), dtype=torch.float32).one_step_walk
 
 
 def test_exponentials_once_only_when_asked(on_gpu, monkeypatch):
@@ -470,17 +465,12 @@ def test_exponentials_once_only_when_asked(on_gpu, monkeypatch):
     monkeypatch.delenv("FLEXATTN_EXPONENTIALS_ONCE", raising=False)
     monkeypatch.delenv("FLEXATTN_MAXIMA_ON_DEMAND", raising=False)
 
-    def config(mask, dtype=torch.bfloat16):
-        q = torch.empty(2, 4, 1024, 128, dtype=dtype).as_subclass(_OnGpu)
-        spec = AttentionSpec.from_args(mask=mask)
-        return plan_forward(q, check_inputs(q, q, q, spec), spec).config
-
-    assert not config(mods.causal()).exponentials_once
+    assert not _gpu_config(mods.causal()).exponentials_once
     monkeypatch.setenv("FLEXATTN_EXPONENTIALS_ONCE", "1")
-    assert config(mods.causal()).exponentials_once and config(mods.sliding_window(256)).exponentials_once
-    assert not config(mods.causal(), torch.float32).exponentials_once    # (no maxima on demand)
+    assert _gpu_config(mods.causal()).exponentials_once and _gpu_config(mods.sliding_window(256)).exponentials_once
+    assert not _gpu_config(mods.causal(), dtype=torch.float32).exponentials_once    # (no maxima on demand)
     monkeypatch.setenv("FLEXATTN_MAXIMA_ON_DEMAND", "0")
-    assert not config(mods.causal()).exponentials_once
+    assert not _gpu_config(mods.causal()).exponentials_once
 
 
 def test_maxima_on_demand_for_16_bit_calls_without_max_scores(on_gpu, monkeypatch):
