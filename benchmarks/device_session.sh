@@ -126,6 +126,11 @@
 # maxima on demand's two passes from one copy of the exponentials; its GPU cases (every on-demand case, and the
 # one-step walk's), the door's forward A/B of the six variants at B4 S4096 against it, the one-step walk and both,
 # causal / window1024 at the other shapes and D64, and first calls with and without it; ~8 min),
+# window-verify (session 78: the door against the built-in for window1024 with the planned one-step band walk,
+# alternating, fwd and fwd+bwd at three shapes; FwdConfig.one_step_walk's forward A/B at D64 / D32; the device
+# facts test; ~6 min),
+# one-step-planned (session 78: FwdConfig.one_step_walk planned up to head dim 64: the head-dim GPU tests and the
+# forward's walks in twelve shards, then the door's forward against FLEXATTN_ONE_STEP_WALK=0 at D64 / D32; ~7 min),
 # merge-chunk (FLEXATTN_DECODE_MERGE_CHUNK=generic / exact: the polled merge's first round clamped to the head
 # dim's chunk, or exactly the launch's split count as planned for windows; its GPU tests, then decode_floor's
 # B1 L128k window row both ways, five rounds; ~4 min), balanced (FLEXATTN_DECODE_BALANCED=1, opt-in: balanced split ranges, the planner's counts untrimmed — B1 L128k
@@ -562,6 +567,18 @@ for step in $steps; do
                          --also FLEXATTN_ONE_STEP_WALK=1+FLEXATTN_EXPONENTIALS_ONCE=1 --rounds 7 \
                          --shapes 8x2048x16x128 2x8192x16x128 4x4096x16x64 --variants causal window1024
                        first_call_ab once_first_call FLEXATTN_EXPONENTIALS_ONCE causal window1024 ;;
+    window-verify) run window_door_builtin_fwd 150 python3 benchmarks/ab_interleaved.py --pair door builtin --mode fwd \
+                     --variants window1024 --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128 --rounds 12
+                   run window_door_builtin_fwdbwd 150 python3 benchmarks/ab_interleaved.py --pair door builtin \
+                     --mode fwdbwd --variants window1024 --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128 --rounds 12
+                   run one_step_walk_small_d 150 python3 benchmarks/ab_env.py --env FLEXATTN_ONE_STEP_WALK=1 --rounds 9 \
+                     --variants full causal --shapes 4x4096x16x64 4x4096x16x32
+                   run device_facts 60 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_device_facts_gpu.py ;;
+    one-step-planned) XLA_PYTHON_CLIENT_PREALLOCATE=false RERUN_SECONDS=60 run_sharded one_step_planned 330 12 \
+                        tests/gpu/test_head_dims_gpu.py tests/gpu/test_fwd_gpu.py \
+                        -k "head_dims or 256_row_tiles or one_step_walk or own_diagonal or rescale_threshold"
+                      run one_step_planned_ab 120 python3 benchmarks/ab_env.py --env FLEXATTN_ONE_STEP_WALK=0 --rounds 7 \
+                        --variants full causal --shapes 4x4096x16x64 4x4096x16x32 8x2048x16x64 ;;
     band-one-step-ab) run band_one_step_fwd 200 python3 benchmarks/ab_env.py --env FLEXATTN_BAND_ONE_STEP=0 \
                         --variants window1024 --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128 --rounds 11
                       run band_one_step_bwd 200 python3 benchmarks/ab_env.py --env FLEXATTN_BAND_ONE_STEP=0 \

@@ -615,17 +615,17 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     band_one_step = bool(band) and os.environ.get("FLEXATTN_BAND_ONE_STEP") != "0"
     # The dense and causal structures without hooks through one step too (FwdConfig.one_step_walk:
     # causal D128 compiles in 0.92 s instead of 1.07 on the CPU box, 2128 SASS instructions
-    # against 2400). FLEXATTN_ONE_STEP_WALK=1 plans it, for A/B runs, until a GPU A/B says it
-    # costs the forward nothing.
-    one_step_walk = (not band and block_mask is None and not fp32
-                     and os.environ.get("FLEXATTN_ONE_STEP_WALK") == "1")
-    # The maxima on demand's two passes from one copy of the exponentials (FwdConfig.exponentials_once:
-    # window1024 D128 2144 -> 1960 SASS instructions, the door kernels' compiles 5-8% faster on the
-    # CPU box). FLEXATTN_EXPONENTIALS_ONCE=1 plans it, for A/B runs, until a GPU A/B says it costs nothing.
-    exponentials_once = on_demand and os.environ.get("FLEXATTN_EXPONENTIALS_ONCE") == "1"
+    # against 2400; the planned D32 causal's 4 B spill gone). H200, 2026-12-02, the door's
+    # forward in alternating rounds (9), time with / without at B4 S4096 H16: D32 full 0.969x,
+    # causal 0.985x; D64 0.994x / 0.999x; but D128 full 1.008x, causal 1.022x (7 rounds):
+    # planned up to head dim 64. FLEXATTN_ONE_STEP_WALK=1 / 0
+    # plans it at every head dim / none, for A/B runs.
+    walk_flag = os.environ.get("FLEXATTN_ONE_STEP_WALK")
+    one_step_walk = (not band and block_mask is None and not fp32 and walk_flag != "0"
+                     and (walk_flag == "1" or max(shape.head_dim, shape.v_head_dim) <= 64))
     key = (dtype, tf32_passes, ab_fp32, shape.head_dim, shape.v_head_dim, causal, band, block_mask is not None, max_ctas,
            cluster_m, max_scores, tickets, shape.kv_len % 128 == 0, rescale_early, threshold, on_demand,
-           tiles, own_diagonal, scaled_indices, full_only, band_one_step, one_step_walk, exponentials_once,
+           tiles, own_diagonal, scaled_indices, full_only, band_one_step, one_step_walk,
            None if score is None else id(score.expr), None if mask is None else id(mask.expr))
     entry = _PLANS.get(key)
     # 3xTF32 keeps float32's accuracy: the mods' tanh / sigmoid exact, not tanh.approx.
@@ -671,7 +671,6 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
             rescale_o_early=rescale_early,
             rescale_threshold=threshold,
             maxima_on_demand=on_demand,
-            exponentials_once=exponentials_once,
             own_diagonal=own_diagonal,
             band_one_step=band_one_step,
             one_step_walk=one_step_walk,

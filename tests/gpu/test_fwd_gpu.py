@@ -344,8 +344,8 @@ def test_band_one_step(case):
 
 
 # The dense and causal structures without hooks through one step (FwdConfig.one_step_walk,
-# for A/B runs): clusters, tickets, persistent CTAs, tiles whose later blocks cross the
-# diagonal (n80) and a warpgroup's own diagonal (192 and 256 rows), kv-aligned full blocks,
+# planned up to head dim 64): clusters, tickets, persistent CTAs, tiles whose later blocks
+# cross the diagonal (n80) and a warpgroup's own diagonal (192 and 256 rows), kv-aligned full blocks,
 # the maxima on demand and without them, Sq != Skv, one key.
 ONE_STEP_WALK = [
     ("bf16", 128, 2, 8, 2, 1000, 1000, "causal_builtin", "bhsd", "od+cluster", True),
@@ -411,24 +411,6 @@ LAZY += [
 def test_rescale_threshold(case):
     *args, spiky = case
     run_case(*args, spiky=spiky)
-
-
-# The maxima on demand's passes from one copy of the exponentials (FwdConfig.exponentials_once,
-# for A/B runs): every on-demand case above (walks, empty and underflowing rows, spiky rows that
-# take the second pass, one key), and the one-step walks without hooks.
-EXPONENTIALS_ONCE = [case for case in LAZY if ALL_SCHEDULES[case[9]].get("maxima_on_demand")]
-
-
-@pytest.mark.parametrize("case", EXPONENTIALS_ONCE, ids=lambda c: "-".join(map(str, c)))
-def test_exponentials_once(case):
-    *args, spiky = case
-    run_case(*args, spiky=spiky, overrides={"exponentials_once": True})
-
-
-@pytest.mark.parametrize("case", [c for c in ONE_STEP_WALK if ALL_SCHEDULES[c[9]].get("maxima_on_demand")],
-                         ids=lambda c: "-".join(map(str, c)))
-def test_exponentials_once_one_step_walk(case):
-    run_case(*case[:9], sched=case[9], spiky=case[10], overrides={"one_step_walk": True, "exponentials_once": True})
 
 
 # Each warpgroup's causal walk ends at its own rows' diagonal (own_diagonal): four, three and

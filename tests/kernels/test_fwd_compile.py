@@ -89,7 +89,7 @@ CASES = {
     "hd128-cluster-softcap": (FwdConfig(head_dim=128, cluster_m=2, mods=hooks.SoftcapHook()),
                               lambda: (cutlass.Float32(30.0),)),
     "hd128-cluster-causal": (FwdConfig(head_dim=128, causal=True, cluster_m=2), lambda: ()),
-    # ... and the door's causal plan walked in one step without hooks (one_step_walk, A/B: a faster compile)
+    # ... and walked in one step without hooks (one_step_walk, planned up to D64; a faster compile)
     "hd128-cluster-causal-one-step-od": (FwdConfig(head_dim=128, causal=True, cluster_m=2, kv_aligned=True,
                                                    one_step_walk=True, rescale_threshold=8.0,
                                                    maxima_on_demand=True), lambda: ()),
@@ -110,12 +110,14 @@ CASES = {
                                                 maxima_on_demand=True,
                                                 mods=IRModHook(None, canonical_band(mods.sliding_window(1024)))),
                                       lambda: (cutlass.Int32(0), cutlass.Int32(1024))),
-    # ... with the maxima on demand's passes from one copy of the exponentials (exponentials_once, A/B)
-    "hd128-band-window-one-step-od-once": (FwdConfig(head_dim=128, band=True, band_one_step=True, max_ctas=132,
-                                                     tile_tickets=True, kv_aligned=True, rescale_threshold=8.0,
-                                                     maxima_on_demand=True, exponentials_once=True,
-                                                     mods=IRModHook(None, canonical_band(mods.sliding_window(1024)))),
-                                           lambda: (cutlass.Int32(0), cutlass.Int32(1024))),
+    # D32 / D64's plans (four consumer warpgroups, the maxima on demand) walked in one step
+    # without hooks (one_step_walk, planned up to D64: the peeled D32 causal spilled 4 B)
+    "hd32-causal-m256-one-step-od": (FwdConfig(head_dim=32, causal=True, tile_m=256, tile_n=80, max_ctas=132,
+                                               tile_tickets=True, tile_order="longest_first", one_step_walk=True,
+                                               rescale_threshold=8.0, maxima_on_demand=True), lambda: ()),
+    "hd64-m256n64-one-step-od": (FwdConfig(head_dim=64, tile_m=256, tile_n=64, max_ctas=132, kv_aligned=True,
+                                           one_step_walk=True, rescale_threshold=8.0, maxima_on_demand=True),
+                                 lambda: ()),
     "hd64-causal-tickets": (FwdConfig(head_dim=64, causal=True, max_ctas=132, tile_tickets=True), lambda: ()),
     # four consumer warpgroups: 256-row tiles with a four-way ping-pong
     "hd32-causal-m256": (FwdConfig(head_dim=32, causal=True, tile_m=256, tile_n=80, max_ctas=132,
@@ -294,17 +296,6 @@ def test_causal_walks_in_one_step_when_asked(compiled):
     for bad in (band, dict(block_sparse=True), dict(intra_wg_overlap=False)):
         with pytest.raises(ValueError, match="one_step_walk"):
             FwdConfig(head_dim=128, one_step_walk=True, **bad)
-
-
-def test_exponentials_once_emits_one_copy(compiled):
-    # The maxima on demand emit a step's exponentials twice (the fast pass and the slow
-    # path's); with exponentials_once one copy in a loop serves both passes: a tile's
-    # exponentials per thread (64 x 128 / 128) fewer ex2 in the PTX.
-    twice, once = (compiled[n].count("ex2.approx") for n in ("hd128-band-window-one-step-od",
-                                                             "hd128-band-window-one-step-od-once"))
-    assert once <= twice - 64, (twice, once)
-    with pytest.raises(ValueError, match="exponentials_once"):
-        FwdConfig(head_dim=128, exponentials_once=True, rescale_threshold=8.0)
 
 
 def test_early_o_rescale_runs_between_the_two_gemms(compiled):

@@ -445,32 +445,24 @@ def test_band_one_step_planned_for_bands(on_gpu, monkeypatch):
     assert two_loops.band and not two_loops.band_one_step
 
 
-def test_one_step_walk_only_when_asked(on_gpu, monkeypatch):
-    """FwdConfig.one_step_walk (built in session 77, not yet timed on a GPU) is planned for the
-    dense and causal structures of 16-bit calls only under FLEXATTN_ONE_STEP_WALK=1, under a
-    plan key of its own; never for bands, lists or float32."""
+def test_one_step_walk_planned_up_to_head_dim_64(on_gpu, monkeypatch):
+    """FwdConfig.one_step_walk is planned for the dense and causal structures of 16-bit calls
+    up to head dim 64 (H200: D32 0.969-0.985x the time, D128 causal 1.022x), under a plan key of
+    its own; FLEXATTN_ONE_STEP_WALK=1 plans it at every head dim, =0 at none; never for bands,
+    lists or float32."""
     monkeypatch.delenv("FLEXATTN_ONE_STEP_WALK", raising=False)
-
+    for D in (32, 64):
+        assert _gpu_config(mods.causal(), D=D).one_step_walk and _gpu_config(None, D=D).one_step_walk
     assert not _gpu_config(mods.causal()).one_step_walk and not _gpu_config(None).one_step_walk
+    assert not _gpu_config(mods.causal(), D=96).one_step_walk
+    assert not _gpu_config(mods.sliding_window(256), D=64).one_step_walk
     monkeypatch.setenv("FLEXATTN_ONE_STEP_WALK", "1")
     assert _gpu_config(mods.causal()).one_step_walk and _gpu_config(None).one_step_walk
     assert not _gpu_config(mods.sliding_window(256)).one_step_walk
     assert not _gpu_config(mods.document(torch.zeros(1024, dtype=torch.int32))).one_step_walk
     assert not _gpu_config(mods.causal(), dtype=torch.float32).one_step_walk
-
-
-def test_exponentials_once_only_when_asked(on_gpu, monkeypatch):
-    """FwdConfig.exponentials_once (built in session 77, not yet timed on a GPU) is planned with
-    the maxima on demand only under FLEXATTN_EXPONENTIALS_ONCE=1, under a plan key of its own."""
-    monkeypatch.delenv("FLEXATTN_EXPONENTIALS_ONCE", raising=False)
-    monkeypatch.delenv("FLEXATTN_MAXIMA_ON_DEMAND", raising=False)
-
-    assert not _gpu_config(mods.causal()).exponentials_once
-    monkeypatch.setenv("FLEXATTN_EXPONENTIALS_ONCE", "1")
-    assert _gpu_config(mods.causal()).exponentials_once and _gpu_config(mods.sliding_window(256)).exponentials_once
-    assert not _gpu_config(mods.causal(), dtype=torch.float32).exponentials_once    # (no maxima on demand)
-    monkeypatch.setenv("FLEXATTN_MAXIMA_ON_DEMAND", "0")
-    assert not _gpu_config(mods.causal()).exponentials_once
+    monkeypatch.setenv("FLEXATTN_ONE_STEP_WALK", "0")
+    assert not _gpu_config(mods.causal(), D=32).one_step_walk and not _gpu_config(None, D=64).one_step_walk
 
 
 def test_maxima_on_demand_for_16_bit_calls_without_max_scores(on_gpu, monkeypatch):

@@ -193,10 +193,6 @@ class FwdConfig(KernelConfig):
     # maxima's shuffles and the max's latency before the first exponential; 16-bit inputs,
     # not with max_scores (no max is tracked).
     maxima_on_demand: bool = False
-    # ... its fast and slow passes from one copy of the exponentials: a loop that runs a
-    # second pass where the vote asks (`OnlineSoftmax._on_demand_loop`). Door window1024
-    # D128: 2144 -> 1960 SASS instructions, 5-8% faster compiles. Built for A/B (session 77).
-    exponentials_once: bool = False
     # Causal, several consumer warpgroups: each ends its walk at its own 64 rows' diagonal
     # (`FlashFwdSm90._own_diagonal`). The tile's leading blocks that lie wholly right of a
     # warpgroup's last row are released unread (it still takes their ping-pong turns,
@@ -338,8 +334,6 @@ class FwdConfig(KernelConfig):
             raise ValueError(f"tf32_passes must be 1, or 3 with dtype 'fp32', got {self.tf32_passes}")
         if self.maxima_on_demand and (self.rescale_threshold <= 0.0 or self.dtype == "fp32" or self.max_scores):
             raise ValueError("maxima_on_demand needs a rescale_threshold > 0, 16-bit inputs and no max_scores")
-        if self.exponentials_once and not self.maxima_on_demand:
-            raise ValueError("exponentials_once is a form of maxima_on_demand's passes: needs maxima_on_demand=True")
         if not 0.0 <= self.rescale_threshold <= 16.0:
             # (P up to 2^16 stays finite in fp16 and keeps float32's relative precision)
             raise ValueError(f"rescale_threshold must be in [0, 16], got {self.rescale_threshold}")
@@ -1201,7 +1195,7 @@ class FlashFwdSm90(WarpSpecialized):
 
         self._scores(ctx, acc_S, n_block, mask, causal, kv_bound)
         if const_expr(self.cfg.maxima_on_demand and not is_first):
-            row_scale, rescale = softmax.step_on_demand(acc_S, tOrP, may_be_first, self.cfg.exponentials_once)
+            row_scale, rescale = softmax.step_on_demand(acc_S, tOrP, may_be_first)
             rescale_rows(acc_O, row_scale, rescale)
         else:
             row_scale, rescale = softmax.step(acc_S, is_first=is_first)
@@ -1273,7 +1267,7 @@ class FlashFwdSm90(WarpSpecialized):
         if const_expr(self.cfg.maxima_on_demand):
             # P's registers first (the exponentials write them), then the softmax
             self._release_pv(acc_O, tOrP, v_state, has_prev, pipe_v)
-            row_scale, rescale = softmax.step_on_demand(acc_S, tOrP, may_be_first, self.cfg.exponentials_once)
+            row_scale, rescale = softmax.step_on_demand(acc_S, tOrP, may_be_first)
         else:
             row_scale, rescale = softmax.step(acc_S, is_first=False)
             self._release_pv(acc_O, tOrP, v_state, has_prev, pipe_v)

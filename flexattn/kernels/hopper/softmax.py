@@ -164,8 +164,7 @@ class OnlineSoftmax:
         return m_new
 
     @cute.jit
-    def step_on_demand(self, acc_S: cute.Tensor, tOrP: cute.Tensor, may_be_first: cutlass.Constexpr[bool],
-                       exponentials_once: cutlass.Constexpr[bool] = False):
+    def step_on_demand(self, acc_S: cute.Tensor, tOrP: cute.Tensor, may_be_first: cutlass.Constexpr[bool]):
         """`step` after the first block with a rescale threshold, its maxima only where
         needed: the exponentials against the current references, pair by pair into P's
         16-bit registers (P V's operand must be free; S stays intact beside P), and one
@@ -179,8 +178,7 @@ class OnlineSoftmax:
         list's, or one step serving every block): a vote before the exponentials sends a
         warp with a row at -inf to the slow path at once, without a wasted pass. Returns
         (row scales, whether to apply them: the vote). Not with `track_max` (there is no
-        max to track on the fast path). `exponentials_once`: the same passes from one copy
-        of the exponentials in the code (`_on_demand_loop`), not one per path."""
+        max to track on the fast path)."""
         assert self.true_max is None, "step_on_demand keeps no true max"
         n = cute.size(self.row_max)
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
@@ -194,8 +192,6 @@ class OnlineSoftmax:
         row_sum, scale_log2 = self.row_sum, self.scale_log2
         added = cute.make_rmem_tensor_like(row_sum, Float32)
         bound = Float32(2.0 ** self.threshold)
-        if const_expr(exponentials_once):
-            return self._on_demand_loop(acc_S, tOrP, refs, row_scale, added, bound, fresh, may_be_first)
         if const_expr(may_be_first):
             rescale = cute.arch.vote_any_sync(fresh)
             if not rescale:
@@ -211,34 +207,6 @@ class OnlineSoftmax:
         else:
             for r in cutlass.range_constexpr(n):
                 row_sum[r] = row_sum[r] + added[r]
-        return row_scale, rescale
-
-    @cute.jit
-    def _on_demand_loop(self, acc_S: cute.Tensor, tOrP: cute.Tensor, refs: cute.Tensor, row_scale: cute.Tensor,
-                        added: cute.Tensor, bound: Float32, fresh, may_be_first: cutlass.Constexpr[bool]):
-        """`step_on_demand`'s passes as a loop over one copy of the exponentials (and of
-        the references' move): a pass against the current references; where the vote
-        asks, the references move to the block's maxima and the loop runs once more. With
-        `may_be_first`, a warp with a row at -inf moves them before its only pass. At most
-        two passes, the same values as the two paths of `step_on_demand`; the row sums
-        fold by the row scale (1 where nothing moved: exact)."""
-        row_sum, scale_log2 = self.row_sum, self.scale_log2
-        move = Boolean(False)
-        if const_expr(may_be_first):
-            move = cute.arch.vote_any_sync(fresh)
-        rescale = Boolean(False)
-        again = Boolean(True)
-        while again:
-            if move:
-                self._move_references(acc_S, refs, row_scale)
-                rescale = Boolean(True)
-            outgrown = _exp2_sums_outgrow(acc_S, tOrP, refs, scale_log2, added, bound)
-            again = Boolean(False)
-            if not rescale:
-                again = cute.arch.vote_any_sync(outgrown | fresh)
-            move = again
-        for r in cutlass.range_constexpr(cute.size(row_sum)):
-            row_sum[r] = row_sum[r] * row_scale[r] + added[r]
         return row_scale, rescale
 
     @cute.jit
