@@ -131,6 +131,8 @@
 # facts test; ~6 min),
 # one-step-planned (session 78: FwdConfig.one_step_walk planned up to head dim 64: the head-dim GPU tests and the
 # forward's walks in twelve shards, then the door's forward against FLEXATTN_ONE_STEP_WALK=0 at D64 / D32; ~7 min),
+# planner-suites (the public door's GPU files through the planner — flex_attention, torch_compat, autograd,
+# mod_emit, cupy, jax — in fourteen shards: a change to what the planner picks, session 78; ~6 min),
 # merge-chunk (FLEXATTN_DECODE_MERGE_CHUNK=generic / exact: the polled merge's first round clamped to the head
 # dim's chunk, or exactly the launch's split count as planned for windows; its GPU tests, then decode_floor's
 # B1 L128k window row both ways, five rounds; ~4 min), balanced (FLEXATTN_DECODE_BALANCED=1, opt-in: balanced split ranges, the planner's counts untrimmed — B1 L128k
@@ -579,6 +581,10 @@ for step in $steps; do
                         -k "head_dims or 256_row_tiles or one_step_walk or own_diagonal or rescale_threshold"
                       run one_step_planned_ab 120 python3 benchmarks/ab_env.py --env FLEXATTN_ONE_STEP_WALK=0 --rounds 7 \
                         --variants full causal --shapes 4x4096x16x64 4x4096x16x32 8x2048x16x64 ;;
+    planner-suites) XLA_PYTHON_CLIENT_PREALLOCATE=false RERUN_SECONDS=60 run_sharded planner_suites \
+                      "${SHARD_LIMIT:-330}" 14 tests/gpu/test_flex_attention_gpu.py tests/gpu/test_torch_compat_gpu.py \
+                      tests/gpu/test_autograd_gpu.py tests/gpu/test_mod_emit_gpu.py tests/gpu/test_cupy_gpu.py \
+                      tests/gpu/test_jax_gpu.py ;;
     band-one-step-ab) run band_one_step_fwd 200 python3 benchmarks/ab_env.py --env FLEXATTN_BAND_ONE_STEP=0 \
                         --variants window1024 --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128 --rounds 11
                       run band_one_step_bwd 200 python3 benchmarks/ab_env.py --env FLEXATTN_BAND_ONE_STEP=0 \
