@@ -122,10 +122,8 @@
 # and window1024 / causal first calls with and without it in alternating processes; ~6 min), one-step-walk
 # (FwdConfig.one_step_walk, session 77: the dense / causal walk without hooks in one step; its GPU cases, the door's
 # forward A/B of full and causal at D128's three shapes and D64 / D32, fwd+bwd at D128, and causal's first call with
-# and without it in alternating processes; ~7 min), exponentials-once (FwdConfig.exponentials_once, session 77: the
-# maxima on demand's two passes from one copy of the exponentials; its GPU cases (every on-demand case, and the
-# one-step walk's), the door's forward A/B of the six variants at B4 S4096 against it, the one-step walk and both,
-# causal / window1024 at the other shapes and D64, and first calls with and without it; ~8 min),
+# and without it in alternating processes; =1 plans it at every head dim; ~7 min; exponentials-once, its session 78
+# A/B beside FwdConfig.exponentials_once, left with that field: commit 1592061),
 # window-verify (session 78: the door against the built-in for window1024 with the planned one-step band walk,
 # alternating, fwd and fwd+bwd at three shapes; FwdConfig.one_step_walk's forward A/B at D64 / D32; the device
 # facts test; ~6 min),
@@ -559,16 +557,6 @@ for step in $steps; do
                    run one_step_walk_bwd 200 python3 benchmarks/ab_env.py --env FLEXATTN_ONE_STEP_WALK=1 --rounds 7 \
                      --backward --variants full causal --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128
                    first_call_ab one_step_first_call FLEXATTN_ONE_STEP_WALK causal window1024 ;;
-    exponentials-once) run exponentials_once_tests 200 python3 -m pytest -q -p no:cacheprovider \
-                         tests/gpu/test_fwd_gpu.py -k exponentials_once
-                       run exponentials_once_fwd 280 python3 benchmarks/ab_env.py --env FLEXATTN_EXPONENTIALS_ONCE=1 \
-                         --also FLEXATTN_ONE_STEP_WALK=1 FLEXATTN_ONE_STEP_WALK=1+FLEXATTN_EXPONENTIALS_ONCE=1 \
-                         --rounds 7 --shapes 4x4096x16x128 --variants full causal window1024 document4 \
-                         causal+softcap30 causal+alibi
-                       run exponentials_once_shapes 200 python3 benchmarks/ab_env.py --env FLEXATTN_EXPONENTIALS_ONCE=1 \
-                         --also FLEXATTN_ONE_STEP_WALK=1+FLEXATTN_EXPONENTIALS_ONCE=1 --rounds 7 \
-                         --shapes 8x2048x16x128 2x8192x16x128 4x4096x16x64 --variants causal window1024
-                       first_call_ab once_first_call FLEXATTN_EXPONENTIALS_ONCE causal window1024 ;;
     window-verify) run window_door_builtin_fwd 150 python3 benchmarks/ab_interleaved.py --pair door builtin --mode fwd \
                      --variants window1024 --shapes 4x4096x16x128 8x2048x16x128 2x8192x16x128 --rounds 12
                    run window_door_builtin_fwdbwd 150 python3 benchmarks/ab_interleaved.py --pair door builtin \
