@@ -402,6 +402,15 @@ class PhaseTimer:
         m = re.search(r"([\d.]+) \(\s*[\d.]+%\)\s+CudaToBinaryPass", self.pass_report)
         return float(m.group(1)) if m else float("nan")
 
+    def phases(self, total: float) -> dict:
+        """The last compile's split (seconds; the module doc's phases) of ``total`` wall time."""
+        t = dict(self.t)
+        backend = self.backend_seconds()
+        row = {"total": total, "trace": t.get("trace", 0), "mlir": t.get("passes", 0) - backend,
+               "backend": backend, "host": t.get("engine", 0) + t.get("lookup", 0) + t.get("ffi", 0)}
+        row["other"] = total - row["trace"] - t.get("passes", 0) - row["host"]
+        return row
+
 
 def compile_one(name: str, tvm_ffi: bool = True, keep: bool = False):
     from flexattn.kernels.emit.mod_emit import fake_args
@@ -452,13 +461,7 @@ def run_timings(args):
             timer.t.clear()
             t0 = time.perf_counter()
             c = compile_one(name, keep=args.ptxas)
-            total = time.perf_counter() - t0
-            t = dict(timer.t)
-            backend = timer.backend_seconds()
-            host = t.get("engine", 0) + t.get("lookup", 0) + t.get("ffi", 0)
-            row = {"total": total, "trace": t.get("trace", 0), "mlir": t.get("passes", 0) - backend,
-                   "backend": backend, "host": host}
-            row["other"] = total - row["trace"] - t.get("passes", 0) - host
+            row = timer.phases(time.perf_counter() - t0)
             if args.ptxas:
                 row["ptxas*"] = time_ptxas(c.__ptx__)
             rows[name].append(row)

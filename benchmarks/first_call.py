@@ -106,10 +106,9 @@ def child(order):
         out[name] = (wall, cpu, sum(s for _, s in compiled))
         print(f"KERNELS {name}: " + "; ".join(f"{described(r)} {s:.2f} s" for r, s in compiled), flush=True)
         if timer is not None:
-            t, backend = dict(timer.t), timer.backend_seconds()
-            host = t.get("engine", 0) + t.get("lookup", 0) + t.get("ffi", 0)
-            print(f"PHASES {name}: total {wall:.2f}  trace {t.get('trace', 0):.2f}"
-                  f"  mlir {t.get('passes', 0) - backend:.2f}  backend {backend:.2f}  host {host:.2f}", flush=True)
+            row = timer.phases(wall)
+            shown = ("total", "trace", "mlir", "backend", "host")
+            print(f"PHASES {name}: " + "  ".join(f"{k} {row[k]:.2f}" for k in shown), flush=True)
     print("FIRST_CALLS " + json.dumps(out), flush=True)
 
 

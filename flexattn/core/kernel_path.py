@@ -618,8 +618,8 @@ def plan_forward(q, shape: AttentionShape, spec: AttentionSpec, max_scores: bool
     # against 2400; the planned D32 causal's 4 B spill gone). H200, 2026-12-02, the door's
     # forward in alternating rounds (9), time with / without at B4 S4096 H16: D32 full 0.969x,
     # causal 0.985x; D64 0.994x / 0.999x; but D128 full 1.008x, causal 1.022x (7 rounds):
-    # planned up to head dim 64. FLEXATTN_ONE_STEP_WALK=1 / 0
-    # plans it at every head dim / none, for A/B runs.
+    # planned up to head dim 64. FLEXATTN_ONE_STEP_WALK=1 / 0 plans it at every head dim / none,
+    # for A/B runs.
     walk_flag = os.environ.get("FLEXATTN_ONE_STEP_WALK")
     one_step_walk = (not band and block_mask is None and not fp32 and walk_flag != "0"
                      and (walk_flag == "1" or max(shape.head_dim, shape.v_head_dim) <= 64))

@@ -104,7 +104,7 @@ CASES = {
                                              rescale_threshold=8.0, maxima_on_demand=True,
                                              mods=IRModHook(None, canonical_band(mods.sliding_window(1024)))),
                                    lambda: (cutlass.Int32(0), cutlass.Int32(1024))),
-    # ... its partial and full blocks through one step (FwdConfig.band_one_step, A/B: a faster compile)
+    # ... its partial and full blocks through one step (FwdConfig.band_one_step, planned: a faster compile)
     "hd128-band-window-one-step-od": (FwdConfig(head_dim=128, band=True, band_one_step=True, max_ctas=132,
                                                 tile_tickets=True, kv_aligned=True, rescale_threshold=8.0,
                                                 maxima_on_demand=True,

@@ -163,7 +163,8 @@ class FwdConfig(KernelConfig):
     one_step_walk: bool = False    # dense / causal without hooks, overlapped schedule: every
                                    # block through one step, the first included (hooks always
                                    # walk so), not a peeled first block: one copy of the step
-                                   # fewer (a faster compile). Built for A/B (session 77)
+                                   # fewer (a faster compile). Planned up to head dim 64
+                                   # (session 78; at D128 causal it cost 2%)
     max_scores: bool = False       # also write each row's max score (torch's AuxRequest)
     hoist_tile_reads: bool = False # the mods' reads at kv // P (P a multiple of tile_n: a
                                    # paged mask's page map) once per tile and row, not per
