@@ -12,7 +12,7 @@
 # deterministic beside default), decode / short-query / decode-bench (decode tests, short-query tests / TB/s table;
 # decode-suites: both test files in eight concurrent pytest shards, one call; gpu-all: every GPU test file in twelve
 # shards, JAX without its preallocation, failures run again alone (too many for one call: gpu-bwd, gpu-fwd and
-# gpu-tail split it, with decode-suites); decode-close: bench_decode's table at issue 24's
+# gpu-tail split it, with decode-suites; gpu-rest: the forward, fp32, DLPack and notebook files); decode-close: bench_decode's table at issue 24's
 # three shapes, recorded, then twelve decode_floor processes of the window rows), jax (JAX adapter on the
 # kernels), notebooks (every notebook on the GPU), sched (tile order / persistent CTAs ablation),
 # first-call (a new mod's first call alone, fresh processes: issue 3's target), first-call-host (the same beside
@@ -248,6 +248,9 @@ for step in $steps; do
            tests/gpu/test_notebooks_gpu.py tests/gpu/test_mod_emit_gpu.py tests/gpu/test_torch_compat_gpu.py \
            tests/gpu/test_jax_gpu.py tests/gpu/test_cupy_gpu.py tests/gpu/test_head_dims_gpu.py ;;   # (gpu-fwd's
            # files its 405 s did not reach in session 73, head dims last: 135 of its 141 cases passed there)
+    gpu-rest) XLA_PYTHON_CLIENT_PREALLOCATE=false RERUN_SECONDS=90 run_sharded gpu_rest "${SHARD_LIMIT:-440}" 12 \
+           tests/gpu/test_fwd_gpu.py tests/gpu/test_fp32_gpu.py tests/gpu/test_dlpack_gpu.py \
+           tests/gpu/test_notebooks_gpu.py ;;   # (gpu-fwd's files that gpu-tail and planner-suites leave out)
     decode-close) run decode_close_bench 300 python3 benchmarks/bench_decode.py --shapes 1x131072 8x8192 8x65536 \
                     --variants none window4096 --layouts contiguous --record --out "$out/bench_decode.json"
                   save_records
