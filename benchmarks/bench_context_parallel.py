@@ -158,26 +158,17 @@ def _host_profile(step, folder, rank, name, calls=20) -> None:
     """cProfile of ``calls`` steps on every rank (each synchronized, as ``_time`` times
     them); rank 0's top entries by internal and by cumulative time into ``folder``: where a
     step's host time before its first launch goes (its ``lead_ms`` in the traces)."""
-    import cProfile
-    import io
-    import pstats
+    from common import cprofile_calls, cprofile_lines
 
     torch.cuda.synchronize()
-    profiler = cProfile.Profile()
-    for _ in range(calls):
-        profiler.enable()
-        step()
-        profiler.disable()
-        torch.cuda.synchronize()
+    profiler, _ = cprofile_calls(step, calls, between=torch.cuda.synchronize)
     if rank != 0:
         return
     os.makedirs(folder, exist_ok=True)
-    text = io.StringIO()
-    for order in ("tottime", "cumulative"):
-        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
+    text = "\n".join(cprofile_lines(profiler, ("tottime", "cumulative"), 45))
     # one file for every row (the device tool returns at most 8 files)
     with open(os.path.join(folder, "host_profile.txt"), "a") as f:
-        f.write(f"\n######## {name}: {calls} steps\n" + text.getvalue())
+        f.write(f"\n######## {name}: {calls} steps\n{text}\n")
 
 
 def _trace_name(mask_name, impl, phase, world, rank) -> str:

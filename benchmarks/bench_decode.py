@@ -46,7 +46,7 @@ import traceback
 import numpy as np
 import torch
 
-from common import bench_ms, device_name, report
+from common import bench_ms, cprofile_calls, cprofile_lines, device_name, report
 from results_log import RECORD_HELP, append_rows, decode_rows
 
 HQ, HKV, D, WINDOW, PAGE = 32, 8, 128, 4096, 64
@@ -429,21 +429,9 @@ def piece_lines(pieces: dict, calls: int, burst: int) -> list:
 def cprofile_top(fn, calls: int, limit: int) -> tuple:
     """(seconds per call with the profiler on, the non-blank lines of cProfile's top
     ``limit`` functions by own time) over ``calls`` back-to-back calls of ``fn``."""
-    import cProfile
-    import io
-    import pstats
-
-    prof = cProfile.Profile()
-    t0 = time.perf_counter()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    per_call = (time.perf_counter() - t0) / calls
+    prof, per_call = cprofile_calls(fn, calls)
     torch.cuda.synchronize()
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(limit)
-    return per_call, [line for line in out.getvalue().splitlines() if line.strip()]
+    return per_call, cprofile_lines(prof, ("tottime",), limit)
 
 
 def profile_host(B, L, calls=300):

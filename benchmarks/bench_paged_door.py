@@ -41,7 +41,7 @@ import datetime
 
 import torch
 
-from common import bench_ms, device_name, rel_diff, report
+from common import bench_ms, cprofile_calls, cprofile_lines, device_name, rel_diff, report
 
 HQ, HKV, D, PAGE = 32, 8, 128, 128
 
@@ -242,17 +242,10 @@ def main():
                 short_query.list_walk_route, short_query.prepared_list_walk = real_walk
             row["us"][name], row["tbps"][name] = ms * 1e3, nbytes / ms / 1e9
         if args.profile and "flexattn-compiled" in impls:
-            import cProfile
-            import pstats
-
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(200):
-                impls["flexattn-compiled"]()
-            prof.disable()
+            prof, _ = cprofile_calls(impls["flexattn-compiled"], 200)
             torch.cuda.synchronize()
             print(f"==== {spec} {blocks}: flexattn-compiled, cProfile of 200 steps")
-            pstats.Stats(prof).sort_stats("cumtime").print_stats(30)
+            print("\n".join(cprofile_lines(prof, ("cumulative",), 30)))
         rows.append(row)
 
     names = ["flexattn", "flexattn-fwd", "flexattn-compiled", "flexattn-decode", "sdpa"] + \

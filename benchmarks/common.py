@@ -57,6 +57,41 @@ def measure_until_stopped(measure, rows: list):
         signal.signal(signal.SIGTERM, previous)
 
 
+def cprofile_calls(fn, calls: int, between=None):
+    """cProfile of ``calls`` back-to-back calls of ``fn``: (the profile, host seconds per call
+    with the profiler on). ``between()`` (a synchronize, say) runs after each call outside
+    the profile; without it the profiler stays on across the loop. The GPU is not
+    synchronized here: sync_probe profiles while a sleep kernel keeps it busy."""
+    import cProfile
+
+    profile = cProfile.Profile()
+    t0 = time.perf_counter()
+    if between is None:
+        profile.enable()
+        for _ in range(calls):
+            fn()
+        profile.disable()
+    else:
+        for _ in range(calls):
+            profile.enable()
+            fn()
+            profile.disable()
+            between()
+    return profile, (time.perf_counter() - t0) / calls
+
+
+def cprofile_lines(profile, orders=("tottime",), limit: int = 30) -> list:
+    """The non-blank lines of pstats' top ``limit`` entries, for each sort order in turn
+    ("tottime": own time, "cumulative": with callees)."""
+    import io
+    import pstats
+
+    text = io.StringIO()
+    for order in orders:
+        pstats.Stats(profile, stream=text).sort_stats(order).print_stats(limit)
+    return [line for line in text.getvalue().splitlines() if line.strip()]
+
+
 def device_name():
     return torch.cuda.get_device_name()
 

@@ -11,15 +11,13 @@ The step is ``tests/compat_cases.gpt_fast_decode_step`` (bench_gpt_fast.py's).
 """
 
 import argparse
-import cProfile
 import os
-import pstats
 import sys
 
 import torch
 
 from bench_overhead import host_us
-from common import bench_ms
+from common import bench_ms, cprofile_calls, cprofile_lines
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from compat_cases import gpt_fast_decode_step as decode_step  # noqa: E402
@@ -61,16 +59,12 @@ def main():
             for _ in range(5):
                 fn()
             torch.cuda.synchronize()
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(args.steps):
-                fn()
-            prof.disable()
+            prof, _ = cprofile_calls(fn, args.steps)
             torch.cuda.synchronize()
             print(f"\n==== {name}: cProfile of {args.steps} steps, by internal time")
-            pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+            print("\n".join(cprofile_lines(prof, ("tottime",), args.top)))
             print(f"==== {name}: by cumulative time")
-            pstats.Stats(prof).sort_stats("cumtime").print_stats(args.top)
+            print("\n".join(cprofile_lines(prof, ("cumulative",), args.top)))
             kernels = kernels_per_step(fn)
             print(f"==== {name}: kernels per step ({sum(n for n, _ in kernels.values()):.1f})")
             for kernel, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):

@@ -13,12 +13,11 @@ set around it). What the parts do not add up to is the glue between them.
 """
 
 import argparse
-import cProfile
-import pstats
 
 import torch
 
 from bench_overhead import VARIANTS, host_us, our_kwargs
+from common import cprofile_calls, cprofile_lines
 
 
 def _call(kw):
@@ -96,13 +95,9 @@ def main():
     kw = our_kwargs(args.variant, H, S)   # the same mod / block-mask objects every call
     with torch.no_grad():
         fn, timed = parts(qh, kh, vh, kw, args.calls // 10)
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(args.calls):
-            fn()
-        prof.disable()
+        prof, _ = cprofile_calls(fn, args.calls)
         torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+    print("\n".join(cprofile_lines(prof, ("tottime",), args.top)))
     print(f"\nHost µs per part, flexattn/{args.adapter} {args.variant} B{B} S{S} H{H} D{D} fp16, "
           f"{torch.cuda.get_device_name()}:\n")
     print("| part | µs |\n|---|---|")

@@ -25,7 +25,7 @@ import torch
 
 from bench_bwd import BWD_FLOPS, VARIANTS, fwd_bwd
 from bench_fwd import Variant, baselines, ours_mask_args, setup_dynamo
-from common import device_name
+from common import cprofile_calls, cprofile_lines, device_name
 
 
 def _short(name: str) -> str:
@@ -71,10 +71,6 @@ def profile_step(step, steps: int):
 
 def host_profile(step, steps: int, profile: bool):
     """µs of host time per step (steps submitted back to back, no synchronization)."""
-    import cProfile
-    import io
-    import pstats
-
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -82,16 +78,10 @@ def host_profile(step, steps: int, profile: bool):
     host = (time.perf_counter() - t0) / steps * 1e6
     torch.cuda.synchronize()
     if profile:
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(steps):
-            step()
-        pr.disable()
+        pr, _ = cprofile_calls(step, steps)
         torch.cuda.synchronize()
         for key, limit in (("tottime", 40), ("cumulative", 60)):
-            buf = io.StringIO()
-            pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(limit)
-            print("\n".join("      " + ln for ln in buf.getvalue().splitlines() if ln.strip())[:9000])
+            print("\n".join("      " + ln for ln in cprofile_lines(pr, (key,), limit))[:9000])
     return host
 
 

@@ -13,10 +13,6 @@ cProfile by cumulative time. torch's own synchronizing calls are also reported t
 """
 
 import argparse
-import cProfile
-import io
-import pstats
-import time
 import warnings
 
 import numpy as np
@@ -24,6 +20,7 @@ import torch
 
 from bench_bwd import fwd_bwd
 from bench_fwd import Variant, setup_dynamo
+from common import cprofile_calls, cprofile_lines
 from profile_kernels import host_profile, step_inputs
 
 
@@ -43,22 +40,14 @@ def probe(step, steps: int, sleep_ms: float):
         step()
     free = host_profile(step, steps, profile=False)   # submit-only µs per step, idle GPU first
     _sleep_ms(sleep_ms)
-    pr = cProfile.Profile()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
-        t0 = time.perf_counter()
-        pr.enable()
-        for _ in range(steps):
-            step()
-        pr.disable()
-        busy = (time.perf_counter() - t0) / steps * 1e6
+        pr, busy = cprofile_calls(step, steps)
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     syncs = sorted({str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()})
-    buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(25)
-    return free, busy, syncs, buf.getvalue()
+    return free, busy * 1e6, syncs, "\n".join(cprofile_lines(pr, ("cumulative",), 25))
 
 
 def main():
@@ -90,7 +79,7 @@ def main():
             print(f"  torch sync: {s}")
         if waits:
             print("\n".join("    " + ln for ln in prof.splitlines() if ln.strip())[:5000])
-    print(f"\n| variant | host µs/step | behind a busy GPU | waits |\n|---|---|---|---|")
+    print("\n| variant | host µs/step | behind a busy GPU | waits |\n|---|---|---|---|")
     for name, free, busy, waits in rows:
         print(f"| {name} | {free:.0f} | {busy:.0f} | {'yes' if waits else 'no'} |")
 
