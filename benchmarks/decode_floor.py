@@ -72,22 +72,12 @@ def shared_memory_config_step(carveout: int, smem_bytes: int):
     configuration (``--after-flush smem`` / ``l1``: does the timed kernel pay to switch it?)."""
     from cuda.bindings import driver
 
-    from flexattn.kernels.hopper.device_facts import _EMPTY_PTX   # (an empty sm_90a entry, flexattn_empty)
+    from flexattn.kernels.hopper.device_facts import driver_checker, load_empty_kernel, primary_context
 
-    def ok(result):
-        err, *rest = result
-        if int(err) != 0:
-            raise RuntimeError(f"CUDA driver: {err}")
-        return rest[0] if rest else None
-
-    torch.cuda.synchronize()   # (torch's CUDA state up; its context is the device's primary one)
-    device = ok(driver.cuDeviceGet(torch.cuda.current_device()))
-    ok(driver.cuCtxSetCurrent(ok(driver.cuDevicePrimaryCtxRetain(device))))
-    module = ok(driver.cuModuleLoadData(_EMPTY_PTX))
-    fn = ok(driver.cuModuleGetFunction(module, b"flexattn_empty"))
-    attrs = driver.CUfunction_attribute
-    ok(driver.cuFuncSetAttribute(fn, attrs.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes))
-    ok(driver.cuFuncSetAttribute(fn, attrs.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, carveout))
+    ok = driver_checker("the shared-memory config step")
+    torch.cuda.synchronize()   # (torch's CUDA state up: its context is the device's primary one, kept retained)
+    with primary_context(torch.cuda.current_device(), ok) as dev:
+        module, fn, _ = load_empty_kernel(ok, dev, smem_bytes, carveout)
     ctas = 2 * torch.cuda.get_device_properties(0).multi_processor_count
     _FLOOR_MODULES.append(module)        # (kept loaded for the process)
 

@@ -4,6 +4,7 @@ Queried from the driver at planning time, never while a kernel is traced (kernel
 such facts as config values, so they also compile on machines without a GPU).
 """
 
+import contextlib
 import functools
 
 
@@ -43,6 +44,58 @@ _EMPTY_PTX = b""".version 8.0
 """
 
 
+def driver_checker(what: str):
+    """``ok(result)`` for cuda.bindings' driver calls: raises ``RuntimeError`` naming
+    ``what`` on an error code, else returns the call's value (a tuple if several, None if none)."""
+    def ok(result):
+        err, *rest = result
+        if int(err) != 0:
+            raise RuntimeError(f"{what}: CUDA driver error {err}")
+        return (rest[0] if len(rest) == 1 else rest) if rest else None
+    return ok
+
+
+@contextlib.contextmanager
+def primary_context(device_id: int, ok):
+    """CUDA device ``device_id``'s primary context (the one torch, CuPy and the runtime
+    use), current for the ``with`` block only: the caller's current device and context
+    stay as they were. Yields the driver's device handle."""
+    from cuda.bindings import driver
+
+    ok(driver.cuInit(0))
+    dev = ok(driver.cuDeviceGet(device_id))
+    ctx = ok(driver.cuDevicePrimaryCtxRetain(dev))
+    ok(driver.cuCtxPushCurrent(ctx))
+    try:
+        yield dev
+    finally:
+        driver.cuCtxPopCurrent()
+        driver.cuDevicePrimaryCtxRelease(dev)
+
+
+def load_empty_kernel(ok, dev, smem_bytes: int | None = None, carveout: int | None = None):
+    """(module, function, dynamic shared bytes): the empty sm_90a entry loaded into the
+    current context, allowed ``smem_bytes`` of dynamic shared memory (None: all an SM's
+    opt-in shared memory) and, given ``carveout``, that preferred L1 / shared split in
+    percent. The caller unloads the module (``cuModuleUnload``) when done with it."""
+    from cuda.bindings import driver
+
+    module = ok(driver.cuModuleLoadData(_EMPTY_PTX))
+    try:
+        fn = ok(driver.cuModuleGetFunction(module, b"flexattn_empty"))
+        attrs = driver.CUfunction_attribute
+        if smem_bytes is None:
+            smem_bytes = ok(driver.cuDeviceGetAttribute(
+                driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev))
+        if carveout is not None:
+            ok(driver.cuFuncSetAttribute(fn, attrs.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, carveout))
+        ok(driver.cuFuncSetAttribute(fn, attrs.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes))
+    except Exception:
+        driver.cuModuleUnload(module)
+        raise
+    return module, fn, smem_bytes
+
+
 @functools.cache
 def max_active_clusters(device_id: int, cluster_size: int, threads: int = 128, smem_bytes: int | None = None) -> int:
     """How many clusters of ``cluster_size`` CTAs can be resident at once on CUDA device
@@ -55,44 +108,22 @@ def max_active_clusters(device_id: int, cluster_size: int, threads: int = 128, s
     a second wave."""
     from cuda.bindings import driver
 
-    def ok(result):
-        err, *rest = result
-        if int(err) != 0:
-            raise RuntimeError(f"cannot read cluster occupancy of CUDA device {device_id}: {err}")
-        return (rest[0] if len(rest) == 1 else rest) if rest else None
-
-    # The device's primary context (the one torch / CuPy / the runtime use), made current
-    # for this query only: the caller's current device and context stay as they were.
-    ok(driver.cuInit(0))
-    dev = ok(driver.cuDeviceGet(device_id))
-    ctx = ok(driver.cuDevicePrimaryCtxRetain(dev))
-    ok(driver.cuCtxPushCurrent(ctx))
-    module = None
-    try:
-        module = ok(driver.cuModuleLoadData(_EMPTY_PTX))
-        fn = ok(driver.cuModuleGetFunction(module, b"flexattn_empty"))
-        attrs = driver.CUfunction_attribute
-        smem = smem_bytes
-        if smem is None:
-            smem = ok(driver.cuDeviceGetAttribute(
-                driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev))
-        else:
-            ok(driver.cuFuncSetAttribute(fn, attrs.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100))
-        ok(driver.cuFuncSetAttribute(fn, attrs.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem))
-        if cluster_size > 8:   # past the portable size the function must allow it (as CuTeDSL's kernels do)
-            ok(driver.cuFuncSetAttribute(fn, attrs.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))
-        config = driver.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = cluster_size, 1, 1
-        config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
-        config.sharedMemBytes = smem
-        attr = driver.CUlaunchAttribute()
-        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster_size, 1, 1
-        config.attrs = [attr]
-        config.numAttrs = 1
-        return int(ok(driver.cuOccupancyMaxActiveClusters(fn, config)))
-    finally:
-        if module is not None:
+    ok = driver_checker(f"cannot read cluster occupancy of CUDA device {device_id}")
+    with primary_context(device_id, ok) as dev:
+        module, fn, smem = load_empty_kernel(ok, dev, smem_bytes, None if smem_bytes is None else 100)
+        try:
+            if cluster_size > 8:   # past the portable size the function must allow it (as CuTeDSL's kernels do)
+                ok(driver.cuFuncSetAttribute(
+                    fn, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))
+            config = driver.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = cluster_size, 1, 1
+            config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
+            config.sharedMemBytes = smem
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster_size, 1, 1
+            config.attrs = [attr]
+            config.numAttrs = 1
+            return int(ok(driver.cuOccupancyMaxActiveClusters(fn, config)))
+        finally:
             driver.cuModuleUnload(module)
-        driver.cuCtxPopCurrent()
-        driver.cuDevicePrimaryCtxRelease(dev)
