@@ -25,6 +25,9 @@ of a first call's difference between them is the host (a compile is mostly singl
 ``--usage`` prints ptxas's registers, spills and wgmma serialization (C7510-C7515) of each
 kernel instead (exit status 1 if any was serialized).
 
+``--cuda`` brings up torch's CUDA context and runs a kernel before the compiles: on the
+device, the same compile in a GPU process beside a CPU-only one on the same host.
+
 ``--warm NAME`` compiles NAME first, untimed, so the timed kernels are "the first call of
 a new mod" in a process that has already compiled a kernel (as in bench_fwd.py, where
 only the first variant pays CuTeDSL's one-time start-up). torch is imported first (as in
@@ -450,7 +453,9 @@ def time_ptxas(ptx: str) -> float:
 def run_timings(args):
     if args.processes:
         return run_in_processes(args)
-    __import__("torch")  # as in the adapter's process (TVM-FFI imports it anyway)
+    torch = __import__("torch")  # as in the adapter's process (TVM-FFI imports it anyway)
+    if args.cuda:   # (a GPU process: torch's CUDA context up and a kernel run before the compiles)
+        (torch.ones(1024, device="cuda") * 2).sum().item()
 
     timer = PhaseTimer()
     if args.warm:
@@ -484,7 +489,7 @@ def run_in_processes(args):
     for rep in range(args.processes):
         for name in args.kernels:
             cmd = [sys.executable, os.path.abspath(__file__), "--kernels", name, "--warm", args.warm,
-                   "--json"] + (["--ptxas"] if args.ptxas else [])
+                   "--json"] + (["--ptxas"] if args.ptxas else []) + (["--cuda"] if args.cuda else [])
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             row = next(json.loads(line[4:]) for line in out.splitlines() if line.startswith("ROW "))
             row.pop("name")
@@ -634,6 +639,9 @@ def main():
     ap.add_argument("--processes", type=int, default=0,
                     help="instead: compile each kernel once in this many fresh processes (the first-call figure)")
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--cuda", action="store_true",
+                    help="bring up torch's CUDA context and run a kernel before compiling (a GPU process's compile, "
+                         "beside the CPU-only one on the same host)")
     ap.add_argument("--ptxas", action="store_true", help="also time the system ptxas on the PTX")
     ap.add_argument("--passes", action="store_true", help="print the last MLIR pass timing report")
     ap.add_argument("--sass", help="write SASS + summaries to this directory instead of timing")

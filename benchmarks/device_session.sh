@@ -18,7 +18,9 @@
 # first-call (a new mod's first call alone, fresh processes: issue 3's target), first-call-host (the same beside
 # this host's speed: a pure-Python loop and compile_time.py's CPU-only compiles of the same kernels in fresh
 # processes, both also run on the CPU box, and first_call.py's compile phases in the GPU process: a slow host,
-# slower code and the GPU process told apart), ab (ours
+# slower code and the GPU process told apart), compile-cuda (the window1024 and causal door kernels' fake-tensor
+# compile in a CPU-only process and in one with torch's CUDA context up, then first_call.py's phases through the
+# door, three alternating rounds: does a GPU process compile slower on the same host?), ab (ours
 # against FA4 in alternating rounds, full and causal, three shapes), bwd-sched (backward
 # kernel ablation beside FA4's backward), kprofile-shapes (device µs per kernel of a
 # fwd+bwd step, ours beside FA4, at S4096 and S8192: where the backward's per-CTA cost
@@ -284,6 +286,17 @@ for step in $steps; do
                      grep PHASES "$out/first_call.log"
                      run host_loop_after 30 python3 benchmarks/compile_time.py --host-loop
                      tail -1 "$out/host_loop_after.log" ;;
+    compile-cuda) run host_loop 30 python3 benchmarks/compile_time.py --host-loop; tail -1 "$out/host_loop.log"
+                  for i in 1 2 3; do   # (the same fake-tensor compiles in a CPU-only process and in a GPU process)
+                    for mode in cpu cuda; do
+                      run "compile_${mode}_$i" 90 python3 benchmarks/compile_time.py --processes 1 --warm full \
+                        --kernels door-window1024 door-causal $([ $mode = cuda ] && echo --cuda)
+                      tail -3 "$out/compile_${mode}_$i.log"
+                    done
+                    run "first_call_$i" 90 python3 benchmarks/first_call.py --reps 1 --phases \
+                      --variants window1024 causal
+                    grep PHASES "$out/first_call_$i.log"
+                  done ;;
     kprofile-shapes) run kprofile_shapes 400 python3 benchmarks/profile_kernels.py \
            --shapes 4x4096x16x128 2x8192x16x128 --variants full causal --impls flexattn fa4 ;;
     bwd-fixed) run bwd_fixed 300 python3 benchmarks/bwd_fixed_cost.py ;;
