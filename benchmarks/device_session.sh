@@ -12,7 +12,8 @@
 # deterministic beside default), decode / short-query / decode-bench (decode tests, short-query tests / TB/s table;
 # decode-suites: both test files in eight concurrent pytest shards, one call; gpu-all: every GPU test file in twelve
 # shards, JAX without its preallocation, failures run again alone (too many for one call: gpu-bwd, gpu-fwd and
-# gpu-tail split it, with decode-suites; gpu-rest: the forward, fp32, DLPack and notebook files); decode-close: bench_decode's table at issue 24's
+# gpu-tail split it, with decode-suites; gpu-rest: the forward, fp32, DLPack and notebook files; a sharded step lists the cases its limit cut off in
+# NAME.unrun, and rerun runs them from rerun.ids); decode-close: bench_decode's table at issue 24's
 # three shapes, recorded, then twelve decode_floor processes of the window rows), jax (JAX adapter on the
 # kernels), notebooks (every notebook on the GPU), sched (tile order / persistent CTAs ablation),
 # first-call (a new mod's first call alone, fresh processes: issue 3's target), first-call-host (the same beside
@@ -207,6 +208,13 @@ run_sharded() {  # run_sharded NAME SECONDS SHARDS TESTS...: one pytest per shar
   grep -E "^FAILED|^ERROR|passed|failed|Interrupted" "$out/$name.log" | tail -30
   echo "$(grep -c " PASSED" "$out/$name.log") passed, $(grep -c " SKIPPED" "$out/$name.log") skipped," \
        "$(grep -cE " (FAILED|ERROR)( |$)" "$out/$name.log") failed of $(wc -l < "$out/$name.ids") (cut-off shards included)"
+  # Cases a shard's limit cut off (never reached, or interrupted mid-run) into $name.unrun: copy it into the
+  # checkout as rerun.ids and run `device_session.sh rerun` in the next call.
+  grep -E "^tests/.*::.* (PASSED|SKIPPED|FAILED|ERROR|XFAIL|XPASS)( |$)" "$out/$name.log" \
+    | sed -E 's/ (PASSED|SKIPPED|FAILED|ERROR|XFAIL|XPASS)( .*|$)//' | sort -u > "$out/$name.done"
+  sort -u "$out/$name.ids" | comm -23 - "$out/$name.done" > "$out/$name.unrun"; rm -f "$out/$name.done"
+  if [ -s "$out/$name.unrun" ]; then echo "$(wc -l < "$out/$name.unrun") cases not run to the end: $name.unrun"
+  else rm -f "$out/$name.unrun"; fi
   # A case that failed in a shard runs again alone, in one process: a failure of the sharding
   # (order, a neighbour's load) passes there, a real one fails again.
   grep -E "::.* (FAILED|ERROR)( |$)" "$out/$name.log" | sed -E 's/ (FAILED|ERROR)( .*|$)//' | sort -u > "$out/$name.failed"
@@ -253,6 +261,11 @@ for step in $steps; do
     gpu-rest) XLA_PYTHON_CLIENT_PREALLOCATE=false RERUN_SECONDS=90 run_sharded gpu_rest "${SHARD_LIMIT:-440}" 12 \
            tests/gpu/test_fwd_gpu.py tests/gpu/test_fp32_gpu.py tests/gpu/test_dlpack_gpu.py \
            tests/gpu/test_notebooks_gpu.py ;;   # (gpu-fwd's files that gpu-tail and planner-suites leave out)
+    rerun) ids_file=${RERUN_IDS:-rerun.ids}   # (a sharded step's cut-off cases: its .unrun file copied into the checkout)
+           if [ -s "$ids_file" ]; then   # (never without ids: pytest would collect every test)
+             mapfile -t rerun_ids < "$ids_file"
+             RERUN_SECONDS=90 run_sharded rerun "${SHARD_LIMIT:-300}" 8 "${rerun_ids[@]}"
+           else echo "rerun: $ids_file is missing or empty"; fi ;;
     decode-close) run decode_close_bench 300 python3 benchmarks/bench_decode.py --shapes 1x131072 8x8192 8x65536 \
                     --variants none window4096 --layouts contiguous --record --out "$out/bench_decode.json"
                   save_records
