@@ -208,16 +208,18 @@ run_sharded() {  # run_sharded NAME SECONDS SHARDS TESTS...: one pytest per shar
   grep -E "^FAILED|^ERROR|passed|failed|Interrupted" "$out/$name.log" | tail -30
   echo "$(grep -c " PASSED" "$out/$name.log") passed, $(grep -c " SKIPPED" "$out/$name.log") skipped," \
        "$(grep -cE " (FAILED|ERROR)( |$)" "$out/$name.log") failed of $(wc -l < "$out/$name.ids") (cut-off shards included)"
+  # Each case's outcome, from its -v line ("ID STATUS [ n%]"), as "ID<tab>STATUS".
+  grep -E "^tests/.*::.* (PASSED|SKIPPED|FAILED|ERROR|XFAIL|XPASS)( |$)" "$out/$name.log" \
+    | sed -E 's/ (PASSED|SKIPPED|FAILED|ERROR|XFAIL|XPASS)( .*|$)/\t\1/' | sort -u > "$out/$name.outcomes"
   # Cases a shard's limit cut off (never reached, or interrupted mid-run) into $name.unrun: copy it into the
   # checkout as rerun.ids and run `device_session.sh rerun` in the next call.
-  grep -E "^tests/.*::.* (PASSED|SKIPPED|FAILED|ERROR|XFAIL|XPASS)( |$)" "$out/$name.log" \
-    | sed -E 's/ (PASSED|SKIPPED|FAILED|ERROR|XFAIL|XPASS)( .*|$)//' | sort -u > "$out/$name.done"
-  sort -u "$out/$name.ids" | comm -23 - "$out/$name.done" > "$out/$name.unrun"; rm -f "$out/$name.done"
+  sort -u "$out/$name.ids" | comm -23 - <(cut -f1 "$out/$name.outcomes" | sort -u) > "$out/$name.unrun"
   if [ -s "$out/$name.unrun" ]; then echo "$(wc -l < "$out/$name.unrun") cases not run to the end: $name.unrun"
   else rm -f "$out/$name.unrun"; fi
   # A case that failed in a shard runs again alone, in one process: a failure of the sharding
   # (order, a neighbour's load) passes there, a real one fails again.
-  grep -E "::.* (FAILED|ERROR)( |$)" "$out/$name.log" | sed -E 's/ (FAILED|ERROR)( .*|$)//' | sort -u > "$out/$name.failed"
+  awk -F'\t' '$2 == "FAILED" || $2 == "ERROR" {print $1}' "$out/$name.outcomes" | sort -u > "$out/$name.failed"
+  rm -f "$out/$name.outcomes"
   if [ -s "$out/$name.failed" ]; then
     echo "== $name: $(wc -l < "$out/$name.failed") failed in shards, again alone ($(date -u +%H:%M:%S))"
     timeout "${RERUN_SECONDS:-120}" xargs -r -d '\n' python3 -m pytest -q -p no:cacheprovider < "$out/$name.failed" \
