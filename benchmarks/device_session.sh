@@ -12,7 +12,7 @@
 # deterministic beside default), decode / short-query / decode-bench (decode tests, short-query tests / TB/s table;
 # decode-suites: both test files in eight concurrent pytest shards, one call; gpu-all: every GPU test file in twelve
 # shards, JAX without its preallocation, failures run again alone (too many for one call: gpu-bwd, gpu-fwd and
-# gpu-tail split it, with decode-suites; gpu-rest: the forward, fp32, DLPack and notebook files; a sharded step lists the cases its limit cut off in
+# gpu-tail split it, with decode-suites; gpu-rest: the forward, fp32, DLPack and notebook files; gpu-bwd-kernel / gpu-bwd-rest: gpu-bwd in two calls; a sharded step lists the cases its limit cut off in
 # NAME.unrun, and rerun runs them from rerun.ids); decode-close: bench_decode's table at issue 24's
 # three shapes, recorded, then twelve decode_floor processes of the window rows), jax (JAX adapter on the
 # kernels), notebooks (every notebook on the GPU), sched (tile order / persistent CTAs ablation),
@@ -250,7 +250,11 @@ for step in $steps; do
            # session 73 saw ~430 of its 1138 cases in 450 s, so it needs the parts below, a call each;
            # GPU_FIRST: files gpu-fwd runs first, SHARD_LIMIT: its seconds)
     gpu-bwd) RERUN_SECONDS=90 run_sharded gpu_bwd 440 12 tests/gpu/test_autograd_gpu.py tests/gpu/test_blockmask_gpu.py \
-           tests/gpu/test_bwd_fp32_gpu.py tests/gpu/test_bwd_gpu.py tests/gpu/test_context_parallel_gpu.py ;;
+           tests/gpu/test_bwd_fp32_gpu.py tests/gpu/test_bwd_gpu.py tests/gpu/test_context_parallel_gpu.py ;;   # (~470 s
+           # on a fresh machine in session 79, past its limit: gpu-bwd-kernel and gpu-bwd-rest split it, a call each)
+    gpu-bwd-kernel) RERUN_SECONDS=90 run_sharded gpu_bwd_kernel "${SHARD_LIMIT:-440}" 12 tests/gpu/test_bwd_gpu.py ;;
+    gpu-bwd-rest) RERUN_SECONDS=90 run_sharded gpu_bwd_rest "${SHARD_LIMIT:-440}" 12 tests/gpu/test_autograd_gpu.py \
+           tests/gpu/test_blockmask_gpu.py tests/gpu/test_bwd_fp32_gpu.py tests/gpu/test_context_parallel_gpu.py ;;
     gpu-fwd) XLA_PYTHON_CLIENT_PREALLOCATE=false RERUN_SECONDS=90 run_sharded gpu_fwd "${SHARD_LIMIT:-440}" 12 \
            ${GPU_FIRST:-} tests/gpu/test_cupy_gpu.py \
            tests/gpu/test_dlpack_gpu.py tests/gpu/test_flex_attention_gpu.py tests/gpu/test_fp32_gpu.py \
