@@ -251,7 +251,8 @@ for step in $steps; do
            # GPU_FIRST: files gpu-fwd runs first, SHARD_LIMIT: its seconds)
     gpu-bwd) RERUN_SECONDS=90 run_sharded gpu_bwd 440 12 tests/gpu/test_autograd_gpu.py tests/gpu/test_blockmask_gpu.py \
            tests/gpu/test_bwd_fp32_gpu.py tests/gpu/test_bwd_gpu.py tests/gpu/test_context_parallel_gpu.py ;;   # (~470 s
-           # on a fresh machine in session 79, past its limit: gpu-bwd-kernel and gpu-bwd-rest split it, a call each)
+           # on a fresh machine in session 79, past its limit: gpu-bwd-kernel (299 cases, 275 s in session 80) and
+           # gpu-bwd-rest (102 cases, 159 s) split it, a call each)
     gpu-bwd-kernel) RERUN_SECONDS=90 run_sharded gpu_bwd_kernel "${SHARD_LIMIT:-440}" 12 tests/gpu/test_bwd_gpu.py ;;
     gpu-bwd-rest) RERUN_SECONDS=90 run_sharded gpu_bwd_rest "${SHARD_LIMIT:-440}" 12 tests/gpu/test_autograd_gpu.py \
            tests/gpu/test_blockmask_gpu.py tests/gpu/test_bwd_fp32_gpu.py tests/gpu/test_context_parallel_gpu.py ;;
