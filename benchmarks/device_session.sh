@@ -11,9 +11,10 @@
 # call go), kprofile (device µs per kernel of a step, ours beside FA4), detprofile (ours,
 # deterministic beside default), decode / short-query / decode-bench (decode tests, short-query tests / TB/s table;
 # decode-suites: both test files in eight concurrent pytest shards, one call; gpu-all: every GPU test file in twelve
-# shards, JAX without its preallocation, failures run again alone (too many for one call: gpu-bwd, gpu-fwd and
-# gpu-tail split it, with decode-suites; gpu-rest: the forward, fp32, DLPack and notebook files; gpu-bwd-kernel / gpu-bwd-rest: gpu-bwd in two calls; a sharded step lists the cases its limit cut off in
-# NAME.unrun, and rerun runs them from rerun.ids); decode-close: bench_decode's table at issue 24's
+# shards, JAX without its preallocation, failures run again alone (too many for one call: gpu-bwd-kernel,
+# gpu-bwd-rest, gpu-fwd and gpu-tail split it, with decode-suites; gpu-rest: the forward, fp32, DLPack and
+# notebook files; a sharded step lists the cases its limit cut off in NAME.unrun, and rerun runs them from
+# rerun.ids); decode-close: bench_decode's table at issue 24's
 # three shapes, recorded, then twelve decode_floor processes of the window rows), jax (JAX adapter on the
 # kernels), notebooks (every notebook on the GPU), sched (tile order / persistent CTAs ablation),
 # first-call (a new mod's first call alone, fresh processes: issue 3's target), first-call-host (the same beside
@@ -249,10 +250,8 @@ for step in $steps; do
     gpu-all) XLA_PYTHON_CLIENT_PREALLOCATE=false RERUN_SECONDS=90 run_sharded gpu_all 450 12 tests/gpu ;;   # (every GPU suite:
            # session 73 saw ~430 of its 1138 cases in 450 s, so it needs the parts below, a call each;
            # GPU_FIRST: files gpu-fwd runs first, SHARD_LIMIT: its seconds)
-    gpu-bwd) RERUN_SECONDS=90 run_sharded gpu_bwd 440 12 tests/gpu/test_autograd_gpu.py tests/gpu/test_blockmask_gpu.py \
-           tests/gpu/test_bwd_fp32_gpu.py tests/gpu/test_bwd_gpu.py tests/gpu/test_context_parallel_gpu.py ;;   # (~470 s
-           # on a fresh machine in session 79, past its limit: gpu-bwd-kernel (299 cases, 275 s in session 80) and
-           # gpu-bwd-rest (102 cases, 159 s) split it, a call each)
+    # The backward's GPU files, a call each: in one step (session 79's gpu-bwd) they took ~470 s on a fresh machine,
+    # past one call's limit; session 80: 299 cases in 275 s, and 102 in 159 s.
     gpu-bwd-kernel) RERUN_SECONDS=90 run_sharded gpu_bwd_kernel "${SHARD_LIMIT:-440}" 12 tests/gpu/test_bwd_gpu.py ;;
     gpu-bwd-rest) RERUN_SECONDS=90 run_sharded gpu_bwd_rest "${SHARD_LIMIT:-440}" 12 tests/gpu/test_autograd_gpu.py \
            tests/gpu/test_blockmask_gpu.py tests/gpu/test_bwd_fp32_gpu.py tests/gpu/test_context_parallel_gpu.py ;;
